@@ -1,0 +1,1 @@
+"""embedding-operator: reconciles EmbeddingService resources into embedding-server deployments."""

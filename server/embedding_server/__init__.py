@@ -1,0 +1,1 @@
+"""embedding-server: a continuous-batching embedding server."""

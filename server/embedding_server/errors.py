@@ -1,0 +1,97 @@
+"""One error taxonomy for the whole server.
+
+Every failure a client can cause or observe is one of these types. The engine raises them,
+the HTTP layer maps them to status codes in a single table (``api/errors.py``) and renders the
+OpenAI-shaped body ``{"error": {"message", "type", "param", "code"}}``. Anything else that
+escapes is a bug: it is logged with the request id and answered with a generic 500.
+"""
+
+from __future__ import annotations
+
+
+class EmbeddingServerError(Exception):
+    """Base class. ``param`` names the offending request field when there is one."""
+
+    status_code: int = 500
+    error_type: str = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidRequestError(EmbeddingServerError):
+    """The request is well-formed JSON but asks for something invalid (bad value, empty input)."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+    code = "invalid_value"
+
+
+class InputTooLongError(InvalidRequestError):
+    """An input exceeds the model's maximum length and the request refused truncation."""
+
+    code = "context_length_exceeded"
+
+    def __init__(self, message: str, *, param: str | None = None, token_count: int = 0,
+                 max_tokens: int = 0) -> None:
+        super().__init__(message, param=param)
+        self.token_count = token_count
+        self.max_tokens = max_tokens
+
+
+class AuthenticationError(EmbeddingServerError):
+    """Missing or wrong API key."""
+
+    status_code = 401
+    error_type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class ModelNotFoundError(EmbeddingServerError):
+    """The request names a model this server does not serve."""
+
+    status_code = 404
+    error_type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class PayloadTooLargeError(EmbeddingServerError):
+    """The request body is larger than the configured limit."""
+
+    status_code = 413
+    error_type = "invalid_request_error"
+    code = "payload_too_large"
+
+
+class QueueFullError(EmbeddingServerError):
+    """Admission control refused the request: the queue holds its token budget already.
+
+    ``retry_after`` is the number of seconds the client should wait (``Retry-After``).
+    """
+
+    status_code = 429
+    error_type = "rate_limit_error"
+    code = "queue_full"
+
+    def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class NotReadyError(EmbeddingServerError):
+    """The model is still loading or the server is shutting down."""
+
+    status_code = 503
+    error_type = "server_error"
+    code = "not_ready"
+
+
+class UnsupportedModelError(EmbeddingServerError):
+    """The model directory holds an architecture we have no packed implementation for."""
+
+    status_code = 500
+    error_type = "server_error"
+    code = "unsupported_model"
