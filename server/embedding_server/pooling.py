@@ -1,0 +1,187 @@
+"""Pooling: from per-token hidden states to one float32 vector per input.
+
+Composition as in vLLM: a *method* (cls / mean / last, over one packed sequence) and a *head*
+(float32 cast -> optional sentence-transformers Dense layers -> Matryoshka truncation ->
+L2 normalization). The method and Dense layers run inside the forward worker, per batch; the
+truncation and normalization depend on the request (``dimensions``, ``normalize``) and run
+per request in :func:`finalize`.
+
+Matryoshka truncation renormalizes (when normalizing), like TEI and unlike Infinity: a
+truncated unit vector is no longer unit length, and cosine-by-dot-product clients rely on it.
+``dimensions`` is accepted only for models that declare Matryoshka training (or when the
+operator says so through settings); anything else is an error naming the allowed values,
+as vLLM does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from .errors import InvalidRequestError
+
+PoolingMethod = Literal["cls", "mean", "last"]
+POOLING_METHODS: tuple[PoolingMethod, ...] = ("cls", "mean", "last")
+
+FloatArray = npt.NDArray[np.float32]
+
+
+def pool(hidden: torch.Tensor, seqlens: Sequence[int], method: PoolingMethod,
+         skip: Sequence[int] | None = None) -> torch.Tensor:
+    """One float32 vector per packed sequence.
+
+    ``skip[i]`` leading tokens of sequence i are left out of mean pooling (the prompt, for
+    models whose sentence-transformers config says ``include_prompt: false``).
+    """
+    device = hidden.device
+    lens = torch.tensor(seqlens, dtype=torch.int64)
+    ends = torch.cumsum(lens, 0)
+    starts = ends - lens
+    if method == "cls":
+        return hidden.index_select(0, starts.to(device)).float()
+    if method == "last":
+        return hidden.index_select(0, (ends - 1).to(device)).float()
+    seq_of_token = torch.repeat_interleave(torch.arange(len(seqlens)), lens)
+    counts = lens.clone()
+    if skip is not None and any(skip):
+        skips = torch.tensor(skip, dtype=torch.int64).clamp(max=lens - 1).clamp(min=0)
+        position = torch.arange(int(lens.sum())) - torch.repeat_interleave(starts, lens)
+        keep = position >= torch.repeat_interleave(skips, lens)
+        counts = lens - skips
+        sums = torch.zeros(len(seqlens), hidden.shape[1], dtype=torch.float32, device=device)
+        sums.index_add_(0, seq_of_token[keep].to(device), hidden[keep.to(device)].float())
+    else:
+        sums = torch.zeros(len(seqlens), hidden.shape[1], dtype=torch.float32, device=device)
+        sums.index_add_(0, seq_of_token.to(device), hidden.float())
+    return sums / counts.to(device=device, dtype=torch.float32).unsqueeze(1)
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "identity": lambda x: x,
+    "tanh": torch.tanh,
+    "relu": torch.relu,
+    "gelu": torch.nn.functional.gelu,
+    "sigmoid": torch.sigmoid,
+    "silu": torch.nn.functional.silu,
+}
+
+
+@dataclass(frozen=True)
+class DenseLayer:
+    """A sentence-transformers ``Dense`` module (``2_Dense``): activation(x W^T + b)."""
+
+    weight: torch.Tensor          # [out, in] float32
+    bias: torch.Tensor | None
+    activation: str
+
+    @property
+    def in_features(self) -> int:
+        return int(self.weight.shape[1])
+
+    @property
+    def out_features(self) -> int:
+        return int(self.weight.shape[0])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return ACTIVATIONS[self.activation](torch.nn.functional.linear(x, self.weight, self.bias))
+
+
+@dataclass(frozen=True)
+class Matryoshka:
+    """Which output sizes a model may be truncated to.
+
+    ``supported``: truncation is allowed at all. ``dimensions``: the allowed sizes, or
+    ``None`` for any size up to ``full``. ``default``: the size returned when a request names
+    none (``settings.dimensions``, else ``full``).
+    """
+
+    full: int
+    supported: bool
+    dimensions: tuple[int, ...] | None
+    default: int
+
+    def allowed(self) -> str:
+        """Human-readable allowed values, for error messages and info()."""
+        if not self.supported:
+            return f"{self.full} (the model declares no Matryoshka support)"
+        if self.dimensions is None:
+            return f"any integer from 1 to {self.full}"
+        return ", ".join(str(d) for d in self.dimensions)
+
+    def resolve(self, requested: int | None) -> int:
+        """The output size for a request's ``dimensions``; raises if not allowed."""
+        if requested is None:
+            return self.default
+        if isinstance(requested, bool) or not isinstance(requested, int):
+            raise InvalidRequestError(
+                f"dimensions must be an integer, got {type(requested).__name__}",
+                param="dimensions")
+        if requested == self.full or (
+                self.supported and 1 <= requested <= self.full
+                and (self.dimensions is None or requested in self.dimensions)):
+            return requested
+        raise InvalidRequestError(
+            f"dimensions={requested} is not supported by this model; allowed: {self.allowed()}",
+            param="dimensions")
+
+    def to_list(self) -> list[int] | None:
+        if not self.supported:
+            return None
+        return list(self.dimensions) if self.dimensions is not None else None
+
+
+def build_matryoshka(full: int, *, declared: bool, declared_dims: Sequence[int] | None,
+                     override_dims: Sequence[int] | None,
+                     default_dims: int | None) -> Matryoshka:
+    """Combine what the model declares with the operator's settings.
+
+    Settings win: ``matryoshka_dimensions`` replaces the model's list, and a configured
+    ``dimensions`` default is itself a statement that truncation is intended.
+    """
+    dims_source = override_dims if override_dims else declared_dims
+    dims: tuple[int, ...] | None = None
+    if dims_source:
+        bad = [d for d in dims_source if not 1 <= d <= full]
+        if bad:
+            raise InvalidRequestError(
+                f"matryoshka dimensions {bad} are outside 1..{full} (the model's output size)",
+                param="matryoshka_dimensions")
+        dims = tuple(sorted(set(dims_source) | {full}))
+    supported = declared or bool(dims_source) or default_dims is not None
+    if default_dims is not None:
+        if not 1 <= default_dims <= full:
+            raise InvalidRequestError(
+                f"dimensions={default_dims} is outside 1..{full} (the model's output size)",
+                param="dimensions")
+        if dims is not None and default_dims not in dims:
+            raise InvalidRequestError(
+                f"dimensions={default_dims} is not one of the Matryoshka dimensions "
+                f"{list(dims)}", param="dimensions")
+    return Matryoshka(full=full, supported=supported, dimensions=dims,
+                      default=default_dims if default_dims is not None else full)
+
+
+def finalize(vectors: FloatArray, *, dimensions: int, normalize: bool) -> FloatArray:
+    """Per-request head: truncate to ``dimensions`` then L2-normalize (float32 throughout)."""
+    out = vectors[:, :dimensions] if dimensions < vectors.shape[1] else vectors
+    out = np.ascontiguousarray(out, dtype=np.float32)
+    if normalize:
+        norms = np.linalg.norm(out, axis=1, keepdims=True)
+        np.maximum(norms, 1e-12, out=norms)
+        out = out / norms
+    return out.astype(np.float32, copy=False)
+
+
+def cosine(a: FloatArray, b: FloatArray) -> npt.NDArray[np.float32]:
+    """Row-wise cosine similarity of two [n, d] arrays."""
+    na = np.linalg.norm(a, axis=1)
+    nb = np.linalg.norm(b, axis=1)
+    denom = np.maximum(na * nb, 1e-12)
+    dots = np.asarray(np.einsum("ij,ij->i", a, b), dtype=np.float32)
+    result: npt.NDArray[np.float32] = (dots / denom).astype(np.float32)
+    return result

@@ -1,0 +1,88 @@
+"""The forward stage: token id lists in, pooled float32 vectors (and token states) out.
+
+One call is one forward pass over a packed batch. The runner orders sequences by length
+before packing (equal lengths become contiguous, so CPU attention runs on zero-copy views),
+runs the model under ``torch.inference_mode``, pools and applies the sentence-transformers
+Dense layers in float32, and restores the caller's order. It is the only code that touches
+the model, and it serializes calls with a lock, so the offline path and the scheduler's
+forward thread can share one engine safely.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .models.base import EmbeddingModel, PackedBatch
+from .pooling import DenseLayer, FloatArray, PoolingMethod, pool
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceInput:
+    """One sequence of a batch."""
+
+    ids: Sequence[int]
+    skip: int = 0
+    """Leading (prompt) tokens left out of mean pooling."""
+    want_tokens: bool = False
+    """Also return the per-token hidden states (``embed_tokens``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BatchOutput:
+    pooled: FloatArray                  # [B, d], caller's order
+    tokens: list[FloatArray | None]     # [len_i, hidden] where asked for
+    forward_s: float
+    pool_s: float
+
+
+class ModelRunner:
+    """Runs packed forward passes and the batch-level part of pooling."""
+
+    def __init__(self, model: EmbeddingModel, *, device: torch.device, pooling: PoolingMethod,
+                 dense: Sequence[DenseLayer] = (), include_prompt: bool = True) -> None:
+        self.model = model
+        self.device = device
+        self.pooling = pooling
+        self.include_prompt = include_prompt
+        self.dense = [DenseLayer(d.weight.to(device), None if d.bias is None
+                                 else d.bias.to(device), d.activation) for d in dense]
+        self.output_dim = self.dense[-1].out_features if self.dense else model.hidden_size
+        self._lock = threading.Lock()
+
+    def run(self, seqs: Sequence[SequenceInput]) -> BatchOutput:
+        """One forward pass; thread-safe (serialized)."""
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].ids))
+        ordered = [seqs[i] for i in order]
+        with self._lock, torch.inference_mode():
+            start = time.perf_counter()
+            batch = PackedBatch.build([s.ids for s in ordered], self.device,
+                                      self.model.position_offset)
+            hidden = self.model.forward(batch)
+            if hidden.is_cuda:
+                torch.cuda.synchronize(hidden.device)
+            forward_done = time.perf_counter()
+            skip = None if self.include_prompt else [s.skip for s in ordered]
+            pooled = pool(hidden, batch.seqlens, self.pooling, skip)
+            for layer in self.dense:
+                pooled = layer(pooled)
+            pooled_np = pooled.float().cpu().numpy()
+            tokens_sorted: list[FloatArray | None] = [None] * len(ordered)
+            if any(s.want_tokens for s in ordered):
+                offset = 0
+                for j, s in enumerate(ordered):
+                    n = len(s.ids)
+                    if s.want_tokens:
+                        tokens_sorted[j] = hidden[offset:offset + n].float().cpu().numpy()
+                    offset += n
+            pool_done = time.perf_counter()
+        inverse = np.empty(len(order), dtype=np.int64)
+        inverse[np.asarray(order, dtype=np.int64)] = np.arange(len(order))
+        return BatchOutput(pooled=pooled_np[inverse],
+                           tokens=[tokens_sorted[j] for j in inverse.tolist()],
+                           forward_s=forward_done - start, pool_s=pool_done - forward_done)

@@ -1,0 +1,317 @@
+"""Continuous batching by token budget, with admission control and cancellation.
+
+Requests are split into one work item per input and queued. A single loop on the event loop
+repeatedly forms a batch and runs it on the one forward thread, so request handling goes on
+while the model computes (torch releases the GIL):
+
+* **Budget**: a batch holds at most ``max_batch_tokens`` tokens (sum of unpadded lengths)
+  and ``max_batch_size`` sequences.
+* **Fairness**: the oldest waiting item is always in the next batch, so nothing starves.
+* **Length-aware fill**: the rest of the batch is filled with the items whose length is
+  closest to the oldest one's (oldest first among equals). Equal lengths make CPU attention
+  a zero-copy view and keep padded GPU kernels honest.
+* **Admission**: the queue is bounded in *tokens* (``max_queue_tokens``); a request that does
+  not fit gets :class:`QueueFullError` with a ``retry_after`` derived from the measured drain
+  rate. An empty queue admits any request, so a huge request is delayed, never refused
+  forever.
+* **Cancellation**: when the awaiting coroutine is cancelled (client went away), its queued
+  items leave the queue at once; items already in a running batch are discarded on return.
+
+The queue gauges (requests and tokens waiting) are updated on every change: they drive the
+HorizontalPodAutoscaler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+from .errors import NotReadyError, QueueFullError
+from .metrics import Metrics
+from .pooling import FloatArray
+from .runner import BatchOutput, SequenceInput
+
+logger = logging.getLogger(__name__)
+
+RunBatch = Callable[[Sequence[SequenceInput]], BatchOutput]
+
+
+class _State(Enum):
+    QUEUED = 0
+    TAKEN = 1
+    CANCELLED = 2
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledOutput:
+    """A request's raw results: pooled vectors (before per-request head) and timings."""
+
+    pooled: FloatArray                 # [n, d]
+    tokens: list[FloatArray | None]
+    queue_s: float
+    forward_s: float
+    pool_s: float
+
+
+@dataclass(eq=False)
+class _Request:
+    future: asyncio.Future[ScheduledOutput]
+    size: int
+    enqueued_at: float
+    pooled: list[FloatArray | None] = field(default_factory=list)
+    tokens: list[FloatArray | None] = field(default_factory=list)
+    remaining: int = 0
+    queued_items: int = 0
+    queue_s: float = 0.0
+    forward_s: float = 0.0
+    pool_s: float = 0.0
+
+
+@dataclass(eq=False, slots=True)
+class _Item:
+    seq: SequenceInput
+    tokens: int
+    request: _Request
+    index: int
+    state: _State = _State.QUEUED
+
+
+class Scheduler:
+    """Token-budget continuous batching in front of one forward executor."""
+
+    def __init__(self, run_batch: RunBatch, *, max_batch_tokens: int,
+                 max_batch_size: int, max_queue_tokens: int,
+                 metrics: Metrics | None = None) -> None:
+        self._run_batch = run_batch
+        self._executor: Executor | None = None
+        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_size = max_batch_size
+        self.max_queue_tokens = max_queue_tokens
+        self._metrics = metrics
+        self._fifo: deque[_Item] = deque()
+        self._by_len: dict[int, deque[_Item]] = {}
+        self._queued_tokens = 0
+        self._queued_requests = 0
+        self._queued_items = 0
+        self._accepting = False
+        self._task: asyncio.Task[None] | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._idle: asyncio.Event | None = None
+        self._tokens_per_s = 0.0
+        self.batches_run = 0
+
+    # -- observability ---------------------------------------------------------------------
+    @property
+    def queued_tokens(self) -> int:
+        return self._queued_tokens
+
+    @property
+    def queued_requests(self) -> int:
+        return self._queued_requests
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def retry_after(self) -> float:
+        """Seconds until the queue has likely drained, from the measured token rate."""
+        if self._tokens_per_s <= 0:
+            return 1.0
+        return float(min(60, max(1, math.ceil(self._queued_tokens / self._tokens_per_s))))
+
+    def _publish(self) -> None:
+        if self._metrics is not None:
+            self._metrics.queue_tokens.set(self._queued_tokens)
+            self._metrics.queue_requests.set(self._queued_requests)
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def start(self, executor: Executor | None = None) -> None:
+        """Run the batching loop on the current event loop; forward passes go to ``executor``
+        (one thread: passes are serialized anyway, and a dedicated thread keeps the loop free).
+        ``None`` uses the loop's default executor."""
+        if self.running:
+            return
+        self._executor = executor
+        self._wakeup = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._accepting = True
+        self._task = asyncio.create_task(self._loop(), name="embedding-scheduler")
+        self._publish()
+
+    async def stop(self, *, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop admitting; finish (drain) or fail the queued work; end the loop."""
+        self._accepting = False
+        if self._task is None:
+            return
+        if drain and self._idle is not None:
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._idle.wait()
+            except TimeoutError:
+                logger.warning("drain timed out with %d tokens queued", self._queued_tokens)
+        self._fail_queued(NotReadyError("the server is shutting down"))
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._task = None
+        self._publish()
+
+    # -- submission ------------------------------------------------------------------------
+    async def submit(self, seqs: Sequence[SequenceInput]) -> ScheduledOutput:
+        """Queue one request's sequences and wait for all their results."""
+        if not self._accepting or self._wakeup is None:
+            raise NotReadyError("the engine is not running (starting up or shutting down)")
+        total = sum(len(s.ids) for s in seqs)
+        if self._queued_tokens and self._queued_tokens + total > self.max_queue_tokens:
+            raise QueueFullError(
+                f"the queue holds {self._queued_tokens} of {self.max_queue_tokens} tokens and "
+                f"this request needs {total}; retry later", retry_after=self.retry_after())
+        loop = asyncio.get_running_loop()
+        request = _Request(future=loop.create_future(), size=len(seqs),
+                           enqueued_at=time.perf_counter(), pooled=[None] * len(seqs),
+                           tokens=[None] * len(seqs), remaining=len(seqs),
+                           queued_items=len(seqs))
+        for index, seq in enumerate(seqs):
+            item = _Item(seq, len(seq.ids), request, index)
+            self._fifo.append(item)
+            self._by_len.setdefault(item.tokens, deque()).append(item)
+        self._queued_tokens += total
+        self._queued_items += len(seqs)
+        self._queued_requests += 1
+        self._publish()
+        if self._idle is not None:
+            self._idle.clear()
+        self._wakeup.set()
+        try:
+            return await request.future
+        except asyncio.CancelledError:
+            self._withdraw(request)
+            raise
+
+    def _withdraw(self, request: _Request) -> None:
+        """Remove a cancelled request's queued items (lazily dropped from the deques)."""
+        if request.queued_items == 0:
+            return
+        for item in self._fifo:
+            if item.request is request and item.state is _State.QUEUED:
+                item.state = _State.CANCELLED
+                self._queued_tokens -= item.tokens
+                self._queued_items -= 1
+        request.queued_items = 0
+        self._queued_requests -= 1
+        self._publish()
+
+    def _fail_queued(self, exc: BaseException) -> None:
+        for item in self._fifo:
+            if item.state is _State.QUEUED:
+                item.state = _State.CANCELLED
+                if not item.request.future.done():
+                    item.request.future.set_exception(exc)
+        self._fifo.clear()
+        self._by_len.clear()
+        self._queued_tokens = self._queued_items = self._queued_requests = 0
+        self._publish()
+
+    # -- batching --------------------------------------------------------------------------
+    def _take(self, item: _Item, batch: list[_Item]) -> None:
+        item.state = _State.TAKEN
+        batch.append(item)
+        self._queued_tokens -= item.tokens
+        self._queued_items -= 1
+        request = item.request
+        request.queued_items -= 1
+        if request.queued_items == 0:
+            self._queued_requests -= 1
+
+    def next_batch(self) -> list[_Item]:
+        """Pick the next batch: the oldest item, then the closest lengths within budget."""
+        batch: list[_Item] = []
+        while self._fifo and self._fifo[0].state is not _State.QUEUED:
+            self._fifo.popleft()
+        if not self._fifo:
+            return batch
+        oldest = self._fifo.popleft()
+        self._take(oldest, batch)
+        budget = self.max_batch_tokens - oldest.tokens
+        anchor = oldest.tokens
+        for length in sorted(self._by_len, key=lambda n: (abs(n - anchor), n)):
+            if len(batch) >= self.max_batch_size:
+                break
+            if length > budget:
+                continue
+            queue = self._by_len[length]
+            while queue and len(batch) < self.max_batch_size and length <= budget:
+                item = queue.popleft()
+                if item.state is _State.QUEUED:
+                    self._take(item, batch)
+                    budget -= length
+            if not queue:
+                del self._by_len[length]
+        self._publish()
+        return batch
+
+    async def _loop(self) -> None:
+        assert self._wakeup is not None and self._idle is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            if self._queued_items == 0:
+                self._idle.set()
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            batch = self.next_batch()
+            if not batch:
+                continue
+            started = time.perf_counter()
+            try:
+                output = await loop.run_in_executor(self._executor, self._run_batch,
+                                                    [item.seq for item in batch])
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # forwarded unchanged to every waiting caller
+                logger.exception("forward pass over %d sequences failed", len(batch))
+                for item in batch:
+                    if not item.request.future.done():
+                        item.request.future.set_exception(exc)
+                continue
+            self._deliver(batch, output, started)
+
+    def _deliver(self, batch: list[_Item], output: BatchOutput, started: float) -> None:
+        tokens = sum(item.tokens for item in batch)
+        self.batches_run += 1
+        if output.forward_s > 0:
+            rate = tokens / (output.forward_s + output.pool_s)
+            self._tokens_per_s = rate if self._tokens_per_s == 0 else \
+                0.8 * self._tokens_per_s + 0.2 * rate
+        if self._metrics is not None:
+            self._metrics.batch_size.observe(len(batch))
+            self._metrics.batch_tokens.observe(tokens)
+        seen: set[int] = set()
+        for row, item in enumerate(batch):
+            request = item.request
+            if request.future.done():
+                continue
+            request.pooled[item.index] = output.pooled[row]
+            request.tokens[item.index] = output.tokens[row]
+            request.queue_s = max(request.queue_s, started - request.enqueued_at)
+            if id(request) not in seen:
+                seen.add(id(request))
+                request.forward_s += output.forward_s
+                request.pool_s += output.pool_s
+            request.remaining -= 1
+            if request.remaining == 0:
+                pooled = np.stack([p for p in request.pooled if p is not None])
+                request.future.set_result(ScheduledOutput(
+                    pooled=pooled, tokens=request.tokens, queue_s=request.queue_s,
+                    forward_s=request.forward_s, pool_s=request.pool_s))

@@ -1,0 +1,259 @@
+"""Tokenization and the per-request truncation policy.
+
+Tokenizing is the first stage of the pipeline and, for small encoders, often the most expensive
+one on the request path, so it runs off the event loop: one batched call into the Rust fast
+tokenizer (``tokenizers.Tokenizer.encode_batch``, which releases the GIL) per request, in a
+small thread pool owned by the engine.
+
+Truncation is decided per request. ``Truncation`` is the engine's single vocabulary for it and
+has constructors for the three client dialects the HTTP layer speaks:
+
+* OpenAI / vLLM: ``truncate_prompt_tokens`` (int, ``-1`` = the model maximum) plus
+  ``truncation_side`` -> ``Truncation.from_openai(...)``;
+* Cohere: ``truncate`` = ``END`` / ``START`` / ``NONE`` -> ``Truncation.from_cohere(...)``;
+* TEI: ``truncate`` (bool) + ``truncation_direction`` (Right/Left) -> ``Truncation.from_tei``.
+
+We truncate *content* tokens and then add the special tokens, as Hugging Face tokenizers do,
+so a truncated BERT input still starts with ``[CLS]`` and ends with ``[SEP]``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from tokenizers import Encoding, Tokenizer
+
+from .errors import InputTooLongError, InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+TruncationSide = Literal["right", "left"]
+
+TextInput = str | Sequence[int]
+"""One input: a string, or token ids the client already produced (used verbatim)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Truncation:
+    """What to do with an input longer than allowed.
+
+    ``side``: ``"right"`` keeps the first tokens, ``"left"`` keeps the last ones, ``None``
+    refuses over-long input with :class:`InputTooLongError`.
+    ``max_tokens``: the limit (special tokens included); ``None`` means the model maximum.
+    A limit above the model maximum is refused rather than silently lowered.
+    ``param``: the request field named in errors about truncation, so the HTTP layer can
+    report the field the client actually sent.
+    """
+
+    side: TruncationSide | None = "right"
+    max_tokens: int | None = None
+    param: str = "truncate"
+
+    @classmethod
+    def refuse(cls, param: str = "truncate") -> Truncation:
+        """Never truncate: over-long inputs are an error."""
+        return cls(side=None, param=param)
+
+    @classmethod
+    def from_openai(cls, truncate_prompt_tokens: int | None,
+                    truncation_side: str | None = None) -> Truncation:
+        """vLLM's fields: ``None`` refuses over-long input, ``-1`` means the model max."""
+        side = _side(truncation_side or "right", "truncation_side")
+        if truncate_prompt_tokens is None:
+            return cls(side=None, param="input")
+        if truncate_prompt_tokens == -1:
+            return cls(side=side, max_tokens=None, param="truncate_prompt_tokens")
+        if truncate_prompt_tokens < 1:
+            raise InvalidRequestError(
+                "truncate_prompt_tokens must be -1 (the model maximum) or a positive integer, "
+                f"got {truncate_prompt_tokens}", param="truncate_prompt_tokens")
+        return cls(side=side, max_tokens=truncate_prompt_tokens, param="truncate_prompt_tokens")
+
+    @classmethod
+    def from_cohere(cls, truncate: str | None) -> Truncation:
+        """Cohere's ``truncate``: END (default) keeps the start, START keeps the end, NONE
+        refuses."""
+        value = (truncate or "END").upper()
+        if value == "END":
+            return cls(side="right", param="truncate")
+        if value == "START":
+            return cls(side="left", param="truncate")
+        if value == "NONE":
+            return cls(side=None, param="truncate")
+        raise InvalidRequestError(f"truncate must be one of END, START, NONE; got {truncate!r}",
+                                  param="truncate")
+
+    @classmethod
+    def from_tei(cls, truncate: bool | None, direction: str | None = None) -> Truncation:
+        """TEI's ``truncate`` (bool) and ``truncation_direction`` (Right/Left)."""
+        if not truncate:
+            return cls(side=None, param="truncate")
+        return cls(side=_side((direction or "right").lower(), "truncation_direction"),
+                   param="truncate")
+
+    @classmethod
+    def coerce(cls, value: TruncationArg) -> Truncation:
+        """Accept the shorthand forms of the offline API (bool, side name or Truncation)."""
+        if isinstance(value, Truncation):
+            return value
+        if value is True:
+            return cls()
+        if value is False or value is None:
+            return cls.refuse()
+        if isinstance(value, str):
+            return cls(side=_side(value, "truncate"))
+        raise InvalidRequestError(
+            f"truncate must be a bool, 'right', 'left' or a Truncation; got {type(value).__name__}",
+            param="truncate")
+
+
+TruncationArg = Truncation | bool | TruncationSide | None
+
+
+def _side(value: str, param: str) -> TruncationSide:
+    if value == "right":
+        return "right"
+    if value == "left":
+        return "left"
+    raise InvalidRequestError(f"{param} must be 'right' or 'left', got {value!r}", param=param)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizedInput:
+    """One input after tokenization and truncation, ready for the scheduler."""
+
+    ids: list[int]
+    original_length: int
+    """Token count before truncation (special tokens included)."""
+    prompt_length: int = 0
+    """Leading tokens that belong to the prompt (excluded from pooling when the model says so)."""
+
+    @property
+    def truncated(self) -> bool:
+        return self.original_length > len(self.ids)
+
+
+class TextTokenizer:
+    """A fast tokenizer plus the model's limits; thread-safe for concurrent ``encode`` calls.
+
+    The wrapped ``tokenizers.Tokenizer`` must have truncation and padding disabled: we
+    truncate per request ourselves (its truncation setting is global mutable state).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, max_length: int) -> None:
+        self._tok = tokenizer
+        self._tok.no_truncation()
+        self._tok.no_padding()
+        self.max_length = max_length
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self._prefix, self._suffix = _special_affixes(tokenizer)
+        self.num_special = len(self._prefix) + len(self._suffix)
+
+    @property
+    def backend(self) -> Tokenizer:
+        return self._tok
+
+    def tokenize(self, texts: Sequence[str], *, add_special_tokens: bool = True) -> list[list[int]]:
+        """Token ids, untruncated (the ``/tokenize`` endpoint)."""
+        encodings = self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        return [e.ids for e in encodings]
+
+    def detokenize(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        self.check_ids(ids, "tokens")
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def check_ids(self, ids: Sequence[int], param: str) -> None:
+        for token in ids:
+            if not isinstance(token, int) or isinstance(token, bool) \
+                    or not 0 <= token < self.vocab_size:
+                raise InvalidRequestError(
+                    f"token ids must be integers in [0, {self.vocab_size}); got {token!r}",
+                    param=param)
+
+    def prompt_length(self, prompt: str) -> int:
+        """Tokens a prompt contributes at the start of an input (ST's ``include_prompt``)."""
+        if not prompt:
+            return 0
+        return len(self._prefix) + len(self._tok.encode(prompt, add_special_tokens=False).ids)
+
+    def encode(self, inputs: Sequence[TextInput], *, truncation: Truncation,
+               add_special_tokens: bool = True, prompt: str | None = None,
+               param: str = "input") -> list[TokenizedInput]:
+        """Tokenize and truncate one request's inputs in one batched call."""
+        limit = self.max_length
+        if truncation.max_tokens is not None:
+            if truncation.max_tokens > self.max_length:
+                raise InvalidRequestError(
+                    f"{truncation.param}={truncation.max_tokens} exceeds the model's maximum "
+                    f"input length of {self.max_length} tokens", param=truncation.param)
+            limit = truncation.max_tokens
+        texts: list[str] = []
+        text_slots: list[int] = []
+        out: list[TokenizedInput | None] = [None] * len(inputs)
+        for i, item in enumerate(inputs):
+            if isinstance(item, str):
+                texts.append((prompt or "") + item)
+                text_slots.append(i)
+            else:
+                ids = list(item)
+                self.check_ids(ids, f"{param}[{i}]" if len(inputs) > 1 else param)
+                out[i] = self._fit(ids, ids, [], limit, truncation, i, param, 0)
+        if texts:
+            prompt_len = self.prompt_length(prompt or "") if add_special_tokens else 0
+            encodings = self._tok.encode_batch(texts, add_special_tokens=False)
+            prefix = self._prefix if add_special_tokens else []
+            suffix = self._suffix if add_special_tokens else []
+            for slot, enc in zip(text_slots, encodings, strict=True):
+                out[slot] = self._fit_encoding(enc, prefix, suffix, limit, truncation, slot,
+                                               param, prompt_len)
+        return [x for x in out if x is not None]
+
+    def _fit_encoding(self, enc: Encoding, prefix: list[int], suffix: list[int], limit: int,
+                      truncation: Truncation, index: int, param: str,
+                      prompt_len: int) -> TokenizedInput:
+        content = enc.ids
+        return self._fit(content, prefix + content + suffix, [prefix, suffix], limit,
+                         truncation, index, param, prompt_len)
+
+    def _fit(self, content: list[int], full: list[int], affixes: list[list[int]], limit: int,
+             truncation: Truncation, index: int, param: str, prompt_len: int) -> TokenizedInput:
+        n = len(full)
+        if n == 0:
+            raise InvalidRequestError(f"{param}[{index}] is empty: nothing to embed",
+                                      param=param)
+        if n <= limit:
+            return TokenizedInput(full, n, prompt_len)
+        if truncation.side is None:
+            raise InputTooLongError(
+                f"{param}[{index}] has {n} tokens, more than the maximum of {limit}; shorten it "
+                "or ask for truncation", param=param, token_count=n, max_tokens=limit)
+        prefix, suffix = affixes if affixes else ([], [])
+        keep = limit - len(prefix) - len(suffix)
+        if keep <= 0:
+            raise InvalidRequestError(
+                f"{truncation.param}={limit} leaves no room for content after the "
+                f"{len(prefix) + len(suffix)} special tokens", param=truncation.param)
+        kept = content[:keep] if truncation.side == "right" else content[len(content) - keep:]
+        if truncation.side == "left":
+            prompt_len = 0  # the prompt was cut off with the start of the text
+        return TokenizedInput(prefix + kept + suffix, n, min(prompt_len, len(prefix) + keep))
+
+
+def _special_affixes(tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
+    """The special tokens the post-processor puts before and after a single sequence.
+
+    Found by tokenizing a probe with and without special tokens; this covers BERT
+    ([CLS] x [SEP]), RoBERTa (<s> x </s>), Llama (<s> x) and Qwen (x or x <|endoftext|>).
+    """
+    probe = "hello world"
+    plain = tokenizer.encode(probe, add_special_tokens=False).ids
+    full = tokenizer.encode(probe, add_special_tokens=True).ids
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return full[:start], full[start + len(plain):]
+    logger.warning("could not locate the special-token template of the tokenizer; "
+                   "inputs get no special tokens")
+    return [], []
