@@ -1,0 +1,109 @@
+"""The FastAPI application factory and the server's lifecycle (load -> ready -> drain).
+
+The process starts listening before the model is loaded so that orchestrators see it alive
+(``/health`` is 200 from the first moment) while ``/ready`` stays 503 until the engine has
+loaded and warmed up. On a stop signal readiness drops to 503 at once (the CLI calls
+:meth:`Lifecycle.begin_drain` from its signal hook), uvicorn stops accepting connections and
+lets in-flight requests finish, and the lifespan's exit stops the engine after draining it.
+A model that fails to load ends the process with one clear log line and exit status 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from embedding_server.api.errors import install_error_handlers
+from embedding_server.api.lifecycle import Lifecycle, served_model_name
+from embedding_server.api.middleware import RequestContextMiddleware
+from embedding_server.api.routes_cohere import router as cohere_router
+from embedding_server.api.routes_misc import router as misc_router
+from embedding_server.api.routes_openai import router as openai_router
+from embedding_server.engine import Engine
+from embedding_server.metrics import Metrics
+from embedding_server.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+
+async def _bring_up(lifecycle: Lifecycle) -> None:
+    settings = lifecycle.settings
+    started = time.monotonic()
+    try:
+        if lifecycle.engine is None:
+            lifecycle.engine = await asyncio.to_thread(
+                Engine.from_settings, settings, metrics=lifecycle.metrics)
+        await lifecycle.engine.start()
+    except asyncio.CancelledError:
+        raise
+    except Exception as error:  # startup, not a request: one clear line, then exit 1
+        logger.debug("model load failed", exc_info=True)
+        lifecycle.fail(f"could not load model {settings.model!r}: "
+                       f"{type(error).__name__}: {error}")
+        return
+    lifecycle.ready = True
+    logger.info("ready: serving %r as %r (%.1f s to load and warm up)", settings.model,
+                served_model_name(settings), time.monotonic() - started)
+
+
+def create_app(settings: ServerSettings, engine: Engine | None = None) -> FastAPI:
+    """Build the HTTP application.
+
+    With ``engine=None`` the model named by ``settings`` is loaded in the background once
+    the server starts; pass an engine (e.g. ``Engine.from_pretrained("fake")``) to serve it
+    instead. The engine is started and stopped by the application's lifespan.
+    """
+    metrics: Metrics = getattr(engine, "metrics", None) or Metrics()
+    lifecycle = Lifecycle(settings=settings, metrics=metrics, engine=engine)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        bring_up = asyncio.create_task(_bring_up(lifecycle), name="bring-up")
+        try:
+            yield
+        finally:
+            lifecycle.begin_drain("shutdown")
+            if not bring_up.done():
+                bring_up.cancel()
+            await asyncio.gather(bring_up, return_exceptions=True)
+            if lifecycle.engine is not None:
+                try:
+                    await asyncio.wait_for(lifecycle.engine.stop(drain=True),
+                                           timeout=settings.shutdown_timeout)
+                except TimeoutError:
+                    logger.warning("engine did not drain within %.0f s; stopping anyway",
+                                   settings.shutdown_timeout)
+            logger.info("stopped")
+
+    app = FastAPI(
+        title="embedding-server",
+        summary="OpenAI-compatible, Cohere-style and vLLM-style embedding endpoints.",
+        version=_version(),
+        lifespan=lifespan,
+    )
+    app.state.lifecycle = lifecycle
+    app.state.settings = settings
+    app.state.metrics = metrics
+    routers = (openai_router, cohere_router, misc_router)
+    for router in routers:
+        app.include_router(router)
+    install_error_handlers(app)
+    # Metrics label requests by route; anything else is "other" (bounded label cardinality).
+    route_paths = [getattr(route, "path", "") for router in routers for route in router.routes]
+    app.add_middleware(RequestContextMiddleware, metrics=metrics, api_key=settings.api_key,
+                       max_request_bytes=settings.max_request_bytes, route_paths=route_paths)
+    return app
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("embedding-operator")
+    except PackageNotFoundError:
+        return "0.0.0"

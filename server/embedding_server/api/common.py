@@ -1,0 +1,100 @@
+"""What every model route does the same way: check the model name and input count, run the
+engine call so that a client disconnect cancels it, and answer with orjson bytes plus the
+TEI-style timing headers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Mapping, Sequence
+from typing import Any, TypeVar
+
+from fastapi import Request
+from starlette.responses import Response
+
+from embedding_server.api.encoding import dumps
+from embedding_server.api.errors import ClientDisconnectedError
+from embedding_server.api.lifecycle import Lifecycle, lifecycle_of
+from embedding_server.engine import Engine
+from embedding_server.errors import InvalidRequestError, ModelNotFoundError
+
+T = TypeVar("T")
+
+JSON_MEDIA_TYPE = "application/json"
+
+
+class JSONBytes(Response):
+    """A response whose body is already-serialized JSON (no second encoding pass)."""
+
+    media_type = JSON_MEDIA_TYPE
+
+
+def json_response(content: object, headers: Mapping[str, str] | None = None) -> Response:
+    return JSONBytes(dumps(content), headers=dict(headers) if headers else None)
+
+
+def engine_for(request: Request, model: str | None) -> tuple[Engine, Lifecycle]:
+    """The ready engine for a request naming ``model`` (404 for another model, 503 if not
+    loaded yet)."""
+    lifecycle = lifecycle_of(request)
+    if model is not None and model not in lifecycle.accepted_model_names:
+        raise ModelNotFoundError(
+            f"The model '{model}' does not exist; this server serves "
+            f"'{lifecycle.served_model_name}'.", param="model")
+    return lifecycle.require_engine(), lifecycle
+
+
+def check_input_count(lifecycle: Lifecycle, count: int, param: str) -> None:
+    if count == 0:
+        raise InvalidRequestError(f"'{param}' must not be empty.", param=param)
+    limit = lifecycle.settings.max_inputs_per_request
+    if count > limit:
+        raise InvalidRequestError(
+            f"'{param}' has {count} inputs; this server accepts at most {limit} per request.",
+            param=param)
+
+
+def as_input_list(value: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]
+                  ) -> list[Any]:
+    """OpenAI's four input shapes -> a list of texts or token-id lists."""
+    if isinstance(value, str):
+        return [value]
+    if value and isinstance(value[0], int):
+        return [list(value)]
+    return list(value)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; if the client disconnects first, cancel it (dropping its queued
+    batches) and raise :class:`ClientDisconnectedError`."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientDisconnectedError("The client disconnected; its work was cancelled.")
+
+
+def timing_headers(timings: Any, tokens: int) -> dict[str, str]:
+    """``x-tokenization-time``, ``x-queue-time``, ``x-inference-time`` (ms) and
+    ``x-compute-tokens``, as TEI sends them."""
+    def ms(name: str) -> str:
+        return f"{float(getattr(timings, name, 0.0) or 0.0) * 1000.0:.3f}"
+
+    return {"x-tokenization-time": ms("tokenize_s"), "x-queue-time": ms("queue_s"),
+            "x-inference-time": ms("inference_s"), "x-compute-tokens": str(tokens)}

@@ -1,0 +1,89 @@
+"""Where the server is in its life: loading, ready, draining, failed.
+
+Shared by the probes (``/ready``), the routes (which need a loaded engine) and the CLI
+(whose signal hook starts the drain and whose exit status reports a failed load). Kept apart
+from the app factory so routes can depend on it without importing the factory.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from embedding_server.engine import Engine
+from embedding_server.errors import NotReadyError
+from embedding_server.metrics import Metrics
+from embedding_server.settings import DEFAULT_MODEL, ServerSettings
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Lifecycle:
+    """Where the server is in its life, shared by the probes, the routes and the CLI."""
+
+    settings: ServerSettings
+    metrics: Metrics
+    engine: Engine | None = None
+    ready: bool = False
+    draining: bool = False
+    exit_code: int = 0
+    on_fatal: Callable[[], None] | None = None
+    failure: str | None = None
+    served_model_name: str = ""
+    accepted_model_names: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        self.served_model_name = served_model_name(self.settings)
+        self.accepted_model_names = frozenset(
+            {self.served_model_name, self.settings.model,
+             *_DEFAULT_ALIASES.get(self.settings.model, ())})
+
+    def require_engine(self) -> Engine:
+        """The engine, or 503 while it is still loading."""
+        engine = self.engine
+        if engine is None or not self.ready:
+            message = self.failure or "The model is still loading; retry shortly."
+            raise NotReadyError(message)
+        return engine
+
+    def is_ready(self) -> bool:
+        return self.ready and not self.draining and self.engine is not None and \
+            bool(getattr(self.engine, "ready", True))
+
+    def begin_drain(self, reason: str) -> None:
+        if not self.draining:
+            self.draining = True
+            logger.info("draining (%s): /ready now answers 503, in-flight work continues",
+                        reason)
+
+    def fail(self, message: str) -> None:
+        """The server cannot serve: say why in one line and ask the process to exit 1."""
+        self.failure = message
+        self.exit_code = 1
+        logger.error("cannot serve: %s", message)
+        if self.on_fatal is not None:
+            self.on_fatal()
+
+
+_DEFAULT_ALIASES = {DEFAULT_MODEL: ("sentence-transformers/all-MiniLM-L6-v2",
+                                    "all-MiniLM-L6-v2")}
+"""Names clients use for the packaged default model, all accepted in ``model``."""
+
+
+def served_model_name(settings: ServerSettings) -> str:
+    """The name /v1/models lists: the setting, else the hub id of the packaged default, else
+    the model argument's last path component."""
+    if settings.served_model_name:
+        return settings.served_model_name
+    if settings.model in _DEFAULT_ALIASES:
+        return _DEFAULT_ALIASES[settings.model][0]
+    return settings.model.rstrip("/").rsplit("/", 1)[-1] or settings.model
+
+
+def lifecycle_of(request: Request) -> Lifecycle:
+    lifecycle: Lifecycle = request.app.state.lifecycle
+    return lifecycle

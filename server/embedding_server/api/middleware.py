@@ -1,0 +1,169 @@
+"""What every request goes through before and after its route, as one plain ASGI layer.
+
+One layer rather than a stack of ``BaseHTTPMiddleware`` classes because each of those costs
+a task and a memory stream per request, and this server's HTTP overhead is a budget. In
+order, for each HTTP request it:
+
+1. takes the ``X-Request-Id`` header (or makes one), puts it in the logging context and
+   echoes it on the response;
+2. counts the request in flight and, when it ends, by endpoint and status;
+3. refuses a missing or wrong API key (401) on every route except the probes and /metrics;
+4. reads every POST body as JSON, whatever content type the client sent;
+5. refuses a body over the size limit (413), by ``Content-Length`` up front and by counting
+   bytes for chunked uploads;
+6. adds ``x-total-time`` (ms) to the response;
+7. turns an unexpected exception into a generic 500 that leaks nothing, logging the
+   traceback with the request id.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from embedding_server.api.errors import error_body
+from embedding_server.errors import PayloadTooLargeError
+from embedding_server.logging import request_id_var
+from embedding_server.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+"""Routes that never need the API key: probes and the scrape endpoint."""
+
+_MAX_REQUEST_ID = 128
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return None
+
+
+def _clean_request_id(raw: bytes | None) -> str:
+    if raw:
+        text = raw.decode("latin-1").strip()[:_MAX_REQUEST_ID]
+        if text and text.isprintable():
+            return text
+    return uuid.uuid4().hex
+
+
+_JSON_CONTENT_TYPE = (b"content-type", b"application/json")
+
+
+def _as_json(scope: Scope) -> Scope:
+    """Every POST body here is JSON: read it as JSON whatever content type the client sent.
+
+    ``curl -d`` labels bodies ``application/x-www-form-urlencoded`` and some HTTP libraries
+    send ``text/plain``; refusing those would only teach users to add a header.
+    """
+    headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+    headers.append(_JSON_CONTENT_TYPE)
+    return {**scope, "headers": headers}
+
+
+class RequestContextMiddleware:
+    """Request id, auth, body limit, timing, metrics and last-resort 500s (see module doc)."""
+
+    def __init__(self, app: ASGIApp, *, metrics: Metrics, api_key: str | None,
+                 max_request_bytes: int, route_paths: Iterable[str]) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.api_key = api_key.encode() if api_key else None
+        self.max_request_bytes = max_request_bytes
+        self.route_paths = frozenset(route_paths)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        request_id = _clean_request_id(_header(scope, b"x-request-id"))
+        token = request_id_var.set(request_id)
+        path: str = scope["path"]
+        endpoint = path if path in self.route_paths else "other"
+        status_holder: list[int] = []
+        self.metrics.in_flight.inc()
+
+        async def send_wrapper(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status_holder.append(int(message["status"]))
+                headers = list(message.get("headers", []))
+                headers.append((b"x-request-id", request_id.encode("latin-1")))
+                total_ms = (time.perf_counter() - started) * 1000.0
+                headers.append((b"x-total-time", f"{total_ms:.3f}".encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        if scope["method"] == "POST":
+            scope = _as_json(scope)
+        try:
+            refusal = self._refuse(scope, path)
+            if refusal is not None:
+                await self._send_error(send_wrapper, *refusal)
+            else:
+                await self.app(scope, self._limited(receive), send_wrapper)
+        except Exception:
+            logger.exception("unhandled error in %s %s", scope.get("method"), path)
+            if not status_holder:
+                await self._send_error(send_wrapper, 500, "The server had an error while "
+                                       f"processing the request (request id {request_id}).",
+                                       "server_error", "internal_error", ())
+        finally:
+            self.metrics.in_flight.dec()
+            status = status_holder[0] if status_holder else 499
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug("%s %s -> %d in %.1f ms", scope.get("method"), path, status,
+                             (time.perf_counter() - started) * 1000.0)
+            request_id_var.reset(token)
+
+    def _refuse(self, scope: Scope, path: str) -> tuple[int, str, str, str,
+                                                         tuple[tuple[bytes, bytes], ...]] | None:
+        if self.api_key is not None and path not in OPEN_PATHS:
+            auth = _header(scope, b"authorization") or b""
+            scheme, _, key = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(),
+                                                                      self.api_key):
+                return (401, "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
+                        "authentication_error", "invalid_api_key",
+                        ((b"www-authenticate", b"Bearer"),))
+        length = _header(scope, b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_request_bytes:
+            return (413, self._too_large_message(), "invalid_request_error",
+                    "payload_too_large", ())
+        return None
+
+    def _too_large_message(self) -> str:
+        return f"The request body exceeds the limit of {self.max_request_bytes} bytes."
+
+    def _limited(self, receive: Receive) -> Receive:
+        limit = self.max_request_bytes
+        seen = 0
+
+        async def receive_limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise PayloadTooLargeError(self._too_large_message())
+            return message
+
+        return receive_limited
+
+    @staticmethod
+    async def _send_error(send: Send, status: int, message: str, error_type: str, code: str,
+                          extra_headers: Any) -> None:
+        body = error_body(message, error_type, None, code)
+        headers = [(b"content-type", b"application/json"),
+                   (b"content-length", str(len(body)).encode()), *extra_headers]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})

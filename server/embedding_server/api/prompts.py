@@ -1,0 +1,37 @@
+"""Mapping task hints (Cohere's ``input_type``) onto the model's own prompts.
+
+Clients of Cohere-style APIs always send ``input_type``; a model whose sentence-transformers
+config has no matching prompt simply embeds the text as is (refusing would break every such
+client on models without prompts). An explicit ``prompt_name`` is different: the client
+asked for a specific prompt, so an unknown name is an error (raised by the engine).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from embedding_server.engine import Engine
+
+INPUT_TYPE_PROMPTS: Mapping[str, tuple[str, ...]] = {
+    "search_query": ("search_query", "query", "retrieval.query"),
+    "query": ("query", "search_query"),
+    "search_document": ("search_document", "document", "passage", "retrieval.passage"),
+    "document": ("document", "passage", "search_document"),
+    "passage": ("passage", "document", "search_document"),
+    "classification": ("classification",),
+    "clustering": ("clustering",),
+}
+"""Prompt names tried, in order, for each input_type."""
+
+
+def prompt_name_for(engine: Engine, prompt_name: str | None,
+                    input_type: str | None) -> str | None:
+    """The prompt to apply: an explicit ``prompt_name`` wins, else the model's prompt that
+    matches ``input_type``, else none (the engine's default prompt, if configured)."""
+    if prompt_name is not None or input_type is None:
+        return prompt_name
+    prompts = engine.info().prompts
+    for candidate in INPUT_TYPE_PROMPTS.get(input_type, (input_type,)):
+        if candidate in prompts:
+            return candidate
+    return None

@@ -1,0 +1,124 @@
+"""Request schemas of every endpoint, the OpenAPI document's source of truth.
+
+Requests are validated by pydantic so a wrong type or value becomes a 400 that names the
+field, never a 500. Responses are not modelled as pydantic objects on purpose: they are
+built as plain dicts holding numpy arrays and serialized by orjson in one pass (see
+``encoding.py``), which is several times cheaper than validating thousands of floats on the
+way out. Field names follow the APIs clients already speak: OpenAI (plus vLLM's extras) for
+``/v1/embeddings``, Cohere v2 for ``/v2/embed``, vLLM for ``/pooling``, ``/score``,
+``/tokenize`` and ``/detokenize``. Unknown fields are ignored, as OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from embedding_server.api.encoding import CohereEmbeddingType, EmbedDtype
+from embedding_server.settings import TruncationSide
+
+TokenIds = list[Annotated[int, Field(ge=0)]]
+EmbeddingInput = str | list[str] | TokenIds | list[TokenIds]
+
+InputType = Literal["search_document", "search_query", "classification", "clustering",
+                    "query", "document", "passage"]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+    model: str | None = Field(None, description="Served model name; another name gets 404.")
+
+
+class _TruncationOptions(BaseModel):
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, description="Truncate each input to this many tokens; -1 means the "
+        "model's maximum. Without it an over-long input is refused with 400.")
+    truncation_side: TruncationSide | None = Field(
+        None, description="Which end to cut when truncating: right (default) or left.")
+    add_special_tokens: bool = Field(True, description="Add the tokenizer's special tokens "
+                                     "(e.g. [CLS]/[SEP]) around text inputs.")
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _not_zero(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("must be -1 (model maximum) or a positive token count")
+        return value
+
+
+class EmbeddingRequest(_Request, _TruncationOptions):
+    """POST /v1/embeddings (OpenAI, with vLLM's extras)."""
+
+    input: EmbeddingInput = Field(description="A string, a list of strings, a list of token "
+                                  "ids, or a list of token-id lists.")
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="float: JSON numbers; base64: the raw little-endian bytes "
+        "(of embed_dtype) of each vector.")
+    dimensions: int | None = Field(None, gt=0, description="Matryoshka truncation: return "
+                                   "the first N dimensions, renormalized.")
+    user: str | None = Field(None, description="End-user id (accepted, unused).")
+    normalize: bool | None = Field(None, description="L2-normalize the vectors (default: "
+                                   "the server's setting).")
+    embed_dtype: EmbedDtype = Field("float32", description="Element type of base64 "
+                                    "output: float32, float16 or bfloat16.")
+    prompt_name: str | None = Field(None, description="Name of a prompt from the model's "
+                                    "sentence-transformers config to prepend.")
+    input_type: InputType | None = Field(None, description="Cohere-style task hint; selects "
+                                         "the model's matching prompt when it has one.")
+
+
+def _float_only() -> list[CohereEmbeddingType]:
+    return ["float"]
+
+
+class CohereEmbedRequest(_Request):
+    """POST /v2/embed (Cohere v2)."""
+
+    texts: list[str] = Field(description="Texts to embed.")
+    input_type: InputType | None = Field(None, description="search_document, search_query, "
+                                         "classification or clustering; selects the model's "
+                                         "matching prompt when it has one.")
+    embedding_types: list[CohereEmbeddingType] = Field(
+        default_factory=_float_only, min_length=1,
+        description="Any of float, int8, uint8, binary, ubinary, base64.")
+    output_dimension: int | None = Field(None, gt=0, description="Matryoshka truncation.")
+    truncate: Literal["END", "START", "NONE"] = Field(
+        "END", description="END/START cut over-long texts at that end; NONE refuses them.")
+    max_tokens: int | None = Field(None, gt=0, description="Truncate to this many tokens "
+                                   "(default: the model's maximum).")
+
+
+class PoolingRequest(_Request, _TruncationOptions):
+    """POST /pooling (vLLM): per-token hidden states, or the pooled vector."""
+
+    input: EmbeddingInput = Field(description="As for /v1/embeddings.")
+    encoding_format: Literal["float", "base64"] = Field("float")
+    embed_dtype: EmbedDtype = Field("float32")
+    task: Literal["token_embed", "embed"] = Field(
+        "token_embed", description="token_embed: one vector per token; embed: the pooled "
+        "vector.")
+    normalize: bool | None = Field(None, description="L2-normalize each vector (default: "
+                                   "false for token_embed, the server setting for embed).")
+
+
+class ScoreRequest(_Request, _TruncationOptions):
+    """POST /score (vLLM-style bi-encoder): cosine similarity of text pairs."""
+
+    text_1: str | list[str] = Field(description="One text, or one per pair.")
+    text_2: str | list[str] = Field(description="One text, or one per pair.")
+
+
+class TokenizeRequest(_Request):
+    """POST /tokenize (vLLM)."""
+
+    prompt: str = Field(description="Text to tokenize.")
+    add_special_tokens: bool = Field(True)
+    return_token_strs: bool = Field(False, description="Also return each token's string.")
+
+
+class DetokenizeRequest(_Request):
+    """POST /detokenize (vLLM)."""
+
+    tokens: TokenIds = Field(description="Token ids to turn back into text.")

@@ -1,0 +1,68 @@
+"""``POST /v1/embeddings`` and ``GET /v1/models``: the OpenAI surface, with vLLM's extras.
+
+The official ``openai`` client asks for ``encoding_format=base64`` by default and decodes
+the bytes as little-endian float32, so the base64 path is the hot path: it goes from the
+engine's float32 matrix to base64 with one ``tobytes``, never through Python floats.
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from embedding_server.api.common import (
+    as_input_list,
+    cancel_on_disconnect,
+    check_input_count,
+    engine_for,
+    json_response,
+    timing_headers,
+)
+from embedding_server.api.encoding import FloatMatrix, base64_rows
+from embedding_server.api.lifecycle import lifecycle_of
+from embedding_server.api.prompts import prompt_name_for
+from embedding_server.api.protocol import EmbeddingRequest
+from embedding_server.tokenization import Truncation
+
+router = APIRouter(tags=["OpenAI"])
+
+_CREATED = int(time.time())
+
+
+@router.post("/v1/embeddings", summary="Create embeddings (OpenAI-compatible)")
+async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
+    engine, lifecycle = engine_for(request, body.model)
+    inputs = as_input_list(body.input)
+    check_input_count(lifecycle, len(inputs), "input")
+    truncation = Truncation.from_openai(body.truncate_prompt_tokens, body.truncation_side)
+    prompt_name = prompt_name_for(engine, body.prompt_name, body.input_type)
+    result = await cancel_on_disconnect(request, engine.aembed(
+        inputs, dimensions=body.dimensions, normalize=body.normalize, prompt_name=prompt_name,
+        truncate=truncation, add_special_tokens=body.add_special_tokens))
+    matrix = result.embeddings
+    rows: list[str] | list[FloatMatrix] = (
+        base64_rows(matrix, body.embed_dtype) if body.encoding_format == "base64"
+        else list(matrix))
+    content = {
+        "object": "list",
+        "data": [{"object": "embedding", "index": i, "embedding": row}
+                 for i, row in enumerate(rows)],
+        "model": lifecycle.served_model_name,
+        "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens},
+    }
+    return json_response(content, timing_headers(result.timings, result.prompt_tokens))
+
+
+@router.get("/v1/models", summary="List the served model (OpenAI-compatible)")
+async def list_models(request: Request) -> Response:
+    lifecycle = lifecycle_of(request)
+    entry: dict[str, object] = {"id": lifecycle.served_model_name, "object": "model",
+                                "created": _CREATED, "owned_by": "embedding-server",
+                                "root": lifecycle.settings.model}
+    if lifecycle.engine is not None:
+        info = lifecycle.engine.info()
+        entry["max_model_len"] = info.max_input_tokens
+        entry["dimensions"] = info.dimensions
+    return json_response({"object": "list", "data": [entry]})
