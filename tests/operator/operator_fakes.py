@@ -1,0 +1,106 @@
+"""Test doubles for the operator's cluster-free tests: render inputs and an in-memory API."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from pathlib import Path
+from typing import Any
+
+from embedding_operator.apply import ApiError
+from embedding_operator.builders import ChildRef, ref_of
+from embedding_operator.builders.common import Owner, RenderInput
+from embedding_operator.profiles import GpuProfiles
+from embedding_operator.spec import parse_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD_PATH = ROOT / "crds" / "embeddingservices.yaml"
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+
+
+def render_input(spec: dict[str, Any], name: str = "emb", namespace: str = "ns",
+                 uid: str = "uid-1") -> RenderInput:
+    parsed = parse_spec(spec)
+    return RenderInput(owner=Owner(name=name, namespace=namespace, uid=uid, generation=1),
+                       spec=parsed, profile=GpuProfiles.builtin().resolve(parsed.gpu.type))
+
+
+def _merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    for key, value in patch.items():
+        if value is None:
+            base.pop(key, None)
+        elif isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = copy.deepcopy(value)
+    return base
+
+
+class FakeCluster:
+    """An in-memory API: enough semantics (uids, generations, apply, status) for reconcile."""
+
+    def __init__(self) -> None:
+        self.objects: dict[ChildRef, dict[str, Any]] = {}
+        self.calls: list[tuple[str, str]] = []
+        self._counter = itertools.count(1)
+
+    def add(self, obj: dict[str, Any]) -> dict[str, Any]:
+        obj = copy.deepcopy(obj)
+        meta = obj.setdefault("metadata", {})
+        meta.setdefault("uid", f"uid-{next(self._counter)}")
+        meta.setdefault("generation", 1)
+        meta["resourceVersion"] = str(next(self._counter))
+        self.objects[ref_of(obj)] = obj
+        return obj
+
+    def get(self, ref: ChildRef) -> dict[str, Any] | None:
+        self.calls.append(("get", ref.kind))
+        obj = self.objects.get(ref)
+        return copy.deepcopy(obj) if obj is not None else None
+
+    def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        self.calls.append(("apply", manifest["kind"]))
+        ref = ref_of(manifest)
+        live = self.objects.get(ref)
+        if live is None:
+            return copy.deepcopy(self.add(manifest))
+        before = copy.deepcopy(live.get("spec"))
+        # Server-side apply, approximately: our fields win; a field we dropped goes away.
+        if "spec" in live and "spec" in manifest and "replicas" not in manifest["spec"]:
+            live["spec"].pop("replicas", None)
+        _merge(live, copy.deepcopy(manifest))
+        if live.get("spec") != before:
+            live["metadata"]["generation"] += 1
+        live["metadata"]["resourceVersion"] = str(next(self._counter))
+        return copy.deepcopy(live)
+
+    def delete(self, ref: ChildRef) -> None:
+        self.calls.append(("delete", ref.kind))
+        self.objects.pop(ref, None)
+
+    def patch_status(self, ref: ChildRef, status: dict[str, Any]) -> dict[str, Any]:
+        self.calls.append(("status", ref.kind))
+        obj = self.objects[ref]
+        obj["status"] = _merge(obj.get("status") or {}, status)
+        return copy.deepcopy(obj)
+
+    # Lease API (create/replace with compare-and-swap), for leader election tests.
+    def create(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        if ref_of(manifest) in self.objects:
+            raise ApiError(409, "already exists")
+        return copy.deepcopy(self.add(manifest))
+
+    def replace(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        ref = ref_of(manifest)
+        live = self.objects.get(ref)
+        if live is None:
+            raise ApiError(404, "not found")
+        if manifest["metadata"].get("resourceVersion") != live["metadata"]["resourceVersion"]:
+            raise ApiError(409, "conflict")
+        new = copy.deepcopy(manifest)
+        new["metadata"] = {**live["metadata"], "resourceVersion": str(next(self._counter))}
+        self.objects[ref] = new
+        return copy.deepcopy(new)
+
+    def writes(self) -> list[tuple[str, str]]:
+        return [c for c in self.calls if c[0] != "get"]

@@ -1,0 +1,195 @@
+"""The CRD is the API: every field documented, the spec model in lockstep, examples valid.
+
+``crds/embeddingservices.yaml`` is the single source of truth. These tests fail when the
+operator's typed spec model (spec.py) drifts from it (a field added on one side only, a default
+changed on one side only), when a field lacks the description ``kubectl explain`` prints, or
+when an example stops validating.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from typing import Any
+
+import jsonschema_rs
+import pytest
+import yaml
+from operator_fakes import EXAMPLES
+from pydantic import BaseModel
+
+from embedding_operator.spec import EmbeddingServiceSpec, InvalidSpecError, parse_spec
+
+
+def _walk(node: dict[str, Any], path: str) -> typing.Iterator[tuple[str, dict[str, Any]]]:
+    for name, prop in (node.get("properties") or {}).items():
+        yield f"{path}.{name}", prop
+        yield from _walk(prop, f"{path}.{name}")
+    if isinstance(node.get("items"), dict):
+        yield f"{path}[]", node["items"]
+        yield from _walk(node["items"], f"{path}[]")
+
+
+def test_every_field_has_a_description(schema: dict[str, Any]) -> None:
+    missing = [path for path, prop in _walk(schema, "")
+               if path not in {".metadata"} and not prop.get("description")]
+    assert not missing, f"fields without a description: {missing}"
+
+
+def test_api_shape(crd: dict[str, Any]) -> None:
+    assert crd["metadata"]["name"] == "embeddingservices.embedding-operator.dev"
+    names = crd["spec"]["names"]
+    assert crd["spec"]["scope"] == "Namespaced"
+    assert "es" not in names["shortNames"] and "embsvc" in names["shortNames"]
+    assert names["categories"]
+    (version,) = crd["spec"]["versions"]
+    assert version["name"] == "v1alpha1" and version["served"] and version["storage"]
+    assert version["subresources"]["status"] == {}
+    assert version["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas",
+                                                "statusReplicasPath": ".status.replicas",
+                                                "labelSelectorPath": ".status.selector"}
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns["Model"] == ".spec.model.name"
+    assert columns["GPU"] == ".spec.gpu.type"
+    assert columns["Replicas"] == ".status.replicas"
+    assert columns["Ready"] == ".status.readyReplicas"
+    assert columns["Age"] == ".metadata.creationTimestamp"
+
+
+def test_status_has_no_phase(schema: dict[str, Any]) -> None:
+    status = schema["properties"]["status"]["properties"]
+    assert "phase" not in status
+    assert {"observedGeneration", "conditions", "replicas", "readyReplicas", "selector",
+            "endpoint", "model"} <= set(status)
+
+
+# --- spec model <-> schema drift ------------------------------------------------------------
+
+def _model_class(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model inside ``X | None`` / ``list[X]``, if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        for arg in typing.get_args(annotation):
+            found = _model_class(arg)
+            if found is not None:
+                return found
+    if typing.get_origin(annotation) is list:
+        return _model_class(typing.get_args(annotation)[0])
+    return None
+
+
+def _literal_values(annotation: Any) -> set[Any]:
+    if typing.get_origin(annotation) is typing.Literal:
+        return set(typing.get_args(annotation))
+    return {v for arg in typing.get_args(annotation) for v in _literal_values(arg)}
+
+
+def _compare(model: type[BaseModel], node: dict[str, Any], path: str,
+             problems: list[str]) -> None:
+    if node.get("type") == "array":
+        node = node["items"]
+    fields = {(f.alias or n): f for n, f in model.model_fields.items()}
+    props = node.get("properties") or {}
+    if set(fields) != set(props):
+        problems.append(f"{path}: model has {sorted(set(fields) - set(props))} extra, "
+                        f"schema has {sorted(set(props) - set(fields))} extra")
+    for name in set(fields) & set(props):
+        field, prop = fields[name], props[name]
+        sub = _model_class(field.annotation)
+        if sub is not None and "properties" in (prop.get("items") or prop):
+            _compare(sub, prop, f"{path}.{name}", problems)
+            continue
+        if "default" in prop:
+            default = field.get_default(call_default_factory=True)
+            if isinstance(default, BaseModel):
+                default = default.model_dump(by_alias=True, exclude_none=True)
+            if default != prop["default"]:
+                problems.append(f"{path}.{name}: default {default!r} in the model, "
+                                f"{prop['default']!r} in the schema")
+        elif field.is_required() != (name in (node.get("required") or [])):
+            problems.append(f"{path}.{name}: required differs")
+        if "enum" in prop:
+            allowed = _literal_values(field.annotation)
+            if set(prop["enum"]) != allowed:
+                problems.append(f"{path}.{name}: enum {prop['enum']} vs {sorted(allowed, key=str)}")
+
+
+def test_spec_model_matches_schema(schema: dict[str, Any]) -> None:
+    problems: list[str] = []
+    _compare(EmbeddingServiceSpec, schema["properties"]["spec"], "spec", problems)
+    assert not problems, "\n".join(problems)
+
+
+def test_object_defaults_apply_nested_defaults(schema: dict[str, Any]) -> None:
+    # `default: {}` on a parent is what makes the API server fill in its children's defaults
+    # for a manifest that omits the parent entirely.
+    spec = schema["properties"]["spec"]["properties"]
+    for name in ("embedding", "server", "parallelism", "gpu", "autoscaling", "rollout",
+                 "modelCache", "service"):
+        assert spec[name].get("default") == {}, name
+
+
+# --- examples and bad manifests --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def validator(schema: dict[str, Any]) -> Any:
+    return jsonschema_rs.validator_for(schema)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_validate(path: Any, validator: Any) -> None:
+    docs = list(yaml.safe_load_all(path.read_text()))
+    assert docs, path
+    for doc in docs:
+        assert doc["apiVersion"] == "embedding-operator.dev/v1alpha1"
+        assert doc["kind"] == "EmbeddingService"
+        errors = [e.message for e in validator.iter_errors(doc)]
+        assert not errors, errors
+        parse_spec(doc["spec"])
+
+
+def test_examples_cover_the_advertised_cases() -> None:
+    names = {p.name for p in EXAMPLES}
+    assert {"minilm-cpu.yaml", "bge-h100.yaml", "qwen3-embedding-l4-tp2.yaml"} <= names
+
+
+BAD_SPECS = {
+    "tensorParallelSize": {"model": {"name": "m"}, "parallelism": {"tensorParallelSize": 3}},
+    "replicas": {"model": {"name": "m"}, "replicas": -1},
+    "dimensions": {"model": {"name": "m"}, "embedding": {"dimensions": 0}},
+    "pooling": {"model": {"name": "m"}, "embedding": {"pooling": "max"}},
+    "model": {"embedding": {}},
+    "metric": {"model": {"name": "m"}, "autoscaling": {"metric": "cpu"}},
+}
+
+
+@pytest.mark.parametrize("field", sorted(BAD_SPECS))
+def test_schema_refuses_bad_values(field: str, validator: Any) -> None:
+    doc = {"apiVersion": "embedding-operator.dev/v1alpha1", "kind": "EmbeddingService",
+           "metadata": {"name": "bad"}, "spec": BAD_SPECS[field]}
+    assert not validator.is_valid(doc)
+    with pytest.raises(InvalidSpecError, match=field):
+        parse_spec(BAD_SPECS[field])
+
+
+def test_cel_rules_are_mirrored_by_the_model(schema: dict[str, Any]) -> None:
+    # The API server evaluates these CEL rules; the model states the same rules so that the
+    # operator never renders what the API server would have refused.
+    rules = [r["rule"] for _, prop in _walk(schema, "")
+             for r in prop.get("x-kubernetes-validations") or []]
+    assert any("minReplicas <= self.maxReplicas" in r for r in rules)
+    assert any("has(self.size)" in r for r in rules)
+    cases = {
+        "minReplicas": {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}},
+        "size": {"modelCache": {"mode": "pvc"}},
+        "claimName": {"modelCache": {"mode": "existing"}},
+        "tensorParallelSize must be 1": {"gpu": {"type": "cpu"},
+                                         "parallelism": {"tensorParallelSize": 2}},
+        "matryoshkaDimensions": {"embedding": {"dimensions": 100,
+                                               "matryoshkaDimensions": [64, 128]}},
+        "maxQueueTokens": {"server": {"maxBatchTokens": 100, "maxQueueTokens": 10}},
+    }
+    for expected, extra in cases.items():
+        with pytest.raises(InvalidSpecError, match=expected):
+            parse_spec({"model": {"name": "m"}, **extra})
