@@ -1,0 +1,223 @@
+"""Create-or-patch of owned children, idempotent, touching only the fields we own.
+
+Server-side apply (``PATCH`` with ``application/apply-patch+yaml``, field manager
+``embedding-operator``, ``force``) is the write: it creates missing objects, restores fields
+someone edited, drops fields we stopped rendering (``replicas`` once an HPA owns it) and leaves
+fields other managers own alone (the HPA's replica count, defaults the API server filled in).
+
+Before writing, the desired manifest is compared with the live object *as a subset*: only the
+fields we render count, so API-server defaults never look like drift. An unchanged child costs
+one GET and no write, which is what keeps the watch on children from looping: our write makes
+an event, the event makes a reconcile, the reconcile finds nothing to write.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from typing import Any, Protocol
+
+from embedding_operator.builders import ChildRef, DesiredChildren, ref_of
+from embedding_operator.builders.common import Manifest, Owner
+
+FIELD_MANAGER = "embedding-operator"
+
+log = logging.getLogger(__name__)
+
+_PLURALS = {
+    "Deployment": "deployments",
+    "Service": "services",
+    "HorizontalPodAutoscaler": "horizontalpodautoscalers",
+    "PodDisruptionBudget": "poddisruptionbudgets",
+    "PersistentVolumeClaim": "persistentvolumeclaims",
+    "Secret": "secrets",
+    "EmbeddingService": "embeddingservices",
+    "Lease": "leases",
+}
+
+
+class ApiError(Exception):
+    """An API call failed; ``status`` is the HTTP status (0: no response)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}" if status else message)
+        self.status = status
+        self.message = message
+
+
+class ChildConflictError(Exception):
+    """A child's name is taken by an object another controller owns."""
+
+
+class ChildRejectedError(Exception):
+    """The API server refused a rendered child (400/422): the spec asks for the impossible."""
+
+
+class Cluster(Protocol):
+    """The few API calls reconciliation needs; the real one and an in-memory fake."""
+
+    def get(self, ref: ChildRef) -> dict[str, Any] | None: ...
+
+    def apply(self, manifest: Manifest) -> dict[str, Any]: ...
+
+    def delete(self, ref: ChildRef) -> None: ...
+
+    def patch_status(self, ref: ChildRef, status: dict[str, Any]) -> dict[str, Any]: ...
+
+
+def resource_path(ref: ChildRef, subresource: str | None = None) -> str:
+    """REST path of a namespaced object (``/apis/apps/v1/namespaces/x/deployments/y``)."""
+    plural = _PLURALS[ref.kind]
+    base = f"/api/{ref.api_version}" if "/" not in ref.api_version else \
+        f"/apis/{ref.api_version}"
+    path = f"{base}/namespaces/{ref.namespace}/{plural}/{ref.name}"
+    return f"{path}/{subresource}" if subresource else path
+
+
+class KubeCluster:
+    """``Cluster`` over the official kubernetes client (sync; runs in kopf's worker threads)."""
+
+    def __init__(self, api_client: Any, *, timeout: float = 30.0) -> None:
+        self._api = api_client
+        self._timeout = (5.0, timeout)
+
+    def _call(self, method: str, path: str, *, body: Any = None,
+              content_type: str = "application/json",
+              query: list[tuple[str, str]] | None = None) -> dict[str, Any]:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            response = self._api.call_api(
+                path, method, query_params=query or [], body=body,
+                header_params={"Content-Type": content_type, "Accept": "application/json"},
+                auth_settings=["BearerToken"], _preload_content=False,
+                _request_timeout=self._timeout)
+        except ApiException as exc:
+            raise ApiError(int(exc.status or 0), _error_message(exc.body) or
+                           str(exc.reason)) from None
+        data = response[0].data if isinstance(response, tuple) else response.data
+        return dict(json.loads(data)) if data else {}
+
+    def get(self, ref: ChildRef) -> dict[str, Any] | None:
+        try:
+            return self._call("GET", resource_path(ref))
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def apply(self, manifest: Manifest) -> dict[str, Any]:
+        # A pre-serialised body: the client sends strings as they are, whatever the type.
+        return self._call("PATCH", resource_path(ref_of(manifest)), body=json.dumps(manifest),
+                          content_type="application/apply-patch+yaml",
+                          query=[("fieldManager", FIELD_MANAGER), ("force", "true")])
+
+    def create(self, manifest: Manifest) -> dict[str, Any]:
+        collection = resource_path(ref_of(manifest)).rsplit("/", 1)[0]
+        return self._call("POST", collection, body=manifest)
+
+    def replace(self, manifest: Manifest) -> dict[str, Any]:
+        """PUT; with ``metadata.resourceVersion`` set it is a compare-and-swap (409 if stale)."""
+        return self._call("PUT", resource_path(ref_of(manifest)), body=manifest)
+
+    def delete(self, ref: ChildRef) -> None:
+        try:
+            self._call("DELETE", resource_path(ref),
+                       body={"kind": "DeleteOptions", "apiVersion": "v1",
+                             "propagationPolicy": "Background"})
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+
+    def patch_status(self, ref: ChildRef, status: dict[str, Any]) -> dict[str, Any]:
+        return self._call("PATCH", resource_path(ref, "status"), body={"status": status},
+                          content_type="application/merge-patch+json")
+
+
+def _error_message(body: object) -> str:
+    if isinstance(body, (bytes, str)):
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            return body.decode() if isinstance(body, bytes) else body
+        if isinstance(parsed, dict):
+            return str(parsed.get("message", ""))
+    return ""
+
+
+def _as_quantity(value: object) -> Decimal | None:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        return None
+    from kubernetes.utils.quantity import parse_quantity
+
+    try:
+        return Decimal(parse_quantity(value))  # type: ignore[no-untyped-call]
+    except (ValueError, InvalidOperation, TypeError):
+        return None
+
+
+def is_subset(desired: object, live: object) -> bool:
+    """Every field we render has the same value live (quantities compared by value)."""
+    if isinstance(desired, dict):
+        return isinstance(live, dict) and all(
+            key in live and is_subset(value, live[key]) for key, value in desired.items())
+    if isinstance(desired, list):
+        return (isinstance(live, list) and len(live) == len(desired)
+                and all(is_subset(d, item) for d, item in zip(desired, live, strict=True)))
+    if desired == live and type(desired) is type(live):
+        return True
+    # "1Gi" may come back as "1Gi", "32000" as "32k": same quantity, not drift.
+    if isinstance(desired, str) and isinstance(live, str):
+        want, have = _as_quantity(desired), _as_quantity(live)
+        return want is not None and want == have
+    return False
+
+
+def controller_uid(obj: dict[str, Any]) -> str | None:
+    for ref in obj.get("metadata", {}).get("ownerReferences") or []:
+        if ref.get("controller"):
+            return str(ref.get("uid"))
+    return None
+
+
+@dataclass
+class SyncResult:
+    """What reconciling the children did; ``live`` maps kind to the live object."""
+
+    live: dict[str, dict[str, Any]] = field(default_factory=dict)
+    applied: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+
+
+def sync_children(cluster: Cluster, owner: Owner, desired: DesiredChildren) -> SyncResult:
+    """Make the children match ``desired``; write only what differs."""
+    result = SyncResult()
+    for manifest in desired.present:
+        ref = ref_of(manifest)
+        live = cluster.get(ref)
+        if live is not None:
+            uid = controller_uid(live)
+            if uid is not None and uid != owner.uid:
+                raise ChildConflictError(
+                    f"{ref.kind} {ref.namespace}/{ref.name} exists and is controlled by "
+                    f"another owner (uid {uid}); rename or delete it")
+        if live is None or not is_subset(manifest, live):
+            try:
+                live = cluster.apply(manifest)
+            except ApiError as exc:
+                if exc.status in (400, 422):
+                    raise ChildRejectedError(f"{ref.kind} {ref.name} was refused: "
+                                             f"{exc.message}") from None
+                raise
+            result.applied.append(ref.kind)
+            log.info("applied %s %s/%s", ref.kind, ref.namespace, ref.name)
+        result.live[ref.kind] = live
+    for ref in desired.absent:
+        live = cluster.get(ref)
+        if live is not None and controller_uid(live) == owner.uid:
+            cluster.delete(ref)
+            result.deleted.append(ref.kind)
+            log.info("deleted %s %s/%s (no longer wanted)", ref.kind, ref.namespace, ref.name)
+    return result

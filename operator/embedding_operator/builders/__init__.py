@@ -1,0 +1,62 @@
+"""Pure builders: a validated spec in, the manifests of the children out.
+
+``desired_children`` is the whole desired state of one EmbeddingService: the children that
+must exist (in apply order: storage first, the Deployment before what points at it) and the
+kinds that must not (an HPA after autoscaling was switched off, a PDB after scaling to one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from embedding_operator.builders.common import Manifest, RenderInput, pvc_name
+from embedding_operator.builders.deployment import build_deployment
+from embedding_operator.builders.hpa import build_hpa, wants_hpa
+from embedding_operator.builders.pdb import build_pdb, wants_pdb
+from embedding_operator.builders.pvc import build_pvc, wants_pvc
+from embedding_operator.builders.service import build_service
+
+
+@dataclass(frozen=True)
+class ChildRef:
+    """Which object: enough to GET or DELETE it."""
+
+    api_version: str
+    kind: str
+    namespace: str
+    name: str
+
+
+@dataclass(frozen=True)
+class DesiredChildren:
+    present: list[Manifest]
+    absent: list[ChildRef]
+
+
+def ref_of(manifest: Manifest) -> ChildRef:
+    meta = manifest["metadata"]
+    return ChildRef(manifest["apiVersion"], manifest["kind"], meta["namespace"], meta["name"])
+
+
+def desired_children(render: RenderInput) -> DesiredChildren:
+    owner = render.owner
+    present: list[Manifest] = []
+    absent: list[ChildRef] = []
+    if wants_pvc(render):
+        present.append(build_pvc(render))
+    else:
+        absent.append(ChildRef("v1", "PersistentVolumeClaim", owner.namespace, pvc_name(owner)))
+    present += [build_deployment(render), build_service(render)]
+    if wants_hpa(render):
+        present.append(build_hpa(render))
+    else:
+        absent.append(ChildRef("autoscaling/v2", "HorizontalPodAutoscaler", owner.namespace,
+                               owner.name))
+    if wants_pdb(render):
+        present.append(build_pdb(render))
+    else:
+        absent.append(ChildRef("policy/v1", "PodDisruptionBudget", owner.namespace, owner.name))
+    return DesiredChildren(present=present, absent=absent)
+
+
+__all__ = ["ChildRef", "DesiredChildren", "desired_children", "ref_of"]

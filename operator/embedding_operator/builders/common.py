@@ -1,0 +1,101 @@
+"""What every child manifest shares: names, labels, owner reference, the render inputs.
+
+Builders are pure functions of a ``RenderInput`` so that the operator, ``embedding-operator
+render`` and the unit tests produce byte-identical manifests from the same spec. Children get
+deterministic names (the EmbeddingService's own name, the PVC ``<name>-model-cache``) so that
+re-running a reconcile finds what an earlier run created, and each carries a controller
+ownerReference so Kubernetes garbage collection, not a finalizer, removes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from embedding_operator.profiles import GpuProfile
+from embedding_operator.spec import EmbeddingServiceSpec
+
+GROUP = "embedding-operator.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "EmbeddingService"
+PLURAL = "embeddingservices"
+
+APP_NAME = "embedding-server"
+COMPONENT = "inference"
+MANAGED_BY = "embedding-operator"
+
+SERVER_PORT = 8000
+PORT_NAME = "http"
+CACHE_MOUNT_PATH = "/cache"
+DEFAULT_IMAGE = "ghcr.io/embedding-operator/embedding-server:0.1.0"
+
+Manifest = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The EmbeddingService the children belong to."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int = 0
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> Owner:
+        meta = body["metadata"]
+        return cls(name=meta["name"], namespace=meta["namespace"], uid=meta.get("uid", ""),
+                   generation=int(meta.get("generation") or 0))
+
+
+@dataclass(frozen=True)
+class RenderInput:
+    """Everything a builder may look at; nothing else (no cluster, no clock)."""
+
+    owner: Owner
+    spec: EmbeddingServiceSpec
+    profile: GpuProfile
+    default_image: str = DEFAULT_IMAGE
+
+    @property
+    def gpu_count(self) -> int:
+        return self.spec.parallelism.tensor_parallel_size if self.profile.resource_name else 0
+
+
+def selector_labels(owner: Owner) -> dict[str, str]:
+    """The pod selector: immutable on a Deployment, so only labels that never change."""
+    return {"app.kubernetes.io/name": APP_NAME, "app.kubernetes.io/instance": owner.name}
+
+
+def common_labels(owner: Owner) -> dict[str, str]:
+    return {**selector_labels(owner), "app.kubernetes.io/component": COMPONENT,
+            "app.kubernetes.io/managed-by": MANAGED_BY}
+
+
+def selector_string(owner: Owner) -> str:
+    """``status.selector`` for the scale subresource (what ``kubectl scale``/HPA read)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(owner).items()))
+
+
+def owner_reference(owner: Owner) -> dict[str, Any]:
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": owner.name, "uid": owner.uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def child_metadata(owner: Owner, name: str | None = None,
+                   annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name or owner.name, "namespace": owner.namespace,
+                            "labels": common_labels(owner),
+                            "ownerReferences": [owner_reference(owner)]}
+    if annotations:
+        meta["annotations"] = dict(annotations)
+    return meta
+
+
+def pvc_name(owner: Owner) -> str:
+    return f"{owner.name}-model-cache"
+
+
+def endpoint(owner: Owner, port: int) -> str:
+    return f"http://{owner.name}.{owner.namespace}.svc.cluster.local:{port}/v1"

@@ -1,0 +1,233 @@
+"""``embedding-operator``: ``run`` the operator, or ``render`` the children of a manifest.
+
+``run`` flags are derived from ``OperatorSettings`` (one flag per field, its description as the
+help); anything not given on the command line comes from ``EMBEDDING_OPERATOR_*`` variables,
+then defaults. kopf runs in-process (``kopf.operator``) in standalone mode, under Lease-based
+leader election when ``--leader-elect`` is set (see ``leader.py`` for why not kopf peering).
+
+``render -f es.yaml`` prints what the operator would create, from the same pure builders, with
+no cluster: for review, for diffs in CI, and to see the effect of a spec change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import urllib.parse
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, cast, get_args, get_origin
+
+import yaml
+from pydantic import ValidationError
+
+from embedding_operator.builders import desired_children
+from embedding_operator.builders.common import KIND, Owner, RenderInput
+from embedding_operator.profiles import GpuProfiles, ProfileConfigError, UnknownGpuTypeError
+from embedding_operator.settings import OperatorSettings
+from embedding_operator.spec import InvalidSpecError, parse_spec
+
+log = logging.getLogger("embedding_operator")
+
+EXIT_USAGE = 2
+EXIT_LEADERSHIP_LOST = 3
+
+
+def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    for name, field in OperatorSettings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        help_text = field.description or ""
+        annotation = field.annotation
+        if annotation is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+                                default=None, help=help_text)
+            continue
+        choices = None
+        if get_origin(annotation) is not None and all(isinstance(a, str)
+                                                      for a in get_args(annotation)):
+            choices = list(get_args(annotation))
+        parser.add_argument(flag, dest=name, default=None, choices=choices, help=help_text,
+                            metavar=None if choices else name.upper())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="embedding-operator",
+                                     description="Kubernetes operator for EmbeddingService.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="Run the operator against the current cluster.",
+                         description="Flags may also be set as EMBEDDING_OPERATOR_<FLAG> "
+                         "environment variables.")
+    _add_settings_flags(run)
+    render = sub.add_parser("render", help="Print the child manifests of EmbeddingServices.")
+    render.add_argument("-f", "--filename", required=True, type=Path,
+                        help="EmbeddingService manifest(s) ('-' for stdin).")
+    render.add_argument("--namespace", default="default",
+                        help="Namespace for manifests that name none.")
+    render.add_argument("--gpu-profiles", type=Path, default=None,
+                        help="GPU profiles file, as for run.")
+    render.add_argument("--default-image", default=None, help="Image, as for run.")
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
+    given = {name: getattr(args, name) for name in OperatorSettings.model_fields
+             if getattr(args, name, None) is not None}
+    return OperatorSettings(**given)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "render":
+        return render_command(args)
+    try:
+        config = settings_from_args(args)
+        profiles = GpuProfiles.load(config.gpu_profiles)
+    except (ValidationError, ProfileConfigError) as exc:
+        sys.stderr.write(f"embedding-operator: invalid configuration: {exc}\n")
+        return EXIT_USAGE
+    return run_command(config, profiles)
+
+
+# --- render -----------------------------------------------------------------------------------
+
+def render_command(args: argparse.Namespace) -> int:
+    text = sys.stdin.read() if str(args.filename) == "-" else \
+        args.filename.read_text(encoding="utf-8")
+    try:
+        profiles = GpuProfiles.load(args.gpu_profiles)
+    except ProfileConfigError as exc:
+        sys.stderr.write(f"embedding-operator: {exc}\n")
+        return EXIT_USAGE
+    out: list[dict[str, Any]] = []
+    for doc in yaml.safe_load_all(text):
+        if not isinstance(doc, dict) or doc.get("kind") != KIND:
+            continue
+        meta = doc.get("metadata") or {}
+        name = meta.get("name", "<unnamed>")
+        owner = Owner(name=name, namespace=meta.get("namespace") or args.namespace,
+                      uid=meta.get("uid", ""), generation=1)
+        try:
+            spec = parse_spec(doc.get("spec") or {})
+            profile = profiles.resolve(spec.gpu.type)
+        except (InvalidSpecError, UnknownGpuTypeError) as exc:
+            sys.stderr.write(f"embedding-operator: {name}: {exc}\n")
+            return EXIT_USAGE
+        render = RenderInput(owner=owner, spec=spec, profile=profile,
+                             **({"default_image": args.default_image}
+                                if args.default_image else {}))
+        for manifest in desired_children(render).present:
+            if not owner.uid:  # standalone output: no owner to point at
+                manifest["metadata"].pop("ownerReferences", None)
+            out.append(manifest)
+    sys.stdout.write(yaml.safe_dump_all(out, sort_keys=False))
+    return 0
+
+
+# --- run --------------------------------------------------------------------------------------
+
+def _configure_logging(config: OperatorSettings) -> None:
+    import kopf
+
+    kopf.configure(debug=config.log_level == "debug", quiet=config.log_level == "warning",
+                   log_format=kopf.LogFormat.JSON if config.log_format == "json"
+                   else kopf.LogFormat.FULL)
+    # The kubernetes client logs every request at DEBUG and retries at WARNING; keep it quiet.
+    logging.getLogger("urllib3").setLevel(logging.WARNING)
+
+
+def _api_client() -> Any:
+    from kubernetes import client, config
+
+    try:
+        config.load_incluster_config()  # type: ignore[no-untyped-call]
+    except config.ConfigException:
+        config.load_kube_config()  # type: ignore[no-untyped-call]
+    return client.ApiClient()
+
+
+def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
+    import kopf
+
+    from embedding_operator import handlers
+    from embedding_operator.apply import KubeCluster
+    from embedding_operator.leader import (
+        LeaderElector,
+        LeadershipLostError,
+        LeaseConfig,
+    )
+    from embedding_operator.reconcile import Reconciler
+
+    _configure_logging(config)
+    cluster = KubeCluster(_api_client())
+
+    def record(body: dict[str, Any], *, type: str, reason: str, message: str) -> None:
+        kopf.event(kopf.Body(cast(Any, body)), type=type, reason=reason, message=message[:1000])
+
+    reconciler = Reconciler(cluster=cluster, profiles=profiles,
+                            default_image=config.default_image, recorder=record)
+    registry = kopf.OperatorRegistry()
+    handlers.register(registry, reconciler, config)
+    settings = handlers.kopf_settings(config)
+    log.info("starting: namespaces=%s gpu-profiles=%s leader-elect=%s",
+             ",".join(config.namespaces) or "<all>", ",".join(profiles.names()),
+             config.leader_elect)
+
+    async def work(stop_flag: asyncio.Event) -> None:
+        await kopf.operator(registry=registry, settings=settings, standalone=True,
+                            clusterwide=config.clusterwide, namespaces=config.namespaces,
+                            liveness_endpoint=config.liveness, stop_flag=stop_flag)
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        if not config.leader_elect:
+            await work(stop)
+            return
+        elector = LeaderElector(cluster, LeaseConfig(
+            name=config.lease_name, namespace=config.resolved_lease_namespace(),
+            identity=config.resolved_identity(), lease_duration=config.lease_duration_seconds,
+            renew_deadline=config.renew_deadline_seconds,
+            retry_period=config.retry_period_seconds))
+        from embedding_operator.leader import acquire, run_as_leader
+
+        # While standing by, answer the liveness probe ourselves (kopf is not running yet).
+        standby = await _standby_liveness(config.liveness) if config.liveness else None
+        try:
+            leading = await acquire(elector, stop)
+        finally:
+            if standby is not None:
+                await standby.cleanup()
+        if leading:
+            await run_as_leader(elector, stop, work)
+
+    try:
+        asyncio.run(serve())
+    except LeadershipLostError as exc:
+        log.error("%s; exiting so that a fresh process stands for election", exc)
+        return EXIT_LEADERSHIP_LOST
+    return 0
+
+
+async def _standby_liveness(url: str) -> Any:
+    from aiohttp import web
+
+    parsed = urllib.parse.urlsplit(url)
+
+    async def alive(_: web.Request) -> web.Response:
+        return web.json_response({"leader": False})
+
+    app = web.Application()
+    app.router.add_get(parsed.path or "/", alive)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, parsed.hostname or "0.0.0.0", parsed.port or 8080).start()
+    return runner
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

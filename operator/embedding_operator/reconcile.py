@@ -1,0 +1,221 @@
+"""One reconcile of one EmbeddingService: facts in, children and status out.
+
+Level-based and idempotent: every trigger (the resource changed, a child changed, the periodic
+resync, the operator restarted) runs the same ``Reconciler.reconcile`` on a freshly read object,
+so a reconcile cut short by a crash is simply finished by the next one. Per-object locking keeps
+two triggers for the same object from interleaving; different objects run in parallel.
+
+Problems are sorted by who can fix them:
+
+* the API server refuses what it can see (schema, CEL) before we ever run;
+* what only the operator can see and only an edit can fix (unknown GPU type, a spec the schema
+  let through but the model refuses, a name conflict, a child the API server refuses) is
+  reported as ``Degraded`` plus a Warning Event, and the operator waits for the next edit;
+* what may fix itself (a Secret not created yet) is reported the same way and retried with a
+  growing delay by the handler layer (``Outcome.retry``).
+
+API errors (server down, 5xx, timeouts) propagate: the handler layer turns them into kopf
+temporary errors and kopf retries.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+from embedding_operator.apply import (
+    ChildConflictError,
+    ChildRejectedError,
+    Cluster,
+    sync_children,
+)
+from embedding_operator.builders import ChildRef, desired_children
+from embedding_operator.builders.common import API_VERSION, KIND, Owner, RenderInput
+from embedding_operator.profiles import GpuProfiles, UnknownGpuTypeError
+from embedding_operator.spec import EmbeddingServiceSpec, InvalidSpecError, parse_spec
+from embedding_operator.status import (
+    AVAILABLE,
+    CHILD_CONFLICT,
+    CHILD_REJECTED,
+    DEGRADED,
+    INVALID_SPEC,
+    READY,
+    SECRET_NOT_FOUND,
+    UNKNOWN_GPU_TYPE,
+    Problem,
+    compute_status,
+    merge_conditions,
+    status_patch,
+)
+
+log = logging.getLogger(__name__)
+
+
+class EventRecorder(Protocol):
+    def __call__(self, body: dict[str, Any], *, type: str, reason: str,
+                 message: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a reconcile found; ``problem.retryable`` asks the caller to retry later."""
+
+    problem: Problem | None
+    status_written: bool
+    applied: tuple[str, ...] = ()
+
+    @property
+    def retry(self) -> bool:
+        return self.problem is not None and self.problem.retryable
+
+
+def utc_now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def owner_ref(namespace: str, name: str) -> ChildRef:
+    return ChildRef(API_VERSION, KIND, namespace, name)
+
+
+class Reconciler:
+    """Reconciles EmbeddingServices against a ``Cluster``; safe to call from many threads."""
+
+    def __init__(self, *, cluster: Cluster, profiles: GpuProfiles, default_image: str,
+                 recorder: EventRecorder, clock: Callable[[], str] = utc_now) -> None:
+        self._cluster = cluster
+        self._profiles = profiles
+        self._default_image = default_image
+        self._recorder = recorder
+        self._clock = clock
+        self._locks: dict[tuple[str, str], threading.Lock] = {}
+        self._waiting: set[tuple[str, str]] = set()
+        self._locks_guard = threading.Lock()
+
+    def _lock(self, namespace: str, name: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks.setdefault((namespace, name), threading.Lock())
+
+    def forget(self, namespace: str, name: str) -> None:
+        """Drop per-object state of a deleted EmbeddingService."""
+        with self._locks_guard:
+            self._locks.pop((namespace, name), None)
+
+    def reconcile(self, namespace: str, name: str, *, coalesce: bool = False) -> Outcome | None:
+        """Reconcile the current state of one object; None if it is gone or going.
+
+        With ``coalesce``, a call is dropped when another one for the same object is already
+        waiting for the lock: that one reads the object after we would have, so it covers us.
+        """
+        key = (namespace, name)
+        if coalesce:
+            with self._locks_guard:
+                if key in self._waiting:
+                    return None
+                self._waiting.add(key)
+        try:
+            lock = self._lock(namespace, name)
+            lock.acquire()
+        finally:
+            if coalesce:
+                with self._locks_guard:
+                    self._waiting.discard(key)
+        try:
+            body = self._cluster.get(owner_ref(namespace, name))
+            if body is None or body.get("metadata", {}).get("deletionTimestamp"):
+                return None
+            return self._reconcile(body)
+        finally:
+            lock.release()
+
+    def _reconcile(self, body: dict[str, Any]) -> Outcome:
+        owner = Owner.from_body(body)
+        render: RenderInput | None = None
+        problem: Problem | None = None
+        deployment: dict[str, Any] | None = None
+        applied: tuple[str, ...] = ()
+
+        try:
+            spec = parse_spec(body.get("spec") or {})
+            profile = self._profiles.resolve(spec.gpu.type)
+            render = RenderInput(owner=owner, spec=spec, profile=profile,
+                                 default_image=self._default_image)
+        except InvalidSpecError as exc:
+            problem = Problem(INVALID_SPEC, str(exc))
+        except UnknownGpuTypeError as exc:
+            problem = Problem(UNKNOWN_GPU_TYPE, str(exc))
+
+        if render is not None:
+            problem = self._missing_secret(owner, render.spec)
+        if render is not None and problem is None:
+            try:
+                result = sync_children(self._cluster, owner, desired_children(render))
+                deployment = result.live.get("Deployment")
+                applied = tuple(result.applied + [f"-{k}" for k in result.deleted])
+            except ChildConflictError as exc:
+                problem = Problem(CHILD_CONFLICT, str(exc))
+            except ChildRejectedError as exc:
+                problem = Problem(CHILD_REJECTED, str(exc))
+        if deployment is None:
+            live = self._cluster.get(ChildRef("apps/v1", "Deployment", owner.namespace,
+                                              owner.name))
+            if live is not None and _controlled_by(live, owner):
+                deployment = live
+
+        written = self._write_status(body, owner, render, deployment, problem)
+        return Outcome(problem=problem, status_written=written, applied=applied)
+
+    def _missing_secret(self, owner: Owner, spec: EmbeddingServiceSpec) -> Problem | None:
+        for field, ref in (("spec.model.hubTokenSecretRef", spec.model.hub_token_secret_ref),
+                           ("spec.apiKeySecretRef", spec.api_key_secret_ref)):
+            if ref is None:
+                continue
+            secret = self._cluster.get(ChildRef("v1", "Secret", owner.namespace, ref.name))
+            if secret is None:
+                return Problem(SECRET_NOT_FOUND, f"{field}: Secret {owner.namespace}/{ref.name} "
+                               "not found", retryable=True)
+            if ref.key not in (secret.get("data") or {}) and \
+                    ref.key not in (secret.get("stringData") or {}):
+                return Problem(SECRET_NOT_FOUND, f"{field}: Secret {owner.namespace}/{ref.name} "
+                               f"has no key {ref.key!r}", retryable=True)
+        return None
+
+    def _write_status(self, body: dict[str, Any], owner: Owner, render: RenderInput | None,
+                      deployment: dict[str, Any] | None, problem: Problem | None) -> bool:
+        old: dict[str, Any] = dict(body.get("status") or {})
+        status, conditions = compute_status(generation=owner.generation, render=render,
+                                            deployment=deployment, problem=problem)
+        status["conditions"] = merge_conditions(old.get("conditions"), conditions,
+                                                generation=owner.generation, now=self._clock())
+        patch = status_patch(old, status)
+        if patch is None:
+            return False
+        self._cluster.patch_status(owner_ref(owner.namespace, owner.name), patch)
+        self._announce(body, old.get("conditions") or [], status["conditions"])
+        return True
+
+    def _announce(self, body: dict[str, Any], before: list[dict[str, Any]],
+                  after: list[dict[str, Any]]) -> None:
+        """Events on transitions only, so a resource stuck in a state does not spam."""
+        old = {c.get("type"): c for c in before}
+        for cond in after:
+            prev = old.get(cond["type"]) or {}
+            flipped = (prev.get("status"), prev.get("reason")) != (cond["status"],
+                                                                  cond["reason"])
+            if not flipped:
+                continue
+            if cond["type"] == DEGRADED and cond["status"] == "True":
+                self._recorder(body, type="Warning", reason=cond["reason"],
+                               message=cond["message"])
+                log.warning("%s/%s degraded: %s", body["metadata"]["namespace"],
+                            body["metadata"]["name"], cond["message"])
+            elif cond["type"] == READY and cond["status"] == "True":
+                self._recorder(body, type="Normal", reason=AVAILABLE, message=cond["message"])
+
+
+def _controlled_by(obj: dict[str, Any], owner: Owner) -> bool:
+    return any(ref.get("controller") and ref.get("uid") == owner.uid
+               for ref in obj.get("metadata", {}).get("ownerReferences") or [])

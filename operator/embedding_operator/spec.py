@@ -1,0 +1,256 @@
+"""The EmbeddingService spec as typed, validated Python values.
+
+The CRD schema (``crds/embeddingservices.yaml``) is the API's single source of truth and the
+API server enforces it before the operator sees an object. This model mirrors it field for
+field, with the same defaults, for two reasons: builders get typed values instead of digging in
+dicts, and the few rules a schema cannot state (rollout that can never progress) still fail
+with a field path. ``tests/operator/test_crd.py`` fails when the two drift apart.
+
+Parsing never talks to the cluster: what only the cluster knows (does the GPU profile exist,
+does the Secret exist) is checked during reconciliation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+Pooling = Literal["auto", "cls", "mean", "last"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+PullPolicy = Literal["Always", "IfNotPresent", "Never"]
+QueueMetric = Literal["queueRequests", "queueTokens"]
+CacheMode = Literal["none", "pvc", "existing"]
+ServiceType = Literal["ClusterIP", "NodePort", "LoadBalancer"]
+AccessMode = Literal["ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWriteOncePod"]
+IntOrString = int | str
+
+HF_PREFIX = "hf://"
+
+
+def _read_write_once() -> list[AccessMode]:
+    return ["ReadWriteOnce"]
+
+
+def _is_zero(value: IntOrString) -> bool:
+    return value == 0 or (isinstance(value, str) and value.strip() in {"0", "0%"})
+
+
+class _Model(BaseModel):
+    """camelCase on the wire, snake_case in Python; unknown fields are an error."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid",
+                              frozen=True, protected_namespaces=())
+
+
+class SecretKeyRef(_Model):
+    name: str = Field(min_length=1)
+    key: str = Field(min_length=1)
+
+
+class HubTokenSecretRef(SecretKeyRef):
+    key: str = Field(default="token", min_length=1)
+
+
+class ApiKeySecretRef(SecretKeyRef):
+    key: str = Field(default="api-key", min_length=1)
+
+
+class ModelSource(_Model):
+    name: str = Field(min_length=1, max_length=512)
+    revision: str | None = None
+    trust_remote_code: bool = False
+    hub_token_secret_ref: HubTokenSecretRef | None = None
+
+    @property
+    def server_model(self) -> str:
+        """What ``embedding-server --model`` takes: a hub id or a local path."""
+        return self.name.removeprefix(HF_PREFIX)
+
+
+class Prompts(_Model):
+    default_name: str | None = None
+
+
+class Embedding(_Model):
+    pooling: Pooling = "auto"
+    normalize: bool | None = None
+    dimensions: int | None = Field(default=None, ge=1, le=65536)
+    matryoshka_dimensions: list[int] | None = None
+    max_input_tokens: int | None = Field(default=None, ge=1, le=1048576)
+    prompts: Prompts | None = None
+
+    @model_validator(mode="after")
+    def _dimensions_supported(self) -> Embedding:
+        if (self.dimensions is not None and self.matryoshka_dimensions is not None
+                and self.dimensions not in self.matryoshka_dimensions):
+            raise ValueError("dimensions must be one of matryoshkaDimensions")
+        return self
+
+
+class EnvVar(_Model):
+    name: str = Field(min_length=1)
+    value: str | None = None
+    value_from: dict[str, Any] | None = None
+
+
+class Server(_Model):
+    image: str | None = None
+    image_pull_policy: PullPolicy | None = None
+    dtype: Dtype = "auto"
+    max_batch_tokens: int | None = Field(default=None, ge=1)
+    max_batch_size: int | None = Field(default=None, ge=1)
+    max_queue_tokens: int | None = Field(default=None, ge=1)
+    shm_size: IntOrString = "1Gi"
+    startup_timeout_seconds: int = Field(default=1800, ge=30, le=86400)
+    extra_args: list[str] = Field(default_factory=list)
+    env: list[EnvVar] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _queue_holds_a_batch(self) -> Server:
+        if (self.max_queue_tokens is not None and self.max_batch_tokens is not None
+                and self.max_queue_tokens < self.max_batch_tokens):
+            raise ValueError("maxQueueTokens must be greater than or equal to maxBatchTokens")
+        return self
+
+
+class Parallelism(_Model):
+    tensor_parallel_size: Literal[1, 2, 4, 8] = 1
+
+
+class Gpu(_Model):
+    type: str = Field(default="cpu", min_length=1, max_length=63)
+
+
+class Resources(_Model):
+    requests: dict[str, IntOrString] = Field(default_factory=dict)
+    limits: dict[str, IntOrString] = Field(default_factory=dict)
+
+
+class Toleration(_Model):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class Scheduling(_Model):
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+    affinity: dict[str, Any] | None = None
+    priority_class_name: str | None = None
+
+
+class Autoscaling(_Model):
+    enabled: bool = False
+    min_replicas: int = Field(default=1, ge=1, le=1000)
+    max_replicas: int = Field(default=4, ge=1, le=1000)
+    metric: QueueMetric = "queueRequests"
+    target_per_pod: int | None = Field(default=None, ge=1)
+    scale_down_stabilization_seconds: int = Field(default=300, ge=0, le=3600)
+    behavior: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> Autoscaling:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("minReplicas must be less than or equal to maxReplicas")
+        return self
+
+
+class Rollout(_Model):
+    max_surge: IntOrString = 0
+    max_unavailable: IntOrString = 1
+
+    @model_validator(mode="after")
+    def _can_progress(self) -> Rollout:
+        # The schema cannot compare two int-or-string values; a Deployment with both at zero
+        # is refused by the API server, so say it here with the field names the user wrote.
+        if _is_zero(self.max_surge) and _is_zero(self.max_unavailable):
+            raise ValueError("maxSurge and maxUnavailable cannot both be 0")
+        return self
+
+
+class ModelCache(_Model):
+    mode: CacheMode = "none"
+    size: IntOrString | None = None
+    storage_class_name: str | None = None
+    access_modes: list[AccessMode] = Field(default_factory=lambda: _read_write_once())
+    claim_name: str | None = None
+
+    @model_validator(mode="after")
+    def _mode_fields(self) -> ModelCache:
+        if self.mode == "pvc" and self.size is None:
+            raise ValueError("size is required when mode is pvc")
+        if self.mode == "existing" and not self.claim_name:
+            raise ValueError("claimName is required when mode is existing")
+        return self
+
+
+class ServiceSpec(_Model):
+    type: ServiceType = "ClusterIP"
+    port: int = Field(default=80, ge=1, le=65535)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class EmbeddingServiceSpec(_Model):
+    model: ModelSource
+    served_model_name: str | None = None
+    embedding: Embedding = Embedding()
+    server: Server = Server()
+    parallelism: Parallelism = Parallelism()
+    gpu: Gpu = Gpu()
+    resources: Resources = Resources()
+    scheduling: Scheduling = Scheduling()
+    replicas: int = Field(default=1, ge=0, le=1000)
+    autoscaling: Autoscaling = Autoscaling()
+    rollout: Rollout = Rollout()
+    model_cache: ModelCache = ModelCache()
+    service: ServiceSpec = ServiceSpec()
+    api_key_secret_ref: ApiKeySecretRef | None = None
+
+    @model_validator(mode="after")
+    def _cpu_has_no_tensor_parallelism(self) -> EmbeddingServiceSpec:
+        if self.gpu.type == "cpu" and self.parallelism.tensor_parallel_size != 1:
+            raise ValueError("tensorParallelSize must be 1 when gpu.type is cpu")
+        return self
+
+    @property
+    def served_name(self) -> str:
+        """The name clients send; the server's own default, made explicit."""
+        if self.served_model_name:
+            return self.served_model_name
+        return self.model.server_model.rstrip("/").rsplit("/", 1)[-1]
+
+    def secret_refs(self) -> list[SecretKeyRef]:
+        """Secrets the pods need; a missing one would leave them stuck in ContainerCreating."""
+        refs: list[SecretKeyRef] = []
+        if self.model.hub_token_secret_ref is not None:
+            refs.append(self.model.hub_token_secret_ref)
+        if self.api_key_secret_ref is not None:
+            refs.append(self.api_key_secret_ref)
+        return refs
+
+
+class InvalidSpecError(ValueError):
+    """The spec cannot be rendered; ``message`` names the field paths (spec.x.y)."""
+
+
+def parse_spec(raw: Mapping[str, Any]) -> EmbeddingServiceSpec:
+    """Parse ``.spec`` of an EmbeddingService; raise InvalidSpecError naming the fields."""
+    try:
+        return EmbeddingServiceSpec.model_validate(dict(raw))
+    except ValidationError as exc:
+        raise InvalidSpecError(format_validation_error(exc)) from None
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """``spec.autoscaling.minReplicas: minReplicas must be ...; spec.x: ...`` (stable order)."""
+    parts = []
+    for error in exc.errors(include_url=False):
+        path = ".".join(["spec", *(str(p) for p in error["loc"])])
+        message = str(error["msg"]).removeprefix("Value error, ")
+        parts.append(f"{path}: {message}")
+    return "; ".join(parts)

@@ -1,0 +1,201 @@
+"""Status of an EmbeddingService: conditions in the shape of metav1.Condition, and counts.
+
+Three conditions, following Kubernetes API conventions (and the ClusterOperator trio):
+
+* ``Ready``: the current spec is being served (the Deployment rolled out the current pod
+  template and reports itself Available with at least one ready pod).
+* ``Progressing``: the operator or the Deployment is moving toward the spec (rolling out,
+  scaling). False once converged.
+* ``Degraded``: the desired state cannot be reached without someone acting: a spec only the
+  operator can judge (UnknownGPUType), a missing Secret, a child the API server refuses, a
+  rollout past its progress deadline.
+
+Everything here is pure: the reconciler gathers the facts, ``compute_status`` turns them into
+the status document, ``merge_conditions`` keeps ``lastTransitionTime`` unless a condition's
+status flipped, so that writing status only when it differs never loops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from embedding_operator.builders.common import RenderInput, endpoint, selector_string
+
+ConditionStatus = Literal["True", "False", "Unknown"]
+
+READY = "Ready"
+PROGRESSING = "Progressing"
+DEGRADED = "Degraded"
+
+# Reasons (CamelCase, stable: users and alerts match on them).
+AVAILABLE = "Available"
+AS_EXPECTED = "AsExpected"
+ROLLOUT_COMPLETE = "RolloutComplete"
+ROLLOUT_IN_PROGRESS = "RolloutInProgress"
+SCALING = "Scaling"
+MINIMUM_REPLICAS_UNAVAILABLE = "MinimumReplicasUnavailable"
+SCALED_TO_ZERO = "ScaledToZero"
+DEPLOYMENT_PENDING = "DeploymentPending"
+PROGRESS_DEADLINE_EXCEEDED = "ProgressDeadlineExceeded"
+INVALID_SPEC = "InvalidSpec"
+UNKNOWN_GPU_TYPE = "UnknownGPUType"
+SECRET_NOT_FOUND = "SecretNotFound"
+CHILD_CONFLICT = "ChildConflict"
+CHILD_REJECTED = "ChildRejected"
+
+
+@dataclass(frozen=True)
+class Condition:
+    type: str
+    status: ConditionStatus
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why the desired state cannot be reached; ``retryable`` if it may fix itself."""
+
+    reason: str
+    message: str
+    retryable: bool = False
+
+
+@dataclass(frozen=True)
+class DeploymentFacts:
+    """What the Deployment reports, reduced to what the conditions need."""
+
+    desired: int
+    replicas: int
+    ready: int
+    updated: int
+    available: int
+    up_to_date_generation: bool
+    available_condition: bool
+    deadline_exceeded: bool
+
+    @classmethod
+    def from_live(cls, live: dict[str, Any]) -> DeploymentFacts:
+        spec = live.get("spec") or {}
+        status = live.get("status") or {}
+        conditions = {c.get("type"): c for c in status.get("conditions") or []}
+        progressing = conditions.get("Progressing") or {}
+        return cls(
+            desired=int(spec.get("replicas", 1)),
+            replicas=int(status.get("replicas") or 0),
+            ready=int(status.get("readyReplicas") or 0),
+            updated=int(status.get("updatedReplicas") or 0),
+            available=int(status.get("availableReplicas") or 0),
+            up_to_date_generation=int(status.get("observedGeneration") or 0)
+            >= int(live.get("metadata", {}).get("generation") or 0),
+            available_condition=(conditions.get("Available") or {}).get("status") == "True",
+            deadline_exceeded=progressing.get("reason") == PROGRESS_DEADLINE_EXCEEDED,
+        )
+
+    @property
+    def rolled_out(self) -> bool:
+        """The current template runs everywhere and no old pod is left."""
+        return (self.up_to_date_generation and self.updated >= self.desired
+                and self.replicas <= self.updated)
+
+
+def _deployment_conditions(facts: DeploymentFacts | None) -> list[Condition]:
+    if facts is None:
+        return [Condition(READY, "False", DEPLOYMENT_PENDING, "the Deployment does not exist yet"),
+                Condition(PROGRESSING, "True", DEPLOYMENT_PENDING, "creating the Deployment"),
+                Condition(DEGRADED, "False", AS_EXPECTED, "")]
+    counts = f"{facts.ready}/{facts.desired} replicas ready"
+    if facts.deadline_exceeded:
+        degraded = Condition(DEGRADED, "True", PROGRESS_DEADLINE_EXCEEDED,
+                             f"the rollout made no progress within its deadline; {counts}")
+    else:
+        degraded = Condition(DEGRADED, "False", AS_EXPECTED, "")
+    if facts.desired == 0:
+        return [Condition(READY, "False", SCALED_TO_ZERO, "replicas is 0"),
+                Condition(PROGRESSING, "False", SCALED_TO_ZERO, "replicas is 0"), degraded]
+    if not facts.rolled_out:
+        message = (f"{facts.updated}/{facts.desired} replicas run the current spec; "
+                   f"{counts}")
+        return [Condition(READY, "False", ROLLOUT_IN_PROGRESS, message),
+                Condition(PROGRESSING, "True", ROLLOUT_IN_PROGRESS, message), degraded]
+    if facts.ready >= 1 and facts.available_condition:
+        ready = Condition(READY, "True", AVAILABLE, counts)
+    else:
+        ready = Condition(READY, "False", MINIMUM_REPLICAS_UNAVAILABLE, counts)
+    if facts.ready < facts.desired:
+        progressing = Condition(PROGRESSING, "True", SCALING, counts)
+    else:
+        progressing = Condition(PROGRESSING, "False", ROLLOUT_COMPLETE, counts)
+    return [ready, progressing, degraded]
+
+
+def _problem_conditions(problem: Problem) -> list[Condition]:
+    return [Condition(READY, "False", problem.reason, problem.message),
+            Condition(PROGRESSING, "False", problem.reason, problem.message),
+            Condition(DEGRADED, "True", problem.reason, problem.message)]
+
+
+def compute_status(*, generation: int, render: RenderInput | None,
+                   deployment: dict[str, Any] | None,
+                   problem: Problem | None) -> tuple[dict[str, Any], list[Condition]]:
+    """The status document (conditions without timestamps) and the conditions themselves."""
+    facts = DeploymentFacts.from_live(deployment) if deployment is not None else None
+    conditions = (_problem_conditions(problem) if problem is not None
+                  else _deployment_conditions(facts))
+    status: dict[str, Any] = {
+        "observedGeneration": generation,
+        "replicas": facts.replicas if facts else 0,
+        "readyReplicas": facts.ready if facts else 0,
+        "updatedReplicas": facts.updated if facts else 0,
+    }
+    if render is not None:
+        spec = render.spec
+        status["selector"] = selector_string(render.owner)
+        status["endpoint"] = endpoint(render.owner, spec.service.port)
+        model: dict[str, Any] = {"name": spec.model.server_model,
+                                 "servedModelName": spec.served_name}
+        if spec.model.revision:
+            model["revision"] = spec.model.revision
+        status["model"] = model
+        status["gpu"] = {"type": spec.gpu.type,
+                         "resourceName": render.profile.resource_name or "",
+                         "count": render.gpu_count}
+    return status, conditions
+
+
+def merge_conditions(old: list[dict[str, Any]] | None, new: list[Condition], *,
+                     generation: int, now: str) -> list[dict[str, Any]]:
+    """metav1.Condition dicts; ``lastTransitionTime`` moves only when ``status`` flips."""
+    previous = {c.get("type"): c for c in old or []}
+    merged = []
+    for cond in new:
+        before = previous.get(cond.type)
+        since = (before.get("lastTransitionTime") if before is not None
+                 and before.get("status") == cond.status else None)
+        merged.append({"type": cond.type, "status": cond.status, "reason": cond.reason,
+                       "message": cond.message, "lastTransitionTime": since or now,
+                       "observedGeneration": generation})
+    return merged
+
+
+def status_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any] | None:
+    """A JSON merge patch turning ``old`` into ``new`` (None when equal: write nothing)."""
+    if old == new:
+        return None
+    return _merge_patch(old, new)
+
+
+def _merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    patch: dict[str, Any] = {}
+    for key, value in new.items():
+        before = old.get(key)
+        if isinstance(value, dict) and isinstance(before, dict):
+            if value != before:
+                patch[key] = _merge_patch(before, value)
+        elif value != before or key not in old:
+            patch[key] = value
+    for key in old:
+        if key not in new:
+            patch[key] = None
+    return patch
