@@ -1,0 +1,233 @@
+"""Builders: the child manifests a user gets for a spec (pure, no cluster)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from embedding_operator.builders import desired_children
+from embedding_operator.builders.deployment import build_deployment, server_args
+from embedding_operator.builders.hpa import build_hpa
+from embedding_operator.builders.pdb import wants_pdb
+from embedding_operator.builders.pvc import build_pvc
+from embedding_operator.builders.service import build_service
+from operator_fakes import render_input
+
+MODEL = {"name": "BAAI/bge-small-en-v1.5"}
+
+
+def _container(deployment: dict[str, Any]) -> dict[str, Any]:
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return dict(container)
+
+
+def _flag(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def test_server_contract_flags() -> None:
+    render = render_input({
+        "model": {"name": "hf://BAAI/bge-small-en-v1.5", "revision": "abc123",
+                  "trustRemoteCode": True},
+        "embedding": {"pooling": "cls", "normalize": False, "dimensions": 256,
+                      "matryoshkaDimensions": [128, 256], "maxInputTokens": 512,
+                      "prompts": {"defaultName": "query"}},
+        "server": {"dtype": "float16", "maxBatchTokens": 8192, "maxBatchSize": 64,
+                   "maxQueueTokens": 65536, "extraArgs": ["--log-level", "debug"]},
+    })
+    args = server_args(render)
+    assert args[0] == "serve"
+    assert _flag(args, "--model") == "BAAI/bge-small-en-v1.5"  # hf:// stripped
+    assert _flag(args, "--revision") == "abc123"
+    assert _flag(args, "--served-model-name") == "bge-small-en-v1.5"
+    assert _flag(args, "--host") == "0.0.0.0" and _flag(args, "--port") == "8000"
+    assert _flag(args, "--log-format") == "json"
+    assert _flag(args, "--dtype") == "float16"
+    assert _flag(args, "--pooling") == "cls"
+    assert "--no-normalize" in args and "--normalize" not in args
+    assert "--trust-remote-code" in args
+    assert _flag(args, "--dimensions") == "256"
+    assert _flag(args, "--matryoshka-dimensions") == "128,256"
+    assert _flag(args, "--max-model-len") == "512"
+    assert _flag(args, "--default-prompt-name") == "query"
+    assert _flag(args, "--max-batch-tokens") == "8192"
+    assert _flag(args, "--max-batch-size") == "64"
+    assert _flag(args, "--max-queue-tokens") == "65536"
+    assert _flag(args, "--tensor-parallel-size") == "1"
+    assert _flag(args, "--cache-dir") == "/cache"
+    assert args[-2:] == ["--log-level", "debug"]
+
+
+def test_unset_knobs_leave_server_defaults() -> None:
+    args = server_args(render_input({"model": MODEL}))
+    for flag in ("--revision", "--normalize", "--no-normalize", "--dimensions",
+                 "--max-batch-tokens", "--max-model-len", "--trust-remote-code"):
+        assert flag not in args
+
+
+def test_deployment_for_gpu_profile() -> None:
+    deployment = build_deployment(render_input(
+        {"model": MODEL, "gpu": {"type": "l4"}, "parallelism": {"tensorParallelSize": 2},
+         "scheduling": {"nodeSelector": {"pool": "embed"},
+                        "tolerations": [{"key": "dedicated", "operator": "Exists"}],
+                        "priorityClassName": "high"},
+         "resources": {"requests": {"cpu": 4, "memory": "16Gi"}}}))
+    pod = deployment["spec"]["template"]["spec"]
+    container = _container(deployment)
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert container["resources"]["requests"] == {"cpu": "4", "memory": "16Gi"}
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-L4", "pool": "embed"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} \
+        in pod["tolerations"]
+    assert {"key": "dedicated", "operator": "Exists"} in pod["tolerations"]
+    assert pod["priorityClassName"] == "high"
+    assert _flag(container["args"], "--tensor-parallel-size") == "2"
+
+
+def test_deployment_for_cpu_has_no_gpu() -> None:
+    deployment = build_deployment(render_input({"model": MODEL}))
+    pod = deployment["spec"]["template"]["spec"]
+    assert "nvidia.com/gpu" not in str(_container(deployment).get("resources"))
+    assert "nodeSelector" not in pod and "tolerations" not in pod
+
+
+def test_deployment_probes_security_volumes_labels() -> None:
+    render = render_input({"model": MODEL, "server": {"startupTimeoutSeconds": 600,
+                                                      "shmSize": "2Gi"}})
+    deployment = build_deployment(render)
+    container = _container(deployment)
+    pod = deployment["spec"]["template"]["spec"]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
+    assert container["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}
+    assert volumes["model-cache"] == {"name": "model-cache", "emptyDir": {}}
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": "8000",
+                           "prometheus.io/path": "/metrics"}
+    labels = deployment["metadata"]["labels"]
+    assert labels["app.kubernetes.io/instance"] == "emb"
+    assert labels["app.kubernetes.io/managed-by"] == "embedding-operator"
+    assert {"app.kubernetes.io/name", "app.kubernetes.io/component"} <= set(labels)
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_owner_reference_on_every_child() -> None:
+    render = render_input({"model": MODEL, "replicas": 3, "autoscaling": {"enabled": True},
+                           "modelCache": {"mode": "pvc", "size": "10Gi"}})
+    children = desired_children(render).present
+    assert [c["kind"] for c in children] == ["PersistentVolumeClaim", "Deployment", "Service",
+                                             "HorizontalPodAutoscaler", "PodDisruptionBudget"]
+    for child in children:
+        (ref,) = child["metadata"]["ownerReferences"]
+        assert ref == {"apiVersion": "embedding-operator.dev/v1alpha1",
+                       "kind": "EmbeddingService", "name": "emb", "uid": "uid-1",
+                       "controller": True, "blockOwnerDeletion": True}
+        assert child["metadata"]["namespace"] == "ns"
+
+
+def test_gpu_safe_rollout_by_default() -> None:
+    strategy = build_deployment(render_input({"model": MODEL}))["spec"]["strategy"]
+    assert strategy == {"type": "RollingUpdate",
+                        "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+
+
+def test_replicas_left_to_the_hpa_when_autoscaling() -> None:
+    fixed = build_deployment(render_input({"model": MODEL, "replicas": 3}))
+    assert fixed["spec"]["replicas"] == 3
+    auto = build_deployment(render_input({"model": MODEL, "replicas": 3,
+                                          "autoscaling": {"enabled": True}}))
+    assert "replicas" not in auto["spec"]
+
+
+@pytest.mark.parametrize(("metric", "target", "name", "value"), [
+    ("queueRequests", None, "embedding_server_queue_requests", "8"),
+    ("queueTokens", None, "embedding_server_queue_tokens", "32768"),
+    ("queueTokens", 4096, "embedding_server_queue_tokens", "4096"),
+])
+def test_hpa_on_queue_depth(metric: str, target: int | None, name: str, value: str) -> None:
+    auto: dict[str, Any] = {"enabled": True, "minReplicas": 2, "maxReplicas": 6,
+                            "metric": metric, "scaleDownStabilizationSeconds": 120}
+    if target:
+        auto["targetPerPod"] = target
+    hpa = build_hpa(render_input({"model": MODEL, "autoscaling": auto}))
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    spec = hpa["spec"]
+    assert spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                      "name": "emb"}
+    assert (spec["minReplicas"], spec["maxReplicas"]) == (2, 6)
+    assert spec["metrics"] == [{"type": "Pods", "pods": {
+        "metric": {"name": name}, "target": {"type": "AverageValue", "averageValue": value}}}]
+    assert spec["behavior"] == {"scaleDown": {"stabilizationWindowSeconds": 120}}
+
+
+def test_hpa_behavior_passthrough() -> None:
+    behavior = {"scaleUp": {"policies": [{"type": "Pods", "value": 1, "periodSeconds": 60}]}}
+    hpa = build_hpa(render_input({"model": MODEL,
+                                  "autoscaling": {"enabled": True, "behavior": behavior}}))
+    assert hpa["spec"]["behavior"] == behavior
+
+
+def test_pdb_only_with_more_than_one_replica() -> None:
+    assert not wants_pdb(render_input({"model": MODEL, "replicas": 1}))
+    assert wants_pdb(render_input({"model": MODEL, "replicas": 2}))
+    assert wants_pdb(render_input({"model": MODEL, "autoscaling": {"enabled": True,
+                                                                   "maxReplicas": 3}}))
+    desired = desired_children(render_input({"model": MODEL}))
+    assert {r.kind for r in desired.absent} == {"PodDisruptionBudget",
+                                                 "HorizontalPodAutoscaler",
+                                                 "PersistentVolumeClaim"}
+
+
+def test_service() -> None:
+    svc = build_service(render_input({"model": MODEL, "service": {
+        "type": "LoadBalancer", "port": 8080, "annotations": {"a": "b"}}}))
+    assert svc["spec"]["type"] == "LoadBalancer"
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 8080, "targetPort": "http",
+                                     "protocol": "TCP"}]
+    assert svc["metadata"]["annotations"] == {"a": "b"}
+    default = build_service(render_input({"model": MODEL}))
+    assert default["spec"]["type"] == "ClusterIP"
+    assert default["spec"]["ports"][0]["port"] == 80
+
+
+def test_model_cache_modes() -> None:
+    pvc_render = render_input({"model": MODEL, "modelCache": {
+        "mode": "pvc", "size": "50Gi", "storageClassName": "fast",
+        "accessModes": ["ReadWriteMany"]}})
+    pvc = build_pvc(pvc_render)
+    assert pvc["metadata"]["name"] == "emb-model-cache"
+    assert pvc["spec"] == {"accessModes": ["ReadWriteMany"], "storageClassName": "fast",
+                           "resources": {"requests": {"storage": "50Gi"}}}
+    volumes = {v["name"]: v for v in
+               build_deployment(pvc_render)["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["model-cache"]["persistentVolumeClaim"] == {"claimName": "emb-model-cache"}
+    existing = build_deployment(render_input({"model": MODEL, "modelCache": {
+        "mode": "existing", "claimName": "shared-hf-cache"}}))
+    volumes = {v["name"]: v for v in existing["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["model-cache"]["persistentVolumeClaim"] == {"claimName": "shared-hf-cache"}
+
+
+def test_secrets_become_env() -> None:
+    deployment = build_deployment(render_input({
+        "model": {**MODEL, "hubTokenSecretRef": {"name": "hf"}},
+        "apiKeySecretRef": {"name": "auth", "key": "k"},
+        "server": {"env": [{"name": "X", "value": "1"}]}}))
+    env = {e["name"]: e for e in _container(deployment)["env"]}
+    assert env["HF_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+    assert env["EMBEDDING_SERVER_API_KEY"]["valueFrom"] == {
+        "secretKeyRef": {"name": "auth", "key": "k"}}
+    assert env["X"] == {"name": "X", "value": "1"}
+
+
+def test_builders_are_deterministic() -> None:
+    spec = {"model": MODEL, "autoscaling": {"enabled": True}}
+    assert desired_children(render_input(spec)) == desired_children(render_input(spec))
