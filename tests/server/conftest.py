@@ -1,0 +1,50 @@
+"""Shared fixtures for the server tests (engine fixtures; model builders live in _models.py)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+# The tests never reach the Hugging Face Hub: everything is local or built on the fly.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from _models import MINILM_DIR, build_bert, build_decoder, build_xlm_roberta  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Callable[[str], Path]:
+    """Factory: a tiny random model directory per model_type, built once per session."""
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="tiny-models-"))
+    cache: dict[str, Path] = {}
+
+    def get(model_type: str) -> Path:
+        if model_type not in cache:
+            target = root / model_type
+            if model_type == "bert":
+                cache[model_type] = build_bert(target)
+            elif model_type == "xlm-roberta":
+                cache[model_type] = build_xlm_roberta(target)
+            else:
+                cache[model_type] = build_decoder(target, model_type)
+        return cache[model_type]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    return MINILM_DIR
+
+
+@pytest.fixture(scope="session")
+def minilm_engine():  # type: ignore[no-untyped-def]
+    """The packaged all-MiniLM-L6-v2 in float32, loaded once (not started)."""
+    from embedding_server.engine import Engine
+
+    return Engine.from_pretrained(dtype="float32")
