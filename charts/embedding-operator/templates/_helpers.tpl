@@ -1,0 +1,150 @@
+{{/*
+Names and labels shared by every template. Kept in one place so the operator's Deployment
+selector, the RBAC subjects and NOTES.txt always agree.
+*/}}
+
+{{- define "embedding-operator.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "embedding-operator.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "embedding-operator.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "embedding-operator.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "embedding-operator.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "embedding-operator.labels" -}}
+helm.sh/chart: {{ include "embedding-operator.chart" . }}
+{{ include "embedding-operator.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: embedding-operator
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{- define "embedding-operator.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "embedding-operator.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- required "serviceAccount.name is required when serviceAccount.create=false" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* The operator image: tag defaults to the chart's appVersion. */}}
+{{- define "embedding-operator.image" -}}
+{{- $tag := default .Chart.AppVersion .Values.image.tag }}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository $tag }}
+{{- end }}
+{{- end }}
+
+{{/* The embedding-server image the operator puts into EmbeddingService pods by default. */}}
+{{- define "embedding-operator.serverImage" -}}
+{{- $tag := default .Chart.AppVersion .Values.serverImage.tag }}
+{{- printf "%s:%s" .Values.serverImage.repository $tag }}
+{{- end }}
+
+{{/* True (non-empty) when the operator watches every namespace. */}}
+{{- define "embedding-operator.clusterWide" -}}
+{{- if not .Values.watchNamespaces }}true{{ end }}
+{{- end }}
+
+{{/*
+prometheus-adapter rules: each queue gauge, per pod, as a custom metric of the same name.
+The HPA asks for `<metric>` on the pods of one Deployment; the adapter maps the request onto
+the series' `namespace` and `pod` labels (which Prometheus' pod discovery adds).
+*/}}
+{{- define "embedding-operator.adapterRules" -}}
+{{- range .Values.prometheusAdapter.metrics }}
+- seriesQuery: '{{ . }}{namespace!="",pod!=""}'
+  resources:
+    overrides:
+      namespace: {resource: namespace}
+      pod: {resource: pod}
+  name:
+    matches: "^{{ . }}$"
+    as: "{{ . }}"
+  metricsQuery: 'sum(<<.Series>>{<<.LabelMatchers>>}) by (<<.GroupBy>>)'
+{{- end }}
+{{- end }}
+
+{{/*
+The operator settings the chart sets, as EMBEDDING_OPERATOR_* variables (a YAML mapping).
+*/}}
+{{- define "embedding-operator.settingsEnv" -}}
+EMBEDDING_OPERATOR_NAMESPACES: {{ join "," .Values.watchNamespaces | quote }}
+EMBEDDING_OPERATOR_DEFAULT_IMAGE: {{ include "embedding-operator.serverImage" . | quote }}
+EMBEDDING_OPERATOR_GPU_PROFILES: /etc/embedding-operator/gpu-profiles.yaml
+EMBEDDING_OPERATOR_LIVENESS: {{ printf "http://0.0.0.0:%d/healthz" (int .Values.operator.healthPort) | quote }}
+EMBEDDING_OPERATOR_LOG_FORMAT: {{ .Values.operator.logFormat | quote }}
+EMBEDDING_OPERATOR_LOG_LEVEL: {{ .Values.operator.logLevel | quote }}
+EMBEDDING_OPERATOR_RESYNC_SECONDS: {{ .Values.operator.resyncSeconds | toString | quote }}
+EMBEDDING_OPERATOR_WORKERS: {{ .Values.operator.workers | toString | quote }}
+EMBEDDING_OPERATOR_LEADER_ELECT: {{ .Values.leaderElection.enabled | toString | quote }}
+EMBEDDING_OPERATOR_LEASE_NAME: {{ include "embedding-operator.leaseName" . | quote }}
+EMBEDDING_OPERATOR_LEASE_NAMESPACE: {{ .Release.Namespace | quote }}
+EMBEDDING_OPERATOR_LEASE_DURATION_SECONDS: {{ .Values.leaderElection.leaseDurationSeconds | toString | quote }}
+EMBEDDING_OPERATOR_RENEW_DEADLINE_SECONDS: {{ .Values.leaderElection.renewDeadlineSeconds | toString | quote }}
+EMBEDDING_OPERATOR_RETRY_PERIOD_SECONDS: {{ .Values.leaderElection.retryPeriodSeconds | toString | quote }}
+{{- end }}
+
+{{- define "embedding-operator.leaseName" -}}
+{{- default (include "embedding-operator.fullname" .) .Values.leaderElection.leaseName }}
+{{- end }}
+
+{{/*
+What the operator does in the namespaces it watches (operator/embedding_operator: handlers.py,
+reconcile.py, apply.py). Writes are server-side apply PATCHes that may create; deletes remove
+children a spec no longer wants (an HPA after autoscaling is switched off, ...).
+*/}}
+{{- define "embedding-operator.workloadRules" -}}
+# The custom resource: watched by kopf, read per reconcile, annotated by kopf (progress),
+# status written by the operator.
+- apiGroups: [embedding-operator.dev]
+  resources: [embeddingservices]
+  verbs: [get, list, watch, patch]
+- apiGroups: [embedding-operator.dev]
+  resources: [embeddingservices/status]
+  verbs: [patch]
+# Owned children: watched (label-selected) and created/patched/deleted by reconcile.
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [services, persistentvolumeclaims]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [autoscaling]
+  resources: [horizontalpodautoscalers]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, list, watch, create, patch, delete]
+# Secrets named by spec.model.hubTokenSecretRef / spec.apiKeySecretRef: existence check only.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get]
+# Events about EmbeddingServices (kopf's and the operator's own).
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- end }}

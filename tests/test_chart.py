@@ -1,0 +1,485 @@
+"""The Helm chart, checked without a cluster: CRD drift, values schema, and rendered output.
+
+The chart's CRD is a copy of the canonical ``crds/embeddingservices.yaml`` (Helm can only read
+files inside the chart); the first test fails the moment the two differ. The rendering tests
+run the real ``helm template`` (the binary the e2e tier builds into ~/.cache; ``make test``
+builds it before the unit tests run) and check what a cluster admin relies on: least-privilege
+RBAC that still covers every call the operator makes, a hardened operator pod, configuration
+the operator actually accepts, and a CRD that ``helm upgrade`` updates.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "charts" / "embedding-operator"
+CANONICAL_CRD = ROOT / "crds" / "embeddingservices.yaml"
+CHART_CRD = CHART / "files" / "crds" / "embeddingservices.yaml"
+CRD_NAME = "embeddingservices.embedding-operator.dev"
+KEEP = "helm.sh/resource-policy"
+RENDER_TIMEOUT_S = 60
+
+Manifest = dict[str, Any]
+
+
+# --- no helm needed --------------------------------------------------------------------------
+
+
+def test_chart_crd_is_the_canonical_crd() -> None:
+    assert CHART_CRD.read_bytes() == CANONICAL_CRD.read_bytes(), (
+        "the chart's CRD drifted from crds/embeddingservices.yaml; sync it with:\n"
+        f"  cp {CANONICAL_CRD.relative_to(ROOT)} {CHART_CRD.relative_to(ROOT)}"
+    )
+
+
+@pytest.fixture(scope="module")
+def schema() -> dict[str, Any]:
+    loaded: dict[str, Any] = json.loads((CHART / "values.schema.json").read_text())
+    jsonschema.Draft7Validator.check_schema(loaded)
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def default_values() -> dict[str, Any]:
+    return dict(yaml.safe_load((CHART / "values.yaml").read_text()))
+
+
+def test_values_yaml_satisfies_its_schema(
+    schema: dict[str, Any], default_values: dict[str, Any]
+) -> None:
+    jsonschema.validate(default_values, schema)
+
+
+@pytest.mark.parametrize(
+    ("override", "why"),
+    [
+        ({"replica": 2}, "a typo of replicaCount"),
+        ({"replicaCount": "2"}, "a string where a number belongs"),
+        ({"watchNamespaces": ["team-*"]}, "a glob: a Role cannot be created for a pattern"),
+        ({"gpuProfiles": {"h100": {"resourcename": "nvidia.com/gpu"}}}, "a misspelt profile key"),
+        ({"operator": {"logLevel": "verbose"}}, "a log level the operator does not know"),
+        ({"image": {"repository": "x", "digest": "latest"}}, "a digest that is not sha256"),
+    ],
+)
+def test_schema_refuses_mistakes(
+    schema: dict[str, Any], default_values: dict[str, Any], override: dict[str, Any], why: str
+) -> None:
+    values = _deep_merge(default_values, override)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(values, schema)
+
+
+def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+# --- helm template ---------------------------------------------------------------------------
+
+
+def find_helm() -> Path | None:
+    """$HELM, else the e2e build cache (e2e/build_binaries.py), else PATH."""
+    if os.environ.get("HELM"):
+        return Path(os.environ["HELM"])
+    sys.path.insert(0, str(ROOT / "e2e"))
+    try:
+        from build_binaries import COMPONENTS, component_dir, read_versions
+    except ImportError:
+        pass
+    else:
+        helm = next(c for c in COMPONENTS if c.name == "helm")
+        built = Path(component_dir(helm, read_versions()[helm.version_key])) / "helm"
+        if built.is_file():
+            return built
+    finally:
+        sys.path.remove(str(ROOT / "e2e"))
+    found = shutil.which("helm")
+    return Path(found) if found else None
+
+
+@pytest.fixture(scope="module")
+def helm() -> Path:
+    path = find_helm()
+    if path is None:
+        pytest.skip("no helm binary: run `make binaries` (make test does) to build it")
+    return path
+
+
+def _helm(helm: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(helm), *args], capture_output=True, text=True, timeout=RENDER_TIMEOUT_S, check=False
+    )
+
+
+def _set_json_args(values: dict[str, Any]) -> list[str]:
+    args: list[str] = []
+    for key, value in values.items():
+        args += ["--set-json", f"{key}={json.dumps(value)}"]
+    return args
+
+
+def render_with(
+    helm: Path, values: dict[str, Any], namespace: str = "ops"
+) -> subprocess.CompletedProcess[str]:
+    return _helm(
+        helm, "template", "eo", str(CHART), "--namespace", namespace, *_set_json_args(values)
+    )
+
+
+def objects(
+    helm: Path, values: dict[str, Any] | None = None, namespace: str = "ops"
+) -> list[Manifest]:
+    proc = render_with(helm, values or {}, namespace)
+    assert proc.returncode == 0, proc.stderr
+    return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
+
+
+def one(
+    docs: Iterable[Manifest], kind: str, name: str | None = None, namespace: str | None = None
+) -> Manifest:
+    found = [
+        d
+        for d in docs
+        if d["kind"] == kind
+        and (name is None or d["metadata"]["name"] == name)
+        and (namespace is None or d["metadata"].get("namespace") == namespace)
+    ]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+    return found[0]
+
+
+def test_helm_lint_is_clean(helm: Path) -> None:
+    proc = _helm(helm, "lint", "--strict", str(CHART))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    namespaced = _helm(
+        helm,
+        "lint",
+        "--strict",
+        str(CHART),
+        "--set-json",
+        'watchNamespaces=["a","b"]',
+        "--set",
+        "replicaCount=2",
+    )
+    assert namespaced.returncode == 0, namespaced.stdout + namespaced.stderr
+
+
+def test_default_install_objects(helm: Path) -> None:
+    kinds = sorted(f"{d['kind']}/{d['metadata']['name']}" for d in objects(helm))
+    assert kinds == sorted(
+        [
+            "ClusterRole/eo-embedding-operator",
+            "ClusterRoleBinding/eo-embedding-operator",
+            "ConfigMap/eo-embedding-operator-config",
+            f"CustomResourceDefinition/{CRD_NAME}",
+            "Deployment/eo-embedding-operator",
+            "Role/eo-embedding-operator-leader-election",
+            "RoleBinding/eo-embedding-operator-leader-election",
+            "ServiceAccount/eo-embedding-operator",
+        ]
+    )
+
+
+def test_rendered_crd_is_the_canonical_crd_plus_helm_metadata(helm: Path) -> None:
+    canonical = yaml.safe_load(CANONICAL_CRD.read_text())
+    crd = one(objects(helm, {"crds.labels": {"team": "ml"}}), "CustomResourceDefinition")
+    assert crd["spec"] == canonical["spec"]
+    assert crd["metadata"]["name"] == canonical["metadata"]["name"]
+    assert crd["metadata"]["annotations"][KEEP] == "keep"
+    assert crd["metadata"]["labels"]["team"] == "ml"
+    for key, value in canonical["metadata"]["labels"].items():
+        assert crd["metadata"]["labels"][key] == value
+
+
+def test_crd_retention_and_opt_out(helm: Path) -> None:
+    crd = one(objects(helm, {"crds.keep": False}), "CustomResourceDefinition")
+    assert KEEP not in (crd["metadata"].get("annotations") or {})
+    assert not [
+        d for d in objects(helm, {"crds.install": False}) if d["kind"] == "CustomResourceDefinition"
+    ]
+
+
+def _env(deployment: Manifest, configmap: Manifest) -> dict[str, str]:
+    """The operator container's environment, ConfigMap references resolved."""
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    env: dict[str, str] = {}
+    for var in container["env"]:
+        if "value" in var:
+            env[var["name"]] = var["value"]
+        elif "configMapKeyRef" in var.get("valueFrom", {}):
+            ref = var["valueFrom"]["configMapKeyRef"]
+            assert ref["name"] == configmap["metadata"]["name"]
+            env[var["name"]] = configmap["data"][ref["key"]]
+    return env
+
+
+def test_configuration_is_accepted_by_the_operator(
+    helm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from embedding_operator.profiles import GpuProfiles
+    from embedding_operator.settings import OperatorSettings
+
+    profile = {
+        "resourceName": "nvidia.com/mig-3g.40gb",
+        "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
+    }
+    docs = objects(
+        helm,
+        {
+            "gpuProfiles": {"h100-mig": profile},
+            "watchNamespaces": ["team-a", "team-b"],
+            "serverImage": {"repository": "registry.example/srv", "tag": "1.2"},
+        },
+    )
+    configmap = one(docs, "ConfigMap")
+    env = _env(one(docs, "Deployment"), configmap)
+    prefixed = {k: v for k, v in env.items() if k.startswith("EMBEDDING_OPERATOR_")}
+    for key in prefixed:
+        field = key.removeprefix("EMBEDDING_OPERATOR_").lower()
+        assert field in OperatorSettings.model_fields, f"{key} is no operator setting"
+    for key in list(os.environ):
+        if key.startswith("EMBEDDING_OPERATOR_"):
+            monkeypatch.delenv(key)
+    for key, value in prefixed.items():
+        monkeypatch.setenv(key, value)
+    from_env: dict[str, Any] = {}  # every field from the environment, as in the pod
+    settings = OperatorSettings(**from_env)
+    assert settings.namespaces == ["team-a", "team-b"]
+    assert settings.default_image == "registry.example/srv:1.2"
+    assert settings.leader_elect is True
+    assert settings.lease_namespace == "ops"
+    assert str(settings.gpu_profiles) == "/etc/embedding-operator/gpu-profiles.yaml"
+    # The profile file the Deployment mounts at that path.
+    profiles_file = tmp_path / "gpu-profiles.yaml"
+    profiles_file.write_text(configmap["data"]["gpu-profiles.yaml"])
+    profiles = GpuProfiles.load(profiles_file)
+    assert profiles.resolve("h100-mig").resource_name == "nvidia.com/mig-3g.40gb"
+    assert profiles.resolve("l4").resource_name == "nvidia.com/gpu"  # built-ins stay
+
+
+def test_default_configuration_has_no_profiles_but_the_builtins(helm: Path, tmp_path: Path) -> None:
+    from embedding_operator.profiles import BUILTIN_PROFILES, GpuProfiles
+
+    path = tmp_path / "p.yaml"
+    path.write_text(one(objects(helm), "ConfigMap")["data"]["gpu-profiles.yaml"])
+    assert GpuProfiles.load(path).names() == sorted(BUILTIN_PROFILES)
+
+
+def test_operator_pod_is_hardened_and_probed(helm: Path) -> None:
+    docs = objects(helm)
+    deployment = one(docs, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] == 1000
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
+    assert container["args"] == ["run"]
+    assert pod["serviceAccountName"] == one(docs, "ServiceAccount")["metadata"]["name"]
+    # The probe hits the endpoint the operator is told to serve (kopf's liveness URL).
+    liveness_url = _env(deployment, one(docs, "ConfigMap"))["EMBEDDING_OPERATOR_LIVENESS"]
+    probe = container["livenessProbe"]["httpGet"]
+    port = next(p for p in container["ports"] if p["name"] == probe["port"])
+    assert liveness_url == f"http://0.0.0.0:{port['containerPort']}{probe['path']}"
+    # Leader identity is the pod name, so `kubectl get lease` names the leading pod.
+    identity = next(v for v in container["env"] if v["name"] == "EMBEDDING_OPERATOR_IDENTITY")
+    assert identity["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+
+
+def test_config_change_rolls_the_operator(helm: Path) -> None:
+    def checksum(values: dict[str, Any]) -> str:
+        deployment = one(objects(helm, values), "Deployment")
+        return str(deployment["spec"]["template"]["metadata"]["annotations"]["checksum/config"])
+
+    assert checksum({}) != checksum({"serverImage": {"repository": "r/s", "tag": "2"}})
+
+
+def test_two_replicas_need_leader_election(helm: Path) -> None:
+    assert one(objects(helm, {"replicaCount": 2}), "Deployment")["spec"]["replicas"] == 2
+    refused = render_with(helm, {"replicaCount": 2, "leaderElection": {"enabled": False}})
+    assert refused.returncode != 0
+    assert "leaderElection.enabled" in refused.stderr
+    single = one(objects(helm, {"leaderElection": {"enabled": False}}), "Deployment")
+    assert single["spec"]["strategy"]["type"] == "Recreate"
+
+
+def test_helm_enforces_the_values_schema(helm: Path) -> None:
+    refused = render_with(helm, {"replica": 2})
+    assert refused.returncode != 0
+    assert "replica" in refused.stderr
+
+
+# --- RBAC ------------------------------------------------------------------------------------
+
+
+def grants(rules: list[dict[str, Any]], group: str, resource: str) -> set[str]:
+    verbs: set[str] = set()
+    for rule in rules:
+        if (
+            group in rule["apiGroups"]
+            and resource in rule["resources"]
+            and not rule.get("resourceNames")
+        ):
+            verbs |= set(rule["verbs"])
+    return verbs
+
+
+def _group(api_version: str) -> str:
+    return api_version.rsplit("/", 1)[0] if "/" in api_version else ""
+
+
+def operator_children() -> list[tuple[str, str]]:
+    """(group, plural) of every child kind the operator watches and writes."""
+    from embedding_operator.handlers import CHILD_RESOURCES
+
+    return [(sel[0] if len(sel) == 3 else "", sel[-1]) for sel in CHILD_RESOURCES]
+
+
+WORKLOAD_VERBS = {"get", "list", "watch", "create", "patch", "delete"}
+
+
+def assert_workload_rules(rules: list[dict[str, Any]]) -> None:
+    from embedding_operator.builders.common import GROUP, PLURAL
+
+    for group, plural in operator_children():
+        assert grants(rules, group, plural) == WORKLOAD_VERBS, plural
+    assert grants(rules, GROUP, PLURAL) == {"get", "list", "watch", "patch"}
+    assert grants(rules, GROUP, f"{PLURAL}/status") == {"patch"}
+    assert grants(rules, "", "secrets") == {"get"}, "Secrets: existence checks only"
+    assert grants(rules, "", "events") == {"create"}
+
+
+def assert_least_privilege(docs: list[Manifest]) -> None:
+    for doc in docs:
+        if doc["kind"] not in ("ClusterRole", "Role"):
+            continue
+        for rule in doc["rules"]:
+            for key in ("apiGroups", "resources", "verbs"):
+                assert "*" not in rule[key], f"{doc['metadata']['name']}: wildcard {key}"
+            assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"])
+
+
+def test_cluster_wide_rbac(helm: Path) -> None:
+    docs = objects(helm)
+    assert_least_privilege(docs)
+    cluster_role = one(docs, "ClusterRole")
+    assert_workload_rules(cluster_role["rules"])
+    assert grants(cluster_role["rules"], "apiextensions.k8s.io", "customresourcedefinitions") == {
+        "list",
+        "watch",
+    }
+    # Cluster-wide, kopf does not track namespaces; nodes and the like are never needed.
+    assert not grants(cluster_role["rules"], "", "namespaces")
+    assert not grants(cluster_role["rules"], "", "nodes")
+    binding = one(docs, "ClusterRoleBinding")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "eo-embedding-operator", "namespace": "ops"}
+    ]
+
+
+def test_namespaced_rbac(helm: Path) -> None:
+    docs = objects(helm, {"watchNamespaces": ["team-a", "team-b"]})
+    assert_least_privilege(docs)
+    cluster_role = one(docs, "ClusterRole")
+    assert {(tuple(r["apiGroups"]), tuple(r["resources"])) for r in cluster_role["rules"]} == {
+        (("apiextensions.k8s.io",), ("customresourcedefinitions",)),
+        (("",), ("namespaces",)),
+    }
+    for ns in ("team-a", "team-b"):
+        role = one(docs, "Role", "eo-embedding-operator", ns)
+        assert_workload_rules(role["rules"])
+        binding = one(docs, "RoleBinding", "eo-embedding-operator", ns)
+        assert binding["roleRef"]["name"] == role["metadata"]["name"]
+        assert binding["subjects"][0]["namespace"] == "ops"
+    assert not [
+        d
+        for d in docs
+        if d["kind"] == "Role" and d["metadata"]["namespace"] not in ("team-a", "team-b", "ops")
+    ]
+
+
+def test_leader_election_rbac_is_one_lease(helm: Path) -> None:
+    docs = objects(helm, {"leaderElection": {"leaseName": "my-lease"}})
+    role = one(docs, "Role", "eo-embedding-operator-leader-election", "ops")
+    named = [r for r in role["rules"] if r.get("resourceNames")]
+    assert named == [
+        {
+            "apiGroups": ["coordination.k8s.io"],
+            "resources": ["leases"],
+            "resourceNames": ["my-lease"],
+            "verbs": ["get", "update"],
+        }
+    ]
+    assert grants(role["rules"], "coordination.k8s.io", "leases") == {"create"}
+    env = _env(one(docs, "Deployment"), one(docs, "ConfigMap"))
+    assert env["EMBEDDING_OPERATOR_LEASE_NAME"] == "my-lease"
+    without = objects(helm, {"leaderElection": {"enabled": False}})
+    assert not [d for d in without if d["kind"] == "Role"]
+
+
+# --- monitoring and autoscaling glue ---------------------------------------------------------
+
+
+def test_monitors_select_the_operators_server_pods(helm: Path) -> None:
+    from embedding_operator.builders.common import PORT_NAME, Owner, common_labels
+
+    server_labels = common_labels(Owner(name="any", namespace="x", uid=""))
+    pod_monitor = one(
+        objects(helm, {"monitoring": {"podMonitor": {"enabled": True}}}), "PodMonitor"
+    )
+    selector = pod_monitor["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= server_labels.items()
+    assert pod_monitor["spec"]["namespaceSelector"] == {"any": True}
+    assert pod_monitor["spec"]["podMetricsEndpoints"][0]["port"] == PORT_NAME
+    service_monitor = one(
+        objects(
+            helm, {"monitoring": {"serviceMonitor": {"enabled": True}}, "watchNamespaces": ["a"]}
+        ),
+        "ServiceMonitor",
+    )
+    assert service_monitor["spec"]["selector"]["matchLabels"].items() <= server_labels.items()
+    assert service_monitor["spec"]["namespaceSelector"] == {"matchNames": ["a"]}
+    both = render_with(
+        helm, {"monitoring": {"podMonitor": {"enabled": True}, "serviceMonitor": {"enabled": True}}}
+    )
+    assert both.returncode != 0
+    assert not [d for d in objects(helm) if d["kind"] in ("PodMonitor", "ServiceMonitor")]
+
+
+def test_adapter_rules_publish_every_metric_an_hpa_can_use(helm: Path) -> None:
+    from embedding_operator.builders.hpa import QUEUE_METRICS
+
+    docs = objects(
+        helm,
+        {"prometheusAdapter": {"namespace": "monitoring", "rulesConfigMap": {"enabled": True}}},
+    )
+    configmap = one(docs, "ConfigMap", "eo-embedding-operator-adapter-rules", "monitoring")
+    rules = yaml.safe_load(configmap["data"]["config.yaml"])["rules"]
+    published = {rule["name"]["as"] for rule in rules}
+    assert set(QUEUE_METRICS.values()) <= published
+    for rule in rules:
+        # Per pod, so an HPA's Pods metric averages only its own Deployment's pods.
+        assert rule["resources"]["overrides"] == {
+            "namespace": {"resource": "namespace"},
+            "pod": {"resource": "pod"},
+        }
