@@ -198,10 +198,14 @@ def read_sentence_transformers(path: Path) -> SentenceTransformerConfig:
 
 def _read_pooling(st: SentenceTransformerConfig, cfg: Mapping[str, Any]) -> None:
     st.include_prompt = bool(cfg.get("include_prompt", True))
-    mode = cfg.get("pooling_mode")
-    modes = [mode] if isinstance(mode, str) else [
-        key.removeprefix("pooling_mode_").removesuffix("_tokens").removesuffix("_token")
-        for key, value in cfg.items() if key.startswith("pooling_mode_") and value]
+    mode = cfg.get("pooling_mode")   # sentence-transformers >= 6: a name or a list of names
+    if isinstance(mode, str):
+        modes = [mode]
+    elif isinstance(mode, list):
+        modes = [str(m) for m in mode]
+    else:                             # older: one boolean per mode
+        modes = [key.removeprefix("pooling_mode_").removesuffix("_tokens").removesuffix("_token")
+                 for key, value in cfg.items() if key.startswith("pooling_mode_") and value]
     mapping: dict[str, PoolingMethod] = {"cls": "cls", "mean": "mean", "lasttoken": "last",
                                          "last": "last"}
     supported = [mapping[m] for m in modes if m in mapping]

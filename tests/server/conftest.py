@@ -12,7 +12,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from _models import MINILM_DIR, build_bert, build_decoder, build_xlm_roberta  # noqa: E402
+from _models import MINILM_DIR, build_bert, build_decoder, build_xlm_roberta
 
 
 @pytest.fixture(scope="session")

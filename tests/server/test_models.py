@@ -16,12 +16,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModel
-
 from embedding_server import attention
 from embedding_server.engine import Engine
 from embedding_server.errors import UnsupportedModelError
 from embedding_server.models.base import PackedBatch
+from transformers import AutoModel
 
 FAMILIES = ["bert", "xlm-roberta", "qwen2", "qwen3", "llama", "mistral"]
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from embedding_server.engine import Engine
 from embedding_server.errors import InvalidRequestError
 from embedding_server.pooling import Matryoshka, build_matryoshka, finalize, pool

@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-
 from embedding_server.engine import Engine
 from embedding_server.errors import NotReadyError, QueueFullError
 from embedding_server.metrics import Metrics

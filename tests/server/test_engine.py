@@ -1,0 +1,242 @@
+"""The offline and async Engine API on the real all-MiniLM-L6-v2 and the fake backend."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from embedding_server.engine import Engine, StageTimings
+from embedding_server.errors import InputTooLongError, InvalidRequestError, NotReadyError
+from embedding_server.metrics import Metrics
+from embedding_server.tokenization import Truncation
+from sentence_transformers import SentenceTransformer
+
+pytestmark = pytest.mark.timeout(120)
+
+MIXED = [
+    "a",                                                   # [CLS] a [SEP]
+    "The cat sat on the mat.",
+    "Embeddings map text to vectors; similar meanings land close together. " * 3,
+    "x",
+    "A fairly long passage about continuous batching and token budgets, " * 30,  # > 256 tokens
+    "short",
+    "Pack all sequences of a batch into one tensor without padding.",
+]
+
+
+@pytest.fixture(scope="module")
+def st_model() -> SentenceTransformer:
+    from _models import MINILM_DIR
+
+    return SentenceTransformer(str(MINILM_DIR), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def st_reference(st_model: SentenceTransformer) -> np.ndarray:
+    return np.asarray(st_model.encode(MIXED, batch_size=len(MIXED), convert_to_numpy=True))
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.sum(a * b, axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+def test_float32_parity_with_sentence_transformers(minilm_engine: Engine,
+                                                   st_reference: np.ndarray) -> None:
+    lengths = [len(ids) for ids in minilm_engine.tokenize(MIXED)]
+    assert min(lengths) == 3 and max(lengths) > 256          # 1 content token .. over max
+    result = minilm_engine.embed_full(MIXED)
+    assert result.embeddings.dtype == np.float32 and result.embeddings.shape == (7, 384)
+    assert cosines(result.embeddings, st_reference).min() >= 0.9999
+    assert max(result.token_counts) == 256 and result.truncated_inputs == 1
+
+
+def test_bfloat16_parity(st_reference: np.ndarray) -> None:
+    engine = Engine.from_pretrained(dtype="bfloat16")
+    assert engine.info().dtype == "bfloat16"
+    vectors = engine.embed(MIXED)
+    assert vectors.dtype == np.float32
+    assert cosines(vectors, st_reference).min() >= 0.999
+
+
+async def test_async_path_matches_offline_and_reports_usage(minilm_engine: Engine) -> None:
+    metrics = Metrics()
+    engine = Engine.from_pretrained(dtype="float32", metrics=metrics)
+    offline = minilm_engine.embed(MIXED)
+    assert not engine.ready
+    with pytest.raises(NotReadyError):
+        await engine.aembed(["too early"])
+    await engine.start()
+    try:
+        assert engine.ready
+        result = await engine.aembed(MIXED)
+        np.testing.assert_allclose(result.embeddings, offline, atol=1e-5)
+        assert result.prompt_tokens == sum(result.token_counts)
+        assert result.truncated_inputs == 1
+        assert isinstance(result.timings, StageTimings)
+        assert result.timings.forward > 0 and result.timings.tokenize > 0
+        assert result.timings.total >= result.timings.forward
+        sample = metrics.registry.get_sample_value
+        assert sample("embedding_server_input_tokens_total") == result.prompt_tokens
+        assert sample("embedding_server_truncated_inputs_total") == 1
+        assert sample("embedding_server_stage_seconds_count", {"stage": "forward"}) == 1
+        assert (sample("embedding_server_model_load_seconds") or 0) > 0
+        with pytest.raises(RuntimeError, match="await the async form"):
+            engine.embed(["sync call inside the loop"])
+        # a sync call from another thread goes through the running scheduler
+        box: dict[str, Any] = {}
+        worker = threading.Thread(target=lambda: box.update(v=engine.embed(MIXED[:2])))
+        worker.start()
+        while worker.is_alive():
+            await asyncio.sleep(0.01)
+        np.testing.assert_allclose(box["v"], offline[:2], atol=1e-5)
+    finally:
+        await engine.stop()
+    assert not engine.ready
+
+
+def test_token_ids_are_accepted_and_equal_the_text(minilm_engine: Engine) -> None:
+    ids = minilm_engine.tokenize(["hello there", "general kenobi"])
+    np.testing.assert_allclose(minilm_engine.embed(ids),
+                               minilm_engine.embed(["hello there", "general kenobi"]),
+                               atol=1e-6)
+    single = minilm_engine.embed(ids[0])                    # one list[int] = one input
+    assert single.shape == (1, 384)
+    content = minilm_engine.tokenize("hello there", add_special_tokens=False)[0]
+    assert minilm_engine.detokenize(ids[0]) == "hello there"
+    assert len(content) == len(ids[0]) - 2
+    raw = minilm_engine.embed(["hello there"], add_special_tokens=False)
+    np.testing.assert_allclose(raw, minilm_engine.embed([content]), atol=1e-6)
+
+
+def test_truncation_sides_and_refusal(minilm_engine: Engine) -> None:
+    text = " ".join(f"word{i}" for i in range(300))
+    ids = minilm_engine.tokenize(text)[0]
+    assert len(ids) > 256
+    cls, sep, content = ids[0], ids[-1], ids[1:-1]
+    right = minilm_engine.embed([text], truncate="right")
+    np.testing.assert_allclose(right, minilm_engine.embed([[cls, *content[:254], sep]]),
+                               atol=1e-6)
+    left = minilm_engine.embed([text], truncate=Truncation(side="left"))
+    np.testing.assert_allclose(left, minilm_engine.embed([[cls, *content[-254:], sep]]),
+                               atol=1e-6)
+    short = minilm_engine.embed_full([text], truncate=Truncation.from_openai(10))
+    assert short.token_counts == [10] and short.truncated_inputs == 1
+    np.testing.assert_allclose(short.embeddings,
+                               minilm_engine.embed([[cls, *content[:8], sep]]), atol=1e-6)
+    with pytest.raises(InputTooLongError) as err:
+        minilm_engine.embed(["fine", text], truncate=False)
+    assert err.value.param == "input" and err.value.max_tokens == 256
+    assert err.value.token_count == len(ids) and "input[1]" in err.value.message
+    with pytest.raises(InputTooLongError):
+        minilm_engine.embed([text], truncate=Truncation.from_cohere("NONE"))
+    with pytest.raises(InvalidRequestError) as too_big:
+        minilm_engine.embed([text], truncate=Truncation.from_openai(1000))
+    assert too_big.value.param == "truncate_prompt_tokens"
+    whole = minilm_engine.embed_full([text], truncate=Truncation.from_openai(-1))
+    assert whole.token_counts == [256]
+
+
+def test_truncation_dialects() -> None:
+    assert Truncation.from_openai(None) == Truncation(side=None, param="input")
+    assert Truncation.from_openai(-1, "left").side == "left"
+    assert Truncation.from_cohere("START") == Truncation(side="left")
+    assert Truncation.from_cohere(None).side == "right"
+    assert Truncation.from_tei(True, "Left").side == "left"
+    assert Truncation.from_tei(False).side is None
+    for bad in (lambda: Truncation.from_openai(0), lambda: Truncation.from_cohere("MIDDLE"),
+                lambda: Truncation.from_openai(5, "middle")):
+        with pytest.raises(InvalidRequestError):
+            bad()
+
+
+@pytest.mark.parametrize("bad, fragment", [
+    ("", "empty string"),
+    ([], "empty list"),
+    (["ok", ""], "input[1] must not be an empty string"),
+    (["ok", 3.5], "input[1] must be a string"),
+    ({"text": "x"}, "got dict"),
+    (None, "got NoneType"),
+    ([["a"]], "input[0]"),
+    ([[1, 2], []], "input[1] must not be an empty token list"),
+    ([[1, 99999999]], "token ids must be integers in [0, 30522)"),
+])
+def test_bad_input_is_a_typed_error_naming_the_field(minilm_engine: Engine, bad: Any,
+                                                     fragment: str) -> None:
+    with pytest.raises(InvalidRequestError) as err:
+        minilm_engine.embed(bad)
+    assert err.value.param == "input"
+    assert fragment in err.value.message
+
+
+def test_score_is_cosine(minilm_engine: Engine) -> None:
+    a = ["a cat", "a dog", "a car"]
+    b = ["a kitten", "a puppy", "an automobile"]
+    va, vb = minilm_engine.embed(a), minilm_engine.embed(b)
+    np.testing.assert_allclose(minilm_engine.score(a, b), np.sum(va * vb, axis=1), atol=1e-6)
+    one_to_many = minilm_engine.score("a cat", b)
+    assert one_to_many.shape == (3,) and int(np.argmax(one_to_many)) == 0
+    with pytest.raises(InvalidRequestError) as err:
+        minilm_engine.score(a, b[:2])
+    assert err.value.param == "text_2"
+
+
+def test_prompts_on_the_fake_backend() -> None:
+    engine = Engine.from_pretrained("fake?dim=16")
+    np.testing.assert_allclose(engine.embed(["cats"], prompt_name="query"),
+                               engine.embed(["query: cats"]), atol=1e-6)
+    np.testing.assert_allclose(engine.embed(["cats"], prompt="passage: "),
+                               engine.embed(["passage: cats"]), atol=1e-6)
+    with pytest.raises(InvalidRequestError) as err:
+        engine.embed(["cats"], prompt_name="nope")
+    assert err.value.param == "prompt_name" and "query" in err.value.message
+    with pytest.raises(InvalidRequestError):
+        engine.embed(["cats"], prompt="x", prompt_name="query")
+    defaulted = Engine.from_pretrained("fake?dim=16", default_prompt_name="query")
+    np.testing.assert_allclose(defaulted.embed(["cats"]), engine.embed(["query: cats"]),
+                               atol=1e-6)
+
+
+def test_per_token_embeddings(minilm_engine: Engine, st_model: SentenceTransformer) -> None:
+    texts = ["one", "a somewhat longer sentence"]
+    ours = minilm_engine.embed_tokens(texts)
+    theirs = st_model.encode(texts, output_value="token_embeddings")
+    for got, want in zip(ours, theirs, strict=True):
+        assert got.dtype == np.float32
+        np.testing.assert_allclose(got, np.asarray(want), atol=1e-4)
+
+
+async def test_async_token_and_score_results() -> None:
+    engine = Engine.from_pretrained("fake?dim=16")
+    async with engine:
+        tokens = await engine.aembed_tokens(["ab", "abc"])
+        assert [t.shape for t in tokens.embeddings] == [(4, 16), (5, 16)]
+        assert tokens.token_ids[0] == engine.tokenize("ab")[0]
+        assert tokens.prompt_tokens == 9
+        scored = await engine.ascore("abc", ["abc", "xyz"])
+        assert scored.scores[0] == pytest.approx(1.0, abs=1e-6) and scored.scores[1] < 1
+        assert await engine.atokenize("ab") == engine.tokenize("ab")
+
+
+@pytest.fixture
+def cpu_flags(monkeypatch: pytest.MonkeyPatch) -> Iterator[set[str]]:
+    from embedding_server import dtypes
+
+    flags: set[str] = set()
+    monkeypatch.setattr(dtypes, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(dtypes.torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    yield flags
+
+
+def test_auto_dtype_on_cpu_follows_bf16_support(cpu_flags: set[str]) -> None:
+    import torch
+    from embedding_server.dtypes import resolve_dtype
+
+    cpu = torch.device("cpu")
+    assert resolve_dtype("auto", cpu) == torch.float32
+    cpu_flags.add("avx512_bf16")
+    assert resolve_dtype("auto", cpu) == torch.bfloat16
+    assert resolve_dtype("float16", cpu) == torch.float16
