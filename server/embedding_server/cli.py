@@ -16,13 +16,17 @@ import signal
 import sys
 import types
 from collections.abc import Sequence
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
 
+import uvicorn
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsError
 
 from embedding_server.settings import DEFAULT_MODEL, ServerSettings
+
+if TYPE_CHECKING:  # the API pulls in torch; --help and settings errors should not wait for it
+    from embedding_server.api.lifecycle import Lifecycle
 
 PROG = "embedding-server"
 ENV_PREFIX = "EMBEDDING_SERVER_"
@@ -139,10 +143,23 @@ def load_settings(argv: Sequence[str] | None = None) -> ServerSettings:
     return settings
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn, but readiness drops to 503 the moment a stop signal arrives.
+
+    uvicorn itself then stops accepting connections and waits for in-flight requests.
+    """
+
+    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle) -> None:
+        super().__init__(config)
+        self.lifecycle = lifecycle
+
+    def handle_exit(self, sig: int, frame: types.FrameType | None) -> None:
+        self.lifecycle.begin_drain(reason=signal.Signals(sig).name)
+        super().handle_exit(sig, frame)
+
+
 def serve(settings: ServerSettings) -> int:
     """Run the HTTP server until a signal; return the process exit status."""
-    import uvicorn
-
     from embedding_server.api.app import create_app
     from embedding_server.logging import configure_logging
 
@@ -150,19 +167,12 @@ def serve(settings: ServerSettings) -> int:
     app = create_app(settings)
     lifecycle = app.state.lifecycle
 
-    class _Server(uvicorn.Server):
-        """uvicorn, but readiness drops to 503 the moment a stop signal arrives."""
-
-        def handle_exit(self, sig: int, frame: types.FrameType | None) -> None:
-            lifecycle.begin_drain(reason=signal.Signals(sig).name)
-            super().handle_exit(sig, frame)
-
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_config=None, access_log=False,
         loop=_best("uvloop", "asyncio"), http=_best("httptools", "h11"), lifespan="on",
         timeout_graceful_shutdown=int(max(1.0, settings.shutdown_timeout)),
         log_level=settings.log_level, server_header=False)
-    server = _Server(config)
+    server = DrainingServer(config, lifecycle)
     lifecycle.on_fatal = lambda: setattr(server, "should_exit", True)
     server.run()
     if lifecycle.exit_code == 0 and not server.started:

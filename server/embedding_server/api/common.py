@@ -15,7 +15,7 @@ from starlette.responses import Response
 from embedding_server.api.encoding import dumps
 from embedding_server.api.errors import ClientDisconnectedError
 from embedding_server.api.lifecycle import Lifecycle, lifecycle_of
-from embedding_server.engine import Engine
+from embedding_server.engine import Engine, StageTimings
 from embedding_server.errors import InvalidRequestError, ModelNotFoundError
 
 T = TypeVar("T")
@@ -90,11 +90,12 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
     raise ClientDisconnectedError("The client disconnected; its work was cancelled.")
 
 
-def timing_headers(timings: Any, tokens: int) -> dict[str, str]:
+def timing_headers(timings: StageTimings, tokens: int) -> dict[str, str]:
     """``x-tokenization-time``, ``x-queue-time``, ``x-inference-time`` (ms) and
-    ``x-compute-tokens``, as TEI sends them."""
+    ``x-compute-tokens`` as TEI sends them, plus ``x-pooling-time`` (pool + head)."""
     def ms(name: str) -> str:
-        return f"{float(getattr(timings, name, 0.0) or 0.0) * 1000.0:.3f}"
+        return f"{float(getattr(timings, name)) * 1000.0:.3f}"
 
-    return {"x-tokenization-time": ms("tokenize_s"), "x-queue-time": ms("queue_s"),
-            "x-inference-time": ms("inference_s"), "x-compute-tokens": str(tokens)}
+    return {"x-tokenization-time": ms("tokenize"), "x-queue-time": ms("queue"),
+            "x-inference-time": ms("forward"), "x-pooling-time": ms("pool"),
+            "x-compute-tokens": str(tokens)}

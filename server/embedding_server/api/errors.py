@@ -124,6 +124,10 @@ async def handle_validation_error(request: Request, exc: Exception) -> Response:
 
 async def handle_http_exception(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
+    if isinstance(exc.__cause__, EmbeddingServerError):
+        # FastAPI wraps errors raised while reading the body (our 413 from the counting
+        # receive) in a generic 400; the cause is the real answer.
+        return response_for(exc.__cause__)
     status = exc.status_code
     if status == 404:
         message = f"No route {request.method} {request.url.path}."

@@ -111,7 +111,8 @@ class RequestContextMiddleware:
             else:
                 await self.app(scope, self._limited(receive), send_wrapper)
         except Exception:
-            logger.exception("unhandled error in %s %s", scope.get("method"), path)
+            logger.exception("unhandled error in %s %s (request id %s)", scope.get("method"),
+                             path, request_id)
             if not status_holder:
                 await self._send_error(send_wrapper, 500, "The server had an error while "
                                        f"processing the request (request id {request_id}).",

@@ -1,0 +1,117 @@
+"""Helpers for the HTTP API tests: a real uvicorn server on a free loopback port.
+
+The server runs in a background thread (its own event loop), bound to a socket we create
+on 127.0.0.1 port 0 so there is no race for a port. ``start`` returns once ``/ready`` says
+200, polling with a deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import uvicorn
+from embedding_server.api import create_app
+from embedding_server.api.lifecycle import Lifecycle
+from embedding_server.cli import DrainingServer
+from embedding_server.engine import Engine
+from embedding_server.metrics import Metrics
+from embedding_server.settings import ServerSettings
+
+MINILM_DIMS = 384
+
+
+def wait_for(condition: Callable[[], bool], *, timeout: float = 30.0, interval: float = 0.02,
+             what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+class RunningServer:
+    """A uvicorn server in a thread; ``url`` is its base URL."""
+
+    def __init__(self, settings: ServerSettings, engine: Engine | None = None) -> None:
+        self.settings = settings
+        self.app = create_app(settings, engine)
+        self.lifecycle: Lifecycle = self.app.state.lifecycle
+        self.metrics: Metrics = self.app.state.metrics
+        # proto=IPPROTO_TCP matters: asyncio only sets TCP_NODELAY on accepted sockets whose
+        # proto says TCP, and without it every response waits ~40 ms for a delayed ACK.
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind(("127.0.0.1", 0))
+        self.port = self._socket.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="on",
+                                loop="asyncio", timeout_graceful_shutdown=10)
+        self.server = DrainingServer(config, self.lifecycle)
+        self._thread = threading.Thread(target=self.server.run,
+                                        kwargs={"sockets": [self._socket]}, daemon=True,
+                                        name=f"uvicorn-{self.port}")
+
+    def start(self, timeout: float = 120.0) -> RunningServer:
+        self._thread.start()
+
+        def ready() -> bool:
+            with contextlib.suppress(httpx.HTTPError):
+                return httpx.get(self.url + "/ready", timeout=2).status_code == 200
+            return False
+
+        wait_for(ready, timeout=timeout, what=f"{self.url}/ready")
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=30)
+        self._socket.close()
+
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float:
+        """Current value of one sample, read in-process (does not count as a request)."""
+        return self.metrics.registry.get_sample_value(name, labels or {}) or 0.0
+
+    def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
+        """Current value of one sample, read through GET /metrics like a scraper would."""
+        return scrape(self.url, name, labels)
+
+
+def scrape(url: str, name: str, labels: dict[str, str] | None = None) -> float:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    return sample(text, name, labels)
+
+
+def sample(text: str, name: str, labels: dict[str, str] | None = None) -> float:
+    """The value of sample ``name{labels}`` in a Prometheus exposition (0 when absent)."""
+    for line in text.splitlines():
+        if not line.startswith(name):
+            continue
+        match = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$", line)
+        if not match or match.group(1) != name:
+            continue
+        found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
+        if labels is None or all(found.get(k) == v for k, v in labels.items()):
+            return float(match.group(3))
+    return 0.0
+
+
+@contextlib.contextmanager
+def running_server(settings: ServerSettings, engine: Engine | None = None,
+                   timeout: float = 120.0) -> Iterator[RunningServer]:
+    server = RunningServer(settings, engine).start(timeout)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def fake_settings(model: str = "fake", **overrides: Any) -> ServerSettings:
+    return ServerSettings(model=model, **overrides)

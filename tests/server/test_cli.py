@@ -1,0 +1,104 @@
+"""The ``embedding-server`` command line: flags from the settings model, env vars, and clear
+one-line failures."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+from embedding_server.cli import EXIT_BAD_SETTINGS, build_parser, load_settings
+from embedding_server.settings import ServerSettings
+
+SCRIPT = os.path.join(os.path.dirname(sys.executable), "embedding-server")
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None,
+            timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDDING_SERVER_")}
+    full_env.update(env or {})
+    return subprocess.run([SCRIPT, *args], capture_output=True, text=True, timeout=timeout,
+                          env=full_env, check=False)
+
+
+def serve_help() -> str:
+    sub = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    return " ".join(sub.format_help().split())
+
+
+def test_top_level_help_names_the_serve_command() -> None:
+    result = run_cli("--help")
+    assert result.returncode == 0
+    assert "serve" in result.stdout and "EMBEDDING_SERVER_" in result.stdout
+
+
+def test_every_setting_is_a_flag_with_its_description_as_help() -> None:
+    text = serve_help()
+    for name, field in ServerSettings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        assert flag in text, flag
+        assert f"EMBEDDING_SERVER_{name.upper()}" in text
+        first_words = " ".join((field.description or "").split()[:4])
+        assert first_words in text, (flag, first_words)
+    for flag in ("--model", "--served-model-name", "--host", "--port", "--dtype", "--pooling",
+                 "--normalize", "--no-normalize", "--dimensions", "--max-model-len",
+                 "--max-batch-tokens", "--max-batch-size", "--max-queue-tokens", "--api-key",
+                 "--tensor-parallel-size", "--log-level", "--log-format"):
+        assert flag in text
+
+
+def test_flags_parse_into_settings_and_win_over_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EMBEDDING_SERVER_PORT", "9001")
+    monkeypatch.setenv("EMBEDDING_SERVER_MAX_BATCH_SIZE", "7")
+    settings = load_settings(["serve", "--port", "9002", "--no-normalize",
+                              "--matryoshka-dimensions", "128, 256", "--model", "fake",
+                              "--log-format", "json"])
+    assert settings.port == 9002                   # flag beats env
+    assert settings.max_batch_size == 7            # env applies where no flag was given
+    assert settings.normalize is False
+    assert settings.matryoshka_dimensions == [128, 256]
+    assert settings.log_format == "json"
+    assert load_settings(["serve", "--normalize"]).normalize is True
+    assert load_settings(["serve"]).normalize is None
+
+
+@pytest.mark.parametrize(("args", "env", "named"), [
+    (["--tensor-parallel-size", "2"], {}, "--tensor-parallel-size"),
+    (["--port", "70000"], {}, "--port"),
+    (["--dtype", "int4"], {}, "--dtype"),
+    ([], {"EMBEDDING_SERVER_MAX_BATCH_TOKENS": "lots"}, "EMBEDDING_SERVER_MAX_BATCH_TOKENS"),
+    (["--model", "/no/such/model/dir"], {}, "--model"),
+])
+def test_invalid_settings_fail_with_one_line_naming_the_setting(
+        args: list[str], env: dict[str, str], named: str) -> None:
+    result = run_cli("serve", *args, env=env)
+    assert result.returncode == EXIT_BAD_SETTINGS
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert named in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_tensor_parallelism_refusal_says_why() -> None:
+    result = run_cli("serve", "--tensor-parallel-size", "4")
+    assert "tensor parallelism is not implemented" in result.stderr
+
+
+def test_a_model_that_cannot_load_exits_1_with_one_clear_line() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    result = run_cli("serve", "--model", "fake?bogus=1", "--port", str(port), timeout=120)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if "cannot serve" in line]
+    assert len(errors) == 1 and "bogus" in errors[0]
+
+
+def test_python_dash_m_is_the_same_cli() -> None:
+    result = subprocess.run([sys.executable, "-m", "embedding_server", "serve", "--port", "0"],
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == EXIT_BAD_SETTINGS
+    assert "--port" in result.stderr
