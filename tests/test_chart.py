@@ -365,6 +365,7 @@ def assert_workload_rules(rules: list[dict[str, Any]]) -> None:
         assert grants(rules, group, plural) == WORKLOAD_VERBS, plural
     assert grants(rules, GROUP, PLURAL) == {"get", "list", "watch", "patch"}
     assert grants(rules, GROUP, f"{PLURAL}/status") == {"patch"}
+    assert grants(rules, GROUP, f"{PLURAL}/finalizers") == {"update"}  # blockOwnerDeletion
     assert grants(rules, "", "secrets") == {"get"}, "Secrets: existence checks only"
     assert grants(rules, "", "events") == {"create"}
 

@@ -126,6 +126,12 @@ children a spec no longer wants (an HPA after autoscaling is switched off, ...).
 - apiGroups: [embedding-operator.dev]
   resources: [embeddingservices/status]
   verbs: [patch]
+# Children carry ownerReferences with blockOwnerDeletion; clusters running the
+# OwnerReferencesPermissionEnforcement admission plugin (OpenShift, hardened clusters) only
+# allow that to whoever may update the owner's finalizers.
+- apiGroups: [embedding-operator.dev]
+  resources: [embeddingservices/finalizers]
+  verbs: [update]
 # Owned children: watched (label-selected) and created/patched/deleted by reconcile.
 - apiGroups: [apps]
   resources: [deployments]
