@@ -11,11 +11,13 @@ names the flag and the variable and no traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
+import threading
 import types
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
 
 import uvicorn
@@ -156,6 +158,21 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: types.FrameType | None) -> None:
         self.lifecycle.begin_drain(reason=signal.Signals(sig).name)
         super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """Like uvicorn's, without re-raising the signal after shutdown: a drain that
+        finished is a success, and Kubernetes should see exit status 0, not 143."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit)
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
 
 
 def serve(settings: ServerSettings) -> int:

@@ -76,12 +76,14 @@ _DEFAULT_ALIASES = {DEFAULT_MODEL: ("sentence-transformers/all-MiniLM-L6-v2",
 
 def served_model_name(settings: ServerSettings) -> str:
     """The name /v1/models lists: the setting, else the hub id of the packaged default, else
-    the model argument's last path component."""
+    the model argument's last path component (without a fake model's ``?options``)."""
     if settings.served_model_name:
         return settings.served_model_name
     if settings.model in _DEFAULT_ALIASES:
         return _DEFAULT_ALIASES[settings.model][0]
-    return settings.model.rstrip("/").rsplit("/", 1)[-1] or settings.model
+    # "fake?delay_ms=5" serves as "fake": the options are configuration, not a name.
+    model = settings.model.split("?", 1)[0]
+    return model.rstrip("/").rsplit("/", 1)[-1] or model
 
 
 def lifecycle_of(request: Request) -> Lifecycle:
