@@ -5,6 +5,7 @@ sends, the server must never answer 5xx, and every error must use the one error 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import schemathesis
@@ -37,22 +38,25 @@ def test_no_request_makes_the_server_fail(fuzz_server: RunningServer,
     for label, operation in operations.items():
         if mode is GenerationMode.NEGATIVE and operation.method.upper() != "POST":
             continue  # nothing to get wrong in a GET without parameters
-
-        @given(case=operation.as_strategy(generation_mode=mode))
-        @settings(max_examples=25, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=list(HealthCheck))
-        def no_5xx(case: schemathesis.Case, label: str = label) -> None:
-            response = case.call(timeout=30)
-            assert response.status_code < 500, (label, response.text[:500])
-            if response.status_code >= 400:
-                error = response.json()["error"]
-                assert set(error) == {"message", "type", "param", "code"}, label
-
-        no_5xx()
+        _fuzz(operation, mode, label)
     statuses = _requests_by_status(fuzz_server)
     assert sum(statuses.values()) >= 40, statuses          # the fuzzer really sent requests
     if mode is GenerationMode.NEGATIVE:
         assert statuses.get("400", 0) >= 20, statuses      # ... and they were refused cleanly
+
+
+def _fuzz(operation: Any, mode: GenerationMode, label: str) -> None:
+    @given(case=operation.as_strategy(generation_mode=mode))
+    @settings(max_examples=25, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    def no_5xx(case: schemathesis.Case) -> None:
+        response = case.call(timeout=30)
+        assert response.status_code < 500, (label, response.text[:500])
+        if response.status_code >= 400:
+            error = response.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}, label
+
+    no_5xx()
 
 
 def _requests_by_status(server: RunningServer) -> dict[str, float]:
