@@ -1,0 +1,413 @@
+"""Build, or reuse from the cache, the binaries of the e2e control plane.
+
+Why build from source: the machines that run e2e have no Docker and may reach only package
+registries, so release tarballs and container images are out. Every binary comes from a small
+Go wrapper module under ``e2e/tools/<component>/`` whose ``go.mod`` + ``go.sum`` are committed
+and whose ``tool`` directives name the commands to build; ``go build -o DIR/ tool`` builds
+them with the local toolchain (``GOTOOLCHAIN=local``) through the Go module proxy, verified
+against the committed checksums.
+
+``e2e/versions.env`` is the one place that pins versions. Before building, each go.mod is
+checked against it, so a bump that forgot a go.mod (or the reverse) fails loudly.
+
+Output is cached at ``~/.cache/embedding-operator/<component>-<version>/`` (honours
+``XDG_CACHE_HOME``; ``EMBEDDING_OPERATOR_CACHE`` overrides the root) with a ``.stamp`` file
+written last. A component is rebuilt only when its stamp is missing or its build inputs
+(go.mod, go.sum, ldflags) changed. A failed build raises ``BuildError``; callers must treat
+that as a failure, never as a reason to skip.
+
+CLI: ``python e2e/build_binaries.py`` builds whatever is missing and prints progress.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("e2e.build")
+
+E2E_DIR = Path(__file__).resolve().parent
+VERSIONS_FILE = E2E_DIR / "versions.env"
+TOOLS_DIR = E2E_DIR / "tools"
+STAMP_NAME = ".stamp"
+# A cold build of the four Kubernetes commands takes ~20 min on 2 cores; nothing takes longer.
+BUILD_TIMEOUT_S = 60 * 60
+VERSION_CHECK_TIMEOUT_S = 30
+
+
+class BuildError(RuntimeError):
+    """A binary could not be built, or the pins disagree with the wrapper modules."""
+
+
+def _k8s_ldflags(version: str) -> list[str]:
+    # Variable names from kubernetes hack/lib/version.sh; without them /version says v0.0.0.
+    major, minor = version.removeprefix("v").split(".")[:2]
+    flags = ["-s", "-w"]
+    for pkg in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version"):
+        flags += [
+            f"-X {pkg}.gitVersion={version}",
+            f"-X {pkg}.gitMajor={major}",
+            f"-X {pkg}.gitMinor={minor}",
+        ]
+    return flags
+
+
+def _helm_ldflags(version: str) -> list[str]:
+    # As helm's Makefile does: the release version, and the Kubernetes version that
+    # `helm template`/`helm lint` assume (.Capabilities.KubeVersion) when no cluster is asked.
+    k8s_major, k8s_minor = read_versions()["KUBERNETES_VERSION"].removeprefix("v").split(".")[:2]
+    flags = ["-s", "-w", f"-X helm.sh/helm/v3/internal/version.version={version}"]
+    for pkg in ("helm.sh/helm/v3/pkg/chartutil", "helm.sh/helm/v3/pkg/lint/rules"):
+        flags += [f"-X {pkg}.k8sVersionMajor={k8s_major}", f"-X {pkg}.k8sVersionMinor={k8s_minor}"]
+    return flags
+
+
+def _plain_ldflags(version: str) -> list[str]:
+    del version  # etcd and kwok carry their version in source
+    return ["-s", "-w"]
+
+
+@dataclass(frozen=True)
+class Component:
+    """One wrapper module under e2e/tools and what it produces."""
+
+    name: str
+    version_key: str
+    module: str
+    # output binary name -> name `go build -o DIR/ tool` gives it (last import path element,
+    # major-version suffix dropped), plus the argv that prints its version.
+    binaries: dict[str, tuple[str, tuple[str, ...]]]
+    ldflags: Callable[[str], list[str]]
+    staging_replaces: bool = False
+
+    @property
+    def tools_dir(self) -> Path:
+        return TOOLS_DIR / self.name
+
+
+COMPONENTS: tuple[Component, ...] = (
+    Component(
+        name="etcd",
+        version_key="ETCD_VERSION",
+        module="go.etcd.io/etcd/server/v3",
+        binaries={"etcd": ("server", ("--version",))},
+        ldflags=_plain_ldflags,
+    ),
+    Component(
+        name="kwok",
+        version_key="KWOK_VERSION",
+        module="sigs.k8s.io/kwok",
+        binaries={"kwok": ("kwok", ("--version",))},
+        ldflags=_plain_ldflags,
+    ),
+    Component(
+        name="helm",
+        version_key="HELM_VERSION",
+        module="helm.sh/helm/v3",
+        binaries={"helm": ("helm", ("version", "--short"))},
+        ldflags=_helm_ldflags,
+    ),
+    Component(
+        name="k8s",
+        version_key="KUBERNETES_VERSION",
+        module="k8s.io/kubernetes",
+        binaries={
+            name: (name, ("--version",))
+            for name in ("kube-apiserver", "kube-controller-manager", "kube-scheduler")
+        }
+        | {"kubectl": ("kubectl", ("version", "--client"))},
+        ldflags=_k8s_ldflags,
+        staging_replaces=True,
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Binaries:
+    """Absolute paths of every control-plane binary."""
+
+    etcd: Path
+    kube_apiserver: Path
+    kube_controller_manager: Path
+    kube_scheduler: Path
+    kubectl: Path
+    kwok: Path
+    helm: Path
+
+    def bin_dirs(self) -> list[Path]:
+        """Directories to prepend to PATH so `kubectl` and `helm` are ours, deduplicated."""
+        dirs: list[Path] = []
+        for path in (self.kubectl, self.helm, self.kwok, self.etcd):
+            if path.parent not in dirs:
+                dirs.append(path.parent)
+        return dirs
+
+
+def read_versions(path: Path = VERSIONS_FILE) -> dict[str, str]:
+    """Parse the KEY=VALUE pin file (comments and blank lines ignored)."""
+    versions: dict[str, str] = {}
+    for lineno, raw in enumerate(path.read_text().splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise BuildError(f"{path}:{lineno}: expected KEY=VALUE, got {raw!r}")
+        versions[key.strip()] = value.strip()
+    return versions
+
+
+def cache_root() -> Path:
+    override = os.environ.get("EMBEDDING_OPERATOR_CACHE")
+    if override:
+        return Path(override).expanduser().resolve()
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "embedding-operator"
+
+
+def _go_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["GOTOOLCHAIN"] = "local"  # never download another toolchain behind our back
+    env["CGO_ENABLED"] = "0"  # static binaries, no C toolchain needed
+    env["GOFLAGS"] = (env.get("GOFLAGS", "") + " -mod=readonly").strip()
+    return env
+
+
+def _go(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    go = shutil.which("go")
+    if go is None:
+        raise BuildError("`go` is not on PATH; the e2e control plane is built from Go modules")
+    try:
+        return subprocess.run(
+            [go, *args],
+            cwd=cwd,
+            env=_go_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise BuildError(f"`go {' '.join(args)}` in {cwd} timed out after {timeout:.0f}s") from exc
+
+
+def check_go_mod(component: Component, version: str) -> None:
+    """Raise BuildError unless the wrapper go.mod requires exactly the pinned version."""
+    proc = _go(["mod", "edit", "-json"], component.tools_dir, timeout=60)
+    if proc.returncode != 0:
+        raise BuildError(f"cannot read {component.tools_dir}/go.mod: {proc.stderr.strip()}")
+    mod = json.loads(proc.stdout)
+    if not mod.get("Tool"):
+        raise BuildError(f"{component.tools_dir}/go.mod has no `tool` directives")
+    required = {r["Path"]: r["Version"] for r in mod.get("Require") or []}
+    if required.get(component.module) != version:
+        raise BuildError(
+            f"{component.tools_dir}/go.mod requires {component.module} "
+            f"{required.get(component.module)}, but {VERSIONS_FILE.name} pins "
+            f"{component.version_key}={version}"
+        )
+    if component.staging_replaces:
+        # k8s.io/kubernetes vX.Y.Z needs its staging modules at v0.Y.Z.
+        staging = "v0." + version.removeprefix("v").split(".", 1)[1]
+        wrong = [
+            f"{r['Old']['Path']} => {r['New'].get('Version')}"
+            for r in mod.get("Replace") or []
+            if r["Old"]["Path"].startswith("k8s.io/") and r["New"].get("Version") != staging
+        ]
+        if wrong:
+            raise BuildError(
+                f"{component.tools_dir}/go.mod: staging replaces must be {staging}: {wrong}"
+            )
+
+
+def _inputs_digest(component: Component, version: str) -> str:
+    digest = hashlib.sha256()
+    for name in ("go.mod", "go.sum"):
+        digest.update((component.tools_dir / name).read_bytes())
+    digest.update("\0".join(component.ldflags(version)).encode())
+    digest.update("\0".join(sorted(component.binaries)).encode())
+    return digest.hexdigest()
+
+
+def component_dir(component: Component, version: str) -> Path:
+    return cache_root() / f"{component.name}-{version}"
+
+
+def _cached(out_dir: Path, component: Component, digest: str) -> bool:
+    stamp = out_dir / STAMP_NAME
+    if not stamp.is_file():
+        return False
+    try:
+        recorded = json.loads(stamp.read_text())
+    except (OSError, ValueError):
+        return False
+    if recorded.get("inputs_sha256") != digest:
+        return False
+    return all(os.access(out_dir / name, os.X_OK) for name in component.binaries)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Serialise builders of one component (parallel pytest sessions, CI jobs on one host)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _check_version(binary: Path, argv: tuple[str, ...], version: str) -> str:
+    try:
+        proc = subprocess.run(
+            [str(binary), *argv],
+            capture_output=True,
+            text=True,
+            timeout=VERSION_CHECK_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise BuildError(f"{binary} does not run: {exc}") from exc
+    output = (proc.stdout + proc.stderr).strip()
+    if proc.returncode != 0 or version.removeprefix("v") not in output:
+        raise BuildError(
+            f"`{binary.name} {' '.join(argv)}` should report {version}, got "
+            f"rc={proc.returncode}: {output[:500]}"
+        )
+    return output.splitlines()[0]
+
+
+def _build(component: Component, version: str, out_dir: Path, digest: str) -> None:
+    staging = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    log.info(
+        "[build] %s %s: go build in %s (cold: minutes)",
+        component.name,
+        version,
+        component.tools_dir,
+    )
+    started = time.monotonic()
+    proc = _go(
+        [
+            "build",
+            "-trimpath",
+            "-ldflags",
+            " ".join(component.ldflags(version)),
+            "-o",
+            f"{staging}/",
+            "tool",
+        ],
+        component.tools_dir,
+        timeout=BUILD_TIMEOUT_S,
+    )
+    seconds = time.monotonic() - started
+    if proc.returncode != 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise BuildError(
+            f"go build of {component.name} {version} failed after {seconds:.0f}s:\n"
+            f"{proc.stderr[-4000:]}"
+        )
+    for out_name, (built_name, version_argv) in component.binaries.items():
+        built = staging / built_name
+        if not built.is_file():
+            shutil.rmtree(staging, ignore_errors=True)
+            raise BuildError(f"go build of {component.name} produced no {built_name}")
+        if built_name != out_name:
+            built.rename(staging / out_name)
+        reported = _check_version(staging / out_name, version_argv, version)
+        log.info("[build]   %s: %s", out_name, reported)
+    (staging / STAMP_NAME).write_text(
+        json.dumps(
+            {
+                "component": component.name,
+                "version": version,
+                "inputs_sha256": digest,
+                "go": _go(["version"], component.tools_dir, timeout=60).stdout.strip(),
+                "build_seconds": round(seconds, 1),
+                "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    shutil.rmtree(out_dir, ignore_errors=True)
+    staging.rename(out_dir)
+    log.info("[build] %s %s: built in %.0fs -> %s", component.name, version, seconds, out_dir)
+
+
+def ensure_component(component: Component, versions: dict[str, str] | None = None) -> Path:
+    """Return the cache directory holding the component's binaries, building it if needed."""
+    versions = versions if versions is not None else read_versions()
+    try:
+        version = versions[component.version_key]
+    except KeyError as exc:
+        raise BuildError(f"{VERSIONS_FILE} has no {component.version_key}") from exc
+    check_go_mod(component, version)
+    out_dir = component_dir(component, version)
+    digest = _inputs_digest(component, version)
+    if _cached(out_dir, component, digest):
+        log.info("[build] %s %s: cached in %s", component.name, version, out_dir)
+        return out_dir
+    with _locked(out_dir.with_name(f"{out_dir.name}.lock")):
+        if _cached(out_dir, component, digest):  # another process built it while we waited
+            return out_dir
+        _build(component, version, out_dir, digest)
+    return out_dir
+
+
+def ensure_binaries(components: tuple[Component, ...] = COMPONENTS) -> Binaries:
+    """Build what is missing, one component at a time (builds saturate every core)."""
+    versions = read_versions()
+    paths: dict[str, Path] = {}
+    for component in components:
+        out_dir = ensure_component(component, versions)
+        for name in component.binaries:
+            paths[name.replace("-", "_")] = out_dir / name
+    return Binaries(**paths)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    names = [c.name for c in COMPONENTS]
+    parser.add_argument(
+        "components",
+        nargs="*",
+        metavar="COMPONENT",
+        help=f"only these components, of {', '.join(names)} (default: all)",
+    )
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.components) - set(names))
+    if unknown:
+        parser.error(f"unknown component(s) {unknown}; choose from {names}")
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    wanted = tuple(c for c in COMPONENTS if not args.components or c.name in args.components)
+    try:
+        if len(wanted) == len(COMPONENTS):
+            binaries = ensure_binaries()
+            for field, path in vars(binaries).items():
+                print(f"{field}={path}")
+        else:
+            for component in wanted:
+                ensure_component(component)
+    except BuildError as exc:
+        print(f"[build] FAILED: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
