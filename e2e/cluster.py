@@ -1,0 +1,756 @@
+"""A real local Kubernetes control plane for e2e tests, from real binaries on 127.0.0.1.
+
+Start order, each step polled to readiness under a deadline before the next one starts:
+
+1. etcd (``--unsafe-no-fsync``: a test cluster needs no durability) -> ``GET /health``.
+2. kube-apiserver with TLS, RBAC, the default admission plugins (ServiceAccount included) and
+   a ServiceAccount signing key, so the TokenRequest API issues real tokens -> ``/readyz``.
+3. Every CRD in ``crds/*.yaml`` is applied and waited for ``Established`` *before* the
+   controller manager starts: its garbage collector only re-reads discovery every 30s, so a
+   CRD created later would not have its dependents collected for that long.
+4. kube-controller-manager, every controller authenticating as its own ServiceAccount
+   (``--use-service-account-credentials``) as on kubeadm clusters; short HPA sync period.
+5. kube-scheduler.
+6. The fake nodes of ``e2e/nodes.yaml``, then kwok, which heartbeats them and runs their pods;
+   ready when every node is Ready and its ``not-ready`` taint is gone, and the ``default``
+   ServiceAccount exists (proof that the controllers reconcile).
+
+``stop()`` (and any failure during ``start()``) stops the components in reverse order, SIGTERM
+then SIGKILL, whole process groups. Ports are free ports on 127.0.0.1 picked at start.
+
+CLI for manual use (state in ``.cluster/`` at the repository root)::
+
+    python e2e/cluster.py up     # builds missing binaries, starts detached, prints export line
+    python e2e/cluster.py env    # prints the export lines again
+    python e2e/cluster.py down   # stops everything and removes the state
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import json
+import logging
+import os
+import shutil
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import yaml
+from _pki import FRONT_PROXY_CLIENT, Pki, create_pki
+from _proc import ClusterError, Process, poll_until
+from build_binaries import Binaries, BuildError, ensure_binaries
+
+__all__ = ["Binaries", "BuildError", "Cluster", "ClusterError", "Timeouts", "poll_until"]
+
+log = logging.getLogger("e2e.cluster")
+
+E2E_DIR = Path(__file__).resolve().parent
+REPO_ROOT = E2E_DIR.parent
+DEFAULT_CRD_DIR = REPO_ROOT / "crds"
+DEFAULT_NODES_FILE = E2E_DIR / "nodes.yaml"
+CLI_WORKDIR = REPO_ROOT / ".cluster"
+STATE_FILE = "state.json"
+SERVICE_CIDR = "10.0.0.0/24"
+POD_CIDR = "10.244.0.1/16"
+SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
+# Only used when the host has no default route: the apiserver refuses to start without a
+# non-loopback advertise address, and with the endpoint reconciler off nothing dials it.
+FALLBACK_ADVERTISE_ADDRESS = "198.18.0.1"
+FAKE_NODE_ANNOTATION = "kwok.x-k8s.io/node=fake"
+NOT_READY_TAINT = "node.kubernetes.io/not-ready"
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Deadlines in seconds. Generous: the machines running e2e may have 2 busy cores."""
+
+    etcd: float = 30
+    apiserver: float = 120
+    crds: float = 60
+    controller_manager: float = 60
+    scheduler: float = 60
+    nodes: float = 90
+    service_account: float = 60
+    command: float = 120
+
+
+@dataclass(frozen=True)
+class Ports:
+    etcd_client: int
+    etcd_peer: int
+    apiserver: int
+    controller_manager: int
+    scheduler: int
+    kwok: int
+
+    @classmethod
+    def pick_free(cls) -> Ports:
+        # Hold every socket open until all are bound, so no two ports coincide.
+        with contextlib.ExitStack() as stack:
+            ports = []
+            for _ in fields(cls):
+                sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                sock.bind(("127.0.0.1", 0))
+                ports.append(sock.getsockname()[1])
+        return cls(*ports)
+
+
+def _has_default_route() -> bool:
+    """True when the kernel has an IPv4 default route (the apiserver derives its address)."""
+    try:
+        lines = Path("/proc/net/route").read_text().splitlines()[1:]
+    except OSError:
+        return False
+    return any(line.split()[1] == "00000000" for line in lines if len(line.split()) > 1)
+
+
+def _b64(path: Path) -> str:
+    return base64.b64encode(path.read_bytes()).decode()
+
+
+def kubeconfig_dict(
+    server: str, ca_file: Path, user: Mapping[str, str], *, namespace: str = "default"
+) -> dict[str, Any]:
+    """A self-contained kubeconfig (certificates embedded) for one user."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {
+                "name": "e2e",
+                "cluster": {"server": server, "certificate-authority-data": _b64(ca_file)},
+            }
+        ],
+        "users": [{"name": "e2e-user", "user": dict(user)}],
+        "contexts": [
+            {
+                "name": "e2e",
+                "context": {"cluster": "e2e", "user": "e2e-user", "namespace": namespace},
+            }
+        ],
+        "current-context": "e2e",
+    }
+
+
+def _write_kubeconfig(path: Path, config: Mapping[str, Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(dict(config), sort_keys=False))
+    path.chmod(0o600)
+    return path
+
+
+def _cert_user(cert: Path, key: Path) -> dict[str, str]:
+    return {"client-certificate-data": _b64(cert), "client-key-data": _b64(key)}
+
+
+class Cluster:
+    """etcd + kube-apiserver + kube-controller-manager + kube-scheduler + kwok, on 127.0.0.1.
+
+    Use as a context manager, or call ``start()`` / ``stop()``. ``detached=True`` leaves the
+    processes running after this Python process exits (see ``stop_detached``).
+    """
+
+    def __init__(
+        self,
+        binaries: Binaries,
+        workdir: Path,
+        *,
+        crd_dir: Path | None = DEFAULT_CRD_DIR,
+        nodes_file: Path | None = DEFAULT_NODES_FILE,
+        detached: bool = False,
+        hpa_sync_period: str = "5s",
+        timeouts: Timeouts | None = None,
+    ) -> None:
+        self.binaries = binaries
+        self.workdir = workdir.resolve()
+        self.crd_dir = crd_dir
+        self.nodes_file = nodes_file
+        self.detached = detached
+        self.hpa_sync_period = hpa_sync_period
+        self.timeouts = timeouts or Timeouts()
+        self.ports = Ports.pick_free()
+        self.server = f"https://127.0.0.1:{self.ports.apiserver}"
+        self.kubeconfig = self.workdir / "kubeconfig"
+        self.log_dir = self.workdir / "logs"
+        self.processes: list[Process] = []
+        self.startup_seconds: float | None = None
+        self._pki: Pki | None = None
+
+    # -- public API -------------------------------------------------------------------------
+
+    @property
+    def kubectl_bin(self) -> Path:
+        return self.binaries.kubectl
+
+    @property
+    def helm_bin(self) -> Path:
+        return self.binaries.helm
+
+    @property
+    def ca_file(self) -> Path:
+        return self.pki.ca.cert
+
+    @property
+    def pki(self) -> Pki:
+        if self._pki is None:
+            raise ClusterError("the cluster has not been started")
+        return self._pki
+
+    def env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """Environment for subprocesses: KUBECONFIG, our binaries first on PATH, and helm
+        state kept inside the workdir (never the user's ~/.config/helm)."""
+        env = dict(os.environ if base is None else base)
+        env["KUBECONFIG"] = str(self.kubeconfig)
+        env["PATH"] = os.pathsep.join(
+            [*(str(d) for d in self.binaries.bin_dirs()), env.get("PATH", "")]
+        )
+        for kind in ("CACHE", "CONFIG", "DATA"):
+            env[f"HELM_{kind}_HOME"] = str(self.workdir / "helm" / kind.lower())
+        return env
+
+    def kubectl(
+        self,
+        *args: str,
+        input: str | None = None,
+        check: bool = True,
+        timeout: float | None = None,
+        kubeconfig: Path | None = None,
+    ) -> subprocess.CompletedProcess[str]:
+        """Run our kubectl against this cluster (admin unless ``kubeconfig`` is given)."""
+        config = kubeconfig or self.kubeconfig
+        return self._run(
+            self.kubectl_bin,
+            [f"--kubeconfig={config}", *args],
+            input=input,
+            check=check,
+            timeout=timeout,
+        )
+
+    def kubectl_json(self, *args: str, kubeconfig: Path | None = None) -> Any:
+        """``kubectl <args> -o json``, parsed."""
+        return json.loads(self.kubectl(*args, "-o", "json", kubeconfig=kubeconfig).stdout)
+
+    def apply(self, manifest: str | Mapping[str, Any], *, namespace: str | None = None) -> str:
+        """``kubectl apply`` a YAML document (or a dict); returns kubectl's output."""
+        text = manifest if isinstance(manifest, str) else yaml.safe_dump(dict(manifest))
+        ns = ["--namespace", namespace] if namespace else []
+        return self.kubectl("apply", *ns, "-f", "-", input=text).stdout
+
+    def helm(
+        self,
+        *args: str,
+        check: bool = True,
+        timeout: float | None = None,
+        kubeconfig: Path | None = None,
+    ) -> subprocess.CompletedProcess[str]:
+        """Run our helm against this cluster (admin unless ``kubeconfig`` is given)."""
+        config = kubeconfig or self.kubeconfig
+        return self._run(
+            self.helm_bin, [f"--kubeconfig={config}", *args], check=check, timeout=timeout
+        )
+
+    def create_namespace(self, name: str, *, labels: Mapping[str, str] | None = None) -> str:
+        """Create a namespace and wait until its ``default`` ServiceAccount exists (the
+        ServiceAccount admission plugin rejects pods until it does)."""
+        meta: dict[str, Any] = {"name": name}
+        if labels:
+            meta["labels"] = dict(labels)
+        self.kubectl(
+            "create",
+            "-f",
+            "-",
+            input=json.dumps({"apiVersion": "v1", "kind": "Namespace", "metadata": meta}),
+        )
+        self.wait_for_service_account(name, "default")
+        return name
+
+    def wait_for_service_account(self, namespace: str, name: str) -> None:
+        path = f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}"
+        poll_until(
+            lambda: self._api_get(path),
+            timeout=self.timeouts.service_account,
+            what=f"ServiceAccount {namespace}/{name}",
+        )
+
+    def service_account_token(
+        self,
+        namespace: str,
+        name: str,
+        *,
+        duration_s: int = 3600,
+        audiences: Sequence[str] = (),
+    ) -> str:
+        """A bound token for the ServiceAccount from the TokenRequest API."""
+        args = ["create", "token", name, "--namespace", namespace, f"--duration={duration_s}s"]
+        args += [f"--audience={audience}" for audience in audiences]
+        return self.kubectl(*args).stdout.strip()
+
+    def service_account_kubeconfig(
+        self, namespace: str, name: str, *, path: Path | None = None, duration_s: int = 3600
+    ) -> Path:
+        """Write a kubeconfig that authenticates as ServiceAccount ``namespace/name`` with a
+        TokenRequest token, so a program runs with exactly that account's RBAC."""
+        token = self.service_account_token(namespace, name, duration_s=duration_s)
+        path = path or self.workdir / "kubeconfigs" / f"sa-{namespace}-{name}.kubeconfig"
+        return _write_kubeconfig(
+            path, kubeconfig_dict(self.server, self.ca_file, {"token": token}, namespace=namespace)
+        )
+
+    def start(self) -> Cluster:
+        started = time.monotonic()
+        log.info("[cluster] starting in %s (apiserver %s)", self.workdir, self.server)
+        try:
+            self._prepare()
+            self._start_etcd()
+            self._start_apiserver()
+            self._apply_crds()
+            self._start_controller_manager()
+            self._start_scheduler()
+            self._start_nodes()
+            self.wait_for_service_account("default", "default")
+        except BaseException:
+            log.error("[cluster] start failed; stopping what was started (logs: %s)", self.log_dir)
+            self.stop()
+            raise
+        self.startup_seconds = time.monotonic() - started
+        log.info("[cluster] ready in %.1fs", self.startup_seconds)
+        return self
+
+    def stop(self) -> None:
+        """Stop every component in reverse start order; drop etcd's data (logs stay)."""
+        errors: list[str] = []
+        for process in reversed(self.processes):
+            try:
+                process.stop()
+            except ClusterError as exc:
+                errors.append(str(exc))
+        self.processes.clear()
+        shutil.rmtree(self.workdir / "etcd", ignore_errors=True)
+        (self.workdir / STATE_FILE).unlink(missing_ok=True)
+        if errors:
+            raise ClusterError("; ".join(errors))
+
+    def check_running(self) -> None:
+        """Raise ClusterError naming the first component that has exited."""
+        for process in self.processes:
+            process.ensure_running()
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _run(
+        self,
+        binary: Path,
+        args: Sequence[str],
+        *,
+        input: str | None = None,
+        check: bool,
+        timeout: float | None,
+    ) -> subprocess.CompletedProcess[str]:
+        timeout = timeout if timeout is not None else self.timeouts.command
+        try:
+            proc = subprocess.run(
+                [str(binary), *args],
+                input=input,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                env=self.env(),
+                check=False,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise ClusterError(
+                f"`{binary.name} {' '.join(args)}` timed out after {timeout}s"
+            ) from exc
+        if check and proc.returncode != 0:
+            raise ClusterError(
+                f"`{binary.name} {' '.join(args)}` failed (rc={proc.returncode}):\n"
+                f"{proc.stderr.strip() or proc.stdout.strip()}"
+            )
+        return proc
+
+    def _ssl_context(self, client_cert: bool) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=str(self.pki.ca.cert))
+        if client_cert:
+            context.load_cert_chain(str(self.pki.admin.cert), str(self.pki.admin.key))
+        return context
+
+    @staticmethod
+    def _http_get(url: str, context: ssl.SSLContext | None) -> str | None:
+        """The body of a 200 response, or None for anything else (not up yet)."""
+        try:
+            with urllib.request.urlopen(url, timeout=5, context=context) as response:
+                body: bytes = response.read()
+                return body.decode() if response.status == 200 else None
+        except (urllib.error.URLError, OSError):
+            return None
+
+    def _api_get(self, path: str) -> Any:
+        """GET an API path as admin; the decoded JSON, or None if it is not there (yet)."""
+        body = self._http_get(self.server + path, self._ssl_context(client_cert=True))
+        return json.loads(body) if body is not None else None
+
+    def _spawn(self, name: str, argv: Sequence[str]) -> Process:
+        process = Process.spawn(name, argv, self.log_dir / f"{name}.log", detached=self.detached)
+        self.processes.append(process)
+        if self.detached:
+            self._write_state()
+        return process
+
+    def _wait_ready(self, process: Process, probe: Any, timeout: float) -> None:
+        def check() -> Any:
+            process.ensure_running()
+            return probe()
+
+        t0 = time.monotonic()
+        try:
+            poll_until(check, timeout=timeout, what=f"{process.name} to become ready")
+        except TimeoutError as exc:
+            raise ClusterError(
+                f"{exc}; last lines of {process.log_path}:\n{process.log_tail()}"
+            ) from exc
+        log.info("[cluster] %s ready (%.1fs)", process.name, time.monotonic() - t0)
+
+    def _write_state(self) -> None:
+        state = {
+            "server": self.server,
+            "kubeconfig": str(self.kubeconfig),
+            "bin_dirs": [str(d) for d in self.binaries.bin_dirs()],
+            "processes": [p.to_json() for p in self.processes],
+        }
+        (self.workdir / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+
+    def _prepare(self) -> None:
+        for binary in vars(self.binaries).values():
+            if not os.access(binary, os.X_OK):
+                raise ClusterError(f"missing binary {binary}; run `python e2e/build_binaries.py`")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._pki = create_pki(self.workdir / "pki")
+        pki = self._pki
+        _write_kubeconfig(
+            self.kubeconfig,
+            kubeconfig_dict(self.server, pki.ca.cert, _cert_user(pki.admin.cert, pki.admin.key)),
+        )
+        for name, pair in (
+            ("controller-manager", pki.controller_manager),
+            ("scheduler", pki.scheduler),
+        ):
+            _write_kubeconfig(
+                self._component_kubeconfig(name),
+                kubeconfig_dict(self.server, pki.ca.cert, _cert_user(pair.cert, pair.key)),
+            )
+
+    def _component_kubeconfig(self, name: str) -> Path:
+        return self.workdir / "kubeconfigs" / f"{name}.kubeconfig"
+
+    def _start_etcd(self) -> None:
+        client = f"http://127.0.0.1:{self.ports.etcd_client}"
+        peer = f"http://127.0.0.1:{self.ports.etcd_peer}"
+        process = self._spawn(
+            "etcd",
+            [
+                str(self.binaries.etcd),
+                "--name=e2e",
+                f"--data-dir={self.workdir / 'etcd'}",
+                f"--listen-client-urls={client}",
+                f"--advertise-client-urls={client}",
+                f"--listen-peer-urls={peer}",
+                f"--initial-advertise-peer-urls={peer}",
+                f"--initial-cluster=e2e={peer}",
+                "--initial-cluster-state=new",
+                "--unsafe-no-fsync=true",
+                "--log-level=warn",
+            ],
+        )
+
+        def healthy() -> bool:
+            body = self._http_get(f"{client}/health", None)
+            return body is not None and json.loads(body).get("health") == "true"
+
+        self._wait_ready(process, healthy, self.timeouts.etcd)
+
+    def _start_apiserver(self) -> None:
+        pki = self.pki
+        argv = [
+            str(self.binaries.kube_apiserver),
+            f"--etcd-servers=http://127.0.0.1:{self.ports.etcd_client}",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={self.ports.apiserver}",
+            f"--tls-cert-file={pki.apiserver.cert}",
+            f"--tls-private-key-file={pki.apiserver.key}",
+            f"--client-ca-file={pki.ca.cert}",
+            "--authorization-mode=RBAC",
+            f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
+            f"--service-account-key-file={pki.service_account_pub}",
+            f"--service-account-signing-key-file={pki.service_account_key}",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            "--allow-privileged=true",
+            "--profiling=false",
+            f"--requestheader-client-ca-file={pki.front_proxy_ca.cert}",
+            f"--requestheader-allowed-names={FRONT_PROXY_CLIENT}",
+            "--requestheader-username-headers=X-Remote-User",
+            "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+            f"--proxy-client-cert-file={pki.front_proxy_client.cert}",
+            f"--proxy-client-key-file={pki.front_proxy_client.key}",
+        ]
+        if not _has_default_route():
+            log.info(
+                "[cluster] no default route: advertising %s with the endpoint reconciler off",
+                FALLBACK_ADVERTISE_ADDRESS,
+            )
+            argv += [
+                f"--advertise-address={FALLBACK_ADVERTISE_ADDRESS}",
+                "--endpoint-reconciler-type=none",
+            ]
+        process = self._spawn("kube-apiserver", argv)
+        context = self._ssl_context(client_cert=True)
+        self._wait_ready(
+            process,
+            lambda: self._http_get(f"{self.server}/readyz", context) == "ok",
+            self.timeouts.apiserver,
+        )
+
+    def _crd_files(self) -> list[Path]:
+        if self.crd_dir is None or not self.crd_dir.is_dir():
+            return []
+        return sorted(p for p in self.crd_dir.iterdir() if p.suffix in (".yaml", ".yml", ".json"))
+
+    def _apply_crds(self) -> None:
+        files = self._crd_files()
+        if not files:
+            log.info("[cluster] no CRDs in %s", self.crd_dir)
+            return
+        names: list[str] = []
+        for path in files:
+            out = self.kubectl("apply", "--server-side", "-f", str(path), "-o", "name").stdout
+            names += out.split()
+        crds = [n for n in names if n.startswith("customresourcedefinition")]
+        if crds:
+            self.kubectl(
+                "wait",
+                "--for=condition=Established",
+                f"--timeout={self.timeouts.crds:.0f}s",
+                *crds,
+                timeout=self.timeouts.crds + 30,
+            )
+        log.info("[cluster] applied and established: %s", ", ".join(crds) or "(no CRDs)")
+
+    def _secure_component_argv(
+        self, name: str, port: int, serving_cert: Path, serving_key: Path
+    ) -> list[str]:
+        config = self._component_kubeconfig(name)
+        return [
+            f"--kubeconfig={config}",
+            f"--authentication-kubeconfig={config}",
+            f"--authorization-kubeconfig={config}",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={port}",
+            f"--tls-cert-file={serving_cert}",
+            f"--tls-private-key-file={serving_key}",
+            "--leader-elect=false",
+        ]
+
+    def _wait_healthz(self, process: Process, port: int, timeout: float) -> None:
+        context = self._ssl_context(client_cert=False)
+        url = f"https://127.0.0.1:{port}/healthz"
+        self._wait_ready(process, lambda: self._http_get(url, context) == "ok", timeout)
+
+    def _start_controller_manager(self) -> None:
+        pki = self.pki
+        port = self.ports.controller_manager
+        process = self._spawn(
+            "kube-controller-manager",
+            [
+                str(self.binaries.kube_controller_manager),
+                *self._secure_component_argv(
+                    "controller-manager",
+                    port,
+                    pki.controller_manager_serving.cert,
+                    pki.controller_manager_serving.key,
+                ),
+                "--controllers=*",
+                "--use-service-account-credentials=true",
+                f"--service-account-private-key-file={pki.service_account_key}",
+                f"--root-ca-file={pki.ca.cert}",
+                f"--cluster-signing-cert-file={pki.ca.cert}",
+                f"--cluster-signing-key-file={pki.ca.key}",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                f"--horizontal-pod-autoscaler-sync-period={self.hpa_sync_period}",
+            ],
+        )
+        self._wait_healthz(process, port, self.timeouts.controller_manager)
+
+    def _start_scheduler(self) -> None:
+        pki = self.pki
+        port = self.ports.scheduler
+        process = self._spawn(
+            "kube-scheduler",
+            [
+                str(self.binaries.kube_scheduler),
+                *self._secure_component_argv(
+                    "scheduler", port, pki.scheduler_serving.cert, pki.scheduler_serving.key
+                ),
+            ],
+        )
+        self._wait_healthz(process, port, self.timeouts.scheduler)
+
+    def _expected_nodes(self) -> list[str]:
+        if self.nodes_file is None:
+            return []
+        docs = yaml.safe_load_all(self.nodes_file.read_text())
+        return [d["metadata"]["name"] for d in docs if d and d.get("kind") == "Node"]
+
+    def _nodes_ready(self, expected: Iterable[str]) -> bool:
+        listing = self._api_get("/api/v1/nodes")
+        if listing is None:
+            return False
+        ready = set()
+        for node in listing["items"]:
+            conditions = node.get("status", {}).get("conditions") or []
+            taints = node.get("spec", {}).get("taints") or []
+            if any(c["type"] == "Ready" and c["status"] == "True" for c in conditions) and not any(
+                t["key"] == NOT_READY_TAINT for t in taints
+            ):
+                ready.add(node["metadata"]["name"])
+        return set(expected) <= ready
+
+    def _start_nodes(self) -> None:
+        expected = self._expected_nodes()
+        if self.nodes_file is not None:
+            self.kubectl("apply", "-f", str(self.nodes_file))
+        process = self._spawn(
+            "kwok",
+            [
+                str(self.binaries.kwok),
+                f"--kubeconfig={self.kubeconfig}",
+                "--manage-all-nodes=false",
+                f"--manage-nodes-with-annotation-selector={FAKE_NODE_ANNOTATION}",
+                f"--cidr={POD_CIDR}",
+                "--node-ip=10.240.0.1",
+                "--node-lease-duration-seconds=40",
+                f"--server-address=127.0.0.1:{self.ports.kwok}",
+            ],
+        )
+        self._wait_ready(process, lambda: self._nodes_ready(expected), self.timeouts.nodes)
+
+
+# -- detached clusters (the CLI) ------------------------------------------------------------
+
+
+def read_state(workdir: Path) -> dict[str, Any] | None:
+    try:
+        state: dict[str, Any] = json.loads((workdir / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return state
+
+
+def detached_processes(workdir: Path) -> list[Process]:
+    state = read_state(workdir)
+    return [Process.from_json(p) for p in state["processes"]] if state else []
+
+
+def stop_detached(workdir: Path) -> int:
+    """Stop the processes an earlier ``up`` recorded in ``workdir``; returns how many ran."""
+    processes = detached_processes(workdir)
+    running = sum(p.alive() for p in processes)
+    errors: list[str] = []
+    for process in reversed(processes):
+        try:
+            process.stop()
+        except ClusterError as exc:
+            errors.append(str(exc))
+    if errors:
+        raise ClusterError("; ".join(errors))
+    for name in ("etcd", "pki", "kubeconfigs", "helm", STATE_FILE, "kubeconfig"):
+        path = workdir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    return running
+
+
+def _export_lines(state: Mapping[str, Any]) -> list[str]:
+    path = os.pathsep.join([*state["bin_dirs"], "$PATH"])
+    return [f'export PATH="{path}"', f"export KUBECONFIG={state['kubeconfig']}"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Local Kubernetes control plane for e2e tests.")
+    parser.add_argument("command", choices=["up", "down", "env"])
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=CLI_WORKDIR,
+        help=f"state directory (default: {CLI_WORKDIR})",
+    )
+    parser.add_argument(
+        "--no-crds", action="store_true", help=f"do not apply the CRDs in {DEFAULT_CRD_DIR}"
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    workdir: Path = args.workdir.resolve()
+
+    processes = detached_processes(workdir)
+    running = bool(processes) and all(p.alive() for p in processes)
+    state = read_state(workdir)
+    try:
+        if args.command == "down":
+            count = stop_detached(workdir)
+            print(f"stopped {count} running component(s) from {workdir}")
+            return 0
+        if args.command == "env":
+            if not running or state is None:
+                print(
+                    f"no running cluster in {workdir}; run `python e2e/cluster.py up`",
+                    file=sys.stderr,
+                )
+                return 1
+            print("\n".join(_export_lines(state)))
+            return 0
+        # up
+        if running and state is not None:
+            print(f"already running in {workdir}", file=sys.stderr)
+            print("\n".join(_export_lines(state)))
+            return 0
+        stop_detached(workdir)  # clear a half-dead earlier cluster
+        binaries = ensure_binaries()
+        crd_dir = None if args.no_crds else DEFAULT_CRD_DIR
+        cluster = Cluster(binaries, workdir, crd_dir=crd_dir, detached=True).start()
+        print(
+            f"cluster up in {cluster.startup_seconds:.1f}s: {cluster.server}; "
+            f"logs in {cluster.log_dir}; stop with `python e2e/cluster.py down`"
+        )
+        print("\n".join(_export_lines(read_state(workdir) or {})))
+        return 0
+    except (BuildError, ClusterError, TimeoutError) as exc:
+        print(f"FAILED: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
