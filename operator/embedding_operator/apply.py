@@ -86,18 +86,25 @@ class KubeCluster:
     def _call(self, method: str, path: str, *, body: Any = None,
               content_type: str = "application/json",
               query: list[tuple[str, str]] | None = None) -> dict[str, Any]:
+        import urllib3
         from kubernetes.client.exceptions import ApiException
 
+        _, url, headers, serialized, _ = self._api.param_serialize(
+            method=method, resource_path=path, query_params=query or [],
+            header_params={"Content-Type": content_type, "Accept": "application/json"},
+            body=body, auth_settings=["BearerToken"])
         try:
-            response = self._api.call_api(
-                path, method, query_params=query or [], body=body,
-                header_params={"Content-Type": content_type, "Accept": "application/json"},
-                auth_settings=["BearerToken"], _preload_content=False,
-                _request_timeout=self._timeout)
+            response = self._api.call_api(method, url, header_params=headers,
+                                          body=serialized, _request_timeout=self._timeout)
+            data = response.read()
         except ApiException as exc:
             raise ApiError(int(exc.status or 0), _error_message(exc.body) or
                            str(exc.reason)) from None
-        data = response[0].data if isinstance(response, tuple) else response.data
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            # Connection refused, timeouts, TLS errors: retryable like a 5xx.
+            raise ApiError(0, f"{method} {path}: {exc}") from exc
+        if not 200 <= response.status < 300:
+            raise ApiError(int(response.status), _error_message(data) or str(response.reason))
         return dict(json.loads(data)) if data else {}
 
     def get(self, ref: ChildRef) -> dict[str, Any] | None:

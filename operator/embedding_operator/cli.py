@@ -138,14 +138,17 @@ def _configure_logging(config: OperatorSettings) -> None:
     logging.getLogger("urllib3").setLevel(logging.WARNING)
 
 
-def _api_client() -> Any:
+def _api_client(pool_size: int) -> Any:
     from kubernetes import client, config
 
     try:
         config.load_incluster_config()  # type: ignore[no-untyped-call]
     except config.ConfigException:
         config.load_kube_config()  # type: ignore[no-untyped-call]
-    return client.ApiClient()
+    configuration = client.Configuration.get_default_copy()
+    # One connection per reconcile thread, or urllib3 churns connections under load.
+    configuration.connection_pool_maxsize = pool_size
+    return client.ApiClient(configuration)
 
 
 def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
@@ -161,7 +164,7 @@ def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
     from embedding_operator.reconcile import Reconciler
 
     _configure_logging(config)
-    cluster = KubeCluster(_api_client())
+    cluster = KubeCluster(_api_client(config.workers + 4))
 
     def record(body: dict[str, Any], *, type: str, reason: str, message: str) -> None:
         kopf.event(kopf.Body(cast(Any, body)), type=type, reason=reason, message=message[:1000])
