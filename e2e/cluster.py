@@ -41,7 +41,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from types import TracebackType
@@ -419,8 +419,8 @@ class Cluster:
             self._write_state()
         return process
 
-    def _wait_ready(self, process: Process, probe: Any, timeout: float) -> None:
-        def check() -> Any:
+    def _wait_ready(self, process: Process, probe: Callable[[], object], timeout: float) -> None:
+        def check() -> object:
             process.ensure_running()
             return probe()
 

@@ -31,7 +31,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def e2e_binaries() -> Binaries:
-    """Every control-plane binary, built from e2e/tools on first use (cold: ~25 min)."""
+    """Every control-plane binary, built from e2e/tools on first use (cold: ~20 min on 2 cores)."""
     return ensure_binaries()
 
 
