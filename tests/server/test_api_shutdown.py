@@ -4,6 +4,7 @@ flight finishes with 200s, new connections are refused, and the process exits 0.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -59,8 +60,11 @@ def test_sigterm_drains_in_flight_requests_and_exits_0() -> None:
         assert asyncio.run(scenario()) == [200] * 6
         assert process.wait(timeout=30) == 0
         output = process.stdout.read() if process.stdout else ""
-        assert "draining (SIGTERM)" in output
         assert "Traceback" not in output
+        records = [json.loads(line) for line in output.splitlines() if line.strip()]
+        messages = [r["message"] for r in records]             # --log-format json: all JSON
+        assert any("draining (SIGTERM)" in m for m in messages), messages
+        assert all({"ts", "level", "logger", "message"} <= set(r) for r in records)
         with pytest.raises(httpx.ConnectError):
             httpx.get(url + "/health", timeout=2)
     finally:

@@ -6,6 +6,7 @@ TEI-style timing headers.
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -19,6 +20,17 @@ from embedding_server.engine import Engine, StageTimings
 from embedding_server.errors import InvalidRequestError, ModelNotFoundError
 
 T = TypeVar("T")
+
+_ids = random.Random()
+
+
+def new_id() -> str:
+    """A 32-hex-digit id for requests and responses.
+
+    Not ``uuid4``: that reads ``os.urandom`` on every call, a syscall that showed up in
+    request profiles; ids need to be unique, not unpredictable.
+    """
+    return f"{_ids.getrandbits(128):032x}"
 
 JSON_MEDIA_TYPE = "application/json"
 

@@ -21,12 +21,12 @@ from __future__ import annotations
 import hmac
 import logging
 import time
-import uuid
 from collections.abc import Iterable
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from embedding_server.api.common import new_id
 from embedding_server.api.errors import error_body
 from embedding_server.errors import PayloadTooLargeError
 from embedding_server.logging import request_id_var
@@ -52,7 +52,7 @@ def _clean_request_id(raw: bytes | None) -> str:
         text = raw.decode("latin-1").strip()[:_MAX_REQUEST_ID]
         if text and text.isprintable():
             return text
-    return uuid.uuid4().hex
+    return new_id()
 
 
 _JSON_CONTENT_TYPE = (b"content-type", b"application/json")

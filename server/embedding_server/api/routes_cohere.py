@@ -8,8 +8,6 @@ rules). int8/uint8 are scaled from the L2-normalized vector whatever the server'
 
 from __future__ import annotations
 
-import uuid
-
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
@@ -18,6 +16,7 @@ from embedding_server.api.common import (
     check_input_count,
     engine_for,
     json_response,
+    new_id,
     timing_headers,
 )
 from embedding_server.api.encoding import cohere_embeddings
@@ -48,7 +47,7 @@ async def cohere_embed(body: CohereEmbedRequest, request: Request) -> Response:
         body.texts, dimensions=body.output_dimension, prompt_name=prompt_name,
         truncate=_truncation(body)))
     content = {
-        "id": uuid.uuid4().hex,
+        "id": new_id(),
         "embeddings": cohere_embeddings(result.embeddings, body.embedding_types),
         "texts": body.texts,
         "meta": {"api_version": {"version": "2"},

@@ -10,7 +10,6 @@ in-flight work finishes.
 from __future__ import annotations
 
 import time
-import uuid
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -23,6 +22,7 @@ from embedding_server.api.common import (
     check_input_count,
     engine_for,
     json_response,
+    new_id,
     timing_headers,
 )
 from embedding_server.api.encoding import as_float32, base64_rows, l2_normalize
@@ -64,7 +64,7 @@ async def pooling(body: PoolingRequest, request: Request) -> Response:
         if body.encoding_format == "base64":
             payload = base64_rows(as_float32(matrix).reshape(1, -1), body.embed_dtype)[0]
         data.append({"index": i, "object": "pooling", "data": payload})
-    content = {"id": f"pool-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+    content = {"id": f"pool-{new_id()}", "object": "list", "created": int(time.time()),
                "model": lifecycle.served_model_name, "data": data,
                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
     return json_response(content, timing_headers(timings, tokens))
@@ -81,7 +81,7 @@ async def score(body: ScoreRequest, request: Request) -> Response:
     result = await cancel_on_disconnect(request, engine.ascore(
         body.text_1, body.text_2, truncate=truncation))
     content = {
-        "id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+        "id": f"score-{new_id()}", "object": "list", "created": int(time.time()),
         "model": lifecycle.served_model_name,
         "data": [{"index": i, "object": "score", "score": float(s)}
                  for i, s in enumerate(result.scores)],
