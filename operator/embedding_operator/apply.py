@@ -62,6 +62,8 @@ class Cluster(Protocol):
 
     def apply(self, manifest: Manifest) -> dict[str, Any]: ...
 
+    def merge_patch(self, manifest: Manifest) -> dict[str, Any]: ...
+
     def delete(self, ref: ChildRef) -> None: ...
 
     def patch_status(self, ref: ChildRef, status: dict[str, Any]) -> dict[str, Any]: ...
@@ -120,6 +122,10 @@ class KubeCluster:
         return self._call("PATCH", resource_path(ref_of(manifest)), body=json.dumps(manifest),
                           content_type="application/apply-patch+yaml",
                           query=[("fieldManager", FIELD_MANAGER), ("force", "true")])
+
+    def merge_patch(self, manifest: Manifest) -> dict[str, Any]:
+        return self._call("PATCH", resource_path(ref_of(manifest)), body=manifest,
+                          content_type="application/merge-patch+json")
 
     def create(self, manifest: Manifest) -> dict[str, Any]:
         collection = resource_path(ref_of(manifest)).rsplit("/", 1)[0]
@@ -198,6 +204,33 @@ class SyncResult:
     deleted: list[str] = field(default_factory=list)
 
 
+def _write(cluster: Cluster, manifest: Manifest, *, exists: bool) -> dict[str, Any]:
+    """Server-side apply; for an edited object it refuses, a merge patch of our manifest.
+
+    Apply merges list entries by key, so a hand edit that changed a key (a Service port
+    80 -> 9999, both named ``http``) would make apply add our entry next to the edited one, an
+    invalid object. A JSON merge patch replaces such lists wholesale with ours.
+    """
+    ref = ref_of(manifest)
+    try:
+        return cluster.apply(manifest)
+    except ApiError as exc:
+        if exc.status not in (400, 422):
+            raise
+        if not exists:
+            raise ChildRejectedError(f"{ref.kind} {ref.name} was refused: {exc.message}") \
+                from None
+        log.info("apply of %s %s/%s refused (%s); replacing edited lists", ref.kind,
+                 ref.namespace, ref.name, exc.message)
+    try:
+        return cluster.merge_patch(manifest)
+    except ApiError as exc:
+        if exc.status in (400, 422):
+            raise ChildRejectedError(f"{ref.kind} {ref.name} was refused: {exc.message}") \
+                from None
+        raise
+
+
 def sync_children(cluster: Cluster, owner: Owner, desired: DesiredChildren) -> SyncResult:
     """Make the children match ``desired``; write only what differs."""
     result = SyncResult()
@@ -211,13 +244,7 @@ def sync_children(cluster: Cluster, owner: Owner, desired: DesiredChildren) -> S
                     f"{ref.kind} {ref.namespace}/{ref.name} exists and is controlled by "
                     f"another owner (uid {uid}); rename or delete it")
         if live is None or not is_subset(manifest, live):
-            try:
-                live = cluster.apply(manifest)
-            except ApiError as exc:
-                if exc.status in (400, 422):
-                    raise ChildRejectedError(f"{ref.kind} {ref.name} was refused: "
-                                             f"{exc.message}") from None
-                raise
+            live = _write(cluster, manifest, exists=live is not None)
             result.applied.append(ref.kind)
             log.info("applied %s %s/%s", ref.kind, ref.namespace, ref.name)
         result.live[ref.kind] = live

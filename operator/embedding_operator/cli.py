@@ -172,16 +172,23 @@ def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
     reconciler = Reconciler(cluster=cluster, profiles=profiles,
                             default_image=config.default_image, recorder=record)
     registry = kopf.OperatorRegistry()
-    handlers.register(registry, reconciler, config)
+    resync = handlers.register(registry, reconciler, config)
     settings = handlers.kopf_settings(config)
     log.info("starting: namespaces=%s gpu-profiles=%s leader-elect=%s",
              ",".join(config.namespaces) or "<all>", ",".join(profiles.names()),
              config.leader_elect)
 
     async def work(stop_flag: asyncio.Event) -> None:
-        await kopf.operator(registry=registry, settings=settings, standalone=True,
-                            clusterwide=config.clusterwide, namespaces=config.namespaces,
-                            liveness_endpoint=config.liveness, stop_flag=stop_flag)
+        resync_task = asyncio.create_task(resync.run(stop_flag))
+        # If the resync loop dies, stop kopf too; awaiting the task below re-raises its error.
+        resync_task.add_done_callback(lambda _: stop_flag.set())
+        try:
+            await kopf.operator(registry=registry, settings=settings, standalone=True,
+                                clusterwide=config.clusterwide, namespaces=config.namespaces,
+                                liveness_endpoint=config.liveness, stop_flag=stop_flag)
+        finally:
+            stop_flag.set()
+            await resync_task
 
     async def serve() -> None:
         stop = asyncio.Event()

@@ -10,7 +10,10 @@ Three kinds of triggers feed the same level-based reconcile:
   reconcile the owner, which re-applies drifted fields and refreshes status from the
   Deployment's; events for one owner are coalesced so a rollout's burst of Deployment updates
   costs a few reconciles, not one per update;
-* a periodic timer (``--resync-seconds``) as the backstop for anything a watch missed.
+* a periodic resync (``--resync-seconds``) as the backstop for anything a watch missed. It is
+  one loop over the EmbeddingServices the watch has seen, not a ``kopf.timer``: kopf puts a
+  finalizer on every object with a timer, and a finalizer makes ``kubectl delete`` hang
+  whenever the operator is down or uninstalled.
 
 No handler returns a value (kopf would store it in status), and kopf's own bookkeeping
 (progress, diff base) lives in annotations under ``embedding-operator.dev``. No finalizer is
@@ -19,7 +22,9 @@ used: children carry ownerReferences, so garbage collection deletes them.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 from typing import Any
 
 import kopf
@@ -73,9 +78,56 @@ def _owner_name(body: kopf.Body) -> str | None:
     return None
 
 
+class Resync:
+    """The periodic backstop: re-reconcile every EmbeddingService the watch has seen."""
+
+    def __init__(self, reconciler: Reconciler, interval: float, concurrency: int) -> None:
+        self._reconciler = reconciler
+        self._interval = interval
+        self._concurrency = max(1, concurrency)
+        self._known: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+
+    def seen(self, namespace: str, name: str) -> None:
+        with self._lock:
+            self._known.add((namespace, name))
+
+    def gone(self, namespace: str, name: str) -> None:
+        with self._lock:
+            self._known.discard((namespace, name))
+
+    def snapshot(self) -> list[tuple[str, str]]:
+        with self._lock:
+            return sorted(self._known)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Until ``stop``: every interval, reconcile each known object (bounded concurrency).
+
+        API errors are logged and left to the next round; anything else propagates and stops
+        the operator (a crashed process gets restarted; a silently dead loop would not).
+        """
+        gate = asyncio.Semaphore(self._concurrency)
+
+        async def one(namespace: str, name: str) -> None:
+            async with gate:
+                try:
+                    await asyncio.to_thread(self._reconciler.reconcile, namespace, name,
+                                            coalesce=True)
+                except ApiError as exc:
+                    log.warning("resync of %s/%s: %s", namespace, name, exc)
+
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=self._interval)
+            except TimeoutError:
+                await asyncio.gather(*(one(ns, n) for ns, n in self.snapshot()))
+
+
 def register(registry: kopf.OperatorRegistry, reconciler: Reconciler,
-             config: OperatorSettings) -> None:
-    """Register the handlers on ``registry`` (explicit, so tests and the CLI build their own)."""
+             config: OperatorSettings) -> Resync:
+    """Register the handlers on ``registry`` (explicit, so tests and the CLI build their own);
+    the returned ``Resync`` must run next to kopf."""
+    resync = Resync(reconciler, config.resync_seconds, concurrency=max(1, config.workers // 2))
 
     @kopf.on.login(registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -94,22 +146,28 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler,
         if outcome is not None and outcome.retry and outcome.problem is not None:
             raise kopf.TemporaryError(outcome.problem.message, delay=retry_delay(retry))
 
-    @kopf.timer(GROUP, VERSION, PLURAL, id="resync", registry=registry,
-                interval=config.resync_seconds, initial_delay=config.resync_seconds)
-    def resync(*, namespace: str | None, name: str, **_: Any) -> None:
-        assert namespace is not None
-        reconciler.reconcile(namespace, name)
-
-    @kopf.on.event(GROUP, VERSION, PLURAL, id="forget", registry=registry)
+    @kopf.on.event(GROUP, VERSION, PLURAL, id="track", registry=registry)
     def on_owner_event(*, namespace: str | None, name: str, type: str, **_: Any) -> None:
-        if type == "DELETED" and namespace is not None:
+        if namespace is None:
+            return
+        if type == "DELETED":
+            resync.gone(namespace, name)
             reconciler.forget(namespace, name)
+        else:
+            resync.seen(namespace, name)
 
     def on_child(*, body: kopf.Body, namespace: str | None, **_: Any) -> None:
         owner = _owner_name(body)
-        if owner is not None and namespace is not None:
+        if owner is None or namespace is None:
+            return
+        try:
             reconciler.reconcile(namespace, owner, coalesce=True)
+        except ApiError as exc:
+            # Typical: the namespace is being deleted and refuses new children. The owner's
+            # own handlers and the resync retry; a traceback per child event is just noise.
+            log.warning("reconcile of %s/%s after a child event: %s", namespace, owner, exc)
 
     for selector in CHILD_RESOURCES:
         kopf.on.event(*selector, id=f"child-{selector[-1]}", registry=registry,
                       labels={"app.kubernetes.io/managed-by": MANAGED_BY})(on_child)
+    return resync

@@ -74,6 +74,13 @@ class FakeCluster:
         live["metadata"]["resourceVersion"] = str(next(self._counter))
         return copy.deepcopy(live)
 
+    def merge_patch(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        self.calls.append(("merge_patch", manifest["kind"]))
+        live = self.objects[ref_of(manifest)]
+        _merge(live, copy.deepcopy(manifest))
+        live["metadata"]["resourceVersion"] = str(next(self._counter))
+        return copy.deepcopy(live)
+
     def delete(self, ref: ChildRef) -> None:
         self.calls.append(("delete", ref.kind))
         self.objects.pop(ref, None)

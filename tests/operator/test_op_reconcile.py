@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from embedding_operator.apply import ApiError
 from embedding_operator.builders import ChildRef
 from embedding_operator.profiles import GpuProfiles
 from embedding_operator.reconcile import Reconciler, owner_ref
@@ -255,3 +256,35 @@ def test_partial_availability(cluster: FakeCluster, ready: int) -> None:
     assert cond["Ready"]["status"] == ("True" if ready else "False")
     assert cond["Progressing"]["reason"] == "Scaling"
     assert owner(cluster)["status"]["readyReplicas"] == ready
+
+
+def test_refused_apply_of_edited_child_falls_back_to_merge_patch(cluster: FakeCluster) -> None:
+    add_service(cluster, MODEL)
+    rec = make(cluster)
+    rec.reconcile(NS, "emb")
+    svc_ref = ChildRef("v1", "Service", NS, "emb")
+    cluster.objects[svc_ref]["spec"]["ports"][0]["port"] = 9999
+    real_apply = cluster.apply
+
+    def refusing_apply(manifest: dict[str, Any]) -> dict[str, Any]:
+        if manifest["kind"] == "Service":
+            raise ApiError(422, 'spec.ports[1].name: Duplicate value: "http"')
+        return real_apply(manifest)
+
+    cluster.apply = refusing_apply  # type: ignore[method-assign]
+    outcome = rec.reconcile(NS, "emb")
+    assert outcome is not None and outcome.problem is None
+    assert ("merge_patch", "Service") in cluster.writes()
+    assert cluster.objects[svc_ref]["spec"]["ports"][0]["port"] == 80
+
+
+def test_refused_new_child_is_degraded(cluster: FakeCluster) -> None:
+    add_service(cluster, MODEL)
+
+    def refusing_apply(manifest: dict[str, Any]) -> dict[str, Any]:
+        raise ApiError(422, "nope")
+
+    cluster.apply = refusing_apply  # type: ignore[method-assign]
+    outcome = make(cluster).reconcile(NS, "emb")
+    assert outcome is not None and outcome.problem is not None
+    assert conditions(cluster)["Degraded"]["reason"] == "ChildRejected"

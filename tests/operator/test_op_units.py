@@ -149,3 +149,32 @@ def test_settings_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_lease_timing_must_be_ordered() -> None:
     with pytest.raises(ValueError, match="retry_period_seconds"):
         OperatorSettings(lease_duration_seconds=5, renew_deadline_seconds=10)
+
+
+def test_resync_walks_known_objects_until_stopped() -> None:
+    import asyncio
+
+    from embedding_operator.handlers import Resync
+
+    calls: list[tuple[str, str]] = []
+
+    class Recorder:
+        def reconcile(self, namespace: str, name: str, *, coalesce: bool = False) -> None:
+            calls.append((namespace, name))
+
+    resync = Resync(Recorder(), interval=0.05, concurrency=2)  # type: ignore[arg-type]
+    resync.seen("a", "x")
+    resync.seen("b", "y")
+    resync.seen("b", "z")
+    resync.gone("b", "z")
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(resync.run(stop))
+        while len(calls) < 4:
+            await asyncio.sleep(0.01)
+        stop.set()
+        await asyncio.wait_for(task, timeout=5)
+
+    asyncio.run(asyncio.wait_for(main(), timeout=10))
+    assert set(calls) == {("a", "x"), ("b", "y")}
