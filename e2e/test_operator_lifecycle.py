@@ -1,0 +1,364 @@
+"""An EmbeddingService's life on the real control plane: change, drift, scale, delete, refuse.
+
+What a user notices: a spec edit rolls out and Ready follows the new generation; a hand-edited
+or deleted child comes back as specified; ``kubectl scale`` works through the scale
+subresource; deleting the EmbeddingService garbage-collects every child; a bad manifest is
+refused by ``kubectl apply`` with the offending field path; what only the operator can judge
+(unknown GPU type, missing Secret) becomes a Degraded condition plus an Event.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from _operator_helpers import (
+    OperatorProcess,
+    apply_expect_refusal,
+    embedding_service,
+    get_json,
+    start_operator,
+    wait_condition,
+    wait_gone,
+)
+from _proc import poll_until
+from cluster import Cluster
+
+MODEL = {"name": "sentence-transformers/all-MiniLM-L6-v2"}
+
+
+@pytest.fixture(scope="module")
+def operator(
+    cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[OperatorProcess]:
+    process = start_operator(cluster, tmp_path_factory.mktemp("operator-lifecycle"))
+    yield process
+    process.stop()
+
+
+def _create(cluster: Cluster, namespace: str, name: str, spec: dict[str, Any]) -> None:
+    cluster.apply(embedding_service(name, spec), namespace=namespace)
+
+
+def _deployment(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
+    obj = get_json(cluster, "deployment", name, "-n", namespace)
+    assert obj is not None
+    return obj
+
+
+def _args(deployment: dict[str, Any]) -> list[str]:
+    return list(deployment["spec"]["template"]["spec"]["containers"][0]["args"])
+
+
+def _patch(
+    cluster: Cluster,
+    namespace: str,
+    kind: str,
+    name: str,
+    patch: dict[str, Any] | list[dict[str, Any]],
+    patch_type: str = "merge",
+) -> None:
+    cluster.kubectl(
+        "patch", kind, name, "-n", namespace, "--type", patch_type, "-p", json.dumps(patch)
+    )
+
+
+def test_spec_change_rolls_out(cluster: Cluster, namespace: str, operator: OperatorProcess) -> None:
+    _create(cluster, namespace, "roll", {"model": MODEL, "gpu": {"type": "l4"}})
+    first = wait_condition(cluster, namespace, "roll", "Ready", "True")
+    before = _deployment(cluster, namespace, "roll")
+
+    _patch(
+        cluster,
+        namespace,
+        "embsvc",
+        "roll",
+        {
+            "spec": {
+                "server": {"dtype": "float16"},
+                "parallelism": {"tensorParallelSize": 2},
+                "replicas": 2,
+            }
+        },
+    )
+    after_es = wait_condition(cluster, namespace, "roll", "Ready", "True")
+    assert after_es["metadata"]["generation"] > first["metadata"]["generation"]
+    after = _deployment(cluster, namespace, "roll")
+    args = _args(after)
+    assert args[args.index("--dtype") + 1] == "float16"
+    container = after["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert after["spec"]["replicas"] == 2
+    assert after["metadata"]["generation"] > before["metadata"]["generation"]
+    assert after_es["status"]["readyReplicas"] == 2
+    # More than one replica now: a PodDisruptionBudget protects them.
+    pdb = get_json(cluster, "pdb", "roll", "-n", namespace)
+    assert pdb is not None and pdb["spec"]["maxUnavailable"] == 1
+
+
+def test_drift_is_corrected(cluster: Cluster, namespace: str, operator: OperatorProcess) -> None:
+    _create(
+        cluster,
+        namespace,
+        "drift",
+        {"model": MODEL, "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 3}},
+    )
+    wait_condition(cluster, namespace, "drift", "Ready", "True")
+
+    # Someone edits the container image and the Service port by hand.
+    _patch(
+        cluster,
+        namespace,
+        "deployment",
+        "drift",
+        {
+            "spec": {
+                "template": {
+                    "spec": {
+                        "containers": [{"name": "embedding-server", "image": "evil/image:latest"}]
+                    }
+                }
+            }
+        },
+        patch_type="strategic",
+    )
+    _patch(
+        cluster,
+        namespace,
+        "service",
+        "drift",
+        [{"op": "replace", "path": "/spec/ports/0/port", "value": 9999}],
+        patch_type="json",
+    )
+    poll_until(
+        lambda: (
+            _deployment(cluster, namespace, "drift")["spec"]["template"]["spec"]["containers"][0][
+                "image"
+            ]
+            != "evil/image:latest"
+        ),
+        timeout=60,
+        what="the Deployment's image restored",
+    )
+    poll_until(
+        lambda: (
+            (get_json(cluster, "service", "drift", "-n", namespace) or {})
+            .get("spec", {})
+            .get("ports", [{}])[0]
+            .get("port")
+            == 80
+        ),
+        timeout=60,
+        what="the Service port restored",
+    )
+
+    # ... and deletes children outright.
+    for kind in ("service", "hpa", "deployment"):
+        uid = (get_json(cluster, kind, "drift", "-n", namespace) or {})["metadata"]["uid"]
+        cluster.kubectl("delete", kind, "drift", "-n", namespace, "--wait=false")
+        poll_until(
+            lambda k=kind, u=uid: (
+                (get_json(cluster, k, "drift", "-n", namespace) or {"metadata": {"uid": u}})[
+                    "metadata"
+                ]["uid"]
+                != u
+            ),
+            timeout=60,
+            what=f"the {kind} recreated",
+        )
+    wait_condition(cluster, namespace, "drift", "Ready", "True")
+
+
+def test_scale_subresource(cluster: Cluster, namespace: str, operator: OperatorProcess) -> None:
+    _create(cluster, namespace, "scaled", {"model": MODEL})
+    wait_condition(cluster, namespace, "scaled", "Ready", "True")
+    cluster.kubectl("scale", "embsvc", "scaled", "-n", namespace, "--replicas=3")
+    es = poll_until(
+        lambda: (lambda o: o if o and o["status"].get("readyReplicas") == 3 else None)(
+            get_json(cluster, "embsvc", "scaled", "-n", namespace)
+        ),
+        timeout=90,
+        what="3 ready replicas",
+    )
+    assert _deployment(cluster, namespace, "scaled")["spec"]["replicas"] == 3
+    scale = json.loads(
+        cluster.kubectl(
+            "get",
+            "--raw",
+            f"/apis/embedding-operator.dev/v1alpha1/namespaces/"
+            f"{namespace}/embeddingservices/scaled/scale",
+        ).stdout
+    )
+    assert scale["status"]["replicas"] == 3
+    assert scale["status"]["selector"] == es["status"]["selector"]
+
+
+def test_delete_garbage_collects_children(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    _create(
+        cluster,
+        namespace,
+        "doomed",
+        {
+            "model": MODEL,
+            "replicas": 2,
+            "autoscaling": {"enabled": True, "maxReplicas": 2},
+            "modelCache": {"mode": "pvc", "size": "1Gi"},
+        },
+    )
+    poll_until(
+        lambda: get_json(cluster, "pdb", "doomed", "-n", namespace),
+        timeout=60,
+        what="children created",
+    )
+    cluster.kubectl("delete", "embsvc", "doomed", "-n", namespace)
+    for kind, name in (
+        ("deployment", "doomed"),
+        ("service", "doomed"),
+        ("hpa", "doomed"),
+        ("pdb", "doomed"),
+        ("pvc", "doomed-model-cache"),
+    ):
+        wait_gone(cluster, kind, name, "-n", namespace, timeout=90)
+    pods = get_json(cluster, "pods", "-n", namespace, "-l", "app.kubernetes.io/instance=doomed")
+    poll_until(
+        lambda: (
+            not (
+                get_json(
+                    cluster, "pods", "-n", namespace, "-l", "app.kubernetes.io/instance=doomed"
+                )
+                or {}
+            ).get("items")
+        ),
+        timeout=90,
+        what="pods deleted",
+    )
+    assert pods is not None
+
+
+BAD = [
+    (
+        "spec.parallelism.tensorParallelSize",
+        {"model": MODEL, "gpu": {"type": "h100"}, "parallelism": {"tensorParallelSize": 3}},
+    ),
+    ("spec.replicas", {"model": MODEL, "replicas": -1}),
+    (
+        "spec.autoscaling.minReplicas",
+        {"model": MODEL, "autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}},
+    ),
+    ("spec.embedding.dimensions", {"model": MODEL, "embedding": {"dimensions": 0}}),
+    ("spec.embedding.pooling", {"model": MODEL, "embedding": {"pooling": "max"}}),
+    ("spec.modelCache.size", {"model": MODEL, "modelCache": {"mode": "pvc"}}),
+    (
+        "spec.parallelism.tensorParallelSize",
+        {"model": MODEL, "gpu": {"type": "cpu"}, "parallelism": {"tensorParallelSize": 2}},
+    ),
+    ("spec.model", {"embedding": {}}),
+    ("spec.bogusField", {"model": MODEL, "bogusField": 1}),
+    ("spec.resources.limits", {"model": MODEL, "resources": {"limits": {"nvidia.com/gpu": 1}}}),
+]
+
+
+@pytest.mark.parametrize(("path", "spec"), BAD, ids=[f"{p}-{i}" for i, (p, _) in enumerate(BAD)])
+def test_invalid_manifests_refused_with_field_path(
+    cluster: Cluster, namespace: str, path: str, spec: dict[str, Any]
+) -> None:
+    result = apply_expect_refusal(cluster, embedding_service("bad", spec), namespace)
+    assert path in result.stderr, result.stderr
+    assert get_json(cluster, "embsvc", "bad", "-n", namespace) is None
+
+
+def test_kubectl_explain_reads_well(cluster: Cluster) -> None:
+    out = cluster.kubectl("explain", "embsvc.spec.autoscaling.metric").stdout
+    assert "queueTokens" in out and "embedding_server_queue_tokens" in out
+    out = cluster.kubectl("explain", "embeddingservices.spec.parallelism").stdout
+    assert "tensorParallelSize" in out and "GPUs per replica" in out
+
+
+def _events(cluster: Cluster, namespace: str, name: str, reason: str) -> list[dict[str, Any]]:
+    listing = get_json(
+        cluster,
+        "events",
+        "-n",
+        namespace,
+        "--field-selector",
+        f"involvedObject.name={name},reason={reason}",
+    )
+    return list((listing or {}).get("items") or [])
+
+
+def test_unknown_gpu_type_is_degraded_with_event(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    _create(cluster, namespace, "tpu", {"model": MODEL, "gpu": {"type": "tpu-v5"}})
+    es = wait_condition(cluster, namespace, "tpu", "Degraded", "True", reason="UnknownGPUType")
+    degraded = next(c for c in es["status"]["conditions"] if c["type"] == "Degraded")
+    assert "spec.gpu.type" in degraded["message"] and "tpu-v5" in degraded["message"]
+    ready = next(c for c in es["status"]["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "False"
+    events = poll_until(
+        lambda: _events(cluster, namespace, "tpu", "UnknownGPUType") or None,
+        timeout=30,
+        what="an UnknownGPUType event",
+    )
+    assert events[0]["type"] == "Warning"
+    assert get_json(cluster, "deployment", "tpu", "-n", namespace) is None
+
+    # The fix is an edit: the operator picks it up without a restart.
+    _patch(cluster, namespace, "embsvc", "tpu", {"spec": {"gpu": {"type": "h100"}}})
+    es = wait_condition(cluster, namespace, "tpu", "Ready", "True")
+    degraded = next(c for c in es["status"]["conditions"] if c["type"] == "Degraded")
+    assert degraded["status"] == "False"
+    assert operator.alive()
+
+
+def test_missing_secret_then_created(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    _create(
+        cluster, namespace, "locked", {"model": MODEL, "apiKeySecretRef": {"name": "locked-key"}}
+    )
+    es = wait_condition(cluster, namespace, "locked", "Degraded", "True", reason="SecretNotFound")
+    degraded = next(c for c in es["status"]["conditions"] if c["type"] == "Degraded")
+    assert "spec.apiKeySecretRef" in degraded["message"]
+    poll_until(
+        lambda: _events(cluster, namespace, "locked", "SecretNotFound") or None,
+        timeout=30,
+        what="a SecretNotFound event",
+    )
+    cluster.kubectl(
+        "create",
+        "secret",
+        "generic",
+        "locked-key",
+        "-n",
+        namespace,
+        "--from-literal=api-key=s3cret",
+    )
+    # Retries back off (5s, 10s, ...) and the resync is 15s: well within the deadline.
+    wait_condition(cluster, namespace, "locked", "Ready", "True", timeout=90)
+    env = _deployment(cluster, namespace, "locked")["spec"]["template"]["spec"]["containers"][0][
+        "env"
+    ]
+    assert {
+        "name": "EMBEDDING_SERVER_API_KEY",
+        "valueFrom": {"secretKeyRef": {"name": "locked-key", "key": "api-key"}},
+    } in env
+
+
+def test_operator_annotations_use_project_domain(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    _create(cluster, namespace, "tidy", {"model": MODEL})
+    es = wait_condition(cluster, namespace, "tidy", "Ready", "True")
+    annotations = es["metadata"].get("annotations") or {}
+    # kopf's bookkeeping lives under the project's domain, never kopf.zalando.org.
+    assert not [k for k in annotations if k.startswith("kopf.")], annotations
+    assert any(k.startswith("embedding-operator.dev/") for k in annotations), annotations
+    assert not es["metadata"].get("finalizers")
+    assert "kopf" not in es["status"] and "phase" not in es["status"]
+    # Least privilege is enough: no RBAC denial anywhere in the operator's log.
+    assert not [line for line in operator.log_text().splitlines() if "forbidden: User" in line]
