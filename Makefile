@@ -52,8 +52,8 @@ unit: $(call STAMP,dev) ## Fast tests: no cluster, no network
 e2e: $(call STAMP,dev) binaries ## Tests against a real local Kubernetes control plane
 	$(PY) -m pytest e2e -m e2e $(PYTEST_ARGS)
 
-binaries: ## Build (or reuse from ~/.cache) etcd, kube-*, kubectl, kwok and helm
-	bash e2e/build_binaries.sh
+binaries: $(call STAMP,dev) ## Build (or reuse from ~/.cache) etcd, kube-*, kubectl, kwok and helm
+	$(PY) e2e/build_binaries.py
 
 bench: $(call STAMP,dev) ## Benchmarks against sentence-transformers and peers (prints ratios)
 	$(PY) bench/offline.py
