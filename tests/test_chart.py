@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import textwrap
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -484,3 +486,34 @@ def test_adapter_rules_publish_every_metric_an_hpa_can_use(helm: Path) -> None:
             "namespace": {"resource": "namespace"},
             "pod": {"resource": "pod"},
         }
+
+
+# --- docs/helm.md snippets -------------------------------------------------------------------
+
+DOCS = ROOT / "docs" / "helm.md"
+
+
+def yaml_blocks(path: Path) -> list[Any]:
+    """Every ```yaml fenced block of a Markdown file, parsed (indented blocks included)."""
+    blocks = re.findall(r"^( *)```yaml\n(.*?)^\1```", path.read_text(), re.S | re.M)
+    return [yaml.safe_load(textwrap.dedent(body)) for _indent, body in blocks]
+
+
+def test_documented_adapter_rules_are_the_charts(helm: Path) -> None:
+    (documented,) = [b["rules"]["custom"] for b in yaml_blocks(DOCS) if "rules" in b]
+    docs = objects(helm, {"prometheusAdapter": {"rulesConfigMap": {"enabled": True}}})
+    configmap = one(docs, "ConfigMap", "eo-embedding-operator-adapter-rules")
+    assert documented == yaml.safe_load(configmap["data"]["config.yaml"])["rules"]
+
+
+def test_documented_keda_scaledobject_targets_the_scale_subresource() -> None:
+    from embedding_operator.builders.common import API_VERSION, KIND
+    from embedding_operator.builders.hpa import QUEUE_METRICS
+
+    (scaled,) = [b for b in yaml_blocks(DOCS) if b.get("kind") == "ScaledObject"]
+    assert scaled["spec"]["scaleTargetRef"]["apiVersion"] == API_VERSION
+    assert scaled["spec"]["scaleTargetRef"]["kind"] == KIND
+    (version,) = yaml.safe_load(CANONICAL_CRD.read_text())["spec"]["versions"]
+    assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
+    (trigger,) = scaled["spec"]["triggers"]
+    assert any(metric in trigger["metadata"]["query"] for metric in QUEUE_METRICS.values())
