@@ -29,7 +29,8 @@ from cluster import Cluster
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CHART = REPO_ROOT / "charts" / "embedding-operator"
-EXAMPLE = REPO_ROOT / "examples" / "bge-h100.yaml"
+EXAMPLES = sorted((REPO_ROOT / "examples").glob("*.yaml"))
+EXAMPLE = REPO_ROOT / "examples" / "bge-h100.yaml"  # autoscaled: has an HPA to edit
 CANONICAL_CRD = REPO_ROOT / "crds" / "embeddingservices.yaml"
 CRD = "customresourcedefinition/embeddingservices.embedding-operator.dev"
 KEEP = "helm.sh/resource-policy"
@@ -171,31 +172,78 @@ def start_operator(env: dict[str, str], log_path: Path) -> Process:
     return process
 
 
+def provide_volume(cluster: Cluster, namespace: str, claim: str, size: str) -> str:
+    """The test cluster has no provisioner: a static PV pre-bound to the claim stands in."""
+    name = f"{namespace}-{claim}"[:253]
+    cluster.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": name},
+            "spec": {
+                "capacity": {"storage": size},
+                "accessModes": ["ReadWriteOnce"],
+                "storageClassName": "",
+                "claimRef": {"namespace": namespace, "name": claim},
+                "hostPath": {"path": f"/tmp/{name}"},
+            },
+        }
+    )
+    return name
+
+
+# Every child kind the operator can create, and which example makes it.
+CHILD_KINDS = {
+    "Deployment": "deployment",
+    "Service": "service",
+    "HorizontalPodAutoscaler": "horizontalpodautoscaler",
+    "PodDisruptionBudget": "poddisruptionbudget",
+    "PersistentVolumeClaim": "persistentvolumeclaim",
+}
+
+
 def test_operator_runs_with_the_charts_service_account(
     cluster: Cluster, release_namespace: str, namespace: str, tmp_path: Path
 ) -> None:
+    """Every example converges under the chart's RBAC; together they make every child kind,
+    so a verb missing from the chart for any of them fails here (with the 403 printed)."""
     env = operator_env(cluster, release_namespace, tmp_path)
     operator = start_operator(env, tmp_path / "operator.log")
+    volumes: list[str] = []
     try:
-        cluster.kubectl("apply", "-n", namespace, "-f", str(EXAMPLE))
-        name = yaml.safe_load(EXAMPLE.read_text())["metadata"]["name"]
-        es = wait_condition(cluster, namespace, name, "Ready", "True", timeout=CONVERGE_TIMEOUT_S)
-        assert es["status"]["observedGeneration"] == es["metadata"]["generation"]
-        for kind in ("deployment", "service", "horizontalpodautoscaler"):
-            child = get_json(cluster, kind, name, "-n", namespace)
-            assert child is not None, f"no {kind}"
-            (owner,) = child["metadata"]["ownerReferences"]
-            assert owner["kind"] == "EmbeddingService" and owner["uid"] == es["metadata"]["uid"]
+        names = []
+        for path in EXAMPLES:
+            manifest = yaml.safe_load(path.read_text())
+            name, spec = manifest["metadata"]["name"], manifest["spec"]
+            cache = spec.get("modelCache", {})
+            if cache.get("mode") == "pvc":
+                volumes.append(
+                    provide_volume(cluster, namespace, f"{name}-model-cache", cache["size"])
+                )
+            cluster.kubectl("apply", "-n", namespace, "-f", str(path))
+            names.append(name)
+        made: set[str] = set()
+        for name in names:
+            es = wait_condition(
+                cluster, namespace, name, "Ready", "True", timeout=CONVERGE_TIMEOUT_S
+            )
+            assert es["status"]["observedGeneration"] == es["metadata"]["generation"]
+            for kind, resource in CHILD_KINDS.items():
+                child = get_json(cluster, resource, name, "-n", namespace) or get_json(
+                    cluster, resource, f"{name}-model-cache", "-n", namespace
+                )
+                if child is None:
+                    continue
+                (owner,) = child["metadata"]["ownerReferences"]
+                assert owner["uid"] == es["metadata"]["uid"], f"{kind} {name} not owned"
+                made.add(kind)
+        assert made == set(CHILD_KINDS), f"the examples never made {set(CHILD_KINDS) - made}"
+
         # An edit converges too (patch rights on children, status for the new generation).
+        name = yaml.safe_load(EXAMPLE.read_text())["metadata"]["name"]
+        patch = {"spec": {"autoscaling": {"maxReplicas": 6}}}
         cluster.kubectl(
-            "patch",
-            "embeddingservice",
-            name,
-            "-n",
-            namespace,
-            "--type=merge",
-            "-p",
-            json.dumps({"spec": {"autoscaling": {"maxReplicas": 6}}}),
+            "patch", "embsvc", name, "-n", namespace, "--type=merge", "-p", json.dumps(patch)
         )
         wait_condition(cluster, namespace, name, "Ready", "True", timeout=CONVERGE_TIMEOUT_S)
         poll_until(
@@ -214,15 +262,15 @@ def test_operator_runs_with_the_charts_service_account(
         assert lease["spec"]["holderIdentity"] == env["EMBEDDING_OPERATOR_IDENTITY"]
         log = operator.log_path.read_text(errors="replace")
         assert "Forbidden" not in log and " 403" not in log, log[-4000:]
-        cluster.kubectl(
-            "delete", "embeddingservice", name, "-n", namespace, "--wait=true", "--timeout=60s"
-        )
+        cluster.kubectl("delete", "embsvc", "--all", "-n", namespace, "--timeout=60s")
     except BaseException:
         # A missing RBAC rule shows up here as a 403 in the operator's log.
         print(operator.log_tail(20))
         raise
     finally:
         operator.stop()
+        for volume in volumes:
+            cluster.kubectl("delete", "pv", volume, "--wait=false", "--ignore-not-found")
 
 
 @pytest.mark.parametrize(
