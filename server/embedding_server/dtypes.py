@@ -1,15 +1,21 @@
-"""Device and dtype resolution (``device=auto``, ``dtype=auto``).
+"""Device, dtype and CPU-thread resolution (``device=auto``, ``dtype=auto``).
 
 Why a module of its own: the choice is hardware-dependent and easy to get subtly wrong. On a
 CPU without native bfloat16 instructions (avx512_bf16 or AMX) torch emulates bf16 matmuls and
 they run several times slower than float32, so ``auto`` must not pick bf16 there even though
 it "works". On CUDA, bf16 is the default unless the GPU lacks it (pre-Ampere), then fp16.
+
+Threads: torch sizes its CPU pool from the host's core count, but a container's CPU quota
+(cgroup ``cpu.max``) is often far smaller; more OpenMP threads than CPUs we may use makes every
+parallel region wait for descheduled threads, which is catastrophic for latency.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
+import os
 from pathlib import Path
 
 import torch
@@ -24,6 +30,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 _BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+_TORCH_DEFAULT_THREADS = torch.get_num_threads()  # read before anything changes it
 
 
 def resolve_device(setting: str) -> torch.device:
@@ -66,3 +73,25 @@ def resolve_dtype(setting: Dtype, device: torch.device) -> torch.dtype:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def available_cpus() -> int:
+    """CPUs this process may use: its affinity mask, capped by a cgroup v2 CPU quota."""
+    count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            count = min(count, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 quota visible: the affinity mask is the limit
+    return max(1, count)
+
+
+def cpu_thread_budget() -> int:
+    """Threads for CPU forward passes: ``OMP_NUM_THREADS`` if set, else torch's default
+    (physical cores) capped by the CPUs we may use."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return max(1, min(_TORCH_DEFAULT_THREADS, available_cpus()))

@@ -36,7 +36,7 @@ import numpy.typing as npt
 import torch
 
 from .attention import backend_name
-from .dtypes import dtype_name, resolve_device, resolve_dtype
+from .dtypes import cpu_thread_budget, dtype_name, resolve_device, resolve_dtype
 from .errors import InvalidRequestError, NotReadyError, UnsupportedModelError
 from .fake import is_fake, load_fake
 from .loading import LoadedModel, declared_matryoshka, load_model
@@ -148,6 +148,8 @@ class EngineInfo:
     """Allowed truncation sizes; None with ``matryoshka`` true means any size up to full."""
     full_dimensions: int
     vocab_size: int
+    cpu_threads: int
+    """torch intra-op threads for CPU forward passes."""
     max_batch_tokens: int
     max_batch_size: int
     max_queue_tokens: int
@@ -194,7 +196,8 @@ class Engine:
         self._normalize = settings.normalize if settings.normalize is not None else (
             st.normalize if st.present else True)
         self._runner = ModelRunner(loaded.model, device=device, pooling=pooling, dense=st.dense,
-                                   include_prompt=st.include_prompt)
+                                   include_prompt=st.include_prompt,
+                                   cpu_threads=cpu_thread_budget())
         declared_flag, declared_dims = declared_matryoshka(loaded.config, st)
         self._matryoshka: Matryoshka = build_matryoshka(
             self._runner.output_dim, declared=declared_flag, declared_dims=declared_dims,
@@ -256,7 +259,7 @@ class Engine:
             attention=backend_name(self._device, self._dtype), prompts=dict(self._prompts),
             default_prompt_name=self._default_prompt_name, matryoshka=m.supported,
             matryoshka_dimensions=m.to_list(), full_dimensions=m.full,
-            vocab_size=self._tokenizer.vocab_size,
+            vocab_size=self._tokenizer.vocab_size, cpu_threads=self._runner.cpu_threads,
             max_batch_tokens=self.settings.max_batch_tokens,
             max_batch_size=self.settings.max_batch_size,
             max_queue_tokens=self.settings.max_queue_tokens)

@@ -21,6 +21,11 @@ import torch
 from .models.base import EmbeddingModel, PackedBatch
 from .pooling import DenseLayer, FloatArray, PoolingMethod, pool
 
+# Below this many tokens a CPU forward pass runs on one thread: the matmuls are too small to
+# split profitably, and on a busy host every OpenMP region would wait for a descheduled
+# worker (measured: 2 short texts took 0.7 s on 2 threads under load, 25 ms on one).
+SMALL_BATCH_TOKENS = 256
+
 
 @dataclass(frozen=True, slots=True)
 class SequenceInput:
@@ -45,7 +50,8 @@ class ModelRunner:
     """Runs packed forward passes and the batch-level part of pooling."""
 
     def __init__(self, model: EmbeddingModel, *, device: torch.device, pooling: PoolingMethod,
-                 dense: Sequence[DenseLayer] = (), include_prompt: bool = True) -> None:
+                 dense: Sequence[DenseLayer] = (), include_prompt: bool = True,
+                 cpu_threads: int = 1) -> None:
         self.model = model
         self.device = device
         self.pooling = pooling
@@ -54,6 +60,7 @@ class ModelRunner:
                                  else d.bias.to(device), d.activation) for d in dense]
         self.output_dim = self.dense[-1].out_features if self.dense else model.hidden_size
         self._lock = threading.Lock()
+        self.cpu_threads = cpu_threads
 
     def run(self, seqs: Sequence[SequenceInput]) -> BatchOutput:
         """One forward pass; thread-safe (serialized)."""
@@ -61,6 +68,11 @@ class ModelRunner:
         ordered = [seqs[i] for i in order]
         with self._lock, torch.inference_mode():
             start = time.perf_counter()
+            if self.device.type == "cpu":
+                total = sum(len(s.ids) for s in seqs)
+                threads = 1 if total < SMALL_BATCH_TOKENS else self.cpu_threads
+                if torch.get_num_threads() != threads:
+                    torch.set_num_threads(threads)
             batch = PackedBatch.build([s.ids for s in ordered], self.device,
                                       self.model.position_offset)
             hidden = self.model.forward(batch)

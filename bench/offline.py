@@ -1,0 +1,190 @@
+"""Offline throughput: our Engine vs sentence-transformers on the same model, same run.
+
+Not a test: a measurement. Embeds the deterministic mixed-length corpus (bench/corpus.py)
+with
+
+* sentence-transformers, float32 and bfloat16 (``model.encode``, its default batching);
+* our Engine, float32 and bfloat16 (``engine.embed``: packed, length-sorted, no padding);
+
+and prints texts/s, tokens/s, ratios, cosine agreement with the float32 sentence-transformers
+reference, and the fraction of this machine's measured matmul peak each run achieves. A bar
+chart goes to bench/out/offline.png.
+
+    .venv/bin/python bench/offline.py --texts 1000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from corpus import make_corpus
+from embedding_server.dtypes import cpu_flags, cpu_thread_budget
+from embedding_server.engine import Engine
+from embedding_server.loading import resolve_model_path
+from embedding_server.settings import DEFAULT_MODEL
+
+OUT = Path(__file__).resolve().parent / "out"
+
+
+@dataclass
+class Run:
+    name: str
+    seconds: float
+    texts_per_s: float
+    tokens_per_s: float
+    gflops: float
+    peak_fraction: float
+    cos_min: float
+    cos_mean: float
+
+
+def matmul_peak(dtype: torch.dtype, size: int = 2048, seconds: float = 2.0) -> float:
+    """FLOP/s of a large square matmul: the machine's practical ceiling for this dtype."""
+    a = torch.randn(size, size, dtype=dtype)
+    b = torch.randn(size, size, dtype=dtype)
+    torch.mm(a, b)
+    runs, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        torch.mm(a, b)
+        runs += 1
+    return 2 * size**3 * runs / (time.perf_counter() - start)
+
+
+def model_flops_per_token(config: dict[str, Any], mean_len: float) -> float:
+    """Matmul FLOPs per token of a BERT-style encoder: linear layers plus attention."""
+    h, i, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    linear = 4 * h * h + 2 * h * i
+    attention = 2 * mean_len * h            # QK^T and PV, per token
+    return 2 * layers * (linear + attention)
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.sum(a * b, axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--texts", type=int, default=1000)
+    parser.add_argument("--st-batch-size", type=int, default=32)
+    parser.add_argument("--max-batch-tokens", type=int, default=16384)
+    parser.add_argument("--skip-bf16", action="store_true",
+                        help="bf16 is emulated (slow) on CPUs without avx512_bf16/AMX")
+    args = parser.parse_args()
+
+    from sentence_transformers import SentenceTransformer
+
+    threads = cpu_thread_budget()
+    torch.set_num_threads(threads)
+    path = resolve_model_path(args.model)
+    config = json.loads((path / "config.json").read_text())
+    texts = make_corpus(args.texts)
+    native_bf16 = bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    print(f"model {args.model}; {len(texts)} texts; torch {torch.__version__}, {threads} "
+          f"threads; CPU capability {torch.backends.cpu.get_cpu_capability()}, native bf16: "
+          f"{native_bf16}")
+    peaks = {"float32": matmul_peak(torch.float32), "bfloat16": matmul_peak(torch.bfloat16)}
+    print("matmul peak: " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peaks.items()))
+
+    dtypes = ["float32"] if args.skip_bf16 else ["float32", "bfloat16"]
+    engines = {d: Engine.from_pretrained(args.model, dtype=d,
+                                         max_batch_tokens=args.max_batch_tokens)
+               for d in dtypes}
+    token_counts = [min(len(ids), engines["float32"].info().max_input_tokens)
+                    for ids in engines["float32"].tokenize(texts)]
+    tokens = sum(token_counts)
+    mean_len = tokens / len(texts)
+    flops_per_token = model_flops_per_token(config, mean_len)
+    print(f"{tokens} tokens (mean {mean_len:.0f} per text after truncation)")
+
+    runs: list[Run] = []
+    reference: np.ndarray | None = None
+
+    def record(name: str, dtype: str, fn: Any) -> np.ndarray:
+        nonlocal reference
+        fn(texts[:32])  # warm-up
+        start = time.perf_counter()
+        vectors = np.asarray(fn(texts), dtype=np.float32)
+        seconds = time.perf_counter() - start
+        if reference is None:
+            reference = vectors
+        cos = cosines(vectors, reference)
+        flops = flops_per_token * tokens / seconds
+        run = Run(name, seconds, len(texts) / seconds, tokens / seconds, flops / 1e9,
+                  flops / peaks[dtype], float(cos.min()), float(cos.mean()))
+        runs.append(run)
+        print(f"  {name:<34} {run.seconds:7.2f}s {run.texts_per_s:8.1f} texts/s "
+              f"{run.tokens_per_s:9.0f} tok/s  {100 * run.peak_fraction:5.1f}% of peak  "
+              f"cos min {run.cos_min:.6f}")
+        return vectors
+
+    for dtype in dtypes:
+        st = SentenceTransformer(str(path), device="cpu")
+        if dtype == "bfloat16":
+            st = st.to(torch.bfloat16)
+        record(f"sentence-transformers {dtype}", dtype,
+               lambda t, st=st: st.encode(t, batch_size=args.st_batch_size,
+                                          convert_to_numpy=True))
+        del st
+    for dtype in dtypes:
+        engine = engines[dtype]
+        record(f"embedding-server {dtype}", dtype, engine.embed)
+
+    by_name = {r.name: r for r in runs}
+    print("\nratios (texts/s):")
+    for dtype in dtypes:
+        ours = by_name[f"embedding-server {dtype}"]
+        for peer in dtypes:
+            theirs = by_name[f"sentence-transformers {peer}"]
+            print(f"  ours {dtype} / sentence-transformers {peer}: "
+                  f"{ours.texts_per_s / theirs.texts_per_s:.2f}x")
+    auto = Engine.from_pretrained(args.model).info().dtype
+    print(f"\ndtype=auto picks {auto} on this machine")
+
+    print("\n| run | texts/s | tokens/s | % matmul peak | cosine min vs ST fp32 |")
+    print("|---|---:|---:|---:|---:|")
+    for r in runs:
+        print(f"| {r.name} | {r.texts_per_s:.1f} | {r.tokens_per_s:.0f} | "
+              f"{100 * r.peak_fraction:.1f}% | {r.cos_min:.6f} |")
+
+    OUT.mkdir(exist_ok=True)
+    (OUT / "offline.json").write_text(json.dumps(
+        {"texts": len(texts), "tokens": tokens, "threads": threads,
+         "peaks_gflops": {k: v / 1e9 for k, v in peaks.items()},
+         "runs": [asdict(r) for r in runs]}, indent=2))
+    chart(runs, OUT / "offline.png", f"{args.model}, {len(texts)} texts, {threads} threads")
+    print(f"\nwrote {OUT / 'offline.png'} and offline.json")
+
+
+def chart(runs: list[Run], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    names = [r.name for r in runs]
+    values = [r.texts_per_s for r in runs]
+    colors = ["#999999" if n.startswith("sentence") else "#2a7ab9" for n in names]
+    bars = ax.barh(names, values, color=colors)
+    ax.bar_label(bars, labels=[f"{v:.1f}" for v in values], padding=3)
+    ax.set_xlabel("texts / second (higher is better)")
+    ax.set_title(title)
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
