@@ -9,7 +9,20 @@ from __future__ import annotations
 
 import random
 
-_WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "are", "with", "as", "by", "at", "from", "that", "this", "be", "or", "an", "it", "have", "not", "which", "but", "were", "all", "can", "has", "their", "more", "one", "will", "other", "also", "been", "its", "about", "into", "only", "new", "model", "embedding", "vector", "search", "query", "document", "server", "batch", "token", "budget", "queue", "latency", "throughput", "kubernetes", "operator", "cluster", "replica", "scaling", "memory", "compute", "kernel", "attention", "layer", "transformer", "encoder", "decoder", "sentence", "meaning", "language", "retrieval", "index", "similarity", "cosine", "normal", "dimension", "cache", "request", "response", "client", "stream", "network", "storage", "database", "river", "mountain", "forest", "ocean", "city", "village", "garden", "kitchen", "window", "morning", "evening", "winter", "summer", "autumn", "spring", "music", "painting", "history", "science", "physics", "chemistry", "biology", "planet", "quickly", "slowly", "carefully", "rarely", "often", "always", "never", "perhaps", "certainly", "clearly", "simply", "build", "deploy", "measure", "improve", "explain", "compare", "describe", "discover", "protect", "remember", "travel", "blue", "green", "bright", "quiet", "heavy", "gentle", "ancient", "modern", "simple", "complex", "careful", "honest"]
+_VOCABULARY = """
+the of and to in is was for on are with as by at from that this be or an it have not which
+but were all can has their more one will other also been its about into only new model
+embedding vector search query document server batch token budget queue latency throughput
+kubernetes operator cluster replica scaling memory compute kernel attention layer
+transformer encoder decoder sentence meaning language retrieval index similarity cosine
+normal dimension cache request response client stream network storage database river
+mountain forest ocean city village garden kitchen window morning evening winter summer
+autumn spring music painting history science physics chemistry biology planet quickly
+slowly carefully rarely often always never perhaps certainly clearly simply build deploy
+measure improve explain compare describe discover protect remember travel blue green
+bright quiet heavy gentle ancient modern simple complex careful honest
+"""
+_WORDS = tuple(_VOCABULARY.split())
 
 
 def make_corpus(n: int, *, seed: int = 0, min_words: int = 4,
