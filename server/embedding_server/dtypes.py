@@ -65,6 +65,9 @@ def cpu_has_native_bf16() -> bool:
 def resolve_dtype(setting: Dtype, device: torch.device) -> torch.dtype:
     """The compute dtype for weights and activations (outputs are always float32)."""
     if setting != "auto":
+        if setting == "bfloat16" and device.type == "cpu" and not cpu_has_native_bf16():
+            logger.warning("bfloat16 on a CPU without avx512_bf16/AMX is emulated and several "
+                           "times slower than float32; dtype=auto would pick float32 here")
         return _DTYPES[setting]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16

@@ -221,3 +221,26 @@ async def test_concurrent_mixed_requests_each_get_their_solo_vectors() -> None:
     assert engine.scheduler.batches_run < len(requests)      # they really were batched
     for alone, together in zip(solo, results, strict=True):
         np.testing.assert_allclose(together.embeddings, alone, atol=1e-6)
+
+
+async def test_engine_gauges_and_cancellation_with_a_slow_fake_model() -> None:
+    """The knobs the HTTP tests use: a slow fake model fills the queue; cancelling a waiting
+    request empties it again and its inputs are never computed."""
+    metrics = Metrics()
+    engine = Engine.from_pretrained("fake?dim=8&delay_ms=300", metrics=metrics)
+    model = engine._runner.model
+    await engine.start()
+    try:
+        calls_before = model.calls  # type: ignore[attr-defined]
+        running = asyncio.create_task(engine.aembed(["first"]))
+        await wait_for(lambda: model.calls > calls_before)  # type: ignore[attr-defined]
+        waiting = asyncio.create_task(engine.aembed(["second", "third"]))
+        await wait_for(lambda: gauge(metrics, "embedding_server_queue_requests") == 1)
+        assert gauge(metrics, "embedding_server_queue_tokens") == 2 * 2 + 6 + 5
+        waiting.cancel()
+        await wait_for(lambda: gauge(metrics, "embedding_server_queue_requests") == 0)
+        assert gauge(metrics, "embedding_server_queue_tokens") == 0
+        assert (await running).embeddings.shape == (1, 8)
+        assert model.calls == calls_before + 1  # type: ignore[attr-defined]
+    finally:
+        await engine.stop()
