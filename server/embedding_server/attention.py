@@ -7,13 +7,12 @@ which is where an encoder spends almost all of its FLOPs.
 * On CUDA with flash-attn installed we call ``flash_attn_varlen_func`` directly: it consumes
   exactly this layout.
 * Otherwise (CPU, every test) we run torch's ``scaled_dot_product_attention`` per *length
-  bucket*: sequences of (nearly) equal length are gathered into a small padded
-  ``[n, heads, L, head_dim]`` block and attended together, with a key-padding mask only when
-  lengths in the bucket differ. The scheduler already groups requests by length, and the
-  runner orders each batch by length, so buckets are usually exact-length and contiguous,
-  which makes the gather a zero-copy view. A block-diagonal mask over the whole batch
-  would cost O(T^2) and a Python loop per sequence costs O(B) kernel launches per layer;
-  buckets cost O(#distinct lengths).
+  bucket*: sequences of equal (or, with ``_BUCKET_RATIO`` < 1, similar) length are attended
+  together as one ``[n, heads, L, head_dim]`` block, padded with a key mask only when lengths
+  in the bucket differ. The scheduler groups requests by length and the runner orders each
+  batch by length, so buckets are contiguous and the block is a zero-copy view. A
+  block-diagonal mask over the whole batch would cost O(T^2); a call per sequence costs
+  O(B) calls per layer; buckets cost O(#distinct lengths).
 
 The bucket plan depends only on the sequence lengths, so it is built once per batch
 (:func:`plan_attention`) and reused by every layer.
@@ -42,9 +41,11 @@ except ImportError:  # flash-attn is optional: the torch path below is always av
     flash_attn_varlen_func = None
 
 # Sequences whose length is within this factor of their bucket's longest share one padded
-# SDPA call; the padding waste in attention is at most ~1/factor^2, and attention is a small
-# share of an encoder's FLOPs, so fewer, fuller calls win.
-_BUCKET_RATIO = 0.8
+# SDPA call. 1.0 = exact-length buckets: since the runner sorts each batch by length, those
+# are contiguous zero-copy views, and measured on MiniLM (130 sequences, 62 distinct
+# lengths, CPU) they beat padded 0.8-buckets by ~10%: the gather/scatter copies cost more
+# than the extra SDPA calls (~30 us each). Lower it if a backend makes calls expensive.
+_BUCKET_RATIO = 1.0
 
 
 def flash_available(tensor: torch.Tensor) -> bool:

@@ -85,9 +85,12 @@ def _naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: li
     return torch.cat(out)
 
 
+@pytest.mark.parametrize("ratio", [1.0, 0.5])   # exact-length buckets / padded + key mask
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("lens", [[5, 5, 5], [1, 9, 3, 9, 17, 16, 2], [7], [4, 4, 9, 4]])
-def test_bucketed_attention_equals_per_sequence(lens: list[int], causal: bool) -> None:
+def test_bucketed_attention_equals_per_sequence(lens: list[int], causal: bool, ratio: float,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(attention, "_BUCKET_RATIO", ratio)
     torch.manual_seed(0)
     total = sum(lens)
     q = torch.randn(total, 4, 8)
