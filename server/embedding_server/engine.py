@@ -222,14 +222,14 @@ class Engine:
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, model: str = DEFAULT_MODEL, *, metrics: Metrics | None = None,
-                        **settings: Any) -> Engine:
-        """Load ``model`` (directory, Hub id, the packaged default, or ``"fake?..."``).
+    def from_pretrained(cls, path_or_id: str = DEFAULT_MODEL, *,
+                        metrics: Metrics | None = None, **settings: Any) -> Engine:
+        """Load a model: a directory, a Hub id, the packaged default, or ``"fake?..."``.
 
         ``settings`` are :class:`EngineSettings` fields (``dtype="bfloat16"``,
-        ``max_batch_tokens=8192``, ...).
+        ``max_batch_tokens=8192``, ...); ``metrics`` receives queue, stage and batch metrics.
         """
-        return cls.from_settings(EngineSettings(model=model, **settings), metrics=metrics)
+        return cls.from_settings(EngineSettings(model=path_or_id, **settings), metrics=metrics)
 
     @classmethod
     def from_settings(cls, settings: EngineSettings, *,

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..attention import varlen_attention
+from ..attention import flash_available, varlen_attention
 from ..errors import UnsupportedModelError
 from .base import PackedBatch, config_get, strip_prefix, take
 
@@ -120,7 +120,7 @@ class BertModel:
         x += self.pos_emb[batch.position_ids]
         x += self.type0
         x = F.layer_norm(x, (h,), self.emb_ln_w, self.emb_ln_b, self.eps)
-        plan = None if batch.input_ids.is_cuda else batch.attention_plan
+        plan = None if flash_available(x) else batch.attention_plan
         for layer in self.layers:
             qkv = F.linear(x, layer.qkv_w, layer.qkv_b).view(t, 3, self.num_heads, self.head_dim)
             q, k, v = qkv.unbind(1)

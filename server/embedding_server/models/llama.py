@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..attention import varlen_attention
+from ..attention import flash_available, varlen_attention
 from ..errors import UnsupportedModelError
 from .base import PackedBatch, config_get, strip_prefix, take
 
@@ -150,8 +150,8 @@ class LlamaModel:
         t = batch.input_ids.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         cos, sin = self._rotary(batch.position_ids, batch.max_seqlen)
-        plan = None if batch.input_ids.is_cuda else batch.attention_plan
         x = self.embed[batch.input_ids]
+        plan = None if flash_available(x) else batch.attention_plan
         for layer in self.layers:
             h = rms_norm(x, layer.in_norm, self.eps)
             qkv = F.linear(h, layer.qkv_w, layer.qkv_b)
