@@ -43,7 +43,7 @@ from .loading import LoadedModel, declared_matryoshka, load_model
 from .metrics import Metrics
 from .pooling import FloatArray, Matryoshka, PoolingMethod, build_matryoshka, finalize
 from .runner import BatchOutput, ModelRunner, SequenceInput
-from .scheduler import Scheduler
+from .scheduler import Scheduler, plan_offline_batches
 from .settings import DEFAULT_MODEL, EngineSettings
 from .tokenization import (
     TextInput,
@@ -52,6 +52,7 @@ from .tokenization import (
     Truncation,
     TruncationArg,
     TruncationSide,
+    normalize_inputs,
 )
 
 logger = logging.getLogger(__name__)
@@ -585,61 +586,4 @@ class Engine:
             return await coroutine()
 
         return asyncio.run_coroutine_threadsafe(run(), loop).result()
-
-
-def normalize_inputs(inputs: object, param: str) -> list[TextInput]:
-    """Validate request inputs into a list of strings / token-id lists (errors name ``param``)."""
-    if isinstance(inputs, str):
-        if not inputs:
-            raise InvalidRequestError(f"{param} must not be an empty string", param=param)
-        return [inputs]
-    if not isinstance(inputs, Sequence) or isinstance(inputs, bytes | bytearray):
-        raise InvalidRequestError(
-            f"{param} must be a string, a list of strings or a list of token ids; got "
-            f"{type(inputs).__name__}", param=param)
-    items = list(inputs)
-    if not items:
-        raise InvalidRequestError(f"{param} must not be an empty list", param=param)
-    if all(_is_token(x) for x in items):
-        return [items]
-    out: list[TextInput] = []
-    for i, item in enumerate(items):
-        if isinstance(item, str):
-            if not item:
-                raise InvalidRequestError(f"{param}[{i}] must not be an empty string",
-                                          param=param)
-            out.append(item)
-        elif isinstance(item, Sequence) and not isinstance(item, bytes | bytearray) \
-                and all(_is_token(x) for x in item):
-            if not item:
-                raise InvalidRequestError(f"{param}[{i}] must not be an empty token list",
-                                          param=param)
-            out.append(list(item))
-        else:
-            raise InvalidRequestError(
-                f"{param}[{i}] must be a string or a list of token ids; got "
-                f"{type(item).__name__}", param=param)
-    return out
-
-
-def _is_token(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def plan_offline_batches(lengths: Sequence[int], max_tokens: int,
-                         max_size: int) -> list[list[int]]:
-    """Length-sorted batches within the token budget, for the offline bulk path."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    batches: list[list[int]] = []
-    current: list[int] = []
-    used = 0
-    for i in order:
-        if current and (used + lengths[i] > max_tokens or len(current) >= max_size):
-            batches.append(current)
-            current, used = [], 0
-        current.append(i)
-        used += lengths[i]
-    if current:
-        batches.append(current)
-    return batches
 

@@ -257,3 +257,42 @@ def _special_affixes(tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
     logger.warning("could not locate the special-token template of the tokenizer; "
                    "inputs get no special tokens")
     return [], []
+
+
+def normalize_inputs(inputs: object, param: str) -> list[TextInput]:
+    """Validate request inputs into a list of strings / token-id lists (errors name ``param``)."""
+    if isinstance(inputs, str):
+        if not inputs:
+            raise InvalidRequestError(f"{param} must not be an empty string", param=param)
+        return [inputs]
+    if not isinstance(inputs, Sequence) or isinstance(inputs, bytes | bytearray):
+        raise InvalidRequestError(
+            f"{param} must be a string, a list of strings or a list of token ids; got "
+            f"{type(inputs).__name__}", param=param)
+    items = list(inputs)
+    if not items:
+        raise InvalidRequestError(f"{param} must not be an empty list", param=param)
+    if all(_is_token(x) for x in items):
+        return [items]
+    out: list[TextInput] = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            if not item:
+                raise InvalidRequestError(f"{param}[{i}] must not be an empty string",
+                                          param=param)
+            out.append(item)
+        elif isinstance(item, Sequence) and not isinstance(item, bytes | bytearray) \
+                and all(_is_token(x) for x in item):
+            if not item:
+                raise InvalidRequestError(f"{param}[{i}] must not be an empty token list",
+                                          param=param)
+            out.append(list(item))
+        else:
+            raise InvalidRequestError(
+                f"{param}[{i}] must be a string or a list of token ids; got "
+                f"{type(item).__name__}", param=param)
+    return out
+
+
+def _is_token(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

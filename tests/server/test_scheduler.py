@@ -244,3 +244,17 @@ async def test_engine_gauges_and_cancellation_with_a_slow_fake_model() -> None:
         assert model.calls == calls_before + 1  # type: ignore[attr-defined]
     finally:
         await engine.stop()
+
+
+def test_offline_batches_are_length_sorted_and_within_budget() -> None:
+    from embedding_server.scheduler import plan_offline_batches
+
+    rng = random.Random(2)
+    lengths = [rng.randint(1, 50) for _ in range(200)]
+    batches = plan_offline_batches(lengths, max_tokens=120, max_size=8)
+    assert sorted(i for b in batches for i in b) == list(range(200))
+    previous_max = 0
+    for batch in batches:
+        assert len(batch) <= 8 and sum(lengths[i] for i in batch) <= 120
+        assert min(lengths[i] for i in batch) >= previous_max
+        previous_max = max(lengths[i] for i in batch)
