@@ -173,11 +173,13 @@ class TextTokenizer:
                     f"token ids must be integers in [0, {self.vocab_size}); got {token!r}",
                     param=param)
 
-    def prompt_length(self, prompt: str) -> int:
-        """Tokens a prompt contributes at the start of an input (ST's ``include_prompt``)."""
+    def prompt_length(self, prompt: str, *, add_special_tokens: bool = True) -> int:
+        """Leading tokens that belong to the prompt, leading special tokens included, as
+        sentence-transformers counts them for ``include_prompt=False``."""
         if not prompt:
             return 0
-        return len(self._prefix) + len(self._tok.encode(prompt, add_special_tokens=False).ids)
+        content = len(self._tok.encode(prompt, add_special_tokens=False).ids)
+        return content + (len(self._prefix) if add_special_tokens else 0)
 
     def encode(self, inputs: Sequence[TextInput], *, truncation: Truncation,
                add_special_tokens: bool = True, prompt: str | None = None,
@@ -202,7 +204,7 @@ class TextTokenizer:
                 self.check_ids(ids, f"{param}[{i}]" if len(inputs) > 1 else param)
                 out[i] = self._fit(ids, ids, [], limit, truncation, i, param, 0)
         if texts:
-            prompt_len = self.prompt_length(prompt or "") if add_special_tokens else 0
+            prompt_len = self.prompt_length(prompt or "", add_special_tokens=add_special_tokens)
             encodings = self._tok.encode_batch(texts, add_special_tokens=False)
             prefix = self._prefix if add_special_tokens else []
             suffix = self._suffix if add_special_tokens else []
