@@ -19,7 +19,7 @@ import sys
 import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, cast, get_args, get_origin
+from typing import Any, get_args, get_origin
 
 import yaml
 from pydantic import ValidationError
@@ -156,6 +156,7 @@ def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
 
     from embedding_operator import handlers
     from embedding_operator.apply import KubeCluster
+    from embedding_operator.events import ApiEventRecorder
     from embedding_operator.leader import (
         LeaderElector,
         LeadershipLostError,
@@ -164,31 +165,35 @@ def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
     from embedding_operator.reconcile import Reconciler
 
     _configure_logging(config)
-    cluster = KubeCluster(_api_client(config.workers + 4))
-
-    def record(body: dict[str, Any], *, type: str, reason: str, message: str) -> None:
-        kopf.event(kopf.Body(cast(Any, body)), type=type, reason=reason, message=message[:1000])
+    identity = config.resolved_identity()
+    # kopf's handler threads plus the work queue's, each with a connection.
+    cluster = KubeCluster(_api_client(2 * config.workers + 4))
 
     reconciler = Reconciler(cluster=cluster, profiles=profiles,
-                            default_image=config.default_image, recorder=record)
+                            default_image=config.default_image,
+                            recorder=ApiEventRecorder(cluster, identity))
     registry = kopf.OperatorRegistry()
-    resync = handlers.register(registry, reconciler, config)
+    queue = handlers.register(registry, reconciler, config)
     settings = handlers.kopf_settings(config)
     log.info("starting: namespaces=%s gpu-profiles=%s leader-elect=%s",
              ",".join(config.namespaces) or "<all>", ",".join(profiles.names()),
              config.leader_elect)
 
     async def work(stop_flag: asyncio.Event) -> None:
-        resync_task = asyncio.create_task(resync.run(stop_flag))
-        # If the resync loop dies, stop kopf too; awaiting the task below re-raises its error.
-        resync_task.add_done_callback(lambda _: stop_flag.set())
+        queue_task = asyncio.create_task(queue.run(stop_flag))
+        # If the work queue dies, stop kopf too; awaiting the task below re-raises its error.
+        queue_task.add_done_callback(lambda _: stop_flag.set())
         try:
             await kopf.operator(registry=registry, settings=settings, standalone=True,
                                 clusterwide=config.clusterwide, namespaces=config.namespaces,
                                 liveness_endpoint=config.liveness, stop_flag=stop_flag)
         finally:
             stop_flag.set()
-            await resync_task
+            # kopf cancels the loop's tasks on shutdown; a cancelled queue is a clean stop,
+            # a failed one re-raises here.
+            await asyncio.wait([queue_task])
+            if not queue_task.cancelled():
+                queue_task.result()
 
     async def serve() -> None:
         stop = asyncio.Event()
@@ -200,7 +205,7 @@ def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
             return
         elector = LeaderElector(cluster, LeaseConfig(
             name=config.lease_name, namespace=config.resolved_lease_namespace(),
-            identity=config.resolved_identity(), lease_duration=config.lease_duration_seconds,
+            identity=identity, lease_duration=config.lease_duration_seconds,
             renew_deadline=config.renew_deadline_seconds,
             retry_period=config.retry_period_seconds))
         from embedding_operator.leader import acquire, run_as_leader

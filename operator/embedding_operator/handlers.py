@@ -7,9 +7,8 @@ Three kinds of triggers feed the same level-based reconcile:
   ``kopf.TemporaryError`` whose delay grows with each attempt (5s, 10s, ... capped at 60s);
 * an owned child changed or was deleted (``event`` on Deployments, Services, HPAs, PDBs and
   PVCs, watched with a server-side label selector so the operator sees only its own children):
-  reconcile the owner, which re-applies drifted fields and refreshes status from the
-  Deployment's; events for one owner are coalesced so a rollout's burst of Deployment updates
-  costs a few reconciles, not one per update;
+  enqueue the owner on a deduplicating ``WorkQueue`` whose workers re-apply drifted fields and
+  refresh status from the Deployment's;
 * a periodic resync (``--resync-seconds``) as the backstop for anything a watch missed. It is
   one loop over the EmbeddingServices the watch has seen, not a ``kopf.timer``: kopf puts a
   finalizer on every object with a timer, and a finalizer makes ``kubectl delete`` hang
@@ -24,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import kopf
@@ -78,56 +77,84 @@ def _owner_name(body: kopf.Body) -> str | None:
     return None
 
 
-class Resync:
-    """The periodic backstop: re-reconcile every EmbeddingService the watch has seen."""
+class WorkQueue:
+    """Owners to reconcile, deduplicated, worked by a thread pool of their own.
 
-    def __init__(self, reconciler: Reconciler, interval: float, concurrency: int) -> None:
+    Child events and the periodic resync only *enqueue* the owner; a key already waiting is not
+    added twice (the one waiting reads the object later anyway), so a rollout's burst of
+    Deployment status updates costs a few reconciles. The queue's threads are separate from
+    kopf's handler threads, so bursts of child events never delay a new EmbeddingService.
+    """
+
+    def __init__(self, reconciler: Reconciler, *, interval: float, workers: int) -> None:
         self._reconciler = reconciler
         self._interval = interval
-        self._concurrency = max(1, concurrency)
+        self._workers = max(1, workers)
         self._known: set[tuple[str, str]] = set()
-        self._lock = threading.Lock()
+        self._pending: set[tuple[str, str]] = set()
+        self._queue: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
 
     def seen(self, namespace: str, name: str) -> None:
-        with self._lock:
-            self._known.add((namespace, name))
+        self._known.add((namespace, name))
 
     def gone(self, namespace: str, name: str) -> None:
-        with self._lock:
-            self._known.discard((namespace, name))
+        self._known.discard((namespace, name))
 
-    def snapshot(self) -> list[tuple[str, str]]:
-        with self._lock:
-            return sorted(self._known)
+    def add(self, namespace: str, name: str) -> None:
+        """Enqueue an owner (event-loop thread only)."""
+        key = (namespace, name)
+        if key not in self._pending:
+            self._pending.add(key)
+            self._queue.put_nowait(key)
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Until ``stop``: every interval, reconcile each known object (bounded concurrency).
+        """Work the queue and enqueue every known owner each interval, until ``stop``.
 
-        API errors are logged and left to the next round; anything else propagates and stops
-        the operator (a crashed process gets restarted; a silently dead loop would not).
+        API errors are logged and left to the next event or round; anything else ends a
+        worker, which ends this coroutine with that error and so the operator (a crashed
+        process gets restarted; a silently dead worker would not).
         """
-        gate = asyncio.Semaphore(self._concurrency)
+        executor = ThreadPoolExecutor(self._workers, thread_name_prefix="reconcile")
+        workers = [asyncio.create_task(self._work(executor)) for _ in range(self._workers)]
+        ticker = asyncio.create_task(self._tick(stop))
+        tasks = [ticker, *workers]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks)
+            executor.shutdown(wait=False, cancel_futures=True)
 
-        async def one(namespace: str, name: str) -> None:
-            async with gate:
-                try:
-                    await asyncio.to_thread(self._reconciler.reconcile, namespace, name,
-                                            coalesce=True)
-                except ApiError as exc:
-                    log.warning("resync of %s/%s: %s", namespace, name, exc)
-
+    async def _tick(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
                 await asyncio.wait_for(stop.wait(), timeout=self._interval)
             except TimeoutError:
-                await asyncio.gather(*(one(ns, n) for ns, n in self.snapshot()))
+                for namespace, name in sorted(self._known):
+                    self.add(namespace, name)
+
+    async def _work(self, executor: ThreadPoolExecutor) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            namespace, name = await self._queue.get()
+            self._pending.discard((namespace, name))
+            try:
+                await loop.run_in_executor(executor, self._reconciler.reconcile, namespace,
+                                           name)
+            except ApiError as exc:
+                # Typical: the namespace is being deleted and refuses new children.
+                log.warning("reconcile of %s/%s: %s", namespace, name, exc)
 
 
 def register(registry: kopf.OperatorRegistry, reconciler: Reconciler,
-             config: OperatorSettings) -> Resync:
+             config: OperatorSettings) -> WorkQueue:
     """Register the handlers on ``registry`` (explicit, so tests and the CLI build their own);
-    the returned ``Resync`` must run next to kopf."""
-    resync = Resync(reconciler, config.resync_seconds, concurrency=max(1, config.workers // 2))
+    the returned ``WorkQueue`` must run next to kopf."""
+    queue = WorkQueue(reconciler, interval=config.resync_seconds,
+                      workers=max(2, config.workers // 2))
 
     @kopf.on.login(registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -147,27 +174,22 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler,
             raise kopf.TemporaryError(outcome.problem.message, delay=retry_delay(retry))
 
     @kopf.on.event(GROUP, VERSION, PLURAL, id="track", registry=registry)
-    def on_owner_event(*, namespace: str | None, name: str, type: str, **_: Any) -> None:
+    async def on_owner_event(*, namespace: str | None, name: str, type: str,
+                             **_: Any) -> None:
         if namespace is None:
             return
         if type == "DELETED":
-            resync.gone(namespace, name)
+            queue.gone(namespace, name)
             reconciler.forget(namespace, name)
         else:
-            resync.seen(namespace, name)
+            queue.seen(namespace, name)
 
-    def on_child(*, body: kopf.Body, namespace: str | None, **_: Any) -> None:
+    async def on_child(*, body: kopf.Body, namespace: str | None, **_: Any) -> None:
         owner = _owner_name(body)
-        if owner is None or namespace is None:
-            return
-        try:
-            reconciler.reconcile(namespace, owner, coalesce=True)
-        except ApiError as exc:
-            # Typical: the namespace is being deleted and refuses new children. The owner's
-            # own handlers and the resync retry; a traceback per child event is just noise.
-            log.warning("reconcile of %s/%s after a child event: %s", namespace, owner, exc)
+        if owner is not None and namespace is not None:
+            queue.add(namespace, owner)
 
     for selector in CHILD_RESOURCES:
         kopf.on.event(*selector, id=f"child-{selector[-1]}", registry=registry,
                       labels={"app.kubernetes.io/managed-by": MANAGED_BY})(on_child)
-    return resync
+    return queue

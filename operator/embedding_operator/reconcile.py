@@ -92,7 +92,8 @@ class Reconciler:
         self._recorder = recorder
         self._clock = clock
         self._locks: dict[tuple[str, str], threading.Lock] = {}
-        self._waiting: set[tuple[str, str]] = set()
+        # (namespace, name) -> generation whose unwanted children are known to be gone.
+        self._absent_checked: dict[tuple[str, str], int] = {}
         self._locks_guard = threading.Lock()
 
     def _lock(self, namespace: str, name: str) -> threading.Lock:
@@ -103,33 +104,15 @@ class Reconciler:
         """Drop per-object state of a deleted EmbeddingService."""
         with self._locks_guard:
             self._locks.pop((namespace, name), None)
+            self._absent_checked.pop((namespace, name), None)
 
-    def reconcile(self, namespace: str, name: str, *, coalesce: bool = False) -> Outcome | None:
-        """Reconcile the current state of one object; None if it is gone or going.
-
-        With ``coalesce``, a call is dropped when another one for the same object is already
-        waiting for the lock: that one reads the object after we would have, so it covers us.
-        """
-        key = (namespace, name)
-        if coalesce:
-            with self._locks_guard:
-                if key in self._waiting:
-                    return None
-                self._waiting.add(key)
-        try:
-            lock = self._lock(namespace, name)
-            lock.acquire()
-        finally:
-            if coalesce:
-                with self._locks_guard:
-                    self._waiting.discard(key)
-        try:
+    def reconcile(self, namespace: str, name: str) -> Outcome | None:
+        """Reconcile the current state of one object; None if it is gone or going."""
+        with self._lock(namespace, name):
             body = self._cluster.get(owner_ref(namespace, name))
             if body is None or body.get("metadata", {}).get("deletionTimestamp"):
                 return None
             return self._reconcile(body)
-        finally:
-            lock.release()
 
     def _reconcile(self, body: dict[str, Any]) -> Outcome:
         owner = Owner.from_body(body)
@@ -152,7 +135,11 @@ class Reconciler:
             problem = self._missing_secret(owner, render.spec)
         if render is not None and problem is None:
             try:
-                result = sync_children(self._cluster, owner, desired_children(render))
+                key = (owner.namespace, owner.name)
+                checked = self._absent_checked.get(key) == owner.generation
+                result = sync_children(self._cluster, owner, desired_children(render),
+                                       check_absent=not checked)
+                self._absent_checked[key] = owner.generation
                 deployment = result.live.get("Deployment")
                 applied = tuple(result.applied + [f"-{k}" for k in result.deleted])
             except ChildConflictError as exc:

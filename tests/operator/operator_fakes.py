@@ -93,6 +93,11 @@ class FakeCluster:
 
     # Lease API (create/replace with compare-and-swap), for leader election tests.
     def create(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        self.calls.append(("create", manifest["kind"]))
+        if "name" not in manifest["metadata"]:
+            manifest = copy.deepcopy(manifest)
+            manifest["metadata"]["name"] = (manifest["metadata"]["generateName"]
+                                            + str(next(self._counter)))
         if ref_of(manifest) in self.objects:
             raise ApiError(409, "already exists")
         return copy.deepcopy(self.add(manifest))

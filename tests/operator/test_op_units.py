@@ -151,30 +151,60 @@ def test_lease_timing_must_be_ordered() -> None:
         OperatorSettings(lease_duration_seconds=5, renew_deadline_seconds=10)
 
 
-def test_resync_walks_known_objects_until_stopped() -> None:
+def test_work_queue_dedupes_and_resyncs_known_objects() -> None:
     import asyncio
+    import threading
 
-    from embedding_operator.handlers import Resync
+    from embedding_operator.handlers import WorkQueue
 
     calls: list[tuple[str, str]] = []
+    release = threading.Event()
 
     class Recorder:
-        def reconcile(self, namespace: str, name: str, *, coalesce: bool = False) -> None:
+        def reconcile(self, namespace: str, name: str) -> None:
+            release.wait(5)
             calls.append((namespace, name))
 
-    resync = Resync(Recorder(), interval=0.05, concurrency=2)  # type: ignore[arg-type]
-    resync.seen("a", "x")
-    resync.seen("b", "y")
-    resync.seen("b", "z")
-    resync.gone("b", "z")
+    queue = WorkQueue(Recorder(), interval=0.05, workers=2)  # type: ignore[arg-type]
+    queue.seen("a", "x")
+    queue.seen("b", "y")
+    queue.seen("b", "z")
+    queue.gone("b", "z")
 
     async def main() -> None:
         stop = asyncio.Event()
-        task = asyncio.create_task(resync.run(stop))
-        while len(calls) < 4:
+        for _ in range(5):  # a burst of child events for one owner ...
+            queue.add("c", "burst")
+        task = asyncio.create_task(queue.run(stop))
+        release.set()
+        while len(set(calls)) < 3:
             await asyncio.sleep(0.01)
         stop.set()
         await asyncio.wait_for(task, timeout=5)
 
     asyncio.run(asyncio.wait_for(main(), timeout=10))
-    assert set(calls) == {("a", "x"), ("b", "y")}
+    assert calls.count(("c", "burst")) == 1  # ... is one reconcile
+    assert {("a", "x"), ("b", "y")} <= set(calls) and ("b", "z") not in calls
+
+
+def test_events_are_posted_as_core_v1_events() -> None:
+    from embedding_operator.apply import ApiError
+    from embedding_operator.events import ApiEventRecorder
+    from operator_fakes import FakeCluster
+
+    cluster = FakeCluster()
+    body = {"apiVersion": "embedding-operator.dev/v1alpha1", "kind": "EmbeddingService",
+            "metadata": {"name": "emb", "namespace": "ns", "uid": "u1"}}
+    ApiEventRecorder(cluster, "op-1")(body, type="Warning", reason="UnknownGPUType",
+                                      message="x" * 5000)
+    (event,) = [o for o in cluster.objects.values() if o["kind"] == "Event"]
+    assert event["metadata"]["namespace"] == "ns"
+    assert event["involvedObject"]["uid"] == "u1"
+    assert (event["type"], event["reason"]) == ("Warning", "UnknownGPUType")
+    assert len(event["message"]) == 1024 and event["reportingInstance"] == "op-1"
+
+    def failing(manifest: dict[str, object]) -> dict[str, object]:
+        raise ApiError(403, "forbidden")
+
+    cluster.create = failing  # type: ignore[method-assign]
+    ApiEventRecorder(cluster)(body, type="Normal", reason="Available", message="")  # no raise
