@@ -192,8 +192,8 @@ def test_api_key_guards_every_route_but_probes_and_metrics() -> None:
 
 
 def _slow_server_settings() -> Any:
-    # One 20-token sequence per 300 ms forward pass, and room for one more in the queue.
-    return fake_settings("fake?delay_ms=300&max_len=32", max_batch_tokens=32,
+    # One 20-token sequence per 600 ms forward pass, and room for one more in the queue.
+    return fake_settings("fake?delay_ms=600&max_len=32", max_batch_tokens=32,
                          max_queue_tokens=32, max_batch_size=1)
 
 
