@@ -50,8 +50,11 @@ def _ready_names(cluster: Cluster, namespace: str) -> set[str]:
     ready = set()
     for item in listing.get("items") or []:
         for cond in (item.get("status") or {}).get("conditions") or []:
-            if (cond["type"] == "Ready" and cond["status"] == "True"
-                    and cond.get("observedGeneration") == item["metadata"]["generation"]):
+            if (
+                cond["type"] == "Ready"
+                and cond["status"] == "True"
+                and cond.get("observedGeneration") == item["metadata"]["generation"]
+            ):
                 ready.add(item["metadata"]["name"])
     return ready
 
@@ -74,11 +77,13 @@ def _resource_versions(cluster: Cluster, namespace: str) -> dict[str, str]:
     return out
 
 
-def run(cluster: Cluster, workdir: Path, count: int, single: int,
-        resync: float) -> dict[str, Any]:
-    operator = OperatorProcess(cluster, cluster.kubeconfig, workdir,
-                               extra_args=["--resync-seconds", str(resync),
-                                           "--log-level", "warning"])
+def run(cluster: Cluster, workdir: Path, count: int, single: int, resync: float) -> dict[str, Any]:
+    operator = OperatorProcess(
+        cluster,
+        cluster.kubeconfig,
+        workdir,
+        extra_args=["--resync-seconds", str(resync), "--log-level", "warning"],
+    )
     operator.start()
     operator.wait_live()
     assert operator.process is not None
@@ -90,11 +95,19 @@ def run(cluster: Cluster, workdir: Path, count: int, single: int,
     for i in range(single):
         started = time.monotonic()
         cluster.apply(embedding_service(f"one-{i}", {"model": MODEL}), namespace=ns)
-        poll_until(lambda n=f"one-{i}": n in _ready_names(cluster, ns), timeout=120,
-                   what=f"one-{i} Ready", interval=0.05, max_interval=0.1)
+        poll_until(
+            lambda n=f"one-{i}": n in _ready_names(cluster, ns),
+            timeout=120,
+            what=f"one-{i} Ready",
+            interval=0.05,
+            max_interval=0.1,
+        )
         latencies.append(time.monotonic() - started)
-    results["apply_to_ready_s"] = {"median": round(statistics.median(latencies), 2),
-                                   "max": round(max(latencies), 2), "runs": single}
+    results["apply_to_ready_s"] = {
+        "median": round(statistics.median(latencies), 2),
+        "max": round(max(latencies), 2),
+        "runs": single,
+    }
 
     batch_ns = cluster.create_namespace(f"bench-batch-{int(time.time())}")
     # Created from 16 threads: a sequential `kubectl apply` of 100 documents takes about a
@@ -111,16 +124,31 @@ def run(cluster: Cluster, workdir: Path, count: int, single: int,
         list(pool.map(api.create, manifests))
     applied = time.monotonic() - started
     # The operator's share: every Deployment written (the rest is controllers + scheduler).
-    poll_until(lambda: len((get_json(cluster, "deployments", "-n", batch_ns) or {})
-                           .get("items") or []) == count, timeout=900,
-               what=f"{count} Deployments", interval=0.5, max_interval=1.0)
+    poll_until(
+        lambda: (
+            len((get_json(cluster, "deployments", "-n", batch_ns) or {}).get("items") or [])
+            == count
+        ),
+        timeout=900,
+        what=f"{count} Deployments",
+        interval=0.5,
+        max_interval=1.0,
+    )
     children = time.monotonic() - started
-    poll_until(lambda: len(_ready_names(cluster, batch_ns)) == count, timeout=900,
-               what=f"{count} EmbeddingServices Ready", interval=0.5, max_interval=1.0)
-    results["batch"] = {"count": count, "create_s": round(applied, 2),
-                        "all_deployments_s": round(children, 2),
-                        "all_ready_s": round(time.monotonic() - started, 2),
-                        "operator_cpu_s": round(_cpu_s(pid) - cpu_before, 2)}
+    poll_until(
+        lambda: len(_ready_names(cluster, batch_ns)) == count,
+        timeout=900,
+        what=f"{count} EmbeddingServices Ready",
+        interval=0.5,
+        max_interval=1.0,
+    )
+    results["batch"] = {
+        "count": count,
+        "create_s": round(applied, 2),
+        "all_deployments_s": round(children, 2),
+        "all_ready_s": round(time.monotonic() - started, 2),
+        "operator_cpu_s": round(_cpu_s(pid) - cpu_before, 2),
+    }
     results["rss_after_batch_mib"] = round(_rss_mib(pid), 1)
 
     # Idle: after a full resync window, nothing should have been written.
@@ -142,8 +170,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=100)
     parser.add_argument("--single", type=int, default=5)
-    parser.add_argument("--resync", type=float, default=30.0,
-                        help="operator --resync-seconds during the run")
+    parser.add_argument(
+        "--resync", type=float, default=30.0, help="operator --resync-seconds during the run"
+    )
     parser.add_argument("--json", type=Path, default=REPO / "bench" / "out" / "operator.json")
     args = parser.parse_args()
 
@@ -158,22 +187,29 @@ def main() -> int:
                 args.json.parent.mkdir(parents=True, exist_ok=True)
                 logs = sorted(workdir.glob("embedding-operator-*.log"))
                 args.json.with_suffix(".log").write_text(
-                    "".join(p.read_text(errors="replace") for p in logs))
+                    "".join(p.read_text(errors="replace") for p in logs)
+                )
     results["cluster_startup_s"] = round(startup, 1)
-    results["machine"] = {"cpus": psutil.cpu_count(), "mem_gib":
-                          round(psutil.virtual_memory().total / 2**30, 1)}
+    results["machine"] = {
+        "cpus": psutil.cpu_count(),
+        "mem_gib": round(psutil.virtual_memory().total / 2**30, 1),
+    }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))
     single = results["apply_to_ready_s"]
     batch = results["batch"]
     print(f"\napply -> Ready (one):  median {single['median']}s, max {single['max']}s")
-    print(f"{batch['count']} at once -> all Deployments written: "
-          f"{batch['all_deployments_s']}s, all Ready: {batch['all_ready_s']}s "
-          f"({batch['count'] / batch['all_ready_s']:.1f}/s), operator CPU "
-          f"{batch['operator_cpu_s']}s")
-    print(f"operator RSS: idle {results['rss_idle_mib']} MiB, after batch "
-          f"{results['rss_after_batch_mib']} MiB")
+    print(
+        f"{batch['count']} at once -> all Deployments written: "
+        f"{batch['all_deployments_s']}s, all Ready: {batch['all_ready_s']}s "
+        f"({batch['count'] / batch['all_ready_s']:.1f}/s), operator CPU "
+        f"{batch['operator_cpu_s']}s"
+    )
+    print(
+        f"operator RSS: idle {results['rss_idle_mib']} MiB, after batch "
+        f"{results['rss_after_batch_mib']} MiB"
+    )
     print(f"idle resync: {results['idle_resync']['objects_rewritten']} objects rewritten")
     return 0
 

@@ -25,8 +25,11 @@ def test_watches_only_its_namespaces(cluster: Cluster, tmp_path: Path) -> None:
         wait_condition(cluster, mine, "inside", "Ready", "True")
         # The operator has had time to see "outside" had it been watching: assert it never
         # acted (it is also created first, so it would have been handled first).
-        poll_until(lambda: get_json(cluster, "deployment", "inside", "-n", mine), timeout=30,
-                   what="the in-scope Deployment")
+        poll_until(
+            lambda: get_json(cluster, "deployment", "inside", "-n", mine),
+            timeout=30,
+            what="the in-scope Deployment",
+        )
         outside = get_json(cluster, "embsvc", "outside", "-n", other)
         assert outside is not None and not outside.get("status")
         assert get_json(cluster, "deployment", "outside", "-n", other) is None

@@ -73,8 +73,7 @@ class Cluster(Protocol):
 def resource_path(ref: ChildRef, subresource: str | None = None) -> str:
     """REST path of a namespaced object (``/apis/apps/v1/namespaces/x/deployments/y``)."""
     plural = _PLURALS[ref.kind]
-    base = f"/api/{ref.api_version}" if "/" not in ref.api_version else \
-        f"/apis/{ref.api_version}"
+    base = f"/api/{ref.api_version}" if "/" not in ref.api_version else f"/apis/{ref.api_version}"
     path = f"{base}/namespaces/{ref.namespace}/{plural}/{ref.name}"
     return f"{path}/{subresource}" if subresource else path
 
@@ -86,23 +85,35 @@ class KubeCluster:
         self._api = api_client
         self._timeout = (5.0, timeout)
 
-    def _call(self, method: str, path: str, *, body: Any = None,
-              content_type: str = "application/json",
-              query: list[tuple[str, str]] | None = None) -> dict[str, Any]:
+    def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        content_type: str = "application/json",
+        query: list[tuple[str, str]] | None = None,
+    ) -> dict[str, Any]:
         import urllib3
         from kubernetes.client.exceptions import ApiException
 
         _, url, headers, serialized, _ = self._api.param_serialize(
-            method=method, resource_path=path, query_params=query or [],
+            method=method,
+            resource_path=path,
+            query_params=query or [],
             header_params={"Content-Type": content_type, "Accept": "application/json"},
-            body=body, auth_settings=["BearerToken"])
+            body=body,
+            auth_settings=["BearerToken"],
+        )
         try:
-            response = self._api.call_api(method, url, header_params=headers,
-                                          body=serialized, _request_timeout=self._timeout)
+            response = self._api.call_api(
+                method, url, header_params=headers, body=serialized, _request_timeout=self._timeout
+            )
             data = response.read()
         except ApiException as exc:
-            raise ApiError(int(exc.status or 0), _error_message(exc.body) or
-                           str(exc.reason)) from None
+            raise ApiError(
+                int(exc.status or 0), _error_message(exc.body) or str(exc.reason)
+            ) from None
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             # Connection refused, timeouts, TLS errors: retryable like a 5xx.
             raise ApiError(0, f"{method} {path}: {exc}") from exc
@@ -120,18 +131,27 @@ class KubeCluster:
 
     def apply(self, manifest: Manifest) -> dict[str, Any]:
         # A pre-serialised body: the client sends strings as they are, whatever the type.
-        return self._call("PATCH", resource_path(ref_of(manifest)), body=json.dumps(manifest),
-                          content_type="application/apply-patch+yaml",
-                          query=[("fieldManager", FIELD_MANAGER), ("force", "true")])
+        return self._call(
+            "PATCH",
+            resource_path(ref_of(manifest)),
+            body=json.dumps(manifest),
+            content_type="application/apply-patch+yaml",
+            query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
+        )
 
     def merge_patch(self, manifest: Manifest) -> dict[str, Any]:
-        return self._call("PATCH", resource_path(ref_of(manifest)), body=manifest,
-                          content_type="application/merge-patch+json")
+        return self._call(
+            "PATCH",
+            resource_path(ref_of(manifest)),
+            body=manifest,
+            content_type="application/merge-patch+json",
+        )
 
     def create(self, manifest: Manifest) -> dict[str, Any]:
         meta = manifest["metadata"]
-        ref = ChildRef(manifest["apiVersion"], manifest["kind"], meta["namespace"],
-                       meta.get("name", "-"))
+        ref = ChildRef(
+            manifest["apiVersion"], manifest["kind"], meta["namespace"], meta.get("name", "-")
+        )
         collection = resource_path(ref).rsplit("/", 1)[0]
         return self._call("POST", collection, body=manifest)
 
@@ -141,16 +161,26 @@ class KubeCluster:
 
     def delete(self, ref: ChildRef) -> None:
         try:
-            self._call("DELETE", resource_path(ref),
-                       body={"kind": "DeleteOptions", "apiVersion": "v1",
-                             "propagationPolicy": "Background"})
+            self._call(
+                "DELETE",
+                resource_path(ref),
+                body={
+                    "kind": "DeleteOptions",
+                    "apiVersion": "v1",
+                    "propagationPolicy": "Background",
+                },
+            )
         except ApiError as exc:
             if exc.status != 404:
                 raise
 
     def patch_status(self, ref: ChildRef, status: dict[str, Any]) -> dict[str, Any]:
-        return self._call("PATCH", resource_path(ref, "status"), body={"status": status},
-                          content_type="application/merge-patch+json")
+        return self._call(
+            "PATCH",
+            resource_path(ref, "status"),
+            body={"status": status},
+            content_type="application/merge-patch+json",
+        )
 
 
 def _error_message(body: object) -> str:
@@ -179,10 +209,14 @@ def is_subset(desired: object, live: object) -> bool:
     """Every field we render has the same value live (quantities compared by value)."""
     if isinstance(desired, dict):
         return isinstance(live, dict) and all(
-            key in live and is_subset(value, live[key]) for key, value in desired.items())
+            key in live and is_subset(value, live[key]) for key, value in desired.items()
+        )
     if isinstance(desired, list):
-        return (isinstance(live, list) and len(live) == len(desired)
-                and all(is_subset(d, item) for d, item in zip(desired, live, strict=True)))
+        return (
+            isinstance(live, list)
+            and len(live) == len(desired)
+            and all(is_subset(d, item) for d, item in zip(desired, live, strict=True))
+        )
     if desired == live and type(desired) is type(live):
         return True
     # "1Gi" may come back as "1Gi", "32000" as "32k": same quantity, not drift.
@@ -222,21 +256,25 @@ def _write(cluster: Cluster, manifest: Manifest, *, exists: bool) -> dict[str, A
         if exc.status not in (400, 422):
             raise
         if not exists:
-            raise ChildRejectedError(f"{ref.kind} {ref.name} was refused: {exc.message}") \
-                from None
-        log.info("apply of %s %s/%s refused (%s); replacing edited lists", ref.kind,
-                 ref.namespace, ref.name, exc.message)
+            raise ChildRejectedError(f"{ref.kind} {ref.name} was refused: {exc.message}") from None
+        log.info(
+            "apply of %s %s/%s refused (%s); replacing edited lists",
+            ref.kind,
+            ref.namespace,
+            ref.name,
+            exc.message,
+        )
     try:
         return cluster.merge_patch(manifest)
     except ApiError as exc:
         if exc.status in (400, 422):
-            raise ChildRejectedError(f"{ref.kind} {ref.name} was refused: {exc.message}") \
-                from None
+            raise ChildRejectedError(f"{ref.kind} {ref.name} was refused: {exc.message}") from None
         raise
 
 
-def sync_children(cluster: Cluster, owner: Owner, desired: DesiredChildren, *,
-                  check_absent: bool = True) -> SyncResult:
+def sync_children(
+    cluster: Cluster, owner: Owner, desired: DesiredChildren, *, check_absent: bool = True
+) -> SyncResult:
     """Make the children match ``desired``; write only what differs.
 
     ``check_absent=False`` skips looking for children that must not exist, for callers that
@@ -251,7 +289,8 @@ def sync_children(cluster: Cluster, owner: Owner, desired: DesiredChildren, *,
             if uid is not None and uid != owner.uid:
                 raise ChildConflictError(
                     f"{ref.kind} {ref.namespace}/{ref.name} exists and is controlled by "
-                    f"another owner (uid {uid}); rename or delete it")
+                    f"another owner (uid {uid}); rename or delete it"
+                )
         if live is None or not is_subset(manifest, live):
             live = _write(cluster, manifest, exists=live is not None)
             result.applied.append(ref.kind)

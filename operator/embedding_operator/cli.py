@@ -42,39 +42,60 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
         help_text = field.description or ""
         annotation = field.annotation
         if annotation is bool:
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
-                                default=None, help=help_text)
+            parser.add_argument(
+                flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
             continue
         choices = None
-        if get_origin(annotation) is not None and all(isinstance(a, str)
-                                                      for a in get_args(annotation)):
+        if get_origin(annotation) is not None and all(
+            isinstance(a, str) for a in get_args(annotation)
+        ):
             choices = list(get_args(annotation))
-        parser.add_argument(flag, dest=name, default=None, choices=choices, help=help_text,
-                            metavar=None if choices else name.upper())
+        parser.add_argument(
+            flag,
+            dest=name,
+            default=None,
+            choices=choices,
+            help=help_text,
+            metavar=None if choices else name.upper(),
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="embedding-operator",
-                                     description="Kubernetes operator for EmbeddingService.")
+    parser = argparse.ArgumentParser(
+        prog="embedding-operator", description="Kubernetes operator for EmbeddingService."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="Run the operator against the current cluster.",
-                         description="Flags may also be set as EMBEDDING_OPERATOR_<FLAG> "
-                         "environment variables.")
+    run = sub.add_parser(
+        "run",
+        help="Run the operator against the current cluster.",
+        description="Flags may also be set as EMBEDDING_OPERATOR_<FLAG> environment variables.",
+    )
     _add_settings_flags(run)
     render = sub.add_parser("render", help="Print the child manifests of EmbeddingServices.")
-    render.add_argument("-f", "--filename", required=True, type=Path,
-                        help="EmbeddingService manifest(s) ('-' for stdin).")
-    render.add_argument("--namespace", default="default",
-                        help="Namespace for manifests that name none.")
-    render.add_argument("--gpu-profiles", type=Path, default=None,
-                        help="GPU profiles file, as for run.")
+    render.add_argument(
+        "-f",
+        "--filename",
+        required=True,
+        type=Path,
+        help="EmbeddingService manifest(s) ('-' for stdin).",
+    )
+    render.add_argument(
+        "--namespace", default="default", help="Namespace for manifests that name none."
+    )
+    render.add_argument(
+        "--gpu-profiles", type=Path, default=None, help="GPU profiles file, as for run."
+    )
     render.add_argument("--default-image", default=None, help="Image, as for run.")
     return parser
 
 
 def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
-    given = {name: getattr(args, name) for name in OperatorSettings.model_fields
-             if getattr(args, name, None) is not None}
+    given = {
+        name: getattr(args, name)
+        for name in OperatorSettings.model_fields
+        if getattr(args, name, None) is not None
+    }
     return OperatorSettings(**given)
 
 
@@ -93,9 +114,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 # --- render -----------------------------------------------------------------------------------
 
+
 def render_command(args: argparse.Namespace) -> int:
-    text = sys.stdin.read() if str(args.filename) == "-" else \
-        args.filename.read_text(encoding="utf-8")
+    text = (
+        sys.stdin.read() if str(args.filename) == "-" else args.filename.read_text(encoding="utf-8")
+    )
     try:
         profiles = GpuProfiles.load(args.gpu_profiles)
     except ProfileConfigError as exc:
@@ -107,17 +130,24 @@ def render_command(args: argparse.Namespace) -> int:
             continue
         meta = doc.get("metadata") or {}
         name = meta.get("name", "<unnamed>")
-        owner = Owner(name=name, namespace=meta.get("namespace") or args.namespace,
-                      uid=meta.get("uid", ""), generation=1)
+        owner = Owner(
+            name=name,
+            namespace=meta.get("namespace") or args.namespace,
+            uid=meta.get("uid", ""),
+            generation=1,
+        )
         try:
             spec = parse_spec(doc.get("spec") or {})
             profile = profiles.resolve(spec.gpu.type)
         except (InvalidSpecError, UnknownGpuTypeError) as exc:
             sys.stderr.write(f"embedding-operator: {name}: {exc}\n")
             return EXIT_USAGE
-        render = RenderInput(owner=owner, spec=spec, profile=profile,
-                             **({"default_image": args.default_image}
-                                if args.default_image else {}))
+        render = RenderInput(
+            owner=owner,
+            spec=spec,
+            profile=profile,
+            **({"default_image": args.default_image} if args.default_image else {}),
+        )
         for manifest in desired_children(render).present:
             if not owner.uid:  # standalone output: no owner to point at
                 manifest["metadata"].pop("ownerReferences", None)
@@ -128,12 +158,15 @@ def render_command(args: argparse.Namespace) -> int:
 
 # --- run --------------------------------------------------------------------------------------
 
+
 def _configure_logging(config: OperatorSettings) -> None:
     import kopf
 
-    kopf.configure(debug=config.log_level == "debug", quiet=config.log_level == "warning",
-                   log_format=kopf.LogFormat.JSON if config.log_format == "json"
-                   else kopf.LogFormat.FULL)
+    kopf.configure(
+        debug=config.log_level == "debug",
+        quiet=config.log_level == "warning",
+        log_format=kopf.LogFormat.JSON if config.log_format == "json" else kopf.LogFormat.FULL,
+    )
     # The kubernetes client logs every request at DEBUG and retries at WARNING; keep it quiet.
     logging.getLogger("urllib3").setLevel(logging.WARNING)
 
@@ -169,24 +202,36 @@ def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
     # kopf's handler threads plus the work queue's, each with a connection.
     cluster = KubeCluster(_api_client(2 * config.workers + 4))
 
-    reconciler = Reconciler(cluster=cluster, profiles=profiles,
-                            default_image=config.default_image,
-                            recorder=ApiEventRecorder(cluster, identity))
+    reconciler = Reconciler(
+        cluster=cluster,
+        profiles=profiles,
+        default_image=config.default_image,
+        recorder=ApiEventRecorder(cluster, identity),
+    )
     registry = kopf.OperatorRegistry()
     queue = handlers.register(registry, reconciler, config)
     settings = handlers.kopf_settings(config)
-    log.info("starting: namespaces=%s gpu-profiles=%s leader-elect=%s",
-             ",".join(config.namespaces) or "<all>", ",".join(profiles.names()),
-             config.leader_elect)
+    log.info(
+        "starting: namespaces=%s gpu-profiles=%s leader-elect=%s",
+        ",".join(config.namespaces) or "<all>",
+        ",".join(profiles.names()),
+        config.leader_elect,
+    )
 
     async def work(stop_flag: asyncio.Event) -> None:
         queue_task = asyncio.create_task(queue.run(stop_flag))
         # If the work queue dies, stop kopf too; awaiting the task below re-raises its error.
         queue_task.add_done_callback(lambda _: stop_flag.set())
         try:
-            await kopf.operator(registry=registry, settings=settings, standalone=True,
-                                clusterwide=config.clusterwide, namespaces=config.namespaces,
-                                liveness_endpoint=config.liveness, stop_flag=stop_flag)
+            await kopf.operator(
+                registry=registry,
+                settings=settings,
+                standalone=True,
+                clusterwide=config.clusterwide,
+                namespaces=config.namespaces,
+                liveness_endpoint=config.liveness,
+                stop_flag=stop_flag,
+            )
         finally:
             stop_flag.set()
             # kopf cancels the loop's tasks on shutdown; a cancelled queue is a clean stop,
@@ -203,11 +248,17 @@ def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
         if not config.leader_elect:
             await work(stop)
             return
-        elector = LeaderElector(cluster, LeaseConfig(
-            name=config.lease_name, namespace=config.resolved_lease_namespace(),
-            identity=identity, lease_duration=config.lease_duration_seconds,
-            renew_deadline=config.renew_deadline_seconds,
-            retry_period=config.retry_period_seconds))
+        elector = LeaderElector(
+            cluster,
+            LeaseConfig(
+                name=config.lease_name,
+                namespace=config.resolved_lease_namespace(),
+                identity=identity,
+                lease_duration=config.lease_duration_seconds,
+                renew_deadline=config.renew_deadline_seconds,
+                retry_period=config.retry_period_seconds,
+            ),
+        )
         from embedding_operator.leader import acquire, run_as_leader
 
         # While standing by, answer the liveness probe ourselves (kopf is not running yet).

@@ -31,24 +31,39 @@ class ApiEventRecorder:
         self._api = api
         self._instance = instance
 
-    def __call__(self, body: dict[str, Any], *, type: str, reason: str,
-                 message: str) -> None:
+    def __call__(self, body: dict[str, Any], *, type: str, reason: str, message: str) -> None:
         meta = body["metadata"]
         now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         event = {
-            "apiVersion": "v1", "kind": "Event",
+            "apiVersion": "v1",
+            "kind": "Event",
             "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
-            "involvedObject": {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
-                               "name": meta["name"], "namespace": meta["namespace"],
-                               "uid": meta.get("uid"),
-                               "resourceVersion": meta.get("resourceVersion")},
-            "type": type, "reason": reason, "message": message[:MAX_MESSAGE],
+            "involvedObject": {
+                "apiVersion": body.get("apiVersion"),
+                "kind": body.get("kind"),
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta.get("uid"),
+                "resourceVersion": meta.get("resourceVersion"),
+            },
+            "type": type,
+            "reason": reason,
+            "message": message[:MAX_MESSAGE],
             "source": {"component": COMPONENT},
-            "reportingComponent": COMPONENT, "reportingInstance": self._instance,
-            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+            "reportingComponent": COMPONENT,
+            "reportingInstance": self._instance,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
         }
         try:
             self._api.create(event)
         except ApiError as exc:
-            log.warning("could not post %s event %s for %s/%s: %s", type, reason,
-                        meta["namespace"], meta["name"], exc)
+            log.warning(
+                "could not post %s event %s for %s/%s: %s",
+                type,
+                reason,
+                meta["namespace"],
+                meta["name"],
+                exc,
+            )

@@ -57,7 +57,8 @@ def kopf_settings(config: OperatorSettings) -> kopf.OperatorSettings:
     settings = kopf.OperatorSettings()
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=GROUP, key="last-handled-configuration")
+        prefix=GROUP, key="last-handled-configuration"
+    )
     settings.persistence.finalizer = f"{GROUP}/finalizer"
     settings.execution.max_workers = config.workers
     settings.posting.level = logging.INFO
@@ -71,8 +72,11 @@ def kopf_settings(config: OperatorSettings) -> kopf.OperatorSettings:
 
 def _owner_name(body: kopf.Body) -> str | None:
     for ref in body.get("metadata", {}).get("ownerReferences") or []:
-        if (ref.get("controller") and ref.get("kind") == KIND
-                and str(ref.get("apiVersion", "")).startswith(f"{GROUP}/")):
+        if (
+            ref.get("controller")
+            and ref.get("kind") == KIND
+            and str(ref.get("apiVersion", "")).startswith(f"{GROUP}/")
+        ):
             return str(ref["name"])
     return None
 
@@ -142,19 +146,20 @@ class WorkQueue:
             namespace, name = await self._queue.get()
             self._pending.discard((namespace, name))
             try:
-                await loop.run_in_executor(executor, self._reconciler.reconcile, namespace,
-                                           name)
+                await loop.run_in_executor(executor, self._reconciler.reconcile, namespace, name)
             except ApiError as exc:
                 # Typical: the namespace is being deleted and refuses new children.
                 log.warning("reconcile of %s/%s: %s", namespace, name, exc)
 
 
-def register(registry: kopf.OperatorRegistry, reconciler: Reconciler,
-             config: OperatorSettings) -> WorkQueue:
+def register(
+    registry: kopf.OperatorRegistry, reconciler: Reconciler, config: OperatorSettings
+) -> WorkQueue:
     """Register the handlers on ``registry`` (explicit, so tests and the CLI build their own);
     the returned ``WorkQueue`` must run next to kopf."""
-    queue = WorkQueue(reconciler, interval=config.resync_seconds,
-                      workers=max(2, config.workers // 2))
+    queue = WorkQueue(
+        reconciler, interval=config.resync_seconds, workers=max(2, config.workers // 2)
+    )
 
     @kopf.on.login(registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -174,8 +179,7 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler,
             raise kopf.TemporaryError(outcome.problem.message, delay=retry_delay(retry))
 
     @kopf.on.event(GROUP, VERSION, PLURAL, id="track", registry=registry)
-    async def on_owner_event(*, namespace: str | None, name: str, type: str,
-                             **_: Any) -> None:
+    async def on_owner_event(*, namespace: str | None, name: str, type: str, **_: Any) -> None:
         if namespace is None:
             return
         if type == "DELETED":
@@ -190,6 +194,10 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler,
             queue.add(namespace, owner)
 
     for selector in CHILD_RESOURCES:
-        kopf.on.event(*selector, id=f"child-{selector[-1]}", registry=registry,
-                      labels={"app.kubernetes.io/managed-by": MANAGED_BY})(on_child)
+        kopf.on.event(
+            *selector,
+            id=f"child-{selector[-1]}",
+            registry=registry,
+            labels={"app.kubernetes.io/managed-by": MANAGED_BY},
+        )(on_child)
     return queue

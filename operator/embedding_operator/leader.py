@@ -66,9 +66,13 @@ class LeaseConfig:
 class LeaderElector:
     """One candidate's view of the Lease; call ``try_acquire_or_renew`` every retry period."""
 
-    def __init__(self, api: LeaseApi, config: LeaseConfig,
-                 monotonic: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
+    def __init__(
+        self,
+        api: LeaseApi,
+        config: LeaseConfig,
+        monotonic: Callable[[], float] = time.monotonic,
+        wall: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
         self._api = api
         self.config = config
         self._monotonic = monotonic
@@ -81,18 +85,22 @@ class LeaderElector:
         return ChildRef(LEASE_API_VERSION, "Lease", self.config.namespace, self.config.name)
 
     def _spec(self, acquire_time: str, transitions: int) -> dict[str, Any]:
-        return {"holderIdentity": self.config.identity,
-                "leaseDurationSeconds": max(1, round(self.config.lease_duration)),
-                "acquireTime": acquire_time, "renewTime": _micro_time(self._wall()),
-                "leaseTransitions": transitions}
+        return {
+            "holderIdentity": self.config.identity,
+            "leaseDurationSeconds": max(1, round(self.config.lease_duration)),
+            "acquireTime": acquire_time,
+            "renewTime": _micro_time(self._wall()),
+            "leaseTransitions": transitions,
+        }
 
     def try_acquire_or_renew(self) -> bool:
         """True if we hold the Lease now. API errors count as "not now" (and are logged)."""
         try:
             return self._try()
         except ApiError as exc:
-            log.warning("leader election: lease %s/%s: %s", self.config.namespace,
-                        self.config.name, exc)
+            log.warning(
+                "leader election: lease %s/%s: %s", self.config.namespace, self.config.name, exc
+            )
             return False
 
     def _try(self) -> bool:
@@ -100,10 +108,12 @@ class LeaderElector:
         lease = self._api.get(self._ref)
         if lease is None:
             spec_created = self._spec(_micro_time(self._wall()), 0)
-            manifest = {"apiVersion": LEASE_API_VERSION, "kind": "Lease",
-                        "metadata": {"name": self.config.name,
-                                     "namespace": self.config.namespace},
-                        "spec": spec_created}
+            manifest = {
+                "apiVersion": LEASE_API_VERSION,
+                "kind": "Lease",
+                "metadata": {"name": self.config.name, "namespace": self.config.namespace},
+                "spec": spec_created,
+            }
             try:
                 self._api.create(manifest)
             except ApiError as exc:
@@ -124,11 +134,18 @@ class LeaderElector:
         acquired = spec.get("acquireTime")
         new_spec = self._spec(
             acquire_time=str(acquired) if ours and acquired else _micro_time(self._wall()),
-            transitions=int(spec.get("leaseTransitions") or 0) + (0 if ours else 1))
-        manifest = {"apiVersion": LEASE_API_VERSION, "kind": "Lease",
-                    "metadata": {"name": self.config.name, "namespace": self.config.namespace,
-                                 "resourceVersion": lease["metadata"]["resourceVersion"]},
-                    "spec": new_spec}
+            transitions=int(spec.get("leaseTransitions") or 0) + (0 if ours else 1),
+        )
+        manifest = {
+            "apiVersion": LEASE_API_VERSION,
+            "kind": "Lease",
+            "metadata": {
+                "name": self.config.name,
+                "namespace": self.config.namespace,
+                "resourceVersion": lease["metadata"]["resourceVersion"],
+            },
+            "spec": new_spec,
+        }
         try:
             self._api.replace(manifest)
         except ApiError as exc:
@@ -136,14 +153,18 @@ class LeaderElector:
                 return False
             raise
         if not ours:
-            log.info("leader election: %s acquired lease %s/%s (previous holder %r)",
-                     self.config.identity, self.config.namespace, self.config.name, holder)
+            log.info(
+                "leader election: %s acquired lease %s/%s (previous holder %r)",
+                self.config.identity,
+                self.config.namespace,
+                self.config.name,
+                holder,
+            )
         self._observe(new_spec, now_mono)
         return True
 
     def _observe(self, spec: dict[str, Any], now_mono: float) -> None:
-        record = (spec.get("holderIdentity"), spec.get("renewTime"),
-                  spec.get("leaseTransitions"))
+        record = (spec.get("holderIdentity"), spec.get("renewTime"), spec.get("leaseTransitions"))
         if record != self._observed:
             self._observed = record
             self._observed_at = now_mono
@@ -152,20 +173,30 @@ class LeaderElector:
         """Give the Lease up if we hold it (clean shutdown: the standby need not wait)."""
         try:
             lease = self._api.get(self._ref)
-            if lease is None or (lease.get("spec") or {}).get("holderIdentity") != \
-                    self.config.identity:
+            if (
+                lease is None
+                or (lease.get("spec") or {}).get("holderIdentity") != self.config.identity
+            ):
                 return
             spec = dict(lease["spec"])
-            spec.update(holderIdentity=None, leaseDurationSeconds=1,
-                        renewTime=_micro_time(self._wall()))
-            self._api.replace({"apiVersion": LEASE_API_VERSION, "kind": "Lease",
-                               "metadata": {"name": self.config.name,
-                                            "namespace": self.config.namespace,
-                                            "resourceVersion":
-                                                lease["metadata"]["resourceVersion"]},
-                               "spec": spec})
-            log.info("leader election: released lease %s/%s", self.config.namespace,
-                     self.config.name)
+            spec.update(
+                holderIdentity=None, leaseDurationSeconds=1, renewTime=_micro_time(self._wall())
+            )
+            self._api.replace(
+                {
+                    "apiVersion": LEASE_API_VERSION,
+                    "kind": "Lease",
+                    "metadata": {
+                        "name": self.config.name,
+                        "namespace": self.config.namespace,
+                        "resourceVersion": lease["metadata"]["resourceVersion"],
+                    },
+                    "spec": spec,
+                }
+            )
+            log.info(
+                "leader election: released lease %s/%s", self.config.namespace, self.config.name
+            )
         except ApiError as exc:
             log.warning("leader election: could not release the lease: %s", exc)
 
@@ -181,8 +212,12 @@ async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
 
 async def acquire(elector: LeaderElector, stop: asyncio.Event) -> bool:
     """Wait until we lead (True) or ``stop`` is set (False)."""
-    log.info("leader election: %s waiting for lease %s/%s", elector.config.identity,
-             elector.config.namespace, elector.config.name)
+    log.info(
+        "leader election: %s waiting for lease %s/%s",
+        elector.config.identity,
+        elector.config.namespace,
+        elector.config.name,
+    )
     while not stop.is_set():
         if await asyncio.to_thread(elector.try_acquire_or_renew):
             return True
@@ -190,8 +225,7 @@ async def acquire(elector: LeaderElector, stop: asyncio.Event) -> bool:
     return False
 
 
-async def keep_renewing(elector: LeaderElector, stop: asyncio.Event,
-                        lost: asyncio.Event) -> None:
+async def keep_renewing(elector: LeaderElector, stop: asyncio.Event, lost: asyncio.Event) -> None:
     """Renew until ``stop``; set ``lost`` if renewal failed for ``renew_deadline``."""
     last_ok = time.monotonic()
     while not stop.is_set():
@@ -201,15 +235,19 @@ async def keep_renewing(elector: LeaderElector, stop: asyncio.Event,
         if await asyncio.to_thread(elector.try_acquire_or_renew):
             last_ok = time.monotonic()
         elif time.monotonic() - last_ok > elector.config.renew_deadline:
-            log.error("leader election: could not renew lease %s/%s for %.0fs; stopping",
-                      elector.config.namespace, elector.config.name,
-                      elector.config.renew_deadline)
+            log.error(
+                "leader election: could not renew lease %s/%s for %.0fs; stopping",
+                elector.config.namespace,
+                elector.config.name,
+                elector.config.renew_deadline,
+            )
             lost.set()
             return
 
 
-async def run_as_leader(elector: LeaderElector, stop: asyncio.Event,
-                        work: Callable[[asyncio.Event], Awaitable[None]]) -> None:
+async def run_as_leader(
+    elector: LeaderElector, stop: asyncio.Event, work: Callable[[asyncio.Event], Awaitable[None]]
+) -> None:
     """Run ``work(stop_flag)`` while leading; raise LeadershipLostError if the lease is lost."""
     if not await acquire(elector, stop):
         return
@@ -236,5 +274,4 @@ async def run_as_leader(elector: LeaderElector, stop: asyncio.Event,
         if not lost.is_set():
             await asyncio.to_thread(elector.release)
     if lost.is_set():
-        raise LeadershipLostError(f"lost lease {elector.config.namespace}/"
-                                  f"{elector.config.name}")
+        raise LeadershipLostError(f"lost lease {elector.config.namespace}/{elector.config.name}")

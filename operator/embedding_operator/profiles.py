@@ -35,24 +35,32 @@ NVIDIA_GPU = "nvidia.com/gpu"
 class GpuProfile(BaseModel):
     """One accelerator type. ``resource_name`` None means no accelerator (the cpu profile)."""
 
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid",
-                              frozen=True)
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
+    )
 
-    resource_name: str | None = Field(NVIDIA_GPU, description="Extended resource requested "
-                                      "per pod, tensorParallelSize of them; null for cpu.")
-    node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels the "
-                                          "pods require.")
-    tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Tolerations "
-                                              "added to the pods.")
+    resource_name: str | None = Field(
+        NVIDIA_GPU,
+        description="Extended resource requested "
+        "per pod, tensorParallelSize of them; null for cpu.",
+    )
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Node labels the pods require."
+    )
+    tolerations: list[dict[str, Any]] = Field(
+        default_factory=list, description="Tolerations added to the pods."
+    )
 
 
-_GPU_TOLERATION: dict[str, Any] = {"key": NVIDIA_GPU, "operator": "Exists",
-                                   "effect": "NoSchedule"}
+_GPU_TOLERATION: dict[str, Any] = {"key": NVIDIA_GPU, "operator": "Exists", "effect": "NoSchedule"}
 
 
 def _nvidia(product: str) -> GpuProfile:
-    return GpuProfile(resource_name=NVIDIA_GPU, node_selector={GPU_PRODUCT_LABEL: product},
-                      tolerations=[_GPU_TOLERATION])
+    return GpuProfile(
+        resource_name=NVIDIA_GPU,
+        node_selector={GPU_PRODUCT_LABEL: product},
+        tolerations=[_GPU_TOLERATION],
+    )
 
 
 BUILTIN_PROFILES: Mapping[str, GpuProfile] = {
@@ -76,8 +84,9 @@ class UnknownGpuTypeError(LookupError):
     """``spec.gpu.type`` names no profile."""
 
     def __init__(self, gpu_type: str, known: list[str]) -> None:
-        super().__init__(f"spec.gpu.type: unknown GPU type {gpu_type!r}; "
-                         f"known types: {', '.join(known)}")
+        super().__init__(
+            f"spec.gpu.type: unknown GPU type {gpu_type!r}; known types: {', '.join(known)}"
+        )
         self.gpu_type = gpu_type
 
 

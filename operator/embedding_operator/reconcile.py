@@ -56,8 +56,7 @@ log = logging.getLogger(__name__)
 
 
 class EventRecorder(Protocol):
-    def __call__(self, body: dict[str, Any], *, type: str, reason: str,
-                 message: str) -> None: ...
+    def __call__(self, body: dict[str, Any], *, type: str, reason: str, message: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -84,8 +83,15 @@ def owner_ref(namespace: str, name: str) -> ChildRef:
 class Reconciler:
     """Reconciles EmbeddingServices against a ``Cluster``; safe to call from many threads."""
 
-    def __init__(self, *, cluster: Cluster, profiles: GpuProfiles, default_image: str,
-                 recorder: EventRecorder, clock: Callable[[], str] = utc_now) -> None:
+    def __init__(
+        self,
+        *,
+        cluster: Cluster,
+        profiles: GpuProfiles,
+        default_image: str,
+        recorder: EventRecorder,
+        clock: Callable[[], str] = utc_now,
+    ) -> None:
         self._cluster = cluster
         self._profiles = profiles
         self._default_image = default_image
@@ -124,8 +130,9 @@ class Reconciler:
         try:
             spec = parse_spec(body.get("spec") or {})
             profile = self._profiles.resolve(spec.gpu.type)
-            render = RenderInput(owner=owner, spec=spec, profile=profile,
-                                 default_image=self._default_image)
+            render = RenderInput(
+                owner=owner, spec=spec, profile=profile, default_image=self._default_image
+            )
         except InvalidSpecError as exc:
             problem = Problem(INVALID_SPEC, str(exc))
         except UnknownGpuTypeError as exc:
@@ -137,8 +144,9 @@ class Reconciler:
             try:
                 key = (owner.namespace, owner.name)
                 checked = self._absent_checked.get(key) == owner.generation
-                result = sync_children(self._cluster, owner, desired_children(render),
-                                       check_absent=not checked)
+                result = sync_children(
+                    self._cluster, owner, desired_children(render), check_absent=not checked
+                )
                 self._absent_checked[key] = owner.generation
                 deployment = result.live.get("Deployment")
                 applied = tuple(result.applied + [f"-{k}" for k in result.deleted])
@@ -147,8 +155,7 @@ class Reconciler:
             except ChildRejectedError as exc:
                 problem = Problem(CHILD_REJECTED, str(exc))
         if deployment is None:
-            live = self._cluster.get(ChildRef("apps/v1", "Deployment", owner.namespace,
-                                              owner.name))
+            live = self._cluster.get(ChildRef("apps/v1", "Deployment", owner.namespace, owner.name))
             if live is not None and _controlled_by(live, owner):
                 deployment = live
 
@@ -156,27 +163,44 @@ class Reconciler:
         return Outcome(problem=problem, status_written=written, applied=applied)
 
     def _missing_secret(self, owner: Owner, spec: EmbeddingServiceSpec) -> Problem | None:
-        for field, ref in (("spec.model.hubTokenSecretRef", spec.model.hub_token_secret_ref),
-                           ("spec.apiKeySecretRef", spec.api_key_secret_ref)):
+        for field, ref in (
+            ("spec.model.hubTokenSecretRef", spec.model.hub_token_secret_ref),
+            ("spec.apiKeySecretRef", spec.api_key_secret_ref),
+        ):
             if ref is None:
                 continue
             secret = self._cluster.get(ChildRef("v1", "Secret", owner.namespace, ref.name))
             if secret is None:
-                return Problem(SECRET_NOT_FOUND, f"{field}: Secret {owner.namespace}/{ref.name} "
-                               "not found", retryable=True)
-            if ref.key not in (secret.get("data") or {}) and \
-                    ref.key not in (secret.get("stringData") or {}):
-                return Problem(SECRET_NOT_FOUND, f"{field}: Secret {owner.namespace}/{ref.name} "
-                               f"has no key {ref.key!r}", retryable=True)
+                return Problem(
+                    SECRET_NOT_FOUND,
+                    f"{field}: Secret {owner.namespace}/{ref.name} not found",
+                    retryable=True,
+                )
+            if ref.key not in (secret.get("data") or {}) and ref.key not in (
+                secret.get("stringData") or {}
+            ):
+                return Problem(
+                    SECRET_NOT_FOUND,
+                    f"{field}: Secret {owner.namespace}/{ref.name} has no key {ref.key!r}",
+                    retryable=True,
+                )
         return None
 
-    def _write_status(self, body: dict[str, Any], owner: Owner, render: RenderInput | None,
-                      deployment: dict[str, Any] | None, problem: Problem | None) -> bool:
+    def _write_status(
+        self,
+        body: dict[str, Any],
+        owner: Owner,
+        render: RenderInput | None,
+        deployment: dict[str, Any] | None,
+        problem: Problem | None,
+    ) -> bool:
         old: dict[str, Any] = dict(body.get("status") or {})
-        status, conditions = compute_status(generation=owner.generation, render=render,
-                                            deployment=deployment, problem=problem)
-        status["conditions"] = merge_conditions(old.get("conditions"), conditions,
-                                                generation=owner.generation, now=self._clock())
+        status, conditions = compute_status(
+            generation=owner.generation, render=render, deployment=deployment, problem=problem
+        )
+        status["conditions"] = merge_conditions(
+            old.get("conditions"), conditions, generation=owner.generation, now=self._clock()
+        )
         patch = status_patch(old, status)
         if patch is None:
             return False
@@ -184,25 +208,30 @@ class Reconciler:
         self._announce(body, old.get("conditions") or [], status["conditions"])
         return True
 
-    def _announce(self, body: dict[str, Any], before: list[dict[str, Any]],
-                  after: list[dict[str, Any]]) -> None:
+    def _announce(
+        self, body: dict[str, Any], before: list[dict[str, Any]], after: list[dict[str, Any]]
+    ) -> None:
         """Events on transitions only, so a resource stuck in a state does not spam."""
         old = {c.get("type"): c for c in before}
         for cond in after:
             prev = old.get(cond["type"]) or {}
-            flipped = (prev.get("status"), prev.get("reason")) != (cond["status"],
-                                                                  cond["reason"])
+            flipped = (prev.get("status"), prev.get("reason")) != (cond["status"], cond["reason"])
             if not flipped:
                 continue
             if cond["type"] == DEGRADED and cond["status"] == "True":
-                self._recorder(body, type="Warning", reason=cond["reason"],
-                               message=cond["message"])
-                log.warning("%s/%s degraded: %s", body["metadata"]["namespace"],
-                            body["metadata"]["name"], cond["message"])
+                self._recorder(body, type="Warning", reason=cond["reason"], message=cond["message"])
+                log.warning(
+                    "%s/%s degraded: %s",
+                    body["metadata"]["namespace"],
+                    body["metadata"]["name"],
+                    cond["message"],
+                )
             elif cond["type"] == READY and cond["status"] == "True":
                 self._recorder(body, type="Normal", reason=AVAILABLE, message=cond["message"])
 
 
 def _controlled_by(obj: dict[str, Any], owner: Owner) -> bool:
-    return any(ref.get("controller") and ref.get("uid") == owner.uid
-               for ref in obj.get("metadata", {}).get("ownerReferences") or [])
+    return any(
+        ref.get("controller") and ref.get("uid") == owner.uid
+        for ref in obj.get("metadata", {}).get("ownerReferences") or []
+    )

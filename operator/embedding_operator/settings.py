@@ -27,34 +27,62 @@ class OperatorSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="EMBEDDING_OPERATOR_", extra="forbid")
 
     namespaces: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="Namespaces to watch, comma-separated (kopf globs "
-        "such as 'team-*' allowed); empty watches all namespaces.")
-    gpu_profiles: Path | None = Field(None, description="YAML file of GPU profiles that "
-                                      "overlay the built-in ones (h100, l4, ... and cpu).")
-    default_image: str = Field(DEFAULT_IMAGE, description="embedding-server image for "
-                               "EmbeddingServices that do not set spec.server.image.")
-    liveness: str | None = Field("http://0.0.0.0:8080/healthz", description="Liveness "
-                                 "endpoint URL (kopf's --liveness); empty disables it.")
-    log_format: Literal["json", "text"] = Field("text", description="Log format: json for "
-                                                "log collectors, text for people.")
+        default_factory=list,
+        description="Namespaces to watch, comma-separated (kopf globs "
+        "such as 'team-*' allowed); empty watches all namespaces.",
+    )
+    gpu_profiles: Path | None = Field(
+        None,
+        description="YAML file of GPU profiles that "
+        "overlay the built-in ones (h100, l4, ... and cpu).",
+    )
+    default_image: str = Field(
+        DEFAULT_IMAGE,
+        description="embedding-server image for "
+        "EmbeddingServices that do not set spec.server.image.",
+    )
+    liveness: str | None = Field(
+        "http://0.0.0.0:8080/healthz",
+        description="Liveness endpoint URL (kopf's --liveness); empty disables it.",
+    )
+    log_format: Literal["json", "text"] = Field(
+        "text", description="Log format: json for log collectors, text for people."
+    )
     log_level: Literal["debug", "info", "warning"] = Field("info", description="Log level.")
-    resync_seconds: float = Field(60.0, gt=0, description="Interval of the periodic "
-                                  "re-reconcile that corrects drift missed by watches and "
-                                  "retries what failed.")
+    resync_seconds: float = Field(
+        60.0,
+        gt=0,
+        description="Interval of the periodic "
+        "re-reconcile that corrects drift missed by watches and "
+        "retries what failed.",
+    )
     workers: int = Field(16, gt=0, description="Threads that run reconciles concurrently.")
-    leader_elect: bool = Field(False, description="Run only while holding a "
-                               "coordination.k8s.io Lease, so several replicas are safe.")
+    leader_elect: bool = Field(
+        False,
+        description="Run only while holding a "
+        "coordination.k8s.io Lease, so several replicas are safe.",
+    )
     lease_name: str = Field("embedding-operator", description="Name of the leader Lease.")
-    lease_namespace: str | None = Field(None, description="Namespace of the leader Lease "
-                                        "(default: the pod's namespace, else 'default').")
-    identity: str | None = Field(None, description="This replica's leader-election identity "
-                                 "(default: hostname plus a random suffix).")
-    lease_duration_seconds: float = Field(15.0, gt=0, description="How long a Lease is valid "
-                                          "without renewal; a standby takes over after it.")
-    renew_deadline_seconds: float = Field(10.0, gt=0, description="The leader stops working "
-                                          "if it could not renew for this long.")
-    retry_period_seconds: float = Field(2.0, gt=0, description="Interval between Lease "
-                                        "acquire and renew attempts.")
+    lease_namespace: str | None = Field(
+        None,
+        description="Namespace of the leader Lease (default: the pod's namespace, else 'default').",
+    )
+    identity: str | None = Field(
+        None,
+        description="This replica's leader-election identity "
+        "(default: hostname plus a random suffix).",
+    )
+    lease_duration_seconds: float = Field(
+        15.0,
+        gt=0,
+        description="How long a Lease is valid without renewal; a standby takes over after it.",
+    )
+    renew_deadline_seconds: float = Field(
+        10.0, gt=0, description="The leader stops working if it could not renew for this long."
+    )
+    retry_period_seconds: float = Field(
+        2.0, gt=0, description="Interval between Lease acquire and renew attempts."
+    )
 
     @field_validator("namespaces", mode="before")
     @classmethod
@@ -70,10 +98,12 @@ class OperatorSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _lease_timing(self) -> OperatorSettings:
-        if not (self.retry_period_seconds < self.renew_deadline_seconds
-                < self.lease_duration_seconds):
-            raise ValueError("need retry_period_seconds < renew_deadline_seconds < "
-                             "lease_duration_seconds")
+        if not (
+            self.retry_period_seconds < self.renew_deadline_seconds < self.lease_duration_seconds
+        ):
+            raise ValueError(
+                "need retry_period_seconds < renew_deadline_seconds < lease_duration_seconds"
+            )
         return self
 
     @property

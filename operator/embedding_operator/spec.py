@@ -41,8 +41,13 @@ def _is_zero(value: IntOrString) -> bool:
 class _Model(BaseModel):
     """camelCase on the wire, snake_case in Python; unknown fields are an error."""
 
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid",
-                              frozen=True, protected_namespaces=())
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        frozen=True,
+        protected_namespaces=(),
+    )
 
 
 class SecretKeyRef(_Model):
@@ -84,8 +89,11 @@ class Embedding(_Model):
 
     @model_validator(mode="after")
     def _dimensions_supported(self) -> Embedding:
-        if (self.dimensions is not None and self.matryoshka_dimensions is not None
-                and self.dimensions not in self.matryoshka_dimensions):
+        if (
+            self.dimensions is not None
+            and self.matryoshka_dimensions is not None
+            and self.dimensions not in self.matryoshka_dimensions
+        ):
             raise ValueError("dimensions must be one of matryoshkaDimensions")
         return self
 
@@ -110,8 +118,11 @@ class Server(_Model):
 
     @model_validator(mode="after")
     def _queue_holds_a_batch(self) -> Server:
-        if (self.max_queue_tokens is not None and self.max_batch_tokens is not None
-                and self.max_queue_tokens < self.max_batch_tokens):
+        if (
+            self.max_queue_tokens is not None
+            and self.max_batch_tokens is not None
+            and self.max_queue_tokens < self.max_batch_tokens
+        ):
             raise ValueError("maxQueueTokens must be greater than or equal to maxBatchTokens")
         return self
 

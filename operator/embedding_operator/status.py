@@ -96,29 +96,43 @@ class DeploymentFacts:
     @property
     def rolled_out(self) -> bool:
         """The current template runs everywhere and no old pod is left."""
-        return (self.up_to_date_generation and self.updated >= self.desired
-                and self.replicas <= self.updated)
+        return (
+            self.up_to_date_generation
+            and self.updated >= self.desired
+            and self.replicas <= self.updated
+        )
 
 
 def _deployment_conditions(facts: DeploymentFacts | None) -> list[Condition]:
     if facts is None:
-        return [Condition(READY, "False", DEPLOYMENT_PENDING, "the Deployment does not exist yet"),
-                Condition(PROGRESSING, "True", DEPLOYMENT_PENDING, "creating the Deployment"),
-                Condition(DEGRADED, "False", AS_EXPECTED, "")]
+        return [
+            Condition(READY, "False", DEPLOYMENT_PENDING, "the Deployment does not exist yet"),
+            Condition(PROGRESSING, "True", DEPLOYMENT_PENDING, "creating the Deployment"),
+            Condition(DEGRADED, "False", AS_EXPECTED, ""),
+        ]
     counts = f"{facts.ready}/{facts.desired} replicas ready"
     if facts.deadline_exceeded:
-        degraded = Condition(DEGRADED, "True", PROGRESS_DEADLINE_EXCEEDED,
-                             f"the rollout made no progress within its deadline; {counts}")
+        degraded = Condition(
+            DEGRADED,
+            "True",
+            PROGRESS_DEADLINE_EXCEEDED,
+            f"the rollout made no progress within its deadline; {counts}",
+        )
     else:
         degraded = Condition(DEGRADED, "False", AS_EXPECTED, "")
     if facts.desired == 0:
-        return [Condition(READY, "False", SCALED_TO_ZERO, "replicas is 0"),
-                Condition(PROGRESSING, "False", SCALED_TO_ZERO, "replicas is 0"), degraded]
+        return [
+            Condition(READY, "False", SCALED_TO_ZERO, "replicas is 0"),
+            Condition(PROGRESSING, "False", SCALED_TO_ZERO, "replicas is 0"),
+            degraded,
+        ]
     if not facts.rolled_out:
-        message = (f"{facts.updated}/{facts.desired} replicas run the current spec; "
-                   f"{counts}")
-        return [Condition(READY, "False", ROLLOUT_IN_PROGRESS, message),
-                Condition(PROGRESSING, "True", ROLLOUT_IN_PROGRESS, message), degraded]
+        message = f"{facts.updated}/{facts.desired} replicas run the current spec; {counts}"
+        return [
+            Condition(READY, "False", ROLLOUT_IN_PROGRESS, message),
+            Condition(PROGRESSING, "True", ROLLOUT_IN_PROGRESS, message),
+            degraded,
+        ]
     if facts.ready >= 1 and facts.available_condition:
         ready = Condition(READY, "True", AVAILABLE, counts)
     else:
@@ -131,18 +145,25 @@ def _deployment_conditions(facts: DeploymentFacts | None) -> list[Condition]:
 
 
 def _problem_conditions(problem: Problem) -> list[Condition]:
-    return [Condition(READY, "False", problem.reason, problem.message),
-            Condition(PROGRESSING, "False", problem.reason, problem.message),
-            Condition(DEGRADED, "True", problem.reason, problem.message)]
+    return [
+        Condition(READY, "False", problem.reason, problem.message),
+        Condition(PROGRESSING, "False", problem.reason, problem.message),
+        Condition(DEGRADED, "True", problem.reason, problem.message),
+    ]
 
 
-def compute_status(*, generation: int, render: RenderInput | None,
-                   deployment: dict[str, Any] | None,
-                   problem: Problem | None) -> tuple[dict[str, Any], list[Condition]]:
+def compute_status(
+    *,
+    generation: int,
+    render: RenderInput | None,
+    deployment: dict[str, Any] | None,
+    problem: Problem | None,
+) -> tuple[dict[str, Any], list[Condition]]:
     """The status document (conditions without timestamps) and the conditions themselves."""
     facts = DeploymentFacts.from_live(deployment) if deployment is not None else None
-    conditions = (_problem_conditions(problem) if problem is not None
-                  else _deployment_conditions(facts))
+    conditions = (
+        _problem_conditions(problem) if problem is not None else _deployment_conditions(facts)
+    )
     status: dict[str, Any] = {
         "observedGeneration": generation,
         "replicas": facts.replicas if facts else 0,
@@ -153,29 +174,44 @@ def compute_status(*, generation: int, render: RenderInput | None,
         spec = render.spec
         status["selector"] = selector_string(render.owner)
         status["endpoint"] = endpoint(render.owner, spec.service.port)
-        model: dict[str, Any] = {"name": spec.model.server_model,
-                                 "servedModelName": spec.served_name}
+        model: dict[str, Any] = {
+            "name": spec.model.server_model,
+            "servedModelName": spec.served_name,
+        }
         if spec.model.revision:
             model["revision"] = spec.model.revision
         status["model"] = model
-        status["gpu"] = {"type": spec.gpu.type,
-                         "resourceName": render.profile.resource_name or "",
-                         "count": render.gpu_count}
+        status["gpu"] = {
+            "type": spec.gpu.type,
+            "resourceName": render.profile.resource_name or "",
+            "count": render.gpu_count,
+        }
     return status, conditions
 
 
-def merge_conditions(old: list[dict[str, Any]] | None, new: list[Condition], *,
-                     generation: int, now: str) -> list[dict[str, Any]]:
+def merge_conditions(
+    old: list[dict[str, Any]] | None, new: list[Condition], *, generation: int, now: str
+) -> list[dict[str, Any]]:
     """metav1.Condition dicts; ``lastTransitionTime`` moves only when ``status`` flips."""
     previous = {c.get("type"): c for c in old or []}
     merged = []
     for cond in new:
         before = previous.get(cond.type)
-        since = (before.get("lastTransitionTime") if before is not None
-                 and before.get("status") == cond.status else None)
-        merged.append({"type": cond.type, "status": cond.status, "reason": cond.reason,
-                       "message": cond.message, "lastTransitionTime": since or now,
-                       "observedGeneration": generation})
+        since = (
+            before.get("lastTransitionTime")
+            if before is not None and before.get("status") == cond.status
+            else None
+        )
+        merged.append(
+            {
+                "type": cond.type,
+                "status": cond.status,
+                "reason": cond.reason,
+                "message": cond.message,
+                "lastTransitionTime": since or now,
+                "observedGeneration": generation,
+            }
+        )
     return merged
 
 

@@ -18,11 +18,15 @@ CRD_PATH = ROOT / "crds" / "embeddingservices.yaml"
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 
 
-def render_input(spec: dict[str, Any], name: str = "emb", namespace: str = "ns",
-                 uid: str = "uid-1") -> RenderInput:
+def render_input(
+    spec: dict[str, Any], name: str = "emb", namespace: str = "ns", uid: str = "uid-1"
+) -> RenderInput:
     parsed = parse_spec(spec)
-    return RenderInput(owner=Owner(name=name, namespace=namespace, uid=uid, generation=1),
-                       spec=parsed, profile=GpuProfiles.builtin().resolve(parsed.gpu.type))
+    return RenderInput(
+        owner=Owner(name=name, namespace=namespace, uid=uid, generation=1),
+        spec=parsed,
+        profile=GpuProfiles.builtin().resolve(parsed.gpu.type),
+    )
 
 
 def _merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
@@ -96,8 +100,9 @@ class FakeCluster:
         self.calls.append(("create", manifest["kind"]))
         if "name" not in manifest["metadata"]:
             manifest = copy.deepcopy(manifest)
-            manifest["metadata"]["name"] = (manifest["metadata"]["generateName"]
-                                            + str(next(self._counter)))
+            manifest["metadata"]["name"] = manifest["metadata"]["generateName"] + str(
+                next(self._counter)
+            )
         if ref_of(manifest) in self.objects:
             raise ApiError(409, "already exists")
         return copy.deepcopy(self.add(manifest))

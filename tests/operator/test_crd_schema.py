@@ -30,8 +30,11 @@ def _walk(node: dict[str, Any], path: str) -> typing.Iterator[tuple[str, dict[st
 
 
 def test_every_field_has_a_description(schema: dict[str, Any]) -> None:
-    missing = [path for path, prop in _walk(schema, "")
-               if path not in {".metadata"} and not prop.get("description")]
+    missing = [
+        path
+        for path, prop in _walk(schema, "")
+        if path not in {".metadata"} and not prop.get("description")
+    ]
     assert not missing, f"fields without a description: {missing}"
 
 
@@ -44,9 +47,11 @@ def test_api_shape(crd: dict[str, Any]) -> None:
     (version,) = crd["spec"]["versions"]
     assert version["name"] == "v1alpha1" and version["served"] and version["storage"]
     assert version["subresources"]["status"] == {}
-    assert version["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas",
-                                                "statusReplicasPath": ".status.replicas",
-                                                "labelSelectorPath": ".status.selector"}
+    assert version["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
     assert columns["Model"] == ".spec.model.name"
     assert columns["GPU"] == ".spec.gpu.type"
@@ -58,11 +63,19 @@ def test_api_shape(crd: dict[str, Any]) -> None:
 def test_status_has_no_phase(schema: dict[str, Any]) -> None:
     status = schema["properties"]["status"]["properties"]
     assert "phase" not in status
-    assert {"observedGeneration", "conditions", "replicas", "readyReplicas", "selector",
-            "endpoint", "model"} <= set(status)
+    assert {
+        "observedGeneration",
+        "conditions",
+        "replicas",
+        "readyReplicas",
+        "selector",
+        "endpoint",
+        "model",
+    } <= set(status)
 
 
 # --- spec model <-> schema drift ------------------------------------------------------------
+
 
 def _model_class(annotation: Any) -> type[BaseModel] | None:
     """The pydantic model inside ``X | None`` / ``list[X]``, if any."""
@@ -84,15 +97,16 @@ def _literal_values(annotation: Any) -> set[Any]:
     return {v for arg in typing.get_args(annotation) for v in _literal_values(arg)}
 
 
-def _compare(model: type[BaseModel], node: dict[str, Any], path: str,
-             problems: list[str]) -> None:
+def _compare(model: type[BaseModel], node: dict[str, Any], path: str, problems: list[str]) -> None:
     if node.get("type") == "array":
         node = node["items"]
     fields = {(f.alias or n): f for n, f in model.model_fields.items()}
     props = node.get("properties") or {}
     if set(fields) != set(props):
-        problems.append(f"{path}: model has {sorted(set(fields) - set(props))} extra, "
-                        f"schema has {sorted(set(props) - set(fields))} extra")
+        problems.append(
+            f"{path}: model has {sorted(set(fields) - set(props))} extra, "
+            f"schema has {sorted(set(props) - set(fields))} extra"
+        )
     for name in set(fields) & set(props):
         field, prop = fields[name], props[name]
         sub = _model_class(field.annotation)
@@ -104,8 +118,10 @@ def _compare(model: type[BaseModel], node: dict[str, Any], path: str,
             if isinstance(default, BaseModel):
                 default = default.model_dump(by_alias=True, exclude_none=True)
             if default != prop["default"]:
-                problems.append(f"{path}.{name}: default {default!r} in the model, "
-                                f"{prop['default']!r} in the schema")
+                problems.append(
+                    f"{path}.{name}: default {default!r} in the model, "
+                    f"{prop['default']!r} in the schema"
+                )
         elif field.is_required() != (name in (node.get("required") or [])):
             problems.append(f"{path}.{name}: required differs")
         if "enum" in prop:
@@ -124,12 +140,21 @@ def test_object_defaults_apply_nested_defaults(schema: dict[str, Any]) -> None:
     # `default: {}` on a parent is what makes the API server fill in its children's defaults
     # for a manifest that omits the parent entirely.
     spec = schema["properties"]["spec"]["properties"]
-    for name in ("embedding", "server", "parallelism", "gpu", "autoscaling", "rollout",
-                 "modelCache", "service"):
+    for name in (
+        "embedding",
+        "server",
+        "parallelism",
+        "gpu",
+        "autoscaling",
+        "rollout",
+        "modelCache",
+        "service",
+    ):
         assert spec[name].get("default") == {}, name
 
 
 # --- examples and bad manifests --------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def validator(schema: dict[str, Any]) -> Any:
@@ -165,8 +190,12 @@ BAD_SPECS = {
 
 @pytest.mark.parametrize("field", sorted(BAD_SPECS))
 def test_schema_refuses_bad_values(field: str, validator: Any) -> None:
-    doc = {"apiVersion": "embedding-operator.dev/v1alpha1", "kind": "EmbeddingService",
-           "metadata": {"name": "bad"}, "spec": BAD_SPECS[field]}
+    doc = {
+        "apiVersion": "embedding-operator.dev/v1alpha1",
+        "kind": "EmbeddingService",
+        "metadata": {"name": "bad"},
+        "spec": BAD_SPECS[field],
+    }
     assert not validator.is_valid(doc)
     with pytest.raises(InvalidSpecError, match=field):
         parse_spec(BAD_SPECS[field])
@@ -175,18 +204,24 @@ def test_schema_refuses_bad_values(field: str, validator: Any) -> None:
 def test_cel_rules_are_mirrored_by_the_model(schema: dict[str, Any]) -> None:
     # The API server evaluates these CEL rules; the model states the same rules so that the
     # operator never renders what the API server would have refused.
-    rules = [r["rule"] for _, prop in _walk(schema, "")
-             for r in prop.get("x-kubernetes-validations") or []]
+    rules = [
+        r["rule"]
+        for _, prop in _walk(schema, "")
+        for r in prop.get("x-kubernetes-validations") or []
+    ]
     assert any("minReplicas <= self.maxReplicas" in r for r in rules)
     assert any("has(self.size)" in r for r in rules)
     cases = {
         "minReplicas": {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}},
         "size": {"modelCache": {"mode": "pvc"}},
         "claimName": {"modelCache": {"mode": "existing"}},
-        "tensorParallelSize must be 1": {"gpu": {"type": "cpu"},
-                                         "parallelism": {"tensorParallelSize": 2}},
-        "matryoshkaDimensions": {"embedding": {"dimensions": 100,
-                                               "matryoshkaDimensions": [64, 128]}},
+        "tensorParallelSize must be 1": {
+            "gpu": {"type": "cpu"},
+            "parallelism": {"tensorParallelSize": 2},
+        },
+        "matryoshkaDimensions": {
+            "embedding": {"dimensions": 100, "matryoshkaDimensions": [64, 128]}
+        },
         "maxQueueTokens": {"server": {"maxBatchTokens": 100, "maxQueueTokens": 10}},
     }
     for expected, extra in cases.items():

@@ -26,15 +26,30 @@ def _flag(args: list[str], flag: str) -> str:
 
 
 def test_server_contract_flags() -> None:
-    render = render_input({
-        "model": {"name": "hf://BAAI/bge-small-en-v1.5", "revision": "abc123",
-                  "trustRemoteCode": True},
-        "embedding": {"pooling": "cls", "normalize": False, "dimensions": 256,
-                      "matryoshkaDimensions": [128, 256], "maxInputTokens": 512,
-                      "prompts": {"defaultName": "query"}},
-        "server": {"dtype": "float16", "maxBatchTokens": 8192, "maxBatchSize": 64,
-                   "maxQueueTokens": 65536, "extraArgs": ["--log-level", "debug"]},
-    })
+    render = render_input(
+        {
+            "model": {
+                "name": "hf://BAAI/bge-small-en-v1.5",
+                "revision": "abc123",
+                "trustRemoteCode": True,
+            },
+            "embedding": {
+                "pooling": "cls",
+                "normalize": False,
+                "dimensions": 256,
+                "matryoshkaDimensions": [128, 256],
+                "maxInputTokens": 512,
+                "prompts": {"defaultName": "query"},
+            },
+            "server": {
+                "dtype": "float16",
+                "maxBatchTokens": 8192,
+                "maxBatchSize": 64,
+                "maxQueueTokens": 65536,
+                "extraArgs": ["--log-level", "debug"],
+            },
+        }
+    )
     args = server_args(render)
     assert args[0] == "serve"
     assert _flag(args, "--model") == "BAAI/bge-small-en-v1.5"  # hf:// stripped
@@ -60,25 +75,42 @@ def test_server_contract_flags() -> None:
 
 def test_unset_knobs_leave_server_defaults() -> None:
     args = server_args(render_input({"model": MODEL}))
-    for flag in ("--revision", "--normalize", "--no-normalize", "--dimensions",
-                 "--max-batch-tokens", "--max-model-len", "--trust-remote-code"):
+    for flag in (
+        "--revision",
+        "--normalize",
+        "--no-normalize",
+        "--dimensions",
+        "--max-batch-tokens",
+        "--max-model-len",
+        "--trust-remote-code",
+    ):
         assert flag not in args
 
 
 def test_deployment_for_gpu_profile() -> None:
-    deployment = build_deployment(render_input(
-        {"model": MODEL, "gpu": {"type": "l4"}, "parallelism": {"tensorParallelSize": 2},
-         "scheduling": {"nodeSelector": {"pool": "embed"},
-                        "tolerations": [{"key": "dedicated", "operator": "Exists"}],
-                        "priorityClassName": "high"},
-         "resources": {"requests": {"cpu": 4, "memory": "16Gi"}}}))
+    deployment = build_deployment(
+        render_input(
+            {
+                "model": MODEL,
+                "gpu": {"type": "l4"},
+                "parallelism": {"tensorParallelSize": 2},
+                "scheduling": {
+                    "nodeSelector": {"pool": "embed"},
+                    "tolerations": [{"key": "dedicated", "operator": "Exists"}],
+                    "priorityClassName": "high",
+                },
+                "resources": {"requests": {"cpu": 4, "memory": "16Gi"}},
+            }
+        )
+    )
     pod = deployment["spec"]["template"]["spec"]
     container = _container(deployment)
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
     assert container["resources"]["requests"] == {"cpu": "4", "memory": "16Gi"}
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-L4", "pool": "embed"}
-    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} \
-        in pod["tolerations"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
+        "tolerations"
+    ]
     assert {"key": "dedicated", "operator": "Exists"} in pod["tolerations"]
     assert pod["priorityClassName"] == "high"
     assert _flag(container["args"], "--tensor-parallel-size") == "2"
@@ -92,8 +124,9 @@ def test_deployment_for_cpu_has_no_gpu() -> None:
 
 
 def test_deployment_probes_security_volumes_labels() -> None:
-    render = render_input({"model": MODEL, "server": {"startupTimeoutSeconds": 600,
-                                                      "shmSize": "2Gi"}})
+    render = render_input(
+        {"model": MODEL, "server": {"startupTimeoutSeconds": 600, "shmSize": "2Gi"}}
+    )
     deployment = build_deployment(render)
     container = _container(deployment)
     pod = deployment["spec"]["template"]["spec"]
@@ -110,8 +143,11 @@ def test_deployment_probes_security_volumes_labels() -> None:
     assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}
     assert volumes["model-cache"] == {"name": "model-cache", "emptyDir": {}}
     annotations = deployment["spec"]["template"]["metadata"]["annotations"]
-    assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": "8000",
-                           "prometheus.io/path": "/metrics"}
+    assert annotations == {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": "8000",
+        "prometheus.io/path": "/metrics",
+    }
     labels = deployment["metadata"]["labels"]
     assert labels["app.kubernetes.io/instance"] == "emb"
     assert labels["app.kubernetes.io/managed-by"] == "embedding-operator"
@@ -121,78 +157,122 @@ def test_deployment_probes_security_volumes_labels() -> None:
 
 
 def test_owner_reference_on_every_child() -> None:
-    render = render_input({"model": MODEL, "replicas": 3, "autoscaling": {"enabled": True},
-                           "modelCache": {"mode": "pvc", "size": "10Gi"}})
+    render = render_input(
+        {
+            "model": MODEL,
+            "replicas": 3,
+            "autoscaling": {"enabled": True},
+            "modelCache": {"mode": "pvc", "size": "10Gi"},
+        }
+    )
     children = desired_children(render).present
-    assert [c["kind"] for c in children] == ["PersistentVolumeClaim", "Deployment", "Service",
-                                             "HorizontalPodAutoscaler", "PodDisruptionBudget"]
+    assert [c["kind"] for c in children] == [
+        "PersistentVolumeClaim",
+        "Deployment",
+        "Service",
+        "HorizontalPodAutoscaler",
+        "PodDisruptionBudget",
+    ]
     for child in children:
         (ref,) = child["metadata"]["ownerReferences"]
-        assert ref == {"apiVersion": "embedding-operator.dev/v1alpha1",
-                       "kind": "EmbeddingService", "name": "emb", "uid": "uid-1",
-                       "controller": True, "blockOwnerDeletion": True}
+        assert ref == {
+            "apiVersion": "embedding-operator.dev/v1alpha1",
+            "kind": "EmbeddingService",
+            "name": "emb",
+            "uid": "uid-1",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
         assert child["metadata"]["namespace"] == "ns"
 
 
 def test_gpu_safe_rollout_by_default() -> None:
     strategy = build_deployment(render_input({"model": MODEL}))["spec"]["strategy"]
-    assert strategy == {"type": "RollingUpdate",
-                        "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    assert strategy == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+    }
 
 
 def test_replicas_left_to_the_hpa_when_autoscaling() -> None:
     fixed = build_deployment(render_input({"model": MODEL, "replicas": 3}))
     assert fixed["spec"]["replicas"] == 3
-    auto = build_deployment(render_input({"model": MODEL, "replicas": 3,
-                                          "autoscaling": {"enabled": True}}))
+    auto = build_deployment(
+        render_input({"model": MODEL, "replicas": 3, "autoscaling": {"enabled": True}})
+    )
     assert "replicas" not in auto["spec"]
 
 
-@pytest.mark.parametrize(("metric", "target", "name", "value"), [
-    ("queueRequests", None, "embedding_server_queue_requests", "8"),
-    ("queueTokens", None, "embedding_server_queue_tokens", "32768"),
-    ("queueTokens", 4096, "embedding_server_queue_tokens", "4096"),
-])
+@pytest.mark.parametrize(
+    ("metric", "target", "name", "value"),
+    [
+        ("queueRequests", None, "embedding_server_queue_requests", "8"),
+        ("queueTokens", None, "embedding_server_queue_tokens", "32768"),
+        ("queueTokens", 4096, "embedding_server_queue_tokens", "4096"),
+    ],
+)
 def test_hpa_on_queue_depth(metric: str, target: int | None, name: str, value: str) -> None:
-    auto: dict[str, Any] = {"enabled": True, "minReplicas": 2, "maxReplicas": 6,
-                            "metric": metric, "scaleDownStabilizationSeconds": 120}
+    auto: dict[str, Any] = {
+        "enabled": True,
+        "minReplicas": 2,
+        "maxReplicas": 6,
+        "metric": metric,
+        "scaleDownStabilizationSeconds": 120,
+    }
     if target:
         auto["targetPerPod"] = target
     hpa = build_hpa(render_input({"model": MODEL, "autoscaling": auto}))
     assert hpa["apiVersion"] == "autoscaling/v2"
     spec = hpa["spec"]
-    assert spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
-                                      "name": "emb"}
+    assert spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "emb"}
     assert (spec["minReplicas"], spec["maxReplicas"]) == (2, 6)
-    assert spec["metrics"] == [{"type": "Pods", "pods": {
-        "metric": {"name": name}, "target": {"type": "AverageValue", "averageValue": value}}}]
+    assert spec["metrics"] == [
+        {
+            "type": "Pods",
+            "pods": {
+                "metric": {"name": name},
+                "target": {"type": "AverageValue", "averageValue": value},
+            },
+        }
+    ]
     assert spec["behavior"] == {"scaleDown": {"stabilizationWindowSeconds": 120}}
 
 
 def test_hpa_behavior_passthrough() -> None:
     behavior = {"scaleUp": {"policies": [{"type": "Pods", "value": 1, "periodSeconds": 60}]}}
-    hpa = build_hpa(render_input({"model": MODEL,
-                                  "autoscaling": {"enabled": True, "behavior": behavior}}))
+    hpa = build_hpa(
+        render_input({"model": MODEL, "autoscaling": {"enabled": True, "behavior": behavior}})
+    )
     assert hpa["spec"]["behavior"] == behavior
 
 
 def test_pdb_only_with_more_than_one_replica() -> None:
     assert not wants_pdb(render_input({"model": MODEL, "replicas": 1}))
     assert wants_pdb(render_input({"model": MODEL, "replicas": 2}))
-    assert wants_pdb(render_input({"model": MODEL, "autoscaling": {"enabled": True,
-                                                                   "maxReplicas": 3}}))
+    assert wants_pdb(
+        render_input({"model": MODEL, "autoscaling": {"enabled": True, "maxReplicas": 3}})
+    )
     desired = desired_children(render_input({"model": MODEL}))
-    assert {r.kind for r in desired.absent} == {"PodDisruptionBudget",
-                                                 "HorizontalPodAutoscaler",
-                                                 "PersistentVolumeClaim"}
+    assert {r.kind for r in desired.absent} == {
+        "PodDisruptionBudget",
+        "HorizontalPodAutoscaler",
+        "PersistentVolumeClaim",
+    }
 
 
 def test_service() -> None:
-    svc = build_service(render_input({"model": MODEL, "service": {
-        "type": "LoadBalancer", "port": 8080, "annotations": {"a": "b"}}}))
+    svc = build_service(
+        render_input(
+            {
+                "model": MODEL,
+                "service": {"type": "LoadBalancer", "port": 8080, "annotations": {"a": "b"}},
+            }
+        )
+    )
     assert svc["spec"]["type"] == "LoadBalancer"
-    assert svc["spec"]["ports"] == [{"name": "http", "port": 8080, "targetPort": "http",
-                                     "protocol": "TCP"}]
+    assert svc["spec"]["ports"] == [
+        {"name": "http", "port": 8080, "targetPort": "http", "protocol": "TCP"}
+    ]
     assert svc["metadata"]["annotations"] == {"a": "b"}
     default = build_service(render_input({"model": MODEL}))
     assert default["spec"]["type"] == "ClusterIP"
@@ -200,31 +280,52 @@ def test_service() -> None:
 
 
 def test_model_cache_modes() -> None:
-    pvc_render = render_input({"model": MODEL, "modelCache": {
-        "mode": "pvc", "size": "50Gi", "storageClassName": "fast",
-        "accessModes": ["ReadWriteMany"]}})
+    pvc_render = render_input(
+        {
+            "model": MODEL,
+            "modelCache": {
+                "mode": "pvc",
+                "size": "50Gi",
+                "storageClassName": "fast",
+                "accessModes": ["ReadWriteMany"],
+            },
+        }
+    )
     pvc = build_pvc(pvc_render)
     assert pvc["metadata"]["name"] == "emb-model-cache"
-    assert pvc["spec"] == {"accessModes": ["ReadWriteMany"], "storageClassName": "fast",
-                           "resources": {"requests": {"storage": "50Gi"}}}
-    volumes = {v["name"]: v for v in
-               build_deployment(pvc_render)["spec"]["template"]["spec"]["volumes"]}
+    assert pvc["spec"] == {
+        "accessModes": ["ReadWriteMany"],
+        "storageClassName": "fast",
+        "resources": {"requests": {"storage": "50Gi"}},
+    }
+    volumes = {
+        v["name"]: v for v in build_deployment(pvc_render)["spec"]["template"]["spec"]["volumes"]
+    }
     assert volumes["model-cache"]["persistentVolumeClaim"] == {"claimName": "emb-model-cache"}
-    existing = build_deployment(render_input({"model": MODEL, "modelCache": {
-        "mode": "existing", "claimName": "shared-hf-cache"}}))
+    existing = build_deployment(
+        render_input(
+            {"model": MODEL, "modelCache": {"mode": "existing", "claimName": "shared-hf-cache"}}
+        )
+    )
     volumes = {v["name"]: v for v in existing["spec"]["template"]["spec"]["volumes"]}
     assert volumes["model-cache"]["persistentVolumeClaim"] == {"claimName": "shared-hf-cache"}
 
 
 def test_secrets_become_env() -> None:
-    deployment = build_deployment(render_input({
-        "model": {**MODEL, "hubTokenSecretRef": {"name": "hf"}},
-        "apiKeySecretRef": {"name": "auth", "key": "k"},
-        "server": {"env": [{"name": "X", "value": "1"}]}}))
+    deployment = build_deployment(
+        render_input(
+            {
+                "model": {**MODEL, "hubTokenSecretRef": {"name": "hf"}},
+                "apiKeySecretRef": {"name": "auth", "key": "k"},
+                "server": {"env": [{"name": "X", "value": "1"}]},
+            }
+        )
+    )
     env = {e["name"]: e for e in _container(deployment)["env"]}
     assert env["HF_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
     assert env["EMBEDDING_SERVER_API_KEY"]["valueFrom"] == {
-        "secretKeyRef": {"name": "auth", "key": "k"}}
+        "secretKeyRef": {"name": "auth", "key": "k"}
+    }
     assert env["X"] == {"name": "X", "value": "1"}
 
 

@@ -30,16 +30,21 @@ def test_render_examples(path: Path, capsys: pytest.CaptureFixture[str]) -> None
 def test_render_autoscaled_example_has_hpa(capsys: pytest.CaptureFixture[str]) -> None:
     root = EXAMPLES[0].parent
     docs = {d["kind"]: d for d in _render(root / "bge-h100.yaml", capsys)}
-    assert docs["HorizontalPodAutoscaler"]["spec"]["metrics"][0]["pods"]["metric"]["name"] \
+    assert (
+        docs["HorizontalPodAutoscaler"]["spec"]["metrics"][0]["pods"]["metric"]["name"]
         == "embedding_server_queue_tokens"
+    )
     assert "replicas" not in docs["Deployment"]["spec"]
 
 
-def test_render_reports_bad_specs(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_render_reports_bad_specs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     bad = tmp_path / "bad.yaml"
-    bad.write_text("apiVersion: embedding-operator.dev/v1alpha1\nkind: EmbeddingService\n"
-                   "metadata: {name: x}\nspec: {model: {name: m}, gpu: {type: tpu}}\n")
+    bad.write_text(
+        "apiVersion: embedding-operator.dev/v1alpha1\nkind: EmbeddingService\n"
+        "metadata: {name: x}\nspec: {model: {name: m}, gpu: {type: tpu}}\n"
+    )
     assert main(["render", "-f", str(bad)]) == 2
     assert "spec.gpu.type" in capsys.readouterr().err
     monkeypatch.setattr(sys, "stdin", io.StringIO(bad.read_text().replace("tpu", "l4")))
@@ -51,16 +56,16 @@ def test_render_reports_bad_specs(tmp_path: Path, capsys: pytest.CaptureFixture[
 def test_run_flags_override_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EMBEDDING_OPERATOR_NAMESPACES", "from-env")
     monkeypatch.setenv("EMBEDDING_OPERATOR_LOG_FORMAT", "json")
-    args = build_parser().parse_args(["run", "--namespaces", "a,b", "--leader-elect",
-                                      "--resync-seconds", "5"])
+    args = build_parser().parse_args(
+        ["run", "--namespaces", "a,b", "--leader-elect", "--resync-seconds", "5"]
+    )
     config = settings_from_args(args)
     assert config.namespaces == ["a", "b"]
     assert config.log_format == "json"
     assert config.leader_elect and config.resync_seconds == 5
 
 
-def test_run_rejects_bad_configuration(tmp_path: Path,
-                                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_run_rejects_bad_configuration(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--gpu-profiles", str(tmp_path / "missing.yaml")]) == 2
     assert "invalid configuration" in capsys.readouterr().err
     with pytest.raises(SystemExit):

@@ -25,10 +25,8 @@ class Clock:
         return self.now
 
 
-def elector(cluster: FakeCluster, identity: str, clock: Clock,
-            **timing: float) -> LeaderElector:
-    config = LeaseConfig(name="embedding-operator", namespace="ops", identity=identity,
-                         **timing)
+def elector(cluster: FakeCluster, identity: str, clock: Clock, **timing: float) -> LeaderElector:
+    config = LeaseConfig(name="embedding-operator", namespace="ops", identity=identity, **timing)
     return LeaderElector(cluster, config, monotonic=clock)
 
 
@@ -77,8 +75,9 @@ def test_lost_race_is_not_leadership(cluster: FakeCluster) -> None:
 
 
 def test_work_stops_and_raises_when_renewal_fails(cluster: FakeCluster) -> None:
-    leader = elector(cluster, "a", Clock(), lease_duration=0.6, renew_deadline=0.3,
-                     retry_period=0.05)
+    leader = elector(
+        cluster, "a", Clock(), lease_duration=0.6, renew_deadline=0.3, retry_period=0.05
+    )
     stopped = asyncio.Event()
 
     async def work(stop: asyncio.Event) -> None:
@@ -100,8 +99,7 @@ def test_work_stops_and_raises_when_renewal_fails(cluster: FakeCluster) -> None:
 
 
 def test_clean_stop_releases(cluster: FakeCluster) -> None:
-    leader = elector(cluster, "a", Clock(), retry_period=0.05, renew_deadline=1,
-                     lease_duration=2)
+    leader = elector(cluster, "a", Clock(), retry_period=0.05, renew_deadline=1, lease_duration=2)
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -22,18 +22,28 @@ class Events:
         self.posted.append((type, reason, message))
 
 
-def make(cluster: FakeCluster, events: Events | None = None,
-         times: list[str] | None = None) -> Reconciler:
+def make(
+    cluster: FakeCluster, events: Events | None = None, times: list[str] | None = None
+) -> Reconciler:
     clock = iter(times or [f"2025-01-01T00:00:{i:02d}Z" for i in range(60)])
-    return Reconciler(cluster=cluster, profiles=GpuProfiles.builtin(), default_image="img:1",
-                      recorder=events or Events(), clock=lambda: next(clock))
+    return Reconciler(
+        cluster=cluster,
+        profiles=GpuProfiles.builtin(),
+        default_image="img:1",
+        recorder=events or Events(),
+        clock=lambda: next(clock),
+    )
 
 
 def add_service(cluster: FakeCluster, spec: dict[str, Any], name: str = "emb") -> None:
-    cluster.add({"apiVersion": "embedding-operator.dev/v1alpha1", "kind": "EmbeddingService",
-                 "metadata": {"name": name, "namespace": NS, "uid": "owner-uid",
-                              "generation": 1},
-                 "spec": spec})
+    cluster.add(
+        {
+            "apiVersion": "embedding-operator.dev/v1alpha1",
+            "kind": "EmbeddingService",
+            "metadata": {"name": name, "namespace": NS, "uid": "owner-uid", "generation": 1},
+            "spec": spec,
+        }
+    )
 
 
 def dep_ref(name: str = "emb") -> ChildRef:
@@ -53,11 +63,14 @@ def mark_rolled_out(cluster: FakeCluster, ready: int | None = None) -> None:
     dep = cluster.objects[dep_ref()]
     want = dep["spec"].get("replicas", 1)
     ready = want if ready is None else ready
-    dep["status"] = {"observedGeneration": dep["metadata"]["generation"], "replicas": want,
-                     "updatedReplicas": want, "readyReplicas": ready,
-                     "availableReplicas": ready,
-                     "conditions": [{"type": "Available",
-                                     "status": "True" if ready else "False"}]}
+    dep["status"] = {
+        "observedGeneration": dep["metadata"]["generation"],
+        "replicas": want,
+        "updatedReplicas": want,
+        "readyReplicas": ready,
+        "availableReplicas": ready,
+        "conditions": [{"type": "Available", "status": "True" if ready else "False"}],
+    }
 
 
 MODEL = {"model": {"name": "BAAI/bge-small-en-v1.5"}, "gpu": {"type": "h100"}}
@@ -74,10 +87,13 @@ def test_converges_then_goes_quiet(cluster: FakeCluster) -> None:
     assert cond["Ready"]["status"] == "False" and cond["Progressing"]["status"] == "True"
     status = owner(cluster)["status"]
     assert status["endpoint"] == "http://emb.team.svc.cluster.local:80/v1"
-    assert status["selector"] == ("app.kubernetes.io/instance=emb,"
-                                  "app.kubernetes.io/name=embedding-server")
-    assert status["model"] == {"name": "BAAI/bge-small-en-v1.5",
-                               "servedModelName": "bge-small-en-v1.5"}
+    assert status["selector"] == (
+        "app.kubernetes.io/instance=emb,app.kubernetes.io/name=embedding-server"
+    )
+    assert status["model"] == {
+        "name": "BAAI/bge-small-en-v1.5",
+        "servedModelName": "bge-small-en-v1.5",
+    }
     assert status["gpu"] == {"type": "h100", "resourceName": "nvidia.com/gpu", "count": 1}
 
     mark_rolled_out(cluster)
@@ -168,8 +184,7 @@ def test_unknown_gpu_type_is_degraded_with_event(cluster: FakeCluster) -> None:
     assert outcome is not None and outcome.problem is not None and not outcome.retry
     assert [c for c in cluster.writes() if c[0] == "apply"] == []
     cond = conditions(cluster)
-    assert (cond["Degraded"]["status"], cond["Degraded"]["reason"]) == ("True",
-                                                                       "UnknownGPUType")
+    assert (cond["Degraded"]["status"], cond["Degraded"]["reason"]) == ("True", "UnknownGPUType")
     assert "spec.gpu.type" in cond["Degraded"]["message"]
     assert "tpu-v5" in cond["Degraded"]["message"] and "h100" in cond["Degraded"]["message"]
     assert cond["Ready"]["status"] == "False"
@@ -190,8 +205,14 @@ def test_missing_secret_is_retryable_until_created(cluster: FakeCluster) -> None
     assert cond["Degraded"]["reason"] == "SecretNotFound"
     assert "spec.apiKeySecretRef" in cond["Degraded"]["message"]
     assert dep_ref() not in cluster.objects
-    cluster.add({"apiVersion": "v1", "kind": "Secret",
-                 "metadata": {"name": "auth", "namespace": NS}, "data": {"other": "eA=="}})
+    cluster.add(
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "auth", "namespace": NS},
+            "data": {"other": "eA=="},
+        }
+    )
     outcome = rec.reconcile(NS, "emb")
     assert outcome is not None and outcome.retry
     assert "has no key 'api-key'" in conditions(cluster)["Degraded"]["message"]
@@ -214,11 +235,26 @@ def test_invalid_spec_names_the_field(cluster: FakeCluster) -> None:
 
 def test_child_owned_by_someone_else_is_not_taken_over(cluster: FakeCluster) -> None:
     add_service(cluster, MODEL)
-    cluster.add({"apiVersion": "v1", "kind": "Service",
-                 "metadata": {"name": "emb", "namespace": NS, "ownerReferences": [
-                     {"apiVersion": "apps/v1", "kind": "Deployment", "name": "x",
-                      "uid": "other", "controller": True}]},
-                 "spec": {"ports": [{"port": 1}]}})
+    cluster.add(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {
+                "name": "emb",
+                "namespace": NS,
+                "ownerReferences": [
+                    {
+                        "apiVersion": "apps/v1",
+                        "kind": "Deployment",
+                        "name": "x",
+                        "uid": "other",
+                        "controller": True,
+                    }
+                ],
+            },
+            "spec": {"ports": [{"port": 1}]},
+        }
+    )
     rec = make(cluster)
     outcome = rec.reconcile(NS, "emb")
     assert outcome is not None and outcome.problem is not None

@@ -48,10 +48,12 @@ def test_errors_name_field_paths() -> None:
 def test_builtin_profiles_match_gpu_feature_discovery_labels() -> None:
     profiles = GpuProfiles.builtin()
     assert profiles.resolve("h100").node_selector == {
-        "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+        "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"
+    }
     assert profiles.resolve("l4").node_selector == {"nvidia.com/gpu.product": "NVIDIA-L4"}
     assert profiles.resolve("a100-80gb").node_selector == {
-        "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}
+        "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"
+    }
     assert profiles.resolve("cpu").resource_name is None
     with pytest.raises(UnknownGpuTypeError, match="known types: a100-40gb"):
         profiles.resolve("tpu")
@@ -59,12 +61,14 @@ def test_builtin_profiles_match_gpu_feature_discovery_labels() -> None:
 
 def test_profile_file_overlays_builtins(tmp_path: Path) -> None:
     path = tmp_path / "profiles.yaml"
-    path.write_text("profiles:\n"
-                    "  h100-mig:\n"
-                    "    resourceName: nvidia.com/mig-3g.40gb\n"
-                    "    nodeSelector: {nvidia.com/gpu.product: NVIDIA-H100-80GB-HBM3}\n"
-                    "  l4:\n"
-                    "    nodeSelector: {pool: l4}\n")
+    path.write_text(
+        "profiles:\n"
+        "  h100-mig:\n"
+        "    resourceName: nvidia.com/mig-3g.40gb\n"
+        "    nodeSelector: {nvidia.com/gpu.product: NVIDIA-H100-80GB-HBM3}\n"
+        "  l4:\n"
+        "    nodeSelector: {pool: l4}\n"
+    )
     profiles = GpuProfiles.load(path)
     assert profiles.resolve("h100-mig").resource_name == "nvidia.com/mig-3g.40gb"
     assert profiles.resolve("l4").node_selector == {"pool": "l4"}
@@ -85,14 +89,20 @@ def test_malformed_profile_file_fails_loudly(tmp_path: Path, text: str) -> None:
 
 
 def test_merge_conditions_keeps_transition_time_unless_status_flips() -> None:
-    old = [{"type": "Ready", "status": "False", "reason": "A", "message": "",
-            "lastTransitionTime": "t0", "observedGeneration": 1}]
-    same = merge_conditions(old, [Condition("Ready", "False", "B", "m")], generation=2,
-                            now="t1")
+    old = [
+        {
+            "type": "Ready",
+            "status": "False",
+            "reason": "A",
+            "message": "",
+            "lastTransitionTime": "t0",
+            "observedGeneration": 1,
+        }
+    ]
+    same = merge_conditions(old, [Condition("Ready", "False", "B", "m")], generation=2, now="t1")
     assert same[0]["lastTransitionTime"] == "t0" and same[0]["reason"] == "B"
     assert same[0]["observedGeneration"] == 2
-    flipped = merge_conditions(old, [Condition("Ready", "True", "C", "")], generation=2,
-                               now="t1")
+    flipped = merge_conditions(old, [Condition("Ready", "True", "C", "")], generation=2, now="t1")
     assert flipped[0]["lastTransitionTime"] == "t1"
 
 
@@ -118,13 +128,17 @@ def test_subset_compare() -> None:
 
 
 def test_resource_paths() -> None:
-    assert resource_path(ChildRef("v1", "Service", "n", "s")) == \
-        "/api/v1/namespaces/n/services/s"
-    assert resource_path(ChildRef("apps/v1", "Deployment", "n", "d")) == \
-        "/apis/apps/v1/namespaces/n/deployments/d"
-    assert resource_path(ChildRef("embedding-operator.dev/v1alpha1", "EmbeddingService",
-                                  "n", "e"), "status") == \
-        "/apis/embedding-operator.dev/v1alpha1/namespaces/n/embeddingservices/e/status"
+    assert resource_path(ChildRef("v1", "Service", "n", "s")) == "/api/v1/namespaces/n/services/s"
+    assert (
+        resource_path(ChildRef("apps/v1", "Deployment", "n", "d"))
+        == "/apis/apps/v1/namespaces/n/deployments/d"
+    )
+    assert (
+        resource_path(
+            ChildRef("embedding-operator.dev/v1alpha1", "EmbeddingService", "n", "e"), "status"
+        )
+        == "/apis/embedding-operator.dev/v1alpha1/namespaces/n/embeddingservices/e/status"
+    )
 
 
 def test_retry_delay_grows_and_caps() -> None:
@@ -193,10 +207,14 @@ def test_events_are_posted_as_core_v1_events() -> None:
     from operator_fakes import FakeCluster
 
     cluster = FakeCluster()
-    body = {"apiVersion": "embedding-operator.dev/v1alpha1", "kind": "EmbeddingService",
-            "metadata": {"name": "emb", "namespace": "ns", "uid": "u1"}}
-    ApiEventRecorder(cluster, "op-1")(body, type="Warning", reason="UnknownGPUType",
-                                      message="x" * 5000)
+    body = {
+        "apiVersion": "embedding-operator.dev/v1alpha1",
+        "kind": "EmbeddingService",
+        "metadata": {"name": "emb", "namespace": "ns", "uid": "u1"},
+    }
+    ApiEventRecorder(cluster, "op-1")(
+        body, type="Warning", reason="UnknownGPUType", message="x" * 5000
+    )
     (event,) = [o for o in cluster.objects.values() if o["kind"] == "Event"]
     assert event["metadata"]["namespace"] == "ns"
     assert event["involvedObject"]["uid"] == "u1"

@@ -50,8 +50,9 @@ def desired_children(render: RenderInput) -> DesiredChildren:
     if wants_hpa(render):
         present.append(build_hpa(render))
     else:
-        absent.append(ChildRef("autoscaling/v2", "HorizontalPodAutoscaler", owner.namespace,
-                               owner.name))
+        absent.append(
+            ChildRef("autoscaling/v2", "HorizontalPodAutoscaler", owner.namespace, owner.name)
+        )
     if wants_pdb(render):
         present.append(build_pdb(render))
     else:

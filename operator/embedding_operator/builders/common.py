@@ -45,8 +45,12 @@ class Owner:
     @classmethod
     def from_body(cls, body: dict[str, Any]) -> Owner:
         meta = body["metadata"]
-        return cls(name=meta["name"], namespace=meta["namespace"], uid=meta.get("uid", ""),
-                   generation=int(meta.get("generation") or 0))
+        return cls(
+            name=meta["name"],
+            namespace=meta["namespace"],
+            uid=meta.get("uid", ""),
+            generation=int(meta.get("generation") or 0),
+        )
 
 
 @dataclass(frozen=True)
@@ -69,8 +73,11 @@ def selector_labels(owner: Owner) -> dict[str, str]:
 
 
 def common_labels(owner: Owner) -> dict[str, str]:
-    return {**selector_labels(owner), "app.kubernetes.io/component": COMPONENT,
-            "app.kubernetes.io/managed-by": MANAGED_BY}
+    return {
+        **selector_labels(owner),
+        "app.kubernetes.io/component": COMPONENT,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+    }
 
 
 def selector_string(owner: Owner) -> str:
@@ -79,15 +86,25 @@ def selector_string(owner: Owner) -> str:
 
 
 def owner_reference(owner: Owner) -> dict[str, Any]:
-    return {"apiVersion": API_VERSION, "kind": KIND, "name": owner.name, "uid": owner.uid,
-            "controller": True, "blockOwnerDeletion": True}
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": owner.name,
+        "uid": owner.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
 
 
-def child_metadata(owner: Owner, name: str | None = None,
-                   annotations: dict[str, str] | None = None) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": name or owner.name, "namespace": owner.namespace,
-                            "labels": common_labels(owner),
-                            "ownerReferences": [owner_reference(owner)]}
+def child_metadata(
+    owner: Owner, name: str | None = None, annotations: dict[str, str] | None = None
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": name or owner.name,
+        "namespace": owner.namespace,
+        "labels": common_labels(owner),
+        "ownerReferences": [owner_reference(owner)],
+    }
     if annotations:
         meta["annotations"] = dict(annotations)
     return meta

@@ -45,16 +45,27 @@ HUB_TOKEN_ENV = "HF_TOKEN"
 def server_args(render: RenderInput) -> list[str]:
     """``embedding-server serve`` flags for this spec (the pod contract, unit-tested)."""
     spec = render.spec
-    args = ["serve",
-            "--model", spec.model.server_model,
-            "--served-model-name", spec.served_name,
-            "--host", "0.0.0.0",
-            "--port", str(SERVER_PORT),
-            "--log-format", "json",
-            "--cache-dir", CACHE_MOUNT_PATH,
-            "--dtype", spec.server.dtype,
-            "--pooling", spec.embedding.pooling,
-            "--tensor-parallel-size", str(spec.parallelism.tensor_parallel_size)]
+    args = [
+        "serve",
+        "--model",
+        spec.model.server_model,
+        "--served-model-name",
+        spec.served_name,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(SERVER_PORT),
+        "--log-format",
+        "json",
+        "--cache-dir",
+        CACHE_MOUNT_PATH,
+        "--dtype",
+        spec.server.dtype,
+        "--pooling",
+        spec.embedding.pooling,
+        "--tensor-parallel-size",
+        str(spec.parallelism.tensor_parallel_size),
+    ]
     if spec.model.revision:
         args += ["--revision", spec.model.revision]
     if spec.model.trust_remote_code:
@@ -71,9 +82,11 @@ def server_args(render: RenderInput) -> list[str]:
     if emb.prompts is not None and emb.prompts.default_name:
         args += ["--default-prompt-name", emb.prompts.default_name]
     srv = spec.server
-    for flag, value in (("--max-batch-tokens", srv.max_batch_tokens),
-                        ("--max-batch-size", srv.max_batch_size),
-                        ("--max-queue-tokens", srv.max_queue_tokens)):
+    for flag, value in (
+        ("--max-batch-tokens", srv.max_batch_tokens),
+        ("--max-batch-size", srv.max_batch_size),
+        ("--max-queue-tokens", srv.max_queue_tokens),
+    ):
         if value is not None:
             args += [flag, str(value)]
     return [*args, *srv.extra_args]
@@ -82,11 +95,17 @@ def server_args(render: RenderInput) -> list[str]:
 def _env(render: RenderInput) -> list[dict[str, Any]]:
     spec = render.spec
     env: list[dict[str, Any]] = [{"name": "HF_HOME", "value": f"{CACHE_MOUNT_PATH}/huggingface"}]
-    for var_name, ref in ((HUB_TOKEN_ENV, spec.model.hub_token_secret_ref),
-                          (API_KEY_ENV, spec.api_key_secret_ref)):
+    for var_name, ref in (
+        (HUB_TOKEN_ENV, spec.model.hub_token_secret_ref),
+        (API_KEY_ENV, spec.api_key_secret_ref),
+    ):
         if ref is not None:
-            env.append({"name": var_name,
-                        "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+            env.append(
+                {
+                    "name": var_name,
+                    "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
+                }
+            )
     for var in spec.server.env:
         env.append(var.model_dump(by_alias=True, exclude_none=True))
     return env
@@ -106,31 +125,39 @@ def _resources(render: RenderInput) -> dict[str, Any]:
 
 
 def _probe(path: str, period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": PORT_NAME}, "periodSeconds": period,
-            "timeoutSeconds": timeout, "failureThreshold": failures}
+    return {
+        "httpGet": {"path": path, "port": PORT_NAME},
+        "periodSeconds": period,
+        "timeoutSeconds": timeout,
+        "failureThreshold": failures,
+    }
 
 
 def _volumes(render: RenderInput) -> list[dict[str, Any]]:
     cache = render.spec.model_cache
     if cache.mode == "pvc":
-        cache_source: dict[str, Any] = {"persistentVolumeClaim":
-                                        {"claimName": pvc_name(render.owner)}}
+        cache_source: dict[str, Any] = {
+            "persistentVolumeClaim": {"claimName": pvc_name(render.owner)}
+        }
     elif cache.mode == "existing":
         cache_source = {"persistentVolumeClaim": {"claimName": cache.claim_name}}
     else:
         cache_source = {"emptyDir": {}}
     return [
         {"name": "model-cache", **cache_source},
-        {"name": "dshm", "emptyDir": {"medium": "Memory",
-                                      "sizeLimit": str(render.spec.server.shm_size)}},
+        {
+            "name": "dshm",
+            "emptyDir": {"medium": "Memory", "sizeLimit": str(render.spec.server.shm_size)},
+        },
         {"name": "tmp", "emptyDir": {}},
     ]
 
 
 def _pod_spec(render: RenderInput) -> dict[str, Any]:
     spec = render.spec
-    startup_failures = max(1, math.ceil(spec.server.startup_timeout_seconds
-                                        / STARTUP_PERIOD_SECONDS))
+    startup_failures = max(
+        1, math.ceil(spec.server.startup_timeout_seconds / STARTUP_PERIOD_SECONDS)
+    )
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": spec.server.image or render.default_image,
@@ -142,27 +169,36 @@ def _pod_spec(render: RenderInput) -> dict[str, Any]:
         "startupProbe": _probe("/ready", STARTUP_PERIOD_SECONDS, startup_failures),
         "readinessProbe": _probe("/ready", 5, 3),
         "livenessProbe": _probe("/health", 10, 3),
-        "securityContext": {"allowPrivilegeEscalation": False,
-                            "capabilities": {"drop": ["ALL"]},
-                            "runAsNonRoot": True},
-        "volumeMounts": [{"name": "model-cache", "mountPath": CACHE_MOUNT_PATH},
-                         {"name": "dshm", "mountPath": "/dev/shm"},
-                         {"name": "tmp", "mountPath": "/tmp"}],
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "runAsNonRoot": True,
+        },
+        "volumeMounts": [
+            {"name": "model-cache", "mountPath": CACHE_MOUNT_PATH},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
     }
     if spec.server.image_pull_policy:
         container["imagePullPolicy"] = spec.server.image_pull_policy
 
     node_selector = {**render.profile.node_selector, **spec.scheduling.node_selector}
-    tolerations = [*render.profile.tolerations,
-                   *(t.model_dump(by_alias=True, exclude_none=True)
-                     for t in spec.scheduling.tolerations)]
+    tolerations = [
+        *render.profile.tolerations,
+        *(t.model_dump(by_alias=True, exclude_none=True) for t in spec.scheduling.tolerations),
+    ]
     pod: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 60,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER,
-                            "runAsGroup": RUN_AS_USER, "fsGroup": RUN_AS_USER,
-                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
         "containers": [container],
         "volumes": _volumes(render),
     }
@@ -185,20 +221,30 @@ def build_deployment(render: RenderInput) -> Manifest:
         # Give a rollout the startup budget plus slack before Kubernetes (and our Progressing
         # condition) calls it stuck.
         "progressDeadlineSeconds": spec.server.startup_timeout_seconds + 600,
-        "strategy": {"type": "RollingUpdate",
-                     "rollingUpdate": {"maxSurge": spec.rollout.max_surge,
-                                       "maxUnavailable": spec.rollout.max_unavailable}},
+        "strategy": {
+            "type": "RollingUpdate",
+            "rollingUpdate": {
+                "maxSurge": spec.rollout.max_surge,
+                "maxUnavailable": spec.rollout.max_unavailable,
+            },
+        },
         "template": {
             "metadata": {
                 "labels": common_labels(render.owner),
-                "annotations": {"prometheus.io/scrape": "true",
-                                "prometheus.io/port": str(SERVER_PORT),
-                                "prometheus.io/path": "/metrics"},
+                "annotations": {
+                    "prometheus.io/scrape": "true",
+                    "prometheus.io/port": str(SERVER_PORT),
+                    "prometheus.io/path": "/metrics",
+                },
             },
             "spec": _pod_spec(render),
         },
     }
     if not spec.autoscaling.enabled:
         deployment_spec = {"replicas": spec.replicas, **deployment_spec}
-    return {"apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": child_metadata(render.owner), "spec": deployment_spec}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": child_metadata(render.owner),
+        "spec": deployment_spec,
+    }

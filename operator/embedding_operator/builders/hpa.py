@@ -13,8 +13,10 @@ from typing import Any
 
 from embedding_operator.builders.common import Manifest, RenderInput, child_metadata
 
-QUEUE_METRICS = {"queueRequests": "embedding_server_queue_requests",
-                 "queueTokens": "embedding_server_queue_tokens"}
+QUEUE_METRICS = {
+    "queueRequests": "embedding_server_queue_requests",
+    "queueTokens": "embedding_server_queue_tokens",
+}
 DEFAULT_TARGETS = {"queueRequests": 8, "queueTokens": 32768}
 
 
@@ -33,14 +35,22 @@ def build_hpa(render: RenderInput) -> Manifest:
         "kind": "HorizontalPodAutoscaler",
         "metadata": child_metadata(render.owner),
         "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment",
-                               "name": render.owner.name},
+            "scaleTargetRef": {
+                "apiVersion": "apps/v1",
+                "kind": "Deployment",
+                "name": render.owner.name,
+            },
             "minReplicas": auto.min_replicas,
             "maxReplicas": auto.max_replicas,
-            "metrics": [{"type": "Pods",
-                         "pods": {"metric": {"name": QUEUE_METRICS[auto.metric]},
-                                  "target": {"type": "AverageValue",
-                                             "averageValue": str(target)}}}],
+            "metrics": [
+                {
+                    "type": "Pods",
+                    "pods": {
+                        "metric": {"name": QUEUE_METRICS[auto.metric]},
+                        "target": {"type": "AverageValue", "averageValue": str(target)},
+                    },
+                }
+            ],
             "behavior": behavior,
         },
     }

@@ -21,7 +21,9 @@ def wants_pdb(render: RenderInput) -> bool:
 
 
 def build_pdb(render: RenderInput) -> Manifest:
-    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-            "metadata": child_metadata(render.owner),
-            "spec": {"maxUnavailable": 1,
-                     "selector": {"matchLabels": selector_labels(render.owner)}}}
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": child_metadata(render.owner),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(render.owner)}},
+    }

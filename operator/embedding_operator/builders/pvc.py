@@ -17,10 +17,15 @@ def wants_pvc(render: RenderInput) -> bool:
 
 def build_pvc(render: RenderInput) -> Manifest:
     cache = render.spec.model_cache
-    spec: dict[str, Any] = {"accessModes": list(cache.access_modes),
-                            "resources": {"requests": {"storage": str(cache.size)}}}
+    spec: dict[str, Any] = {
+        "accessModes": list(cache.access_modes),
+        "resources": {"requests": {"storage": str(cache.size)}},
+    }
     if cache.storage_class_name is not None:
         spec["storageClassName"] = cache.storage_class_name
-    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-            "metadata": child_metadata(render.owner, name=pvc_name(render.owner)),
-            "spec": spec}
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": child_metadata(render.owner, name=pvc_name(render.owner)),
+        "spec": spec,
+    }

@@ -18,9 +18,13 @@ def build_service(render: RenderInput) -> Manifest:
     spec: dict[str, Any] = {
         "type": svc.type,
         "selector": selector_labels(render.owner),
-        "ports": [{"name": PORT_NAME, "port": svc.port, "targetPort": PORT_NAME,
-                   "protocol": "TCP"}],
+        "ports": [
+            {"name": PORT_NAME, "port": svc.port, "targetPort": PORT_NAME, "protocol": "TCP"}
+        ],
     }
-    return {"apiVersion": "v1", "kind": "Service",
-            "metadata": child_metadata(render.owner, annotations=svc.annotations),
-            "spec": spec}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": child_metadata(render.owner, annotations=svc.annotations),
+        "spec": spec,
+    }
