@@ -90,7 +90,8 @@ class ServerSettings(EngineSettings):
 
     served_model_name: str | None = Field(None, description="Model name clients send and "
                                           "/v1/models lists (default: the model argument's "
-                                          "last path component).")
+                                          "last path component; the --model value itself is "
+                                          "always accepted too).")
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8000, gt=0, lt=65536, description="Port to listen on.")
     api_key: str | None = Field(None, description="Require 'Authorization: Bearer <key>' on "
