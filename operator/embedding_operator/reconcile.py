@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -115,10 +116,21 @@ class Reconciler:
     def reconcile(self, namespace: str, name: str) -> Outcome | None:
         """Reconcile the current state of one object; None if it is gone or going."""
         with self._lock(namespace, name):
+            started = time.monotonic()
             body = self._cluster.get(owner_ref(namespace, name))
             if body is None or body.get("metadata", {}).get("deletionTimestamp"):
                 return None
-            return self._reconcile(body)
+            outcome = self._reconcile(body)
+            log.debug(
+                "reconciled %s/%s in %.3fs: applied=%s status_written=%s problem=%s",
+                namespace,
+                name,
+                time.monotonic() - started,
+                list(outcome.applied),
+                outcome.status_written,
+                outcome.problem and outcome.problem.reason,
+            )
+            return outcome
 
     def _reconcile(self, body: dict[str, Any]) -> Outcome:
         owner = Owner.from_body(body)
