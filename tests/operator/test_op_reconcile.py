@@ -324,3 +324,28 @@ def test_refused_new_child_is_degraded(cluster: FakeCluster) -> None:
     outcome = make(cluster).reconcile(NS, "emb")
     assert outcome is not None and outcome.problem is not None
     assert conditions(cluster)["Degraded"]["reason"] == "ChildRejected"
+
+
+def test_rollout_past_its_deadline_is_degraded(cluster: FakeCluster) -> None:
+    add_service(cluster, MODEL)
+    events = Events()
+    rec = make(cluster, events)
+    rec.reconcile(NS, "emb")
+    dep = cluster.objects[dep_ref()]
+    dep["status"] = {
+        "observedGeneration": dep["metadata"]["generation"],
+        "replicas": 1,
+        "updatedReplicas": 1,
+        "readyReplicas": 0,
+        "conditions": [
+            {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded"}
+        ],
+    }
+    rec.reconcile(NS, "emb")
+    cond = conditions(cluster)
+    assert (cond["Degraded"]["status"], cond["Degraded"]["reason"]) == (
+        "True",
+        "ProgressDeadlineExceeded",
+    )
+    assert cond["Ready"]["reason"] == "MinimumReplicasUnavailable"
+    assert ("Warning", "ProgressDeadlineExceeded") in [e[:2] for e in events.posted]
