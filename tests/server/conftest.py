@@ -16,11 +16,9 @@ from _models import MINILM_DIR, build_bert, build_decoder, build_xlm_roberta
 
 
 @pytest.fixture(scope="session")
-def tiny_model() -> Callable[[str], Path]:
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """Factory: a tiny random model directory per model_type, built once per session."""
-    import tempfile
-
-    root = Path(tempfile.mkdtemp(prefix="tiny-models-"))
+    root = tmp_path_factory.mktemp("tiny-models")
     cache: dict[str, Path] = {}
 
     def get(model_type: str) -> Path:
