@@ -25,8 +25,7 @@ bright quiet heavy gentle ancient modern simple complex careful honest
 _WORDS = tuple(_VOCABULARY.split())
 
 
-def make_corpus(n: int, *, seed: int = 0, min_words: int = 4,
-                max_words: int = 200) -> list[str]:
+def make_corpus(n: int, *, seed: int = 0, min_words: int = 4, max_words: int = 200) -> list[str]:
     """``n`` texts of ``min_words``..``max_words`` words (uniform), reproducible by ``seed``."""
     rng = random.Random(seed)
     texts = []

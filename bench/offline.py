@@ -67,7 +67,7 @@ def model_flops_per_token(config: dict[str, Any], mean_len: float) -> float:
     """Matmul FLOPs per token of a BERT-style encoder: linear layers plus attention."""
     h, i, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
     linear = 4 * h * h + 2 * h * i
-    attention = 2 * mean_len * h            # QK^T and PV, per token
+    attention = 2 * mean_len * h  # QK^T and PV, per token
     return 2 * layers * (linear + attention)
 
 
@@ -81,8 +81,11 @@ def main() -> None:
     parser.add_argument("--texts", type=int, default=1000)
     parser.add_argument("--st-batch-size", type=int, default=32)
     parser.add_argument("--max-batch-tokens", type=int, default=16384)
-    parser.add_argument("--skip-bf16", action="store_true",
-                        help="bf16 is emulated (slow) on CPUs without avx512_bf16/AMX")
+    parser.add_argument(
+        "--skip-bf16",
+        action="store_true",
+        help="bf16 is emulated (slow) on CPUs without avx512_bf16/AMX",
+    )
     args = parser.parse_args()
 
     from sentence_transformers import SentenceTransformer
@@ -93,19 +96,24 @@ def main() -> None:
     config = json.loads((path / "config.json").read_text())
     texts = make_corpus(args.texts)
     native_bf16 = bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
-    print(f"model {args.model}; {len(texts)} texts; torch {torch.__version__}, {threads} "
-          f"threads; CPU capability {torch.backends.cpu.get_cpu_capability()}, native bf16: "
-          f"{native_bf16}")
+    print(
+        f"model {args.model}; {len(texts)} texts; torch {torch.__version__}, {threads} "
+        f"threads; CPU capability {torch.backends.cpu.get_cpu_capability()}, native bf16: "
+        f"{native_bf16}"
+    )
     peaks = {"float32": matmul_peak(torch.float32), "bfloat16": matmul_peak(torch.bfloat16)}
     print("matmul peak: " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peaks.items()))
     peak = max(peaks.values())  # the machine's best; fractions are of this
 
     dtypes = ["float32"] if args.skip_bf16 else ["float32", "bfloat16"]
-    engines = {d: Engine.from_pretrained(args.model, dtype=d,
-                                         max_batch_tokens=args.max_batch_tokens)
-               for d in dtypes}
-    token_counts = [min(len(ids), engines["float32"].info().max_input_tokens)
-                    for ids in engines["float32"].tokenize(texts)]
+    engines = {
+        d: Engine.from_pretrained(args.model, dtype=d, max_batch_tokens=args.max_batch_tokens)
+        for d in dtypes
+    }
+    token_counts = [
+        min(len(ids), engines["float32"].info().max_input_tokens)
+        for ids in engines["float32"].tokenize(texts)
+    ]
     tokens = sum(token_counts)
     mean_len = tokens / len(texts)
     flops_per_token = model_flops_per_token(config, mean_len)
@@ -125,22 +133,35 @@ def main() -> None:
             reference = vectors
         cos = cosines(vectors, reference)
         flops = flops_per_token * tokens / seconds
-        run = Run(name, seconds, cpu_seconds, len(texts) / seconds, tokens / seconds,
-                  flops / 1e9, flops / peak, float(cos.min()), float(cos.mean()))
+        run = Run(
+            name,
+            seconds,
+            cpu_seconds,
+            len(texts) / seconds,
+            tokens / seconds,
+            flops / 1e9,
+            flops / peak,
+            float(cos.min()),
+            float(cos.mean()),
+        )
         runs.append(run)
-        print(f"  {name:<34} {run.seconds:7.2f}s (cpu {run.cpu_seconds:6.1f}s) "
-              f"{run.texts_per_s:8.1f} texts/s "
-              f"{run.tokens_per_s:9.0f} tok/s  {100 * run.peak_fraction:5.1f}% of peak  "
-              f"cos min {run.cos_min:.6f}")
+        print(
+            f"  {name:<34} {run.seconds:7.2f}s (cpu {run.cpu_seconds:6.1f}s) "
+            f"{run.texts_per_s:8.1f} texts/s "
+            f"{run.tokens_per_s:9.0f} tok/s  {100 * run.peak_fraction:5.1f}% of peak  "
+            f"cos min {run.cos_min:.6f}"
+        )
         return vectors
 
     for dtype in dtypes:
         st = SentenceTransformer(str(path), device="cpu")
         if dtype == "bfloat16":
             st = st.to(torch.bfloat16)
-        record(f"sentence-transformers {dtype}", dtype,
-               lambda t, st=st: st.encode(t, batch_size=args.st_batch_size,
-                                          convert_to_numpy=True))
+        record(
+            f"sentence-transformers {dtype}",
+            dtype,
+            lambda t, st=st: st.encode(t, batch_size=args.st_batch_size, convert_to_numpy=True),
+        )
         del st
     for dtype in dtypes:
         engine = engines[dtype]
@@ -152,23 +173,35 @@ def main() -> None:
         ours = by_name[f"embedding-server {dtype}"]
         for peer in dtypes:
             theirs = by_name[f"sentence-transformers {peer}"]
-            print(f"  ours {dtype} / sentence-transformers {peer}: "
-                  f"{ours.texts_per_s / theirs.texts_per_s:.2f}x wall, "
-                  f"{theirs.cpu_seconds / ours.cpu_seconds:.2f}x CPU time")
+            print(
+                f"  ours {dtype} / sentence-transformers {peer}: "
+                f"{ours.texts_per_s / theirs.texts_per_s:.2f}x wall, "
+                f"{theirs.cpu_seconds / ours.cpu_seconds:.2f}x CPU time"
+            )
     auto = Engine.from_pretrained(args.model).info().dtype
     print(f"\ndtype=auto picks {auto} on this machine")
 
     print("\n| run | texts/s | tokens/s | CPU s | % matmul peak | cosine min vs ST fp32 |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in runs:
-        print(f"| {r.name} | {r.texts_per_s:.1f} | {r.tokens_per_s:.0f} | {r.cpu_seconds:.1f} | "
-              f"{100 * r.peak_fraction:.1f}% | {r.cos_min:.6f} |")
+        print(
+            f"| {r.name} | {r.texts_per_s:.1f} | {r.tokens_per_s:.0f} | {r.cpu_seconds:.1f} | "
+            f"{100 * r.peak_fraction:.1f}% | {r.cos_min:.6f} |"
+        )
 
     OUT.mkdir(exist_ok=True)
-    (OUT / "offline.json").write_text(json.dumps(
-        {"texts": len(texts), "tokens": tokens, "threads": threads,
-         "peaks_gflops": {k: v / 1e9 for k, v in peaks.items()},
-         "runs": [asdict(r) for r in runs]}, indent=2))
+    (OUT / "offline.json").write_text(
+        json.dumps(
+            {
+                "texts": len(texts),
+                "tokens": tokens,
+                "threads": threads,
+                "peaks_gflops": {k: v / 1e9 for k, v in peaks.items()},
+                "runs": [asdict(r) for r in runs],
+            },
+            indent=2,
+        )
+    )
     chart(runs, OUT / "offline.png", f"{args.model}, {len(texts)} texts, {threads} threads")
     print(f"\nwrote {OUT / 'offline.png'} and offline.json")
 

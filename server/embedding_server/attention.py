@@ -50,26 +50,32 @@ _BUCKET_RATIO = 1.0
 
 def flash_available(tensor: torch.Tensor) -> bool:
     """Whether the flash-attn kernel can serve this tensor (importable, CUDA, half dtype)."""
-    return (flash_attn_varlen_func is not None and tensor.is_cuda
-            and tensor.dtype in (torch.float16, torch.bfloat16))
+    return (
+        flash_attn_varlen_func is not None
+        and tensor.is_cuda
+        and tensor.dtype in (torch.float16, torch.bfloat16)
+    )
 
 
 def backend_name(device: torch.device, dtype: torch.dtype) -> str:
     """The attention implementation a model on this device and dtype will use (for info())."""
-    if (flash_attn_varlen_func is not None and device.type == "cuda"
-            and dtype in (torch.float16, torch.bfloat16)):
+    if (
+        flash_attn_varlen_func is not None
+        and device.type == "cuda"
+        and dtype in (torch.float16, torch.bfloat16)
+    ):
         return "flash_attn_varlen"
     return "torch_sdpa_bucketed"
 
 
 @dataclass(frozen=True, slots=True)
 class _Bucket:
-    length: int                    # padded length L of this bucket
-    count: int                     # sequences n
-    start: int                     # first packed token when ``contiguous``
-    contiguous: bool               # all n sequences have length L and are adjacent
-    gather: torch.Tensor | None    # [n*L] packed token index per padded slot
-    valid: torch.Tensor | None     # [n*L] bool: slot holds a real token
+    length: int  # padded length L of this bucket
+    count: int  # sequences n
+    start: int  # first packed token when ``contiguous``
+    contiguous: bool  # all n sequences have length L and are adjacent
+    gather: torch.Tensor | None  # [n*L] packed token index per padded slot
+    valid: torch.Tensor | None  # [n*L] bool: slot holds a real token
     key_mask: torch.Tensor | None  # [n, 1, 1, L] bool, True = attend
 
 
@@ -106,20 +112,34 @@ def plan_attention(seqlens: Sequence[int], device: torch.device) -> AttentionPla
             continue
         slot = torch.arange(length)
         lens = torch.tensor([seqlens[i] for i in group])
-        valid = slot.unsqueeze(0) < lens.unsqueeze(1)                      # [n, L]
+        valid = slot.unsqueeze(0) < lens.unsqueeze(1)  # [n, L]
         base = torch.tensor([starts[i] for i in group]).unsqueeze(1)
-        gather = torch.where(valid, base + slot, base)                     # pads -> own start
-        buckets.append(_Bucket(
-            length, len(group), 0, False, gather.reshape(-1).to(device),
-            valid.reshape(-1).to(device),
-            None if same else valid[:, None, None, :].to(device)))
+        gather = torch.where(valid, base + slot, base)  # pads -> own start
+        buckets.append(
+            _Bucket(
+                length,
+                len(group),
+                0,
+                False,
+                gather.reshape(-1).to(device),
+                valid.reshape(-1).to(device),
+                None if same else valid[:, None, None, :].to(device),
+            )
+        )
     return AttentionPlan(tuple(buckets), offset)
 
 
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                     cu_seqlens: torch.Tensor, max_seqlen: int, causal: bool,
-                     plan: AttentionPlan | None = None, scale: float | None = None,
-                     ) -> torch.Tensor:
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    causal: bool,
+    plan: AttentionPlan | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
     """Attention over packed sequences.
 
     ``q``: ``[T, Hq, D]``; ``k``, ``v``: ``[T, Hkv, D]`` with ``Hq % Hkv == 0`` (grouped-query
@@ -128,36 +148,60 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     """
     if flash_available(q):
         assert flash_attn_varlen_func is not None
-        return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-                                      dropout_p=0.0, softmax_scale=scale, causal=causal)
+        return flash_attn_varlen_func(
+            q,
+            k,
+            v,
+            cu_seqlens,
+            cu_seqlens,
+            max_seqlen,
+            max_seqlen,
+            dropout_p=0.0,
+            softmax_scale=scale,
+            causal=causal,
+        )
     if plan is None:
         plan = plan_attention(torch.diff(cu_seqlens).tolist(), q.device)
     return _sdpa_bucketed(q, k, v, plan, causal=causal, scale=scale)
 
 
-def _sdpa_bucketed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, *,
-                   causal: bool, scale: float | None) -> torch.Tensor:
+def _sdpa_bucketed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: AttentionPlan,
+    *,
+    causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
     heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
     rep = heads // kv_heads
     if len(plan.buckets) == 1 and plan.buckets[0].contiguous:
         return _attend(q, k, v, plan.buckets[0], rep, causal, scale).reshape(-1, heads, dim)
     out = q.new_empty(q.shape)
     for bucket in plan.buckets:
-        result = _attend(q, k, v, bucket, rep, causal, scale)              # [n*L, H, D]
+        result = _attend(q, k, v, bucket, rep, causal, scale)  # [n*L, H, D]
         if bucket.contiguous:
-            out[bucket.start:bucket.start + bucket.count * bucket.length] = result
+            out[bucket.start : bucket.start + bucket.count * bucket.length] = result
         else:
             assert bucket.gather is not None and bucket.valid is not None
             out.index_copy_(0, bucket.gather[bucket.valid], result[bucket.valid])
     return out
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bucket: _Bucket, rep: int,
-            causal: bool, scale: float | None) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bucket: _Bucket,
+    rep: int,
+    causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
     n, length = bucket.count, bucket.length
     if bucket.contiguous:
         end = bucket.start + n * length
-        qb, kb, vb = q[bucket.start:end], k[bucket.start:end], v[bucket.start:end]
+        qb, kb, vb = q[bucket.start : end], k[bucket.start : end], v[bucket.start : end]
     else:
         assert bucket.gather is not None
         qb, kb, vb = (t.index_select(0, bucket.gather) for t in (q, k, v))

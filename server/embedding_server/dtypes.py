@@ -66,8 +66,10 @@ def resolve_dtype(setting: Dtype, device: torch.device) -> torch.dtype:
     """The compute dtype for weights and activations (outputs are always float32)."""
     if setting != "auto":
         if setting == "bfloat16" and device.type == "cpu" and not cpu_has_native_bf16():
-            logger.warning("bfloat16 on a CPU without avx512_bf16/AMX is emulated and several "
-                           "times slower than float32; dtype=auto would pick float32 here")
+            logger.warning(
+                "bfloat16 on a CPU without avx512_bf16/AMX is emulated and several "
+                "times slower than float32; dtype=auto would pick float32 here"
+            )
         return _DTYPES[setting]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -80,8 +82,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def available_cpus() -> int:
     """CPUs this process may use: its affinity mask, capped by a cgroup v2 CPU quota."""
-    count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-        os.cpu_count() or 1)
+    count = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    )
     try:
         quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
         if quota != "max":

@@ -46,22 +46,28 @@ class FakeOptions:
     def parse(cls, model: str) -> FakeOptions:
         _, _, query = model.partition("?")
         fields: dict[str, str] = dict(parse_qsl(query, strict_parsing=bool(query)))
-        unknown = set(fields) - {"dim", "max_len", "delay_ms", "matryoshka", "pooling",
-                                 "prompts"}
+        unknown = set(fields) - {"dim", "max_len", "delay_ms", "matryoshka", "pooling", "prompts"}
         if unknown:
-            raise InvalidRequestError(f"unknown fake-model options {sorted(unknown)}",
-                                      param="model")
+            raise InvalidRequestError(
+                f"unknown fake-model options {sorted(unknown)}", param="model"
+            )
         pooling = fields.get("pooling", "mean")
         if pooling not in POOLING_METHODS:
-            raise InvalidRequestError(f"fake pooling must be one of {POOLING_METHODS}",
-                                      param="model")
-        pooling_method: PoolingMethod = "cls" if pooling == "cls" else (
-            "last" if pooling == "last" else "mean")
+            raise InvalidRequestError(
+                f"fake pooling must be one of {POOLING_METHODS}", param="model"
+            )
+        pooling_method: PoolingMethod = (
+            "cls" if pooling == "cls" else ("last" if pooling == "last" else "mean")
+        )
         try:
-            return cls(dim=int(fields.get("dim", 384)), max_len=int(fields.get("max_len", 512)),
-                       delay_ms=float(fields.get("delay_ms", 0.0)),
-                       matryoshka=_bool(fields.get("matryoshka", "true")),
-                       pooling=pooling_method, prompts=_bool(fields.get("prompts", "true")))
+            return cls(
+                dim=int(fields.get("dim", 384)),
+                max_len=int(fields.get("max_len", 512)),
+                delay_ms=float(fields.get("delay_ms", 0.0)),
+                matryoshka=_bool(fields.get("matryoshka", "true")),
+                pooling=pooling_method,
+                prompts=_bool(fields.get("prompts", "true")),
+            )
         except ValueError as exc:
             raise InvalidRequestError(f"bad fake-model option: {exc}", param="model") from exc
 
@@ -84,7 +90,8 @@ def build_fake_tokenizer() -> Tokenizer:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.TemplateProcessing(
-        single="<s> $A </s>", special_tokens=[("<s>", 1), ("</s>", 2)])
+        single="<s> $A </s>", special_tokens=[("<s>", 1), ("</s>", 2)]
+    )
     tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
     return tokenizer
 
@@ -95,15 +102,17 @@ class FakeModel:
     causal = False
     position_offset = 0
 
-    def __init__(self, vocab_size: int, options: FakeOptions, device: torch.device,
-                 dtype: torch.dtype) -> None:
+    def __init__(
+        self, vocab_size: int, options: FakeOptions, device: torch.device, dtype: torch.dtype
+    ) -> None:
         generator = torch.Generator().manual_seed(1234)
         self.hidden_size = options.dim
         self.max_positions = options.max_len
         self.delay_s = options.delay_ms / 1000.0
         self.tokens = torch.randn(vocab_size, options.dim, generator=generator).to(device, dtype)
-        self.positions = (0.1 * torch.randn(options.max_len, options.dim, generator=generator)
-                          ).to(device, dtype)
+        self.positions = (0.1 * torch.randn(options.max_len, options.dim, generator=generator)).to(
+            device, dtype
+        )
         self.calls = 0
         """Forward passes run (tests use it to observe batching)."""
 
@@ -120,10 +129,27 @@ def load_fake(model: str, *, device: torch.device, dtype: torch.dtype) -> Loaded
     tokenizer = build_fake_tokenizer()
     body = FakeModel(tokenizer.get_vocab_size(with_added_tokens=True), options, device, dtype)
     prompts = {"query": "query: ", "document": "passage: "} if options.prompts else {}
-    st = SentenceTransformerConfig(present=True, pooling=options.pooling, normalize=True,
-                                   max_seq_length=options.max_len, prompts=prompts)
-    config = {"model_type": "fake", "architectures": ["FakeModel"],
-              "hidden_size": options.dim, "is_matryoshka": options.matryoshka}
-    return LoadedModel(name=model, path=None, config=config, architecture="FakeModel",
-                       model=body, tokenizer=tokenizer, tokenizer_max_length=options.max_len,
-                       st=st, default_pooling=options.pooling)
+    st = SentenceTransformerConfig(
+        present=True,
+        pooling=options.pooling,
+        normalize=True,
+        max_seq_length=options.max_len,
+        prompts=prompts,
+    )
+    config = {
+        "model_type": "fake",
+        "architectures": ["FakeModel"],
+        "hidden_size": options.dim,
+        "is_matryoshka": options.matryoshka,
+    }
+    return LoadedModel(
+        name=model,
+        path=None,
+        config=config,
+        architecture="FakeModel",
+        model=body,
+        tokenizer=tokenizer,
+        tokenizer_max_length=options.max_len,
+        st=st,
+        default_pooling=options.pooling,
+    )

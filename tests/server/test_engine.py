@@ -18,7 +18,7 @@ from sentence_transformers import SentenceTransformer
 pytestmark = pytest.mark.timeout(120)
 
 MIXED = [
-    "a",                                                   # [CLS] a [SEP]
+    "a",  # [CLS] a [SEP]
     "The cat sat on the mat.",
     "Embeddings map text to vectors; similar meanings land close together. " * 3,
     "x",
@@ -44,10 +44,11 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.sum(a * b, axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
-def test_float32_parity_with_sentence_transformers(minilm_engine: Engine,
-                                                   st_reference: np.ndarray) -> None:
+def test_float32_parity_with_sentence_transformers(
+    minilm_engine: Engine, st_reference: np.ndarray
+) -> None:
     lengths = [len(ids) for ids in minilm_engine.tokenize(MIXED)]
-    assert min(lengths) == 3 and max(lengths) > 256          # 1 content token .. over max
+    assert min(lengths) == 3 and max(lengths) > 256  # 1 content token .. over max
     result = minilm_engine.embed_full(MIXED)
     assert result.embeddings.dtype == np.float32 and result.embeddings.shape == (7, 384)
     assert cosines(result.embeddings, st_reference).min() >= 0.9999
@@ -100,10 +101,10 @@ async def test_async_path_matches_offline_and_reports_usage(minilm_engine: Engin
 
 def test_token_ids_are_accepted_and_equal_the_text(minilm_engine: Engine) -> None:
     ids = minilm_engine.tokenize(["hello there", "general kenobi"])
-    np.testing.assert_allclose(minilm_engine.embed(ids),
-                               minilm_engine.embed(["hello there", "general kenobi"]),
-                               atol=1e-6)
-    single = minilm_engine.embed(ids[0])                    # one list[int] = one input
+    np.testing.assert_allclose(
+        minilm_engine.embed(ids), minilm_engine.embed(["hello there", "general kenobi"]), atol=1e-6
+    )
+    single = minilm_engine.embed(ids[0])  # one list[int] = one input
     assert single.shape == (1, 384)
     content = minilm_engine.tokenize("hello there", add_special_tokens=False)[0]
     assert minilm_engine.detokenize(ids[0]) == "hello there"
@@ -118,15 +119,14 @@ def test_truncation_sides_and_refusal(minilm_engine: Engine) -> None:
     assert len(ids) > 256
     cls, sep, content = ids[0], ids[-1], ids[1:-1]
     right = minilm_engine.embed([text], truncate="right")
-    np.testing.assert_allclose(right, minilm_engine.embed([[cls, *content[:254], sep]]),
-                               atol=1e-6)
+    np.testing.assert_allclose(right, minilm_engine.embed([[cls, *content[:254], sep]]), atol=1e-6)
     left = minilm_engine.embed([text], truncate=Truncation(side="left"))
-    np.testing.assert_allclose(left, minilm_engine.embed([[cls, *content[-254:], sep]]),
-                               atol=1e-6)
+    np.testing.assert_allclose(left, minilm_engine.embed([[cls, *content[-254:], sep]]), atol=1e-6)
     short = minilm_engine.embed_full([text], truncate=Truncation.from_openai(10))
     assert short.token_counts == [10] and short.truncated_inputs == 1
-    np.testing.assert_allclose(short.embeddings,
-                               minilm_engine.embed([[cls, *content[:8], sep]]), atol=1e-6)
+    np.testing.assert_allclose(
+        short.embeddings, minilm_engine.embed([[cls, *content[:8], sep]]), atol=1e-6
+    )
     with pytest.raises(InputTooLongError) as err:
         minilm_engine.embed(["fine", text], truncate=False)
     assert err.value.param == "input" and err.value.max_tokens == 256
@@ -147,25 +147,32 @@ def test_truncation_dialects() -> None:
     assert Truncation.from_cohere(None).side == "right"
     assert Truncation.from_tei(True, "Left").side == "left"
     assert Truncation.from_tei(False).side is None
-    for bad in (lambda: Truncation.from_openai(0), lambda: Truncation.from_cohere("MIDDLE"),
-                lambda: Truncation.from_openai(5, "middle")):
+    for bad in (
+        lambda: Truncation.from_openai(0),
+        lambda: Truncation.from_cohere("MIDDLE"),
+        lambda: Truncation.from_openai(5, "middle"),
+    ):
         with pytest.raises(InvalidRequestError):
             bad()
 
 
-@pytest.mark.parametrize("bad, fragment", [
-    ("", "empty string"),
-    ([], "empty list"),
-    (["ok", ""], "input[1] must not be an empty string"),
-    (["ok", 3.5], "input[1] must be a string"),
-    ({"text": "x"}, "got dict"),
-    (None, "got NoneType"),
-    ([["a"]], "input[0]"),
-    ([[1, 2], []], "input[1] must not be an empty token list"),
-    ([[1, 99999999]], "token ids must be integers in [0, 30522)"),
-])
-def test_bad_input_is_a_typed_error_naming_the_field(minilm_engine: Engine, bad: Any,
-                                                     fragment: str) -> None:
+@pytest.mark.parametrize(
+    "bad, fragment",
+    [
+        ("", "empty string"),
+        ([], "empty list"),
+        (["ok", ""], "input[1] must not be an empty string"),
+        (["ok", 3.5], "input[1] must be a string"),
+        ({"text": "x"}, "got dict"),
+        (None, "got NoneType"),
+        ([["a"]], "input[0]"),
+        ([[1, 2], []], "input[1] must not be an empty token list"),
+        ([[1, 99999999]], "token ids must be integers in [0, 30522)"),
+    ],
+)
+def test_bad_input_is_a_typed_error_naming_the_field(
+    minilm_engine: Engine, bad: Any, fragment: str
+) -> None:
     with pytest.raises(InvalidRequestError) as err:
         minilm_engine.embed(bad)
     assert err.value.param == "input"
@@ -186,18 +193,19 @@ def test_score_is_cosine(minilm_engine: Engine) -> None:
 
 def test_prompts_on_the_fake_backend() -> None:
     engine = Engine.from_pretrained("fake?dim=16")
-    np.testing.assert_allclose(engine.embed(["cats"], prompt_name="query"),
-                               engine.embed(["query: cats"]), atol=1e-6)
-    np.testing.assert_allclose(engine.embed(["cats"], prompt="passage: "),
-                               engine.embed(["passage: cats"]), atol=1e-6)
+    np.testing.assert_allclose(
+        engine.embed(["cats"], prompt_name="query"), engine.embed(["query: cats"]), atol=1e-6
+    )
+    np.testing.assert_allclose(
+        engine.embed(["cats"], prompt="passage: "), engine.embed(["passage: cats"]), atol=1e-6
+    )
     with pytest.raises(InvalidRequestError) as err:
         engine.embed(["cats"], prompt_name="nope")
     assert err.value.param == "prompt_name" and "query" in err.value.message
     with pytest.raises(InvalidRequestError):
         engine.embed(["cats"], prompt="x", prompt_name="query")
     defaulted = Engine.from_pretrained("fake?dim=16", default_prompt_name="query")
-    np.testing.assert_allclose(defaulted.embed(["cats"]), engine.embed(["query: cats"]),
-                               atol=1e-6)
+    np.testing.assert_allclose(defaulted.embed(["cats"]), engine.embed(["query: cats"]), atol=1e-6)
 
 
 def test_per_token_embeddings(minilm_engine: Engine, st_model: SentenceTransformer) -> None:

@@ -28,23 +28,32 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def st_bert_dense(tiny_model: Callable[[str], Path]) -> Path:
     """Tiny BERT + mean pooling (prompt excluded) + Dense(tanh, 24) + Normalize, prompts."""
     return add_sentence_transformers(
-        tiny_model("bert"), pooling="mean", dense_out=24, include_prompt=False,
+        tiny_model("bert"),
+        pooling="mean",
+        dense_out=24,
+        include_prompt=False,
         prompts={"query": "search query: ", "doc": "search document: "},
-        default_prompt_name="query")
+        default_prompt_name="query",
+    )
 
 
 @pytest.fixture(scope="module")
 def st_qwen3_last(tiny_model: Callable[[str], Path]) -> Path:
-    return add_sentence_transformers(tiny_model("qwen3"), pooling="lasttoken",
-                                     prompts={"query": "Instruct: find it\nQuery: "})
+    return add_sentence_transformers(
+        tiny_model("qwen3"), pooling="lasttoken", prompts={"query": "Instruct: find it\nQuery: "}
+    )
 
 
 def test_sentence_transformers_pipeline_parity(st_bert_dense: Path) -> None:
     """Pooling config, Dense layer, Normalize, default prompt and include_prompt=False."""
     engine = Engine.from_pretrained(str(st_bert_dense), dtype="float32")
     info = engine.info()
-    assert (info.pooling, info.normalize, info.dimensions, info.hidden_size) == \
-        ("mean", True, 24, 32)
+    assert (info.pooling, info.normalize, info.dimensions, info.hidden_size) == (
+        "mean",
+        True,
+        24,
+        32,
+    )
     assert info.default_prompt_name == "query" and info.max_input_tokens == 64
     st = SentenceTransformer(str(st_bert_dense), device="cpu")
     for kwargs in ({}, {"prompt_name": "doc"}, {"prompt": "custom: "}):
@@ -59,14 +68,14 @@ def test_decoder_last_token_pipeline_parity(st_qwen3_last: Path) -> None:
     assert engine.info().pooling == "last"
     st = SentenceTransformer(str(st_qwen3_last), device="cpu")
     for kwargs in ({}, {"prompt_name": "query"}):
-        assert cosines(engine.embed(TEXTS, **kwargs), st.encode(TEXTS, **kwargs)).min() \
-            >= 0.9999
+        assert cosines(engine.embed(TEXTS, **kwargs), st.encode(TEXTS, **kwargs)).min() >= 0.9999
 
 
 def test_pooling_override_and_unsupported_mode(st_bert_dense: Path, tmp_path: Path) -> None:
     mean = Engine.from_pretrained(str(st_bert_dense), dtype="float32", normalize=False)
-    cls = Engine.from_pretrained(str(st_bert_dense), dtype="float32", pooling="cls",
-                                 normalize=False)
+    cls = Engine.from_pretrained(
+        str(st_bert_dense), dtype="float32", pooling="cls", normalize=False
+    )
     assert cls.info().pooling == "cls" and not cls.info().normalize
     assert not np.allclose(cls.embed(TEXTS), mean.embed(TEXTS))
     shutil.copytree(st_bert_dense, tmp_path / "m")
@@ -85,13 +94,12 @@ def _copy_without_weights(src: Path, dst: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("layout", ["sharded-safetensors", "pytorch-bin", "sharded-bin"])
-def test_weight_layouts(tiny_model: Callable[[str], Path], tmp_path: Path,
-                        layout: str) -> None:
+def test_weight_layouts(tiny_model: Callable[[str], Path], tmp_path: Path, layout: str) -> None:
     src = tiny_model("qwen2")
     reference = Engine.from_pretrained(str(src), dtype="float32").embed(TEXTS)
     weights = _copy_without_weights(src, tmp_path / "m")
     names = sorted(weights)
-    halves = {"shard-1": names[: len(names) // 2], "shard-2": names[len(names) // 2:]}
+    halves = {"shard-1": names[: len(names) // 2], "shard-2": names[len(names) // 2 :]}
     if layout == "sharded-safetensors":
         from safetensors.torch import save_file
 
@@ -100,7 +108,8 @@ def test_weight_layouts(tiny_model: Callable[[str], Path], tmp_path: Path,
             save_file({k: weights[k] for k in keys}, str(tmp_path / "m" / f"{shard}.safetensors"))
             weight_map.update({k: f"{shard}.safetensors" for k in keys})
         (tmp_path / "m" / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {}, "weight_map": weight_map}))
+            json.dumps({"metadata": {}, "weight_map": weight_map})
+        )
     elif layout == "pytorch-bin":
         torch.save(weights, tmp_path / "m" / "pytorch_model.bin")
     else:
@@ -109,13 +118,13 @@ def test_weight_layouts(tiny_model: Callable[[str], Path], tmp_path: Path,
             torch.save({k: weights[k] for k in keys}, tmp_path / "m" / f"{shard}.bin")
             weight_map.update({k: f"{shard}.bin" for k in keys})
         (tmp_path / "m" / "pytorch_model.bin.index.json").write_text(
-            json.dumps({"weight_map": weight_map}))
+            json.dumps({"weight_map": weight_map})
+        )
     loaded = Engine.from_pretrained(str(tmp_path / "m"), dtype="float32").embed(TEXTS)
     np.testing.assert_allclose(loaded, reference, atol=1e-6)
 
 
-def test_missing_weights_and_directories(tiny_model: Callable[[str], Path],
-                                         tmp_path: Path) -> None:
+def test_missing_weights_and_directories(tiny_model: Callable[[str], Path], tmp_path: Path) -> None:
     _copy_without_weights(tiny_model("bert"), tmp_path / "m")
     with pytest.raises(UnsupportedModelError, match="no weights"):
         Engine.from_pretrained(str(tmp_path / "m"))
@@ -124,8 +133,8 @@ def test_missing_weights_and_directories(tiny_model: Callable[[str], Path],
 
 
 def test_hub_id_resolves_from_the_local_cache_when_offline(
-        tiny_model: Callable[[str], Path], tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    tiny_model: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A Hub id is served from cache_dir with HF_HUB_OFFLINE=1 (no network in tests)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     commit = "0123456789abcdef0123456789abcdef01234567"
@@ -143,13 +152,22 @@ def test_hub_id_resolves_from_the_local_cache_when_offline(
 def test_minilm_info(minilm_engine: Engine) -> None:
     info = minilm_engine.info().to_dict()
     expected = {
-        "architecture": "BertModel", "model_type": "bert", "hidden_size": 384,
-        "dimensions": 384, "max_input_tokens": 256, "pooling": "mean", "normalize": True,
-        "dtype": "float32", "device": "cpu", "matryoshka": False,
-        "matryoshka_dimensions": None, "prompts": {}, "vocab_size": 30522,
+        "architecture": "BertModel",
+        "model_type": "bert",
+        "hidden_size": 384,
+        "dimensions": 384,
+        "max_input_tokens": 256,
+        "pooling": "mean",
+        "normalize": True,
+        "dtype": "float32",
+        "device": "cpu",
+        "matryoshka": False,
+        "matryoshka_dimensions": None,
+        "prompts": {},
+        "vocab_size": 30522,
     }
     assert {k: info[k] for k in expected} == expected
-    json.dumps(info)   # serializable as-is for /info
+    json.dumps(info)  # serializable as-is for /info
 
 
 def test_minilm_sentence_transformers_files(minilm_dir: Path) -> None:

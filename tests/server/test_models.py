@@ -35,23 +35,23 @@ def _reference_states(path: Path, seqs: list[list[int]]) -> list[np.ndarray]:
 
 
 def _mixed_sequences(engine: Engine) -> list[list[int]]:
-    texts = ["hi", "The quick brown fox jumps over the lazy dog.", "embedding " * 6,
-             "tokens", "x"]
+    texts = ["hi", "The quick brown fox jumps over the lazy dog.", "embedding " * 6, "tokens", "x"]
     seqs = engine.tokenize(texts)
-    seqs.append([seqs[0][0]])                              # a single token
+    seqs.append([seqs[0][0]])  # a single token
     longest = engine.info().max_input_tokens
     seqs.append(engine.tokenize("long " * 200)[0][:longest])  # exactly the maximum length
     return seqs
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
-def test_packed_batch_matches_transformers(tiny_model: Callable[[str], Path],
-                                           model_type: str) -> None:
+def test_packed_batch_matches_transformers(
+    tiny_model: Callable[[str], Path], model_type: str
+) -> None:
     path = tiny_model(model_type)
     engine = Engine.from_pretrained(str(path), dtype="float32", max_model_len=96)
     seqs = _mixed_sequences(engine)
     assert len({len(s) for s in seqs}) >= 5
-    ours = engine.embed_tokens(seqs)                       # one packed batch
+    ours = engine.embed_tokens(seqs)  # one packed batch
     expected = _reference_states(path, seqs)
     for seq, got, want in zip(seqs, ours, expected, strict=True):
         assert got.shape == want.shape == (len(seq), engine.info().hidden_size)
@@ -59,8 +59,9 @@ def test_packed_batch_matches_transformers(tiny_model: Callable[[str], Path],
 
 
 @pytest.mark.parametrize("model_type", ["bert", "qwen3"])
-def test_pooled_vectors_follow_architecture_default(tiny_model: Callable[[str], Path],
-                                                    model_type: str) -> None:
+def test_pooled_vectors_follow_architecture_default(
+    tiny_model: Callable[[str], Path], model_type: str
+) -> None:
     """Without a sentence-transformers config: CLS for encoders, last token for decoders."""
     path = tiny_model(model_type)
     engine = Engine.from_pretrained(str(path), dtype="float32", normalize=False)
@@ -72,34 +73,33 @@ def test_pooled_vectors_follow_architecture_default(tiny_model: Callable[[str], 
     assert engine.info().pooling == ("cls" if model_type == "bert" else "last")
 
 
-def _naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int],
-                     causal: bool) -> torch.Tensor:
+def _naive_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], causal: bool
+) -> torch.Tensor:
     rep = q.shape[1] // k.shape[1]
     out, start = [], 0
     for n in lens:
-        qs, ks, vs = (t[start:start + n].transpose(0, 1) for t in (q, k, v))
+        qs, ks, vs = (t[start : start + n].transpose(0, 1) for t in (q, k, v))
         ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
-        out.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
-                   .transpose(0, 1))
+        out.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal).transpose(0, 1))
         start += n
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("ratio", [1.0, 0.5])   # exact-length buckets / padded + key mask
+@pytest.mark.parametrize("ratio", [1.0, 0.5])  # exact-length buckets / padded + key mask
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("lens", [[5, 5, 5], [1, 9, 3, 9, 17, 16, 2], [7], [4, 4, 9, 4]])
-def test_bucketed_attention_equals_per_sequence(lens: list[int], causal: bool, ratio: float,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bucketed_attention_equals_per_sequence(
+    lens: list[int], causal: bool, ratio: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(attention, "_BUCKET_RATIO", ratio)
     torch.manual_seed(0)
     total = sum(lens)
     q = torch.randn(total, 4, 8)
-    k, v = torch.randn(total, 2, 8), torch.randn(total, 2, 8)   # grouped-query 4:2
+    k, v = torch.randn(total, 2, 8), torch.randn(total, 2, 8)  # grouped-query 4:2
     cu = torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int32)
-    got = attention.varlen_attention(q, k, v, cu_seqlens=cu, max_seqlen=max(lens),
-                                     causal=causal)
-    torch.testing.assert_close(got, _naive_attention(q, k, v, lens, causal), atol=1e-5,
-                               rtol=1e-5)
+    got = attention.varlen_attention(q, k, v, cu_seqlens=cu, max_seqlen=max(lens), causal=causal)
+    torch.testing.assert_close(got, _naive_attention(q, k, v, lens, causal), atol=1e-5, rtol=1e-5)
 
 
 class _RecordingFlash:
@@ -108,30 +108,51 @@ class _RecordingFlash:
     def __init__(self) -> None:
         self.calls: list[dict[str, Any]] = []
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
-                 max_seqlen_k: int, dropout_p: float = 0.0, softmax_scale: float | None = None,
-                 causal: bool = False) -> torch.Tensor:
-        self.calls.append({"cu_q": cu_seqlens_q.clone(), "cu_k": cu_seqlens_k.clone(),
-                           "max_q": max_seqlen_q, "max_k": max_seqlen_k, "causal": causal,
-                           "dropout": dropout_p, "scale": softmax_scale,
-                           "dtype": cu_seqlens_q.dtype})
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        dropout_p: float = 0.0,
+        softmax_scale: float | None = None,
+        causal: bool = False,
+    ) -> torch.Tensor:
+        self.calls.append(
+            {
+                "cu_q": cu_seqlens_q.clone(),
+                "cu_k": cu_seqlens_k.clone(),
+                "max_q": max_seqlen_q,
+                "max_k": max_seqlen_k,
+                "causal": causal,
+                "dropout": dropout_p,
+                "scale": softmax_scale,
+                "dtype": cu_seqlens_q.dtype,
+            }
+        )
         lens = torch.diff(cu_seqlens_q).tolist()
         out = []
         start = 0
         rep = q.shape[1] // k.shape[1]
         for n in lens:
-            qs, ks, vs = (t[start:start + n].transpose(0, 1) for t in (q, k, v))
+            qs, ks, vs = (t[start : start + n].transpose(0, 1) for t in (q, k, v))
             ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
-            out.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal,
-                                                      scale=softmax_scale).transpose(0, 1))
+            out.append(
+                F.scaled_dot_product_attention(
+                    qs, ks, vs, is_causal=causal, scale=softmax_scale
+                ).transpose(0, 1)
+            )
             start += n
         return torch.cat(out)
 
 
 @pytest.mark.parametrize("model_type", ["bert", "qwen3"])
-def test_flash_attn_plumbing(tiny_model: Callable[[str], Path], model_type: str,
-                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_flash_attn_plumbing(
+    tiny_model: Callable[[str], Path], model_type: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With flash-attn 'available', models hand it the packed layout and its output is used."""
     engine = Engine.from_pretrained(str(tiny_model(model_type)), dtype="float32")
     seqs = engine.tokenize(["a", "a bit longer", "the longest input of them all"])
@@ -142,7 +163,7 @@ def test_flash_attn_plumbing(tiny_model: Callable[[str], Path], model_type: str,
     flashed = engine.embed_tokens(seqs)
     layers = 2
     assert len(fake_flash.calls) == layers
-    lens = sorted(len(s) for s in seqs)        # the runner packs shortest first
+    lens = sorted(len(s) for s in seqs)  # the runner packs shortest first
     expected_cu = torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int32)
     for call in fake_flash.calls:
         assert call["dtype"] == torch.int32
@@ -163,7 +184,8 @@ def test_packed_batch_positions_restart_per_sequence() -> None:
 
 
 def test_unsupported_architecture_names_it_and_the_supported_list(
-        tiny_model: Callable[[str], Path], tmp_path: Path) -> None:
+    tiny_model: Callable[[str], Path], tmp_path: Path
+) -> None:
     src = tiny_model("bert")
     for f in src.iterdir():
         (tmp_path / f.name).write_bytes(f.read_bytes())

@@ -22,8 +22,7 @@ def test_cls_mean_last_on_packed_sequences(hidden: torch.Tensor) -> None:
     seqs = torch.split(hidden.float(), LENS)
     torch.testing.assert_close(pool(hidden, LENS, "cls"), torch.stack([s[0] for s in seqs]))
     torch.testing.assert_close(pool(hidden, LENS, "last"), torch.stack([s[-1] for s in seqs]))
-    torch.testing.assert_close(pool(hidden, LENS, "mean"),
-                               torch.stack([s.mean(0) for s in seqs]))
+    torch.testing.assert_close(pool(hidden, LENS, "mean"), torch.stack([s.mean(0) for s in seqs]))
     assert pool(hidden, LENS, "mean").dtype == torch.float32
 
 
@@ -44,8 +43,9 @@ def test_truncation_then_renormalization() -> None:
 
 
 def test_no_matryoshka_only_full_size_allowed() -> None:
-    m = build_matryoshka(384, declared=False, declared_dims=None, override_dims=None,
-                         default_dims=None)
+    m = build_matryoshka(
+        384, declared=False, declared_dims=None, override_dims=None, default_dims=None
+    )
     assert m.resolve(None) == 384 and m.resolve(384) == 384
     with pytest.raises(InvalidRequestError) as err:
         m.resolve(128)
@@ -54,13 +54,15 @@ def test_no_matryoshka_only_full_size_allowed() -> None:
 
 
 def test_declared_list_and_any_size() -> None:
-    listed = build_matryoshka(768, declared=True, declared_dims=[64, 256], override_dims=None,
-                              default_dims=None)
+    listed = build_matryoshka(
+        768, declared=True, declared_dims=[64, 256], override_dims=None, default_dims=None
+    )
     assert listed.resolve(64) == 64
     with pytest.raises(InvalidRequestError, match="64, 256, 768"):
         listed.resolve(100)
-    anysize = build_matryoshka(768, declared=True, declared_dims=None, override_dims=None,
-                               default_dims=None)
+    anysize = build_matryoshka(
+        768, declared=True, declared_dims=None, override_dims=None, default_dims=None
+    )
     assert anysize.resolve(100) == 100
     for bad in (0, 769, -1):
         with pytest.raises(InvalidRequestError, match="1 to 768"):
@@ -70,16 +72,19 @@ def test_declared_list_and_any_size() -> None:
 
 
 def test_settings_override_and_default_dimensions() -> None:
-    m = build_matryoshka(384, declared=False, declared_dims=None, override_dims=[128, 256],
-                         default_dims=256)
+    m = build_matryoshka(
+        384, declared=False, declared_dims=None, override_dims=[128, 256], default_dims=256
+    )
     assert m == Matryoshka(full=384, supported=True, dimensions=(128, 256, 384), default=256)
     assert m.resolve(None) == 256
     with pytest.raises(InvalidRequestError, match="outside"):
-        build_matryoshka(384, declared=False, declared_dims=None, override_dims=[512],
-                         default_dims=None)
+        build_matryoshka(
+            384, declared=False, declared_dims=None, override_dims=[512], default_dims=None
+        )
     with pytest.raises(InvalidRequestError) as err:
-        build_matryoshka(384, declared=False, declared_dims=None, override_dims=[128],
-                         default_dims=200)
+        build_matryoshka(
+            384, declared=False, declared_dims=None, override_dims=[128], default_dims=200
+        )
     assert err.value.param == "dimensions"
 
 
@@ -104,7 +109,6 @@ def test_minilm_dimensions_need_the_override(minilm_engine: Engine) -> None:
     assert defaulted.info().dimensions == 256
     assert defaulted.embed(texts).shape == (2, 256)
     assert defaulted.embed(texts, dimensions=64).shape == (2, 64)
-    raw = defaulted.embed(texts, normalize=False, dimensions=384)    # the raw mean-pooled vector
-    np.testing.assert_allclose(raw / np.linalg.norm(raw, axis=1, keepdims=True), full,
-                               atol=1e-6)
+    raw = defaulted.embed(texts, normalize=False, dimensions=384)  # the raw mean-pooled vector
+    np.testing.assert_allclose(raw / np.linalg.norm(raw, axis=1, keepdims=True), full, atol=1e-6)
     assert not np.allclose(np.linalg.norm(raw, axis=1), 1.0, atol=1e-3)

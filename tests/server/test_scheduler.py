@@ -38,7 +38,7 @@ class GatedForward:
 
     def __init__(self) -> None:
         self.gate = threading.Event()
-        self.batches: list[list[int]] = []   # first token id of each sequence
+        self.batches: list[list[int]] = []  # first token id of each sequence
         self.started = threading.Event()
         self.fail_next: Exception | None = None
 
@@ -49,10 +49,8 @@ class GatedForward:
         if self.fail_next is not None:
             exc, self.fail_next = self.fail_next, None
             raise exc
-        pooled = np.array([[float(s.ids[0]), float(len(s.ids))] for s in seqs],
-                          dtype=np.float32)
-        return BatchOutput(pooled=pooled, tokens=[None] * len(seqs), forward_s=0.01,
-                           pool_s=0.0)
+        pooled = np.array([[float(s.ids[0]), float(len(s.ids))] for s in seqs], dtype=np.float32)
+        return BatchOutput(pooled=pooled, tokens=[None] * len(seqs), forward_s=0.01, pool_s=0.0)
 
 
 def seq(tag: int, length: int) -> SequenceInput:
@@ -64,8 +62,9 @@ async def sched() -> tuple[Scheduler, GatedForward, Metrics]:  # type: ignore[mi
     forward = GatedForward()
     metrics = Metrics()
     executor = ThreadPoolExecutor(1)
-    scheduler = Scheduler(forward, max_batch_tokens=100, max_batch_size=4,
-                          max_queue_tokens=500, metrics=metrics)
+    scheduler = Scheduler(
+        forward, max_batch_tokens=100, max_batch_size=4, max_queue_tokens=500, metrics=metrics
+    )
     await scheduler.start(executor)
     yield scheduler, forward, metrics
     forward.gate.set()
@@ -80,14 +79,14 @@ def gauge(metrics: Metrics, name: str) -> float:
 
 
 async def test_batches_respect_token_and_size_budgets_and_oldest_goes_first(
-        sched: tuple[Scheduler, GatedForward, Metrics]) -> None:
+    sched: tuple[Scheduler, GatedForward, Metrics],
+) -> None:
     scheduler, forward, _ = sched
     blocker = asyncio.create_task(scheduler.submit([seq(0, 10)]))
     await wait_for(forward.started.is_set)
     rng = random.Random(0)
     lengths = [rng.randint(5, 40) for _ in range(12)]
-    tasks = [asyncio.create_task(scheduler.submit([seq(i + 1, n)]))
-             for i, n in enumerate(lengths)]
+    tasks = [asyncio.create_task(scheduler.submit([seq(i + 1, n)])) for i, n in enumerate(lengths)]
     await wait_for(lambda: scheduler.queued_requests == 12)
     forward.gate.set()
     results = await asyncio.gather(*tasks)
@@ -98,7 +97,7 @@ async def test_batches_respect_token_and_size_budgets_and_oldest_goes_first(
         assert len(batch) <= 4
         assert sum(by_tag[t] for t in batch) <= 100
         oldest_waiting = min(t for t in by_tag if t not in served)
-        assert oldest_waiting in batch           # fairness: the oldest is never passed over
+        assert oldest_waiting in batch  # fairness: the oldest is never passed over
         served.extend(batch)
     assert sorted(served) == sorted(by_tag)
     for tag, result in zip(by_tag, results, strict=True):
@@ -106,7 +105,8 @@ async def test_batches_respect_token_and_size_budgets_and_oldest_goes_first(
 
 
 async def test_fill_prefers_lengths_close_to_the_oldest(
-        sched: tuple[Scheduler, GatedForward, Metrics]) -> None:
+    sched: tuple[Scheduler, GatedForward, Metrics],
+) -> None:
     scheduler, forward, _ = sched
     blocker = asyncio.create_task(scheduler.submit([seq(0, 10)]))
     await wait_for(forward.started.is_set)
@@ -115,18 +115,21 @@ async def test_fill_prefers_lengths_close_to_the_oldest(
     await wait_for(lambda: scheduler.queued_requests == len(lengths))
     forward.gate.set()
     await asyncio.gather(blocker, *tasks)
-    assert sorted(forward.batches[1]) == [1, 3, 5, 7]   # 20 with 21, 19, 22: not 5, 6, 50
+    assert sorted(forward.batches[1]) == [1, 3, 5, 7]  # 20 with 21, 19, 22: not 5, 6, 50
 
 
 async def test_queue_gauges_track_depth_and_queue_full_gives_retry_after(
-        sched: tuple[Scheduler, GatedForward, Metrics]) -> None:
+    sched: tuple[Scheduler, GatedForward, Metrics],
+) -> None:
     scheduler, forward, metrics = sched
     running = asyncio.create_task(scheduler.submit([seq(0, 50)]))
     await wait_for(forward.started.is_set)
-    assert gauge(metrics, "embedding_server_queue_tokens") == 0   # running is not waiting
-    waiting = [asyncio.create_task(scheduler.submit([seq(1, 60), seq(2, 40)])),
-               asyncio.create_task(scheduler.submit([seq(3, 100), seq(4, 90)])),
-               asyncio.create_task(scheduler.submit([seq(6, 100), seq(9, 100)]))]
+    assert gauge(metrics, "embedding_server_queue_tokens") == 0  # running is not waiting
+    waiting = [
+        asyncio.create_task(scheduler.submit([seq(1, 60), seq(2, 40)])),
+        asyncio.create_task(scheduler.submit([seq(3, 100), seq(4, 90)])),
+        asyncio.create_task(scheduler.submit([seq(6, 100), seq(9, 100)])),
+    ]
     await wait_for(lambda: scheduler.queued_tokens == 490)
     assert gauge(metrics, "embedding_server_queue_requests") == 3
     assert gauge(metrics, "embedding_server_queue_tokens") == 490
@@ -142,7 +145,8 @@ async def test_queue_gauges_track_depth_and_queue_full_gives_retry_after(
 
 
 async def test_cancelled_request_leaves_the_queue(
-        sched: tuple[Scheduler, GatedForward, Metrics]) -> None:
+    sched: tuple[Scheduler, GatedForward, Metrics],
+) -> None:
     scheduler, forward, metrics = sched
     running = asyncio.create_task(scheduler.submit([seq(0, 10)]))
     await wait_for(forward.started.is_set)
@@ -156,11 +160,12 @@ async def test_cancelled_request_leaves_the_queue(
     await asyncio.gather(running, kept)
     with pytest.raises(asyncio.CancelledError):
         await doomed
-    assert all(7 not in batch for batch in forward.batches)   # never computed
+    assert all(7 not in batch for batch in forward.batches)  # never computed
 
 
 async def test_forward_error_reaches_the_callers_and_the_loop_survives(
-        sched: tuple[Scheduler, GatedForward, Metrics]) -> None:
+    sched: tuple[Scheduler, GatedForward, Metrics],
+) -> None:
     scheduler, forward, _ = sched
     forward.fail_next = RuntimeError("device lost")
     forward.gate.set()
@@ -173,8 +178,7 @@ async def test_forward_error_reaches_the_callers_and_the_loop_survives(
 async def test_stop_drains_or_refuses() -> None:
     forward = GatedForward()
     executor = ThreadPoolExecutor(1)
-    scheduler = Scheduler(forward, max_batch_tokens=100, max_batch_size=4,
-                          max_queue_tokens=300)
+    scheduler = Scheduler(forward, max_batch_tokens=100, max_batch_size=4, max_queue_tokens=300)
     await scheduler.start(executor)
     first = asyncio.create_task(scheduler.submit([seq(1, 10)]))
     await wait_for(forward.started.is_set)
@@ -183,15 +187,14 @@ async def test_stop_drains_or_refuses() -> None:
     stopping = asyncio.create_task(scheduler.stop(drain=True))
     await asyncio.sleep(0)
     with pytest.raises(NotReadyError):
-        await scheduler.submit([seq(3, 5)])              # no admission while draining
+        await scheduler.submit([seq(3, 5)])  # no admission while draining
     forward.gate.set()
     await stopping
     assert (await first).pooled.tolist() == [[1.0, 10.0]]
-    assert (await queued).pooled.tolist() == [[2.0, 10.0]]   # drained, not dropped
+    assert (await queued).pooled.tolist() == [[2.0, 10.0]]  # drained, not dropped
 
     forward2 = GatedForward()
-    scheduler2 = Scheduler(forward2, max_batch_tokens=100, max_batch_size=4,
-                           max_queue_tokens=300)
+    scheduler2 = Scheduler(forward2, max_batch_tokens=100, max_batch_size=4, max_queue_tokens=300)
     await scheduler2.start(executor)
     running = asyncio.create_task(scheduler2.submit([seq(1, 10)]))
     await wait_for(forward2.started.is_set)
@@ -210,15 +213,17 @@ async def test_concurrent_mixed_requests_each_get_their_solo_vectors() -> None:
     engine = Engine.from_pretrained("fake?dim=32", max_batch_tokens=512, max_batch_size=16)
     rng = random.Random(1)
     words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
-    requests = [[" ".join(rng.choices(words, k=rng.randint(1, 40)))
-                 for _ in range(rng.randint(1, 5))] for _ in range(40)]
+    requests = [
+        [" ".join(rng.choices(words, k=rng.randint(1, 40))) for _ in range(rng.randint(1, 5))]
+        for _ in range(40)
+    ]
     solo = [engine.embed(r) for r in requests]
     await engine.start()
     try:
         results = await asyncio.gather(*(engine.aembed(r) for r in requests))
     finally:
         await engine.stop()
-    assert engine.scheduler.batches_run < len(requests)      # they really were batched
+    assert engine.scheduler.batches_run < len(requests)  # they really were batched
     for alone, together in zip(solo, results, strict=True):
         np.testing.assert_allclose(together.embeddings, alone, atol=1e-6)
 

@@ -33,7 +33,8 @@ class Architecture:
 
 
 ARCHITECTURES: dict[str, Architecture] = {
-    a.model_type: a for a in (
+    a.model_type: a
+    for a in (
         Architecture("bert", "bert", BertModel, "cls"),
         Architecture("roberta", "bert", BertModel, "cls"),
         Architecture("xlm-roberta", "bert", BertModel, "cls"),
@@ -53,15 +54,27 @@ def lookup(config: Mapping[str, Any]) -> Architecture:
         names = ", ".join(config.get("architectures") or []) or "unknown architecture"
         raise UnsupportedModelError(
             f"model_type {model_type!r} ({names}) is not supported; supported model types: "
-            f"{', '.join(sorted(ARCHITECTURES))}")
+            f"{', '.join(sorted(ARCHITECTURES))}"
+        )
     return arch
 
 
-def build_model(config: Mapping[str, Any], weights: Mapping[str, torch.Tensor], *,
-                dtype: torch.dtype, device: torch.device) -> EmbeddingModel:
+def build_model(
+    config: Mapping[str, Any],
+    weights: Mapping[str, torch.Tensor],
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> EmbeddingModel:
     """Instantiate the packed implementation for ``config`` from HF-named weights."""
     return lookup(config).builder(config, weights, dtype=dtype, device=device)
 
 
-__all__ = ["ARCHITECTURES", "Architecture", "EmbeddingModel", "PackedBatch", "build_model",
-           "lookup"]
+__all__ = [
+    "ARCHITECTURES",
+    "Architecture",
+    "EmbeddingModel",
+    "PackedBatch",
+    "build_model",
+    "lookup",
+]

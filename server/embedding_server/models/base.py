@@ -22,16 +22,17 @@ from ..errors import UnsupportedModelError
 class PackedBatch:
     """All sequences of a forward pass concatenated, no padding."""
 
-    input_ids: torch.Tensor        # [T] int64
-    position_ids: torch.Tensor     # [T] int64, restarting at each sequence
-    cu_seqlens: torch.Tensor       # [B+1] int32, on the model's device
+    input_ids: torch.Tensor  # [T] int64
+    position_ids: torch.Tensor  # [T] int64, restarting at each sequence
+    cu_seqlens: torch.Tensor  # [B+1] int32, on the model's device
     max_seqlen: int
     seqlens: tuple[int, ...]
     _plan: AttentionPlan | None = field(default=None, repr=False)
 
     @classmethod
-    def build(cls, sequences: Sequence[Sequence[int]], device: torch.device,
-              position_offset: int = 0) -> PackedBatch:
+    def build(
+        cls, sequences: Sequence[Sequence[int]], device: torch.device, position_offset: int = 0
+    ) -> PackedBatch:
         """Pack token id lists; ``position_offset`` shifts positions (RoBERTa: padding_idx+1)."""
         seqlens = tuple(len(s) for s in sequences)
         flat = [t for s in sequences for t in s]
@@ -41,8 +42,13 @@ class PackedBatch:
         torch.cumsum(lens, 0, out=cu[1:])
         starts = torch.repeat_interleave(cu[:-1].to(torch.int64), lens)
         positions = torch.arange(len(flat), dtype=torch.int64) - starts + position_offset
-        return cls(input_ids.to(device), positions.to(device), cu.to(device),
-                   max(seqlens, default=0), seqlens)
+        return cls(
+            input_ids.to(device),
+            positions.to(device),
+            cu.to(device),
+            max(seqlens, default=0),
+            seqlens,
+        )
 
     @property
     def attention_plan(self) -> AttentionPlan:
@@ -67,8 +73,9 @@ class EmbeddingModel(Protocol):
         ...
 
 
-def strip_prefix(weights: Mapping[str, torch.Tensor], prefixes: Sequence[str],
-                 marker: str) -> dict[str, torch.Tensor]:
+def strip_prefix(
+    weights: Mapping[str, torch.Tensor], prefixes: Sequence[str], marker: str
+) -> dict[str, torch.Tensor]:
     """Remove the task-head prefix (``bert.``, ``model.`` ...) so names match the bare model.
 
     ``marker`` is a name every checkpoint of the family contains (e.g. ``embeddings.``); a
@@ -76,20 +83,30 @@ def strip_prefix(weights: Mapping[str, torch.Tensor], prefixes: Sequence[str],
     """
     for prefix in prefixes:
         if any(name.startswith(prefix + marker) for name in weights):
-            return {name.removeprefix(prefix): t for name, t in weights.items()
-                    if name.startswith(prefix)}
+            return {
+                name.removeprefix(prefix): t
+                for name, t in weights.items()
+                if name.startswith(prefix)
+            }
     return dict(weights)
 
 
-def take(weights: dict[str, torch.Tensor], name: str, dtype: torch.dtype,
-         device: torch.device, *, architecture: str) -> torch.Tensor:
+def take(
+    weights: dict[str, torch.Tensor],
+    name: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    architecture: str,
+) -> torch.Tensor:
     """Pop one weight, converted; a missing name means the checkpoint is not what it claims."""
     try:
         tensor = weights.pop(name)
     except KeyError:
         raise UnsupportedModelError(
             f"{architecture} checkpoint lacks the weight {name!r}; is it a complete "
-            f"{architecture} model?") from None
+            f"{architecture} model?"
+        ) from None
     return tensor.to(device=device, dtype=dtype).contiguous()
 
 

@@ -53,17 +53,25 @@ class BertModel:
 
     causal = False
 
-    def __init__(self, config: Mapping[str, Any], weights: Mapping[str, torch.Tensor], *,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: Mapping[str, Any],
+        weights: Mapping[str, torch.Tensor],
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         model_type = str(config.get("model_type", "bert"))
         if config.get("position_embedding_type", "absolute") != "absolute":
             raise UnsupportedModelError(
                 f"{model_type} with position_embedding_type="
-                f"{config.get('position_embedding_type')!r} is not supported (only absolute)")
+                f"{config.get('position_embedding_type')!r} is not supported (only absolute)"
+            )
         act = str(config.get("hidden_act", "gelu"))
         if act not in ACT_FUNCS:
-            raise UnsupportedModelError(f"{model_type} activation {act!r} is not supported; "
-                                        f"supported: {sorted(ACT_FUNCS)}")
+            raise UnsupportedModelError(
+                f"{model_type} activation {act!r} is not supported; supported: {sorted(ACT_FUNCS)}"
+            )
         self._act = ACT_FUNCS[act]
         self.hidden_size = int(config["hidden_size"])
         self.num_heads = int(config["num_attention_heads"])
@@ -77,8 +85,9 @@ class BertModel:
             self.position_offset = 0
         self.max_positions = int(config.get("max_position_embeddings", 512)) - self.position_offset
 
-        w = _rename_legacy(strip_prefix(weights, ("bert.", "roberta.", "model.", "encoder."),
-                                        "embeddings."))
+        w = _rename_legacy(
+            strip_prefix(weights, ("bert.", "roberta.", "model.", "encoder."), "embeddings.")
+        )
 
         def get(name: str) -> torch.Tensor:
             return take(w, name, dtype, device, architecture=model_type)
@@ -95,23 +104,28 @@ class BertModel:
         self.layers: list[_Layer] = []
         for i in range(self.num_layers):
             p = f"encoder.layer.{i}."
-            qkv_w = torch.cat([get(p + f"attention.self.{n}.weight")
-                               for n in ("query", "key", "value")])
-            qkv_b = torch.cat([get(p + f"attention.self.{n}.bias")
-                               for n in ("query", "key", "value")])
-            self.layers.append(_Layer(
-                qkv_w=qkv_w, qkv_b=qkv_b,
-                out_w=get(p + "attention.output.dense.weight"),
-                out_b=get(p + "attention.output.dense.bias"),
-                ln1_w=get(p + "attention.output.LayerNorm.weight"),
-                ln1_b=get(p + "attention.output.LayerNorm.bias"),
-                up_w=get(p + "intermediate.dense.weight"),
-                up_b=get(p + "intermediate.dense.bias"),
-                down_w=get(p + "output.dense.weight"),
-                down_b=get(p + "output.dense.bias"),
-                ln2_w=get(p + "output.LayerNorm.weight"),
-                ln2_b=get(p + "output.LayerNorm.bias"),
-            ))
+            qkv_w = torch.cat(
+                [get(p + f"attention.self.{n}.weight") for n in ("query", "key", "value")]
+            )
+            qkv_b = torch.cat(
+                [get(p + f"attention.self.{n}.bias") for n in ("query", "key", "value")]
+            )
+            self.layers.append(
+                _Layer(
+                    qkv_w=qkv_w,
+                    qkv_b=qkv_b,
+                    out_w=get(p + "attention.output.dense.weight"),
+                    out_b=get(p + "attention.output.dense.bias"),
+                    ln1_w=get(p + "attention.output.LayerNorm.weight"),
+                    ln1_b=get(p + "attention.output.LayerNorm.bias"),
+                    up_w=get(p + "intermediate.dense.weight"),
+                    up_b=get(p + "intermediate.dense.bias"),
+                    down_w=get(p + "output.dense.weight"),
+                    down_b=get(p + "output.dense.bias"),
+                    ln2_w=get(p + "output.LayerNorm.weight"),
+                    ln2_b=get(p + "output.LayerNorm.bias"),
+                )
+            )
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         t = batch.input_ids.shape[0]
@@ -124,14 +138,26 @@ class BertModel:
         for layer in self.layers:
             qkv = F.linear(x, layer.qkv_w, layer.qkv_b).view(t, 3, self.num_heads, self.head_dim)
             q, k, v = qkv.unbind(1)
-            attn = varlen_attention(q, k, v, cu_seqlens=batch.cu_seqlens,
-                                    max_seqlen=batch.max_seqlen, causal=False, plan=plan,
-                                    scale=self.scale)
+            attn = varlen_attention(
+                q,
+                k,
+                v,
+                cu_seqlens=batch.cu_seqlens,
+                max_seqlen=batch.max_seqlen,
+                causal=False,
+                plan=plan,
+                scale=self.scale,
+            )
             a = F.linear(attn.reshape(t, h), layer.out_w, layer.out_b)
             x = F.layer_norm(a + x, (h,), layer.ln1_w, layer.ln1_b, self.eps)
             up = self._act(F.linear(x, layer.up_w, layer.up_b))
-            x = F.layer_norm(F.linear(up, layer.down_w, layer.down_b) + x, (h,), layer.ln2_w,
-                             layer.ln2_b, self.eps)
+            x = F.layer_norm(
+                F.linear(up, layer.down_w, layer.down_b) + x,
+                (h,),
+                layer.ln2_w,
+                layer.ln2_b,
+                self.eps,
+            )
         return x
 
 

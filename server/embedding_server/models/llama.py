@@ -58,8 +58,7 @@ def rope_inv_freq(config: Mapping[str, Any], head_dim: int) -> torch.Tensor:
     params = config.get("rope_parameters") or {}
     scaling = config.get("rope_scaling") or params
     theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float()
-                                / head_dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return inv_freq
@@ -77,8 +76,9 @@ def rope_inv_freq(config: Mapping[str, Any], head_dim: int) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled)
-    raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported; supported: "
-                                "default, linear, llama3")
+    raise UnsupportedModelError(
+        f"rope_scaling type {kind!r} is not supported; supported: default, linear, llama3"
+    )
 
 
 class LlamaModel:
@@ -86,19 +86,26 @@ class LlamaModel:
 
     position_offset = 0
 
-    def __init__(self, config: Mapping[str, Any], weights: Mapping[str, torch.Tensor], *,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: Mapping[str, Any],
+        weights: Mapping[str, torch.Tensor],
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         model_type = str(config.get("model_type", "llama"))
         act = str(config.get("hidden_act", "silu"))
         if act not in ("silu", "swish"):
-            raise UnsupportedModelError(f"{model_type} activation {act!r} is not supported "
-                                        "(only silu)")
+            raise UnsupportedModelError(
+                f"{model_type} activation {act!r} is not supported (only silu)"
+            )
         self.hidden_size = int(config["hidden_size"])
         self.num_heads = int(config["num_attention_heads"])
-        self.num_kv_heads = int(config_get(config, "num_key_value_heads",
-                                           default=self.num_heads))
-        self.head_dim = int(config_get(config, "head_dim",
-                                       default=self.hidden_size // self.num_heads))
+        self.num_kv_heads = int(config_get(config, "num_key_value_heads", default=self.num_heads))
+        self.head_dim = int(
+            config_get(config, "head_dim", default=self.hidden_size // self.num_heads)
+        )
         self.eps = float(config.get("rms_norm_eps", 1e-6))
         self.scale = 1.0 / math.sqrt(self.head_dim)
         # Some embedders (gte-Qwen2 variants) declare bidirectional attention.
@@ -122,26 +129,35 @@ class LlamaModel:
         for i in range(int(config["num_hidden_layers"])):
             p = f"layers.{i}."
             qkv_w = torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-            qkv_b = (torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-                     if qkv_bias else None)
-            self.layers.append(_Layer(
-                in_norm=get(p + "input_layernorm.weight"),
-                qkv_w=qkv_w, qkv_b=qkv_b,
-                q_norm=get(p + "self_attn.q_norm.weight") if qk_norm else None,
-                k_norm=get(p + "self_attn.k_norm.weight") if qk_norm else None,
-                o_w=get(p + "self_attn.o_proj.weight"),
-                post_norm=get(p + "post_attention_layernorm.weight"),
-                gate_up_w=torch.cat([get(p + "mlp.gate_proj.weight"),
-                                     get(p + "mlp.up_proj.weight")]),
-                down_w=get(p + "mlp.down_proj.weight"),
-            ))
+            qkv_b = (
+                torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+                if qkv_bias
+                else None
+            )
+            self.layers.append(
+                _Layer(
+                    in_norm=get(p + "input_layernorm.weight"),
+                    qkv_w=qkv_w,
+                    qkv_b=qkv_b,
+                    q_norm=get(p + "self_attn.q_norm.weight") if qk_norm else None,
+                    k_norm=get(p + "self_attn.k_norm.weight") if qk_norm else None,
+                    o_w=get(p + "self_attn.o_proj.weight"),
+                    post_norm=get(p + "post_attention_layernorm.weight"),
+                    gate_up_w=torch.cat(
+                        [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]
+                    ),
+                    down_w=get(p + "mlp.down_proj.weight"),
+                )
+            )
 
-    def _rotary(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor,
-                                                                           torch.Tensor]:
+    def _rotary(
+        self, positions: torch.Tensor, max_position: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if self._cos.shape[0] <= max_position:
             size = max(2 * self._cos.shape[0], max_position + 1, 512)
-            freqs = torch.outer(torch.arange(size, device=self.device, dtype=torch.float32),
-                                self.inv_freq.float())
+            freqs = torch.outer(
+                torch.arange(size, device=self.device, dtype=torch.float32), self.inv_freq.float()
+            )
             emb = torch.cat([freqs, freqs], dim=-1)
             self._cos, self._sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
         return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
@@ -155,17 +171,24 @@ class LlamaModel:
         for layer in self.layers:
             h = rms_norm(x, layer.in_norm, self.eps)
             qkv = F.linear(h, layer.qkv_w, layer.qkv_b)
-            q = qkv[:, :hq * d].view(t, hq, d)
-            k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
-            v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+            q = qkv[:, : hq * d].view(t, hq, d)
+            k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+            v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
             if layer.q_norm is not None and layer.k_norm is not None:
                 q = rms_norm(q, layer.q_norm, self.eps)
                 k = rms_norm(k, layer.k_norm, self.eps)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            attn = varlen_attention(q, k, v, cu_seqlens=batch.cu_seqlens,
-                                    max_seqlen=batch.max_seqlen, causal=self.causal, plan=plan,
-                                    scale=self.scale)
+            attn = varlen_attention(
+                q,
+                k,
+                v,
+                cu_seqlens=batch.cu_seqlens,
+                max_seqlen=batch.max_seqlen,
+                causal=self.causal,
+                plan=plan,
+                scale=self.scale,
+            )
             x = x + F.linear(attn.reshape(t, hq * d), layer.o_w)
             h = rms_norm(x, layer.post_norm, self.eps)
             gate, up = F.linear(h, layer.gate_up_w).chunk(2, dim=-1)
