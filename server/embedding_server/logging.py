@@ -17,13 +17,18 @@ from typing import Literal
 import orjson
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "embedding_server_request_id", default=None)
+    "embedding_server_request_id", default=None
+)
 """The id of the request being handled in this task (None outside a request)."""
 
 LogFormat = Literal["json", "text"]
 
 _STANDARD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
-    "message", "asctime", "request_id", "taskName"}
+    "message",
+    "asctime",
+    "request_id",
+    "taskName",
+}
 
 
 class RequestIdFilter(logging.Filter):

@@ -24,51 +24,85 @@ TruncationSide = Literal["right", "left"]
 class EngineSettings(BaseSettings):
     """What the engine needs: model, numerics, batching and admission."""
 
-    model_config = SettingsConfigDict(env_prefix="EMBEDDING_SERVER_", extra="forbid",
-                                      protected_namespaces=())
+    model_config = SettingsConfigDict(
+        env_prefix="EMBEDDING_SERVER_", extra="forbid", protected_namespaces=()
+    )
 
-    model: str = Field(DEFAULT_MODEL, description=(
-        "Model to serve: a local directory or a Hugging Face Hub id "
-        f"(default: the packaged all-MiniLM-L6-v2, '{DEFAULT_MODEL}')."))
+    model: str = Field(
+        DEFAULT_MODEL,
+        description=(
+            "Model to serve: a local directory or a Hugging Face Hub id "
+            f"(default: the packaged all-MiniLM-L6-v2, '{DEFAULT_MODEL}')."
+        ),
+    )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) to load.")
-    cache_dir: str | None = Field(None, description="Directory for downloaded weights "
-                                  "(default: the Hugging Face cache).")
-    trust_remote_code: bool = Field(False, description="Accepted for compatibility; model code "
-                                    "is always ours, so remote code is never executed.")
-    device: str = Field("auto", description="Torch device: auto (cuda if available, else cpu), "
-                        "cpu, cuda or cuda:N.")
-    dtype: Dtype = Field("auto", description="Weights/compute dtype. auto = bfloat16 on CUDA "
-                         "(float16 where the model needs it); on CPU bfloat16 when the processor "
-                         "has avx512_bf16 or AMX, else float32.")
-    pooling: Pooling = Field("auto", description="Pooling method. auto = from the "
-                             "sentence-transformers config (1_Pooling), else the architecture's "
-                             "default (cls for encoders, last for decoders).")
-    normalize: bool | None = Field(None, description="L2-normalize embeddings (default: as the "
-                                   "model's sentence-transformers config says, else true).")
-    dimensions: int | None = Field(None, gt=0, description="Default output dimensions "
-                                   "(Matryoshka truncation); requests may ask for fewer.")
-    matryoshka_dimensions: list[int] | None = Field(None, description="Override the Matryoshka "
-                                                    "dimensions the model supports "
-                                                    "(comma-separated).")
-    max_model_len: int | None = Field(None, gt=0, description="Maximum input tokens per text "
-                                      "(default: the model's max_seq_length).")
+    cache_dir: str | None = Field(
+        None, description="Directory for downloaded weights (default: the Hugging Face cache)."
+    )
+    trust_remote_code: bool = Field(
+        False,
+        description="Accepted for compatibility; model code "
+        "is always ours, so remote code is never executed.",
+    )
+    device: str = Field(
+        "auto", description="Torch device: auto (cuda if available, else cpu), cpu, cuda or cuda:N."
+    )
+    dtype: Dtype = Field(
+        "auto",
+        description="Weights/compute dtype. auto = bfloat16 on CUDA "
+        "(float16 where the model needs it); on CPU bfloat16 when the processor "
+        "has avx512_bf16 or AMX, else float32.",
+    )
+    pooling: Pooling = Field(
+        "auto",
+        description="Pooling method. auto = from the "
+        "sentence-transformers config (1_Pooling), else the architecture's "
+        "default (cls for encoders, last for decoders).",
+    )
+    normalize: bool | None = Field(
+        None,
+        description="L2-normalize embeddings (default: as the "
+        "model's sentence-transformers config says, else true).",
+    )
+    dimensions: int | None = Field(
+        None,
+        gt=0,
+        description="Default output dimensions "
+        "(Matryoshka truncation); requests may ask for fewer.",
+    )
+    matryoshka_dimensions: list[int] | None = Field(
+        None, description="Override the Matryoshka dimensions the model supports (comma-separated)."
+    )
+    max_model_len: int | None = Field(
+        None,
+        gt=0,
+        description="Maximum input tokens per text (default: the model's max_seq_length).",
+    )
     max_batch_tokens: int = Field(16384, gt=0, description="Token budget of one forward pass.")
     max_batch_size: int = Field(256, gt=0, description="Maximum sequences in one forward pass.")
-    max_queue_tokens: int = Field(262144, gt=0, description="Admission budget: tokens waiting "
-                                  "in the queue; beyond it requests get 429.")
+    max_queue_tokens: int = Field(
+        262144,
+        gt=0,
+        description="Admission budget: tokens waiting in the queue; beyond it requests get 429.",
+    )
     tokenizer_workers: int = Field(2, gt=0, description="Threads for batched tokenization.")
-    tensor_parallel_size: int = Field(1, gt=0, description="GPUs per replica. Only 1 is "
-                                      "supported today.")
-    default_prompt_name: str | None = Field(None, description="Prompt (from the model's "
-                                            "sentence-transformers config) applied when a "
-                                            "request names none.")
+    tensor_parallel_size: int = Field(
+        1, gt=0, description="GPUs per replica. Only 1 is supported today."
+    )
+    default_prompt_name: str | None = Field(
+        None,
+        description="Prompt (from the model's "
+        "sentence-transformers config) applied when a "
+        "request names none.",
+    )
 
     @field_validator("tensor_parallel_size")
     @classmethod
     def _only_tp1(cls, value: int) -> int:
         if value != 1:
-            raise ValueError("tensor parallelism is not implemented yet; use 1 and scale "
-                             "with replicas")
+            raise ValueError(
+                "tensor parallelism is not implemented yet; use 1 and scale with replicas"
+            )
         return value
 
     @field_validator("matryoshka_dimensions", mode="before")
@@ -88,21 +122,32 @@ class EngineSettings(BaseSettings):
 class ServerSettings(EngineSettings):
     """Engine settings plus the HTTP server around it."""
 
-    served_model_name: str | None = Field(None, description="Model name clients send and "
-                                          "/v1/models lists (default: the model argument's "
-                                          "last path component; the --model value itself is "
-                                          "always accepted too).")
+    served_model_name: str | None = Field(
+        None,
+        description="Model name clients send and "
+        "/v1/models lists (default: the model argument's "
+        "last path component; the --model value itself is "
+        "always accepted too).",
+    )
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8000, gt=0, lt=65536, description="Port to listen on.")
-    api_key: str | None = Field(None, description="Require 'Authorization: Bearer <key>' on "
-                                "every route except /health, /ready and /metrics.")
-    max_request_bytes: int = Field(8 * 1024 * 1024, gt=0, description="Largest request body "
-                                   "accepted (413 beyond).")
-    max_inputs_per_request: int = Field(2048, gt=0, description="Most inputs in one request "
-                                        "(400 beyond).")
+    api_key: str | None = Field(
+        None,
+        description="Require 'Authorization: Bearer <key>' on "
+        "every route except /health, /ready and /metrics.",
+    )
+    max_request_bytes: int = Field(
+        8 * 1024 * 1024, gt=0, description="Largest request body accepted (413 beyond)."
+    )
+    max_inputs_per_request: int = Field(
+        2048, gt=0, description="Most inputs in one request (400 beyond)."
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
-        "info", description="Log level.")
-    log_format: Literal["json", "text"] = Field("text", description="Log format: json for "
-                                                "log collectors, text for people.")
-    shutdown_timeout: float = Field(30.0, gt=0, description="Seconds to finish in-flight work "
-                                    "after SIGTERM before exiting.")
+        "info", description="Log level."
+    )
+    log_format: Literal["json", "text"] = Field(
+        "text", description="Log format: json for log collectors, text for people."
+    )
+    shutdown_timeout: float = Field(
+        30.0, gt=0, description="Seconds to finish in-flight work after SIGTERM before exiting."
+    )

@@ -27,8 +27,13 @@ from embedding_server.settings import ServerSettings
 MINILM_DIMS = 384
 
 
-def wait_for(condition: Callable[[], bool], *, timeout: float = 30.0, interval: float = 0.02,
-             what: str = "condition") -> None:
+def wait_for(
+    condition: Callable[[], bool],
+    *,
+    timeout: float = 30.0,
+    interval: float = 0.02,
+    what: str = "condition",
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if condition():
@@ -52,12 +57,21 @@ class RunningServer:
         self._socket.bind(("127.0.0.1", 0))
         self.port = self._socket.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="on",
-                                loop="asyncio", timeout_graceful_shutdown=10)
+        config = uvicorn.Config(
+            self.app,
+            log_config=None,
+            access_log=False,
+            lifespan="on",
+            loop="asyncio",
+            timeout_graceful_shutdown=10,
+        )
         self.server = DrainingServer(config, self.lifecycle)
-        self._thread = threading.Thread(target=self.server.run,
-                                        kwargs={"sockets": [self._socket]}, daemon=True,
-                                        name=f"uvicorn-{self.port}")
+        self._thread = threading.Thread(
+            target=self.server.run,
+            kwargs={"sockets": [self._socket]},
+            daemon=True,
+            name=f"uvicorn-{self.port}",
+        )
 
     def start(self, timeout: float = 120.0) -> RunningServer:
         self._thread.start()
@@ -104,8 +118,9 @@ def sample(text: str, name: str, labels: dict[str, str] | None = None) -> float:
 
 
 @contextlib.contextmanager
-def running_server(settings: ServerSettings, engine: Engine | None = None,
-                   timeout: float = 120.0) -> Iterator[RunningServer]:
+def running_server(
+    settings: ServerSettings, engine: Engine | None = None, timeout: float = 120.0
+) -> Iterator[RunningServer]:
     server = RunningServer(settings, engine).start(timeout)
     try:
         yield server

@@ -34,7 +34,7 @@ def test_response_is_shaped_like_cohere_v2(server: RunningServer) -> None:
     body = embed(server, texts=TEXTS, model="fake", input_type="search_document")
     assert set(body) >= {"id", "embeddings", "texts", "meta"}
     assert body["texts"] == TEXTS
-    assert list(body["embeddings"]) == ["float"]          # float is the default type
+    assert list(body["embeddings"]) == ["float"]  # float is the default type
     assert len(body["embeddings"]["float"]) == len(TEXTS)
     assert body["meta"]["billed_units"]["input_tokens"] > 0
     assert body["meta"]["api_version"]["version"] == "2"
@@ -55,7 +55,7 @@ def test_every_type_comes_from_the_same_vectors(server: RunningServer) -> None:
     np.testing.assert_array_equal(int8, np.clip(np.rint(unit * 127), -128, 127))
     np.testing.assert_array_equal(np.array(got["uint8"]), int8 + 128)
 
-    packed = np.packbits(floats > 0, axis=1)               # 8 dimensions per byte, MSB first
+    packed = np.packbits(floats > 0, axis=1)  # 8 dimensions per byte, MSB first
     np.testing.assert_array_equal(np.array(got["ubinary"]), packed)
     np.testing.assert_array_equal(np.array(got["binary"]), packed.astype(np.int16) - 128)
     assert np.array(got["ubinary"]).shape == (3, 8)
@@ -71,14 +71,17 @@ def test_input_type_selects_the_models_prompt(server: RunningServer) -> None:
     # document: "passage: ".
     query = embed(server, texts=["x"], input_type="search_query")
     document = embed(server, texts=["x"], input_type="search_document")
-    plain = embed(server, texts=["x"], input_type="clustering")   # no such prompt: as is
+    plain = embed(server, texts=["x"], input_type="clustering")  # no such prompt: as is
     assert query["embeddings"]["float"] != document["embeddings"]["float"]
-    assert query["meta"]["billed_units"]["input_tokens"] == \
-        plain["meta"]["billed_units"]["input_tokens"] + len("query: ")
-    openai_style = httpx.post(server.url + "/v1/embeddings", json={
-        "input": "x", "prompt_name": "query"}).json()
-    np.testing.assert_allclose(openai_style["data"][0]["embedding"],
-                               query["embeddings"]["float"][0], atol=1e-6)
+    assert query["meta"]["billed_units"]["input_tokens"] == plain["meta"]["billed_units"][
+        "input_tokens"
+    ] + len("query: ")
+    openai_style = httpx.post(
+        server.url + "/v1/embeddings", json={"input": "x", "prompt_name": "query"}
+    ).json()
+    np.testing.assert_allclose(
+        openai_style["data"][0]["embedding"], query["embeddings"]["float"][0], atol=1e-6
+    )
 
 
 def test_truncate_end_start_none(server: RunningServer) -> None:
@@ -89,7 +92,6 @@ def test_truncate_end_start_none(server: RunningServer) -> None:
     assert end["embeddings"]["float"] != start["embeddings"]["float"]
     short = embed(server, texts=[long_text], truncate="END", max_tokens=10)
     assert short["meta"]["billed_units"]["input_tokens"] == 10
-    refused = httpx.post(server.url + "/v2/embed", json={"texts": [long_text],
-                                                          "truncate": "NONE"})
+    refused = httpx.post(server.url + "/v2/embed", json={"texts": [long_text], "truncate": "NONE"})
     assert refused.status_code == 400
     assert refused.json()["error"]["code"] == "context_length_exceeded"

@@ -25,8 +25,9 @@ def server() -> Iterator[RunningServer]:
         yield s
 
 
-def assert_error(response: httpx.Response, status: int, *, param: str | None = None,
-                 code: str | None = None) -> dict[str, Any]:
+def assert_error(
+    response: httpx.Response, status: int, *, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     assert response.status_code == status, response.text
     assert response.headers["content-type"].startswith("application/json")
     body = response.json()
@@ -50,59 +51,73 @@ def test_malformed_json_is_a_400(server: RunningServer, raw: bytes) -> None:
     assert_error(post(server, "/v1/embeddings", content=raw), 400)
 
 
-@pytest.mark.parametrize(("path", "body", "param"), [
-    ("/v1/embeddings", {"input": 123}, "input"),
-    ("/v1/embeddings", {"input": [["a"]]}, "input"),
-    ("/v1/embeddings", {"input": [-1]}, "input"),
-    ("/v1/embeddings", {"input": "a", "dimensions": "x"}, "dimensions"),
-    ("/v1/embeddings", {"input": "a", "dimensions": 0}, "dimensions"),
-    ("/v1/embeddings", {"input": "a", "encoding_format": "hex"}, "encoding_format"),
-    ("/v1/embeddings", {"input": "a", "embed_dtype": "int4"}, "embed_dtype"),
-    ("/v1/embeddings", {"input": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
-    ("/v1/embeddings", {"input": "a", "truncation_side": "middle"}, "truncation_side"),
-    ("/v1/embeddings", {"input": "a", "normalize": "perhaps"}, "normalize"),
-    ("/v1/embeddings", {}, "input"),
-    ("/v2/embed", {"texts": "a"}, "texts"),
-    ("/v2/embed", {"texts": ["a"], "embedding_types": ["float64"]}, "embedding_types"),
-    ("/v2/embed", {"texts": ["a"], "embedding_types": []}, "embedding_types"),
-    ("/v2/embed", {"texts": ["a"], "truncate": "MIDDLE"}, "truncate"),
-    ("/score", {"text_1": 1, "text_2": "a"}, "text_1"),
-    ("/tokenize", {"prompt": ["a"]}, "prompt"),
-    ("/detokenize", {"tokens": "abc"}, "tokens"),
-    ("/pooling", {"input": "a", "task": "classify"}, "task"),
-])
-def test_wrong_types_and_values_are_a_400_naming_the_field(server: RunningServer, path: str,
-                                                           body: dict[str, Any],
-                                                           param: str) -> None:
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/embeddings", {"input": 123}, "input"),
+        ("/v1/embeddings", {"input": [["a"]]}, "input"),
+        ("/v1/embeddings", {"input": [-1]}, "input"),
+        ("/v1/embeddings", {"input": "a", "dimensions": "x"}, "dimensions"),
+        ("/v1/embeddings", {"input": "a", "dimensions": 0}, "dimensions"),
+        ("/v1/embeddings", {"input": "a", "encoding_format": "hex"}, "encoding_format"),
+        ("/v1/embeddings", {"input": "a", "embed_dtype": "int4"}, "embed_dtype"),
+        ("/v1/embeddings", {"input": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ("/v1/embeddings", {"input": "a", "truncation_side": "middle"}, "truncation_side"),
+        ("/v1/embeddings", {"input": "a", "normalize": "perhaps"}, "normalize"),
+        ("/v1/embeddings", {}, "input"),
+        ("/v2/embed", {"texts": "a"}, "texts"),
+        ("/v2/embed", {"texts": ["a"], "embedding_types": ["float64"]}, "embedding_types"),
+        ("/v2/embed", {"texts": ["a"], "embedding_types": []}, "embedding_types"),
+        ("/v2/embed", {"texts": ["a"], "truncate": "MIDDLE"}, "truncate"),
+        ("/score", {"text_1": 1, "text_2": "a"}, "text_1"),
+        ("/tokenize", {"prompt": ["a"]}, "prompt"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+        ("/pooling", {"input": "a", "task": "classify"}, "task"),
+    ],
+)
+def test_wrong_types_and_values_are_a_400_naming_the_field(
+    server: RunningServer, path: str, body: dict[str, Any], param: str
+) -> None:
     assert_error(post(server, path, json=body), 400, param=param)
 
 
-@pytest.mark.parametrize(("path", "body", "param"), [
-    ("/v1/embeddings", {"input": []}, "input"),
-    ("/v1/embeddings", {"input": ""}, "input"),
-    ("/v1/embeddings", {"input": "a", "prompt_name": "nope"}, "prompt_name"),
-    ("/v1/embeddings", {"input": "a", "truncate_prompt_tokens": 100000},
-     "truncate_prompt_tokens"),
-    ("/detokenize", {"tokens": [100000]}, "tokens"),
-    ("/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, "text_2"),
-    ("/v2/embed", {"texts": ["a"], "truncate": "NONE", "max_tokens": 3}, "max_tokens"),
-])
-def test_invalid_requests_the_engine_refuses_are_a_400(server: RunningServer, path: str,
-                                                       body: dict[str, Any],
-                                                       param: str) -> None:
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/embeddings", {"input": []}, "input"),
+        ("/v1/embeddings", {"input": ""}, "input"),
+        ("/v1/embeddings", {"input": "a", "prompt_name": "nope"}, "prompt_name"),
+        (
+            "/v1/embeddings",
+            {"input": "a", "truncate_prompt_tokens": 100000},
+            "truncate_prompt_tokens",
+        ),
+        ("/detokenize", {"tokens": [100000]}, "tokens"),
+        ("/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, "text_2"),
+        ("/v2/embed", {"texts": ["a"], "truncate": "NONE", "max_tokens": 3}, "max_tokens"),
+    ],
+)
+def test_invalid_requests_the_engine_refuses_are_a_400(
+    server: RunningServer, path: str, body: dict[str, Any], param: str
+) -> None:
     assert_error(post(server, path, json=body), 400, param=param)
 
 
 def test_too_many_inputs_is_a_400(server: RunningServer) -> None:
-    error = assert_error(post(server, "/v1/embeddings", json={"input": ["a"] * 9}), 400,
-                         param="input")
+    error = assert_error(
+        post(server, "/v1/embeddings", json={"input": ["a"] * 9}), 400, param="input"
+    )
     assert "at most 8" in error["message"]
     assert post(server, "/v1/embeddings", json={"input": ["a"] * 8}).status_code == 200
 
 
 def test_over_long_input_is_a_400_with_the_token_count(server: RunningServer) -> None:
-    error = assert_error(post(server, "/v1/embeddings", json={"input": "x" * 600}), 400,
-                         param="input", code="context_length_exceeded")
+    error = assert_error(
+        post(server, "/v1/embeddings", json={"input": "x" * 600}),
+        400,
+        param="input",
+        code="context_length_exceeded",
+    )
     assert "602 tokens" in error["message"]
 
 
@@ -116,8 +131,7 @@ def test_body_over_the_limit_is_a_413(server: RunningServer) -> None:
             yield b"a" * 1000
         yield b'"}'
 
-    assert_error(post(server, "/v1/embeddings", content=chunks()), 413,
-                 code="payload_too_large")
+    assert_error(post(server, "/v1/embeddings", content=chunks()), 413, code="payload_too_large")
 
 
 def test_unknown_routes_and_methods_use_the_error_shape(server: RunningServer) -> None:
@@ -126,14 +140,19 @@ def test_unknown_routes_and_methods_use_the_error_shape(server: RunningServer) -
 
 
 def test_another_model_is_a_404(server: RunningServer) -> None:
-    assert_error(post(server, "/v1/embeddings", json={"input": "a", "model": "gpt-4"}), 404,
-                 param="model", code="model_not_found")
+    assert_error(
+        post(server, "/v1/embeddings", json={"input": "a", "model": "gpt-4"}),
+        404,
+        param="model",
+        code="model_not_found",
+    )
     assert_error(post(server, "/v2/embed", json={"texts": ["a"], "model": "embed-v4.0"}), 404)
 
 
 def test_request_id_is_echoed_or_generated(server: RunningServer) -> None:
-    given = post(server, "/v1/embeddings", json={"input": "a"},
-                 headers={"X-Request-Id": "trace-123"})
+    given = post(
+        server, "/v1/embeddings", json={"input": "a"}, headers={"X-Request-Id": "trace-123"}
+    )
     assert given.headers["x-request-id"] == "trace-123"
     generated = post(server, "/v1/embeddings", json={"input": "a"})
     assert re.fullmatch(r"[0-9a-f]{32}", generated.headers["x-request-id"])
@@ -150,8 +169,8 @@ def test_timing_headers_are_in_milliseconds(server: RunningServer) -> None:
 
 
 def test_unexpected_errors_are_a_generic_500_logged_with_the_request_id(
-        server: RunningServer, monkeypatch: pytest.MonkeyPatch,
-        caplog: pytest.LogCaptureFixture) -> None:
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     engine = server.lifecycle.engine
     assert engine is not None
 
@@ -160,8 +179,9 @@ def test_unexpected_errors_are_a_generic_500_logged_with_the_request_id(
 
     monkeypatch.setattr(engine, "aembed", broken)
     with caplog.at_level(logging.ERROR):
-        response = post(server, "/v1/embeddings", json={"input": "a"},
-                        headers={"X-Request-Id": "boom-1"})
+        response = post(
+            server, "/v1/embeddings", json={"input": "a"}, headers={"X-Request-Id": "boom-1"}
+        )
     error = assert_error(response, 500, code="internal_error")
     assert "secret" not in response.text and "Traceback" not in response.text
     assert "boom-1" in error["message"]
@@ -171,13 +191,16 @@ def test_unexpected_errors_are_a_generic_500_logged_with_the_request_id(
 
 def test_api_key_guards_every_route_but_probes_and_metrics() -> None:
     with running_server(fake_settings(api_key="s3cret")) as server:
-        for path, body in (("/v1/embeddings", {"input": "a"}), ("/v2/embed", {"texts": ["a"]}),
-                           ("/pooling", {"input": "a"}), ("/score", {"text_1": "a",
-                                                                    "text_2": "b"}),
-                           ("/tokenize", {"prompt": "a"}), ("/detokenize", {"tokens": [5]})):
+        for path, body in (
+            ("/v1/embeddings", {"input": "a"}),
+            ("/v2/embed", {"texts": ["a"]}),
+            ("/pooling", {"input": "a"}),
+            ("/score", {"text_1": "a", "text_2": "b"}),
+            ("/tokenize", {"prompt": "a"}),
+            ("/detokenize", {"tokens": [5]}),
+        ):
             assert_error(post(server, path, json=body), 401, code="invalid_api_key")
-            assert_error(post(server, path, json=body, headers={"Authorization": "Bearer no"}),
-                         401)
+            assert_error(post(server, path, json=body, headers={"Authorization": "Bearer no"}), 401)
             ok = post(server, path, json=body, headers={"Authorization": "Bearer s3cret"})
             assert ok.status_code == 200, (path, ok.text)
         for path in ("/v1/models", "/info", "/openapi.json"):
@@ -193,17 +216,24 @@ def test_api_key_guards_every_route_but_probes_and_metrics() -> None:
 
 def _slow_server_settings() -> Any:
     # One 20-token sequence per 600 ms forward pass, and room for one more in the queue.
-    return fake_settings("fake?delay_ms=600&max_len=32", max_batch_tokens=32,
-                         max_queue_tokens=32, max_batch_size=1)
+    return fake_settings(
+        "fake?delay_ms=600&max_len=32", max_batch_tokens=32, max_queue_tokens=32, max_batch_size=1
+    )
 
 
 def test_a_full_queue_is_a_429_with_retry_after() -> None:
     with running_server(_slow_server_settings()) as server:
+
         async def burst() -> list[httpx.Response]:
             async with httpx.AsyncClient(timeout=60) as http:
-                return list(await asyncio.gather(*(
-                    http.post(server.url + "/v1/embeddings", json={"input": "x" * 18})
-                    for _ in range(6))))
+                return list(
+                    await asyncio.gather(
+                        *(
+                            http.post(server.url + "/v1/embeddings", json={"input": "x" * 18})
+                            for _ in range(6)
+                        )
+                    )
+                )
 
         responses = asyncio.run(burst())
         statuses = sorted(r.status_code for r in responses)
@@ -212,8 +242,12 @@ def test_a_full_queue_is_a_429_with_retry_after() -> None:
             if response.status_code == 429:
                 assert_error(response, 429, code="queue_full")
                 assert int(response.headers["retry-after"]) >= 1
-        assert server.metric("embedding_server_requests_total",
-                             {"endpoint": "/v1/embeddings", "status": "429"}) >= 1
+        assert (
+            server.metric(
+                "embedding_server_requests_total", {"endpoint": "/v1/embeddings", "status": "429"}
+            )
+            >= 1
+        )
 
 
 def test_client_disconnect_cancels_queued_work() -> None:
@@ -223,28 +257,48 @@ def test_client_disconnect_cancels_queued_work() -> None:
         async def scenario() -> httpx.Response:
             async with httpx.AsyncClient(timeout=60) as http:
                 first = asyncio.create_task(
-                    http.post(server.url + "/v1/embeddings", json={"input": "x" * 18}))
+                    http.post(server.url + "/v1/embeddings", json={"input": "x" * 18})
+                )
                 await asyncio.to_thread(
-                    wait_for, lambda: server.value("embedding_server_in_flight_requests") >= 1,
-                    timeout=10, what="first request in flight")
+                    wait_for,
+                    lambda: server.value("embedding_server_in_flight_requests") >= 1,
+                    timeout=10,
+                    what="first request in flight",
+                )
                 # A second client queues behind it, then hangs up.
                 body = b'{"input": "' + b"y" * 18 + b'"}'
                 sock = socket.create_connection(("127.0.0.1", server.port))
-                sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\n"
-                             b"Content-Type: application/json\r\n"
-                             b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+                sock.sendall(
+                    b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\n"
+                    b"Content-Type: application/json\r\n"
+                    b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+                )
                 await asyncio.to_thread(
-                    wait_for, lambda: server.value("embedding_server_queue_requests") >= 1,
-                    timeout=10, what="second request queued")
+                    wait_for,
+                    lambda: server.value("embedding_server_queue_requests") >= 1,
+                    timeout=10,
+                    what="second request queued",
+                )
                 sock.close()
                 await asyncio.to_thread(
-                    wait_for, lambda: server.value("embedding_server_queue_requests") == 0,
-                    timeout=10, what="queue emptied")
+                    wait_for,
+                    lambda: server.value("embedding_server_queue_requests") == 0,
+                    timeout=10,
+                    what="queue emptied",
+                )
                 return await first
 
         assert asyncio.run(scenario()).status_code == 200
-        wait_for(lambda: server.metric("embedding_server_requests_total",
-                                       {"endpoint": "/v1/embeddings", "status": "499"}) == 1,
-                 timeout=10, what="the cancelled request counted")
+        wait_for(
+            lambda: (
+                server.metric(
+                    "embedding_server_requests_total",
+                    {"endpoint": "/v1/embeddings", "status": "499"},
+                )
+                == 1
+            ),
+            timeout=10,
+            what="the cancelled request counted",
+        )
         # Only the first request's batch ever ran.
         assert server.metric("embedding_server_batch_size_count") == batches_before + 1

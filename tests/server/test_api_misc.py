@@ -34,33 +34,41 @@ def test_pooling_returns_one_vector_per_token(server: RunningServer) -> None:
     body = post(server, "/pooling", {"input": ["ab", "abcd"]})
     assert [d["index"] for d in body["data"]] == [0, 1]
     shapes = [np.array(d["data"]).shape for d in body["data"]]
-    assert shapes == [(4, 32), (6, 32)]           # bytes + <s> and </s>
+    assert shapes == [(4, 32), (6, 32)]  # bytes + <s> and </s>
     assert body["usage"]["prompt_tokens"] == 10
     packed = post(server, "/pooling", {"input": "ab", "encoding_format": "base64"})
     decoded = np.frombuffer(base64.b64decode(packed["data"][0]["data"]), "<f4").reshape(4, 32)
     np.testing.assert_array_equal(decoded, np.array(body["data"][0]["data"], np.float32))
     pooled = post(server, "/pooling", {"input": "ab", "task": "embed"})
     embedded = post(server, "/v1/embeddings", {"input": "ab"})
-    np.testing.assert_allclose(pooled["data"][0]["data"], embedded["data"][0]["embedding"],
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        pooled["data"][0]["data"], embedded["data"][0]["embedding"], atol=1e-6
+    )
 
 
 def test_score_is_the_cosine_of_the_embeddings(server: RunningServer) -> None:
-    vectors = np.array([d["embedding"] for d in post(
-        server, "/v1/embeddings", {"input": ["query", "doc one", "doc two"]})["data"]])
+    vectors = np.array(
+        [
+            d["embedding"]
+            for d in post(server, "/v1/embeddings", {"input": ["query", "doc one", "doc two"]})[
+                "data"
+            ]
+        ]
+    )
     one_to_many = post(server, "/score", {"text_1": "query", "text_2": ["doc one", "doc two"]})
     assert [d["index"] for d in one_to_many["data"]] == [0, 1]
-    np.testing.assert_allclose([d["score"] for d in one_to_many["data"]],
-                               vectors[1:] @ vectors[0], atol=1e-5)
-    pairs = post(server, "/score", {"text_1": ["query", "doc one"],
-                                    "text_2": ["query", "doc two"]})
-    np.testing.assert_allclose([d["score"] for d in pairs["data"]],
-                               [1.0, vectors[1] @ vectors[2]], atol=1e-5)
+    np.testing.assert_allclose(
+        [d["score"] for d in one_to_many["data"]], vectors[1:] @ vectors[0], atol=1e-5
+    )
+    pairs = post(server, "/score", {"text_1": ["query", "doc one"], "text_2": ["query", "doc two"]})
+    np.testing.assert_allclose(
+        [d["score"] for d in pairs["data"]], [1.0, vectors[1] @ vectors[2]], atol=1e-5
+    )
 
 
 def test_tokenize_and_detokenize_round_trip(server: RunningServer) -> None:
     tokens = post(server, "/tokenize", {"prompt": "héllo", "return_token_strs": True})
-    assert tokens["count"] == len(tokens["tokens"]) == 8      # 6 UTF-8 bytes + 2 specials
+    assert tokens["count"] == len(tokens["tokens"]) == 8  # 6 UTF-8 bytes + 2 specials
     assert tokens["max_model_len"] == 512
     assert tokens["token_strs"][0] == "<s>"
     assert post(server, "/detokenize", {"tokens": tokens["tokens"]})["prompt"] == "héllo"
@@ -94,57 +102,77 @@ async def test_ready_is_503_until_the_model_is_up_and_again_while_draining() -> 
         assert httpx.get(running.url + "/ready").status_code == 200
         running.lifecycle.begin_drain("test")
         draining = httpx.get(running.url + "/ready")
-        assert draining.status_code == 503 and "shutting down" in draining.json()["error"][
-            "message"]
+        assert (
+            draining.status_code == 503 and "shutting down" in draining.json()["error"]["message"]
+        )
         assert httpx.get(running.url + "/health").status_code == 200
 
 
 def test_metrics_are_exposed_and_move_under_load() -> None:
     # Slow forward passes (100 ms, one sequence each) so a burst visibly queues.
-    settings = fake_settings("fake?delay_ms=100&max_len=64", max_batch_tokens=64,
-                             max_batch_size=1)
+    settings = fake_settings("fake?delay_ms=100&max_len=64", max_batch_tokens=64, max_batch_size=1)
     with running_server(settings) as server:
         text = httpx.get(server.url + "/metrics").text
-        for name in (QUEUE_REQUESTS_METRIC, QUEUE_TOKENS_METRIC,
-                     "embedding_server_in_flight_requests", "embedding_server_requests_total",
-                     "embedding_server_input_tokens_total", "embedding_server_stage_seconds",
-                     "embedding_server_batch_size", "embedding_server_batch_tokens",
-                     "embedding_server_truncated_inputs_total",
-                     "embedding_server_model_load_seconds"):
+        for name in (
+            QUEUE_REQUESTS_METRIC,
+            QUEUE_TOKENS_METRIC,
+            "embedding_server_in_flight_requests",
+            "embedding_server_requests_total",
+            "embedding_server_input_tokens_total",
+            "embedding_server_stage_seconds",
+            "embedding_server_batch_size",
+            "embedding_server_batch_tokens",
+            "embedding_server_truncated_inputs_total",
+            "embedding_server_model_load_seconds",
+        ):
             assert f"# TYPE {name.removesuffix('_total')}" in text, name
         assert sample(text, "embedding_server_model_load_seconds") > 0
         peaks = {"queue_requests": 0.0, "queue_tokens": 0.0, "in_flight": 0.0}
 
         async def load() -> list[int]:
             async with httpx.AsyncClient(timeout=60) as http:
-                tasks = [asyncio.create_task(http.post(server.url + "/v1/embeddings",
-                                                       json={"input": f"text number {i}"}))
-                         for i in range(8)]
+                tasks = [
+                    asyncio.create_task(
+                        http.post(server.url + "/v1/embeddings", json={"input": f"text number {i}"})
+                    )
+                    for i in range(8)
+                ]
 
                 def observe() -> bool:
-                    peaks["queue_requests"] = max(peaks["queue_requests"],
-                                                  server.value(QUEUE_REQUESTS_METRIC))
-                    peaks["queue_tokens"] = max(peaks["queue_tokens"],
-                                                server.value(QUEUE_TOKENS_METRIC))
-                    peaks["in_flight"] = max(peaks["in_flight"], server.value(
-                        "embedding_server_in_flight_requests"))
+                    peaks["queue_requests"] = max(
+                        peaks["queue_requests"], server.value(QUEUE_REQUESTS_METRIC)
+                    )
+                    peaks["queue_tokens"] = max(
+                        peaks["queue_tokens"], server.value(QUEUE_TOKENS_METRIC)
+                    )
+                    peaks["in_flight"] = max(
+                        peaks["in_flight"], server.value("embedding_server_in_flight_requests")
+                    )
                     return peaks["queue_requests"] >= 3
 
-                await asyncio.to_thread(wait_for, observe, timeout=20, interval=0.005,
-                                        what="the queue to fill")
+                await asyncio.to_thread(
+                    wait_for, observe, timeout=20, interval=0.005, what="the queue to fill"
+                )
                 return [r.status_code for r in await asyncio.gather(*tasks)]
 
         assert asyncio.run(load()) == [200] * 8
         assert peaks["queue_tokens"] >= 3 * 15 and peaks["in_flight"] >= 3
         after = httpx.get(server.url + "/metrics").text
         assert sample(after, QUEUE_REQUESTS_METRIC) == 0
-        assert sample(after, "embedding_server_requests_total",
-                      {"endpoint": "/v1/embeddings", "status": "200"}) == 8
+        assert (
+            sample(
+                after,
+                "embedding_server_requests_total",
+                {"endpoint": "/v1/embeddings", "status": "200"},
+            )
+            == 8
+        )
         assert sample(after, "embedding_server_input_tokens_total") >= 8 * 15
         assert sample(after, "embedding_server_batch_size_count") >= 8
         for stage in ("tokenize", "queue", "forward", "pool"):
             assert sample(after, "embedding_server_stage_seconds_count", {"stage": stage}) >= 8
         assert sample(after, "embedding_server_stage_seconds_sum", {"stage": "queue"}) > 0.1
-        httpx.post(server.url + "/v1/embeddings",
-                   json={"input": "x" * 100, "truncate_prompt_tokens": -1})
+        httpx.post(
+            server.url + "/v1/embeddings", json={"input": "x" * 100, "truncate_prompt_tokens": -1}
+        )
         assert server.metric("embedding_server_truncated_inputs_total") == 1

@@ -53,23 +53,26 @@ def vectors(response: object) -> np.ndarray:
     return np.array([d.embedding for d in data], dtype=np.float32)
 
 
-def test_vectors_match_sentence_transformers(client: openai.OpenAI, model_name: str,
-                                             server: RunningServer) -> None:
+def test_vectors_match_sentence_transformers(
+    client: openai.OpenAI, model_name: str, server: RunningServer
+) -> None:
     from sentence_transformers import SentenceTransformer
 
     info = server.lifecycle.engine.info()  # type: ignore[union-attr]
     reference = SentenceTransformer(info.model_path, device="cpu").encode(
-        TEXTS, normalize_embeddings=True)
-    got = vectors(client.embeddings.create(input=TEXTS, model=model_name,
-                                           encoding_format="float"))
+        TEXTS, normalize_embeddings=True
+    )
+    got = vectors(client.embeddings.create(input=TEXTS, model=model_name, encoding_format="float"))
     assert got.shape == (len(TEXTS), 384)
     np.testing.assert_allclose(got, reference, atol=2e-5)
 
 
-def test_float_and_base64_decode_to_the_same_vectors(client: openai.OpenAI,
-                                                     model_name: str) -> None:
-    as_float = vectors(client.embeddings.create(input=TEXTS, model=model_name,
-                                                encoding_format="float"))
+def test_float_and_base64_decode_to_the_same_vectors(
+    client: openai.OpenAI, model_name: str
+) -> None:
+    as_float = vectors(
+        client.embeddings.create(input=TEXTS, model=model_name, encoding_format="float")
+    )
     # The SDK asks for base64 by default and decodes it as float32 itself.
     as_base64 = vectors(client.embeddings.create(input=TEXTS, model=model_name))
     np.testing.assert_array_equal(as_float, as_base64)
@@ -77,11 +80,11 @@ def test_float_and_base64_decode_to_the_same_vectors(client: openai.OpenAI,
     np.testing.assert_allclose(norms, 1.0, atol=1e-5)
 
 
-def test_batch_keeps_input_order_and_reports_usage(client: openai.OpenAI,
-                                                   model_name: str) -> None:
+def test_batch_keeps_input_order_and_reports_usage(client: openai.OpenAI, model_name: str) -> None:
     batch = client.embeddings.create(input=TEXTS, model=model_name)
-    alone = np.concatenate([vectors(client.embeddings.create(input=t, model=model_name))
-                            for t in TEXTS])
+    alone = np.concatenate(
+        [vectors(client.embeddings.create(input=t, model=model_name)) for t in TEXTS]
+    )
     np.testing.assert_allclose(vectors(batch), alone, atol=1e-5)
     assert batch.model == model_name
     assert batch.usage.prompt_tokens == batch.usage.total_tokens > len(TEXTS) * 2
@@ -95,17 +98,20 @@ def test_dimensions_truncates_and_renormalizes(client: openai.OpenAI, model_name
     np.testing.assert_allclose(short, expected, atol=1e-5)
 
 
-def test_dimensions_the_server_does_not_allow_are_a_400(client: openai.OpenAI,
-                                                        model_name: str) -> None:
+def test_dimensions_the_server_does_not_allow_are_a_400(
+    client: openai.OpenAI, model_name: str
+) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client.embeddings.create(input="x", model=model_name, dimensions=100)
     assert caught.value.body["param"] == "dimensions"  # type: ignore[index]
 
 
-def test_token_id_inputs_embed_like_their_text(client: openai.OpenAI, model_name: str,
-                                               server: RunningServer) -> None:
-    ids = [httpx.post(server.url + "/tokenize", json={"prompt": t}).json()["tokens"]
-           for t in TEXTS[:2]]
+def test_token_id_inputs_embed_like_their_text(
+    client: openai.OpenAI, model_name: str, server: RunningServer
+) -> None:
+    ids = [
+        httpx.post(server.url + "/tokenize", json={"prompt": t}).json()["tokens"] for t in TEXTS[:2]
+    ]
     from_text = vectors(client.embeddings.create(input=TEXTS[:2], model=model_name))
     from_ids = vectors(client.embeddings.create(input=ids, model=model_name))
     np.testing.assert_allclose(from_ids, from_text, atol=1e-5)
@@ -113,8 +119,9 @@ def test_token_id_inputs_embed_like_their_text(client: openai.OpenAI, model_name
     np.testing.assert_allclose(single[0], from_text[0], atol=1e-5)
 
 
-def test_over_long_input_is_refused_naming_the_token_count(client: openai.OpenAI,
-                                                           model_name: str) -> None:
+def test_over_long_input_is_refused_naming_the_token_count(
+    client: openai.OpenAI, model_name: str
+) -> None:
     long_text = "word " * 400
     with pytest.raises(openai.BadRequestError) as caught:
         client.embeddings.create(input=["short", long_text], model=model_name)
@@ -125,29 +132,38 @@ def test_over_long_input_is_refused_naming_the_token_count(client: openai.OpenAI
 
 def test_truncation_on_request(client: openai.OpenAI, model_name: str) -> None:
     long_text = " ".join(f"w{i}" for i in range(600))
-    right = client.embeddings.create(input=long_text, model=model_name,
-                                     extra_body={"truncate_prompt_tokens": -1})
+    right = client.embeddings.create(
+        input=long_text, model=model_name, extra_body={"truncate_prompt_tokens": -1}
+    )
     assert right.usage.prompt_tokens == 256
-    left = client.embeddings.create(input=long_text, model=model_name,
-                                    extra_body={"truncate_prompt_tokens": -1,
-                                                "truncation_side": "left"})
-    short = client.embeddings.create(input=long_text, model=model_name,
-                                     extra_body={"truncate_prompt_tokens": 16})
+    left = client.embeddings.create(
+        input=long_text,
+        model=model_name,
+        extra_body={"truncate_prompt_tokens": -1, "truncation_side": "left"},
+    )
+    short = client.embeddings.create(
+        input=long_text, model=model_name, extra_body={"truncate_prompt_tokens": 16}
+    )
     assert short.usage.prompt_tokens == 16
     assert not np.allclose(vectors(right), vectors(left), atol=1e-3)
 
 
-def test_normalize_false_and_half_precision_base64(client: openai.OpenAI, model_name: str,
-                                                   server: RunningServer) -> None:
-    raw = httpx.post(server.url + "/v1/embeddings", json={
-        "input": TEXTS[0], "normalize": False, "encoding_format": "float"}).json()
+def test_normalize_false_and_half_precision_base64(
+    client: openai.OpenAI, model_name: str, server: RunningServer
+) -> None:
+    raw = httpx.post(
+        server.url + "/v1/embeddings",
+        json={"input": TEXTS[0], "normalize": False, "encoding_format": "float"},
+    ).json()
     assert abs(np.linalg.norm(raw["data"][0]["embedding"]) - 1.0) > 1e-3
     import base64
 
     full = vectors(client.embeddings.create(input=TEXTS[0], model=model_name))[0]
     for dtype, np_dtype, tol in (("float16", np.float16, 1e-3), ("bfloat16", None, 1e-2)):
-        body = httpx.post(server.url + "/v1/embeddings", json={
-            "input": TEXTS[0], "encoding_format": "base64", "embed_dtype": dtype}).json()
+        body = httpx.post(
+            server.url + "/v1/embeddings",
+            json={"input": TEXTS[0], "encoding_format": "base64", "embed_dtype": dtype},
+        ).json()
         data = base64.b64decode(body["data"][0]["embedding"])
         assert len(data) == 384 * 2
         if np_dtype is not None:
@@ -172,20 +188,42 @@ def test_models_lists_the_served_model(client: openai.OpenAI, model_name: str) -
 
 def _mixed_texts(n: int) -> list[str]:
     rng = random.Random(7)
-    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota",
-             "kappa", "lambda", "mu", "nu", "xi", "omicron", "pi", "rho", "sigma", "tau"]
-    return [" ".join(rng.choice(words) for _ in range(rng.choice((1, 2, 5, 12, 30, 90))))
-            for _ in range(n)]
+    words = [
+        "alpha",
+        "beta",
+        "gamma",
+        "delta",
+        "epsilon",
+        "zeta",
+        "eta",
+        "theta",
+        "iota",
+        "kappa",
+        "lambda",
+        "mu",
+        "nu",
+        "xi",
+        "omicron",
+        "pi",
+        "rho",
+        "sigma",
+        "tau",
+    ]
+    return [
+        " ".join(rng.choice(words) for _ in range(rng.choice((1, 2, 5, 12, 30, 90))))
+        for _ in range(n)
+    ]
 
 
 def test_concurrent_mixed_requests_each_get_their_own_vector(server: RunningServer) -> None:
     unique = _mixed_texts(40)
-    texts = [unique[(i * 7) % len(unique)] for i in range(200)]   # each text five times
+    texts = [unique[(i * 7) % len(unique)] for i in range(200)]  # each text five times
     url = server.url + "/v1/embeddings"
 
     async def embed(batch: list[str], concurrent: bool) -> list[np.ndarray]:
         limits = httpx.Limits(max_connections=256)
         async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+
             async def one(text: str) -> np.ndarray:
                 response = await http.post(url, json={"input": text})
                 assert response.status_code == 200, response.text

@@ -32,10 +32,27 @@ def test_sigterm_drains_in_flight_requests_and_exits_0() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDDING_SERVER_")}
     # 250 ms per forward pass, one sequence per pass: 6 requests take ~1.5 s to drain.
     process = subprocess.Popen(
-        [SCRIPT, "serve", "--model", "fake?delay_ms=250&max_len=64", "--port", str(port),
-         "--max-batch-tokens", "64", "--max-batch-size", "1", "--log-format", "json"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            SCRIPT,
+            "serve",
+            "--model",
+            "fake?delay_ms=250&max_len=64",
+            "--port",
+            str(port),
+            "--max-batch-tokens",
+            "64",
+            "--max-batch-size",
+            "1",
+            "--log-format",
+            "json",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
+
         def ready() -> bool:
             assert process.poll() is None, process.stdout.read() if process.stdout else ""
             try:
@@ -47,12 +64,18 @@ def test_sigterm_drains_in_flight_requests_and_exits_0() -> None:
 
         async def scenario() -> list[int]:
             async with httpx.AsyncClient(timeout=60) as http:
-                tasks = [asyncio.create_task(http.post(url + "/v1/embeddings",
-                                                       json={"input": f"request {i}"}))
-                         for i in range(6)]
+                tasks = [
+                    asyncio.create_task(
+                        http.post(url + "/v1/embeddings", json={"input": f"request {i}"})
+                    )
+                    for i in range(6)
+                ]
                 await asyncio.to_thread(
-                    wait_for, lambda: scrape(url, "embedding_server_in_flight_requests") >= 7,
-                    timeout=20, what="all six requests in flight")
+                    wait_for,
+                    lambda: scrape(url, "embedding_server_in_flight_requests") >= 7,
+                    timeout=20,
+                    what="all six requests in flight",
+                )
                 process.send_signal(signal.SIGTERM)
                 responses = await asyncio.gather(*tasks)
                 return [r.status_code for r in responses]
@@ -62,7 +85,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0() -> None:
         output = process.stdout.read() if process.stdout else ""
         assert "Traceback" not in output
         records = [json.loads(line) for line in output.splitlines() if line.strip()]
-        messages = [r["message"] for r in records]             # --log-format json: all JSON
+        messages = [r["message"] for r in records]  # --log-format json: all JSON
         assert any("draining (SIGTERM)" in m for m in messages), messages
         assert all({"ts", "level", "logger", "message"} <= set(r) for r in records)
         with pytest.raises(httpx.ConnectError):

@@ -15,12 +15,14 @@ from embedding_server.settings import ServerSettings
 SCRIPT = os.path.join(os.path.dirname(sys.executable), "embedding-server")
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None,
-            timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDDING_SERVER_")}
     full_env.update(env or {})
-    return subprocess.run([SCRIPT, *args], capture_output=True, text=True, timeout=timeout,
-                          env=full_env, check=False)
+    return subprocess.run(
+        [SCRIPT, *args], capture_output=True, text=True, timeout=timeout, env=full_env, check=False
+    )
 
 
 def serve_help() -> str:
@@ -42,21 +44,47 @@ def test_every_setting_is_a_flag_with_its_description_as_help() -> None:
         assert f"EMBEDDING_SERVER_{name.upper()}" in text
         first_words = " ".join((field.description or "").split()[:4])
         assert first_words in text, (flag, first_words)
-    for flag in ("--model", "--served-model-name", "--host", "--port", "--dtype", "--pooling",
-                 "--normalize", "--no-normalize", "--dimensions", "--max-model-len",
-                 "--max-batch-tokens", "--max-batch-size", "--max-queue-tokens", "--api-key",
-                 "--tensor-parallel-size", "--log-level", "--log-format"):
+    for flag in (
+        "--model",
+        "--served-model-name",
+        "--host",
+        "--port",
+        "--dtype",
+        "--pooling",
+        "--normalize",
+        "--no-normalize",
+        "--dimensions",
+        "--max-model-len",
+        "--max-batch-tokens",
+        "--max-batch-size",
+        "--max-queue-tokens",
+        "--api-key",
+        "--tensor-parallel-size",
+        "--log-level",
+        "--log-format",
+    ):
         assert flag in text
 
 
 def test_flags_parse_into_settings_and_win_over_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EMBEDDING_SERVER_PORT", "9001")
     monkeypatch.setenv("EMBEDDING_SERVER_MAX_BATCH_SIZE", "7")
-    settings = load_settings(["serve", "--port", "9002", "--no-normalize",
-                              "--matryoshka-dimensions", "128, 256", "--model", "fake",
-                              "--log-format", "json"])
-    assert settings.port == 9002                   # flag beats env
-    assert settings.max_batch_size == 7            # env applies where no flag was given
+    settings = load_settings(
+        [
+            "serve",
+            "--port",
+            "9002",
+            "--no-normalize",
+            "--matryoshka-dimensions",
+            "128, 256",
+            "--model",
+            "fake",
+            "--log-format",
+            "json",
+        ]
+    )
+    assert settings.port == 9002  # flag beats env
+    assert settings.max_batch_size == 7  # env applies where no flag was given
     assert settings.normalize is False
     assert settings.matryoshka_dimensions == [128, 256]
     assert settings.log_format == "json"
@@ -64,15 +92,19 @@ def test_flags_parse_into_settings_and_win_over_env(monkeypatch: pytest.MonkeyPa
     assert load_settings(["serve"]).normalize is None
 
 
-@pytest.mark.parametrize(("args", "env", "named"), [
-    (["--tensor-parallel-size", "2"], {}, "--tensor-parallel-size"),
-    (["--port", "70000"], {}, "--port"),
-    (["--dtype", "int4"], {}, "--dtype"),
-    ([], {"EMBEDDING_SERVER_MAX_BATCH_TOKENS": "lots"}, "EMBEDDING_SERVER_MAX_BATCH_TOKENS"),
-    (["--model", "/no/such/model/dir"], {}, "--model"),
-])
+@pytest.mark.parametrize(
+    ("args", "env", "named"),
+    [
+        (["--tensor-parallel-size", "2"], {}, "--tensor-parallel-size"),
+        (["--port", "70000"], {}, "--port"),
+        (["--dtype", "int4"], {}, "--dtype"),
+        ([], {"EMBEDDING_SERVER_MAX_BATCH_TOKENS": "lots"}, "EMBEDDING_SERVER_MAX_BATCH_TOKENS"),
+        (["--model", "/no/such/model/dir"], {}, "--model"),
+    ],
+)
 def test_invalid_settings_fail_with_one_line_naming_the_setting(
-        args: list[str], env: dict[str, str], named: str) -> None:
+    args: list[str], env: dict[str, str], named: str
+) -> None:
     result = run_cli("serve", *args, env=env)
     assert result.returncode == EXIT_BAD_SETTINGS
     lines = result.stderr.strip().splitlines()
@@ -98,7 +130,12 @@ def test_a_model_that_cannot_load_exits_1_with_one_clear_line() -> None:
 
 
 def test_python_dash_m_is_the_same_cli() -> None:
-    result = subprocess.run([sys.executable, "-m", "embedding_server", "serve", "--port", "0"],
-                            capture_output=True, text=True, timeout=60, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "embedding_server", "serve", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == EXIT_BAD_SETTINGS
     assert "--port" in result.stderr

@@ -37,18 +37,22 @@ async def _bring_up(lifecycle: Lifecycle) -> None:
     try:
         if lifecycle.engine is None:
             lifecycle.engine = await asyncio.to_thread(
-                Engine.from_settings, settings, metrics=lifecycle.metrics)
+                Engine.from_settings, settings, metrics=lifecycle.metrics
+            )
         await lifecycle.engine.start()
     except asyncio.CancelledError:
         raise
     except Exception as error:  # startup, not a request: one clear line, then exit 1
         logger.debug("model load failed", exc_info=True)
-        lifecycle.fail(f"could not load model {settings.model!r}: "
-                       f"{type(error).__name__}: {error}")
+        lifecycle.fail(f"could not load model {settings.model!r}: {type(error).__name__}: {error}")
         return
     lifecycle.ready = True
-    logger.info("ready: serving %r as %r (%.1f s to load and warm up)", settings.model,
-                served_model_name(settings), time.monotonic() - started)
+    logger.info(
+        "ready: serving %r as %r (%.1f s to load and warm up)",
+        settings.model,
+        served_model_name(settings),
+        time.monotonic() - started,
+    )
 
 
 def create_app(settings: ServerSettings, engine: Engine | None = None) -> FastAPI:
@@ -92,8 +96,13 @@ def create_app(settings: ServerSettings, engine: Engine | None = None) -> FastAP
     install_error_handlers(app)
     # Metrics label requests by route; anything else is "other" (bounded label cardinality).
     route_paths = [getattr(route, "path", "") for router in routers for route in router.routes]
-    app.add_middleware(RequestContextMiddleware, metrics=metrics, api_key=settings.api_key,
-                       max_request_bytes=settings.max_request_bytes, route_paths=route_paths)
+    app.add_middleware(
+        RequestContextMiddleware,
+        metrics=metrics,
+        api_key=settings.api_key,
+        max_request_bytes=settings.max_request_bytes,
+        route_paths=route_paths,
+    )
     return app
 
 

@@ -32,6 +32,7 @@ def new_id() -> str:
     """
     return f"{_ids.getrandbits(128):032x}"
 
+
 JSON_MEDIA_TYPE = "application/json"
 
 
@@ -52,7 +53,9 @@ def engine_for(request: Request, model: str | None) -> tuple[Engine, Lifecycle]:
     if model is not None and model not in lifecycle.accepted_model_names:
         raise ModelNotFoundError(
             f"The model '{model}' does not exist; this server serves "
-            f"'{lifecycle.served_model_name}'.", param="model")
+            f"'{lifecycle.served_model_name}'.",
+            param="model",
+        )
     return lifecycle.require_engine(), lifecycle
 
 
@@ -63,11 +66,13 @@ def check_input_count(lifecycle: Lifecycle, count: int, param: str) -> None:
     if count > limit:
         raise InvalidRequestError(
             f"'{param}' has {count} inputs; this server accepts at most {limit} per request.",
-            param=param)
+            param=param,
+        )
 
 
-def as_input_list(value: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]
-                  ) -> list[Any]:
+def as_input_list(
+    value: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+) -> list[Any]:
     """OpenAI's four input shapes -> a list of texts or token-id lists."""
     if isinstance(value, str):
         return [value]
@@ -105,9 +110,14 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
 def timing_headers(timings: StageTimings, tokens: int) -> dict[str, str]:
     """``x-tokenization-time``, ``x-queue-time``, ``x-inference-time`` (ms) and
     ``x-compute-tokens`` as TEI sends them, plus ``x-pooling-time`` (pool + head)."""
+
     def ms(name: str) -> str:
         return f"{float(getattr(timings, name)) * 1000.0:.3f}"
 
-    return {"x-tokenization-time": ms("tokenize"), "x-queue-time": ms("queue"),
-            "x-inference-time": ms("forward"), "x-pooling-time": ms("pool"),
-            "x-compute-tokens": str(tokens)}
+    return {
+        "x-tokenization-time": ms("tokenize"),
+        "x-queue-time": ms("queue"),
+        "x-inference-time": ms("forward"),
+        "x-pooling-time": ms("pool"),
+        "x-compute-tokens": str(tokens),
+    }

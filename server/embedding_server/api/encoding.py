@@ -54,8 +54,9 @@ def _bfloat16_bits(matrix: FloatMatrix) -> npt.NDArray[np.uint16]:
     return rounded
 
 
-def to_dtype_bytes(matrix: FloatMatrix, dtype: EmbedDtype = "float32") -> FloatMatrix | \
-        npt.NDArray[np.float16] | npt.NDArray[np.uint16]:
+def to_dtype_bytes(
+    matrix: FloatMatrix, dtype: EmbedDtype = "float32"
+) -> FloatMatrix | npt.NDArray[np.float16] | npt.NDArray[np.uint16]:
     """The matrix in the little-endian element type ``dtype`` (rows stay rows)."""
     if dtype == "float32":
         return matrix.astype("<f4", copy=False)
@@ -75,15 +76,17 @@ def base64_rows(matrix: FloatMatrix, dtype: EmbedDtype = "float32") -> list[str]
         # Rows start on 3-byte boundaries, so one encode of the whole buffer splits exactly.
         text = base64.b64encode(raw)
         step = stride // 3 * 4
-        return [text[i:i + step].decode("ascii") for i in range(0, len(text), step)]
-    return [base64.b64encode(raw[i:i + stride]).decode("ascii")
-            for i in range(0, len(raw), stride)]
+        return [text[i : i + step].decode("ascii") for i in range(0, len(text), step)]
+    return [
+        base64.b64encode(raw[i : i + stride]).decode("ascii") for i in range(0, len(raw), stride)
+    ]
 
 
 def l2_normalize(matrix: FloatMatrix) -> FloatMatrix:
     norms = np.linalg.norm(matrix, axis=1, keepdims=True)
     normalized: FloatMatrix = (matrix / np.maximum(norms, np.float32(1e-12))).astype(
-        np.float32, copy=False)
+        np.float32, copy=False
+    )
     return normalized
 
 
@@ -105,8 +108,9 @@ def binary_rows(matrix: FloatMatrix) -> npt.NDArray[np.int8]:
     return (ubinary_rows(matrix).astype(np.int16) - 128).astype(np.int8)
 
 
-def cohere_embeddings(matrix: FloatMatrix,
-                      types: Sequence[CohereEmbeddingType]) -> dict[str, object]:
+def cohere_embeddings(
+    matrix: FloatMatrix, types: Sequence[CohereEmbeddingType]
+) -> dict[str, object]:
     """The ``embeddings`` object of a Cohere v2 embed response, one key per requested type.
 
     Values are numpy arrays or lists of strings; serialize with :data:`ORJSON_OPTIONS`.

@@ -48,29 +48,48 @@ HTTP_STATUS_TABLE: Mapping[int, tuple[str, str]] = {
 }
 
 
-def error_body(message: str, error_type: str, param: str | None = None,
-               code: str | None = None) -> bytes:
-    return orjson.dumps({"error": {"message": message, "type": error_type, "param": param,
-                                   "code": code}})
+def error_body(
+    message: str, error_type: str, param: str | None = None, code: str | None = None
+) -> bytes:
+    return orjson.dumps(
+        {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+    )
 
 
-def error_response(status: int, message: str, *, error_type: str | None = None,
-                   param: str | None = None, code: str | None = None,
-                   headers: Mapping[str, str] | None = None) -> Response:
+def error_response(
+    status: int,
+    message: str,
+    *,
+    error_type: str | None = None,
+    param: str | None = None,
+    code: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> Response:
     default_type, default_code = HTTP_STATUS_TABLE.get(
-        status, ("server_error" if status >= 500 else "invalid_request_error", None))
-    return Response(error_body(message, error_type or default_type, param,
-                               code if code is not None else default_code),
-                    status_code=status, headers=dict(headers or {}),
-                    media_type="application/json")
+        status, ("server_error" if status >= 500 else "invalid_request_error", None)
+    )
+    return Response(
+        error_body(
+            message, error_type or default_type, param, code if code is not None else default_code
+        ),
+        status_code=status,
+        headers=dict(headers or {}),
+        media_type="application/json",
+    )
 
 
 def response_for(exc: EmbeddingServerError) -> Response:
     headers: dict[str, str] = {}
     if isinstance(exc, QueueFullError):
         headers["Retry-After"] = str(max(1, round(exc.retry_after)))
-    return error_response(exc.status_code, exc.message, error_type=exc.error_type,
-                          param=exc.param, code=exc.code, headers=headers)
+    return error_response(
+        exc.status_code,
+        exc.message,
+        error_type=exc.error_type,
+        param=exc.param,
+        code=exc.code,
+        headers=headers,
+    )
 
 
 def _param_of(loc: Sequence[Any]) -> str | None:
@@ -78,8 +97,7 @@ def _param_of(loc: Sequence[Any]) -> str | None:
 
     Query and header parameters are named too; a failure of the body as a whole has none.
     """
-    if len(loc) >= 2 and loc[0] in ("body", "query", "path", "header") and \
-            isinstance(loc[1], str):
+    if len(loc) >= 2 and loc[0] in ("body", "query", "path", "header") and isinstance(loc[1], str):
         return loc[1]
     return None
 
@@ -96,15 +114,18 @@ def _describe(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None, str
     if param is None:
         if kind == "missing":
             return "A JSON request body is required.", None, "missing_body"
-        return f"The request body must be a JSON object ({first.get('msg')}).", None, \
-            "invalid_body"
+        return f"The request body must be a JSON object ({first.get('msg')}).", None, "invalid_body"
     same_field = [e for e in errors if _param_of(tuple(e.get("loc", ()))) == param]
     if kind == "missing":
         return f"Missing required field '{param}'.", param, "missing_field"
     if len(same_field) > 1 and len({tuple(e["loc"][:3]) for e in same_field}) > 1:
         # A union: each accepted shape failed. Name the field and the first reason.
-        return (f"Invalid value for '{param}': it matches none of the accepted types "
-                f"({first.get('msg')}).", param, "invalid_type")
+        return (
+            f"Invalid value for '{param}': it matches none of the accepted types "
+            f"({first.get('msg')}).",
+            param,
+            "invalid_type",
+        )
     where = ".".join(str(p) for p in loc[1:])
     return f"Invalid value for '{where}': {first.get('msg')}.", param, "invalid_value"
 

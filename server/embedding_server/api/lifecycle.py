@@ -39,8 +39,12 @@ class Lifecycle:
     def __post_init__(self) -> None:
         self.served_model_name = served_model_name(self.settings)
         self.accepted_model_names = frozenset(
-            {self.served_model_name, self.settings.model,
-             *_DEFAULT_ALIASES.get(self.settings.model, ())})
+            {
+                self.served_model_name,
+                self.settings.model,
+                *_DEFAULT_ALIASES.get(self.settings.model, ()),
+            }
+        )
 
     def require_engine(self) -> Engine:
         """The engine, or 503 while it is still loading."""
@@ -51,14 +55,17 @@ class Lifecycle:
         return engine
 
     def is_ready(self) -> bool:
-        return self.ready and not self.draining and self.engine is not None and \
-            bool(getattr(self.engine, "ready", True))
+        return (
+            self.ready
+            and not self.draining
+            and self.engine is not None
+            and bool(getattr(self.engine, "ready", True))
+        )
 
     def begin_drain(self, reason: str) -> None:
         if not self.draining:
             self.draining = True
-            logger.info("draining (%s): /ready now answers 503, in-flight work continues",
-                        reason)
+            logger.info("draining (%s): /ready now answers 503, in-flight work continues", reason)
 
     def fail(self, message: str) -> None:
         """The server cannot serve: say why in one line and ask the process to exit 1."""
@@ -69,8 +76,7 @@ class Lifecycle:
             self.on_fatal()
 
 
-_DEFAULT_ALIASES = {DEFAULT_MODEL: ("sentence-transformers/all-MiniLM-L6-v2",
-                                    "all-MiniLM-L6-v2")}
+_DEFAULT_ALIASES = {DEFAULT_MODEL: ("sentence-transformers/all-MiniLM-L6-v2", "all-MiniLM-L6-v2")}
 """Names clients use for the packaged default model, all accepted in ``model``."""
 
 

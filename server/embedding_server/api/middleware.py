@@ -72,8 +72,15 @@ def _as_json(scope: Scope) -> Scope:
 class RequestContextMiddleware:
     """Request id, auth, body limit, timing, metrics and last-resort 500s (see module doc)."""
 
-    def __init__(self, app: ASGIApp, *, metrics: Metrics, api_key: str | None,
-                 max_request_bytes: int, route_paths: Iterable[str]) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        metrics: Metrics,
+        api_key: str | None,
+        max_request_bytes: int,
+        route_paths: Iterable[str],
+    ) -> None:
         self.app = app
         self.metrics = metrics
         self.api_key = api_key.encode() if api_key else None
@@ -111,35 +118,56 @@ class RequestContextMiddleware:
             else:
                 await self.app(scope, self._limited(receive), send_wrapper)
         except Exception:
-            logger.exception("unhandled error in %s %s (request id %s)", scope.get("method"),
-                             path, request_id)
+            logger.exception(
+                "unhandled error in %s %s (request id %s)", scope.get("method"), path, request_id
+            )
             if not status_holder:
-                await self._send_error(send_wrapper, 500, "The server had an error while "
-                                       f"processing the request (request id {request_id}).",
-                                       "server_error", "internal_error", ())
+                await self._send_error(
+                    send_wrapper,
+                    500,
+                    "The server had an error while "
+                    f"processing the request (request id {request_id}).",
+                    "server_error",
+                    "internal_error",
+                    (),
+                )
         finally:
             self.metrics.in_flight.dec()
             status = status_holder[0] if status_holder else 499
             self.metrics.requests.labels(endpoint, str(status)).inc()
             if logger.isEnabledFor(logging.DEBUG):
-                logger.debug("%s %s -> %d in %.1f ms", scope.get("method"), path, status,
-                             (time.perf_counter() - started) * 1000.0)
+                logger.debug(
+                    "%s %s -> %d in %.1f ms",
+                    scope.get("method"),
+                    path,
+                    status,
+                    (time.perf_counter() - started) * 1000.0,
+                )
             request_id_var.reset(token)
 
-    def _refuse(self, scope: Scope, path: str) -> tuple[int, str, str, str,
-                                                         tuple[tuple[bytes, bytes], ...]] | None:
+    def _refuse(
+        self, scope: Scope, path: str
+    ) -> tuple[int, str, str, str, tuple[tuple[bytes, bytes], ...]] | None:
         if self.api_key is not None and path not in OPEN_PATHS:
             auth = _header(scope, b"authorization") or b""
             scheme, _, key = auth.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(),
-                                                                      self.api_key):
-                return (401, "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
-                        "authentication_error", "invalid_api_key",
-                        ((b"www-authenticate", b"Bearer"),))
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.api_key):
+                return (
+                    401,
+                    "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
+                    "authentication_error",
+                    "invalid_api_key",
+                    ((b"www-authenticate", b"Bearer"),),
+                )
         length = _header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_request_bytes:
-            return (413, self._too_large_message(), "invalid_request_error",
-                    "payload_too_large", ())
+            return (
+                413,
+                self._too_large_message(),
+                "invalid_request_error",
+                "payload_too_large",
+                (),
+            )
         return None
 
     def _too_large_message(self) -> str:
@@ -161,10 +189,14 @@ class RequestContextMiddleware:
         return receive_limited
 
     @staticmethod
-    async def _send_error(send: Send, status: int, message: str, error_type: str, code: str,
-                          extra_headers: Any) -> None:
+    async def _send_error(
+        send: Send, status: int, message: str, error_type: str, code: str, extra_headers: Any
+    ) -> None:
         body = error_body(message, error_type, None, code)
-        headers = [(b"content-type", b"application/json"),
-                   (b"content-length", str(len(body)).encode()), *extra_headers]
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            *extra_headers,
+        ]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})

@@ -24,8 +24,7 @@ INPUT_TYPE_PROMPTS: Mapping[str, tuple[str, ...]] = {
 """Prompt names tried, in order, for each input_type."""
 
 
-def prompt_name_for(engine: Engine, prompt_name: str | None,
-                    input_type: str | None) -> str | None:
+def prompt_name_for(engine: Engine, prompt_name: str | None, input_type: str | None) -> str | None:
     """The prompt to apply: an explicit ``prompt_name`` wins, else the model's prompt that
     matches ``input_type``, else none (the engine's default prompt, if configured)."""
     if prompt_name is not None or input_type is None:

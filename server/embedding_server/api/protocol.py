@@ -21,8 +21,15 @@ from embedding_server.settings import TruncationSide
 TokenIds = list[Annotated[int, Field(ge=0)]]
 EmbeddingInput = str | list[str] | TokenIds | list[TokenIds]
 
-InputType = Literal["search_document", "search_query", "classification", "clustering",
-                    "query", "document", "passage"]
+InputType = Literal[
+    "search_document",
+    "search_query",
+    "classification",
+    "clustering",
+    "query",
+    "document",
+    "passage",
+]
 
 
 class _Request(BaseModel):
@@ -33,12 +40,18 @@ class _Request(BaseModel):
 
 class _TruncationOptions(BaseModel):
     truncate_prompt_tokens: int | None = Field(
-        None, ge=-1, description="Truncate each input to this many tokens; -1 means the "
-        "model's maximum. Without it an over-long input is refused with 400.")
+        None,
+        ge=-1,
+        description="Truncate each input to this many tokens; -1 means the "
+        "model's maximum. Without it an over-long input is refused with 400.",
+    )
     truncation_side: TruncationSide | None = Field(
-        None, description="Which end to cut when truncating: right (default) or left.")
-    add_special_tokens: bool = Field(True, description="Add the tokenizer's special tokens "
-                                     "(e.g. [CLS]/[SEP]) around text inputs.")
+        None, description="Which end to cut when truncating: right (default) or left."
+    )
+    add_special_tokens: bool = Field(
+        True,
+        description="Add the tokenizer's special tokens (e.g. [CLS]/[SEP]) around text inputs.",
+    )
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -51,22 +64,34 @@ class _TruncationOptions(BaseModel):
 class EmbeddingRequest(_Request, _TruncationOptions):
     """POST /v1/embeddings (OpenAI, with vLLM's extras)."""
 
-    input: EmbeddingInput = Field(description="A string, a list of strings, a list of token "
-                                  "ids, or a list of token-id lists.")
+    input: EmbeddingInput = Field(
+        description="A string, a list of strings, a list of token ids, or a list of token-id lists."
+    )
     encoding_format: Literal["float", "base64"] = Field(
-        "float", description="float: JSON numbers; base64: the raw little-endian bytes "
-        "(of embed_dtype) of each vector.")
-    dimensions: int | None = Field(None, gt=0, description="Matryoshka truncation: return "
-                                   "the first N dimensions, renormalized.")
+        "float",
+        description="float: JSON numbers; base64: the raw little-endian bytes "
+        "(of embed_dtype) of each vector.",
+    )
+    dimensions: int | None = Field(
+        None,
+        gt=0,
+        description="Matryoshka truncation: return the first N dimensions, renormalized.",
+    )
     user: str | None = Field(None, description="End-user id (accepted, unused).")
-    normalize: bool | None = Field(None, description="L2-normalize the vectors (default: "
-                                   "the server's setting).")
-    embed_dtype: EmbedDtype = Field("float32", description="Element type of base64 "
-                                    "output: float32, float16 or bfloat16.")
-    prompt_name: str | None = Field(None, description="Name of a prompt from the model's "
-                                    "sentence-transformers config to prepend.")
-    input_type: InputType | None = Field(None, description="Cohere-style task hint; selects "
-                                         "the model's matching prompt when it has one.")
+    normalize: bool | None = Field(
+        None, description="L2-normalize the vectors (default: the server's setting)."
+    )
+    embed_dtype: EmbedDtype = Field(
+        "float32", description="Element type of base64 output: float32, float16 or bfloat16."
+    )
+    prompt_name: str | None = Field(
+        None,
+        description="Name of a prompt from the model's sentence-transformers config to prepend.",
+    )
+    input_type: InputType | None = Field(
+        None,
+        description="Cohere-style task hint; selects the model's matching prompt when it has one.",
+    )
 
 
 def _float_only() -> list[CohereEmbeddingType]:
@@ -77,17 +102,24 @@ class CohereEmbedRequest(_Request):
     """POST /v2/embed (Cohere v2)."""
 
     texts: list[str] = Field(description="Texts to embed.")
-    input_type: InputType | None = Field(None, description="search_document, search_query, "
-                                         "classification or clustering; selects the model's "
-                                         "matching prompt when it has one.")
+    input_type: InputType | None = Field(
+        None,
+        description="search_document, search_query, "
+        "classification or clustering; selects the model's "
+        "matching prompt when it has one.",
+    )
     embedding_types: list[CohereEmbeddingType] = Field(
-        default_factory=_float_only, min_length=1,
-        description="Any of float, int8, uint8, binary, ubinary, base64.")
+        default_factory=_float_only,
+        min_length=1,
+        description="Any of float, int8, uint8, binary, ubinary, base64.",
+    )
     output_dimension: int | None = Field(None, gt=0, description="Matryoshka truncation.")
     truncate: Literal["END", "START", "NONE"] = Field(
-        "END", description="END/START cut over-long texts at that end; NONE refuses them.")
-    max_tokens: int | None = Field(None, gt=0, description="Truncate to this many tokens "
-                                   "(default: the model's maximum).")
+        "END", description="END/START cut over-long texts at that end; NONE refuses them."
+    )
+    max_tokens: int | None = Field(
+        None, gt=0, description="Truncate to this many tokens (default: the model's maximum)."
+    )
 
 
 class PoolingRequest(_Request, _TruncationOptions):
@@ -97,10 +129,13 @@ class PoolingRequest(_Request, _TruncationOptions):
     encoding_format: Literal["float", "base64"] = Field("float")
     embed_dtype: EmbedDtype = Field("float32")
     task: Literal["token_embed", "embed"] = Field(
-        "token_embed", description="token_embed: one vector per token; embed: the pooled "
-        "vector.")
-    normalize: bool | None = Field(None, description="L2-normalize each vector (default: "
-                                   "false for token_embed, the server setting for embed).")
+        "token_embed", description="token_embed: one vector per token; embed: the pooled vector."
+    )
+    normalize: bool | None = Field(
+        None,
+        description="L2-normalize each vector (default: "
+        "false for token_embed, the server setting for embed).",
+    )
 
 
 class ScoreRequest(_Request, _TruncationOptions):

@@ -33,8 +33,11 @@ def _truncation(body: CohereEmbedRequest) -> Truncation:
     if body.max_tokens is None:
         return base
     if base.side is None:
-        raise InvalidRequestError("max_tokens needs truncate END or START; with NONE an "
-                                  "over-long text is refused instead", param="max_tokens")
+        raise InvalidRequestError(
+            "max_tokens needs truncate END or START; with NONE an "
+            "over-long text is refused instead",
+            param="max_tokens",
+        )
     return Truncation(side=base.side, max_tokens=body.max_tokens, param="max_tokens")
 
 
@@ -43,15 +46,23 @@ async def cohere_embed(body: CohereEmbedRequest, request: Request) -> Response:
     engine, lifecycle = engine_for(request, body.model)
     check_input_count(lifecycle, len(body.texts), "texts")
     prompt_name = prompt_name_for(engine, None, body.input_type)
-    result = await cancel_on_disconnect(request, engine.aembed(
-        body.texts, dimensions=body.output_dimension, prompt_name=prompt_name,
-        truncate=_truncation(body)))
+    result = await cancel_on_disconnect(
+        request,
+        engine.aembed(
+            body.texts,
+            dimensions=body.output_dimension,
+            prompt_name=prompt_name,
+            truncate=_truncation(body),
+        ),
+    )
     content = {
         "id": new_id(),
         "embeddings": cohere_embeddings(result.embeddings, body.embedding_types),
         "texts": body.texts,
-        "meta": {"api_version": {"version": "2"},
-                 "billed_units": {"input_tokens": result.prompt_tokens}},
+        "meta": {
+            "api_version": {"version": "2"},
+            "billed_units": {"input_tokens": result.prompt_tokens},
+        },
         "response_type": "embeddings_by_type",
     }
     return json_response(content, timing_headers(result.timings, result.prompt_tokens))

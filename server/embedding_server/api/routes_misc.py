@@ -47,16 +47,27 @@ async def pooling(body: PoolingRequest, request: Request) -> Response:
     truncation = Truncation.from_openai(body.truncate_prompt_tokens, body.truncation_side)
     matrices: list[np.ndarray]
     if body.task == "embed":
-        pooled = await cancel_on_disconnect(request, engine.aembed(
-            inputs, normalize=body.normalize, truncate=truncation,
-            add_special_tokens=body.add_special_tokens))
+        pooled = await cancel_on_disconnect(
+            request,
+            engine.aembed(
+                inputs,
+                normalize=body.normalize,
+                truncate=truncation,
+                add_special_tokens=body.add_special_tokens,
+            ),
+        )
         matrices = list(pooled.embeddings)
         tokens, timings = pooled.prompt_tokens, pooled.timings
     else:
-        per_token = await cancel_on_disconnect(request, engine.aembed_tokens(
-            inputs, truncate=truncation, add_special_tokens=body.add_special_tokens))
-        matrices = [l2_normalize(as_float32(m)) if body.normalize else m
-                    for m in per_token.embeddings]
+        per_token = await cancel_on_disconnect(
+            request,
+            engine.aembed_tokens(
+                inputs, truncate=truncation, add_special_tokens=body.add_special_tokens
+            ),
+        )
+        matrices = [
+            l2_normalize(as_float32(m)) if body.normalize else m for m in per_token.embeddings
+        ]
         tokens, timings = per_token.prompt_tokens, per_token.timings
     data: list[dict[str, object]] = []
     for i, matrix in enumerate(matrices):
@@ -64,9 +75,14 @@ async def pooling(body: PoolingRequest, request: Request) -> Response:
         if body.encoding_format == "base64":
             payload = base64_rows(as_float32(matrix).reshape(1, -1), body.embed_dtype)[0]
         data.append({"index": i, "object": "pooling", "data": payload})
-    content = {"id": f"pool-{new_id()}", "object": "list", "created": int(time.time()),
-               "model": lifecycle.served_model_name, "data": data,
-               "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    content = {
+        "id": f"pool-{new_id()}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": lifecycle.served_model_name,
+        "data": data,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
     return json_response(content, timing_headers(timings, tokens))
 
 
@@ -78,13 +94,17 @@ async def score(body: ScoreRequest, request: Request) -> Response:
     check_input_count(lifecycle, count_1, "text_1")
     check_input_count(lifecycle, count_2, "text_2")
     truncation = Truncation.from_openai(body.truncate_prompt_tokens, body.truncation_side)
-    result = await cancel_on_disconnect(request, engine.ascore(
-        body.text_1, body.text_2, truncate=truncation))
+    result = await cancel_on_disconnect(
+        request, engine.ascore(body.text_1, body.text_2, truncate=truncation)
+    )
     content = {
-        "id": f"score-{new_id()}", "object": "list", "created": int(time.time()),
+        "id": f"score-{new_id()}",
+        "object": "list",
+        "created": int(time.time()),
         "model": lifecycle.served_model_name,
-        "data": [{"index": i, "object": "score", "score": float(s)}
-                 for i, s in enumerate(result.scores)],
+        "data": [
+            {"index": i, "object": "score", "score": float(s)} for i, s in enumerate(result.scores)
+        ],
         "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens},
     }
     return json_response(content, timing_headers(result.timings, result.prompt_tokens))
@@ -94,10 +114,19 @@ async def score(body: ScoreRequest, request: Request) -> Response:
 async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     engine, _ = engine_for(request, body.model)
     ids = (await engine.atokenize(body.prompt, add_special_tokens=body.add_special_tokens))[0]
-    token_strs = ([engine.detokenize([i], skip_special_tokens=False) for i in ids]
-                  if body.return_token_strs else None)
-    return json_response({"count": len(ids), "max_model_len": engine.info().max_input_tokens,
-                          "tokens": ids, "token_strs": token_strs})
+    token_strs = (
+        [engine.detokenize([i], skip_special_tokens=False) for i in ids]
+        if body.return_token_strs
+        else None
+    )
+    return json_response(
+        {
+            "count": len(ids),
+            "max_model_len": engine.info().max_input_tokens,
+            "tokens": ids,
+            "token_strs": token_strs,
+        }
+    )
 
 
 @router.post("/detokenize", tags=["vLLM"], summary="Token ids to text")
@@ -111,8 +140,11 @@ async def health() -> Response:
     return json_response({"status": "ok"})
 
 
-@router.get("/ready", tags=["Operations"],
-            summary="Readiness: 200 once the model is warmed up, 503 while loading or draining")
+@router.get(
+    "/ready",
+    tags=["Operations"],
+    summary="Readiness: 200 once the model is warmed up, 503 while loading or draining",
+)
 async def ready(request: Request) -> Response:
     lifecycle = lifecycle_of(request)
     if lifecycle.is_ready():

@@ -38,17 +38,26 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
     check_input_count(lifecycle, len(inputs), "input")
     truncation = Truncation.from_openai(body.truncate_prompt_tokens, body.truncation_side)
     prompt_name = prompt_name_for(engine, body.prompt_name, body.input_type)
-    result = await cancel_on_disconnect(request, engine.aembed(
-        inputs, dimensions=body.dimensions, normalize=body.normalize, prompt_name=prompt_name,
-        truncate=truncation, add_special_tokens=body.add_special_tokens))
+    result = await cancel_on_disconnect(
+        request,
+        engine.aembed(
+            inputs,
+            dimensions=body.dimensions,
+            normalize=body.normalize,
+            prompt_name=prompt_name,
+            truncate=truncation,
+            add_special_tokens=body.add_special_tokens,
+        ),
+    )
     matrix = result.embeddings
     rows: list[str] | list[FloatMatrix] = (
-        base64_rows(matrix, body.embed_dtype) if body.encoding_format == "base64"
-        else list(matrix))
+        base64_rows(matrix, body.embed_dtype) if body.encoding_format == "base64" else list(matrix)
+    )
     content = {
         "object": "list",
-        "data": [{"object": "embedding", "index": i, "embedding": row}
-                 for i, row in enumerate(rows)],
+        "data": [
+            {"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(rows)
+        ],
         "model": lifecycle.served_model_name,
         "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens},
     }
@@ -58,9 +67,13 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
 @router.get("/v1/models", summary="List the served model (OpenAI-compatible)")
 async def list_models(request: Request) -> Response:
     lifecycle = lifecycle_of(request)
-    entry: dict[str, object] = {"id": lifecycle.served_model_name, "object": "model",
-                                "created": _CREATED, "owned_by": "embedding-server",
-                                "root": lifecycle.settings.model}
+    entry: dict[str, object] = {
+        "id": lifecycle.served_model_name,
+        "object": "model",
+        "created": _CREATED,
+        "owned_by": "embedding-server",
+        "root": lifecycle.settings.model,
+    }
     if lifecycle.engine is not None:
         info = lifecycle.engine.info()
         entry["max_model_len"] = info.max_input_tokens
