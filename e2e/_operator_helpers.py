@@ -1,9 +1,9 @@
 """The operator under e2e test: a real ``embedding-operator run`` subprocess, least privilege.
 
-The operator runs as its own ServiceAccount bound to ``OPERATOR_RULES`` (the ClusterRole the
-Helm chart is meant to ship), through a TokenRequest kubeconfig, so every e2e test also proves
-the RBAC list complete: a missing verb shows up as a 403 in the operator's log and a test that
-never converges.
+The operator runs as the Helm chart's own ServiceAccount, bound to the chart's rendered RBAC
+(``chart_rbac``), through a TokenRequest kubeconfig, so every e2e test also proves the chart's
+rules complete: a missing verb shows up as a 403 in the operator's log and a test that never
+converges.
 
 Helpers poll with deadlines (``poll_until``) and never sleep-and-hope.
 """
@@ -34,52 +34,8 @@ EXAMPLES_DIR = REPO_ROOT / "examples"
 GROUP = "embedding-operator.dev"
 CONVERGE_TIMEOUT = 90.0
 
-# The least privilege `embedding-operator run` needs (cluster-wide watch of all namespaces).
-OPERATOR_RULES: list[dict[str, Any]] = [
-    {
-        "apiGroups": [GROUP],
-        "resources": ["embeddingservices"],
-        "verbs": ["get", "list", "watch", "patch"],
-    },
-    {"apiGroups": [GROUP], "resources": ["embeddingservices/status"], "verbs": ["get", "patch"]},
-    {"apiGroups": [GROUP], "resources": ["embeddingservices/finalizers"], "verbs": ["update"]},
-    {
-        "apiGroups": ["apps"],
-        "resources": ["deployments"],
-        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
-    },
-    {
-        "apiGroups": [""],
-        "resources": ["services", "persistentvolumeclaims"],
-        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
-    },
-    {
-        "apiGroups": ["autoscaling"],
-        "resources": ["horizontalpodautoscalers"],
-        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
-    },
-    {
-        "apiGroups": ["policy"],
-        "resources": ["poddisruptionbudgets"],
-        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
-    },
-    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]},
-    {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
-    {
-        "apiGroups": ["apiextensions.k8s.io"],
-        "resources": ["customresourcedefinitions"],
-        "verbs": ["list", "watch"],
-    },
-    {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
-]
-# Leader election, in the operator's own namespace only.
-LEASE_RULES: list[dict[str, Any]] = [
-    {
-        "apiGroups": ["coordination.k8s.io"],
-        "resources": ["leases"],
-        "verbs": ["get", "create", "update"],
-    },
-]
+CHART = REPO_ROOT / "charts" / "embedding-operator"
+CLUSTER_SCOPED_KINDS = ("ClusterRole", "ClusterRoleBinding")
 
 
 def free_port() -> int:
@@ -95,50 +51,49 @@ def operator_binary() -> str:
     return found
 
 
-def install_rbac(cluster: Cluster, namespace: str, name: str = "embedding-operator") -> Path:
-    """ServiceAccount + ClusterRole(Binding) + lease Role(Binding); a kubeconfig for it."""
-    docs: list[dict[str, Any]] = [
-        {
-            "apiVersion": "v1",
-            "kind": "ServiceAccount",
-            "metadata": {"name": name, "namespace": namespace},
-        },
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "ClusterRole",
-            "metadata": {"name": f"{name}-{namespace}"},
-            "rules": OPERATOR_RULES,
-        },
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "ClusterRoleBinding",
-            "metadata": {"name": f"{name}-{namespace}"},
-            "roleRef": {
-                "apiGroup": "rbac.authorization.k8s.io",
-                "kind": "ClusterRole",
-                "name": f"{name}-{namespace}",
-            },
-            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
-        },
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "Role",
-            "metadata": {"name": f"{name}-leases", "namespace": namespace},
-            "rules": LEASE_RULES,
-        },
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "RoleBinding",
-            "metadata": {"name": f"{name}-leases", "namespace": namespace},
-            "roleRef": {
-                "apiGroup": "rbac.authorization.k8s.io",
-                "kind": "Role",
-                "name": f"{name}-leases",
-            },
-            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
-        },
-    ]
-    cluster.apply(yaml.safe_dump_all(docs))
+def chart_rbac(
+    cluster: Cluster, namespace: str, watch_namespaces: Sequence[str] = ()
+) -> list[dict[str, Any]]:
+    """The chart's own ServiceAccount and RBAC for an operator in ``namespace``.
+
+    Rendered with ``helm template`` so the e2e operator runs with exactly the permissions users
+    install, not a copy of them. ``fullnameOverride`` keeps the names the operator defaults to
+    (ServiceAccount and Lease ``embedding-operator``); cluster-scoped objects get the namespace
+    as a suffix so the operators of several tests can coexist.
+    """
+    rendered = cluster.helm(
+        "template",
+        "embedding-operator",
+        str(CHART),
+        "--namespace",
+        namespace,
+        "--set",
+        "fullnameOverride=embedding-operator",
+        "--set-json",
+        f"watchNamespaces={json.dumps(list(watch_namespaces))}",
+        "--show-only",
+        "templates/serviceaccount.yaml",
+        "--show-only",
+        "templates/rbac.yaml",
+    ).stdout
+    docs = [doc for doc in yaml.safe_load_all(rendered) if doc]
+    for doc in docs:
+        if doc["kind"] in CLUSTER_SCOPED_KINDS:
+            doc["metadata"]["name"] += f"-{namespace}"
+        if doc["kind"] == "ClusterRoleBinding":
+            doc["roleRef"]["name"] += f"-{namespace}"
+    assert {doc["kind"] for doc in docs} >= {"ServiceAccount", "ClusterRole", "Role"}, docs
+    return docs
+
+
+def install_rbac(
+    cluster: Cluster,
+    namespace: str,
+    name: str = "embedding-operator",
+    watch_namespaces: Sequence[str] = (),
+) -> Path:
+    """Install the chart's ServiceAccount and RBAC; a TokenRequest kubeconfig for it."""
+    cluster.apply(yaml.safe_dump_all(chart_rbac(cluster, namespace, watch_namespaces)))
     cluster.wait_for_service_account(namespace, name)
     return cluster.service_account_kubeconfig(namespace, name)
 
@@ -315,12 +270,15 @@ def start_operator(
     name: str = "embedding-operator",
     extra_args: Sequence[str] = (),
     system_namespace: str | None = None,
+    watch_namespaces: Sequence[str] = (),
 ) -> OperatorProcess:
     """Install RBAC in a fresh system namespace and start one operator; wait until live."""
     namespace = system_namespace or cluster.create_namespace(
         f"embedding-operator-{secrets.token_hex(3)}"
     )
-    kubeconfig = install_rbac(cluster, namespace)
+    kubeconfig = install_rbac(cluster, namespace, watch_namespaces=watch_namespaces)
+    if watch_namespaces:
+        extra_args = [*extra_args, "--namespaces", ",".join(watch_namespaces)]
     operator = OperatorProcess(
         cluster,
         kubeconfig,

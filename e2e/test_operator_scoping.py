@@ -2,6 +2,8 @@
 
 An operator told to watch one namespace converges EmbeddingServices there and leaves those in
 other namespaces untouched (no children, no status), so several teams can each run their own.
+It runs with the chart's namespaced RBAC (``watchNamespaces``: a Role in each watched namespace,
+no cluster-wide rights on workloads), which proves that mode's rules sufficient too.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ MODEL = {"name": "sentence-transformers/all-MiniLM-L6-v2"}
 def test_watches_only_its_namespaces(cluster: Cluster, tmp_path: Path) -> None:
     mine = cluster.create_namespace(f"scoped-mine-{tmp_path.name[-6:].lower()}")
     other = cluster.create_namespace(f"scoped-other-{tmp_path.name[-6:].lower()}")
-    operator = start_operator(cluster, tmp_path, extra_args=["--namespaces", mine])
+    operator = start_operator(cluster, tmp_path, watch_namespaces=[mine])
     try:
         cluster.apply(embedding_service("outside", {"model": MODEL}), namespace=other)
         cluster.apply(embedding_service("inside", {"model": MODEL}), namespace=mine)
