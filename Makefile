@@ -55,9 +55,17 @@ e2e: $(call STAMP,dev) binaries ## Tests against a real local Kubernetes control
 binaries: $(call STAMP,dev) ## Build (or reuse from ~/.cache) etcd, kube-*, kubectl, kwok and helm
 	$(PY) e2e/build_binaries.py
 
-bench: $(call STAMP,dev) ## Benchmarks against sentence-transformers and peers (prints ratios)
-	$(PY) bench/offline.py
-	$(PY) bench/http_load.py
+# infinity-emb pins its own torch and friends: it gets a virtualenv of its own, never .venv.
+INFINITY_VENV := bench/out/infinity-venv
+
+$(INFINITY_VENV)/bin/python:
+	$(PYTHON) -m venv $(INFINITY_VENV)
+	$(INFINITY_VENV)/bin/pip install -q 'infinity-emb[all]' || echo "infinity-emb did not install: the HTTP benchmark says so and runs without it"
+
+bench: $(call STAMP,dev) binaries $(INFINITY_VENV)/bin/python ## Benchmarks against sentence-transformers and peers (prints ratios)
+	$(PY) bench/offline.py --texts 200
+	$(PY) bench/http_load.py --texts 256 --infinity-python $(INFINITY_VENV)/bin/python
+	$(PY) bench/operator.py
 
 cluster-up: $(call STAMP,dev) binaries ## Start the local control plane; prints the KUBECONFIG export
 	@$(PY) e2e/cluster.py up
