@@ -244,6 +244,27 @@ def apply_expect_refusal(
     return result
 
 
+def provide_volume(cluster: Cluster, namespace: str, claim: str, size: str) -> str:
+    """The test cluster has no provisioner: a static PV, pre-bound to the claim, stands in.
+    Returns the PV's name (PVs are cluster-scoped: the caller deletes it)."""
+    name = f"{namespace}-{claim}"[:253]
+    cluster.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": name},
+            "spec": {
+                "capacity": {"storage": size},
+                "accessModes": ["ReadWriteOnce"],
+                "storageClassName": "",
+                "claimRef": {"namespace": namespace, "name": claim},
+                "hostPath": {"path": f"/tmp/{name}"},
+            },
+        }
+    )
+    return name
+
+
 def embedding_service(name: str, spec: dict[str, Any]) -> dict[str, Any]:
     return {
         "apiVersion": f"{GROUP}/v1alpha1",

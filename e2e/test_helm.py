@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import yaml
-from _operator_helpers import free_port, get_json, wait_condition, wait_gone
+from _operator_helpers import free_port, get_json, provide_volume, wait_condition, wait_gone
 from _proc import Process, poll_until
 from cluster import Cluster
 
@@ -170,26 +170,6 @@ def start_operator(env: dict[str, str], log_path: Path) -> Process:
 
     poll_until(live, timeout=60, what="the operator's liveness endpoint")
     return process
-
-
-def provide_volume(cluster: Cluster, namespace: str, claim: str, size: str) -> str:
-    """The test cluster has no provisioner: a static PV pre-bound to the claim stands in."""
-    name = f"{namespace}-{claim}"[:253]
-    cluster.apply(
-        {
-            "apiVersion": "v1",
-            "kind": "PersistentVolume",
-            "metadata": {"name": name},
-            "spec": {
-                "capacity": {"storage": size},
-                "accessModes": ["ReadWriteOnce"],
-                "storageClassName": "",
-                "claimRef": {"namespace": namespace, "name": claim},
-                "hostPath": {"path": f"/tmp/{name}"},
-            },
-        }
-    )
-    return name
 
 
 # Every child kind the operator can create, and which example makes it.

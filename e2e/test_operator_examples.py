@@ -20,6 +20,7 @@ from _operator_helpers import (
     apply_file,
     get_json,
     pods,
+    provide_volume,
     start_operator,
     wait_condition,
 )
@@ -40,24 +41,6 @@ def operator(
     process.stop()
 
 
-def _provide_volume(cluster: Cluster, namespace: str, claim: str, size: str) -> None:
-    """The test cluster has no provisioner: a static PV, pre-bound to the claim, stands in."""
-    cluster.apply(
-        {
-            "apiVersion": "v1",
-            "kind": "PersistentVolume",
-            "metadata": {"name": f"{namespace}-{claim}"},
-            "spec": {
-                "capacity": {"storage": size},
-                "accessModes": ["ReadWriteOnce"],
-                "storageClassName": "",
-                "claimRef": {"namespace": namespace, "name": claim},
-                "hostPath": {"path": f"/tmp/{namespace}-{claim}"},
-            },
-        }
-    )
-
-
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_example_converges(
     path: Path, cluster: Cluster, namespace: str, operator: OperatorProcess
@@ -65,7 +48,7 @@ def test_example_converges(
     manifest: dict[str, Any] = yaml.safe_load(path.read_text())
     name, spec = manifest["metadata"]["name"], manifest["spec"]
     if spec.get("modelCache", {}).get("mode") == "pvc":
-        _provide_volume(cluster, namespace, f"{name}-model-cache", spec["modelCache"]["size"])
+        provide_volume(cluster, namespace, f"{name}-model-cache", spec["modelCache"]["size"])
 
     apply_file(cluster, path, namespace)
     es = wait_condition(cluster, namespace, name, "Ready", "True")
