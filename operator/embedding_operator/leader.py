@@ -136,18 +136,8 @@ class LeaderElector:
             acquire_time=str(acquired) if ours and acquired else _micro_time(self._wall()),
             transitions=int(spec.get("leaseTransitions") or 0) + (0 if ours else 1),
         )
-        manifest = {
-            "apiVersion": LEASE_API_VERSION,
-            "kind": "Lease",
-            "metadata": {
-                "name": self.config.name,
-                "namespace": self.config.namespace,
-                "resourceVersion": lease["metadata"]["resourceVersion"],
-            },
-            "spec": new_spec,
-        }
         try:
-            self._api.replace(manifest)
+            self._api.replace(self._manifest(new_spec, lease["metadata"]["resourceVersion"]))
         except ApiError as exc:
             if exc.status == 409:  # someone else wrote first
                 return False
@@ -162,6 +152,19 @@ class LeaderElector:
             )
         self._observe(new_spec, now_mono)
         return True
+
+    def _manifest(self, spec: dict[str, Any], resource_version: str) -> dict[str, Any]:
+        """Our Lease with ``spec``, conditional on ``resource_version`` (409 if it moved on)."""
+        return {
+            "apiVersion": LEASE_API_VERSION,
+            "kind": "Lease",
+            "metadata": {
+                "name": self.config.name,
+                "namespace": self.config.namespace,
+                "resourceVersion": resource_version,
+            },
+            "spec": spec,
+        }
 
     def _observe(self, spec: dict[str, Any], now_mono: float) -> None:
         record = (spec.get("holderIdentity"), spec.get("renewTime"), spec.get("leaseTransitions"))
@@ -182,18 +185,7 @@ class LeaderElector:
             spec.update(
                 holderIdentity=None, leaseDurationSeconds=1, renewTime=_micro_time(self._wall())
             )
-            self._api.replace(
-                {
-                    "apiVersion": LEASE_API_VERSION,
-                    "kind": "Lease",
-                    "metadata": {
-                        "name": self.config.name,
-                        "namespace": self.config.namespace,
-                        "resourceVersion": lease["metadata"]["resourceVersion"],
-                    },
-                    "spec": spec,
-                }
-            )
+            self._api.replace(self._manifest(spec, lease["metadata"]["resourceVersion"]))
             log.info(
                 "leader election: released lease %s/%s", self.config.namespace, self.config.name
             )
