@@ -4,7 +4,8 @@ What a user notices: a spec edit rolls out and Ready follows the new generation;
 or deleted child comes back as specified; ``kubectl scale`` works through the scale
 subresource; deleting the EmbeddingService garbage-collects every child; a bad manifest is
 refused by ``kubectl apply`` with the offending field path; what only the operator can judge
-(unknown GPU type, missing Secret) becomes a Degraded condition plus an Event.
+(unknown GPU type, missing Secret, tensor parallelism the bundled server cannot run) becomes a
+Degraded condition plus an Event.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from _proc import poll_until
 from cluster import Cluster
 
 MODEL = {"name": "sentence-transformers/all-MiniLM-L6-v2"}
+# A server image of the user's own: the operator trusts it with tensor parallelism (kwok runs
+# no containers, so it never has to exist).
+TP_IMAGE = "registry.example/embedding-server-tp:1"
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +81,7 @@ def test_spec_change_rolls_out(cluster: Cluster, namespace: str, operator: Opera
         "roll",
         {
             "spec": {
-                "server": {"dtype": "float16"},
+                "server": {"dtype": "float16", "image": TP_IMAGE},
                 "parallelism": {"tensorParallelSize": 2},
                 "replicas": 2,
             }
@@ -89,6 +93,8 @@ def test_spec_change_rolls_out(cluster: Cluster, namespace: str, operator: Opera
     args = _args(after)
     assert args[args.index("--dtype") + 1] == "float16"
     container = after["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == TP_IMAGE
+    assert args[args.index("--tensor-parallel-size") + 1] == "2"
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
     assert after["spec"]["replicas"] == 2
     assert after["metadata"]["generation"] > before["metadata"]["generation"]
@@ -312,6 +318,49 @@ def test_unknown_gpu_type_is_degraded_with_event(
     es = wait_condition(cluster, namespace, "tpu", "Ready", "True")
     degraded = next(c for c in es["status"]["conditions"] if c["type"] == "Degraded")
     assert degraded["status"] == "False"
+    assert operator.alive()
+
+
+def test_tensor_parallel_on_bundled_server_is_degraded_until_edited(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    spec = {"model": MODEL, "gpu": {"type": "h100"}, "parallelism": {"tensorParallelSize": 2}}
+    _create(cluster, namespace, "tp", spec)
+    es = wait_condition(
+        cluster, namespace, "tp", "Degraded", "True", reason="TensorParallelUnsupported"
+    )
+    degraded = next(c for c in es["status"]["conditions"] if c["type"] == "Degraded")
+    assert degraded["message"].startswith("spec.parallelism.tensorParallelSize: 2 ")
+    assert "spec.server.image" in degraded["message"]
+    ready = next(c for c in es["status"]["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "False"
+    events = poll_until(
+        lambda: _events(cluster, namespace, "tp", "TensorParallelUnsupported") or None,
+        timeout=30,
+        what="a TensorParallelUnsupported event",
+    )
+    assert events[0]["type"] == "Warning"
+    # No Deployment whose pods could only crash-loop.
+    assert get_json(cluster, "deployment", "tp", "-n", namespace) is None
+
+    # Back to one GPU per replica: the operator picks the edit up and converges.
+    _patch(cluster, namespace, "embsvc", "tp", {"spec": {"parallelism": {"tensorParallelSize": 1}}})
+    es = wait_condition(cluster, namespace, "tp", "Ready", "True")
+    degraded = next(c for c in es["status"]["conditions"] if c["type"] == "Degraded")
+    assert degraded["status"] == "False"
+    args = _args(_deployment(cluster, namespace, "tp"))
+    assert args[args.index("--tensor-parallel-size") + 1] == "1"
+
+    # Breaking the running service again leaves its Deployment serving the last good spec.
+    served = _deployment(cluster, namespace, "tp")
+    _patch(cluster, namespace, "embsvc", "tp", {"spec": {"parallelism": {"tensorParallelSize": 2}}})
+    es = wait_condition(
+        cluster, namespace, "tp", "Degraded", "True", reason="TensorParallelUnsupported"
+    )
+    still = _deployment(cluster, namespace, "tp")
+    assert still["metadata"]["generation"] == served["metadata"]["generation"]
+    assert _args(still) == _args(served)
+    assert es["status"]["readyReplicas"] == 1
     assert operator.alive()
 
 

@@ -6,7 +6,8 @@ then defaults. kopf runs in-process (``kopf.operator``) in standalone mode, unde
 leader election when ``--leader-elect`` is set (see ``leader.py`` for why not kopf peering).
 
 ``render -f es.yaml`` prints what the operator would create, from the same pure builders, with
-no cluster: for review, for diffs in CI, and to see the effect of a spec change.
+no cluster: for review, for diffs in CI, and to see the effect of a spec change. A spec the
+operator would refuse (Degraded, nothing applied) is refused here too, with the same message.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pydantic import ValidationError
 
 from embedding_operator.builders import desired_children
 from embedding_operator.builders.common import KIND, Owner, RenderInput
+from embedding_operator.builders.deployment import tensor_parallel_refusal
 from embedding_operator.profiles import GpuProfiles, ProfileConfigError, UnknownGpuTypeError
 from embedding_operator.settings import OperatorSettings
 from embedding_operator.spec import InvalidSpecError, parse_spec
@@ -148,6 +150,10 @@ def render_command(args: argparse.Namespace) -> int:
             profile=profile,
             **({"default_image": args.default_image} if args.default_image else {}),
         )
+        refusal = tensor_parallel_refusal(render)
+        if refusal is not None:
+            sys.stderr.write(f"embedding-operator: {name}: {refusal}\n")
+            return EXIT_USAGE
         for manifest in desired_children(render).present:
             if not owner.uid:  # standalone output: no owner to point at
                 manifest["metadata"].pop("ownerReferences", None)

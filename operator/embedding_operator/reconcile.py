@@ -9,10 +9,18 @@ Problems are sorted by who can fix them:
 
 * the API server refuses what it can see (schema, CEL) before we ever run;
 * what only the operator can see and only an edit can fix (unknown GPU type, a spec the schema
-  let through but the model refuses, a name conflict, a child the API server refuses) is
-  reported as ``Degraded`` plus a Warning Event, and the operator waits for the next edit;
+  let through but the model refuses, tensor parallelism the bundled server cannot run, a name
+  conflict, a child the API server refuses) is reported as ``Degraded`` plus a Warning Event,
+  and the operator waits for the next edit;
 * what may fix itself (a Secret not created yet) is reported the same way and retried with a
   growing delay by the handler layer (``Outcome.retry``).
+
+While a problem found before applying stands (invalid spec, unknown GPU type, tensor
+parallelism on the bundled server, missing Secret), no child is created, changed or deleted:
+an edit that breaks a running service (say, tensorParallelSize 1 -> 2 on the bundled server)
+leaves its Deployment on the last spec that worked, still serving, with ``Ready`` False
+because the current spec is not what runs. The edit that fixes the problem clears
+``Degraded`` and converges as usual.
 
 API errors (server down, 5xx, timeouts) propagate: the handler layer turns them into kopf
 temporary errors and kopf retries.
@@ -36,6 +44,7 @@ from embedding_operator.apply import (
 )
 from embedding_operator.builders import ChildRef, desired_children
 from embedding_operator.builders.common import API_VERSION, KIND, Owner, RenderInput
+from embedding_operator.builders.deployment import tensor_parallel_refusal
 from embedding_operator.profiles import GpuProfiles, UnknownGpuTypeError
 from embedding_operator.spec import EmbeddingServiceSpec, InvalidSpecError, parse_spec
 from embedding_operator.status import (
@@ -46,6 +55,7 @@ from embedding_operator.status import (
     INVALID_SPEC,
     READY,
     SECRET_NOT_FOUND,
+    TENSOR_PARALLEL_UNSUPPORTED,
     UNKNOWN_GPU_TYPE,
     Problem,
     compute_status,
@@ -151,7 +161,8 @@ class Reconciler:
             problem = Problem(UNKNOWN_GPU_TYPE, str(exc))
 
         if render is not None:
-            problem = self._missing_secret(owner, render.spec)
+            # A spec that can never start outranks a Secret that may still appear.
+            problem = _unstartable(render) or self._missing_secret(owner, render.spec)
         if render is not None and problem is None:
             try:
                 key = (owner.namespace, owner.name)
@@ -240,6 +251,16 @@ class Reconciler:
                 )
             elif cond["type"] == READY and cond["status"] == "True":
                 self._recorder(body, type="Normal", reason=AVAILABLE, message=cond["message"])
+
+
+def _unstartable(render: RenderInput) -> Problem | None:
+    refusal = tensor_parallel_refusal(render)
+    if refusal is None:
+        return None
+    return Problem(
+        TENSOR_PARALLEL_UNSUPPORTED,
+        f"{refusal}; until then nothing is applied and pods of an earlier spec keep running",
+    )
 
 
 def _controlled_by(obj: dict[str, Any], owner: Owner) -> bool:

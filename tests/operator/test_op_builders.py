@@ -6,7 +6,11 @@ from typing import Any
 
 import pytest
 from embedding_operator.builders import desired_children
-from embedding_operator.builders.deployment import build_deployment, server_args
+from embedding_operator.builders.deployment import (
+    build_deployment,
+    server_args,
+    tensor_parallel_refusal,
+)
 from embedding_operator.builders.hpa import build_hpa
 from embedding_operator.builders.pdb import wants_pdb
 from embedding_operator.builders.pvc import build_pvc
@@ -114,6 +118,36 @@ def test_deployment_for_gpu_profile() -> None:
     assert {"key": "dedicated", "operator": "Exists"} in pod["tolerations"]
     assert pod["priorityClassName"] == "high"
     assert _flag(container["args"], "--tensor-parallel-size") == "2"
+
+
+H100 = {"model": MODEL, "gpu": {"type": "h100"}}
+
+
+@pytest.mark.parametrize(
+    ("spec", "refused"),
+    [
+        (H100, False),
+        ({**H100, "parallelism": {"tensorParallelSize": 1}}, False),
+        ({**H100, "parallelism": {"tensorParallelSize": 4}}, True),
+        (
+            {
+                **H100,
+                "parallelism": {"tensorParallelSize": 4},
+                "server": {"image": "me/tp-server:1"},
+            },
+            False,
+        ),
+    ],
+    ids=["tp-default", "tp1", "tp4-bundled", "tp4-custom-image"],
+)
+def test_tensor_parallel_refused_only_on_the_bundled_server(
+    spec: dict[str, Any], refused: bool
+) -> None:
+    refusal = tensor_parallel_refusal(render_input(spec))
+    assert (refusal is not None) == refused
+    if refusal is not None:
+        assert refusal.startswith("spec.parallelism.tensorParallelSize: 4 ")
+        assert "spec.server.image" in refusal
 
 
 def test_deployment_for_cpu_has_no_gpu() -> None:

@@ -7,6 +7,10 @@ Choices made here, and why:
   stay defined in one place. ``--served-model-name`` is always passed so status can name it.
 * GPUs: ``<profile resource> = tensorParallelSize`` in limits (requests default to limits for
   extended resources), node selector and tolerations from the profile, then the user's.
+* Tensor parallelism: the bundled embedding-server refuses ``--tensor-parallel-size`` above 1
+  at start, so a pod running it with more would only crash-loop. ``tensor_parallel_refusal``
+  says so (the reconciler then renders nothing, ``render`` refuses); a spec that names its own
+  ``server.image`` gets the flag and the GPUs as asked, since that server may support it.
 * Probes: readiness on ``/ready`` (503 until loaded and warmed), liveness on ``/health``, and a
   startup probe on ``/ready`` with a failure budget of ``startupTimeoutSeconds`` so a slow model
   download is not killed by liveness, while a download that hangs forever is restarted.
@@ -36,6 +40,8 @@ from embedding_operator.builders.common import (
 )
 
 CONTAINER_NAME = "embedding-server"
+# The largest --tensor-parallel-size the bundled embedding-server (the default image) starts with.
+BUNDLED_SERVER_MAX_TENSOR_PARALLEL_SIZE = 1
 RUN_AS_USER = 1000
 STARTUP_PERIOD_SECONDS = 10
 API_KEY_ENV = "EMBEDDING_SERVER_API_KEY"
@@ -90,6 +96,26 @@ def server_args(render: RenderInput) -> list[str]:
         if value is not None:
             args += [flag, str(value)]
     return [*args, *srv.extra_args]
+
+
+def tensor_parallel_refusal(render: RenderInput) -> str | None:
+    """Why pods of this spec could not start, naming the field and the fix; None if they can.
+
+    Only the bundled server (``server.image`` unset, so the operator's default image runs) is
+    known to refuse tensor parallelism; a custom image is trusted to support what it is asked.
+    """
+    spec = render.spec
+    size = spec.parallelism.tensor_parallel_size
+    if spec.server.image is not None or size <= BUNDLED_SERVER_MAX_TENSOR_PARALLEL_SIZE:
+        return None
+    limit = BUNDLED_SERVER_MAX_TENSOR_PARALLEL_SIZE
+    return (
+        f"spec.parallelism.tensorParallelSize: {size} is not supported by the bundled "
+        f"embedding-server image {render.default_image!r}, which does not implement tensor "
+        f"parallelism and refuses to start with more than {limit}; set "
+        f"spec.parallelism.tensorParallelSize to {limit} (scale out with replicas instead), "
+        "or set spec.server.image to a server image that supports tensor parallelism"
+    )
 
 
 def _env(render: RenderInput) -> list[dict[str, Any]]:
