@@ -44,7 +44,7 @@ from .metrics import Metrics
 from .pooling import FloatArray, Matryoshka, PoolingMethod, build_matryoshka, finalize
 from .runner import BatchOutput, ModelRunner, SequenceInput
 from .scheduler import Scheduler, plan_offline_batches
-from .settings import DEFAULT_MODEL, EngineSettings
+from .settings import CPU_BATCH_TOKENS, DEFAULT_MODEL, GPU_BATCH_TOKENS, EngineSettings
 from .tokenization import (
     TextInput,
     TextTokenizer,
@@ -187,11 +187,22 @@ class Engine:
                 param="max_model_len",
             )
         max_len = settings.max_model_len or min(declared, positions)
-        if max_len > settings.max_batch_tokens:
+        if settings.max_batch_tokens is None:
+            default = GPU_BATCH_TOKENS if device.type == "cuda" else CPU_BATCH_TOKENS
+            self._max_batch_tokens = max(max_len, min(default, settings.max_queue_tokens))
+        else:
+            self._max_batch_tokens = settings.max_batch_tokens
+        if max_len > self._max_batch_tokens:
             raise InvalidRequestError(
-                f"max_batch_tokens={settings.max_batch_tokens} is smaller than one maximal "
+                f"max_batch_tokens={self._max_batch_tokens} is smaller than one maximal "
                 f"input ({max_len} tokens); raise it or lower max_model_len",
                 param="max_batch_tokens",
+            )
+        if settings.max_queue_tokens < self._max_batch_tokens:
+            raise InvalidRequestError(
+                f"max_queue_tokens={settings.max_queue_tokens} is smaller than one batch "
+                f"({self._max_batch_tokens} tokens)",
+                param="max_queue_tokens",
             )
         self._tokenizer = TextTokenizer(loaded.tokenizer, max_length=max_len)
 
@@ -237,7 +248,7 @@ class Engine:
 
         self._scheduler = Scheduler(
             self._run_batch,
-            max_batch_tokens=settings.max_batch_tokens,
+            max_batch_tokens=self._max_batch_tokens,
             max_batch_size=settings.max_batch_size,
             max_queue_tokens=settings.max_queue_tokens,
             metrics=metrics,
@@ -313,7 +324,7 @@ class Engine:
             full_dimensions=m.full,
             vocab_size=self._tokenizer.vocab_size,
             cpu_threads=self._runner.cpu_threads,
-            max_batch_tokens=self.settings.max_batch_tokens,
+            max_batch_tokens=self._max_batch_tokens,
             max_batch_size=self.settings.max_batch_size,
             max_queue_tokens=self.settings.max_queue_tokens,
         )
@@ -370,7 +381,7 @@ class Engine:
         max_len = self._tokenizer.max_length
         if self._device.type == "cuda":
             # Surface out-of-memory at start, not under load: fill the whole token budget.
-            n = max(1, min(self.settings.max_batch_size, self.settings.max_batch_tokens // max_len))
+            n = max(1, min(self.settings.max_batch_size, self._max_batch_tokens // max_len))
             return [SequenceInput([1] * max_len) for _ in range(n)]
         return [SequenceInput([1] * min(16, max_len)), SequenceInput([1] * min(7, max_len))]
 
@@ -464,7 +475,7 @@ class Engine:
         forward_s = pool_s = 0.0
         for chunk in plan_offline_batches(
             [len(t.ids) for t in tokenized],
-            self.settings.max_batch_tokens,
+            self._max_batch_tokens,
             self.settings.max_batch_size,
         ):
             out = self._runner.run(

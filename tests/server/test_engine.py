@@ -248,3 +248,28 @@ def test_auto_dtype_on_cpu_follows_bf16_support(cpu_flags: set[str]) -> None:
     cpu_flags.add("avx512_bf16")
     assert resolve_dtype("auto", cpu) == torch.bfloat16
     assert resolve_dtype("float16", cpu) == torch.float16
+
+
+def test_batch_budget_defaults_to_a_cache_sized_batch_on_cpu(minilm_engine: Engine) -> None:
+    from embedding_server.settings import CPU_BATCH_TOKENS
+
+    assert minilm_engine.info().device == "cpu"
+    assert minilm_engine.info().max_batch_tokens == CPU_BATCH_TOKENS
+    # never below one maximal input, however long the model's inputs may be
+    long_inputs = Engine.from_pretrained(f"fake?dim=8&max_len={CPU_BATCH_TOKENS * 2}")
+    assert long_inputs.info().max_batch_tokens == CPU_BATCH_TOKENS * 2
+    # a smaller queue budget bounds the default; an explicit value always wins
+    small_queue = Engine.from_pretrained("fake?dim=8&max_len=64", max_queue_tokens=1000)
+    assert small_queue.info().max_batch_tokens == 1000
+    explicit = Engine.from_pretrained("fake?dim=8&max_len=64", max_batch_tokens=300)
+    assert explicit.info().max_batch_tokens == 300
+
+
+def test_batch_budget_that_cannot_hold_one_input_names_the_setting() -> None:
+    with pytest.raises(InvalidRequestError) as too_small:
+        Engine.from_pretrained("fake?dim=8&max_len=512", max_batch_tokens=100)
+    assert too_small.value.param == "max_batch_tokens"
+    with pytest.raises(InvalidRequestError) as queue:
+        Engine.from_pretrained("fake?dim=8&max_len=512", max_queue_tokens=100)
+    assert queue.value.param == "max_queue_tokens"
+    assert "512" in str(queue.value)
