@@ -41,7 +41,14 @@ from .errors import InvalidRequestError, NotReadyError, UnsupportedModelError
 from .fake import is_fake, load_fake
 from .loading import LoadedModel, declared_matryoshka, load_model
 from .metrics import Metrics
-from .pooling import FloatArray, Matryoshka, PoolingMethod, build_matryoshka, finalize
+from .pooling import (
+    POOLING_METHODS,
+    FloatArray,
+    Matryoshka,
+    PoolingMethod,
+    build_matryoshka,
+    finalize,
+)
 from .runner import BatchOutput, ModelRunner, SequenceInput
 from .scheduler import Scheduler, plan_offline_batches
 from .settings import CPU_BATCH_TOKENS, DEFAULT_MODEL, GPU_BATCH_TOKENS, EngineSettings
@@ -210,8 +217,9 @@ class Engine:
             pooling: PoolingMethod = settings.pooling
         elif st.unsupported_pooling is not None:
             raise UnsupportedModelError(
-                f"the model's pooling {st.unsupported_pooling!r} is not supported; set pooling "
-                "to one of cls, mean, last to override"
+                f"{st.unsupported_pooling}. Set pooling to one of {', '.join(POOLING_METHODS)} "
+                "to serve the model with that single method instead (its vectors will then "
+                "differ from what sentence-transformers computes)"
             )
         else:
             pooling = st.pooling or loaded.default_pooling
@@ -795,6 +803,13 @@ class Engine:
         if isinstance(ids, str) or not isinstance(ids, Sequence):
             raise InvalidRequestError("tokens must be a list of integers", param="tokens")
         return self._tokenizer.detokenize(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """The tokenizer's own string for each id (``convert_ids_to_tokens``: WordPiece ``##``
+        and byte-level ``Ġ`` markers kept), as vLLM's ``/tokenize`` returns them."""
+        if isinstance(ids, str) or not isinstance(ids, Sequence):
+            raise InvalidRequestError("tokens must be a list of integers", param="tokens")
+        return self._tokenizer.token_strings(ids)
 
     def _sync(self, coroutine: Callable[[], Awaitable[T]], offline: Callable[[], T]) -> T:
         loop = self._loop

@@ -23,7 +23,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from .errors import InvalidRequestError
 from .loading import LoadedModel, SentenceTransformerConfig
 from .models.base import PackedBatch
-from .pooling import POOLING_METHODS, PoolingMethod
+from .pooling import POOLING_METHODS, PoolingMethod, parse_pooling_method
 
 FAKE_MODEL = "fake"
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
@@ -51,14 +51,11 @@ class FakeOptions:
             raise InvalidRequestError(
                 f"unknown fake-model options {sorted(unknown)}", param="model"
             )
-        pooling = fields.get("pooling", "mean")
-        if pooling not in POOLING_METHODS:
+        pooling_method = parse_pooling_method(fields.get("pooling", "mean"))
+        if pooling_method is None:
             raise InvalidRequestError(
                 f"fake pooling must be one of {POOLING_METHODS}", param="model"
             )
-        pooling_method: PoolingMethod = (
-            "cls" if pooling == "cls" else ("last" if pooling == "last" else "mean")
-        )
         try:
             return cls(
                 dim=int(fields.get("dim", 384)),

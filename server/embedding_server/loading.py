@@ -54,6 +54,7 @@ class SentenceTransformerConfig:
     present: bool = False
     pooling: PoolingMethod | None = None
     unsupported_pooling: str | None = None
+    """Why the declared pooling cannot be served (names the config file and its keys)."""
     include_prompt: bool = True
     dense: list[DenseLayer] = field(default_factory=list)
     normalize: bool = False
@@ -210,7 +211,7 @@ def read_sentence_transformers(path: Path) -> SentenceTransformerConfig:
         kind = str(module.get("type", "")).rsplit(".", 1)[-1]
         module_path = path / str(module.get("path", ""))
         if kind == "Pooling":
-            _read_pooling(st, read_json(module_path / "config.json") or {})
+            _read_pooling(st, module_path / "config.json")
         elif kind == "Dense":
             st.dense.append(_read_dense(module_path))
         elif kind == "Normalize":
@@ -223,30 +224,63 @@ def read_sentence_transformers(path: Path) -> SentenceTransformerConfig:
     return st
 
 
-def _read_pooling(st: SentenceTransformerConfig, cfg: Mapping[str, Any]) -> None:
+# sentence-transformers' legacy boolean keys, in the order it concatenates enabled modes.
+_ST_LEGACY_POOLING_KEYS = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+    "pooling_mode_lasttoken": "lasttoken",
+}
+_ST_POOLING_MODES: dict[str, PoolingMethod] = {
+    "cls": "cls",
+    "max": "max",
+    "mean": "mean",
+    "mean_sqrt_len_tokens": "mean_sqrt_len",
+    "weightedmean": "weightedmean",
+    "lasttoken": "last",
+    "last": "last",
+}
+
+
+def _read_pooling(st: SentenceTransformerConfig, config_path: Path) -> None:
+    """The Pooling module's mode, read as sentence-transformers reads it.
+
+    sentence-transformers >= 6 writes ``pooling_mode`` (a name, or a list of names that it
+    concatenates in list order); older versions write one boolean per mode
+    (``pooling_mode_mean_tokens`` ...), concatenated in a fixed order. A config naming no mode
+    means ``mean``, sentence-transformers' default. Several modes at once make one vector
+    several hidden sizes long; we serve a single method, so such a model is refused (in
+    ``unsupported_pooling``, naming the file and keys) unless the operator picks a method.
+    """
+    cfg: Mapping[str, Any] = read_json(config_path) or {}
     st.include_prompt = bool(cfg.get("include_prompt", True))
-    mode = cfg.get("pooling_mode")  # sentence-transformers >= 6: a name or a list of names
-    if isinstance(mode, str):
-        modes = [mode]
-    elif isinstance(mode, list):
-        modes = [str(m) for m in mode]
-    else:  # older: one boolean per mode
-        modes = [
-            key.removeprefix("pooling_mode_").removesuffix("_tokens").removesuffix("_token")
-            for key, value in cfg.items()
-            if key.startswith("pooling_mode_") and value
-        ]
-    mapping: dict[str, PoolingMethod] = {
-        "cls": "cls",
-        "mean": "mean",
-        "lasttoken": "last",
-        "last": "last",
-    }
-    supported = [mapping[m] for m in modes if m in mapping]
-    if len(modes) == 1 and supported:
-        st.pooling = supported[0]
-    elif modes:
-        st.unsupported_pooling = "+".join(modes)
+    mode = cfg.get("pooling_mode")
+    if isinstance(mode, str | list):
+        modes = [mode] if isinstance(mode, str) else [str(m) for m in mode]
+        source = f"pooling_mode={json.dumps(mode)}"
+    else:
+        enabled = [key for key in _ST_LEGACY_POOLING_KEYS if cfg.get(key)]
+        modes = [_ST_LEGACY_POOLING_KEYS[key] for key in enabled]
+        source = ", ".join(f"{key}=true" for key in enabled)
+    if not modes:
+        st.pooling = "mean"
+        return
+    unknown = [m for m in modes if m not in _ST_POOLING_MODES]
+    if unknown:
+        st.unsupported_pooling = (
+            f"{config_path} sets {source}: pooling mode {unknown[0]!r} is unknown "
+            f"(sentence-transformers modes: {', '.join(_ST_LEGACY_POOLING_KEYS.values())})"
+        )
+    elif len(modes) > 1:
+        st.unsupported_pooling = (
+            f"{config_path} sets {source}: sentence-transformers concatenates these "
+            f"{len(modes)} pooling modes into one vector of {len(modes)} x the hidden size, "
+            "and concatenated pooling is not supported"
+        )
+    else:
+        st.pooling = _ST_POOLING_MODES[modes[0]]
 
 
 def _read_dense(path: Path) -> DenseLayer:

@@ -1,10 +1,25 @@
 """Pooling: from per-token hidden states to one float32 vector per input.
 
-Composition as in vLLM: a *method* (cls / mean / last, over one packed sequence) and a *head*
-(float32 cast -> optional sentence-transformers Dense layers -> Matryoshka truncation ->
-L2 normalization). The method and Dense layers run inside the forward worker, per batch; the
-truncation and normalization depend on the request (``dimensions``, ``normalize``) and run
-per request in :func:`finalize`.
+Composition as in vLLM: a *method* (over one packed sequence) and a *head* (float32 cast ->
+optional sentence-transformers Dense layers -> Matryoshka truncation -> L2 normalization). The
+method and Dense layers run inside the forward worker, per batch; the truncation and
+normalization depend on the request (``dimensions``, ``normalize``) and run per request in
+:func:`finalize`.
+
+The methods are sentence-transformers' single pooling modes, with its semantics:
+
+* ``cls``: the first token (``pooling_mode_cls_token``);
+* ``last``: the last token (``pooling_mode_lasttoken``), for decoder-only embedders;
+* ``mean``: the average of the tokens (``pooling_mode_mean_tokens``);
+* ``max``: the element-wise maximum over the tokens (``pooling_mode_max_tokens``);
+* ``weightedmean``: tokens weighted by their 1-based position in the sequence, so later tokens
+  count more (``pooling_mode_weightedmean_tokens``, SGPT);
+* ``mean_sqrt_len``: the token sum divided by the square root of the token count
+  (``pooling_mode_mean_sqrt_len_tokens``).
+
+sentence-transformers can also concatenate several modes into one longer vector; we serve one
+method per model, and the loader refuses such configs rather than silently serving a
+different vector (see ``loading.py``).
 
 Matryoshka truncation renormalizes (when normalizing), like TEI and unlike Infinity: a
 truncated unit vector is no longer unit length, and cosine-by-dot-product clients rely on it.
@@ -17,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, assert_never
 
 import numpy as np
 import numpy.typing as npt
@@ -25,10 +40,25 @@ import torch
 
 from .errors import InvalidRequestError
 
-PoolingMethod = Literal["cls", "mean", "last"]
-POOLING_METHODS: tuple[PoolingMethod, ...] = ("cls", "mean", "last")
+PoolingMethod = Literal["cls", "mean", "last", "max", "weightedmean", "mean_sqrt_len"]
+POOLING_METHODS: tuple[PoolingMethod, ...] = (
+    "cls",
+    "mean",
+    "last",
+    "max",
+    "weightedmean",
+    "mean_sqrt_len",
+)
 
 FloatArray = npt.NDArray[np.float32]
+
+
+def parse_pooling_method(name: str) -> PoolingMethod | None:
+    """``name`` as a :data:`PoolingMethod`, or None when it is not one."""
+    for method in POOLING_METHODS:
+        if method == name:
+            return method
+    return None
 
 
 def pool(
@@ -37,32 +67,57 @@ def pool(
     method: PoolingMethod,
     skip: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """One float32 vector per packed sequence.
+    """One float32 vector per packed sequence of ``hidden`` (``[sum(seqlens), hidden]``).
 
-    ``skip[i]`` leading tokens of sequence i are left out of mean pooling (the prompt, for
-    models whose sentence-transformers config says ``include_prompt: false``).
+    ``skip[i]`` leading tokens of sequence i are the prompt, left out of pooling for models
+    whose sentence-transformers config says ``include_prompt: false``. As in
+    sentence-transformers, ``cls`` then takes the first token after the prompt, ``last`` is
+    unaffected, and ``weightedmean`` keeps the remaining tokens' original position weights.
+    A sequence that is all prompt (it can happen after truncation) keeps its last token for
+    the token-wise reductions, so no vector is empty.
     """
     device = hidden.device
+    count = len(seqlens)
     lens = torch.tensor(seqlens, dtype=torch.int64)
     ends = torch.cumsum(lens, 0)
     starts = ends - lens
+    prompt = torch.tensor(skip, dtype=torch.int64) if skip is not None else torch.zeros_like(lens)
     if method == "cls":
-        return hidden.index_select(0, starts.to(device)).float()
+        first = starts + torch.where(prompt < lens, prompt.clamp(min=0), 0)
+        return hidden.index_select(0, first.to(device)).float()
     if method == "last":
         return hidden.index_select(0, (ends - 1).to(device)).float()
-    seq_of_token = torch.repeat_interleave(torch.arange(len(seqlens)), lens)
-    counts = lens.clone()
-    if skip is not None and any(skip):
-        skips = torch.tensor(skip, dtype=torch.int64).clamp(max=lens - 1).clamp(min=0)
-        position = torch.arange(int(lens.sum())) - torch.repeat_interleave(starts, lens)
-        keep = position >= torch.repeat_interleave(skips, lens)
-        counts = lens - skips
-        sums = torch.zeros(len(seqlens), hidden.shape[1], dtype=torch.float32, device=device)
-        sums.index_add_(0, seq_of_token[keep].to(device), hidden[keep.to(device)].float())
-    else:
-        sums = torch.zeros(len(seqlens), hidden.shape[1], dtype=torch.float32, device=device)
-        sums.index_add_(0, seq_of_token.to(device), hidden.float())
-    return sums / counts.to(device=device, dtype=torch.float32).unsqueeze(1)
+
+    # Token-wise reductions: segment ids (and positions) of the kept tokens, then one
+    # scatter over the packed tensor.
+    dropped = prompt.clamp(min=0).minimum(lens - 1)
+    segments = torch.repeat_interleave(torch.arange(count), lens)
+    positions = torch.arange(int(lens.sum())) - torch.repeat_interleave(starts, lens)
+    values = hidden
+    if bool(dropped.any()):
+        keep = positions >= torch.repeat_interleave(dropped, lens)
+        values = hidden[keep.to(device)]
+        segments, positions = segments[keep], positions[keep]
+    kept = (lens - dropped).to(device=device, dtype=torch.float32).unsqueeze(1)
+    segments = segments.to(device)
+    width = hidden.shape[1]
+    if method == "max":
+        init = torch.full((count, width), float("-inf"), dtype=hidden.dtype, device=device)
+        index = segments.unsqueeze(1).expand(-1, width)
+        return init.scatter_reduce_(0, index, values, reduce="amax").float()
+    sums = torch.zeros(count, width, dtype=torch.float32, device=device)
+    if method == "weightedmean":
+        weights = (positions + 1).to(device=device, dtype=torch.float32).unsqueeze(1)
+        sums.index_add_(0, segments, values.float() * weights)
+        # Sum of the kept weights: positions dropped+1 .. len, in closed form.
+        total = (lens * (lens + 1) - dropped * (dropped + 1)) // 2
+        return sums / total.to(device=device, dtype=torch.float32).unsqueeze(1)
+    sums.index_add_(0, segments, values.float())
+    if method == "mean":
+        return sums / kept
+    if method == "mean_sqrt_len":
+        return sums / kept.sqrt()
+    assert_never(method)
 
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

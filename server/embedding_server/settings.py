@@ -27,7 +27,7 @@ GPU_BATCH_TOKENS = 16384
 """Default forward-pass token budget on GPU, where bigger batches keep the SMs busy."""
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
-Pooling = Literal["auto", "cls", "mean", "last"]
+Pooling = Literal["auto", "cls", "mean", "last", "max", "weightedmean", "mean_sqrt_len"]
 TruncationSide = Literal["right", "left"]
 
 
@@ -67,7 +67,10 @@ class EngineSettings(BaseSettings):
         "auto",
         description="Pooling method. auto = from the "
         "sentence-transformers config (1_Pooling), else the architecture's "
-        "default (cls for encoders, last for decoders).",
+        "default (cls for encoders, last for decoders). max = element-wise "
+        "maximum, weightedmean = mean weighted by token position, "
+        "mean_sqrt_len = token sum / sqrt(token count), as in "
+        "sentence-transformers.",
     )
     normalize: bool | None = Field(
         None,

@@ -171,6 +171,12 @@ class TextTokenizer:
         self.check_ids(ids, "tokens")
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """Each id's vocabulary string, as ``convert_ids_to_tokens`` gives it: decoding ids one
+        at a time would drop WordPiece ``##`` and byte-level BPE markers."""
+        self.check_ids(ids, "tokens")
+        return [self._tok.id_to_token(token) or "" for token in ids]
+
     def check_ids(self, ids: Sequence[int], param: str) -> None:
         for token in ids:
             if (

@@ -144,8 +144,13 @@ def add_sentence_transformers(
     default_prompt_name: str | None = None,
     include_prompt: bool = True,
     max_seq_length: int = 64,
+    name: str | None = None,
 ) -> Path:
-    """Wrap a model directory in a sentence-transformers pipeline saved next to it."""
+    """Wrap a model directory in a sentence-transformers pipeline saved next to it.
+
+    ``pooling`` is a sentence-transformers mode name, or several joined with ``+`` (which it
+    concatenates). The pipeline goes to ``<model>-st-<name or pooling>``.
+    """
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import (
         Dense,
@@ -159,7 +164,7 @@ def add_sentence_transformers(
     dim = body.get_embedding_dimension()
     modules: list[torch.nn.Module] = [
         body,
-        Pooling(dim, pooling_mode=pooling, include_prompt=include_prompt),
+        Pooling(dim, pooling_mode=tuple(pooling.split("+")), include_prompt=include_prompt),
     ]
     if dense_out is not None:
         modules.append(Dense(dim, dense_out, activation_function=torch.nn.Tanh()))
@@ -171,6 +176,6 @@ def add_sentence_transformers(
         prompts=prompts or {},
         default_prompt_name=default_prompt_name,
     )
-    out = path.parent / (path.name + f"-st-{pooling}")
+    out = path.parent / (path.name + f"-st-{name or pooling}")
     st.save(str(out))
     return out

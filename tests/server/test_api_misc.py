@@ -1,11 +1,13 @@
 """The vLLM-style extras (/pooling, /score, /tokenize, /detokenize), the probes (/health,
-/ready), /info, /v1/models and /metrics, on the fake backend."""
+/ready), /info, /v1/models and /metrics, on the fake backend (and /tokenize on the real
+all-MiniLM-L6-v2 WordPiece tokenizer)."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -14,6 +16,7 @@ import pytest
 from _api_support import RunningServer, fake_settings, running_server, sample, wait_for
 from embedding_server.api import create_app
 from embedding_server.metrics import QUEUE_REQUESTS_METRIC, QUEUE_TOKENS_METRIC
+from embedding_server.settings import ServerSettings
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -46,6 +49,20 @@ def test_pooling_returns_one_vector_per_token(server: RunningServer) -> None:
     )
 
 
+def test_weightedmean_pooling_end_to_end() -> None:
+    """/info reports the method, and /v1/embeddings is the position-weighted mean of the
+    per-token states /pooling returns, normalized."""
+    with running_server(fake_settings("fake?dim=16&pooling=weightedmean")) as running:
+        assert httpx.get(running.url + "/info").json()["pooling"] == "weightedmean"
+        texts = ["ab", "a longer input"]
+        states = [np.array(d["data"]) for d in post(running, "/pooling", {"input": texts})["data"]]
+        vectors = post(running, "/v1/embeddings", {"input": texts})["data"]
+    for state, vector in zip(states, vectors, strict=True):
+        weights = np.arange(1, len(state) + 1)[:, None]
+        want = (state * weights).sum(0) / weights.sum()
+        np.testing.assert_allclose(vector["embedding"], want / np.linalg.norm(want), atol=1e-5)
+
+
 def test_score_is_the_cosine_of_the_embeddings(server: RunningServer) -> None:
     vectors = np.array(
         [
@@ -74,6 +91,45 @@ def test_tokenize_and_detokenize_round_trip(server: RunningServer) -> None:
     assert post(server, "/detokenize", {"tokens": tokens["tokens"]})["prompt"] == "héllo"
     plain = post(server, "/tokenize", {"prompt": "héllo", "add_special_tokens": False})
     assert plain["tokens"] == tokens["tokens"][1:-1] and plain["token_strs"] is None
+
+
+def test_tokenize_token_strs_keep_byte_level_markers(server: RunningServer) -> None:
+    """Byte-level BPE: the space marker and the bytes of a multi-byte character come back as
+    the tokenizer's own strings (convert_ids_to_tokens), not as per-id decoded text."""
+    from embedding_server.fake import build_fake_tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    body = post(server, "/tokenize", {"prompt": "a é", "return_token_strs": True})
+    assert body["token_strs"] == ["<s>", "a", "Ġ", "Ã", "©", "</s>"]
+    hf = PreTrainedTokenizerFast(tokenizer_object=build_fake_tokenizer())
+    assert body["token_strs"] == hf.convert_ids_to_tokens(body["tokens"])
+
+
+def test_tokenize_token_strs_keep_wordpiece_continuations(minilm_dir: Path) -> None:
+    """On the real all-MiniLM-L6-v2: continuation pieces keep their ``##``, exactly as the
+    Hugging Face tokenizer names them."""
+    from transformers import AutoTokenizer
+
+    text = "Tokenization is unbelievably useful"
+    hf = AutoTokenizer.from_pretrained(str(minilm_dir))
+    ids = hf(text)["input_ids"]
+    want = hf.convert_ids_to_tokens(ids)
+    assert want == [
+        "[CLS]",
+        "token",
+        "##ization",
+        "is",
+        "un",
+        "##bel",
+        "##ie",
+        "##va",
+        "##bly",
+        "useful",
+        "[SEP]",
+    ]
+    with running_server(ServerSettings(max_batch_tokens=4096)) as minilm:
+        body = post(minilm, "/tokenize", {"prompt": text, "return_token_strs": True})
+    assert body["tokens"] == ids and body["token_strs"] == want
 
 
 def test_models_info_and_probes(server: RunningServer) -> None:

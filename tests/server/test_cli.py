@@ -64,6 +64,7 @@ def test_every_setting_is_a_flag_with_its_description_as_help() -> None:
         "--log-format",
     ):
         assert flag in text
+    assert "--pooling {auto,cls,mean,last,max,weightedmean,mean_sqrt_len}" in text
 
 
 def test_flags_parse_into_settings_and_win_over_env(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -81,6 +82,8 @@ def test_flags_parse_into_settings_and_win_over_env(monkeypatch: pytest.MonkeyPa
             "fake",
             "--log-format",
             "json",
+            "--pooling",
+            "mean_sqrt_len",
         ]
     )
     assert settings.port == 9002  # flag beats env
@@ -88,6 +91,7 @@ def test_flags_parse_into_settings_and_win_over_env(monkeypatch: pytest.MonkeyPa
     assert settings.normalize is False
     assert settings.matryoshka_dimensions == [128, 256]
     assert settings.log_format == "json"
+    assert settings.pooling == "mean_sqrt_len"
     assert load_settings(["serve", "--normalize"]).normalize is True
     assert load_settings(["serve"]).normalize is None
 

@@ -71,21 +71,106 @@ def test_decoder_last_token_pipeline_parity(st_qwen3_last: Path) -> None:
         assert cosines(engine.embed(TEXTS, **kwargs), st.encode(TEXTS, **kwargs)).min() >= 0.9999
 
 
-def test_pooling_override_and_unsupported_mode(st_bert_dense: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("st_mode", "method"),
+    [
+        ("max", "max"),
+        ("weightedmean", "weightedmean"),
+        ("mean_sqrt_len_tokens", "mean_sqrt_len"),
+        ("cls", "cls"),
+    ],
+)
+def test_pooling_modes_match_sentence_transformers(
+    tiny_model: Callable[[str], Path], st_mode: str, method: str
+) -> None:
+    """Each mode read from 1_Pooling and computed on packed tokens, with and without an
+    excluded prompt, for mixed lengths in one batch. No Normalize module, so the vectors'
+    lengths are compared too (mean_sqrt_len differs from mean only in length)."""
+    path = add_sentence_transformers(
+        tiny_model("bert"),
+        pooling=st_mode,
+        normalize=False,
+        include_prompt=False,
+        prompts={"query": "search query: "},
+        name=f"{st_mode}-raw",
+    )
+    engine = Engine.from_pretrained(str(path), dtype="float32")
+    assert engine.info().pooling == method and not engine.info().normalize
+    st = SentenceTransformer(str(path), device="cpu")
+    for kwargs in ({}, {"prompt_name": "query"}):
+        want = st.encode(TEXTS, **kwargs)
+        got = engine.embed(TEXTS, **kwargs)
+        assert cosines(got, want).min() >= 0.9999, kwargs
+        np.testing.assert_allclose(
+            np.linalg.norm(got, axis=1), np.linalg.norm(want, axis=1), rtol=1e-4
+        )
+
+
+def test_legacy_boolean_pooling_keys(st_bert_dense: Path, tmp_path: Path) -> None:
+    """Configs written by sentence-transformers < 6 (one boolean per mode) mean the same."""
+    shutil.copytree(st_bert_dense, tmp_path / "m")
+    pooling_cfg = tmp_path / "m" / "1_Pooling" / "config.json"
+    keys = {
+        "pooling_mode_cls_token": "cls",
+        "pooling_mode_max_tokens": "max",
+        "pooling_mode_mean_tokens": "mean",
+        "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len",
+        "pooling_mode_weightedmean_tokens": "weightedmean",
+        "pooling_mode_lasttoken": "last",
+    }
+    for key, method in keys.items():
+        cfg = {"word_embedding_dimension": 32, "include_prompt": False}
+        pooling_cfg.write_text(json.dumps(cfg | {k: k == key for k in keys}))
+        st = read_sentence_transformers(tmp_path / "m")
+        assert (st.pooling, st.unsupported_pooling, st.include_prompt) == (method, None, False)
+    pooling_cfg.write_text(json.dumps({"word_embedding_dimension": 32}))
+    assert read_sentence_transformers(tmp_path / "m").pooling == "mean"  # ST's default
+
+
+def test_concatenated_pooling_is_refused_unless_overridden(
+    tiny_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """sentence-transformers concatenates several modes into one longer vector; we serve one
+    method, so the model is refused with the file and keys named, unless pooling is set."""
+    path = add_sentence_transformers(tiny_model("bert"), pooling="cls+mean", normalize=False)
+    config = path / "1_Pooling" / "config.json"
+    assert SentenceTransformer(str(path), device="cpu").encode(["a"]).shape == (1, 64)
+    with pytest.raises(UnsupportedModelError) as err:
+        Engine.from_pretrained(str(path))
+    message = str(err.value)
+    assert str(config) in message and 'pooling_mode=["cls", "mean"]' in message
+    assert "concatenat" in message and "weightedmean" in message  # the way out
+    assert Engine.from_pretrained(str(path), pooling="mean").info().pooling == "mean"
+
+    shutil.copytree(path, tmp_path / "legacy")
+    legacy = tmp_path / "legacy" / "1_Pooling" / "config.json"
+    legacy.write_text(
+        json.dumps(
+            {
+                "word_embedding_dimension": 32,
+                "pooling_mode_cls_token": False,
+                "pooling_mode_max_tokens": True,
+                "pooling_mode_mean_tokens": True,
+            }
+        )
+    )
+    with pytest.raises(UnsupportedModelError) as err:
+        Engine.from_pretrained(str(tmp_path / "legacy"))
+    assert str(legacy) in str(err.value)
+    assert "pooling_mode_max_tokens=true, pooling_mode_mean_tokens=true" in str(err.value)
+
+    legacy.write_text(json.dumps({"pooling_mode": "attention"}))
+    with pytest.raises(UnsupportedModelError, match="'attention' is unknown"):
+        Engine.from_pretrained(str(tmp_path / "legacy"))
+
+
+def test_pooling_override(st_bert_dense: Path) -> None:
     mean = Engine.from_pretrained(str(st_bert_dense), dtype="float32", normalize=False)
     cls = Engine.from_pretrained(
         str(st_bert_dense), dtype="float32", pooling="cls", normalize=False
     )
     assert cls.info().pooling == "cls" and not cls.info().normalize
     assert not np.allclose(cls.embed(TEXTS), mean.embed(TEXTS))
-    shutil.copytree(st_bert_dense, tmp_path / "m")
-    pooling_cfg = tmp_path / "m" / "1_Pooling" / "config.json"
-    cfg = json.loads(pooling_cfg.read_text())
-    cfg["pooling_mode"] = "max"
-    pooling_cfg.write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedModelError, match="max"):
-        Engine.from_pretrained(str(tmp_path / "m"))
-    assert Engine.from_pretrained(str(tmp_path / "m"), pooling="mean").info().pooling == "mean"
 
 
 def _copy_without_weights(src: Path, dst: Path) -> dict[str, torch.Tensor]:

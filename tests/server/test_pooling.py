@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+from typing import get_args
+
 import numpy as np
 import pytest
 import torch
+from embedding_server import settings
 from embedding_server.engine import Engine
 from embedding_server.errors import InvalidRequestError
-from embedding_server.pooling import Matryoshka, build_matryoshka, finalize, pool
+from embedding_server.pooling import (
+    POOLING_METHODS,
+    Matryoshka,
+    build_matryoshka,
+    finalize,
+    pool,
+)
 
 LENS = [3, 1, 4]
 
@@ -31,6 +40,59 @@ def test_mean_pooling_can_leave_the_prompt_out(hidden: torch.Tensor) -> None:
     got = pool(hidden, LENS, "mean", skip=[2, 0, 1])
     want = torch.stack([seqs[0][2:].mean(0), seqs[1].mean(0), seqs[2][1:].mean(0)])
     torch.testing.assert_close(got, want)
+
+
+def weighted(seq: torch.Tensor, first: int = 0) -> torch.Tensor:
+    """Position-weighted mean of seq[first:], weights = 1-based positions in the sequence."""
+    weights = torch.arange(first + 1, len(seq) + 1, dtype=torch.float32).unsqueeze(1)
+    return (seq[first:] * weights).sum(0) / weights.sum()
+
+
+def test_max_weightedmean_mean_sqrt_len_on_packed_sequences(hidden: torch.Tensor) -> None:
+    seqs = torch.split(hidden.float(), LENS)
+    torch.testing.assert_close(
+        pool(hidden, LENS, "max"), torch.stack([s.max(0).values for s in seqs])
+    )
+    torch.testing.assert_close(
+        pool(hidden, LENS, "weightedmean"), torch.stack([weighted(s) for s in seqs])
+    )
+    torch.testing.assert_close(
+        pool(hidden, LENS, "mean_sqrt_len"),
+        torch.stack([s.sum(0) / len(s) ** 0.5 for s in seqs]),
+    )
+    for method in POOLING_METHODS:
+        out = pool(hidden, LENS, method)
+        assert out.shape == (3, 5) and out.dtype == torch.float32, method
+
+
+def test_every_method_leaves_the_prompt_out_as_sentence_transformers_does(
+    hidden: torch.Tensor,
+) -> None:
+    """cls reads the first token after the prompt, last is unaffected, weightedmean keeps
+    the original position weights; a sequence that is all prompt keeps its last token."""
+    seqs = torch.split(hidden.float(), LENS)
+    skip = [2, 1, 1]  # the 1-token sequence is all prompt
+    torch.testing.assert_close(
+        pool(hidden, LENS, "cls", skip), torch.stack([seqs[0][2], seqs[1][0], seqs[2][1]])
+    )
+    torch.testing.assert_close(pool(hidden, LENS, "last", skip), pool(hidden, LENS, "last"))
+    kept = [seqs[0][2:], seqs[1], seqs[2][1:]]
+    torch.testing.assert_close(
+        pool(hidden, LENS, "max", skip), torch.stack([s.max(0).values for s in kept])
+    )
+    torch.testing.assert_close(
+        pool(hidden, LENS, "mean_sqrt_len", skip),
+        torch.stack([s.sum(0) / len(s) ** 0.5 for s in kept]),
+    )
+    torch.testing.assert_close(
+        pool(hidden, LENS, "weightedmean", skip),
+        torch.stack([weighted(seqs[0], 2), weighted(seqs[1]), weighted(seqs[2], 1)]),
+    )
+
+
+def test_every_pooling_method_is_a_setting() -> None:
+    """--pooling offers exactly the methods pool() implements (plus auto)."""
+    assert get_args(settings.Pooling) == ("auto", *POOLING_METHODS)
 
 
 def test_truncation_then_renormalization() -> None:

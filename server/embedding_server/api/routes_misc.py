@@ -114,11 +114,7 @@ async def score(body: ScoreRequest, request: Request) -> Response:
 async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     engine, _ = engine_for(request, body.model)
     ids = (await engine.atokenize(body.prompt, add_special_tokens=body.add_special_tokens))[0]
-    token_strs = (
-        [engine.detokenize([i], skip_special_tokens=False) for i in ids]
-        if body.return_token_strs
-        else None
-    )
+    token_strs = engine.token_strings(ids) if body.return_token_strs else None
     return json_response(
         {
             "count": len(ids),
