@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
-Pooling = Literal["auto", "cls", "mean", "last"]
+Pooling = Literal["auto", "cls", "mean", "last", "max", "weightedmean", "mean_sqrt_len"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 QueueMetric = Literal["queueRequests", "queueTokens"]

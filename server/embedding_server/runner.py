@@ -33,7 +33,7 @@ class SequenceInput:
 
     ids: Sequence[int]
     skip: int = 0
-    """Leading (prompt) tokens left out of mean pooling."""
+    """Leading (prompt) tokens left out of pooling (every method but last)."""
     want_tokens: bool = False
     """Also return the per-token hidden states (``embed_tokens``)."""
 

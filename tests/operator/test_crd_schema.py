@@ -182,7 +182,7 @@ BAD_SPECS = {
     "tensorParallelSize": {"model": {"name": "m"}, "parallelism": {"tensorParallelSize": 3}},
     "replicas": {"model": {"name": "m"}, "replicas": -1},
     "dimensions": {"model": {"name": "m"}, "embedding": {"dimensions": 0}},
-    "pooling": {"model": {"name": "m"}, "embedding": {"pooling": "max"}},
+    "pooling": {"model": {"name": "m"}, "embedding": {"pooling": "median"}},
     "model": {"embedding": {}},
     "metric": {"model": {"name": "m"}, "autoscaling": {"metric": "cpu"}},
 }

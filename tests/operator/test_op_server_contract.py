@@ -1,0 +1,41 @@
+"""The operator's enums and rendered flags are ones the bundled server accepts.
+
+The two packages never import each other (import-linter), so this test is where a value the
+CRD admits but the server would refuse at start (a crash-looping pod) gets caught.
+"""
+
+from __future__ import annotations
+
+import typing
+
+import pytest
+from embedding_operator import spec as operator_spec
+from embedding_operator.builders.deployment import server_args
+from embedding_server import settings as server_settings
+from embedding_server.cli import load_settings
+from operator_fakes import render_input
+
+
+@pytest.mark.parametrize("name", ["Pooling", "Dtype"])
+def test_enums_agree(name: str) -> None:
+    ours = set(typing.get_args(getattr(operator_spec, name)))
+    theirs = set(typing.get_args(getattr(server_settings, name)))
+    assert ours == theirs
+
+
+@pytest.mark.parametrize("pooling", typing.get_args(operator_spec.Pooling))
+def test_every_pooling_renders_flags_the_server_parses(pooling: str) -> None:
+    args = server_args(
+        render_input(
+            {
+                "model": {"name": "hf://BAAI/bge-small-en-v1.5"},
+                "embedding": {"pooling": pooling},
+                "server": {"dtype": "float32", "maxBatchTokens": 4096},
+                "gpu": {"type": "cpu"},
+            }
+        )
+    )
+    settings = load_settings(args)
+    assert settings.pooling == pooling
+    assert settings.dtype == "float32"
+    assert settings.max_batch_tokens == 4096
