@@ -20,8 +20,8 @@ CPU_BATCH_TOKENS = 2048
 """Default forward-pass token budget on CPU. An encoder's largest activation is
 ``tokens x intermediate_size``; at 2048 tokens it stays in the last-level cache, so the
 elementwise work between matmuls (bias, GELU, residual adds, layer norm) runs from cache
-rather than DRAM. Measured with ``bench/offline.py --max-batch-tokens`` on MiniLM: 2048 is
-~1.4x the throughput of 16384, and the latency of a batch drops with it."""
+rather than DRAM. Measured with ``bench/offline.py --max-batch-tokens`` on MiniLM: 2048 gives
+1.2-1.4x the throughput of 16384 across runs, and a batch's latency drops with it."""
 
 GPU_BATCH_TOKENS = 16384
 """Default forward-pass token budget on GPU, where bigger batches keep the SMs busy."""
