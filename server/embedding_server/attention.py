@@ -16,6 +16,12 @@ which is where an encoder spends almost all of its FLOPs.
 
 The bucket plan depends only on the sequence lengths, so it is built once per batch
 (:func:`plan_attention`) and reused by every layer.
+
+Sliding-window layers (Mistral, Qwen2/Qwen3 with ``use_sliding_window``) pass ``window``, the
+keys a query may see on each side, in flash-attn's ``window_size`` convention; the model maps
+its config onto it. flash-attn gets it as ``window_size``; on the torch path only buckets
+longer than ``window + 1`` get a banded mask (built once per batch), the others cannot tell
+the difference and keep the mask-free call.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -85,6 +91,31 @@ class AttentionPlan:
 
     buckets: tuple[_Bucket, ...]
     total_tokens: int
+    device: torch.device
+    _window_masks: dict[tuple[int, int, bool], torch.Tensor] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    def window_mask(self, index: int, window: int, causal: bool) -> torch.Tensor:
+        """Bucket ``index``'s banded mask (True = attend), cached for the other layers.
+
+        Query ``i`` sees key ``j`` when ``i - window <= j``, and ``j <= i`` (causal) or
+        ``j <= i + window`` (not causal). ``[L, L]``, or ``[n, 1, L, L]`` when the bucket
+        pads its shorter sequences and attention is not causal (then padded keys are masked
+        too, and each padded query sees itself so that no row is empty).
+        """
+        key = (index, window, causal)
+        mask = self._window_masks.get(key)
+        if mask is None:
+            bucket = self.buckets[index]
+            pos = torch.arange(bucket.length, device=self.device)
+            back = pos.unsqueeze(1) - pos.unsqueeze(0)  # i - j
+            mask = (back <= window) & (back >= (0 if causal else -window))
+            if not causal and bucket.key_mask is not None:
+                diagonal = torch.eye(bucket.length, dtype=torch.bool, device=self.device)
+                mask = (mask & bucket.key_mask) | diagonal
+            self._window_masks[key] = mask
+        return mask
 
 
 def plan_attention(seqlens: Sequence[int], device: torch.device) -> AttentionPlan:
@@ -126,7 +157,7 @@ def plan_attention(seqlens: Sequence[int], device: torch.device) -> AttentionPla
                 None if same else valid[:, None, None, :].to(device),
             )
         )
-    return AttentionPlan(tuple(buckets), offset)
+    return AttentionPlan(tuple(buckets), offset, device)
 
 
 def varlen_attention(
@@ -139,15 +170,28 @@ def varlen_attention(
     causal: bool,
     plan: AttentionPlan | None = None,
     scale: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention over packed sequences.
 
     ``q``: ``[T, Hq, D]``; ``k``, ``v``: ``[T, Hkv, D]`` with ``Hq % Hkv == 0`` (grouped-query
     attention); ``cu_seqlens``: int32 ``[B+1]``. Returns ``[T, Hq, D]``. Tokens attend only
-    within their own sequence (and only backwards when ``causal``).
+    within their own sequence (and only backwards when ``causal``). With ``window`` (sliding
+    window attention), the query at position ``i`` sees only keys ``j`` with
+    ``i - window <= j <= i + window``: flash-attn's ``window_size=(window, window)``, so a
+    causal query sees ``window + 1`` keys, itself included.
     """
+    if window is not None and window < 0:
+        raise ValueError(f"attention window must be >= 0, got {window}")
+    if window is not None and window >= max_seqlen - 1:
+        window = None  # no query of this batch is far enough from any key for it to bite
     if flash_available(q):
         assert flash_attn_varlen_func is not None
+        # Passed only when it bites, so flash-attn builds without window_size (< 2.3)
+        # still serve the models and batches that do not need it.
+        extra: dict[str, Any] = {}
+        if window is not None:
+            extra["window_size"] = (window, 0 if causal else window)
         return flash_attn_varlen_func(
             q,
             k,
@@ -159,10 +203,11 @@ def varlen_attention(
             dropout_p=0.0,
             softmax_scale=scale,
             causal=causal,
+            **extra,
         )
     if plan is None:
         plan = plan_attention(torch.diff(cu_seqlens).tolist(), q.device)
-    return _sdpa_bucketed(q, k, v, plan, causal=causal, scale=scale)
+    return _sdpa_bucketed(q, k, v, plan, causal=causal, scale=scale, window=window)
 
 
 def _sdpa_bucketed(
@@ -173,14 +218,22 @@ def _sdpa_bucketed(
     *,
     causal: bool,
     scale: float | None,
+    window: int | None,
 ) -> torch.Tensor:
     heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
     rep = heads // kv_heads
+
+    def band(index: int) -> torch.Tensor | None:
+        if window is None or plan.buckets[index].length - 1 <= window:
+            return None
+        return plan.window_mask(index, window, causal)
+
     if len(plan.buckets) == 1 and plan.buckets[0].contiguous:
-        return _attend(q, k, v, plan.buckets[0], rep, causal, scale).reshape(-1, heads, dim)
+        result = _attend(q, k, v, plan.buckets[0], rep, causal, scale, band(0))
+        return result.reshape(-1, heads, dim)
     out = q.new_empty(q.shape)
-    for bucket in plan.buckets:
-        result = _attend(q, k, v, bucket, rep, causal, scale)  # [n*L, H, D]
+    for index, bucket in enumerate(plan.buckets):
+        result = _attend(q, k, v, bucket, rep, causal, scale, band(index))  # [n*L, H, D]
         if bucket.contiguous:
             out[bucket.start : bucket.start + bucket.count * bucket.length] = result
         else:
@@ -197,6 +250,7 @@ def _attend(
     rep: int,
     causal: bool,
     scale: float | None,
+    window_mask: torch.Tensor | None,
 ) -> torch.Tensor:
     n, length = bucket.count, bucket.length
     if bucket.contiguous:
@@ -212,7 +266,9 @@ def _attend(
         kb = kb.repeat_interleave(rep, dim=1)
         vb = vb.repeat_interleave(rep, dim=1)
     kwargs: dict[str, Any] = {"scale": scale}
-    if causal:
+    if window_mask is not None:
+        kwargs["attn_mask"] = window_mask  # causality and padding are folded into the band
+    elif causal:
         # Right padding: a real query at position i only sees keys <= i, all real.
         kwargs["is_causal"] = True
     elif bucket.key_mask is not None:

@@ -149,6 +149,9 @@ class EngineInfo:
     dtype: str
     device: str
     attention: str
+    sliding_window: int | None
+    """Attention window (tokens, transformers' ``sliding_window``) of the layers that slide;
+    None when every layer sees the whole input."""
     prompts: dict[str, str]
     default_prompt_name: str | None
     matryoshka: bool
@@ -325,6 +328,7 @@ class Engine:
             dtype=dtype_name(self._dtype),
             device=str(self._device),
             attention=backend_name(self._device, self._dtype),
+            sliding_window=loaded.model.sliding_window,
             prompts=dict(self._prompts),
             default_prompt_name=self._default_prompt_name,
             matryoshka=m.supported,

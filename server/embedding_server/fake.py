@@ -97,6 +97,7 @@ class FakeModel:
     """hidden[t] = E[id_t] + 0.1 * P[pos_t]: deterministic, batch-independent."""
 
     causal = False
+    sliding_window: int | None = None
     position_offset = 0
 
     def __init__(

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from _models import build_decoder
 from embedding_server import attention
 from embedding_server.engine import Engine
 from embedding_server.errors import UnsupportedModelError
@@ -73,15 +74,38 @@ def test_pooled_vectors_follow_architecture_default(
     assert engine.info().pooling == ("cls" if model_type == "bert" else "last")
 
 
+def _flash_mask(n: int, causal: bool, window_size: tuple[int, int]) -> torch.Tensor:
+    """flash-attn's documented mask for seqlen_q == seqlen_k: query i sees keys j in
+    ``[i - window_size[0], i + window_size[1]]`` (-1 = unbounded), and only j <= i if causal."""
+    i = torch.arange(n).unsqueeze(1)
+    j = torch.arange(n).unsqueeze(0)
+    left, right = window_size
+    keep = torch.ones(n, n, dtype=torch.bool)
+    if left >= 0:
+        keep &= j >= i - left
+    if right >= 0:
+        keep &= j <= i + right
+    if causal:
+        keep &= j <= i
+    return keep
+
+
 def _naive_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], causal: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lens: list[int],
+    causal: bool,
+    window: int | None = None,
 ) -> torch.Tensor:
     rep = q.shape[1] // k.shape[1]
     out, start = [], 0
+    sides = (-1, -1) if window is None else (window, window)
     for n in lens:
         qs, ks, vs = (t[start : start + n].transpose(0, 1) for t in (q, k, v))
         ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
-        out.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal).transpose(0, 1))
+        mask = _flash_mask(n, causal, sides)
+        out.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask).transpose(0, 1))
         start += n
     return torch.cat(out)
 
@@ -120,6 +144,7 @@ class _RecordingFlash:
         dropout_p: float = 0.0,
         softmax_scale: float | None = None,
         causal: bool = False,
+        window_size: tuple[int, int] = (-1, -1),
     ) -> torch.Tensor:
         self.calls.append(
             {
@@ -131,6 +156,7 @@ class _RecordingFlash:
                 "dropout": dropout_p,
                 "scale": softmax_scale,
                 "dtype": cu_seqlens_q.dtype,
+                "window_size": window_size,
             }
         )
         lens = torch.diff(cu_seqlens_q).tolist()
@@ -140,9 +166,10 @@ class _RecordingFlash:
         for n in lens:
             qs, ks, vs = (t[start : start + n].transpose(0, 1) for t in (q, k, v))
             ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
+            mask = _flash_mask(n, causal, window_size)
             out.append(
                 F.scaled_dot_product_attention(
-                    qs, ks, vs, is_causal=causal, scale=softmax_scale
+                    qs, ks, vs, attn_mask=mask, scale=softmax_scale
                 ).transpose(0, 1)
             )
             start += n
@@ -198,3 +225,174 @@ def test_unsupported_architecture_names_it_and_the_supported_list(
     assert "t5" in message and "T5EncoderModel" in message
     for supported in ("bert", "xlm-roberta", "qwen3", "llama"):
         assert supported in message
+
+
+# --- sliding-window attention (Mistral, Qwen2/Qwen3 with use_sliding_window) ---------------
+
+_WINDOW = 8
+_WINDOWED: dict[str, tuple[str, dict[str, Any]]] = {
+    # Mistral: ``sliding_window`` alone makes every layer slide.
+    "mistral": ("mistral", {"sliding_window": _WINDOW}),
+    # A bidirectional decoder: transformers' window is then |i - j| <= sliding_window.
+    "mistral-bidirectional": ("mistral", {"sliding_window": _WINDOW, "is_causal": False}),
+    # Qwen2 as older checkpoints write it (no layer_types): layers >= max_window_layers slide.
+    "qwen2-max-window-layers": (
+        "qwen2",
+        {"use_sliding_window": True, "sliding_window": _WINDOW, "max_window_layers": 1},
+    ),
+    # Newer checkpoints name each layer's kind; layer_types wins over max_window_layers.
+    "qwen2-layer-types": (
+        "qwen2",
+        {
+            "use_sliding_window": True,
+            "sliding_window": _WINDOW,
+            "max_window_layers": 1,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    ),
+    "qwen3": (
+        "qwen3",
+        {"use_sliding_window": True, "sliding_window": _WINDOW, "max_window_layers": 1},
+    ),
+    # gte-Qwen2 style: a sliding_window value that use_sliding_window leaves switched off.
+    "qwen2-window-off": (
+        "qwen2",
+        {"use_sliding_window": False, "sliding_window": _WINDOW, "max_window_layers": 0},
+    ),
+}
+
+
+@pytest.fixture(scope="session")
+def windowed_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """Factory: a tiny decoder per ``_WINDOWED`` variant, built once per session."""
+    root = tmp_path_factory.mktemp("windowed-models")
+    cache: dict[str, Path] = {}
+
+    def get(variant: str) -> Path:
+        if variant not in cache:
+            model_type, overrides = _WINDOWED[variant]
+            path = build_decoder(root / variant, model_type, **overrides)
+            config = json.loads((path / "config.json").read_text())
+            if variant == "qwen2-max-window-layers":
+                del config["layer_types"]  # transformers derives it from max_window_layers
+                (path / "config.json").write_text(json.dumps(config))
+            cache[variant] = path
+        return cache[variant]
+
+    return get
+
+
+def _windowed_sequences(vocab_size: int) -> list[list[int]]:
+    """Random ids ending in EOS: shorter than, equal to, one past, and far past the window
+    (two of length 9 share a bucket)."""
+    generator = torch.Generator().manual_seed(7)
+    lens = [1, 4, _WINDOW, _WINDOW + 1, _WINDOW + 1, _WINDOW + 2, 16, 17, 33, 61]
+    return [
+        [*torch.randint(3, vocab_size, (n - 1,), generator=generator).tolist(), 2] for n in lens
+    ]
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0.5])  # exact-length buckets / padded buckets
+@pytest.mark.parametrize("variant", list(_WINDOWED))
+def test_sliding_window_matches_transformers(
+    windowed_model: Callable[[str], Path],
+    variant: str,
+    ratio: float,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One packed batch mixing inputs shorter and longer than the window: every token state
+    and every last-token vector equals transformers running each input alone."""
+    monkeypatch.setattr(attention, "_BUCKET_RATIO", ratio)
+    path = windowed_model(variant)
+    engine = Engine.from_pretrained(str(path), dtype="float32", normalize=False)
+    seqs = _windowed_sequences(engine.info().vocab_size)
+    expected = _reference_states(path, seqs)
+    for seq, got, want in zip(seqs, engine.embed_tokens(seqs), expected, strict=True):
+        assert got.shape == want.shape == (len(seq), engine.info().hidden_size)
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
+    pooled = engine.embed(seqs)
+    np.testing.assert_allclose(pooled, np.stack([s[-1] for s in expected]), atol=2e-5, rtol=1e-4)
+    assert engine.info().sliding_window == (None if variant == "qwen2-window-off" else _WINDOW)
+
+
+def test_info_reports_no_window_for_full_attention_models(
+    tiny_model: Callable[[str], Path],
+) -> None:
+    for model_type in ("bert", "llama"):
+        engine = Engine.from_pretrained(str(tiny_model(model_type)), dtype="float32")
+        assert engine.info().sliding_window is None
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0.5])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [0, 1, 3, 8, 16])
+def test_windowed_bucketed_attention_equals_per_sequence(
+    window: int, causal: bool, ratio: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``window`` keys each side (flash-attn's window_size convention), per bucket."""
+    monkeypatch.setattr(attention, "_BUCKET_RATIO", ratio)
+    torch.manual_seed(0)
+    lens = [1, 9, 3, 9, 17, 16, 2, 4, 4]
+    total = sum(lens)
+    q = torch.randn(total, 4, 8)
+    k, v = torch.randn(total, 2, 8), torch.randn(total, 2, 8)
+    cu = torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int32)
+    got = attention.varlen_attention(
+        q, k, v, cu_seqlens=cu, max_seqlen=max(lens), causal=causal, window=window
+    )
+    want = _naive_attention(q, k, v, lens, causal, window)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_window_masks_only_the_buckets_it_can_bite(
+    causal: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Buckets no longer than the window + 1 keep the mask-free SDPA call."""
+    calls: list[tuple[int, bool]] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append((args[0].shape[2], kwargs.get("attn_mask") is not None))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    lens = [2, 4, 4, 5, 6, 9]  # sorted like the runner packs them: contiguous buckets
+    total = sum(lens)
+    q, k, v = torch.randn(total, 2, 8), torch.randn(total, 2, 8), torch.randn(total, 2, 8)
+    cu = torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int32)
+    attention.varlen_attention(q, k, v, cu_seqlens=cu, max_seqlen=9, causal=causal, window=4)
+    assert sorted(calls) == [(2, False), (4, False), (5, False), (6, True), (9, True)]
+
+
+@pytest.mark.parametrize(
+    ("variant", "window_sizes"),
+    [
+        ("mistral", [(_WINDOW - 1, 0)] * 2),
+        ("mistral-bidirectional", [(_WINDOW, _WINDOW)] * 2),
+        ("qwen2-max-window-layers", [(-1, -1), (_WINDOW - 1, 0)]),
+        ("qwen2-layer-types", [(_WINDOW - 1, 0), (-1, -1)]),
+        ("qwen2-window-off", [(-1, -1)] * 2),
+    ],
+)
+def test_flash_attn_gets_the_sliding_window(
+    windowed_model: Callable[[str], Path],
+    variant: str,
+    window_sizes: list[tuple[int, int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sliding layers hand flash-attn the window as ``window_size=(left, right)``, with the
+    boundary transformers uses; a batch the window cannot bite gets the plain call."""
+    engine = Engine.from_pretrained(str(windowed_model(variant)), dtype="float32")
+    seqs = _windowed_sequences(engine.info().vocab_size)
+    baseline = engine.embed_tokens(seqs)
+    fake_flash = _RecordingFlash()
+    monkeypatch.setattr(attention, "flash_attn_varlen_func", fake_flash)
+    monkeypatch.setattr(attention, "flash_available", lambda tensor: True)
+    flashed = engine.embed_tokens(seqs)
+    assert [call["window_size"] for call in fake_flash.calls] == window_sizes
+    for got, want in zip(flashed, baseline, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    fake_flash.calls.clear()
+    engine.embed_tokens([s for s in seqs if len(s) <= _WINDOW])
+    assert [call["window_size"] for call in fake_flash.calls] == [(-1, -1)] * 2

@@ -67,6 +67,8 @@ class EmbeddingModel(Protocol):
     """Added to 0-based positions before the position embedding (RoBERTa: padding_idx + 1)."""
     max_positions: int
     """Longest sequence the position encoding supports."""
+    sliding_window: int | None
+    """The config's ``sliding_window`` when some layers attend only that far; else None."""
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         """Final hidden states ``[T, hidden]`` in the model dtype."""

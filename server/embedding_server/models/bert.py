@@ -52,6 +52,7 @@ class BertModel:
     """A BERT/RoBERTa/XLM-R encoder body for packed batches."""
 
     causal = False
+    sliding_window: int | None = None
 
     def __init__(
         self,

@@ -8,10 +8,12 @@ switches, kept as data here rather than as four copies of the code:
 * Qwen2: biases on the q/k/v projections;
 * Qwen3: RMSNorm over each head of q and k before RoPE (``q_norm`` / ``k_norm``) and an
   explicit ``head_dim``;
-* Llama/Mistral: ``attention_bias`` flag (usually false).
-
-Mistral's sliding window is not applied: embedding inputs are far shorter than the window
-(4096) in every published embedder; longer inputs are refused by ``max_model_len``.
+* Llama/Mistral: ``attention_bias`` flag (usually false);
+* sliding-window attention (:func:`sliding_windows`): every Mistral layer when
+  ``sliding_window`` is set (e5-mistral, SFR-Embedding-Mistral, Linq-Embed-Mistral: 4096);
+  Qwen2/Qwen3 layers picked by ``layer_types`` or ``max_window_layers`` when
+  ``use_sliding_window`` is on. An input longer than the window gets the vectors transformers
+  computes, not full-attention ones.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from .base import PackedBatch, config_get, strip_prefix, take
 
 @dataclass
 class _Layer:
+    window: int | None  # attention window in varlen_attention's convention; None = full
     in_norm: torch.Tensor
     qkv_w: torch.Tensor
     qkv_b: torch.Tensor | None
@@ -81,6 +84,57 @@ def rope_inv_freq(config: Mapping[str, Any], head_dim: int) -> torch.Tensor:
     )
 
 
+# Defaults transformers' configuration classes apply when config.json omits the key.
+_DEFAULT_SLIDING_WINDOW = 4096
+_DEFAULT_MAX_WINDOW_LAYERS = 28
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def sliding_windows(config: Mapping[str, Any]) -> list[int | None]:
+    """Each layer's ``sliding_window`` (tokens), None for full attention; as transformers
+    reads the config.
+
+    * Mistral: ``sliding_window`` (4096 when absent, off when null) applies to every layer;
+      Mistral ignores ``layer_types``.
+    * Qwen2 / Qwen3: nothing slides unless ``use_sliding_window``; then the layers whose
+      ``layer_types`` entry is ``sliding_attention`` do, or, in configs written before
+      ``layer_types`` existed, layers ``>= max_window_layers`` (default 28).
+    * Llama: no sliding window.
+
+    transformers masks a causal query ``i`` to keys ``i - sliding_window < j <= i`` (the
+    window counts the query itself); a bidirectional (``is_causal: false``) one to
+    ``|i - j| <= sliding_window``.
+    """
+    model_type = str(config.get("model_type", "llama"))
+    layers = int(config["num_hidden_layers"])
+    if model_type == "mistral":
+        window = config.get("sliding_window", _DEFAULT_SLIDING_WINDOW)
+        sliding = [True] * layers
+    elif model_type in ("qwen2", "qwen3"):
+        if not config.get("use_sliding_window", False):
+            return [None] * layers
+        window = config.get("sliding_window", _DEFAULT_SLIDING_WINDOW)
+        types = config.get("layer_types")
+        if types is None:
+            first = int(config.get("max_window_layers", _DEFAULT_MAX_WINDOW_LAYERS))
+            sliding = [i >= first for i in range(layers)]
+        else:
+            unknown = sorted({str(t) for t in types} - set(_LAYER_TYPES))
+            if unknown or len(types) != layers:
+                raise UnsupportedModelError(
+                    f"{model_type} layer_types must name each of the {layers} layers as one "
+                    f"of {', '.join(_LAYER_TYPES)}; got {list(types)!r}"
+                )
+            sliding = [t == "sliding_attention" for t in types]
+    else:
+        return [None] * layers
+    if window is None:
+        return [None] * layers
+    if int(window) < 1:
+        raise UnsupportedModelError(f"{model_type} sliding_window must be >= 1, got {window!r}")
+    return [int(window) if slides else None for slides in sliding]
+
+
 class LlamaModel:
     """Llama / Mistral / Qwen2 / Qwen3 body for packed batches (causal by default)."""
 
@@ -110,6 +164,8 @@ class LlamaModel:
         self.scale = 1.0 / math.sqrt(self.head_dim)
         # Some embedders (gte-Qwen2 variants) declare bidirectional attention.
         self.causal = bool(config.get("is_causal", True))
+        windows = sliding_windows(config)
+        self.sliding_window = next((w for w in windows if w is not None), None)
         self.dtype, self.device = dtype, device
         self.max_positions = int(config.get("max_position_embeddings", 32768))
         self.inv_freq = rope_inv_freq(config, self.head_dim).to(device)
@@ -134,8 +190,12 @@ class LlamaModel:
                 if qkv_bias
                 else None
             )
+            window = windows[i]
             self.layers.append(
                 _Layer(
+                    # transformers' causal window counts the query itself (i - j < window);
+                    # its bidirectional one reaches window tokens each side (|i - j| <= window).
+                    window=None if window is None else window - 1 if self.causal else window,
                     in_norm=get(p + "input_layernorm.weight"),
                     qkv_w=qkv_w,
                     qkv_b=qkv_b,
@@ -188,6 +248,7 @@ class LlamaModel:
                 causal=self.causal,
                 plan=plan,
                 scale=self.scale,
+                window=layer.window,
             )
             x = x + F.linear(attn.reshape(t, hq * d), layer.o_w)
             h = rms_norm(x, layer.post_norm, self.eps)
