@@ -61,6 +61,26 @@ def test_malformed_json_is_a_400(server: RunningServer, raw: bytes) -> None:
         ("/v1/embeddings", {"input": "a", "dimensions": 0}, "dimensions"),
         ("/v1/embeddings", {"input": "a", "encoding_format": "hex"}, "encoding_format"),
         ("/v1/embeddings", {"input": "a", "embed_dtype": "int4"}, "embed_dtype"),
+        ("/v1/embeddings", {"input": "a", "encoding_format": "binary"}, "encoding_format"),
+        (
+            "/v1/embeddings",
+            {"input": "a", "encoding_format": "bytes", "embed_dtype": "fp8"},
+            "embed_dtype",
+        ),
+        (
+            "/v1/embeddings",
+            {"input": "a", "encoding_format": "bytes", "endianness": "middle"},
+            "endianness",
+        ),
+        # The binary options mean nothing with JSON numbers: refused, not ignored.
+        ("/v1/embeddings", {"input": "a", "embed_dtype": "float16"}, "embed_dtype"),
+        (
+            "/v1/embeddings",
+            {"input": "a", "encoding_format": "float", "embed_dtype": "fp8_e4m3"},
+            "embed_dtype",
+        ),
+        ("/v1/embeddings", {"input": "a", "endianness": "big"}, "endianness"),
+        ("/v1/embeddings", {"input": "a", "endianness": 1}, "endianness"),
         ("/v1/embeddings", {"input": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
         ("/v1/embeddings", {"input": "a", "truncation_side": "middle"}, "truncation_side"),
         ("/v1/embeddings", {"input": "a", "normalize": "perhaps"}, "normalize"),
@@ -73,6 +93,10 @@ def test_malformed_json_is_a_400(server: RunningServer, raw: bytes) -> None:
         ("/tokenize", {"prompt": ["a"]}, "prompt"),
         ("/detokenize", {"tokens": "abc"}, "tokens"),
         ("/pooling", {"input": "a", "task": "classify"}, "task"),
+        ("/pooling", {"input": "a", "embed_dtype": "bfloat16"}, "embed_dtype"),
+        ("/pooling", {"input": "a", "endianness": "little"}, "endianness"),
+        ("/pooling", {"input": "a", "encoding_format": "bytes", "endianness": "le"}, "endianness"),
+        ("/pooling", {"input": "a", "encoding_format": "raw"}, "encoding_format"),
     ],
 )
 def test_wrong_types_and_values_are_a_400_naming_the_field(

@@ -1,19 +1,20 @@
 """What every model route does the same way: check the model name and input count, run the
-engine call so that a client disconnect cancels it, and answer with orjson bytes plus the
-TEI-style timing headers.
+engine call so that a client disconnect cancels it, and answer with orjson bytes (or, for
+vLLM's ``bytes`` encodings, a binary body) plus the TEI-style timing headers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from fastapi import Request
 from starlette.responses import Response
 
-from embedding_server.api.encoding import dumps
+from embedding_server.api.encoding import BINARY_MEDIA_TYPE, BinaryPayload, dumps, metadata_header
 from embedding_server.api.errors import ClientDisconnectedError
 from embedding_server.api.lifecycle import Lifecycle, lifecycle_of
 from embedding_server.engine import Engine, StageTimings
@@ -44,6 +45,52 @@ class JSONBytes(Response):
 
 def json_response(content: object, headers: Mapping[str, str] | None = None) -> Response:
     return JSONBytes(dumps(content), headers=dict(headers) if headers else None)
+
+
+BINARY_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "JSON; or, for encoding_format bytes / bytes_only, the raw vectors.",
+        "content": {BINARY_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}},
+        "headers": {
+            "metadata": {
+                "description": "encoding_format bytes only: JSON {id, created, model, "
+                "data: [{index, embed_dtype, endianness, start, end, shape}], usage}.",
+                "schema": {"type": "string"},
+            }
+        },
+    }
+}
+"""OpenAPI for routes that can answer with vLLM's binary encodings, next to their JSON."""
+
+
+def binary_response(
+    payload: BinaryPayload,
+    headers: Mapping[str, str],
+    *,
+    with_metadata: bool,
+    response_id: str,
+    model: str,
+    usage: Mapping[str, int],
+) -> Response:
+    """vLLM's binary answer: the body, plus (for ``bytes``, not ``bytes_only``) the
+    ``metadata`` header ``{id, created, model, data: [items], usage}``.
+
+    The header grows by ~100 bytes per input and HTTP clients cap header sizes (aiohttp at
+    8 KiB, requests at 64 KiB per line, httpx at 100 KiB in all), so large batches are
+    better asked for as ``bytes_only``, whose offsets follow from the shape.
+    """
+    all_headers = dict(headers)
+    if with_metadata:
+        all_headers["metadata"] = metadata_header(
+            {
+                "id": response_id,
+                "created": int(time.time()),
+                "model": model,
+                "data": payload.items,
+                "usage": dict(usage),
+            }
+        )
+    return Response(payload.body, media_type=BINARY_MEDIA_TYPE, headers=all_headers)
 
 
 def engine_for(request: Request, model: str | None) -> tuple[Engine, Lifecycle]:

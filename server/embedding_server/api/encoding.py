@@ -1,10 +1,21 @@
 """Turning float32 embedding matrices into wire formats, without Python float lists.
 
 Serialization is a large share of an embedding server's CPU time on small models, so every
-encoder here works on whole numpy arrays: base64 comes straight from the little-endian
-buffer (``tobytes``), float responses are handed to orjson as numpy rows
-(``OPT_SERIALIZE_NUMPY`` writes the shortest float32 repr, which parses back bit-exact), and
-the quantized Cohere types are vectorized.
+encoder here works on whole numpy arrays: base64 and the binary responses come straight from
+the typed buffer (``astype``/``view``, then ``tobytes``), float responses are handed to orjson
+as numpy rows (``OPT_SERIALIZE_NUMPY`` writes the shortest float32 repr, which parses back
+bit-exact), and the quantized Cohere types are vectorized.
+
+Binary element types (``embed_dtype``, as vLLM names them), in the byte order asked for:
+
+* ``float32`` / ``float16``: IEEE values; ``bfloat16``: the top 16 bits of the float32,
+  rounded to nearest even.
+* ``fp8_e4m3`` / ``fp8_e5m2``: one byte per value, the bit pattern of torch's
+  ``float8_e4m3fn`` / ``float8_e5m2`` conversion of the float32, which is what vLLM sends
+  (values beyond the format's range, e.g. un-normalized hidden states over 448 in e4m3, come
+  out as torch converts them). Byte order does not apply to them.
+* ``native`` byte order is this server's (``sys.byteorder``), as in vLLM; it is little-endian
+  on every platform we build for, so the default matches what the OpenAI client decodes.
 
 Quantization rules (documented because clients depend on them):
 
@@ -20,7 +31,10 @@ Quantization rules (documented because clients depend on them):
 from __future__ import annotations
 
 import base64
+import json
+import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -29,7 +43,11 @@ import orjson
 
 FloatMatrix = npt.NDArray[np.float32]
 
-EmbedDtype = Literal["float32", "float16", "bfloat16"]
+EmbedDtype = Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"]
+Endianness = Literal["native", "big", "little"]
+ByteOrder = Literal["little", "big"]
+EncodingFormat = Literal["float", "base64", "bytes", "bytes_only"]
+BINARY_MEDIA_TYPE = "application/octet-stream"
 CohereEmbeddingType = Literal["float", "int8", "uint8", "binary", "ubinary", "base64"]
 
 ORJSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
@@ -43,31 +61,62 @@ def as_float32(matrix: npt.ArrayLike) -> FloatMatrix:
     return array
 
 
-def _bfloat16_bits(matrix: FloatMatrix) -> npt.NDArray[np.uint16]:
+def byte_order(endianness: Endianness) -> ByteOrder:
+    """``native`` resolved to this machine's byte order; ``big``/``little`` as given."""
+    if endianness == "native":
+        return "little" if sys.byteorder == "little" else "big"
+    return endianness
+
+
+def _bfloat16_bits(array: npt.NDArray[np.float32]) -> npt.NDArray[np.uint16]:
     """float32 -> bfloat16 bit patterns, rounding to nearest even (NaN kept quiet)."""
-    bits = matrix.view(np.uint32)
+    bits = array.view(np.uint32)
     rounding = ((bits >> 16) & 1) + np.uint32(0x7FFF)
     rounded = ((bits + rounding) >> 16).astype(np.uint16)
-    nan = np.isnan(matrix)
+    nan = np.isnan(array)
     if nan.any():
         rounded[nan] = np.uint16(0x7FC0)
     return rounded
 
 
+def _fp8_bits(array: npt.NDArray[np.float32], dtype: EmbedDtype) -> npt.NDArray[np.uint8]:
+    """float32 -> fp8 bit patterns, by torch's own conversion (numpy has no fp8 type).
+
+    ``torch.from_numpy`` shares the buffer, so this is one vectorized cast and one view.
+    """
+    import torch  # the model runtime; imported here so the API layer does not need it
+
+    target = torch.float8_e4m3fn if dtype == "fp8_e4m3" else torch.float8_e5m2
+    source = array if array.flags.writeable else array.copy()  # torch warns on read-only
+    bits: npt.NDArray[np.uint8] = torch.from_numpy(source).to(target).view(torch.uint8).numpy()
+    return bits
+
+
 def to_dtype_bytes(
-    matrix: FloatMatrix, dtype: EmbedDtype = "float32"
-) -> FloatMatrix | npt.NDArray[np.float16] | npt.NDArray[np.uint16]:
-    """The matrix in the little-endian element type ``dtype`` (rows stay rows)."""
+    array: npt.NDArray[np.float32],
+    dtype: EmbedDtype = "float32",
+    endianness: Endianness = "little",
+) -> npt.NDArray[np.generic]:
+    """``array`` (any shape, float32) as elements of ``dtype`` in the byte order asked for.
+
+    The result has the input's shape; its ``tobytes()`` is the wire form.
+    """
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    order = "<" if byte_order(endianness) == "little" else ">"
     if dtype == "float32":
-        return matrix.astype("<f4", copy=False)
+        return array.astype(f"{order}f4", copy=False)
     if dtype == "float16":
-        return matrix.astype("<f2")
-    return _bfloat16_bits(matrix).astype("<u2", copy=False)
+        return array.astype(f"{order}f2")
+    if dtype == "bfloat16":
+        return _bfloat16_bits(array).astype(f"{order}u2", copy=False)
+    return _fp8_bits(array, dtype)
 
 
-def base64_rows(matrix: FloatMatrix, dtype: EmbedDtype = "float32") -> list[str]:
-    """One base64 string per row, each the raw little-endian bytes of that row."""
-    typed = to_dtype_bytes(matrix, dtype)
+def base64_rows(
+    matrix: FloatMatrix, dtype: EmbedDtype = "float32", endianness: Endianness = "little"
+) -> list[str]:
+    """One base64 string per row, each the raw bytes (``dtype``, ``endianness``) of that row."""
+    typed = to_dtype_bytes(matrix, dtype, endianness)
     if typed.shape[0] == 0:
         return []
     raw = typed.tobytes()
@@ -80,6 +129,70 @@ def base64_rows(matrix: FloatMatrix, dtype: EmbedDtype = "float32") -> list[str]
     return [
         base64.b64encode(raw[i : i + stride]).decode("ascii") for i in range(0, len(raw), stride)
     ]
+
+
+def base64_array(
+    array: npt.NDArray[np.float32], dtype: EmbedDtype = "float32", endianness: Endianness = "little"
+) -> str:
+    """The whole array (e.g. one input's per-token matrix, row-major) as one base64 string."""
+    return base64.b64encode(to_dtype_bytes(array, dtype, endianness).tobytes()).decode("ascii")
+
+
+@dataclass(frozen=True)
+class BinaryPayload:
+    """A ``bytes`` / ``bytes_only`` response: the body, and vLLM's ``metadata`` items.
+
+    The body is every output's bytes back to back, in input order; item ``i`` says where
+    output ``i`` lies (``start``/``end`` byte offsets), its ``shape`` and how to read it.
+    """
+
+    body: bytes
+    items: list[dict[str, object]]
+
+
+def binary_payload(
+    arrays: Sequence[npt.NDArray[np.float32]] | FloatMatrix,
+    dtype: EmbedDtype,
+    endianness: Endianness,
+) -> BinaryPayload:
+    """Encode one output per input (a float32 matrix's rows, or a list of arrays).
+
+    A matrix is converted in one pass and sent as one buffer; its rows are the outputs.
+    The items report the resolved byte order (``little``/``big``) rather than ``native``, so
+    a client on a machine of the other byte order still decodes them right; vLLM's decoder
+    accepts all three names.
+    """
+    if isinstance(arrays, np.ndarray):
+        typed = to_dtype_bytes(arrays, dtype, endianness)
+        body = typed.tobytes()
+        shapes = [tuple(typed.shape[1:])] * typed.shape[0]
+        sizes = [typed[0].nbytes if typed.shape[0] else 0] * typed.shape[0]
+    else:
+        parts = [to_dtype_bytes(a, dtype, endianness) for a in arrays]
+        body = b"".join(p.tobytes() for p in parts)
+        shapes = [tuple(p.shape) for p in parts]
+        sizes = [p.nbytes for p in parts]
+    order = byte_order(endianness)
+    items: list[dict[str, object]] = []
+    offset = 0
+    for index, (shape, size) in enumerate(zip(shapes, sizes, strict=True)):
+        items.append(
+            {
+                "index": index,
+                "embed_dtype": dtype,
+                "endianness": order,
+                "start": offset,
+                "end": offset + size,
+                "shape": list(shape),
+            }
+        )
+        offset += size
+    return BinaryPayload(body=body, items=items)
+
+
+def metadata_header(content: dict[str, object]) -> str:
+    """vLLM's ``metadata`` response header: compact JSON, ASCII-only (headers are latin-1)."""
+    return json.dumps(content, separators=(",", ":"), ensure_ascii=True)
 
 
 def l2_normalize(matrix: FloatMatrix) -> FloatMatrix:
@@ -120,7 +233,7 @@ def cohere_embeddings(
         if kind == "float":
             out[kind] = matrix
         elif kind == "base64":
-            out[kind] = base64_rows(matrix)
+            out[kind] = base64_rows(matrix, "float32", "little")  # Cohere: little-endian f32
         elif kind == "int8":
             out[kind] = int8_rows(matrix)
         elif kind == "uint8":

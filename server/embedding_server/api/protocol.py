@@ -7,15 +7,25 @@ built as plain dicts holding numpy arrays and serialized by orjson in one pass (
 way out. Field names follow the APIs clients already speak: OpenAI (plus vLLM's extras) for
 ``/v1/embeddings``, Cohere v2 for ``/v2/embed``, vLLM for ``/pooling``, ``/score``,
 ``/tokenize`` and ``/detokenize``. Unknown fields are ignored, as OpenAI-compatible servers do.
+
+Where vLLM silently ignores an option that cannot apply, we refuse it with a 400 naming the
+field: ``embed_dtype`` other than float32, or ``endianness`` other than native, together
+with ``encoding_format: float`` (JSON numbers have neither). The defaults themselves are
+accepted with float, so a client that always sends every field still works.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from embedding_server.api.encoding import CohereEmbeddingType, EmbedDtype
+from embedding_server.api.encoding import (
+    CohereEmbeddingType,
+    EmbedDtype,
+    EncodingFormat,
+    Endianness,
+)
 from embedding_server.settings import TruncationSide
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
@@ -61,16 +71,56 @@ class _TruncationOptions(BaseModel):
         return value
 
 
-class EmbeddingRequest(_Request, _TruncationOptions):
+class _EncodingOptions(BaseModel):
+    """How vectors go on the wire (vLLM's encoding_format / embed_dtype / endianness)."""
+
+    encoding_format: EncodingFormat = Field(
+        "float",
+        description="float: JSON numbers; base64: each output's raw bytes (embed_dtype, "
+        "endianness) as a base64 string; bytes: an application/octet-stream body of every "
+        "output's bytes back to back in input order, described by the JSON 'metadata' "
+        "response header (index, embed_dtype, endianness, start, end, shape per output; id, "
+        "created, model, usage); bytes_only: the same body without the header.",
+    )
+    embed_dtype: EmbedDtype = Field(
+        "float32",
+        description="Element type of base64/bytes output: float32, float16, bfloat16, "
+        "fp8_e4m3 or fp8_e5m2 (one byte each: the float8_e4m3fn/float8_e5m2 bit pattern). "
+        "Only float32 is accepted with encoding_format float.",
+    )
+    endianness: Endianness = Field(
+        "native",
+        description="Byte order of base64/bytes output: native (the server's, little-endian "
+        "on x86-64 and arm64), big or little. Only native is accepted with encoding_format "
+        "float.",
+    )
+
+    @field_validator("embed_dtype")
+    @classmethod
+    def _dtype_needs_binary(cls, value: EmbedDtype, info: ValidationInfo) -> EmbedDtype:
+        if value != "float32" and info.data.get("encoding_format") == "float":
+            raise ValueError(
+                f"{value} applies to encoding_format base64, bytes or bytes_only; "
+                "float returns JSON numbers"
+            )
+        return value
+
+    @field_validator("endianness")
+    @classmethod
+    def _order_needs_binary(cls, value: Endianness, info: ValidationInfo) -> Endianness:
+        if value != "native" and info.data.get("encoding_format") == "float":
+            raise ValueError(
+                f"{value} applies to encoding_format base64, bytes or bytes_only; "
+                "float returns JSON numbers"
+            )
+        return value
+
+
+class EmbeddingRequest(_Request, _TruncationOptions, _EncodingOptions):
     """POST /v1/embeddings (OpenAI, with vLLM's extras)."""
 
     input: EmbeddingInput = Field(
         description="A string, a list of strings, a list of token ids, or a list of token-id lists."
-    )
-    encoding_format: Literal["float", "base64"] = Field(
-        "float",
-        description="float: JSON numbers; base64: the raw little-endian bytes "
-        "(of embed_dtype) of each vector.",
     )
     dimensions: int | None = Field(
         None,
@@ -80,9 +130,6 @@ class EmbeddingRequest(_Request, _TruncationOptions):
     user: str | None = Field(None, description="End-user id (accepted, unused).")
     normalize: bool | None = Field(
         None, description="L2-normalize the vectors (default: the server's setting)."
-    )
-    embed_dtype: EmbedDtype = Field(
-        "float32", description="Element type of base64 output: float32, float16 or bfloat16."
     )
     prompt_name: str | None = Field(
         None,
@@ -122,12 +169,14 @@ class CohereEmbedRequest(_Request):
     )
 
 
-class PoolingRequest(_Request, _TruncationOptions):
-    """POST /pooling (vLLM): per-token hidden states, or the pooled vector."""
+class PoolingRequest(_Request, _TruncationOptions, _EncodingOptions):
+    """POST /pooling (vLLM): per-token hidden states, or the pooled vector.
+
+    With a binary encoding each output is one input's whole per-token matrix (shape
+    ``[tokens, hidden]``, row-major) or, for ``task: embed``, its pooled vector.
+    """
 
     input: EmbeddingInput = Field(description="As for /v1/embeddings.")
-    encoding_format: Literal["float", "base64"] = Field("float")
-    embed_dtype: EmbedDtype = Field("float32")
     task: Literal["token_embed", "embed"] = Field(
         "token_embed", description="token_embed: one vector per token; embed: the pooled vector."
     )

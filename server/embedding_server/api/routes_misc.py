@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
 from embedding_server.api.common import (
+    BINARY_RESPONSES,
     as_input_list,
+    binary_response,
     cancel_on_disconnect,
     check_input_count,
     engine_for,
@@ -25,7 +26,13 @@ from embedding_server.api.common import (
     new_id,
     timing_headers,
 )
-from embedding_server.api.encoding import as_float32, base64_rows, l2_normalize
+from embedding_server.api.encoding import (
+    FloatMatrix,
+    as_float32,
+    base64_array,
+    binary_payload,
+    l2_normalize,
+)
 from embedding_server.api.errors import error_response
 from embedding_server.api.lifecycle import lifecycle_of
 from embedding_server.api.protocol import (
@@ -39,13 +46,19 @@ from embedding_server.tokenization import Truncation
 router = APIRouter()
 
 
-@router.post("/pooling", tags=["vLLM"], summary="Per-token (or pooled) hidden states")
+@router.post(
+    "/pooling",
+    tags=["vLLM"],
+    summary="Per-token (or pooled) hidden states",
+    responses=BINARY_RESPONSES,
+)
 async def pooling(body: PoolingRequest, request: Request) -> Response:
     engine, lifecycle = engine_for(request, body.model)
     inputs = as_input_list(body.input)
     check_input_count(lifecycle, len(inputs), "input")
     truncation = Truncation.from_openai(body.truncate_prompt_tokens, body.truncation_side)
-    matrices: list[np.ndarray]
+    # One output per input: a pooled matrix's rows (task embed) or per-token matrices.
+    outputs: FloatMatrix | list[FloatMatrix]
     if body.task == "embed":
         pooled = await cancel_on_disconnect(
             request,
@@ -56,7 +69,7 @@ async def pooling(body: PoolingRequest, request: Request) -> Response:
                 add_special_tokens=body.add_special_tokens,
             ),
         )
-        matrices = list(pooled.embeddings)
+        outputs = as_float32(pooled.embeddings)
         tokens, timings = pooled.prompt_tokens, pooled.timings
     else:
         per_token = await cancel_on_disconnect(
@@ -65,25 +78,38 @@ async def pooling(body: PoolingRequest, request: Request) -> Response:
                 inputs, truncate=truncation, add_special_tokens=body.add_special_tokens
             ),
         )
-        matrices = [
-            l2_normalize(as_float32(m)) if body.normalize else m for m in per_token.embeddings
+        outputs = [
+            l2_normalize(as_float32(m)) if body.normalize else as_float32(m)
+            for m in per_token.embeddings
         ]
         tokens, timings = per_token.prompt_tokens, per_token.timings
+    headers = timing_headers(timings, tokens)
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+    response_id = f"pool-{new_id()}"
+    if body.encoding_format in ("bytes", "bytes_only"):
+        return binary_response(
+            binary_payload(outputs, body.embed_dtype, body.endianness),
+            headers,
+            with_metadata=body.encoding_format == "bytes",
+            response_id=response_id,
+            model=lifecycle.served_model_name,
+            usage=usage,
+        )
     data: list[dict[str, object]] = []
-    for i, matrix in enumerate(matrices):
-        payload: object = matrix
+    for i, output in enumerate(outputs):
+        payload_json: object = output
         if body.encoding_format == "base64":
-            payload = base64_rows(as_float32(matrix).reshape(1, -1), body.embed_dtype)[0]
-        data.append({"index": i, "object": "pooling", "data": payload})
+            payload_json = base64_array(output, body.embed_dtype, body.endianness)
+        data.append({"index": i, "object": "pooling", "data": payload_json})
     content = {
-        "id": f"pool-{new_id()}",
+        "id": response_id,
         "object": "list",
         "created": int(time.time()),
         "model": lifecycle.served_model_name,
         "data": data,
-        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        "usage": usage,
     }
-    return json_response(content, timing_headers(timings, tokens))
+    return json_response(content, headers)
 
 
 @router.post("/score", tags=["vLLM"], summary="Cosine similarity of text pairs")

@@ -3,6 +3,11 @@
 The official ``openai`` client asks for ``encoding_format=base64`` by default and decodes
 the bytes as little-endian float32, so the base64 path is the hot path: it goes from the
 engine's float32 matrix to base64 with one ``tobytes``, never through Python floats.
+
+vLLM's ``bytes`` / ``bytes_only`` encodings skip JSON altogether: the body is the matrix's
+buffer in the requested element type and byte order, and (for ``bytes``) a ``metadata``
+header says where each vector lies. The official client cannot read those; vLLM's
+clients use plain HTTP.
 """
 
 from __future__ import annotations
@@ -13,14 +18,17 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from embedding_server.api.common import (
+    BINARY_RESPONSES,
     as_input_list,
+    binary_response,
     cancel_on_disconnect,
     check_input_count,
     engine_for,
     json_response,
+    new_id,
     timing_headers,
 )
-from embedding_server.api.encoding import FloatMatrix, base64_rows
+from embedding_server.api.encoding import FloatMatrix, base64_rows, binary_payload
 from embedding_server.api.lifecycle import lifecycle_of
 from embedding_server.api.prompts import prompt_name_for
 from embedding_server.api.protocol import EmbeddingRequest
@@ -31,7 +39,9 @@ router = APIRouter(tags=["OpenAI"])
 _CREATED = int(time.time())
 
 
-@router.post("/v1/embeddings", summary="Create embeddings (OpenAI-compatible)")
+@router.post(
+    "/v1/embeddings", summary="Create embeddings (OpenAI-compatible)", responses=BINARY_RESPONSES
+)
 async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
     engine, lifecycle = engine_for(request, body.model)
     inputs = as_input_list(body.input)
@@ -50,8 +60,21 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
         ),
     )
     matrix = result.embeddings
+    headers = timing_headers(result.timings, result.prompt_tokens)
+    usage = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
+    if body.encoding_format in ("bytes", "bytes_only"):
+        return binary_response(
+            binary_payload(matrix, body.embed_dtype, body.endianness),
+            headers,
+            with_metadata=body.encoding_format == "bytes",
+            response_id=f"embd-{new_id()}",
+            model=lifecycle.served_model_name,
+            usage=usage,
+        )
     rows: list[str] | list[FloatMatrix] = (
-        base64_rows(matrix, body.embed_dtype) if body.encoding_format == "base64" else list(matrix)
+        base64_rows(matrix, body.embed_dtype, body.endianness)
+        if body.encoding_format == "base64"
+        else list(matrix)
     )
     content = {
         "object": "list",
@@ -59,9 +82,9 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
             {"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(rows)
         ],
         "model": lifecycle.served_model_name,
-        "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens},
+        "usage": usage,
     }
-    return json_response(content, timing_headers(result.timings, result.prompt_tokens))
+    return json_response(content, headers)
 
 
 @router.get("/v1/models", summary="List the served model (OpenAI-compatible)")
