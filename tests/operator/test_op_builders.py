@@ -241,8 +241,8 @@ def test_replicas_left_to_the_hpa_when_autoscaling() -> None:
     ("metric", "target", "name", "value"),
     [
         ("queueRequests", None, "embedding_server_queue_requests", "8"),
-        ("queueTokens", None, "embedding_server_queue_tokens", "32768"),
-        ("queueTokens", 4096, "embedding_server_queue_tokens", "4096"),
+        ("queueTokens", None, "embedding_server_queue_tokens", "4096"),
+        ("queueTokens", 9000, "embedding_server_queue_tokens", "9000"),
     ],
 )
 def test_hpa_on_queue_depth(metric: str, target: int | None, name: str, value: str) -> None:
@@ -270,6 +270,22 @@ def test_hpa_on_queue_depth(metric: str, target: int | None, name: str, value: s
         }
     ]
     assert spec["behavior"] == {"scaleDown": {"stabilizationWindowSeconds": 120}}
+
+
+@pytest.mark.parametrize(
+    ("extra", "value"),
+    [
+        ({"gpu": {"type": "h100"}}, "32768"),  # two of the server's 16384-token GPU batches
+        ({"server": {"maxBatchTokens": 3000}}, "6000"),  # two of the pod's own batches
+        ({"embedding": {"maxInputTokens": 8192}}, "16384"),  # a batch holds one maximal input
+    ],
+)
+def test_hpa_queue_tokens_default_follows_the_batch_budget(
+    extra: dict[str, Any], value: str
+) -> None:
+    auto = {"enabled": True, "maxReplicas": 4, "metric": "queueTokens"}
+    hpa = build_hpa(render_input({"model": MODEL, "autoscaling": auto, **extra}))
+    assert hpa["spec"]["metrics"][0]["pods"]["target"]["averageValue"] == value
 
 
 def test_hpa_behavior_passthrough() -> None:

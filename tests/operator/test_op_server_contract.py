@@ -11,6 +11,7 @@ import typing
 import pytest
 from embedding_operator import spec as operator_spec
 from embedding_operator.builders.deployment import server_args
+from embedding_operator.builders.hpa import SERVER_BATCH_TOKENS
 from embedding_server import settings as server_settings
 from embedding_server.cli import load_settings
 from operator_fakes import render_input
@@ -39,3 +40,10 @@ def test_every_pooling_renders_flags_the_server_parses(pooling: str) -> None:
     assert settings.pooling == pooling
     assert settings.dtype == "float32"
     assert settings.max_batch_tokens == 4096
+
+
+def test_autoscaling_defaults_assume_the_servers_batch_budgets() -> None:
+    assert SERVER_BATCH_TOKENS == {
+        "cpu": server_settings.CPU_BATCH_TOKENS,
+        "gpu": server_settings.GPU_BATCH_TOKENS,
+    }

@@ -17,7 +17,26 @@ QUEUE_METRICS = {
     "queueRequests": "embedding_server_queue_requests",
     "queueTokens": "embedding_server_queue_tokens",
 }
-DEFAULT_TARGETS = {"queueRequests": 8, "queueTokens": 32768}
+DEFAULT_QUEUE_REQUESTS = 8
+QUEUED_BATCHES = 2
+"""Default queueTokens target: this many forward passes' worth of tokens waiting per pod."""
+SERVER_BATCH_TOKENS = {"cpu": 2048, "gpu": 16384}
+"""The bundled server's default ``--max-batch-tokens`` per device (the server's
+CPU_BATCH_TOKENS / GPU_BATCH_TOKENS; a contract test keeps them equal)."""
+
+
+def default_target(render: RenderInput) -> int:
+    """The per-pod target when ``targetPerPod`` is unset: 8 queued requests, or two batches'
+    worth of queued tokens at the pod's batch budget (the server's default budget is far
+    smaller on CPU, so a fixed token target would let a CPU pod queue seconds of work)."""
+    if render.spec.autoscaling.metric == "queueRequests":
+        return DEFAULT_QUEUE_REQUESTS
+    server = render.spec.server
+    budget = server.max_batch_tokens
+    if budget is None:
+        device = "gpu" if render.profile.resource_name else "cpu"
+        budget = max(SERVER_BATCH_TOKENS[device], render.spec.embedding.max_input_tokens or 0)
+    return QUEUED_BATCHES * budget
 
 
 def wants_hpa(render: RenderInput) -> bool:
@@ -26,7 +45,7 @@ def wants_hpa(render: RenderInput) -> bool:
 
 def build_hpa(render: RenderInput) -> Manifest:
     auto = render.spec.autoscaling
-    target = auto.target_per_pod or DEFAULT_TARGETS[auto.metric]
+    target = auto.target_per_pod or default_target(render)
     behavior: dict[str, Any] = auto.behavior or {
         "scaleDown": {"stabilizationWindowSeconds": auto.scale_down_stabilization_seconds},
     }
