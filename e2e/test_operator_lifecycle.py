@@ -256,7 +256,7 @@ BAD = [
         {"model": MODEL, "autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}},
     ),
     ("spec.embedding.dimensions", {"model": MODEL, "embedding": {"dimensions": 0}}),
-    ("spec.embedding.pooling", {"model": MODEL, "embedding": {"pooling": "max"}}),
+    ("spec.embedding.pooling", {"model": MODEL, "embedding": {"pooling": "median"}}),
     ("spec.modelCache.size", {"model": MODEL, "modelCache": {"mode": "pvc"}}),
     (
         "spec.parallelism.tensorParallelSize",
@@ -296,22 +296,29 @@ def _events(cluster: Cluster, namespace: str, name: str, reason: str) -> list[di
     return list((listing or {}).get("items") or [])
 
 
+def _degraded_without_deployment(cluster: Cluster, namespace: str, name: str, reason: str) -> str:
+    """Wait for Degraded with ``reason``; check Ready=False, a Warning Event and no
+    Deployment; return the Degraded message."""
+    es = wait_condition(cluster, namespace, name, "Degraded", "True", reason=reason)
+    degraded = next(c for c in es["status"]["conditions"] if c["type"] == "Degraded")
+    ready = next(c for c in es["status"]["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "False"
+    events = poll_until(
+        lambda: _events(cluster, namespace, name, reason) or None,
+        timeout=30,
+        what=f"a {reason} event",
+    )
+    assert events[0]["type"] == "Warning"
+    assert get_json(cluster, "deployment", name, "-n", namespace) is None
+    return str(degraded["message"])
+
+
 def test_unknown_gpu_type_is_degraded_with_event(
     cluster: Cluster, namespace: str, operator: OperatorProcess
 ) -> None:
     _create(cluster, namespace, "tpu", {"model": MODEL, "gpu": {"type": "tpu-v5"}})
-    es = wait_condition(cluster, namespace, "tpu", "Degraded", "True", reason="UnknownGPUType")
-    degraded = next(c for c in es["status"]["conditions"] if c["type"] == "Degraded")
-    assert "spec.gpu.type" in degraded["message"] and "tpu-v5" in degraded["message"]
-    ready = next(c for c in es["status"]["conditions"] if c["type"] == "Ready")
-    assert ready["status"] == "False"
-    events = poll_until(
-        lambda: _events(cluster, namespace, "tpu", "UnknownGPUType") or None,
-        timeout=30,
-        what="an UnknownGPUType event",
-    )
-    assert events[0]["type"] == "Warning"
-    assert get_json(cluster, "deployment", "tpu", "-n", namespace) is None
+    message = _degraded_without_deployment(cluster, namespace, "tpu", "UnknownGPUType")
+    assert "spec.gpu.type" in message and "tpu-v5" in message
 
     # The fix is an edit: the operator picks it up without a restart.
     _patch(cluster, namespace, "embsvc", "tpu", {"spec": {"gpu": {"type": "h100"}}})
@@ -326,22 +333,10 @@ def test_tensor_parallel_on_bundled_server_is_degraded_until_edited(
 ) -> None:
     spec = {"model": MODEL, "gpu": {"type": "h100"}, "parallelism": {"tensorParallelSize": 2}}
     _create(cluster, namespace, "tp", spec)
-    es = wait_condition(
-        cluster, namespace, "tp", "Degraded", "True", reason="TensorParallelUnsupported"
-    )
-    degraded = next(c for c in es["status"]["conditions"] if c["type"] == "Degraded")
-    assert degraded["message"].startswith("spec.parallelism.tensorParallelSize: 2 ")
-    assert "spec.server.image" in degraded["message"]
-    ready = next(c for c in es["status"]["conditions"] if c["type"] == "Ready")
-    assert ready["status"] == "False"
-    events = poll_until(
-        lambda: _events(cluster, namespace, "tp", "TensorParallelUnsupported") or None,
-        timeout=30,
-        what="a TensorParallelUnsupported event",
-    )
-    assert events[0]["type"] == "Warning"
     # No Deployment whose pods could only crash-loop.
-    assert get_json(cluster, "deployment", "tp", "-n", namespace) is None
+    message = _degraded_without_deployment(cluster, namespace, "tp", "TensorParallelUnsupported")
+    assert message.startswith("spec.parallelism.tensorParallelSize: 2 ")
+    assert "spec.server.image" in message
 
     # Back to one GPU per replica: the operator picks the edit up and converges.
     _patch(cluster, namespace, "embsvc", "tp", {"spec": {"parallelism": {"tensorParallelSize": 1}}})
