@@ -18,6 +18,7 @@ from ..pooling import PoolingMethod
 from .base import EmbeddingModel, PackedBatch
 from .bert import BertModel
 from .llama import LlamaModel
+from .modernbert import ModernBertModel
 
 ModelBuilder = Callable[..., EmbeddingModel]
 
@@ -38,6 +39,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("bert", "bert", BertModel, "cls"),
         Architecture("roberta", "bert", BertModel, "cls"),
         Architecture("xlm-roberta", "bert", BertModel, "cls"),
+        Architecture("modernbert", "modernbert", ModernBertModel, "cls"),
         Architecture("llama", "llama", LlamaModel, "last"),
         Architecture("mistral", "llama", LlamaModel, "last"),
         Architecture("qwen2", "llama", LlamaModel, "last"),

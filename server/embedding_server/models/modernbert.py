@@ -1,0 +1,265 @@
+"""ModernBERT encoders on packed tokens.
+
+Covers ModernBERT-base/large and the embedders fine-tuned from them (gte-modernbert,
+modernbert-embed, ...). Pre-LayerNorm blocks (LayerNorms without bias unless ``norm_bias``),
+no position embeddings but rotary ones, a fused ``Wqkv`` projection, a GeGLU MLP (``Wi``
+yields input and gate halves), and a final LayerNorm. Layer 0 has no attention norm: the
+embedding LayerNorm already normalized its input.
+
+Attention alternates: every ``global_attn_every_n_layers``-th layer (0, n, 2n, ...) attends
+globally with ``global_rope_theta``; the others attend only to a local band with
+``local_rope_theta``. Configs written by transformers >= 5 name each layer in ``layer_types``
+and put the thetas in ``rope_parameters`` keyed by layer type; Hub configs written before
+keep the scalar keys. Both are read here, as transformers reads them.
+
+``local_attention`` is the band's *total* width: transformers masks query ``i`` to keys
+``|i - j| <= local_attention // 2`` (both its eager/SDPA mask and flash-attn's
+``window_size``), which is ``window = local_attention // 2`` in ``varlen_attention``'s
+each-side convention. Inputs no longer than that + 1 cannot tell the difference.
+
+transformers 4.x ModernBERT unpadded batches itself on its flash-attn path (the same
+``cu_seqlens`` layout this server packs), so the packed forward here is also upstream's own
+fast path; padding never reaches the math in either.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import flash_available, varlen_attention
+from ..errors import UnsupportedModelError
+from .base import PackedBatch, strip_prefix, take
+from .bert import ACT_FUNCS
+from .llama import rope_inv_freq
+
+_FULL = "full_attention"
+_SLIDING = "sliding_attention"
+# Defaults of transformers' ModernBertConfig for keys config.json may omit.
+_DEFAULT_GLOBAL_EVERY = 3
+_DEFAULT_LOCAL_ATTENTION = 128
+_DEFAULT_THETA = {_FULL: 160_000.0, _SLIDING: 10_000.0}
+
+
+@dataclass
+class _Layer:
+    kind: str  # _FULL or _SLIDING: picks the rotary table
+    window: int | None  # varlen_attention's each-side window; None = global attention
+    attn_norm_w: torch.Tensor | None  # None on layer 0 (Identity in transformers)
+    attn_norm_b: torch.Tensor | None
+    qkv_w: torch.Tensor
+    qkv_b: torch.Tensor | None
+    out_w: torch.Tensor
+    out_b: torch.Tensor | None
+    mlp_norm_w: torch.Tensor
+    mlp_norm_b: torch.Tensor | None
+    wi_w: torch.Tensor
+    wi_b: torch.Tensor | None
+    wo_w: torch.Tensor
+    wo_b: torch.Tensor | None
+
+
+def layer_types(config: Mapping[str, Any]) -> list[str]:
+    """Each layer's attention kind, from ``layer_types`` or ``global_attn_every_n_layers``."""
+    layers = int(config["num_hidden_layers"])
+    types = config.get("layer_types")
+    if types is None:
+        every = int(config.get("global_attn_every_n_layers", _DEFAULT_GLOBAL_EVERY))
+        if every < 1:
+            raise UnsupportedModelError(
+                f"modernbert global_attn_every_n_layers must be >= 1, got {every}"
+            )
+        return [_FULL if i % every == 0 else _SLIDING for i in range(layers)]
+    kinds = [str(t) for t in types]
+    if len(kinds) != layers or set(kinds) - {_FULL, _SLIDING}:
+        raise UnsupportedModelError(
+            f"modernbert layer_types must name each of the {layers} layers as one of "
+            f"{_FULL}, {_SLIDING}; got {kinds!r}"
+        )
+    return kinds
+
+
+def local_window(config: Mapping[str, Any]) -> int:
+    """The each-side window of local layers: ``local_attention // 2``, as transformers."""
+    total = int(config.get("local_attention", _DEFAULT_LOCAL_ATTENTION))
+    if total < 0:
+        raise UnsupportedModelError(f"modernbert local_attention must be >= 0, got {total}")
+    return total // 2
+
+
+def rope_parameters(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
+    """One layer kind's rotary parameters (``rope_type``, ``rope_theta``, scaling keys).
+
+    ``rope_parameters[kind]`` when present (transformers >= 5); otherwise the scalar
+    ``global_rope_theta`` / ``local_rope_theta`` (an explicit null local theta means the
+    global one, as transformers 4.x read it), with any ``rope_scaling`` applied to both.
+    """
+    nested = config.get("rope_parameters") or {}
+    params: dict[str, Any] = dict(nested.get(kind) or {"rope_type": "default"})
+    params.update(config.get("rope_scaling") or {})
+    if params.get("rope_theta") is None:
+        global_theta = config.get("global_rope_theta")
+        if global_theta is None:
+            global_theta = _DEFAULT_THETA[_FULL]
+        if kind == _FULL:
+            theta = global_theta
+        elif "local_rope_theta" in config:
+            theta = config["local_rope_theta"]
+            theta = global_theta if theta is None else theta
+        else:
+            theta = _DEFAULT_THETA[_SLIDING]
+        params["rope_theta"] = float(theta)
+    return params
+
+
+class ModernBertModel:
+    """A ModernBERT encoder body for packed batches (bidirectional)."""
+
+    causal = False
+    position_offset = 0
+
+    def __init__(
+        self,
+        config: Mapping[str, Any],
+        weights: Mapping[str, torch.Tensor],
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        act = str(config.get("hidden_activation", "gelu"))
+        if act not in ACT_FUNCS:
+            raise UnsupportedModelError(
+                f"modernbert activation {act!r} is not supported; supported: {sorted(ACT_FUNCS)}"
+            )
+        self._act: Callable[[torch.Tensor], torch.Tensor] = ACT_FUNCS[act]
+        self.hidden_size = int(config["hidden_size"])
+        self.num_heads = int(config["num_attention_heads"])
+        if self.hidden_size % self.num_heads:
+            raise UnsupportedModelError(
+                f"modernbert hidden_size {self.hidden_size} is not a multiple of "
+                f"num_attention_heads {self.num_heads}"
+            )
+        self.head_dim = self.hidden_size // self.num_heads
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.eps = float(config.get("norm_eps", 1e-5))
+        self.max_positions = int(config.get("max_position_embeddings", 8192))
+        self.dtype, self.device = dtype, device
+        kinds = layer_types(config)
+        window = local_window(config)
+        self.sliding_window = window if _SLIDING in kinds else None
+        self.inv_freq = {
+            kind: rope_inv_freq({"rope_parameters": rope_parameters(config, kind)}, self.head_dim)
+            .float()
+            .to(device)
+            for kind in set(kinds)
+        }
+        self._rope_cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        norm_bias = bool(config.get("norm_bias", False))
+        attn_bias = bool(config.get("attention_bias", False))
+        mlp_bias = bool(config.get("mlp_bias", False))
+
+        # ModernBertForMaskedLM / ForSequenceClassification checkpoints nest the body under
+        # ``model.``; ModernBertModel ones (and sentence-transformers saves) do not.
+        w = strip_prefix(weights, ("model.",), "embeddings.")
+
+        def get(name: str) -> torch.Tensor:
+            return take(w, name, dtype, device, architecture="modernbert")
+
+        def maybe(name: str, present: bool) -> torch.Tensor | None:
+            return get(name) if present else None
+
+        self.tok_emb = get("embeddings.tok_embeddings.weight")
+        self.emb_norm_w = get("embeddings.norm.weight")
+        self.emb_norm_b = maybe("embeddings.norm.bias", norm_bias)
+        self.layers: list[_Layer] = []
+        for i, kind in enumerate(kinds):
+            p = f"layers.{i}."
+            first = i == 0
+            self.layers.append(
+                _Layer(
+                    kind=kind,
+                    window=window if kind == _SLIDING else None,
+                    attn_norm_w=None if first else get(p + "attn_norm.weight"),
+                    attn_norm_b=None if first else maybe(p + "attn_norm.bias", norm_bias),
+                    qkv_w=get(p + "attn.Wqkv.weight"),
+                    qkv_b=maybe(p + "attn.Wqkv.bias", attn_bias),
+                    out_w=get(p + "attn.Wo.weight"),
+                    out_b=maybe(p + "attn.Wo.bias", attn_bias),
+                    mlp_norm_w=get(p + "mlp_norm.weight"),
+                    mlp_norm_b=maybe(p + "mlp_norm.bias", norm_bias),
+                    wi_w=get(p + "mlp.Wi.weight"),
+                    wi_b=maybe(p + "mlp.Wi.bias", mlp_bias),
+                    wo_w=get(p + "mlp.Wo.weight"),
+                    wo_b=maybe(p + "mlp.Wo.bias", mlp_bias),
+                )
+            )
+        self.final_norm_w = get("final_norm.weight")
+        self.final_norm_b = maybe("final_norm.bias", norm_bias)
+
+    def _rotary(
+        self, kind: str, positions: torch.Tensor, max_position: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos``, ``sin`` ``[T, 1, head_dim]`` in the model dtype (transformers rounds
+        them to it too), from a per-kind table grown on demand."""
+        cached = self._rope_cache.get(kind)
+        if cached is None or cached[0].shape[0] <= max_position:
+            size = max(2 * (0 if cached is None else cached[0].shape[0]), max_position + 1, 512)
+            freqs = torch.outer(
+                torch.arange(size, device=self.device, dtype=torch.float32), self.inv_freq[kind]
+            )
+            emb = torch.cat([freqs, freqs], dim=-1)
+            cached = (emb.cos().to(self.dtype), emb.sin().to(self.dtype))
+            self._rope_cache[kind] = cached
+        cos, sin = cached
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+
+    def _norm(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        return F.layer_norm(x, (self.hidden_size,), weight, bias, self.eps)
+
+    def forward(self, batch: PackedBatch) -> torch.Tensor:
+        t = batch.input_ids.shape[0]
+        h, heads, d = self.hidden_size, self.num_heads, self.head_dim
+        rotary = {
+            kind: self._rotary(kind, batch.position_ids, batch.max_seqlen) for kind in self.inv_freq
+        }
+        x = self._norm(self.tok_emb[batch.input_ids], self.emb_norm_w, self.emb_norm_b)
+        plan = None if flash_available(x) else batch.attention_plan
+        for layer in self.layers:
+            a = x  # layer 0's attention norm is the identity
+            if layer.attn_norm_w is not None:
+                a = self._norm(x, layer.attn_norm_w, layer.attn_norm_b)
+            qkv = F.linear(a, layer.qkv_w, layer.qkv_b).view(t, 3, heads, d)
+            q, k, v = qkv.unbind(1)
+            cos, sin = rotary[layer.kind]
+            q, k = _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
+            attn = varlen_attention(
+                q,
+                k,
+                v,
+                cu_seqlens=batch.cu_seqlens,
+                max_seqlen=batch.max_seqlen,
+                causal=False,
+                plan=plan,
+                scale=self.scale,
+                window=layer.window,
+            )
+            x = x + F.linear(attn.reshape(t, h), layer.out_w, layer.out_b)
+            m = self._norm(x, layer.mlp_norm_w, layer.mlp_norm_b)
+            inp, gate = F.linear(m, layer.wi_w, layer.wi_b).chunk(2, dim=-1)
+            x = x + F.linear(self._act(inp) * gate, layer.wo_w, layer.wo_b)
+        return self._norm(x, self.final_norm_w, self.final_norm_b)
+
+
+def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in float32, cast back: what transformers' ModernBERT does in half precision."""
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)

@@ -1,0 +1,201 @@
+"""ModernBERT on packed tokens against transformers and sentence-transformers.
+
+Tiny random ModernBERTs (built like ``_models.py`` builds the other families) run as ONE
+packed batch of mixed lengths, shorter and longer than the local attention band, so every
+global/local alternation and the band's exact edge are exercised; each sequence must match
+transformers running it alone.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from _models import _save_tokenizer, add_sentence_transformers, byte_tokenizer
+from embedding_server import attention
+from embedding_server.engine import Engine
+from sentence_transformers import SentenceTransformer
+from test_models import _RecordingFlash
+from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM
+
+_SPECIALS = ["[CLS]", "[SEP]", "[PAD]", "[MASK]", "[UNK]"]
+_CLS, _SEP = 0, 1
+_BASE: dict[str, Any] = {
+    "hidden_size": 32,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "intermediate_size": 64,
+    "max_position_embeddings": 256,
+    "pad_token_id": 2,
+    "bos_token_id": _CLS,
+    "cls_token_id": _CLS,
+    "eos_token_id": _SEP,
+    "sep_token_id": _SEP,
+}
+# name -> (overrides, masked-LM checkpoint?, rewrite config.json as pre-transformers-5 Hub
+# configs write it: no layer_types / rope_parameters, scalar rope thetas)
+_VARIANTS: dict[str, tuple[dict[str, Any], bool, bool]] = {
+    # Layers global, local, local, global; local_attention=8: 4 tokens each side.
+    "modernbert": ({"local_attention": 8, "global_attn_every_n_layers": 3}, False, False),
+    # ModernBERT-base's own layout: ForMaskedLM ("model." prefix, head weights), Hub-style
+    # config; plus biases everywhere, an odd band (7 -> 3 each side) and global every 2nd.
+    "modernbert-mlm-legacy": (
+        {
+            "local_attention": 7,
+            "global_attn_every_n_layers": 2,
+            "norm_bias": True,
+            "attention_bias": True,
+            "mlp_bias": True,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 80_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+            },
+        },
+        True,
+        True,
+    ),
+}
+_EXPECTED_TYPES = {
+    "modernbert": ["full", "sliding", "sliding", "full"],
+    "modernbert-mlm-legacy": ["full", "sliding", "full", "sliding"],
+}
+_EXPECTED_WINDOW = {"modernbert": 4, "modernbert-mlm-legacy": 3}
+
+
+def build_modernbert(path: Path, variant: str) -> Path:
+    """A 4-layer ModernBERT with a byte-level tokenizer wrapping inputs in [CLS] ... [SEP]."""
+    overrides, masked_lm, legacy = _VARIANTS[variant]
+    path.mkdir(parents=True, exist_ok=True)
+    tok = byte_tokenizer(_SPECIALS, "[CLS] $A [SEP]", ["[CLS]", "[SEP]"])
+    _save_tokenizer(
+        tok,
+        path,
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        pad_token="[PAD]",
+        mask_token="[MASK]",
+        unk_token="[UNK]",
+    )
+    torch.manual_seed(5)
+    config = AutoConfig.for_model(
+        "modernbert", vocab_size=tok.get_vocab_size(), **{**_BASE, **overrides}
+    )
+    model = (AutoModelForMaskedLM if masked_lm else AutoModel).from_config(config)
+    with torch.no_grad():  # as _models._save_model: spread weights so layers actually mix
+        for name, param in model.named_parameters():
+            if "norm" in name.lower() and name.endswith("weight"):
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            elif param.dim() > 1:
+                param.normal_(0.0, 0.2)
+            else:
+                param.normal_(0.0, 0.05)
+    model.save_pretrained(str(path))
+    if legacy:
+        cfg = json.loads((path / "config.json").read_text())
+        rope = cfg.pop("rope_parameters")
+        del cfg["layer_types"]
+        cfg["global_rope_theta"] = rope["full_attention"]["rope_theta"]
+        cfg["local_rope_theta"] = rope["sliding_attention"]["rope_theta"]
+        (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return path
+
+
+@pytest.fixture(scope="module")
+def modernbert(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """Factory: a tiny ModernBERT per ``_VARIANTS`` entry, built once per module."""
+    root = tmp_path_factory.mktemp("modernbert")
+    cache: dict[str, Path] = {}
+
+    def get(variant: str) -> Path:
+        if variant not in cache:
+            cache[variant] = build_modernbert(root / variant, variant)
+        return cache[variant]
+
+    return get
+
+
+def _sequences(vocab_size: int) -> list[list[int]]:
+    """[CLS] ids [SEP]: a lone [CLS], lengths the band cannot bite (<= window + 1), at and
+    just past its edge, and far past it (two of length 9 share a bucket)."""
+    generator = torch.Generator().manual_seed(11)
+    out = [[_CLS]]
+    for n in [2, 4, 5, 8, 9, 9, 10, 17, 33, 61]:
+        body = torch.randint(len(_SPECIALS), vocab_size, (n - 2,), generator=generator)
+        out.append([_CLS, *body.tolist(), _SEP])
+    return out
+
+
+def _reference(path: Path, seqs: list[list[int]]) -> list[np.ndarray]:
+    model = AutoModel.from_pretrained(str(path), attn_implementation="eager").eval()
+    with torch.no_grad():
+        return [model(input_ids=torch.tensor([s])).last_hidden_state[0].numpy() for s in seqs]
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0.5])  # exact-length buckets / padded buckets
+@pytest.mark.parametrize("variant", list(_VARIANTS))
+def test_packed_batch_matches_transformers(
+    modernbert: Callable[[str], Path], variant: str, ratio: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every token state and every pooled (CLS) vector of one packed mixed-length batch
+    equals transformers' ModernBertModel running each input alone."""
+    monkeypatch.setattr(attention, "_BUCKET_RATIO", ratio)
+    path = modernbert(variant)
+    reference_config = AutoConfig.from_pretrained(str(path))  # transformers reads it so too
+    assert [t.split("_")[0] for t in reference_config.layer_types] == _EXPECTED_TYPES[variant]
+    assert reference_config.sliding_window == _EXPECTED_WINDOW[variant]
+    engine = Engine.from_pretrained(str(path), dtype="float32", normalize=False)
+    info = engine.info()
+    assert (info.model_type, info.pooling) == ("modernbert", "cls")
+    assert info.sliding_window == _EXPECTED_WINDOW[variant]
+    seqs = _sequences(info.vocab_size)
+    expected = _reference(path, seqs)
+    for seq, got, want in zip(seqs, engine.embed_tokens(seqs), expected, strict=True):
+        assert got.shape == want.shape == (len(seq), info.hidden_size)
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
+    pooled = engine.embed(seqs)
+    np.testing.assert_allclose(pooled, np.stack([s[0] for s in expected]), atol=2e-5, rtol=1e-4)
+
+
+def test_flash_attn_gets_the_local_band(
+    modernbert: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Local layers hand flash-attn ``window_size=(local_attention // 2,) * 2``, global ones
+    the plain call; a batch the band cannot bite gets plain calls throughout."""
+    engine = Engine.from_pretrained(str(modernbert("modernbert")), dtype="float32")
+    seqs = _sequences(engine.info().vocab_size)
+    baseline = engine.embed_tokens(seqs)
+    fake_flash = _RecordingFlash()
+    monkeypatch.setattr(attention, "flash_attn_varlen_func", fake_flash)
+    monkeypatch.setattr(attention, "flash_available", lambda tensor: True)
+    flashed = engine.embed_tokens(seqs)
+    assert [c["window_size"] for c in fake_flash.calls] == [(-1, -1), (4, 4), (4, 4), (-1, -1)]
+    assert not any(c["causal"] for c in fake_flash.calls)
+    for got, want in zip(flashed, baseline, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    fake_flash.calls.clear()
+    engine.embed_tokens([s for s in seqs if len(s) <= 5])
+    assert [c["window_size"] for c in fake_flash.calls] == [(-1, -1)] * 4
+
+
+def test_sentence_transformers_mean_pooling_parity(modernbert: Callable[[str], Path]) -> None:
+    """A ModernBERT embedder with a sentence-transformers config (mean pooling, Normalize),
+    through Engine.from_pretrained, against SentenceTransformer on the same directory; texts
+    reach well past the local band and the 64-token truncation."""
+    path = add_sentence_transformers(modernbert("modernbert"), pooling="mean")
+    engine = Engine.from_pretrained(str(path), dtype="float32")
+    info = engine.info()
+    assert (info.pooling, info.normalize, info.max_input_tokens) == ("mean", True, 64)
+    texts = ["a", "ModernBERT alternates global and local attention", "tokens " * 15, "zz top"]
+    got = engine.embed(texts)
+    want = SentenceTransformer(str(path), device="cpu").encode(texts)
+    assert got.shape == want.shape == (4, 32)
+    cosines = np.sum(got * want, axis=1) / (
+        np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1)
+    )
+    assert cosines.min() >= 0.9999
