@@ -9,6 +9,7 @@ a few hundred kilobytes and run in milliseconds.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -111,8 +112,9 @@ def build_xlm_roberta(path: Path) -> Path:
 
 
 def build_decoder(path: Path, model_type: str, **overrides: Any) -> Path:
-    """A 2-layer decoder (qwen2 / qwen3 / llama / mistral), GQA 4:2, EOS appended like
-    Qwen3-Embedding's tokenizer does, so last-token pooling reads the EOS state."""
+    """A 2-layer decoder (qwen2 / qwen3 / llama / mistral / gemma3_text), GQA 4:2, EOS
+    appended like Qwen3-Embedding's tokenizer does, so last-token pooling reads the EOS
+    state."""
     path.mkdir(parents=True, exist_ok=True)
     tok = byte_tokenizer(["<pad>", "<s>", "</s>", "<unk>"], "$A </s>", ["</s>"])
     _save_tokenizer(
@@ -126,6 +128,15 @@ def build_decoder(path: Path, model_type: str, **overrides: Any) -> Path:
     }
     if model_type == "qwen3":
         extra["head_dim"] = 16  # Qwen3 decouples head_dim from hidden/heads
+    if model_type == "gemma3_text":
+        # Every value differs from what a Llama-shaped guess would use: head_dim from
+        # hidden/heads, scale 1/sqrt(head_dim), one rope for all layers.
+        extra["head_dim"] = 16
+        extra["query_pre_attn_scalar"] = 24
+        extra["rope_parameters"] = {
+            "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        }
     if model_type in ("llama", "mistral"):
         extra["rope_theta"] = 500000.0
     _save_model(
@@ -138,7 +149,9 @@ def add_sentence_transformers(
     path: Path,
     *,
     pooling: str,
-    dense_out: int | None = None,
+    dense_out: int | Sequence[int] = (),
+    dense_activation: type[torch.nn.Module] = torch.nn.Tanh,
+    dense_bias: bool = True,
     normalize: bool = True,
     prompts: dict[str, str] | None = None,
     default_prompt_name: str | None = None,
@@ -149,7 +162,8 @@ def add_sentence_transformers(
     """Wrap a model directory in a sentence-transformers pipeline saved next to it.
 
     ``pooling`` is a sentence-transformers mode name, or several joined with ``+`` (which it
-    concatenates). The pipeline goes to ``<model>-st-<name or pooling>``.
+    concatenates). ``dense_out`` adds one Dense module per output size, in order. The
+    pipeline goes to ``<model>-st-<name or pooling>``.
     """
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import (
@@ -166,8 +180,9 @@ def add_sentence_transformers(
         body,
         Pooling(dim, pooling_mode=tuple(pooling.split("+")), include_prompt=include_prompt),
     ]
-    if dense_out is not None:
-        modules.append(Dense(dim, dense_out, activation_function=torch.nn.Tanh()))
+    for out in [dense_out] if isinstance(dense_out, int) else dense_out:
+        modules.append(Dense(dim, out, bias=dense_bias, activation_function=dense_activation()))
+        dim = out
     if normalize:
         modules.append(Normalize())
     st = SentenceTransformer(

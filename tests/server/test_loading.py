@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _models import add_sentence_transformers
+from _models import add_sentence_transformers, build_decoder
 from embedding_server.engine import Engine
 from embedding_server.errors import ModelNotFoundError, UnsupportedModelError
 from embedding_server.loading import read_sentence_transformers
@@ -44,6 +44,28 @@ def st_qwen3_last(tiny_model: Callable[[str], Path]) -> Path:
     )
 
 
+@pytest.fixture(scope="module")
+def st_embeddinggemma(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """EmbeddingGemma's shape, tiny: bidirectional gemma3_text with a local (window 8) and a
+    global layer, mean pooling, Dense up and Dense down (no bias, identity), Normalize, and
+    its query / document prompts."""
+    body = build_decoder(
+        tmp_path_factory.mktemp("embeddinggemma") / "gemma3",
+        "gemma3_text",
+        use_bidirectional_attention=True,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    return add_sentence_transformers(
+        body,
+        pooling="mean",
+        dense_out=(48, 32),
+        dense_activation=torch.nn.Identity,
+        dense_bias=False,
+        prompts={"query": "task: search result | query: ", "document": "title: none | text: "},
+    )
+
+
 def test_sentence_transformers_pipeline_parity(st_bert_dense: Path) -> None:
     """Pooling config, Dense layer, Normalize, default prompt and include_prompt=False."""
     engine = Engine.from_pretrained(str(st_bert_dense), dtype="float32")
@@ -69,6 +91,26 @@ def test_decoder_last_token_pipeline_parity(st_qwen3_last: Path) -> None:
     st = SentenceTransformer(str(st_qwen3_last), device="cpu")
     for kwargs in ({}, {"prompt_name": "query"}):
         assert cosines(engine.embed(TEXTS, **kwargs), st.encode(TEXTS, **kwargs)).min() >= 0.9999
+
+
+def test_embeddinggemma_pipeline_parity(st_embeddinggemma: Path) -> None:
+    """Gemma 3 body, mean pooling, two Dense layers, Normalize and prompts, against
+    sentence-transformers, on inputs shorter and longer than the sliding window."""
+    engine = Engine.from_pretrained(str(st_embeddinggemma), dtype="float32")
+    info = engine.info()
+    assert (info.pooling, info.normalize, info.dimensions, info.hidden_size) == (
+        "mean",
+        True,
+        32,
+        32,
+    )
+    assert info.sliding_window == 8
+    st = SentenceTransformer(str(st_embeddinggemma), device="cpu")
+    for kwargs in ({}, {"prompt_name": "query"}, {"prompt_name": "document"}):
+        want = st.encode(TEXTS, **kwargs)
+        got = engine.embed(TEXTS, **kwargs)
+        assert got.shape == (4, 32)
+        assert cosines(got, want).min() >= 0.9999, kwargs
 
 
 @pytest.mark.parametrize(

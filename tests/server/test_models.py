@@ -8,6 +8,7 @@ longest); each sequence's hidden states must match transformers running it alone
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from embedding_server.errors import UnsupportedModelError
 from embedding_server.models.base import PackedBatch
 from transformers import AutoModel
 
-FAMILIES = ["bert", "xlm-roberta", "qwen2", "qwen3", "llama", "mistral"]
+FAMILIES = ["bert", "xlm-roberta", "qwen2", "qwen3", "llama", "mistral", "gemma3_text"]
 
 
 def _reference_states(path: Path, seqs: list[list[int]]) -> list[np.ndarray]:
@@ -59,7 +60,7 @@ def test_packed_batch_matches_transformers(
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("model_type", ["bert", "qwen3"])
+@pytest.mark.parametrize("model_type", ["bert", "qwen3", "gemma3_text"])
 def test_pooled_vectors_follow_architecture_default(
     tiny_model: Callable[[str], Path], model_type: str
 ) -> None:
@@ -227,6 +228,28 @@ def test_unsupported_architecture_names_it_and_the_supported_list(
         assert supported in message
 
 
+def test_multimodal_gemma3_is_refused_with_the_way_out(
+    tiny_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """The vision + language Gemma 3 wrapper is refused before its weights are read, and the
+    message says which Gemma 3 checkpoints are served."""
+    src = tiny_model("gemma3_text")
+    shutil.copytree(src, tmp_path / "m")
+    text_config = json.loads((src / "config.json").read_text())
+    config = {
+        "model_type": "gemma3",
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "text_config": text_config,
+        "vision_config": {"model_type": "siglip_vision_model"},
+    }
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "m" / "model.safetensors").unlink()  # proves weights are not needed to refuse
+    with pytest.raises(UnsupportedModelError) as err:
+        Engine.from_pretrained(str(tmp_path / "m"))
+    message = str(err.value)
+    assert "'gemma3'" in message and "multimodal" in message and "gemma3_text" in message
+
+
 # --- sliding-window attention (Mistral, Qwen2/Qwen3 with use_sliding_window) ---------------
 
 _WINDOW = 8
@@ -259,7 +282,29 @@ _WINDOWED: dict[str, tuple[str, dict[str, Any]]] = {
         "qwen2",
         {"use_sliding_window": False, "sliding_window": _WINDOW, "max_window_layers": 0},
     ),
+    # Gemma 3: a local layer (sliding window, local rope) and a global one (global rope).
+    "gemma3": (
+        "gemma3_text",
+        {"sliding_window": _WINDOW, "layer_types": ["sliding_attention", "full_attention"]},
+    ),
+    # EmbeddingGemma: bidirectional; transformers' local window is then |i - j| <= W // 2.
+    "gemma3-bidirectional": (
+        "gemma3_text",
+        {
+            "sliding_window": _WINDOW,
+            "layer_types": ["full_attention", "sliding_attention"],
+            "use_bidirectional_attention": True,
+        },
+    ),
+    # config.json as EmbeddingGemma ships it (transformers 4.x keys: rope_theta,
+    # rope_local_base_freq, rope_scaling), with an odd window and the layer kinds given by
+    # sliding_window_pattern instead of layer_types; rewritten in ``windowed_model``.
+    "gemma3-legacy-config": (
+        "gemma3_text",
+        {"sliding_window": _WINDOW, "use_bidirectional_attention": True},
+    ),
 }
+_LEGACY_GEMMA3_WINDOW = 7
 
 
 @pytest.fixture(scope="session")
@@ -275,6 +320,17 @@ def windowed_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], 
             config = json.loads((path / "config.json").read_text())
             if variant == "qwen2-max-window-layers":
                 del config["layer_types"]  # transformers derives it from max_window_layers
+                (path / "config.json").write_text(json.dumps(config))
+            if variant == "gemma3-legacy-config":
+                for key in ("layer_types", "rope_parameters", "_sliding_window_pattern"):
+                    config.pop(key, None)
+                config.update(
+                    sliding_window=_LEGACY_GEMMA3_WINDOW,
+                    sliding_window_pattern=2,  # layers: sliding, full
+                    rope_theta=10000.0,
+                    rope_local_base_freq=100.0,
+                    rope_scaling={"rope_type": "linear", "factor": 4.0},
+                )
                 (path / "config.json").write_text(json.dumps(config))
             cache[variant] = path
         return cache[variant]
@@ -312,7 +368,8 @@ def test_sliding_window_matches_transformers(
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
     pooled = engine.embed(seqs)
     np.testing.assert_allclose(pooled, np.stack([s[-1] for s in expected]), atol=2e-5, rtol=1e-4)
-    assert engine.info().sliding_window == (None if variant == "qwen2-window-off" else _WINDOW)
+    declared = json.loads((path / "config.json").read_text())["sliding_window"]
+    assert engine.info().sliding_window == (None if variant == "qwen2-window-off" else declared)
 
 
 def test_info_reports_no_window_for_full_attention_models(
@@ -373,6 +430,9 @@ def test_window_masks_only_the_buckets_it_can_bite(
         ("qwen2-max-window-layers", [(-1, -1), (_WINDOW - 1, 0)]),
         ("qwen2-layer-types", [(_WINDOW - 1, 0), (-1, -1)]),
         ("qwen2-window-off", [(-1, -1)] * 2),
+        ("gemma3", [(_WINDOW - 1, 0), (-1, -1)]),
+        ("gemma3-bidirectional", [(-1, -1), (_WINDOW // 2, _WINDOW // 2)]),
+        ("gemma3-legacy-config", [(_LEGACY_GEMMA3_WINDOW // 2,) * 2, (-1, -1)]),
     ],
 )
 def test_flash_attn_gets_the_sliding_window(
@@ -394,5 +454,6 @@ def test_flash_attn_gets_the_sliding_window(
     for got, want in zip(flashed, baseline, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-5)
     fake_flash.calls.clear()
-    engine.embed_tokens([s for s in seqs if len(s) <= _WINDOW])
+    reach = min((left for left, _ in window_sizes if left >= 0), default=_WINDOW)
+    engine.embed_tokens([s for s in seqs if len(s) <= reach + 1])
     assert [call["window_size"] for call in fake_flash.calls] == [(-1, -1)] * 2

@@ -114,18 +114,11 @@ def sliding_windows(config: Mapping[str, Any]) -> list[int | None]:
         if not config.get("use_sliding_window", False):
             return [None] * layers
         window = config.get("sliding_window", _DEFAULT_SLIDING_WINDOW)
-        types = config.get("layer_types")
-        if types is None:
+        if config.get("layer_types") is None:
             first = int(config.get("max_window_layers", _DEFAULT_MAX_WINDOW_LAYERS))
             sliding = [i >= first for i in range(layers)]
         else:
-            unknown = sorted({str(t) for t in types} - set(_LAYER_TYPES))
-            if unknown or len(types) != layers:
-                raise UnsupportedModelError(
-                    f"{model_type} layer_types must name each of the {layers} layers as one "
-                    f"of {', '.join(_LAYER_TYPES)}; got {list(types)!r}"
-                )
-            sliding = [t == "sliding_attention" for t in types]
+            sliding = sliding_layer_types(config, model_type, layers)
     else:
         return [None] * layers
     if window is None:
@@ -133,6 +126,46 @@ def sliding_windows(config: Mapping[str, Any]) -> list[int | None]:
     if int(window) < 1:
         raise UnsupportedModelError(f"{model_type} sliding_window must be >= 1, got {window!r}")
     return [int(window) if slides else None for slides in sliding]
+
+
+def sliding_layer_types(config: Mapping[str, Any], model_type: str, layers: int) -> list[bool]:
+    """Which layers the config's ``layer_types`` marks ``sliding_attention``; refuses a list
+    that does not name each layer as full or sliding attention."""
+    types = config["layer_types"]
+    unknown = sorted({str(t) for t in types} - set(_LAYER_TYPES))
+    if unknown or len(types) != layers:
+        raise UnsupportedModelError(
+            f"{model_type} layer_types must name each of the {layers} layers as one "
+            f"of {', '.join(_LAYER_TYPES)}; got {list(types)!r}"
+        )
+    return [t == "sliding_attention" for t in types]
+
+
+class RotaryTable:
+    """cos/sin of the rotary embedding per position, in the model dtype, grown on demand.
+
+    Computed in float32 from ``inv_freq`` and cast, as transformers does for each forward.
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, *, dtype: torch.dtype, device: torch.device) -> None:
+        self.inv_freq = inv_freq.to(device)
+        self.dtype, self.device = dtype, device
+        dim = 2 * inv_freq.shape[0]
+        self._cos = torch.empty(0, dim, dtype=dtype, device=device)
+        self._sin = torch.empty(0, dim, dtype=dtype, device=device)
+
+    def lookup(
+        self, positions: torch.Tensor, max_position: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos``, ``sin`` for ``positions`` (all ``<= max_position``), ``[T, 1, head_dim]``."""
+        if self._cos.shape[0] <= max_position:
+            size = max(2 * self._cos.shape[0], max_position + 1, 512)
+            freqs = torch.outer(
+                torch.arange(size, device=self.device, dtype=torch.float32), self.inv_freq.float()
+            )
+            emb = torch.cat([freqs, freqs], dim=-1)
+            self._cos, self._sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
 
 
 class LlamaModel:
@@ -168,9 +201,7 @@ class LlamaModel:
         self.sliding_window = next((w for w in windows if w is not None), None)
         self.dtype, self.device = dtype, device
         self.max_positions = int(config.get("max_position_embeddings", 32768))
-        self.inv_freq = rope_inv_freq(config, self.head_dim).to(device)
-        self._cos = torch.empty(0, self.head_dim, dtype=dtype, device=device)
-        self._sin = torch.empty(0, self.head_dim, dtype=dtype, device=device)
+        self.rotary = RotaryTable(rope_inv_freq(config, self.head_dim), dtype=dtype, device=device)
         qk_norm = model_type == "qwen3"
         qkv_bias = model_type == "qwen2" or bool(config.get("attention_bias", False))
 
@@ -210,22 +241,10 @@ class LlamaModel:
                 )
             )
 
-    def _rotary(
-        self, positions: torch.Tensor, max_position: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._cos.shape[0] <= max_position:
-            size = max(2 * self._cos.shape[0], max_position + 1, 512)
-            freqs = torch.outer(
-                torch.arange(size, device=self.device, dtype=torch.float32), self.inv_freq.float()
-            )
-            emb = torch.cat([freqs, freqs], dim=-1)
-            self._cos, self._sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
-        return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
-
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         t = batch.input_ids.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        cos, sin = self._rotary(batch.position_ids, batch.max_seqlen)
+        cos, sin = self.rotary.lookup(batch.position_ids, batch.max_seqlen)
         x = self.embed[batch.input_ids]
         plan = None if flash_available(x) else batch.attention_plan
         for layer in self.layers:
@@ -237,8 +256,8 @@ class LlamaModel:
             if layer.q_norm is not None and layer.k_norm is not None:
                 q = rms_norm(q, layer.q_norm, self.eps)
                 k = rms_norm(k, layer.k_norm, self.eps)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
             attn = varlen_attention(
                 q,
                 k,
@@ -257,6 +276,7 @@ class LlamaModel:
         return rms_norm(x, self.norm, self.eps)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding's pairing: ``[-x2, x1]`` for the halves ``x1``, ``x2``."""
     half = x.shape[-1] // 2
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)

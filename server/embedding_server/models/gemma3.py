@@ -1,0 +1,262 @@
+"""Gemma 3 text models on packed tokens (``model_type: gemma3_text``): EmbeddingGemma
+(google/embeddinggemma-300m) and Gemma 3 language models used as embedders.
+
+The skeleton is Llama's (grouped-query attention, RoPE, gated MLP, RMSNorm over each head of
+q and k like Qwen3), so this module borrows :mod:`.llama`'s helpers: rope frequencies, the
+rotary table, the ``layer_types`` reader. Gemma differs in enough places at once that a
+separate forward reads better than a dozen switches in ``LlamaModel``:
+
+* token embeddings are multiplied by ``sqrt(hidden_size)``, the scale first rounded to the
+  model dtype (bf16 turns sqrt(768) = 27.71 into 27.75), as transformers does;
+* Gemma's RMSNorm scales by ``1 + weight`` and multiplies in float32 before casting back
+  (Llama casts, then multiplies by ``weight``);
+* four norms per block: ``input_layernorm`` before attention and ``post_attention_layernorm``
+  on its output before the residual add; ``pre_feedforward_layernorm`` /
+  ``post_feedforward_layernorm`` the same around the MLP;
+* attention scale ``query_pre_attn_scalar ** -0.5``, not ``head_dim ** -0.5``; ``head_dim``
+  is its own setting (256 by default), not ``hidden_size / heads``;
+* GeGLU MLP: ``hidden_activation`` gelu with the tanh approximation;
+* ``layer_types`` alternate local (``sliding_attention``) and global (``full_attention``)
+  layers, and each kind has its own rope: local layers ``rope_local_base_freq`` (10k),
+  global ones ``rope_theta`` (1M) and ``rope_scaling``; checkpoints saved by transformers
+  >= 5 nest both in ``rope_parameters`` by layer type;
+* ``use_bidirectional_attention`` (EmbeddingGemma) drops the causal mask, and then a local
+  layer's query ``i`` sees keys ``|i - j| <= sliding_window // 2``: transformers' config
+  turns ``sliding_window`` into ``sliding_window // 2 + 1`` and masks ``|i - j|`` below it.
+  A causal local layer sees ``i - sliding_window < j <= i``, as Mistral's.
+
+Pooling: the registry's default for ``gemma3_text`` is the last token, as for every decoder
+(in a causal Gemma only the last token has seen the whole input). EmbeddingGemma declares
+mean pooling, two Dense layers and Normalize in its sentence-transformers files, and those
+win (:mod:`..loading`).
+
+The multimodal wrapper (``model_type: gemma3``, a vision tower plus a ``text_config``) is
+refused by the registry with :data:`MULTIMODAL_REFUSAL`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import flash_available, varlen_attention
+from ..errors import UnsupportedModelError
+from .base import PackedBatch, config_get, strip_prefix, take
+from .llama import RotaryTable, rope_inv_freq, rotate_half, sliding_layer_types
+
+MULTIMODAL_REFUSAL = (
+    "model_type 'gemma3' is the multimodal Gemma 3 checkpoint (vision tower + language "
+    "model); only text-only Gemma 3 checkpoints (model_type 'gemma3_text', such as "
+    "google/embeddinggemma-300m) are supported. Save its language model on its own with "
+    "transformers (a Gemma3TextModel, with the tokenizer) and serve that directory."
+)
+
+# Gemma3TextConfig's defaults, for keys config.json may omit.
+_DEFAULT_HEAD_DIM = 256
+_DEFAULT_KV_HEADS = 4
+_DEFAULT_QUERY_PRE_ATTN_SCALAR = 256
+_DEFAULT_SLIDING_WINDOW = 4096
+_DEFAULT_SLIDING_WINDOW_PATTERN = 6  # every sixth layer is global
+_DEFAULT_ROPE_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
+_LEGACY_ROPE_THETA_KEY = {
+    "full_attention": "rope_theta",
+    "sliding_attention": "rope_local_base_freq",
+}
+# transformers' activation names -> torch's gelu ``approximate``.
+_GELU_APPROXIMATION = {"gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu": "none"}
+
+
+@dataclass
+class _Layer:
+    local: bool  # sliding_attention layer: local rope (and the window, if any)
+    window: int | None  # attention window in varlen_attention's convention; None = full
+    in_norm: torch.Tensor  # norms hold 1 + weight, float32
+    qkv_w: torch.Tensor
+    qkv_b: torch.Tensor | None
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    o_w: torch.Tensor
+    o_b: torch.Tensor | None
+    post_attn_norm: torch.Tensor
+    pre_ff_norm: torch.Tensor
+    post_ff_norm: torch.Tensor
+    gate_up_w: torch.Tensor
+    down_w: torch.Tensor
+
+
+def gemma_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: normalize and multiply by ``scale`` (= 1 + weight, float32) in float32,
+    then cast back (Llama's casts first)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * scale).to(x.dtype)
+
+
+def local_layers(config: Mapping[str, Any]) -> list[bool]:
+    """Which layers are local (``sliding_attention``), as Gemma3TextConfig reads the config:
+    ``layer_types``, or, in configs without it, all but every ``sliding_window_pattern``-th."""
+    layers = int(config["num_hidden_layers"])
+    if config.get("layer_types") is None:
+        pattern = int(config.get("sliding_window_pattern", _DEFAULT_SLIDING_WINDOW_PATTERN))
+        return [(i + 1) % pattern != 0 for i in range(layers)]
+    return sliding_layer_types(config, "gemma3_text", layers)
+
+
+def rope_parameters(config: Mapping[str, Any], layer_type: str) -> dict[str, Any]:
+    """The rope of ``full_attention`` or ``sliding_attention`` layers, from either layout:
+    ``rope_parameters`` nested by layer type (transformers >= 5), or top-level ``rope_theta``
+    (global), ``rope_local_base_freq`` (local) and ``rope_scaling`` (global only)."""
+    nested = config.get("rope_parameters") or {}
+    params = dict(nested.get(layer_type) or {"rope_type": "default"})
+    if layer_type == "full_attention":
+        params.update(config.get("rope_scaling") or {})
+    legacy = config_get(
+        config, _LEGACY_ROPE_THETA_KEY[layer_type], default=_DEFAULT_ROPE_THETA[layer_type]
+    )
+    params.setdefault("rope_theta", legacy)
+    return params
+
+
+class Gemma3TextModel:
+    """Gemma 3 text body for packed batches (causal unless ``use_bidirectional_attention``)."""
+
+    position_offset = 0
+
+    def __init__(
+        self,
+        config: Mapping[str, Any],
+        weights: Mapping[str, torch.Tensor],
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        act = str(
+            config_get(config, "hidden_activation", "hidden_act", default="gelu_pytorch_tanh")
+        )
+        if act not in _GELU_APPROXIMATION:
+            raise UnsupportedModelError(
+                f"gemma3_text activation {act!r} is not supported "
+                f"(supported: {', '.join(_GELU_APPROXIMATION)})"
+            )
+        if config.get("attn_logit_softcapping") is not None:
+            raise UnsupportedModelError(
+                "gemma3_text attn_logit_softcapping is not supported (attention logits are "
+                "not soft-capped here; Gemma 3 checkpoints leave it null)"
+            )
+        self.gelu_approximation = _GELU_APPROXIMATION[act]
+        self.hidden_size = int(config["hidden_size"])
+        self.num_heads = int(config["num_attention_heads"])
+        self.num_kv_heads = int(
+            config_get(config, "num_key_value_heads", default=_DEFAULT_KV_HEADS)
+        )
+        self.head_dim = int(config_get(config, "head_dim", default=_DEFAULT_HEAD_DIM))
+        self.eps = float(config_get(config, "rms_norm_eps", default=1e-6))
+        scalar = config_get(config, "query_pre_attn_scalar", default=_DEFAULT_QUERY_PRE_ATTN_SCALAR)
+        self.scale = float(scalar) ** -0.5
+        self.causal = not bool(config.get("use_bidirectional_attention", False))
+        self.max_positions = int(config_get(config, "max_position_embeddings", default=131_072))
+        self.dtype, self.device = dtype, device
+
+        local = local_layers(config)
+        window = config.get("sliding_window", _DEFAULT_SLIDING_WINDOW)
+        if any(local) and (window is None or int(window) < 1):
+            raise UnsupportedModelError(
+                f"gemma3_text sliding_window must be >= 1 when layer_types has "
+                f"sliding_attention layers; got {window!r}"
+            )
+        self.sliding_window = int(window) if any(local) else None
+        # varlen_attention's window counts keys on each side. Causal: the query itself plus
+        # window - 1 before it. Bidirectional: transformers uses window // 2 + 1 as an
+        # exclusive bound on |i - j|, i.e. window // 2 keys each side.
+        attention_window = None
+        if self.sliding_window is not None:
+            attention_window = self.sliding_window - 1 if self.causal else self.sliding_window // 2
+        self.rotary = {
+            kind: RotaryTable(
+                rope_inv_freq({"rope_parameters": rope_parameters(config, kind)}, self.head_dim),
+                dtype=dtype,
+                device=device,
+            )
+            for kind in ("full_attention", "sliding_attention")
+        }
+        bias = bool(config.get("attention_bias", False))
+
+        w = strip_prefix(weights, ("model.",), "layers.")
+
+        def get(name: str) -> torch.Tensor:
+            return take(w, name, dtype, device, architecture="gemma3_text")
+
+        def norm(name: str) -> torch.Tensor:
+            # Rounded to the model dtype first, as the module's parameter is.
+            return 1.0 + get(name).float()
+
+        self.embed = get("embed_tokens.weight")
+        self.embed_scale = torch.tensor(math.sqrt(self.hidden_size)).to(dtype=dtype, device=device)
+        self.norm = norm("norm.weight")
+        self.layers: list[_Layer] = []
+        for i, is_local in enumerate(local):
+            p = f"layers.{i}."
+            self.layers.append(
+                _Layer(
+                    local=is_local,
+                    window=attention_window if is_local else None,
+                    in_norm=norm(p + "input_layernorm.weight"),
+                    qkv_w=torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                    qkv_b=(
+                        torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+                        if bias
+                        else None
+                    ),
+                    q_norm=norm(p + "self_attn.q_norm.weight"),
+                    k_norm=norm(p + "self_attn.k_norm.weight"),
+                    o_w=get(p + "self_attn.o_proj.weight"),
+                    o_b=get(p + "self_attn.o_proj.bias") if bias else None,
+                    post_attn_norm=norm(p + "post_attention_layernorm.weight"),
+                    pre_ff_norm=norm(p + "pre_feedforward_layernorm.weight"),
+                    post_ff_norm=norm(p + "post_feedforward_layernorm.weight"),
+                    gate_up_w=torch.cat(
+                        [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]
+                    ),
+                    down_w=get(p + "mlp.down_proj.weight"),
+                )
+            )
+
+    def forward(self, batch: PackedBatch) -> torch.Tensor:
+        t = batch.input_ids.shape[0]
+        hq, hkv, d, eps = self.num_heads, self.num_kv_heads, self.head_dim, self.eps
+        global_rope = self.rotary["full_attention"].lookup(batch.position_ids, batch.max_seqlen)
+        local_rope = self.rotary["sliding_attention"].lookup(batch.position_ids, batch.max_seqlen)
+        x = self.embed[batch.input_ids] * self.embed_scale
+        plan = None if flash_available(x) else batch.attention_plan
+        for layer in self.layers:
+            cos, sin = local_rope if layer.local else global_rope
+            h = gemma_rms_norm(x, layer.in_norm, eps)
+            qkv = F.linear(h, layer.qkv_w, layer.qkv_b)
+            q = gemma_rms_norm(qkv[:, : hq * d].view(t, hq, d), layer.q_norm, eps)
+            k = gemma_rms_norm(qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d), layer.k_norm, eps)
+            v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            attn = varlen_attention(
+                q,
+                k,
+                v,
+                cu_seqlens=batch.cu_seqlens,
+                max_seqlen=batch.max_seqlen,
+                causal=self.causal,
+                plan=plan,
+                scale=self.scale,
+                window=layer.window,
+            )
+            h = F.linear(attn.reshape(t, hq * d), layer.o_w, layer.o_b)
+            x = x + gemma_rms_norm(h, layer.post_attn_norm, eps)
+            h = gemma_rms_norm(x, layer.pre_ff_norm, eps)
+            gate, up = F.linear(h, layer.gate_up_w).chunk(2, dim=-1)
+            h = F.linear(F.gelu(gate, approximate=self.gelu_approximation) * up, layer.down_w)
+            x = x + gemma_rms_norm(h, layer.post_ff_norm, eps)
+        return gemma_rms_norm(x, self.norm, eps)
