@@ -60,6 +60,25 @@ def test_packed_batch_matches_transformers(
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize(
+    ("model_type", "flags"),
+    [
+        ("llama", {"attention_bias": True, "mlp_bias": True}),  # biases on q/k/v/o and MLP
+        ("qwen3", {"attention_bias": True}),  # q/k/v/o
+        ("mistral", {"attention_bias": True, "mlp_bias": True}),  # transformers ignores both
+    ],
+)
+def test_projection_biases_follow_transformers(
+    tmp_path: Path, model_type: str, flags: dict[str, bool]
+) -> None:
+    path = build_decoder(tmp_path / model_type, model_type, **flags)
+    engine = Engine.from_pretrained(str(path), dtype="float32", max_model_len=96)
+    seqs = _mixed_sequences(engine)
+    expected = _reference_states(path, seqs)
+    for got, want in zip(engine.embed_tokens(seqs), expected, strict=True):
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("model_type", ["bert", "qwen3", "gemma3_text"])
 def test_pooled_vectors_follow_architecture_default(
     tiny_model: Callable[[str], Path], model_type: str

@@ -8,7 +8,8 @@ switches, kept as data here rather than as four copies of the code:
 * Qwen2: biases on the q/k/v projections;
 * Qwen3: RMSNorm over each head of q and k before RoPE (``q_norm`` / ``k_norm``) and an
   explicit ``head_dim``;
-* Llama/Mistral: ``attention_bias`` flag (usually false);
+* Llama/Qwen3: ``attention_bias`` (q/k/v/o) and, Llama only, ``mlp_bias`` flags (usually false);
+  Mistral has no biases;
 * sliding-window attention (:func:`sliding_windows`): every Mistral layer when
   ``sliding_window`` is set (e5-mistral, SFR-Embedding-Mistral, Linq-Embed-Mistral: 4096);
   Qwen2/Qwen3 layers picked by ``layer_types`` or ``max_window_layers`` when
@@ -40,9 +41,12 @@ class _Layer:
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     o_w: torch.Tensor
+    o_b: torch.Tensor | None
     post_norm: torch.Tensor
     gate_up_w: torch.Tensor
+    gate_up_b: torch.Tensor | None
     down_w: torch.Tensor
+    down_b: torch.Tensor | None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -203,7 +207,14 @@ class LlamaModel:
         self.max_positions = int(config.get("max_position_embeddings", 32768))
         self.rotary = RotaryTable(rope_inv_freq(config, self.head_dim), dtype=dtype, device=device)
         qk_norm = model_type == "qwen3"
-        qkv_bias = model_type == "qwen2" or bool(config.get("attention_bias", False))
+        # Which projections carry biases, as transformers builds each model type: Qwen2 always
+        # on q/k/v (never o); Llama and Qwen3 on q/k/v/o when attention_bias, Llama's MLP when
+        # mlp_bias; Mistral never (it ignores both flags).
+        attention_bias = model_type in ("llama", "qwen3") and bool(
+            config.get("attention_bias", False)
+        )
+        qkv_bias = model_type == "qwen2" or attention_bias
+        mlp_bias = model_type == "llama" and bool(config.get("mlp_bias", False))
 
         w = strip_prefix(weights, ("model.", "transformer."), "layers.")
 
@@ -233,11 +244,18 @@ class LlamaModel:
                     q_norm=get(p + "self_attn.q_norm.weight") if qk_norm else None,
                     k_norm=get(p + "self_attn.k_norm.weight") if qk_norm else None,
                     o_w=get(p + "self_attn.o_proj.weight"),
+                    o_b=get(p + "self_attn.o_proj.bias") if attention_bias else None,
                     post_norm=get(p + "post_attention_layernorm.weight"),
                     gate_up_w=torch.cat(
                         [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]
                     ),
+                    gate_up_b=(
+                        torch.cat([get(p + "mlp.gate_proj.bias"), get(p + "mlp.up_proj.bias")])
+                        if mlp_bias
+                        else None
+                    ),
                     down_w=get(p + "mlp.down_proj.weight"),
+                    down_b=get(p + "mlp.down_proj.bias") if mlp_bias else None,
                 )
             )
 
@@ -269,10 +287,10 @@ class LlamaModel:
                 scale=self.scale,
                 window=layer.window,
             )
-            x = x + F.linear(attn.reshape(t, hq * d), layer.o_w)
+            x = x + F.linear(attn.reshape(t, hq * d), layer.o_w, layer.o_b)
             h = rms_norm(x, layer.post_norm, self.eps)
-            gate, up = F.linear(h, layer.gate_up_w).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down_w)
+            gate, up = F.linear(h, layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down_w, layer.down_b)
         return rms_norm(x, self.norm, self.eps)
 
 
