@@ -63,7 +63,13 @@ def _save_model(model_type: str, path: Path, vocab_size: int, seed: int, **overr
     torch.manual_seed(seed)
     config = AutoConfig.for_model(model_type, vocab_size=vocab_size, **overrides)
     model = AutoModel.from_config(config)
-    with torch.no_grad():  # random init is tiny; spread weights so layers actually mix
+    spread_weights(model)
+    model.save_pretrained(str(path))
+
+
+def spread_weights(model: torch.nn.Module) -> None:
+    """Random init is tiny; spread the weights so layers actually mix (in place)."""
+    with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name.lower() and name.endswith("weight"):
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
@@ -71,7 +77,6 @@ def _save_model(model_type: str, path: Path, vocab_size: int, seed: int, **overr
                 param.normal_(0.0, 0.2)
             else:
                 param.normal_(0.0, 0.05)
-    model.save_pretrained(str(path))
 
 
 def build_bert(path: Path) -> Path:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from _models import _save_tokenizer, add_sentence_transformers, byte_tokenizer
+from _models import _save_tokenizer, add_sentence_transformers, byte_tokenizer, spread_weights
 from embedding_server import attention
 from embedding_server.engine import Engine
 from sentence_transformers import SentenceTransformer
@@ -87,14 +87,7 @@ def build_modernbert(path: Path, variant: str) -> Path:
         "modernbert", vocab_size=tok.get_vocab_size(), **{**_BASE, **overrides}
     )
     model = (AutoModelForMaskedLM if masked_lm else AutoModel).from_config(config)
-    with torch.no_grad():  # as _models._save_model: spread weights so layers actually mix
-        for name, param in model.named_parameters():
-            if "norm" in name.lower() and name.endswith("weight"):
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
-            elif param.dim() > 1:
-                param.normal_(0.0, 0.2)
-            else:
-                param.normal_(0.0, 0.05)
+    spread_weights(model)
     model.save_pretrained(str(path))
     if legacy:
         cfg = json.loads((path / "config.json").read_text())

@@ -36,7 +36,7 @@ from ..attention import flash_available, varlen_attention
 from ..errors import UnsupportedModelError
 from .base import PackedBatch, strip_prefix, take
 from .bert import ACT_FUNCS
-from .llama import rope_inv_freq
+from .llama import RotaryTable, rope_inv_freq, rotate_half
 
 _FULL = "full_attention"
 _SLIDING = "sliding_attention"
@@ -152,13 +152,14 @@ class ModernBertModel:
         kinds = layer_types(config)
         window = local_window(config)
         self.sliding_window = window if _SLIDING in kinds else None
-        self.inv_freq = {
-            kind: rope_inv_freq({"rope_parameters": rope_parameters(config, kind)}, self.head_dim)
-            .float()
-            .to(device)
+        self.rotary = {
+            kind: RotaryTable(
+                rope_inv_freq({"rope_parameters": rope_parameters(config, kind)}, self.head_dim),
+                dtype=dtype,
+                device=device,
+            )
             for kind in set(kinds)
         }
-        self._rope_cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         norm_bias = bool(config.get("norm_bias", False))
         attn_bias = bool(config.get("attention_bias", False))
         mlp_bias = bool(config.get("mlp_bias", False))
@@ -201,23 +202,6 @@ class ModernBertModel:
         self.final_norm_w = get("final_norm.weight")
         self.final_norm_b = maybe("final_norm.bias", norm_bias)
 
-    def _rotary(
-        self, kind: str, positions: torch.Tensor, max_position: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos``, ``sin`` ``[T, 1, head_dim]`` in the model dtype (transformers rounds
-        them to it too), from a per-kind table grown on demand."""
-        cached = self._rope_cache.get(kind)
-        if cached is None or cached[0].shape[0] <= max_position:
-            size = max(2 * (0 if cached is None else cached[0].shape[0]), max_position + 1, 512)
-            freqs = torch.outer(
-                torch.arange(size, device=self.device, dtype=torch.float32), self.inv_freq[kind]
-            )
-            emb = torch.cat([freqs, freqs], dim=-1)
-            cached = (emb.cos().to(self.dtype), emb.sin().to(self.dtype))
-            self._rope_cache[kind] = cached
-        cos, sin = cached
-        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-
     def _norm(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
@@ -227,7 +211,8 @@ class ModernBertModel:
         t = batch.input_ids.shape[0]
         h, heads, d = self.hidden_size, self.num_heads, self.head_dim
         rotary = {
-            kind: self._rotary(kind, batch.position_ids, batch.max_seqlen) for kind in self.inv_freq
+            kind: table.lookup(batch.position_ids, batch.max_seqlen)
+            for kind, table in self.rotary.items()
         }
         x = self._norm(self.tok_emb[batch.input_ids], self.emb_norm_w, self.emb_norm_b)
         plan = None if flash_available(x) else batch.attention_plan
@@ -260,6 +245,4 @@ class ModernBertModel:
 def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE in float32, cast back: what transformers' ModernBERT does in half precision."""
     xf = x.float()
-    half = xf.shape[-1] // 2
-    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)
+    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
