@@ -95,20 +95,13 @@ class _EncodingOptions(BaseModel):
         "float.",
     )
 
-    @field_validator("embed_dtype")
+    @field_validator("embed_dtype", "endianness")
     @classmethod
-    def _dtype_needs_binary(cls, value: EmbedDtype, info: ValidationInfo) -> EmbedDtype:
-        if value != "float32" and info.data.get("encoding_format") == "float":
-            raise ValueError(
-                f"{value} applies to encoding_format base64, bytes or bytes_only; "
-                "float returns JSON numbers"
-            )
-        return value
-
-    @field_validator("endianness")
-    @classmethod
-    def _order_needs_binary(cls, value: Endianness, info: ValidationInfo) -> Endianness:
-        if value != "native" and info.data.get("encoding_format") == "float":
+    def _binary_only(cls, value: str, info: ValidationInfo) -> str:
+        """Non-default element types and byte orders only make sense for binary output."""
+        assert info.field_name is not None
+        default = cls.model_fields[info.field_name].default
+        if value != default and info.data.get("encoding_format") == "float":
             raise ValueError(
                 f"{value} applies to encoding_format base64, bytes or bytes_only; "
                 "float returns JSON numbers"
