@@ -75,8 +75,21 @@ def _helm_ldflags(version: str) -> list[str]:
 
 
 def _plain_ldflags(version: str) -> list[str]:
-    del version  # etcd and kwok carry their version in source
+    del version  # etcd, kwok and CoreDNS carry their version in source
     return ["-s", "-w"]
+
+
+def _cni_ldflags(version: str) -> list[str]:
+    # As the plugins' build script does; without it the plugins report no version.
+    return ["-s", "-w", f"-X {CNI_MODULE}/pkg/utils/buildversion.BuildVersion={version}"]
+
+
+def _adapter_ldflags(version: str) -> list[str]:
+    # prometheus-adapter reports component-base's version, like the Kubernetes commands.
+    return ["-s", "-w", f"-X k8s.io/component-base/version.gitVersion={version}"]
+
+
+CNI_MODULE = "github.com/containernetworking/plugins"
 
 
 @dataclass(frozen=True)
@@ -125,11 +138,43 @@ COMPONENTS: tuple[Component, ...] = (
         module="k8s.io/kubernetes",
         binaries={
             name: (name, ("--version",))
-            for name in ("kube-apiserver", "kube-controller-manager", "kube-scheduler")
+            for name in (
+                "kube-apiserver",
+                "kube-controller-manager",
+                "kube-scheduler",
+                "kubelet",
+                "kube-proxy",
+            )
         }
         | {"kubectl": ("kubectl", ("version", "--client"))},
         ldflags=_k8s_ldflags,
         staging_replaces=True,
+    ),
+    # The real node: CNI plugins for containerd, CoreDNS for Service names, and the adapter
+    # that serves custom.metrics.k8s.io from Prometheus to the HPA.
+    Component(
+        name="cni",
+        version_key="CNI_PLUGINS_VERSION",
+        module=CNI_MODULE,
+        binaries={
+            name: (name, ())
+            for name in ("bridge", "host-local", "loopback", "portmap")
+        },
+        ldflags=_cni_ldflags,
+    ),
+    Component(
+        name="coredns",
+        version_key="COREDNS_VERSION",
+        module="github.com/coredns/coredns",
+        binaries={"coredns": ("coredns", ("-version",))},
+        ldflags=_plain_ldflags,
+    ),
+    Component(
+        name="prometheus-adapter",
+        version_key="PROMETHEUS_ADAPTER_VERSION",
+        module="sigs.k8s.io/prometheus-adapter",
+        binaries={"prometheus-adapter": ("adapter", ("--version",))},
+        ldflags=_adapter_ldflags,
     ),
 )
 
@@ -145,6 +190,11 @@ class Binaries:
     kubectl: Path
     kwok: Path
     helm: Path
+    kubelet: Path
+    kube_proxy: Path
+    coredns: Path
+    prometheus_adapter: Path
+    cni_bin_dir: Path
 
     def bin_dirs(self) -> list[Path]:
         """Directories to prepend to PATH so `kubectl` and `helm` are ours, deduplicated."""
@@ -182,6 +232,10 @@ def _go_env() -> dict[str, str]:
     env["GOTOOLCHAIN"] = "local"  # never download another toolchain behind our back
     env["CGO_ENABLED"] = "0"  # static binaries, no C toolchain needed
     env["GOFLAGS"] = (env.get("GOFLAGS", "") + " -mod=readonly").strip()
+    # Module and build caches live beside the binaries, so one directory holds everything a
+    # warm run reuses (and `rm -rf ~/.cache/embedding-operator` is a true cold start).
+    env.setdefault("GOMODCACHE", str(cache_root() / "go" / "mod"))
+    env.setdefault("GOCACHE", str(cache_root() / "go" / "build"))
     return env
 
 
@@ -375,6 +429,9 @@ def ensure_binaries(components: tuple[Component, ...] = COMPONENTS) -> Binaries:
     paths: dict[str, Path] = {}
     for component in components:
         out_dir = ensure_component(component, versions)
+        if component.name == "cni":
+            paths["cni_bin_dir"] = out_dir
+            continue
         for name in component.binaries:
             paths[name.replace("-", "_")] = out_dir / name
     return Binaries(**paths)
