@@ -171,6 +171,10 @@ def test_deployment_probes_security_volumes_labels() -> None:
     assert container["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
     assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    # Endpoints go first (preStop), then the server drains; the kubelet waits for both.
+    pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pre_stop >= 5
+    assert pod["terminationGracePeriodSeconds"] > pre_stop + 30
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     volumes = {v["name"]: v for v in pod["volumes"]}

@@ -10,7 +10,7 @@ import typing
 
 import pytest
 from embedding_operator import spec as operator_spec
-from embedding_operator.builders.deployment import server_args
+from embedding_operator.builders.deployment import SERVER_DRAIN_SECONDS, server_args
 from embedding_operator.builders.hpa import SERVER_BATCH_TOKENS
 from embedding_server import settings as server_settings
 from embedding_server.cli import load_settings
@@ -47,3 +47,10 @@ def test_autoscaling_defaults_assume_the_servers_batch_budgets() -> None:
         "cpu": server_settings.CPU_BATCH_TOKENS,
         "gpu": server_settings.GPU_BATCH_TOKENS,
     }
+
+
+def test_grace_period_covers_the_servers_drain() -> None:
+    """The pod's grace period is sized from the server's default drain; if the server drained
+    longer, the kubelet would SIGKILL it with requests in flight."""
+    default = server_settings.ServerSettings.model_fields["shutdown_timeout"].default
+    assert default <= SERVER_DRAIN_SECONDS

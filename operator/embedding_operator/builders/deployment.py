@@ -137,6 +137,13 @@ def _env(render: RenderInput) -> list[dict[str, Any]]:
     return env
 
 
+# The preStop delay, then the server's drain (its --shutdown-timeout default of 30 s), then a
+# margin for the process to exit: the kubelet must never SIGKILL a server mid-drain.
+PRE_STOP_SECONDS = 10
+SERVER_DRAIN_SECONDS = 30
+TERMINATION_GRACE_SECONDS = PRE_STOP_SECONDS + SERVER_DRAIN_SECONDS + 15
+
+
 def _resources(render: RenderInput) -> dict[str, Any]:
     requests = {k: str(v) for k, v in render.spec.resources.requests.items()}
     limits = {k: str(v) for k, v in render.spec.resources.limits.items()}
@@ -194,6 +201,9 @@ def _pod_spec(render: RenderInput) -> dict[str, Any]:
         "resources": _resources(render),
         "startupProbe": _probe("/ready", STARTUP_PERIOD_SECONDS, startup_failures),
         "readinessProbe": _probe("/ready", 5, 3),
+        # Keep serving while the endpoint removal reaches every kube-proxy and ingress; only
+        # then does SIGTERM start the server's drain (readiness 503, in-flight work finished).
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SECONDS}}},
         "livenessProbe": _probe("/health", 10, 3),
         "securityContext": {
             "allowPrivilegeEscalation": False,
@@ -217,7 +227,7 @@ def _pod_spec(render: RenderInput) -> dict[str, Any]:
     pod: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": 60,
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": RUN_AS_USER,
