@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # Reinstall only when pyproject.toml changes: the stamp carries its checksum.
 STAMP = $(VENV)/.installed-$(1)-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: help venv install-server install-dev run test lint unit e2e binaries bench cluster-up cluster-down clean
+.PHONY: help venv install-server install-dev run test lint unit e2e binaries images bench cluster-up cluster-down clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -54,6 +54,10 @@ e2e: $(call STAMP,dev) binaries ## Tests against a real local Kubernetes control
 
 binaries: $(call STAMP,dev) ## Build (or reuse from ~/.cache) etcd, kube-*, kubectl, kwok and helm
 	$(PY) e2e/build_binaries.py
+
+images: $(call STAMP,dev) ## Build the container images from a local Debian base; load them into .cluster/ if up
+	$(PY) e2e/images.py build
+	@if [ -f .cluster/state.json ]; then $(PY) e2e/images.py load --cluster-state .cluster/state.json; fi
 
 # infinity-emb pins its own torch and friends: it gets a virtualenv of its own, never .venv.
 INFINITY_VENV := bench/out/infinity-venv

