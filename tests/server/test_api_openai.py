@@ -64,7 +64,13 @@ def test_vectors_match_sentence_transformers(
     )
     got = vectors(client.embeddings.create(input=TEXTS, model=model_name, encoding_format="float"))
     assert got.shape == (len(TEXTS), 384)
-    np.testing.assert_allclose(got, reference, atol=2e-5)
+    if info.dtype == "float32":
+        np.testing.assert_allclose(got, reference, atol=2e-5)
+    else:
+        # `--dtype auto` picks bfloat16 on CPUs with avx512_bf16/AMX: 8 mantissa bits, so the
+        # vectors agree in direction (the project's bf16 parity bar), not to 2e-5 per value.
+        assert info.dtype == "bfloat16"
+        assert (got * reference).sum(axis=1).min() >= 0.999
 
 
 def test_float_and_base64_decode_to_the_same_vectors(
