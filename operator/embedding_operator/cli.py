@@ -177,25 +177,12 @@ def _configure_logging(config: OperatorSettings) -> None:
     logging.getLogger("urllib3").setLevel(logging.WARNING)
 
 
-def _api_client(pool_size: int) -> Any:
-    from kubernetes import client, config
-
-    try:
-        config.load_incluster_config()  # type: ignore[no-untyped-call]
-    except config.ConfigException:
-        config.load_kube_config()  # type: ignore[no-untyped-call]
-    configuration = client.Configuration.get_default_copy()
-    # One connection per reconcile thread, or urllib3 churns connections under load.
-    configuration.connection_pool_maxsize = pool_size
-    return client.ApiClient(configuration)
-
-
 def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
     import kopf
 
     from embedding_operator import handlers
-    from embedding_operator.apply import KubeCluster
     from embedding_operator.events import ApiEventRecorder
+    from embedding_operator.kube import KubeCluster, api_client
     from embedding_operator.leader import (
         LeaderElector,
         LeadershipLostError,
@@ -206,7 +193,7 @@ def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
     _configure_logging(config)
     identity = config.resolved_identity()
     # kopf's handler threads plus the work queue's, each with a connection.
-    cluster = KubeCluster(_api_client(2 * config.workers + 4))
+    cluster = KubeCluster(api_client(2 * config.workers + 4))
 
     reconciler = Reconciler(
         cluster=cluster,

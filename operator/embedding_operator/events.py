@@ -12,7 +12,7 @@ import logging
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
-from embedding_operator.apply import ApiError
+from embedding_operator.kube import ApiError
 
 log = logging.getLogger(__name__)
 

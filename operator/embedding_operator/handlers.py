@@ -28,8 +28,8 @@ from typing import Any
 
 import kopf
 
-from embedding_operator.apply import ApiError
 from embedding_operator.builders.common import GROUP, KIND, MANAGED_BY, PLURAL, VERSION
+from embedding_operator.kube import ApiError, controller_of
 from embedding_operator.reconcile import Reconciler
 from embedding_operator.settings import OperatorSettings
 
@@ -71,14 +71,11 @@ def kopf_settings(config: OperatorSettings) -> kopf.OperatorSettings:
 
 
 def _owner_name(body: kopf.Body) -> str | None:
-    for ref in body.get("metadata", {}).get("ownerReferences") or []:
-        if (
-            ref.get("controller")
-            and ref.get("kind") == KIND
-            and str(ref.get("apiVersion", "")).startswith(f"{GROUP}/")
-        ):
-            return str(ref["name"])
-    return None
+    """The EmbeddingService controlling a child, if one does."""
+    ref = controller_of(body)
+    if ref is None or ref.get("kind") != KIND:
+        return None
+    return str(ref["name"]) if str(ref.get("apiVersion", "")).startswith(f"{GROUP}/") else None
 
 
 class WorkQueue:

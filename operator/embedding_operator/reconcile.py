@@ -36,15 +36,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
-from embedding_operator.apply import (
-    ChildConflictError,
-    ChildRejectedError,
-    Cluster,
-    sync_children,
-)
-from embedding_operator.builders import ChildRef, desired_children
+from embedding_operator.apply import ChildConflictError, ChildRejectedError, sync_children
+from embedding_operator.builders import desired_children
 from embedding_operator.builders.common import API_VERSION, KIND, Owner, RenderInput
 from embedding_operator.builders.deployment import tensor_parallel_refusal
+from embedding_operator.kube import Cluster, ObjectRef, controller_of
 from embedding_operator.profiles import GpuProfiles, UnknownGpuTypeError
 from embedding_operator.spec import EmbeddingServiceSpec, InvalidSpecError, parse_spec
 from embedding_operator.status import (
@@ -87,8 +83,8 @@ def utc_now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def owner_ref(namespace: str, name: str) -> ChildRef:
-    return ChildRef(API_VERSION, KIND, namespace, name)
+def owner_ref(namespace: str, name: str) -> ObjectRef:
+    return ObjectRef(API_VERSION, KIND, namespace, name)
 
 
 class Reconciler:
@@ -178,8 +174,9 @@ class Reconciler:
             except ChildRejectedError as exc:
                 problem = Problem(CHILD_REJECTED, str(exc))
         if deployment is None:
-            live = self._cluster.get(ChildRef("apps/v1", "Deployment", owner.namespace, owner.name))
-            if live is not None and _controlled_by(live, owner):
+            ref = ObjectRef("apps/v1", "Deployment", owner.namespace, owner.name)
+            live = self._cluster.get(ref)
+            if live is not None and (controller_of(live) or {}).get("uid") == owner.uid:
                 deployment = live
 
         written = self._write_status(body, owner, render, deployment, problem)
@@ -192,7 +189,7 @@ class Reconciler:
         ):
             if ref is None:
                 continue
-            secret = self._cluster.get(ChildRef("v1", "Secret", owner.namespace, ref.name))
+            secret = self._cluster.get(ObjectRef("v1", "Secret", owner.namespace, ref.name))
             if secret is None:
                 return Problem(
                     SECRET_NOT_FOUND,
@@ -260,11 +257,4 @@ def _unstartable(render: RenderInput) -> Problem | None:
     return Problem(
         TENSOR_PARALLEL_UNSUPPORTED,
         f"{refusal}; until then nothing is applied and pods of an earlier spec keep running",
-    )
-
-
-def _controlled_by(obj: dict[str, Any], owner: Owner) -> bool:
-    return any(
-        ref.get("controller") and ref.get("uid") == owner.uid
-        for ref in obj.get("metadata", {}).get("ownerReferences") or []
     )
