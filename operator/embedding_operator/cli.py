@@ -25,12 +25,10 @@ from typing import Any, get_args, get_origin
 import yaml
 from pydantic import ValidationError
 
-from embedding_operator.builders import desired_children
-from embedding_operator.builders.common import KIND, Owner, RenderInput
-from embedding_operator.builders.deployment import tensor_parallel_refusal
-from embedding_operator.profiles import GpuProfiles, ProfileConfigError, UnknownGpuTypeError
+from embedding_operator.builders.common import DEFAULT_IMAGE, KIND, Owner
+from embedding_operator.plan import Refused, plan
+from embedding_operator.profiles import GpuProfiles, ProfileConfigError
 from embedding_operator.settings import OperatorSettings
-from embedding_operator.spec import InvalidSpecError, parse_spec
 
 log = logging.getLogger("embedding_operator")
 
@@ -138,23 +136,11 @@ def render_command(args: argparse.Namespace) -> int:
             uid=meta.get("uid", ""),
             generation=1,
         )
-        try:
-            spec = parse_spec(doc.get("spec") or {})
-            profile = profiles.resolve(spec.gpu.type)
-        except (InvalidSpecError, UnknownGpuTypeError) as exc:
-            sys.stderr.write(f"embedding-operator: {name}: {exc}\n")
+        planned = plan(owner, doc.get("spec") or {}, profiles, args.default_image or DEFAULT_IMAGE)
+        if isinstance(planned, Refused):
+            sys.stderr.write(f"embedding-operator: {name}: {planned.problem.message}\n")
             return EXIT_USAGE
-        render = RenderInput(
-            owner=owner,
-            spec=spec,
-            profile=profile,
-            **({"default_image": args.default_image} if args.default_image else {}),
-        )
-        refusal = tensor_parallel_refusal(render)
-        if refusal is not None:
-            sys.stderr.write(f"embedding-operator: {name}: {refusal}\n")
-            return EXIT_USAGE
-        for manifest in desired_children(render).present:
+        for manifest in planned.children.present:
             if not owner.uid:  # standalone output: no owner to point at
                 manifest["metadata"].pop("ownerReferences", None)
             out.append(manifest)

@@ -32,27 +32,24 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from embedding_operator.apply import ChildConflictError, ChildRejectedError, sync_children
-from embedding_operator.builders import desired_children
 from embedding_operator.builders.common import API_VERSION, KIND, Owner, RenderInput
-from embedding_operator.builders.deployment import tensor_parallel_refusal
 from embedding_operator.kube import Cluster, ObjectRef, controller_of
-from embedding_operator.profiles import GpuProfiles, UnknownGpuTypeError
-from embedding_operator.spec import EmbeddingServiceSpec, InvalidSpecError, parse_spec
+from embedding_operator.plan import Planned, Refused, plan
+from embedding_operator.profiles import GpuProfiles
+from embedding_operator.spec import EmbeddingServiceSpec
 from embedding_operator.status import (
     AVAILABLE,
     CHILD_CONFLICT,
     CHILD_REJECTED,
     DEGRADED,
-    INVALID_SPEC,
     READY,
     SECRET_NOT_FOUND,
     TENSOR_PARALLEL_UNSUPPORTED,
-    UNKNOWN_GPU_TYPE,
     Problem,
     compute_status,
     merge_conditions,
@@ -140,31 +137,29 @@ class Reconciler:
 
     def _reconcile(self, body: dict[str, Any]) -> Outcome:
         owner = Owner.from_body(body)
-        render: RenderInput | None = None
-        problem: Problem | None = None
+        planned = plan(owner, body.get("spec") or {}, self._profiles, self._default_image)
+        problem: Problem | None
+        if isinstance(planned, Refused):
+            problem = planned.problem
+            if problem.reason == TENSOR_PARALLEL_UNSUPPORTED:
+                # Typically an edit of a running service: say what happens to it meanwhile.
+                problem = replace(
+                    problem,
+                    message=f"{problem.message}; until then nothing is applied and pods of an "
+                    "earlier spec keep running",
+                )
+        else:
+            # A spec that can never start outranks a Secret that may still appear.
+            problem = self._missing_secret(owner, planned.render.spec)
+
         deployment: dict[str, Any] | None = None
         applied: tuple[str, ...] = ()
-
-        try:
-            spec = parse_spec(body.get("spec") or {})
-            profile = self._profiles.resolve(spec.gpu.type)
-            render = RenderInput(
-                owner=owner, spec=spec, profile=profile, default_image=self._default_image
-            )
-        except InvalidSpecError as exc:
-            problem = Problem(INVALID_SPEC, str(exc))
-        except UnknownGpuTypeError as exc:
-            problem = Problem(UNKNOWN_GPU_TYPE, str(exc))
-
-        if render is not None:
-            # A spec that can never start outranks a Secret that may still appear.
-            problem = _unstartable(render) or self._missing_secret(owner, render.spec)
-        if render is not None and problem is None:
+        if isinstance(planned, Planned) and problem is None:
             try:
                 key = (owner.namespace, owner.name)
                 checked = self._absent_checked.get(key) == owner.generation
                 result = sync_children(
-                    self._cluster, owner, desired_children(render), check_absent=not checked
+                    self._cluster, owner, planned.children, check_absent=not checked
                 )
                 self._absent_checked[key] = owner.generation
                 deployment = result.live.get("Deployment")
@@ -179,7 +174,7 @@ class Reconciler:
             if live is not None and (controller_of(live) or {}).get("uid") == owner.uid:
                 deployment = live
 
-        written = self._write_status(body, owner, render, deployment, problem)
+        written = self._write_status(body, owner, planned.render, deployment, problem)
         return Outcome(problem=problem, status_written=written, applied=applied)
 
     def _missing_secret(self, owner: Owner, spec: EmbeddingServiceSpec) -> Problem | None:
@@ -248,13 +243,3 @@ class Reconciler:
                 )
             elif cond["type"] == READY and cond["status"] == "True":
                 self._recorder(body, type="Normal", reason=AVAILABLE, message=cond["message"])
-
-
-def _unstartable(render: RenderInput) -> Problem | None:
-    refusal = tensor_parallel_refusal(render)
-    if refusal is None:
-        return None
-    return Problem(
-        TENSOR_PARALLEL_UNSUPPORTED,
-        f"{refusal}; until then nothing is applied and pods of an earlier spec keep running",
-    )
