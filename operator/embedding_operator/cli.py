@@ -178,8 +178,8 @@ def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
 
     _configure_logging(config)
     identity = config.resolved_identity()
-    # kopf's handler threads plus the work queue's, each with a connection.
-    cluster = KubeCluster(api_client(2 * config.workers + 4))
+    # A connection per reconcile thread, plus a few for events and leader election.
+    cluster = KubeCluster(api_client(config.workers + 4))
 
     reconciler = Reconciler(
         cluster=cluster,
@@ -188,7 +188,7 @@ def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
         recorder=ApiEventRecorder(cluster, identity),
     )
     registry = kopf.OperatorRegistry()
-    queue = handlers.register(registry, reconciler, config)
+    controller = handlers.register(registry, reconciler, config)
     settings = handlers.kopf_settings(config)
     log.info(
         "starting: namespaces=%s gpu-profiles=%s leader-elect=%s",
@@ -198,8 +198,8 @@ def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
     )
 
     async def work(stop_flag: asyncio.Event) -> None:
-        queue_task = asyncio.create_task(queue.run(stop_flag))
-        # If the work queue dies, stop kopf too; awaiting the task below re-raises its error.
+        queue_task = asyncio.create_task(controller.run(stop_flag))
+        # If the controller dies, stop kopf too; awaiting the task below re-raises its error.
         queue_task.add_done_callback(lambda _: stop_flag.set())
         try:
             await kopf.operator(

@@ -2,8 +2,9 @@
 
 Level-based and idempotent: every trigger (the resource changed, a child changed, the periodic
 resync, the operator restarted) runs the same ``Reconciler.reconcile`` on a freshly read object,
-so a reconcile cut short by a crash is simply finished by the next one. Per-object locking keeps
-two triggers for the same object from interleaving; different objects run in parallel.
+so a reconcile cut short by a crash is simply finished by the next one. The only caller is the
+work queue's ``Controller``, which never runs two reconciles of one object at once; different
+objects run in parallel on its worker threads.
 
 Problems are sorted by who can fix them:
 
@@ -13,7 +14,7 @@ Problems are sorted by who can fix them:
   conflict, a child the API server refuses) is reported as ``Degraded`` plus a Warning Event,
   and the operator waits for the next edit;
 * what may fix itself (a Secret not created yet) is reported the same way and retried with a
-  growing delay by the handler layer (``Outcome.retry``).
+  growing delay by the work queue (``Outcome.retry``).
 
 While a problem found before applying stands (invalid spec, unknown GPU type, tensor
 parallelism on the bundled server, missing Secret), no child is created, changed or deleted:
@@ -22,14 +23,13 @@ leaves its Deployment on the last spec that worked, still serving, with ``Ready`
 because the current spec is not what runs. The edit that fixes the problem clears
 ``Degraded`` and converges as usual.
 
-API errors (server down, 5xx, timeouts) propagate: the handler layer turns them into kopf
-temporary errors and kopf retries.
+API errors (server down, 5xx, timeouts) propagate: the work queue retries them with the same
+growing delay.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -85,7 +85,11 @@ def owner_ref(namespace: str, name: str) -> ObjectRef:
 
 
 class Reconciler:
-    """Reconciles EmbeddingServices against a ``Cluster``; safe to call from many threads."""
+    """Reconciles EmbeddingServices against a ``Cluster``.
+
+    Threads may reconcile different objects at once, never the same one (the work queue's
+    guarantee), so per-object state needs no lock.
+    """
 
     def __init__(
         self,
@@ -101,39 +105,31 @@ class Reconciler:
         self._default_image = default_image
         self._recorder = recorder
         self._clock = clock
-        self._locks: dict[tuple[str, str], threading.Lock] = {}
-        # (namespace, name) -> generation whose unwanted children are known to be gone.
-        self._absent_checked: dict[tuple[str, str], int] = {}
-        self._locks_guard = threading.Lock()
-
-    def _lock(self, namespace: str, name: str) -> threading.Lock:
-        with self._locks_guard:
-            return self._locks.setdefault((namespace, name), threading.Lock())
+        # (namespace, name) -> (uid, generation) whose unwanted children are known to be gone;
+        # the uid keeps a re-created object of the same name from inheriting the check.
+        self._absent_checked: dict[tuple[str, str], tuple[str, int]] = {}
 
     def forget(self, namespace: str, name: str) -> None:
         """Drop per-object state of a deleted EmbeddingService."""
-        with self._locks_guard:
-            self._locks.pop((namespace, name), None)
-            self._absent_checked.pop((namespace, name), None)
+        self._absent_checked.pop((namespace, name), None)
 
     def reconcile(self, namespace: str, name: str) -> Outcome | None:
         """Reconcile the current state of one object; None if it is gone or going."""
-        with self._lock(namespace, name):
-            started = time.monotonic()
-            body = self._cluster.get(owner_ref(namespace, name))
-            if body is None or body.get("metadata", {}).get("deletionTimestamp"):
-                return None
-            outcome = self._reconcile(body)
-            log.debug(
-                "reconciled %s/%s in %.3fs: applied=%s status_written=%s problem=%s",
-                namespace,
-                name,
-                time.monotonic() - started,
-                list(outcome.applied),
-                outcome.status_written,
-                outcome.problem and outcome.problem.reason,
-            )
-            return outcome
+        started = time.monotonic()
+        body = self._cluster.get(owner_ref(namespace, name))
+        if body is None or body.get("metadata", {}).get("deletionTimestamp"):
+            return None
+        outcome = self._reconcile(body)
+        log.debug(
+            "reconciled %s/%s in %.3fs: applied=%s status_written=%s problem=%s",
+            namespace,
+            name,
+            time.monotonic() - started,
+            list(outcome.applied),
+            outcome.status_written,
+            outcome.problem and outcome.problem.reason,
+        )
+        return outcome
 
     def _reconcile(self, body: dict[str, Any]) -> Outcome:
         owner = Owner.from_body(body)
@@ -156,12 +152,12 @@ class Reconciler:
         applied: tuple[str, ...] = ()
         if isinstance(planned, Planned) and problem is None:
             try:
-                key = (owner.namespace, owner.name)
-                checked = self._absent_checked.get(key) == owner.generation
+                key, seen = (owner.namespace, owner.name), (owner.uid, owner.generation)
+                checked = self._absent_checked.get(key) == seen
                 result = sync_children(
                     self._cluster, owner, planned.children, check_absent=not checked
                 )
-                self._absent_checked[key] = owner.generation
+                self._absent_checked[key] = seen
                 deployment = result.live.get("Deployment")
                 applied = tuple(result.applied + [f"-{k}" for k in result.deleted])
             except ChildConflictError as exc:

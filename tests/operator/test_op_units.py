@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 from embedding_operator.apply import is_subset
-from embedding_operator.handlers import retry_delay
 from embedding_operator.kube import ObjectRef, controller_of, resource_path
 from embedding_operator.profiles import (
     GpuProfiles,
@@ -16,6 +15,7 @@ from embedding_operator.profiles import (
 from embedding_operator.settings import OperatorSettings
 from embedding_operator.spec import InvalidSpecError, parse_spec
 from embedding_operator.status import Condition, merge_conditions, status_patch
+from embedding_operator.workqueue import retry_delay
 
 # --- spec ---------------------------------------------------------------------------------
 
@@ -180,11 +180,11 @@ def test_lease_timing_must_be_ordered() -> None:
         OperatorSettings(lease_duration_seconds=5, renew_deadline_seconds=10)
 
 
-def test_work_queue_dedupes_and_resyncs_known_objects() -> None:
+def test_controller_dedupes_and_resyncs_known_objects() -> None:
     import asyncio
     import threading
 
-    from embedding_operator.handlers import WorkQueue
+    from embedding_operator.controller import Controller
 
     calls: list[tuple[str, str]] = []
     release = threading.Event()
@@ -194,17 +194,20 @@ def test_work_queue_dedupes_and_resyncs_known_objects() -> None:
             release.wait(5)
             calls.append((namespace, name))
 
-    queue = WorkQueue(Recorder(), interval=0.05, workers=2)  # type: ignore[arg-type]
-    queue.seen("a", "x")
-    queue.seen("b", "y")
-    queue.seen("b", "z")
-    queue.gone("b", "z")
+        def forget(self, namespace: str, name: str) -> None:
+            pass
+
+    controller = Controller(Recorder(), resync_seconds=0.05, workers=2)
+    controller.seen("a", "x")
+    controller.seen("b", "y")
+    controller.seen("b", "z")
+    controller.gone("b", "z")
 
     async def main() -> None:
         stop = asyncio.Event()
         for _ in range(5):  # a burst of child events for one owner ...
-            queue.add("c", "burst")
-        task = asyncio.create_task(queue.run(stop))
+            controller.enqueue("c", "burst")
+        task = asyncio.create_task(controller.run(stop))
         release.set()
         while len(set(calls)) < 3:
             await asyncio.sleep(0.01)
