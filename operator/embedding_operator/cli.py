@@ -1,9 +1,10 @@
 """``embedding-operator``: ``run`` the operator, or ``render`` the children of a manifest.
 
-``run`` flags are derived from ``OperatorSettings`` (one flag per field, its description as the
-help); anything not given on the command line comes from ``EMBEDDING_OPERATOR_*`` variables,
-then defaults. kopf runs in-process (``kopf.operator``) in standalone mode, under Lease-based
-leader election when ``--leader-elect`` is set (see ``leader.py`` for why not kopf peering).
+``run`` flags are derived from ``OperatorSettings`` (``settings.add_settings_flags``: one flag
+per field, its description as the help); anything not given on the command line comes from
+``EMBEDDING_OPERATOR_*`` variables, then defaults. kopf runs in-process (``kopf.operator``) in
+standalone mode, next to the work queue's ``Controller``, under Lease-based leader election when
+``--leader-elect`` is set (see ``leader.py`` for why not kopf peering).
 
 ``render -f es.yaml`` prints what the operator would create, from the same pure builders, with
 no cluster: for review, for diffs in CI, and to see the effect of a spec change. A spec the
@@ -20,7 +21,7 @@ import sys
 import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, get_args, get_origin
+from typing import Any
 
 import yaml
 from pydantic import ValidationError
@@ -28,37 +29,12 @@ from pydantic import ValidationError
 from embedding_operator.builders.common import DEFAULT_IMAGE, KIND, Owner
 from embedding_operator.plan import Refused, plan
 from embedding_operator.profiles import GpuProfiles, ProfileConfigError
-from embedding_operator.settings import OperatorSettings
+from embedding_operator.settings import OperatorSettings, add_settings_flags, settings_from_args
 
 log = logging.getLogger("embedding_operator")
 
 EXIT_USAGE = 2
 EXIT_LEADERSHIP_LOST = 3
-
-
-def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
-    for name, field in OperatorSettings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        help_text = field.description or ""
-        annotation = field.annotation
-        if annotation is bool:
-            parser.add_argument(
-                flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
-            )
-            continue
-        choices = None
-        if get_origin(annotation) is not None and all(
-            isinstance(a, str) for a in get_args(annotation)
-        ):
-            choices = list(get_args(annotation))
-        parser.add_argument(
-            flag,
-            dest=name,
-            default=None,
-            choices=choices,
-            help=help_text,
-            metavar=None if choices else name.upper(),
-        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="Run the operator against the current cluster.",
         description="Flags may also be set as EMBEDDING_OPERATOR_<FLAG> environment variables.",
     )
-    _add_settings_flags(run)
+    add_settings_flags(run)
     render = sub.add_parser("render", help="Print the child manifests of EmbeddingServices.")
     render.add_argument(
         "-f",
@@ -88,15 +64,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     render.add_argument("--default-image", default=None, help="Image, as for run.")
     return parser
-
-
-def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
-    given = {
-        name: getattr(args, name)
-        for name in OperatorSettings.model_fields
-        if getattr(args, name, None) is not None
-    }
-    return OperatorSettings(**given)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
