@@ -13,39 +13,16 @@ an event, the event makes a reconcile, the reconcile finds nothing to write.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
-from typing import Any, Protocol
+from typing import Any
 
-from embedding_operator.builders import ChildRef, DesiredChildren, ref_of
+from embedding_operator.builders import DesiredChildren
 from embedding_operator.builders.common import Manifest, Owner
-
-FIELD_MANAGER = "embedding-operator"
+from embedding_operator.kube import ApiError, Cluster, controller_of, ref_of
 
 log = logging.getLogger(__name__)
-
-_PLURALS = {
-    "Deployment": "deployments",
-    "Service": "services",
-    "HorizontalPodAutoscaler": "horizontalpodautoscalers",
-    "PodDisruptionBudget": "poddisruptionbudgets",
-    "PersistentVolumeClaim": "persistentvolumeclaims",
-    "Secret": "secrets",
-    "EmbeddingService": "embeddingservices",
-    "Lease": "leases",
-    "Event": "events",
-}
-
-
-class ApiError(Exception):
-    """An API call failed; ``status`` is the HTTP status (0: no response)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(f"HTTP {status}: {message}" if status else message)
-        self.status = status
-        self.message = message
 
 
 class ChildConflictError(Exception):
@@ -54,144 +31,6 @@ class ChildConflictError(Exception):
 
 class ChildRejectedError(Exception):
     """The API server refused a rendered child (400/422): the spec asks for the impossible."""
-
-
-class Cluster(Protocol):
-    """The few API calls reconciliation needs; the real one and an in-memory fake."""
-
-    def get(self, ref: ChildRef) -> dict[str, Any] | None: ...
-
-    def apply(self, manifest: Manifest) -> dict[str, Any]: ...
-
-    def merge_patch(self, manifest: Manifest) -> dict[str, Any]: ...
-
-    def delete(self, ref: ChildRef) -> None: ...
-
-    def patch_status(self, ref: ChildRef, status: dict[str, Any]) -> dict[str, Any]: ...
-
-
-def resource_path(ref: ChildRef, subresource: str | None = None) -> str:
-    """REST path of a namespaced object (``/apis/apps/v1/namespaces/x/deployments/y``)."""
-    plural = _PLURALS[ref.kind]
-    base = f"/api/{ref.api_version}" if "/" not in ref.api_version else f"/apis/{ref.api_version}"
-    path = f"{base}/namespaces/{ref.namespace}/{plural}/{ref.name}"
-    return f"{path}/{subresource}" if subresource else path
-
-
-class KubeCluster:
-    """``Cluster`` over the official kubernetes client (sync; runs in kopf's worker threads)."""
-
-    def __init__(self, api_client: Any, *, timeout: float = 30.0) -> None:
-        self._api = api_client
-        self._timeout = (5.0, timeout)
-
-    def _call(
-        self,
-        method: str,
-        path: str,
-        *,
-        body: Any = None,
-        content_type: str = "application/json",
-        query: list[tuple[str, str]] | None = None,
-    ) -> dict[str, Any]:
-        import urllib3
-        from kubernetes.client.exceptions import ApiException
-
-        _, url, headers, serialized, _ = self._api.param_serialize(
-            method=method,
-            resource_path=path,
-            query_params=query or [],
-            header_params={"Content-Type": content_type, "Accept": "application/json"},
-            body=body,
-            auth_settings=["BearerToken"],
-        )
-        try:
-            response = self._api.call_api(
-                method, url, header_params=headers, body=serialized, _request_timeout=self._timeout
-            )
-            data = response.read()
-        except ApiException as exc:
-            raise ApiError(
-                int(exc.status or 0), _error_message(exc.body) or str(exc.reason)
-            ) from None
-        except (urllib3.exceptions.HTTPError, OSError) as exc:
-            # Connection refused, timeouts, TLS errors: retryable like a 5xx.
-            raise ApiError(0, f"{method} {path}: {exc}") from exc
-        if not 200 <= response.status < 300:
-            raise ApiError(int(response.status), _error_message(data) or str(response.reason))
-        return dict(json.loads(data)) if data else {}
-
-    def get(self, ref: ChildRef) -> dict[str, Any] | None:
-        try:
-            return self._call("GET", resource_path(ref))
-        except ApiError as exc:
-            if exc.status == 404:
-                return None
-            raise
-
-    def apply(self, manifest: Manifest) -> dict[str, Any]:
-        # A pre-serialised body: the client sends strings as they are, whatever the type.
-        return self._call(
-            "PATCH",
-            resource_path(ref_of(manifest)),
-            body=json.dumps(manifest),
-            content_type="application/apply-patch+yaml",
-            query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
-        )
-
-    def merge_patch(self, manifest: Manifest) -> dict[str, Any]:
-        return self._call(
-            "PATCH",
-            resource_path(ref_of(manifest)),
-            body=manifest,
-            content_type="application/merge-patch+json",
-        )
-
-    def create(self, manifest: Manifest) -> dict[str, Any]:
-        meta = manifest["metadata"]
-        ref = ChildRef(
-            manifest["apiVersion"], manifest["kind"], meta["namespace"], meta.get("name", "-")
-        )
-        collection = resource_path(ref).rsplit("/", 1)[0]
-        return self._call("POST", collection, body=manifest)
-
-    def replace(self, manifest: Manifest) -> dict[str, Any]:
-        """PUT; with ``metadata.resourceVersion`` set it is a compare-and-swap (409 if stale)."""
-        return self._call("PUT", resource_path(ref_of(manifest)), body=manifest)
-
-    def delete(self, ref: ChildRef) -> None:
-        try:
-            self._call(
-                "DELETE",
-                resource_path(ref),
-                body={
-                    "kind": "DeleteOptions",
-                    "apiVersion": "v1",
-                    "propagationPolicy": "Background",
-                },
-            )
-        except ApiError as exc:
-            if exc.status != 404:
-                raise
-
-    def patch_status(self, ref: ChildRef, status: dict[str, Any]) -> dict[str, Any]:
-        return self._call(
-            "PATCH",
-            resource_path(ref, "status"),
-            body={"status": status},
-            content_type="application/merge-patch+json",
-        )
-
-
-def _error_message(body: object) -> str:
-    if isinstance(body, (bytes, str)):
-        try:
-            parsed = json.loads(body)
-        except ValueError:
-            return body.decode() if isinstance(body, bytes) else body
-        if isinstance(parsed, dict):
-            return str(parsed.get("message", ""))
-    return ""
 
 
 def _as_quantity(value: object) -> Decimal | None:
@@ -224,13 +63,6 @@ def is_subset(desired: object, live: object) -> bool:
         want, have = _as_quantity(desired), _as_quantity(live)
         return want is not None and want == have
     return False
-
-
-def controller_uid(obj: dict[str, Any]) -> str | None:
-    for ref in obj.get("metadata", {}).get("ownerReferences") or []:
-        if ref.get("controller"):
-            return str(ref.get("uid"))
-    return None
 
 
 @dataclass
@@ -285,7 +117,7 @@ def sync_children(
         ref = ref_of(manifest)
         live = cluster.get(ref)
         if live is not None:
-            uid = controller_uid(live)
+            uid = (controller_of(live) or {}).get("uid")
             if uid is not None and uid != owner.uid:
                 raise ChildConflictError(
                     f"{ref.kind} {ref.namespace}/{ref.name} exists and is controlled by "
@@ -298,7 +130,7 @@ def sync_children(
         result.live[ref.kind] = live
     for ref in desired.absent if check_absent else ():
         live = cluster.get(ref)
-        if live is not None and controller_uid(live) == owner.uid:
+        if live is not None and (controller_of(live) or {}).get("uid") == owner.uid:
             cluster.delete(ref)
             result.deleted.append(ref.kind)
             log.info("deleted %s %s/%s (no longer wanted)", ref.kind, ref.namespace, ref.name)

@@ -1,9 +1,10 @@
 """``embedding-operator``: ``run`` the operator, or ``render`` the children of a manifest.
 
-``run`` flags are derived from ``OperatorSettings`` (one flag per field, its description as the
-help); anything not given on the command line comes from ``EMBEDDING_OPERATOR_*`` variables,
-then defaults. kopf runs in-process (``kopf.operator``) in standalone mode, under Lease-based
-leader election when ``--leader-elect`` is set (see ``leader.py`` for why not kopf peering).
+``run`` flags are derived from ``OperatorSettings`` (``settings.add_settings_flags``: one flag
+per field, its description as the help); anything not given on the command line comes from
+``EMBEDDING_OPERATOR_*`` variables, then defaults. kopf runs in-process (``kopf.operator``) in
+standalone mode, next to the work queue's ``Controller``, under Lease-based leader election when
+``--leader-elect`` is set (see ``leader.py`` for why not kopf peering).
 
 ``render -f es.yaml`` prints what the operator would create, from the same pure builders, with
 no cluster: for review, for diffs in CI, and to see the effect of a spec change. A spec the
@@ -20,47 +21,20 @@ import sys
 import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, get_args, get_origin
+from typing import Any
 
 import yaml
 from pydantic import ValidationError
 
-from embedding_operator.builders import desired_children
-from embedding_operator.builders.common import KIND, Owner, RenderInput
-from embedding_operator.builders.deployment import tensor_parallel_refusal
-from embedding_operator.profiles import GpuProfiles, ProfileConfigError, UnknownGpuTypeError
-from embedding_operator.settings import OperatorSettings
-from embedding_operator.spec import InvalidSpecError, parse_spec
+from embedding_operator.builders.common import DEFAULT_IMAGE, KIND, Owner
+from embedding_operator.plan import Refused, plan
+from embedding_operator.profiles import GpuProfiles, ProfileConfigError
+from embedding_operator.settings import OperatorSettings, add_settings_flags, settings_from_args
 
 log = logging.getLogger("embedding_operator")
 
 EXIT_USAGE = 2
 EXIT_LEADERSHIP_LOST = 3
-
-
-def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
-    for name, field in OperatorSettings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        help_text = field.description or ""
-        annotation = field.annotation
-        if annotation is bool:
-            parser.add_argument(
-                flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
-            )
-            continue
-        choices = None
-        if get_origin(annotation) is not None and all(
-            isinstance(a, str) for a in get_args(annotation)
-        ):
-            choices = list(get_args(annotation))
-        parser.add_argument(
-            flag,
-            dest=name,
-            default=None,
-            choices=choices,
-            help=help_text,
-            metavar=None if choices else name.upper(),
-        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="Run the operator against the current cluster.",
         description="Flags may also be set as EMBEDDING_OPERATOR_<FLAG> environment variables.",
     )
-    _add_settings_flags(run)
+    add_settings_flags(run)
     render = sub.add_parser("render", help="Print the child manifests of EmbeddingServices.")
     render.add_argument(
         "-f",
@@ -90,15 +64,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     render.add_argument("--default-image", default=None, help="Image, as for run.")
     return parser
-
-
-def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
-    given = {
-        name: getattr(args, name)
-        for name in OperatorSettings.model_fields
-        if getattr(args, name, None) is not None
-    }
-    return OperatorSettings(**given)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -138,23 +103,11 @@ def render_command(args: argparse.Namespace) -> int:
             uid=meta.get("uid", ""),
             generation=1,
         )
-        try:
-            spec = parse_spec(doc.get("spec") or {})
-            profile = profiles.resolve(spec.gpu.type)
-        except (InvalidSpecError, UnknownGpuTypeError) as exc:
-            sys.stderr.write(f"embedding-operator: {name}: {exc}\n")
+        planned = plan(owner, doc.get("spec") or {}, profiles, args.default_image or DEFAULT_IMAGE)
+        if isinstance(planned, Refused):
+            sys.stderr.write(f"embedding-operator: {name}: {planned.problem.message}\n")
             return EXIT_USAGE
-        render = RenderInput(
-            owner=owner,
-            spec=spec,
-            profile=profile,
-            **({"default_image": args.default_image} if args.default_image else {}),
-        )
-        refusal = tensor_parallel_refusal(render)
-        if refusal is not None:
-            sys.stderr.write(f"embedding-operator: {name}: {refusal}\n")
-            return EXIT_USAGE
-        for manifest in desired_children(render).present:
+        for manifest in planned.children.present:
             if not owner.uid:  # standalone output: no owner to point at
                 manifest["metadata"].pop("ownerReferences", None)
             out.append(manifest)
@@ -177,25 +130,12 @@ def _configure_logging(config: OperatorSettings) -> None:
     logging.getLogger("urllib3").setLevel(logging.WARNING)
 
 
-def _api_client(pool_size: int) -> Any:
-    from kubernetes import client, config
-
-    try:
-        config.load_incluster_config()  # type: ignore[no-untyped-call]
-    except config.ConfigException:
-        config.load_kube_config()  # type: ignore[no-untyped-call]
-    configuration = client.Configuration.get_default_copy()
-    # One connection per reconcile thread, or urllib3 churns connections under load.
-    configuration.connection_pool_maxsize = pool_size
-    return client.ApiClient(configuration)
-
-
 def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
     import kopf
 
     from embedding_operator import handlers
-    from embedding_operator.apply import KubeCluster
     from embedding_operator.events import ApiEventRecorder
+    from embedding_operator.kube import KubeCluster, api_client
     from embedding_operator.leader import (
         LeaderElector,
         LeadershipLostError,
@@ -205,8 +145,8 @@ def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
 
     _configure_logging(config)
     identity = config.resolved_identity()
-    # kopf's handler threads plus the work queue's, each with a connection.
-    cluster = KubeCluster(_api_client(2 * config.workers + 4))
+    # A connection per reconcile thread, plus a few for events and leader election.
+    cluster = KubeCluster(api_client(config.workers + 4))
 
     reconciler = Reconciler(
         cluster=cluster,
@@ -215,7 +155,7 @@ def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
         recorder=ApiEventRecorder(cluster, identity),
     )
     registry = kopf.OperatorRegistry()
-    queue = handlers.register(registry, reconciler, config)
+    controller = handlers.register(registry, reconciler, config)
     settings = handlers.kopf_settings(config)
     log.info(
         "starting: namespaces=%s gpu-profiles=%s leader-elect=%s",
@@ -225,8 +165,8 @@ def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
     )
 
     async def work(stop_flag: asyncio.Event) -> None:
-        queue_task = asyncio.create_task(queue.run(stop_flag))
-        # If the work queue dies, stop kopf too; awaiting the task below re-raises its error.
+        queue_task = asyncio.create_task(controller.run(stop_flag))
+        # If the controller dies, stop kopf too; awaiting the task below re-raises its error.
         queue_task.add_done_callback(lambda _: stop_flag.set())
         try:
             await kopf.operator(

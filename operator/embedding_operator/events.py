@@ -1,7 +1,7 @@
 """Kubernetes Events about EmbeddingServices, posted with our own client.
 
 Why not ``kopf.event``: it only works inside kopf's handler context (it reads kopf's context
-variables), while reconciles also run on the operator's own work-queue threads. Posting a
+variables), while reconciles run on the operator's own work-queue threads. Posting a
 core/v1 Event directly works from anywhere and needs only ``create`` on ``events``.
 Posting is best effort: a failed Event is logged, never a failed reconcile.
 """
@@ -12,7 +12,7 @@ import logging
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
-from embedding_operator.apply import ApiError
+from embedding_operator.kube import ApiError
 
 log = logging.getLogger(__name__)
 

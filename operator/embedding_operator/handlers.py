@@ -1,39 +1,34 @@
-"""kopf handlers: thin adapters from kopf's triggers to ``Reconciler.reconcile``.
+"""kopf handlers: they watch and enqueue; the ``Controller`` does all the reconciling.
 
-Three kinds of triggers feed the same level-based reconcile:
+Every trigger becomes one ``Controller.enqueue`` of the EmbeddingService's key:
 
 * the EmbeddingService was created, changed or found at startup (``create``/``update``/
-  ``resume``): reconcile now; a retryable problem (a Secret not there yet) becomes a
-  ``kopf.TemporaryError`` whose delay grows with each attempt (5s, 10s, ... capped at 60s);
+  ``resume``; kopf compares spec and metadata, so our own status writes do not trigger them);
 * an owned child changed or was deleted (``event`` on Deployments, Services, HPAs, PDBs and
   PVCs, watched with a server-side label selector so the operator sees only its own children):
-  enqueue the owner on a deduplicating ``WorkQueue`` whose workers re-apply drifted fields and
-  refresh status from the Deployment's;
-* a periodic resync (``--resync-seconds``) as the backstop for anything a watch missed. It is
-  one loop over the EmbeddingServices the watch has seen, not a ``kopf.timer``: kopf puts a
-  finalizer on every object with a timer, and a finalizer makes ``kubectl delete`` hang
-  whenever the operator is down or uninstalled.
+  the controlling EmbeddingService is enqueued, so drifted fields are re-applied and status
+  follows the Deployment's;
+* the ``event`` handler on EmbeddingServices keeps the set the periodic resync walks.
 
-No handler returns a value (kopf would store it in status), and kopf's own bookkeeping
-(progress, diff base) lives in annotations under ``embedding-operator.dev``. No finalizer is
-used: children carry ownerReferences, so garbage collection deletes them.
+Handlers are coroutines that never call the API or raise, so kopf's own retry machinery is
+never involved: retries and their backoff are the work queue's (``controller.py``). No handler
+returns a value (kopf would store it in status), and kopf's own bookkeeping (progress, diff
+base) lives in annotations under ``embedding-operator.dev``. No finalizer is used: children
+carry ownerReferences, so garbage collection deletes them.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import kopf
 
-from embedding_operator.apply import ApiError
 from embedding_operator.builders.common import GROUP, KIND, MANAGED_BY, PLURAL, VERSION
+from embedding_operator.controller import Controller
+from embedding_operator.kube import controller_of
 from embedding_operator.reconcile import Reconciler
 from embedding_operator.settings import OperatorSettings
-
-log = logging.getLogger(__name__)
 
 MANAGED_SELECTOR = f"app.kubernetes.io/managed-by={MANAGED_BY}"
 # kopf resource selectors (group/version/plural; core resources have no group).
@@ -44,16 +39,10 @@ CHILD_RESOURCES: tuple[tuple[str, str] | tuple[str, str, str], ...] = (
     ("policy", "v1", "poddisruptionbudgets"),
     ("v1", "persistentvolumeclaims"),
 )
-MAX_RETRY_DELAY = 60.0
-
-
-def retry_delay(retry: int) -> float:
-    """5, 10, 20, 40, 60, 60, ... seconds."""
-    return float(min(MAX_RETRY_DELAY, 5.0 * 2 ** min(retry, 10)))
 
 
 def kopf_settings(config: OperatorSettings) -> kopf.OperatorSettings:
-    """kopf's settings for this operator: our domain for its annotations, our thread pool."""
+    """kopf's settings: our domain for its annotations, label-selected watches on children."""
     settings = kopf.OperatorSettings()
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -71,94 +60,20 @@ def kopf_settings(config: OperatorSettings) -> kopf.OperatorSettings:
 
 
 def _owner_name(body: kopf.Body) -> str | None:
-    for ref in body.get("metadata", {}).get("ownerReferences") or []:
-        if (
-            ref.get("controller")
-            and ref.get("kind") == KIND
-            and str(ref.get("apiVersion", "")).startswith(f"{GROUP}/")
-        ):
-            return str(ref["name"])
-    return None
-
-
-class WorkQueue:
-    """Owners to reconcile, deduplicated, worked by a thread pool of their own.
-
-    Child events and the periodic resync only *enqueue* the owner; a key already waiting is not
-    added twice (the one waiting reads the object later anyway), so a rollout's burst of
-    Deployment status updates costs a few reconciles. The queue's threads are separate from
-    kopf's handler threads, so bursts of child events never delay a new EmbeddingService.
-    """
-
-    def __init__(self, reconciler: Reconciler, *, interval: float, workers: int) -> None:
-        self._reconciler = reconciler
-        self._interval = interval
-        self._workers = max(1, workers)
-        self._known: set[tuple[str, str]] = set()
-        self._pending: set[tuple[str, str]] = set()
-        self._queue: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
-
-    def seen(self, namespace: str, name: str) -> None:
-        self._known.add((namespace, name))
-
-    def gone(self, namespace: str, name: str) -> None:
-        self._known.discard((namespace, name))
-
-    def add(self, namespace: str, name: str) -> None:
-        """Enqueue an owner (event-loop thread only)."""
-        key = (namespace, name)
-        if key not in self._pending:
-            self._pending.add(key)
-            self._queue.put_nowait(key)
-
-    async def run(self, stop: asyncio.Event) -> None:
-        """Work the queue and enqueue every known owner each interval, until ``stop``.
-
-        API errors are logged and left to the next event or round; anything else ends a
-        worker, which ends this coroutine with that error and so the operator (a crashed
-        process gets restarted; a silently dead worker would not).
-        """
-        executor = ThreadPoolExecutor(self._workers, thread_name_prefix="reconcile")
-        workers = [asyncio.create_task(self._work(executor)) for _ in range(self._workers)]
-        ticker = asyncio.create_task(self._tick(stop))
-        tasks = [ticker, *workers]
-        try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                task.result()
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.wait(tasks)
-            executor.shutdown(wait=False, cancel_futures=True)
-
-    async def _tick(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=self._interval)
-            except TimeoutError:
-                for namespace, name in sorted(self._known):
-                    self.add(namespace, name)
-
-    async def _work(self, executor: ThreadPoolExecutor) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            namespace, name = await self._queue.get()
-            self._pending.discard((namespace, name))
-            try:
-                await loop.run_in_executor(executor, self._reconciler.reconcile, namespace, name)
-            except ApiError as exc:
-                # Typical: the namespace is being deleted and refuses new children.
-                log.warning("reconcile of %s/%s: %s", namespace, name, exc)
+    """The EmbeddingService controlling a child, if one does."""
+    ref = controller_of(body)
+    if ref is None or ref.get("kind") != KIND:
+        return None
+    return str(ref["name"]) if str(ref.get("apiVersion", "")).startswith(f"{GROUP}/") else None
 
 
 def register(
     registry: kopf.OperatorRegistry, reconciler: Reconciler, config: OperatorSettings
-) -> WorkQueue:
+) -> Controller:
     """Register the handlers on ``registry`` (explicit, so tests and the CLI build their own);
-    the returned ``WorkQueue`` must run next to kopf."""
-    queue = WorkQueue(
-        reconciler, interval=config.resync_seconds, workers=max(2, config.workers // 2)
+    the returned ``Controller`` does the work and must run next to kopf."""
+    controller = Controller(
+        reconciler, resync_seconds=config.resync_seconds, workers=config.workers
     )
 
     @kopf.on.login(registry=registry)
@@ -169,29 +84,23 @@ def register(
     @kopf.on.resume(GROUP, VERSION, PLURAL, id="reconcile", registry=registry)
     @kopf.on.create(GROUP, VERSION, PLURAL, id="reconcile", registry=registry)
     @kopf.on.update(GROUP, VERSION, PLURAL, id="reconcile", registry=registry)
-    def on_change(*, namespace: str | None, name: str, retry: int, **_: Any) -> None:
-        assert namespace is not None  # a namespaced resource
-        try:
-            outcome = reconciler.reconcile(namespace, name)
-        except ApiError as exc:
-            raise kopf.TemporaryError(f"API error: {exc}", delay=retry_delay(retry)) from exc
-        if outcome is not None and outcome.retry and outcome.problem is not None:
-            raise kopf.TemporaryError(outcome.problem.message, delay=retry_delay(retry))
+    async def on_change(*, namespace: str | None, name: str, **_: Any) -> None:
+        if namespace is not None:  # always: a namespaced resource
+            controller.enqueue(namespace, name)
 
     @kopf.on.event(GROUP, VERSION, PLURAL, id="track", registry=registry)
     async def on_owner_event(*, namespace: str | None, name: str, type: str, **_: Any) -> None:
         if namespace is None:
             return
         if type == "DELETED":
-            queue.gone(namespace, name)
-            reconciler.forget(namespace, name)
+            controller.gone(namespace, name)
         else:
-            queue.seen(namespace, name)
+            controller.seen(namespace, name)
 
     async def on_child(*, body: kopf.Body, namespace: str | None, **_: Any) -> None:
         owner = _owner_name(body)
         if owner is not None and namespace is not None:
-            queue.add(namespace, owner)
+            controller.enqueue(namespace, owner)
 
     for selector in CHILD_RESOURCES:
         kopf.on.event(
@@ -200,4 +109,4 @@ def register(
             registry=registry,
             labels={"app.kubernetes.io/managed-by": MANAGED_BY},
         )(on_child)
-    return queue
+    return controller

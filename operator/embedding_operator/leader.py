@@ -32,8 +32,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
-from embedding_operator.apply import ApiError
-from embedding_operator.builders import ChildRef
+from embedding_operator.kube import ApiError, ObjectRef
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +40,7 @@ LEASE_API_VERSION = "coordination.k8s.io/v1"
 
 
 class LeaseApi(Protocol):
-    def get(self, ref: ChildRef) -> dict[str, Any] | None: ...
+    def get(self, ref: ObjectRef) -> dict[str, Any] | None: ...
 
     def create(self, manifest: dict[str, Any]) -> dict[str, Any]: ...
 
@@ -81,8 +80,8 @@ class LeaderElector:
         self._observed_at = 0.0
 
     @property
-    def _ref(self) -> ChildRef:
-        return ChildRef(LEASE_API_VERSION, "Lease", self.config.namespace, self.config.name)
+    def _ref(self) -> ObjectRef:
+        return ObjectRef(LEASE_API_VERSION, "Lease", self.config.namespace, self.config.name)
 
     def _spec(self, acquire_time: str, transitions: int) -> dict[str, Any]:
         return {

@@ -2,8 +2,9 @@
 
 Level-based and idempotent: every trigger (the resource changed, a child changed, the periodic
 resync, the operator restarted) runs the same ``Reconciler.reconcile`` on a freshly read object,
-so a reconcile cut short by a crash is simply finished by the next one. Per-object locking keeps
-two triggers for the same object from interleaving; different objects run in parallel.
+so a reconcile cut short by a crash is simply finished by the next one. The only caller is the
+work queue's ``Controller``, which never runs two reconciles of one object at once; different
+objects run in parallel on its worker threads.
 
 Problems are sorted by who can fix them:
 
@@ -13,7 +14,7 @@ Problems are sorted by who can fix them:
   conflict, a child the API server refuses) is reported as ``Degraded`` plus a Warning Event,
   and the operator waits for the next edit;
 * what may fix itself (a Secret not created yet) is reported the same way and retried with a
-  growing delay by the handler layer (``Outcome.retry``).
+  growing delay by the work queue (``Outcome.retry``).
 
 While a problem found before applying stands (invalid spec, unknown GPU type, tensor
 parallelism on the bundled server, missing Secret), no child is created, changed or deleted:
@@ -22,41 +23,33 @@ leaves its Deployment on the last spec that worked, still serving, with ``Ready`
 because the current spec is not what runs. The edit that fixes the problem clears
 ``Degraded`` and converges as usual.
 
-API errors (server down, 5xx, timeouts) propagate: the handler layer turns them into kopf
-temporary errors and kopf retries.
+API errors (server down, 5xx, timeouts) propagate: the work queue retries them with the same
+growing delay.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
-from embedding_operator.apply import (
-    ChildConflictError,
-    ChildRejectedError,
-    Cluster,
-    sync_children,
-)
-from embedding_operator.builders import ChildRef, desired_children
+from embedding_operator.apply import ChildConflictError, ChildRejectedError, sync_children
 from embedding_operator.builders.common import API_VERSION, KIND, Owner, RenderInput
-from embedding_operator.builders.deployment import tensor_parallel_refusal
-from embedding_operator.profiles import GpuProfiles, UnknownGpuTypeError
-from embedding_operator.spec import EmbeddingServiceSpec, InvalidSpecError, parse_spec
+from embedding_operator.kube import Cluster, ObjectRef, controller_of
+from embedding_operator.plan import Planned, Refused, plan
+from embedding_operator.profiles import GpuProfiles
+from embedding_operator.spec import EmbeddingServiceSpec
 from embedding_operator.status import (
     AVAILABLE,
     CHILD_CONFLICT,
     CHILD_REJECTED,
     DEGRADED,
-    INVALID_SPEC,
     READY,
     SECRET_NOT_FOUND,
     TENSOR_PARALLEL_UNSUPPORTED,
-    UNKNOWN_GPU_TYPE,
     Problem,
     compute_status,
     merge_conditions,
@@ -87,12 +80,16 @@ def utc_now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def owner_ref(namespace: str, name: str) -> ChildRef:
-    return ChildRef(API_VERSION, KIND, namespace, name)
+def owner_ref(namespace: str, name: str) -> ObjectRef:
+    return ObjectRef(API_VERSION, KIND, namespace, name)
 
 
 class Reconciler:
-    """Reconciles EmbeddingServices against a ``Cluster``; safe to call from many threads."""
+    """Reconciles EmbeddingServices against a ``Cluster``.
+
+    Threads may reconcile different objects at once, never the same one (the work queue's
+    guarantee), so per-object state needs no lock.
+    """
 
     def __init__(
         self,
@@ -108,69 +105,59 @@ class Reconciler:
         self._default_image = default_image
         self._recorder = recorder
         self._clock = clock
-        self._locks: dict[tuple[str, str], threading.Lock] = {}
-        # (namespace, name) -> generation whose unwanted children are known to be gone.
-        self._absent_checked: dict[tuple[str, str], int] = {}
-        self._locks_guard = threading.Lock()
-
-    def _lock(self, namespace: str, name: str) -> threading.Lock:
-        with self._locks_guard:
-            return self._locks.setdefault((namespace, name), threading.Lock())
+        # (namespace, name) -> (uid, generation) whose unwanted children are known to be gone;
+        # the uid keeps a re-created object of the same name from inheriting the check.
+        self._absent_checked: dict[tuple[str, str], tuple[str, int]] = {}
 
     def forget(self, namespace: str, name: str) -> None:
         """Drop per-object state of a deleted EmbeddingService."""
-        with self._locks_guard:
-            self._locks.pop((namespace, name), None)
-            self._absent_checked.pop((namespace, name), None)
+        self._absent_checked.pop((namespace, name), None)
 
     def reconcile(self, namespace: str, name: str) -> Outcome | None:
         """Reconcile the current state of one object; None if it is gone or going."""
-        with self._lock(namespace, name):
-            started = time.monotonic()
-            body = self._cluster.get(owner_ref(namespace, name))
-            if body is None or body.get("metadata", {}).get("deletionTimestamp"):
-                return None
-            outcome = self._reconcile(body)
-            log.debug(
-                "reconciled %s/%s in %.3fs: applied=%s status_written=%s problem=%s",
-                namespace,
-                name,
-                time.monotonic() - started,
-                list(outcome.applied),
-                outcome.status_written,
-                outcome.problem and outcome.problem.reason,
-            )
-            return outcome
+        started = time.monotonic()
+        body = self._cluster.get(owner_ref(namespace, name))
+        if body is None or body.get("metadata", {}).get("deletionTimestamp"):
+            return None
+        outcome = self._reconcile(body)
+        log.debug(
+            "reconciled %s/%s in %.3fs: applied=%s status_written=%s problem=%s",
+            namespace,
+            name,
+            time.monotonic() - started,
+            list(outcome.applied),
+            outcome.status_written,
+            outcome.problem and outcome.problem.reason,
+        )
+        return outcome
 
     def _reconcile(self, body: dict[str, Any]) -> Outcome:
         owner = Owner.from_body(body)
-        render: RenderInput | None = None
-        problem: Problem | None = None
+        planned = plan(owner, body.get("spec") or {}, self._profiles, self._default_image)
+        problem: Problem | None
+        if isinstance(planned, Refused):
+            problem = planned.problem
+            if problem.reason == TENSOR_PARALLEL_UNSUPPORTED:
+                # Typically an edit of a running service: say what happens to it meanwhile.
+                problem = replace(
+                    problem,
+                    message=f"{problem.message}; until then nothing is applied and pods of an "
+                    "earlier spec keep running",
+                )
+        else:
+            # A spec that can never start outranks a Secret that may still appear.
+            problem = self._missing_secret(owner, planned.render.spec)
+
         deployment: dict[str, Any] | None = None
         applied: tuple[str, ...] = ()
-
-        try:
-            spec = parse_spec(body.get("spec") or {})
-            profile = self._profiles.resolve(spec.gpu.type)
-            render = RenderInput(
-                owner=owner, spec=spec, profile=profile, default_image=self._default_image
-            )
-        except InvalidSpecError as exc:
-            problem = Problem(INVALID_SPEC, str(exc))
-        except UnknownGpuTypeError as exc:
-            problem = Problem(UNKNOWN_GPU_TYPE, str(exc))
-
-        if render is not None:
-            # A spec that can never start outranks a Secret that may still appear.
-            problem = _unstartable(render) or self._missing_secret(owner, render.spec)
-        if render is not None and problem is None:
+        if isinstance(planned, Planned) and problem is None:
             try:
-                key = (owner.namespace, owner.name)
-                checked = self._absent_checked.get(key) == owner.generation
+                key, seen = (owner.namespace, owner.name), (owner.uid, owner.generation)
+                checked = self._absent_checked.get(key) == seen
                 result = sync_children(
-                    self._cluster, owner, desired_children(render), check_absent=not checked
+                    self._cluster, owner, planned.children, check_absent=not checked
                 )
-                self._absent_checked[key] = owner.generation
+                self._absent_checked[key] = seen
                 deployment = result.live.get("Deployment")
                 applied = tuple(result.applied + [f"-{k}" for k in result.deleted])
             except ChildConflictError as exc:
@@ -178,11 +165,12 @@ class Reconciler:
             except ChildRejectedError as exc:
                 problem = Problem(CHILD_REJECTED, str(exc))
         if deployment is None:
-            live = self._cluster.get(ChildRef("apps/v1", "Deployment", owner.namespace, owner.name))
-            if live is not None and _controlled_by(live, owner):
+            ref = ObjectRef("apps/v1", "Deployment", owner.namespace, owner.name)
+            live = self._cluster.get(ref)
+            if live is not None and (controller_of(live) or {}).get("uid") == owner.uid:
                 deployment = live
 
-        written = self._write_status(body, owner, render, deployment, problem)
+        written = self._write_status(body, owner, planned.render, deployment, problem)
         return Outcome(problem=problem, status_written=written, applied=applied)
 
     def _missing_secret(self, owner: Owner, spec: EmbeddingServiceSpec) -> Problem | None:
@@ -192,7 +180,7 @@ class Reconciler:
         ):
             if ref is None:
                 continue
-            secret = self._cluster.get(ChildRef("v1", "Secret", owner.namespace, ref.name))
+            secret = self._cluster.get(ObjectRef("v1", "Secret", owner.namespace, ref.name))
             if secret is None:
                 return Problem(
                     SECRET_NOT_FOUND,
@@ -251,20 +239,3 @@ class Reconciler:
                 )
             elif cond["type"] == READY and cond["status"] == "True":
                 self._recorder(body, type="Normal", reason=AVAILABLE, message=cond["message"])
-
-
-def _unstartable(render: RenderInput) -> Problem | None:
-    refusal = tensor_parallel_refusal(render)
-    if refusal is None:
-        return None
-    return Problem(
-        TENSOR_PARALLEL_UNSUPPORTED,
-        f"{refusal}; until then nothing is applied and pods of an earlier spec keep running",
-    )
-
-
-def _controlled_by(obj: dict[str, Any], owner: Owner) -> bool:
-    return any(
-        ref.get("controller") and ref.get("uid") == owner.uid
-        for ref in obj.get("metadata", {}).get("ownerReferences") or []
-    )

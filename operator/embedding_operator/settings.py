@@ -7,11 +7,12 @@ environment, environment over defaults), so the Helm chart can use either.
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import uuid
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args, get_origin
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -122,3 +123,45 @@ class OperatorSettings(BaseSettings):
 
     def resolved_identity(self) -> str:
         return self.identity or f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}"
+
+
+def add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    """One ``--kebab-case`` flag per field, its description as the help.
+
+    Not pydantic-settings' own CLI (``CliSettingsSource``): it would change ``--help``, with
+    type names as metavars (``--namespaces list[str]``) and a ``(default: ...)`` suffix on every
+    flag. Flags default to None so that only flags given on the command line override the
+    environment (``settings_from_args``).
+    """
+    for name, field in OperatorSettings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        help_text = field.description or ""
+        annotation = field.annotation
+        if annotation is bool:
+            parser.add_argument(
+                flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
+            continue
+        choices = None
+        if get_origin(annotation) is not None and all(
+            isinstance(a, str) for a in get_args(annotation)
+        ):
+            choices = list(get_args(annotation))
+        parser.add_argument(
+            flag,
+            dest=name,
+            default=None,
+            choices=choices,
+            help=help_text,
+            metavar=None if choices else name.upper(),
+        )
+
+
+def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
+    """Flags given win; the rest come from ``EMBEDDING_OPERATOR_*`` variables, then defaults."""
+    given = {
+        name: getattr(args, name)
+        for name in OperatorSettings.model_fields
+        if getattr(args, name, None) is not None
+    }
+    return OperatorSettings(**given)

@@ -235,15 +235,6 @@ class EmbeddingServiceSpec(_Model):
             return self.served_model_name
         return self.model.server_model.rstrip("/").rsplit("/", 1)[-1]
 
-    def secret_refs(self) -> list[SecretKeyRef]:
-        """Secrets the pods need; a missing one would leave them stuck in ContainerCreating."""
-        refs: list[SecretKeyRef] = []
-        if self.model.hub_token_secret_ref is not None:
-            refs.append(self.model.hub_token_secret_ref)
-        if self.api_key_secret_ref is not None:
-            refs.append(self.api_key_secret_ref)
-        return refs
-
 
 class InvalidSpecError(ValueError):
     """The spec cannot be rendered; ``message`` names the field paths (spec.x.y)."""

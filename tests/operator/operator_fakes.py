@@ -7,9 +7,8 @@ import itertools
 from pathlib import Path
 from typing import Any
 
-from embedding_operator.apply import ApiError
-from embedding_operator.builders import ChildRef, ref_of
 from embedding_operator.builders.common import Owner, RenderInput
+from embedding_operator.kube import ApiError, ObjectRef, ref_of
 from embedding_operator.profiles import GpuProfiles
 from embedding_operator.spec import parse_spec
 
@@ -44,7 +43,7 @@ class FakeCluster:
     """An in-memory API: enough semantics (uids, generations, apply, status) for reconcile."""
 
     def __init__(self) -> None:
-        self.objects: dict[ChildRef, dict[str, Any]] = {}
+        self.objects: dict[ObjectRef, dict[str, Any]] = {}
         self.calls: list[tuple[str, str]] = []
         self._counter = itertools.count(1)
 
@@ -57,7 +56,7 @@ class FakeCluster:
         self.objects[ref_of(obj)] = obj
         return obj
 
-    def get(self, ref: ChildRef) -> dict[str, Any] | None:
+    def get(self, ref: ObjectRef) -> dict[str, Any] | None:
         self.calls.append(("get", ref.kind))
         obj = self.objects.get(ref)
         return copy.deepcopy(obj) if obj is not None else None
@@ -85,11 +84,11 @@ class FakeCluster:
         live["metadata"]["resourceVersion"] = str(next(self._counter))
         return copy.deepcopy(live)
 
-    def delete(self, ref: ChildRef) -> None:
+    def delete(self, ref: ObjectRef) -> None:
         self.calls.append(("delete", ref.kind))
         self.objects.pop(ref, None)
 
-    def patch_status(self, ref: ChildRef, status: dict[str, Any]) -> dict[str, Any]:
+    def patch_status(self, ref: ObjectRef, status: dict[str, Any]) -> dict[str, Any]:
         self.calls.append(("status", ref.kind))
         obj = self.objects[ref]
         obj["status"] = _merge(obj.get("status") or {}, status)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from embedding_operator.apply import ApiError
-from embedding_operator.builders import ChildRef
+from embedding_operator.kube import ApiError, ObjectRef
 from embedding_operator.leader import (
     LeaderElector,
     LeadershipLostError,
@@ -14,7 +13,7 @@ from embedding_operator.leader import (
 )
 from operator_fakes import FakeCluster
 
-REF = ChildRef("coordination.k8s.io/v1", "Lease", "ops", "embedding-operator")
+REF = ObjectRef("coordination.k8s.io/v1", "Lease", "ops", "embedding-operator")
 
 
 class Clock:

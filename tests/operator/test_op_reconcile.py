@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from embedding_operator.apply import ApiError
-from embedding_operator.builders import ChildRef
+from embedding_operator.kube import ApiError, ObjectRef
 from embedding_operator.profiles import GpuProfiles
 from embedding_operator.reconcile import Reconciler, owner_ref
 from operator_fakes import FakeCluster
@@ -46,8 +45,8 @@ def add_service(cluster: FakeCluster, spec: dict[str, Any], name: str = "emb") -
     )
 
 
-def dep_ref(name: str = "emb") -> ChildRef:
-    return ChildRef("apps/v1", "Deployment", NS, name)
+def dep_ref(name: str = "emb") -> ObjectRef:
+    return ObjectRef("apps/v1", "Deployment", NS, name)
 
 
 def owner(cluster: FakeCluster, name: str = "emb") -> dict[str, Any]:
@@ -143,17 +142,17 @@ def test_drift_is_corrected(cluster: FakeCluster) -> None:
     assert dep["spec"]["replicas"] == 2
     assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == "img:1"
     # A deleted Service comes back.
-    del cluster.objects[ChildRef("v1", "Service", NS, "emb")]
+    del cluster.objects[ObjectRef("v1", "Service", NS, "emb")]
     rec.reconcile(NS, "emb")
-    assert ChildRef("v1", "Service", NS, "emb") in cluster.objects
+    assert ObjectRef("v1", "Service", NS, "emb") in cluster.objects
 
 
 def test_spec_change_rolls_out_and_switches_children(cluster: FakeCluster) -> None:
     add_service(cluster, {**MODEL, "replicas": 1})
     rec = make(cluster)
     rec.reconcile(NS, "emb")
-    hpa = ChildRef("autoscaling/v2", "HorizontalPodAutoscaler", NS, "emb")
-    pdb = ChildRef("policy/v1", "PodDisruptionBudget", NS, "emb")
+    hpa = ObjectRef("autoscaling/v2", "HorizontalPodAutoscaler", NS, "emb")
+    pdb = ObjectRef("policy/v1", "PodDisruptionBudget", NS, "emb")
     assert hpa not in cluster.objects and pdb not in cluster.objects
 
     body = owner(cluster)
@@ -216,7 +215,7 @@ def test_missing_secret_is_retryable_until_created(cluster: FakeCluster) -> None
     outcome = rec.reconcile(NS, "emb")
     assert outcome is not None and outcome.retry
     assert "has no key 'api-key'" in conditions(cluster)["Degraded"]["message"]
-    cluster.objects[ChildRef("v1", "Secret", NS, "auth")]["data"] = {"api-key": "eA=="}
+    cluster.objects[ObjectRef("v1", "Secret", NS, "auth")]["data"] = {"api-key": "eA=="}
     outcome = rec.reconcile(NS, "emb")
     assert outcome is not None and outcome.problem is None
     assert dep_ref() in cluster.objects
@@ -259,7 +258,7 @@ def test_child_owned_by_someone_else_is_not_taken_over(cluster: FakeCluster) -> 
     outcome = rec.reconcile(NS, "emb")
     assert outcome is not None and outcome.problem is not None
     assert conditions(cluster)["Degraded"]["reason"] == "ChildConflict"
-    svc = cluster.objects[ChildRef("v1", "Service", NS, "emb")]
+    svc = cluster.objects[ObjectRef("v1", "Service", NS, "emb")]
     assert svc["spec"] == {"ports": [{"port": 1}]}
 
 
@@ -298,7 +297,7 @@ def test_refused_apply_of_edited_child_falls_back_to_merge_patch(cluster: FakeCl
     add_service(cluster, MODEL)
     rec = make(cluster)
     rec.reconcile(NS, "emb")
-    svc_ref = ChildRef("v1", "Service", NS, "emb")
+    svc_ref = ObjectRef("v1", "Service", NS, "emb")
     cluster.objects[svc_ref]["spec"]["ports"][0]["port"] = 9999
     real_apply = cluster.apply
 

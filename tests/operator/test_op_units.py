@@ -5,9 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from embedding_operator.apply import is_subset, resource_path
-from embedding_operator.builders import ChildRef
-from embedding_operator.handlers import retry_delay
+from embedding_operator.apply import is_subset
+from embedding_operator.kube import ObjectRef, controller_of, resource_path
 from embedding_operator.profiles import (
     GpuProfiles,
     ProfileConfigError,
@@ -16,6 +15,7 @@ from embedding_operator.profiles import (
 from embedding_operator.settings import OperatorSettings
 from embedding_operator.spec import InvalidSpecError, parse_spec
 from embedding_operator.status import Condition, merge_conditions, status_patch
+from embedding_operator.workqueue import retry_delay
 
 # --- spec ---------------------------------------------------------------------------------
 
@@ -128,17 +128,32 @@ def test_subset_compare() -> None:
 
 
 def test_resource_paths() -> None:
-    assert resource_path(ChildRef("v1", "Service", "n", "s")) == "/api/v1/namespaces/n/services/s"
+    assert resource_path(ObjectRef("v1", "Service", "n", "s")) == "/api/v1/namespaces/n/services/s"
     assert (
-        resource_path(ChildRef("apps/v1", "Deployment", "n", "d"))
+        resource_path(ObjectRef("apps/v1", "Deployment", "n", "d"))
         == "/apis/apps/v1/namespaces/n/deployments/d"
     )
     assert (
         resource_path(
-            ChildRef("embedding-operator.dev/v1alpha1", "EmbeddingService", "n", "e"), "status"
+            ObjectRef("embedding-operator.dev/v1alpha1", "EmbeddingService", "n", "e"), "status"
         )
         == "/apis/embedding-operator.dev/v1alpha1/namespaces/n/embeddingservices/e/status"
     )
+
+
+def test_controller_of_finds_the_one_controller_reference() -> None:
+    owner = {"apiVersion": "x/v1", "kind": "EmbeddingService", "name": "e", "uid": "u1"}
+    obj = {
+        "metadata": {
+            "ownerReferences": [
+                {"apiVersion": "v1", "kind": "ConfigMap", "name": "c", "uid": "u0"},
+                {**owner, "controller": True},
+            ]
+        }
+    }
+    assert controller_of(obj) == {**owner, "controller": True}
+    assert controller_of({"metadata": {"ownerReferences": [owner]}}) is None
+    assert controller_of({"metadata": {}}) is None
 
 
 def test_retry_delay_grows_and_caps() -> None:
@@ -165,11 +180,11 @@ def test_lease_timing_must_be_ordered() -> None:
         OperatorSettings(lease_duration_seconds=5, renew_deadline_seconds=10)
 
 
-def test_work_queue_dedupes_and_resyncs_known_objects() -> None:
+def test_controller_dedupes_and_resyncs_known_objects() -> None:
     import asyncio
     import threading
 
-    from embedding_operator.handlers import WorkQueue
+    from embedding_operator.controller import Controller
 
     calls: list[tuple[str, str]] = []
     release = threading.Event()
@@ -179,17 +194,20 @@ def test_work_queue_dedupes_and_resyncs_known_objects() -> None:
             release.wait(5)
             calls.append((namespace, name))
 
-    queue = WorkQueue(Recorder(), interval=0.05, workers=2)  # type: ignore[arg-type]
-    queue.seen("a", "x")
-    queue.seen("b", "y")
-    queue.seen("b", "z")
-    queue.gone("b", "z")
+        def forget(self, namespace: str, name: str) -> None:
+            pass
+
+    controller = Controller(Recorder(), resync_seconds=0.05, workers=2)
+    controller.seen("a", "x")
+    controller.seen("b", "y")
+    controller.seen("b", "z")
+    controller.gone("b", "z")
 
     async def main() -> None:
         stop = asyncio.Event()
         for _ in range(5):  # a burst of child events for one owner ...
-            queue.add("c", "burst")
-        task = asyncio.create_task(queue.run(stop))
+            controller.enqueue("c", "burst")
+        task = asyncio.create_task(controller.run(stop))
         release.set()
         while len(set(calls)) < 3:
             await asyncio.sleep(0.01)
@@ -202,8 +220,8 @@ def test_work_queue_dedupes_and_resyncs_known_objects() -> None:
 
 
 def test_events_are_posted_as_core_v1_events() -> None:
-    from embedding_operator.apply import ApiError
     from embedding_operator.events import ApiEventRecorder
+    from embedding_operator.kube import ApiError
     from operator_fakes import FakeCluster
 
     cluster = FakeCluster()

@@ -15,49 +15,35 @@ from embedding_operator.builders.hpa import build_hpa, wants_hpa
 from embedding_operator.builders.pdb import build_pdb, wants_pdb
 from embedding_operator.builders.pvc import build_pvc, wants_pvc
 from embedding_operator.builders.service import build_service
-
-
-@dataclass(frozen=True)
-class ChildRef:
-    """Which object: enough to GET or DELETE it."""
-
-    api_version: str
-    kind: str
-    namespace: str
-    name: str
+from embedding_operator.kube import ObjectRef
 
 
 @dataclass(frozen=True)
 class DesiredChildren:
     present: list[Manifest]
-    absent: list[ChildRef]
-
-
-def ref_of(manifest: Manifest) -> ChildRef:
-    meta = manifest["metadata"]
-    return ChildRef(manifest["apiVersion"], manifest["kind"], meta["namespace"], meta["name"])
+    absent: list[ObjectRef]
 
 
 def desired_children(render: RenderInput) -> DesiredChildren:
     owner = render.owner
     present: list[Manifest] = []
-    absent: list[ChildRef] = []
+    absent: list[ObjectRef] = []
     if wants_pvc(render):
         present.append(build_pvc(render))
     else:
-        absent.append(ChildRef("v1", "PersistentVolumeClaim", owner.namespace, pvc_name(owner)))
+        absent.append(ObjectRef("v1", "PersistentVolumeClaim", owner.namespace, pvc_name(owner)))
     present += [build_deployment(render), build_service(render)]
     if wants_hpa(render):
         present.append(build_hpa(render))
     else:
         absent.append(
-            ChildRef("autoscaling/v2", "HorizontalPodAutoscaler", owner.namespace, owner.name)
+            ObjectRef("autoscaling/v2", "HorizontalPodAutoscaler", owner.namespace, owner.name)
         )
     if wants_pdb(render):
         present.append(build_pdb(render))
     else:
-        absent.append(ChildRef("policy/v1", "PodDisruptionBudget", owner.namespace, owner.name))
+        absent.append(ObjectRef("policy/v1", "PodDisruptionBudget", owner.namespace, owner.name))
     return DesiredChildren(present=present, absent=absent)
 
 
-__all__ = ["ChildRef", "DesiredChildren", "desired_children", "ref_of"]
+__all__ = ["DesiredChildren", "desired_children"]

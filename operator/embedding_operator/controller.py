@@ -1,0 +1,126 @@
+"""The one work path: keys from the queue, reconciles on worker threads, retries with backoff.
+
+kopf only watches and enqueues (``handlers.py``); this module is the only caller of
+``Reconciler.reconcile``. That is what keeps one object from being reconciled twice at once
+(the queue's processing set) and gives every trigger the same retry policy, client-go's:
+
+* an API error (server down, 5xx, timeout, a namespace being deleted) or a problem that may
+  fix itself (a Secret not created yet) requeues the key with a per-key exponential backoff;
+* a reconcile that found nothing to retry ``forget``s the key's backoff;
+* anything else is a bug: it ends the worker, which ends ``run`` with that error and so the
+  operator (a crashed process is restarted; a silently dead worker would not be).
+
+A periodic resync re-adds every EmbeddingService the watch has seen, the backstop for anything
+a watch missed. It is a loop here, not a ``kopf.timer``: kopf puts a finalizer on every object
+with a timer, and a finalizer makes ``kubectl delete`` hang whenever the operator is down.
+
+Reconciles run on a thread pool of ``workers`` threads (the API client is synchronous); the
+queue itself is only touched on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
+
+from embedding_operator.kube import ApiError
+from embedding_operator.reconcile import Outcome
+from embedding_operator.workqueue import RateLimitingQueue
+
+log = logging.getLogger(__name__)
+
+Key = tuple[str, str]  # (namespace, name) of an EmbeddingService
+
+
+class Reconciles(Protocol):
+    def reconcile(self, namespace: str, name: str) -> Outcome | None: ...
+
+    def forget(self, namespace: str, name: str) -> None: ...
+
+
+class Controller:
+    """Feeds ``reconciler`` from a rate-limited queue; ``run`` it next to kopf."""
+
+    def __init__(
+        self,
+        reconciler: Reconciles,
+        *,
+        resync_seconds: float,
+        workers: int,
+        queue: RateLimitingQueue[Key] | None = None,
+    ) -> None:
+        self._reconciler = reconciler
+        self._resync_seconds = resync_seconds
+        self._workers = max(1, workers)
+        self.queue: RateLimitingQueue[Key] = queue if queue is not None else RateLimitingQueue()
+        self._known: set[Key] = set()
+
+    def enqueue(self, namespace: str, name: str) -> None:
+        """Reconcile this EmbeddingService soon (event-loop thread only)."""
+        self.queue.add((namespace, name))
+
+    def seen(self, namespace: str, name: str) -> None:
+        """The watch reports this EmbeddingService exists: include it in resyncs."""
+        self._known.add((namespace, name))
+
+    def gone(self, namespace: str, name: str) -> None:
+        """It was deleted: no more resyncs, no backoff state, no reconciler state."""
+        self._known.discard((namespace, name))
+        self.queue.forget((namespace, name))
+        self._reconciler.forget(namespace, name)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Work the queue and resync every ``resync_seconds`` until ``stop``."""
+        executor = ThreadPoolExecutor(self._workers, thread_name_prefix="reconcile")
+        workers = [asyncio.create_task(self._work(executor)) for _ in range(self._workers)]
+        ticker = asyncio.create_task(self._resync(stop))
+        tasks = [ticker, *workers]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()
+        finally:
+            self.queue.shut_down()
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks)
+            executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _resync(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=self._resync_seconds)
+            if not stop.is_set():
+                for namespace, name in sorted(self._known):
+                    self.enqueue(namespace, name)
+
+    async def _work(self, executor: ThreadPoolExecutor) -> None:
+        loop = asyncio.get_running_loop()
+        while (key := await self.queue.get()) is not None:
+            namespace, name = key
+            try:
+                outcome = await loop.run_in_executor(
+                    executor, self._reconciler.reconcile, namespace, name
+                )
+            except ApiError as exc:
+                delay = self.queue.add_rate_limited(key)
+                log.warning(
+                    "reconcile of %s/%s: %s; retrying in %.0fs", namespace, name, exc, delay
+                )
+            else:
+                if outcome is not None and outcome.retry:
+                    delay = self.queue.add_rate_limited(key)
+                    log.info(
+                        "%s/%s: %s; retrying in %.0fs",
+                        namespace,
+                        name,
+                        outcome.problem.message if outcome.problem else "retry",
+                        delay,
+                    )
+                else:
+                    self.queue.forget(key)
+            finally:
+                self.queue.done(key)

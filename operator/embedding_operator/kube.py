@@ -1,0 +1,216 @@
+"""The Kubernetes API as the operator sees it: object refs, API errors, the REST client.
+
+Everything that knows how to name an object (``ObjectRef``, ``resource_path``), how an API call
+fails (``ApiError``), who controls an object (``controller_of``) and how to talk to the API
+server (``api_client``, ``KubeCluster``) lives here, once. The rest of the operator talks to
+the ``Cluster`` protocol, which ``KubeCluster`` implements over the official client and the
+tests implement in memory, so reconciliation never imports ``kubernetes`` itself.
+
+The official client is imported lazily: ``embedding-operator render`` and the pure builders
+need refs but no cluster.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+FIELD_MANAGER = "embedding-operator"
+
+_PLURALS = {
+    "Deployment": "deployments",
+    "Service": "services",
+    "HorizontalPodAutoscaler": "horizontalpodautoscalers",
+    "PodDisruptionBudget": "poddisruptionbudgets",
+    "PersistentVolumeClaim": "persistentvolumeclaims",
+    "Secret": "secrets",
+    "EmbeddingService": "embeddingservices",
+    "Lease": "leases",
+    "Event": "events",
+}
+
+
+@dataclass(frozen=True)
+class ObjectRef:
+    """Which namespaced object: enough to GET, PATCH or DELETE it."""
+
+    api_version: str
+    kind: str
+    namespace: str
+    name: str
+
+
+def ref_of(manifest: Mapping[str, Any]) -> ObjectRef:
+    meta = manifest["metadata"]
+    return ObjectRef(manifest["apiVersion"], manifest["kind"], meta["namespace"], meta["name"])
+
+
+def resource_path(ref: ObjectRef, subresource: str | None = None) -> str:
+    """REST path of a namespaced object (``/apis/apps/v1/namespaces/x/deployments/y``)."""
+    plural = _PLURALS[ref.kind]
+    base = f"/api/{ref.api_version}" if "/" not in ref.api_version else f"/apis/{ref.api_version}"
+    path = f"{base}/namespaces/{ref.namespace}/{plural}/{ref.name}"
+    return f"{path}/{subresource}" if subresource else path
+
+
+def controller_of(obj: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The ownerReference with ``controller: true`` (Kubernetes allows at most one), or None."""
+    for ref in obj.get("metadata", {}).get("ownerReferences") or []:
+        if ref.get("controller"):
+            return dict(ref)
+    return None
+
+
+class ApiError(Exception):
+    """An API call failed; ``status`` is the HTTP status (0: no response)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}" if status else message)
+        self.status = status
+        self.message = message
+
+
+class Cluster(Protocol):
+    """The few API calls reconciliation needs; the real one and an in-memory fake."""
+
+    def get(self, ref: ObjectRef) -> dict[str, Any] | None: ...
+
+    def apply(self, manifest: dict[str, Any]) -> dict[str, Any]: ...
+
+    def merge_patch(self, manifest: dict[str, Any]) -> dict[str, Any]: ...
+
+    def delete(self, ref: ObjectRef) -> None: ...
+
+    def patch_status(self, ref: ObjectRef, status: dict[str, Any]) -> dict[str, Any]: ...
+
+
+def api_client(pool_size: int) -> Any:
+    """A ``kubernetes.client.ApiClient``: in-cluster credentials, else ``$KUBECONFIG``."""
+    from kubernetes import client, config
+
+    try:
+        config.load_incluster_config()  # type: ignore[no-untyped-call]
+    except config.ConfigException:
+        config.load_kube_config()  # type: ignore[no-untyped-call]
+    configuration = client.Configuration.get_default_copy()
+    # One connection per reconcile thread, or urllib3 churns connections under load.
+    configuration.connection_pool_maxsize = pool_size
+    return client.ApiClient(configuration)
+
+
+class KubeCluster:
+    """``Cluster`` over the official kubernetes client (sync; runs in worker threads)."""
+
+    def __init__(self, api_client: Any, *, timeout: float = 30.0) -> None:
+        self._api = api_client
+        self._timeout = (5.0, timeout)
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        content_type: str = "application/json",
+        query: list[tuple[str, str]] | None = None,
+    ) -> dict[str, Any]:
+        import urllib3
+        from kubernetes.client.exceptions import ApiException
+
+        _, url, headers, serialized, _ = self._api.param_serialize(
+            method=method,
+            resource_path=path,
+            query_params=query or [],
+            header_params={"Content-Type": content_type, "Accept": "application/json"},
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        try:
+            response = self._api.call_api(
+                method, url, header_params=headers, body=serialized, _request_timeout=self._timeout
+            )
+            data = response.read()
+        except ApiException as exc:
+            raise ApiError(
+                int(exc.status or 0), _error_message(exc.body) or str(exc.reason)
+            ) from None
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            # Connection refused, timeouts, TLS errors: retryable like a 5xx.
+            raise ApiError(0, f"{method} {path}: {exc}") from exc
+        if not 200 <= response.status < 300:
+            raise ApiError(int(response.status), _error_message(data) or str(response.reason))
+        return dict(json.loads(data)) if data else {}
+
+    def get(self, ref: ObjectRef) -> dict[str, Any] | None:
+        try:
+            return self._call("GET", resource_path(ref))
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        # A pre-serialised body: the client sends strings as they are, whatever the type.
+        return self._call(
+            "PATCH",
+            resource_path(ref_of(manifest)),
+            body=json.dumps(manifest),
+            content_type="application/apply-patch+yaml",
+            query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
+        )
+
+    def merge_patch(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        return self._call(
+            "PATCH",
+            resource_path(ref_of(manifest)),
+            body=manifest,
+            content_type="application/merge-patch+json",
+        )
+
+    def create(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        meta = manifest["metadata"]
+        ref = ObjectRef(
+            manifest["apiVersion"], manifest["kind"], meta["namespace"], meta.get("name", "-")
+        )
+        collection = resource_path(ref).rsplit("/", 1)[0]
+        return self._call("POST", collection, body=manifest)
+
+    def replace(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        """PUT; with ``metadata.resourceVersion`` set it is a compare-and-swap (409 if stale)."""
+        return self._call("PUT", resource_path(ref_of(manifest)), body=manifest)
+
+    def delete(self, ref: ObjectRef) -> None:
+        try:
+            self._call(
+                "DELETE",
+                resource_path(ref),
+                body={
+                    "kind": "DeleteOptions",
+                    "apiVersion": "v1",
+                    "propagationPolicy": "Background",
+                },
+            )
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+
+    def patch_status(self, ref: ObjectRef, status: dict[str, Any]) -> dict[str, Any]:
+        return self._call(
+            "PATCH",
+            resource_path(ref, "status"),
+            body={"status": status},
+            content_type="application/merge-patch+json",
+        )
+
+
+def _error_message(body: object) -> str:
+    if isinstance(body, (bytes, str)):
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            return body.decode() if isinstance(body, bytes) else body
+        if isinstance(parsed, dict):
+            return str(parsed.get("message", ""))
+    return ""
