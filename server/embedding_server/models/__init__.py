@@ -22,13 +22,13 @@ import torch
 
 from ..errors import UnsupportedModelError
 from ..pooling import PoolingMethod
-from .base import EmbeddingModel, PackedBatch
+from .base import Checkpoint, EmbeddingModel, PackedBatch
 from .bert import BertModel
 from .gemma3 import MULTIMODAL_REFUSAL, Gemma3TextModel
 from .llama import DecoderVariant, LlamaModel
 from .modernbert import ModernBertModel
 
-ModelBuilder = Callable[..., EmbeddingModel]
+ModelBuilder = Callable[[Checkpoint], EmbeddingModel]
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ def build_model(
     device: torch.device,
 ) -> EmbeddingModel:
     """Instantiate the packed implementation for ``config`` from HF-named weights."""
-    return lookup(config).builder(config, weights, dtype=dtype, device=device)
+    return lookup(config).builder(Checkpoint(config, weights, dtype, device))
 
 
 __all__ = [

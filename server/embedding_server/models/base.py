@@ -101,6 +101,28 @@ class EmbeddingModel(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Checkpoint:
+    """What a family's builder gets: the config, the weights by Hugging Face name, and the
+    dtype and device the model runs in."""
+
+    config: Mapping[str, Any]
+    weights: Mapping[str, torch.Tensor]
+    dtype: torch.dtype
+    device: torch.device
+
+    def reader(self, *, prefixes: Sequence[str], marker: str, architecture: str) -> WeightReader:
+        """The weights, converted, under the family's names (see :class:`WeightReader`)."""
+        return WeightReader(
+            self.weights,
+            prefixes=prefixes,
+            marker=marker,
+            architecture=architecture,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+
 class WeightReader:
     """A checkpoint's tensors by Hugging Face name, converted to the model's dtype and device.
 

@@ -10,15 +10,13 @@ the model exposes ``position_offset``.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import UnsupportedModelError
-from .base import PackedBatch, WeightReader, config_get
+from .base import Checkpoint, PackedBatch, config_get
 from .layers import activation
 
 
@@ -44,14 +42,8 @@ class BertModel:
     causal = False
     sliding_window: int | None = None
 
-    def __init__(
-        self,
-        config: Mapping[str, Any],
-        weights: Mapping[str, torch.Tensor],
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        config, dtype, device = checkpoint.config, checkpoint.dtype, checkpoint.device
         model_type = str(config.get("model_type", "bert"))
         if config.get("position_embedding_type", "absolute") != "absolute":
             raise UnsupportedModelError(
@@ -71,13 +63,10 @@ class BertModel:
             self.position_offset = 0
         self.max_positions = int(config.get("max_position_embeddings", 512)) - self.position_offset
 
-        w = WeightReader(
-            weights,
+        w = checkpoint.reader(
             prefixes=("bert.", "roberta.", "model.", "encoder."),
             marker="embeddings.",
             architecture=model_type,
-            dtype=dtype,
-            device=device,
         )
         w.rename(_legacy_name)
         get = w.get

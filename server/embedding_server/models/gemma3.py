@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UnsupportedModelError
-from .base import PackedBatch, WeightReader, config_get
+from .base import Checkpoint, PackedBatch, config_get
 from .layers import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
@@ -119,14 +119,8 @@ class Gemma3TextModel:
 
     position_offset = 0
 
-    def __init__(
-        self,
-        config: Mapping[str, Any],
-        weights: Mapping[str, torch.Tensor],
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        config, dtype, device = checkpoint.config, checkpoint.dtype, checkpoint.device
         act = str(
             config_get(config, "hidden_activation", "hidden_act", default="gelu_pytorch_tanh")
         )
@@ -176,13 +170,10 @@ class Gemma3TextModel:
         }
         bias = bool(config.get("attention_bias", False))
 
-        w = WeightReader(
-            weights,
+        w = checkpoint.reader(
             prefixes=("model.",),
             marker="layers.",
             architecture="gemma3_text",
-            dtype=dtype,
-            device=device,
         )
         get = w.get
 

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UnsupportedModelError
-from .base import PackedBatch, WeightReader, config_get
+from .base import Checkpoint, PackedBatch, config_get
 from .layers import SLIDING_ATTENTION, RotaryTable, apply_rotary, layer_types, model_rope, rms_norm
 
 WindowRule = Literal["none", "every_layer", "opt_in"]
@@ -112,15 +112,8 @@ class LlamaModel:
 
     position_offset = 0
 
-    def __init__(
-        self,
-        config: Mapping[str, Any],
-        weights: Mapping[str, torch.Tensor],
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-        variant: DecoderVariant,
-    ) -> None:
+    def __init__(self, checkpoint: Checkpoint, *, variant: DecoderVariant) -> None:
+        config, dtype, device = checkpoint.config, checkpoint.dtype, checkpoint.device
         model_type = str(config.get("model_type", "llama"))
         act = str(config.get("hidden_act", "silu"))
         if act not in ("silu", "swish"):
@@ -146,13 +139,10 @@ class LlamaModel:
         qkv_bias = variant.qkv_bias or attention_bias
         mlp_bias = variant.mlp_bias and bool(config.get("mlp_bias", False))
 
-        w = WeightReader(
-            weights,
+        w = checkpoint.reader(
             prefixes=("model.", "transformer."),
             marker="layers.",
             architecture=model_type,
-            dtype=dtype,
-            device=device,
         )
         self.embed = w.get("embed_tokens.weight")
         self.norm = w.get("norm.weight")

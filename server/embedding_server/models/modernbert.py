@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UnsupportedModelError
-from .base import PackedBatch, WeightReader
+from .base import Checkpoint, PackedBatch
 from .layers import FULL_ATTENTION as _FULL
 from .layers import SLIDING_ATTENTION as _SLIDING
 from .layers import RotaryTable, activation, apply_rotary, layer_rope
@@ -107,14 +107,8 @@ class ModernBertModel:
     causal = False
     position_offset = 0
 
-    def __init__(
-        self,
-        config: Mapping[str, Any],
-        weights: Mapping[str, torch.Tensor],
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        config, dtype, device = checkpoint.config, checkpoint.dtype, checkpoint.device
         self._act: Callable[[torch.Tensor], torch.Tensor] = activation(
             config, "modernbert", "hidden_activation", default="gelu"
         )
@@ -145,13 +139,10 @@ class ModernBertModel:
 
         # ModernBertForMaskedLM / ForSequenceClassification checkpoints nest the body under
         # ``model.``; ModernBertModel ones (and sentence-transformers saves) do not.
-        w = WeightReader(
-            weights,
+        w = checkpoint.reader(
             prefixes=("model.",),
             marker="embeddings.",
             architecture="modernbert",
-            dtype=dtype,
-            device=device,
         )
         get, maybe = w.get, w.maybe
 
