@@ -3,8 +3,8 @@
 Composition as in vLLM: a *method* (over one packed sequence) and a *head* (float32 cast ->
 optional sentence-transformers Dense layers -> Matryoshka truncation -> L2 normalization). The
 method and Dense layers run inside the forward worker, per batch; the truncation and
-normalization depend on the request (``dimensions``, ``normalize``) and run per request in
-:func:`finalize`.
+normalization depend on the request (``dimensions``, ``normalize``) and run per request.
+:class:`PoolingHead` holds the whole head, so it is defined in one place.
 
 The methods are sentence-transformers' single pooling modes, with its semantics:
 
@@ -146,6 +146,10 @@ class DenseLayer:
     def out_features(self) -> int:
         return int(self.weight.shape[0])
 
+    def to(self, device: torch.device) -> DenseLayer:
+        bias = None if self.bias is None else self.bias.to(device)
+        return DenseLayer(self.weight.to(device), bias, self.activation)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return ACTIVATIONS[self.activation](torch.nn.functional.linear(x, self.weight, self.bias))
 
@@ -240,22 +244,63 @@ def build_matryoshka(
     )
 
 
+def l2_normalize(vectors: FloatArray) -> FloatArray:
+    """Each row scaled to unit length (float32; an all-zero row stays zero)."""
+    out = np.ascontiguousarray(vectors, dtype=np.float32)
+    norms = np.linalg.norm(out, axis=-1, keepdims=True)
+    np.maximum(norms, 1e-12, out=norms)
+    normalized: FloatArray = (out / norms).astype(np.float32, copy=False)
+    return normalized
+
+
 def finalize(vectors: FloatArray, *, dimensions: int, normalize: bool) -> FloatArray:
     """Per-request head: truncate to ``dimensions`` then L2-normalize (float32 throughout)."""
     out = vectors[:, :dimensions] if dimensions < vectors.shape[1] else vectors
     out = np.ascontiguousarray(out, dtype=np.float32)
-    if normalize:
-        norms = np.linalg.norm(out, axis=1, keepdims=True)
-        np.maximum(norms, 1e-12, out=norms)
-        out = out / norms
-    return out.astype(np.float32, copy=False)
+    return l2_normalize(out) if normalize else out
 
 
-def cosine(a: FloatArray, b: FloatArray) -> npt.NDArray[np.float32]:
-    """Row-wise cosine similarity of two [n, d] arrays."""
-    na = np.linalg.norm(a, axis=1)
-    nb = np.linalg.norm(b, axis=1)
-    denom = np.maximum(na * nb, 1e-12)
-    dots = np.asarray(np.einsum("ij,ij->i", a, b), dtype=np.float32)
-    result: npt.NDArray[np.float32] = (dots / denom).astype(np.float32)
-    return result
+@dataclass(frozen=True, slots=True)
+class HeadOptions:
+    """One request's choices for the per-request part of the head."""
+
+    dimensions: int
+    normalize: bool
+
+    def apply(self, vectors: FloatArray) -> FloatArray:
+        return finalize(vectors, dimensions=self.dimensions, normalize=self.normalize)
+
+
+@dataclass(frozen=True)
+class PoolingHead:
+    """Everything after the pooling method, in order: Dense layers, Matryoshka truncation,
+    L2 normalization.
+
+    The Dense layers are the same for every request and run per batch in the forward worker
+    (:meth:`project`); truncation and normalization depend on the request and run per request
+    (:meth:`options`, then :meth:`HeadOptions.apply`). Per-token outputs (``/pooling``) skip
+    Dense and truncation and are normalized only when asked (:meth:`finish_tokens`).
+    """
+
+    dense: tuple[DenseLayer, ...]
+    matryoshka: Matryoshka
+    normalize: bool
+    """The default when a request does not say."""
+
+    def project(self, pooled: torch.Tensor) -> torch.Tensor:
+        """The sentence-transformers Dense layers over a batch of pooled vectors."""
+        for layer in self.dense:
+            pooled = layer(pooled)
+        return pooled
+
+    def options(self, dimensions: int | None, normalize: bool | None) -> HeadOptions:
+        """Validate a request's ``dimensions`` / ``normalize`` against the model."""
+        dims = self.matryoshka.resolve(dimensions)
+        if normalize is not None and not isinstance(normalize, bool):
+            raise InvalidRequestError("normalize must be a boolean", param="normalize")
+        return HeadOptions(dims, self.normalize if normalize is None else normalize)
+
+    @staticmethod
+    def finish_tokens(matrices: Sequence[FloatArray], normalize: bool) -> list[FloatArray]:
+        """Per-token hidden states, each token's vector normalized when asked."""
+        return [l2_normalize(m) if normalize else m for m in matrices]

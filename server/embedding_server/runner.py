@@ -2,8 +2,9 @@
 
 One call is one forward pass over a packed batch. The runner orders sequences by length
 before packing (equal lengths become contiguous, so CPU attention runs on zero-copy views),
-runs the model under ``torch.inference_mode``, pools and applies the sentence-transformers
-Dense layers in float32, and restores the caller's order. It is the only code that touches
+runs the model under ``torch.inference_mode``, pools and applies the batch-level part of the
+pooling head (the sentence-transformers Dense layers) in float32, and restores the caller's
+order. It is the only code that touches
 the model, and it serializes calls with a lock, so the offline path and the scheduler's
 forward thread can share one engine safely.
 """
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 
 from .models.base import EmbeddingModel, PackedBatch
-from .pooling import DenseLayer, FloatArray, PoolingMethod, pool
+from .pooling import FloatArray, PoolingHead, PoolingMethod, pool
 
 # Below this many tokens a CPU forward pass runs on one thread: the matmuls are too small to
 # split profitably, and on a busy host every OpenMP region would wait for a descheduled
@@ -55,7 +56,7 @@ class ModelRunner:
         *,
         device: torch.device,
         pooling: PoolingMethod,
-        dense: Sequence[DenseLayer] = (),
+        head: PoolingHead,
         include_prompt: bool = True,
         cpu_threads: int = 1,
     ) -> None:
@@ -63,15 +64,17 @@ class ModelRunner:
         self.device = device
         self.pooling = pooling
         self.include_prompt = include_prompt
-        self.dense = [
-            DenseLayer(
-                d.weight.to(device), None if d.bias is None else d.bias.to(device), d.activation
-            )
-            for d in dense
-        ]
-        self.output_dim = self.dense[-1].out_features if self.dense else model.hidden_size
+        self.head = head
         self._lock = threading.Lock()
         self.cpu_threads = cpu_threads
+
+    def warmup_batch(self, max_len: int, max_tokens: int, max_size: int) -> list[SequenceInput]:
+        """A batch to run once before traffic. On CUDA it fills the whole token budget, so
+        out-of-memory surfaces at start rather than under load."""
+        if self.device.type == "cuda":
+            n = max(1, min(max_size, max_tokens // max_len))
+            return [SequenceInput([1] * max_len) for _ in range(n)]
+        return [SequenceInput([1] * min(16, max_len)), SequenceInput([1] * min(7, max_len))]
 
     def run(self, seqs: Sequence[SequenceInput]) -> BatchOutput:
         """One forward pass; thread-safe (serialized)."""
@@ -92,9 +95,7 @@ class ModelRunner:
                 torch.cuda.synchronize(hidden.device)
             forward_done = time.perf_counter()
             skip = None if self.include_prompt else [s.skip for s in ordered]
-            pooled = pool(hidden, batch.seqlens, self.pooling, skip)
-            for layer in self.dense:
-                pooled = layer(pooled)
+            pooled = self.head.project(pool(hidden, batch.seqlens, self.pooling, skip))
             pooled_np = pooled.float().cpu().numpy()
             tokens_sorted: list[FloatArray | None] = [None] * len(ordered)
             if any(s.want_tokens for s in ordered):

@@ -336,20 +336,3 @@ class Scheduler:
                         pool_s=request.pool_s,
                     )
                 )
-
-
-def plan_offline_batches(lengths: Sequence[int], max_tokens: int, max_size: int) -> list[list[int]]:
-    """Length-sorted batches within the token budget, for the offline bulk path."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    batches: list[list[int]] = []
-    current: list[int] = []
-    used = 0
-    for i in order:
-        if current and (used + lengths[i] > max_tokens or len(current) >= max_size):
-            batches.append(current)
-            current, used = [], 0
-        current.append(i)
-        used += lengths[i]
-    if current:
-        batches.append(current)
-    return batches

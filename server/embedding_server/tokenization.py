@@ -5,13 +5,13 @@ one on the request path, so it runs off the event loop: one batched call into th
 tokenizer (``tokenizers.Tokenizer.encode_batch``, which releases the GIL) per request, in a
 small thread pool owned by the engine.
 
-Truncation is decided per request. ``Truncation`` is the engine's single vocabulary for it and
-has constructors for the three client dialects the HTTP layer speaks:
+Truncation is decided per request. ``Truncation`` is the engine's single vocabulary for it;
+the HTTP dialects' fields (OpenAI/vLLM ``truncate_prompt_tokens``, Cohere ``truncate``) are
+translated into it by the request models in ``api/protocol.py``, so this module knows no
+client dialect.
 
-* OpenAI / vLLM: ``truncate_prompt_tokens`` (int, ``-1`` = the model maximum) plus
-  ``truncation_side`` -> ``Truncation.from_openai(...)``;
-* Cohere: ``truncate`` = ``END`` / ``START`` / ``NONE`` -> ``Truncation.from_cohere(...)``;
-* TEI: ``truncate`` (bool) + ``truncation_direction`` (Right/Left) -> ``Truncation.from_tei``.
+Prompts (sentence-transformers' ``prompts``, prepended to text inputs) are resolved here
+too (:class:`Prompts`), as is the validation of what ``/tokenize`` and ``/detokenize`` get.
 
 We truncate *content* tokens and then add the special tokens, as Hugging Face tokenizers do,
 so a truncated BERT input still starts with ``[CLS]`` and ends with ``[SEP]``.
@@ -20,7 +20,7 @@ so a truncated BERT input still starts with ``[CLS]`` and ends with ``[SEP]``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -58,48 +58,6 @@ class Truncation:
         return cls(side=None, param=param)
 
     @classmethod
-    def from_openai(
-        cls, truncate_prompt_tokens: int | None, truncation_side: str | None = None
-    ) -> Truncation:
-        """vLLM's fields: ``None`` refuses over-long input, ``-1`` means the model max."""
-        side = _side(truncation_side or "right", "truncation_side")
-        if truncate_prompt_tokens is None:
-            return cls(side=None, param="input")
-        if truncate_prompt_tokens == -1:
-            return cls(side=side, max_tokens=None, param="truncate_prompt_tokens")
-        if truncate_prompt_tokens < 1:
-            raise InvalidRequestError(
-                "truncate_prompt_tokens must be -1 (the model maximum) or a positive integer, "
-                f"got {truncate_prompt_tokens}",
-                param="truncate_prompt_tokens",
-            )
-        return cls(side=side, max_tokens=truncate_prompt_tokens, param="truncate_prompt_tokens")
-
-    @classmethod
-    def from_cohere(cls, truncate: str | None) -> Truncation:
-        """Cohere's ``truncate``: END (default) keeps the start, START keeps the end, NONE
-        refuses."""
-        value = (truncate or "END").upper()
-        if value == "END":
-            return cls(side="right", param="truncate")
-        if value == "START":
-            return cls(side="left", param="truncate")
-        if value == "NONE":
-            return cls(side=None, param="truncate")
-        raise InvalidRequestError(
-            f"truncate must be one of END, START, NONE; got {truncate!r}", param="truncate"
-        )
-
-    @classmethod
-    def from_tei(cls, truncate: bool | None, direction: str | None = None) -> Truncation:
-        """TEI's ``truncate`` (bool) and ``truncation_direction`` (Right/Left)."""
-        if not truncate:
-            return cls(side=None, param="truncate")
-        return cls(
-            side=_side((direction or "right").lower(), "truncation_direction"), param="truncate"
-        )
-
-    @classmethod
     def coerce(cls, value: TruncationArg) -> Truncation:
         """Accept the shorthand forms of the offline API (bool, side name or Truncation)."""
         if isinstance(value, Truncation):
@@ -109,7 +67,7 @@ class Truncation:
         if value is False or value is None:
             return cls.refuse()
         if isinstance(value, str):
-            return cls(side=_side(value, "truncate"))
+            return cls(side=parse_side(value, "truncate"))
         raise InvalidRequestError(
             f"truncate must be a bool, 'right', 'left' or a Truncation; got {type(value).__name__}",
             param="truncate",
@@ -119,12 +77,43 @@ class Truncation:
 TruncationArg = Truncation | bool | TruncationSide | None
 
 
-def _side(value: str, param: str) -> TruncationSide:
+def parse_side(value: str, param: str) -> TruncationSide:
+    """``value`` as a truncation side, or an error naming ``param``."""
     if value == "right":
         return "right"
     if value == "left":
         return "left"
     raise InvalidRequestError(f"{param} must be 'right' or 'left', got {value!r}", param=param)
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """The model's named prompts and the one applied when a request names none."""
+
+    table: Mapping[str, str]
+    default_name: str | None = None
+
+    def resolve(self, prompt: str | None, prompt_name: str | None) -> str | None:
+        """The prompt text for a request: an explicit ``prompt``, else the named one (or the
+        default), else None."""
+        if prompt is not None and prompt_name is not None:
+            raise InvalidRequestError(
+                "give either prompt or prompt_name, not both", param="prompt_name"
+            )
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise InvalidRequestError("prompt must be a string", param="prompt")
+            return prompt
+        name = prompt_name if prompt_name is not None else self.default_name
+        if name is None:
+            return None
+        if name not in self.table:
+            available = ", ".join(sorted(self.table)) or "none"
+            raise InvalidRequestError(
+                f"unknown prompt_name {name!r}; this model's prompts: {available}",
+                param="prompt_name",
+            )
+        return self.table[name]
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,12 +151,23 @@ class TextTokenizer:
     def backend(self) -> Tokenizer:
         return self._tok
 
-    def tokenize(self, texts: Sequence[str], *, add_special_tokens: bool = True) -> list[list[int]]:
-        """Token ids, untruncated (the ``/tokenize`` endpoint)."""
-        encodings = self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+    def tokenize(
+        self, texts: str | Sequence[str], *, add_special_tokens: bool = True
+    ) -> list[list[int]]:
+        """Token ids of each text, untruncated (the ``/tokenize`` endpoint)."""
+        items = [texts] if isinstance(texts, str) else list(texts)
+        if not items:
+            raise InvalidRequestError("no texts given to tokenize", param="input")
+        for i, text in enumerate(items):
+            if not isinstance(text, str):
+                raise InvalidRequestError(
+                    f"input[{i}] must be a string, got {type(text).__name__}", param="input"
+                )
+        encodings = self._tok.encode_batch(items, add_special_tokens=add_special_tokens)
         return [e.ids for e in encodings]
 
     def detokenize(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """The text of token ids (special tokens dropped unless asked for)."""
         self.check_ids(ids, "tokens")
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
@@ -178,6 +178,9 @@ class TextTokenizer:
         return [self._tok.id_to_token(token) or "" for token in ids]
 
     def check_ids(self, ids: Sequence[int], param: str) -> None:
+        """Refuse anything but a list of in-vocabulary integer ids, naming ``param``."""
+        if isinstance(ids, str) or not isinstance(ids, Sequence):
+            raise InvalidRequestError("tokens must be a list of integers", param=param)
         for token in ids:
             if (
                 not isinstance(token, int)

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from embedding_server.api.protocol import cohere_truncation, openai_truncation
 from embedding_server.engine import Engine, StageTimings
 from embedding_server.errors import InputTooLongError, InvalidRequestError, NotReadyError
 from embedding_server.metrics import Metrics
@@ -122,7 +123,7 @@ def test_truncation_sides_and_refusal(minilm_engine: Engine) -> None:
     np.testing.assert_allclose(right, minilm_engine.embed([[cls, *content[:254], sep]]), atol=1e-6)
     left = minilm_engine.embed([text], truncate=Truncation(side="left"))
     np.testing.assert_allclose(left, minilm_engine.embed([[cls, *content[-254:], sep]]), atol=1e-6)
-    short = minilm_engine.embed_full([text], truncate=Truncation.from_openai(10))
+    short = minilm_engine.embed_full([text], truncate=openai_truncation(10))
     assert short.token_counts == [10] and short.truncated_inputs == 1
     np.testing.assert_allclose(
         short.embeddings, minilm_engine.embed([[cls, *content[:8], sep]]), atol=1e-6
@@ -132,28 +133,12 @@ def test_truncation_sides_and_refusal(minilm_engine: Engine) -> None:
     assert err.value.param == "input" and err.value.max_tokens == 256
     assert err.value.token_count == len(ids) and "input[1]" in err.value.message
     with pytest.raises(InputTooLongError):
-        minilm_engine.embed([text], truncate=Truncation.from_cohere("NONE"))
+        minilm_engine.embed([text], truncate=cohere_truncation("NONE"))
     with pytest.raises(InvalidRequestError) as too_big:
-        minilm_engine.embed([text], truncate=Truncation.from_openai(1000))
+        minilm_engine.embed([text], truncate=openai_truncation(1000))
     assert too_big.value.param == "truncate_prompt_tokens"
-    whole = minilm_engine.embed_full([text], truncate=Truncation.from_openai(-1))
+    whole = minilm_engine.embed_full([text], truncate=openai_truncation(-1))
     assert whole.token_counts == [256]
-
-
-def test_truncation_dialects() -> None:
-    assert Truncation.from_openai(None) == Truncation(side=None, param="input")
-    assert Truncation.from_openai(-1, "left").side == "left"
-    assert Truncation.from_cohere("START") == Truncation(side="left")
-    assert Truncation.from_cohere(None).side == "right"
-    assert Truncation.from_tei(True, "Left").side == "left"
-    assert Truncation.from_tei(False).side is None
-    for bad in (
-        lambda: Truncation.from_openai(0),
-        lambda: Truncation.from_cohere("MIDDLE"),
-        lambda: Truncation.from_openai(5, "middle"),
-    ):
-        with pytest.raises(InvalidRequestError):
-            bad()
 
 
 @pytest.mark.parametrize(

@@ -252,7 +252,7 @@ async def test_engine_gauges_and_cancellation_with_a_slow_fake_model() -> None:
 
 
 def test_offline_batches_are_length_sorted_and_within_budget() -> None:
-    from embedding_server.scheduler import plan_offline_batches
+    from embedding_server.jobs import plan_offline_batches
 
     rng = random.Random(2)
     lengths = [rng.randint(1, 50) for _ in range(200)]

@@ -22,8 +22,9 @@ from embedding_server.api.errors import install_error_handlers
 from embedding_server.api.lifecycle import Lifecycle, served_model_name
 from embedding_server.api.middleware import RequestContextMiddleware
 from embedding_server.api.routes_cohere import router as cohere_router
-from embedding_server.api.routes_misc import router as misc_router
 from embedding_server.api.routes_openai import router as openai_router
+from embedding_server.api.routes_ops import router as ops_router
+from embedding_server.api.routes_vllm import router as vllm_router
 from embedding_server.engine import Engine
 from embedding_server.metrics import Metrics
 from embedding_server.settings import ServerSettings
@@ -46,7 +47,6 @@ async def _bring_up(lifecycle: Lifecycle) -> None:
         logger.debug("model load failed", exc_info=True)
         lifecycle.fail(f"could not load model {settings.model!r}: {type(error).__name__}: {error}")
         return
-    lifecycle.ready = True
     logger.info(
         "ready: serving %r as %r (%.1f s to load and warm up)",
         settings.model,
@@ -90,7 +90,7 @@ def create_app(settings: ServerSettings, engine: Engine | None = None) -> FastAP
     app.state.lifecycle = lifecycle
     app.state.settings = settings
     app.state.metrics = metrics
-    routers = (openai_router, cohere_router, misc_router)
+    routers = (openai_router, cohere_router, vllm_router, ops_router)
     for router in routers:
         app.include_router(router)
     install_error_handlers(app)

@@ -41,6 +41,8 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 
+from embedding_server.pooling import l2_normalize
+
 FloatMatrix = npt.NDArray[np.float32]
 
 EmbedDtype = Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"]
@@ -193,14 +195,6 @@ def binary_payload(
 def metadata_header(content: dict[str, object]) -> str:
     """vLLM's ``metadata`` response header: compact JSON, ASCII-only (headers are latin-1)."""
     return json.dumps(content, separators=(",", ":"), ensure_ascii=True)
-
-
-def l2_normalize(matrix: FloatMatrix) -> FloatMatrix:
-    norms = np.linalg.norm(matrix, axis=1, keepdims=True)
-    normalized: FloatMatrix = (matrix / np.maximum(norms, np.float32(1e-12))).astype(
-        np.float32, copy=False
-    )
-    return normalized
 
 
 def int8_rows(matrix: FloatMatrix) -> npt.NDArray[np.int8]:

@@ -28,7 +28,6 @@ class Lifecycle:
     settings: ServerSettings
     metrics: Metrics
     engine: Engine | None = None
-    ready: bool = False
     draining: bool = False
     exit_code: int = 0
     on_fatal: Callable[[], None] | None = None
@@ -47,20 +46,17 @@ class Lifecycle:
         )
 
     def require_engine(self) -> Engine:
-        """The engine, or 503 while it is still loading."""
+        """The engine, or 503 while it is still loading (or once it has stopped)."""
         engine = self.engine
-        if engine is None or not self.ready:
+        if engine is None or not engine.ready:
             message = self.failure or "The model is still loading; retry shortly."
             raise NotReadyError(message)
         return engine
 
     def is_ready(self) -> bool:
-        return (
-            self.ready
-            and not self.draining
-            and self.engine is not None
-            and bool(getattr(self.engine, "ready", True))
-        )
+        """Ready for new traffic: the engine is warmed up (``Engine.ready``, the one source of
+        truth) and no drain has begun."""
+        return not self.draining and self.engine is not None and self.engine.ready
 
     def begin_drain(self, reason: str) -> None:
         if not self.draining:

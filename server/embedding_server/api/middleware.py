@@ -26,8 +26,8 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from embedding_server.api.common import new_id
 from embedding_server.api.errors import error_body
+from embedding_server.api.ids import new_id
 from embedding_server.errors import PayloadTooLargeError
 from embedding_server.logging import request_id_var
 from embedding_server.metrics import Metrics

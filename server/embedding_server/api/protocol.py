@@ -12,6 +12,10 @@ Where vLLM silently ignores an option that cannot apply, we refuse it with a 400
 field: ``embed_dtype`` other than float32, or ``endianness`` other than native, together
 with ``encoding_format: float`` (JSON numbers have neither). The defaults themselves are
 accepted with float, so a client that always sends every field still works.
+
+Each dialect's truncation fields are translated into the engine's one ``Truncation`` here
+(:func:`openai_truncation`, :func:`cohere_truncation`), beside the fields they read, so the
+core never learns the dialects.
 """
 
 from __future__ import annotations
@@ -26,7 +30,51 @@ from embedding_server.api.encoding import (
     EncodingFormat,
     Endianness,
 )
+from embedding_server.errors import InvalidRequestError
 from embedding_server.settings import TruncationSide
+from embedding_server.tokenization import Truncation, parse_side
+
+
+def openai_truncation(
+    truncate_prompt_tokens: int | None, truncation_side: str | None = None
+) -> Truncation:
+    """vLLM's fields: ``None`` refuses over-long input, ``-1`` means the model maximum."""
+    side = parse_side(truncation_side or "right", "truncation_side")
+    if truncate_prompt_tokens is None:
+        return Truncation(side=None, param="input")
+    if truncate_prompt_tokens == -1:
+        return Truncation(side=side, max_tokens=None, param="truncate_prompt_tokens")
+    if truncate_prompt_tokens < 1:
+        raise InvalidRequestError(
+            "truncate_prompt_tokens must be -1 (the model maximum) or a positive integer, "
+            f"got {truncate_prompt_tokens}",
+            param="truncate_prompt_tokens",
+        )
+    return Truncation(side=side, max_tokens=truncate_prompt_tokens, param="truncate_prompt_tokens")
+
+
+_COHERE_SIDES: dict[str, TruncationSide | None] = {"END": "right", "START": "left", "NONE": None}
+
+
+def cohere_truncation(truncate: str | None, max_tokens: int | None = None) -> Truncation:
+    """Cohere's ``truncate``: END (default) keeps the start, START keeps the end, NONE
+    refuses; ``max_tokens`` lowers the limit and needs END or START."""
+    value = (truncate or "END").upper()
+    if value not in _COHERE_SIDES:
+        raise InvalidRequestError(
+            f"truncate must be one of END, START, NONE; got {truncate!r}", param="truncate"
+        )
+    side = _COHERE_SIDES[value]
+    if max_tokens is None:
+        return Truncation(side=side, param="truncate")
+    if side is None:
+        raise InvalidRequestError(
+            "max_tokens needs truncate END or START; with NONE an "
+            "over-long text is refused instead",
+            param="max_tokens",
+        )
+    return Truncation(side=side, max_tokens=max_tokens, param="max_tokens")
+
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
 EmbeddingInput = str | list[str] | TokenIds | list[TokenIds]
@@ -62,6 +110,10 @@ class _TruncationOptions(BaseModel):
         True,
         description="Add the tokenizer's special tokens (e.g. [CLS]/[SEP]) around text inputs.",
     )
+
+    def truncation(self) -> Truncation:
+        """These fields as the engine's truncation policy."""
+        return openai_truncation(self.truncate_prompt_tokens, self.truncation_side)
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -160,6 +212,10 @@ class CohereEmbedRequest(_Request):
     max_tokens: int | None = Field(
         None, gt=0, description="Truncate to this many tokens (default: the model's maximum)."
     )
+
+    def truncation(self) -> Truncation:
+        """``truncate`` and ``max_tokens`` as the engine's truncation policy."""
+        return cohere_truncation(self.truncate, self.max_tokens)
 
 
 class PoolingRequest(_Request, _TruncationOptions, _EncodingOptions):

@@ -11,34 +11,15 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from embedding_server.api.common import (
-    cancel_on_disconnect,
-    check_input_count,
-    engine_for,
-    json_response,
-    new_id,
-    timing_headers,
-)
+from embedding_server.api.dependencies import check_input_count, engine_for
+from embedding_server.api.disconnect import cancel_on_disconnect
 from embedding_server.api.encoding import cohere_embeddings
+from embedding_server.api.ids import new_id
 from embedding_server.api.prompts import prompt_name_for
 from embedding_server.api.protocol import CohereEmbedRequest
-from embedding_server.errors import InvalidRequestError
-from embedding_server.tokenization import Truncation
+from embedding_server.api.responses import json_response, timing_headers
 
 router = APIRouter(tags=["Cohere"])
-
-
-def _truncation(body: CohereEmbedRequest) -> Truncation:
-    base = Truncation.from_cohere(body.truncate)
-    if body.max_tokens is None:
-        return base
-    if base.side is None:
-        raise InvalidRequestError(
-            "max_tokens needs truncate END or START; with NONE an "
-            "over-long text is refused instead",
-            param="max_tokens",
-        )
-    return Truncation(side=base.side, max_tokens=body.max_tokens, param="max_tokens")
 
 
 @router.post("/v2/embed", summary="Embed texts (Cohere v2-compatible)")
@@ -52,7 +33,7 @@ async def cohere_embed(body: CohereEmbedRequest, request: Request) -> Response:
             body.texts,
             dimensions=body.output_dimension,
             prompt_name=prompt_name,
-            truncate=_truncation(body),
+            truncate=body.truncation(),
         ),
     )
     content = {

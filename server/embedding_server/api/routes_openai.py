@@ -17,22 +17,19 @@ import time
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from embedding_server.api.common import (
-    BINARY_RESPONSES,
-    as_input_list,
-    binary_response,
-    cancel_on_disconnect,
-    check_input_count,
-    engine_for,
-    json_response,
-    new_id,
-    timing_headers,
-)
+from embedding_server.api.dependencies import as_input_list, check_input_count, engine_for
+from embedding_server.api.disconnect import cancel_on_disconnect
 from embedding_server.api.encoding import FloatMatrix, base64_rows, binary_payload
+from embedding_server.api.ids import new_id
 from embedding_server.api.lifecycle import lifecycle_of
 from embedding_server.api.prompts import prompt_name_for
 from embedding_server.api.protocol import EmbeddingRequest
-from embedding_server.tokenization import Truncation
+from embedding_server.api.responses import (
+    BINARY_RESPONSES,
+    binary_response,
+    json_response,
+    timing_headers,
+)
 
 router = APIRouter(tags=["OpenAI"])
 
@@ -46,7 +43,6 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
     engine, lifecycle = engine_for(request, body.model)
     inputs = as_input_list(body.input)
     check_input_count(lifecycle, len(inputs), "input")
-    truncation = Truncation.from_openai(body.truncate_prompt_tokens, body.truncation_side)
     prompt_name = prompt_name_for(engine, body.prompt_name, body.input_type)
     result = await cancel_on_disconnect(
         request,
@@ -55,7 +51,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
             dimensions=body.dimensions,
             normalize=body.normalize,
             prompt_name=prompt_name,
-            truncate=truncation,
+            truncate=body.truncation(),
             add_special_tokens=body.add_special_tokens,
         ),
     )

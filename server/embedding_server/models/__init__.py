@@ -5,26 +5,30 @@ builds it and what pooling the architecture implies when the checkpoint has no
 sentence-transformers config (CLS for encoders, last token for decoders; Gemma 3 too, since
 only its last token has seen the whole input when it runs causally: EmbeddingGemma declares
 mean pooling in its sentence-transformers config, which wins). Model types we recognise but
-refuse say why and what to serve instead (``REFUSED``).
+refuse say why and what to serve instead (``REFUSED``). The Llama-family decoders differ only
+in data (:class:`~.llama.DecoderVariant`: biases, q/k norm, which layers slide), declared
+here per ``model_type``; shared building blocks live in ``layers.py`` and ``base.py``, so a
+new architecture is a registry line plus, at most, one family module of its own math.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 
 from ..errors import UnsupportedModelError
 from ..pooling import PoolingMethod
-from .base import EmbeddingModel, PackedBatch
+from .base import Checkpoint, EmbeddingModel, PackedBatch
 from .bert import BertModel
 from .gemma3 import MULTIMODAL_REFUSAL, Gemma3TextModel
-from .llama import LlamaModel
+from .llama import DecoderVariant, LlamaModel
 from .modernbert import ModernBertModel
 
-ModelBuilder = Callable[..., EmbeddingModel]
+ModelBuilder = Callable[[Checkpoint], EmbeddingModel]
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,18 @@ class Architecture:
     default_pooling: PoolingMethod
 
 
+def decoder(variant: DecoderVariant) -> ModelBuilder:
+    """The builder of one Llama-family ``model_type``."""
+    return partial(LlamaModel, variant=variant)
+
+
+# As transformers builds each model type: Llama and Qwen3 read attention_bias (q/k/v/o), Llama
+# also mlp_bias; Qwen2 always has q/k/v biases; Mistral has none and ignores both flags.
+LLAMA = DecoderVariant(attention_bias=True, mlp_bias=True)
+MISTRAL = DecoderVariant(window="every_layer")
+QWEN2 = DecoderVariant(qkv_bias=True, window="opt_in")
+QWEN3 = DecoderVariant(attention_bias=True, qk_norm=True, window="opt_in")
+
 ARCHITECTURES: dict[str, Architecture] = {
     a.model_type: a
     for a in (
@@ -44,10 +60,10 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("roberta", "bert", BertModel, "cls"),
         Architecture("xlm-roberta", "bert", BertModel, "cls"),
         Architecture("modernbert", "modernbert", ModernBertModel, "cls"),
-        Architecture("llama", "llama", LlamaModel, "last"),
-        Architecture("mistral", "llama", LlamaModel, "last"),
-        Architecture("qwen2", "llama", LlamaModel, "last"),
-        Architecture("qwen3", "llama", LlamaModel, "last"),
+        Architecture("llama", "llama", decoder(LLAMA), "last"),
+        Architecture("mistral", "llama", decoder(MISTRAL), "last"),
+        Architecture("qwen2", "llama", decoder(QWEN2), "last"),
+        Architecture("qwen3", "llama", decoder(QWEN3), "last"),
         Architecture("gemma3_text", "gemma3", Gemma3TextModel, "last"),
     )
 }
@@ -78,7 +94,7 @@ def build_model(
     device: torch.device,
 ) -> EmbeddingModel:
     """Instantiate the packed implementation for ``config`` from HF-named weights."""
-    return lookup(config).builder(config, weights, dtype=dtype, device=device)
+    return lookup(config).builder(Checkpoint(config, weights, dtype, device))
 
 
 __all__ = [

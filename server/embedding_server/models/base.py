@@ -2,19 +2,21 @@
 
 A ``PackedBatch`` is the flat layout of the design (input_ids[T], position_ids[T],
 cu_seqlens[B+1], max_seqlen). Models turn it into final hidden states ``[T, hidden]``; pooling
-is not their concern. Weights come from Hugging Face checkpoints through per-family name maps,
-so no ``transformers`` model class is needed at run time.
+is not their concern. Attention goes through :meth:`PackedBatch.attention`, which picks the
+kernel and shares the CPU bucketing plan across layers, so a model's forward is only its own
+math. Weights come from Hugging Face checkpoints by their names (:class:`WeightReader`), so no
+``transformers`` model class is needed at run time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
-from ..attention import AttentionPlan, plan_attention
+from ..attention import AttentionPlan, flash_available, plan_attention, varlen_attention
 from ..errors import UnsupportedModelError
 
 
@@ -57,6 +59,30 @@ class PackedBatch:
             self._plan = plan_attention(self.seqlens, self.input_ids.device)
         return self._plan
 
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        """Attention within each packed sequence (``[T, heads, head_dim]`` in and out);
+        ``window`` is the keys a query sees on each side (flash-attn's convention)."""
+        return varlen_attention(
+            q,
+            k,
+            v,
+            cu_seqlens=self.cu_seqlens,
+            max_seqlen=self.max_seqlen,
+            causal=causal,
+            plan=None if flash_available(q) else self.attention_plan,
+            scale=scale,
+            window=window,
+        )
+
 
 class EmbeddingModel(Protocol):
     """A packed-token transformer body."""
@@ -75,14 +101,79 @@ class EmbeddingModel(Protocol):
         ...
 
 
-def strip_prefix(
+@dataclass(frozen=True)
+class Checkpoint:
+    """What a family's builder gets: the config, the weights by Hugging Face name, and the
+    dtype and device the model runs in."""
+
+    config: Mapping[str, Any]
+    weights: Mapping[str, torch.Tensor]
+    dtype: torch.dtype
+    device: torch.device
+
+    def reader(self, *, prefixes: Sequence[str], marker: str, architecture: str) -> WeightReader:
+        """The weights, converted, under the family's names (see :class:`WeightReader`)."""
+        return WeightReader(
+            self.weights,
+            prefixes=prefixes,
+            marker=marker,
+            architecture=architecture,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+
+class WeightReader:
+    """A checkpoint's tensors by Hugging Face name, converted to the model's dtype and device.
+
+    The task-head prefix (``bert.``, ``model.`` ...) is stripped first, so names match the
+    bare model: a prefix is stripped only if it precedes ``marker``, a name every checkpoint
+    of the family contains (e.g. ``embeddings.``). A missing weight means the checkpoint is
+    not what it claims, and is an error naming it.
+    """
+
+    def __init__(
+        self,
+        weights: Mapping[str, torch.Tensor],
+        *,
+        prefixes: Sequence[str],
+        marker: str,
+        architecture: str,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self._weights = _strip_prefix(weights, prefixes, marker)
+        self.architecture, self.dtype, self.device = architecture, dtype, device
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._weights
+
+    def rename(self, rename: Callable[[str], str]) -> None:
+        """Map legacy names onto the current ones before reading."""
+        self._weights = {rename(name): t for name, t in self._weights.items()}
+
+    def get(self, name: str) -> torch.Tensor:
+        try:
+            tensor = self._weights.pop(name)
+        except KeyError:
+            raise UnsupportedModelError(
+                f"{self.architecture} checkpoint lacks the weight {name!r}; is it a complete "
+                f"{self.architecture} model?"
+            ) from None
+        return tensor.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def maybe(self, name: str, present: bool) -> torch.Tensor | None:
+        """The weight when the config says it exists (``present``), else None."""
+        return self.get(name) if present else None
+
+    def cat(self, names: Sequence[str]) -> torch.Tensor:
+        """Weights concatenated along the output dimension (fused projections)."""
+        return torch.cat([self.get(name) for name in names])
+
+
+def _strip_prefix(
     weights: Mapping[str, torch.Tensor], prefixes: Sequence[str], marker: str
 ) -> dict[str, torch.Tensor]:
-    """Remove the task-head prefix (``bert.``, ``model.`` ...) so names match the bare model.
-
-    ``marker`` is a name every checkpoint of the family contains (e.g. ``embeddings.``); a
-    prefix is stripped only if it precedes it.
-    """
     for prefix in prefixes:
         if any(name.startswith(prefix + marker) for name in weights):
             return {
@@ -91,25 +182,6 @@ def strip_prefix(
                 if name.startswith(prefix)
             }
     return dict(weights)
-
-
-def take(
-    weights: dict[str, torch.Tensor],
-    name: str,
-    dtype: torch.dtype,
-    device: torch.device,
-    *,
-    architecture: str,
-) -> torch.Tensor:
-    """Pop one weight, converted; a missing name means the checkpoint is not what it claims."""
-    try:
-        tensor = weights.pop(name)
-    except KeyError:
-        raise UnsupportedModelError(
-            f"{architecture} checkpoint lacks the weight {name!r}; is it a complete "
-            f"{architecture} model?"
-        ) from None
-    return tensor.to(device=device, dtype=dtype).contiguous()
 
 
 def config_get(config: Mapping[str, Any], *names: str, default: Any = None) -> Any:

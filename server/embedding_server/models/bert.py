@@ -10,26 +10,14 @@ the model exposes ``position_offset``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ..attention import flash_available, varlen_attention
 from ..errors import UnsupportedModelError
-from .base import PackedBatch, config_get, strip_prefix, take
-
-ACT_FUNCS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu": F.gelu,
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-    "silu": F.silu,
-    "swish": F.silu,
-}
+from .base import Checkpoint, PackedBatch, config_get
+from .layers import activation
 
 
 @dataclass
@@ -54,26 +42,15 @@ class BertModel:
     causal = False
     sliding_window: int | None = None
 
-    def __init__(
-        self,
-        config: Mapping[str, Any],
-        weights: Mapping[str, torch.Tensor],
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        config, dtype, device = checkpoint.config, checkpoint.dtype, checkpoint.device
         model_type = str(config.get("model_type", "bert"))
         if config.get("position_embedding_type", "absolute") != "absolute":
             raise UnsupportedModelError(
                 f"{model_type} with position_embedding_type="
                 f"{config.get('position_embedding_type')!r} is not supported (only absolute)"
             )
-        act = str(config.get("hidden_act", "gelu"))
-        if act not in ACT_FUNCS:
-            raise UnsupportedModelError(
-                f"{model_type} activation {act!r} is not supported; supported: {sorted(ACT_FUNCS)}"
-            )
-        self._act = ACT_FUNCS[act]
+        self._act = activation(config, model_type, "hidden_act", default="gelu")
         self.hidden_size = int(config["hidden_size"])
         self.num_heads = int(config["num_attention_heads"])
         self.head_dim = self.hidden_size // self.num_heads
@@ -86,13 +63,13 @@ class BertModel:
             self.position_offset = 0
         self.max_positions = int(config.get("max_position_embeddings", 512)) - self.position_offset
 
-        w = _rename_legacy(
-            strip_prefix(weights, ("bert.", "roberta.", "model.", "encoder."), "embeddings.")
+        w = checkpoint.reader(
+            prefixes=("bert.", "roberta.", "model.", "encoder."),
+            marker="embeddings.",
+            architecture=model_type,
         )
-
-        def get(name: str) -> torch.Tensor:
-            return take(w, name, dtype, device, architecture=model_type)
-
+        w.rename(_legacy_name)
+        get = w.get
         self.word_emb = get("embeddings.word_embeddings.weight")
         self.pos_emb = get("embeddings.position_embeddings.weight")
         if "embeddings.token_type_embeddings.weight" in w:
@@ -105,16 +82,11 @@ class BertModel:
         self.layers: list[_Layer] = []
         for i in range(self.num_layers):
             p = f"encoder.layer.{i}."
-            qkv_w = torch.cat(
-                [get(p + f"attention.self.{n}.weight") for n in ("query", "key", "value")]
-            )
-            qkv_b = torch.cat(
-                [get(p + f"attention.self.{n}.bias") for n in ("query", "key", "value")]
-            )
+            qkv = [p + f"attention.self.{n}." for n in ("query", "key", "value")]
             self.layers.append(
                 _Layer(
-                    qkv_w=qkv_w,
-                    qkv_b=qkv_b,
+                    qkv_w=w.cat([n + "weight" for n in qkv]),
+                    qkv_b=w.cat([n + "bias" for n in qkv]),
                     out_w=get(p + "attention.output.dense.weight"),
                     out_b=get(p + "attention.output.dense.bias"),
                     ln1_w=get(p + "attention.output.LayerNorm.weight"),
@@ -135,20 +107,10 @@ class BertModel:
         x += self.pos_emb[batch.position_ids]
         x += self.type0
         x = F.layer_norm(x, (h,), self.emb_ln_w, self.emb_ln_b, self.eps)
-        plan = None if flash_available(x) else batch.attention_plan
         for layer in self.layers:
             qkv = F.linear(x, layer.qkv_w, layer.qkv_b).view(t, 3, self.num_heads, self.head_dim)
             q, k, v = qkv.unbind(1)
-            attn = varlen_attention(
-                q,
-                k,
-                v,
-                cu_seqlens=batch.cu_seqlens,
-                max_seqlen=batch.max_seqlen,
-                causal=False,
-                plan=plan,
-                scale=self.scale,
-            )
+            attn = batch.attention(q, k, v, causal=False, scale=self.scale)
             a = F.linear(attn.reshape(t, h), layer.out_w, layer.out_b)
             x = F.layer_norm(a + x, (h,), layer.ln1_w, layer.ln1_b, self.eps)
             up = self._act(F.linear(x, layer.up_w, layer.up_b))
@@ -162,13 +124,10 @@ class BertModel:
         return x
 
 
-def _rename_legacy(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _legacy_name(name: str) -> str:
     """Old TF-converted checkpoints call LayerNorm parameters gamma/beta."""
-    out = {}
-    for name, tensor in weights.items():
-        if name.endswith("LayerNorm.gamma"):
-            name = name.removesuffix("gamma") + "weight"
-        elif name.endswith("LayerNorm.beta"):
-            name = name.removesuffix("beta") + "bias"
-        out[name] = tensor
-    return out
+    if name.endswith("LayerNorm.gamma"):
+        return name.removesuffix("gamma") + "weight"
+    if name.endswith("LayerNorm.beta"):
+        return name.removesuffix("beta") + "bias"
+    return name

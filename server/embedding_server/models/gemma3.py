@@ -2,9 +2,9 @@
 (google/embeddinggemma-300m) and Gemma 3 language models used as embedders.
 
 The skeleton is Llama's (grouped-query attention, RoPE, gated MLP, RMSNorm over each head of
-q and k like Qwen3), so this module borrows :mod:`.llama`'s helpers: rope frequencies, the
-rotary table, the ``layer_types`` reader. Gemma differs in enough places at once that a
-separate forward reads better than a dozen switches in ``LlamaModel``:
+q and k like Qwen3), so this module uses the shared :mod:`.layers`: rope frequencies, the
+rotary table, the ``layer_types`` reader, Gemma's RMSNorm. Gemma differs in enough places at
+once that a separate forward reads better than a dozen switches in ``LlamaModel``:
 
 * token embeddings are multiplied by ``sqrt(hidden_size)``, the scale first rounded to the
   model dtype (bf16 turns sqrt(768) = 27.71 into 27.75), as transformers does;
@@ -44,10 +44,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..attention import flash_available, varlen_attention
 from ..errors import UnsupportedModelError
-from .base import PackedBatch, config_get, strip_prefix, take
-from .llama import RotaryTable, rope_inv_freq, rotate_half, sliding_layer_types
+from .base import Checkpoint, PackedBatch, config_get
+from .layers import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    RotaryTable,
+    apply_rotary,
+    gemma_rms_norm,
+    layer_rope,
+    layer_types,
+)
 
 MULTIMODAL_REFUSAL = (
     "model_type 'gemma3' is the multimodal Gemma 3 checkpoint (vision tower + language "
@@ -89,37 +96,22 @@ class _Layer:
     down_w: torch.Tensor
 
 
-def gemma_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma's RMSNorm: normalize and multiply by ``scale`` (= 1 + weight, float32) in float32,
-    then cast back (Llama's casts first)."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (h * scale).to(x.dtype)
-
-
 def local_layers(config: Mapping[str, Any]) -> list[bool]:
     """Which layers are local (``sliding_attention``), as Gemma3TextConfig reads the config:
     ``layer_types``, or, in configs without it, all but every ``sliding_window_pattern``-th."""
-    layers = int(config["num_hidden_layers"])
-    if config.get("layer_types") is None:
-        pattern = int(config.get("sliding_window_pattern", _DEFAULT_SLIDING_WINDOW_PATTERN))
-        return [(i + 1) % pattern != 0 for i in range(layers)]
-    return sliding_layer_types(config, "gemma3_text", layers)
+    pattern = int(config.get("sliding_window_pattern", _DEFAULT_SLIDING_WINDOW_PATTERN))
+    kinds = layer_types(config, "gemma3_text", lambda n: [(i + 1) % pattern != 0 for i in range(n)])
+    return [kind == SLIDING_ATTENTION for kind in kinds]
 
 
 def rope_parameters(config: Mapping[str, Any], layer_type: str) -> dict[str, Any]:
     """The rope of ``full_attention`` or ``sliding_attention`` layers, from either layout:
     ``rope_parameters`` nested by layer type (transformers >= 5), or top-level ``rope_theta``
     (global), ``rope_local_base_freq`` (local) and ``rope_scaling`` (global only)."""
-    nested = config.get("rope_parameters") or {}
-    params = dict(nested.get(layer_type) or {"rope_type": "default"})
-    if layer_type == "full_attention":
-        params.update(config.get("rope_scaling") or {})
     legacy = config_get(
         config, _LEGACY_ROPE_THETA_KEY[layer_type], default=_DEFAULT_ROPE_THETA[layer_type]
     )
-    params.setdefault("rope_theta", legacy)
-    return params
+    return layer_rope(config, layer_type, theta=legacy, scaled=layer_type == FULL_ATTENTION)
 
 
 class Gemma3TextModel:
@@ -127,14 +119,8 @@ class Gemma3TextModel:
 
     position_offset = 0
 
-    def __init__(
-        self,
-        config: Mapping[str, Any],
-        weights: Mapping[str, torch.Tensor],
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        config, dtype, device = checkpoint.config, checkpoint.dtype, checkpoint.device
         act = str(
             config_get(config, "hidden_activation", "hidden_act", default="gelu_pytorch_tanh")
         )
@@ -177,19 +163,19 @@ class Gemma3TextModel:
         if self.sliding_window is not None:
             attention_window = self.sliding_window - 1 if self.causal else self.sliding_window // 2
         self.rotary = {
-            kind: RotaryTable(
-                rope_inv_freq({"rope_parameters": rope_parameters(config, kind)}, self.head_dim),
-                dtype=dtype,
-                device=device,
+            kind: RotaryTable.of(
+                rope_parameters(config, kind), self.head_dim, dtype=dtype, device=device
             )
-            for kind in ("full_attention", "sliding_attention")
+            for kind in (FULL_ATTENTION, SLIDING_ATTENTION)
         }
         bias = bool(config.get("attention_bias", False))
 
-        w = strip_prefix(weights, ("model.",), "layers.")
-
-        def get(name: str) -> torch.Tensor:
-            return take(w, name, dtype, device, architecture="gemma3_text")
+        w = checkpoint.reader(
+            prefixes=("model.",),
+            marker="layers.",
+            architecture="gemma3_text",
+        )
+        get = w.get
 
         def norm(name: str) -> torch.Tensor:
             # Rounded to the model dtype first, as the module's parameter is.
@@ -206,22 +192,16 @@ class Gemma3TextModel:
                     local=is_local,
                     window=attention_window if is_local else None,
                     in_norm=norm(p + "input_layernorm.weight"),
-                    qkv_w=torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
-                    qkv_b=(
-                        torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-                        if bias
-                        else None
-                    ),
+                    qkv_w=w.cat([p + f"self_attn.{n}_proj.weight" for n in "qkv"]),
+                    qkv_b=w.cat([p + f"self_attn.{n}_proj.bias" for n in "qkv"]) if bias else None,
                     q_norm=norm(p + "self_attn.q_norm.weight"),
                     k_norm=norm(p + "self_attn.k_norm.weight"),
                     o_w=get(p + "self_attn.o_proj.weight"),
-                    o_b=get(p + "self_attn.o_proj.bias") if bias else None,
+                    o_b=w.maybe(p + "self_attn.o_proj.bias", bias),
                     post_attn_norm=norm(p + "post_attention_layernorm.weight"),
                     pre_ff_norm=norm(p + "pre_feedforward_layernorm.weight"),
                     post_ff_norm=norm(p + "post_feedforward_layernorm.weight"),
-                    gate_up_w=torch.cat(
-                        [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]
-                    ),
+                    gate_up_w=w.cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
                     down_w=get(p + "mlp.down_proj.weight"),
                 )
             )
@@ -229,29 +209,19 @@ class Gemma3TextModel:
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         t = batch.input_ids.shape[0]
         hq, hkv, d, eps = self.num_heads, self.num_kv_heads, self.head_dim, self.eps
-        global_rope = self.rotary["full_attention"].lookup(batch.position_ids, batch.max_seqlen)
-        local_rope = self.rotary["sliding_attention"].lookup(batch.position_ids, batch.max_seqlen)
+        global_rope = self.rotary[FULL_ATTENTION].lookup(batch.position_ids, batch.max_seqlen)
+        local_rope = self.rotary[SLIDING_ATTENTION].lookup(batch.position_ids, batch.max_seqlen)
         x = self.embed[batch.input_ids] * self.embed_scale
-        plan = None if flash_available(x) else batch.attention_plan
         for layer in self.layers:
-            cos, sin = local_rope if layer.local else global_rope
+            rope = local_rope if layer.local else global_rope
             h = gemma_rms_norm(x, layer.in_norm, eps)
             qkv = F.linear(h, layer.qkv_w, layer.qkv_b)
             q = gemma_rms_norm(qkv[:, : hq * d].view(t, hq, d), layer.q_norm, eps)
             k = gemma_rms_norm(qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d), layer.k_norm, eps)
             v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
-            attn = varlen_attention(
-                q,
-                k,
-                v,
-                cu_seqlens=batch.cu_seqlens,
-                max_seqlen=batch.max_seqlen,
-                causal=self.causal,
-                plan=plan,
-                scale=self.scale,
-                window=layer.window,
+            q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+            attn = batch.attention(
+                q, k, v, causal=self.causal, scale=self.scale, window=layer.window
             )
             h = F.linear(attn.reshape(t, hq * d), layer.o_w, layer.o_b)
             x = x + gemma_rms_norm(h, layer.post_attn_norm, eps)

@@ -32,14 +32,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..attention import flash_available, varlen_attention
 from ..errors import UnsupportedModelError
-from .base import PackedBatch, strip_prefix, take
-from .bert import ACT_FUNCS
-from .llama import RotaryTable, rope_inv_freq, rotate_half
+from .base import Checkpoint, PackedBatch
+from .layers import FULL_ATTENTION as _FULL
+from .layers import SLIDING_ATTENTION as _SLIDING
+from .layers import RotaryTable, activation, apply_rotary, layer_rope
+from .layers import layer_types as read_layer_types
 
-_FULL = "full_attention"
-_SLIDING = "sliding_attention"
 # Defaults of transformers' ModernBertConfig for keys config.json may omit.
 _DEFAULT_GLOBAL_EVERY = 3
 _DEFAULT_LOCAL_ATTENTION = 128
@@ -66,22 +65,12 @@ class _Layer:
 
 def layer_types(config: Mapping[str, Any]) -> list[str]:
     """Each layer's attention kind, from ``layer_types`` or ``global_attn_every_n_layers``."""
-    layers = int(config["num_hidden_layers"])
-    types = config.get("layer_types")
-    if types is None:
-        every = int(config.get("global_attn_every_n_layers", _DEFAULT_GLOBAL_EVERY))
-        if every < 1:
-            raise UnsupportedModelError(
-                f"modernbert global_attn_every_n_layers must be >= 1, got {every}"
-            )
-        return [_FULL if i % every == 0 else _SLIDING for i in range(layers)]
-    kinds = [str(t) for t in types]
-    if len(kinds) != layers or set(kinds) - {_FULL, _SLIDING}:
+    every = int(config.get("global_attn_every_n_layers", _DEFAULT_GLOBAL_EVERY))
+    if config.get("layer_types") is None and every < 1:
         raise UnsupportedModelError(
-            f"modernbert layer_types must name each of the {layers} layers as one of "
-            f"{_FULL}, {_SLIDING}; got {kinds!r}"
+            f"modernbert global_attn_every_n_layers must be >= 1, got {every}"
         )
-    return kinds
+    return read_layer_types(config, "modernbert", lambda n: [i % every != 0 for i in range(n)])
 
 
 def local_window(config: Mapping[str, Any]) -> int:
@@ -99,22 +88,17 @@ def rope_parameters(config: Mapping[str, Any], kind: str) -> dict[str, Any]:
     ``global_rope_theta`` / ``local_rope_theta`` (an explicit null local theta means the
     global one, as transformers 4.x read it), with any ``rope_scaling`` applied to both.
     """
-    nested = config.get("rope_parameters") or {}
-    params: dict[str, Any] = dict(nested.get(kind) or {"rope_type": "default"})
-    params.update(config.get("rope_scaling") or {})
-    if params.get("rope_theta") is None:
-        global_theta = config.get("global_rope_theta")
-        if global_theta is None:
-            global_theta = _DEFAULT_THETA[_FULL]
-        if kind == _FULL:
-            theta = global_theta
-        elif "local_rope_theta" in config:
-            theta = config["local_rope_theta"]
-            theta = global_theta if theta is None else theta
-        else:
-            theta = _DEFAULT_THETA[_SLIDING]
-        params["rope_theta"] = float(theta)
-    return params
+    global_theta = config.get("global_rope_theta")
+    if global_theta is None:
+        global_theta = _DEFAULT_THETA[_FULL]
+    if kind == _FULL:
+        theta = global_theta
+    elif "local_rope_theta" in config:
+        theta = config["local_rope_theta"]
+        theta = global_theta if theta is None else theta
+    else:
+        theta = _DEFAULT_THETA[_SLIDING]
+    return layer_rope(config, kind, theta=float(theta), scaled=True)
 
 
 class ModernBertModel:
@@ -123,20 +107,11 @@ class ModernBertModel:
     causal = False
     position_offset = 0
 
-    def __init__(
-        self,
-        config: Mapping[str, Any],
-        weights: Mapping[str, torch.Tensor],
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        act = str(config.get("hidden_activation", "gelu"))
-        if act not in ACT_FUNCS:
-            raise UnsupportedModelError(
-                f"modernbert activation {act!r} is not supported; supported: {sorted(ACT_FUNCS)}"
-            )
-        self._act: Callable[[torch.Tensor], torch.Tensor] = ACT_FUNCS[act]
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        config, dtype, device = checkpoint.config, checkpoint.dtype, checkpoint.device
+        self._act: Callable[[torch.Tensor], torch.Tensor] = activation(
+            config, "modernbert", "hidden_activation", default="gelu"
+        )
         self.hidden_size = int(config["hidden_size"])
         self.num_heads = int(config["num_attention_heads"])
         if self.hidden_size % self.num_heads:
@@ -153,10 +128,8 @@ class ModernBertModel:
         window = local_window(config)
         self.sliding_window = window if _SLIDING in kinds else None
         self.rotary = {
-            kind: RotaryTable(
-                rope_inv_freq({"rope_parameters": rope_parameters(config, kind)}, self.head_dim),
-                dtype=dtype,
-                device=device,
+            kind: RotaryTable.of(
+                rope_parameters(config, kind), self.head_dim, dtype=dtype, device=device
             )
             for kind in set(kinds)
         }
@@ -166,13 +139,12 @@ class ModernBertModel:
 
         # ModernBertForMaskedLM / ForSequenceClassification checkpoints nest the body under
         # ``model.``; ModernBertModel ones (and sentence-transformers saves) do not.
-        w = strip_prefix(weights, ("model.",), "embeddings.")
-
-        def get(name: str) -> torch.Tensor:
-            return take(w, name, dtype, device, architecture="modernbert")
-
-        def maybe(name: str, present: bool) -> torch.Tensor | None:
-            return get(name) if present else None
+        w = checkpoint.reader(
+            prefixes=("model.",),
+            marker="embeddings.",
+            architecture="modernbert",
+        )
+        get, maybe = w.get, w.maybe
 
         self.tok_emb = get("embeddings.tok_embeddings.weight")
         self.emb_norm_w = get("embeddings.norm.weight")
@@ -215,34 +187,18 @@ class ModernBertModel:
             for kind, table in self.rotary.items()
         }
         x = self._norm(self.tok_emb[batch.input_ids], self.emb_norm_w, self.emb_norm_b)
-        plan = None if flash_available(x) else batch.attention_plan
         for layer in self.layers:
             a = x  # layer 0's attention norm is the identity
             if layer.attn_norm_w is not None:
                 a = self._norm(x, layer.attn_norm_w, layer.attn_norm_b)
             qkv = F.linear(a, layer.qkv_w, layer.qkv_b).view(t, 3, heads, d)
             q, k, v = qkv.unbind(1)
-            cos, sin = rotary[layer.kind]
-            q, k = _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
-            attn = varlen_attention(
-                q,
-                k,
-                v,
-                cu_seqlens=batch.cu_seqlens,
-                max_seqlen=batch.max_seqlen,
-                causal=False,
-                plan=plan,
-                scale=self.scale,
-                window=layer.window,
-            )
+            # RoPE in float32, cast back: what transformers' ModernBERT does in half precision.
+            rope = rotary[layer.kind]
+            q, k = apply_rotary(q, rope, float32=True), apply_rotary(k, rope, float32=True)
+            attn = batch.attention(q, k, v, causal=False, scale=self.scale, window=layer.window)
             x = x + F.linear(attn.reshape(t, h), layer.out_w, layer.out_b)
             m = self._norm(x, layer.mlp_norm_w, layer.mlp_norm_b)
             inp, gate = F.linear(m, layer.wi_w, layer.wi_b).chunk(2, dim=-1)
             x = x + F.linear(self._act(inp) * gate, layer.wo_w, layer.wo_b)
         return self._norm(x, self.final_norm_w, self.final_norm_b)
-
-
-def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE in float32, cast back: what transformers' ModernBERT does in half precision."""
-    xf = x.float()
-    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)

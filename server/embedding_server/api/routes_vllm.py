@@ -1,47 +1,29 @@
-"""The vLLM-style extras (``/pooling``, ``/score``, ``/tokenize``, ``/detokenize``) and the
-operational endpoints (``/health``, ``/ready``, ``/info``, ``/metrics``).
-
-``/health`` is liveness: 200 for as long as the process can answer at all, so a slow model
-load never gets the pod killed. ``/ready`` is readiness: 503 until the model is loaded and
-warmed up, and 503 again from the moment a drain starts, so traffic moves elsewhere while
-in-flight work finishes.
-"""
+"""The vLLM-style extras: ``/pooling``, ``/score``, ``/tokenize`` and ``/detokenize``."""
 
 from __future__ import annotations
 
 import time
 
 from fastapi import APIRouter, Request
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
-from embedding_server.api.common import (
-    BINARY_RESPONSES,
-    as_input_list,
-    binary_response,
-    cancel_on_disconnect,
-    check_input_count,
-    engine_for,
-    json_response,
-    new_id,
-    timing_headers,
-)
-from embedding_server.api.encoding import (
-    FloatMatrix,
-    as_float32,
-    base64_array,
-    binary_payload,
-    l2_normalize,
-)
-from embedding_server.api.errors import error_response
-from embedding_server.api.lifecycle import lifecycle_of
+from embedding_server.api.dependencies import as_input_list, check_input_count, engine_for
+from embedding_server.api.disconnect import cancel_on_disconnect
+from embedding_server.api.encoding import FloatMatrix, as_float32, base64_array, binary_payload
+from embedding_server.api.ids import new_id
 from embedding_server.api.protocol import (
     DetokenizeRequest,
     PoolingRequest,
     ScoreRequest,
     TokenizeRequest,
 )
-from embedding_server.tokenization import Truncation
+from embedding_server.api.responses import (
+    BINARY_RESPONSES,
+    binary_response,
+    json_response,
+    timing_headers,
+)
+from embedding_server.engine import TokenOptions
 
 router = APIRouter()
 
@@ -56,32 +38,20 @@ async def pooling(body: PoolingRequest, request: Request) -> Response:
     engine, lifecycle = engine_for(request, body.model)
     inputs = as_input_list(body.input)
     check_input_count(lifecycle, len(inputs), "input")
-    truncation = Truncation.from_openai(body.truncate_prompt_tokens, body.truncation_side)
+    options: TokenOptions = {
+        "normalize": body.normalize,
+        "truncate": body.truncation(),
+        "add_special_tokens": body.add_special_tokens,
+    }
     # One output per input: a pooled matrix's rows (task embed) or per-token matrices.
     outputs: FloatMatrix | list[FloatMatrix]
     if body.task == "embed":
-        pooled = await cancel_on_disconnect(
-            request,
-            engine.aembed(
-                inputs,
-                normalize=body.normalize,
-                truncate=truncation,
-                add_special_tokens=body.add_special_tokens,
-            ),
-        )
+        pooled = await cancel_on_disconnect(request, engine.aembed(inputs, **options))
         outputs = as_float32(pooled.embeddings)
         tokens, timings = pooled.prompt_tokens, pooled.timings
     else:
-        per_token = await cancel_on_disconnect(
-            request,
-            engine.aembed_tokens(
-                inputs, truncate=truncation, add_special_tokens=body.add_special_tokens
-            ),
-        )
-        outputs = [
-            l2_normalize(as_float32(m)) if body.normalize else as_float32(m)
-            for m in per_token.embeddings
-        ]
+        per_token = await cancel_on_disconnect(request, engine.aembed_tokens(inputs, **options))
+        outputs = per_token.embeddings
         tokens, timings = per_token.prompt_tokens, per_token.timings
     headers = timing_headers(timings, tokens)
     usage = {"prompt_tokens": tokens, "total_tokens": tokens}
@@ -119,9 +89,8 @@ async def score(body: ScoreRequest, request: Request) -> Response:
     count_2 = 1 if isinstance(body.text_2, str) else len(body.text_2)
     check_input_count(lifecycle, count_1, "text_1")
     check_input_count(lifecycle, count_2, "text_2")
-    truncation = Truncation.from_openai(body.truncate_prompt_tokens, body.truncation_side)
     result = await cancel_on_disconnect(
-        request, engine.ascore(body.text_1, body.text_2, truncate=truncation)
+        request, engine.ascore(body.text_1, body.text_2, truncate=body.truncation())
     )
     content = {
         "id": f"score-{new_id()}",
@@ -155,46 +124,3 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
 async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
     engine, _ = engine_for(request, body.model)
     return json_response({"prompt": engine.detokenize(body.tokens)})
-
-
-@router.get("/health", tags=["Operations"], summary="Liveness: 200 while the process runs")
-async def health() -> Response:
-    return json_response({"status": "ok"})
-
-
-@router.get(
-    "/ready",
-    tags=["Operations"],
-    summary="Readiness: 200 once the model is warmed up, 503 while loading or draining",
-)
-async def ready(request: Request) -> Response:
-    lifecycle = lifecycle_of(request)
-    if lifecycle.is_ready():
-        return json_response({"status": "ready"})
-    if lifecycle.draining:
-        message = "The server is shutting down."
-    else:
-        message = lifecycle.failure or "The model is still loading."
-    return error_response(503, message, code="not_ready")
-
-
-@router.get("/info", tags=["Operations"], summary="The resolved model configuration")
-async def info(request: Request) -> Response:
-    lifecycle = lifecycle_of(request)
-    settings = lifecycle.settings
-    content: dict[str, object] = {
-        "served_model_name": lifecycle.served_model_name,
-        "version": request.app.version,
-        "ready": lifecycle.is_ready(),
-        "max_request_bytes": settings.max_request_bytes,
-        "max_inputs_per_request": settings.max_inputs_per_request,
-    }
-    if lifecycle.engine is not None:
-        content.update(lifecycle.engine.info().to_dict())
-    return json_response(content)
-
-
-@router.get("/metrics", tags=["Operations"], summary="Prometheus metrics")
-async def metrics(request: Request) -> Response:
-    registry = lifecycle_of(request).metrics.registry
-    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,62 @@
+"""The operational endpoints: ``/health``, ``/ready``, ``/info``, ``/metrics``.
+
+``/health`` is liveness: 200 for as long as the process can answer at all, so a slow model
+load never gets the pod killed. ``/ready`` is readiness: 503 until the model is loaded and
+warmed up, and 503 again from the moment a drain starts, so traffic moves elsewhere while
+in-flight work finishes.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.responses import Response
+
+from embedding_server.api.errors import error_response
+from embedding_server.api.lifecycle import lifecycle_of
+from embedding_server.api.responses import json_response
+
+router = APIRouter()
+
+
+@router.get("/health", tags=["Operations"], summary="Liveness: 200 while the process runs")
+async def health() -> Response:
+    return json_response({"status": "ok"})
+
+
+@router.get(
+    "/ready",
+    tags=["Operations"],
+    summary="Readiness: 200 once the model is warmed up, 503 while loading or draining",
+)
+async def ready(request: Request) -> Response:
+    lifecycle = lifecycle_of(request)
+    if lifecycle.is_ready():
+        return json_response({"status": "ready"})
+    if lifecycle.draining:
+        message = "The server is shutting down."
+    else:
+        message = lifecycle.failure or "The model is still loading."
+    return error_response(503, message, code="not_ready")
+
+
+@router.get("/info", tags=["Operations"], summary="The resolved model configuration")
+async def info(request: Request) -> Response:
+    lifecycle = lifecycle_of(request)
+    settings = lifecycle.settings
+    content: dict[str, object] = {
+        "served_model_name": lifecycle.served_model_name,
+        "version": request.app.version,
+        "ready": lifecycle.is_ready(),
+        "max_request_bytes": settings.max_request_bytes,
+        "max_inputs_per_request": settings.max_inputs_per_request,
+    }
+    if lifecycle.engine is not None:
+        content.update(lifecycle.engine.info().to_dict())
+    return json_response(content)
+
+
+@router.get("/metrics", tags=["Operations"], summary="Prometheus metrics")
+async def metrics(request: Request) -> Response:
+    registry = lifecycle_of(request).metrics.registry
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,205 @@
+"""Resolving an engine's configuration: settings plus what the model declares, decided once.
+
+:func:`resolve_config` is pure: from the settings and the loaded model's declarations
+(positions, tokenizer limit, sentence-transformers files) it decides the input length, the
+batch budgets, the pooling method and head, and the prompts, or raises naming the setting at
+fault. The engine builds its stages from the result, and :func:`describe` turns the same
+result into :class:`EngineInfo` for the start-up log line and ``/info``, so what runs and what
+is reported cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from .attention import backend_name
+from .dtypes import cpu_thread_budget, dtype_name
+from .errors import InvalidRequestError, UnsupportedModelError
+from .loading import LoadedModel, declared_matryoshka
+from .pooling import POOLING_METHODS, PoolingHead, PoolingMethod, build_matryoshka
+from .settings import CPU_BATCH_TOKENS, GPU_BATCH_TOKENS, EngineSettings
+from .tokenization import Prompts
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The decisions an engine is built from."""
+
+    max_input_tokens: int
+    max_batch_tokens: int
+    max_batch_size: int
+    max_queue_tokens: int
+    pooling: PoolingMethod
+    include_prompt: bool
+    """Whether prompt tokens take part in pooling (sentence-transformers' include_prompt)."""
+    head: PoolingHead
+    prompts: Prompts
+    cpu_threads: int
+
+
+def resolve_config(
+    settings: EngineSettings, loaded: LoadedModel, *, device: torch.device
+) -> EngineConfig:
+    """Combine ``settings`` with what ``loaded`` declares; settings win where both speak."""
+    max_len = _max_input_tokens(settings, loaded)
+    max_batch_tokens = _max_batch_tokens(settings, max_len, device)
+    st = loaded.st
+    dense = tuple(layer.to(device) for layer in st.dense)
+    declared_flag, declared_dims = declared_matryoshka(loaded.config, st)
+    pooling = _pooling(settings, loaded)
+    matryoshka = build_matryoshka(
+        dense[-1].out_features if dense else loaded.model.hidden_size,
+        declared=declared_flag,
+        declared_dims=declared_dims,
+        override_dims=settings.matryoshka_dimensions,
+        default_dims=settings.dimensions,
+    )
+    normalize = (
+        settings.normalize
+        if settings.normalize is not None
+        else (st.normalize if st.present else True)
+    )
+    return EngineConfig(
+        max_input_tokens=max_len,
+        max_batch_tokens=max_batch_tokens,
+        max_batch_size=settings.max_batch_size,
+        max_queue_tokens=settings.max_queue_tokens,
+        pooling=pooling,
+        include_prompt=st.include_prompt,
+        head=PoolingHead(dense=dense, matryoshka=matryoshka, normalize=normalize),
+        prompts=_prompts(settings, loaded),
+        cpu_threads=cpu_thread_budget(),
+    )
+
+
+def _max_input_tokens(settings: EngineSettings, loaded: LoadedModel) -> int:
+    positions = loaded.model.max_positions
+    declared = loaded.st.max_seq_length or min(loaded.tokenizer_max_length or positions, positions)
+    if settings.max_model_len is not None and settings.max_model_len > positions:
+        raise InvalidRequestError(
+            f"max_model_len={settings.max_model_len} exceeds the {positions} positions the "
+            "model supports",
+            param="max_model_len",
+        )
+    return settings.max_model_len or min(declared, positions)
+
+
+def _max_batch_tokens(settings: EngineSettings, max_len: int, device: torch.device) -> int:
+    if settings.max_batch_tokens is None:
+        default = GPU_BATCH_TOKENS if device.type == "cuda" else CPU_BATCH_TOKENS
+        budget = max(max_len, min(default, settings.max_queue_tokens))
+    else:
+        budget = settings.max_batch_tokens
+    if max_len > budget:
+        raise InvalidRequestError(
+            f"max_batch_tokens={budget} is smaller than one maximal "
+            f"input ({max_len} tokens); raise it or lower max_model_len",
+            param="max_batch_tokens",
+        )
+    if settings.max_queue_tokens < budget:
+        raise InvalidRequestError(
+            f"max_queue_tokens={settings.max_queue_tokens} is smaller than one batch "
+            f"({budget} tokens)",
+            param="max_queue_tokens",
+        )
+    return budget
+
+
+def _pooling(settings: EngineSettings, loaded: LoadedModel) -> PoolingMethod:
+    if settings.pooling != "auto":
+        return settings.pooling
+    if loaded.st.unsupported_pooling is not None:
+        raise UnsupportedModelError(
+            f"{loaded.st.unsupported_pooling}. Set pooling to one of "
+            f"{', '.join(POOLING_METHODS)} to serve the model with that single method instead "
+            "(its vectors will then differ from what sentence-transformers computes)"
+        )
+    return loaded.st.pooling or loaded.default_pooling
+
+
+def _prompts(settings: EngineSettings, loaded: LoadedModel) -> Prompts:
+    table = dict(loaded.st.prompts)
+    default = settings.default_prompt_name or loaded.st.default_prompt_name
+    if default and default not in table:
+        raise InvalidRequestError(
+            f"default_prompt_name={default!r} is not one of the model's prompts {sorted(table)}",
+            param="default_prompt_name",
+        )
+    return Prompts(table, default)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """The resolved configuration: logged once at load and served by /info."""
+
+    model: str
+    model_path: str | None
+    architecture: str
+    model_type: str
+    hidden_size: int
+    dimensions: int
+    """Default output dimensions (after Dense layers and any configured truncation)."""
+    max_input_tokens: int
+    pooling: PoolingMethod
+    normalize: bool
+    dtype: str
+    device: str
+    attention: str
+    sliding_window: int | None
+    """Attention window (tokens, transformers' ``sliding_window``) of the layers that slide;
+    None when every layer sees the whole input."""
+    prompts: dict[str, str]
+    default_prompt_name: str | None
+    matryoshka: bool
+    matryoshka_dimensions: list[int] | None
+    """Allowed truncation sizes; None with ``matryoshka`` true means any size up to full."""
+    full_dimensions: int
+    vocab_size: int
+    cpu_threads: int
+    """torch intra-op threads for CPU forward passes."""
+    max_batch_tokens: int
+    max_batch_size: int
+    max_queue_tokens: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def describe(
+    config: EngineConfig,
+    loaded: LoadedModel,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    vocab_size: int,
+) -> EngineInfo:
+    """The :class:`EngineInfo` of an engine built from ``config``."""
+    m = config.head.matryoshka
+    return EngineInfo(
+        model=loaded.name,
+        model_path=str(loaded.path) if loaded.path else None,
+        architecture=loaded.architecture,
+        model_type=str(loaded.config.get("model_type", "")),
+        hidden_size=loaded.model.hidden_size,
+        dimensions=m.default,
+        max_input_tokens=config.max_input_tokens,
+        pooling=config.pooling,
+        normalize=config.head.normalize,
+        dtype=dtype_name(dtype),
+        device=str(device),
+        attention=backend_name(device, dtype),
+        sliding_window=loaded.model.sliding_window,
+        prompts=dict(config.prompts.table),
+        default_prompt_name=config.prompts.default_name,
+        matryoshka=m.supported,
+        matryoshka_dimensions=m.to_list(),
+        full_dimensions=m.full,
+        vocab_size=vocab_size,
+        cpu_threads=config.cpu_threads,
+        max_batch_tokens=config.max_batch_tokens,
+        max_batch_size=config.max_batch_size,
+        max_queue_tokens=config.max_queue_tokens,
+    )

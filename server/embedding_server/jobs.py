@@ -1,0 +1,238 @@
+"""Jobs: a request prepared once, and the two ways to run one.
+
+The engine turns every request into a :class:`Job` (inputs checked, prompt and truncation
+resolved) before any work starts, then hands it to a :class:`JobRunner`:
+
+* :class:`ScheduledRunner`, inside the server's event loop: tokenization in the engine's
+  thread pool, then the continuous-batching :class:`~.scheduler.Scheduler`;
+* :class:`DirectRunner`, the offline bulk path used before ``start()``: tokenization and
+  length-sorted, budgeted batches on the calling thread, no admission queue.
+
+Both have the same async interface, so the engine has one code path per request type. The
+direct runner never suspends, which is what lets the engine's sync methods drive an async
+method to completion on the calling thread (:func:`run_inline`) without an event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol, TypedDict, TypeVar
+
+import numpy as np
+
+from .pooling import FloatArray
+from .results import JobOutput, StageTimings
+from .runner import ModelRunner, SequenceInput
+from .scheduler import Scheduler
+from .tokenization import (
+    Prompts,
+    TextInput,
+    TextTokenizer,
+    TokenizedInput,
+    Truncation,
+    TruncationArg,
+)
+
+T = TypeVar("T")
+
+
+class ScoreOptions(TypedDict, total=False):
+    """Options every request type takes."""
+
+    prompt: str | None
+    """Text prepended to each text input (not with ``prompt_name``)."""
+    prompt_name: str | None
+    """One of the model's sentence-transformers prompts (default: the configured one)."""
+    truncate: TruncationArg
+    """True / "right" / "left" / a Truncation; False or None refuses over-long input."""
+
+
+class TokenOptions(ScoreOptions, total=False):
+    """Options of per-token embeddings (and, with ``EmbedOptions``, of pooled ones)."""
+
+    add_special_tokens: bool
+    """Add the tokenizer's special tokens around text inputs (default True)."""
+    normalize: bool | None
+    """L2-normalize each vector (per-token default: no; pooled: the server's setting)."""
+
+
+class EmbedOptions(TokenOptions, total=False):
+    """Options of pooled embeddings."""
+
+    dimensions: int | None
+    """Matryoshka truncation to this many dimensions."""
+
+
+def check_options(method: str, options: dict[str, Any], allowed: type) -> None:
+    """Refuse unknown keyword arguments, as a plain signature would."""
+    unknown = sorted(set(options) - set(allowed.__annotations__))
+    if unknown:
+        raise TypeError(f"{method}() got an unexpected keyword argument {unknown[0]!r}")
+
+
+@dataclass(frozen=True)
+class Job:
+    """One request, checked and resolved, ready to tokenize and run."""
+
+    items: list[TextInput]
+    prompt: str | None
+    truncation: Truncation
+    add_special_tokens: bool = True
+    want_tokens: bool = False
+
+    @classmethod
+    def prepare(
+        cls,
+        items: list[TextInput],
+        options: ScoreOptions,
+        prompts: Prompts,
+        *,
+        add_special_tokens: bool = True,
+        want_tokens: bool = False,
+    ) -> Job:
+        """Resolve a request's prompt and truncation once, after its inputs were checked."""
+        prompt = prompts.resolve(options.get("prompt"), options.get("prompt_name"))
+        truncation = Truncation.coerce(options.get("truncate", True))
+        return cls(items, prompt, truncation, add_special_tokens, want_tokens)
+
+    def tokenize(self, tokenizer: TextTokenizer) -> list[TokenizedInput]:
+        return tokenizer.encode(
+            self.items,
+            truncation=self.truncation,
+            add_special_tokens=self.add_special_tokens,
+            prompt=self.prompt,
+            param="input",
+        )
+
+    def sequences(self, tokenized: Sequence[TokenizedInput]) -> list[SequenceInput]:
+        return [SequenceInput(t.ids, t.prompt_length, self.want_tokens) for t in tokenized]
+
+
+class JobRunner(Protocol):
+    """Where jobs run: the scheduler, or directly on the calling thread."""
+
+    async def offload(self, work: Callable[[], T]) -> T:
+        """Run blocking CPU work (tokenization) off the event loop where there is one."""
+        ...
+
+    async def run(self, job: Job) -> JobOutput: ...
+
+
+async def _tokenize(
+    runner: JobRunner, tokenizer: TextTokenizer, job: Job
+) -> tuple[list[TokenizedInput], float]:
+    started = time.perf_counter()
+    tokenized = await runner.offload(lambda: job.tokenize(tokenizer))
+    return tokenized, time.perf_counter() - started
+
+
+class ScheduledRunner:
+    """Runs jobs through the continuous-batching scheduler, on the engine's loop."""
+
+    def __init__(
+        self,
+        tokenizer: TextTokenizer,
+        scheduler: Scheduler,
+        *,
+        loop: asyncio.AbstractEventLoop,
+        tokenize_pool: ThreadPoolExecutor,
+    ) -> None:
+        self._tokenizer, self._scheduler = tokenizer, scheduler
+        self.loop, self._pool = loop, tokenize_pool
+
+    async def offload(self, work: Callable[[], T]) -> T:
+        return await self.loop.run_in_executor(self._pool, work)
+
+    def shutdown(self) -> None:
+        """Stop the tokenizer threads (queued work is cancelled)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def run(self, job: Job) -> JobOutput:
+        tokenized, tokenize_s = await _tokenize(self, self._tokenizer, job)
+        out = await self._scheduler.submit(job.sequences(tokenized))
+        timings = StageTimings(tokenize_s, out.queue_s, out.forward_s, out.pool_s)
+        return JobOutput(tokenized, out.pooled, out.tokens, timings)
+
+
+class DirectRunner:
+    """Runs jobs on the calling thread in length-sorted batches within the token budget."""
+
+    def __init__(
+        self, tokenizer: TextTokenizer, runner: ModelRunner, *, max_tokens: int, max_size: int
+    ) -> None:
+        self._tokenizer, self._runner = tokenizer, runner
+        self._max_tokens, self._max_size = max_tokens, max_size
+
+    async def offload(self, work: Callable[[], T]) -> T:
+        return work()
+
+    async def run(self, job: Job) -> JobOutput:
+        tokenized, tokenize_s = await _tokenize(self, self._tokenizer, job)
+        seqs = job.sequences(tokenized)
+        pooled: list[FloatArray | None] = [None] * len(seqs)
+        tokens: list[FloatArray | None] = [None] * len(seqs)
+        forward_s = pool_s = 0.0
+        lengths = [len(s.ids) for s in seqs]
+        for chunk in plan_offline_batches(lengths, self._max_tokens, self._max_size):
+            out = self._runner.run([seqs[i] for i in chunk])
+            forward_s += out.forward_s
+            pool_s += out.pool_s
+            for row, i in enumerate(chunk):
+                pooled[i], tokens[i] = out.pooled[row], out.tokens[row]
+        stacked = np.stack([p for p in pooled if p is not None])
+        timings = StageTimings(tokenize=tokenize_s, forward=forward_s, pool=pool_s)
+        return JobOutput(tokenized, stacked, tokens, timings)
+
+
+def plan_offline_batches(lengths: Sequence[int], max_tokens: int, max_size: int) -> list[list[int]]:
+    """Length-sorted batches within the token budget, for the offline bulk path."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for i in order:
+        if current and (used + lengths[i] > max_tokens or len(current) >= max_size):
+            batches.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += lengths[i]
+    if current:
+        batches.append(current)
+    return batches
+
+
+def run_inline(coroutine: Coroutine[Any, Any, T]) -> T:
+    """Drive a coroutine that never suspends (one on the :class:`DirectRunner`) to its
+    result on this thread, with or without an event loop around."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        result: T = done.value
+        return result
+    coroutine.close()
+    raise RuntimeError("offline engine work suspended; it must complete without a loop")
+
+
+def run_sync(
+    work: Callable[[JobRunner], Coroutine[Any, Any, T]],
+    direct: DirectRunner,
+    online: ScheduledRunner | None,
+) -> T:
+    """``work`` run to completion for sync code: inline on ``direct`` when the engine is not
+    started (``online`` None), else on the engine's loop, waited for from this thread."""
+    if online is None:
+        return run_inline(work(direct))
+    try:
+        current: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        current = None
+    if current is online.loop:
+        raise RuntimeError(
+            "a sync Engine method was called inside the engine's event "
+            "loop, which would block it; await the async form instead"
+        )
+    return asyncio.run_coroutine_threadsafe(work(online), online.loop).result()

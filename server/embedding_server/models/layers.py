@@ -1,0 +1,185 @@
+"""Building blocks shared by the model families: norms, activations, rotary embeddings and
+the reading of per-layer attention kinds.
+
+They live here rather than in the first family that needed them so that a family module
+imports only shared code, never a sibling family, and so that a new architecture starts from
+these pieces instead of copying them. Each follows the transformers implementation it
+replaces (dtype of each step included), because the models are verified against it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import UnsupportedModelError
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+
+ACT_FUNCS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+    "swish": F.silu,
+}
+"""transformers' ``hidden_act`` names -> torch functions."""
+
+
+def activation(
+    config: Mapping[str, Any], model_type: str, *keys: str, default: str
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The activation the config names under the first present of ``keys``, or an error."""
+    name = str(next((config[k] for k in keys if config.get(k) is not None), default))
+    if name not in ACT_FUNCS:
+        raise UnsupportedModelError(
+            f"{model_type} activation {name!r} is not supported; supported: {sorted(ACT_FUNCS)}"
+        )
+    return ACT_FUNCS[name]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32 and cast back, as Hugging Face's Llama implementation."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def gemma_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: normalize and multiply by ``scale`` (= 1 + weight, float32) in float32,
+    then cast back (Llama's casts first)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * scale).to(x.dtype)
+
+
+def layer_types(
+    config: Mapping[str, Any], model_type: str, legacy: Callable[[int], Sequence[bool]]
+) -> list[str]:
+    """Each layer's attention kind (:data:`FULL_ATTENTION` or :data:`SLIDING_ATTENTION`).
+
+    From the config's ``layer_types`` (transformers >= 4.5x writes it), refusing a list that
+    does not name each layer as one of the two; configs written before it get
+    ``legacy(num_layers)``, the family's older rule (True = sliding).
+    """
+    layers = int(config["num_hidden_layers"])
+    types = config.get("layer_types")
+    if types is None:
+        return [SLIDING_ATTENTION if slides else FULL_ATTENTION for slides in legacy(layers)]
+    kinds = [str(t) for t in types]
+    if len(kinds) != layers or set(kinds) - set(LAYER_TYPES):
+        raise UnsupportedModelError(
+            f"{model_type} layer_types must name each of the {layers} layers as one "
+            f"of {', '.join(LAYER_TYPES)}; got {list(types)!r}"
+        )
+    return kinds
+
+
+def layer_rope(
+    config: Mapping[str, Any], kind: str, *, theta: float, scaled: bool
+) -> dict[str, Any]:
+    """The rope of one layer kind in models whose kinds differ (Gemma 3, ModernBERT):
+    ``rope_parameters[kind]`` (transformers >= 5) when present, else the default rope with the
+    family's legacy ``theta``; ``scaled`` applies a top-level ``rope_scaling``."""
+    nested = config.get("rope_parameters") or {}
+    params: dict[str, Any] = dict(nested.get(kind) or {"rope_type": "default"})
+    if scaled:
+        params.update(config.get("rope_scaling") or {})
+    if params.get("rope_theta") is None:
+        params["rope_theta"] = float(theta)
+    return params
+
+
+def model_rope(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The rope of models with one rope for all layers (Llama and kin): transformers >= 5
+    nests ``rope_theta`` and the scaling in ``rope_parameters``; older configs keep
+    ``rope_theta`` / ``rope_scaling`` at top level."""
+    params = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or params
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    return {**scaling, "rope_theta": theta}
+
+
+def rope_inv_freq(params: Mapping[str, Any], head_dim: int) -> torch.Tensor:
+    """Inverse rotary frequencies of flat rope ``params`` (``rope_theta``, ``rope_type`` and
+    its keys), including the scalings published embedders use."""
+    theta = float(params["rope_theta"])
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(params["factor"])
+    if kind == "llama3":
+        factor = float(params["factor"])
+        low = float(params["low_freq_factor"])
+        high = float(params["high_freq_factor"])
+        old_len = float(params["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise UnsupportedModelError(
+        f"rope_scaling type {kind!r} is not supported; supported: default, linear, llama3"
+    )
+
+
+class RotaryTable:
+    """cos/sin of the rotary embedding per position, in the model dtype, grown on demand.
+
+    Computed in float32 from ``inv_freq`` and cast, as transformers does for each forward.
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, *, dtype: torch.dtype, device: torch.device) -> None:
+        self.inv_freq = inv_freq.to(device)
+        self.dtype, self.device = dtype, device
+        dim = 2 * inv_freq.shape[0]
+        self._cos = torch.empty(0, dim, dtype=dtype, device=device)
+        self._sin = torch.empty(0, dim, dtype=dtype, device=device)
+
+    @classmethod
+    def of(
+        cls, params: Mapping[str, Any], head_dim: int, *, dtype: torch.dtype, device: torch.device
+    ) -> RotaryTable:
+        """The table of flat rope ``params`` (see :func:`rope_inv_freq`)."""
+        return cls(rope_inv_freq(params, head_dim), dtype=dtype, device=device)
+
+    def lookup(
+        self, positions: torch.Tensor, max_position: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos``, ``sin`` for ``positions`` (all ``<= max_position``), ``[T, 1, head_dim]``."""
+        if self._cos.shape[0] <= max_position:
+            size = max(2 * self._cos.shape[0], max_position + 1, 512)
+            freqs = torch.outer(
+                torch.arange(size, device=self.device, dtype=torch.float32), self.inv_freq.float()
+            )
+            emb = torch.cat([freqs, freqs], dim=-1)
+            self._cos, self._sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding's pairing: ``[-x2, x1]`` for the halves ``x1``, ``x2``."""
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rotary(
+    x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], *, float32: bool = False
+) -> torch.Tensor:
+    """RoPE: ``x * cos + rotate_half(x) * sin``; with ``float32`` computed in float32 and cast
+    back (ModernBERT's half-precision path)."""
+    cos, sin = rope
+    h = x.float() if float32 else x
+    return (h * cos + rotate_half(h) * sin).to(x.dtype)

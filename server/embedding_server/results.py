@@ -1,0 +1,124 @@
+"""What the engine hands back: vectors plus the usage and timings the HTTP layer reports.
+
+:class:`JobOutput` is what a job runner returns (pooled vectors before the per-request head,
+token states, usage, stage timings); the engine turns it into one of the result types once
+the head has been applied. Kept apart from the engine so the runners can build it without
+importing the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from .metrics import Metrics
+from .pooling import FloatArray
+from .tokenization import TokenizedInput
+
+
+@dataclass(frozen=True, slots=True)
+class StageTimings:
+    """Seconds one request spent per pipeline stage (TEI-style timing headers)."""
+
+    tokenize: float = 0.0
+    queue: float = 0.0
+    forward: float = 0.0
+    pool: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.tokenize + self.queue + self.forward + self.pool
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class EmbedResult:
+    """Embeddings of one request plus what the HTTP layer reports about it."""
+
+    embeddings: FloatArray  # [n, d] float32
+    prompt_tokens: int  # tokens embedded (after truncation): usage
+    token_counts: list[int]  # per input, after truncation
+    truncated_inputs: int  # how many inputs were truncated
+    timings: StageTimings = field(default_factory=StageTimings)
+
+
+@dataclass(frozen=True)
+class TokenEmbedResult:
+    """Per-token hidden states (float32 ``[len_i, hidden]`` per input) and their token ids."""
+
+    embeddings: list[FloatArray]
+    token_ids: list[list[int]]
+    prompt_tokens: int
+    truncated_inputs: int
+    timings: StageTimings = field(default_factory=StageTimings)
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    """Cosine similarities of text pairs (``[n]`` float32)."""
+
+    scores: npt.NDArray[np.float32]
+    prompt_tokens: int
+    truncated_inputs: int
+    timings: StageTimings = field(default_factory=StageTimings)
+
+
+@dataclass(frozen=True)
+class JobOutput:
+    """A job's raw results: pooled vectors before the per-request head, token states where
+    asked for, and usage."""
+
+    tokenized: list[TokenizedInput]
+    pooled: FloatArray
+    tokens: list[FloatArray | None]
+    timings: StageTimings
+
+    @property
+    def token_counts(self) -> list[int]:
+        return [len(t.ids) for t in self.tokenized]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(self.token_counts)
+
+    @property
+    def truncated_inputs(self) -> int:
+        return sum(t.truncated for t in self.tokenized)
+
+    def record(self, metrics: Metrics) -> None:
+        """Count the job's tokens and truncations and observe its stage timings."""
+        metrics.input_tokens.inc(self.prompt_tokens)
+        if self.truncated_inputs:
+            metrics.truncated_inputs.inc(self.truncated_inputs)
+        for stage, seconds in self.timings.to_dict().items():
+            metrics.stage_seconds.labels(stage=stage).observe(seconds)
+
+    def embed_result(self, embeddings: FloatArray) -> EmbedResult:
+        return EmbedResult(
+            embeddings=embeddings,
+            prompt_tokens=self.prompt_tokens,
+            token_counts=self.token_counts,
+            truncated_inputs=self.truncated_inputs,
+            timings=self.timings,
+        )
+
+    def token_result(self, embeddings: list[FloatArray]) -> TokenEmbedResult:
+        return TokenEmbedResult(
+            embeddings=embeddings,
+            token_ids=[list(t.ids) for t in self.tokenized],
+            prompt_tokens=self.prompt_tokens,
+            truncated_inputs=self.truncated_inputs,
+            timings=self.timings,
+        )
+
+    def score_result(self, scores: npt.NDArray[np.float32]) -> ScoreResult:
+        return ScoreResult(
+            scores=scores,
+            prompt_tokens=self.prompt_tokens,
+            truncated_inputs=self.truncated_inputs,
+            timings=self.timings,
+        )
