@@ -53,6 +53,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -652,6 +653,44 @@ def ensure_base_image(docker: Docker, timings: dict[str, float]) -> str:
 # -- image builds ----------------------------------------------------------------------------
 
 
+# BuildKit's plain progress announces each step as `#7 [runtime 3/5] RUN ...`.
+_STEP_LINE = re.compile(r"^#\d+ \[[^\]]+\] ")
+
+
+def _stream(argv: list[str], env: Mapping[str, str], timeout: float, what: str) -> list[str]:
+    """Run, logging build steps as they start (a cold server build takes minutes).
+
+    Returns the output lines; ImageError with the tail on failure. A watchdog kills the process
+    at the deadline, so a hung build cannot block the caller forever.
+    """
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(env), text=True
+    )
+    watchdog = threading.Timer(timeout, proc.kill)
+    watchdog.start()
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            line = raw.rstrip("\n")
+            lines.append(line)
+            if _STEP_LINE.match(line):
+                log.info("[images]   %s", line[:160])
+            else:
+                log.debug("[images]   %s", line)
+        proc.wait(timeout=SHORT_TIMEOUT_S)
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=SHORT_TIMEOUT_S)
+    if proc.returncode != 0:
+        reason = "timed out" if proc.returncode == -signal.SIGKILL else "failed"
+        tail = "\n".join(lines[-60:])
+        raise ImageError(f"{what} {reason} (rc={proc.returncode}):\n{tail}")
+    return lines
+
+
 def docker_build(
     docker: Docker,
     dockerfile: Path,
@@ -665,9 +704,8 @@ def docker_build(
         argv += ["--build-arg", f"{key}={value}"]
     argv.append(str(context))
     log.info("[images] docker build %s -> %s", dockerfile.name, tag)
-    proc = docker.run(*argv, timeout=BUILD_TIMEOUT_S, what=f"docker build of {tag}")
-    cached = proc.stderr.count(" CACHED")
-    log.debug("[images] build output of %s:\n%s", tag, proc.stderr[-6000:])
+    output = _stream(docker.argv(*argv), docker.env, BUILD_TIMEOUT_S, f"docker build of {tag}")
+    cached = sum(1 for line in output if line.endswith(" CACHED"))
     image_id = docker.image_id(tag)
     if image_id is None:
         raise ImageError(f"docker build reported success but {tag} does not exist")
