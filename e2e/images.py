@@ -74,9 +74,15 @@ IMAGES_DIR = ROOT / "images"
 CHART_DIR = ROOT / "charts" / "embedding-operator"
 SERVER_DOCKERFILE = IMAGES_DIR / "server.Dockerfile"
 OPERATOR_DOCKERFILE = IMAGES_DIR / "operator.Dockerfile"
+CLIENT_DOCKERFILE = IMAGES_DIR / "e2e-client.Dockerfile"
 PAUSE_DOCKERFILE = IMAGES_DIR / "pause.Dockerfile"
 PAUSE_SOURCE = IMAGES_DIR / "pause" / "pause.c"
-LOCKS = {"server": IMAGES_DIR / "server.lock", "operator": IMAGES_DIR / "operator.lock"}
+LOCKS = {
+    "server": IMAGES_DIR / "server.lock",
+    "operator": IMAGES_DIR / "operator.lock",
+    "e2e-client": IMAGES_DIR / "e2e-client.lock",
+}
+CLIENT_IMAGE_REPOSITORY = "embedding-operator.local/e2e-client"
 
 BASE_IMAGE = "embedding-operator.local/debian:bookworm"
 PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
@@ -117,6 +123,8 @@ class ImageSet:
     pause: str
     server: str
     operator: str
+    # The e2e tier's client pods: the server image plus the official `openai` package.
+    client: str
     # Seconds per step of the build that produced this set, and image sizes in bytes (for
     # the log and the CLI).
     timings: Mapping[str, float] = field(default_factory=dict, compare=False)
@@ -124,7 +132,7 @@ class ImageSet:
 
     def for_node(self) -> tuple[str, ...]:
         """What a node's containerd needs: the sandbox image and the two workloads."""
-        return (self.pause, self.server, self.operator)
+        return (self.pause, self.server, self.operator, self.client)
 
 
 # -- small helpers ---------------------------------------------------------------------------
@@ -206,6 +214,7 @@ def image_refs() -> ImageSet:
         pause=PAUSE_IMAGE,
         server=f"{values['serverImage']['repository']}:{server_tag}",
         operator=f"{values['image']['repository']}:{operator_tag}",
+        client=f"{CLIENT_IMAGE_REPOSITORY}:{server_tag}",
     )
 
 
@@ -321,6 +330,8 @@ def private_dockerd(cache: Path | None = None) -> Iterator[Docker]:
         "--storage-driver=overlay2",
         "--iptables=false",
         "--ip-masq=false",
+        # Leave the host's net.ipv4.ip_forward alone (dockerd turns it on by default).
+        "--ip-forward=false",
         "--bridge=none",
     ]
     log.info("[images] starting a private dockerd on %s", socket)
@@ -756,7 +767,7 @@ def build_images(*, server: bool = True, variant: str = "cpu") -> ImageSet:
             project_wheel = build_project_wheel(images_cache() / "dist")
             contexts = {
                 name: prepare_context(name, project_wheel, wheel_dir)
-                for name in (("server", "operator") if server else ("operator",))
+                for name in (("server", "operator", "e2e-client") if server else ("operator",))
             }
         if server:
             with _timed(timings, f"server ({variant})"):
@@ -767,15 +778,26 @@ def build_images(*, server: bool = True, variant: str = "cpu") -> ImageSet:
                     refs.server,
                     base_arg | {"VARIANT": variant},
                 )
+            with _timed(timings, "e2e-client"):
+                docker_build(
+                    docker,
+                    CLIENT_DOCKERFILE,
+                    contexts["e2e-client"],
+                    refs.client,
+                    {"SERVER_IMAGE": refs.server},
+                )
         with _timed(timings, "operator"):
             docker_build(docker, OPERATOR_DOCKERFILE, contexts["operator"], refs.operator, base_arg)
         sizes = {}
-        for ref in (refs.base, refs.pause, refs.server, refs.operator):
+        built = (
+            (refs.base, refs.pause, refs.server, refs.client) if server else (refs.base, refs.pause)
+        )
+        for ref in (*built, refs.operator):
             proc = docker.run(
                 "image", "inspect", "--format", "{{.Size}}", ref, what="docker inspect"
             )
             sizes[ref] = int(proc.stdout.strip())
-    return ImageSet(refs.base, refs.pause, refs.server, refs.operator, timings, sizes)
+    return ImageSet(refs.base, refs.pause, refs.server, refs.operator, refs.client, timings, sizes)
 
 
 # -- loading into containerd -----------------------------------------------------------------
@@ -829,24 +851,34 @@ def _pipe(save_argv: list[str], import_argv: list[str], env: Mapping[str, str]) 
             )
 
 
-def load_images(socket: Path, images: ImageSet, docker: Docker | None = None) -> list[str]:
+def load_images(
+    socket: Path,
+    images: ImageSet,
+    docker: Docker | None = None,
+    *,
+    store: Path | None = None,
+) -> list[str]:
     """Import the node's images into containerd's k8s.io namespace; returns those imported.
 
     An image is skipped when this containerd already lists it and the stamp says the same
-    docker image ID was imported. Starts the private dockerd unless given a client.
+    docker image ID was imported. ``store`` is containerd's root directory when it outlives
+    the socket (the e2e node keeps it in the cache): the stamp follows the store, so a new
+    cluster over the same store imports nothing. The missing images go in one `docker save`
+    stream, so the layers the e2e client shares with the server cross once. Starts the
+    private dockerd unless given a client.
     """
     if not socket.is_socket():
         raise ImageError(f"{socket} is not a containerd socket")
     if docker is None:
         with _locked(cache_root() / "docker.lock"), private_dockerd() as own:
-            return load_images(socket, images, own)
-    stamp = _loaded_stamp(socket)
+            return load_images(socket, images, own, store=store)
+    stamp = _loaded_stamp(store or socket)
     try:
         recorded: dict[str, Any] = json.loads(stamp.read_text()) if stamp.is_file() else {}
     except ValueError:
         recorded = {}
     present = containerd_images(socket)
-    imported: list[str] = []
+    wanted: dict[str, str] = {}
     for ref in images.for_node():
         image_id = docker.image_id(ref)
         if image_id is None:
@@ -854,18 +886,21 @@ def load_images(socket: Path, images: ImageSet, docker: Docker | None = None) ->
         if ref in present and recorded.get(ref) == image_id:
             log.info("[images] %s already in %s (%s)", ref, socket, image_id[:19])
             continue
-        started = time.monotonic()
-        _pipe(
-            docker.argv("save", ref),
-            [_ctr(), "-a", str(socket), "-n", CONTAINERD_NAMESPACE, "images", "import", "-"],
-            docker.env,
-        )
-        recorded[ref] = image_id
-        stamp.parent.mkdir(parents=True, exist_ok=True)
-        stamp.write_text(json.dumps(recorded, indent=2, sort_keys=True) + "\n")
-        imported.append(ref)
-        log.info("[images] %s imported into %s in %.1fs", ref, socket, time.monotonic() - started)
-    return imported
+        wanted[ref] = image_id
+    if not wanted:
+        return []
+    started = time.monotonic()
+    _pipe(
+        docker.argv("save", *wanted),
+        [_ctr(), "-a", str(socket), "-n", CONTAINERD_NAMESPACE, "images", "import", "-"],
+        docker.env,
+    )
+    recorded.update(wanted)
+    stamp.parent.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(json.dumps(recorded, indent=2, sort_keys=True) + "\n")
+    seconds = time.monotonic() - started
+    log.info("[images] %s imported into %s in %.1fs", ", ".join(wanted), socket, seconds)
+    return list(wanted)
 
 
 # -- lock files ------------------------------------------------------------------------------
@@ -896,9 +931,16 @@ def write_locks() -> list[Path]:
     """Rewrite images/<image>.lock from the versions installed in this venv."""
     written = []
     for name, path in LOCKS.items():
-        pins = dependency_closure(name)
+        if name == "e2e-client":
+            pins = {"openai": importlib.metadata.version("openai")} | dependency_closure(
+                "", project="openai"
+            )
+            what = "openai"
+        else:
+            pins = dependency_closure(name)
+            what = f"embedding-operator[{name}]"
         header = (
-            f"# Pinned dependencies of embedding-operator[{name}] for the {name} image "
+            f"# Pinned dependencies of {what} for the {name} image "
             "(CPython 3.11, x86_64 Linux).\n"
             "# Generated by `python e2e/images.py lock` from the project venv; the image's "
             "dependency layer is\n"
@@ -912,11 +954,12 @@ def write_locks() -> list[Path]:
 # -- CLI -------------------------------------------------------------------------------------
 
 
-def _socket_from_state(path: Path) -> Path | None:
+def _from_state(path: Path, key: str) -> Path | None:
+    """A path a running cluster's state.json records (`make cluster-up` writes it)."""
     if not path.is_file():
         return None
     state = json.loads(path.read_text())
-    value = state.get("containerd_socket") if isinstance(state, dict) else None
+    value = state.get(key) if isinstance(state, dict) else None
     return Path(value) if value else None
 
 
@@ -944,13 +987,15 @@ def main(argv: list[str] | None = None) -> int:
             for ref, size in images.sizes.items():
                 print(f"{ref:56} {size / 1e6:7.0f} MB")
         elif args.command == "load":
-            socket = args.containerd_socket or _socket_from_state(args.cluster_state)
+            state = args.cluster_state
+            socket = args.containerd_socket or _from_state(state, "containerd_socket")
             if socket is None:
                 log.info(
                     "[images] %s names no containerd_socket: nothing to load", args.cluster_state
                 )
                 return 0
-            imported = load_images(socket, image_refs())
+            store = _from_state(state, "node_images") if state else None
+            imported = load_images(socket, image_refs(), store=store)
             print(f"imported {len(imported)} image(s) into {socket}: {' '.join(imported)}")
         else:
             for path in write_locks():

@@ -388,3 +388,23 @@ def test_chart_starts_the_operator_images_command(values: dict[str, Any]) -> Non
     assert 'args: ["run"]' in template
     assert "command:" not in template, "the chart must use the image's ENTRYPOINT"
     assert last(parse_dockerfile(OPERATOR_DOCKERFILE), "CMD").exec_form() == ["run"]
+
+
+def test_e2e_client_image_is_the_server_image_plus_openai(images_module: Any) -> None:
+    """The e2e client pods run the official openai client at the version the tests pin, on
+    top of the server image, and not as root."""
+    from packaging.requirements import Requirement
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    wanted = next(
+        Requirement(r)
+        for r in pyproject["project"]["optional-dependencies"]["test"]
+        if Requirement(r).name == "openai"
+    )
+    pins = images_module.read_lock(images_module.LOCKS["e2e-client"])
+    assert wanted.specifier.contains(pins["openai"]), pins["openai"]
+    instructions = parse_dockerfile(images_module.CLIENT_DOCKERFILE)
+    assert last(instructions, "FROM").value == "${SERVER_IMAGE}"
+    assert last(instructions, "USER").value == "1000:1000"
+    refs = images_module.image_refs()
+    assert refs.client.split(":")[-1] == refs.server.split(":")[-1]
