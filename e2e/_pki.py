@@ -19,11 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from _proc import ClusterError
+from node import NODE_IP, NODE_NAME
 
 CERT_DAYS = 7
-SERVICE_IP = "10.0.0.1"  # first address of --service-cluster-ip-range: the `kubernetes` Service
+SERVICE_IP = "198.19.0.1"  # first address of --service-cluster-ip-range: the `kubernetes` Service
 APISERVER_SANS = (
     "IP:127.0.0.1",
+    f"IP:{NODE_IP}",
     f"IP:{SERVICE_IP}",
     "DNS:localhost",
     "DNS:kubernetes",
@@ -32,6 +34,7 @@ APISERVER_SANS = (
     "DNS:kubernetes.default.svc.cluster.local",
 )
 LOCAL_SANS = ("IP:127.0.0.1", "DNS:localhost")
+NODE_SANS = (f"IP:{NODE_IP}", "IP:127.0.0.1", "DNS:localhost")
 FRONT_PROXY_CLIENT = "front-proxy-client"
 
 
@@ -56,6 +59,13 @@ class Pki:
     # component logs errors about the missing requestheader CA, and no APIService could work.
     front_proxy_ca: KeyPair
     front_proxy_client: KeyPair
+    # The real node: the kubelet's identity (Node authorizer), kube-proxy's (bootstrap RBAC's
+    # system:node-proxier), the apiserver's client cert for the kubelet API, and the serving
+    # cert of prometheus-adapter, which listens on the node IP behind an APIService.
+    node: KeyPair
+    kube_proxy: KeyPair
+    apiserver_kubelet_client: KeyPair
+    adapter_serving: KeyPair
 
 
 def _openssl(*args: str) -> None:
@@ -170,6 +180,15 @@ def create_pki(directory: Path) -> Pki:
         front_proxy_client=_client(
             directory, "front-proxy-client", front_proxy_ca, f"/CN={FRONT_PROXY_CLIENT}"
         ),
+        node=_client(directory, "node", ca, f"/O=system:nodes/CN=system:node:{NODE_NAME}"),
+        kube_proxy=_client(directory, "kube-proxy", ca, "/CN=system:kube-proxy"),
+        apiserver_kubelet_client=_client(
+            directory,
+            "apiserver-kubelet-client",
+            ca,
+            "/O=system:masters/CN=kube-apiserver-kubelet-client",
+        ),
+        adapter_serving=_server(directory, "adapter-serving", ca, "prometheus-adapter", NODE_SANS),
         service_account_key=sa_key,
         service_account_pub=sa_pub,
     )

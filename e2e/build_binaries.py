@@ -84,12 +84,22 @@ def _cni_ldflags(version: str) -> list[str]:
     return ["-s", "-w", f"-X {CNI_MODULE}/pkg/utils/buildversion.BuildVersion={version}"]
 
 
+def _prometheus_ldflags(version: str) -> list[str]:
+    # The Go module's v0.X.Y is Prometheus 2.X.Y (3.(X-300).Y from v0.300.0 on), as its
+    # release process tags both.
+    minor, patch = (int(part) for part in version.removeprefix("v0.").split(".")[:2])
+    release = f"3.{minor - 300}.{patch}" if minor >= 300 else f"2.{minor}.{patch}"
+    return ["-s", "-w", f"-X github.com/prometheus/common/version.Version={release}"]
+
+
 def _adapter_ldflags(version: str) -> list[str]:
     # prometheus-adapter reports component-base's version, like the Kubernetes commands.
     return ["-s", "-w", f"-X k8s.io/component-base/version.gitVersion={version}"]
 
 
 CNI_MODULE = "github.com/containernetworking/plugins"
+# In place of a version argv: check the module version recorded in the binary's build info.
+BUILD_INFO: tuple[str, ...] = ("<go version -m>",)
 
 
 @dataclass(frozen=True)
@@ -156,10 +166,7 @@ COMPONENTS: tuple[Component, ...] = (
         name="cni",
         version_key="CNI_PLUGINS_VERSION",
         module=CNI_MODULE,
-        binaries={
-            name: (name, ())
-            for name in ("bridge", "host-local", "loopback", "portmap")
-        },
+        binaries={name: (name, ()) for name in ("bridge", "host-local", "loopback", "portmap")},
         ldflags=_cni_ldflags,
     ),
     Component(
@@ -169,11 +176,20 @@ COMPONENTS: tuple[Component, ...] = (
         binaries={"coredns": ("coredns", ("-version",))},
         ldflags=_plain_ldflags,
     ),
+    # Debian's prometheus package is built without Kubernetes service discovery.
+    Component(
+        name="prometheus",
+        version_key="PROMETHEUS_VERSION",
+        module="github.com/prometheus/prometheus",
+        binaries={"prometheus": ("prometheus", BUILD_INFO)},
+        ldflags=_prometheus_ldflags,
+    ),
     Component(
         name="prometheus-adapter",
         version_key="PROMETHEUS_ADAPTER_VERSION",
         module="sigs.k8s.io/prometheus-adapter",
-        binaries={"prometheus-adapter": ("adapter", ("--version",))},
+        # It has no --version flag: its build info names the module version instead.
+        binaries={"prometheus-adapter": ("adapter", BUILD_INFO)},
         ldflags=_adapter_ldflags,
     ),
 )
@@ -193,6 +209,7 @@ class Binaries:
     kubelet: Path
     kube_proxy: Path
     coredns: Path
+    prometheus: Path
     prometheus_adapter: Path
     cni_bin_dir: Path
 
@@ -324,6 +341,14 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def _check_build_info(binary: Path, module: str, version: str) -> str:
+    proc = _go(["version", "-m", str(binary)], binary.parent, timeout=VERSION_CHECK_TIMEOUT_S)
+    wanted = f"{module}\t{version}"
+    if proc.returncode != 0 or wanted not in proc.stdout:
+        raise BuildError(f"{binary.name}'s build info does not name {module} {version}")
+    return f"{module} {version} (build info)"
+
+
 def _check_version(binary: Path, argv: tuple[str, ...], version: str) -> str:
     try:
         proc = subprocess.run(
@@ -342,6 +367,21 @@ def _check_version(binary: Path, argv: tuple[str, ...], version: str) -> str:
             f"rc={proc.returncode}: {output[:500]}"
         )
     return output.splitlines()[0]
+
+
+def _check_outputs(component: Component, version: str, staging: Path) -> None:
+    """Every binary is there, renamed to its output name, and reports the pinned version."""
+    for out_name, (built_name, version_argv) in component.binaries.items():
+        built = staging / built_name
+        if not built.is_file():
+            raise BuildError(f"go build of {component.name} produced no {built_name}")
+        if built_name != out_name:
+            built.rename(staging / out_name)
+        if version_argv == BUILD_INFO:
+            reported = _check_build_info(staging / out_name, component.module, version)
+        else:
+            reported = _check_version(staging / out_name, version_argv, version)
+        log.info("[build]   %s: %s", out_name, reported)
 
 
 def _build(component: Component, version: str, out_dir: Path, digest: str) -> None:
@@ -375,15 +415,11 @@ def _build(component: Component, version: str, out_dir: Path, digest: str) -> No
             f"go build of {component.name} {version} failed after {seconds:.0f}s:\n"
             f"{proc.stderr[-4000:]}"
         )
-    for out_name, (built_name, version_argv) in component.binaries.items():
-        built = staging / built_name
-        if not built.is_file():
-            shutil.rmtree(staging, ignore_errors=True)
-            raise BuildError(f"go build of {component.name} produced no {built_name}")
-        if built_name != out_name:
-            built.rename(staging / out_name)
-        reported = _check_version(staging / out_name, version_argv, version)
-        log.info("[build]   %s: %s", out_name, reported)
+    try:
+        _check_outputs(component, version, staging)
+    except BuildError:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     (staging / STAMP_NAME).write_text(
         json.dumps(
             {

@@ -36,21 +36,27 @@ import os
 import shutil
 import socket
 import ssl
+import struct
 import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import node
 import yaml
-from _pki import FRONT_PROXY_CLIENT, Pki, create_pki
+from _pki import FRONT_PROXY_CLIENT, SERVICE_IP, Pki, create_pki
 from _proc import ClusterError, Process, poll_until
 from build_binaries import Binaries, BuildError, ensure_binaries
+from host_packages import HostPackageError, ensure_packages
+
+from images import ImageError, build_images, load_images
 
 __all__ = ["Binaries", "BuildError", "Cluster", "ClusterError", "Timeouts", "poll_until"]
 
@@ -62,14 +68,21 @@ DEFAULT_CRD_DIR = REPO_ROOT / "crds"
 DEFAULT_NODES_FILE = E2E_DIR / "nodes.yaml"
 CLI_WORKDIR = REPO_ROOT / ".cluster"
 STATE_FILE = "state.json"
-SERVICE_CIDR = "10.0.0.0/24"
-POD_CIDR = "10.244.0.1/16"
+SERVICE_CIDR = node.SERVICE_CIDR
+# kwok's fake pods get addresses no packet is ever sent to (the node's guard drops them).
+FAKE_POD_CIDR = "198.18.128.1/17"
+FAKE_NODE_IP = "198.18.0.2"
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
-# Only used when the host has no default route: the apiserver refuses to start without a
-# non-loopback advertise address, and with the endpoint reconciler off nothing dials it.
-FALLBACK_ADVERTISE_ADDRESS = "198.18.0.1"
 FAKE_NODE_ANNOTATION = "kwok.x-k8s.io/node=fake"
 NOT_READY_TAINT = "node.kubernetes.io/not-ready"
+# The e2e session taints the real node so the kwok-era tests never start real pods there;
+# the real-node tests tolerate it (a GPU profile and the chart's operator tolerations).
+REAL_NODE_TAINT_KEY = "e2e.embedding-operator.dev/real-node"
+REAL_NODE_TAINT = f"{REAL_NODE_TAINT_KEY}=true:NoSchedule"
+ADAPTER_SERVICE = "prometheus-adapter"
+ADAPTER_NAMESPACE = "kube-system"
+ADAPTER_API_SERVICE = "v1beta1.custom.metrics.k8s.io"
+CHART_DIR = REPO_ROOT / "charts" / "embedding-operator"
 
 
 @dataclass(frozen=True)
@@ -84,6 +97,11 @@ class Timeouts:
     nodes: float = 90
     service_account: float = 60
     command: float = 120
+    containerd: float = 60
+    real_node: float = 180
+    dns: float = 60
+    prometheus: float = 60
+    adapter: float = 120
 
 
 @dataclass(frozen=True)
@@ -94,6 +112,13 @@ class Ports:
     controller_manager: int
     scheduler: int
     kwok: int
+    kubelet: int
+    kubelet_healthz: int
+    proxy_healthz: int
+    proxy_metrics: int
+    coredns_health: int
+    prometheus: int
+    adapter: int
 
     @classmethod
     def pick_free(cls) -> Ports:
@@ -105,15 +130,6 @@ class Ports:
                 sock.bind(("127.0.0.1", 0))
                 ports.append(sock.getsockname()[1])
         return cls(*ports)
-
-
-def _has_default_route() -> bool:
-    """True when the kernel has an IPv4 default route (the apiserver derives its address)."""
-    try:
-        lines = Path("/proc/net/route").read_text().splitlines()[1:]
-    except OSError:
-        return False
-    return any(line.split()[1] == "00000000" for line in lines if len(line.split()) > 1)
 
 
 def _b64(path: Path) -> str:
@@ -156,10 +172,14 @@ def _cert_user(cert: Path, key: Path) -> dict[str, str]:
 
 
 class Cluster:
-    """etcd + kube-apiserver + kube-controller-manager + kube-scheduler + kwok, on 127.0.0.1.
+    """etcd + kube-apiserver + kube-controller-manager + kube-scheduler + kwok's fake GPU
+    nodes + one real node (see ``node.py``) + Prometheus and prometheus-adapter.
 
     Use as a context manager, or call ``start()`` / ``stop()``. ``detached=True`` leaves the
     processes running after this Python process exits (see ``stop_detached``).
+    ``fake_nodes`` picks which nodes of ``nodes.yaml`` to create (default: all);
+    ``node_taints`` are registered on the real node; ``image_loader`` is called with the
+    containerd socket before the kubelet starts, to import the images pods will run.
     """
 
     def __init__(
@@ -172,6 +192,9 @@ class Cluster:
         detached: bool = False,
         hpa_sync_period: str = "5s",
         timeouts: Timeouts | None = None,
+        fake_nodes: Collection[str] | None = None,
+        node_taints: Sequence[str] = (),
+        image_loader: Callable[[Path], None] | None = None,
     ) -> None:
         self.binaries = binaries
         self.workdir = workdir.resolve()
@@ -181,7 +204,18 @@ class Cluster:
         self.hpa_sync_period = hpa_sync_period
         self.timeouts = timeouts or Timeouts()
         self.ports = Ports.pick_free()
-        self.server = f"https://127.0.0.1:{self.ports.apiserver}"
+        self.server = f"https://{node.NODE_IP}:{self.ports.apiserver}"
+        self.fake_nodes = fake_nodes
+        self.node_taints = tuple(node_taints)
+        self.image_loader = image_loader
+        self.node_paths = node.NodePaths(
+            state=self.workdir / "node", images=node.containerd_store()
+        )
+        self._network_restore: dict[str, Any] = {}
+        # What existed before this cluster: stop() removes only what it added.
+        self._netns_before = node.pod_netns_names()
+        self._host_paths_before = node.existing_host_paths()
+        self._chains_before = node.kube_chains()
         self.kubeconfig = self.workdir / "kubeconfig"
         self.log_dir = self.workdir / "logs"
         self.processes: list[Process] = []
@@ -319,6 +353,8 @@ class Cluster:
             self._start_controller_manager()
             self._start_scheduler()
             self._start_nodes()
+            self._start_real_node()
+            self._start_metrics_pipeline()
             self.wait_for_service_account("default", "default")
         except BaseException:
             log.error("[cluster] start failed; stopping what was started (logs: %s)", self.log_dir)
@@ -329,13 +365,16 @@ class Cluster:
         return self
 
     def stop(self) -> None:
-        """Stop every component in reverse start order; drop etcd's data (logs stay)."""
-        errors: list[str] = []
-        for process in reversed(self.processes):
-            try:
-                process.stop()
-            except ClusterError as exc:
-                errors.append(str(exc))
+        """Stop every component in reverse start order, remove the containers, mounts, network
+        namespaces, bridges and iptables rules the node made; drop etcd's data (logs stay)."""
+        errors = stop_processes(self.processes, self.node_paths, self.binaries.kube_proxy)
+        errors += node_cleanup(
+            self.node_paths,
+            self._network_restore,
+            self._netns_before,
+            self._host_paths_before,
+            self._chains_before,
+        )
         self.processes.clear()
         shutil.rmtree(self.workdir / "etcd", ignore_errors=True)
         (self.workdir / STATE_FILE).unlink(missing_ok=True)
@@ -439,14 +478,26 @@ class Cluster:
             "kubeconfig": str(self.kubeconfig),
             "bin_dirs": [str(d) for d in self.binaries.bin_dirs()],
             "processes": [p.to_json() for p in self.processes],
+            "containerd_socket": str(self.node_paths.containerd_socket),
+            "node_state": str(self.node_paths.state),
+            "node_images": str(self.node_paths.images),
+            "kube_proxy": str(self.binaries.kube_proxy),
+            "network_restore": self._network_restore,
+            "netns_before": sorted(self._netns_before),
+            "host_paths_before": self._host_paths_before,
+            "chains_before": self._chains_before,
         }
         (self.workdir / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
 
     def _prepare(self) -> None:
-        for binary in vars(self.binaries).values():
-            if not os.access(binary, os.X_OK):
+        for field_name, binary in vars(self.binaries).items():
+            if field_name != "cni_bin_dir" and not os.access(binary, os.X_OK):
                 raise ClusterError(f"missing binary {binary}; run `python e2e/build_binaries.py`")
+        node.require_root()
+        ensure_packages(node.NODE_PACKAGES)
         self.workdir.mkdir(parents=True, exist_ok=True)
+        # The node's address must exist before the apiserver binds to it.
+        self._network_restore = node.network_up()
         self._pki = create_pki(self.workdir / "pki")
         pki = self._pki
         _write_kubeconfig(
@@ -456,6 +507,8 @@ class Cluster:
         for name, pair in (
             ("controller-manager", pki.controller_manager),
             ("scheduler", pki.scheduler),
+            ("kubelet", pki.node),
+            ("kube-proxy", pki.kube_proxy),
         ):
             _write_kubeconfig(
                 self._component_kubeconfig(name),
@@ -496,12 +549,18 @@ class Cluster:
         argv = [
             str(self.binaries.kube_apiserver),
             f"--etcd-servers=http://127.0.0.1:{self.ports.etcd_client}",
-            "--bind-address=127.0.0.1",
+            # On the node IP: pods reach it through the `kubernetes` Service, the host locally.
+            f"--bind-address={node.NODE_IP}",
+            f"--advertise-address={node.NODE_IP}",
             f"--secure-port={self.ports.apiserver}",
             f"--tls-cert-file={pki.apiserver.cert}",
             f"--tls-private-key-file={pki.apiserver.key}",
             f"--client-ca-file={pki.ca.cert}",
-            "--authorization-mode=RBAC",
+            "--authorization-mode=Node,RBAC",
+            "--enable-admission-plugins=NodeRestriction,ExtendedResourceToleration",
+            "--kubelet-preferred-address-types=InternalIP",
+            f"--kubelet-client-certificate={pki.apiserver_kubelet_client.cert}",
+            f"--kubelet-client-key={pki.apiserver_kubelet_client.key}",
             f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
             f"--service-account-key-file={pki.service_account_pub}",
             f"--service-account-signing-key-file={pki.service_account_key}",
@@ -516,15 +575,6 @@ class Cluster:
             f"--proxy-client-cert-file={pki.front_proxy_client.cert}",
             f"--proxy-client-key-file={pki.front_proxy_client.key}",
         ]
-        if not _has_default_route():
-            log.info(
-                "[cluster] no default route: advertising %s with the endpoint reconciler off",
-                FALLBACK_ADVERTISE_ADDRESS,
-            )
-            argv += [
-                f"--advertise-address={FALLBACK_ADVERTISE_ADDRESS}",
-                "--endpoint-reconciler-type=none",
-            ]
         process = self._spawn("kube-apiserver", argv)
         context = self._ssl_context(client_cert=True)
         self._wait_ready(
@@ -617,30 +667,37 @@ class Cluster:
         )
         self._wait_healthz(process, port, self.timeouts.scheduler)
 
-    def _expected_nodes(self) -> list[str]:
+    def _fake_node_documents(self) -> list[dict[str, Any]]:
         if self.nodes_file is None:
             return []
         docs = yaml.safe_load_all(self.nodes_file.read_text())
-        return [d["metadata"]["name"] for d in docs if d and d.get("kind") == "Node"]
+        nodes = [d for d in docs if d and d.get("kind") == "Node"]
+        if self.fake_nodes is not None:
+            nodes = [d for d in nodes if d["metadata"]["name"] in self.fake_nodes]
+        return nodes
+
+    def _expected_nodes(self) -> list[str]:
+        return [d["metadata"]["name"] for d in self._fake_node_documents()]
 
     def _nodes_ready(self, expected: Iterable[str]) -> bool:
         listing = self._api_get("/api/v1/nodes")
         if listing is None:
             return False
         ready = set()
-        for node in listing["items"]:
-            conditions = node.get("status", {}).get("conditions") or []
-            taints = node.get("spec", {}).get("taints") or []
+        for item in listing["items"]:
+            conditions = item.get("status", {}).get("conditions") or []
+            taints = item.get("spec", {}).get("taints") or []
             if any(c["type"] == "Ready" and c["status"] == "True" for c in conditions) and not any(
                 t["key"] == NOT_READY_TAINT for t in taints
             ):
-                ready.add(node["metadata"]["name"])
+                ready.add(item["metadata"]["name"])
         return set(expected) <= ready
 
     def _start_nodes(self) -> None:
         expected = self._expected_nodes()
-        if self.nodes_file is not None:
-            self.kubectl("apply", "-f", str(self.nodes_file))
+        documents = self._fake_node_documents()
+        if documents:
+            self.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(documents))
         process = self._spawn(
             "kwok",
             [
@@ -648,16 +705,334 @@ class Cluster:
                 f"--kubeconfig={self.kubeconfig}",
                 "--manage-all-nodes=false",
                 f"--manage-nodes-with-annotation-selector={FAKE_NODE_ANNOTATION}",
-                f"--cidr={POD_CIDR}",
-                "--node-ip=10.240.0.1",
+                f"--cidr={FAKE_POD_CIDR}",
+                f"--node-ip={FAKE_NODE_IP}",
                 "--node-lease-duration-seconds=40",
                 f"--server-address=127.0.0.1:{self.ports.kwok}",
             ],
         )
         self._wait_ready(process, lambda: self._nodes_ready(expected), self.timeouts.nodes)
 
+    # -- the real node ---------------------------------------------------------------------
 
-# -- detached clusters (the CLI) ------------------------------------------------------------
+    def _start_real_node(self) -> None:
+        """containerd, then the images, kube-proxy, CoreDNS and the kubelet; ready when the
+        node is Ready and CoreDNS answers for the `kubernetes` Service."""
+        paths = self.node_paths
+        resolv_conf = paths.state / "resolv.conf"
+        node.write_node_files(paths, cni_bin_dir=self.binaries.cni_bin_dir, resolv_conf=resolv_conf)
+        containerd = self._spawn(
+            "containerd", [node.which("containerd"), "--config", str(paths.containerd_config)]
+        )
+        self._wait_ready(
+            containerd,
+            lambda: (
+                paths.containerd_socket.exists()
+                and subprocess.run(
+                    ["ctr", "--address", str(paths.containerd_socket), "version"],
+                    capture_output=True,
+                    timeout=10,
+                    check=False,
+                ).returncode
+                == 0
+            ),
+            self.timeouts.containerd,
+        )
+        if self.image_loader is not None:
+            t0 = time.monotonic()
+            self.image_loader(paths.containerd_socket)
+            log.info("[cluster] images loaded into containerd (%.1fs)", time.monotonic() - t0)
+
+        proxy_config = node.write_yaml(
+            paths.state / "kube-proxy.yaml",
+            node.kube_proxy_config(
+                self._component_kubeconfig("kube-proxy"),
+                healthz_port=self.ports.proxy_healthz,
+                metrics_port=self.ports.proxy_metrics,
+            ),
+        )
+        # Its healthz turns 200 only once it has synced for its Node: waited for below.
+        proxy = self._spawn(
+            "kube-proxy", [str(self.binaries.kube_proxy), f"--config={proxy_config}"]
+        )
+
+        corefile = paths.state / "Corefile"
+        corefile.write_text(node.corefile(self.kubeconfig, health_port=self.ports.coredns_health))
+        coredns = self._spawn(
+            "coredns", [str(self.binaries.coredns), "-conf", str(corefile), "-dns.port", "53"]
+        )
+        self._wait_ready(
+            coredns,
+            lambda: (
+                self._http_get(f"http://127.0.0.1:{self.ports.coredns_health}/health", None)
+                is not None
+            ),
+            self.timeouts.dns,
+        )
+
+        kubelet_config = node.write_yaml(
+            paths.state / "kubelet.yaml",
+            node.kubelet_config(
+                paths,
+                self.pki.ca.cert,
+                port=self.ports.kubelet,
+                healthz_port=self.ports.kubelet_healthz,
+                resolv_conf=resolv_conf,
+            ),
+        )
+        argv = [
+            str(self.binaries.kubelet),
+            f"--config={kubelet_config}",
+            f"--kubeconfig={self._component_kubeconfig('kubelet')}",
+            f"--root-dir={paths.kubelet_dir}",
+            f"--cert-dir={paths.kubelet_dir / 'pki'}",
+            f"--volume-plugin-dir={paths.kubelet_dir / 'volume-plugins'}",
+            f"--node-ip={node.NODE_IP}",
+            f"--hostname-override={node.NODE_NAME}",
+            f"--node-labels=node.kubernetes.io/instance-type=real-{os.cpu_count()}cpu",
+        ]
+        if self.node_taints:
+            argv.append(f"--register-with-taints={','.join(self.node_taints)}")
+        kubelet = self._spawn("kubelet", argv)
+        self._wait_ready(
+            kubelet, lambda: self._nodes_ready([node.NODE_NAME]), self.timeouts.real_node
+        )
+        self._wait_ready(
+            proxy,
+            lambda: (
+                self._http_get(f"http://127.0.0.1:{self.ports.proxy_healthz}/healthz", None)
+                is not None
+            ),
+            self.timeouts.real_node,
+        )
+        self._wait_ready(coredns, self._dns_answers, self.timeouts.dns)
+
+    def _dns_answers(self) -> bool:
+        """CoreDNS resolves the `kubernetes` Service (so it has synced with the API)."""
+        name = f"kubernetes.default.svc.{node.CLUSTER_DOMAIN}"
+        return resolve_a(name, node.NODE_IP) == SERVICE_IP
+
+    # -- Prometheus and prometheus-adapter ---------------------------------------------------
+
+    def _start_metrics_pipeline(self) -> None:
+        """Prometheus scrapes the server pods on the real node; prometheus-adapter serves
+        custom.metrics.k8s.io from it with the rules the chart renders; the APIService points
+        the aggregation layer at the adapter on the node IP."""
+        state = self.node_paths.state
+        config_file = node.write_yaml(state / "prometheus.yaml", prometheus_config(self.kubeconfig))
+        prometheus_port = self.ports.prometheus
+        prometheus = self._spawn(
+            "prometheus",
+            [
+                str(self.binaries.prometheus),
+                f"--config.file={config_file}",
+                f"--storage.tsdb.path={state / 'prometheus'}",
+                "--storage.tsdb.retention.time=2h",
+                f"--web.listen-address=127.0.0.1:{prometheus_port}",
+                "--log.level=warn",
+            ],
+        )
+        self._wait_ready(
+            prometheus,
+            lambda: self._http_get(f"http://127.0.0.1:{prometheus_port}/-/ready", None) is not None,
+            self.timeouts.prometheus,
+        )
+        rules = state / "adapter-rules.yaml"
+        rules.write_text(self.chart_adapter_rules())
+        pki = self.pki
+        adapter = self._spawn(
+            "prometheus-adapter",
+            [
+                str(self.binaries.prometheus_adapter),
+                f"--bind-address={node.NODE_IP}",
+                f"--secure-port={self.ports.adapter}",
+                f"--tls-cert-file={pki.adapter_serving.cert}",
+                f"--tls-private-key-file={pki.adapter_serving.key}",
+                f"--lister-kubeconfig={self.kubeconfig}",
+                f"--authentication-kubeconfig={self.kubeconfig}",
+                f"--authorization-kubeconfig={self.kubeconfig}",
+                f"--prometheus-url=http://127.0.0.1:{prometheus_port}/",
+                "--metrics-relist-interval=5s",
+                f"--config={rules}",
+                f"--cert-dir={state / 'adapter-certs'}",
+            ],
+        )
+        self.apply(adapter_api_objects(self.ports.adapter, _b64(pki.ca.cert)))
+        self._wait_ready(adapter, self._custom_metrics_available, self.timeouts.adapter)
+
+    def chart_adapter_rules(self) -> str:
+        """prometheus-adapter's config as the chart renders it (its rules ConfigMap)."""
+        rendered = self.helm(
+            "template",
+            "e2e",
+            str(CHART_DIR),
+            "--show-only",
+            "templates/prometheus-adapter-rules.yaml",
+            "--set",
+            "prometheusAdapter.rulesConfigMap.enabled=true",
+        ).stdout
+        config_map = yaml.safe_load(rendered)
+        config: str = config_map["data"]["config.yaml"]
+        return config
+
+    def _custom_metrics_available(self) -> bool:
+        service = self._api_get(
+            f"/apis/apiregistration.k8s.io/v1/apiservices/{ADAPTER_API_SERVICE}"
+        )
+        conditions = (service or {}).get("status", {}).get("conditions") or []
+        return any(c["type"] == "Available" and c["status"] == "True" for c in conditions)
+
+    def prometheus_query(self, query: str) -> list[dict[str, Any]]:
+        """An instant PromQL query against the cluster's Prometheus; the result vector."""
+        url = f"http://127.0.0.1:{self.ports.prometheus}/api/v1/query?" + urllib.parse.urlencode(
+            {"query": query}
+        )
+        body = self._http_get(url, None)
+        if body is None:
+            return []
+        result: list[dict[str, Any]] = json.loads(body)["data"]["result"]
+        return result
+
+
+def resolve_a(name: str, server: str) -> str | None:
+    """The first A record for ``name`` from the DNS server at ``server`` (the cluster's, which
+    the host's own resolver does not use), or None."""
+    query = struct.pack(">HHHHHH", 0x1234, 0x0100, 1, 0, 0, 0)
+    query += b"".join(bytes([len(part)]) + part.encode() for part in name.split(".")) + b"\0"
+    query += struct.pack(">HH", 1, 1)  # type A, class IN
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.settimeout(3)
+        try:
+            sock.sendto(query, (server, 53))
+            answer = sock.recv(4096)
+        except OSError:
+            return None
+    answers = struct.unpack(">H", answer[6:8])[0]
+    if answer[3] & 0x0F != 0 or answers == 0 or len(answer) < 4:
+        return None
+    return socket.inet_ntoa(answer[-4:])
+
+
+def prometheus_config(kubeconfig: Path) -> dict[str, Any]:
+    """Scrape every pod on the real node that asks to be scraped (the operator's server pods
+    carry the prometheus.io/* annotations), labelled by namespace and pod as the adapter's
+    rules expect."""
+    meta = "__meta_kubernetes_pod_"
+    return {
+        "global": {"scrape_interval": "2s", "scrape_timeout": "2s", "evaluation_interval": "2s"},
+        "scrape_configs": [
+            {
+                "job_name": "embedding-server-pods",
+                "kubernetes_sd_configs": [{"role": "pod", "kubeconfig_file": str(kubeconfig)}],
+                "relabel_configs": [
+                    {
+                        "source_labels": [f"{meta}annotation_prometheus_io_scrape"],
+                        "action": "keep",
+                        "regex": "true",
+                    },
+                    {
+                        "source_labels": [f"{meta}node_name"],
+                        "action": "keep",
+                        "regex": node.NODE_NAME,
+                    },
+                    {
+                        "source_labels": ["__address__", f"{meta}annotation_prometheus_io_port"],
+                        "action": "replace",
+                        "regex": r"([^:]+)(?::\d+)?;(\d+)",
+                        "replacement": "$1:$2",
+                        "target_label": "__address__",
+                    },
+                    {
+                        "source_labels": [f"{meta}annotation_prometheus_io_path"],
+                        "action": "replace",
+                        "regex": "(.+)",
+                        "target_label": "__metrics_path__",
+                    },
+                    {
+                        "source_labels": ["__meta_kubernetes_namespace"],
+                        "target_label": "namespace",
+                    },
+                    {"source_labels": [f"{meta}name"], "target_label": "pod"},
+                ],
+            }
+        ],
+    }
+
+
+def adapter_api_objects(port: int, ca_bundle: str) -> str:
+    """The APIService for custom.metrics.k8s.io, and a selector-less Service whose Endpoints
+    name the adapter on the node IP (the EndpointSlice mirroring controller copies them)."""
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": ADAPTER_SERVICE, "namespace": ADAPTER_NAMESPACE},
+        "spec": {"ports": [{"name": "https", "port": port, "targetPort": port}]},
+    }
+    endpoints = {
+        "apiVersion": "v1",
+        "kind": "Endpoints",
+        "metadata": {"name": ADAPTER_SERVICE, "namespace": ADAPTER_NAMESPACE},
+        "subsets": [
+            {"addresses": [{"ip": node.NODE_IP}], "ports": [{"name": "https", "port": port}]}
+        ],
+    }
+    api_service = {
+        "apiVersion": "apiregistration.k8s.io/v1",
+        "kind": "APIService",
+        "metadata": {"name": ADAPTER_API_SERVICE},
+        "spec": {
+            "service": {"name": ADAPTER_SERVICE, "namespace": ADAPTER_NAMESPACE, "port": port},
+            "group": "custom.metrics.k8s.io",
+            "version": "v1beta1",
+            "caBundle": ca_bundle,
+            "groupPriorityMinimum": 100,
+            "versionPriority": 100,
+        },
+    }
+    return yaml.safe_dump_all([service, endpoints, api_service])
+
+
+def stop_processes(
+    processes: Sequence[Process], paths: node.NodePaths, kube_proxy: Path | None
+) -> list[str]:
+    """Stop the components in reverse start order. Once the kubelet is down and before
+    containerd stops, every container is killed and deleted (nothing else would); after
+    kube-proxy, its iptables chains are removed."""
+    errors: list[str] = []
+    for process in reversed(processes):
+        if process.name == "containerd":
+            node.remove_containers(paths)
+        try:
+            process.stop()
+        except ClusterError as exc:
+            errors.append(str(exc))
+        if process.name == "kube-proxy" and kube_proxy is not None and kube_proxy.exists():
+            try:
+                node.run([str(kube_proxy), "--cleanup"], timeout=60)
+            except ClusterError as exc:
+                errors.append(str(exc))
+    return errors
+
+
+def node_cleanup(
+    paths: node.NodePaths,
+    network_restore: Mapping[str, Any],
+    netns_before: Iterable[str],
+    host_paths_before: Sequence[str],
+    chains_before: Sequence[str],
+) -> list[str]:
+    """Unmount what containerd mounted, delete the pods' network namespaces, the bridges and
+    the guard rules; the problems met (as messages)."""
+    errors: list[str] = []
+    stuck = node.unmount_under(paths.state, paths.images)
+    if stuck:
+        errors.append(f"could not unmount {stuck}")
+    node.remove_netns(node.pod_netns_names() - set(netns_before))
+    errors += node.network_down(dict(network_restore))
+    node.remove_host_paths(host_paths_before)
+    node.remove_kube_chains(chains_before)
+    shutil.rmtree(paths.state, ignore_errors=True)
+    return errors
 
 
 def read_state(workdir: Path) -> dict[str, Any] | None:
@@ -677,12 +1052,21 @@ def stop_detached(workdir: Path) -> int:
     """Stop the processes an earlier ``up`` recorded in ``workdir``; returns how many ran."""
     processes = detached_processes(workdir)
     running = sum(p.alive() for p in processes)
-    errors: list[str] = []
-    for process in reversed(processes):
-        try:
-            process.stop()
-        except ClusterError as exc:
-            errors.append(str(exc))
+    state = read_state(workdir) or {}
+    paths = node.NodePaths(
+        state=Path(state.get("node_state") or workdir / "node"),
+        images=Path(state.get("node_images") or node.containerd_store()),
+    )
+    kube_proxy = state.get("kube_proxy")
+    errors = stop_processes(processes, paths, Path(kube_proxy) if kube_proxy else None)
+    if state:
+        errors += node_cleanup(
+            paths,
+            state.get("network_restore") or {},
+            state.get("netns_before") or [],
+            state.get("host_paths_before", list(node.HOST_PATHS)),
+            state.get("chains_before", node.kube_chains()),
+        )
     if errors:
         raise ClusterError("; ".join(errors))
     for name in ("etcd", "pki", "kubeconfigs", "helm", STATE_FILE, "kubeconfig"):
@@ -699,6 +1083,15 @@ def _export_lines(state: Mapping[str, Any]) -> list[str]:
     return [f'export PATH="{path}"', f"export KUBECONFIG={state['kubeconfig']}"]
 
 
+USER_FAKE_NODES = ("gpu-h100-0", "gpu-l4-0")
+
+
+def _image_loader() -> Callable[[Path], None]:
+    """Build (or take from the cache) the project's images; load them once containerd is up."""
+    images = build_images()
+    return lambda socket_path: load_images(socket_path, images, store=node.containerd_store())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Local Kubernetes control plane for e2e tests.")
     parser.add_argument("command", choices=["up", "down", "env"])
@@ -709,7 +1102,16 @@ def main(argv: list[str] | None = None) -> int:
         help=f"state directory (default: {CLI_WORKDIR})",
     )
     parser.add_argument(
-        "--no-crds", action="store_true", help=f"do not apply the CRDs in {DEFAULT_CRD_DIR}"
+        "--crds",
+        action="store_true",
+        help=f"also apply the CRDs in {DEFAULT_CRD_DIR} (off by default: `helm install` of the "
+        "chart installs them, and refuses a CRD it did not create)",
+    )
+    parser.add_argument(
+        "--no-images",
+        action="store_true",
+        help="do not build and load the project's images into the real node (`make images` "
+        "loads them later)",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
@@ -739,15 +1141,25 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         stop_detached(workdir)  # clear a half-dead earlier cluster
         binaries = ensure_binaries()
-        crd_dir = None if args.no_crds else DEFAULT_CRD_DIR
-        cluster = Cluster(binaries, workdir, crd_dir=crd_dir, detached=True).start()
+        crd_dir = DEFAULT_CRD_DIR if args.crds else None
+        loader = None if args.no_images else _image_loader()
+        cluster = Cluster(
+            binaries,
+            workdir,
+            crd_dir=crd_dir,
+            detached=True,
+            # The GPU nodes are fake; CPU pods go to the real node (no fake CPU node to
+            # compete with it, so `kubectl apply -f examples/minilm-cpu.yaml` really serves).
+            fake_nodes=USER_FAKE_NODES,
+            image_loader=loader,
+        ).start()
         print(
             f"cluster up in {cluster.startup_seconds:.1f}s: {cluster.server}; "
             f"logs in {cluster.log_dir}; stop with `python e2e/cluster.py down`"
         )
         print("\n".join(_export_lines(read_state(workdir) or {})))
         return 0
-    except (BuildError, ClusterError, TimeoutError) as exc:
+    except (BuildError, ClusterError, HostPackageError, ImageError, TimeoutError) as exc:
         print(f"FAILED: {exc}", file=sys.stderr)
         return 1
 

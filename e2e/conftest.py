@@ -16,7 +16,10 @@ from pathlib import Path
 
 import pytest
 from build_binaries import Binaries, ensure_binaries
-from cluster import Cluster
+from cluster import REAL_NODE_TAINT, Cluster
+from node import containerd_store
+
+from images import ImageSet, build_images, load_images
 
 log = logging.getLogger("e2e.conftest")
 
@@ -36,14 +39,30 @@ def e2e_binaries() -> Binaries:
 
 
 @pytest.fixture(scope="session")
-def cluster(e2e_binaries: Binaries, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def e2e_images() -> ImageSet:
+    """The operator, server and pause images, built locally (cold: ~10 min; warm: cached)."""
+    return build_images()
+
+
+@pytest.fixture(scope="session")
+def cluster(
+    e2e_binaries: Binaries, e2e_images: ImageSet, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
     """The running control plane, shared by the whole session.
+
+    Its real node carries ``REAL_NODE_TAINT``, so only the real-node tests, which tolerate it,
+    start real pods there; the other tests' pods land on kwok's fake nodes as before.
 
     While it runs, ``KUBECONFIG`` points at its admin kubeconfig and our kubectl/helm come
     first on ``PATH`` in ``os.environ``, so plain ``subprocess.run(["kubectl", ...])`` and
     libraries that read KUBECONFIG (kopf, the kubernetes client) talk to it.
     """
-    instance = Cluster(e2e_binaries, tmp_path_factory.mktemp("cluster"))
+    instance = Cluster(
+        e2e_binaries,
+        tmp_path_factory.mktemp("cluster"),
+        node_taints=[REAL_NODE_TAINT],
+        image_loader=lambda socket: load_images(socket, e2e_images, store=containerd_store()),
+    )
     with pytest.MonkeyPatch.context() as patch:
         instance.start()
         try:
