@@ -281,6 +281,25 @@ def pods(cluster: Cluster, namespace: str, instance: str) -> list[dict[str, Any]
     return list((listing or {}).get("items") or [])
 
 
+CRD = "customresourcedefinition/embeddingservices.embedding-operator.dev"
+
+
+def adopt_crd(cluster: Cluster, release: str, namespace: str) -> None:
+    """Hand an already-applied CRD (``kubectl apply -f crds/``, as the cluster fixture does) to
+    the release: Helm adopts an existing object carrying its ownership metadata. docs/helm.md
+    gives users the same two commands."""
+    if get_json(cluster, CRD) is None:
+        return
+    cluster.kubectl("label", CRD, "app.kubernetes.io/managed-by=Helm", "--overwrite")
+    cluster.kubectl(
+        "annotate",
+        CRD,
+        f"meta.helm.sh/release-name={release}",
+        f"meta.helm.sh/release-namespace={namespace}",
+        "--overwrite",
+    )
+
+
 # --- fixtures (imported by the e2e/test_operator_*.py modules) -------------------------------
 
 

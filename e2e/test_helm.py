@@ -23,7 +23,14 @@ from typing import Any
 
 import pytest
 import yaml
-from _operator_helpers import free_port, get_json, provide_volume, wait_condition, wait_gone
+from _operator_helpers import (
+    adopt_crd,
+    free_port,
+    get_json,
+    provide_volume,
+    wait_condition,
+    wait_gone,
+)
 from _proc import Process, poll_until
 from cluster import Cluster
 
@@ -53,22 +60,6 @@ def can_i(cluster: Cluster, user: str, *args: str) -> bool:
     answer = result.stdout.strip()
     assert answer in ("yes", "no"), result.stderr
     return answer == "yes"
-
-
-def adopt_crd(cluster: Cluster, release: str, namespace: str) -> None:
-    """Hand an already-applied CRD (``kubectl apply -f crds/``, as the cluster fixture does) to
-    the release: Helm adopts an existing object carrying its ownership metadata. docs/helm.md
-    gives users the same two commands."""
-    if get_json(cluster, CRD) is None:
-        return
-    cluster.kubectl("label", CRD, "app.kubernetes.io/managed-by=Helm", "--overwrite")
-    cluster.kubectl(
-        "annotate",
-        CRD,
-        f"meta.helm.sh/release-name={release}",
-        f"meta.helm.sh/release-namespace={namespace}",
-        "--overwrite",
-    )
 
 
 @pytest.fixture(scope="module")

