@@ -8,7 +8,8 @@ manifest move between clusters (the KubeAI ``resourceProfiles`` idea, with GPU c
 from tensor parallelism instead of written twice).
 
 Built-in profiles follow the NVIDIA GPU feature discovery label ``nvidia.com/gpu.product``. A
-profile file replaces built-ins of the same name and adds new ones::
+profile file adds new profiles and overlays built-ins of the same name field by field (what it
+does not set keeps the built-in's value; ``resourceName: ""`` means no accelerator)::
 
     profiles:
       h100:
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic.alias_generators import to_camel
 
 CPU = "cpu"
@@ -50,6 +51,13 @@ class GpuProfile(BaseModel):
     tolerations: list[dict[str, Any]] = Field(
         default_factory=list, description="Tolerations added to the pods."
     )
+
+    @field_validator("resource_name", mode="before")
+    @classmethod
+    def _empty_means_none(cls, value: object) -> object:
+        # Helm drops null values from values files, so `resourceName: ""` is how a chart
+        # user says "no accelerator".
+        return None if value == "" else value
 
 
 _GPU_TOLERATION: dict[str, Any] = {"key": NVIDIA_GPU, "operator": "Exists", "effect": "NoSchedule"}
@@ -118,7 +126,15 @@ class GpuProfiles:
         merged = dict(BUILTIN_PROFILES)
         for name, raw in document.get("profiles", {}).items():
             try:
-                merged[str(name)] = GpuProfile.model_validate(raw or {})
+                given = GpuProfile.model_validate(raw or {})
+                # A built-in keeps what the overlay does not set: `cpu: {nodeSelector: ...}`
+                # stays a CPU profile instead of asking for a GPU.
+                base = BUILTIN_PROFILES.get(str(name))
+                merged[str(name)] = (
+                    base.model_copy(update={f: getattr(given, f) for f in given.model_fields_set})
+                    if base is not None
+                    else given
+                )
             except ValidationError as exc:
                 raise ProfileConfigError(f"{source}: profile {name!r}: {exc}") from exc
         return cls(merged)

@@ -73,6 +73,24 @@ def test_profile_file_overlays_builtins(tmp_path: Path) -> None:
     assert profiles.resolve("h100-mig").resource_name == "nvidia.com/mig-3g.40gb"
     assert profiles.resolve("l4").node_selector == {"pool": "l4"}
     assert profiles.resolve("h100").resource_name == "nvidia.com/gpu"
+    # Overlaid fields only: l4 keeps its GPU resource and toleration.
+    assert profiles.resolve("l4").resource_name == "nvidia.com/gpu"
+    assert profiles.resolve("l4").tolerations == profiles.resolve("h100").tolerations
+
+
+def test_overlaid_cpu_profile_stays_cpu(tmp_path: Path) -> None:
+    """A dedicated CPU pool (`gpuProfiles.cpu.nodeSelector` in the chart) must not turn the cpu
+    profile into one that asks for a GPU; Helm drops nulls, so "" spells no accelerator."""
+    path = tmp_path / "profiles.yaml"
+    path.write_text(
+        "profiles:\n"
+        "  cpu: {nodeSelector: {pool: cpu}}\n"
+        "  cpu-big: {resourceName: '', nodeSelector: {pool: big}}\n"
+    )
+    profiles = GpuProfiles.load(path)
+    assert profiles.resolve("cpu").resource_name is None
+    assert profiles.resolve("cpu").node_selector == {"pool": "cpu"}
+    assert profiles.resolve("cpu-big").resource_name is None
 
 
 @pytest.mark.parametrize("text", ["profiles: [1]", "profiles:\n  x: {bogus: 1}", "[: bad"])
