@@ -34,7 +34,8 @@ APISERVER_SANS = (
     "DNS:kubernetes.default.svc.cluster.local",
 )
 LOCAL_SANS = ("IP:127.0.0.1", "DNS:localhost")
-NODE_SANS = (f"IP:{NODE_IP}", "IP:127.0.0.1", "DNS:localhost")
+# The aggregation layer dials an APIService by its Service's DNS name and verifies it.
+ADAPTER_SANS = (f"IP:{NODE_IP}", "DNS:prometheus-adapter.kube-system.svc")
 FRONT_PROXY_CLIENT = "front-proxy-client"
 
 
@@ -188,7 +189,9 @@ def create_pki(directory: Path) -> Pki:
             ca,
             "/O=system:masters/CN=kube-apiserver-kubelet-client",
         ),
-        adapter_serving=_server(directory, "adapter-serving", ca, "prometheus-adapter", NODE_SANS),
+        adapter_serving=_server(
+            directory, "adapter-serving", ca, "prometheus-adapter", ADAPTER_SANS
+        ),
         service_account_key=sa_key,
         service_account_pub=sa_pub,
     )

@@ -876,11 +876,9 @@ class Cluster:
         return config
 
     def _custom_metrics_available(self) -> bool:
-        service = self._api_get(
-            f"/apis/apiregistration.k8s.io/v1/apiservices/{ADAPTER_API_SERVICE}"
-        )
-        conditions = (service or {}).get("status", {}).get("conditions") or []
-        return any(c["type"] == "Available" and c["status"] == "True" for c in conditions)
+        """The aggregated API answers discovery through the apiserver (the HPA controller's
+        path), not merely an APIService marked Available."""
+        return self._api_get("/apis/custom.metrics.k8s.io/v1beta1") is not None
 
     def prometheus_query(self, query: str) -> list[dict[str, Any]]:
         """An instant PromQL query against the cluster's Prometheus; the result vector."""
