@@ -13,10 +13,10 @@ PYTEST_ARGS ?=
 # Reinstall only when pyproject.toml changes: the stamp carries its checksum.
 STAMP = $(VENV)/.installed-$(1)-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: help venv install-server install-dev run test lint unit e2e binaries images bench cluster-up cluster-down clean
+.PHONY: help venv install-server install-dev run test lint unit e2e binaries build-images images bench cluster-up cluster-down clean
 
 help: ## List the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,7 +35,9 @@ venv: $(call STAMP,dev) ## Create .venv with everything installed
 run: $(call STAMP,server) ## Serve the packaged all-MiniLM-L6-v2 on http://127.0.0.1:8000
 	$(VENV)/bin/embedding-server serve --host $(HOST) --port $(PORT)
 
-test: $(call STAMP,dev) binaries ## Lint, unit tests, then e2e tests on a real local control plane
+test: $(call STAMP,dev) ## Lint, unit tests, then e2e tests on a real local cluster (needs root)
+	@# The Go builds are CPU-bound, the image builds mostly download and unpack: overlap them.
+	$(MAKE) -j2 --output-sync=line binaries build-images
 	$(MAKE) lint
 	$(MAKE) unit
 	$(MAKE) e2e
@@ -49,11 +51,14 @@ lint: $(call STAMP,dev) ## ruff, mypy and the import contracts
 unit: $(call STAMP,dev) ## Fast tests: no cluster, no network
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
-e2e: $(call STAMP,dev) binaries ## Tests against a real local Kubernetes control plane
+e2e: $(call STAMP,dev) binaries ## Tests against a real local Kubernetes cluster (needs root)
 	$(PY) -m pytest e2e -m e2e $(PYTEST_ARGS)
 
-binaries: $(call STAMP,dev) ## Build (or reuse from ~/.cache) etcd, kube-*, kubectl, kwok and helm
+binaries: $(call STAMP,dev) ## Build (or reuse from ~/.cache) the cluster's Go binaries (e2e/versions.env)
 	$(PY) e2e/build_binaries.py
+
+build-images: $(call STAMP,dev)
+	$(PY) e2e/images.py build
 
 images: $(call STAMP,dev) ## Build the container images from a local Debian base; load them into .cluster/ if up
 	$(PY) e2e/images.py build
@@ -71,7 +76,7 @@ bench: $(call STAMP,dev) binaries $(INFINITY_VENV)/bin/python ## Benchmarks agai
 	$(PY) bench/http_load.py --texts 256 --infinity-python $(INFINITY_VENV)/bin/python
 	$(PY) bench/operator.py
 
-cluster-up: $(call STAMP,dev) binaries ## Start the local control plane; prints the KUBECONFIG export
+cluster-up: $(call STAMP,dev) binaries ## Start the local cluster (a real node, fake GPU nodes, images loaded); prints the exports
 	@$(PY) e2e/cluster.py up
 
 cluster-down: ## Stop the local control plane

@@ -480,6 +480,10 @@ def test_rollout_under_load_loses_no_request(
             what="the rollout to replace the server pod",
             interval=1.0,
         )
+        stream = get_json(cluster, "pod", "stream", "-n", namespace) or {}
+        assert stream.get("status", {}).get("phase") == "Running", (
+            "the stream ended before the rollout did: it proved nothing about the rollout"
+        )
         summary = client_output(cluster, namespace, "stream", timeout=CLIENT_TIMEOUT_S)
     assert summary["failures"] == [], summary
     assert summary["ok"] > 0, summary
