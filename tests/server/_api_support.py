@@ -93,18 +93,19 @@ class RunningServer:
         """Current value of one sample, read in-process (does not count as a request)."""
         return self.metrics.registry.get_sample_value(name, labels or {}) or 0.0
 
-    def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
+    def metric(self, name: str, labels: dict[str, str] | None = None) -> float | None:
         """Current value of one sample, read through GET /metrics like a scraper would."""
         return scrape(self.url, name, labels)
 
 
-def scrape(url: str, name: str, labels: dict[str, str] | None = None) -> float:
+def scrape(url: str, name: str, labels: dict[str, str] | None = None) -> float | None:
     text = httpx.get(url + "/metrics", timeout=5).text
     return sample(text, name, labels)
 
 
-def sample(text: str, name: str, labels: dict[str, str] | None = None) -> float:
-    """The value of sample ``name{labels}`` in a Prometheus exposition (0 when absent)."""
+def sample(text: str, name: str, labels: dict[str, str] | None = None) -> float | None:
+    """The value of sample ``name{labels}`` in a Prometheus exposition; None when absent, so
+    ``== 0`` tells a zero gauge from a metric that is not exported at all."""
     for line in text.splitlines():
         if not line.startswith(name):
             continue
@@ -114,7 +115,7 @@ def sample(text: str, name: str, labels: dict[str, str] | None = None) -> float:
         found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
         if labels is None or all(found.get(k) == v for k, v in labels.items()):
             return float(match.group(3))
-    return 0.0
+    return None
 
 
 @contextlib.contextmanager
