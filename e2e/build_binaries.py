@@ -330,8 +330,9 @@ def _cached(out_dir: Path, component: Component, digest: str) -> bool:
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """Serialise builders of one component (parallel pytest sessions, CI jobs on one host)."""
+def locked(path: Path) -> Iterator[None]:
+    """An exclusive lock file: one builder of a thing at a time (parallel pytest sessions, CI
+    jobs on one host, a Go build beside an image build)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
@@ -452,7 +453,7 @@ def ensure_component(component: Component, versions: dict[str, str] | None = Non
     if _cached(out_dir, component, digest):
         log.info("[build] %s %s: cached in %s", component.name, version, out_dir)
         return out_dir
-    with _locked(out_dir.with_name(f"{out_dir.name}.lock")):
+    with locked(out_dir.with_name(f"{out_dir.name}.lock")):
         if _cached(out_dir, component, digest):  # another process built it while we waited
             return out_dir
         _build(component, version, out_dir, digest)

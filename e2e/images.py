@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import hashlib
 import importlib.metadata
 import json
@@ -61,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from build_binaries import cache_root
+from build_binaries import cache_root, locked
 from host_packages import IMAGE_PACKAGES, HostPackageError, ensure_packages
 from packaging.markers import Marker
 from packaging.requirements import Requirement
@@ -176,18 +175,6 @@ def _first_executable(candidates: Sequence[str], name: str) -> str:
     if found is None:
         raise ImageError(f"{name} not found (tried {', '.join(candidates)} and PATH)")
     return found
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """One builder per cache dir at a time (one private dockerd per data root)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager
@@ -758,7 +745,7 @@ def build_images(*, server: bool = True, variant: str = "cpu") -> ImageSet:
     refs = image_refs()
     timings: dict[str, float] = {}
     wheel_dir = cache_root() / "wheels"
-    with _locked(cache_root() / "docker.lock"), private_dockerd() as docker:
+    with locked(cache_root() / "docker.lock"), private_dockerd() as docker:
         ensure_base_image(docker, timings)
         base_arg = {"BASE_IMAGE": BASE_IMAGE}
         with _timed(timings, "pause"):
@@ -870,7 +857,7 @@ def load_images(
     if not socket.is_socket():
         raise ImageError(f"{socket} is not a containerd socket")
     if docker is None:
-        with _locked(cache_root() / "docker.lock"), private_dockerd() as own:
+        with locked(cache_root() / "docker.lock"), private_dockerd() as own:
             return load_images(socket, images, own, store=store)
     stamp = _loaded_stamp(store or socket)
     try:

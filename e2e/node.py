@@ -143,6 +143,17 @@ def _comment(rule: list[str]) -> list[str]:
     return [*rule, "-m", "comment", "--comment", GUARD_COMMENT]
 
 
+def _iptables(table: str, action: str, chain: str, rule: list[str]) -> bool:
+    """Check (-C) or delete (-D) one of our rules; whether iptables succeeded."""
+    proc = subprocess.run(
+        ["iptables", "-w", "-t", table, action, chain, *_comment(rule)],
+        capture_output=True,
+        timeout=COMMAND_TIMEOUT_S,
+        check=False,
+    )
+    return proc.returncode == 0
+
+
 def _listening_on_node_ip() -> bool:
     """True when some process listens on ``NODE_IP`` (a running cluster's apiserver or DNS)."""
     hex_ip = "".join(f"{int(octet):02X}" for octet in reversed(NODE_IP.split(".")))
@@ -185,16 +196,7 @@ def network_up() -> dict[str, Any]:
         run(["ip", "addr", "add", f"{NODE_IP}/32", "dev", NODE_BRIDGE])
     run(["ip", "link", "set", NODE_BRIDGE, "up"])
     for table, chain, rule in _guard_rules():
-        exists = (
-            subprocess.run(
-                ["iptables", "-w", "-t", table, "-C", chain, *_comment(rule)],
-                capture_output=True,
-                timeout=COMMAND_TIMEOUT_S,
-                check=False,
-            ).returncode
-            == 0
-        )
-        if not exists:
+        if not _iptables(table, "-C", chain, rule):
             run(["iptables", "-w", "-t", table, "-I", chain, "1", *_comment(rule)])
     forward = Path("/proc/sys/net/ipv4/ip_forward")
     previous = forward.read_text().strip()
@@ -269,15 +271,7 @@ def network_down(restore: dict[str, Any] | None = None) -> list[str]:
     problems: list[str] = []
     for table, chain, rule in _guard_rules():
         for _ in range(5):  # a rule added twice (an interrupted run) is deleted twice
-            if (
-                subprocess.run(
-                    ["iptables", "-w", "-t", table, "-D", chain, *_comment(rule)],
-                    capture_output=True,
-                    timeout=COMMAND_TIMEOUT_S,
-                    check=False,
-                ).returncode
-                != 0
-            ):
+            if not _iptables(table, "-D", chain, rule):
                 break
     for bridge in (POD_BRIDGE, NODE_BRIDGE):
         if _link_exists(bridge):

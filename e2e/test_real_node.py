@@ -273,6 +273,14 @@ def client_output(
     return json.loads(logs.strip().splitlines()[-1])
 
 
+def set_max_batch_size(cluster: Cluster, namespace: str, name: str, size: int) -> None:
+    """An edit of the spec that changes the pod template: a rolling update."""
+    patch = {"spec": {"server": {"maxBatchSize": size}}}
+    cluster.kubectl(
+        "patch", "embeddingservice", name, "-n", namespace, "--type=merge", "-p", json.dumps(patch)
+    )
+
+
 def service_url(name: str, namespace: str) -> str:
     return f"http://{name}.{namespace}.svc/v1"
 
@@ -451,17 +459,7 @@ def test_rollout_under_load_loses_no_request(
             what="the stream client to run",
             interval=1.0,
         )
-        # An edit of the spec changes the pod template: a rolling update.
-        cluster.kubectl(
-            "patch",
-            "embeddingservice",
-            steady,
-            "-n",
-            namespace,
-            "--type=merge",
-            "-p",
-            json.dumps({"spec": {"server": {"maxBatchSize": 64}}}),
-        )
+        set_max_batch_size(cluster, namespace, steady, 64)
         poll_until(
             lambda: (
                 (
@@ -503,16 +501,7 @@ def test_killed_operator_and_server_pods_come_back(
             "delete", "pod", "-n", namespace, server["metadata"]["name"], "--wait=false"
         )
         # An edit made while the operator is down is applied when it is back.
-        cluster.kubectl(
-            "patch",
-            "embeddingservice",
-            steady,
-            "-n",
-            namespace,
-            "--type=merge",
-            "-p",
-            json.dumps({"spec": {"server": {"maxBatchSize": 32}}}),
-        )
+        set_max_batch_size(cluster, namespace, steady, 32)
         poll_until(
             lambda: (
                 (
