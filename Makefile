@@ -36,8 +36,9 @@ run: $(call STAMP,server) ## Serve the packaged all-MiniLM-L6-v2 on http://127.0
 	$(VENV)/bin/embedding-server serve --host $(HOST) --port $(PORT)
 
 test: $(call STAMP,dev) ## Lint, unit tests, then e2e tests on a real local cluster (needs root)
-	@# The Go builds are CPU-bound, the image builds mostly download and unpack: overlap them.
-	$(MAKE) -j2 --output-sync=line binaries build-images
+	@# The Go builds are CPU-bound, the image builds mostly download and unpack: overlap them
+	@# (their log lines interleave, each prefixed [build] or [images]).
+	$(MAKE) -j2 binaries build-images
 	$(MAKE) lint
 	$(MAKE) unit
 	$(MAKE) e2e
