@@ -726,16 +726,7 @@ class Cluster:
         )
         self._wait_ready(
             containerd,
-            lambda: (
-                paths.containerd_socket.exists()
-                and subprocess.run(
-                    ["ctr", "--address", str(paths.containerd_socket), "version"],
-                    capture_output=True,
-                    timeout=10,
-                    check=False,
-                ).returncode
-                == 0
-            ),
+            lambda: node.containerd_answers(paths),
             self.timeouts.containerd,
         )
         if self.image_loader is not None:

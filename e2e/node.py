@@ -37,7 +37,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,6 +46,8 @@ from typing import Any
 import yaml
 from _proc import ClusterError
 from build_binaries import cache_root
+
+from images import PAUSE_IMAGE
 
 log = logging.getLogger("e2e.node")
 
@@ -59,7 +60,6 @@ POD_GATEWAY = "198.18.1.1"
 SERVICE_CIDR = "198.19.0.0/24"
 CLUSTER_RANGE = "198.18.0.0/15"
 CLUSTER_DOMAIN = "cluster.local"
-PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
 GUARD_COMMENT = "embedding-operator-e2e"
 NETNS_DIR = Path("/var/run/netns")
 # Debian packages the node needs (conntrack lets kube-proxy flush stale UDP entries).
@@ -86,13 +86,6 @@ def run(argv: Sequence[str], *, timeout: float = COMMAND_TIMEOUT_S, check: bool 
             f"{proc.stderr.strip() or proc.stdout.strip()}"
         )
     return proc.stdout
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def default_interface() -> str | None:
@@ -530,6 +523,17 @@ def ctr(paths: NodePaths, *args: str, timeout: float = COMMAND_TIMEOUT_S) -> str
         ["ctr", "--address", str(paths.containerd_socket), "--namespace", "k8s.io", *args],
         timeout=timeout,
     )
+
+
+def containerd_answers(paths: NodePaths) -> bool:
+    """containerd is serving on its socket (``ctr version`` reaches the daemon)."""
+    if not paths.containerd_socket.exists():
+        return False
+    try:
+        run(["ctr", "--address", str(paths.containerd_socket), "version"], timeout=10)
+    except ClusterError:
+        return False
+    return True
 
 
 def remove_containers(paths: NodePaths) -> None:

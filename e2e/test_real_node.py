@@ -30,6 +30,7 @@ from _operator_helpers import (
     CHART,
     EXAMPLES_DIR,
     adopt_crd,
+    condition,
     embedding_service,
     get_json,
     wait_condition,
@@ -548,7 +549,7 @@ def test_tensor_parallel_with_the_bundled_image_is_degraded(
         obj = wait_condition(
             cluster, namespace, "tp", "Degraded", "True", reason="TensorParallelUnsupported"
         )
-    assert "spec.parallelism.tensorParallelSize" in (
-        obj["status"]["conditions"][0]["message"] + json.dumps(obj["status"])
-    )
+    degraded = condition(obj, "Degraded")
+    assert degraded is not None
+    assert "spec.parallelism.tensorParallelSize" in degraded["message"]
     assert get_json(cluster, "deployment", "tp", "-n", namespace) is None
