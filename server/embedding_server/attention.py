@@ -1,77 +1,196 @@
-"""The one variable-length attention function every model calls.
+"""The one variable-length attention function every model calls, and the choice of kernel.
 
 Models run on *packed* batches: all sequences concatenated into one ``[total_tokens, ...]``
 tensor, delimited by ``cu_seqlens`` (int32, ``[B+1]``). No padding reaches the linear layers,
-which is where an encoder spends almost all of its FLOPs.
+which is where an encoder spends almost all of its FLOPs. Four backends serve that layout:
 
-* On CUDA with flash-attn installed we call ``flash_attn_varlen_func`` directly: it consumes
-  exactly this layout.
-* Otherwise (CPU, every test) we run torch's ``scaled_dot_product_attention`` per *length
-  bucket*: sequences of equal (or, with ``_BUCKET_RATIO`` < 1, similar) length are attended
-  together as one ``[n, heads, L, head_dim]`` block, padded with a key mask only when lengths
-  in the bucket differ. The scheduler groups requests by length and the runner orders each
-  batch by length, so buckets are contiguous and the block is a zero-copy view. A
-  block-diagonal mask over the whole batch would cost O(T^2); a call per sequence costs
-  O(B) calls per layer; buckets cost O(#distinct lengths).
+* ``flash_attn``: flash-attn 2's ``flash_attn_varlen_func`` (CUDA, sm80+, fp16/bf16,
+  head_dim <= 256). It consumes exactly this layout.
+* ``torch_varlen``: torch's own ``torch.nn.attention.varlen.varlen_attn`` (same constraints,
+  cuDNN or torch's FlashAttention-2 kernels), for images without flash-attn. Causal is
+  ``window_size=(-1, 0)``, GQA ``enable_gqa=True``.
+* ``sdpa_padded``: one ``scaled_dot_product_attention`` call per layer over the batch padded to
+  its longest sequence, with gather/scatter indices built once per batch: the CUDA fallback
+  (old GPUs, fp32, exotic head sizes), where a call costs more than padding.
+* ``sdpa_bucketed``: one SDPA call per *length bucket*: sequences of equal (or, with
+  ``_BUCKET_RATIO`` < 1, similar) length are attended together as one
+  ``[n, heads, L, head_dim]`` block, padded with a key mask only when lengths in the bucket
+  differ. The scheduler groups requests by length and the runner orders each batch by length,
+  so buckets are contiguous and the block is a zero-copy view. The CPU default: a block-diagonal
+  mask over the whole batch would cost O(T^2), a call per sequence O(B) calls per layer;
+  buckets cost O(#distinct lengths) calls of ~30 us.
 
-The bucket plan depends only on the sequence lengths, so it is built once per batch
-(:func:`plan_attention`) and reused by every layer.
+:func:`select_backend` picks one at start from facts about the device (:func:`probe`), and
+says why it passed over each faster one; a backend named explicitly is strict, so a pod that
+cannot run it fails at start instead of serving slowly. The plan (bucket or padding indices,
+banded masks) depends only on the sequence lengths, so it is built once per batch
+(:func:`plan_attention`) and reused by every layer, with no host sync inside the layer loop.
 
 Sliding-window layers (Mistral, Qwen2/Qwen3 with ``use_sliding_window``) pass ``window``, the
 keys a query may see on each side, in flash-attn's ``window_size`` convention; the model maps
-its config onto it. flash-attn gets it as ``window_size``; on the torch path only buckets
+its config onto it. The varlen kernels get it as ``window_size``; on the SDPA paths only blocks
 longer than ``window + 1`` get a banded mask (built once per batch), the others cannot tell
 the difference and keep the mask-free call.
 """
 
 from __future__ import annotations
 
+import enum
+import inspect
 import itertools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 
+from .errors import InvalidRequestError
+
 logger = logging.getLogger(__name__)
 
-FlashVarlenFunc = Callable[..., torch.Tensor]
+VarlenFunc = Callable[..., torch.Tensor]
 
-try:  # pragma: no cover - only on GPU hosts with the gpu extra
-    from flash_attn import flash_attn_varlen_func as _flash_impl
 
-    flash_attn_varlen_func: FlashVarlenFunc | None = _flash_impl
-except ImportError:  # flash-attn is optional: the torch path below is always available
-    flash_attn_varlen_func = None
+def _import_flash_attn() -> tuple[VarlenFunc | None, str | None]:
+    """flash-attn's varlen function, or why it is not there. Installed but broken (its CUDA
+    extension built against another torch, say) is logged: it would otherwise be a silent
+    fallback to a slower kernel."""
+    broken: Exception
+    try:
+        from flash_attn import flash_attn_varlen_func as function
+    except ModuleNotFoundError as error:
+        if error.name == "flash_attn":
+            return None, "flash-attn is not installed"
+        broken = error
+    except (ImportError, OSError, RuntimeError) as error:  # an ABI mismatch, a bad build
+        broken = error
+    else:  # pragma: no cover - only on GPU hosts with the gpu extra
+        return function, None
+    reason = f"flash-attn failed to import: {type(broken).__name__}: {broken}"
+    logger.warning("%s", reason)
+    return None, reason
+
+
+flash_attn_varlen_func, flash_attn_import_error = _import_flash_attn()
+
+
+def _torch_varlen() -> tuple[VarlenFunc | None, str | None]:
+    """torch's varlen_attn when this torch has it with the keywords we pass, else why not."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn"
+    known = set(inspect.signature(varlen_attn).parameters)
+    missing = sorted({"window_size", "enable_gqa", "scale"} - known)
+    if missing:  # the signature changed between versions: only the one we know is used
+        return None, f"torch {torch.__version__}'s varlen_attn lacks {', '.join(missing)}"
+    return cast(VarlenFunc, varlen_attn), None  # it returns a tuple only with return_aux
+
+
+torch_varlen_attn, torch_varlen_unavailable = _torch_varlen()
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+VARLEN_MIN_CAPABILITY = (8, 0)  # FlashAttention-2 kernels (flash-attn's and torch's): Ampere+
+VARLEN_MAX_HEAD_DIM = 256
 
 # Sequences whose length is within this factor of their bucket's longest share one padded
 # SDPA call. 1.0 = exact-length buckets: since the runner sorts each batch by length, those
 # are contiguous zero-copy views, and measured on MiniLM (130 sequences, 62 distinct
 # lengths, CPU) they beat padded 0.8-buckets by ~10%: the gather/scatter copies cost more
-# than the extra SDPA calls (~30 us each). Lower it if a backend makes calls expensive.
+# than the extra SDPA calls (~30 us each). ``sdpa_padded`` is ratio 0: one bucket.
 _BUCKET_RATIO = 1.0
 
 
-def flash_available(tensor: torch.Tensor) -> bool:
-    """Whether the flash-attn kernel can serve this tensor (importable, CUDA, half dtype)."""
-    return (
-        flash_attn_varlen_func is not None
-        and tensor.is_cuda
-        and tensor.dtype in (torch.float16, torch.bfloat16)
+class Backend(enum.StrEnum):
+    """The attention kernels, fastest first."""
+
+    FLASH_ATTN = "flash_attn"
+    TORCH_VARLEN = "torch_varlen"
+    SDPA_PADDED = "sdpa_padded"
+    SDPA_BUCKETED = "sdpa_bucketed"
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionFacts:
+    """What the choice of kernel depends on; :func:`probe` reads them, tests make them up."""
+
+    device_type: str
+    dtype: torch.dtype
+    head_dim: int
+    capability: tuple[int, int] | None = None
+    """CUDA compute capability of the target device (None off CUDA)."""
+    flash_attn_error: str | None = "flash-attn is not installed"
+    """None when flash-attn imported; else why it did not."""
+    torch_varlen_error: str | None = "not probed"
+    """None when torch's varlen_attn is usable; else why not."""
+
+
+@dataclass(frozen=True, slots=True)
+class BackendChoice:
+    backend: Backend
+    passed_over: tuple[str, ...]
+    """Why each faster backend was not chosen, for the start-up log and /info."""
+
+
+def probe(device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionFacts:
+    """The facts of this process's install and ``device``."""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    return AttentionFacts(
+        device_type=device.type,
+        dtype=dtype,
+        head_dim=head_dim,
+        capability=capability,
+        flash_attn_error=flash_attn_import_error,
+        torch_varlen_error=torch_varlen_unavailable,
     )
 
 
-def backend_name(device: torch.device, dtype: torch.dtype) -> str:
-    """The attention implementation a model on this device and dtype will use (for info())."""
-    if (
-        flash_attn_varlen_func is not None
-        and device.type == "cuda"
-        and dtype in (torch.float16, torch.bfloat16)
-    ):
-        return "flash_attn_varlen"
-    return "torch_sdpa_bucketed"
+def _varlen_unfit(facts: AttentionFacts, install_error: str | None) -> str | None:
+    """Why a FlashAttention-2 varlen kernel cannot serve ``facts``, or None when it can."""
+    if install_error is not None:
+        return install_error
+    if facts.device_type != "cuda":
+        return f"needs CUDA, the device is {facts.device_type}"
+    if facts.capability is not None and facts.capability < VARLEN_MIN_CAPABILITY:
+        major, minor = facts.capability
+        return f"needs compute capability 8.0 (Ampere) or newer, the GPU has {major}.{minor}"
+    if facts.dtype not in HALF_DTYPES:
+        return f"needs float16 or bfloat16, the dtype is {str(facts.dtype).removeprefix('torch.')}"
+    if facts.head_dim > VARLEN_MAX_HEAD_DIM:
+        return f"supports head_dim <= {VARLEN_MAX_HEAD_DIM}, the model's is {facts.head_dim}"
+    return None
+
+
+def unfit(backend: Backend, facts: AttentionFacts) -> str | None:
+    """Why ``backend`` cannot serve ``facts`` (None: it can)."""
+    if backend is Backend.FLASH_ATTN:
+        return _varlen_unfit(facts, facts.flash_attn_error)
+    if backend is Backend.TORCH_VARLEN:
+        return _varlen_unfit(facts, facts.torch_varlen_error)
+    return None  # the SDPA paths run anywhere torch does
+
+
+def select_backend(requested: str, facts: AttentionFacts) -> BackendChoice:
+    """``auto``: the fastest backend ``facts`` allow (CUDA: flash_attn, torch_varlen,
+    sdpa_padded; CPU: sdpa_bucketed). A named backend is strict: it is used or refused."""
+    if requested != "auto":
+        backend = Backend(requested)
+        reason = unfit(backend, facts)
+        if reason is not None:
+            message = f"attention={backend} cannot be used: {reason}"
+            raise InvalidRequestError(message, param="attention")
+        return BackendChoice(backend, ())
+    if facts.device_type != "cuda":
+        return BackendChoice(Backend.SDPA_BUCKETED, ())
+    passed_over: list[str] = []
+    for backend in (Backend.FLASH_ATTN, Backend.TORCH_VARLEN):
+        reason = unfit(backend, facts)
+        if reason is None:
+            return BackendChoice(backend, tuple(passed_over))
+        passed_over.append(f"{backend}: {reason}")
+    return BackendChoice(Backend.SDPA_PADDED, tuple(passed_over))
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,17 +200,19 @@ class _Bucket:
     start: int  # first packed token when ``contiguous``
     contiguous: bool  # all n sequences have length L and are adjacent
     gather: torch.Tensor | None  # [n*L] packed token index per padded slot
-    valid: torch.Tensor | None  # [n*L] bool: slot holds a real token
+    slots: torch.Tensor | None  # [t] the padded slots that hold real tokens, in packed order
+    tokens: torch.Tensor | None  # [t] the packed index of the token in each of those slots
     key_mask: torch.Tensor | None  # [n, 1, 1, L] bool, True = attend
 
 
 @dataclass(frozen=True, slots=True)
 class AttentionPlan:
-    """How the torch path splits a packed batch into padded SDPA calls."""
+    """How one packed batch is attended: the backend, and for SDPA the padded blocks."""
 
     buckets: tuple[_Bucket, ...]
     total_tokens: int
     device: torch.device
+    backend: Backend = Backend.SDPA_BUCKETED
     _window_masks: dict[tuple[int, int, bool], torch.Tensor] = field(
         default_factory=dict, compare=False, repr=False
     )
@@ -118,46 +239,55 @@ class AttentionPlan:
         return mask
 
 
-def plan_attention(seqlens: Sequence[int], device: torch.device) -> AttentionPlan:
-    """Group sequences into length buckets (order inside the batch is preserved per bucket)."""
-    starts: list[int] = []
-    offset = 0
-    for n in seqlens:
-        starts.append(offset)
-        offset += n
+def plan_attention(
+    seqlens: Sequence[int],
+    device: torch.device,
+    backend: Backend = Backend.SDPA_BUCKETED,
+) -> AttentionPlan:
+    """The plan for one batch. The varlen kernels need none; ``sdpa_padded`` is one bucket of
+    everything; ``sdpa_bucketed`` groups sequences by length (order kept within a bucket)."""
+    total = sum(seqlens)
+    if backend in (Backend.FLASH_ATTN, Backend.TORCH_VARLEN):
+        return AttentionPlan((), total, device, backend)
+    ratio = 0.0 if backend is Backend.SDPA_PADDED else _BUCKET_RATIO
+    starts = list(itertools.accumulate(seqlens, initial=0))[:-1]
     order = sorted(range(len(seqlens)), key=lambda i: -seqlens[i])
     groups: list[list[int]] = []
     for i in order:
-        if groups and seqlens[i] >= _BUCKET_RATIO * seqlens[groups[-1][0]]:
+        if groups and seqlens[i] >= ratio * seqlens[groups[-1][0]]:
             groups[-1].append(i)
         else:
             groups.append([i])
     buckets = []
     for group in groups:
         group.sort()
-        length = seqlens[group[0]] if len(group) == 1 else max(seqlens[i] for i in group)
+        length = max(seqlens[i] for i in group)
         same = all(seqlens[i] == length for i in group)
         adjacent = all(starts[b] == starts[a] + length for a, b in itertools.pairwise(group))
         if same and adjacent:
-            buckets.append(_Bucket(length, len(group), starts[group[0]], True, None, None, None))
+            buckets.append(
+                _Bucket(length, len(group), starts[group[0]], True, None, None, None, None)
+            )
             continue
         slot = torch.arange(length)
         lens = torch.tensor([seqlens[i] for i in group])
         valid = slot.unsqueeze(0) < lens.unsqueeze(1)  # [n, L]
         base = torch.tensor([starts[i] for i in group]).unsqueeze(1)
-        gather = torch.where(valid, base + slot, base)  # pads -> own start
+        gather = torch.where(valid, base + slot, base).reshape(-1)  # pads -> own start
+        slots = valid.reshape(-1).nonzero().squeeze(1)  # on the host, once per batch
         buckets.append(
             _Bucket(
                 length,
                 len(group),
                 0,
                 False,
-                gather.reshape(-1).to(device),
-                valid.reshape(-1).to(device),
+                gather.to(device),
+                slots.to(device),
+                gather[slots].to(device),
                 None if same else valid[:, None, None, :].to(device),
             )
         )
-    return AttentionPlan(tuple(buckets), offset, device)
+    return AttentionPlan(tuple(buckets), total, device, backend)
 
 
 def varlen_attention(
@@ -172,7 +302,7 @@ def varlen_attention(
     scale: float | None = None,
     window: int | None = None,
 ) -> torch.Tensor:
-    """Attention over packed sequences.
+    """Attention over packed sequences, with the plan's backend (``sdpa_bucketed`` without).
 
     ``q``: ``[T, Hq, D]``; ``k``, ``v``: ``[T, Hkv, D]`` with ``Hq % Hkv == 0`` (grouped-query
     attention); ``cu_seqlens``: int32 ``[B+1]``. Returns ``[T, Hq, D]``. Tokens attend only
@@ -185,29 +315,73 @@ def varlen_attention(
         raise ValueError(f"attention window must be >= 0, got {window}")
     if window is not None and window >= max_seqlen - 1:
         window = None  # no query of this batch is far enough from any key for it to bite
-    if flash_available(q):
-        assert flash_attn_varlen_func is not None
-        # Passed only when it bites, so flash-attn builds without window_size (< 2.3)
-        # still serve the models and batches that do not need it.
-        extra: dict[str, Any] = {}
-        if window is not None:
-            extra["window_size"] = (window, 0 if causal else window)
-        return flash_attn_varlen_func(
-            q,
-            k,
-            v,
-            cu_seqlens,
-            cu_seqlens,
-            max_seqlen,
-            max_seqlen,
-            dropout_p=0.0,
-            softmax_scale=scale,
-            causal=causal,
-            **extra,
-        )
     if plan is None:
         plan = plan_attention(torch.diff(cu_seqlens).tolist(), q.device)
+    if plan.backend is Backend.FLASH_ATTN:
+        return _flash_attn(q, k, v, cu_seqlens, max_seqlen, causal, scale, window)
+    if plan.backend is Backend.TORCH_VARLEN:
+        return _torch_varlen_attn(q, k, v, cu_seqlens, max_seqlen, causal, scale, window)
     return _sdpa_bucketed(q, k, v, plan, causal=causal, scale=scale, window=window)
+
+
+def _flash_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    causal: bool,
+    scale: float | None,
+    window: int | None,
+) -> torch.Tensor:
+    if flash_attn_varlen_func is None:
+        raise RuntimeError(f"flash_attn was not selectable: {flash_attn_import_error}")
+    # Passed only when it bites, so flash-attn builds without window_size (< 2.3) still serve
+    # the models and batches that do not need it.
+    extra: dict[str, Any] = {}
+    if window is not None:
+        extra["window_size"] = (window, 0 if causal else window)
+    return flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens,
+        cu_seqlens,
+        max_seqlen,
+        max_seqlen,
+        dropout_p=0.0,
+        softmax_scale=scale,
+        causal=causal,
+        **extra,
+    )
+
+
+def _torch_varlen_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    causal: bool,
+    scale: float | None,
+    window: int | None,
+) -> torch.Tensor:
+    if torch_varlen_attn is None:
+        raise RuntimeError(f"torch_varlen was not selectable: {torch_varlen_unavailable}")
+    left = -1 if window is None else window
+    right = 0 if causal else (-1 if window is None else window)
+    return torch_varlen_attn(
+        q,
+        k,
+        v,
+        cu_seqlens,
+        cu_seqlens,
+        max_seqlen,
+        max_seqlen,
+        scale=scale,
+        window_size=(left, right),
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
 
 
 def _sdpa_bucketed(
@@ -237,8 +411,8 @@ def _sdpa_bucketed(
         if bucket.contiguous:
             out[bucket.start : bucket.start + bucket.count * bucket.length] = result
         else:
-            assert bucket.gather is not None and bucket.valid is not None
-            out.index_copy_(0, bucket.gather[bucket.valid], result[bucket.valid])
+            assert bucket.slots is not None and bucket.tokens is not None
+            out.index_copy_(0, bucket.tokens, result.index_select(0, bucket.slots))
     return out
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .attention import backend_name
+from .attention import BackendChoice
 from .dtypes import cpu_thread_budget, dtype_name
 from .errors import InvalidRequestError, UnsupportedModelError
 from .loading import LoadedModel, declared_matryoshka
@@ -148,6 +148,9 @@ class EngineInfo:
     dtype: str
     device: str
     attention: str
+    """The attention kernel (flash_attn, torch_varlen, sdpa_padded or sdpa_bucketed)."""
+    attention_passed_over: list[str]
+    """Why each faster attention kernel was not used (empty when none was passed over)."""
     sliding_window: int | None
     """Attention window (tokens, transformers' ``sliding_window``) of the layers that slide;
     None when every layer sees the whole input."""
@@ -173,7 +176,7 @@ def describe(
     loaded: LoadedModel,
     *,
     device: torch.device,
-    dtype: torch.dtype,
+    attention: BackendChoice,
     vocab_size: int,
 ) -> EngineInfo:
     """The :class:`EngineInfo` of an engine built from ``config``."""
@@ -188,9 +191,10 @@ def describe(
         max_input_tokens=config.max_input_tokens,
         pooling=config.pooling,
         normalize=config.head.normalize,
-        dtype=dtype_name(dtype),
+        dtype=dtype_name(loaded.dtype),
         device=str(device),
-        attention=backend_name(device, dtype),
+        attention=str(attention.backend),
+        attention_passed_over=list(attention.passed_over),
         sliding_window=loaded.model.sliding_window,
         prompts=dict(config.prompts.table),
         default_prompt_name=config.prompts.default_name,

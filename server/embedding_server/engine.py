@@ -36,6 +36,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from .attention import probe, select_backend
 from .configuration import EngineInfo, describe, resolve_config
 from .dtypes import resolve_device, resolve_dtype
 from .errors import NotReadyError
@@ -102,12 +103,14 @@ class Engine:
         *,
         metrics: Metrics | None = None,
         device: torch.device,
-        dtype: torch.dtype,
         load_seconds: float = 0.0,
     ) -> None:
         self.settings, self.metrics = settings, metrics
         self._load_seconds = load_seconds
         self._config = config = resolve_config(settings, loaded, device=device)
+        attention = select_backend(settings.attention, probe(device, loaded.dtype, loaded.head_dim))
+        for reason in attention.passed_over:
+            logger.warning("attention: not using %s", reason)
         self._tokenizer = TextTokenizer(loaded.tokenizer, max_length=config.max_input_tokens)
         self._runner = ModelRunner(
             loaded.model,
@@ -116,6 +119,7 @@ class Engine:
             head=config.head,
             include_prompt=config.include_prompt,
             cpu_threads=config.cpu_threads,
+            attention=attention.backend,
         )
         self._direct = DirectRunner(
             self._tokenizer,
@@ -134,7 +138,11 @@ class Engine:
         self._forward_pool: ThreadPoolExecutor | None = None
         self._ready = False
         self._info = describe(
-            config, loaded, device=device, dtype=dtype, vocab_size=self._tokenizer.vocab_size
+            config,
+            loaded,
+            device=device,
+            attention=attention,
+            vocab_size=self._tokenizer.vocab_size,
         )
         info = self._info.to_dict()
         logger.info("engine configured: %s", info, extra={"engine_info": info})
@@ -156,21 +164,20 @@ class Engine:
         """Load the model that ``settings`` (or a ServerSettings) names."""
         started = time.perf_counter()
         device = resolve_device(settings.device)
-        dtype = resolve_dtype(settings.dtype, device)
         if is_fake(settings.model):
-            loaded = load_fake(settings.model, device=device, dtype=dtype)
+            loaded = load_fake(
+                settings.model, device=device, dtype=resolve_dtype(settings.dtype, device)
+            )
         else:
             loaded = load_model(
                 settings.model,
                 revision=settings.revision,
                 cache_dir=settings.cache_dir,
-                dtype=dtype,
+                dtype=settings.dtype,
                 device=device,
             )
         seconds = time.perf_counter() - started
-        return cls(
-            settings, loaded, metrics=metrics, device=device, dtype=dtype, load_seconds=seconds
-        )
+        return cls(settings, loaded, metrics=metrics, device=device, load_seconds=seconds)
 
     def info(self) -> EngineInfo:
         return self._info

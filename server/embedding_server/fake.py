@@ -150,4 +150,6 @@ def load_fake(model: str, *, device: torch.device, dtype: torch.dtype) -> Loaded
         tokenizer_max_length=options.max_len,
         st=st,
         default_pooling=options.pooling,
+        dtype=dtype,
+        head_dim=options.dim,
     )

@@ -29,10 +29,11 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
+from .dtypes import resolve_dtype
 from .errors import ModelNotFoundError, UnsupportedModelError
 from .models.base import EmbeddingModel
 from .pooling import DenseLayer, PoolingMethod
-from .settings import DEFAULT_MODEL
+from .settings import DEFAULT_MODEL, Dtype
 
 logger = logging.getLogger(__name__)
 
@@ -349,6 +350,18 @@ class LoadedModel:
     tokenizer_max_length: int | None
     st: SentenceTransformerConfig
     default_pooling: PoolingMethod
+    dtype: torch.dtype
+    """The compute dtype the model was built in."""
+    head_dim: int
+    """Per-head width of attention, which decides the attention kernels that can serve it."""
+
+
+def head_dim_of(config: Mapping[str, Any]) -> int:
+    """The attention head width a config declares (``head_dim``, else hidden / heads)."""
+    declared = config.get("head_dim")
+    if isinstance(declared, int) and declared > 0:
+        return declared
+    return int(config["hidden_size"]) // int(config["num_attention_heads"])
 
 
 def load_model(
@@ -356,19 +369,22 @@ def load_model(
     *,
     revision: str | None,
     cache_dir: str | None,
-    dtype: torch.dtype,
+    dtype: Dtype,
     device: torch.device,
 ) -> LoadedModel:
-    """Resolve, read and build ``model`` (a path, the packaged default, or a Hub id)."""
+    """Resolve, read and build ``model`` (a path, the packaged default, or a Hub id), in the
+    dtype that ``dtype`` resolves to for this device and architecture."""
     from .models import build_model, lookup
 
     path = resolve_model_path(model, revision=revision, cache_dir=cache_dir)
     config = read_model_config(path)
     arch = lookup(config)  # fail on an unsupported architecture before reading weights
+    overflows = arch.model_type if arch.float16_overflows else None
+    compute_dtype = resolve_dtype(dtype, device, fp16_overflows=overflows)
     st = read_sentence_transformers(path)
     tokenizer, tokenizer_max = load_tokenizer(path)
     weights = load_weights(path)
-    body = build_model(config, weights, dtype=dtype, device=device)
+    body = build_model(config, weights, dtype=compute_dtype, device=device)
     architectures = config.get("architectures") or [arch.model_type]
     return LoadedModel(
         name=model,
@@ -380,4 +396,6 @@ def load_model(
         tokenizer_max_length=tokenizer_max,
         st=st,
         default_pooling=arch.default_pooling,
+        dtype=compute_dtype,
+        head_dim=head_dim_of(config),
     )

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .attention import Backend
 from .models.base import EmbeddingModel, PackedBatch
 from .pooling import FloatArray, PoolingHead, PoolingMethod, pool
 
@@ -59,6 +60,7 @@ class ModelRunner:
         head: PoolingHead,
         include_prompt: bool = True,
         cpu_threads: int = 1,
+        attention: Backend = Backend.SDPA_BUCKETED,
     ) -> None:
         self.model = model
         self.device = device
@@ -67,6 +69,7 @@ class ModelRunner:
         self.head = head
         self._lock = threading.Lock()
         self.cpu_threads = cpu_threads
+        self.attention = attention
 
     def warmup_batch(self, max_len: int, max_tokens: int, max_size: int) -> list[SequenceInput]:
         """A batch to run once before traffic. On CUDA it fills the whole token budget, so
@@ -88,7 +91,10 @@ class ModelRunner:
                 if torch.get_num_threads() != threads:
                     torch.set_num_threads(threads)
             batch = PackedBatch.build(
-                [s.ids for s in ordered], self.device, self.model.position_offset
+                [s.ids for s in ordered],
+                self.device,
+                self.model.position_offset,
+                attention=self.attention,
             )
             hidden = self.model.forward(batch)
             if hidden.is_cuda:

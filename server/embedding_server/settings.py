@@ -27,6 +27,7 @@ GPU_BATCH_TOKENS = 16384
 """Default forward-pass token budget on GPU, where bigger batches keep the SMs busy."""
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Attention = Literal["auto", "flash_attn", "torch_varlen", "sdpa_padded", "sdpa_bucketed"]
 Pooling = Literal["auto", "cls", "mean", "last", "max", "weightedmean", "mean_sqrt_len"]
 TruncationSide = Literal["right", "left"]
 
@@ -59,9 +60,19 @@ class EngineSettings(BaseSettings):
     )
     dtype: Dtype = Field(
         "auto",
-        description="Weights/compute dtype. auto = bfloat16 on CUDA "
-        "(float16 where the model needs it); on CPU bfloat16 when the processor "
-        "has avx512_bf16 or AMX, else float32.",
+        description="Weights/compute dtype. auto = bfloat16 on CUDA GPUs of compute "
+        "capability 8.0 (Ampere) or newer, else float16 (float32 for models whose "
+        "activations overflow float16, such as Gemma 3, which refuse float16); on CPU "
+        "bfloat16 when the processor has avx512_bf16 or AMX, else float32.",
+    )
+    attention: Attention = Field(
+        "auto",
+        description="Attention kernel. auto = the fastest the device allows, logging why it "
+        "passed over faster ones: on CUDA flash_attn (flash-attn installed, compute "
+        "capability 8.0+, float16/bfloat16, head_dim <= 256), then torch_varlen (torch's own "
+        "varlen kernel, same limits), then sdpa_padded (one padded SDPA call per layer); on "
+        "CPU sdpa_bucketed (one SDPA call per length bucket). A named kernel is strict: the "
+        "server refuses to start when it cannot run it.",
     )
     pooling: Pooling = Field(
         "auto",

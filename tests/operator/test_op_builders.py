@@ -62,6 +62,7 @@ def test_server_contract_flags() -> None:
     assert _flag(args, "--host") == "0.0.0.0" and _flag(args, "--port") == "8000"
     assert _flag(args, "--log-format") == "json"
     assert _flag(args, "--dtype") == "float16"
+    assert _flag(args, "--device") == "cpu"  # named, so the server never guesses
     assert _flag(args, "--pooling") == "cls"
     assert "--no-normalize" in args and "--normalize" not in args
     assert "--trust-remote-code" in args
@@ -118,6 +119,8 @@ def test_deployment_for_gpu_profile() -> None:
     assert {"key": "dedicated", "operator": "Exists"} in pod["tolerations"]
     assert pod["priorityClassName"] == "high"
     assert _flag(container["args"], "--tensor-parallel-size") == "2"
+    # A GPU pod names its device: without usable CUDA the server fails at start, loudly.
+    assert _flag(container["args"], "--device") == "cuda"
 
 
 H100 = {"model": MODEL, "gpu": {"type": "h100"}}

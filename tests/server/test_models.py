@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from _attention_fakes import BF16_COSINE, assert_rows_close, flash_mask, pretend_cuda
 from _models import build_decoder
 from embedding_server import attention
 from embedding_server.engine import Engine
@@ -45,12 +46,14 @@ def _mixed_sequences(engine: Engine) -> list[list[int]]:
     return seqs
 
 
+@pytest.mark.parametrize("kernel", ["sdpa_bucketed", "sdpa_padded"])
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_packed_batch_matches_transformers(
-    tiny_model: Callable[[str], Path], model_type: str
+    tiny_model: Callable[[str], Path], model_type: str, kernel: str
 ) -> None:
     path = tiny_model(model_type)
-    engine = Engine.from_pretrained(str(path), dtype="float32", max_model_len=96)
+    engine = Engine.from_pretrained(str(path), dtype="float32", max_model_len=96, attention=kernel)
+    assert engine.info().attention == kernel
     seqs = _mixed_sequences(engine)
     assert len({len(s) for s in seqs}) >= 5
     ours = engine.embed_tokens(seqs)  # one packed batch
@@ -94,22 +97,6 @@ def test_pooled_vectors_follow_architecture_default(
     assert engine.info().pooling == ("cls" if model_type == "bert" else "last")
 
 
-def _flash_mask(n: int, causal: bool, window_size: tuple[int, int]) -> torch.Tensor:
-    """flash-attn's documented mask for seqlen_q == seqlen_k: query i sees keys j in
-    ``[i - window_size[0], i + window_size[1]]`` (-1 = unbounded), and only j <= i if causal."""
-    i = torch.arange(n).unsqueeze(1)
-    j = torch.arange(n).unsqueeze(0)
-    left, right = window_size
-    keep = torch.ones(n, n, dtype=torch.bool)
-    if left >= 0:
-        keep &= j >= i - left
-    if right >= 0:
-        keep &= j <= i + right
-    if causal:
-        keep &= j <= i
-    return keep
-
-
 def _naive_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -124,7 +111,7 @@ def _naive_attention(
     for n in lens:
         qs, ks, vs = (t[start : start + n].transpose(0, 1) for t in (q, k, v))
         ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
-        mask = _flash_mask(n, causal, sides)
+        mask = flash_mask(n, causal, sides)
         out.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask).transpose(0, 1))
         start += n
     return torch.cat(out)
@@ -146,80 +133,30 @@ def test_bucketed_attention_equals_per_sequence(
     torch.testing.assert_close(got, _naive_attention(q, k, v, lens, causal), atol=1e-5, rtol=1e-5)
 
 
-class _RecordingFlash:
-    """Stands in for flash_attn_varlen_func (same signature), computing the reference."""
-
-    def __init__(self) -> None:
-        self.calls: list[dict[str, Any]] = []
-
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_k: torch.Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        dropout_p: float = 0.0,
-        softmax_scale: float | None = None,
-        causal: bool = False,
-        window_size: tuple[int, int] = (-1, -1),
-    ) -> torch.Tensor:
-        self.calls.append(
-            {
-                "cu_q": cu_seqlens_q.clone(),
-                "cu_k": cu_seqlens_k.clone(),
-                "max_q": max_seqlen_q,
-                "max_k": max_seqlen_k,
-                "causal": causal,
-                "dropout": dropout_p,
-                "scale": softmax_scale,
-                "dtype": cu_seqlens_q.dtype,
-                "window_size": window_size,
-            }
-        )
-        lens = torch.diff(cu_seqlens_q).tolist()
-        out = []
-        start = 0
-        rep = q.shape[1] // k.shape[1]
-        for n in lens:
-            qs, ks, vs = (t[start : start + n].transpose(0, 1) for t in (q, k, v))
-            ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
-            mask = _flash_mask(n, causal, window_size)
-            out.append(
-                F.scaled_dot_product_attention(
-                    qs, ks, vs, attn_mask=mask, scale=softmax_scale
-                ).transpose(0, 1)
-            )
-            start += n
-        return torch.cat(out)
-
-
 @pytest.mark.parametrize("model_type", ["bert", "qwen3"])
 def test_flash_attn_plumbing(
     tiny_model: Callable[[str], Path], model_type: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With flash-attn 'available', models hand it the packed layout and its output is used."""
-    engine = Engine.from_pretrained(str(tiny_model(model_type)), dtype="float32")
-    seqs = engine.tokenize(["a", "a bit longer", "the longest input of them all"])
-    baseline = engine.embed_tokens(seqs)
-    fake_flash = _RecordingFlash()
-    monkeypatch.setattr(attention, "flash_attn_varlen_func", fake_flash)
-    monkeypatch.setattr(attention, "flash_available", lambda tensor: True)
+    """On a GPU with flash-attn, models hand it the packed layout in half precision (the
+    stand-in refuses anything the real kernel would) and its output is what they use."""
+    path = str(tiny_model(model_type))
+    plain = Engine.from_pretrained(path, dtype="bfloat16")
+    seqs = plain.tokenize(["a", "a bit longer", "the longest input of them all"])
+    baseline = plain.embed_tokens(seqs)
+    cuda = pretend_cuda(monkeypatch)
+    engine = Engine.from_pretrained(path, dtype="bfloat16")
+    assert engine.info().attention == "flash_attn"
     flashed = engine.embed_tokens(seqs)
     layers = 2
-    assert len(fake_flash.calls) == layers
+    assert len(cuda.flash.calls) == layers
     lens = sorted(len(s) for s in seqs)  # the runner packs shortest first
     expected_cu = torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int32)
-    for call in fake_flash.calls:
-        assert call["dtype"] == torch.int32
+    for call in cuda.flash.calls:
         assert torch.equal(call["cu_q"], expected_cu) and torch.equal(call["cu_k"], expected_cu)
         assert call["max_q"] == call["max_k"] == max(lens)
         assert call["causal"] is (model_type == "qwen3")
         assert call["dropout"] == 0.0
-    for got, want in zip(flashed, baseline, strict=True):
-        np.testing.assert_allclose(got, want, atol=1e-5)
+    assert_rows_close(flashed, baseline, min_cosine=BF16_COSINE)
 
 
 def test_packed_batch_positions_restart_per_sequence() -> None:
@@ -367,11 +304,19 @@ def _windowed_sequences(vocab_size: int) -> list[list[int]]:
     ]
 
 
-@pytest.mark.parametrize("ratio", [1.0, 0.5])  # exact-length buckets / padded buckets
+@pytest.mark.parametrize(
+    ("kernel", "ratio"),
+    [
+        ("sdpa_bucketed", 1.0),  # exact-length buckets
+        ("sdpa_bucketed", 0.5),  # padded buckets
+        ("sdpa_padded", 1.0),  # the whole batch padded to its longest, one call per layer
+    ],
+)
 @pytest.mark.parametrize("variant", list(_WINDOWED))
 def test_sliding_window_matches_transformers(
     windowed_model: Callable[[str], Path],
     variant: str,
+    kernel: str,
     ratio: float,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -379,7 +324,7 @@ def test_sliding_window_matches_transformers(
     and every last-token vector equals transformers running each input alone."""
     monkeypatch.setattr(attention, "_BUCKET_RATIO", ratio)
     path = windowed_model(variant)
-    engine = Engine.from_pretrained(str(path), dtype="float32", normalize=False)
+    engine = Engine.from_pretrained(str(path), dtype="float32", normalize=False, attention=kernel)
     seqs = _windowed_sequences(engine.info().vocab_size)
     expected = _reference_states(path, seqs)
     for seq, got, want in zip(seqs, engine.embed_tokens(seqs), expected, strict=True):
@@ -462,17 +407,16 @@ def test_flash_attn_gets_the_sliding_window(
 ) -> None:
     """Sliding layers hand flash-attn the window as ``window_size=(left, right)``, with the
     boundary transformers uses; a batch the window cannot bite gets the plain call."""
-    engine = Engine.from_pretrained(str(windowed_model(variant)), dtype="float32")
-    seqs = _windowed_sequences(engine.info().vocab_size)
-    baseline = engine.embed_tokens(seqs)
-    fake_flash = _RecordingFlash()
-    monkeypatch.setattr(attention, "flash_attn_varlen_func", fake_flash)
-    monkeypatch.setattr(attention, "flash_available", lambda tensor: True)
+    path = str(windowed_model(variant))
+    plain = Engine.from_pretrained(path, dtype="bfloat16")
+    seqs = _windowed_sequences(plain.info().vocab_size)
+    baseline = plain.embed_tokens(seqs)
+    cuda = pretend_cuda(monkeypatch)
+    engine = Engine.from_pretrained(path, dtype="bfloat16")
     flashed = engine.embed_tokens(seqs)
-    assert [call["window_size"] for call in fake_flash.calls] == window_sizes
-    for got, want in zip(flashed, baseline, strict=True):
-        np.testing.assert_allclose(got, want, atol=1e-5)
-    fake_flash.calls.clear()
+    assert [call["window_size"] for call in cuda.flash.calls] == window_sizes
+    assert_rows_close(flashed, baseline, min_cosine=BF16_COSINE)
+    cuda.flash.calls.clear()
     reach = min((left for left, _ in window_sizes if left >= 0), default=_WINDOW)
     engine.embed_tokens([s for s in seqs if len(s) <= reach + 1])
-    assert [call["window_size"] for call in fake_flash.calls] == [(-1, -1)] * 2
+    assert [call["window_size"] for call in cuda.flash.calls] == [(-1, -1)] * 2

@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _attention_fakes import BF16_COSINE, assert_rows_close, pretend_cuda
 from _models import _save_tokenizer, add_sentence_transformers, byte_tokenizer, spread_weights
 from embedding_server import attention
 from embedding_server.engine import Engine
 from sentence_transformers import SentenceTransformer
-from test_models import _RecordingFlash
 from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM
 
 _SPECIALS = ["[CLS]", "[SEP]", "[PAD]", "[MASK]", "[UNK]"]
@@ -130,10 +130,21 @@ def _reference(path: Path, seqs: list[list[int]]) -> list[np.ndarray]:
         return [model(input_ids=torch.tensor([s])).last_hidden_state[0].numpy() for s in seqs]
 
 
-@pytest.mark.parametrize("ratio", [1.0, 0.5])  # exact-length buckets / padded buckets
+@pytest.mark.parametrize(
+    ("kernel", "ratio"),
+    [
+        ("sdpa_bucketed", 1.0),  # exact-length buckets
+        ("sdpa_bucketed", 0.5),  # padded buckets
+        ("sdpa_padded", 1.0),  # the whole batch padded to its longest, one call per layer
+    ],
+)
 @pytest.mark.parametrize("variant", list(_VARIANTS))
 def test_packed_batch_matches_transformers(
-    modernbert: Callable[[str], Path], variant: str, ratio: float, monkeypatch: pytest.MonkeyPatch
+    modernbert: Callable[[str], Path],
+    variant: str,
+    kernel: str,
+    ratio: float,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Every token state and every pooled (CLS) vector of one packed mixed-length batch
     equals transformers' ModernBertModel running each input alone."""
@@ -142,9 +153,9 @@ def test_packed_batch_matches_transformers(
     reference_config = AutoConfig.from_pretrained(str(path))  # transformers reads it so too
     assert [t.split("_")[0] for t in reference_config.layer_types] == _EXPECTED_TYPES[variant]
     assert reference_config.sliding_window == _EXPECTED_WINDOW[variant]
-    engine = Engine.from_pretrained(str(path), dtype="float32", normalize=False)
+    engine = Engine.from_pretrained(str(path), dtype="float32", normalize=False, attention=kernel)
     info = engine.info()
-    assert (info.model_type, info.pooling) == ("modernbert", "cls")
+    assert (info.model_type, info.pooling, info.attention) == ("modernbert", "cls", kernel)
     assert info.sliding_window == _EXPECTED_WINDOW[variant]
     seqs = _sequences(info.vocab_size)
     expected = _reference(path, seqs)
@@ -160,20 +171,19 @@ def test_flash_attn_gets_the_local_band(
 ) -> None:
     """Local layers hand flash-attn ``window_size=(local_attention // 2,) * 2``, global ones
     the plain call; a batch the band cannot bite gets plain calls throughout."""
-    engine = Engine.from_pretrained(str(modernbert("modernbert")), dtype="float32")
-    seqs = _sequences(engine.info().vocab_size)
-    baseline = engine.embed_tokens(seqs)
-    fake_flash = _RecordingFlash()
-    monkeypatch.setattr(attention, "flash_attn_varlen_func", fake_flash)
-    monkeypatch.setattr(attention, "flash_available", lambda tensor: True)
+    path = str(modernbert("modernbert"))
+    plain = Engine.from_pretrained(path, dtype="bfloat16")
+    seqs = _sequences(plain.info().vocab_size)
+    baseline = plain.embed_tokens(seqs)
+    cuda = pretend_cuda(monkeypatch)
+    engine = Engine.from_pretrained(path, dtype="bfloat16")
     flashed = engine.embed_tokens(seqs)
-    assert [c["window_size"] for c in fake_flash.calls] == [(-1, -1), (4, 4), (4, 4), (-1, -1)]
-    assert not any(c["causal"] for c in fake_flash.calls)
-    for got, want in zip(flashed, baseline, strict=True):
-        np.testing.assert_allclose(got, want, atol=1e-5)
-    fake_flash.calls.clear()
+    assert [c["window_size"] for c in cuda.flash.calls] == [(-1, -1), (4, 4), (4, 4), (-1, -1)]
+    assert not any(c["causal"] for c in cuda.flash.calls)
+    assert_rows_close(flashed, baseline, min_cosine=BF16_COSINE)
+    cuda.flash.calls.clear()
     engine.embed_tokens([s for s in seqs if len(s) <= 5])
-    assert [c["window_size"] for c in fake_flash.calls] == [(-1, -1)] * 4
+    assert [c["window_size"] for c in cuda.flash.calls] == [(-1, -1)] * 4
 
 
 def test_sentence_transformers_mean_pooling_parity(modernbert: Callable[[str], Path]) -> None:

@@ -65,6 +65,10 @@ def server_args(render: RenderInput) -> list[str]:
         "json",
         "--cache-dir",
         CACHE_MOUNT_PATH,
+        # Named, never auto: a GPU pod whose CUDA is unusable must fail at start, not serve
+        # on its CPU with CPU batch sizes.
+        "--device",
+        "cuda" if render.profile.resource_name else "cpu",
         "--dtype",
         spec.server.dtype,
         "--pooling",

@@ -39,6 +39,8 @@ class Architecture:
     family: str
     builder: ModelBuilder
     default_pooling: PoolingMethod
+    float16_overflows: bool = False
+    """Activations exceed float16's range (inf/NaN vectors): refuse float16."""
 
 
 def decoder(variant: DecoderVariant) -> ModelBuilder:
@@ -64,7 +66,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("mistral", "llama", decoder(MISTRAL), "last"),
         Architecture("qwen2", "llama", decoder(QWEN2), "last"),
         Architecture("qwen3", "llama", decoder(QWEN3), "last"),
-        Architecture("gemma3_text", "gemma3", Gemma3TextModel, "last"),
+        Architecture("gemma3_text", "gemma3", Gemma3TextModel, "last", float16_overflows=True),
     )
 }
 

@@ -2,8 +2,8 @@
 
 A ``PackedBatch`` is the flat layout of the design (input_ids[T], position_ids[T],
 cu_seqlens[B+1], max_seqlen). Models turn it into final hidden states ``[T, hidden]``; pooling
-is not their concern. Attention goes through :meth:`PackedBatch.attention`, which picks the
-kernel and shares the CPU bucketing plan across layers, so a model's forward is only its own
+is not their concern. Attention goes through :meth:`PackedBatch.attention`, which runs the
+batch's kernel and shares its plan across layers, so a model's forward is only its own
 math. Weights come from Hugging Face checkpoints by their names (:class:`WeightReader`), so no
 ``transformers`` model class is needed at run time.
 """
@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..attention import AttentionPlan, flash_available, plan_attention, varlen_attention
+from ..attention import AttentionPlan, Backend, plan_attention, varlen_attention
 from ..errors import UnsupportedModelError
 
 
@@ -29,13 +29,20 @@ class PackedBatch:
     cu_seqlens: torch.Tensor  # [B+1] int32, on the model's device
     max_seqlen: int
     seqlens: tuple[int, ...]
+    attention_backend: Backend = Backend.SDPA_BUCKETED
     _plan: AttentionPlan | None = field(default=None, repr=False)
 
     @classmethod
     def build(
-        cls, sequences: Sequence[Sequence[int]], device: torch.device, position_offset: int = 0
+        cls,
+        sequences: Sequence[Sequence[int]],
+        device: torch.device,
+        position_offset: int = 0,
+        *,
+        attention: Backend = Backend.SDPA_BUCKETED,
     ) -> PackedBatch:
-        """Pack token id lists; ``position_offset`` shifts positions (RoBERTa: padding_idx+1)."""
+        """Pack token id lists; ``position_offset`` shifts positions (RoBERTa: padding_idx+1);
+        ``attention`` is the kernel every layer's attention runs on."""
         seqlens = tuple(len(s) for s in sequences)
         flat = [t for s in sequences for t in s]
         input_ids = torch.tensor(flat, dtype=torch.int64)
@@ -50,13 +57,14 @@ class PackedBatch:
             cu.to(device),
             max(seqlens, default=0),
             seqlens,
+            attention,
         )
 
     @property
     def attention_plan(self) -> AttentionPlan:
-        """The CPU attention bucketing, built once and shared by all layers."""
+        """The attention plan, built once and shared by all layers."""
         if self._plan is None:
-            self._plan = plan_attention(self.seqlens, self.input_ids.device)
+            self._plan = plan_attention(self.seqlens, self.input_ids.device, self.attention_backend)
         return self._plan
 
     def attention(
@@ -78,7 +86,7 @@ class PackedBatch:
             cu_seqlens=self.cu_seqlens,
             max_seqlen=self.max_seqlen,
             causal=causal,
-            plan=None if flash_available(q) else self.attention_plan,
+            plan=self.attention_plan,
             scale=scale,
             window=window,
         )

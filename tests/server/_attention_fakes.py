@@ -1,0 +1,216 @@
+"""Stand-ins for the CUDA-only varlen attention kernels, strict about what the real ones need.
+
+flash-attn's ``flash_attn_varlen_func`` and torch's ``varlen_attn`` only run on CUDA, so on
+this CPU the tests hand the engine these instead, with the device facts of a GPU
+(:func:`pretend_cuda`). Each stand-in refuses, as the real kernel does, a call it could not
+serve: float32 or host tensors, ``cu_seqlens`` that are not int32 on q's device, a tensor
+``max_seqlen``, a strided last dimension, ``head_dim`` > 256, and for torch's kernel grouped
+query attention without ``enable_gqa``. It then computes the reference (float32 per-sequence
+SDPA under flash-attn's documented ``window_size`` mask) and returns it in q's dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from embedding_server import attention, engine
+from embedding_server.attention import AttentionFacts
+
+MAX_HEAD_DIM = 256
+BF16_COSINE = 0.995
+"""Two bfloat16 runs of the same tiny model through different attention kernels agree to
+about this cosine per token (bf16 keeps ~3 significant digits, and errors compound over
+layers); a kernel given the wrong layout, mask or scale is far off it."""
+
+
+def flash_mask(n: int, causal: bool, window_size: tuple[int, int]) -> torch.Tensor:
+    """flash-attn's documented mask for seqlen_q == seqlen_k: query i sees keys j in
+    ``[i - window_size[0], i + window_size[1]]`` (-1 = unbounded), and only j <= i if causal."""
+    i = torch.arange(n).unsqueeze(1)
+    j = torch.arange(n).unsqueeze(0)
+    left, right = window_size
+    keep = torch.ones(n, n, dtype=torch.bool)
+    if left >= 0:
+        keep &= j >= i - left
+    if right >= 0:
+        keep &= j <= i + right
+    if causal:
+        keep &= j <= i
+    return keep
+
+
+def check_varlen_call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: tuple[torch.Tensor, torch.Tensor],
+    max_seqlen: tuple[Any, Any],
+) -> None:
+    """What flash-attn's and torch's varlen kernels refuse, raised the way they would."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in (torch.float16, torch.bfloat16):
+            raise RuntimeError(f"{name}: FlashAttention only supports fp16 and bf16, not {t.dtype}")
+        if t.dtype != q.dtype:
+            raise RuntimeError("query and key/value must have the same dtype")
+        if t.stride(-1) != 1:
+            raise RuntimeError(f"{name} must have contiguous last dimension")
+    if q.shape[-1] > MAX_HEAD_DIM or k.shape[-1] != q.shape[-1]:
+        raise RuntimeError(
+            f"FlashAttention forward only supports head dimension at most 256, {q.shape}"
+        )
+    if q.shape[1] % k.shape[1]:
+        raise RuntimeError("Number of heads in key/value must divide number of heads in query")
+    for cu in cu_seqlens:
+        if cu.dtype != torch.int32:
+            raise RuntimeError(f"cu_seqlens must have dtype int32, not {cu.dtype}")
+        if cu.device != q.device:
+            raise RuntimeError(f"cu_seqlens must be on {q.device}, not {cu.device}")
+        if int(cu[-1]) != q.shape[0]:
+            raise RuntimeError("cu_seqlens does not add up to the packed tokens")
+    for value in max_seqlen:
+        if type(value) is not int:
+            raise RuntimeError(f"max_seqlen must be a Python int, not {type(value).__name__}")
+
+
+def reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    causal: bool,
+    window_size: tuple[int, int],
+    scale: float | None,
+) -> torch.Tensor:
+    """Per-sequence float32 attention under flash-attn's mask, in q's dtype."""
+    rep = q.shape[1] // k.shape[1]
+    out, start = [], 0
+    for n in torch.diff(cu_seqlens).tolist():
+        qs, ks, vs = (t[start : start + n].float().transpose(0, 1) for t in (q, k, v))
+        ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
+        mask = flash_mask(n, causal, window_size)
+        result = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
+        out.append(result.transpose(0, 1))
+        start += n
+    return torch.cat(out).to(q.dtype)
+
+
+@dataclass
+class StrictFlash:
+    """``flash_attn_varlen_func``'s signature; records each call."""
+
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        dropout_p: float = 0.0,
+        softmax_scale: float | None = None,
+        causal: bool = False,
+        window_size: tuple[int, int] = (-1, -1),
+    ) -> torch.Tensor:
+        check_varlen_call(q, k, v, (cu_seqlens_q, cu_seqlens_k), (max_seqlen_q, max_seqlen_k))
+        self.calls.append(
+            {
+                "cu_q": cu_seqlens_q.clone(),
+                "cu_k": cu_seqlens_k.clone(),
+                "max_q": max_seqlen_q,
+                "max_k": max_seqlen_k,
+                "causal": causal,
+                "dropout": dropout_p,
+                "scale": softmax_scale,
+                "window_size": window_size,
+            }
+        )
+        return reference(
+            q, k, v, cu_seqlens_q, causal=causal, window_size=window_size, scale=softmax_scale
+        )
+
+
+@dataclass
+class StrictTorchVarlen:
+    """``torch.nn.attention.varlen.varlen_attn``'s signature (causal is
+    ``window_size=(-1, 0)``); records each call."""
+
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cu_seq_q: torch.Tensor,
+        cu_seq_k: torch.Tensor,
+        max_q: int,
+        max_k: int,
+        *,
+        scale: float | None = None,
+        window_size: tuple[int, int] = (-1, -1),
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        check_varlen_call(query, key, value, (cu_seq_q, cu_seq_k), (max_q, max_k))
+        if query.shape[1] != key.shape[1] and not enable_gqa:
+            raise RuntimeError("grouped-query attention needs enable_gqa=True")
+        self.calls.append({"window_size": window_size, "enable_gqa": enable_gqa, "scale": scale})
+        return reference(
+            query, key, value, cu_seq_q, causal=False, window_size=window_size, scale=scale
+        )
+
+
+@dataclass
+class FakeCuda:
+    """What :func:`pretend_cuda` installed."""
+
+    flash: StrictFlash
+    torch_varlen: StrictTorchVarlen
+
+
+def pretend_cuda(
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    capability: tuple[int, int] = (9, 0),
+    flash: bool = True,
+    torch_varlen: bool = True,
+) -> FakeCuda:
+    """Engines built after this see a GPU of ``capability`` (their tensors stay on the CPU)
+    with flash-attn and torch's varlen kernel as asked, served by the strict stand-ins."""
+    fakes = FakeCuda(StrictFlash(), StrictTorchVarlen())
+    monkeypatch.setattr(attention, "flash_attn_varlen_func", fakes.flash if flash else None)
+    monkeypatch.setattr(
+        attention, "torch_varlen_attn", fakes.torch_varlen if torch_varlen else None
+    )
+
+    def probe(device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionFacts:
+        return AttentionFacts(
+            device_type="cuda",
+            dtype=dtype,
+            head_dim=head_dim,
+            capability=capability,
+            flash_attn_error=None if flash else "flash-attn is not installed",
+            torch_varlen_error=None if torch_varlen else "torch 2.4 has no varlen_attn",
+        )
+
+    monkeypatch.setattr(engine, "probe", probe)
+    return fakes
+
+
+def assert_rows_close(
+    got: list[np.ndarray] | np.ndarray, want: list[np.ndarray] | np.ndarray, min_cosine: float
+) -> None:
+    """Every row (token state or vector) of ``got`` points where ``want``'s does."""
+    for a, b in zip(got, want, strict=True):
+        a2, b2 = np.atleast_2d(a).astype(np.float64), np.atleast_2d(b).astype(np.float64)
+        assert a2.shape == b2.shape
+        cosine = (a2 * b2).sum(-1) / (np.linalg.norm(a2, axis=-1) * np.linalg.norm(b2, axis=-1))
+        assert cosine.min() >= min_cosine, f"cosine {cosine.min():.6f} < {min_cosine}"
