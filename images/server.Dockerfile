@@ -13,6 +13,12 @@
 # PyPI's torch wheel carries its own CUDA runtime (the nvidia-* wheels in the lock), so the
 # CPU image runs on GPUs too: only the driver comes from the node. VARIANT=cuda adds the `gpu`
 # extra (flash-attn), built by nvcc in a stage whose toolchain never reaches the runtime image.
+#
+# GPU generations: the cpu variant serves any GPU torch's wheel supports (Turing sm75 and up
+# with torch 2.15's CUDA 13 build), attention through torch's varlen kernel on Ampere and
+# newer and padded SDPA before that. The cuda variant adds flash-attn for the archs in
+# FLASH_ATTN_CUDA_ARCHS (default Ampere sm80, Hopper sm90, Blackwell sm100/sm120); older GPUs
+# run it too, without flash-attn (the server says so at start).
 # Wheels are bind-mounted into the RUN steps (BuildKit, DOCKER_BUILDKIT=1), never copied into
 # a layer. No `# syntax=` line: that would pull a frontend image from a registry.
 
@@ -44,6 +50,8 @@ RUN mkdir -p /wheels
 FROM python AS extras-cuda
 ARG CUDA_VERSION=13-2
 ARG FLASH_ATTN_VERSION=2.8.3
+# The compute capabilities compiled in (flash-attn 2 needs sm80+); fewer archs build faster.
+ARG FLASH_ATTN_CUDA_ARCHS="80;90;100;120"
 ARG MAX_JOBS=4
 ADD https://developer.download.nvidia.com/compute/cuda/repos/debian12/x86_64/cuda-keyring_1.1-1_all.deb /tmp/cuda-keyring.deb
 RUN dpkg -i /tmp/cuda-keyring.deb && rm /tmp/cuda-keyring.deb \
@@ -52,7 +60,11 @@ RUN dpkg -i /tmp/cuda-keyring.deb && rm /tmp/cuda-keyring.deb \
       cuda-minimal-build-${CUDA_VERSION} cuda-libraries-dev-${CUDA_VERSION} \
       python3-dev g++ git \
  && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin
-ENV CUDA_HOME=/usr/local/cuda PATH=/usr/local/cuda/bin:$PATH
+# FLASH_ATTENTION_FORCE_BUILD: compile against the locked torch, never fetch a prebuilt wheel
+# made for another torch.
+ENV CUDA_HOME=/usr/local/cuda PATH=/usr/local/cuda/bin:$PATH \
+    FLASH_ATTN_CUDA_ARCHS=${FLASH_ATTN_CUDA_ARCHS} \
+    FLASH_ATTENTION_FORCE_BUILD=TRUE
 RUN --mount=type=bind,source=requirements.lock,target=/ctx/requirements.lock \
     --mount=type=bind,source=wheels,target=/ctx/wheels \
     pip install --no-index --find-links /ctx/wheels -r /ctx/requirements.lock \
@@ -70,9 +82,13 @@ RUN useradd --uid 1000 --user-group --create-home --home-dir /home/embedding \
       --shell /usr/sbin/nologin embedding \
  && mkdir -p /models && chown 1000:1000 /models
 # The dependencies first, keyed on the lock: a code change rebuilds only the layers below.
+# torch's pin becomes a pip constraint for good (PIP_CONSTRAINT): no later step, here or in an
+# image built FROM this one, can swap the torch that flash-attn was compiled against.
 RUN --mount=type=bind,source=requirements.lock,target=/ctx/requirements.lock \
     --mount=type=bind,source=wheels,target=/ctx/wheels \
-    pip install --no-index --find-links /ctx/wheels -r /ctx/requirements.lock
+    pip install --no-index --find-links /ctx/wheels -r /ctx/requirements.lock \
+ && grep -E '^torch==' /ctx/requirements.lock > /etc/pip-constraints.txt
+ENV PIP_CONSTRAINT=/etc/pip-constraints.txt
 # Then the package with the `server` extra (plus `gpu` for cuda); the lock as constraints and
 # --no-index make sure nothing replaces the torch installed above.
 RUN --mount=type=bind,source=requirements.lock,target=/ctx/requirements.lock \
@@ -81,11 +97,16 @@ RUN --mount=type=bind,source=requirements.lock,target=/ctx/requirements.lock \
     --mount=type=bind,from=extras,source=/wheels,target=/ctx/extras \
     extra=server; if [ "${VARIANT}" = cuda ]; then extra=server,gpu; fi \
  && pip install --no-index --find-links /ctx/wheels --find-links /ctx/dist \
-      --find-links /ctx/extras -c /ctx/requirements.lock "embedding-operator[${extra}]"
+      --find-links /ctx/extras -c /ctx/requirements.lock "embedding-operator[${extra}]" \
+ && if [ "${VARIANT}" = cuda ]; then \
+      python -c "import flash_attn, flash_attn_2_cuda; print('flash-attn', flash_attn.__version__)"; \
+    fi
 # HF_HOME points the Hugging Face cache at /models: mount a PersistentVolume there to keep
 # downloaded weights across restarts. The packaged all-MiniLM-L6-v2 needs no download.
+# expandable_segments: batches of varying shape reuse memory instead of fragmenting it.
 ENV HF_HOME=/models \
-    PYTHONUNBUFFERED=1
+    PYTHONUNBUFFERED=1 \
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 WORKDIR /home/embedding
 USER 1000:1000
 EXPOSE 8000

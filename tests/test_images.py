@@ -299,6 +299,31 @@ def test_cuda_variant_builds_flash_attn_in_a_stage_of_its_own(extras: dict[str, 
         i.value for i in cuda if i.keyword == "ARG" and i.value.startswith("CUDA_VERSION=")
     )
     assert re.fullmatch(r"CUDA_VERSION=\d+-\d+", cuda_arg)
+    # flash-attn 2 runs on sm80+ only: the archs compiled in say so, and it is compiled, never
+    # fetched prebuilt for some other torch.
+    archs = next(
+        i.value for i in cuda if i.keyword == "ARG" and i.value.startswith("FLASH_ATTN_CUDA_ARCHS=")
+    )
+    compiled = [int(a) for a in archs.partition("=")[2].strip('"').split(";")]
+    assert compiled and min(compiled) >= 80
+    cuda_env = " ".join(i.value for i in cuda if i.keyword == "ENV")
+    assert "FLASH_ATTN_CUDA_ARCHS=${FLASH_ATTN_CUDA_ARCHS}" in cuda_env
+    assert "FLASH_ATTENTION_FORCE_BUILD=TRUE" in cuda_env
+    # A flash-attn that does not load with the image's torch fails the build, not the pod.
+    assert "import flash_attn, flash_attn_2_cuda" in extra_runs[0].value
+
+
+def test_server_image_keeps_its_torch_and_its_gpu_memory_in_shape() -> None:
+    """torch's pin outlives the build (so nothing installed later swaps it from under
+    flash-attn), and the CUDA allocator grows segments instead of fragmenting."""
+    runtime = final_stage(parse_dockerfile(SERVER_DOCKERFILE))
+    runs = " ".join(i.value for i in runtime if i.keyword == "RUN")
+    env = " ".join(i.value for i in runtime if i.keyword == "ENV")
+    assert "grep -E '^torch==' /ctx/requirements.lock > /etc/pip-constraints.txt" in runs
+    assert "PIP_CONSTRAINT=/etc/pip-constraints.txt" in env
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in env
+    lock = (IMAGES / "server.lock").read_text(encoding="utf-8")
+    assert re.search(r"^torch==[\d.]+$", lock, re.MULTILINE), "the lock pins torch exactly"
 
 
 def test_pause_image_is_a_static_program_from_scratch(images_module: Any) -> None:
