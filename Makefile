@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # Reinstall only when pyproject.toml changes: the stamp carries its checksum.
 STAMP = $(VENV)/.installed-$(1)-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: help venv install-server install-dev run test lint unit e2e binaries build-images images bench cluster-up cluster-down clean
+.PHONY: help venv install-server install-dev run test lint unit e2e binaries build-images images bench gpu-smoke cluster-up cluster-down clean
 
 help: ## List the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -75,7 +75,10 @@ $(INFINITY_VENV)/bin/python:
 bench: $(call STAMP,dev) binaries $(INFINITY_VENV)/bin/python ## Benchmarks against sentence-transformers and peers (prints ratios)
 	$(PY) bench/offline.py --texts 200
 	$(PY) bench/http_load.py --texts 256 --infinity-python $(INFINITY_VENV)/bin/python
-	$(PY) bench/operator.py
+	$(PY) bench/operator_scale.py
+
+gpu-smoke: $(call STAMP,dev) ## On a GPU host: every attention kernel, dtype and model family vs float32 (exit 1 on a miss)
+	$(PY) bench/gpu_smoke.py --json bench/out/gpu_smoke.json
 
 cluster-up: $(call STAMP,dev) binaries ## Start the local cluster (a real node, fake GPU nodes, images loaded); prints the exports
 	@$(PY) e2e/cluster.py up

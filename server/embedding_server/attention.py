@@ -80,8 +80,10 @@ def _torch_varlen() -> tuple[VarlenFunc | None, str | None]:
     """torch's varlen_attn when this torch has it with the keywords we pass, else why not."""
     try:
         from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
+    except ModuleNotFoundError:
         return None, f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn"
+    except ImportError as error:
+        return None, f"torch's varlen_attn failed to import: {error}"
     known = set(inspect.signature(varlen_attn).parameters)
     missing = sorted({"window_size", "enable_gqa", "scale"} - known)
     if missing:  # the signature changed between versions: only the one we know is used

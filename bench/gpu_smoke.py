@@ -1,0 +1,321 @@
+"""GPU smoke run: every attention kernel, dtype and model family on this machine's GPU.
+
+One command, a few minutes, no downloads; what it prints goes into the README:
+
+    .venv/bin/python bench/gpu_smoke.py            # on a GPU host
+    .venv/bin/python bench/gpu_smoke.py --device cpu --quick   # the same checks on a CPU
+
+1. The device: nvidia-smi's facts, torch's and flash-attn's versions, the kernels available
+   and the one ``--attention auto`` would pick (with its reasons).
+2. Kernels: each attention kernel the device can run, in bfloat16 and float16, against a
+   float32 reference: head dims 32-256, grouped-query and plain, causal and bidirectional,
+   with and without a sliding window, one packed batch of lengths from 1 to 2048.
+3. Models: a tiny random model of each family (BERT, XLM-R, ModernBERT, Llama, Mistral,
+   Qwen2, Qwen3, Gemma 3) on the device in each dtype and kernel, against the CPU in float32.
+4. Scale: a two-layer decoder with a 7B model's shapes (hidden 4096, 32 heads, 8 KV heads,
+   MLP 14336) at the full GPU token budget: time per forward and peak memory, per kernel.
+
+Exit status 1 when any check misses its bound, so it can gate an image.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from embedding_server import attention
+from embedding_server.attention import Backend, plan_attention, probe, select_backend, unfit
+from embedding_server.loading import head_dim_of, load_weights, read_model_config
+from embedding_server.models import build_model
+from embedding_server.models.base import PackedBatch
+from embedding_server.settings import GPU_BATCH_TOKENS
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# Worst per-row cosine to the float32 reference that a kernel/model may show, per dtype.
+MIN_COSINE = {torch.float32: 0.99999, torch.bfloat16: 0.995, torch.float16: 0.999}
+LENGTHS = [1, 2, 3, 7, 16, 17, 64, 100, 255, 256, 511, 1000, 2048]
+
+
+@dataclass
+class Check:
+    section: str
+    name: str
+    passed: bool
+    detail: str
+
+
+def device_facts(device: torch.device) -> dict[str, Any]:
+    facts: dict[str, Any] = {
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "flash_attn": attention.flash_attn_import_error or "importable",
+        "torch_varlen": attention.torch_varlen_unavailable or "available",
+    }
+    if device.type == "cuda":
+        facts["capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        facts["name"] = torch.cuda.get_device_name(device)
+        smi = shutil.which("nvidia-smi")
+        if smi:
+            query = "name,driver_version,memory.total,compute_cap,clocks.max.sm"
+            out = subprocess.run(
+                [smi, f"--query-gpu={query}", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=False,
+            )
+            facts["nvidia_smi"] = out.stdout.strip() or out.stderr.strip()
+    for dtype in (torch.bfloat16, torch.float16):
+        choice = select_backend("auto", probe(device, dtype, 128))
+        facts[f"auto_{dtype}".replace("torch.", "")] = {
+            "backend": str(choice.backend),
+            "passed_over": list(choice.passed_over),
+        }
+    return facts
+
+
+def runnable_backends(device: torch.device, dtype: torch.dtype, head_dim: int) -> list[Backend]:
+    facts = probe(device, dtype, head_dim)
+    return [b for b in Backend if unfit(b, facts) is None]
+
+
+def _row_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    a2, b2 = a.double().reshape(a.shape[0], -1), b.double().reshape(b.shape[0], -1)
+    return float(F.cosine_similarity(a2, b2, dim=-1).min())
+
+
+def _reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], causal: bool, window: int
+) -> torch.Tensor:
+    """float32, one sequence at a time, on the CPU."""
+    rep = q.shape[1] // k.shape[1]
+    out, start = [], 0
+    for n in lens:
+        qs, ks, vs = (t[start : start + n].float().cpu().transpose(0, 1) for t in (q, k, v))
+        ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
+        i, j = torch.arange(n).unsqueeze(1), torch.arange(n).unsqueeze(0)
+        keep = torch.ones(n, n, dtype=torch.bool)
+        if window >= 0:
+            keep &= (j >= i - window) & (j <= i + window)
+        if causal:
+            keep &= j <= i
+        out.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=keep).transpose(0, 1))
+        start += n
+    return torch.cat(out)
+
+
+def kernel_checks(device: torch.device, dtypes: list[torch.dtype], quick: bool) -> Iterator[Check]:
+    lens = LENGTHS[:9] if quick else LENGTHS
+    head_dims = [32, 64, 128] if quick else [32, 64, 80, 96, 128, 256]
+    generator = torch.Generator().manual_seed(0)
+    total = sum(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    for head_dim in head_dims:
+        for heads, kv_heads in ((8, 8), (8, 2)):
+            q = torch.randn(total, heads, head_dim, generator=generator)
+            k = torch.randn(total, kv_heads, head_dim, generator=generator)
+            v = torch.randn(total, kv_heads, head_dim, generator=generator)
+            for causal in (False, True):
+                for window in (-1, 64):
+                    want = _reference(q, k, v, lens, causal, window)
+                    for dtype in dtypes:
+                        for backend in runnable_backends(device, dtype, head_dim):
+                            plan = plan_attention(lens, device, backend)
+                            got = attention.varlen_attention(
+                                *(t.to(device, dtype) for t in (q, k, v)),
+                                cu_seqlens=cu.to(device),
+                                max_seqlen=max(lens),
+                                causal=causal,
+                                plan=plan,
+                                window=None if window < 0 else window,
+                            )
+                            cosine = _row_cosine(got.float().cpu(), want)
+                            name = (
+                                f"{backend} {str(dtype)[6:]} d={head_dim} h={heads}/{kv_heads} "
+                                f"{'causal' if causal else 'bidir'} window={window}"
+                            )
+                            yield Check(
+                                "kernels",
+                                name,
+                                cosine >= MIN_COSINE[dtype],
+                                f"min cosine {cosine:.6f}",
+                            )
+
+
+SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 512}
+FAMILIES: dict[str, dict[str, Any]] = {
+    "bert": {"num_attention_heads": 4, "max_position_embeddings": 2048},
+    "xlm-roberta": {"num_attention_heads": 4, "max_position_embeddings": 2050, "pad_token_id": 1},
+    "modernbert": {
+        "num_attention_heads": 4,
+        "global_attn_every_n_layers": 2,
+        "local_attention": 16,
+        "max_position_embeddings": 2048,
+        **{f"{t}_token_id": i for i, t in enumerate(("pad", "bos", "eos", "cls", "sep"))},
+    },
+    "llama": {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16},
+    "mistral": {"num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 32},
+    "qwen2": {"num_attention_heads": 4, "num_key_value_heads": 2},
+    "qwen3": {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32},
+    "gemma3_text": {
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "sliding_window": 32,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
+}
+
+
+def build_tiny(model_type: str, root: Path) -> Path:
+    from transformers import AutoConfig, AutoModel
+
+    path = root / model_type
+    config = AutoConfig.for_model(model_type, **SMALL, **FAMILIES[model_type])
+    torch.manual_seed(0)
+    model = AutoModel.from_config(config, attn_implementation="eager")
+    for parameter in model.parameters():  # random but not tiny: make layers matter
+        parameter.data.normal_(0.0, 0.2)
+    model.save_pretrained(path)
+    return path
+
+
+def _hidden(
+    path: Path, device: torch.device, dtype: torch.dtype, backend: Backend, seqs: list[list[int]]
+) -> torch.Tensor:
+    config = read_model_config(path)
+    model = build_model(config, load_weights(path), dtype=dtype, device=device)
+    with torch.inference_mode():
+        batch = PackedBatch.build(seqs, device, model.position_offset, attention=backend)
+        return model.forward(batch).float().cpu()
+
+
+def model_checks(
+    device: torch.device, dtypes: list[torch.dtype], root: Path, quick: bool
+) -> Iterator[Check]:
+    generator = torch.Generator().manual_seed(1)
+    lens = sorted([1, 5, 17, 33, 64, 200] if quick else [1, 5, 17, 33, 64, 200, 700, 2000])
+    seqs = [torch.randint(3, SMALL["vocab_size"], (n,), generator=generator).tolist() for n in lens]
+    for model_type in FAMILIES:
+        path = build_tiny(model_type, root)
+        want = _hidden(path, torch.device("cpu"), torch.float32, Backend.SDPA_BUCKETED, seqs)
+        head_dim = head_dim_of(read_model_config(path))
+        for dtype in dtypes:
+            if model_type == "gemma3_text" and dtype == torch.float16:
+                continue  # refused by the server: Gemma 3 overflows float16
+            for backend in runnable_backends(device, dtype, head_dim):
+                got = _hidden(path, device, dtype, backend, seqs)
+                cosine = _row_cosine(got, want)
+                yield Check(
+                    "models",
+                    f"{model_type} {backend} {str(dtype)[6:]}",
+                    cosine >= MIN_COSINE[dtype],
+                    f"min cosine {cosine:.6f} vs CPU float32",
+                )
+
+
+def scale_runs(device: torch.device, root: Path, tokens: int) -> Iterator[Check]:
+    """A 7B decoder's shapes, two layers, one batch at the token budget (512-token inputs)."""
+    from transformers import LlamaConfig, LlamaModel
+
+    config = LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_hidden_layers=2,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+    )
+    path = root / "llama-7b-shape"
+    LlamaModel(config).to(torch.bfloat16).save_pretrained(path)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    weights = load_weights(path)
+    model = build_model(read_model_config(path), weights, dtype=dtype, device=device)
+    del weights
+    seqs = [[7] * 512 for _ in range(max(1, tokens // 512))]
+    for backend in runnable_backends(device, dtype, 128):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        with torch.inference_mode():
+            batch = PackedBatch.build(seqs, device, 0, attention=backend)
+            model.forward(batch)  # warm-up (kernel selection, allocator)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            runs = 3
+            for _ in range(runs):
+                batch = PackedBatch.build(seqs, device, 0, attention=backend)
+                model.forward(batch)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        seconds = (time.perf_counter() - start) / runs
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+        yield Check(
+            "scale",
+            f"7B-shaped 2-layer decoder, {backend} {str(dtype)[6:]}, {len(seqs)}x512 tokens",
+            True,
+            f"{seconds * 1000:.1f} ms/forward, {len(seqs) * 512 / seconds:,.0f} tokens/s, "
+            f"peak {peak:.2f} GiB",
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default cuda)")
+    parser.add_argument("--quick", action="store_true", help="fewer lengths and head dims")
+    parser.add_argument("--no-scale", action="store_true", help="skip the 7B-shaped run")
+    parser.add_argument(
+        "--tokens", type=int, default=GPU_BATCH_TOKENS, help="token budget of the scale run"
+    )
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("no usable CUDA device; run with --device cpu to check the CPU paths")
+        return 2
+    dtypes = [torch.bfloat16, torch.float16] if device.type == "cuda" else [torch.bfloat16]
+    facts = device_facts(device)
+    print(json.dumps(facts, indent=2))
+    checks: list[Check] = []
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="gpu-smoke-") as tmp:
+        sections: list[Callable[[], Iterator[Check]]] = [
+            lambda: kernel_checks(device, dtypes, args.quick),
+            lambda: model_checks(device, [*dtypes, torch.float32], Path(tmp), args.quick),
+        ]
+        if not args.no_scale:
+            sections.append(lambda: scale_runs(device, Path(tmp), args.tokens))
+        for section in sections:
+            for check in section():
+                checks.append(check)
+                mark = "ok  " if check.passed else "FAIL"
+                print(f"{mark} [{check.section}] {check.name}: {check.detail}", flush=True)
+    failed = [c for c in checks if not c.passed]
+    print(
+        f"\n{len(checks) - len(failed)}/{len(checks)} checks passed in "
+        f"{time.perf_counter() - started:.0f} s on {facts.get('name', device.type)}"
+    )
+    if args.json:
+        args.json.write_text(
+            json.dumps({"facts": facts, "checks": [c.__dict__ for c in checks]}, indent=2)
+        )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
