@@ -258,3 +258,23 @@ def test_batch_budget_that_cannot_hold_one_input_names_the_setting() -> None:
         Engine.from_pretrained("fake?dim=8&max_len=512", max_queue_tokens=100)
     assert queue.value.param == "max_queue_tokens"
     assert "512" in str(queue.value)
+
+
+def test_token_states_of_a_mixed_batch_are_each_sequences_own(minilm_engine: Engine) -> None:
+    """In one batch where only some sequences ask for per-token states, each gets exactly
+    its own rows (the states leave the device in one copy, then are split on the host)."""
+    from embedding_server.runner import SequenceInput
+
+    seqs = minilm_engine.tokenize(["a", "a much longer input than the first", "mid length"])
+    alone = [minilm_engine.embed_tokens([s])[0] for s in seqs]
+    runner = minilm_engine._runner
+    for wanted in ([True, False, True], [False, True, False], [True, True, True]):
+        out = runner.run(
+            [SequenceInput(s, want_tokens=w) for s, w in zip(seqs, wanted, strict=True)]
+        )
+        for got, want, asked in zip(out.tokens, alone, wanted, strict=True):
+            if asked:
+                assert got is not None and got.shape == want.shape
+                np.testing.assert_allclose(got, want, atol=1e-5)
+            else:
+                assert got is None
