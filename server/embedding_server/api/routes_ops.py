@@ -35,8 +35,12 @@ async def ready(request: Request) -> Response:
         return json_response({"status": "ready"})
     if lifecycle.draining:
         message = "The server is shutting down."
+    elif lifecycle.failure is not None:
+        # Fixed text: /ready is open without the API key, and a failure's details belong in
+        # the log, which only the operator reads.
+        message = "The model could not be loaded; the server log says why."
     else:
-        message = lifecycle.failure or "The model is still loading."
+        message = "The model is still loading."
     return error_response(503, message, code="not_ready")
 
 
