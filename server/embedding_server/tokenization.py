@@ -191,7 +191,9 @@ class TextTokenizer:
     def detokenize(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """The text of token ids (special tokens dropped unless asked for)."""
         self.check_ids(ids, "tokens")
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        # decode_batch, not decode: only the batch form lets go of the GIL, and a long decode
+        # holding it stalls the event loop even from a worker thread.
+        return self._tok.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
 
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         """Each id's vocabulary string, as ``convert_ids_to_tokens`` gives it: decoding ids one
