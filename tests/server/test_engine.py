@@ -152,6 +152,19 @@ def test_long_texts_are_clipped_before_tokenizing_without_changing_any_result(
     assert recording.longest <= clipped.clip_chars + len("query: ")
 
 
+def test_input_ids_must_be_rows_of_the_embedding_table_too(minilm_dir: Path) -> None:
+    # A checkpoint whose embedding table is smaller than its tokenizer's vocabulary: an id
+    # the tokenizer knows but the table lacks would be an out-of-range row (a device assert
+    # that poisons the whole batch on CUDA), so it is refused before it is queued.
+    backend = Tokenizer.from_file(str(minilm_dir / "tokenizer.json"))
+    tokenizer = TextTokenizer(backend, max_length=32, embedding_rows=30000)
+    with pytest.raises(InvalidRequestError) as err:
+        tokenizer.encode([[101, 30000, 102]], truncation=Truncation())
+    assert err.value.param == "input" and "30000" in err.value.message
+    assert tokenizer.encode([[101, 29999, 102]], truncation=Truncation())[0].ids[1] == 29999
+    assert tokenizer.detokenize([30100])  # decoding needs no table row
+
+
 def test_token_ids_are_accepted_and_equal_the_text(minilm_engine: Engine) -> None:
     ids = minilm_engine.tokenize(["hello there", "general kenobi"])
     np.testing.assert_allclose(
