@@ -139,6 +139,9 @@ def test_models_info_and_probes(server: RunningServer) -> None:
     assert info["served_model_name"] == "fake" and info["ready"] is True
     assert info["dimensions"] == 32 and info["pooling"] == "mean"
     assert info["max_input_tokens"] == 512 and info["prompts"]["query"] == "query: "
+    # The limits a client must stay within, as resolved (half the default queue).
+    assert info["max_request_tokens"] == 131072 and info["max_queue_tokens"] == 262144
+    assert info["max_response_bytes"] == 64 * 2**20 and info["auto_truncate"] is False
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     assert httpx.get(server.url + "/ready").status_code == 200
 

@@ -54,6 +54,8 @@ async def info(request: Request) -> Response:
         "ready": lifecycle.is_ready(),
         "max_request_bytes": settings.max_request_bytes,
         "max_inputs_per_request": settings.max_inputs_per_request,
+        "max_response_bytes": settings.max_response_bytes,
+        "auto_truncate": settings.auto_truncate,
     }
     if lifecycle.engine is not None:
         content.update(lifecycle.engine.info().to_dict())
