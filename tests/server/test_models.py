@@ -17,12 +17,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from _models import build_decoder
 from embedding_server import attention
 from embedding_server.engine import Engine
 from embedding_server.errors import UnsupportedModelError
 from embedding_server.models.base import PackedBatch
 from transformers import AutoModel
+
+from tests.support.attention import RecordingFlash, flash_mask
+from tests.support.models import build_decoder
 
 FAMILIES = ["bert", "xlm-roberta", "qwen2", "qwen3", "llama", "mistral", "gemma3_text"]
 
@@ -94,22 +96,6 @@ def test_pooled_vectors_follow_architecture_default(
     assert engine.info().pooling == ("cls" if model_type == "bert" else "last")
 
 
-def _flash_mask(n: int, causal: bool, window_size: tuple[int, int]) -> torch.Tensor:
-    """flash-attn's documented mask for seqlen_q == seqlen_k: query i sees keys j in
-    ``[i - window_size[0], i + window_size[1]]`` (-1 = unbounded), and only j <= i if causal."""
-    i = torch.arange(n).unsqueeze(1)
-    j = torch.arange(n).unsqueeze(0)
-    left, right = window_size
-    keep = torch.ones(n, n, dtype=torch.bool)
-    if left >= 0:
-        keep &= j >= i - left
-    if right >= 0:
-        keep &= j <= i + right
-    if causal:
-        keep &= j <= i
-    return keep
-
-
 def _naive_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -124,7 +110,7 @@ def _naive_attention(
     for n in lens:
         qs, ks, vs = (t[start : start + n].transpose(0, 1) for t in (q, k, v))
         ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
-        mask = _flash_mask(n, causal, sides)
+        mask = flash_mask(n, causal, sides)
         out.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask).transpose(0, 1))
         start += n
     return torch.cat(out)
@@ -146,56 +132,6 @@ def test_bucketed_attention_equals_per_sequence(
     torch.testing.assert_close(got, _naive_attention(q, k, v, lens, causal), atol=1e-5, rtol=1e-5)
 
 
-class _RecordingFlash:
-    """Stands in for flash_attn_varlen_func (same signature), computing the reference."""
-
-    def __init__(self) -> None:
-        self.calls: list[dict[str, Any]] = []
-
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_k: torch.Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        dropout_p: float = 0.0,
-        softmax_scale: float | None = None,
-        causal: bool = False,
-        window_size: tuple[int, int] = (-1, -1),
-    ) -> torch.Tensor:
-        self.calls.append(
-            {
-                "cu_q": cu_seqlens_q.clone(),
-                "cu_k": cu_seqlens_k.clone(),
-                "max_q": max_seqlen_q,
-                "max_k": max_seqlen_k,
-                "causal": causal,
-                "dropout": dropout_p,
-                "scale": softmax_scale,
-                "dtype": cu_seqlens_q.dtype,
-                "window_size": window_size,
-            }
-        )
-        lens = torch.diff(cu_seqlens_q).tolist()
-        out = []
-        start = 0
-        rep = q.shape[1] // k.shape[1]
-        for n in lens:
-            qs, ks, vs = (t[start : start + n].transpose(0, 1) for t in (q, k, v))
-            ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
-            mask = _flash_mask(n, causal, window_size)
-            out.append(
-                F.scaled_dot_product_attention(
-                    qs, ks, vs, attn_mask=mask, scale=softmax_scale
-                ).transpose(0, 1)
-            )
-            start += n
-        return torch.cat(out)
-
-
 @pytest.mark.parametrize("model_type", ["bert", "qwen3"])
 def test_flash_attn_plumbing(
     tiny_model: Callable[[str], Path], model_type: str, monkeypatch: pytest.MonkeyPatch
@@ -204,7 +140,7 @@ def test_flash_attn_plumbing(
     engine = Engine.from_pretrained(str(tiny_model(model_type)), dtype="float32")
     seqs = engine.tokenize(["a", "a bit longer", "the longest input of them all"])
     baseline = engine.embed_tokens(seqs)
-    fake_flash = _RecordingFlash()
+    fake_flash = RecordingFlash()
     monkeypatch.setattr(attention, "flash_attn_varlen_func", fake_flash)
     monkeypatch.setattr(attention, "flash_available", lambda tensor: True)
     flashed = engine.embed_tokens(seqs)
@@ -465,7 +401,7 @@ def test_flash_attn_gets_the_sliding_window(
     engine = Engine.from_pretrained(str(windowed_model(variant)), dtype="float32")
     seqs = _windowed_sequences(engine.info().vocab_size)
     baseline = engine.embed_tokens(seqs)
-    fake_flash = _RecordingFlash()
+    fake_flash = RecordingFlash()
     monkeypatch.setattr(attention, "flash_attn_varlen_func", fake_flash)
     monkeypatch.setattr(attention, "flash_available", lambda tensor: True)
     flashed = engine.embed_tokens(seqs)
