@@ -332,7 +332,7 @@ class Cluster:
     def wait_for_service_account(self, namespace: str, name: str) -> None:
         path = f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}"
         poll_until(
-            lambda: self._api_get(path),
+            lambda: self.api.get(path),
             timeout=self.timeouts.service_account,
             what=f"ServiceAccount {namespace}/{name}",
         )
@@ -451,9 +451,6 @@ class Cluster:
         if self._api is None:
             raise ClusterError("the cluster has not been started")
         return self._api
-
-    def _api_get(self, path: str) -> Any:
-        return self.api.get(path)
 
     def _record(self, process: Process) -> None:
         self.processes.append(process)
