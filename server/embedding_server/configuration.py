@@ -71,7 +71,8 @@ def resolve_config(
         include_prompt=st.include_prompt,
         head=PoolingHead(dense=dense, matryoshka=matryoshka, normalize=normalize),
         prompts=_prompts(settings, loaded),
-        cpu_threads=cpu_thread_budget(),
+        # Tensor-parallel ranks on one host share its CPUs.
+        cpu_threads=max(1, cpu_thread_budget() // settings.tensor_parallel_size),
     )
 
 

@@ -37,8 +37,9 @@ import numpy.typing as npt
 import torch
 
 from .configuration import EngineInfo, describe, resolve_config
+from .distributed import SINGLE
 from .dtypes import resolve_device, resolve_dtype
-from .errors import NotReadyError
+from .errors import NotReadyError, UnsupportedModelError
 from .fake import is_fake, load_fake
 from .jobs import (
     DirectRunner,
@@ -59,6 +60,7 @@ from .runner import ModelRunner
 from .scheduler import Scheduler
 from .scoring import cosine_scores, pair_inputs
 from .settings import DEFAULT_MODEL, EngineSettings
+from .tensor_parallel import TensorParallelGroup, TensorParallelModel
 from .tokenization import (
     TextInput,
     TextTokenizer,
@@ -104,8 +106,10 @@ class Engine:
         device: torch.device,
         dtype: torch.dtype,
         load_seconds: float = 0.0,
+        group: TensorParallelGroup | None = None,
     ) -> None:
         self.settings, self.metrics = settings, metrics
+        self._group = group
         self._load_seconds = load_seconds
         self._config = config = resolve_config(settings, loaded, device=device)
         self._tokenizer = TextTokenizer(loaded.tokenizer, max_length=config.max_input_tokens)
@@ -158,27 +162,74 @@ class Engine:
         device = resolve_device(settings.device)
         dtype = resolve_dtype(settings.dtype, device)
         if is_fake(settings.model):
+            if settings.tensor_parallel_size > 1:
+                raise UnsupportedModelError(
+                    "tensor_parallel_size > 1 needs a real model; the fake backend has no "
+                    "weights to split"
+                )
             loaded = load_fake(settings.model, device=device, dtype=dtype)
-        else:
+            return cls(settings, loaded, metrics=metrics, device=device, dtype=dtype)
+        group = TensorParallelGroup(settings, device) if settings.tensor_parallel_size > 1 else None
+        try:
+            if group is not None:
+                device = group.device
             loaded = load_model(
                 settings.model,
                 revision=settings.revision,
                 cache_dir=settings.cache_dir,
                 dtype=dtype,
                 device=device,
+                shard=group.shard if group is not None else SINGLE,
             )
-        seconds = time.perf_counter() - started
-        return cls(
-            settings, loaded, metrics=metrics, device=device, dtype=dtype, load_seconds=seconds
-        )
+            if group is not None:
+                group.join()
+                loaded.model = TensorParallelModel(loaded.model, group)
+            seconds = time.perf_counter() - started
+            return cls(
+                settings,
+                loaded,
+                metrics=metrics,
+                device=device,
+                dtype=dtype,
+                load_seconds=seconds,
+                group=group,
+            )
+        except BaseException:
+            if group is not None:
+                group.close()
+            raise
 
     def info(self) -> EngineInfo:
         return self._info
 
     @property
     def ready(self) -> bool:
-        """True between a successful warm-up in ``start()`` and ``stop()``."""
-        return self._ready
+        """True between a successful warm-up in ``start()`` and ``stop()``, unless a
+        tensor-parallel rank has failed."""
+        return self._ready and (self._group is None or self._group.failure is None)
+
+    @property
+    def tensor_parallel(self) -> TensorParallelGroup | None:
+        """The tensor-parallel group (ranks 1..N-1) when ``tensor_parallel_size > 1``."""
+        return self._group
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(message)`` if the engine can no longer serve (a tensor-parallel
+        rank died or hangs); it runs on a watchdog thread. Never called on one rank."""
+        if self._group is not None:
+            self._group.on_failure(callback)
+
+    def close(self) -> None:
+        """Release what the engine holds beyond memory: stops the tensor-parallel ranks.
+        Idempotent; ``stop()`` calls it, and ``with Engine.from_pretrained(...)`` too."""
+        if self._group is not None:
+            self._group.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def scheduler(self) -> Scheduler:
@@ -216,6 +267,7 @@ class Engine:
         if self._forward_pool is not None:
             self._forward_pool.shutdown(wait=False, cancel_futures=True)
         self._online = self._forward_pool = None
+        self.close()
 
     async def __aenter__(self) -> Engine:
         await self.start()

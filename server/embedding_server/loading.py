@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
+from .distributed import SINGLE, Shard
 from .errors import ModelNotFoundError, UnsupportedModelError
 from .models.base import EmbeddingModel
 from .pooling import DenseLayer, PoolingMethod
@@ -358,8 +359,10 @@ def load_model(
     cache_dir: str | None,
     dtype: torch.dtype,
     device: torch.device,
+    shard: Shard = SINGLE,
 ) -> LoadedModel:
-    """Resolve, read and build ``model`` (a path, the packaged default, or a Hub id)."""
+    """Resolve, read and build ``model`` (a path, the packaged default, or a Hub id); with a
+    tensor-parallel ``shard``, that rank's share of the weights."""
     from .models import build_model, lookup
 
     path = resolve_model_path(model, revision=revision, cache_dir=cache_dir)
@@ -368,7 +371,7 @@ def load_model(
     st = read_sentence_transformers(path)
     tokenizer, tokenizer_max = load_tokenizer(path)
     weights = load_weights(path)
-    body = build_model(config, weights, dtype=dtype, device=device)
+    body = build_model(config, weights, dtype=dtype, device=device, shard=shard)
     architectures = config.get("architectures") or [arch.model_type]
     return LoadedModel(
         name=model,
@@ -381,3 +384,21 @@ def load_model(
         st=st,
         default_pooling=arch.default_pooling,
     )
+
+
+def load_shard(
+    model: str,
+    *,
+    revision: str | None,
+    cache_dir: str | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    shard: Shard,
+) -> EmbeddingModel:
+    """Only the body of ``model``, as tensor-parallel rank ``shard`` holds it: what a worker
+    rank needs (no tokenizer, no pooling: those live on rank 0)."""
+    from .models import build_model
+
+    path = resolve_model_path(model, revision=revision, cache_dir=cache_dir)
+    config = read_model_config(path)
+    return build_model(config, load_weights(path), dtype=dtype, device=device, shard=shard)

@@ -17,7 +17,9 @@ from typing import Any, Protocol
 import torch
 
 from ..attention import AttentionPlan, flash_available, plan_attention, varlen_attention
+from ..distributed import SINGLE, Shard
 from ..errors import UnsupportedModelError
+from .layers import HeadSplit
 
 
 @dataclass(eq=False)
@@ -50,6 +52,23 @@ class PackedBatch:
             cu.to(device),
             max(seqlens, default=0),
             seqlens,
+        )
+
+    @classmethod
+    def of(
+        cls, input_ids: torch.Tensor, position_ids: torch.Tensor, seqlens: Sequence[int]
+    ) -> PackedBatch:
+        """A batch from already packed ids and positions (what a tensor-parallel worker
+        receives); ``cu_seqlens`` goes to their device."""
+        lens = torch.tensor(list(seqlens), dtype=torch.int32)
+        cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+        torch.cumsum(lens, 0, out=cu[1:])
+        return cls(
+            input_ids,
+            position_ids,
+            cu.to(input_ids.device),
+            max(seqlens, default=0),
+            tuple(seqlens),
         )
 
     @property
@@ -103,13 +122,15 @@ class EmbeddingModel(Protocol):
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """What a family's builder gets: the config, the weights by Hugging Face name, and the
-    dtype and device the model runs in."""
+    """What a family's builder gets: the config, the weights by Hugging Face name, the
+    dtype and device the model runs in, and the tensor-parallel rank it builds (``shard``:
+    which heads and MLP columns to keep, see ``layers.HeadSplit``)."""
 
     config: Mapping[str, Any]
     weights: Mapping[str, torch.Tensor]
     dtype: torch.dtype
     device: torch.device
+    shard: Shard = SINGLE
 
     def reader(self, *, prefixes: Sequence[str], marker: str, architecture: str) -> WeightReader:
         """The weights, converted, under the family's names (see :class:`WeightReader`)."""
@@ -152,23 +173,49 @@ class WeightReader:
         """Map legacy names onto the current ones before reading."""
         self._weights = {rename(name): t for name, t in self._weights.items()}
 
-    def get(self, name: str) -> torch.Tensor:
+    def _take(self, name: str) -> torch.Tensor:
         try:
-            tensor = self._weights.pop(name)
+            return self._weights.pop(name)
         except KeyError:
             raise UnsupportedModelError(
                 f"{self.architecture} checkpoint lacks the weight {name!r}; is it a complete "
                 f"{self.architecture} model?"
             ) from None
+
+    def _convert(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def get(self, name: str) -> torch.Tensor:
+        """The whole weight (replicated on every tensor-parallel rank)."""
+        return self._convert(self._take(name))
+
+    def rows(self, name: str, select: slice, *, blocks: int = 1) -> torch.Tensor:
+        """Output features ``select`` of a column-parallel weight (or its bias): this rank's
+        share. A fused weight of ``blocks`` equal parts (ModernBERT's ``Wqkv``: 3) gives
+        ``select`` of each part, concatenated. Sliced before the conversion, so only the
+        share reaches the device."""
+        parts = self._take(name).chunk(blocks) if blocks > 1 else (self._take(name),)
+        return self._convert(torch.cat([part[select] for part in parts]))
+
+    def columns(self, name: str, select: slice) -> torch.Tensor:
+        """Input features ``select`` of a row-parallel weight: this rank's share."""
+        return self._convert(self._take(name)[:, select])
 
     def maybe(self, name: str, present: bool) -> torch.Tensor | None:
         """The weight when the config says it exists (``present``), else None."""
         return self.get(name) if present else None
 
-    def cat(self, names: Sequence[str]) -> torch.Tensor:
-        """Weights concatenated along the output dimension (fused projections)."""
-        return torch.cat([self.get(name) for name in names])
+    def cat(self, names: Sequence[str], selects: Sequence[slice]) -> torch.Tensor:
+        """This rank's rows (``selects``, one per name) of several weights concatenated along
+        the output dimension: one matmul instead of several (q/k/v, gate/up)."""
+        return torch.cat(
+            [self.rows(name, select) for name, select in zip(names, selects, strict=True)]
+        )
+
+    def qkv(self, names: Sequence[str], split: HeadSplit) -> torch.Tensor:
+        """The query, key and value projections (weights or biases, in that order) fused,
+        holding this rank's heads."""
+        return self.cat(names, (split.q, split.kv, split.kv))
 
 
 def _strip_prefix(
