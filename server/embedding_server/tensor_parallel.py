@@ -100,6 +100,12 @@ def _backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def _local_transport() -> None:
+    """All ranks share one host: gloo talks over loopback, never over whatever interface the
+    host name resolves to (a pod's IP, or nothing in some containers). Inherited by workers."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
 class TensorParallelGroup:
     """Rank 0's handle on the group: starts the workers, sends plans, watches for failure."""
 
@@ -127,6 +133,7 @@ class TensorParallelGroup:
                     f"tensor_parallel_size {self.size} needs GPUs {first}..{first + self.size - 1}"
                     f"; this process sees {torch.cuda.device_count()}"
                 )
+        _local_transport()
         self._store = TCPStore(
             "127.0.0.1",
             0,
