@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -156,25 +156,50 @@ def read_model_config(path: Path) -> dict[str, Any]:
     return config
 
 
-def load_weights(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint, by their Hugging Face names, on the CPU."""
-    from safetensors.torch import load_file
+class SafetensorsWeights(Mapping[str, torch.Tensor]):
+    """The tensors of safetensors files by name, each read from its file when asked for.
 
+    The model builders read one weight at a time, keep their rank's share and drop the rest,
+    so a checkpoint is never in memory whole: what makes loading a shard of a large model
+    cost that shard, not the model, on every tensor-parallel rank.
+    """
+
+    def __init__(self, files: Sequence[Path]) -> None:
+        from safetensors import safe_open
+
+        self._files = {str(f): safe_open(str(f), framework="pt") for f in files}
+        self._where = {
+            name: f
+            for f, handle in self._files.items()
+            for name in handle.keys()  # type: ignore[no-untyped-call]  # noqa: SIM118
+        }
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        handle = self._files[self._where[name]]
+        tensor: torch.Tensor = handle.get_tensor(name)  # type: ignore[no-untyped-call]
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def load_weights(path: Path) -> Mapping[str, torch.Tensor]:
+    """All tensors of a checkpoint, by their Hugging Face names, on the CPU (safetensors read
+    lazily, tensor by tensor: :class:`SafetensorsWeights`)."""
     single = path / "model.safetensors"
     if single.is_file():
-        return load_file(str(single))
+        return SafetensorsWeights([single])
     index = read_json(path / "model.safetensors.index.json")
     if isinstance(index, dict):
-        weights: dict[str, torch.Tensor] = {}
-        for shard in sorted(set(index["weight_map"].values())):
-            weights.update(load_file(str(path / shard)))
-        return weights
+        return SafetensorsWeights(
+            [path / shard for shard in sorted(set(index["weight_map"].values()))]
+        )
     shards = sorted(path.glob("*.safetensors"))
     if shards:
-        weights = {}
-        for shard in shards:
-            weights.update(load_file(str(shard)))
-        return weights
+        return SafetensorsWeights(shards)
     bin_index = read_json(path / "pytorch_model.bin.index.json")
     bins = (
         [path / f for f in sorted(set(bin_index["weight_map"].values()))]
@@ -182,9 +207,9 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
         else [path / "pytorch_model.bin"]
     )
     if all(b.is_file() for b in bins):
-        weights = {}
+        weights: dict[str, torch.Tensor] = {}
         for b in bins:
-            weights.update(torch.load(b, map_location="cpu", weights_only=True))
+            weights.update(torch.load(b, map_location="cpu", weights_only=True, mmap=True))
         return weights
     raise UnsupportedModelError(
         f"{path} holds no weights (model.safetensors, sharded safetensors or pytorch_model.bin)"

@@ -10,7 +10,7 @@ math. Weights come from Hugging Face checkpoints by their names (:class:`WeightR
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -163,19 +163,23 @@ class WeightReader:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        self._weights = _strip_prefix(weights, prefixes, marker)
+        # Names are resolved up front, tensors only when read: with a lazy mapping (loading's
+        # safetensors reader) each is loaded, sliced to this rank's share and converted on
+        # its own, so no rank ever holds the whole checkpoint.
+        self._weights = weights
+        self._names = _strip_prefix(weights.keys(), prefixes, marker)
         self.architecture, self.dtype, self.device = architecture, dtype, device
 
     def __contains__(self, name: str) -> bool:
-        return name in self._weights
+        return name in self._names
 
     def rename(self, rename: Callable[[str], str]) -> None:
         """Map legacy names onto the current ones before reading."""
-        self._weights = {rename(name): t for name, t in self._weights.items()}
+        self._names = {rename(name): source for name, source in self._names.items()}
 
     def _take(self, name: str) -> torch.Tensor:
         try:
-            return self._weights.pop(name)
+            return self._weights[self._names.pop(name)]
         except KeyError:
             raise UnsupportedModelError(
                 f"{self.architecture} checkpoint lacks the weight {name!r}; is it a complete "
@@ -218,17 +222,14 @@ class WeightReader:
         return self.cat(names, (split.q, split.kv, split.kv))
 
 
-def _strip_prefix(
-    weights: Mapping[str, torch.Tensor], prefixes: Sequence[str], marker: str
-) -> dict[str, torch.Tensor]:
+def _strip_prefix(names: Iterable[str], prefixes: Sequence[str], marker: str) -> dict[str, str]:
+    """Our name -> the checkpoint's name, with the first prefix that precedes ``marker``
+    stripped (and names outside it dropped)."""
+    names = list(names)
     for prefix in prefixes:
-        if any(name.startswith(prefix + marker) for name in weights):
-            return {
-                name.removeprefix(prefix): t
-                for name, t in weights.items()
-                if name.startswith(prefix)
-            }
-    return dict(weights)
+        if any(name.startswith(prefix + marker) for name in names):
+            return {name.removeprefix(prefix): name for name in names if name.startswith(prefix)}
+    return {name: name for name in names}
 
 
 def config_get(config: Mapping[str, Any], *names: str, default: Any = None) -> Any:
