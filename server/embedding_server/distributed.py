@@ -40,6 +40,13 @@ class Shard:
         step = total // self.size
         return slice(self.rank * step, (self.rank + 1) * step)
 
+    def chunk(self, total: int) -> slice:
+        """This rank's contiguous share of ``total`` rows when they need not divide evenly
+        (vocabularies): ``ceil(total / size)`` each, the last ranks possibly fewer."""
+        step = -(-total // self.size)
+        start = min(total, self.rank * step)
+        return slice(start, min(total, start + step))
+
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks, in place (a no-op on one rank)."""
         if self.parallel:

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _models import MINILM_DIR, build_decoder, build_xlm_roberta
+from embedding_server.distributed import Shard
 from embedding_server.engine import Engine
 from embedding_server.errors import UnsupportedModelError
 from test_modernbert import build_modernbert
@@ -122,6 +123,16 @@ def test_each_rank_holds_half_the_attention_and_mlp(model_dir: Callable[[str], P
         assert part.o_w.shape[1] * 2 == whole.o_w.shape[1]
         assert part.gate_up_w.shape[0] * 2 == whole.gate_up_w.shape[0]
         assert part.down_w.shape[1] * 2 == whole.down_w.shape[1]
+        # Vocab-parallel token embeddings: half the rows each.
+        whole_rows = single._runner.model.embed.weight.shape[0]  # type: ignore[attr-defined]
+        assert parallel._runner.model.model.embed.weight.shape[0] * 2 == whole_rows  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("total", "size"), [(30522, 2), (7, 3), (2, 4), (260, 8)])
+def test_vocabulary_rows_are_split_without_gap_or_overlap(total: int, size: int) -> None:
+    rows = [Shard(rank, size).chunk(total) for rank in range(size)]
+    covered = [i for r in rows for i in range(total)[r]]
+    assert covered == list(range(total))
 
 
 def test_a_size_that_does_not_divide_the_heads_is_refused(

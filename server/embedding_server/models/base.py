@@ -19,7 +19,7 @@ import torch
 from ..attention import AttentionPlan, flash_available, plan_attention, varlen_attention
 from ..distributed import SINGLE, Shard
 from ..errors import UnsupportedModelError
-from .layers import HeadSplit
+from .layers import HeadSplit, VocabEmbedding
 
 
 @dataclass(eq=False)
@@ -141,6 +141,7 @@ class Checkpoint:
             architecture=architecture,
             dtype=self.dtype,
             device=self.device,
+            shard=self.shard,
         )
 
 
@@ -162,7 +163,9 @@ class WeightReader:
         architecture: str,
         dtype: torch.dtype,
         device: torch.device,
+        shard: Shard = SINGLE,
     ) -> None:
+        self.shard = shard
         # Names are resolved up front, tensors only when read: with a lazy mapping (loading's
         # safetensors reader) each is loaded, sliced to this rank's share and converted on
         # its own, so no rank ever holds the whole checkpoint.
@@ -200,6 +203,12 @@ class WeightReader:
         share reaches the device."""
         parts = self._take(name).chunk(blocks) if blocks > 1 else (self._take(name),)
         return self._convert(torch.cat([part[select] for part in parts]))
+
+    def embedding(self, name: str) -> VocabEmbedding:
+        """A token embedding table, split by vocabulary rows on tensor-parallel ranks."""
+        weight = self._take(name)
+        rows = self.shard.chunk(weight.shape[0])
+        return VocabEmbedding(self._convert(weight[rows]), rows, self.shard)
 
     def columns(self, name: str, select: slice) -> torch.Tensor:
         """Input features ``select`` of a row-parallel weight: this rank's share."""

@@ -79,7 +79,7 @@ class BertModel:
         )
         w.rename(_legacy_name)
         get = w.get
-        self.word_emb = get("embeddings.word_embeddings.weight")
+        self.word_emb = w.embedding("embeddings.word_embeddings.weight")
         self.pos_emb = get("embeddings.position_embeddings.weight")
         if "embeddings.token_type_embeddings.weight" in w:
             type0 = get("embeddings.token_type_embeddings.weight")[0]
@@ -112,7 +112,7 @@ class BertModel:
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         t = batch.input_ids.shape[0]
         h, heads, d, shard = self.hidden_size, self.split.heads, self.head_dim, self.shard
-        x = self.word_emb[batch.input_ids]
+        x = self.word_emb(batch.input_ids)
         x += self.pos_emb[batch.position_ids]
         x += self.type0
         x = F.layer_norm(x, (h,), self.emb_ln_w, self.emb_ln_b, self.eps)

@@ -192,7 +192,7 @@ class Gemma3TextModel:
             # Rounded to the model dtype first, as the module's parameter is.
             return 1.0 + get(name).float()
 
-        self.embed = get("embed_tokens.weight")
+        self.embed = w.embedding("embed_tokens.weight")
         self.embed_scale = torch.tensor(math.sqrt(self.hidden_size)).to(dtype=dtype, device=device)
         self.norm = norm("norm.weight")
         self.layers: list[_Layer] = []
@@ -229,7 +229,7 @@ class Gemma3TextModel:
         hq, hkv, d, eps = self.split.heads, self.split.kv_heads, self.head_dim, self.eps
         global_rope = self.rotary[FULL_ATTENTION].lookup(batch.position_ids, batch.max_seqlen)
         local_rope = self.rotary[SLIDING_ATTENTION].lookup(batch.position_ids, batch.max_seqlen)
-        x = self.embed[batch.input_ids] * self.embed_scale
+        x = self.embed(batch.input_ids) * self.embed_scale
         for layer in self.layers:
             rope = local_rope if layer.local else global_rope
             h = gemma_rms_norm(x, layer.in_norm, eps)

@@ -162,7 +162,7 @@ class LlamaModel:
             marker="layers.",
             architecture=model_type,
         )
-        self.embed = w.get("embed_tokens.weight")
+        self.embed = w.embedding("embed_tokens.weight")
         self.norm = w.get("norm.weight")
         self.layers: list[_Layer] = []
         for i, window in enumerate(windows):
@@ -199,7 +199,7 @@ class LlamaModel:
         t = batch.input_ids.shape[0]
         hq, hkv, d, shard = self.split.heads, self.split.kv_heads, self.head_dim, self.shard
         rope = self.rotary.lookup(batch.position_ids, batch.max_seqlen)
-        x = self.embed[batch.input_ids]
+        x = self.embed(batch.input_ids)
         for layer in self.layers:
             h = rms_norm(x, layer.in_norm, self.eps)
             qkv = F.linear(h, layer.qkv_w, layer.qkv_b)

@@ -155,7 +155,7 @@ class ModernBertModel:
         )
         get, maybe = w.get, w.maybe
 
-        self.tok_emb = get("embeddings.tok_embeddings.weight")
+        self.tok_emb = w.embedding("embeddings.tok_embeddings.weight")
         self.emb_norm_w = get("embeddings.norm.weight")
         self.emb_norm_b = maybe("embeddings.norm.bias", norm_bias)
         self.layers: list[_Layer] = []
@@ -196,7 +196,7 @@ class ModernBertModel:
             kind: table.lookup(batch.position_ids, batch.max_seqlen)
             for kind, table in self.rotary.items()
         }
-        x = self._norm(self.tok_emb[batch.input_ids], self.emb_norm_w, self.emb_norm_b)
+        x = self._norm(self.tok_emb(batch.input_ids), self.emb_norm_w, self.emb_norm_b)
         for layer in self.layers:
             a = x  # layer 0's attention norm is the identity
             if layer.attn_norm_w is not None:
