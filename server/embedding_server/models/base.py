@@ -190,7 +190,10 @@ class WeightReader:
             ) from None
 
     def _convert(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(device=self.device, dtype=self.dtype).contiguous()
+        out = tensor.to(device=self.device, dtype=self.dtype).contiguous()
+        if out.untyped_storage().nbytes() > out.nbytes:
+            out = out.clone()  # a rank's share viewing the whole: keep only the share
+        return out
 
     def get(self, name: str) -> torch.Tensor:
         """The whole weight (replicated on every tensor-parallel rank)."""
