@@ -75,6 +75,7 @@ $(INFINITY_VENV)/bin/python:
 bench: $(call STAMP,dev) binaries $(INFINITY_VENV)/bin/python ## Benchmarks against sentence-transformers and peers (prints ratios)
 	$(PY) bench/offline.py --texts 200
 	$(PY) bench/http_load.py --texts 256 --infinity-python $(INFINITY_VENV)/bin/python
+	$(PY) bench/tensor_parallel.py --texts 200
 	$(PY) bench/operator.py
 
 cluster-up: $(call STAMP,dev) binaries ## Start the local cluster (a real node, fake GPU nodes, images loaded); prints the exports
