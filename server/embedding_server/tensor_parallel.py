@@ -232,6 +232,8 @@ class TensorParallelGroup:
         if self.failure is not None:
             raise RankFailedError(self.failure)
         with self._lock:
+            if self._closed.is_set():
+                raise RankFailedError("the tensor-parallel ranks have been stopped")
             self._busy_since = time.monotonic()
             try:
                 return work()
@@ -285,6 +287,8 @@ class TensorParallelGroup:
         """Stop every rank: tell the workers to exit, then kill any that linger."""
         if self._closed.is_set():
             return
+        # From here on nothing starts a collective, and what fails is the shutdown's doing.
+        self._closed.set()
         if self.failure is None and dist.is_initialized() and self._lock.acquire(timeout=1.0):
             try:
                 _send(_STOP, None, self.device)
@@ -292,7 +296,6 @@ class TensorParallelGroup:
                 logger.debug("stop message not delivered", exc_info=True)
             finally:
                 self._lock.release()
-        self._closed.set()
         _reap(self._workers, grace=STOP_GRACE_S)
         # After a failure a collective may still be blocked on the forward thread; the
         # process is exiting then, and tearing the group down could block with it.
