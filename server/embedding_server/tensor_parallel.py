@@ -181,6 +181,8 @@ class TensorParallelGroup:
         Loading has no deadline of its own (a download can take long); a worker that exits
         is noticed at once.
         """
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # NCCL binds rank 0 to the current device
         pending = set(range(1, self.size))
         while pending:
             for rank in sorted(pending):
@@ -221,7 +223,10 @@ class TensorParallelGroup:
 
         def work() -> torch.Tensor:
             _send(_FORWARD, batch, self.device)
-            return model.forward(batch)
+            hidden = model.forward(batch)
+            if hidden.is_cuda:  # NCCL is asynchronous: wait here, where the watchdog times it
+                torch.cuda.synchronize(hidden.device)
+            return hidden
 
         return self._collective(work)
 
