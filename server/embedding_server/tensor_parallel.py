@@ -354,6 +354,19 @@ def _watch_parent(stdin: IO[bytes]) -> None:
     os._exit(0)
 
 
+class _RankFilter(logging.Filter):
+    """Stamp a worker's records with its rank (``tp_rank`` in JSON logs), since every rank
+    writes to the pod's one log."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.tp_rank = self.rank
+        return True
+
+
 def _serve(model: EmbeddingModel, device: torch.device, threads: int) -> None:
     with torch.inference_mode():
         while True:
@@ -383,6 +396,8 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--log-format", default="text", choices=["text", "json"])
     args = parser.parse_args(argv)
     configure_logging(args.log_level, args.log_format)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_RankFilter(args.rank))
     stdin = sys.stdin.buffer
     settings = EngineSettings.model_validate_json(stdin.readline())
     threading.Thread(target=_watch_parent, args=(stdin,), name="parent-watch", daemon=True).start()

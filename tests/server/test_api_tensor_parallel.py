@@ -112,6 +112,7 @@ def test_openai_client_gets_the_single_rank_vectors_and_sigterm_stops_both_ranks
         expected = single.embed(TEXTS)
     assert (got * expected).sum(1).min() >= 0.99999
     assert response.usage.prompt_tokens > 0
+    assert httpx.get(served.url + "/info").json()["tensor_parallel_size"] == 2
 
     workers = served.workers()
     served.process.send_signal(signal.SIGTERM)
