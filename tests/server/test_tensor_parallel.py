@@ -13,6 +13,7 @@ import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -149,3 +150,29 @@ def test_closing_the_engine_stops_its_ranks(model_dir: Callable[[str], Path]) ->
         assert pids and all(_alive(pid) for pid in pids)
         engine.embed(["still works"])
     assert not any(_alive(pid) for pid in pids)
+
+
+def test_the_batch_plan_crosses_once_per_batch(
+    model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One header and one payload broadcast per forward pass, whatever the number of
+    sequences in it or of layers in the model (MiniLM has 6)."""
+    import threading
+
+    import torch.distributed as dist
+
+    caller = threading.get_ident()
+    calls: list[int] = []
+    broadcast = dist.broadcast
+
+    def counting(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() == caller:  # not the idle heartbeat's
+            calls.append(tensor.numel())
+        return broadcast(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "broadcast", counting)
+    with Engine.from_pretrained(str(model_dir("minilm")), tensor_parallel_size=2) as engine:
+        engine.embed(TEXTS)  # one batch of five sequences
+        assert len(calls) == 2 and calls[0] == 3  # the header, then the packed plan
+        engine.embed(["one more"])
+        assert len(calls) == 4
