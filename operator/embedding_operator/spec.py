@@ -112,7 +112,7 @@ class Server(_Model):
     max_batch_tokens: int | None = Field(default=None, ge=1)
     max_batch_size: int | None = Field(default=None, ge=1)
     max_queue_tokens: int | None = Field(default=None, ge=1)
-    shm_size: IntOrString = "1Gi"
+    shm_size: IntOrString | None = None
     startup_timeout_seconds: int = Field(default=1800, ge=30, le=86400)
     extra_args: list[str] = Field(default_factory=list)
     env: list[EnvVar] = Field(default_factory=list)
@@ -222,12 +222,6 @@ class EmbeddingServiceSpec(_Model):
     model_cache: ModelCache = ModelCache()
     service: ServiceSpec = ServiceSpec()
     api_key_secret_ref: ApiKeySecretRef | None = None
-
-    @model_validator(mode="after")
-    def _cpu_has_no_tensor_parallelism(self) -> EmbeddingServiceSpec:
-        if self.gpu.type == "cpu" and self.parallelism.tensor_parallel_size != 1:
-            raise ValueError("tensorParallelSize must be 1 when gpu.type is cpu")
-        return self
 
     @property
     def served_name(self) -> str:

@@ -7,7 +7,7 @@ Three conditions, following Kubernetes API conventions (and the ClusterOperator 
 * ``Progressing``: the operator or the Deployment is moving toward the spec (rolling out,
   scaling). False once converged.
 * ``Degraded``: the desired state cannot be reached without someone acting: a spec only the
-  operator can judge (UnknownGPUType, TensorParallelUnsupported), a missing Secret, a child the
+  operator can judge (UnknownGPUType), a missing Secret, a child the
   API server refuses, a rollout past its progress deadline.
 
 Everything here is pure: the reconciler gathers the facts, ``compute_status`` turns them into
@@ -40,7 +40,6 @@ DEPLOYMENT_PENDING = "DeploymentPending"
 PROGRESS_DEADLINE_EXCEEDED = "ProgressDeadlineExceeded"
 INVALID_SPEC = "InvalidSpec"
 UNKNOWN_GPU_TYPE = "UnknownGPUType"
-TENSOR_PARALLEL_UNSUPPORTED = "TensorParallelUnsupported"
 SECRET_NOT_FOUND = "SecretNotFound"
 CHILD_CONFLICT = "ChildConflict"
 CHILD_REJECTED = "ChildRejected"

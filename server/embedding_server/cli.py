@@ -36,6 +36,10 @@ ENV_PREFIX = "EMBEDDING_SERVER_"
 EXIT_BAD_SETTINGS = 2
 """Exit status for invalid settings (argparse's own status for usage errors)."""
 
+FATAL_EXIT_GRACE_S = 10.0
+"""After a fatal error (the model failed to load, a tensor-parallel rank died or hangs) the
+server shuts down as usual, but exits with status 1 at the latest this long after."""
+
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
@@ -204,7 +208,16 @@ def serve(settings: ServerSettings) -> int:
         server_header=False,
     )
     server = DrainingServer(config, lifecycle)
-    lifecycle.on_fatal = lambda: setattr(server, "should_exit", True)
+
+    def fatal() -> None:
+        server.should_exit = True
+        # A forward pass blocked in a collective of a failed tensor-parallel group may never
+        # return; a failed server must still exit, so it is ended after a grace period.
+        timer = threading.Timer(FATAL_EXIT_GRACE_S, os._exit, args=(lifecycle.exit_code or 1,))
+        timer.daemon = True
+        timer.start()
+
+    lifecycle.on_fatal = fatal
     server.run()
     if lifecycle.exit_code == 0 and not server.started:
         return 1  # e.g. the port was taken; uvicorn logged why

@@ -39,6 +39,7 @@ class EngineConfig:
     head: PoolingHead
     prompts: Prompts
     cpu_threads: int
+    tensor_parallel_size: int
 
 
 def resolve_config(
@@ -73,7 +74,9 @@ def resolve_config(
         include_prompt=st.include_prompt,
         head=PoolingHead(dense=dense, matryoshka=matryoshka, normalize=normalize),
         prompts=_prompts(settings, loaded),
-        cpu_threads=cpu_thread_budget(),
+        # Tensor-parallel ranks on one host share its CPUs.
+        cpu_threads=max(1, cpu_thread_budget() // settings.tensor_parallel_size),
+        tensor_parallel_size=settings.tensor_parallel_size,
     )
 
 
@@ -176,7 +179,9 @@ class EngineInfo:
     full_dimensions: int
     vocab_size: int
     cpu_threads: int
-    """torch intra-op threads for CPU forward passes."""
+    """torch intra-op threads for CPU forward passes (per rank)."""
+    tensor_parallel_size: int
+    """Ranks the model is split over (``--tensor-parallel-size``)."""
     max_batch_tokens: int
     max_batch_size: int
     max_queue_tokens: int
@@ -218,6 +223,7 @@ def describe(
         full_dimensions=m.full,
         vocab_size=vocab_size,
         cpu_threads=config.cpu_threads,
+        tensor_parallel_size=config.tensor_parallel_size,
         max_batch_tokens=config.max_batch_tokens,
         max_batch_size=config.max_batch_size,
         max_queue_tokens=config.max_queue_tokens,

@@ -38,8 +38,9 @@ import torch
 
 from .attention import probe, select_backend
 from .configuration import EngineInfo, describe, resolve_config
+from .distributed import SINGLE
 from .dtypes import resolve_device, resolve_dtype
-from .errors import NotReadyError
+from .errors import NotReadyError, UnsupportedModelError
 from .fake import is_fake, load_fake
 from .jobs import (
     DirectRunner,
@@ -61,6 +62,7 @@ from .runner import ModelRunner
 from .scheduler import Scheduler
 from .scoring import cosine_scores, pair_inputs
 from .settings import DEFAULT_MODEL, EngineSettings
+from .tensor_parallel import TensorParallelGroup, TensorParallelModel
 from .tokenization import (
     TextInput,
     TextTokenizer,
@@ -106,8 +108,10 @@ class Engine:
         metrics: Metrics | None = None,
         device: torch.device,
         load_seconds: float = 0.0,
+        group: TensorParallelGroup | None = None,
     ) -> None:
         self.settings, self.metrics = settings, metrics
+        self._group = group
         self._load_seconds = load_seconds
         self._config = config = resolve_config(settings, loaded, device=device)
         attention = select_backend(settings.attention, probe(device, loaded.dtype, loaded.head_dim))
@@ -172,27 +176,74 @@ class Engine:
         started = time.perf_counter()
         device = resolve_device(settings.device)
         if is_fake(settings.model):
-            loaded = load_fake(
-                settings.model, device=device, dtype=resolve_dtype(settings.dtype, device)
-            )
-        else:
+            if settings.tensor_parallel_size > 1:
+                raise UnsupportedModelError(
+                    "tensor_parallel_size > 1 needs a real model; the fake backend has no "
+                    "weights to split"
+                )
+            dtype = resolve_dtype(settings.dtype, device)
+            loaded = load_fake(settings.model, device=device, dtype=dtype)
+            return cls(settings, loaded, metrics=metrics, device=device)
+        group = TensorParallelGroup(settings, device) if settings.tensor_parallel_size > 1 else None
+        try:
+            if group is not None:
+                device = group.device
             loaded = load_model(
                 settings.model,
                 revision=settings.revision,
                 cache_dir=settings.cache_dir,
                 dtype=settings.dtype,
                 device=device,
+                shard=group.shard if group is not None else SINGLE,
             )
-        seconds = time.perf_counter() - started
-        return cls(settings, loaded, metrics=metrics, device=device, load_seconds=seconds)
+            if group is not None:
+                group.join()
+                loaded.model = TensorParallelModel(loaded.model, group)
+            seconds = time.perf_counter() - started
+            return cls(
+                settings,
+                loaded,
+                metrics=metrics,
+                device=device,
+                load_seconds=seconds,
+                group=group,
+            )
+        except BaseException:
+            if group is not None:
+                group.close()
+            raise
 
     def info(self) -> EngineInfo:
         return self._info
 
     @property
     def ready(self) -> bool:
-        """True between a successful warm-up in ``start()`` and ``stop()``."""
-        return self._ready
+        """True between a successful warm-up in ``start()`` and ``stop()``, unless a
+        tensor-parallel rank has failed."""
+        return self._ready and (self._group is None or self._group.failure is None)
+
+    @property
+    def tensor_parallel(self) -> TensorParallelGroup | None:
+        """The tensor-parallel group (ranks 1..N-1) when ``tensor_parallel_size > 1``."""
+        return self._group
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(message)`` if the engine can no longer serve (a tensor-parallel
+        rank died or hangs); it runs on a watchdog thread. Never called on one rank."""
+        if self._group is not None:
+            self._group.on_failure(callback)
+
+    def close(self) -> None:
+        """Release what the engine holds beyond memory: stops the tensor-parallel ranks.
+        Idempotent; ``stop()`` calls it, and ``with Engine.from_pretrained(...)`` too."""
+        if self._group is not None:
+            self._group.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def scheduler(self) -> Scheduler:
@@ -230,6 +281,7 @@ class Engine:
         if self._forward_pool is not None:
             self._forward_pool.shutdown(wait=False, cancel_futures=True)
         self._online = self._forward_pool = None
+        self.close()
 
     async def __aenter__(self) -> Engine:
         await self.start()

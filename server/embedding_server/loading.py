@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
+from .distributed import SINGLE, Shard
 from .dtypes import resolve_dtype
 from .errors import ModelNotFoundError, UnsupportedModelError
 from .models.base import EmbeddingModel
@@ -156,25 +157,50 @@ def read_model_config(path: Path) -> dict[str, Any]:
     return config
 
 
-def load_weights(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint, by their Hugging Face names, on the CPU."""
-    from safetensors.torch import load_file
+class SafetensorsWeights(Mapping[str, torch.Tensor]):
+    """The tensors of safetensors files by name, each read from its file when asked for.
 
+    The model builders read one weight at a time, keep their rank's share and drop the rest,
+    so a checkpoint is never in memory whole: what makes loading a shard of a large model
+    cost that shard, not the model, on every tensor-parallel rank.
+    """
+
+    def __init__(self, files: Sequence[Path]) -> None:
+        from safetensors import safe_open
+
+        self._files = {str(f): safe_open(str(f), framework="pt") for f in files}
+        self._where = {
+            name: f
+            for f, handle in self._files.items()
+            for name in handle.keys()  # type: ignore[no-untyped-call]  # noqa: SIM118
+        }
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        handle = self._files[self._where[name]]
+        tensor: torch.Tensor = handle.get_tensor(name)  # type: ignore[no-untyped-call]
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def load_weights(path: Path) -> Mapping[str, torch.Tensor]:
+    """All tensors of a checkpoint, by their Hugging Face names, on the CPU (safetensors read
+    lazily, tensor by tensor: :class:`SafetensorsWeights`)."""
     single = path / "model.safetensors"
     if single.is_file():
-        return load_file(str(single))
+        return SafetensorsWeights([single])
     index = read_json(path / "model.safetensors.index.json")
     if isinstance(index, dict):
-        weights: dict[str, torch.Tensor] = {}
-        for shard in sorted(set(index["weight_map"].values())):
-            weights.update(load_file(str(path / shard)))
-        return weights
+        return SafetensorsWeights(
+            [path / shard for shard in sorted(set(index["weight_map"].values()))]
+        )
     shards = sorted(path.glob("*.safetensors"))
     if shards:
-        weights = {}
-        for shard in shards:
-            weights.update(load_file(str(shard)))
-        return weights
+        return SafetensorsWeights(shards)
     bin_index = read_json(path / "pytorch_model.bin.index.json")
     bins = (
         [path / f for f in sorted(set(bin_index["weight_map"].values()))]
@@ -182,9 +208,9 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
         else [path / "pytorch_model.bin"]
     )
     if all(b.is_file() for b in bins):
-        weights = {}
+        weights: dict[str, torch.Tensor] = {}
         for b in bins:
-            weights.update(torch.load(b, map_location="cpu", weights_only=True))
+            weights.update(torch.load(b, map_location="cpu", weights_only=True, mmap=True))
         return weights
     raise UnsupportedModelError(
         f"{path} holds no weights (model.safetensors, sharded safetensors or pytorch_model.bin)"
@@ -371,9 +397,11 @@ def load_model(
     cache_dir: str | None,
     dtype: Dtype,
     device: torch.device,
+    shard: Shard = SINGLE,
 ) -> LoadedModel:
     """Resolve, read and build ``model`` (a path, the packaged default, or a Hub id), in the
-    dtype that ``dtype`` resolves to for this device and architecture."""
+    dtype that ``dtype`` resolves to for this device and architecture; with a tensor-parallel
+    ``shard``, that rank's share of the weights."""
     from .models import build_model, lookup
 
     path = resolve_model_path(model, revision=revision, cache_dir=cache_dir)
@@ -384,7 +412,7 @@ def load_model(
     st = read_sentence_transformers(path)
     tokenizer, tokenizer_max = load_tokenizer(path)
     weights = load_weights(path)
-    body = build_model(config, weights, dtype=compute_dtype, device=device)
+    body = build_model(config, weights, dtype=compute_dtype, device=device, shard=shard)
     architectures = config.get("architectures") or [arch.model_type]
     return LoadedModel(
         name=model,
@@ -399,3 +427,26 @@ def load_model(
         dtype=compute_dtype,
         head_dim=head_dim_of(config),
     )
+
+
+def load_shard(
+    model: str,
+    *,
+    revision: str | None,
+    cache_dir: str | None,
+    dtype: Dtype,
+    device: torch.device,
+    shard: Shard,
+) -> tuple[EmbeddingModel, torch.dtype, int]:
+    """Only the body of ``model``, as tensor-parallel rank ``shard`` holds it: what a worker
+    rank needs (no tokenizer, no pooling: those live on rank 0); with the dtype it runs in
+    (resolved as :func:`load_model` resolves it) and its attention head width."""
+    from .models import build_model, lookup
+
+    path = resolve_model_path(model, revision=revision, cache_dir=cache_dir)
+    config = read_model_config(path)
+    arch = lookup(config)
+    overflows = arch.model_type if arch.float16_overflows else None
+    compute_dtype = resolve_dtype(dtype, device, fp16_overflows=overflows)
+    body = build_model(config, load_weights(path), dtype=compute_dtype, device=device, shard=shard)
+    return body, compute_dtype, head_dim_of(config)

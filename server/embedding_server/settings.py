@@ -124,7 +124,18 @@ class EngineSettings(BaseSettings):
     )
     tokenizer_workers: int = Field(2, gt=0, description="Threads for batched tokenization.")
     tensor_parallel_size: int = Field(
-        1, gt=0, description="GPUs per replica. Only 1 is supported today."
+        1,
+        gt=0,
+        description="Ranks per replica, each holding 1/N of the weights (attention heads and "
+        "MLP columns split Megatron-style): one GPU each on CUDA (NCCL), one process each on "
+        "CPU (gloo). Must divide the model's attention heads; rank 0 serves HTTP.",
+    )
+    tensor_parallel_timeout: float = Field(
+        60.0,
+        gt=0,
+        description="Seconds a tensor-parallel forward pass or heartbeat may take before a "
+        "rank counts as hung: the server then stops being ready and exits non-zero. A rank "
+        "that dies is noticed within a second.",
     )
     default_prompt_name: str | None = Field(
         None,
@@ -132,15 +143,6 @@ class EngineSettings(BaseSettings):
         "sentence-transformers config) applied when a "
         "request names none.",
     )
-
-    @field_validator("tensor_parallel_size")
-    @classmethod
-    def _only_tp1(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError(
-                "tensor parallelism is not implemented yet; use 1 and scale with replicas"
-            )
-        return value
 
     @field_validator("matryoshka_dimensions", mode="before")
     @classmethod

@@ -216,10 +216,6 @@ def test_cel_rules_are_mirrored_by_the_model(schema: dict[str, Any]) -> None:
         "minReplicas": {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}},
         "size": {"modelCache": {"mode": "pvc"}},
         "claimName": {"modelCache": {"mode": "existing"}},
-        "tensorParallelSize must be 1": {
-            "gpu": {"type": "cpu"},
-            "parallelism": {"tensorParallelSize": 2},
-        },
         "matryoshkaDimensions": {
             "embedding": {"dimensions": 100, "matryoshkaDimensions": [64, 128]}
         },

@@ -6,11 +6,7 @@ from typing import Any
 
 import pytest
 from embedding_operator.builders import desired_children
-from embedding_operator.builders.deployment import (
-    build_deployment,
-    server_args,
-    tensor_parallel_refusal,
-)
+from embedding_operator.builders.deployment import build_deployment, server_args
 from embedding_operator.builders.hpa import build_hpa
 from embedding_operator.builders.pdb import wants_pdb
 from embedding_operator.builders.pvc import build_pvc
@@ -128,30 +124,32 @@ H100 = {"model": MODEL, "gpu": {"type": "h100"}}
 
 
 @pytest.mark.parametrize(
-    ("spec", "refused"),
+    ("spec", "gpus", "shm"),
     [
-        (H100, False),
-        ({**H100, "parallelism": {"tensorParallelSize": 1}}, False),
-        ({**H100, "parallelism": {"tensorParallelSize": 4}}, True),
+        (H100, "1", "1Gi"),
+        ({**H100, "parallelism": {"tensorParallelSize": 4}}, "4", "4Gi"),
         (
-            {
-                **H100,
-                "parallelism": {"tensorParallelSize": 4},
-                "server": {"image": "me/tp-server:1"},
-            },
-            False,
+            {**H100, "parallelism": {"tensorParallelSize": 4}, "server": {"shmSize": "6Gi"}},
+            "4",
+            "6Gi",
         ),
+        ({"model": MODEL, "parallelism": {"tensorParallelSize": 2}}, None, "2Gi"),
     ],
-    ids=["tp-default", "tp1", "tp4-bundled", "tp4-custom-image"],
+    ids=["tp1", "tp4-bundled", "tp4-own-shm", "tp2-cpu"],
 )
-def test_tensor_parallel_refused_only_on_the_bundled_server(
-    spec: dict[str, Any], refused: bool
+def test_tensor_parallel_pod_asks_for_a_gpu_and_shm_per_rank(
+    spec: dict[str, Any], gpus: str | None, shm: str
 ) -> None:
-    refusal = tensor_parallel_refusal(render_input(spec))
-    assert (refusal is not None) == refused
-    if refusal is not None:
-        assert refusal.startswith("spec.parallelism.tensorParallelSize: 4 ")
-        assert "spec.server.image" in refusal
+    render = render_input(spec)
+    deployment = build_deployment(render)
+    container = _container(deployment)
+    size = str(render.spec.parallelism.tensor_parallel_size)
+    assert container["image"] == render.default_image  # the bundled server
+    assert _flag(container["args"], "--tensor-parallel-size") == size
+    assert container.get("resources", {}).get("limits", {}).get("nvidia.com/gpu") == gpus
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": shm}
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
 
 
 def test_deployment_for_cpu_has_no_gpu() -> None:

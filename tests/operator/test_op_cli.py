@@ -54,7 +54,7 @@ def test_render_reports_bad_specs(
     assert "me/img:2" in out and "NVIDIA-L4" in out
 
 
-def test_render_refuses_tensor_parallelism_on_the_bundled_server(
+def test_render_prints_tensor_parallelism_on_the_bundled_server(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     manifest = tmp_path / "tp.yaml"
@@ -63,17 +63,10 @@ def test_render_refuses_tensor_parallelism_on_the_bundled_server(
         "metadata: {name: tp}\n"
         "spec: {model: {name: m}, gpu: {type: h100}, parallelism: {tensorParallelSize: 2}}\n"
     )
-    assert main(["render", "-f", str(manifest)]) == 2
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    assert "tp: spec.parallelism.tensorParallelSize: 2 " in captured.err
-    # A custom server image is trusted with tensor parallelism, as the operator does.
-    manifest.write_text(
-        manifest.read_text().replace("{name: m}", "{name: m}, server: {image: x:1}")
-    )
     docs = {d["kind"]: d for d in _render(manifest, capsys)}
     (container,) = docs["Deployment"]["spec"]["template"]["spec"]["containers"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert container["args"][container["args"].index("--tensor-parallel-size") + 1] == "2"
 
 
 def test_run_flags_override_env(monkeypatch: pytest.MonkeyPatch) -> None:

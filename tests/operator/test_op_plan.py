@@ -27,23 +27,25 @@ def test_a_good_spec_plans_the_builders_children() -> None:
 
 
 @pytest.mark.parametrize(
-    ("spec", "reason", "field", "has_render"),
+    ("spec", "reason", "field"),
     [
-        ({"model": {"name": ""}}, "InvalidSpec", "spec.model.name", False),
-        ({"model": M, "gpu": {"type": "tpu"}}, "UnknownGPUType", "spec.gpu.type", False),
-        (
-            {"model": M, "gpu": {"type": "h100"}, "parallelism": {"tensorParallelSize": 2}},
-            "TensorParallelUnsupported",
-            "spec.parallelism.tensorParallelSize",
-            True,
-        ),
+        ({"model": {"name": ""}}, "InvalidSpec", "spec.model.name"),
+        ({"model": M, "gpu": {"type": "tpu"}}, "UnknownGPUType", "spec.gpu.type"),
     ],
 )
-def test_refusals_name_the_field(
-    spec: dict[str, Any], reason: str, field: str, has_render: bool
-) -> None:
+def test_refusals_name_the_field(spec: dict[str, Any], reason: str, field: str) -> None:
     refused = plan(OWNER, spec, GpuProfiles.builtin())
     assert isinstance(refused, Refused)
     assert refused.problem.reason == reason and refused.problem.message.startswith(field)
     assert not refused.problem.retryable
-    assert (refused.render is not None) == has_render
+
+
+@pytest.mark.parametrize("gpu", ["h100", "cpu"])
+def test_tensor_parallelism_on_the_bundled_server_is_planned(gpu: str) -> None:
+    spec = {"model": M, "gpu": {"type": gpu}, "parallelism": {"tensorParallelSize": 2}}
+    planned = plan(OWNER, spec, GpuProfiles.builtin(), "img:1")
+    assert isinstance(planned, Planned)
+    (deployment,) = [m for m in planned.children.present if m["kind"] == "Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == "img:1"
+    assert container["args"][container["args"].index("--tensor-parallel-size") + 1] == "2"

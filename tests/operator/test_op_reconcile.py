@@ -360,109 +360,34 @@ def _edit(cluster: FakeCluster, spec: dict[str, Any]) -> None:
     body["metadata"]["generation"] += 1
 
 
-def test_tensor_parallel_on_bundled_server_is_degraded_until_edited(
+def test_tensor_parallel_on_the_bundled_server_deploys_one_pod_with_n_gpus(
     cluster: FakeCluster,
 ) -> None:
     add_service(cluster, TP2)
     events = Events()
     rec = make(cluster, events)
     outcome = rec.reconcile(NS, "emb")
-    assert outcome is not None and outcome.problem is not None and not outcome.retry
-    assert [c for c in cluster.writes() if c[0] == "apply"] == []
-    assert dep_ref() not in cluster.objects
-    cond = conditions(cluster)
-    degraded = cond["Degraded"]
-    assert (degraded["status"], degraded["reason"]) == ("True", "TensorParallelUnsupported")
-    assert degraded["message"].startswith("spec.parallelism.tensorParallelSize: 2 ")
-    assert "'img:1'" in degraded["message"]
-    assert "set spec.parallelism.tensorParallelSize to 1" in degraded["message"]
-    assert "spec.server.image" in degraded["message"]
-    assert (cond["Ready"]["status"], cond["Ready"]["reason"]) == (
-        "False",
-        "TensorParallelUnsupported",
-    )
-    assert cond["Progressing"]["status"] == "False"
-    assert events.posted == [("Warning", "TensorParallelUnsupported", degraded["message"])]
-    # Stuck in the same state: no more events, no more writes.
-    cluster.calls.clear()
-    rec.reconcile(NS, "emb")
-    assert cluster.writes() == [] and len(events.posted) == 1
-
-    # The fix is an edit: back to one GPU per replica converges as usual.
-    _edit(cluster, {**MODEL, "parallelism": {"tensorParallelSize": 1}})
-    outcome = rec.reconcile(NS, "emb")
     assert outcome is not None and outcome.problem is None
     container = cluster.objects[dep_ref()]["spec"]["template"]["spec"]["containers"][0]
-    assert container["args"][container["args"].index("--tensor-parallel-size") + 1] == "1"
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
-    assert conditions(cluster)["Degraded"]["status"] == "False"
-    mark_rolled_out(cluster)
-    rec.reconcile(NS, "emb")
-    cond = conditions(cluster)
-    assert (cond["Ready"]["status"], cond["Ready"]["observedGeneration"]) == ("True", 2)
-    assert [e[:2] for e in events.posted] == [
-        ("Warning", "TensorParallelUnsupported"),
-        ("Normal", "Available"),
-    ]
-
-
-def test_tensor_parallel_edit_leaves_running_children_alone(cluster: FakeCluster) -> None:
-    add_service(cluster, {**MODEL, "replicas": 2})
-    events = Events()
-    rec = make(cluster, events)
-    rec.reconcile(NS, "emb")
-    mark_rolled_out(cluster)
-    rec.reconcile(NS, "emb")
-    before = {ref: obj["metadata"]["resourceVersion"] for ref, obj in cluster.objects.items()}
-    assert conditions(cluster)["Ready"]["status"] == "True"
-
-    _edit(cluster, {**TP2, "replicas": 2})
-    cluster.calls.clear()
-    outcome = rec.reconcile(NS, "emb")
-    assert outcome is not None and outcome.problem is not None
-    # Nothing applied or deleted: the pods of the last good spec keep serving.
-    assert cluster.writes() == [("status", "EmbeddingService")]
-    assert {
-        ref: obj["metadata"]["resourceVersion"]
-        for ref, obj in cluster.objects.items()
-        if ref != owner_ref(NS, "emb")
-    } == {ref: rv for ref, rv in before.items() if ref != owner_ref(NS, "emb")}
-    cond = conditions(cluster)
-    assert (cond["Degraded"]["reason"], cond["Ready"]["status"]) == (
-        "TensorParallelUnsupported",
-        "False",
-    )
-    assert "pods of an earlier spec keep running" in cond["Degraded"]["message"]
-    assert cond["Degraded"]["observedGeneration"] == 2
-    assert owner(cluster)["status"]["readyReplicas"] == 2  # what still runs
-    assert ("Warning", "TensorParallelUnsupported") in [e[:2] for e in events.posted]
-
-    _edit(cluster, {**MODEL, "replicas": 2})
-    cluster.calls.clear()
-    outcome = rec.reconcile(NS, "emb")
-    assert outcome is not None and outcome.problem is None
-    assert cluster.writes() == [("status", "EmbeddingService")], "the children still match"
-    cond = conditions(cluster)
-    assert cond["Degraded"]["status"] == "False"
-    assert (cond["Ready"]["status"], cond["Ready"]["observedGeneration"]) == ("True", 3)
-
-
-def test_tensor_parallel_with_custom_image_renders_as_asked(cluster: FakeCluster) -> None:
-    add_service(cluster, {**TP2, "server": {"image": "me/tp-server:1"}})
-    events = Events()
-    rec = make(cluster, events)
-    outcome = rec.reconcile(NS, "emb")
-    assert outcome is not None and outcome.problem is None
-    container = cluster.objects[dep_ref()]["spec"]["template"]["spec"]["containers"][0]
-    assert container["image"] == "me/tp-server:1"
+    assert container["image"] == "img:1"
     assert container["args"][container["args"].index("--tensor-parallel-size") + 1] == "2"
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
     assert conditions(cluster)["Degraded"]["status"] == "False"
     assert not [e for e in events.posted if e[0] == "Warning"]
 
 
-def test_tensor_parallel_outranks_a_missing_secret(cluster: FakeCluster) -> None:
-    add_service(cluster, {**TP2, "apiKeySecretRef": {"name": "auth"}})
-    outcome = make(cluster).reconcile(NS, "emb")
-    assert outcome is not None and outcome.problem is not None
-    assert outcome.problem.reason == "TensorParallelUnsupported" and not outcome.retry
+def test_tensor_parallel_edit_rolls_out_like_any_edit(cluster: FakeCluster) -> None:
+    add_service(cluster, {**MODEL, "replicas": 2})
+    rec = make(cluster, Events())
+    rec.reconcile(NS, "emb")
+    mark_rolled_out(cluster)
+    rec.reconcile(NS, "emb")
+    assert conditions(cluster)["Ready"]["status"] == "True"
+
+    _edit(cluster, {**TP2, "replicas": 2})
+    outcome = rec.reconcile(NS, "emb")
+    assert outcome is not None and outcome.problem is None
+    container = cluster.objects[dep_ref()]["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    cond = conditions(cluster)
+    assert cond["Degraded"]["status"] == "False" and cond["Ready"]["status"] == "False"

@@ -100,7 +100,7 @@ def test_flags_parse_into_settings_and_win_over_env(monkeypatch: pytest.MonkeyPa
 @pytest.mark.parametrize(
     ("args", "env", "named"),
     [
-        (["--tensor-parallel-size", "2"], {}, "--tensor-parallel-size"),
+        (["--tensor-parallel-size", "0"], {}, "--tensor-parallel-size"),
         (["--port", "70000"], {}, "--port"),
         (["--dtype", "int4"], {}, "--dtype"),
         ([], {"EMBEDDING_SERVER_MAX_BATCH_TOKENS": "lots"}, "EMBEDDING_SERVER_MAX_BATCH_TOKENS"),
@@ -135,9 +135,15 @@ def test_failures_do_not_repeat_setting_values(tmp_path: Path) -> None:
     assert "s3cr3t" not in failed.stderr and "<--model>" in errors[0]
 
 
-def test_tensor_parallelism_refusal_says_why() -> None:
-    result = run_cli("serve", "--tensor-parallel-size", "4")
-    assert "tensor parallelism is not implemented" in result.stderr
+def test_a_tensor_parallel_size_that_does_not_divide_the_heads_exits_1_naming_them() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    result = run_cli("serve", "--tensor-parallel-size", "5", "--port", str(port), timeout=120)
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if "cannot serve" in line]
+    assert len(errors) == 1, result.stderr
+    assert "tensor_parallel_size 5 does not divide bert num_attention_heads 12" in errors[0]
 
 
 def test_a_model_that_cannot_load_exits_1_with_one_clear_line() -> None:

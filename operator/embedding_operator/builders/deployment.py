@@ -7,10 +7,10 @@ Choices made here, and why:
   stay defined in one place. ``--served-model-name`` is always passed so status can name it.
 * GPUs: ``<profile resource> = tensorParallelSize`` in limits (requests default to limits for
   extended resources), node selector and tolerations from the profile, then the user's.
-* Tensor parallelism: the bundled embedding-server refuses ``--tensor-parallel-size`` above 1
-  at start, so a pod running it with more would only crash-loop. ``tensor_parallel_refusal``
-  says so (the reconciler then renders nothing, ``render`` refuses); a spec that names its own
-  ``server.image`` gets the flag and the GPUs as asked, since that server may support it.
+* Tensor parallelism: one pod runs all ``tensorParallelSize`` ranks (embedding-server starts
+  ranks 1..N-1 itself as child processes), so the pod asks for N GPUs of the profile and the
+  flag, and the memory-backed ``/dev/shm`` the ranks' collectives go through is sized per
+  rank (``shm_size``) unless the spec sets it. On the cpu profile the ranks are CPU processes.
 * Probes: readiness on ``/ready`` (503 until loaded and warmed), liveness on ``/health``, and a
   startup probe on ``/ready`` with a failure budget of ``startupTimeoutSeconds`` so a slow model
   download is not killed by liveness, while a download that hangs forever is restarted.
@@ -40,8 +40,9 @@ from embedding_operator.builders.common import (
 )
 
 CONTAINER_NAME = "embedding-server"
-# The largest --tensor-parallel-size the bundled embedding-server (the default image) starts with.
-BUNDLED_SERVER_MAX_TENSOR_PARALLEL_SIZE = 1
+SHM_GIB_PER_RANK = 1
+"""Default ``/dev/shm`` per tensor-parallel rank: NCCL's shared-memory transport keeps a few
+buffers of 4 MiB per channel and peer there, far below this even at 8 ranks."""
 RUN_AS_USER = 1000
 STARTUP_PERIOD_SECONDS = 10
 API_KEY_ENV = "EMBEDDING_SERVER_API_KEY"
@@ -104,24 +105,12 @@ def server_args(render: RenderInput) -> list[str]:
     return [*args, *srv.extra_args]
 
 
-def tensor_parallel_refusal(render: RenderInput) -> str | None:
-    """Why pods of this spec could not start, naming the field and the fix; None if they can.
-
-    Only the bundled server (``server.image`` unset, so the operator's default image runs) is
-    known to refuse tensor parallelism; a custom image is trusted to support what it is asked.
-    """
-    spec = render.spec
-    size = spec.parallelism.tensor_parallel_size
-    if spec.server.image is not None or size <= BUNDLED_SERVER_MAX_TENSOR_PARALLEL_SIZE:
-        return None
-    limit = BUNDLED_SERVER_MAX_TENSOR_PARALLEL_SIZE
-    return (
-        f"spec.parallelism.tensorParallelSize: {size} is not supported by the bundled "
-        f"embedding-server image {render.default_image!r}, which does not implement tensor "
-        f"parallelism and refuses to start with more than {limit}; set "
-        f"spec.parallelism.tensorParallelSize to {limit} (scale out with replicas instead), "
-        "or set spec.server.image to a server image that supports tensor parallelism"
-    )
+def shm_size(render: RenderInput) -> str:
+    """The ``/dev/shm`` size limit: the spec's, else :data:`SHM_GIB_PER_RANK` per rank."""
+    size = render.spec.server.shm_size
+    if size is not None:
+        return str(size)
+    return f"{SHM_GIB_PER_RANK * render.spec.parallelism.tensor_parallel_size}Gi"
 
 
 def _env(render: RenderInput) -> list[dict[str, Any]]:
@@ -186,7 +175,7 @@ def _volumes(render: RenderInput) -> list[dict[str, Any]]:
         {"name": "model-cache", **cache_source},
         {
             "name": "dshm",
-            "emptyDir": {"medium": "Memory", "sizeLimit": str(render.spec.server.shm_size)},
+            "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(render)},
         },
         {"name": "tmp", "emptyDir": {}},
     ]

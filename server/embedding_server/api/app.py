@@ -40,6 +40,8 @@ async def _bring_up(lifecycle: Lifecycle) -> None:
             lifecycle.engine = await asyncio.to_thread(
                 Engine.from_settings, settings, metrics=lifecycle.metrics
             )
+            # A tensor-parallel rank that dies or hangs ends the server (exit 1).
+            lifecycle.engine.on_failure(lifecycle.fail)
         await lifecycle.engine.start()
     except asyncio.CancelledError:
         raise

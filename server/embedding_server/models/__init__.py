@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..distributed import SINGLE, Shard
 from ..errors import UnsupportedModelError
 from ..pooling import PoolingMethod
 from .base import Checkpoint, EmbeddingModel, PackedBatch
@@ -94,9 +95,11 @@ def build_model(
     *,
     dtype: torch.dtype,
     device: torch.device,
+    shard: Shard = SINGLE,
 ) -> EmbeddingModel:
-    """Instantiate the packed implementation for ``config`` from HF-named weights."""
-    return lookup(config).builder(Checkpoint(config, weights, dtype, device))
+    """Instantiate the packed implementation for ``config`` from HF-named weights; with a
+    ``shard`` of a tensor-parallel group, that rank's share of the weights."""
+    return lookup(config).builder(Checkpoint(config, weights, dtype, device, shard))
 
 
 __all__ = [

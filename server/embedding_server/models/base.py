@@ -10,14 +10,16 @@ math. Weights come from Hugging Face checkpoints by their names (:class:`WeightR
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from ..attention import AttentionPlan, Backend, plan_attention, varlen_attention
+from ..distributed import SINGLE, Shard
 from ..errors import UnsupportedModelError
+from .layers import HeadSplit, VocabEmbedding
 
 
 @dataclass(eq=False)
@@ -57,6 +59,29 @@ class PackedBatch:
             cu.to(device),
             max(seqlens, default=0),
             seqlens,
+            attention,
+        )
+
+    @classmethod
+    def of(
+        cls,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        seqlens: Sequence[int],
+        *,
+        attention: Backend = Backend.SDPA_BUCKETED,
+    ) -> PackedBatch:
+        """A batch from already packed ids and positions (what a tensor-parallel worker
+        receives); ``cu_seqlens`` goes to their device."""
+        lens = torch.tensor(list(seqlens), dtype=torch.int32)
+        cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+        torch.cumsum(lens, 0, out=cu[1:])
+        return cls(
+            input_ids,
+            position_ids,
+            cu.to(input_ids.device),
+            max(seqlens, default=0),
+            tuple(seqlens),
             attention,
         )
 
@@ -111,13 +136,15 @@ class EmbeddingModel(Protocol):
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """What a family's builder gets: the config, the weights by Hugging Face name, and the
-    dtype and device the model runs in."""
+    """What a family's builder gets: the config, the weights by Hugging Face name, the
+    dtype and device the model runs in, and the tensor-parallel rank it builds (``shard``:
+    which heads and MLP columns to keep, see ``layers.HeadSplit``)."""
 
     config: Mapping[str, Any]
     weights: Mapping[str, torch.Tensor]
     dtype: torch.dtype
     device: torch.device
+    shard: Shard = SINGLE
 
     def reader(self, *, prefixes: Sequence[str], marker: str, architecture: str) -> WeightReader:
         """The weights, converted, under the family's names (see :class:`WeightReader`)."""
@@ -128,6 +155,7 @@ class Checkpoint:
             architecture=architecture,
             dtype=self.dtype,
             device=self.device,
+            shard=self.shard,
         )
 
 
@@ -149,47 +177,85 @@ class WeightReader:
         architecture: str,
         dtype: torch.dtype,
         device: torch.device,
+        shard: Shard = SINGLE,
     ) -> None:
-        self._weights = _strip_prefix(weights, prefixes, marker)
+        self.shard = shard
+        # Names are resolved up front, tensors only when read: with a lazy mapping (loading's
+        # safetensors reader) each is loaded, sliced to this rank's share and converted on
+        # its own, so no rank ever holds the whole checkpoint.
+        self._weights = weights
+        self._names = _strip_prefix(weights.keys(), prefixes, marker)
         self.architecture, self.dtype, self.device = architecture, dtype, device
 
     def __contains__(self, name: str) -> bool:
-        return name in self._weights
+        return name in self._names
 
     def rename(self, rename: Callable[[str], str]) -> None:
         """Map legacy names onto the current ones before reading."""
-        self._weights = {rename(name): t for name, t in self._weights.items()}
+        self._names = {rename(name): source for name, source in self._names.items()}
 
-    def get(self, name: str) -> torch.Tensor:
+    def _take(self, name: str) -> torch.Tensor:
         try:
-            tensor = self._weights.pop(name)
+            return self._weights[self._names.pop(name)]
         except KeyError:
             raise UnsupportedModelError(
                 f"{self.architecture} checkpoint lacks the weight {name!r}; is it a complete "
                 f"{self.architecture} model?"
             ) from None
-        return tensor.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def _convert(self, tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.to(device=self.device, dtype=self.dtype).contiguous()
+        if out.untyped_storage().nbytes() > out.nbytes:
+            out = out.clone()  # a rank's share viewing the whole: keep only the share
+        return out
+
+    def get(self, name: str) -> torch.Tensor:
+        """The whole weight (replicated on every tensor-parallel rank)."""
+        return self._convert(self._take(name))
+
+    def rows(self, name: str, select: slice, *, blocks: int = 1) -> torch.Tensor:
+        """Output features ``select`` of a column-parallel weight (or its bias): this rank's
+        share. A fused weight of ``blocks`` equal parts (ModernBERT's ``Wqkv``: 3) gives
+        ``select`` of each part, concatenated. Sliced before the conversion, so only the
+        share reaches the device."""
+        parts = self._take(name).chunk(blocks) if blocks > 1 else (self._take(name),)
+        return self._convert(torch.cat([part[select] for part in parts]))
+
+    def embedding(self, name: str) -> VocabEmbedding:
+        """A token embedding table, split by vocabulary rows on tensor-parallel ranks."""
+        weight = self._take(name)
+        rows = self.shard.chunk(weight.shape[0])
+        return VocabEmbedding(self._convert(weight[rows]), rows, self.shard)
+
+    def columns(self, name: str, select: slice) -> torch.Tensor:
+        """Input features ``select`` of a row-parallel weight: this rank's share."""
+        return self._convert(self._take(name)[:, select])
 
     def maybe(self, name: str, present: bool) -> torch.Tensor | None:
         """The weight when the config says it exists (``present``), else None."""
         return self.get(name) if present else None
 
-    def cat(self, names: Sequence[str]) -> torch.Tensor:
-        """Weights concatenated along the output dimension (fused projections)."""
-        return torch.cat([self.get(name) for name in names])
+    def cat(self, names: Sequence[str], selects: Sequence[slice]) -> torch.Tensor:
+        """This rank's rows (``selects``, one per name) of several weights concatenated along
+        the output dimension: one matmul instead of several (q/k/v, gate/up)."""
+        return torch.cat(
+            [self.rows(name, select) for name, select in zip(names, selects, strict=True)]
+        )
+
+    def qkv(self, names: Sequence[str], split: HeadSplit) -> torch.Tensor:
+        """The query, key and value projections (weights or biases, in that order) fused,
+        holding this rank's heads."""
+        return self.cat(names, (split.q, split.kv, split.kv))
 
 
-def _strip_prefix(
-    weights: Mapping[str, torch.Tensor], prefixes: Sequence[str], marker: str
-) -> dict[str, torch.Tensor]:
+def _strip_prefix(names: Iterable[str], prefixes: Sequence[str], marker: str) -> dict[str, str]:
+    """Our name -> the checkpoint's name, with the first prefix that precedes ``marker``
+    stripped (and names outside it dropped)."""
+    names = list(names)
     for prefix in prefixes:
-        if any(name.startswith(prefix + marker) for name in weights):
-            return {
-                name.removeprefix(prefix): t
-                for name, t in weights.items()
-                if name.startswith(prefix)
-            }
-    return dict(weights)
+        if any(name.startswith(prefix + marker) for name in names):
+            return {name.removeprefix(prefix): name for name in names if name.startswith(prefix)}
+    return {name: name for name in names}
 
 
 def config_get(config: Mapping[str, Any], *names: str, default: Any = None) -> Any:

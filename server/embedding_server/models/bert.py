@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..errors import UnsupportedModelError
 from .base import Checkpoint, PackedBatch, config_get
-from .layers import activation
+from .layers import HeadSplit, activation, row_linear
 
 
 @dataclass
@@ -57,6 +57,15 @@ class BertModel:
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.eps = float(config.get("layer_norm_eps", 1e-12))
         self.num_layers = int(config["num_hidden_layers"])
+        self.shard = checkpoint.shard
+        self.split = split = HeadSplit.of(
+            checkpoint.shard,
+            model_type,
+            heads=self.num_heads,
+            kv_heads=self.num_heads,
+            head_dim=self.head_dim,
+            intermediate=int(config["intermediate_size"]),
+        )
         if model_type in ("roberta", "xlm-roberta", "camembert"):
             self.position_offset = int(config_get(config, "pad_token_id", default=1)) + 1
         else:
@@ -70,7 +79,7 @@ class BertModel:
         )
         w.rename(_legacy_name)
         get = w.get
-        self.word_emb = get("embeddings.word_embeddings.weight")
+        self.word_emb = w.embedding("embeddings.word_embeddings.weight")
         self.pos_emb = get("embeddings.position_embeddings.weight")
         if "embeddings.token_type_embeddings.weight" in w:
             type0 = get("embeddings.token_type_embeddings.weight")[0]
@@ -85,15 +94,15 @@ class BertModel:
             qkv = [p + f"attention.self.{n}." for n in ("query", "key", "value")]
             self.layers.append(
                 _Layer(
-                    qkv_w=w.cat([n + "weight" for n in qkv]),
-                    qkv_b=w.cat([n + "bias" for n in qkv]),
-                    out_w=get(p + "attention.output.dense.weight"),
+                    qkv_w=w.qkv([n + "weight" for n in qkv], split),
+                    qkv_b=w.qkv([n + "bias" for n in qkv], split),
+                    out_w=w.columns(p + "attention.output.dense.weight", split.q),
                     out_b=get(p + "attention.output.dense.bias"),
                     ln1_w=get(p + "attention.output.LayerNorm.weight"),
                     ln1_b=get(p + "attention.output.LayerNorm.bias"),
-                    up_w=get(p + "intermediate.dense.weight"),
-                    up_b=get(p + "intermediate.dense.bias"),
-                    down_w=get(p + "output.dense.weight"),
+                    up_w=w.rows(p + "intermediate.dense.weight", split.mlp),
+                    up_b=w.rows(p + "intermediate.dense.bias", split.mlp),
+                    down_w=w.columns(p + "output.dense.weight", split.mlp),
                     down_b=get(p + "output.dense.bias"),
                     ln2_w=get(p + "output.LayerNorm.weight"),
                     ln2_b=get(p + "output.LayerNorm.bias"),
@@ -102,20 +111,20 @@ class BertModel:
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         t = batch.input_ids.shape[0]
-        h = self.hidden_size
-        x = self.word_emb[batch.input_ids]
+        h, heads, d, shard = self.hidden_size, self.split.heads, self.head_dim, self.shard
+        x = self.word_emb(batch.input_ids)
         x += self.pos_emb[batch.position_ids]
         x += self.type0
         x = F.layer_norm(x, (h,), self.emb_ln_w, self.emb_ln_b, self.eps)
         for layer in self.layers:
-            qkv = F.linear(x, layer.qkv_w, layer.qkv_b).view(t, 3, self.num_heads, self.head_dim)
+            qkv = F.linear(x, layer.qkv_w, layer.qkv_b).view(t, 3, heads, d)
             q, k, v = qkv.unbind(1)
             attn = batch.attention(q, k, v, causal=False, scale=self.scale)
-            a = F.linear(attn.reshape(t, h), layer.out_w, layer.out_b)
+            a = row_linear(attn.reshape(t, heads * d), layer.out_w, layer.out_b, shard)
             x = F.layer_norm(a + x, (h,), layer.ln1_w, layer.ln1_b, self.eps)
             up = self._act(F.linear(x, layer.up_w, layer.up_b))
             x = F.layer_norm(
-                F.linear(up, layer.down_w, layer.down_b) + x,
+                row_linear(up, layer.down_w, layer.down_b, shard) + x,
                 (h,),
                 layer.ln2_w,
                 layer.ln2_b,

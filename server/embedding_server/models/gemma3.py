@@ -49,11 +49,13 @@ from .base import Checkpoint, PackedBatch, config_get
 from .layers import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
+    HeadSplit,
     RotaryTable,
     apply_rotary,
     gemma_rms_norm,
     layer_rope,
     layer_types,
+    row_linear,
 )
 
 MULTIMODAL_REFUSAL = (
@@ -147,6 +149,15 @@ class Gemma3TextModel:
         self.causal = not bool(config.get("use_bidirectional_attention", False))
         self.max_positions = int(config_get(config, "max_position_embeddings", default=131_072))
         self.dtype, self.device = dtype, device
+        self.shard = checkpoint.shard
+        self.split = split = HeadSplit.of(
+            checkpoint.shard,
+            "gemma3_text",
+            heads=self.num_heads,
+            kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            intermediate=int(config["intermediate_size"]),
+        )
 
         local = local_layers(config)
         window = config.get("sliding_window", _DEFAULT_SLIDING_WINDOW)
@@ -181,7 +192,7 @@ class Gemma3TextModel:
             # Rounded to the model dtype first, as the module's parameter is.
             return 1.0 + get(name).float()
 
-        self.embed = get("embed_tokens.weight")
+        self.embed = w.embedding("embed_tokens.weight")
         self.embed_scale = torch.tensor(math.sqrt(self.hidden_size)).to(dtype=dtype, device=device)
         self.norm = norm("norm.weight")
         self.layers: list[_Layer] = []
@@ -192,26 +203,33 @@ class Gemma3TextModel:
                     local=is_local,
                     window=attention_window if is_local else None,
                     in_norm=norm(p + "input_layernorm.weight"),
-                    qkv_w=w.cat([p + f"self_attn.{n}_proj.weight" for n in "qkv"]),
-                    qkv_b=w.cat([p + f"self_attn.{n}_proj.bias" for n in "qkv"]) if bias else None,
+                    qkv_w=w.qkv([p + f"self_attn.{n}_proj.weight" for n in "qkv"], split),
+                    qkv_b=(
+                        w.qkv([p + f"self_attn.{n}_proj.bias" for n in "qkv"], split)
+                        if bias
+                        else None
+                    ),
                     q_norm=norm(p + "self_attn.q_norm.weight"),
                     k_norm=norm(p + "self_attn.k_norm.weight"),
-                    o_w=get(p + "self_attn.o_proj.weight"),
+                    o_w=w.columns(p + "self_attn.o_proj.weight", split.q),
                     o_b=w.maybe(p + "self_attn.o_proj.bias", bias),
                     post_attn_norm=norm(p + "post_attention_layernorm.weight"),
                     pre_ff_norm=norm(p + "pre_feedforward_layernorm.weight"),
                     post_ff_norm=norm(p + "post_feedforward_layernorm.weight"),
-                    gate_up_w=w.cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-                    down_w=get(p + "mlp.down_proj.weight"),
+                    gate_up_w=w.cat(
+                        [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+                        (split.mlp, split.mlp),
+                    ),
+                    down_w=w.columns(p + "mlp.down_proj.weight", split.mlp),
                 )
             )
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         t = batch.input_ids.shape[0]
-        hq, hkv, d, eps = self.num_heads, self.num_kv_heads, self.head_dim, self.eps
+        hq, hkv, d, eps = self.split.heads, self.split.kv_heads, self.head_dim, self.eps
         global_rope = self.rotary[FULL_ATTENTION].lookup(batch.position_ids, batch.max_seqlen)
         local_rope = self.rotary[SLIDING_ATTENTION].lookup(batch.position_ids, batch.max_seqlen)
-        x = self.embed[batch.input_ids] * self.embed_scale
+        x = self.embed(batch.input_ids) * self.embed_scale
         for layer in self.layers:
             rope = local_rope if layer.local else global_rope
             h = gemma_rms_norm(x, layer.in_norm, eps)
@@ -223,10 +241,11 @@ class Gemma3TextModel:
             attn = batch.attention(
                 q, k, v, causal=self.causal, scale=self.scale, window=layer.window
             )
-            h = F.linear(attn.reshape(t, hq * d), layer.o_w, layer.o_b)
+            h = row_linear(attn.reshape(t, hq * d), layer.o_w, layer.o_b, self.shard)
             x = x + gemma_rms_norm(h, layer.post_attn_norm, eps)
             h = gemma_rms_norm(x, layer.pre_ff_norm, eps)
             gate, up = F.linear(h, layer.gate_up_w).chunk(2, dim=-1)
-            h = F.linear(F.gelu(gate, approximate=self.gelu_approximation) * up, layer.down_w)
+            h = F.gelu(gate, approximate=self.gelu_approximation) * up
+            h = row_linear(h, layer.down_w, None, self.shard)
             x = x + gemma_rms_norm(h, layer.post_ff_norm, eps)
         return gemma_rms_norm(x, self.norm, eps)

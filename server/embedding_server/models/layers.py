@@ -1,5 +1,5 @@
-"""Building blocks shared by the model families: norms, activations, rotary embeddings and
-the reading of per-layer attention kinds.
+"""Building blocks shared by the model families: norms, activations, rotary embeddings, the
+reading of per-layer attention kinds, and the tensor-parallel split of heads and MLP columns.
 
 They live here rather than in the first family that needed them so that a family module
 imports only shared code, never a sibling family, and so that a new architecture starts from
@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from ..distributed import Shard
 from ..errors import UnsupportedModelError
 
 FULL_ATTENTION = "full_attention"
@@ -44,6 +46,104 @@ def activation(
             f"{model_type} activation {name!r} is not supported; supported: {sorted(ACT_FUNCS)}"
         )
     return ACT_FUNCS[name]
+
+
+@dataclass(frozen=True)
+class HeadSplit:
+    """Which attention heads and MLP columns one tensor-parallel rank holds (Megatron-style).
+
+    The q/k/v and up/gate projections are column-parallel: each rank computes its heads and
+    its slice of the MLP's intermediate features. The output and down projections are
+    row-parallel: each rank multiplies its slice and :func:`row_linear` sums the partial
+    results, so the residual stream (and everything outside attention and the MLP) stays
+    whole on every rank. Key/value heads split like query heads; when there are fewer of
+    them than ranks and the rank count is a multiple of theirs, each is replicated on the
+    ranks whose query heads read it. On one rank every slice is the whole.
+    """
+
+    heads: int
+    """Query heads on this rank."""
+    kv_heads: int
+    """Key/value heads on this rank."""
+    head_dim: int
+    q: slice
+    """Rows of the query projection (and columns of the output projection) on this rank."""
+    kv: slice
+    """Rows of the key projection, and of the value projection, on this rank."""
+    mlp: slice
+    """Intermediate features (rows of up/gate, columns of down) on this rank."""
+
+    @classmethod
+    def of(
+        cls,
+        shard: Shard,
+        model_type: str,
+        *,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        intermediate: int,
+    ) -> HeadSplit:
+        """The split of a model's heads and MLP, or an error naming the numbers that do not
+        divide."""
+        q = shard.split(heads, f"{model_type} num_attention_heads")
+        if kv_heads % shard.size == 0:
+            kv_local = kv_heads // shard.size
+            first = shard.rank * kv_local
+        elif shard.size % kv_heads == 0:
+            kv_local, first = 1, shard.rank // (shard.size // kv_heads)  # replicated
+        else:
+            raise UnsupportedModelError(
+                f"tensor_parallel_size {shard.size} does not divide {model_type} "
+                f"num_key_value_heads {kv_heads}, nor is it a multiple of it; use a size "
+                f"that divides {kv_heads} or a multiple of {kv_heads} that divides {heads}"
+            )
+        mlp = shard.split(intermediate, f"{model_type} intermediate_size")
+        return cls(
+            heads=heads // shard.size,
+            kv_heads=kv_local,
+            head_dim=head_dim,
+            q=slice(q.start * head_dim, q.stop * head_dim),
+            kv=slice(first * head_dim, (first + kv_local) * head_dim),
+            mlp=mlp,
+        )
+
+
+class VocabEmbedding:
+    """A token embedding table, split by vocabulary rows over the tensor-parallel ranks.
+
+    Each rank looks up the ids in its rows and writes zeros for the others; an all-reduce
+    sums the one non-zero row each token has. Token embeddings are a large part of an
+    embedder's weights (half of all-MiniLM-L6-v2's, several percent of a 7B decoder's), so a
+    replicated table would leave every rank far above 1/N of the model, for the price of
+    one all-reduce per forward pass. On one rank it is a plain lookup.
+    """
+
+    def __init__(self, weight: torch.Tensor, rows: slice, shard: Shard) -> None:
+        self.weight, self.start, self.shard = weight, rows.start, shard
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.shard.parallel:
+            return self.weight[ids]
+        count = self.weight.shape[0]
+        local = ids - self.start
+        outside = (local < 0) | (local >= count)
+        if count == 0:
+            out = self.weight.new_zeros(ids.shape[0], self.weight.shape[1])
+        else:
+            out = self.weight[local.clamp(0, count - 1)].masked_fill_(outside.unsqueeze(1), 0)
+        return self.shard.all_reduce(out)
+
+
+def row_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, shard: Shard
+) -> torch.Tensor:
+    """A row-parallel projection: this rank's partial product, summed over the ranks, then
+    the (replicated) bias added once."""
+    if not shard.parallel:
+        return F.linear(x, weight, bias)
+    out = shard.all_reduce(F.linear(x, weight))
+    return out if bias is None else out + bias
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -30,7 +30,16 @@ import torch.nn.functional as F
 
 from ..errors import UnsupportedModelError
 from .base import Checkpoint, PackedBatch, config_get
-from .layers import SLIDING_ATTENTION, RotaryTable, apply_rotary, layer_types, model_rope, rms_norm
+from .layers import (
+    SLIDING_ATTENTION,
+    HeadSplit,
+    RotaryTable,
+    apply_rotary,
+    layer_types,
+    model_rope,
+    rms_norm,
+    row_linear,
+)
 
 WindowRule = Literal["none", "every_layer", "opt_in"]
 """Which layers slide: none; every layer when ``sliding_window`` is set (Mistral); or, with
@@ -128,6 +137,15 @@ class LlamaModel:
         )
         self.eps = float(config.get("rms_norm_eps", 1e-6))
         self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.shard = checkpoint.shard
+        self.split = split = HeadSplit.of(
+            checkpoint.shard,
+            model_type,
+            heads=self.num_heads,
+            kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            intermediate=int(config["intermediate_size"]),
+        )
         # Some embedders (gte-Qwen2 variants) declare bidirectional attention.
         self.causal = bool(config.get("is_causal", True))
         windows = sliding_windows(config, variant)
@@ -144,39 +162,44 @@ class LlamaModel:
             marker="layers.",
             architecture=model_type,
         )
-        self.embed = w.get("embed_tokens.weight")
+        self.embed = w.embedding("embed_tokens.weight")
         self.norm = w.get("norm.weight")
         self.layers: list[_Layer] = []
         for i, window in enumerate(windows):
             p = f"layers.{i}."
             attn, mlp = p + "self_attn.", p + "mlp."
+            gate_up = [mlp + "gate_proj.", mlp + "up_proj."]
             self.layers.append(
                 _Layer(
                     # transformers' causal window counts the query itself (i - j < window);
                     # its bidirectional one reaches window tokens each side (|i - j| <= window).
                     window=None if window is None else window - 1 if self.causal else window,
                     in_norm=w.get(p + "input_layernorm.weight"),
-                    qkv_w=w.cat([f"{attn}{n}_proj.weight" for n in "qkv"]),
-                    qkv_b=w.cat([f"{attn}{n}_proj.bias" for n in "qkv"]) if qkv_bias else None,
+                    qkv_w=w.qkv([f"{attn}{n}_proj.weight" for n in "qkv"], split),
+                    qkv_b=(
+                        w.qkv([f"{attn}{n}_proj.bias" for n in "qkv"], split) if qkv_bias else None
+                    ),
                     q_norm=w.maybe(attn + "q_norm.weight", variant.qk_norm),
                     k_norm=w.maybe(attn + "k_norm.weight", variant.qk_norm),
-                    o_w=w.get(attn + "o_proj.weight"),
+                    o_w=w.columns(attn + "o_proj.weight", split.q),
                     o_b=w.maybe(attn + "o_proj.bias", attention_bias),
                     post_norm=w.get(p + "post_attention_layernorm.weight"),
-                    gate_up_w=w.cat([mlp + "gate_proj.weight", mlp + "up_proj.weight"]),
+                    gate_up_w=w.cat([n + "weight" for n in gate_up], (split.mlp, split.mlp)),
                     gate_up_b=(
-                        w.cat([mlp + "gate_proj.bias", mlp + "up_proj.bias"]) if mlp_bias else None
+                        w.cat([n + "bias" for n in gate_up], (split.mlp, split.mlp))
+                        if mlp_bias
+                        else None
                     ),
-                    down_w=w.get(mlp + "down_proj.weight"),
+                    down_w=w.columns(mlp + "down_proj.weight", split.mlp),
                     down_b=w.maybe(mlp + "down_proj.bias", mlp_bias),
                 )
             )
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         t = batch.input_ids.shape[0]
-        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        hq, hkv, d, shard = self.split.heads, self.split.kv_heads, self.head_dim, self.shard
         rope = self.rotary.lookup(batch.position_ids, batch.max_seqlen)
-        x = self.embed[batch.input_ids]
+        x = self.embed(batch.input_ids)
         for layer in self.layers:
             h = rms_norm(x, layer.in_norm, self.eps)
             qkv = F.linear(h, layer.qkv_w, layer.qkv_b)
@@ -190,8 +213,8 @@ class LlamaModel:
             attn = batch.attention(
                 q, k, v, causal=self.causal, scale=self.scale, window=layer.window
             )
-            x = x + F.linear(attn.reshape(t, hq * d), layer.o_w, layer.o_b)
+            x = x + row_linear(attn.reshape(t, hq * d), layer.o_w, layer.o_b, shard)
             h = rms_norm(x, layer.post_norm, self.eps)
             gate, up = F.linear(h, layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down_w, layer.down_b)
+            x = x + row_linear(F.silu(gate) * up, layer.down_w, layer.down_b, shard)
         return rms_norm(x, self.norm, self.eps)

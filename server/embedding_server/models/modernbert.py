@@ -36,7 +36,7 @@ from ..errors import UnsupportedModelError
 from .base import Checkpoint, PackedBatch
 from .layers import FULL_ATTENTION as _FULL
 from .layers import SLIDING_ATTENTION as _SLIDING
-from .layers import RotaryTable, activation, apply_rotary, layer_rope
+from .layers import HeadSplit, RotaryTable, activation, apply_rotary, layer_rope, row_linear
 from .layers import layer_types as read_layer_types
 
 # Defaults of transformers' ModernBertConfig for keys config.json may omit.
@@ -122,6 +122,15 @@ class ModernBertModel:
         self.head_dim = self.hidden_size // self.num_heads
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.eps = float(config.get("norm_eps", 1e-5))
+        self.shard = checkpoint.shard
+        self.split = split = HeadSplit.of(
+            checkpoint.shard,
+            "modernbert",
+            heads=self.num_heads,
+            kv_heads=self.num_heads,
+            head_dim=self.head_dim,
+            intermediate=int(config["intermediate_size"]),
+        )
         self.max_positions = int(config.get("max_position_embeddings", 8192))
         self.dtype, self.device = dtype, device
         kinds = layer_types(config)
@@ -146,7 +155,7 @@ class ModernBertModel:
         )
         get, maybe = w.get, w.maybe
 
-        self.tok_emb = get("embeddings.tok_embeddings.weight")
+        self.tok_emb = w.embedding("embeddings.tok_embeddings.weight")
         self.emb_norm_w = get("embeddings.norm.weight")
         self.emb_norm_b = maybe("embeddings.norm.bias", norm_bias)
         self.layers: list[_Layer] = []
@@ -159,15 +168,16 @@ class ModernBertModel:
                     window=window if kind == _SLIDING else None,
                     attn_norm_w=None if first else get(p + "attn_norm.weight"),
                     attn_norm_b=None if first else maybe(p + "attn_norm.bias", norm_bias),
-                    qkv_w=get(p + "attn.Wqkv.weight"),
-                    qkv_b=maybe(p + "attn.Wqkv.bias", attn_bias),
-                    out_w=get(p + "attn.Wo.weight"),
+                    qkv_w=w.rows(p + "attn.Wqkv.weight", split.q, blocks=3),
+                    qkv_b=w.rows(p + "attn.Wqkv.bias", split.q, blocks=3) if attn_bias else None,
+                    out_w=w.columns(p + "attn.Wo.weight", split.q),
                     out_b=maybe(p + "attn.Wo.bias", attn_bias),
                     mlp_norm_w=get(p + "mlp_norm.weight"),
                     mlp_norm_b=maybe(p + "mlp_norm.bias", norm_bias),
-                    wi_w=get(p + "mlp.Wi.weight"),
-                    wi_b=maybe(p + "mlp.Wi.bias", mlp_bias),
-                    wo_w=get(p + "mlp.Wo.weight"),
+                    # Wi fuses the input and gate halves: each rank keeps its slice of both.
+                    wi_w=w.rows(p + "mlp.Wi.weight", split.mlp, blocks=2),
+                    wi_b=w.rows(p + "mlp.Wi.bias", split.mlp, blocks=2) if mlp_bias else None,
+                    wo_w=w.columns(p + "mlp.Wo.weight", split.mlp),
                     wo_b=maybe(p + "mlp.Wo.bias", mlp_bias),
                 )
             )
@@ -181,12 +191,12 @@ class ModernBertModel:
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         t = batch.input_ids.shape[0]
-        h, heads, d = self.hidden_size, self.num_heads, self.head_dim
+        heads, d, shard = self.split.heads, self.head_dim, self.shard
         rotary = {
             kind: table.lookup(batch.position_ids, batch.max_seqlen)
             for kind, table in self.rotary.items()
         }
-        x = self._norm(self.tok_emb[batch.input_ids], self.emb_norm_w, self.emb_norm_b)
+        x = self._norm(self.tok_emb(batch.input_ids), self.emb_norm_w, self.emb_norm_b)
         for layer in self.layers:
             a = x  # layer 0's attention norm is the identity
             if layer.attn_norm_w is not None:
@@ -197,8 +207,8 @@ class ModernBertModel:
             rope = rotary[layer.kind]
             q, k = apply_rotary(q, rope, float32=True), apply_rotary(k, rope, float32=True)
             attn = batch.attention(q, k, v, causal=False, scale=self.scale, window=layer.window)
-            x = x + F.linear(attn.reshape(t, h), layer.out_w, layer.out_b)
+            x = x + row_linear(attn.reshape(t, heads * d), layer.out_w, layer.out_b, shard)
             m = self._norm(x, layer.mlp_norm_w, layer.mlp_norm_b)
             inp, gate = F.linear(m, layer.wi_w, layer.wi_b).chunk(2, dim=-1)
-            x = x + F.linear(self._act(inp) * gate, layer.wo_w, layer.wo_b)
+            x = x + row_linear(self._act(inp) * gate, layer.wo_w, layer.wo_b, shard)
         return self._norm(x, self.final_norm_w, self.final_norm_b)

@@ -1,0 +1,435 @@
+"""Tensor parallelism: one model split over N ranks of one process tree.
+
+Rank 0 is the engine's own process (HTTP, tokenization, the scheduler and pooling stay
+there). It starts ranks 1..N-1 as child processes (``python -m
+embedding_server.tensor_parallel``), each loading its share of the weights
+(``distributed.Shard``, ``models.layers.HeadSplit``) onto its own GPU (NCCL) or CPU (gloo).
+Per batch, rank 0 broadcasts the plan once, a header and one int64 payload (packed token
+ids, positions, sequence lengths), and every rank then runs the same forward pass, whose
+only collectives are the all-reduces after the row-parallel projections. Only rank 0's
+output is used: the residual stream is whole on every rank.
+
+Failure is fatal, never a hang: a rank that exits is noticed within
+:data:`WATCH_INTERVAL_S`; a forward pass or the idle heartbeat (every
+:data:`HEARTBEAT_INTERVAL_S`) that takes longer than ``tensor_parallel_timeout`` means a rank
+hangs. Either way the group fails once: the engine stops being ready, the remaining ranks are
+killed (which also unblocks rank 0's own collective), and the failure callbacks run (the
+server's exits non-zero). Workers read their stdin, a pipe from rank 0, until it closes, so
+they exit when rank 0 does, however it ends; they run in their own session, so a terminal's
+Ctrl-C reaches rank 0 only, and rank 0 drains and stops them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import IO, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in __all__
+
+from .attention import Backend, probe, select_backend
+from .distributed import Shard
+from .errors import NotReadyError, UnsupportedModelError
+from .loading import load_shard
+from .models.base import EmbeddingModel, PackedBatch
+from .runner import SMALL_BATCH_TOKENS
+from .settings import EngineSettings
+
+logger = logging.getLogger(__name__)
+
+WATCH_INTERVAL_S = 0.2
+"""How often rank 0 checks that every worker process is alive."""
+HEARTBEAT_INTERVAL_S = 5.0
+"""Idle time after which rank 0 checks, with one collective, that every rank answers."""
+STOP_GRACE_S = 10.0
+"""How long a worker gets to exit after being told to stop before it is killed."""
+
+_FORWARD, _PING, _STOP = 0, 1, 2
+
+T = TypeVar("T")
+
+
+class RankFailedError(NotReadyError):
+    """A tensor-parallel rank died, hung or failed; the group cannot run forward passes."""
+
+
+def rank_device(base: torch.device, rank: int) -> torch.device:
+    """Rank ``rank``'s device: the ``rank``-th GPU after ``base`` on CUDA, else ``base``."""
+    if base.type == "cuda":
+        return torch.device("cuda", (base.index or 0) + rank)
+    return base
+
+
+def _send(kind: int, batch: PackedBatch | None, device: torch.device) -> None:
+    """Rank 0's half of one plan: the header, then (for a forward) the payload."""
+    tokens = 0 if batch is None else batch.input_ids.shape[0]
+    sequences = 0 if batch is None else len(batch.seqlens)
+    dist.broadcast(torch.tensor([kind, tokens, sequences], dtype=torch.int64, device=device), 0)
+    if batch is not None:
+        lens = torch.tensor(batch.seqlens, dtype=torch.int64, device=device)
+        dist.broadcast(torch.cat([batch.input_ids, batch.position_ids, lens]), 0)
+    if kind == _PING:
+        dist.all_reduce(torch.ones(1, device=device))
+
+
+def _receive(device: torch.device, attention: Backend) -> tuple[int, PackedBatch | None]:
+    """A worker's half of :func:`_send`."""
+    header = torch.empty(3, dtype=torch.int64, device=device)
+    dist.broadcast(header, 0)
+    kind, tokens, sequences = header.tolist()
+    if kind == _PING:
+        dist.all_reduce(torch.ones(1, device=device))
+    if kind != _FORWARD:
+        return kind, None
+    payload = torch.empty(2 * tokens + sequences, dtype=torch.int64, device=device)
+    dist.broadcast(payload, 0)
+    ids, positions, lens = torch.split(payload, [tokens, tokens, sequences])
+    return kind, PackedBatch.of(ids, positions, lens.tolist(), attention=attention)
+
+
+def _backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _local_transport() -> None:
+    """All ranks share one host: gloo talks over loopback, never over whatever interface the
+    host name resolves to (a pod's IP, or nothing in some containers). Inherited by workers."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+class TensorParallelGroup:
+    """Rank 0's handle on the group: starts the workers, sends plans, watches for failure."""
+
+    def __init__(self, settings: EngineSettings, device: torch.device) -> None:
+        self.size = settings.tensor_parallel_size
+        self.timeout = settings.tensor_parallel_timeout
+        self.device = rank_device(device, 0)
+        self.shard = Shard(0, self.size)
+        self.failure: str | None = None
+        self._callbacks: list[Callable[[str], None]] = []
+        self._lock = threading.Lock()
+        self._busy_since: float | None = None
+        self._idle_since = time.monotonic()
+        self._closed = threading.Event()
+        self._workers: list[subprocess.Popen[bytes]] = []
+        self._watcher: threading.Thread | None = None
+        if dist.is_initialized():
+            raise UnsupportedModelError(
+                "a tensor-parallel engine is already running in this process; close it first"
+            )
+        if device.type == "cuda":
+            first = self.device.index or 0
+            if torch.cuda.device_count() < first + self.size:
+                raise UnsupportedModelError(
+                    f"tensor_parallel_size {self.size} needs GPUs {first}..{first + self.size - 1}"
+                    f"; this process sees {torch.cuda.device_count()}"
+                )
+        _local_transport()
+        self._store = TCPStore(
+            "127.0.0.1",
+            0,
+            world_size=self.size,
+            is_master=True,
+            timeout=timedelta(seconds=self.timeout),
+            wait_for_workers=False,
+        )
+        try:
+            for rank in range(1, self.size):
+                self._workers.append(self._spawn(rank, settings))
+        except BaseException:
+            self.close()
+            raise
+
+    def _spawn(self, rank: int, settings: EngineSettings) -> subprocess.Popen[bytes]:
+        command = [
+            sys.executable,
+            "-m",
+            __name__,
+            f"--rank={rank}",
+            f"--size={self.size}",
+            f"--port={self._store.port}",
+            f"--device={rank_device(self.device, rank)}",
+            f"--log-level={getattr(settings, 'log_level', 'info')}",
+            f"--log-format={getattr(settings, 'log_format', 'text')}",
+        ]
+        worker = subprocess.Popen(command, stdin=subprocess.PIPE, start_new_session=True)
+        assert worker.stdin is not None
+        engine_fields = set(EngineSettings.model_fields)
+        worker.stdin.write(settings.model_dump_json(include=engine_fields).encode() + b"\n")
+        worker.stdin.flush()
+        logger.info("started tensor-parallel rank %d (pid %d)", rank, worker.pid)
+        return worker
+
+    @property
+    def pids(self) -> list[int]:
+        """The worker processes' ids (ranks 1..N-1)."""
+        return [w.pid for w in self._workers]
+
+    def join(self) -> None:
+        """Wait until every worker has loaded its shard, then form the process group.
+
+        Raises :class:`RankFailedError` naming the rank when one fails to load or exits.
+        Loading has no deadline of its own (a download can take long); a worker that exits
+        is noticed at once.
+        """
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # NCCL binds rank 0 to the current device
+        pending = set(range(1, self.size))
+        while pending:
+            for rank in sorted(pending):
+                code = self._workers[rank - 1].poll()
+                if self._store.check([f"tp/{rank}/error"]):
+                    error = self._store.get(f"tp/{rank}/error").decode()
+                    raise RankFailedError(f"tensor-parallel rank {rank} failed to load: {error}")
+                if code is not None:
+                    raise RankFailedError(
+                        f"tensor-parallel rank {rank} exited with status {code} while loading"
+                    )
+                if self._store.check([f"tp/{rank}/loaded"]):
+                    pending.discard(rank)
+            time.sleep(0.05)
+        dist.init_process_group(
+            _backend(self.device),
+            store=self._store,
+            rank=0,
+            world_size=self.size,
+            timeout=timedelta(seconds=self.timeout),
+        )
+        self._idle_since = time.monotonic()
+        self._watcher = threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)
+        self._watcher.start()
+        threading.Thread(target=self._heartbeat, name="tp-heartbeat", daemon=True).start()
+        logger.info(
+            "tensor-parallel group of %d ranks formed (%s)", self.size, _backend(self.device)
+        )
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(message)`` (from a watchdog thread) when the group fails."""
+        self._callbacks.append(callback)
+        if self.failure is not None:
+            callback(self.failure)
+
+    def forward(self, model: EmbeddingModel, batch: PackedBatch) -> torch.Tensor:
+        """Send the plan, then run rank 0's share of the forward pass with the others."""
+
+        def work() -> torch.Tensor:
+            _send(_FORWARD, batch, self.device)
+            hidden = model.forward(batch)
+            if hidden.is_cuda:  # NCCL is asynchronous: wait here, where the watchdog times it
+                torch.cuda.synchronize(hidden.device)
+            return hidden
+
+        return self._collective(work)
+
+    def _ping(self) -> None:
+        _send(_PING, None, self.device)
+
+    def _collective(self, work: Callable[[], T]) -> T:
+        if self.failure is not None:
+            raise RankFailedError(self.failure)
+        with self._lock:
+            if self._closed.is_set():
+                raise RankFailedError("the tensor-parallel ranks have been stopped")
+            self._busy_since = time.monotonic()
+            try:
+                return work()
+            except Exception as error:
+                # Whatever broke, the ranks are no longer in step: the group is done.
+                self._fail(f"tensor-parallel forward pass failed: {type(error).__name__}: {error}")
+                raise RankFailedError(self.failure or "tensor-parallel group failed") from error
+            finally:
+                self._busy_since = None
+                self._idle_since = time.monotonic()
+
+    def _heartbeat(self) -> None:
+        while not self._closed.wait(WATCH_INTERVAL_S):
+            if self.failure is not None:
+                return
+            if time.monotonic() - self._idle_since < HEARTBEAT_INTERVAL_S:
+                continue
+            if self._lock.locked():
+                continue
+            try:
+                self._collective(self._ping)
+            except RankFailedError:
+                return
+
+    def _watch(self) -> None:
+        while not self._closed.wait(WATCH_INTERVAL_S):
+            for rank, worker in enumerate(self._workers, start=1):
+                code = worker.poll()
+                if code is not None:
+                    self._fail(f"tensor-parallel rank {rank} exited with status {code}")
+            busy = self._busy_since
+            if busy is not None and time.monotonic() - busy > self.timeout:
+                self._fail(
+                    f"tensor-parallel ranks did not answer within {self.timeout:g} s "
+                    "(tensor_parallel_timeout): a rank hangs"
+                )
+            if self.failure is not None:
+                return
+
+    def _fail(self, message: str) -> None:
+        if self.failure is not None or self._closed.is_set():
+            return
+        self.failure = message
+        logger.error("%s; stopping every rank", message)
+        # Killing the workers also ends rank 0's own collective if one is blocked.
+        _reap(self._workers, grace=0.0)
+        for callback in self._callbacks:
+            callback(message)
+
+    def close(self) -> None:
+        """Stop every rank: tell the workers to exit, then kill any that linger."""
+        if self._closed.is_set():
+            return
+        # From here on nothing starts a collective, and what fails is the shutdown's doing.
+        self._closed.set()
+        if self.failure is None and dist.is_initialized() and self._lock.acquire(timeout=1.0):
+            try:
+                _send(_STOP, None, self.device)
+            except Exception:  # a broken group: the workers are killed below
+                logger.debug("stop message not delivered", exc_info=True)
+            finally:
+                self._lock.release()
+        _reap(self._workers, grace=STOP_GRACE_S)
+        # After a failure a collective may still be blocked on the forward thread; the
+        # process is exiting then, and tearing the group down could block with it.
+        if dist.is_initialized() and self.failure is None:
+            dist.destroy_process_group()
+        logger.info("tensor-parallel ranks stopped")
+
+
+def _reap(workers: Sequence[subprocess.Popen[bytes]], grace: float) -> None:
+    """End the workers: close their stdin (they exit on EOF), wait ``grace``, then kill."""
+    for worker in workers:
+        _close_quietly(worker.stdin)
+    deadline = time.monotonic() + grace
+    for worker in workers:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            worker.wait(max(0.0, deadline - time.monotonic()))
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+
+
+def _close_quietly(stream: IO[bytes] | None) -> None:
+    if stream is not None:
+        with contextlib.suppress(OSError):
+            stream.close()
+
+
+class TensorParallelModel:
+    """Rank 0's model: the same protocol as any body, its forward run in step with the
+    workers through the group."""
+
+    def __init__(self, model: EmbeddingModel, group: TensorParallelGroup) -> None:
+        self.model, self.group = model, group
+        self.hidden_size = model.hidden_size
+        self.causal = model.causal
+        self.position_offset = model.position_offset
+        self.max_positions = model.max_positions
+        self.sliding_window = model.sliding_window
+
+    def forward(self, batch: PackedBatch) -> torch.Tensor:
+        return self.group.forward(self.model, batch)
+
+
+# -- the worker ranks -------------------------------------------------------------------------
+
+
+def _watch_parent(stdin: IO[bytes]) -> None:
+    """Exit the moment rank 0's end of our stdin closes: rank 0 stopped, however it ended."""
+    while stdin.read(65536):
+        pass
+    os._exit(0)
+
+
+class _RankFilter(logging.Filter):
+    """Stamp a worker's records with its rank (``tp_rank`` in JSON logs), since every rank
+    writes to the pod's one log."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.tp_rank = self.rank
+        return True
+
+
+def _serve(model: EmbeddingModel, device: torch.device, threads: int, attention: Backend) -> None:
+    with torch.inference_mode():
+        while True:
+            kind, batch = _receive(device, attention)
+            if kind == _STOP:
+                return
+            if batch is None:
+                continue
+            if device.type == "cpu":
+                wanted = 1 if batch.input_ids.shape[0] < SMALL_BATCH_TOKENS else threads
+                if torch.get_num_threads() != wanted:
+                    torch.set_num_threads(wanted)
+            model.forward(batch)
+
+
+def worker_main(argv: Sequence[str] | None = None) -> int:
+    """A worker rank: load the shard, join the group, run forward passes until told to stop."""
+    from .dtypes import cpu_thread_budget
+    from .logging import configure_logging
+
+    parser = argparse.ArgumentParser(prog="embedding-server tensor-parallel worker")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--size", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--device", required=True)
+    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-format", default="text", choices=["text", "json"])
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level, args.log_format)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_RankFilter(args.rank))
+    stdin = sys.stdin.buffer
+    settings = EngineSettings.model_validate_json(stdin.readline())
+    threading.Thread(target=_watch_parent, args=(stdin,), name="parent-watch", daemon=True).start()
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = timedelta(seconds=settings.tensor_parallel_timeout)
+    store = TCPStore("127.0.0.1", args.port, is_master=False, timeout=timeout)
+    try:
+        model, dtype, head_dim = load_shard(
+            settings.model,
+            revision=settings.revision,
+            cache_dir=settings.cache_dir,
+            dtype=settings.dtype,
+            device=device,
+            shard=Shard(args.rank, args.size),
+        )
+        # The same rule on the same facts as rank 0, so every rank runs the same kernel.
+        attention = select_backend(settings.attention, probe(device, dtype, head_dim)).backend
+    except Exception as error:
+        logger.debug("rank %d failed to load", args.rank, exc_info=True)
+        store.set(f"tp/{args.rank}/error", f"{type(error).__name__}: {error}")
+        return 1
+    store.set(f"tp/{args.rank}/loaded", "1")
+    dist.init_process_group(
+        _backend(device), store=store, rank=args.rank, world_size=args.size, timeout=timeout
+    )
+    _serve(model, device, max(1, cpu_thread_budget() // args.size), attention)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())

@@ -1,0 +1,179 @@
+"""Tensor parallelism on CPU: two gloo ranks give the vectors one rank gives.
+
+Every architecture we serve, on a packed batch of mixed lengths, in float32: the real
+all-MiniLM-L6-v2 and tiny random models whose head counts make the split real (4 query heads
+over 2 ranks; GQA with 2 key/value heads split, and with 1 replicated on both ranks; biases
+on the row-parallel projections, added once). Also: sizes that do not divide the heads are
+refused naming the numbers, and closing an engine leaves no worker process behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from embedding_server.distributed import Shard
+from embedding_server.engine import Engine
+from embedding_server.errors import UnsupportedModelError
+from test_modernbert import build_modernbert
+
+from tests.support.models import MINILM_DIR, build_decoder, build_xlm_roberta
+
+TEXTS = [
+    "hi",
+    "tensor parallel ranks must agree with a single rank, token for token",
+    "a",
+    "mixed lengths in one packed batch: " + "long " * 40,
+    "seven words are in this one here",
+]
+COSINE = 0.99999
+
+
+def _roberta(path: Path) -> Path:
+    """RoBERTa: XLM-R's architecture and weight names under model_type roberta."""
+    build_xlm_roberta(path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(model_type="roberta", architectures=["RobertaModel"])
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+BUILDERS: dict[str, Callable[[Path], Path]] = {
+    "xlm-roberta": build_xlm_roberta,
+    "roberta": _roberta,
+    "modernbert": lambda p: build_modernbert(p, "modernbert"),
+    "modernbert-biases": lambda p: build_modernbert(p, "modernbert-mlm-legacy"),
+    "qwen2": lambda p: build_decoder(p, "qwen2"),
+    "qwen3": lambda p: build_decoder(p, "qwen3"),
+    "llama-biases": lambda p: build_decoder(p, "llama", attention_bias=True, mlp_bias=True),
+    "llama-1-kv-head": lambda p: build_decoder(p, "llama", num_key_value_heads=1),
+    "mistral": lambda p: build_decoder(p, "mistral"),
+    "gemma3_text": lambda p: build_decoder(p, "gemma3_text"),
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    root = tmp_path_factory.mktemp("tp-models")
+
+    def get(name: str) -> Path:
+        if name == "minilm":
+            return MINILM_DIR
+        target = root / name
+        return target if target.is_dir() else BUILDERS[name](target)
+
+    return get
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture
+def engines() -> Iterator[list[Engine]]:
+    """Engines a test opened, closed after it even when it fails."""
+    opened: list[Engine] = []
+    yield opened
+    for engine in opened:
+        engine.close()
+
+
+def _token_states(engine: Engine) -> list[np.ndarray]:
+    return engine.embed_tokens(TEXTS)
+
+
+@pytest.mark.parametrize("name", ["minilm", *BUILDERS])
+def test_two_ranks_give_the_vectors_of_one(
+    name: str, model_dir: Callable[[str], Path], engines: list[Engine]
+) -> None:
+    path = str(model_dir(name))
+    single = Engine.from_pretrained(path, dtype="float32")
+    expected_tokens, expected = _token_states(single), single.embed(TEXTS)
+    engines.append(Engine.from_pretrained(path, dtype="float32", tensor_parallel_size=2))
+    parallel = engines[0]
+    assert parallel.tensor_parallel is not None and len(parallel.tensor_parallel.pids) == 1
+
+    got = parallel.embed(TEXTS)
+    cosines = (got * expected).sum(1) / (
+        np.linalg.norm(got, axis=1) * np.linalg.norm(expected, axis=1)
+    )
+    assert cosines.min() >= COSINE, cosines
+    for want, have in zip(expected_tokens, _token_states(parallel), strict=True):
+        assert want.shape == have.shape
+        per_token = (want * have).sum(1) / (
+            np.linalg.norm(want, axis=1) * np.linalg.norm(have, axis=1)
+        )
+        assert per_token.min() >= COSINE, per_token
+
+
+def test_each_rank_holds_half_the_attention_and_mlp(model_dir: Callable[[str], Path]) -> None:
+    path = str(model_dir("llama-biases"))
+    single = Engine.from_pretrained(path, dtype="float32")
+    with Engine.from_pretrained(path, dtype="float32", tensor_parallel_size=2) as parallel:
+        whole = single._runner.model.layers[0]  # type: ignore[attr-defined]
+        part = parallel._runner.model.model.layers[0]  # type: ignore[attr-defined]
+        assert part.qkv_w.shape[0] * 2 == whole.qkv_w.shape[0]
+        assert part.o_w.shape[1] * 2 == whole.o_w.shape[1]
+        assert part.gate_up_w.shape[0] * 2 == whole.gate_up_w.shape[0]
+        assert part.down_w.shape[1] * 2 == whole.down_w.shape[1]
+        # Vocab-parallel token embeddings: half the rows each.
+        whole_rows = single._runner.model.embed.weight.shape[0]  # type: ignore[attr-defined]
+        assert parallel._runner.model.model.embed.weight.shape[0] * 2 == whole_rows  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("total", "size"), [(30522, 2), (7, 3), (2, 4), (260, 8)])
+def test_vocabulary_rows_are_split_without_gap_or_overlap(total: int, size: int) -> None:
+    rows = [Shard(rank, size).chunk(total) for rank in range(size)]
+    covered = [i for r in rows for i in range(total)[r]]
+    assert covered == list(range(total))
+
+
+def test_a_size_that_does_not_divide_the_heads_is_refused(
+    model_dir: Callable[[str], Path],
+) -> None:
+    with pytest.raises(UnsupportedModelError, match=r"tensor_parallel_size 3 does not divide .*4"):
+        Engine.from_pretrained(str(model_dir("qwen3")), dtype="float32", tensor_parallel_size=3)
+
+
+def test_closing_the_engine_stops_its_ranks(model_dir: Callable[[str], Path]) -> None:
+    with Engine.from_pretrained(str(model_dir("minilm")), tensor_parallel_size=2) as engine:
+        assert engine.tensor_parallel is not None
+        pids = engine.tensor_parallel.pids
+        assert pids and all(_alive(pid) for pid in pids)
+        engine.embed(["still works"])
+    assert not any(_alive(pid) for pid in pids)
+
+
+def test_the_batch_plan_crosses_once_per_batch(
+    model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One header and one payload broadcast per forward pass, whatever the number of
+    sequences in it or of layers in the model (MiniLM has 6)."""
+    import threading
+
+    import torch.distributed as dist
+
+    caller = threading.get_ident()
+    calls: list[int] = []
+    broadcast = dist.broadcast
+
+    def counting(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() == caller:  # not the idle heartbeat's
+            calls.append(tensor.numel())
+        return broadcast(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "broadcast", counting)
+    with Engine.from_pretrained(str(model_dir("minilm")), tensor_parallel_size=2) as engine:
+        engine.embed(TEXTS)  # one batch of five sequences
+        assert len(calls) == 2 and calls[0] == 3  # the header, then the packed plan
+        engine.embed(["one more"])
+        assert len(calls) == 4
