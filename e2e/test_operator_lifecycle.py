@@ -245,6 +245,43 @@ def test_delete_garbage_collects_children(
     assert pods is not None
 
 
+
+def test_namesake_is_never_adopted(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    """A team's own Service named like the EmbeddingService: reported, never written, and not
+    garbage-collected when the EmbeddingService goes (it never gets our ownerReference)."""
+    theirs = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "postgres", "labels": {"team": "db"}},
+        "spec": {"selector": {"app": "postgres"}, "ports": [{"name": "pg", "port": 5432}]},
+    }
+    cluster.apply(theirs, namespace=namespace)
+    before = get_json(cluster, "service", "postgres", "-n", namespace)
+    assert before is not None
+    _create(cluster, namespace, "postgres", {"model": MODEL})
+    # A sibling with no conflict: the positive control for garbage collection below.
+    _create(cluster, namespace, "sibling", {"model": MODEL})
+
+    message = _degraded_without_deployment(cluster, namespace, "postgres", "ChildConflict")
+    assert f"Service {namespace}/postgres already exists" in message, message
+    event = _events(cluster, namespace, "postgres", "ChildConflict")[0]
+    assert f"Service {namespace}/postgres" in event["message"], event
+    wait_condition(cluster, namespace, "sibling", "Ready", "True")
+
+    cluster.kubectl("delete", "embsvc", "postgres", "sibling", "-n", namespace)
+    wait_gone(cluster, "deployment", "sibling", "-n", namespace, timeout=90)
+    wait_gone(cluster, "service", "sibling", "-n", namespace, timeout=90)
+    after = get_json(cluster, "service", "postgres", "-n", namespace)
+    assert after is not None, "the team's Service was garbage-collected with the CR"
+    assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
+    assert not after["metadata"].get("ownerReferences")
+    assert [f["manager"] for f in after["metadata"].get("managedFields") or []] == [
+        f["manager"] for f in before["metadata"].get("managedFields") or []
+    ]
+    assert operator.alive()
+
 BAD = [
     (
         "spec.parallelism.tensorParallelSize",

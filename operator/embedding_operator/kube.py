@@ -81,7 +81,7 @@ class Cluster(Protocol):
 
     def merge_patch(self, manifest: dict[str, Any]) -> dict[str, Any]: ...
 
-    def delete(self, ref: ObjectRef) -> None: ...
+    def delete(self, ref: ObjectRef, uid: str | None = None) -> None: ...
 
     def patch_status(self, ref: ObjectRef, status: dict[str, Any]) -> dict[str, Any]: ...
 
@@ -181,17 +181,17 @@ class KubeCluster:
         """PUT; with ``metadata.resourceVersion`` set it is a compare-and-swap (409 if stale)."""
         return self._call("PUT", resource_path(ref_of(manifest)), body=manifest)
 
-    def delete(self, ref: ObjectRef) -> None:
+    def delete(self, ref: ObjectRef, uid: str | None = None) -> None:
+        """DELETE; with ``uid``, only that object (a re-created namesake is left alone)."""
+        options: dict[str, Any] = {
+            "kind": "DeleteOptions",
+            "apiVersion": "v1",
+            "propagationPolicy": "Background",
+        }
+        if uid is not None:
+            options["preconditions"] = {"uid": uid}
         try:
-            self._call(
-                "DELETE",
-                resource_path(ref),
-                body={
-                    "kind": "DeleteOptions",
-                    "apiVersion": "v1",
-                    "propagationPolicy": "Background",
-                },
-            )
+            self._call("DELETE", resource_path(ref), body=options)
         except ApiError as exc:
             if exc.status != 404:
                 raise

@@ -84,8 +84,11 @@ class FakeCluster:
         live["metadata"]["resourceVersion"] = str(next(self._counter))
         return copy.deepcopy(live)
 
-    def delete(self, ref: ObjectRef) -> None:
+    def delete(self, ref: ObjectRef, uid: str | None = None) -> None:
         self.calls.append(("delete", ref.kind))
+        live = self.objects.get(ref)
+        if live is not None and uid is not None and live["metadata"].get("uid") != uid:
+            raise ApiError(409, "Precondition failed: UID in precondition")
         self.objects.pop(ref, None)
 
     def patch_status(self, ref: ObjectRef, status: dict[str, Any]) -> dict[str, Any]:

@@ -257,9 +257,103 @@ def test_child_owned_by_someone_else_is_not_taken_over(cluster: FakeCluster) -> 
     rec = make(cluster)
     outcome = rec.reconcile(NS, "emb")
     assert outcome is not None and outcome.problem is not None
-    assert conditions(cluster)["Degraded"]["reason"] == "ChildConflict"
+    degraded = conditions(cluster)["Degraded"]
+    assert degraded["reason"] == "ChildConflict"
+    assert "Service team/emb already exists and is controlled by Deployment x" in (
+        degraded["message"]
+    )
     svc = cluster.objects[ObjectRef("v1", "Service", NS, "emb")]
     assert svc["spec"] == {"ports": [{"port": 1}]}
+    # Nothing at all is created while the conflict stands: no Deployment without its Service.
+    assert cluster.writes() == [("status", "EmbeddingService")]
+
+
+# A spec that wants every kind of child, and for each kind the name it would take.
+ALL_CHILDREN = {
+    **MODEL,
+    "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 3},
+    "modelCache": {"mode": "pvc", "size": "10Gi"},
+}
+FOREIGN = [
+    ("apps/v1", "Deployment", "emb"),
+    ("v1", "Service", "emb"),
+    ("autoscaling/v2", "HorizontalPodAutoscaler", "emb"),
+    ("policy/v1", "PodDisruptionBudget", "emb"),
+    ("v1", "PersistentVolumeClaim", "emb-model-cache"),
+]
+
+
+@pytest.mark.parametrize(("api_version", "kind", "name"), FOREIGN, ids=[f[1] for f in FOREIGN])
+def test_unowned_namesake_is_a_conflict_never_adopted(
+    cluster: FakeCluster, api_version: str, kind: str, name: str
+) -> None:
+    """An object with a child's name but no controller reference (a team's own ``postgres``
+    Service) is reported, never written: server-side apply with force would adopt it, and
+    garbage collection would then delete it with the EmbeddingService."""
+    add_service(cluster, ALL_CHILDREN)
+    theirs = cluster.add(
+        {
+            "apiVersion": api_version,
+            "kind": kind,
+            "metadata": {"name": name, "namespace": NS, "labels": {"team": "theirs"}},
+            "spec": {"theirs": True},
+        }
+    )
+    events = Events()
+    rec = make(cluster, events)
+    outcome = rec.reconcile(NS, "emb")
+    assert outcome is not None and outcome.problem is not None
+    assert outcome.problem.reason == "ChildConflict"
+    assert cluster.objects[ObjectRef(api_version, kind, NS, name)] == theirs
+    assert cluster.writes() == [("status", "EmbeddingService")]
+    cond = conditions(cluster)
+    assert (cond["Degraded"]["status"], cond["Degraded"]["reason"]) == ("True", "ChildConflict")
+    assert cond["Ready"]["status"] == "False"
+    named = f"{kind} {NS}/{name} already exists and has no controller ownerReference"
+    assert named in cond["Degraded"]["message"]
+    assert [e for e in events.posted if e[:2] == ("Warning", "ChildConflict")]
+    assert named in events.posted[-1][2]
+
+    # Steady while it stands: no writes, no repeated Event.
+    cluster.calls.clear()
+    rec.reconcile(NS, "emb")
+    assert cluster.writes() == []
+    assert len(events.posted) == 1
+
+    # The owner of the namesake removes it: the next reconcile creates every child.
+    del cluster.objects[ObjectRef(api_version, kind, NS, name)]
+    outcome = rec.reconcile(NS, "emb")
+    assert outcome is not None and outcome.problem is None
+    assert {c[1] for c in cluster.writes() if c[0] == "apply"} == {f[1] for f in FOREIGN}
+    assert conditions(cluster)["Degraded"]["status"] == "False"
+
+
+def test_every_conflict_is_named(cluster: FakeCluster) -> None:
+    add_service(cluster, MODEL)
+    for api_version, kind in (("apps/v1", "Deployment"), ("v1", "Service")):
+        cluster.add(
+            {"apiVersion": api_version, "kind": kind, "metadata": {"name": "emb", "namespace": NS}}
+        )
+    outcome = make(cluster).reconcile(NS, "emb")
+    assert outcome is not None and outcome.problem is not None
+    assert "Deployment team/emb" in outcome.problem.message
+    assert "Service team/emb" in outcome.problem.message
+
+
+def test_unwanted_namesake_we_do_not_control_is_not_deleted(cluster: FakeCluster) -> None:
+    """Switching autoscaling off deletes our HPA, never someone else's of the same name."""
+    add_service(cluster, MODEL)
+    hpa = cluster.add(
+        {
+            "apiVersion": "autoscaling/v2",
+            "kind": "HorizontalPodAutoscaler",
+            "metadata": {"name": "emb", "namespace": NS},
+        }
+    )
+    outcome = make(cluster).reconcile(NS, "emb")
+    assert outcome is not None and outcome.problem is None
+    assert cluster.objects[ObjectRef("autoscaling/v2", "HorizontalPodAutoscaler", NS, "emb")] == hpa
+    assert ("delete", "HorizontalPodAutoscaler") not in cluster.calls
 
 
 def test_gone_or_deleting_objects_are_left_alone(cluster: FakeCluster) -> None:
