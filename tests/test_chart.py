@@ -368,7 +368,11 @@ def assert_workload_rules(rules: list[dict[str, Any]]) -> None:
     assert grants(rules, GROUP, PLURAL) == {"get", "list", "watch", "patch"}
     assert grants(rules, GROUP, f"{PLURAL}/status") == {"patch"}
     assert grants(rules, GROUP, f"{PLURAL}/finalizers") == {"update"}  # blockOwnerDeletion
-    assert grants(rules, "", "secrets") == {"get"}, "Secrets: existence checks only"
+    # No Secret access at all (a missing one is reported from the pod's own status), and pods
+    # only read, never written or exec'd into.
+    assert not grants(rules, "", "secrets"), "the operator never reads Secrets"
+    assert grants(rules, "", "pods") == {"list", "watch"}
+    assert not grants(rules, "", "pods/exec")
     assert grants(rules, "", "events") == {"create"}
 
 

@@ -8,6 +8,9 @@ Every trigger becomes one ``Controller.enqueue`` of the EmbeddingService's key:
   PVCs, watched with a server-side label selector so the operator sees only its own children):
   the controlling EmbeddingService is enqueued, so drifted fields are re-applied and status
   follows the Deployment's;
+* a server pod changed (``event`` on pods, label-selected the same way): its EmbeddingService,
+  named by the pod's ``app.kubernetes.io/instance`` label, is enqueued, so a pod the kubelet
+  cannot start (a missing Secret) is reported as soon as the kubelet says so;
 * the ``event`` handler on EmbeddingServices keeps the set the periodic resync walks.
 
 Handlers are coroutines that never call the API or raise, so kopf's own retry machinery is
@@ -24,7 +27,14 @@ from typing import Any
 
 import kopf
 
-from embedding_operator.builders.common import GROUP, KIND, MANAGED_BY, PLURAL, VERSION
+from embedding_operator.builders.common import (
+    APP_NAME,
+    GROUP,
+    KIND,
+    MANAGED_BY,
+    PLURAL,
+    VERSION,
+)
 from embedding_operator.controller import Controller
 from embedding_operator.kube import controller_of
 from embedding_operator.reconcile import Reconciler
@@ -39,6 +49,7 @@ CHILD_RESOURCES: tuple[tuple[str, str] | tuple[str, str, str], ...] = (
     ("policy", "v1", "poddisruptionbudgets"),
     ("v1", "persistentvolumeclaims"),
 )
+POD_RESOURCE = ("v1", "pods")
 
 
 def kopf_settings(config: OperatorSettings) -> kopf.OperatorSettings:
@@ -54,7 +65,7 @@ def kopf_settings(config: OperatorSettings) -> kopf.OperatorSettings:
     # A watch that silently stops is the classic stuck operator; recycle them.
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
-    for selector in CHILD_RESOURCES:
+    for selector in (*CHILD_RESOURCES, POD_RESOURCE):
         settings.watching.label_selectors[selector] = MANAGED_SELECTOR
     return settings
 
@@ -109,4 +120,16 @@ def register(
             registry=registry,
             labels={"app.kubernetes.io/managed-by": MANAGED_BY},
         )(on_child)
+
+    @kopf.on.event(
+        *POD_RESOURCE,
+        id="server-pods",
+        registry=registry,
+        labels={"app.kubernetes.io/managed-by": MANAGED_BY, "app.kubernetes.io/name": APP_NAME},
+    )
+    async def on_pod(*, labels: kopf.Labels, namespace: str | None, **_: Any) -> None:
+        instance = labels.get("app.kubernetes.io/instance")
+        if instance and namespace is not None:
+            controller.enqueue(namespace, instance)
+
     return controller

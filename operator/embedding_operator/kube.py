@@ -83,6 +83,8 @@ class Cluster(Protocol):
 
     def delete(self, ref: ObjectRef, uid: str | None = None) -> None: ...
 
+    def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]: ...
+
     def patch_status(self, ref: ObjectRef, status: dict[str, Any]) -> dict[str, Any]: ...
 
 
@@ -195,6 +197,14 @@ class KubeCluster:
         except ApiError as exc:
             if exc.status != 404:
                 raise
+
+    def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        listing = self._call(
+            "GET",
+            f"/api/v1/namespaces/{namespace}/pods",
+            query=[("labelSelector", label_selector)],
+        )
+        return list(listing.get("items") or [])
 
     def patch_status(self, ref: ObjectRef, status: dict[str, Any]) -> dict[str, Any]:
         return self._call(

@@ -13,11 +13,17 @@ Problems are sorted by who can fix them:
   let through but the model refuses, tensor parallelism the bundled server cannot run, a name
   conflict, a child the API server refuses) is reported as ``Degraded`` plus a Warning Event,
   and the operator waits for the next edit;
-* what may fix itself (a Secret not created yet) is reported the same way and retried with a
-  growing delay by the work queue (``Outcome.retry``).
+* what may fix itself (a Secret the pods cannot find yet, as their kubelet reports it) is
+  reported the same way and retried with a growing delay by the work queue (``Outcome.retry``).
+
+The operator never reads Secrets: a referenced Secret is the pods' business. While the
+Deployment is not fully ready, the reconcile lists its pods and reports a container the kubelet
+cannot create (``CreateContainerConfigError``: a Secret or key missing) as ``SecretNotFound``,
+naming the spec field; a ready Deployment costs no pod list.
 
 While a problem found before applying stands (invalid spec, unknown GPU type, tensor
-parallelism on the bundled server, missing Secret), no child is created, changed or deleted:
+parallelism on the bundled server, an image or priority class outside the allowlist, a child's
+name held by an object we do not control), no child is created, changed or deleted:
 an edit that breaks a running service (say, tensorParallelSize 1 -> 2 on the bundled server)
 leaves its Deployment on the last spec that worked, still serving, with ``Ready`` False
 because the current spec is not what runs. The edit that fixes the problem clears
@@ -37,7 +43,13 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from embedding_operator.apply import ChildConflictError, ChildRejectedError, sync_children
-from embedding_operator.builders.common import API_VERSION, KIND, Owner, RenderInput
+from embedding_operator.builders.common import (
+    API_VERSION,
+    KIND,
+    Owner,
+    RenderInput,
+    selector_string,
+)
 from embedding_operator.kube import Cluster, ObjectRef, controller_of
 from embedding_operator.plan import Planned, Refused, plan
 from embedding_operator.profiles import GpuProfiles
@@ -48,10 +60,11 @@ from embedding_operator.status import (
     CHILD_REJECTED,
     DEGRADED,
     READY,
-    SECRET_NOT_FOUND,
     TENSOR_PARALLEL_UNSUPPORTED,
+    DeploymentFacts,
     Problem,
     compute_status,
+    container_config_problem,
     merge_conditions,
     status_patch,
 )
@@ -134,7 +147,7 @@ class Reconciler:
     def _reconcile(self, body: dict[str, Any]) -> Outcome:
         owner = Owner.from_body(body)
         planned = plan(owner, body.get("spec") or {}, self._profiles, self._default_image)
-        problem: Problem | None
+        problem: Problem | None = None
         if isinstance(planned, Refused):
             problem = planned.problem
             if problem.reason == TENSOR_PARALLEL_UNSUPPORTED:
@@ -144,9 +157,6 @@ class Reconciler:
                     message=f"{problem.message}; until then nothing is applied and pods of an "
                     "earlier spec keep running",
                 )
-        else:
-            # A spec that can never start outranks a Secret that may still appear.
-            problem = self._missing_secret(owner, planned.render.spec)
 
         deployment: dict[str, Any] | None = None
         applied: tuple[str, ...] = ()
@@ -169,33 +179,21 @@ class Reconciler:
             live = self._cluster.get(ref)
             if live is not None and (controller_of(live) or {}).get("uid") == owner.uid:
                 deployment = live
+        if problem is None and deployment is not None and isinstance(planned, Planned):
+            problem = self._pods_problem(owner, planned.render.spec, deployment)
 
         written = self._write_status(body, owner, planned.render, deployment, problem)
         return Outcome(problem=problem, status_written=written, applied=applied)
 
-    def _missing_secret(self, owner: Owner, spec: EmbeddingServiceSpec) -> Problem | None:
-        for field, ref in (
-            ("spec.model.hubTokenSecretRef", spec.model.hub_token_secret_ref),
-            ("spec.apiKeySecretRef", spec.api_key_secret_ref),
-        ):
-            if ref is None:
-                continue
-            secret = self._cluster.get(ObjectRef("v1", "Secret", owner.namespace, ref.name))
-            if secret is None:
-                return Problem(
-                    SECRET_NOT_FOUND,
-                    f"{field}: Secret {owner.namespace}/{ref.name} not found",
-                    retryable=True,
-                )
-            if ref.key not in (secret.get("data") or {}) and ref.key not in (
-                secret.get("stringData") or {}
-            ):
-                return Problem(
-                    SECRET_NOT_FOUND,
-                    f"{field}: Secret {owner.namespace}/{ref.name} has no key {ref.key!r}",
-                    retryable=True,
-                )
-        return None
+    def _pods_problem(
+        self, owner: Owner, spec: EmbeddingServiceSpec, deployment: dict[str, Any]
+    ) -> Problem | None:
+        """A pod the kubelet cannot start (a missing Secret), read only while pods are unready."""
+        facts = DeploymentFacts.from_live(deployment)
+        if facts.desired == 0 or (facts.rolled_out and facts.ready >= facts.desired):
+            return None
+        pods = self._cluster.list_pods(owner.namespace, selector_string(owner))
+        return container_config_problem(pods, spec)
 
     def _write_status(
         self,

@@ -91,6 +91,17 @@ class FakeCluster:
             raise ApiError(409, "Precondition failed: UID in precondition")
         self.objects.pop(ref, None)
 
+    def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        self.calls.append(("get", "Pod"))
+        wanted = dict(part.split("=", 1) for part in label_selector.split(","))
+        return [
+            copy.deepcopy(obj)
+            for ref, obj in self.objects.items()
+            if ref.kind == "Pod"
+            and ref.namespace == namespace
+            and wanted.items() <= (obj["metadata"].get("labels") or {}).items()
+        ]
+
     def patch_status(self, ref: ObjectRef, status: dict[str, Any]) -> dict[str, Any]:
         self.calls.append(("status", ref.kind))
         obj = self.objects[ref]

@@ -194,32 +194,85 @@ def test_unknown_gpu_type_is_degraded_with_event(cluster: FakeCluster) -> None:
     assert cluster.writes() == [] and len(events.posted) == 1
 
 
-def test_missing_secret_is_retryable_until_created(cluster: FakeCluster) -> None:
+def _pod(name: str, waiting: dict[str, str] | None) -> dict[str, Any]:
+    state = {"waiting": waiting} if waiting else {"running": {}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": NS,
+            "labels": {
+                "app.kubernetes.io/name": "embedding-server",
+                "app.kubernetes.io/instance": "emb",
+            },
+        },
+        "status": {"containerStatuses": [{"name": "embedding-server", "state": state}]},
+    }
+
+
+def test_missing_secret_is_reported_from_the_pod_never_read(cluster: FakeCluster) -> None:
+    """The operator never GETs a Secret: the kubelet's CreateContainerConfigError on our pod
+    says which one is missing, and the condition names the spec field that references it."""
     add_service(cluster, {**MODEL, "apiKeySecretRef": {"name": "auth"}})
     events = Events()
     rec = make(cluster, events)
     outcome = rec.reconcile(NS, "emb")
+    assert outcome is not None and outcome.problem is None
+    assert dep_ref() in cluster.objects, "the Deployment is created; its pods wait for the Secret"
+
+    waiting = {
+        "reason": "CreateContainerConfigError",
+        "message": 'secret "auth" not found',
+    }
+    cluster.add(_pod("emb-abc", waiting))
+    outcome = rec.reconcile(NS, "emb")
     assert outcome is not None and outcome.retry
     cond = conditions(cluster)
     assert cond["Degraded"]["reason"] == "SecretNotFound"
-    assert "spec.apiKeySecretRef" in cond["Degraded"]["message"]
-    assert dep_ref() not in cluster.objects
-    cluster.add(
-        {
-            "apiVersion": "v1",
-            "kind": "Secret",
-            "metadata": {"name": "auth", "namespace": NS},
-            "data": {"other": "eA=="},
-        }
-    )
-    outcome = rec.reconcile(NS, "emb")
-    assert outcome is not None and outcome.retry
-    assert "has no key 'api-key'" in conditions(cluster)["Degraded"]["message"]
-    cluster.objects[ObjectRef("v1", "Secret", NS, "auth")]["data"] = {"api-key": "eA=="}
+    assert cond["Degraded"]["message"].startswith('spec.apiKeySecretRef: secret "auth" not found')
+    assert "emb-abc" in cond["Degraded"]["message"]
+    assert ("Warning", "SecretNotFound") in [e[:2] for e in events.posted]
+
+    waiting["message"] = "couldn't find key api-key in Secret team/auth"
+    cluster.add(_pod("emb-abc", waiting))
+    rec.reconcile(NS, "emb")
+    assert "couldn't find key api-key" in conditions(cluster)["Degraded"]["message"]
+
+    # The Secret appears; the kubelet starts the container and the pod becomes ready.
+    cluster.add(_pod("emb-abc", None))
+    mark_rolled_out(cluster)
     outcome = rec.reconcile(NS, "emb")
     assert outcome is not None and outcome.problem is None
-    assert dep_ref() in cluster.objects
-    assert conditions(cluster)["Degraded"]["status"] == "False"
+    assert conditions(cluster)["Ready"]["status"] == "True"
+    assert not [c for c in cluster.calls if c[1] == "Secret"], "Secrets are never read"
+
+    # A ready Deployment costs no pod list.
+    cluster.calls.clear()
+    rec.reconcile(NS, "emb")
+    assert ("get", "Pod") not in cluster.calls
+
+
+def test_secret_in_server_env_and_other_config_errors(cluster: FakeCluster) -> None:
+    env = [{"name": "X", "valueFrom": {"secretKeyRef": {"name": "xs", "key": "k"}}}]
+    add_service(cluster, {**MODEL, "server": {"env": env}})
+    rec = make(cluster)
+    rec.reconcile(NS, "emb")
+    msg = "couldn't find key k in Secret team/xs"
+    cluster.add(_pod("p1", {"reason": "CreateContainerConfigError", "message": msg}))
+    rec.reconcile(NS, "emb")
+    assert conditions(cluster)["Degraded"]["message"].startswith(f"spec.server.env[0]: {msg}")
+
+    msg = 'configmap "cm" not found'
+    cluster.add(_pod("p1", {"reason": "CreateContainerConfigError", "message": msg}))
+    outcome = rec.reconcile(NS, "emb")
+    assert outcome is not None and outcome.problem is not None
+    assert outcome.problem.reason == "ContainerConfigError" and msg in outcome.problem.message
+
+    # Other waiting reasons (image pulls, crash loops) are the Deployment's story, not ours.
+    cluster.add(_pod("p1", {"reason": "ContainerCreating", "message": ""}))
+    outcome = rec.reconcile(NS, "emb")
+    assert outcome is not None and outcome.problem is None
 
 
 def test_invalid_spec_names_the_field(cluster: FakeCluster) -> None:
@@ -259,8 +312,8 @@ def test_child_owned_by_someone_else_is_not_taken_over(cluster: FakeCluster) -> 
     assert outcome is not None and outcome.problem is not None
     degraded = conditions(cluster)["Degraded"]
     assert degraded["reason"] == "ChildConflict"
-    assert "Service team/emb already exists and is controlled by Deployment x" in (
-        degraded["message"]
+    assert (
+        "Service team/emb already exists and is controlled by Deployment x" in (degraded["message"])
     )
     svc = cluster.objects[ObjectRef("v1", "Service", NS, "emb")]
     assert svc["spec"] == {"ports": [{"port": 1}]}
@@ -554,7 +607,7 @@ def test_tensor_parallel_with_custom_image_renders_as_asked(cluster: FakeCluster
     assert not [e for e in events.posted if e[0] == "Warning"]
 
 
-def test_tensor_parallel_outranks_a_missing_secret(cluster: FakeCluster) -> None:
+def test_tensor_parallel_is_refused_before_any_secret_matters(cluster: FakeCluster) -> None:
     add_service(cluster, {**TP2, "apiKeySecretRef": {"name": "auth"}})
     outcome = make(cluster).reconcile(NS, "emb")
     assert outcome is not None and outcome.problem is not None

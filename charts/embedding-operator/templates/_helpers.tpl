@@ -145,10 +145,11 @@ children a spec no longer wants (an HPA after autoscaling is switched off, ...).
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, list, watch, create, patch, delete]
-# Secrets named by spec.model.hubTokenSecretRef / spec.apiKeySecretRef: existence check only.
+# Server pods (label-selected): a container the kubelet cannot create (a missing Secret) is
+# reported from the pod's status. No access to Secrets at all.
 - apiGroups: [""]
-  resources: [secrets]
-  verbs: [get]
+  resources: [pods]
+  verbs: [list, watch]
 # Events about EmbeddingServices (kopf's and the operator's own).
 - apiGroups: [""]
   resources: [events]
