@@ -249,6 +249,10 @@ def test_configuration_is_accepted_by_the_operator(
             "gpuProfiles": {"h100-mig": profile},
             "watchNamespaces": ["team-a", "team-b"],
             "serverImage": {"repository": "registry.example/srv", "tag": "1.2"},
+            "policy": {
+                "allowedImages": ["registry.example/*", "ghcr.io/x/srv:1"],
+                "allowedPriorityClasses": ["inference"],
+            },
         },
     )
     configmap = one(docs, "ConfigMap")
@@ -266,6 +270,8 @@ def test_configuration_is_accepted_by_the_operator(
     settings = OperatorSettings(**from_env)
     assert settings.namespaces == ["team-a", "team-b"]
     assert settings.default_image == "registry.example/srv:1.2"
+    assert settings.policy.allowed_images == ("registry.example/*", "ghcr.io/x/srv:1")
+    assert settings.policy.allowed_priority_classes == ("inference",)
     assert settings.leader_elect is True
     assert settings.lease_namespace == "ops"
     assert str(settings.gpu_profiles) == "/etc/embedding-operator/gpu-profiles.yaml"

@@ -52,6 +52,7 @@ from embedding_operator.builders.common import (
 )
 from embedding_operator.kube import Cluster, ObjectRef, controller_of
 from embedding_operator.plan import Planned, Refused, plan
+from embedding_operator.policy import ALLOW_ALL, WorkloadPolicy
 from embedding_operator.profiles import GpuProfiles
 from embedding_operator.spec import EmbeddingServiceSpec
 from embedding_operator.status import (
@@ -111,11 +112,13 @@ class Reconciler:
         profiles: GpuProfiles,
         default_image: str,
         recorder: EventRecorder,
+        policy: WorkloadPolicy = ALLOW_ALL,
         clock: Callable[[], str] = utc_now,
     ) -> None:
         self._cluster = cluster
         self._profiles = profiles
         self._default_image = default_image
+        self._policy = policy
         self._recorder = recorder
         self._clock = clock
         # (namespace, name) -> (uid, generation) whose unwanted children are known to be gone;
@@ -146,7 +149,9 @@ class Reconciler:
 
     def _reconcile(self, body: dict[str, Any]) -> Outcome:
         owner = Owner.from_body(body)
-        planned = plan(owner, body.get("spec") or {}, self._profiles, self._default_image)
+        planned = plan(
+            owner, body.get("spec") or {}, self._profiles, self._default_image, self._policy
+        )
         problem: Problem | None = None
         if isinstance(planned, Refused):
             problem = planned.problem

@@ -275,6 +275,31 @@ def test_secret_in_server_env_and_other_config_errors(cluster: FakeCluster) -> N
     assert outcome is not None and outcome.problem is None
 
 
+def test_image_outside_the_allowlist_applies_nothing(cluster: FakeCluster) -> None:
+    from embedding_operator.policy import WorkloadPolicy
+
+    add_service(cluster, {**MODEL, "server": {"image": "me/srv:1"}})
+    events = Events()
+    rec = Reconciler(
+        cluster=cluster,
+        profiles=GpuProfiles.builtin(),
+        default_image="img:1",
+        recorder=events,
+        policy=WorkloadPolicy(allowed_images=("corp/*",)),
+    )
+    outcome = rec.reconcile(NS, "emb")
+    assert outcome is not None and outcome.problem is not None and not outcome.retry
+    assert cluster.writes() == [("status", "EmbeddingService")]
+    assert conditions(cluster)["Degraded"]["reason"] == "ImageNotAllowed"
+    assert [e[:2] for e in events.posted] == [("Warning", "ImageNotAllowed")]
+
+    owner(cluster)["spec"]["server"]["image"] = "corp/srv:1"
+    owner(cluster)["metadata"]["generation"] = 2
+    outcome = rec.reconcile(NS, "emb")
+    assert outcome is not None and outcome.problem is None
+    assert dep_ref() in cluster.objects
+
+
 def test_invalid_spec_names_the_field(cluster: FakeCluster) -> None:
     add_service(cluster, {**MODEL, "rollout": {"maxSurge": 0, "maxUnavailable": "0%"}})
     rec = make(cluster)

@@ -94,6 +94,8 @@ The operator settings the chart sets, as EMBEDDING_OPERATOR_* variables (a YAML 
 {{- define "embedding-operator.settingsEnv" -}}
 EMBEDDING_OPERATOR_NAMESPACES: {{ join "," .Values.watchNamespaces | quote }}
 EMBEDDING_OPERATOR_DEFAULT_IMAGE: {{ include "embedding-operator.serverImage" . | quote }}
+EMBEDDING_OPERATOR_ALLOWED_IMAGES: {{ join "," .Values.policy.allowedImages | quote }}
+EMBEDDING_OPERATOR_ALLOWED_PRIORITY_CLASSES: {{ join "," .Values.policy.allowedPriorityClasses | quote }}
 EMBEDDING_OPERATOR_GPU_PROFILES: /etc/embedding-operator/gpu-profiles.yaml
 EMBEDDING_OPERATOR_LIVENESS: {{ printf "http://0.0.0.0:%d/healthz" (int .Values.operator.healthPort) | quote }}
 EMBEDDING_OPERATOR_LOG_FORMAT: {{ .Values.operator.logFormat | quote }}
