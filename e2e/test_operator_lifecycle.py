@@ -282,6 +282,26 @@ def test_namesake_is_never_adopted(
     assert operator.alive()
 
 
+def test_network_policy_follows_the_spec(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    spec = {"model": MODEL, "networkPolicy": {"enabled": True, "allowedNamespaces": ["apps"]}}
+    _create(cluster, namespace, "fenced", spec)
+    wait_condition(cluster, namespace, "fenced", "Ready", "True")
+    policy = get_json(cluster, "networkpolicy", "fenced", "-n", namespace)
+    assert policy is not None
+    (rule,) = policy["spec"]["ingress"]
+    (peer,) = rule["from"]
+    assert peer["namespaceSelector"]["matchExpressions"][0]["values"] == sorted(["apps", namespace])
+    deployment = _deployment(cluster, namespace, "fenced")
+    assert policy["spec"]["podSelector"] == deployment["spec"]["selector"]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+
+    _patch(cluster, namespace, "embsvc", "fenced", {"spec": {"networkPolicy": None}})
+    wait_gone(cluster, "networkpolicy", "fenced", "-n", namespace, timeout=60)
+
+
 BAD = [
     (
         "spec.parallelism.tensorParallelSize",
@@ -301,6 +321,14 @@ BAD = [
     ),
     ("spec.model", {"embedding": {}}),
     ("spec.bogusField", {"model": MODEL, "bogusField": 1}),
+    (
+        "spec.networkPolicy.enabled",
+        {"model": MODEL, "networkPolicy": {"allowedNamespaces": ["apps"]}},
+    ),
+    (
+        "spec.networkPolicy.allowedNamespaces[0]",
+        {"model": MODEL, "networkPolicy": {"enabled": True, "allowedNamespaces": ["Not_A_Name"]}},
+    ),
     ("spec.resources.limits", {"model": MODEL, "resources": {"limits": {"nvidia.com/gpu": 1}}}),
 ]
 

@@ -4,8 +4,9 @@ Every trigger becomes one ``Controller.enqueue`` of the EmbeddingService's key:
 
 * the EmbeddingService was created, changed or found at startup (``create``/``update``/
   ``resume``; kopf compares spec and metadata, so our own status writes do not trigger them);
-* an owned child changed or was deleted (``event`` on Deployments, Services, HPAs, PDBs and
-  PVCs, watched with a server-side label selector so the operator sees only its own children):
+* an owned child changed or was deleted (``event`` on Deployments, Services, HPAs, PDBs,
+  PVCs and NetworkPolicies, watched with a server-side label selector so the operator sees
+  only its own children):
   the controlling EmbeddingService is enqueued, so drifted fields are re-applied and status
   follows the Deployment's;
 * a server pod changed (``event`` on pods, label-selected the same way): its EmbeddingService,
@@ -48,6 +49,7 @@ CHILD_RESOURCES: tuple[tuple[str, str] | tuple[str, str, str], ...] = (
     ("autoscaling", "v2", "horizontalpodautoscalers"),
     ("policy", "v1", "poddisruptionbudgets"),
     ("v1", "persistentvolumeclaims"),
+    ("networking.k8s.io", "v1", "networkpolicies"),
 )
 POD_RESOURCE = ("v1", "pods")
 

@@ -25,6 +25,7 @@ _PLURALS = {
     "HorizontalPodAutoscaler": "horizontalpodautoscalers",
     "PodDisruptionBudget": "poddisruptionbudgets",
     "PersistentVolumeClaim": "persistentvolumeclaims",
+    "NetworkPolicy": "networkpolicies",
     "Secret": "secrets",
     "EmbeddingService": "embeddingservices",
     "Lease": "leases",

@@ -147,6 +147,10 @@ children a spec no longer wants (an HPA after autoscaling is switched off, ...).
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, list, watch, create, patch, delete]
+# The optional NetworkPolicy (spec.networkPolicy.enabled).
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, list, watch, create, patch, delete]
 # Server pods (label-selected): a container the kubelet cannot create (a missing Secret) is
 # reported from the pod's status. No access to Secrets at all.
 - apiGroups: [""]
