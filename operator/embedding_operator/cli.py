@@ -161,21 +161,25 @@ def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
         LeaseConfig,
     )
     from embedding_operator.reconcile import Reconciler
+    from embedding_operator.versions import WatchedVersions
 
     _configure_logging(config)
     identity = config.resolved_identity()
     # A connection per reconcile thread, plus a few for events and leader election.
     cluster = KubeCluster(api_client(config.workers + 4))
 
+    versions = WatchedVersions()
     reconciler = Reconciler(
         cluster=cluster,
         profiles=profiles,
         default_image=config.default_image,
         recorder=ApiEventRecorder(cluster, identity),
         policy=config.policy,
+        versions=versions,
+        full_resync_seconds=config.full_resync_seconds,
     )
     registry = kopf.OperatorRegistry()
-    controller = handlers.register(registry, reconciler, config)
+    controller = handlers.register(registry, reconciler, config, versions)
     settings = handlers.kopf_settings(config)
     log.info(
         "starting: namespaces=%s gpu-profiles=%s leader-elect=%s",

@@ -14,6 +14,10 @@ Every trigger becomes one ``Controller.enqueue`` of the EmbeddingService's key:
   cannot start (a missing Secret) is reported as soon as the kubelet says so;
 * the ``event`` handler on EmbeddingServices keeps the set the periodic resync walks.
 
+The EmbeddingService and child handlers also record each object's ``resourceVersion`` in
+``WatchedVersions``, so the reconciler can skip a resync of an object nothing has changed
+(``versions.py``).
+
 Handlers are coroutines that never call the API or raise, so kopf's own retry machinery is
 never involved: retries and their backoff are the work queue's (``controller.py``). No handler
 returns a value (kopf would store it in status), and kopf's own bookkeeping (progress, diff
@@ -40,6 +44,7 @@ from embedding_operator.controller import Controller
 from embedding_operator.kube import controller_of
 from embedding_operator.reconcile import Reconciler
 from embedding_operator.settings import OperatorSettings
+from embedding_operator.versions import WatchedVersions
 
 MANAGED_SELECTOR = f"app.kubernetes.io/managed-by={MANAGED_BY}"
 # kopf resource selectors (group/version/plural; core resources have no group).
@@ -80,11 +85,23 @@ def _owner_name(body: kopf.Body) -> str | None:
     return str(ref["name"]) if str(ref.get("apiVersion", "")).startswith(f"{GROUP}/") else None
 
 
+def _version(body: kopf.Body, type: str | None) -> str | None:
+    """The resourceVersion an event reports; None for a deletion."""
+    if type == "DELETED":
+        return None
+    return str(body.get("metadata", {}).get("resourceVersion") or "") or None
+
+
 def register(
-    registry: kopf.OperatorRegistry, reconciler: Reconciler, config: OperatorSettings
+    registry: kopf.OperatorRegistry,
+    reconciler: Reconciler,
+    config: OperatorSettings,
+    versions: WatchedVersions | None = None,
 ) -> Controller:
     """Register the handlers on ``registry`` (explicit, so tests and the CLI build their own);
-    the returned ``Controller`` does the work and must run next to kopf."""
+    the returned ``Controller`` does the work and must run next to kopf. ``versions``, when
+    given, is told every resourceVersion the watches report (the reconciler's skip of settled,
+    unchanged objects, ``versions.py``)."""
     controller = Controller(
         reconciler, resync_seconds=config.resync_seconds, workers=config.workers
     )
@@ -102,17 +119,26 @@ def register(
             controller.enqueue(namespace, name)
 
     @kopf.on.event(GROUP, VERSION, PLURAL, id="track", registry=registry)
-    async def on_owner_event(*, namespace: str | None, name: str, type: str, **_: Any) -> None:
+    async def on_owner_event(
+        *, body: kopf.Body, namespace: str | None, name: str, type: str, **_: Any
+    ) -> None:
         if namespace is None:
             return
+        if versions is not None:
+            versions.owner_event(namespace, name, _version(body, type))
         if type == "DELETED":
             controller.gone(namespace, name)
         else:
             controller.seen(namespace, name)
 
-    async def on_child(*, body: kopf.Body, namespace: str | None, **_: Any) -> None:
+    async def on_child(
+        *, body: kopf.Body, namespace: str | None, name: str, type: str | None, **_: Any
+    ) -> None:
         owner = _owner_name(body)
         if owner is not None and namespace is not None:
+            if versions is not None:
+                kind = str(body.get("kind") or "")
+                versions.child_event(namespace, owner, kind, name, _version(body, type))
             controller.enqueue(namespace, owner)
 
     for selector in CHILD_RESOURCES:

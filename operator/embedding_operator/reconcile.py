@@ -69,6 +69,7 @@ from embedding_operator.status import (
     merge_conditions,
     status_patch,
 )
+from embedding_operator.versions import Versions, WatchedVersions
 
 log = logging.getLogger(__name__)
 
@@ -79,11 +80,16 @@ class EventRecorder(Protocol):
 
 @dataclass(frozen=True)
 class Outcome:
-    """What a reconcile found; ``problem.retryable`` asks the caller to retry later."""
+    """What a reconcile found; ``problem.retryable`` asks the caller to retry later.
+
+    ``skipped``: the object was settled and the watches report no change since it was last
+    verified, so nothing was read or written (``versions.py``).
+    """
 
     problem: Problem | None
     status_written: bool
     applied: tuple[str, ...] = ()
+    skipped: bool = False
 
     @property
     def retry(self) -> bool:
@@ -113,7 +119,10 @@ class Reconciler:
         default_image: str,
         recorder: EventRecorder,
         policy: WorkloadPolicy = ALLOW_ALL,
+        versions: WatchedVersions | None = None,
+        full_resync_seconds: float = 3600.0,
         clock: Callable[[], str] = utc_now,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._cluster = cluster
         self._profiles = profiles
@@ -124,18 +133,38 @@ class Reconciler:
         # (namespace, name) -> (uid, generation) whose unwanted children are known to be gone;
         # the uid keeps a re-created object of the same name from inheriting the check.
         self._absent_checked: dict[tuple[str, str], tuple[str, int]] = {}
+        # What the watches report (None: always read everything), and per object the versions
+        # a reconcile last verified it settled at, with when (``versions.py``).
+        self._versions = versions
+        self._full_resync_seconds = full_resync_seconds
+        self._monotonic = monotonic
+        self._settled: dict[tuple[str, str], tuple[Versions, float]] = {}
 
     def forget(self, namespace: str, name: str) -> None:
         """Drop per-object state of a deleted EmbeddingService."""
         self._absent_checked.pop((namespace, name), None)
+        self._settled.pop((namespace, name), None)
+
+    def _unchanged_since_settled(self, namespace: str, name: str) -> bool:
+        settled = self._settled.get((namespace, name))
+        if settled is None or self._versions is None:
+            return False
+        versions, verified_at = settled
+        fresh = self._monotonic() - verified_at < self._full_resync_seconds
+        return fresh and self._versions.current(namespace, name) == versions
 
     def reconcile(self, namespace: str, name: str) -> Outcome | None:
         """Reconcile the current state of one object; None if it is gone or going."""
+        if self._unchanged_since_settled(namespace, name):
+            return Outcome(problem=None, status_written=False, skipped=True)
         started = time.monotonic()
+        self._settled.pop((namespace, name), None)
         body = self._cluster.get(owner_ref(namespace, name))
         if body is None or body.get("metadata", {}).get("deletionTimestamp"):
             return None
-        outcome = self._reconcile(body)
+        outcome, settled = self._reconcile(body)
+        if settled is not None:
+            self._settled[(namespace, name)] = (settled, self._monotonic())
         log.debug(
             "reconciled %s/%s in %.3fs: applied=%s status_written=%s problem=%s",
             namespace,
@@ -147,7 +176,8 @@ class Reconciler:
         )
         return outcome
 
-    def _reconcile(self, body: dict[str, Any]) -> Outcome:
+    def _reconcile(self, body: dict[str, Any]) -> tuple[Outcome, Versions | None]:
+        """The outcome, and the versions it verified if the object is settled."""
         owner = Owner.from_body(body)
         planned = plan(
             owner, body.get("spec") or {}, self._profiles, self._default_image, self._policy
@@ -165,6 +195,7 @@ class Reconciler:
 
         deployment: dict[str, Any] | None = None
         applied: tuple[str, ...] = ()
+        children_live: dict[str, dict[str, Any]] = {}
         if isinstance(planned, Planned) and problem is None:
             try:
                 key, seen = (owner.namespace, owner.name), (owner.uid, owner.generation)
@@ -173,6 +204,7 @@ class Reconciler:
                     self._cluster, owner, planned.children, check_absent=not checked
                 )
                 self._absent_checked[key] = seen
+                children_live = result.live
                 deployment = result.live.get("Deployment")
                 applied = tuple(result.applied + [f"-{k}" for k in result.deleted])
             except ChildConflictError as exc:
@@ -187,15 +219,30 @@ class Reconciler:
         if problem is None and deployment is not None and isinstance(planned, Planned):
             problem = self._pods_problem(owner, planned.render.spec, deployment)
 
-        written = self._write_status(body, owner, planned.render, deployment, problem)
-        return Outcome(problem=problem, status_written=written, applied=applied)
+        owner_version = self._write_status(body, owner, planned.render, deployment, problem)
+        outcome = Outcome(
+            problem=problem, status_written=owner_version is not None, applied=applied
+        )
+        if not (
+            isinstance(planned, Planned)
+            and problem is None
+            and deployment is not None
+            and DeploymentFacts.from_live(deployment).settled
+            and set(children_live) == {m["kind"] for m in planned.children.present}
+        ):
+            return outcome, None
+        children = frozenset(
+            (kind, obj["metadata"]["name"], str(obj["metadata"].get("resourceVersion")))
+            for kind, obj in children_live.items()
+        )
+        version = owner_version or str(body["metadata"].get("resourceVersion"))
+        return outcome, Versions(version, children)
 
     def _pods_problem(
         self, owner: Owner, spec: EmbeddingServiceSpec, deployment: dict[str, Any]
     ) -> Problem | None:
         """A pod the kubelet cannot start (a missing Secret), read only while pods are unready."""
-        facts = DeploymentFacts.from_live(deployment)
-        if facts.desired == 0 or (facts.rolled_out and facts.ready >= facts.desired):
+        if DeploymentFacts.from_live(deployment).settled:
             return None
         pods = self._cluster.list_pods(owner.namespace, selector_string(owner))
         return container_config_problem(pods, spec)
@@ -207,7 +254,8 @@ class Reconciler:
         render: RenderInput | None,
         deployment: dict[str, Any] | None,
         problem: Problem | None,
-    ) -> bool:
+    ) -> str | None:
+        """Write status if it changed; the object's new resourceVersion, None if unchanged."""
         old: dict[str, Any] = dict(body.get("status") or {})
         status, conditions = compute_status(
             generation=owner.generation, render=render, deployment=deployment, problem=problem
@@ -217,10 +265,10 @@ class Reconciler:
         )
         patch = status_patch(old, status)
         if patch is None:
-            return False
-        self._cluster.patch_status(owner_ref(owner.namespace, owner.name), patch)
+            return None
+        written = self._cluster.patch_status(owner_ref(owner.namespace, owner.name), patch)
         self._announce(body, old.get("conditions") or [], status["conditions"])
-        return True
+        return str((written.get("metadata") or {}).get("resourceVersion"))
 
     def _announce(
         self, body: dict[str, Any], before: list[dict[str, Any]], after: list[dict[str, Any]]

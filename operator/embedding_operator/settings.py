@@ -72,6 +72,13 @@ class OperatorSettings(BaseSettings):
         "re-reconcile that corrects drift missed by watches and "
         "retries what failed.",
     )
+    full_resync_seconds: float = Field(
+        3600.0,
+        gt=0,
+        description="A resync skips an EmbeddingService that is settled (ready, no problem) "
+        "and whose watched resourceVersions, and its children's, have not changed since it "
+        "was last read; this is how often it is re-read from the API anyway.",
+    )
     workers: int = Field(16, gt=0, description="Threads that run reconciles concurrently.")
     leader_elect: bool = Field(
         False,

@@ -110,6 +110,13 @@ class DeploymentFacts:
         )
 
     @property
+    def settled(self) -> bool:
+        """Nothing is moving: scaled to zero, or rolled out with every replica ready."""
+        if self.desired == 0:
+            return self.replicas == 0
+        return self.rolled_out and self.ready >= self.desired and self.available_condition
+
+    @property
     def rolled_out(self) -> bool:
         """The current template runs everywhere and no old pod is left."""
         return (

@@ -106,6 +106,7 @@ class FakeCluster:
         self.calls.append(("status", ref.kind))
         obj = self.objects[ref]
         obj["status"] = _merge(obj.get("status") or {}, status)
+        obj["metadata"]["resourceVersion"] = str(next(self._counter))
         return copy.deepcopy(obj)
 
     # Lease API (create/replace with compare-and-swap), for leader election tests.

@@ -8,6 +8,7 @@ import pytest
 from embedding_operator.kube import ApiError, ObjectRef
 from embedding_operator.profiles import GpuProfiles
 from embedding_operator.reconcile import Reconciler, owner_ref
+from embedding_operator.versions import WatchedVersions
 from operator_fakes import FakeCluster
 
 NS = "team"
@@ -62,6 +63,7 @@ def mark_rolled_out(cluster: FakeCluster, ready: int | None = None) -> None:
     dep = cluster.objects[dep_ref()]
     want = dep["spec"].get("replicas", 1)
     ready = want if ready is None else ready
+    dep["metadata"]["resourceVersion"] += "+status"
     dep["status"] = {
         "observedGeneration": dep["metadata"]["generation"],
         "replicas": want,
@@ -109,6 +111,99 @@ def test_converges_then_goes_quiet(cluster: FakeCluster) -> None:
     cluster.calls.clear()
     rec.reconcile(NS, "emb")
     assert cluster.writes() == [], "an unchanged object must cost no writes"
+
+
+def _watch_delivers(cluster: FakeCluster, versions: WatchedVersions) -> None:
+    """What kopf's watches report: every object's current resourceVersion."""
+    for ref, obj in cluster.objects.items():
+        version = obj["metadata"]["resourceVersion"]
+        if ref.kind == "EmbeddingService":
+            versions.owner_event(ref.namespace, ref.name, version)
+            continue
+        controller = next(
+            (o for o in obj["metadata"].get("ownerReferences") or [] if o.get("controller")), None
+        )
+        if controller is not None and controller["kind"] == "EmbeddingService":
+            versions.child_event(ref.namespace, controller["name"], ref.kind, ref.name, version)
+
+
+def test_resync_of_a_settled_unchanged_object_costs_no_api_call(cluster: FakeCluster) -> None:
+    """At 10k EmbeddingServices a resync must not re-read every object every minute: an object
+    that is settled and that no watch event has touched since it was verified is skipped."""
+    add_service(cluster, {**MODEL, "replicas": 2})
+    versions = WatchedVersions()
+    now = [0.0]
+    rec = Reconciler(
+        cluster=cluster,
+        profiles=GpuProfiles.builtin(),
+        default_image="img:1",
+        recorder=Events(),
+        versions=versions,
+        full_resync_seconds=600,
+        monotonic=lambda: now[0],
+    )
+    rec.reconcile(NS, "emb")
+    _watch_delivers(cluster, versions)
+    # Rolling out: not settled, read every time.
+    cluster.calls.clear()
+    outcome = rec.reconcile(NS, "emb")
+    assert outcome is not None and not outcome.skipped and cluster.calls
+    mark_rolled_out(cluster)
+    _watch_delivers(cluster, versions)
+    outcome = rec.reconcile(NS, "emb")
+    assert outcome is not None and not outcome.skipped
+    assert conditions(cluster)["Ready"]["status"] == "True"
+    _watch_delivers(cluster, versions)  # our own status write comes back through the watch
+
+    cluster.calls.clear()
+    for _ in range(3):
+        outcome = rec.reconcile(NS, "emb")
+        assert outcome is not None and outcome.skipped
+    assert cluster.calls == [], "a settled, unchanged object costs no API call"
+
+    # Someone edits the Service: its watch event carries a new version; read and corrected.
+    svc = cluster.objects[ObjectRef("v1", "Service", NS, "emb")]
+    svc["spec"]["ports"][0]["port"] = 9999
+    svc["metadata"]["resourceVersion"] += "+edit"
+    _watch_delivers(cluster, versions)
+    outcome = rec.reconcile(NS, "emb")
+    assert outcome is not None and not outcome.skipped and outcome.applied == ("Service",)
+    _watch_delivers(cluster, versions)
+    outcome = rec.reconcile(NS, "emb")
+    assert outcome is not None and outcome.skipped
+
+    # A deleted child: the watch reports the deletion; the child comes back.
+    del cluster.objects[ObjectRef("policy/v1", "PodDisruptionBudget", NS, "emb")]
+    versions.child_event(NS, "emb", "PodDisruptionBudget", "emb", None)
+    outcome = rec.reconcile(NS, "emb")
+    assert outcome is not None and outcome.applied == ("PodDisruptionBudget",)
+    _watch_delivers(cluster, versions)
+
+    # A missed event is caught by the periodic full re-read.
+    cluster.objects[ObjectRef("v1", "Service", NS, "emb")]["spec"]["ports"][0]["port"] = 1
+    outcome = rec.reconcile(NS, "emb")
+    assert outcome is not None and outcome.skipped
+    now[0] = 601
+    outcome = rec.reconcile(NS, "emb")
+    assert outcome is not None and not outcome.skipped and outcome.applied == ("Service",)
+
+
+def test_unsettled_objects_are_read_on_every_resync(cluster: FakeCluster) -> None:
+    add_service(cluster, {**MODEL, "gpu": {"type": "tpu"}})
+    versions = WatchedVersions()
+    rec = Reconciler(
+        cluster=cluster,
+        profiles=GpuProfiles.builtin(),
+        default_image="img:1",
+        recorder=Events(),
+        versions=versions,
+    )
+    for _ in range(2):
+        _watch_delivers(cluster, versions)
+        cluster.calls.clear()
+        outcome = rec.reconcile(NS, "emb")
+        assert outcome is not None and outcome.problem is not None and not outcome.skipped
+        assert ("get", "EmbeddingService") in cluster.calls
 
 
 def test_last_transition_time_moves_only_on_flip(cluster: FakeCluster) -> None:
@@ -503,6 +598,7 @@ def test_rollout_past_its_deadline_is_degraded(cluster: FakeCluster) -> None:
     rec = make(cluster, events)
     rec.reconcile(NS, "emb")
     dep = cluster.objects[dep_ref()]
+    dep["metadata"]["resourceVersion"] += "+status"
     dep["status"] = {
         "observedGeneration": dep["metadata"]["generation"],
         "replicas": 1,

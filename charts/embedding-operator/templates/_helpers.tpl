@@ -101,6 +101,7 @@ EMBEDDING_OPERATOR_LIVENESS: {{ printf "http://0.0.0.0:%d/healthz" (int .Values.
 EMBEDDING_OPERATOR_LOG_FORMAT: {{ .Values.operator.logFormat | quote }}
 EMBEDDING_OPERATOR_LOG_LEVEL: {{ .Values.operator.logLevel | quote }}
 EMBEDDING_OPERATOR_RESYNC_SECONDS: {{ .Values.operator.resyncSeconds | toString | quote }}
+EMBEDDING_OPERATOR_FULL_RESYNC_SECONDS: {{ .Values.operator.fullResyncSeconds | toString | quote }}
 EMBEDDING_OPERATOR_WORKERS: {{ .Values.operator.workers | toString | quote }}
 EMBEDDING_OPERATOR_LEADER_ELECT: {{ .Values.leaderElection.enabled | toString | quote }}
 EMBEDDING_OPERATOR_LEASE_NAME: {{ include "embedding-operator.leaseName" . | quote }}
