@@ -555,7 +555,8 @@ def test_tensor_parallel_with_the_bundled_image_is_degraded(
     assert get_json(cluster, "deployment", "tp", "-n", namespace) is None
 
 
-# -- (f) a missing Secret, reported from the pod (the operator cannot read Secrets) ------------
+# -- (f) a missing Secret, reported from the pod (the operator cannot read Secrets), in a
+# namespace that enforces the restricted Pod Security Standard ---------------------------------
 
 
 def test_missing_secret_is_reported_from_the_pod_then_served(
@@ -575,6 +576,11 @@ def test_missing_secret_is_reported_from_the_pod_then_served(
             "auth", "can-i", "get", "secrets", "-n", namespace, "--as", operator_sa, check=False
         )
         assert can.stdout.strip() == "no", "the chart must not grant Secret reads"
+        # The server pods meet the restricted Pod Security Standard (read-only root included):
+        # the API server's PodSecurity admission refuses any pod that does not.
+        cluster.kubectl(
+            "label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted"
+        )
         cluster.apply(embedding_service("locked", spec), namespace=namespace)
         obj = wait_condition(
             cluster, namespace, "locked", "Degraded", "True", reason="SecretNotFound", timeout=120
