@@ -34,6 +34,7 @@ from e2e.harness.operator import (
     CHART,
     EXAMPLES_DIR,
     adopt_crd,
+    condition,
     embedding_service,
     get_json,
     wait_condition,
@@ -577,3 +578,70 @@ def test_tensor_parallel_on_the_cpu_profile_serves_sentence_transformers_vectors
         np.linalg.norm(got, axis=1) * np.linalg.norm(expected, axis=1)
     )
     assert cosine.min() >= 0.9999, f"cosine to sentence-transformers: {cosine}"
+
+
+# -- (f) a missing Secret, reported from the pod (the operator cannot read Secrets), in a
+# namespace that enforces the restricted Pod Security Standard ---------------------------------
+
+
+def test_missing_secret_is_reported_from_the_pod_then_served(
+    cluster: Cluster, release: str, namespace: str
+) -> None:
+    spec = {
+        "model": {"name": "sentence-transformers/all-MiniLM-L6-v2"},
+        "gpu": {"type": "cpu"},
+        "resources": SMALL_POD,
+        "apiKeySecretRef": {"name": "locked-key"},
+    }
+    with diagnostics(cluster, namespace, release):
+        pod = operator_pod(cluster, release)
+        assert pod is not None
+        operator_sa = f"system:serviceaccount:{release}:{pod['spec']['serviceAccountName']}"
+        can = cluster.kubectl(
+            "auth", "can-i", "get", "secrets", "-n", namespace, "--as", operator_sa, check=False
+        )
+        assert can.stdout.strip() == "no", "the chart must not grant Secret reads"
+        # The server pods meet the restricted Pod Security Standard (read-only root included):
+        # the API server's PodSecurity admission refuses any pod that does not.
+        cluster.kubectl(
+            "label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted"
+        )
+        cluster.apply(embedding_service("locked", spec), namespace=namespace)
+        obj = wait_condition(
+            cluster, namespace, "locked", "Degraded", "True", reason="SecretNotFound", timeout=120
+        )
+        degraded = condition(obj, "Degraded")
+        assert degraded is not None
+        assert degraded["message"].startswith('spec.apiKeySecretRef: secret "locked-key"'), degraded
+        events = poll_until(
+            lambda: (
+                get_json(
+                    cluster,
+                    "events",
+                    "-n",
+                    namespace,
+                    "--field-selector",
+                    "involvedObject.name=locked,reason=SecretNotFound",
+                )
+                or {}
+            ).get("items"),
+            timeout=30,
+            what="a SecretNotFound Event",
+        )
+        assert events[0]["type"] == "Warning"
+
+        cluster.kubectl(
+            "create",
+            "secret",
+            "generic",
+            "locked-key",
+            "-n",
+            namespace,
+            "--from-literal=api-key=" + secrets.token_hex(8),
+        )
+        # The kubelet retries on its own; the operator's retries notice the pod started.
+        wait_condition(cluster, namespace, "locked", "Ready", "True", timeout=READY_TIMEOUT_S)
+        obj = get_json(cluster, "embsvc", "locked", "-n", namespace)
+        degraded = condition(obj, "Degraded")
+        assert degraded is not None and degraded["status"] == "False"
+    cluster.kubectl("delete", "embsvc", "locked", "-n", namespace, "--wait=false")

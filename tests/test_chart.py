@@ -242,6 +242,10 @@ def test_configuration_is_accepted_by_the_operator(
             "gpuProfiles": {"h100-mig": profile},
             "watchNamespaces": ["team-a", "team-b"],
             "serverImage": {"repository": "registry.example/srv", "tag": "1.2"},
+            "policy": {
+                "allowedImages": ["registry.example/*", "ghcr.io/x/srv:1"],
+                "allowedPriorityClasses": ["inference"],
+            },
         },
     )
     configmap = one(docs, "ConfigMap")
@@ -259,6 +263,8 @@ def test_configuration_is_accepted_by_the_operator(
     settings = OperatorSettings(**from_env)
     assert settings.namespaces == ["team-a", "team-b"]
     assert settings.default_image == "registry.example/srv:1.2"
+    assert settings.policy.allowed_images == ("registry.example/*", "ghcr.io/x/srv:1")
+    assert settings.policy.allowed_priority_classes == ("inference",)
     assert settings.leader_elect is True
     assert settings.lease_namespace == "ops"
     assert str(settings.gpu_profiles) == "/etc/embedding-operator/gpu-profiles.yaml"
@@ -361,7 +367,11 @@ def assert_workload_rules(rules: list[dict[str, Any]]) -> None:
     assert grants(rules, GROUP, PLURAL) == {"get", "list", "watch", "patch"}
     assert grants(rules, GROUP, f"{PLURAL}/status") == {"patch"}
     assert grants(rules, GROUP, f"{PLURAL}/finalizers") == {"update"}  # blockOwnerDeletion
-    assert grants(rules, "", "secrets") == {"get"}, "Secrets: existence checks only"
+    # No Secret access at all (a missing one is reported from the pod's own status), and pods
+    # only read, never written or exec'd into.
+    assert not grants(rules, "", "secrets"), "the operator never reads Secrets"
+    assert grants(rules, "", "pods") == {"list", "watch"}
+    assert not grants(rules, "", "pods/exec")
     assert grants(rules, "", "events") == {"create"}
 
 

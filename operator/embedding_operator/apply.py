@@ -9,6 +9,16 @@ Before writing, the desired manifest is compared with the live object *as a subs
 fields we render count, so API-server defaults never look like drift. An unchanged child costs
 one GET and no write, which is what keeps the watch on children from looping: our write makes
 an event, the event makes a reconcile, the reconcile finds nothing to write.
+
+No adoption: ``force`` would take over any object that happens to have a child's name (a CR
+named ``postgres`` rewriting the team's ``postgres`` Service, which garbage collection would
+then delete with the CR). So ``force`` is only ever sent to objects whose controller
+ownerReference is this EmbeddingService: every desired child is read first, and if any name
+is held by an object we do not control (no controller reference, or another controller),
+``ChildConflictError`` names them all and *nothing* is written for this EmbeddingService, so a
+conflict never leaves half a service (a Deployment without its Service). The one window left
+is a foreign object created between our GET finding the name free and our apply creating it,
+milliseconds, the same window every create-or-update controller has.
 """
 
 from __future__ import annotations
@@ -26,7 +36,14 @@ log = logging.getLogger(__name__)
 
 
 class ChildConflictError(Exception):
-    """A child's name is taken by an object another controller owns."""
+    """Children's names are taken by objects this EmbeddingService does not control."""
+
+    def __init__(self, conflicts: list[str]) -> None:
+        self.conflicts = conflicts
+        super().__init__(
+            "; ".join(conflicts) + ": the operator never adopts or changes objects it did not "
+            "create; delete or rename them, or rename the EmbeddingService"
+        )
 
 
 class ChildRejectedError(Exception):
@@ -104,6 +121,21 @@ def _write(cluster: Cluster, manifest: Manifest, *, exists: bool) -> dict[str, A
         raise
 
 
+def _conflict(owner: Owner, manifest: Manifest, live: dict[str, Any] | None) -> str | None:
+    """Why ``live`` (the object holding a child's name) is not ours to write, or None."""
+    if live is None:
+        return None
+    controller = controller_of(live)
+    if controller is not None and controller.get("uid") == owner.uid:
+        return None
+    ref = ref_of(manifest)
+    if controller is None:
+        holder = "has no controller ownerReference"
+    else:
+        holder = f"is controlled by {controller.get('kind')} {controller.get('name')}"
+    return f"{ref.kind} {ref.namespace}/{ref.name} already exists and {holder}"
+
+
 def sync_children(
     cluster: Cluster, owner: Owner, desired: DesiredChildren, *, check_absent: bool = True
 ) -> SyncResult:
@@ -113,16 +145,14 @@ def sync_children(
     already confirmed them gone for this generation (three GETs saved per reconcile).
     """
     result = SyncResult()
-    for manifest in desired.present:
+    found = [(manifest, cluster.get(ref_of(manifest))) for manifest in desired.present]
+    conflicts = [
+        conflict for manifest, live in found if (conflict := _conflict(owner, manifest, live))
+    ]
+    if conflicts:
+        raise ChildConflictError(conflicts)
+    for manifest, live in found:
         ref = ref_of(manifest)
-        live = cluster.get(ref)
-        if live is not None:
-            uid = (controller_of(live) or {}).get("uid")
-            if uid is not None and uid != owner.uid:
-                raise ChildConflictError(
-                    f"{ref.kind} {ref.namespace}/{ref.name} exists and is controlled by "
-                    f"another owner (uid {uid}); rename or delete it"
-                )
         if live is None or not is_subset(manifest, live):
             live = _write(cluster, manifest, exists=live is not None)
             result.applied.append(ref.kind)
@@ -131,7 +161,7 @@ def sync_children(
     for ref in desired.absent if check_absent else ():
         live = cluster.get(ref)
         if live is not None and (controller_of(live) or {}).get("uid") == owner.uid:
-            cluster.delete(ref)
+            cluster.delete(ref, uid=live["metadata"].get("uid"))
             result.deleted.append(ref.kind)
             log.info("deleted %s %s/%s (no longer wanted)", ref.kind, ref.namespace, ref.name)
     return result

@@ -28,6 +28,7 @@ from pydantic import ValidationError
 
 from embedding_operator.builders.common import DEFAULT_IMAGE, KIND, Owner
 from embedding_operator.plan import Refused, plan
+from embedding_operator.policy import WorkloadPolicy
 from embedding_operator.profiles import GpuProfiles, ProfileConfigError
 from embedding_operator.settings import OperatorSettings, add_settings_flags, settings_from_args
 
@@ -63,6 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpu-profiles", type=Path, default=None, help="GPU profiles file, as for run."
     )
     render.add_argument("--default-image", default=None, help="Image, as for run.")
+    render.add_argument(
+        "--allowed-images", default="", help="Image allowlist, as for run (comma-separated)."
+    )
+    render.add_argument(
+        "--allowed-priority-classes",
+        default="",
+        help="Priority-class allowlist, as for run (comma-separated).",
+    )
     return parser
 
 
@@ -82,6 +91,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 # --- render -----------------------------------------------------------------------------------
 
 
+def _names(value: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in value.split(",") if part.strip())
+
+
 def render_command(args: argparse.Namespace) -> int:
     text = (
         sys.stdin.read() if str(args.filename) == "-" else args.filename.read_text(encoding="utf-8")
@@ -91,6 +104,10 @@ def render_command(args: argparse.Namespace) -> int:
     except ProfileConfigError as exc:
         sys.stderr.write(f"embedding-operator: {exc}\n")
         return EXIT_USAGE
+    policy = WorkloadPolicy(
+        allowed_images=_names(args.allowed_images),
+        allowed_priority_classes=_names(args.allowed_priority_classes),
+    )
     out: list[dict[str, Any]] = []
     for doc in yaml.safe_load_all(text):
         if not isinstance(doc, dict) or doc.get("kind") != KIND:
@@ -103,7 +120,9 @@ def render_command(args: argparse.Namespace) -> int:
             uid=meta.get("uid", ""),
             generation=1,
         )
-        planned = plan(owner, doc.get("spec") or {}, profiles, args.default_image or DEFAULT_IMAGE)
+        planned = plan(
+            owner, doc.get("spec") or {}, profiles, args.default_image or DEFAULT_IMAGE, policy
+        )
         if isinstance(planned, Refused):
             sys.stderr.write(f"embedding-operator: {name}: {planned.problem.message}\n")
             return EXIT_USAGE
@@ -142,20 +161,25 @@ def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
         LeaseConfig,
     )
     from embedding_operator.reconcile import Reconciler
+    from embedding_operator.versions import WatchedVersions
 
     _configure_logging(config)
     identity = config.resolved_identity()
     # A connection per reconcile thread, plus a few for events and leader election.
     cluster = KubeCluster(api_client(config.workers + 4))
 
+    versions = WatchedVersions()
     reconciler = Reconciler(
         cluster=cluster,
         profiles=profiles,
         default_image=config.default_image,
         recorder=ApiEventRecorder(cluster, identity),
+        policy=config.policy,
+        versions=versions,
+        full_resync_seconds=config.full_resync_seconds,
     )
     registry = kopf.OperatorRegistry()
-    controller = handlers.register(registry, reconciler, config)
+    controller = handlers.register(registry, reconciler, config, versions)
     settings = handlers.kopf_settings(config)
     log.info(
         "starting: namespaces=%s gpu-profiles=%s leader-elect=%s",

@@ -4,11 +4,19 @@ Every trigger becomes one ``Controller.enqueue`` of the EmbeddingService's key:
 
 * the EmbeddingService was created, changed or found at startup (``create``/``update``/
   ``resume``; kopf compares spec and metadata, so our own status writes do not trigger them);
-* an owned child changed or was deleted (``event`` on Deployments, Services, HPAs, PDBs and
-  PVCs, watched with a server-side label selector so the operator sees only its own children):
+* an owned child changed or was deleted (``event`` on Deployments, Services, HPAs, PDBs,
+  PVCs and NetworkPolicies, watched with a server-side label selector so the operator sees
+  only its own children):
   the controlling EmbeddingService is enqueued, so drifted fields are re-applied and status
   follows the Deployment's;
+* a server pod changed (``event`` on pods, label-selected the same way): its EmbeddingService,
+  named by the pod's ``app.kubernetes.io/instance`` label, is enqueued, so a pod the kubelet
+  cannot start (a missing Secret) is reported as soon as the kubelet says so;
 * the ``event`` handler on EmbeddingServices keeps the set the periodic resync walks.
+
+The EmbeddingService and child handlers also record each object's ``resourceVersion`` in
+``WatchedVersions``, so the reconciler can skip a resync of an object nothing has changed
+(``versions.py``).
 
 Handlers are coroutines that never call the API or raise, so kopf's own retry machinery is
 never involved: retries and their backoff are the work queue's (``controller.py``). No handler
@@ -24,11 +32,19 @@ from typing import Any
 
 import kopf
 
-from embedding_operator.builders.common import GROUP, KIND, MANAGED_BY, PLURAL, VERSION
+from embedding_operator.builders.common import (
+    APP_NAME,
+    GROUP,
+    KIND,
+    MANAGED_BY,
+    PLURAL,
+    VERSION,
+)
 from embedding_operator.controller import Controller
 from embedding_operator.kube import controller_of
 from embedding_operator.reconcile import Reconciler
 from embedding_operator.settings import OperatorSettings
+from embedding_operator.versions import WatchedVersions
 
 MANAGED_SELECTOR = f"app.kubernetes.io/managed-by={MANAGED_BY}"
 # kopf resource selectors (group/version/plural; core resources have no group).
@@ -38,7 +54,9 @@ CHILD_RESOURCES: tuple[tuple[str, str] | tuple[str, str, str], ...] = (
     ("autoscaling", "v2", "horizontalpodautoscalers"),
     ("policy", "v1", "poddisruptionbudgets"),
     ("v1", "persistentvolumeclaims"),
+    ("networking.k8s.io", "v1", "networkpolicies"),
 )
+POD_RESOURCE = ("v1", "pods")
 
 
 def kopf_settings(config: OperatorSettings) -> kopf.OperatorSettings:
@@ -54,7 +72,7 @@ def kopf_settings(config: OperatorSettings) -> kopf.OperatorSettings:
     # A watch that silently stops is the classic stuck operator; recycle them.
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
-    for selector in CHILD_RESOURCES:
+    for selector in (*CHILD_RESOURCES, POD_RESOURCE):
         settings.watching.label_selectors[selector] = MANAGED_SELECTOR
     return settings
 
@@ -67,11 +85,23 @@ def _owner_name(body: kopf.Body) -> str | None:
     return str(ref["name"]) if str(ref.get("apiVersion", "")).startswith(f"{GROUP}/") else None
 
 
+def _version(body: kopf.Body, type: str | None) -> str | None:
+    """The resourceVersion an event reports; None for a deletion."""
+    if type == "DELETED":
+        return None
+    return str(body.get("metadata", {}).get("resourceVersion") or "") or None
+
+
 def register(
-    registry: kopf.OperatorRegistry, reconciler: Reconciler, config: OperatorSettings
+    registry: kopf.OperatorRegistry,
+    reconciler: Reconciler,
+    config: OperatorSettings,
+    versions: WatchedVersions | None = None,
 ) -> Controller:
     """Register the handlers on ``registry`` (explicit, so tests and the CLI build their own);
-    the returned ``Controller`` does the work and must run next to kopf."""
+    the returned ``Controller`` does the work and must run next to kopf. ``versions``, when
+    given, is told every resourceVersion the watches report (the reconciler's skip of settled,
+    unchanged objects, ``versions.py``)."""
     controller = Controller(
         reconciler, resync_seconds=config.resync_seconds, workers=config.workers
     )
@@ -89,17 +119,26 @@ def register(
             controller.enqueue(namespace, name)
 
     @kopf.on.event(GROUP, VERSION, PLURAL, id="track", registry=registry)
-    async def on_owner_event(*, namespace: str | None, name: str, type: str, **_: Any) -> None:
+    async def on_owner_event(
+        *, body: kopf.Body, namespace: str | None, name: str, type: str, **_: Any
+    ) -> None:
         if namespace is None:
             return
+        if versions is not None:
+            versions.owner_event(namespace, name, _version(body, type))
         if type == "DELETED":
             controller.gone(namespace, name)
         else:
             controller.seen(namespace, name)
 
-    async def on_child(*, body: kopf.Body, namespace: str | None, **_: Any) -> None:
+    async def on_child(
+        *, body: kopf.Body, namespace: str | None, name: str, type: str | None, **_: Any
+    ) -> None:
         owner = _owner_name(body)
         if owner is not None and namespace is not None:
+            if versions is not None:
+                kind = str(body.get("kind") or "")
+                versions.child_event(namespace, owner, kind, name, _version(body, type))
             controller.enqueue(namespace, owner)
 
     for selector in CHILD_RESOURCES:
@@ -109,4 +148,16 @@ def register(
             registry=registry,
             labels={"app.kubernetes.io/managed-by": MANAGED_BY},
         )(on_child)
+
+    @kopf.on.event(
+        *POD_RESOURCE,
+        id="server-pods",
+        registry=registry,
+        labels={"app.kubernetes.io/managed-by": MANAGED_BY, "app.kubernetes.io/name": APP_NAME},
+    )
+    async def on_pod(*, labels: kopf.Labels, namespace: str | None, **_: Any) -> None:
+        instance = labels.get("app.kubernetes.io/instance")
+        if instance and namespace is not None:
+            controller.enqueue(namespace, instance)
+
     return controller

@@ -25,6 +25,7 @@ _PLURALS = {
     "HorizontalPodAutoscaler": "horizontalpodautoscalers",
     "PodDisruptionBudget": "poddisruptionbudgets",
     "PersistentVolumeClaim": "persistentvolumeclaims",
+    "NetworkPolicy": "networkpolicies",
     "Secret": "secrets",
     "EmbeddingService": "embeddingservices",
     "Lease": "leases",
@@ -81,7 +82,9 @@ class Cluster(Protocol):
 
     def merge_patch(self, manifest: dict[str, Any]) -> dict[str, Any]: ...
 
-    def delete(self, ref: ObjectRef) -> None: ...
+    def delete(self, ref: ObjectRef, uid: str | None = None) -> None: ...
+
+    def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]: ...
 
     def patch_status(self, ref: ObjectRef, status: dict[str, Any]) -> dict[str, Any]: ...
 
@@ -181,20 +184,28 @@ class KubeCluster:
         """PUT; with ``metadata.resourceVersion`` set it is a compare-and-swap (409 if stale)."""
         return self._call("PUT", resource_path(ref_of(manifest)), body=manifest)
 
-    def delete(self, ref: ObjectRef) -> None:
+    def delete(self, ref: ObjectRef, uid: str | None = None) -> None:
+        """DELETE; with ``uid``, only that object (a re-created namesake is left alone)."""
+        options: dict[str, Any] = {
+            "kind": "DeleteOptions",
+            "apiVersion": "v1",
+            "propagationPolicy": "Background",
+        }
+        if uid is not None:
+            options["preconditions"] = {"uid": uid}
         try:
-            self._call(
-                "DELETE",
-                resource_path(ref),
-                body={
-                    "kind": "DeleteOptions",
-                    "apiVersion": "v1",
-                    "propagationPolicy": "Background",
-                },
-            )
+            self._call("DELETE", resource_path(ref), body=options)
         except ApiError as exc:
             if exc.status != 404:
                 raise
+
+    def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        listing = self._call(
+            "GET",
+            f"/api/v1/namespaces/{namespace}/pods",
+            query=[("labelSelector", label_selector)],
+        )
+        return list(listing.get("items") or [])
 
     def patch_status(self, ref: ObjectRef, status: dict[str, Any]) -> dict[str, Any]:
         return self._call(

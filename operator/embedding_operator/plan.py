@@ -3,10 +3,11 @@
 The operator and ``embedding-operator render`` must agree on every spec: render the same
 children from the same spec, and refuse the same specs with the same message. Both therefore
 call ``plan`` and nothing else between the raw ``.spec`` and the manifests: parse and validate
-the spec, resolve ``spec.gpu.type`` to a GPU profile, then run the pure builders.
+the spec, resolve ``spec.gpu.type`` to a GPU profile, refuse what the admins' allowlist does not
+admit (``policy.py``), then run the pure builders.
 
 Pure like the builders: no cluster, no clock. What only the cluster knows (does a referenced
-Secret exist, is a child's name taken) is the reconciler's to check.
+pod start, is a child's name taken) is the reconciler's to check.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 from embedding_operator.builders import DesiredChildren, desired_children
 from embedding_operator.builders.common import DEFAULT_IMAGE, Owner, RenderInput
+from embedding_operator.policy import ALLOW_ALL, WorkloadPolicy
 from embedding_operator.profiles import GpuProfiles, UnknownGpuTypeError
 from embedding_operator.spec import InvalidSpecError, parse_spec
 from embedding_operator.status import (
@@ -46,6 +48,7 @@ def plan(
     raw_spec: Mapping[str, Any],
     profiles: GpuProfiles,
     default_image: str = DEFAULT_IMAGE,
+    policy: WorkloadPolicy = ALLOW_ALL,
 ) -> Planned | Refused:
     """Parse ``raw_spec``, resolve its GPU profile, build the children (or say why not)."""
     try:
@@ -56,4 +59,7 @@ def plan(
     except UnknownGpuTypeError as exc:
         return Refused(Problem(UNKNOWN_GPU_TYPE, str(exc)))
     render = RenderInput(owner=owner, spec=spec, profile=profile, default_image=default_image)
+    not_allowed = policy.refusal(render)
+    if not_allowed is not None:
+        return Refused(not_allowed)
     return Planned(render, desired_children(render))

@@ -12,14 +12,20 @@ Problems are sorted by who can fix them:
 * what only the operator can see and only an edit can fix (unknown GPU type, a spec the schema
   let through but the model refuses, a name conflict, a child the API server refuses) is
   reported as ``Degraded`` plus a Warning Event, and the operator waits for the next edit;
-* what may fix itself (a Secret not created yet) is reported the same way and retried with a
-  growing delay by the work queue (``Outcome.retry``).
+* what may fix itself (a Secret the pods cannot find yet, as their kubelet reports it) is
+  reported the same way and retried with a growing delay by the work queue (``Outcome.retry``).
 
-While a problem found before applying stands (invalid spec, unknown GPU type, missing
-Secret), no child is created, changed or deleted: an edit that breaks a running service (say,
-a gpu.type this cluster has no profile for) leaves its Deployment on the last spec that
-worked, still serving, with ``Ready`` False because the current spec is not what runs. The
-edit that fixes the problem clears ``Degraded`` and converges as usual.
+The operator never reads Secrets: a referenced Secret is the pods' business. While the
+Deployment is not fully ready, the reconcile lists its pods and reports a container the kubelet
+cannot create (``CreateContainerConfigError``: a Secret or key missing) as ``SecretNotFound``,
+naming the spec field; a ready Deployment costs no pod list.
+
+While a problem found before applying stands (invalid spec, unknown GPU type, an image or
+priority class outside the allowlist, a child's name held by an object we do not control), no
+child is created, changed or deleted: an edit that breaks a running service (say, a gpu.type
+this cluster has no profile for) leaves its Deployment on the last spec that worked, still
+serving, with ``Ready`` False because the current spec is not what runs. The edit that fixes
+the problem clears ``Degraded`` and converges as usual.
 
 API errors (server down, 5xx, timeouts) propagate: the work queue retries them with the same
 growing delay.
@@ -35,9 +41,16 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from embedding_operator.apply import ChildConflictError, ChildRejectedError, sync_children
-from embedding_operator.builders.common import API_VERSION, KIND, Owner, RenderInput
+from embedding_operator.builders.common import (
+    API_VERSION,
+    KIND,
+    Owner,
+    RenderInput,
+    selector_string,
+)
 from embedding_operator.kube import Cluster, ObjectRef, controller_of
 from embedding_operator.plan import Planned, Refused, plan
+from embedding_operator.policy import ALLOW_ALL, WorkloadPolicy
 from embedding_operator.profiles import GpuProfiles
 from embedding_operator.spec import EmbeddingServiceSpec
 from embedding_operator.status import (
@@ -46,12 +59,14 @@ from embedding_operator.status import (
     CHILD_REJECTED,
     DEGRADED,
     READY,
-    SECRET_NOT_FOUND,
+    DeploymentFacts,
     Problem,
     compute_status,
+    container_config_problem,
     merge_conditions,
     status_patch,
 )
+from embedding_operator.versions import Versions, WatchedVersions
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +77,16 @@ class EventRecorder(Protocol):
 
 @dataclass(frozen=True)
 class Outcome:
-    """What a reconcile found; ``problem.retryable`` asks the caller to retry later."""
+    """What a reconcile found; ``problem.retryable`` asks the caller to retry later.
+
+    ``skipped``: the object was settled and the watches report no change since it was last
+    verified, so nothing was read or written (``versions.py``).
+    """
 
     problem: Problem | None
     status_written: bool
     applied: tuple[str, ...] = ()
+    skipped: bool = False
 
     @property
     def retry(self) -> bool:
@@ -95,28 +115,53 @@ class Reconciler:
         profiles: GpuProfiles,
         default_image: str,
         recorder: EventRecorder,
+        policy: WorkloadPolicy = ALLOW_ALL,
+        versions: WatchedVersions | None = None,
+        full_resync_seconds: float = 3600.0,
         clock: Callable[[], str] = utc_now,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._cluster = cluster
         self._profiles = profiles
         self._default_image = default_image
+        self._policy = policy
         self._recorder = recorder
         self._clock = clock
         # (namespace, name) -> (uid, generation) whose unwanted children are known to be gone;
         # the uid keeps a re-created object of the same name from inheriting the check.
         self._absent_checked: dict[tuple[str, str], tuple[str, int]] = {}
+        # What the watches report (None: always read everything), and per object the versions
+        # a reconcile last verified it settled at, with when (``versions.py``).
+        self._versions = versions
+        self._full_resync_seconds = full_resync_seconds
+        self._monotonic = monotonic
+        self._settled: dict[tuple[str, str], tuple[Versions, float]] = {}
 
     def forget(self, namespace: str, name: str) -> None:
         """Drop per-object state of a deleted EmbeddingService."""
         self._absent_checked.pop((namespace, name), None)
+        self._settled.pop((namespace, name), None)
+
+    def _unchanged_since_settled(self, namespace: str, name: str) -> bool:
+        settled = self._settled.get((namespace, name))
+        if settled is None or self._versions is None:
+            return False
+        versions, verified_at = settled
+        fresh = self._monotonic() - verified_at < self._full_resync_seconds
+        return fresh and self._versions.current(namespace, name) == versions
 
     def reconcile(self, namespace: str, name: str) -> Outcome | None:
         """Reconcile the current state of one object; None if it is gone or going."""
+        if self._unchanged_since_settled(namespace, name):
+            return Outcome(problem=None, status_written=False, skipped=True)
         started = time.monotonic()
+        self._settled.pop((namespace, name), None)
         body = self._cluster.get(owner_ref(namespace, name))
         if body is None or body.get("metadata", {}).get("deletionTimestamp"):
             return None
-        outcome = self._reconcile(body)
+        outcome, settled = self._reconcile(body)
+        if settled is not None:
+            self._settled[(namespace, name)] = (settled, self._monotonic())
         log.debug(
             "reconciled %s/%s in %.3fs: applied=%s status_written=%s problem=%s",
             namespace,
@@ -128,18 +173,19 @@ class Reconciler:
         )
         return outcome
 
-    def _reconcile(self, body: dict[str, Any]) -> Outcome:
+    def _reconcile(self, body: dict[str, Any]) -> tuple[Outcome, Versions | None]:
+        """The outcome, and the versions it verified if the object is settled."""
         owner = Owner.from_body(body)
-        planned = plan(owner, body.get("spec") or {}, self._profiles, self._default_image)
-        problem: Problem | None
+        planned = plan(
+            owner, body.get("spec") or {}, self._profiles, self._default_image, self._policy
+        )
+        problem: Problem | None = None
         if isinstance(planned, Refused):
             problem = planned.problem
-        else:
-            # A spec that can never start outranks a Secret that may still appear.
-            problem = self._missing_secret(owner, planned.render.spec)
 
         deployment: dict[str, Any] | None = None
         applied: tuple[str, ...] = ()
+        children_live: dict[str, dict[str, Any]] = {}
         if isinstance(planned, Planned) and problem is None:
             try:
                 key, seen = (owner.namespace, owner.name), (owner.uid, owner.generation)
@@ -148,6 +194,7 @@ class Reconciler:
                     self._cluster, owner, planned.children, check_absent=not checked
                 )
                 self._absent_checked[key] = seen
+                children_live = result.live
                 deployment = result.live.get("Deployment")
                 applied = tuple(result.applied + [f"-{k}" for k in result.deleted])
             except ChildConflictError as exc:
@@ -159,34 +206,37 @@ class Reconciler:
             live = self._cluster.get(ref)
             if live is not None and (controller_of(live) or {}).get("uid") == owner.uid:
                 deployment = live
+        if problem is None and deployment is not None and isinstance(planned, Planned):
+            problem = self._pods_problem(owner, planned.render.spec, deployment)
 
         render = planned.render if isinstance(planned, Planned) else None
-        written = self._write_status(body, owner, render, deployment, problem)
-        return Outcome(problem=problem, status_written=written, applied=applied)
-
-    def _missing_secret(self, owner: Owner, spec: EmbeddingServiceSpec) -> Problem | None:
-        for field, ref in (
-            ("spec.model.hubTokenSecretRef", spec.model.hub_token_secret_ref),
-            ("spec.apiKeySecretRef", spec.api_key_secret_ref),
+        owner_version = self._write_status(body, owner, render, deployment, problem)
+        outcome = Outcome(
+            problem=problem, status_written=owner_version is not None, applied=applied
+        )
+        if not (
+            isinstance(planned, Planned)
+            and problem is None
+            and deployment is not None
+            and DeploymentFacts.from_live(deployment).settled
+            and set(children_live) == {m["kind"] for m in planned.children.present}
         ):
-            if ref is None:
-                continue
-            secret = self._cluster.get(ObjectRef("v1", "Secret", owner.namespace, ref.name))
-            if secret is None:
-                return Problem(
-                    SECRET_NOT_FOUND,
-                    f"{field}: Secret {owner.namespace}/{ref.name} not found",
-                    retryable=True,
-                )
-            if ref.key not in (secret.get("data") or {}) and ref.key not in (
-                secret.get("stringData") or {}
-            ):
-                return Problem(
-                    SECRET_NOT_FOUND,
-                    f"{field}: Secret {owner.namespace}/{ref.name} has no key {ref.key!r}",
-                    retryable=True,
-                )
-        return None
+            return outcome, None
+        children = frozenset(
+            (kind, obj["metadata"]["name"], str(obj["metadata"].get("resourceVersion")))
+            for kind, obj in children_live.items()
+        )
+        version = owner_version or str(body["metadata"].get("resourceVersion"))
+        return outcome, Versions(version, children)
+
+    def _pods_problem(
+        self, owner: Owner, spec: EmbeddingServiceSpec, deployment: dict[str, Any]
+    ) -> Problem | None:
+        """A pod the kubelet cannot start (a missing Secret), read only while pods are unready."""
+        if DeploymentFacts.from_live(deployment).settled:
+            return None
+        pods = self._cluster.list_pods(owner.namespace, selector_string(owner))
+        return container_config_problem(pods, spec)
 
     def _write_status(
         self,
@@ -195,7 +245,8 @@ class Reconciler:
         render: RenderInput | None,
         deployment: dict[str, Any] | None,
         problem: Problem | None,
-    ) -> bool:
+    ) -> str | None:
+        """Write status if it changed; the object's new resourceVersion, None if unchanged."""
         old: dict[str, Any] = dict(body.get("status") or {})
         status, conditions = compute_status(
             generation=owner.generation, render=render, deployment=deployment, problem=problem
@@ -205,10 +256,10 @@ class Reconciler:
         )
         patch = status_patch(old, status)
         if patch is None:
-            return False
-        self._cluster.patch_status(owner_ref(owner.namespace, owner.name), patch)
+            return None
+        written = self._cluster.patch_status(owner_ref(owner.namespace, owner.name), patch)
         self._announce(body, old.get("conditions") or [], status["conditions"])
-        return True
+        return str((written.get("metadata") or {}).get("resourceVersion"))
 
     def _announce(
         self, body: dict[str, Any], before: list[dict[str, Any]], after: list[dict[str, Any]]

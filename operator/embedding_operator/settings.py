@@ -18,6 +18,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from embedding_operator.builders.common import DEFAULT_IMAGE
+from embedding_operator.policy import WorkloadPolicy
 
 _SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
@@ -42,6 +43,20 @@ class OperatorSettings(BaseSettings):
         description="embedding-server image for "
         "EmbeddingServices that do not set spec.server.image.",
     )
+    allowed_images: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Images EmbeddingServices may set in spec.server.image, comma-separated "
+        "shell patterns matched against the whole reference (e.g. "
+        "'registry.example/embedding-server:*'); empty allows any. The default image is "
+        "always allowed. A CR outside the list is Degraded (ImageNotAllowed) and nothing "
+        "is applied.",
+    )
+    allowed_priority_classes: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="PriorityClass names EmbeddingServices may set in "
+        "spec.scheduling.priorityClassName, comma-separated; empty allows any. A CR "
+        "outside the list is Degraded (PriorityClassNotAllowed) and nothing is applied.",
+    )
     liveness: str | None = Field(
         "http://0.0.0.0:8080/healthz",
         description="Liveness endpoint URL (kopf's --liveness); empty disables it.",
@@ -56,6 +71,13 @@ class OperatorSettings(BaseSettings):
         description="Interval of the periodic "
         "re-reconcile that corrects drift missed by watches and "
         "retries what failed.",
+    )
+    full_resync_seconds: float = Field(
+        3600.0,
+        gt=0,
+        description="A resync skips an EmbeddingService that is settled (ready, no problem) "
+        "and whose watched resourceVersions, and its children's, have not changed since it "
+        "was last read; this is how often it is re-read from the API anyway.",
     )
     workers: int = Field(16, gt=0, description="Threads that run reconciles concurrently.")
     leader_elect: bool = Field(
@@ -85,7 +107,7 @@ class OperatorSettings(BaseSettings):
         2.0, gt=0, description="Interval between Lease acquire and renew attempts."
     )
 
-    @field_validator("namespaces", mode="before")
+    @field_validator("namespaces", "allowed_images", "allowed_priority_classes", mode="before")
     @classmethod
     def _split(cls, value: object) -> object:
         if isinstance(value, str):
@@ -106,6 +128,13 @@ class OperatorSettings(BaseSettings):
                 "need retry_period_seconds < renew_deadline_seconds < lease_duration_seconds"
             )
         return self
+
+    @property
+    def policy(self) -> WorkloadPolicy:
+        return WorkloadPolicy(
+            allowed_images=tuple(self.allowed_images),
+            allowed_priority_classes=tuple(self.allowed_priority_classes),
+        )
 
     @property
     def clusterwide(self) -> bool:

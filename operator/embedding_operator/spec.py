@@ -207,6 +207,17 @@ class ServiceSpec(_Model):
     annotations: dict[str, str] = Field(default_factory=dict)
 
 
+class NetworkPolicySpec(_Model):
+    enabled: bool = False
+    allowed_namespaces: list[str] = Field(default_factory=list, max_length=64)
+
+    @model_validator(mode="after")
+    def _needs_enabled(self) -> NetworkPolicySpec:
+        if self.allowed_namespaces and not self.enabled:
+            raise ValueError("allowedNamespaces needs enabled to be true")
+        return self
+
+
 class EmbeddingServiceSpec(_Model):
     model: ModelSource
     served_model_name: str | None = None
@@ -221,6 +232,7 @@ class EmbeddingServiceSpec(_Model):
     rollout: Rollout = Rollout()
     model_cache: ModelCache = ModelCache()
     service: ServiceSpec = ServiceSpec()
+    network_policy: NetworkPolicySpec = NetworkPolicySpec()
     api_key_secret_ref: ApiKeySecretRef | None = None
 
     @property

@@ -7,7 +7,9 @@ Three conditions, following Kubernetes API conventions (and the ClusterOperator 
 * ``Progressing``: the operator or the Deployment is moving toward the spec (rolling out,
   scaling). False once converged.
 * ``Degraded``: the desired state cannot be reached without someone acting: a spec only the
-  operator can judge (UnknownGPUType), a missing Secret, a child the
+  operator can judge (UnknownGPUType), an image or priority class
+  outside the operator's allowlist, a child's name held by an object we do not control
+  (ChildConflict), a Secret the pods cannot find (as their kubelet reports it), a child the
   API server refuses, a rollout past its progress deadline.
 
 Everything here is pure: the reconciler gathers the facts, ``compute_status`` turns them into
@@ -17,10 +19,13 @@ status flipped, so that writing status only when it differs never loops.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from embedding_operator.builders.common import RenderInput, endpoint, selector_string
+from embedding_operator.spec import EmbeddingServiceSpec
 
 ConditionStatus = Literal["True", "False", "Unknown"]
 
@@ -43,6 +48,16 @@ UNKNOWN_GPU_TYPE = "UnknownGPUType"
 SECRET_NOT_FOUND = "SecretNotFound"
 CHILD_CONFLICT = "ChildConflict"
 CHILD_REJECTED = "ChildRejected"
+CONTAINER_CONFIG_ERROR = "ContainerConfigError"
+IMAGE_NOT_ALLOWED = "ImageNotAllowed"
+PRIORITY_CLASS_NOT_ALLOWED = "PriorityClassNotAllowed"
+
+# The kubelet's wording when a pod's env names a missing Secret or key (pkg/kubelet:
+# makeEnvironmentVariables), stable since Kubernetes 1.0.
+_SECRET_MISSING = re.compile(r'secrets? "(?P<name>[^"]+)" not found', re.IGNORECASE)
+_KEY_MISSING = re.compile(
+    r"couldn't find key (?P<key>\S+) in Secret (?P<namespace>[^/\s]+)/(?P<name>\S+)"
+)
 
 
 @dataclass(frozen=True)
@@ -92,6 +107,13 @@ class DeploymentFacts:
             available_condition=(conditions.get("Available") or {}).get("status") == "True",
             deadline_exceeded=progressing.get("reason") == PROGRESS_DEADLINE_EXCEEDED,
         )
+
+    @property
+    def settled(self) -> bool:
+        """Nothing is moving: scaled to zero, or rolled out with every replica ready."""
+        if self.desired == 0:
+            return self.replicas == 0
+        return self.rolled_out and self.ready >= self.desired and self.available_condition
 
     @property
     def rolled_out(self) -> bool:
@@ -235,3 +257,60 @@ def _merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
         if key not in new:
             patch[key] = None
     return patch
+
+
+def _secret_fields(spec: EmbeddingServiceSpec) -> dict[str, str]:
+    """Secret name -> the spec field that names it (first mention wins)."""
+    fields: dict[str, str] = {}
+    for path, ref in (
+        ("spec.model.hubTokenSecretRef", spec.model.hub_token_secret_ref),
+        ("spec.apiKeySecretRef", spec.api_key_secret_ref),
+    ):
+        if ref is not None:
+            fields.setdefault(ref.name, path)
+    for i, var in enumerate(spec.server.env):
+        secret_ref = (var.value_from or {}).get("secretKeyRef") or {}
+        if secret_ref.get("name"):
+            fields.setdefault(str(secret_ref["name"]), f"spec.server.env[{i}]")
+    return fields
+
+
+def container_config_problem(
+    pods: Iterable[dict[str, Any]], spec: EmbeddingServiceSpec
+) -> Problem | None:
+    """What the kubelet says keeps the pods' containers from being created, or None.
+
+    The operator never reads Secrets (it would need ``get`` on every Secret in the cluster,
+    and its status would tell CR authors which Secrets and keys exist). A missing Secret or key
+    shows up where Kubernetes itself reports it: the pod's container waits in
+    ``CreateContainerConfigError`` with the kubelet's message, which names the Secret. That
+    message is mapped back to the spec field naming the Secret. Retryable: the kubelet retries
+    on its own, and the pod starts once the Secret appears.
+    """
+    fields = _secret_fields(spec)
+    for pod in pods:
+        status = pod.get("status") or {}
+        for container in [
+            *(status.get("initContainerStatuses") or []),
+            *(status.get("containerStatuses") or []),
+        ]:
+            waiting = (container.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") != "CreateContainerConfigError":
+                continue
+            message = str(waiting.get("message") or "")
+            pod_name = (pod.get("metadata") or {}).get("name", "")
+            found = _SECRET_MISSING.search(message) or _KEY_MISSING.search(message)
+            if found is None:
+                return Problem(
+                    CONTAINER_CONFIG_ERROR,
+                    f"pod {pod_name} cannot start its containers: {message}",
+                    retryable=True,
+                )
+            field = fields.get(found["name"], "a Secret referenced by the pod")
+            return Problem(
+                SECRET_NOT_FOUND,
+                f"{field}: {message} (pod {pod_name} waits for it; it starts once the Secret "
+                "exists)",
+                retryable=True,
+            )
+    return None

@@ -173,6 +173,12 @@ def test_deployment_probes_security_volumes_labels() -> None:
     assert container["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
     assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    # Read-only root; every path the server writes is a volume.
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert mounts == {"/cache": "model-cache", "/dev/shm": "dshm", "/tmp": "tmp"}
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["HF_HOME"].startswith("/cache/")
     # Endpoints go first (preStop), then the server drains; the kubelet waits for both.
     pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
     assert pre_stop >= 5
@@ -196,6 +202,74 @@ def test_deployment_probes_security_volumes_labels() -> None:
     assert selector.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
 
 
+@pytest.mark.parametrize(
+    ("resources", "limits"),
+    [
+        # A memory request is what the pod may count on: it becomes the limit.
+        ({"requests": {"cpu": "1", "memory": "4Gi"}}, {"memory": "4Gi"}),
+        # An explicit limit wins.
+        ({"requests": {"memory": "4Gi"}, "limits": {"memory": "6Gi"}}, {"memory": "6Gi"}),
+        # Nothing known about the model's footprint: no guessed limit (see the module doc).
+        ({}, None),
+        ({"requests": {"cpu": "1"}}, None),
+    ],
+)
+def test_memory_limit_defaults_to_the_request(
+    resources: dict[str, Any], limits: dict[str, str] | None
+) -> None:
+    spec = {"model": MODEL, "gpu": {"type": "cpu"}, "resources": resources}
+    got = _container(build_deployment(render_input(spec)))["resources"].get("limits")
+    assert got == limits
+
+
+def test_network_policy_admits_only_chosen_namespaces() -> None:
+    from embedding_operator.builders.networkpolicy import build_network_policy
+
+    spec = {
+        "model": MODEL,
+        "networkPolicy": {"enabled": True, "allowedNamespaces": ["apps", "monitoring"]},
+    }
+    render = render_input(spec)
+    policy = build_network_policy(render)
+    assert policy["apiVersion"] == "networking.k8s.io/v1"
+    assert policy["metadata"]["name"] == "emb"
+    assert policy["spec"]["podSelector"] == {
+        "matchLabels": {
+            "app.kubernetes.io/name": "embedding-server",
+            "app.kubernetes.io/instance": "emb",
+        }
+    }
+    assert policy["spec"]["policyTypes"] == ["Ingress"], "egress (Hub downloads) is untouched"
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 8000}]
+    (peer,) = rule["from"]
+    assert peer == {
+        "namespaceSelector": {
+            "matchExpressions": [
+                {
+                    "key": "kubernetes.io/metadata.name",
+                    "operator": "In",
+                    "values": ["apps", "monitoring", "ns"],
+                }
+            ]
+        }
+    }
+    # The selector is the Deployment's own pod selector.
+    deployment = build_deployment(render)
+    assert policy["spec"]["podSelector"] == deployment["spec"]["selector"]
+
+    off = desired_children(render_input({"model": MODEL}))
+    assert "NetworkPolicy" not in [m["kind"] for m in off.present]
+    assert "NetworkPolicy" in [r.kind for r in off.absent]
+
+
+def test_network_policy_namespaces_need_enabled() -> None:
+    from embedding_operator.spec import InvalidSpecError, parse_spec
+
+    with pytest.raises(InvalidSpecError, match=r"spec\.networkPolicy: .*needs enabled"):
+        parse_spec({"model": MODEL, "networkPolicy": {"allowedNamespaces": ["apps"]}})
+
+
 def test_owner_reference_on_every_child() -> None:
     render = render_input(
         {
@@ -203,6 +277,7 @@ def test_owner_reference_on_every_child() -> None:
             "replicas": 3,
             "autoscaling": {"enabled": True},
             "modelCache": {"mode": "pvc", "size": "10Gi"},
+            "networkPolicy": {"enabled": True},
         }
     )
     children = desired_children(render).present
@@ -212,6 +287,7 @@ def test_owner_reference_on_every_child() -> None:
         "Service",
         "HorizontalPodAutoscaler",
         "PodDisruptionBudget",
+        "NetworkPolicy",
     ]
     for child in children:
         (ref,) = child["metadata"]["ownerReferences"]
@@ -313,6 +389,7 @@ def test_pdb_only_with_more_than_one_replica() -> None:
         "PodDisruptionBudget",
         "HorizontalPodAutoscaler",
         "PersistentVolumeClaim",
+        "NetworkPolicy",
     }
 
 

@@ -69,13 +69,27 @@ def test_render_prints_tensor_parallelism_on_the_bundled_server(
     assert container["args"][container["args"].index("--tensor-parallel-size") + 1] == "2"
 
 
+def test_render_applies_the_allowlist(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    manifest = tmp_path / "img.yaml"
+    manifest.write_text(
+        "apiVersion: embedding-operator.dev/v1alpha1\nkind: EmbeddingService\n"
+        "metadata: {name: own}\nspec: {model: {name: m}, server: {image: me/srv:1}}\n"
+    )
+    assert main(["render", "-f", str(manifest), "--allowed-images", "corp/*, x:1"]) == 2
+    assert "own: spec.server.image: 'me/srv:1' is not in" in capsys.readouterr().err
+    assert main(["render", "-f", str(manifest), "--allowed-images", "corp/*,me/*"]) == 0
+
+
 def test_run_flags_override_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EMBEDDING_OPERATOR_NAMESPACES", "from-env")
     monkeypatch.setenv("EMBEDDING_OPERATOR_LOG_FORMAT", "json")
+    monkeypatch.setenv("EMBEDDING_OPERATOR_ALLOWED_PRIORITY_CLASSES", "low, high")
     args = build_parser().parse_args(
         ["run", "--namespaces", "a,b", "--leader-elect", "--resync-seconds", "5"]
     )
     config = settings_from_args(args)
+    assert config.policy.allowed_priority_classes == ("low", "high")
+    assert config.policy.allowed_images == ()
     assert config.namespaces == ["a", "b"]
     assert config.log_format == "json"
     assert config.leader_elect and config.resync_seconds == 5

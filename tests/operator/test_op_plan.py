@@ -8,6 +8,7 @@ import pytest
 from embedding_operator.builders import desired_children
 from embedding_operator.builders.common import Owner
 from embedding_operator.plan import Planned, Refused, plan
+from embedding_operator.policy import WorkloadPolicy
 from embedding_operator.profiles import GpuProfiles
 
 from tests.support.operator import render_input
@@ -49,3 +50,56 @@ def test_tensor_parallelism_on_the_bundled_server_is_planned(gpu: str) -> None:
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     assert container["image"] == "img:1"
     assert container["args"][container["args"].index("--tensor-parallel-size") + 1] == "2"
+
+
+# --- the admins' allowlist (policy.py) ---------------------------------------------------------
+
+POLICY = WorkloadPolicy(
+    allowed_images=("registry.example/embedding-server:*",),
+    allowed_priority_classes=("inference",),
+)
+
+
+@pytest.mark.parametrize(
+    ("server", "scheduling", "reason", "field"),
+    [
+        ({"image": "evil.example/miner:1"}, {}, "ImageNotAllowed", "spec.server.image"),
+        # A glob is matched against the whole reference, not a prefix of it.
+        (
+            {"image": "registry.example/embedding-server-x:1"},
+            {},
+            "ImageNotAllowed",
+            "spec.server.image",
+        ),
+        (
+            {},
+            {"priorityClassName": "system-node-critical"},
+            "PriorityClassNotAllowed",
+            "spec.scheduling.priorityClassName",
+        ),
+    ],
+)
+def test_allowlist_refuses_with_the_field(
+    server: dict[str, Any], scheduling: dict[str, Any], reason: str, field: str
+) -> None:
+    spec = {"model": M, "server": server, "scheduling": scheduling}
+    refused = plan(OWNER, spec, GpuProfiles.builtin(), "img:1", POLICY)
+    assert isinstance(refused, Refused)
+    assert refused.problem.reason == reason and not refused.problem.retryable
+    assert refused.problem.message.startswith(f"{field}: ")
+    assert "nothing is applied" in refused.problem.message
+    # No allowlist configured: the same spec plans.
+    assert isinstance(plan(OWNER, spec, GpuProfiles.builtin(), "img:1"), Planned)
+
+
+@pytest.mark.parametrize(
+    ("server", "scheduling"),
+    [
+        ({}, {}),  # the default image, no priority class
+        ({"image": "img:1"}, {}),  # the default image, named explicitly
+        ({"image": "registry.example/embedding-server:2.0"}, {"priorityClassName": "inference"}),
+    ],
+)
+def test_allowlist_admits(server: dict[str, Any], scheduling: dict[str, Any]) -> None:
+    spec = {"model": M, "server": server, "scheduling": scheduling}
+    assert isinstance(plan(OWNER, spec, GpuProfiles.builtin(), "img:1", POLICY), Planned)

@@ -8,6 +8,7 @@ import pytest
 from embedding_operator.kube import ApiError, ObjectRef
 from embedding_operator.profiles import GpuProfiles
 from embedding_operator.reconcile import Reconciler, owner_ref
+from embedding_operator.versions import WatchedVersions
 
 from tests.support.operator import FakeCluster
 
@@ -63,6 +64,7 @@ def mark_rolled_out(cluster: FakeCluster, ready: int | None = None) -> None:
     dep = cluster.objects[dep_ref()]
     want = dep["spec"].get("replicas", 1)
     ready = want if ready is None else ready
+    dep["metadata"]["resourceVersion"] += "+status"
     dep["status"] = {
         "observedGeneration": dep["metadata"]["generation"],
         "replicas": want,
@@ -110,6 +112,99 @@ def test_converges_then_goes_quiet(cluster: FakeCluster) -> None:
     cluster.calls.clear()
     rec.reconcile(NS, "emb")
     assert cluster.writes() == [], "an unchanged object must cost no writes"
+
+
+def _watch_delivers(cluster: FakeCluster, versions: WatchedVersions) -> None:
+    """What kopf's watches report: every object's current resourceVersion."""
+    for ref, obj in cluster.objects.items():
+        version = obj["metadata"]["resourceVersion"]
+        if ref.kind == "EmbeddingService":
+            versions.owner_event(ref.namespace, ref.name, version)
+            continue
+        controller = next(
+            (o for o in obj["metadata"].get("ownerReferences") or [] if o.get("controller")), None
+        )
+        if controller is not None and controller["kind"] == "EmbeddingService":
+            versions.child_event(ref.namespace, controller["name"], ref.kind, ref.name, version)
+
+
+def test_resync_of_a_settled_unchanged_object_costs_no_api_call(cluster: FakeCluster) -> None:
+    """At 10k EmbeddingServices a resync must not re-read every object every minute: an object
+    that is settled and that no watch event has touched since it was verified is skipped."""
+    add_service(cluster, {**MODEL, "replicas": 2})
+    versions = WatchedVersions()
+    now = [0.0]
+    rec = Reconciler(
+        cluster=cluster,
+        profiles=GpuProfiles.builtin(),
+        default_image="img:1",
+        recorder=Events(),
+        versions=versions,
+        full_resync_seconds=600,
+        monotonic=lambda: now[0],
+    )
+    rec.reconcile(NS, "emb")
+    _watch_delivers(cluster, versions)
+    # Rolling out: not settled, read every time.
+    cluster.calls.clear()
+    outcome = rec.reconcile(NS, "emb")
+    assert outcome is not None and not outcome.skipped and cluster.calls
+    mark_rolled_out(cluster)
+    _watch_delivers(cluster, versions)
+    outcome = rec.reconcile(NS, "emb")
+    assert outcome is not None and not outcome.skipped
+    assert conditions(cluster)["Ready"]["status"] == "True"
+    _watch_delivers(cluster, versions)  # our own status write comes back through the watch
+
+    cluster.calls.clear()
+    for _ in range(3):
+        outcome = rec.reconcile(NS, "emb")
+        assert outcome is not None and outcome.skipped
+    assert cluster.calls == [], "a settled, unchanged object costs no API call"
+
+    # Someone edits the Service: its watch event carries a new version; read and corrected.
+    svc = cluster.objects[ObjectRef("v1", "Service", NS, "emb")]
+    svc["spec"]["ports"][0]["port"] = 9999
+    svc["metadata"]["resourceVersion"] += "+edit"
+    _watch_delivers(cluster, versions)
+    outcome = rec.reconcile(NS, "emb")
+    assert outcome is not None and not outcome.skipped and outcome.applied == ("Service",)
+    _watch_delivers(cluster, versions)
+    outcome = rec.reconcile(NS, "emb")
+    assert outcome is not None and outcome.skipped
+
+    # A deleted child: the watch reports the deletion; the child comes back.
+    del cluster.objects[ObjectRef("policy/v1", "PodDisruptionBudget", NS, "emb")]
+    versions.child_event(NS, "emb", "PodDisruptionBudget", "emb", None)
+    outcome = rec.reconcile(NS, "emb")
+    assert outcome is not None and outcome.applied == ("PodDisruptionBudget",)
+    _watch_delivers(cluster, versions)
+
+    # A missed event is caught by the periodic full re-read.
+    cluster.objects[ObjectRef("v1", "Service", NS, "emb")]["spec"]["ports"][0]["port"] = 1
+    outcome = rec.reconcile(NS, "emb")
+    assert outcome is not None and outcome.skipped
+    now[0] = 601
+    outcome = rec.reconcile(NS, "emb")
+    assert outcome is not None and not outcome.skipped and outcome.applied == ("Service",)
+
+
+def test_unsettled_objects_are_read_on_every_resync(cluster: FakeCluster) -> None:
+    add_service(cluster, {**MODEL, "gpu": {"type": "tpu"}})
+    versions = WatchedVersions()
+    rec = Reconciler(
+        cluster=cluster,
+        profiles=GpuProfiles.builtin(),
+        default_image="img:1",
+        recorder=Events(),
+        versions=versions,
+    )
+    for _ in range(2):
+        _watch_delivers(cluster, versions)
+        cluster.calls.clear()
+        outcome = rec.reconcile(NS, "emb")
+        assert outcome is not None and outcome.problem is not None and not outcome.skipped
+        assert ("get", "EmbeddingService") in cluster.calls
 
 
 def test_last_transition_time_moves_only_on_flip(cluster: FakeCluster) -> None:
@@ -195,32 +290,110 @@ def test_unknown_gpu_type_is_degraded_with_event(cluster: FakeCluster) -> None:
     assert cluster.writes() == [] and len(events.posted) == 1
 
 
-def test_missing_secret_is_retryable_until_created(cluster: FakeCluster) -> None:
+def _pod(name: str, waiting: dict[str, str] | None) -> dict[str, Any]:
+    state = {"waiting": waiting} if waiting else {"running": {}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": NS,
+            "labels": {
+                "app.kubernetes.io/name": "embedding-server",
+                "app.kubernetes.io/instance": "emb",
+            },
+        },
+        "status": {"containerStatuses": [{"name": "embedding-server", "state": state}]},
+    }
+
+
+def test_missing_secret_is_reported_from_the_pod_never_read(cluster: FakeCluster) -> None:
+    """The operator never GETs a Secret: the kubelet's CreateContainerConfigError on our pod
+    says which one is missing, and the condition names the spec field that references it."""
     add_service(cluster, {**MODEL, "apiKeySecretRef": {"name": "auth"}})
     events = Events()
     rec = make(cluster, events)
     outcome = rec.reconcile(NS, "emb")
+    assert outcome is not None and outcome.problem is None
+    assert dep_ref() in cluster.objects, "the Deployment is created; its pods wait for the Secret"
+
+    waiting = {
+        "reason": "CreateContainerConfigError",
+        "message": 'secret "auth" not found',
+    }
+    cluster.add(_pod("emb-abc", waiting))
+    outcome = rec.reconcile(NS, "emb")
     assert outcome is not None and outcome.retry
     cond = conditions(cluster)
     assert cond["Degraded"]["reason"] == "SecretNotFound"
-    assert "spec.apiKeySecretRef" in cond["Degraded"]["message"]
-    assert dep_ref() not in cluster.objects
-    cluster.add(
-        {
-            "apiVersion": "v1",
-            "kind": "Secret",
-            "metadata": {"name": "auth", "namespace": NS},
-            "data": {"other": "eA=="},
-        }
+    assert cond["Degraded"]["message"].startswith('spec.apiKeySecretRef: secret "auth" not found')
+    assert "emb-abc" in cond["Degraded"]["message"]
+    assert ("Warning", "SecretNotFound") in [e[:2] for e in events.posted]
+
+    waiting["message"] = "couldn't find key api-key in Secret team/auth"
+    cluster.add(_pod("emb-abc", waiting))
+    rec.reconcile(NS, "emb")
+    assert "couldn't find key api-key" in conditions(cluster)["Degraded"]["message"]
+
+    # The Secret appears; the kubelet starts the container and the pod becomes ready.
+    cluster.add(_pod("emb-abc", None))
+    mark_rolled_out(cluster)
+    outcome = rec.reconcile(NS, "emb")
+    assert outcome is not None and outcome.problem is None
+    assert conditions(cluster)["Ready"]["status"] == "True"
+    assert not [c for c in cluster.calls if c[1] == "Secret"], "Secrets are never read"
+
+    # A ready Deployment costs no pod list.
+    cluster.calls.clear()
+    rec.reconcile(NS, "emb")
+    assert ("get", "Pod") not in cluster.calls
+
+
+def test_secret_in_server_env_and_other_config_errors(cluster: FakeCluster) -> None:
+    env = [{"name": "X", "valueFrom": {"secretKeyRef": {"name": "xs", "key": "k"}}}]
+    add_service(cluster, {**MODEL, "server": {"env": env}})
+    rec = make(cluster)
+    rec.reconcile(NS, "emb")
+    msg = "couldn't find key k in Secret team/xs"
+    cluster.add(_pod("p1", {"reason": "CreateContainerConfigError", "message": msg}))
+    rec.reconcile(NS, "emb")
+    assert conditions(cluster)["Degraded"]["message"].startswith(f"spec.server.env[0]: {msg}")
+
+    msg = 'configmap "cm" not found'
+    cluster.add(_pod("p1", {"reason": "CreateContainerConfigError", "message": msg}))
+    outcome = rec.reconcile(NS, "emb")
+    assert outcome is not None and outcome.problem is not None
+    assert outcome.problem.reason == "ContainerConfigError" and msg in outcome.problem.message
+
+    # Other waiting reasons (image pulls, crash loops) are the Deployment's story, not ours.
+    cluster.add(_pod("p1", {"reason": "ContainerCreating", "message": ""}))
+    outcome = rec.reconcile(NS, "emb")
+    assert outcome is not None and outcome.problem is None
+
+
+def test_image_outside_the_allowlist_applies_nothing(cluster: FakeCluster) -> None:
+    from embedding_operator.policy import WorkloadPolicy
+
+    add_service(cluster, {**MODEL, "server": {"image": "me/srv:1"}})
+    events = Events()
+    rec = Reconciler(
+        cluster=cluster,
+        profiles=GpuProfiles.builtin(),
+        default_image="img:1",
+        recorder=events,
+        policy=WorkloadPolicy(allowed_images=("corp/*",)),
     )
     outcome = rec.reconcile(NS, "emb")
-    assert outcome is not None and outcome.retry
-    assert "has no key 'api-key'" in conditions(cluster)["Degraded"]["message"]
-    cluster.objects[ObjectRef("v1", "Secret", NS, "auth")]["data"] = {"api-key": "eA=="}
+    assert outcome is not None and outcome.problem is not None and not outcome.retry
+    assert cluster.writes() == [("status", "EmbeddingService")]
+    assert conditions(cluster)["Degraded"]["reason"] == "ImageNotAllowed"
+    assert [e[:2] for e in events.posted] == [("Warning", "ImageNotAllowed")]
+
+    owner(cluster)["spec"]["server"]["image"] = "corp/srv:1"
+    owner(cluster)["metadata"]["generation"] = 2
     outcome = rec.reconcile(NS, "emb")
     assert outcome is not None and outcome.problem is None
     assert dep_ref() in cluster.objects
-    assert conditions(cluster)["Degraded"]["status"] == "False"
 
 
 def test_invalid_spec_names_the_field(cluster: FakeCluster) -> None:
@@ -258,9 +431,103 @@ def test_child_owned_by_someone_else_is_not_taken_over(cluster: FakeCluster) -> 
     rec = make(cluster)
     outcome = rec.reconcile(NS, "emb")
     assert outcome is not None and outcome.problem is not None
-    assert conditions(cluster)["Degraded"]["reason"] == "ChildConflict"
+    degraded = conditions(cluster)["Degraded"]
+    assert degraded["reason"] == "ChildConflict"
+    assert (
+        "Service team/emb already exists and is controlled by Deployment x" in (degraded["message"])
+    )
     svc = cluster.objects[ObjectRef("v1", "Service", NS, "emb")]
     assert svc["spec"] == {"ports": [{"port": 1}]}
+    # Nothing at all is created while the conflict stands: no Deployment without its Service.
+    assert cluster.writes() == [("status", "EmbeddingService")]
+
+
+# A spec that wants every kind of child, and for each kind the name it would take.
+ALL_CHILDREN = {
+    **MODEL,
+    "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 3},
+    "modelCache": {"mode": "pvc", "size": "10Gi"},
+}
+FOREIGN = [
+    ("apps/v1", "Deployment", "emb"),
+    ("v1", "Service", "emb"),
+    ("autoscaling/v2", "HorizontalPodAutoscaler", "emb"),
+    ("policy/v1", "PodDisruptionBudget", "emb"),
+    ("v1", "PersistentVolumeClaim", "emb-model-cache"),
+]
+
+
+@pytest.mark.parametrize(("api_version", "kind", "name"), FOREIGN, ids=[f[1] for f in FOREIGN])
+def test_unowned_namesake_is_a_conflict_never_adopted(
+    cluster: FakeCluster, api_version: str, kind: str, name: str
+) -> None:
+    """An object with a child's name but no controller reference (a team's own ``postgres``
+    Service) is reported, never written: server-side apply with force would adopt it, and
+    garbage collection would then delete it with the EmbeddingService."""
+    add_service(cluster, ALL_CHILDREN)
+    theirs = cluster.add(
+        {
+            "apiVersion": api_version,
+            "kind": kind,
+            "metadata": {"name": name, "namespace": NS, "labels": {"team": "theirs"}},
+            "spec": {"theirs": True},
+        }
+    )
+    events = Events()
+    rec = make(cluster, events)
+    outcome = rec.reconcile(NS, "emb")
+    assert outcome is not None and outcome.problem is not None
+    assert outcome.problem.reason == "ChildConflict"
+    assert cluster.objects[ObjectRef(api_version, kind, NS, name)] == theirs
+    assert cluster.writes() == [("status", "EmbeddingService")]
+    cond = conditions(cluster)
+    assert (cond["Degraded"]["status"], cond["Degraded"]["reason"]) == ("True", "ChildConflict")
+    assert cond["Ready"]["status"] == "False"
+    named = f"{kind} {NS}/{name} already exists and has no controller ownerReference"
+    assert named in cond["Degraded"]["message"]
+    assert [e for e in events.posted if e[:2] == ("Warning", "ChildConflict")]
+    assert named in events.posted[-1][2]
+
+    # Steady while it stands: no writes, no repeated Event.
+    cluster.calls.clear()
+    rec.reconcile(NS, "emb")
+    assert cluster.writes() == []
+    assert len(events.posted) == 1
+
+    # The owner of the namesake removes it: the next reconcile creates every child.
+    del cluster.objects[ObjectRef(api_version, kind, NS, name)]
+    outcome = rec.reconcile(NS, "emb")
+    assert outcome is not None and outcome.problem is None
+    assert {c[1] for c in cluster.writes() if c[0] == "apply"} == {f[1] for f in FOREIGN}
+    assert conditions(cluster)["Degraded"]["status"] == "False"
+
+
+def test_every_conflict_is_named(cluster: FakeCluster) -> None:
+    add_service(cluster, MODEL)
+    for api_version, kind in (("apps/v1", "Deployment"), ("v1", "Service")):
+        cluster.add(
+            {"apiVersion": api_version, "kind": kind, "metadata": {"name": "emb", "namespace": NS}}
+        )
+    outcome = make(cluster).reconcile(NS, "emb")
+    assert outcome is not None and outcome.problem is not None
+    assert "Deployment team/emb" in outcome.problem.message
+    assert "Service team/emb" in outcome.problem.message
+
+
+def test_unwanted_namesake_we_do_not_control_is_not_deleted(cluster: FakeCluster) -> None:
+    """Switching autoscaling off deletes our HPA, never someone else's of the same name."""
+    add_service(cluster, MODEL)
+    hpa = cluster.add(
+        {
+            "apiVersion": "autoscaling/v2",
+            "kind": "HorizontalPodAutoscaler",
+            "metadata": {"name": "emb", "namespace": NS},
+        }
+    )
+    outcome = make(cluster).reconcile(NS, "emb")
+    assert outcome is not None and outcome.problem is None
+    assert cluster.objects[ObjectRef("autoscaling/v2", "HorizontalPodAutoscaler", NS, "emb")] == hpa
+    assert ("delete", "HorizontalPodAutoscaler") not in cluster.calls
 
 
 def test_gone_or_deleting_objects_are_left_alone(cluster: FakeCluster) -> None:
@@ -332,6 +599,7 @@ def test_rollout_past_its_deadline_is_degraded(cluster: FakeCluster) -> None:
     rec = make(cluster, events)
     rec.reconcile(NS, "emb")
     dep = cluster.objects[dep_ref()]
+    dep["metadata"]["resourceVersion"] += "+status"
     dep["status"] = {
         "observedGeneration": dep["metadata"]["generation"],
         "replicas": 1,

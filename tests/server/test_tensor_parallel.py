@@ -20,8 +20,8 @@ import pytest
 from embedding_server.distributed import Shard
 from embedding_server.engine import Engine
 from embedding_server.errors import UnsupportedModelError
-from test_modernbert import build_modernbert
 
+from tests.server.test_modernbert import build_modernbert
 from tests.support.models import MINILM_DIR, build_decoder, build_xlm_roberta
 
 TEXTS = [

@@ -84,14 +84,29 @@ class FakeCluster:
         live["metadata"]["resourceVersion"] = str(next(self._counter))
         return copy.deepcopy(live)
 
-    def delete(self, ref: ObjectRef) -> None:
+    def delete(self, ref: ObjectRef, uid: str | None = None) -> None:
         self.calls.append(("delete", ref.kind))
+        live = self.objects.get(ref)
+        if live is not None and uid is not None and live["metadata"].get("uid") != uid:
+            raise ApiError(409, "Precondition failed: UID in precondition")
         self.objects.pop(ref, None)
+
+    def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        self.calls.append(("get", "Pod"))
+        wanted = dict(part.split("=", 1) for part in label_selector.split(","))
+        return [
+            copy.deepcopy(obj)
+            for ref, obj in self.objects.items()
+            if ref.kind == "Pod"
+            and ref.namespace == namespace
+            and wanted.items() <= (obj["metadata"].get("labels") or {}).items()
+        ]
 
     def patch_status(self, ref: ObjectRef, status: dict[str, Any]) -> dict[str, Any]:
         self.calls.append(("status", ref.kind))
         obj = self.objects[ref]
         obj["status"] = _merge(obj.get("status") or {}, status)
+        obj["metadata"]["resourceVersion"] = str(next(self._counter))
         return copy.deepcopy(obj)
 
     # Lease API (create/replace with compare-and-swap), for leader election tests.

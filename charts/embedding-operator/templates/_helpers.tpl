@@ -94,11 +94,14 @@ The operator settings the chart sets, as EMBEDDING_OPERATOR_* variables (a YAML 
 {{- define "embedding-operator.settingsEnv" -}}
 EMBEDDING_OPERATOR_NAMESPACES: {{ join "," .Values.watchNamespaces | quote }}
 EMBEDDING_OPERATOR_DEFAULT_IMAGE: {{ include "embedding-operator.serverImage" . | quote }}
+EMBEDDING_OPERATOR_ALLOWED_IMAGES: {{ join "," .Values.policy.allowedImages | quote }}
+EMBEDDING_OPERATOR_ALLOWED_PRIORITY_CLASSES: {{ join "," .Values.policy.allowedPriorityClasses | quote }}
 EMBEDDING_OPERATOR_GPU_PROFILES: /etc/embedding-operator/gpu-profiles.yaml
 EMBEDDING_OPERATOR_LIVENESS: {{ printf "http://0.0.0.0:%d/healthz" (int .Values.operator.healthPort) | quote }}
 EMBEDDING_OPERATOR_LOG_FORMAT: {{ .Values.operator.logFormat | quote }}
 EMBEDDING_OPERATOR_LOG_LEVEL: {{ .Values.operator.logLevel | quote }}
 EMBEDDING_OPERATOR_RESYNC_SECONDS: {{ .Values.operator.resyncSeconds | toString | quote }}
+EMBEDDING_OPERATOR_FULL_RESYNC_SECONDS: {{ .Values.operator.fullResyncSeconds | toString | quote }}
 EMBEDDING_OPERATOR_WORKERS: {{ .Values.operator.workers | toString | quote }}
 EMBEDDING_OPERATOR_LEADER_ELECT: {{ .Values.leaderElection.enabled | toString | quote }}
 EMBEDDING_OPERATOR_LEASE_NAME: {{ include "embedding-operator.leaseName" . | quote }}
@@ -145,10 +148,15 @@ children a spec no longer wants (an HPA after autoscaling is switched off, ...).
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, list, watch, create, patch, delete]
-# Secrets named by spec.model.hubTokenSecretRef / spec.apiKeySecretRef: existence check only.
+# The optional NetworkPolicy (spec.networkPolicy.enabled).
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, list, watch, create, patch, delete]
+# Server pods (label-selected): a container the kubelet cannot create (a missing Secret) is
+# reported from the pod's status. No access to Secrets at all.
 - apiGroups: [""]
-  resources: [secrets]
-  verbs: [get]
+  resources: [pods]
+  verbs: [list, watch]
 # Events about EmbeddingServices (kopf's and the operator's own).
 - apiGroups: [""]
   resources: [events]

@@ -2,7 +2,8 @@
 
 ``desired_children`` is the whole desired state of one EmbeddingService: the children that
 must exist (in apply order: storage first, the Deployment before what points at it) and the
-kinds that must not (an HPA after autoscaling was switched off, a PDB after scaling to one).
+kinds that must not (an HPA after autoscaling was switched off, a PDB after scaling to one, a
+NetworkPolicy after it was disabled).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from embedding_operator.builders.common import Manifest, RenderInput, pvc_name
 from embedding_operator.builders.deployment import build_deployment
 from embedding_operator.builders.hpa import build_hpa, wants_hpa
+from embedding_operator.builders.networkpolicy import build_network_policy, wants_network_policy
 from embedding_operator.builders.pdb import build_pdb, wants_pdb
 from embedding_operator.builders.pvc import build_pvc, wants_pvc
 from embedding_operator.builders.service import build_service
@@ -43,6 +45,12 @@ def desired_children(render: RenderInput) -> DesiredChildren:
         present.append(build_pdb(render))
     else:
         absent.append(ObjectRef("policy/v1", "PodDisruptionBudget", owner.namespace, owner.name))
+    if wants_network_policy(render):
+        present.append(build_network_policy(render))
+    else:
+        absent.append(
+            ObjectRef("networking.k8s.io/v1", "NetworkPolicy", owner.namespace, owner.name)
+        )
     return DesiredChildren(present=present, absent=absent)
 
 

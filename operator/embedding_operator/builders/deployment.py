@@ -17,7 +17,16 @@ Choices made here, and why:
 * Rollout: ``maxSurge 0`` by default, because a surge pod needs a free GPU that usually is not
   there and would sit Pending, stalling the rollout.
 * Security: non-root uid 1000, no privilege escalation, all capabilities dropped, seccomp
-  RuntimeDefault, no service-account token (the server never calls the API).
+  RuntimeDefault, no service-account token (the server never calls the API), and a read-only
+  root filesystem. The server writes only the Hugging Face cache (``/cache``, the model-cache
+  volume) and, through libraries, ``/tmp`` and ``/dev/shm`` (emptyDirs); traced with strace
+  while loading a model and serving (no other path is opened for writing).
+* Memory: a memory request without a limit gets the request as its limit (memory is not
+  compressible: a pod above its request is the first the kubelet evicts under pressure, so
+  the request is what the pod may count on). With no memory request the operator sets no limit:
+  the footprint depends on the model (90 MB for MiniLM, 30 GB for an 8B model on CPU) and a
+  guessed limit would OOM-kill a model at load; a namespace LimitRange is the Kubernetes way to
+  give defaults there.
 * When autoscaling is on, ``spec.replicas`` is omitted: the HPA owns it, and server-side apply
   then never fights the HPA over the field.
 """
@@ -142,6 +151,8 @@ TERMINATION_GRACE_SECONDS = PRE_STOP_SECONDS + SERVER_DRAIN_SECONDS + 15
 def _resources(render: RenderInput) -> dict[str, Any]:
     requests = {k: str(v) for k, v in render.spec.resources.requests.items()}
     limits = {k: str(v) for k, v in render.spec.resources.limits.items()}
+    if "memory" in requests and "memory" not in limits:
+        limits["memory"] = requests["memory"]
     if render.profile.resource_name:
         limits[render.profile.resource_name] = str(render.gpu_count)
     out: dict[str, Any] = {}
@@ -204,6 +215,7 @@ def _pod_spec(render: RenderInput) -> dict[str, Any]:
             "allowPrivilegeEscalation": False,
             "capabilities": {"drop": ["ALL"]},
             "runAsNonRoot": True,
+            "readOnlyRootFilesystem": True,
         },
         "volumeMounts": [
             {"name": "model-cache", "mountPath": CACHE_MOUNT_PATH},
