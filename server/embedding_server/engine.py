@@ -30,7 +30,7 @@ import logging
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar, Unpack
+from typing import Any, Literal, TypeVar, Unpack
 
 import numpy as np
 import numpy.typing as npt
@@ -39,8 +39,9 @@ import torch
 from .attention import probe, select_backend
 from .configuration import EngineInfo, describe, resolve_config
 from .dtypes import resolve_device, resolve_dtype
-from .errors import NotReadyError
+from .errors import InvalidRequestError, NotReadyError
 from .fake import is_fake, load_fake
+from .heads import Task
 from .jobs import (
     DirectRunner,
     EmbedOptions,
@@ -55,10 +56,19 @@ from .jobs import (
 from .loading import LoadedModel, load_model
 from .metrics import Metrics
 from .pooling import FloatArray
-from .results import EmbedResult, JobOutput, ScoreResult, StageTimings, TokenEmbedResult
+from .results import (
+    ClassifyResult,
+    EmbedResult,
+    JobOutput,
+    Ranked,
+    RerankResult,
+    ScoreResult,
+    StageTimings,
+    TokenEmbedResult,
+)
 from .runner import ModelRunner
 from .scheduler import Scheduler
-from .scoring import cosine_scores, pair_inputs
+from .scoring import cosine_scores, pair_inputs, rank, text_pairs
 from .settings import DEFAULT_MODEL, EngineSettings
 from .tokenization import (
     TextInput,
@@ -76,12 +86,18 @@ T = TypeVar("T")
 Inputs = str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] | Sequence[TextInput]
 """One string, a list of strings, one token-id list, or a list of token-id lists (mixed ok)."""
 
+EncodeTask = Literal["embed", "token_embed", "classify"]
+ENCODE_TASKS: tuple[EncodeTask, ...] = ("embed", "token_embed", "classify")
+
 __all__ = [
+    "ClassifyResult",
     "EmbedOptions",
     "EmbedResult",
     "Engine",
     "EngineInfo",
     "Inputs",
+    "Ranked",
+    "RerankResult",
     "ScoreOptions",
     "ScoreResult",
     "StageTimings",
@@ -116,7 +132,7 @@ class Engine:
             loaded.model,
             device=device,
             pooling=config.pooling,
-            head=config.head,
+            head=config.batch_head,
             include_prompt=config.include_prompt,
             cpu_threads=config.cpu_threads,
             attention=attention.backend,
@@ -243,8 +259,24 @@ class Engine:
         return await self._embed_tokens(self._scheduled(), inputs, options)
 
     async def ascore(self, a: Inputs, b: Inputs, **options: Unpack[ScoreOptions]) -> ScoreResult:
-        """Cosine similarity of pairs: equal-length lists, or one text against many."""
+        """Scores of pairs (equal-length lists, or one text against many): the
+        cross-encoder's relevance (task score), or the cosine of embeddings (task embed)."""
         return await self._score(self._scheduled(), a, b, options)
+
+    async def aclassify(self, inputs: Inputs, **options: Unpack[ScoreOptions]) -> ClassifyResult:
+        """Class probabilities of each input (task classify or score)."""
+        return await self._classify(self._scheduled(), inputs, options)
+
+    async def arerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        top_n: int | None = None,
+        **options: Unpack[ScoreOptions],
+    ) -> RerankResult:
+        """``documents`` by decreasing relevance to ``query`` (see :meth:`rerank`)."""
+        return await self._rerank(self._scheduled(), query, documents, top_n, options)
 
     async def atokenize(
         self, texts: str | Sequence[str], *, add_special_tokens: bool = True
@@ -271,8 +303,51 @@ class Engine:
     def score(
         self, a: Inputs, b: Inputs, **options: Unpack[ScoreOptions]
     ) -> npt.NDArray[np.float32]:
-        """Cosine similarities ``[n]`` of pairs (equal-length lists, or one against many)."""
+        """Scores ``[n]`` of pairs (equal-length lists, or one against many), as vLLM's
+        ``LLM.score``: a cross-encoder's relevance after its activation (task score), or the
+        cosine similarity of the two embeddings (task embed)."""
         return self._sync(lambda runner: self._score(runner, a, b, options)).scores
+
+    def classify(self, inputs: Inputs, **options: Unpack[ScoreOptions]) -> ClassifyResult:
+        """Class probabilities ``[n, num_labels]`` and labels, as vLLM's ``LLM.classify``
+        (task classify; a cross-encoder gives its one sigmoid probability)."""
+        return self._sync(lambda runner: self._classify(runner, inputs, options))
+
+    def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        top_n: int | None = None,
+        **options: Unpack[ScoreOptions],
+    ) -> RerankResult:
+        """``documents`` by decreasing relevance to ``query`` (the first ``top_n`` when
+        given): a cross-encoder's scores, or cosine similarity for an embedding model."""
+        return self._sync(lambda runner: self._rerank(runner, query, documents, top_n, options))
+
+    def encode(
+        self,
+        inputs: Inputs,
+        *,
+        task: EncodeTask = "embed",
+        **options: Unpack[EmbedOptions],
+    ) -> list[FloatArray]:
+        """One array per input for a pooling ``task``, as vLLM's ``LLM.encode``: ``embed``
+        (the pooled vector), ``token_embed`` (per-token hidden states ``[len_i, hidden]``) or
+        ``classify`` (class probabilities)."""
+        if task == "embed":
+            return list(self.embed(inputs, **options))
+        if task == "token_embed":
+            token_options: TokenOptions = {k: v for k, v in options.items() if k != "dimensions"}  # type: ignore[assignment]
+            return self.embed_tokens(inputs, **token_options)
+        if task == "classify":
+            score_options: ScoreOptions = {
+                k: v for k, v in options.items() if k in ScoreOptions.__annotations__
+            }  # type: ignore[assignment]
+            return list(self.classify(inputs, **score_options).probs)
+        raise InvalidRequestError(
+            f"task must be one of {', '.join(ENCODE_TASKS)}; got {task!r}", param="task"
+        )
 
     def tokenize(
         self, texts: str | Sequence[str], *, add_special_tokens: bool = True
@@ -290,8 +365,18 @@ class Engine:
         return self._tokenizer.token_strings(ids)
 
     # -- one path per request type, whichever runner runs it ------------------------------
+    def _require(self, endpoint: str, *tasks: Task) -> None:
+        """A 400 naming the model's task when it cannot serve ``endpoint``."""
+        if self._config.task not in tasks:
+            raise InvalidRequestError(
+                f"{endpoint} needs a model with task {' or '.join(tasks)}; this model's task "
+                f"is {self._config.task} ({self._info.architecture})",
+                param="model",
+            )
+
     async def _embed(self, runner: JobRunner, inputs: Inputs, options: EmbedOptions) -> EmbedResult:
         check_options("embed", dict(options), EmbedOptions)
+        self._require("embedding", "embed")
         items = normalize_inputs(inputs, "input")
         head = self._config.head.options(options.get("dimensions"), options.get("normalize"))
         special = options.get("add_special_tokens", True)
@@ -303,6 +388,7 @@ class Engine:
         self, runner: JobRunner, inputs: Inputs, options: TokenOptions
     ) -> TokenEmbedResult:
         check_options("embed_tokens", dict(options), TokenOptions)
+        self._require("per-token embedding", "embed")
         items = normalize_inputs(inputs, "input")
         special = options.get("add_special_tokens", True)
         job = Job.prepare(
@@ -317,9 +403,50 @@ class Engine:
         self, runner: JobRunner, a: Inputs, b: Inputs, options: ScoreOptions
     ) -> ScoreResult:
         check_options("score", dict(options), ScoreOptions)
-        items, n_a = pair_inputs(a, b)
+        self._require("scoring", "embed", "score")
+        classifier = self._config.classifier
+        if classifier is None:
+            items, n_a = pair_inputs(a, b)
+            out = await self._run(runner, Job.prepare(items, options, self._config.prompts))
+            return out.score_result(cosine_scores(out.pooled, n_a))
+        out = await self._run(runner, Job.for_pairs(text_pairs(a, b), options))
+        scores = classifier.scores(torch.from_numpy(out.pooled)).numpy().astype(np.float32)
+        return out.score_result(scores)
+
+    async def _classify(
+        self, runner: JobRunner, inputs: Inputs, options: ScoreOptions
+    ) -> ClassifyResult:
+        check_options("classify", dict(options), ScoreOptions)
+        self._require("classification", "classify", "score")
+        classifier = self._config.classifier
+        assert classifier is not None  # task classify and score have one
+        items = normalize_inputs(inputs, "input")
         out = await self._run(runner, Job.prepare(items, options, self._config.prompts))
-        return out.score_result(cosine_scores(out.pooled, n_a))
+        probs = classifier.probabilities(torch.from_numpy(out.pooled)).numpy()
+        return out.classify_result(probs.astype(np.float32), classifier.labels)
+
+    async def _rerank(
+        self,
+        runner: JobRunner,
+        query: str,
+        documents: Sequence[str],
+        top_n: int | None,
+        options: ScoreOptions,
+    ) -> RerankResult:
+        check_options("rerank", dict(options), ScoreOptions)
+        if not isinstance(query, str) or not query:
+            raise InvalidRequestError("query must be a non-empty string", param="query")
+        if isinstance(documents, str) or not documents:
+            raise InvalidRequestError("documents must be a non-empty list", param="documents")
+        if top_n is not None and (isinstance(top_n, bool) or top_n < 0):
+            raise InvalidRequestError("top_n must be a non-negative integer", param="top_n")
+        result = await self._score(runner, query, list(documents), options)
+        return RerankResult(
+            results=rank(result.scores, top_n),
+            prompt_tokens=result.prompt_tokens,
+            truncated_inputs=result.truncated_inputs,
+            timings=result.timings,
+        )
 
     async def _run(self, runner: JobRunner, job: Job) -> JobOutput:
         out = await runner.run(job)

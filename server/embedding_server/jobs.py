@@ -24,6 +24,7 @@ from typing import Any, Protocol, TypedDict, TypeVar
 
 import numpy as np
 
+from .errors import InvalidRequestError
 from .pooling import FloatArray
 from .results import JobOutput, StageTimings
 from .runner import ModelRunner, SequenceInput
@@ -83,6 +84,20 @@ class Job:
     truncation: Truncation
     add_special_tokens: bool = True
     want_tokens: bool = False
+    pairs: list[tuple[str, str]] | None = None
+    """Sentence pairs, each tokenized as one sequence (cross-encoders); then ``items`` is
+    empty and there is no prompt."""
+
+    @classmethod
+    def for_pairs(cls, pairs: list[tuple[str, str]], options: ScoreOptions) -> Job:
+        """A job over sentence pairs; prompts do not apply to them."""
+        given = {"prompt": options.get("prompt"), "prompt_name": options.get("prompt_name")}
+        for name, value in given.items():
+            if value is not None:
+                raise InvalidRequestError(
+                    f"{name} does not apply to a cross-encoder's text pairs", param=name
+                )
+        return cls([], None, Truncation.coerce(options.get("truncate", True)), pairs=pairs)
 
     @classmethod
     def prepare(
@@ -100,6 +115,8 @@ class Job:
         return cls(items, prompt, truncation, add_special_tokens, want_tokens)
 
     def tokenize(self, tokenizer: TextTokenizer) -> list[TokenizedInput]:
+        if self.pairs is not None:
+            return tokenizer.encode_pairs(self.pairs, truncation=self.truncation)
         return tokenizer.encode(
             self.items,
             truncation=self.truncation,
@@ -109,7 +126,9 @@ class Job:
         )
 
     def sequences(self, tokenized: Sequence[TokenizedInput]) -> list[SequenceInput]:
-        return [SequenceInput(t.ids, t.prompt_length, self.want_tokens) for t in tokenized]
+        return [
+            SequenceInput(t.ids, t.prompt_length, self.want_tokens, t.type_ids) for t in tokenized
+        ]
 
 
 class JobRunner(Protocol):

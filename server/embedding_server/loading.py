@@ -31,6 +31,7 @@ from tokenizers import Tokenizer
 
 from .dtypes import resolve_dtype
 from .errors import ModelNotFoundError, UnsupportedModelError
+from .heads import Classifier, head_kind, read_classifier
 from .models.base import EmbeddingModel
 from .pooling import DenseLayer, PoolingMethod
 from .settings import DEFAULT_MODEL, Dtype
@@ -63,6 +64,9 @@ class SentenceTransformerConfig:
     prompts: dict[str, str] = field(default_factory=dict)
     default_prompt_name: str | None = None
     matryoshka_dimensions: list[int] | None = None
+    activation_fn: str | None = None
+    """A CrossEncoder's activation over its logits (an import path such as
+    ``torch.nn.modules.activation.Sigmoid``), from config_sentence_transformers.json."""
 
 
 PACKAGED_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"
@@ -221,6 +225,7 @@ def read_sentence_transformers(path: Path) -> SentenceTransformerConfig:
     if isinstance(st_cfg, dict):
         st.prompts = {str(k): str(v) for k, v in (st_cfg.get("prompts") or {}).items()}
         st.default_prompt_name = st_cfg.get("default_prompt_name") or None
+        st.activation_fn = st_cfg.get("activation_fn") or None
         dims = st_cfg.get("matryoshka_dimensions")
         if isinstance(dims, list):
             st.matryoshka_dimensions = [int(d) for d in dims]
@@ -354,6 +359,8 @@ class LoadedModel:
     """The compute dtype the model was built in."""
     head_dim: int
     """Per-head width of attention, which decides the attention kernels that can serve it."""
+    classifier: Classifier | None = None
+    """The sequence-classification head of a ``*ForSequenceClassification`` checkpoint."""
 
 
 def head_dim_of(config: Mapping[str, Any]) -> int:
@@ -379,11 +386,15 @@ def load_model(
     path = resolve_model_path(model, revision=revision, cache_dir=cache_dir)
     config = read_model_config(path)
     arch = lookup(config)  # fail on an unsupported architecture before reading weights
+    head_kind(config)  # and on a task head we do not serve
     overflows = arch.model_type if arch.float16_overflows else None
     compute_dtype = resolve_dtype(dtype, device, fp16_overflows=overflows)
     st = read_sentence_transformers(path)
     tokenizer, tokenizer_max = load_tokenizer(path)
     weights = load_weights(path)
+    classifier = read_classifier(
+        config, weights, family=arch.family, st_activation=st.activation_fn
+    )
     body = build_model(config, weights, dtype=compute_dtype, device=device)
     architectures = config.get("architectures") or [arch.model_type]
     return LoadedModel(
@@ -398,4 +409,5 @@ def load_model(
         default_pooling=arch.default_pooling,
         dtype=compute_dtype,
         head_dim=head_dim_of(config),
+        classifier=classifier,
     )

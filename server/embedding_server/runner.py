@@ -15,13 +15,14 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from .attention import Backend
 from .models.base import EmbeddingModel, PackedBatch
-from .pooling import FloatArray, PoolingHead, PoolingMethod, pool
+from .pooling import FloatArray, PoolingMethod, pool
 
 # Below this many tokens a CPU forward pass runs on one thread: the matmuls are too small to
 # split profitably, and on a busy host every OpenMP region would wait for a descheduled
@@ -38,6 +39,8 @@ class SequenceInput:
     """Leading (prompt) tokens left out of pooling (every method but last)."""
     want_tokens: bool = False
     """Also return the per-token hidden states (``embed_tokens``)."""
+    type_ids: Sequence[int] | None = None
+    """Segment ids of a sentence pair (cross-encoders); None for all zeros."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +49,13 @@ class BatchOutput:
     tokens: list[FloatArray | None]  # [len_i, hidden] where asked for
     forward_s: float
     pool_s: float
+
+
+class BatchHead(Protocol):
+    """The batch-level head after pooling: sentence-transformers Dense layers
+    (:class:`~.pooling.PoolingHead`) or a classifier (:class:`~.heads.ClassificationHead`)."""
+
+    def project(self, pooled: torch.Tensor) -> torch.Tensor: ...
 
 
 class ModelRunner:
@@ -57,7 +67,7 @@ class ModelRunner:
         *,
         device: torch.device,
         pooling: PoolingMethod,
-        head: PoolingHead,
+        head: BatchHead,
         include_prompt: bool = True,
         cpu_threads: int = 1,
         attention: Backend = Backend.SDPA_BUCKETED,
@@ -95,6 +105,11 @@ class ModelRunner:
                 self.device,
                 self.model.position_offset,
                 attention=self.attention,
+                token_types=(
+                    [s.type_ids or [0] * len(s.ids) for s in ordered]
+                    if any(s.type_ids for s in ordered)
+                    else None
+                ),
             )
             hidden = self.model.forward(batch)
             if hidden.is_cuda:

@@ -125,6 +125,9 @@ class TokenizedInput:
     """Token count before truncation (special tokens included)."""
     prompt_length: int = 0
     """Leading tokens that belong to the prompt (excluded from pooling when the model says so)."""
+    type_ids: list[int] | None = None
+    """Segment ids of a sentence pair (0 for the first text, 1 for the second where the
+    tokenizer's template says so); None for a single text."""
 
     @property
     def truncated(self) -> bool:
@@ -210,15 +213,7 @@ class TextTokenizer:
         param: str = "input",
     ) -> list[TokenizedInput]:
         """Tokenize and truncate one request's inputs in one batched call."""
-        limit = self.max_length
-        if truncation.max_tokens is not None:
-            if truncation.max_tokens > self.max_length:
-                raise InvalidRequestError(
-                    f"{truncation.param}={truncation.max_tokens} exceeds the model's maximum "
-                    f"input length of {self.max_length} tokens",
-                    param=truncation.param,
-                )
-            limit = truncation.max_tokens
+        limit = self._limit(truncation)
         texts: list[str] = []
         text_slots: list[int] = []
         out: list[TokenizedInput | None] = [None] * len(inputs)
@@ -240,6 +235,55 @@ class TextTokenizer:
                     enc, prefix, suffix, limit, truncation, slot, param, prompt_len
                 )
         return [x for x in out if x is not None]
+
+    def encode_pairs(
+        self, pairs: Sequence[tuple[str, str]], *, truncation: Truncation
+    ) -> list[TokenizedInput]:
+        """Tokenize sentence pairs as one sequence each, the way a cross-encoder reads them:
+        the tokenizer's pair template (``[CLS] a [SEP] b [SEP]`` with segment ids for BERT,
+        ``<s> a </s></s> b </s>`` for RoBERTa) around both texts, over-long pairs cut
+        longest-first (one token at a time from the longer text), as transformers'
+        ``truncation=True`` does."""
+        limit = self._limit(truncation)
+        firsts = self._tok.encode_batch([a for a, _ in pairs], add_special_tokens=False)
+        seconds = self._tok.encode_batch([b for _, b in pairs], add_special_tokens=False)
+        special = self._tok.num_special_tokens_to_add(True)
+        out: list[TokenizedInput] = []
+        for i, (first, second) in enumerate(zip(firsts, seconds, strict=True)):
+            n = len(first) + len(second) + special
+            if n > limit:
+                if truncation.side is None:
+                    raise InputTooLongError(
+                        f"pair {i} has {n} tokens, more than the maximum of {limit}; shorten "
+                        "it or ask for truncation",
+                        param=truncation.param,
+                        token_count=n,
+                        max_tokens=limit,
+                    )
+                keep_first, keep_second = longest_first(len(first), len(second), limit - special)
+                if min(keep_first, keep_second) == 0:
+                    raise InvalidRequestError(
+                        f"pair {i} cannot be cut to {limit} tokens without dropping one of "
+                        "its texts",
+                        param=truncation.param,
+                    )
+                first.truncate(keep_first, direction=truncation.side)
+                second.truncate(keep_second, direction=truncation.side)
+            enc = self._tok.post_process(first, second, add_special_tokens=True)
+            types = list(enc.type_ids)
+            out.append(TokenizedInput(list(enc.ids), n, 0, types if any(types) else None))
+        return out
+
+    def _limit(self, truncation: Truncation) -> int:
+        if truncation.max_tokens is None:
+            return self.max_length
+        if truncation.max_tokens > self.max_length:
+            raise InvalidRequestError(
+                f"{truncation.param}={truncation.max_tokens} exceeds the model's maximum "
+                f"input length of {self.max_length} tokens",
+                param=truncation.param,
+            )
+        return truncation.max_tokens
 
     def _fit_encoding(
         self,
@@ -300,6 +344,23 @@ class TextTokenizer:
         if truncation.side == "left":
             prompt_len = 0  # the prompt was cut off with the start of the text
         return TokenizedInput(prefix + kept + suffix, n, min(prompt_len, len(prefix) + keep))
+
+
+def longest_first(first: int, second: int, budget: int) -> tuple[int, int]:
+    """Token counts kept of a pair's two texts within ``budget`` content tokens, as the
+    tokenizers library's ``longest_first`` strategy cuts: the longer text loses tokens until
+    both are equal, then the rest is split, the first text losing the odd token (on equal
+    lengths the second counts as the longer)."""
+    excess = first + second - budget
+    if excess <= 0:
+        return first, second
+    first_longer = first > second
+    longer, shorter = (first, second) if first_longer else (second, first)
+    cut = min(excess, longer - shorter)
+    rest = excess - cut
+    longer -= cut + rest // 2
+    shorter -= rest - rest // 2
+    return (longer, shorter) if first_longer else (shorter, longer)
 
 
 def _special_affixes(tokenizer: Tokenizer) -> tuple[list[int], list[int]]:

@@ -1,0 +1,285 @@
+"""Task heads: what turns a body's pooled hidden state into class logits, and which task a
+checkpoint serves.
+
+The models stay bodies (final hidden states, see ``models/base.py``) and pooling stays in
+``pooling.py``; a sequence-classification checkpoint adds, after pooling, an optional
+*pooler* and a *classifier* (vLLM's ``ClassifierPooler``). They are read here by their
+Hugging Face names straight from the checkpoint's weights:
+
+==========================  ===========  ====================================================
+architecture                pooling      head
+==========================  ===========  ====================================================
+BERT                        cls          ``bert.pooler.dense`` + tanh, ``classifier``
+RoBERTa, XLM-R              cls          ``classifier.dense`` + tanh, ``classifier.out_proj``
+ModernBERT                  cls / mean   ``head.dense`` + act + ``head.norm``, ``classifier``
+Llama-family, Gemma 3       last         ``score`` (no pooler)
+==========================  ===========  ====================================================
+
+ModernBERT pools as its config's ``classifier_pooling`` says. The head runs in float32 like
+the embedding head. Activations follow sentence-transformers' ``CrossEncoder``: the one its
+config declares (``activation_fn`` in ``config_sentence_transformers.json``, v6; in
+``config.json``'s ``sentence_transformers`` block, v4-5; ``sbert_ce_default_activation_function``
+before v4), else sigmoid for one label; ``classify`` without a declared activation gives
+softmax probabilities over several labels, as vLLM does.
+
+A checkpoint whose architecture names a head we do not serve (token classification,
+question answering, multiple choice) is refused with the reason, rather than being served
+as an embedder by its body.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+from .errors import UnsupportedModelError
+from .pooling import ACTIVATIONS, PoolingMethod
+
+Task = Literal["embed", "score", "classify"]
+"""What a served model does: embed (vectors; /score is cosine), score (a one-label
+cross-encoder: /score and /rerank; /classify gives its sigmoid probability), classify
+(labels with probabilities)."""
+
+TASKS: tuple[Task, ...] = ("embed", "score", "classify")
+
+_REFUSED_HEADS = {
+    "ForTokenClassification": "token classification (one label per token)",
+    "ForQuestionAnswering": "extractive question answering (span start/end logits)",
+    "ForMultipleChoice": "multiple choice",
+}
+
+# sentence-transformers writes activations as import paths of torch modules.
+_ST_ACTIVATIONS = {
+    "Sigmoid": "sigmoid",
+    "Identity": "identity",
+    "Tanh": "tanh",
+    "ReLU": "relu",
+    "GELU": "gelu",
+    "SiLU": "silu",
+}
+
+
+@dataclass(frozen=True)
+class ClassificationHead:
+    """Pooled vector -> optional pooler (dense, activation, optional LayerNorm) -> logits."""
+
+    weight: torch.Tensor  # [num_labels, hidden] float32
+    bias: torch.Tensor | None
+    pooler_weight: torch.Tensor | None = None
+    pooler_bias: torch.Tensor | None = None
+    pooler_activation: str = "tanh"
+    norm_weight: torch.Tensor | None = None
+    norm_bias: torch.Tensor | None = None
+    norm_eps: float = 1e-5
+
+    @property
+    def num_labels(self) -> int:
+        return int(self.weight.shape[0])
+
+    def to(self, device: torch.device) -> ClassificationHead:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device=device, dtype=torch.float32)
+
+        return ClassificationHead(
+            weight=self.weight.to(device=device, dtype=torch.float32),
+            bias=move(self.bias),
+            pooler_weight=move(self.pooler_weight),
+            pooler_bias=move(self.pooler_bias),
+            pooler_activation=self.pooler_activation,
+            norm_weight=move(self.norm_weight),
+            norm_bias=move(self.norm_bias),
+            norm_eps=self.norm_eps,
+        )
+
+    def project(self, pooled: torch.Tensor) -> torch.Tensor:
+        """Class logits ``[B, num_labels]`` (float32) of pooled vectors ``[B, hidden]``."""
+        x = pooled.float()
+        if self.pooler_weight is not None:
+            x = ACTIVATIONS[self.pooler_activation](
+                F.linear(x, self.pooler_weight, self.pooler_bias)
+            )
+        if self.norm_weight is not None:
+            x = F.layer_norm(x, (x.shape[-1],), self.norm_weight, self.norm_bias, self.norm_eps)
+        return F.linear(x, self.weight, self.bias)
+
+
+@dataclass(frozen=True)
+class Classifier:
+    """A checkpoint's classification head and how to read its logits."""
+
+    head: ClassificationHead
+    pooling: PoolingMethod
+    labels: tuple[str, ...]
+    """``id2label`` in label order."""
+    activation: str | None
+    """The activation the checkpoint declares (sentence-transformers), else None."""
+
+    @property
+    def num_labels(self) -> int:
+        return self.head.num_labels
+
+    @property
+    def score_activation(self) -> str:
+        """Applied to the one logit of a cross-encoder score (CrossEncoder.predict's)."""
+        return self.activation or ("sigmoid" if self.num_labels == 1 else "identity")
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """``/classify``'s probs: the declared activation, else softmax (sigmoid for one
+        label)."""
+        if self.activation is not None:
+            return ACTIVATIONS[self.activation](logits)
+        if self.num_labels == 1:
+            return torch.sigmoid(logits)
+        return torch.softmax(logits, dim=-1)
+
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """One relevance score per pair (``[B]``) from one-label logits."""
+        return ACTIVATIONS[self.score_activation](logits[:, 0])
+
+
+def head_kind(config: Mapping[str, Any]) -> str | None:
+    """``"sequence_classification"`` for a ``*ForSequenceClassification`` checkpoint, None
+    for a body (embedders, masked/causal LMs served by their body); refuses task heads we do
+    not serve."""
+    for name in config.get("architectures") or []:
+        name = str(name)
+        if name.endswith("ForSequenceClassification"):
+            return "sequence_classification"
+        for suffix, what in _REFUSED_HEADS.items():
+            if name.endswith(suffix):
+                raise UnsupportedModelError(
+                    f"{name} is a {what} head, which is not served (supported heads: "
+                    "*ForSequenceClassification for score/classify; bodies for embed)"
+                )
+    return None
+
+
+def declared_activation(config: Mapping[str, Any], st_activation: str | None) -> str | None:
+    """The CrossEncoder activation a checkpoint declares, as an ``ACTIVATIONS`` name."""
+    block = config.get("sentence_transformers")
+    path = (
+        st_activation
+        or (block.get("activation_fn") if isinstance(block, Mapping) else None)
+        or config.get("sbert_ce_default_activation_function")
+    )
+    if not path:
+        return None
+    name = _ST_ACTIVATIONS.get(str(path).rsplit(".", 1)[-1])
+    if name is None:
+        raise UnsupportedModelError(
+            f"cross-encoder activation {path!r} is not supported "
+            f"(supported: {', '.join(f'torch.nn.{n}' for n in _ST_ACTIVATIONS)})"
+        )
+    return name
+
+
+def read_classifier(
+    config: Mapping[str, Any],
+    weights: Mapping[str, torch.Tensor],
+    *,
+    family: str,
+    st_activation: str | None = None,
+) -> Classifier | None:
+    """The classification head of a ``*ForSequenceClassification`` checkpoint (None for a
+    body), from its Hugging Face weight names; ``family`` is the registry's family."""
+    if head_kind(config) is None:
+        return None
+    arch = str((config.get("architectures") or ["?"])[0])
+
+    def get(name: str) -> torch.Tensor:
+        if name not in weights:
+            raise UnsupportedModelError(
+                f"{arch} checkpoint lacks the classifier weight {name!r}; is it complete?"
+            )
+        return weights[name].float()
+
+    def maybe(name: str) -> torch.Tensor | None:
+        return weights[name].float() if name in weights else None
+
+    pooling: PoolingMethod
+    if family == "bert" and "classifier.out_proj.weight" in weights:  # RoBERTa, XLM-R
+        head = ClassificationHead(
+            weight=get("classifier.out_proj.weight"),
+            bias=maybe("classifier.out_proj.bias"),
+            pooler_weight=get("classifier.dense.weight"),
+            pooler_bias=maybe("classifier.dense.bias"),
+        )
+        pooling = "cls"
+    elif family == "bert":
+        pooler = next(
+            (p for p in ("bert.pooler.", "pooler.") if p + "dense.weight" in weights), None
+        )
+        head = ClassificationHead(
+            weight=get("classifier.weight"),
+            bias=maybe("classifier.bias"),
+            pooler_weight=get(pooler + "dense.weight") if pooler else None,
+            pooler_bias=maybe(pooler + "dense.bias") if pooler else None,
+        )
+        pooling = "cls"
+    elif family == "modernbert":
+        act = str(config.get("classifier_activation") or config.get("hidden_activation") or "gelu")
+        if act not in ACTIVATIONS:
+            raise UnsupportedModelError(
+                f"ModernBERT classifier_activation {act!r} is not supported"
+            )
+        head = ClassificationHead(
+            weight=get("classifier.weight"),
+            bias=maybe("classifier.bias"),
+            pooler_weight=get("head.dense.weight"),
+            pooler_bias=maybe("head.dense.bias"),
+            pooler_activation=act,
+            norm_weight=get("head.norm.weight"),
+            norm_bias=maybe("head.norm.bias"),
+            norm_eps=float(config.get("norm_eps", 1e-5)),
+        )
+        pooled = str(config.get("classifier_pooling", "cls"))
+        if pooled not in ("cls", "mean"):
+            raise UnsupportedModelError(
+                f"ModernBERT classifier_pooling {pooled!r} is not supported (cls or mean)"
+            )
+        pooling = "cls" if pooled == "cls" else "mean"
+    elif family in ("llama", "gemma3"):
+        head = ClassificationHead(weight=get("score.weight"), bias=maybe("score.bias"))
+        pooling = "last"
+    else:
+        raise UnsupportedModelError(f"{arch}: sequence classification is not supported")
+    id2label = config.get("id2label") or {}
+    labels = tuple(
+        str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(head.num_labels)
+    )
+    return Classifier(head, pooling, labels, declared_activation(config, st_activation))
+
+
+def resolve_task(requested: str, classifier: Classifier | None, architecture: str) -> Task:
+    """The task to serve: ``requested`` (``auto`` decides from the checkpoint), or an error
+    saying why the checkpoint cannot serve it."""
+    if requested == "auto":
+        if classifier is None:
+            return "embed"
+        return "score" if classifier.num_labels == 1 else "classify"
+    if requested == "embed":
+        if classifier is not None:
+            raise UnsupportedModelError(
+                f"{architecture} is a sequence classifier with {classifier.num_labels} "
+                f"label(s), not an embedding model; serve it with task "
+                f"{'score' if classifier.num_labels == 1 else 'classify'} (or auto)"
+            )
+        return "embed"
+    if requested in ("score", "classify"):
+        if classifier is None:
+            raise UnsupportedModelError(
+                f"task {requested} needs a *ForSequenceClassification checkpoint and "
+                f"{architecture} has no classification head; serve it with task embed "
+                "(its /score is then the cosine similarity of embeddings)"
+            )
+        if requested == "score" and classifier.num_labels != 1:
+            raise UnsupportedModelError(
+                f"task score needs a cross-encoder with one label; {architecture} has "
+                f"{classifier.num_labels} labels: serve it with task classify"
+            )
+        return "score" if requested == "score" else "classify"
+    raise UnsupportedModelError(f"task {requested!r} is not one of auto, {', '.join(TASKS)}")
