@@ -226,8 +226,11 @@ class PoolingRequest(_Request, _TruncationOptions, _EncodingOptions):
     """
 
     input: EmbeddingInput = Field(description="As for /v1/embeddings.")
-    task: Literal["token_embed", "embed"] = Field(
-        "token_embed", description="token_embed: one vector per token; embed: the pooled vector."
+    task: Literal["token_embed", "embed", "classify"] = Field(
+        "token_embed",
+        description="token_embed: one vector per token; embed: the pooled vector (both need "
+        "an embedding model); classify: the class probabilities (a classifier or "
+        "cross-encoder).",
     )
     normalize: bool | None = Field(
         None,
@@ -237,7 +240,8 @@ class PoolingRequest(_Request, _TruncationOptions, _EncodingOptions):
 
 
 class ScoreRequest(_Request, _TruncationOptions):
-    """POST /score (vLLM-style bi-encoder): cosine similarity of text pairs."""
+    """POST /score (vLLM): a cross-encoder's relevance of text pairs (task score), or the
+    cosine similarity of their embeddings (task embed)."""
 
     text_1: str | list[str] = Field(description="One text, or one per pair.")
     text_2: str | list[str] = Field(description="One text, or one per pair.")

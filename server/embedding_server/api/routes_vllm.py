@@ -1,4 +1,5 @@
-"""The vLLM-style extras: ``/pooling``, ``/score``, ``/tokenize`` and ``/detokenize``."""
+"""The vLLM-style extras: ``/pooling``, ``/score`` (also ``/v1/score``), ``/tokenize`` and
+``/detokenize``."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from embedding_server.api.responses import (
     timing_headers,
 )
 from embedding_server.engine import TokenOptions
+from embedding_server.errors import InvalidRequestError
 
 router = APIRouter()
 
@@ -49,6 +51,16 @@ async def pooling(body: PoolingRequest, request: Request) -> Response:
         pooled = await cancel_on_disconnect(request, engine.aembed(inputs, **options))
         outputs = as_float32(pooled.embeddings)
         tokens, timings = pooled.prompt_tokens, pooled.timings
+    elif body.task == "classify":
+        if body.normalize is not None:
+            raise InvalidRequestError(
+                "normalize does not apply to task classify", param="normalize"
+            )
+        classified = await cancel_on_disconnect(
+            request, engine.aclassify(inputs, truncate=options["truncate"])
+        )
+        outputs = as_float32(classified.probs)
+        tokens, timings = classified.prompt_tokens, classified.timings
     else:
         per_token = await cancel_on_disconnect(request, engine.aembed_tokens(inputs, **options))
         outputs = per_token.embeddings
@@ -82,7 +94,8 @@ async def pooling(body: PoolingRequest, request: Request) -> Response:
     return json_response(content, headers)
 
 
-@router.post("/score", tags=["vLLM"], summary="Cosine similarity of text pairs")
+@router.post("/score", tags=["vLLM"], summary="Scores of text pairs (cross-encoder or cosine)")
+@router.post("/v1/score", tags=["vLLM"], summary="Scores of text pairs (cross-encoder or cosine)")
 async def score(body: ScoreRequest, request: Request) -> Response:
     engine, lifecycle = engine_for(request, body.model)
     count_1 = 1 if isinstance(body.text_1, str) else len(body.text_1)
