@@ -326,25 +326,18 @@ class Engine:
         return self._sync(lambda runner: self._rerank(runner, query, documents, top_n, options))
 
     def encode(
-        self,
-        inputs: Inputs,
-        *,
-        task: EncodeTask = "embed",
-        **options: Unpack[EmbedOptions],
+        self, inputs: Inputs, *, task: EncodeTask = "embed", **options: Any
     ) -> list[FloatArray]:
         """One array per input for a pooling ``task``, as vLLM's ``LLM.encode``: ``embed``
         (the pooled vector), ``token_embed`` (per-token hidden states ``[len_i, hidden]``) or
-        ``classify`` (class probabilities)."""
+        ``classify`` (class probabilities). ``options`` are those of the task's own method;
+        one that does not apply is a TypeError, as there."""
         if task == "embed":
             return list(self.embed(inputs, **options))
         if task == "token_embed":
-            token_options: TokenOptions = {k: v for k, v in options.items() if k != "dimensions"}  # type: ignore[assignment]
-            return self.embed_tokens(inputs, **token_options)
+            return self.embed_tokens(inputs, **options)
         if task == "classify":
-            score_options: ScoreOptions = {
-                k: v for k, v in options.items() if k in ScoreOptions.__annotations__
-            }  # type: ignore[assignment]
-            return list(self.classify(inputs, **score_options).probs)
+            return list(self.classify(inputs, **options).probs)
         raise InvalidRequestError(
             f"task must be one of {', '.join(ENCODE_TASKS)}; got {task!r}", param="task"
         )

@@ -234,3 +234,14 @@ def test_unsupported_heads_are_refused(tmp_path: Path) -> None:
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match="token classification"):
         Engine.from_pretrained(str(tmp_path / "m"))
+
+
+def test_encode_follows_the_task(minilm_engine: Engine) -> None:
+    texts = ["one sentence", "and a second, longer sentence"]
+    np.testing.assert_allclose(
+        np.stack(minilm_engine.encode(texts)), minilm_engine.embed(texts), atol=1e-6
+    )
+    tokens = minilm_engine.encode(texts, task="token_embed")
+    assert [t.shape[0] for t in tokens] == [len(ids) for ids in minilm_engine.tokenize(texts)]
+    with pytest.raises(TypeError, match="dimensions"):
+        minilm_engine.encode(texts, task="token_embed", dimensions=8)
