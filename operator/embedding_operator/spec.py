@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic.alias_generators import to_camel
 
 Pooling = Literal["auto", "cls", "mean", "last", "max", "weightedmean", "mean_sqrt_len"]
+Task = Literal["embed", "score", "classify"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 QueueMetric = Literal["queueRequests", "queueTokens"]
@@ -206,9 +207,14 @@ class ServiceSpec(_Model):
     annotations: dict[str, str] = Field(default_factory=dict)
 
 
+# Embedding fields that mean nothing for a cross-encoder or classifier, by their wire names.
+EMBED_ONLY_FIELDS = ("pooling", "normalize", "dimensions", "matryoshkaDimensions")
+
+
 class EmbeddingServiceSpec(_Model):
     model: ModelSource
     served_model_name: str | None = None
+    task: Task = "embed"
     embedding: Embedding = Embedding()
     server: Server = Server()
     parallelism: Parallelism = Parallelism()
@@ -226,6 +232,22 @@ class EmbeddingServiceSpec(_Model):
     def _cpu_has_no_tensor_parallelism(self) -> EmbeddingServiceSpec:
         if self.gpu.type == "cpu" and self.parallelism.tensor_parallel_size != 1:
             raise ValueError("tensorParallelSize must be 1 when gpu.type is cpu")
+        return self
+
+    @model_validator(mode="after")
+    def _embed_only_fields(self) -> EmbeddingServiceSpec:
+        if self.task == "embed":
+            return self
+        emb = self.embedding
+        given = {
+            "pooling": emb.pooling != "auto",
+            "normalize": emb.normalize is not None,
+            "dimensions": emb.dimensions is not None,
+            "matryoshkaDimensions": emb.matryoshka_dimensions is not None,
+        }
+        for name in EMBED_ONLY_FIELDS:
+            if given[name]:
+                raise ValueError(f"embedding.{name} applies to task embed only")
         return self
 
     @property
