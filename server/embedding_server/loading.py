@@ -11,7 +11,8 @@ A model is a directory (local, the packaged default, or a Hugging Face Hub snaps
 * sentence-transformers files: ``modules.json`` (is there a Normalize module? Dense layers?),
   ``1_Pooling/config.json`` (pooling method, include_prompt), ``2_Dense*/``,
   ``sentence_bert_config.json`` (max_seq_length), ``config_sentence_transformers.json``
-  (prompts, default_prompt_name).
+  (prompts, default_prompt_name, a CrossEncoder's activation_fn);
+* a ``*ForSequenceClassification`` checkpoint's classification head (``heads.py``).
 
 Everything read here is declarative; the engine combines it with the settings.
 """
