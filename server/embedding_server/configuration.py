@@ -45,8 +45,11 @@ class EngineConfig:
 
     @property
     def batch_head(self) -> PoolingHead | ClassificationHead:
-        """What the forward worker applies after pooling: Dense layers, or the classifier."""
-        return self.classifier.head if self.classifier is not None else self.head
+        """What the forward worker applies after pooling: Dense layers, or a sequence
+        classifier (a token classifier runs on the token states, in the engine)."""
+        if self.classifier is not None and not self.classifier.per_token:
+            return self.classifier.head
+        return self.head
 
 
 def resolve_config(

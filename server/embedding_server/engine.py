@@ -86,8 +86,8 @@ T = TypeVar("T")
 Inputs = str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] | Sequence[TextInput]
 """One string, a list of strings, one token-id list, or a list of token-id lists (mixed ok)."""
 
-EncodeTask = Literal["embed", "token_embed", "classify"]
-ENCODE_TASKS: tuple[EncodeTask, ...] = ("embed", "token_embed", "classify")
+EncodeTask = Literal["embed", "token_embed", "classify", "token_classify"]
+ENCODE_TASKS: tuple[EncodeTask, ...] = ("embed", "token_embed", "classify", "token_classify")
 
 __all__ = [
     "ClassifyResult",
@@ -267,6 +267,12 @@ class Engine:
         """Class probabilities of each input (task classify or score)."""
         return await self._classify(self._scheduled(), inputs, options)
 
+    async def atoken_classify(
+        self, inputs: Inputs, **options: Unpack[TokenOptions]
+    ) -> TokenEmbedResult:
+        """Label probabilities of every token (float32 ``[len_i, num_labels]`` per input)."""
+        return await self._token_classify(self._scheduled(), inputs, options)
+
     async def arerank(
         self,
         query: str,
@@ -313,6 +319,12 @@ class Engine:
         (task classify; a cross-encoder gives its one sigmoid probability)."""
         return self._sync(lambda runner: self._classify(runner, inputs, options))
 
+    def token_classify(self, inputs: Inputs, **options: Unpack[TokenOptions]) -> list[FloatArray]:
+        """Label probabilities of every token, one float32 ``[len_i, num_labels]`` array per
+        input, as vLLM's ``LLM.encode(..., pooling_task="token_classify")`` (task
+        token_classify: softmax, sigmoid for one label)."""
+        return self._sync(lambda runner: self._token_classify(runner, inputs, options)).embeddings
+
     def rerank(
         self,
         query: str,
@@ -329,15 +341,18 @@ class Engine:
         self, inputs: Inputs, *, task: EncodeTask = "embed", **options: Any
     ) -> list[FloatArray]:
         """One array per input for a pooling ``task``, as vLLM's ``LLM.encode``: ``embed``
-        (the pooled vector), ``token_embed`` (per-token hidden states ``[len_i, hidden]``) or
-        ``classify`` (class probabilities). ``options`` are those of the task's own method;
-        one that does not apply is a TypeError, as there."""
+        (the pooled vector), ``token_embed`` (per-token hidden states ``[len_i, hidden]``),
+        ``classify`` (class probabilities) or ``token_classify`` (per-token probabilities).
+        ``options`` are those of the task's own method; one that does not apply is a
+        TypeError, as there."""
         if task == "embed":
             return list(self.embed(inputs, **options))
         if task == "token_embed":
             return self.embed_tokens(inputs, **options)
         if task == "classify":
             return list(self.classify(inputs, **options).probs)
+        if task == "token_classify":
+            return self.token_classify(inputs, **options)
         raise InvalidRequestError(
             f"task must be one of {', '.join(ENCODE_TASKS)}; got {task!r}", param="task"
         )
@@ -417,6 +432,30 @@ class Engine:
         out = await self._run(runner, Job.prepare(items, options, self._config.prompts))
         probs = classifier.probabilities(torch.from_numpy(out.pooled)).numpy()
         return out.classify_result(probs.astype(np.float32), classifier.labels)
+
+    async def _token_classify(
+        self, runner: JobRunner, inputs: Inputs, options: TokenOptions
+    ) -> TokenEmbedResult:
+        check_options("token_classify", dict(options), TokenOptions)
+        if options.get("normalize"):
+            raise InvalidRequestError(
+                "normalize does not apply to token classification", param="normalize"
+            )
+        self._require("token classification", "token_classify")
+        classifier = self._config.classifier
+        assert classifier is not None  # task token_classify has one
+        items = normalize_inputs(inputs, "input")
+        special = options.get("add_special_tokens", True)
+        job = Job.prepare(
+            items, options, self._config.prompts, add_special_tokens=special, want_tokens=True
+        )
+        out = await self._run(runner, job)
+        probs = [
+            classifier.probabilities(classifier.head.project(torch.from_numpy(t))).numpy()
+            for t in out.tokens
+            if t is not None
+        ]
+        return out.token_result(probs)
 
     async def _rerank(
         self,

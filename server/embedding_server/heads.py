@@ -19,8 +19,8 @@ ModernBERT pools as its config's ``classifier_pooling`` says. The head runs in f
 the embedding head. Activations follow sentence-transformers' ``CrossEncoder``: the one its
 config declares (``activation_fn`` in ``config_sentence_transformers.json``, v6; in
 ``config.json``'s ``sentence_transformers`` block, v4-5; ``sbert_ce_default_activation_function``
-before v4), else sigmoid for one label; ``classify`` without a declared activation gives
-softmax probabilities over several labels, as vLLM does.
+before v4), else sigmoid for one label, applies to scores; ``classify`` gives softmax
+probabilities over several labels (sigmoid for one), as vLLM does.
 
 A checkpoint whose architecture names a head we do not serve (token classification,
 question answering, multiple choice) is refused with the reason, rather than being served
@@ -39,15 +39,16 @@ import torch.nn.functional as F
 from .errors import UnsupportedModelError
 from .pooling import ACTIVATIONS, PoolingMethod
 
-Task = Literal["embed", "score", "classify"]
+Task = Literal["embed", "score", "classify", "token_classify"]
 """What a served model does: embed (vectors; /score is cosine), score (a one-label
 cross-encoder: /score and /rerank; /classify gives its sigmoid probability), classify
-(labels with probabilities)."""
+(labels with probabilities), token_classify (label probabilities of every token)."""
 
-TASKS: tuple[Task, ...] = ("embed", "score", "classify")
+TASKS: tuple[Task, ...] = ("embed", "score", "classify", "token_classify")
+
+HeadKind = Literal["sequence_classification", "token_classification"]
 
 _REFUSED_HEADS = {
-    "ForTokenClassification": "token classification (one label per token)",
     "ForQuestionAnswering": "extractive question answering (span start/end logits)",
     "ForMultipleChoice": "multiple choice",
 }
@@ -117,6 +118,8 @@ class Classifier:
     """``id2label`` in label order."""
     activation: str | None
     """The activation the checkpoint declares (sentence-transformers), else None."""
+    per_token: bool = False
+    """A token classifier: the head runs on every token's hidden state, not a pooled one."""
 
     @property
     def num_labels(self) -> int:
@@ -128,10 +131,9 @@ class Classifier:
         return self.activation or ("sigmoid" if self.num_labels == 1 else "identity")
 
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
-        """``/classify``'s probs: the declared activation, else softmax (sigmoid for one
-        label)."""
-        if self.activation is not None:
-            return ACTIVATIONS[self.activation](logits)
+        """``/classify``'s probs, as vLLM's classify task computes them whatever activation a
+        CrossEncoder config declares (that one is for scores): softmax over the labels,
+        sigmoid for a single label."""
         if self.num_labels == 1:
             return torch.sigmoid(logits)
         return torch.softmax(logits, dim=-1)
@@ -141,19 +143,22 @@ class Classifier:
         return ACTIVATIONS[self.score_activation](logits[:, 0])
 
 
-def head_kind(config: Mapping[str, Any]) -> str | None:
-    """``"sequence_classification"`` for a ``*ForSequenceClassification`` checkpoint, None
-    for a body (embedders, masked/causal LMs served by their body); refuses task heads we do
-    not serve."""
+def head_kind(config: Mapping[str, Any]) -> HeadKind | None:
+    """The classification head a ``*ForSequenceClassification`` or ``*ForTokenClassification``
+    checkpoint has, None for a body (embedders, masked/causal LMs served by their body);
+    refuses task heads we do not serve."""
     for name in config.get("architectures") or []:
         name = str(name)
         if name.endswith("ForSequenceClassification"):
             return "sequence_classification"
+        if name.endswith("ForTokenClassification"):
+            return "token_classification"
         for suffix, what in _REFUSED_HEADS.items():
             if name.endswith(suffix):
                 raise UnsupportedModelError(
                     f"{name} is a {what} head, which is not served (supported heads: "
-                    "*ForSequenceClassification for score/classify; bodies for embed)"
+                    "*ForSequenceClassification for score/classify, *ForTokenClassification "
+                    "for token_classify; bodies for embed)"
                 )
     return None
 
@@ -184,10 +189,14 @@ def read_classifier(
     family: str,
     st_activation: str | None = None,
 ) -> Classifier | None:
-    """The classification head of a ``*ForSequenceClassification`` checkpoint (None for a
-    body), from its Hugging Face weight names; ``family`` is the registry's family."""
-    if head_kind(config) is None:
+    """The classification head of a ``*ForSequenceClassification`` or
+    ``*ForTokenClassification`` checkpoint (None for a body), from its Hugging Face weight
+    names; ``family`` is the registry's family. Token classifiers have no pooler (BERT,
+    RoBERTa: a plain ``classifier``; ModernBERT keeps its ``head``)."""
+    kind = head_kind(config)
+    if kind is None:
         return None
+    per_token = kind == "token_classification"
     arch = str((config.get("architectures") or ["?"])[0])
 
     def get(name: str) -> torch.Tensor:
@@ -201,7 +210,10 @@ def read_classifier(
         return weights[name].float() if name in weights else None
 
     pooling: PoolingMethod
-    if family == "bert" and "classifier.out_proj.weight" in weights:  # RoBERTa, XLM-R
+    if family == "bert" and per_token:
+        head = ClassificationHead(weight=get("classifier.weight"), bias=maybe("classifier.bias"))
+        pooling = "cls"
+    elif family == "bert" and "classifier.out_proj.weight" in weights:  # RoBERTa, XLM-R
         head = ClassificationHead(
             weight=get("classifier.out_proj.weight"),
             bias=maybe("classifier.out_proj.bias"),
@@ -251,35 +263,42 @@ def read_classifier(
     labels = tuple(
         str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(head.num_labels)
     )
-    return Classifier(head, pooling, labels, declared_activation(config, st_activation))
+    activation = declared_activation(config, st_activation)
+    return Classifier(head, pooling, labels, activation, per_token=per_token)
 
 
 def resolve_task(requested: str, classifier: Classifier | None, architecture: str) -> Task:
     """The task to serve: ``requested`` (``auto`` decides from the checkpoint), or an error
     saying why the checkpoint cannot serve it."""
-    if requested == "auto":
-        if classifier is None:
-            return "embed"
-        return "score" if classifier.num_labels == 1 else "classify"
-    if requested == "embed":
-        if classifier is not None:
-            raise UnsupportedModelError(
-                f"{architecture} is a sequence classifier with {classifier.num_labels} "
-                f"label(s), not an embedding model; serve it with task "
-                f"{'score' if classifier.num_labels == 1 else 'classify'} (or auto)"
-            )
-        return "embed"
-    if requested in ("score", "classify"):
-        if classifier is None:
-            raise UnsupportedModelError(
-                f"task {requested} needs a *ForSequenceClassification checkpoint and "
-                f"{architecture} has no classification head; serve it with task embed "
-                "(its /score is then the cosine similarity of embeddings)"
-            )
-        if requested == "score" and classifier.num_labels != 1:
-            raise UnsupportedModelError(
-                f"task score needs a cross-encoder with one label; {architecture} has "
-                f"{classifier.num_labels} labels: serve it with task classify"
-            )
-        return "score" if requested == "score" else "classify"
-    raise UnsupportedModelError(f"task {requested!r} is not one of auto, {', '.join(TASKS)}")
+    natural: Task = "embed"
+    if classifier is not None and classifier.per_token:
+        natural = "token_classify"
+    elif classifier is not None:
+        natural = "score" if classifier.num_labels == 1 else "classify"
+    if requested == "auto" or requested == natural:
+        return natural
+    if requested not in TASKS:
+        raise UnsupportedModelError(f"task {requested!r} is not one of auto, {', '.join(TASKS)}")
+    if classifier is None:
+        head = "Token" if requested == "token_classify" else "Sequence"
+        raise UnsupportedModelError(
+            f"task {requested} needs a *For{head}Classification checkpoint and {architecture} "
+            "has no classification head; serve it with task embed (its /score is then the "
+            "cosine similarity of embeddings)"
+        )
+    what = (
+        f"a token classifier with {classifier.num_labels} label(s)"
+        if classifier.per_token
+        else f"a sequence classifier with {classifier.num_labels} label(s)"
+    )
+    if requested == "classify" and natural == "score":
+        return "classify"  # a cross-encoder's one probability
+    if requested == "score" and natural == "classify":
+        raise UnsupportedModelError(
+            f"task score needs a cross-encoder with one label; {architecture} has "
+            f"{classifier.num_labels} labels: serve it with task classify"
+        )
+    raise UnsupportedModelError(
+        f"{architecture} is {what}, not served by task {requested}; serve it with task "
+        f"{natural} (or auto)"
+    )

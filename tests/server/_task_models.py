@@ -14,7 +14,11 @@ from typing import Any
 import torch
 from _models import MINILM_DIR, _save_tokenizer, byte_tokenizer, spread_weights
 from tokenizers import processors
-from transformers import AutoConfig, AutoModelForSequenceClassification
+from transformers import (
+    AutoConfig,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
 
 _ENCODER: dict[str, Any] = {
     "hidden_size": 32,
@@ -24,10 +28,13 @@ _ENCODER: dict[str, Any] = {
 }
 
 
-def _save_classifier(model_type: str, path: Path, seed: int, **config: Any) -> None:
+def _save_classifier(
+    model_type: str, path: Path, seed: int, *, per_token: bool, **config: Any
+) -> None:
     torch.manual_seed(seed)
     cfg = AutoConfig.for_model(model_type, **config)
-    model = AutoModelForSequenceClassification.from_config(cfg)
+    auto = AutoModelForTokenClassification if per_token else AutoModelForSequenceClassification
+    model = auto.from_config(cfg)
     spread_weights(model)
     model.save_pretrained(str(path))
 
@@ -44,15 +51,18 @@ def _byte_tokenizer_with_pairs(
     return int(tok.get_vocab_size())
 
 
-def build_classifier(path: Path, family: str, num_labels: int, **overrides: Any) -> Path:
-    """A 2-layer ``<family>ForSequenceClassification`` with ``num_labels`` labels.
+def build_classifier(
+    path: Path, family: str, num_labels: int, *, per_token: bool = False, **overrides: Any
+) -> Path:
+    """A 2-layer ``<family>ForSequenceClassification`` (``ForTokenClassification`` with
+    ``per_token``) with ``num_labels`` labels.
 
     ``family``: bert (the real MiniLM WordPiece tokenizer, two token types), xlm-roberta
     (``<s> a </s></s> b </s>``), modernbert, qwen3 or llama (last-token ``score`` head).
     """
     path.mkdir(parents=True, exist_ok=True)
     labels = {"id2label": {str(i): f"class_{i}" for i in range(num_labels)}}
-    common = {"num_labels": num_labels, **labels, **overrides}
+    common = {"num_labels": num_labels, "per_token": per_token, **labels, **overrides}
     if family == "bert":
         for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt"):
             shutil.copy(MINILM_DIR / name, path / name)

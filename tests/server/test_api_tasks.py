@@ -34,6 +34,7 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {
         "cross": save_cross_encoder(build_classifier(root / "bert-1", "bert", 1)),
         "classifier": build_classifier(root / "xlmr-3", "xlm-roberta", 3),
+        "tagger": build_classifier(root / "bert-5-token", "bert", 5, per_token=True),
     }
 
 
@@ -47,6 +48,13 @@ def cross(model_dirs: dict[str, Path]) -> Iterator[RunningServer]:
 @pytest.fixture(scope="module")
 def classifier(model_dirs: dict[str, Path]) -> Iterator[RunningServer]:
     settings = ServerSettings(model=str(model_dirs["classifier"]), dtype="float32")
+    with running_server(settings) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def tagger(model_dirs: dict[str, Path]) -> Iterator[RunningServer]:
+    settings = ServerSettings(model=str(model_dirs["tagger"]), dtype="float32")
     with running_server(settings) as running:
         yield running
 
@@ -156,6 +164,24 @@ def test_classify_matches_transformers(
     )
 
 
+def test_pooling_token_classify(tagger: RunningServer, model_dirs: dict[str, Path]) -> None:
+    import torch
+    from transformers import AutoModelForTokenClassification, AutoTokenizer
+
+    texts = ["John lives in Paris", "a much longer sentence about nothing in particular", "x"]
+    path = str(model_dirs["tagger"])
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForTokenClassification.from_pretrained(path).eval()
+    body = post(tagger, "/pooling", {"input": texts, "task": "token_classify"})
+    assert httpx.get(tagger.url + "/info", timeout=10).json()["task"] == "token_classify"
+    for text, row in zip(texts, body["data"], strict=True):
+        with torch.no_grad():
+            logits = model(**tok(text, return_tensors="pt")).logits[0]
+        np.testing.assert_allclose(row["data"], torch.softmax(logits, -1).numpy(), atol=1e-4)
+    assert "task is token_classify" in error(tagger, "/classify", {"input": "x"})["message"]
+    assert "task is token_classify" in error(tagger, "/pooling", {"input": "x"})["message"]
+
+
 def test_embedder_scores_and_reranks_by_cosine(embedder: RunningServer) -> None:
     docs = ["alpha beta", "gamma", "alpha beta gamma"]
     scores = post(embedder, "/score", {"text_1": "alpha", "text_2": docs})
@@ -180,6 +206,8 @@ def test_each_task_on_the_wrong_model_is_a_400_naming_its_task(
     cross: RunningServer, classifier: RunningServer, embedder: RunningServer
 ) -> None:
     assert "task is embed" in error(embedder, "/classify", {"input": "x"})["message"]
+    token_task = {"input": "x", "task": "token_classify"}
+    assert "task is embed" in error(embedder, "/pooling", token_task)["message"]
     assert (
         "task is embed"
         in error(embedder, "/pooling", {"input": "x", "task": "classify"})["message"]

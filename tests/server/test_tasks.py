@@ -19,7 +19,11 @@ from _task_models import build_classifier, save_cross_encoder
 from embedding_server.engine import Engine
 from embedding_server.errors import InvalidRequestError, UnsupportedModelError
 from embedding_server.tokenization import Truncation, longest_first
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import (
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -34,14 +38,16 @@ DOCS = ["the fox is an animal", "d", "cats sleep anywhere warm " * 6, "nothing a
 
 
 @pytest.fixture(scope="module")
-def classifiers(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, int], Path]:
+def classifiers(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Factory: (family, num_labels, per_token=False) -> a tiny classifier, built once."""
     root = tmp_path_factory.mktemp("classifiers")
-    cache: dict[tuple[str, int], Path] = {}
+    cache: dict[tuple[str, int, bool], Path] = {}
 
-    def get(family: str, num_labels: int) -> Path:
-        key = (family, num_labels)
+    def get(family: str, num_labels: int, per_token: bool = False) -> Path:
+        key = (family, num_labels, per_token)
         if key not in cache:
-            cache[key] = build_classifier(root / f"{family}-{num_labels}", family, num_labels)
+            name = f"{family}-{num_labels}{'-token' if per_token else ''}"
+            cache[key] = build_classifier(root / name, family, num_labels, per_token=per_token)
         return cache[key]
 
     return get
@@ -70,9 +76,7 @@ FAMILIES = ["bert", "xlm-roberta", "modernbert", "qwen3", "llama"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_classify_matches_transformers(
-    classifiers: Callable[[str, int], Path], family: str
-) -> None:
+def test_classify_matches_transformers(classifiers: Callable[..., Path], family: str) -> None:
     path = classifiers(family, 3)
     engine = Engine.from_pretrained(str(path), dtype="float32")
     info = engine.info()
@@ -90,7 +94,7 @@ def test_classify_matches_transformers(
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cross_encoder_scores_match_transformers(
-    classifiers: Callable[[str, int], Path], family: str
+    classifiers: Callable[..., Path], family: str
 ) -> None:
     """One label: task score; pairs are one sequence (segment ids for BERT), sigmoid on top."""
     path = classifiers(family, 1)
@@ -110,7 +114,7 @@ def test_cross_encoder_scores_match_transformers(
 
 @pytest.mark.parametrize("family", ["bert", "xlm-roberta"])
 def test_cross_encoder_matches_sentence_transformers(
-    classifiers: Callable[[str, int], Path], family: str
+    classifiers: Callable[..., Path], family: str
 ) -> None:
     """A checkpoint saved by CrossEncoder: its declared activation and max length apply, so
     long pairs are cut exactly where CrossEncoder cuts them."""
@@ -130,9 +134,7 @@ def test_cross_encoder_matches_sentence_transformers(
     )
 
 
-def test_declared_activation_is_used(
-    classifiers: Callable[[str, int], Path], tmp_path: Path
-) -> None:
+def test_declared_activation_is_used(classifiers: Callable[..., Path], tmp_path: Path) -> None:
     """A CrossEncoder saved with an identity activation returns raw logits."""
     import json
     import shutil
@@ -150,7 +152,7 @@ def test_declared_activation_is_used(
     np.testing.assert_allclose(engine.score(QUERIES[0], DOCS[0]), expected, atol=1e-4)
 
 
-def test_pair_truncation_matches_transformers(classifiers: Callable[[str, int], Path]) -> None:
+def test_pair_truncation_matches_transformers(classifiers: Callable[..., Path]) -> None:
     """Longest-first cutting of over-long pairs, token for token, and refusal without it."""
     path = classifiers("bert", 1)
     engine = Engine.from_pretrained(str(path), dtype="float32")
@@ -171,7 +173,7 @@ def test_pair_truncation_matches_transformers(classifiers: Callable[[str, int], 
 
 
 def test_tasks_on_the_wrong_model_are_refused(
-    classifiers: Callable[[str, int], Path], minilm_engine: Engine
+    classifiers: Callable[..., Path], minilm_engine: Engine
 ) -> None:
     classifier = Engine.from_pretrained(str(classifiers("bert", 3)), dtype="float32")
     with pytest.raises(InvalidRequestError, match="task is classify"):
@@ -204,7 +206,7 @@ def test_embedder_rerank_is_cosine(minilm_engine: Engine) -> None:
 
 
 def test_task_is_decided_at_load_and_mismatches_refused(
-    classifiers: Callable[[str, int], Path], minilm_dir: Path
+    classifiers: Callable[..., Path], minilm_dir: Path
 ) -> None:
     three = str(classifiers("bert", 3))
     one = str(classifiers("bert", 1))
@@ -230,9 +232,9 @@ def test_unsupported_heads_are_refused(tmp_path: Path) -> None:
 
     shutil.copytree(MINILM_DIR, tmp_path / "m")
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
-    cfg["architectures"] = ["BertForTokenClassification"]
+    cfg["architectures"] = ["BertForQuestionAnswering"]
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedModelError, match="token classification"):
+    with pytest.raises(UnsupportedModelError, match="question answering"):
         Engine.from_pretrained(str(tmp_path / "m"))
 
 
@@ -245,3 +247,29 @@ def test_encode_follows_the_task(minilm_engine: Engine) -> None:
     assert [t.shape[0] for t in tokens] == [len(ids) for ids in minilm_engine.tokenize(texts)]
     with pytest.raises(TypeError, match="dimensions"):
         minilm_engine.encode(texts, task="token_embed", dimensions=8)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_token_classify_matches_transformers(classifiers: Callable[..., Path], family: str) -> None:
+    """*ForTokenClassification: every token's label probabilities, packed batches of mixed
+    lengths against transformers running each input alone."""
+    path = classifiers(family, 4, per_token=True)
+    engine = Engine.from_pretrained(str(path), dtype="float32")
+    assert engine.info().task == "token_classify"
+    limit = engine.info().max_input_tokens
+    tok = AutoTokenizer.from_pretrained(str(path))
+    model = AutoModelForTokenClassification.from_pretrained(str(path)).eval()
+    got = engine.token_classify(TEXTS)
+    assert len(got) == len(TEXTS)
+    for text, probs in zip(TEXTS, got, strict=True):
+        enc = tok(text, return_tensors="pt", truncation=True, max_length=limit)
+        with torch.no_grad():
+            expected = torch.softmax(model(**enc).logits[0], -1).numpy()
+        assert probs.shape == expected.shape
+        np.testing.assert_allclose(probs, expected, atol=1e-4)
+    encoded = engine.encode(TEXTS[:2], task="token_classify")
+    np.testing.assert_allclose(encoded[1], got[1], atol=1e-6)
+    with pytest.raises(InvalidRequestError, match="task is token_classify"):
+        engine.classify(TEXTS)
+    with pytest.raises(UnsupportedModelError, match="serve it with task token_classify"):
+        Engine.from_pretrained(str(path), task="classify")

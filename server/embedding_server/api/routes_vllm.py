@@ -61,6 +61,10 @@ async def pooling(body: PoolingRequest, request: Request) -> Response:
         )
         outputs = as_float32(classified.probs)
         tokens, timings = classified.prompt_tokens, classified.timings
+    elif body.task == "token_classify":
+        labelled = await cancel_on_disconnect(request, engine.atoken_classify(inputs, **options))
+        outputs = labelled.embeddings
+        tokens, timings = labelled.prompt_tokens, labelled.timings
     else:
         per_token = await cancel_on_disconnect(request, engine.aembed_tokens(inputs, **options))
         outputs = per_token.embeddings
