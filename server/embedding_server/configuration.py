@@ -46,10 +46,11 @@ class EngineConfig:
     @property
     def batch_head(self) -> PoolingHead | ClassificationHead:
         """What the forward worker applies after pooling: Dense layers, or a sequence
-        classifier (a token classifier runs on the token states, in the engine)."""
-        if self.classifier is not None and not self.classifier.per_token:
-            return self.classifier.head
-        return self.head
+        classifier (token_classify and reward run the head on the token states, in the
+        engine)."""
+        if self.classifier is None or self.classifier.per_token or self.task == "reward":
+            return self.head
+        return self.classifier.head
 
 
 def resolve_config(

@@ -86,8 +86,14 @@ T = TypeVar("T")
 Inputs = str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] | Sequence[TextInput]
 """One string, a list of strings, one token-id list, or a list of token-id lists (mixed ok)."""
 
-EncodeTask = Literal["embed", "token_embed", "classify", "token_classify"]
-ENCODE_TASKS: tuple[EncodeTask, ...] = ("embed", "token_embed", "classify", "token_classify")
+EncodeTask = Literal["embed", "token_embed", "classify", "token_classify", "reward"]
+ENCODE_TASKS: tuple[EncodeTask, ...] = (
+    "embed",
+    "token_embed",
+    "classify",
+    "token_classify",
+    "reward",
+)
 
 __all__ = [
     "ClassifyResult",
@@ -273,6 +279,10 @@ class Engine:
         """Label probabilities of every token (float32 ``[len_i, num_labels]`` per input)."""
         return await self._token_classify(self._scheduled(), inputs, options)
 
+    async def areward(self, inputs: Inputs, **options: Unpack[TokenOptions]) -> TokenEmbedResult:
+        """A reward model's raw outputs at every token (see :meth:`reward`)."""
+        return await self._reward(self._scheduled(), inputs, options)
+
     async def arerank(
         self,
         query: str,
@@ -325,6 +335,12 @@ class Engine:
         token_classify: softmax, sigmoid for one label)."""
         return self._sync(lambda runner: self._token_classify(runner, inputs, options)).embeddings
 
+    def reward(self, inputs: Inputs, **options: Unpack[TokenOptions]) -> list[FloatArray]:
+        """A reward model's outputs at every token, one float32 ``[len_i, num_labels]``
+        array per input, as vLLM's reward task (all tokens, no activation): for a decoder
+        ``*ForSequenceClassification`` reward model the last row is its score."""
+        return self._sync(lambda runner: self._reward(runner, inputs, options)).embeddings
+
     def rerank(
         self,
         query: str,
@@ -342,7 +358,8 @@ class Engine:
     ) -> list[FloatArray]:
         """One array per input for a pooling ``task``, as vLLM's ``LLM.encode``: ``embed``
         (the pooled vector), ``token_embed`` (per-token hidden states ``[len_i, hidden]``),
-        ``classify`` (class probabilities) or ``token_classify`` (per-token probabilities).
+        ``classify`` (class probabilities), ``token_classify`` (per-token probabilities) or
+        ``reward`` (per-token raw outputs).
         ``options`` are those of the task's own method; one that does not apply is a
         TypeError, as there."""
         if task == "embed":
@@ -353,6 +370,8 @@ class Engine:
             return list(self.classify(inputs, **options).probs)
         if task == "token_classify":
             return self.token_classify(inputs, **options)
+        if task == "reward":
+            return self.reward(inputs, **options)
         raise InvalidRequestError(
             f"task must be one of {', '.join(ENCODE_TASKS)}; got {task!r}", param="task"
         )
@@ -436,26 +455,37 @@ class Engine:
     async def _token_classify(
         self, runner: JobRunner, inputs: Inputs, options: TokenOptions
     ) -> TokenEmbedResult:
-        check_options("token_classify", dict(options), TokenOptions)
+        return await self._per_token(runner, inputs, options, "token_classify")
+
+    async def _reward(
+        self, runner: JobRunner, inputs: Inputs, options: TokenOptions
+    ) -> TokenEmbedResult:
+        return await self._per_token(runner, inputs, options, "reward")
+
+    async def _per_token(
+        self, runner: JobRunner, inputs: Inputs, options: TokenOptions, task: Task
+    ) -> TokenEmbedResult:
+        """The classifier's head on every token: probabilities (token_classify) or the raw
+        outputs (reward)."""
+        check_options(task, dict(options), TokenOptions)
         if options.get("normalize"):
-            raise InvalidRequestError(
-                "normalize does not apply to token classification", param="normalize"
-            )
-        self._require("token classification", "token_classify")
+            raise InvalidRequestError(f"normalize does not apply to task {task}", param="normalize")
+        self._require(task.replace("_", " "), task)
         classifier = self._config.classifier
-        assert classifier is not None  # task token_classify has one
+        assert classifier is not None  # both tasks have one
         items = normalize_inputs(inputs, "input")
         special = options.get("add_special_tokens", True)
         job = Job.prepare(
             items, options, self._config.prompts, add_special_tokens=special, want_tokens=True
         )
         out = await self._run(runner, job)
-        probs = [
-            classifier.probabilities(classifier.head.project(torch.from_numpy(t))).numpy()
-            for t in out.tokens
-            if t is not None
-        ]
-        return out.token_result(probs)
+        outputs: list[FloatArray] = []
+        for states in out.tokens:
+            if states is not None:
+                logits = classifier.head.project(torch.from_numpy(states))
+                values = logits if task == "reward" else classifier.probabilities(logits)
+                outputs.append(values.numpy())
+        return out.token_result(outputs)
 
     async def _rerank(
         self,

@@ -39,12 +39,14 @@ import torch.nn.functional as F
 from .errors import UnsupportedModelError
 from .pooling import ACTIVATIONS, PoolingMethod
 
-Task = Literal["embed", "score", "classify", "token_classify"]
+Task = Literal["embed", "score", "classify", "token_classify", "reward"]
 """What a served model does: embed (vectors; /score is cosine), score (a one-label
 cross-encoder: /score and /rerank; /classify gives its sigmoid probability), classify
-(labels with probabilities), token_classify (label probabilities of every token)."""
+(labels with probabilities), token_classify (label probabilities of every token), reward
+(a classifier's raw outputs at every token, as vLLM's reward task: no activation; only when
+asked for, since a reward model's checkpoint is a plain ``*ForSequenceClassification``)."""
 
-TASKS: tuple[Task, ...] = ("embed", "score", "classify", "token_classify")
+TASKS: tuple[Task, ...] = ("embed", "score", "classify", "token_classify", "reward")
 
 HeadKind = Literal["sequence_classification", "token_classification"]
 
@@ -293,6 +295,8 @@ def resolve_task(requested: str, classifier: Classifier | None, architecture: st
     )
     if requested == "classify" and natural == "score":
         return "classify"  # a cross-encoder's one probability
+    if requested == "reward":
+        return "reward"  # any classifier's raw head outputs, token by token
     if requested == "score" and natural == "classify":
         raise UnsupportedModelError(
             f"task score needs a cross-encoder with one label; {architecture} has "

@@ -182,6 +182,25 @@ def test_pooling_token_classify(tagger: RunningServer, model_dirs: dict[str, Pat
     assert "task is token_classify" in error(tagger, "/pooling", {"input": "x"})["message"]
 
 
+def test_pooling_reward(model_dirs: dict[str, Path]) -> None:
+    """A classifier served with task reward: /pooling task reward gives the raw head output of
+    every token, the same as the offline Engine.reward."""
+    from embedding_server.engine import Engine
+
+    path = str(model_dirs["cross"])
+    texts = ["a short one", "and a rather longer input, to mix lengths in the batch"]
+    expected = Engine.from_pretrained(path, dtype="float32", task="reward").reward(texts)
+    settings = ServerSettings(model=path, dtype="float32", task="reward")
+    with running_server(settings) as server:
+        body = post(server, "/pooling", {"input": texts, "task": "reward"})
+        for row, want in zip(body["data"], expected, strict=True):
+            np.testing.assert_allclose(row["data"], want, atol=1e-5)
+        assert (
+            "task is reward"
+            in error(server, "/rerank", {"query": "a", "documents": ["b"]})["message"]
+        )
+
+
 def test_embedder_scores_and_reranks_by_cosine(embedder: RunningServer) -> None:
     docs = ["alpha beta", "gamma", "alpha beta gamma"]
     scores = post(embedder, "/score", {"text_1": "alpha", "text_2": docs})

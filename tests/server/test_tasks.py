@@ -273,3 +273,35 @@ def test_token_classify_matches_transformers(classifiers: Callable[..., Path], f
         engine.classify(TEXTS)
     with pytest.raises(UnsupportedModelError, match="serve it with task token_classify"):
         Engine.from_pretrained(str(path), task="classify")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "bert"])
+def test_reward_is_the_raw_head_at_every_token(
+    classifiers: Callable[..., Path], family: str
+) -> None:
+    """task reward (asked for, never auto): the head's raw outputs at every token, as vLLM's
+    reward task; for a decoder the last row is transformers' sequence logits."""
+    path = classifiers(family, 1)
+    engine = Engine.from_pretrained(str(path), dtype="float32", task="reward")
+    assert engine.info().task == "reward"
+    model = AutoModelForSequenceClassification.from_pretrained(str(path)).eval()
+    tok = AutoTokenizer.from_pretrained(str(path))
+    rewards = engine.reward(TEXTS)
+    limit = engine.info().max_input_tokens
+    for text, got in zip(TEXTS, rewards, strict=True):
+        enc = tok(text, return_tensors="pt", truncation=True, max_length=limit)
+        with torch.no_grad():
+            out = model(**enc, output_hidden_states=True)
+            states = out.hidden_states[-1][0]
+            if family == "bert":  # the pooler and classifier on every token's state
+                head = model.classifier(
+                    model.bert.pooler.activation(model.bert.pooler.dense(states))
+                )
+            else:
+                head = model.score(states)
+        np.testing.assert_allclose(got, head.numpy(), atol=1e-4)
+        if family != "bert":
+            np.testing.assert_allclose(got[-1], out.logits[0].numpy(), atol=1e-4)
+    with pytest.raises(InvalidRequestError, match="task is reward"):
+        engine.score("a", "b")
+    assert Engine.from_pretrained(str(path), dtype="float32").info().task == "score"

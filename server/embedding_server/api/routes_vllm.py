@@ -61,8 +61,9 @@ async def pooling(body: PoolingRequest, request: Request) -> Response:
         )
         outputs = as_float32(classified.probs)
         tokens, timings = classified.prompt_tokens, classified.timings
-    elif body.task == "token_classify":
-        labelled = await cancel_on_disconnect(request, engine.atoken_classify(inputs, **options))
+    elif body.task in ("token_classify", "reward"):
+        per_token_head = engine.atoken_classify if body.task == "token_classify" else engine.areward
+        labelled = await cancel_on_disconnect(request, per_token_head(inputs, **options))
         outputs = labelled.embeddings
         tokens, timings = labelled.prompt_tokens, labelled.timings
     else:
