@@ -500,6 +500,11 @@ class Engine:
             raise InvalidRequestError("query must be a non-empty string", param="query")
         if isinstance(documents, str) or not documents:
             raise InvalidRequestError("documents must be a non-empty list", param="documents")
+        for i, document in enumerate(documents):
+            if not isinstance(document, str) or not document:
+                raise InvalidRequestError(
+                    f"documents[{i}] must be a non-empty string", param="documents"
+                )
         if top_n is not None and (isinstance(top_n, bool) or top_n < 0):
             raise InvalidRequestError("top_n must be a non-negative integer", param="top_n")
         result = await self._score(runner, query, list(documents), options)

@@ -243,6 +243,17 @@ def test_each_task_on_the_wrong_model_is_a_400_naming_its_task(
     assert "task is score" in error(cross, "/v2/embed", {"texts": ["a"]})["message"]
 
 
+def test_task_routes_check_the_model_name(cross: RunningServer) -> None:
+    for path, body in (
+        ("/rerank", {"query": "a", "documents": ["b"]}),
+        ("/v2/rerank", {"query": "a", "documents": ["b"]}),
+        ("/classify", {"input": "a"}),
+    ):
+        response = httpx.post(cross.url + path, json={**body, "model": "other"}, timeout=30)
+        assert response.status_code == 404, response.text
+        assert response.json()["error"]["param"] == "model"
+
+
 def test_malformed_task_requests_are_400s_naming_the_field(
     cross: RunningServer, classifier: RunningServer
 ) -> None:
@@ -250,6 +261,7 @@ def test_malformed_task_requests_are_400s_naming_the_field(
         (cross, "/rerank", {"documents": ["a"]}, "query"),
         (cross, "/rerank", {"query": "", "documents": ["a"]}, "query"),
         (cross, "/rerank", {"query": "q", "documents": []}, "documents"),
+        (cross, "/rerank", {"query": "q", "documents": ["a", ""]}, "documents"),
         (cross, "/rerank", {"query": "q", "documents": ["a"], "top_n": -1}, "top_n"),
         (cross, "/v2/rerank", {"query": "q", "documents": [{"title": "x"}]}, "documents"),
         (cross, "/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2"),
