@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic.alias_generators import to_camel
 
 Pooling = Literal["auto", "cls", "mean", "last", "max", "weightedmean", "mean_sqrt_len"]
-Task = Literal["embed", "score", "classify", "token_classify", "reward"]
+Task = Literal["embed", "score", "classify", "token_classify", "reward", "sparse"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 QueueMetric = Literal["queueRequests", "queueTokens"]

@@ -18,7 +18,7 @@ import torch
 from .attention import BackendChoice
 from .dtypes import cpu_thread_budget, dtype_name
 from .errors import InvalidRequestError, UnsupportedModelError
-from .heads import ClassificationHead, Classifier, Task, resolve_task
+from .heads import ClassificationHead, Classifier, SparseHead, Task, resolve_task
 from .loading import LoadedModel, declared_matryoshka
 from .pooling import POOLING_METHODS, PoolingHead, PoolingMethod, build_matryoshka
 from .settings import CPU_BATCH_TOKENS, GPU_BATCH_TOKENS, EngineSettings
@@ -42,6 +42,8 @@ class EngineConfig:
     task: Task = "embed"
     classifier: Classifier | None = None
     """The classification head (task score or classify), on the engine's device."""
+    sparse: SparseHead | None = None
+    """The SPLADE head (task sparse), on the engine's device: it replaces pooling."""
 
     @property
     def batch_head(self) -> PoolingHead | ClassificationHead:
@@ -57,7 +59,12 @@ def resolve_config(
     settings: EngineSettings, loaded: LoadedModel, *, device: torch.device
 ) -> EngineConfig:
     """Combine ``settings`` with what ``loaded`` declares; settings win where both speak."""
-    task = resolve_task(settings.task, loaded.classifier, loaded.architecture)
+    task = resolve_task(
+        settings.task, loaded.classifier, loaded.architecture, splade=loaded.st.splade is not None
+    )
+    sparse = loaded.sparse.to(device) if task == "sparse" and loaded.sparse else None
+    if task == "sparse" and sparse is None:  # the fake backend: no weights, no head
+        raise UnsupportedModelError(f"{loaded.architecture} has no masked-LM head for task sparse")
     if task != "embed":
         _refuse_embed_settings(settings, task)
     max_len = _max_input_tokens(settings, loaded)
@@ -93,6 +100,7 @@ def resolve_config(
         cpu_threads=cpu_thread_budget(),
         task=task,
         classifier=classifier,
+        sparse=sparse,
     )
 
 

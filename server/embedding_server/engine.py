@@ -63,6 +63,8 @@ from .results import (
     Ranked,
     RerankResult,
     ScoreResult,
+    SparseEmbedResult,
+    SparseVector,
     StageTimings,
     TokenEmbedResult,
 )
@@ -106,6 +108,8 @@ __all__ = [
     "RerankResult",
     "ScoreOptions",
     "ScoreResult",
+    "SparseEmbedResult",
+    "SparseVector",
     "StageTimings",
     "TokenEmbedResult",
     "TokenOptions",
@@ -142,6 +146,7 @@ class Engine:
             include_prompt=config.include_prompt,
             cpu_threads=config.cpu_threads,
             attention=attention.backend,
+            token_pooler=config.sparse,
         )
         self._direct = DirectRunner(
             self._tokenizer,
@@ -197,6 +202,7 @@ class Engine:
                 cache_dir=settings.cache_dir,
                 dtype=settings.dtype,
                 device=device,
+                task=settings.task,
             )
         seconds = time.perf_counter() - started
         return cls(settings, loaded, metrics=metrics, device=device, load_seconds=seconds)
@@ -283,6 +289,12 @@ class Engine:
         """A reward model's raw outputs at every token (see :meth:`reward`)."""
         return await self._reward(self._scheduled(), inputs, options)
 
+    async def asparse_embed(
+        self, inputs: Inputs, **options: Unpack[TokenOptions]
+    ) -> SparseEmbedResult:
+        """SPLADE sparse vectors (see :meth:`sparse_embed`)."""
+        return await self._sparse(self._scheduled(), inputs, options)
+
     async def arerank(
         self,
         query: str,
@@ -340,6 +352,12 @@ class Engine:
         array per input, as vLLM's reward task (all tokens, no activation): for a decoder
         ``*ForSequenceClassification`` reward model the last row is its score."""
         return self._sync(lambda runner: self._reward(runner, inputs, options)).embeddings
+
+    def sparse_embed(self, inputs: Inputs, **options: Unpack[TokenOptions]) -> list[SparseVector]:
+        """SPLADE sparse vectors over the vocabulary (task sparse): per input, the token ids
+        with a non-zero weight and their weights, as sentence-transformers' SparseEncoder
+        computes them."""
+        return self._sync(lambda runner: self._sparse(runner, inputs, options)).vectors
 
     def rerank(
         self,
@@ -486,6 +504,19 @@ class Engine:
                 values = logits if task == "reward" else classifier.probabilities(logits)
                 outputs.append(values.numpy())
         return out.token_result(outputs)
+
+    async def _sparse(
+        self, runner: JobRunner, inputs: Inputs, options: TokenOptions
+    ) -> SparseEmbedResult:
+        check_options("sparse_embed", dict(options), TokenOptions)
+        if options.get("normalize"):
+            raise InvalidRequestError("normalize does not apply to task sparse", param="normalize")
+        self._require("sparse embedding", "sparse")
+        items = normalize_inputs(inputs, "input")
+        special = options.get("add_special_tokens", True)
+        job = Job.prepare(items, options, self._config.prompts, add_special_tokens=special)
+        out = await self._run(runner, job)
+        return out.sparse_result([SparseVector.from_dense(row) for row in out.pooled])
 
     async def _rerank(
         self,

@@ -29,7 +29,7 @@ as an embedder by its body.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -39,14 +39,15 @@ import torch.nn.functional as F
 from .errors import UnsupportedModelError
 from .pooling import ACTIVATIONS, PoolingMethod
 
-Task = Literal["embed", "score", "classify", "token_classify", "reward"]
+Task = Literal["embed", "score", "classify", "token_classify", "reward", "sparse"]
 """What a served model does: embed (vectors; /score is cosine), score (a one-label
 cross-encoder: /score and /rerank; /classify gives its sigmoid probability), classify
 (labels with probabilities), token_classify (label probabilities of every token), reward
 (a classifier's raw outputs at every token, as vLLM's reward task: no activation; only when
-asked for, since a reward model's checkpoint is a plain ``*ForSequenceClassification``)."""
+asked for, since a reward model's checkpoint is a plain ``*ForSequenceClassification``),
+sparse (SPLADE: a vocabulary-sized sparse vector from the masked-LM head)."""
 
-TASKS: tuple[Task, ...] = ("embed", "score", "classify", "token_classify", "reward")
+TASKS: tuple[Task, ...] = ("embed", "score", "classify", "token_classify", "reward", "sparse")
 
 HeadKind = Literal["sequence_classification", "token_classification"]
 
@@ -269,11 +270,16 @@ def read_classifier(
     return Classifier(head, pooling, labels, activation, per_token=per_token)
 
 
-def resolve_task(requested: str, classifier: Classifier | None, architecture: str) -> Task:
-    """The task to serve: ``requested`` (``auto`` decides from the checkpoint), or an error
-    saying why the checkpoint cannot serve it."""
+def resolve_task(
+    requested: str, classifier: Classifier | None, architecture: str, *, splade: bool = False
+) -> Task:
+    """The task to serve: ``requested`` (``auto`` decides from the checkpoint; ``splade``: its
+    sentence-transformers config is a SPLADE SparseEncoder), or an error saying why the
+    checkpoint cannot serve it."""
     natural: Task = "embed"
-    if classifier is not None and classifier.per_token:
+    if splade and classifier is None:
+        natural = "sparse"
+    elif classifier is not None and classifier.per_token:
         natural = "token_classify"
     elif classifier is not None:
         natural = "score" if classifier.num_labels == 1 else "classify"
@@ -281,6 +287,12 @@ def resolve_task(requested: str, classifier: Classifier | None, architecture: st
         return natural
     if requested not in TASKS:
         raise UnsupportedModelError(f"task {requested!r} is not one of auto, {', '.join(TASKS)}")
+    if requested == "sparse" and classifier is None:
+        return "sparse"  # a masked-LM checkpoint's head, read (or refused) by read_sparse_head
+    if classifier is None and natural == "sparse":
+        raise UnsupportedModelError(
+            f"{architecture} is a SPLADE sparse encoder; serve it with task sparse (or auto)"
+        )
     if classifier is None:
         head = "Token" if requested == "token_classify" else "Sequence"
         raise UnsupportedModelError(
@@ -305,4 +317,124 @@ def resolve_task(requested: str, classifier: Classifier | None, architecture: st
     raise UnsupportedModelError(
         f"{architecture} is {what}, not served by task {requested}; serve it with task "
         f"{natural} (or auto)"
+    )
+
+
+SparseStrategy = Literal["max", "sum"]
+
+
+@dataclass(frozen=True)
+class SparseHead:
+    """SPLADE over a masked-LM head: per token, logits over the vocabulary (dense ->
+    activation -> LayerNorm -> decoder tied to the word embeddings, + bias); then
+    ``log(1 + relu(logits))`` reduced over each sequence's tokens by max (SPLADE v2/v3) or
+    sum, as sentence-transformers' ``SpladePooling`` computes it. Runs in the forward worker
+    on the packed states, a few hundred tokens at a time so the ``[tokens, vocab]`` logits
+    stay small."""
+
+    dense_weight: torch.Tensor
+    dense_bias: torch.Tensor | None
+    activation: str
+    norm_weight: torch.Tensor
+    norm_bias: torch.Tensor | None
+    norm_eps: float
+    decoder_weight: torch.Tensor  # [vocab, hidden]
+    decoder_bias: torch.Tensor | None
+    strategy: SparseStrategy = "max"
+    chunk_tokens: int = 512
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.decoder_weight.shape[0])
+
+    def to(self, device: torch.device) -> SparseHead:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device=device, dtype=torch.float32)
+
+        return SparseHead(
+            dense_weight=self.dense_weight.to(device=device, dtype=torch.float32),
+            dense_bias=move(self.dense_bias),
+            activation=self.activation,
+            norm_weight=self.norm_weight.to(device=device, dtype=torch.float32),
+            norm_bias=move(self.norm_bias),
+            norm_eps=self.norm_eps,
+            decoder_weight=self.decoder_weight.to(device=device, dtype=torch.float32),
+            decoder_bias=move(self.decoder_bias),
+            strategy=self.strategy,
+            chunk_tokens=self.chunk_tokens,
+        )
+
+    def __call__(self, hidden: torch.Tensor, seqlens: Sequence[int]) -> torch.Tensor:
+        """One ``[vocab]`` float32 weight vector per packed sequence of ``hidden``."""
+        device = hidden.device
+        lens = torch.tensor(seqlens, dtype=torch.int64)
+        segments = torch.repeat_interleave(torch.arange(len(seqlens)), lens).to(device)
+        out = torch.zeros(len(seqlens), self.vocab_size, dtype=torch.float32, device=device)
+        for start in range(0, hidden.shape[0], self.chunk_tokens):
+            x = hidden[start : start + self.chunk_tokens].float()
+            x = ACTIVATIONS[self.activation](F.linear(x, self.dense_weight, self.dense_bias))
+            x = F.layer_norm(x, (x.shape[-1],), self.norm_weight, self.norm_bias, self.norm_eps)
+            weights = torch.log1p(torch.relu(F.linear(x, self.decoder_weight, self.decoder_bias)))
+            index = segments[start : start + x.shape[0]].unsqueeze(1).expand_as(weights)
+            # log1p(relu(.)) >= 0, so a zero start is the identity of both reductions.
+            out.scatter_reduce_(
+                0, index, weights, reduce="amax" if self.strategy == "max" else "sum"
+            )
+        return out
+
+
+def read_sparse_head(
+    config: Mapping[str, Any],
+    weights: Mapping[str, torch.Tensor],
+    *,
+    family: str,
+    strategy: SparseStrategy,
+) -> SparseHead:
+    """The masked-LM head of a BERT or RoBERTa/XLM-R ``*ForMaskedLM`` checkpoint, by Hugging
+    Face names (the decoder is usually tied to the word embeddings and not saved)."""
+    arch = str((config.get("architectures") or ["?"])[0])
+    names = {
+        "bert": (
+            "cls.predictions.transform.dense.",
+            "cls.predictions.transform.LayerNorm.",
+            "cls.predictions.decoder.",
+            "cls.predictions.bias",
+        ),
+        "roberta": ("lm_head.dense.", "lm_head.layer_norm.", "lm_head.decoder.", "lm_head.bias"),
+    }
+    key = "roberta" if "lm_head.dense.weight" in weights else "bert"
+    if family != "bert" or names[key][0] + "weight" not in weights:
+        raise UnsupportedModelError(
+            f"task sparse (SPLADE) needs a BERT, RoBERTa or XLM-R masked-LM checkpoint with its "
+            f"head (cls.predictions.* or lm_head.*); {arch} has none"
+        )
+    dense, norm, decoder, bias = names[key]
+    act = str(config.get("hidden_act", "gelu"))
+    if act not in ACTIVATIONS:
+        raise UnsupportedModelError(f"{arch}: masked-LM head activation {act!r} is not supported")
+    tied = next(
+        (
+            weights[n]
+            for n in (
+                decoder + "weight",
+                "bert.embeddings.word_embeddings.weight",
+                "roberta.embeddings.word_embeddings.weight",
+            )
+            if n in weights
+        ),
+        None,
+    )
+    if tied is None:
+        raise UnsupportedModelError(f"{arch} checkpoint has neither a decoder nor word embeddings")
+    decoder_bias = weights.get(bias, weights.get(decoder + "bias"))
+    return SparseHead(
+        dense_weight=weights[dense + "weight"].float(),
+        dense_bias=weights[dense + "bias"].float() if dense + "bias" in weights else None,
+        activation=act,
+        norm_weight=weights[norm + "weight"].float(),
+        norm_bias=weights[norm + "bias"].float() if norm + "bias" in weights else None,
+        norm_eps=float(config.get("layer_norm_eps", 1e-12)),
+        decoder_weight=tied.float(),
+        decoder_bias=None if decoder_bias is None else decoder_bias.float(),
+        strategy=strategy,
     )

@@ -86,6 +86,34 @@ class ClassifyResult:
 
 
 @dataclass(frozen=True, slots=True)
+class SparseVector:
+    """A sparse vector over the vocabulary: token ids with a non-zero weight, ascending."""
+
+    indices: npt.NDArray[np.int64]
+    values: FloatArray
+
+    @classmethod
+    def from_dense(cls, dense: FloatArray) -> SparseVector:
+        indices = np.flatnonzero(dense).astype(np.int64)
+        return cls(indices, dense[indices].astype(np.float32))
+
+    def to_dense(self, size: int) -> FloatArray:
+        dense = np.zeros(size, dtype=np.float32)
+        dense[self.indices] = self.values
+        return dense
+
+
+@dataclass(frozen=True)
+class SparseEmbedResult:
+    """SPLADE vectors of one request, with usage."""
+
+    vectors: list[SparseVector]
+    prompt_tokens: int
+    truncated_inputs: int
+    timings: StageTimings = field(default_factory=StageTimings)
+
+
+@dataclass(frozen=True, slots=True)
 class Ranked:
     """One document of a rerank: its position in the request and its relevance."""
 
@@ -155,6 +183,14 @@ class JobOutput:
         return ClassifyResult(
             probs=probs,
             labels=labels,
+            prompt_tokens=self.prompt_tokens,
+            truncated_inputs=self.truncated_inputs,
+            timings=self.timings,
+        )
+
+    def sparse_result(self, vectors: list[SparseVector]) -> SparseEmbedResult:
+        return SparseEmbedResult(
+            vectors=vectors,
             prompt_tokens=self.prompt_tokens,
             truncated_inputs=self.truncated_inputs,
             timings=self.timings,

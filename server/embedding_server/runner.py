@@ -58,6 +58,13 @@ class BatchHead(Protocol):
     def project(self, pooled: torch.Tensor) -> torch.Tensor: ...
 
 
+class TokenPooler(Protocol):
+    """Pools packed token states into one vector per sequence itself (SPLADE's head), in place
+    of the pooling method and batch head."""
+
+    def __call__(self, hidden: torch.Tensor, seqlens: Sequence[int]) -> torch.Tensor: ...
+
+
 class ModelRunner:
     """Runs packed forward passes and the batch-level part of pooling."""
 
@@ -71,8 +78,10 @@ class ModelRunner:
         include_prompt: bool = True,
         cpu_threads: int = 1,
         attention: Backend = Backend.SDPA_BUCKETED,
+        token_pooler: TokenPooler | None = None,
     ) -> None:
         self.model = model
+        self.token_pooler = token_pooler
         self.device = device
         self.pooling = pooling
         self.include_prompt = include_prompt
@@ -116,7 +125,10 @@ class ModelRunner:
                 torch.cuda.synchronize(hidden.device)
             forward_done = time.perf_counter()
             skip = None if self.include_prompt else [s.skip for s in ordered]
-            pooled = self.head.project(pool(hidden, batch.seqlens, self.pooling, skip))
+            if self.token_pooler is not None:
+                pooled = self.token_pooler(hidden, batch.seqlens)
+            else:
+                pooled = self.head.project(pool(hidden, batch.seqlens, self.pooling, skip))
             pooled_np = pooled.float().cpu().numpy()
             tokens_sorted: list[FloatArray | None] = [None] * len(ordered)
             if any(s.want_tokens for s in ordered):

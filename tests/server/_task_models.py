@@ -173,3 +173,28 @@ def save_cross_encoder(path: Path, max_length: int = 64) -> Path:
     out = path.parent / (path.name + "-ce")
     CrossEncoder(str(path), max_length=max_length, device="cpu").save(str(out))
     return out
+
+
+def build_splade(path: Path, family: str, strategy: str = "max") -> Path:
+    """A 2-layer ``<family>ForMaskedLM`` (bert or xlm-roberta) wrapped by sentence-transformers
+    as a SPLADE SparseEncoder (MLMTransformer + SpladePooling), saved at ``path``."""
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.sparse_encoder.modules import MLMTransformer, SpladePooling
+    from transformers import AutoModelForMaskedLM
+
+    body = build_classifier(path.parent / f"{path.name}-body", family, 2)
+    torch.manual_seed(15)
+    config = AutoConfig.from_pretrained(str(body))
+    config.architectures = None
+    mlm = AutoModelForMaskedLM.from_config(config)
+    spread_weights(mlm)
+    mlm.save_pretrained(str(body))
+    encoder = SparseEncoder(
+        modules=[
+            MLMTransformer(str(body), max_seq_length=64),
+            SpladePooling(pooling_strategy=strategy),
+        ],
+        device="cpu",
+    )
+    encoder.save(str(path))
+    return path

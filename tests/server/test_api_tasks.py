@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 from _api_support import RunningServer, fake_settings, running_server
-from _task_models import build_classifier, save_cross_encoder
+from _task_models import build_classifier, build_splade, save_cross_encoder
 from embedding_server.settings import ServerSettings
 
 pytestmark = pytest.mark.timeout(300)
@@ -35,6 +35,7 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "cross": save_cross_encoder(build_classifier(root / "bert-1", "bert", 1)),
         "classifier": build_classifier(root / "xlmr-3", "xlm-roberta", 3),
         "tagger": build_classifier(root / "bert-5-token", "bert", 5, per_token=True),
+        "splade": build_splade(root / "splade", "bert"),
     }
 
 
@@ -201,6 +202,30 @@ def test_pooling_reward(model_dirs: dict[str, Path]) -> None:
         )
 
 
+def test_pooling_sparse(model_dirs: dict[str, Path]) -> None:
+    """A SPLADE model: /pooling task sparse gives {indices, values} per input, the same as
+    sentence-transformers' SparseEncoder; binary encodings and other tasks are 400s."""
+    from sentence_transformers import SparseEncoder
+
+    path = str(model_dirs["splade"])
+    texts = ["a short one", "a much longer input, so the batch mixes lengths", "z"]
+    reference = SparseEncoder(path, device="cpu").encode(
+        texts, convert_to_tensor=True, convert_to_sparse_tensor=False
+    )
+    with running_server(ServerSettings(model=path, dtype="float32")) as server:
+        assert httpx.get(server.url + "/info", timeout=10).json()["task"] == "sparse"
+        body = post(server, "/pooling", {"input": texts, "task": "sparse"})
+        for row, want in zip(body["data"], reference.numpy(), strict=True):
+            indices, values = row["data"]["indices"], row["data"]["values"]
+            assert indices == sorted(indices) and len(indices) == len(values)
+            dense = np.zeros_like(want)
+            dense[indices] = values
+            np.testing.assert_allclose(dense, want, atol=1e-4, rtol=1e-5)
+        binary = {"input": "a", "task": "sparse", "encoding_format": "base64"}
+        assert error(server, "/pooling", binary)["param"] == "encoding_format"
+        assert "task is sparse" in error(server, "/v1/embeddings", {"input": "a"})["message"]
+
+
 def test_embedder_scores_and_reranks_by_cosine(embedder: RunningServer) -> None:
     docs = ["alpha beta", "gamma", "alpha beta gamma"]
     scores = post(embedder, "/score", {"text_1": "alpha", "text_2": docs})
@@ -225,8 +250,9 @@ def test_each_task_on_the_wrong_model_is_a_400_naming_its_task(
     cross: RunningServer, classifier: RunningServer, embedder: RunningServer
 ) -> None:
     assert "task is embed" in error(embedder, "/classify", {"input": "x"})["message"]
-    token_task = {"input": "x", "task": "token_classify"}
-    assert "task is embed" in error(embedder, "/pooling", token_task)["message"]
+    for task in ("token_classify", "reward", "sparse"):
+        request = {"input": "x", "task": task}
+        assert "task is embed" in error(embedder, "/pooling", request)["message"]
     assert (
         "task is embed"
         in error(embedder, "/pooling", {"input": "x", "task": "classify"})["message"]

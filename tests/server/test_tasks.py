@@ -305,3 +305,72 @@ def test_reward_is_the_raw_head_at_every_token(
     with pytest.raises(InvalidRequestError, match="task is reward"):
         engine.score("a", "b")
     assert Engine.from_pretrained(str(path), dtype="float32").info().task == "score"
+
+
+@pytest.fixture(scope="module")
+def splade(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Factory: (family, strategy="max") -> a tiny SPLADE SparseEncoder, built once."""
+    from _task_models import build_splade
+
+    root = tmp_path_factory.mktemp("splade")
+    cache: dict[tuple[str, str], Path] = {}
+
+    def get(family: str, strategy: str = "max") -> Path:
+        if (family, strategy) not in cache:
+            cache[family, strategy] = build_splade(root / f"{family}-{strategy}", family, strategy)
+        return cache[family, strategy]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    ("family", "strategy"), [("bert", "max"), ("xlm-roberta", "max"), ("bert", "sum")]
+)
+def test_sparse_matches_transformers_logits_and_sparse_encoder(
+    splade: Callable[..., Path], family: str, strategy: str
+) -> None:
+    """SPLADE: log(1 + relu(MLM logits)) reduced over each input's tokens, from transformers'
+    own logits (each input alone) and from sentence-transformers' SparseEncoder."""
+    from sentence_transformers import SparseEncoder
+    from transformers import AutoModelForMaskedLM
+
+    path = splade(family, strategy)
+    engine = Engine.from_pretrained(str(path), dtype="float32")
+    assert engine.info().task == "sparse"
+    got = engine.sparse_embed(TEXTS)
+    limit = engine.info().max_input_tokens
+    tok = AutoTokenizer.from_pretrained(str(path))
+    model = AutoModelForMaskedLM.from_pretrained(str(path)).eval()
+    vocab = model.config.vocab_size
+    for text, vector in zip(TEXTS, got, strict=True):
+        enc = tok(text, return_tensors="pt", truncation=True, max_length=limit)
+        with torch.no_grad():
+            weights = torch.log1p(torch.relu(model(**enc).logits[0]))
+        expected = (weights.amax(0) if strategy == "max" else weights.sum(0)).numpy()
+        assert list(vector.indices) == sorted(vector.indices)
+        np.testing.assert_allclose(vector.to_dense(vocab), expected, atol=1e-4, rtol=1e-5)
+    reference = SparseEncoder(str(path), device="cpu").encode(
+        TEXTS, convert_to_tensor=True, convert_to_sparse_tensor=False
+    )
+    dense = np.stack([v.to_dense(vocab) for v in got])
+    np.testing.assert_allclose(dense, reference.numpy(), atol=1e-4, rtol=1e-5)
+
+
+def test_sparse_task_on_a_masked_lm_and_refusals(
+    splade: Callable[..., Path], minilm_dir: Path
+) -> None:
+    """--task sparse serves a plain *ForMaskedLM with max pooling; an embedder body has no
+    masked-LM head; a SPLADE model is not an embedder."""
+    path = splade("bert")
+    with pytest.raises(UnsupportedModelError, match="serve it with task sparse"):
+        Engine.from_pretrained(str(path), task="embed")
+    with pytest.raises(UnsupportedModelError, match="masked-LM"):
+        Engine.from_pretrained(str(minilm_dir), task="sparse")
+    sparse = Engine.from_pretrained(str(path), dtype="float32")
+    with pytest.raises(InvalidRequestError, match="task is sparse"):
+        sparse.embed(["x"])
+    body = path.parent / f"{path.name}-body"  # the bare BertForMaskedLM checkpoint
+    plain = Engine.from_pretrained(str(body), dtype="float32", task="sparse")
+    np.testing.assert_allclose(
+        plain.sparse_embed(TEXTS[:2])[1].values, sparse.sparse_embed(TEXTS[:2])[1].values, atol=1e-6
+    )

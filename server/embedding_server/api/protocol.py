@@ -226,12 +226,13 @@ class PoolingRequest(_Request, _TruncationOptions, _EncodingOptions):
     """
 
     input: EmbeddingInput = Field(description="As for /v1/embeddings.")
-    task: Literal["token_embed", "embed", "classify", "token_classify", "reward"] = Field(
+    task: Literal["token_embed", "embed", "classify", "token_classify", "reward", "sparse"] = Field(
         "token_embed",
         description="token_embed: one vector per token; embed: the pooled vector (both need "
         "an embedding model); classify: the class probabilities (a classifier or "
         "cross-encoder); token_classify: the label probabilities of every token (a token "
-        "classifier); reward: a reward model's raw outputs at every token (task reward).",
+        "classifier); reward: a reward model's raw outputs at every token (task reward); "
+        "sparse: a SPLADE model's {indices, values} over the vocabulary (task sparse).",
     )
     normalize: bool | None = Field(
         None,

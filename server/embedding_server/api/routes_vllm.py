@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
@@ -45,6 +46,8 @@ async def pooling(body: PoolingRequest, request: Request) -> Response:
         "truncate": body.truncation(),
         "add_special_tokens": body.add_special_tokens,
     }
+    if body.task == "sparse":
+        return await _sparse_pooling(body, request, inputs, options)
     # One output per input: a pooled matrix's rows (task embed) or per-token matrices.
     outputs: FloatMatrix | list[FloatMatrix]
     if body.task == "embed":
@@ -97,6 +100,33 @@ async def pooling(body: PoolingRequest, request: Request) -> Response:
         "usage": usage,
     }
     return json_response(content, headers)
+
+
+async def _sparse_pooling(
+    body: PoolingRequest, request: Request, inputs: list[Any], options: TokenOptions
+) -> Response:
+    """``/pooling`` task sparse: each input's SPLADE vector as ``{indices, values}`` (token
+    ids ascending), in JSON only."""
+    if body.encoding_format != "float":
+        raise InvalidRequestError(
+            "task sparse returns {indices, values} in JSON; use encoding_format float",
+            param="encoding_format",
+        )
+    engine, lifecycle = engine_for(request, body.model)
+    result = await cancel_on_disconnect(request, engine.asparse_embed(inputs, **options))
+    tokens = result.prompt_tokens
+    content = {
+        "id": f"pool-{new_id()}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": lifecycle.served_model_name,
+        "data": [
+            {"index": i, "object": "pooling", "data": {"indices": v.indices, "values": v.values}}
+            for i, v in enumerate(result.vectors)
+        ],
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+    return json_response(content, timing_headers(result.timings, tokens))
 
 
 @router.post("/score", tags=["vLLM"], summary="Scores of text pairs (cross-encoder or cosine)")
