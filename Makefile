@@ -75,6 +75,8 @@ $(INFINITY_VENV)/bin/python:
 bench: $(call STAMP,dev) binaries $(INFINITY_VENV)/bin/python ## Benchmarks against sentence-transformers and peers (prints ratios)
 	$(PY) bench/offline.py --texts 200
 	$(PY) bench/http_load.py --texts 256 --infinity-python $(INFINITY_VENV)/bin/python
+	@command -v wrk >/dev/null || apt-get install -y -q wrk
+	$(PY) -m bench.frontend --infinity-python $(INFINITY_VENV)/bin/python
 	$(PY) bench/operator_scale.py
 
 gpu-smoke: $(call STAMP,dev) ## On a GPU host: every attention kernel, dtype and model family vs float32 (exit 1 on a miss)

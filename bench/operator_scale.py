@@ -14,7 +14,7 @@ Measures, with the real ``embedding-operator run`` subprocess against the e2e co
    seconds the operator burned for the batch; then writes during an idle resync window
    (should be zero: nothing changed, nothing written).
 
-Usage: ``python bench/operator_scale.py [--count 100] [--single 5] [--json bench/out/operator.json]``
+Usage: ``python bench/operator_scale.py [--count 100] [--single 5] [--json FILE]``
 (starts its own cluster; set ``--kubeconfig`` to reuse a running one from ``cluster.py up``).
 """
 

@@ -86,6 +86,7 @@ class Embedding(_Model):
     dimensions: int | None = Field(default=None, ge=1, le=65536)
     matryoshka_dimensions: list[int] | None = None
     max_input_tokens: int | None = Field(default=None, ge=1, le=1048576)
+    auto_truncate: bool = False
     prompts: Prompts | None = None
 
     @model_validator(mode="after")

@@ -120,10 +120,10 @@ def format_settings_error(error: ValidationError | SettingsError) -> str:
             problems.setdefault(("", message), message)
             continue
         name = str(loc[0])
-        value = item.get("input")
-        shown = f" (got {value!r})" if not isinstance(value, dict) else ""
+        # The value is not repeated: settings are often fed from Secrets, and this line
+        # goes to the pod's log. The flag, the variable and the reason say what to fix.
         # A list setting reports each bad element; name the setting once.
-        problems.setdefault((name, message), f"{_flag(name)} / {_env(name)}: {message}{shown}")
+        problems.setdefault((name, message), f"{_flag(name)} / {_env(name)}: {message}")
     return "invalid settings: " + "; ".join(problems.values())
 
 
@@ -144,8 +144,7 @@ def load_settings(argv: Sequence[str] | None = None) -> ServerSettings:
     local = os.path.expanduser(settings.model)
     if settings.model.startswith(("/", ".", "~")) and not os.path.isdir(local):
         sys.stderr.write(
-            f"{PROG}: error: invalid settings: --model / {_env('model')}: "
-            f"no such model directory {settings.model!r}\n"
+            f"{PROG}: error: invalid settings: --model / {_env('model')}: no such model directory\n"
         )
         raise SystemExit(EXIT_BAD_SETTINGS)
     return settings

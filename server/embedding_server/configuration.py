@@ -33,6 +33,7 @@ class EngineConfig:
     max_batch_tokens: int
     max_batch_size: int
     max_queue_tokens: int
+    max_request_tokens: int
     pooling: PoolingMethod
     include_prompt: bool
     """Whether prompt tokens take part in pooling (sentence-transformers' include_prompt)."""
@@ -93,6 +94,7 @@ def resolve_config(
         max_batch_tokens=max_batch_tokens,
         max_batch_size=settings.max_batch_size,
         max_queue_tokens=settings.max_queue_tokens,
+        max_request_tokens=_max_request_tokens(settings, max_len),
         pooling=pooling,
         include_prompt=st.include_prompt,
         head=PoolingHead(dense=dense, matryoshka=matryoshka, normalize=normalize),
@@ -151,6 +153,18 @@ def _max_batch_tokens(settings: EngineSettings, max_len: int, device: torch.devi
             param="max_queue_tokens",
         )
     return budget
+
+
+def _max_request_tokens(settings: EngineSettings, max_len: int) -> int:
+    if settings.max_request_tokens is None:
+        return max(max_len, settings.max_queue_tokens // 2)
+    if settings.max_request_tokens < max_len:
+        raise InvalidRequestError(
+            f"max_request_tokens={settings.max_request_tokens} is smaller than one maximal "
+            f"input ({max_len} tokens); raise it or lower max_model_len",
+            param="max_request_tokens",
+        )
+    return settings.max_request_tokens
 
 
 def _pooling(settings: EngineSettings, loaded: LoadedModel) -> PoolingMethod:
@@ -217,6 +231,7 @@ class EngineInfo:
     max_batch_tokens: int
     max_batch_size: int
     max_queue_tokens: int
+    max_request_tokens: int
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -264,4 +279,5 @@ def describe(
         max_batch_tokens=config.max_batch_tokens,
         max_batch_size=config.max_batch_size,
         max_queue_tokens=config.max_queue_tokens,
+        max_request_tokens=config.max_request_tokens,
     )

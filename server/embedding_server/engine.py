@@ -49,6 +49,7 @@ from .jobs import (
     JobRunner,
     ScheduledRunner,
     ScoreOptions,
+    TokenEmbedOptions,
     TokenOptions,
     check_options,
     run_sync,
@@ -111,6 +112,7 @@ __all__ = [
     "SparseEmbedResult",
     "SparseVector",
     "StageTimings",
+    "TokenEmbedOptions",
     "TokenEmbedResult",
     "TokenOptions",
     "Truncation",
@@ -137,7 +139,11 @@ class Engine:
         attention = select_backend(settings.attention, probe(device, loaded.dtype, loaded.head_dim))
         for reason in attention.passed_over:
             logger.warning("attention: not using %s", reason)
-        self._tokenizer = TextTokenizer(loaded.tokenizer, max_length=config.max_input_tokens)
+        self._tokenizer = TextTokenizer(
+            loaded.tokenizer,
+            max_length=config.max_input_tokens,
+            embedding_rows=_int_or_none(loaded.config.get("vocab_size")),
+        )
         self._runner = ModelRunner(
             loaded.model,
             device=device,
@@ -159,6 +165,7 @@ class Engine:
             max_batch_tokens=config.max_batch_tokens,
             max_batch_size=config.max_batch_size,
             max_queue_tokens=config.max_queue_tokens,
+            max_request_tokens=config.max_request_tokens,
             metrics=metrics,
         )
         self._online: ScheduledRunner | None = None
@@ -265,9 +272,11 @@ class Engine:
         return await self._embed(self._scheduled(), inputs, options)
 
     async def aembed_tokens(
-        self, inputs: Inputs, **options: Unpack[TokenOptions]
+        self, inputs: Inputs, **options: Unpack[TokenEmbedOptions]
     ) -> TokenEmbedResult:
-        """Per-token final hidden states (float32 ``[len_i, hidden]`` per input)."""
+        """Per-token final hidden states (float32 ``[len_i, hidden]`` per input); with
+        ``max_output_values``, a request whose output would hold more numbers is refused
+        with :class:`~.errors.OutputTooLargeError` before the forward pass."""
         return await self._embed_tokens(self._scheduled(), inputs, options)
 
     async def ascore(self, a: Inputs, b: Inputs, **options: Unpack[ScoreOptions]) -> ScoreResult:
@@ -315,6 +324,18 @@ class Engine:
             functools.partial(self.tokenize, texts, add_special_tokens=add_special_tokens)
         )
 
+    async def adetokenize(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """``detokenize`` off the event loop."""
+        runner: JobRunner = self._online or self._direct
+        return await runner.offload(
+            functools.partial(self.detokenize, ids, skip_special_tokens=skip_special_tokens)
+        )
+
+    async def atoken_strings(self, ids: Sequence[int]) -> list[str]:
+        """``token_strings`` off the event loop."""
+        runner: JobRunner = self._online or self._direct
+        return await runner.offload(functools.partial(self.token_strings, ids))
+
     # -- sync API (no loop needed) ---------------------------------------------------------
     def embed(self, inputs: Inputs, **options: Unpack[EmbedOptions]) -> FloatArray:
         """Embed inputs; float32 numpy array ``[n, d]``."""
@@ -324,7 +345,9 @@ class Engine:
         """Like ``embed`` but returns the EmbedResult (usage, truncation count, timings)."""
         return self._sync(lambda runner: self._embed(runner, inputs, options))
 
-    def embed_tokens(self, inputs: Inputs, **options: Unpack[TokenOptions]) -> list[FloatArray]:
+    def embed_tokens(
+        self, inputs: Inputs, **options: Unpack[TokenEmbedOptions]
+    ) -> list[FloatArray]:
         """Per-token hidden states, one float32 ``[len_i, hidden]`` array per input."""
         return self._sync(lambda runner: self._embed_tokens(runner, inputs, options)).embeddings
 
@@ -430,14 +453,20 @@ class Engine:
         return out.embed_result(head.apply(out.pooled))
 
     async def _embed_tokens(
-        self, runner: JobRunner, inputs: Inputs, options: TokenOptions
+        self, runner: JobRunner, inputs: Inputs, options: TokenEmbedOptions
     ) -> TokenEmbedResult:
-        check_options("embed_tokens", dict(options), TokenOptions)
+        check_options("embed_tokens", dict(options), TokenEmbedOptions)
         self._require("per-token embedding", "embed")
         items = normalize_inputs(inputs, "input")
         special = options.get("add_special_tokens", True)
+        max_values = options.get("max_output_values")
         job = Job.prepare(
-            items, options, self._config.prompts, add_special_tokens=special, want_tokens=True
+            items,
+            options,
+            self._config.prompts,
+            add_special_tokens=special,
+            want_tokens=True,
+            max_token_rows=None if max_values is None else max_values // self._info.hidden_size,
         )
         out = await self._run(runner, job)
         matrices = [t for t in out.tokens if t is not None]
@@ -559,3 +588,7 @@ class Engine:
 
     def _sync(self, work: Callable[[JobRunner], Coroutine[Any, Any, T]]) -> T:
         return run_sync(work, self._direct, self._online if self._ready else None)
+
+
+def _int_or_none(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

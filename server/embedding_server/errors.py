@@ -67,6 +67,27 @@ class PayloadTooLargeError(EmbeddingServerError):
     code = "payload_too_large"
 
 
+class TooManyTokensError(PayloadTooLargeError):
+    """A request holds more tokens than one request may (``max_request_tokens``); it is
+    refused before it is queued, whatever the queue holds."""
+
+    code = "too_many_tokens"
+
+
+class OutputTooLargeError(InvalidRequestError):
+    """A request's answer would be larger than the server sends (``max_response_bytes``).
+
+    ``vectors`` is how many vectors the output would hold, so the HTTP layer can say what
+    that costs in the encoding the client asked for.
+    """
+
+    code = "response_too_large"
+
+    def __init__(self, message: str, *, param: str | None = None, vectors: int = 0) -> None:
+        super().__init__(message, param=param)
+        self.vectors = vectors
+
+
 class QueueFullError(EmbeddingServerError):
     """Admission control refused the request: the queue holds its token budget already.
 

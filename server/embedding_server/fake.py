@@ -138,6 +138,7 @@ def load_fake(model: str, *, device: torch.device, dtype: torch.dtype) -> Loaded
         "model_type": "fake",
         "architectures": ["FakeModel"],
         "hidden_size": options.dim,
+        "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True),
         "is_matryoshka": options.matryoshka,
     }
     return LoadedModel(

@@ -24,7 +24,7 @@ from typing import Any, Protocol, TypedDict, TypeVar
 
 import numpy as np
 
-from .errors import InvalidRequestError
+from .errors import InvalidRequestError, OutputTooLargeError
 from .pooling import FloatArray
 from .results import JobOutput, StageTimings
 from .runner import ModelRunner, SequenceInput
@@ -61,6 +61,14 @@ class TokenOptions(ScoreOptions, total=False):
     """L2-normalize each vector (per-token default: no; pooled: the server's setting)."""
 
 
+class TokenEmbedOptions(TokenOptions, total=False):
+    """Options of per-token embeddings."""
+
+    max_output_values: int | None
+    """Refuse, before the forward pass, a request whose per-token output would hold more
+    numbers than this (:class:`~.errors.OutputTooLargeError`)."""
+
+
 class EmbedOptions(TokenOptions, total=False):
     """Options of pooled embeddings."""
 
@@ -84,6 +92,8 @@ class Job:
     truncation: Truncation
     add_special_tokens: bool = True
     want_tokens: bool = False
+    max_token_rows: int | None = None
+    """With ``want_tokens``: most token vectors the output may hold."""
     pairs: list[tuple[str, str]] | None = None
     """Sentence pairs, each tokenized as one sequence (cross-encoders); then ``items`` is
     empty and there is no prompt."""
@@ -108,22 +118,39 @@ class Job:
         *,
         add_special_tokens: bool = True,
         want_tokens: bool = False,
+        max_token_rows: int | None = None,
     ) -> Job:
         """Resolve a request's prompt and truncation once, after its inputs were checked."""
         prompt = prompts.resolve(options.get("prompt"), options.get("prompt_name"))
         truncation = Truncation.coerce(options.get("truncate", True))
-        return cls(items, prompt, truncation, add_special_tokens, want_tokens)
+        return cls(items, prompt, truncation, add_special_tokens, want_tokens, max_token_rows)
+
+    def admission_items(self) -> list[TextInput]:
+        """What admission estimates the job from: its inputs, or each pair as one text."""
+        if self.pairs is None:
+            return self.items
+        return [a + " " + b for a, b in self.pairs]
 
     def tokenize(self, tokenizer: TextTokenizer) -> list[TokenizedInput]:
         if self.pairs is not None:
             return tokenizer.encode_pairs(self.pairs, truncation=self.truncation)
-        return tokenizer.encode(
+        tokenized = tokenizer.encode(
             self.items,
             truncation=self.truncation,
             add_special_tokens=self.add_special_tokens,
             prompt=self.prompt,
             param="input",
         )
+        if self.want_tokens and self.max_token_rows is not None:
+            rows = sum(len(t.ids) for t in tokenized)
+            if rows > self.max_token_rows:
+                raise OutputTooLargeError(
+                    f"the per-token output would hold {rows} vectors, more than the "
+                    f"{self.max_token_rows} allowed",
+                    param="input",
+                    vectors=rows,
+                )
+        return tokenized
 
     def sequences(self, tokenized: Sequence[TokenizedInput]) -> list[SequenceInput]:
         return [
@@ -150,7 +177,10 @@ async def _tokenize(
 
 
 class ScheduledRunner:
-    """Runs jobs through the continuous-batching scheduler, on the engine's loop."""
+    """Runs jobs through the continuous-batching scheduler, on the engine's loop.
+
+    A job is admitted (:meth:`Scheduler.reserve`) before it is tokenized, so a request the
+    scheduler would refuse costs no tokenization."""
 
     def __init__(
         self,
@@ -171,8 +201,15 @@ class ScheduledRunner:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def run(self, job: Job) -> JobOutput:
-        tokenized, tokenize_s = await _tokenize(self, self._tokenizer, job)
-        out = await self._scheduler.submit(job.sequences(tokenized))
+        floor, estimate = self._tokenizer.admission_estimate(
+            job.admission_items(), job.truncation, job.prompt
+        )
+        reservation = self._scheduler.reserve(floor, estimate)
+        try:
+            tokenized, tokenize_s = await _tokenize(self, self._tokenizer, job)
+            out = await self._scheduler.submit(job.sequences(tokenized), reservation)
+        finally:
+            reservation.release()
         timings = StageTimings(tokenize_s, out.queue_s, out.forward_s, out.pool_s)
         return JobOutput(tokenized, out.pooled, out.tokens, timings)
 

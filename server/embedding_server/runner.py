@@ -98,6 +98,35 @@ class ModelRunner:
             return [SequenceInput([1] * max_len) for _ in range(n)]
         return [SequenceInput([1] * min(16, max_len)), SequenceInput([1] * min(7, max_len))]
 
+    @staticmethod
+    def _token_states(
+        hidden: torch.Tensor, ordered: Sequence[SequenceInput]
+    ) -> list[FloatArray | None]:
+        """The per-token states of the sequences that asked for them, in one device-to-host
+        copy (a copy per sequence would sync the GPU once per sequence)."""
+        wanted = [s.want_tokens for s in ordered]
+        if not any(wanted):
+            return [None] * len(ordered)
+        lengths = [len(s.ids) for s in ordered]
+        if all(wanted):
+            host = hidden.float().cpu().numpy()
+        else:
+            starts = np.cumsum([0, *lengths[:-1]])
+            rows = np.concatenate(
+                [np.arange(a, a + n) for a, n, w in zip(starts, lengths, wanted, strict=True) if w]
+            )
+            index = torch.from_numpy(rows).to(hidden.device)
+            host = hidden.index_select(0, index).float().cpu().numpy()
+        out: list[FloatArray | None] = []
+        offset = 0
+        for n, want in zip(lengths, wanted, strict=True):
+            if want:
+                out.append(host[offset : offset + n])
+                offset += n
+            else:
+                out.append(None)
+        return out
+
     def run(self, seqs: Sequence[SequenceInput]) -> BatchOutput:
         """One forward pass; thread-safe (serialized)."""
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].ids))
@@ -130,14 +159,7 @@ class ModelRunner:
             else:
                 pooled = self.head.project(pool(hidden, batch.seqlens, self.pooling, skip))
             pooled_np = pooled.float().cpu().numpy()
-            tokens_sorted: list[FloatArray | None] = [None] * len(ordered)
-            if any(s.want_tokens for s in ordered):
-                offset = 0
-                for j, s in enumerate(ordered):
-                    n = len(s.ids)
-                    if s.want_tokens:
-                        tokens_sorted[j] = hidden[offset : offset + n].float().cpu().numpy()
-                    offset += n
+            tokens_sorted = self._token_states(hidden, ordered)
             pool_done = time.perf_counter()
         inverse = np.empty(len(order), dtype=np.int64)
         inverse[np.asarray(order, dtype=np.int64)] = np.arange(len(order))

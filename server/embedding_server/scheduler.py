@@ -10,10 +10,14 @@ while the model computes (torch releases the GIL):
 * **Length-aware fill**: the rest of the batch is filled with the items whose length is
   closest to the oldest one's (oldest first among equals). Equal lengths make CPU attention
   a zero-copy view and keep padded GPU kernels honest.
-* **Admission**: the queue is bounded in *tokens* (``max_queue_tokens``); a request that does
-  not fit gets :class:`QueueFullError` with a ``retry_after`` derived from the measured drain
-  rate. An empty queue admits any request, so a huge request is delayed, never refused
-  forever.
+* **Admission**: one request may hold at most ``max_request_tokens`` (more is
+  :class:`TooManyTokensError`, never queued), and the queue is bounded in *tokens*
+  (``max_queue_tokens``); a request that does not fit gets :class:`QueueFullError` with a
+  ``retry_after`` derived from the measured drain rate. Admission happens twice: before
+  tokenizing, on what the request is known to hold (:meth:`Scheduler.reserve`: queue room is
+  reserved for its estimate, so a crowd of requests is refused before it pays tokenization),
+  and when its exact tokens are queued (:meth:`Scheduler.submit`). An empty queue admits any
+  request within the per-request limit, so a big request is delayed, never refused forever.
 * **Cancellation**: when the awaiting coroutine is cancelled (client went away), its queued
   items leave the queue at once; items already in a running batch are discarded on return.
 
@@ -36,7 +40,7 @@ from enum import Enum
 
 import numpy as np
 
-from .errors import NotReadyError, QueueFullError
+from .errors import NotReadyError, QueueFullError, TooManyTokensError
 from .metrics import Metrics
 from .pooling import FloatArray
 from .runner import BatchOutput, SequenceInput
@@ -77,6 +81,19 @@ class _Request:
     pool_s: float = 0.0
 
 
+@dataclass(eq=False)
+class Reservation:
+    """Queue room held for a request while it is tokenized; released exactly once."""
+
+    scheduler: Scheduler
+    tokens: int
+
+    def release(self) -> None:
+        if self.tokens:
+            self.scheduler._reserved_tokens -= self.tokens
+            self.tokens = 0
+
+
 @dataclass(eq=False, slots=True)
 class _Item:
     seq: SequenceInput
@@ -96,6 +113,7 @@ class Scheduler:
         max_batch_tokens: int,
         max_batch_size: int,
         max_queue_tokens: int,
+        max_request_tokens: int | None = None,
         metrics: Metrics | None = None,
     ) -> None:
         self._run_batch = run_batch
@@ -103,6 +121,8 @@ class Scheduler:
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_size = max_batch_size
         self.max_queue_tokens = max_queue_tokens
+        self.max_request_tokens = min(max_request_tokens or max_queue_tokens, max_queue_tokens)
+        self._reserved_tokens = 0
         self._metrics = metrics
         self._fifo: deque[_Item] = deque()
         self._by_len: dict[int, deque[_Item]] = {}
@@ -133,7 +153,8 @@ class Scheduler:
         """Seconds until the queue has likely drained, from the measured token rate."""
         if self._tokens_per_s <= 0:
             return 1.0
-        return float(min(60, max(1, math.ceil(self._queued_tokens / self._tokens_per_s))))
+        held = self._queued_tokens + self._reserved_tokens
+        return float(min(60, max(1, math.ceil(held / self._tokens_per_s))))
 
     def _publish(self) -> None:
         if self._metrics is not None:
@@ -174,17 +195,47 @@ class Scheduler:
         self._publish()
 
     # -- submission ------------------------------------------------------------------------
-    async def submit(self, seqs: Sequence[SequenceInput]) -> ScheduledOutput:
-        """Queue one request's sequences and wait for all their results."""
+    def reserve(self, floor: int, estimate: int) -> Reservation:
+        """Admit a request before it is tokenized, on what it is known to hold: ``floor``
+        tokens at least (over ``max_request_tokens`` it is refused) and about ``estimate``,
+        which is held in the queue's budget until :meth:`submit` or ``release``."""
+        if not self._accepting:
+            raise NotReadyError("the engine is not running (starting up or shutting down)")
+        self._check_size(floor, exact=False)
+        self._check_room(estimate)
+        self._reserved_tokens += estimate
+        return Reservation(self, estimate)
+
+    def _check_size(self, tokens: int, *, exact: bool) -> None:
+        if tokens > self.max_request_tokens:
+            amount = f"{tokens}" if exact else f"at least {tokens}"
+            raise TooManyTokensError(
+                f"this request holds {amount} tokens; one request may hold at most "
+                f"{self.max_request_tokens} (max_request_tokens); split it into smaller requests",
+                param="input",
+            )
+
+    def _check_room(self, tokens: int) -> None:
+        held = self._queued_tokens + self._reserved_tokens
+        if held and held + tokens > self.max_queue_tokens:
+            raise QueueFullError(
+                f"the queue holds {held} of {self.max_queue_tokens} tokens and this request "
+                f"needs {tokens}; retry later",
+                retry_after=self.retry_after(),
+            )
+
+    async def submit(
+        self, seqs: Sequence[SequenceInput], reservation: Reservation | None = None
+    ) -> ScheduledOutput:
+        """Queue one request's sequences and wait for all their results (its reservation,
+        if any, becomes the exact count)."""
+        if reservation is not None:
+            reservation.release()
         if not self._accepting or self._wakeup is None:
             raise NotReadyError("the engine is not running (starting up or shutting down)")
         total = sum(len(s.ids) for s in seqs)
-        if self._queued_tokens and self._queued_tokens + total > self.max_queue_tokens:
-            raise QueueFullError(
-                f"the queue holds {self._queued_tokens} of {self.max_queue_tokens} tokens and "
-                f"this request needs {total}; retry later",
-                retry_after=self.retry_after(),
-            )
+        self._check_size(total, exact=True)
+        self._check_room(total)
         loop = asyncio.get_running_loop()
         request = _Request(
             future=loop.create_future(),

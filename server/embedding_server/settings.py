@@ -129,6 +129,13 @@ class EngineSettings(BaseSettings):
         gt=0,
         description="Admission budget: tokens waiting in the queue; beyond it requests get 429.",
     )
+    max_request_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="Most tokens one request may hold (413 beyond, never admitted; default: "
+        "half of max_queue_tokens, and never less than max_model_len), so no single request "
+        "can take the whole queue.",
+    )
     tokenizer_workers: int = Field(2, gt=0, description="Threads for batched tokenization.")
     tensor_parallel_size: int = Field(
         1, gt=0, description="GPUs per replica. Only 1 is supported today."
@@ -160,6 +167,8 @@ class EngineSettings(BaseSettings):
     def _batch_fits(self) -> EngineSettings:
         if self.max_batch_tokens is not None and self.max_queue_tokens < self.max_batch_tokens:
             raise ValueError("max_queue_tokens must be >= max_batch_tokens")
+        if self.max_request_tokens is not None and self.max_request_tokens > self.max_queue_tokens:
+            raise ValueError("max_request_tokens must be <= max_queue_tokens")
         return self
 
 
@@ -186,6 +195,20 @@ class ServerSettings(EngineSettings):
     max_inputs_per_request: int = Field(
         2048, gt=0, description="Most inputs in one request (400 beyond)."
     )
+    max_response_bytes: int = Field(
+        64 * 1024 * 1024,
+        gt=0,
+        description="Largest response body a request may ask for, estimated from its output "
+        "shape and encoding before any work (400 beyond): per-token /pooling output grows "
+        "with every input token.",
+    )
+    auto_truncate: bool = Field(
+        False,
+        description="Truncate inputs longer than the model's maximum instead of refusing them "
+        "with 400, at the end the request's truncation_side names (right by default), for "
+        "clients that cannot send truncate_prompt_tokens. A request's own truncation setting "
+        "still wins.",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level."
     )
@@ -195,3 +218,16 @@ class ServerSettings(EngineSettings):
     shutdown_timeout: float = Field(
         30.0, gt=0, description="Seconds to finish in-flight work after SIGTERM before exiting."
     )
+
+
+_REDACTED_SETTINGS = ("api_key", "model", "revision", "cache_dir", "served_model_name")
+
+
+def redact_settings(text: str, settings: ServerSettings) -> str:
+    """``text`` with the values of string settings that may be paths or secrets replaced by
+    their flag names, for failure messages that quote what they were given."""
+    for name in _REDACTED_SETTINGS:
+        value = getattr(settings, name)
+        if isinstance(value, str) and len(value) >= 3:
+            text = text.replace(value, f"<--{name.replace('_', '-')}>")
+    return text

@@ -15,6 +15,14 @@ too (:class:`Prompts`), as is the validation of what ``/tokenize`` and ``/detoke
 
 We truncate *content* tokens and then add the special tokens, as Hugging Face tokenizers do,
 so a truncated BERT input still starts with ``[CLS]`` and ends with ``[SEP]``.
+
+A text far longer than the model can use is clipped to :data:`CLIP_CHARS_PER_TOKEN` characters
+per allowed token before the tokenizer sees it, so a megabyte of text costs what a few
+thousand characters cost. Clipping never changes a result: the tokenizer splits text into
+words before it cuts words into tokens, so every token of a clipped text except those of the
+word at the cut is a token of the full text. When those tokens are more than the input may
+keep, the full text is over-long and its truncation is exactly theirs; otherwise (a text
+that fits, or one made of a few giant words) the full text is tokenized as before.
 """
 
 from __future__ import annotations
@@ -29,6 +37,14 @@ from tokenizers import Encoding, Tokenizer
 from .errors import InputTooLongError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
+
+CLIP_CHARS_PER_TOKEN = 8
+"""Characters kept per allowed token when clipping an over-long text. Natural text averages
+3-5 characters per token in every tokenizer we serve, so the kept part nearly always holds
+more than the allowed tokens; when it does not, the full text is tokenized (see above)."""
+
+ESTIMATE_CHARS_PER_TOKEN = 4
+"""Characters per token assumed when reserving queue room for a text before tokenizing it."""
 
 TruncationSide = Literal["right", "left"]
 
@@ -141,12 +157,18 @@ class TextTokenizer:
     truncate per request ourselves (its truncation setting is global mutable state).
     """
 
-    def __init__(self, tokenizer: Tokenizer, *, max_length: int) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, *, max_length: int, embedding_rows: int | None = None
+    ) -> None:
         self._tok = tokenizer
         self._tok.no_truncation()
         self._tok.no_padding()
         self.max_length = max_length
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.input_id_limit = min(self.vocab_size, embedding_rows or self.vocab_size)
+        """Token ids a model input may hold: known to the tokenizer *and* a row of the
+        model's embedding table (on CUDA an out-of-range row is a device assert)."""
+        self.clip_chars = CLIP_CHARS_PER_TOKEN * max_length
         self._prefix, self._suffix = _special_affixes(tokenizer)
         self.num_special = len(self._prefix) + len(self._suffix)
 
@@ -172,7 +194,9 @@ class TextTokenizer:
     def detokenize(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """The text of token ids (special tokens dropped unless asked for)."""
         self.check_ids(ids, "tokens")
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        # decode_batch, not decode: only the batch form lets go of the GIL, and a long decode
+        # holding it stalls the event loop even from a worker thread.
+        return self._tok.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
 
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         """Each id's vocabulary string, as ``convert_ids_to_tokens`` gives it: decoding ids one
@@ -180,20 +204,42 @@ class TextTokenizer:
         self.check_ids(ids, "tokens")
         return [self._tok.id_to_token(token) or "" for token in ids]
 
-    def check_ids(self, ids: Sequence[int], param: str) -> None:
-        """Refuse anything but a list of in-vocabulary integer ids, naming ``param``."""
+    def check_ids(self, ids: Sequence[int], param: str, limit: int | None = None) -> None:
+        """Refuse anything but a list of integer ids below ``limit`` (default: the
+        tokenizer's vocabulary), naming ``param``."""
+        bound = self.vocab_size if limit is None else limit
         if isinstance(ids, str) or not isinstance(ids, Sequence):
             raise InvalidRequestError("tokens must be a list of integers", param=param)
         for token in ids:
-            if (
-                not isinstance(token, int)
-                or isinstance(token, bool)
-                or not 0 <= token < self.vocab_size
-            ):
+            if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < bound:
                 raise InvalidRequestError(
-                    f"token ids must be integers in [0, {self.vocab_size}); got {token!r}",
-                    param=param,
+                    f"token ids must be integers in [0, {bound}); got {token!r}", param=param
                 )
+
+    def admission_estimate(
+        self, inputs: Sequence[TextInput], truncation: Truncation, prompt: str | None
+    ) -> tuple[int, int]:
+        """What a request will hold, known before tokenizing it: ``(floor, estimate)``.
+
+        ``floor`` never exceeds the tokens the request will hold (token-id inputs are
+        counted exactly, at most the limit each; a text counts one token), so a request
+        whose floor is already too big can be refused at once. ``estimate`` guesses the
+        texts from their length (:data:`ESTIMATE_CHARS_PER_TOKEN`), to reserve queue room
+        while they are tokenized.
+        """
+        limit = min(self.max_length, truncation.max_tokens or self.max_length)
+        extra = len(prompt or "")
+        floor = estimate = 0
+        for item in inputs:
+            if isinstance(item, str):
+                guess = -(-(len(item) + extra) // ESTIMATE_CHARS_PER_TOKEN) + self.num_special
+                floor += 1
+                estimate += min(limit, guess)
+            else:
+                exact = min(limit, len(item))
+                floor += exact
+                estimate += exact
+        return floor, estimate
 
     def prompt_length(self, prompt: str, *, add_special_tokens: bool = True) -> int:
         """Leading tokens that belong to the prompt, leading special tokens included, as
@@ -212,25 +258,54 @@ class TextTokenizer:
         prompt: str | None = None,
         param: str = "input",
     ) -> list[TokenizedInput]:
-        """Tokenize and truncate one request's inputs in one batched call."""
+        """Tokenize and truncate one request's inputs in one batched call (two when a
+        clipped text has to be tokenized in full after all)."""
         limit = self._limit(truncation)
+        prefix = self._prefix if add_special_tokens else []
+        suffix = self._suffix if add_special_tokens else []
+        prompt_len = self.prompt_length(prompt or "", add_special_tokens=add_special_tokens)
+        out: list[TokenizedInput | None] = [None] * len(inputs)
         texts: list[str] = []
         text_slots: list[int] = []
-        out: list[TokenizedInput | None] = [None] * len(inputs)
+        clipped_at: dict[int, str] = {}  # slot -> the side its text was clipped on
         for i, item in enumerate(inputs):
             if isinstance(item, str):
-                texts.append((prompt or "") + item)
                 text_slots.append(i)
+                if len(item) <= self.clip_chars:
+                    texts.append((prompt or "") + item)
+                elif truncation.side == "left":
+                    clipped_at[i] = "left"  # the prompt would be cut off: leave it out
+                    texts.append(item[-self.clip_chars :])
+                else:
+                    clipped_at[i] = "right"
+                    texts.append((prompt or "") + item[: self.clip_chars])
             else:
                 ids = list(item)
-                self.check_ids(ids, f"{param}[{i}]" if len(inputs) > 1 else param)
+                where = f"{param}[{i}]" if len(inputs) > 1 else param
+                self.check_ids(ids, where, self.input_id_limit)
                 out[i] = self._fit(ids, ids, [], limit, truncation, i, param, 0)
-        if texts:
-            prompt_len = self.prompt_length(prompt or "", add_special_tokens=add_special_tokens)
-            encodings = self._tok.encode_batch(texts, add_special_tokens=False)
-            prefix = self._prefix if add_special_tokens else []
-            suffix = self._suffix if add_special_tokens else []
-            for slot, enc in zip(text_slots, encodings, strict=True):
+        if not texts:
+            return [x for x in out if x is not None]
+        encodings = self._tok.encode_batch(texts, add_special_tokens=False)
+        unsettled: list[int] = []
+        for slot, enc in zip(text_slots, encodings, strict=True):
+            side = clipped_at.get(slot)
+            if side is None:
+                out[slot] = self._fit_encoding(
+                    enc, prefix, suffix, limit, truncation, slot, param, prompt_len
+                )
+                continue
+            fitted = self._fit_clipped(
+                enc, side, prefix, suffix, limit, truncation, slot, param, prompt_len
+            )
+            if fitted is None:
+                unsettled.append(slot)
+            out[slot] = fitted
+        if unsettled:
+            full = [(prompt or "") + str(inputs[slot]) for slot in unsettled]
+            for slot, enc in zip(
+                unsettled, self._tok.encode_batch(full, add_special_tokens=False), strict=True
+            ):
                 out[slot] = self._fit_encoding(
                     enc, prefix, suffix, limit, truncation, slot, param, prompt_len
                 )
@@ -243,19 +318,44 @@ class TextTokenizer:
         the tokenizer's pair template (``[CLS] a [SEP] b [SEP]`` with segment ids for BERT,
         ``<s> a </s></s> b </s>`` for RoBERTa) around both texts, over-long pairs cut
         longest-first (one token at a time from the longer text), as transformers'
-        ``truncation=True`` does."""
+        ``truncation=True`` does.
+
+        As for single texts, a text longer than ``clip_chars`` is clipped before the
+        tokenizer sees it, and tokenized in full only when the clipped part cannot decide the
+        result (:meth:`_clipped_pair_settles`)."""
         limit = self._limit(truncation)
-        firsts = self._tok.encode_batch([a for a, _ in pairs], add_special_tokens=False)
-        seconds = self._tok.encode_batch([b for _, b in pairs], add_special_tokens=False)
         special = self._tok.num_special_tokens_to_add(True)
+        from_end = truncation.side == "left"
+
+        def clip(text: str) -> str:
+            if len(text) <= self.clip_chars:
+                return text
+            return text[-self.clip_chars :] if from_end else text[: self.clip_chars]
+
+        firsts = self._tok.encode_batch([clip(a) for a, _ in pairs], add_special_tokens=False)
+        seconds = self._tok.encode_batch([clip(b) for _, b in pairs], add_special_tokens=False)
         out: list[TokenizedInput] = []
-        for i, (first, second) in enumerate(zip(firsts, seconds, strict=True)):
+        for i, ((a, b), first, second) in enumerate(zip(pairs, firsts, seconds, strict=True)):
+            clipped = (len(a) > self.clip_chars, len(b) > self.clip_chars)
             n = len(first) + len(second) + special
+            if not any(clipped):
+                settles = True
+            elif truncation.side is None:  # refused below when over the limit even clipped
+                settles = n > limit
+            else:
+                settles = self._clipped_pair_settles(
+                    first, second, clipped, limit - special, from_end=from_end
+                )
+            if not settles:
+                first, second = self._tok.encode_batch([a, b], add_special_tokens=False)
+                clipped = (False, False)
+                n = len(first) + len(second) + special
             if n > limit:
                 if truncation.side is None:
+                    at_least = "at least " if any(clipped) else ""
                     raise InputTooLongError(
-                        f"pair {i} has {n} tokens, more than the maximum of {limit}; shorten "
-                        "it or ask for truncation",
+                        f"pair {i} has {at_least}{n} tokens, more than the maximum of {limit}; "
+                        "shorten it or ask for truncation",
                         param=truncation.param,
                         token_count=n,
                         max_tokens=limit,
@@ -267,12 +367,38 @@ class TextTokenizer:
                         "its texts",
                         param=truncation.param,
                     )
-                first.truncate(keep_first, direction=truncation.side)
-                second.truncate(keep_second, direction=truncation.side)
+                first.truncate(keep_first, direction=truncation.side or "right")
+                second.truncate(keep_second, direction=truncation.side or "right")
             enc = self._tok.post_process(first, second, add_special_tokens=True)
             types = list(enc.type_ids)
             out.append(TokenizedInput(list(enc.ids), n, 0, types if any(types) else None))
         return out
+
+    @staticmethod
+    def _clipped_pair_settles(
+        first: Encoding,
+        second: Encoding,
+        clipped: tuple[bool, bool],
+        budget: int,
+        *,
+        from_end: bool,
+    ) -> bool:
+        """Whether a pair with one clipped text is cut exactly as its full texts would be.
+
+        Longest-first keeps of the longer text an amount that depends only on the shorter
+        text and the budget, so a clipped text that is still the strictly longer one, in a
+        pair over budget, keeps the same number of tokens; those must be settled (not
+        changed by the text beyond the cut, which is at the start with ``from_end``). Two
+        clipped texts tie-break on their unknown full lengths, so they are tokenized in
+        full."""
+        if all(clipped):
+            return False
+        longer, shorter = (first, second) if clipped[0] else (second, first)
+        if len(longer) <= len(shorter) or len(longer) + len(shorter) <= budget:
+            return False
+        keep = longest_first(len(first), len(second), budget)[0 if clipped[0] else 1]
+        settled = _settled_tokens(longer.word_ids, from_end=from_end)
+        return settled > keep
 
     def _limit(self, truncation: Truncation) -> int:
         if truncation.max_tokens is None:
@@ -284,6 +410,39 @@ class TextTokenizer:
                 param=truncation.param,
             )
         return truncation.max_tokens
+
+    def _fit_clipped(
+        self,
+        enc: Encoding,
+        side: str,
+        prefix: list[int],
+        suffix: list[int],
+        limit: int,
+        truncation: Truncation,
+        index: int,
+        param: str,
+        prompt_len: int,
+    ) -> TokenizedInput | None:
+        """The input of a clipped text, when its settled tokens decide it; else None."""
+        content = enc.ids
+        keep = limit - len(prefix) - len(suffix)
+        settled = _settled_tokens(enc.word_ids, from_end=side == "left")
+        if keep <= 0 or settled <= keep:
+            return None  # the full text decides (and _fit reports a limit with no room)
+        at_least = len(prefix) + settled + len(suffix)
+        if truncation.side is None:
+            raise InputTooLongError(
+                f"{param}[{index}] has more than {at_least - 1} tokens, more than the maximum "
+                f"of {limit}; shorten it or ask for truncation",
+                param=param,
+                token_count=at_least,
+                max_tokens=limit,
+            )
+        if side == "left":
+            return TokenizedInput(prefix + content[len(content) - keep :] + suffix, at_least, 0)
+        return TokenizedInput(
+            prefix + content[:keep] + suffix, at_least, min(prompt_len, len(prefix) + keep)
+        )
 
     def _fit_encoding(
         self,
@@ -361,6 +520,25 @@ def longest_first(first: int, second: int, budget: int) -> tuple[int, int]:
     longer -= cut + rest // 2
     shorter -= rest - rest // 2
     return (longer, shorter) if first_longer else (shorter, longer)
+
+
+def _settled_tokens(word_ids: Sequence[int | None], *, from_end: bool) -> int:
+    """How many tokens of a clipped text the text beyond the cut cannot change: all but
+    those of the word at the cut (the last word, or the first when the start was cut off).
+    A token outside any word (an added token) next to the cut counts as part of it, and so
+    does the word beside it."""
+    words = list(reversed(word_ids)) if from_end else list(word_ids)
+    n = len(words)
+    end = n
+    for _ in range(2):
+        if end == 0:
+            return 0
+        cut_word = words[end - 1]
+        while end > 0 and words[end - 1] == cut_word:
+            end -= 1
+        if cut_word is not None:
+            break
+    return end
 
 
 def _special_affixes(tokenizer: Tokenizer) -> tuple[list[int], list[int]]:

@@ -64,3 +64,19 @@ def test_grace_period_covers_the_servers_drain() -> None:
     longer, the kubelet would SIGKILL it with requests in flight."""
     default = server_settings.ServerSettings.model_fields["shutdown_timeout"].default
     assert default <= SERVER_DRAIN_SECONDS
+
+
+@pytest.mark.parametrize("auto_truncate", [True, False])
+def test_auto_truncate_renders_the_servers_flag(auto_truncate: bool) -> None:
+    args = server_args(
+        render_input(
+            {
+                "model": {"name": "hf://BAAI/bge-small-en-v1.5"},
+                "embedding": {"autoTruncate": auto_truncate, "maxInputTokens": 512},
+                "gpu": {"type": "cpu"},
+            }
+        )
+    )
+    settings = load_settings(args)
+    assert settings.auto_truncate is auto_truncate
+    assert settings.max_model_len == 512

@@ -42,13 +42,16 @@ def assert_error(
     return dict(error)
 
 
+JSON_HEADERS = {"content-type": "application/json"}
+
+
 def post(server: RunningServer, path: str, **kwargs: Any) -> httpx.Response:
     return httpx.post(server.url + path, timeout=30, **kwargs)
 
 
 @pytest.mark.parametrize("raw", [b'{"input": ', b"not json", b"\xff\xfe", b'{"input": "a",}'])
 def test_malformed_json_is_a_400(server: RunningServer, raw: bytes) -> None:
-    assert_error(post(server, "/v1/embeddings", content=raw), 400)
+    assert_error(post(server, "/v1/embeddings", content=raw, headers=JSON_HEADERS), 400)
 
 
 @pytest.mark.parametrize(
@@ -155,7 +158,11 @@ def test_body_over_the_limit_is_a_413(server: RunningServer) -> None:
             yield b"a" * 1000
         yield b'"}'
 
-    assert_error(post(server, "/v1/embeddings", content=chunks()), 413, code="payload_too_large")
+    assert_error(
+        post(server, "/v1/embeddings", content=chunks(), headers=JSON_HEADERS),
+        413,
+        code="payload_too_large",
+    )
 
 
 def test_unknown_routes_and_methods_use_the_error_shape(server: RunningServer) -> None:

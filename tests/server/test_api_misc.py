@@ -139,6 +139,9 @@ def test_models_info_and_probes(server: RunningServer) -> None:
     assert info["served_model_name"] == "fake" and info["ready"] is True
     assert info["dimensions"] == 32 and info["pooling"] == "mean"
     assert info["max_input_tokens"] == 512 and info["prompts"]["query"] == "query: "
+    # The limits a client must stay within, as resolved (half the default queue).
+    assert info["max_request_tokens"] == 131072 and info["max_queue_tokens"] == 262144
+    assert info["max_response_bytes"] == 64 * 2**20 and info["auto_truncate"] is False
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     assert httpx.get(server.url + "/ready").status_code == 200
 
@@ -162,6 +165,61 @@ async def test_ready_is_503_until_the_model_is_up_and_again_while_draining() -> 
             draining.status_code == 503 and "shutting down" in draining.json()["error"]["message"]
         )
         assert httpx.get(running.url + "/health").status_code == 200
+
+
+async def test_ready_does_not_echo_why_the_model_failed_to_load() -> None:
+    # /ready is open without the API key; a load error can quote a path or a value that
+    # came from a Secret. The log says why, /ready only that it failed.
+    app = create_app(fake_settings())
+    app.state.lifecycle.fail("could not load /models/s3cr3t-token: OSError: denied")
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+        for path, body in (("/ready", None), ("/v1/embeddings", {"input": "a"})):
+            response = await client.request("GET" if body is None else "POST", path, json=body)
+            assert response.status_code == 503
+            message = response.json()["error"]["message"]
+            assert "could not be loaded" in message and "s3cr3t" not in message
+
+
+def test_auto_truncate_cuts_over_long_input_unless_the_request_says_otherwise() -> None:
+    # The fake tokenizer is one token per byte plus <s> and </s>: 40 letters are 42 tokens.
+    text = "abcdefghij" * 4
+    base = "fake?max_len=16&dim=16"
+    with running_server(fake_settings(base)) as strict:
+        refused = httpx.post(strict.url + "/v1/embeddings", json={"input": text}, timeout=30)
+        assert refused.status_code == 400
+        assert refused.json()["error"]["code"] == "context_length_exceeded"
+    with running_server(fake_settings(base, auto_truncate=True)) as server:
+        auto = post(server, "/v1/embeddings", {"input": text})
+        assert auto["usage"]["prompt_tokens"] == 16
+        assert server.value("embedding_server_truncated_inputs_total") == 1
+        explicit = post(server, "/v1/embeddings", {"input": text, "truncation_side": "right"})
+        assert explicit["data"][0]["embedding"] == auto["data"][0]["embedding"]
+        left = post(server, "/v1/embeddings", {"input": text, "truncation_side": "left"})
+        same_left = post(
+            server,
+            "/v1/embeddings",
+            {"input": text, "truncation_side": "left", "truncate_prompt_tokens": -1},
+        )
+        assert left["data"][0]["embedding"] == same_left["data"][0]["embedding"]
+        assert left["data"][0]["embedding"] != auto["data"][0]["embedding"]
+        # A request's own setting wins: a lower limit, or Cohere's NONE.
+        assert (
+            post(server, "/v1/embeddings", {"input": text, "truncate_prompt_tokens": 5})["usage"][
+                "prompt_tokens"
+            ]
+            == 5
+        )
+        none = httpx.post(
+            server.url + "/v2/embed", json={"texts": [text], "truncate": "NONE"}, timeout=30
+        )
+        assert none.status_code == 400
+        assert post(server, "/score", {"text_1": text, "text_2": "a"})["usage"]["prompt_tokens"]
+        assert post(server, "/pooling", {"input": text, "task": "embed"})["usage"] == {
+            "prompt_tokens": 16,
+            "total_tokens": 16,
+        }
+        assert server.value("embedding_server_truncated_inputs_total") == 7
 
 
 def test_metrics_are_exposed_and_move_under_load() -> None:

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from embedding_server.cli import EXIT_BAD_SETTINGS, build_parser, load_settings
@@ -115,6 +116,23 @@ def test_invalid_settings_fail_with_one_line_naming_the_setting(
     assert len(lines) == 1, result.stderr
     assert named in lines[0]
     assert "Traceback" not in result.stderr
+
+
+def test_failures_do_not_repeat_setting_values(tmp_path: Path) -> None:
+    # Settings are often fed from Secrets, and these lines land in the pod's log.
+    bad = run_cli("serve", env={"EMBEDDING_SERVER_MAX_BATCH_TOKENS": "s3cr3t-value"})
+    assert bad.returncode == EXIT_BAD_SETTINGS
+    assert "EMBEDDING_SERVER_MAX_BATCH_TOKENS" in bad.stderr and "s3cr3t" not in bad.stderr
+    model_dir = tmp_path / "s3cr3t-dir"
+    model_dir.mkdir()  # exists, but holds no model
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    failed = run_cli("serve", "--model", str(model_dir), "--port", str(port), timeout=120)
+    assert failed.returncode == 1
+    errors = [line for line in failed.stderr.splitlines() if "cannot serve" in line]
+    assert len(errors) == 1 and "config.json" in errors[0], failed.stderr
+    assert "s3cr3t" not in failed.stderr and "<--model>" in errors[0]
 
 
 def test_tensor_parallelism_refusal_says_why() -> None:

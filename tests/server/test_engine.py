@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -13,8 +14,9 @@ from embedding_server.api.protocol import cohere_truncation, openai_truncation
 from embedding_server.engine import Engine, StageTimings
 from embedding_server.errors import InputTooLongError, InvalidRequestError, NotReadyError
 from embedding_server.metrics import Metrics
-from embedding_server.tokenization import Truncation
+from embedding_server.tokenization import TextTokenizer, Truncation
 from sentence_transformers import SentenceTransformer
+from tokenizers import Tokenizer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -100,6 +102,69 @@ async def test_async_path_matches_offline_and_reports_usage(minilm_engine: Engin
     assert not engine.ready
 
 
+class _RecordingTokenizer:
+    """A real tokenizer that remembers the longest text it was asked to encode."""
+
+    def __init__(self, path: Path) -> None:
+        self.inner = Tokenizer.from_file(str(path / "tokenizer.json"))
+        self.longest = 0
+
+    def encode_batch(self, texts: list[str], **kwargs: Any) -> Any:
+        self.longest = max([self.longest, *map(len, texts)])
+        return self.inner.encode_batch(texts, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_long_texts_are_clipped_before_tokenizing_without_changing_any_result(
+    minilm_dir: Path,
+) -> None:
+    recording = _RecordingTokenizer(minilm_dir)
+    clipped = TextTokenizer(recording, max_length=32)  # type: ignore[arg-type]
+    full = TextTokenizer(Tokenizer.from_file(str(minilm_dir / "tokenizer.json")), max_length=32)
+    full.clip_chars = 10**9  # the reference: every text tokenized whole
+    prose = " ".join(f"word{i} and some-more text, é 日本" for i in range(2000))
+    assert len(prose) > 100 * clipped.clip_chars
+    cases = [
+        prose,
+        "hello" + " " * 5000 + "world",  # fits in 4 tokens whatever its length
+        "x" * 5000,  # one giant word: a single [UNK]
+        "a " * 5000 + "x" * 5000,  # ends in a giant word
+        "x" * 5000 + " a" * 5000,  # starts with one
+    ]
+
+    def result(tok: TextTokenizer, text: str, truncation: Truncation, prompt: str | None) -> object:
+        try:
+            out = tok.encode([text], truncation=truncation, prompt=prompt)
+        except InputTooLongError:
+            return "too long"
+        return [(t.ids, t.prompt_length, t.truncated) for t in out]
+
+    for text in cases:
+        for truncation in (Truncation("right"), Truncation("left"), Truncation(None)):
+            for prompt in (None, "query: "):
+                assert result(clipped, text, truncation, prompt) == result(
+                    full, text, truncation, prompt
+                ), (text[:40], truncation, prompt)
+    recording.longest = 0
+    clipped.encode([prose, prose], truncation=Truncation("right"), prompt="query: ")
+    assert recording.longest <= clipped.clip_chars + len("query: ")
+
+
+def test_input_ids_must_be_rows_of_the_embedding_table_too(minilm_dir: Path) -> None:
+    # A checkpoint whose embedding table is smaller than its tokenizer's vocabulary: an id
+    # the tokenizer knows but the table lacks would be an out-of-range row (a device assert
+    # that poisons the whole batch on CUDA), so it is refused before it is queued.
+    backend = Tokenizer.from_file(str(minilm_dir / "tokenizer.json"))
+    tokenizer = TextTokenizer(backend, max_length=32, embedding_rows=30000)
+    with pytest.raises(InvalidRequestError) as err:
+        tokenizer.encode([[101, 30000, 102]], truncation=Truncation())
+    assert err.value.param == "input" and "30000" in err.value.message
+    assert tokenizer.encode([[101, 29999, 102]], truncation=Truncation())[0].ids[1] == 29999
+    assert tokenizer.detokenize([30100])  # decoding needs no table row
+
+
 def test_token_ids_are_accepted_and_equal_the_text(minilm_engine: Engine) -> None:
     ids = minilm_engine.tokenize(["hello there", "general kenobi"])
     np.testing.assert_allclose(
@@ -131,7 +196,9 @@ def test_truncation_sides_and_refusal(minilm_engine: Engine) -> None:
     with pytest.raises(InputTooLongError) as err:
         minilm_engine.embed(["fine", text], truncate=False)
     assert err.value.param == "input" and err.value.max_tokens == 256
-    assert err.value.token_count == len(ids) and "input[1]" in err.value.message
+    # The text is longer than the tokenizer is shown (it is clipped, see tokenization.py),
+    # so the count is a floor that already proves it too long.
+    assert 256 < err.value.token_count <= len(ids) and "input[1]" in err.value.message
     with pytest.raises(InputTooLongError):
         minilm_engine.embed([text], truncate=cohere_truncation("NONE"))
     with pytest.raises(InvalidRequestError) as too_big:
@@ -258,3 +325,23 @@ def test_batch_budget_that_cannot_hold_one_input_names_the_setting() -> None:
         Engine.from_pretrained("fake?dim=8&max_len=512", max_queue_tokens=100)
     assert queue.value.param == "max_queue_tokens"
     assert "512" in str(queue.value)
+
+
+def test_token_states_of_a_mixed_batch_are_each_sequences_own(minilm_engine: Engine) -> None:
+    """In one batch where only some sequences ask for per-token states, each gets exactly
+    its own rows (the states leave the device in one copy, then are split on the host)."""
+    from embedding_server.runner import SequenceInput
+
+    seqs = minilm_engine.tokenize(["a", "a much longer input than the first", "mid length"])
+    alone = [minilm_engine.embed_tokens([s])[0] for s in seqs]
+    runner = minilm_engine._runner
+    for wanted in ([True, False, True], [False, True, False], [True, True, True]):
+        out = runner.run(
+            [SequenceInput(s, want_tokens=w) for s, w in zip(seqs, wanted, strict=True)]
+        )
+        for got, want, asked in zip(out.tokens, alone, wanted, strict=True):
+            if asked:
+                assert got is not None and got.shape == want.shape
+                np.testing.assert_allclose(got, want, atol=1e-5)
+            else:
+                assert got is None

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 from embedding_server.engine import Engine
-from embedding_server.errors import NotReadyError, QueueFullError
+from embedding_server.errors import NotReadyError, QueueFullError, TooManyTokensError
 from embedding_server.metrics import Metrics
 from embedding_server.runner import BatchOutput, SequenceInput
 from embedding_server.scheduler import Scheduler
@@ -142,6 +142,52 @@ async def test_queue_gauges_track_depth_and_queue_full_gives_retry_after(
     await asyncio.gather(running, *waiting)
     assert gauge(metrics, "embedding_server_queue_requests") == 0
     assert gauge(metrics, "embedding_server_queue_tokens") == 0
+
+
+async def test_a_request_over_the_per_request_limit_is_never_admitted() -> None:
+    forward = GatedForward()
+    executor = ThreadPoolExecutor(1)
+    scheduler = Scheduler(
+        forward, max_batch_tokens=100, max_batch_size=4, max_queue_tokens=500,
+        max_request_tokens=200,
+    )  # fmt: skip
+    await scheduler.start(executor)
+    try:
+        # Even into an empty queue: one request may not hold the whole budget.
+        with pytest.raises(TooManyTokensError) as err:
+            await scheduler.submit([seq(1, 100), seq(2, 101)])
+        assert "201" in err.value.message and "200" in err.value.message
+        with pytest.raises(TooManyTokensError):
+            scheduler.reserve(201, 201)
+        assert scheduler.queued_tokens == 0 and not forward.batches
+        forward.gate.set()
+        out = await scheduler.submit([seq(1, 100), seq(2, 100)])
+        assert out.pooled.shape == (2, 2)
+    finally:
+        forward.gate.set()
+        await scheduler.stop(drain=False)
+        executor.shutdown(wait=True)
+
+
+async def test_reservations_refuse_a_crowd_before_it_is_tokenized(
+    sched: tuple[Scheduler, GatedForward, Metrics],
+) -> None:
+    scheduler, forward, _ = sched
+    running = asyncio.create_task(scheduler.submit([seq(0, 50)]))
+    await wait_for(forward.started.is_set)
+    held = [scheduler.reserve(1, 200), scheduler.reserve(1, 200)]  # being tokenized
+    with pytest.raises(QueueFullError):
+        scheduler.reserve(1, 200)  # refused before paying for tokenization
+    held[0].release()
+    third = scheduler.reserve(1, 200)
+    # Submitting turns a reservation into the exact count.
+    waiting = asyncio.create_task(scheduler.submit([seq(1, 100)], held[1]))
+    await wait_for(lambda: scheduler.queued_tokens == 100)
+    third.release()
+    third.release()  # idempotent
+    forward.gate.set()
+    await asyncio.gather(running, waiting)
+    assert scheduler.reserve(1, 500).tokens == 500  # everything was given back
 
 
 async def test_cancelled_request_leaves_the_queue(

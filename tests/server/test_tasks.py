@@ -374,3 +374,26 @@ def test_sparse_task_on_a_masked_lm_and_refusals(
     np.testing.assert_allclose(
         plain.sparse_embed(TEXTS[:2])[1].values, sparse.sparse_embed(TEXTS[:2])[1].values, atol=1e-6
     )
+
+
+def test_long_pairs_are_clipped_without_changing_the_tokens(
+    classifiers: Callable[..., Path],
+) -> None:
+    """Texts longer than the clipping length: the pairs match transformers' own truncation
+    token for token, on either side, whichever text is the long one."""
+    path = classifiers("bert", 1)
+    engine = Engine.from_pretrained(str(path), dtype="float32")
+    tokenizer = engine._tokenizer
+    tok = AutoTokenizer.from_pretrained(str(path))
+    long_text = "the quick brown fox jumps over the lazy dog " * 400
+    assert len(long_text) > tokenizer.clip_chars
+    short = "what does the fox do?"
+    for a, b in [(short, long_text), (long_text, short), (long_text, long_text[4:])]:
+        for side in ("right", "left"):
+            tok.truncation_side = side
+            reference = tok(a, b, truncation=True, max_length=tokenizer.max_length)
+            got = tokenizer.encode_pairs([(a, b)], truncation=Truncation(side=side))[0]
+            assert got.ids == reference["input_ids"], (side, len(a), len(b))
+            assert got.truncated
+    with pytest.raises(InvalidRequestError, match="more than the maximum"):
+        tokenizer.encode_pairs([(short, long_text)], truncation=Truncation.refuse())

@@ -91,6 +91,8 @@ def server_args(render: RenderInput) -> list[str]:
         args += ["--matryoshka-dimensions", ",".join(str(d) for d in emb.matryoshka_dimensions)]
     if emb.max_input_tokens is not None:
         args += ["--max-model-len", str(emb.max_input_tokens)]
+    if emb.auto_truncate:
+        args.append("--auto-truncate")
     if emb.prompts is not None and emb.prompts.default_name:
         args += ["--default-prompt-name", emb.prompts.default_name]
     srv = spec.server

@@ -28,7 +28,7 @@ from embedding_server.api.routes_tasks import router as tasks_router
 from embedding_server.api.routes_vllm import router as vllm_router
 from embedding_server.engine import Engine
 from embedding_server.metrics import Metrics
-from embedding_server.settings import ServerSettings
+from embedding_server.settings import ServerSettings, redact_settings
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +45,11 @@ async def _bring_up(lifecycle: Lifecycle) -> None:
     except asyncio.CancelledError:
         raise
     except Exception as error:  # startup, not a request: one clear line, then exit 1
+        # The error's text may quote settings (a path, a revision, a value fed from a
+        # Secret): the log gets it with those values masked, /ready only a fixed line.
         logger.debug("model load failed", exc_info=True)
-        lifecycle.fail(f"could not load model {settings.model!r}: {type(error).__name__}: {error}")
+        detail = redact_settings(f"{type(error).__name__}: {error}", settings)
+        lifecycle.fail(f"could not load the model named by --model: {detail}")
         return
     logger.info(
         "ready: serving %r as %r (%.1f s to load and warm up)",

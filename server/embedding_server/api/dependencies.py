@@ -1,5 +1,6 @@
 """What every model route checks first: that the request names the served model and that
-the engine is ready, and that its input count is within the server's limit.
+the engine is ready, that its input count is within the server's limit, and that the answer
+it asks for is within the response size limit.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from fastapi import Request
 
 from embedding_server.api.lifecycle import Lifecycle, lifecycle_of
 from embedding_server.engine import Engine
-from embedding_server.errors import InvalidRequestError, ModelNotFoundError
+from embedding_server.errors import InvalidRequestError, ModelNotFoundError, OutputTooLargeError
 
 
 def engine_for(request: Request, model: str | None) -> tuple[Engine, Lifecycle]:
@@ -47,3 +48,32 @@ def as_input_list(
     if value and isinstance(value[0], int):
         return [list(value)]
     return list(value)
+
+
+def check_response_size(
+    lifecycle: Lifecycle, vectors: int, dimensions: int, bytes_per_value: float, encoding: str
+) -> None:
+    """Refuse (400) a request whose answer of ``vectors`` x ``dimensions`` numbers would be
+    larger than ``max_response_bytes``, before any work is done for it."""
+    size = int(vectors * dimensions * bytes_per_value)
+    limit = lifecycle.settings.max_response_bytes
+    if size > limit:
+        raise OutputTooLargeError(
+            f"The response would be about {size} bytes ({vectors} vectors of {dimensions} "
+            f"numbers as {encoding}), more than this server sends (max_response_bytes "
+            f"{limit}); send fewer inputs, ask for fewer dimensions or a binary "
+            "encoding_format.",
+            param="input",
+            vectors=vectors,
+        )
+
+
+def max_response_values(lifecycle: Lifecycle, bytes_per_value: float) -> int:
+    """How many output numbers fit in ``max_response_bytes`` at ``bytes_per_value``."""
+    return int(lifecycle.settings.max_response_bytes // bytes_per_value)
+
+
+def pooled_dimensions(engine: Engine, requested: int | None) -> int:
+    """The size of each pooled vector a request gets (the engine checks the value itself)."""
+    info = engine.info()
+    return min(requested, info.full_dimensions) if requested else info.dimensions

@@ -54,6 +54,41 @@ CohereEmbeddingType = Literal["float", "int8", "uint8", "binary", "ubinary", "ba
 
 ORJSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
 
+JSON_FLOAT_BYTES = 16
+"""Most bytes one float32 takes in a JSON response: orjson's shortest round-trip form with
+sign, exponent and separator (``-1.2345678e-05,``)."""
+
+_JSON_INT8_BYTES = 5  # "-128,"
+_DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+}
+
+
+def bytes_per_value(encoding_format: EncodingFormat, embed_dtype: EmbedDtype) -> float:
+    """Most response bytes one output number costs in this wire format (for size limits
+    decided before the numbers exist)."""
+    if encoding_format == "float":
+        return JSON_FLOAT_BYTES
+    size = _DTYPE_BYTES[embed_dtype]
+    return size * 4 / 3 if encoding_format == "base64" else size
+
+
+def cohere_bytes_per_dimension(types: Sequence[CohereEmbeddingType]) -> float:
+    """Most response bytes one dimension of one input costs across Cohere ``types``."""
+    per_type = {
+        "float": JSON_FLOAT_BYTES,
+        "base64": 4 * 4 / 3,
+        "int8": _JSON_INT8_BYTES,
+        "uint8": _JSON_INT8_BYTES,
+        "binary": _JSON_INT8_BYTES / 8,
+        "ubinary": _JSON_INT8_BYTES / 8,
+    }
+    return sum(per_type[kind] for kind in dict.fromkeys(types))
+
 
 def as_float32(matrix: npt.ArrayLike) -> FloatMatrix:
     """A C-contiguous native float32 2-D view (copies only when it has to)."""

@@ -49,7 +49,11 @@ class Lifecycle:
         """The engine, or 503 while it is still loading (or once it has stopped)."""
         engine = self.engine
         if engine is None or not engine.ready:
-            message = self.failure or "The model is still loading; retry shortly."
+            message = (
+                "The model could not be loaded; the server log says why."
+                if self.failure is not None
+                else "The model is still loading; retry shortly."
+            )
             raise NotReadyError(message)
         return engine
 

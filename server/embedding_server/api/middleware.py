@@ -8,7 +8,9 @@ order, for each HTTP request it:
    echoes it on the response;
 2. counts the request in flight and, when it ends, by endpoint and status;
 3. refuses a missing or wrong API key (401) on every route except the probes and /metrics;
-4. reads every POST body as JSON, whatever content type the client sent;
+4. refuses a POST whose body is not labelled ``application/json`` (415): a browser sends
+   ``text/plain`` and form bodies cross-site without asking first, so accepting them would
+   let any web page call a server without an API key on the visitor's network;
 5. refuses a body over the size limit (413), by ``Content-Length`` up front and by counting
    bytes for chunked uploads;
 6. adds ``x-total-time`` (ms) to the response;
@@ -55,18 +57,14 @@ def _clean_request_id(raw: bytes | None) -> str:
     return new_id()
 
 
-_JSON_CONTENT_TYPE = (b"content-type", b"application/json")
-
-
-def _as_json(scope: Scope) -> Scope:
-    """Every POST body here is JSON: read it as JSON whatever content type the client sent.
-
-    ``curl -d`` labels bodies ``application/x-www-form-urlencoded`` and some HTTP libraries
-    send ``text/plain``; refusing those would only teach users to add a header.
-    """
-    headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
-    headers.append(_JSON_CONTENT_TYPE)
-    return {**scope, "headers": headers}
+def _is_json(content_type: bytes | None) -> bool:
+    """``application/json`` or ``application/<x>+json``, with any parameters (charset)."""
+    if not content_type:
+        return False
+    media = content_type.split(b";", 1)[0].strip().lower()
+    return media == b"application/json" or (
+        media.startswith(b"application/") and media.endswith(b"+json")
+    )
 
 
 class RequestContextMiddleware:
@@ -109,8 +107,6 @@ class RequestContextMiddleware:
                 message = {**message, "headers": headers}
             await send(message)
 
-        if scope["method"] == "POST":
-            scope = _as_json(scope)
         try:
             refusal = self._refuse(scope, path)
             if refusal is not None:
@@ -159,6 +155,16 @@ class RequestContextMiddleware:
                     "invalid_api_key",
                     ((b"www-authenticate", b"Bearer"),),
                 )
+        if scope["method"] == "POST" and not _is_json(_header(scope, b"content-type")):
+            given = (_header(scope, b"content-type") or b"").decode("latin-1")[:100]
+            return (
+                415,
+                "The request body must be JSON sent with 'Content-Type: application/json'"
+                + (f"; got {given!r}." if given.isprintable() and given else "; got none."),
+                "invalid_request_error",
+                "unsupported_media_type",
+                (),
+            )
         length = _header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_request_bytes:
             return (

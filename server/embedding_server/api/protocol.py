@@ -20,7 +20,8 @@ core never learns the dialects.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import re
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -36,12 +37,13 @@ from embedding_server.tokenization import Truncation, parse_side
 
 
 def openai_truncation(
-    truncate_prompt_tokens: int | None, truncation_side: str | None = None
+    truncate_prompt_tokens: int | None, truncation_side: str | None = None, *, auto: bool = False
 ) -> Truncation:
-    """vLLM's fields: ``None`` refuses over-long input, ``-1`` means the model maximum."""
+    """vLLM's fields: ``None`` refuses over-long input (truncates it to the model maximum with
+    ``auto``, the server's ``--auto-truncate``), ``-1`` means the model maximum."""
     side = parse_side(truncation_side or "right", "truncation_side")
     if truncate_prompt_tokens is None:
-        return Truncation(side=None, param="input")
+        return Truncation(side=side if auto else None, param="input")
     if truncate_prompt_tokens == -1:
         return Truncation(side=side, max_tokens=None, param="truncate_prompt_tokens")
     if truncate_prompt_tokens < 1:
@@ -90,10 +92,34 @@ InputType = Literal[
 ]
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _has_surrogate(value: Any) -> bool:
+    """Whether a string field (or a list of strings) holds a lone UTF-16 surrogate."""
+    if isinstance(value, str):
+        return _SURROGATE.search(value) is not None
+    if isinstance(value, list) and value and isinstance(value[0], str):
+        return any(_SURROGATE.search(v) is not None for v in value if isinstance(v, str))
+    return False
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
 
     model: str | None = Field(None, description="Served model name; another name gets 404.")
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        """JSON can escape a lone surrogate (``"\\ud800"``), which is no Unicode text: no
+        tokenizer or JSON encoder takes it, so it is refused here, naming the field."""
+        if _has_surrogate(value):
+            raise ValueError(
+                "the text holds a lone UTF-16 surrogate escape (such as \\ud800), "
+                "which is not valid Unicode"
+            )
+        return value
 
 
 class _TruncationOptions(BaseModel):
@@ -111,9 +137,10 @@ class _TruncationOptions(BaseModel):
         description="Add the tokenizer's special tokens (e.g. [CLS]/[SEP]) around text inputs.",
     )
 
-    def truncation(self) -> Truncation:
-        """These fields as the engine's truncation policy."""
-        return openai_truncation(self.truncate_prompt_tokens, self.truncation_side)
+    def truncation(self, *, auto: bool = False) -> Truncation:
+        """These fields as the engine's truncation policy (``auto``: the server truncates
+        over-long input the request says nothing about)."""
+        return openai_truncation(self.truncate_prompt_tokens, self.truncation_side, auto=auto)
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -228,11 +255,13 @@ class PoolingRequest(_Request, _TruncationOptions, _EncodingOptions):
     input: EmbeddingInput = Field(description="As for /v1/embeddings.")
     task: Literal["token_embed", "embed", "classify", "token_classify", "reward", "sparse"] = Field(
         "token_embed",
-        description="token_embed: one vector per token; embed: the pooled vector (both need "
-        "an embedding model); classify: the class probabilities (a classifier or "
-        "cross-encoder); token_classify: the label probabilities of every token (a token "
-        "classifier); reward: a reward model's raw outputs at every token (task reward); "
-        "sparse: a SPLADE model's {indices, values} over the vocabulary (task sparse).",
+        description="token_embed (the default, as in vLLM for models that support it): one "
+        "vector per token, refused with 400 when the answer would exceed the server's "
+        "max_response_bytes; embed: the pooled vector (both need an embedding model); "
+        "classify: the class probabilities (a classifier or cross-encoder); token_classify: "
+        "the label probabilities of every token (a token classifier); reward: a reward "
+        "model's raw outputs at every token (task reward); sparse: a SPLADE model's "
+        "{indices, values} over the vocabulary (task sparse).",
     )
     normalize: bool | None = Field(
         None,

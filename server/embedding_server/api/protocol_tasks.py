@@ -30,8 +30,10 @@ class _TaskRequest(BaseModel):
         None, description="Which end to cut when truncating: right (default) or left."
     )
 
-    def truncation(self) -> Truncation:
-        return openai_truncation(self.truncate_prompt_tokens, self.truncation_side)
+    def truncation(self, *, auto: bool = False) -> Truncation:
+        """These fields as the engine's truncation policy (``auto``: the server's
+        ``--auto-truncate``, which truncates when the request does not say)."""
+        return openai_truncation(self.truncate_prompt_tokens, self.truncation_side, auto=auto)
 
 
 class RerankDocument(BaseModel):

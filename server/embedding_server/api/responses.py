@@ -1,19 +1,63 @@
 """How the model routes answer: pre-serialized JSON, vLLM's binary bodies (and their OpenAPI
 description), and the TEI-style timing headers both carry.
+
+Encoding a big answer (JSON of a million floats, base64 of per-token matrices) takes the
+CPU for a while, so it runs on a worker thread (:func:`encode_off_loop`): the event loop
+must stay free to answer ``/health`` and every other client meanwhile.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from starlette.responses import Response
 
 from embedding_server.api.encoding import BINARY_MEDIA_TYPE, BinaryPayload, dumps, metadata_header
+from embedding_server.errors import InvalidRequestError
 from embedding_server.results import StageTimings
 
 JSON_MEDIA_TYPE = "application/json"
+
+OFF_LOOP_BYTES = 256 * 1024
+"""Answers estimated above this size are encoded on a worker thread; smaller ones inline,
+where a thread hop would cost more than the encoding."""
+
+MAX_METADATA_HEADER_BYTES = 8000
+"""Largest ``metadata`` header sent with ``encoding_format: bytes``. Clients and proxies cap
+response headers (aiohttp and nginx's default proxy buffer at 8 KiB), so a bigger one is
+refused with a pointer to ``bytes_only`` rather than sent to fail somewhere else."""
+
+_METADATA_ITEM_MIN_BYTES = 80
+"""Fewest bytes one output's item adds to the ``metadata`` header, to refuse early."""
+
+
+async def encode_off_loop(encode: Callable[[], Response], size_hint: float) -> Response:
+    """``encode()``, on a worker thread when the answer is big (see the module doc)."""
+    if size_hint < OFF_LOOP_BYTES:
+        return encode()
+    return await asyncio.to_thread(encode)
+
+
+def _metadata_too_large(outputs: int, size: int | None = None) -> InvalidRequestError:
+    detail = f"{size} bytes" if size is not None else "too large"
+    return InvalidRequestError(
+        f"The 'metadata' header for {outputs} outputs would be {detail}, more than the "
+        f"{MAX_METADATA_HEADER_BYTES} bytes that HTTP clients and proxies accept; ask for "
+        "encoding_format 'bytes_only' (each output's offsets follow from its shape) or send "
+        "fewer inputs.",
+        param="encoding_format",
+    )
+
+
+def check_metadata_fits(encoding_format: str, outputs: int) -> None:
+    """Refuse, before any work, a ``bytes`` answer whose header could not fit."""
+    if encoding_format == "bytes" and outputs * _METADATA_ITEM_MIN_BYTES > (
+        MAX_METADATA_HEADER_BYTES
+    ):
+        raise _metadata_too_large(outputs)
 
 
 class JSONBytes(Response):
@@ -55,12 +99,13 @@ def binary_response(
     ``metadata`` header ``{id, created, model, data: [items], usage}``.
 
     The header grows by ~100 bytes per input and HTTP clients cap header sizes (aiohttp at
-    8 KiB, requests at 64 KiB per line, httpx at 100 KiB in all), so large batches are
-    better asked for as ``bytes_only``, whose offsets follow from the shape.
+    8 KiB, requests at 64 KiB per line, httpx at 100 KiB in all), so one over
+    :data:`MAX_METADATA_HEADER_BYTES` is refused (400) with a pointer to ``bytes_only``,
+    whose offsets follow from the shape.
     """
     all_headers = dict(headers)
     if with_metadata:
-        all_headers["metadata"] = metadata_header(
+        header = metadata_header(
             {
                 "id": response_id,
                 "created": int(time.time()),
@@ -69,6 +114,9 @@ def binary_response(
                 "usage": dict(usage),
             }
         )
+        if len(header) > MAX_METADATA_HEADER_BYTES:
+            raise _metadata_too_large(len(payload.items), len(header))
+        all_headers["metadata"] = header
     return Response(payload.body, media_type=BINARY_MEDIA_TYPE, headers=all_headers)
 
 

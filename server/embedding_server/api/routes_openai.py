@@ -17,9 +17,20 @@ import time
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from embedding_server.api.dependencies import as_input_list, check_input_count, engine_for
+from embedding_server.api.dependencies import (
+    as_input_list,
+    check_input_count,
+    check_response_size,
+    engine_for,
+    pooled_dimensions,
+)
 from embedding_server.api.disconnect import cancel_on_disconnect
-from embedding_server.api.encoding import FloatMatrix, base64_rows, binary_payload
+from embedding_server.api.encoding import (
+    FloatMatrix,
+    base64_rows,
+    binary_payload,
+    bytes_per_value,
+)
 from embedding_server.api.ids import new_id
 from embedding_server.api.lifecycle import lifecycle_of
 from embedding_server.api.prompts import prompt_name_for
@@ -27,6 +38,8 @@ from embedding_server.api.protocol import EmbeddingRequest
 from embedding_server.api.responses import (
     BINARY_RESPONSES,
     binary_response,
+    check_metadata_fits,
+    encode_off_loop,
     json_response,
     timing_headers,
 )
@@ -43,6 +56,10 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
     engine, lifecycle = engine_for(request, body.model)
     inputs = as_input_list(body.input)
     check_input_count(lifecycle, len(inputs), "input")
+    value_bytes = bytes_per_value(body.encoding_format, body.embed_dtype)
+    dims = pooled_dimensions(engine, body.dimensions)
+    check_response_size(lifecycle, len(inputs), dims, value_bytes, body.encoding_format)
+    check_metadata_fits(body.encoding_format, len(inputs))
     prompt_name = prompt_name_for(engine, body.prompt_name, body.input_type)
     result = await cancel_on_disconnect(
         request,
@@ -51,36 +68,40 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
             dimensions=body.dimensions,
             normalize=body.normalize,
             prompt_name=prompt_name,
-            truncate=body.truncation(),
+            truncate=body.truncation(auto=lifecycle.settings.auto_truncate),
             add_special_tokens=body.add_special_tokens,
         ),
     )
     matrix = result.embeddings
     headers = timing_headers(result.timings, result.prompt_tokens)
     usage = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
-    if body.encoding_format in ("bytes", "bytes_only"):
-        return binary_response(
-            binary_payload(matrix, body.embed_dtype, body.endianness),
-            headers,
-            with_metadata=body.encoding_format == "bytes",
-            response_id=f"embd-{new_id()}",
-            model=lifecycle.served_model_name,
-            usage=usage,
+
+    def encode() -> Response:
+        if body.encoding_format in ("bytes", "bytes_only"):
+            return binary_response(
+                binary_payload(matrix, body.embed_dtype, body.endianness),
+                headers,
+                with_metadata=body.encoding_format == "bytes",
+                response_id=f"embd-{new_id()}",
+                model=lifecycle.served_model_name,
+                usage=usage,
+            )
+        rows: list[str] | list[FloatMatrix] = (
+            base64_rows(matrix, body.embed_dtype, body.endianness)
+            if body.encoding_format == "base64"
+            else list(matrix)
         )
-    rows: list[str] | list[FloatMatrix] = (
-        base64_rows(matrix, body.embed_dtype, body.endianness)
-        if body.encoding_format == "base64"
-        else list(matrix)
-    )
-    content = {
-        "object": "list",
-        "data": [
-            {"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(rows)
-        ],
-        "model": lifecycle.served_model_name,
-        "usage": usage,
-    }
-    return json_response(content, headers)
+        content = {
+            "object": "list",
+            "data": [
+                {"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(rows)
+            ],
+            "model": lifecycle.served_model_name,
+            "usage": usage,
+        }
+        return json_response(content, headers)
+
+    return await encode_off_loop(encode, matrix.size * value_bytes)
 
 
 @router.get("/v1/models", summary="List the served model (OpenAI-compatible)")

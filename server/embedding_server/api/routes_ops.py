@@ -35,8 +35,12 @@ async def ready(request: Request) -> Response:
         return json_response({"status": "ready"})
     if lifecycle.draining:
         message = "The server is shutting down."
+    elif lifecycle.failure is not None:
+        # Fixed text: /ready is open without the API key, and a failure's details belong in
+        # the log, which only the operator reads.
+        message = "The model could not be loaded; the server log says why."
     else:
-        message = lifecycle.failure or "The model is still loading."
+        message = "The model is still loading."
     return error_response(503, message, code="not_ready")
 
 
@@ -50,6 +54,8 @@ async def info(request: Request) -> Response:
         "ready": lifecycle.is_ready(),
         "max_request_bytes": settings.max_request_bytes,
         "max_inputs_per_request": settings.max_inputs_per_request,
+        "max_response_bytes": settings.max_response_bytes,
+        "auto_truncate": settings.auto_truncate,
     }
     if lifecycle.engine is not None:
         content.update(lifecycle.engine.info().to_dict())

@@ -34,7 +34,12 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
     check_input_count(lifecycle, len(documents), "documents")
     result = await cancel_on_disconnect(
         request,
-        engine.arerank(body.query, documents, top_n=body.top_n, truncate=body.truncation()),
+        engine.arerank(
+            body.query,
+            documents,
+            top_n=body.top_n,
+            truncate=body.truncation(auto=lifecycle.settings.auto_truncate),
+        ),
     )
     results: list[dict[str, object]] = []
     for ranked in result.results:
@@ -58,7 +63,8 @@ async def classify(body: ClassifyRequest, request: Request) -> Response:
     inputs = as_input_list(body.input)
     check_input_count(lifecycle, len(inputs), "input")
     result = await cancel_on_disconnect(
-        request, engine.aclassify(inputs, truncate=body.truncation())
+        request,
+        engine.aclassify(inputs, truncate=body.truncation(auto=lifecycle.settings.auto_truncate)),
     )
     labels = result.predicted
     content = {

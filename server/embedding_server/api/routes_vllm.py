@@ -1,5 +1,14 @@
 """The vLLM-style extras: ``/pooling``, ``/score`` (also ``/v1/score``), ``/tokenize`` and
-``/detokenize``."""
+``/detokenize``.
+
+``/pooling`` answers with per-token vectors unless ``task: embed`` is asked for, as vLLM's
+``/pooling`` does for a model that supports ``token_embed``; that output grows with every
+input token, so its size is checked against ``max_response_bytes`` once the inputs are
+tokenized and before the forward pass. Its other tasks (classify, token_classify, reward,
+sparse) need a model of that task and give far fewer values per token. ``/tokenize`` and
+``/detokenize`` take at most ``max_request_tokens`` tokens, and do their work off the event
+loop.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +18,23 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from embedding_server.api.dependencies import as_input_list, check_input_count, engine_for
+from embedding_server.api.dependencies import (
+    as_input_list,
+    check_input_count,
+    check_response_size,
+    engine_for,
+    max_response_values,
+    pooled_dimensions,
+)
 from embedding_server.api.disconnect import cancel_on_disconnect
-from embedding_server.api.encoding import FloatMatrix, as_float32, base64_array, binary_payload
+from embedding_server.api.encoding import (
+    JSON_FLOAT_BYTES,
+    FloatMatrix,
+    as_float32,
+    base64_array,
+    binary_payload,
+    bytes_per_value,
+)
 from embedding_server.api.ids import new_id
 from embedding_server.api.protocol import (
     DetokenizeRequest,
@@ -22,11 +45,13 @@ from embedding_server.api.protocol import (
 from embedding_server.api.responses import (
     BINARY_RESPONSES,
     binary_response,
+    check_metadata_fits,
+    encode_off_loop,
     json_response,
     timing_headers,
 )
 from embedding_server.engine import TokenOptions
-from embedding_server.errors import InvalidRequestError
+from embedding_server.errors import InvalidRequestError, OutputTooLargeError, TooManyTokensError
 
 router = APIRouter()
 
@@ -41,9 +66,11 @@ async def pooling(body: PoolingRequest, request: Request) -> Response:
     engine, lifecycle = engine_for(request, body.model)
     inputs = as_input_list(body.input)
     check_input_count(lifecycle, len(inputs), "input")
+    check_metadata_fits(body.encoding_format, len(inputs))
+    value_bytes = bytes_per_value(body.encoding_format, body.embed_dtype)
     options: TokenOptions = {
         "normalize": body.normalize,
-        "truncate": body.truncation(),
+        "truncate": body.truncation(auto=lifecycle.settings.auto_truncate),
         "add_special_tokens": body.add_special_tokens,
     }
     if body.task == "sparse":
@@ -51,10 +78,13 @@ async def pooling(body: PoolingRequest, request: Request) -> Response:
     # One output per input: a pooled matrix's rows (task embed) or per-token matrices.
     outputs: FloatMatrix | list[FloatMatrix]
     if body.task == "embed":
+        dims = pooled_dimensions(engine, None)
+        check_response_size(lifecycle, len(inputs), dims, value_bytes, body.encoding_format)
         pooled = await cancel_on_disconnect(request, engine.aembed(inputs, **options))
         outputs = as_float32(pooled.embeddings)
         tokens, timings = pooled.prompt_tokens, pooled.timings
     elif body.task == "classify":
+        dims = len(engine.info().labels or [])
         if body.normalize is not None:
             raise InvalidRequestError(
                 "normalize does not apply to task classify", param="normalize"
@@ -65,41 +95,59 @@ async def pooling(body: PoolingRequest, request: Request) -> Response:
         outputs = as_float32(classified.probs)
         tokens, timings = classified.prompt_tokens, classified.timings
     elif body.task in ("token_classify", "reward"):
+        dims = len(engine.info().labels or [])
         per_token_head = engine.atoken_classify if body.task == "token_classify" else engine.areward
         labelled = await cancel_on_disconnect(request, per_token_head(inputs, **options))
         outputs = labelled.embeddings
         tokens, timings = labelled.prompt_tokens, labelled.timings
     else:
-        per_token = await cancel_on_disconnect(request, engine.aembed_tokens(inputs, **options))
+        dims = engine.info().hidden_size
+        try:
+            per_token = await cancel_on_disconnect(
+                request,
+                engine.aembed_tokens(
+                    inputs,
+                    **options,
+                    max_output_values=max_response_values(lifecycle, value_bytes),
+                ),
+            )
+        except OutputTooLargeError as error:
+            check_response_size(lifecycle, error.vectors, dims, value_bytes, body.encoding_format)
+            raise
         outputs = per_token.embeddings
         tokens, timings = per_token.prompt_tokens, per_token.timings
     headers = timing_headers(timings, tokens)
     usage = {"prompt_tokens": tokens, "total_tokens": tokens}
     response_id = f"pool-{new_id()}"
-    if body.encoding_format in ("bytes", "bytes_only"):
-        return binary_response(
-            binary_payload(outputs, body.embed_dtype, body.endianness),
-            headers,
-            with_metadata=body.encoding_format == "bytes",
-            response_id=response_id,
-            model=lifecycle.served_model_name,
-            usage=usage,
-        )
-    data: list[dict[str, object]] = []
-    for i, output in enumerate(outputs):
-        payload_json: object = output
-        if body.encoding_format == "base64":
-            payload_json = base64_array(output, body.embed_dtype, body.endianness)
-        data.append({"index": i, "object": "pooling", "data": payload_json})
-    content = {
-        "id": response_id,
-        "object": "list",
-        "created": int(time.time()),
-        "model": lifecycle.served_model_name,
-        "data": data,
-        "usage": usage,
-    }
-    return json_response(content, headers)
+
+    def encode() -> Response:
+        if body.encoding_format in ("bytes", "bytes_only"):
+            return binary_response(
+                binary_payload(outputs, body.embed_dtype, body.endianness),
+                headers,
+                with_metadata=body.encoding_format == "bytes",
+                response_id=response_id,
+                model=lifecycle.served_model_name,
+                usage=usage,
+            )
+        data: list[dict[str, object]] = []
+        for i, output in enumerate(outputs):
+            payload_json: object = output
+            if body.encoding_format == "base64":
+                payload_json = base64_array(output, body.embed_dtype, body.endianness)
+            data.append({"index": i, "object": "pooling", "data": payload_json})
+        content = {
+            "id": response_id,
+            "object": "list",
+            "created": int(time.time()),
+            "model": lifecycle.served_model_name,
+            "data": data,
+            "usage": usage,
+        }
+        return json_response(content, headers)
+
+    vectors = len(inputs) if body.task in ("embed", "classify") else tokens
+    return await encode_off_loop(encode, vectors * dims * value_bytes)
 
 
 async def _sparse_pooling(
@@ -115,18 +163,27 @@ async def _sparse_pooling(
     engine, lifecycle = engine_for(request, body.model)
     result = await cancel_on_disconnect(request, engine.asparse_embed(inputs, **options))
     tokens = result.prompt_tokens
-    content = {
-        "id": f"pool-{new_id()}",
-        "object": "list",
-        "created": int(time.time()),
-        "model": lifecycle.served_model_name,
-        "data": [
-            {"index": i, "object": "pooling", "data": {"indices": v.indices, "values": v.values}}
-            for i, v in enumerate(result.vectors)
-        ],
-        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-    }
-    return json_response(content, timing_headers(result.timings, tokens))
+
+    def encode() -> Response:
+        content = {
+            "id": f"pool-{new_id()}",
+            "object": "list",
+            "created": int(time.time()),
+            "model": lifecycle.served_model_name,
+            "data": [
+                {
+                    "index": i,
+                    "object": "pooling",
+                    "data": {"indices": v.indices, "values": v.values},
+                }
+                for i, v in enumerate(result.vectors)
+            ],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+        return json_response(content, timing_headers(result.timings, tokens))
+
+    entries = sum(len(v.indices) for v in result.vectors)
+    return await encode_off_loop(encode, 2 * entries * JSON_FLOAT_BYTES)
 
 
 @router.post("/score", tags=["vLLM"], summary="Scores of text pairs (cross-encoder or cosine)")
@@ -138,7 +195,12 @@ async def score(body: ScoreRequest, request: Request) -> Response:
     check_input_count(lifecycle, count_1, "text_1")
     check_input_count(lifecycle, count_2, "text_2")
     result = await cancel_on_disconnect(
-        request, engine.ascore(body.text_1, body.text_2, truncate=body.truncation())
+        request,
+        engine.ascore(
+            body.text_1,
+            body.text_2,
+            truncate=body.truncation(auto=lifecycle.settings.auto_truncate),
+        ),
     )
     content = {
         "id": f"score-{new_id()}",
@@ -157,18 +219,29 @@ async def score(body: ScoreRequest, request: Request) -> Response:
 async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     engine, _ = engine_for(request, body.model)
     ids = (await engine.atokenize(body.prompt, add_special_tokens=body.add_special_tokens))[0]
-    token_strs = engine.token_strings(ids) if body.return_token_strs else None
-    return json_response(
-        {
-            "count": len(ids),
-            "max_model_len": engine.info().max_input_tokens,
-            "tokens": ids,
-            "token_strs": token_strs,
-        }
-    )
+    _check_token_count(engine.info().max_request_tokens, len(ids), "prompt")
+    token_strs = await engine.atoken_strings(ids) if body.return_token_strs else None
+    content = {
+        "count": len(ids),
+        "max_model_len": engine.info().max_input_tokens,
+        "tokens": ids,
+        "token_strs": token_strs,
+    }
+    return await encode_off_loop(lambda: json_response(content), len(ids) * 16)
 
 
 @router.post("/detokenize", tags=["vLLM"], summary="Token ids to text")
 async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
     engine, _ = engine_for(request, body.model)
-    return json_response({"prompt": engine.detokenize(body.tokens)})
+    _check_token_count(engine.info().max_request_tokens, len(body.tokens), "tokens")
+    text = await engine.adetokenize(body.tokens)
+    return await encode_off_loop(lambda: json_response({"prompt": text}), len(text))
+
+
+def _check_token_count(limit: int, count: int, param: str) -> None:
+    if count > limit:
+        raise TooManyTokensError(
+            f"'{param}' holds {count} tokens; one request may hold at most {limit} "
+            "(max_request_tokens)",
+            param=param,
+        )

@@ -1,0 +1,434 @@
+"""Front-end capacity: requests/s of the HTTP path when the model costs almost nothing.
+
+Not a test: a measurement (issue "A request path fast enough for GPUs"). On a GPU a small
+embedder computes hundreds of thousands of tokens per second, so what caps a server is the CPU
+work around the model: HTTP, JSON, validation, tokenization and encoding. This takes the
+model's cost away (a 1-layer, 32-wide BERT with all-MiniLM-L6-v2's real tokenizer, built here
+with random weights) and drives, side by side in one run:
+
+* our server (``embedding-server serve``);
+* infinity-emb, when ``--infinity-python`` names a Python that has it;
+* the ceiling: a bare ASGI app on the same uvicorn, with orjson and the same ``tokenizers``
+  tokenizer, that tokenizes the input and returns a fixed vector in the OpenAI shape.
+
+Load comes from ``wrk`` (Debian's, C, one thread) with a Lua script cycling through a
+deterministic mixed-length corpus: single-text requests, then 32-text requests, 32
+connections. Server and client are pinned to different CPUs (``taskset``) so that the client's
+own CPU use does not distort the server's figures. Prints requests/s, texts/s, p50, p99 and
+the ratios to the ceiling and to infinity-emb; writes bench/out/frontend.json and .png.
+
+    .venv/bin/python -m bench.frontend [--seconds 15] [--infinity-python PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.corpus import make_corpus
+
+OUT = Path(__file__).resolve().parent / "out"
+MODEL_NAME = "frontend-bert"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
+)
+
+WRK_SCRIPT = r"""
+local bodies = {}
+local index = 0
+function init(args)
+  for line in io.lines(args[1]) do bodies[#bodies + 1] = line end
+end
+function request()
+  index = index % #bodies + 1
+  return wrk.format("POST", "/v1/embeddings", {["Content-Type"] = "application/json"},
+                    bodies[index])
+end
+function done(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    'RESULT {"requests": %d, "duration_us": %d, "socket_errors": %d, "non2xx": %d, ' ..
+    '"p50_us": %d, "p99_us": %d}\n',
+    summary.requests, summary.duration, e.connect + e.read + e.write + e.timeout, e.status,
+    latency:percentile(50), latency:percentile(99)))
+end
+"""
+
+
+@dataclass
+class Result:
+    server: str
+    load: str
+    texts_per_request: int
+    requests_per_s: float
+    texts_per_s: float
+    p50_ms: float
+    p99_ms: float
+    failed: int
+
+
+def build_model(path: Path) -> Path:
+    """A 1-layer, 32-wide BERT with the packaged MiniLM's tokenizer: near-zero compute."""
+    from embedding_server.loading import resolve_model_path
+    from embedding_server.settings import DEFAULT_MODEL
+    from transformers import BertConfig, BertModel
+
+    if (path / "config.json").exists():
+        return path
+    source = resolve_model_path(DEFAULT_MODEL, revision=None, cache_dir=None)
+    path.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (source / name).exists():
+            shutil.copy(source / name, path / name)
+    vocab = json.loads((source / "config.json").read_text())["vocab_size"]
+    config = BertConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=512,
+    )
+    BertModel(config).save_pretrained(path)
+    return path
+
+
+# -- the ceiling: a bare ASGI app --------------------------------------------------------------
+
+
+def ceiling_app(model_dir: Path) -> Any:
+    """The least a Python server can do per request: parse, tokenize, answer."""
+    import orjson
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tokenizer.enable_truncation(512)
+    vector = [0.125] * 32
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        request = orjson.loads(body)
+        inputs = request["input"] if isinstance(request["input"], list) else [request["input"]]
+        tokens = sum(len(e.ids) for e in tokenizer.encode_batch(inputs))
+        payload = orjson.dumps(
+            {
+                "object": "list",
+                "data": [
+                    {"object": "embedding", "index": i, "embedding": vector}
+                    for i in range(len(inputs))
+                ],
+                "model": request.get("model", MODEL_NAME),
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            }
+        )
+        headers = [(b"content-type", b"application/json")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": payload})
+
+    return app
+
+
+def serve_ceiling(model_dir: Path, port: int) -> None:
+    import uvicorn
+
+    uvicorn.run(
+        ceiling_app(model_dir),
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        access_log=False,
+    )
+
+
+# -- running servers and load ------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def pinned(cpus: str, command: list[str]) -> list[str]:
+    return ["taskset", "-c", cpus, *command] if cpus and shutil.which("taskset") else command
+
+
+@contextlib.contextmanager
+def running(name: str, command: list[str], port: int, log: Path) -> Iterator[str]:
+    """Start a server, wait until it embeds a text (deadline 300 s), stop it afterwards."""
+    url = f"http://127.0.0.1:{port}"
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 300
+            while True:
+                if process.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {process.returncode}; see {log}")
+                with contextlib.suppress(httpx.HTTPError):
+                    response = httpx.post(
+                        f"{url}/v1/embeddings",
+                        json={"model": MODEL_NAME, "input": "warm up"},
+                        timeout=5,
+                    )
+                    if response.status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{name} did not serve within 300 s; see {log}")
+                time.sleep(0.5)
+            yield url
+        finally:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def write_bodies(path: Path, texts: list[str], per_request: int) -> Path:
+    with path.open("w") as out:
+        for start in range(0, len(texts) - per_request + 1, per_request):
+            chunk = texts[start : start + per_request]
+            body = {"model": MODEL_NAME, "input": chunk[0] if per_request == 1 else chunk}
+            out.write(json.dumps(body) + "\n")
+    return path
+
+
+def drive(
+    url: str, script: Path, bodies: Path, seconds: int, connections: int, cpus: str
+) -> dict[str, int]:
+    """One wrk run; returns the RESULT line its Lua ``done`` hook prints."""
+    command = pinned(
+        cpus,
+        [
+            "wrk",
+            "-t1",
+            f"-c{connections}",
+            f"-d{seconds}s",
+            "--timeout",
+            "10s",
+            "-s",
+            str(script),
+            url,
+            "--",
+            str(bodies),
+        ],
+    )
+    out = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 60, check=True)
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            parsed: dict[str, int] = json.loads(line.removeprefix("RESULT "))
+            return parsed
+    raise RuntimeError(f"wrk printed no result:\n{out.stdout}\n{out.stderr}")
+
+
+def measure(
+    name: str, url: str, script: Path, loads: dict[str, tuple[int, Path]], args: argparse.Namespace
+) -> list[Result]:
+    results = []
+    for load, (per_request, bodies) in loads.items():
+        drive(url, script, bodies, 3, args.connections, args.client_cpus)  # warm-up
+        raw = drive(url, script, bodies, args.seconds, args.connections, args.client_cpus)
+        seconds = raw["duration_us"] / 1e6
+        ok = raw["requests"] - raw["non2xx"]
+        results.append(
+            Result(
+                server=name,
+                load=load,
+                texts_per_request=per_request,
+                requests_per_s=ok / seconds,
+                texts_per_s=ok * per_request / seconds,
+                p50_ms=raw["p50_us"] / 1000,
+                p99_ms=raw["p99_us"] / 1000,
+                failed=raw["non2xx"] + raw["socket_errors"],
+            )
+        )
+        print(
+            f"{name:>16} {load:>8}: {results[-1].requests_per_s:8.0f} req/s "
+            f"{results[-1].texts_per_s:8.0f} texts/s  p50 {results[-1].p50_ms:6.1f} ms  "
+            f"p99 {results[-1].p99_ms:6.1f} ms  failed {results[-1].failed}",
+            flush=True,
+        )
+    return results
+
+
+def chart(results: list[Result], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    loads = sorted({r.load for r in results})
+    servers = list(dict.fromkeys(r.server for r in results))
+    figure, axes = plt.subplots(1, len(loads), figsize=(5 * len(loads), 3.5))
+    for axis, load in zip([axes] if len(loads) == 1 else axes, loads, strict=True):
+        values = [
+            next(r.texts_per_s for r in results if r.server == s and r.load == load)
+            for s in servers
+        ]
+        axis.bar(servers, values, color=["#4C72B0", "#DD8452", "#55A868"][: len(servers)])
+        axis.set_title(f"{load} requests: texts/s")
+    figure.tight_layout()
+    figure.savefig(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=int, default=15, help="length of each measured run")
+    parser.add_argument("--connections", type=int, default=32, help="wrk connections")
+    parser.add_argument("--texts", type=int, default=2048, help="corpus size")
+    parser.add_argument("--server-cpus", default="0", help="CPUs the servers run on (taskset)")
+    parser.add_argument("--client-cpus", default="1", help="CPUs wrk runs on (taskset)")
+    parser.add_argument("--infinity-python", help="a Python with infinity-emb installed")
+    parser.add_argument("--ceiling-port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--model-dir", type=Path, default=OUT / "frontend-model", help=argparse.SUPPRESS
+    )
+    args = parser.parse_args(argv)
+    if args.ceiling_port:  # the child process that serves the ceiling app
+        serve_ceiling(args.model_dir, args.ceiling_port)
+        return 0
+    if shutil.which("wrk") is None:
+        print("wrk is not installed: apt-get install wrk", file=sys.stderr)
+        return 2
+    work = OUT / "frontend"
+    work.mkdir(parents=True, exist_ok=True)
+    model = build_model(args.model_dir)
+    script = work / "wrk.lua"
+    script.write_text(WRK_SCRIPT)
+    texts = make_corpus(args.texts, max_words=120)
+    loads = {
+        "1-text": (1, write_bodies(work / "single.jsonl", texts, 1)),
+        "32-text": (32, write_bodies(work / "batch32.jsonl", texts, 32)),
+    }
+    env_python = sys.executable
+    servers: list[tuple[str, list[str]]] = []
+    servers.append(
+        (
+            "embedding-server",
+            [
+                env_python,
+                "-m",
+                "embedding_server",
+                "serve",
+                "--model",
+                str(model),
+                "--served-model-name",
+                MODEL_NAME,
+                "--dtype",
+                "float32",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "{port}",
+                "--log-level",
+                "warning",
+            ],
+        )
+    )
+    if args.infinity_python and Path(args.infinity_python).exists():
+        servers.append(
+            (
+                "infinity-emb",
+                [
+                    args.infinity_python,
+                    "-m",
+                    "infinity_emb.cli",
+                    "v2",
+                    "--model-id",
+                    str(model),
+                    "--served-model-name",
+                    MODEL_NAME,
+                    "--engine",
+                    "torch",
+                    "--device",
+                    "cpu",
+                    "--port",
+                    "{port}",
+                    "--url-prefix",
+                    "",
+                ],
+            )
+        )
+    else:
+        print("infinity-emb: not measured (no --infinity-python with it installed)")
+    servers.append(
+        (
+            "ceiling",
+            [
+                env_python,
+                "-m",
+                "bench.frontend",
+                "--model-dir",
+                str(model),
+                "--ceiling-port",
+                "{port}",
+            ],
+        )
+    )
+    results: list[Result] = []
+    for name, command in servers:
+        port = free_port()
+        command = [part.replace("{port}", str(port)) for part in command]
+        with running(name, pinned(args.server_cpus, command), port, work / f"{name}.log") as url:
+            results.extend(measure(name, url, script, loads, args))
+    summary = ratios(results)
+    for line in summary:
+        print(line)
+    (OUT / "frontend.json").write_text(
+        json.dumps({"results": [asdict(r) for r in results], "ratios": summary}, indent=2)
+    )
+    chart(results, OUT / "frontend.png")
+    print(f"wrote {OUT / 'frontend.json'} and {OUT / 'frontend.png'}")
+    return 0
+
+
+def ratios(results: list[Result]) -> list[str]:
+    by = {(r.server, r.load): r for r in results}
+    lines = []
+    for load in dict.fromkeys(r.load for r in results):
+        ours = by.get(("embedding-server", load))
+        if ours is None:
+            continue
+        for peer, target in (("ceiling", 0.6), ("infinity-emb", 3.0)):
+            other = by.get((peer, load))
+            if other and other.requests_per_s > 0:
+                lines.append(
+                    f"{load}: embedding-server / {peer} = "
+                    f"{ours.requests_per_s / other.requests_per_s:.2f}x requests/s "
+                    f"(target >= {target}x), p99 {ours.p99_ms:.0f} vs {other.p99_ms:.0f} ms"
+                )
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())
