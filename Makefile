@@ -56,14 +56,14 @@ e2e: $(call STAMP,dev) binaries ## Tests against a real local Kubernetes cluster
 	$(PY) -m pytest e2e -m e2e $(PYTEST_ARGS)
 
 binaries: $(call STAMP,dev) ## Build (or reuse from ~/.cache) the cluster's Go binaries (e2e/versions.env)
-	$(PY) e2e/build_binaries.py
+	$(PY) -m e2e.harness.binaries
 
 build-images: $(call STAMP,dev)
-	$(PY) e2e/images.py build
+	$(PY) -m e2e.harness.images build
 
 images: $(call STAMP,dev) ## Build the container images from a local Debian base; load them into .cluster/ if up
-	$(PY) e2e/images.py build
-	@if [ -f .cluster/state.json ]; then $(PY) e2e/images.py load --cluster-state .cluster/state.json; fi
+	$(PY) -m e2e.harness.images build
+	@if [ -f .cluster/state.json ]; then $(PY) -m e2e.harness.images load --cluster-state .cluster/state.json; fi
 
 # infinity-emb pins its own torch and friends: it gets a virtualenv of its own, never .venv.
 INFINITY_VENV := bench/out/infinity-venv
@@ -73,20 +73,20 @@ $(INFINITY_VENV)/bin/python:
 	$(INFINITY_VENV)/bin/pip install -q 'infinity-emb[all]' || echo "infinity-emb did not install: the HTTP benchmark says so and runs without it"
 
 bench: $(call STAMP,dev) binaries $(INFINITY_VENV)/bin/python ## Benchmarks against sentence-transformers and peers (prints ratios)
-	$(PY) bench/offline.py --texts 200
-	$(PY) bench/http_load.py --texts 256 --infinity-python $(INFINITY_VENV)/bin/python
+	$(PY) -m bench.offline --texts 200
+	$(PY) -m bench.http_load --texts 256 --infinity-python $(INFINITY_VENV)/bin/python
 	@command -v wrk >/dev/null || apt-get install -y -q wrk
 	$(PY) -m bench.frontend --infinity-python $(INFINITY_VENV)/bin/python
-	$(PY) bench/operator_scale.py
+	$(PY) -m bench.operator_scale
 
 gpu-smoke: $(call STAMP,dev) ## On a GPU host: every attention kernel, dtype and model family vs float32 (exit 1 on a miss)
-	$(PY) bench/gpu_smoke.py --json bench/out/gpu_smoke.json
+	$(PY) -m bench.gpu_smoke --json bench/out/gpu_smoke.json
 
 cluster-up: $(call STAMP,dev) binaries ## Start the local cluster (a real node, fake GPU nodes, images loaded); prints the exports
-	@$(PY) e2e/cluster.py up
+	@$(PY) -m e2e.harness.cluster up
 
 cluster-down: ## Stop the local control plane
-	@$(PY) e2e/cluster.py down
+	@$(PY) -m e2e.harness.cluster down
 
 clean: cluster-down ## Remove the venv and caches (keeps ~/.cache binaries)
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -17,7 +17,7 @@ writes bench/out/http_load.json and bench/out/http_load.png. Every figure is the
 ``--repeats`` runs, for every system alike, because a shared CI box is noisy.
 
     python3 -m venv /tmp/infvenv && /tmp/infvenv/bin/pip install 'infinity-emb[all]'
-    .venv/bin/python bench/http_load.py --texts 256
+    .venv/bin/python -m bench.http_load --texts 256
 """
 
 from __future__ import annotations
@@ -38,8 +38,7 @@ from pathlib import Path
 
 import orjson
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from corpus import make_corpus
+from bench.corpus import make_corpus
 
 OUT = Path(__file__).resolve().parent / "out"
 BIN = Path(sys.executable).parent
@@ -415,7 +414,8 @@ def compute_ceiling(
     model_dir: str, corpus: list[str], token_counts: dict[str, int], dtype: str
 ) -> Ceiling:
     import torch
-    from offline import matmul_peak, model_flops_per_token
+
+    from bench.offline import matmul_peak, model_flops_per_token
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
     flops = sum(token_counts[t] * model_flops_per_token(config, token_counts[t]) for t in corpus)

@@ -11,14 +11,13 @@ reference, and the fraction of this machine's measured matmul peak each run achi
 time is printed too: on a shared machine wall-clock ratios are noisy, CPU-time ratios less so. A bar
 chart goes to bench/out/offline.png.
 
-    .venv/bin/python bench/offline.py --texts 1000
+    .venv/bin/python -m bench.offline --texts 1000
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,13 +25,12 @@ from typing import Any
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from corpus import make_corpus
 from embedding_server.dtypes import cpu_flags, cpu_thread_budget
 from embedding_server.engine import Engine
 from embedding_server.loading import resolve_model_path
 from embedding_server.settings import DEFAULT_MODEL
+
+from bench.corpus import make_corpus
 
 OUT = Path(__file__).resolve().parent / "out"
 

@@ -14,8 +14,9 @@ Measures, with the real ``embedding-operator run`` subprocess against the e2e co
    seconds the operator burned for the batch; then writes during an idle resync window
    (should be zero: nothing changed, nothing written).
 
-Usage: ``python bench/operator_scale.py [--count 100] [--single 5] [--json FILE]``
-(starts its own cluster; set ``--kubeconfig`` to reuse a running one from ``cluster.py up``).
+Usage: ``python -m bench.operator_scale [--count 100] [--single 5] [--json FILE]``
+(starts its own cluster; set ``--kubeconfig`` to reuse a running one from
+``python -m e2e.harness.cluster up``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,16 +31,15 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from embedding_operator.kube import KubeCluster
 from kubernetes import config as kube_config
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "e2e"))
+from e2e.harness.binaries import ensure_binaries
+from e2e.harness.cluster import Cluster
+from e2e.harness.operator import OperatorProcess, embedding_service, get_json
+from e2e.harness.proc import poll_until
 
-from _operator_helpers import OperatorProcess, embedding_service, get_json  # noqa: E402
-from _proc import poll_until  # noqa: E402
-from build_binaries import ensure_binaries  # noqa: E402
-from cluster import Cluster  # noqa: E402
-from embedding_operator.apply import KubeCluster  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 MODEL = {"name": "sentence-transformers/all-MiniLM-L6-v2"}
 

@@ -1,4 +1,4 @@
-"""Fixtures for tier-2 tests against a real local control plane (see e2e/cluster.py).
+"""Fixtures for tier-2 tests against a real local control plane (see e2e/harness/cluster.py).
 
 Every test collected under e2e/ is marked ``e2e``. The binaries are built (or taken from the
 cache) when the first test asks for ``cluster``; a build failure or a missing binary is an
@@ -15,11 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from build_binaries import Binaries, ensure_binaries
-from cluster import REAL_NODE_TAINT, Cluster
-from node import containerd_store
 
-from images import ImageSet, build_images, load_images
+from e2e.harness.binaries import Binaries, ensure_binaries
+from e2e.harness.cluster import REAL_NODE_TAINT, Cluster
+from e2e.harness.images import ImageSet, build_images, load_images
+from e2e.harness.node import containerd_store
 
 log = logging.getLogger("e2e.conftest")
 

@@ -23,7 +23,9 @@ from typing import Any
 
 import pytest
 import yaml
-from _operator_helpers import (
+
+from e2e.harness.cluster import Cluster
+from e2e.harness.operator import (
     adopt_crd,
     free_port,
     get_json,
@@ -31,8 +33,7 @@ from _operator_helpers import (
     wait_condition,
     wait_gone,
 )
-from _proc import Process, poll_until
-from cluster import Cluster
+from e2e.harness.proc import Process, poll_until
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CHART = REPO_ROOT / "charts" / "embedding-operator"

@@ -14,7 +14,9 @@ from typing import Any
 
 import pytest
 import yaml
-from _operator_helpers import (
+
+from e2e.harness.cluster import Cluster
+from e2e.harness.operator import (
     EXAMPLES_DIR,
     OperatorProcess,
     apply_file,
@@ -24,8 +26,7 @@ from _operator_helpers import (
     start_operator,
     wait_condition,
 )
-from _proc import poll_until
-from cluster import Cluster
+from e2e.harness.proc import poll_until
 
 EXAMPLES = sorted(EXAMPLES_DIR.glob("*.yaml"))
 PRODUCT_LABEL = "nvidia.com/gpu.product"

@@ -15,7 +15,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from _operator_helpers import (
+
+from e2e.harness.cluster import Cluster
+from e2e.harness.operator import (
     OperatorProcess,
     apply_expect_refusal,
     embedding_service,
@@ -24,8 +26,7 @@ from _operator_helpers import (
     wait_condition,
     wait_gone,
 )
-from _proc import poll_until
-from cluster import Cluster
+from e2e.harness.proc import poll_until
 
 MODEL = {"name": "sentence-transformers/all-MiniLM-L6-v2"}
 # A server image of the user's own: the operator trusts it with tensor parallelism (kwok runs

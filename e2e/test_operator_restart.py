@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from _operator_helpers import (
+
+from e2e.harness.cluster import Cluster
+from e2e.harness.operator import (
     OperatorProcess,
     embedding_service,
     get_json,
@@ -22,8 +24,7 @@ from _operator_helpers import (
     start_operator,
     wait_condition,
 )
-from _proc import poll_until
-from cluster import Cluster
+from e2e.harness.proc import poll_until
 
 MODEL = {"name": "sentence-transformers/all-MiniLM-L6-v2"}
 

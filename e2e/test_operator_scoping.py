@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from _operator_helpers import embedding_service, get_json, start_operator, wait_condition
-from _proc import poll_until
-from cluster import Cluster
+from e2e.harness.cluster import Cluster
+from e2e.harness.operator import embedding_service, get_json, start_operator, wait_condition
+from e2e.harness.proc import poll_until
 
 MODEL = {"name": "sentence-transformers/all-MiniLM-L6-v2"}
 

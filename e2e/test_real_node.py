@@ -26,7 +26,11 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
-from _operator_helpers import (
+
+from e2e.harness.cluster import REAL_NODE_TAINT_KEY, Cluster, poll_until
+from e2e.harness.images import ImageSet
+from e2e.harness.node import NODE_NAME
+from e2e.harness.operator import (
     CHART,
     EXAMPLES_DIR,
     adopt_crd,
@@ -35,10 +39,6 @@ from _operator_helpers import (
     get_json,
     wait_condition,
 )
-from cluster import REAL_NODE_TAINT_KEY, Cluster, poll_until
-from node import NODE_NAME
-
-from images import ImageSet
 
 RELEASE = "eo-real"
 HELM_TIMEOUT_S = 300.0

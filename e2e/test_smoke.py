@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from cluster import Cluster, poll_until
+from e2e.harness.cluster import Cluster, poll_until
 
 H100 = "NVIDIA-H100-80GB-HBM3"
 VERSIONS = dict(

@@ -1,6 +1,6 @@
 # The e2e tier's client pods: the server image (Python, httpx, numpy) plus the official
 # `openai` package, so tests call Services from inside the cluster as applications do.
-# Built by e2e/images.py from a context holding requirements.lock (images/e2e-client.lock)
+# Built by e2e/harness/images.py from a context holding requirements.lock (images/e2e-client.lock)
 # and its wheels; never pushed anywhere.
 
 ARG SERVER_IMAGE=ghcr.io/embedding-operator/embedding-server:0.1.0

@@ -1,17 +1,17 @@
 # embedding-operator: the kopf operator that reconciles EmbeddingService resources.
 #
-# The build context is a directory that e2e/images.py assembles (nothing here reaches PyPI):
+# The build context is a directory that e2e/harness/images.py assembles (nothing here reaches PyPI):
 #   requirements.lock  images/operator.lock, the pinned dependencies
 #   wheels/            exactly the wheels that lock names (`pip download` on the host)
 #   dist/              the embedding-operator wheel (`pip wheel --no-deps .` on the host)
-# `python e2e/images.py build` runs this; by hand:
+# `python -m e2e.harness.images build` runs this; by hand:
 #   docker build -f images/operator.Dockerfile -t ghcr.io/embedding-operator/embedding-operator:0.1.0 CONTEXT
 #
 # Only the `operator` extra is installed: no torch, no model code, a small image. Wheels are
 # bind-mounted into the RUN steps (BuildKit, DOCKER_BUILDKIT=1), never copied into a layer.
 # No `# syntax=` line: that would pull a frontend image from a registry.
 
-# debian:bookworm-slim from a registry, or the local debootstrap import e2e/images.py passes.
+# debian:bookworm-slim from a registry, or the local debootstrap import e2e/harness/images.py passes.
 ARG BASE_IMAGE=debian:bookworm-slim
 
 FROM ${BASE_IMAGE}

@@ -1,10 +1,10 @@
 # embedding-server: the continuous-batching embedding server, CPU or CUDA, on Debian bookworm.
 #
-# The build context is a directory that e2e/images.py assembles (nothing here reaches PyPI):
+# The build context is a directory that e2e/harness/images.py assembles (nothing here reaches PyPI):
 #   requirements.lock  images/server.lock, the pinned dependencies (torch included)
 #   wheels/            exactly the wheels that lock names (`pip download` on the host)
 #   dist/              the embedding-operator wheel (`pip wheel --no-deps .` on the host)
-# `python e2e/images.py build` runs the CPU build the tests use; by hand:
+# `python -m e2e.harness.images build` runs the CPU build the tests use; by hand:
 #   docker build -f images/server.Dockerfile -t ghcr.io/embedding-operator/embedding-server:0.1.0 CONTEXT
 #   # CUDA, with flash-attn varlen kernels compiled in a builder stage (slow, needs lots of RAM):
 #   docker build -f images/server.Dockerfile --build-arg VARIANT=cuda \
@@ -22,7 +22,7 @@
 # Wheels are bind-mounted into the RUN steps (BuildKit, DOCKER_BUILDKIT=1), never copied into
 # a layer. No `# syntax=` line: that would pull a frontend image from a registry.
 
-# debian:bookworm-slim from a registry, or the local debootstrap import e2e/images.py passes.
+# debian:bookworm-slim from a registry, or the local debootstrap import e2e/harness/images.py passes.
 ARG BASE_IMAGE=debian:bookworm-slim
 # cpu or cuda.
 ARG VARIANT=cpu

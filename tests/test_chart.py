@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import textwrap
 from collections.abc import Iterable
 from pathlib import Path
@@ -24,6 +23,8 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
+
+from e2e.harness.binaries import COMPONENTS, component_dir, read_versions
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "embedding-operator"
@@ -97,21 +98,13 @@ def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any
 
 
 def find_helm() -> Path | None:
-    """$HELM, else the e2e build cache (e2e/build_binaries.py), else PATH."""
+    """$HELM, else the e2e build cache (e2e.harness.binaries), else PATH."""
     if os.environ.get("HELM"):
         return Path(os.environ["HELM"])
-    sys.path.insert(0, str(ROOT / "e2e"))
-    try:
-        from build_binaries import COMPONENTS, component_dir, read_versions
-    except ImportError:
-        pass
-    else:
-        helm = next(c for c in COMPONENTS if c.name == "helm")
-        built = Path(component_dir(helm, read_versions()[helm.version_key])) / "helm"
-        if built.is_file():
-            return built
-    finally:
-        sys.path.remove(str(ROOT / "e2e"))
+    helm = next(c for c in COMPONENTS if c.name == "helm")
+    built = Path(component_dir(helm, read_versions()[helm.version_key])) / "helm"
+    if built.is_file():
+        return built
     found = shutil.which("helm")
     return Path(found) if found else None
 

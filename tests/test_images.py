@@ -1,4 +1,4 @@
-"""Static checks of the container build files and of e2e/images.py (nothing is built here).
+"""Static checks of the container build files and of e2e.harness.images (nothing is built).
 
 What can go wrong without anyone noticing until a pod crash-loops in a real cluster: an
 ENTRYPOINT naming a console script that pyproject no longer declares, an image that runs as
@@ -10,11 +10,9 @@ test pins one of those; `make images` builds them for real.
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 import shlex
-import sys
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +20,8 @@ from typing import Any
 
 import pytest
 import yaml
+
+from e2e.harness import images as image_builder
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGES = ROOT / "images"
@@ -158,22 +158,12 @@ def bind_mounts(ins: Instruction) -> list[dict[str, str]]:
     return mounts
 
 
-@pytest.fixture(scope="module")
-def images_module() -> Any:
-    """e2e/images.py, the build driver (e2e/ is a script directory, not a package)."""
-    sys.path.insert(0, str(ROOT / "e2e"))
-    try:
-        return importlib.import_module("images")
-    finally:
-        sys.path.remove(str(ROOT / "e2e"))
-
-
 @pytest.mark.parametrize("dockerfile", [SERVER_DOCKERFILE, OPERATOR_DOCKERFILE])
-def test_context_entries_are_what_images_py_stages(dockerfile: Path, images_module: Any) -> None:
-    """Every bind-mounted or copied context path is staged by e2e/images.py and not ignored."""
+def test_context_entries_are_what_images_py_stages(dockerfile: Path) -> None:
+    """Every bind-mounted or copied context path is staged by e2e.harness.images and not ignored."""
     ignore = (dockerfile.parent / f"{dockerfile.name}.dockerignore").read_text(encoding="utf-8")
     allowed = {line[1:].rstrip("/") for line in ignore.splitlines() if line.startswith("!")}
-    assert allowed == set(images_module.CONTEXT_ENTRIES)
+    assert allowed == set(image_builder.CONTEXT_ENTRIES)
     used: set[str] = set()
     for ins in parse_dockerfile(dockerfile):
         if ins.keyword == "COPY" and "--from=" not in ins.value:
@@ -186,7 +176,7 @@ def test_context_entries_are_what_images_py_stages(dockerfile: Path, images_modu
 
 @pytest.mark.parametrize("dockerfile", [SERVER_DOCKERFILE, OPERATOR_DOCKERFILE])
 def test_base_image_is_a_build_arg_defaulting_to_bookworm_slim(dockerfile: Path) -> None:
-    """Registry users build as is; e2e/images.py passes its debootstrapped base instead."""
+    """Registry users build as is; e2e.harness.images passes its debootstrapped base instead."""
     text = dockerfile.read_text(encoding="utf-8")
     # A `# syntax=` line makes BuildKit pull a frontend image from a registry.
     assert not re.search(r"^#\s*syntax\s*=", text, re.MULTILINE)
@@ -227,14 +217,12 @@ def test_dependencies_come_only_from_the_locked_wheels(dockerfile: Path) -> None
 
 
 @pytest.mark.parametrize("image", ["server", "operator"])
-def test_lock_pins_every_dependency_of_the_extra(
-    image: str, extras: dict[str, list[str]], images_module: Any
-) -> None:
+def test_lock_pins_every_dependency_of_the_extra(image: str, extras: dict[str, list[str]]) -> None:
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
 
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
-    pins = images_module.read_lock(images_module.LOCKS[image])
+    pins = image_builder.read_lock(image_builder.LOCKS[image])
     for line in [*pyproject["project"]["dependencies"], *extras[image]]:
         req = Requirement(line)
         name = canonicalize_name(req.name)
@@ -326,27 +314,27 @@ def test_server_image_keeps_its_torch_and_its_gpu_memory_in_shape() -> None:
     assert re.search(r"^torch==[\d.]+$", lock, re.MULTILINE), "the lock pins torch exactly"
 
 
-def test_pause_image_is_a_static_program_from_scratch(images_module: Any) -> None:
+def test_pause_image_is_a_static_program_from_scratch() -> None:
     source = (IMAGES / "pause" / "pause.c").read_text(encoding="utf-8")
     for needle in ("SIGTERM", "SIGINT", "SIGCHLD", "waitpid", "pause();"):
         assert needle in source
     instructions = parse_dockerfile(IMAGES / "pause.Dockerfile")
     assert instructions[0] == Instruction("FROM", "scratch")
     assert last(instructions, "ENTRYPOINT").exec_form() == ["/pause"]
-    assert images_module.PAUSE_IMAGE in documented_tags(IMAGES / "pause.Dockerfile")
+    assert image_builder.PAUSE_IMAGE in documented_tags(IMAGES / "pause.Dockerfile")
 
 
 def test_images_py_tags_are_the_chart_defaults(
-    chart: dict[str, Any], values: dict[str, Any], images_module: Any
+    chart: dict[str, Any], values: dict[str, Any]
 ) -> None:
-    refs = images_module.image_refs()
+    refs = image_builder.image_refs()
     assert refs.server == f"{values['serverImage']['repository']}:{chart['appVersion']}"
     assert refs.operator == f"{values['image']['repository']}:{chart['appVersion']}"
     assert refs.server in documented_tags(SERVER_DOCKERFILE)
     assert refs.operator in documented_tags(OPERATOR_DOCKERFILE)
 
 
-def test_apt_mirror_is_read_from_the_machines_sources(tmp_path: Path, images_module: Any) -> None:
+def test_apt_mirror_is_read_from_the_machines_sources(tmp_path: Path) -> None:
     sources = tmp_path / "sources.list.d"
     sources.mkdir()
     (sources / "debian.sources").write_text(
@@ -356,12 +344,12 @@ def test_apt_mirror_is_read_from_the_machines_sources(tmp_path: Path, images_mod
         "Suites: bookworm-security\nComponents: main\n"
     )
     missing = tmp_path / "sources.list"
-    assert images_module.apt_mirror(sources, missing) == "http://mirror.example/debian"
+    assert image_builder.apt_mirror(sources, missing) == "http://mirror.example/debian"
     legacy = tmp_path / "legacy.list"
     legacy.write_text("deb [arch=amd64 signed-by=/k.gpg] http://old.example/debian bookworm main\n")
-    assert images_module.apt_mirror(tmp_path / "none", legacy) == "http://old.example/debian"
-    with pytest.raises(images_module.ImageError, match="bookworm"):
-        images_module.apt_mirror(tmp_path / "none", missing)
+    assert image_builder.apt_mirror(tmp_path / "none", legacy) == "http://old.example/debian"
+    with pytest.raises(image_builder.ImageError, match="bookworm"):
+        image_builder.apt_mirror(tmp_path / "none", missing)
 
 
 def test_operator_image_contract(values: dict[str, Any]) -> None:
@@ -415,7 +403,7 @@ def test_chart_starts_the_operator_images_command(values: dict[str, Any]) -> Non
     assert last(parse_dockerfile(OPERATOR_DOCKERFILE), "CMD").exec_form() == ["run"]
 
 
-def test_e2e_client_image_is_the_server_image_plus_openai(images_module: Any) -> None:
+def test_e2e_client_image_is_the_server_image_plus_openai() -> None:
     """The e2e client pods run the official openai client at the version the tests pin, on
     top of the server image, and not as root."""
     from packaging.requirements import Requirement
@@ -426,10 +414,10 @@ def test_e2e_client_image_is_the_server_image_plus_openai(images_module: Any) ->
         for r in pyproject["project"]["optional-dependencies"]["test"]
         if Requirement(r).name == "openai"
     )
-    pins = images_module.read_lock(images_module.LOCKS["e2e-client"])
+    pins = image_builder.read_lock(image_builder.LOCKS["e2e-client"])
     assert wanted.specifier.contains(pins["openai"]), pins["openai"]
-    instructions = parse_dockerfile(images_module.CLIENT_DOCKERFILE)
+    instructions = parse_dockerfile(image_builder.CLIENT_DOCKERFILE)
     assert last(instructions, "FROM").value == "${SERVER_IMAGE}"
     assert last(instructions, "USER").value == "1000:1000"
-    refs = images_module.image_refs()
+    refs = image_builder.image_refs()
     assert refs.client.split(":")[-1] == refs.server.split(":")[-1]

@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 import yaml
-from operator_fakes import CRD_PATH, FakeCluster
+
+from tests.support.operator import CRD_PATH, FakeCluster
 
 
 @pytest.fixture(scope="session")

@@ -21,8 +21,9 @@ from embedding_operator.spec import (
     InvalidSpecError,
     parse_spec,
 )
-from operator_fakes import EXAMPLES
 from pydantic import BaseModel
+
+from tests.support.operator import EXAMPLES
 
 
 def _walk(node: dict[str, Any], path: str) -> typing.Iterator[tuple[str, dict[str, Any]]]:

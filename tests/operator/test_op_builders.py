@@ -15,7 +15,8 @@ from embedding_operator.builders.hpa import build_hpa
 from embedding_operator.builders.pdb import wants_pdb
 from embedding_operator.builders.pvc import build_pvc
 from embedding_operator.builders.service import build_service
-from operator_fakes import render_input
+
+from tests.support.operator import render_input
 
 MODEL = {"name": "BAAI/bge-small-en-v1.5"}
 

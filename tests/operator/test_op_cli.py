@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 from embedding_operator.cli import build_parser, main, settings_from_args
-from operator_fakes import EXAMPLES
+
+from tests.support.operator import EXAMPLES
 
 
 def _render(path: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> list[dict]:

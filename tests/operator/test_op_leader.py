@@ -11,7 +11,8 @@ from embedding_operator.leader import (
     LeaseConfig,
     run_as_leader,
 )
-from operator_fakes import FakeCluster
+
+from tests.support.operator import FakeCluster
 
 REF = ObjectRef("coordination.k8s.io/v1", "Lease", "ops", "embedding-operator")
 

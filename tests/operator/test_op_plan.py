@@ -9,7 +9,8 @@ from embedding_operator.builders import desired_children
 from embedding_operator.builders.common import Owner
 from embedding_operator.plan import Planned, Refused, plan
 from embedding_operator.profiles import GpuProfiles
-from operator_fakes import render_input
+
+from tests.support.operator import render_input
 
 M = {"name": "m"}
 OWNER = Owner(name="emb", namespace="ns", uid="uid-1", generation=1)

@@ -8,7 +8,8 @@ import pytest
 from embedding_operator.kube import ApiError, ObjectRef
 from embedding_operator.profiles import GpuProfiles
 from embedding_operator.reconcile import Reconciler, owner_ref
-from operator_fakes import FakeCluster
+
+from tests.support.operator import FakeCluster
 
 NS = "team"
 

@@ -14,7 +14,8 @@ from embedding_operator.builders.deployment import SERVER_DRAIN_SECONDS, server_
 from embedding_operator.builders.hpa import SERVER_BATCH_TOKENS
 from embedding_server import settings as server_settings
 from embedding_server.cli import load_settings
-from operator_fakes import render_input
+
+from tests.support.operator import render_input
 
 
 @pytest.mark.parametrize("name", ["Pooling", "Dtype"])

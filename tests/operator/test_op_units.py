@@ -240,7 +240,8 @@ def test_controller_dedupes_and_resyncs_known_objects() -> None:
 def test_events_are_posted_as_core_v1_events() -> None:
     from embedding_operator.events import ApiEventRecorder
     from embedding_operator.kube import ApiError
-    from operator_fakes import FakeCluster
+
+    from tests.support.operator import FakeCluster
 
     cluster = FakeCluster()
     body = {

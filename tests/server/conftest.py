@@ -1,4 +1,4 @@
-"""Shared fixtures for the server tests (engine fixtures; model builders live in _models.py)."""
+"""Shared fixtures for the server tests (engine fixtures; model builders: tests.support.models)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from _models import MINILM_DIR, build_bert, build_decoder, build_xlm_roberta
+from tests.support.models import MINILM_DIR, build_bert, build_decoder, build_xlm_roberta
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,8 @@ from typing import Any
 
 import httpx
 import pytest
-from _api_support import scrape, wait_for
+
+from tests.support.api import scrape, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 

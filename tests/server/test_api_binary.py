@@ -20,8 +20,9 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from _api_support import MINILM_DIMS, RunningServer, running_server
 from embedding_server.settings import ServerSettings
+
+from tests.support.api import MINILM_DIMS, RunningServer, running_server
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -10,7 +10,8 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from _api_support import RunningServer, fake_settings, running_server
+
+from tests.support.api import RunningServer, fake_settings, running_server
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,7 +14,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from _api_support import RunningServer, fake_settings, running_server, wait_for
+
+from tests.support.api import RunningServer, fake_settings, running_server, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 

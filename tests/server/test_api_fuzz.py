@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 import schemathesis
-from _api_support import RunningServer, fake_settings, running_server
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
+
+from tests.support.api import RunningServer, fake_settings, running_server
 
 pytestmark = pytest.mark.timeout(300)
 

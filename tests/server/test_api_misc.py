@@ -13,10 +13,11 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from _api_support import RunningServer, fake_settings, running_server, sample, wait_for
 from embedding_server.api import create_app
 from embedding_server.metrics import QUEUE_REQUESTS_METRIC, QUEUE_TOKENS_METRIC
 from embedding_server.settings import ServerSettings
+
+from tests.support.api import RunningServer, fake_settings, running_server, sample, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 

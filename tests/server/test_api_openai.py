@@ -16,8 +16,9 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from _api_support import RunningServer, running_server
 from embedding_server.settings import ServerSettings
+
+from tests.support.api import RunningServer, running_server
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -13,7 +13,8 @@ import sys
 
 import httpx
 import pytest
-from _api_support import scrape, wait_for
+
+from tests.support.api import scrape, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -13,9 +13,10 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from _api_support import RunningServer, fake_settings, running_server
-from _task_models import build_classifier, build_splade, save_cross_encoder
 from embedding_server.settings import ServerSettings
+
+from tests.support.api import RunningServer, fake_settings, running_server
+from tests.support.tasks import build_classifier, build_splade, save_cross_encoder
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,7 +1,7 @@
 """Which attention kernel, dtype and device a server picks, and what it says about it.
 
 The GPU paths cannot run here, so the facts of a GPU (compute capability, installed kernels)
-are made up (:func:`_attention_fakes.pretend_cuda`) while the tensors stay on the CPU, and
+are made up (:func:`tests.support.attention.pretend_cuda`) while the tensors stay on the CPU, and
 the CUDA-only kernels are strict stand-ins that refuse what the real ones refuse.
 """
 
@@ -16,17 +16,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _attention_fakes import (
+from embedding_server import attention, dtypes
+from embedding_server.attention import AttentionFacts, Backend, plan_attention, select_backend
+from embedding_server.engine import Engine
+from embedding_server.errors import InvalidRequestError
+
+from tests.support.attention import (
     BF16_COSINE,
     StrictFlash,
     assert_rows_close,
     pretend_cuda,
 )
-from _models import build_decoder
-from embedding_server import attention, dtypes
-from embedding_server.attention import AttentionFacts, Backend, plan_attention, select_backend
-from embedding_server.engine import Engine
-from embedding_server.errors import InvalidRequestError
+from tests.support.models import build_decoder
 
 
 def _facts(

@@ -33,7 +33,7 @@ MIXED = [
 
 @pytest.fixture(scope="module")
 def st_model() -> SentenceTransformer:
-    from _models import MINILM_DIR
+    from tests.support.models import MINILM_DIR
 
     return SentenceTransformer(str(MINILM_DIR), device="cpu")
 

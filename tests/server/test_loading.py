@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _models import add_sentence_transformers, build_decoder
 from embedding_server.engine import Engine
 from embedding_server.errors import ModelNotFoundError, UnsupportedModelError
 from embedding_server.loading import (
@@ -20,6 +19,8 @@ from embedding_server.loading import (
 )
 from safetensors.torch import load_file
 from sentence_transformers import SentenceTransformer
+
+from tests.support.models import add_sentence_transformers, build_decoder
 
 TEXTS = ["a", "the same model, read by two libraries", "tokens " * 15, "zz top"]
 

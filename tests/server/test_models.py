@@ -17,13 +17,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from _attention_fakes import BF16_COSINE, assert_rows_close, flash_mask, pretend_cuda
-from _models import build_decoder
 from embedding_server import attention
 from embedding_server.engine import Engine
 from embedding_server.errors import UnsupportedModelError
 from embedding_server.models.base import PackedBatch
 from transformers import AutoModel
+
+from tests.support.attention import BF16_COSINE, assert_rows_close, flash_mask, pretend_cuda
+from tests.support.models import build_decoder
 
 FAMILIES = ["bert", "xlm-roberta", "qwen2", "qwen3", "llama", "mistral", "gemma3_text"]
 

@@ -1,6 +1,6 @@
 """ModernBERT on packed tokens against transformers and sentence-transformers.
 
-Tiny random ModernBERTs (built like ``_models.py`` builds the other families) run as ONE
+Tiny random ModernBERTs (built like ``tests.support.models`` builds the other families) run as ONE
 packed batch of mixed lengths, shorter and longer than the local attention band, so every
 global/local alternation and the band's exact edge are exercised; each sequence must match
 transformers running it alone.
@@ -16,12 +16,18 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from _attention_fakes import BF16_COSINE, assert_rows_close, pretend_cuda
-from _models import _save_tokenizer, add_sentence_transformers, byte_tokenizer, spread_weights
 from embedding_server import attention
 from embedding_server.engine import Engine
 from sentence_transformers import SentenceTransformer
 from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM
+
+from tests.support.attention import BF16_COSINE, assert_rows_close, pretend_cuda
+from tests.support.models import (
+    _save_tokenizer,
+    add_sentence_transformers,
+    byte_tokenizer,
+    spread_weights,
+)
 
 _SPECIALS = ["[CLS]", "[SEP]", "[PAD]", "[MASK]", "[UNK]"]
 _CLS, _SEP = 0, 1

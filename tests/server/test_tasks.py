@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _task_models import build_classifier, save_cross_encoder
 from embedding_server.engine import Engine
 from embedding_server.errors import InvalidRequestError, UnsupportedModelError
 from embedding_server.tokenization import Truncation, longest_first
@@ -24,6 +23,9 @@ from transformers import (
     AutoModelForTokenClassification,
     AutoTokenizer,
 )
+
+from tests.support.models import MINILM_DIR
+from tests.support.tasks import build_classifier, build_splade, save_cross_encoder
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -228,8 +230,6 @@ def test_unsupported_heads_are_refused(tmp_path: Path) -> None:
     import json
     import shutil
 
-    from _models import MINILM_DIR
-
     shutil.copytree(MINILM_DIR, tmp_path / "m")
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
     cfg["architectures"] = ["BertForQuestionAnswering"]
@@ -310,8 +310,6 @@ def test_reward_is_the_raw_head_at_every_token(
 @pytest.fixture(scope="module")
 def splade(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """Factory: (family, strategy="max") -> a tiny SPLADE SparseEncoder, built once."""
-    from _task_models import build_splade
-
     root = tmp_path_factory.mktemp("splade")
     cache: dict[tuple[str, str], Path] = {}
 

@@ -26,10 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from _proc import Process, poll_until
-from cluster import Cluster
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from e2e.harness.cluster import Cluster
+from e2e.harness.proc import Process, poll_until
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES_DIR = REPO_ROOT / "examples"
 GROUP = "embedding-operator.dev"
 CONVERGE_TIMEOUT = 90.0

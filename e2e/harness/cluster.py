@@ -12,17 +12,23 @@ Start order, each step polled to readiness under a deadline before the next one 
    (``--use-service-account-credentials``) as on kubeadm clusters; short HPA sync period.
 5. kube-scheduler.
 6. The fake nodes of ``e2e/nodes.yaml``, then kwok, which heartbeats them and runs their pods;
-   ready when every node is Ready and its ``not-ready`` taint is gone, and the ``default``
-   ServiceAccount exists (proof that the controllers reconcile).
+   ready when every node is Ready and its ``not-ready`` taint is gone.
+7. The real node (node.py): containerd, the images, kube-proxy, CoreDNS, the kubelet.
+8. Prometheus and prometheus-adapter behind the custom.metrics.k8s.io APIService; the cluster
+   is ready when the ``default`` ServiceAccount exists (proof that the controllers reconcile).
+
+Each component is one class in components.py (command line, files, health probe), as envtest
+has one per binary; ``Cluster`` composes them and offers kubectl, helm and ServiceAccount
+kubeconfigs to the tests.
 
 ``stop()`` (and any failure during ``start()``) stops the components in reverse order, SIGTERM
 then SIGKILL, whole process groups. Ports are free ports on 127.0.0.1 picked at start.
 
 CLI for manual use (state in ``.cluster/`` at the repository root)::
 
-    python e2e/cluster.py up     # builds missing binaries, starts detached, prints export line
-    python e2e/cluster.py env    # prints the export lines again
-    python e2e/cluster.py down   # stops everything and removes the state
+    python -m e2e.harness.cluster up     # builds missing binaries, starts detached, prints exports
+    python -m e2e.harness.cluster env    # prints the export lines again
+    python -m e2e.harness.cluster down   # stops everything and removes the state
 """
 
 from __future__ import annotations
@@ -35,53 +41,59 @@ import logging
 import os
 import shutil
 import socket
-import ssl
-import struct
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
-import node
 import yaml
-from _pki import FRONT_PROXY_CLIENT, SERVICE_IP, Pki, create_pki
-from _proc import ClusterError, Process, poll_until
-from build_binaries import Binaries, BuildError, ensure_binaries
-from host_packages import HostPackageError, ensure_packages
 
-from images import ImageError, build_images, load_images
+from e2e.harness import node
+from e2e.harness.binaries import Binaries, BuildError, ensure_binaries
+from e2e.harness.components import (
+    APIServer,
+    Component,
+    Containerd,
+    ControllerManager,
+    CoreDNS,
+    Etcd,
+    Kubelet,
+    KubeProxy,
+    Kwok,
+    Launcher,
+    Prometheus,
+    PrometheusAdapter,
+    Scheduler,
+    Teardown,
+    adapter_api_objects,
+    stop_processes,
+)
+from e2e.harness.host_packages import HostPackageError, ensure_packages
+from e2e.harness.images import ImageError, build_images, load_images
+from e2e.harness.pki import Pki, create_pki
+from e2e.harness.probes import AdminApi, http_get
+from e2e.harness.proc import ClusterError, Process, poll_until
 
 __all__ = ["Binaries", "BuildError", "Cluster", "ClusterError", "Timeouts", "poll_until"]
 
 log = logging.getLogger("e2e.cluster")
 
-E2E_DIR = Path(__file__).resolve().parent
+E2E_DIR = Path(__file__).resolve().parents[1]
 REPO_ROOT = E2E_DIR.parent
 DEFAULT_CRD_DIR = REPO_ROOT / "crds"
 DEFAULT_NODES_FILE = E2E_DIR / "nodes.yaml"
 CLI_WORKDIR = REPO_ROOT / ".cluster"
 STATE_FILE = "state.json"
 SERVICE_CIDR = node.SERVICE_CIDR
-# kwok's fake pods get addresses no packet is ever sent to (the node's guard drops them).
-FAKE_POD_CIDR = "198.18.128.1/17"
-FAKE_NODE_IP = "198.18.0.2"
-SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
-FAKE_NODE_ANNOTATION = "kwok.x-k8s.io/node=fake"
-NOT_READY_TAINT = "node.kubernetes.io/not-ready"
 # The e2e session taints the real node so the kwok-era tests never start real pods there;
 # the real-node tests tolerate it (a GPU profile and the chart's operator tolerations).
 REAL_NODE_TAINT_KEY = "e2e.embedding-operator.dev/real-node"
 REAL_NODE_TAINT = f"{REAL_NODE_TAINT_KEY}=true:NoSchedule"
-ADAPTER_SERVICE = "prometheus-adapter"
-ADAPTER_NAMESPACE = "kube-system"
-ADAPTER_API_SERVICE = "v1beta1.custom.metrics.k8s.io"
 CHART_DIR = REPO_ROOT / "charts" / "embedding-operator"
 
 
@@ -171,9 +183,13 @@ def _cert_user(cert: Path, key: Path) -> dict[str, str]:
     return {"client-certificate-data": _b64(cert), "client-key-data": _b64(key)}
 
 
+C = TypeVar("C", bound=Component)
+
+
 class Cluster:
     """etcd + kube-apiserver + kube-controller-manager + kube-scheduler + kwok's fake GPU
-    nodes + one real node (see ``node.py``) + Prometheus and prometheus-adapter.
+    nodes + one real node (see ``node.py``) + Prometheus and prometheus-adapter, each a
+    ``Component`` (components.py) in ``components``, in start order.
 
     Use as a context manager, or call ``start()`` / ``stop()``. ``detached=True`` leaves the
     processes running after this Python process exits (see ``stop_detached``).
@@ -194,7 +210,7 @@ class Cluster:
         timeouts: Timeouts | None = None,
         fake_nodes: Collection[str] | None = None,
         node_taints: Sequence[str] = (),
-        image_loader: Callable[[Path], None] | None = None,
+        image_loader: Callable[[Path], object] | None = None,
     ) -> None:
         self.binaries = binaries
         self.workdir = workdir.resolve()
@@ -218,9 +234,12 @@ class Cluster:
         self._chains_before = node.kube_chains()
         self.kubeconfig = self.workdir / "kubeconfig"
         self.log_dir = self.workdir / "logs"
+        self.launcher = Launcher(self.log_dir, detached=detached, on_spawn=self._record)
+        self.components: list[Component] = []
         self.processes: list[Process] = []
         self.startup_seconds: float | None = None
         self._pki: Pki | None = None
+        self._api: AdminApi | None = None
 
     # -- public API -------------------------------------------------------------------------
 
@@ -313,7 +332,7 @@ class Cluster:
     def wait_for_service_account(self, namespace: str, name: str) -> None:
         path = f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}"
         poll_until(
-            lambda: self._api_get(path),
+            lambda: self.api.get(path),
             timeout=self.timeouts.service_account,
             what=f"ServiceAccount {namespace}/{name}",
         )
@@ -347,12 +366,8 @@ class Cluster:
         log.info("[cluster] starting in %s (apiserver %s)", self.workdir, self.server)
         try:
             self._prepare()
-            self._start_etcd()
-            self._start_apiserver()
-            self._apply_crds()
-            self._start_controller_manager()
-            self._start_scheduler()
-            self._start_nodes()
+            self._start_control_plane()
+            self._start_fake_nodes()
             self._start_real_node()
             self._start_metrics_pipeline()
             self.wait_for_service_account("default", "default")
@@ -367,7 +382,7 @@ class Cluster:
     def stop(self) -> None:
         """Stop every component in reverse start order, remove the containers, mounts, network
         namespaces, bridges and iptables rules the node made; drop etcd's data (logs stay)."""
-        errors = stop_processes(self.processes, self.node_paths, self.binaries.kube_proxy)
+        errors = stop_processes(self.processes, self._teardown())
         errors += node_cleanup(
             self.node_paths,
             self._network_restore,
@@ -376,6 +391,7 @@ class Cluster:
             self._chains_before,
         )
         self.processes.clear()
+        self.components.clear()
         shutil.rmtree(self.workdir / "etcd", ignore_errors=True)
         (self.workdir / STATE_FILE).unlink(missing_ok=True)
         if errors:
@@ -430,47 +446,24 @@ class Cluster:
             )
         return proc
 
-    def _ssl_context(self, client_cert: bool) -> ssl.SSLContext:
-        context = ssl.create_default_context(cafile=str(self.pki.ca.cert))
-        if client_cert:
-            context.load_cert_chain(str(self.pki.admin.cert), str(self.pki.admin.key))
-        return context
+    @property
+    def api(self) -> AdminApi:
+        if self._api is None:
+            raise ClusterError("the cluster has not been started")
+        return self._api
 
-    @staticmethod
-    def _http_get(url: str, context: ssl.SSLContext | None) -> str | None:
-        """The body of a 200 response, or None for anything else (not up yet)."""
-        try:
-            with urllib.request.urlopen(url, timeout=5, context=context) as response:
-                body: bytes = response.read()
-                return body.decode() if response.status == 200 else None
-        except (urllib.error.URLError, OSError):
-            return None
-
-    def _api_get(self, path: str) -> Any:
-        """GET an API path as admin; the decoded JSON, or None if it is not there (yet)."""
-        body = self._http_get(self.server + path, self._ssl_context(client_cert=True))
-        return json.loads(body) if body is not None else None
-
-    def _spawn(self, name: str, argv: Sequence[str]) -> Process:
-        process = Process.spawn(name, argv, self.log_dir / f"{name}.log", detached=self.detached)
+    def _record(self, process: Process) -> None:
         self.processes.append(process)
         if self.detached:
             self._write_state()
-        return process
 
-    def _wait_ready(self, process: Process, probe: Callable[[], object], timeout: float) -> None:
-        def check() -> object:
-            process.ensure_running()
-            return probe()
+    def _start(self, component: C) -> C:
+        self.components.append(component)
+        component.start()
+        return component
 
-        t0 = time.monotonic()
-        try:
-            poll_until(check, timeout=timeout, what=f"{process.name} to become ready")
-        except TimeoutError as exc:
-            raise ClusterError(
-                f"{exc}; last lines of {process.log_path}:\n{process.log_tail()}"
-            ) from exc
-        log.info("[cluster] %s ready (%.1fs)", process.name, time.monotonic() - t0)
+    def _teardown(self) -> Teardown:
+        return Teardown(node_paths=self.node_paths, kube_proxy=self.binaries.kube_proxy)
 
     def _write_state(self) -> None:
         state = {
@@ -492,7 +485,7 @@ class Cluster:
     def _prepare(self) -> None:
         for field_name, binary in vars(self.binaries).items():
             if field_name != "cni_bin_dir" and not os.access(binary, os.X_OK):
-                raise ClusterError(f"missing binary {binary}; run `python e2e/build_binaries.py`")
+                raise ClusterError(f"missing binary {binary}; run `python -m e2e.harness.binaries`")
         node.require_root()
         ensure_packages(node.NODE_PACKAGES)
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -500,6 +493,7 @@ class Cluster:
         self._network_restore = node.network_up()
         self._pki = create_pki(self.workdir / "pki")
         pki = self._pki
+        self._api = AdminApi(self.server, pki)
         _write_kubeconfig(
             self.kubeconfig,
             kubeconfig_dict(self.server, pki.ca.cert, _cert_user(pki.admin.cert, pki.admin.key)),
@@ -518,69 +512,53 @@ class Cluster:
     def _component_kubeconfig(self, name: str) -> Path:
         return self.workdir / "kubeconfigs" / f"{name}.kubeconfig"
 
-    def _start_etcd(self) -> None:
-        client = f"http://127.0.0.1:{self.ports.etcd_client}"
-        peer = f"http://127.0.0.1:{self.ports.etcd_peer}"
-        process = self._spawn(
-            "etcd",
-            [
-                str(self.binaries.etcd),
-                "--name=e2e",
-                f"--data-dir={self.workdir / 'etcd'}",
-                f"--listen-client-urls={client}",
-                f"--advertise-client-urls={client}",
-                f"--listen-peer-urls={peer}",
-                f"--initial-advertise-peer-urls={peer}",
-                f"--initial-cluster=e2e={peer}",
-                "--initial-cluster-state=new",
-                "--unsafe-no-fsync=true",
-                "--log-level=warn",
-            ],
+    def _start_control_plane(self) -> None:
+        """etcd, then the apiserver, the CRDs (Established before the controller manager starts,
+        whose garbage collector re-reads discovery only every 30s), the controller manager and
+        the scheduler."""
+        etcd = self._start(
+            Etcd(
+                self.launcher,
+                self.binaries.etcd,
+                self.workdir / "etcd",
+                client_port=self.ports.etcd_client,
+                peer_port=self.ports.etcd_peer,
+                timeout=self.timeouts.etcd,
+            )
         )
-
-        def healthy() -> bool:
-            body = self._http_get(f"{client}/health", None)
-            return body is not None and json.loads(body).get("health") == "true"
-
-        self._wait_ready(process, healthy, self.timeouts.etcd)
-
-    def _start_apiserver(self) -> None:
-        pki = self.pki
-        argv = [
-            str(self.binaries.kube_apiserver),
-            f"--etcd-servers=http://127.0.0.1:{self.ports.etcd_client}",
-            # On the node IP: pods reach it through the `kubernetes` Service, the host locally.
-            f"--bind-address={node.NODE_IP}",
-            f"--advertise-address={node.NODE_IP}",
-            f"--secure-port={self.ports.apiserver}",
-            f"--tls-cert-file={pki.apiserver.cert}",
-            f"--tls-private-key-file={pki.apiserver.key}",
-            f"--client-ca-file={pki.ca.cert}",
-            "--authorization-mode=Node,RBAC",
-            "--enable-admission-plugins=NodeRestriction,ExtendedResourceToleration",
-            "--kubelet-preferred-address-types=InternalIP",
-            f"--kubelet-client-certificate={pki.apiserver_kubelet_client.cert}",
-            f"--kubelet-client-key={pki.apiserver_kubelet_client.key}",
-            f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
-            f"--service-account-key-file={pki.service_account_pub}",
-            f"--service-account-signing-key-file={pki.service_account_key}",
-            f"--service-cluster-ip-range={SERVICE_CIDR}",
-            "--allow-privileged=true",
-            "--profiling=false",
-            f"--requestheader-client-ca-file={pki.front_proxy_ca.cert}",
-            f"--requestheader-allowed-names={FRONT_PROXY_CLIENT}",
-            "--requestheader-username-headers=X-Remote-User",
-            "--requestheader-group-headers=X-Remote-Group",
-            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
-            f"--proxy-client-cert-file={pki.front_proxy_client.cert}",
-            f"--proxy-client-key-file={pki.front_proxy_client.key}",
-        ]
-        process = self._spawn("kube-apiserver", argv)
-        context = self._ssl_context(client_cert=True)
-        self._wait_ready(
-            process,
-            lambda: self._http_get(f"{self.server}/readyz", context) == "ok",
-            self.timeouts.apiserver,
+        self._start(
+            APIServer(
+                self.launcher,
+                self.binaries.kube_apiserver,
+                self.api,
+                etcd_url=etcd.client_url,
+                port=self.ports.apiserver,
+                service_cidr=SERVICE_CIDR,
+                timeout=self.timeouts.apiserver,
+            )
+        )
+        self._apply_crds()
+        self._start(
+            ControllerManager(
+                self.launcher,
+                self.binaries.kube_controller_manager,
+                self.api,
+                kubeconfig=self._component_kubeconfig("controller-manager"),
+                port=self.ports.controller_manager,
+                service_cidr=SERVICE_CIDR,
+                hpa_sync_period=self.hpa_sync_period,
+                timeout=self.timeouts.controller_manager,
+            )
+        )
+        self._start(
+            Scheduler(
+                self.launcher,
+                self.binaries.kube_scheduler,
+                self.api,
+                kubeconfig=self._component_kubeconfig("scheduler"),
+                port=self.ports.scheduler,
+                timeout=self.timeouts.scheduler,
+            )
         )
 
     def _crd_files(self) -> list[Path]:
@@ -608,65 +586,6 @@ class Cluster:
             )
         log.info("[cluster] applied and established: %s", ", ".join(crds) or "(no CRDs)")
 
-    def _secure_component_argv(
-        self, name: str, port: int, serving_cert: Path, serving_key: Path
-    ) -> list[str]:
-        config = self._component_kubeconfig(name)
-        return [
-            f"--kubeconfig={config}",
-            f"--authentication-kubeconfig={config}",
-            f"--authorization-kubeconfig={config}",
-            "--bind-address=127.0.0.1",
-            f"--secure-port={port}",
-            f"--tls-cert-file={serving_cert}",
-            f"--tls-private-key-file={serving_key}",
-            "--leader-elect=false",
-        ]
-
-    def _wait_healthz(self, process: Process, port: int, timeout: float) -> None:
-        context = self._ssl_context(client_cert=False)
-        url = f"https://127.0.0.1:{port}/healthz"
-        self._wait_ready(process, lambda: self._http_get(url, context) == "ok", timeout)
-
-    def _start_controller_manager(self) -> None:
-        pki = self.pki
-        port = self.ports.controller_manager
-        process = self._spawn(
-            "kube-controller-manager",
-            [
-                str(self.binaries.kube_controller_manager),
-                *self._secure_component_argv(
-                    "controller-manager",
-                    port,
-                    pki.controller_manager_serving.cert,
-                    pki.controller_manager_serving.key,
-                ),
-                "--controllers=*",
-                "--use-service-account-credentials=true",
-                f"--service-account-private-key-file={pki.service_account_key}",
-                f"--root-ca-file={pki.ca.cert}",
-                f"--cluster-signing-cert-file={pki.ca.cert}",
-                f"--cluster-signing-key-file={pki.ca.key}",
-                f"--service-cluster-ip-range={SERVICE_CIDR}",
-                f"--horizontal-pod-autoscaler-sync-period={self.hpa_sync_period}",
-            ],
-        )
-        self._wait_healthz(process, port, self.timeouts.controller_manager)
-
-    def _start_scheduler(self) -> None:
-        pki = self.pki
-        port = self.ports.scheduler
-        process = self._spawn(
-            "kube-scheduler",
-            [
-                str(self.binaries.kube_scheduler),
-                *self._secure_component_argv(
-                    "scheduler", port, pki.scheduler_serving.cert, pki.scheduler_serving.key
-                ),
-            ],
-        )
-        self._wait_healthz(process, port, self.timeouts.scheduler)
-
     def _fake_node_documents(self) -> list[dict[str, Any]]:
         if self.nodes_file is None:
             return []
@@ -676,132 +595,84 @@ class Cluster:
             nodes = [d for d in nodes if d["metadata"]["name"] in self.fake_nodes]
         return nodes
 
-    def _expected_nodes(self) -> list[str]:
-        return [d["metadata"]["name"] for d in self._fake_node_documents()]
-
-    def _nodes_ready(self, expected: Iterable[str]) -> bool:
-        listing = self._api_get("/api/v1/nodes")
-        if listing is None:
-            return False
-        ready = set()
-        for item in listing["items"]:
-            conditions = item.get("status", {}).get("conditions") or []
-            taints = item.get("spec", {}).get("taints") or []
-            if any(c["type"] == "Ready" and c["status"] == "True" for c in conditions) and not any(
-                t["key"] == NOT_READY_TAINT for t in taints
-            ):
-                ready.add(item["metadata"]["name"])
-        return set(expected) <= ready
-
-    def _start_nodes(self) -> None:
-        expected = self._expected_nodes()
+    def _start_fake_nodes(self) -> None:
+        """The fake nodes of ``nodes.yaml``, then kwok, which heartbeats them."""
         documents = self._fake_node_documents()
         if documents:
             self.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(documents))
-        process = self._spawn(
-            "kwok",
-            [
-                str(self.binaries.kwok),
-                f"--kubeconfig={self.kubeconfig}",
-                "--manage-all-nodes=false",
-                f"--manage-nodes-with-annotation-selector={FAKE_NODE_ANNOTATION}",
-                f"--cidr={FAKE_POD_CIDR}",
-                f"--node-ip={FAKE_NODE_IP}",
-                "--node-lease-duration-seconds=40",
-                f"--server-address=127.0.0.1:{self.ports.kwok}",
-            ],
+        self._start(
+            Kwok(
+                self.launcher,
+                self.binaries.kwok,
+                self.api,
+                kubeconfig=self.kubeconfig,
+                port=self.ports.kwok,
+                nodes=[d["metadata"]["name"] for d in documents],
+                timeout=self.timeouts.nodes,
+            )
         )
-        self._wait_ready(process, lambda: self._nodes_ready(expected), self.timeouts.nodes)
 
     # -- the real node ---------------------------------------------------------------------
 
     def _start_real_node(self) -> None:
         """containerd, then the images, kube-proxy, CoreDNS and the kubelet; ready when the
-        node is Ready and CoreDNS answers for the `kubernetes` Service."""
+        node is Ready, kube-proxy has synced for it and CoreDNS answers for the `kubernetes`
+        Service."""
         paths = self.node_paths
         resolv_conf = paths.state / "resolv.conf"
-        node.write_node_files(paths, cni_bin_dir=self.binaries.cni_bin_dir, resolv_conf=resolv_conf)
-        containerd = self._spawn(
-            "containerd", [node.which("containerd"), "--config", str(paths.containerd_config)]
-        )
-        self._wait_ready(
-            containerd,
-            lambda: node.containerd_answers(paths),
-            self.timeouts.containerd,
+        self._start(
+            Containerd(
+                self.launcher,
+                paths,
+                cni_bin_dir=self.binaries.cni_bin_dir,
+                resolv_conf=resolv_conf,
+                timeout=self.timeouts.containerd,
+            )
         )
         if self.image_loader is not None:
             t0 = time.monotonic()
             self.image_loader(paths.containerd_socket)
             log.info("[cluster] images loaded into containerd (%.1fs)", time.monotonic() - t0)
 
-        proxy_config = node.write_yaml(
-            paths.state / "kube-proxy.yaml",
-            node.kube_proxy_config(
-                self._component_kubeconfig("kube-proxy"),
-                healthz_port=self.ports.proxy_healthz,
-                metrics_port=self.ports.proxy_metrics,
-            ),
-        )
         # Its healthz turns 200 only once it has synced for its Node: waited for below.
-        proxy = self._spawn(
-            "kube-proxy", [str(self.binaries.kube_proxy), f"--config={proxy_config}"]
+        proxy = KubeProxy(
+            self.launcher,
+            self.binaries.kube_proxy,
+            config_file=paths.state / "kube-proxy.yaml",
+            kubeconfig=self._component_kubeconfig("kube-proxy"),
+            healthz_port=self.ports.proxy_healthz,
+            metrics_port=self.ports.proxy_metrics,
+            timeout=self.timeouts.real_node,
         )
-
-        corefile = paths.state / "Corefile"
-        corefile.write_text(node.corefile(self.kubeconfig, health_port=self.ports.coredns_health))
-        coredns = self._spawn(
-            "coredns", [str(self.binaries.coredns), "-conf", str(corefile), "-dns.port", "53"]
+        self.components.append(proxy)
+        proxy.spawn()
+        coredns = self._start(
+            CoreDNS(
+                self.launcher,
+                self.binaries.coredns,
+                corefile=paths.state / "Corefile",
+                kubeconfig=self.kubeconfig,
+                health_port=self.ports.coredns_health,
+                timeout=self.timeouts.dns,
+            )
         )
-        self._wait_ready(
-            coredns,
-            lambda: (
-                self._http_get(f"http://127.0.0.1:{self.ports.coredns_health}/health", None)
-                is not None
-            ),
-            self.timeouts.dns,
-        )
-
-        kubelet_config = node.write_yaml(
-            paths.state / "kubelet.yaml",
-            node.kubelet_config(
+        self._start(
+            Kubelet(
+                self.launcher,
+                self.binaries.kubelet,
+                self.api,
                 paths,
-                self.pki.ca.cert,
+                config_file=paths.state / "kubelet.yaml",
+                kubeconfig=self._component_kubeconfig("kubelet"),
                 port=self.ports.kubelet,
                 healthz_port=self.ports.kubelet_healthz,
                 resolv_conf=resolv_conf,
-            ),
+                taints=self.node_taints,
+                timeout=self.timeouts.real_node,
+            )
         )
-        argv = [
-            str(self.binaries.kubelet),
-            f"--config={kubelet_config}",
-            f"--kubeconfig={self._component_kubeconfig('kubelet')}",
-            f"--root-dir={paths.kubelet_dir}",
-            f"--cert-dir={paths.kubelet_dir / 'pki'}",
-            f"--volume-plugin-dir={paths.kubelet_dir / 'volume-plugins'}",
-            f"--node-ip={node.NODE_IP}",
-            f"--hostname-override={node.NODE_NAME}",
-            f"--node-labels=node.kubernetes.io/instance-type=real-{os.cpu_count()}cpu",
-        ]
-        if self.node_taints:
-            argv.append(f"--register-with-taints={','.join(self.node_taints)}")
-        kubelet = self._spawn("kubelet", argv)
-        self._wait_ready(
-            kubelet, lambda: self._nodes_ready([node.NODE_NAME]), self.timeouts.real_node
-        )
-        self._wait_ready(
-            proxy,
-            lambda: (
-                self._http_get(f"http://127.0.0.1:{self.ports.proxy_healthz}/healthz", None)
-                is not None
-            ),
-            self.timeouts.real_node,
-        )
-        self._wait_ready(coredns, self._dns_answers, self.timeouts.dns)
-
-    def _dns_answers(self) -> bool:
-        """CoreDNS resolves the `kubernetes` Service (so it has synced with the API)."""
-        name = f"kubernetes.default.svc.{node.CLUSTER_DOMAIN}"
-        return resolve_a(name, node.NODE_IP) == SERVICE_IP
+        proxy.wait_ready()
+        coredns.wait_resolving()
 
     # -- Prometheus and prometheus-adapter ---------------------------------------------------
 
@@ -810,46 +681,31 @@ class Cluster:
         custom.metrics.k8s.io from it with the rules the chart renders; the APIService points
         the aggregation layer at the adapter on the node IP."""
         state = self.node_paths.state
-        config_file = node.write_yaml(state / "prometheus.yaml", prometheus_config(self.kubeconfig))
-        prometheus_port = self.ports.prometheus
-        prometheus = self._spawn(
-            "prometheus",
-            [
-                str(self.binaries.prometheus),
-                f"--config.file={config_file}",
-                f"--storage.tsdb.path={state / 'prometheus'}",
-                "--storage.tsdb.retention.time=2h",
-                f"--web.listen-address=127.0.0.1:{prometheus_port}",
-                "--log.level=warn",
-            ],
+        prometheus = self._start(
+            Prometheus(
+                self.launcher,
+                self.binaries.prometheus,
+                state_dir=state,
+                kubeconfig=self.kubeconfig,
+                port=self.ports.prometheus,
+                timeout=self.timeouts.prometheus,
+            )
         )
-        self._wait_ready(
-            prometheus,
-            lambda: self._http_get(f"http://127.0.0.1:{prometheus_port}/-/ready", None) is not None,
-            self.timeouts.prometheus,
+        adapter = PrometheusAdapter(
+            self.launcher,
+            self.binaries.prometheus_adapter,
+            self.api,
+            state_dir=state,
+            kubeconfig=self.kubeconfig,
+            rules=self.chart_adapter_rules(),
+            prometheus_url=prometheus.url,
+            port=self.ports.adapter,
+            timeout=self.timeouts.adapter,
         )
-        rules = state / "adapter-rules.yaml"
-        rules.write_text(self.chart_adapter_rules())
-        pki = self.pki
-        adapter = self._spawn(
-            "prometheus-adapter",
-            [
-                str(self.binaries.prometheus_adapter),
-                f"--bind-address={node.NODE_IP}",
-                f"--secure-port={self.ports.adapter}",
-                f"--tls-cert-file={pki.adapter_serving.cert}",
-                f"--tls-private-key-file={pki.adapter_serving.key}",
-                f"--lister-kubeconfig={self.kubeconfig}",
-                f"--authentication-kubeconfig={self.kubeconfig}",
-                f"--authorization-kubeconfig={self.kubeconfig}",
-                f"--prometheus-url=http://127.0.0.1:{prometheus_port}/",
-                "--metrics-relist-interval=5s",
-                f"--config={rules}",
-                f"--cert-dir={state / 'adapter-certs'}",
-            ],
-        )
-        self.apply(adapter_api_objects(self.ports.adapter, _b64(pki.ca.cert)))
-        self._wait_ready(adapter, self._custom_metrics_available, self.timeouts.adapter)
+        self.components.append(adapter)
+        adapter.spawn()
+        self.apply(adapter_api_objects(self.ports.adapter, _b64(self.pki.ca.cert)))
+        adapter.wait_ready()
 
     def chart_adapter_rules(self) -> str:
         """prometheus-adapter's config as the chart renders it (its rules ConfigMap)."""
@@ -866,141 +722,16 @@ class Cluster:
         config: str = config_map["data"]["config.yaml"]
         return config
 
-    def _custom_metrics_available(self) -> bool:
-        """The aggregated API answers discovery through the apiserver (the HPA controller's
-        path), not merely an APIService marked Available."""
-        return self._api_get("/apis/custom.metrics.k8s.io/v1beta1") is not None
-
     def prometheus_query(self, query: str) -> list[dict[str, Any]]:
         """An instant PromQL query against the cluster's Prometheus; the result vector."""
         url = f"http://127.0.0.1:{self.ports.prometheus}/api/v1/query?" + urllib.parse.urlencode(
             {"query": query}
         )
-        body = self._http_get(url, None)
+        body = http_get(url, None)
         if body is None:
             return []
         result: list[dict[str, Any]] = json.loads(body)["data"]["result"]
         return result
-
-
-def resolve_a(name: str, server: str) -> str | None:
-    """The first A record for ``name`` from the DNS server at ``server`` (the cluster's, which
-    the host's own resolver does not use), or None."""
-    query = struct.pack(">HHHHHH", 0x1234, 0x0100, 1, 0, 0, 0)
-    query += b"".join(bytes([len(part)]) + part.encode() for part in name.split(".")) + b"\0"
-    query += struct.pack(">HH", 1, 1)  # type A, class IN
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        sock.settimeout(3)
-        try:
-            sock.sendto(query, (server, 53))
-            answer = sock.recv(4096)
-        except OSError:
-            return None
-    answers = struct.unpack(">H", answer[6:8])[0]
-    if answer[3] & 0x0F != 0 or answers == 0 or len(answer) < 4:
-        return None
-    return socket.inet_ntoa(answer[-4:])
-
-
-def prometheus_config(kubeconfig: Path) -> dict[str, Any]:
-    """Scrape every pod on the real node that asks to be scraped (the operator's server pods
-    carry the prometheus.io/* annotations), labelled by namespace and pod as the adapter's
-    rules expect."""
-    meta = "__meta_kubernetes_pod_"
-    return {
-        "global": {"scrape_interval": "2s", "scrape_timeout": "2s", "evaluation_interval": "2s"},
-        "scrape_configs": [
-            {
-                "job_name": "embedding-server-pods",
-                "kubernetes_sd_configs": [{"role": "pod", "kubeconfig_file": str(kubeconfig)}],
-                "relabel_configs": [
-                    {
-                        "source_labels": [f"{meta}annotation_prometheus_io_scrape"],
-                        "action": "keep",
-                        "regex": "true",
-                    },
-                    {
-                        "source_labels": [f"{meta}node_name"],
-                        "action": "keep",
-                        "regex": node.NODE_NAME,
-                    },
-                    {
-                        "source_labels": ["__address__", f"{meta}annotation_prometheus_io_port"],
-                        "action": "replace",
-                        "regex": r"([^:]+)(?::\d+)?;(\d+)",
-                        "replacement": "$1:$2",
-                        "target_label": "__address__",
-                    },
-                    {
-                        "source_labels": [f"{meta}annotation_prometheus_io_path"],
-                        "action": "replace",
-                        "regex": "(.+)",
-                        "target_label": "__metrics_path__",
-                    },
-                    {
-                        "source_labels": ["__meta_kubernetes_namespace"],
-                        "target_label": "namespace",
-                    },
-                    {"source_labels": [f"{meta}name"], "target_label": "pod"},
-                ],
-            }
-        ],
-    }
-
-
-def adapter_api_objects(port: int, ca_bundle: str) -> str:
-    """The APIService for custom.metrics.k8s.io, and a selector-less Service whose Endpoints
-    name the adapter on the node IP (the EndpointSlice mirroring controller copies them)."""
-    service = {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {"name": ADAPTER_SERVICE, "namespace": ADAPTER_NAMESPACE},
-        "spec": {"ports": [{"name": "https", "port": port, "targetPort": port}]},
-    }
-    endpoints = {
-        "apiVersion": "v1",
-        "kind": "Endpoints",
-        "metadata": {"name": ADAPTER_SERVICE, "namespace": ADAPTER_NAMESPACE},
-        "subsets": [
-            {"addresses": [{"ip": node.NODE_IP}], "ports": [{"name": "https", "port": port}]}
-        ],
-    }
-    api_service = {
-        "apiVersion": "apiregistration.k8s.io/v1",
-        "kind": "APIService",
-        "metadata": {"name": ADAPTER_API_SERVICE},
-        "spec": {
-            "service": {"name": ADAPTER_SERVICE, "namespace": ADAPTER_NAMESPACE, "port": port},
-            "group": "custom.metrics.k8s.io",
-            "version": "v1beta1",
-            "caBundle": ca_bundle,
-            "groupPriorityMinimum": 100,
-            "versionPriority": 100,
-        },
-    }
-    return yaml.safe_dump_all([service, endpoints, api_service])
-
-
-def stop_processes(
-    processes: Sequence[Process], paths: node.NodePaths, kube_proxy: Path | None
-) -> list[str]:
-    """Stop the components in reverse start order. Once the kubelet is down and before
-    containerd stops, every container is killed and deleted (nothing else would); after
-    kube-proxy, its iptables chains are removed."""
-    errors: list[str] = []
-    for process in reversed(processes):
-        if process.name == "containerd":
-            node.remove_containers(paths)
-        try:
-            process.stop()
-        except ClusterError as exc:
-            errors.append(str(exc))
-        if process.name == "kube-proxy" and kube_proxy is not None and kube_proxy.exists():
-            try:
-                node.run([str(kube_proxy), "--cleanup"], timeout=60)
-            except ClusterError as exc:
-                errors.append(str(exc))
-    return errors
 
 
 def node_cleanup(
@@ -1047,7 +778,9 @@ def stop_detached(workdir: Path) -> int:
         images=Path(state.get("node_images") or node.containerd_store()),
     )
     kube_proxy = state.get("kube_proxy")
-    errors = stop_processes(processes, paths, Path(kube_proxy) if kube_proxy else None)
+    errors = stop_processes(
+        processes, Teardown(node_paths=paths, kube_proxy=Path(kube_proxy) if kube_proxy else None)
+    )
     if state:
         errors += node_cleanup(
             paths,
@@ -1075,7 +808,7 @@ def _export_lines(state: Mapping[str, Any]) -> list[str]:
 USER_FAKE_NODES = ("gpu-h100-0", "gpu-l4-0")
 
 
-def _image_loader() -> Callable[[Path], None]:
+def _image_loader() -> Callable[[Path], object]:
     """Build (or take from the cache) the project's images; load them once containerd is up."""
     images = build_images()
     return lambda socket_path: load_images(socket_path, images, store=node.containerd_store())
@@ -1117,7 +850,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "env":
             if not running or state is None:
                 print(
-                    f"no running cluster in {workdir}; run `python e2e/cluster.py up`",
+                    f"no running cluster in {workdir}; run `python -m e2e.harness.cluster up`",
                     file=sys.stderr,
                 )
                 return 1
@@ -1144,7 +877,7 @@ def main(argv: list[str] | None = None) -> int:
         ).start()
         print(
             f"cluster up in {cluster.startup_seconds:.1f}s: {cluster.server}; "
-            f"logs in {cluster.log_dir}; stop with `python e2e/cluster.py down`"
+            f"logs in {cluster.log_dir}; stop with `python -m e2e.harness.cluster down`"
         )
         print("\n".join(_export_lines(read_state(workdir) or {})))
         return 0

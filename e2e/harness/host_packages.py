@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 log = logging.getLogger("e2e.host_packages")
 
-# What `e2e/images.py` needs: a docker engine (dockerd + client) and the runtime under it,
+# What `e2e.harness.images` needs: a docker engine (dockerd + client) and the runtime under it,
 # containerd/ctr to load images into a node, debootstrap for the base image, gcc + libc6-dev
 # for the static pause program.
 IMAGE_PACKAGES: tuple[str, ...] = (

@@ -1,6 +1,6 @@
 """Tiny random ``*ForSequenceClassification`` checkpoints of each family, for the task tests.
 
-Built like ``_models.py`` builds the bodies: transformers' own ``save_pretrained`` of a seeded
+Built like ``models.py`` builds the bodies: transformers' own ``save_pretrained`` of a seeded
 random model with spread weights, and a fast tokenizer that has a pair template, so our loader
 reads what a Hub cross-encoder or classifier snapshot holds.
 """
@@ -12,13 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _models import MINILM_DIR, _save_tokenizer, byte_tokenizer, spread_weights
 from tokenizers import processors
 from transformers import (
     AutoConfig,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
 )
+
+from tests.support.models import MINILM_DIR, _save_tokenizer, byte_tokenizer, spread_weights
 
 _ENCODER: dict[str, Any] = {
     "hidden_size": 32,

@@ -16,7 +16,7 @@ written last. A component is rebuilt only when its stamp is missing or its build
 (go.mod, go.sum, ldflags) changed. A failed build raises ``BuildError``; callers must treat
 that as a failure, never as a reason to skip.
 
-CLI: ``python e2e/build_binaries.py`` builds whatever is missing and prints progress.
+CLI: ``python -m e2e.harness.binaries`` builds whatever is missing and prints progress.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from pathlib import Path
 
 log = logging.getLogger("e2e.build")
 
-E2E_DIR = Path(__file__).resolve().parent
+E2E_DIR = Path(__file__).resolve().parents[1]
 VERSIONS_FILE = E2E_DIR / "versions.env"
 TOOLS_DIR = E2E_DIR / "tools"
 STAMP_NAME = ".stamp"

@@ -18,8 +18,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from _proc import ClusterError
-from node import NODE_IP, NODE_NAME
+from e2e.harness.node import NODE_IP, NODE_NAME
+from e2e.harness.proc import ClusterError
 
 CERT_DAYS = 7
 SERVICE_IP = "198.19.0.1"  # first address of --service-cluster-ip-range: the `kubernetes` Service

@@ -4,7 +4,7 @@ The kwok nodes of ``nodes.yaml`` stand in for GPU machines; this node runs the i
 project builds, so pods really start, readiness probes really gate Service traffic and the
 HPA reads metrics that real server pods export. It needs root and Debian's ``containerd`` and
 ``runc`` (``NODE_PACKAGES``, installed by ``host_packages``); the Go-built pieces come from
-``build_binaries``.
+``binaries``.
 
 Addresses. Everything lives in 198.18.0.0/15 (RFC 2544's benchmarking range, never routed on
 the internet), on interfaces this module creates:
@@ -44,10 +44,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from _proc import ClusterError
-from build_binaries import cache_root
 
-from images import PAUSE_IMAGE
+from e2e.harness.binaries import cache_root
+from e2e.harness.images import PAUSE_IMAGE
+from e2e.harness.proc import ClusterError
 
 log = logging.getLogger("e2e.node")
 
@@ -584,6 +584,7 @@ def which(name: str) -> str:
     path = shutil.which(name)
     if path is None:
         raise ClusterError(
-            f"`{name}` is not installed; e2e/host_packages.py installs the node's Debian packages"
+            f"`{name}` is not installed; e2e.harness.host_packages installs the node's Debian "
+            "packages"
         )
     return path

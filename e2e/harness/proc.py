@@ -3,8 +3,8 @@
 Every component runs in its own session (``start_new_session``), so its process group id is
 its pid and ``killpg`` reaches anything it forks. Stopping is SIGTERM to the group, a bounded
 wait, then SIGKILL. Attached processes (pytest) also get ``PR_SET_PDEATHSIG=SIGKILL`` so a
-killed test runner cannot orphan them. Detached processes (``cluster.py up``) are recorded as
-(pid, start time) pairs, so ``down`` never signals a recycled pid.
+killed test runner cannot orphan them. Detached processes (``python -m e2e.harness.cluster up``)
+are recorded as (pid, start time) pairs, so ``down`` never signals a recycled pid.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ class Process:
     def alive(self) -> bool:
         if self.popen is not None:
             return self.popen.poll() is None
-        # Not our child (started by an earlier `cluster.py up`): compare start times so a
+        # Not our child (started by an earlier `cluster up`): compare start times so a
         # recycled pid is never mistaken for the component.
         started = _start_time(self.pid)
         return started is not None and started == self.start_time

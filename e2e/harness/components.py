@@ -1,0 +1,785 @@
+"""The e2e cluster's components, one class each, in the style of envtest's Etcd and APIServer.
+
+A component knows its command line, the files that command line names (``prepare``), and its
+health probe. ``start()`` is ``spawn()`` then ``wait_ready()``: it polls ``healthy()`` under the
+component's deadline, and a process that exits, or a deadline that passes, fails the wait with
+the tail of the component's log. ``stop()`` ends the whole process group (SIGTERM, then SIGKILL)
+plus the component's own cleanup: containerd's containers before it stops, kube-proxy's iptables
+chains after. ``Cluster`` (cluster.py) composes them in start order and stops them in reverse,
+also for a detached cluster, whose processes it knows only from its state file (``down``).
+
+Listening addresses (ports are free ports picked per cluster): etcd, the controller manager,
+the scheduler, kwok, Prometheus and every health endpoint on 127.0.0.1; the apiserver, the
+kubelet, CoreDNS and prometheus-adapter on the node IP (node.py), where pods reach them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import yaml
+
+from e2e.harness import node
+from e2e.harness.pki import FRONT_PROXY_CLIENT, SERVICE_IP, KeyPair
+from e2e.harness.probes import AdminApi, http_get, resolve_a
+from e2e.harness.proc import ClusterError, Process, poll_until
+
+log = logging.getLogger("e2e.cluster")
+
+SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
+# kwok's fake pods get addresses no packet is ever sent to (the node's guard drops them).
+FAKE_POD_CIDR = "198.18.128.1/17"
+FAKE_NODE_IP = "198.18.0.2"
+FAKE_NODE_ANNOTATION = "kwok.x-k8s.io/node=fake"
+ADAPTER_SERVICE = "prometheus-adapter"
+ADAPTER_NAMESPACE = "kube-system"
+ADAPTER_API_SERVICE = "v1beta1.custom.metrics.k8s.io"
+
+
+class Launcher:
+    """What the components of one cluster share: their log directory, whether they outlive
+    this Python process (``detached``), and the callback that records each spawned process."""
+
+    def __init__(
+        self, log_dir: Path, *, detached: bool, on_spawn: Callable[[Process], None]
+    ) -> None:
+        self.log_dir = log_dir
+        self.detached = detached
+        self.on_spawn = on_spawn
+
+    def spawn(self, name: str, argv: Sequence[str]) -> Process:
+        process = Process.spawn(name, argv, self.log_dir / f"{name}.log", detached=self.detached)
+        self.on_spawn(process)
+        return process
+
+    @staticmethod
+    def wait_ready(process: Process, probe: Callable[[], object], timeout: float) -> None:
+        """Poll ``probe`` until it answers; fail early if the process exits, with its log."""
+
+        def check() -> object:
+            process.ensure_running()
+            return probe()
+
+        t0 = time.monotonic()
+        try:
+            poll_until(check, timeout=timeout, what=f"{process.name} to become ready")
+        except TimeoutError as exc:
+            raise ClusterError(
+                f"{exc}; last lines of {process.log_path}:\n{process.log_tail()}"
+            ) from exc
+        log.info("[cluster] %s ready (%.1fs)", process.name, time.monotonic() - t0)
+
+
+@dataclass(frozen=True)
+class Teardown:
+    """What stopping needs besides the processes; a running ``Cluster`` and ``down`` (from the
+    state file) both know it."""
+
+    node_paths: node.NodePaths
+    kube_proxy: Path | None
+
+
+class Component:
+    """One control-plane process: ``start()`` / ``stop()`` / ``healthy()``."""
+
+    name: ClassVar[str]
+
+    def __init__(self, launcher: Launcher, *, timeout: float) -> None:
+        self.launcher = launcher
+        self.timeout = timeout
+        self.process: Process | None = None
+
+    def argv(self) -> list[str]:
+        raise NotImplementedError
+
+    def healthy(self) -> bool:
+        raise NotImplementedError
+
+    def prepare(self) -> None:
+        """Write the files the command line names (none by default)."""
+
+    def spawn(self) -> Process:
+        self.prepare()
+        self.process = self.launcher.spawn(self.name, self.argv())
+        return self.process
+
+    def running(self) -> Process:
+        if self.process is None:
+            raise ClusterError(f"{self.name} has not been started")
+        return self.process
+
+    def wait_ready(self) -> None:
+        self.launcher.wait_ready(self.running(), self.healthy, self.timeout)
+
+    def start(self) -> None:
+        self.spawn()
+        self.wait_ready()
+
+    def stop(self, teardown: Teardown) -> list[str]:
+        """Stop the process and clean up after it; the problems met (as messages)."""
+        return [] if self.process is None else self.stop_process(self.process, teardown)
+
+    @classmethod
+    def stop_process(cls, process: Process, teardown: Teardown) -> list[str]:
+        try:
+            process.stop()
+        except ClusterError as exc:
+            return [str(exc)]
+        return []
+
+
+class Etcd(Component):
+    """``--unsafe-no-fsync``: a test cluster needs no durability. Ready: ``GET /health``."""
+
+    name = "etcd"
+
+    def __init__(
+        self,
+        launcher: Launcher,
+        binary: Path,
+        data_dir: Path,
+        *,
+        client_port: int,
+        peer_port: int,
+        timeout: float,
+    ) -> None:
+        super().__init__(launcher, timeout=timeout)
+        self.binary = binary
+        self.data_dir = data_dir
+        self.client_url = f"http://127.0.0.1:{client_port}"
+        self.peer_url = f"http://127.0.0.1:{peer_port}"
+
+    def argv(self) -> list[str]:
+        return [
+            str(self.binary),
+            "--name=e2e",
+            f"--data-dir={self.data_dir}",
+            f"--listen-client-urls={self.client_url}",
+            f"--advertise-client-urls={self.client_url}",
+            f"--listen-peer-urls={self.peer_url}",
+            f"--initial-advertise-peer-urls={self.peer_url}",
+            f"--initial-cluster=e2e={self.peer_url}",
+            "--initial-cluster-state=new",
+            "--unsafe-no-fsync=true",
+            "--log-level=warn",
+        ]
+
+    def healthy(self) -> bool:
+        body = http_get(f"{self.client_url}/health", None)
+        return body is not None and json.loads(body).get("health") == "true"
+
+
+class APIServer(Component):
+    """TLS, Node+RBAC authorization, the default admission plugins (ServiceAccount included), a
+    ServiceAccount signing key (so the TokenRequest API issues real tokens), and the
+    aggregation layer's front proxy. Listens on the node IP. Ready: ``/readyz``."""
+
+    name = "kube-apiserver"
+
+    def __init__(
+        self,
+        launcher: Launcher,
+        binary: Path,
+        api: AdminApi,
+        *,
+        etcd_url: str,
+        port: int,
+        service_cidr: str,
+        timeout: float,
+    ) -> None:
+        super().__init__(launcher, timeout=timeout)
+        self.binary = binary
+        self.api = api
+        self.etcd_url = etcd_url
+        self.port = port
+        self.service_cidr = service_cidr
+        self._context = api.ssl_context(client_cert=True)
+
+    def argv(self) -> list[str]:
+        pki = self.api.pki
+        return [
+            str(self.binary),
+            f"--etcd-servers={self.etcd_url}",
+            # On the node IP: pods reach it through the `kubernetes` Service, the host locally.
+            f"--bind-address={node.NODE_IP}",
+            f"--advertise-address={node.NODE_IP}",
+            f"--secure-port={self.port}",
+            f"--tls-cert-file={pki.apiserver.cert}",
+            f"--tls-private-key-file={pki.apiserver.key}",
+            f"--client-ca-file={pki.ca.cert}",
+            "--authorization-mode=Node,RBAC",
+            "--enable-admission-plugins=NodeRestriction,ExtendedResourceToleration",
+            "--kubelet-preferred-address-types=InternalIP",
+            f"--kubelet-client-certificate={pki.apiserver_kubelet_client.cert}",
+            f"--kubelet-client-key={pki.apiserver_kubelet_client.key}",
+            f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
+            f"--service-account-key-file={pki.service_account_pub}",
+            f"--service-account-signing-key-file={pki.service_account_key}",
+            f"--service-cluster-ip-range={self.service_cidr}",
+            "--allow-privileged=true",
+            "--profiling=false",
+            f"--requestheader-client-ca-file={pki.front_proxy_ca.cert}",
+            f"--requestheader-allowed-names={FRONT_PROXY_CLIENT}",
+            "--requestheader-username-headers=X-Remote-User",
+            "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+            f"--proxy-client-cert-file={pki.front_proxy_client.cert}",
+            f"--proxy-client-key-file={pki.front_proxy_client.key}",
+        ]
+
+    def healthy(self) -> bool:
+        return http_get(f"{self.api.server}/readyz", self._context) == "ok"
+
+
+class SecureComponent(Component):
+    """A control-plane component that authenticates to the apiserver with its own client cert
+    and serves ``/healthz`` over TLS on 127.0.0.1 with a cert of the cluster CA."""
+
+    def __init__(
+        self,
+        launcher: Launcher,
+        binary: Path,
+        api: AdminApi,
+        *,
+        kubeconfig: Path,
+        port: int,
+        serving: KeyPair,
+        timeout: float,
+    ) -> None:
+        super().__init__(launcher, timeout=timeout)
+        self.binary = binary
+        self.pki = api.pki
+        self.kubeconfig = kubeconfig
+        self.port = port
+        self.serving = serving
+        self._context = api.ssl_context(client_cert=False)
+
+    def extra_args(self) -> list[str]:
+        return []
+
+    def argv(self) -> list[str]:
+        config = self.kubeconfig
+        return [
+            str(self.binary),
+            f"--kubeconfig={config}",
+            f"--authentication-kubeconfig={config}",
+            f"--authorization-kubeconfig={config}",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={self.port}",
+            f"--tls-cert-file={self.serving.cert}",
+            f"--tls-private-key-file={self.serving.key}",
+            "--leader-elect=false",
+            *self.extra_args(),
+        ]
+
+    def healthy(self) -> bool:
+        return http_get(f"https://127.0.0.1:{self.port}/healthz", self._context) == "ok"
+
+
+class ControllerManager(SecureComponent):
+    """Every controller authenticating as its own ServiceAccount
+    (``--use-service-account-credentials``), as on kubeadm clusters; short HPA sync period."""
+
+    name = "kube-controller-manager"
+
+    def __init__(
+        self,
+        launcher: Launcher,
+        binary: Path,
+        api: AdminApi,
+        *,
+        kubeconfig: Path,
+        port: int,
+        service_cidr: str,
+        hpa_sync_period: str,
+        timeout: float,
+    ) -> None:
+        super().__init__(
+            launcher,
+            binary,
+            api,
+            kubeconfig=kubeconfig,
+            port=port,
+            serving=api.pki.controller_manager_serving,
+            timeout=timeout,
+        )
+        self.service_cidr = service_cidr
+        self.hpa_sync_period = hpa_sync_period
+
+    def extra_args(self) -> list[str]:
+        pki = self.pki
+        return [
+            "--controllers=*",
+            "--use-service-account-credentials=true",
+            f"--service-account-private-key-file={pki.service_account_key}",
+            f"--root-ca-file={pki.ca.cert}",
+            f"--cluster-signing-cert-file={pki.ca.cert}",
+            f"--cluster-signing-key-file={pki.ca.key}",
+            f"--service-cluster-ip-range={self.service_cidr}",
+            f"--horizontal-pod-autoscaler-sync-period={self.hpa_sync_period}",
+        ]
+
+
+class Scheduler(SecureComponent):
+    name = "kube-scheduler"
+
+    def __init__(
+        self,
+        launcher: Launcher,
+        binary: Path,
+        api: AdminApi,
+        *,
+        kubeconfig: Path,
+        port: int,
+        timeout: float,
+    ) -> None:
+        super().__init__(
+            launcher,
+            binary,
+            api,
+            kubeconfig=kubeconfig,
+            port=port,
+            serving=api.pki.scheduler_serving,
+            timeout=timeout,
+        )
+
+
+class Kwok(Component):
+    """Heartbeats the fake GPU nodes (those annotated ``FAKE_NODE_ANNOTATION``) and runs their
+    pods on paper. Ready: every expected node is Ready, its ``not-ready`` taint gone."""
+
+    name = "kwok"
+
+    def __init__(
+        self,
+        launcher: Launcher,
+        binary: Path,
+        api: AdminApi,
+        *,
+        kubeconfig: Path,
+        port: int,
+        nodes: Sequence[str],
+        timeout: float,
+    ) -> None:
+        super().__init__(launcher, timeout=timeout)
+        self.binary = binary
+        self.api = api
+        self.kubeconfig = kubeconfig
+        self.port = port
+        self.nodes = tuple(nodes)
+
+    def argv(self) -> list[str]:
+        return [
+            str(self.binary),
+            f"--kubeconfig={self.kubeconfig}",
+            "--manage-all-nodes=false",
+            f"--manage-nodes-with-annotation-selector={FAKE_NODE_ANNOTATION}",
+            f"--cidr={FAKE_POD_CIDR}",
+            f"--node-ip={FAKE_NODE_IP}",
+            "--node-lease-duration-seconds=40",
+            f"--server-address=127.0.0.1:{self.port}",
+        ]
+
+    def healthy(self) -> bool:
+        return self.api.nodes_ready(self.nodes)
+
+
+class Containerd(Component):
+    """Debian's containerd with our own root, state, socket and CNI directories (node.py).
+    Ready: ``ctr version`` reaches it. Before it stops, every container is killed and deleted
+    (the kubelet is gone by then and would not do it)."""
+
+    name = "containerd"
+
+    def __init__(
+        self,
+        launcher: Launcher,
+        paths: node.NodePaths,
+        *,
+        cni_bin_dir: Path,
+        resolv_conf: Path,
+        timeout: float,
+    ) -> None:
+        super().__init__(launcher, timeout=timeout)
+        self.paths = paths
+        self.cni_bin_dir = cni_bin_dir
+        self.resolv_conf = resolv_conf
+
+    def prepare(self) -> None:
+        node.write_node_files(
+            self.paths, cni_bin_dir=self.cni_bin_dir, resolv_conf=self.resolv_conf
+        )
+
+    def argv(self) -> list[str]:
+        return [node.which("containerd"), "--config", str(self.paths.containerd_config)]
+
+    def healthy(self) -> bool:
+        return node.containerd_answers(self.paths)
+
+    @classmethod
+    def stop_process(cls, process: Process, teardown: Teardown) -> list[str]:
+        node.remove_containers(teardown.node_paths)
+        return super().stop_process(process, teardown)
+
+
+class KubeProxy(Component):
+    """iptables mode on the node IP. Ready: its healthz, which turns 200 only once it has
+    synced for its Node. After it stops, ``kube-proxy --cleanup`` removes its chains."""
+
+    name = "kube-proxy"
+
+    def __init__(
+        self,
+        launcher: Launcher,
+        binary: Path,
+        *,
+        config_file: Path,
+        kubeconfig: Path,
+        healthz_port: int,
+        metrics_port: int,
+        timeout: float,
+    ) -> None:
+        super().__init__(launcher, timeout=timeout)
+        self.binary = binary
+        self.config_file = config_file
+        self.kubeconfig = kubeconfig
+        self.healthz_port = healthz_port
+        self.metrics_port = metrics_port
+
+    def prepare(self) -> None:
+        node.write_yaml(
+            self.config_file,
+            node.kube_proxy_config(
+                self.kubeconfig, healthz_port=self.healthz_port, metrics_port=self.metrics_port
+            ),
+        )
+
+    def argv(self) -> list[str]:
+        return [str(self.binary), f"--config={self.config_file}"]
+
+    def healthy(self) -> bool:
+        return http_get(f"http://127.0.0.1:{self.healthz_port}/healthz", None) is not None
+
+    @classmethod
+    def stop_process(cls, process: Process, teardown: Teardown) -> list[str]:
+        errors = super().stop_process(process, teardown)
+        if teardown.kube_proxy is not None and teardown.kube_proxy.exists():
+            try:
+                node.run([str(teardown.kube_proxy), "--cleanup"], timeout=60)
+            except ClusterError as exc:
+                errors.append(str(exc))
+        return errors
+
+
+class CoreDNS(Component):
+    """Cluster names from the API on the node IP, nothing forwarded upstream. Ready: its health
+    endpoint; ``wait_resolving()`` then waits until it answers for the `kubernetes` Service (so
+    it has synced with the API)."""
+
+    name = "coredns"
+
+    def __init__(
+        self,
+        launcher: Launcher,
+        binary: Path,
+        *,
+        corefile: Path,
+        kubeconfig: Path,
+        health_port: int,
+        timeout: float,
+    ) -> None:
+        super().__init__(launcher, timeout=timeout)
+        self.binary = binary
+        self.corefile = corefile
+        self.kubeconfig = kubeconfig
+        self.health_port = health_port
+
+    def prepare(self) -> None:
+        self.corefile.write_text(node.corefile(self.kubeconfig, health_port=self.health_port))
+
+    def argv(self) -> list[str]:
+        return [str(self.binary), "-conf", str(self.corefile), "-dns.port", "53"]
+
+    def healthy(self) -> bool:
+        return http_get(f"http://127.0.0.1:{self.health_port}/health", None) is not None
+
+    def resolves(self) -> bool:
+        name = f"kubernetes.default.svc.{node.CLUSTER_DOMAIN}"
+        return resolve_a(name, node.NODE_IP) == SERVICE_IP
+
+    def wait_resolving(self) -> None:
+        self.launcher.wait_ready(self.running(), self.resolves, self.timeout)
+
+
+class Kubelet(Component):
+    """The real node ``node.NODE_NAME`` on the node IP, registered with ``taints``. Ready: the
+    Node is Ready and its ``not-ready`` taint is gone."""
+
+    name = "kubelet"
+
+    def __init__(
+        self,
+        launcher: Launcher,
+        binary: Path,
+        api: AdminApi,
+        paths: node.NodePaths,
+        *,
+        config_file: Path,
+        kubeconfig: Path,
+        port: int,
+        healthz_port: int,
+        resolv_conf: Path,
+        taints: Sequence[str],
+        timeout: float,
+    ) -> None:
+        super().__init__(launcher, timeout=timeout)
+        self.binary = binary
+        self.api = api
+        self.paths = paths
+        self.config_file = config_file
+        self.kubeconfig = kubeconfig
+        self.port = port
+        self.healthz_port = healthz_port
+        self.resolv_conf = resolv_conf
+        self.taints = tuple(taints)
+
+    def prepare(self) -> None:
+        node.write_yaml(
+            self.config_file,
+            node.kubelet_config(
+                self.paths,
+                self.api.pki.ca.cert,
+                port=self.port,
+                healthz_port=self.healthz_port,
+                resolv_conf=self.resolv_conf,
+            ),
+        )
+
+    def argv(self) -> list[str]:
+        kubelet_dir = self.paths.kubelet_dir
+        argv = [
+            str(self.binary),
+            f"--config={self.config_file}",
+            f"--kubeconfig={self.kubeconfig}",
+            f"--root-dir={kubelet_dir}",
+            f"--cert-dir={kubelet_dir / 'pki'}",
+            f"--volume-plugin-dir={kubelet_dir / 'volume-plugins'}",
+            f"--node-ip={node.NODE_IP}",
+            f"--hostname-override={node.NODE_NAME}",
+            f"--node-labels=node.kubernetes.io/instance-type=real-{os.cpu_count()}cpu",
+        ]
+        if self.taints:
+            argv.append(f"--register-with-taints={','.join(self.taints)}")
+        return argv
+
+    def healthy(self) -> bool:
+        return self.api.nodes_ready([node.NODE_NAME])
+
+
+class Prometheus(Component):
+    """Scrapes the server pods on the real node (``prometheus_config``). Ready: ``/-/ready``."""
+
+    name = "prometheus"
+
+    def __init__(
+        self,
+        launcher: Launcher,
+        binary: Path,
+        *,
+        state_dir: Path,
+        kubeconfig: Path,
+        port: int,
+        timeout: float,
+    ) -> None:
+        super().__init__(launcher, timeout=timeout)
+        self.binary = binary
+        self.state_dir = state_dir
+        self.config_file = state_dir / "prometheus.yaml"
+        self.kubeconfig = kubeconfig
+        self.url = f"http://127.0.0.1:{port}"
+        self.port = port
+
+    def prepare(self) -> None:
+        node.write_yaml(self.config_file, prometheus_config(self.kubeconfig))
+
+    def argv(self) -> list[str]:
+        return [
+            str(self.binary),
+            f"--config.file={self.config_file}",
+            f"--storage.tsdb.path={self.state_dir / 'prometheus'}",
+            "--storage.tsdb.retention.time=2h",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+            "--log.level=warn",
+        ]
+
+    def healthy(self) -> bool:
+        return http_get(f"{self.url}/-/ready", None) is not None
+
+
+class PrometheusAdapter(Component):
+    """Serves custom.metrics.k8s.io from Prometheus with the rules the chart renders, on the
+    node IP behind an APIService (``adapter_api_objects``). Ready: the aggregated API answers
+    discovery through the apiserver (the HPA controller's path), not merely an APIService
+    marked Available."""
+
+    name = "prometheus-adapter"
+
+    def __init__(
+        self,
+        launcher: Launcher,
+        binary: Path,
+        api: AdminApi,
+        *,
+        state_dir: Path,
+        kubeconfig: Path,
+        rules: str,
+        prometheus_url: str,
+        port: int,
+        timeout: float,
+    ) -> None:
+        super().__init__(launcher, timeout=timeout)
+        self.binary = binary
+        self.api = api
+        self.state_dir = state_dir
+        self.rules_file = state_dir / "adapter-rules.yaml"
+        self.kubeconfig = kubeconfig
+        self.rules = rules
+        self.prometheus_url = prometheus_url
+        self.port = port
+
+    def prepare(self) -> None:
+        self.rules_file.write_text(self.rules)
+
+    def argv(self) -> list[str]:
+        pki = self.api.pki
+        return [
+            str(self.binary),
+            f"--bind-address={node.NODE_IP}",
+            f"--secure-port={self.port}",
+            f"--tls-cert-file={pki.adapter_serving.cert}",
+            f"--tls-private-key-file={pki.adapter_serving.key}",
+            f"--lister-kubeconfig={self.kubeconfig}",
+            f"--authentication-kubeconfig={self.kubeconfig}",
+            f"--authorization-kubeconfig={self.kubeconfig}",
+            f"--prometheus-url={self.prometheus_url}/",
+            "--metrics-relist-interval=5s",
+            f"--config={self.rules_file}",
+            f"--cert-dir={self.state_dir / 'adapter-certs'}",
+        ]
+
+    def healthy(self) -> bool:
+        return self.api.get("/apis/custom.metrics.k8s.io/v1beta1") is not None
+
+
+# Each component class by process name, so a detached cluster's processes (from its state file)
+# are stopped with their component's cleanup.
+COMPONENTS: dict[str, type[Component]] = {
+    cls.name: cls
+    for cls in (
+        Etcd,
+        APIServer,
+        ControllerManager,
+        Scheduler,
+        Kwok,
+        Containerd,
+        KubeProxy,
+        CoreDNS,
+        Kubelet,
+        Prometheus,
+        PrometheusAdapter,
+    )
+}
+
+
+def stop_processes(processes: Sequence[Process], teardown: Teardown) -> list[str]:
+    """Stop the components in reverse start order, each with its own cleanup."""
+    errors: list[str] = []
+    for process in reversed(processes):
+        errors += COMPONENTS.get(process.name, Component).stop_process(process, teardown)
+    return errors
+
+
+def prometheus_config(kubeconfig: Path) -> dict[str, Any]:
+    """Scrape every pod on the real node that asks to be scraped (the operator's server pods
+    carry the prometheus.io/* annotations), labelled by namespace and pod as the adapter's
+    rules expect."""
+    meta = "__meta_kubernetes_pod_"
+    return {
+        "global": {"scrape_interval": "2s", "scrape_timeout": "2s", "evaluation_interval": "2s"},
+        "scrape_configs": [
+            {
+                "job_name": "embedding-server-pods",
+                "kubernetes_sd_configs": [{"role": "pod", "kubeconfig_file": str(kubeconfig)}],
+                "relabel_configs": [
+                    {
+                        "source_labels": [f"{meta}annotation_prometheus_io_scrape"],
+                        "action": "keep",
+                        "regex": "true",
+                    },
+                    {
+                        "source_labels": [f"{meta}node_name"],
+                        "action": "keep",
+                        "regex": node.NODE_NAME,
+                    },
+                    {
+                        "source_labels": ["__address__", f"{meta}annotation_prometheus_io_port"],
+                        "action": "replace",
+                        "regex": r"([^:]+)(?::\d+)?;(\d+)",
+                        "replacement": "$1:$2",
+                        "target_label": "__address__",
+                    },
+                    {
+                        "source_labels": [f"{meta}annotation_prometheus_io_path"],
+                        "action": "replace",
+                        "regex": "(.+)",
+                        "target_label": "__metrics_path__",
+                    },
+                    {
+                        "source_labels": ["__meta_kubernetes_namespace"],
+                        "target_label": "namespace",
+                    },
+                    {"source_labels": [f"{meta}name"], "target_label": "pod"},
+                ],
+            }
+        ],
+    }
+
+
+def adapter_api_objects(port: int, ca_bundle: str) -> str:
+    """The APIService for custom.metrics.k8s.io, and a selector-less Service whose Endpoints
+    name the adapter on the node IP (the EndpointSlice mirroring controller copies them)."""
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": ADAPTER_SERVICE, "namespace": ADAPTER_NAMESPACE},
+        "spec": {"ports": [{"name": "https", "port": port, "targetPort": port}]},
+    }
+    endpoints = {
+        "apiVersion": "v1",
+        "kind": "Endpoints",
+        "metadata": {"name": ADAPTER_SERVICE, "namespace": ADAPTER_NAMESPACE},
+        "subsets": [
+            {"addresses": [{"ip": node.NODE_IP}], "ports": [{"name": "https", "port": port}]}
+        ],
+    }
+    api_service = {
+        "apiVersion": "apiregistration.k8s.io/v1",
+        "kind": "APIService",
+        "metadata": {"name": ADAPTER_API_SERVICE},
+        "spec": {
+            "service": {"name": ADAPTER_SERVICE, "namespace": ADAPTER_NAMESPACE, "port": port},
+            "group": "custom.metrics.k8s.io",
+            "version": "v1beta1",
+            "caBundle": ca_bundle,
+            "groupPriorityMinimum": 100,
+            "versionPriority": 100,
+        },
+    }
+    return yaml.safe_dump_all([service, endpoints, api_service])

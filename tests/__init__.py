@@ -1,0 +1,1 @@
+"""Tier-1 tests: no cluster, no network (``make unit``). Helpers live in ``tests.support``."""
