@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic.alias_generators import to_camel
 
 Pooling = Literal["auto", "cls", "mean", "last", "max", "weightedmean", "mean_sqrt_len"]
+Task = Literal["embed", "score", "classify", "token_classify", "reward", "sparse"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 QueueMetric = Literal["queueRequests", "queueTokens"]
@@ -218,9 +219,14 @@ class NetworkPolicySpec(_Model):
         return self
 
 
+# Embedding fields that mean nothing for a cross-encoder or classifier, by their wire names.
+EMBED_ONLY_FIELDS = ("pooling", "normalize", "dimensions", "matryoshkaDimensions")
+
+
 class EmbeddingServiceSpec(_Model):
     model: ModelSource
     served_model_name: str | None = None
+    task: Task = "embed"
     embedding: Embedding = Embedding()
     server: Server = Server()
     parallelism: Parallelism = Parallelism()
@@ -234,6 +240,22 @@ class EmbeddingServiceSpec(_Model):
     service: ServiceSpec = ServiceSpec()
     network_policy: NetworkPolicySpec = NetworkPolicySpec()
     api_key_secret_ref: ApiKeySecretRef | None = None
+
+    @model_validator(mode="after")
+    def _embed_only_fields(self) -> EmbeddingServiceSpec:
+        if self.task == "embed":
+            return self
+        emb = self.embedding
+        given = {
+            "pooling": emb.pooling != "auto",
+            "normalize": emb.normalize is not None,
+            "dimensions": emb.dimensions is not None,
+            "matryoshkaDimensions": emb.matryoshka_dimensions is not None,
+        }
+        for name in EMBED_ONLY_FIELDS:
+            if given[name]:
+                raise ValueError(f"embedding.{name} applies to task embed only")
+        return self
 
     @property
     def served_name(self) -> str:

@@ -10,7 +10,7 @@ is reported cannot drift apart.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -18,6 +18,7 @@ import torch
 from .attention import BackendChoice
 from .dtypes import cpu_thread_budget, dtype_name
 from .errors import InvalidRequestError, UnsupportedModelError
+from .heads import ClassificationHead, Classifier, SparseHead, Task, resolve_task
 from .loading import LoadedModel, declared_matryoshka
 from .pooling import POOLING_METHODS, PoolingHead, PoolingMethod, build_matryoshka
 from .settings import CPU_BATCH_TOKENS, GPU_BATCH_TOKENS, EngineSettings
@@ -40,18 +41,43 @@ class EngineConfig:
     prompts: Prompts
     cpu_threads: int
     tensor_parallel_size: int
+    task: Task = "embed"
+    classifier: Classifier | None = None
+    """The classification head (task score or classify), on the engine's device."""
+    sparse: SparseHead | None = None
+    """The SPLADE head (task sparse), on the engine's device: it replaces pooling."""
+
+    @property
+    def batch_head(self) -> PoolingHead | ClassificationHead:
+        """What the forward worker applies after pooling: Dense layers, or a sequence
+        classifier (token_classify and reward run the head on the token states, in the
+        engine)."""
+        if self.classifier is None or self.classifier.per_token or self.task == "reward":
+            return self.head
+        return self.classifier.head
 
 
 def resolve_config(
     settings: EngineSettings, loaded: LoadedModel, *, device: torch.device
 ) -> EngineConfig:
     """Combine ``settings`` with what ``loaded`` declares; settings win where both speak."""
+    task = resolve_task(
+        settings.task, loaded.classifier, loaded.architecture, splade=loaded.st.splade is not None
+    )
+    sparse = loaded.sparse.to(device) if task == "sparse" and loaded.sparse else None
+    if task == "sparse" and sparse is None:  # the fake backend: no weights, no head
+        raise UnsupportedModelError(f"{loaded.architecture} has no masked-LM head for task sparse")
+    if task != "embed":
+        _refuse_embed_settings(settings, task)
     max_len = _max_input_tokens(settings, loaded)
     max_batch_tokens = _max_batch_tokens(settings, max_len, device)
     st = loaded.st
     dense = tuple(layer.to(device) for layer in st.dense)
     declared_flag, declared_dims = declared_matryoshka(loaded.config, st)
-    pooling = _pooling(settings, loaded)
+    classifier = loaded.classifier if task != "embed" else None
+    if classifier is not None:
+        classifier = replace(classifier, head=classifier.head.to(device))
+    pooling = classifier.pooling if classifier is not None else _pooling(settings, loaded)
     matryoshka = build_matryoshka(
         dense[-1].out_features if dense else loaded.model.hidden_size,
         declared=declared_flag,
@@ -77,7 +103,26 @@ def resolve_config(
         # Tensor-parallel ranks on one host share its CPUs.
         cpu_threads=max(1, cpu_thread_budget() // settings.tensor_parallel_size),
         tensor_parallel_size=settings.tensor_parallel_size,
+        task=task,
+        classifier=classifier,
+        sparse=sparse,
     )
+
+
+def _refuse_embed_settings(settings: EngineSettings, task: Task) -> None:
+    """Embedding-only settings with another task are a mistake: say which."""
+    given = {
+        "pooling": settings.pooling != "auto",
+        "normalize": settings.normalize is not None,
+        "dimensions": settings.dimensions is not None,
+        "matryoshka_dimensions": settings.matryoshka_dimensions is not None,
+    }
+    for name, set_ in given.items():
+        if set_:
+            raise InvalidRequestError(
+                f"{name} applies to task embed only; this model serves task {task}",
+                param=name,
+            )
 
 
 def _max_input_tokens(settings: EngineSettings, loaded: LoadedModel) -> int:
@@ -156,6 +201,12 @@ class EngineInfo:
     model_path: str | None
     architecture: str
     model_type: str
+    task: Task
+    """embed, score (a cross-encoder) or classify; decided at load from the checkpoint."""
+    labels: list[str] | None
+    """The classifier's labels in order (task score or classify), else None."""
+    score_activation: str | None
+    """The activation over a cross-encoder's logit in /score and /rerank (task score)."""
     hidden_size: int
     dimensions: int
     """Default output dimensions (after Dense layers and any configured truncation)."""
@@ -206,6 +257,13 @@ def describe(
         model_path=str(loaded.path) if loaded.path else None,
         architecture=loaded.architecture,
         model_type=str(loaded.config.get("model_type", "")),
+        task=config.task,
+        labels=list(config.classifier.labels) if config.classifier else None,
+        score_activation=(
+            config.classifier.score_activation
+            if config.classifier and config.task == "score"
+            else None
+        ),
         hidden_size=loaded.model.hidden_size,
         dimensions=m.default,
         max_input_tokens=config.max_input_tokens,

@@ -30,7 +30,7 @@ import logging
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar, Unpack
+from typing import Any, Literal, TypeVar, Unpack
 
 import numpy as np
 import numpy.typing as npt
@@ -40,8 +40,9 @@ from .attention import probe, select_backend
 from .configuration import EngineInfo, describe, resolve_config
 from .distributed import SINGLE
 from .dtypes import resolve_device, resolve_dtype
-from .errors import NotReadyError, UnsupportedModelError
+from .errors import InvalidRequestError, NotReadyError, UnsupportedModelError
 from .fake import is_fake, load_fake
+from .heads import Task
 from .jobs import (
     DirectRunner,
     EmbedOptions,
@@ -57,10 +58,21 @@ from .jobs import (
 from .loading import LoadedModel, load_model
 from .metrics import Metrics
 from .pooling import FloatArray
-from .results import EmbedResult, JobOutput, ScoreResult, StageTimings, TokenEmbedResult
+from .results import (
+    ClassifyResult,
+    EmbedResult,
+    JobOutput,
+    Ranked,
+    RerankResult,
+    ScoreResult,
+    SparseEmbedResult,
+    SparseVector,
+    StageTimings,
+    TokenEmbedResult,
+)
 from .runner import ModelRunner
 from .scheduler import Scheduler
-from .scoring import cosine_scores, pair_inputs
+from .scoring import cosine_scores, pair_inputs, rank, text_pairs
 from .settings import DEFAULT_MODEL, EngineSettings
 from .tensor_parallel import TensorParallelGroup, TensorParallelModel
 from .tokenization import (
@@ -79,14 +91,28 @@ T = TypeVar("T")
 Inputs = str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] | Sequence[TextInput]
 """One string, a list of strings, one token-id list, or a list of token-id lists (mixed ok)."""
 
+EncodeTask = Literal["embed", "token_embed", "classify", "token_classify", "reward"]
+ENCODE_TASKS: tuple[EncodeTask, ...] = (
+    "embed",
+    "token_embed",
+    "classify",
+    "token_classify",
+    "reward",
+)
+
 __all__ = [
+    "ClassifyResult",
     "EmbedOptions",
     "EmbedResult",
     "Engine",
     "EngineInfo",
     "Inputs",
+    "Ranked",
+    "RerankResult",
     "ScoreOptions",
     "ScoreResult",
+    "SparseEmbedResult",
+    "SparseVector",
     "StageTimings",
     "TokenEmbedOptions",
     "TokenEmbedResult",
@@ -114,6 +140,13 @@ class Engine:
         self._group = group
         self._load_seconds = load_seconds
         self._config = config = resolve_config(settings, loaded, device=device)
+        if group is not None and config.task != "embed":
+            # Pairs carry segment ids and heads read full hidden states; the ranks' batch
+            # broadcast carries neither yet.
+            raise UnsupportedModelError(
+                f"tensor_parallel_size {settings.tensor_parallel_size} serves task embed only; "
+                f"this model's task is {config.task}: serve it with tensor_parallel_size 1"
+            )
         attention = select_backend(settings.attention, probe(device, loaded.dtype, loaded.head_dim))
         for reason in attention.passed_over:
             logger.warning("attention: not using %s", reason)
@@ -126,10 +159,11 @@ class Engine:
             loaded.model,
             device=device,
             pooling=config.pooling,
-            head=config.head,
+            head=config.batch_head,
             include_prompt=config.include_prompt,
             cpu_threads=config.cpu_threads,
             attention=attention.backend,
+            token_pooler=config.sparse,
         )
         self._direct = DirectRunner(
             self._tokenizer,
@@ -195,6 +229,7 @@ class Engine:
                 dtype=settings.dtype,
                 device=device,
                 shard=group.shard if group is not None else SINGLE,
+                task=settings.task,
             )
             if group is not None:
                 group.join()
@@ -304,8 +339,40 @@ class Engine:
         return await self._embed_tokens(self._scheduled(), inputs, options)
 
     async def ascore(self, a: Inputs, b: Inputs, **options: Unpack[ScoreOptions]) -> ScoreResult:
-        """Cosine similarity of pairs: equal-length lists, or one text against many."""
+        """Scores of pairs (equal-length lists, or one text against many): the
+        cross-encoder's relevance (task score), or the cosine of embeddings (task embed)."""
         return await self._score(self._scheduled(), a, b, options)
+
+    async def aclassify(self, inputs: Inputs, **options: Unpack[ScoreOptions]) -> ClassifyResult:
+        """Class probabilities of each input (task classify or score)."""
+        return await self._classify(self._scheduled(), inputs, options)
+
+    async def atoken_classify(
+        self, inputs: Inputs, **options: Unpack[TokenOptions]
+    ) -> TokenEmbedResult:
+        """Label probabilities of every token (float32 ``[len_i, num_labels]`` per input)."""
+        return await self._token_classify(self._scheduled(), inputs, options)
+
+    async def areward(self, inputs: Inputs, **options: Unpack[TokenOptions]) -> TokenEmbedResult:
+        """A reward model's raw outputs at every token (see :meth:`reward`)."""
+        return await self._reward(self._scheduled(), inputs, options)
+
+    async def asparse_embed(
+        self, inputs: Inputs, **options: Unpack[TokenOptions]
+    ) -> SparseEmbedResult:
+        """SPLADE sparse vectors (see :meth:`sparse_embed`)."""
+        return await self._sparse(self._scheduled(), inputs, options)
+
+    async def arerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        top_n: int | None = None,
+        **options: Unpack[ScoreOptions],
+    ) -> RerankResult:
+        """``documents`` by decreasing relevance to ``query`` (see :meth:`rerank`)."""
+        return await self._rerank(self._scheduled(), query, documents, top_n, options)
 
     async def atokenize(
         self, texts: str | Sequence[str], *, add_special_tokens: bool = True
@@ -346,8 +413,68 @@ class Engine:
     def score(
         self, a: Inputs, b: Inputs, **options: Unpack[ScoreOptions]
     ) -> npt.NDArray[np.float32]:
-        """Cosine similarities ``[n]`` of pairs (equal-length lists, or one against many)."""
+        """Scores ``[n]`` of pairs (equal-length lists, or one against many), as vLLM's
+        ``LLM.score``: a cross-encoder's relevance after its activation (task score), or the
+        cosine similarity of the two embeddings (task embed)."""
         return self._sync(lambda runner: self._score(runner, a, b, options)).scores
+
+    def classify(self, inputs: Inputs, **options: Unpack[ScoreOptions]) -> ClassifyResult:
+        """Class probabilities ``[n, num_labels]`` and labels, as vLLM's ``LLM.classify``
+        (task classify; a cross-encoder gives its one sigmoid probability)."""
+        return self._sync(lambda runner: self._classify(runner, inputs, options))
+
+    def token_classify(self, inputs: Inputs, **options: Unpack[TokenOptions]) -> list[FloatArray]:
+        """Label probabilities of every token, one float32 ``[len_i, num_labels]`` array per
+        input, as vLLM's ``LLM.encode(..., pooling_task="token_classify")`` (task
+        token_classify: softmax, sigmoid for one label)."""
+        return self._sync(lambda runner: self._token_classify(runner, inputs, options)).embeddings
+
+    def reward(self, inputs: Inputs, **options: Unpack[TokenOptions]) -> list[FloatArray]:
+        """A reward model's outputs at every token, one float32 ``[len_i, num_labels]``
+        array per input, as vLLM's reward task (all tokens, no activation): for a decoder
+        ``*ForSequenceClassification`` reward model the last row is its score."""
+        return self._sync(lambda runner: self._reward(runner, inputs, options)).embeddings
+
+    def sparse_embed(self, inputs: Inputs, **options: Unpack[TokenOptions]) -> list[SparseVector]:
+        """SPLADE sparse vectors over the vocabulary (task sparse): per input, the token ids
+        with a non-zero weight and their weights, as sentence-transformers' SparseEncoder
+        computes them."""
+        return self._sync(lambda runner: self._sparse(runner, inputs, options)).vectors
+
+    def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        top_n: int | None = None,
+        **options: Unpack[ScoreOptions],
+    ) -> RerankResult:
+        """``documents`` by decreasing relevance to ``query`` (the first ``top_n`` when
+        given): a cross-encoder's scores, or cosine similarity for an embedding model."""
+        return self._sync(lambda runner: self._rerank(runner, query, documents, top_n, options))
+
+    def encode(
+        self, inputs: Inputs, *, task: EncodeTask = "embed", **options: Any
+    ) -> list[FloatArray]:
+        """One array per input for a pooling ``task``, as vLLM's ``LLM.encode``: ``embed``
+        (the pooled vector), ``token_embed`` (per-token hidden states ``[len_i, hidden]``),
+        ``classify`` (class probabilities), ``token_classify`` (per-token probabilities) or
+        ``reward`` (per-token raw outputs).
+        ``options`` are those of the task's own method; one that does not apply is a
+        TypeError, as there."""
+        if task == "embed":
+            return list(self.embed(inputs, **options))
+        if task == "token_embed":
+            return self.embed_tokens(inputs, **options)
+        if task == "classify":
+            return list(self.classify(inputs, **options).probs)
+        if task == "token_classify":
+            return self.token_classify(inputs, **options)
+        if task == "reward":
+            return self.reward(inputs, **options)
+        raise InvalidRequestError(
+            f"task must be one of {', '.join(ENCODE_TASKS)}; got {task!r}", param="task"
+        )
 
     def tokenize(
         self, texts: str | Sequence[str], *, add_special_tokens: bool = True
@@ -365,8 +492,18 @@ class Engine:
         return self._tokenizer.token_strings(ids)
 
     # -- one path per request type, whichever runner runs it ------------------------------
+    def _require(self, endpoint: str, *tasks: Task) -> None:
+        """A 400 naming the model's task when it cannot serve ``endpoint``."""
+        if self._config.task not in tasks:
+            raise InvalidRequestError(
+                f"{endpoint} needs a model with task {' or '.join(tasks)}; this model's task "
+                f"is {self._config.task} ({self._info.architecture})",
+                param="model",
+            )
+
     async def _embed(self, runner: JobRunner, inputs: Inputs, options: EmbedOptions) -> EmbedResult:
         check_options("embed", dict(options), EmbedOptions)
+        self._require("embedding", "embed")
         items = normalize_inputs(inputs, "input")
         head = self._config.head.options(options.get("dimensions"), options.get("normalize"))
         special = options.get("add_special_tokens", True)
@@ -378,6 +515,7 @@ class Engine:
         self, runner: JobRunner, inputs: Inputs, options: TokenEmbedOptions
     ) -> TokenEmbedResult:
         check_options("embed_tokens", dict(options), TokenEmbedOptions)
+        self._require("per-token embedding", "embed")
         items = normalize_inputs(inputs, "input")
         special = options.get("add_special_tokens", True)
         max_values = options.get("max_output_values")
@@ -398,9 +536,103 @@ class Engine:
         self, runner: JobRunner, a: Inputs, b: Inputs, options: ScoreOptions
     ) -> ScoreResult:
         check_options("score", dict(options), ScoreOptions)
-        items, n_a = pair_inputs(a, b)
+        self._require("scoring", "embed", "score")
+        classifier = self._config.classifier
+        if classifier is None:
+            items, n_a = pair_inputs(a, b)
+            out = await self._run(runner, Job.prepare(items, options, self._config.prompts))
+            return out.score_result(cosine_scores(out.pooled, n_a))
+        out = await self._run(runner, Job.for_pairs(text_pairs(a, b), options))
+        scores = classifier.scores(torch.from_numpy(out.pooled)).numpy().astype(np.float32)
+        return out.score_result(scores)
+
+    async def _classify(
+        self, runner: JobRunner, inputs: Inputs, options: ScoreOptions
+    ) -> ClassifyResult:
+        check_options("classify", dict(options), ScoreOptions)
+        self._require("classification", "classify", "score")
+        classifier = self._config.classifier
+        assert classifier is not None  # task classify and score have one
+        items = normalize_inputs(inputs, "input")
         out = await self._run(runner, Job.prepare(items, options, self._config.prompts))
-        return out.score_result(cosine_scores(out.pooled, n_a))
+        probs = classifier.probabilities(torch.from_numpy(out.pooled)).numpy()
+        return out.classify_result(probs.astype(np.float32), classifier.labels)
+
+    async def _token_classify(
+        self, runner: JobRunner, inputs: Inputs, options: TokenOptions
+    ) -> TokenEmbedResult:
+        return await self._per_token(runner, inputs, options, "token_classify")
+
+    async def _reward(
+        self, runner: JobRunner, inputs: Inputs, options: TokenOptions
+    ) -> TokenEmbedResult:
+        return await self._per_token(runner, inputs, options, "reward")
+
+    async def _per_token(
+        self, runner: JobRunner, inputs: Inputs, options: TokenOptions, task: Task
+    ) -> TokenEmbedResult:
+        """The classifier's head on every token: probabilities (token_classify) or the raw
+        outputs (reward)."""
+        check_options(task, dict(options), TokenOptions)
+        if options.get("normalize"):
+            raise InvalidRequestError(f"normalize does not apply to task {task}", param="normalize")
+        self._require(task.replace("_", " "), task)
+        classifier = self._config.classifier
+        assert classifier is not None  # both tasks have one
+        items = normalize_inputs(inputs, "input")
+        special = options.get("add_special_tokens", True)
+        job = Job.prepare(
+            items, options, self._config.prompts, add_special_tokens=special, want_tokens=True
+        )
+        out = await self._run(runner, job)
+        outputs: list[FloatArray] = []
+        for states in out.tokens:
+            if states is not None:
+                logits = classifier.head.project(torch.from_numpy(states))
+                values = logits if task == "reward" else classifier.probabilities(logits)
+                outputs.append(values.numpy())
+        return out.token_result(outputs)
+
+    async def _sparse(
+        self, runner: JobRunner, inputs: Inputs, options: TokenOptions
+    ) -> SparseEmbedResult:
+        check_options("sparse_embed", dict(options), TokenOptions)
+        if options.get("normalize"):
+            raise InvalidRequestError("normalize does not apply to task sparse", param="normalize")
+        self._require("sparse embedding", "sparse")
+        items = normalize_inputs(inputs, "input")
+        special = options.get("add_special_tokens", True)
+        job = Job.prepare(items, options, self._config.prompts, add_special_tokens=special)
+        out = await self._run(runner, job)
+        return out.sparse_result([SparseVector.from_dense(row) for row in out.pooled])
+
+    async def _rerank(
+        self,
+        runner: JobRunner,
+        query: str,
+        documents: Sequence[str],
+        top_n: int | None,
+        options: ScoreOptions,
+    ) -> RerankResult:
+        check_options("rerank", dict(options), ScoreOptions)
+        if not isinstance(query, str) or not query:
+            raise InvalidRequestError("query must be a non-empty string", param="query")
+        if isinstance(documents, str) or not documents:
+            raise InvalidRequestError("documents must be a non-empty list", param="documents")
+        for i, document in enumerate(documents):
+            if not isinstance(document, str) or not document:
+                raise InvalidRequestError(
+                    f"documents[{i}] must be a non-empty string", param="documents"
+                )
+        if top_n is not None and (isinstance(top_n, bool) or top_n < 0):
+            raise InvalidRequestError("top_n must be a non-negative integer", param="top_n")
+        result = await self._score(runner, query, list(documents), options)
+        return RerankResult(
+            results=rank(result.scores, top_n),
+            prompt_tokens=result.prompt_tokens,
+            truncated_inputs=result.truncated_inputs,
+            timings=result.timings,
+        )
 
     async def _run(self, runner: JobRunner, job: Job) -> JobOutput:
         out = await runner.run(job)

@@ -24,7 +24,7 @@ from typing import Any, Protocol, TypedDict, TypeVar
 
 import numpy as np
 
-from .errors import OutputTooLargeError
+from .errors import InvalidRequestError, OutputTooLargeError
 from .pooling import FloatArray
 from .results import JobOutput, StageTimings
 from .runner import ModelRunner, SequenceInput
@@ -94,6 +94,20 @@ class Job:
     want_tokens: bool = False
     max_token_rows: int | None = None
     """With ``want_tokens``: most token vectors the output may hold."""
+    pairs: list[tuple[str, str]] | None = None
+    """Sentence pairs, each tokenized as one sequence (cross-encoders); then ``items`` is
+    empty and there is no prompt."""
+
+    @classmethod
+    def for_pairs(cls, pairs: list[tuple[str, str]], options: ScoreOptions) -> Job:
+        """A job over sentence pairs; prompts do not apply to them."""
+        given = {"prompt": options.get("prompt"), "prompt_name": options.get("prompt_name")}
+        for name, value in given.items():
+            if value is not None:
+                raise InvalidRequestError(
+                    f"{name} does not apply to a cross-encoder's text pairs", param=name
+                )
+        return cls([], None, Truncation.coerce(options.get("truncate", True)), pairs=pairs)
 
     @classmethod
     def prepare(
@@ -111,7 +125,15 @@ class Job:
         truncation = Truncation.coerce(options.get("truncate", True))
         return cls(items, prompt, truncation, add_special_tokens, want_tokens, max_token_rows)
 
+    def admission_items(self) -> list[TextInput]:
+        """What admission estimates the job from: its inputs, or each pair as one text."""
+        if self.pairs is None:
+            return self.items
+        return [a + " " + b for a, b in self.pairs]
+
     def tokenize(self, tokenizer: TextTokenizer) -> list[TokenizedInput]:
+        if self.pairs is not None:
+            return tokenizer.encode_pairs(self.pairs, truncation=self.truncation)
         tokenized = tokenizer.encode(
             self.items,
             truncation=self.truncation,
@@ -131,7 +153,9 @@ class Job:
         return tokenized
 
     def sequences(self, tokenized: Sequence[TokenizedInput]) -> list[SequenceInput]:
-        return [SequenceInput(t.ids, t.prompt_length, self.want_tokens) for t in tokenized]
+        return [
+            SequenceInput(t.ids, t.prompt_length, self.want_tokens, t.type_ids) for t in tokenized
+        ]
 
 
 class JobRunner(Protocol):
@@ -177,7 +201,9 @@ class ScheduledRunner:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def run(self, job: Job) -> JobOutput:
-        floor, estimate = self._tokenizer.admission_estimate(job.items, job.truncation, job.prompt)
+        floor, estimate = self._tokenizer.admission_estimate(
+            job.admission_items(), job.truncation, job.prompt
+        )
         reservation = self._scheduler.reserve(floor, estimate)
         try:
             tokenized, tokenize_s = await _tokenize(self, self._tokenizer, job)

@@ -11,7 +11,8 @@ A model is a directory (local, the packaged default, or a Hugging Face Hub snaps
 * sentence-transformers files: ``modules.json`` (is there a Normalize module? Dense layers?),
   ``1_Pooling/config.json`` (pooling method, include_prompt), ``2_Dense*/``,
   ``sentence_bert_config.json`` (max_seq_length), ``config_sentence_transformers.json``
-  (prompts, default_prompt_name).
+  (prompts, default_prompt_name, a CrossEncoder's activation_fn);
+* a ``*ForSequenceClassification`` checkpoint's classification head (``heads.py``).
 
 Everything read here is declarative; the engine combines it with the settings.
 """
@@ -32,6 +33,14 @@ from tokenizers import Tokenizer
 from .distributed import SINGLE, Shard
 from .dtypes import resolve_dtype
 from .errors import ModelNotFoundError, UnsupportedModelError
+from .heads import (
+    Classifier,
+    SparseHead,
+    SparseStrategy,
+    head_kind,
+    read_classifier,
+    read_sparse_head,
+)
 from .models.base import EmbeddingModel
 from .pooling import DenseLayer, PoolingMethod
 from .settings import DEFAULT_MODEL, Dtype
@@ -64,6 +73,11 @@ class SentenceTransformerConfig:
     prompts: dict[str, str] = field(default_factory=dict)
     default_prompt_name: str | None = None
     matryoshka_dimensions: list[int] | None = None
+    activation_fn: str | None = None
+    """A CrossEncoder's activation over its logits (an import path such as
+    ``torch.nn.modules.activation.Sigmoid``), from config_sentence_transformers.json."""
+    splade: SparseStrategy | None = None
+    """A SparseEncoder's SpladePooling strategy (max or sum), when it has one."""
 
 
 PACKAGED_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"
@@ -247,6 +261,7 @@ def read_sentence_transformers(path: Path) -> SentenceTransformerConfig:
     if isinstance(st_cfg, dict):
         st.prompts = {str(k): str(v) for k, v in (st_cfg.get("prompts") or {}).items()}
         st.default_prompt_name = st_cfg.get("default_prompt_name") or None
+        st.activation_fn = st_cfg.get("activation_fn") or None
         dims = st_cfg.get("matryoshka_dimensions")
         if isinstance(dims, list):
             st.matryoshka_dimensions = [int(d) for d in dims]
@@ -258,14 +273,17 @@ def read_sentence_transformers(path: Path) -> SentenceTransformerConfig:
         module_path = path / str(module.get("path", ""))
         if kind == "Pooling":
             _read_pooling(st, module_path / "config.json")
+        elif kind == "SpladePooling":
+            _read_splade(st, module_path / "config.json")
         elif kind == "Dense":
             st.dense.append(_read_dense(module_path))
         elif kind == "Normalize":
             st.normalize = True
-        elif kind not in ("Transformer", ""):
+        elif kind not in ("Transformer", "MLMTransformer", ""):
             raise UnsupportedModelError(
                 f"sentence-transformers module {module.get('type')!r} is not supported "
-                "(supported: Transformer, Pooling, Dense, Normalize)"
+                "(supported: Transformer, Pooling, Dense, Normalize; MLMTransformer and "
+                "SpladePooling for SPLADE)"
             )
     return st
 
@@ -329,6 +347,23 @@ def _read_pooling(st: SentenceTransformerConfig, config_path: Path) -> None:
         st.pooling = _ST_POOLING_MODES[modes[0]]
 
 
+def _read_splade(st: SentenceTransformerConfig, config_path: Path) -> None:
+    """SpladePooling: log(1 + relu(MLM logits)) reduced over tokens by max or sum."""
+    cfg: Mapping[str, Any] = read_json(config_path) or {}
+    strategy = str(cfg.get("pooling_strategy", "max"))
+    activation = str(cfg.get("activation_function", "relu"))
+    if strategy not in ("max", "sum") or activation != "relu":
+        raise UnsupportedModelError(
+            f"{config_path}: SpladePooling with pooling_strategy={strategy!r}, "
+            f"activation_function={activation!r} is not supported (max or sum, with relu)"
+        )
+    if cfg.get("embedding_dimension"):
+        raise UnsupportedModelError(
+            f"{config_path}: SpladePooling truncated to embedding_dimension is not supported"
+        )
+    st.splade = "max" if strategy == "max" else "sum"
+
+
 def _read_dense(path: Path) -> DenseLayer:
     from safetensors.torch import load_file
 
@@ -380,6 +415,10 @@ class LoadedModel:
     """The compute dtype the model was built in."""
     head_dim: int
     """Per-head width of attention, which decides the attention kernels that can serve it."""
+    classifier: Classifier | None = None
+    """The sequence-classification head of a ``*ForSequenceClassification`` checkpoint."""
+    sparse: SparseHead | None = None
+    """The SPLADE head of a masked-LM checkpoint (task sparse), where it has one."""
 
 
 def head_dim_of(config: Mapping[str, Any]) -> int:
@@ -398,20 +437,27 @@ def load_model(
     dtype: Dtype,
     device: torch.device,
     shard: Shard = SINGLE,
+    task: str = "auto",
 ) -> LoadedModel:
     """Resolve, read and build ``model`` (a path, the packaged default, or a Hub id), in the
     dtype that ``dtype`` resolves to for this device and architecture; with a tensor-parallel
-    ``shard``, that rank's share of the weights."""
+    ``shard``, that rank's share of the weights; ``task`` (the setting) says whether a plain
+    masked-LM checkpoint's head is wanted for SPLADE."""
     from .models import build_model, lookup
 
     path = resolve_model_path(model, revision=revision, cache_dir=cache_dir)
     config = read_model_config(path)
     arch = lookup(config)  # fail on an unsupported architecture before reading weights
+    head_kind(config)  # and on a task head we do not serve
     overflows = arch.model_type if arch.float16_overflows else None
     compute_dtype = resolve_dtype(dtype, device, fp16_overflows=overflows)
     st = read_sentence_transformers(path)
     tokenizer, tokenizer_max = load_tokenizer(path)
     weights = load_weights(path)
+    classifier = read_classifier(
+        config, weights, family=arch.family, st_activation=st.activation_fn
+    )
+    sparse = _sparse_head(config, weights, family=arch.family, st=st, task=task)
     body = build_model(config, weights, dtype=compute_dtype, device=device, shard=shard)
     architectures = config.get("architectures") or [arch.model_type]
     return LoadedModel(
@@ -426,6 +472,8 @@ def load_model(
         default_pooling=arch.default_pooling,
         dtype=compute_dtype,
         head_dim=head_dim_of(config),
+        classifier=classifier,
+        sparse=sparse,
     )
 
 
@@ -450,3 +498,21 @@ def load_shard(
     compute_dtype = resolve_dtype(dtype, device, fp16_overflows=overflows)
     body = build_model(config, load_weights(path), dtype=compute_dtype, device=device, shard=shard)
     return body, compute_dtype, head_dim_of(config)
+
+
+def _sparse_head(
+    config: Mapping[str, Any],
+    weights: Mapping[str, torch.Tensor],
+    *,
+    family: str,
+    st: SentenceTransformerConfig,
+    task: str,
+) -> SparseHead | None:
+    """A SparseEncoder's SPLADE head, or a masked-LM checkpoint's head with ``--task sparse``
+    (max pooling, as SPLADE v2/v3); an error when it cannot be read. None otherwise, so an
+    embedder never keeps a vocabulary-sized matrix it does not use."""
+    if st.splade is not None:
+        return read_sparse_head(config, weights, family=family, strategy=st.splade)
+    if task == "sparse":
+        return read_sparse_head(config, weights, family=family, strategy="max")
+    return None

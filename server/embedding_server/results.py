@@ -59,9 +59,73 @@ class TokenEmbedResult:
 
 @dataclass(frozen=True)
 class ScoreResult:
-    """Cosine similarities of text pairs (``[n]`` float32)."""
+    """Scores of text pairs (``[n]`` float32): cross-encoder relevance, or cosine similarity
+    of embeddings."""
 
     scores: npt.NDArray[np.float32]
+    prompt_tokens: int
+    truncated_inputs: int
+    timings: StageTimings = field(default_factory=StageTimings)
+
+
+@dataclass(frozen=True)
+class ClassifyResult:
+    """Class probabilities of each input (``[n, num_labels]`` float32) and the labels."""
+
+    probs: FloatArray
+    labels: tuple[str, ...]
+    """The model's labels, in ``probs`` column order."""
+    prompt_tokens: int
+    truncated_inputs: int
+    timings: StageTimings = field(default_factory=StageTimings)
+
+    @property
+    def predicted(self) -> list[str]:
+        """The most probable label of each input."""
+        return [self.labels[int(i)] for i in self.probs.argmax(axis=1)]
+
+
+@dataclass(frozen=True, slots=True)
+class SparseVector:
+    """A sparse vector over the vocabulary: token ids with a non-zero weight, ascending."""
+
+    indices: npt.NDArray[np.int64]
+    values: FloatArray
+
+    @classmethod
+    def from_dense(cls, dense: FloatArray) -> SparseVector:
+        indices = np.flatnonzero(dense).astype(np.int64)
+        return cls(indices, dense[indices].astype(np.float32))
+
+    def to_dense(self, size: int) -> FloatArray:
+        dense = np.zeros(size, dtype=np.float32)
+        dense[self.indices] = self.values
+        return dense
+
+
+@dataclass(frozen=True)
+class SparseEmbedResult:
+    """SPLADE vectors of one request, with usage."""
+
+    vectors: list[SparseVector]
+    prompt_tokens: int
+    truncated_inputs: int
+    timings: StageTimings = field(default_factory=StageTimings)
+
+
+@dataclass(frozen=True, slots=True)
+class Ranked:
+    """One document of a rerank: its position in the request and its relevance."""
+
+    index: int
+    score: float
+
+
+@dataclass(frozen=True)
+class RerankResult:
+    """Documents by decreasing relevance to the query (``top_n`` of them when asked)."""
+
+    results: list[Ranked]
     prompt_tokens: int
     truncated_inputs: int
     timings: StageTimings = field(default_factory=StageTimings)
@@ -110,6 +174,23 @@ class JobOutput:
         return TokenEmbedResult(
             embeddings=embeddings,
             token_ids=[list(t.ids) for t in self.tokenized],
+            prompt_tokens=self.prompt_tokens,
+            truncated_inputs=self.truncated_inputs,
+            timings=self.timings,
+        )
+
+    def classify_result(self, probs: FloatArray, labels: tuple[str, ...]) -> ClassifyResult:
+        return ClassifyResult(
+            probs=probs,
+            labels=labels,
+            prompt_tokens=self.prompt_tokens,
+            truncated_inputs=self.truncated_inputs,
+            timings=self.timings,
+        )
+
+    def sparse_result(self, vectors: list[SparseVector]) -> SparseEmbedResult:
+        return SparseEmbedResult(
+            vectors=vectors,
             prompt_tokens=self.prompt_tokens,
             truncated_inputs=self.truncated_inputs,
             timings=self.timings,

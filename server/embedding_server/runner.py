@@ -15,13 +15,14 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from .attention import Backend
 from .models.base import EmbeddingModel, PackedBatch
-from .pooling import FloatArray, PoolingHead, PoolingMethod, pool
+from .pooling import FloatArray, PoolingMethod, pool
 
 # Below this many tokens a CPU forward pass runs on one thread: the matmuls are too small to
 # split profitably, and on a busy host every OpenMP region would wait for a descheduled
@@ -38,6 +39,8 @@ class SequenceInput:
     """Leading (prompt) tokens left out of pooling (every method but last)."""
     want_tokens: bool = False
     """Also return the per-token hidden states (``embed_tokens``)."""
+    type_ids: Sequence[int] | None = None
+    """Segment ids of a sentence pair (cross-encoders); None for all zeros."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +49,20 @@ class BatchOutput:
     tokens: list[FloatArray | None]  # [len_i, hidden] where asked for
     forward_s: float
     pool_s: float
+
+
+class BatchHead(Protocol):
+    """The batch-level head after pooling: sentence-transformers Dense layers
+    (:class:`~.pooling.PoolingHead`) or a classifier (:class:`~.heads.ClassificationHead`)."""
+
+    def project(self, pooled: torch.Tensor) -> torch.Tensor: ...
+
+
+class TokenPooler(Protocol):
+    """Pools packed token states into one vector per sequence itself (SPLADE's head), in place
+    of the pooling method and batch head."""
+
+    def __call__(self, hidden: torch.Tensor, seqlens: Sequence[int]) -> torch.Tensor: ...
 
 
 class ModelRunner:
@@ -57,12 +74,14 @@ class ModelRunner:
         *,
         device: torch.device,
         pooling: PoolingMethod,
-        head: PoolingHead,
+        head: BatchHead,
         include_prompt: bool = True,
         cpu_threads: int = 1,
         attention: Backend = Backend.SDPA_BUCKETED,
+        token_pooler: TokenPooler | None = None,
     ) -> None:
         self.model = model
+        self.token_pooler = token_pooler
         self.device = device
         self.pooling = pooling
         self.include_prompt = include_prompt
@@ -124,13 +143,21 @@ class ModelRunner:
                 self.device,
                 self.model.position_offset,
                 attention=self.attention,
+                token_types=(
+                    [s.type_ids or [0] * len(s.ids) for s in ordered]
+                    if any(s.type_ids for s in ordered)
+                    else None
+                ),
             )
             hidden = self.model.forward(batch)
             if hidden.is_cuda:
                 torch.cuda.synchronize(hidden.device)
             forward_done = time.perf_counter()
             skip = None if self.include_prompt else [s.skip for s in ordered]
-            pooled = self.head.project(pool(hidden, batch.seqlens, self.pooling, skip))
+            if self.token_pooler is not None:
+                pooled = self.token_pooler(hidden, batch.seqlens)
+            else:
+                pooled = self.head.project(pool(hidden, batch.seqlens, self.pooling, skip))
             pooled_np = pooled.float().cpu().numpy()
             tokens_sorted = self._token_states(hidden, ordered)
             pool_done = time.perf_counter()

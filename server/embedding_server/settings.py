@@ -30,6 +30,7 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Attention = Literal["auto", "flash_attn", "torch_varlen", "sdpa_padded", "sdpa_bucketed"]
 Pooling = Literal["auto", "cls", "mean", "last", "max", "weightedmean", "mean_sqrt_len"]
 TruncationSide = Literal["right", "left"]
+TaskSetting = Literal["auto", "embed", "score", "classify", "token_classify", "reward", "sparse"]
 
 
 class EngineSettings(BaseSettings):
@@ -73,6 +74,19 @@ class EngineSettings(BaseSettings):
         "varlen kernel, same limits), then sdpa_padded (one padded SDPA call per layer); on "
         "CPU sdpa_bucketed (one SDPA call per length bucket). A named kernel is strict: the "
         "server refuses to start when it cannot run it.",
+    )
+    task: TaskSetting = Field(
+        "auto",
+        description="What the model serves. auto = from the checkpoint: score for a "
+        "*ForSequenceClassification with one label (a cross-encoder/reranker: /score, "
+        "/rerank), classify for one with several labels (/classify), token_classify for a "
+        "*ForTokenClassification (/pooling task token_classify), sparse for a "
+        "sentence-transformers SPLADE SparseEncoder (/pooling task sparse), else embed "
+        "(/v1/embeddings; /score and /rerank by cosine similarity). reward (never chosen by "
+        "auto) serves a classifier's raw outputs at every token on /pooling task reward, as "
+        "vLLM's reward task; the last token's row is a decoder reward model's score. A task "
+        "the checkpoint cannot serve is refused at start. pooling, normalize, dimensions and "
+        "matryoshka_dimensions apply to embed only.",
     )
     pooling: Pooling = Field(
         "auto",

@@ -141,6 +141,9 @@ class TokenizedInput:
     """Token count before truncation (special tokens included)."""
     prompt_length: int = 0
     """Leading tokens that belong to the prompt (excluded from pooling when the model says so)."""
+    type_ids: list[int] | None = None
+    """Segment ids of a sentence pair (0 for the first text, 1 for the second where the
+    tokenizer's template says so); None for a single text."""
 
     @property
     def truncated(self) -> bool:
@@ -257,15 +260,7 @@ class TextTokenizer:
     ) -> list[TokenizedInput]:
         """Tokenize and truncate one request's inputs in one batched call (two when a
         clipped text has to be tokenized in full after all)."""
-        limit = self.max_length
-        if truncation.max_tokens is not None:
-            if truncation.max_tokens > self.max_length:
-                raise InvalidRequestError(
-                    f"{truncation.param}={truncation.max_tokens} exceeds the model's maximum "
-                    f"input length of {self.max_length} tokens",
-                    param=truncation.param,
-                )
-            limit = truncation.max_tokens
+        limit = self._limit(truncation)
         prefix = self._prefix if add_special_tokens else []
         suffix = self._suffix if add_special_tokens else []
         prompt_len = self.prompt_length(prompt or "", add_special_tokens=add_special_tokens)
@@ -315,6 +310,106 @@ class TextTokenizer:
                     enc, prefix, suffix, limit, truncation, slot, param, prompt_len
                 )
         return [x for x in out if x is not None]
+
+    def encode_pairs(
+        self, pairs: Sequence[tuple[str, str]], *, truncation: Truncation
+    ) -> list[TokenizedInput]:
+        """Tokenize sentence pairs as one sequence each, the way a cross-encoder reads them:
+        the tokenizer's pair template (``[CLS] a [SEP] b [SEP]`` with segment ids for BERT,
+        ``<s> a </s></s> b </s>`` for RoBERTa) around both texts, over-long pairs cut
+        longest-first (one token at a time from the longer text), as transformers'
+        ``truncation=True`` does.
+
+        As for single texts, a text longer than ``clip_chars`` is clipped before the
+        tokenizer sees it, and tokenized in full only when the clipped part cannot decide the
+        result (:meth:`_clipped_pair_settles`)."""
+        limit = self._limit(truncation)
+        special = self._tok.num_special_tokens_to_add(True)
+        from_end = truncation.side == "left"
+
+        def clip(text: str) -> str:
+            if len(text) <= self.clip_chars:
+                return text
+            return text[-self.clip_chars :] if from_end else text[: self.clip_chars]
+
+        firsts = self._tok.encode_batch([clip(a) for a, _ in pairs], add_special_tokens=False)
+        seconds = self._tok.encode_batch([clip(b) for _, b in pairs], add_special_tokens=False)
+        out: list[TokenizedInput] = []
+        for i, ((a, b), first, second) in enumerate(zip(pairs, firsts, seconds, strict=True)):
+            clipped = (len(a) > self.clip_chars, len(b) > self.clip_chars)
+            n = len(first) + len(second) + special
+            if not any(clipped):
+                settles = True
+            elif truncation.side is None:  # refused below when over the limit even clipped
+                settles = n > limit
+            else:
+                settles = self._clipped_pair_settles(
+                    first, second, clipped, limit - special, from_end=from_end
+                )
+            if not settles:
+                first, second = self._tok.encode_batch([a, b], add_special_tokens=False)
+                clipped = (False, False)
+                n = len(first) + len(second) + special
+            if n > limit:
+                if truncation.side is None:
+                    at_least = "at least " if any(clipped) else ""
+                    raise InputTooLongError(
+                        f"pair {i} has {at_least}{n} tokens, more than the maximum of {limit}; "
+                        "shorten it or ask for truncation",
+                        param=truncation.param,
+                        token_count=n,
+                        max_tokens=limit,
+                    )
+                keep_first, keep_second = longest_first(len(first), len(second), limit - special)
+                if min(keep_first, keep_second) == 0:
+                    raise InvalidRequestError(
+                        f"pair {i} cannot be cut to {limit} tokens without dropping one of "
+                        "its texts",
+                        param=truncation.param,
+                    )
+                first.truncate(keep_first, direction=truncation.side or "right")
+                second.truncate(keep_second, direction=truncation.side or "right")
+            enc = self._tok.post_process(first, second, add_special_tokens=True)
+            types = list(enc.type_ids)
+            out.append(TokenizedInput(list(enc.ids), n, 0, types if any(types) else None))
+        return out
+
+    @staticmethod
+    def _clipped_pair_settles(
+        first: Encoding,
+        second: Encoding,
+        clipped: tuple[bool, bool],
+        budget: int,
+        *,
+        from_end: bool,
+    ) -> bool:
+        """Whether a pair with one clipped text is cut exactly as its full texts would be.
+
+        Longest-first keeps of the longer text an amount that depends only on the shorter
+        text and the budget, so a clipped text that is still the strictly longer one, in a
+        pair over budget, keeps the same number of tokens; those must be settled (not
+        changed by the text beyond the cut, which is at the start with ``from_end``). Two
+        clipped texts tie-break on their unknown full lengths, so they are tokenized in
+        full."""
+        if all(clipped):
+            return False
+        longer, shorter = (first, second) if clipped[0] else (second, first)
+        if len(longer) <= len(shorter) or len(longer) + len(shorter) <= budget:
+            return False
+        keep = longest_first(len(first), len(second), budget)[0 if clipped[0] else 1]
+        settled = _settled_tokens(longer.word_ids, from_end=from_end)
+        return settled > keep
+
+    def _limit(self, truncation: Truncation) -> int:
+        if truncation.max_tokens is None:
+            return self.max_length
+        if truncation.max_tokens > self.max_length:
+            raise InvalidRequestError(
+                f"{truncation.param}={truncation.max_tokens} exceeds the model's maximum "
+                f"input length of {self.max_length} tokens",
+                param=truncation.param,
+            )
+        return truncation.max_tokens
 
     def _fit_clipped(
         self,
@@ -408,6 +503,23 @@ class TextTokenizer:
         if truncation.side == "left":
             prompt_len = 0  # the prompt was cut off with the start of the text
         return TokenizedInput(prefix + kept + suffix, n, min(prompt_len, len(prefix) + keep))
+
+
+def longest_first(first: int, second: int, budget: int) -> tuple[int, int]:
+    """Token counts kept of a pair's two texts within ``budget`` content tokens, as the
+    tokenizers library's ``longest_first`` strategy cuts: the longer text loses tokens until
+    both are equal, then the rest is split, the first text losing the odd token (on equal
+    lengths the second counts as the longer)."""
+    excess = first + second - budget
+    if excess <= 0:
+        return first, second
+    first_longer = first > second
+    longer, shorter = (first, second) if first_longer else (second, first)
+    cut = min(excess, longer - shorter)
+    rest = excess - cut
+    longer -= cut + rest // 2
+    shorter -= rest - rest // 2
+    return (longer, shorter) if first_longer else (shorter, longer)
 
 
 def _settled_tokens(word_ids: Sequence[int | None], *, from_end: bool) -> int:

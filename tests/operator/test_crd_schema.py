@@ -15,7 +15,12 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
-from embedding_operator.spec import EmbeddingServiceSpec, InvalidSpecError, parse_spec
+from embedding_operator.spec import (
+    EMBED_ONLY_FIELDS,
+    EmbeddingServiceSpec,
+    InvalidSpecError,
+    parse_spec,
+)
 from pydantic import BaseModel
 
 from tests.support.operator import EXAMPLES
@@ -176,7 +181,12 @@ def test_examples_validate(path: Any, validator: Any) -> None:
 
 def test_examples_cover_the_advertised_cases() -> None:
     names = {p.name for p in EXAMPLES}
-    assert {"minilm-cpu.yaml", "bge-h100.yaml", "qwen3-embedding-l4.yaml"} <= names
+    assert {
+        "minilm-cpu.yaml",
+        "bge-h100.yaml",
+        "qwen3-embedding-l4.yaml",
+        "bge-reranker-l4.yaml",
+    } <= names
 
 
 BAD_SPECS = {
@@ -184,6 +194,7 @@ BAD_SPECS = {
     "replicas": {"model": {"name": "m"}, "replicas": -1},
     "dimensions": {"model": {"name": "m"}, "embedding": {"dimensions": 0}},
     "pooling": {"model": {"name": "m"}, "embedding": {"pooling": "median"}},
+    "task": {"model": {"name": "m"}, "task": "rerank"},
     "model": {"embedding": {}},
     "metric": {"model": {"name": "m"}, "autoscaling": {"metric": "cpu"}},
 }
@@ -212,6 +223,8 @@ def test_cel_rules_are_mirrored_by_the_model(schema: dict[str, Any]) -> None:
     ]
     assert any("minReplicas <= self.maxReplicas" in r for r in rules)
     assert any("has(self.size)" in r for r in rules)
+    for field in EMBED_ONLY_FIELDS:
+        assert any(f"!has(self.embedding.{field})" in r for r in rules), field
     cases = {
         "minReplicas": {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}},
         "size": {"modelCache": {"mode": "pvc"}},
@@ -220,6 +233,16 @@ def test_cel_rules_are_mirrored_by_the_model(schema: dict[str, Any]) -> None:
             "embedding": {"dimensions": 100, "matryoshkaDimensions": [64, 128]}
         },
         "maxQueueTokens": {"server": {"maxBatchTokens": 100, "maxQueueTokens": 10}},
+        "spec: embedding.pooling applies to task embed only": {
+            "task": "score",
+            "embedding": {"pooling": "mean"},
+        },
+        "embedding.normalize applies": {"task": "classify", "embedding": {"normalize": True}},
+        "embedding.dimensions applies": {"task": "score", "embedding": {"dimensions": 8}},
+        "embedding.matryoshkaDimensions applies": {
+            "task": "score",
+            "embedding": {"matryoshkaDimensions": [8]},
+        },
     }
     for expected, extra in cases.items():
         with pytest.raises(InvalidSpecError, match=expected):

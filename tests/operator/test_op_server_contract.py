@@ -43,6 +43,16 @@ def test_every_pooling_renders_flags_the_server_parses(pooling: str) -> None:
     assert settings.max_batch_tokens == 4096
 
 
+def test_tasks_agree_and_render_flags_the_server_parses() -> None:
+    """Every task the CRD admits is one the server serves (it also has auto, which the
+    operator never renders: the spec's default is embed)."""
+    tasks = typing.get_args(operator_spec.Task)
+    assert set(tasks) == set(typing.get_args(server_settings.TaskSetting)) - {"auto"}
+    for task in tasks:
+        args = server_args(render_input({"model": {"name": "hf://m/reranker"}, "task": task}))
+        assert load_settings(args).task == task
+
+
 def test_autoscaling_defaults_assume_the_servers_batch_budgets() -> None:
     assert SERVER_BATCH_TOKENS == {
         "cpu": server_settings.CPU_BATCH_TOKENS,

@@ -96,7 +96,7 @@ def test_malformed_json_is_a_400(server: RunningServer, raw: bytes) -> None:
         ("/score", {"text_1": 1, "text_2": "a"}, "text_1"),
         ("/tokenize", {"prompt": ["a"]}, "prompt"),
         ("/detokenize", {"tokens": "abc"}, "tokens"),
-        ("/pooling", {"input": "a", "task": "classify"}, "task"),
+        ("/pooling", {"input": "a", "task": "rerank"}, "task"),
         ("/pooling", {"input": "a", "embed_dtype": "bfloat16"}, "embed_dtype"),
         ("/pooling", {"input": "a", "endianness": "little"}, "endianness"),
         ("/pooling", {"input": "a", "encoding_format": "bytes", "endianness": "le"}, "endianness"),

@@ -177,3 +177,13 @@ def test_the_batch_plan_crosses_once_per_batch(
         assert len(calls) == 2 and calls[0] == 3  # the header, then the packed plan
         engine.embed(["one more"])
         assert len(calls) == 4
+
+
+def test_tensor_parallelism_serves_embedders_only_for_now(tmp_path: Path) -> None:
+    """A cross-encoder's pairs carry segment ids the ranks' batch broadcast does not: refused
+    at load, naming the task."""
+    from tests.support.tasks import build_classifier
+
+    path = build_classifier(tmp_path / "bert-cls", "bert", num_labels=1)
+    with pytest.raises(UnsupportedModelError, match=r"serves task embed only.*task is"):
+        Engine.from_pretrained(str(path), dtype="float32", tensor_parallel_size=2)

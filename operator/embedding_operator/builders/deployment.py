@@ -81,6 +81,8 @@ def server_args(render: RenderInput) -> list[str]:
         "cuda" if render.profile.resource_name else "cpu",
         "--dtype",
         spec.server.dtype,
+        "--task",
+        spec.task,
         "--pooling",
         spec.embedding.pooling,
         "--tensor-parallel-size",

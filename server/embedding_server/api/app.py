@@ -24,6 +24,7 @@ from embedding_server.api.middleware import RequestContextMiddleware
 from embedding_server.api.routes_cohere import router as cohere_router
 from embedding_server.api.routes_openai import router as openai_router
 from embedding_server.api.routes_ops import router as ops_router
+from embedding_server.api.routes_tasks import router as tasks_router
 from embedding_server.api.routes_vllm import router as vllm_router
 from embedding_server.engine import Engine
 from embedding_server.metrics import Metrics
@@ -95,7 +96,7 @@ def create_app(settings: ServerSettings, engine: Engine | None = None) -> FastAP
     app.state.lifecycle = lifecycle
     app.state.settings = settings
     app.state.metrics = metrics
-    routers = (openai_router, cohere_router, vllm_router, ops_router)
+    routers = (openai_router, cohere_router, vllm_router, tasks_router, ops_router)
     for router in routers:
         app.include_router(router)
     install_error_handlers(app)

@@ -253,11 +253,15 @@ class PoolingRequest(_Request, _TruncationOptions, _EncodingOptions):
     """
 
     input: EmbeddingInput = Field(description="As for /v1/embeddings.")
-    task: Literal["token_embed", "embed"] = Field(
+    task: Literal["token_embed", "embed", "classify", "token_classify", "reward", "sparse"] = Field(
         "token_embed",
         description="token_embed (the default, as in vLLM for models that support it): one "
         "vector per token, refused with 400 when the answer would exceed the server's "
-        "max_response_bytes; embed: the pooled vector.",
+        "max_response_bytes; embed: the pooled vector (both need an embedding model); "
+        "classify: the class probabilities (a classifier or cross-encoder); token_classify: "
+        "the label probabilities of every token (a token classifier); reward: a reward "
+        "model's raw outputs at every token (task reward); sparse: a SPLADE model's "
+        "{indices, values} over the vocabulary (task sparse).",
     )
     normalize: bool | None = Field(
         None,
@@ -267,7 +271,8 @@ class PoolingRequest(_Request, _TruncationOptions, _EncodingOptions):
 
 
 class ScoreRequest(_Request, _TruncationOptions):
-    """POST /score (vLLM-style bi-encoder): cosine similarity of text pairs."""
+    """POST /score (vLLM): a cross-encoder's relevance of text pairs (task score), or the
+    cosine similarity of their embeddings (task embed)."""
 
     text_1: str | list[str] = Field(description="One text, or one per pair.")
     text_2: str | list[str] = Field(description="One text, or one per pair.")

@@ -1,15 +1,19 @@
-"""The vLLM-style extras: ``/pooling``, ``/score``, ``/tokenize`` and ``/detokenize``.
+"""The vLLM-style extras: ``/pooling``, ``/score`` (also ``/v1/score``), ``/tokenize`` and
+``/detokenize``.
 
 ``/pooling`` answers with per-token vectors unless ``task: embed`` is asked for, as vLLM's
 ``/pooling`` does for a model that supports ``token_embed``; that output grows with every
 input token, so its size is checked against ``max_response_bytes`` once the inputs are
-tokenized and before the forward pass. ``/tokenize`` and ``/detokenize`` take at most
-``max_request_tokens`` tokens, and do their work off the event loop.
+tokenized and before the forward pass. Its other tasks (classify, token_classify, reward,
+sparse) need a model of that task and give far fewer values per token. ``/tokenize`` and
+``/detokenize`` take at most ``max_request_tokens`` tokens, and do their work off the event
+loop.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
@@ -24,6 +28,7 @@ from embedding_server.api.dependencies import (
 )
 from embedding_server.api.disconnect import cancel_on_disconnect
 from embedding_server.api.encoding import (
+    JSON_FLOAT_BYTES,
     FloatMatrix,
     as_float32,
     base64_array,
@@ -46,7 +51,7 @@ from embedding_server.api.responses import (
     timing_headers,
 )
 from embedding_server.engine import TokenOptions
-from embedding_server.errors import OutputTooLargeError, TooManyTokensError
+from embedding_server.errors import InvalidRequestError, OutputTooLargeError, TooManyTokensError
 
 router = APIRouter()
 
@@ -68,6 +73,8 @@ async def pooling(body: PoolingRequest, request: Request) -> Response:
         "truncate": body.truncation(auto=lifecycle.settings.auto_truncate),
         "add_special_tokens": body.add_special_tokens,
     }
+    if body.task == "sparse":
+        return await _sparse_pooling(body, request, inputs, options)
     # One output per input: a pooled matrix's rows (task embed) or per-token matrices.
     outputs: FloatMatrix | list[FloatMatrix]
     if body.task == "embed":
@@ -76,6 +83,23 @@ async def pooling(body: PoolingRequest, request: Request) -> Response:
         pooled = await cancel_on_disconnect(request, engine.aembed(inputs, **options))
         outputs = as_float32(pooled.embeddings)
         tokens, timings = pooled.prompt_tokens, pooled.timings
+    elif body.task == "classify":
+        dims = len(engine.info().labels or [])
+        if body.normalize is not None:
+            raise InvalidRequestError(
+                "normalize does not apply to task classify", param="normalize"
+            )
+        classified = await cancel_on_disconnect(
+            request, engine.aclassify(inputs, truncate=options["truncate"])
+        )
+        outputs = as_float32(classified.probs)
+        tokens, timings = classified.prompt_tokens, classified.timings
+    elif body.task in ("token_classify", "reward"):
+        dims = len(engine.info().labels or [])
+        per_token_head = engine.atoken_classify if body.task == "token_classify" else engine.areward
+        labelled = await cancel_on_disconnect(request, per_token_head(inputs, **options))
+        outputs = labelled.embeddings
+        tokens, timings = labelled.prompt_tokens, labelled.timings
     else:
         dims = engine.info().hidden_size
         try:
@@ -122,11 +146,48 @@ async def pooling(body: PoolingRequest, request: Request) -> Response:
         }
         return json_response(content, headers)
 
-    vectors = len(inputs) if body.task == "embed" else tokens
+    vectors = len(inputs) if body.task in ("embed", "classify") else tokens
     return await encode_off_loop(encode, vectors * dims * value_bytes)
 
 
-@router.post("/score", tags=["vLLM"], summary="Cosine similarity of text pairs")
+async def _sparse_pooling(
+    body: PoolingRequest, request: Request, inputs: list[Any], options: TokenOptions
+) -> Response:
+    """``/pooling`` task sparse: each input's SPLADE vector as ``{indices, values}`` (token
+    ids ascending), in JSON only."""
+    if body.encoding_format != "float":
+        raise InvalidRequestError(
+            "task sparse returns {indices, values} in JSON; use encoding_format float",
+            param="encoding_format",
+        )
+    engine, lifecycle = engine_for(request, body.model)
+    result = await cancel_on_disconnect(request, engine.asparse_embed(inputs, **options))
+    tokens = result.prompt_tokens
+
+    def encode() -> Response:
+        content = {
+            "id": f"pool-{new_id()}",
+            "object": "list",
+            "created": int(time.time()),
+            "model": lifecycle.served_model_name,
+            "data": [
+                {
+                    "index": i,
+                    "object": "pooling",
+                    "data": {"indices": v.indices, "values": v.values},
+                }
+                for i, v in enumerate(result.vectors)
+            ],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+        return json_response(content, timing_headers(result.timings, tokens))
+
+    entries = sum(len(v.indices) for v in result.vectors)
+    return await encode_off_loop(encode, 2 * entries * JSON_FLOAT_BYTES)
+
+
+@router.post("/score", tags=["vLLM"], summary="Scores of text pairs (cross-encoder or cosine)")
+@router.post("/v1/score", tags=["vLLM"], summary="Scores of text pairs (cross-encoder or cosine)")
 async def score(body: ScoreRequest, request: Request) -> Response:
     engine, lifecycle = engine_for(request, body.model)
     count_1 = 1 if isinstance(body.text_1, str) else len(body.text_1)

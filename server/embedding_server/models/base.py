@@ -32,6 +32,8 @@ class PackedBatch:
     max_seqlen: int
     seqlens: tuple[int, ...]
     attention_backend: Backend = Backend.SDPA_BUCKETED
+    token_type_ids: torch.Tensor | None = None
+    """[T] int64 segment ids of sentence pairs (BERT), None when every token is segment 0."""
     _plan: AttentionPlan | None = field(default=None, repr=False)
 
     @classmethod
@@ -42,9 +44,11 @@ class PackedBatch:
         position_offset: int = 0,
         *,
         attention: Backend = Backend.SDPA_BUCKETED,
+        token_types: Sequence[Sequence[int]] | None = None,
     ) -> PackedBatch:
         """Pack token id lists; ``position_offset`` shifts positions (RoBERTa: padding_idx+1);
-        ``attention`` is the kernel every layer's attention runs on."""
+        ``attention`` is the kernel every layer's attention runs on; ``token_types`` are the
+        segment ids of each sequence (sentence pairs), None for all zeros."""
         seqlens = tuple(len(s) for s in sequences)
         flat = [t for s in sequences for t in s]
         input_ids = torch.tensor(flat, dtype=torch.int64)
@@ -60,6 +64,9 @@ class PackedBatch:
             max(seqlens, default=0),
             seqlens,
             attention,
+            None
+            if token_types is None
+            else torch.tensor([t for s in token_types for t in s], dtype=torch.int64).to(device),
         )
 
     @classmethod

@@ -81,11 +81,12 @@ class BertModel:
         get = w.get
         self.word_emb = w.embedding("embeddings.word_embeddings.weight")
         self.pos_emb = get("embeddings.position_embeddings.weight")
+        self.type_emb: torch.Tensor | None = None
         if "embeddings.token_type_embeddings.weight" in w:
-            type0 = get("embeddings.token_type_embeddings.weight")[0]
+            self.type_emb = get("embeddings.token_type_embeddings.weight")
+            self.type0 = self.type_emb[0]
         else:
-            type0 = torch.zeros(self.hidden_size, dtype=dtype, device=device)
-        self.type0 = type0
+            self.type0 = torch.zeros(self.hidden_size, dtype=dtype, device=device)
         self.emb_ln_w = get("embeddings.LayerNorm.weight")
         self.emb_ln_b = get("embeddings.LayerNorm.bias")
         self.layers: list[_Layer] = []
@@ -114,7 +115,10 @@ class BertModel:
         h, heads, d, shard = self.hidden_size, self.split.heads, self.head_dim, self.shard
         x = self.word_emb(batch.input_ids)
         x += self.pos_emb[batch.position_ids]
-        x += self.type0
+        if batch.token_type_ids is not None and self.type_emb is not None:
+            x += self.type_emb[batch.token_type_ids]  # the second text of a sentence pair
+        else:
+            x += self.type0
         x = F.layer_norm(x, (h,), self.emb_ln_w, self.emb_ln_b, self.eps)
         for layer in self.layers:
             qkv = F.linear(x, layer.qkv_w, layer.qkv_b).view(t, 3, heads, d)

@@ -1,0 +1,72 @@
+"""Request schemas of the task endpoints: ``/rerank`` (vLLM, Jina and Cohere's shape) and
+``/classify`` (vLLM's Classification API).
+
+Kept beside ``protocol.py`` (whose truncation translation they reuse) so each dialect's
+fields stay in one place per endpoint family. As everywhere, unknown fields are ignored and a
+wrong type or value is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from embedding_server.api.protocol import EmbeddingInput, openai_truncation
+from embedding_server.settings import TruncationSide
+from embedding_server.tokenization import Truncation
+
+
+class _TaskRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+    model: str | None = Field(None, description="Served model name; another name gets 404.")
+    truncate_prompt_tokens: int | None = Field(
+        None,
+        ge=-1,
+        description="Truncate each input (each query-document pair, for a cross-encoder) to "
+        "this many tokens; -1 means the model's maximum. Without it an over-long input is "
+        "refused with 400.",
+    )
+    truncation_side: TruncationSide | None = Field(
+        None, description="Which end to cut when truncating: right (default) or left."
+    )
+
+    def truncation(self, *, auto: bool = False) -> Truncation:
+        """These fields as the engine's truncation policy (``auto``: the server's
+        ``--auto-truncate``, which truncates when the request does not say)."""
+        return openai_truncation(self.truncate_prompt_tokens, self.truncation_side, auto=auto)
+
+
+class RerankDocument(BaseModel):
+    """Cohere's and Jina's object form of a document."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    text: str = Field(description="The document's text.")
+
+
+class RerankRequest(_TaskRequest):
+    """POST /rerank, /v1/rerank, /v2/rerank (vLLM; Jina and Cohere clients' shape)."""
+
+    query: str = Field(min_length=1, description="The query the documents are ranked for.")
+    documents: list[str | RerankDocument] = Field(
+        min_length=1, description="Documents to rank: strings, or objects with a text field."
+    )
+    top_n: int | None = Field(
+        None,
+        ge=0,
+        description="Return only the N most relevant documents (absent or 0: all of them).",
+    )
+    return_documents: bool = Field(
+        True, description="Include each document's text in its result (document.text)."
+    )
+
+    def texts(self) -> list[str]:
+        return [d if isinstance(d, str) else d.text for d in self.documents]
+
+
+class ClassifyRequest(_TaskRequest):
+    """POST /classify (vLLM's Classification API)."""
+
+    input: EmbeddingInput = Field(
+        description="A string, a list of strings, a list of token ids, or a list of token-id lists."
+    )

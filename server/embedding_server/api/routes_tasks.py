@@ -1,0 +1,86 @@
+"""The task endpoints beyond embedding: ``/rerank`` (also ``/v1/rerank``, ``/v2/rerank``)
+and ``/classify`` (also ``/v1/classify``), in vLLM's request and response shapes so that its
+clients (and Jina's and Cohere's rerank clients) work unchanged.
+
+``/rerank`` ranks documents with the model's ``/score``: a cross-encoder's relevance (task
+score) or the cosine similarity of embeddings (task embed). ``/classify`` needs a classifier
+(task classify, or a cross-encoder's one sigmoid probability). A model of another task gets a
+400 naming its task. Both go through the engine, hence the same scheduler, batching and
+metrics as every other request.
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from embedding_server.api.dependencies import as_input_list, check_input_count, engine_for
+from embedding_server.api.disconnect import cancel_on_disconnect
+from embedding_server.api.ids import new_id
+from embedding_server.api.protocol_tasks import ClassifyRequest, RerankRequest
+from embedding_server.api.responses import json_response, timing_headers
+
+router = APIRouter(tags=["Tasks"])
+
+
+@router.post("/rerank", summary="Rank documents by relevance to a query (vLLM/Jina)")
+@router.post("/v1/rerank", summary="Rank documents by relevance to a query (vLLM/Jina)")
+@router.post("/v2/rerank", summary="Rank documents by relevance to a query (vLLM/Cohere v2)")
+async def rerank(body: RerankRequest, request: Request) -> Response:
+    engine, lifecycle = engine_for(request, body.model)
+    documents = body.texts()
+    check_input_count(lifecycle, len(documents), "documents")
+    result = await cancel_on_disconnect(
+        request,
+        engine.arerank(
+            body.query,
+            documents,
+            top_n=body.top_n,
+            truncate=body.truncation(auto=lifecycle.settings.auto_truncate),
+        ),
+    )
+    results: list[dict[str, object]] = []
+    for ranked in result.results:
+        item: dict[str, object] = {"index": ranked.index, "relevance_score": ranked.score}
+        if body.return_documents:
+            item["document"] = {"text": documents[ranked.index]}
+        results.append(item)
+    content = {
+        "id": f"rerank-{new_id()}",
+        "model": lifecycle.served_model_name,
+        "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens},
+        "results": results,
+    }
+    return json_response(content, timing_headers(result.timings, result.prompt_tokens))
+
+
+@router.post("/classify", summary="Class probabilities of each input (vLLM)")
+@router.post("/v1/classify", summary="Class probabilities of each input (vLLM)")
+async def classify(body: ClassifyRequest, request: Request) -> Response:
+    engine, lifecycle = engine_for(request, body.model)
+    inputs = as_input_list(body.input)
+    check_input_count(lifecycle, len(inputs), "input")
+    result = await cancel_on_disconnect(
+        request,
+        engine.aclassify(inputs, truncate=body.truncation(auto=lifecycle.settings.auto_truncate)),
+    )
+    labels = result.predicted
+    content = {
+        "id": f"classify-{new_id()}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": lifecycle.served_model_name,
+        "data": [
+            {
+                "index": i,
+                "label": labels[i],
+                "probs": probs,
+                "num_classes": len(result.labels),
+            }
+            for i, probs in enumerate(result.probs)
+        ],
+        "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens},
+    }
+    return json_response(content, timing_headers(result.timings, result.prompt_tokens))
