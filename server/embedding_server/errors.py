@@ -111,6 +111,13 @@ class NotReadyError(EmbeddingServerError):
     code = "not_ready"
 
 
+class EngineFailedError(NotReadyError):
+    """The engine can no longer run forward passes (the accelerator hit an error that poisons
+    the process, such as a device-side assert); the server is on its way out."""
+
+    code = "engine_failed"
+
+
 class UnsupportedModelError(EmbeddingServerError):
     """The model directory holds an architecture we have no packed implementation for."""
 

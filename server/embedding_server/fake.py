@@ -41,12 +41,16 @@ class FakeOptions:
     matryoshka: bool = True
     pooling: PoolingMethod = "mean"
     prompts: bool = True
+    device_error_after: int = 0
+    """Forward passes (warm-up included) after which every one raises a CUDA-style fatal
+    error, as a poisoned device does; 0 = never. For the failure-path tests."""
 
     @classmethod
     def parse(cls, model: str) -> FakeOptions:
         _, _, query = model.partition("?")
         fields: dict[str, str] = dict(parse_qsl(query, strict_parsing=bool(query)))
-        unknown = set(fields) - {"dim", "max_len", "delay_ms", "matryoshka", "pooling", "prompts"}
+        known = {"dim", "max_len", "delay_ms", "matryoshka", "pooling", "prompts"}
+        unknown = set(fields) - known - {"device_error_after"}
         if unknown:
             raise InvalidRequestError(
                 f"unknown fake-model options {sorted(unknown)}", param="model"
@@ -64,6 +68,7 @@ class FakeOptions:
                 matryoshka=_bool(fields.get("matryoshka", "true")),
                 pooling=pooling_method,
                 prompts=_bool(fields.get("prompts", "true")),
+                device_error_after=int(fields.get("device_error_after", 0)),
             )
         except ValueError as exc:
             raise InvalidRequestError(f"bad fake-model option: {exc}", param="model") from exc
@@ -107,6 +112,7 @@ class FakeModel:
         self.hidden_size = options.dim
         self.max_positions = options.max_len
         self.delay_s = options.delay_ms / 1000.0
+        self.device_error_after = options.device_error_after
         self.tokens = torch.randn(vocab_size, options.dim, generator=generator).to(device, dtype)
         self.positions = (0.1 * torch.randn(options.max_len, options.dim, generator=generator)).to(
             device, dtype
@@ -116,6 +122,11 @@ class FakeModel:
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         self.calls += 1
+        if self.device_error_after and self.calls > self.device_error_after:
+            raise RuntimeError(
+                "CUDA error: an illegal memory access was encountered (simulated by the fake "
+                "model's device_error_after)"
+            )
         if self.delay_s:
             time.sleep(self.delay_s)  # simulates a slow accelerator; runs in the forward thread
         return self.tokens[batch.input_ids] + self.positions[batch.position_ids]

@@ -11,9 +11,10 @@ forward thread can share one engine safely.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -21,8 +22,12 @@ import numpy as np
 import torch
 
 from .attention import Backend
+from .dtypes import fatal_device_error
+from .errors import EngineFailedError
 from .models.base import EmbeddingModel, PackedBatch
 from .pooling import FloatArray, PoolingMethod, pool
+
+logger = logging.getLogger(__name__)
 
 # Below this many tokens a CPU forward pass runs on one thread: the matmuls are too small to
 # split profitably, and on a busy host every OpenMP region would wait for a descheduled
@@ -89,6 +94,9 @@ class ModelRunner:
         self._lock = threading.Lock()
         self.cpu_threads = cpu_threads
         self.attention = attention
+        self.failure: str | None = None
+        """Why forward passes cannot run any more (a fatal device error), else None."""
+        self._failure_callbacks: list[Callable[[str], None]] = []
 
     def warmup_batch(self, max_len: int, max_tokens: int, max_size: int) -> list[SequenceInput]:
         """A batch to run once before traffic. On CUDA it fills the whole token budget, so
@@ -127,8 +135,35 @@ class ModelRunner:
                 out.append(None)
         return out
 
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(message)`` once a forward pass hits a fatal device error."""
+        self._failure_callbacks.append(callback)
+        if self.failure is not None:
+            callback(self.failure)
+
     def run(self, seqs: Sequence[SequenceInput]) -> BatchOutput:
-        """One forward pass; thread-safe (serialized)."""
+        """One forward pass; thread-safe (serialized). After a fatal device error (a CUDA
+        device-side assert, an illegal memory access) every call raises EngineFailedError:
+        the context is poisoned, so the failure callbacks end the process instead of letting
+        every later batch fail behind a green readiness probe."""
+        if self.failure is not None:
+            raise EngineFailedError(self.failure)
+        try:
+            return self._run(seqs)
+        except Exception as error:
+            if not fatal_device_error(error):
+                raise
+            with self._lock:
+                first = self.failure is None
+                if first:
+                    self.failure = f"the device failed: {type(error).__name__}: {error}"
+            if first:
+                logger.error("%s; the server cannot serve any more", self.failure)
+                for callback in self._failure_callbacks:
+                    callback(self.failure or "")
+            raise EngineFailedError(self.failure or "the device failed") from error
+
+    def _run(self, seqs: Sequence[SequenceInput]) -> BatchOutput:
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].ids))
         ordered = [seqs[i] for i in order]
         with self._lock, torch.inference_mode():

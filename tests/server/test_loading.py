@@ -320,3 +320,37 @@ def test_packaged_models_hub_id_needs_no_download(monkeypatch: pytest.MonkeyPatc
     assert resolve_model_path(PACKAGED_HUB_ID, revision="main") == packaged
     with pytest.raises(ModelNotFoundError, match="HF_HUB_OFFLINE"):
         resolve_model_path(PACKAGED_HUB_ID, revision="0123456789abcdef", cache_dir="/nonexistent")
+
+
+def test_fused_projections_reach_the_device_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """q/k/v (and gate/up) are concatenated on the host and converted once, so the device
+    never holds the parts and the fused copy together while a large model loads."""
+    from embedding_server.models.base import WeightReader
+
+    weights = {
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(8, 4, dtype=torch.bfloat16),
+        "model.layers.0.self_attn.k_proj.weight": torch.randn(4, 4, dtype=torch.bfloat16),
+        "model.layers.0.self_attn.v_proj.weight": torch.randn(4, 4, dtype=torch.bfloat16),
+    }
+    reader = WeightReader(
+        weights,
+        prefixes=("model.",),
+        marker="layers.",
+        architecture="llama",
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    converted: list[tuple[int, ...]] = []
+    convert = WeightReader._convert
+
+    def spy(self: WeightReader, tensor: torch.Tensor) -> torch.Tensor:
+        converted.append(tuple(tensor.shape))
+        return convert(self, tensor)
+
+    monkeypatch.setattr(WeightReader, "_convert", spy)
+    names = [f"layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
+    fused = reader.cat(names, (slice(0, 8), slice(0, 4), slice(0, 4)))
+    assert converted == [(16, 4)]
+    assert fused.dtype == torch.float32
+    expected = torch.cat([weights[f"model.{n}"] for n in names]).float()
+    assert torch.equal(fused, expected)

@@ -225,8 +225,13 @@ class WeightReader:
         share. A fused weight of ``blocks`` equal parts (ModernBERT's ``Wqkv``: 3) gives
         ``select`` of each part, concatenated. Sliced before the conversion, so only the
         share reaches the device."""
-        parts = self._take(name).chunk(blocks) if blocks > 1 else (self._take(name),)
-        return self._convert(torch.cat([part[select] for part in parts]))
+        return self._convert(self._host_rows(name, select, blocks))
+
+    def _host_rows(self, name: str, select: slice, blocks: int = 1) -> torch.Tensor:
+        weight = self._take(name)
+        if blocks == 1:
+            return weight[select]
+        return torch.cat([part[select] for part in weight.chunk(blocks)])
 
     def embedding(self, name: str) -> VocabEmbedding:
         """A token embedding table, split by vocabulary rows on tensor-parallel ranks."""
@@ -245,9 +250,10 @@ class WeightReader:
     def cat(self, names: Sequence[str], selects: Sequence[slice]) -> torch.Tensor:
         """This rank's rows (``selects``, one per name) of several weights concatenated along
         the output dimension: one matmul instead of several (q/k/v, gate/up)."""
-        return torch.cat(
-            [self.rows(name, select) for name, select in zip(names, selects, strict=True)]
-        )
+        # Concatenated on the host, then converted and moved once: concatenating on the device
+        # would hold every part and the fused copy there at the same time.
+        parts = [self._host_rows(n, select) for n, select in zip(names, selects, strict=True)]
+        return self._convert(torch.cat(parts))
 
     def qkv(self, names: Sequence[str], split: HeadSplit) -> torch.Tensor:
         """The query, key and value projections (weights or biases, in that order) fused,
