@@ -7,6 +7,7 @@ from the app factory so routes can depend on it without importing the factory.
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -74,6 +75,25 @@ class Lifecycle:
         logger.error("cannot serve: %s", message)
         if self.on_fatal is not None:
             self.on_fatal()
+
+
+_heap_frozen = False
+
+
+def freeze_heap() -> None:
+    """Move what the process holds once it is ready (the model, torch, transformers, our
+    modules: hundreds of thousands of objects) out of the garbage collector's sight.
+
+    Without it every full collection walks all of them again: ~0.3 s with the event loop
+    stopped, a few times a minute under load, which was most of the request latency's p99.
+    Collected first, so only live objects are frozen; once per process, so a process that
+    builds many apps (the tests) freezes only what its first one held.
+    """
+    global _heap_frozen
+    if not _heap_frozen:
+        _heap_frozen = True
+        gc.collect()
+        gc.freeze()
 
 
 _DEFAULT_ALIASES = {DEFAULT_MODEL: ("sentence-transformers/all-MiniLM-L6-v2", "all-MiniLM-L6-v2")}
