@@ -70,6 +70,8 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self._stage_children: dict[str, Histogram] = {}
+        self._request_children: dict[tuple[str, int], Counter] = {}
         self.batch_size = Histogram(
             f"{PREFIX}_batch_size", "Sequences per forward pass.", buckets=_SIZE_BUCKETS, registry=r
         )
@@ -81,3 +83,20 @@ class Metrics:
             "Seconds it took to load and warm up the model.",
             registry=r,
         )
+
+    # Every request observes these, and prometheus_client's ``labels()`` validates and locks
+    # on each call; the labelled children are looked up once and kept.
+    def observe_stage(self, stage: str, seconds: float) -> None:
+        """One request's time in a pipeline stage (``stage_seconds{stage=...}``)."""
+        child = self._stage_children.get(stage)
+        if child is None:
+            child = self._stage_children[stage] = self.stage_seconds.labels(stage)
+        child.observe(seconds)
+
+    def count_request(self, endpoint: str, status: int) -> None:
+        """One finished HTTP request (``requests_total{endpoint=..., status=...}``)."""
+        key = (endpoint, status)
+        child = self._request_children.get(key)
+        if child is None:
+            child = self._request_children[key] = self.requests.labels(endpoint, str(status))
+        child.inc()

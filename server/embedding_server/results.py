@@ -8,7 +8,7 @@ importing the engine.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -32,7 +32,12 @@ class StageTimings:
         return self.tokenize + self.queue + self.forward + self.pool
 
     def to_dict(self) -> dict[str, float]:
-        return asdict(self)
+        return {
+            "tokenize": self.tokenize,
+            "queue": self.queue,
+            "forward": self.forward,
+            "pool": self.pool,
+        }
 
 
 @dataclass(frozen=True)
@@ -159,7 +164,7 @@ class JobOutput:
         if self.truncated_inputs:
             metrics.truncated_inputs.inc(self.truncated_inputs)
         for stage, seconds in self.timings.to_dict().items():
-            metrics.stage_seconds.labels(stage=stage).observe(seconds)
+            metrics.observe_stage(stage, seconds)
 
     def embed_result(self, embeddings: FloatArray) -> EmbedResult:
         return EmbedResult(

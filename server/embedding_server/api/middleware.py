@@ -130,7 +130,7 @@ class RequestContextMiddleware:
         finally:
             self.metrics.in_flight.dec()
             status = status_holder[0] if status_holder else 499
-            self.metrics.requests.labels(endpoint, str(status)).inc()
+            self.metrics.count_request(endpoint, status)
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug(
                     "%s %s -> %d in %.1f ms",
