@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -131,6 +132,14 @@ def test_tokenize_token_strs_keep_wordpiece_continuations(minilm_dir: Path) -> N
     with running_server(ServerSettings(max_batch_tokens=4096)) as minilm:
         body = post(minilm, "/tokenize", {"prompt": text, "return_token_strs": True})
     assert body["tokens"] == ids and body["token_strs"] == want
+
+
+def test_a_ready_server_has_frozen_its_startup_heap(server: RunningServer) -> None:
+    """The objects loading left behind (torch, transformers, the model) are out of the
+    collector's sight, so a full collection does not stop the event loop to walk them
+    (that was most of the p99 latency under load, see bench/frontend.py)."""
+    assert httpx.get(server.url + "/ready").status_code == 200
+    assert gc.get_freeze_count() > 0
 
 
 def test_models_info_and_probes(server: RunningServer) -> None:
