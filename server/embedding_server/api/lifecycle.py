@@ -7,6 +7,7 @@ from the app factory so routes can depend on it without importing the factory.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 from collections.abc import Callable
@@ -87,13 +88,16 @@ def freeze_heap() -> None:
     Without it every full collection walks all of them again: ~0.3 s with the event loop
     stopped, a few times a minute under load, which was most of the request latency's p99.
     Collected first, so only live objects are frozen; once per process, so a process that
-    builds many apps (the tests) freezes only what its first one held.
+    builds many apps (the tests) freezes only what its first one held. Unfrozen at exit, so
+    the interpreter's last collection still frees them (native extensions such as triton's
+    nanobind otherwise print leak reports into the log at shutdown).
     """
     global _heap_frozen
     if not _heap_frozen:
         _heap_frozen = True
         gc.collect()
         gc.freeze()
+        atexit.register(gc.unfreeze)
 
 
 _DEFAULT_ALIASES = {DEFAULT_MODEL: ("sentence-transformers/all-MiniLM-L6-v2", "all-MiniLM-L6-v2")}
