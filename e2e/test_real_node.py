@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import secrets
 import shutil
 from collections.abc import Iterator
@@ -701,9 +700,9 @@ def reranker_claim(cluster: Cluster, namespace: str, tmp_path: Path) -> Iterator
     cache = tmp_path / "hub-cache"
     cache.mkdir()
     snapshot = fill_hub_cache(cache, RERANKER_ID, checkpoint)
-    # The pods run as uid 1000; a hostPath volume gets no fsGroup, so the files are theirs.
-    for path in (cache, *cache.rglob("*")):
-        os.chown(path, 1000, 1000)
+    # Owned by root and world-readable, as an administrator fills a share; the pods (uid 1000)
+    # only read it, through a read-only mount.
+    assert all(p.stat().st_mode & 0o004 for p in (cache, *cache.rglob("*")))
     volume = f"{namespace}-weights"
     cluster.apply(
         {
@@ -712,7 +711,7 @@ def reranker_claim(cluster: Cluster, namespace: str, tmp_path: Path) -> Iterator
             "metadata": {"name": volume},
             "spec": {
                 "capacity": {"storage": "1Gi"},
-                "accessModes": ["ReadWriteOnce"],
+                "accessModes": ["ReadOnlyMany"],
                 "persistentVolumeReclaimPolicy": "Retain",
                 "storageClassName": "",
                 "hostPath": {"path": str(cache), "type": "Directory"},
@@ -740,7 +739,7 @@ def reranker_claim(cluster: Cluster, namespace: str, tmp_path: Path) -> Iterator
             "kind": "PersistentVolumeClaim",
             "metadata": {"name": "reranker-weights"},
             "spec": {
-                "accessModes": ["ReadWriteOnce"],
+                "accessModes": ["ReadOnlyMany"],
                 "storageClassName": "",
                 "volumeName": volume,
                 "resources": {"requests": {"storage": "1Gi"}},
@@ -760,8 +759,9 @@ def test_reranker_serves_cross_encoder_scores_from_an_offline_model_cache(
     reranker_claim: tuple[str, Path],
 ) -> None:
     """The issue's "the operator deploys a reranker": ``task: score`` on a cross-encoder that
-    reaches the pod as an offline cluster gets it (a pre-filled hub cache on a claim, the Hub
-    switched off), ranked and scored as sentence-transformers does on the same weights."""
+    reaches the pod as an offline cluster gets it (a hub cache filled beforehand, on a claim
+    mounted with ``modelCache.readOnly``, which also switches the Hub off), ranked and scored
+    as sentence-transformers does on the same weights."""
     from sentence_transformers import CrossEncoder
 
     claim, snapshot = reranker_claim
@@ -770,8 +770,8 @@ def test_reranker_serves_cross_encoder_scores_from_an_offline_model_cache(
         "task": "score",
         "gpu": {"type": "cpu"},
         "resources": SMALL_POD,
-        "modelCache": {"mode": "existing", "claimName": claim},
-        "server": {"dtype": "float32", "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}]},
+        "modelCache": {"mode": "existing", "claimName": claim, "readOnly": True},
+        "server": {"dtype": "float32"},
     }
     with diagnostics(cluster, namespace, release):
         cluster.apply(embedding_service("reranker", spec), namespace=namespace)
