@@ -700,9 +700,11 @@ def reranker_claim(cluster: Cluster, namespace: str, tmp_path: Path) -> Iterator
     cache = tmp_path / "hub-cache"
     cache.mkdir()
     snapshot = fill_hub_cache(cache, RERANKER_ID, checkpoint)
-    # Owned by root and world-readable, as an administrator fills a share; the pods (uid 1000)
-    # only read it, through a read-only mount.
-    assert all(p.stat().st_mode & 0o004 for p in (cache, *cache.rglob("*")))
+    # Owned by root and made world-readable (chmod -R a+rX), as an administrator fills a
+    # share: the pods (uid 1000) only read it, through a read-only mount.
+    for path in (cache, *cache.rglob("*")):
+        extra = 0o555 if path.is_dir() else 0o444
+        path.chmod(path.stat().st_mode | extra)
     volume = f"{namespace}-weights"
     cluster.apply(
         {
