@@ -34,18 +34,35 @@ async def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None
 
 
 class GatedForward:
-    """A forward pass that records batches and blocks until ``gate`` is set."""
+    """A runner that records batches and whose forward pass blocks until ``gate`` is set.
+
+    ``prepared`` lists the batches prepared (first token id of each sequence) in order, and
+    ``executed`` those that ran; ``running`` is set while a forward pass waits at the gate."""
 
     def __init__(self) -> None:
         self.gate = threading.Event()
-        self.batches: list[list[int]] = []  # first token id of each sequence
+        self.prepared: list[list[int]] = []
+        self.batches: list[list[int]] = []  # first token id of each sequence, as executed
         self.started = threading.Event()
+        self.running = threading.Event()
         self.fail_next: Exception | None = None
+        self.fail_prepare: Exception | None = None
 
-    def __call__(self, seqs: Sequence[SequenceInput]) -> BatchOutput:
+    def prepare(self, seqs: Sequence[SequenceInput]) -> list[SequenceInput]:
+        if self.fail_prepare is not None:
+            exc, self.fail_prepare = self.fail_prepare, None
+            raise exc
+        self.prepared.append([s.ids[0] for s in seqs])
+        return list(seqs)
+
+    def execute(self, seqs: list[SequenceInput]) -> BatchOutput:
         self.batches.append([s.ids[0] for s in seqs])
         self.started.set()
-        assert self.gate.wait(10), "test never opened the gate"
+        self.running.set()
+        try:
+            assert self.gate.wait(10), "test never opened the gate"
+        finally:
+            self.running.clear()
         if self.fail_next is not None:
             exc, self.fail_next = self.fail_next, None
             raise exc
@@ -87,7 +104,8 @@ async def test_batches_respect_token_and_size_budgets_and_oldest_goes_first(
     rng = random.Random(0)
     lengths = [rng.randint(5, 40) for _ in range(12)]
     tasks = [asyncio.create_task(scheduler.submit([seq(i + 1, n)])) for i, n in enumerate(lengths)]
-    await wait_for(lambda: scheduler.queued_requests == 12)
+    # They queue together; holding more than a full batch, the next one is prepared at once.
+    await wait_for(lambda: len(forward.prepared) == 2)
     forward.gate.set()
     results = await asyncio.gather(*tasks)
     await blocker
@@ -112,7 +130,7 @@ async def test_fill_prefers_lengths_close_to_the_oldest(
     await wait_for(forward.started.is_set)
     lengths = {1: 20, 2: 5, 3: 21, 4: 50, 5: 19, 6: 6, 7: 22}
     tasks = [asyncio.create_task(scheduler.submit([seq(tag, n)])) for tag, n in lengths.items()]
-    await wait_for(lambda: scheduler.queued_requests == len(lengths))
+    await wait_for(lambda: len(forward.prepared) == 2)  # a full batch's worth: prepared early
     forward.gate.set()
     await asyncio.gather(blocker, *tasks)
     assert sorted(forward.batches[1]) == [1, 3, 5, 7]  # 20 with 21, 19, 22: not 5, 6, 50
@@ -130,14 +148,18 @@ async def test_queue_gauges_track_depth_and_queue_full_gives_retry_after(
         asyncio.create_task(scheduler.submit([seq(3, 100), seq(4, 90)])),
         asyncio.create_task(scheduler.submit([seq(6, 100), seq(9, 100)])),
     ]
-    await wait_for(lambda: scheduler.queued_tokens == 490)
-    assert gauge(metrics, "embedding_server_queue_requests") == 3
-    assert gauge(metrics, "embedding_server_queue_tokens") == 490
+    # 490 tokens hold more than a full batch, so the next one (60 + 40) is taken and prepared
+    # while the first runs: like a running batch, it is no longer waiting in the queue.
+    await wait_for(lambda: len(forward.prepared) == 2)
+    assert forward.prepared[1] == [1, 2]
+    assert scheduler.queued_tokens == 390
+    assert gauge(metrics, "embedding_server_queue_requests") == 2
+    assert gauge(metrics, "embedding_server_queue_tokens") == 390
     with pytest.raises(QueueFullError) as err:
-        await scheduler.submit([seq(5, 20)])
+        await scheduler.submit([seq(5, 120)])
     assert err.value.retry_after >= 1
-    assert "490" in err.value.message
-    assert gauge(metrics, "embedding_server_queue_tokens") == 490  # refused work not counted
+    assert "390" in err.value.message
+    assert gauge(metrics, "embedding_server_queue_tokens") == 390  # refused work not counted
     forward.gate.set()
     await asyncio.gather(running, *waiting)
     assert gauge(metrics, "embedding_server_queue_requests") == 0
@@ -181,8 +203,8 @@ async def test_reservations_refuse_a_crowd_before_it_is_tokenized(
     held[0].release()
     third = scheduler.reserve(1, 200)
     # Submitting turns a reservation into the exact count.
-    waiting = asyncio.create_task(scheduler.submit([seq(1, 100)], held[1]))
-    await wait_for(lambda: scheduler.queued_tokens == 100)
+    waiting = asyncio.create_task(scheduler.submit([seq(1, 60)], held[1]))
+    await wait_for(lambda: scheduler.queued_tokens == 60)
     third.release()
     third.release()  # idempotent
     forward.gate.set()
@@ -249,8 +271,9 @@ async def test_stop_drains_or_refuses() -> None:
     await scheduler2.stop(drain=False)
     with pytest.raises(NotReadyError):
         await dropped
+    with pytest.raises(NotReadyError):
+        await running  # its result will never be delivered: told so, not left hanging
     forward2.gate.set()
-    running.cancel()
     executor.shutdown(wait=True)
 
 
