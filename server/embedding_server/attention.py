@@ -241,6 +241,17 @@ class AttentionPlan:
         return mask
 
 
+def staged(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device``. On CUDA the copy comes from pinned memory and is queued
+    ``non_blocking`` on the current stream: the host does not wait for it, and whatever that
+    stream runs next sees the data. On the CPU it is ``host`` itself, no copy."""
+    if device.type != "cuda":
+        return host
+    if not host.is_pinned():
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 def plan_attention(
     seqlens: Sequence[int],
     device: torch.device,
@@ -283,10 +294,10 @@ def plan_attention(
                 len(group),
                 0,
                 False,
-                gather.to(device),
-                slots.to(device),
-                gather[slots].to(device),
-                None if same else valid[:, None, None, :].to(device),
+                staged(gather, device),
+                staged(slots, device),
+                staged(gather[slots], device),
+                None if same else staged(valid[:, None, None, :], device),
             )
         )
     return AttentionPlan(tuple(buckets), total, device, backend)

@@ -234,7 +234,6 @@ class ModelRunner:
                     if any(s.type_ids for s in ordered)
                     else None
                 ),
-                pin_memory=stream is not None,
             )
             batch.attention_plan  # noqa: B018  (built here, off the forward thread)
             copied = None

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from ..attention import AttentionPlan, Backend, plan_attention, varlen_attention
+from ..attention import AttentionPlan, Backend, plan_attention, staged, varlen_attention
 from ..distributed import SINGLE, Shard
 from ..errors import UnsupportedModelError
 from .layers import HeadSplit, VocabEmbedding
@@ -47,21 +47,21 @@ class PackedBatch:
         *,
         attention: Backend = Backend.SDPA_BUCKETED,
         token_types: Sequence[Sequence[int]] | None = None,
-        pin_memory: bool = False,
     ) -> PackedBatch:
         """Pack token id lists; ``position_offset`` shifts positions (RoBERTa: padding_idx+1);
         ``attention`` is the kernel every layer's attention runs on; ``token_types`` are the
         segment ids of each sequence (sentence pairs), None for all zeros.
 
         The integer rows (ids, positions, segment ids) are packed on the host into one
-        staging tensor and reach the device in one copy, ``cu_seqlens`` in a second. With
-        ``pin_memory`` (CUDA) the staging tensors are page-locked and the copies are
-        ``non_blocking``: they run on the caller's current stream without holding the host,
-        so the caller must order that stream before the tensors' use (the runner's copy
-        stream and event). On the CPU the "copy" returns the staging tensor itself."""
+        staging tensor and reach the device in one copy, ``cu_seqlens`` in a second. On CUDA
+        the staging tensors are pinned and the copies ``non_blocking`` on the current stream
+        (:func:`~..attention.staged`), so the host goes on at once; a consumer on another
+        stream must wait for this one (the runner's copy stream and event). On the CPU the
+        batch's tensors are rows of the staging tensor itself."""
         seqlens = tuple(len(s) for s in sequences)
         total = sum(seqlens)
         rows = 2 if token_types is None else 3
+        pin_memory = device.type == "cuda"
         staging = torch.empty((rows, total), dtype=torch.int64, pin_memory=pin_memory)
         host = staging.numpy()
         host[0] = np.fromiter(itertools.chain.from_iterable(sequences), np.int64, total)
@@ -74,11 +74,11 @@ class PackedBatch:
         cu_host = cu.numpy()
         cu_host[0] = 0
         np.cumsum(lens, out=cu_host[1:], dtype=np.int32)
-        packed = staging.to(device, non_blocking=pin_memory)
+        packed = staged(staging, device)
         return cls(
             packed[0],
             packed[1],
-            cu.to(device, non_blocking=pin_memory),
+            staged(cu, device),
             max(seqlens, default=0),
             seqlens,
             attention,
