@@ -219,6 +219,12 @@ class AttentionPlan:
         default_factory=dict, compare=False, repr=False
     )
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The index and mask tensors built with the plan (not the per-layer window masks,
+        which the forward pass builds on its own stream)."""
+        fields = ((b.gather, b.slots, b.tokens, b.key_mask) for b in self.buckets)
+        return [t for group in fields for t in group if t is not None]
+
     def window_mask(self, index: int, window: int, causal: bool) -> torch.Tensor:
         """Bucket ``index``'s banded mask (True = attend), cached for the other layers.
 

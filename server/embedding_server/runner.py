@@ -248,10 +248,14 @@ class ModelRunner:
             start = time.perf_counter()
             if prepared.copied is not None:
                 # The forward stream waits (on the device, not the host) for the batch's
-                # copies. The tensors were allocated on the copy stream; the caching
-                # allocator may hand their blocks out again once they are freed, which is
-                # safe because this pass synchronizes before it returns, long before then.
-                torch.cuda.current_stream(self.device).wait_event(prepared.copied)
+                # copies. The tensors were allocated on the copy stream: marking them used on
+                # this one keeps the caching allocator from handing their memory to the next
+                # batch's copies before this stream is done with them (even when this pass
+                # fails half-way and drops them early).
+                forward_stream = torch.cuda.current_stream(self.device)
+                forward_stream.wait_event(prepared.copied)
+                for tensor in batch.tensors():
+                    tensor.record_stream(forward_stream)
             if self.device.type == "cpu":
                 total = sum(batch.seqlens)
                 threads = 1 if total < SMALL_BATCH_TOKENS else self.cpu_threads

@@ -293,6 +293,9 @@ class _FakeCuda:
         monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
         monkeypatch.setattr(torch.Tensor, "is_pinned", is_pinned)
         monkeypatch.setattr(torch.Tensor, "to", to)
+        monkeypatch.setattr(
+            torch.Tensor, "record_stream", lambda t, s: fake.log.append(("used on", s, t))
+        )
 
 
 def test_on_cuda_the_runner_copies_from_pinned_memory_on_its_own_stream(
@@ -337,8 +340,15 @@ def test_on_cuda_the_runner_copies_from_pinned_memory_on_its_own_stream(
 
     cuda.log.clear()
     out = runner.execute(prepared)
-    # The forward stream waits on the device for the copies, then the model runs.
-    assert cuda.log[:2] == [("wait", cuda.default, prepared.copied), ("forward",)]
+    # The forward stream waits on the device for the copies, marks the copy stream's tensors
+    # as used by it (so their memory is not reused under it), then the model runs.
+    assert cuda.log[0] == ("wait", cuda.default, prepared.copied)
+    marked = cuda.log[1 : cuda.log.index(("forward",))]
+    assert all(entry[:2] == ("used on", cuda.default) for entry in marked)
+    batch_tensors = prepared.batch.tensors()
+    assert len(batch_tensors) > 3  # ids, positions, cu_seqlens and the plan's index tensors
+    assert len(marked) == len(batch_tensors)
+    assert all(entry[2] is tensor for entry, tensor in zip(marked, batch_tensors, strict=True))
     np.testing.assert_allclose(out.pooled, expected, atol=1e-6)
 
 

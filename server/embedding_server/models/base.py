@@ -102,11 +102,16 @@ class PackedBatch:
         return cls(
             input_ids,
             position_ids,
-            cu.to(input_ids.device),
+            staged(cu, input_ids.device),
             max(seqlens, default=0),
             tuple(seqlens),
             attention,
         )
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the batch on its device, the attention plan's included."""
+        own = [self.input_ids, self.position_ids, self.cu_seqlens, self.token_type_ids]
+        return [t for t in own if t is not None] + self.attention_plan.tensors()
 
     @property
     def attention_plan(self) -> AttentionPlan:
