@@ -3,9 +3,12 @@
 Not a test: a measurement. Sends the deterministic mixed-length corpus (bench/corpus.py) as
 requests of ``--per-request`` texts, ``--concurrency`` at a time, through ``Engine.aembed``
 (tokenizer pool, scheduler, forward thread) and prints texts/s, tokens/s, process CPU
-seconds, the batches run and the mean batch, best of ``--repeats``. It only uses the
-public Engine API, so the same script measures another checkout: run it with that
-checkout's interpreter from this directory and compare back to back (the machine is shared).
+seconds, the batches run, the mean batch, and the *device gap*: the median time from the end
+of one model forward pass to the start of the next, which is what the device idles between
+batches (on CUDA the host's part of it: pooling and the copy back are still in it). Best of
+``--repeats``. Besides the public Engine API it only wraps the model's ``forward`` (to time
+it), so the same script measures another checkout: run it with that checkout's interpreter
+from this directory and compare back to back (the machine is shared).
 
     .venv/bin/python -m bench.scheduler --texts 512
     .venv/bin/python -m bench.scheduler --model "fake?dim=384&delay_ms=20"  # a slow "device"
@@ -18,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -37,9 +42,33 @@ class Run:
     tokens_per_s: float
     batches: int
     mean_batch: float
+    gap_ms: float
 
 
-async def measure(engine: Engine, requests: list[list[str]], concurrency: int) -> Run:
+class ForwardTimes:
+    """Wraps a model's forward pass to record when each one starts and ends."""
+
+    def __init__(self, model: Any) -> None:
+        self.spans: list[tuple[float, float]] = []
+        forward = model.forward
+
+        def timed(batch: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return forward(batch)
+            finally:
+                self.spans.append((start, time.perf_counter()))
+
+        model.forward = timed
+
+    def median_gap_ms(self) -> float:
+        gaps = [b[0] - a[1] for a, b in itertools.pairwise(self.spans)]
+        return 1000 * statistics.median(gaps) if gaps else 0.0
+
+
+async def measure(
+    engine: Engine, requests: list[list[str]], concurrency: int, times: ForwardTimes
+) -> Run:
     tokens = sum(len(ids) for ids in engine.tokenize([t for r in requests for t in r]))
     limit = asyncio.Semaphore(concurrency)
 
@@ -48,12 +77,21 @@ async def measure(engine: Engine, requests: list[list[str]], concurrency: int) -
             await engine.aembed(texts)
 
     batches_before = engine.scheduler.batches_run
+    times.spans.clear()
     cpu, wall = time.process_time(), time.perf_counter()
     await asyncio.gather(*(one(r) for r in requests))
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     texts = sum(len(r) for r in requests)
     batches = engine.scheduler.batches_run - batches_before
-    return Run(wall, cpu, texts / wall, tokens / wall, batches, texts / max(1, batches))
+    return Run(
+        wall,
+        cpu,
+        texts / wall,
+        tokens / wall,
+        batches,
+        texts / max(1, batches),
+        times.median_gap_ms(),
+    )
 
 
 async def main() -> None:
@@ -73,10 +111,14 @@ async def main() -> None:
     corpus = make_corpus(args.texts, max_words=120)
     n = args.per_request
     requests = [corpus[i : i + n] for i in range(0, len(corpus), n)]
+    times = ForwardTimes(engine._runner.model)  # the one look inside: timing the forward
     await engine.start()
     try:
-        await measure(engine, requests[: max(1, len(requests) // 8)], args.concurrency)  # warm
-        runs = [await measure(engine, requests, args.concurrency) for _ in range(args.repeats)]
+        warm = requests[: max(1, len(requests) // 8)]
+        await measure(engine, warm, args.concurrency, times)
+        runs = [
+            await measure(engine, requests, args.concurrency, times) for _ in range(args.repeats)
+        ]
     finally:
         await engine.stop()
     best = max(runs, key=lambda r: r.texts_per_s)

@@ -27,7 +27,7 @@ from embedding_server.errors import EngineFailedError, NotReadyError
 from embedding_server.runner import ModelRunner, PreparedBatch, SequenceInput
 from embedding_server.scheduler import Scheduler
 
-from tests.server.test_scheduler import GatedForward, seq, wait_for
+from tests.support.scheduler import GatedForward, seq, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,17 +1,14 @@
 """Continuous batching: budgets, fairness, isolation, admission control, cancellation.
 
-The scheduler is driven with a stub forward pass that can be held closed (a threading.Event),
-so the queue state at each step is exact instead of timing-dependent; waits poll a
-condition with a deadline.
+The scheduler is driven with a stub runner whose forward pass can be held closed
+(tests.support.scheduler), so the queue state at each step is exact instead of
+timing-dependent; waits poll a condition with a deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-import threading
-import time
-from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -19,59 +16,11 @@ import pytest
 from embedding_server.engine import Engine
 from embedding_server.errors import NotReadyError, QueueFullError, TooManyTokensError
 from embedding_server.metrics import Metrics
-from embedding_server.runner import BatchOutput, SequenceInput
 from embedding_server.scheduler import Scheduler
 
+from tests.support.scheduler import GatedForward, seq, wait_for
+
 pytestmark = pytest.mark.timeout(60)
-
-
-async def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met before the deadline")
-        await asyncio.sleep(0.005)
-
-
-class GatedForward:
-    """A runner that records batches and whose forward pass blocks until ``gate`` is set.
-
-    ``prepared`` lists the batches prepared (first token id of each sequence) in order, and
-    ``executed`` those that ran; ``running`` is set while a forward pass waits at the gate."""
-
-    def __init__(self) -> None:
-        self.gate = threading.Event()
-        self.prepared: list[list[int]] = []
-        self.batches: list[list[int]] = []  # first token id of each sequence, as executed
-        self.started = threading.Event()
-        self.running = threading.Event()
-        self.fail_next: Exception | None = None
-        self.fail_prepare: Exception | None = None
-
-    def prepare(self, seqs: Sequence[SequenceInput]) -> list[SequenceInput]:
-        if self.fail_prepare is not None:
-            exc, self.fail_prepare = self.fail_prepare, None
-            raise exc
-        self.prepared.append([s.ids[0] for s in seqs])
-        return list(seqs)
-
-    def execute(self, seqs: list[SequenceInput]) -> BatchOutput:
-        self.batches.append([s.ids[0] for s in seqs])
-        self.started.set()
-        self.running.set()
-        try:
-            assert self.gate.wait(10), "test never opened the gate"
-        finally:
-            self.running.clear()
-        if self.fail_next is not None:
-            exc, self.fail_next = self.fail_next, None
-            raise exc
-        pooled = np.array([[float(s.ids[0]), float(len(s.ids))] for s in seqs], dtype=np.float32)
-        return BatchOutput(pooled=pooled, tokens=[None] * len(seqs), forward_s=0.01, pool_s=0.0)
-
-
-def seq(tag: int, length: int) -> SequenceInput:
-    return SequenceInput([tag] * length)
 
 
 @pytest.fixture
