@@ -172,7 +172,7 @@ class Engine:
             max_size=config.max_batch_size,
         )
         self._scheduler = Scheduler(
-            self._runner.run,
+            self._runner,
             max_batch_tokens=config.max_batch_tokens,
             max_batch_size=config.max_batch_size,
             max_queue_tokens=config.max_queue_tokens,
