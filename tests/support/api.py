@@ -19,7 +19,7 @@ import httpx
 import uvicorn
 from embedding_server.api import create_app
 from embedding_server.api.lifecycle import Lifecycle
-from embedding_server.cli import DrainingServer
+from embedding_server.api.server import DrainingServer
 from embedding_server.engine import Engine
 from embedding_server.metrics import Metrics
 from embedding_server.settings import ServerSettings
