@@ -18,9 +18,9 @@ buffers: nothing per request is pickled, and nothing is a Python list on the wir
   server's error types (429 with its ``retry_after``, 413, 503) so the front-end raises it;
 * front-end -> engine ``cancel``: ``{"op": "cancel", "rid"}`` when the request's caller went
   away; the engine withdraws its queued sequences (:meth:`Scheduler.submit`'s cancellation);
-* ``hello``: a front-end's first message; the engine answers once its model is warmed up with
-  a pickled :class:`Handoff` (configuration, info, tokenizer): the only pickle, once per
-  front-end.
+* ``hello``: a front-end's first message; the engine answers once its model is warmed up and
+  every front-end has said hello (so they turn ready together) with a pickled
+  :class:`Handoff` (configuration, info, tokenizer): the only pickle, once per front-end.
 
 A front-end notices the engine process going away from the socket's own monitor (a
 disconnect of the ipc connection), fails every waiting request with 503 and reports it
@@ -241,7 +241,8 @@ class EngineClient:
             await self._socket.send_multipart([header, *encode_sequences(seqs)], copy=False)
             return await future
         except asyncio.CancelledError:
-            if not future.done() and self.failure is None:
+            # Cancelling this task cancelled ``future`` too; an answer may be on its way.
+            if self.failure is None and (future.cancelled() or not future.done()):
                 cancel = orjson.dumps({"op": "cancel", "rid": rid})
                 self._spawn(self._socket.send(cancel))
             raise
@@ -335,9 +336,12 @@ class EngineService:
         self._socket.bind(address)
         self._running: dict[tuple[bytes, int], asyncio.Task[None]] = {}
 
-    async def serve(self, scheduler: Scheduler, handoff: Handoff) -> None:
-        """Answer front-ends until cancelled."""
+    async def serve(self, scheduler: Scheduler, handoff: Handoff, front_ends: int) -> None:
+        """Answer front-ends until cancelled. The handoff goes to all ``front_ends`` at once,
+        when the last has said hello: they share one port, so a front-end that served while
+        another still started would let that one answer some clients "not ready"."""
         payload = pickle.dumps(handoff, protocol=pickle.HIGHEST_PROTOCOL)
+        waiting: list[bytes] = []
         try:
             while True:
                 frames = await self._socket.recv_multipart(copy=False)
@@ -355,7 +359,11 @@ class EngineService:
                     if running is not None:
                         running.cancel()
                 elif op == "hello":
-                    await self._socket.send_multipart([peer, _HELLO, payload], copy=False)
+                    waiting.append(peer)
+                    if len(waiting) >= front_ends:
+                        for each in waiting:
+                            await self._socket.send_multipart([each, _HELLO, payload], copy=False)
+                        waiting, front_ends = [], 0
         finally:
             for task in list(self._running.values()):
                 task.cancel()

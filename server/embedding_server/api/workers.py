@@ -121,7 +121,8 @@ async def _engine_process(settings: ServerSettings, listener: socket.socket, add
             started = time.monotonic()
             engine.on_failure(lambda message: _call_soon(loop, finish, message))
             await engine.start()
-            serving = asyncio.create_task(service.serve(engine.scheduler, engine.handoff()))
+            handoff = engine.handoff()
+            serving = asyncio.create_task(service.serve(engine.scheduler, handoff, len(frontends)))
             logger.info(
                 "engine ready for %d API workers (%.1f s to warm up)",
                 len(frontends),
