@@ -14,6 +14,7 @@ import contextlib
 import json
 import signal
 import socket
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -21,7 +22,7 @@ import pytest
 from embedding_server.engine import Engine
 from embedding_server.metrics import QUEUE_REQUESTS_METRIC
 
-from tests.support.api import ServerProcess, sample, scrape, server_process, wait_for
+from tests.support.api import sample, scrape, server_process, wait_for
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -181,8 +182,10 @@ def test_an_engine_failure_stops_every_process_with_status_1() -> None:
         assert "illegal memory access" in server.output()
 
 
-def test_front_ends_exit_when_the_engine_process_is_killed() -> None:
-    with server_process(["--model", "fake?delay_ms=3000", *WORKERS], workers=2) as server:
+def test_front_ends_exit_when_the_engine_process_is_killed(tmp_path: Path) -> None:
+    args = ["--model", "fake?delay_ms=3000", *WORKERS]
+    with server_process(args, workers=2, env={"TMPDIR": str(tmp_path)}) as server:
+        assert list(tmp_path.glob("embedding-server-*"))  # the engine socket, the metrics
         assert len(server.children) == 2
 
         async def scenario() -> httpx.Response:
@@ -202,4 +205,6 @@ def test_front_ends_exit_when_the_engine_process_is_killed() -> None:
         answered = asyncio.run(scenario())
         assert answered.status_code == 503, answered.text
         assert answered.json()["error"]["code"] == "engine_failed"
-        assert ServerProcess.wait_gone(server, timeout=60) == -signal.SIGKILL
+        assert server.wait_gone(timeout=60) == -signal.SIGKILL
+        # The front-ends clean up what the killed engine process left.
+        assert not list(tmp_path.glob("embedding-server-*"))

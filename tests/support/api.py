@@ -150,10 +150,13 @@ class ServerProcess:
     """A real ``embedding-server serve`` process (with ``--api-workers N``: its front-end
     processes too) on a free loopback port; ``url`` is its base URL."""
 
-    def __init__(self, args: list[str]) -> None:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDDING_SERVER_")}
+        env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("EMBEDDING_SERVER_")},
+            **(env or {}),
+        }
         self.process = subprocess.Popen(
             [SCRIPT, "serve", "--port", str(self.port), *args],
             env=env,
@@ -193,7 +196,12 @@ class ServerProcess:
         )
         return code
 
-    def kill(self) -> None:
+    def stop(self) -> None:
+        """SIGTERM (the server cleans up after itself), SIGKILL whatever is left after 30 s."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=30)
         for process in [self.process, *self.children]:
             with contextlib.suppress(psutil.Error, OSError):
                 process.kill()
@@ -215,11 +223,15 @@ def _running(process: psutil.Process) -> bool:
 
 @contextlib.contextmanager
 def server_process(
-    args: list[str], *, workers: int = 0, timeout: float = 120.0
+    args: list[str],
+    *,
+    workers: int = 0,
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
 ) -> Iterator[ServerProcess]:
-    """A started :class:`ServerProcess`, killed with its front-ends at the end."""
-    server = ServerProcess(args)
+    """A started :class:`ServerProcess`, stopped with its front-ends at the end."""
+    server = ServerProcess(args, env)
     try:
         yield server.start(timeout, workers)
     finally:
-        server.kill()
+        server.stop()

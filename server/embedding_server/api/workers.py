@@ -26,6 +26,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
 import threading
@@ -62,14 +63,13 @@ def serve_workers(settings: ServerSettings, shared_dir: str) -> int:
     except OSError as error:
         logger.error("cannot listen on %s:%d: %s", settings.host, settings.port, error)
         return 1
-    address = f"ipc://{os.path.join(shared_dir, 'engine.sock')}"
     factory: Callable[[], asyncio.AbstractEventLoop] | None = None
     if best_available("uvloop", "asyncio") == "uvloop":
         import uvloop
 
         factory = uvloop.new_event_loop
     with listener, asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(_engine_process(settings, listener, address))
+        return runner.run(_engine_process(settings, listener, shared_dir))
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -82,15 +82,18 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _engine_process(settings: ServerSettings, listener: socket.socket, address: str) -> int:
+async def _engine_process(
+    settings: ServerSettings, listener: socket.socket, shared_dir: str
+) -> int:
     loop = asyncio.get_running_loop()
+    address = _address(shared_dir)
     metrics = Metrics()
     service = EngineService(address)
     context = multiprocessing.get_context("spawn")
     frontends = [
         context.Process(
             target=_frontend,
-            args=(settings, listener, address, os.getpid()),
+            args=(settings, listener, shared_dir, os.getpid()),
             name=f"api-worker-{index}",
             daemon=True,
         )
@@ -222,29 +225,44 @@ async def _stop_frontends(frontends: Sequence[BaseProcess], timeout: float) -> b
     return bool(failed)
 
 
-def _frontend(settings: ServerSettings, listener: socket.socket, address: str, parent: int) -> None:
+def _address(shared_dir: str) -> str:
+    return f"ipc://{os.path.join(shared_dir, 'engine.sock')}"
+
+
+def _frontend(
+    settings: ServerSettings, listener: socket.socket, shared_dir: str, parent: int
+) -> None:
     """A front-end process: the HTTP API on the shared socket, its jobs run by the engine."""
     configure_logging(settings.log_level, settings.log_format)
     # Out of the engine's process group: a terminal's Ctrl-C reaches the engine process only,
     # which sends one SIGTERM (a second signal would make uvicorn skip the drain).
     os.setpgid(0, 0)
-    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    threading.Thread(target=_exit_with_parent, args=(parent, shared_dir), daemon=True).start()
     import torch
 
     torch.set_num_threads(1)  # a classifier's activation at most: the model runs elsewhere
 
     async def connect(metrics: Metrics) -> Engine:
-        return await AttachedEngine.connect(settings, address, metrics=metrics)
+        return await AttachedEngine.connect(settings, _address(shared_dir), metrics=metrics)
 
     app = create_app(settings, connect=connect)
-    raise SystemExit(run_http(settings, app, sockets=[listener]))
+    code = run_http(settings, app, sockets=[listener])
+    _clean_up_after(parent, shared_dir)
+    raise SystemExit(code)
 
 
-def _exit_with_parent(parent: int) -> None:
+def _clean_up_after(parent: int, shared_dir: str) -> None:
+    """An engine process that was killed left its directory (socket, metrics) behind."""
+    if os.getppid() != parent:
+        shutil.rmtree(shared_dir, ignore_errors=True)
+
+
+def _exit_with_parent(parent: int, shared_dir: str) -> None:
     """End this front-end if the engine process is gone without telling it (killed)."""
     while os.getppid() == parent:
         time.sleep(PARENT_CHECK_S)
     logger.error("the engine process (pid %d) is gone; exiting", parent)
+    _clean_up_after(parent, shared_dir)
     with contextlib.suppress(Exception):
         logging.shutdown()
     os._exit(1)
