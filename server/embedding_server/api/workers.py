@@ -121,21 +121,19 @@ async def _engine_process(
         if loading.done():
             engine = _loaded(settings, loading, finish)
         if engine is not None:
-            started = time.monotonic()
-            engine.on_failure(lambda message: _call_soon(loop, finish, message))
-            await engine.start()
-            handoff = engine.handoff()
-            serving = asyncio.create_task(service.serve(engine.scheduler, handoff, len(frontends)))
-            logger.info(
-                "engine ready for %d API workers (%.1f s to warm up)",
-                len(frontends),
-                time.monotonic() - started,
-            )
+            serving = await _start(settings, engine, service, len(frontends), finish)
         code, why = await stopping
     finally:
         for process in frontends:
             loop.remove_reader(process.sentinel)
     logger.info("stopping (%s): API workers drain first, then the engine", why)
+    if code:
+        # A failed engine may hang in its forward thread (a tensor-parallel collective);
+        # the process still ends, bounded.
+        grace = settings.shutdown_timeout + 2 * FATAL_EXIT_GRACE_S
+        timer = threading.Timer(grace, os._exit, args=(code,))
+        timer.daemon = True
+        timer.start()
     failed = await _stop_frontends(frontends, settings.shutdown_timeout + FATAL_EXIT_GRACE_S)
     if engine is not None:
         await engine.stop(drain=True, timeout=settings.shutdown_timeout)
@@ -144,6 +142,33 @@ async def _engine_process(
         await asyncio.gather(serving, return_exceptions=True)
     service.close()
     return code or int(failed)
+
+
+async def _start(
+    settings: ServerSettings,
+    engine: Engine,
+    service: EngineService,
+    front_ends: int,
+    finish: Finish,
+) -> asyncio.Task[None] | None:
+    """Warm the engine up and serve the front-ends; None (and ``finish(1)``) if it fails."""
+    loop = asyncio.get_running_loop()
+    started = time.monotonic()
+    engine.on_failure(lambda message: _call_soon(loop, finish, message))
+    try:
+        await engine.start()
+    except Exception as error:  # a failed warm-up ends the server, exit 1
+        logger.debug("warm-up failed", exc_info=True)
+        detail = redact_settings(f"{type(error).__name__}: {error}", settings)
+        finish(1, f"the model failed its warm-up: {detail}")
+        return None
+    serving = asyncio.create_task(service.serve(engine.scheduler, engine.handoff(), front_ends))
+    logger.info(
+        "engine ready for %d API workers (%.1f s to warm up)",
+        front_ends,
+        time.monotonic() - started,
+    )
+    return serving
 
 
 def _in_thread(load: Callable[[], Engine]) -> asyncio.Future[Engine]:
