@@ -388,8 +388,9 @@ def main(argv: list[str] | None = None) -> int:
                     "cpu",
                     "--port",
                     "{port}",
+                    # Its routes then match the OpenAI path every server here is driven on.
                     "--url-prefix",
-                    "",
+                    "/v1",
                 ],
             )
         )

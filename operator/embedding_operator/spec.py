@@ -192,6 +192,7 @@ class ModelCache(_Model):
     storage_class_name: str | None = None
     access_modes: list[AccessMode] = Field(default_factory=lambda: _read_write_once())
     claim_name: str | None = None
+    read_only: bool = False
 
     @model_validator(mode="after")
     def _mode_fields(self) -> ModelCache:
@@ -199,6 +200,8 @@ class ModelCache(_Model):
             raise ValueError("size is required when mode is pvc")
         if self.mode == "existing" and not self.claim_name:
             raise ValueError("claimName is required when mode is existing")
+        if self.read_only and self.mode != "existing":
+            raise ValueError("readOnly needs mode existing (a claim filled beforehand)")
         return self
 
 

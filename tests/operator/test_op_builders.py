@@ -442,6 +442,34 @@ def test_model_cache_modes() -> None:
     )
     volumes = {v["name"]: v for v in existing["spec"]["template"]["spec"]["volumes"]}
     assert volumes["model-cache"]["persistentVolumeClaim"] == {"claimName": "shared-hf-cache"}
+    container = existing["spec"]["template"]["spec"]["containers"][0]
+    assert all(not m.get("readOnly") for m in container["volumeMounts"])
+    assert "HF_HUB_OFFLINE" not in {e["name"] for e in container["env"]}
+
+
+def test_read_only_model_cache_is_mounted_read_only_with_the_hub_off() -> None:
+    """A cache filled beforehand: the claim and the mount read-only, HF_HUB_OFFLINE=1 (a
+    user's own value of it wins, without a duplicate name)."""
+    cache = {"mode": "existing", "claimName": "hub-cache", "readOnly": True}
+    pod = build_deployment(render_input({"model": MODEL, "modelCache": cache}))["spec"]["template"][
+        "spec"
+    ]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["model-cache"]["persistentVolumeClaim"] == {
+        "claimName": "hub-cache",
+        "readOnly": True,
+    }
+    (container,) = pod["containers"]
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts["model-cache"] == {"name": "model-cache", "mountPath": "/cache", "readOnly": True}
+    assert not mounts["tmp"].get("readOnly")
+    assert {"name": "HF_HUB_OFFLINE", "value": "1"} in container["env"]
+    own = {"env": [{"name": "HF_HUB_OFFLINE", "value": "0"}]}
+    pod = build_deployment(render_input({"model": MODEL, "modelCache": cache, "server": own}))[
+        "spec"
+    ]["template"]["spec"]
+    offline = [e for e in pod["containers"][0]["env"] if e["name"] == "HF_HUB_OFFLINE"]
+    assert offline == [{"name": "HF_HUB_OFFLINE", "value": "0"}]
 
 
 def test_secrets_become_env() -> None:
