@@ -125,8 +125,10 @@ def test_queue_depth_429_and_cancellation_cross_the_process_boundary() -> None:
         late = httpx.post(server.url + "/v1/embeddings", json={"input": "late"}, timeout=60)
         assert late.status_code == 200, late.text
         metrics = httpx.get(server.url + "/metrics", timeout=10).text
-        # The first request's pass and the late one's; never the four queued ones.
-        assert sample(metrics, "embedding_server_batch_size_count") == 2
+        # The first request's pass, perhaps one more taken as it ended (on a slow machine the
+        # checks above can outlast a pass) and the late one's; without the withdrawal, 6.
+        passes = sample(metrics, "embedding_server_batch_size_count")
+        assert passes is not None and 2 <= passes <= 3, passes
         cancelled = {"endpoint": "/v1/embeddings", "status": "499"}
         assert sample(metrics, "embedding_server_requests_total", cancelled) == 5
 
