@@ -205,7 +205,7 @@ class EngineClient:
         self._pending: dict[int, asyncio.Future[ScheduledOutput]] = {}
         self._rids = itertools.count()
         self._handoff: asyncio.Future[Handoff] | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Future[Any]] = set()
         self._callbacks: list[Callable[[str], None]] = []
         self.failure: str | None = None
 
@@ -216,7 +216,14 @@ class EngineClient:
     def _spawn(self, coroutine: Any) -> None:
         task = asyncio.ensure_future(coroutine)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Future[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # A bug in the receive loop would leave every caller waiting: fail them instead.
+            logger.error("engine connection failed", exc_info=task.exception())
+            self._fail(f"the engine connection failed: {task.exception()!r}")
 
     async def connect(self) -> Handoff:
         """Say hello and wait for the engine's handoff, sent once its model is warmed up
@@ -284,7 +291,7 @@ class EngineClient:
             callback(message)
 
     def close(self) -> None:
-        for task in self._tasks:
+        for task in list(self._tasks):
             task.cancel()
         self._socket.disable_monitor()
         self._monitor.close(linger=0)

@@ -163,6 +163,13 @@ async def _start(
         finish(1, f"the model failed its warm-up: {detail}")
         return None
     serving = asyncio.create_task(service.serve(engine.scheduler, engine.handoff(), front_ends))
+
+    def ended(task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("serving the API workers failed", exc_info=task.exception())
+            finish(1, f"serving the API workers failed: {task.exception()!r}")
+
+    serving.add_done_callback(ended)
     logger.info(
         "engine ready for %d API workers (%.1f s to warm up)",
         front_ends,
