@@ -97,10 +97,11 @@ def test_queue_depth_429_and_cancellation_cross_the_process_boundary() -> None:
     args = ["--model", "fake?delay_ms=2000&max_len=64", *SLOW, "--max-queue-tokens", "128"]
     text = "q" * 30  # 32 tokens with <s> and </s>
     with server_process([*args, *WORKERS], workers=2) as server:
-        crowd = [_post_raw(server.port, text) for _ in range(5)]
+        crowd = [_post_raw(server.port, text) for _ in range(6)]
         try:
-            # One request in the forward pass, four queued: every front-end, whichever
-            # accepts the scrape, reports the engine's queue.
+            # One request in the forward pass, the next prepared beside it (it has left the
+            # queue), four queued: every front-end, whichever accepts the scrape, reports the
+            # engine's queue.
             wait_for(
                 lambda: scrape(server.url, QUEUE_REQUESTS_METRIC) == 4,
                 timeout=60,
@@ -126,11 +127,12 @@ def test_queue_depth_429_and_cancellation_cross_the_process_boundary() -> None:
         assert late.status_code == 200, late.text
         metrics = httpx.get(server.url + "/metrics", timeout=10).text
         # The first request's pass, perhaps one more taken as it ended (on a slow machine the
-        # checks above can outlast a pass) and the late one's; without the withdrawal, 6.
+        # checks above can outlast a pass; a prepared batch whose requests all hung up is
+        # dropped) and the late one's; without the withdrawal, 7.
         passes = sample(metrics, "embedding_server_batch_size_count")
         assert passes is not None and 2 <= passes <= 3, passes
         cancelled = {"endpoint": "/v1/embeddings", "status": "499"}
-        assert sample(metrics, "embedding_server_requests_total", cancelled) == 5
+        assert sample(metrics, "embedding_server_requests_total", cancelled) == 6
 
 
 def test_sigterm_drains_in_flight_requests_then_every_process_exits_0() -> None:
