@@ -52,7 +52,7 @@ class GpuProfile(BaseModel):
         default_factory=list, description="Tolerations added to the pods."
     )
     api_workers: int = Field(
-        1,
+        default=1,
         ge=1,
         le=32,
         description="Front-end processes per server pod (--api-workers) unless "
