@@ -197,6 +197,7 @@ BAD_SPECS = {
     "task": {"model": {"name": "m"}, "task": "rerank"},
     "model": {"embedding": {}},
     "metric": {"model": {"name": "m"}, "autoscaling": {"metric": "cpu"}},
+    "apiWorkers": {"model": {"name": "m"}, "server": {"apiWorkers": 0}},
 }
 
 

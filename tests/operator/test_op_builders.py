@@ -11,6 +11,7 @@ from embedding_operator.builders.hpa import build_hpa
 from embedding_operator.builders.pdb import wants_pdb
 from embedding_operator.builders.pvc import build_pvc
 from embedding_operator.builders.service import build_service
+from embedding_operator.profiles import GpuProfiles
 
 from tests.support.operator import render_input
 
@@ -121,6 +122,33 @@ def test_deployment_for_gpu_profile() -> None:
 
 
 H100 = {"model": MODEL, "gpu": {"type": "h100"}}
+
+
+@pytest.mark.parametrize(
+    ("spec", "workers"),
+    [
+        ({"model": MODEL}, "1"),
+        (H100, "4"),
+        ({"model": MODEL, "gpu": {"type": "l4"}}, "2"),
+        ({"model": MODEL, "gpu": {"type": "t4"}}, "1"),
+        ({**H100, "server": {"apiWorkers": 2}}, "2"),
+        ({"model": MODEL, "server": {"apiWorkers": 3}}, "3"),
+    ],
+    ids=["cpu-default", "h100-default", "l4-default", "t4-default", "h100-own", "cpu-own"],
+)
+def test_front_end_workers_follow_the_spec_else_the_gpu_profile(
+    spec: dict[str, Any], workers: str
+) -> None:
+    """A fast GPU needs several front-end processes to stay busy; a CPU pod does not."""
+    assert _flag(server_args(render_input(spec)), "--api-workers") == workers
+
+
+def test_a_profile_overlay_sets_front_end_workers_and_keeps_the_rest() -> None:
+    profiles = GpuProfiles.from_document({"profiles": {"h100": {"apiWorkers": 8}}})
+    h100 = profiles.resolve("h100")
+    assert h100.api_workers == 8
+    assert h100.node_selector == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert profiles.resolve("l4").api_workers == 2
 
 
 @pytest.mark.parametrize(

@@ -92,6 +92,8 @@ def server_args(render: RenderInput) -> list[str]:
         spec.embedding.pooling,
         "--tensor-parallel-size",
         str(spec.parallelism.tensor_parallel_size),
+        "--api-workers",
+        str(spec.server.api_workers or render.profile.api_workers),
     ]
     if spec.model.revision:
         args += ["--revision", spec.model.revision]
