@@ -141,6 +141,11 @@ def test_front_end_workers_follow_the_spec_else_the_gpu_profile(
 ) -> None:
     """A fast GPU needs several front-end processes to stay busy; a CPU pod does not."""
     assert _flag(server_args(render_input(spec)), "--api-workers") == workers
+    # Several front-ends drain in two stages; the kubelet must not kill the second.
+    pod = build_deployment(render_input(spec))["spec"]["template"]["spec"]
+    pre_stop = _container(build_deployment(render_input(spec)))["lifecycle"]["preStop"]
+    drain = pod["terminationGracePeriodSeconds"] - pre_stop["sleep"]["seconds"]
+    assert drain > (60 if workers != "1" else 30)
 
 
 def test_a_profile_overlay_sets_front_end_workers_and_keeps_the_rest() -> None:

@@ -93,7 +93,7 @@ def server_args(render: RenderInput) -> list[str]:
         "--tensor-parallel-size",
         str(spec.parallelism.tensor_parallel_size),
         "--api-workers",
-        str(spec.server.api_workers or render.profile.api_workers),
+        str(api_workers(render)),
     ]
     if spec.model.revision:
         args += ["--revision", spec.model.revision]
@@ -158,7 +158,18 @@ def _env(render: RenderInput) -> list[dict[str, Any]]:
 # margin for the process to exit: the kubelet must never SIGKILL a server mid-drain.
 PRE_STOP_SECONDS = 10
 SERVER_DRAIN_SECONDS = 30
-TERMINATION_GRACE_SECONDS = PRE_STOP_SECONDS + SERVER_DRAIN_SECONDS + 15
+
+
+def api_workers(render: RenderInput) -> int:
+    """Front-end processes per pod: the spec's, else the GPU profile's default."""
+    return render.spec.server.api_workers or render.profile.api_workers
+
+
+def termination_grace_seconds(render: RenderInput) -> int:
+    """With several front-ends the drain has two stages (the front-ends' in-flight requests,
+    then what the engine still holds), each with the server's drain budget."""
+    stages = 2 if api_workers(render) > 1 else 1
+    return PRE_STOP_SECONDS + stages * SERVER_DRAIN_SECONDS + 15
 
 
 def _resources(render: RenderInput) -> dict[str, Any]:
@@ -254,7 +265,7 @@ def _pod_spec(render: RenderInput) -> dict[str, Any]:
     pod: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
+        "terminationGracePeriodSeconds": termination_grace_seconds(render),
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": RUN_AS_USER,
