@@ -93,8 +93,9 @@ def _post_raw(port: int, text: str) -> socket.socket:
 
 
 def test_queue_depth_429_and_cancellation_cross_the_process_boundary() -> None:
-    # 2 s per one-sequence pass; 32-token inputs; the queue holds 4 of them.
-    args = ["--model", "fake?delay_ms=2000&max_len=64", *SLOW, "--max-queue-tokens", "128"]
+    # 6 s per one-sequence pass (the checks below must fit in the first pass, also on a busy
+    # machine); 32-token inputs; the queue holds 4 of them.
+    args = ["--model", "fake?delay_ms=6000&max_len=64", *SLOW, "--max-queue-tokens", "128"]
     text = "q" * 30  # 32 tokens with <s> and </s>
     with server_process([*args, *WORKERS], workers=2) as server:
         crowd = [_post_raw(server.port, text) for _ in range(6)]
