@@ -17,7 +17,14 @@ connections. Server and client are pinned to different CPUs (``taskset``) so tha
 own CPU use does not distort the server's figures. Prints requests/s, texts/s, p50, p99 and
 the ratios to the ceiling and to infinity-emb; writes bench/out/frontend.json and .png.
 
+``--api-workers 1,2`` measures our server once per front-end count (``embedding-server xN``
+for N > 1) and prints each one's ratio to one process. More front-ends only help where they
+get CPUs of their own: the engine process and every front-end share ``--server-cpus``, so give
+that as many CPUs as you can spare from wrk (on a 2-CPU machine, ``--server-cpus 0,1
+--client-cpus 1`` shares one with wrk, which then understates every server alike).
+
     .venv/bin/python -m bench.frontend [--seconds 15] [--infinity-python PATH]
+    .venv/bin/python -m bench.frontend --api-workers 1,2 --server-cpus 0,1 --client-cpus 1
 """
 
 from __future__ import annotations
@@ -295,7 +302,8 @@ def chart(results: list[Result], path: Path) -> None:
             next(r.texts_per_s for r in results if r.server == s and r.load == load)
             for s in servers
         ]
-        axis.bar(servers, values, color=["#4C72B0", "#DD8452", "#55A868"][: len(servers)])
+        palette = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860"]
+        axis.bar(servers, values, color=[palette[i % len(palette)] for i in range(len(servers))])
         axis.set_title(f"{load} requests: texts/s")
     figure.tight_layout()
     figure.savefig(path)
@@ -309,6 +317,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--server-cpus", default="0", help="CPUs the servers run on (taskset)")
     parser.add_argument("--client-cpus", default="1", help="CPUs wrk runs on (taskset)")
     parser.add_argument("--infinity-python", help="a Python with infinity-emb installed")
+    parser.add_argument(
+        "--api-workers",
+        default="1",
+        help="our server's --api-workers values to measure, comma-separated (e.g. 1,2)",
+    )
+    parser.add_argument(
+        "--no-ceiling", action="store_true", help="skip the bare ASGI ceiling (saves a run)"
+    )
     parser.add_argument("--ceiling-port", type=int, help=argparse.SUPPRESS)
     parser.add_argument(
         "--model-dir", type=Path, default=OUT / "frontend-model", help=argparse.SUPPRESS
@@ -332,29 +348,27 @@ def main(argv: list[str] | None = None) -> int:
     }
     env_python = sys.executable
     servers: list[tuple[str, list[str]]] = []
-    servers.append(
-        (
-            "embedding-server",
-            [
-                env_python,
-                "-m",
-                "embedding_server",
-                "serve",
-                "--model",
-                str(model),
-                "--served-model-name",
-                MODEL_NAME,
-                "--dtype",
-                "float32",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "{port}",
-                "--log-level",
-                "warning",
-            ],
-        )
-    )
+    for workers in sorted({int(n) for n in args.api_workers.split(",") if n.strip()}):
+        name = "embedding-server" if workers == 1 else f"embedding-server x{workers}"
+        ours = [
+            env_python,
+            "-m",
+            "embedding_server",
+            "serve",
+            "--model",
+            str(model),
+            "--served-model-name",
+            MODEL_NAME,
+            "--dtype",
+            "float32",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "{port}",
+            "--log-level",
+            "warning",
+        ]
+        servers.append((name, [*ours, "--api-workers", str(workers)] if workers > 1 else ours))
     if args.infinity_python and Path(args.infinity_python).exists():
         servers.append(
             (
@@ -374,27 +388,29 @@ def main(argv: list[str] | None = None) -> int:
                     "cpu",
                     "--port",
                     "{port}",
+                    # Its routes then match the OpenAI path every server here is driven on.
                     "--url-prefix",
-                    "",
+                    "/v1",
                 ],
             )
         )
     else:
         print("infinity-emb: not measured (no --infinity-python with it installed)")
-    servers.append(
-        (
-            "ceiling",
-            [
-                env_python,
-                "-m",
-                "bench.frontend",
-                "--model-dir",
-                str(model),
-                "--ceiling-port",
-                "{port}",
-            ],
+    if not args.no_ceiling:
+        servers.append(
+            (
+                "ceiling",
+                [
+                    env_python,
+                    "-m",
+                    "bench.frontend",
+                    "--model-dir",
+                    str(model),
+                    "--ceiling-port",
+                    "{port}",
+                ],
+            )
         )
-    )
     results: list[Result] = []
     for name, command in servers:
         port = free_port()
@@ -426,6 +442,17 @@ def ratios(results: list[Result]) -> list[str]:
                     f"{load}: embedding-server / {peer} = "
                     f"{ours.requests_per_s / other.requests_per_s:.2f}x requests/s "
                     f"(target >= {target}x), p99 {ours.p99_ms:.0f} vs {other.p99_ms:.0f} ms"
+                )
+    for name in dict.fromkeys(r.server for r in results):
+        if not name.startswith("embedding-server x"):
+            continue
+        for load in dict.fromkeys(r.load for r in results):
+            one, many = by.get(("embedding-server", load)), by.get((name, load))
+            if one and many and one.requests_per_s > 0:
+                lines.append(
+                    f"{load}: {name} / embedding-server = "
+                    f"{many.requests_per_s / one.requests_per_s:.2f}x requests/s, "
+                    f"p99 {many.p99_ms:.0f} vs {one.p99_ms:.0f} ms"
                 )
     return lines
 

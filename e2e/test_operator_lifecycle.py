@@ -316,6 +316,10 @@ BAD = [
     ("spec.embedding.dimensions", {"model": MODEL, "embedding": {"dimensions": 0}}),
     ("spec.embedding.pooling", {"model": MODEL, "embedding": {"pooling": "median"}}),
     ("spec.modelCache.size", {"model": MODEL, "modelCache": {"mode": "pvc"}}),
+    (
+        "spec.modelCache.readOnly",
+        {"model": MODEL, "modelCache": {"mode": "pvc", "size": "1Gi", "readOnly": True}},
+    ),
     ("spec.model", {"embedding": {}}),
     ("spec.bogusField", {"model": MODEL, "bogusField": 1}),
     (

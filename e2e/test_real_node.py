@@ -17,8 +17,10 @@ pod logs of the namespaces involved.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import secrets
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -630,3 +632,180 @@ def test_missing_secret_is_reported_from_the_pod_then_served(
         degraded = condition(obj, "Degraded")
         assert degraded is not None and degraded["status"] == "False"
     cluster.kubectl("delete", "embsvc", "locked", "-n", namespace, "--wait=false")
+
+
+# -- (g) a cross-encoder reranker served offline from a model cache the platform team filled ---
+
+RERANKER_ID = "e2e-org/tiny-reranker"
+QUERY = "How does Kubernetes place a pod?"
+DOCS = [
+    "The scheduler picks a node for every pod that has none.",
+    "Bananas are rich in potassium.",
+    "Pods are placed by kube-scheduler using filters and scores.",
+    "A fox jumped over a dog.",
+]
+
+# Runs in the client pod: the task endpoints with the standard library, /v1/embeddings with
+# the official openai client (which a user would point at the reranker by mistake).
+TASKS_SCRIPT = """
+import json, sys, urllib.error, urllib.request
+import openai
+from openai import OpenAI
+base, query, docs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+def post(path, body):
+    request = urllib.request.Request(
+        base + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return {"status": response.status, "body": json.load(response)}
+    except urllib.error.HTTPError as exc:
+        return {"status": exc.code, "body": json.load(exc)}
+out = {
+    "rerank": post("/rerank", {"query": query, "documents": docs}),
+    "v2_rerank": post("/v2/rerank", {"query": query, "documents": docs, "top_n": 2}),
+    "score": post("/score", {"text_1": query, "text_2": docs}),
+}
+client = OpenAI(base_url=base + "/v1", api_key="unused", timeout=60)
+try:
+    client.embeddings.create(model=client.models.list().data[0].id, input=["a"])
+    out["embeddings"] = {"status": 200}
+except openai.APIStatusError as exc:
+    out["embeddings"] = {"status": exc.status_code, "body": exc.response.json()}
+print(json.dumps(out))
+"""
+
+
+def fill_hub_cache(cache: Path, repo_id: str, checkpoint: Path) -> Path:
+    """``checkpoint`` laid out as the Hugging Face hub cache holds a download
+    (``models--org--name/snapshots/<revision>/`` and ``refs/main``), as a platform team
+    copies an offline cache onto a volume; returns the snapshot directory."""
+    revision = hashlib.sha1(repo_id.encode()).hexdigest()
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / revision
+    shutil.copytree(checkpoint, snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    return snapshot
+
+
+@pytest.fixture
+def reranker_claim(cluster: Cluster, namespace: str, tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """A tiny random ``BertForSequenceClassification`` cross-encoder (one label, saved by
+    sentence-transformers' CrossEncoder) in a hub cache on the real node, behind a hostPath
+    PersistentVolume bound to a claim in ``namespace``: the claim's name and the snapshot."""
+    from tests.support.tasks import build_classifier, save_cross_encoder
+
+    checkpoint = save_cross_encoder(build_classifier(tmp_path / "bert-1", "bert", 1))
+    cache = tmp_path / "hub-cache"
+    cache.mkdir()
+    snapshot = fill_hub_cache(cache, RERANKER_ID, checkpoint)
+    # Owned by root and made world-readable (chmod -R a+rX), as an administrator fills a
+    # share: the pods (uid 1000) only read it, through a read-only mount.
+    for path in (cache, *cache.rglob("*")):
+        extra = 0o555 if path.is_dir() else 0o444
+        path.chmod(path.stat().st_mode | extra)
+    volume = f"{namespace}-weights"
+    cluster.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": volume},
+            "spec": {
+                "capacity": {"storage": "1Gi"},
+                "accessModes": ["ReadOnlyMany"],
+                "persistentVolumeReclaimPolicy": "Retain",
+                "storageClassName": "",
+                "hostPath": {"path": str(cache), "type": "Directory"},
+                "nodeAffinity": {
+                    "required": {
+                        "nodeSelectorTerms": [
+                            {
+                                "matchExpressions": [
+                                    {
+                                        "key": "kubernetes.io/hostname",
+                                        "operator": "In",
+                                        "values": [NODE_NAME],
+                                    }
+                                ]
+                            }
+                        ]
+                    }
+                },
+            },
+        }
+    )
+    cluster.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": "reranker-weights"},
+            "spec": {
+                "accessModes": ["ReadOnlyMany"],
+                "storageClassName": "",
+                "volumeName": volume,
+                "resources": {"requests": {"storage": "1Gi"}},
+            },
+        },
+        namespace=namespace,
+    )
+    yield "reranker-weights", snapshot
+    cluster.kubectl("delete", "pv", volume, "--wait=false", "--ignore-not-found")
+
+
+def test_reranker_serves_cross_encoder_scores_from_an_offline_model_cache(
+    cluster: Cluster,
+    release: str,
+    e2e_images: ImageSet,
+    namespace: str,
+    reranker_claim: tuple[str, Path],
+) -> None:
+    """The issue's "the operator deploys a reranker": ``task: score`` on a cross-encoder that
+    reaches the pod as an offline cluster gets it (a hub cache filled beforehand, on a claim
+    mounted with ``modelCache.readOnly``, which also switches the Hub off), ranked and scored
+    as sentence-transformers does on the same weights."""
+    from sentence_transformers import CrossEncoder
+
+    claim, snapshot = reranker_claim
+    spec = {
+        "model": {"name": RERANKER_ID},
+        "task": "score",
+        "gpu": {"type": "cpu"},
+        "resources": SMALL_POD,
+        "modelCache": {"mode": "existing", "claimName": claim, "readOnly": True},
+        "server": {"dtype": "float32"},
+    }
+    with diagnostics(cluster, namespace, release):
+        cluster.apply(embedding_service("reranker", spec), namespace=namespace)
+        wait_condition(cluster, namespace, "reranker", "Ready", "True", timeout=READY_TIMEOUT_S)
+        wait_ready_replicas(cluster, namespace, "reranker", 1)
+        start_client(
+            cluster,
+            e2e_images,
+            namespace,
+            "tasks",
+            TASKS_SCRIPT,
+            f"http://reranker.{namespace}.svc",
+            QUERY,
+            json.dumps(DOCS),
+        )
+        got = client_output(cluster, namespace, "tasks")
+
+    reference = CrossEncoder(str(snapshot), device="cpu")
+    expected = reference.predict([(QUERY, d) for d in DOCS])
+    ranked = reference.rank(QUERY, DOCS)
+    assert got["score"]["status"] == 200, got["score"]
+    np.testing.assert_allclose(
+        [d["score"] for d in got["score"]["body"]["data"]], expected, atol=1e-4
+    )
+    for key, count in (("rerank", len(DOCS)), ("v2_rerank", 2)):
+        assert got[key]["status"] == 200, got[key]
+        results = got[key]["body"]["results"]
+        assert [r["index"] for r in results] == [r["corpus_id"] for r in ranked[:count]]
+        np.testing.assert_allclose(
+            [r["relevance_score"] for r in results],
+            [r["score"] for r in ranked[:count]],
+            atol=1e-4,
+        )
+    assert got["embeddings"]["status"] == 400, got["embeddings"]
+    assert "task is score" in got["embeddings"]["body"]["error"]["message"], got["embeddings"]

@@ -421,3 +421,21 @@ def test_e2e_client_image_is_the_server_image_plus_openai() -> None:
     assert last(instructions, "USER").value == "1000:1000"
     refs = image_builder.image_refs()
     assert refs.client.split(":")[-1] == refs.server.split(":")[-1]
+
+
+def test_image_id_refs_of_replaced_images_are_dropped_and_current_ones_kept() -> None:
+    """A rebuilt server image takes its tag over; the CRI's image-ID ref of the old one must
+    go, or every code change leaves 6 GB behind in the node's cached store."""
+    old, new, pause = ("sha256:" + c * 64 for c in "abc")
+    listing = "\n".join(
+        [
+            "REF TYPE DIGEST SIZE PLATFORMS LABELS",
+            f"ghcr.io/embedding-operator/embedding-server:0.1.0 application/tar {new} 6.0 GiB "
+            "linux/amd64 -",
+            f"registry.k8s.io/pause:3.10 application/tar {pause} 700 KiB linux/amd64 -",
+            f"sha256:{'1' * 64} application/tar {old} 6.0 GiB linux/amd64 io.cri=managed",
+            f"sha256:{'2' * 64} application/tar {new} 6.0 GiB linux/amd64 io.cri=managed",
+            f"sha256:{'3' * 64} application/tar {pause} 700 KiB linux/amd64 io.cri=managed",
+        ]
+    )
+    assert image_builder.stale_refs(listing) == [f"sha256:{'1' * 64}"]

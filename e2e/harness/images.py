@@ -878,6 +878,7 @@ def load_images(
             continue
         wanted[ref] = image_id
     if not wanted:
+        _forget_replaced(socket)
         return []
     started = time.monotonic()
     _pipe(
@@ -890,7 +891,43 @@ def load_images(
     stamp.write_text(json.dumps(recorded, indent=2, sort_keys=True) + "\n")
     seconds = time.monotonic() - started
     log.info("[images] %s imported into %s in %.1fs", ", ".join(wanted), socket, seconds)
+    _forget_replaced(socket)
     return list(wanted)
+
+
+_DIGEST_REF = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+def stale_refs(listing: str) -> list[str]:
+    """The ``sha256:<image id>`` refs in a `ctr images ls` listing whose image no tag names.
+
+    The CRI plugin adds an image-ID ref beside each tag it sees. When a rebuilt image takes
+    the tag over, that ID ref alone still pins the old image (6 GB for the server), and the
+    node's store, which the e2e cache keeps between runs, grows by one image per code change
+    until the disk is full."""
+    tagged: set[str] = set()
+    by_id: list[tuple[str, str]] = []
+    for line in listing.splitlines()[1:]:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        ref, target = parts[0], parts[2]
+        if _DIGEST_REF.fullmatch(ref):
+            by_id.append((ref, target))
+        else:
+            tagged.add(target)
+    return [ref for ref, target in by_id if target not in tagged]
+
+
+def _forget_replaced(socket: Path) -> None:
+    """Drop the image-ID refs of images no tag names any more (containerd then collects
+    their content and snapshots; a container still running one keeps its snapshot)."""
+    base = [_ctr(), "-a", str(socket), "-n", CONTAINERD_NAMESPACE, "images"]
+    listing = _run([*base, "ls"], SHORT_TIMEOUT_S, what="ctr images ls").stdout
+    stale = stale_refs(listing)
+    if stale:
+        _run([*base, "rm", "--sync", *stale], LOAD_TIMEOUT_S, what="ctr images rm")
+        log.info("[images] dropped %d replaced image(s) from %s", len(stale), socket)
 
 
 # -- lock files ------------------------------------------------------------------------------

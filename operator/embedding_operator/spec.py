@@ -113,6 +113,7 @@ class Server(_Model):
     max_batch_tokens: int | None = Field(default=None, ge=1)
     max_batch_size: int | None = Field(default=None, ge=1)
     max_queue_tokens: int | None = Field(default=None, ge=1)
+    api_workers: int | None = Field(default=None, ge=1, le=32)
     shm_size: IntOrString | None = None
     startup_timeout_seconds: int = Field(default=1800, ge=30, le=86400)
     extra_args: list[str] = Field(default_factory=list)
@@ -192,6 +193,7 @@ class ModelCache(_Model):
     storage_class_name: str | None = None
     access_modes: list[AccessMode] = Field(default_factory=lambda: _read_write_once())
     claim_name: str | None = None
+    read_only: bool = False
 
     @model_validator(mode="after")
     def _mode_fields(self) -> ModelCache:
@@ -199,6 +201,8 @@ class ModelCache(_Model):
             raise ValueError("size is required when mode is pvc")
         if self.mode == "existing" and not self.claim_name:
             raise ValueError("claimName is required when mode is existing")
+        if self.read_only and self.mode != "existing":
+            raise ValueError("readOnly needs mode existing (a claim filled beforehand)")
         return self
 
 

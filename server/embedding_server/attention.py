@@ -219,6 +219,12 @@ class AttentionPlan:
         default_factory=dict, compare=False, repr=False
     )
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The index and mask tensors built with the plan (not the per-layer window masks,
+        which the forward pass builds on its own stream)."""
+        fields = ((b.gather, b.slots, b.tokens, b.key_mask) for b in self.buckets)
+        return [t for group in fields for t in group if t is not None]
+
     def window_mask(self, index: int, window: int, causal: bool) -> torch.Tensor:
         """Bucket ``index``'s banded mask (True = attend), cached for the other layers.
 
@@ -239,6 +245,17 @@ class AttentionPlan:
                 mask = (mask & bucket.key_mask) | diagonal
             self._window_masks[key] = mask
         return mask
+
+
+def staged(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device``. On CUDA the copy comes from pinned memory and is queued
+    ``non_blocking`` on the current stream: the host does not wait for it, and whatever that
+    stream runs next sees the data. On the CPU it is ``host`` itself, no copy."""
+    if device.type != "cuda":
+        return host
+    if not host.is_pinned():
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def plan_attention(
@@ -283,10 +300,10 @@ def plan_attention(
                 len(group),
                 0,
                 False,
-                gather.to(device),
-                slots.to(device),
-                gather[slots].to(device),
-                None if same else valid[:, None, None, :].to(device),
+                staged(gather, device),
+                staged(slots, device),
+                staged(gather[slots], device),
+                None if same else staged(valid[:, None, None, :], device),
             )
         )
     return AttentionPlan(tuple(buckets), total, device, backend)

@@ -11,34 +11,24 @@ names the flag and the variable and no traceback.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
 import sys
-import threading
+import tempfile
 import types
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
+from collections.abc import Sequence
+from typing import Any, Literal, Union, get_args, get_origin
 
-import uvicorn
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsError
 
 from embedding_server.settings import DEFAULT_MODEL, ServerSettings
 
-if TYPE_CHECKING:  # the API pulls in torch; --help and settings errors should not wait for it
-    from embedding_server.api.lifecycle import Lifecycle
-
 PROG = "embedding-server"
 ENV_PREFIX = "EMBEDDING_SERVER_"
 
 EXIT_BAD_SETTINGS = 2
 """Exit status for invalid settings (argparse's own status for usage errors)."""
-
-FATAL_EXIT_GRACE_S = 10.0
-"""After a fatal error (the model failed to load, a tensor-parallel rank died or hangs) the
-server shuts down as usual, but exits with status 1 at the latest this long after."""
 
 
 def _flag(name: str) -> str:
@@ -154,80 +144,29 @@ def load_settings(argv: Sequence[str] | None = None) -> ServerSettings:
     return settings
 
 
-class DrainingServer(uvicorn.Server):
-    """uvicorn, but readiness drops to 503 the moment a stop signal arrives.
-
-    uvicorn itself then stops accepting connections and waits for in-flight requests.
-    """
-
-    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle) -> None:
-        super().__init__(config)
-        self.lifecycle = lifecycle
-
-    def handle_exit(self, sig: int, frame: types.FrameType | None) -> None:
-        self.lifecycle.begin_drain(reason=signal.Signals(sig).name)
-        super().handle_exit(sig, frame)
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        """Like uvicorn's, without re-raising the signal after shutdown: a drain that
-        finished is a success, and Kubernetes should see exit status 0, not 143."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        original = {
-            sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)
-        }
-        try:
-            yield
-        finally:
-            for sig, handler in original.items():
-                signal.signal(sig, handler)
-
-
 def serve(settings: ServerSettings) -> int:
     """Run the HTTP server until a signal; return the process exit status."""
+    if settings.api_workers > 1:
+        return _serve_workers(settings)
     from embedding_server.api.app import create_app
+    from embedding_server.api.server import run_http
     from embedding_server.logging import configure_logging
 
     configure_logging(settings.log_level, settings.log_format)
-    app = create_app(settings)
-    lifecycle = app.state.lifecycle
-
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_config=None,
-        access_log=False,
-        loop=_best("uvloop", "asyncio"),
-        http=_best("httptools", "h11"),
-        lifespan="on",
-        timeout_graceful_shutdown=int(max(1.0, settings.shutdown_timeout)),
-        log_level=settings.log_level,
-        server_header=False,
-    )
-    server = DrainingServer(config, lifecycle)
-
-    def fatal() -> None:
-        server.should_exit = True
-        # A forward pass blocked in a collective of a failed tensor-parallel group may never
-        # return; a failed server must still exit, so it is ended after a grace period.
-        timer = threading.Timer(FATAL_EXIT_GRACE_S, os._exit, args=(lifecycle.exit_code or 1,))
-        timer.daemon = True
-        timer.start()
-
-    lifecycle.on_fatal = fatal
-    server.run()
-    if lifecycle.exit_code == 0 and not server.started:
-        return 1  # e.g. the port was taken; uvicorn logged why
-    return int(lifecycle.exit_code)
+    return run_http(settings, create_app(settings))
 
 
-def _best(preferred: str, fallback: str) -> str:
-    import importlib.util
+def _serve_workers(settings: ServerSettings) -> int:
+    """``--api-workers N``: this process becomes the engine process and starts N front-ends
+    (``api/workers.py``). They share their metrics through prometheus_client's multiprocess
+    mode, whose variable must be set before any of them imports prometheus_client."""
+    with tempfile.TemporaryDirectory(prefix="embedding-server-") as shared:
+        metrics_dir = os.path.join(shared, "metrics")
+        os.mkdir(metrics_dir)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # metrics.MULTIPROCESS_DIR_ENV
+        from embedding_server.api.workers import serve_workers
 
-    return preferred if importlib.util.find_spec(preferred) is not None else fallback
+        return serve_workers(settings, shared)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

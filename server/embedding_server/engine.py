@@ -43,6 +43,7 @@ from .dtypes import resolve_device, resolve_dtype
 from .errors import InvalidRequestError, NotReadyError, UnsupportedModelError
 from .fake import is_fake, load_fake
 from .heads import Task
+from .ipc import EngineClient, Handoff, RemoteRunner
 from .jobs import (
     DirectRunner,
     EmbedOptions,
@@ -73,7 +74,7 @@ from .results import (
 from .runner import ModelRunner
 from .scheduler import Scheduler
 from .scoring import cosine_scores, pair_inputs, rank, text_pairs
-from .settings import DEFAULT_MODEL, EngineSettings
+from .settings import DEFAULT_MODEL, EngineSettings, ServerSettings
 from .tensor_parallel import TensorParallelGroup, TensorParallelModel
 from .tokenization import (
     TextInput,
@@ -172,7 +173,7 @@ class Engine:
             max_size=config.max_batch_size,
         )
         self._scheduler = Scheduler(
-            self._runner.run,
+            self._runner,
             max_batch_tokens=config.max_batch_tokens,
             max_batch_size=config.max_batch_size,
             max_queue_tokens=config.max_queue_tokens,
@@ -383,22 +384,19 @@ class Engine:
         self, texts: str | Sequence[str], *, add_special_tokens: bool = True
     ) -> list[list[int]]:
         """``tokenize`` off the event loop."""
-        runner: JobRunner = self._online or self._direct
-        return await runner.offload(
+        return await self._offloader().offload(
             functools.partial(self.tokenize, texts, add_special_tokens=add_special_tokens)
         )
 
     async def adetokenize(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """``detokenize`` off the event loop."""
-        runner: JobRunner = self._online or self._direct
-        return await runner.offload(
+        return await self._offloader().offload(
             functools.partial(self.detokenize, ids, skip_special_tokens=skip_special_tokens)
         )
 
     async def atoken_strings(self, ids: Sequence[int]) -> list[str]:
         """``token_strings`` off the event loop."""
-        runner: JobRunner = self._online or self._direct
-        return await runner.offload(functools.partial(self.token_strings, ids))
+        return await self._offloader().offload(functools.partial(self.token_strings, ids))
 
     # -- sync API (no loop needed) ---------------------------------------------------------
     def embed(self, inputs: Inputs, **options: Unpack[EmbedOptions]) -> FloatArray:
@@ -645,10 +643,18 @@ class Engine:
             out.record(self.metrics)
         return out
 
-    def _scheduled(self) -> ScheduledRunner:
+    def _scheduled(self) -> JobRunner:
         if not self._ready or self._online is None:
             raise NotReadyError("the engine is not ready (call and await engine.start())")
         return self._online
+
+    def _offloader(self) -> JobRunner:
+        """Where blocking tokenizer calls run: the tokenizer threads once started."""
+        return self._online or self._direct
+
+    def handoff(self) -> Handoff:
+        """What a front-end process needs to serve this engine's requests (``--api-workers``)."""
+        return Handoff.of(self._config, self._info, self._tokenizer)
 
     def _sync(self, work: Callable[[JobRunner], Coroutine[Any, Any, T]]) -> T:
         return run_sync(work, self._direct, self._online if self._ready else None)
@@ -656,3 +662,79 @@ class Engine:
 
 def _int_or_none(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+class AttachedEngine(Engine):
+    """A front-end process's engine (``--api-workers N``): the :class:`Engine`'s request-level
+    code (inputs, prompts, truncation, the per-request head, results) here, every job's
+    sequences run by the model and the scheduler of the engine process (:mod:`.ipc`).
+
+    It has no model, so only the async API serves; ``Engine.__init__``, which builds the
+    model's stages, is not called."""
+
+    def __init__(
+        self,
+        settings: ServerSettings,
+        handoff: Handoff,
+        client: EngineClient,
+        *,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.settings, self.metrics = settings, metrics
+        self._config, self._info = handoff.config, handoff.info
+        self._tokenizer = handoff.tokenizer
+        self._group = None
+        self._client = client
+        self._remote: RemoteRunner | None = None
+        self._ready = False
+
+    @classmethod
+    async def connect(
+        cls, settings: ServerSettings, address: str, *, metrics: Metrics | None = None
+    ) -> AttachedEngine:
+        """Connect to the engine process at ``address`` and wait until it serves."""
+        client = EngineClient(address)
+        try:
+            handoff = await client.connect()
+        except BaseException:
+            client.close()
+            raise
+        return cls(settings, handoff, client, metrics=metrics)
+
+    @property
+    def ready(self) -> bool:
+        return self._ready and self._client.failure is None
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(message)`` if the engine process goes away."""
+        self._client.on_failure(callback)
+
+    def close(self) -> None:
+        self._client.close()
+
+    async def start(self) -> None:
+        if self._ready:
+            return
+        pool = ThreadPoolExecutor(self.settings.tokenizer_workers, thread_name_prefix="tokenize")
+        loop = asyncio.get_running_loop()
+        self._remote = RemoteRunner(self._tokenizer, self._client, loop=loop, tokenize_pool=pool)
+        self._ready = True
+
+    async def stop(self, *, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop serving; the HTTP server has already waited for the requests in flight."""
+        self._ready = False
+        if self._remote is not None:
+            self._remote.shutdown()
+            self._remote = None
+        self.close()
+
+    def _scheduled(self) -> JobRunner:
+        if not self.ready or self._remote is None:
+            raise NotReadyError("the engine process is not serving")
+        return self._remote
+
+    def _offloader(self) -> JobRunner:
+        return self._scheduled()
+
+    def _sync(self, work: Callable[[JobRunner], Coroutine[Any, Any, T]]) -> T:
+        raise RuntimeError("a front-end's engine serves the async API only")

@@ -168,7 +168,7 @@ class JobRunner(Protocol):
     async def run(self, job: Job) -> JobOutput: ...
 
 
-async def _tokenize(
+async def tokenize_job(
     runner: JobRunner, tokenizer: TextTokenizer, job: Job
 ) -> tuple[list[TokenizedInput], float]:
     started = time.perf_counter()
@@ -206,7 +206,7 @@ class ScheduledRunner:
         )
         reservation = self._scheduler.reserve(floor, estimate)
         try:
-            tokenized, tokenize_s = await _tokenize(self, self._tokenizer, job)
+            tokenized, tokenize_s = await tokenize_job(self, self._tokenizer, job)
             out = await self._scheduler.submit(job.sequences(tokenized), reservation)
         finally:
             reservation.release()
@@ -227,7 +227,7 @@ class DirectRunner:
         return work()
 
     async def run(self, job: Job) -> JobOutput:
-        tokenized, tokenize_s = await _tokenize(self, self._tokenizer, job)
+        tokenized, tokenize_s = await tokenize_job(self, self._tokenizer, job)
         seqs = job.sequences(tokenized)
         pooled: list[FloatArray | None] = [None] * len(seqs)
         tokens: list[FloatArray | None] = [None] * len(seqs)

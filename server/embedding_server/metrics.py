@@ -4,16 +4,30 @@ The engine and the HTTP layer both record into these. Queue depth (requests and 
 autoscaling signal: the operator's HorizontalPodAutoscaler scales on
 ``embedding_server_queue_requests`` (or ``embedding_server_queue_tokens``) averaged per pod, so
 those names are part of the operator contract and must not change casually.
+
+With ``--api-workers N`` the server is several processes: N front-ends count requests and
+one engine process owns the queue. Then prometheus_client's multiprocess mode is on
+(``PROMETHEUS_MULTIPROC_DIR`` is set before any process imports prometheus_client): every
+process writes its samples to files there, and ``/metrics`` of any front-end reads them all
+(:attr:`Metrics.exposition`), counters and histograms summed, in-flight requests summed over
+the live processes, and the queue gauges the engine's (the largest over live processes; a
+front-end's copy stays 0).
 """
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.multiprocess import MultiProcessCollector
 
 PREFIX = "embedding_server"
 
 QUEUE_REQUESTS_METRIC = f"{PREFIX}_queue_requests"
 QUEUE_TOKENS_METRIC = f"{PREFIX}_queue_tokens"
+
+MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+"""prometheus_client's own variable: set, every process of the server shares its samples."""
 
 _LATENCY_BUCKETS = (
     0.0005,
@@ -42,14 +56,29 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
+        shared_dir = os.environ.get(MULTIPROCESS_DIR_ENV)
+        self.exposition = r
+        """What ``/metrics`` renders: this registry, or every process's samples."""
+        if shared_dir:
+            self.exposition = CollectorRegistry()
+            MultiProcessCollector(self.exposition, path=shared_dir)  # type: ignore[no-untyped-call]
         self.queue_requests = Gauge(
-            QUEUE_REQUESTS_METRIC, "Requests admitted and waiting for a forward pass.", registry=r
+            QUEUE_REQUESTS_METRIC,
+            "Requests admitted and waiting for a forward pass.",
+            registry=r,
+            multiprocess_mode="livemax",
         )
         self.queue_tokens = Gauge(
-            QUEUE_TOKENS_METRIC, "Tokens admitted and waiting for a forward pass.", registry=r
+            QUEUE_TOKENS_METRIC,
+            "Tokens admitted and waiting for a forward pass.",
+            registry=r,
+            multiprocess_mode="livemax",
         )
         self.in_flight = Gauge(
-            f"{PREFIX}_in_flight_requests", "HTTP requests being handled now.", registry=r
+            f"{PREFIX}_in_flight_requests",
+            "HTTP requests being handled now.",
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.requests = Counter(
             f"{PREFIX}_requests",
@@ -82,6 +111,7 @@ class Metrics:
             f"{PREFIX}_model_load_seconds",
             "Seconds it took to load and warm up the model.",
             registry=r,
+            multiprocess_mode="livemax",
         )
 
     # Every request observes these, and prometheus_client's ``labels()`` validates and locks

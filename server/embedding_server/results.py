@@ -102,6 +102,14 @@ class SparseVector:
         indices = np.flatnonzero(dense).astype(np.int64)
         return cls(indices, dense[indices].astype(np.float32))
 
+    def top(self, k: int | None) -> SparseVector:
+        """The ``k`` largest weights (all when ``k`` is None or not smaller than the count),
+        indices still ascending: sentence-transformers' ``max_active_dims``."""
+        if k is None or len(self.values) <= k:
+            return self
+        keep = np.sort(np.argpartition(self.values, -k)[-k:])
+        return SparseVector(self.indices[keep], self.values[keep])
+
     def to_dense(self, size: int) -> FloatArray:
         dense = np.zeros(size, dtype=np.float32)
         dense[self.indices] = self.values

@@ -1,24 +1,34 @@
 """The forward stage: token id lists in, pooled float32 vectors (and token states) out.
 
-One call is one forward pass over a packed batch. The runner orders sequences by length
-before packing (equal lengths become contiguous, so CPU attention runs on zero-copy views),
-runs the model under ``torch.inference_mode``, pools and applies the batch-level part of the
-pooling head (the sentence-transformers Dense layers) in float32, and restores the caller's
-order. It is the only code that touches
-the model, and it serializes calls with a lock, so the offline path and the scheduler's
-forward thread can share one engine safely.
+One batch is one forward pass, in two halves so that a GPU never waits for the host:
+
+* :meth:`ModelRunner.prepare` (host): orders sequences by length (equal lengths become
+  contiguous, so CPU attention runs on zero-copy views), packs them into a
+  :class:`~.models.base.PackedBatch`, builds the attention plan and starts the copies to the
+  device: pinned staging memory, ``non_blocking``, on a copy stream of its own (CUDA).
+* :meth:`ModelRunner.execute` (device): the forward pass under ``torch.inference_mode``,
+  pooling and the batch-level part of the pooling head (the sentence-transformers Dense
+  layers) in float32, one copy of the results back, the caller's order restored.
+
+The scheduler prepares batch N+1 on its own thread while batch N executes on the forward
+thread. ``execute`` is the only code that touches the model, and it serializes calls with a
+lock (``prepare`` never takes it), so the offline path (:meth:`ModelRunner.run`, both halves
+inline) and the scheduler's threads can share one engine safely. The CPU takes the same path:
+no pinned memory, no stream, and the "copy" is the host tensor itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from .attention import Backend
@@ -46,6 +56,21 @@ class SequenceInput:
     """Also return the per-token hidden states (``embed_tokens``)."""
     type_ids: Sequence[int] | None = None
     """Segment ids of a sentence pair (cross-encoders); None for all zeros."""
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedBatch:
+    """A batch packed for the device by :meth:`ModelRunner.prepare`, for
+    :meth:`ModelRunner.execute`."""
+
+    batch: PackedBatch
+    """Sequences in length order, on the device (or on their way there)."""
+    ordered: tuple[SequenceInput, ...]
+    """The caller's sequences in that order."""
+    inverse: npt.NDArray[np.int64]
+    """Row ``inverse[i]`` of the ordered results is the caller's sequence ``i``."""
+    copied: torch.cuda.Event | None
+    """Recorded on the copy stream after the batch's copies (CUDA); None on the CPU."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +117,12 @@ class ModelRunner:
         self.include_prompt = include_prompt
         self.head = head
         self._lock = threading.Lock()
+        self._failure_lock = threading.Lock()
+        # Host-to-device copies of prepared batches run on their own stream, so they overlap
+        # the forward pass on the default stream instead of queueing behind it.
+        self._copy_stream: torch.cuda.Stream | None = None
+        if device.type == "cuda":
+            self._copy_stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         self.cpu_threads = cpu_threads
         self.attention = attention
         self.failure: str | None = None
@@ -142,18 +173,38 @@ class ModelRunner:
             callback(self.failure)
 
     def run(self, seqs: Sequence[SequenceInput]) -> BatchOutput:
-        """One forward pass; thread-safe (serialized). After a fatal device error (a CUDA
-        device-side assert, an illegal memory access) every call raises EngineFailedError:
-        the context is poisoned, so the failure callbacks end the process instead of letting
-        every later batch fail behind a green readiness probe."""
+        """One forward pass: :meth:`prepare` then :meth:`execute` on the calling thread."""
+        return self.execute(self.prepare(seqs))
+
+    def prepare(self, seqs: Sequence[SequenceInput]) -> PreparedBatch:
+        """The host half of a batch: order by length, pack into tensors, build the
+        attention plan, start the copies to the device. It never takes the model lock, so
+        the scheduler prepares batch N+1 on another thread while batch N's forward runs. On
+        CUDA the staging tensors are pinned and copied ``non_blocking`` on a copy stream of
+        their own; :meth:`execute` orders its stream after them. On the CPU nothing is
+        copied. Raises :class:`EngineFailedError` once the device has failed."""
+        with self._guard():
+            return self._prepare(seqs)
+
+    def execute(self, prepared: PreparedBatch) -> BatchOutput:
+        """The device half: the forward pass, pooling and the batch head, then one copy of
+        the results to the host in the caller's order; serialized (the model lock). After a
+        fatal device error (a CUDA device-side assert, an illegal memory access) every call
+        raises EngineFailedError: the context is poisoned, so the failure callbacks end the
+        process instead of letting every later batch fail behind a green readiness probe."""
+        with self._guard():
+            return self._execute(prepared)
+
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
         if self.failure is not None:
             raise EngineFailedError(self.failure)
         try:
-            return self._run(seqs)
+            yield
         except Exception as error:
             if not fatal_device_error(error):
                 raise
-            with self._lock:
+            with self._failure_lock:
                 first = self.failure is None
                 if first:
                     self.failure = f"the device failed: {type(error).__name__}: {error}"
@@ -163,16 +214,16 @@ class ModelRunner:
                     callback(self.failure or "")
             raise EngineFailedError(self.failure or "the device failed") from error
 
-    def _run(self, seqs: Sequence[SequenceInput]) -> BatchOutput:
+    def _prepare(self, seqs: Sequence[SequenceInput]) -> PreparedBatch:
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].ids))
-        ordered = [seqs[i] for i in order]
-        with self._lock, torch.inference_mode():
-            start = time.perf_counter()
-            if self.device.type == "cpu":
-                total = sum(len(s.ids) for s in seqs)
-                threads = 1 if total < SMALL_BATCH_TOKENS else self.cpu_threads
-                if torch.get_num_threads() != threads:
-                    torch.set_num_threads(threads)
+        ordered = tuple(seqs[i] for i in order)
+        inverse = np.empty(len(order), dtype=np.int64)
+        inverse[np.asarray(order, dtype=np.int64)] = np.arange(len(order))
+        stream = self._copy_stream
+        with (
+            torch.inference_mode(),
+            torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(),
+        ):
             batch = PackedBatch.build(
                 [s.ids for s in ordered],
                 self.device,
@@ -184,6 +235,32 @@ class ModelRunner:
                     else None
                 ),
             )
+            batch.attention_plan  # noqa: B018  (built here, off the forward thread)
+            copied = None
+            if stream is not None:
+                copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                copied.record(stream)
+        return PreparedBatch(batch, ordered, inverse, copied)
+
+    def _execute(self, prepared: PreparedBatch) -> BatchOutput:
+        batch, ordered = prepared.batch, prepared.ordered
+        with self._lock, torch.inference_mode():
+            start = time.perf_counter()
+            if prepared.copied is not None:
+                # The forward stream waits (on the device, not the host) for the batch's
+                # copies. The tensors were allocated on the copy stream: marking them used on
+                # this one keeps the caching allocator from handing their memory to the next
+                # batch's copies before this stream is done with them (even when this pass
+                # fails half-way and drops them early).
+                forward_stream = torch.cuda.current_stream(self.device)
+                forward_stream.wait_event(prepared.copied)
+                for tensor in batch.tensors():
+                    tensor.record_stream(forward_stream)
+            if self.device.type == "cpu":
+                total = sum(batch.seqlens)
+                threads = 1 if total < SMALL_BATCH_TOKENS else self.cpu_threads
+                if torch.get_num_threads() != threads:
+                    torch.set_num_threads(threads)
             hidden = self.model.forward(batch)
             if hidden.is_cuda:
                 torch.cuda.synchronize(hidden.device)
@@ -196,8 +273,7 @@ class ModelRunner:
             pooled_np = pooled.float().cpu().numpy()
             tokens_sorted = self._token_states(hidden, ordered)
             pool_done = time.perf_counter()
-        inverse = np.empty(len(order), dtype=np.int64)
-        inverse[np.asarray(order, dtype=np.int64)] = np.arange(len(order))
+        inverse = prepared.inverse
         return BatchOutput(
             pooled=pooled_np[inverse],
             tokens=[tokens_sorted[j] for j in inverse.tolist()],

@@ -2,7 +2,10 @@
 
 Requests are split into one work item per input and queued. A single loop on the event loop
 repeatedly forms a batch and runs it on the one forward thread, so request handling goes on
-while the model computes (torch releases the GIL):
+while the model computes (torch releases the GIL). A batch runs in two halves
+(:class:`BatchRunner`): ``prepare`` packs it on the host and starts its copy to the device,
+``execute`` runs the forward pass. While batch N executes, batch N+1 is taken and prepared on
+a thread of its own, so the device does not idle while the host packs:
 
 * **Budget**: a batch holds at most ``max_batch_tokens`` tokens (sum of unpadded lengths)
   and ``max_batch_size`` sequences.
@@ -18,8 +21,18 @@ while the model computes (torch releases the GIL):
   reserved for its estimate, so a crowd of requests is refused before it pays tokenization),
   and when its exact tokens are queued (:meth:`Scheduler.submit`). An empty queue admits any
   request within the per-request limit, so a big request is delayed, never refused forever.
+* **Pipelining, lazily**: batch N+1 is taken while N runs only once the queue holds a full
+  batch (``max_batch_tokens`` tokens or ``max_batch_size`` items), so nothing that arrives
+  later could have joined it anyway; otherwise it is taken when N returns, and everything
+  that arrived during N still gets into it. Under saturation the device never waits for
+  packing; under light load no request waits a batch longer for it.
 * **Cancellation**: when the awaiting coroutine is cancelled (client went away), its queued
-  items leave the queue at once; items already in a running batch are discarded on return.
+  items leave the queue at once; items already in a prepared or running batch are discarded
+  on return, and a prepared batch whose requests have all gone is never run.
+* **Failure**: a failed forward pass fails its batch's requests with the error, and the loop
+  goes on; after a fatal device error the runner refuses every later batch (the prepared
+  one included) with :class:`~.errors.EngineFailedError`. Stopping fails what is queued,
+  prepared or running with :class:`~.errors.NotReadyError`.
 
 The queue gauges (requests and tokens waiting) are updated on every change: they drive the
 HorizontalPodAutoscaler.
@@ -33,10 +46,11 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from concurrent.futures import Executor
+from collections.abc import Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -47,7 +61,16 @@ from .runner import BatchOutput, SequenceInput
 
 logger = logging.getLogger(__name__)
 
-RunBatch = Callable[[Sequence[SequenceInput]], BatchOutput]
+Prepared = TypeVar("Prepared")
+
+
+class BatchRunner(Protocol[Prepared]):
+    """The two halves of a forward pass (:class:`~.runner.ModelRunner`): ``prepare`` is host
+    work that must not wait for the model; ``execute`` runs on the one forward thread."""
+
+    def prepare(self, seqs: Sequence[SequenceInput]) -> Prepared: ...
+
+    def execute(self, prepared: Prepared) -> BatchOutput: ...
 
 
 class _State(Enum):
@@ -103,12 +126,31 @@ class _Item:
     state: _State = _State.QUEUED
 
 
+@dataclass(eq=False, slots=True)
+class _Batch:
+    """Items taken from the queue together, and (once prepared) the runner's packed form."""
+
+    items: list[_Item]
+    prepared: Any = None
+    ready: bool = False
+    """``prepared`` holds the batch prepared ahead of its turn."""
+
+    def wanted(self) -> bool:
+        """Whether any of its requests still waits for a result."""
+        return any(not item.request.future.done() for item in self.items)
+
+    def fail(self, exc: BaseException) -> None:
+        for item in self.items:
+            if not item.request.future.done():
+                item.request.future.set_exception(exc)
+
+
 class Scheduler:
     """Token-budget continuous batching in front of one forward executor."""
 
     def __init__(
         self,
-        run_batch: RunBatch,
+        runner: BatchRunner[Any],
         *,
         max_batch_tokens: int,
         max_batch_size: int,
@@ -116,8 +158,11 @@ class Scheduler:
         max_request_tokens: int | None = None,
         metrics: Metrics | None = None,
     ) -> None:
-        self._run_batch = run_batch
+        self._runner = runner
         self._executor: Executor | None = None
+        self._prepare_pool: ThreadPoolExecutor | None = None
+        self._running: _Batch | None = None
+        self._upcoming: _Batch | None = None
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_size = max_batch_size
         self.max_queue_tokens = max_queue_tokens
@@ -165,10 +210,12 @@ class Scheduler:
     async def start(self, executor: Executor | None = None) -> None:
         """Run the batching loop on the current event loop; forward passes go to ``executor``
         (one thread: passes are serialized anyway, and a dedicated thread keeps the loop free).
-        ``None`` uses the loop's default executor."""
+        ``None`` uses the loop's default executor. Batches prepared ahead of their turn are
+        packed on a thread the scheduler owns."""
         if self.running:
             return
         self._executor = executor
+        self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="prepare")
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -192,6 +239,9 @@ class Scheduler:
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
         self._task = None
+        if self._prepare_pool is not None:
+            self._prepare_pool.shutdown(wait=False)
+            self._prepare_pool = None
         self._publish()
 
     # -- submission ------------------------------------------------------------------------
@@ -325,32 +375,85 @@ class Scheduler:
         self._publish()
         return batch
 
+    def _holds_full_batch(self) -> bool:
+        return (
+            self._queued_tokens >= self.max_batch_tokens
+            or self._queued_items >= self.max_batch_size
+        )
+
     async def _loop(self) -> None:
         assert self._wakeup is not None and self._idle is not None
+        try:
+            while True:
+                batch, self._upcoming = self._upcoming, None
+                if batch is None:
+                    if self._queued_items == 0:
+                        self._idle.set()
+                        self._wakeup.clear()
+                        await self._wakeup.wait()
+                        continue
+                    batch = _Batch(self.next_batch())
+                    if not batch.items:
+                        continue
+                if not batch.wanted():
+                    continue  # every request in it was cancelled while it waited, prepared
+                self._running = batch
+                await self._run(batch)
+                self._running = None
+        except asyncio.CancelledError:
+            stopped = NotReadyError("the server is shutting down")
+            for taken in (self._running, self._upcoming):
+                if taken is not None:
+                    taken.fail(stopped)
+            self._running = self._upcoming = None
+            raise
+
+    async def _run(self, batch: _Batch) -> None:
+        """Execute ``batch`` on the forward thread, preparing the next one meanwhile."""
         loop = asyncio.get_running_loop()
-        while True:
-            if self._queued_items == 0:
-                self._idle.set()
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            batch = self.next_batch()
-            if not batch:
-                continue
-            started = time.perf_counter()
+        started = time.perf_counter()
+        running = loop.run_in_executor(self._executor, self._execute, batch)
+        await self._prepare_next(running)
+        try:
+            output = await running
+        except Exception as exc:  # forwarded unchanged to every waiting caller
+            logger.exception("forward pass over %d sequences failed", len(batch.items))
+            batch.fail(exc)
+            return
+        self._deliver(batch.items, output, started)
+
+    def _execute(self, batch: _Batch) -> BatchOutput:
+        """On the forward thread: a batch not prepared ahead is prepared here, in line."""
+        if not batch.ready:
+            batch.prepared = self._runner.prepare([item.seq for item in batch.items])
+            batch.ready = True
+        return self._runner.execute(batch.prepared)
+
+    async def _prepare_next(self, running: asyncio.Future[BatchOutput]) -> None:
+        """While ``running`` executes, take the next batch as soon as the queue holds a full
+        one and prepare it (into ``_upcoming``). If the queue never fills, nothing is taken:
+        the next batch forms when ``running`` returns, with everything that arrived by then."""
+        assert self._wakeup is not None and self._prepare_pool is not None
+        while not running.done():
+            if self._holds_full_batch():
+                batch = self._upcoming = _Batch(self.next_batch())
+                try:
+                    batch.prepared = await asyncio.get_running_loop().run_in_executor(
+                        self._prepare_pool, self._runner.prepare, [i.seq for i in batch.items]
+                    )
+                except Exception as exc:  # forwarded unchanged to every waiting caller
+                    logger.exception("preparing %d sequences failed", len(batch.items))
+                    self._upcoming = None
+                    batch.fail(exc)
+                    return
+                batch.ready = True
+                return
+            self._wakeup.clear()
+            woken = asyncio.ensure_future(self._wakeup.wait())
             try:
-                output = await loop.run_in_executor(
-                    self._executor, self._run_batch, [item.seq for item in batch]
-                )
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # forwarded unchanged to every waiting caller
-                logger.exception("forward pass over %d sequences failed", len(batch))
-                for item in batch:
-                    if not item.request.future.done():
-                        item.request.future.set_exception(exc)
-                continue
-            self._deliver(batch, output, started)
+                await asyncio.wait((running, woken), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                woken.cancel()
 
     def _deliver(self, batch: list[_Item], output: BatchOutput, started: float) -> None:
         tokens = sum(item.tokens for item in batch)

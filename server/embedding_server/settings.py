@@ -220,6 +220,18 @@ class ServerSettings(EngineSettings):
     shutdown_timeout: float = Field(
         30.0, gt=0, description="Seconds to finish in-flight work after SIGTERM before exiting."
     )
+    api_workers: int = Field(
+        1,
+        gt=0,
+        le=64,
+        description="HTTP front-end processes. 1 = one process does everything. N > 1 = N "
+        "processes share the port and do HTTP, validation, tokenization and response "
+        "encoding, and one engine process (the one started, PID 1 in a container) owns the "
+        "model, the queue and continuous batching across all of them; token ids and vectors "
+        "cross between them as raw buffers over ZeroMQ. Each front-end is a Python process "
+        "with its own tokenizer (~0.4 GB of memory, no GPU memory); use it when one CPU "
+        "core, not the model, caps throughput.",
+    )
 
 
 _REDACTED_SETTINGS = ("api_key", "model", "revision", "cache_dir", "served_model_name")

@@ -197,6 +197,7 @@ BAD_SPECS = {
     "task": {"model": {"name": "m"}, "task": "rerank"},
     "model": {"embedding": {}},
     "metric": {"model": {"name": "m"}, "autoscaling": {"metric": "cpu"}},
+    "apiWorkers": {"model": {"name": "m"}, "server": {"apiWorkers": 0}},
 }
 
 
@@ -223,12 +224,16 @@ def test_cel_rules_are_mirrored_by_the_model(schema: dict[str, Any]) -> None:
     ]
     assert any("minReplicas <= self.maxReplicas" in r for r in rules)
     assert any("has(self.size)" in r for r in rules)
+    assert any("self.readOnly" in r for r in rules)
     for field in EMBED_ONLY_FIELDS:
         assert any(f"!has(self.embedding.{field})" in r for r in rules), field
     cases = {
         "minReplicas": {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}},
         "size": {"modelCache": {"mode": "pvc"}},
         "claimName": {"modelCache": {"mode": "existing"}},
+        "readOnly needs mode existing": {
+            "modelCache": {"mode": "pvc", "size": 1, "readOnly": True}
+        },
         "matryoshkaDimensions": {
             "embedding": {"dimensions": 100, "matryoshkaDimensions": [64, 128]}
         },

@@ -11,6 +11,7 @@ from embedding_operator.builders.hpa import build_hpa
 from embedding_operator.builders.pdb import wants_pdb
 from embedding_operator.builders.pvc import build_pvc
 from embedding_operator.builders.service import build_service
+from embedding_operator.profiles import GpuProfiles
 
 from tests.support.operator import render_input
 
@@ -121,6 +122,38 @@ def test_deployment_for_gpu_profile() -> None:
 
 
 H100 = {"model": MODEL, "gpu": {"type": "h100"}}
+
+
+@pytest.mark.parametrize(
+    ("spec", "workers"),
+    [
+        ({"model": MODEL}, "1"),
+        (H100, "4"),
+        ({"model": MODEL, "gpu": {"type": "l4"}}, "2"),
+        ({"model": MODEL, "gpu": {"type": "t4"}}, "1"),
+        ({**H100, "server": {"apiWorkers": 2}}, "2"),
+        ({"model": MODEL, "server": {"apiWorkers": 3}}, "3"),
+    ],
+    ids=["cpu-default", "h100-default", "l4-default", "t4-default", "h100-own", "cpu-own"],
+)
+def test_front_end_workers_follow_the_spec_else_the_gpu_profile(
+    spec: dict[str, Any], workers: str
+) -> None:
+    """A fast GPU needs several front-end processes to stay busy; a CPU pod does not."""
+    assert _flag(server_args(render_input(spec)), "--api-workers") == workers
+    # Several front-ends drain in two stages; the kubelet must not kill the second.
+    pod = build_deployment(render_input(spec))["spec"]["template"]["spec"]
+    pre_stop = _container(build_deployment(render_input(spec)))["lifecycle"]["preStop"]
+    drain = pod["terminationGracePeriodSeconds"] - pre_stop["sleep"]["seconds"]
+    assert drain > (60 if workers != "1" else 30)
+
+
+def test_a_profile_overlay_sets_front_end_workers_and_keeps_the_rest() -> None:
+    profiles = GpuProfiles.from_document({"profiles": {"h100": {"apiWorkers": 8}}})
+    h100 = profiles.resolve("h100")
+    assert h100.api_workers == 8
+    assert h100.node_selector == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert profiles.resolve("l4").api_workers == 2
 
 
 @pytest.mark.parametrize(
@@ -442,6 +475,34 @@ def test_model_cache_modes() -> None:
     )
     volumes = {v["name"]: v for v in existing["spec"]["template"]["spec"]["volumes"]}
     assert volumes["model-cache"]["persistentVolumeClaim"] == {"claimName": "shared-hf-cache"}
+    container = existing["spec"]["template"]["spec"]["containers"][0]
+    assert all(not m.get("readOnly") for m in container["volumeMounts"])
+    assert "HF_HUB_OFFLINE" not in {e["name"] for e in container["env"]}
+
+
+def test_read_only_model_cache_is_mounted_read_only_with_the_hub_off() -> None:
+    """A cache filled beforehand: the claim and the mount read-only, HF_HUB_OFFLINE=1 (a
+    user's own value of it wins, without a duplicate name)."""
+    cache = {"mode": "existing", "claimName": "hub-cache", "readOnly": True}
+    pod = build_deployment(render_input({"model": MODEL, "modelCache": cache}))["spec"]["template"][
+        "spec"
+    ]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["model-cache"]["persistentVolumeClaim"] == {
+        "claimName": "hub-cache",
+        "readOnly": True,
+    }
+    (container,) = pod["containers"]
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts["model-cache"] == {"name": "model-cache", "mountPath": "/cache", "readOnly": True}
+    assert not mounts["tmp"].get("readOnly")
+    assert {"name": "HF_HUB_OFFLINE", "value": "1"} in container["env"]
+    own = {"env": [{"name": "HF_HUB_OFFLINE", "value": "0"}]}
+    pod = build_deployment(render_input({"model": MODEL, "modelCache": cache, "server": own}))[
+        "spec"
+    ]["template"]["spec"]
+    offline = [e for e in pod["containers"][0]["env"] if e["name"] == "HF_HUB_OFFLINE"]
+    assert offline == [{"name": "HF_HUB_OFFLINE", "value": "0"}]
 
 
 def test_secrets_become_env() -> None:

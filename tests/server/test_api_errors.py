@@ -319,18 +319,20 @@ def test_client_disconnect_cancels_queued_work() -> None:
                     b"Content-Type: application/json\r\n"
                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
                 )
+                # One sequence is a full batch here, so the scheduler takes it out of the
+                # queue at once and prepares it as the next batch while the first runs.
                 await asyncio.to_thread(
                     wait_for,
-                    lambda: server.value("embedding_server_queue_requests") >= 1,
+                    lambda: server.value("embedding_server_in_flight_requests") >= 2,
                     timeout=10,
-                    what="second request queued",
+                    what="second request waiting",
                 )
                 sock.close()
                 await asyncio.to_thread(
                     wait_for,
-                    lambda: server.value("embedding_server_queue_requests") == 0,
+                    lambda: server.value("embedding_server_in_flight_requests") == 1,
                     timeout=10,
-                    what="queue emptied",
+                    what="second request gone",
                 )
                 return await first
 

@@ -203,28 +203,112 @@ def test_pooling_reward(model_dirs: dict[str, Path]) -> None:
         )
 
 
-def test_pooling_sparse(model_dirs: dict[str, Path]) -> None:
-    """A SPLADE model: /pooling task sparse gives {indices, values} per input, the same as
-    sentence-transformers' SparseEncoder; binary encodings and other tasks are 400s."""
+SPARSE_TEXTS = ["a short one", "a much longer input, so the batch mixes lengths", "z"]
+# Each SPLADE vector may weight all 30522 vocabulary entries (about 22 bytes each in JSON):
+# three vectors fit in this limit, five do not unless max_active_dims caps them.
+SPARSE_LIMIT = 3_000_000
+
+
+@pytest.fixture(scope="module")
+def splade(model_dirs: dict[str, Path]) -> Iterator[RunningServer]:
+    settings = ServerSettings(
+        model=str(model_dirs["splade"]), dtype="float32", max_response_bytes=SPARSE_LIMIT
+    )
+    with running_server(settings) as running:
+        yield running
+
+
+def sparse_reference(
+    model_dirs: dict[str, Path], texts: list[str], max_active_dims: int | None = None
+) -> np.ndarray:
+    """sentence-transformers' SparseEncoder on the same checkpoint, as dense rows."""
     from sentence_transformers import SparseEncoder
 
-    path = str(model_dirs["splade"])
-    texts = ["a short one", "a much longer input, so the batch mixes lengths", "z"]
-    reference = SparseEncoder(path, device="cpu").encode(
-        texts, convert_to_tensor=True, convert_to_sparse_tensor=False
+    encoder = SparseEncoder(str(model_dirs["splade"]), device="cpu")
+    dense = encoder.encode(
+        texts,
+        convert_to_tensor=True,
+        convert_to_sparse_tensor=False,
+        max_active_dims=max_active_dims,
     )
-    with running_server(ServerSettings(model=path, dtype="float32")) as server:
-        assert httpx.get(server.url + "/info", timeout=10).json()["task"] == "sparse"
-        body = post(server, "/pooling", {"input": texts, "task": "sparse"})
-        for row, want in zip(body["data"], reference.numpy(), strict=True):
-            indices, values = row["data"]["indices"], row["data"]["values"]
-            assert indices == sorted(indices) and len(indices) == len(values)
-            dense = np.zeros_like(want)
-            dense[indices] = values
-            np.testing.assert_allclose(dense, want, atol=1e-4, rtol=1e-5)
-        binary = {"input": "a", "task": "sparse", "encoding_format": "base64"}
-        assert error(server, "/pooling", binary)["param"] == "encoding_format"
-        assert "task is sparse" in error(server, "/v1/embeddings", {"input": "a"})["message"]
+    return np.asarray(dense.numpy())
+
+
+def assert_sparse_rows(rows: list[dict[str, list[Any]]], reference: np.ndarray) -> None:
+    assert len(rows) == len(reference)
+    for row, want in zip(rows, reference, strict=True):
+        indices, values = row["indices"], row["values"]
+        assert indices == sorted(indices) and len(indices) == len(values)
+        assert set(indices) == set(np.flatnonzero(want).tolist())
+        dense = np.zeros_like(want)
+        dense[indices] = values
+        np.testing.assert_allclose(dense, want, atol=1e-4, rtol=1e-5)
+
+
+def test_pooling_sparse(splade: RunningServer, model_dirs: dict[str, Path]) -> None:
+    """A SPLADE model: /pooling task sparse gives {indices, values} per input, the same as
+    sentence-transformers' SparseEncoder (max_active_dims too); binary encodings, other
+    tasks and answers that could exceed max_response_bytes are 400s before any work."""
+    assert httpx.get(splade.url + "/info", timeout=10).json()["task"] == "sparse"
+    body = post(splade, "/pooling", {"input": SPARSE_TEXTS, "task": "sparse"})
+    assert_sparse_rows(
+        [row["data"] for row in body["data"]], sparse_reference(model_dirs, SPARSE_TEXTS)
+    )
+    capped = post(
+        splade, "/pooling", {"input": SPARSE_TEXTS, "task": "sparse", "max_active_dims": 7}
+    )
+    assert_sparse_rows(
+        [row["data"] for row in capped["data"]], sparse_reference(model_dirs, SPARSE_TEXTS, 7)
+    )
+    binary = {"input": "a", "task": "sparse", "encoding_format": "base64"}
+    assert error(splade, "/pooling", binary)["param"] == "encoding_format"
+    assert "task is sparse" in error(splade, "/v1/embeddings", {"input": "a"})["message"]
+    too_many = error(splade, "/pooling", {"input": ["w"] * 5, "task": "sparse"})
+    assert too_many["param"] == "input" and too_many["code"] == "response_too_large", too_many
+    assert "max_active_dims" in too_many["message"]
+    assert (
+        len(
+            post(splade, "/pooling", {"input": ["w"] * 5, "task": "sparse", "max_active_dims": 16})[
+                "data"
+            ]
+        )
+        == 5
+    )
+
+
+def test_v2_embed_sparse(splade: RunningServer, model_dirs: dict[str, Path]) -> None:
+    """/v2/embed with embedding_types ["sparse"]: {indices, values} per text under
+    embeddings.sparse, as SparseEncoder gives; the size bound and the refusals."""
+    body = post(splade, "/v2/embed", {"texts": SPARSE_TEXTS, "embedding_types": ["sparse"]})
+    assert body["response_type"] == "embeddings_by_type" and body["texts"] == SPARSE_TEXTS
+    assert list(body["embeddings"]) == ["sparse"]
+    assert body["meta"]["billed_units"]["input_tokens"] > 0
+    assert_sparse_rows(body["embeddings"]["sparse"], sparse_reference(model_dirs, SPARSE_TEXTS))
+    five = {"texts": ["w"] * 5, "embedding_types": ["sparse"]}
+    refused = error(splade, "/v2/embed", five)
+    assert refused["param"] == "texts" and refused["code"] == "response_too_large", refused
+    capped = post(splade, "/v2/embed", {**five, "max_active_dims": 3})
+    assert_sparse_rows(capped["embeddings"]["sparse"], sparse_reference(model_dirs, ["w"] * 5, 3))
+    for request, param in (
+        ({"texts": ["a"], "embedding_types": ["sparse", "float"]}, "embedding_types"),
+        (
+            {"texts": ["a"], "embedding_types": ["sparse"], "output_dimension": 8},
+            "output_dimension",
+        ),
+        ({"texts": ["a"], "embedding_types": ["sparse"], "max_active_dims": 0}, "max_active_dims"),
+        ({"texts": ["a"], "embedding_types": ["float"]}, "model"),
+    ):
+        assert error(splade, "/v2/embed", request)["param"] == param, request
+
+
+def test_sparse_output_on_a_dense_model_is_a_400_naming_its_task(embedder: RunningServer) -> None:
+    err = error(embedder, "/v2/embed", {"texts": ["a"], "embedding_types": ["sparse"]})
+    assert "task is embed" in err["message"] and err["param"] == "model", err
+    for path, body in (
+        ("/v2/embed", {"texts": ["a"], "max_active_dims": 4}),
+        ("/pooling", {"input": "a", "task": "embed", "max_active_dims": 4}),
+    ):
+        assert error(embedder, path, body)["param"] == "max_active_dims", body
 
 
 def test_embedder_scores_and_reranks_by_cosine(embedder: RunningServer) -> None:

@@ -1,17 +1,14 @@
 """Continuous batching: budgets, fairness, isolation, admission control, cancellation.
 
-The scheduler is driven with a stub forward pass that can be held closed (a threading.Event),
-so the queue state at each step is exact instead of timing-dependent; waits poll a
-condition with a deadline.
+The scheduler is driven with a stub runner whose forward pass can be held closed
+(tests.support.scheduler), so the queue state at each step is exact instead of
+timing-dependent; waits poll a condition with a deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-import threading
-import time
-from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -19,42 +16,11 @@ import pytest
 from embedding_server.engine import Engine
 from embedding_server.errors import NotReadyError, QueueFullError, TooManyTokensError
 from embedding_server.metrics import Metrics
-from embedding_server.runner import BatchOutput, SequenceInput
 from embedding_server.scheduler import Scheduler
 
+from tests.support.scheduler import GatedForward, seq, wait_for
+
 pytestmark = pytest.mark.timeout(60)
-
-
-async def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met before the deadline")
-        await asyncio.sleep(0.005)
-
-
-class GatedForward:
-    """A forward pass that records batches and blocks until ``gate`` is set."""
-
-    def __init__(self) -> None:
-        self.gate = threading.Event()
-        self.batches: list[list[int]] = []  # first token id of each sequence
-        self.started = threading.Event()
-        self.fail_next: Exception | None = None
-
-    def __call__(self, seqs: Sequence[SequenceInput]) -> BatchOutput:
-        self.batches.append([s.ids[0] for s in seqs])
-        self.started.set()
-        assert self.gate.wait(10), "test never opened the gate"
-        if self.fail_next is not None:
-            exc, self.fail_next = self.fail_next, None
-            raise exc
-        pooled = np.array([[float(s.ids[0]), float(len(s.ids))] for s in seqs], dtype=np.float32)
-        return BatchOutput(pooled=pooled, tokens=[None] * len(seqs), forward_s=0.01, pool_s=0.0)
-
-
-def seq(tag: int, length: int) -> SequenceInput:
-    return SequenceInput([tag] * length)
 
 
 @pytest.fixture
@@ -87,7 +53,8 @@ async def test_batches_respect_token_and_size_budgets_and_oldest_goes_first(
     rng = random.Random(0)
     lengths = [rng.randint(5, 40) for _ in range(12)]
     tasks = [asyncio.create_task(scheduler.submit([seq(i + 1, n)])) for i, n in enumerate(lengths)]
-    await wait_for(lambda: scheduler.queued_requests == 12)
+    # They queue together; holding more than a full batch, the next one is prepared at once.
+    await wait_for(lambda: len(forward.prepared) == 2)
     forward.gate.set()
     results = await asyncio.gather(*tasks)
     await blocker
@@ -112,7 +79,7 @@ async def test_fill_prefers_lengths_close_to_the_oldest(
     await wait_for(forward.started.is_set)
     lengths = {1: 20, 2: 5, 3: 21, 4: 50, 5: 19, 6: 6, 7: 22}
     tasks = [asyncio.create_task(scheduler.submit([seq(tag, n)])) for tag, n in lengths.items()]
-    await wait_for(lambda: scheduler.queued_requests == len(lengths))
+    await wait_for(lambda: len(forward.prepared) == 2)  # a full batch's worth: prepared early
     forward.gate.set()
     await asyncio.gather(blocker, *tasks)
     assert sorted(forward.batches[1]) == [1, 3, 5, 7]  # 20 with 21, 19, 22: not 5, 6, 50
@@ -130,14 +97,18 @@ async def test_queue_gauges_track_depth_and_queue_full_gives_retry_after(
         asyncio.create_task(scheduler.submit([seq(3, 100), seq(4, 90)])),
         asyncio.create_task(scheduler.submit([seq(6, 100), seq(9, 100)])),
     ]
-    await wait_for(lambda: scheduler.queued_tokens == 490)
-    assert gauge(metrics, "embedding_server_queue_requests") == 3
-    assert gauge(metrics, "embedding_server_queue_tokens") == 490
+    # 490 tokens hold more than a full batch, so the next one (60 + 40) is taken and prepared
+    # while the first runs: like a running batch, it is no longer waiting in the queue.
+    await wait_for(lambda: len(forward.prepared) == 2)
+    assert forward.prepared[1] == [1, 2]
+    assert scheduler.queued_tokens == 390
+    assert gauge(metrics, "embedding_server_queue_requests") == 2
+    assert gauge(metrics, "embedding_server_queue_tokens") == 390
     with pytest.raises(QueueFullError) as err:
-        await scheduler.submit([seq(5, 20)])
+        await scheduler.submit([seq(5, 120)])
     assert err.value.retry_after >= 1
-    assert "490" in err.value.message
-    assert gauge(metrics, "embedding_server_queue_tokens") == 490  # refused work not counted
+    assert "390" in err.value.message
+    assert gauge(metrics, "embedding_server_queue_tokens") == 390  # refused work not counted
     forward.gate.set()
     await asyncio.gather(running, *waiting)
     assert gauge(metrics, "embedding_server_queue_requests") == 0
@@ -181,8 +152,8 @@ async def test_reservations_refuse_a_crowd_before_it_is_tokenized(
     held[0].release()
     third = scheduler.reserve(1, 200)
     # Submitting turns a reservation into the exact count.
-    waiting = asyncio.create_task(scheduler.submit([seq(1, 100)], held[1]))
-    await wait_for(lambda: scheduler.queued_tokens == 100)
+    waiting = asyncio.create_task(scheduler.submit([seq(1, 60)], held[1]))
+    await wait_for(lambda: scheduler.queued_tokens == 60)
     third.release()
     third.release()  # idempotent
     forward.gate.set()
@@ -249,8 +220,9 @@ async def test_stop_drains_or_refuses() -> None:
     await scheduler2.stop(drain=False)
     with pytest.raises(NotReadyError):
         await dropped
+    with pytest.raises(NotReadyError):
+        await running  # its result will never be delivered: told so, not left hanging
     forward2.gate.set()
-    running.cancel()
     executor.shutdown(wait=True)
 
 

@@ -352,6 +352,13 @@ def test_sparse_matches_transformers_logits_and_sparse_encoder(
     )
     dense = np.stack([v.to_dense(vocab) for v in got])
     np.testing.assert_allclose(dense, reference.numpy(), atol=1e-4, rtol=1e-5)
+    # SparseVector.top(k) is SparseEncoder's max_active_dims.
+    capped = SparseEncoder(str(path), device="cpu").encode(
+        TEXTS, convert_to_tensor=True, convert_to_sparse_tensor=False, max_active_dims=5
+    )
+    top = np.stack([v.top(5).to_dense(vocab) for v in got])
+    np.testing.assert_allclose(top, capped.numpy(), atol=1e-4, rtol=1e-5)
+    assert all(len(v.top(5).indices) == 5 and v.top(10**6) is v for v in got)
 
 
 def test_sparse_task_on_a_masked_lm_and_refusals(

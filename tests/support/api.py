@@ -8,18 +8,22 @@ on 127.0.0.1 port 0 so there is no race for a port. ``start`` returns once ``/re
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
+import psutil
 import uvicorn
 from embedding_server.api import create_app
 from embedding_server.api.lifecycle import Lifecycle
-from embedding_server.cli import DrainingServer
+from embedding_server.api.server import DrainingServer
 from embedding_server.engine import Engine
 from embedding_server.metrics import Metrics
 from embedding_server.settings import ServerSettings
@@ -131,3 +135,103 @@ def running_server(
 
 def fake_settings(model: str = "fake", **overrides: Any) -> ServerSettings:
     return ServerSettings(model=model, **overrides)
+
+
+SCRIPT = os.path.join(os.path.dirname(sys.executable), "embedding-server")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class ServerProcess:
+    """A real ``embedding-server serve`` process (with ``--api-workers N``: its front-end
+    processes too) on a free loopback port; ``url`` is its base URL."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("EMBEDDING_SERVER_")},
+            **(env or {}),
+        }
+        self.process = subprocess.Popen(
+            [SCRIPT, "serve", "--port", str(self.port), *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.children: list[psutil.Process] = []
+
+    def output(self) -> str:
+        """Everything the server wrote (once it has exited)."""
+        return self.process.stdout.read() if self.process.stdout else ""
+
+    def start(self, timeout: float = 120.0, workers: int = 0) -> ServerProcess:
+        """Wait until ``/ready`` answers 200 and ``workers`` front-end processes run."""
+
+        def ready() -> bool:
+            assert self.process.poll() is None, self.output()
+            try:
+                if httpx.get(self.url + "/ready", timeout=2).status_code != 200:
+                    return False
+            except httpx.HTTPError:
+                return False
+            self.children = _frontends(self.process.pid)
+            return len(self.children) >= workers
+
+        wait_for(ready, timeout=timeout, interval=0.1, what=f"{self.url}/ready")
+        return self
+
+    def wait_gone(self, timeout: float = 60.0) -> int:
+        """Wait for the server and every front-end process to exit; the server's status."""
+        code = self.process.wait(timeout=timeout)
+        wait_for(
+            lambda: not any(_running(child) for child in self.children),
+            timeout=timeout,
+            what="every front-end process to exit",
+        )
+        return code
+
+    def stop(self) -> None:
+        """SIGTERM (the server cleans up after itself), SIGKILL whatever is left after 30 s."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=30)
+        for process in [self.process, *self.children]:
+            with contextlib.suppress(psutil.Error, OSError):
+                process.kill()
+        self.process.wait(timeout=30)
+
+
+def _frontends(pid: int) -> list[psutil.Process]:
+    """The server's front-end processes (multiprocessing's resource tracker is not one)."""
+    children = psutil.Process(pid).children()
+    return [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@contextlib.contextmanager
+def server_process(
+    args: list[str],
+    *,
+    workers: int = 0,
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+) -> Iterator[ServerProcess]:
+    """A started :class:`ServerProcess`, stopped with its front-ends at the end."""
+    server = ServerProcess(args, env)
+    try:
+        yield server.start(timeout, workers)
+    finally:
+        server.stop()

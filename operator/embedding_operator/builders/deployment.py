@@ -16,6 +16,10 @@ Choices made here, and why:
   download is not killed by liveness, while a download that hangs forever is restarted.
 * Rollout: ``maxSurge 0`` by default, because a surge pod needs a free GPU that usually is not
   there and would sit Pending, stalling the rollout.
+* Model cache: ``modelCache.readOnly`` mounts a claim filled beforehand read-only (the volume
+  source too, which ReadOnlyMany volumes of several CSI drivers require) and sets
+  ``HF_HUB_OFFLINE=1``: a cache that cannot be written can only be read, and an offline
+  cluster must not wait on the Hub.
 * Security: non-root uid 1000, no privilege escalation, all capabilities dropped, seccomp
   RuntimeDefault, no service-account token (the server never calls the API), and a read-only
   root filesystem. The server writes only the Hugging Face cache (``/cache``, the model-cache
@@ -56,6 +60,7 @@ RUN_AS_USER = 1000
 STARTUP_PERIOD_SECONDS = 10
 API_KEY_ENV = "EMBEDDING_SERVER_API_KEY"
 HUB_TOKEN_ENV = "HF_TOKEN"
+HUB_OFFLINE_ENV = "HF_HUB_OFFLINE"
 
 
 def server_args(render: RenderInput) -> list[str]:
@@ -87,6 +92,8 @@ def server_args(render: RenderInput) -> list[str]:
         spec.embedding.pooling,
         "--tensor-parallel-size",
         str(spec.parallelism.tensor_parallel_size),
+        "--api-workers",
+        str(api_workers(render)),
     ]
     if spec.model.revision:
         args += ["--revision", spec.model.revision]
@@ -127,6 +134,10 @@ def shm_size(render: RenderInput) -> str:
 def _env(render: RenderInput) -> list[dict[str, Any]]:
     spec = render.spec
     env: list[dict[str, Any]] = [{"name": "HF_HOME", "value": f"{CACHE_MOUNT_PATH}/huggingface"}]
+    # A read-only cache was filled beforehand: read it only, never try the Hub (unless the
+    # user's own env says otherwise).
+    if spec.model_cache.read_only and all(v.name != HUB_OFFLINE_ENV for v in spec.server.env):
+        env.append({"name": HUB_OFFLINE_ENV, "value": "1"})
     for var_name, ref in (
         (HUB_TOKEN_ENV, spec.model.hub_token_secret_ref),
         (API_KEY_ENV, spec.api_key_secret_ref),
@@ -147,7 +158,18 @@ def _env(render: RenderInput) -> list[dict[str, Any]]:
 # margin for the process to exit: the kubelet must never SIGKILL a server mid-drain.
 PRE_STOP_SECONDS = 10
 SERVER_DRAIN_SECONDS = 30
-TERMINATION_GRACE_SECONDS = PRE_STOP_SECONDS + SERVER_DRAIN_SECONDS + 15
+
+
+def api_workers(render: RenderInput) -> int:
+    """Front-end processes per pod: the spec's, else the GPU profile's default."""
+    return render.spec.server.api_workers or render.profile.api_workers
+
+
+def termination_grace_seconds(render: RenderInput) -> int:
+    """With several front-ends the drain has two stages (the front-ends' in-flight requests,
+    then what the engine still holds), each with the server's drain budget."""
+    stages = 2 if api_workers(render) > 1 else 1
+    return PRE_STOP_SECONDS + stages * SERVER_DRAIN_SECONDS + 15
 
 
 def _resources(render: RenderInput) -> dict[str, Any]:
@@ -181,7 +203,10 @@ def _volumes(render: RenderInput) -> list[dict[str, Any]]:
             "persistentVolumeClaim": {"claimName": pvc_name(render.owner)}
         }
     elif cache.mode == "existing":
-        cache_source = {"persistentVolumeClaim": {"claimName": cache.claim_name}}
+        claim: dict[str, Any] = {"claimName": cache.claim_name}
+        if cache.read_only:
+            claim["readOnly"] = True
+        cache_source = {"persistentVolumeClaim": claim}
     else:
         cache_source = {"emptyDir": {}}
     return [
@@ -220,7 +245,11 @@ def _pod_spec(render: RenderInput) -> dict[str, Any]:
             "readOnlyRootFilesystem": True,
         },
         "volumeMounts": [
-            {"name": "model-cache", "mountPath": CACHE_MOUNT_PATH},
+            {
+                "name": "model-cache",
+                "mountPath": CACHE_MOUNT_PATH,
+                **({"readOnly": True} if spec.model_cache.read_only else {}),
+            },
             {"name": "dshm", "mountPath": "/dev/shm"},
             {"name": "tmp", "mountPath": "/tmp"},
         ],
@@ -236,7 +265,7 @@ def _pod_spec(render: RenderInput) -> dict[str, Any]:
     pod: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
+        "terminationGracePeriodSeconds": termination_grace_seconds(render),
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": RUN_AS_USER,

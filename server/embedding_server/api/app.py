@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -33,14 +33,24 @@ from embedding_server.settings import ServerSettings, redact_settings
 logger = logging.getLogger(__name__)
 
 
-async def _bring_up(lifecycle: Lifecycle) -> None:
+Connect = Callable[[Metrics], Awaitable[Engine]]
+"""How a server gets its engine: load the model here (the default), or, in an
+``--api-workers`` front-end, connect to the engine process."""
+
+
+async def _load(settings: ServerSettings, metrics: Metrics) -> Engine:
+    return await asyncio.to_thread(Engine.from_settings, settings, metrics=metrics)
+
+
+async def _bring_up(lifecycle: Lifecycle, connect: Connect | None) -> None:
     settings = lifecycle.settings
     started = time.monotonic()
     try:
         if lifecycle.engine is None:
-            lifecycle.engine = await asyncio.to_thread(
-                Engine.from_settings, settings, metrics=lifecycle.metrics
-            )
+            if connect is None:
+                lifecycle.engine = await _load(settings, lifecycle.metrics)
+            else:
+                lifecycle.engine = await connect(lifecycle.metrics)
             # A tensor-parallel rank that dies or hangs ends the server (exit 1).
             lifecycle.engine.on_failure(lifecycle.fail)
         await lifecycle.engine.start()
@@ -62,19 +72,22 @@ async def _bring_up(lifecycle: Lifecycle) -> None:
     )
 
 
-def create_app(settings: ServerSettings, engine: Engine | None = None) -> FastAPI:
+def create_app(
+    settings: ServerSettings, engine: Engine | None = None, *, connect: Connect | None = None
+) -> FastAPI:
     """Build the HTTP application.
 
     With ``engine=None`` the model named by ``settings`` is loaded in the background once
-    the server starts; pass an engine (e.g. ``Engine.from_pretrained("fake")``) to serve it
-    instead. The engine is started and stopped by the application's lifespan.
+    the server starts (or ``connect`` gets the engine); pass an engine (e.g.
+    ``Engine.from_pretrained("fake")``) to serve it instead. The engine is started and
+    stopped by the application's lifespan.
     """
     metrics: Metrics = getattr(engine, "metrics", None) or Metrics()
     lifecycle = Lifecycle(settings=settings, metrics=metrics, engine=engine)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        bring_up = asyncio.create_task(_bring_up(lifecycle), name="bring-up")
+        bring_up = asyncio.create_task(_bring_up(lifecycle, connect), name="bring-up")
         try:
             yield
         finally:

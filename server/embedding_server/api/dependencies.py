@@ -10,6 +10,7 @@ from typing import Any
 
 from fastapi import Request
 
+from embedding_server.api.encoding import JSON_FLOAT_BYTES
 from embedding_server.api.lifecycle import Lifecycle, lifecycle_of
 from embedding_server.engine import Engine
 from embedding_server.errors import InvalidRequestError, ModelNotFoundError, OutputTooLargeError
@@ -66,6 +67,43 @@ def check_response_size(
             param="input",
             vectors=vectors,
         )
+
+
+def check_sparse_request(
+    engine: Engine,
+    lifecycle: Lifecycle,
+    vectors: int,
+    max_active_dims: int | None,
+    *,
+    what: str,
+    input_param: str,
+) -> int:
+    """Refuse (400), before any work, sparse output asked of a model without a sparse head,
+    or a response that could exceed ``max_response_bytes``: a SPLADE vector may weight every
+    vocabulary entry, so each of ``vectors`` is bounded by the vocabulary size, or by
+    ``max_active_dims`` when the request caps it. Returns the bytes one entry may take."""
+    info = engine.info()
+    if info.task != "sparse":
+        raise InvalidRequestError(
+            f"{what} needs a model with task sparse; this model's task is {info.task} "
+            f"({info.architecture})",
+            param="model",
+        )
+    entries = min(info.vocab_size, max_active_dims or info.vocab_size)
+    # A value, its token id (at most as many digits as the vocabulary size) and separators.
+    entry_bytes = JSON_FLOAT_BYTES + len(str(info.vocab_size)) + 1
+    size = vectors * entries * entry_bytes
+    limit = lifecycle.settings.max_response_bytes
+    if size > limit:
+        raise OutputTooLargeError(
+            f"The response could be about {size} bytes ({vectors} sparse vectors of up to "
+            f"{entries} entries each: the vocabulary has {info.vocab_size}), more than this "
+            f"server sends (max_response_bytes {limit}); send fewer inputs or set "
+            "max_active_dims to keep only the largest weights of each vector.",
+            param="max_active_dims" if max_active_dims else input_param,
+            vectors=vectors,
+        )
+    return entry_bytes
 
 
 def max_response_values(lifecycle: Lifecycle, bytes_per_value: float) -> int:

@@ -213,8 +213,19 @@ class EmbeddingRequest(_Request, _TruncationOptions, _EncodingOptions):
     )
 
 
-def _float_only() -> list[CohereEmbeddingType]:
+CohereEmbedType = CohereEmbeddingType | Literal["sparse"]
+"""Cohere's embedding types, and ``sparse``: a SPLADE model's ``{indices, values}``."""
+
+
+def _float_only() -> list[CohereEmbedType]:
     return ["float"]
+
+
+MAX_ACTIVE_DIMS_DESCRIPTION = (
+    "Sparse output only: keep each vector's this many largest weights (as "
+    "sentence-transformers' max_active_dims); bounds the response, which otherwise may "
+    "hold a weight for every vocabulary entry."
+)
 
 
 class CohereEmbedRequest(_Request):
@@ -227,11 +238,14 @@ class CohereEmbedRequest(_Request):
         "classification or clustering; selects the model's "
         "matching prompt when it has one.",
     )
-    embedding_types: list[CohereEmbeddingType] = Field(
+    embedding_types: list[CohereEmbedType] = Field(
         default_factory=_float_only,
         min_length=1,
-        description="Any of float, int8, uint8, binary, ubinary, base64.",
+        description="Any of float, int8, uint8, binary, ubinary, base64 (a model of task "
+        "embed); or sparse alone (a SPLADE model of task sparse): each text's weights over "
+        "the vocabulary as {indices, values}, token ids ascending.",
     )
+    max_active_dims: int | None = Field(None, gt=0, description=MAX_ACTIVE_DIMS_DESCRIPTION)
     output_dimension: int | None = Field(None, gt=0, description="Matryoshka truncation.")
     truncate: Literal["END", "START", "NONE"] = Field(
         "END", description="END/START cut over-long texts at that end; NONE refuses them."
@@ -263,6 +277,7 @@ class PoolingRequest(_Request, _TruncationOptions, _EncodingOptions):
         "model's raw outputs at every token (task reward); sparse: a SPLADE model's "
         "{indices, values} over the vocabulary (task sparse).",
     )
+    max_active_dims: int | None = Field(None, gt=0, description=MAX_ACTIVE_DIMS_DESCRIPTION)
     normalize: bool | None = Field(
         None,
         description="L2-normalize each vector (default: "

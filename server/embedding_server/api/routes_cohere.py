@@ -4,9 +4,17 @@ One embedding pass serves every requested ``embedding_types``: the float32 matri
 computed once and each type is derived from it (see ``encoding.py`` for the quantization
 rules). int8/uint8 are scaled from the L2-normalized vector whatever the server's
 ``normalize`` setting is, so they are comparable across requests.
+
+``embedding_types: ["sparse"]`` (our extension; Cohere has no sparse type) asks a SPLADE
+model (task sparse) for each text's weights over the vocabulary, ``{indices, values}`` under
+``embeddings.sparse``, the shape ``/pooling`` task sparse gives. Its response size is
+bounded before the forward pass by the vocabulary size, or by the request's
+``max_active_dims``.
 """
 
 from __future__ import annotations
+
+from typing import Any, cast
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
@@ -14,15 +22,23 @@ from starlette.responses import Response
 from embedding_server.api.dependencies import (
     check_input_count,
     check_response_size,
+    check_sparse_request,
     engine_for,
     pooled_dimensions,
 )
 from embedding_server.api.disconnect import cancel_on_disconnect
-from embedding_server.api.encoding import cohere_bytes_per_dimension, cohere_embeddings
+from embedding_server.api.encoding import (
+    CohereEmbeddingType,
+    cohere_bytes_per_dimension,
+    cohere_embeddings,
+)
 from embedding_server.api.ids import new_id
+from embedding_server.api.lifecycle import Lifecycle
 from embedding_server.api.prompts import prompt_name_for
 from embedding_server.api.protocol import CohereEmbedRequest
 from embedding_server.api.responses import encode_off_loop, json_response, timing_headers
+from embedding_server.engine import Engine
+from embedding_server.errors import InvalidRequestError
 
 router = APIRouter(tags=["Cohere"])
 
@@ -31,34 +47,88 @@ router = APIRouter(tags=["Cohere"])
 async def cohere_embed(body: CohereEmbedRequest, request: Request) -> Response:
     engine, lifecycle = engine_for(request, body.model)
     check_input_count(lifecycle, len(body.texts), "texts")
-    value_bytes = cohere_bytes_per_dimension(body.embedding_types)
+    if "sparse" in body.embedding_types:
+        return await _sparse_embed(body, request, engine, lifecycle)
+    if body.max_active_dims is not None:
+        raise InvalidRequestError(
+            "max_active_dims applies to embedding_types sparse only", param="max_active_dims"
+        )
+    # "sparse" is not among them: the rest are Cohere's dense types.
+    dense_types = cast(list[CohereEmbeddingType], body.embedding_types)
+    value_bytes = cohere_bytes_per_dimension(dense_types)
     dims = pooled_dimensions(engine, body.output_dimension)
-    types = ",".join(body.embedding_types)
+    types = ",".join(dense_types)
     check_response_size(lifecycle, len(body.texts), dims, value_bytes, f"embedding_types {types}")
-    prompt_name = prompt_name_for(engine, None, body.input_type)
     result = await cancel_on_disconnect(
         request,
         engine.aembed(
             body.texts,
             dimensions=body.output_dimension,
-            prompt_name=prompt_name,
+            prompt_name=prompt_name_for(engine, None, body.input_type),
             truncate=body.truncation(),
         ),
     )
     headers = timing_headers(result.timings, result.prompt_tokens)
 
     def encode() -> Response:
-        content = {
-            "id": new_id(),
-            "embeddings": cohere_embeddings(result.embeddings, body.embedding_types),
-            "texts": body.texts,
-            "meta": {
-                "api_version": {"version": "2"},
-                "billed_units": {"input_tokens": result.prompt_tokens},
-            },
-            "response_type": "embeddings_by_type",
-        }
-        return json_response(content, headers)
+        embeddings = cohere_embeddings(result.embeddings, dense_types)
+        return json_response(_content(body, embeddings, result.prompt_tokens), headers)
 
     size = result.embeddings.shape[0] * dims * value_bytes + sum(map(len, body.texts))
     return await encode_off_loop(encode, size)
+
+
+async def _sparse_embed(
+    body: CohereEmbedRequest, request: Request, engine: Engine, lifecycle: Lifecycle
+) -> Response:
+    others = sorted(set(body.embedding_types) - {"sparse"})
+    if others:
+        raise InvalidRequestError(
+            f"embedding_types sparse cannot be combined with {', '.join(others)}: a model "
+            "serves dense vectors (task embed) or sparse ones (task sparse)",
+            param="embedding_types",
+        )
+    if body.output_dimension is not None:
+        raise InvalidRequestError(
+            "output_dimension does not apply to embedding_types sparse (use max_active_dims)",
+            param="output_dimension",
+        )
+    entry_bytes = check_sparse_request(
+        engine,
+        lifecycle,
+        len(body.texts),
+        body.max_active_dims,
+        what="embedding_types sparse",
+        input_param="texts",
+    )
+    result = await cancel_on_disconnect(
+        request,
+        engine.asparse_embed(
+            body.texts,
+            prompt_name=prompt_name_for(engine, None, body.input_type),
+            truncate=body.truncation(),
+        ),
+    )
+    vectors = [v.top(body.max_active_dims) for v in result.vectors]
+    headers = timing_headers(result.timings, result.prompt_tokens)
+
+    def encode() -> Response:
+        sparse = [{"indices": v.indices, "values": v.values} for v in vectors]
+        return json_response(_content(body, {"sparse": sparse}, result.prompt_tokens), headers)
+
+    size = sum(len(v.indices) for v in vectors) * entry_bytes + sum(map(len, body.texts))
+    return await encode_off_loop(encode, size)
+
+
+def _content(body: CohereEmbedRequest, embeddings: Any, prompt_tokens: int) -> dict[str, Any]:
+    """Cohere's ``embeddings_by_type`` response around ``embeddings``."""
+    return {
+        "id": new_id(),
+        "embeddings": embeddings,
+        "texts": body.texts,
+        "meta": {
+            "api_version": {"version": "2"},
+            "billed_units": {"input_tokens": prompt_tokens},
+        },
+        "response_type": "embeddings_by_type",
+    }

@@ -64,5 +64,5 @@ async def info(request: Request) -> Response:
 
 @router.get("/metrics", tags=["Operations"], summary="Prometheus metrics")
 async def metrics(request: Request) -> Response:
-    registry = lifecycle_of(request).metrics.registry
+    registry = lifecycle_of(request).metrics.exposition
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -22,13 +22,13 @@ from embedding_server.api.dependencies import (
     as_input_list,
     check_input_count,
     check_response_size,
+    check_sparse_request,
     engine_for,
     max_response_values,
     pooled_dimensions,
 )
 from embedding_server.api.disconnect import cancel_on_disconnect
 from embedding_server.api.encoding import (
-    JSON_FLOAT_BYTES,
     FloatMatrix,
     as_float32,
     base64_array,
@@ -75,6 +75,10 @@ async def pooling(body: PoolingRequest, request: Request) -> Response:
     }
     if body.task == "sparse":
         return await _sparse_pooling(body, request, inputs, options)
+    if body.max_active_dims is not None:
+        raise InvalidRequestError(
+            "max_active_dims applies to task sparse only", param="max_active_dims"
+        )
     # One output per input: a pooled matrix's rows (task embed) or per-token matrices.
     outputs: FloatMatrix | list[FloatMatrix]
     if body.task == "embed":
@@ -154,14 +158,23 @@ async def _sparse_pooling(
     body: PoolingRequest, request: Request, inputs: list[Any], options: TokenOptions
 ) -> Response:
     """``/pooling`` task sparse: each input's SPLADE vector as ``{indices, values}`` (token
-    ids ascending), in JSON only."""
+    ids ascending), in JSON only, its size bounded before any work."""
     if body.encoding_format != "float":
         raise InvalidRequestError(
             "task sparse returns {indices, values} in JSON; use encoding_format float",
             param="encoding_format",
         )
     engine, lifecycle = engine_for(request, body.model)
+    entry_bytes = check_sparse_request(
+        engine,
+        lifecycle,
+        len(inputs),
+        body.max_active_dims,
+        what="task sparse",
+        input_param="input",
+    )
     result = await cancel_on_disconnect(request, engine.asparse_embed(inputs, **options))
+    vectors = [v.top(body.max_active_dims) for v in result.vectors]
     tokens = result.prompt_tokens
 
     def encode() -> Response:
@@ -176,14 +189,13 @@ async def _sparse_pooling(
                     "object": "pooling",
                     "data": {"indices": v.indices, "values": v.values},
                 }
-                for i, v in enumerate(result.vectors)
+                for i, v in enumerate(vectors)
             ],
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }
         return json_response(content, timing_headers(result.timings, tokens))
 
-    entries = sum(len(v.indices) for v in result.vectors)
-    return await encode_off_loop(encode, 2 * entries * JSON_FLOAT_BYTES)
+    return await encode_off_loop(encode, sum(len(v.indices) for v in vectors) * entry_bytes)
 
 
 @router.post("/score", tags=["vLLM"], summary="Scores of text pairs (cross-encoder or cosine)")

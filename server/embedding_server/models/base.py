@@ -10,13 +10,15 @@ math. Weights come from Hugging Face checkpoints by their names (:class:`WeightR
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
-from ..attention import AttentionPlan, Backend, plan_attention, varlen_attention
+from ..attention import AttentionPlan, Backend, plan_attention, staged, varlen_attention
 from ..distributed import SINGLE, Shard
 from ..errors import UnsupportedModelError
 from .layers import HeadSplit, VocabEmbedding
@@ -48,25 +50,39 @@ class PackedBatch:
     ) -> PackedBatch:
         """Pack token id lists; ``position_offset`` shifts positions (RoBERTa: padding_idx+1);
         ``attention`` is the kernel every layer's attention runs on; ``token_types`` are the
-        segment ids of each sequence (sentence pairs), None for all zeros."""
+        segment ids of each sequence (sentence pairs), None for all zeros.
+
+        The integer rows (ids, positions, segment ids) are packed on the host into one
+        staging tensor and reach the device in one copy, ``cu_seqlens`` in a second. On CUDA
+        the staging tensors are pinned and the copies ``non_blocking`` on the current stream
+        (:func:`~..attention.staged`), so the host goes on at once; a consumer on another
+        stream must wait for this one (the runner's copy stream and event). On the CPU the
+        batch's tensors are rows of the staging tensor itself."""
         seqlens = tuple(len(s) for s in sequences)
-        flat = [t for s in sequences for t in s]
-        input_ids = torch.tensor(flat, dtype=torch.int64)
-        lens = torch.tensor(seqlens, dtype=torch.int64)
-        cu = torch.zeros(len(seqlens) + 1, dtype=torch.int32)
-        torch.cumsum(lens, 0, out=cu[1:])
-        starts = torch.repeat_interleave(cu[:-1].to(torch.int64), lens)
-        positions = torch.arange(len(flat), dtype=torch.int64) - starts + position_offset
+        total = sum(seqlens)
+        rows = 2 if token_types is None else 3
+        pin_memory = device.type == "cuda"
+        staging = torch.empty((rows, total), dtype=torch.int64, pin_memory=pin_memory)
+        host = staging.numpy()
+        host[0] = np.fromiter(itertools.chain.from_iterable(sequences), np.int64, total)
+        lens = np.asarray(seqlens, dtype=np.int64)
+        starts = np.cumsum(lens) - lens
+        host[1] = np.arange(total, dtype=np.int64) - np.repeat(starts, lens) + position_offset
+        if token_types is not None:
+            host[2] = np.fromiter(itertools.chain.from_iterable(token_types), np.int64, total)
+        cu = torch.empty(len(seqlens) + 1, dtype=torch.int32, pin_memory=pin_memory)
+        cu_host = cu.numpy()
+        cu_host[0] = 0
+        np.cumsum(lens, out=cu_host[1:], dtype=np.int32)
+        packed = staged(staging, device)
         return cls(
-            input_ids.to(device),
-            positions.to(device),
-            cu.to(device),
+            packed[0],
+            packed[1],
+            staged(cu, device),
             max(seqlens, default=0),
             seqlens,
             attention,
-            None
-            if token_types is None
-            else torch.tensor([t for s in token_types for t in s], dtype=torch.int64).to(device),
+            None if token_types is None else packed[2],
         )
 
     @classmethod
@@ -86,11 +102,16 @@ class PackedBatch:
         return cls(
             input_ids,
             position_ids,
-            cu.to(input_ids.device),
+            staged(cu, input_ids.device),
             max(seqlens, default=0),
             tuple(seqlens),
             attention,
         )
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the batch on its device, the attention plan's included."""
+        own = [self.input_ids, self.position_ids, self.cu_seqlens, self.token_type_ids]
+        return [t for t in own if t is not None] + self.attention_plan.tensors()
 
     @property
     def attention_plan(self) -> AttentionPlan:

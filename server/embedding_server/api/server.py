@@ -1,0 +1,97 @@
+"""Running the HTTP application under uvicorn: drain on a signal, exit status from the
+lifecycle. Used by the single-process server and by each ``--api-workers`` front-end."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import signal
+import socket
+import threading
+import types
+from collections.abc import Iterator
+
+import uvicorn
+from fastapi import FastAPI
+
+from embedding_server.api.lifecycle import Lifecycle
+from embedding_server.settings import ServerSettings
+
+FATAL_EXIT_GRACE_S = 10.0
+"""After a fatal error (the model failed to load, a tensor-parallel rank died or hangs, the
+engine process is gone) the server shuts down as usual, but exits with status 1 at the latest
+this long after."""
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, but readiness drops to 503 the moment a stop signal arrives.
+
+    uvicorn itself then stops accepting connections and waits for in-flight requests.
+    """
+
+    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle) -> None:
+        super().__init__(config)
+        self.lifecycle = lifecycle
+
+    def handle_exit(self, sig: int, frame: types.FrameType | None) -> None:
+        self.lifecycle.begin_drain(reason=signal.Signals(sig).name)
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """Like uvicorn's, without re-raising the signal after shutdown: a drain that
+        finished is a success, and Kubernetes should see exit status 0, not 143."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {
+            sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
+def run_http(
+    settings: ServerSettings, app: FastAPI, sockets: list[socket.socket] | None = None
+) -> int:
+    """Serve ``app`` (on ``sockets`` when given, else on the settings' host and port) until a
+    signal or a fatal error; return the process exit status."""
+    lifecycle: Lifecycle = app.state.lifecycle
+
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        access_log=False,
+        loop=best_available("uvloop", "asyncio"),
+        http=best_available("httptools", "h11"),
+        lifespan="on",
+        timeout_graceful_shutdown=int(max(1.0, settings.shutdown_timeout)),
+        log_level=settings.log_level,
+        server_header=False,
+    )
+    server = DrainingServer(config, lifecycle)
+
+    def fatal() -> None:
+        server.should_exit = True
+        # A forward pass blocked in a collective of a failed tensor-parallel group may never
+        # return; a failed server must still exit, so it is ended after a grace period.
+        timer = threading.Timer(FATAL_EXIT_GRACE_S, os._exit, args=(lifecycle.exit_code or 1,))
+        timer.daemon = True
+        timer.start()
+
+    lifecycle.on_fatal = fatal
+    server.run(sockets=sockets)
+    if lifecycle.exit_code == 0 and not server.started:
+        return 1  # e.g. the port was taken; uvicorn logged why
+    return int(lifecycle.exit_code)
+
+
+def best_available(preferred: str, fallback: str) -> str:
+    """``preferred`` if that module is installed, else ``fallback`` (uvicorn's loop, http)."""
+    return preferred if importlib.util.find_spec(preferred) is not None else fallback

@@ -1,0 +1,300 @@
+"""``--api-workers N``: N HTTP front-end processes around one engine process.
+
+The process ``embedding-server serve`` started (PID 1 in a container) becomes the engine
+process: it binds the HTTP port, binds the engine socket (:class:`~..ipc.EngineService`),
+starts N front-ends (``multiprocessing`` spawn, handed the listening socket as uvicorn's own
+workers are), then loads the model. Each front-end serves the whole HTTP API through an
+:class:`~..engine.AttachedEngine`: it answers ``/health`` at once and ``/ready`` once the
+engine has handed it the model's configuration.
+
+Lifecycle, all waits bounded:
+
+* SIGTERM/SIGINT to the engine process: it sends SIGTERM to every front-end, which drops
+  readiness and finishes its in-flight requests (the engine keeps serving them); once they
+  have exited the engine drains its queue and exits 0 (1 if a front-end failed);
+* a front-end that exits on its own (a crash) or an engine that fails (a device error, a
+  tensor-parallel rank lost, a model that does not load): every process stops, exit 1;
+* the engine process killed outright: each front-end sees its engine socket disconnect, fails
+  its waiting requests with 503, drops readiness and exits 1; a front-end also exits when its
+  parent is gone, so none is left orphaned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from prometheus_client import multiprocess
+
+from embedding_server.api.app import create_app
+from embedding_server.api.server import FATAL_EXIT_GRACE_S, best_available, run_http
+from embedding_server.engine import AttachedEngine, Engine
+from embedding_server.ipc import EngineService
+from embedding_server.logging import configure_logging
+from embedding_server.metrics import Metrics
+from embedding_server.settings import ServerSettings, redact_settings
+
+logger = logging.getLogger(__name__)
+
+Finish = Callable[[int, str], None]
+"""Ends the engine process's serving: exit status, and why."""
+
+PARENT_CHECK_S = 0.5
+"""How often a front-end checks that the engine process, its parent, is still there."""
+
+
+def serve_workers(settings: ServerSettings, shared_dir: str) -> int:
+    """Run the engine process and its front-ends until a signal; the exit status.
+    ``shared_dir`` holds the engine socket (and the metrics directory)."""
+    configure_logging(settings.log_level, settings.log_format)
+    try:
+        listener = _listen(settings.host, settings.port)
+    except OSError as error:
+        logger.error("cannot listen on %s:%d: %s", settings.host, settings.port, error)
+        return 1
+    factory: Callable[[], asyncio.AbstractEventLoop] | None = None
+    if best_available("uvloop", "asyncio") == "uvloop":
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    with listener, asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(_engine_process(settings, listener, shared_dir))
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets whose protocol says TCP.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+async def _engine_process(
+    settings: ServerSettings, listener: socket.socket, shared_dir: str
+) -> int:
+    loop = asyncio.get_running_loop()
+    address = _address(shared_dir)
+    metrics = Metrics()
+    service = EngineService(address)
+    context = multiprocessing.get_context("spawn")
+    frontends = [
+        context.Process(
+            target=_frontend,
+            args=(settings, listener, shared_dir, os.getpid()),
+            name=f"api-worker-{index}",
+            daemon=True,
+        )
+        for index in range(settings.api_workers)
+    ]
+    stopping: asyncio.Future[tuple[int, str]] = loop.create_future()
+
+    def finish(code: int, why: str) -> None:
+        if not stopping.done():
+            stopping.set_result((code, why))
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, finish, 0, signal.Signals(sig).name)
+    for process in frontends:
+        process.start()
+        loop.add_reader(process.sentinel, _exited, process, finish)
+    logger.info("started %d API worker processes", len(frontends))
+
+    engine: Engine | None = None
+    serving: asyncio.Task[None] | None = None
+    try:
+        loading = _in_thread(lambda: Engine.from_settings(settings, metrics=metrics))
+        first: list[asyncio.Future[Any]] = [loading, stopping]
+        await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
+        if loading.done():
+            engine = _loaded(settings, loading, finish)
+        if engine is not None:
+            serving = await _start(settings, engine, service, len(frontends), finish)
+        code, why = await stopping
+    finally:
+        for process in frontends:
+            loop.remove_reader(process.sentinel)
+    logger.info("stopping (%s): API workers drain first, then the engine", why)
+    if code:
+        # A failed engine may hang in its forward thread (a tensor-parallel collective);
+        # the process still ends, bounded.
+        grace = settings.shutdown_timeout + 2 * FATAL_EXIT_GRACE_S
+        timer = threading.Timer(grace, os._exit, args=(code,))
+        timer.daemon = True
+        timer.start()
+    failed = await _stop_frontends(frontends, settings.shutdown_timeout + FATAL_EXIT_GRACE_S)
+    if engine is not None:
+        await engine.stop(drain=True, timeout=settings.shutdown_timeout)
+    if serving is not None:
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
+    service.close()
+    return code or int(failed)
+
+
+async def _start(
+    settings: ServerSettings,
+    engine: Engine,
+    service: EngineService,
+    front_ends: int,
+    finish: Finish,
+) -> asyncio.Task[None] | None:
+    """Warm the engine up and serve the front-ends; None (and ``finish(1)``) if it fails."""
+    loop = asyncio.get_running_loop()
+    started = time.monotonic()
+    engine.on_failure(lambda message: _call_soon(loop, finish, message))
+    try:
+        await engine.start()
+    except Exception as error:  # a failed warm-up ends the server, exit 1
+        logger.debug("warm-up failed", exc_info=True)
+        detail = redact_settings(f"{type(error).__name__}: {error}", settings)
+        finish(1, f"the model failed its warm-up: {detail}")
+        return None
+    serving = asyncio.create_task(service.serve(engine.scheduler, engine.handoff(), front_ends))
+
+    def ended(task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("serving the API workers failed", exc_info=task.exception())
+            finish(1, f"serving the API workers failed: {task.exception()!r}")
+
+    serving.add_done_callback(ended)
+    logger.info(
+        "engine ready for %d API workers (%.1f s to warm up)",
+        front_ends,
+        time.monotonic() - started,
+    )
+    return serving
+
+
+def _in_thread(load: Callable[[], Engine]) -> asyncio.Future[Engine]:
+    """The model load on a daemon thread: a stop signal during a long load need not wait
+    for it to end."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Engine] = loop.create_future()
+
+    def work() -> None:
+        try:
+            result = load()
+        except Exception as error:  # noqa: BLE001 - handed to the loop, which reports it
+            loop.call_soon_threadsafe(_settle, future, None, error)
+        else:
+            loop.call_soon_threadsafe(_settle, future, result, None)
+
+    threading.Thread(target=work, name="load-model", daemon=True).start()
+    return future
+
+
+def _settle(
+    future: asyncio.Future[Engine], result: Engine | None, error: BaseException | None
+) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        assert result is not None
+        future.set_result(result)
+
+
+def _loaded(
+    settings: ServerSettings, loading: asyncio.Future[Engine], finish: Finish
+) -> Engine | None:
+    error = loading.exception()
+    if error is None:
+        return loading.result()
+    logger.debug("model load failed", exc_info=error)
+    detail = redact_settings(f"{type(error).__name__}: {error}", settings)
+    finish(1, f"could not load the model named by --model: {detail}")
+    return None
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, finish: Finish, message: str) -> None:
+    """``finish(1, message)`` on the loop, from the forward or a watchdog thread."""
+    loop.call_soon_threadsafe(finish, 1, message)
+
+
+def _exited(process: BaseProcess, finish: Finish) -> None:
+    """A front-end ended while the server was serving: everything stops, exit 1."""
+    asyncio.get_running_loop().remove_reader(process.sentinel)
+    process.join(0)
+    message = f"{process.name} (pid {process.pid}) exited with status {process.exitcode}"
+    logger.error("cannot serve: %s", message)
+    finish(1, message)
+
+
+async def _stop_frontends(frontends: Sequence[BaseProcess], timeout: float) -> bool:
+    """SIGTERM every front-end and wait for them to drain and exit (killed after
+    ``timeout``); whether any of them failed."""
+    for process in frontends:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + timeout
+    for process in frontends:
+        await asyncio.to_thread(process.join, max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            logger.error("%s did not stop within %.0f s; killing it", process.name, timeout)
+            process.kill()
+            await asyncio.to_thread(process.join, 5.0)
+        if process.pid is not None:
+            multiprocess.mark_process_dead(process.pid)  # type: ignore[no-untyped-call]
+    # Killed by our own SIGTERM before it could set up its handlers (still starting): it had
+    # no requests, so that is a clean stop too.
+    failed = [p for p in frontends if p.exitcode not in (0, -signal.SIGTERM)]
+    for process in failed:
+        logger.error("%s exited with status %s", process.name, process.exitcode)
+    return bool(failed)
+
+
+def _address(shared_dir: str) -> str:
+    return f"ipc://{os.path.join(shared_dir, 'engine.sock')}"
+
+
+def _frontend(
+    settings: ServerSettings, listener: socket.socket, shared_dir: str, parent: int
+) -> None:
+    """A front-end process: the HTTP API on the shared socket, its jobs run by the engine."""
+    configure_logging(settings.log_level, settings.log_format)
+    # Out of the engine's process group: a terminal's Ctrl-C reaches the engine process only,
+    # which sends one SIGTERM (a second signal would make uvicorn skip the drain).
+    os.setpgid(0, 0)
+    threading.Thread(target=_exit_with_parent, args=(parent, shared_dir), daemon=True).start()
+    import torch
+
+    torch.set_num_threads(1)  # a classifier's activation at most: the model runs elsewhere
+
+    async def connect(metrics: Metrics) -> Engine:
+        return await AttachedEngine.connect(settings, _address(shared_dir), metrics=metrics)
+
+    app = create_app(settings, connect=connect)
+    code = run_http(settings, app, sockets=[listener])
+    _clean_up_after(parent, shared_dir)
+    raise SystemExit(code)
+
+
+def _clean_up_after(parent: int, shared_dir: str) -> None:
+    """An engine process that was killed left its directory (socket, metrics) behind."""
+    if os.getppid() != parent:
+        shutil.rmtree(shared_dir, ignore_errors=True)
+
+
+def _exit_with_parent(parent: int, shared_dir: str) -> None:
+    """End this front-end if the engine process is gone without telling it (killed)."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_CHECK_S)
+    logger.error("the engine process (pid %d) is gone; exiting", parent)
+    _clean_up_after(parent, shared_dir)
+    with contextlib.suppress(Exception):
+        logging.shutdown()
+    os._exit(1)

@@ -1,0 +1,215 @@
+"""``--api-workers N``: N front-end processes around one engine process, as real
+``embedding-server serve`` processes on loopback ports.
+
+What a user relies on must hold across the process boundary: every request gets its own
+vectors, a client that goes away has its queued work withdrawn in the engine, overload is a
+429 with Retry-After, SIGTERM drains then every process exits 0, an engine that fails or dies
+takes the front-ends down with it, and ``/metrics`` of any front-end tells the whole server's
+story (the engine's queue depth, requests summed over front-ends)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import socket
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from embedding_server.engine import Engine
+from embedding_server.metrics import QUEUE_REQUESTS_METRIC
+
+from tests.support.api import sample, scrape, server_process, wait_for
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+WORKERS = ["--api-workers", "2"]
+# One sequence per forward pass, each taking a while: requests visibly queue.
+SLOW = ["--max-batch-tokens", "64", "--max-batch-size", "1"]
+
+
+def texts(n: int) -> list[str]:
+    """Inputs of mixed lengths, all different."""
+    return [f"input {i}: " + "abcdefghij"[i % 10] * (i % 41) for i in range(n)]
+
+
+def test_each_request_gets_its_own_vectors_and_metrics_sum_over_front_ends() -> None:
+    reference = Engine.from_pretrained("fake")
+    inputs = texts(120)
+    requests = [[inputs[i], inputs[(7 * i + 3) % len(inputs)]] for i in range(len(inputs))]
+    with server_process(["--model", "fake", *WORKERS], workers=2) as server:
+
+        async def burst() -> list[httpx.Response]:
+            async with contextlib.AsyncExitStack() as stack:
+                # Four clients, each with its own pool of connections, all at once.
+                clients = [
+                    await stack.enter_async_context(httpx.AsyncClient(timeout=60)) for _ in range(4)
+                ]
+                url = server.url + "/v1/embeddings"
+                return await asyncio.gather(
+                    *(
+                        clients[i % 4].post(url, json={"input": body})
+                        for i, body in enumerate(requests)
+                    )
+                )
+
+        responses = asyncio.run(burst())
+        for body, response in zip(requests, responses, strict=True):
+            assert response.status_code == 200, response.text
+            got = np.array([row["embedding"] for row in response.json()["data"]])
+            np.testing.assert_allclose(got, reference.embed(body), atol=1e-6)
+        # Per-token output crosses the process boundary too.
+        tokens = httpx.post(
+            server.url + "/pooling", json={"input": inputs[:3], "task": "token_embed"}, timeout=30
+        )
+        assert tokens.status_code == 200, tokens.text
+        for row, want in zip(
+            tokens.json()["data"], reference.embed_tokens(inputs[:3]), strict=True
+        ):
+            np.testing.assert_allclose(row["data"], want, atol=1e-6)
+        # Every scrape, on a new connection to whichever front-end accepts it, counts the
+        # requests of both.
+        for _ in range(6):
+            text = httpx.get(server.url + "/metrics", timeout=10).text
+            labels = {"endpoint": "/v1/embeddings", "status": "200"}
+            assert sample(text, "embedding_server_requests_total", labels) == len(requests)
+            assert sample(text, "embedding_server_input_tokens_total") is not None
+            assert sample(text, QUEUE_REQUESTS_METRIC) == 0
+            assert (sample(text, "embedding_server_model_load_seconds") or 0) > 0
+
+
+def _post_raw(port: int, text: str) -> socket.socket:
+    """A request on a plain socket, so the test decides when its client hangs up."""
+    body = json.dumps({"input": text}).encode()
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(
+        b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
+    return sock
+
+
+def test_queue_depth_429_and_cancellation_cross_the_process_boundary() -> None:
+    # 6 s per one-sequence pass (the checks below must fit in the first pass, also on a busy
+    # machine); 32-token inputs; the queue holds 4 of them.
+    args = ["--model", "fake?delay_ms=6000&max_len=64", *SLOW, "--max-queue-tokens", "128"]
+    text = "q" * 30  # 32 tokens with <s> and </s>
+    with server_process([*args, *WORKERS], workers=2) as server:
+        crowd = [_post_raw(server.port, text) for _ in range(6)]
+        try:
+            # One request in the forward pass, the next prepared beside it (it has left the
+            # queue), four queued: every front-end, whichever accepts the scrape, reports the
+            # engine's queue.
+            wait_for(
+                lambda: scrape(server.url, QUEUE_REQUESTS_METRIC) == 4,
+                timeout=60,
+                what="four requests queued in the engine",
+            )
+            for _ in range(4):
+                assert scrape(server.url, QUEUE_REQUESTS_METRIC) == 4
+            refused = httpx.post(server.url + "/v1/embeddings", json={"input": text}, timeout=30)
+            assert refused.status_code == 429, refused.text
+            assert int(refused.headers["retry-after"]) >= 1
+            assert refused.json()["error"]["type"] == "rate_limit_error"
+        finally:
+            for sock in crowd:  # the crowd hangs up
+                sock.close()
+        wait_for(
+            lambda: scrape(server.url, QUEUE_REQUESTS_METRIC) == 0,
+            timeout=30,
+            what="the cancelled requests to leave the engine's queue",
+        )
+        # Batches run oldest first: once a later request is answered, any pass for the
+        # cancelled ones would have run before it.
+        late = httpx.post(server.url + "/v1/embeddings", json={"input": "late"}, timeout=60)
+        assert late.status_code == 200, late.text
+        metrics = httpx.get(server.url + "/metrics", timeout=10).text
+        # The first request's pass, perhaps one more taken as it ended (on a slow machine the
+        # checks above can outlast a pass; a prepared batch whose requests all hung up is
+        # dropped) and the late one's; without the withdrawal, 7.
+        passes = sample(metrics, "embedding_server_batch_size_count")
+        assert passes is not None and 2 <= passes <= 3, passes
+        cancelled = {"endpoint": "/v1/embeddings", "status": "499"}
+        assert sample(metrics, "embedding_server_requests_total", cancelled) == 6
+
+
+def test_sigterm_drains_in_flight_requests_then_every_process_exits_0() -> None:
+    args = ["--model", "fake?delay_ms=250&max_len=64", *SLOW, "--log-format", "json"]
+    with server_process([*args, *WORKERS], workers=2) as server:
+
+        async def scenario() -> list[int]:
+            async with httpx.AsyncClient(timeout=60) as http:
+                tasks = [
+                    asyncio.create_task(
+                        http.post(server.url + "/v1/embeddings", json={"input": f"request {i}"})
+                    )
+                    for i in range(6)
+                ]
+                await asyncio.to_thread(
+                    wait_for,
+                    lambda: (scrape(server.url, "embedding_server_in_flight_requests") or 0) >= 7,
+                    timeout=30,
+                    what="six requests in flight (and the scrape)",
+                )
+                server.process.send_signal(signal.SIGTERM)
+                return [r.status_code for r in await asyncio.gather(*tasks)]
+
+        assert asyncio.run(scenario()) == [200] * 6
+        assert server.wait_gone(timeout=60) == 0
+        output = server.output()
+        assert "Traceback" not in output
+        messages = [json.loads(line)["message"] for line in output.splitlines() if line.strip()]
+        assert sum("draining (SIGTERM)" in m for m in messages) == 2, messages
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(server.url + "/health", timeout=2)
+
+
+def test_an_engine_failure_stops_every_process_with_status_1() -> None:
+    # Pass 1 is the warm-up, 2 the first request; 3 and later meet a poisoned device.
+    with server_process(["--model", "fake?device_error_after=2", *WORKERS], workers=2) as server:
+        url = server.url + "/v1/embeddings"
+        assert httpx.post(url, json={"input": "fine"}, timeout=30).status_code == 200
+        failed = httpx.post(url, json={"input": "poisoned"}, timeout=30)
+        assert failed.status_code == 503, failed.text
+        assert failed.json()["error"]["code"] == "engine_failed"
+
+        def not_ready() -> bool:
+            try:
+                return httpx.get(server.url + "/ready", timeout=2).status_code != 200
+            except httpx.HTTPError:
+                return True  # no front-end listens any more
+
+        wait_for(not_ready, timeout=30, what="readiness to drop")
+        assert server.wait_gone(timeout=60) == 1
+        assert "illegal memory access" in server.output()
+
+
+def test_front_ends_exit_when_the_engine_process_is_killed(tmp_path: Path) -> None:
+    args = ["--model", "fake?delay_ms=3000", *WORKERS]
+    with server_process(args, workers=2, env={"TMPDIR": str(tmp_path)}) as server:
+        assert list(tmp_path.glob("embedding-server-*"))  # the engine socket, the metrics
+        assert len(server.children) == 2
+
+        async def scenario() -> httpx.Response:
+            async with httpx.AsyncClient(timeout=60) as http:
+                waiting = asyncio.create_task(
+                    http.post(server.url + "/v1/embeddings", json={"input": "x"})
+                )
+                await asyncio.to_thread(
+                    wait_for,
+                    lambda: (scrape(server.url, "embedding_server_in_flight_requests") or 0) >= 2,
+                    timeout=30,
+                    what="the request in flight",
+                )
+                server.process.kill()
+                return await waiting
+
+        answered = asyncio.run(scenario())
+        assert answered.status_code == 503, answered.text
+        assert answered.json()["error"]["code"] == "engine_failed"
+        assert server.wait_gone(timeout=60) == -signal.SIGKILL
+        # The front-ends clean up what the killed engine process left.
+        assert not list(tmp_path.glob("embedding-server-*"))

@@ -1,0 +1,68 @@
+"""Helpers for the scheduler tests: a runner whose forward pass is held closed, and an async
+poll with a deadline.
+
+The runner blocks in ``execute`` until its ``gate`` (a threading.Event) is set, so the
+queue state and what was prepared meanwhile are exact at each step instead of
+timing-dependent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from embedding_server.runner import BatchOutput, SequenceInput
+
+
+async def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Poll ``condition`` on the event loop until it holds; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met before the deadline")
+        await asyncio.sleep(0.005)
+
+
+class GatedForward:
+    """A runner that records batches and whose forward pass blocks until ``gate`` is set.
+
+    ``prepared`` lists the batches prepared (first token id of each sequence) in order, and
+    ``batches`` those that ran; ``running`` is set while a forward pass waits at the gate.
+    ``fail_next`` / ``fail_prepare`` make the next forward pass / preparation raise."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.prepared: list[list[int]] = []
+        self.batches: list[list[int]] = []  # first token id of each sequence, as executed
+        self.started = threading.Event()
+        self.running = threading.Event()
+        self.fail_next: Exception | None = None
+        self.fail_prepare: Exception | None = None
+
+    def prepare(self, seqs: Sequence[SequenceInput]) -> list[SequenceInput]:
+        if self.fail_prepare is not None:
+            exc, self.fail_prepare = self.fail_prepare, None
+            raise exc
+        self.prepared.append([s.ids[0] for s in seqs])
+        return list(seqs)
+
+    def execute(self, seqs: list[SequenceInput]) -> BatchOutput:
+        self.batches.append([s.ids[0] for s in seqs])
+        self.started.set()
+        self.running.set()
+        try:
+            assert self.gate.wait(10), "test never opened the gate"
+        finally:
+            self.running.clear()
+        if self.fail_next is not None:
+            exc, self.fail_next = self.fail_next, None
+            raise exc
+        pooled = np.array([[float(s.ids[0]), float(len(s.ids))] for s in seqs], dtype=np.float32)
+        return BatchOutput(pooled=pooled, tokens=[None] * len(seqs), forward_s=0.01, pool_s=0.0)
+
+
+def seq(tag: int, length: int) -> SequenceInput:
+    return SequenceInput([tag] * length)
