@@ -38,6 +38,7 @@ from typing import Any
 from prometheus_client import multiprocess
 
 from embedding_server.api.app import create_app
+from embedding_server.api.lifecycle import freeze_heap
 from embedding_server.api.server import FATAL_EXIT_GRACE_S, best_available, run_http
 from embedding_server.engine import AttachedEngine, Engine
 from embedding_server.ipc import EngineService
@@ -162,6 +163,9 @@ async def _start(
         detail = redact_settings(f"{type(error).__name__}: {error}", settings)
         finish(1, f"the model failed its warm-up: {detail}")
         return None
+    # The engine process holds the model's objects: without this, full collections of them
+    # stall its event loop, the scheduler's, under load.
+    freeze_heap()
     serving = asyncio.create_task(service.serve(engine.scheduler, engine.handoff(), front_ends))
 
     def ended(task: asyncio.Task[None]) -> None:
