@@ -57,7 +57,7 @@ from .errors import (
     QueueFullError,
     TooManyTokensError,
 )
-from .jobs import Job, tokenize_job
+from .jobs import Job, ThreadedRunner, tokenize_job
 from .pooling import FloatArray
 from .results import JobOutput, StageTimings
 from .runner import SequenceInput
@@ -299,7 +299,7 @@ class EngineClient:
         self._context.term()
 
 
-class RemoteRunner:
+class RemoteRunner(ThreadedRunner):
     """A front-end's :class:`~.jobs.JobRunner`: tokenizes here, in the front-end's thread
     pool, and runs the sequences in the engine process's scheduler.
 
@@ -315,14 +315,8 @@ class RemoteRunner:
         loop: asyncio.AbstractEventLoop,
         tokenize_pool: ThreadPoolExecutor,
     ) -> None:
-        self._tokenizer, self._client = tokenizer, client
-        self.loop, self._pool = loop, tokenize_pool
-
-    async def offload(self, work: Callable[[], T]) -> T:
-        return await self.loop.run_in_executor(self._pool, work)
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        super().__init__(tokenizer, loop=loop, tokenize_pool=tokenize_pool)
+        self._client = client
 
     async def run(self, job: Job) -> JobOutput:
         tokenized, tokenize_s = await tokenize_job(self, self._tokenizer, job)

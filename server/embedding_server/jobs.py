@@ -176,7 +176,28 @@ async def tokenize_job(
     return tokenized, time.perf_counter() - started
 
 
-class ScheduledRunner:
+class ThreadedRunner:
+    """The part of an online runner that tokenizes in a thread pool beside an event loop."""
+
+    def __init__(
+        self,
+        tokenizer: TextTokenizer,
+        *,
+        loop: asyncio.AbstractEventLoop,
+        tokenize_pool: ThreadPoolExecutor,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self.loop, self._pool = loop, tokenize_pool
+
+    async def offload(self, work: Callable[[], T]) -> T:
+        return await self.loop.run_in_executor(self._pool, work)
+
+    def shutdown(self) -> None:
+        """Stop the tokenizer threads (queued work is cancelled)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class ScheduledRunner(ThreadedRunner):
     """Runs jobs through the continuous-batching scheduler, on the engine's loop.
 
     A job is admitted (:meth:`Scheduler.reserve`) before it is tokenized, so a request the
@@ -190,15 +211,8 @@ class ScheduledRunner:
         loop: asyncio.AbstractEventLoop,
         tokenize_pool: ThreadPoolExecutor,
     ) -> None:
-        self._tokenizer, self._scheduler = tokenizer, scheduler
-        self.loop, self._pool = loop, tokenize_pool
-
-    async def offload(self, work: Callable[[], T]) -> T:
-        return await self.loop.run_in_executor(self._pool, work)
-
-    def shutdown(self) -> None:
-        """Stop the tokenizer threads (queued work is cancelled)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        super().__init__(tokenizer, loop=loop, tokenize_pool=tokenize_pool)
+        self._scheduler = scheduler
 
     async def run(self, job: Job) -> JobOutput:
         floor, estimate = self._tokenizer.admission_estimate(
