@@ -93,21 +93,25 @@ def _post_raw(port: int, text: str) -> socket.socket:
 
 
 def test_queue_depth_429_and_cancellation_cross_the_process_boundary() -> None:
-    # 6 s per one-sequence pass (the checks below must fit in the first pass, also on a busy
+    # 8 s per one-sequence pass (the checks below must fit in the first pass, also on a busy
     # machine); 32-token inputs; the queue holds 4 of them.
-    args = ["--model", "fake?delay_ms=6000&max_len=64", *SLOW, "--max-queue-tokens", "128"]
+    args = ["--model", "fake?delay_ms=8000&max_len=64", *SLOW, "--max-queue-tokens", "128"]
     text = "q" * 30  # 32 tokens with <s> and </s>
     with server_process([*args, *WORKERS], workers=2) as server:
-        crowd = [_post_raw(server.port, text) for _ in range(6)]
+        crowd: list[socket.socket] = []
         try:
             # One request in the forward pass, the next prepared beside it (it has left the
-            # queue), four queued: every front-end, whichever accepts the scrape, reports the
-            # engine's queue.
-            wait_for(
-                lambda: scrape(server.url, QUEUE_REQUESTS_METRIC) == 4,
-                timeout=60,
-                what="four requests queued in the engine",
-            )
+            # queue), then four queued, sent one at a time so that none is refused for
+            # arriving before the first two left the queue: every front-end, whichever
+            # accepts the scrape, reports the engine's queue.
+            for sent in range(1, 7):
+                crowd.append(_post_raw(server.port, text))
+                queued = max(0, sent - 2)
+                wait_for(
+                    lambda queued=queued: scrape(server.url, QUEUE_REQUESTS_METRIC) == queued,
+                    timeout=60,
+                    what=f"{queued} request(s) queued in the engine",
+                )
             for _ in range(4):
                 assert scrape(server.url, QUEUE_REQUESTS_METRIC) == 4
             refused = httpx.post(server.url + "/v1/embeddings", json={"input": text}, timeout=30)
