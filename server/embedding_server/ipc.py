@@ -383,10 +383,6 @@ class EngineService:
             return
         await self._socket.send_multipart([peer, *encode_output(rid, out)], copy=False)
 
-    @property
-    def in_flight(self) -> int:
-        return len(self._running)
-
     def close(self) -> None:
         self._socket.close(linger=0)
         self._context.term()
