@@ -121,10 +121,12 @@ def test_leader_election_failover(
         )
         second.start()
         second.wait_live()  # the standby answers liveness while it waits
-        cluster.apply(embedding_service("ha-1", {"model": MODEL}), namespace=namespace)
-        wait_condition(cluster, namespace, "ha-1", "Ready", "True")
+        cluster.apply(embedding_service("svc-under-a", {"model": MODEL}), namespace=namespace)
+        wait_condition(cluster, namespace, "svc-under-a", "Ready", "True")
         assert _holder(cluster, system_namespace) == "replica-a"
-        assert "ha-1" not in second.log_text()  # the standby did no work
+        # The standby did no work. (The name has letters no hex suffix has: an earlier "ha-1"
+        # matched the lease namespace embedding-operator-ha-1da220 in the standby's log.)
+        assert "svc-under-a" not in second.log_text()
 
         first.kill()
         poll_until(
@@ -132,8 +134,8 @@ def test_leader_election_failover(
             timeout=30,
             what="replica-b to take over",
         )
-        cluster.apply(embedding_service("ha-2", {"model": MODEL}), namespace=namespace)
-        wait_condition(cluster, namespace, "ha-2", "Ready", "True")
+        cluster.apply(embedding_service("svc-under-b", {"model": MODEL}), namespace=namespace)
+        wait_condition(cluster, namespace, "svc-under-b", "Ready", "True")
 
         # A clean shutdown releases the lease: the next candidate need not wait it out.
         second.stop()
