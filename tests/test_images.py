@@ -439,3 +439,22 @@ def test_image_id_refs_of_replaced_images_are_dropped_and_current_ones_kept() ->
         ]
     )
     assert image_builder.stale_refs(listing) == [f"sha256:{'1' * 64}"]
+
+
+def test_an_image_built_on_another_counts_only_its_own_layers() -> None:
+    """The load's disk check must see the e2e client as the server plus one layer: counted
+    whole, the pair looks 13 GB large and would evict the node's images for nothing."""
+    server = ["sha256:base", "sha256:python", "sha256:torch", "sha256:wheel"]
+    images = {
+        "server": (server, 6_000),
+        "client": ([*server, "sha256:openai"], 6_020),
+        "operator": (["sha256:base", "sha256:kopf"], 370),
+        "other-server": (["sha256:base", "sha256:python", "sha256:torch2"], 5_900),
+    }
+    assert image_builder.distinct_sizes(images) == {
+        "server": 6_000,
+        "client": 20,
+        # Sharing the base is not being built on a wanted image: only whole prefixes count.
+        "operator": 370,
+        "other-server": 5_900,
+    }

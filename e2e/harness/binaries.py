@@ -442,6 +442,11 @@ def _build(component: Component, version: str, out_dir: Path, digest: str) -> No
 
 def ensure_component(component: Component, versions: dict[str, str] | None = None) -> Path:
     """Return the cache directory holding the component's binaries, building it if needed."""
+    return _ensure(component, versions)[0]
+
+
+def _ensure(component: Component, versions: dict[str, str] | None) -> tuple[Path, bool]:
+    """The component's cache directory, and whether this call built it."""
     versions = versions if versions is not None else read_versions()
     try:
         version = versions[component.version_key]
@@ -452,26 +457,47 @@ def ensure_component(component: Component, versions: dict[str, str] | None = Non
     digest = _inputs_digest(component, version)
     if _cached(out_dir, component, digest):
         log.info("[build] %s %s: cached in %s", component.name, version, out_dir)
-        return out_dir
+        return out_dir, False
     with locked(out_dir.with_name(f"{out_dir.name}.lock")):
         if _cached(out_dir, component, digest):  # another process built it while we waited
-            return out_dir
+            return out_dir, False
         _build(component, version, out_dir, digest)
-    return out_dir
+    return out_dir, True
 
 
 def ensure_binaries(components: tuple[Component, ...] = COMPONENTS) -> Binaries:
     """Build what is missing, one component at a time (builds saturate every core)."""
     versions = read_versions()
     paths: dict[str, Path] = {}
+    built = False
     for component in components:
-        out_dir = ensure_component(component, versions)
+        out_dir, fresh = _ensure(component, versions)
+        built |= fresh
         if component.name == "cni":
             paths["cni_bin_dir"] = out_dir
             continue
         for name in component.binaries:
             paths[name.replace("-", "_")] = out_dir / name
+    if built:
+        trim_build_cache()
     return Binaries(**paths)
+
+
+def trim_build_cache() -> None:
+    """Empty our Go build cache once every binary is built (7 GB for this set).
+
+    The binaries themselves are cached by version, so the build cache only speeds up a
+    rebuild after a version bump, and the images and the node's store need the disk more.
+    The module cache stays: it is what a rebuild would otherwise download. A GOCACHE the
+    caller set is theirs, and left alone."""
+    ours = cache_root() / "go" / "build"
+    if Path(_go_env()["GOCACHE"]) != ours or not ours.is_dir():
+        return
+    proc = _go(["clean", "-cache"], cache_root(), timeout=600)
+    if proc.returncode != 0:
+        log.warning("[build] go clean -cache failed: %s", proc.stderr.strip()[-500:])
+    else:
+        log.info("[build] emptied the Go build cache %s", ours)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -110,6 +110,13 @@ BUILD_TIMEOUT_S = 45 * 60
 PIP_TIMEOUT_S = 30 * 60
 LOAD_TIMEOUT_S = 20 * 60
 SHORT_TIMEOUT_S = 60.0
+# The build cache our dockerd keeps after a build: the server's installed dependencies (6 GB)
+# and its wheel context (3 GB) are what make the next build take seconds; older generations of
+# them, left by each lock change, go.
+BUILD_CACHE_KEEP = "10GB"
+# Beyond what a load needs for the images themselves (their layers as content blobs, and the
+# same again unpacked as snapshots).
+LOAD_HEADROOM_BYTES = 2 << 30
 WHEEL_EPOCH = "315532800"  # 1980-01-01, the earliest time a zip entry can carry
 
 
@@ -787,7 +794,29 @@ def build_images(*, server: bool = True, variant: str = "cpu") -> ImageSet:
                 "image", "inspect", "--format", "{{.Size}}", ref, what="docker inspect"
             )
             sizes[ref] = int(proc.stdout.strip())
+        prune_leftovers(docker)
     return ImageSet(refs.base, refs.pause, refs.server, refs.operator, refs.client, timings, sizes)
+
+
+def prune_leftovers(docker: Docker) -> None:
+    """Drop the images a rebuild untagged and the build cache beyond ``BUILD_CACHE_KEEP``.
+
+    Each code change leaves the previous server image behind, untagged, and its build cache
+    keeps the layers alive: left alone, this dockerd's data root grew to 28 GB in a day of
+    work and the node's image load then ran out of disk. The dockerd is ours alone, so
+    everything dangling in it is ours to drop."""
+    docker.run("image", "prune", "--force", what="docker image prune")
+    proc = docker.run(
+        "builder",
+        "prune",
+        "--force",
+        "--keep-storage",
+        BUILD_CACHE_KEEP,
+        what="docker builder prune",
+        timeout=LOAD_TIMEOUT_S,
+    )
+    reclaimed = proc.stdout.strip().splitlines()[-1:] or [""]
+    log.info("[images] pruned what the rebuild left behind: %s", reclaimed[0])
 
 
 # -- loading into containerd -----------------------------------------------------------------
@@ -880,6 +909,7 @@ def load_images(
     if not wanted:
         _forget_replaced(socket)
         return []
+    _make_room(socket, store or socket.parent, wanted, present, docker)
     started = time.monotonic()
     _pipe(
         docker.argv("save", *wanted),
@@ -893,6 +923,69 @@ def load_images(
     log.info("[images] %s imported into %s in %.1fs", ", ".join(wanted), socket, seconds)
     _forget_replaced(socket)
     return list(wanted)
+
+
+def _make_room(
+    socket: Path, store: Path, wanted: Mapping[str, str], present: set[str], docker: Docker
+) -> None:
+    """Make sure the store's disk can take ``wanted``, or fail saying what it lacks.
+
+    An import writes every layer as a content blob and unpacks it as a snapshot, while the
+    images it replaces still hold theirs until it ends. When the free space cannot cover the
+    worst case (no layer shared), the replaced images go first: their shared layers are then
+    unpacked again, which costs a minute, where running out of disk halfway costs the run."""
+    layers: dict[str, tuple[list[str], int]] = {}
+    for ref in wanted:
+        proc = docker.run(
+            "image",
+            "inspect",
+            "--format",
+            "{{json .RootFS.Layers}} {{.Size}}",
+            ref,
+            what="docker inspect",
+        )
+        diff_ids, size = proc.stdout.rsplit(maxsplit=1)
+        layers[ref] = (json.loads(diff_ids), int(size))
+    sizes = distinct_sizes(layers)
+    worst = 2 * sum(sizes.values()) + LOAD_HEADROOM_BYTES
+    free = shutil.disk_usage(store).free
+    replaced = sorted(ref for ref in wanted if ref in present)
+    if free < worst and replaced:
+        log.info(
+            "[images] %.1f GB free on %s, up to %.1f GB needed: dropping %s before the import",
+            free / 1e9,
+            store,
+            worst / 1e9,
+            ", ".join(replaced),
+        )
+        base = [_ctr(), "-a", str(socket), "-n", CONTAINERD_NAMESPACE, "images"]
+        _run([*base, "rm", "--sync", *replaced], LOAD_TIMEOUT_S, what="ctr images rm")
+        _forget_replaced(socket)
+        free = shutil.disk_usage(store).free
+    # Even fully shared, the largest image is written once as blobs and once unpacked.
+    least = 2 * max(size for _, size in layers.values()) + LOAD_HEADROOM_BYTES
+    if free < least:
+        raise ImageError(
+            f"{free / 1e9:.1f} GB free on {store}, but importing {', '.join(wanted)} needs at "
+            f"least {least / 1e9:.1f} GB; free disk space there (the node's image store is "
+            f"{store}, our dockerd's is {cache_root() / 'docker'})"
+        )
+
+
+def distinct_sizes(images: Mapping[str, tuple[list[str], int]]) -> dict[str, int]:
+    """Each image's bytes beyond the largest other image its layers start with.
+
+    ``images`` maps a ref to its layer diff IDs and total size. The e2e client is the server
+    image plus one layer: counted whole, the pair would look twice as large as it is."""
+    distinct = {}
+    for ref, (own, size) in images.items():
+        parents = [
+            other_size
+            for other, (theirs, other_size) in images.items()
+            if other != ref and len(theirs) < len(own) and own[: len(theirs)] == theirs
+        ]
+        distinct[ref] = size - max(parents, default=0)
+    return distinct
 
 
 _DIGEST_REF = re.compile(r"sha256:[0-9a-f]{64}")
