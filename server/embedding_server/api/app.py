@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from embedding_server.api.direct import DirectRoutes, direct_routes
 from embedding_server.api.errors import install_error_handlers
 from embedding_server.api.lifecycle import Lifecycle, freeze_heap, served_model_name
 from embedding_server.api.middleware import RequestContextMiddleware
@@ -32,6 +33,9 @@ from embedding_server.settings import ServerSettings, redact_settings
 
 logger = logging.getLogger(__name__)
 
+
+ROUTERS = (openai_router, cohere_router, vllm_router, tasks_router, ops_router)
+"""Every route the server has."""
 
 Connect = Callable[[Metrics], Awaitable[Engine]]
 """How a server gets its engine: load the model here (the default), or, in an
@@ -114,12 +118,14 @@ def create_app(
     app.state.lifecycle = lifecycle
     app.state.settings = settings
     app.state.metrics = metrics
-    routers = (openai_router, cohere_router, vllm_router, tasks_router, ops_router)
+    routers = ROUTERS
     for router in routers:
         app.include_router(router)
     install_error_handlers(app)
     # Metrics label requests by route; anything else is "other" (bounded label cardinality).
     route_paths = [getattr(route, "path", "") for router in routers for route in router.routes]
+    # Added first, so it runs inside the request context (id, auth, limits, metrics).
+    app.add_middleware(DirectRoutes, routes=direct_routes(routers))
     app.add_middleware(
         RequestContextMiddleware,
         metrics=metrics,

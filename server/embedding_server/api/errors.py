@@ -130,17 +130,27 @@ def _describe(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None, str
     return f"Invalid value for '{where}': {first.get('msg')}.", param, "invalid_value"
 
 
-async def handle_server_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, EmbeddingServerError)
+def server_error_response(exc: EmbeddingServerError) -> Response:
+    """The answer to an error of the taxonomy; the server's own failures are logged."""
     if exc.status_code >= 500:
         logger.error("%s: %s", type(exc).__name__, exc.message)
     return response_for(exc)
 
 
+def validation_error_response(errors: Sequence[Mapping[str, Any]]) -> Response:
+    """The 400 for pydantic's errors about a request, their ``loc`` starting at ``"body"``."""
+    message, param, code = _describe(list(errors) or [{"msg": "invalid request"}])
+    return error_response(400, message, param=param, code=code)
+
+
+async def handle_server_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, EmbeddingServerError)
+    return server_error_response(exc)
+
+
 async def handle_validation_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
-    message, param, code = _describe(list(exc.errors()) or [{"msg": "invalid request"}])
-    return error_response(400, message, param=param, code=code)
+    return validation_error_response(exc.errors())
 
 
 async def handle_http_exception(request: Request, exc: Exception) -> Response:
