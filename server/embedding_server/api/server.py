@@ -74,6 +74,9 @@ def run_http(
         timeout_graceful_shutdown=int(max(1.0, settings.shutdown_timeout)),
         log_level=settings.log_level,
         server_header=False,
+        # Nothing here reads the client's address; the forwarded-headers layer would be
+        # one more step on every request.
+        proxy_headers=False,
     )
     server = DrainingServer(config, lifecycle)
 
