@@ -40,6 +40,11 @@ from .tokenization import (
 
 T = TypeVar("T")
 
+INLINE_TOKENIZE_TOKENS = 256
+"""Jobs estimated at this many tokens or fewer are tokenized on the event loop: a tenth of
+a millisecond of work, less than the hop to a tokenizer thread and back costs on a busy
+core (single-text requests in ``bench/frontend.py``: a quarter more requests/s)."""
+
 
 class ScoreOptions(TypedDict, total=False):
     """Options every request type takes."""
@@ -169,10 +174,20 @@ class JobRunner(Protocol):
 
 
 async def tokenize_job(
-    runner: JobRunner, tokenizer: TextTokenizer, job: Job
+    runner: JobRunner, tokenizer: TextTokenizer, job: Job, estimate: int | None = None
 ) -> tuple[list[TokenizedInput], float]:
+    """``job`` tokenized, and the seconds it took: small jobs right here, the rest through
+    ``runner.offload`` (see :data:`INLINE_TOKENIZE_TOKENS`). ``estimate`` is the job's
+    :meth:`~.tokenization.TextTokenizer.admission_estimate` when the caller has it."""
     started = time.perf_counter()
-    tokenized = await runner.offload(lambda: job.tokenize(tokenizer))
+    if estimate is None:
+        estimate = tokenizer.admission_estimate(job.admission_items(), job.truncation, job.prompt)[
+            1
+        ]
+    if estimate <= INLINE_TOKENIZE_TOKENS:
+        tokenized = job.tokenize(tokenizer)
+    else:
+        tokenized = await runner.offload(lambda: job.tokenize(tokenizer))
     return tokenized, time.perf_counter() - started
 
 
@@ -220,7 +235,7 @@ class ScheduledRunner(ThreadedRunner):
         )
         reservation = self._scheduler.reserve(floor, estimate)
         try:
-            tokenized, tokenize_s = await tokenize_job(self, self._tokenizer, job)
+            tokenized, tokenize_s = await tokenize_job(self, self._tokenizer, job, estimate)
             out = await self._scheduler.submit(job.sequences(tokenized), reservation)
         finally:
             reservation.release()
