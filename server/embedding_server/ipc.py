@@ -57,7 +57,7 @@ from .errors import (
     QueueFullError,
     TooManyTokensError,
 )
-from .jobs import Job, ThreadedRunner, tokenize_job
+from .jobs import Job, ThreadedRunner
 from .pooling import FloatArray
 from .results import JobOutput, StageTimings
 from .runner import SequenceInput
@@ -319,7 +319,7 @@ class RemoteRunner(ThreadedRunner):
         self._client = client
 
     async def run(self, job: Job) -> JobOutput:
-        tokenized, tokenize_s = await tokenize_job(self, self._tokenizer, job)
+        tokenized, tokenize_s = await self.tokenize(job)
         out = await self._client.submit(job.sequences(tokenized), job.want_tokens)
         timings = StageTimings(tokenize_s, out.queue_s, out.forward_s, out.pool_s)
         return JobOutput(tokenized, out.pooled, out.tokens, timings)

@@ -163,28 +163,27 @@ class Job:
         ]
 
 
-class JobRunner(Protocol):
-    """Where jobs run: the scheduler, or directly on the calling thread."""
+class Offloader(Protocol):
+    """Where blocking tokenizer calls run."""
 
     async def offload(self, work: Callable[[], T]) -> T:
         """Run blocking CPU work (tokenization) off the event loop where there is one."""
         ...
 
+
+class JobRunner(Offloader, Protocol):
+    """Where jobs run: the scheduler, or directly on the calling thread."""
+
     async def run(self, job: Job) -> JobOutput: ...
 
 
 async def tokenize_job(
-    runner: JobRunner, tokenizer: TextTokenizer, job: Job, estimate: int | None = None
+    runner: Offloader, tokenizer: TextTokenizer, job: Job, *, inline: bool = False
 ) -> tuple[list[TokenizedInput], float]:
-    """``job`` tokenized, and the seconds it took: small jobs right here, the rest through
-    ``runner.offload`` (see :data:`INLINE_TOKENIZE_TOKENS`). ``estimate`` is the job's
-    :meth:`~.tokenization.TextTokenizer.admission_estimate` when the caller has it."""
+    """``job`` tokenized, and the seconds it took: through ``runner.offload``, or right here
+    when ``inline``."""
     started = time.perf_counter()
-    if estimate is None:
-        estimate = tokenizer.admission_estimate(job.admission_items(), job.truncation, job.prompt)[
-            1
-        ]
-    if estimate <= INLINE_TOKENIZE_TOKENS:
+    if inline:
         tokenized = job.tokenize(tokenizer)
     else:
         tokenized = await runner.offload(lambda: job.tokenize(tokenizer))
@@ -206,6 +205,18 @@ class ThreadedRunner:
 
     async def offload(self, work: Callable[[], T]) -> T:
         return await self.loop.run_in_executor(self._pool, work)
+
+    async def tokenize(
+        self, job: Job, estimate: int | None = None
+    ) -> tuple[list[TokenizedInput], float]:
+        """``job`` tokenized in the pool, or on the loop when it is small (see
+        :data:`INLINE_TOKENIZE_TOKENS`); ``estimate`` is its admission estimate, if known."""
+        if estimate is None:
+            _, estimate = self._tokenizer.admission_estimate(
+                job.admission_items(), job.truncation, job.prompt
+            )
+        inline = estimate <= INLINE_TOKENIZE_TOKENS
+        return await tokenize_job(self, self._tokenizer, job, inline=inline)
 
     def shutdown(self) -> None:
         """Stop the tokenizer threads (queued work is cancelled)."""
@@ -235,7 +246,7 @@ class ScheduledRunner(ThreadedRunner):
         )
         reservation = self._scheduler.reserve(floor, estimate)
         try:
-            tokenized, tokenize_s = await tokenize_job(self, self._tokenizer, job, estimate)
+            tokenized, tokenize_s = await self.tokenize(job, estimate)
             out = await self._scheduler.submit(job.sequences(tokenized), reservation)
         finally:
             reservation.release()

@@ -118,14 +118,13 @@ def create_app(
     app.state.lifecycle = lifecycle
     app.state.settings = settings
     app.state.metrics = metrics
-    routers = ROUTERS
-    for router in routers:
+    for router in ROUTERS:
         app.include_router(router)
     install_error_handlers(app)
     # Metrics label requests by route; anything else is "other" (bounded label cardinality).
-    route_paths = [getattr(route, "path", "") for router in routers for route in router.routes]
+    route_paths = [getattr(route, "path", "") for router in ROUTERS for route in router.routes]
     # Added first, so it runs inside the request context (id, auth, limits, metrics).
-    app.add_middleware(DirectRoutes, routes=direct_routes(routers))
+    app.add_middleware(DirectRoutes, routes=direct_routes(ROUTERS))
     app.add_middleware(
         RequestContextMiddleware,
         metrics=metrics,

@@ -76,19 +76,14 @@ def direct_routes(routers: Iterable[APIRouter]) -> dict[str, DirectRoute]:
 
 async def read_body(receive: Receive) -> bytes:
     """The whole request body (the caller's ``receive`` enforces the size limit)."""
-    message = await receive()
     chunks: list[bytes] = []
     while True:
+        message = await receive()
         if message["type"] == "http.disconnect":
             raise ClientDisconnectedError("The client disconnected before sending its body.")
-        body: bytes = message.get("body", b"")
+        chunks.append(message.get("body", b""))
         if not message.get("more_body", False):
-            if not chunks:
-                return body
-            chunks.append(body)
-            return b"".join(chunks)
-        chunks.append(body)
-        message = await receive()
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _under_body(errors: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
