@@ -2,7 +2,7 @@
 
 Tokenizing is the first stage of the pipeline and, for small encoders, often the most expensive
 one on the request path, so it runs off the event loop: one batched call into the Rust fast
-tokenizer (``tokenizers.Tokenizer.encode_batch``, which releases the GIL) per request, in a
+tokenizer (``tokenizers.Tokenizer.encode_batch_fast``, which releases the GIL) per request, in a
 small thread pool owned by the engine.
 
 Truncation is decided per request. ``Truncation`` is the engine's single vocabulary for it;
@@ -188,7 +188,7 @@ class TextTokenizer:
                 raise InvalidRequestError(
                     f"input[{i}] must be a string, got {type(text).__name__}", param="input"
                 )
-        encodings = self._tok.encode_batch(items, add_special_tokens=add_special_tokens)
+        encodings = self._tok.encode_batch_fast(items, add_special_tokens=add_special_tokens)
         return [e.ids for e in encodings]
 
     def detokenize(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
@@ -286,7 +286,9 @@ class TextTokenizer:
                 out[i] = self._fit(ids, ids, [], limit, truncation, i, param, 0)
         if not texts:
             return [x for x in out if x is not None]
-        encodings = self._tok.encode_batch(texts, add_special_tokens=False)
+        encodings = self._encode_texts(
+            texts, [k for k, slot in enumerate(text_slots) if slot in clipped_at]
+        )
         unsettled: list[int] = []
         for slot, enc in zip(text_slots, encodings, strict=True):
             side = clipped_at.get(slot)
@@ -304,12 +306,30 @@ class TextTokenizer:
         if unsettled:
             full = [(prompt or "") + str(inputs[slot]) for slot in unsettled]
             for slot, enc in zip(
-                unsettled, self._tok.encode_batch(full, add_special_tokens=False), strict=True
+                unsettled, self._tok.encode_batch_fast(full, add_special_tokens=False), strict=True
             ):
                 out[slot] = self._fit_encoding(
                     enc, prefix, suffix, limit, truncation, slot, param, prompt_len
                 )
         return [x for x in out if x is not None]
+
+    def _encode_texts(self, texts: list[str], need_words: Sequence[int]) -> list[Encoding]:
+        """Encodings of ``texts`` (no special tokens). Only the clipped texts, at positions
+        ``need_words``, need word ids (:meth:`_fit_clipped`); the rest skip the offset and
+        word bookkeeping (``encode_batch_fast``, about 15% cheaper per text)."""
+        if not need_words:
+            return self._tok.encode_batch_fast(texts, add_special_tokens=False)
+        words = set(need_words)
+        plain = [k for k in range(len(texts)) if k not in words]
+        out: list[Encoding | None] = [None] * len(texts)
+        full = self._tok.encode_batch([texts[k] for k in need_words], add_special_tokens=False)
+        for k, enc in zip(need_words, full, strict=True):
+            out[k] = enc
+        if plain:
+            fast = self._tok.encode_batch_fast([texts[k] for k in plain], add_special_tokens=False)
+            for k, enc in zip(plain, fast, strict=True):
+                out[k] = enc
+        return [enc for enc in out if enc is not None]
 
     def encode_pairs(
         self, pairs: Sequence[tuple[str, str]], *, truncation: Truncation

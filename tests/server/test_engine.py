@@ -113,6 +113,10 @@ class _RecordingTokenizer:
         self.longest = max([self.longest, *map(len, texts)])
         return self.inner.encode_batch(texts, **kwargs)
 
+    def encode_batch_fast(self, texts: list[str], **kwargs: Any) -> Any:
+        self.longest = max([self.longest, *map(len, texts)])
+        return self.inner.encode_batch_fast(texts, **kwargs)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
@@ -147,6 +151,13 @@ def test_long_texts_are_clipped_before_tokenizing_without_changing_any_result(
                 assert result(clipped, text, truncation, prompt) == result(
                     full, text, truncation, prompt
                 ), (text[:40], truncation, prompt)
+    # Clipped and unclipped texts in one request (they take different tokenizer calls)
+    # come back in order, each as it would alone.
+    mixed = ["short one", prose, "another short text", cases[4], "end"]
+    for truncation in (Truncation("right"), Truncation("left")):
+        together = clipped.encode(mixed, truncation=truncation)
+        alone = [full.encode([text], truncation=truncation)[0] for text in mixed]
+        assert [t.ids for t in together] == [t.ids for t in alone]
     recording.longest = 0
     clipped.encode([prose, prose], truncation=Truncation("right"), prompt="query: ")
     assert recording.longest <= clipped.clip_chars + len("query: ")
