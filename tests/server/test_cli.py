@@ -10,7 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from embedding_server.cli import EXIT_BAD_SETTINGS, build_parser, load_settings
+from embedding_server.cli import (
+    EXIT_BAD_SETTINGS,
+    apply_process_env_defaults,
+    build_parser,
+    load_settings,
+)
 from embedding_server.settings import ServerSettings
 
 SCRIPT = os.path.join(os.path.dirname(sys.executable), "embedding-server")
@@ -167,3 +172,25 @@ def test_python_dash_m_is_the_same_cli() -> None:
     )
     assert result.returncode == EXIT_BAD_SETTINGS
     assert "--port" in result.stderr
+
+
+def test_openmp_waits_passively_unless_the_user_chose_otherwise() -> None:
+    environ: dict[str, str] = {}
+    assert apply_process_env_defaults(environ) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert environ == {"OMP_WAIT_POLICY": "PASSIVE"}
+    chosen = {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert apply_process_env_defaults(chosen) == {}
+    assert chosen == {"OMP_WAIT_POLICY": "ACTIVE"}
+
+
+def test_the_cli_reaches_serve_without_importing_torch() -> None:
+    # OpenMP reads OMP_WAIT_POLICY once, when torch is imported: serve() can only set the
+    # default if nothing before it (the CLI module, settings parsing) imported torch.
+    code = (
+        "import sys; from embedding_server.cli import load_settings; "
+        "load_settings(['serve', '--model', 'fake']); print('torch' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert result.stdout.strip() == "False", result.stderr
