@@ -44,8 +44,7 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
     """Await ``work``; if the client disconnects first, cancel it (dropping its queued
     batches) and raise :class:`ClientDisconnectedError`."""
     task = asyncio.current_task()
-    if task is None:  # not in a task (never under an ASGI server): nothing to cancel
-        return await work
+    assert task is not None, "an ASGI request always runs in a task"
     watch = _Watch(task)
     watcher = asyncio.get_running_loop().create_task(_watch_for_disconnect(request, watch))
     try:
