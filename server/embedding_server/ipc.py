@@ -5,9 +5,13 @@ tokenization, the per-request head, results) and hands the engine process only w
 scheduler takes: token ids. The engine process owns the model and the one
 :class:`~.scheduler.Scheduler`, so a batch holds sequences of every front-end.
 
-Transport: ZeroMQ (pyzmq), one ``ROUTER`` socket in the engine process and one ``DEALER`` per
-front-end, over an ``ipc://`` socket. A message is a small orjson header frame plus raw
-buffers: nothing per request is pickled, and nothing is a Python list on the wire.
+Transport: asyncio's own unix-socket streams, one connection per front-end to a socket the
+engine process listens on. A message is a 4-byte length, then its frames (a 2-byte count,
+each frame's 4-byte length, the frames): a small orjson header frame plus raw buffers.
+Nothing per request is pickled, and nothing is a Python list on the wire. Both ends write
+from their event loop and read in the loop's own callback, so a message costs no thread
+hand-off (ZeroMQ, used before, woke an I/O thread of its own for every message, on both
+sides).
 
 * front-end -> engine ``run``: header ``{"op": "run", "rid", "want_tokens"}``, then int32
   frames: sequence lengths, all token ids concatenated, the prompt tokens to skip per
@@ -22,28 +26,29 @@ buffers: nothing per request is pickled, and nothing is a Python list on the wir
   every front-end has said hello (so they turn ready together) with a pickled
   :class:`Handoff` (configuration, info, tokenizer): the only pickle, once per front-end.
 
-A front-end notices the engine process going away from the socket's own monitor (a
-disconnect of the ipc connection), fails every waiting request with 503 and reports it
-(:meth:`EngineClient.on_failure`), so its readiness drops and it exits.
+A front-end notices the engine process going away when its connection closes: it fails every
+waiting request with 503 and reports it (:meth:`EngineClient.on_failure`), so its readiness
+drops and it exits. The engine withdraws the queued work of a front-end whose connection
+closes (one that crashed) as it does a cancelled request's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import pickle
+import socket
+import struct
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import orjson
 import torch
-import zmq
-import zmq.asyncio
-from zmq.utils.monitor import recv_monitor_message
 
 from .configuration import EngineConfig, EngineInfo
 from .errors import (
@@ -192,20 +197,108 @@ def decode_error(body: dict[str, Any]) -> EmbeddingServerError:
     return cls(body["message"], param=body.get("param"))
 
 
-class EngineClient:
-    """A front-end's connection to the engine process: one DEALER socket, any number of
-    requests in flight on it, matched to their callers by request id."""
+Frames = list[memoryview]
+"""A received message: its frames, as views of one immutable buffer."""
 
-    def __init__(self, address: str) -> None:
-        self._context = zmq.asyncio.Context()
-        self._socket = self._context.socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self._socket.connect(address)
+_LENGTH = struct.Struct("<I")
+
+
+def pack(frames: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
+    """One message as buffers to write: its length and frame table, then the frames."""
+    sizes = [memoryview(frame).nbytes for frame in frames]
+    table = struct.pack(f"<H{len(sizes)}I", len(sizes), *sizes)
+    return [_LENGTH.pack(len(table) + sum(sizes)), table, *frames]
+
+
+def unpack(message: memoryview) -> Frames:
+    """The frames of one message (without its length prefix)."""
+    (count,) = struct.unpack_from("<H", message)
+    offset = 2 + 4 * count
+    frames: Frames = []
+    for size in struct.unpack_from(f"<{count}I", message, 2):
+        frames.append(message[offset : offset + size])
+        offset += size
+    return frames
+
+
+class Wire(asyncio.Protocol):
+    """One end of a connection between a front-end and the engine process: messages out
+    (:meth:`send`), and each message in handed to ``on_message`` as it completes, in the
+    event loop's read callback. ``on_lost`` is called once when the connection closes."""
+
+    def __init__(self, on_message: Callable[[Frames], None], on_lost: Callable[[], None]) -> None:
+        self._on_message, self._on_lost = on_message, on_lost
+        self._transport: asyncio.Transport | None = None
+        self._partial = bytearray()
+        self._needed = 0  # the size of the message that _partial starts, once known
+        self._drained: asyncio.Future[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
+
+    def data_received(self, data: bytes) -> None:
+        if self._partial:
+            self._partial += data
+            if len(self._partial) < self._needed:
+                return  # a large message arriving in pieces: one copy at the end
+            data = bytes(self._partial)
+            self._partial.clear()
+        view = memoryview(data)
+        offset, end = 0, len(data)
+        while end - offset >= _LENGTH.size:
+            (size,) = _LENGTH.unpack_from(view, offset)
+            stop = offset + _LENGTH.size + size
+            if stop > end:
+                break
+            self._on_message(unpack(view[offset + _LENGTH.size : stop]))
+            offset = stop
+        if offset < end:
+            self._partial += view[offset:]
+            rest = end - offset
+            self._needed = (
+                _LENGTH.size + _LENGTH.unpack_from(view, offset)[0]
+                if rest >= _LENGTH.size
+                else _LENGTH.size
+            )
+
+    def send(self, frames: Sequence[bytes | memoryview]) -> None:
+        """Queue one message (the transport writes what it can at once)."""
+        if self._transport is None or self._transport.is_closing():
+            raise ConnectionResetError("the connection is closed")
+        self._transport.writelines(pack(frames))
+
+    async def drained(self) -> None:
+        """Wait while the peer is behind on reading (the transport's buffer is full)."""
+        if self._drained is not None:
+            await asyncio.shield(self._drained)
+
+    def pause_writing(self) -> None:
+        self._drained = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+        self._drained = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.resume_writing()
+        self._on_lost()
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+
+class EngineClient:
+    """A front-end's connection to the engine process: any number of requests in flight on
+    it, matched to their callers by request id."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._wire = Wire(self._received, self._lost)
         self._pending: dict[int, asyncio.Future[ScheduledOutput]] = {}
         self._rids = itertools.count()
         self._handoff: asyncio.Future[Handoff] | None = None
-        self._tasks: set[asyncio.Future[Any]] = set()
         self._callbacks: list[Callable[[str], None]] = []
         self.failure: str | None = None
 
@@ -213,26 +306,14 @@ class EngineClient:
         """Call ``callback(message)`` once if the engine process goes away."""
         self._callbacks.append(callback)
 
-    def _spawn(self, coroutine: Any) -> None:
-        task = asyncio.ensure_future(coroutine)
-        self._tasks.add(task)
-        task.add_done_callback(self._ended)
-
-    def _ended(self, task: asyncio.Future[Any]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            # A bug in the receive loop would leave every caller waiting: fail them instead.
-            logger.error("engine connection failed", exc_info=task.exception())
-            self._fail(f"the engine connection failed: {task.exception()!r}")
-
     async def connect(self) -> Handoff:
         """Say hello and wait for the engine's handoff, sent once its model is warmed up
         (no deadline of our own: a big model takes its time; if the engine process dies,
         this fails)."""
-        self._handoff = asyncio.get_running_loop().create_future()
-        self._spawn(self._receive())
-        self._spawn(self._watch())
-        await self._socket.send(_HELLO)
+        loop = asyncio.get_running_loop()
+        self._handoff = loop.create_future()
+        await loop.create_unix_connection(lambda: self._wire, self._path)
+        self._wire.send([_HELLO])
         return await self._handoff
 
     async def submit(self, seqs: Sequence[SequenceInput], want_tokens: bool) -> ScheduledOutput:
@@ -245,39 +326,45 @@ class EngineClient:
         self._pending[rid] = future
         header = orjson.dumps({"op": "run", "rid": rid, "want_tokens": want_tokens})
         try:
-            await self._socket.send_multipart([header, *encode_sequences(seqs)], copy=False)
+            self._wire.send([header, *encode_sequences(seqs)])
+            await self._wire.drained()
             return await future
+        except ConnectionError:  # closing, before its loss was reported
+            raise EngineFailedError("the engine process has stopped") from None
         except asyncio.CancelledError:
             # Cancelling this task cancelled ``future`` too; an answer may be on its way.
             if self.failure is None and (future.cancelled() or not future.done()):
-                cancel = orjson.dumps({"op": "cancel", "rid": rid})
-                self._spawn(self._socket.send(cancel))
+                with contextlib.suppress(ConnectionError):
+                    self._wire.send([orjson.dumps({"op": "cancel", "rid": rid})])
             raise
         finally:
             self._pending.pop(rid, None)
 
-    async def _receive(self) -> None:
-        while True:
-            frames = await self._socket.recv_multipart(copy=False)
-            header = orjson.loads(frames[0].bytes)
+    def _received(self, frames: Frames) -> None:
+        try:
+            header = orjson.loads(frames[0])
             if header.get("op") == "hello":
                 if self._handoff is not None and not self._handoff.done():
-                    self._handoff.set_result(pickle.loads(frames[1].bytes))
-                continue
+                    self._handoff.set_result(pickle.loads(frames[1]))
+                return
             future = self._pending.get(header["rid"])
             if future is None or future.done():
-                continue  # its caller gave up
+                return  # its caller gave up
             if "error" in header:
                 future.set_exception(decode_error(header["error"]))
             else:
-                future.set_result(decode_output(header, [f.buffer for f in frames[1:]]))
+                future.set_result(decode_output(header, frames[1:]))
+        except Exception as error:
+            # A bug here would leave every caller waiting: fail them instead.
+            logger.error("engine connection failed", exc_info=error)
+            self._fail(f"the engine connection failed: {error!r}")
+            self._wire.close()
 
-    async def _watch(self) -> None:
-        """The ipc connection dropping means the engine process is gone."""
-        await recv_monitor_message(self._monitor)
+    def _lost(self) -> None:
+        """The connection closing means the engine process is gone."""
         self._fail("the engine process has stopped")
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, message: str, *, report: bool = True) -> None:
         if self.failure is not None:
             return
         self.failure = message
@@ -287,16 +374,14 @@ class EngineClient:
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(error)
-        for callback in self._callbacks:
+        for callback in self._callbacks if report else ():
             callback(message)
 
     def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        self._socket.disable_monitor()
-        self._monitor.close(linger=0)
-        self._socket.close(linger=0)
-        self._context.term()
+        """Hang up (what this front-end has queued leaves the engine); a caller still
+        waiting gets a 503."""
+        self._fail("the front-end closed its engine connection", report=False)
+        self._wire.close()
 
 
 class RemoteRunner(ThreadedRunner):
@@ -326,51 +411,81 @@ class RemoteRunner(ThreadedRunner):
 
 
 class EngineService:
-    """The engine process's end: one ROUTER socket serving every front-end from the one
-    scheduler. Bound at construction, before the model loads, so front-ends can connect and
-    wait; :meth:`serve` answers them once the engine is warmed up."""
+    """The engine process's end: a unix socket every front-end connects to, served from the
+    one scheduler. Listening from construction, before the model loads, so front-ends can
+    connect and wait; :meth:`serve` answers them once the engine is warmed up."""
 
-    def __init__(self, address: str) -> None:
-        self._context = zmq.asyncio.Context()
-        self._socket = self._context.socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.bind(address)
-        self._running: dict[tuple[bytes, int], asyncio.Task[None]] = {}
+    def __init__(self, path: str) -> None:
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(path)
+        self._listener.listen(socket.SOMAXCONN)
+        self._running: dict[tuple[Wire, int], asyncio.Task[None]] = {}
 
     async def serve(self, scheduler: Scheduler, handoff: Handoff, front_ends: int) -> None:
         """Answer front-ends until cancelled. The handoff goes to all ``front_ends`` at once,
         when the last has said hello: they share one port, so a front-end that served while
         another still started would let that one answer some clients "not ready"."""
+        loop = asyncio.get_running_loop()
         payload = pickle.dumps(handoff, protocol=pickle.HIGHEST_PROTOCOL)
-        waiting: list[bytes] = []
+        failed: asyncio.Future[None] = loop.create_future()
+        waiting: list[Wire] = []
+
+        def connection() -> Wire:
+            wire: Wire
+
+            def received(frames: Frames) -> None:
+                try:
+                    self._received(scheduler, wire, frames, hello)
+                except Exception as error:  # noqa: BLE001 - a bug: serving ends, the server too
+                    if not failed.done():
+                        failed.set_exception(error)
+
+            def hello() -> None:
+                nonlocal front_ends
+                waiting.append(wire)
+                if len(waiting) >= front_ends:
+                    for each in waiting:
+                        each.send([_HELLO, payload])
+                    waiting.clear()
+                    front_ends = 0
+
+            wire = Wire(received, lambda: self._withdraw(wire))
+            return wire
+
+        server = await loop.create_unix_server(connection, sock=self._listener)
         try:
-            while True:
-                frames = await self._socket.recv_multipart(copy=False)
-                peer = frames[0].bytes
-                header = orjson.loads(frames[1].bytes)
-                op = header["op"]
-                if op == "run":
-                    key = (peer, int(header["rid"]))
-                    seqs = decode_sequences([f.buffer for f in frames[2:]], header["want_tokens"])
-                    task = asyncio.create_task(self._run(scheduler, peer, key[1], seqs))
-                    self._running[key] = task
-                    task.add_done_callback(lambda _, key=key: self._running.pop(key, None))  # type: ignore[misc]
-                elif op == "cancel":
-                    running = self._running.get((peer, int(header["rid"])))
-                    if running is not None:
-                        running.cancel()
-                elif op == "hello":
-                    waiting.append(peer)
-                    if len(waiting) >= front_ends:
-                        for each in waiting:
-                            await self._socket.send_multipart([each, _HELLO, payload], copy=False)
-                        waiting, front_ends = [], 0
+            await failed
         finally:
+            server.close()
             for task in list(self._running.values()):
                 task.cancel()
 
+    def _received(
+        self, scheduler: Scheduler, wire: Wire, frames: Frames, hello: Callable[[], None]
+    ) -> None:
+        header = orjson.loads(frames[0])
+        op = header["op"]
+        if op == "run":
+            key = (wire, int(header["rid"]))
+            seqs = decode_sequences(frames[1:], header["want_tokens"])
+            task = asyncio.create_task(self._run(scheduler, wire, key[1], seqs))
+            self._running[key] = task
+            task.add_done_callback(lambda _, key=key: self._running.pop(key, None))  # type: ignore[misc]
+        elif op == "cancel":
+            running = self._running.get((wire, int(header["rid"])))
+            if running is not None:
+                running.cancel()
+        elif op == "hello":
+            hello()
+
+    def _withdraw(self, wire: Wire) -> None:
+        """A front-end gone (it crashed): its queued work leaves the scheduler."""
+        for (owner, _), task in list(self._running.items()):
+            if owner is wire:
+                task.cancel()
+
     async def _run(
-        self, scheduler: Scheduler, peer: bytes, rid: int, seqs: list[SequenceInput]
+        self, scheduler: Scheduler, wire: Wire, rid: int, seqs: list[SequenceInput]
     ) -> None:
         try:
             out = await scheduler.submit(seqs)
@@ -379,10 +494,11 @@ class EngineService:
         except Exception as error:  # answered to the front-end, which raises it there
             if not isinstance(error, EmbeddingServerError):
                 logger.error("request failed in the engine: %s", error, exc_info=error)
-            await self._socket.send_multipart([peer, encode_error(rid, error)])
-            return
-        await self._socket.send_multipart([peer, *encode_output(rid, out)], copy=False)
+            frames: Sequence[bytes | memoryview] = [encode_error(rid, error)]
+        else:
+            frames = encode_output(rid, out)
+        with contextlib.suppress(ConnectionError):  # the front-end is gone: nobody to tell
+            wire.send(frames)
 
     def close(self) -> None:
-        self._socket.close(linger=0)
-        self._context.term()
+        self._listener.close()

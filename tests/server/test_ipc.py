@@ -1,11 +1,18 @@
 """The wire between ``--api-workers`` front-ends and the engine process: what goes in comes
-out, as buffers, and the errors a client must see keep their type and details."""
+out, as buffers, however the stream splits it; the errors a client must see keep their type
+and details; and a front-end that goes away takes its queued work with it."""
 
 from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import orjson
 import pytest
+from embedding_server.engine import Engine
 from embedding_server.errors import (
     EngineFailedError,
     InvalidRequestError,
@@ -13,13 +20,19 @@ from embedding_server.errors import (
     TooManyTokensError,
 )
 from embedding_server.ipc import (
+    EngineClient,
+    EngineService,
+    Frames,
+    Wire,
     decode_error,
     decode_output,
     decode_sequences,
     encode_error,
     encode_output,
     encode_sequences,
+    pack,
 )
+from embedding_server.metrics import Metrics
 from embedding_server.runner import SequenceInput
 from embedding_server.scheduler import ScheduledOutput
 
@@ -79,3 +92,86 @@ def test_errors_keep_their_type_and_details(error: Exception) -> None:
 def test_an_unexpected_failure_is_a_500_without_its_details() -> None:
     back = decode_error(orjson.loads(encode_error(3, RuntimeError("/secret/path")))["error"])
     assert back.status_code == 500 and "/secret/path" not in back.message
+
+
+def _stream(messages: list[list[bytes]]) -> bytes:
+    return b"".join(bytes(part) for frames in messages for part in pack(frames))
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 7, 4096, None])
+def test_messages_arrive_whole_however_the_stream_is_split(chunk: int | None) -> None:
+    big = np.arange(300_000, dtype=np.float32).tobytes()  # 1.2 MB: many reads
+    messages = [[b'{"rid":1}', b"", b"abc"], [big], [b"x" * 5, big[:9]], [b'{"op":"hello"}']]
+    stream = _stream(messages)
+    got: list[Frames] = []
+    wire = Wire(got.append, lambda: None)
+    step = chunk or len(stream)
+    if chunk == 7:  # uneven pieces, cut anywhere
+        rng, offset = random.Random(0), 0
+        while offset < len(stream):
+            size = rng.randint(1, 70_000)
+            wire.data_received(stream[offset : offset + size])
+            offset += size
+    else:
+        for offset in range(0, len(stream), step):
+            wire.data_received(stream[offset : offset + step])
+    assert [[bytes(frame) for frame in frames] for frames in got] == messages
+
+
+def test_a_front_end_gets_its_own_results_and_its_cancel_and_hang_up_withdraw_work(
+    tmp_path: Path,
+) -> None:
+    """In one process, over a real unix socket: the engine's end and a front-end's."""
+    path = str(tmp_path / "engine.sock")
+
+    async def scenario() -> None:
+        metrics = Metrics()
+        engine = Engine.from_pretrained(
+            "fake?delay_ms=400&max_len=64", max_batch_size=1, max_batch_tokens=64, metrics=metrics
+        )
+        await engine.start()
+        warm_up = metrics.registry.get_sample_value("embedding_server_batch_size_count") or 0
+        service = EngineService(path)
+        serving = asyncio.create_task(service.serve(engine.scheduler, engine.handoff(), 1))
+        client = EngineClient(path)
+        try:
+            handoff = await asyncio.wait_for(client.connect(), 30)
+            assert handoff.info == engine.handoff().info
+            seqs = [SequenceInput([0, 11, 12, 2]), SequenceInput([0, 13, 2])]
+            out = await asyncio.wait_for(client.submit(seqs, want_tokens=False), 30)
+            alone = await engine.scheduler.submit(seqs)
+            np.testing.assert_array_equal(out.pooled, alone.pooled)
+
+            # One request in the forward pass, the next prepared beside it, three queued; the
+            # last caller gives up.
+            calls = [asyncio.create_task(client.submit(seqs[:1], False)) for _ in range(5)]
+            await _until(lambda: engine.scheduler.queued_requests == 3)
+            calls[4].cancel()
+            await _until(lambda: engine.scheduler.queued_requests == 2)
+            # The front-end goes away: what it had queued leaves the engine.
+            client.close()
+            await _until(lambda: engine.scheduler.queued_requests == 0)
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            assert isinstance(results[4], asyncio.CancelledError)
+            assert all(isinstance(r, EngineFailedError) for r in results[:4]), results
+            await engine.stop(drain=True, timeout=30)
+            # Four one-sequence passes for the two requests above, the one in flight at the
+            # hang-up, perhaps the one prepared beside it; not the queued ones (without their
+            # withdrawal, 8).
+            passes = metrics.registry.get_sample_value("embedding_server_batch_size_count")
+            assert passes is not None and 5 <= passes - warm_up <= 6, (passes, warm_up)
+        finally:
+            client.close()
+            serving.cancel()
+            await asyncio.gather(serving, return_exceptions=True)
+            service.close()
+            await engine.stop(drain=False)
+
+    asyncio.run(scenario())
+
+
+async def _until(condition: Callable[[], bool], timeout: float = 30) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)

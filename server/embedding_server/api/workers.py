@@ -262,7 +262,7 @@ async def _stop_frontends(frontends: Sequence[BaseProcess], timeout: float) -> b
 
 
 def _address(shared_dir: str) -> str:
-    return f"ipc://{os.path.join(shared_dir, 'engine.sock')}"
+    return os.path.join(shared_dir, "engine.sock")
 
 
 def _frontend(
