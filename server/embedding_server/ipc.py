@@ -231,6 +231,7 @@ class Wire(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._partial = bytearray()
         self._needed = 0  # the size of the message that _partial starts, once known
+        self._outgoing: list[bytes | memoryview] = []
         self._drained: asyncio.Future[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -262,10 +263,19 @@ class Wire(asyncio.Protocol):
             )
 
     def send(self, frames: Sequence[bytes | memoryview]) -> None:
-        """Queue one message (the transport writes what it can at once)."""
+        """Queue one message. The messages sent in one turn of the event loop are written
+        together at its end: under load one write, and one wake-up of the peer, carries
+        many (a batch's results, or every request a front-end read at once)."""
         if self._transport is None or self._transport.is_closing():
             raise ConnectionResetError("the connection is closed")
-        self._transport.writelines(pack(frames))
+        if not self._outgoing:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._outgoing += pack(frames)
+
+    def _flush(self) -> None:
+        outgoing, self._outgoing = self._outgoing, []
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.writelines(outgoing)
 
     async def drained(self) -> None:
         """Wait while the peer is behind on reading (the transport's buffer is full)."""
