@@ -11,7 +11,7 @@ each frame's 4-byte length, the frames): a small orjson header frame plus raw bu
 Nothing per request is pickled, and nothing is a Python list on the wire. Both ends write
 from their event loop and read in the loop's own callback, so a message costs no thread
 hand-off (ZeroMQ, used before, woke an I/O thread of its own for every message, on both
-sides).
+sides), and the messages of one turn of the loop leave in one write.
 
 * front-end -> engine ``run``: header ``{"op": "run", "rid", "want_tokens"}``, then int32
   frames: sequence lengths, all token ids concatenated, the prompt tokens to skip per
