@@ -545,12 +545,14 @@ def test_killed_operator_and_server_pods_come_back(
 def test_tensor_parallel_on_the_cpu_profile_serves_sentence_transformers_vectors(
     cluster: Cluster, release: str, e2e_images: ImageSet, namespace: str
 ) -> None:
-    """Two CPU ranks (gloo) in one pod, each holding half of MiniLM's heads and MLP."""
+    """Two CPU ranks (gloo) in one pod, each holding half of MiniLM's heads and MLP, behind
+    two front-end processes (``--api-workers 2``, the GPU profiles' default layout) under
+    the pod's restricted security context and read-only root filesystem."""
 
     spec = {
         "model": {"name": "sentence-transformers/all-MiniLM-L6-v2"},
         "embedding": {"pooling": "mean", "normalize": True},
-        "server": {"dtype": "float32"},
+        "server": {"dtype": "float32", "apiWorkers": 2},
         "gpu": {"type": "cpu"},
         "parallelism": {"tensorParallelSize": 2},
         "replicas": 1,
@@ -563,6 +565,7 @@ def test_tensor_parallel_on_the_cpu_profile_serves_sentence_transformers_vectors
         wait_ready_replicas(cluster, namespace, "tp", 1)
         logs = cluster.kubectl("logs", "-n", namespace, "deployment/tp").stdout
         assert "tensor-parallel group of 2 ranks formed" in logs, logs
+        assert "engine ready for 2 API workers" in logs, logs
         result = embed_through_the_service(cluster, e2e_images, namespace, "tp", "embed-tp")
     assert_sentence_transformers_vectors(result)
 
