@@ -44,7 +44,7 @@ import struct
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import numpy as np
 import orjson
@@ -70,8 +70,6 @@ from .scheduler import ScheduledOutput, Scheduler
 from .tokenization import TextTokenizer
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 _ERRORS: dict[str, type[EmbeddingServerError]] = {
     cls.__name__: cls
