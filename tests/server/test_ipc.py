@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +34,8 @@ from embedding_server.ipc import (
 from embedding_server.metrics import Metrics
 from embedding_server.runner import SequenceInput
 from embedding_server.scheduler import ScheduledOutput
+
+from tests.support.scheduler import wait_for
 
 
 def test_sequences_cross_as_int32_buffers() -> None:
@@ -145,12 +146,12 @@ def test_a_front_end_gets_its_own_results_and_its_cancel_and_hang_up_withdraw_wo
             # One request in the forward pass, the next prepared beside it, three queued; the
             # last caller gives up.
             calls = [asyncio.create_task(client.submit(seqs[:1], False)) for _ in range(5)]
-            await _until(lambda: engine.scheduler.queued_requests == 3)
+            await wait_for(lambda: engine.scheduler.queued_requests == 3, timeout=30)
             calls[4].cancel()
-            await _until(lambda: engine.scheduler.queued_requests == 2)
+            await wait_for(lambda: engine.scheduler.queued_requests == 2, timeout=30)
             # The front-end goes away: what it had queued leaves the engine.
             client.close()
-            await _until(lambda: engine.scheduler.queued_requests == 0)
+            await wait_for(lambda: engine.scheduler.queued_requests == 0, timeout=30)
             results = await asyncio.gather(*calls, return_exceptions=True)
             assert isinstance(results[4], asyncio.CancelledError)
             assert all(isinstance(r, EngineFailedError) for r in results[:4]), results
@@ -170,8 +171,17 @@ def test_a_front_end_gets_its_own_results_and_its_cancel_and_hang_up_withdraw_wo
     asyncio.run(scenario())
 
 
-async def _until(condition: Callable[[], bool], timeout: float = 30) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.01)
+async def test_a_sender_waits_while_the_peer_is_behind_on_reading() -> None:
+    wire = Wire(lambda _: None, lambda: None)
+    await asyncio.wait_for(wire.drained(), 1)  # nothing buffered: no wait
+    wire.pause_writing()  # the transport's buffer passed its high-water mark
+    waiting = asyncio.ensure_future(wire.drained())
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    wire.resume_writing()
+    await asyncio.wait_for(waiting, 1)
+    wire.pause_writing()
+    lost = asyncio.ensure_future(wire.drained())
+    await asyncio.sleep(0)
+    wire.connection_lost(None)  # a closed connection releases the waiters too
+    await asyncio.wait_for(lost, 1)
