@@ -60,8 +60,8 @@ def device_facts(device: torch.device) -> dict[str, Any]:
     facts: dict[str, Any] = {
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
-        "flash_attn": attention.flash_attn_import_error or "importable",
-        "torch_varlen": attention.torch_varlen_unavailable or "available",
+        "flash_attn": attention.varlen_kernels().flash_error or "importable",
+        "torch_varlen": attention.varlen_kernels().torch_varlen_error or "available",
     }
     if device.type == "cuda":
         facts["capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))

@@ -36,6 +36,7 @@ the difference and keep the mask-free call.
 from __future__ import annotations
 
 import enum
+import functools
 import inspect
 import itertools
 import logging
@@ -73,9 +74,6 @@ def _import_flash_attn() -> tuple[VarlenFunc | None, str | None]:
     return None, reason
 
 
-flash_attn_varlen_func, flash_attn_import_error = _import_flash_attn()
-
-
 def _torch_varlen() -> tuple[VarlenFunc | None, str | None]:
     """torch's varlen_attn when this torch has it with the keywords we pass, else why not."""
     try:
@@ -91,7 +89,29 @@ def _torch_varlen() -> tuple[VarlenFunc | None, str | None]:
     return cast(VarlenFunc, varlen_attn), None  # it returns a tuple only with return_aux
 
 
-torch_varlen_attn, torch_varlen_unavailable = _torch_varlen()
+@dataclass(frozen=True, slots=True)
+class VarlenKernels:
+    """The two CUDA varlen kernels of this install, each with why it is missing (None: it is
+    there)."""
+
+    flash: VarlenFunc | None
+    flash_error: str | None
+    torch_varlen: VarlenFunc | None
+    torch_varlen_error: str | None
+
+
+@functools.cache
+def varlen_kernels() -> VarlenKernels:
+    """Import the varlen kernels, once, when a CUDA device asks (:func:`probe`).
+
+    Not at import: ``torch.nn.attention.varlen`` pulls in torch's compiler stack (dynamo,
+    inductor), measured at 1.5-2.5 s and 85 MB of private memory in every process that imports
+    this module, the CPU server's and each ``--api-workers`` front-end's included, none of
+    which runs either kernel."""
+    flash, flash_error = _import_flash_attn()
+    varlen, varlen_error = _torch_varlen()
+    return VarlenKernels(flash, flash_error, varlen, varlen_error)
+
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 VARLEN_MIN_CAPABILITY = (8, 0)  # FlashAttention-2 kernels (flash-attn's and torch's): Ampere+
@@ -123,7 +143,7 @@ class AttentionFacts:
     head_dim: int
     capability: tuple[int, int] | None = None
     """CUDA compute capability of the target device (None off CUDA)."""
-    flash_attn_error: str | None = "flash-attn is not installed"
+    flash_attn_error: str | None = "not probed"
     """None when flash-attn imported; else why it did not."""
     torch_varlen_error: str | None = "not probed"
     """None when torch's varlen_attn is usable; else why not."""
@@ -137,24 +157,27 @@ class BackendChoice:
 
 
 def probe(device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionFacts:
-    """The facts of this process's install and ``device``."""
-    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    """The facts of this process's install and ``device``. The varlen kernels are looked for
+    only on CUDA: elsewhere neither can run, whatever is installed."""
+    if device.type != "cuda":
+        return AttentionFacts(device_type=device.type, dtype=dtype, head_dim=head_dim)
+    kernels = varlen_kernels()
     return AttentionFacts(
         device_type=device.type,
         dtype=dtype,
         head_dim=head_dim,
-        capability=capability,
-        flash_attn_error=flash_attn_import_error,
-        torch_varlen_error=torch_varlen_unavailable,
+        capability=torch.cuda.get_device_capability(device),
+        flash_attn_error=kernels.flash_error,
+        torch_varlen_error=kernels.torch_varlen_error,
     )
 
 
 def _varlen_unfit(facts: AttentionFacts, install_error: str | None) -> str | None:
     """Why a FlashAttention-2 varlen kernel cannot serve ``facts``, or None when it can."""
-    if install_error is not None:
-        return install_error
     if facts.device_type != "cuda":
         return f"needs CUDA, the device is {facts.device_type}"
+    if install_error is not None:
+        return install_error
     if facts.capability is not None and facts.capability < VARLEN_MIN_CAPABILITY:
         major, minor = facts.capability
         return f"needs compute capability 8.0 (Ampere) or newer, the GPU has {major}.{minor}"
@@ -353,14 +376,15 @@ def _flash_attn(
     scale: float | None,
     window: int | None,
 ) -> torch.Tensor:
-    if flash_attn_varlen_func is None:
-        raise RuntimeError(f"flash_attn was not selectable: {flash_attn_import_error}")
+    kernels = varlen_kernels()
+    if kernels.flash is None:
+        raise RuntimeError(f"flash_attn was not selectable: {kernels.flash_error}")
     # Passed only when it bites, so flash-attn builds without window_size (< 2.3) still serve
     # the models and batches that do not need it.
     extra: dict[str, Any] = {}
     if window is not None:
         extra["window_size"] = (window, 0 if causal else window)
-    return flash_attn_varlen_func(
+    return kernels.flash(
         q,
         k,
         v,
@@ -385,11 +409,12 @@ def _torch_varlen_attn(
     scale: float | None,
     window: int | None,
 ) -> torch.Tensor:
-    if torch_varlen_attn is None:
-        raise RuntimeError(f"torch_varlen was not selectable: {torch_varlen_unavailable}")
+    kernels = varlen_kernels()
+    if kernels.torch_varlen is None:
+        raise RuntimeError(f"torch_varlen was not selectable: {kernels.torch_varlen_error}")
     left = -1 if window is None else window
     right = 0 if causal else (-1 if window is None else window)
-    return torch_varlen_attn(
+    return kernels.torch_varlen(
         q,
         k,
         v,

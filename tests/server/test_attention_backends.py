@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -313,3 +314,21 @@ def test_a_broken_flash_attn_install_is_reported(
     assert any("flash-attn failed to import" in r.getMessage() for r in caplog.records)
     choice = select_backend("auto", dataclasses.replace(_facts(), flash_attn_error=reason))
     assert choice.backend == "torch_varlen" and "undefined symbol" in choice.passed_over[0]
+
+
+def test_a_cpu_engine_never_imports_the_cuda_kernels() -> None:
+    """Importing the varlen kernels loads torch's compiler stack (seconds and ~85 MB in every
+    process): a CPU server, and the front-ends of ``--api-workers``, which never run them,
+    must start without it. A fresh interpreter, since this one's tests may have loaded it."""
+    script = (
+        "import sys\n"
+        "from embedding_server.engine import Engine\n"
+        "engine = Engine.from_pretrained('fake?max_len=16', device='cpu')\n"
+        "print(engine.info().attention, sorted(m for m in sys.modules"
+        " if m.startswith(('torch._dynamo', 'torch._inductor', 'flash_attn'))))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["sdpa_bucketed", "[]"], done.stdout

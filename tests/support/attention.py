@@ -186,10 +186,13 @@ def pretend_cuda(
     """Engines built after this see a GPU of ``capability`` (their tensors stay on the CPU)
     with flash-attn and torch's varlen kernel as asked, served by the strict stand-ins."""
     fakes = FakeCuda(StrictFlash(), StrictTorchVarlen())
-    monkeypatch.setattr(attention, "flash_attn_varlen_func", fakes.flash if flash else None)
-    monkeypatch.setattr(
-        attention, "torch_varlen_attn", fakes.torch_varlen if torch_varlen else None
+    kernels = attention.VarlenKernels(
+        fakes.flash if flash else None,
+        None if flash else "flash-attn is not installed",
+        fakes.torch_varlen if torch_varlen else None,
+        None if torch_varlen else "torch 2.4.0 has no torch.nn.attention.varlen.varlen_attn",
     )
+    monkeypatch.setattr(attention, "varlen_kernels", lambda: kernels)
 
     def probe(device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionFacts:
         return AttentionFacts(
@@ -197,8 +200,8 @@ def pretend_cuda(
             dtype=dtype,
             head_dim=head_dim,
             capability=capability,
-            flash_attn_error=None if flash else "flash-attn is not installed",
-            torch_varlen_error=None if torch_varlen else "torch 2.4 has no varlen_attn",
+            flash_attn_error=kernels.flash_error,
+            torch_varlen_error=kernels.torch_varlen_error,
         )
 
     monkeypatch.setattr(engine, "probe", probe)
