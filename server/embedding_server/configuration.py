@@ -11,18 +11,19 @@ is reported cannot drift apart.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from .attention import BackendChoice
-from .dtypes import cpu_thread_budget, dtype_name
 from .errors import InvalidRequestError, UnsupportedModelError
 from .heads import ClassificationHead, Classifier, SparseHead, Task, resolve_task
-from .loading import LoadedModel, declared_matryoshka
 from .pooling import POOLING_METHODS, PoolingHead, PoolingMethod, build_matryoshka
 from .settings import CPU_BATCH_TOKENS, GPU_BATCH_TOKENS, EngineSettings
 from .tokenization import Prompts
+
+if TYPE_CHECKING:
+    import torch
+
+    from .attention import BackendChoice
+    from .loading import LoadedModel
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,11 @@ def resolve_config(
     settings: EngineSettings, loaded: LoadedModel, *, device: torch.device
 ) -> EngineConfig:
     """Combine ``settings`` with what ``loaded`` declares; settings win where both speak."""
+    # Imported here: the model-owning process resolves, while front-end processes only
+    # unpickle the result (EngineConfig) and must not load torch for it.
+    from .dtypes import cpu_thread_budget
+    from .loading import declared_matryoshka
+
     task = resolve_task(
         settings.task, loaded.classifier, loaded.architecture, splade=loaded.st.splade is not None
     )
@@ -251,6 +257,8 @@ def describe(
     vocab_size: int,
 ) -> EngineInfo:
     """The :class:`EngineInfo` of an engine built from ``config``."""
+    from .dtypes import dtype_name  # see resolve_config()
+
     m = config.head.matryoshka
     return EngineInfo(
         model=loaded.name,

@@ -31,13 +31,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-import torch.nn.functional as F
+import numpy as np
 
 from .errors import UnsupportedModelError
-from .pooling import ACTIVATIONS, PoolingMethod
+from .pooling import ACTIVATIONS, FloatArray, PoolingMethod, activation
+
+if TYPE_CHECKING:
+    import torch
 
 Task = Literal["embed", "score", "classify", "token_classify", "reward", "sparse"]
 """What a served model does: embed (vectors; /score is cosine), score (a one-label
@@ -84,7 +86,11 @@ class ClassificationHead:
     def num_labels(self) -> int:
         return int(self.weight.shape[0])
 
-    def to(self, device: torch.device) -> ClassificationHead:
+    def to(self, device: torch.device | str) -> ClassificationHead:
+        # Imported here, not at the top: a front-end process (``--api-workers``) reads this
+        # module's types and loads torch only when it serves a classifier.
+        import torch
+
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device=device, dtype=torch.float32)
 
@@ -101,9 +107,11 @@ class ClassificationHead:
 
     def project(self, pooled: torch.Tensor) -> torch.Tensor:
         """Class logits ``[B, num_labels]`` (float32) of pooled vectors ``[B, hidden]``."""
+        import torch.nn.functional as F  # see to()
+
         x = pooled.float()
         if self.pooler_weight is not None:
-            x = ACTIVATIONS[self.pooler_activation](
+            x = activation(self.pooler_activation)(
                 F.linear(x, self.pooler_weight, self.pooler_bias)
             )
         if self.norm_weight is not None:
@@ -133,17 +141,38 @@ class Classifier:
         """Applied to the one logit of a cross-encoder score (CrossEncoder.predict's)."""
         return self.activation or ("sigmoid" if self.num_labels == 1 else "identity")
 
-    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+    def probabilities(self, logits: FloatArray) -> FloatArray:
         """``/classify``'s probs, as vLLM's classify task computes them whatever activation a
         CrossEncoder config declares (that one is for scores): softmax over the labels,
         sigmoid for a single label."""
+        import torch  # see ClassificationHead.to()
+
+        return _float32(self._probabilities(torch.from_numpy(logits)))
+
+    def scores(self, logits: FloatArray) -> FloatArray:
+        """One relevance score per pair (``[B]``) from one-label logits."""
+        import torch  # see ClassificationHead.to()
+
+        return _float32(activation(self.score_activation)(torch.from_numpy(logits[:, 0])))
+
+    def token_values(self, states: FloatArray, *, raw: bool) -> FloatArray:
+        """The head on each token's hidden state (``[len, hidden]``): label probabilities, or
+        the raw outputs (``raw``, the reward task)."""
+        import torch  # see ClassificationHead.to()
+
+        logits = self.head.project(torch.from_numpy(states))
+        return _float32(logits if raw else self._probabilities(logits))
+
+    def _probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        import torch  # see ClassificationHead.to()
+
         if self.num_labels == 1:
             return torch.sigmoid(logits)
         return torch.softmax(logits, dim=-1)
 
-    def scores(self, logits: torch.Tensor) -> torch.Tensor:
-        """One relevance score per pair (``[B]``) from one-label logits."""
-        return ACTIVATIONS[self.score_activation](logits[:, 0])
+
+def _float32(values: torch.Tensor) -> FloatArray:
+    return values.numpy().astype(np.float32, copy=False)
 
 
 def head_kind(config: Mapping[str, Any]) -> HeadKind | None:
@@ -348,6 +377,8 @@ class SparseHead:
         return int(self.decoder_weight.shape[0])
 
     def to(self, device: torch.device) -> SparseHead:
+        import torch  # see ClassificationHead.to()
+
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device=device, dtype=torch.float32)
 
@@ -366,13 +397,16 @@ class SparseHead:
 
     def __call__(self, hidden: torch.Tensor, seqlens: Sequence[int]) -> torch.Tensor:
         """One ``[vocab]`` float32 weight vector per packed sequence of ``hidden``."""
+        import torch  # see ClassificationHead.to()
+        import torch.nn.functional as F
+
         device = hidden.device
         lens = torch.tensor(seqlens, dtype=torch.int64)
         segments = torch.repeat_interleave(torch.arange(len(seqlens)), lens).to(device)
         out = torch.zeros(len(seqlens), self.vocab_size, dtype=torch.float32, device=device)
         for start in range(0, hidden.shape[0], self.chunk_tokens):
             x = hidden[start : start + self.chunk_tokens].float()
-            x = ACTIVATIONS[self.activation](F.linear(x, self.dense_weight, self.dense_bias))
+            x = activation(self.activation)(F.linear(x, self.dense_weight, self.dense_bias))
             x = F.layer_norm(x, (x.shape[-1],), self.norm_weight, self.norm_bias, self.norm_eps)
             weights = torch.log1p(torch.relu(F.linear(x, self.decoder_weight, self.decoder_bias)))
             index = segments[start : start + x.shape[0]].unsqueeze(1).expand_as(weights)

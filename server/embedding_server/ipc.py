@@ -48,7 +48,6 @@ from typing import Any, cast
 
 import numpy as np
 import orjson
-import torch
 
 from .configuration import EngineConfig, EngineInfo
 from .errors import (
@@ -65,8 +64,8 @@ from .errors import (
 from .jobs import Job, ThreadedRunner
 from .pooling import FloatArray
 from .results import JobOutput, StageTimings
-from .runner import SequenceInput
 from .scheduler import ScheduledOutput, Scheduler
+from .sequences import SequenceInput
 from .tokenization import TextTokenizer
 
 logger = logging.getLogger(__name__)
@@ -105,7 +104,7 @@ class Handoff:
         head run in the engine process's batches."""
         classifier = config.classifier
         if classifier is not None:
-            classifier = replace(classifier, head=classifier.head.to(torch.device("cpu")))
+            classifier = replace(classifier, head=classifier.head.to("cpu"))
         head = replace(config.head, dense=())
         return cls(replace(config, head=head, classifier=classifier, sparse=None), info, tokenizer)
 

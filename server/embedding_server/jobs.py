@@ -20,15 +20,15 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol, TypedDict, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, TypeVar
 
 import numpy as np
 
 from .errors import InvalidRequestError, OutputTooLargeError
 from .pooling import FloatArray
 from .results import JobOutput, StageTimings
-from .runner import ModelRunner, SequenceInput
 from .scheduler import Scheduler
+from .sequences import SequenceInput
 from .tokenization import (
     Prompts,
     TextInput,
@@ -37,6 +37,9 @@ from .tokenization import (
     Truncation,
     TruncationArg,
 )
+
+if TYPE_CHECKING:  # the model-owning side only: front-end processes load no torch
+    from .runner import ModelRunner
 
 T = TypeVar("T")
 

@@ -30,15 +30,18 @@ as vLLM does.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, assert_never
+from typing import TYPE_CHECKING, Literal, assert_never
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from .errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    import torch
 
 PoolingMethod = Literal["cls", "mean", "last", "max", "weightedmean", "mean_sqrt_len"]
 POOLING_METHODS: tuple[PoolingMethod, ...] = (
@@ -76,6 +79,10 @@ def pool(
     A sequence that is all prompt (it can happen after truncation) keeps its last token for
     the token-wise reductions, so no vector is empty.
     """
+    # Imported here, not at the top: front-end processes (``--api-workers``) use this module's
+    # per-request head and never load torch.
+    import torch
+
     device = hidden.device
     count = len(seqlens)
     lens = torch.tensor(seqlens, dtype=torch.int64)
@@ -120,14 +127,24 @@ def pool(
     assert_never(method)
 
 
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "identity": lambda x: x,
-    "tanh": torch.tanh,
-    "relu": torch.relu,
-    "gelu": torch.nn.functional.gelu,
-    "sigmoid": torch.sigmoid,
-    "silu": torch.nn.functional.silu,
-}
+ACTIVATIONS = ("identity", "tanh", "relu", "gelu", "sigmoid", "silu")
+"""The activations a head may declare, by name (:func:`activation`)."""
+
+
+@functools.cache
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The torch function of an activation in :data:`ACTIVATIONS`."""
+    import torch  # see pool()
+
+    functions: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        "identity": lambda x: x,
+        "tanh": torch.tanh,
+        "relu": torch.relu,
+        "gelu": torch.nn.functional.gelu,
+        "sigmoid": torch.sigmoid,
+        "silu": torch.nn.functional.silu,
+    }
+    return functions[name]
 
 
 @dataclass(frozen=True)
@@ -151,7 +168,9 @@ class DenseLayer:
         return DenseLayer(self.weight.to(device), bias, self.activation)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return ACTIVATIONS[self.activation](torch.nn.functional.linear(x, self.weight, self.bias))
+        from torch.nn.functional import linear  # see pool()
+
+        return activation(self.activation)(linear(x, self.weight, self.bias))
 
 
 @dataclass(frozen=True)

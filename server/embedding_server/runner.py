@@ -36,6 +36,7 @@ from .dtypes import fatal_device_error
 from .errors import EngineFailedError
 from .models.base import EmbeddingModel, PackedBatch
 from .pooling import FloatArray, PoolingMethod, pool
+from .sequences import BatchOutput, SequenceInput
 
 logger = logging.getLogger(__name__)
 
@@ -43,19 +44,6 @@ logger = logging.getLogger(__name__)
 # split profitably, and on a busy host every OpenMP region would wait for a descheduled
 # worker (measured: 2 short texts took 0.7 s on 2 threads under load, 25 ms on one).
 SMALL_BATCH_TOKENS = 256
-
-
-@dataclass(frozen=True, slots=True)
-class SequenceInput:
-    """One sequence of a batch."""
-
-    ids: Sequence[int]
-    skip: int = 0
-    """Leading (prompt) tokens left out of pooling (every method but last)."""
-    want_tokens: bool = False
-    """Also return the per-token hidden states (``embed_tokens``)."""
-    type_ids: Sequence[int] | None = None
-    """Segment ids of a sentence pair (cross-encoders); None for all zeros."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,14 +59,6 @@ class PreparedBatch:
     """Row ``inverse[i]`` of the ordered results is the caller's sequence ``i``."""
     copied: torch.cuda.Event | None
     """Recorded on the copy stream after the batch's copies (CUDA); None on the CPU."""
-
-
-@dataclass(frozen=True, slots=True)
-class BatchOutput:
-    pooled: FloatArray  # [B, d], caller's order
-    tokens: list[FloatArray | None]  # [len_i, hidden] where asked for
-    forward_s: float
-    pool_s: float
 
 
 class BatchHead(Protocol):

@@ -57,7 +57,7 @@ import numpy as np
 from .errors import NotReadyError, QueueFullError, TooManyTokensError
 from .metrics import Metrics
 from .pooling import FloatArray
-from .runner import BatchOutput, SequenceInput
+from .sequences import BatchOutput, SequenceInput
 
 logger = logging.getLogger(__name__)
 

@@ -18,11 +18,13 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import psutil
 import pytest
 from embedding_server.engine import Engine
 from embedding_server.metrics import QUEUE_REQUESTS_METRIC
 
 from tests.support.api import sample, scrape, server_process, wait_for
+from tests.support.tasks import build_classifier
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -79,6 +81,35 @@ def test_each_request_gets_its_own_vectors_and_metrics_sum_over_front_ends() -> 
             assert sample(text, "embedding_server_input_tokens_total") is not None
             assert sample(text, QUEUE_REQUESTS_METRIC) == 0
             assert (sample(text, "embedding_server_model_load_seconds") or 0) > 0
+        # Only the engine process loads the model runtime: a front-end of an embedding model
+        # has no torch (about 2 s of start-up and 270 MB of memory each).
+        assert _maps_torch(server.process.pid)
+        for child in server.children:
+            assert not _maps_torch(child.pid), f"front-end {child.pid} loaded torch"
+
+
+def _maps_torch(pid: int) -> bool:
+    return any("libtorch" in Path(m.path).name for m in psutil.Process(pid).memory_maps())
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["classify", "token_classify"])
+def test_a_classifier_head_runs_in_the_front_ends(tmp_path: Path, per_token: bool) -> None:
+    """A classifier's activation, and a token classifier's head, run per request in the
+    front-end, which loads torch for them: the answers are the one-process engine's."""
+    path = build_classifier(tmp_path / "model", "bert", 3, per_token=per_token)
+    reference = Engine.from_pretrained(str(path), dtype="float32")
+    inputs = texts(12)
+    task = "token_classify" if per_token else "classify"
+    with server_process(["--model", str(path), "--dtype", "float32", *WORKERS], workers=2) as s:
+        for _ in range(4):  # whichever front-end accepts each connection
+            response = httpx.post(
+                s.url + "/pooling", json={"input": inputs, "task": task}, timeout=60
+            )
+            assert response.status_code == 200, response.text
+            rows = [row["data"] for row in response.json()["data"]]
+            want = reference.encode(inputs, task=task)
+            for got, expected in zip(rows, want, strict=True):
+                np.testing.assert_allclose(got, expected, atol=1e-5)
 
 
 def _post_raw(port: int, text: str) -> socket.socket:

@@ -32,8 +32,8 @@ from embedding_server.ipc import (
     pack,
 )
 from embedding_server.metrics import Metrics
-from embedding_server.runner import SequenceInput
 from embedding_server.scheduler import ScheduledOutput
+from embedding_server.sequences import SequenceInput
 
 from tests.support.scheduler import wait_for
 

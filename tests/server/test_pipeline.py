@@ -24,8 +24,9 @@ import torch
 from embedding_server.attention import Backend, plan_attention
 from embedding_server.engine import Engine
 from embedding_server.errors import EngineFailedError, NotReadyError
-from embedding_server.runner import ModelRunner, PreparedBatch, SequenceInput
+from embedding_server.runner import ModelRunner, PreparedBatch
 from embedding_server.scheduler import Scheduler
+from embedding_server.sequences import SequenceInput
 
 from tests.support.scheduler import GatedForward, seq, wait_for
 

@@ -27,8 +27,8 @@ from embedding_server.api.routes_openai import router as openai_router
 from embedding_server.api.routes_ops import router as ops_router
 from embedding_server.api.routes_tasks import router as tasks_router
 from embedding_server.api.routes_vllm import router as vllm_router
-from embedding_server.engine import Engine
 from embedding_server.metrics import Metrics
+from embedding_server.serving import ServingEngine
 from embedding_server.settings import ServerSettings, redact_settings
 
 logger = logging.getLogger(__name__)
@@ -37,12 +37,16 @@ logger = logging.getLogger(__name__)
 ROUTERS = (openai_router, cohere_router, vllm_router, tasks_router, ops_router)
 """Every route the server has."""
 
-Connect = Callable[[Metrics], Awaitable[Engine]]
+Connect = Callable[[Metrics], Awaitable[ServingEngine]]
 """How a server gets its engine: load the model here (the default), or, in an
 ``--api-workers`` front-end, connect to the engine process."""
 
 
-async def _load(settings: ServerSettings, metrics: Metrics) -> Engine:
+async def _load(settings: ServerSettings, metrics: Metrics) -> ServingEngine:
+    # Imported here: only a process that loads the model needs the model runtime (torch); an
+    # ``--api-workers`` front-end connects instead and never imports it.
+    from embedding_server.engine import Engine
+
     return await asyncio.to_thread(Engine.from_settings, settings, metrics=metrics)
 
 
@@ -77,7 +81,10 @@ async def _bring_up(lifecycle: Lifecycle, connect: Connect | None) -> None:
 
 
 def create_app(
-    settings: ServerSettings, engine: Engine | None = None, *, connect: Connect | None = None
+    settings: ServerSettings,
+    engine: ServingEngine | None = None,
+    *,
+    connect: Connect | None = None,
 ) -> FastAPI:
     """Build the HTTP application.
 

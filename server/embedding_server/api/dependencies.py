@@ -12,11 +12,11 @@ from fastapi import Request
 
 from embedding_server.api.encoding import JSON_FLOAT_BYTES
 from embedding_server.api.lifecycle import Lifecycle, lifecycle_of
-from embedding_server.engine import Engine
 from embedding_server.errors import InvalidRequestError, ModelNotFoundError, OutputTooLargeError
+from embedding_server.serving import ServingEngine
 
 
-def engine_for(request: Request, model: str | None) -> tuple[Engine, Lifecycle]:
+def engine_for(request: Request, model: str | None) -> tuple[ServingEngine, Lifecycle]:
     """The ready engine for a request naming ``model`` (404 for another model, 503 if not
     loaded yet)."""
     lifecycle = lifecycle_of(request)
@@ -70,7 +70,7 @@ def check_response_size(
 
 
 def check_sparse_request(
-    engine: Engine,
+    engine: ServingEngine,
     lifecycle: Lifecycle,
     vectors: int,
     max_active_dims: int | None,
@@ -111,7 +111,7 @@ def max_response_values(lifecycle: Lifecycle, bytes_per_value: float) -> int:
     return int(lifecycle.settings.max_response_bytes // bytes_per_value)
 
 
-def pooled_dimensions(engine: Engine, requested: int | None) -> int:
+def pooled_dimensions(engine: ServingEngine, requested: int | None) -> int:
     """The size of each pooled vector a request gets (the engine checks the value itself)."""
     info = engine.info()
     return min(requested, info.full_dimensions) if requested else info.dimensions

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from embedding_server.engine import Engine
 from embedding_server.errors import NotReadyError
 from embedding_server.metrics import Metrics
+from embedding_server.serving import ServingEngine
 from embedding_server.settings import DEFAULT_MODEL, ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ class Lifecycle:
 
     settings: ServerSettings
     metrics: Metrics
-    engine: Engine | None = None
+    engine: ServingEngine | None = None
     draining: bool = False
     exit_code: int = 0
     on_fatal: Callable[[], None] | None = None
@@ -47,7 +47,7 @@ class Lifecycle:
             }
         )
 
-    def require_engine(self) -> Engine:
+    def require_engine(self) -> ServingEngine:
         """The engine, or 503 while it is still loading (or once it has stopped)."""
         engine = self.engine
         if engine is None or not engine.ready:

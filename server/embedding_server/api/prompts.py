@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from embedding_server.engine import Engine
+from embedding_server.serving import ServingEngine
 
 INPUT_TYPE_PROMPTS: Mapping[str, tuple[str, ...]] = {
     "search_query": ("search_query", "query", "retrieval.query"),
@@ -24,7 +24,9 @@ INPUT_TYPE_PROMPTS: Mapping[str, tuple[str, ...]] = {
 """Prompt names tried, in order, for each input_type."""
 
 
-def prompt_name_for(engine: Engine, prompt_name: str | None, input_type: str | None) -> str | None:
+def prompt_name_for(
+    engine: ServingEngine, prompt_name: str | None, input_type: str | None
+) -> str | None:
     """The prompt to apply: an explicit ``prompt_name`` wins, else the model's prompt that
     matches ``input_type``, else none (the engine's default prompt, if configured)."""
     if prompt_name is not None or input_type is None:

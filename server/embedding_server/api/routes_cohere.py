@@ -37,8 +37,8 @@ from embedding_server.api.lifecycle import Lifecycle
 from embedding_server.api.prompts import prompt_name_for
 from embedding_server.api.protocol import CohereEmbedRequest
 from embedding_server.api.responses import encode_off_loop, json_response, timing_headers
-from embedding_server.engine import Engine
 from embedding_server.errors import InvalidRequestError
+from embedding_server.serving import ServingEngine
 
 router = APIRouter(tags=["Cohere"])
 
@@ -79,7 +79,7 @@ async def cohere_embed(body: CohereEmbedRequest, request: Request) -> Response:
 
 
 async def _sparse_embed(
-    body: CohereEmbedRequest, request: Request, engine: Engine, lifecycle: Lifecycle
+    body: CohereEmbedRequest, request: Request, engine: ServingEngine, lifecycle: Lifecycle
 ) -> Response:
     others = sorted(set(body.embedding_types) - {"sparse"})
     if others:

@@ -50,8 +50,8 @@ from embedding_server.api.responses import (
     json_response,
     timing_headers,
 )
-from embedding_server.engine import TokenOptions
 from embedding_server.errors import InvalidRequestError, OutputTooLargeError, TooManyTokensError
+from embedding_server.jobs import TokenOptions
 
 router = APIRouter()
 

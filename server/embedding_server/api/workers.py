@@ -3,9 +3,9 @@
 The process ``embedding-server serve`` started (PID 1 in a container) becomes the engine
 process: it binds the HTTP port, binds the engine socket (:class:`~..ipc.EngineService`),
 starts N front-ends (``multiprocessing`` spawn, handed the listening socket as uvicorn's own
-workers are), then loads the model. Each front-end serves the whole HTTP API through an
-:class:`~..engine.AttachedEngine`: it answers ``/health`` at once and ``/ready`` once the
-engine has handed it the model's configuration.
+workers are), then loads the model. Each front-end (:mod:`.frontend`) serves the whole HTTP
+API through an :class:`~..serving.AttachedEngine`: it answers ``/health`` at once and
+``/ready`` once the engine has handed it the model's configuration.
 
 Lifecycle, all waits bounded:
 
@@ -22,11 +22,9 @@ Lifecycle, all waits bounded:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import multiprocessing
 import os
-import shutil
 import signal
 import socket
 import threading
@@ -37,10 +35,10 @@ from typing import Any
 
 from prometheus_client import multiprocess
 
-from embedding_server.api.app import create_app
+from embedding_server.api.frontend import engine_address, run_frontend
 from embedding_server.api.lifecycle import freeze_heap
-from embedding_server.api.server import FATAL_EXIT_GRACE_S, best_available, run_http
-from embedding_server.engine import AttachedEngine, Engine
+from embedding_server.api.server import FATAL_EXIT_GRACE_S, best_available
+from embedding_server.engine import Engine
 from embedding_server.ipc import EngineService
 from embedding_server.logging import configure_logging
 from embedding_server.metrics import Metrics
@@ -50,9 +48,6 @@ logger = logging.getLogger(__name__)
 
 Finish = Callable[[int, str], None]
 """Ends the engine process's serving: exit status, and why."""
-
-PARENT_CHECK_S = 0.5
-"""How often a front-end checks that the engine process, its parent, is still there."""
 
 
 def serve_workers(settings: ServerSettings, shared_dir: str) -> int:
@@ -87,13 +82,13 @@ async def _engine_process(
     settings: ServerSettings, listener: socket.socket, shared_dir: str
 ) -> int:
     loop = asyncio.get_running_loop()
-    address = _address(shared_dir)
+    address = engine_address(shared_dir)
     metrics = Metrics()
     service = EngineService(address)
     context = multiprocessing.get_context("spawn")
     frontends = [
         context.Process(
-            target=_frontend,
+            target=run_frontend,
             args=(settings, listener, shared_dir, os.getpid()),
             name=f"api-worker-{index}",
             daemon=True,
@@ -259,46 +254,3 @@ async def _stop_frontends(frontends: Sequence[BaseProcess], timeout: float) -> b
     for process in failed:
         logger.error("%s exited with status %s", process.name, process.exitcode)
     return bool(failed)
-
-
-def _address(shared_dir: str) -> str:
-    return os.path.join(shared_dir, "engine.sock")
-
-
-def _frontend(
-    settings: ServerSettings, listener: socket.socket, shared_dir: str, parent: int
-) -> None:
-    """A front-end process: the HTTP API on the shared socket, its jobs run by the engine."""
-    configure_logging(settings.log_level, settings.log_format)
-    # Out of the engine's process group: a terminal's Ctrl-C reaches the engine process only,
-    # which sends one SIGTERM (a second signal would make uvicorn skip the drain).
-    os.setpgid(0, 0)
-    threading.Thread(target=_exit_with_parent, args=(parent, shared_dir), daemon=True).start()
-    import torch
-
-    torch.set_num_threads(1)  # a classifier's activation at most: the model runs elsewhere
-
-    async def connect(metrics: Metrics) -> Engine:
-        return await AttachedEngine.connect(settings, _address(shared_dir), metrics=metrics)
-
-    app = create_app(settings, connect=connect)
-    code = run_http(settings, app, sockets=[listener])
-    _clean_up_after(parent, shared_dir)
-    raise SystemExit(code)
-
-
-def _clean_up_after(parent: int, shared_dir: str) -> None:
-    """An engine process that was killed left its directory (socket, metrics) behind."""
-    if os.getppid() != parent:
-        shutil.rmtree(shared_dir, ignore_errors=True)
-
-
-def _exit_with_parent(parent: int, shared_dir: str) -> None:
-    """End this front-end if the engine process is gone without telling it (killed)."""
-    while os.getppid() == parent:
-        time.sleep(PARENT_CHECK_S)
-    logger.error("the engine process (pid %d) is gone; exiting", parent)
-    _clean_up_after(parent, shared_dir)
-    with contextlib.suppress(Exception):
-        logging.shutdown()
-    os._exit(1)

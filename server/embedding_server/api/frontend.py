@@ -1,0 +1,72 @@
+"""An ``--api-workers`` front-end process: the HTTP API, its jobs run by the engine process.
+
+Started by :mod:`.workers` (``multiprocessing`` spawn), so this module is what a front-end
+imports first. It and everything it imports stay free of the model runtime: a front-end of
+an embedding model never loads torch (about 2 s of start-up and 270 MB of private memory per
+process, measured), and ``tests/server/test_api_workers.py`` checks that on live processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import socket
+import threading
+import time
+
+from embedding_server.api.app import create_app
+from embedding_server.api.server import run_http
+from embedding_server.logging import configure_logging
+from embedding_server.metrics import Metrics
+from embedding_server.serving import AttachedEngine, ServingEngine
+from embedding_server.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+PARENT_CHECK_S = 0.5
+"""How often a front-end checks that the engine process, its parent, is still there."""
+
+
+def engine_address(shared_dir: str) -> str:
+    """The engine process's socket in ``shared_dir``."""
+    return os.path.join(shared_dir, "engine.sock")
+
+
+def run_frontend(
+    settings: ServerSettings, listener: socket.socket, shared_dir: str, parent: int
+) -> None:
+    """A front-end process: the HTTP API on the shared socket, its jobs run by the engine."""
+    configure_logging(settings.log_level, settings.log_format)
+    # Out of the engine's process group: a terminal's Ctrl-C reaches the engine process only,
+    # which sends one SIGTERM (a second signal would make uvicorn skip the drain).
+    os.setpgid(0, 0)
+    threading.Thread(target=_exit_with_parent, args=(parent, shared_dir), daemon=True).start()
+    # One thread for torch, should a classifier's head bring it in: the model runs elsewhere.
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+    async def connect(metrics: Metrics) -> ServingEngine:
+        return await AttachedEngine.connect(settings, engine_address(shared_dir), metrics=metrics)
+
+    app = create_app(settings, connect=connect)
+    code = run_http(settings, app, sockets=[listener])
+    _clean_up_after(parent, shared_dir)
+    raise SystemExit(code)
+
+
+def _clean_up_after(parent: int, shared_dir: str) -> None:
+    """An engine process that was killed left its directory (socket, metrics) behind."""
+    if os.getppid() != parent:
+        shutil.rmtree(shared_dir, ignore_errors=True)
+
+
+def _exit_with_parent(parent: int, shared_dir: str) -> None:
+    """End this front-end if the engine process is gone without telling it (killed)."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_CHECK_S)
+    logger.error("the engine process (pid %d) is gone; exiting", parent)
+    _clean_up_after(parent, shared_dir)
+    with contextlib.suppress(Exception):
+        logging.shutdown()
+    os._exit(1)

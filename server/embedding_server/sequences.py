@@ -1,0 +1,35 @@
+"""What a forward pass takes and gives, per sequence: :class:`SequenceInput` in,
+:class:`BatchOutput` out.
+
+Kept apart from the runner, and free of torch, because these cross the process boundary of
+``--api-workers``: the front-ends build the inputs and read the outputs, and never load the
+model runtime (see ``ipc.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .pooling import FloatArray
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceInput:
+    """One sequence of a batch."""
+
+    ids: Sequence[int]
+    skip: int = 0
+    """Leading (prompt) tokens left out of pooling (every method but last)."""
+    want_tokens: bool = False
+    """Also return the per-token hidden states (``embed_tokens``)."""
+    type_ids: Sequence[int] | None = None
+    """Segment ids of a sentence pair (cross-encoders); None for all zeros."""
+
+
+@dataclass(frozen=True, slots=True)
+class BatchOutput:
+    pooled: FloatArray  # [B, d], caller's order
+    tokens: list[FloatArray | None]  # [len_i, hidden] where asked for
+    forward_s: float
+    pool_s: float

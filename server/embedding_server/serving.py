@@ -1,0 +1,500 @@
+"""What every engine serves: the request-level half of :class:`~.engine.Engine`.
+
+:class:`ServingEngine` holds the async and sync API (``aembed``, ``embed``, ``score``, ...)
+and everything a request goes through before and after the model: input checks, prompts,
+truncation, the per-request head (Matryoshka truncation, normalization, a classifier's
+activation) and the results. Where a job's sequences run is left to the two subclasses:
+
+* :class:`~.engine.Engine` owns the model, the scheduler and the forward thread (one process,
+  or the engine process of ``--api-workers``);
+* :class:`AttachedEngine` is a front-end process's: its jobs go to the engine process over
+  :mod:`.ipc`.
+
+Nothing here imports torch at module level, nor does anything it imports: a front-end process
+of an embedding model never loads the model runtime (measured: about 2 s of start-up and
+270 MB of private memory per process). A classifier's head still runs on torch, imported by
+:mod:`.heads` when the model has one.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import functools
+from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal, TypeVar, Unpack
+
+import numpy as np
+import numpy.typing as npt
+
+from .configuration import EngineConfig, EngineInfo
+from .errors import InvalidRequestError, NotReadyError
+from .heads import Task
+from .ipc import EngineClient, Handoff, RemoteRunner
+from .jobs import (
+    EmbedOptions,
+    Job,
+    JobRunner,
+    ScoreOptions,
+    TokenEmbedOptions,
+    TokenOptions,
+    check_options,
+)
+from .metrics import Metrics
+from .pooling import FloatArray
+from .results import (
+    ClassifyResult,
+    EmbedResult,
+    JobOutput,
+    RerankResult,
+    ScoreResult,
+    SparseEmbedResult,
+    SparseVector,
+    TokenEmbedResult,
+)
+from .scoring import cosine_scores, pair_inputs, rank, text_pairs
+from .settings import EngineSettings, ServerSettings
+from .tokenization import TextInput, TextTokenizer, normalize_inputs
+
+T = TypeVar("T")
+
+Inputs = str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] | Sequence[TextInput]
+"""One string, a list of strings, one token-id list, or a list of token-id lists (mixed ok)."""
+
+EncodeTask = Literal["embed", "token_embed", "classify", "token_classify", "reward"]
+ENCODE_TASKS: tuple[EncodeTask, ...] = (
+    "embed",
+    "token_embed",
+    "classify",
+    "token_classify",
+    "reward",
+)
+
+
+class ServingEngine(abc.ABC):
+    """The request-level API of an engine; subclasses say where a job's sequences run."""
+
+    settings: EngineSettings
+    metrics: Metrics | None
+    _config: EngineConfig
+    _info: EngineInfo
+    _tokenizer: TextTokenizer
+
+    def info(self) -> EngineInfo:
+        return self._info
+
+    @property
+    @abc.abstractmethod
+    def ready(self) -> bool:
+        """True while the engine serves the async API."""
+
+    @abc.abstractmethod
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(message)`` once the engine can no longer serve."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release what the engine holds beyond memory. Idempotent."""
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Become ready to serve the async API."""
+
+    @abc.abstractmethod
+    async def stop(self, *, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop serving; with ``drain`` finish what is queued first."""
+
+    # -- async API (inside the server's loop) ----------------------------------------------
+    async def aembed(self, inputs: Inputs, **options: Unpack[EmbedOptions]) -> EmbedResult:
+        """Embed inputs through the scheduler; float32 ``[n, d]`` plus usage and timings."""
+        return await self._embed(self._scheduled(), inputs, options)
+
+    async def aembed_tokens(
+        self, inputs: Inputs, **options: Unpack[TokenEmbedOptions]
+    ) -> TokenEmbedResult:
+        """Per-token final hidden states (float32 ``[len_i, hidden]`` per input); with
+        ``max_output_values``, a request whose output would hold more numbers is refused
+        with :class:`~.errors.OutputTooLargeError` before the forward pass."""
+        return await self._embed_tokens(self._scheduled(), inputs, options)
+
+    async def ascore(self, a: Inputs, b: Inputs, **options: Unpack[ScoreOptions]) -> ScoreResult:
+        """Scores of pairs (equal-length lists, or one text against many): the
+        cross-encoder's relevance (task score), or the cosine of embeddings (task embed)."""
+        return await self._score(self._scheduled(), a, b, options)
+
+    async def aclassify(self, inputs: Inputs, **options: Unpack[ScoreOptions]) -> ClassifyResult:
+        """Class probabilities of each input (task classify or score)."""
+        return await self._classify(self._scheduled(), inputs, options)
+
+    async def atoken_classify(
+        self, inputs: Inputs, **options: Unpack[TokenOptions]
+    ) -> TokenEmbedResult:
+        """Label probabilities of every token (float32 ``[len_i, num_labels]`` per input)."""
+        return await self._token_classify(self._scheduled(), inputs, options)
+
+    async def areward(self, inputs: Inputs, **options: Unpack[TokenOptions]) -> TokenEmbedResult:
+        """A reward model's raw outputs at every token (see :meth:`reward`)."""
+        return await self._reward(self._scheduled(), inputs, options)
+
+    async def asparse_embed(
+        self, inputs: Inputs, **options: Unpack[TokenOptions]
+    ) -> SparseEmbedResult:
+        """SPLADE sparse vectors (see :meth:`sparse_embed`)."""
+        return await self._sparse(self._scheduled(), inputs, options)
+
+    async def arerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        top_n: int | None = None,
+        **options: Unpack[ScoreOptions],
+    ) -> RerankResult:
+        """``documents`` by decreasing relevance to ``query`` (see :meth:`rerank`)."""
+        return await self._rerank(self._scheduled(), query, documents, top_n, options)
+
+    async def atokenize(
+        self, texts: str | Sequence[str], *, add_special_tokens: bool = True
+    ) -> list[list[int]]:
+        """``tokenize`` off the event loop."""
+        return await self._offloader().offload(
+            functools.partial(self.tokenize, texts, add_special_tokens=add_special_tokens)
+        )
+
+    async def adetokenize(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """``detokenize`` off the event loop."""
+        return await self._offloader().offload(
+            functools.partial(self.detokenize, ids, skip_special_tokens=skip_special_tokens)
+        )
+
+    async def atoken_strings(self, ids: Sequence[int]) -> list[str]:
+        """``token_strings`` off the event loop."""
+        return await self._offloader().offload(functools.partial(self.token_strings, ids))
+
+    # -- sync API (no loop needed) ---------------------------------------------------------
+    def embed(self, inputs: Inputs, **options: Unpack[EmbedOptions]) -> FloatArray:
+        """Embed inputs; float32 numpy array ``[n, d]``."""
+        return self.embed_full(inputs, **options).embeddings
+
+    def embed_full(self, inputs: Inputs, **options: Unpack[EmbedOptions]) -> EmbedResult:
+        """Like ``embed`` but returns the EmbedResult (usage, truncation count, timings)."""
+        return self._sync(lambda runner: self._embed(runner, inputs, options))
+
+    def embed_tokens(
+        self, inputs: Inputs, **options: Unpack[TokenEmbedOptions]
+    ) -> list[FloatArray]:
+        """Per-token hidden states, one float32 ``[len_i, hidden]`` array per input."""
+        return self._sync(lambda runner: self._embed_tokens(runner, inputs, options)).embeddings
+
+    def score(
+        self, a: Inputs, b: Inputs, **options: Unpack[ScoreOptions]
+    ) -> npt.NDArray[np.float32]:
+        """Scores ``[n]`` of pairs (equal-length lists, or one against many), as vLLM's
+        ``LLM.score``: a cross-encoder's relevance after its activation (task score), or the
+        cosine similarity of the two embeddings (task embed)."""
+        return self._sync(lambda runner: self._score(runner, a, b, options)).scores
+
+    def classify(self, inputs: Inputs, **options: Unpack[ScoreOptions]) -> ClassifyResult:
+        """Class probabilities ``[n, num_labels]`` and labels, as vLLM's ``LLM.classify``
+        (task classify; a cross-encoder gives its one sigmoid probability)."""
+        return self._sync(lambda runner: self._classify(runner, inputs, options))
+
+    def token_classify(self, inputs: Inputs, **options: Unpack[TokenOptions]) -> list[FloatArray]:
+        """Label probabilities of every token, one float32 ``[len_i, num_labels]`` array per
+        input, as vLLM's ``LLM.encode(..., pooling_task="token_classify")`` (task
+        token_classify: softmax, sigmoid for one label)."""
+        return self._sync(lambda runner: self._token_classify(runner, inputs, options)).embeddings
+
+    def reward(self, inputs: Inputs, **options: Unpack[TokenOptions]) -> list[FloatArray]:
+        """A reward model's outputs at every token, one float32 ``[len_i, num_labels]``
+        array per input, as vLLM's reward task (all tokens, no activation): for a decoder
+        ``*ForSequenceClassification`` reward model the last row is its score."""
+        return self._sync(lambda runner: self._reward(runner, inputs, options)).embeddings
+
+    def sparse_embed(self, inputs: Inputs, **options: Unpack[TokenOptions]) -> list[SparseVector]:
+        """SPLADE sparse vectors over the vocabulary (task sparse): per input, the token ids
+        with a non-zero weight and their weights, as sentence-transformers' SparseEncoder
+        computes them."""
+        return self._sync(lambda runner: self._sparse(runner, inputs, options)).vectors
+
+    def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        top_n: int | None = None,
+        **options: Unpack[ScoreOptions],
+    ) -> RerankResult:
+        """``documents`` by decreasing relevance to ``query`` (the first ``top_n`` when
+        given): a cross-encoder's scores, or cosine similarity for an embedding model."""
+        return self._sync(lambda runner: self._rerank(runner, query, documents, top_n, options))
+
+    def encode(
+        self, inputs: Inputs, *, task: EncodeTask = "embed", **options: Any
+    ) -> list[FloatArray]:
+        """One array per input for a pooling ``task``, as vLLM's ``LLM.encode``: ``embed``
+        (the pooled vector), ``token_embed`` (per-token hidden states ``[len_i, hidden]``),
+        ``classify`` (class probabilities), ``token_classify`` (per-token probabilities) or
+        ``reward`` (per-token raw outputs).
+        ``options`` are those of the task's own method; one that does not apply is a
+        TypeError, as there."""
+        if task == "embed":
+            return list(self.embed(inputs, **options))
+        if task == "token_embed":
+            return self.embed_tokens(inputs, **options)
+        if task == "classify":
+            return list(self.classify(inputs, **options).probs)
+        if task == "token_classify":
+            return self.token_classify(inputs, **options)
+        if task == "reward":
+            return self.reward(inputs, **options)
+        raise InvalidRequestError(
+            f"task must be one of {', '.join(ENCODE_TASKS)}; got {task!r}", param="task"
+        )
+
+    def tokenize(
+        self, texts: str | Sequence[str], *, add_special_tokens: bool = True
+    ) -> list[list[int]]:
+        """Token ids of each text, untruncated (what ``/tokenize`` returns)."""
+        return self._tokenizer.tokenize(texts, add_special_tokens=add_special_tokens)
+
+    def detokenize(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """The text of token ids (special tokens dropped unless asked for)."""
+        return self._tokenizer.detokenize(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """The tokenizer's own string for each id (``convert_ids_to_tokens``: WordPiece ``##``
+        and byte-level ``Ġ`` markers kept), as vLLM's ``/tokenize`` returns them."""
+        return self._tokenizer.token_strings(ids)
+
+    # -- one path per request type, whichever runner runs it ------------------------------
+    def _require(self, endpoint: str, *tasks: Task) -> None:
+        """A 400 naming the model's task when it cannot serve ``endpoint``."""
+        if self._config.task not in tasks:
+            raise InvalidRequestError(
+                f"{endpoint} needs a model with task {' or '.join(tasks)}; this model's task "
+                f"is {self._config.task} ({self._info.architecture})",
+                param="model",
+            )
+
+    async def _embed(self, runner: JobRunner, inputs: Inputs, options: EmbedOptions) -> EmbedResult:
+        check_options("embed", dict(options), EmbedOptions)
+        self._require("embedding", "embed")
+        items = normalize_inputs(inputs, "input")
+        head = self._config.head.options(options.get("dimensions"), options.get("normalize"))
+        special = options.get("add_special_tokens", True)
+        job = Job.prepare(items, options, self._config.prompts, add_special_tokens=special)
+        out = await self._run(runner, job)
+        return out.embed_result(head.apply(out.pooled))
+
+    async def _embed_tokens(
+        self, runner: JobRunner, inputs: Inputs, options: TokenEmbedOptions
+    ) -> TokenEmbedResult:
+        check_options("embed_tokens", dict(options), TokenEmbedOptions)
+        self._require("per-token embedding", "embed")
+        items = normalize_inputs(inputs, "input")
+        special = options.get("add_special_tokens", True)
+        max_values = options.get("max_output_values")
+        job = Job.prepare(
+            items,
+            options,
+            self._config.prompts,
+            add_special_tokens=special,
+            want_tokens=True,
+            max_token_rows=None if max_values is None else max_values // self._info.hidden_size,
+        )
+        out = await self._run(runner, job)
+        matrices = [t for t in out.tokens if t is not None]
+        normalize = bool(options.get("normalize"))
+        return out.token_result(self._config.head.finish_tokens(matrices, normalize))
+
+    async def _score(
+        self, runner: JobRunner, a: Inputs, b: Inputs, options: ScoreOptions
+    ) -> ScoreResult:
+        check_options("score", dict(options), ScoreOptions)
+        self._require("scoring", "embed", "score")
+        classifier = self._config.classifier
+        if classifier is None:
+            items, n_a = pair_inputs(a, b)
+            out = await self._run(runner, Job.prepare(items, options, self._config.prompts))
+            return out.score_result(cosine_scores(out.pooled, n_a))
+        out = await self._run(runner, Job.for_pairs(text_pairs(a, b), options))
+        return out.score_result(classifier.scores(out.pooled))
+
+    async def _classify(
+        self, runner: JobRunner, inputs: Inputs, options: ScoreOptions
+    ) -> ClassifyResult:
+        check_options("classify", dict(options), ScoreOptions)
+        self._require("classification", "classify", "score")
+        classifier = self._config.classifier
+        assert classifier is not None  # task classify and score have one
+        items = normalize_inputs(inputs, "input")
+        out = await self._run(runner, Job.prepare(items, options, self._config.prompts))
+        return out.classify_result(classifier.probabilities(out.pooled), classifier.labels)
+
+    async def _token_classify(
+        self, runner: JobRunner, inputs: Inputs, options: TokenOptions
+    ) -> TokenEmbedResult:
+        return await self._per_token(runner, inputs, options, "token_classify")
+
+    async def _reward(
+        self, runner: JobRunner, inputs: Inputs, options: TokenOptions
+    ) -> TokenEmbedResult:
+        return await self._per_token(runner, inputs, options, "reward")
+
+    async def _per_token(
+        self, runner: JobRunner, inputs: Inputs, options: TokenOptions, task: Task
+    ) -> TokenEmbedResult:
+        """The classifier's head on every token: probabilities (token_classify) or the raw
+        outputs (reward)."""
+        check_options(task, dict(options), TokenOptions)
+        if options.get("normalize"):
+            raise InvalidRequestError(f"normalize does not apply to task {task}", param="normalize")
+        self._require(task.replace("_", " "), task)
+        classifier = self._config.classifier
+        assert classifier is not None  # both tasks have one
+        items = normalize_inputs(inputs, "input")
+        special = options.get("add_special_tokens", True)
+        job = Job.prepare(
+            items, options, self._config.prompts, add_special_tokens=special, want_tokens=True
+        )
+        out = await self._run(runner, job)
+        raw = task == "reward"
+        outputs = [classifier.token_values(s, raw=raw) for s in out.tokens if s is not None]
+        return out.token_result(outputs)
+
+    async def _sparse(
+        self, runner: JobRunner, inputs: Inputs, options: TokenOptions
+    ) -> SparseEmbedResult:
+        check_options("sparse_embed", dict(options), TokenOptions)
+        if options.get("normalize"):
+            raise InvalidRequestError("normalize does not apply to task sparse", param="normalize")
+        self._require("sparse embedding", "sparse")
+        items = normalize_inputs(inputs, "input")
+        special = options.get("add_special_tokens", True)
+        job = Job.prepare(items, options, self._config.prompts, add_special_tokens=special)
+        out = await self._run(runner, job)
+        return out.sparse_result([SparseVector.from_dense(row) for row in out.pooled])
+
+    async def _rerank(
+        self,
+        runner: JobRunner,
+        query: str,
+        documents: Sequence[str],
+        top_n: int | None,
+        options: ScoreOptions,
+    ) -> RerankResult:
+        check_options("rerank", dict(options), ScoreOptions)
+        if not isinstance(query, str) or not query:
+            raise InvalidRequestError("query must be a non-empty string", param="query")
+        if isinstance(documents, str) or not documents:
+            raise InvalidRequestError("documents must be a non-empty list", param="documents")
+        for i, document in enumerate(documents):
+            if not isinstance(document, str) or not document:
+                raise InvalidRequestError(
+                    f"documents[{i}] must be a non-empty string", param="documents"
+                )
+        if top_n is not None and (isinstance(top_n, bool) or top_n < 0):
+            raise InvalidRequestError("top_n must be a non-negative integer", param="top_n")
+        result = await self._score(runner, query, list(documents), options)
+        return RerankResult(
+            results=rank(result.scores, top_n),
+            prompt_tokens=result.prompt_tokens,
+            truncated_inputs=result.truncated_inputs,
+            timings=result.timings,
+        )
+
+    async def _run(self, runner: JobRunner, job: Job) -> JobOutput:
+        out = await runner.run(job)
+        if self.metrics is not None:
+            out.record(self.metrics)
+        return out
+
+    @abc.abstractmethod
+    def _scheduled(self) -> JobRunner:
+        """Where the async API's jobs run; NotReadyError when not serving."""
+
+    @abc.abstractmethod
+    def _offloader(self) -> JobRunner:
+        """Where blocking tokenizer calls run."""
+
+    @abc.abstractmethod
+    def _sync(self, work: Callable[[JobRunner], Coroutine[Any, Any, T]]) -> T:
+        """Run ``work`` to completion for the sync API."""
+
+
+class AttachedEngine(ServingEngine):
+    """A front-end process's engine (``--api-workers N``): the engine's request-level
+    code (inputs, prompts, truncation, the per-request head, results) here, every job's
+    sequences run by the model and the scheduler of the engine process (:mod:`.ipc`).
+
+    It has no model, so only the async API serves; ``Engine.__init__``, which builds the
+    model's stages, is not called."""
+
+    def __init__(
+        self,
+        settings: ServerSettings,
+        handoff: Handoff,
+        client: EngineClient,
+        *,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.settings, self.metrics = settings, metrics
+        self._config, self._info = handoff.config, handoff.info
+        self._tokenizer = handoff.tokenizer
+        self._group = None
+        self._client = client
+        self._remote: RemoteRunner | None = None
+        self._ready = False
+
+    @classmethod
+    async def connect(
+        cls, settings: ServerSettings, address: str, *, metrics: Metrics | None = None
+    ) -> AttachedEngine:
+        """Connect to the engine process at ``address`` and wait until it serves."""
+        client = EngineClient(address)
+        try:
+            handoff = await client.connect()
+        except BaseException:
+            client.close()
+            raise
+        return cls(settings, handoff, client, metrics=metrics)
+
+    @property
+    def ready(self) -> bool:
+        return self._ready and self._client.failure is None
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(message)`` if the engine process goes away."""
+        self._client.on_failure(callback)
+
+    def close(self) -> None:
+        self._client.close()
+
+    async def start(self) -> None:
+        if self._ready:
+            return
+        pool = ThreadPoolExecutor(self.settings.tokenizer_workers, thread_name_prefix="tokenize")
+        loop = asyncio.get_running_loop()
+        self._remote = RemoteRunner(self._tokenizer, self._client, loop=loop, tokenize_pool=pool)
+        self._ready = True
+
+    async def stop(self, *, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop serving; the HTTP server has already waited for the requests in flight."""
+        self._ready = False
+        if self._remote is not None:
+            self._remote.shutdown()
+            self._remote = None
+        self.close()
+
+    def _scheduled(self) -> JobRunner:
+        if not self.ready or self._remote is None:
+            raise NotReadyError("the engine process is not serving")
+        return self._remote
+
+    def _offloader(self) -> JobRunner:
+        return self._scheduled()
+
+    def _sync(self, work: Callable[[JobRunner], Coroutine[Any, Any, T]]) -> T:
+        raise RuntimeError("a front-end's engine serves the async API only")
