@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import pickle
@@ -417,6 +418,11 @@ class RemoteRunner(ThreadedRunner):
         return JobOutput(tokenized, out.pooled, out.tokens, timings)
 
 
+def _answer(wire: Wire, frames: Sequence[bytes | memoryview]) -> None:
+    with contextlib.suppress(ConnectionError):  # the front-end is gone: nobody to tell
+        wire.send(frames)
+
+
 class EngineService:
     """The engine process's end: a unix socket every front-end connects to, served from the
     one scheduler. Listening from construction, before the model loads, so front-ends can
@@ -426,7 +432,7 @@ class EngineService:
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(path)
         self._listener.listen(socket.SOMAXCONN)
-        self._running: dict[tuple[Wire, int], asyncio.Task[None]] = {}
+        self._running: dict[tuple[Wire, int], asyncio.Future[ScheduledOutput]] = {}
 
     async def serve(self, scheduler: Scheduler, handoff: Handoff, front_ends: int) -> None:
         """Answer front-ends until cancelled. The handoff goes to all ``front_ends`` at once,
@@ -464,8 +470,8 @@ class EngineService:
             await failed
         finally:
             server.close()
-            for task in list(self._running.values()):
-                task.cancel()
+            for running in list(self._running.values()):
+                running.cancel()
 
     def _received(
         self, scheduler: Scheduler, wire: Wire, frames: Frames, hello: Callable[[], None]
@@ -473,39 +479,41 @@ class EngineService:
         header = orjson.loads(frames[0])
         op = header["op"]
         if op == "run":
-            key = (wire, int(header["rid"]))
+            rid = int(header["rid"])
             seqs = decode_sequences(frames[1:], header["want_tokens"])
-            task = asyncio.create_task(self._run(scheduler, wire, key[1], seqs))
-            self._running[key] = task
-            task.add_done_callback(lambda _, key=key: self._running.pop(key, None))  # type: ignore[misc]
+            try:
+                running = scheduler.enqueue(seqs)
+            except EmbeddingServerError as error:  # 413, 429, not running: answered at once
+                _answer(wire, [encode_error(rid, error)])
+                return
+            # Answered from the future's callback: no task, no coroutine per request.
+            self._running[(wire, rid)] = running
+            running.add_done_callback(functools.partial(self._done, wire, rid))
         elif op == "cancel":
-            running = self._running.get((wire, int(header["rid"])))
-            if running is not None:
-                running.cancel()
+            cancelled = self._running.get((wire, int(header["rid"])))
+            if cancelled is not None:
+                cancelled.cancel()  # the scheduler withdraws what is still queued
         elif op == "hello":
             hello()
 
     def _withdraw(self, wire: Wire) -> None:
         """A front-end gone (it crashed): its queued work leaves the scheduler."""
-        for (owner, _), task in list(self._running.items()):
+        for (owner, _), running in list(self._running.items()):
             if owner is wire:
-                task.cancel()
+                running.cancel()
 
-    async def _run(
-        self, scheduler: Scheduler, wire: Wire, rid: int, seqs: list[SequenceInput]
-    ) -> None:
-        try:
-            out = await scheduler.submit(seqs)
-        except asyncio.CancelledError:
-            raise
-        except Exception as error:  # answered to the front-end, which raises it there
-            if not isinstance(error, EmbeddingServerError):
-                logger.error("request failed in the engine: %s", error, exc_info=error)
-            frames: Sequence[bytes | memoryview] = [encode_error(rid, error)]
-        else:
-            frames = encode_output(rid, out)
-        with contextlib.suppress(ConnectionError):  # the front-end is gone: nobody to tell
-            wire.send(frames)
+    def _done(self, wire: Wire, rid: int, running: asyncio.Future[ScheduledOutput]) -> None:
+        """Send a request's results, or its error, to its front-end."""
+        self._running.pop((wire, rid), None)
+        if running.cancelled():  # the front-end cancelled it, or is gone: nobody to tell
+            return
+        error = running.exception()
+        if error is None:
+            _answer(wire, encode_output(rid, running.result()))
+            return
+        if not isinstance(error, EmbeddingServerError):  # the front-end raises it there
+            logger.error("request failed in the engine: %s", error, exc_info=error)
+        _answer(wire, [encode_error(rid, error)])
 
     def close(self) -> None:
         self._listener.close()

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -278,7 +279,16 @@ class Scheduler:
         self, seqs: Sequence[SequenceInput], reservation: Reservation | None = None
     ) -> ScheduledOutput:
         """Queue one request's sequences and wait for all their results (its reservation,
-        if any, becomes the exact count)."""
+        if any, becomes the exact count). Cancelling the caller withdraws what is queued."""
+        return await self.enqueue(seqs, reservation)
+
+    def enqueue(
+        self, seqs: Sequence[SequenceInput], reservation: Reservation | None = None
+    ) -> asyncio.Future[ScheduledOutput]:
+        """:meth:`submit` without a coroutine: queue the sequences and return the future of
+        their results. Cancelling the future withdraws whatever of the request is still
+        queued. For callers that answer from a callback (the engine process answers each
+        front-end's request so, with no task per request)."""
         if reservation is not None:
             reservation.release()
         if not self._accepting or self._wakeup is None:
@@ -307,11 +317,12 @@ class Scheduler:
         if self._idle is not None:
             self._idle.clear()
         self._wakeup.set()
-        try:
-            return await request.future
-        except asyncio.CancelledError:
+        request.future.add_done_callback(functools.partial(self._withdraw_if_cancelled, request))
+        return request.future
+
+    def _withdraw_if_cancelled(self, request: _Request, future: asyncio.Future[Any]) -> None:
+        if future.cancelled():
             self._withdraw(request)
-            raise
 
     def _withdraw(self, request: _Request) -> None:
         """Remove a cancelled request's queued items (lazily dropped from the deques)."""

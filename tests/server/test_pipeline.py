@@ -105,6 +105,26 @@ async def test_a_prepared_batch_whose_requests_all_left_never_runs(
     assert scheduler.queued_tokens == 0
 
 
+async def test_a_cancelled_enqueue_future_withdraws_its_request(
+    sched: tuple[Scheduler, GatedForward],
+) -> None:
+    """``enqueue`` (the engine process's way, answering from a callback): cancelling the
+    future takes its request out of the queue, and the others are answered as usual."""
+    scheduler, forward = sched
+    first = scheduler.enqueue([seq(1, 30)])
+    await wait_for(forward.running.is_set)
+    doomed = scheduler.enqueue([seq(7, 10), seq(7, 20)])
+    kept = scheduler.enqueue([seq(8, 10)])
+    assert scheduler.queued_requests == 2
+    doomed.cancel()
+    await wait_for(lambda: scheduler.queued_requests == 1)
+    assert scheduler.queued_tokens == 10
+    forward.gate.set()
+    assert (await kept).pooled.tolist() == [[8.0, 10.0]]
+    await first
+    assert forward.batches == [[1], [8]]
+
+
 async def test_a_prepared_batch_still_runs_for_the_requests_that_stayed(
     sched: tuple[Scheduler, GatedForward],
 ) -> None:
