@@ -10,7 +10,8 @@ is reported cannot drift apart.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from .errors import InvalidRequestError, UnsupportedModelError
@@ -51,11 +52,19 @@ class EngineConfig:
     @property
     def batch_head(self) -> PoolingHead | ClassificationHead:
         """What the forward worker applies after pooling: Dense layers, or a sequence
-        classifier (token_classify and reward run the head on the token states, in the
-        engine)."""
-        if self.classifier is None or self.classifier.per_token or self.task == "reward":
+        classifier (token_classify and reward run the head on the token states instead:
+        :attr:`token_head`)."""
+        if self.classifier is None or self.token_head is not None:
             return self.head
-        return self.classifier.head
+        return self.classifier.weights()
+
+    @property
+    def token_head(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """What the forward worker applies to the token states it returns: the classifier of
+        task token_classify (probabilities) or reward (raw outputs), else nothing."""
+        if self.classifier is None or self.task not in ("token_classify", "reward"):
+            return None
+        return self.classifier.token_head(raw=self.task == "reward")
 
 
 def resolve_config(
@@ -82,7 +91,7 @@ def resolve_config(
     declared_flag, declared_dims = declared_matryoshka(loaded.config, st)
     classifier = loaded.classifier if task != "embed" else None
     if classifier is not None:
-        classifier = replace(classifier, head=classifier.head.to(device))
+        classifier = classifier.to(device)
     pooling = classifier.pooling if classifier is not None else _pooling(settings, loaded)
     matryoshka = build_matryoshka(
         dense[-1].out_features if dense else loaded.model.hidden_size,

@@ -144,6 +144,7 @@ class Engine(ServingEngine):
             cpu_threads=config.cpu_threads,
             attention=attention.backend,
             token_pooler=config.sparse,
+            token_head=config.token_head,
         )
         self._direct = DirectRunner(
             self._tokenizer,

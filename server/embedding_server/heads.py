@@ -29,8 +29,9 @@ as an embedder by its body.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -86,7 +87,7 @@ class ClassificationHead:
     def num_labels(self) -> int:
         return int(self.weight.shape[0])
 
-    def to(self, device: torch.device | str) -> ClassificationHead:
+    def to(self, device: torch.device) -> ClassificationHead:
         # Imported here, not at the top: a front-end process (``--api-workers``) reads this
         # module's types and loads torch only when it serves a classifier.
         import torch
@@ -123,7 +124,9 @@ class ClassificationHead:
 class Classifier:
     """A checkpoint's classification head and how to read its logits."""
 
-    head: ClassificationHead
+    head: ClassificationHead | None
+    """The weights, on the engine's device; None in a front-end process's copy
+    (``--api-workers``): heads run in the engine, only activations run per request."""
     pooling: PoolingMethod
     labels: tuple[str, ...]
     """``id2label`` in label order."""
@@ -134,45 +137,80 @@ class Classifier:
 
     @property
     def num_labels(self) -> int:
-        return self.head.num_labels
+        return len(self.labels)
 
     @property
     def score_activation(self) -> str:
         """Applied to the one logit of a cross-encoder score (CrossEncoder.predict's)."""
         return self.activation or ("sigmoid" if self.num_labels == 1 else "identity")
 
+    def weights(self) -> ClassificationHead:
+        if self.head is None:
+            raise RuntimeError("this copy of the classifier has no weights (a front-end's)")
+        return self.head
+
+    def to(self, device: torch.device) -> Classifier:
+        return replace(self, head=self.weights().to(device))
+
     def probabilities(self, logits: FloatArray) -> FloatArray:
         """``/classify``'s probs, as vLLM's classify task computes them whatever activation a
         CrossEncoder config declares (that one is for scores): softmax over the labels,
-        sigmoid for a single label."""
-        import torch  # see ClassificationHead.to()
-
-        return _float32(self._probabilities(torch.from_numpy(logits)))
+        sigmoid for a single label. Per request, in numpy (front-ends have no torch)."""
+        if self.num_labels == 1:
+            return apply_activation("sigmoid", logits)
+        return softmax(logits)
 
     def scores(self, logits: FloatArray) -> FloatArray:
         """One relevance score per pair (``[B]``) from one-label logits."""
-        import torch  # see ClassificationHead.to()
+        return apply_activation(self.score_activation, logits[:, 0])
 
-        return _float32(activation(self.score_activation)(torch.from_numpy(logits[:, 0])))
+    def token_head(self, *, raw: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The head over token states ``[tokens, hidden]``, which the runner applies on the
+        device before copying them back: label probabilities (softmax, sigmoid for one
+        label), or the raw outputs (``raw``: the reward task)."""
+        head = self.weights()
+        single = self.num_labels == 1
 
-    def token_values(self, states: FloatArray, *, raw: bool) -> FloatArray:
-        """The head on each token's hidden state (``[len, hidden]``): label probabilities, or
-        the raw outputs (``raw``, the reward task)."""
-        import torch  # see ClassificationHead.to()
+        def outputs(states: torch.Tensor) -> torch.Tensor:
+            import torch  # see ClassificationHead.to()
 
-        logits = self.head.project(torch.from_numpy(states))
-        return _float32(logits if raw else self._probabilities(logits))
+            logits = head.project(states)
+            if raw:
+                return logits
+            return torch.sigmoid(logits) if single else torch.softmax(logits, dim=-1)
 
-    def _probabilities(self, logits: torch.Tensor) -> torch.Tensor:
-        import torch  # see ClassificationHead.to()
-
-        if self.num_labels == 1:
-            return torch.sigmoid(logits)
-        return torch.softmax(logits, dim=-1)
+        return outputs
 
 
-def _float32(values: torch.Tensor) -> FloatArray:
-    return values.numpy().astype(np.float32, copy=False)
+def apply_activation(name: str, x: FloatArray) -> FloatArray:
+    """The activation :func:`~.pooling.activation` names, in numpy (float64 inside): for the
+    per-request part of a classifier, which front-end processes run without torch."""
+    v = np.asarray(x, dtype=np.float64)
+    if name == "identity":
+        out = v
+    elif name == "tanh":
+        out = np.tanh(v)
+    elif name == "relu":
+        out = np.maximum(v, 0.0)
+    elif name in ("sigmoid", "silu"):
+        sigmoid = np.exp(-np.logaddexp(0.0, -v))
+        out = sigmoid if name == "sigmoid" else v * sigmoid
+    elif name == "gelu":
+        out = 0.5 * v * (1.0 + _erf(v / math.sqrt(2.0)))
+    else:
+        raise ValueError(f"unknown activation {name!r}")
+    return out.astype(np.float32)
+
+
+def softmax(logits: FloatArray) -> FloatArray:
+    """Softmax over the last axis (float64 inside, float32 out)."""
+    v = np.asarray(logits, dtype=np.float64)
+    e = np.exp(v - v.max(axis=-1, keepdims=True))
+    out: FloatArray = (e / e.sum(axis=-1, keepdims=True)).astype(np.float32)
+    return out
+
+
+_erf = np.vectorize(math.erf, otypes=[np.float64])
 
 
 def head_kind(config: Mapping[str, Any]) -> HeadKind | None:

@@ -100,12 +100,13 @@ class Handoff:
 
     @classmethod
     def of(cls, config: EngineConfig, info: EngineInfo, tokenizer: TextTokenizer) -> Handoff:
-        """A front-end's copy: the per-request code needs no weights but a classifier's (its
-        activation, and the per-token head), and those on the CPU; Dense layers and a SPLADE
-        head run in the engine process's batches."""
+        """A front-end's copy, with no weights: Dense layers, classifier heads and a SPLADE
+        head run in the engine process's batches, and what runs per request (truncation,
+        normalization, a classifier's activation) needs none. So no tensor crosses, and a
+        front-end never loads torch."""
         classifier = config.classifier
         if classifier is not None:
-            classifier = replace(classifier, head=classifier.head.to("cpu"))
+            classifier = replace(classifier, head=None)
         head = replace(config.head, dense=())
         return cls(replace(config, head=head, classifier=classifier, sparse=None), info, tokenizer)
 

@@ -75,6 +75,11 @@ class TokenPooler(Protocol):
     def __call__(self, hidden: torch.Tensor, seqlens: Sequence[int]) -> torch.Tensor: ...
 
 
+TokenHead = Callable[[torch.Tensor], torch.Tensor]
+"""Applied to the token states a sequence asked for (``[tokens, hidden]``) before they are
+copied back: a token classifier's head (:meth:`~.heads.Classifier.token_head`)."""
+
+
 class ModelRunner:
     """Runs packed forward passes and the batch-level part of pooling."""
 
@@ -89,9 +94,11 @@ class ModelRunner:
         cpu_threads: int = 1,
         attention: Backend = Backend.SDPA_BUCKETED,
         token_pooler: TokenPooler | None = None,
+        token_head: TokenHead | None = None,
     ) -> None:
         self.model = model
         self.token_pooler = token_pooler
+        self.token_head = token_head
         self.device = device
         self.pooling = pooling
         self.include_prompt = include_prompt
@@ -117,25 +124,26 @@ class ModelRunner:
             return [SequenceInput([1] * max_len) for _ in range(n)]
         return [SequenceInput([1] * min(16, max_len)), SequenceInput([1] * min(7, max_len))]
 
-    @staticmethod
     def _token_states(
-        hidden: torch.Tensor, ordered: Sequence[SequenceInput]
+        self, hidden: torch.Tensor, ordered: Sequence[SequenceInput]
     ) -> list[FloatArray | None]:
-        """The per-token states of the sequences that asked for them, in one device-to-host
-        copy (a copy per sequence would sync the GPU once per sequence)."""
+        """The per-token states of the sequences that asked for them (through the token head,
+        if any), in one device-to-host copy (a copy per sequence would sync the GPU once per
+        sequence)."""
         wanted = [s.want_tokens for s in ordered]
         if not any(wanted):
             return [None] * len(ordered)
         lengths = [len(s.ids) for s in ordered]
-        if all(wanted):
-            host = hidden.float().cpu().numpy()
-        else:
+        states = hidden
+        if not all(wanted):
             starts = np.cumsum([0, *lengths[:-1]])
             rows = np.concatenate(
                 [np.arange(a, a + n) for a, n, w in zip(starts, lengths, wanted, strict=True) if w]
             )
-            index = torch.from_numpy(rows).to(hidden.device)
-            host = hidden.index_select(0, index).float().cpu().numpy()
+            states = hidden.index_select(0, torch.from_numpy(rows).to(hidden.device))
+        if self.token_head is not None:
+            states = self.token_head(states)
+        host = states.float().cpu().numpy()
         out: list[FloatArray | None] = []
         offset = 0
         for n, want in zip(lengths, wanted, strict=True):

@@ -10,10 +10,10 @@ activation) and the results. Where a job's sequences run is left to the two subc
 * :class:`AttachedEngine` is a front-end process's: its jobs go to the engine process over
   :mod:`.ipc`.
 
-Nothing here imports torch at module level, nor does anything it imports: a front-end process
-of an embedding model never loads the model runtime (measured: about 2 s of start-up and
-270 MB of private memory per process). A classifier's head still runs on torch, imported by
-:mod:`.heads` when the model has one.
+Nothing here imports torch, nor does anything it imports, and nothing here computes with it:
+weights and heads run in the engine's batches, and what runs per request (truncation,
+normalization, a classifier's activation) is numpy. So a front-end process never loads the
+model runtime (measured: about 2 s of start-up and 270 MB of private memory per process).
 """
 
 from __future__ import annotations
@@ -347,22 +347,18 @@ class ServingEngine(abc.ABC):
         self, runner: JobRunner, inputs: Inputs, options: TokenOptions, task: Task
     ) -> TokenEmbedResult:
         """The classifier's head on every token: probabilities (token_classify) or the raw
-        outputs (reward)."""
+        outputs (reward), applied in the runner's batch (:attr:`EngineConfig.token_head`)."""
         check_options(task, dict(options), TokenOptions)
         if options.get("normalize"):
             raise InvalidRequestError(f"normalize does not apply to task {task}", param="normalize")
         self._require(task.replace("_", " "), task)
-        classifier = self._config.classifier
-        assert classifier is not None  # both tasks have one
         items = normalize_inputs(inputs, "input")
         special = options.get("add_special_tokens", True)
         job = Job.prepare(
             items, options, self._config.prompts, add_special_tokens=special, want_tokens=True
         )
         out = await self._run(runner, job)
-        raw = task == "reward"
-        outputs = [classifier.token_values(s, raw=raw) for s in out.tokens if s is not None]
-        return out.token_result(outputs)
+        return out.token_result([t for t in out.tokens if t is not None])
 
     async def _sparse(
         self, runner: JobRunner, inputs: Inputs, options: TokenOptions

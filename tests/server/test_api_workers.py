@@ -93,9 +93,12 @@ def _maps_torch(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("per_token", [False, True], ids=["classify", "token_classify"])
-def test_a_classifier_head_runs_in_the_front_ends(tmp_path: Path, per_token: bool) -> None:
-    """A classifier's activation, and a token classifier's head, run per request in the
-    front-end, which loads torch for them: the answers are the one-process engine's."""
+def test_classifiers_answer_through_front_ends_without_torch(
+    tmp_path: Path, per_token: bool
+) -> None:
+    """A classifier's head runs in the engine's batches (a token classifier's too, on the
+    token states), its activation per request in numpy: the front-ends still load no torch,
+    and the answers are the one-process engine's."""
     path = build_classifier(tmp_path / "model", "bert", 3, per_token=per_token)
     reference = Engine.from_pretrained(str(path), dtype="float32")
     inputs = texts(12)
@@ -110,6 +113,8 @@ def test_a_classifier_head_runs_in_the_front_ends(tmp_path: Path, per_token: boo
             want = reference.encode(inputs, task=task)
             for got, expected in zip(rows, want, strict=True):
                 np.testing.assert_allclose(got, expected, atol=1e-5)
+        for child in s.children:
+            assert not _maps_torch(child.pid), f"front-end {child.pid} loaded torch"
 
 
 def _post_raw(port: int, text: str) -> socket.socket:

@@ -17,6 +17,8 @@ import pytest
 import torch
 from embedding_server.engine import Engine
 from embedding_server.errors import InvalidRequestError, UnsupportedModelError
+from embedding_server.heads import apply_activation, softmax
+from embedding_server.pooling import ACTIVATIONS, activation
 from embedding_server.tokenization import Truncation, longest_first
 from transformers import (
     AutoModelForSequenceClassification,
@@ -402,3 +404,18 @@ def test_long_pairs_are_clipped_without_changing_the_tokens(
             assert got.truncated
     with pytest.raises(InvalidRequestError, match="more than the maximum"):
         tokenizer.encode_pairs([(short, long_text)], truncation=Truncation.refuse())
+
+
+@pytest.mark.parametrize("name", ACTIVATIONS)
+def test_per_request_activations_are_torchs(name: str) -> None:
+    """A classifier's activation runs per request in numpy (front-end processes have no
+    torch); the engine's heads use torch's. The two must agree, far into the tails."""
+    x = np.concatenate(
+        [np.linspace(-40, 40, 801), np.random.default_rng(0).normal(0, 3, 499)]
+    ).astype(np.float32)
+    want = activation(name)(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(apply_activation(name, x), want, rtol=1e-5, atol=1e-6)
+    logits = x.reshape(-1, 13)
+    np.testing.assert_allclose(
+        softmax(logits), torch.softmax(torch.from_numpy(logits), -1).numpy(), rtol=2e-6, atol=1e-7
+    )

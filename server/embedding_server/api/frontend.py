@@ -1,9 +1,9 @@
 """An ``--api-workers`` front-end process: the HTTP API, its jobs run by the engine process.
 
 Started by :mod:`.workers` (``multiprocessing`` spawn), so this module is what a front-end
-imports first. It and everything it imports stay free of the model runtime: a front-end of
-an embedding model never loads torch (about 2 s of start-up and 270 MB of private memory per
-process, measured), and ``tests/server/test_api_workers.py`` checks that on live processes.
+imports first. It and everything it imports stay free of the model runtime: a front-end never
+loads torch (about 2 s of start-up and 270 MB of private memory per process, measured), and
+``tests/server/test_api_workers.py`` checks that on live processes.
 """
 
 from __future__ import annotations
@@ -43,8 +43,6 @@ def run_frontend(
     # which sends one SIGTERM (a second signal would make uvicorn skip the drain).
     os.setpgid(0, 0)
     threading.Thread(target=_exit_with_parent, args=(parent, shared_dir), daemon=True).start()
-    # One thread for torch, should a classifier's head bring it in: the model runs elsewhere.
-    os.environ["OMP_NUM_THREADS"] = "1"
 
     async def connect(metrics: Metrics) -> ServingEngine:
         return await AttachedEngine.connect(settings, engine_address(shared_dir), metrics=metrics)
