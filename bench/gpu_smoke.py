@@ -11,7 +11,8 @@ One command, a few minutes, no downloads; what it prints goes into the README:
    float32 reference: head dims 32-256, grouped-query and plain, causal and bidirectional,
    with and without a sliding window, one packed batch of lengths from 1 to 2048.
 3. Models: a tiny random model of each family (BERT, XLM-R, ModernBERT, Llama, Mistral,
-   Qwen2, Qwen3, Gemma 3) on the device in each dtype and kernel, against the CPU in float32.
+   Qwen2, Qwen3, Gemma 3) on the device in each dtype and kernel, against the CPU in float32;
+   then a sequence and a token classifier through the whole engine (heads on the device).
 4. Scale: a two-layer decoder with a 7B model's shapes (hidden 4096, 32 heads, 8 KV heads,
    MLP 14336) at the full GPU token budget: time per forward and peak memory, per kernel.
 
@@ -226,6 +227,80 @@ def model_checks(
                 )
 
 
+# Largest gap of a class probability to CPU float32's that a classifier head may show.
+MAX_PROB_GAP = {torch.float32: 1e-4, torch.bfloat16: 0.05, torch.float16: 0.01}
+
+
+def build_classifier(root: Path, per_token: bool) -> Path:
+    """A tiny random BERT ``ForSequenceClassification`` (3 labels) or
+    ``ForTokenClassification`` (5 labels), with a byte-level tokenizer: the server runs the
+    first's head on pooled vectors, the second's on every token's state, both on the device."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import (
+        AutoConfig,
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+        PreTrainedTokenizerFast,
+    )
+
+    path = root / ("bert-token-classifier" if per_token else "bert-classifier")
+    specials = ["[PAD]", "[CLS]", "[SEP]", "[UNK]"]
+    vocab = {token: i for i, token in enumerate(specials)}
+    for char in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[char] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", 1), ("[SEP]", 2)],
+    )
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]"
+    ).save_pretrained(path)
+    config = AutoConfig.for_model(
+        "bert",
+        **{**SMALL, "vocab_size": len(vocab)},
+        **FAMILIES["bert"],
+        num_labels=5 if per_token else 3,
+    )
+    auto = AutoModelForTokenClassification if per_token else AutoModelForSequenceClassification
+    torch.manual_seed(0)
+    model = auto.from_config(config)
+    for parameter in model.parameters():
+        parameter.data.normal_(0.0, 0.2)
+    model.save_pretrained(path)
+    return path
+
+
+def head_checks(device: torch.device, dtypes: list[torch.dtype], root: Path) -> Iterator[Check]:
+    """Classifier heads through the whole engine on the device: /classify's probabilities
+    (pooled vector, head, softmax) and token_classify's (the head on every token's state,
+    run before the copy back), against the CPU in float32."""
+    import numpy as np
+    from embedding_server.engine import Engine
+
+    texts = ["x", "a short one", "a longer text about the weather in the mountains " * 12]
+    for per_token in (False, True):
+        path = build_classifier(root, per_token)
+        task = "token_classify" if per_token else "classify"
+        cpu = Engine.from_pretrained(str(path), device="cpu", dtype="float32")
+        want = cpu.encode(texts, task=task)
+        for dtype in dtypes:
+            name = str(dtype).removeprefix("torch.")
+            engine = Engine.from_pretrained(str(path), device=str(device), dtype=name)
+            got = engine.encode(texts, task=task)
+            gap = max(float(np.abs(g - w).max()) for g, w in zip(got, want, strict=True))
+            yield Check(
+                "heads",
+                f"bert {task} {engine.info().attention} {name}",
+                gap <= MAX_PROB_GAP[dtype],
+                f"max probability gap {gap:.2e} vs CPU float32",
+            )
+            engine.close()
+
+
 def scale_runs(device: torch.device, root: Path, tokens: int) -> Iterator[Check]:
     """A 7B decoder's shapes, two layers, one batch at the token budget (512-token inputs)."""
     from transformers import LlamaConfig, LlamaModel
@@ -297,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         sections: list[Callable[[], Iterator[Check]]] = [
             lambda: kernel_checks(device, dtypes, args.quick),
             lambda: model_checks(device, [*dtypes, torch.float32], Path(tmp), args.quick),
+            lambda: head_checks(device, [*dtypes, torch.float32], Path(tmp)),
         ]
         if not args.no_scale:
             sections.append(lambda: scale_runs(device, Path(tmp), args.tokens))

@@ -88,8 +88,8 @@ class ClassificationHead:
         return int(self.weight.shape[0])
 
     def to(self, device: torch.device) -> ClassificationHead:
-        # Imported here, not at the top: a front-end process (``--api-workers``) reads this
-        # module's types and loads torch only when it serves a classifier.
+        # Imported here, not at the top: front-end processes (``--api-workers``) unpickle this
+        # module's types and never load torch.
         import torch
 
         def move(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -228,9 +228,9 @@ class ServerSettings(EngineSettings):
         "processes share the port and do HTTP, validation, tokenization and response "
         "encoding, and one engine process (the one started, PID 1 in a container) owns the "
         "model, the queue and continuous batching across all of them; token ids and vectors "
-        "cross between them as raw buffers over a unix socket. Each front-end is a Python process "
-        "with its own tokenizer (~0.4 GB of memory, no GPU memory); use it when one CPU "
-        "core, not the model, caps throughput.",
+        "cross between them as raw buffers over a unix socket. Each front-end is a Python "
+        "process with its own tokenizer and no torch (~50 MB of memory, no GPU memory); use it "
+        "when one CPU core, not the model, caps throughput.",
     )
 
 
