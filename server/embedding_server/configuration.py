@@ -54,7 +54,7 @@ class EngineConfig:
         """What the forward worker applies after pooling: Dense layers, or a sequence
         classifier (token_classify and reward run the head on the token states instead:
         :attr:`token_head`)."""
-        if self.classifier is None or self.token_head is not None:
+        if self.classifier is None or self.task in _TOKEN_HEAD_TASKS:
             return self.head
         return self.classifier.weights()
 
@@ -62,9 +62,13 @@ class EngineConfig:
     def token_head(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """What the forward worker applies to the token states it returns: the classifier of
         task token_classify (probabilities) or reward (raw outputs), else nothing."""
-        if self.classifier is None or self.task not in ("token_classify", "reward"):
+        if self.classifier is None or self.task not in _TOKEN_HEAD_TASKS:
             return None
         return self.classifier.token_head(raw=self.task == "reward")
+
+
+_TOKEN_HEAD_TASKS: tuple[Task, ...] = ("token_classify", "reward")
+"""The tasks whose classifier runs on every token's state rather than a pooled vector."""
 
 
 def resolve_config(
