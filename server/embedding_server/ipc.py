@@ -17,14 +17,31 @@ sides), and the messages of one turn of the loop leave in one write.
   frames: sequence lengths, all token ids concatenated, the prompt tokens to skip per
   sequence, and the segment ids concatenated (an empty frame for single texts);
 * engine -> front-end: header ``{"rid", "dim", "token_rows", "queue_s", "forward_s",
-  "pool_s"}``, then the pooled float32 ``[n, dim]`` matrix and, when asked, every sequence's
-  per-token float32 states concatenated; or ``{"rid", "error": {...}}`` naming one of the
-  server's error types (429 with its ``retry_after``, 413, 503) so the front-end raises it;
+  "pool_s", "held", "rate"}``, then the pooled float32 ``[n, dim]`` matrix and, when asked,
+  every sequence's per-token float32 states concatenated; or ``{"rid", "error": {...},
+  "held", "rate"}`` naming one of the server's error types (429 with its ``retry_after``,
+  413, 503) so the front-end raises it. ``held`` and ``rate`` are the engine's queue as the
+  answer left: the tokens it holds and its drain rate;
+* engine -> front-end ``{"op": "queue", "held", "rate"}``: the queue has drained below what
+  this front-end last heard (see below);
 * front-end -> engine ``cancel``: ``{"op": "cancel", "rid"}`` when the request's caller went
   away; the engine withdraws its queued sequences (:meth:`Scheduler.submit`'s cancellation);
 * ``hello``: a front-end's first message; the engine answers once its model is warmed up and
   every front-end has said hello (so they turn ready together) with a pickled
   :class:`Handoff` (configuration, info, tokenizer): the only pickle, once per front-end.
+
+**Admission before tokenizing.** A front-end admits each request as the one-process server
+does (:class:`~.scheduler.Admission`), before paying for its tokenization: over the
+per-request limit is a 413, and a request that would not fit the engine's queue, as the
+front-end last heard of it, is a 429 with the engine's ``Retry-After``; so is one that would
+not fit beside the requests this front-end is still tokenizing (a burst). The view never
+overstates the queue for longer than a message takes: every answer carries it, and when the
+queue drains below what a front-end last heard, the engine tells it (``queue``, at most one
+per turn of its loop, and none while its answers keep the front-end up to date). A queue
+with room for any request (held at most ``max_queue_tokens - max_request_tokens``) is told
+as empty, so short of overload no such news is ever sent. A view that understates the
+queue only lets a request through to the engine, which admits the exact tokens again as
+they arrive.
 
 A front-end notices the engine process going away when its connection closes: it fails every
 waiting request with 503 and reports it (:meth:`EngineClient.on_failure`), so its readiness
@@ -64,8 +81,7 @@ from .errors import (
 )
 from .jobs import Job, ThreadedRunner
 from .pooling import FloatArray
-from .results import JobOutput, StageTimings
-from .scheduler import ScheduledOutput, Scheduler
+from .scheduler import Admission, Reservation, ScheduledOutput, Scheduler
 from .sequences import SequenceInput
 from .tokenization import TextTokenizer
 
@@ -145,10 +161,15 @@ def decode_sequences(
     ]
 
 
-def encode_output(rid: int, out: ScheduledOutput) -> list[bytes | memoryview]:
+def encode_output(
+    rid: int, out: ScheduledOutput, queue: tuple[int, float] = (0, 0.0)
+) -> list[bytes | memoryview]:
+    """A request's results; ``queue`` is the engine's (held tokens, drain rate)."""
     pooled = np.ascontiguousarray(out.pooled, dtype=np.float32)
     header: dict[str, Any] = {
         "rid": rid,
+        "held": queue[0],
+        "rate": queue[1],
         "dim": int(pooled.shape[1]) if pooled.ndim == 2 else 0,
         "queue_s": out.queue_s,
         "forward_s": out.forward_s,
@@ -176,7 +197,9 @@ def decode_output(header: dict[str, Any], frames: Sequence[memoryview | bytes]) 
     return ScheduledOutput(pooled, tokens, header["queue_s"], header["forward_s"], header["pool_s"])
 
 
-def encode_error(rid: int, error: BaseException) -> bytes:
+def encode_error(rid: int, error: BaseException, queue: tuple[int, float] = (0, 0.0)) -> bytes:
+    """A request's error by type (see :func:`decode_error`); ``queue`` as for
+    :func:`encode_output`."""
     if isinstance(error, EmbeddingServerError) and type(error).__name__ in _ERRORS:
         body = {
             "type": type(error).__name__,
@@ -186,7 +209,7 @@ def encode_error(rid: int, error: BaseException) -> bytes:
         }
     else:  # a bug or a failed forward pass: its details stay in the engine's log
         body = {"type": "EmbeddingServerError", "message": "the engine failed the request"}
-    return orjson.dumps({"rid": rid, "error": body})
+    return orjson.dumps({"rid": rid, "error": body, "held": queue[0], "rate": queue[1]})
 
 
 def decode_error(body: dict[str, Any]) -> EmbeddingServerError:
@@ -309,6 +332,8 @@ class EngineClient:
         self._rids = itertools.count()
         self._handoff: asyncio.Future[Handoff] | None = None
         self._callbacks: list[Callable[[str], None]] = []
+        self._admission = Admission.of(1)
+        self._queue = (0, 0.0)
         self.failure: str | None = None
 
     def on_failure(self, callback: Callable[[str], None]) -> None:
@@ -323,11 +348,33 @@ class EngineClient:
         self._handoff = loop.create_future()
         await loop.create_unix_connection(lambda: self._wire, self._path)
         self._wire.send([_HELLO])
-        return await self._handoff
+        handoff = await self._handoff
+        config = handoff.config
+        self._admission = Admission.of(config.max_queue_tokens, config.max_request_tokens)
+        return handoff
 
-    async def submit(self, seqs: Sequence[SequenceInput], want_tokens: bool) -> ScheduledOutput:
+    @property
+    def engine_queue(self) -> tuple[int, float]:
+        """The engine's queue as this front-end last heard of it: tokens held, drain rate."""
+        return self._queue
+
+    def reserve(self, floor: int, estimate: int) -> Reservation:
+        """Admit a request before it is tokenized (see the module docstring): ``floor``
+        tokens at least, about ``estimate``, reserved here until :meth:`submit` sends it."""
+        held, rate = self._queue
+        return self._admission.reserve(floor, estimate, held, rate)
+
+    async def submit(
+        self,
+        seqs: Sequence[SequenceInput],
+        want_tokens: bool,
+        reservation: Reservation | None = None,
+    ) -> ScheduledOutput:
         """Queue ``seqs`` in the engine's scheduler and wait for their results; cancelling
-        the caller withdraws them there."""
+        the caller withdraws them there. Their ``reservation`` ends as they are sent: from
+        then on the engine's queue holds them."""
+        if reservation is not None:
+            reservation.release()
         if self.failure is not None:
             raise EngineFailedError("the engine process has stopped")
         rid = next(self._rids)
@@ -352,7 +399,11 @@ class EngineClient:
     def _received(self, frames: Frames) -> None:
         try:
             header = orjson.loads(frames[0])
-            if header.get("op") == "hello":
+            self._queue = (header.get("held", 0), header.get("rate", 0.0))
+            op = header.get("op")
+            if op == "queue":
+                return
+            if op == "hello":
                 if self._handoff is not None and not self._handoff.done():
                     self._handoff.set_result(pickle.loads(frames[1]))
                 return
@@ -397,9 +448,9 @@ class RemoteRunner(ThreadedRunner):
     """A front-end's :class:`~.jobs.JobRunner`: tokenizes here, in the front-end's thread
     pool, and runs the sequences in the engine process's scheduler.
 
-    Unlike :class:`~.jobs.ScheduledRunner` it does not reserve queue room before tokenizing
-    (that would cost a round trip per request): the engine admits the exact tokens, so an
-    overloaded engine still answers 429, after this front-end has paid the tokenization."""
+    Like :class:`~.jobs.ScheduledRunner` it admits a request before tokenizing it, here on
+    the front-end's view of the engine's queue (:meth:`EngineClient.reserve`), with no round
+    trip; the engine admits the exact tokens when they arrive."""
 
     def __init__(
         self,
@@ -412,11 +463,13 @@ class RemoteRunner(ThreadedRunner):
         super().__init__(tokenizer, loop=loop, tokenize_pool=tokenize_pool)
         self._client = client
 
-    async def run(self, job: Job) -> JobOutput:
-        tokenized, tokenize_s = await self.tokenize(job)
-        out = await self._client.submit(job.sequences(tokenized), job.want_tokens)
-        timings = StageTimings(tokenize_s, out.queue_s, out.forward_s, out.pool_s)
-        return JobOutput(tokenized, out.pooled, out.tokens, timings)
+    def _reserve(self, floor: int, estimate: int) -> Reservation:
+        return self._client.reserve(floor, estimate)
+
+    async def _submit(
+        self, job: Job, sequences: list[SequenceInput], reservation: Reservation
+    ) -> ScheduledOutput:
+        return await self._client.submit(sequences, job.want_tokens, reservation)
 
 
 def _answer(wire: Wire, frames: Sequence[bytes | memoryview]) -> None:
@@ -434,12 +487,19 @@ class EngineService:
         self._listener.bind(path)
         self._listener.listen(socket.SOMAXCONN)
         self._running: dict[tuple[Wire, int], asyncio.Future[ScheduledOutput]] = {}
+        self._scheduler: Scheduler | None = None
+        self._told: dict[Wire, int] = {}
+        """The queue's held tokens each front-end last heard of, where that could refuse a
+        request (see :meth:`_queue`)."""
+        self._update_due = False
 
     async def serve(self, scheduler: Scheduler, handoff: Handoff, front_ends: int) -> None:
         """Answer front-ends until cancelled. The handoff goes to all ``front_ends`` at once,
         when the last has said hello: they share one port, so a front-end that served while
         another still started would let that one answer some clients "not ready"."""
         loop = asyncio.get_running_loop()
+        self._scheduler = scheduler
+        scheduler.watch(functools.partial(self._queue_changed, loop))
         payload = pickle.dumps(handoff, protocol=pickle.HIGHEST_PROTOCOL)
         failed: asyncio.Future[None] = loop.create_future()
         waiting: list[Wire] = []
@@ -470,6 +530,7 @@ class EngineService:
         try:
             await failed
         finally:
+            scheduler.watch(None)
             server.close()
             for running in list(self._running.values()):
                 running.cancel()
@@ -485,7 +546,7 @@ class EngineService:
             try:
                 running = scheduler.enqueue(seqs)
             except EmbeddingServerError as error:  # 413, 429, not running: answered at once
-                _answer(wire, [encode_error(rid, error)])
+                _answer(wire, [encode_error(rid, error, self._queue(wire))])
                 return
             # Answered from the future's callback: no task, no coroutine per request.
             self._running[(wire, rid)] = running
@@ -499,6 +560,7 @@ class EngineService:
 
     def _withdraw(self, wire: Wire) -> None:
         """A front-end gone (it crashed): its queued work leaves the scheduler."""
+        self._told.pop(wire, None)
         for (owner, _), running in list(self._running.items()):
             if owner is wire:
                 running.cancel()
@@ -510,11 +572,46 @@ class EngineService:
             return
         error = running.exception()
         if error is None:
-            _answer(wire, encode_output(rid, running.result()))
+            _answer(wire, encode_output(rid, running.result(), self._queue(wire)))
             return
         if not isinstance(error, EmbeddingServerError):  # the front-end raises it there
             logger.error("request failed in the engine: %s", error, exc_info=error)
-        _answer(wire, [encode_error(rid, error)])
+        _answer(wire, [encode_error(rid, error, self._queue(wire))])
+
+    def _view(self) -> int:
+        """The queue's held tokens as front-ends are told them. A queue with room for any
+        request within the per-request limit is told as empty: such a view cannot refuse a
+        request, so it needs no news, and under all but overload the engine sends none."""
+        assert self._scheduler is not None
+        held = self._scheduler.held_tokens
+        return held if held > self._scheduler.admission.refusing_above else 0
+
+    def _queue(self, wire: Wire, held: int | None = None) -> tuple[int, float]:
+        """The queue as ``wire``'s front-end is told it (tokens held, drain rate; ``held``
+        when already read), noted so that it hears when the queue drains below that."""
+        assert self._scheduler is not None
+        if held is None:
+            held = self._view()
+        if held:
+            self._told[wire] = held
+        else:
+            self._told.pop(wire, None)
+        return held, self._scheduler.tokens_per_s
+
+    def _queue_changed(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The scheduler's queue changed: see, once this turn of the loop is done, whether a
+        front-end heard of more than it now holds."""
+        if self._told and not self._update_due:
+            self._update_due = True
+            loop.call_soon(self._update_views)
+
+    def _update_views(self) -> None:
+        self._update_due = False
+        view = self._view()
+        for wire, heard in list(self._told.items()):
+            if heard > view:
+                held, rate = self._queue(wire, view)
+                _answer(wire, [orjson.dumps({"op": "queue", "held": held, "rate": rate})])
 
     def close(self) -> None:
         self._listener.close()

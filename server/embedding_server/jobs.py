@@ -27,7 +27,7 @@ import numpy as np
 from .errors import InvalidRequestError, OutputTooLargeError
 from .pooling import FloatArray
 from .results import JobOutput, StageTimings
-from .scheduler import Scheduler
+from .scheduler import Reservation, ScheduledOutput, Scheduler
 from .sequences import SequenceInput
 from .tokenization import (
     Prompts,
@@ -194,7 +194,9 @@ async def tokenize_job(
 
 
 class ThreadedRunner:
-    """The part of an online runner that tokenizes in a thread pool beside an event loop."""
+    """An online runner: admits a job, tokenizes it in a thread pool beside an event loop
+    (or on the loop when it is small), then queues its sequences. Subclasses say where the
+    queue is (:meth:`_reserve`, :meth:`_submit`)."""
 
     def __init__(
         self,
@@ -209,17 +211,33 @@ class ThreadedRunner:
     async def offload(self, work: Callable[[], T]) -> T:
         return await self.loop.run_in_executor(self._pool, work)
 
-    async def tokenize(
-        self, job: Job, estimate: int | None = None
-    ) -> tuple[list[TokenizedInput], float]:
-        """``job`` tokenized in the pool, or on the loop when it is small (see
-        :data:`INLINE_TOKENIZE_TOKENS`); ``estimate`` is its admission estimate, if known."""
-        if estimate is None:
-            _, estimate = self._tokenizer.admission_estimate(
-                job.admission_items(), job.truncation, job.prompt
-            )
-        inline = estimate <= INLINE_TOKENIZE_TOKENS
-        return await tokenize_job(self, self._tokenizer, job, inline=inline)
+    async def run(self, job: Job) -> JobOutput:
+        """Admit ``job`` on what it is known to hold before it is tokenized, so a request the
+        queue would refuse costs no tokenization; tokenize it; queue its sequences, which
+        turns the reservation into their exact count."""
+        floor, estimate = self._tokenizer.admission_estimate(
+            job.admission_items(), job.truncation, job.prompt
+        )
+        reservation = self._reserve(floor, estimate)
+        try:
+            # In the pool, or on the loop when it is small (INLINE_TOKENIZE_TOKENS).
+            inline = estimate <= INLINE_TOKENIZE_TOKENS
+            tokenized, tokenize_s = await tokenize_job(self, self._tokenizer, job, inline=inline)
+            out = await self._submit(job, job.sequences(tokenized), reservation)
+        finally:
+            reservation.release()
+        timings = StageTimings(tokenize_s, out.queue_s, out.forward_s, out.pool_s)
+        return JobOutput(tokenized, out.pooled, out.tokens, timings)
+
+    def _reserve(self, floor: int, estimate: int) -> Reservation:
+        """Admit a job of ``floor`` tokens at least, about ``estimate``, or raise 413/429."""
+        raise NotImplementedError
+
+    async def _submit(
+        self, job: Job, sequences: list[SequenceInput], reservation: Reservation
+    ) -> ScheduledOutput:
+        """Queue the job's sequences (ending ``reservation``) and wait for their results."""
+        raise NotImplementedError
 
     def shutdown(self) -> None:
         """Stop the tokenizer threads (queued work is cancelled)."""
@@ -243,18 +261,13 @@ class ScheduledRunner(ThreadedRunner):
         super().__init__(tokenizer, loop=loop, tokenize_pool=tokenize_pool)
         self._scheduler = scheduler
 
-    async def run(self, job: Job) -> JobOutput:
-        floor, estimate = self._tokenizer.admission_estimate(
-            job.admission_items(), job.truncation, job.prompt
-        )
-        reservation = self._scheduler.reserve(floor, estimate)
-        try:
-            tokenized, tokenize_s = await self.tokenize(job, estimate)
-            out = await self._scheduler.submit(job.sequences(tokenized), reservation)
-        finally:
-            reservation.release()
-        timings = StageTimings(tokenize_s, out.queue_s, out.forward_s, out.pool_s)
-        return JobOutput(tokenized, out.pooled, out.tokens, timings)
+    def _reserve(self, floor: int, estimate: int) -> Reservation:
+        return self._scheduler.reserve(floor, estimate)
+
+    async def _submit(
+        self, job: Job, sequences: list[SequenceInput], reservation: Reservation
+    ) -> ScheduledOutput:
+        return await self._scheduler.submit(sequences, reservation)
 
 
 class DirectRunner:

@@ -21,6 +21,8 @@ a thread of its own, so the device does not idle while the host packs:
   reserved for its estimate, so a crowd of requests is refused before it pays tokenization),
   and when its exact tokens are queued (:meth:`Scheduler.submit`). An empty queue admits any
   request within the per-request limit, so a big request is delayed, never refused forever.
+  The rules are :class:`Admission`'s, which ``--api-workers`` front-ends apply too, on their
+  view of the engine process's queue (:mod:`.ipc`).
 * **Pipelining, lazily**: batch N+1 is taken while N runs only once the queue holds a full
   batch (``max_batch_tokens`` tokens or ``max_batch_size`` items), so nothing that arrives
   later could have joined it anyway; otherwise it is taken when N returns, and everything
@@ -47,7 +49,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
@@ -105,16 +107,85 @@ class _Request:
     pool_s: float = 0.0
 
 
+def drain_seconds(held: int, tokens_per_s: float) -> float:
+    """A full queue's ``Retry-After``: the seconds until ``held`` tokens have likely drained at
+    the measured rate (1 to 60; 1 before any rate is measured)."""
+    if tokens_per_s <= 0:
+        return 1.0
+    return float(min(60, max(1, math.ceil(held / tokens_per_s))))
+
+
+@dataclass(eq=False)
+class Admission:
+    """The queue's admission rules and the room reserved for requests being tokenized.
+
+    The scheduler admits with it; so does each ``--api-workers`` front-end, on its latest
+    view of the engine process's queue (:class:`~.ipc.EngineClient`), so that a request the
+    engine would refuse is refused there before it is tokenized, as it is in one process."""
+
+    max_queue_tokens: int
+    max_request_tokens: int
+    reserved: int = 0
+    """Tokens held for admitted requests that are still being tokenized."""
+
+    @classmethod
+    def of(cls, max_queue_tokens: int, max_request_tokens: int | None = None) -> Admission:
+        """Rules for a queue of ``max_queue_tokens``; one request may hold at most
+        ``max_request_tokens`` (at most, and by default, the whole queue)."""
+        limit = min(max_request_tokens or max_queue_tokens, max_queue_tokens)
+        return cls(max_queue_tokens, limit)
+
+    def check_size(self, tokens: int, *, exact: bool) -> None:
+        """Refuse a request of ``tokens`` (``exact``, or at least that many) over the
+        per-request limit, whatever the queue holds."""
+        if tokens > self.max_request_tokens:
+            amount = f"{tokens}" if exact else f"at least {tokens}"
+            raise TooManyTokensError(
+                f"this request holds {amount} tokens; one request may hold at most "
+                f"{self.max_request_tokens} (max_request_tokens); split it into smaller requests",
+                param="input",
+            )
+
+    def check_room(self, queued: int, tokens: int, tokens_per_s: float) -> None:
+        """Refuse ``tokens`` more when the queue holds ``queued`` (plus what is reserved) and
+        they would not fit. An empty queue admits any request within the per-request limit,
+        so a big request is delayed, never refused forever."""
+        held = queued + self.reserved
+        if held and held + tokens > self.max_queue_tokens:
+            raise QueueFullError(
+                f"the queue holds {held} of {self.max_queue_tokens} tokens and this request "
+                f"needs {tokens}; retry later",
+                retry_after=drain_seconds(held, tokens_per_s),
+            )
+
+    @property
+    def refusing_above(self) -> int:
+        """Below this many tokens held, the queue has room for any request within the
+        per-request limit (only a queue fuller than that refuses one)."""
+        return self.max_queue_tokens - self.max_request_tokens
+
+    def reserve(self, floor: int, estimate: int, queued: int, tokens_per_s: float) -> Reservation:
+        """Admit a request before it is tokenized, on what it is known to hold: ``floor``
+        tokens at least, about ``estimate``, which stays reserved until released. An
+        estimate over the per-request limit counts as the limit: a request that really
+        holds more is refused when its exact tokens are queued."""
+        self.check_size(floor, exact=False)
+        estimate = min(estimate, self.max_request_tokens)
+        self.check_room(queued, estimate, tokens_per_s)
+        self.reserved += estimate
+        return Reservation(self, estimate)
+
+
 @dataclass(eq=False)
 class Reservation:
     """Queue room held for a request while it is tokenized; released exactly once."""
 
-    scheduler: Scheduler
+    admission: Admission
     tokens: int
 
     def release(self) -> None:
         if self.tokens:
-            self.scheduler._reserved_tokens -= self.tokens
+            self.admission.reserved -= self.tokens
             self.tokens = 0
 
 
@@ -166,9 +237,7 @@ class Scheduler:
         self._upcoming: _Batch | None = None
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_size = max_batch_size
-        self.max_queue_tokens = max_queue_tokens
-        self.max_request_tokens = min(max_request_tokens or max_queue_tokens, max_queue_tokens)
-        self._reserved_tokens = 0
+        self.admission = Admission.of(max_queue_tokens, max_request_tokens)
         self._metrics = metrics
         self._fifo: deque[_Item] = deque()
         self._by_len: dict[int, deque[_Item]] = {}
@@ -180,6 +249,7 @@ class Scheduler:
         self._wakeup: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
         self._tokens_per_s = 0.0
+        self._watcher: Callable[[], None] | None = None
         self.batches_run = 0
 
     # -- observability ---------------------------------------------------------------------
@@ -195,17 +265,26 @@ class Scheduler:
     def running(self) -> bool:
         return self._task is not None and not self._task.done()
 
-    def retry_after(self) -> float:
-        """Seconds until the queue has likely drained, from the measured token rate."""
-        if self._tokens_per_s <= 0:
-            return 1.0
-        held = self._queued_tokens + self._reserved_tokens
-        return float(min(60, max(1, math.ceil(held / self._tokens_per_s))))
+    @property
+    def tokens_per_s(self) -> float:
+        """The measured drain rate (a moving average over batches; 0 before the first)."""
+        return self._tokens_per_s
+
+    @property
+    def held_tokens(self) -> int:
+        """Tokens the queue holds against ``max_queue_tokens``: queued and reserved."""
+        return self._queued_tokens + self.admission.reserved
+
+    def watch(self, callback: Callable[[], None] | None) -> None:
+        """Call ``callback()`` whenever what the queue holds changes (``None`` stops)."""
+        self._watcher = callback
 
     def _publish(self) -> None:
         if self._metrics is not None:
             self._metrics.queue_tokens.set(self._queued_tokens)
             self._metrics.queue_requests.set(self._queued_requests)
+        if self._watcher is not None:
+            self._watcher()
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self, executor: Executor | None = None) -> None:
@@ -252,28 +331,7 @@ class Scheduler:
         which is held in the queue's budget until :meth:`submit` or ``release``."""
         if not self._accepting:
             raise NotReadyError("the engine is not running (starting up or shutting down)")
-        self._check_size(floor, exact=False)
-        self._check_room(estimate)
-        self._reserved_tokens += estimate
-        return Reservation(self, estimate)
-
-    def _check_size(self, tokens: int, *, exact: bool) -> None:
-        if tokens > self.max_request_tokens:
-            amount = f"{tokens}" if exact else f"at least {tokens}"
-            raise TooManyTokensError(
-                f"this request holds {amount} tokens; one request may hold at most "
-                f"{self.max_request_tokens} (max_request_tokens); split it into smaller requests",
-                param="input",
-            )
-
-    def _check_room(self, tokens: int) -> None:
-        held = self._queued_tokens + self._reserved_tokens
-        if held and held + tokens > self.max_queue_tokens:
-            raise QueueFullError(
-                f"the queue holds {held} of {self.max_queue_tokens} tokens and this request "
-                f"needs {tokens}; retry later",
-                retry_after=self.retry_after(),
-            )
+        return self.admission.reserve(floor, estimate, self._queued_tokens, self._tokens_per_s)
 
     async def submit(
         self, seqs: Sequence[SequenceInput], reservation: Reservation | None = None
@@ -294,8 +352,8 @@ class Scheduler:
         if not self._accepting or self._wakeup is None:
             raise NotReadyError("the engine is not running (starting up or shutting down)")
         total = sum(len(s.ids) for s in seqs)
-        self._check_size(total, exact=True)
-        self._check_room(total)
+        self.admission.check_size(total, exact=True)
+        self.admission.check_room(self._queued_tokens, total, self._tokens_per_s)
         loop = asyncio.get_running_loop()
         request = _Request(
             future=loop.create_future(),

@@ -1,12 +1,16 @@
 """The wire between ``--api-workers`` front-ends and the engine process: what goes in comes
 out, as buffers, however the stream splits it; the errors a client must see keep their type
-and details; and a front-end that goes away takes its queued work with it."""
+and details; a front-end that goes away takes its queued work with it; and a request the
+engine would refuse is refused by the front-end before it pays for the tokenization."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import orjson
@@ -34,6 +38,8 @@ from embedding_server.ipc import (
 from embedding_server.metrics import Metrics
 from embedding_server.scheduler import ScheduledOutput
 from embedding_server.sequences import SequenceInput
+from embedding_server.serving import AttachedEngine
+from embedding_server.settings import ServerSettings
 
 from tests.support.scheduler import wait_for
 
@@ -119,6 +125,24 @@ def test_messages_arrive_whole_however_the_stream_is_split(chunk: int | None) ->
     assert [[bytes(frame) for frame in frames] for frames in got] == messages
 
 
+@contextlib.asynccontextmanager
+async def _served(path: str, engine: Engine) -> AsyncIterator[EngineClient]:
+    """``engine``, started, served at ``path`` (a real unix socket), and a front-end's
+    client for it, not yet connected; all stopped on the way out."""
+    await engine.start()
+    service = EngineService(path)
+    serving = asyncio.create_task(service.serve(engine.scheduler, engine.handoff(), 1))
+    client = EngineClient(path)
+    try:
+        yield client
+    finally:
+        client.close()
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
+        service.close()
+        await engine.stop(drain=False)
+
+
 def test_a_front_end_gets_its_own_results_and_its_cancel_and_hang_up_withdraw_work(
     tmp_path: Path,
 ) -> None:
@@ -130,12 +154,8 @@ def test_a_front_end_gets_its_own_results_and_its_cancel_and_hang_up_withdraw_wo
         engine = Engine.from_pretrained(
             "fake?delay_ms=400&max_len=64", max_batch_size=1, max_batch_tokens=64, metrics=metrics
         )
-        await engine.start()
-        warm_up = metrics.registry.get_sample_value("embedding_server_batch_size_count") or 0
-        service = EngineService(path)
-        serving = asyncio.create_task(service.serve(engine.scheduler, engine.handoff(), 1))
-        client = EngineClient(path)
-        try:
+        async with _served(path, engine) as client:
+            warm_up = metrics.registry.get_sample_value("embedding_server_batch_size_count") or 0
             handoff = await asyncio.wait_for(client.connect(), 30)
             assert handoff.info == engine.handoff().info
             seqs = [SequenceInput([0, 11, 12, 2]), SequenceInput([0, 13, 2])]
@@ -161,12 +181,6 @@ def test_a_front_end_gets_its_own_results_and_its_cancel_and_hang_up_withdraw_wo
             # withdrawal, 8).
             passes = metrics.registry.get_sample_value("embedding_server_batch_size_count")
             assert passes is not None and 5 <= passes - warm_up <= 6, (passes, warm_up)
-        finally:
-            client.close()
-            serving.cancel()
-            await asyncio.gather(serving, return_exceptions=True)
-            service.close()
-            await engine.stop(drain=False)
 
     asyncio.run(scenario())
 
@@ -185,3 +199,100 @@ async def test_a_sender_waits_while_the_peer_is_behind_on_reading() -> None:
     await asyncio.sleep(0)
     wire.connection_lost(None)  # a closed connection releases the waiters too
     await asyncio.wait_for(lost, 1)
+
+
+@contextlib.asynccontextmanager
+async def _front_end(
+    path: str, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[tuple[AttachedEngine, EngineClient, list[int]]]:
+    """A front-end attached over a real socket to ``engine`` (started), and a list that
+    counts its tokenizer's calls."""
+    async with _served(path, engine) as client:
+        handoff = await asyncio.wait_for(client.connect(), 30)
+        calls: list[int] = []
+        encode = handoff.tokenizer.encode
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            calls.append(1)
+            return encode(*args, **kwargs)
+
+        monkeypatch.setattr(handoff.tokenizer, "encode", counted)
+        front = AttachedEngine(ServerSettings(model="fake"), handoff, client)
+        await front.start()
+        yield front, client, calls
+
+
+def test_a_front_end_refuses_what_the_engine_would_before_tokenizing_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    text = "q" * 30  # 32 tokens with <s> and </s>
+
+    async def scenario() -> None:
+        # One sequence per 2 s pass; the queue holds four 32-token requests.
+        engine = Engine.from_pretrained(
+            "fake?delay_ms=2000&max_len=64",
+            max_batch_size=1,
+            max_batch_tokens=64,
+            max_queue_tokens=128,
+        )
+        path = str(tmp_path / "engine.sock")
+        async with _front_end(path, engine, monkeypatch) as (front, client, calls):
+            # One request in the pass, one prepared beside it, four queued: the queue is full.
+            # Sent one at a time, so that none arrives before the first two left the queue.
+            crowd = []
+            for sent in range(1, 7):
+                seq = SequenceInput([0, *[7] * 30, 2])
+                crowd.append(asyncio.create_task(client.submit([seq], False)))
+                queued = max(0, sent - 2)
+                await wait_for(lambda q=queued: engine.scheduler.queued_requests == q, 30)
+            # This front-end has not heard from the engine: the engine refuses, exactly.
+            with pytest.raises(QueueFullError):
+                await front.aembed([text])
+            assert len(calls) == 1
+            # Its answer showed the queue full: the next one is refused here, untokenized,
+            # with the engine's own reason and Retry-After.
+            with pytest.raises(QueueFullError) as refused:
+                await front.aembed([text])
+            assert len(calls) == 1
+            assert "holds 128 of 128 tokens" in refused.value.message
+            assert refused.value.retry_after >= 1
+            # More texts than the per-request limit (64 tokens) could hold: a 413, untokenized.
+            with pytest.raises(TooManyTokensError):
+                await front.aembed(["x"] * 65)
+            assert len(calls) == 1
+            # The crowd goes away. The engine tells this front-end, which last heard of a full
+            # queue, that it drained; the request goes through.
+            for task in crowd:
+                task.cancel()
+            await asyncio.gather(*crowd, return_exceptions=True)
+            await wait_for(lambda: client.engine_queue[0] == 0, timeout=30)
+            done = await asyncio.wait_for(front.aembed([text]), 60)
+            assert done.embeddings.shape[0] == 1
+            assert len(calls) == 2
+
+    asyncio.run(scenario())
+
+
+def test_a_burst_at_one_front_end_is_refused_there_while_it_tokenizes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def scenario() -> None:
+        engine = Engine.from_pretrained(
+            "fake?max_len=64", max_batch_tokens=64, max_queue_tokens=320, max_request_tokens=320
+        )
+        path = str(tmp_path / "engine.sock")
+        async with _front_end(path, engine, monkeypatch) as (front, _, calls):
+            # 300 tokens of ids, too many to tokenize on the event loop: the front-end holds
+            # room for them while its tokenizer thread checks them. A request that arrives
+            # meanwhile and would overfill the queue with them is refused at once.
+            big = asyncio.create_task(front.aembed([[7] * 60] * 5))
+            await asyncio.sleep(0)
+            with pytest.raises(QueueFullError):
+                await front.aembed(["q" * 40, "q" * 40])  # about 24 tokens
+            assert len(calls) <= 1
+            assert (await asyncio.wait_for(big, 60)).embeddings.shape[0] == 5
+            # The room held while it was tokenized was given back when it was sent.
+            assert (await front.aembed(["q" * 40, "q" * 40])).embeddings.shape[0] == 2
+            assert len(calls) == 2
+
+    asyncio.run(scenario())

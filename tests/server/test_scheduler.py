@@ -16,7 +16,7 @@ import pytest
 from embedding_server.engine import Engine
 from embedding_server.errors import NotReadyError, QueueFullError, TooManyTokensError
 from embedding_server.metrics import Metrics
-from embedding_server.scheduler import Scheduler
+from embedding_server.scheduler import Admission, Scheduler
 
 from tests.support.scheduler import GatedForward, seq, wait_for
 
@@ -159,6 +159,19 @@ async def test_reservations_refuse_a_crowd_before_it_is_tokenized(
     forward.gate.set()
     await asyncio.gather(running, waiting)
     assert scheduler.reserve(1, 500).tokens == 500  # everything was given back
+
+
+def test_a_reservation_holds_no_more_than_one_request_may() -> None:
+    # A guess from the characters can overshoot the request's tokens; more than the
+    # per-request limit is never needed (a request really that big is refused when queued).
+    admission = Admission.of(500, 200)
+    held = admission.reserve(1, 250, queued=0, tokens_per_s=0.0)
+    assert held.tokens == 200
+    assert admission.reserve(1, 10_000, queued=100, tokens_per_s=0.0).tokens == 200
+    with pytest.raises(QueueFullError) as full:
+        admission.reserve(1, 1, queued=100, tokens_per_s=50.0)
+    assert "holds 500 of 500" in full.value.message
+    assert full.value.retry_after == 10  # 500 tokens at 50 per second
 
 
 async def test_cancelled_request_leaves_the_queue(
