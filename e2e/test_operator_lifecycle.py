@@ -331,6 +331,14 @@ BAD = [
         {"model": MODEL, "networkPolicy": {"enabled": True, "allowedNamespaces": ["Not_A_Name"]}},
     ),
     ("spec.resources.limits", {"model": MODEL, "resources": {"limits": {"nvidia.com/gpu": 1}}}),
+    (
+        "spec.server.maxRequestTokens",
+        {"model": MODEL, "server": {"maxQueueTokens": 1000, "maxRequestTokens": 1001}},
+    ),
+    (
+        "spec.server.maxRequestTokens",
+        {"model": MODEL, "embedding": {"maxInputTokens": 512}, "server": {"maxRequestTokens": 8}},
+    ),
 ]
 
 

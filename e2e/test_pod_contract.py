@@ -14,8 +14,9 @@ the kubelet would) is then started for real, locally, changed only where a lapto
 Everything else (pooling, dimensions, dtype, batching limits, served model name, log format,
 env) is passed unchanged. The test then checks what a user relies on: the readiness probe path
 answers 200, ``/v1/embeddings`` returns vectors with the configured dimensions and pooling
-(compared with sentence-transformers), and ``/metrics`` exposes the exact metric the generated
-HorizontalPodAutoscaler scales on.
+(compared with sentence-transformers), a request over the spec's ``maxRequestTokens`` is a
+413, and ``/metrics`` exposes the exact metric the generated HorizontalPodAutoscaler scales
+on.
 """
 
 from __future__ import annotations
@@ -55,7 +56,12 @@ SPEC: dict[str, Any] = {
         "dimensions": DIMENSIONS,
         "matryoshkaDimensions": [384, DIMENSIONS, 128],
     },
-    "server": {"dtype": "float32", "maxBatchTokens": 4096, "maxQueueTokens": 65536},
+    "server": {
+        "dtype": "float32",
+        "maxBatchTokens": 4096,
+        "maxQueueTokens": 65536,
+        "maxRequestTokens": 2048,
+    },
     "gpu": {"type": "cpu"},
     "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 3, "metric": "queueTokens"},
 }
@@ -192,6 +198,12 @@ def test_generated_pod_serves_what_the_spec_says(
         np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-4)
         cosine = np.sum(vectors * reference_embeddings(TEXTS), axis=1)
         assert cosine.min() > 0.9999, f"not CLS-pooled/truncated as configured: {cosine}"
+
+        # The spec's per-request limit reached the server: 2200 tokens in one request is a 413.
+        over = {"model": served_name, "input": [[101] * 200] * 11}
+        status, body = http("POST", f"http://127.0.0.1:{port}/v1/embeddings", over)
+        assert status == 413, body[:500]
+        assert json.loads(body)["error"]["code"] == "too_many_tokens", body[:500]
 
         status, metrics = http("GET", f"http://127.0.0.1:{port}/metrics")
         assert status == 200

@@ -29,6 +29,9 @@ AccessMode = Literal["ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWrit
 IntOrString = int | str
 
 HF_PREFIX = "hf://"
+SERVER_QUEUE_TOKENS = 262144
+"""The bundled server's default ``--max-queue-tokens`` (the CRD's rules assume it too; a
+contract test keeps them equal)."""
 
 
 def _read_write_once() -> list[AccessMode]:
@@ -113,6 +116,7 @@ class Server(_Model):
     max_batch_tokens: int | None = Field(default=None, ge=1)
     max_batch_size: int | None = Field(default=None, ge=1)
     max_queue_tokens: int | None = Field(default=None, ge=1)
+    max_request_tokens: int | None = Field(default=None, ge=1)
     api_workers: int | None = Field(default=None, ge=1, le=32)
     shm_size: IntOrString | None = None
     startup_timeout_seconds: int = Field(default=1800, ge=30, le=86400)
@@ -120,13 +124,19 @@ class Server(_Model):
     env: list[EnvVar] = Field(default_factory=list)
 
     @model_validator(mode="after")
-    def _queue_holds_a_batch(self) -> Server:
+    def _limits_nest(self) -> Server:
         if (
             self.max_queue_tokens is not None
             and self.max_batch_tokens is not None
             and self.max_queue_tokens < self.max_batch_tokens
         ):
             raise ValueError("maxQueueTokens must be greater than or equal to maxBatchTokens")
+        queue = self.max_queue_tokens or SERVER_QUEUE_TOKENS
+        if self.max_request_tokens is not None and self.max_request_tokens > queue:
+            raise ValueError(
+                "maxRequestTokens must be at most maxQueueTokens "
+                f"({SERVER_QUEUE_TOKENS} when unset)"
+            )
         return self
 
 
@@ -244,6 +254,16 @@ class EmbeddingServiceSpec(_Model):
     service: ServiceSpec = ServiceSpec()
     network_policy: NetworkPolicySpec = NetworkPolicySpec()
     api_key_secret_ref: ApiKeySecretRef | None = None
+
+    @model_validator(mode="after")
+    def _request_holds_an_input(self) -> EmbeddingServiceSpec:
+        limit, longest = self.server.max_request_tokens, self.embedding.max_input_tokens
+        if limit is not None and longest is not None and limit < longest:
+            raise ValueError(
+                "server.maxRequestTokens must be at least embedding.maxInputTokens "
+                "(one request holds at least one whole input)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _embed_only_fields(self) -> EmbeddingServiceSpec:

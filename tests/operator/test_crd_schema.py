@@ -17,6 +17,7 @@ import pytest
 import yaml
 from embedding_operator.spec import (
     EMBED_ONLY_FIELDS,
+    SERVER_QUEUE_TOKENS,
     EmbeddingServiceSpec,
     InvalidSpecError,
     parse_spec,
@@ -225,6 +226,9 @@ def test_cel_rules_are_mirrored_by_the_model(schema: dict[str, Any]) -> None:
     assert any("minReplicas <= self.maxReplicas" in r for r in rules)
     assert any("has(self.size)" in r for r in rules)
     assert any("self.readOnly" in r for r in rules)
+    queue = f"has(self.maxQueueTokens) ? self.maxQueueTokens : {SERVER_QUEUE_TOKENS})"
+    assert any(queue in r for r in rules)
+    assert any("self.server.maxRequestTokens >= self.embedding.maxInputTokens" in r for r in rules)
     for field in EMBED_ONLY_FIELDS:
         assert any(f"!has(self.embedding.{field})" in r for r in rules), field
     cases = {
@@ -238,6 +242,14 @@ def test_cel_rules_are_mirrored_by_the_model(schema: dict[str, Any]) -> None:
             "embedding": {"dimensions": 100, "matryoshkaDimensions": [64, 128]}
         },
         "maxQueueTokens": {"server": {"maxBatchTokens": 100, "maxQueueTokens": 10}},
+        "maxRequestTokens must be at most maxQueueTokens": {
+            "server": {"maxQueueTokens": 1000, "maxRequestTokens": 1001}
+        },
+        "262144 when unset": {"server": {"maxRequestTokens": 262145}},
+        "server.maxRequestTokens must be at least embedding.maxInputTokens": {
+            "embedding": {"maxInputTokens": 512},
+            "server": {"maxRequestTokens": 511},
+        },
         "spec: embedding.pooling applies to task embed only": {
             "task": "score",
             "embedding": {"pooling": "mean"},

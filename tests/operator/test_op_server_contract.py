@@ -60,6 +60,19 @@ def test_autoscaling_defaults_assume_the_servers_batch_budgets() -> None:
     }
 
 
+def test_request_limits_render_flags_the_server_parses_and_its_default_queue() -> None:
+    """The CRD's rule that maxRequestTokens fits the queue assumes the server's default
+    queue when maxQueueTokens is unset; the flag reaches the server's setting."""
+    default = server_settings.ServerSettings.model_fields["max_queue_tokens"].default
+    assert default == operator_spec.SERVER_QUEUE_TOKENS
+    args = server_args(
+        render_input({"model": {"name": "hf://m/e"}, "server": {"maxRequestTokens": 4096}})
+    )
+    settings = load_settings(args)
+    assert settings.max_request_tokens == 4096
+    assert settings.max_queue_tokens == default
+
+
 def test_grace_period_covers_the_servers_drain() -> None:
     """The pod's grace period is sized from the server's default drain; if the server drained
     longer, the kubelet would SIGKILL it with requests in flight."""

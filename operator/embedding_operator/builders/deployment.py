@@ -117,6 +117,7 @@ def server_args(render: RenderInput) -> list[str]:
         ("--max-batch-tokens", srv.max_batch_tokens),
         ("--max-batch-size", srv.max_batch_size),
         ("--max-queue-tokens", srv.max_queue_tokens),
+        ("--max-request-tokens", srv.max_request_tokens),
     ):
         if value is not None:
             args += [flag, str(value)]
