@@ -19,8 +19,14 @@ Prints texts/s, tokens/s, p50/p99 request latency and the ratios the project tar
 writes bench/out/http_load.json and bench/out/http_load.png. Every figure is the best of
 ``--repeats`` runs, for every system alike, because a shared CI box is noisy.
 
+Every system runs on ``--device`` (default: a GPU when there is one), and the compute
+ceiling is measured there. ``--api-workers 1,2,4`` measures our server at each front-end
+count (its ``--api-workers``), for the scaling a fast model on a GPU shows; each gets its
+own rounds against the offline engine.
+
     python3 -m venv /tmp/infvenv && /tmp/infvenv/bin/pip install 'infinity-emb[all]'
     .venv/bin/python -m bench.http_load --texts 256
+    python -m bench.http_load --texts 4096 --api-workers 1,2,4 --skip-infinity   # on a GPU
 """
 
 from __future__ import annotations
@@ -246,9 +252,10 @@ def bench_our_server(
     corpus: list[str],
     token_counts: dict[str, int],
     offline: OfflineEngine | None,
+    api_workers: int = 1,
 ) -> list[list[Result]]:
-    """Our server's runs, ``runs[shape][round]``; each round starts with one run of
-    ``offline`` (the server idle meanwhile)."""
+    """Our server's runs with ``api_workers`` front-ends, ``runs[shape][round]``; each round
+    starts with one run of ``offline`` (the server idle meanwhile)."""
     port = free_port()
     command = [
         str(BIN / "embedding-server"),
@@ -259,14 +266,19 @@ def bench_our_server(
         str(port),
         "--dtype",
         args.dtype,
+        "--device",
+        args.device,
+        "--api-workers",
+        str(api_workers),
         "--log-level",
         "warning",
     ]
+    label = "embedding-server" if api_workers == 1 else f"embedding-server x{api_workers}"
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_http(port, "/ready", process, timeout=300)
         return run_loads(
-            "embedding-server",
+            label,
             port,
             "/v1/embeddings",
             _served_name(port),
@@ -313,7 +325,10 @@ def bench_infinity(
         "INFINITY_ANONYMOUS_USAGE_STATS": "0",
         "HF_HUB_OFFLINE": "1",
     }
-    dtype = "float32" if args.dtype in ("auto", "float32") else args.dtype
+    if args.device == "cpu":  # infinity-emb has no bfloat16 CPU path
+        dtype = "float32" if args.dtype in ("auto", "float32") else args.dtype
+    else:
+        dtype = args.engine_dtype
     command = [
         str(python.parent / "infinity_emb"),
         "v2",
@@ -326,7 +341,7 @@ def bench_infinity(
         "--engine",
         "torch",
         "--device",
-        "cpu",
+        "cpu" if args.device == "cpu" else "cuda",
         "--dtype",
         dtype,
         "--batch-size",
@@ -380,11 +395,12 @@ def bench_offline(
     total_tokens = sum(token_counts[t] for t in corpus)
     results = []
     for dtype in (torch.float32, torch.bfloat16):
-        # bf16 without avx512_bf16/AMX is emulated and very slow: measure it on a prefix
-        # (same length distribution) so the benchmark stays minutes long.
-        texts = corpus if dtype == torch.float32 else corpus[: args.bf16_texts]
+        # bf16 on a CPU without avx512_bf16/AMX is emulated and very slow: measure it on a
+        # prefix (same length distribution) so the benchmark stays minutes long.
+        on_cpu = args.device == "cpu"
+        texts = corpus if dtype == torch.float32 or not on_cpu else corpus[: args.bf16_texts]
         tokens = total_tokens if texts is corpus else sum(token_counts[t] for t in texts)
-        model = SentenceTransformer(model_dir, device="cpu")
+        model = SentenceTransformer(model_dir, device=args.device)
         model.to(dtype)
         model.encode(texts[:32], batch_size=32)
         seconds = best_of(
@@ -410,7 +426,7 @@ class OfflineEngine:
     def __init__(self, args: argparse.Namespace, corpus: list[str], tokens: int) -> None:
         from embedding_server.engine import Engine
 
-        self.engine = Engine.from_pretrained(args.model, dtype=args.dtype)
+        self.engine = Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device)
         self.engine.embed(corpus[:64])
         self.corpus, self.tokens = corpus, tokens
         self.runs: list[Result] = []
@@ -438,7 +454,7 @@ class Ceiling:
 
 
 def compute_ceiling(
-    model_dir: str, corpus: list[str], token_counts: dict[str, int], dtype: str
+    model_dir: str, corpus: list[str], token_counts: dict[str, int], dtype: str, device: str
 ) -> Ceiling:
     import torch
 
@@ -446,7 +462,7 @@ def compute_ceiling(
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
     flops = sum(token_counts[t] * model_flops_per_token(config, token_counts[t]) for t in corpus)
-    peak = matmul_peak(getattr(torch, dtype))
+    peak = matmul_peak(getattr(torch, dtype), device=device)
     return Ceiling(len(corpus) / (flops / peak), peak / 1e9, flops / 1e9)
 
 
@@ -463,7 +479,7 @@ def per_round(runs: list[list[Result]], offline: list[Result]) -> list[str]:
     """Each round's HTTP / offline ratio: the two measured back to back, so this is the
     figure a drifting machine disturbs least (the best-of ratios above pair runs that may be
     minutes apart)."""
-    lines = ["", "our server / our Engine offline, per round (measured back to back):"]
+    lines = []
     for shape_runs in runs:
         ratios = [r.texts_per_s / o.texts_per_s for r, o in zip(shape_runs, offline, strict=True)]
         each = " ".join(f"{x:.2f}x" for x in ratios)
@@ -498,7 +514,8 @@ def report(
         lines.append(f"    vs sentence-transformers bf16 offline: {ratio(result, st_bf16)}")
         lines.append(f"    vs sentence-transformers fp32 offline: {ratio(result, st_fp32)}")
         lines.append(f"    vs our Engine offline:                 {ratio(result, engine)}")
-        other = infinity[index] if index < len(infinity) else None
+        shape = index % len(LOADS)  # ours: each --api-workers value, both shapes
+        other = infinity[shape] if shape < len(infinity) else None
         lines.append(f"    vs infinity-emb same load:             {ratio(result, other)}")
         lines.append(f"    share of the compute ceiling:          {ratio(result, bound)}")
         if other is not None and other.texts_per_s:
@@ -540,6 +557,16 @@ def main() -> None:
     parser.add_argument("--texts", type=int, default=512, help="corpus size per load")
     parser.add_argument("--dtype", default="auto", help="our server's and Engine's dtype")
     parser.add_argument(
+        "--device",
+        default="auto",
+        help="device of every system (auto: cuda when there is a GPU, else cpu)",
+    )
+    parser.add_argument(
+        "--api-workers",
+        default="1",
+        help="our server's --api-workers values to measure, comma-separated (e.g. 1,2,4)",
+    )
+    parser.add_argument(
         "--infinity-python",
         default="/tmp/infvenv/bin/python",
         help="python of a separate virtualenv with infinity-emb[all]",
@@ -560,6 +587,11 @@ def main() -> None:
     parser.add_argument("--skip-offline", action="store_true")
     parser.add_argument("--skip-infinity", action="store_true")
     args = parser.parse_args()
+    if args.device == "auto":
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    workers = [int(n) for n in args.api_workers.split(",")]
 
     from embedding_server.engine import Engine
     from embedding_server.loading import resolve_model_path
@@ -567,34 +599,43 @@ def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     corpus = make_corpus(args.texts, seed=0)
     model_dir = str(resolve_model_path(args.model))
-    counter = Engine.from_pretrained(args.model, dtype=args.dtype)
+    counter = Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device)
     token_counts = dict(zip(corpus, (len(ids) for ids in counter.tokenize(corpus)), strict=True))
     total_tokens = sum(token_counts[t] for t in corpus)
     info = counter.info()
     embedded = {t: min(n, info.max_input_tokens) for t, n in token_counts.items()}  # truncated
-    ceiling = compute_ceiling(model_dir, corpus, embedded, info.dtype)
+    args.engine_dtype = info.dtype
+    ceiling = compute_ceiling(model_dir, corpus, embedded, info.dtype, args.device)
     del counter
     print(
         f"corpus: {len(corpus)} texts, {total_tokens} tokens "
         f"(mean {total_tokens / len(corpus):.0f}); model {model_dir}; "
-        f"{os.cpu_count()} CPUs",
+        f"{os.cpu_count()} CPUs; device {args.device}",
         flush=True,
     )
 
     offline = [] if args.skip_offline else bench_offline(args, corpus, model_dir, token_counts)
     engine = None if args.skip_offline else OfflineEngine(args, corpus, total_tokens)
-    runs = bench_our_server(args, corpus, token_counts, engine)
-    ours = [max(shape_runs, key=lambda r: r.texts_per_s) for shape_runs in runs]
+    runs: list[list[Result]] = []
     rounds: list[str] = []
+    for count in workers:
+        before = len(engine.runs) if engine is not None else 0
+        measured = bench_our_server(args, corpus, token_counts, engine, count)
+        runs += measured
+        if engine is not None:
+            rounds += per_round(measured, engine.runs[before:])
+    ours = [max(shape_runs, key=lambda r: r.texts_per_s) for shape_runs in runs]
     if engine is not None:
         offline.append(engine.best())
-        rounds = per_round(runs, engine.runs)
     infinity, note = (
         ([], "infinity-emb skipped (--skip-infinity)")
         if args.skip_infinity
         else bench_infinity(args, corpus, model_dir, token_counts)
     )
-    lines = report(offline, ours, infinity, note, ceiling) + rounds
+    lines = report(offline, ours, infinity, note, ceiling)
+    if rounds:
+        lines += ["", "our server / our Engine offline, per round (measured back to back):"]
+        lines += rounds
     print("\n".join(lines))
     everything = offline + ours + infinity
     (OUT / "http_load.json").write_text(

@@ -57,20 +57,31 @@ def matmul_peak(
     dtype: torch.dtype,
     shapes: tuple[tuple[int, int, int], ...] = PEAK_SHAPES,
     seconds: float = 1.0,
+    device: str = "cpu",
 ) -> float:
     """Best FLOP/s over ``shapes`` through ``F.linear`` with bias (the op the models use; on
     CPUs without native bf16, plain ``torch.mm`` in bf16 takes a far slower path than linear
-    does). The best over several shapes, so that it bounds what any model run can reach."""
+    does). The best over several shapes, so that it bounds what any model run can reach.
+    On a GPU the clock stops only once the device has finished."""
+
+    def synchronize() -> None:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
+
     best = 0.0
     for tokens, fan_in, fan_out in shapes:
-        x = torch.randn(tokens, fan_in, dtype=dtype)
-        w = torch.randn(fan_out, fan_in, dtype=dtype)
-        b = torch.randn(fan_out, dtype=dtype)
+        x = torch.randn(tokens, fan_in, dtype=dtype, device=device)
+        w = torch.randn(fan_out, fan_in, dtype=dtype, device=device)
+        b = torch.randn(fan_out, dtype=dtype, device=device)
         torch.nn.functional.linear(x, w, b)
+        synchronize()
         runs, start = 0, time.perf_counter()
         while runs < 2 or time.perf_counter() - start < seconds:
             torch.nn.functional.linear(x, w, b)
             runs += 1
+            if runs % 16 == 0:
+                synchronize()
+        synchronize()
         best = max(best, 2 * tokens * fan_in * fan_out * runs / (time.perf_counter() - start))
     return best
 
