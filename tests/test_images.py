@@ -441,6 +441,24 @@ def test_image_id_refs_of_replaced_images_are_dropped_and_current_ones_kept() ->
     assert image_builder.stale_refs(listing) == [f"sha256:{'1' * 64}"]
 
 
+def test_only_complete_unpacked_images_count_as_already_loaded() -> None:
+    """An image whose snapshots the store lost must be imported again, not trusted: a pod
+    could not start from it (`ctr images check -q` lists it all the same)."""
+    server = "ghcr.io/embedding-operator/embedding-server:0.1.0"
+    digest = "sha256:" + "d" * 64
+    kind = "application/vnd.docker.distribution.manifest.v2+json"
+    listing = "\n".join(
+        [
+            "REF TYPE DIGEST STATUS SIZE UNPACKED",
+            f"{server} {kind} {digest} complete (9/9) 6.0 GiB/6.0 GiB true",
+            f"ghcr.io/embedding-operator/embedding-operator:0.1.0 {kind} {digest} complete (5/5) "
+            "350.1 MiB/350.1 MiB false",
+            f"registry.k8s.io/pause:3.10 {kind} {digest} incomplete (1/2) 1.0 KiB/700.0 KiB true",
+        ]
+    )
+    assert image_builder.ready_refs(listing) == {server}
+
+
 def test_an_image_built_on_another_counts_only_its_own_layers() -> None:
     """The load's disk check must see the e2e client as the server plus one layer: counted
     whole, the pair looks 13 GB large and would evict the node's images for nothing."""

@@ -74,7 +74,7 @@ from e2e.harness.components import (
     stop_processes,
 )
 from e2e.harness.host_packages import HostPackageError, ensure_packages
-from e2e.harness.images import ImageError, build_images, load_images
+from e2e.harness.images import ImageError, ImportFailed, build_images, load_images
 from e2e.harness.pki import Pki, create_pki
 from e2e.harness.probes import AdminApi, http_get
 from e2e.harness.proc import ClusterError, Process, poll_until
@@ -614,24 +614,40 @@ class Cluster:
 
     # -- the real node ---------------------------------------------------------------------
 
+    def _start_containerd(self) -> Containerd:
+        return self._start(
+            Containerd(
+                self.launcher,
+                self.node_paths,
+                cni_bin_dir=self.binaries.cni_bin_dir,
+                resolv_conf=self.node_paths.state / "resolv.conf",
+                timeout=self.timeouts.containerd,
+            )
+        )
+
+    def _stop_component(self, component: Component) -> None:
+        """Stop one component before the others (they stay up); it is forgotten."""
+        errors = component.stop(self._teardown())
+        if component.process is not None and component.process in self.processes:
+            self.processes.remove(component.process)
+        self.components.remove(component)
+        if self.detached:
+            self._write_state()
+        if errors:
+            raise ClusterError("; ".join(errors))
+
     def _start_real_node(self) -> None:
         """containerd, then the images, kube-proxy, CoreDNS and the kubelet; ready when the
         node is Ready, kube-proxy has synced for it and CoreDNS answers for the `kubernetes`
         Service."""
         paths = self.node_paths
-        resolv_conf = paths.state / "resolv.conf"
-        self._start(
-            Containerd(
-                self.launcher,
-                paths,
-                cni_bin_dir=self.binaries.cni_bin_dir,
-                resolv_conf=resolv_conf,
-                timeout=self.timeouts.containerd,
-            )
-        )
-        if self.image_loader is not None:
+        if self.image_loader is None:
+            self._start_containerd()
+        else:
             t0 = time.monotonic()
-            self.image_loader(paths.containerd_socket)
+            start_containerd_with_images(
+                self._start_containerd, self._stop_component, self.image_loader
+            )
             log.info("[cluster] images loaded into containerd (%.1fs)", time.monotonic() - t0)
 
         # Its healthz turns 200 only once it has synced for its Node: waited for below.
@@ -666,7 +682,7 @@ class Cluster:
                 kubeconfig=self._component_kubeconfig("kubelet"),
                 port=self.ports.kubelet,
                 healthz_port=self.ports.kubelet_healthz,
-                resolv_conf=resolv_conf,
+                resolv_conf=paths.state / "resolv.conf",
                 taints=self.node_taints,
                 timeout=self.timeouts.real_node,
             )
@@ -798,6 +814,37 @@ def stop_detached(workdir: Path) -> int:
         else:
             path.unlink(missing_ok=True)
     return running
+
+
+def start_containerd_with_images(
+    start: Callable[[], Containerd],
+    stop: Callable[[Containerd], None],
+    load: Callable[[Path], object],
+) -> Containerd:
+    """Start containerd, then import the node's images into its store (``load(socket)``).
+
+    The store outlives clusters (it is in the cache), and a store whose two databases disagree
+    about a snapshot (containerd's and the snapshotter's) refuses imports that touch it; CI met
+    one ("parent snapshot ... does not exist"). Removing every image and letting containerd
+    collect does not mend it: the same import fails the same way (tried). So an import the
+    store refuses is retried once on an empty store: containerd stops, its root is deleted, a
+    new one starts and imports everything (minutes for the server's layers, once)."""
+    containerd = start()
+    try:
+        load(containerd.paths.containerd_socket)
+    except ImportFailed as exc:
+        store = containerd.paths.images
+        log.warning(
+            "[cluster] containerd's store %s refused the import; starting containerd over an "
+            "empty store and importing once more. The refusal: %s",
+            store,
+            exc,
+        )
+        stop(containerd)
+        node.discard_store(store)
+        containerd = start()
+        load(containerd.paths.containerd_socket)
+    return containerd
 
 
 def _export_lines(state: Mapping[str, Any]) -> list[str]:

@@ -124,6 +124,13 @@ class ImageError(RuntimeError):
     """An image could not be built or loaded; callers must fail, never skip."""
 
 
+class ImportFailed(ImageError):
+    """`ctr images import` itself failed on a stream `docker save` wrote whole: the store
+    refused it. Seen once in CI on a store kept in the cache: "failed to prepare extraction
+    snapshot ...: parent snapshot ... does not exist" (containerd's database and the
+    snapshotter's disagreed about a layer the new image shares with an older one)."""
+
+
 @dataclass(frozen=True)
 class ImageSet:
     """The image references a node needs, as `docker build -t` tagged them."""
@@ -840,6 +847,40 @@ def containerd_images(socket: Path) -> set[str]:
     return set(proc.stdout.split())
 
 
+def ready_images(socket: Path) -> set[str]:
+    """The refs whose content is complete and unpacked: a container can start from them. An
+    image listed but not ready (its snapshot gone from the snapshotter's database while
+    containerd's still lists it) must be imported again."""
+    proc = _run(
+        [_ctr(), "-a", str(socket), "-n", CONTAINERD_NAMESPACE, "images", "check"],
+        SHORT_TIMEOUT_S,
+        what="ctr images check",
+    )
+    return ready_refs(proc.stdout)
+
+
+def ready_refs(listing: str) -> set[str]:
+    """The refs of a `ctr images check` table that are complete and unpacked. (`check -q`
+    says it prints those, but containerd 1.6 prints every complete one, unpacked or not.)"""
+    ready = set()
+    for line in listing.splitlines()[1:]:
+        # REF TYPE DIGEST STATUS SIZE UNPACKED, STATUS like "complete (3/3)".
+        parts = line.split()
+        if len(parts) >= 6 and parts[3] == "complete" and parts[-1] == "true":
+            ready.add(parts[0])
+    return ready
+
+
+def import_stream(socket: Path, source_argv: list[str], env: Mapping[str, str]) -> None:
+    """`source | ctr images import -` into containerd's k8s.io namespace, with one deadline for
+    both; both are reaped. A refusal by containerd raises ImportFailed."""
+    _pipe(
+        source_argv,
+        [_ctr(), "-a", str(socket), "-n", CONTAINERD_NAMESPACE, "images", "import", "-"],
+        env,
+    )
+
+
 def _pipe(save_argv: list[str], import_argv: list[str], env: Mapping[str, str]) -> None:
     """`save | import` with one deadline for both; both processes are reaped."""
     deadline = time.monotonic() + LOAD_TIMEOUT_S
@@ -863,7 +904,8 @@ def _pipe(save_argv: list[str], import_argv: list[str], env: Mapping[str, str]) 
         if saver.returncode != 0 or importer.returncode != 0:
             save_err.seek(0)
             import_out.seek(0)
-            raise ImageError(
+            error = ImportFailed if saver.returncode == 0 else ImageError
+            raise error(
                 f"docker save (rc={saver.returncode}) | ctr import (rc={importer.returncode}):\n"
                 f"{save_err.read().decode(errors='replace')[-2000:]}"
                 f"{import_out.read().decode(errors='replace')[-2000:]}"
@@ -879,12 +921,12 @@ def load_images(
 ) -> list[str]:
     """Import the node's images into containerd's k8s.io namespace; returns those imported.
 
-    An image is skipped when this containerd already lists it and the stamp says the same
-    docker image ID was imported. ``store`` is containerd's root directory when it outlives
-    the socket (the e2e node keeps it in the cache): the stamp follows the store, so a new
-    cluster over the same store imports nothing. The missing images go in one `docker save`
-    stream, so the layers the e2e client shares with the server cross once. Starts the
-    private dockerd unless given a client.
+    An image is skipped when this containerd has it ready (complete and unpacked) and the
+    stamp says the same docker image ID was imported. ``store`` is containerd's root directory
+    when it outlives the socket (the e2e node keeps it in the cache): the stamp follows the
+    store, so a new cluster over the same store imports nothing. The missing images go in one
+    `docker save` stream, so the layers the e2e client shares with the server cross once.
+    Starts the private dockerd unless given a client.
     """
     if not socket.is_socket():
         raise ImageError(f"{socket} is not a containerd socket")
@@ -897,12 +939,13 @@ def load_images(
     except ValueError:
         recorded = {}
     present = containerd_images(socket)
+    ready = ready_images(socket)
     wanted: dict[str, str] = {}
     for ref in images.for_node():
         image_id = docker.image_id(ref)
         if image_id is None:
             raise ImageError(f"{ref} is not built; run `python -m e2e.harness.images build` first")
-        if ref in present and recorded.get(ref) == image_id:
+        if ref in ready and recorded.get(ref) == image_id:
             log.info("[images] %s already in %s (%s)", ref, socket, image_id[:19])
             continue
         wanted[ref] = image_id
@@ -911,11 +954,7 @@ def load_images(
         return []
     _make_room(socket, store or socket.parent, wanted, present, docker)
     started = time.monotonic()
-    _pipe(
-        docker.argv("save", *wanted),
-        [_ctr(), "-a", str(socket), "-n", CONTAINERD_NAMESPACE, "images", "import", "-"],
-        docker.env,
-    )
+    import_stream(socket, docker.argv("save", *wanted), docker.env)
     recorded.update(wanted)
     stamp.parent.mkdir(parents=True, exist_ok=True)
     stamp.write_text(json.dumps(recorded, indent=2, sort_keys=True) + "\n")

@@ -277,6 +277,18 @@ def network_down(restore: dict[str, Any] | None = None) -> list[str]:
     return problems
 
 
+def discard_store(store: Path) -> None:
+    """Delete a stopped containerd's root, so the next one starts with no image or snapshot.
+    Its content and the two databases that must agree on its snapshots (containerd's and the
+    snapshotter's) all go."""
+    stuck = unmount_under(store)
+    if stuck:
+        raise ClusterError(f"cannot discard {store}: still mounted: {', '.join(stuck)}")
+    shutil.rmtree(store, ignore_errors=True)
+    if store.exists():
+        raise ClusterError(f"cannot discard {store}: it is still there after rm -r")
+
+
 def unmount_under(*roots: Path) -> list[str]:
     """Unmount everything mounted below ``roots`` (deepest first); the paths that stayed."""
     prefixes = [str(r.resolve()) + "/" for r in roots]
