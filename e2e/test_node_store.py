@@ -24,7 +24,7 @@ from e2e.harness import node
 from e2e.harness.binaries import Binaries
 from e2e.harness.cluster import start_containerd_with_images
 from e2e.harness.components import Containerd, Launcher, Teardown
-from e2e.harness.images import CONTAINERD_NAMESPACE, import_stream, ready_images
+from e2e.harness.images import containerd_images, import_stream
 from e2e.harness.proc import Process
 
 TAG = "embedding-operator.local/store-check:1"
@@ -67,10 +67,6 @@ def _docker_archive(path: Path, layers: list[bytes]) -> None:
     ]
     members["manifest.json"] = json.dumps(manifest).encode()
     path.write_bytes(_tar(members))
-
-
-def _ctr(socket: Path, *args: str) -> str:
-    return node.run(["ctr", "-a", str(socket), "-n", CONTAINERD_NAMESPACE, *args])
 
 
 @pytest.fixture
@@ -118,15 +114,18 @@ def test_a_kept_store_that_refuses_the_import_is_replaced_by_an_empty_one(
     # A store as a cache keeps it: the old image imported, containerd stopped.
     first = start()
     import_stream(paths.containerd_socket, ["cat", str(old)], os.environ)
-    assert TAG in ready_images(paths.containerd_socket)
+    assert TAG in containerd_images(paths.containerd_socket)[1]
     stop(first)
     # The snapshotter forgets its snapshots; containerd's database still lists them.
     (paths.images / "io.containerd.snapshotter.v1.overlayfs" / "metadata.db").unlink()
 
+    listed_before: list[set[str]] = []
     ready_before: list[set[str]] = []
 
     def load(socket: Path) -> None:
-        ready_before.append(ready_images(socket))
+        listed, ready = containerd_images(socket)
+        listed_before.append(listed)
+        ready_before.append(ready)
         import_stream(socket, ["cat", str(new)], os.environ)
 
     with caplog.at_level(logging.WARNING, logger="e2e.cluster"):
@@ -136,13 +135,14 @@ def test_a_kept_store_that_refuses_the_import_is_replaced_by_an_empty_one(
         # loader re-imports it rather than trusting it; the import was refused, and the
         # second try met an empty store.
         assert len(ready_before) == 2, ready_before
+        assert TAG in listed_before[0]
         assert TAG not in ready_before[0]
         assert ready_before[1] == set()
         assert f"containerd's store {paths.images} refused the import" in caplog.text
 
-        assert TAG in ready_images(paths.containerd_socket)
+        assert TAG in containerd_images(paths.containerd_socket)[1]
         # Only the new image's three layers: nothing of the old store survived.
-        snapshots = _ctr(paths.containerd_socket, "snapshots", "ls").splitlines()[1:]
+        snapshots = node.ctr(paths, "snapshots", "ls").splitlines()[1:]
         assert len(snapshots) == 3, snapshots
     finally:
         stop(containerd)

@@ -838,25 +838,17 @@ def _loaded_stamp(socket: Path) -> Path:
     return images_cache() / f"loaded-{key}.json"
 
 
-def containerd_images(socket: Path) -> set[str]:
-    proc = _run(
-        [_ctr(), "-a", str(socket), "-n", CONTAINERD_NAMESPACE, "images", "ls", "-q"],
-        SHORT_TIMEOUT_S,
-        what="ctr images ls",
-    )
-    return set(proc.stdout.split())
-
-
-def ready_images(socket: Path) -> set[str]:
-    """The refs whose content is complete and unpacked: a container can start from them. An
-    image listed but not ready (its snapshot gone from the snapshotter's database while
-    containerd's still lists it) must be imported again."""
+def containerd_images(socket: Path) -> tuple[set[str], set[str]]:
+    """The refs containerd lists, and those of them that are ready: complete and unpacked, so
+    a container can start from them. A listed image that is not ready (its snapshots gone from
+    the snapshotter's database while containerd's still lists it) must be imported again."""
     proc = _run(
         [_ctr(), "-a", str(socket), "-n", CONTAINERD_NAMESPACE, "images", "check"],
         SHORT_TIMEOUT_S,
         what="ctr images check",
     )
-    return ready_refs(proc.stdout)
+    listed = {line.split()[0] for line in proc.stdout.splitlines()[1:] if line.strip()}
+    return listed, ready_refs(proc.stdout)
 
 
 def ready_refs(listing: str) -> set[str]:
@@ -938,8 +930,7 @@ def load_images(
         recorded: dict[str, Any] = json.loads(stamp.read_text()) if stamp.is_file() else {}
     except ValueError:
         recorded = {}
-    present = containerd_images(socket)
-    ready = ready_images(socket)
+    present, ready = containerd_images(socket)
     wanted: dict[str, str] = {}
     for ref in images.for_node():
         image_id = docker.image_id(ref)
