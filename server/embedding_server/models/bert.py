@@ -114,9 +114,9 @@ class BertModel:
         t = batch.input_ids.shape[0]
         h, heads, d, shard = self.hidden_size, self.split.heads, self.head_dim, self.shard
         x = self.word_emb(batch.input_ids)
-        x += self.pos_emb[batch.position_ids]
+        x += self.pos_emb.index_select(0, batch.position_ids)
         if batch.token_type_ids is not None and self.type_emb is not None:
-            x += self.type_emb[batch.token_type_ids]  # the second text of a sentence pair
+            x += self.type_emb.index_select(0, batch.token_type_ids)  # a pair's second text
         else:
             x += self.type0
         x = F.layer_norm(x, (h,), self.emb_ln_w, self.emb_ln_b, self.eps)
