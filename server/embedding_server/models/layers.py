@@ -135,7 +135,8 @@ class VocabEmbedding:
         if count == 0:
             out = self.weight.new_zeros(ids.shape[0], self.weight.shape[1])
         else:
-            out = self.weight.index_select(0, local.clamp(0, count - 1)).masked_fill_(outside.unsqueeze(1), 0)
+            out = self.weight.index_select(0, local.clamp(0, count - 1))
+            out.masked_fill_(outside.unsqueeze(1), 0)
         return self.shard.all_reduce(out)
 
 
