@@ -52,6 +52,9 @@ def test_example_converges(
         provide_volume(cluster, namespace, f"{name}-model-cache", spec["modelCache"]["size"])
 
     apply_file(cluster, path, namespace)
+    # Ready turns True once one replica serves; every replica is ready once Progressing is
+    # False.
+    wait_condition(cluster, namespace, name, "Progressing", "False", reason="RolloutComplete")
     es = wait_condition(cluster, namespace, name, "Ready", "True")
     autoscaled = spec.get("autoscaling", {}).get("enabled", False)
     want_replicas = (

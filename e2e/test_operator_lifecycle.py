@@ -88,6 +88,9 @@ def test_spec_change_rolls_out(cluster: Cluster, namespace: str, operator: Opera
             }
         },
     )
+    # Ready turns True once one replica serves the new spec; the rollout is over (every
+    # replica ready) only when Progressing turns False.
+    wait_condition(cluster, namespace, "roll", "Progressing", "False", reason="RolloutComplete")
     after_es = wait_condition(cluster, namespace, "roll", "Ready", "True")
     assert after_es["metadata"]["generation"] > first["metadata"]["generation"]
     after = _deployment(cluster, namespace, "roll")
