@@ -14,8 +14,10 @@ with random weights) and drives, side by side in one run:
 Load comes from ``wrk`` (Debian's, C, one thread) with a Lua script cycling through a
 deterministic mixed-length corpus: single-text requests, then 32-text requests, 32
 connections. Server and client are pinned to different CPUs (``taskset``) so that the client's
-own CPU use does not distort the server's figures. Prints requests/s, texts/s, p50, p99 and
-the ratios to the ceiling and to infinity-emb; writes bench/out/frontend.json and .png.
+own CPU use does not distort the server's figures. Prints requests/s, texts/s, p50, p99, the
+CPU time the server's processes spent per request (steadier than requests/s on a shared
+machine, whose speed drifts between runs), and the ratios to the ceiling and to
+infinity-emb; writes bench/out/frontend.json and .png.
 
 ``--api-workers 1,2`` measures our server once per front-end count (``embedding-server xN``
 for N > 1) and prints each one's ratio to one process. More front-ends only help where they
@@ -44,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from bench.corpus import make_corpus
 
@@ -88,6 +91,9 @@ class Result:
     p50_ms: float
     p99_ms: float
     failed: int
+    cpu_us_per_request: float
+    """CPU time (user + system) the server's processes spent per answered request: steadier
+    than requests/s on a shared machine, whose speed drifts between runs."""
 
 
 def build_model(path: Path) -> Path:
@@ -190,7 +196,9 @@ def pinned(cpus: str, command: list[str]) -> list[str]:
 
 
 @contextlib.contextmanager
-def running(name: str, command: list[str], port: int, log: Path) -> Iterator[str]:
+def running(
+    name: str, command: list[str], port: int, log: Path
+) -> Iterator[tuple[str, psutil.Process]]:
     """Start a server, wait until it embeds a text (deadline 300 s), stop it afterwards."""
     url = f"http://127.0.0.1:{port}"
     with log.open("wb") as out:
@@ -211,7 +219,7 @@ def running(name: str, command: list[str], port: int, log: Path) -> Iterator[str
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{name} did not serve within 300 s; see {log}")
                 time.sleep(0.5)
-            yield url
+            yield url, psutil.Process(process.pid)
         finally:
             process.send_signal(signal.SIGTERM)
             try:
@@ -258,13 +266,31 @@ def drive(
     raise RuntimeError(f"wrk printed no result:\n{out.stdout}\n{out.stderr}")
 
 
+def cpu_seconds(server: psutil.Process) -> float:
+    """User and system CPU seconds of ``server`` and every process under it (the engine and
+    its front-ends, or a server's workers)."""
+    total = 0.0
+    for process in [server, *server.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = process.cpu_times()
+            total += times.user + times.system
+    return total
+
+
 def measure(
-    name: str, url: str, script: Path, loads: dict[str, tuple[int, Path]], args: argparse.Namespace
+    name: str,
+    url: str,
+    server: psutil.Process,
+    script: Path,
+    loads: dict[str, tuple[int, Path]],
+    args: argparse.Namespace,
 ) -> list[Result]:
     results = []
     for load, (per_request, bodies) in loads.items():
         drive(url, script, bodies, 3, args.connections, args.client_cpus)  # warm-up
+        cpu_before = cpu_seconds(server)
         raw = drive(url, script, bodies, args.seconds, args.connections, args.client_cpus)
+        cpu = cpu_seconds(server) - cpu_before
         seconds = raw["duration_us"] / 1e6
         ok = raw["requests"] - raw["non2xx"]
         results.append(
@@ -277,12 +303,14 @@ def measure(
                 p50_ms=raw["p50_us"] / 1000,
                 p99_ms=raw["p99_us"] / 1000,
                 failed=raw["non2xx"] + raw["socket_errors"],
+                cpu_us_per_request=cpu / max(ok, 1) * 1e6,
             )
         )
         print(
             f"{name:>16} {load:>8}: {results[-1].requests_per_s:8.0f} req/s "
             f"{results[-1].texts_per_s:8.0f} texts/s  p50 {results[-1].p50_ms:6.1f} ms  "
-            f"p99 {results[-1].p99_ms:6.1f} ms  failed {results[-1].failed}",
+            f"p99 {results[-1].p99_ms:6.1f} ms  CPU {results[-1].cpu_us_per_request:6.0f} us/req  "
+            f"failed {results[-1].failed}",
             flush=True,
         )
     return results
@@ -415,8 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, command in servers:
         port = free_port()
         command = [part.replace("{port}", str(port)) for part in command]
-        with running(name, pinned(args.server_cpus, command), port, work / f"{name}.log") as url:
-            results.extend(measure(name, url, script, loads, args))
+        log = work / f"{name}.log"
+        with running(name, pinned(args.server_cpus, command), port, log) as (url, server):
+            results.extend(measure(name, url, server, script, loads, args))
     summary = ratios(results)
     for line in summary:
         print(line)
@@ -441,7 +470,14 @@ def ratios(results: list[Result]) -> list[str]:
                 lines.append(
                     f"{load}: embedding-server / {peer} = "
                     f"{ours.requests_per_s / other.requests_per_s:.2f}x requests/s "
-                    f"(target >= {target}x), p99 {ours.p99_ms:.0f} vs {other.p99_ms:.0f} ms"
+                    f"(target >= {target}x), p99 {ours.p99_ms:.0f} vs {other.p99_ms:.0f} ms, "
+                    f"CPU per request {ours.cpu_us_per_request:.0f} vs "
+                    f"{other.cpu_us_per_request:.0f} us"
+                    + (
+                        f" ({other.cpu_us_per_request / ours.cpu_us_per_request:.2f}x)"
+                        if ours.cpu_us_per_request > 0
+                        else ""
+                    )
                 )
     for name in dict.fromkeys(r.server for r in results):
         if not name.startswith("embedding-server x"):
