@@ -49,6 +49,7 @@ import httpx
 import psutil
 
 from bench.corpus import make_corpus
+from bench.processes import cpu_seconds
 
 OUT = Path(__file__).resolve().parent / "out"
 MODEL_NAME = "frontend-bert"
@@ -264,17 +265,6 @@ def drive(
             parsed: dict[str, int] = json.loads(line.removeprefix("RESULT "))
             return parsed
     raise RuntimeError(f"wrk printed no result:\n{out.stdout}\n{out.stderr}")
-
-
-def cpu_seconds(server: psutil.Process) -> float:
-    """User and system CPU seconds of ``server`` and every process under it (the engine and
-    its front-ends, or a server's workers)."""
-    total = 0.0
-    for process in [server, *server.children(recursive=True)]:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            times = process.cpu_times()
-            total += times.user + times.system
-    return total
 
 
 def measure(

@@ -20,23 +20,22 @@ fit, or do not run fast enough, on one GPU. Raw figures go to bench/out/tensor_p
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
-import psutil
 import torch
 from embedding_server.distributed import Shard
-from embedding_server.dtypes import resolve_device, resolve_dtype
+from embedding_server.dtypes import resolve_device
 from embedding_server.engine import Engine
 from embedding_server.loading import load_shard
-from embedding_server.settings import DEFAULT_MODEL
+from embedding_server.settings import DEFAULT_MODEL, Dtype
 
 from bench.corpus import make_corpus
+from bench.processes import cpu_seconds
 
 OUT = Path(__file__).resolve().parent / "out"
 
@@ -84,7 +83,7 @@ def weights_per_rank(model: str, size: int, dtype: str) -> list[int]:
                 model,
                 revision=None,
                 cache_dir=None,
-                dtype=resolve_dtype(dtype, device),  # type: ignore[arg-type]
+                dtype=cast(Dtype, dtype),  # the setting's string: load_shard resolves it
                 device=device,
                 shard=Shard(rank, size),
             )
@@ -93,27 +92,16 @@ def weights_per_rank(model: str, size: int, dtype: str) -> list[int]:
     ]
 
 
-def cpu_seconds_of_tree() -> float:
-    """CPU seconds of this process and its live children (the worker ranks)."""
-    me = psutil.Process()
-    total = 0.0
-    for process in [me, *me.children(recursive=True)]:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            times = process.cpu_times()
-            total += times.user + times.system
-    return total
-
-
 def measure(
     model: str, size: int, dtype: str, corpus: list[str], requests: int, reference: Any
 ) -> tuple[Run, np.ndarray]:
     with Engine.from_pretrained(model, dtype=dtype, tensor_parallel_size=size) as engine:
         tokens = sum(len(ids) for ids in engine.tokenize(corpus))
         engine.embed(corpus[:16])  # warm-up
-        cpu, start = cpu_seconds_of_tree(), time.perf_counter()
+        cpu, start = cpu_seconds(), time.perf_counter()
         vectors = engine.embed(corpus)
         seconds = time.perf_counter() - start
-        cpu_seconds = cpu_seconds_of_tree() - cpu
+        cpu_used = cpu_seconds() - cpu
         latencies = []
         for text in corpus[:requests]:
             begun = time.perf_counter()
@@ -125,7 +113,7 @@ def measure(
         tensor_parallel_size=size,
         weight_bytes_per_rank=weights_per_rank(model, size, dtype),
         seconds=seconds,
-        cpu_seconds=cpu_seconds,
+        cpu_seconds=cpu_used,
         texts_per_s=len(corpus) / seconds,
         tokens_per_s=tokens / seconds,
         p50_ms=1000 * float(np.percentile(latencies, 50)),
