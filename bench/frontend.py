@@ -48,10 +48,11 @@ from typing import Any
 import httpx
 import psutil
 
+from bench import out_dir
 from bench.corpus import make_corpus
 from bench.processes import cpu_seconds
 
-OUT = Path(__file__).resolve().parent / "out"
+OUT = out_dir()
 MODEL_NAME = "frontend-bert"
 TOKENIZER_FILES = (
     "tokenizer.json",

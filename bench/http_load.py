@@ -47,9 +47,10 @@ from pathlib import Path
 
 import orjson
 
+from bench import out_dir
 from bench.corpus import make_corpus
 
-OUT = Path(__file__).resolve().parent / "out"
+OUT = out_dir()
 BIN = Path(sys.executable).parent
 
 

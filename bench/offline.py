@@ -30,9 +30,10 @@ from embedding_server.engine import Engine
 from embedding_server.loading import resolve_model_path
 from embedding_server.settings import DEFAULT_MODEL
 
+from bench import out_dir
 from bench.corpus import make_corpus
 
-OUT = Path(__file__).resolve().parent / "out"
+OUT = out_dir()
 
 
 @dataclass
@@ -217,7 +218,7 @@ def main() -> None:
             f"{100 * r.peak_fraction:.1f}% | {r.cos_min:.6f} |"
         )
 
-    OUT.mkdir(exist_ok=True)
+    OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "offline.json").write_text(
         json.dumps(
             {

@@ -34,12 +34,11 @@ import psutil
 from embedding_operator.kube import KubeCluster
 from kubernetes import config as kube_config
 
+from bench import out_dir
 from e2e.harness.binaries import ensure_binaries
 from e2e.harness.cluster import Cluster
 from e2e.harness.operator import OperatorProcess, embedding_service, get_json
 from e2e.harness.proc import poll_until
-
-REPO = Path(__file__).resolve().parents[1]
 
 MODEL = {"name": "sentence-transformers/all-MiniLM-L6-v2"}
 
@@ -172,7 +171,7 @@ def main() -> int:
     parser.add_argument(
         "--resync", type=float, default=30.0, help="operator --resync-seconds during the run"
     )
-    parser.add_argument("--json", type=Path, default=REPO / "bench" / "out" / "operator.json")
+    parser.add_argument("--json", type=Path, default=out_dir() / "operator.json")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="bench-operator-") as tmp:

@@ -23,7 +23,6 @@ import argparse
 import json
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
@@ -34,10 +33,11 @@ from embedding_server.engine import Engine
 from embedding_server.loading import load_shard
 from embedding_server.settings import DEFAULT_MODEL, Dtype
 
+from bench import out_dir
 from bench.corpus import make_corpus
 from bench.processes import cpu_seconds
 
-OUT = Path(__file__).resolve().parent / "out"
+OUT = out_dir()
 
 
 @dataclass
@@ -159,7 +159,7 @@ def main() -> None:
         f"throughput x{many.texts_per_s / one.texts_per_s:.2f}, "
         f"p50 x{many.p50_ms / one.p50_ms:.2f}, p99 x{many.p99_ms / one.p99_ms:.2f}"
     )
-    OUT.mkdir(exist_ok=True)
+    OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "tensor_parallel.json").write_text(
         json.dumps({"model": args.model, "runs": [asdict(r) for r in runs]}, indent=2)
     )

@@ -1,0 +1,114 @@
+"""Every benchmark script still runs: a small run of each, checked for what it measured.
+
+The benchmarks are not tests (their figures go to the README, never into an assertion), but
+they are deliverables, and nothing else runs them: ``bench.tensor_parallel`` once failed at
+start on main for rounds without anyone noticing. So each script runs here on a few texts
+and a second or two of load, and the test checks what a person running it would look at:
+that it exited 0, that every system it drove answered every request, and that the vectors
+it compared agree. No figure is compared with a target here.
+
+They run in this tier, not with the unit tests, because ``bench.frontend`` needs ``wrk``
+(a Debian package, installed here like the node's) and the runs take a couple of minutes.
+``$BENCH_OUT`` points them at a temporary folder, so a real run's figures in ``bench/out``
+are never overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench import OUT_ENV
+from e2e.harness.host_packages import ensure_packages
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 600
+
+
+def run_bench(module: str, *args: str, out: Path) -> str:
+    """``python -m bench.<module> args`` from the repository root; its output. Fails with
+    the output's tail when it exits non-zero."""
+    result = subprocess.run(
+        [sys.executable, "-m", f"bench.{module}", *args],
+        cwd=REPO,
+        env={**os.environ, OUT_ENV: str(out)},
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"bench.{module} exited {result.returncode}:\n{output[-4000:]}"
+    return result.stdout
+
+
+def read_json(path: Path) -> Any:
+    assert path.exists(), f"the benchmark wrote no {path.name}"
+    return json.loads(path.read_text())
+
+
+def test_offline(tmp_path: Path) -> None:
+    run_bench("offline", "--texts", "8", out=tmp_path)
+    runs = {run["name"]: run for run in read_json(tmp_path / "offline.json")["runs"]}
+    assert set(runs) == {
+        "sentence-transformers float32",
+        "sentence-transformers bfloat16",
+        "embedding-server float32",
+        "embedding-server bfloat16",
+    }
+    assert all(run["texts_per_s"] > 0 for run in runs.values())
+    assert runs["embedding-server float32"]["cos_min"] > 0.9999  # against sentence-transformers
+
+
+def test_scheduler(tmp_path: Path) -> None:
+    stdout = run_bench("scheduler", "--texts", "16", "--repeats", "1", out=tmp_path)
+    report = json.loads(stdout.strip().splitlines()[-1])
+    assert report["best"]["batches"] >= 1
+    assert report["best"]["texts_per_s"] > 0
+
+
+def test_tensor_parallel(tmp_path: Path) -> None:
+    run_bench("tensor_parallel", "--texts", "8", "--requests", "3", out=tmp_path)
+    runs = {
+        run["tensor_parallel_size"]: run
+        for run in read_json(tmp_path / "tensor_parallel.json")["runs"]
+    }
+    assert set(runs) == {1, 2}
+    (whole,) = runs[1]["weight_bytes_per_rank"]
+    assert all(part < 0.55 * whole for part in runs[2]["weight_bytes_per_rank"])
+    assert runs[2]["cos_min_vs_tp1"] > 0.9999
+
+
+def test_http_load(tmp_path: Path) -> None:
+    args = ("--texts", "8", "--repeats", "1", "--skip-infinity", "--dtype", "float32")
+    run_bench("http_load", *args, out=tmp_path)
+    results = read_json(tmp_path / "http_load.json")["results"]
+    served = [r for r in results if r["name"].startswith("embedding-server: ")]
+    assert len(served) == 2, [r["name"] for r in results]  # both load shapes
+    for result in served:
+        assert result["texts"] == 8 and not result["note"], result  # every text answered
+
+
+def test_frontend(tmp_path: Path) -> None:
+    ensure_packages(("wrk",))
+    args = ("--seconds", "1", "--texts", "64", "--api-workers", "1,2")
+    run_bench("frontend", *args, out=tmp_path)
+    results = read_json(tmp_path / "frontend.json")["results"]
+    measured = {(r["server"], r["load"]) for r in results}
+    servers = {"embedding-server", "embedding-server x2", "ceiling"}
+    assert measured == {(s, load) for s in servers for load in ("1-text", "32-text")}
+    for result in results:
+        assert result["failed"] == 0, result
+        assert result["requests_per_s"] > 0 and result["cpu_us_per_request"] > 0, result
+
+
+def test_gpu_smoke_on_the_cpu(tmp_path: Path) -> None:
+    report = tmp_path / "gpu_smoke.json"
+    args = ("--device", "cpu", "--quick", "--no-scale", "--json", str(report))
+    run_bench("gpu_smoke", *args, out=tmp_path)
+    checks = read_json(report)["checks"]
+    assert checks and all(check["passed"] for check in checks)
