@@ -15,8 +15,8 @@ Measures, with the real ``embedding-operator run`` subprocess against the e2e co
    (should be zero: nothing changed, nothing written).
 
 Usage: ``python -m bench.operator_scale [--count 100] [--single 5] [--json FILE]``
-(starts its own cluster; set ``--kubeconfig`` to reuse a running one from
-``python -m e2e.harness.cluster up``).
+(starts a cluster of its own, real node included, so not beside another cluster of the e2e
+harness: ``make cluster-up``'s or a running e2e session's).
 """
 
 from __future__ import annotations
