@@ -23,7 +23,7 @@ import argparse
 import json
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, cast
+from typing import Any, get_args
 
 import numpy as np
 import torch
@@ -75,7 +75,7 @@ def tensor_bytes(root: object) -> int:
     return sum(storages.values())
 
 
-def weights_per_rank(model: str, size: int, dtype: str) -> list[int]:
+def weights_per_rank(model: str, size: int, dtype: Dtype) -> list[int]:
     device = resolve_device("cpu")
     return [
         tensor_bytes(
@@ -83,7 +83,7 @@ def weights_per_rank(model: str, size: int, dtype: str) -> list[int]:
                 model,
                 revision=None,
                 cache_dir=None,
-                dtype=cast(Dtype, dtype),  # the setting's string: load_shard resolves it
+                dtype=dtype,
                 device=device,
                 shard=Shard(rank, size),
             )
@@ -93,7 +93,7 @@ def weights_per_rank(model: str, size: int, dtype: str) -> list[int]:
 
 
 def measure(
-    model: str, size: int, dtype: str, corpus: list[str], requests: int, reference: Any
+    model: str, size: int, dtype: Dtype, corpus: list[str], requests: int, reference: Any
 ) -> tuple[Run, np.ndarray]:
     with Engine.from_pretrained(model, dtype=dtype, tensor_parallel_size=size) as engine:
         tokens = sum(len(ids) for ids in engine.tokenize(corpus))
@@ -129,7 +129,7 @@ def main() -> None:
     parser.add_argument("--texts", type=int, default=200, help="corpus size for throughput")
     parser.add_argument("--requests", type=int, default=100, help="single-text calls timed")
     parser.add_argument("--tensor-parallel-size", type=int, default=2, help="N to compare")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="float32", choices=get_args(Dtype))
     args = parser.parse_args()
 
     corpus = make_corpus(args.texts)
