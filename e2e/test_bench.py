@@ -97,13 +97,21 @@ def test_frontend(tmp_path: Path) -> None:
     ensure_packages(("wrk",))
     args = ("--seconds", "1", "--texts", "64", "--api-workers", "1,2")
     run_bench("frontend", *args, out=tmp_path)
-    results = read_json(tmp_path / "frontend.json")["results"]
+    report = read_json(tmp_path / "frontend.json")
+    results = report["results"]
     measured = {(r["server"], r["load"]) for r in results}
     servers = {"embedding-server", "embedding-server x2", "ceiling"}
     assert measured == {(s, load) for s in servers for load in ("1-text", "32-text")}
     for result in results:
         assert result["failed"] == 0, result
         assert result["requests_per_s"] > 0 and result["cpu_us_per_request"] > 0, result
+        # The event loops' share is part of the whole, read from the same processes.
+        assert 0 < result["loop_cpu_us_per_request"] <= result["cpu_us_per_request"], result
+        if result["server"].startswith("embedding-server"):
+            # Our model runs off the event loop, so some CPU is always spent elsewhere.
+            assert result["loop_cpu_us_per_request"] < result["cpu_us_per_request"], result
+    budgets = [line for line in report["ratios"] if "leaves" in line]
+    assert [line.split(":")[0] for line in budgets] == ["1-text", "32-text"], report["ratios"]
 
 
 def test_gpu_smoke_on_the_cpu(tmp_path: Path) -> None:
