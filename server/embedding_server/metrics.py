@@ -107,6 +107,14 @@ class Metrics:
         self.batch_tokens = Histogram(
             f"{PREFIX}_batch_tokens", "Tokens per forward pass.", buckets=_TOKEN_BUCKETS, registry=r
         )
+        self.batch_seconds = Histogram(
+            f"{PREFIX}_batch_seconds",
+            "Seconds per forward pass, pooling and batch head included. The model is busy "
+            "for their sum: its rate near 1 means the model is the limit; well below 1 "
+            "while requests wait elsewhere means the front end is (see --api-workers).",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.model_load_seconds = Gauge(
             f"{PREFIX}_model_load_seconds",
             "Seconds it took to load and warm up the model.",

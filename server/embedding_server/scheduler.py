@@ -535,6 +535,7 @@ class Scheduler:
         if self._metrics is not None:
             self._metrics.batch_size.observe(len(batch))
             self._metrics.batch_tokens.observe(tokens)
+            self._metrics.batch_seconds.observe(output.forward_s + output.pool_s)
         seen: set[int] = set()
         for row, item in enumerate(batch):
             request = item.request

@@ -246,6 +246,7 @@ def test_metrics_are_exposed_and_move_under_load() -> None:
             "embedding_server_stage_seconds",
             "embedding_server_batch_size",
             "embedding_server_batch_tokens",
+            "embedding_server_batch_seconds",
             "embedding_server_truncated_inputs_total",
             "embedding_server_model_load_seconds",
         ):
@@ -292,7 +293,11 @@ def test_metrics_are_exposed_and_move_under_load() -> None:
             == 8
         )
         assert sample(after, "embedding_server_input_tokens_total") >= 8 * 15
-        assert sample(after, "embedding_server_batch_size_count") >= 8
+        batches = sample(after, "embedding_server_batch_size_count")
+        assert batches >= 8
+        # One timing per forward pass, each at least the fake model's 100 ms.
+        assert sample(after, "embedding_server_batch_seconds_count") == batches
+        assert sample(after, "embedding_server_batch_seconds_sum") >= 0.1 * batches
         for stage in ("tokenize", "queue", "forward", "pool"):
             assert sample(after, "embedding_server_stage_seconds_count", {"stage": stage}) >= 8
         assert sample(after, "embedding_server_stage_seconds_sum", {"stage": "queue"}) > 0.1
