@@ -497,15 +497,15 @@ def ratios(results: list[Result]) -> list[str]:
 def budget_line(load: str, ours: Result, ceiling: Result, target: float) -> str:
     """Where the CPU budget of the target goes: on one CPU, ``target`` x the ceiling's
     requests/s leaves ``ceiling CPU / target`` per request, and the server's threads other
-    than the event loop (the model's forward passes, which the ceiling never runs) spend
-    their share of it before the loop does any work."""
+    than the event loop (the model's forward passes, which the ceiling never runs, and the
+    tokenizer threads that take big requests off the loop) spend their share of it too."""
     budget = ceiling.cpu_us_per_request / target
     besides_loop = ours.cpu_us_per_request - ours.loop_cpu_us_per_request
     return (
         f"{load}: {target}x the ceiling leaves {budget:.0f} us of CPU per request; ours spends "
         f"{ours.loop_cpu_us_per_request:.0f} us on its event loop (the ceiling's whole "
         f"request: {ceiling.cpu_us_per_request:.0f} us) and {besides_loop:.0f} us on its other "
-        "threads (the model's forward passes, batch preparation)"
+        "threads (the model's forward passes, batch preparation, tokenizer threads)"
     )
 
 
