@@ -54,6 +54,30 @@ def vectors(response: object) -> np.ndarray:
     return np.array([d.embedding for d in data], dtype=np.float32)
 
 
+def served_dtype(server: RunningServer) -> str:
+    return server.lifecycle.engine.info().dtype  # type: ignore[union-attr]
+
+
+def assert_own_vectors(
+    got: np.ndarray, want: np.ndarray, dtype: str, rows: list[int] | None = None
+) -> None:
+    """Row ``i`` of ``got`` is the vector of the input of row ``rows[i]`` of ``want`` (default:
+    row ``i``), computed in another batch: nearer to that row than to any other, and in
+    float32 equal to it to 2e-5. In bfloat16 (what `--dtype auto` picks on CPUs with
+    avx512_bf16/AMX) a batch of another shape rounds differently (8 mantissa bits; AMX kernels
+    block by batch size), so there the bar is the direction: cosine >= 0.999, the project's
+    bfloat16 parity bar."""
+    own = np.arange(len(got)) if rows is None else np.asarray(rows)
+    similarity = got @ want.T
+    nearest = similarity.argmax(axis=1)
+    assert (nearest == own).all(), f"rows answered with other inputs' vectors: {nearest}"
+    if dtype == "float32":
+        np.testing.assert_allclose(got, want[own], atol=2e-5)
+    else:
+        assert dtype == "bfloat16", dtype
+        assert similarity[np.arange(len(got)), own].min() >= 0.999
+
+
 def test_vectors_match_sentence_transformers(
     client: openai.OpenAI, model_name: str, server: RunningServer
 ) -> None:
@@ -87,12 +111,14 @@ def test_float_and_base64_decode_to_the_same_vectors(
     np.testing.assert_allclose(norms, 1.0, atol=1e-5)
 
 
-def test_batch_keeps_input_order_and_reports_usage(client: openai.OpenAI, model_name: str) -> None:
+def test_batch_keeps_input_order_and_reports_usage(
+    client: openai.OpenAI, model_name: str, server: RunningServer
+) -> None:
     batch = client.embeddings.create(input=TEXTS, model=model_name)
     alone = np.concatenate(
         [vectors(client.embeddings.create(input=t, model=model_name)) for t in TEXTS]
     )
-    np.testing.assert_allclose(vectors(batch), alone, atol=1e-5)
+    assert_own_vectors(vectors(batch), alone, served_dtype(server))
     assert batch.model == model_name
     assert batch.usage.prompt_tokens == batch.usage.total_tokens > len(TEXTS) * 2
 
@@ -242,5 +268,10 @@ def test_concurrent_mixed_requests_each_get_their_own_vector(server: RunningServ
 
     alone = dict(zip(unique, asyncio.run(embed(unique, concurrent=False)), strict=True))
     crowd = asyncio.run(embed(texts, concurrent=True))
-    for text, vector in zip(texts, crowd, strict=True):
-        np.testing.assert_allclose(vector, alone[text], atol=2e-5, err_msg=text[:40])
+    distinct = list(alone)  # each text once: a repeated text has one row to match
+    assert_own_vectors(
+        np.stack(crowd),
+        np.stack([alone[text] for text in distinct]),
+        served_dtype(server),
+        rows=[distinct.index(text) for text in texts],
+    )
