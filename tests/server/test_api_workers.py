@@ -81,6 +81,9 @@ def test_each_request_gets_its_own_vectors_and_metrics_sum_over_front_ends() -> 
             assert sample(text, "embedding_server_input_tokens_total") is not None
             assert sample(text, QUEUE_REQUESTS_METRIC) == 0
             assert (sample(text, "embedding_server_model_load_seconds") or 0) > 0
+            # The engine process times every forward pass, and any front-end reports it.
+            passes = sample(text, "embedding_server_batch_size_count")
+            assert passes and sample(text, "embedding_server_batch_seconds_count") == passes
         # Only the engine process loads the model runtime: a front-end of an embedding model
         # has no torch (about 2 s of start-up and 270 MB of memory each).
         assert _maps_torch(server.process.pid)
