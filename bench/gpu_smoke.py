@@ -36,11 +36,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from embedding_server import attention
-from embedding_server.attention import Backend, plan_attention, probe, select_backend, unfit
-from embedding_server.loading import head_dim_of, load_weights, read_model_config
-from embedding_server.models import build_model
-from embedding_server.models.base import PackedBatch
+from embedding_server.device import attention
+from embedding_server.device.attention import Backend, plan_attention, probe, select_backend, unfit
+from embedding_server.device.loading import head_dim_of, load_weights, read_model_config
+from embedding_server.device.models import build_model
+from embedding_server.device.models.base import PackedBatch
 from embedding_server.settings import GPU_BATCH_TOKENS
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

@@ -27,10 +27,10 @@ from typing import Any, get_args
 
 import numpy as np
 import torch
-from embedding_server.distributed import Shard
-from embedding_server.dtypes import resolve_device
+from embedding_server.device.distributed import Shard
+from embedding_server.device.dtypes import resolve_device
+from embedding_server.device.loading import load_shard
 from embedding_server.engine import Engine
-from embedding_server.loading import load_shard
 from embedding_server.settings import DEFAULT_MODEL, Dtype
 
 from bench import out_dir

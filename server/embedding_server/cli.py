@@ -172,21 +172,22 @@ def serve(settings: ServerSettings) -> int:
         return _serve_workers(settings)
     from embedding_server.api.app import create_app
     from embedding_server.api.server import run_http
+    from embedding_server.engine import load_engine
     from embedding_server.logging import configure_logging
 
     configure_logging(settings.log_level, settings.log_format)
-    return run_http(settings, create_app(settings))
+    return run_http(settings, create_app(settings, connect=load_engine))
 
 
 def _serve_workers(settings: ServerSettings) -> int:
     """``--api-workers N``: this process becomes the engine process and starts N front-ends
-    (``api/workers.py``). They share their metrics through prometheus_client's multiprocess
+    (``workers.py``). They share their metrics through prometheus_client's multiprocess
     mode, whose variable must be set before any of them imports prometheus_client."""
     with tempfile.TemporaryDirectory(prefix="embedding-server-") as shared:
         metrics_dir = os.path.join(shared, "metrics")
         os.mkdir(metrics_dir)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # metrics.MULTIPROCESS_DIR_ENV
-        from embedding_server.api.workers import serve_workers
+        from embedding_server.workers import serve_workers
 
         return serve_workers(settings, shared)
 

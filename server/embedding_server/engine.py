@@ -1,12 +1,13 @@
 """The engine: the offline API and what the HTTP layer calls.
 
-``Engine`` wires the pipeline stages together and owns their resources (the model runner,
-the tokenizer thread pool and the one forward thread). Each stage lives in its own module:
-configuration resolution (``configuration.py``), request preparation and the two ways to run
-a prepared job (``jobs.py``), batching (``scheduler.py``), the forward pass (``runner.py``),
-the pooling head (``pooling.py``) and scoring (``scoring.py``); the request-level API below is
-:class:`~.serving.ServingEngine`'s, shared with the front-ends of ``--api-workers``. It is
-usable without HTTP::
+``Engine`` composes the two planes and owns their resources (the model runner, the tokenizer
+thread pool and the one forward thread). The device plane (``device/``: everything that
+imports torch) loads the model and resolves the configuration (``device/loading.py``,
+``device/configuration.py``) and runs forward passes (``device/runner.py``); the request
+plane prepares jobs and runs them (``jobs.py``), batches them (``scheduler.py``) and applies
+the per-request head (``pooling.py``) and scoring (``scoring.py``). The request-level API
+below is :class:`~.serving.ServingEngine`'s, shared with the front-ends of ``--api-workers``.
+It is usable without HTTP::
 
     engine = Engine.from_pretrained()                      # packaged all-MiniLM-L6-v2
     vectors = engine.embed(["a sentence", "another"])      # float32 [2, 384]
@@ -35,13 +36,17 @@ from typing import Any, TypeVar
 
 import torch
 
-from .attention import probe, select_backend
-from .configuration import EngineInfo, describe, resolve_config
-from .distributed import SINGLE
-from .dtypes import resolve_device, resolve_dtype
+from .configuration import EngineInfo
+from .device.attention import probe, select_backend
+from .device.configuration import DeviceHeads, describe, resolve_config
+from .device.distributed import SINGLE
+from .device.dtypes import resolve_device, resolve_dtype
+from .device.fake import is_fake, load_fake
+from .device.loading import LoadedModel, load_model
+from .device.runner import ModelRunner
+from .device.tensor_parallel import TensorParallelGroup, TensorParallelModel
 from .errors import NotReadyError, UnsupportedModelError
-from .fake import is_fake, load_fake
-from .ipc import Handoff
+from .ipc.messages import Handoff
 from .jobs import (
     DirectRunner,
     EmbedOptions,
@@ -52,7 +57,6 @@ from .jobs import (
     TokenOptions,
     run_sync,
 )
-from .loading import LoadedModel, load_model
 from .metrics import Metrics
 from .results import (
     ClassifyResult,
@@ -65,11 +69,9 @@ from .results import (
     StageTimings,
     TokenEmbedResult,
 )
-from .runner import ModelRunner
 from .scheduler import Scheduler
-from .serving import ENCODE_TASKS, AttachedEngine, EncodeTask, Inputs, ServingEngine
+from .serving import ENCODE_TASKS, EncodeTask, Inputs, ServingEngine
 from .settings import DEFAULT_MODEL, EngineSettings
-from .tensor_parallel import TensorParallelGroup, TensorParallelModel
 from .tokenization import TextTokenizer, Truncation, TruncationArg, TruncationSide
 
 logger = logging.getLogger(__name__)
@@ -78,7 +80,6 @@ T = TypeVar("T")
 
 __all__ = [
     "ENCODE_TASKS",
-    "AttachedEngine",
     "ClassifyResult",
     "EmbedOptions",
     "EmbedResult",
@@ -120,6 +121,7 @@ class Engine(ServingEngine):
         self._group = group
         self._load_seconds = load_seconds
         self._config = config = resolve_config(settings, loaded, device=device)
+        heads = DeviceHeads.of(config, loaded, device)
         if group is not None and config.task != "embed":
             # Pairs carry segment ids and heads read full hidden states; the ranks' batch
             # broadcast carries neither yet.
@@ -139,12 +141,12 @@ class Engine(ServingEngine):
             loaded.model,
             device=device,
             pooling=config.pooling,
-            head=config.batch_head,
+            head=heads.batch_head,
             include_prompt=config.include_prompt,
             cpu_threads=config.cpu_threads,
             attention=attention.backend,
-            token_pooler=config.sparse,
-            token_head=config.token_head,
+            token_pooler=heads.sparse,
+            token_head=heads.token_head,
         )
         self._direct = DirectRunner(
             self._tokenizer,
@@ -319,10 +321,16 @@ class Engine(ServingEngine):
 
     def handoff(self) -> Handoff:
         """What a front-end process needs to serve this engine's requests (``--api-workers``)."""
-        return Handoff.of(self._config, self._info, self._tokenizer)
+        return Handoff(self._config, self._info, self._tokenizer)
 
     def _sync(self, work: Callable[[JobRunner], Coroutine[Any, Any, T]]) -> T:
         return run_sync(work, self._direct, self._online if self._ready else None)
+
+
+async def load_engine(settings: EngineSettings, metrics: Metrics) -> Engine:
+    """Load the model ``settings`` names, off the event loop: how a one-process server gets
+    its engine (``create_app(settings, connect=load_engine)``)."""
+    return await asyncio.to_thread(Engine.from_settings, settings, metrics=metrics)
 
 
 def _int_or_none(value: object) -> int | None:

@@ -20,14 +20,14 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypedDict, TypeVar
+from typing import Any, Protocol, TypedDict, TypeVar
 
 import numpy as np
 
 from .errors import InvalidRequestError, OutputTooLargeError
 from .pooling import FloatArray
 from .results import JobOutput, StageTimings
-from .scheduler import Reservation, ScheduledOutput, Scheduler
+from .scheduler import BatchRunner, Reservation, ScheduledOutput, Scheduler
 from .sequences import SequenceInput
 from .tokenization import (
     Prompts,
@@ -37,9 +37,6 @@ from .tokenization import (
     Truncation,
     TruncationArg,
 )
-
-if TYPE_CHECKING:  # the model-owning side only: front-end processes load no torch
-    from .runner import ModelRunner
 
 T = TypeVar("T")
 
@@ -274,7 +271,12 @@ class DirectRunner:
     """Runs jobs on the calling thread in length-sorted batches within the token budget."""
 
     def __init__(
-        self, tokenizer: TextTokenizer, runner: ModelRunner, *, max_tokens: int, max_size: int
+        self,
+        tokenizer: TextTokenizer,
+        runner: BatchRunner[Any],
+        *,
+        max_tokens: int,
+        max_size: int,
     ) -> None:
         self._tokenizer, self._runner = tokenizer, runner
         self._max_tokens, self._max_size = max_tokens, max_size
@@ -290,7 +292,7 @@ class DirectRunner:
         forward_s = pool_s = 0.0
         lengths = [len(s.ids) for s in seqs]
         for chunk in plan_offline_batches(lengths, self._max_tokens, self._max_size):
-            out = self._runner.run([seqs[i] for i in chunk])
+            out = self._runner.execute(self._runner.prepare([seqs[i] for i in chunk]))
             forward_s += out.forward_s
             pool_s += out.pool_s
             for row, i in enumerate(chunk):

@@ -4,7 +4,11 @@ Composition as in vLLM: a *method* (over one packed sequence) and a *head* (floa
 optional sentence-transformers Dense layers -> Matryoshka truncation -> L2 normalization). The
 method and Dense layers run inside the forward worker, per batch; the truncation and
 normalization depend on the request (``dimensions``, ``normalize``) and run per request.
-:class:`PoolingHead` holds the whole head, so it is defined in one place.
+
+This module is the request plane's half and imports no torch: the method names, Matryoshka
+truncation and normalization (numpy), which front-end processes run per request. The half
+that computes on the model's hidden states (the methods themselves, the Dense layers) is
+``device/pooling.py``.
 
 The methods are sentence-transformers' single pooling modes, with its semantics:
 
@@ -30,18 +34,14 @@ as vLLM does.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, assert_never
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
 
 from .errors import InvalidRequestError
-
-if TYPE_CHECKING:
-    import torch
 
 PoolingMethod = Literal["cls", "mean", "last", "max", "weightedmean", "mean_sqrt_len"]
 POOLING_METHODS: tuple[PoolingMethod, ...] = (
@@ -64,113 +64,8 @@ def parse_pooling_method(name: str) -> PoolingMethod | None:
     return None
 
 
-def pool(
-    hidden: torch.Tensor,
-    seqlens: Sequence[int],
-    method: PoolingMethod,
-    skip: Sequence[int] | None = None,
-) -> torch.Tensor:
-    """One float32 vector per packed sequence of ``hidden`` (``[sum(seqlens), hidden]``).
-
-    ``skip[i]`` leading tokens of sequence i are the prompt, left out of pooling for models
-    whose sentence-transformers config says ``include_prompt: false``. As in
-    sentence-transformers, ``cls`` then takes the first token after the prompt, ``last`` is
-    unaffected, and ``weightedmean`` keeps the remaining tokens' original position weights.
-    A sequence that is all prompt (it can happen after truncation) keeps its last token for
-    the token-wise reductions, so no vector is empty.
-    """
-    # Imported here, not at the top: front-end processes (``--api-workers``) use this module's
-    # per-request head and never load torch.
-    import torch
-
-    device = hidden.device
-    count = len(seqlens)
-    lens = torch.tensor(seqlens, dtype=torch.int64)
-    ends = torch.cumsum(lens, 0)
-    starts = ends - lens
-    prompt = torch.tensor(skip, dtype=torch.int64) if skip is not None else torch.zeros_like(lens)
-    if method == "cls":
-        first = starts + torch.where(prompt < lens, prompt.clamp(min=0), 0)
-        return hidden.index_select(0, first.to(device)).float()
-    if method == "last":
-        return hidden.index_select(0, (ends - 1).to(device)).float()
-
-    # Token-wise reductions: segment ids (and positions) of the kept tokens, then one
-    # scatter over the packed tensor.
-    dropped = prompt.clamp(min=0).minimum(lens - 1)
-    segments = torch.repeat_interleave(torch.arange(count), lens)
-    positions = torch.arange(int(lens.sum())) - torch.repeat_interleave(starts, lens)
-    values = hidden
-    if bool(dropped.any()):
-        keep = positions >= torch.repeat_interleave(dropped, lens)
-        values = hidden[keep.to(device)]
-        segments, positions = segments[keep], positions[keep]
-    kept = (lens - dropped).to(device=device, dtype=torch.float32).unsqueeze(1)
-    segments = segments.to(device)
-    width = hidden.shape[1]
-    if method == "max":
-        init = torch.full((count, width), float("-inf"), dtype=hidden.dtype, device=device)
-        index = segments.unsqueeze(1).expand(-1, width)
-        return init.scatter_reduce_(0, index, values, reduce="amax").float()
-    sums = torch.zeros(count, width, dtype=torch.float32, device=device)
-    if method == "weightedmean":
-        weights = (positions + 1).to(device=device, dtype=torch.float32).unsqueeze(1)
-        sums.index_add_(0, segments, values.float() * weights)
-        # Sum of the kept weights: positions dropped+1 .. len, in closed form.
-        total = (lens * (lens + 1) - dropped * (dropped + 1)) // 2
-        return sums / total.to(device=device, dtype=torch.float32).unsqueeze(1)
-    sums.index_add_(0, segments, values.float())
-    if method == "mean":
-        return sums / kept
-    if method == "mean_sqrt_len":
-        return sums / kept.sqrt()
-    assert_never(method)
-
-
 ACTIVATIONS = ("identity", "tanh", "relu", "gelu", "sigmoid", "silu")
-"""The activations a head may declare, by name (:func:`activation`)."""
-
-
-@functools.cache
-def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The torch function of an activation in :data:`ACTIVATIONS`."""
-    import torch  # see pool()
-
-    functions: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-        "identity": lambda x: x,
-        "tanh": torch.tanh,
-        "relu": torch.relu,
-        "gelu": torch.nn.functional.gelu,
-        "sigmoid": torch.sigmoid,
-        "silu": torch.nn.functional.silu,
-    }
-    return functions[name]
-
-
-@dataclass(frozen=True)
-class DenseLayer:
-    """A sentence-transformers ``Dense`` module (``2_Dense``): activation(x W^T + b)."""
-
-    weight: torch.Tensor  # [out, in] float32
-    bias: torch.Tensor | None
-    activation: str
-
-    @property
-    def in_features(self) -> int:
-        return int(self.weight.shape[1])
-
-    @property
-    def out_features(self) -> int:
-        return int(self.weight.shape[0])
-
-    def to(self, device: torch.device) -> DenseLayer:
-        bias = None if self.bias is None else self.bias.to(device)
-        return DenseLayer(self.weight.to(device), bias, self.activation)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        from torch.nn.functional import linear  # see pool()
-
-        return activation(self.activation)(linear(x, self.weight, self.bias))
+"""The activations a head may declare, by name (``device.pooling.activation`` computes them)."""
 
 
 @dataclass(frozen=True)
@@ -292,25 +187,18 @@ class HeadOptions:
 
 @dataclass(frozen=True)
 class PoolingHead:
-    """Everything after the pooling method, in order: Dense layers, Matryoshka truncation,
-    L2 normalization.
+    """The per-request part of the pooling head: Matryoshka truncation, then L2
+    normalization.
 
-    The Dense layers are the same for every request and run per batch in the forward worker
-    (:meth:`project`); truncation and normalization depend on the request and run per request
-    (:meth:`options`, then :meth:`HeadOptions.apply`). Per-token outputs (``/pooling``) skip
-    Dense and truncation and are normalized only when asked (:meth:`finish_tokens`).
+    The Dense layers that come before them are the same for every request and run per batch
+    on the device (``device.pooling.DenseHead``). :meth:`options` validates a request's
+    choices, :meth:`HeadOptions.apply` runs them. Per-token outputs (``/pooling``) skip
+    truncation and are normalized only when asked (:meth:`finish_tokens`).
     """
 
-    dense: tuple[DenseLayer, ...]
     matryoshka: Matryoshka
     normalize: bool
     """The default when a request does not say."""
-
-    def project(self, pooled: torch.Tensor) -> torch.Tensor:
-        """The sentence-transformers Dense layers over a batch of pooled vectors."""
-        for layer in self.dense:
-            pooled = layer(pooled)
-        return pooled
 
     def options(self, dimensions: int | None, normalize: bool | None) -> HeadOptions:
         """Validate a request's ``dimensions`` / ``normalize`` against the model."""

@@ -68,7 +68,7 @@ Prepared = TypeVar("Prepared")
 
 
 class BatchRunner(Protocol[Prepared]):
-    """The two halves of a forward pass (:class:`~.runner.ModelRunner`): ``prepare`` is host
+    """The two halves of a forward pass (``device.runner.ModelRunner``): ``prepare`` is host
     work that must not wait for the model; ``execute`` runs on the one forward thread."""
 
     def prepare(self, seqs: Sequence[SequenceInput]) -> Prepared: ...
@@ -120,7 +120,7 @@ class Admission:
     """The queue's admission rules and the room reserved for requests being tokenized.
 
     The scheduler admits with it; so does each ``--api-workers`` front-end, on its latest
-    view of the engine process's queue (:class:`~.ipc.EngineClient`), so that a request the
+    view of the engine process's queue (:class:`~.ipc.client.EngineClient`), so that a request the
     engine would refuse is refused there before it is tokenized, as it is in one process."""
 
     max_queue_tokens: int

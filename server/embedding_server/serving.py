@@ -7,8 +7,8 @@ activation) and the results. Where a job's sequences run is left to the two subc
 
 * :class:`~.engine.Engine` owns the model, the scheduler and the forward thread (one process,
   or the engine process of ``--api-workers``);
-* :class:`AttachedEngine` is a front-end process's: its jobs go to the engine process over
-  :mod:`.ipc`.
+* :class:`~.ipc.client.AttachedEngine` is a front-end process's: its jobs go to the engine
+  process over the wire of :mod:`.ipc`.
 
 Nothing here imports torch, nor does anything it imports, and nothing here computes with it:
 weights and heads run in the engine's batches, and what runs per request (truncation,
@@ -19,19 +19,16 @@ model runtime (measured: about 2 s of start-up and 270 MB of private memory per 
 from __future__ import annotations
 
 import abc
-import asyncio
 import functools
 from collections.abc import Callable, Coroutine, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, TypeVar, Unpack
 
 import numpy as np
 import numpy.typing as npt
 
 from .configuration import EngineConfig, EngineInfo
-from .errors import InvalidRequestError, NotReadyError
+from .errors import InvalidRequestError
 from .heads import Task
-from .ipc import EngineClient, Handoff, RemoteRunner
 from .jobs import (
     EmbedOptions,
     Job,
@@ -54,7 +51,7 @@ from .results import (
     TokenEmbedResult,
 )
 from .scoring import cosine_scores, pair_inputs, rank, text_pairs
-from .settings import EngineSettings, ServerSettings
+from .settings import EngineSettings
 from .tokenization import TextInput, TextTokenizer, normalize_inputs
 
 T = TypeVar("T")
@@ -418,79 +415,3 @@ class ServingEngine(abc.ABC):
     @abc.abstractmethod
     def _sync(self, work: Callable[[JobRunner], Coroutine[Any, Any, T]]) -> T:
         """Run ``work`` to completion for the sync API."""
-
-
-class AttachedEngine(ServingEngine):
-    """A front-end process's engine (``--api-workers N``): the engine's request-level
-    code (inputs, prompts, truncation, the per-request head, results) here, every job's
-    sequences run by the model and the scheduler of the engine process (:mod:`.ipc`).
-
-    It has no model, so only the async API serves; ``Engine.__init__``, which builds the
-    model's stages, is not called."""
-
-    def __init__(
-        self,
-        settings: ServerSettings,
-        handoff: Handoff,
-        client: EngineClient,
-        *,
-        metrics: Metrics | None = None,
-    ) -> None:
-        self.settings, self.metrics = settings, metrics
-        self._config, self._info = handoff.config, handoff.info
-        self._tokenizer = handoff.tokenizer
-        self._group = None
-        self._client = client
-        self._remote: RemoteRunner | None = None
-        self._ready = False
-
-    @classmethod
-    async def connect(
-        cls, settings: ServerSettings, address: str, *, metrics: Metrics | None = None
-    ) -> AttachedEngine:
-        """Connect to the engine process at ``address`` and wait until it serves."""
-        client = EngineClient(address)
-        try:
-            handoff = await client.connect()
-        except BaseException:
-            client.close()
-            raise
-        return cls(settings, handoff, client, metrics=metrics)
-
-    @property
-    def ready(self) -> bool:
-        return self._ready and self._client.failure is None
-
-    def on_failure(self, callback: Callable[[str], None]) -> None:
-        """Call ``callback(message)`` if the engine process goes away."""
-        self._client.on_failure(callback)
-
-    def close(self) -> None:
-        self._client.close()
-
-    async def start(self) -> None:
-        if self._ready:
-            return
-        pool = ThreadPoolExecutor(self.settings.tokenizer_workers, thread_name_prefix="tokenize")
-        loop = asyncio.get_running_loop()
-        self._remote = RemoteRunner(self._tokenizer, self._client, loop=loop, tokenize_pool=pool)
-        self._ready = True
-
-    async def stop(self, *, drain: bool = True, timeout: float | None = None) -> None:
-        """Stop serving; the HTTP server has already waited for the requests in flight."""
-        self._ready = False
-        if self._remote is not None:
-            self._remote.shutdown()
-            self._remote = None
-        self.close()
-
-    def _scheduled(self) -> JobRunner:
-        if not self.ready or self._remote is None:
-            raise NotReadyError("the engine process is not serving")
-        return self._remote
-
-    def _offloader(self) -> JobRunner:
-        return self._scheduled()
-
-    def _sync(self, work: Callable[[JobRunner], Coroutine[Any, Any, T]]) -> T:
-        raise RuntimeError("a front-end's engine serves the async API only")

@@ -15,6 +15,7 @@ import httpx
 import numpy as np
 import pytest
 from embedding_server.api import create_app
+from embedding_server.engine import load_engine
 from embedding_server.metrics import QUEUE_REQUESTS_METRIC, QUEUE_TOKENS_METRIC
 from embedding_server.settings import ServerSettings
 
@@ -98,7 +99,7 @@ def test_tokenize_and_detokenize_round_trip(server: RunningServer) -> None:
 def test_tokenize_token_strs_keep_byte_level_markers(server: RunningServer) -> None:
     """Byte-level BPE: the space marker and the bytes of a multi-byte character come back as
     the tokenizer's own strings (convert_ids_to_tokens), not as per-id decoded text."""
-    from embedding_server.fake import build_fake_tokenizer
+    from embedding_server.device.fake import build_fake_tokenizer
     from transformers import PreTrainedTokenizerFast
 
     body = post(server, "/tokenize", {"prompt": "a é", "return_token_strs": True})
@@ -158,7 +159,7 @@ def test_models_info_and_probes(server: RunningServer) -> None:
 
 async def test_ready_is_503_until_the_model_is_up_and_again_while_draining() -> None:
     # The app without its lifespan: the model was never loaded.
-    app = create_app(fake_settings())
+    app = create_app(fake_settings(), connect=load_engine)
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
         assert (await client.get("/health")).status_code == 200
@@ -180,7 +181,7 @@ async def test_ready_is_503_until_the_model_is_up_and_again_while_draining() -> 
 async def test_ready_does_not_echo_why_the_model_failed_to_load() -> None:
     # /ready is open without the API key; a load error can quote a path or a value that
     # came from a Secret. The log says why, /ready only that it failed.
-    app = create_app(fake_settings())
+    app = create_app(fake_settings(), connect=load_engine)
     app.state.lifecycle.fail("could not load /models/s3cr3t-token: OSError: denied")
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:

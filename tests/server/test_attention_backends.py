@@ -17,8 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from embedding_server import attention, dtypes
-from embedding_server.attention import AttentionFacts, Backend, plan_attention, select_backend
+from embedding_server.device import attention, dtypes
+from embedding_server.device.attention import (
+    AttentionFacts,
+    Backend,
+    plan_attention,
+    select_backend,
+)
 from embedding_server.engine import Engine
 from embedding_server.errors import InvalidRequestError
 
@@ -135,7 +140,7 @@ def test_auto_dtype_follows_the_target_gpu(
 
 
 def test_emulated_bf16_on_an_old_gpu_is_called_out(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="embedding_server.dtypes"):
+    with caplog.at_level(logging.WARNING, logger="embedding_server.device.dtypes"):
         dtypes.resolve_dtype("bfloat16", torch.device("cuda"), capability=(7, 5))
     assert any("emulated" in r.getMessage() and "7.5" in r.getMessage() for r in caplog.records)
 
@@ -307,7 +312,7 @@ def test_a_broken_flash_attn_install_is_reported(
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
-    with caplog.at_level(logging.WARNING, logger="embedding_server.attention"):
+    with caplog.at_level(logging.WARNING, logger="embedding_server.device.attention"):
         function, reason = attention._import_flash_attn()
     assert function is None
     assert reason is not None and "undefined symbol" in reason

@@ -17,7 +17,7 @@ import sys
 import httpx
 import pytest
 import torch
-from embedding_server.dtypes import fatal_device_error
+from embedding_server.device.dtypes import fatal_device_error
 from embedding_server.engine import Engine
 from embedding_server.errors import EngineFailedError
 

@@ -294,7 +294,7 @@ async def test_async_token_and_score_results() -> None:
 
 @pytest.fixture
 def cpu_flags(monkeypatch: pytest.MonkeyPatch) -> Iterator[set[str]]:
-    from embedding_server import dtypes
+    from embedding_server.device import dtypes
 
     flags: set[str] = set()
     monkeypatch.setattr(dtypes, "cpu_flags", lambda: frozenset(flags))
@@ -304,7 +304,7 @@ def cpu_flags(monkeypatch: pytest.MonkeyPatch) -> Iterator[set[str]]:
 
 def test_auto_dtype_on_cpu_follows_bf16_support(cpu_flags: set[str]) -> None:
     import torch
-    from embedding_server.dtypes import resolve_dtype
+    from embedding_server.device.dtypes import resolve_dtype
 
     cpu = torch.device("cpu")
     assert resolve_dtype("auto", cpu) == torch.float32

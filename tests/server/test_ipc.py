@@ -13,32 +13,32 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import orjson
 import pytest
+from embedding_server.device.service import EngineService
 from embedding_server.engine import Engine
 from embedding_server.errors import (
+    EmbeddingServerError,
     EngineFailedError,
     InvalidRequestError,
     QueueFullError,
     TooManyTokensError,
 )
-from embedding_server.ipc import (
-    EngineClient,
-    EngineService,
-    Frames,
-    Wire,
+from embedding_server.ipc.client import AttachedEngine, EngineClient
+from embedding_server.ipc.messages import (
+    Failure,
+    Output,
     decode_error,
     decode_output,
     decode_sequences,
     encode_error,
     encode_output,
     encode_sequences,
-    pack,
+    to_front_end,
 )
+from embedding_server.ipc.wire import Frames, Wire, pack
 from embedding_server.metrics import Metrics
 from embedding_server.scheduler import ScheduledOutput
 from embedding_server.sequences import SequenceInput
-from embedding_server.serving import AttachedEngine
 from embedding_server.settings import ServerSettings
 
 from tests.support.scheduler import wait_for
@@ -67,8 +67,9 @@ def test_vectors_and_per_token_states_cross_as_float32_buffers() -> None:
     pooled = rng.standard_normal((3, 8)).astype(np.float32)
     tokens = [rng.standard_normal((n, 4)).astype(np.float32) for n in (2, 5, 1)]
     frames = encode_output(7, ScheduledOutput(pooled, list(tokens), 0.5, 0.25, 0.125))
-    header = orjson.loads(frames[0])
-    assert header["rid"] == 7 and header["token_rows"] == [2, 5, 1]
+    header = to_front_end.decode(frames[0])
+    assert isinstance(header, Output)
+    assert header.rid == 7 and header.token_rows == [2, 5, 1]
     out = decode_output(header, frames[1:])
     np.testing.assert_array_equal(out.pooled, pooled)
     for got, want in zip(out.tokens, tokens, strict=True):
@@ -76,7 +77,15 @@ def test_vectors_and_per_token_states_cross_as_float32_buffers() -> None:
         np.testing.assert_array_equal(got, want)
     assert (out.queue_s, out.forward_s, out.pool_s) == (0.5, 0.25, 0.125)
     plain = encode_output(1, ScheduledOutput(pooled, [None] * 3, 0, 0, 0))
-    assert decode_output(orjson.loads(plain[0]), plain[1:]).tokens == [None] * 3
+    plain_header = to_front_end.decode(plain[0])
+    assert isinstance(plain_header, Output)
+    assert decode_output(plain_header, plain[1:]).tokens == [None] * 3
+
+
+def _decoded_error(frame: bytes) -> EmbeddingServerError:
+    message = to_front_end.decode(frame)
+    assert isinstance(message, Failure) and message.rid == 3
+    return decode_error(message.error)
 
 
 @pytest.mark.parametrize(
@@ -89,7 +98,7 @@ def test_vectors_and_per_token_states_cross_as_float32_buffers() -> None:
     ],
 )
 def test_errors_keep_their_type_and_details(error: Exception) -> None:
-    back = decode_error(orjson.loads(encode_error(3, error))["error"])
+    back = _decoded_error(encode_error(3, error))
     assert type(back) is type(error)
     assert back.message == str(error)
     assert back.param == getattr(error, "param", None)
@@ -97,7 +106,7 @@ def test_errors_keep_their_type_and_details(error: Exception) -> None:
 
 
 def test_an_unexpected_failure_is_a_500_without_its_details() -> None:
-    back = decode_error(orjson.loads(encode_error(3, RuntimeError("/secret/path")))["error"])
+    back = _decoded_error(encode_error(3, RuntimeError("/secret/path")))
     assert back.status_code == 500 and "/secret/path" not in back.message
 
 

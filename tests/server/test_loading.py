@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from embedding_server.engine import Engine
-from embedding_server.errors import ModelNotFoundError, UnsupportedModelError
-from embedding_server.loading import (
+from embedding_server.device.loading import (
     PACKAGED_HUB_ID,
     read_sentence_transformers,
     resolve_model_path,
 )
+from embedding_server.engine import Engine
+from embedding_server.errors import ModelNotFoundError, UnsupportedModelError
 from safetensors.torch import load_file
 from sentence_transformers import SentenceTransformer
 
@@ -325,7 +325,7 @@ def test_packaged_models_hub_id_needs_no_download(monkeypatch: pytest.MonkeyPatc
 def test_fused_projections_reach_the_device_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """q/k/v (and gate/up) are concatenated on the host and converted once, so the device
     never holds the parts and the fused copy together while a large model loads."""
-    from embedding_server.models.base import WeightReader
+    from embedding_server.device.models.base import WeightReader
 
     weights = {
         "model.layers.0.self_attn.q_proj.weight": torch.randn(8, 4, dtype=torch.bfloat16),

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from embedding_server import attention
+from embedding_server.device import attention
+from embedding_server.device.models.base import PackedBatch
 from embedding_server.engine import Engine
 from embedding_server.errors import UnsupportedModelError
-from embedding_server.models.base import PackedBatch
 from transformers import AutoModel
 
 from tests.support.attention import BF16_COSINE, assert_rows_close, flash_mask, pretend_cuda

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from embedding_server import attention
+from embedding_server.device import attention
 from embedding_server.engine import Engine
 from sentence_transformers import SentenceTransformer
 from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM

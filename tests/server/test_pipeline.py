@@ -21,10 +21,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from embedding_server.attention import Backend, plan_attention
+from embedding_server.device.attention import Backend, plan_attention
+from embedding_server.device.runner import ModelRunner, PreparedBatch
 from embedding_server.engine import Engine
 from embedding_server.errors import EngineFailedError, NotReadyError
-from embedding_server.runner import ModelRunner, PreparedBatch
 from embedding_server.scheduler import Scheduler
 from embedding_server.sequences import SequenceInput
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from embedding_server import settings
+from embedding_server.device.pooling import pool
 from embedding_server.engine import Engine
 from embedding_server.errors import InvalidRequestError
 from embedding_server.pooling import (
@@ -15,7 +16,6 @@ from embedding_server.pooling import (
     Matryoshka,
     build_matryoshka,
     finalize,
-    pool,
 )
 
 LENS = [3, 1, 4]

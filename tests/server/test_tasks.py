@@ -15,10 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from embedding_server.device.pooling import activation
 from embedding_server.engine import Engine
 from embedding_server.errors import InvalidRequestError, UnsupportedModelError
 from embedding_server.heads import apply_activation, softmax
-from embedding_server.pooling import ACTIVATIONS, activation
+from embedding_server.pooling import ACTIVATIONS
 from embedding_server.tokenization import Truncation, longest_first
 from transformers import (
     AutoModelForSequenceClassification,

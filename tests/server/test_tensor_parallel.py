@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from embedding_server.distributed import Shard
+from embedding_server.device.distributed import Shard
 from embedding_server.engine import Engine
 from embedding_server.errors import UnsupportedModelError
 

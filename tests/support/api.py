@@ -24,7 +24,7 @@ import uvicorn
 from embedding_server.api import create_app
 from embedding_server.api.lifecycle import Lifecycle
 from embedding_server.api.server import DrainingServer
-from embedding_server.engine import Engine
+from embedding_server.engine import Engine, load_engine
 from embedding_server.metrics import Metrics
 from embedding_server.settings import ServerSettings
 
@@ -51,7 +51,7 @@ class RunningServer:
 
     def __init__(self, settings: ServerSettings, engine: Engine | None = None) -> None:
         self.settings = settings
-        self.app = create_app(settings, engine)
+        self.app = create_app(settings, engine, connect=load_engine)
         self.lifecycle: Lifecycle = self.app.state.lifecycle
         self.metrics: Metrics = self.app.state.metrics
         # proto=IPPROTO_TCP matters: asyncio only sets TCP_NODELAY on accepted sockets whose

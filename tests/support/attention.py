@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from embedding_server import attention, engine
-from embedding_server.attention import AttentionFacts
+from embedding_server import engine
+from embedding_server.device import attention
+from embedding_server.device.attention import AttentionFacts
 
 MAX_HEAD_DIM = 256
 BF16_COSINE = 0.995

@@ -37,17 +37,11 @@ logger = logging.getLogger(__name__)
 ROUTERS = (openai_router, cohere_router, vllm_router, tasks_router, ops_router)
 """Every route the server has."""
 
-Connect = Callable[[Metrics], Awaitable[ServingEngine]]
-"""How a server gets its engine: load the model here (the default), or, in an
-``--api-workers`` front-end, connect to the engine process."""
-
-
-async def _load(settings: ServerSettings, metrics: Metrics) -> ServingEngine:
-    # Imported here: only a process that loads the model needs the model runtime (torch); an
-    # ``--api-workers`` front-end connects instead and never imports it.
-    from embedding_server.engine import Engine
-
-    return await asyncio.to_thread(Engine.from_settings, settings, metrics=metrics)
+Connect = Callable[[ServerSettings, Metrics], Awaitable[ServingEngine]]
+"""How a server gets its engine: load the model in this process
+(:func:`embedding_server.engine.load_engine`, which the CLI passes), or, in an
+``--api-workers`` front-end, connect to the engine process. The HTTP layer never imports
+the model runtime itself (the import contracts in pyproject.toml)."""
 
 
 async def _bring_up(lifecycle: Lifecycle, connect: Connect | None) -> None:
@@ -56,9 +50,8 @@ async def _bring_up(lifecycle: Lifecycle, connect: Connect | None) -> None:
     try:
         if lifecycle.engine is None:
             if connect is None:
-                lifecycle.engine = await _load(settings, lifecycle.metrics)
-            else:
-                lifecycle.engine = await connect(lifecycle.metrics)
+                raise RuntimeError("create_app() was given neither an engine nor connect")
+            lifecycle.engine = await connect(settings, lifecycle.metrics)
             # A tensor-parallel rank that dies or hangs ends the server (exit 1).
             lifecycle.engine.on_failure(lifecycle.fail)
         await lifecycle.engine.start()
@@ -88,10 +81,10 @@ def create_app(
 ) -> FastAPI:
     """Build the HTTP application.
 
-    With ``engine=None`` the model named by ``settings`` is loaded in the background once
-    the server starts (or ``connect`` gets the engine); pass an engine (e.g.
-    ``Engine.from_pretrained("fake")``) to serve it instead. The engine is started and
-    stopped by the application's lifespan.
+    With ``engine=None``, ``connect`` gets the engine in the background once the server
+    starts (``embedding_server.engine.load_engine`` loads the model ``settings`` names);
+    pass an engine (e.g. ``Engine.from_pretrained("fake")``) to serve it instead. The
+    engine is started and stopped by the application's lifespan.
     """
     metrics: Metrics = getattr(engine, "metrics", None) or Metrics()
     lifecycle = Lifecycle(settings=settings, metrics=metrics, engine=engine)

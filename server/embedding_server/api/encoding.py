@@ -10,10 +10,11 @@ Binary element types (``embed_dtype``, as vLLM names them), in the byte order as
 
 * ``float32`` / ``float16``: IEEE values; ``bfloat16``: the top 16 bits of the float32,
   rounded to nearest even.
-* ``fp8_e4m3`` / ``fp8_e5m2``: one byte per value, the bit pattern of torch's
+* ``fp8_e4m3`` / ``fp8_e5m2``: one byte per value, the same bit pattern as torch's
   ``float8_e4m3fn`` / ``float8_e5m2`` conversion of the float32, which is what vLLM sends
-  (values beyond the format's range, e.g. un-normalized hidden states over 448 in e4m3, come
-  out as torch converts them). Byte order does not apply to them.
+  (values beyond the format's range, e.g. un-normalized hidden states over 448 in e4m3,
+  saturate to its largest value as torch's do). Computed with ``ml_dtypes``, so the request
+  plane needs no torch. Byte order does not apply to them.
 * ``native`` byte order is this server's (``sys.byteorder``), as in vLLM; it is little-endian
   on every platform we build for, so the default matches what the OpenAI client decodes.
 
@@ -37,6 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import ml_dtypes
 import numpy as np
 import numpy.typing as npt
 import orjson
@@ -116,16 +118,24 @@ def _bfloat16_bits(array: npt.NDArray[np.float32]) -> npt.NDArray[np.uint16]:
     return rounded
 
 
+_FP8 = {
+    "fp8_e4m3": (ml_dtypes.float8_e4m3fn, 448.0),
+    "fp8_e5m2": (ml_dtypes.float8_e5m2, 57344.0),
+}
+"""Each fp8 type and its largest finite value."""
+
+
 def _fp8_bits(array: npt.NDArray[np.float32], dtype: EmbedDtype) -> npt.NDArray[np.uint8]:
-    """float32 -> fp8 bit patterns, by torch's own conversion (numpy has no fp8 type).
-
-    ``torch.from_numpy`` shares the buffer, so this is one vectorized cast and one view.
-    """
-    import torch  # the model runtime; imported here so the API layer does not need it
-
-    target = torch.float8_e4m3fn if dtype == "fp8_e4m3" else torch.float8_e5m2
-    source = array if array.flags.writeable else array.copy()  # torch warns on read-only
-    bits: npt.NDArray[np.uint8] = torch.from_numpy(source).to(target).view(torch.uint8).numpy()
+    """float32 -> fp8 bit patterns, rounding to nearest even, as torch converts: values
+    beyond the largest finite one (infinities too) saturate to it, and a NaN is the type's
+    all-ones NaN. numpy has no fp8 type; ``ml_dtypes`` (JAX's) adds them without torch."""
+    fp8, largest = _FP8[dtype]
+    bits: npt.NDArray[np.uint8] = (
+        np.clip(array, -largest, largest).astype(fp8).view(np.uint8).copy()
+    )
+    nan = np.isnan(array)
+    if nan.any():
+        bits[nan] |= np.uint8(0x7F)
     return bits
 
 

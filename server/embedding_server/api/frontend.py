@@ -18,9 +18,10 @@ import time
 
 from embedding_server.api.app import create_app
 from embedding_server.api.server import run_http
+from embedding_server.ipc.client import AttachedEngine
 from embedding_server.logging import configure_logging
 from embedding_server.metrics import Metrics
-from embedding_server.serving import AttachedEngine, ServingEngine
+from embedding_server.serving import ServingEngine
 from embedding_server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ def run_frontend(
     os.setpgid(0, 0)
     threading.Thread(target=_exit_with_parent, args=(parent, shared_dir), daemon=True).start()
 
-    async def connect(metrics: Metrics) -> ServingEngine:
+    async def connect(settings: ServerSettings, metrics: Metrics) -> ServingEngine:
         return await AttachedEngine.connect(settings, engine_address(shared_dir), metrics=metrics)
 
     app = create_app(settings, connect=connect)

@@ -32,7 +32,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..errors import UnsupportedModelError
+from embedding_server.errors import UnsupportedModelError
+from embedding_server.pooling import ACTIVATIONS, PoolingMethod
+
+from ..heads import ClassificationHead, HeadWeights
 from .base import Checkpoint, PackedBatch
 from .layers import FULL_ATTENTION as _FULL
 from .layers import SLIDING_ATTENTION as _SLIDING
@@ -212,3 +215,30 @@ class ModernBertModel:
             inp, gate = F.linear(m, layer.wi_w, layer.wi_b).chunk(2, dim=-1)
             x = x + row_linear(self._act(inp) * gate, layer.wo_w, layer.wo_b, shard)
         return self._norm(x, self.final_norm_w, self.final_norm_b)
+
+
+def classification_head(
+    w: HeadWeights, per_token: bool
+) -> tuple[ClassificationHead, PoolingMethod]:
+    """ModernBERT's head (``head.dense`` + activation + ``head.norm``, then ``classifier``),
+    token classifiers included; a sequence classifier pools as ``classifier_pooling`` says."""
+    config = w.config
+    act = str(config.get("classifier_activation") or config.get("hidden_activation") or "gelu")
+    if act not in ACTIVATIONS:
+        raise UnsupportedModelError(f"ModernBERT classifier_activation {act!r} is not supported")
+    head = ClassificationHead(
+        weight=w.get("classifier.weight"),
+        bias=w.maybe("classifier.bias"),
+        pooler_weight=w.get("head.dense.weight"),
+        pooler_bias=w.maybe("head.dense.bias"),
+        pooler_activation=act,
+        norm_weight=w.get("head.norm.weight"),
+        norm_bias=w.maybe("head.norm.bias"),
+        norm_eps=float(config.get("norm_eps", 1e-5)),
+    )
+    pooled = str(config.get("classifier_pooling", "cls"))
+    if pooled not in ("cls", "mean"):
+        raise UnsupportedModelError(
+            f"ModernBERT classifier_pooling {pooled!r} is not supported (cls or mean)"
+        )
+    return head, "cls" if pooled == "cls" else "mean"

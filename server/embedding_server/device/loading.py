@@ -12,7 +12,8 @@ A model is a directory (local, the packaged default, or a Hugging Face Hub snaps
   ``1_Pooling/config.json`` (pooling method, include_prompt), ``2_Dense*/``,
   ``sentence_bert_config.json`` (max_seq_length), ``config_sentence_transformers.json``
   (prompts, default_prompt_name, a CrossEncoder's activation_fn);
-* a ``*ForSequenceClassification`` checkpoint's classification head (``heads.py``).
+* a ``*ForSequenceClassification`` checkpoint's classification head, named as its family
+  declares (``heads.py``, ``models/__init__.py``).
 
 Everything read here is declarative; the engine combines it with the settings.
 """
@@ -30,20 +31,17 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
+from embedding_server.errors import ModelNotFoundError, UnsupportedModelError
+from embedding_server.heads import Classifier, SparseStrategy, head_kind
+from embedding_server.pooling import PoolingMethod
+from embedding_server.settings import DEFAULT_MODEL, Dtype
+
 from .distributed import SINGLE, Shard
 from .dtypes import resolve_dtype
-from .errors import ModelNotFoundError, UnsupportedModelError
-from .heads import (
-    Classifier,
-    SparseHead,
-    SparseStrategy,
-    head_kind,
-    read_classifier,
-    read_sparse_head,
-)
+from .heads import ClassificationHead, SparseHead, read_classifier, read_sparse_head
+from .models import Architecture, build_model, lookup
 from .models.base import EmbeddingModel
-from .pooling import DenseLayer, PoolingMethod
-from .settings import DEFAULT_MODEL, Dtype
+from .pooling import DenseLayer
 
 logger = logging.getLogger(__name__)
 
@@ -416,7 +414,10 @@ class LoadedModel:
     head_dim: int
     """Per-head width of attention, which decides the attention kernels that can serve it."""
     classifier: Classifier | None = None
-    """The sequence-classification head of a ``*ForSequenceClassification`` checkpoint."""
+    """What the classification head of a ``*ForSequenceClassification`` or
+    ``*ForTokenClassification`` checkpoint means (labels, pooling, activation)."""
+    classifier_head: ClassificationHead | None = None
+    """That head's weights (on the CPU, float32)."""
     sparse: SparseHead | None = None
     """The SPLADE head of a masked-LM checkpoint (task sparse), where it has one."""
 
@@ -443,8 +444,6 @@ def load_model(
     dtype that ``dtype`` resolves to for this device and architecture; with a tensor-parallel
     ``shard``, that rank's share of the weights; ``task`` (the setting) says whether a plain
     masked-LM checkpoint's head is wanted for SPLADE."""
-    from .models import build_model, lookup
-
     path = resolve_model_path(model, revision=revision, cache_dir=cache_dir)
     config = read_model_config(path)
     arch = lookup(config)  # fail on an unsupported architecture before reading weights
@@ -455,9 +454,9 @@ def load_model(
     tokenizer, tokenizer_max = load_tokenizer(path)
     weights = load_weights(path)
     classifier = read_classifier(
-        config, weights, family=arch.family, st_activation=st.activation_fn
+        config, weights, reader=arch.classifier, st_activation=st.activation_fn
     )
-    sparse = _sparse_head(config, weights, family=arch.family, st=st, task=task)
+    sparse = _sparse_head(config, weights, arch=arch, st=st, task=task)
     body = build_model(config, weights, dtype=compute_dtype, device=device, shard=shard)
     architectures = config.get("architectures") or [arch.model_type]
     return LoadedModel(
@@ -472,7 +471,8 @@ def load_model(
         default_pooling=arch.default_pooling,
         dtype=compute_dtype,
         head_dim=head_dim_of(config),
-        classifier=classifier,
+        classifier=classifier[0] if classifier else None,
+        classifier_head=classifier[1] if classifier else None,
         sparse=sparse,
     )
 
@@ -489,8 +489,6 @@ def load_shard(
     """Only the body of ``model``, as tensor-parallel rank ``shard`` holds it: what a worker
     rank needs (no tokenizer, no pooling: those live on rank 0); with the dtype it runs in
     (resolved as :func:`load_model` resolves it) and its attention head width."""
-    from .models import build_model, lookup
-
     path = resolve_model_path(model, revision=revision, cache_dir=cache_dir)
     config = read_model_config(path)
     arch = lookup(config)
@@ -504,7 +502,7 @@ def _sparse_head(
     config: Mapping[str, Any],
     weights: Mapping[str, torch.Tensor],
     *,
-    family: str,
+    arch: Architecture,
     st: SentenceTransformerConfig,
     task: str,
 ) -> SparseHead | None:
@@ -512,7 +510,7 @@ def _sparse_head(
     (max pooling, as SPLADE v2/v3); an error when it cannot be read. None otherwise, so an
     embedder never keeps a vocabulary-sized matrix it does not use."""
     if st.splade is not None:
-        return read_sparse_head(config, weights, family=family, strategy=st.splade)
+        return read_sparse_head(config, weights, reader=arch.masked_lm, strategy=st.splade)
     if task == "sparse":
-        return read_sparse_head(config, weights, family=family, strategy="max")
+        return read_sparse_head(config, weights, reader=arch.masked_lm, strategy="max")
     return None

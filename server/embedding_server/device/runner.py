@@ -31,12 +31,14 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from embedding_server.errors import EngineFailedError
+from embedding_server.pooling import FloatArray, PoolingMethod
+from embedding_server.sequences import BatchOutput, SequenceInput
+
 from .attention import Backend
 from .dtypes import fatal_device_error
-from .errors import EngineFailedError
 from .models.base import EmbeddingModel, PackedBatch
-from .pooling import FloatArray, PoolingMethod, pool
-from .sequences import BatchOutput, SequenceInput
+from .pooling import pool
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +65,7 @@ class PreparedBatch:
 
 class BatchHead(Protocol):
     """The batch-level head after pooling: sentence-transformers Dense layers
-    (:class:`~.pooling.PoolingHead`) or a classifier (:class:`~.heads.ClassificationHead`)."""
+    (:class:`~.pooling.DenseHead`) or a classifier (:class:`~.heads.ClassificationHead`)."""
 
     def project(self, pooled: torch.Tensor) -> torch.Tensor: ...
 
@@ -77,7 +79,7 @@ class TokenPooler(Protocol):
 
 TokenHead = Callable[[torch.Tensor], torch.Tensor]
 """Applied to the token states a sequence asked for (``[tokens, hidden]``) before they are
-copied back: a token classifier's head (:meth:`~.heads.Classifier.token_head`)."""
+copied back: a token classifier's head (:func:`~.heads.token_head`)."""
 
 
 class ModelRunner:

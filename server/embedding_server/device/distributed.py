@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .errors import UnsupportedModelError
+from embedding_server.errors import UnsupportedModelError
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Rank 0 is the engine's own process (HTTP, tokenization, the scheduler and pooling stay
 there). It starts ranks 1..N-1 as child processes (``python -m
-embedding_server.tensor_parallel``), each loading its share of the weights
+embedding_server.device.tensor_parallel``), each loading its share of the weights
 (``distributed.Shard``, ``models.layers.HeadSplit``) onto its own GPU (NCCL) or CPU (gloo).
 Per batch, rank 0 broadcasts the plan once, a header and one int64 payload (packed token
 ids, positions, sequence lengths), and every rank then runs the same forward pass, whose
@@ -37,13 +37,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in __all__
 
+from embedding_server.errors import NotReadyError, UnsupportedModelError
+from embedding_server.settings import EngineSettings
+
 from .attention import Backend, probe, select_backend
 from .distributed import Shard
-from .errors import NotReadyError, UnsupportedModelError
 from .loading import load_shard
 from .models.base import EmbeddingModel, PackedBatch
 from .runner import SMALL_BATCH_TOKENS
-from .settings import EngineSettings
 
 logger = logging.getLogger(__name__)
 
@@ -385,8 +386,9 @@ def _serve(model: EmbeddingModel, device: torch.device, threads: int, attention:
 
 def worker_main(argv: Sequence[str] | None = None) -> int:
     """A worker rank: load the shard, join the group, run forward passes until told to stop."""
+    from embedding_server.logging import configure_logging
+
     from .dtypes import cpu_thread_budget
-    from .logging import configure_logging
 
     parser = argparse.ArgumentParser(prog="embedding-server tensor-parallel worker")
     parser.add_argument("--rank", type=int, required=True)

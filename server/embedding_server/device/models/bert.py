@@ -15,7 +15,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..errors import UnsupportedModelError
+from embedding_server.errors import UnsupportedModelError
+from embedding_server.heads import SparseStrategy
+from embedding_server.pooling import ACTIVATIONS, PoolingMethod
+
+from ..heads import ClassificationHead, HeadWeights, SparseHead
 from .base import Checkpoint, PackedBatch, config_get
 from .layers import HeadSplit, activation, row_linear
 
@@ -144,3 +148,85 @@ def _legacy_name(name: str) -> str:
     if name.endswith("LayerNorm.beta"):
         return name.removesuffix("beta") + "bias"
     return name
+
+
+def classification_head(
+    w: HeadWeights, per_token: bool
+) -> tuple[ClassificationHead, PoolingMethod]:
+    """The BERT family's classification heads, CLS-pooled: RoBERTa and XLM-R put a pooler
+    (``classifier.dense`` + tanh) before ``classifier.out_proj``; BERT its ``bert.pooler``
+    before ``classifier``. Token classifiers have no pooler, just ``classifier``."""
+    if per_token:
+        return ClassificationHead(
+            weight=w.get("classifier.weight"), bias=w.maybe("classifier.bias")
+        ), "cls"
+    if "classifier.out_proj.weight" in w:  # RoBERTa, XLM-R
+        head = ClassificationHead(
+            weight=w.get("classifier.out_proj.weight"),
+            bias=w.maybe("classifier.out_proj.bias"),
+            pooler_weight=w.get("classifier.dense.weight"),
+            pooler_bias=w.maybe("classifier.dense.bias"),
+        )
+        return head, "cls"
+    pooler = next((p for p in ("bert.pooler.", "pooler.") if p + "dense.weight" in w), None)
+    head = ClassificationHead(
+        weight=w.get("classifier.weight"),
+        bias=w.maybe("classifier.bias"),
+        pooler_weight=w.get(pooler + "dense.weight") if pooler else None,
+        pooler_bias=w.maybe(pooler + "dense.bias") if pooler else None,
+    )
+    return head, "cls"
+
+
+_MASKED_LM_NAMES = {
+    "bert": (
+        "cls.predictions.transform.dense.",
+        "cls.predictions.transform.LayerNorm.",
+        "cls.predictions.decoder.",
+        "cls.predictions.bias",
+    ),
+    "roberta": ("lm_head.dense.", "lm_head.layer_norm.", "lm_head.decoder.", "lm_head.bias"),
+}
+
+
+def masked_lm_head(w: HeadWeights, strategy: SparseStrategy) -> SparseHead:
+    """The masked-LM head of a BERT or RoBERTa/XLM-R ``*ForMaskedLM`` checkpoint as a SPLADE
+    head, by Hugging Face names (the decoder is usually tied to the word embeddings and not
+    saved)."""
+    key = "roberta" if "lm_head.dense.weight" in w else "bert"
+    dense, norm, decoder, bias = _MASKED_LM_NAMES[key]
+    arch = w.architecture
+    if dense + "weight" not in w:
+        raise UnsupportedModelError(
+            f"task sparse (SPLADE) needs a BERT, RoBERTa or XLM-R masked-LM checkpoint with its "
+            f"head (cls.predictions.* or lm_head.*); {arch} has none"
+        )
+    act = str(w.config.get("hidden_act", "gelu"))
+    if act not in ACTIVATIONS:
+        raise UnsupportedModelError(f"{arch}: masked-LM head activation {act!r} is not supported")
+    tied_name = next(
+        (
+            n
+            for n in (
+                decoder + "weight",
+                "bert.embeddings.word_embeddings.weight",
+                "roberta.embeddings.word_embeddings.weight",
+            )
+            if n in w
+        ),
+        None,
+    )
+    if tied_name is None:
+        raise UnsupportedModelError(f"{arch} checkpoint has neither a decoder nor word embeddings")
+    decoder_bias = w.maybe(bias) if bias in w else w.maybe(decoder + "bias")
+    return SparseHead(
+        dense_weight=w.get(dense + "weight"),
+        dense_bias=w.maybe(dense + "bias"),
+        activation=act,
+        norm_weight=w.get(norm + "weight"),
+        norm_bias=w.maybe(norm + "bias"),
+        norm_eps=float(w.config.get("layer_norm_eps", 1e-12)),
+        decoder_weight=w.get(tied_name),
+        decoder_bias=decoder_bias,
+        strategy=strategy,
+    )

@@ -44,7 +44,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..errors import UnsupportedModelError
+from embedding_server.errors import UnsupportedModelError
+
 from .base import Checkpoint, PackedBatch, config_get
 from .layers import (
     FULL_ATTENTION,

@@ -47,7 +47,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
-from .errors import InvalidRequestError
+from embedding_server.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 

@@ -1,10 +1,11 @@
 """``--api-workers N``: N HTTP front-end processes around one engine process.
 
 The process ``embedding-server serve`` started (PID 1 in a container) becomes the engine
-process: it binds the HTTP port, binds the engine socket (:class:`~..ipc.EngineService`),
-starts N front-ends (``multiprocessing`` spawn, handed the listening socket as uvicorn's own
-workers are), then loads the model. Each front-end (:mod:`.frontend`) serves the whole HTTP
-API through an :class:`~..serving.AttachedEngine`: it answers ``/health`` at once and
+process: it binds the HTTP port, binds the engine socket
+(:class:`~.device.service.EngineService`), starts N front-ends (``multiprocessing`` spawn,
+handed the listening socket as uvicorn's own workers are), then loads the model. Each
+front-end (:mod:`.api.frontend`) serves the whole HTTP API through an
+:class:`~.ipc.client.AttachedEngine`: it answers ``/health`` at once and
 ``/ready`` once the engine has handed it the model's configuration.
 
 Lifecycle, all waits bounded:
@@ -38,8 +39,8 @@ from prometheus_client import multiprocess
 from embedding_server.api.frontend import engine_address, run_frontend
 from embedding_server.api.lifecycle import freeze_heap
 from embedding_server.api.server import FATAL_EXIT_GRACE_S, best_available
+from embedding_server.device.service import EngineService
 from embedding_server.engine import Engine
-from embedding_server.ipc import EngineService
 from embedding_server.logging import configure_logging
 from embedding_server.metrics import Metrics
 from embedding_server.settings import ServerSettings, redact_settings

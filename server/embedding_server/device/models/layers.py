@@ -17,8 +17,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from embedding_server.errors import UnsupportedModelError
+
 from ..distributed import Shard
-from ..errors import UnsupportedModelError
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"

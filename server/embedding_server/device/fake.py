@@ -20,10 +20,11 @@ from urllib.parse import parse_qsl
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
-from .errors import InvalidRequestError
+from embedding_server.errors import InvalidRequestError
+from embedding_server.pooling import POOLING_METHODS, PoolingMethod, parse_pooling_method
+
 from .loading import LoadedModel, SentenceTransformerConfig
 from .models.base import PackedBatch
-from .pooling import POOLING_METHODS, PoolingMethod, parse_pooling_method
 
 FAKE_MODEL = "fake"
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")

@@ -18,9 +18,10 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from embedding_server.errors import UnsupportedModelError
+
 from ..attention import AttentionPlan, Backend, plan_attention, staged, varlen_attention
 from ..distributed import SINGLE, Shard
-from ..errors import UnsupportedModelError
 from .layers import HeadSplit, VocabEmbedding
 
 

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from .errors import InvalidRequestError
-from .settings import Dtype
+from embedding_server.errors import InvalidRequestError
+from embedding_server.settings import Dtype
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,9 @@
 """Model registry: ``config.json``'s ``model_type`` -> our packed implementation.
 
 Capabilities are declared here, not guessed at run time: each entry says which family module
-builds it and what pooling the architecture implies when the checkpoint has no
+builds it, how the family's checkpoints name their task heads (a classification head, a
+masked-LM head for SPLADE; none: the family serves embeddings only), and what pooling the
+architecture implies when the checkpoint has no
 sentence-transformers config (CLS for encoders, last token for decoders; Gemma 3 too, since
 only its last token has seen the whole input when it runs causally: EmbeddingGemma declares
 mean pooling in its sentence-transformers config, which wins). Model types we recognise but
@@ -20,9 +22,12 @@ from typing import Any
 
 import torch
 
+from embedding_server.errors import UnsupportedModelError
+from embedding_server.pooling import PoolingMethod
+
 from ..distributed import SINGLE, Shard
-from ..errors import UnsupportedModelError
-from ..pooling import PoolingMethod
+from ..heads import ClassifierReader, MaskedLmReader, score_head
+from . import bert, modernbert
 from .base import Checkpoint, EmbeddingModel, PackedBatch
 from .bert import BertModel
 from .gemma3 import MULTIMODAL_REFUSAL, Gemma3TextModel
@@ -37,9 +42,13 @@ class Architecture:
     """How to build one ``model_type``."""
 
     model_type: str
-    family: str
     builder: ModelBuilder
     default_pooling: PoolingMethod
+    classifier: ClassifierReader | None = None
+    """How the family's ``*ForSequenceClassification`` / ``*ForTokenClassification``
+    checkpoints name their head (tasks score, classify, token_classify, reward)."""
+    masked_lm: MaskedLmReader | None = None
+    """How its ``*ForMaskedLM`` checkpoints name the LM head (task sparse, SPLADE)."""
     float16_overflows: bool = False
     """Activations exceed float16's range (inf/NaN vectors): refuse float16."""
 
@@ -59,15 +68,16 @@ QWEN3 = DecoderVariant(attention_bias=True, qk_norm=True, window="opt_in")
 ARCHITECTURES: dict[str, Architecture] = {
     a.model_type: a
     for a in (
-        Architecture("bert", "bert", BertModel, "cls"),
-        Architecture("roberta", "bert", BertModel, "cls"),
-        Architecture("xlm-roberta", "bert", BertModel, "cls"),
-        Architecture("modernbert", "modernbert", ModernBertModel, "cls"),
-        Architecture("llama", "llama", decoder(LLAMA), "last"),
-        Architecture("mistral", "llama", decoder(MISTRAL), "last"),
-        Architecture("qwen2", "llama", decoder(QWEN2), "last"),
-        Architecture("qwen3", "llama", decoder(QWEN3), "last"),
-        Architecture("gemma3_text", "gemma3", Gemma3TextModel, "last", float16_overflows=True),
+        *(
+            Architecture(name, BertModel, "cls", bert.classification_head, bert.masked_lm_head)
+            for name in ("bert", "roberta", "xlm-roberta")
+        ),
+        Architecture("modernbert", ModernBertModel, "cls", modernbert.classification_head),
+        Architecture("llama", decoder(LLAMA), "last", score_head),
+        Architecture("mistral", decoder(MISTRAL), "last", score_head),
+        Architecture("qwen2", decoder(QWEN2), "last", score_head),
+        Architecture("qwen3", decoder(QWEN3), "last", score_head),
+        Architecture("gemma3_text", Gemma3TextModel, "last", score_head, float16_overflows=True),
     )
 }
 

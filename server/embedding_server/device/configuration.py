@@ -1,0 +1,255 @@
+"""Resolving an engine's configuration on the device plane: settings plus what the loaded
+model declares, decided once.
+
+:func:`resolve_config` is pure: from the settings and the loaded model's declarations
+(positions, tokenizer limit, sentence-transformers files, its heads) it decides the input
+length, the batch budgets, the pooling method and head, the task and the prompts, or raises
+naming the setting at fault. The result (:class:`~embedding_server.configuration.EngineConfig`)
+holds no tensor; the weights the forward worker applies after the body go to
+:class:`DeviceHeads`. :func:`describe` turns the same decisions into
+:class:`~embedding_server.configuration.EngineInfo` for the start-up log line and ``/info``,
+so what runs and what is reported cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from embedding_server.configuration import EngineConfig, EngineInfo
+from embedding_server.errors import InvalidRequestError, UnsupportedModelError
+from embedding_server.heads import Task, resolve_task
+from embedding_server.pooling import POOLING_METHODS, PoolingHead, PoolingMethod, build_matryoshka
+from embedding_server.settings import CPU_BATCH_TOKENS, GPU_BATCH_TOKENS, EngineSettings
+from embedding_server.tokenization import Prompts
+
+from .attention import BackendChoice
+from .dtypes import cpu_thread_budget, dtype_name
+from .heads import ClassificationHead, SparseHead, token_head
+from .loading import LoadedModel, declared_matryoshka
+from .pooling import DenseHead
+
+
+def resolve_config(
+    settings: EngineSettings, loaded: LoadedModel, *, device: torch.device
+) -> EngineConfig:
+    """Combine ``settings`` with what ``loaded`` declares; settings win where both speak."""
+    task = resolve_task(
+        settings.task, loaded.classifier, loaded.architecture, splade=loaded.st.splade is not None
+    )
+    if task == "sparse" and loaded.sparse is None:  # the fake backend: no weights, no head
+        raise UnsupportedModelError(f"{loaded.architecture} has no masked-LM head for task sparse")
+    if task != "embed":
+        _refuse_embed_settings(settings, task)
+    max_len = _max_input_tokens(settings, loaded)
+    max_batch_tokens = _max_batch_tokens(settings, max_len, device)
+    st = loaded.st
+    declared_flag, declared_dims = declared_matryoshka(loaded.config, st)
+    classifier = loaded.classifier if task != "embed" else None
+    pooling = classifier.pooling if classifier is not None else _pooling(settings, loaded)
+    matryoshka = build_matryoshka(
+        DenseHead(tuple(st.dense)).out_features(loaded.model.hidden_size),
+        declared=declared_flag,
+        declared_dims=declared_dims,
+        override_dims=settings.matryoshka_dimensions,
+        default_dims=settings.dimensions,
+    )
+    normalize = (
+        settings.normalize
+        if settings.normalize is not None
+        else (st.normalize if st.present else True)
+    )
+    return EngineConfig(
+        max_input_tokens=max_len,
+        max_batch_tokens=max_batch_tokens,
+        max_batch_size=settings.max_batch_size,
+        max_queue_tokens=settings.max_queue_tokens,
+        max_request_tokens=_max_request_tokens(settings, max_len),
+        pooling=pooling,
+        include_prompt=st.include_prompt,
+        head=PoolingHead(matryoshka=matryoshka, normalize=normalize),
+        prompts=_prompts(settings, loaded),
+        # Tensor-parallel ranks on one host share its CPUs.
+        cpu_threads=max(1, cpu_thread_budget() // settings.tensor_parallel_size),
+        tensor_parallel_size=settings.tensor_parallel_size,
+        task=task,
+        classifier=classifier,
+    )
+
+
+def _refuse_embed_settings(settings: EngineSettings, task: Task) -> None:
+    """Embedding-only settings with another task are a mistake: say which."""
+    given = {
+        "pooling": settings.pooling != "auto",
+        "normalize": settings.normalize is not None,
+        "dimensions": settings.dimensions is not None,
+        "matryoshka_dimensions": settings.matryoshka_dimensions is not None,
+    }
+    for name, set_ in given.items():
+        if set_:
+            raise InvalidRequestError(
+                f"{name} applies to task embed only; this model serves task {task}",
+                param=name,
+            )
+
+
+def _max_input_tokens(settings: EngineSettings, loaded: LoadedModel) -> int:
+    positions = loaded.model.max_positions
+    declared = loaded.st.max_seq_length or min(loaded.tokenizer_max_length or positions, positions)
+    if settings.max_model_len is not None and settings.max_model_len > positions:
+        raise InvalidRequestError(
+            f"max_model_len={settings.max_model_len} exceeds the {positions} positions the "
+            "model supports",
+            param="max_model_len",
+        )
+    return settings.max_model_len or min(declared, positions)
+
+
+def _max_batch_tokens(settings: EngineSettings, max_len: int, device: torch.device) -> int:
+    if settings.max_batch_tokens is None:
+        default = GPU_BATCH_TOKENS if device.type == "cuda" else CPU_BATCH_TOKENS
+        budget = max(max_len, min(default, settings.max_queue_tokens))
+    else:
+        budget = settings.max_batch_tokens
+    if max_len > budget:
+        raise InvalidRequestError(
+            f"max_batch_tokens={budget} is smaller than one maximal "
+            f"input ({max_len} tokens); raise it or lower max_model_len",
+            param="max_batch_tokens",
+        )
+    if settings.max_queue_tokens < budget:
+        raise InvalidRequestError(
+            f"max_queue_tokens={settings.max_queue_tokens} is smaller than one batch "
+            f"({budget} tokens)",
+            param="max_queue_tokens",
+        )
+    return budget
+
+
+def _max_request_tokens(settings: EngineSettings, max_len: int) -> int:
+    if settings.max_request_tokens is None:
+        return max(max_len, settings.max_queue_tokens // 2)
+    if settings.max_request_tokens < max_len:
+        raise InvalidRequestError(
+            f"max_request_tokens={settings.max_request_tokens} is smaller than one maximal "
+            f"input ({max_len} tokens); raise it or lower max_model_len",
+            param="max_request_tokens",
+        )
+    return settings.max_request_tokens
+
+
+def _pooling(settings: EngineSettings, loaded: LoadedModel) -> PoolingMethod:
+    if settings.pooling != "auto":
+        return settings.pooling
+    if loaded.st.unsupported_pooling is not None:
+        raise UnsupportedModelError(
+            f"{loaded.st.unsupported_pooling}. Set pooling to one of "
+            f"{', '.join(POOLING_METHODS)} to serve the model with that single method instead "
+            "(its vectors will then differ from what sentence-transformers computes)"
+        )
+    return loaded.st.pooling or loaded.default_pooling
+
+
+def _prompts(settings: EngineSettings, loaded: LoadedModel) -> Prompts:
+    table = dict(loaded.st.prompts)
+    default = settings.default_prompt_name or loaded.st.default_prompt_name
+    if default and default not in table:
+        raise InvalidRequestError(
+            f"default_prompt_name={default!r} is not one of the model's prompts {sorted(table)}",
+            param="default_prompt_name",
+        )
+    return Prompts(table, default)
+
+
+def describe(
+    config: EngineConfig,
+    loaded: LoadedModel,
+    *,
+    device: torch.device,
+    attention: BackendChoice,
+    vocab_size: int,
+) -> EngineInfo:
+    """The :class:`EngineInfo` of an engine built from ``config``."""
+    m = config.head.matryoshka
+    return EngineInfo(
+        model=loaded.name,
+        model_path=str(loaded.path) if loaded.path else None,
+        architecture=loaded.architecture,
+        model_type=str(loaded.config.get("model_type", "")),
+        task=config.task,
+        labels=list(config.classifier.labels) if config.classifier else None,
+        score_activation=(
+            config.classifier.score_activation
+            if config.classifier and config.task == "score"
+            else None
+        ),
+        hidden_size=loaded.model.hidden_size,
+        dimensions=m.default,
+        max_input_tokens=config.max_input_tokens,
+        pooling=config.pooling,
+        normalize=config.head.normalize,
+        dtype=dtype_name(loaded.dtype),
+        device=str(device),
+        attention=str(attention.backend),
+        attention_passed_over=list(attention.passed_over),
+        sliding_window=loaded.model.sliding_window,
+        prompts=dict(config.prompts.table),
+        default_prompt_name=config.prompts.default_name,
+        matryoshka=m.supported,
+        matryoshka_dimensions=m.to_list(),
+        full_dimensions=m.full,
+        vocab_size=vocab_size,
+        cpu_threads=config.cpu_threads,
+        tensor_parallel_size=config.tensor_parallel_size,
+        max_batch_tokens=config.max_batch_tokens,
+        max_batch_size=config.max_batch_size,
+        max_queue_tokens=config.max_queue_tokens,
+        max_request_tokens=config.max_request_tokens,
+    )
+
+
+_TOKEN_HEAD_TASKS: tuple[Task, ...] = ("token_classify", "reward")
+"""The tasks whose classifier runs on every token's state rather than a pooled vector."""
+
+
+@dataclass(frozen=True)
+class DeviceHeads:
+    """The weights the forward worker applies after the body, on the engine's device: the
+    sentence-transformers Dense layers (task embed), the classification head (score,
+    classify, token_classify, reward) or the SPLADE head (sparse)."""
+
+    task: Task
+    dense: DenseHead
+    classifier: ClassificationHead | None = None
+    sparse: SparseHead | None = None
+
+    @classmethod
+    def of(cls, config: EngineConfig, loaded: LoadedModel, device: torch.device) -> DeviceHeads:
+        """The heads ``config``'s task needs, moved to ``device``."""
+        task = config.task
+        classifier = loaded.classifier_head if config.classifier is not None else None
+        return cls(
+            task=task,
+            dense=DenseHead(tuple(loaded.st.dense)).to(device),
+            classifier=classifier.to(device) if classifier is not None else None,
+            sparse=loaded.sparse.to(device) if task == "sparse" and loaded.sparse else None,
+        )
+
+    @property
+    def batch_head(self) -> DenseHead | ClassificationHead:
+        """What the forward worker applies after pooling: Dense layers, or a sequence
+        classifier (token_classify and reward run the head on the token states instead:
+        :attr:`token_head`)."""
+        if self.classifier is None or self.task in _TOKEN_HEAD_TASKS:
+            return self.dense
+        return self.classifier
+
+    @property
+    def token_head(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """What the forward worker applies to the token states it returns: the classifier of
+        task token_classify (probabilities) or reward (raw outputs), else nothing."""
+        if self.classifier is None or self.task not in _TOKEN_HEAD_TASKS:
+            return None
+        return token_head(self.classifier, raw=self.task == "reward")

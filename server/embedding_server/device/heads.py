@@ -1,0 +1,231 @@
+"""Task heads on the device: the weights that turn pooled (or per-token) hidden states into
+class logits, and SPLADE's masked-LM head.
+
+Each model family declares how its checkpoints name these weights (a
+:data:`ClassifierReader` and a :data:`MaskedLmReader` in its registry entry,
+``device/models/__init__.py``), as vLLM's model classes declare their pooling heads; this
+module reads the parts every family shares (labels, activations, which task the
+architecture names) and runs the heads. What is done per request (activations over the
+logits, label names) is the request plane's ``embedding_server/heads.py``. The head runs in
+float32 like the embedding head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from embedding_server.errors import UnsupportedModelError
+from embedding_server.heads import Classifier, SparseStrategy, declared_activation, head_kind
+from embedding_server.pooling import PoolingMethod
+
+from .pooling import activation
+
+
+@dataclass(frozen=True)
+class ClassificationHead:
+    """Pooled vector -> optional pooler (dense, activation, optional LayerNorm) -> logits."""
+
+    weight: torch.Tensor  # [num_labels, hidden] float32
+    bias: torch.Tensor | None
+    pooler_weight: torch.Tensor | None = None
+    pooler_bias: torch.Tensor | None = None
+    pooler_activation: str = "tanh"
+    norm_weight: torch.Tensor | None = None
+    norm_bias: torch.Tensor | None = None
+    norm_eps: float = 1e-5
+
+    @property
+    def num_labels(self) -> int:
+        return int(self.weight.shape[0])
+
+    def to(self, device: torch.device) -> ClassificationHead:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device=device, dtype=torch.float32)
+
+        return ClassificationHead(
+            weight=self.weight.to(device=device, dtype=torch.float32),
+            bias=move(self.bias),
+            pooler_weight=move(self.pooler_weight),
+            pooler_bias=move(self.pooler_bias),
+            pooler_activation=self.pooler_activation,
+            norm_weight=move(self.norm_weight),
+            norm_bias=move(self.norm_bias),
+            norm_eps=self.norm_eps,
+        )
+
+    def project(self, pooled: torch.Tensor) -> torch.Tensor:
+        """Class logits ``[B, num_labels]`` (float32) of pooled vectors ``[B, hidden]``."""
+        x = pooled.float()
+        if self.pooler_weight is not None:
+            x = activation(self.pooler_activation)(
+                F.linear(x, self.pooler_weight, self.pooler_bias)
+            )
+        if self.norm_weight is not None:
+            x = F.layer_norm(x, (x.shape[-1],), self.norm_weight, self.norm_bias, self.norm_eps)
+        return F.linear(x, self.weight, self.bias)
+
+
+@dataclass(frozen=True)
+class HeadWeights:
+    """A checkpoint's tensors as a head reader sees them: float32, and a missing one named."""
+
+    config: Mapping[str, Any]
+    weights: Mapping[str, torch.Tensor]
+    architecture: str
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weights
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` in float32; refuses the checkpoint when it lacks it."""
+        if name not in self.weights:
+            raise UnsupportedModelError(
+                f"{self.architecture} checkpoint lacks the classifier weight {name!r}; "
+                "is it complete?"
+            )
+        return self.weights[name].float()
+
+    def maybe(self, name: str) -> torch.Tensor | None:
+        """The tensor ``name`` in float32, or None when the checkpoint has none (a bias)."""
+        return self.weights[name].float() if name in self.weights else None
+
+
+ClassifierReader = Callable[[HeadWeights, bool], tuple[ClassificationHead, PoolingMethod]]
+"""A family's classification head, read from its checkpoint's names: the head and the pooling
+it reads (``per_token``: a token classifier, whose head runs on every token's state)."""
+
+
+def score_head(w: HeadWeights, per_token: bool) -> tuple[ClassificationHead, PoolingMethod]:
+    """A decoder's ``score`` projection (no pooler), over the last token, as transformers'
+    ``*ForSequenceClassification`` decoders read it; token classifiers apply it to every
+    token."""
+    return ClassificationHead(weight=w.get("score.weight"), bias=w.maybe("score.bias")), "last"
+
+
+def read_classifier(
+    config: Mapping[str, Any],
+    weights: Mapping[str, torch.Tensor],
+    *,
+    reader: ClassifierReader | None,
+    st_activation: str | None = None,
+) -> tuple[Classifier, ClassificationHead] | None:
+    """The classification head of a ``*ForSequenceClassification`` or
+    ``*ForTokenClassification`` checkpoint (None for a body), read by its family's
+    ``reader`` (None: the family has no classification head we serve)."""
+    kind = head_kind(config)
+    if kind is None:
+        return None
+    per_token = kind == "token_classification"
+    arch = str((config.get("architectures") or ["?"])[0])
+    if reader is None:
+        what = "token" if per_token else "sequence"
+        raise UnsupportedModelError(f"{arch}: {what} classification is not supported")
+    head, pooling = reader(HeadWeights(config, weights, arch), per_token)
+    id2label = config.get("id2label") or {}
+    labels = tuple(
+        str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(head.num_labels)
+    )
+    activation_name = declared_activation(config, st_activation)
+    return Classifier(pooling, labels, activation_name, per_token=per_token), head
+
+
+def token_head(head: ClassificationHead, *, raw: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A classifier's head over token states ``[tokens, hidden]``, which the runner applies
+    on the device before copying them back: label probabilities (softmax, sigmoid for one
+    label), or the raw outputs (``raw``: the reward task)."""
+    single = head.num_labels == 1
+
+    def outputs(states: torch.Tensor) -> torch.Tensor:
+        logits = head.project(states)
+        if raw:
+            return logits
+        return torch.sigmoid(logits) if single else torch.softmax(logits, dim=-1)
+
+    return outputs
+
+
+@dataclass(frozen=True)
+class SparseHead:
+    """SPLADE over a masked-LM head: per token, logits over the vocabulary (dense ->
+    activation -> LayerNorm -> decoder tied to the word embeddings, + bias); then
+    ``log(1 + relu(logits))`` reduced over each sequence's tokens by max (SPLADE v2/v3) or
+    sum, as sentence-transformers' ``SpladePooling`` computes it. Runs in the forward worker
+    on the packed states, a few hundred tokens at a time so the ``[tokens, vocab]`` logits
+    stay small."""
+
+    dense_weight: torch.Tensor
+    dense_bias: torch.Tensor | None
+    activation: str
+    norm_weight: torch.Tensor
+    norm_bias: torch.Tensor | None
+    norm_eps: float
+    decoder_weight: torch.Tensor  # [vocab, hidden]
+    decoder_bias: torch.Tensor | None
+    strategy: SparseStrategy = "max"
+    chunk_tokens: int = 512
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.decoder_weight.shape[0])
+
+    def to(self, device: torch.device) -> SparseHead:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device=device, dtype=torch.float32)
+
+        return SparseHead(
+            dense_weight=self.dense_weight.to(device=device, dtype=torch.float32),
+            dense_bias=move(self.dense_bias),
+            activation=self.activation,
+            norm_weight=self.norm_weight.to(device=device, dtype=torch.float32),
+            norm_bias=move(self.norm_bias),
+            norm_eps=self.norm_eps,
+            decoder_weight=self.decoder_weight.to(device=device, dtype=torch.float32),
+            decoder_bias=move(self.decoder_bias),
+            strategy=self.strategy,
+            chunk_tokens=self.chunk_tokens,
+        )
+
+    def __call__(self, hidden: torch.Tensor, seqlens: Sequence[int]) -> torch.Tensor:
+        """One ``[vocab]`` float32 weight vector per packed sequence of ``hidden``."""
+        device = hidden.device
+        lens = torch.tensor(seqlens, dtype=torch.int64)
+        segments = torch.repeat_interleave(torch.arange(len(seqlens)), lens).to(device)
+        out = torch.zeros(len(seqlens), self.vocab_size, dtype=torch.float32, device=device)
+        for start in range(0, hidden.shape[0], self.chunk_tokens):
+            x = hidden[start : start + self.chunk_tokens].float()
+            x = activation(self.activation)(F.linear(x, self.dense_weight, self.dense_bias))
+            x = F.layer_norm(x, (x.shape[-1],), self.norm_weight, self.norm_bias, self.norm_eps)
+            weights = torch.log1p(torch.relu(F.linear(x, self.decoder_weight, self.decoder_bias)))
+            index = segments[start : start + x.shape[0]].unsqueeze(1).expand_as(weights)
+            # log1p(relu(.)) >= 0, so a zero start is the identity of both reductions.
+            out.scatter_reduce_(
+                0, index, weights, reduce="amax" if self.strategy == "max" else "sum"
+            )
+        return out
+
+
+MaskedLmReader = Callable[[HeadWeights, SparseStrategy], SparseHead]
+"""A family's masked-LM head as a SPLADE head, read from its checkpoint's names."""
+
+
+def read_sparse_head(
+    config: Mapping[str, Any],
+    weights: Mapping[str, torch.Tensor],
+    *,
+    reader: MaskedLmReader | None,
+    strategy: SparseStrategy,
+) -> SparseHead:
+    """The SPLADE head over a masked-LM checkpoint, read by its family's ``reader`` (None:
+    the family has no masked-LM head we serve)."""
+    arch = str((config.get("architectures") or ["?"])[0])
+    if reader is None:
+        raise UnsupportedModelError(
+            f"task sparse (SPLADE) needs a BERT, RoBERTa or XLM-R masked-LM checkpoint with its "
+            f"head (cls.predictions.* or lm_head.*); {arch} has none"
+        )
+    return reader(HeadWeights(config, weights, arch), strategy)
