@@ -43,11 +43,12 @@ test: $(call STAMP,dev) ## Lint, unit tests, then e2e tests on a real local clus
 	$(MAKE) unit
 	$(MAKE) e2e
 
-lint: $(call STAMP,dev) ## ruff, mypy and the import contracts
+lint: $(call STAMP,dev) ## ruff, mypy, the import contracts and the docs site (strict links)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mkdocs build --strict --site-dir .docs-site
 
 unit: $(call STAMP,dev) ## Fast tests: no cluster, no network
 	$(PY) -m pytest tests $(PYTEST_ARGS)
@@ -90,4 +91,4 @@ cluster-down: ## Stop the local control plane
 	@$(PY) -m e2e.harness.cluster down
 
 clean: cluster-down ## Remove the venv and caches (keeps ~/.cache binaries)
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .docs-site

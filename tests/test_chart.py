@@ -491,9 +491,9 @@ def test_adapter_rules_publish_every_metric_an_hpa_can_use(helm: Path) -> None:
         }
 
 
-# --- docs/helm.md snippets -------------------------------------------------------------------
+# --- docs/autoscaling.md snippets ------------------------------------------------------------
 
-DOCS = ROOT / "docs" / "helm.md"
+DOCS = ROOT / "docs" / "autoscaling.md"
 
 
 def yaml_blocks(path: Path) -> list[Any]:
