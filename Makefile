@@ -48,7 +48,7 @@ lint: $(call STAMP,dev) ## ruff, mypy, the import contracts and the docs site (s
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/mkdocs build --strict --site-dir .docs-site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir .docs-site
 
 unit: $(call STAMP,dev) ## Fast tests: no cluster, no network
 	$(PY) -m pytest tests $(PYTEST_ARGS)
