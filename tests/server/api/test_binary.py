@@ -42,7 +42,7 @@ FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 def server() -> Iterator[RunningServer]:
     # float32, not `--dtype auto`: these tests compare wire encodings of the same inputs sent
     # in batches of other shapes, and bfloat16 (auto's pick on CPUs with avx512_bf16/AMX)
-    # rounds differently as the batch shape changes. test_api_openai covers auto's vectors.
+    # rounds differently as the batch shape changes. api/test_openai.py covers auto's vectors.
     settings = ServerSettings(
         matryoshka_dimensions=[128, 256, 384], max_batch_tokens=4096, dtype="float32"
     )

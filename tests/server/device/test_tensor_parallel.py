@@ -21,8 +21,7 @@ from embedding_server.device.distributed import Shard
 from embedding_server.engine import Engine
 from embedding_server.errors import UnsupportedModelError
 
-from tests.server.test_modernbert import build_modernbert
-from tests.support.models import MINILM_DIR, build_decoder, build_xlm_roberta
+from tests.support.models import MINILM_DIR, build_decoder, build_modernbert, build_xlm_roberta
 
 TEXTS = [
     "hi",

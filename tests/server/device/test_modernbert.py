@@ -8,10 +8,8 @@ transformers running it alone.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -19,90 +17,31 @@ import torch
 from embedding_server.device import attention
 from embedding_server.engine import Engine
 from sentence_transformers import SentenceTransformer
-from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM
+from transformers import AutoConfig, AutoModel
 
 from tests.support.attention import BF16_COSINE, assert_rows_close, pretend_cuda
 from tests.support.models import (
-    _save_tokenizer,
+    MODERNBERT_CLS as _CLS,
+)
+from tests.support.models import (
+    MODERNBERT_SEP as _SEP,
+)
+from tests.support.models import (
+    MODERNBERT_SPECIALS as _SPECIALS,
+)
+from tests.support.models import (
+    MODERNBERT_VARIANTS as _VARIANTS,
+)
+from tests.support.models import (
     add_sentence_transformers,
-    byte_tokenizer,
-    spread_weights,
+    build_modernbert,
 )
 
-_SPECIALS = ["[CLS]", "[SEP]", "[PAD]", "[MASK]", "[UNK]"]
-_CLS, _SEP = 0, 1
-_BASE: dict[str, Any] = {
-    "hidden_size": 32,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "intermediate_size": 64,
-    "max_position_embeddings": 256,
-    "pad_token_id": 2,
-    "bos_token_id": _CLS,
-    "cls_token_id": _CLS,
-    "eos_token_id": _SEP,
-    "sep_token_id": _SEP,
-}
-# name -> (overrides, masked-LM checkpoint?, rewrite config.json as pre-transformers-5 Hub
-# configs write it: no layer_types / rope_parameters, scalar rope thetas)
-_VARIANTS: dict[str, tuple[dict[str, Any], bool, bool]] = {
-    # Layers global, local, local, global; local_attention=8: 4 tokens each side.
-    "modernbert": ({"local_attention": 8, "global_attn_every_n_layers": 3}, False, False),
-    # ModernBERT-base's own layout: ForMaskedLM ("model." prefix, head weights), Hub-style
-    # config; plus biases everywhere, an odd band (7 -> 3 each side) and global every 2nd.
-    "modernbert-mlm-legacy": (
-        {
-            "local_attention": 7,
-            "global_attn_every_n_layers": 2,
-            "norm_bias": True,
-            "attention_bias": True,
-            "mlp_bias": True,
-            "hidden_activation": "gelu_pytorch_tanh",
-            "rope_parameters": {
-                "full_attention": {"rope_type": "default", "rope_theta": 80_000.0},
-                "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
-            },
-        },
-        True,
-        True,
-    ),
-}
 _EXPECTED_TYPES = {
     "modernbert": ["full", "sliding", "sliding", "full"],
     "modernbert-mlm-legacy": ["full", "sliding", "full", "sliding"],
 }
 _EXPECTED_WINDOW = {"modernbert": 4, "modernbert-mlm-legacy": 3}
-
-
-def build_modernbert(path: Path, variant: str) -> Path:
-    """A 4-layer ModernBERT with a byte-level tokenizer wrapping inputs in [CLS] ... [SEP]."""
-    overrides, masked_lm, legacy = _VARIANTS[variant]
-    path.mkdir(parents=True, exist_ok=True)
-    tok = byte_tokenizer(_SPECIALS, "[CLS] $A [SEP]", ["[CLS]", "[SEP]"])
-    _save_tokenizer(
-        tok,
-        path,
-        cls_token="[CLS]",
-        sep_token="[SEP]",
-        pad_token="[PAD]",
-        mask_token="[MASK]",
-        unk_token="[UNK]",
-    )
-    torch.manual_seed(5)
-    config = AutoConfig.for_model(
-        "modernbert", vocab_size=tok.get_vocab_size(), **{**_BASE, **overrides}
-    )
-    model = (AutoModelForMaskedLM if masked_lm else AutoModel).from_config(config)
-    spread_weights(model)
-    model.save_pretrained(str(path))
-    if legacy:
-        cfg = json.loads((path / "config.json").read_text())
-        rope = cfg.pop("rope_parameters")
-        del cfg["layer_types"]
-        cfg["global_rope_theta"] = rope["full_attention"]["rope_theta"]
-        cfg["local_rope_theta"] = rope["sliding_attention"]["rope_theta"]
-        (path / "config.json").write_text(json.dumps(cfg, indent=2))
-    return path
 
 
 @pytest.fixture(scope="module")
