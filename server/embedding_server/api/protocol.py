@@ -96,24 +96,35 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _has_surrogate(value: Any) -> bool:
-    """Whether a string field (or a list of strings) holds a lone UTF-16 surrogate."""
+    """Whether a field's value as the JSON body held it (a string, or a list of strings or
+    of objects with string fields, such as a rerank request's documents) holds a lone UTF-16
+    surrogate. A list of token ids is skipped at its first element."""
     if isinstance(value, str):
         return _SURROGATE.search(value) is not None
-    if isinstance(value, list) and value and isinstance(value[0], str):
-        return any(_SURROGATE.search(v) is not None for v in value if isinstance(v, str))
+    if isinstance(value, dict):
+        return any(_has_surrogate(v) for v in value.values() if isinstance(v, str))
+    if isinstance(value, list) and value and not isinstance(value[0], int | list):
+        return any(_has_surrogate(v) for v in value if isinstance(v, str | dict))
     return False
 
 
-class _Request(BaseModel):
+class ApiRequest(BaseModel):
+    """What every endpoint's request schema inherits: unknown fields ignored, the ``model``
+    field, and the validators every text field shares (no lone surrogate). The request
+    schemas of every route derive from it, so none can miss them
+    (``tests/server/api/test_protocol.py`` checks that each one does)."""
+
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
 
     model: str | None = Field(None, description="Served model name; another name gets 404.")
 
-    @field_validator("*", mode="after")
+    @field_validator("*", mode="before")
     @classmethod
     def _valid_unicode(cls, value: Any) -> Any:
         """JSON can escape a lone surrogate (``"\\ud800"``), which is no Unicode text: no
-        tokenizer or JSON encoder takes it, so it is refused here, naming the field."""
+        tokenizer or JSON encoder takes it, so it is refused here, naming the field, before
+        any other check of the field (pydantic's own length checks would call it only "not a
+        valid string")."""
         if _has_surrogate(value):
             raise ValueError(
                 "the text holds a lone UTF-16 surrogate escape (such as \\ud800), "
@@ -188,7 +199,7 @@ class _EncodingOptions(BaseModel):
         return value
 
 
-class EmbeddingRequest(_Request, _TruncationOptions, _EncodingOptions):
+class EmbeddingRequest(ApiRequest, _TruncationOptions, _EncodingOptions):
     """POST /v1/embeddings (OpenAI, with vLLM's extras)."""
 
     input: EmbeddingInput = Field(
@@ -228,7 +239,7 @@ MAX_ACTIVE_DIMS_DESCRIPTION = (
 )
 
 
-class CohereEmbedRequest(_Request):
+class CohereEmbedRequest(ApiRequest):
     """POST /v2/embed (Cohere v2)."""
 
     texts: list[str] = Field(description="Texts to embed.")
@@ -259,7 +270,7 @@ class CohereEmbedRequest(_Request):
         return cohere_truncation(self.truncate, self.max_tokens)
 
 
-class PoolingRequest(_Request, _TruncationOptions, _EncodingOptions):
+class PoolingRequest(ApiRequest, _TruncationOptions, _EncodingOptions):
     """POST /pooling (vLLM): per-token hidden states, or the pooled vector.
 
     With a binary encoding each output is one input's whole per-token matrix (shape
@@ -285,7 +296,7 @@ class PoolingRequest(_Request, _TruncationOptions, _EncodingOptions):
     )
 
 
-class ScoreRequest(_Request, _TruncationOptions):
+class ScoreRequest(ApiRequest, _TruncationOptions):
     """POST /score (vLLM): a cross-encoder's relevance of text pairs (task score), or the
     cosine similarity of their embeddings (task embed)."""
 
@@ -293,7 +304,7 @@ class ScoreRequest(_Request, _TruncationOptions):
     text_2: str | list[str] = Field(description="One text, or one per pair.")
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(ApiRequest):
     """POST /tokenize (vLLM)."""
 
     prompt: str = Field(description="Text to tokenize.")
@@ -301,7 +312,7 @@ class TokenizeRequest(_Request):
     return_token_strs: bool = Field(False, description="Also return each token's string.")
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(ApiRequest):
     """POST /detokenize (vLLM)."""
 
     tokens: TokenIds = Field(description="Token ids to turn back into text.")

@@ -10,15 +10,12 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from embedding_server.api.protocol import EmbeddingInput, openai_truncation
+from embedding_server.api.protocol import ApiRequest, EmbeddingInput, openai_truncation
 from embedding_server.settings import TruncationSide
 from embedding_server.tokenization import Truncation
 
 
-class _TaskRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
-
-    model: str | None = Field(None, description="Served model name; another name gets 404.")
+class _TaskRequest(ApiRequest):
     truncate_prompt_tokens: int | None = Field(
         None,
         ge=-1,
@@ -37,7 +34,8 @@ class _TaskRequest(BaseModel):
 
 
 class RerankDocument(BaseModel):
-    """Cohere's and Jina's object form of a document."""
+    """Cohere's and Jina's object form of a document (its text is checked with the request's
+    other text, by :class:`~embedding_server.api.protocol.ApiRequest`'s validators)."""
 
     model_config = ConfigDict(extra="ignore")
 

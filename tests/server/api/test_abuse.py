@@ -244,6 +244,12 @@ SURROGATE_CASES = [
     ("/score", '{"text_1": "%s", "text_2": "b"}', "text_1"),
     ("/tokenize", '{"prompt": "%s"}', "prompt"),
     ("/pooling", '{"input": "%s"}', "input"),
+    ("/rerank", '{"query": "%s", "documents": ["a"]}', "query"),
+    ("/v1/rerank", '{"query": "q", "documents": ["a", "%s"]}', "documents"),
+    ("/v2/rerank", '{"query": "q", "documents": [{"text": "%s"}]}', "documents"),
+    ("/rerank", '{"query": "q", "documents": ["a"], "model": "%s"}', "model"),
+    ("/classify", '{"input": "%s"}', "input"),
+    ("/v1/classify", '{"input": ["a", "%s"]}', "input"),
 ]
 
 
