@@ -51,6 +51,14 @@ class AuthenticationError(EmbeddingServerError):
     code = "invalid_api_key"
 
 
+class UnsupportedMediaTypeError(InvalidRequestError):
+    """A POST body that is not labelled JSON (a browser sends text/plain and form bodies
+    cross-site without asking first)."""
+
+    status_code = 415
+    code = "unsupported_media_type"
+
+
 class ModelNotFoundError(EmbeddingServerError):
     """The request names a model this server does not serve."""
 

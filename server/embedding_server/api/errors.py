@@ -38,11 +38,9 @@ class ClientDisconnectedError(EmbeddingServerError):
 # Framework-raised statuses that are not in the taxonomy: status -> (type, code).
 HTTP_STATUS_TABLE: Mapping[int, tuple[str, str]] = {
     400: ("invalid_request_error", "invalid_value"),
-    401: ("authentication_error", "invalid_api_key"),
     404: ("invalid_request_error", "not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
     413: ("invalid_request_error", "payload_too_large"),
-    415: ("invalid_request_error", "unsupported_media_type"),
     500: ("server_error", "internal_error"),
     503: ("server_error", "not_ready"),
 }

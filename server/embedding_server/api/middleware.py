@@ -30,7 +30,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from embedding_server.api.errors import error_body
 from embedding_server.api.ids import new_id
-from embedding_server.errors import PayloadTooLargeError
+from embedding_server.errors import (
+    AuthenticationError,
+    EmbeddingServerError,
+    PayloadTooLargeError,
+    UnsupportedMediaTypeError,
+)
 from embedding_server.logging import request_id_var
 from embedding_server.metrics import Metrics
 
@@ -110,7 +115,17 @@ class RequestContextMiddleware:
         try:
             refusal = self._refuse(scope, path)
             if refusal is not None:
-                await self._send_error(send_wrapper, *refusal)
+                # A client without the key learns which scheme to use (RFC 6750).
+                bearer = ((b"www-authenticate", b"Bearer"),)
+                extra = bearer if isinstance(refusal, AuthenticationError) else ()
+                await self._send_error(
+                    send_wrapper,
+                    refusal.status_code,
+                    refusal.message,
+                    refusal.error_type,
+                    refusal.code,
+                    extra,
+                )
             else:
                 await self.app(scope, self._limited(receive), send_wrapper)
         except Exception:
@@ -141,39 +156,24 @@ class RequestContextMiddleware:
                 )
             request_id_var.reset(token)
 
-    def _refuse(
-        self, scope: Scope, path: str
-    ) -> tuple[int, str, str, str, tuple[tuple[bytes, bytes], ...]] | None:
+    def _refuse(self, scope: Scope, path: str) -> EmbeddingServerError | None:
+        """The error a request gets before its route runs, if any (steps 3-5 above)."""
         if self.api_key is not None and path not in OPEN_PATHS:
             auth = _header(scope, b"authorization") or b""
             scheme, _, key = auth.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.api_key):
-                return (
-                    401,
-                    "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
-                    "authentication_error",
-                    "invalid_api_key",
-                    ((b"www-authenticate", b"Bearer"),),
+                return AuthenticationError(
+                    "Missing or invalid API key: send 'Authorization: Bearer <key>'."
                 )
         if scope["method"] == "POST" and not _is_json(_header(scope, b"content-type")):
             given = (_header(scope, b"content-type") or b"").decode("latin-1")[:100]
-            return (
-                415,
+            return UnsupportedMediaTypeError(
                 "The request body must be JSON sent with 'Content-Type: application/json'"
-                + (f"; got {given!r}." if given.isprintable() and given else "; got none."),
-                "invalid_request_error",
-                "unsupported_media_type",
-                (),
+                + (f"; got {given!r}." if given.isprintable() and given else "; got none.")
             )
         length = _header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_request_bytes:
-            return (
-                413,
-                self._too_large_message(),
-                "invalid_request_error",
-                "payload_too_large",
-                (),
-            )
+            return PayloadTooLargeError(self._too_large_message())
         return None
 
     def _too_large_message(self) -> str:
@@ -196,7 +196,12 @@ class RequestContextMiddleware:
 
     @staticmethod
     async def _send_error(
-        send: Send, status: int, message: str, error_type: str, code: str, extra_headers: Any
+        send: Send,
+        status: int,
+        message: str,
+        error_type: str,
+        code: str | None,
+        extra_headers: Any,
     ) -> None:
         body = error_body(message, error_type, None, code)
         headers = [

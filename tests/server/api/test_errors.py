@@ -244,8 +244,11 @@ def test_api_key_guards_every_route_but_probes_and_metrics() -> None:
             ("/score", {"text_1": "a", "text_2": "b"}),
             ("/tokenize", {"prompt": "a"}),
             ("/detokenize", {"tokens": [5]}),
+            ("/rerank", {"query": "q", "documents": ["a"]}),
         ):
-            assert_error(post(server, path, json=body), 401, code="invalid_api_key")
+            refused = post(server, path, json=body)
+            assert_error(refused, 401, code="invalid_api_key")
+            assert refused.headers["www-authenticate"] == "Bearer"
             assert_error(post(server, path, json=body, headers={"Authorization": "Bearer no"}), 401)
             ok = post(server, path, json=body, headers={"Authorization": "Bearer s3cret"})
             assert ok.status_code == 200, (path, ok.text)
