@@ -13,8 +13,8 @@ Binary element types (``embed_dtype``, as vLLM names them), in the byte order as
 * ``fp8_e4m3`` / ``fp8_e5m2``: one byte per value, the same bit pattern as torch's
   ``float8_e4m3fn`` / ``float8_e5m2`` conversion of the float32, which is what vLLM sends
   (values beyond the format's range, e.g. un-normalized hidden states over 448 in e4m3,
-  saturate to its largest value as torch's do). Computed with ``ml_dtypes``, so the request
-  plane needs no torch. Byte order does not apply to them.
+  come out as torch converts them). Computed with ``ml_dtypes``, so the request plane needs
+  no torch. Byte order does not apply to them.
 * ``native`` byte order is this server's (``sys.byteorder``), as in vLLM; it is little-endian
   on every platform we build for, so the default matches what the OpenAI client decodes.
 
@@ -118,21 +118,21 @@ def _bfloat16_bits(array: npt.NDArray[np.float32]) -> npt.NDArray[np.uint16]:
     return rounded
 
 
-_FP8 = {
+_FP8: dict[str, tuple[type[np.generic], float | None]] = {
     "fp8_e4m3": (ml_dtypes.float8_e4m3fn, 448.0),
-    "fp8_e5m2": (ml_dtypes.float8_e5m2, 57344.0),
+    "fp8_e5m2": (ml_dtypes.float8_e5m2, None),
 }
-"""Each fp8 type and its largest finite value."""
+"""Each fp8 type, and where torch saturates it: e4m3fn has no infinity, so torch clamps to
+its largest value (448); e5m2 overflows to infinity, as IEEE types do."""
 
 
 def _fp8_bits(array: npt.NDArray[np.float32], dtype: EmbedDtype) -> npt.NDArray[np.uint8]:
-    """float32 -> fp8 bit patterns, rounding to nearest even, as torch converts: values
-    beyond the largest finite one (infinities too) saturate to it, and a NaN is the type's
-    all-ones NaN. numpy has no fp8 type; ``ml_dtypes`` (JAX's) adds them without torch."""
+    """float32 -> fp8 bit patterns, rounding to nearest even, as torch converts them
+    (saturation as :data:`_FP8` says; a NaN is the type's all-ones NaN). numpy has no fp8
+    type; ``ml_dtypes`` (JAX's) adds them without torch."""
     fp8, largest = _FP8[dtype]
-    bits: npt.NDArray[np.uint8] = (
-        np.clip(array, -largest, largest).astype(fp8).view(np.uint8).copy()
-    )
+    source = array if largest is None else np.clip(array, -largest, largest)
+    bits: npt.NDArray[np.uint8] = source.astype(fp8).view(np.uint8).copy()
     nan = np.isnan(array)
     if nan.any():
         bits[nan] |= np.uint8(0x7F)
