@@ -9,6 +9,7 @@ importing the engine.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 import numpy as np
 import numpy.typing as npt
@@ -40,49 +41,66 @@ class StageTimings:
         }
 
 
-@dataclass(frozen=True)
-class EmbedResult:
-    """Embeddings of one request plus what the HTTP layer reports about it."""
+@dataclass(frozen=True, kw_only=True)
+class Usage:
+    """What every result reports beside its values: the tokens it cost, how many inputs
+    were truncated, and the seconds each stage took."""
 
-    embeddings: FloatArray  # [n, d] float32
-    prompt_tokens: int  # tokens embedded (after truncation): usage
-    token_counts: list[int]  # per input, after truncation
-    truncated_inputs: int  # how many inputs were truncated
+    prompt_tokens: int
+    """Tokens run through the model (after truncation): the ``usage`` of the response."""
+    truncated_inputs: int
+    """How many inputs were truncated."""
     timings: StageTimings = field(default_factory=StageTimings)
 
 
-@dataclass(frozen=True)
-class TokenEmbedResult:
+class UsageFields(TypedDict):
+    """:class:`Usage`'s fields, as keyword arguments of a result."""
+
+    prompt_tokens: int
+    truncated_inputs: int
+    timings: StageTimings
+
+
+def usage_of(source: Usage | JobOutput) -> UsageFields:
+    """The usage of a job's output or of another result, for a result built from it."""
+    return {
+        "prompt_tokens": source.prompt_tokens,
+        "truncated_inputs": source.truncated_inputs,
+        "timings": source.timings,
+    }
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmbedResult(Usage):
+    """Embeddings of one request plus what the HTTP layer reports about it."""
+
+    embeddings: FloatArray  # [n, d] float32
+    token_counts: list[int]  # per input, after truncation
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenEmbedResult(Usage):
     """Per-token hidden states (float32 ``[len_i, hidden]`` per input) and their token ids."""
 
     embeddings: list[FloatArray]
     token_ids: list[list[int]]
-    prompt_tokens: int
-    truncated_inputs: int
-    timings: StageTimings = field(default_factory=StageTimings)
 
 
-@dataclass(frozen=True)
-class ScoreResult:
+@dataclass(frozen=True, kw_only=True)
+class ScoreResult(Usage):
     """Scores of text pairs (``[n]`` float32): cross-encoder relevance, or cosine similarity
     of embeddings."""
 
     scores: npt.NDArray[np.float32]
-    prompt_tokens: int
-    truncated_inputs: int
-    timings: StageTimings = field(default_factory=StageTimings)
 
 
-@dataclass(frozen=True)
-class ClassifyResult:
+@dataclass(frozen=True, kw_only=True)
+class ClassifyResult(Usage):
     """Class probabilities of each input (``[n, num_labels]`` float32) and the labels."""
 
     probs: FloatArray
     labels: tuple[str, ...]
     """The model's labels, in ``probs`` column order."""
-    prompt_tokens: int
-    truncated_inputs: int
-    timings: StageTimings = field(default_factory=StageTimings)
 
     @property
     def predicted(self) -> list[str]:
@@ -116,14 +134,11 @@ class SparseVector:
         return dense
 
 
-@dataclass(frozen=True)
-class SparseEmbedResult:
+@dataclass(frozen=True, kw_only=True)
+class SparseEmbedResult(Usage):
     """SPLADE vectors of one request, with usage."""
 
     vectors: list[SparseVector]
-    prompt_tokens: int
-    truncated_inputs: int
-    timings: StageTimings = field(default_factory=StageTimings)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,14 +149,11 @@ class Ranked:
     score: float
 
 
-@dataclass(frozen=True)
-class RerankResult:
+@dataclass(frozen=True, kw_only=True)
+class RerankResult(Usage):
     """Documents by decreasing relevance to the query (``top_n`` of them when asked)."""
 
     results: list[Ranked]
-    prompt_tokens: int
-    truncated_inputs: int
-    timings: StageTimings = field(default_factory=StageTimings)
 
 
 @dataclass(frozen=True)
@@ -174,45 +186,21 @@ class JobOutput:
         for stage, seconds in self.timings.to_dict().items():
             metrics.observe_stage(stage, seconds)
 
+    def _usage(self) -> UsageFields:
+        return usage_of(self)
+
     def embed_result(self, embeddings: FloatArray) -> EmbedResult:
-        return EmbedResult(
-            embeddings=embeddings,
-            prompt_tokens=self.prompt_tokens,
-            token_counts=self.token_counts,
-            truncated_inputs=self.truncated_inputs,
-            timings=self.timings,
-        )
+        return EmbedResult(embeddings=embeddings, token_counts=self.token_counts, **self._usage())
 
     def token_result(self, embeddings: list[FloatArray]) -> TokenEmbedResult:
-        return TokenEmbedResult(
-            embeddings=embeddings,
-            token_ids=[list(t.ids) for t in self.tokenized],
-            prompt_tokens=self.prompt_tokens,
-            truncated_inputs=self.truncated_inputs,
-            timings=self.timings,
-        )
+        token_ids = [list(t.ids) for t in self.tokenized]
+        return TokenEmbedResult(embeddings=embeddings, token_ids=token_ids, **self._usage())
 
     def classify_result(self, probs: FloatArray, labels: tuple[str, ...]) -> ClassifyResult:
-        return ClassifyResult(
-            probs=probs,
-            labels=labels,
-            prompt_tokens=self.prompt_tokens,
-            truncated_inputs=self.truncated_inputs,
-            timings=self.timings,
-        )
+        return ClassifyResult(probs=probs, labels=labels, **self._usage())
 
     def sparse_result(self, vectors: list[SparseVector]) -> SparseEmbedResult:
-        return SparseEmbedResult(
-            vectors=vectors,
-            prompt_tokens=self.prompt_tokens,
-            truncated_inputs=self.truncated_inputs,
-            timings=self.timings,
-        )
+        return SparseEmbedResult(vectors=vectors, **self._usage())
 
     def score_result(self, scores: npt.NDArray[np.float32]) -> ScoreResult:
-        return ScoreResult(
-            scores=scores,
-            prompt_tokens=self.prompt_tokens,
-            truncated_inputs=self.truncated_inputs,
-            timings=self.timings,
-        )
+        return ScoreResult(scores=scores, **self._usage())

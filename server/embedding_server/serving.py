@@ -49,6 +49,7 @@ from .results import (
     SparseEmbedResult,
     SparseVector,
     TokenEmbedResult,
+    usage_of,
 )
 from .scoring import cosine_scores, pair_inputs, rank, text_pairs
 from .settings import EngineSettings
@@ -391,12 +392,7 @@ class ServingEngine(abc.ABC):
         if top_n is not None and (isinstance(top_n, bool) or top_n < 0):
             raise InvalidRequestError("top_n must be a non-negative integer", param="top_n")
         result = await self._score(runner, query, list(documents), options)
-        return RerankResult(
-            results=rank(result.scores, top_n),
-            prompt_tokens=result.prompt_tokens,
-            truncated_inputs=result.truncated_inputs,
-            timings=result.timings,
-        )
+        return RerankResult(results=rank(result.scores, top_n), **usage_of(result))
 
     async def _run(self, runner: JobRunner, job: Job) -> JobOutput:
         out = await runner.run(job)
