@@ -151,11 +151,9 @@ PROCESS_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
 the next parallel region. torch's CPU kernels (OpenMP, and MKL and oneDNN on top of it) spin
 by default, and with a forward pass issuing a region every few tens of microseconds the
 spinning never stops: it takes a whole core from the event loop, the tokenizer threads and
-the other front-end work of this same process, and, under a CPU limit, the pod's quota.
-Measured with the server on 2 CPUs, old and new alternating: the near-zero-compute model of
-``bench/frontend.py`` went from 1.7 to 1.3 cores busy and gained 13% requests/s, MiniLM
-single-text requests over HTTP 2-8% (three pairs of 15 s runs). OpenMP reads the variable
-once, when torch is imported, so this must run first."""
+the other front-end work of this same process, and, under a CPU limit, the pod's quota
+(measured in docs/performance-log.md, "OpenMP wait policy"). OpenMP reads the variable once,
+when torch is imported, so this must run first."""
 
 
 def apply_process_env_defaults(environ: MutableMapping[str, str]) -> dict[str, str]:

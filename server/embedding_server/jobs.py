@@ -41,9 +41,9 @@ from .tokenization import (
 T = TypeVar("T")
 
 INLINE_TOKENIZE_TOKENS = 256
-"""Jobs estimated at this many tokens or fewer are tokenized on the event loop: a tenth of
-a millisecond of work, less than the hop to a tokenizer thread and back costs on a busy
-core (single-text requests in ``bench/frontend.py``: a quarter more requests/s)."""
+"""Jobs estimated at this many tokens or fewer are tokenized on the event loop: less work
+than the hop to a tokenizer thread and back costs on a busy core (``bench/frontend.py``;
+docs/performance-log.md, "The tokenizer-thread hop for small jobs")."""
 
 
 class ScoreOptions(TypedDict, total=False):

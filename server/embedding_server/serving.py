@@ -13,7 +13,7 @@ activation) and the results. Where a job's sequences run is left to the two subc
 Nothing here imports torch, nor does anything it imports, and nothing here computes with it:
 weights and heads run in the engine's batches, and what runs per request (truncation,
 normalization, a classifier's activation) is numpy. So a front-end process never loads the
-model runtime (measured: about 2 s of start-up and 270 MB of private memory per process).
+model runtime (seconds of start-up and hundreds of MB per process: docs/performance-log.md).
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ CPU_BATCH_TOKENS = 2048
 """Default forward-pass token budget on CPU. An encoder's largest activation is
 ``tokens x intermediate_size``; at 2048 tokens it stays in the last-level cache, so the
 elementwise work between matmuls (bias, GELU, residual adds, layer norm) runs from cache
-rather than DRAM. Measured with ``bench/offline.py --max-batch-tokens`` on MiniLM: 2048 gives
-1.2-1.4x the throughput of 16384 across runs, and a batch's latency drops with it."""
+rather than DRAM, and a batch's latency drops with it (``bench/offline.py
+--max-batch-tokens``; docs/performance-log.md, "A cache-sized CPU batch")."""
 
 GPU_BATCH_TOKENS = 16384
 """Default forward-pass token budget on GPU, where bigger batches keep the SMs busy."""
@@ -229,7 +229,7 @@ class ServerSettings(EngineSettings):
         "encoding, and one engine process (the one started, PID 1 in a container) owns the "
         "model, the queue and continuous batching across all of them; token ids and vectors "
         "cross between them as raw buffers over a unix socket. Each front-end is a Python "
-        "process with its own tokenizer and no torch (~50 MB of memory, no GPU memory); use it "
+        "process with its own tokenizer and no torch (tens of MB of memory, no GPU memory); use it "
         "when one CPU core, not the model, caps throughput.",
     )
 

@@ -111,8 +111,8 @@ def create_app(
         version=_version(),
         lifespan=lifespan,
         # FastAPI's own OpenTelemetry hooks look the global providers up in os.environ on
-        # every request (a tenth of the event loop's time under load); this server reports
-        # through its Prometheus metrics and request-id logs instead.
+        # every request (a share of the event loop's time under load: docs/performance-log.md);
+        # this server reports through its Prometheus metrics and request-id logs instead.
         telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False},
     )
     app.state.lifecycle = lifecycle

@@ -3,8 +3,9 @@
 FastAPI stays the source of the routes and of the OpenAPI document, and serves everything
 else (the probes, ``/info``, ``/metrics``, ``/docs``, 404 and 405). But for each request it
 walks its route table, solves the endpoint's dependencies, parses the body into a dict and
-validates that dict, which took about half of a single-text request's time on the CPU (see
-issue 15 and ``bench/frontend.py``). Every POST route of this server has the same shape,
+validates that dict, which took a large share of a single-text request's time on the CPU
+(docs/performance-log.md, "FastAPI's request machinery on the POST routes"). Every POST
+route of this server has the same shape,
 ``async def endpoint(body: SomeRequest, request: Request) -> Response``, so this layer calls
 those same endpoints itself: one dict lookup by path, the body validated from its raw bytes
 by orjson and pydantic-core, and the endpoint's response sent as is.

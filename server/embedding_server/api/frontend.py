@@ -2,8 +2,9 @@
 
 Started by :mod:`.workers` (``multiprocessing`` spawn), so this module is what a front-end
 imports first. It and everything it imports stay free of the model runtime: a front-end never
-loads torch (about 2 s of start-up and 270 MB of private memory per process, measured), and
-``tests/server/api/test_workers.py`` checks that on live processes.
+loads torch (seconds of start-up and hundreds of MB of private memory per process: see
+docs/performance-log.md, "torch in every process"), and ``tests/server/api/test_workers.py``
+checks that on live processes.
 """
 
 from __future__ import annotations

@@ -85,8 +85,9 @@ def freeze_heap() -> None:
     """Move what the process holds once it is ready (the model, torch, transformers, our
     modules: hundreds of thousands of objects) out of the garbage collector's sight.
 
-    Without it every full collection walks all of them again: ~0.3 s with the event loop
-    stopped, a few times a minute under load, which was most of the request latency's p99.
+    Without it every full collection walks all of them again with the event loop stopped, a
+    few times a minute under load, which was most of the request latency's p99
+    (docs/performance-log.md, "Full garbage collections").
     Collected first, so only live objects are frozen; once per process, so a process that
     builds many apps (the tests) freezes only what its first one held. Unfrozen at exit, so
     the interpreter's last collection still frees them (native extensions such as triton's

@@ -18,7 +18,7 @@ which is where an encoder spends almost all of its FLOPs. Four backends serve th
   differ. The scheduler groups requests by length and the runner orders each batch by length,
   so buckets are contiguous and the block is a zero-copy view. The CPU default: a block-diagonal
   mask over the whole batch would cost O(T^2), a call per sequence O(B) calls per layer;
-  buckets cost O(#distinct lengths) calls of ~30 us.
+  buckets cost O(#distinct lengths) short calls.
 
 :func:`select_backend` picks one at start from facts about the device (:func:`probe`), and
 says why it passed over each faster one; a backend named explicitly is strict, so a pod that
@@ -105,9 +105,9 @@ def varlen_kernels() -> VarlenKernels:
     """Import the varlen kernels, once, when a CUDA device asks (:func:`probe`).
 
     Not at import: ``torch.nn.attention.varlen`` pulls in torch's compiler stack (dynamo,
-    inductor), measured at 1.5-2.5 s and 85 MB of private memory in every process that imports
-    this module, the CPU server's and each ``--api-workers`` front-end's included, none of
-    which runs either kernel."""
+    inductor), seconds of start-up and tens of MB of private memory in every process that
+    imports this module (docs/performance-log.md), the CPU server's included, which runs
+    neither kernel."""
     flash, flash_error = _import_flash_attn()
     varlen, varlen_error = _torch_varlen()
     return VarlenKernels(flash, flash_error, varlen, varlen_error)
@@ -119,9 +119,9 @@ VARLEN_MAX_HEAD_DIM = 256
 
 # Sequences whose length is within this factor of their bucket's longest share one padded
 # SDPA call. 1.0 = exact-length buckets: since the runner sorts each batch by length, those
-# are contiguous zero-copy views, and measured on MiniLM (130 sequences, 62 distinct
-# lengths, CPU) they beat padded 0.8-buckets by ~10%: the gather/scatter copies cost more
-# than the extra SDPA calls (~30 us each). ``sdpa_padded`` is ratio 0: one bucket.
+# are contiguous zero-copy views, and on MiniLM they beat padded 0.8-buckets on the CPU: the
+# gather/scatter copies cost more than the extra SDPA calls (docs/performance-log.md).
+# ``sdpa_padded`` is ratio 0: one bucket.
 _BUCKET_RATIO = 1.0
 
 

@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 # Below this many tokens a CPU forward pass runs on one thread: the matmuls are too small to
 # split profitably, and on a busy host every OpenMP region would wait for a descheduled
-# worker (measured: 2 short texts took 0.7 s on 2 threads under load, 25 ms on one).
+# worker (docs/performance-log.md, "Small batches on one thread").
 SMALL_BATCH_TOKENS = 256
 
 

@@ -120,8 +120,8 @@ class VocabEmbedding:
     one all-reduce per forward pass. On one rank it is a plain lookup.
 
     Lookups here and in the families use ``index_select``, not ``weight[ids]``: torch's
-    advanced indexing costs 2-3x as much on the CPU (1,100 ids: 25 against 7 us at width
-    32, 292 against 167 us at width 384), the same gather either way.
+    advanced indexing costs several times as much on the CPU for the same gather
+    (docs/performance-log.md, "Advanced indexing in the embedding lookups").
     """
 
     def __init__(self, weight: torch.Tensor, rows: slice, shard: Shard) -> None:
