@@ -28,7 +28,7 @@ from embedding_server.pooling import PoolingMethod
 from ..distributed import SINGLE, Shard
 from ..heads import ClassifierReader, MaskedLmReader, score_head
 from . import bert, modernbert
-from .base import Checkpoint, EmbeddingModel, PackedBatch
+from .base import Checkpoint, EmbeddingModel, Ignored, PackedBatch
 from .bert import BertModel
 from .gemma3 import MULTIMODAL_REFUSAL, Gemma3TextModel
 from .llama import DecoderVariant, LlamaModel
@@ -49,6 +49,8 @@ class Architecture:
     checkpoints name their head (tasks score, classify, token_classify, reward)."""
     masked_lm: MaskedLmReader | None = None
     """How its ``*ForMaskedLM`` checkpoints name the LM head (task sparse, SPLADE)."""
+    ignored: tuple[Ignored, ...] = ()
+    """Tensors its checkpoints may hold that it does not read, each with the reason."""
     float16_overflows: bool = False
     """Activations exceed float16's range (inf/NaN vectors): refuse float16."""
 
@@ -116,6 +118,7 @@ __all__ = [
     "ARCHITECTURES",
     "Architecture",
     "EmbeddingModel",
+    "Ignored",
     "PackedBatch",
     "build_model",
     "lookup",

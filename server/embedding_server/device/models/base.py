@@ -164,6 +164,17 @@ class EmbeddingModel(Protocol):
 
 
 @dataclass(frozen=True)
+class Ignored:
+    """Checkpoint tensors a family knows it does not use, and why: an unused pooler, an LM
+    head when embedding, a buffer saved by mistake. ``pattern`` is a regular expression
+    matched against the whole Hugging Face name; anything a family neither reads nor lists
+    here refuses the load, so a head we do not know can never vanish silently."""
+
+    pattern: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class Checkpoint:
     """What a family's builder gets: the config, the weights by Hugging Face name, the
     dtype and device the model runs in, and the tensor-parallel rank it builds (``shard``:
