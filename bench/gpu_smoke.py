@@ -1,6 +1,6 @@
 """GPU smoke run: every attention kernel, dtype and model family on this machine's GPU.
 
-One command, a few minutes, no downloads; what it prints goes into the README:
+One command, a few minutes, no downloads; what it prints goes into docs/benchmarks/index.md:
 
     .venv/bin/python bench/gpu_smoke.py            # on a GPU host
     .venv/bin/python bench/gpu_smoke.py --device cpu --quick   # the same checks on a CPU

@@ -1,6 +1,6 @@
 """Every benchmark script still runs: a small run of each, checked for what it measured.
 
-The benchmarks are not tests (their figures go to the README, never into an assertion), but
+The benchmarks are not tests (their figures go to docs/benchmarks, never into an assertion), but
 they are deliverables, and nothing else runs them: ``bench.tensor_parallel`` once failed at
 start on main for rounds without anyone noticing. So each script runs here on a few texts
 and a second or two of load, and the test checks what a person running it would look at:

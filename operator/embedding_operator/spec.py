@@ -4,7 +4,7 @@ The CRD schema (``crds/embeddingservices.yaml``) is the API's single source of t
 API server enforces it before the operator sees an object. This model mirrors it field for
 field, with the same defaults, for two reasons: builders get typed values instead of digging in
 dicts, and the few rules a schema cannot state (rollout that can never progress) still fail
-with a field path. ``tests/operator/test_crd.py`` fails when the two drift apart.
+with a field path. ``tests/operator/test_crd_schema.py`` fails when the two drift apart.
 
 Parsing never talks to the cluster: what only the cluster knows (does the GPU profile exist,
 does the Secret exist) is checked during reconciliation.
