@@ -233,7 +233,10 @@ def inspect(settings: EngineSettings, *, as_json: bool = False) -> int:
     try:
         inspection = inspect_model(settings)
     except EmbeddingServerError as error:
-        sys.stderr.write(f"{PROG} inspect: cannot serve {settings.model}: {error}\n")
+        message = str(error)
+        if not message.startswith("model "):  # load refusals name the model already
+            message = f"model {settings.model!r}: {message}"
+        sys.stderr.write(f"{PROG} inspect: cannot serve {message}\n")
         return EXIT_REFUSED
     if as_json:
         sys.stdout.write(json.dumps(inspection.to_dict(), indent=2) + "\n")
