@@ -72,8 +72,9 @@ _CONFIG_PATTERNS = ["*.json", "*.txt", "*.model", "tokenizer*", "*/config.json"]
 """What a Hub model's first download fetches: config, tokenizer and sentence-transformers
 files, enough to decide whether it can be served. No weights."""
 _WEIGHT_PATTERNS = ["*.safetensors"]
-_BIN_PATTERNS = ["*.bin"]
-"""Fetched only when the repository has no safetensors weights."""
+_BIN_PATTERNS = ["pytorch_model*.bin"]
+"""Fetched only when the repository has no safetensors weights: the root's checkpoint (one
+file or shards), not every ``*.bin`` (training arguments, optimizer states)."""
 _ACTIVATION_NAMES = {
     "identity": "identity",
     "tanh": "tanh",
