@@ -33,6 +33,7 @@ from embedding_server.engine import Engine
 from embedding_server.errors import UnsupportedModelError
 from embedding_server.settings import DEFAULT_MODEL, EngineSettings
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 from tests.support.models import (
     add_sentence_transformers,
@@ -178,6 +179,24 @@ def test_a_hub_model_is_read_from_its_config_then_its_weights_of_the_same_commit
     local = Engine.from_pretrained(str(repo), dtype="float32")
     np.testing.assert_allclose(engine.embed(TEXTS), local.embed(TEXTS), atol=1e-6)
     assert _weights_in(snapshot)
+
+
+def test_a_bin_only_hub_model_fetches_its_checkpoint_and_nothing_else(
+    tiny_model: Callable[[str], Path],
+    tmp_path: Path,
+    fake_hub: Callable[[Path], tuple[Path, list[tuple[str | None, list[str]]]]],
+) -> None:
+    src = tiny_model("bert")
+    repo = tmp_path / "repo"
+    shutil.copytree(src, repo, ignore=shutil.ignore_patterns("model.safetensors"))
+    torch.save(load_file(str(src / "model.safetensors")), repo / "pytorch_model.bin")
+    torch.save({"lr": torch.tensor(0.1)}, repo / "training_args.bin")
+    snapshot, calls = fake_hub(repo)
+    engine = Engine.from_pretrained("acme/bin-only", dtype="float32")
+    assert [revision for revision, _ in calls] == [None, COMMIT, COMMIT]
+    assert sorted(p.name for p in _weights_in(snapshot)) == ["pytorch_model.bin"]
+    local = Engine.from_pretrained(str(src), dtype="float32")
+    np.testing.assert_allclose(engine.embed(TEXTS), local.embed(TEXTS), atol=1e-6)
 
 
 def _unsupported_type(src: Path, dst: Path) -> Path:
