@@ -6,29 +6,43 @@ so a new setting is a flag and an ``EMBEDDING_SERVER_*`` variable the moment it 
 Flags the user did not pass are left out, so environment variables and defaults apply
 underneath them. A bad setting ends the process before anything loads, with one line that
 names the flag and the variable and no traceback.
+
+Two commands: ``serve`` runs the server; ``inspect`` takes the engine's settings (the model
+and everything that decides how it is served) and prints what ``serve`` would serve, from
+the model's config files and weight names alone (``device/inspection.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
 import types
 from collections.abc import MutableMapping, Sequence
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union, get_args, get_origin
 
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsError
 
-from embedding_server.settings import DEFAULT_MODEL, ServerSettings
+from embedding_server.errors import EmbeddingServerError
+from embedding_server.settings import DEFAULT_MODEL, EngineSettings, ServerSettings
+
+if TYPE_CHECKING:
+    from embedding_server.device.inspection import Inspection
 
 PROG = "embedding-server"
 ENV_PREFIX = "EMBEDDING_SERVER_"
 
 EXIT_BAD_SETTINGS = 2
 """Exit status for invalid settings (argparse's own status for usage errors)."""
+
+EXIT_REFUSED = 1
+"""Exit status of ``inspect`` for a model the server would refuse (as ``serve`` exits)."""
+
+SettingsT = TypeVar("SettingsT", bound=EngineSettings)
 
 
 def _flag(name: str) -> str:
@@ -99,6 +113,23 @@ def build_parser(settings_model: type[BaseSettings] = ServerSettings) -> argpars
     group = serve.add_argument_group("settings")
     for name, field in settings_model.model_fields.items():
         _add_field(group, name, field)
+    inspect = commands.add_parser(
+        "inspect",
+        help="Print what a model would be served as, without serving it.",
+        description="Decide what 'serve' would serve with these settings, from the model's "
+        "config, tokenizer and sentence-transformers files and its weights' names and "
+        "shapes (read from the safetensors headers, not the weights), and print it: "
+        "architecture, backend, task, pooling, dimensions, prompts, maximum input length, "
+        "the attention kernel and dtype on this machine, and the tensors the checkpoint "
+        "holds that the server knowingly does not read, with the reasons. A model the "
+        "server would refuse exits 1 with the refusal.",
+    )
+    inspect.add_argument(
+        "--json", action="store_true", help="Print one JSON object instead of text."
+    )
+    engine_group = inspect.add_argument_group("settings (as serve takes them)")
+    for name, field in EngineSettings.model_fields.items():
+        _add_field(engine_group, name, field)
     return parser
 
 
@@ -127,11 +158,14 @@ def load_settings(argv: Sequence[str] | None = None) -> ServerSettings:
     Raises ``SystemExit`` with :data:`EXIT_BAD_SETTINGS` after writing one line to stderr
     when a setting is invalid.
     """
-    parser = build_parser()
-    namespace = parser.parse_args(argv)
-    given = {k: v for k, v in vars(namespace).items() if k in ServerSettings.model_fields}
+    return _settings(ServerSettings, build_parser().parse_args(argv))
+
+
+def _settings(model: type[SettingsT], namespace: argparse.Namespace) -> SettingsT:
+    """``model`` from the flags given (variables and defaults underneath), or exit 2."""
+    given = {k: v for k, v in vars(namespace).items() if k in model.model_fields}
     try:
-        settings = ServerSettings(**given)
+        settings = model(**given)
     except (ValidationError, SettingsError) as error:
         sys.stderr.write(f"{PROG}: error: {format_settings_error(error)}\n")
         raise SystemExit(EXIT_BAD_SETTINGS) from None
@@ -190,10 +224,89 @@ def _serve_workers(settings: ServerSettings) -> int:
         return serve_workers(settings, shared)
 
 
+def inspect(settings: EngineSettings, *, as_json: bool = False) -> int:
+    """Print what ``settings`` would serve (``embedding-server inspect``); 1 when the
+    server would refuse the model, with the reason on stderr."""
+    apply_process_env_defaults(os.environ)  # as serve: before anything imports torch
+    from embedding_server.device.inspection import inspect_model
+
+    try:
+        inspection = inspect_model(settings)
+    except EmbeddingServerError as error:
+        message = str(error)
+        if not message.startswith("model "):  # load refusals name the model already
+            message = f"model {settings.model!r}: {message}"
+        sys.stderr.write(f"{PROG} inspect: cannot serve {message}\n")
+        return EXIT_REFUSED
+    if as_json:
+        sys.stdout.write(json.dumps(inspection.to_dict(), indent=2) + "\n")
+    else:
+        sys.stdout.write(format_inspection(inspection))
+    return 0
+
+
+def format_inspection(inspection: Inspection) -> str:
+    """The inspection as aligned ``field  value`` lines, for people."""
+    info = inspection.info
+    notes: list[str] = []
+    if info.dimensions != info.full_dimensions:
+        notes.append(f"of {info.full_dimensions}")
+    if info.full_dimensions != info.hidden_size:
+        notes.append(f"Dense layers over hidden size {info.hidden_size}")
+    if info.matryoshka:
+        sizes = info.matryoshka_dimensions
+        allowed = ", ".join(map(str, sizes)) if sizes else f"any up to {info.full_dimensions}"
+        notes.append(f"Matryoshka: {allowed}")
+    dims = f"{info.dimensions}" + (f" ({'; '.join(notes)})" if notes else "")
+    prompts = ", ".join(f"{name}: {text!r}" for name, text in info.prompts.items()) or "none"
+    if info.default_prompt_name:
+        prompts += f" (default: {info.default_prompt_name})"
+    attention = f"{info.attention} on {info.device}"
+    if info.sliding_window is not None:
+        attention += f", sliding window {info.sliding_window}"
+    rows: list[tuple[str, str]] = [
+        ("model", info.model + (f" ({info.model_path})" if info.model_path else "")),
+        ("architecture", f"{info.architecture} (model_type {info.model_type})"),
+        ("backend", inspection.backend),
+        (
+            "custom code",
+            f"{inspection.custom_code} (not run)" if inspection.custom_code else "none",
+        ),
+        ("task", info.task + (f" (labels: {', '.join(info.labels)})" if info.labels else "")),
+    ]
+    if info.task == "embed":
+        rows += [
+            ("pooling", info.pooling),
+            ("normalize", "yes" if info.normalize else "no"),
+            ("dimensions", dims),
+        ]
+    rows += [
+        ("attention", ("causal" if inspection.causal else "bidirectional") + f"; {attention}"),
+        ("prompts", prompts),
+        ("max input tokens", str(info.max_input_tokens)),
+        ("dtype", info.dtype),
+    ]
+    if info.tensor_parallel_size > 1:
+        rows.append(("tensor parallel", f"{info.tensor_parallel_size} ranks"))
+    rows.append(("tensors", f"{inspection.tensors_read} read, {len(inspection.ignored)} ignored"))
+    width = max(len(name) for name, _ in rows) + 2
+    lines = [f"{name:<{width}}{value}" for name, value in rows]
+    for reason in info.attention_passed_over:
+        lines.append(f"{'':<{width}}attention: not using {reason}")
+    by_reason: dict[str, list[str]] = {}
+    for name, reason in inspection.ignored:
+        by_reason.setdefault(reason, []).append(name)
+    for reason, names in by_reason.items():
+        lines.append(f"{'':<{width}}ignored {', '.join(names)}: {reason}")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point (``embedding-server``)."""
-    settings = load_settings(argv)
-    return serve(settings)
+    namespace = build_parser().parse_args(argv)
+    if namespace.command == "inspect":
+        return inspect(_settings(EngineSettings, namespace), as_json=namespace.json)
+    return serve(_settings(ServerSettings, namespace))
 
 
 if __name__ == "__main__":

@@ -122,13 +122,6 @@ class Engine(ServingEngine):
         self._load_seconds = load_seconds
         self._config = config = resolve_config(settings, loaded, device=device)
         heads = DeviceHeads.of(config, loaded, device)
-        if group is not None and config.task != "embed":
-            # Pairs carry segment ids and heads read full hidden states; the ranks' batch
-            # broadcast carries neither yet.
-            raise UnsupportedModelError(
-                f"tensor_parallel_size {settings.tensor_parallel_size} serves task embed only; "
-                f"this model's task is {config.task}: serve it with tensor_parallel_size 1"
-            )
         attention = select_backend(settings.attention, probe(device, loaded.dtype, loaded.head_dim))
         for reason in attention.passed_over:
             logger.warning("attention: not using %s", reason)
@@ -213,6 +206,7 @@ class Engine(ServingEngine):
                 device=device,
                 shard=group.shard if group is not None else SINGLE,
                 task=settings.task,
+                trust_remote_code=settings.trust_remote_code,
             )
             if group is not None:
                 group.join()

@@ -53,8 +53,10 @@ class EngineSettings(BaseSettings):
     )
     trust_remote_code: bool = Field(
         False,
-        description="Accepted for compatibility; model code "
-        "is always ours, so remote code is never executed.",
+        description="Allow a checkpoint's own Python code (config.json auto_map), which only "
+        "the generic transformers backend runs. The native backend never runs it: a "
+        "custom-code checkpoint whose model_type it implements is served natively (the log "
+        "says its code is not run), and any other is refused, naming the class.",
     )
     device: str = Field(
         "auto", description="Torch device: auto (cuda if available, else cpu), cpu, cuda or cuda:N."

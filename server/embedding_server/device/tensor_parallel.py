@@ -417,6 +417,8 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
             dtype=settings.dtype,
             device=device,
             shard=Shard(args.rank, args.size),
+            task=settings.task,
+            trust_remote_code=settings.trust_remote_code,
         )
         # The same rule on the same facts as rank 0, so every rank runs the same kernel.
         attention = select_backend(settings.attention, probe(device, dtype, head_dim)).backend

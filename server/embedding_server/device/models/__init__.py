@@ -31,7 +31,7 @@ from . import bert, modernbert
 from .base import Checkpoint, EmbeddingModel, Ignored, PackedBatch
 from .bert import BertModel
 from .gemma3 import MULTIMODAL_REFUSAL, Gemma3TextModel
-from .llama import DecoderVariant, LlamaModel
+from .llama import DECODER_IGNORED, DecoderVariant, LlamaModel
 from .modernbert import ModernBertModel
 
 ModelBuilder = Callable[[Checkpoint], EmbeddingModel]
@@ -71,15 +71,35 @@ ARCHITECTURES: dict[str, Architecture] = {
     a.model_type: a
     for a in (
         *(
-            Architecture(name, BertModel, "cls", bert.classification_head, bert.masked_lm_head)
+            Architecture(
+                name,
+                BertModel,
+                "cls",
+                bert.classification_head,
+                bert.masked_lm_head,
+                ignored=bert.IGNORED,
+            )
             for name in ("bert", "roberta", "xlm-roberta")
         ),
-        Architecture("modernbert", ModernBertModel, "cls", modernbert.classification_head),
-        Architecture("llama", decoder(LLAMA), "last", score_head),
-        Architecture("mistral", decoder(MISTRAL), "last", score_head),
-        Architecture("qwen2", decoder(QWEN2), "last", score_head),
-        Architecture("qwen3", decoder(QWEN3), "last", score_head),
-        Architecture("gemma3_text", Gemma3TextModel, "last", score_head, float16_overflows=True),
+        Architecture(
+            "modernbert",
+            ModernBertModel,
+            "cls",
+            modernbert.classification_head,
+            ignored=modernbert.IGNORED,
+        ),
+        Architecture("llama", decoder(LLAMA), "last", score_head, ignored=DECODER_IGNORED),
+        Architecture("mistral", decoder(MISTRAL), "last", score_head, ignored=DECODER_IGNORED),
+        Architecture("qwen2", decoder(QWEN2), "last", score_head, ignored=DECODER_IGNORED),
+        Architecture("qwen3", decoder(QWEN3), "last", score_head, ignored=DECODER_IGNORED),
+        Architecture(
+            "gemma3_text",
+            Gemma3TextModel,
+            "last",
+            score_head,
+            ignored=DECODER_IGNORED,
+            float16_overflows=True,
+        ),
     )
 }
 

@@ -11,7 +11,8 @@ math. Weights come from Hugging Face checkpoints by their names (:class:`WeightR
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -150,6 +151,8 @@ class EmbeddingModel(Protocol):
     """A packed-token transformer body."""
 
     hidden_size: int
+    """Width of the states :meth:`forward` returns (a projection shipped with the body, such
+    as voyage-4-nano's ``linear``, makes it the projection's output width)."""
     causal: bool
     position_offset: int
     """Added to 0-based positions before the position embedding (RoBERTa: padding_idx + 1)."""
@@ -172,6 +175,60 @@ class Ignored:
 
     pattern: str
     reason: str
+
+
+class TrackedWeights(Mapping[str, torch.Tensor]):
+    """A checkpoint's tensors by name, remembering which were read: the body's
+    :class:`WeightReader` and the head readers all read through it, so after a model is
+    built :func:`audit_tensors` knows what nobody read. Asking whether a name exists is not
+    reading it."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor]) -> None:
+        self._weights = weights
+        self.read: set[str] = set()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensor = self._weights[name]
+        self.read.add(name)
+        return tensor
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._weights
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._weights)
+
+    def __len__(self) -> int:
+        return len(self._weights)
+
+
+@dataclass(frozen=True)
+class TensorAudit:
+    """Where every tensor of a checkpoint went once its model and heads were built."""
+
+    read: tuple[str, ...]
+    ignored: tuple[tuple[str, str], ...]
+    """``(name, reason)`` of each tensor left unread that the family declares it ignores."""
+    unclaimed: tuple[str, ...]
+    """Tensors neither read nor declared: the load must be refused."""
+
+
+def audit_tensors(weights: TrackedWeights, ignored: Sequence[Ignored]) -> TensorAudit:
+    """Sort every tensor of ``weights`` into read, declared ignorable, and unclaimed."""
+    patterns = [(re.compile(entry.pattern), entry.reason) for entry in ignored]
+    read: list[str] = []
+    skipped: list[tuple[str, str]] = []
+    unclaimed: list[str] = []
+    for name in sorted(weights):
+        if name in weights.read:
+            read.append(name)
+            continue
+        reason = next((why for rx, why in patterns if rx.fullmatch(name)), None)
+        if reason is None:
+            unclaimed.append(name)
+        else:
+            skipped.append((name, reason))
+    return TensorAudit(tuple(read), tuple(skipped), tuple(unclaimed))
 
 
 @dataclass(frozen=True)
@@ -204,8 +261,11 @@ class WeightReader:
 
     The task-head prefix (``bert.``, ``model.`` ...) is stripped first, so names match the
     bare model: a prefix is stripped only if it precedes ``marker``, a name every checkpoint
-    of the family contains (e.g. ``embeddings.``). A missing weight means the checkpoint is
-    not what it claims, and is an error naming it.
+    of the family contains (e.g. ``embeddings.``). Names outside the prefix keep their own
+    (a projection shipped beside the body: voyage-4-nano's ``linear.weight`` next to
+    ``model.*``), so a family can read them. A missing weight means the checkpoint is not
+    what it claims, and is an error naming it. What no reader reads is the fidelity guard's
+    concern (:func:`audit_tensors`), not this class's.
     """
 
     def __init__(
@@ -296,12 +356,31 @@ class WeightReader:
 
 def _strip_prefix(names: Iterable[str], prefixes: Sequence[str], marker: str) -> dict[str, str]:
     """Our name -> the checkpoint's name, with the first prefix that precedes ``marker``
-    stripped (and names outside it dropped)."""
+    stripped; names outside it keep their own unless a stripped one took it (then that one
+    is never read, and the fidelity guard refuses the checkpoint)."""
     names = list(names)
     for prefix in prefixes:
         if any(name.startswith(prefix + marker) for name in names):
-            return {name.removeprefix(prefix): name for name in names if name.startswith(prefix)}
+            inside = {n.removeprefix(prefix): n for n in names if n.startswith(prefix)}
+            outside = {n: n for n in names if not n.startswith(prefix) and n not in inside}
+            return {**outside, **inside}
     return {name: name for name in names}
+
+
+def decoder_causal(config: Mapping[str, Any], model_type: str) -> bool:
+    """Whether a decoder's attention is causal, by every flag checkpoints use to switch it
+    off: ``is_causal: false`` (gte-Qwen2; what transformers' masks read) and
+    ``use_bidirectional_attention: true`` (voyage-4-nano, EmbeddingGemma). Contradicting
+    flags are refused rather than guessed between."""
+    is_causal = config.get("is_causal")
+    bidirectional = config.get("use_bidirectional_attention")
+    if is_causal is True and bidirectional is True:
+        raise UnsupportedModelError(
+            f"{model_type} config.json sets both is_causal: true and "
+            "use_bidirectional_attention: true; which attention the model was trained with "
+            "is ambiguous: fix the config to say one"
+        )
+    return not (is_causal is False or bidirectional is True)
 
 
 def config_get(config: Mapping[str, Any], *names: str, default: Any = None) -> Any:

@@ -20,8 +20,34 @@ from embedding_server.heads import SparseStrategy
 from embedding_server.pooling import ACTIVATIONS, PoolingMethod
 
 from ..heads import ClassificationHead, HeadWeights, SparseHead
-from .base import Checkpoint, PackedBatch, config_get
+from .base import Checkpoint, Ignored, PackedBatch, config_get
 from .layers import HeadSplit, activation, row_linear
+
+_PREFIX = r"(?:(?:bert|roberta|model|encoder)\.)?"
+
+IGNORED = (
+    Ignored(
+        _PREFIX + r"embeddings\.(?:position_ids|token_type_ids)",
+        "index buffers older transformers saved (0, 1, 2 ... and all zeros); positions and "
+        "segment ids come from the packed batch",
+    ),
+    Ignored(
+        _PREFIX + r"pooler\.dense\.(?:weight|bias)",
+        "BERT's pooler (dense + tanh over [CLS], trained for next-sentence prediction): "
+        "embeddings pool the final hidden states; only a *ForSequenceClassification "
+        "head reads it",
+    ),
+    Ignored(
+        r"cls\.predictions\..+|lm_head\.(?:dense|layer_norm|decoder)\.(?:weight|bias)|lm_head\.bias",
+        "the masked-LM head (BERT cls.predictions, RoBERTa/XLM-R lm_head): read only by "
+        "task sparse (SPLADE)",
+    ),
+    Ignored(
+        r"cls\.seq_relationship\.(?:weight|bias)",
+        "BertForPreTraining's next-sentence head, which no task serves",
+    ),
+)
+"""What BERT, RoBERTa and XLM-R checkpoints carry and the body does not read."""
 
 
 @dataclass

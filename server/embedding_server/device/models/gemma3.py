@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from embedding_server.errors import UnsupportedModelError
 
-from .base import Checkpoint, PackedBatch, config_get
+from .base import Checkpoint, PackedBatch, config_get, decoder_causal
 from .layers import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
@@ -147,7 +147,16 @@ class Gemma3TextModel:
         self.eps = float(config_get(config, "rms_norm_eps", default=1e-6))
         scalar = config_get(config, "query_pre_attn_scalar", default=_DEFAULT_QUERY_PRE_ATTN_SCALAR)
         self.scale = float(scalar) ** -0.5
-        self.causal = not bool(config.get("use_bidirectional_attention", False))
+        self.causal = decoder_causal(config, "gemma3_text")
+        if not self.causal and not config.get("use_bidirectional_attention"):
+            # transformers then masks local layers to |i - j| <= sliding_window, not the
+            # window // 2 each side of use_bidirectional_attention; no Gemma 3 checkpoint we
+            # know does this, and what is not checked against transformers is not served.
+            raise UnsupportedModelError(
+                "gemma3_text with is_causal: false is not supported; Gemma 3 embedders "
+                "declare bidirectional attention with use_bidirectional_attention: true "
+                "(EmbeddingGemma), which is: set that instead if the model was trained so"
+            )
         self.max_positions = int(config_get(config, "max_position_embeddings", default=131_072))
         self.dtype, self.device = dtype, device
         self.shard = checkpoint.shard

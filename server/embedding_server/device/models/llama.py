@@ -16,6 +16,13 @@ switches, declared per ``model_type`` as a :class:`DecoderVariant` in the regist
   Qwen2/Qwen3 layers picked by ``layer_types`` or ``max_window_layers`` when
   ``use_sliding_window`` is on. An input longer than the window gets the vectors transformers
   computes, not full-attention ones.
+
+Causal unless the config switches it off (``is_causal: false``, gte-Qwen2;
+``use_bidirectional_attention: true``, voyage-4-nano): :func:`~.base.decoder_causal`. A
+projection shipped beside the body as a top-level ``linear.weight`` (voyage-4-nano: no bias,
+1024 -> 2048) is applied after the final norm, so the model's vectors are its output width;
+any other tensor the checkpoint carries and this code does not read refuses the load
+(``DECODER_IGNORED`` lists those it knowingly skips).
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import torch.nn.functional as F
 
 from embedding_server.errors import UnsupportedModelError
 
-from .base import Checkpoint, PackedBatch, config_get
+from .base import Checkpoint, Ignored, PackedBatch, WeightReader, config_get, decoder_causal
 from .layers import (
     SLIDING_ATTENTION,
     HeadSplit,
@@ -45,6 +52,24 @@ from .layers import (
 WindowRule = Literal["none", "every_layer", "opt_in"]
 """Which layers slide: none; every layer when ``sliding_window`` is set (Mistral); or, with
 ``use_sliding_window`` on, the layers ``layer_types`` / ``max_window_layers`` pick (Qwen)."""
+
+
+DECODER_IGNORED = (
+    Ignored(
+        r"lm_head\.weight",
+        "the language-model head of a *ForCausalLM checkpoint (next-token logits); an "
+        "embedder reads the final hidden states",
+    ),
+    Ignored(
+        r"(?:model\.)?(?:layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq",
+        "rotary frequencies older transformers saved as a buffer; recomputed from the config",
+    ),
+)
+"""What decoder checkpoints (Llama, Mistral, Qwen2/3, Gemma 3) carry and their body does not
+read."""
+
+PROJECTION = "linear."
+"""A projection head saved beside the body (voyage-4-nano: ``linear.weight``, no bias)."""
 
 
 @dataclass(frozen=True)
@@ -147,8 +172,7 @@ class LlamaModel:
             head_dim=self.head_dim,
             intermediate=int(config["intermediate_size"]),
         )
-        # Some embedders (gte-Qwen2 variants) declare bidirectional attention.
-        self.causal = bool(config.get("is_causal", True))
+        self.causal = decoder_causal(config, model_type)
         windows = sliding_windows(config, variant)
         self.sliding_window = next((w for w in windows if w is not None), None)
         self.dtype, self.device = dtype, device
@@ -165,6 +189,9 @@ class LlamaModel:
         )
         self.embed = w.embedding("embed_tokens.weight")
         self.norm = w.get("norm.weight")
+        self.projection, self.projection_bias = _projection(w, config, model_type)
+        if self.projection is not None:
+            self.hidden_size = int(self.projection.shape[0])
         self.layers: list[_Layer] = []
         for i, window in enumerate(windows):
             p = f"layers.{i}."
@@ -218,4 +245,33 @@ class LlamaModel:
             h = rms_norm(x, layer.post_norm, self.eps)
             gate, up = F.linear(h, layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
             x = x + row_linear(F.silu(gate) * up, layer.down_w, layer.down_b, shard)
-        return rms_norm(x, self.norm, self.eps)
+        x = rms_norm(x, self.norm, self.eps)
+        if self.projection is not None:
+            x = F.linear(x, self.projection, self.projection_bias)
+        return x
+
+
+def _projection(
+    w: WeightReader, config: Mapping[str, Any], model_type: str
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The top-level ``linear`` projection and its bias, when the checkpoint ships one
+    (whole on every tensor-parallel rank: it runs on the all-reduced final states)."""
+    weight_name = PROJECTION + "weight"
+    if weight_name not in w:
+        return None, None
+    weight = w.get(weight_name)
+    bias = w.maybe(PROJECTION + "bias", PROJECTION + "bias" in w)
+    hidden = int(config["hidden_size"])
+    rows, columns = (int(n) for n in weight.shape)
+    if columns != hidden:
+        raise UnsupportedModelError(
+            f"{model_type} checkpoint's top-level projection {weight_name} is {rows}x{columns} "
+            f"but hidden_size is {hidden}; it cannot be applied after the final norm"
+        )
+    declared = config.get("num_labels")
+    if isinstance(declared, int) and declared != rows:
+        raise UnsupportedModelError(
+            f"{model_type} checkpoint's projection {weight_name} has {rows} outputs but "
+            f"config.json says num_labels {declared}; the checkpoint and its config disagree"
+        )
+    return weight, bias

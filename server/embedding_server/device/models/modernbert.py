@@ -36,7 +36,7 @@ from embedding_server.errors import UnsupportedModelError
 from embedding_server.pooling import ACTIVATIONS, PoolingMethod
 
 from ..heads import ClassificationHead, HeadWeights
-from .base import Checkpoint, PackedBatch
+from .base import Checkpoint, Ignored, PackedBatch
 from .layers import FULL_ATTENTION as _FULL
 from .layers import SLIDING_ATTENTION as _SLIDING
 from .layers import HeadSplit, RotaryTable, activation, apply_rotary, layer_rope, row_linear
@@ -46,6 +46,17 @@ from .layers import layer_types as read_layer_types
 _DEFAULT_GLOBAL_EVERY = 3
 _DEFAULT_LOCAL_ATTENTION = 128
 _DEFAULT_THETA = {_FULL: 160_000.0, _SLIDING: 10_000.0}
+
+
+IGNORED = (
+    Ignored(
+        r"head\.(?:dense|norm)\.(?:weight|bias)|decoder\.(?:weight|bias)",
+        "the masked-LM head of ModernBertForMaskedLM (its transform and vocabulary "
+        "decoder): embeddings read the final hidden states, SPLADE is not served for "
+        "ModernBERT, and only a *ForSequenceClassification head reads head.*",
+    ),
+)
+"""What ModernBERT checkpoints carry and the body does not read."""
 
 
 @dataclass

@@ -1,0 +1,90 @@
+"""``embedding-server inspect``: what a model would be served as, decided without serving it.
+
+The model goes through the same steps as a load (:func:`~.loading.load_model`, the
+configuration :func:`~.configuration.resolve_config` derives from the settings, the attention
+kernel :func:`~.attention.select_backend` picks for this device), with one difference: the
+weights are only names, shapes and dtypes (``shapes_only``), read from the safetensors
+headers, so the body and heads are built on the ``meta`` device and nothing is computed. So
+a model ``inspect`` accepts is one the server accepts with the same settings, and a model it
+refuses is refused with the same message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from embedding_server.configuration import EngineInfo
+from embedding_server.settings import EngineSettings
+
+from .attention import probe, select_backend
+from .configuration import describe, resolve_config
+from .distributed import SINGLE, Shard
+from .dtypes import resolve_device
+from .loading import load_model
+
+
+@dataclass(frozen=True)
+class Inspection:
+    """What would be served: the engine's resolved configuration (as ``/info`` would
+    report it) and what the checkpoint is made of."""
+
+    info: EngineInfo
+    backend: str
+    """Which implementation serves it: ``native`` (this server's packed model code)."""
+    custom_code: str | None
+    """The class ``auto_map`` names, not run (the native implementation serves it)."""
+    causal: bool
+    """Whether attention is causal (decoders unless their config switches it off)."""
+    tensors_read: int
+    ignored: list[tuple[str, str]]
+    """``(tensor, reason)`` of each tensor the family knowingly leaves unread."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as JSON-ready values: the info's, then this inspection's."""
+        out = self.info.to_dict()
+        out.update(
+            backend=self.backend,
+            custom_code=self.custom_code,
+            causal=self.causal,
+            tensors_read=self.tensors_read,
+            tensors_ignored=[{"name": n, "reason": r} for n, r in self.ignored],
+        )
+        return out
+
+
+def inspect_model(settings: EngineSettings) -> Inspection:
+    """Decide what ``settings`` would serve; raises what serving would raise."""
+    device = resolve_device(settings.device)
+    size = settings.tensor_parallel_size
+    # Rank 0's share: a size that does not divide the heads is refused as at start-up.
+    shard = SINGLE if size == 1 else Shard(0, size)
+    loaded = load_model(
+        settings.model,
+        revision=settings.revision,
+        cache_dir=settings.cache_dir,
+        dtype=settings.dtype,
+        device=device,
+        shard=shard,
+        task=settings.task,
+        trust_remote_code=settings.trust_remote_code,
+        shapes_only=True,
+    )
+    config = resolve_config(settings, loaded, device=device)
+    attention = select_backend(settings.attention, probe(device, loaded.dtype, loaded.head_dim))
+    info = describe(
+        config,
+        loaded,
+        device=device,
+        attention=attention,
+        vocab_size=loaded.tokenizer.get_vocab_size(with_added_tokens=True),
+    )
+    audit = loaded.tensors
+    return Inspection(
+        info=info,
+        backend="native",
+        custom_code=loaded.custom_code,
+        causal=bool(loaded.model.causal),
+        tensors_read=len(audit.read) if audit else 0,
+        ignored=list(audit.ignored) if audit else [],
+    )
