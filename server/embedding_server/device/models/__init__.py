@@ -29,7 +29,7 @@ from ..distributed import SINGLE, Shard
 from ..heads import ClassifierReader, MaskedLmReader, score_head
 from . import bert, modernbert
 from .base import Checkpoint, EmbeddingModel, Ignored, PackedBatch
-from .bert import BertModel
+from .bert import BertModel, BertVariant
 from .gemma3 import MULTIMODAL_REFUSAL, Gemma3TextModel
 from .llama import DecoderVariant, LlamaModel
 from .modernbert import ModernBertModel
@@ -60,6 +60,11 @@ def decoder(variant: DecoderVariant) -> ModelBuilder:
     return partial(LlamaModel, variant=variant)
 
 
+def encoder(variant: BertVariant) -> ModelBuilder:
+    """The builder of one BERT-family ``model_type`` whose math is BERT's as it is."""
+    return partial(BertModel, variant=variant)
+
+
 # As transformers builds each model type: Llama and Qwen3 read attention_bias (q/k/v/o), Llama
 # also mlp_bias; Qwen2 always has q/k/v biases; Mistral has none and ignores both flags.
 LLAMA = DecoderVariant(attention_bias=True, mlp_bias=True)
@@ -71,8 +76,14 @@ ARCHITECTURES: dict[str, Architecture] = {
     a.model_type: a
     for a in (
         *(
-            Architecture(name, BertModel, "cls", bert.classification_head, bert.masked_lm_head)
-            for name in ("bert", "roberta", "xlm-roberta")
+            Architecture(
+                name, encoder(variant), "cls", bert.classification_head, bert.masked_lm_head
+            )
+            for name, variant in (
+                ("bert", bert.BERT),
+                ("roberta", bert.ROBERTA),
+                ("xlm-roberta", bert.XLM_ROBERTA),
+            )
         ),
         Architecture("modernbert", ModernBertModel, "cls", modernbert.classification_head),
         Architecture("llama", decoder(LLAMA), "last", score_head),
