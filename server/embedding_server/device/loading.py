@@ -447,6 +447,7 @@ def load_model(
     path = resolve_model_path(model, revision=revision, cache_dir=cache_dir)
     config = read_model_config(path)
     arch = lookup(config)  # fail on an unsupported architecture before reading weights
+    config = arch.read_config(config)  # the common keys, whatever the family calls them
     head_kind(config)  # and on a task head we do not serve
     overflows = arch.model_type if arch.float16_overflows else None
     compute_dtype = resolve_dtype(dtype, device, fp16_overflows=overflows)
@@ -492,6 +493,7 @@ def load_shard(
     path = resolve_model_path(model, revision=revision, cache_dir=cache_dir)
     config = read_model_config(path)
     arch = lookup(config)
+    config = arch.read_config(config)
     overflows = arch.model_type if arch.float16_overflows else None
     compute_dtype = resolve_dtype(dtype, device, fp16_overflows=overflows)
     body = build_model(config, load_weights(path), dtype=compute_dtype, device=device, shard=shard)

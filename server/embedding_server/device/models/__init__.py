@@ -16,7 +16,7 @@ new architecture is a registry line plus, at most, one family module of its own 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -27,7 +27,7 @@ from embedding_server.pooling import PoolingMethod
 
 from ..distributed import SINGLE, Shard
 from ..heads import ClassifierReader, MaskedLmReader, score_head
-from . import bert, modernbert
+from . import bert, distilbert, electra, ernie, modernbert
 from .base import Checkpoint, EmbeddingModel, Ignored, PackedBatch
 from .bert import BertModel, BertVariant
 from .gemma3 import MULTIMODAL_REFUSAL, Gemma3TextModel
@@ -53,6 +53,19 @@ class Architecture:
     """Tensors its checkpoints may hold that it does not read, each with the reason."""
     float16_overflows: bool = False
     """Activations exceed float16's range (inf/NaN vectors): refuse float16."""
+    config_keys: Mapping[str, str] = field(default_factory=dict)
+    """The common config keys (``hidden_size`` ...) -> the family's own names for them, for
+    families whose configs name them differently (DistilBERT's ``dim``, ``n_layers`` ...)."""
+
+    def read_config(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """``config`` with the common keys set from :attr:`config_keys`, as every reader of the
+        config (models, heads, the loader) expects them. The family's own key wins over a
+        common one beside it: it is the one transformers reads."""
+        out = dict(config)
+        for common, own in self.config_keys.items():
+            if own in config:
+                out[common] = config[own]
+        return out
 
 
 def decoder(variant: DecoderVariant) -> ModelBuilder:
@@ -72,6 +85,20 @@ MISTRAL = DecoderVariant(window="every_layer")
 QWEN2 = DecoderVariant(qkv_bias=True, window="opt_in")
 QWEN3 = DecoderVariant(attention_bias=True, qk_norm=True, window="opt_in")
 
+# CamemBERT is RoBERTa's math and names (prefix ``roberta.``, positions after padding_idx) with
+# its own model_type; its heads are RoBERTa's too.
+CAMEMBERT_IGNORED = (
+    Ignored(
+        r"(roberta\.)?pooler\.dense\.(weight|bias)",
+        "the pooler of CamembertModel: embeddings pool the token states, classifiers have "
+        "their own head",
+    ),
+    Ignored(
+        r"lm_head\..+", "the masked-LM head of CamembertForMaskedLM, read only for task sparse"
+    ),
+    Ignored(r"(roberta\.)?embeddings\.position_ids", "a buffer older transformers saved"),
+)
+
 ARCHITECTURES: dict[str, Architecture] = {
     a.model_type: a
     for a in (
@@ -84,6 +111,34 @@ ARCHITECTURES: dict[str, Architecture] = {
                 ("roberta", bert.ROBERTA),
                 ("xlm-roberta", bert.XLM_ROBERTA),
             )
+        ),
+        Architecture(
+            "camembert",
+            encoder(bert.ROBERTA),
+            "cls",
+            bert.classification_head,
+            bert.masked_lm_head,
+            ignored=CAMEMBERT_IGNORED,
+        ),
+        Architecture(
+            "distilbert",
+            distilbert.build,
+            "cls",
+            distilbert.CLASSIFIER,
+            distilbert.MASKED_LM,
+            ignored=distilbert.IGNORED,
+            config_keys=distilbert.CONFIG_KEYS,
+        ),
+        Architecture(
+            "ernie", ernie.build, "cls", ernie.CLASSIFIER, ernie.MASKED_LM, ignored=ernie.IGNORED
+        ),
+        Architecture(
+            "electra",
+            electra.build,
+            "cls",
+            electra.CLASSIFIER,
+            electra.MASKED_LM,
+            ignored=electra.IGNORED,
         ),
         Architecture("modernbert", ModernBertModel, "cls", modernbert.classification_head),
         Architecture("llama", decoder(LLAMA), "last", score_head),
@@ -122,7 +177,8 @@ def build_model(
 ) -> EmbeddingModel:
     """Instantiate the packed implementation for ``config`` from HF-named weights; with a
     ``shard`` of a tensor-parallel group, that rank's share of the weights."""
-    return lookup(config).builder(Checkpoint(config, weights, dtype, device, shard))
+    arch = lookup(config)
+    return arch.builder(Checkpoint(arch.read_config(config), weights, dtype, device, shard))
 
 
 __all__ = [
