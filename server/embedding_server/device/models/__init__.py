@@ -16,7 +16,7 @@ new architecture is a registry line plus, at most, one family module of its own 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -53,16 +53,16 @@ class Architecture:
     """Tensors its checkpoints may hold that it does not read, each with the reason."""
     float16_overflows: bool = False
     """Activations exceed float16's range (inf/NaN vectors): refuse float16."""
-    config_keys: Mapping[str, str] = field(default_factory=dict)
-    """The common config keys (``hidden_size`` ...) -> the family's own names for them, for
-    families whose configs name them differently (DistilBERT's ``dim``, ``n_layers`` ...)."""
+    config_keys: tuple[tuple[str, str], ...] = ()
+    """``(common key, the family's own name for it)`` pairs, for families whose configs name
+    ``hidden_size`` ... differently (DistilBERT's ``dim``, ``n_layers`` ...)."""
 
     def read_config(self, config: Mapping[str, Any]) -> dict[str, Any]:
         """``config`` with the common keys set from :attr:`config_keys`, as every reader of the
         config (models, heads, the loader) expects them. The family's own key wins over a
         common one beside it: it is the one transformers reads."""
         out = dict(config)
-        for common, own in self.config_keys.items():
+        for common, own in self.config_keys:
             if own in config:
                 out[common] = config[own]
         return out

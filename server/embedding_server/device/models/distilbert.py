@@ -16,13 +16,13 @@ from ..heads import ClassifierNames, MaskedLmNames
 from .base import Ignored
 from .bert import BertModel, BertVariant
 
-CONFIG_KEYS = {
-    "hidden_size": "dim",
-    "num_hidden_layers": "n_layers",
-    "num_attention_heads": "n_heads",
-    "intermediate_size": "hidden_dim",
-    "hidden_act": "activation",
-}
+CONFIG_KEYS = (
+    ("hidden_size", "dim"),
+    ("num_hidden_layers", "n_layers"),
+    ("num_attention_heads", "n_heads"),
+    ("intermediate_size", "hidden_dim"),
+    ("hidden_act", "activation"),
+)
 """BERT's config keys -> DistilBERT's (transformers' ``attribute_map``, and the two it
 spells out in the modules instead). Its LayerNorms use eps 1e-12, BERT's default."""
 
