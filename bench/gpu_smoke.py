@@ -10,9 +10,10 @@ One command, a few minutes, no downloads; what it prints goes into docs/benchmar
 2. Kernels: each attention kernel the device can run, in bfloat16 and float16, against a
    float32 reference: head dims 32-256, grouped-query and plain, causal and bidirectional,
    with and without a sliding window, one packed batch of lengths from 1 to 2048.
-3. Models: a tiny random model of each family (BERT, XLM-R, ModernBERT, Llama, Mistral,
-   Qwen2, Qwen3, Gemma 3) on the device in each dtype and kernel, against the CPU in float32;
-   then a sequence and a token classifier through the whole engine (heads on the device).
+3. Models: a tiny random model of each family (BERT, XLM-R, CamemBERT, DistilBERT, ERNIE,
+   ELECTRA, ModernBERT, Llama, Mistral, Qwen2, Qwen3, Gemma 3) on the device in each dtype and
+   kernel, against the CPU in float32; then a sequence and a token classifier through the
+   whole engine (heads on the device).
 4. Scale: a two-layer decoder with a 7B model's shapes (hidden 4096, 32 heads, 8 KV heads,
    MLP 14336) at the full GPU token budget: time per forward and peak memory, per kernel.
 
@@ -39,7 +40,7 @@ import torch.nn.functional as F
 from embedding_server.device import attention
 from embedding_server.device.attention import Backend, plan_attention, probe, select_backend, unfit
 from embedding_server.device.loading import head_dim_of, load_weights, read_model_config
-from embedding_server.device.models import build_model
+from embedding_server.device.models import build_model, lookup
 from embedding_server.device.models.base import PackedBatch
 from embedding_server.settings import GPU_BATCH_TOKENS
 
@@ -159,6 +160,10 @@ SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "v
 FAMILIES: dict[str, dict[str, Any]] = {
     "bert": {"num_attention_heads": 4, "max_position_embeddings": 2048},
     "xlm-roberta": {"num_attention_heads": 4, "max_position_embeddings": 2050, "pad_token_id": 1},
+    "camembert": {"num_attention_heads": 4, "max_position_embeddings": 2050, "pad_token_id": 1},
+    "distilbert": {"n_heads": 4, "hidden_dim": 128, "max_position_embeddings": 2048},
+    "ernie": {"num_attention_heads": 4, "max_position_embeddings": 2048, "use_task_id": True},
+    "electra": {"num_attention_heads": 4, "max_position_embeddings": 2048, "embedding_size": 32},
     "modernbert": {
         "num_attention_heads": 4,
         "global_attn_every_n_layers": 2,
@@ -212,7 +217,8 @@ def model_checks(
     for model_type in FAMILIES:
         path = build_tiny(model_type, root)
         want = _hidden(path, torch.device("cpu"), torch.float32, Backend.SDPA_BUCKETED, seqs)
-        head_dim = head_dim_of(read_model_config(path))
+        config = read_model_config(path)
+        head_dim = head_dim_of(lookup(config).read_config(config))
         for dtype in dtypes:
             if model_type == "gemma3_text" and dtype == torch.float16:
                 continue  # refused by the server: Gemma 3 overflows float16

@@ -12,12 +12,19 @@ time is printed too: on a shared machine wall-clock ratios are noisy, CPU-time r
 chart goes to bench/out/offline.png.
 
     .venv/bin/python -m bench.offline --texts 1000
+    .venv/bin/python -m bench.offline --family distilbert   # a random distilbert-base
+
+``--family`` measures a model family without downloading a checkpoint: a random model with
+the shapes of the family's base checkpoint (:data:`FAMILIES`), the packaged MiniLM's
+tokenizer, and a sentence-transformers pipeline that pools the first token as the server
+does, built once under ``bench/out/models/``. Random weights run at the speed real ones do.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,6 +34,7 @@ import numpy as np
 import torch
 from embedding_server.device.dtypes import cpu_flags, cpu_thread_budget
 from embedding_server.device.loading import resolve_model_path
+from embedding_server.device.models import lookup
 from embedding_server.engine import Engine
 from embedding_server.settings import DEFAULT_MODEL
 
@@ -87,6 +95,59 @@ def matmul_peak(
     return best
 
 
+_BASE = {"num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072}
+FAMILIES: dict[str, dict[str, Any]] = {
+    # distilbert-base-uncased (distiluse-base-multilingual, msmarco-distilbert: the same shapes)
+    "distilbert": {"dim": 768, "n_layers": 6, "n_heads": 12, "hidden_dim": 3072},
+    # camembert-base (vocabulary 32005: the MiniLM tokenizer's ids fit it)
+    "camembert": {
+        **_BASE,
+        "hidden_size": 768,
+        "vocab_size": 32005,
+        "max_position_embeddings": 514,
+        "type_vocab_size": 1,
+        "pad_token_id": 1,
+    },
+    # ernie-3.0-base-zh
+    "ernie": {
+        **_BASE,
+        "hidden_size": 768,
+        "vocab_size": 40000,
+        "max_position_embeddings": 2048,
+        "type_vocab_size": 4,
+        "use_task_id": True,
+        "task_type_vocab_size": 3,
+    },
+    # electra-base-discriminator (ms-marco-electra-base)
+    "electra": {**_BASE, "hidden_size": 768, "embedding_size": 768},
+}
+"""Shapes of each family's base checkpoint, for ``--family``."""
+
+
+def family_model(family: str) -> Path:
+    """A random ``family`` model with its base checkpoint's shapes, MiniLM's tokenizer and a
+    CLS-pooling sentence-transformers pipeline (built once)."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+    from transformers import AutoConfig, AutoModel
+
+    out = OUT / "models" / family
+    if (out / "modules.json").exists():
+        return out
+    source = resolve_model_path(DEFAULT_MODEL)
+    body = OUT / "models" / f"{family}-body"
+    body.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
+        shutil.copy(source / name, body / name)
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(family, **{"vocab_size": 30522, **FAMILIES[family]})
+    AutoModel.from_config(config).save_pretrained(str(body))
+    transformer = Transformer(str(body), max_seq_length=512)
+    pooling = Pooling(transformer.get_embedding_dimension(), pooling_mode="cls")
+    SentenceTransformer(modules=[transformer, pooling], device="cpu").save(str(out))
+    return out
+
+
 def model_flops_per_token(config: dict[str, Any], mean_len: float) -> float:
     """Matmul FLOPs per token of a BERT-style encoder: linear layers plus attention."""
     h, i, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
@@ -101,7 +162,13 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL)
+    chosen = parser.add_mutually_exclusive_group()
+    chosen.add_argument("--model", default=DEFAULT_MODEL)
+    chosen.add_argument(
+        "--family",
+        choices=sorted(FAMILIES),
+        help="a random model sized like the family's base checkpoint, instead of --model",
+    )
     parser.add_argument("--texts", type=int, default=1000)
     parser.add_argument("--st-batch-size", type=int, default=32)
     parser.add_argument(
@@ -121,8 +188,11 @@ def main() -> None:
 
     threads = cpu_thread_budget()
     torch.set_num_threads(threads)
+    if args.family:
+        args.model = str(family_model(args.family))
     path = resolve_model_path(args.model)
     config = json.loads((path / "config.json").read_text())
+    config = lookup(config).read_config(config)  # hidden_size ... whatever the family says
     texts = make_corpus(args.texts)
     native_bf16 = bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
     print(

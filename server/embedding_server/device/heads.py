@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from embedding_server.errors import UnsupportedModelError
 from embedding_server.heads import Classifier, SparseStrategy, declared_activation, head_kind
-from embedding_server.pooling import PoolingMethod
+from embedding_server.pooling import ACTIVATIONS, PoolingMethod
 
 from .pooling import activation
 
@@ -105,6 +105,38 @@ def score_head(w: HeadWeights, per_token: bool) -> tuple[ClassificationHead, Poo
     ``*ForSequenceClassification`` decoders read it; token classifiers apply it to every
     token."""
     return ClassificationHead(weight=w.get("score.weight"), bias=w.maybe("score.bias")), "last"
+
+
+@dataclass(frozen=True)
+class ClassifierNames:
+    """A :data:`ClassifierReader` declared by the names of a family's classification heads,
+    for the encoders whose heads read the first token: a sequence classifier's ``dense``
+    layer (its pooler, None where it has none) with ``activation``, then ``out``, the
+    projection to the labels; a token classifier's ``token_out`` alone."""
+
+    out: str
+    """The prefix of the projection to the labels (``classifier.``, ``classifier.out_proj.``)."""
+    dense: str | None = None
+    """The prefix of the dense layer before it (``classifier.dense.``, ``bert.pooler.dense.``)."""
+    activation: str = "tanh"
+    """Applied after ``dense``, a name in ``embedding_server.pooling.ACTIVATIONS``."""
+    token_out: str = "classifier."
+
+    def __call__(self, w: HeadWeights, per_token: bool) -> tuple[ClassificationHead, PoolingMethod]:
+        if per_token:
+            out = self.token_out
+            return ClassificationHead(
+                weight=w.get(out + "weight"), bias=w.maybe(out + "bias")
+            ), "cls"
+        dense = self.dense
+        head = ClassificationHead(
+            weight=w.get(self.out + "weight"),
+            bias=w.maybe(self.out + "bias"),
+            pooler_weight=None if dense is None else w.get(dense + "weight"),
+            pooler_bias=None if dense is None else w.maybe(dense + "bias"),
+            pooler_activation=self.activation,
+        )
+        return head, "cls"
 
 
 def read_classifier(
@@ -211,6 +243,46 @@ class SparseHead:
 
 MaskedLmReader = Callable[[HeadWeights, SparseStrategy], SparseHead]
 """A family's masked-LM head as a SPLADE head, read from its checkpoint's names."""
+
+
+@dataclass(frozen=True)
+class MaskedLmNames:
+    """A :data:`MaskedLmReader` declared by the names of a family's masked-LM head: ``dense``
+    -> activation -> ``norm`` -> ``decoder`` (+ ``bias``), the decoder's weight tied to the
+    word embeddings ``tied`` when the checkpoint does not save it."""
+
+    dense: str
+    norm: str
+    decoder: str
+    bias: str
+    """The decoder's bias, saved apart from it (``cls.predictions.bias``) or within it."""
+    tied: str
+    activation: str | None = None
+    """The head's activation; None: the config's ``hidden_act``, as BERT's head reads it."""
+
+    def __call__(self, w: HeadWeights, strategy: SparseStrategy) -> SparseHead:
+        if self.dense + "weight" not in w:
+            raise UnsupportedModelError(
+                f"task sparse (SPLADE) needs a *ForMaskedLM checkpoint with its head "
+                f"({self.dense}*); {w.architecture} has none: serve it with another task"
+            )
+        act = self.activation or str(w.config.get("hidden_act", "gelu"))
+        if act not in ACTIVATIONS:
+            raise UnsupportedModelError(
+                f"{w.architecture}: masked-LM head activation {act!r} is not supported"
+            )
+        decoder = self.decoder + "weight"
+        return SparseHead(
+            dense_weight=w.get(self.dense + "weight"),
+            dense_bias=w.maybe(self.dense + "bias"),
+            activation=act,
+            norm_weight=w.get(self.norm + "weight"),
+            norm_bias=w.maybe(self.norm + "bias"),
+            norm_eps=float(w.config.get("layer_norm_eps", 1e-12)),
+            decoder_weight=w.get(decoder if decoder in w else self.tied),
+            decoder_bias=w.maybe(self.bias) if self.bias in w else w.maybe(self.decoder + "bias"),
+            strategy=strategy,
+        )
 
 
 def read_sparse_head(

@@ -637,6 +637,7 @@ def plan_model(source: ModelSource, *, task: str, trust_remote_code: bool) -> Mo
     if custom is not None and str(config.get("model_type", "")) not in ARCHITECTURES:
         raise UnsupportedModelError(custom_code_refusal(config, trust_remote_code))
     arch = lookup(config)
+    config = arch.read_config(config)  # the common keys, whatever the family calls them
     head_kind(config)  # a task head we do not serve
     st = read_sentence_transformers(source.path, dense_weights=False)
     refuse_generative(config, st, task)

@@ -27,9 +27,9 @@ from embedding_server.pooling import PoolingMethod
 
 from ..distributed import SINGLE, Shard
 from ..heads import ClassifierReader, MaskedLmReader, score_head
-from . import bert, modernbert
+from . import bert, distilbert, electra, ernie, modernbert
 from .base import Checkpoint, EmbeddingModel, Ignored, PackedBatch
-from .bert import BertModel
+from .bert import BertModel, BertVariant
 from .gemma3 import MULTIMODAL_REFUSAL, Gemma3TextModel
 from .llama import DECODER_IGNORED, DecoderVariant, LlamaModel
 from .modernbert import ModernBertModel
@@ -53,11 +53,29 @@ class Architecture:
     """Tensors its checkpoints may hold that it does not read, each with the reason."""
     float16_overflows: bool = False
     """Activations exceed float16's range (inf/NaN vectors): refuse float16."""
+    config_keys: tuple[tuple[str, str], ...] = ()
+    """``(common key, the family's own name for it)`` pairs, for families whose configs name
+    ``hidden_size`` ... differently (DistilBERT's ``dim``, ``n_layers`` ...)."""
+
+    def read_config(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """``config`` with the common keys set from :attr:`config_keys`, as every reader of the
+        config (models, heads, the loader) expects them. The family's own key wins over a
+        common one beside it: it is the one transformers reads."""
+        out = dict(config)
+        for common, own in self.config_keys:
+            if own in config:
+                out[common] = config[own]
+        return out
 
 
 def decoder(variant: DecoderVariant) -> ModelBuilder:
     """The builder of one Llama-family ``model_type``."""
     return partial(LlamaModel, variant=variant)
+
+
+def encoder(variant: BertVariant) -> ModelBuilder:
+    """The builder of one BERT-family ``model_type`` whose math is BERT's as it is."""
+    return partial(BertModel, variant=variant)
 
 
 # As transformers builds each model type: Llama and Qwen3 read attention_bias (q/k/v/o), Llama
@@ -67,19 +85,54 @@ MISTRAL = DecoderVariant(window="every_layer")
 QWEN2 = DecoderVariant(qkv_bias=True, window="opt_in")
 QWEN3 = DecoderVariant(attention_bias=True, qk_norm=True, window="opt_in")
 
+# CamemBERT is RoBERTa's math, names and heads (prefix ``roberta.``, positions after
+# padding_idx) under its own model_type.
+
 ARCHITECTURES: dict[str, Architecture] = {
     a.model_type: a
     for a in (
         *(
             Architecture(
                 name,
-                BertModel,
+                encoder(variant),
                 "cls",
                 bert.classification_head,
                 bert.masked_lm_head,
                 ignored=bert.IGNORED,
             )
-            for name in ("bert", "roberta", "xlm-roberta")
+            for name, variant in (
+                ("bert", bert.BERT),
+                ("roberta", bert.ROBERTA),
+                ("xlm-roberta", bert.XLM_ROBERTA),
+            )
+        ),
+        Architecture(
+            "camembert",
+            encoder(bert.ROBERTA),
+            "cls",
+            bert.classification_head,
+            bert.masked_lm_head,
+            ignored=bert.IGNORED,
+        ),
+        Architecture(
+            "distilbert",
+            distilbert.build,
+            "cls",
+            distilbert.CLASSIFIER,
+            distilbert.MASKED_LM,
+            ignored=distilbert.IGNORED,
+            config_keys=distilbert.CONFIG_KEYS,
+        ),
+        Architecture(
+            "ernie", ernie.build, "cls", ernie.CLASSIFIER, ernie.MASKED_LM, ignored=ernie.IGNORED
+        ),
+        Architecture(
+            "electra",
+            electra.build,
+            "cls",
+            electra.CLASSIFIER,
+            electra.MASKED_LM,
+            ignored=electra.IGNORED,
         ),
         Architecture(
             "modernbert",
@@ -131,7 +184,8 @@ def build_model(
 ) -> EmbeddingModel:
     """Instantiate the packed implementation for ``config`` from HF-named weights; with a
     ``shard`` of a tensor-parallel group, that rank's share of the weights."""
-    return lookup(config).builder(Checkpoint(config, weights, dtype, device, shard))
+    arch = lookup(config)
+    return arch.builder(Checkpoint(arch.read_config(config), weights, dtype, device, shard))
 
 
 __all__ = [

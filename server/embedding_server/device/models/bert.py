@@ -1,15 +1,23 @@
-"""BERT-family encoders on packed tokens: BERT, RoBERTa, XLM-RoBERTa.
+"""BERT-family encoders on packed tokens: BERT, RoBERTa, XLM-RoBERTa, CamemBERT, and the
+model types that share their math under other names (DistilBERT, ERNIE, ELECTRA).
 
 Covers all-MiniLM, bge (v1.5), e5, gte-base (BERT) and bge-m3 / multilingual-e5 (XLM-R).
 Post-LayerNorm blocks, absolute position embeddings, bidirectional attention. Query, key and
 value projections are fused into one matmul at load time (one GEMM over all packed tokens
-instead of three). RoBERTa and XLM-R number positions from ``padding_idx + 1``, which is why
-the model exposes ``position_offset``.
+instead of three). What the model types differ in is data (:class:`BertVariant`): the prefix
+a task head's checkpoint nests the body under, where positions start (RoBERTa, XLM-R and
+CamemBERT number them from ``padding_idx + 1``, which is why the model exposes
+``position_offset``), and the names a family gives the shared weights. DistilBERT, ERNIE and
+ELECTRA are BERT's descendants and build on this module, as transformers' own ones do:
+DistilBERT is a rename, ERNIE and ELECTRA add one embedding step each through
+:class:`BertModel`'s two embedding hooks.
 """
 
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +28,7 @@ from embedding_server.heads import SparseStrategy
 from embedding_server.pooling import ACTIVATIONS, PoolingMethod
 
 from ..heads import ClassificationHead, HeadWeights, SparseHead
-from .base import Checkpoint, Ignored, PackedBatch, config_get
+from .base import Checkpoint, Ignored, PackedBatch, WeightReader, config_get
 from .layers import HeadSplit, activation, row_linear
 
 _PREFIX = r"(?:(?:bert|roberta|model|encoder)\.)?"
@@ -50,6 +58,55 @@ IGNORED = (
 """What BERT, RoBERTa and XLM-R checkpoints carry and the body does not read."""
 
 
+def renames(*table: tuple[str, str]) -> Callable[[str], str]:
+    """A weight-name mapping from ``(pattern, replacement)`` pairs (``re.sub`` syntax), each
+    applied in turn to the whole name; names no pattern matches pass unchanged."""
+    compiled = [(re.compile(pattern), replacement) for pattern, replacement in table]
+
+    def rename(name: str) -> str:
+        for pattern, replacement in compiled:
+            name = pattern.sub(replacement, name)
+        return name
+
+    return rename
+
+
+LEGACY_NAMES = ((r"LayerNorm\.gamma$", "LayerNorm.weight"), (r"LayerNorm\.beta$", "LayerNorm.bias"))
+"""Old TF-converted checkpoints call LayerNorm parameters gamma/beta."""
+
+FLASH_NAMES = (
+    (r"^emb_ln\.", "embeddings.LayerNorm."),
+    (r"^encoder\.layers\.(\d+)\.mixer\.Wqkv\.", r"encoder.layer.\1.attention.self.qkv."),
+    (r"^encoder\.layers\.(\d+)\.mixer\.out_proj\.", r"encoder.layer.\1.attention.output.dense."),
+    (r"^encoder\.layers\.(\d+)\.norm1\.", r"encoder.layer.\1.attention.output.LayerNorm."),
+    (r"^encoder\.layers\.(\d+)\.mlp\.fc1\.", r"encoder.layer.\1.intermediate.dense."),
+    (r"^encoder\.layers\.(\d+)\.mlp\.fc2\.", r"encoder.layer.\1.output.dense."),
+    (r"^encoder\.layers\.(\d+)\.norm2\.", r"encoder.layer.\1.output.LayerNorm."),
+)
+"""The flash-attention XLM-R implementation's names (jinaai/xlm-roberta-flash-implementation,
+which jina-reranker-v2 runs), as its conversion script writes them from transformers' names:
+q, k and v fused into ``Wqkv`` (in that order), the rest renamed one to one, ``emb_ln`` outside
+``embeddings``. The math is XLM-R's; vLLM maps the same table (``jina_to_vllm_mapper``)."""
+
+
+@dataclass(frozen=True)
+class BertVariant:
+    """What one BERT-family model type's checkpoints differ in, beyond its config."""
+
+    prefixes: Sequence[str] = ("bert.", "roberta.", "model.", "encoder.")
+    """Where a task head's checkpoint nests the body (``bert.``, ``roberta.``, ...)."""
+    offset_positions: bool = False
+    """Positions numbered from ``pad_token_id + 1`` (RoBERTa), not from 0."""
+    names: tuple[tuple[str, str], ...] = ()
+    """The family's weight names -> BERT's, as :func:`renames` pairs applied after the prefix
+    is stripped (and after :data:`LEGACY_NAMES`, which every variant reads)."""
+
+
+BERT = BertVariant()
+ROBERTA = BertVariant(offset_positions=True)
+XLM_ROBERTA = BertVariant(offset_positions=True, names=FLASH_NAMES)
+
+
 @dataclass
 class _Layer:
     qkv_w: torch.Tensor
@@ -67,13 +124,16 @@ class _Layer:
 
 
 class BertModel:
-    """A BERT/RoBERTa/XLM-R encoder body for packed batches."""
+    """A BERT-family encoder body for packed batches.
+
+    Subclasses change the embeddings only, through :meth:`read_embeddings` (what they read
+    from the checkpoint) and :meth:`embed` (the states entering layer 0)."""
 
     causal = False
     sliding_window: int | None = None
 
-    def __init__(self, checkpoint: Checkpoint) -> None:
-        config, dtype, device = checkpoint.config, checkpoint.dtype, checkpoint.device
+    def __init__(self, checkpoint: Checkpoint, variant: BertVariant = BERT) -> None:
+        config = checkpoint.config
         model_type = str(config.get("model_type", "bert"))
         if config.get("position_embedding_type", "absolute") != "absolute":
             raise UnsupportedModelError(
@@ -96,37 +156,26 @@ class BertModel:
             head_dim=self.head_dim,
             intermediate=int(config["intermediate_size"]),
         )
-        if model_type in ("roberta", "xlm-roberta", "camembert"):
+        if variant.offset_positions:
             self.position_offset = int(config_get(config, "pad_token_id", default=1)) + 1
         else:
             self.position_offset = 0
         self.max_positions = int(config.get("max_position_embeddings", 512)) - self.position_offset
 
         w = checkpoint.reader(
-            prefixes=("bert.", "roberta.", "model.", "encoder."),
-            marker="embeddings.",
-            architecture=model_type,
+            prefixes=variant.prefixes, marker="embeddings.", architecture=model_type
         )
-        w.rename(_legacy_name)
+        w.rename(renames(*LEGACY_NAMES, *variant.names))
+        self.read_embeddings(w, checkpoint)
         get = w.get
-        self.word_emb = w.embedding("embeddings.word_embeddings.weight")
-        self.pos_emb = get("embeddings.position_embeddings.weight")
-        self.type_emb: torch.Tensor | None = None
-        if "embeddings.token_type_embeddings.weight" in w:
-            self.type_emb = get("embeddings.token_type_embeddings.weight")
-            self.type0 = self.type_emb[0]
-        else:
-            self.type0 = torch.zeros(self.hidden_size, dtype=dtype, device=device)
-        self.emb_ln_w = get("embeddings.LayerNorm.weight")
-        self.emb_ln_b = get("embeddings.LayerNorm.bias")
         self.layers: list[_Layer] = []
         for i in range(self.num_layers):
             p = f"encoder.layer.{i}."
-            qkv = [p + f"attention.self.{n}." for n in ("query", "key", "value")]
+            qkv_w, qkv_b = _read_qkv(w, p, split)
             self.layers.append(
                 _Layer(
-                    qkv_w=w.qkv([n + "weight" for n in qkv], split),
-                    qkv_b=w.qkv([n + "bias" for n in qkv], split),
+                    qkv_w=qkv_w,
+                    qkv_b=qkv_b,
                     out_w=w.columns(p + "attention.output.dense.weight", split.q),
                     out_b=get(p + "attention.output.dense.bias"),
                     ln1_w=get(p + "attention.output.LayerNorm.weight"),
@@ -140,16 +189,35 @@ class BertModel:
                 )
             )
 
-    def forward(self, batch: PackedBatch) -> torch.Tensor:
-        t = batch.input_ids.shape[0]
-        h, heads, d, shard = self.hidden_size, self.split.heads, self.head_dim, self.shard
+    def read_embeddings(self, w: WeightReader, checkpoint: Checkpoint) -> None:
+        """The word, position and segment tables and their LayerNorm."""
+        get = w.get
+        self.word_emb = w.embedding("embeddings.word_embeddings.weight")
+        self.pos_emb = get("embeddings.position_embeddings.weight")
+        self.type_emb: torch.Tensor | None = None
+        if "embeddings.token_type_embeddings.weight" in w:
+            self.type_emb = get("embeddings.token_type_embeddings.weight")
+            self.type0 = self.type_emb[0]
+        else:
+            width = self.pos_emb.shape[1]
+            self.type0 = torch.zeros(width, dtype=checkpoint.dtype, device=checkpoint.device)
+        self.emb_ln_w = get("embeddings.LayerNorm.weight")
+        self.emb_ln_b = get("embeddings.LayerNorm.bias")
+
+    def embed(self, batch: PackedBatch) -> torch.Tensor:
+        """The normalized sum of the token, position and segment embeddings ``[T, width]``."""
         x = self.word_emb(batch.input_ids)
         x += self.pos_emb.index_select(0, batch.position_ids)
         if batch.token_type_ids is not None and self.type_emb is not None:
             x += self.type_emb.index_select(0, batch.token_type_ids)  # a pair's second text
         else:
             x += self.type0
-        x = F.layer_norm(x, (h,), self.emb_ln_w, self.emb_ln_b, self.eps)
+        return F.layer_norm(x, self.emb_ln_w.shape, self.emb_ln_w, self.emb_ln_b, self.eps)
+
+    def forward(self, batch: PackedBatch) -> torch.Tensor:
+        t = batch.input_ids.shape[0]
+        h, heads, d, shard = self.hidden_size, self.split.heads, self.head_dim, self.shard
+        x = self.embed(batch)
         for layer in self.layers:
             qkv = F.linear(x, layer.qkv_w, layer.qkv_b).view(t, 3, heads, d)
             q, k, v = qkv.unbind(1)
@@ -167,13 +235,16 @@ class BertModel:
         return x
 
 
-def _legacy_name(name: str) -> str:
-    """Old TF-converted checkpoints call LayerNorm parameters gamma/beta."""
-    if name.endswith("LayerNorm.gamma"):
-        return name.removesuffix("gamma") + "weight"
-    if name.endswith("LayerNorm.beta"):
-        return name.removesuffix("beta") + "bias"
-    return name
+def _read_qkv(w: WeightReader, p: str, split: HeadSplit) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``p``'s fused q/k/v weight and bias, this rank's heads: fused here from
+    ``query``/``key``/``value``, or as flash-attention checkpoints already fuse them."""
+    fused = p + "attention.self.qkv."
+    if fused + "weight" in w:  # q, k, v stacked; every head has its k/v, so split.kv == split.q
+        return w.rows(fused + "weight", split.q, blocks=3), w.rows(
+            fused + "bias", split.q, blocks=3
+        )
+    names = [p + f"attention.self.{n}." for n in ("query", "key", "value")]
+    return w.qkv([n + "weight" for n in names], split), w.qkv([n + "bias" for n in names], split)
 
 
 def classification_head(
