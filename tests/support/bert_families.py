@@ -185,7 +185,8 @@ def build_flash_xlm_roberta(original: Path, path: Path) -> Path:
     """``original`` (an ``xlm-roberta`` body or task checkpoint) saved again
     as jinaai/xlm-roberta-flash-implementation names its weights (jina-reranker-v2): q, k and
     v fused into ``Wqkv``, ``emb_ln``, ``norm1``/``norm2``, ``mixer.out_proj``, ``mlp.fc1``/
-    ``fc2``; same config, tokenizer and math."""
+    ``fc2``; same tokenizer and math, and its config as the Hub's is: no ``model_type``,
+    the custom code's classes in ``auto_map``."""
     shutil.copytree(original, path)
     weights = load_file(str(original / "model.safetensors"))
     renamed: dict[str, torch.Tensor] = {}
@@ -203,5 +204,15 @@ def build_flash_xlm_roberta(original: Path, path: Path) -> Path:
         renamed[name] = tensor.contiguous()
     save_file(renamed, str(path / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((path / "config.json").read_text())
-    assert config["model_type"] == "xlm-roberta"
+    assert config.pop("model_type") == "xlm-roberta"
+    # As the Hub's config.json is: no model_type, the custom code's config class instead.
+    config["auto_map"] = {
+        "AutoConfig": "configuration_xlm_roberta.XLMRobertaFlashConfig",
+        "AutoModel": "modeling_xlm_roberta.XLMRobertaModel",
+        "AutoModelForSequenceClassification": (
+            "modeling_xlm_roberta.XLMRobertaForSequenceClassification"
+        ),
+    }
+    config["use_flash_attn"] = True
+    (path / "config.json").write_text(json.dumps(config, indent=2))
     return path

@@ -240,10 +240,24 @@ def read_json(path: Path) -> Any:
         return json.load(fh)
 
 
+CUSTOM_CONFIG_MODEL_TYPES = {"XLMRobertaFlashConfig": "xlm-roberta"}
+"""The ``model_type`` of checkpoints whose config.json names none and whose custom config
+class (``auto_map.AutoConfig``) is a known re-implementation of one: jinaai's
+xlm-roberta-flash-implementation (jina-reranker-v2) is XLM-R's math under other weight
+names. What it adds beyond XLM-R (rotary positions, LoRA adapters: jina-embeddings-v3) is
+refused by the family's checks and the tensor guard."""
+
+
 def read_model_config(path: Path) -> dict[str, Any]:
     config = read_json(path / "config.json")
     if not isinstance(config, dict):
         raise UnsupportedModelError(f"{path} has no config.json; not a Hugging Face model")
+    if not config.get("model_type"):
+        auto_map = config.get("auto_map")
+        custom = auto_map.get("AutoConfig") if isinstance(auto_map, dict) else None
+        known = CUSTOM_CONFIG_MODEL_TYPES.get(str(custom).rsplit(".", 1)[-1])
+        if known is not None:
+            config = {**config, "model_type": known}
     return config
 
 

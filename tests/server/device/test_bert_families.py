@@ -14,7 +14,9 @@ classifiers, SPLADE over the masked-LM heads; and two tensor-parallel ranks.
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
@@ -24,6 +26,7 @@ import torch
 from embedding_server.device import loading
 from embedding_server.device.models import ARCHITECTURES, lookup
 from embedding_server.engine import Engine
+from embedding_server.errors import UnsupportedModelError
 from safetensors import safe_open
 from transformers import (
     AutoModel,
@@ -202,6 +205,24 @@ def test_flash_names_are_what_jina_reranker_v2_ships(
     assert "roberta.emb_ln.weight" in names
     assert not any(".attention." in n or "encoder.layer." in n for n in names)
     assert {"classifier.dense.weight", "classifier.out_proj.weight"} <= names
+    config = json.loads((served / "config.json").read_text())
+    assert "model_type" not in config  # the Hub's config names only the custom config class
+    assert config["auto_map"]["AutoConfig"].endswith("XLMRobertaFlashConfig")
+
+
+def test_the_flash_config_class_with_rotary_positions_is_refused(
+    checkpoint: Callable[..., tuple[Path, Path]], tmp_path: Path
+) -> None:
+    """jina-embeddings-v3 shares jina-reranker-v2's config class but adds rotary positions
+    (and task LoRA adapters) that XLM-R's math lacks: refused, never served as plain XLM-R."""
+    served, _ = checkpoint(FLASH, "body")
+    v3 = tmp_path / "v3-shaped"
+    shutil.copytree(served, v3)
+    config = json.loads((v3 / "config.json").read_text())
+    config["position_embedding_type"] = "rotary"
+    (v3 / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="rotary"):
+        Engine.from_pretrained(str(v3), dtype="float32")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
