@@ -37,15 +37,16 @@ from typing import Any, TypeVar
 import torch
 
 from .configuration import EngineInfo
-from .device.attention import probe, select_backend
+from .device.attention import Backend, BackendChoice, probe, select_backend
 from .device.configuration import DeviceHeads, describe, resolve_config
 from .device.distributed import SINGLE
 from .device.dtypes import resolve_device, resolve_dtype
 from .device.fake import is_fake, load_fake
-from .device.loading import LoadedModel, load_model
+from .device.generic import tensor_parallel_refusal
+from .device.loading import LoadedModel, load_model, model_backend
 from .device.runner import ModelRunner
 from .device.tensor_parallel import TensorParallelGroup, TensorParallelModel
-from .errors import NotReadyError, UnsupportedModelError
+from .errors import InvalidRequestError, NotReadyError, UnsupportedModelError
 from .ipc.messages import Handoff
 from .jobs import (
     DirectRunner,
@@ -129,7 +130,7 @@ class Engine(ServingEngine):
                 f"tensor_parallel_size {settings.tensor_parallel_size} serves task embed only; "
                 f"this model's task is {config.task}: serve it with tensor_parallel_size 1"
             )
-        attention = select_backend(settings.attention, probe(device, loaded.dtype, loaded.head_dim))
+        attention = _attention(settings, loaded, device)
         for reason in attention.passed_over:
             logger.warning("attention: not using %s", reason)
         self._tokenizer = TextTokenizer(
@@ -173,7 +174,22 @@ class Engine(ServingEngine):
             vocab_size=self._tokenizer.vocab_size,
         )
         info = self._info.to_dict()
-        logger.info("engine configured: %s", info, extra={"engine_info": info})
+        logger.info(
+            "engine configured: %s backend, %s (%s), attention %s: %s",
+            self._info.backend,
+            self._info.architecture,
+            self._info.model_type,
+            self._info.attention,
+            info,
+            extra={"engine_info": info},
+        )
+        if metrics is not None:
+            metrics.model_info.labels(
+                backend=self._info.backend,
+                model_type=self._info.model_type,
+                architecture=self._info.architecture,
+                attention=self._info.attention,
+            ).set(1)
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
@@ -201,6 +217,19 @@ class Engine(ServingEngine):
             dtype = resolve_dtype(settings.dtype, device)
             loaded = load_fake(settings.model, device=device, dtype=dtype)
             return cls(settings, loaded, metrics=metrics, device=device)
+        if settings.tensor_parallel_size > 1:
+            # Decided from config.json before any rank starts: the transformers backend runs
+            # one whole module and cannot be split.
+            backend, config = model_backend(
+                settings.model,
+                revision=settings.revision,
+                cache_dir=settings.cache_dir,
+                backend=settings.backend,
+            )
+            if backend == "transformers":
+                raise UnsupportedModelError(
+                    tensor_parallel_refusal(settings.model, config, settings.tensor_parallel_size)
+                )
         group = TensorParallelGroup(settings, device) if settings.tensor_parallel_size > 1 else None
         try:
             if group is not None:
@@ -213,6 +242,8 @@ class Engine(ServingEngine):
                 device=device,
                 shard=group.shard if group is not None else SINGLE,
                 task=settings.task,
+                backend=settings.backend,
+                trust_remote_code=settings.trust_remote_code,
             )
             if group is not None:
                 group.join()
@@ -331,6 +362,24 @@ async def load_engine(settings: EngineSettings, metrics: Metrics) -> Engine:
     """Load the model ``settings`` names, off the event loop: how a one-process server gets
     its engine (``create_app(settings, connect=load_engine)``)."""
     return await asyncio.to_thread(Engine.from_settings, settings, metrics=metrics)
+
+
+def _attention(
+    settings: EngineSettings, loaded: LoadedModel, device: torch.device
+) -> BackendChoice:
+    """The attention kernel of a native model (``attention.select_backend``). A model on the
+    transformers backend runs its own attention (``loaded.attention``); the runner's batches
+    are then only sorted and split by length, which the bucketed plan does for free."""
+    if loaded.attention is None:
+        return select_backend(settings.attention, probe(device, loaded.dtype, loaded.head_dim))
+    if settings.attention != "auto":
+        raise InvalidRequestError(
+            f"attention={settings.attention} chooses a kernel of the native backend; this "
+            f"model runs on the {loaded.backend} backend, whose attention is transformers' "
+            f"own ({loaded.attention}): leave attention at auto",
+            param="attention",
+        )
+    return BackendChoice(Backend.SDPA_BUCKETED, ())
 
 
 def _int_or_none(value: object) -> int | None:

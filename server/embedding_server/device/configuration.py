@@ -192,7 +192,7 @@ def describe(
         normalize=config.head.normalize,
         dtype=dtype_name(loaded.dtype),
         device=str(device),
-        attention=str(attention.backend),
+        attention=loaded.attention or str(attention.backend),
         attention_passed_over=list(attention.passed_over),
         sliding_window=loaded.model.sliding_window,
         prompts=dict(config.prompts.table),
@@ -207,6 +207,7 @@ def describe(
         max_batch_size=config.max_batch_size,
         max_queue_tokens=config.max_queue_tokens,
         max_request_tokens=config.max_request_tokens,
+        backend=loaded.backend,
     )
 
 

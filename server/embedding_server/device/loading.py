@@ -34,10 +34,11 @@ from tokenizers import Tokenizer
 from embedding_server.errors import ModelNotFoundError, UnsupportedModelError
 from embedding_server.heads import Classifier, SparseStrategy, head_kind
 from embedding_server.pooling import PoolingMethod
-from embedding_server.settings import DEFAULT_MODEL, Dtype
+from embedding_server.settings import DEFAULT_MODEL, Dtype, ModelBackend
 
 from .distributed import SINGLE, Shard
 from .dtypes import resolve_dtype
+from .generic import ServedBackend, build_transformers, choose_backend, tensor_parallel_refusal
 from .heads import ClassificationHead, SparseHead, read_classifier, read_sparse_head
 from .models import Architecture, build_model, lookup
 from .models.base import EmbeddingModel
@@ -234,7 +235,10 @@ def load_tokenizer(path: Path) -> tuple[Tokenizer, int | None]:
     from transformers import AutoTokenizer
 
     try:
-        hf_tok = AutoTokenizer.from_pretrained(str(path), use_fast=True)
+        # Never the checkpoint's own tokenizer code (only the Rust tokenizer is used), and
+        # said explicitly: left unset, transformers prompts on stdin for a config with
+        # auto_map, which blocks a server with no terminal.
+        hf_tok = AutoTokenizer.from_pretrained(str(path), use_fast=True, trust_remote_code=False)
     except (OSError, ValueError) as exc:
         raise UnsupportedModelError(f"cannot load a tokenizer from {path}: {exc}") from exc
     if not getattr(hf_tok, "is_fast", False):
@@ -420,6 +424,12 @@ class LoadedModel:
     """That head's weights (on the CPU, float32)."""
     sparse: SparseHead | None = None
     """The SPLADE head of a masked-LM checkpoint (task sparse), where it has one."""
+    backend: str = "native"
+    """What runs the body: native (our packed families), transformers (its own model class,
+    ``generic.py``) or fake."""
+    attention: str | None = None
+    """The attention the body chose itself (the transformers backend: sdpa or eager); None
+    when the engine's kernel choice (``attention.select_backend``) applies."""
 
 
 def head_dim_of(config: Mapping[str, Any]) -> int:
@@ -439,13 +449,23 @@ def load_model(
     device: torch.device,
     shard: Shard = SINGLE,
     task: str = "auto",
+    backend: ModelBackend = "auto",
+    trust_remote_code: bool = False,
 ) -> LoadedModel:
     """Resolve, read and build ``model`` (a path, the packaged default, or a Hub id), in the
     dtype that ``dtype`` resolves to for this device and architecture; with a tensor-parallel
     ``shard``, that rank's share of the weights; ``task`` (the setting) says whether a plain
-    masked-LM checkpoint's head is wanted for SPLADE."""
+    masked-LM checkpoint's head is wanted for SPLADE. ``backend`` (the setting) picks our
+    packed implementation or transformers' own (``generic.choose_backend``);
+    ``trust_remote_code`` lets the latter run a checkpoint's own code."""
     path = resolve_model_path(model, revision=revision, cache_dir=cache_dir)
     config = read_model_config(path)
+    if choose_backend(config, backend, model=model) == "transformers":
+        if shard.parallel:
+            raise UnsupportedModelError(tensor_parallel_refusal(model, config, shard.size))
+        return _load_transformers(
+            model, path, config, dtype=dtype, device=device, task=task, trust=trust_remote_code
+        )
     arch = lookup(config)  # fail on an unsupported architecture before reading weights
     head_kind(config)  # and on a task head we do not serve
     overflows = arch.model_type if arch.float16_overflows else None
@@ -474,6 +494,61 @@ def load_model(
         classifier=classifier[0] if classifier else None,
         classifier_head=classifier[1] if classifier else None,
         sparse=sparse,
+    )
+
+
+def model_backend(
+    model: str, *, revision: str | None, cache_dir: str | None, backend: ModelBackend
+) -> tuple[ServedBackend, dict[str, Any]]:
+    """Which backend would serve ``model`` with the ``backend`` setting, and its config,
+    from config.json alone: what the engine checks before it starts tensor-parallel ranks."""
+    config = read_model_config(resolve_model_path(model, revision=revision, cache_dir=cache_dir))
+    return choose_backend(config, backend, model=model), config
+
+
+def _load_transformers(
+    model: str,
+    path: Path,
+    config: dict[str, Any],
+    *,
+    dtype: Dtype,
+    device: torch.device,
+    task: str,
+    trust: bool,
+) -> LoadedModel:
+    """``model`` on the transformers backend (``generic.py``), with the same tokenizer and
+    sentence-transformers pipeline as the native path reads."""
+    st = read_sentence_transformers(path)
+    tokenizer, tokenizer_max = load_tokenizer(path)
+    built = build_transformers(
+        path,
+        config,
+        name=model,
+        dtype=dtype,
+        device=device,
+        task=task,
+        trust_remote_code=trust,
+        st_activation=st.activation_fn,
+        splade=st.splade is not None,
+        declared_max_length=max(st.max_seq_length or 0, tokenizer_max or 0) or None,
+    )
+    architectures = config.get("architectures") or [type(built.model.module).__name__]
+    return LoadedModel(
+        name=model,
+        path=path,
+        config=config,
+        architecture=str(architectures[0]),
+        model=built.model,
+        tokenizer=tokenizer,
+        tokenizer_max_length=tokenizer_max,
+        st=st,
+        default_pooling=built.default_pooling,
+        dtype=built.dtype,
+        head_dim=built.head_dim,
+        classifier=built.classifier[0] if built.classifier else None,
+        classifier_head=built.classifier[1] if built.classifier else None,
+        backend="transformers",
+        attention=built.model.attention,
     )
 
 
