@@ -368,8 +368,9 @@ def _attention(
     settings: EngineSettings, loaded: LoadedModel, device: torch.device
 ) -> BackendChoice:
     """The attention kernel of a native model (``attention.select_backend``). A model on the
-    transformers backend runs its own attention (``loaded.attention``); the runner's batches
-    are then only sorted and split by length, which the bucketed plan does for free."""
+    transformers backend runs its own attention (``loaded.attention``) and ignores the plan
+    the runner builds per batch; the bucketed plan is the cheap one (a length-sorted batch
+    makes its buckets views, no index tensors)."""
     if loaded.attention is None:
         return select_backend(settings.attention, probe(device, loaded.dtype, loaded.head_dim))
     if settings.attention != "auto":

@@ -79,6 +79,13 @@ GENERIC_IGNORED: tuple[Ignored, ...] = (
 )
 """Checkpoint tensors that the transformers backend may leave unread, with why."""
 
+UNUSED_POOLER = Ignored(
+    r"(.+\.)?pooler\..+",
+    "the class's own pooler (BertModel, MPNetModel ...), which an embedder's hidden states do "
+    "not go through; a masked-LM checkpoint has no weights for it",
+)
+"""Weights a body's class may lack in the checkpoint: they would be random, but are unused."""
+
 ENCODER_DECODER_IGNORED = Ignored(
     r"decoder\..+",
     "the decoder of an encoder-decoder checkpoint: the encoder embeds, as sentence-transformers "
@@ -335,7 +342,9 @@ def build_transformers(
     ignorable = list(GENERIC_IGNORED)
     if config.get("is_encoder_decoder") or loader.__name__ == "AutoModelForTextEncoding":
         ignorable.append(ENCODER_DECODER_IGNORED)
-    _check_weights(info, name=name, ignorable=ignorable)
+    # A classifier's pooler feeds its head: there a missing one would change the logits.
+    unused = (UNUSED_POOLER,) if kind is None else ()
+    _check_weights(info, name=name, ignorable=ignorable, unused=unused)
     hf_module.to(device).eval().requires_grad_(False)
     hidden_size = _hidden_size(hf_config, hf_module)
     classifier = None
@@ -418,9 +427,21 @@ def _load_module(
     raise AssertionError("unreachable: eager attention is always accepted")
 
 
-def _check_weights(info: Mapping[str, Any], *, name: str, ignorable: Sequence[Ignored]) -> None:
-    """Refuse a load that would run with random weights or drop checkpoint tensors."""
-    missing = sorted(str(k) for k in info.get("missing_keys") or ())
+def _check_weights(
+    info: Mapping[str, Any],
+    *,
+    name: str,
+    ignorable: Sequence[Ignored],
+    unused: Sequence[Ignored] = (),
+) -> None:
+    """Refuse a load that would run with random weights or drop checkpoint tensors;
+    ``ignorable``: checkpoint tensors it may leave unread; ``unused``: weights of the class
+    the checkpoint may lack, since they never touch what is served."""
+    missing = sorted(
+        str(k)
+        for k in info.get("missing_keys") or ()
+        if not any(re.fullmatch(u.pattern, str(k)) for u in unused)
+    )
     mismatched = sorted(
         str(k[0] if isinstance(k, tuple) else k) for k in info.get("mismatched_keys") or ()
     )

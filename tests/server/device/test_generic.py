@@ -25,15 +25,27 @@ from embedding_server.engine import Engine
 from embedding_server.errors import InvalidRequestError, UnsupportedModelError
 from embedding_server.settings import ServerSettings
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, T5EncoderModel
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    AutoModelForPreTraining,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    T5EncoderModel,
+)
 
 from tests.support.api import running_server
 from tests.support.attention import assert_rows_close
 from tests.support.models import (
     CUSTOM_CODE_MARKER,
+    _save_tokenizer,
     add_sentence_transformers,
     build_custom_code,
     build_t5_encoder,
+    byte_tokenizer,
+    spread_weights,
 )
 from tests.support.tasks import build_classifier
 
@@ -311,6 +323,64 @@ def test_a_model_type_nobody_knows_is_refused_naming_it(t5_dir: Path, tmp_path: 
         Engine.from_pretrained(str(path))
     message = str(refused.value)
     assert "'made_up'" in message and "MadeUpModel" in message and "auto_map" in message
+
+
+_ENCODER = {
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 64,
+    "max_position_embeddings": 130,
+}
+# model_type -> (the pretraining class its Hub checkpoints are saved as, config)
+LONG_TAIL: dict[str, tuple[type, dict[str, object]]] = {
+    "mpnet": (AutoModelForMaskedLM, _ENCODER),
+    "distilbert": (
+        AutoModelForMaskedLM,
+        {"dim": 32, "n_layers": 2, "n_heads": 4, "hidden_dim": 64, "max_position_embeddings": 128},
+    ),
+    "camembert": (AutoModelForMaskedLM, _ENCODER),
+    "electra": (AutoModelForPreTraining, {**_ENCODER, "embedding_size": 16}),
+    "deberta-v2": (AutoModelForMaskedLM, _ENCODER),
+    "ernie": (AutoModelForMaskedLM, _ENCODER),
+    "gemma2": (
+        AutoModelForCausalLM,
+        {**_ENCODER, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 128},
+    ),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(LONG_TAIL))
+def test_long_tail_model_types_match_transformers(tmp_path: Path, model_type: str) -> None:
+    """Checkpoints saved as Hub checkpoints of these types are (an MLM, ELECTRA's
+    discriminator, a causal LM: heads and all) give transformers' own hidden states, each
+    sequence of a mixed batch as if alone; the pretraining heads are left unread by name, and
+    the body class's pooler, which such checkpoints lack, is not used."""
+    auto, options = LONG_TAIL[model_type]
+    tok = byte_tokenizer(["<pad>", "<s>", "</s>", "<unk>"], "<s> $A </s>", ["<s>", "</s>"])
+    _save_tokenizer(
+        tok, tmp_path, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+    torch.manual_seed(8)
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=tok.get_vocab_size(),
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        **options,
+    )
+    pretrained = auto.from_config(config)
+    spread_weights(pretrained)
+    pretrained.save_pretrained(str(tmp_path))
+    engine = Engine.from_pretrained(str(tmp_path), dtype="float32", backend="transformers")
+    assert engine.info().backend == "transformers"
+    seqs = engine.tokenize(TEXTS)
+    reference = AutoModel.from_pretrained(str(tmp_path), attn_implementation="eager").eval()
+    with torch.no_grad():
+        for seq, got in zip(seqs, engine.embed_tokens(seqs), strict=True):
+            want = reference(input_ids=torch.tensor([seq])).last_hidden_state[0].numpy()
+            np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
 
 
 def test_padded_groups_keep_order_and_bound_padding() -> None:
