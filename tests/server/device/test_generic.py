@@ -125,6 +125,13 @@ def test_t5_encoder_matches_sentence_transformers(
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
 
 
+def test_t5_in_bfloat16_stays_close_to_sentence_transformers(t5_dir: Path) -> None:
+    engine = Engine.from_pretrained(str(t5_dir), dtype="bfloat16")
+    assert engine.info().dtype == "bfloat16"
+    expected = _sentence_transformers(t5_dir, TEXTS)
+    assert_rows_close(engine.embed(TEXTS), expected, min_cosine=0.999)
+
+
 def test_t5_hidden_states_match_transformers_per_sequence(t5_dir: Path) -> None:
     """Each sequence's token states from a mixed batch equal T5EncoderModel's on it alone
     (eager attention, no padding): padding and unpadding lose nothing."""
