@@ -27,8 +27,9 @@ Choices, and why:
   arbitrary Python from the checkpoint's repository, executed inside the server. Without the
   setting such a checkpoint is refused before any of it is imported.
 * **Nothing is dropped or invented silently**: a weight the class expects and the checkpoint
-  lacks would be random, so it refuses the load; a checkpoint tensor the class does not read
-  refuses it too, unless it is one of the few every family leaves unread
+  lacks would be random, so it refuses the load (except a body's own pooler, which what is
+  served never goes through: :data:`UNUSED_POOLER`); a checkpoint tensor the class does not
+  read refuses it too, unless it is one of the few every family leaves unread
   (:data:`GENERIC_IGNORED`: pretraining heads, a decoder when the encoder embeds, ...).
 * **One device**: the module is transformers' whole model, which cannot be split across
   tensor-parallel ranks; ``tensor_parallel_size > 1`` is refused with the reason.
