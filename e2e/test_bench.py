@@ -64,6 +64,20 @@ def test_offline(tmp_path: Path) -> None:
     assert runs["embedding-server float32"]["cos_min"] > 0.9999  # against sentence-transformers
 
 
+def test_generic(tmp_path: Path) -> None:
+    run_bench("generic", "--texts", "8", "--t5-layers", "2", out=tmp_path)
+    runs = {(run["model"], run["name"]) for run in read_json(tmp_path / "generic.json")["runs"]}
+    assert runs == {
+        ("t5", "sentence-transformers"),
+        ("t5", "embedding-server transformers"),
+        ("minilm", "sentence-transformers"),
+        ("minilm", "embedding-server transformers"),
+        ("minilm", "embedding-server native"),
+    }
+    for run in read_json(tmp_path / "generic.json")["runs"]:
+        assert run["texts_per_s"] > 0 and run["cos_min"] > 0.9999, run
+
+
 def test_scheduler(tmp_path: Path) -> None:
     stdout = run_bench("scheduler", "--texts", "16", "--repeats", "1", out=tmp_path)
     report = json.loads(stdout.strip().splitlines()[-1])

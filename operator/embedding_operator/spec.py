@@ -21,6 +21,7 @@ from pydantic.alias_generators import to_camel
 Pooling = Literal["auto", "cls", "mean", "last", "max", "weightedmean", "mean_sqrt_len"]
 Task = Literal["embed", "score", "classify", "token_classify", "reward", "sparse"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+ModelBackend = Literal["auto", "native", "transformers"]
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 QueueMetric = Literal["queueRequests", "queueTokens"]
 CacheMode = Literal["none", "pvc", "existing"]
@@ -113,6 +114,7 @@ class Server(_Model):
     image: str | None = None
     image_pull_policy: PullPolicy | None = None
     dtype: Dtype = "auto"
+    backend: ModelBackend = "auto"
     max_batch_tokens: int | None = Field(default=None, ge=1)
     max_batch_size: int | None = Field(default=None, ge=1)
     max_queue_tokens: int | None = Field(default=None, ge=1)
@@ -254,6 +256,15 @@ class EmbeddingServiceSpec(_Model):
     service: ServiceSpec = ServiceSpec()
     network_policy: NetworkPolicySpec = NetworkPolicySpec()
     api_key_secret_ref: ApiKeySecretRef | None = None
+
+    @model_validator(mode="after")
+    def _transformers_backend_on_one_device(self) -> EmbeddingServiceSpec:
+        if self.server.backend == "transformers" and self.parallelism.tensor_parallel_size != 1:
+            raise ValueError(
+                "server.backend transformers runs the whole model on one device; "
+                "parallelism.tensorParallelSize must be 1"
+            )
+        return self
 
     @model_validator(mode="after")
     def _request_holds_an_input(self) -> EmbeddingServiceSpec:

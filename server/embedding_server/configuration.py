@@ -65,7 +65,8 @@ class EngineInfo:
     dtype: str
     device: str
     attention: str
-    """The attention kernel (flash_attn, torch_varlen, sdpa_padded or sdpa_bucketed)."""
+    """The attention kernel (flash_attn, torch_varlen, sdpa_padded or sdpa_bucketed); on the
+    transformers backend, the attention transformers' model class runs (sdpa or eager)."""
     attention_passed_over: list[str]
     """Why each faster attention kernel was not used (empty when none was passed over)."""
     sliding_window: int | None
@@ -86,6 +87,9 @@ class EngineInfo:
     max_batch_size: int
     max_queue_tokens: int
     max_request_tokens: int
+    backend: str = "native"
+    """What runs the model: native (our packed implementation of its family), transformers
+    (transformers' own model class, ``--backend``) or fake."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

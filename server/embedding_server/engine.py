@@ -37,12 +37,12 @@ from typing import Any, TypeVar
 import torch
 
 from .configuration import EngineInfo
-from .device.attention import probe, select_backend
-from .device.configuration import DeviceHeads, describe, resolve_config
+from .device.configuration import DeviceHeads, choose_attention, describe, resolve_config
 from .device.distributed import SINGLE
 from .device.dtypes import resolve_device, resolve_dtype
 from .device.fake import is_fake, load_fake
-from .device.loading import LoadedModel, load_model
+from .device.generic import tensor_parallel_refusal
+from .device.loading import LoadedModel, load_model, model_backend
 from .device.runner import ModelRunner
 from .device.tensor_parallel import TensorParallelGroup, TensorParallelModel
 from .errors import NotReadyError, UnsupportedModelError
@@ -122,7 +122,7 @@ class Engine(ServingEngine):
         self._load_seconds = load_seconds
         self._config = config = resolve_config(settings, loaded, device=device)
         heads = DeviceHeads.of(config, loaded, device)
-        attention = select_backend(settings.attention, probe(device, loaded.dtype, loaded.head_dim))
+        attention = choose_attention(settings, loaded, device)
         for reason in attention.passed_over:
             logger.warning("attention: not using %s", reason)
         self._tokenizer = TextTokenizer(
@@ -166,7 +166,22 @@ class Engine(ServingEngine):
             vocab_size=self._tokenizer.vocab_size,
         )
         info = self._info.to_dict()
-        logger.info("engine configured: %s", info, extra={"engine_info": info})
+        logger.info(
+            "engine configured: %s backend, %s (%s), attention %s: %s",
+            self._info.backend,
+            self._info.architecture,
+            self._info.model_type,
+            self._info.attention,
+            info,
+            extra={"engine_info": info},
+        )
+        if metrics is not None:
+            metrics.model_info.labels(
+                backend=self._info.backend,
+                model_type=self._info.model_type,
+                architecture=self._info.architecture,
+                attention=self._info.attention,
+            ).set(1)
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
@@ -194,6 +209,19 @@ class Engine(ServingEngine):
             dtype = resolve_dtype(settings.dtype, device)
             loaded = load_fake(settings.model, device=device, dtype=dtype)
             return cls(settings, loaded, metrics=metrics, device=device)
+        if settings.tensor_parallel_size > 1:
+            # Decided from config.json before any rank starts: the transformers backend runs
+            # one whole module and cannot be split.
+            backend, config = model_backend(
+                settings.model,
+                revision=settings.revision,
+                cache_dir=settings.cache_dir,
+                backend=settings.backend,
+            )
+            if backend == "transformers":
+                raise UnsupportedModelError(
+                    tensor_parallel_refusal(settings.model, config, settings.tensor_parallel_size)
+                )
         group = TensorParallelGroup(settings, device) if settings.tensor_parallel_size > 1 else None
         try:
             if group is not None:
@@ -206,6 +234,7 @@ class Engine(ServingEngine):
                 device=device,
                 shard=group.shard if group is not None else SINGLE,
                 task=settings.task,
+                backend=settings.backend,
                 trust_remote_code=settings.trust_remote_code,
             )
             if group is not None:

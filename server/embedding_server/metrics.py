@@ -121,6 +121,14 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+        self.model_info = Gauge(
+            f"{PREFIX}_model_info",
+            "1, labelled with what serves the model: backend (native, transformers or fake), "
+            "model_type, architecture and attention (the kernel, or transformers' sdpa/eager).",
+            ["backend", "model_type", "architecture", "attention"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
 
     # Every request observes these, and prometheus_client's ``labels()`` validates and locks
     # on each call; the labelled children are looked up once and kept.

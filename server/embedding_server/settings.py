@@ -31,6 +31,7 @@ Attention = Literal["auto", "flash_attn", "torch_varlen", "sdpa_padded", "sdpa_b
 Pooling = Literal["auto", "cls", "mean", "last", "max", "weightedmean", "mean_sqrt_len"]
 TruncationSide = Literal["right", "left"]
 TaskSetting = Literal["auto", "embed", "score", "classify", "token_classify", "reward", "sparse"]
+ModelBackend = Literal["auto", "native", "transformers"]
 
 
 class EngineSettings(BaseSettings):
@@ -53,10 +54,19 @@ class EngineSettings(BaseSettings):
     )
     trust_remote_code: bool = Field(
         False,
-        description="Allow a checkpoint's own Python code (config.json auto_map), which only "
-        "the generic transformers backend runs. The native backend never runs it: a "
-        "custom-code checkpoint whose model_type it implements is served natively (the log "
-        "says its code is not run), and any other is refused, naming the class.",
+        description="Let the transformers backend run the Python code a checkpoint ships "
+        "(config.json auto_map: modeling_*.py from the Hub, run inside this process). Off, a "
+        "checkpoint that needs it and has no native implementation is refused. The native "
+        "backend never runs remote code: a custom-code checkpoint whose model_type it "
+        "implements is served natively (the log says its code is not run).",
+    )
+    backend: ModelBackend = Field(
+        "auto",
+        description="Which implementation runs the model. native = our packed kernels for "
+        "the model types the server implements (refused for any other); transformers = "
+        "transformers' own model class on padded, length-sorted batches (SDPA attention where "
+        "the class supports it, else eager; one device, no tensor parallelism); auto = native "
+        "when the model type has a native implementation, else transformers.",
     )
     device: str = Field(
         "auto", description="Torch device: auto (cuda if available, else cpu), cpu, cuda or cuda:N."

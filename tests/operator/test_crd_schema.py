@@ -199,6 +199,7 @@ BAD_SPECS = {
     "model": {"embedding": {}},
     "metric": {"model": {"name": "m"}, "autoscaling": {"metric": "cpu"}},
     "apiWorkers": {"model": {"name": "m"}, "server": {"apiWorkers": 0}},
+    "backend": {"model": {"name": "m"}, "server": {"backend": "onnx"}},
 }
 
 
@@ -229,6 +230,7 @@ def test_cel_rules_are_mirrored_by_the_model(schema: dict[str, Any]) -> None:
     queue = f"has(self.maxQueueTokens) ? self.maxQueueTokens : {SERVER_QUEUE_TOKENS})"
     assert any(queue in r for r in rules)
     assert any("self.server.maxRequestTokens >= self.embedding.maxInputTokens" in r for r in rules)
+    assert any("self.server.backend != 'transformers'" in r for r in rules)
     for field in EMBED_ONLY_FIELDS:
         assert any(f"!has(self.embedding.{field})" in r for r in rules), field
     cases = {
@@ -255,6 +257,10 @@ def test_cel_rules_are_mirrored_by_the_model(schema: dict[str, Any]) -> None:
             "embedding": {"pooling": "mean"},
         },
         "embedding.normalize applies": {"task": "classify", "embedding": {"normalize": True}},
+        "server.backend transformers runs the whole model on one device": {
+            "server": {"backend": "transformers"},
+            "parallelism": {"tensorParallelSize": 2},
+        },
         "embedding.dimensions applies": {"task": "score", "embedding": {"dimensions": 8}},
         "embedding.matryoshkaDimensions applies": {
             "task": "score",

@@ -45,6 +45,7 @@ def test_server_contract_flags() -> None:
             },
             "server": {
                 "dtype": "float16",
+                "backend": "transformers",
                 "maxBatchTokens": 8192,
                 "maxBatchSize": 64,
                 "maxQueueTokens": 65536,
@@ -65,6 +66,7 @@ def test_server_contract_flags() -> None:
     assert _flag(args, "--pooling") == "cls"
     assert "--no-normalize" in args and "--normalize" not in args
     assert "--trust-remote-code" in args
+    assert _flag(args, "--backend") == "transformers"
     assert _flag(args, "--dimensions") == "256"
     assert _flag(args, "--matryoshka-dimensions") == "128,256"
     assert _flag(args, "--max-model-len") == "512"
@@ -88,8 +90,15 @@ def test_unset_knobs_leave_server_defaults() -> None:
         "--max-batch-tokens",
         "--max-model-len",
         "--trust-remote-code",
+        "--backend",  # auto, the server's own default
     ):
         assert flag not in args
+
+
+@pytest.mark.parametrize("backend", ["native", "transformers"])
+def test_backend_renders_its_flag(backend: str) -> None:
+    args = server_args(render_input({"model": MODEL, "server": {"backend": backend}}))
+    assert _flag(args, "--backend") == backend
 
 
 def test_deployment_for_gpu_profile() -> None:

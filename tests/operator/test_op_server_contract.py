@@ -18,7 +18,7 @@ from embedding_server.cli import load_settings
 from tests.support.operator import render_input
 
 
-@pytest.mark.parametrize("name", ["Pooling", "Dtype"])
+@pytest.mark.parametrize("name", ["Pooling", "Dtype", "ModelBackend"])
 def test_enums_agree(name: str) -> None:
     ours = set(typing.get_args(getattr(operator_spec, name)))
     theirs = set(typing.get_args(getattr(server_settings, name)))
@@ -94,3 +94,25 @@ def test_auto_truncate_renders_the_servers_flag(auto_truncate: bool) -> None:
     settings = load_settings(args)
     assert settings.auto_truncate is auto_truncate
     assert settings.max_model_len == 512
+
+
+@pytest.mark.parametrize("backend", typing.get_args(operator_spec.ModelBackend))
+def test_every_backend_renders_flags_the_server_parses(backend: str) -> None:
+    """The CRD's backend reaches the server's --backend (auto by leaving it out: the server's
+    default, which the spec's must equal), and trustRemoteCode its --trust-remote-code."""
+    default = server_settings.ServerSettings.model_fields["backend"].default
+    assert default == operator_spec.Server.model_fields["backend"].default
+    args = server_args(
+        render_input(
+            {
+                "model": {
+                    "name": "hf://sentence-transformers/gtr-t5-base",
+                    "trustRemoteCode": True,
+                },
+                "server": {"backend": backend},
+            }
+        )
+    )
+    settings = load_settings(args)
+    assert settings.backend == backend
+    assert settings.trust_remote_code is True

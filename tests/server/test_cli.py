@@ -265,13 +265,24 @@ def test_inspect_exits_1_with_the_refusal_for_a_model_that_would_not_serve(
 ) -> None:
     path = rewrite_checkpoint(
         tiny_model("bert"),
-        tmp_path / "t5",
-        config={"model_type": "t5", "architectures": ["T5EncoderModel"]},
+        tmp_path / "made-up",
+        config={"model_type": "made_up", "architectures": ["MadeUpModel"]},
     )
     result = run_cli("inspect", "--model", str(path), timeout=120)
     assert result.returncode == 1
     assert result.stdout == "" and "Traceback" not in result.stderr
     (line,) = [line for line in result.stderr.splitlines() if "cannot serve" in line]
-    assert str(path) in line and "model_type 't5' (T5EncoderModel) is not supported" in line
+    assert str(path) in line and "model_type 'made_up' (MadeUpModel)" in line
+    assert "transformers" in line and "does not know it" in line
+    # A config transformers itself rejects (a BERT checkpoint relabelled t5) is a refusal
+    # naming what is wrong, not a traceback.
+    relabelled = rewrite_checkpoint(
+        tiny_model("bert"),
+        tmp_path / "t5",
+        config={"model_type": "t5", "architectures": ["T5EncoderModel"]},
+    )
+    result = run_cli("inspect", "--model", str(relabelled), timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "classifier_dropout" in result.stderr
     bad = run_cli("inspect", "--max-batch-size", "0")
     assert bad.returncode == EXIT_BAD_SETTINGS and "--max-batch-size" in bad.stderr

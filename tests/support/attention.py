@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from embedding_server import engine
 from embedding_server.device import attention
+from embedding_server.device import configuration as device_configuration
 from embedding_server.device.attention import AttentionFacts
 
 MAX_HEAD_DIM = 256
@@ -205,7 +205,8 @@ def pretend_cuda(
             torch_varlen_error=kernels.torch_varlen_error,
         )
 
-    monkeypatch.setattr(engine, "probe", probe)
+    # Where the engine (and inspect) choose the kernel from the facts.
+    monkeypatch.setattr(device_configuration, "probe", probe)
     return fakes
 
 

@@ -219,12 +219,14 @@ def add_sentence_transformers(
     include_prompt: bool = True,
     max_seq_length: int = 64,
     name: str | None = None,
+    trust_remote_code: bool = False,
 ) -> Path:
     """Wrap a model directory in a sentence-transformers pipeline saved next to it.
 
     ``pooling`` is a sentence-transformers mode name, or several joined with ``+`` (which it
     concatenates). ``dense_out`` adds one Dense module per output size, in order. The
-    pipeline goes to ``<model>-st-<name or pooling>``.
+    pipeline goes to ``<model>-st-<name or pooling>``. ``trust_remote_code``: the model is
+    one with its own code (:func:`build_custom_code`).
     """
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import (
@@ -235,7 +237,14 @@ def add_sentence_transformers(
     )
 
     torch.manual_seed(4)
-    body = Transformer(str(path), max_seq_length=max_seq_length)
+    trust = {"trust_remote_code": True} if trust_remote_code else {}
+    body = Transformer(
+        str(path),
+        max_seq_length=max_seq_length,
+        model_kwargs=dict(trust),
+        config_kwargs=dict(trust),
+        processor_kwargs=dict(trust),
+    )
     dim = body.get_embedding_dimension()
     modules: list[torch.nn.Module] = [
         body,
@@ -326,4 +335,181 @@ def build_modernbert(path: Path, variant: str) -> Path:
         cfg["global_rope_theta"] = rope["full_attention"]["rope_theta"]
         cfg["local_rope_theta"] = rope["sliding_attention"]["rope_theta"]
         (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return path
+
+
+def build_t5_encoder(path: Path, **overrides: Any) -> Path:
+    """A 2-layer T5 encoder saved as ``T5EncoderModel`` with a Hub-style config (what gtr-t5
+    and sentence-t5 hold: ``is_encoder_decoder`` true, ``n_positions``), gated-GELU as T5 v1.1,
+    and few relative-position buckets so that short test inputs reach the logarithmic ones.
+    Its byte-level tokenizer appends ``</s>``, as T5's does."""
+    from transformers import T5Config, T5EncoderModel
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = byte_tokenizer(["<pad>", "</s>", "<unk>"], "$A </s>", ["</s>"])
+    _save_tokenizer(tok, path, eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
+    torch.manual_seed(6)
+    options: dict[str, Any] = {
+        "vocab_size": tok.get_vocab_size(),
+        "d_model": 32,
+        "d_kv": 8,
+        "d_ff": 64,
+        "num_layers": 2,
+        "num_heads": 4,
+        "relative_attention_num_buckets": 8,
+        "relative_attention_max_distance": 16,
+        "feed_forward_proj": "gated-gelu",
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "decoder_start_token_id": 0,
+        **overrides,
+    }
+    model = T5EncoderModel(T5Config(**options))
+    spread_weights(model)
+    model.save_pretrained(str(path))
+    config = json.loads((path / "config.json").read_text())
+    config.update(is_encoder_decoder=True, n_positions=512)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+CUSTOM_CODE_MARKER = "TINY_ENCODER_CODE_RAN"
+"""Set in the environment by the custom model's code when it is imported: proof it ran."""
+
+_CUSTOM_CONFIGURATION = """\
+import os
+
+from transformers import PretrainedConfig
+
+os.environ["TINY_ENCODER_CODE_RAN"] = "1"
+
+
+class TinyEncoderConfig(PretrainedConfig):
+    model_type = "tiny_encoder"
+
+    def __init__(
+        self,
+        vocab_size=300,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        **kwargs,
+    ):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.max_position_embeddings = max_position_embeddings
+        super().__init__(**kwargs)
+"""
+
+_CUSTOM_MODELING = """\
+import os
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutput
+
+from .configuration_tiny_encoder import TinyEncoderConfig
+
+os.environ["TINY_ENCODER_CODE_RAN"] = "1"
+
+
+class TinyLayer(torch.nn.Module):
+    # Pre-norm attention and a SiLU-gated MLP: math no native family of the server has.
+    def __init__(self, config):
+        super().__init__()
+        h = config.hidden_size
+        self.heads = config.num_attention_heads
+        self.qkv = torch.nn.Linear(h, 3 * h)
+        self.out = torch.nn.Linear(h, h)
+        self.gate = torch.nn.Linear(h, 2 * h)
+        self.down = torch.nn.Linear(h, h)
+        self.norm1 = torch.nn.LayerNorm(h)
+        self.norm2 = torch.nn.LayerNorm(h)
+
+    def forward(self, x, keep):
+        b, n, h = x.shape
+        qkv = self.qkv(self.norm1(x)).view(b, n, 3, self.heads, h // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :].bool())
+        x = x + self.out(attended.transpose(1, 2).reshape(b, n, h))
+        up, gate = self.gate(self.norm2(x)).chunk(2, dim=-1)
+        return x + self.down(up * F.silu(gate))
+
+
+class TinyEncoderModel(PreTrainedModel):
+    config_class = TinyEncoderConfig
+    base_model_prefix = "tiny"
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.embed = torch.nn.Embedding(config.vocab_size, config.hidden_size)
+        self.positions = torch.nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.layers = torch.nn.ModuleList(
+            TinyLayer(config) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = torch.nn.LayerNorm(config.hidden_size)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def forward(self, input_ids, attention_mask=None, **kwargs):
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.embed(input_ids) + self.positions(positions)
+        for layer in self.layers:
+            x = layer(x, attention_mask)
+        return BaseModelOutput(last_hidden_state=self.norm(x))
+"""
+
+
+def build_custom_code(path: Path) -> Path:
+    """A model only its own code can run: ``configuration_tiny_encoder.py`` and
+    ``modeling_tiny_encoder.py`` beside its weights, named by ``auto_map`` in config.json (a
+    ``model_type`` neither the server nor transformers knows), as remote-code Hub checkpoints
+    ship. ``AutoModel.from_pretrained(path, trust_remote_code=True)`` loads it.
+
+    The weights are made by importing the code under a private package name, not through
+    transformers' module cache, and :data:`CUSTOM_CODE_MARKER` is cleared afterwards: a
+    later load through transformers runs the code afresh and sets it again, so a test can
+    tell whether serving ran it."""
+    import importlib
+    import os
+    import sys
+    import types
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "configuration_tiny_encoder.py").write_text(_CUSTOM_CONFIGURATION)
+    (path / "modeling_tiny_encoder.py").write_text(_CUSTOM_MODELING)
+    tok = byte_tokenizer(["<pad>", "<s>", "</s>", "<unk>"], "<s> $A </s>", ["<s>", "</s>"])
+    _save_tokenizer(
+        tok, path, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+    package = f"_tiny_encoder_{abs(hash(str(path)))}"
+    module = types.ModuleType(package)
+    module.__path__ = [str(path)]
+    sys.modules[package] = module
+    try:
+        code = importlib.import_module(f"{package}.modeling_tiny_encoder")
+        torch.manual_seed(7)
+        config = code.TinyEncoderConfig(vocab_size=tok.get_vocab_size(), pad_token_id=0)
+        model = code.TinyEncoderModel(config)
+        spread_weights(model)
+        model.save_pretrained(str(path))
+    finally:
+        for name in [n for n in sys.modules if n == package or n.startswith(package + ".")]:
+            del sys.modules[name]
+        os.environ.pop(CUSTOM_CODE_MARKER, None)
+    saved = json.loads((path / "config.json").read_text())
+    saved["architectures"] = ["TinyEncoderModel"]
+    saved["auto_map"] = {
+        "AutoConfig": "configuration_tiny_encoder.TinyEncoderConfig",
+        "AutoModel": "modeling_tiny_encoder.TinyEncoderModel",
+    }
+    (path / "config.json").write_text(json.dumps(saved, indent=2))
     return path

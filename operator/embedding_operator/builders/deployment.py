@@ -99,6 +99,8 @@ def server_args(render: RenderInput) -> list[str]:
         args += ["--revision", spec.model.revision]
     if spec.model.trust_remote_code:
         args.append("--trust-remote-code")
+    if spec.server.backend != "auto":  # auto is the server's own default
+        args += ["--backend", spec.server.backend]
     emb = spec.embedding
     if emb.normalize is not None:
         args.append("--normalize" if emb.normalize else "--no-normalize")

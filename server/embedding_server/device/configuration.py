@@ -25,7 +25,7 @@ from embedding_server.pooling import POOLING_METHODS, PoolingHead, PoolingMethod
 from embedding_server.settings import CPU_BATCH_TOKENS, GPU_BATCH_TOKENS, EngineSettings
 from embedding_server.tokenization import Prompts
 
-from .attention import BackendChoice
+from .attention import Backend, BackendChoice, probe, select_backend
 from .dtypes import cpu_thread_budget, dtype_name
 from .heads import ClassificationHead, SparseHead, token_head
 from .loading import LoadedModel, declared_matryoshka
@@ -199,7 +199,7 @@ def describe(
         normalize=config.head.normalize,
         dtype=dtype_name(loaded.dtype),
         device=str(device),
-        attention=str(attention.backend),
+        attention=loaded.attention or str(attention.backend),
         attention_passed_over=list(attention.passed_over),
         sliding_window=loaded.model.sliding_window,
         prompts=dict(config.prompts.table),
@@ -214,6 +214,7 @@ def describe(
         max_batch_size=config.max_batch_size,
         max_queue_tokens=config.max_queue_tokens,
         max_request_tokens=config.max_request_tokens,
+        backend=loaded.backend,
     )
 
 
@@ -260,3 +261,22 @@ class DeviceHeads:
         if self.classifier is None or self.task not in _TOKEN_HEAD_TASKS:
             return None
         return token_head(self.classifier, raw=self.task == "reward")
+
+
+def choose_attention(
+    settings: EngineSettings, loaded: LoadedModel, device: torch.device
+) -> BackendChoice:
+    """The attention kernel of a native model (``attention.select_backend``). A model on the
+    transformers backend runs its own attention (``loaded.attention``) and ignores the plan
+    the runner builds per batch; the bucketed plan is the cheap one (a length-sorted batch
+    makes its buckets views, no index tensors)."""
+    if loaded.attention is None:
+        return select_backend(settings.attention, probe(device, loaded.dtype, loaded.head_dim))
+    if settings.attention != "auto":
+        raise InvalidRequestError(
+            f"attention={settings.attention} chooses a kernel of the native backend; this "
+            f"model runs on the {loaded.backend} backend, whose attention is transformers' "
+            f"own ({loaded.attention}): leave attention at auto",
+            param="attention",
+        )
+    return BackendChoice(Backend.SDPA_BUCKETED, ())

@@ -165,4 +165,5 @@ def load_fake(model: str, *, device: torch.device, dtype: torch.dtype) -> Loaded
         default_pooling=options.pooling,
         dtype=dtype,
         head_dim=options.dim,
+        backend="fake",
     )

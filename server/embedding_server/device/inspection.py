@@ -17,8 +17,7 @@ from typing import Any
 from embedding_server.configuration import EngineInfo
 from embedding_server.settings import EngineSettings
 
-from .attention import probe, select_backend
-from .configuration import describe, resolve_config
+from .configuration import choose_attention, describe, resolve_config
 from .distributed import SINGLE, Shard
 from .dtypes import resolve_device
 from .loading import load_model
@@ -31,9 +30,11 @@ class Inspection:
 
     info: EngineInfo
     backend: str
-    """Which implementation serves it: ``native`` (this server's packed model code)."""
+    """Which implementation serves it: ``native`` (this server's packed model code) or
+    ``transformers`` (transformers' own model class, ``generic.py``)."""
     custom_code: str | None
-    """The class ``auto_map`` names, not run (the native implementation serves it)."""
+    """The class ``auto_map`` names: not run on the native backend; run on the transformers
+    backend, which only remote code allowed gets to."""
     causal: bool
     """Whether attention is causal (decoders unless their config switches it off)."""
     tensors_read: int
@@ -67,11 +68,12 @@ def inspect_model(settings: EngineSettings) -> Inspection:
         device=device,
         shard=shard,
         task=settings.task,
+        backend=settings.backend,
         trust_remote_code=settings.trust_remote_code,
         shapes_only=True,
     )
     config = resolve_config(settings, loaded, device=device)
-    attention = select_backend(settings.attention, probe(device, loaded.dtype, loaded.head_dim))
+    attention = choose_attention(settings, loaded, device)
     info = describe(
         config,
         loaded,
@@ -82,7 +84,7 @@ def inspect_model(settings: EngineSettings) -> Inspection:
     audit = loaded.tensors
     return Inspection(
         info=info,
-        backend="native",
+        backend=loaded.backend,
         custom_code=loaded.custom_code,
         causal=bool(loaded.model.causal),
         tensors_read=len(audit.read) if audit else 0,

@@ -57,10 +57,19 @@ from tokenizers import Tokenizer
 from embedding_server.errors import ModelNotFoundError, UnsupportedModelError
 from embedding_server.heads import Classifier, SparseStrategy, head_kind
 from embedding_server.pooling import PoolingMethod
-from embedding_server.settings import DEFAULT_MODEL, Dtype
+from embedding_server.settings import DEFAULT_MODEL, Dtype, ModelBackend
 
 from .distributed import SINGLE, Shard
 from .dtypes import resolve_dtype
+from .generic import (
+    ServedBackend,
+    build_transformers,
+    choose_backend,
+    custom_code_class,
+    custom_code_refusal,
+    refuse_before_fetch,
+    tensor_parallel_refusal,
+)
 from .heads import ClassificationHead, SparseHead, read_classifier, read_sparse_head
 from .models import ARCHITECTURES, Architecture, build_model, lookup
 from .models.base import EmbeddingModel, TensorAudit, TrackedWeights, audit_tensors
@@ -176,10 +185,13 @@ def locate_model(model: str, *, revision: str | None, cache_dir: str | None) -> 
     return ModelSource(model, snapshot, repo_id=model, revision=commit, cache_dir=cache_dir)
 
 
-def fetch_weights(source: ModelSource, st: SentenceTransformerConfig | None = None) -> Path:
+def fetch_weights(
+    source: ModelSource, st: SentenceTransformerConfig | None = None, *, code: bool = False
+) -> Path:
     """The directory of ``source`` with its weights: for a Hub snapshot, the safetensors
     (``pytorch_model.bin`` when the repository has none) and the files of ``st``'s Dense
-    modules, whatever format those are in; a local directory as it is."""
+    modules, whatever format those are in; with ``code`` (remote code allowed) its Python
+    files too. A local directory as it is."""
     if source.repo_id is None:
         return source.path
     modules = [f"{m}/*" for m in (st.dense_modules if st is not None else [])]
@@ -187,7 +199,7 @@ def fetch_weights(source: ModelSource, st: SentenceTransformerConfig | None = No
         source.repo_id,
         revision=source.revision,
         cache_dir=source.cache_dir,
-        patterns=[*_WEIGHT_PATTERNS, *modules],
+        patterns=[*_WEIGHT_PATTERNS, *modules, *(["*.py"] if code else [])],
     )
     if not any(path.glob("*.safetensors")):
         logger.info("no safetensors weights in %s; fetching pytorch_model.bin", source.repo_id)
@@ -392,11 +404,15 @@ def load_weights(path: Path) -> Mapping[str, torch.Tensor]:
 
 def load_tokenizer(path: Path) -> tuple[Tokenizer, int | None]:
     """The fast tokenizer and its declared ``model_max_length`` (None when unset/absurd)."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoTokenizer
 
     try:
-        hf_tok = AutoTokenizer.from_pretrained(str(path), use_fast=True)
-    except (OSError, ValueError) as exc:
+        # Never the checkpoint's own tokenizer code (only the Rust tokenizer is used), and
+        # said explicitly: left unset, transformers prompts on stdin for a config with
+        # auto_map, which blocks a server with no terminal.
+        hf_tok = AutoTokenizer.from_pretrained(str(path), use_fast=True, trust_remote_code=False)
+    except (OSError, ValueError, StrictDataclassError) as exc:  # a config transformers rejects
         raise UnsupportedModelError(f"cannot load a tokenizer from {path}: {exc}") from exc
     if not getattr(hf_tok, "is_fast", False):
         raise UnsupportedModelError(
@@ -605,6 +621,12 @@ class LoadedModel:
     """Which of the checkpoint's tensors were read and which ignored, and why."""
     custom_code: str | None = None
     """The class ``config.json``'s ``auto_map`` names (not run: served natively), if any."""
+    backend: str = "native"
+    """What runs the body: native (our packed families), transformers (its own model class,
+    ``generic.py``) or fake."""
+    attention: str | None = None
+    """The attention the body chose itself (the transformers backend: sdpa or eager); None
+    when the engine's kernel choice (``attention.select_backend``) applies."""
 
 
 def head_dim_of(config: Mapping[str, Any]) -> int:
@@ -665,42 +687,6 @@ def plan_model(source: ModelSource, *, task: str, trust_remote_code: bool) -> Mo
             arch.model_type,
         )
     return ModelPlan(source, config, arch, st, custom)
-
-
-def custom_code_class(config: Mapping[str, Any]) -> str | None:
-    """The class ``config.json``'s ``auto_map`` names for ``AutoModel`` (else its first
-    entry), e.g. ``modeling_hf_nomic_bert.NomicBertModel``; None without custom code."""
-    auto_map = config.get("auto_map")
-    if not isinstance(auto_map, Mapping) or not auto_map:
-        return None
-    for key in ("AutoModel", *auto_map):
-        value = auto_map.get(key)
-        if isinstance(value, list | tuple):
-            value = next((v for v in value if isinstance(v, str)), None)
-        if isinstance(value, str) and value:
-            return value
-    return None
-
-
-def custom_code_refusal(config: Mapping[str, Any], trust_remote_code: bool) -> str:
-    """Why a custom-code checkpoint whose ``model_type`` the native backend does not
-    implement is refused, and how it could be served."""
-    model_type = str(config.get("model_type", ""))
-    found = (
-        f"config.json's auto_map names custom code ({custom_code_class(config)}) for "
-        f"model_type {model_type!r}, which the native backend does not implement "
-        f"(it implements: {', '.join(sorted(ARCHITECTURES))}) and whose code it never runs"
-    )
-    if trust_remote_code:
-        return (
-            f"{found}. Remote code is allowed (--trust-remote-code), but only the generic "
-            "transformers backend runs it: serve it with --backend transformers"
-        )
-    return (
-        f"{found}. The generic transformers backend (--backend transformers) can serve it "
-        "only if remote code is allowed (--trust-remote-code), which runs the repository's "
-        "own Python code in the server: allow it only for a repository you trust"
-    )
 
 
 def refuse_generative(config: Mapping[str, Any], st: SentenceTransformerConfig, task: str) -> None:
@@ -789,6 +775,7 @@ def load_model(
     device: torch.device,
     shard: Shard = SINGLE,
     task: str = "auto",
+    backend: ModelBackend = "auto",
     trust_remote_code: bool = False,
     shapes_only: bool = False,
 ) -> LoadedModel:
@@ -796,13 +783,35 @@ def load_model(
     dtype that ``dtype`` resolves to for this device and architecture; with a tensor-parallel
     ``shard``, that rank's share of the weights; ``task`` (the setting) says whether a plain
     masked-LM checkpoint's head is wanted for SPLADE, and whether a generative checkpoint
-    may be served as an embedder.
+    may be served as an embedder. ``backend`` (the setting) picks our packed implementation
+    or transformers' own (``generic.choose_backend``); ``trust_remote_code`` lets the latter
+    run a checkpoint's own code.
 
     ``shapes_only`` (``inspect``): the same decisions and refusals from the tensors' names
     and shapes alone, the model built on the ``meta`` device (a Hub model's safetensors
-    headers are read remotely where possible, not downloaded); such a model cannot run."""
+    headers are read remotely where possible, not downloaded); such a model cannot run. On
+    the transformers backend nothing is built: the result says which backend would serve."""
     with naming(model):
         source = locate_model(model, revision=revision, cache_dir=cache_dir)
+        served = choose_backend(
+            read_model_config(source.path),
+            backend,
+            model=model,
+            trust_remote_code=trust_remote_code,
+        )
+        if served == "transformers":
+            if shard.parallel:
+                config = read_model_config(source.path)
+                raise UnsupportedModelError(tensor_parallel_refusal(model, config, shard.size))
+            return _load_transformers(
+                model,
+                source,
+                dtype=dtype,
+                device=device,
+                task=task,
+                trust=trust_remote_code,
+                shapes_only=shapes_only,
+            )
         plan = plan_model(source, task=task, trust_remote_code=trust_remote_code)
         compute_dtype = _compute_dtype(plan.arch, dtype, device)
         tokenizer, tokenizer_max = load_tokenizer(source.path)
@@ -835,6 +844,70 @@ def load_model(
         sparse=parts.sparse,
         tensors=parts.tensors,
         custom_code=plan.custom_code,
+    )
+
+
+def model_backend(
+    model: str, *, revision: str | None, cache_dir: str | None, backend: ModelBackend
+) -> tuple[ServedBackend, dict[str, Any]]:
+    """Which backend would serve ``model`` with the ``backend`` setting, and its config,
+    from config.json alone: what the engine checks before it starts tensor-parallel ranks."""
+    source = locate_model(model, revision=revision, cache_dir=cache_dir)  # no weights yet
+    config = read_model_config(source.path)
+    return choose_backend(config, backend, model=model), config
+
+
+def _load_transformers(
+    model: str,
+    source: ModelSource,
+    *,
+    dtype: Dtype,
+    device: torch.device,
+    task: str,
+    trust: bool,
+    shapes_only: bool = False,
+) -> LoadedModel:
+    """``model`` on the transformers backend (``generic.py``), with the same tokenizer and
+    sentence-transformers pipeline as the native path reads. Custom code not allowed is
+    refused before any weight is fetched; a Hub model's Python files are fetched only when
+    it is allowed. ``shapes_only`` (``inspect``) builds the model all the same: transformers'
+    classes are not built from shapes, and what they read decides what is refused."""
+    config = read_model_config(source.path)
+    refuse_before_fetch(config, name=model, trust_remote_code=trust)
+    st = read_sentence_transformers(source.path, dense_weights=False)
+    path = fetch_weights(source, st, code=trust)
+    read_dense_layers(st, path)
+    tokenizer, tokenizer_max = load_tokenizer(path)
+    built = build_transformers(
+        path,
+        config,
+        name=model,
+        dtype=dtype,
+        device=device,
+        task=task,
+        trust_remote_code=trust,
+        st_activation=st.activation_fn,
+        splade=st.splade is not None,
+        declared_max_length=max(st.max_seq_length or 0, tokenizer_max or 0) or None,
+    )
+    architectures = config.get("architectures") or [type(built.model.module).__name__]
+    return LoadedModel(
+        name=model,
+        path=path,
+        config=config,
+        architecture=str(architectures[0]),
+        model=built.model,
+        tokenizer=tokenizer,
+        tokenizer_max_length=tokenizer_max,
+        st=st,
+        default_pooling=built.default_pooling,
+        dtype=built.dtype,
+        head_dim=built.head_dim,
+        classifier=built.classifier[0] if built.classifier else None,
+        classifier_head=built.classifier[1] if built.classifier else None,
+        backend="transformers",
+        attention=built.model.attention,
+        custom_code=custom_code_class(config),
     )
 
 

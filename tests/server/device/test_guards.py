@@ -200,8 +200,10 @@ def test_a_bin_only_hub_model_fetches_its_checkpoint_and_nothing_else(
 
 
 def _unsupported_type(src: Path, dst: Path) -> Path:
+    """A model type neither backend knows (T5, which this test used before, is now served by
+    the transformers backend)."""
     return rewrite_checkpoint(
-        src, dst, config={"model_type": "t5", "architectures": ["T5EncoderModel"]}
+        src, dst, config={"model_type": "made_up", "architectures": ["MadeUpModel"]}
     )
 
 
@@ -239,7 +241,7 @@ def _unsupported_module(src: Path, dst: Path) -> Path:
 @pytest.mark.parametrize(
     ("build", "found"),
     [
-        (_unsupported_type, "model_type 't5' (T5EncoderModel) is not supported"),
+        (_unsupported_type, "model_type 'made_up' (MadeUpModel) has no native implementation"),
         (_custom_code, "modeling_hf_nomic_bert.NomicBertModel"),
         (_unsupported_module, "StaticEmbedding"),
     ],
@@ -350,13 +352,20 @@ def test_custom_code_of_another_model_type_is_refused_saying_what_would_serve_it
     tiny_model: Callable[[str], Path], tmp_path: Path
 ) -> None:
     path = _custom_code(tiny_model("bert"), tmp_path / "nomic")
+    # backend auto: the transformers backend would serve it, but only with remote code.
     with pytest.raises(UnsupportedModelError) as refused:
         Engine.from_pretrained(str(path))
     message = str(refused.value)
+    assert "modeling_hf_nomic_bert.NomicBertModel" in message
+    assert "--trust-remote-code" in message
+    # backend native: never runs the code, and says what would serve it.
+    with pytest.raises(UnsupportedModelError) as native:
+        Engine.from_pretrained(str(path), backend="native")
+    message = str(native.value)
     assert "modeling_hf_nomic_bert.NomicBertModel" in message and "'nomic_bert'" in message
     assert "--trust-remote-code" in message and "--backend transformers" in message
     with pytest.raises(UnsupportedModelError) as trusted:
-        Engine.from_pretrained(str(path), trust_remote_code=True)
+        Engine.from_pretrained(str(path), backend="native", trust_remote_code=True)
     assert "Remote code is allowed" in str(trusted.value)
     assert "--backend transformers" in str(trusted.value)
 
