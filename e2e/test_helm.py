@@ -27,13 +27,12 @@ import yaml
 from e2e.harness.cluster import Cluster
 from e2e.harness.operator import (
     adopt_crd,
-    free_port,
     get_json,
     provide_volume,
     wait_condition,
     wait_gone,
 )
-from e2e.harness.proc import Process, poll_until
+from e2e.harness.proc import Process, free_port, poll_until
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CHART = REPO_ROOT / "charts" / "embedding-operator"

