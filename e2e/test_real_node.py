@@ -874,6 +874,7 @@ def test_reranker_serves_cross_encoder_scores_from_an_offline_model_cache(
 
 # -- (h) the GPU examples, served on the GPUs they name (existing clusters only) ---------------
 
+KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 GPU_EXAMPLES = [
     path
     for path in sorted(EXAMPLES_DIR.glob("*.yaml"))
@@ -885,7 +886,8 @@ def gpu_profile_missing(
     cluster: KubeClient, values: dict[str, Any], spec: dict[str, Any]
 ) -> str | None:
     """Why no node of the cluster can take the example's pods, or None if one can: a node
-    with its GPU profile's labels and as many of its extended resource as ranks per pod."""
+    with its GPU profile's labels and as many of its extended resource as ranks per pod. A
+    kwok node does not count: its pods run nothing, so nothing would answer."""
     from embedding_operator.profiles import GpuProfiles
 
     gpu_type = spec["gpu"]["type"]
@@ -895,6 +897,8 @@ def gpu_profile_missing(
     ranks = int((spec.get("parallelism") or {}).get("tensorParallelSize", 1))
     for item in cluster.kubectl_json("get", "nodes")["items"]:
         labels = item["metadata"].get("labels") or {}
+        if (item["metadata"].get("annotations") or {}).get(KWOK_NODE_ANNOTATION) == "fake":
+            continue
         if any(labels.get(key) != value for key, value in profile.node_selector.items()):
             continue
         allocatable = item.get("status", {}).get("allocatable") or {}
@@ -905,8 +909,8 @@ def gpu_profile_missing(
     if profile.resource_name:
         wanted.append(f"{ranks} allocatable {profile.resource_name}")
     return (
-        f"no node offers the {gpu_type!r} GPU profile ({', '.join(wanted)}); set gpuProfiles "
-        "in E2E_HELM_VALUES if your nodes are labelled otherwise"
+        f"no node offers the {gpu_type!r} GPU profile ({', '.join(wanted)}; kwok's fake nodes "
+        "do not count); set gpuProfiles in E2E_HELM_VALUES if your nodes are labelled otherwise"
     )
 
 
