@@ -35,8 +35,6 @@ import argparse
 import contextlib
 import json
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -51,6 +49,7 @@ import psutil
 from bench import out_dir
 from bench.corpus import make_corpus
 from bench.processes import cpu_seconds, main_thread_cpu_seconds
+from e2e.harness.proc import child_process, free_port
 
 OUT = out_dir()
 MODEL_NAME = "frontend-bert"
@@ -191,12 +190,6 @@ def serve_ceiling(model_dir: Path, port: int) -> None:
 # -- running servers and load ------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def pinned(cpus: str, command: list[str]) -> list[str]:
     return ["taskset", "-c", cpus, *command] if cpus and shutil.which("taskset") else command
 
@@ -207,32 +200,26 @@ def running(
 ) -> Iterator[tuple[str, psutil.Process]]:
     """Start a server, wait until it embeds a text (deadline 300 s), stop it afterwards."""
     url = f"http://127.0.0.1:{port}"
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 300
-            while True:
-                if process.poll() is not None:
-                    raise RuntimeError(f"{name} exited with {process.returncode}; see {log}")
-                with contextlib.suppress(httpx.HTTPError):
-                    response = httpx.post(
-                        f"{url}/v1/embeddings",
-                        json={"model": MODEL_NAME, "input": "warm up"},
-                        timeout=5,
-                    )
-                    if response.status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{name} did not serve within 300 s; see {log}")
-                time.sleep(0.5)
-            yield url, psutil.Process(process.pid)
-        finally:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    with (
+        log.open("wb") as out,
+        child_process(command, stdout=out, stderr=subprocess.STDOUT, grace=30) as process,
+    ):
+        deadline = time.monotonic() + 300
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"{name} exited with {process.returncode}; see {log}")
+            with contextlib.suppress(httpx.HTTPError):
+                response = httpx.post(
+                    f"{url}/v1/embeddings",
+                    json={"model": MODEL_NAME, "input": "warm up"},
+                    timeout=5,
+                )
+                if response.status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not serve within 300 s; see {log}")
+            time.sleep(0.5)
+        yield url, psutil.Process(process.pid)
 
 
 def write_bodies(path: Path, texts: list[str], per_request: int) -> Path:

@@ -36,7 +36,6 @@ import asyncio
 import functools
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -49,6 +48,7 @@ import orjson
 
 from bench import out_dir
 from bench.corpus import make_corpus
+from e2e.harness.proc import child_process, free_port
 
 OUT = out_dir()
 BIN = Path(sys.executable).parent
@@ -214,12 +214,6 @@ def run_loads(
 # -- servers ---------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def wait_http(port: int, path: str, process: subprocess.Popen[bytes], timeout: float) -> None:
     import http.client
 
@@ -236,16 +230,6 @@ def wait_http(port: int, path: str, process: subprocess.Popen[bytes], timeout: f
             pass
         time.sleep(0.2)
     raise RuntimeError(f"server not ready on :{port}{path} after {timeout:.0f}s")
-
-
-def stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def bench_our_server(
@@ -275,8 +259,9 @@ def bench_our_server(
         "warning",
     ]
     label = "embedding-server" if api_workers == 1 else f"embedding-server x{api_workers}"
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
+    with child_process(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, grace=30
+    ) as process:
         wait_http(port, "/ready", process, timeout=300)
         return run_loads(
             label,
@@ -288,8 +273,6 @@ def bench_our_server(
             args.repeats,
             before_round=offline.run if offline is not None else None,
         )
-    finally:
-        stop(process)
 
 
 def _served_name(port: int) -> str:
@@ -351,9 +334,10 @@ def bench_infinity(
         "warning",
     ]
     log = OUT / "infinity.log"
-    with log.open("wb") as sink:
-        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
-    try:
+    with (
+        log.open("wb") as sink,
+        child_process(command, stdout=sink, stderr=subprocess.STDOUT, env=env, grace=30) as process,
+    ):
         try:
             wait_http(port, "/health", process, timeout=300)
         except RuntimeError as error:
@@ -369,8 +353,6 @@ def bench_infinity(
             args.repeats,
         )
         return [max(shape_runs, key=lambda r: r.texts_per_s) for shape_runs in runs], ""
-    finally:
-        stop(process)
 
 
 # -- offline ---------------------------------------------------------------------------------

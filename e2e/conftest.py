@@ -1,8 +1,15 @@
-"""Fixtures for tier-2 tests against a real local control plane (see e2e/harness/cluster.py).
+"""Fixtures for tier-2 tests: the harness's local cluster, or an existing one.
 
-Every test collected under e2e/ is marked ``e2e``. The binaries are built (or taken from the
-cache) when the first test asks for ``cluster``; a build failure or a missing binary is an
-error, never a skip: CI must not go green without the cluster tier.
+Every test collected under e2e/ is marked ``e2e``. By default the tests run on the harness's own
+cluster (e2e/harness/cluster/): the binaries are built (or taken from the cache) when the first
+test asks for ``cluster``, and a build failure or a missing binary is an error, never a skip:
+CI must not go green without the cluster tier. Nothing is skipped in this mode; the ``gpu``
+tests (examples served on real GPUs) are deselected, and the report's header says so.
+
+With ``E2E_KUBECONFIG`` set (existing.py, e2e/README.md) the tests run on that cluster instead,
+with the images the settings name; nothing is built or loaded. Tests marked ``local_node`` or
+``kwok`` are skipped there with the reason, and ``metrics_pipeline`` ones where the cluster has
+no custom metrics API.
 """
 
 from __future__ import annotations
@@ -13,23 +20,75 @@ import re
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from e2e.harness.binaries import Binaries, ensure_binaries
-from e2e.harness.cluster import REAL_NODE_TAINT, Cluster
+from e2e.harness.cluster import REAL_NODE_TAINT, Cluster, KubeClient
+from e2e.harness.existing import (
+    SKIP_REASONS,
+    ExistingCluster,
+    SettingsError,
+    custom_metrics_missing,
+)
 from e2e.harness.images import ImageSet, build_images, load_images
 from e2e.harness.node import containerd_store
 
 log = logging.getLogger("e2e.conftest")
 
 E2E_DIR = Path(__file__).resolve().parent
+EXISTING = pytest.StashKey[ExistingCluster | None]()
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_configure(config: pytest.Config) -> None:
+    try:
+        config.stash[EXISTING] = ExistingCluster.from_env()
+    except SettingsError as exc:
+        raise pytest.UsageError(str(exc)) from exc
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    existing = config.stash.get(EXISTING, None)
+    if existing is None:
+        return [
+            "e2e: the harness's local cluster; `gpu` tests deselected (its GPU nodes are "
+            "kwok's; run them with E2E_KUBECONFIG, e2e/README.md)"
+        ]
+    return [
+        f"e2e: {existing.describe()}",
+        f"e2e: skipped here: {', '.join(SKIP_REASONS)} tests; metrics_pipeline tests where "
+        "the cluster has no custom metrics API",
+    ]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    existing = config.stash.get(EXISTING, None)
+    deselected = []
+    kept = []
     for item in items:
-        if E2E_DIR in item.path.resolve().parents:
-            item.add_marker(pytest.mark.e2e)
+        if E2E_DIR not in item.path.resolve().parents:
+            kept.append(item)
+            continue
+        item.add_marker(pytest.mark.e2e)
+        if existing is None and item.get_closest_marker("gpu") is not None:
+            deselected.append(item)
+            continue
+        if existing is not None:
+            for marker, reason in SKIP_REASONS.items():
+                if item.get_closest_marker(marker) is not None:
+                    item.add_marker(pytest.mark.skip(reason=reason))
+                    break
+        kept.append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = kept
+
+
+@pytest.fixture(scope="session")
+def e2e_existing(request: pytest.FixtureRequest) -> ExistingCluster | None:
+    """The existing cluster's settings (E2E_KUBECONFIG), or None on the local cluster."""
+    return request.config.stash[EXISTING]
 
 
 @pytest.fixture(scope="session")
@@ -39,31 +98,54 @@ def e2e_binaries() -> Binaries:
 
 
 @pytest.fixture(scope="session")
-def e2e_images() -> ImageSet:
-    """The operator, server and pause images, built locally (cold: ~10 min; warm: cached)."""
+def e2e_images(e2e_existing: ExistingCluster | None) -> ImageSet:
+    """The operator, server, e2e client and pause images: built locally (cold: ~10 min;
+    warm: cached), or on an existing cluster the ones its settings name (never built)."""
+    if e2e_existing is not None:
+        return e2e_existing.images
     return build_images()
 
 
 @pytest.fixture(scope="session")
+def chart_values(e2e_existing: ExistingCluster | None) -> dict[str, Any]:
+    """Values every ``helm install`` of the chart takes: none on the local cluster (the
+    chart's default images are the ones it built); the images and E2E_HELM_VALUES on an
+    existing one."""
+    return {} if e2e_existing is None else e2e_existing.chart_values()
+
+
+@pytest.fixture(scope="session")
 def cluster(
-    e2e_binaries: Binaries, e2e_images: ImageSet, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Cluster]:
-    """The running control plane, shared by the whole session.
+    e2e_existing: ExistingCluster | None,
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[KubeClient]:
+    """The cluster, shared by the whole session: the harness's running local ``Cluster``, or
+    a ``KubeClient`` for the existing one.
 
-    Its real node carries ``REAL_NODE_TAINT``, so only the real-node tests, which tolerate it,
-    start real pods there; the other tests' pods land on kwok's fake nodes as before.
+    The local cluster's real node carries ``REAL_NODE_TAINT``, so only the real-node tests,
+    which tolerate it, start real pods there; the other tests' pods land on kwok's fake nodes.
 
-    While it runs, ``KUBECONFIG`` points at its admin kubeconfig and our kubectl/helm come
-    first on ``PATH`` in ``os.environ``, so plain ``subprocess.run(["kubectl", ...])`` and
-    libraries that read KUBECONFIG (kopf, the kubernetes client) talk to it.
+    While it runs, ``KUBECONFIG`` points at its kubeconfig and its kubectl/helm come first on
+    ``PATH`` in ``os.environ``, so plain ``subprocess.run(["kubectl", ...])`` and libraries
+    that read KUBECONFIG (kopf, the kubernetes client) talk to it.
     """
-    instance = Cluster(
-        e2e_binaries,
-        tmp_path_factory.mktemp("cluster"),
-        node_taints=[REAL_NODE_TAINT],
-        image_loader=lambda socket: load_images(socket, e2e_images, store=containerd_store()),
-    )
     with pytest.MonkeyPatch.context() as patch:
+        if e2e_existing is not None:
+            client = e2e_existing.client(tmp_path_factory.mktemp("existing-cluster"))
+            for key, value in client.env().items():
+                if os.environ.get(key) != value:
+                    patch.setenv(key, value)
+            yield client
+            return
+        binaries: Binaries = request.getfixturevalue("e2e_binaries")
+        images: ImageSet = request.getfixturevalue("e2e_images")
+        instance = Cluster(
+            binaries,
+            tmp_path_factory.mktemp("cluster"),
+            node_taints=[REAL_NODE_TAINT],
+            image_loader=lambda socket: load_images(socket, images, store=containerd_store()),
+        )
         instance.start()
         try:
             for key, value in instance.env().items():
@@ -74,13 +156,27 @@ def cluster(
             instance.stop()
 
 
+@pytest.fixture(autouse=True)
+def _metrics_pipeline_present(
+    request: pytest.FixtureRequest, e2e_existing: ExistingCluster | None
+) -> None:
+    """On an existing cluster, a ``metrics_pipeline`` test is skipped when the cluster cannot
+    serve the queue gauges to HPAs (the local cluster always runs its own pipeline)."""
+    if e2e_existing is None or request.node.get_closest_marker("metrics_pipeline") is None:
+        return
+    client: KubeClient = request.getfixturevalue("cluster")
+    reason = custom_metrics_missing(client)
+    if reason is not None:
+        pytest.skip(reason)
+
+
 def _namespace_name(node_name: str) -> str:
     base = re.sub(r"[^a-z0-9-]+", "-", node_name.lower()).strip("-")[:40].rstrip("-")
     return f"{base or 'test'}-{secrets.token_hex(3)}"
 
 
 @pytest.fixture
-def namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
+def namespace(cluster: KubeClient, request: pytest.FixtureRequest) -> Iterator[str]:
     """A fresh namespace (named after the test) whose default ServiceAccount exists; deleted
     afterwards without waiting for its finalization (the cluster dies with the session)."""
     name = cluster.create_namespace(_namespace_name(request.node.name))

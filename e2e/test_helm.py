@@ -6,9 +6,11 @@ ServiceAccount (a TokenRequest token) and the chart's ConfigMap, converging an e
 EmbeddingService, and refused what its RBAC does not grant; ``helm upgrade`` rolling the
 operator and updating the CRD; ``helm uninstall`` removing everything but the CRD it keeps.
 
-The operator Deployment's pods land on kwok fake nodes (Running without a container); the
-real operator is a local ``embedding-operator run`` subprocess given the same identity and
-configuration the pod would have. The tests share one release and run in file order.
+On the local cluster the operator Deployment's pods land on kwok fake nodes (Running without
+a container); the real operator is a local ``embedding-operator run`` subprocess given the same
+identity and configuration the pod would have. On an existing cluster (``E2E_KUBECONFIG``) the
+operator pod runs for real, from the image the settings name, and the test that needs kwok's
+GPU nodes is skipped. The tests share one release and run in file order.
 """
 
 from __future__ import annotations
@@ -24,16 +26,16 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e.harness.cluster import Cluster
+from e2e.harness.cluster import KubeClient
 from e2e.harness.operator import (
     adopt_crd,
-    free_port,
     get_json,
     provide_volume,
+    values_args,
     wait_condition,
     wait_gone,
 )
-from e2e.harness.proc import Process, poll_until
+from e2e.harness.proc import Process, free_port, poll_until
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CHART = REPO_ROOT / "charts" / "embedding-operator"
@@ -48,7 +50,7 @@ HELM_TIMEOUT_S = 180.0
 CONVERGE_TIMEOUT_S = 120.0
 
 
-def helm(cluster: Cluster, *args: str, check: bool = True) -> Any:
+def helm(cluster: KubeClient, *args: str, check: bool = True) -> Any:
     return cluster.helm(*args, check=check, timeout=HELM_TIMEOUT_S)
 
 
@@ -56,7 +58,7 @@ def sa_user(namespace: str, name: str = FULLNAME) -> str:
     return f"system:serviceaccount:{namespace}:{name}"
 
 
-def can_i(cluster: Cluster, user: str, *args: str) -> bool:
+def can_i(cluster: KubeClient, user: str, *args: str) -> bool:
     result = cluster.kubectl("auth", "can-i", *args, f"--as={user}", check=False)
     answer = result.stdout.strip()
     assert answer in ("yes", "no"), result.stderr
@@ -64,7 +66,13 @@ def can_i(cluster: Cluster, user: str, *args: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def release_namespace(cluster: Cluster) -> Iterator[str]:
+def chart_args(chart_values: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """The values every install here takes (on an existing cluster: its images and values)."""
+    return values_args(chart_values, tmp_path_factory.mktemp("chart-values"))
+
+
+@pytest.fixture(scope="module")
+def release_namespace(cluster: KubeClient) -> Iterator[str]:
     name = cluster.create_namespace(f"embedding-operator-system-{secrets.token_hex(3)}")
     yield name
     helm(cluster, "uninstall", RELEASE, "--namespace", name, "--ignore-not-found", "--wait")
@@ -72,7 +80,7 @@ def release_namespace(cluster: Cluster) -> Iterator[str]:
 
 
 def test_lint_and_server_side_dry_run(
-    cluster: Cluster, release_namespace: str, namespace: str
+    cluster: KubeClient, release_namespace: str, namespace: str, chart_args: list[str]
 ) -> None:
     lint = helm(cluster, "lint", "--strict", str(CHART))
     assert "0 chart(s) failed" in lint.stdout
@@ -81,7 +89,14 @@ def test_lint_and_server_side_dry_run(
         ["--set-json", f'watchNamespaces=["{namespace}"]', "--set", "replicaCount=2"],
     ):
         rendered = helm(
-            cluster, "template", RELEASE, str(CHART), "--namespace", release_namespace, *values
+            cluster,
+            "template",
+            RELEASE,
+            str(CHART),
+            "--namespace",
+            release_namespace,
+            *chart_args,
+            *values,
         ).stdout
         kinds = [doc["kind"] for doc in yaml.safe_load_all(rendered) if doc]
         result = cluster.kubectl(
@@ -92,7 +107,7 @@ def test_lint_and_server_side_dry_run(
         assert result.stdout.count("(server dry run)") == len(kinds), result.stdout
 
 
-def test_install(cluster: Cluster, release_namespace: str) -> None:
+def test_install(cluster: KubeClient, release_namespace: str, chart_args: list[str]) -> None:
     adopt_crd(cluster, RELEASE, release_namespace)
     installed = helm(
         cluster,
@@ -101,6 +116,7 @@ def test_install(cluster: Cluster, release_namespace: str) -> None:
         str(CHART),
         "--namespace",
         release_namespace,
+        *chart_args,
         "--wait",
         "--timeout",
         f"{HELM_TIMEOUT_S:.0f}s",
@@ -119,7 +135,7 @@ def test_install(cluster: Cluster, release_namespace: str) -> None:
     assert established and established[0]["status"] == "True"
 
 
-def operator_env(cluster: Cluster, release_namespace: str, workdir: Path) -> dict[str, str]:
+def operator_env(cluster: KubeClient, release_namespace: str, workdir: Path) -> dict[str, str]:
     """What the chart's operator pod would get: its ConfigMap's settings and GPU profile file,
     its identity, and a kubeconfig holding a TokenRequest token of the chart's ServiceAccount.
     Only the liveness address moves to a free localhost port."""
@@ -174,8 +190,9 @@ CHILD_KINDS = {
 }
 
 
+@pytest.mark.kwok  # the examples' GPU pods Running on its fake GPU nodes
 def test_operator_runs_with_the_charts_service_account(
-    cluster: Cluster, release_namespace: str, namespace: str, tmp_path: Path
+    cluster: KubeClient, release_namespace: str, namespace: str, tmp_path: Path
 ) -> None:
     """Every example converges under the chart's RBAC; together they make every child kind,
     so a verb missing from the chart for any of them fails here (with the 403 printed)."""
@@ -274,12 +291,12 @@ def test_operator_runs_with_the_charts_service_account(
     ],
 )
 def test_rbac_grants_only_what_the_operator_uses(
-    cluster: Cluster, release_namespace: str, allowed: bool, args: tuple[str, ...]
+    cluster: KubeClient, release_namespace: str, allowed: bool, args: tuple[str, ...]
 ) -> None:
     assert can_i(cluster, sa_user(release_namespace), *args) is allowed
 
 
-def test_rbac_leader_lease_is_named(cluster: Cluster, release_namespace: str) -> None:
+def test_rbac_leader_lease_is_named(cluster: KubeClient, release_namespace: str) -> None:
     user = sa_user(release_namespace)
     ns = ("-n", release_namespace)
     assert can_i(cluster, user, "update", f"leases.coordination.k8s.io/{FULLNAME}", *ns)
@@ -287,7 +304,7 @@ def test_rbac_leader_lease_is_named(cluster: Cluster, release_namespace: str) ->
     assert can_i(cluster, user, "create", "leases.coordination.k8s.io", *ns)
 
 
-def test_upgrade_updates_operator_and_crd(cluster: Cluster, release_namespace: str) -> None:
+def test_upgrade_updates_operator_and_crd(cluster: KubeClient, release_namespace: str) -> None:
     before = get_json(cluster, "deployment", FULLNAME, "-n", release_namespace)
     assert before is not None
     marker = secrets.token_hex(4)
@@ -339,7 +356,7 @@ def test_upgrade_updates_operator_and_crd(cluster: Cluster, release_namespace: s
 
 
 def test_uninstall_keeps_only_the_crd(
-    cluster: Cluster, release_namespace: str, namespace: str
+    cluster: KubeClient, release_namespace: str, namespace: str
 ) -> None:
     # An EmbeddingService that must survive uninstall with the CRD (no operator runs now).
     cluster.apply(
@@ -376,7 +393,7 @@ def test_uninstall_keeps_only_the_crd(
     assert RELEASE not in listed
 
 
-def test_namespaced_install(cluster: Cluster, namespace: str) -> None:
+def test_namespaced_install(cluster: KubeClient, namespace: str, chart_args: list[str]) -> None:
     """watchNamespaces: workload rights in the listed namespaces only, none elsewhere."""
     system = cluster.create_namespace(f"eo-ns-system-{secrets.token_hex(3)}")
     release = "eo-ns"
@@ -389,6 +406,7 @@ def test_namespaced_install(cluster: Cluster, namespace: str) -> None:
             str(CHART),
             "--namespace",
             system,
+            *chart_args,
             "--set-json",
             f'watchNamespaces=["{namespace}"]',
             "--set",

@@ -27,6 +27,9 @@ from e2e.harness.components import Containerd, Launcher, Teardown
 from e2e.harness.images import containerd_images, import_stream
 from e2e.harness.proc import Process
 
+# A containerd of this machine, and the node's store-mending start: the local cluster only.
+pytestmark = pytest.mark.local_node
+
 TAG = "embedding-operator.local/store-check:1"
 
 

@@ -28,6 +28,9 @@ from e2e.harness.operator import (
 )
 from e2e.harness.proc import poll_until
 
+# The examples' GPU pods run on kwok's fake nodes (test_real_node.py serves them for real).
+pytestmark = pytest.mark.kwok
+
 EXAMPLES = sorted(EXAMPLES_DIR.glob("*.yaml"))
 PRODUCT_LABEL = "nvidia.com/gpu.product"
 PRODUCTS = {"h100": "NVIDIA-H100-80GB-HBM3", "l4": "NVIDIA-L4"}

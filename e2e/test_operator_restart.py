@@ -26,6 +26,9 @@ from e2e.harness.operator import (
 )
 from e2e.harness.proc import poll_until
 
+# The server pods here only need to be Running and Ready: kwok's fake nodes make them so.
+pytestmark = pytest.mark.kwok
+
 MODEL = {"name": "sentence-transformers/all-MiniLM-L6-v2"}
 
 

@@ -10,9 +10,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from e2e.harness.cluster import Cluster
 from e2e.harness.operator import embedding_service, get_json, start_operator, wait_condition
 from e2e.harness.proc import poll_until
+
+# The server pods here only need to be Running and Ready: kwok's fake nodes make them so.
+pytestmark = pytest.mark.kwok
 
 MODEL = {"name": "sentence-transformers/all-MiniLM-L6-v2"}
 

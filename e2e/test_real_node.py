@@ -1,14 +1,21 @@
-"""The product as users meet it, on the cluster's real node: built images, real pods, Service
-traffic through kube-proxy and CoreDNS, real readiness probes, and queue-depth autoscaling on
-metrics that Prometheus scrapes from the server pods and prometheus-adapter serves to the HPA.
+"""The product as users meet it, on a real node: built images, real pods, Service traffic
+through kube-proxy and CoreDNS, real readiness probes, and queue-depth autoscaling on metrics
+that Prometheus scrapes from the server pods and prometheus-adapter serves to the HPA.
 
 The chart is installed with Helm (the operator runs as a pod under the chart's RBAC) and
 ``examples/minilm-cpu.yaml`` is applied as the README says. Clients run in pods with the
 official ``openai`` package (the e2e client image) and call ``http://<name>.<ns>.svc``.
 
-The session taints the real node so the kwok-era tests never start real pods there; this
-module's release tolerates it, through chart values a platform team would use for a dedicated
-node pool: the operator pod's tolerations and a ``cpu`` GPU profile that selects the node.
+On the harness's local cluster, the session taints the real node so the kwok-era tests never
+start real pods there; this module's release tolerates it, through chart values a platform team
+would use for a dedicated node pool: the operator pod's tolerations and a ``cpu`` GPU profile
+that selects the node. Client pods are placed as that profile's pods are.
+
+On an existing cluster (``E2E_KUBECONFIG``, e2e/README.md) the release takes the images and
+values the settings name instead, the test that needs this machine's files on the node is
+skipped, autoscaling runs where the cluster has a custom metrics API, and the GPU examples in
+examples/ are served on the GPUs they name (``gpu``: only there, each skipped when no node
+offers its GPU profile).
 
 Every wait polls with a deadline; on failure the test prints ``kubectl describe``, events and
 pod logs of the namespaces involved.
@@ -22,6 +29,7 @@ import json
 import secrets
 import shutil
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +37,8 @@ import numpy as np
 import pytest
 import yaml
 
-from e2e.harness.cluster import REAL_NODE_TAINT_KEY, Cluster, poll_until
+from e2e.harness.cluster import REAL_NODE_TAINT_KEY, KubeClient, poll_until
+from e2e.harness.existing import ExistingCluster, deep_merge
 from e2e.harness.images import ImageSet
 from e2e.harness.node import NODE_NAME
 from e2e.harness.operator import (
@@ -39,6 +48,7 @@ from e2e.harness.operator import (
     condition,
     embedding_service,
     get_json,
+    values_args,
     wait_condition,
 )
 
@@ -106,8 +116,10 @@ print(json.dumps(summary))
 # -- diagnostics ------------------------------------------------------------------------------
 
 
-def dump(cluster: Cluster, *namespaces: str) -> None:
-    """What a person would look at: describe, events and logs of every pod involved."""
+def dump(cluster: KubeClient, *namespaces: str) -> None:
+    """What a person would look at: describe, events and logs of every pod involved, and the
+    nodes they run on."""
+    nodes: set[str] = set()
     for ns in namespaces:
         for args in (
             ("get", "embeddingservices,deploy,rs,pods,svc,endpointslices,hpa", "-o", "wide"),
@@ -119,16 +131,22 @@ def dump(cluster: Cluster, *namespaces: str) -> None:
         listing = get_json(cluster, "pods", "-n", ns) or {}
         for pod in listing.get("items", []):
             name = pod["metadata"]["name"]
+            nodes.add(pod["spec"].get("nodeName") or "")
             out = cluster.kubectl(
                 "logs", "-n", ns, name, "--all-containers", "--tail=60", check=False
             )
             print(f"\n$ kubectl logs -n {ns} {name}\n{out.stdout}{out.stderr}")
-    out = cluster.kubectl("describe", "node", NODE_NAME, check=False)
-    print(f"\n$ kubectl describe node {NODE_NAME}\n{out.stdout[-4000:]}")
+    # The pods' nodes; when none is scheduled, every node (why does none take them?).
+    names = sorted(nodes - {""}) or [
+        n["metadata"]["name"] for n in (get_json(cluster, "nodes") or {}).get("items", [])
+    ]
+    for node_name in names:
+        out = cluster.kubectl("describe", "node", node_name, check=False)
+        print(f"\n$ kubectl describe node {node_name}\n{out.stdout[-4000:]}")
 
 
 @contextlib.contextmanager
-def diagnostics(cluster: Cluster, *namespaces: str) -> Iterator[None]:
+def diagnostics(cluster: KubeClient, *namespaces: str) -> Iterator[None]:
     try:
         yield
     except BaseException:
@@ -140,20 +158,47 @@ def diagnostics(cluster: Cluster, *namespaces: str) -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
+def release_values(
+    e2e_existing: ExistingCluster | None, chart_values: dict[str, Any]
+) -> dict[str, Any]:
+    """The release's chart values: on the local cluster, those that put the operator and the
+    cpu profile's pods on the tainted real node; on an existing one, its settings' values."""
+    if e2e_existing is None:
+        chart_values = {
+            "tolerations": [TOLERATION],
+            "nodeSelector": ON_REAL_NODE,
+            "gpuProfiles": {"cpu": {"nodeSelector": ON_REAL_NODE, "tolerations": [TOLERATION]}},
+        }
+    return deep_merge(chart_values, {"operator": {"resyncSeconds": 30}})
+
+
+@dataclass(frozen=True)
+class ClientPod:
+    """How the client pods run: the e2e client image, placed as the cpu profile's pods."""
+
+    image: str
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+
+
+@pytest.fixture(scope="module")
+def client_pod(e2e_images: ImageSet, release_values: dict[str, Any]) -> ClientPod:
+    cpu = (release_values.get("gpuProfiles") or {}).get("cpu") or {}
+    return ClientPod(
+        e2e_images.client, dict(cpu.get("nodeSelector") or {}), list(cpu.get("tolerations") or [])
+    )
+
+
+@pytest.fixture(scope="module")
 def release(
-    cluster: Cluster, e2e_images: ImageSet, tmp_path_factory: pytest.TempPathFactory
+    cluster: KubeClient,
+    e2e_images: ImageSet,
+    release_values: dict[str, Any],
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[str]:
     """The chart, installed with Helm as the README says, the operator running as a pod."""
     namespace = cluster.create_namespace(f"eo-real-{secrets.token_hex(3)}")
     adopt_crd(cluster, RELEASE, namespace)
-    values = {
-        "tolerations": [TOLERATION],
-        "nodeSelector": ON_REAL_NODE,
-        "gpuProfiles": {"cpu": {"nodeSelector": ON_REAL_NODE, "tolerations": [TOLERATION]}},
-        "operator": {"resyncSeconds": 30},
-    }
-    values_file = tmp_path_factory.mktemp("helm") / "real-node-values.yaml"
-    values_file.write_text(yaml.safe_dump(values))
     with diagnostics(cluster, namespace):
         cluster.helm(
             "install",
@@ -161,8 +206,7 @@ def release(
             str(CHART),
             "--namespace",
             namespace,
-            "--values",
-            str(values_file),
+            *values_args(release_values, tmp_path_factory.mktemp("helm")),
             "--wait",
             "--timeout",
             f"{HELM_TIMEOUT_S:.0f}s",
@@ -173,7 +217,7 @@ def release(
         )
         assert deployment is not None
         image = deployment["items"][0]["spec"]["template"]["spec"]["containers"][0]["image"]
-        assert image == e2e_images.operator, "the chart's default image is the one we built"
+        assert image == e2e_images.operator, "the operator runs the image we built (or named)"
     yield namespace
     cluster.helm(
         "uninstall",
@@ -188,7 +232,7 @@ def release(
     cluster.kubectl("delete", "namespace", namespace, "--wait=false", "--ignore-not-found")
 
 
-def operator_pod(cluster: Cluster, namespace: str) -> dict[str, Any] | None:
+def operator_pod(cluster: KubeClient, namespace: str) -> dict[str, Any] | None:
     listing = (
         get_json(cluster, "pods", "-n", namespace, "-l", f"app.kubernetes.io/instance={RELEASE}")
         or {}
@@ -208,7 +252,7 @@ def _ready(pod: dict[str, Any]) -> bool:
     )
 
 
-def ready_server_pods(cluster: Cluster, namespace: str, name: str) -> list[dict[str, Any]]:
+def ready_server_pods(cluster: KubeClient, namespace: str, name: str) -> list[dict[str, Any]]:
     listing = (
         get_json(cluster, "pods", "-n", namespace, "-l", f"app.kubernetes.io/instance={name}") or {}
     )
@@ -219,8 +263,15 @@ def ready_server_pods(cluster: Cluster, namespace: str, name: str) -> list[dict[
     ]
 
 
+def custom_metric_pods(cluster: KubeClient, namespace: str, metric: str) -> set[str]:
+    """The pods of ``namespace`` for which custom.metrics.k8s.io serves ``metric``."""
+    path = f"/apis/custom.metrics.k8s.io/v1beta1/namespaces/{namespace}/pods/*/{metric}"
+    listing = json.loads(cluster.kubectl("get", "--raw", path).stdout)
+    return {item["describedObject"]["name"] for item in listing.get("items") or []}
+
+
 def wait_ready_replicas(
-    cluster: Cluster, namespace: str, name: str, count: int, timeout: float = READY_TIMEOUT_S
+    cluster: KubeClient, namespace: str, name: str, count: int, timeout: float = READY_TIMEOUT_S
 ) -> None:
     poll_until(
         lambda: len(ready_server_pods(cluster, namespace, name)) == count or None,
@@ -234,7 +285,7 @@ def wait_ready_replicas(
 
 
 def start_client(
-    cluster: Cluster, images: ImageSet, namespace: str, name: str, script: str, *args: str
+    cluster: KubeClient, client: ClientPod, namespace: str, name: str, script: str, *args: str
 ) -> str:
     cluster.apply(
         {
@@ -243,12 +294,12 @@ def start_client(
             "metadata": {"name": name, "namespace": namespace},
             "spec": {
                 "restartPolicy": "Never",
-                "nodeSelector": ON_REAL_NODE,
-                "tolerations": [TOLERATION],
+                "nodeSelector": client.node_selector,
+                "tolerations": client.tolerations,
                 "containers": [
                     {
                         "name": "client",
-                        "image": images.client,
+                        "image": client.image,
                         "imagePullPolicy": "IfNotPresent",
                         "command": ["python", "-c", script, *args],
                         "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}},
@@ -261,7 +312,7 @@ def start_client(
 
 
 def client_output(
-    cluster: Cluster, namespace: str, name: str, timeout: float = CLIENT_TIMEOUT_S
+    cluster: KubeClient, namespace: str, name: str, timeout: float = CLIENT_TIMEOUT_S
 ) -> Any:
     """Wait for the client pod to finish; its last stdout line, parsed as JSON."""
 
@@ -278,7 +329,7 @@ def client_output(
     return json.loads(logs.strip().splitlines()[-1])
 
 
-def set_max_batch_size(cluster: Cluster, namespace: str, name: str, size: int) -> None:
+def set_max_batch_size(cluster: KubeClient, namespace: str, name: str, size: int) -> None:
     """An edit of the spec that changes the pod template: a rolling update."""
     patch = {"spec": {"server": {"maxBatchSize": size}}}
     cluster.kubectl(
@@ -291,11 +342,11 @@ def service_url(name: str, namespace: str) -> str:
 
 
 def embed_through_the_service(
-    cluster: Cluster, images: ImageSet, namespace: str, service: str, job: str
+    cluster: KubeClient, client: ClientPod, namespace: str, service: str, job: str
 ) -> dict[str, Any]:
     """TEXTS embedded by the official openai client in a pod, through ``service``."""
     url = service_url(service, namespace)
-    start_client(cluster, images, namespace, job, EMBED_SCRIPT, url, json.dumps(TEXTS))
+    start_client(cluster, client, namespace, job, EMBED_SCRIPT, url, json.dumps(TEXTS))
     return client_output(cluster, namespace, job)
 
 
@@ -321,7 +372,7 @@ def assert_sentence_transformers_vectors(result: dict[str, Any]) -> None:
 
 
 def test_readme_path_serves_sentence_transformers_vectors(
-    cluster: Cluster, release: str, e2e_images: ImageSet, namespace: str
+    cluster: KubeClient, release: str, e2e_images: ImageSet, client_pod: ClientPod, namespace: str
 ) -> None:
     example = EXAMPLES_DIR / "minilm-cpu.yaml"
     with diagnostics(cluster, namespace, release):
@@ -333,15 +384,16 @@ def test_readme_path_serves_sentence_transformers_vectors(
         assert deployment is not None
         assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == e2e_images.server
 
-        result = embed_through_the_service(cluster, e2e_images, namespace, "minilm", "embed")
+        result = embed_through_the_service(cluster, client_pod, namespace, "minilm", "embed")
     assert_sentence_transformers_vectors(result)
 
 
 # -- (b) queue-depth autoscaling ----------------------------------------------------------------
 
 
+@pytest.mark.metrics_pipeline
 def test_queue_depth_scales_out_under_load_and_back_in(
-    cluster: Cluster, release: str, e2e_images: ImageSet, namespace: str
+    cluster: KubeClient, release: str, client_pod: ClientPod, namespace: str
 ) -> None:
     spec = {
         "model": {"name": "sentence-transformers/all-MiniLM-L6-v2"},
@@ -363,7 +415,7 @@ def test_queue_depth_scales_out_under_load_and_back_in(
 
         start_client(
             cluster,
-            e2e_images,
+            client_pod,
             namespace,
             "load",
             LOAD_SCRIPT,
@@ -397,11 +449,9 @@ def test_queue_depth_scales_out_under_load_and_back_in(
             what="the load to scale scaler to >= 2 ready replicas",
             interval=2.0,
         )
-        # The queue the HPA read is the server's own gauge, scraped from the pods.
-        series = cluster.prometheus_query(
-            f'embedding_server_queue_requests{{namespace="{namespace}"}}'
-        )
-        assert {s["metric"]["pod"] for s in series} & {
+        # The queue the HPA read is the server's own gauge, per pod: what the custom metrics
+        # API serves (prometheus-adapter, from what Prometheus scraped off the pods).
+        assert custom_metric_pods(cluster, namespace, "embedding_server_queue_requests") & {
             p["metadata"]["name"] for p in ready_server_pods(cluster, namespace, "scaler")
         }
 
@@ -427,7 +477,7 @@ def test_queue_depth_scales_out_under_load_and_back_in(
 
 
 @pytest.fixture
-def steady(cluster: Cluster, release: str, namespace: str) -> Iterator[str]:
+def steady(cluster: KubeClient, release: str, namespace: str) -> Iterator[str]:
     """One ready replica that rolls with a surge pod (maxUnavailable 0)."""
     spec = {
         "model": {"name": "sentence-transformers/all-MiniLM-L6-v2"},
@@ -444,13 +494,13 @@ def steady(cluster: Cluster, release: str, namespace: str) -> Iterator[str]:
 
 
 def test_rollout_under_load_loses_no_request(
-    cluster: Cluster, release: str, e2e_images: ImageSet, namespace: str, steady: str
+    cluster: KubeClient, release: str, client_pod: ClientPod, namespace: str, steady: str
 ) -> None:
     with diagnostics(cluster, namespace, release):
         before = {p["metadata"]["name"] for p in ready_server_pods(cluster, namespace, steady)}
         start_client(
             cluster,
-            e2e_images,
+            client_pod,
             namespace,
             "stream",
             LOAD_SCRIPT,
@@ -500,7 +550,7 @@ def test_rollout_under_load_loses_no_request(
 
 
 def test_killed_operator_and_server_pods_come_back(
-    cluster: Cluster, release: str, e2e_images: ImageSet, namespace: str, steady: str
+    cluster: KubeClient, release: str, client_pod: ClientPod, namespace: str, steady: str
 ) -> None:
     with diagnostics(cluster, namespace, release):
         operator = operator_pod(cluster, release)
@@ -533,7 +583,7 @@ def test_killed_operator_and_server_pods_come_back(
         assert "32" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
         start_client(
             cluster,
-            e2e_images,
+            client_pod,
             namespace,
             "after",
             EMBED_SCRIPT,
@@ -548,7 +598,7 @@ def test_killed_operator_and_server_pods_come_back(
 
 
 def test_tensor_parallel_on_the_cpu_profile_serves_sentence_transformers_vectors(
-    cluster: Cluster, release: str, e2e_images: ImageSet, namespace: str
+    cluster: KubeClient, release: str, client_pod: ClientPod, namespace: str
 ) -> None:
     """Two CPU ranks (gloo) in one pod, each holding half of MiniLM's heads and MLP, behind
     two front-end processes (``--api-workers 2``, the GPU profiles' default layout) under
@@ -571,7 +621,7 @@ def test_tensor_parallel_on_the_cpu_profile_serves_sentence_transformers_vectors
         logs = cluster.kubectl("logs", "-n", namespace, "deployment/tp").stdout
         assert "tensor-parallel group of 2 ranks formed" in logs, logs
         assert "engine ready for 2 API workers" in logs, logs
-        result = embed_through_the_service(cluster, e2e_images, namespace, "tp", "embed-tp")
+        result = embed_through_the_service(cluster, client_pod, namespace, "tp", "embed-tp")
     assert_sentence_transformers_vectors(result)
 
 
@@ -580,7 +630,7 @@ def test_tensor_parallel_on_the_cpu_profile_serves_sentence_transformers_vectors
 
 
 def test_missing_secret_is_reported_from_the_pod_then_served(
-    cluster: Cluster, release: str, namespace: str
+    cluster: KubeClient, release: str, namespace: str
 ) -> None:
     spec = {
         "model": {"name": "sentence-transformers/all-MiniLM-L6-v2"},
@@ -698,7 +748,9 @@ def fill_hub_cache(cache: Path, repo_id: str, checkpoint: Path) -> Path:
 
 
 @pytest.fixture
-def reranker_claim(cluster: Cluster, namespace: str, tmp_path: Path) -> Iterator[tuple[str, Path]]:
+def reranker_claim(
+    cluster: KubeClient, namespace: str, tmp_path: Path
+) -> Iterator[tuple[str, Path]]:
     """A tiny random ``BertForSequenceClassification`` cross-encoder (one label, saved by
     sentence-transformers' CrossEncoder) in a hub cache on the real node, behind a hostPath
     PersistentVolume bound to a claim in ``namespace``: the claim's name and the snapshot."""
@@ -761,10 +813,11 @@ def reranker_claim(cluster: Cluster, namespace: str, tmp_path: Path) -> Iterator
     cluster.kubectl("delete", "pv", volume, "--wait=false", "--ignore-not-found")
 
 
+@pytest.mark.local_node  # the model cache is a hostPath volume of this machine's files
 def test_reranker_serves_cross_encoder_scores_from_an_offline_model_cache(
-    cluster: Cluster,
+    cluster: KubeClient,
     release: str,
-    e2e_images: ImageSet,
+    client_pod: ClientPod,
     namespace: str,
     reranker_claim: tuple[str, Path],
 ) -> None:
@@ -789,7 +842,7 @@ def test_reranker_serves_cross_encoder_scores_from_an_offline_model_cache(
         wait_ready_replicas(cluster, namespace, "reranker", 1)
         start_client(
             cluster,
-            e2e_images,
+            client_pod,
             namespace,
             "tasks",
             TASKS_SCRIPT,
@@ -817,3 +870,104 @@ def test_reranker_serves_cross_encoder_scores_from_an_offline_model_cache(
         )
     assert got["embeddings"]["status"] == 400, got["embeddings"]
     assert "task is score" in got["embeddings"]["body"]["error"]["message"], got["embeddings"]
+
+
+# -- (h) the GPU examples, served on the GPUs they name (existing clusters only) ---------------
+
+KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
+GPU_EXAMPLES = [
+    path
+    for path in sorted(EXAMPLES_DIR.glob("*.yaml"))
+    if (yaml.safe_load(path.read_text())["spec"].get("gpu") or {}).get("type", "cpu") != "cpu"
+]
+
+
+def gpu_profile_missing(
+    cluster: KubeClient, values: dict[str, Any], spec: dict[str, Any]
+) -> str | None:
+    """Why no node of the cluster can take the example's pods, or None if one can: a node
+    with its GPU profile's labels and as many of its extended resource as ranks per pod. A
+    kwok node does not count: its pods run nothing, so nothing would answer."""
+    from embedding_operator.profiles import GpuProfiles
+
+    gpu_type = spec["gpu"]["type"]
+    profile = GpuProfiles.from_document({"profiles": values.get("gpuProfiles") or {}}).resolve(
+        gpu_type
+    )
+    ranks = int((spec.get("parallelism") or {}).get("tensorParallelSize", 1))
+    for item in cluster.kubectl_json("get", "nodes")["items"]:
+        labels = item["metadata"].get("labels") or {}
+        if (item["metadata"].get("annotations") or {}).get(KWOK_NODE_ANNOTATION) == "fake":
+            continue
+        if any(labels.get(key) != value for key, value in profile.node_selector.items()):
+            continue
+        allocatable = item.get("status", {}).get("allocatable") or {}
+        if profile.resource_name and int(allocatable.get(profile.resource_name, "0")) < ranks:
+            continue
+        return None
+    wanted = [f"{key}={value}" for key, value in profile.node_selector.items()]
+    if profile.resource_name:
+        wanted.append(f"{ranks} allocatable {profile.resource_name}")
+    return (
+        f"no node offers the {gpu_type!r} GPU profile ({', '.join(wanted)}; kwok's fake nodes "
+        "do not count); set gpuProfiles in E2E_HELM_VALUES if your nodes are labelled otherwise"
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("example", GPU_EXAMPLES, ids=lambda path: path.stem)
+def test_gpu_example_serves_its_task(
+    cluster: KubeClient,
+    release: str,
+    release_values: dict[str, Any],
+    e2e_existing: ExistingCluster | None,
+    client_pod: ClientPod,
+    namespace: str,
+    example: Path,
+) -> None:
+    """``kubectl apply -f examples/<file>`` as the README says, Ready on the GPUs it names
+    (the model downloaded from the Hub), then its task's endpoint called from a pod through
+    the Service: embeddings of the dimensions the spec asks, normalized where it says so; a
+    reranker that puts the documents about the question first."""
+    manifest = yaml.safe_load(example.read_text())
+    name, spec = manifest["metadata"]["name"], manifest["spec"]
+    missing = gpu_profile_missing(cluster, release_values, spec)
+    if missing is not None:
+        pytest.skip(missing)
+    cache = spec.get("modelCache") or {}
+    if cache.get("mode") == "pvc" and e2e_existing is not None and e2e_existing.storage_class:
+        cache["storageClassName"] = e2e_existing.storage_class
+    startup = int((spec.get("server") or {}).get("startupTimeoutSeconds") or 0)
+    with diagnostics(cluster, namespace, release):
+        cluster.apply(manifest, namespace=namespace)
+        wait_condition(cluster, namespace, name, "Ready", "True", timeout=READY_TIMEOUT_S + startup)
+        if spec.get("task", "embed") == "score":
+            start_client(
+                cluster,
+                client_pod,
+                namespace,
+                "tasks",
+                TASKS_SCRIPT,
+                f"http://{name}.{namespace}.svc",
+                QUERY,
+                json.dumps(DOCS),
+            )
+            got = client_output(cluster, namespace, "tasks")
+        else:
+            got = embed_through_the_service(cluster, client_pod, namespace, name, "embed")
+    if spec.get("task", "embed") == "score":
+        assert got["score"]["status"] == 200, got["score"]
+        assert got["rerank"]["status"] == 200, got["rerank"]
+        top = [r["index"] for r in got["rerank"]["body"]["results"][:2]]
+        assert set(top) == {0, 2}, f"the two documents about scheduling ranked first: {got}"
+        assert got["embeddings"]["status"] == 400, got["embeddings"]
+        return
+    vectors = np.asarray(got["vectors"], dtype=np.float32)
+    embedding = spec.get("embedding") or {}
+    assert vectors.shape[0] == len(TEXTS)
+    if embedding.get("dimensions"):
+        assert vectors.shape[1] == embedding["dimensions"]
+    assert np.isfinite(vectors).all()
+    if embedding.get("normalize"):
+        np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-2)
+    assert not np.allclose(vectors[0], vectors[1]), "different texts, different vectors"

@@ -10,6 +10,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from e2e.harness.cluster import Cluster, poll_until
 
 H100 = "NVIDIA-H100-80GB-HBM3"
@@ -63,6 +65,8 @@ def _ready(pod: dict[str, Any]) -> bool:
     )
 
 
+@pytest.mark.local_node  # our kubectl, the pinned version
+@pytest.mark.kwok
 def test_real_kubectl_sees_the_fake_nodes(cluster: Cluster) -> None:
     assert shutil.which("kubectl") == str(cluster.kubectl_bin)
     version = json.loads(
@@ -84,6 +88,7 @@ def test_real_kubectl_sees_the_fake_nodes(cluster: Cluster) -> None:
     assert "nvidia.com/gpu" not in nodes["cpu-0"]["status"]["allocatable"]
 
 
+@pytest.mark.kwok
 def test_gpu_pods_run_only_on_the_requested_gpu_type(cluster: Cluster, namespace: str) -> None:
     cluster.apply(_deployment("h100", replicas=3, gpus=1, product=H100), namespace=namespace)
 
@@ -108,6 +113,7 @@ def test_gpu_pods_run_only_on_the_requested_gpu_type(cluster: Cluster, namespace
     assert not _pods(cluster, namespace, "app=too-big")[0]["spec"].get("nodeName")
 
 
+@pytest.mark.kwok  # its pods run on cpu-0 without an image
 def test_deleting_an_owner_garbage_collects_its_dependents(
     cluster: Cluster, namespace: str
 ) -> None:
@@ -175,6 +181,8 @@ def test_service_account_kubeconfig_has_exactly_its_rbac(cluster: Cluster, names
     assert denied.returncode != 0 and "forbidden" in denied.stderr
 
 
+@pytest.mark.local_node  # our helm, the pinned versions
+@pytest.mark.kwok
 def test_real_helm_installs_lists_and_uninstalls_a_chart(
     cluster: Cluster, namespace: str, tmp_path: Path
 ) -> None:

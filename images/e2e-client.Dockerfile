@@ -1,7 +1,7 @@
 # The e2e tier's client pods: the server image (Python, httpx, numpy) plus the official
 # `openai` package, so tests call Services from inside the cluster as applications do.
-# Built by e2e/harness/images.py from a context holding requirements.lock (images/e2e-client.lock)
-# and its wheels; never pushed anywhere.
+# Built by e2e/harness/images/ from a context holding requirements.lock (images/e2e-client.lock)
+# and its wheels; pushed only where an existing cluster runs the e2e tier (e2e/README.md).
 
 ARG SERVER_IMAGE=ghcr.io/embedding-operator/embedding-server:0.1.0
 FROM ${SERVER_IMAGE}

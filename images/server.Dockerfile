@@ -1,6 +1,6 @@
 # embedding-server: the continuous-batching embedding server, CPU or CUDA, on Debian bookworm.
 #
-# The build context is a directory that e2e/harness/images.py assembles (nothing here reaches PyPI):
+# The build context is a directory that e2e/harness/images/ assembles (nothing here reaches PyPI):
 #   requirements.lock  images/server.lock, the pinned dependencies (torch included)
 #   wheels/            exactly the wheels that lock names (`pip download` on the host)
 #   dist/              the embedding-operator wheel (`pip wheel --no-deps .` on the host)
@@ -22,7 +22,7 @@
 # Wheels are bind-mounted into the RUN steps (BuildKit, DOCKER_BUILDKIT=1), never copied into
 # a layer. No `# syntax=` line: that would pull a frontend image from a registry.
 
-# debian:bookworm-slim from a registry, or the local debootstrap import e2e/harness/images.py passes.
+# debian:bookworm-slim from a registry, or the local debootstrap import e2e/harness/images/ passes.
 ARG BASE_IMAGE=debian:bookworm-slim
 # cpu or cuda.
 ARG VARIANT=cpu

@@ -5,7 +5,7 @@ health probe. ``start()`` is ``spawn()`` then ``wait_ready()``: it polls ``healt
 component's deadline, and a process that exits, or a deadline that passes, fails the wait with
 the tail of the component's log. ``stop()`` ends the whole process group (SIGTERM, then SIGKILL)
 plus the component's own cleanup: containerd's containers before it stops, kube-proxy's iptables
-chains after. ``Cluster`` (cluster.py) composes them in start order and stops them in reverse,
+chains after. ``Cluster`` (cluster/local.py) composes them in start order and stops them in reverse,
 also for a detached cluster, whose processes it knows only from its state file (``down``).
 
 Listening addresses (ports are free ports picked per cluster): etcd, the controller manager,

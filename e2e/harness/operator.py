@@ -15,20 +15,19 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from e2e.harness.cluster import Cluster
-from e2e.harness.proc import Process, poll_until
+from e2e.harness.cluster import KubeClient
+from e2e.harness.proc import Process, free_port, poll_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES_DIR = REPO_ROOT / "examples"
@@ -39,12 +38,6 @@ CHART = REPO_ROOT / "charts" / "embedding-operator"
 CLUSTER_SCOPED_KINDS = ("ClusterRole", "ClusterRoleBinding")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def operator_binary() -> str:
     found = shutil.which("embedding-operator") or str(
         Path(sys.executable).parent / "embedding-operator"
@@ -52,8 +45,19 @@ def operator_binary() -> str:
     return found
 
 
+def values_args(values: Mapping[str, Any], directory: Path) -> list[str]:
+    """``--values <file>`` for helm, the file holding ``values``; nothing when they are empty
+    (the local cluster installs the chart with its defaults)."""
+    if not values:
+        return []
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"values-{secrets.token_hex(4)}.yaml"
+    path.write_text(yaml.safe_dump(dict(values)))
+    return ["--values", str(path)]
+
+
 def chart_rbac(
-    cluster: Cluster, namespace: str, watch_namespaces: Sequence[str] = ()
+    cluster: KubeClient, namespace: str, watch_namespaces: Sequence[str] = ()
 ) -> list[dict[str, Any]]:
     """The chart's own ServiceAccount and RBAC for an operator in ``namespace``.
 
@@ -88,7 +92,7 @@ def chart_rbac(
 
 
 def install_rbac(
-    cluster: Cluster,
+    cluster: KubeClient,
     namespace: str,
     name: str = "embedding-operator",
     watch_namespaces: Sequence[str] = (),
@@ -103,7 +107,7 @@ def install_rbac(
 class OperatorProcess:
     """One ``embedding-operator run`` subprocess."""
 
-    cluster: Cluster
+    cluster: KubeClient
     kubeconfig: Path
     log_dir: Path
     extra_args: Sequence[str] = ()
@@ -170,7 +174,7 @@ class OperatorProcess:
 # --- reading state ----------------------------------------------------------------------------
 
 
-def get_json(cluster: Cluster, *args: str) -> dict[str, Any] | None:
+def get_json(cluster: KubeClient, *args: str) -> dict[str, Any] | None:
     result = cluster.kubectl("get", *args, "-o", "json", check=False)
     if result.returncode != 0:
         if "NotFound" in result.stderr or "not found" in result.stderr:
@@ -187,7 +191,7 @@ def condition(obj: dict[str, Any] | None, kind: str) -> dict[str, Any] | None:
 
 
 def wait_condition(
-    cluster: Cluster,
+    cluster: KubeClient,
     namespace: str,
     name: str,
     kind: str,
@@ -222,7 +226,7 @@ def wait_condition(
     )
 
 
-def wait_gone(cluster: Cluster, *args: str, timeout: float = 60.0) -> None:
+def wait_gone(cluster: KubeClient, *args: str, timeout: float = 60.0) -> None:
     poll_until(
         lambda: get_json(cluster, *args) is None,
         timeout=timeout,
@@ -231,12 +235,12 @@ def wait_gone(cluster: Cluster, *args: str, timeout: float = 60.0) -> None:
     )
 
 
-def apply_file(cluster: Cluster, path: Path, namespace: str) -> None:
+def apply_file(cluster: KubeClient, path: Path, namespace: str) -> None:
     cluster.kubectl("apply", "-n", namespace, "-f", str(path))
 
 
 def apply_expect_refusal(
-    cluster: Cluster, manifest: dict[str, Any], namespace: str
+    cluster: KubeClient, manifest: dict[str, Any], namespace: str
 ) -> subprocess.CompletedProcess[str]:
     result = cluster.kubectl(
         "apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest), check=False
@@ -245,7 +249,7 @@ def apply_expect_refusal(
     return result
 
 
-def provide_volume(cluster: Cluster, namespace: str, claim: str, size: str) -> str:
+def provide_volume(cluster: KubeClient, namespace: str, claim: str, size: str) -> str:
     """The test cluster has no provisioner: a static PV, pre-bound to the claim, stands in.
     Returns the PV's name (PVs are cluster-scoped: the caller deletes it)."""
     name = f"{namespace}-{claim}"[:253]
@@ -275,7 +279,7 @@ def embedding_service(name: str, spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def pods(cluster: Cluster, namespace: str, instance: str) -> list[dict[str, Any]]:
+def pods(cluster: KubeClient, namespace: str, instance: str) -> list[dict[str, Any]]:
     listing = get_json(
         cluster, "pods", "-n", namespace, "-l", f"app.kubernetes.io/instance={instance}"
     )
@@ -285,7 +289,7 @@ def pods(cluster: Cluster, namespace: str, instance: str) -> list[dict[str, Any]
 CRD = "customresourcedefinition/embeddingservices.embedding-operator.dev"
 
 
-def adopt_crd(cluster: Cluster, release: str, namespace: str) -> None:
+def adopt_crd(cluster: KubeClient, release: str, namespace: str) -> None:
     """Hand an already-applied CRD (``kubectl apply -f crds/``, as the cluster fixture does) to
     the release: Helm adopts an existing object carrying its ownership metadata. docs/helm.md
     gives users the same two commands."""
@@ -305,7 +309,7 @@ def adopt_crd(cluster: Cluster, release: str, namespace: str) -> None:
 
 
 def start_operator(
-    cluster: Cluster,
+    cluster: KubeClient,
     log_dir: Path,
     *,
     name: str = "embedding-operator",

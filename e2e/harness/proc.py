@@ -1,5 +1,9 @@
 """Child processes of the e2e control plane: start, probe, stop, and never leave strays.
 
+Also the two helpers every runner of local servers needs (the e2e tier, the unit tests that
+start ``embedding-server serve``, the benchmarks): ``free_port()`` and ``child_process()`` /
+``stop_child()`` for a plain ``subprocess.Popen`` that must not outlive its block.
+
 Every component runs in its own session (``start_new_session``), so its process group id is
 its pid and ``killpg`` reaches anything it forks. Stopping is SIGTERM to the group, a bounded
 wait, then SIGKILL. Attached processes (pytest) also get ``PR_SET_PDEATHSIG=SIGKILL`` so a
@@ -9,14 +13,16 @@ are recorded as (pid, start time) pairs, so ``down`` never signals a recycled pi
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
 import os
 import signal
+import socket
 import subprocess
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -57,6 +63,41 @@ def poll_until(
             raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(min(delay, remaining))
         delay = min(delay * 1.5, max_interval)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on now (the kernel's pick). Another process
+    could take it before the caller binds; on a test machine that has not been seen."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+def stop_child(
+    popen: subprocess.Popen[Any], *, grace: float = STOP_GRACE_S, name: str | None = None
+) -> int:
+    """SIGTERM, then SIGKILL if it outlives ``grace`` seconds; always reaps. The exit status."""
+    if popen.poll() is None:
+        popen.terminate()
+        try:
+            popen.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            log.warning("%s ignored SIGTERM for %.0fs; killing it", name or popen.pid, grace)
+            popen.kill()
+    return popen.wait()
+
+
+@contextlib.contextmanager
+def child_process(
+    argv: Sequence[str], *, grace: float = STOP_GRACE_S, **popen_kwargs: Any
+) -> Iterator[subprocess.Popen[Any]]:
+    """``subprocess.Popen(argv, **popen_kwargs)`` for the duration of the block, stopped with
+    ``stop_child`` however the block ends."""
+    popen: subprocess.Popen[Any] = subprocess.Popen(list(argv), **popen_kwargs)
+    try:
+        yield popen
+    finally:
+        stop_child(popen, grace=grace)
 
 
 def _set_pdeathsig() -> None:

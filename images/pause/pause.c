@@ -1,7 +1,7 @@
 /*
  * The pod sandbox's init process (what the kubelet's sandbox image `registry.k8s.io/pause`
  * runs): it holds the pod's namespaces open, exits cleanly when asked, and reaps zombies
- * when the pod shares its PID namespace. Built `gcc -Os -static` by e2e/harness/images.py, so the
+ * when the pod shares its PID namespace. Built `gcc -Os -static` by e2e/harness/images/, so the
  * image needs nothing but this binary (FROM scratch).
  */
 #include <signal.h>

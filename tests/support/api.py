@@ -28,6 +28,8 @@ from embedding_server.engine import Engine, load_engine
 from embedding_server.metrics import Metrics
 from embedding_server.settings import ServerSettings
 
+from e2e.harness.proc import free_port
+
 MINILM_DIMS = 384
 
 
@@ -138,12 +140,6 @@ def fake_settings(model: str = "fake", **overrides: Any) -> ServerSettings:
 
 
 SCRIPT = os.path.join(os.path.dirname(sys.executable), "embedding-server")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 class ServerProcess:

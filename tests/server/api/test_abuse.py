@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +27,7 @@ from typing import Any
 import httpx
 import pytest
 
+from e2e.harness.proc import free_port
 from tests.support.api import scrape, wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -38,12 +38,6 @@ MAX_LEN = 64
 passes short on CPU, and every limit below scales from it."""
 MAX_REQUEST_TOKENS = 8192
 MAX_RESPONSE_BYTES = 16_000_000
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @dataclass

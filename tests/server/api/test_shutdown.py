@@ -7,24 +7,18 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 
 import httpx
 import pytest
 
+from e2e.harness.proc import free_port
 from tests.support.api import scrape, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
 SCRIPT = os.path.join(os.path.dirname(sys.executable), "embedding-server")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_0() -> None:

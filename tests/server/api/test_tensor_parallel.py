@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ import psutil
 import pytest
 from embedding_server.engine import Engine
 
+from e2e.harness.proc import free_port
 from tests.support.api import wait_for
 
 pytestmark = pytest.mark.timeout(240)
@@ -50,17 +50,11 @@ class Served:
         return self.process.stdout.read() if self.process.stdout else ""
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @pytest.fixture
 def served(request: pytest.FixtureRequest) -> Iterator[Served]:
     """The server with two ranks (extra flags by indirect parametrization), ready."""
     flags: list[str] = getattr(request, "param", [])
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDDING_SERVER_")}
     process = subprocess.Popen(
         [

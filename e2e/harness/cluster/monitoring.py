@@ -1,0 +1,70 @@
+"""The local cluster's metrics pipeline: Prometheus and prometheus-adapter.
+
+Prometheus scrapes the server pods on the real node; prometheus-adapter serves
+custom.metrics.k8s.io from it with the rules the chart renders; the APIService points the
+aggregation layer at the adapter on the node IP. The HPAs the operator makes read the
+servers' queue depth through it, as they would on a cluster with the chart's adapter rules.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import yaml
+
+from e2e.harness.cluster.client import KubeClient, b64
+from e2e.harness.components import Prometheus, PrometheusAdapter, adapter_api_objects
+from e2e.harness.images.refs import CHART_DIR
+
+if TYPE_CHECKING:
+    from e2e.harness.cluster.local import Cluster
+
+
+class MetricsPipeline:
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+
+    def start(self) -> None:
+        cluster = self.cluster
+        state = cluster.real_node.paths.state
+        prometheus = cluster.start_component(
+            Prometheus(
+                cluster.launcher,
+                cluster.binaries.prometheus,
+                state_dir=state,
+                kubeconfig=cluster.kubeconfig,
+                port=cluster.ports.prometheus,
+                timeout=cluster.timeouts.prometheus,
+            )
+        )
+        adapter = cluster.add_component(
+            PrometheusAdapter(
+                cluster.launcher,
+                cluster.binaries.prometheus_adapter,
+                cluster.api,
+                state_dir=state,
+                kubeconfig=cluster.kubeconfig,
+                rules=chart_adapter_rules(cluster),
+                prometheus_url=prometheus.url,
+                port=cluster.ports.adapter,
+                timeout=cluster.timeouts.adapter,
+            )
+        )
+        cluster.apply(adapter_api_objects(cluster.ports.adapter, b64(cluster.pki.ca.cert)))
+        adapter.wait_ready()
+
+
+def chart_adapter_rules(client: KubeClient) -> str:
+    """prometheus-adapter's config as the chart renders it (its rules ConfigMap)."""
+    rendered = client.helm(
+        "template",
+        "e2e",
+        str(CHART_DIR),
+        "--show-only",
+        "templates/prometheus-adapter-rules.yaml",
+        "--set",
+        "prometheusAdapter.rulesConfigMap.enabled=true",
+    ).stdout
+    config_map = yaml.safe_load(rendered)
+    config: str = config_map["data"]["config.yaml"]
+    return config
