@@ -129,7 +129,8 @@ class Engine(ServingEngine):
                 f"tensor_parallel_size {settings.tensor_parallel_size} serves task embed only; "
                 f"this model's task is {config.task}: serve it with tensor_parallel_size 1"
             )
-        attention = select_backend(settings.attention, probe(device, loaded.dtype, loaded.head_dim))
+        facts = probe(device, loaded.dtype, loaded.head_dim, bias=loaded.attention_bias)
+        attention = select_backend(settings.attention, facts)
         for reason in attention.passed_over:
             logger.warning("attention: not using %s", reason)
         self._tokenizer = TextTokenizer(

@@ -420,6 +420,9 @@ class LoadedModel:
     """That head's weights (on the CPU, float32)."""
     sparse: SparseHead | None = None
     """The SPLADE head of a masked-LM checkpoint (task sparse), where it has one."""
+    attention_bias: str | None = None
+    """What the architecture adds to its attention logits (``Architecture.attention_bias``),
+    which keeps it off the varlen kernels; None: plain attention."""
 
 
 def head_dim_of(config: Mapping[str, Any]) -> int:
@@ -474,6 +477,7 @@ def load_model(
         classifier=classifier[0] if classifier else None,
         classifier_head=classifier[1] if classifier else None,
         sparse=sparse,
+        attention_bias=arch.attention_bias,
     )
 
 
@@ -485,17 +489,18 @@ def load_shard(
     dtype: Dtype,
     device: torch.device,
     shard: Shard,
-) -> tuple[EmbeddingModel, torch.dtype, int]:
+) -> tuple[EmbeddingModel, torch.dtype, int, str | None]:
     """Only the body of ``model``, as tensor-parallel rank ``shard`` holds it: what a worker
     rank needs (no tokenizer, no pooling: those live on rank 0); with the dtype it runs in
-    (resolved as :func:`load_model` resolves it) and its attention head width."""
+    (resolved as :func:`load_model` resolves it), its attention head width and what its
+    attention adds to the logits (``Architecture.attention_bias``)."""
     path = resolve_model_path(model, revision=revision, cache_dir=cache_dir)
     config = read_model_config(path)
     arch = lookup(config)
     overflows = arch.model_type if arch.float16_overflows else None
     compute_dtype = resolve_dtype(dtype, device, fp16_overflows=overflows)
     body = build_model(config, load_weights(path), dtype=compute_dtype, device=device, shard=shard)
-    return body, compute_dtype, head_dim_of(config)
+    return body, compute_dtype, head_dim_of(config), arch.attention_bias
 
 
 def _sparse_head(

@@ -53,6 +53,10 @@ class Architecture:
     """Tensors its checkpoints may hold that it does not read, each with the reason."""
     float16_overflows: bool = False
     """Activations exceed float16's range (inf/NaN vectors): refuse float16."""
+    attention_bias: str | None = None
+    """What the family adds to its attention logits (a relative-position bias), which
+    flash_attn and torch_varlen cannot take: then an SDPA kernel serves it, and the start-up
+    log and ``/info`` say why the varlen kernels were passed over. None: plain attention."""
 
 
 def decoder(variant: DecoderVariant) -> ModelBuilder:
