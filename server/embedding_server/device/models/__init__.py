@@ -27,12 +27,14 @@ from embedding_server.pooling import PoolingMethod
 
 from ..distributed import SINGLE, Shard
 from ..heads import ClassifierReader, MaskedLmReader, score_head
-from . import bert, modernbert
+from . import bert, deberta_v2, modernbert, mpnet
 from .base import Checkpoint, EmbeddingModel, Ignored, PackedBatch
 from .bert import BertModel
+from .deberta_v2 import DebertaV2Model
 from .gemma3 import MULTIMODAL_REFUSAL, Gemma3TextModel
 from .llama import DecoderVariant, LlamaModel
 from .modernbert import ModernBertModel
+from .mpnet import MPNetModel
 
 ModelBuilder = Callable[[Checkpoint], EmbeddingModel]
 
@@ -84,6 +86,23 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("qwen2", decoder(QWEN2), "last", score_head),
         Architecture("qwen3", decoder(QWEN3), "last", score_head),
         Architecture("gemma3_text", Gemma3TextModel, "last", score_head, float16_overflows=True),
+        Architecture(
+            "mpnet",
+            MPNetModel,
+            "cls",
+            bert.classification_head,  # RoBERTa's: classifier.dense + tanh, out_proj
+            mpnet.masked_lm_head,
+            ignored=mpnet.IGNORED,
+            attention_bias="MPNet's relative-position bias",
+        ),
+        Architecture(
+            "deberta-v2",
+            DebertaV2Model,
+            "cls",
+            deberta_v2.classification_head,
+            ignored=deberta_v2.IGNORED,
+            attention_bias="DeBERTa's disentangled position terms",
+        ),
     )
 }
 
