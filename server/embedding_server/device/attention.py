@@ -569,7 +569,10 @@ def _attend(
         vb = vb.repeat_interleave(rep, dim=1)
     kwargs: dict[str, Any] = {"scale": scale}
     if bias is not None:
-        kwargs["attn_mask"] = bias(qb, kb)  # padded keys already at -inf
+        # Padded keys are already at -inf. Expanded to 4-D (a view): torch's fused CPU kernel
+        # takes a float mask only in that shape, and a [heads, L, L] one falls back to the
+        # unfused math, several times slower from L ~ 100 (docs/performance-log.md).
+        kwargs["attn_mask"] = bias(qb, kb).expand(n, qb.shape[1], length, length)
     elif window_mask is not None:
         kwargs["attn_mask"] = window_mask  # causality and padding are folded into the band
     elif causal:

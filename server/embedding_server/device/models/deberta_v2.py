@@ -15,15 +15,16 @@ v3 has no absolute positions (``position_biased_input: false``) and no segment i
 MPNet's bias they cannot be computed once per batch; and flash_attn and torch_varlen take no
 additive term at all. So DeBERTa runs on the SDPA kernels' padded length buckets (the
 registry declares ``attention_bias``): per layer and bucket, :class:`_DisentangledBias`
-computes ``c2p + p2c`` from the bucket's ``[n, heads, L, head_dim]`` query and key blocks as
-two matmuls against the position projections and two gathers, and SDPA adds it as its float
-mask. Two things keep that cheap:
+computes ``c2p + p2c`` from the bucket's ``[n, heads, L, head_dim]`` query and key blocks,
+and SDPA adds it as its float mask. What keeps that cheap:
 
 - The projected position embeddings depend only on weights, so each layer's are computed once
   at load (in the model dtype, as transformers computes them per forward), not per batch.
-- A sequence of length ``L`` only reaches relative positions ``|i - j| < L``: each bucket
-  multiplies by the slice of position embeddings its pairs use (at most ``2L - 1`` rows, not
-  the table's ``2 * position_buckets``).
+- A sequence of length ``L`` only has the distances ``-(L - 1) .. L - 1``: each term is one
+  matmul against those ``2L - 1`` rows (not the table's ``2 * position_buckets``), ordered so
+  that each pair's score lies on a diagonal that a strided view reads out
+  (:func:`_relative_scores`),
+  where transformers gathers through an index as large as the scores.
 
 The relative-position index of each distance is computed once on the host, in float32 as
 transformers computes it. The convolution that deberta-v2-xlarge/xxlarge add after the first
@@ -88,17 +89,16 @@ def log_bucket_position(
 
 
 class _RelativePositions:
-    """Which row of the projected position embeddings each distance ``i - j`` reads
-    (transformers' ``clamp(relative_pos + span, 0, 2 * span - 1)``), for every distance a
-    sequence of up to ``size`` tokens has: computed on the host, kept there and on the
-    device, grown on demand."""
+    """Which row of the position embeddings each distance ``i - j`` reads (transformers'
+    ``clamp(relative_pos + span, 0, 2 * span - 1)``), for every distance of sequences of up
+    to ``size`` tokens: computed once on the host, in float32 as transformers computes it,
+    kept on the device, grown on demand."""
 
     def __init__(
         self, span: int, buckets: int, max_relative: int, size: int, device: torch.device
     ) -> None:
         self.span, self.buckets, self.max_relative = span, buckets, max_relative
         self.device = device
-        self._windows: dict[int, tuple[int, int]] = {}
         self._build(size)
 
     def _build(self, size: int) -> None:
@@ -107,62 +107,73 @@ class _RelativePositions:
         relative = distance
         if self.buckets > 0 and self.max_relative > 0:
             relative = log_bucket_position(distance, self.buckets, self.max_relative)
-        self.host = torch.clamp(relative + self.span, 0, 2 * self.span - 1)
-        self.rows = self.host.to(self.device)
-        self._windows.clear()
+        rows = torch.clamp(relative + self.span, 0, 2 * self.span - 1)
+        self._rising = rows.to(self.device)
+        self._falling = rows.flip(0).to(self.device)
 
-    def window(self, length: int) -> tuple[int, int]:
-        """The first and last row that sequences of ``length`` tokens read."""
+    def rows(self, length: int, *, rising: bool) -> torch.Tensor:
+        """``[2L - 1]``: the row of each distance a sequence of ``length`` tokens has, from
+        ``-(L - 1)`` up (``rising``) or from ``L - 1`` down."""
         if length > self.size:
             self._build(max(length, 2 * self.size))
-        window = self._windows.get(length)
-        if window is None:
-            used = self.host[self.size - length : self.size + length - 1]
-            window = self._windows[length] = (int(used.min()), int(used.max()))
-        return window
+        rows = self._rising if rising else self._falling
+        return rows[self.size - length : self.size + length - 1]
 
-    def pairs(self, length: int, first: int) -> torch.Tensor:
-        """``[L, L]``: the row pair ``(i, j)`` reads, less ``first`` (on the device)."""
-        pos = torch.arange(length, device=self.device)
-        distance = pos.unsqueeze(1) - pos.unsqueeze(0) + (self.size - 1)
-        return self.rows.index_select(0, distance.view(-1)).view(length, length) - first
+
+def _relative_scores(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """``[n, heads, L, L]``: ``x``'s scores (``[n, heads, L, head_dim]``) against ``table``
+    (``[heads, 2L - 1, head_dim]``), element ``[a, b]`` read from column ``b - a + L - 1``:
+    the diagonals of a relative-position score, with no gather (Transformer-XL's relative
+    shift, as a strided view).
+
+    One matmul per head over all ``n * L`` rows: ``x`` is a transposed view of the packed
+    tokens, so heads-first it is a plain view too, and nothing is copied."""
+    n, heads, length, dim = x.shape
+    width = table.shape[1]
+    rows = x.transpose(0, 1).reshape(heads, n * length, dim)
+    scores = torch.bmm(rows, table.transpose(1, 2))  # [heads, n * L, 2L - 1], contiguous
+    return scores.as_strided(
+        (n, heads, length, length),
+        (length * width, n * length * width, width - 1, 1),
+        length - 1,
+    )
 
 
 @dataclass(frozen=True, eq=False)
 class _DisentangledBias:
     """One layer's ``c2p + p2c`` terms, per length bucket: an
-    :class:`~..attention.AttentionBias`."""
+    :class:`~..attention.AttentionBias`.
+
+    For a bucket of length ``L``, each term is one matmul against the ``2L - 1`` position
+    embeddings of the distances ``-(L - 1) .. L - 1`` (rows repeated where distances share a
+    bucket), ordered so that the score of pair ``(i, j)`` lies on a diagonal that a strided
+    view reads out, where transformers gathers from all ``2 * span`` rows."""
 
     positions: _RelativePositions
     pos_key: torch.Tensor | None
-    """``[heads, 2 * span, head_dim]``: the position embeddings through the key projection
-    (c2p), None without c2p."""
+    """``[heads, 2 * span, head_dim]``: the position embeddings through the key projection,
+    divided by the attention's root scale (c2p); None without c2p."""
     pos_query: torch.Tensor | None
-    """The same through the query projection (p2c), None without p2c."""
-    root: float
-    """``sqrt(head_dim * scale_factor)``, which every term is divided by."""
+    """The same through the query projection (p2c); None without p2c."""
 
     def __call__(
         self, plan: AttentionPlan, index: int, q: torch.Tensor, k: torch.Tensor
     ) -> torch.Tensor:
-        n, heads, length = q.shape[0], q.shape[1], q.shape[2]
-        first, last = self.positions.window(length)
-        pairs = plan.memo(
-            (self.positions, length), lambda: self.positions.pairs(length, first)
-        )  # shared by every layer of the batch
-        shape = (n, heads, length, length)
+        length = q.shape[2]
         bias: torch.Tensor | None = None
         if self.pos_key is not None:
-            # c2p[i, j] = q_i . pos_key[row(i - j)]
-            scores = torch.matmul(q, self.pos_key[:, first : last + 1].transpose(-1, -2))
-            bias = torch.gather(scores, -1, pairs.expand(shape)) / self.root
+            # c2p[i, j] = q_i . pos_key[row(i - j)]: column c holds distance L - 1 - c, so
+            # (i, j) is column j - i + L - 1.
+            rows = self.positions.rows(length, rising=False)
+            bias = _relative_scores(q, self.pos_key.index_select(1, rows))
         if self.pos_query is not None:
-            # p2c[i, j] = k_j . pos_query[row(i - j)]: gathered per key row j, then transposed
-            scores = torch.matmul(k, self.pos_query[:, first : last + 1].transpose(-1, -2))
-            p2c = torch.gather(scores, -1, pairs.t().expand(shape)).transpose(-1, -2) / self.root
+            # p2c[i, j] = k_j . pos_query[row(i - j)]: column c holds distance c - (L - 1), so
+            # (j, i) is column i - j + L - 1; transposed.
+            rows = self.positions.rows(length, rising=True)
+            p2c = _relative_scores(k, self.pos_query.index_select(1, rows)).transpose(-1, -2)
             bias = p2c if bias is None else bias + p2c
         assert bias is not None  # built only with c2p or p2c
-        return plan.mask_keys(index, bias)
+        return plan.mask_keys(index, bias.contiguous())
 
 
 @dataclass
@@ -279,10 +290,11 @@ class DebertaV2Model:
                 )
 
         def position_projection(weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-            """``rel`` through one projection, ``[heads, 2 * span, head_dim]``."""
+            """``rel`` through one projection, divided by the root scale as transformers
+            divides the terms: ``[heads, 2 * span, head_dim]``."""
             assert rel is not None
-            out = F.linear(rel, weight, bias).view(rel.shape[0], split.heads, self.head_dim)
-            return out.transpose(0, 1).contiguous()
+            out = F.linear(rel, weight, bias) / root
+            return out.view(rel.shape[0], split.heads, self.head_dim).transpose(0, 1).contiguous()
 
         self.layers: list[_Layer] = []
         for i in range(int(config["num_hidden_layers"])):
@@ -315,7 +327,7 @@ class DebertaV2Model:
                         q_w if share_att_key else w.rows(a + f"{name}.weight", split.q),
                         q_b if share_att_key else w.rows(a + f"{name}.bias", split.q),
                     )
-                bias = _DisentangledBias(positions, pos_key, pos_query, root)
+                bias = _DisentangledBias(positions, pos_key, pos_query)
             self.layers.append(
                 _Layer(
                     qkv_w=torch.cat([q_w, k_w, v_w]),
