@@ -12,12 +12,19 @@ time is printed too: on a shared machine wall-clock ratios are noisy, CPU-time r
 chart goes to bench/out/offline.png.
 
     .venv/bin/python -m bench.offline --texts 1000
+    .venv/bin/python -m bench.offline --family mpnet --texts 200
+
+``--family`` builds a model with random weights and a real model's shape instead
+(:data:`FAMILIES`: BERT-base, mpnet-base, deberta-v3-base; all-MiniLM's tokenizer, mean
+pooling as all-mpnet-base-v2 declares it), so families are compared at one size without
+downloading anything; random weights cost what trained ones do.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,6 +41,65 @@ from bench import out_dir
 from bench.corpus import make_corpus
 
 OUT = out_dir()
+
+# model_type -> (the real model whose shape it takes, transformers config overrides).
+_BASE = {
+    "hidden_size": 768,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "intermediate_size": 3072,
+}
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "bert": ("bert-base-uncased", {**_BASE, "vocab_size": 30522, "max_position_embeddings": 512}),
+    "mpnet": (
+        "sentence-transformers/all-mpnet-base-v2",
+        {**_BASE, "vocab_size": 30527, "max_position_embeddings": 514},
+    ),
+    "deberta-v2": (
+        "microsoft/deberta-v3-base",
+        {
+            **_BASE,
+            "vocab_size": 128100,
+            "max_position_embeddings": 512,
+            "relative_attention": True,
+            "pos_att_type": ["p2c", "c2p"],
+            "position_buckets": 256,
+            "max_relative_positions": -1,
+            "share_att_key": True,
+            "norm_rel_ebd": "layer_norm",
+            "position_biased_input": False,
+            "type_vocab_size": 0,
+            "layer_norm_eps": 1e-7,
+        },
+    ),
+}
+
+
+def random_model(family: str) -> Path:
+    """A sentence-transformers model (the body, mean pooling) of ``family``'s real shape with
+    random weights, built once under the output folder."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+    from transformers import AutoConfig, AutoModel
+
+    target = OUT / f"random-{family}"
+    if (target / "modules.json").is_file():
+        return target
+    body = OUT / f"random-{family}-body"
+    body.mkdir(parents=True, exist_ok=True)
+    minilm = resolve_model_path(DEFAULT_MODEL)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        if (minilm / name).is_file():
+            shutil.copy(minilm / name, body / name)
+    torch.manual_seed(0)
+    AutoModel.from_config(AutoConfig.for_model(family, **FAMILIES[family][1])).save_pretrained(
+        str(body)
+    )
+    transformer = Transformer(str(body), max_seq_length=512)
+    pooling = Pooling(transformer.get_embedding_dimension(), pooling_mode="mean")
+    SentenceTransformer(modules=[transformer, pooling], device="cpu").save(str(target))
+    shutil.rmtree(body)
+    return target
 
 
 @dataclass
@@ -88,10 +154,16 @@ def matmul_peak(
 
 
 def model_flops_per_token(config: dict[str, Any], mean_len: float) -> float:
-    """Matmul FLOPs per token of a BERT-style encoder: linear layers plus attention."""
+    """Matmul FLOPs per token of a BERT-style encoder: linear layers plus attention. DeBERTa's
+    position terms add a matmul each against the position embeddings a sequence reaches
+    (about ``2 * mean_len`` rows, at most ``2 * position_buckets``)."""
     h, i, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
     linear = 4 * h * h + 2 * h * i
     attention = 2 * mean_len * h  # QK^T and PV, per token
+    if config.get("model_type") == "deberta-v2" and config.get("relative_attention"):
+        span = config.get("position_buckets") or config["max_position_embeddings"]
+        terms = len({"c2p", "p2c"} & set(config.get("pos_att_type") or []))
+        attention += terms * min(2 * mean_len, 2 * span) * h
     return 2 * layers * (linear + attention)
 
 
@@ -102,6 +174,12 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument(
+        "--family",
+        choices=sorted(FAMILIES),
+        default=None,
+        help="instead of --model: random weights in the shape of the family's base model",
+    )
     parser.add_argument("--texts", type=int, default=1000)
     parser.add_argument("--st-batch-size", type=int, default=32)
     parser.add_argument(
@@ -121,6 +199,9 @@ def main() -> None:
 
     threads = cpu_thread_budget()
     torch.set_num_threads(threads)
+    if args.family is not None:
+        args.model = str(random_model(args.family))
+        print(f"random {args.family} weights in {FAMILIES[args.family][0]}'s shape")
     path = resolve_model_path(args.model)
     config = json.loads((path / "config.json").read_text())
     texts = make_corpus(args.texts)
