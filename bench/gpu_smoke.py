@@ -11,9 +11,9 @@ One command, a few minutes, no downloads; what it prints goes into docs/benchmar
    float32 reference: head dims 32-256, grouped-query and plain, causal and bidirectional,
    with and without a sliding window, one packed batch of lengths from 1 to 2048.
 3. Models: a tiny random model of each family (BERT, XLM-R, CamemBERT, DistilBERT, ERNIE,
-   ELECTRA, ModernBERT, Llama, Mistral, Qwen2, Qwen3, Gemma 3) on the device in each dtype and
-   kernel, against the CPU in float32; then a sequence and a token classifier through the
-   whole engine (heads on the device).
+   ELECTRA, MPNet, DeBERTa-v3, ModernBERT, Llama, Mistral, Qwen2, Qwen3, Gemma 3) on the
+   device in each dtype and kernel it can run, against the CPU in float32; then a sequence
+   and a token classifier through the whole engine (heads on the device).
 4. Scale: a two-layer decoder with a 7B model's shapes (hidden 4096, 32 heads, 8 KV heads,
    MLP 14336) at the full GPU token budget: time per forward and peak memory, per kernel.
 
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from embedding_server.device import attention
 from embedding_server.device.attention import Backend, plan_attention, probe, select_backend, unfit
 from embedding_server.device.loading import head_dim_of, load_weights, read_model_config
-from embedding_server.device.models import build_model, lookup
+from embedding_server.device.models import ARCHITECTURES, build_model, lookup
 from embedding_server.device.models.base import PackedBatch
 from embedding_server.settings import GPU_BATCH_TOKENS
 
@@ -88,8 +88,10 @@ def device_facts(device: torch.device) -> dict[str, Any]:
     return facts
 
 
-def runnable_backends(device: torch.device, dtype: torch.dtype, head_dim: int) -> list[Backend]:
-    facts = probe(device, dtype, head_dim)
+def runnable_backends(
+    device: torch.device, dtype: torch.dtype, head_dim: int, bias: str | None = None
+) -> list[Backend]:
+    facts = probe(device, dtype, head_dim, bias=bias)
     return [b for b in Backend if unfit(b, facts) is None]
 
 
@@ -164,6 +166,18 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "distilbert": {"n_heads": 4, "hidden_dim": 128, "max_position_embeddings": 2048},
     "ernie": {"num_attention_heads": 4, "max_position_embeddings": 2048, "use_task_id": True},
     "electra": {"num_attention_heads": 4, "max_position_embeddings": 2048, "embedding_size": 32},
+    # Position terms on the logits: the SDPA kernels only (attention.AttentionFacts.bias).
+    "mpnet": {"num_attention_heads": 4, "max_position_embeddings": 2050},
+    "deberta-v2": {  # DeBERTa-v3's layout
+        "num_attention_heads": 4,
+        "max_position_embeddings": 2048,
+        "relative_attention": True,
+        "pos_att_type": ["p2c", "c2p"],
+        "position_buckets": 256,
+        "share_att_key": True,
+        "norm_rel_ebd": "layer_norm",
+        "position_biased_input": False,
+    },
     "modernbert": {
         "num_attention_heads": 4,
         "global_attn_every_n_layers": 2,
@@ -219,10 +233,11 @@ def model_checks(
         want = _hidden(path, torch.device("cpu"), torch.float32, Backend.SDPA_BUCKETED, seqs)
         config = read_model_config(path)
         head_dim = head_dim_of(lookup(config).read_config(config))
+        bias = ARCHITECTURES[model_type].attention_bias
         for dtype in dtypes:
             if model_type == "gemma3_text" and dtype == torch.float16:
                 continue  # refused by the server: Gemma 3 overflows float16
-            for backend in runnable_backends(device, dtype, head_dim):
+            for backend in runnable_backends(device, dtype, head_dim, bias):
                 got = _hidden(path, device, dtype, backend, seqs)
                 cosine = _row_cosine(got, want)
                 yield Check(

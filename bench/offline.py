@@ -12,12 +12,13 @@ time is printed too: on a shared machine wall-clock ratios are noisy, CPU-time r
 chart goes to bench/out/offline.png.
 
     .venv/bin/python -m bench.offline --texts 1000
-    .venv/bin/python -m bench.offline --family distilbert   # a random distilbert-base
+    .venv/bin/python -m bench.offline --family mpnet --texts 200
 
-``--family`` measures a model family without downloading a checkpoint: a random model with
-the shapes of the family's base checkpoint (:data:`FAMILIES`), the packaged MiniLM's
-tokenizer, and a sentence-transformers pipeline that pools the first token as the server
-does, built once under ``bench/out/models/``. Random weights run at the speed real ones do.
+``--family`` measures a model family without downloading a checkpoint: random weights in the
+shape of the family's base checkpoint (:data:`FAMILIES`: bert-base, mpnet-base,
+deberta-v3-base, distilbert-base, camembert-base, ernie-3.0-base, electra-base), all-MiniLM's
+tokenizer, and the pooling that family's embedders declare, built once under ``bench/out/``.
+Random weights run at the speed real ones do, so families compare at one size.
 """
 
 from __future__ import annotations
@@ -42,6 +43,108 @@ from bench import out_dir
 from bench.corpus import make_corpus
 
 OUT = out_dir()
+
+# model_type -> (the real model whose shape it takes, transformers config overrides, the
+# pooling its embedders declare).
+_BASE = {
+    "hidden_size": 768,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "intermediate_size": 3072,
+}
+FAMILIES: dict[str, tuple[str, dict[str, Any], str]] = {
+    "bert": (
+        "bert-base-uncased",
+        {**_BASE, "vocab_size": 30522, "max_position_embeddings": 512},
+        "mean",
+    ),
+    "mpnet": (
+        "sentence-transformers/all-mpnet-base-v2",
+        {**_BASE, "vocab_size": 30527, "max_position_embeddings": 514},
+        "mean",
+    ),
+    "deberta-v2": (
+        "microsoft/deberta-v3-base",
+        {
+            **_BASE,
+            "vocab_size": 128100,
+            "max_position_embeddings": 512,
+            "relative_attention": True,
+            "pos_att_type": ["p2c", "c2p"],
+            "position_buckets": 256,
+            "max_relative_positions": -1,
+            "share_att_key": True,
+            "norm_rel_ebd": "layer_norm",
+            "position_biased_input": False,
+            "type_vocab_size": 0,
+            "layer_norm_eps": 1e-7,
+        },
+        "mean",
+    ),
+    # distiluse-base-multilingual and msmarco-distilbert have these shapes too.
+    "distilbert": (
+        "distilbert-base-uncased",
+        {"vocab_size": 30522, "dim": 768, "n_layers": 6, "n_heads": 12, "hidden_dim": 3072},
+        "cls",
+    ),
+    # Vocabulary 32005: the MiniLM tokenizer's ids fit it.
+    "camembert": (
+        "camembert-base",
+        {
+            **_BASE,
+            "vocab_size": 32005,
+            "max_position_embeddings": 514,
+            "type_vocab_size": 1,
+            "pad_token_id": 1,
+        },
+        "cls",
+    ),
+    "ernie": (
+        "nghuyong/ernie-3.0-base-zh",
+        {
+            **_BASE,
+            "vocab_size": 40000,
+            "max_position_embeddings": 2048,
+            "type_vocab_size": 4,
+            "use_task_id": True,
+            "task_type_vocab_size": 3,
+        },
+        "cls",
+    ),
+    # ms-marco-electra-base's discriminator.
+    "electra": (
+        "google/electra-base-discriminator",
+        {**_BASE, "vocab_size": 30522, "embedding_size": 768},
+        "cls",
+    ),
+}
+
+
+def random_model(family: str) -> Path:
+    """A sentence-transformers model (the body, then the family's pooling) of ``family``'s
+    real shape with random weights, built once under the output folder."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+    from transformers import AutoConfig, AutoModel
+
+    target = OUT / f"random-{family}"
+    if (target / "modules.json").is_file():
+        return target
+    body = OUT / f"random-{family}-body"
+    body.mkdir(parents=True, exist_ok=True)
+    minilm = resolve_model_path(DEFAULT_MODEL)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        if (minilm / name).is_file():
+            shutil.copy(minilm / name, body / name)
+    torch.manual_seed(0)
+    AutoModel.from_config(AutoConfig.for_model(family, **FAMILIES[family][1])).save_pretrained(
+        str(body)
+    )
+    transformer = Transformer(str(body), max_seq_length=512)
+    pooling = Pooling(transformer.get_embedding_dimension(), pooling_mode=FAMILIES[family][2])
+    SentenceTransformer(modules=[transformer, pooling], device="cpu").save(str(target))
+    shutil.rmtree(body)
+    return target
 
 
 @dataclass
@@ -95,64 +198,17 @@ def matmul_peak(
     return best
 
 
-_BASE = {"num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072}
-FAMILIES: dict[str, dict[str, Any]] = {
-    # distilbert-base-uncased (distiluse-base-multilingual, msmarco-distilbert: the same shapes)
-    "distilbert": {"dim": 768, "n_layers": 6, "n_heads": 12, "hidden_dim": 3072},
-    # camembert-base (vocabulary 32005: the MiniLM tokenizer's ids fit it)
-    "camembert": {
-        **_BASE,
-        "hidden_size": 768,
-        "vocab_size": 32005,
-        "max_position_embeddings": 514,
-        "type_vocab_size": 1,
-        "pad_token_id": 1,
-    },
-    # ernie-3.0-base-zh
-    "ernie": {
-        **_BASE,
-        "hidden_size": 768,
-        "vocab_size": 40000,
-        "max_position_embeddings": 2048,
-        "type_vocab_size": 4,
-        "use_task_id": True,
-        "task_type_vocab_size": 3,
-    },
-    # electra-base-discriminator (ms-marco-electra-base)
-    "electra": {**_BASE, "hidden_size": 768, "embedding_size": 768},
-}
-"""Shapes of each family's base checkpoint, for ``--family``."""
-
-
-def family_model(family: str) -> Path:
-    """A random ``family`` model with its base checkpoint's shapes, MiniLM's tokenizer and a
-    CLS-pooling sentence-transformers pipeline (built once)."""
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
-    from transformers import AutoConfig, AutoModel
-
-    out = OUT / "models" / family
-    if (out / "modules.json").exists():
-        return out
-    source = resolve_model_path(DEFAULT_MODEL)
-    body = OUT / "models" / f"{family}-body"
-    body.mkdir(parents=True, exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
-        shutil.copy(source / name, body / name)
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(family, **{"vocab_size": 30522, **FAMILIES[family]})
-    AutoModel.from_config(config).save_pretrained(str(body))
-    transformer = Transformer(str(body), max_seq_length=512)
-    pooling = Pooling(transformer.get_embedding_dimension(), pooling_mode="cls")
-    SentenceTransformer(modules=[transformer, pooling], device="cpu").save(str(out))
-    return out
-
-
 def model_flops_per_token(config: dict[str, Any], mean_len: float) -> float:
-    """Matmul FLOPs per token of a BERT-style encoder: linear layers plus attention."""
+    """Matmul FLOPs per token of a BERT-style encoder: linear layers plus attention. DeBERTa's
+    position terms add a matmul each against the position embeddings a sequence reaches
+    (about ``2 * mean_len`` rows, at most ``2 * position_buckets``)."""
     h, i, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
     linear = 4 * h * h + 2 * h * i
     attention = 2 * mean_len * h  # QK^T and PV, per token
+    if config.get("model_type") == "deberta-v2" and config.get("relative_attention"):
+        span = config.get("position_buckets") or config["max_position_embeddings"]
+        terms = len({"c2p", "p2c"} & set(config.get("pos_att_type") or []))
+        attention += terms * min(2 * mean_len, 2 * span) * h
     return 2 * layers * (linear + attention)
 
 
@@ -162,12 +218,12 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    chosen = parser.add_mutually_exclusive_group()
-    chosen.add_argument("--model", default=DEFAULT_MODEL)
-    chosen.add_argument(
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument(
         "--family",
         choices=sorted(FAMILIES),
-        help="a random model sized like the family's base checkpoint, instead of --model",
+        default=None,
+        help="instead of --model: random weights in the shape of the family's base model",
     )
     parser.add_argument("--texts", type=int, default=1000)
     parser.add_argument("--st-batch-size", type=int, default=32)
@@ -188,8 +244,9 @@ def main() -> None:
 
     threads = cpu_thread_budget()
     torch.set_num_threads(threads)
-    if args.family:
-        args.model = str(family_model(args.family))
+    if args.family is not None:
+        args.model = str(random_model(args.family))
+        print(f"random {args.family} weights in {FAMILIES[args.family][0]}'s shape")
     path = resolve_model_path(args.model)
     config = json.loads((path / "config.json").read_text())
     config = lookup(config).read_config(config)  # hidden_size ... whatever the family says

@@ -12,7 +12,14 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from tests.support.models import MINILM_DIR, build_bert, build_decoder, build_xlm_roberta
+from tests.support.models import (
+    MINILM_DIR,
+    build_bert,
+    build_deberta,
+    build_decoder,
+    build_mpnet,
+    build_xlm_roberta,
+)
 
 
 @pytest.fixture(scope="session")
@@ -28,6 +35,10 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
                 cache[model_type] = build_bert(target)
             elif model_type == "xlm-roberta":
                 cache[model_type] = build_xlm_roberta(target)
+            elif model_type == "mpnet":
+                cache[model_type] = build_mpnet(target)
+            elif model_type == "deberta-v2":  # DeBERTa-v3's layout
+                cache[model_type] = build_deberta(target)
             else:
                 cache[model_type] = build_decoder(target, model_type)
         return cache[model_type]

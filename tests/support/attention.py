@@ -195,7 +195,9 @@ def pretend_cuda(
     )
     monkeypatch.setattr(attention, "varlen_kernels", lambda: kernels)
 
-    def probe(device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionFacts:
+    def probe(
+        device: torch.device, dtype: torch.dtype, head_dim: int, *, bias: str | None = None
+    ) -> AttentionFacts:
         return AttentionFacts(
             device_type="cuda",
             dtype=dtype,
@@ -203,6 +205,7 @@ def pretend_cuda(
             capability=capability,
             flash_attn_error=kernels.flash_error,
             torch_varlen_error=kernels.torch_varlen_error,
+            bias=bias,
         )
 
     # Where the engine (and inspect) choose the kernel from the facts.

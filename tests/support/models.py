@@ -513,3 +513,109 @@ def build_custom_code(path: Path) -> Path:
     }
     (path / "config.json").write_text(json.dumps(saved, indent=2))
     return path
+
+
+# MPNet and DeBERTa-v2/v3: encoders whose attention logits carry position terms.
+def build_mpnet(path: Path) -> Path:
+    """A 2-layer MPNet (positions from padding_idx + 1 = 2, the relative-position bias on
+    every layer) with a byte-level tokenizer wrapping inputs in <s> ... </s>, as MPNet's."""
+    path.mkdir(parents=True, exist_ok=True)
+    tok = byte_tokenizer(["<s>", "<pad>", "</s>", "<unk>"], "<s> $A </s>", ["<s>", "</s>"])
+    _save_tokenizer(
+        tok,
+        path,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        cls_token="<s>",
+        sep_token="</s>",
+    )
+    _save_model(
+        "mpnet",
+        path,
+        tok.get_vocab_size(),
+        seed=6,
+        **{**_ENCODER, "max_position_embeddings": 258},
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+    )
+    return path
+
+
+DEBERTA_SPECIALS = ["[PAD]", "[CLS]", "[SEP]", "[UNK]"]
+# name -> config overrides; lengths of the test batches reach 96 tokens, so every variant's
+# relative positions are clamped or log-bucketed somewhere.
+DEBERTA_VARIANTS: dict[str, dict[str, Any]] = {
+    # DeBERTa-v3's layout (mxbai-rerank-v1, deberta-v3-base): log buckets (8 here, 256 there)
+    # shared key/query projections, LayerNorm'ed rel_embeddings, no absolute positions, no
+    # segment ids.
+    "deberta-v3": {
+        "relative_attention": True,
+        "pos_att_type": ["p2c", "c2p"],
+        "position_buckets": 8,
+        "max_relative_positions": -1,
+        "share_att_key": True,
+        "norm_rel_ebd": "layer_norm",
+        "position_biased_input": False,
+        "type_vocab_size": 0,
+    },
+    # DeBERTa-v2-xlarge's layout: plain distances clamped at max_relative_positions, separate
+    # position projections, absolute positions and segment ids, the convolution after the
+    # first layer (grouped here), and a narrower embedding projected up; the scale counts
+    # both terms of the string-form pos_att_type.
+    "deberta-v2-conv": {
+        "relative_attention": True,
+        "pos_att_type": "p2c|c2p",
+        "position_buckets": -1,
+        "max_relative_positions": 16,
+        "share_att_key": False,
+        "norm_rel_ebd": "none",
+        "position_biased_input": True,
+        "type_vocab_size": 2,
+        "conv_kernel_size": 3,
+        "conv_groups": 2,
+        "conv_act": "gelu",
+        "embedding_size": 24,
+    },
+    # Content-to-position only, log-bucketed without the LayerNorm.
+    "deberta-v2-c2p": {
+        "relative_attention": True,
+        "pos_att_type": ["c2p"],
+        "position_buckets": 16,
+        "max_relative_positions": 64,
+        "share_att_key": False,
+        "position_biased_input": False,
+    },
+}
+
+
+def deberta_tokenizer(path: Path) -> int:
+    """DeBERTa's [CLS] a [SEP] (b [SEP]) template over a byte-level vocabulary; its size."""
+    tok = byte_tokenizer(DEBERTA_SPECIALS, "[CLS] $A [SEP]", ["[CLS]", "[SEP]"])
+    vocab = tok.get_vocab()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[(t, vocab[t]) for t in ("[CLS]", "[SEP]")],
+    )
+    _save_tokenizer(
+        tok, path, cls_token="[CLS]", sep_token="[SEP]", pad_token="[PAD]", unk_token="[UNK]"
+    )
+    return int(tok.get_vocab_size())
+
+
+def build_deberta(path: Path, variant: str = "deberta-v3") -> Path:
+    """A 2-layer DeBERTa-v2 model of one of :data:`DEBERTA_VARIANTS`' layouts. A string
+    ``pos_att_type`` is written back as such (transformers saves it as a list), as older Hub
+    configs have it."""
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = deberta_tokenizer(path)
+    overrides = DEBERTA_VARIANTS[variant]
+    _save_model("deberta-v2", path, vocab, seed=7, **_ENCODER, **overrides, pad_token_id=0)
+    if isinstance(overrides.get("pos_att_type"), str):
+        config = json.loads((path / "config.json").read_text())
+        config["pos_att_type"] = overrides["pos_att_type"]
+        (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path

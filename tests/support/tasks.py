@@ -19,7 +19,14 @@ from transformers import (
     AutoModelForTokenClassification,
 )
 
-from tests.support.models import MINILM_DIR, _save_tokenizer, byte_tokenizer, spread_weights
+from tests.support.models import (
+    DEBERTA_VARIANTS,
+    MINILM_DIR,
+    _save_tokenizer,
+    byte_tokenizer,
+    deberta_tokenizer,
+    spread_weights,
+)
 
 _ENCODER: dict[str, Any] = {
     "hidden_size": 32,
@@ -59,7 +66,9 @@ def build_classifier(
     ``per_token``) with ``num_labels`` labels.
 
     ``family``: bert (the real MiniLM WordPiece tokenizer, two token types), xlm-roberta
-    (``<s> a </s></s> b </s>``), modernbert, qwen3 or llama (last-token ``score`` head).
+    (``<s> a </s></s> b </s>``), mpnet (the same template), deberta-v2 (DeBERTa-v3's layout,
+    ``[CLS] a [SEP] b [SEP]``; ``overrides`` may give another), modernbert, qwen3 or llama
+    (last-token ``score`` head).
     """
     path.mkdir(parents=True, exist_ok=True)
     labels = {"id2label": {str(i): f"class_{i}" for i in range(num_labels)}}
@@ -104,6 +113,43 @@ def build_classifier(
             eos_token_id=2,
             **_ENCODER,
             **common,
+        )
+    elif family == "mpnet":
+        vocab = _byte_tokenizer_with_pairs(
+            path,
+            ["<s>", "<pad>", "</s>", "<unk>"],
+            "<s> $A </s>",
+            "<s> $A </s> </s> $B </s>",
+            ["<s>", "</s>"],
+            bos_token="<s>",
+            eos_token="</s>",
+            pad_token="<pad>",
+            unk_token="<unk>",
+            cls_token="<s>",
+            sep_token="</s>",
+        )
+        _save_classifier(
+            "mpnet",
+            path,
+            16,
+            vocab_size=vocab,
+            max_position_embeddings=130,
+            pad_token_id=1,
+            bos_token_id=0,
+            eos_token_id=2,
+            **_ENCODER,
+            **common,
+        )
+    elif family == "deberta-v2":
+        _save_classifier(
+            "deberta-v2",
+            path,
+            17,
+            vocab_size=deberta_tokenizer(path),
+            max_position_embeddings=128,
+            pad_token_id=0,
+            **_ENCODER,
+            **{**DEBERTA_VARIANTS["deberta-v3"], **common},
         )
     elif family == "modernbert":
         vocab = _byte_tokenizer_with_pairs(
@@ -177,8 +223,9 @@ def save_cross_encoder(path: Path, max_length: int = 64) -> Path:
 
 
 def build_splade(path: Path, family: str, strategy: str = "max") -> Path:
-    """A 2-layer ``<family>ForMaskedLM`` (bert or xlm-roberta) wrapped by sentence-transformers
-    as a SPLADE SparseEncoder (MLMTransformer + SpladePooling), saved at ``path``."""
+    """A 2-layer ``<family>ForMaskedLM`` (bert, xlm-roberta or mpnet) wrapped by
+    sentence-transformers as a SPLADE SparseEncoder (MLMTransformer + SpladePooling), saved at
+    ``path``."""
     from sentence_transformers import SparseEncoder
     from sentence_transformers.sparse_encoder.modules import MLMTransformer, SpladePooling
     from transformers import AutoModelForMaskedLM

@@ -26,6 +26,14 @@ cannot run it fails at start instead of serving slowly. The plan (bucket or padd
 banded masks) depends only on the sequence lengths, so it is built once per batch
 (:func:`plan_attention`) and reused by every layer, with no host sync inside the layer loop.
 
+Families whose logits carry an additive term (MPNet's relative-position bias, DeBERTa's
+disentangled position terms) pass an :class:`AttentionBias`, evaluated per length bucket and
+handed to SDPA as its float mask with the padded keys folded in. flash_attn and torch_varlen
+take no such term, so those families declare it (:attr:`AttentionFacts.bias`) and
+:func:`select_backend` passes over both varlen kernels, saying why. A bias that depends only
+on positions (:class:`PositionBias`) is built once per batch and bucket and reused by every
+layer.
+
 Sliding-window layers (Mistral, Qwen2/Qwen3 with ``use_sliding_window``) pass ``window``, the
 keys a query may see on each side, in flash-attn's ``window_size`` convention; the model maps
 its config onto it. The varlen kernels get it as ``window_size``; on the SDPA paths only blocks
@@ -40,9 +48,9 @@ import functools
 import inspect
 import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -147,6 +155,9 @@ class AttentionFacts:
     """None when flash-attn imported; else why it did not."""
     torch_varlen_error: str | None = "not probed"
     """None when torch's varlen_attn is usable; else why not."""
+    bias: str | None = None
+    """What the model adds to its attention logits that the varlen kernels cannot take
+    (its registry entry's ``attention_bias``), or None when plain softmax attention."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,11 +167,14 @@ class BackendChoice:
     """Why each faster backend was not chosen, for the start-up log and /info."""
 
 
-def probe(device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionFacts:
-    """The facts of this process's install and ``device``. The varlen kernels are looked for
-    only on CUDA: elsewhere neither can run, whatever is installed."""
+def probe(
+    device: torch.device, dtype: torch.dtype, head_dim: int, *, bias: str | None = None
+) -> AttentionFacts:
+    """The facts of this process's install and ``device``, for a model whose attention adds
+    ``bias`` to its logits (None: nothing). The varlen kernels are looked for only on CUDA:
+    elsewhere neither can run, whatever is installed."""
     if device.type != "cuda":
-        return AttentionFacts(device_type=device.type, dtype=dtype, head_dim=head_dim)
+        return AttentionFacts(device_type=device.type, dtype=dtype, head_dim=head_dim, bias=bias)
     kernels = varlen_kernels()
     return AttentionFacts(
         device_type=device.type,
@@ -169,11 +183,14 @@ def probe(device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionF
         capability=torch.cuda.get_device_capability(device),
         flash_attn_error=kernels.flash_error,
         torch_varlen_error=kernels.torch_varlen_error,
+        bias=bias,
     )
 
 
 def _varlen_unfit(facts: AttentionFacts, install_error: str | None) -> str | None:
     """Why a FlashAttention-2 varlen kernel cannot serve ``facts``, or None when it can."""
+    if facts.bias is not None:
+        return f"takes no additive bias on the logits, and the model adds {facts.bias}"
     if facts.device_type != "cuda":
         return f"needs CUDA, the device is {facts.device_type}"
     if install_error is not None:
@@ -241,6 +258,7 @@ class AttentionPlan:
     _window_masks: dict[tuple[int, int, bool], torch.Tensor] = field(
         default_factory=dict, compare=False, repr=False
     )
+    _memo: dict[Hashable, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     def tensors(self) -> list[torch.Tensor]:
         """The index and mask tensors built with the plan (not the per-layer window masks,
@@ -268,6 +286,53 @@ class AttentionPlan:
                 mask = (mask & bucket.key_mask) | diagonal
             self._window_masks[key] = mask
         return mask
+
+    def memo(self, key: Hashable, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``build()``, run once per plan under ``key``: a tensor every layer of the batch
+        shares (a position bias), dropped with the plan."""
+        tensor = self._memo.get(key)
+        if tensor is None:
+            tensor = self._memo[key] = build()
+        return tensor
+
+    def mask_keys(self, index: int, bias: torch.Tensor) -> torch.Tensor:
+        """An additive ``bias`` (``[heads, L, L]`` or ``[n, heads, L, L]``) as bucket
+        ``index``'s SDPA mask: its padded keys at -inf (``[n, heads, L, L]``), or ``bias``
+        itself when the bucket pads nothing. Every sequence has a real first key, so no row is
+        all -inf."""
+        key_mask = self.buckets[index].key_mask
+        if key_mask is None:
+            return bias
+        return bias.masked_fill(~key_mask, float("-inf"))
+
+
+class AttentionBias(Protocol):
+    """An additive term on one length bucket's attention logits, added after the scale and
+    before the softmax: what flash_attn and torch_varlen cannot take."""
+
+    def __call__(
+        self, plan: AttentionPlan, index: int, q: torch.Tensor, k: torch.Tensor
+    ) -> torch.Tensor:
+        """Bucket ``index``'s mask for SDPA, in ``q``'s dtype: the bias, broadcastable to
+        ``[n, heads, L, L]``, with the padded keys at -inf (:meth:`AttentionPlan.mask_keys`).
+        ``q`` and ``k`` are the bucket's blocks ``[n, heads, L, head_dim]`` (key heads
+        repeated to the query heads), for terms that depend on them (DeBERTa's)."""
+        ...
+
+
+@dataclass(frozen=True, eq=False)
+class PositionBias:
+    """A bias that depends only on the query and key positions (MPNet's and T5's relative
+    buckets): ``table(L)`` is its ``[heads, L, L]`` for a sequence of length ``L``, in the
+    model dtype. Built once per batch and bucket, padded keys folded in, and shared by every
+    layer, as transformers computes it once per forward."""
+
+    table: Callable[[int], torch.Tensor]
+
+    def __call__(
+        self, plan: AttentionPlan, index: int, q: torch.Tensor, k: torch.Tensor
+    ) -> torch.Tensor:
+        return plan.memo((self, index), lambda: plan.mask_keys(index, self.table(q.shape[2])))
 
 
 def staged(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -343,6 +408,7 @@ def varlen_attention(
     plan: AttentionPlan | None = None,
     scale: float | None = None,
     window: int | None = None,
+    bias: AttentionBias | None = None,
 ) -> torch.Tensor:
     """Attention over packed sequences, with the plan's backend (``sdpa_bucketed`` without).
 
@@ -351,7 +417,10 @@ def varlen_attention(
     within their own sequence (and only backwards when ``causal``). With ``window`` (sliding
     window attention), the query at position ``i`` sees only keys ``j`` with
     ``i - window <= j <= i + window``: flash-attn's ``window_size=(window, window)``, so a
-    causal query sees ``window + 1`` keys, itself included.
+    causal query sees ``window + 1`` keys, itself included. ``bias`` adds a term to each
+    bucket's logits (bidirectional attention without a window only, on an SDPA plan: the
+    families that pass one are encoders that :func:`select_backend` keeps off the varlen
+    kernels).
     """
     if window is not None and window < 0:
         raise ValueError(f"attention window must be >= 0, got {window}")
@@ -359,6 +428,15 @@ def varlen_attention(
         window = None  # no query of this batch is far enough from any key for it to bite
     if plan is None:
         plan = plan_attention(torch.diff(cu_seqlens).tolist(), q.device)
+    if bias is not None:
+        if causal or window is not None:
+            raise ValueError("an attention bias is supported on bidirectional attention only")
+        if plan.backend in (Backend.FLASH_ATTN, Backend.TORCH_VARLEN):
+            raise ValueError(
+                f"{plan.backend} takes no attention bias; the model's registry entry must "
+                "declare attention_bias so that an SDPA kernel is selected"
+            )
+        return _sdpa_bucketed(q, k, v, plan, causal=False, scale=scale, window=None, bias=bias)
     if plan.backend is Backend.FLASH_ATTN:
         return _flash_attn(q, k, v, cu_seqlens, max_seqlen, causal, scale, window)
     if plan.backend is Backend.TORCH_VARLEN:
@@ -437,6 +515,7 @@ def _sdpa_bucketed(
     causal: bool,
     scale: float | None,
     window: int | None,
+    bias: AttentionBias | None = None,
 ) -> torch.Tensor:
     heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
     rep = heads // kv_heads
@@ -446,12 +525,16 @@ def _sdpa_bucketed(
             return None
         return plan.window_mask(index, window, causal)
 
+    def bias_of(index: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        return None if bias is None else functools.partial(bias, plan, index)
+
     if len(plan.buckets) == 1 and plan.buckets[0].contiguous:
-        result = _attend(q, k, v, plan.buckets[0], rep, causal, scale, band(0))
+        result = _attend(q, k, v, plan.buckets[0], rep, causal, scale, band(0), bias_of(0))
         return result.reshape(-1, heads, dim)
     out = q.new_empty(q.shape)
     for index, bucket in enumerate(plan.buckets):
-        result = _attend(q, k, v, bucket, rep, causal, scale, band(index))  # [n*L, H, D]
+        mask, extra = band(index), bias_of(index)
+        result = _attend(q, k, v, bucket, rep, causal, scale, mask, extra)  # [n*L, H, D]
         if bucket.contiguous:
             out[bucket.start : bucket.start + bucket.count * bucket.length] = result
         else:
@@ -469,6 +552,7 @@ def _attend(
     causal: bool,
     scale: float | None,
     window_mask: torch.Tensor | None,
+    bias: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     n, length = bucket.count, bucket.length
     if bucket.contiguous:
@@ -484,7 +568,12 @@ def _attend(
         kb = kb.repeat_interleave(rep, dim=1)
         vb = vb.repeat_interleave(rep, dim=1)
     kwargs: dict[str, Any] = {"scale": scale}
-    if window_mask is not None:
+    if bias is not None:
+        # Padded keys are already at -inf. Expanded to 4-D (a view): torch's fused CPU kernel
+        # takes a float mask only in that shape, and a [heads, L, L] one falls back to the
+        # unfused math, several times slower from L ~ 100 (docs/performance-log.md).
+        kwargs["attn_mask"] = bias(qb, kb).expand(n, qb.shape[1], length, length)
+    elif window_mask is not None:
         kwargs["attn_mask"] = window_mask  # causality and padding are folded into the band
     elif causal:
         # Right padding: a real query at position i only sees keys <= i, all real.

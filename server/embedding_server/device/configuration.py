@@ -271,7 +271,8 @@ def choose_attention(
     the runner builds per batch; the bucketed plan is the cheap one (a length-sorted batch
     makes its buckets views, no index tensors)."""
     if loaded.attention is None:
-        return select_backend(settings.attention, probe(device, loaded.dtype, loaded.head_dim))
+        facts = probe(device, loaded.dtype, loaded.head_dim, bias=loaded.attention_bias)
+        return select_backend(settings.attention, facts)
     if settings.attention != "auto":
         raise InvalidRequestError(
             f"attention={settings.attention} chooses a kernel of the native backend; this "

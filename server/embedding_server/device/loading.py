@@ -627,6 +627,9 @@ class LoadedModel:
     attention: str | None = None
     """The attention the body chose itself (the transformers backend: sdpa or eager); None
     when the engine's kernel choice (``attention.select_backend``) applies."""
+    attention_bias: str | None = None
+    """What the architecture adds to its attention logits (``Architecture.attention_bias``),
+    which keeps it off the varlen kernels; None: plain attention."""
 
 
 def head_dim_of(config: Mapping[str, Any]) -> int:
@@ -844,6 +847,7 @@ def load_model(
         sparse=parts.sparse,
         tensors=parts.tensors,
         custom_code=plan.custom_code,
+        attention_bias=plan.arch.attention_bias,
     )
 
 
@@ -921,19 +925,20 @@ def load_shard(
     shard: Shard,
     task: str = "auto",
     trust_remote_code: bool = False,
-) -> tuple[EmbeddingModel, torch.dtype, int]:
+) -> tuple[EmbeddingModel, torch.dtype, int, str | None]:
     """Only the body of ``model``, as tensor-parallel rank ``shard`` holds it: what a worker
     rank needs (no tokenizer, no pooling: those live on rank 0); with the dtype it runs in
-    (resolved as :func:`load_model` resolves it) and its attention head width. The same
-    refusals apply as on rank 0 (the heads are read and dropped, so the tensor guard counts
-    them as rank 0 does)."""
+    (resolved as :func:`load_model` resolves it), its attention head width and what its
+    attention adds to the logits (``Architecture.attention_bias``). The same refusals apply
+    as on rank 0 (the heads are read and dropped, so the tensor guard counts them as rank 0
+    does)."""
     with naming(model):
         source = locate_model(model, revision=revision, cache_dir=cache_dir)
         plan = plan_model(source, task=task, trust_remote_code=trust_remote_code)
         compute_dtype = _compute_dtype(plan.arch, dtype, device)
         weights = load_weights(fetch_weights(source, plan.st))
         parts = _build(plan, weights, dtype=compute_dtype, device=device, shard=shard, task=task)
-    return parts.body, compute_dtype, head_dim_of(plan.config)
+    return parts.body, compute_dtype, head_dim_of(plan.config), plan.arch.attention_bias
 
 
 def _weight_shapes(

@@ -410,7 +410,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     timeout = timedelta(seconds=settings.tensor_parallel_timeout)
     store = TCPStore("127.0.0.1", args.port, is_master=False, timeout=timeout)
     try:
-        model, dtype, head_dim = load_shard(
+        model, dtype, head_dim, bias = load_shard(
             settings.model,
             revision=settings.revision,
             cache_dir=settings.cache_dir,
@@ -421,7 +421,8 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
             trust_remote_code=settings.trust_remote_code,
         )
         # The same rule on the same facts as rank 0, so every rank runs the same kernel.
-        attention = select_backend(settings.attention, probe(device, dtype, head_dim)).backend
+        facts = probe(device, dtype, head_dim, bias=bias)
+        attention = select_backend(settings.attention, facts).backend
     except Exception as error:
         logger.debug("rank %d failed to load", args.rank, exc_info=True)
         store.set(f"tp/{args.rank}/error", f"{type(error).__name__}: {error}")

@@ -77,7 +77,7 @@ def reference_logits(
     return np.stack(rows)
 
 
-FAMILIES = ["bert", "xlm-roberta", "modernbert", "qwen3", "llama"]
+FAMILIES = ["bert", "xlm-roberta", "mpnet", "deberta-v2", "modernbert", "qwen3", "llama"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -325,7 +325,8 @@ def splade(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
 
 
 @pytest.mark.parametrize(
-    ("family", "strategy"), [("bert", "max"), ("xlm-roberta", "max"), ("bert", "sum")]
+    ("family", "strategy"),
+    [("bert", "max"), ("xlm-roberta", "max"), ("mpnet", "max"), ("bert", "sum")],
 )
 def test_sparse_matches_transformers_logits_and_sparse_encoder(
     splade: Callable[..., Path], family: str, strategy: str

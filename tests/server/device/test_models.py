@@ -26,7 +26,17 @@ from transformers import AutoModel
 from tests.support.attention import BF16_COSINE, assert_rows_close, flash_mask, pretend_cuda
 from tests.support.models import build_decoder
 
-FAMILIES = ["bert", "xlm-roberta", "qwen2", "qwen3", "llama", "mistral", "gemma3_text"]
+FAMILIES = [
+    "bert",
+    "xlm-roberta",
+    "mpnet",
+    "deberta-v2",
+    "qwen2",
+    "qwen3",
+    "llama",
+    "mistral",
+    "gemma3_text",
+]
 
 
 def _reference_states(path: Path, seqs: list[list[int]]) -> list[np.ndarray]:

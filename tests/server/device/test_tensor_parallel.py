@@ -21,7 +21,14 @@ from embedding_server.device.distributed import Shard
 from embedding_server.engine import Engine
 from embedding_server.errors import UnsupportedModelError
 
-from tests.support.models import MINILM_DIR, build_decoder, build_modernbert, build_xlm_roberta
+from tests.support.models import (
+    MINILM_DIR,
+    build_deberta,
+    build_decoder,
+    build_modernbert,
+    build_mpnet,
+    build_xlm_roberta,
+)
 
 TEXTS = [
     "hi",
@@ -47,6 +54,10 @@ BUILDERS: dict[str, Callable[[Path], Path]] = {
     "roberta": _roberta,
     "modernbert": lambda p: build_modernbert(p, "modernbert"),
     "modernbert-biases": lambda p: build_modernbert(p, "modernbert-mlm-legacy"),
+    # The relative-position bias and DeBERTa's position projections split by heads too.
+    "mpnet": build_mpnet,
+    "deberta-v3": lambda p: build_deberta(p, "deberta-v3"),
+    "deberta-v2-conv": lambda p: build_deberta(p, "deberta-v2-conv"),
     "qwen2": lambda p: build_decoder(p, "qwen2"),
     "qwen3": lambda p: build_decoder(p, "qwen3"),
     "llama-biases": lambda p: build_decoder(p, "llama", attention_bias=True, mlp_bias=True),

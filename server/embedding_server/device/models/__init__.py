@@ -27,12 +27,14 @@ from embedding_server.pooling import PoolingMethod
 
 from ..distributed import SINGLE, Shard
 from ..heads import ClassifierReader, MaskedLmReader, score_head
-from . import bert, distilbert, electra, ernie, modernbert
+from . import bert, deberta_v2, distilbert, electra, ernie, modernbert, mpnet
 from .base import Checkpoint, EmbeddingModel, Ignored, PackedBatch
 from .bert import BertModel, BertVariant
+from .deberta_v2 import DebertaV2Model
 from .gemma3 import MULTIMODAL_REFUSAL, Gemma3TextModel
 from .llama import DECODER_IGNORED, DecoderVariant, LlamaModel
 from .modernbert import ModernBertModel
+from .mpnet import MPNetModel
 
 ModelBuilder = Callable[[Checkpoint], EmbeddingModel]
 
@@ -56,6 +58,10 @@ class Architecture:
     config_keys: tuple[tuple[str, str], ...] = ()
     """``(common key, the family's own name for it)`` pairs, for families whose configs name
     ``hidden_size`` ... differently (DistilBERT's ``dim``, ``n_layers`` ...)."""
+    attention_bias: str | None = None
+    """What the family adds to its attention logits (a relative-position bias), which
+    flash_attn and torch_varlen cannot take: then an SDPA kernel serves it, and the start-up
+    log and ``/info`` say why the varlen kernels were passed over. None: plain attention."""
 
     def read_config(self, config: Mapping[str, Any]) -> dict[str, Any]:
         """``config`` with the common keys set from :attr:`config_keys`, as every reader of the
@@ -152,6 +158,23 @@ ARCHITECTURES: dict[str, Architecture] = {
             score_head,
             ignored=DECODER_IGNORED,
             float16_overflows=True,
+        ),
+        Architecture(
+            "mpnet",
+            MPNetModel,
+            "cls",
+            bert.classification_head,  # RoBERTa's: classifier.dense + tanh, out_proj
+            mpnet.masked_lm_head,
+            ignored=mpnet.IGNORED,
+            attention_bias="MPNet's relative-position bias",
+        ),
+        Architecture(
+            "deberta-v2",
+            DebertaV2Model,
+            "cls",
+            deberta_v2.classification_head,
+            ignored=deberta_v2.IGNORED,
+            attention_bias="DeBERTa's disentangled position terms",
         ),
     )
 }

@@ -21,7 +21,14 @@ import torch
 
 from embedding_server.errors import UnsupportedModelError
 
-from ..attention import AttentionPlan, Backend, plan_attention, staged, varlen_attention
+from ..attention import (
+    AttentionBias,
+    AttentionPlan,
+    Backend,
+    plan_attention,
+    staged,
+    varlen_attention,
+)
 from ..distributed import SINGLE, Shard
 from .layers import HeadSplit, VocabEmbedding
 
@@ -131,9 +138,11 @@ class PackedBatch:
         causal: bool,
         scale: float,
         window: int | None = None,
+        bias: AttentionBias | None = None,
     ) -> torch.Tensor:
         """Attention within each packed sequence (``[T, heads, head_dim]`` in and out);
-        ``window`` is the keys a query sees on each side (flash-attn's convention)."""
+        ``window`` is the keys a query sees on each side (flash-attn's convention); ``bias``
+        an additive term on the logits (SDPA kernels only, see ``Architecture.attention_bias``)."""
         return varlen_attention(
             q,
             k,
@@ -144,6 +153,7 @@ class PackedBatch:
             plan=self.attention_plan,
             scale=scale,
             window=window,
+            bias=bias,
         )
 
 

@@ -33,6 +33,7 @@ ACT_FUNCS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
     "silu": F.silu,
     "swish": F.silu,
+    "tanh": torch.tanh,
 }
 """transformers' ``hidden_act`` names -> torch functions."""
 
@@ -290,3 +291,22 @@ def apply_rotary(
     cos, sin = rope
     h = x.float() if float32 else x
     return (h * cos + rotate_half(h) * sin).to(x.dtype)
+
+
+def relative_position_buckets(
+    relative: torch.Tensor, *, num_buckets: int, max_distance: int
+) -> torch.Tensor:
+    """T5's bidirectional relative-position buckets of ``relative`` = key position - query
+    position (MPNet computes the same): half the buckets for keys after the query, half for
+    keys before; in each half, distances below a quarter of ``num_buckets`` get a bucket each
+    and longer ones share logarithmically wider buckets up to ``max_distance``. In float32
+    and int64 exactly as transformers computes it, so every pair lands where it does there."""
+    half = num_buckets // 2
+    buckets = (relative > 0).to(torch.long) * half
+    distance = relative.abs()
+    exact = half // 2
+    large = exact + (
+        torch.log(distance.float() / exact) / math.log(max_distance / exact) * (half - exact)
+    ).to(torch.long)
+    large = torch.minimum(large, torch.full_like(large, half - 1))
+    return buckets + torch.where(distance < exact, distance, large)
