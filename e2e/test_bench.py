@@ -119,8 +119,11 @@ def test_frontend(tmp_path: Path) -> None:
     for result in results:
         assert result["failed"] == 0, result
         assert result["requests_per_s"] > 0 and result["cpu_us_per_request"] > 0, result
-        # The event loops' share is part of the whole, read from the same processes.
-        assert 0 < result["loop_cpu_us_per_request"] <= result["cpu_us_per_request"], result
+        # The event loops' share is part of the whole, read from the same processes. A
+        # one-thread process (the ceiling) has them equal, up to the float rounding of two
+        # sums of the same clock ticks.
+        whole = result["cpu_us_per_request"] * (1 + 1e-9)
+        assert 0 < result["loop_cpu_us_per_request"] <= whole, result
         if result["server"].startswith("embedding-server"):
             # Our model runs off the event loop, so some CPU is always spent elsewhere.
             assert result["loop_cpu_us_per_request"] < result["cpu_us_per_request"], result
