@@ -187,6 +187,8 @@ def test_examples_cover_the_advertised_cases() -> None:
         "bge-h100.yaml",
         "qwen3-embedding-l4.yaml",
         "bge-reranker-l4.yaml",
+        "mpnet-search-cpu.yaml",
+        "ms-marco-reranker-cpu.yaml",
     } <= names
 
 
