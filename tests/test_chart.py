@@ -47,6 +47,20 @@ def test_chart_crd_is_the_canonical_crd() -> None:
     )
 
 
+def test_no_chart_comment_says_the_operator_reads_secrets() -> None:
+    """The chart grants no access to Secrets (``assert_workload_rules``); an admin reading the
+    templates must not be told otherwise."""
+    claims = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in [CHART / "values.yaml", *sorted((CHART / "templates").iterdir())]
+        for number, line in enumerate(path.read_text().splitlines(), start=1)
+        if re.search(r"\bsecrets?\b", line, re.IGNORECASE)
+        and re.search(r"\breads?\b", line, re.IGNORECASE)
+        and not re.search(r"\b(never|no|not|cannot)\b", line, re.IGNORECASE)
+    ]
+    assert not claims, claims
+
+
 @pytest.fixture(scope="module")
 def schema() -> dict[str, Any]:
     loaded: dict[str, Any] = json.loads((CHART / "values.schema.json").read_text())

@@ -6,8 +6,9 @@ field, with the same defaults, for two reasons: builders get typed values instea
 dicts, and the few rules a schema cannot state (rollout that can never progress) still fail
 with a field path. ``tests/operator/test_crd_schema.py`` fails when the two drift apart.
 
-Parsing never talks to the cluster: what only the cluster knows (does the GPU profile exist,
-does the Secret exist) is checked during reconciliation.
+Parsing never talks to the cluster: what only the cluster knows (does the GPU profile exist)
+is checked during reconciliation, and a missing Secret is reported from the pods' status
+(the operator never reads Secrets).
 """
 
 from __future__ import annotations
