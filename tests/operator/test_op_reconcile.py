@@ -508,6 +508,73 @@ def test_unowned_namesake_is_a_conflict_never_adopted(
     assert conditions(cluster)["Degraded"]["status"] == "False"
 
 
+class RacingCluster(FakeCluster):
+    """An API where, right after the operator's GET of the child ``ref``, someone else
+    creates (or replaces) the object of that name: the gap between the adoption check and
+    the write."""
+
+    def __init__(self, ref: ObjectRef, foreign: dict[str, Any]) -> None:
+        super().__init__()
+        self.ref, self.foreign = ref, foreign
+        self.armed = False
+        self.raced = False
+
+    def get(self, ref: ObjectRef) -> dict[str, Any] | None:
+        found = super().get(ref)
+        if ref == self.ref and not self.raced and self.armed:
+            self.raced = True
+            self.objects.pop(ref, None)
+            self.add(self.foreign)
+        return found
+
+
+def _foreign_service() -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "emb", "namespace": NS, "labels": {"team": "theirs"}},
+        "spec": {"type": "ClusterIP", "selector": {"app": "theirs"}, "ports": [{"port": 5432}]},
+    }
+
+
+def test_a_namesake_created_after_the_check_is_not_adopted() -> None:
+    """The name was free when read, and taken before the write: the write creates only,
+    so the foreign object keeps its fields and gets no ownerReference (garbage collection
+    would delete it with the EmbeddingService)."""
+    service = ObjectRef("v1", "Service", NS, "emb")
+    cluster = RacingCluster(service, _foreign_service())
+    cluster.armed = True
+    add_service(cluster, MODEL)
+    outcome = make(cluster).reconcile(NS, "emb")
+    assert cluster.raced
+    theirs = cluster.objects[service]
+    assert "ownerReferences" not in theirs["metadata"], theirs
+    assert theirs["spec"] == _foreign_service()["spec"]
+    assert outcome is not None and outcome.problem is not None
+    assert outcome.problem.reason == "ChildConflict"
+    assert "Service team/emb already exists" in outcome.problem.message
+
+
+def test_a_child_replaced_after_the_check_is_not_written() -> None:
+    """Our Service was ours when read, and replaced by someone else's of the same name
+    before the write: the write is for the object that was checked (its uid), so the new
+    one is left as it is."""
+    service = ObjectRef("v1", "Service", NS, "emb")
+    cluster = RacingCluster(service, _foreign_service())
+    add_service(cluster, MODEL)
+    rec = make(cluster)
+    rec.reconcile(NS, "emb")
+    cluster.objects[service]["spec"]["ports"][0]["port"] = 9999  # drift: the next one writes
+    cluster.armed = True
+    outcome = rec.reconcile(NS, "emb")
+    assert cluster.raced
+    theirs = cluster.objects[service]
+    assert "ownerReferences" not in theirs["metadata"], theirs
+    assert theirs["spec"] == _foreign_service()["spec"]
+    assert outcome is not None and outcome.problem is not None
+    assert outcome.problem.reason == "ChildConflict"
+
+
 def test_every_conflict_is_named(cluster: FakeCluster) -> None:
     add_service(cluster, MODEL)
     for api_version, kind in (("apps/v1", "Deployment"), ("v1", "Service")):
@@ -575,10 +642,10 @@ def test_refused_apply_of_edited_child_falls_back_to_merge_patch(cluster: FakeCl
     cluster.objects[svc_ref]["spec"]["ports"][0]["port"] = 9999
     real_apply = cluster.apply
 
-    def refusing_apply(manifest: dict[str, Any]) -> dict[str, Any]:
+    def refusing_apply(manifest: dict[str, Any], *, force: bool = True) -> dict[str, Any]:
         if manifest["kind"] == "Service":
             raise ApiError(422, 'spec.ports[1].name: Duplicate value: "http"')
-        return real_apply(manifest)
+        return real_apply(manifest, force=force)
 
     cluster.apply = refusing_apply  # type: ignore[method-assign]
     outcome = rec.reconcile(NS, "emb")
@@ -590,7 +657,7 @@ def test_refused_apply_of_edited_child_falls_back_to_merge_patch(cluster: FakeCl
 def test_refused_new_child_is_degraded(cluster: FakeCluster) -> None:
     add_service(cluster, MODEL)
 
-    def refusing_apply(manifest: dict[str, Any]) -> dict[str, Any]:
+    def refusing_apply(manifest: dict[str, Any], *, force: bool = True) -> dict[str, Any]:
         raise ApiError(422, "nope")
 
     cluster.apply = refusing_apply  # type: ignore[method-assign]
