@@ -7,10 +7,10 @@ Three conditions, following Kubernetes API conventions (and the ClusterOperator 
 * ``Progressing``: the operator or the Deployment is moving toward the spec (rolling out,
   scaling). False once converged.
 * ``Degraded``: the desired state cannot be reached without someone acting: a spec only the
-  operator can judge (UnknownGPUType), an image or priority class
-  outside the operator's allowlist, a child's name held by an object we do not control
-  (ChildConflict), a Secret the pods cannot find (as their kubelet reports it), a child the
-  API server refuses, a rollout past its progress deadline.
+  operator can judge (UnknownGPUType), an image, priority class, env name, placement,
+  extended resource or Service outside the operator's policy, a child's name held by an
+  object we do not control (ChildConflict), a Secret the pods cannot find (as their kubelet
+  reports it), a child the API server refuses, a rollout past its progress deadline.
 
 Everything here is pure: the reconciler gathers the facts, ``compute_status`` turns them into
 the status document, ``merge_conditions`` keeps ``lastTransitionTime`` unless a condition's
@@ -51,6 +51,10 @@ CHILD_REJECTED = "ChildRejected"
 CONTAINER_CONFIG_ERROR = "ContainerConfigError"
 IMAGE_NOT_ALLOWED = "ImageNotAllowed"
 PRIORITY_CLASS_NOT_ALLOWED = "PriorityClassNotAllowed"
+ENV_NOT_ALLOWED = "EnvNotAllowed"
+PLACEMENT_NOT_ALLOWED = "PlacementNotAllowed"
+RESOURCE_NOT_ALLOWED = "ResourceNotAllowed"
+SERVICE_NOT_ALLOWED = "ServiceNotAllowed"
 
 # The kubelet's wording when a pod's env names a missing Secret or key (pkg/kubelet:
 # makeEnvironmentVariables), stable since Kubernetes 1.0.

@@ -354,7 +354,12 @@ def test_missing_secret_is_reported_from_the_pod_never_read(cluster: FakeCluster
 
 
 def test_secret_in_server_env_and_other_config_errors(cluster: FakeCluster) -> None:
-    env = [{"name": "X", "valueFrom": {"secretKeyRef": {"name": "xs", "key": "k"}}}]
+    env = [
+        {
+            "name": "EMBEDDING_SERVER_REVISION",
+            "valueFrom": {"secretKeyRef": {"name": "xs", "key": "k"}},
+        }
+    ]
     add_service(cluster, {**MODEL, "server": {"env": env}})
     rec = make(cluster)
     rec.reconcile(NS, "emb")
