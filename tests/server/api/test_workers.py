@@ -4,8 +4,10 @@
 What a user relies on must hold across the process boundary: every request gets its own
 vectors, a client that goes away has its queued work withdrawn in the engine, overload is a
 429 with Retry-After, SIGTERM drains then every process exits 0, an engine that fails or dies
-takes the front-ends down with it, and ``/metrics`` of any front-end tells the whole server's
-story (the engine's queue depth, requests summed over front-ends)."""
+takes the front-ends down with it, a front-end that dies is replaced while the others serve
+(bounded: one that keeps dying ends the server with status 1), and ``/metrics`` of any
+front-end tells the whole server's story (the engine's queue depth, requests summed over
+front-ends, no dead front-end's requests in flight)."""
 
 from __future__ import annotations
 
