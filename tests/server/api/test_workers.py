@@ -382,14 +382,29 @@ def test_a_killed_front_end_is_restarted_and_only_its_own_requests_fail() -> Non
         for conn in by_pid[victim]:  # its in-flight (or next) request failed
             assert isinstance(statuses[id(conn)][-1], str), statuses[id(conn)]
         assert server.process.poll() is None
-        text = httpx.get(server.url + "/metrics", timeout=10).text
-        assert sample(text, "embedding_server_in_flight_requests") == 1  # this scrape
         served = sum(s.count(200) for s in statuses.values()) + 1  # + the new front-end's
         labels = {"endpoint": "/v1/embeddings", "status": "200"}
-        counted = sample(text, "embedding_server_requests_total", labels)
-        # The dead front-end's count survives it; one of its requests may have been counted
-        # but never reached its client.
-        assert counted is not None and 0 <= counted - served <= len(by_pid[victim]), counted
+        scraped: list[tuple[float | None, float | None]] = []
+
+        def settled() -> bool:
+            """In flight: this scrape alone (none of the dead front-end's); counted: every
+            request answered (the dead one's count survives it; a request of it may have been
+            counted but never reached its client). A request's count lands a moment after
+            its answer, so this is polled."""
+            text = httpx.get(server.url + "/metrics", timeout=10).text
+            in_flight = sample(text, "embedding_server_in_flight_requests")
+            counted = sample(text, "embedding_server_requests_total", labels)
+            scraped.append((in_flight, counted))
+            return (
+                in_flight == 1
+                and counted is not None
+                and 0 <= counted - served <= len(by_pid[victim])
+            )
+
+        try:
+            wait_for(settled, timeout=10, interval=0.2, what=f"sane metrics ({served} answered)")
+        except AssertionError as error:
+            raise AssertionError(f"{error}; (in flight, counted): {scraped[-3:]}") from None
     assert "restarting it" in server.output()
 
 
