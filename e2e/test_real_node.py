@@ -657,7 +657,9 @@ def test_missing_secret_is_reported_from_the_pod_then_served(
         )
         degraded = condition(obj, "Degraded")
         assert degraded is not None
-        assert degraded["message"].startswith('spec.apiKeySecretRef: secret "locked-key"'), degraded
+        assert degraded["message"].startswith(
+            "spec.apiKeySecretRef: Secret 'locked-key' or its key 'api-key' is missing"
+        ), degraded
         events = poll_until(
             lambda: (
                 get_json(

@@ -47,6 +47,20 @@ def test_chart_crd_is_the_canonical_crd() -> None:
     )
 
 
+def test_no_chart_comment_says_the_operator_reads_secrets() -> None:
+    """The chart grants no access to Secrets (``assert_workload_rules``); an admin reading the
+    templates must not be told otherwise."""
+    claims = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in [CHART / "values.yaml", *sorted((CHART / "templates").iterdir())]
+        for number, line in enumerate(path.read_text().splitlines(), start=1)
+        if re.search(r"\bsecrets?\b", line, re.IGNORECASE)
+        and re.search(r"\breads?\b", line, re.IGNORECASE)
+        and not re.search(r"\b(never|no|not|cannot)\b", line, re.IGNORECASE)
+    ]
+    assert not claims, claims
+
+
 @pytest.fixture(scope="module")
 def schema() -> dict[str, Any]:
     loaded: dict[str, Any] = json.loads((CHART / "values.schema.json").read_text())
@@ -74,6 +88,8 @@ def test_values_yaml_satisfies_its_schema(
         ({"gpuProfiles": {"h100": {"resourcename": "nvidia.com/gpu"}}}, "a misspelt profile key"),
         ({"operator": {"logLevel": "verbose"}}, "a log level the operator does not know"),
         ({"image": {"repository": "x", "digest": "latest"}}, "a digest that is not sha256"),
+        ({"policy": {"allowedServiceTypes": ["ExternalName"]}}, "a type the CRD never renders"),
+        ({"policy": {"allowedEnv": ["HF_ENDPOINT,HTTPS_PROXY"]}}, "a list in one string"),
     ],
 )
 def test_schema_refuses_mistakes(
@@ -245,6 +261,11 @@ def test_configuration_is_accepted_by_the_operator(
             "policy": {
                 "allowedImages": ["registry.example/*", "ghcr.io/x/srv:1"],
                 "allowedPriorityClasses": ["inference"],
+                "allowedEnv": ["HF_ENDPOINT", "HTTPS_PROXY"],
+                "allowControlPlane": False,
+                "allowedExtendedResources": ["example.com/*"],
+                "allowedServiceTypes": ["ClusterIP"],
+                "allowedServiceAnnotations": ["prometheus.io/*"],
             },
         },
     )
@@ -265,6 +286,11 @@ def test_configuration_is_accepted_by_the_operator(
     assert settings.default_image == "registry.example/srv:1.2"
     assert settings.policy.allowed_images == ("registry.example/*", "ghcr.io/x/srv:1")
     assert settings.policy.allowed_priority_classes == ("inference",)
+    assert settings.policy.allowed_env == ("HF_ENDPOINT", "HTTPS_PROXY")
+    assert settings.policy.allow_control_plane is False
+    assert settings.policy.allowed_extended_resources == ("example.com/*",)
+    assert settings.policy.allowed_service_types == ("ClusterIP",)
+    assert settings.policy.allowed_service_annotations == ("prometheus.io/*",)
     assert settings.leader_elect is True
     assert settings.lease_namespace == "ops"
     assert str(settings.gpu_profiles) == "/etc/embedding-operator/gpu-profiles.yaml"

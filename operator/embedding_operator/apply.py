@@ -16,9 +16,20 @@ then delete with the CR). So ``force`` is only ever sent to objects whose contro
 ownerReference is this EmbeddingService: every desired child is read first, and if any name
 is held by an object we do not control (no controller reference, or another controller),
 ``ChildConflictError`` names them all and *nothing* is written for this EmbeddingService, so a
-conflict never leaves half a service (a Deployment without its Service). The one window left
-is a foreign object created between our GET finding the name free and our apply creating it,
-milliseconds, the same window every create-or-update controller has.
+conflict never leaves half a service (a Deployment without its Service).
+
+The check and the write are two calls, and each write carries what the check found, so that
+nothing can slip in between:
+
+* a child that was ours is written with its ``metadata.uid``: if it was replaced since (deleted
+  and re-created by someone else under the same name), the API server refuses the write (the
+  uid is immutable) instead of changing the new object;
+* a child that was absent is created by an apply without ``force``: if someone created the
+  name since, every field they set to another value is a conflict (409) instead of ours.
+
+Either way the object is read again and reported as a ``ChildConflictError`` when someone
+else now holds the name. What is left: a namesake created in that instant with exactly the
+values we render would be shared, not refused (server-side apply only conflicts on values).
 """
 
 from __future__ import annotations
@@ -91,21 +102,38 @@ class SyncResult:
     deleted: list[str] = field(default_factory=list)
 
 
-def _write(cluster: Cluster, manifest: Manifest, *, exists: bool) -> dict[str, Any]:
-    """Server-side apply; for an edited object it refuses, a merge patch of our manifest.
+def _write(
+    cluster: Cluster, owner: Owner, manifest: Manifest, live: dict[str, Any] | None
+) -> dict[str, Any]:
+    """Server-side apply of ``manifest`` over ``live`` (ours, or None: the name was free);
+    for an edited object it refuses, a merge patch of our manifest. Conditional on what
+    ``live`` was (see the module docstring).
 
     Apply merges list entries by key, so a hand edit that changed a key (a Service port
     80 -> 9999, both named ``http``) would make apply add our entry next to the edited one, an
     invalid object. A JSON merge patch replaces such lists wholesale with ours.
     """
     ref = ref_of(manifest)
+    if live is None:
+        try:
+            return cluster.apply(manifest, force=False)
+        except ApiError as exc:
+            if exc.status == 409:
+                _raise_if_taken(cluster, owner, manifest, exc, existed=False)
+                raise
+            if exc.status in (400, 422):
+                _raise_if_taken(cluster, owner, manifest, exc, existed=False)
+                raise ChildRejectedError(
+                    f"{ref.kind} {ref.name} was refused: {exc.message}"
+                ) from None
+            raise
+    checked = {**manifest, "metadata": {**manifest["metadata"], "uid": live["metadata"]["uid"]}}
     try:
-        return cluster.apply(manifest)
+        return cluster.apply(checked)
     except ApiError as exc:
         if exc.status not in (400, 422):
             raise
-        if not exists:
-            raise ChildRejectedError(f"{ref.kind} {ref.name} was refused: {exc.message}") from None
+        _raise_if_taken(cluster, owner, manifest, exc, existed=True)
         log.info(
             "apply of %s %s/%s refused (%s); replacing edited lists",
             ref.kind,
@@ -114,11 +142,26 @@ def _write(cluster: Cluster, manifest: Manifest, *, exists: bool) -> dict[str, A
             exc.message,
         )
     try:
-        return cluster.merge_patch(manifest)
+        return cluster.merge_patch(checked)
     except ApiError as exc:
         if exc.status in (400, 422):
+            _raise_if_taken(cluster, owner, manifest, exc, existed=True)
             raise ChildRejectedError(f"{ref.kind} {ref.name} was refused: {exc.message}") from None
         raise
+
+
+def _raise_if_taken(
+    cluster: Cluster, owner: Owner, manifest: Manifest, exc: ApiError, *, existed: bool
+) -> None:
+    """After a refused write: a ``ChildConflictError`` if the name is now held by an object
+    we do not control (created or swapped in since it was checked); a retryable error if the
+    child that ``existed`` is gone; nothing otherwise (the refusal is about our manifest)."""
+    live = cluster.get(ref_of(manifest))
+    conflict = _conflict(owner, manifest, live)
+    if conflict is not None:
+        raise ChildConflictError([conflict]) from None
+    if existed and live is None:
+        raise ApiError(409, f"{ref_of(manifest).kind} deleted while written: {exc.message}")
 
 
 def _conflict(owner: Owner, manifest: Manifest, live: dict[str, Any] | None) -> str | None:
@@ -154,7 +197,7 @@ def sync_children(
     for manifest, live in found:
         ref = ref_of(manifest)
         if live is None or not is_subset(manifest, live):
-            live = _write(cluster, manifest, exists=live is not None)
+            live = _write(cluster, owner, manifest, live)
             result.applied.append(ref.kind)
             log.info("applied %s %s/%s", ref.kind, ref.namespace, ref.name)
         result.live[ref.kind] = live

@@ -72,6 +72,19 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="Priority-class allowlist, as for run (comma-separated).",
     )
+    for flag, what in (
+        ("--allowed-env", "Extra env-name patterns"),
+        ("--allowed-extended-resources", "Extended-resource patterns"),
+        ("--allowed-service-types", "Service types"),
+        ("--allowed-service-annotations", "Service annotation-key patterns"),
+    ):
+        render.add_argument(flag, default="", help=f"{what}, as for run (comma-separated).")
+    render.add_argument(
+        "--allow-control-plane",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Placement on control-plane nodes, as for run.",
+    )
     return parser
 
 
@@ -107,6 +120,11 @@ def render_command(args: argparse.Namespace) -> int:
     policy = WorkloadPolicy(
         allowed_images=_names(args.allowed_images),
         allowed_priority_classes=_names(args.allowed_priority_classes),
+        allowed_env=_names(args.allowed_env),
+        allow_control_plane=args.allow_control_plane,
+        allowed_extended_resources=_names(args.allowed_extended_resources),
+        allowed_service_types=_names(args.allowed_service_types),
+        allowed_service_annotations=_names(args.allowed_service_annotations),
     )
     out: list[dict[str, Any]] = []
     for doc in yaml.safe_load_all(text):

@@ -78,7 +78,7 @@ class Cluster(Protocol):
 
     def get(self, ref: ObjectRef) -> dict[str, Any] | None: ...
 
-    def apply(self, manifest: dict[str, Any]) -> dict[str, Any]: ...
+    def apply(self, manifest: dict[str, Any], *, force: bool = True) -> dict[str, Any]: ...
 
     def merge_patch(self, manifest: dict[str, Any]) -> dict[str, Any]: ...
 
@@ -154,14 +154,16 @@ class KubeCluster:
                 return None
             raise
 
-    def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
+    def apply(self, manifest: dict[str, Any], *, force: bool = True) -> dict[str, Any]:
+        """Server-side apply; without ``force``, a field another manager set to another
+        value is a conflict (409) instead of being taken over."""
         # A pre-serialised body: the client sends strings as they are, whatever the type.
         return self._call(
             "PATCH",
             resource_path(ref_of(manifest)),
             body=json.dumps(manifest),
             content_type="application/apply-patch+yaml",
-            query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
+            query=[("fieldManager", FIELD_MANAGER), ("force", "true" if force else "false")],
         )
 
     def merge_patch(self, manifest: dict[str, Any]) -> dict[str, Any]:

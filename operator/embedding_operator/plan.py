@@ -18,7 +18,7 @@ from typing import Any
 
 from embedding_operator.builders import DesiredChildren, desired_children
 from embedding_operator.builders.common import DEFAULT_IMAGE, Owner, RenderInput
-from embedding_operator.policy import ALLOW_ALL, WorkloadPolicy
+from embedding_operator.policy import DEFAULT_POLICY, WorkloadPolicy
 from embedding_operator.profiles import GpuProfiles, UnknownGpuTypeError
 from embedding_operator.spec import InvalidSpecError, parse_spec
 from embedding_operator.status import (
@@ -48,7 +48,7 @@ def plan(
     raw_spec: Mapping[str, Any],
     profiles: GpuProfiles,
     default_image: str = DEFAULT_IMAGE,
-    policy: WorkloadPolicy = ALLOW_ALL,
+    policy: WorkloadPolicy = DEFAULT_POLICY,
 ) -> Planned | Refused:
     """Parse ``raw_spec``, resolve its GPU profile, build the children (or say why not)."""
     try:

@@ -50,7 +50,7 @@ from embedding_operator.builders.common import (
 )
 from embedding_operator.kube import Cluster, ObjectRef, controller_of
 from embedding_operator.plan import Planned, Refused, plan
-from embedding_operator.policy import ALLOW_ALL, WorkloadPolicy
+from embedding_operator.policy import DEFAULT_POLICY, WorkloadPolicy
 from embedding_operator.profiles import GpuProfiles
 from embedding_operator.spec import EmbeddingServiceSpec
 from embedding_operator.status import (
@@ -115,7 +115,7 @@ class Reconciler:
         profiles: GpuProfiles,
         default_image: str,
         recorder: EventRecorder,
-        policy: WorkloadPolicy = ALLOW_ALL,
+        policy: WorkloadPolicy = DEFAULT_POLICY,
         versions: WatchedVersions | None = None,
         full_resync_seconds: float = 3600.0,
         clock: Callable[[], str] = utc_now,

@@ -19,6 +19,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from embedding_operator.builders.common import DEFAULT_IMAGE
 from embedding_operator.policy import WorkloadPolicy
+from embedding_operator.spec import ServiceType
 
 _SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
@@ -56,6 +57,40 @@ class OperatorSettings(BaseSettings):
         description="PriorityClass names EmbeddingServices may set in "
         "spec.scheduling.priorityClassName, comma-separated; empty allows any. A CR "
         "outside the list is Degraded (PriorityClassNotAllowed) and nothing is applied.",
+    )
+    allowed_env: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Names EmbeddingServices may set in spec.server.env beyond the built-in "
+        "list (EMBEDDING_SERVER_*, the Hugging Face, tokenizers, OpenMP and NCCL tuning "
+        "variables), comma-separated shell patterns (e.g. 'HF_ENDPOINT,HTTPS_PROXY'). Names "
+        "that load code (LD_*, PYTHON*, ...) are refused whatever this says. A CR outside "
+        "the list is Degraded (EnvNotAllowed) and nothing is applied.",
+    )
+    allow_control_plane: bool = Field(
+        True,
+        description="Let EmbeddingServices select control-plane nodes, tolerate their taints "
+        "(or every taint) or follow other namespaces' pods there. Off, such a CR is Degraded "
+        "(PlacementNotAllowed) and nothing is applied.",
+    )
+    allowed_extended_resources: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Extended resources EmbeddingServices may request in spec.resources, "
+        "comma-separated shell patterns (e.g. 'example.com/*'); cpu, memory, "
+        "ephemeral-storage and hugepages-* are always allowed, GPUs come from the GPU "
+        "profile. A CR outside the list is Degraded (ResourceNotAllowed) and nothing is "
+        "applied.",
+    )
+    allowed_service_types: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Service types EmbeddingServices may set in spec.service.type, "
+        "comma-separated (ClusterIP, NodePort, LoadBalancer); empty allows any. A CR outside "
+        "the list is Degraded (ServiceNotAllowed) and nothing is applied.",
+    )
+    allowed_service_annotations: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Annotation keys EmbeddingServices may set in spec.service.annotations, "
+        "comma-separated shell patterns (e.g. 'prometheus.io/*'); empty allows any. A CR "
+        "outside the list is Degraded (ServiceNotAllowed) and nothing is applied.",
     )
     liveness: str | None = Field(
         "http://0.0.0.0:8080/healthz",
@@ -107,11 +142,28 @@ class OperatorSettings(BaseSettings):
         2.0, gt=0, description="Interval between Lease acquire and renew attempts."
     )
 
-    @field_validator("namespaces", "allowed_images", "allowed_priority_classes", mode="before")
+    @field_validator(
+        "namespaces",
+        "allowed_images",
+        "allowed_priority_classes",
+        "allowed_env",
+        "allowed_extended_resources",
+        "allowed_service_types",
+        "allowed_service_annotations",
+        mode="before",
+    )
     @classmethod
     def _split(cls, value: object) -> object:
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("allowed_service_types")
+    @classmethod
+    def _service_types(cls, value: list[str]) -> list[str]:
+        unknown = sorted(set(value) - set(get_args(ServiceType)))
+        if unknown:
+            raise ValueError(f"unknown Service types {unknown}; use {list(get_args(ServiceType))}")
         return value
 
     @field_validator("liveness", mode="before")
@@ -134,6 +186,11 @@ class OperatorSettings(BaseSettings):
         return WorkloadPolicy(
             allowed_images=tuple(self.allowed_images),
             allowed_priority_classes=tuple(self.allowed_priority_classes),
+            allowed_env=tuple(self.allowed_env),
+            allow_control_plane=self.allow_control_plane,
+            allowed_extended_resources=tuple(self.allowed_extended_resources),
+            allowed_service_types=tuple(self.allowed_service_types),
+            allowed_service_annotations=tuple(self.allowed_service_annotations),
         )
 
     @property

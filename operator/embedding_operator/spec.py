@@ -6,8 +6,9 @@ field, with the same defaults, for two reasons: builders get typed values instea
 dicts, and the few rules a schema cannot state (rollout that can never progress) still fail
 with a field path. ``tests/operator/test_crd_schema.py`` fails when the two drift apart.
 
-Parsing never talks to the cluster: what only the cluster knows (does the GPU profile exist,
-does the Secret exist) is checked during reconciliation.
+Parsing never talks to the cluster: what only the cluster knows (does the GPU profile exist)
+is checked during reconciliation, and a missing Secret is reported from the pods' status
+(the operator never reads Secrets).
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 
 Pooling = Literal["auto", "cls", "mean", "last", "max", "weightedmean", "mean_sqrt_len"]
@@ -104,10 +112,45 @@ class Embedding(_Model):
         return self
 
 
+CODE_LOADING_ENV_PREFIXES = ("LD_", "PYTHON")
+CODE_LOADING_ENV = (
+    "GCONV_PATH",
+    "OPENSSL_CONF",
+    "OPENSSL_ENGINES",
+    "OPENSSL_MODULES",
+    "CUDA_INJECTION64_PATH",
+    "NCCL_NET_PLUGIN",
+    "NCCL_TUNER_PLUGIN",
+    "NCCL_PROFILER_PLUGIN",
+    "HF_MODULES_CACHE",
+    "BASH_ENV",
+)
+"""``server.env`` names no policy allows: each makes the dynamic loader, the interpreter or a
+library load code from a path (``LD_PRELOAD``, ``PYTHONPATH``, ``PYTHONSTARTUP``, an OpenSSL
+engine, a CUDA injection library, an NCCL plugin, where transformers imports remote code
+from), so with a file planted on a volume they run code in the server. The CRD's CEL rule on
+``server.env[]`` states the same list; ``test_crd_schema.py`` keeps the two equal."""
+
+
+def code_loading_env(name: str) -> bool:
+    """Whether ``name`` is one of :data:`CODE_LOADING_ENV` (or starts with a prefix of it)."""
+    return name.startswith(CODE_LOADING_ENV_PREFIXES) or name in CODE_LOADING_ENV
+
+
 class EnvVar(_Model):
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, max_length=256)
     value: str | None = None
     value_from: dict[str, Any] | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _loads_no_code(cls, name: str) -> str:
+        if code_loading_env(name):
+            raise ValueError(
+                f"{name} makes the server load code from a path and is never allowed "
+                "(LD_*, PYTHON*, and the plugin and module paths the CRD lists)"
+            )
+        return name
 
 
 class Server(_Model):

@@ -7,10 +7,10 @@ Three conditions, following Kubernetes API conventions (and the ClusterOperator 
 * ``Progressing``: the operator or the Deployment is moving toward the spec (rolling out,
   scaling). False once converged.
 * ``Degraded``: the desired state cannot be reached without someone acting: a spec only the
-  operator can judge (UnknownGPUType), an image or priority class
-  outside the operator's allowlist, a child's name held by an object we do not control
-  (ChildConflict), a Secret the pods cannot find (as their kubelet reports it), a child the
-  API server refuses, a rollout past its progress deadline.
+  operator can judge (UnknownGPUType), an image, priority class, env name, placement,
+  extended resource or Service outside the operator's policy, a child's name held by an
+  object we do not control (ChildConflict), a Secret the pods cannot find (as their kubelet
+  reports it), a child the API server refuses, a rollout past its progress deadline.
 
 Everything here is pure: the reconciler gathers the facts, ``compute_status`` turns them into
 the status document, ``merge_conditions`` keeps ``lastTransitionTime`` unless a condition's
@@ -51,6 +51,10 @@ CHILD_REJECTED = "ChildRejected"
 CONTAINER_CONFIG_ERROR = "ContainerConfigError"
 IMAGE_NOT_ALLOWED = "ImageNotAllowed"
 PRIORITY_CLASS_NOT_ALLOWED = "PriorityClassNotAllowed"
+ENV_NOT_ALLOWED = "EnvNotAllowed"
+PLACEMENT_NOT_ALLOWED = "PlacementNotAllowed"
+RESOURCE_NOT_ALLOWED = "ResourceNotAllowed"
+SERVICE_NOT_ALLOWED = "ServiceNotAllowed"
 
 # The kubelet's wording when a pod's env names a missing Secret or key (pkg/kubelet:
 # makeEnvironmentVariables), stable since Kubernetes 1.0.
@@ -259,19 +263,21 @@ def _merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     return patch
 
 
-def _secret_fields(spec: EmbeddingServiceSpec) -> dict[str, str]:
-    """Secret name -> the spec field that names it (first mention wins)."""
-    fields: dict[str, str] = {}
+def _secret_fields(spec: EmbeddingServiceSpec) -> dict[str, tuple[str, str]]:
+    """Secret name -> the spec field that names it and the key it reads (first mention
+    wins)."""
+    fields: dict[str, tuple[str, str]] = {}
     for path, ref in (
         ("spec.model.hubTokenSecretRef", spec.model.hub_token_secret_ref),
         ("spec.apiKeySecretRef", spec.api_key_secret_ref),
     ):
         if ref is not None:
-            fields.setdefault(ref.name, path)
+            fields.setdefault(ref.name, (path, ref.key))
     for i, var in enumerate(spec.server.env):
         secret_ref = (var.value_from or {}).get("secretKeyRef") or {}
         if secret_ref.get("name"):
-            fields.setdefault(str(secret_ref["name"]), f"spec.server.env[{i}]")
+            key = str(secret_ref.get("key", ""))
+            fields.setdefault(str(secret_ref["name"]), (f"spec.server.env[{i}]", key))
     return fields
 
 
@@ -284,8 +290,10 @@ def container_config_problem(
     and its status would tell CR authors which Secrets and keys exist). A missing Secret or key
     shows up where Kubernetes itself reports it: the pod's container waits in
     ``CreateContainerConfigError`` with the kubelet's message, which names the Secret. That
-    message is mapped back to the spec field naming the Secret. Retryable: the kubelet retries
-    on its own, and the pod starts once the Secret appears.
+    message is mapped back to the spec field naming the Secret, and reported in one wording
+    whether the Secret or only its key is missing: the kubelet's text, which tells the two
+    apart, never reaches status. Retryable: the kubelet retries on its own, and the pod starts
+    once the Secret appears.
     """
     fields = _secret_fields(spec)
     for pod in pods:
@@ -306,11 +314,13 @@ def container_config_problem(
                     f"pod {pod_name} cannot start its containers: {message}",
                     retryable=True,
                 )
-            field = fields.get(found["name"], "a Secret referenced by the pod")
+            name = found["name"]
+            field, key = fields.get(name, ("a Secret referenced by the pod", ""))
+            its_key = f"its key {key!r}" if key else "the key the pod reads"
             return Problem(
                 SECRET_NOT_FOUND,
-                f"{field}: {message} (pod {pod_name} waits for it; it starts once the Secret "
-                "exists)",
+                f"{field}: Secret {name!r} or {its_key} is missing (pod {pod_name} waits; it "
+                "starts once the Secret holds the key)",
                 retryable=True,
             )
     return None

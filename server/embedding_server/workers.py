@@ -12,9 +12,17 @@ Lifecycle, all waits bounded:
 
 * SIGTERM/SIGINT to the engine process: it sends SIGTERM to every front-end, which drops
   readiness and finishes its in-flight requests (the engine keeps serving them); once they
-  have exited the engine drains its queue and exits 0 (1 if a front-end failed);
-* a front-end that exits on its own (a crash) or an engine that fails (a device error, a
-  tensor-parallel rank lost, a model that does not load): every process stops, exit 1;
+  have exited the engine drains its queue and exits 0 (1 if a front-end failed to drain);
+* a front-end that exits on its own (a crash, ``kill -9``): the requests it held fail with
+  its connections, the engine withdraws what it still had queued (its socket closed), and the
+  engine process starts another in its place after a backoff (:data:`RESTART_BACKOFF_S`,
+  doubling with each recent restart) while the others go on serving. A replacement started
+  once the engine serves accepts no connection before the engine has welcomed it, so no
+  client meets a front-end that is not ready. Restarts are bounded: one more death after
+  :data:`RESTART_LIMIT` within :data:`RESTART_WINDOW_S` ends the server (exit 1), so that
+  something a restart in place does not fix reaches Kubernetes, which restarts the pod;
+* an engine that fails (a device error, a tensor-parallel rank lost, a model that does not
+  load): every process stops, exit 1;
 * the engine process killed outright: each front-end sees its engine socket disconnect, fails
   its waiting requests with 503, drops readiness and exits 1; a front-end also exits when its
   parent is gone, so none is left orphaned.
@@ -30,7 +38,8 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -49,6 +58,16 @@ logger = logging.getLogger(__name__)
 
 Finish = Callable[[int, str], None]
 """Ends the engine process's serving: exit status, and why."""
+
+RESTART_LIMIT = 5
+"""Front-end restarts allowed within :data:`RESTART_WINDOW_S`; the next death ends the
+server with status 1."""
+RESTART_WINDOW_S = 300.0
+"""The window :data:`RESTART_LIMIT` counts restarts in."""
+RESTART_BACKOFF_S = (0.25, 8.0)
+"""The delay before a restart: the first, doubled for each restart within the window, and its
+cap. A front-end that died for a passing reason is back at once; one that keeps dying is
+started less and less often until the limit ends the server."""
 
 
 def serve_workers(settings: ServerSettings, shared_dir: str) -> int:
@@ -86,28 +105,17 @@ async def _engine_process(
     address = engine_address(shared_dir)
     metrics = Metrics()
     service = EngineService(address)
-    context = multiprocessing.get_context("spawn")
-    frontends = [
-        context.Process(
-            target=run_frontend,
-            args=(settings, listener, shared_dir, os.getpid()),
-            name=f"api-worker-{index}",
-            daemon=True,
-        )
-        for index in range(settings.api_workers)
-    ]
     stopping: asyncio.Future[tuple[int, str]] = loop.create_future()
 
     def finish(code: int, why: str) -> None:
         if not stopping.done():
             stopping.set_result((code, why))
 
+    frontends = FrontEnds(settings, listener, shared_dir, finish)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, finish, 0, signal.Signals(sig).name)
-    for process in frontends:
-        process.start()
-        loop.add_reader(process.sentinel, _exited, process, finish)
-    logger.info("started %d API worker processes", len(frontends))
+    frontends.start()
+    logger.info("started %d API worker processes", settings.api_workers)
 
     engine: Engine | None = None
     serving: asyncio.Task[None] | None = None
@@ -118,11 +126,11 @@ async def _engine_process(
         if loading.done():
             engine = _loaded(settings, loading, finish)
         if engine is not None:
-            serving = await _start(settings, engine, service, len(frontends), finish)
+            serving = await _start(settings, engine, service, settings.api_workers, finish)
+            frontends.serving = serving is not None
         code, why = await stopping
     finally:
-        for process in frontends:
-            loop.remove_reader(process.sentinel)
+        frontends.stopping()
     logger.info("stopping (%s): API workers drain first, then the engine", why)
     if code:
         # A failed engine may hang in its forward thread (a tensor-parallel collective);
@@ -131,7 +139,7 @@ async def _engine_process(
         timer = threading.Timer(grace, os._exit, args=(code,))
         timer.daemon = True
         timer.start()
-    failed = await _stop_frontends(frontends, settings.shutdown_timeout + FATAL_EXIT_GRACE_S)
+    failed = await frontends.stop(settings.shutdown_timeout + FATAL_EXIT_GRACE_S)
     if engine is not None:
         await engine.stop(drain=True, timeout=settings.shutdown_timeout)
     if serving is not None:
@@ -225,16 +233,98 @@ def _call_soon(loop: asyncio.AbstractEventLoop, finish: Finish, message: str) ->
     loop.call_soon_threadsafe(finish, 1, message)
 
 
-def _exited(process: BaseProcess, finish: Finish) -> None:
-    """A front-end ended while the server was serving: everything stops, exit 1."""
-    asyncio.get_running_loop().remove_reader(process.sentinel)
-    process.join(0)
-    message = f"{process.name} (pid {process.pid}) exited with status {process.exitcode}"
-    logger.error("cannot serve: %s", message)
-    finish(1, message)
+class FrontEnds:
+    """The front-end processes: started, watched, restarted in place when one dies (bounded,
+    with backoff: see the module docstring), and stopped."""
+
+    def __init__(
+        self, settings: ServerSettings, listener: socket.socket, shared_dir: str, finish: Finish
+    ) -> None:
+        self._settings, self._listener, self._shared_dir = settings, listener, shared_dir
+        self._finish = finish
+        self._context = multiprocessing.get_context("spawn")
+        self._running: dict[int, BaseProcess] = {}
+        """Slot -> its front-end; a slot whose front-end died is empty until its restart."""
+        self._restarts: deque[float] = deque()
+        self._timers: dict[int, asyncio.TimerHandle] = {}
+        self._stopping = False
+        self.serving = False
+        """The engine serves the front-ends: a replacement waits for it before accepting."""
+
+    def start(self) -> None:
+        for slot in range(self._settings.api_workers):
+            self._spawn(slot)
+
+    def _spawn(self, slot: int) -> None:
+        process = self._context.Process(
+            target=run_frontend,
+            args=(self._settings, self._listener, self._shared_dir, os.getpid()),
+            kwargs={"wait_for_engine": self.serving},
+            name=f"api-worker-{slot}",
+            daemon=True,
+        )
+        process.start()
+        self._running[slot] = process
+        asyncio.get_running_loop().add_reader(process.sentinel, self._exited, slot, process)
+
+    def _exited(self, slot: int, process: BaseProcess) -> None:
+        """A front-end ended while the server was serving: restart it, or past the limit
+        stop everything (exit 1)."""
+        asyncio.get_running_loop().remove_reader(process.sentinel)
+        process.join(0)
+        self._running.pop(slot, None)
+        if process.pid is not None:
+            # Its live gauges (in-flight requests) leave /metrics; its counters stay.
+            multiprocess.mark_process_dead(process.pid)  # type: ignore[no-untyped-call]
+        if self._stopping:
+            return
+        message = f"{process.name} (pid {process.pid}) exited with status {process.exitcode}"
+        now = time.monotonic()
+        while self._restarts and now - self._restarts[0] > RESTART_WINDOW_S:
+            self._restarts.popleft()
+        if len(self._restarts) >= RESTART_LIMIT:
+            message += (
+                f" after {len(self._restarts)} restarts within {RESTART_WINDOW_S:.0f} s (the limit)"
+            )
+            logger.error("cannot serve: %s", message)
+            self._finish(1, message)
+            return
+        first, cap = RESTART_BACKOFF_S
+        delay = min(cap, first * 2 ** len(self._restarts))
+        self._restarts.append(now)
+        logger.error(
+            "%s; restarting it in %.2f s (restart %d of at most %d within %.0f s)",
+            message,
+            delay,
+            len(self._restarts),
+            RESTART_LIMIT,
+            RESTART_WINDOW_S,
+        )
+        self._timers[slot] = asyncio.get_running_loop().call_later(delay, self._restart, slot)
+
+    def _restart(self, slot: int) -> None:
+        self._timers.pop(slot, None)
+        if not self._stopping:
+            self._spawn(slot)
+
+    def stopping(self) -> None:
+        """No more restarts, and no more watching: the server is stopping."""
+        self._stopping = True
+        for timer in self._timers.values():
+            timer.cancel()
+        self._timers.clear()
+        loop = asyncio.get_running_loop()
+        for process in self._running.values():
+            loop.remove_reader(process.sentinel)
+
+    async def stop(self, timeout: float) -> bool:
+        """SIGTERM every front-end and wait for them to drain and exit (killed after
+        ``timeout``); whether any of them failed."""
+        self.stopping()
+        return await _stop_frontends(list(self._running.values()), timeout)
 
 
-async def _stop_frontends(frontends: Sequence[BaseProcess], timeout: float) -> bool:
+async def _stop_frontends(frontends: list[BaseProcess], timeout: float) -> bool:
     """SIGTERM every front-end and wait for them to drain and exit (killed after
     ``timeout``); whether any of them failed."""
     for process in frontends:

@@ -16,6 +16,8 @@ import jsonschema
 import pytest
 import yaml
 from embedding_operator.spec import (
+    CODE_LOADING_ENV,
+    CODE_LOADING_ENV_PREFIXES,
     EMBED_ONLY_FIELDS,
     SERVER_QUEUE_TOKENS,
     EmbeddingServiceSpec,
@@ -272,3 +274,21 @@ def test_cel_rules_are_mirrored_by_the_model(schema: dict[str, Any]) -> None:
     for expected, extra in cases.items():
         with pytest.raises(InvalidSpecError, match=expected):
             parse_spec({"model": {"name": "m"}, **extra})
+
+
+def test_env_names_that_load_code_are_refused_by_the_schema_as_by_the_model(
+    schema: dict[str, Any],
+) -> None:
+    """``server.env[]``'s CEL rule lists exactly the names spec.py refuses, so kubectl apply
+    refuses them with the field path, and the operator never renders one."""
+    env = schema["properties"]["spec"]["properties"]["server"]["properties"]["env"]["items"]
+    (rule,) = env["x-kubernetes-validations"]
+    assert rule["fieldPath"] == ".name" and rule["reason"] == "FieldValueForbidden"
+    prefixes = [f"!self.name.startsWith('{p}')" for p in CODE_LOADING_ENV_PREFIXES]
+    names = ", ".join(f"'{n}'" for n in CODE_LOADING_ENV)
+    assert rule["rule"] == " && ".join([*prefixes, f"!(self.name in [{names}])"])
+    # Bounded, so the API server can bound the rule's cost.
+    assert env["properties"]["name"]["maxLength"] == 256
+    for name in ("LD_PRELOAD", "PYTHONPATH", "PYTHONSTARTUP", *CODE_LOADING_ENV):
+        with pytest.raises(InvalidSpecError, match=r"spec\.server\.env\.0\.name: "):
+            parse_spec({"model": {"name": "m"}, "server": {"env": [{"name": name}]}})

@@ -8,7 +8,7 @@ import pytest
 from embedding_operator.builders import desired_children
 from embedding_operator.builders.deployment import build_deployment, server_args
 from embedding_operator.builders.hpa import build_hpa
-from embedding_operator.builders.pdb import wants_pdb
+from embedding_operator.builders.pdb import build_pdb, wants_pdb
 from embedding_operator.builders.pvc import build_pvc
 from embedding_operator.builders.service import build_service
 from embedding_operator.profiles import GpuProfiles
@@ -435,6 +435,15 @@ def test_pdb_only_with_more_than_one_replica() -> None:
         "PersistentVolumeClaim",
         "NetworkPolicy",
     }
+
+
+def test_pdb_never_protects_a_pod_that_is_not_ready() -> None:
+    """A service whose pods never become ready (a model that will not load, a bad image)
+    must not block node drains: its unready pods may always be evicted, and the budget
+    counts only healthy ones."""
+    pdb = build_pdb(render_input({"model": MODEL, "replicas": 3}))
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
 
 
 def test_service() -> None:

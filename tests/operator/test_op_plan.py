@@ -103,3 +103,202 @@ def test_allowlist_refuses_with_the_field(
 def test_allowlist_admits(server: dict[str, Any], scheduling: dict[str, Any]) -> None:
     spec = {"model": M, "server": server, "scheduling": scheduling}
     assert isinstance(plan(OWNER, spec, GpuProfiles.builtin(), "img:1", POLICY), Planned)
+
+
+# --- server.env: an allowlist of names (M5) ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name", ["PYTHONPATH", "PYTHONSTARTUP", "LD_PRELOAD", "LD_LIBRARY_PATH", "OPENSSL_CONF"]
+)
+def test_env_that_loads_code_is_refused_whatever_the_policy(name: str) -> None:
+    """Names that make the loader or the interpreter run code from a path: the CRD's CEL
+    rule refuses them at kubectl apply, and the spec model states the same rule."""
+    env = [{"name": "OMP_NUM_THREADS", "value": "4"}, {"name": name, "value": "/cache/x"}]
+    spec = {"model": M, "server": {"env": env}}
+    wide_open = WorkloadPolicy(allowed_env=("*",))
+    refused = plan(OWNER, spec, GpuProfiles.builtin(), "img:1", wide_open)
+    assert isinstance(refused, Refused)
+    assert refused.problem.reason == "InvalidSpec"
+    assert refused.problem.message.startswith("spec.server.env.1.name: "), refused.problem.message
+    assert name in refused.problem.message
+
+
+@pytest.mark.parametrize("name", ["HF_ENDPOINT", "HTTPS_PROXY", "SSL_CERT_FILE", "MY_SETTING"])
+def test_env_outside_the_allowlist_is_refused_unless_the_policy_widens_it(name: str) -> None:
+    env = [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": name, "value": "x"}]
+    spec = {"model": M, "server": {"env": env}}
+    refused = plan(OWNER, spec, GpuProfiles.builtin(), "img:1")
+    assert isinstance(refused, Refused)
+    assert refused.problem.reason == "EnvNotAllowed" and not refused.problem.retryable
+    assert refused.problem.message.startswith("spec.server.env[1].name: "), refused.problem.message
+    assert repr(name) in refused.problem.message and "nothing is applied" in refused.problem.message
+    widened = WorkloadPolicy(allowed_env=(name,))
+    assert isinstance(plan(OWNER, spec, GpuProfiles.builtin(), "img:1", widened), Planned)
+
+
+def test_the_default_env_allowlist_admits_the_servers_own_knobs() -> None:
+    env = [
+        {"name": "EMBEDDING_SERVER_MAX_BATCH_TOKENS", "value": "8192"},
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+        {"name": "OMP_NUM_THREADS", "value": "4"},
+        {"name": "TOKENIZERS_PARALLELISM", "value": "false"},
+        {"name": "PYTORCH_CUDA_ALLOC_CONF", "value": "expandable_segments:True"},
+    ]
+    planned = plan(OWNER, {"model": M, "server": {"env": env}}, GpuProfiles.builtin(), "img:1")
+    assert isinstance(planned, Planned)
+
+
+# --- placement, extended resources and the Service (L3) ----------------------------------------
+
+CONTROL_PLANE = "node-role.kubernetes.io/control-plane"
+NO_CONTROL_PLANE = WorkloadPolicy(allow_control_plane=False)
+
+
+@pytest.mark.parametrize(
+    ("scheduling", "field"),
+    [
+        ({"nodeSelector": {CONTROL_PLANE: ""}}, f"spec.scheduling.nodeSelector['{CONTROL_PLANE}']"),
+        (
+            {"nodeSelector": {"node-role.kubernetes.io/master": ""}},
+            "spec.scheduling.nodeSelector['node-role.kubernetes.io/master']",
+        ),
+        (
+            {
+                "affinity": {
+                    "nodeAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": {
+                            "nodeSelectorTerms": [
+                                {"matchExpressions": [{"key": CONTROL_PLANE, "operator": "Exists"}]}
+                            ]
+                        }
+                    }
+                }
+            },
+            "spec.scheduling.affinity.nodeAffinity",
+        ),
+        (
+            {
+                "affinity": {
+                    "nodeAffinity": {
+                        "preferredDuringSchedulingIgnoredDuringExecution": [
+                            {
+                                "weight": 1,
+                                "preference": {
+                                    "matchExpressions": [
+                                        {"key": CONTROL_PLANE, "operator": "In", "values": [""]}
+                                    ]
+                                },
+                            }
+                        ]
+                    }
+                }
+            },
+            "spec.scheduling.affinity.nodeAffinity",
+        ),
+        (
+            {"tolerations": [{"key": CONTROL_PLANE, "operator": "Exists"}]},
+            "spec.scheduling.tolerations[0]",
+        ),
+        ({"tolerations": [{"operator": "Exists"}]}, "spec.scheduling.tolerations[0]"),
+        (
+            {
+                "affinity": {
+                    "podAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": [
+                            {
+                                "labelSelector": {"matchLabels": {"component": "kube-apiserver"}},
+                                "namespaces": ["kube-system"],
+                                "topologyKey": "kubernetes.io/hostname",
+                            }
+                        ]
+                    }
+                }
+            },
+            "spec.scheduling.affinity.podAffinity",
+        ),
+    ],
+)
+def test_policy_keeps_pods_off_control_plane_nodes(scheduling: dict[str, Any], field: str) -> None:
+    spec = {"model": M, "scheduling": scheduling}
+    refused = plan(OWNER, spec, GpuProfiles.builtin(), "img:1", NO_CONTROL_PLANE)
+    assert isinstance(refused, Refused)
+    assert refused.problem.reason == "PlacementNotAllowed"
+    assert refused.problem.message.startswith(f"{field}"), refused.problem.message
+    assert "nothing is applied" in refused.problem.message
+    # The default policy leaves placement to the CR (as before).
+    assert isinstance(plan(OWNER, spec, GpuProfiles.builtin(), "img:1"), Planned)
+
+
+def test_policy_without_control_plane_still_admits_ordinary_placement() -> None:
+    scheduling = {
+        "nodeSelector": {"pool": "gpu"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {"matchExpressions": [{"key": CONTROL_PLANE, "operator": "DoesNotExist"}]}
+                    ]
+                }
+            },
+            "podAntiAffinity": {
+                "preferredDuringSchedulingIgnoredDuringExecution": [
+                    {
+                        "weight": 1,
+                        "podAffinityTerm": {
+                            "labelSelector": {"matchLabels": {"app": "x"}},
+                            "topologyKey": "kubernetes.io/hostname",
+                        },
+                    }
+                ]
+            },
+        },
+    }
+    spec = {"model": M, "gpu": {"type": "h100"}, "scheduling": scheduling}
+    assert isinstance(plan(OWNER, spec, GpuProfiles.builtin(), "img:1", NO_CONTROL_PLANE), Planned)
+
+
+@pytest.mark.parametrize("kind", ["requests", "limits"])
+def test_extended_resources_need_the_policy(kind: str) -> None:
+    """spec.resources is for CPU and memory: accelerators come from the GPU profile, and an
+    extended resource the admins did not list (another vendor's GPUs, MIG slices, FPGAs) is
+    refused, naming it."""
+    spec = {"model": M, "resources": {kind: {"cpu": "2", "memory": "4Gi", "amd.com/gpu": 1}}}
+    refused = plan(OWNER, spec, GpuProfiles.builtin(), "img:1")
+    assert isinstance(refused, Refused)
+    assert refused.problem.reason == "ResourceNotAllowed"
+    assert refused.problem.message.startswith(f"spec.resources.{kind}['amd.com/gpu']: ")
+    allowed = WorkloadPolicy(allowed_extended_resources=("amd.com/*",))
+    assert isinstance(plan(OWNER, spec, GpuProfiles.builtin(), "img:1", allowed), Planned)
+    plain = {"model": M, "resources": {kind: {"cpu": "2", "ephemeral-storage": "1Gi"}}}
+    assert isinstance(plan(OWNER, plain, GpuProfiles.builtin(), "img:1"), Planned)
+
+
+SERVICE_POLICY = WorkloadPolicy(
+    allowed_service_types=("ClusterIP",),
+    allowed_service_annotations=("prometheus.io/*",),
+)
+
+
+@pytest.mark.parametrize(
+    ("service", "field"),
+    [
+        ({"type": "LoadBalancer"}, "spec.service.type"),
+        (
+            {"annotations": {"service.beta.kubernetes.io/aws-load-balancer-scheme": "x"}},
+            "spec.service.annotations['service.beta.kubernetes.io/aws-load-balancer-scheme']",
+        ),
+    ],
+)
+def test_policy_restricts_the_service_type_and_annotations(
+    service: dict[str, Any], field: str
+) -> None:
+    spec = {"model": M, "service": service}
+    refused = plan(OWNER, spec, GpuProfiles.builtin(), "img:1", SERVICE_POLICY)
+    assert isinstance(refused, Refused)
+    assert refused.problem.reason == "ServiceNotAllowed"
+    assert refused.problem.message.startswith(f"{field}: "), refused.problem.message
+    assert isinstance(plan(OWNER, spec, GpuProfiles.builtin(), "img:1"), Planned)
+    ok = {"model": M, "service": {"annotations": {"prometheus.io/scrape": "true"}}}
+    assert isinstance(plan(OWNER, ok, GpuProfiles.builtin(), "img:1", SERVICE_POLICY), Planned)

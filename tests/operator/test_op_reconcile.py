@@ -326,14 +326,18 @@ def test_missing_secret_is_reported_from_the_pod_never_read(cluster: FakeCluster
     assert outcome is not None and outcome.retry
     cond = conditions(cluster)
     assert cond["Degraded"]["reason"] == "SecretNotFound"
-    assert cond["Degraded"]["message"].startswith('spec.apiKeySecretRef: secret "auth" not found')
-    assert "emb-abc" in cond["Degraded"]["message"]
+    missing_secret = cond["Degraded"]["message"]
+    assert missing_secret.startswith("spec.apiKeySecretRef: ")
+    assert "'auth'" in missing_secret and "'api-key'" in missing_secret
+    assert "emb-abc" in missing_secret
     assert ("Warning", "SecretNotFound") in [e[:2] for e in events.posted]
 
+    # Status never tells a CR author which Secrets exist: a Secret that exists without the
+    # key reads exactly like one that does not exist.
     waiting["message"] = "couldn't find key api-key in Secret team/auth"
     cluster.add(_pod("emb-abc", waiting))
     rec.reconcile(NS, "emb")
-    assert "couldn't find key api-key" in conditions(cluster)["Degraded"]["message"]
+    assert conditions(cluster)["Degraded"]["message"] == missing_secret
 
     # The Secret appears; the kubelet starts the container and the pod becomes ready.
     cluster.add(_pod("emb-abc", None))
@@ -350,14 +354,21 @@ def test_missing_secret_is_reported_from_the_pod_never_read(cluster: FakeCluster
 
 
 def test_secret_in_server_env_and_other_config_errors(cluster: FakeCluster) -> None:
-    env = [{"name": "X", "valueFrom": {"secretKeyRef": {"name": "xs", "key": "k"}}}]
+    env = [
+        {
+            "name": "EMBEDDING_SERVER_REVISION",
+            "valueFrom": {"secretKeyRef": {"name": "xs", "key": "k"}},
+        }
+    ]
     add_service(cluster, {**MODEL, "server": {"env": env}})
     rec = make(cluster)
     rec.reconcile(NS, "emb")
     msg = "couldn't find key k in Secret team/xs"
     cluster.add(_pod("p1", {"reason": "CreateContainerConfigError", "message": msg}))
     rec.reconcile(NS, "emb")
-    assert conditions(cluster)["Degraded"]["message"].startswith(f"spec.server.env[0]: {msg}")
+    message = conditions(cluster)["Degraded"]["message"]
+    assert message.startswith("spec.server.env[0]: ") and "'xs'" in message and "'k'" in message
+    assert "couldn't find" not in message and "not found" not in message
 
     msg = 'configmap "cm" not found'
     cluster.add(_pod("p1", {"reason": "CreateContainerConfigError", "message": msg}))
@@ -502,6 +513,73 @@ def test_unowned_namesake_is_a_conflict_never_adopted(
     assert conditions(cluster)["Degraded"]["status"] == "False"
 
 
+class RacingCluster(FakeCluster):
+    """An API where, right after the operator's GET of the child ``ref``, someone else
+    creates (or replaces) the object of that name: the gap between the adoption check and
+    the write."""
+
+    def __init__(self, ref: ObjectRef, foreign: dict[str, Any]) -> None:
+        super().__init__()
+        self.ref, self.foreign = ref, foreign
+        self.armed = False
+        self.raced = False
+
+    def get(self, ref: ObjectRef) -> dict[str, Any] | None:
+        found = super().get(ref)
+        if ref == self.ref and not self.raced and self.armed:
+            self.raced = True
+            self.objects.pop(ref, None)
+            self.add(self.foreign)
+        return found
+
+
+def _foreign_service() -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "emb", "namespace": NS, "labels": {"team": "theirs"}},
+        "spec": {"type": "ClusterIP", "selector": {"app": "theirs"}, "ports": [{"port": 5432}]},
+    }
+
+
+def test_a_namesake_created_after_the_check_is_not_adopted() -> None:
+    """The name was free when read, and taken before the write: the write creates only,
+    so the foreign object keeps its fields and gets no ownerReference (garbage collection
+    would delete it with the EmbeddingService)."""
+    service = ObjectRef("v1", "Service", NS, "emb")
+    cluster = RacingCluster(service, _foreign_service())
+    cluster.armed = True
+    add_service(cluster, MODEL)
+    outcome = make(cluster).reconcile(NS, "emb")
+    assert cluster.raced
+    theirs = cluster.objects[service]
+    assert "ownerReferences" not in theirs["metadata"], theirs
+    assert theirs["spec"] == _foreign_service()["spec"]
+    assert outcome is not None and outcome.problem is not None
+    assert outcome.problem.reason == "ChildConflict"
+    assert "Service team/emb already exists" in outcome.problem.message
+
+
+def test_a_child_replaced_after_the_check_is_not_written() -> None:
+    """Our Service was ours when read, and replaced by someone else's of the same name
+    before the write: the write is for the object that was checked (its uid), so the new
+    one is left as it is."""
+    service = ObjectRef("v1", "Service", NS, "emb")
+    cluster = RacingCluster(service, _foreign_service())
+    add_service(cluster, MODEL)
+    rec = make(cluster)
+    rec.reconcile(NS, "emb")
+    cluster.objects[service]["spec"]["ports"][0]["port"] = 9999  # drift: the next one writes
+    cluster.armed = True
+    outcome = rec.reconcile(NS, "emb")
+    assert cluster.raced
+    theirs = cluster.objects[service]
+    assert "ownerReferences" not in theirs["metadata"], theirs
+    assert theirs["spec"] == _foreign_service()["spec"]
+    assert outcome is not None and outcome.problem is not None
+    assert outcome.problem.reason == "ChildConflict"
+
+
 def test_every_conflict_is_named(cluster: FakeCluster) -> None:
     add_service(cluster, MODEL)
     for api_version, kind in (("apps/v1", "Deployment"), ("v1", "Service")):
@@ -569,10 +647,10 @@ def test_refused_apply_of_edited_child_falls_back_to_merge_patch(cluster: FakeCl
     cluster.objects[svc_ref]["spec"]["ports"][0]["port"] = 9999
     real_apply = cluster.apply
 
-    def refusing_apply(manifest: dict[str, Any]) -> dict[str, Any]:
+    def refusing_apply(manifest: dict[str, Any], *, force: bool = True) -> dict[str, Any]:
         if manifest["kind"] == "Service":
             raise ApiError(422, 'spec.ports[1].name: Duplicate value: "http"')
-        return real_apply(manifest)
+        return real_apply(manifest, force=force)
 
     cluster.apply = refusing_apply  # type: ignore[method-assign]
     outcome = rec.reconcile(NS, "emb")
@@ -584,7 +662,7 @@ def test_refused_apply_of_edited_child_falls_back_to_merge_patch(cluster: FakeCl
 def test_refused_new_child_is_degraded(cluster: FakeCluster) -> None:
     add_service(cluster, MODEL)
 
-    def refusing_apply(manifest: dict[str, Any]) -> dict[str, Any]:
+    def refusing_apply(manifest: dict[str, Any], *, force: bool = True) -> dict[str, Any]:
         raise ApiError(422, "nope")
 
     cluster.apply = refusing_apply  # type: ignore[method-assign]

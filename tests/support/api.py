@@ -176,7 +176,7 @@ class ServerProcess:
                     return False
             except httpx.HTTPError:
                 return False
-            self.children = _frontends(self.process.pid)
+            self.children = frontend_processes(self.process.pid)
             return len(self.children) >= workers
 
         wait_for(ready, timeout=timeout, interval=0.1, what=f"{self.url}/ready")
@@ -186,7 +186,7 @@ class ServerProcess:
         """Wait for the server and every front-end process to exit; the server's status."""
         code = self.process.wait(timeout=timeout)
         wait_for(
-            lambda: not any(_running(child) for child in self.children),
+            lambda: not any(alive(child) for child in self.children),
             timeout=timeout,
             what="every front-end process to exit",
         )
@@ -204,13 +204,17 @@ class ServerProcess:
         self.process.wait(timeout=30)
 
 
-def _frontends(pid: int) -> list[psutil.Process]:
+def frontend_processes(pid: int) -> list[psutil.Process]:
     """The server's front-end processes (multiprocessing's resource tracker is not one)."""
-    children = psutil.Process(pid).children()
-    return [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+    found = []
+    for child in psutil.Process(pid).children():
+        with contextlib.suppress(psutil.Error):  # gone, or a zombie not yet reaped
+            if "spawn_main" in " ".join(child.cmdline()):
+                found.append(child)
+    return found
 
 
-def _running(process: psutil.Process) -> bool:
+def alive(process: psutil.Process) -> bool:
     try:
         return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:

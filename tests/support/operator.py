@@ -39,6 +39,14 @@ def _merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
     return base
 
 
+def _others_fields(live: dict[str, Any], manifest: dict[str, Any]) -> bool:
+    """Whether ``live`` holds values another writer set that ``manifest`` would change
+    (approximately: it is not controlled by the manifest's owner, and its spec differs)."""
+    ours = {r.get("uid") for r in manifest["metadata"].get("ownerReferences") or []}
+    theirs = {r.get("uid") for r in live["metadata"].get("ownerReferences") or []}
+    return not (ours & theirs) and live.get("spec") != manifest.get("spec")
+
+
 class FakeCluster:
     """An in-memory API: enough semantics (uids, generations, apply, status) for reconcile."""
 
@@ -61,12 +69,20 @@ class FakeCluster:
         obj = self.objects.get(ref)
         return copy.deepcopy(obj) if obj is not None else None
 
-    def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
+    def apply(self, manifest: dict[str, Any], *, force: bool = True) -> dict[str, Any]:
+        """Server-side apply. As the API server does: a ``metadata.uid`` that is not the live
+        object's is refused (422, the uid is immutable), and without ``force`` fields another
+        manager set to other values are a conflict (409)."""
         self.calls.append(("apply", manifest["kind"]))
         ref = ref_of(manifest)
         live = self.objects.get(ref)
         if live is None:
             return copy.deepcopy(self.add(manifest))
+        uid = manifest["metadata"].get("uid")
+        if uid is not None and uid != live["metadata"]["uid"]:
+            raise ApiError(422, f'metadata.uid: Invalid value: "{uid}": field is immutable')
+        if not force and _others_fields(live, manifest):
+            raise ApiError(409, "Apply failed with conflicts: fields owned by another manager")
         before = copy.deepcopy(live.get("spec"))
         # Server-side apply, approximately: our fields win; a field we dropped goes away.
         if "spec" in live and "spec" in manifest and "replicas" not in manifest["spec"]:
@@ -80,6 +96,9 @@ class FakeCluster:
     def merge_patch(self, manifest: dict[str, Any]) -> dict[str, Any]:
         self.calls.append(("merge_patch", manifest["kind"]))
         live = self.objects[ref_of(manifest)]
+        uid = manifest["metadata"].get("uid")
+        if uid is not None and uid != live["metadata"]["uid"]:
+            raise ApiError(422, f'metadata.uid: Invalid value: "{uid}": field is immutable')
         _merge(live, copy.deepcopy(manifest))
         live["metadata"]["resourceVersion"] = str(next(self._counter))
         return copy.deepcopy(live)

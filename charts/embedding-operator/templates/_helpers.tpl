@@ -96,6 +96,11 @@ EMBEDDING_OPERATOR_NAMESPACES: {{ join "," .Values.watchNamespaces | quote }}
 EMBEDDING_OPERATOR_DEFAULT_IMAGE: {{ include "embedding-operator.serverImage" . | quote }}
 EMBEDDING_OPERATOR_ALLOWED_IMAGES: {{ join "," .Values.policy.allowedImages | quote }}
 EMBEDDING_OPERATOR_ALLOWED_PRIORITY_CLASSES: {{ join "," .Values.policy.allowedPriorityClasses | quote }}
+EMBEDDING_OPERATOR_ALLOWED_ENV: {{ join "," .Values.policy.allowedEnv | quote }}
+EMBEDDING_OPERATOR_ALLOW_CONTROL_PLANE: {{ .Values.policy.allowControlPlane | toString | quote }}
+EMBEDDING_OPERATOR_ALLOWED_EXTENDED_RESOURCES: {{ join "," .Values.policy.allowedExtendedResources | quote }}
+EMBEDDING_OPERATOR_ALLOWED_SERVICE_TYPES: {{ join "," .Values.policy.allowedServiceTypes | quote }}
+EMBEDDING_OPERATOR_ALLOWED_SERVICE_ANNOTATIONS: {{ join "," .Values.policy.allowedServiceAnnotations | quote }}
 EMBEDDING_OPERATOR_GPU_PROFILES: /etc/embedding-operator/gpu-profiles.yaml
 EMBEDDING_OPERATOR_LIVENESS: {{ printf "http://0.0.0.0:%d/healthz" (int .Values.operator.healthPort) | quote }}
 EMBEDDING_OPERATOR_LOG_FORMAT: {{ .Values.operator.logFormat | quote }}

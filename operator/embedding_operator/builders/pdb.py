@@ -2,6 +2,10 @@
 
 Only rendered when the service can have more than one replica; with one replica a budget of
 ``maxUnavailable: 1`` protects nothing and ``0`` would block node drains forever.
+
+``unhealthyPodEvictionPolicy: AlwaysAllow``: a pod that is not ready serves nobody, so the
+budget never protects it. Without it a service whose pods never become ready (a model that
+will not load, an image that does not pull) would hold every node drain it touches.
 """
 
 from __future__ import annotations
@@ -25,5 +29,9 @@ def build_pdb(render: RenderInput) -> Manifest:
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": child_metadata(render.owner),
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(render.owner)}},
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": selector_labels(render.owner)},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
     }

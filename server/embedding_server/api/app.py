@@ -78,13 +78,16 @@ def create_app(
     engine: ServingEngine | None = None,
     *,
     connect: Connect | None = None,
+    accept_when_ready: bool = False,
 ) -> FastAPI:
     """Build the HTTP application.
 
     With ``engine=None``, ``connect`` gets the engine in the background once the server
     starts (``embedding_server.engine.load_engine`` loads the model ``settings`` names);
     pass an engine (e.g. ``Engine.from_pretrained("fake")``) to serve it instead. The
-    engine is started and stopped by the application's lifespan.
+    engine is started and stopped by the application's lifespan. ``accept_when_ready``:
+    the lifespan's startup, and so uvicorn's first accept, waits for the engine (an
+    ``--api-workers`` front-end restarted beside others that serve meanwhile).
     """
     metrics: Metrics = getattr(engine, "metrics", None) or Metrics()
     lifecycle = Lifecycle(settings=settings, metrics=metrics, engine=engine)
@@ -92,6 +95,8 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         bring_up = asyncio.create_task(_bring_up(lifecycle, connect), name="bring-up")
+        if accept_when_ready:
+            await asyncio.wait([bring_up])  # a failure is the lifecycle's: it exits 1
         try:
             yield
         finally:

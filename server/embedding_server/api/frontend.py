@@ -37,9 +37,18 @@ def engine_address(shared_dir: str) -> str:
 
 
 def run_frontend(
-    settings: ServerSettings, listener: socket.socket, shared_dir: str, parent: int
+    settings: ServerSettings,
+    listener: socket.socket,
+    shared_dir: str,
+    parent: int,
+    *,
+    wait_for_engine: bool = False,
 ) -> None:
-    """A front-end process: the HTTP API on the shared socket, its jobs run by the engine."""
+    """A front-end process: the HTTP API on the shared socket, its jobs run by the engine.
+
+    ``wait_for_engine``: accept no connection before the engine has handed this front-end
+    the model (one started in place of a front-end that died, while the others serve: a
+    client it accepted earlier would be told the server is not ready)."""
     configure_logging(settings.log_level, settings.log_format)
     # Out of the engine's process group: a terminal's Ctrl-C reaches the engine process only,
     # which sends one SIGTERM (a second signal would make uvicorn skip the drain).
@@ -49,7 +58,7 @@ def run_frontend(
     async def connect(settings: ServerSettings, metrics: Metrics) -> ServingEngine:
         return await AttachedEngine.connect(settings, engine_address(shared_dir), metrics=metrics)
 
-    app = create_app(settings, connect=connect)
+    app = create_app(settings, connect=connect, accept_when_ready=wait_for_engine)
     code = run_http(settings, app, sockets=[listener])
     _clean_up_after(parent, shared_dir)
     raise SystemExit(code)

@@ -490,7 +490,9 @@ def _load_module(
             raise UnsupportedModelError(
                 f"model {name!r}: transformers cannot load it: {error}"
             ) from error
-        except (OSError, KeyError, ImportError) as error:
+        except (OSError, KeyError, ImportError, RuntimeError) as error:
+            # RuntimeError: a weight whose shape is not the config's (a vocab_size or a
+            # position table that config.json overstates), which transformers refuses.
             raise UnsupportedModelError(
                 f"model {name!r}: transformers cannot load it: {error}"
             ) from error

@@ -77,11 +77,17 @@ from .pooling import DenseLayer
 
 logger = logging.getLogger(__name__)
 
-_CONFIG_PATTERNS = ["*.json", "*.txt", "*.model", "tokenizer*", "*/config.json"]
-"""What a Hub model's first download fetches: config, tokenizer and sentence-transformers
-files, enough to decide whether it can be served. No weights."""
+_CONFIG_PATTERNS = ["*.json", "*.txt", "*.model"]
+"""What a Hub model's first download fetches: config, tokenizer (``tokenizer.json``,
+``vocab.txt``, a sentencepiece ``*.model``) and sentence-transformers files (the Hub matches
+with fnmatch, whose ``*`` crosses ``/``: ``1_Pooling/config.json`` too), enough to decide
+whether it can be served. No weights, and no pattern that could match code: a ``.py`` or
+``.so`` on disk is one environment variable (``PYTHONPATH``, ``LD_PRELOAD``) away from
+running, so a checkpoint's Python comes only with remote code (:func:`fetch_weights`)."""
 _WEIGHT_PATTERNS = ["*.safetensors"]
 _BIN_PATTERNS = ["pytorch_model*.bin"]
+_MODULE_FILES = ("config.json", "model.safetensors", "pytorch_model.bin")
+"""What a sentence-transformers Dense module's folder holds that we read (``_read_dense``)."""
 """Fetched only when the repository has no safetensors weights: the root's checkpoint (one
 file or shards), not every ``*.bin`` (training arguments, optimizer states)."""
 _ACTIVATION_NAMES = {
@@ -194,7 +200,7 @@ def fetch_weights(
     files too. A local directory as it is."""
     if source.repo_id is None:
         return source.path
-    modules = [f"{m}/*" for m in (st.dense_modules if st is not None else [])]
+    modules = module_patterns(st.dense_modules if st is not None else [])
     path = _snapshot(
         source.repo_id,
         revision=source.revision,
@@ -210,6 +216,12 @@ def fetch_weights(
             patterns=_BIN_PATTERNS,
         )
     return path
+
+
+def module_patterns(modules: Sequence[str]) -> list[str]:
+    """The files of the Dense modules' folders we read, by name: a folder's other files (a
+    planted ``evil.py``) are never fetched, whatever ``modules.json`` calls the folder."""
+    return [f"{module}/{name}" for module in modules for name in _MODULE_FILES]
 
 
 def _hub_offline() -> bool:
@@ -967,7 +979,7 @@ def _weight_shapes(
                     source.repo_id,
                     revision=source.revision,
                     cache_dir=source.cache_dir,
-                    patterns=[f"{m}/*" for m in st.dense_modules],
+                    patterns=module_patterns(st.dense_modules),
                 )
             return path, TensorShapes.from_hub(meta.files_metadata)
     path = fetch_weights(source, st)

@@ -4,7 +4,8 @@ connects to, served from the one scheduler, so a batch holds sequences of every 
 Front-ends send token ids (:mod:`embedding_server.ipc.messages`); the engine answers with
 vectors and, on every answer, its queue as the answer left, which front-ends admit requests
 against (see :mod:`embedding_server.ipc.client`). It withdraws the queued work of a front-end
-whose connection closes (one that crashed) as it does a cancelled request's.
+whose connection closes (one that crashed) as it does a cancelled request's, and welcomes
+the front-end the engine process starts in its place like any other.
 """
 
 from __future__ import annotations
@@ -85,11 +86,18 @@ class EngineService:
                 waiting.append(wire)
                 if len(waiting) >= front_ends:
                     for each in waiting:
-                        each.send([welcome, payload])
+                        _answer(each, [welcome, payload])
                     waiting.clear()
-                    front_ends = 0
+                    front_ends = 0  # from now on (a restarted front-end) welcomed at once
 
-            wire = Wire(received, lambda: self._withdraw(wire))
+            def lost() -> None:
+                # A front-end that died before the handoff is not waited for: the one
+                # started in its place says hello instead.
+                if wire in waiting:
+                    waiting.remove(wire)
+                self._withdraw(wire)
+
+            wire = Wire(received, lost)
             return wire
 
         server = await loop.create_unix_server(connection, sock=self._listener)

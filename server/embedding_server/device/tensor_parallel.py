@@ -17,14 +17,25 @@ killed (which also unblocks rank 0's own collective), and the failure callbacks 
 server's exits non-zero). Workers read their stdin, a pipe from rank 0, until it closes, so
 they exit when rank 0 does, however it ends; they run in their own session, so a terminal's
 Ctrl-C reaches rank 0 only, and rank 0 drains and stops them.
+
+The ranks meet at rank 0's TCPStore, which has no authentication of its own. It listens on
+127.0.0.1 only (the ranks are rank 0's children: nothing outside the pod can reach it), and
+each start draws a secret that rank 0 hands the workers on their stdin with the settings.
+Every key the group uses lives under a prefix derived from it, and what a rank reports (its
+shard loaded, or why it failed) carries an HMAC under it: a process in the pod that is not a
+rank can neither guess the keys nor forge a report, so its writes cannot fail the group.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
+import hmac
 import logging
 import os
+import secrets
+import socket
 import subprocess
 import sys
 import threading
@@ -35,7 +46,7 @@ from typing import IO, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in __all__
+from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 
 from embedding_server.errors import NotReadyError, UnsupportedModelError
 from embedding_server.settings import EngineSettings
@@ -108,6 +119,60 @@ def _local_transport() -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
+def _loopback_store(size: int, timeout: float) -> TCPStore:
+    """Rank 0's store, listening on 127.0.0.1 only: TCPStore binds every interface when it
+    opens its own socket, so it is handed one bound to loopback."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(socket.SOMAXCONN)
+        store = TCPStore(
+            "127.0.0.1",
+            listener.getsockname()[1],
+            world_size=size,
+            is_master=True,
+            timeout=timedelta(seconds=timeout),
+            wait_for_workers=False,
+            master_listen_fd=listener.fileno(),
+        )
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store's server owns the socket now
+    return store
+
+
+class _Keys:
+    """The group's view of the store: under a prefix derived from this start's secret, and
+    with what ranks report signed by it (see the module docstring)."""
+
+    def __init__(self, store: Store, secret: str) -> None:
+        self._secret = secret.encode()
+        prefix = hmac.new(self._secret, b"prefix", hashlib.sha256).hexdigest()[:16]
+        self.store: Store = PrefixStore(f"embedding-server/{prefix}/", store)
+
+    def _tag(self, key: str, value: str) -> str:
+        message = f"{key}\0{value}".encode()
+        return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
+
+    def report(self, key: str, value: str) -> None:
+        """Set ``key`` to ``value``, signed."""
+        self.store.set(key, f"{self._tag(key, value)}:{value}")
+
+    def reported(self, key: str) -> str | None:
+        """``key``'s value if a rank set it (signed with the secret); None if it is unset or
+        forged (a forgery is dropped, so that the rank's own report can take its place)."""
+        if not self.store.check([key]):
+            return None
+        tag, _, value = self.store.get(key).decode(errors="replace").partition(":")
+        if hmac.compare_digest(tag, self._tag(key, value)):
+            return value
+        logger.warning("ignoring %s in the tensor-parallel store: not written by a rank", key)
+        with contextlib.suppress(Exception):  # gone already: nothing to drop
+            self.store.delete_key(key)
+        return None
+
+
 class TensorParallelGroup:
     """Rank 0's handle on the group: starts the workers, sends plans, watches for failure."""
 
@@ -136,14 +201,9 @@ class TensorParallelGroup:
                     f"; this process sees {torch.cuda.device_count()}"
                 )
         _local_transport()
-        self._store = TCPStore(
-            "127.0.0.1",
-            0,
-            world_size=self.size,
-            is_master=True,
-            timeout=timedelta(seconds=self.timeout),
-            wait_for_workers=False,
-        )
+        self._store = _loopback_store(self.size, self.timeout)
+        self._secret = secrets.token_hex(32)
+        self._keys = _Keys(self._store, self._secret)
         try:
             for rank in range(1, self.size):
                 self._workers.append(self._spawn(rank, settings))
@@ -166,7 +226,9 @@ class TensorParallelGroup:
         worker = subprocess.Popen(command, stdin=subprocess.PIPE, start_new_session=True)
         assert worker.stdin is not None
         engine_fields = set(EngineSettings.model_fields)
+        # The secret on stdin, never on the command line (which any process can read).
         worker.stdin.write(settings.model_dump_json(include=engine_fields).encode() + b"\n")
+        worker.stdin.write(self._secret.encode() + b"\n")
         worker.stdin.flush()
         logger.info("started tensor-parallel rank %d (pid %d)", rank, worker.pid)
         return worker
@@ -189,19 +251,19 @@ class TensorParallelGroup:
         while pending:
             for rank in sorted(pending):
                 code = self._workers[rank - 1].poll()
-                if self._store.check([f"tp/{rank}/error"]):
-                    error = self._store.get(f"tp/{rank}/error").decode()
+                error = self._keys.reported(f"tp/{rank}/error")
+                if error is not None:
                     raise RankFailedError(f"tensor-parallel rank {rank} failed to load: {error}")
                 if code is not None:
                     raise RankFailedError(
                         f"tensor-parallel rank {rank} exited with status {code} while loading"
                     )
-                if self._store.check([f"tp/{rank}/loaded"]):
+                if self._keys.reported(f"tp/{rank}/loaded") is not None:
                     pending.discard(rank)
             time.sleep(0.05)
         dist.init_process_group(
             _backend(self.device),
-            store=self._store,
+            store=self._keys.store,
             rank=0,
             world_size=self.size,
             timeout=timedelta(seconds=self.timeout),
@@ -403,12 +465,13 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         handler.addFilter(_RankFilter(args.rank))
     stdin = sys.stdin.buffer
     settings = EngineSettings.model_validate_json(stdin.readline())
+    secret = stdin.readline().decode().strip()
     threading.Thread(target=_watch_parent, args=(stdin,), name="parent-watch", daemon=True).start()
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=settings.tensor_parallel_timeout)
-    store = TCPStore("127.0.0.1", args.port, is_master=False, timeout=timeout)
+    keys = _Keys(TCPStore("127.0.0.1", args.port, is_master=False, timeout=timeout), secret)
     try:
         model, dtype, head_dim, bias = load_shard(
             settings.model,
@@ -425,11 +488,11 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         attention = select_backend(settings.attention, facts).backend
     except Exception as error:
         logger.debug("rank %d failed to load", args.rank, exc_info=True)
-        store.set(f"tp/{args.rank}/error", f"{type(error).__name__}: {error}")
+        keys.report(f"tp/{args.rank}/error", f"{type(error).__name__}: {error}")
         return 1
-    store.set(f"tp/{args.rank}/loaded", "1")
+    keys.report(f"tp/{args.rank}/loaded", "1")
     dist.init_process_group(
-        _backend(device), store=store, rank=args.rank, world_size=args.size, timeout=timeout
+        _backend(device), store=keys.store, rank=args.rank, world_size=args.size, timeout=timeout
     )
     _serve(model, device, max(1, cpu_thread_budget() // args.size), attention)
     dist.destroy_process_group()

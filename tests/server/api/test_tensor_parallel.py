@@ -108,6 +108,16 @@ def test_openai_client_gets_the_single_rank_vectors_and_sigterm_stops_both_ranks
     assert (got * expected).sum(1).min() >= 0.99999
     assert response.usage.prompt_tokens > 0
     assert httpx.get(served.url + "/info").json()["tensor_parallel_size"] == 2
+    # The ranks' store (and gloo's sockets) listen on loopback only: apart from the HTTP
+    # port, nothing in the server's process tree can be reached from outside the pod.
+    port = int(served.url.rsplit(":", 1)[1])
+    listening = [
+        c
+        for p in [psutil.Process(served.process.pid), *served.workers()]
+        for c in p.net_connections("inet")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port != port
+    ]
+    assert listening and all(c.laddr.ip == "127.0.0.1" for c in listening), listening
 
     workers = served.workers()
     served.process.send_signal(signal.SIGTERM)

@@ -4,16 +4,20 @@
 What a user relies on must hold across the process boundary: every request gets its own
 vectors, a client that goes away has its queued work withdrawn in the engine, overload is a
 429 with Retry-After, SIGTERM drains then every process exits 0, an engine that fails or dies
-takes the front-ends down with it, and ``/metrics`` of any front-end tells the whole server's
-story (the engine's queue depth, requests summed over front-ends)."""
+takes the front-ends down with it, a front-end that dies is replaced while the others serve
+(bounded: one that keeps dying ends the server with status 1), and ``/metrics`` of any
+front-end tells the whole server's story (the engine's queue depth, requests summed over
+front-ends, no dead front-end's requests in flight)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import json
 import signal
 import socket
+import threading
 from pathlib import Path
 
 import httpx
@@ -23,7 +27,15 @@ import pytest
 from embedding_server.engine import Engine
 from embedding_server.metrics import QUEUE_REQUESTS_METRIC
 
-from tests.support.api import sample, scrape, server_process, wait_for
+from tests.support.api import (
+    ServerProcess,
+    alive,
+    frontend_processes,
+    sample,
+    scrape,
+    server_process,
+    wait_for,
+)
 from tests.support.tasks import build_classifier
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -265,3 +277,167 @@ def test_front_ends_exit_when_the_engine_process_is_killed(tmp_path: Path) -> No
         assert server.wait_gone(timeout=60) == -signal.SIGKILL
         # The front-ends clean up what the killed engine process left.
         assert not list(tmp_path.glob("embedding-server-*"))
+
+
+def _serving_pid(server: ServerProcess, conn: http.client.HTTPConnection) -> int | None:
+    """The front-end process that accepted ``conn`` (None until one has)."""
+    assert conn.sock is not None
+    local = conn.sock.getsockname()[1]
+    for child in frontend_processes(server.process.pid):
+        with contextlib.suppress(psutil.Error):
+            for c in child.net_connections("tcp"):
+                if c.laddr.port == server.port and c.raddr and c.raddr.port == local:
+                    return child.pid
+    return None
+
+
+def _connections_on_each(
+    server: ServerProcess, pids: set[int], each: int
+) -> dict[int, list[http.client.HTTPConnection]]:
+    """Keep-alive connections, opened until each front-end in ``pids`` has accepted
+    ``each`` of them (the kernel, not the client, picks the front-end)."""
+    by_pid: dict[int, list[http.client.HTTPConnection]] = {pid: [] for pid in pids}
+    for _ in range(200):
+        if all(len(conns) >= each for conns in by_pid.values()):
+            break
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        conn.request("GET", "/health")
+        assert conn.getresponse().read() is not None
+        pid = _serving_pid(server, conn)
+        if pid in by_pid and len(by_pid[pid]) < each:
+            by_pid[pid].append(conn)
+        else:
+            conn.close()
+    assert all(len(conns) >= each for conns in by_pid.values()), by_pid
+    return by_pid
+
+
+def _embed(conn: http.client.HTTPConnection, text: str) -> int:
+    conn.request(
+        "POST",
+        "/v1/embeddings",
+        body=json.dumps({"input": text}),
+        headers={"Content-Type": "application/json"},
+    )
+    response = conn.getresponse()
+    response.read()
+    return response.status
+
+
+def test_a_killed_front_end_is_restarted_and_only_its_own_requests_fail() -> None:
+    """kill -9 of one front-end under load: the engine process starts another in its place;
+    the requests on the killed one's connections fail, no request on the other front-end
+    does, the new one serves, and /metrics counts no request of the dead one as in flight."""
+    with server_process(["--model", "fake?delay_ms=20", *WORKERS], workers=2) as server:
+        pids = {child.pid for child in server.children}
+        victim, survivor = sorted(pids)
+        by_pid = _connections_on_each(server, pids, each=3)
+        statuses: dict[int, list[int | str]] = {}
+        stop = threading.Event()
+
+        def drive(conn: http.client.HTTPConnection) -> None:
+            seen = statuses.setdefault(id(conn), [])
+            while not stop.is_set():
+                try:
+                    seen.append(_embed(conn, f"request {len(seen)}"))
+                except (OSError, http.client.HTTPException) as error:
+                    seen.append(type(error).__name__)
+                    return
+
+        threads = [
+            threading.Thread(target=drive, args=(conn,), daemon=True)
+            for conns in by_pid.values()
+            for conn in conns
+        ]
+        for thread in threads:
+            thread.start()
+        wait_for(
+            lambda: len(statuses) == len(threads) and all(len(s) >= 3 for s in statuses.values()),
+            timeout=60,
+            what="every connection to be answered a few times",
+        )
+        psutil.Process(victim).kill()
+
+        def replaced() -> bool:
+            current = {p.pid for p in frontend_processes(server.process.pid) if alive(p)}
+            return len(current) == 2 and victim not in current and survivor in current
+
+        wait_for(replaced, timeout=60, what="a new front-end in place of the killed one")
+        (fresh,) = {p.pid for p in frontend_processes(server.process.pid)} - {survivor}
+        # The survivor keeps serving while the new one comes up, and after.
+        answered = {id(c): len(statuses[id(c)]) for c in by_pid[survivor]}
+        wait_for(
+            lambda: all(len(statuses[i]) >= n + 5 for i, n in answered.items()),
+            timeout=60,
+            what="the surviving front-end to go on answering",
+        )
+        (new_conn,) = _connections_on_each(server, {fresh}, each=1)[fresh]
+        assert _embed(new_conn, "served by the new front-end") == 200
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=60)
+
+        for conn in by_pid[survivor]:
+            assert set(statuses[id(conn)]) == {200}, statuses[id(conn)]
+        for conn in by_pid[victim]:  # its in-flight (or next) request failed
+            assert isinstance(statuses[id(conn)][-1], str), statuses[id(conn)]
+        assert server.process.poll() is None
+        served = sum(s.count(200) for s in statuses.values()) + 1  # + the new front-end's
+        labels = {"endpoint": "/v1/embeddings", "status": "200"}
+        scraped: list[tuple[float | None, float | None]] = []
+
+        def settled() -> bool:
+            """In flight: this scrape alone (none of the dead front-end's); counted: every
+            request answered (the dead one's count survives it; a request of it may have been
+            counted but never reached its client). A request's count lands a moment after
+            its answer, so this is polled."""
+            text = httpx.get(server.url + "/metrics", timeout=10).text
+            in_flight = sample(text, "embedding_server_in_flight_requests")
+            counted = sample(text, "embedding_server_requests_total", labels)
+            scraped.append((in_flight, counted))
+            return (
+                in_flight == 1
+                and counted is not None
+                and 0 <= counted - served <= len(by_pid[victim])
+            )
+
+        try:
+            wait_for(settled, timeout=10, interval=0.2, what=f"sane metrics ({served} answered)")
+        except AssertionError as error:
+            raise AssertionError(f"{error}; (in flight, counted): {scraped[-3:]}") from None
+    assert "restarting it" in server.output()
+
+
+def test_a_front_end_that_keeps_dying_ends_the_server_with_status_1() -> None:
+    """The restarts are bounded: past RESTART_LIMIT within RESTART_WINDOW_S the engine
+    process stops every process and exits 1, as before restarts existed, so that
+    Kubernetes restarts the pod."""
+    from embedding_server.workers import RESTART_LIMIT
+
+    with server_process(["--model", "fake", *WORKERS], workers=2) as server:
+        killed: set[int] = set()
+        for _ in range(RESTART_LIMIT + 1):
+            wait_for(
+                lambda: (
+                    server.process.poll() is not None
+                    or any(
+                        p.pid not in killed and alive(p)
+                        for p in frontend_processes(server.process.pid)
+                    )
+                ),
+                timeout=60,
+                what="a front-end to kill",
+            )
+            if server.process.poll() is not None:
+                break
+            child = min(
+                (p for p in frontend_processes(server.process.pid) if p.pid not in killed),
+                key=lambda p: p.pid,
+            )
+            killed.add(child.pid)
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+        assert server.wait_gone(timeout=60) == 1
+        output = server.output()
+        assert output.count("restarting it") == RESTART_LIMIT, output
+        assert f"{RESTART_LIMIT} restarts within" in output, output

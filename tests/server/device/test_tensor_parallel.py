@@ -17,10 +17,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from embedding_server.device.distributed import Shard
 from embedding_server.engine import Engine
 from embedding_server.errors import UnsupportedModelError
 
+from tests.support.api import wait_for
 from tests.support.models import (
     MINILM_DIR,
     build_deberta,
@@ -197,3 +199,54 @@ def test_tensor_parallelism_serves_embedders_only_for_now(tmp_path: Path) -> Non
     path = build_classifier(tmp_path / "bert-cls", "bert", num_labels=1)
     with pytest.raises(UnsupportedModelError, match=r"serves task embed only.*task is"):
         Engine.from_pretrained(str(path), dtype="float32", tensor_parallel_size=2)
+
+
+def _store_listeners(pid: int) -> list[Any]:
+    """The TCP sockets process ``pid`` listens on."""
+    import psutil
+
+    return [
+        c for c in psutil.Process(pid).net_connections("inet") if c.status == psutil.CONN_LISTEN
+    ]
+
+
+def test_the_store_listens_on_loopback_only_and_ignores_foreign_writes(
+    model_dir: Callable[[str], Path],
+) -> None:
+    """Rank 0's TCPStore is for its own child ranks: it listens on 127.0.0.1 only, and what a
+    process that is not one of them writes there (the keys a rank reports its load under,
+    bare or under the prefix it reads from the store's key list) neither fails the group nor
+    keeps it from forming."""
+    from datetime import timedelta
+
+    from embedding_server.device.tensor_parallel import TensorParallelGroup
+    from embedding_server.settings import EngineSettings
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    before = {c.laddr.port for c in _store_listeners(os.getpid())}
+    settings = EngineSettings(
+        model=str(model_dir("minilm")), dtype="float32", tensor_parallel_size=2
+    )
+    group = TensorParallelGroup(settings, torch.device("cpu"))
+    try:
+        (store,) = [c for c in _store_listeners(os.getpid()) if c.laddr.port not in before]
+        assert store.laddr.ip == "127.0.0.1", store  # not "::" or "0.0.0.0"
+        foreign = TCPStore(
+            "127.0.0.1", store.laddr.port, is_master=False, timeout=timedelta(seconds=10)
+        )
+        foreign.set("tp/1/error", "forged by a process that is not a rank")
+        # A process in the pod can list the keys, and so learn any prefix: once rank 1 has
+        # reported its load, forge its failure next to it.
+        loaded: list[str] = []
+
+        def rank_1_loaded() -> bool:
+            loaded[:] = [k for k in foreign.list_keys() if k.endswith("tp/1/loaded")]
+            return bool(loaded)
+
+        wait_for(rank_1_loaded, timeout=120, what="rank 1 to report its load")
+        for key in loaded:
+            foreign.set(key.replace("/loaded", "/error"), "forged next to the real key")
+        group.join()  # formed: the forged failure was not believed
+        assert group.failure is None
+    finally:
+        group.close()

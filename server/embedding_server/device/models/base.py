@@ -255,6 +255,7 @@ class Checkpoint:
 
     def reader(self, *, prefixes: Sequence[str], marker: str, architecture: str) -> WeightReader:
         """The weights, converted, under the family's names (see :class:`WeightReader`)."""
+        vocab = self.config.get("vocab_size")
         return WeightReader(
             self.weights,
             prefixes=prefixes,
@@ -263,6 +264,7 @@ class Checkpoint:
             dtype=self.dtype,
             device=self.device,
             shard=self.shard,
+            claimed_vocab=int(vocab) if isinstance(vocab, int) else None,
         )
 
 
@@ -288,8 +290,12 @@ class WeightReader:
         dtype: torch.dtype,
         device: torch.device,
         shard: Shard = SINGLE,
+        claimed_vocab: int | None = None,
     ) -> None:
         self.shard = shard
+        self.claimed_vocab = claimed_vocab
+        """config.json's ``vocab_size``: the token-id bound the server admits, checked
+        against the embedding table's rows (:func:`refuse_beyond_table`)."""
         # Names are resolved up front, tensors only when read: with a lazy mapping (loading's
         # safetensors reader) each is loaded, sliced to this rank's share and converted on
         # its own, so no rank ever holds the whole checkpoint.
@@ -339,6 +345,10 @@ class WeightReader:
     def embedding(self, name: str) -> VocabEmbedding:
         """A token embedding table, split by vocabulary rows on tensor-parallel ranks."""
         weight = self._take(name)
+        if self.claimed_vocab is not None:
+            refuse_beyond_table(
+                self.architecture, "vocab_size", self.claimed_vocab, weight.shape[0], name
+            )
         rows = self.shard.chunk(weight.shape[0])
         return VocabEmbedding(self._convert(weight[rows]), rows, self.shard)
 
@@ -362,6 +372,23 @@ class WeightReader:
         """The query, key and value projections (weights or biases, in that order) fused,
         holding this rank's heads."""
         return self.cat(names, (split.q, split.kv, split.kv))
+
+
+def refuse_beyond_table(architecture: str, key: str, claimed: int, rows: int, table: str) -> None:
+    """Refuse a config whose ``key`` claims more than the weights' ``table`` holds.
+
+    The server's limits come from the config (the longest input from
+    ``max_position_embeddings``, the largest token id admitted from ``vocab_size``); a claim
+    beyond the table would let a request index past it: an IndexError on the CPU, a
+    device-side assert that poisons the CUDA context on a GPU. A claim below is a limit the
+    checkpoint chose, and stands.
+    """
+    if claimed > rows:
+        raise UnsupportedModelError(
+            f"{architecture} config.json says {key}={claimed}, but the weights' {table} has "
+            f"{rows} rows: positions or token ids beyond {rows} would index past it. The "
+            f"config does not match its weights; fix {key} in config.json (at most {rows})"
+        )
 
 
 def _strip_prefix(names: Iterable[str], prefixes: Sequence[str], marker: str) -> dict[str, str]:

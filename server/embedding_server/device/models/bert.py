@@ -28,7 +28,14 @@ from embedding_server.heads import SparseStrategy
 from embedding_server.pooling import ACTIVATIONS, PoolingMethod
 
 from ..heads import ClassificationHead, HeadWeights, SparseHead
-from .base import Checkpoint, Ignored, PackedBatch, WeightReader, config_get
+from .base import (
+    Checkpoint,
+    Ignored,
+    PackedBatch,
+    WeightReader,
+    config_get,
+    refuse_beyond_table,
+)
 from .layers import HeadSplit, activation, row_linear
 
 _PREFIX = r"(?:(?:bert|roberta|model|encoder)\.)?"
@@ -167,6 +174,13 @@ class BertModel:
         )
         w.rename(renames(*LEGACY_NAMES, *variant.names))
         self.read_embeddings(w, checkpoint)
+        refuse_beyond_table(
+            model_type,
+            "max_position_embeddings",
+            self.max_positions + self.position_offset,
+            self.pos_emb.shape[0],
+            "position table",
+        )
         get = w.get
         self.layers: list[_Layer] = []
         for i in range(self.num_layers):
