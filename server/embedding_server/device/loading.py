@@ -891,6 +891,7 @@ def _load_transformers(
     config = read_model_config(source.path)
     refuse_before_fetch(config, name=model, trust_remote_code=trust)
     st = read_sentence_transformers(source.path, dense_weights=False)
+    refuse_generative(config, st, task)  # as on the native path: no silent last-token embedder
     path = fetch_weights(source, st, code=trust)
     read_dense_layers(st, path)
     tokenizer, tokenizer_max = load_tokenizer(path)

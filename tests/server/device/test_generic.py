@@ -380,7 +380,12 @@ def test_long_tail_model_types_match_transformers(tmp_path: Path, model_type: st
     pretrained = auto.from_config(config)
     spread_weights(pretrained)
     pretrained.save_pretrained(str(tmp_path))
-    engine = Engine.from_pretrained(str(tmp_path), dtype="float32", backend="transformers")
+    # A causal LM with no sentence-transformers config is refused under task auto (it may be
+    # a yes/no reranker); its hidden states are served as embeddings only when asked.
+    task = "embed" if auto is AutoModelForCausalLM else "auto"
+    engine = Engine.from_pretrained(
+        str(tmp_path), dtype="float32", backend="transformers", task=task
+    )
     assert engine.info().backend == "transformers"
     seqs = engine.tokenize(TEXTS)
     reference = AutoModel.from_pretrained(str(tmp_path), attn_implementation="eager").eval()
@@ -399,3 +404,21 @@ def test_padded_groups_keep_order_and_bound_padding() -> None:
         assert len(group) == 1 or padded <= real * (1 + generic.PAD_SLACK) + generic.PAD_TOKENS
     assert padded_groups([]) == []
     assert padded_groups([7] * 50) == [[7] * 50]
+
+
+def test_a_generative_checkpoint_is_not_served_as_an_embedder_silently(tmp_path: Path) -> None:
+    """bge-reranker-v2-gemma is a GemmaForCausalLM scored by its yes-token logit: with no
+    sentence-transformers config, the transformers backend refuses it under task auto, as the
+    native path refuses Qwen3-Reranker, rather than serve cosines of last-token states."""
+    auto, options = LONG_TAIL["gemma2"]
+    tok = byte_tokenizer(["<pad>", "<s>", "</s>", "<unk>"], "<s> $A </s>", ["<s>", "</s>"])
+    _save_tokenizer(
+        tok, tmp_path, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+    config = AutoConfig.for_model(
+        "gemma2", vocab_size=tok.get_vocab_size(), pad_token_id=0, **options
+    )
+    auto.from_config(config).save_pretrained(str(tmp_path))
+    with pytest.raises(UnsupportedModelError, match="Gemma2ForCausalLM") as refused:
+        Engine.from_pretrained(str(tmp_path), dtype="float32")
+    assert "--task embed" in str(refused.value)
