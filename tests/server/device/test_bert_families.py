@@ -210,6 +210,24 @@ def test_flash_names_are_what_jina_reranker_v2_ships(
     assert config["auto_map"]["AutoConfig"].endswith("XLMRobertaFlashConfig")
 
 
+def test_jina_embeddings_v2_alibi_positions_are_refused(
+    tiny_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """jina-embeddings-v2 is a ``bert`` config with ALiBi positions (and its own code): the
+    native BERT has none of that math, so it refuses, naming the position type, rather than
+    serve learned absolute positions it does not have."""
+    v2 = tmp_path / "jina-v2-shaped"
+    shutil.copytree(tiny_model("bert"), v2)
+    config = json.loads((v2 / "config.json").read_text())
+    config["position_embedding_type"] = "alibi"
+    config["auto_map"] = {
+        "AutoModel": "jinaai/jina-bert-implementation--modeling_bert.JinaBertModel"
+    }
+    (v2 / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="alibi"):
+        Engine.from_pretrained(str(v2), dtype="float32")
+
+
 def test_the_flash_config_class_with_rotary_positions_is_refused(
     checkpoint: Callable[..., tuple[Path, Path]], tmp_path: Path
 ) -> None:
