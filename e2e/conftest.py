@@ -18,7 +18,8 @@ import logging
 import os
 import re
 import secrets
-from collections.abc import Iterator
+import subprocess
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ import pytest
 
 from e2e.harness.binaries import Binaries, ensure_binaries
 from e2e.harness.cluster import REAL_NODE_TAINT, Cluster, KubeClient
+from e2e.harness.diagnostics import namespace_report
 from e2e.harness.existing import (
     SKIP_REASONS,
     ExistingCluster,
@@ -60,6 +62,25 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         f"e2e: skipped here: {', '.join(SKIP_REASONS)} tests; metrics_pipeline tests where "
         "the cluster has no custom metrics API",
     ]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A test that fails in its own namespace reports what a person would look at there:
+    describe output, events and the pods' logs (a section of its failure report)."""
+    report = yield
+    funcargs = getattr(item, "funcargs", {})
+    cluster, namespace = funcargs.get("cluster"), funcargs.get("namespace")
+    if report.when == "call" and report.failed and isinstance(namespace, str) and cluster:
+        try:
+            text = namespace_report(cluster, namespace)
+        # The report must never hide the failure it explains (a dead API server, a hung kubectl).
+        except (RuntimeError, OSError, ValueError, subprocess.SubprocessError) as exc:
+            text = f"(could not describe {namespace}: {exc!r})"
+        report.sections.append((f"kubectl diagnostics of {namespace}", text))
+    return report
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

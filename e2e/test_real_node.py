@@ -38,6 +38,7 @@ import pytest
 import yaml
 
 from e2e.harness.cluster import REAL_NODE_TAINT_KEY, KubeClient, poll_until
+from e2e.harness.diagnostics import namespace_report
 from e2e.harness.existing import ExistingCluster, deep_merge
 from e2e.harness.images import ImageSet
 from e2e.harness.node import NODE_NAME
@@ -116,41 +117,12 @@ print(json.dumps(summary))
 # -- diagnostics ------------------------------------------------------------------------------
 
 
-def dump(cluster: KubeClient, *namespaces: str) -> None:
-    """What a person would look at: describe, events and logs of every pod involved, and the
-    nodes they run on."""
-    nodes: set[str] = set()
-    for ns in namespaces:
-        for args in (
-            ("get", "embeddingservices,deploy,rs,pods,svc,endpointslices,hpa", "-o", "wide"),
-            ("describe", "embeddingservices,deploy,pods,hpa"),
-            ("get", "events", "--sort-by=.lastTimestamp"),
-        ):
-            out = cluster.kubectl(*args, "-n", ns, check=False)
-            print(f"\n$ kubectl {' '.join(args)} -n {ns}\n{out.stdout}{out.stderr}")
-        listing = get_json(cluster, "pods", "-n", ns) or {}
-        for pod in listing.get("items", []):
-            name = pod["metadata"]["name"]
-            nodes.add(pod["spec"].get("nodeName") or "")
-            out = cluster.kubectl(
-                "logs", "-n", ns, name, "--all-containers", "--tail=60", check=False
-            )
-            print(f"\n$ kubectl logs -n {ns} {name}\n{out.stdout}{out.stderr}")
-    # The pods' nodes; when none is scheduled, every node (why does none take them?).
-    names = sorted(nodes - {""}) or [
-        n["metadata"]["name"] for n in (get_json(cluster, "nodes") or {}).get("items", [])
-    ]
-    for node_name in names:
-        out = cluster.kubectl("describe", "node", node_name, check=False)
-        print(f"\n$ kubectl describe node {node_name}\n{out.stdout[-4000:]}")
-
-
 @contextlib.contextmanager
 def diagnostics(cluster: KubeClient, *namespaces: str) -> Iterator[None]:
     try:
         yield
     except BaseException:
-        dump(cluster, *namespaces)
+        print(namespace_report(cluster, *namespaces))
         raise
 
 
