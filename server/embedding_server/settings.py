@@ -8,6 +8,7 @@ field's description is its ``--help`` text. Invalid values fail at start with th
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Literal
 from urllib.parse import urlsplit
 
@@ -264,7 +265,34 @@ class ServerSettings(EngineSettings):
         parts = urlsplit(value)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"must be an http:// or https:// URL with a host; got {value!r}")
+        # Refused here, at start with the flag named, rather than on the first request.
+        missing = otel_sdk_missing()
+        if missing is not None:
+            raise ValueError(f"{MISSING_SDK} ({missing} not found)")
         return value
+
+
+MISSING_SDK = (
+    "needs the OpenTelemetry SDK and its OTLP/HTTP exporter, which are not installed: "
+    "pip install 'embedding-operator[server]' (or opentelemetry-sdk and "
+    "opentelemetry-exporter-otlp-proto-http), or leave it unset"
+)
+
+
+def otel_sdk_missing() -> str | None:
+    """The first OpenTelemetry module that :mod:`embedding_server.tracing` needs to export
+    spans and that is not installed, or ``None`` when all are."""
+    for module in (
+        "opentelemetry.sdk.trace",
+        "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+    ):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ImportError:  # a parent package is missing
+            found = False
+        if not found:
+            return module
+    return None
 
 
 _REDACTED_SETTINGS = ("api_key", "model", "revision", "cache_dir", "served_model_name")

@@ -38,7 +38,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 from pydantic import ValidationError
 
-from tests.support.api import fake_settings, running_server, wait_for
+from tests.support.api import fake_settings, running_server, server_process, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -289,16 +289,7 @@ class _Collector(http.server.BaseHTTPRequestHandler):
 
 
 def test_the_flag_exports_spans_over_otlp_http() -> None:
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-        ExportTraceServiceRequest,
-    )
-
-    collector = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Collector)
-    thread = threading.Thread(target=collector.serve_forever, daemon=True)
-    thread.start()
-    _Collector.bodies = []
-    try:
-        endpoint = f"http://127.0.0.1:{collector.server_address[1]}"
+    with collector() as (endpoint, bodies):
         settings = fake_settings("fake?dim=16", otlp_traces_endpoint=endpoint)
         with running_server(settings) as server:
             response = httpx.post(
@@ -309,23 +300,98 @@ def test_the_flag_exports_spans_over_otlp_http() -> None:
             )
             assert response.status_code == 200
         # Stopping the server flushed the spans to the collector.
+    assert bodies and {path for path, _ in bodies} == {"/v1/traces"}
+    spans, services = exported_spans(bodies)
+    assert sorted(span.name for span in spans) == sorted(["POST /v1/embeddings", *STAGES])
+    assert {span.trace_id.hex() for span in spans} == {TRACE_ID}
+    assert services == {"embedding-server"}
+
+
+@contextlib.contextmanager
+def collector() -> Iterator[tuple[str, list[tuple[str, bytes]]]]:
+    """An OTLP/HTTP receiver on 127.0.0.1: its base URL, and the (path, body) of each export
+    posted to it so far."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Collector)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    _Collector.bodies = []
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", _Collector.bodies
     finally:
-        collector.shutdown()
+        server.shutdown()
         thread.join(timeout=10)
-    assert _Collector.bodies and {path for path, _ in _Collector.bodies} == {"/v1/traces"}
-    names: dict[str, bytes] = {}
-    services = set()
-    for _, body in _Collector.bodies:
-        export = ExportTraceServiceRequest.FromString(body)
-        for resource_spans in export.resource_spans:
+
+
+def exported_spans(bodies: list[tuple[str, bytes]]) -> tuple[list[Any], set[str]]:
+    """The spans in the OTLP protobuf exports a collector received, and their services."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+
+    spans, services = [], set()
+    for _, body in list(bodies):
+        for resource_spans in ExportTraceServiceRequest.FromString(body).resource_spans:
             for attribute in resource_spans.resource.attributes:
                 if attribute.key == "service.name":
                     services.add(attribute.value.string_value)
             for scope_spans in resource_spans.scope_spans:
-                names.update({span.name: span.trace_id for span in scope_spans.spans})
-    assert set(names) == {"POST /v1/embeddings", *STAGES}
-    assert {trace_id.hex() for trace_id in names.values()} == {TRACE_ID}
-    assert services == {"embedding-server"}
+                spans.extend(scope_spans.spans)
+    return spans, services
+
+
+def int_attribute(span: Any, key: str) -> int:
+    (value,) = [a.value.int_value for a in span.attributes if a.key == key]
+    return int(value)
+
+
+def test_a_real_model_behind_api_workers_exports_its_stages_to_a_collector(
+    minilm_dir: Path,
+) -> None:
+    """The packaged all-MiniLM-L6-v2 served by a real ``embedding-server serve`` with two
+    front-ends: a request with a traceparent reaches the collector as five spans of the
+    caller's trace, its stages under its span, counting the tokens the response reports,
+    while the server runs (the SDK's batch export, not only the flush at exit)."""
+    with collector() as (endpoint, bodies):
+        args = [
+            "--model",
+            str(minilm_dir),
+            "--dtype",
+            "float32",
+            "--api-workers",
+            "2",
+            "--otlp-traces-endpoint",
+            endpoint,
+        ]
+        env = {"OTEL_SERVICE_NAME": "minilm-traced", "OTEL_BSP_SCHEDULE_DELAY": "100"}
+        with server_process(args, workers=2, env=env) as server:
+            response = httpx.post(
+                server.url + "/v1/embeddings",
+                json={"input": ["a traced request", "to a real model"]},
+                headers={"traceparent": traceparent()},
+                timeout=60,
+            )
+            assert response.status_code == 200, response.text
+            body = response.json()
+            assert [len(row["embedding"]) for row in body["data"]] == [384, 384]
+            wait_for(lambda: len(exported_spans(bodies)[0]) >= 5, timeout=60, what="5 spans")
+            assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+    spans, services = exported_spans(bodies)
+    assert {path for path, _ in bodies} == {"/v1/traces"}
+    assert services == {"minilm-traced"}
+    named = {span.name: span for span in spans}
+    assert sorted(named) == sorted(["POST /v1/embeddings", *STAGES]), [s.name for s in spans]
+    request = named["POST /v1/embeddings"]
+    assert {span.trace_id.hex() for span in spans} == {TRACE_ID}
+    assert request.parent_span_id.hex() == CALLER_SPAN_ID
+    for stage in STAGES:
+        assert named[stage].parent_span_id == request.span_id, stage
+        assert request.start_time_unix_nano <= named[stage].start_time_unix_nano
+        assert named[stage].end_time_unix_nano <= request.end_time_unix_nano
+    tokens = body["usage"]["prompt_tokens"]
+    assert int_attribute(request, "gen_ai.usage.input_tokens") == tokens
+    assert int_attribute(named["tokenize"], "embedding_server.inputs") == 2
+    assert int_attribute(named["inference"], "embedding_server.batch.tokens") == tokens
+    assert int_attribute(request, "http.response.status_code") == 200
 
 
 def test_the_endpoint_is_a_flag_and_a_variable_and_must_be_a_url(
@@ -360,8 +426,9 @@ def test_the_standard_otel_variables_name_the_service(monkeypatch: pytest.Monkey
 
 
 def test_with_tracing_off_nothing_of_it_runs() -> None:
-    """No endpoint: no tracing layer in the app, and the SDK is never imported (checked in a
-    fresh interpreter, since this one has imported it for the tests above)."""
+    """No endpoint: no tracing layer in the app, and the SDK and exporter are never imported
+    (checked in a fresh interpreter, since this one has imported them for the tests above;
+    the API is FastAPI's own dependency)."""
     app = create_app(fake_settings())
     assert all(m.cls is not TracingMiddleware for m in app.user_middleware)
     traced = create_app(fake_settings(otlp_traces_endpoint="http://127.0.0.1:9"))
@@ -371,7 +438,57 @@ def test_with_tracing_off_nothing_of_it_runs() -> None:
         "from embedding_server.api import create_app\n"
         "from embedding_server.settings import ServerSettings\n"
         "create_app(ServerSettings(model='fake'))\n"
-        "loaded = sorted(m for m in sys.modules if m.startswith('opentelemetry.sdk'))\n"
+        "otel = ('opentelemetry.sdk', 'opentelemetry.exporter')\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith(otel))\n"
         "assert not loaded, loaded\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# An interpreter without the OpenTelemetry SDK and exporter (the API stays: FastAPI needs it):
+# every import of them fails as it would were they not installed.
+WITHOUT_OTEL = """
+import importlib.abc, sys
+
+class NoOpenTelemetrySDK(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.startswith(("opentelemetry.sdk", "opentelemetry.exporter")):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, NoOpenTelemetrySDK())
+"""
+
+
+def test_without_the_sdk_the_server_serves_and_refuses_the_flag_by_name() -> None:
+    """The SDK is the server extra's; a server installed without it must still start and
+    serve, and asking it for traces must fail at start naming the flag and what to install,
+    not on the first request."""
+    serves = WITHOUT_OTEL + (
+        "import time\n"
+        "from fastapi.testclient import TestClient\n"
+        "from embedding_server.api import create_app\n"
+        "from embedding_server.engine import load_engine\n"
+        "from embedding_server.settings import ServerSettings\n"
+        "app = create_app(ServerSettings(model='fake?dim=4'), connect=load_engine)\n"
+        "with TestClient(app) as client:\n"
+        "    for _ in range(1200):  # the model loads in the background\n"
+        "        if client.get('/ready').status_code == 200:\n"
+        "            break\n"
+        "        time.sleep(0.05)\n"
+        "    response = client.post('/v1/embeddings', json={'input': 'ab'})\n"
+        "    assert response.status_code == 200, response.text\n"
+        "    assert len(response.json()['data'][0]['embedding']) == 4\n"
+    )
+    subprocess.run([sys.executable, "-c", serves], check=True, timeout=120)
+    refuses = WITHOUT_OTEL + (
+        "from embedding_server.cli import main\n"
+        "main(['serve', '--model', 'fake', '--otlp-traces-endpoint', 'http://127.0.0.1:4318'])\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", refuses], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode != 0
+    message = run.stderr.strip().splitlines()[-1]
+    assert "--otlp-traces-endpoint" in message, run.stderr
+    assert "OpenTelemetry SDK" in message and "embedding-operator[server]" in message
