@@ -19,6 +19,8 @@
 # extra (flash-attn), built by nvcc in a stage whose toolchain never reaches the runtime image.
 # TORCH_SOURCE=cpu installs the torch of https://download.pytorch.org/whl/cpu instead, which
 # has no CUDA at all: the image is about 4.8 GB smaller and runs on CPUs only.
+# That path is unbuilt and untested: the CPU index was unreachable where it was written, so no
+# images/server.cpu.lock is committed and no CPU image has been built (docs/helm.md).
 #
 # GPU generations: the cpu variant serves any GPU torch's wheel supports (Turing sm75 and up
 # with torch 2.15's CUDA 13 build), attention through torch's varlen kernel on Ampere and
