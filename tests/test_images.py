@@ -158,12 +158,20 @@ def bind_mounts(ins: Instruction) -> list[dict[str, str]]:
     return mounts
 
 
-@pytest.mark.parametrize("dockerfile", [SERVER_DOCKERFILE, OPERATOR_DOCKERFILE])
-def test_context_entries_are_what_images_py_stages(dockerfile: Path) -> None:
+@pytest.mark.parametrize(
+    ("dockerfile", "entries"),
+    [
+        (SERVER_DOCKERFILE, image_builder.SERVER_CONTEXT_ENTRIES),
+        (OPERATOR_DOCKERFILE, image_builder.CONTEXT_ENTRIES),
+    ],
+)
+def test_context_entries_are_what_images_py_stages(
+    dockerfile: Path, entries: tuple[str, ...]
+) -> None:
     """Every bind-mounted or copied context path is staged by e2e.harness.images and not ignored."""
     ignore = (dockerfile.parent / f"{dockerfile.name}.dockerignore").read_text(encoding="utf-8")
     allowed = {line[1:].rstrip("/") for line in ignore.splitlines() if line.startswith("!")}
-    assert allowed == set(image_builder.CONTEXT_ENTRIES)
+    assert allowed == set(entries)
     used: set[str] = set()
     for ins in parse_dockerfile(dockerfile):
         if ins.keyword == "COPY" and "--from=" not in ins.value:
@@ -184,15 +192,16 @@ def test_base_image_is_a_build_arg_defaulting_to_bookworm_slim(dockerfile: Path)
     assert instructions[0] == Instruction("ARG", "BASE_IMAGE=debian:bookworm-slim")
     froms = [ins.value.split()[0] for ins in instructions if ins.keyword == "FROM"]
     named = set(stages(instructions))
-    # Every stage starts from the base or from a stage of the file (for either VARIANT): no
-    # other image is pulled.
+    # Every stage starts from the base, from a stage of the file (for any VARIANT and
+    # TORCH_SOURCE) or from scratch (the empty image, never pulled): no other image is pulled.
     external = {
         ref
         for ref in froms
         for variant in ("cpu", "cuda")
-        if ref.replace("${VARIANT}", variant) not in named
+        for source in image_builder.TORCH_SOURCES
+        if ref.replace("${VARIANT}", variant).replace("${TORCH_SOURCE}", source) not in named
     }
-    assert external == {"${BASE_IMAGE}"}, external
+    assert external - {"scratch"} == {"${BASE_IMAGE}"}, external
 
 
 @pytest.mark.parametrize("dockerfile", [SERVER_DOCKERFILE, OPERATOR_DOCKERFILE])
@@ -212,8 +221,17 @@ def test_dependencies_come_only_from_the_locked_wheels(dockerfile: Path) -> None
         assert "--no-index" in ins.value, ins.value
         assert "-r /ctx/requirements.lock" in ins.value or "-c /ctx/requirements.lock" in ins.value
     # The dependency layer comes first and binds only the lock and the wheels (not our wheel),
-    # so a code change rebuilds only the package layer.
-    assert {m["source"] for m in bind_mounts(installs[0])} == {"requirements.lock", "wheels"}
+    # so a code change rebuilds only the package layer. The server's lock comes from the stage
+    # its TORCH_SOURCE picks (test_torch_source_is_a_build_arg_that_picks_the_lock).
+    lock = (
+        ("lock", "/requirements.lock")
+        if dockerfile == SERVER_DOCKERFILE
+        else (None, "requirements.lock")
+    )
+    assert {(m.get("from"), m["source"]) for m in bind_mounts(installs[0])} == {
+        lock,
+        (None, "wheels"),
+    }
 
 
 @pytest.mark.parametrize("image", ["server", "operator"])
@@ -519,3 +537,161 @@ def test_a_load_short_of_disk_drops_the_build_caches_before_it_gives_up(
     free["bytes"] = 6 * gb
     with pytest.raises(image_builder.ImageError, match=str(tmp_path)):
         store._make_room(tmp_path / "sock", tmp_path, wanted, set(), FakeDocker())  # type: ignore[arg-type]
+
+
+# --- the server image's torch source (TORCH_SOURCE: pypi | cpu) ---------------------------------
+
+
+def test_torch_source_is_a_build_arg_that_picks_the_lock() -> None:
+    """TORCH_SOURCE (default pypi, so CI never depends on download.pytorch.org) decides which
+    lock every pip step of the server image reads, and a CPU image with CUDA in it, or a CUDA
+    variant on the CPU torch, fails the build rather than a pod."""
+    instructions = parse_dockerfile(SERVER_DOCKERFILE)
+    first_from = next(i for i, ins in enumerate(instructions) if ins.keyword == "FROM")
+    assert Instruction("ARG", "TORCH_SOURCE=pypi") in instructions[:first_from]
+    named = stages(instructions)
+    assert named["lock"][0].value == "lock-${TORCH_SOURCE} AS lock"
+    for source in image_builder.TORCH_SOURCES:
+        stage = named[f"lock-{source}"]
+        assert stage[0].value == f"scratch AS lock-{source}"
+        context_lock = image_builder.SERVER_CONTEXT_LOCKS[source]
+        assert Instruction("COPY", f"{context_lock} /requirements.lock") in stage
+    assert image_builder.SERVER_LOCKS["pypi"] == image_builder.LOCKS["server"]
+    # Every step that reads a lock reads the picked one, never the context's directly.
+    for ins in instructions:
+        if ins.keyword != "RUN" or "/ctx/requirements.lock" not in ins.value:
+            continue
+        locks = [m for m in bind_mounts(ins) if m["target"] == "/ctx/requirements.lock"]
+        assert locks == [
+            {
+                "type": "bind",
+                "from": "lock",
+                "source": "/requirements.lock",
+                "target": "/ctx/requirements.lock",
+            }
+        ], ins.value
+    runtime = final_stage(instructions)
+    assert Instruction("ARG", "TORCH_SOURCE") in runtime
+    dependencies = next(
+        i for i in runtime if i.keyword == "RUN" and "-r /ctx/requirements" in i.value
+    )
+    assert '"${TORCH_SOURCE}" = cpu' in dependencies.value
+    assert "assert torch.version.cuda is None and not cuda" in dependencies.value
+    cuda = named["extras-cuda"]
+    first_run = next(i for i in cuda if i.keyword == "RUN")
+    assert '"${TORCH_SOURCE}" != pypi' in first_run.value and "exit 1" in first_run.value
+    # The header documents the CPU build.
+    assert "--build-arg TORCH_SOURCE=cpu" in SERVER_DOCKERFILE.read_text(encoding="utf-8")
+
+
+def test_cpu_lock_asks_pip_for_the_same_torch_release_from_the_cpu_index(
+    extras: dict[str, list[str]],
+) -> None:
+    from packaging.requirements import Requirement
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    pins = image_builder.read_lock(image_builder.LOCKS["server"])
+    requirements, constraints = image_builder.cpu_requirements(pyproject, pins)
+    wanted = {Requirement(r).name: r for r in requirements}
+    assert wanted["torch"] == f"torch=={pins['torch']}+cpu"
+    others = [*pyproject["project"]["dependencies"], *extras["server"]]
+    assert {Requirement(r).name for r in others} == set(wanted)
+    assert all(r in requirements for r in others if Requirement(r).name != "torch")
+    # Everything else stays at the PyPI lock's versions where it is still needed.
+    assert f"numpy=={pins['numpy']}" in constraints
+    assert not any(c.startswith("torch==") for c in constraints)
+
+
+def test_cpu_lock_is_what_pip_reports_and_holds_no_cuda() -> None:
+    report = {
+        "install": [
+            {"metadata": {"name": "torch", "version": "2.15.0+cpu"}},
+            {"metadata": {"name": "numpy", "version": "2.4.6"}},
+            {"metadata": {"name": "Jinja2", "version": "3.1.6"}},
+        ]
+    }
+    pins = image_builder.pins_from_report(report)
+    assert list(pins.items()) == [
+        ("Jinja2", "3.1.6"),
+        ("numpy", "2.4.6"),
+        ("torch", "2.15.0+cpu"),
+    ]
+    image_builder.check_cpu_lock(pins)
+    with pytest.raises(image_builder.ImageError, match="nvidia-cublas"):
+        image_builder.check_cpu_lock({**pins, "nvidia-cublas": "13.4.1.3"})
+    with pytest.raises(image_builder.ImageError, match="triton"):
+        image_builder.check_cpu_lock({**pins, "triton": "3.9.0"})
+    with pytest.raises(image_builder.ImageError, match=r"\+cpu torch"):
+        image_builder.check_cpu_lock({**pins, "torch": "2.15.0"})
+
+
+def test_a_cpu_context_holds_the_cpu_lock_and_wheels_from_the_cpu_index(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Staged for TORCH_SOURCE=cpu, the server's context holds requirements.cpu.lock (and not
+    a PyPI lock left from an earlier build) and wheels pip downloaded with PyTorch's CPU index
+    beside its own; staged for pypi, the reverse, with pip's index alone."""
+    from e2e.harness.images import wheels
+
+    cpu_lock = tmp_path / "server.cpu.lock"
+    cpu_lock.write_text("# a test lock\ntorch==2.15.0+cpu\nnumpy==2.4.6\n")
+    monkeypatch.setitem(image_builder.SERVER_LOCKS, "cpu", cpu_lock)
+    monkeypatch.setattr(wheels, "images_cache", lambda: tmp_path / "cache")
+    downloads: list[list[str]] = []
+
+    def fake_pip(argv: list[str], *args: Any, **kwargs: Any) -> None:
+        downloads.append(list(argv))
+        directory = Path(argv[argv.index("-d") + 1])
+        for line in Path(argv[argv.index("-r") + 1]).read_text().split():
+            name, version = line.split("==")
+            wheel = f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
+            (directory / wheel).write_bytes(b"")
+
+    monkeypatch.setattr(wheels, "run", fake_pip)
+    project = tmp_path / "embedding_operator-0.1.0-py3-none-any.whl"
+    project.write_bytes(b"wheel")
+    context = image_builder.prepare_context(
+        "server", project, tmp_path / "wheels", torch_source="cpu"
+    )
+    assert (context / "requirements.cpu.lock").read_text() == cpu_lock.read_text()
+    assert not (context / "requirements.lock").exists()
+    assert sorted(p.name for p in (context / "wheels").iterdir()) == [
+        "numpy-2.4.6-py3-none-any.whl",
+        "torch-2.15.0+cpu-py3-none-any.whl",
+    ]
+    (argv,) = downloads
+    assert argv[argv.index("--extra-index-url") + 1] == image_builder.CPU_TORCH_INDEX
+    # Back to PyPI's torch: its lock replaces the CPU one, and pip uses its own index only.
+    context = image_builder.prepare_context("server", project, tmp_path / "wheels")
+    assert (context / "requirements.lock").read_text() == image_builder.LOCKS["server"].read_text()
+    assert not (context / "requirements.cpu.lock").exists()
+    assert "--extra-index-url" not in downloads[-1]
+
+
+def test_a_missing_cpu_lock_says_how_to_write_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(image_builder.SERVER_LOCKS, "cpu", tmp_path / "server.cpu.lock")
+    with pytest.raises(image_builder.ImageError, match="lock --torch-source cpu") as missing:
+        image_builder.server_lock("cpu")
+    assert image_builder.CPU_TORCH_INDEX in str(missing.value)
+    lock, index = image_builder.server_lock("pypi")
+    assert lock == image_builder.LOCKS["server"] and index is None
+
+
+def test_a_committed_cpu_lock_serves_the_extra_without_cuda(extras: dict[str, list[str]]) -> None:
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    path = image_builder.SERVER_LOCKS["cpu"]
+    if not path.is_file():
+        pytest.skip(
+            f"{path.name} is not committed: download.pytorch.org was unreachable where the "
+            "CPU variant was added (`python -m e2e.harness.images lock --torch-source cpu`)"
+        )
+    pins = image_builder.read_lock(path)
+    image_builder.check_cpu_lock(pins)
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    for line in [*pyproject["project"]["dependencies"], *extras["server"]]:
+        req = Requirement(line)
+        assert canonicalize_name(req.name) in pins, f"{path.name} does not pin {req.name}"

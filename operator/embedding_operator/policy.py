@@ -67,12 +67,19 @@ BUILTIN_ALLOWED_ENV = (
     "NCCL_P2P_LEVEL",
     "NCCL_SHM_DISABLE",
     "NCCL_SOCKET_IFNAME",
+    "OTEL_SERVICE_NAME",
+    "OTEL_RESOURCE_ATTRIBUTES",
+    "OTEL_TRACES_SAMPLER",
+    "OTEL_TRACES_SAMPLER_ARG",
+    "OTEL_BSP_*",
+    "OTEL_SDK_DISABLED",
     "TZ",
 )
 """``spec.server.env`` names every policy allows: the server's settings and the libraries'
-tuning knobs. Not here, so an admin's to allow: where models come from (``HF_ENDPOINT``,
-proxies, CA bundles), the cache layout (``HF_HOME``), the variables the operator sets itself
-(``HF_TOKEN``), and anything else."""
+tuning knobs, the traces' naming, sampling and batching included (``spec.tracing``). Not
+here, so an admin's to allow: where models come from (``HF_ENDPOINT``, proxies, CA bundles),
+where traces go and with what credentials (``OTEL_EXPORTER_*``), the cache layout
+(``HF_HOME``), the variables the operator sets itself (``HF_TOKEN``), and anything else."""
 
 STANDARD_RESOURCES = ("cpu", "memory", "ephemeral-storage", "hugepages-*")
 """What ``spec.resources`` may always name; anything else is an extended resource."""

@@ -278,6 +278,14 @@ class NetworkPolicySpec(_Model):
         return self
 
 
+class Tracing(_Model):
+    """OpenTelemetry traces of the server's model routes (the server's
+    ``--otlp-traces-endpoint``)."""
+
+    otlp_endpoint: str = Field(min_length=1, max_length=2048, pattern=r"^https?://[^/\s]+(/\S*)?$")
+    sampling_ratio: float | None = Field(default=None, ge=0, le=1)
+
+
 # Embedding fields that mean nothing for a cross-encoder or classifier, by their wire names.
 EMBED_ONLY_FIELDS = ("pooling", "normalize", "dimensions", "matryoshkaDimensions")
 
@@ -298,6 +306,7 @@ class EmbeddingServiceSpec(_Model):
     model_cache: ModelCache = ModelCache()
     service: ServiceSpec = ServiceSpec()
     network_policy: NetworkPolicySpec = NetworkPolicySpec()
+    tracing: Tracing | None = None
     api_key_secret_ref: ApiKeySecretRef | None = None
 
     @model_validator(mode="after")

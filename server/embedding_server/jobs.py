@@ -37,6 +37,7 @@ from .tokenization import (
     Truncation,
     TruncationArg,
 )
+from .tracing import current_trace
 
 T = TypeVar("T")
 
@@ -216,13 +217,17 @@ class ThreadedRunner:
             job.admission_items(), job.truncation, job.prompt
         )
         reservation = self._reserve(floor, estimate)
+        traced = current_trace.get()  # None unless this request is traced
         try:
             # In the pool, or on the loop when it is small (INLINE_TOKENIZE_TOKENS).
             inline = estimate <= INLINE_TOKENIZE_TOKENS
+            started_ns = time.time_ns() if traced is not None else 0
             tokenized, tokenize_s = await tokenize_job(self, self._tokenizer, job, inline=inline)
             out = await self._submit(job, job.sequences(tokenized), reservation)
         finally:
             reservation.release()
+        if traced is not None:
+            traced.job(started_ns, tokenize_s, time.time_ns(), out, tokenized)
         timings = StageTimings(tokenize_s, out.queue_s, out.forward_s, out.pool_s)
         return JobOutput(tokenized, out.pooled, out.tokens, timings)
 

@@ -91,6 +91,12 @@ class ScheduledOutput:
     queue_s: float
     forward_s: float
     pool_s: float
+    batches: int = 1
+    """Forward passes the request's sequences rode (traces report them)."""
+    batch_size: int = 0
+    """Sequences in the largest of those passes, the request's own and others'."""
+    batch_tokens: int = 0
+    """Tokens in the largest of those passes."""
 
 
 @dataclass(eq=False)
@@ -105,6 +111,9 @@ class _Request:
     queue_s: float = 0.0
     forward_s: float = 0.0
     pool_s: float = 0.0
+    batches: int = 0
+    batch_size: int = 0
+    batch_tokens: int = 0
 
 
 def drain_seconds(held: int, tokens_per_s: float) -> float:
@@ -548,6 +557,9 @@ class Scheduler:
                 seen.add(id(request))
                 request.forward_s += output.forward_s
                 request.pool_s += output.pool_s
+                request.batches += 1
+                request.batch_size = max(request.batch_size, len(batch))
+                request.batch_tokens = max(request.batch_tokens, tokens)
             request.remaining -= 1
             if request.remaining == 0:
                 pooled = np.stack([p for p in request.pooled if p is not None])
@@ -558,5 +570,8 @@ class Scheduler:
                         queue_s=request.queue_s,
                         forward_s=request.forward_s,
                         pool_s=request.pool_s,
+                        batches=request.batches,
+                        batch_size=request.batch_size,
+                        batch_tokens=request.batch_tokens,
                     )
                 )

@@ -8,7 +8,9 @@ field's description is its ``--help`` text. Invalid values fail at start with th
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -232,6 +234,16 @@ class ServerSettings(EngineSettings):
     shutdown_timeout: float = Field(
         30.0, gt=0, description="Seconds to finish in-flight work after SIGTERM before exiting."
     )
+    otlp_traces_endpoint: str | None = Field(
+        None,
+        description="Send OpenTelemetry traces of the model routes over OTLP/HTTP to this URL "
+        "(a collector's http://host:4318; /v1/traces is added when the URL has no path). Each "
+        "request gets a span with tokenize, queue, inference and encode children, in the "
+        "caller's trace when it sends a W3C traceparent header. The standard OTEL_* variables "
+        "apply (OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES, OTEL_TRACES_SAMPLER[_ARG], "
+        "OTEL_EXPORTER_OTLP_TRACES_HEADERS, OTEL_BSP_*, OTEL_SDK_DISABLED). Off when unset: "
+        "no span is made.",
+    )
     api_workers: int = Field(
         1,
         gt=0,
@@ -244,6 +256,43 @@ class ServerSettings(EngineSettings):
         "process with its own tokenizer and no torch (tens of MB of memory, no GPU memory); use it "
         "when one CPU core, not the model, caps throughput.",
     )
+
+    @field_validator("otlp_traces_endpoint")
+    @classmethod
+    def _otlp_url(cls, value: str | None) -> str | None:
+        if not value:  # an empty variable means off, as unset
+            return None
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"must be an http:// or https:// URL with a host; got {value!r}")
+        # Refused here, at start with the flag named, rather than on the first request.
+        missing = otel_sdk_missing()
+        if missing is not None:
+            raise ValueError(f"{MISSING_SDK} ({missing} not found)")
+        return value
+
+
+MISSING_SDK = (
+    "needs the OpenTelemetry SDK and its OTLP/HTTP exporter, which are not installed: "
+    "pip install 'embedding-operator[server]' (or opentelemetry-sdk and "
+    "opentelemetry-exporter-otlp-proto-http), or leave it unset"
+)
+
+
+def otel_sdk_missing() -> str | None:
+    """The first OpenTelemetry module that :mod:`embedding_server.tracing` needs to export
+    spans and that is not installed, or ``None`` when all are."""
+    for module in (
+        "opentelemetry.sdk.trace",
+        "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+    ):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ImportError:  # a parent package is missing
+            found = False
+        if not found:
+            return module
+    return None
 
 
 _REDACTED_SETTINGS = ("api_key", "model", "revision", "cache_dir", "served_model_name")

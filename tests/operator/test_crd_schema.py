@@ -203,6 +203,11 @@ BAD_SPECS = {
     "model": {"embedding": {}},
     "metric": {"model": {"name": "m"}, "autoscaling": {"metric": "cpu"}},
     "apiWorkers": {"model": {"name": "m"}, "server": {"apiWorkers": 0}},
+    "otlpEndpoint": {"model": {"name": "m"}, "tracing": {"otlpEndpoint": "collector:4318"}},
+    "samplingRatio": {
+        "model": {"name": "m"},
+        "tracing": {"otlpEndpoint": "http://collector:4318", "samplingRatio": 1.5},
+    },
     "backend": {"model": {"name": "m"}, "server": {"backend": "onnx"}},
 }
 

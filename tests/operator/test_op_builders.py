@@ -543,6 +543,41 @@ def test_secrets_become_env() -> None:
     assert env["X"] == {"name": "X", "value": "1"}
 
 
+def test_tracing_passes_the_endpoint_and_names_the_service() -> None:
+    tracing = {"otlpEndpoint": "http://otel.observability:4318", "samplingRatio": 0.25}
+    render = render_input({"model": MODEL, "tracing": tracing}, name="minilm", namespace="search")
+    container = _container(build_deployment(render))
+    assert _flag(container["args"], "--otlp-traces-endpoint") == "http://otel.observability:4318"
+    env = {e["name"]: e for e in container["env"]}
+    assert env["OTEL_SERVICE_NAME"]["value"] == "minilm"
+    assert env["OTEL_RESOURCE_ATTRIBUTES_POD_NAME"]["valueFrom"] == {
+        "fieldRef": {"fieldPath": "metadata.name"}
+    }
+    assert env["OTEL_RESOURCE_ATTRIBUTES"]["value"] == (
+        "k8s.namespace.name=search,k8s.pod.name=$(OTEL_RESOURCE_ATTRIBUTES_POD_NAME)"
+    )
+    # $(...) only expands a variable defined earlier in the list.
+    names = [e["name"] for e in container["env"]]
+    assert names.index("OTEL_RESOURCE_ATTRIBUTES_POD_NAME") < names.index(
+        "OTEL_RESOURCE_ATTRIBUTES"
+    )
+    assert env["OTEL_TRACES_SAMPLER"]["value"] == "parentbased_traceidratio"
+    assert env["OTEL_TRACES_SAMPLER_ARG"]["value"] == "0.25"
+
+
+def test_without_tracing_nothing_of_it_is_rendered_and_user_env_wins() -> None:
+    container = _container(build_deployment(render_input({"model": MODEL})))
+    assert "--otlp-traces-endpoint" not in container["args"]
+    assert not [e for e in container["env"] if e["name"].startswith("OTEL_")]
+    # No samplingRatio: every request is traced (the SDK's default sampler), no variable set.
+    own = {"env": [{"name": "OTEL_SERVICE_NAME", "value": "search-embedder"}]}
+    tracing = {"otlpEndpoint": "http://otel:4318"}
+    render = render_input({"model": MODEL, "tracing": tracing, "server": own})
+    env = [e for e in _container(build_deployment(render))["env"] if e["name"].startswith("OTEL_")]
+    assert [e for e in env if e["name"] == "OTEL_SERVICE_NAME"] == own["env"]
+    assert "OTEL_TRACES_SAMPLER" not in {e["name"] for e in env}
+
+
 def test_builders_are_deterministic() -> None:
     spec = {"model": MODEL, "autoscaling": {"enabled": True}}
     assert desired_children(render_input(spec)) == desired_children(render_input(spec))

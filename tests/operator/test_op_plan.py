@@ -124,7 +124,10 @@ def test_env_that_loads_code_is_refused_whatever_the_policy(name: str) -> None:
     assert name in refused.problem.message
 
 
-@pytest.mark.parametrize("name", ["HF_ENDPOINT", "HTTPS_PROXY", "SSL_CERT_FILE", "MY_SETTING"])
+@pytest.mark.parametrize(
+    "name",
+    ["HF_ENDPOINT", "HTTPS_PROXY", "SSL_CERT_FILE", "OTEL_EXPORTER_OTLP_HEADERS", "MY_SETTING"],
+)
 def test_env_outside_the_allowlist_is_refused_unless_the_policy_widens_it(name: str) -> None:
     env = [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": name, "value": "x"}]
     spec = {"model": M, "server": {"env": env}}
@@ -144,6 +147,8 @@ def test_the_default_env_allowlist_admits_the_servers_own_knobs() -> None:
         {"name": "OMP_NUM_THREADS", "value": "4"},
         {"name": "TOKENIZERS_PARALLELISM", "value": "false"},
         {"name": "PYTORCH_CUDA_ALLOC_CONF", "value": "expandable_segments:True"},
+        {"name": "OTEL_TRACES_SAMPLER_ARG", "value": "0.05"},
+        {"name": "OTEL_BSP_MAX_QUEUE_SIZE", "value": "8192"},
     ]
     planned = plan(OWNER, {"model": M, "server": {"env": env}}, GpuProfiles.builtin(), "img:1")
     assert isinstance(planned, Planned)

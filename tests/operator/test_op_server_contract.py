@@ -116,3 +116,34 @@ def test_every_backend_renders_flags_the_server_parses(backend: str) -> None:
     settings = load_settings(args)
     assert settings.backend == backend
     assert settings.trust_remote_code is True
+
+
+def test_tracing_renders_a_flag_and_variables_the_server_reads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """spec.tracing reaches the server's --otlp-traces-endpoint, and the OTEL_* variables the
+    operator sets are ones the server's OpenTelemetry SDK reads: the service, the resource
+    attributes (with the pod name the kubelet substitutes) and the sampler."""
+    from embedding_operator.builders.deployment import build_deployment
+    from embedding_server.tracing import service_resource
+    from opentelemetry.sdk.trace import TracerProvider
+
+    tracing = {"otlpEndpoint": "http://otel.observability:4318", "samplingRatio": 0.1}
+    render = render_input({"model": {"name": "hf://m/e"}, "tracing": tracing}, name="minilm")
+    (container,) = build_deployment(render)["spec"]["template"]["spec"]["containers"]
+    settings = load_settings(container["args"])
+    assert settings.otlp_traces_endpoint == "http://otel.observability:4318"
+    values: dict[str, str] = {}
+    for var in container["env"]:
+        value = var.get("value", "pod-7f9c")  # the downward API's pod name
+        for name, known in values.items():  # the kubelet's $(VAR) expansion
+            value = value.replace(f"$({name})", known)
+        values[var["name"]] = value
+        if var["name"].startswith("OTEL_"):
+            monkeypatch.setenv(var["name"], value)
+    resource = service_resource().attributes
+    assert resource["service.name"] == "minilm"
+    assert resource["k8s.namespace.name"] == "ns"
+    assert resource["k8s.pod.name"] == "pod-7f9c"
+    sampler = TracerProvider().sampler.get_description()
+    assert sampler.startswith("ParentBased{root:TraceIdRatioBased{0.1}"), sampler

@@ -51,9 +51,11 @@ def wait_for(
 class RunningServer:
     """A uvicorn server in a thread; ``url`` is its base URL."""
 
-    def __init__(self, settings: ServerSettings, engine: Engine | None = None) -> None:
+    def __init__(
+        self, settings: ServerSettings, engine: Engine | None = None, **app_options: Any
+    ) -> None:
         self.settings = settings
-        self.app = create_app(settings, engine, connect=load_engine)
+        self.app = create_app(settings, engine, connect=load_engine, **app_options)
         self.lifecycle: Lifecycle = self.app.state.lifecycle
         self.metrics: Metrics = self.app.state.metrics
         # proto=IPPROTO_TCP matters: asyncio only sets TCP_NODELAY on accepted sockets whose
@@ -126,9 +128,13 @@ def sample(text: str, name: str, labels: dict[str, str] | None = None) -> float 
 
 @contextlib.contextmanager
 def running_server(
-    settings: ServerSettings, engine: Engine | None = None, timeout: float = 120.0
+    settings: ServerSettings,
+    engine: Engine | None = None,
+    timeout: float = 120.0,
+    **app_options: Any,
 ) -> Iterator[RunningServer]:
-    server = RunningServer(settings, engine).start(timeout)
+    """A started :class:`RunningServer` (``app_options``: more arguments of ``create_app``)."""
+    server = RunningServer(settings, engine, **app_options).start(timeout)
     try:
         yield server
     finally:

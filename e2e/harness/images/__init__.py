@@ -11,7 +11,8 @@ module per step:
 * ``dockerd``: the private dockerd the builds run on (the system's is never touched);
 * ``store``: loading them into a containerd (the real node's store, kept in the cache);
 * ``export``: one ``docker save`` archive of the workloads, for another cluster;
-* ``lock``: rewriting ``images/*.lock`` from the project venv;
+* ``lock``: rewriting ``images/*.lock`` from the project venv, and the server's CPU-only lock
+  by pip's resolution against PyTorch's CPU index;
 * ``host``: running host commands with deadlines; ``cli``: ``python -m e2e.harness.images``.
 
 Cache layout (``cache_root()`` as in binaries: ``~/.cache/embedding-operator``, honours
@@ -29,12 +30,18 @@ The names below are the package's public surface (the e2e fixtures, tests/test_i
 from e2e.harness.images.base import apt_mirror
 from e2e.harness.images.build import build_images
 from e2e.harness.images.export import save_images
+from e2e.harness.images.lock import check_cpu_lock, cpu_requirements, pins_from_report
 from e2e.harness.images.refs import (
     BASE_IMAGE,
     CLIENT_DOCKERFILE,
     CONTEXT_ENTRIES,
+    CPU_TORCH_INDEX,
     LOCKS,
     PAUSE_IMAGE,
+    SERVER_CONTEXT_ENTRIES,
+    SERVER_CONTEXT_LOCKS,
+    SERVER_LOCKS,
+    TORCH_SOURCES,
     ImageError,
     ImageSet,
     ImportFailed,
@@ -48,26 +55,37 @@ from e2e.harness.images.store import (
     ready_refs,
     stale_refs,
 )
-from e2e.harness.images.wheels import read_lock
+from e2e.harness.images.wheels import download_command, prepare_context, read_lock, server_lock
 
 __all__ = [
     "BASE_IMAGE",
     "CLIENT_DOCKERFILE",
     "CONTEXT_ENTRIES",
+    "CPU_TORCH_INDEX",
     "LOCKS",
     "PAUSE_IMAGE",
+    "SERVER_CONTEXT_ENTRIES",
+    "SERVER_CONTEXT_LOCKS",
+    "SERVER_LOCKS",
+    "TORCH_SOURCES",
     "ImageError",
     "ImageSet",
     "ImportFailed",
     "apt_mirror",
     "build_images",
+    "check_cpu_lock",
     "containerd_images",
+    "cpu_requirements",
     "distinct_sizes",
+    "download_command",
     "image_refs",
     "import_stream",
     "load_images",
+    "pins_from_report",
+    "prepare_context",
     "read_lock",
     "ready_refs",
     "save_images",
+    "server_lock",
     "stale_refs",
 ]

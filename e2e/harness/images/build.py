@@ -133,12 +133,20 @@ def build_pause_image(docker: Docker) -> str:
     return PAUSE_IMAGE
 
 
-def build_images(*, server: bool = True, variant: str = "cpu") -> ImageSet:
+def build_images(
+    *, server: bool = True, variant: str = "cpu", torch_source: str = "pypi"
+) -> ImageSet:
     """Build (or reuse the cached layers of) base, pause, server and operator images.
+
+    ``torch_source``: the server image's ``TORCH_SOURCE``, ``pypi`` (PyPI's torch, with its
+    CUDA runtime: what CI builds) or ``cpu`` (PyTorch's CPU index, no CUDA). Either is tagged
+    as the chart's default server image, so a local cluster runs the one built last.
 
     A private dockerd runs for the duration; the images stay in its data root under the cache,
     where `load_images` finds them.
     """
+    if variant == "cuda" and torch_source != "pypi":
+        raise ImageError("the cuda variant compiles flash-attn against PyPI's CUDA torch")
     ensure_packages(IMAGE_PACKAGES)
     refs = image_refs()
     timings: dict[str, float] = {}
@@ -151,17 +159,17 @@ def build_images(*, server: bool = True, variant: str = "cpu") -> ImageSet:
         with timed(timings, "wheels"):
             project_wheel = build_project_wheel(images_cache() / "dist")
             contexts = {
-                name: prepare_context(name, project_wheel, wheel_dir)
+                name: prepare_context(name, project_wheel, wheel_dir, torch_source=torch_source)
                 for name in (("server", "operator", "e2e-client") if server else ("operator",))
             }
         if server:
-            with timed(timings, f"server ({variant})"):
+            with timed(timings, f"server ({variant}, torch from {torch_source})"):
                 docker_build(
                     docker,
                     SERVER_DOCKERFILE,
                     contexts["server"],
                     refs.server,
-                    base_arg | {"VARIANT": variant},
+                    base_arg | {"VARIANT": variant, "TORCH_SOURCE": torch_source},
                 )
             with timed(timings, "e2e-client"):
                 docker_build(

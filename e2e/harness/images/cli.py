@@ -2,10 +2,11 @@
 
 CLI (from the repository root)::
 
-    python -m e2e.harness.images build [--skip-server]
+    python -m e2e.harness.images build [--skip-server] [--torch-source pypi|cpu]
     python -m e2e.harness.images load (--containerd-socket SOCK | --cluster-state STATE_JSON)
     python -m e2e.harness.images save ARCHIVE.tar   # the workloads, for another cluster
     python -m e2e.harness.images lock               # rewrite images/*.lock from the venv
+    python -m e2e.harness.images lock --torch-source cpu  # images/server.cpu.lock, by pip
 
 (``STATE_JSON``: a running cluster's ``.cluster/state.json``.)
 """
@@ -21,8 +22,14 @@ from pathlib import Path
 from e2e.harness.host_packages import HostPackageError
 from e2e.harness.images.build import build_images
 from e2e.harness.images.export import save_images
-from e2e.harness.images.lock import write_locks
-from e2e.harness.images.refs import ROOT, ImageError, image_refs
+from e2e.harness.images.lock import write_cpu_lock, write_locks
+from e2e.harness.images.refs import (
+    CPU_TORCH_INDEX,
+    ROOT,
+    TORCH_SOURCES,
+    ImageError,
+    image_refs,
+)
 from e2e.harness.images.store import load_images
 
 log = logging.getLogger("e2e.images")
@@ -44,6 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser("build", help="build base, pause, server (cpu) and operator images")
     build.add_argument("--skip-server", action="store_true", help="only base, pause, operator")
+    build.add_argument(
+        "--torch-source",
+        choices=TORCH_SOURCES,
+        default="pypi",
+        help="the server image's torch: PyPI's (with its CUDA runtime; the default) or the "
+        f"CPU-only build of {CPU_TORCH_INDEX} (images/server.cpu.lock)",
+    )
     load = sub.add_parser("load", help="import the node's images into a containerd (k8s.io)")
     where = load.add_mutually_exclusive_group(required=True)
     where.add_argument("--containerd-socket", type=Path, help="containerd's gRPC socket")
@@ -58,12 +72,19 @@ def main(argv: list[str] | None = None) -> int:
         "archive (for `kind load image-archive`, or `docker load` then push to a registry)",
     )
     save.add_argument("archive", type=Path, help="the .tar file to write")
-    sub.add_parser("lock", help="rewrite images/*.lock from the project venv")
+    lock = sub.add_parser("lock", help="rewrite images/*.lock from the project venv")
+    lock.add_argument(
+        "--torch-source",
+        choices=TORCH_SOURCES,
+        default="pypi",
+        help="cpu: write only images/server.cpu.lock, by pip's resolution against "
+        f"{CPU_TORCH_INDEX} (which must be reachable)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     try:
         if args.command == "build":
-            images = build_images(server=not args.skip_server)
+            images = build_images(server=not args.skip_server, torch_source=args.torch_source)
             for step, seconds in images.timings.items():
                 print(f"{step:24} {seconds:7.1f}s")
             for ref, size in images.sizes.items():
@@ -84,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
             save_images(args.archive, refs.workloads())
             print(f"wrote {args.archive}: {' '.join(refs.workloads())}")
         else:
-            for path in write_locks():
+            written = [write_cpu_lock()] if args.torch_source == "cpu" else write_locks()
+            for path in written:
                 print(f"wrote {path.relative_to(ROOT)}")
     except (ImageError, HostPackageError) as exc:
         print(f"[images] FAILED: {exc}", file=sys.stderr)

@@ -1,18 +1,36 @@
 """The lock files (``images/*.lock``): the image's pinned dependencies, from the project venv.
 
 An image's dependency layer is keyed on its lock file, so only a change there reinstalls them.
+
+The server's CPU-only lock (``images/server.cpu.lock``, ``lock --torch-source cpu``) cannot
+come from the venv, whose torch is PyPI's: pip resolves the server extra again with torch
+pinned to the same release's ``+cpu`` build from PyTorch's CPU index, every other package held
+to its pin in ``images/server.lock`` where it still appears, and the lock is what pip reports
+it would install. Nothing CUDA may be in it (:func:`check_cpu_lock`).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import json
+import sys
+import tempfile
+import tomllib
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from packaging.markers import Marker
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from packaging.version import Version
 
-from e2e.harness.images.refs import LOCKS
+from e2e.harness.images.host import run
+from e2e.harness.images.refs import CPU_TORCH_INDEX, LOCKS, ROOT, SERVER_LOCKS, ImageError
+
+PIP_RESOLVE_TIMEOUT_S = 20 * 60
+CUDA_PACKAGE_PREFIXES = ("nvidia-", "triton", "cuda-")
+"""Distributions that only a CUDA build of torch pulls in."""
 
 
 def dependency_closure(extra: str, project: str = "embedding-operator") -> dict[str, str]:
@@ -58,3 +76,89 @@ def write_locks() -> list[Path]:
         path.write_text(header + "".join(f"{n}=={v}\n" for n, v in pins.items()))
         written.append(path)
     return written
+
+
+def cpu_requirements(
+    pyproject: Mapping[str, Any], server_pins: Mapping[str, str]
+) -> tuple[list[str], list[str]]:
+    """What pip resolves for the CPU lock: the requirements (the base dependencies and the
+    server extra, with torch pinned to the ``+cpu`` build of the release ``server_pins``
+    holds) and the constraints (every other pin of the PyPI lock)."""
+    torch = server_pins.get("torch")
+    if torch is None:
+        raise ImageError("images/server.lock pins no torch")
+    project = pyproject["project"]
+    requirements = []
+    for line in [*project["dependencies"], *project["optional-dependencies"]["server"]]:
+        if canonicalize_name(Requirement(line).name) == "torch":
+            line = f"torch=={Version(torch).public}+cpu"
+        requirements.append(line)
+    constraints = [f"{name}=={version}" for name, version in server_pins.items() if name != "torch"]
+    return requirements, constraints
+
+
+def pins_from_report(report: Mapping[str, Any]) -> dict[str, str]:
+    """Name -> version of what a `pip install --dry-run --report` would install, sorted as
+    the other locks are."""
+    found = {
+        str(item["metadata"]["name"]): str(item["metadata"]["version"])
+        for item in report["install"]
+    }
+    return dict(sorted(found.items(), key=lambda kv: kv[0].lower()))
+
+
+def check_cpu_lock(pins: Mapping[str, str]) -> None:
+    """Refuse a CPU lock whose torch is not a ``+cpu`` build or that holds a CUDA package."""
+    torch = next((v for n, v in pins.items() if canonicalize_name(n) == "torch"), None)
+    if torch is None or Version(torch).local != "cpu":
+        raise ImageError(f"the CPU lock must pin a +cpu torch, not {torch!r}")
+    cuda = sorted(n for n in pins if canonicalize_name(n).startswith(CUDA_PACKAGE_PREFIXES))
+    if cuda:
+        raise ImageError(f"the CPU lock holds CUDA packages: {', '.join(cuda)}")
+
+
+def write_cpu_lock() -> Path:
+    """Rewrite images/server.cpu.lock by pip's resolution against PyTorch's CPU index (the
+    module docstring); ImageError when that index cannot be reached."""
+    from e2e.harness.images.wheels import read_lock
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    requirements, constraints = cpu_requirements(pyproject, read_lock(LOCKS["server"]))
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        (work / "requirements.txt").write_text("\n".join(requirements) + "\n")
+        (work / "constraints.txt").write_text("\n".join(constraints) + "\n")
+        report = work / "report.json"
+        run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--dry-run",
+                "--ignore-installed",
+                "--quiet",
+                "--only-binary=:all:",
+                "--extra-index-url",
+                CPU_TORCH_INDEX,
+                "--report",
+                str(report),
+                "-r",
+                str(work / "requirements.txt"),
+                "-c",
+                str(work / "constraints.txt"),
+            ],
+            PIP_RESOLVE_TIMEOUT_S,
+            what=f"pip's resolution of the server extra against {CPU_TORCH_INDEX}",
+        )
+        pins = pins_from_report(json.loads(report.read_text(encoding="utf-8")))
+    check_cpu_lock(pins)
+    path = SERVER_LOCKS["cpu"]
+    header = (
+        "# Pinned dependencies of embedding-operator[server] with PyTorch's CPU-only torch, for\n"
+        "# the server image built with TORCH_SOURCE=cpu (CPython 3.11, x86_64 Linux).\n"
+        "# Generated by `python -m e2e.harness.images lock --torch-source cpu`: pip's resolution\n"
+        f"# against {CPU_TORCH_INDEX}, the other pins held to images/server.lock.\n"
+    )
+    path.write_text(header + "".join(f"{n}=={v}\n" for n, v in pins.items()))
+    return path

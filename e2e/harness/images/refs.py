@@ -27,12 +27,22 @@ LOCKS = {
     "operator": IMAGES_DIR / "operator.lock",
     "e2e-client": IMAGES_DIR / "e2e-client.lock",
 }
+TORCH_SOURCES = ("pypi", "cpu")
+"""Where the server image's torch comes from (its ``TORCH_SOURCE`` build argument): PyPI's
+wheel, which carries the CUDA runtime as nvidia-* wheels (the default, and the only source CI
+may depend on), or PyTorch's CPU wheel index, which has no CUDA at all."""
+CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
+SERVER_LOCKS = {"pypi": LOCKS["server"], "cpu": IMAGES_DIR / "server.cpu.lock"}
+"""The server image's lock per torch source (``lock --torch-source cpu`` writes the second)."""
+SERVER_CONTEXT_LOCKS = {"pypi": "requirements.lock", "cpu": "requirements.cpu.lock"}
+"""The name each lock has in the server's build context (the Dockerfile's ``lock-*`` stages)."""
 CLIENT_IMAGE_REPOSITORY = "embedding-operator.local/e2e-client"
 
 BASE_IMAGE = "embedding-operator.local/debian:bookworm"
 PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
 # What the Dockerfiles bind-mount from their context (their .dockerignore allows exactly these).
 CONTEXT_ENTRIES = ("requirements.lock", "wheels", "dist")
+SERVER_CONTEXT_ENTRIES = (*CONTEXT_ENTRIES, SERVER_CONTEXT_LOCKS["cpu"])
 
 
 class ImageError(RuntimeError):

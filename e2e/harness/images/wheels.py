@@ -19,7 +19,16 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
 from e2e.harness.images.host import run
-from e2e.harness.images.refs import LOCKS, ROOT, ImageError, images_cache
+from e2e.harness.images.refs import (
+    CPU_TORCH_INDEX,
+    LOCKS,
+    ROOT,
+    SERVER_CONTEXT_LOCKS,
+    SERVER_LOCKS,
+    TORCH_SOURCES,
+    ImageError,
+    images_cache,
+)
 
 log = logging.getLogger("e2e.images")
 
@@ -55,7 +64,25 @@ def _wheel_index(directory: Path) -> dict[tuple[str, str], Path]:
     return index
 
 
-def ensure_wheels(lock: Path, wheel_dir: Path) -> list[Path]:
+def download_command(requirements: Path, wheel_dir: Path, extra_index: str | None) -> list[str]:
+    """`pip download` of exactly the pinned wheels in ``requirements``; ``extra_index``: one
+    more index beside pip's own (PyTorch's CPU index for a ``+cpu`` torch, which PyPI lacks)."""
+    argv = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "-d",
+        str(wheel_dir),
+        "-r",
+        str(requirements),
+    ]
+    return [*argv, "--extra-index-url", extra_index] if extra_index else argv
+
+
+def ensure_wheels(lock: Path, wheel_dir: Path, *, extra_index: str | None = None) -> list[Path]:
     """The wheels the lock pins, downloading into the shared wheel dir only what is missing."""
     if sys.version_info[:2] != IMAGE_PYTHON:
         raise ImageError(
@@ -73,18 +100,7 @@ def ensure_wheels(lock: Path, wheel_dir: Path) -> list[Path]:
             req_file.write("\n".join(missing) + "\n")
         try:
             run(
-                [
-                    sys.executable,
-                    "-m",
-                    "pip",
-                    "download",
-                    "--no-deps",
-                    "--only-binary=:all:",
-                    "-d",
-                    str(wheel_dir),
-                    "-r",
-                    req_file.name,
-                ],
+                download_command(Path(req_file.name), wheel_dir, extra_index),
                 PIP_TIMEOUT_S,
                 what=f"pip download for {lock.name}",
             )
@@ -148,18 +164,43 @@ def _digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def prepare_context(name: str, project_wheel: Path, wheel_dir: Path) -> Path:
-    """The build context of images/<name>.Dockerfile: lock, its wheels, our wheel.
+def server_lock(torch_source: str) -> tuple[Path, str | None]:
+    """The server image's lock for ``torch_source`` and the index its torch comes from
+    (``None``: pip's own, PyPI)."""
+    if torch_source not in SERVER_LOCKS:
+        raise ImageError(f"torch source must be one of {', '.join(TORCH_SOURCES)}")
+    lock = SERVER_LOCKS[torch_source]
+    if not lock.is_file():
+        raise ImageError(
+            f"images/{lock.name} does not exist: write it with `python -m "
+            f"e2e.harness.images lock --torch-source {torch_source}` on a machine that reaches "
+            f"{CPU_TORCH_INDEX}, and commit it"
+        )
+    return lock, CPU_TORCH_INDEX if torch_source == "cpu" else None
+
+
+def prepare_context(
+    name: str, project_wheel: Path, wheel_dir: Path, *, torch_source: str = "pypi"
+) -> Path:
+    """The build context of images/<name>.Dockerfile: lock, its wheels, our wheel. The
+    server's holds the lock of ``torch_source`` under the name its Dockerfile's ``lock-*``
+    stage copies, and no other lock.
 
     Kept between runs (hard links, so no copy of the wheels) and updated in place, so
     unchanged files keep their identity and BuildKit's cache keys stay the same.
     """
-    lock = LOCKS[name]
-    wheels = ensure_wheels(lock, wheel_dir)
+    if name == "server":
+        lock, extra_index = server_lock(torch_source)
+        lock_name = SERVER_CONTEXT_LOCKS[torch_source]
+    else:
+        lock, extra_index, lock_name = LOCKS[name], None, "requirements.lock"
+    wheels = ensure_wheels(lock, wheel_dir, extra_index=extra_index)
     context = images_cache() / f"context-{name}"
     (context / "wheels").mkdir(parents=True, exist_ok=True)
     (context / "dist").mkdir(parents=True, exist_ok=True)
-    _sync_file(lock, context / "requirements.lock")
+    for other in set(SERVER_CONTEXT_LOCKS.values()) - {lock_name}:
+        (context / other).unlink(missing_ok=True)  # a lock of the other source
+    _sync_file(lock, context / lock_name)
     wanted = {wheel.name for wheel in wheels}
     for stale in (context / "wheels").iterdir():
         if stale.name not in wanted:

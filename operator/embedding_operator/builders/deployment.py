@@ -31,6 +31,10 @@ Choices made here, and why:
   the footprint depends on the model (90 MB for MiniLM, 30 GB for an 8B model on CPU) and a
   guessed limit would OOM-kill a model at load; a namespace LimitRange is the Kubernetes way to
   give defaults there.
+* Tracing: ``spec.tracing`` passes ``--otlp-traces-endpoint`` and the standard OTEL_*
+  variables the server's OpenTelemetry SDK reads (the EmbeddingService as the service, its
+  namespace and the pod's name as resource attributes, the sampler for ``samplingRatio``),
+  each only where the user's ``server.env`` does not set it.
 * When autoscaling is on, ``spec.replicas`` is omitted: the HPA owns it, and server-side apply
   then never fights the HPA over the field.
 """
@@ -115,6 +119,8 @@ def server_args(render: RenderInput) -> list[str]:
     if emb.prompts is not None and emb.prompts.default_name:
         args += ["--default-prompt-name", emb.prompts.default_name]
     srv = spec.server
+    if spec.tracing is not None:
+        args += ["--otlp-traces-endpoint", spec.tracing.otlp_endpoint]
     for flag, value in (
         ("--max-batch-tokens", srv.max_batch_tokens),
         ("--max-batch-size", srv.max_batch_size),
@@ -152,9 +158,42 @@ def _env(render: RenderInput) -> list[dict[str, Any]]:
                     "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
                 }
             )
+    env += _tracing_env(render)
     for var in spec.server.env:
         env.append(var.model_dump(by_alias=True, exclude_none=True))
     return env
+
+
+TRACING_POD_NAME_ENV = "OTEL_RESOURCE_ATTRIBUTES_POD_NAME"
+"""The downward-API variable ``OTEL_RESOURCE_ATTRIBUTES`` takes the pod name from (the
+OpenTelemetry operator's name for it)."""
+
+
+def _tracing_env(render: RenderInput) -> list[dict[str, Any]]:
+    """The standard OTEL_* variables for ``spec.tracing``: the service is the
+    EmbeddingService, the resource names its namespace and pod, and ``samplingRatio`` picks
+    the sampler. A variable the user's ``server.env`` sets is left to it."""
+    tracing = render.spec.tracing
+    if tracing is None:
+        return []
+    owner = render.owner
+    attributes = f"k8s.namespace.name={owner.namespace},k8s.pod.name=$({TRACING_POD_NAME_ENV})"
+    wanted: list[dict[str, Any]] = [
+        {"name": "OTEL_SERVICE_NAME", "value": owner.name},
+        {
+            "name": TRACING_POD_NAME_ENV,
+            "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
+        },
+        # $(...) expands a variable defined above it in the same container.
+        {"name": "OTEL_RESOURCE_ATTRIBUTES", "value": attributes},
+    ]
+    if tracing.sampling_ratio is not None:
+        wanted += [
+            {"name": "OTEL_TRACES_SAMPLER", "value": "parentbased_traceidratio"},
+            {"name": "OTEL_TRACES_SAMPLER_ARG", "value": f"{tracing.sampling_ratio:g}"},
+        ]
+    given = {var.name for var in render.spec.server.env}
+    return [var for var in wanted if var["name"] not in given]
 
 
 # The preStop delay, then the server's drain (its --shutdown-timeout default of 30 s), then a

@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
@@ -27,9 +28,14 @@ from embedding_server.api.routes_openai import router as openai_router
 from embedding_server.api.routes_ops import router as ops_router
 from embedding_server.api.routes_tasks import router as tasks_router
 from embedding_server.api.routes_vllm import router as vllm_router
+from embedding_server.api.tracing import TracingMiddleware
 from embedding_server.metrics import Metrics
 from embedding_server.serving import ServingEngine
 from embedding_server.settings import ServerSettings, redact_settings
+from embedding_server.tracing import Tracing
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +85,7 @@ def create_app(
     *,
     connect: Connect | None = None,
     accept_when_ready: bool = False,
+    tracer_provider: TracerProvider | None = None,
 ) -> FastAPI:
     """Build the HTTP application.
 
@@ -88,9 +95,18 @@ def create_app(
     engine is started and stopped by the application's lifespan. ``accept_when_ready``:
     the lifespan's startup, and so uvicorn's first accept, waits for the engine (an
     ``--api-workers`` front-end restarted beside others that serve meanwhile).
+    ``tracer_provider``: where the model routes' spans go (the caller's to shut down); by
+    default OTLP to ``settings.otlp_traces_endpoint``, and no tracing when that is unset
+    (:mod:`embedding_server.tracing`).
     """
     metrics: Metrics = getattr(engine, "metrics", None) or Metrics()
     lifecycle = Lifecycle(settings=settings, metrics=metrics, engine=engine)
+    model = lifecycle.served_model_name
+    tracing = (
+        Tracing(tracer_provider, model)
+        if tracer_provider is not None
+        else Tracing.configure(settings.otlp_traces_endpoint, model)
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -108,6 +124,8 @@ def create_app(
                 # uvicorn has already waited for in-flight requests; this finishes anything
                 # still queued (e.g. work of requests uvicorn gave up on) within the budget.
                 await lifecycle.engine.stop(drain=True, timeout=settings.shutdown_timeout)
+            if tracing is not None and tracer_provider is None:
+                tracing.shutdown()  # the last spans leave before the process does
             logger.info("stopped")
 
     app = FastAPI(
@@ -117,7 +135,8 @@ def create_app(
         lifespan=lifespan,
         # FastAPI's own OpenTelemetry hooks look the global providers up in os.environ on
         # every request (a share of the event loop's time under load: docs/performance-log.md);
-        # this server reports through its Prometheus metrics and request-id logs instead.
+        # this server reports through its Prometheus metrics and request-id logs instead,
+        # and with --otlp-traces-endpoint through its own spans (embedding_server.tracing).
         telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False},
     )
     app.state.lifecycle = lifecycle
@@ -129,7 +148,8 @@ def create_app(
     # Metrics label requests by route; anything else is "other" (bounded label cardinality).
     route_paths = [getattr(route, "path", "") for router in ROUTERS for route in router.routes]
     # Added first, so it runs inside the request context (id, auth, limits, metrics).
-    app.add_middleware(DirectRoutes, routes=direct_routes(ROUTERS))
+    posts = direct_routes(ROUTERS)
+    app.add_middleware(DirectRoutes, routes=posts)
     app.add_middleware(
         RequestContextMiddleware,
         metrics=metrics,
@@ -137,6 +157,8 @@ def create_app(
         max_request_bytes=settings.max_request_bytes,
         route_paths=route_paths,
     )
+    if tracing is not None:  # outermost: a request's span covers all of the above
+        app.add_middleware(TracingMiddleware, tracing=tracing, paths=posts)
     return app
 
 

@@ -86,7 +86,9 @@ class Welcome(msgspec.Struct, tag_field="op", tag="welcome", frozen=True):
 
 class Output(msgspec.Struct, tag_field="op", tag="output", frozen=True):
     """A request's results: the pooled ``[n, dim]`` matrix, then, with ``token_rows``, the
-    per-token states ``[sum(token_rows), token_dim]``."""
+    per-token states ``[sum(token_rows), token_dim]``. The header carries the engine's stage
+    seconds and the batches the request rode, which the front-end's traces turn into spans
+    (:mod:`embedding_server.tracing`): three integers rather than a trace context."""
 
     rid: int
     held: int
@@ -97,6 +99,9 @@ class Output(msgspec.Struct, tag_field="op", tag="output", frozen=True):
     pool_s: float
     token_rows: list[int] | None = None
     token_dim: int = 0
+    batches: int = 1
+    batch_size: int = 0
+    batch_tokens: int = 0
 
 
 class ErrorBody(msgspec.Struct, frozen=True):
@@ -227,6 +232,9 @@ def encode_output(
             pool_s=out.pool_s,
             token_rows=token_rows,
             token_dim=token_dim,
+            batches=out.batches,
+            batch_size=out.batch_size,
+            batch_tokens=out.batch_tokens,
         )
     )
     return frames
@@ -240,7 +248,16 @@ def decode_output(header: Output, frames: Sequence[memoryview | bytes]) -> Sched
     if rows is not None:
         flat = np.frombuffer(frames[1], np.float32).reshape(-1, header.token_dim)
         tokens = list(np.split(flat, np.cumsum(rows)[:-1]))
-    return ScheduledOutput(pooled, tokens, header.queue_s, header.forward_s, header.pool_s)
+    return ScheduledOutput(
+        pooled,
+        tokens,
+        header.queue_s,
+        header.forward_s,
+        header.pool_s,
+        header.batches,
+        header.batch_size,
+        header.batch_tokens,
+    )
 
 
 def encode_error(rid: int, error: BaseException, queue: QueueView = (0, 0.0)) -> bytes:

@@ -66,7 +66,7 @@ def test_vectors_and_per_token_states_cross_as_float32_buffers() -> None:
     rng = np.random.default_rng(0)
     pooled = rng.standard_normal((3, 8)).astype(np.float32)
     tokens = [rng.standard_normal((n, 4)).astype(np.float32) for n in (2, 5, 1)]
-    frames = encode_output(7, ScheduledOutput(pooled, list(tokens), 0.5, 0.25, 0.125))
+    frames = encode_output(7, ScheduledOutput(pooled, list(tokens), 0.5, 0.25, 0.125, 2, 9, 300))
     header = to_front_end.decode(frames[0])
     assert isinstance(header, Output)
     assert header.rid == 7 and header.token_rows == [2, 5, 1]
@@ -76,6 +76,8 @@ def test_vectors_and_per_token_states_cross_as_float32_buffers() -> None:
         assert got is not None
         np.testing.assert_array_equal(got, want)
     assert (out.queue_s, out.forward_s, out.pool_s) == (0.5, 0.25, 0.125)
+    # The batches it rode, for the front-end's traces.
+    assert (out.batches, out.batch_size, out.batch_tokens) == (2, 9, 300)
     plain = encode_output(1, ScheduledOutput(pooled, [None] * 3, 0, 0, 0))
     plain_header = to_front_end.decode(plain[0])
     assert isinstance(plain_header, Output)
