@@ -111,6 +111,14 @@ class Metrics:
             ["endpoint", "status"],
             registry=r,
         )
+        self.request_seconds = Histogram(
+            f"{PREFIX}_request_seconds",
+            "Seconds from a request's arrival to its response's first byte, by endpoint.",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._request_seconds_children: dict[str, Histogram] = {}
         self.input_tokens = Counter(
             f"{PREFIX}_input_tokens", "Tokens of all inputs embedded.", registry=r
         )
@@ -168,6 +176,13 @@ class Metrics:
         child = self._stage_children.get(stage)
         if child is None:
             child = self._stage_children[stage] = self.stage_seconds.labels(stage)
+        child.observe(seconds)
+
+    def observe_request(self, endpoint: str, seconds: float) -> None:
+        """One request's time to its response (``request_seconds{endpoint=...}``)."""
+        child = self._request_seconds_children.get(endpoint)
+        if child is None:
+            child = self._request_seconds_children[endpoint] = self.request_seconds.labels(endpoint)
         child.observe(seconds)
 
     def count_request(self, endpoint: str, status: int) -> None:

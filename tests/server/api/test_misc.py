@@ -14,14 +14,16 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from embedding_server import termination
 from embedding_server.api import create_app
-from embedding_server.engine import load_engine
+from embedding_server.engine import Engine, load_engine
 from embedding_server.metrics import (
     AUTOSCALING_METRICS,
     BACKLOG_SECONDS_METRIC,
     LOADING_METRIC,
     QUEUE_REQUESTS_METRIC,
     QUEUE_TOKENS_METRIC,
+    Metrics,
 )
 from embedding_server.settings import ServerSettings
 
@@ -215,6 +217,26 @@ async def test_autoscaling_gauges_are_exported_only_while_ready() -> None:
     assert sample(text, BACKLOG_SECONDS_METRIC) is None and sample(text, LOADING_METRIC) == 0
 
 
+async def test_a_model_that_will_not_load_says_so_in_the_pods_termination_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The kubelet copies /dev/termination-log into the pod's status: the operator reads it
+    # there (ModelLoadFailed). A fixed line: the error itself may quote a Secret's value.
+    log = tmp_path / "termination-log"
+    log.touch()
+    monkeypatch.setattr(termination, "TERMINATION_LOG", log)
+
+    async def broken(settings: ServerSettings, metrics: Metrics) -> Engine:
+        raise OSError("could not open /models/s3cr3t-token")
+
+    app = create_app(fake_settings(), connect=broken)
+    async with app.router.lifespan_context(app):
+        await asyncio.sleep(0.2)
+    assert app.state.lifecycle.exit_code == 1
+    assert log.read_text() == termination.MODEL_LOAD_FAILED + "\n"
+    assert "s3cr3t" not in log.read_text()
+
+
 async def test_ready_does_not_echo_why_the_model_failed_to_load() -> None:
     # /ready is open without the API key; a load error can quote a path or a value that
     # came from a Secret. The log says why, /ready only that it failed.
@@ -279,6 +301,7 @@ def test_metrics_are_exposed_and_move_under_load() -> None:
             QUEUE_REQUESTS_METRIC,
             QUEUE_TOKENS_METRIC,
             BACKLOG_SECONDS_METRIC,
+            "embedding_server_request_seconds",
             "embedding_server_in_flight_requests",
             "embedding_server_requests_total",
             "embedding_server_input_tokens_total",
@@ -337,6 +360,10 @@ def test_metrics_are_exposed_and_move_under_load() -> None:
             == 8
         )
         assert sample(after, "embedding_server_input_tokens_total") >= 8 * 15
+        embeddings = {"endpoint": "/v1/embeddings"}
+        assert sample(after, "embedding_server_request_seconds_count", embeddings) == 8
+        # Each waited for at least one 100 ms forward pass.
+        assert sample(after, "embedding_server_request_seconds_sum", embeddings) >= 8 * 0.1
         batches = sample(after, "embedding_server_batch_size_count")
         assert batches >= 8
         # One timing per forward pass, each at least the fake model's 100 ms.
