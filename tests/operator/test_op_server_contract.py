@@ -116,3 +116,13 @@ def test_every_backend_renders_flags_the_server_parses(backend: str) -> None:
     settings = load_settings(args)
     assert settings.backend == backend
     assert settings.trust_remote_code is True
+
+
+def test_the_operator_recognises_the_servers_model_load_failure() -> None:
+    """The server's termination message on a failed load is what the operator matches to
+    report ModelLoadFailed and count the restarts by that reason."""
+    from embedding_operator.status import SERVER_MODEL_LOAD_FAILED, restart_reason
+    from embedding_server.termination import MODEL_LOAD_FAILED
+
+    assert MODEL_LOAD_FAILED.startswith(SERVER_MODEL_LOAD_FAILED)
+    assert restart_reason({"reason": "Error", "message": MODEL_LOAD_FAILED}) == "ModelLoadFailed"
