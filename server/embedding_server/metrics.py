@@ -140,6 +140,13 @@ class Metrics:
         self.batch_tokens = Histogram(
             f"{PREFIX}_batch_tokens", "Tokens per forward pass.", buckets=_TOKEN_BUCKETS, registry=r
         )
+        self.batch_budget_tokens = Gauge(
+            f"{PREFIX}_batch_budget_tokens",
+            "Tokens one forward pass may hold (--max-batch-tokens): batch tokens over it is "
+            "how full the batches run.",
+            registry=r,
+            multiprocess_mode="livemax",
+        )
         self.batch_seconds = Histogram(
             f"{PREFIX}_batch_seconds",
             "Seconds per forward pass, pooling and batch head included. The model is busy "

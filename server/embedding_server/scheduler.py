@@ -302,6 +302,8 @@ class Scheduler:
         self._throughput = Throughput()
         self._watcher: Callable[[], None] | None = None
         self.batches_run = 0
+        if metrics is not None:
+            metrics.batch_budget_tokens.set(max_batch_tokens)
 
     # -- observability ---------------------------------------------------------------------
     @property

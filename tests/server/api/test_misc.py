@@ -308,12 +308,14 @@ def test_metrics_are_exposed_and_move_under_load() -> None:
             "embedding_server_stage_seconds",
             "embedding_server_batch_size",
             "embedding_server_batch_tokens",
+            "embedding_server_batch_budget_tokens",
             "embedding_server_batch_seconds",
             "embedding_server_truncated_inputs_total",
             "embedding_server_model_load_seconds",
         ):
             assert f"# TYPE {name.removesuffix('_total')}" in text, name
         assert sample(text, "embedding_server_model_load_seconds") > 0
+        assert sample(text, "embedding_server_batch_budget_tokens") == 64  # --max-batch-tokens
         peaks = {"queue_requests": 0.0, "queue_tokens": 0.0, "in_flight": 0.0, "backlog": 0.0}
 
         async def load() -> list[int]:
