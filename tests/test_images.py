@@ -476,3 +476,46 @@ def test_an_image_built_on_another_counts_only_its_own_layers() -> None:
         "operator": 370,
         "other-server": 5_900,
     }
+
+
+def test_a_load_short_of_disk_drops_the_build_caches_before_it_gives_up(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """CI's cache outlives runs: after the server lock changed, the old 6 GB dependency layer
+    stayed in the build cache and the next load failed 0.5 GB short. What a later run can
+    rebuild (docker's build cache, our Go caches) must go before the load fails, and the
+    load must still fail, naming the store, when that is not enough."""
+    from e2e.harness.images import store
+
+    gb = 1_000_000_000
+    free = {"bytes": 14 * gb}
+    calls: list[tuple[str, ...]] = []
+
+    class FakeDocker:
+        def run(self, *args: str, timeout: float = 0, what: str | None = None) -> Any:
+            calls.append(args)
+            if args[:2] == ("image", "inspect"):
+                return type("Proc", (), {"stdout": '["sha256:a"] 6400000000'})()
+            if args[:2] == ("builder", "prune"):
+                free["bytes"] += 4 * gb
+            return type("Proc", (), {"stdout": ""})()
+
+    def go_caches() -> None:
+        calls.append(("go", "clean"))
+        free["bytes"] += reclaimed_by_go
+
+    def disk_usage(path: Path) -> Any:
+        return type("Usage", (), {"free": free["bytes"]})()
+
+    monkeypatch.setattr(store, "drop_go_caches", go_caches)
+    monkeypatch.setattr(store.shutil, "disk_usage", disk_usage)
+    wanted = {"server:1": "sha256:new"}
+
+    reclaimed_by_go = 0
+    store._make_room(tmp_path / "sock", tmp_path, wanted, set(), FakeDocker())  # type: ignore[arg-type]
+    assert ("builder", "prune", "--all", "--force") in calls
+    assert ("go", "clean") in calls
+
+    free["bytes"] = 6 * gb
+    with pytest.raises(image_builder.ImageError, match=str(tmp_path)):
+        store._make_room(tmp_path / "sock", tmp_path, wanted, set(), FakeDocker())  # type: ignore[arg-type]

@@ -511,6 +511,30 @@ def trim_build_cache() -> None:
         log.info("[build] emptied the Go build cache %s", ours)
 
 
+def drop_go_caches() -> None:
+    """Empty our Go build and module caches (6 to 10 GB), for when the disk is needed more.
+
+    Every binary is cached by version beside them, so they only speed up a rebuild after a
+    version bump, which then downloads its modules again. GOCACHE or GOMODCACHE set by the
+    caller are theirs, and left alone."""
+    env = _go_env()
+    flags = [
+        flag
+        for flag, key, ours in (
+            ("-cache", "GOCACHE", cache_root() / "go" / "build"),
+            ("-modcache", "GOMODCACHE", cache_root() / "go" / "mod"),
+        )
+        if Path(env[key]) == ours and ours.is_dir()
+    ]
+    if not flags or shutil.which("go") is None:
+        return
+    proc = _go(["clean", *flags], cache_root(), timeout=600)
+    if proc.returncode != 0:
+        log.warning("[build] go clean %s failed: %s", " ".join(flags), proc.stderr.strip()[-500:])
+    else:
+        log.info("[build] emptied our Go caches (%s) to make room", " ".join(flags))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     names = [c.name for c in COMPONENTS]
