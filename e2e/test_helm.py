@@ -138,7 +138,8 @@ def test_install(cluster: KubeClient, release_namespace: str, chart_args: list[s
 def operator_env(cluster: KubeClient, release_namespace: str, workdir: Path) -> dict[str, str]:
     """What the chart's operator pod would get: its ConfigMap's settings and GPU profile file,
     its identity, and a kubeconfig holding a TokenRequest token of the chart's ServiceAccount.
-    Only the liveness address moves to a free localhost port."""
+    Only the liveness and metrics ports move to free ports (the chart's are fixed, and this
+    operator is a host process beside others)."""
     configmap = get_json(cluster, "configmap", f"{FULLNAME}-config", "-n", release_namespace)
     assert configmap is not None
     data: dict[str, str] = configmap["data"]
@@ -148,6 +149,7 @@ def operator_env(cluster: KubeClient, release_namespace: str, workdir: Path) -> 
     env.update({k: v for k, v in data.items() if k.startswith("EMBEDDING_OPERATOR_")})
     env["EMBEDDING_OPERATOR_GPU_PROFILES"] = str(profiles)
     env["EMBEDDING_OPERATOR_LIVENESS"] = f"http://127.0.0.1:{free_port()}/healthz"
+    env["EMBEDDING_OPERATOR_METRICS_PORT"] = str(free_port())
     env["EMBEDDING_OPERATOR_IDENTITY"] = "e2e-helm-operator"
     env["POD_NAMESPACE"] = release_namespace
     env["KUBECONFIG"] = str(

@@ -105,9 +105,10 @@ def test_example_converges(
         assert (
             metric["pods"]["metric"]["name"]
             == {
+                "backlogSeconds": "embedding_server_backlog_seconds",
                 "queueRequests": "embedding_server_queue_requests",
                 "queueTokens": "embedding_server_queue_tokens",
-            }[spec["autoscaling"].get("metric", "queueRequests")]
+            }[spec["autoscaling"].get("metric", "backlogSeconds")]
         )
         assert metric["pods"]["target"]["type"] == "AverageValue"
     else:

@@ -90,6 +90,21 @@ def test_values_yaml_satisfies_its_schema(
         ({"image": {"repository": "x", "digest": "latest"}}, "a digest that is not sha256"),
         ({"policy": {"allowedServiceTypes": ["ExternalName"]}}, "a type the CRD never renders"),
         ({"policy": {"allowedEnv": ["HF_ENDPOINT,HTTPS_PROXY"]}}, "a list in one string"),
+        ({"autoscaling": {"defaultAutoscaler": "KEDA"}}, "an autoscaler the operator lacks"),
+        (
+            {"autoscaling": {"keda": {"prometheusAddress": "prometheus:9090"}}},
+            "an address KEDA cannot use (no scheme)",
+        ),
+        ({"operator": {"metricsPort": "8081"}}, "a port as a string"),
+        (
+            {"monitoring": {"prometheusRule": {"alerts": {"EmbeddingServiceSlow": {"for": "10"}}}}},
+            "a duration without a unit",
+        ),
+        (
+            {"monitoring": {"prometheusRule": {"alerts": {"EmbeddingServiceSlow": {"limit": 1}}}}},
+            "a misspelt override (threshold)",
+        ),
+        ({"monitoring": {"grafanaDashboard": {"labels": {"grafana_dashboard": 1}}}}, "a number"),
     ],
 )
 def test_schema_refuses_mistakes(
@@ -477,7 +492,9 @@ def test_monitors_select_the_operators_server_pods(helm: Path) -> None:
 
     server_labels = common_labels(Owner(name="any", namespace="x", uid=""))
     pod_monitor = one(
-        objects(helm, {"monitoring": {"podMonitor": {"enabled": True}}}), "PodMonitor"
+        objects(helm, {"monitoring": {"podMonitor": {"enabled": True}}}),
+        "PodMonitor",
+        "eo-embedding-operator-servers",
     )
     selector = pod_monitor["spec"]["selector"]["matchLabels"]
     assert selector.items() <= server_labels.items()
@@ -488,6 +505,7 @@ def test_monitors_select_the_operators_server_pods(helm: Path) -> None:
             helm, {"monitoring": {"serviceMonitor": {"enabled": True}}, "watchNamespaces": ["a"]}
         ),
         "ServiceMonitor",
+        "eo-embedding-operator-servers",
     )
     assert service_monitor["spec"]["selector"]["matchLabels"].items() <= server_labels.items()
     assert service_monitor["spec"]["namespaceSelector"] == {"matchNames": ["a"]}
@@ -499,7 +517,7 @@ def test_monitors_select_the_operators_server_pods(helm: Path) -> None:
 
 
 def test_adapter_rules_publish_every_metric_an_hpa_can_use(helm: Path) -> None:
-    from embedding_operator.builders.hpa import QUEUE_METRICS
+    from embedding_operator.builders.hpa import METRICS
 
     docs = objects(
         helm,
@@ -508,7 +526,7 @@ def test_adapter_rules_publish_every_metric_an_hpa_can_use(helm: Path) -> None:
     configmap = one(docs, "ConfigMap", "eo-embedding-operator-adapter-rules", "monitoring")
     rules = yaml.safe_load(configmap["data"]["config.yaml"])["rules"]
     published = {rule["name"]["as"] for rule in rules}
-    assert set(QUEUE_METRICS.values()) <= published
+    assert set(METRICS.values()) <= published
     for rule in rules:
         # Per pod, so an HPA's Pods metric averages only its own Deployment's pods.
         assert rule["resources"]["overrides"] == {
@@ -535,14 +553,383 @@ def test_documented_adapter_rules_are_the_charts(helm: Path) -> None:
     assert documented == yaml.safe_load(configmap["data"]["config.yaml"])["rules"]
 
 
-def test_documented_keda_scaledobject_targets_the_scale_subresource() -> None:
-    from embedding_operator.builders.common import API_VERSION, KIND
-    from embedding_operator.builders.hpa import QUEUE_METRICS
+def test_documented_keda_scaledobject_is_what_the_operator_writes() -> None:
+    from dataclasses import replace
 
-    (scaled,) = [b for b in yaml_blocks(DOCS) if b.get("kind") == "ScaledObject"]
-    assert scaled["spec"]["scaleTargetRef"]["apiVersion"] == API_VERSION
-    assert scaled["spec"]["scaleTargetRef"]["kind"] == KIND
-    (version,) = yaml.safe_load(CANONICAL_CRD.read_text())["spec"]["versions"]
-    assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
+    from embedding_operator.builders.common import AutoscalingDefaults
+    from embedding_operator.builders.keda import build_scaled_object
+
+    from tests.support.operator import render_input
+
+    blocks = yaml_blocks(DOCS)
+    (service,) = [b for b in blocks if b.get("kind") == "EmbeddingService"]
+    (scaled,) = [b for b in blocks if b.get("kind") == "ScaledObject"]
     (trigger,) = scaled["spec"]["triggers"]
-    assert any(metric in trigger["metadata"]["query"] for metric in QUEUE_METRICS.values())
+    render = replace(
+        render_input(
+            service["spec"],
+            name=service["metadata"]["name"],
+            namespace=service["metadata"]["namespace"],
+        ),
+        # The operator's default is hpa: the documented service asks for keda by name.
+        autoscaling=AutoscalingDefaults(
+            autoscaler="hpa", prometheus_address=trigger["metadata"]["serverAddress"]
+        ),
+    )
+    written = build_scaled_object(render)
+    assert (scaled["apiVersion"], scaled["kind"]) == (written["apiVersion"], written["kind"])
+    assert scaled["spec"] == written["spec"]
+
+
+# --- the operator's metrics endpoint, alerts and the dashboard -------------------------------
+
+
+def test_the_operator_pod_serves_metrics_the_monitors_scrape(helm: Path) -> None:
+    docs = objects(helm, {"monitoring": {"podMonitor": {"enabled": True}}})
+    deployment = one(docs, "Deployment")
+    template = deployment["spec"]["template"]
+    (container,) = template["spec"]["containers"]
+    port = next(p for p in container["ports"] if p["name"] == "metrics")
+    env = _env(deployment, one(docs, "ConfigMap"))
+    assert env["EMBEDDING_OPERATOR_METRICS_PORT"] == str(port["containerPort"]) == "8081"
+    # Annotation-based scrape configs find it too (the e2e cluster's Prometheus does).
+    annotations = template["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/port"] == "8081"
+    monitor = one(docs, "PodMonitor", "eo-embedding-operator-operator")
+    assert (
+        monitor["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    )
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    # Per-service series carry their EmbeddingService's namespace: keep it, as for
+    # kube-state-metrics, instead of Prometheus renaming it exported_namespace.
+    assert endpoint["port"] == "metrics" and endpoint["honorLabels"] is True
+    via_services = objects(helm, {"monitoring": {"serviceMonitor": {"enabled": True}}})
+    service = one(via_services, "Service", "eo-embedding-operator-metrics")
+    monitor = one(via_services, "ServiceMonitor", "eo-embedding-operator-operator")
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    )
+    assert monitor["spec"]["endpoints"][0]["honorLabels"] is True
+    off = objects(
+        helm, {"operator": {"metricsPort": 0}, "monitoring": {"podMonitor": {"enabled": True}}}
+    )
+    assert (
+        "prometheus.io/scrape"
+        not in one(off, "Deployment")["spec"]["template"]["metadata"]["annotations"]
+    )
+    assert [d["metadata"]["name"] for d in off if d["kind"] == "PodMonitor"] == [
+        "eo-embedding-operator-servers"
+    ]
+
+
+def test_the_autoscaling_defaults_reach_the_operator(helm: Path) -> None:
+    docs = objects(
+        helm,
+        {
+            "autoscaling": {
+                "defaultAutoscaler": "keda",
+                "keda": {"prometheusAddress": "http://prometheus-operated.monitoring.svc:9090"},
+            }
+        },
+    )
+    env = _env(one(docs, "Deployment"), one(docs, "ConfigMap"))
+    assert env["EMBEDDING_OPERATOR_DEFAULT_AUTOSCALER"] == "keda"
+    assert (
+        env["EMBEDDING_OPERATOR_KEDA_PROMETHEUS_ADDRESS"]
+        == "http://prometheus-operated.monitoring.svc:9090"
+    )
+
+
+RULES = yaml.safe_load((CHART / "files" / "rules.yaml").read_text())
+DASHBOARD = json.loads((CHART / "files" / "dashboards" / "embedding-operator.json").read_text())
+
+
+def prometheus_rule(helm: Path, settings: dict[str, Any] | None = None) -> Manifest:
+    values = {"monitoring": {"prometheusRule": {"enabled": True, **(settings or {})}}}
+    return one(objects(helm, values), "PrometheusRule")
+
+
+def rendered_alerts(rule: Manifest) -> dict[str, Manifest]:
+    (alerts,) = [g for g in rule["spec"]["groups"] if g["name"] == "embedding-operator.alerts"]
+    return {a["alert"]: a for a in alerts["rules"]}
+
+
+def test_the_prometheus_rule_has_every_alert_with_its_overrides(helm: Path) -> None:
+    assert not [d for d in objects(helm) if d["kind"] == "PrometheusRule"]  # off by default
+    alerts = rendered_alerts(prometheus_rule(helm))
+    assert set(alerts) == {
+        "EmbeddingServiceSaturated",
+        "EmbeddingServiceRateLimiting",
+        "EmbeddingServiceServerErrors",
+        "EmbeddingServiceSlow",
+        "EmbeddingServiceModelLoadFailing",
+        "EmbeddingServicePodsRestarting",
+        "EmbeddingServiceDegraded",
+        "EmbeddingOperatorReconcileErrors",
+    }
+    for source in RULES["alerts"]:
+        alert = alerts[source["alert"]]
+        assert alert["expr"] == f"{source['signal']} {source['op']} {source['threshold']}"
+        assert alert["labels"]["severity"] in ("warning", "critical")
+        assert alert["annotations"]["summary"] and alert["annotations"]["description"]
+    changed = rendered_alerts(
+        prometheus_rule(
+            helm,
+            {
+                "alertLabels": {"team": "search"},
+                "alerts": {
+                    "EmbeddingServiceSlow": {"threshold": 0.5, "for": "5m", "severity": "page"},
+                    "EmbeddingServiceDegraded": {"enabled": False},
+                },
+            },
+        )
+    )
+    slow = changed["EmbeddingServiceSlow"]
+    assert slow["expr"].endswith(" > 0.5") and slow["for"] == "5m"
+    assert slow["labels"] == {"severity": "page", "team": "search"}
+    assert "EmbeddingServiceDegraded" not in changed
+    unknown = render_with(
+        helm,
+        {"monitoring": {"prometheusRule": {"enabled": True, "alerts": {"Nope": {"threshold": 1}}}}},
+    )
+    assert unknown.returncode != 0 and "no such alert" in unknown.stderr
+
+
+def exported_sample_names() -> set[str]:
+    """Every sample name the server's and the operator's /metrics can carry."""
+    from embedding_operator.metrics import OperatorMetrics
+    from embedding_server.metrics import Metrics
+    from prometheus_client import generate_latest
+
+    texts = [
+        Metrics().render(ready=True, loading=False).decode(),
+        generate_latest(OperatorMetrics().registry).decode(),
+    ]
+    names: set[str] = set()
+    for name, kind in re.findall(r"^# TYPE (\S+) (\S+)$", "\n".join(texts), re.M):
+        names.add(name)
+        if kind == "counter":
+            names.add(f"{name}_total")
+        if kind == "histogram":
+            names |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"}
+    return names
+
+
+METRIC_NAME = re.compile(
+    r"\b(?:embedding_server|embedding_operator|controller_runtime|workqueue)_[a-z_]+"
+    r"|\b[a-z_]+:[a-z_0-9]+:[a-z_0-9]+\b"
+)
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    return [
+        (panel["title"], target["expr"])
+        for panel in DASHBOARD["panels"]
+        for target in panel.get("targets") or []
+    ]
+
+
+def test_every_metric_the_rules_and_the_dashboard_read_is_exported() -> None:
+    """A renamed metric would leave an alert that never fires and a panel that shows
+    nothing. Labels are not checked here: the promtool rule tests below cover the alerts'."""
+    known = exported_sample_names() | {r["record"] for r in RULES["records"]}
+    queries = [(r["record"], r["expr"]) for r in RULES["records"]]
+    queries += [(a["alert"], a["signal"]) for a in RULES["alerts"]]
+    queries += dashboard_queries()
+    unknown = {
+        (where, name)
+        for where, expr in queries
+        for name in METRIC_NAME.findall(expr)
+        if name not in known
+    }
+    assert not unknown, unknown
+
+
+def test_the_dashboard_configmap_is_labelled_for_grafanas_sidecar(helm: Path) -> None:
+    assert not [
+        d
+        for d in objects(helm)
+        if d["kind"] == "ConfigMap" and "dashboard" in d["metadata"]["name"]
+    ]
+    values = {"monitoring": {"grafanaDashboard": {"enabled": True, "namespace": "monitoring"}}}
+    configmap = one(objects(helm, values), "ConfigMap", "eo-embedding-operator-dashboards")
+    assert configmap["metadata"]["namespace"] == "monitoring"
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(configmap["data"]["embedding-operator.json"])
+    assert dashboard == DASHBOARD
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+    titles = {p["title"] for p in panels}
+    # What the issue asks the dashboard to show, per service, and the operator's own.
+    assert {
+        "Requests by endpoint and status",
+        "Latency by stage (p99)",
+        "Backlog seconds",
+        "Queue",
+        "Batch fill",
+        "Model busy share",
+        "Tokens per second",
+        "Replicas against target",
+        "Reconciles by result",
+        "Work queue",
+    } <= titles
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    assert variables == {"datasource", "namespace", "service"}
+    for title, expr in dashboard_queries():
+        used = set(re.findall(r"\$(\w+)", expr)) - {"1"}  # $1: label_replace's group
+        assert used <= variables | {"__rate_interval"}, (title, used)
+    for panel in panels:
+        assert panel["datasource"]["uid"] == "${datasource}" and panel["description"]
+
+
+def find_promtool() -> Path | None:
+    """promtool from the e2e build cache (e2e/tools/promtool), else PATH."""
+    component = next(c for c in COMPONENTS if c.name == "promtool")
+    built = Path(component_dir(component, read_versions()[component.version_key])) / "promtool"
+    if built.is_file():
+        return built
+    found = shutil.which("promtool")
+    return Path(found) if found else None
+
+
+@pytest.fixture(scope="module")
+def promtool() -> Path:
+    path = find_promtool()
+    if path is None:
+        pytest.skip("no promtool built: run `make binaries` (make test does, before the unit tier)")
+    return path
+
+
+def rules_file(helm: Path, directory: Path) -> Path:
+    path = directory / "rules.yaml"
+    path.write_text(yaml.safe_dump({"groups": prometheus_rule(helm)["spec"]["groups"]}))
+    return path
+
+
+def test_promtool_checks_the_rules(helm: Path, promtool: Path, tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [str(promtool), "check", "rules", str(rules_file(helm, tmp_path))],
+        capture_output=True,
+        text=True,
+        timeout=RENDER_TIMEOUT_S,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    count = len(RULES["records"]) + len(RULES["alerts"])
+    assert f"SUCCESS: {count} rules found" in proc.stdout
+
+
+SERVER = 'namespace="team", pod="emb-7d4b9c8f5b-x2x9q"'
+OPERATOR = 'namespace="team", service="emb"'
+BACKLOG_TARGET = (
+    f"embedding_operator_service_autoscaling_target{{{OPERATOR}, "
+    'metric="embedding_server_backlog_seconds"}'
+)
+
+
+def requests(endpoint: str, status: str) -> str:
+    return f'embedding_server_requests_total{{{SERVER}, endpoint="{endpoint}", status="{status}"}}'
+
+
+def restarts(reason: str) -> str:
+    return f'embedding_operator_server_restarts_total{{{OPERATOR}, reason="{reason}"}}'
+
+
+ALERT_CASES: list[dict[str, Any]] = [
+    {
+        # Twice the target of backlog at maxReplicas: saturated (a load of 2x the target).
+        "alert": "EmbeddingServiceSaturated",
+        "series": {
+            f"embedding_server_backlog_seconds{{{SERVER}}}": "4x30",
+            BACKLOG_TARGET: "2x30",
+            f'embedding_operator_service_replicas{{{OPERATOR}, state="desired"}}': "4x30",
+            f'embedding_operator_service_replicas{{{OPERATOR}, state="max"}}': "4x30",
+        },
+        "samples": [({"metric": "embedding_server_backlog_seconds"}, 2.0)],
+    },
+    {
+        # The same load below maxReplicas is the autoscaler's to handle: no alert.
+        "alert": "EmbeddingServiceSaturated",
+        "series": {
+            f"embedding_server_backlog_seconds{{{SERVER}}}": "4x30",
+            BACKLOG_TARGET: "2x30",
+            f'embedding_operator_service_replicas{{{OPERATOR}, state="desired"}}': "3x30",
+            f'embedding_operator_service_replicas{{{OPERATOR}, state="max"}}': "4x30",
+        },
+        "samples": [],
+    },
+    {
+        # 1 request in 10 refused with 429.
+        "alert": "EmbeddingServiceRateLimiting",
+        "series": {
+            requests("/v1/embeddings", "200"): "0+540x30",
+            requests("/v1/embeddings", "429"): "0+60x30",
+            requests("/metrics", "200"): "0+6000x30",  # scrapes are not traffic
+        },
+        "samples": [({}, 0.1)],
+    },
+    {
+        # Two pods that could not load their model within 15 minutes.
+        "alert": "EmbeddingServiceModelLoadFailing",
+        "series": {
+            restarts("ModelLoadFailed"): "0x9 1x2 2x7",  # 2 by 20m
+            restarts("OOMKilled"): "0x20",
+        },
+        "samples": [({}, 2.0)],
+    },
+]
+
+
+def test_the_alerts_fire_on_what_they_describe(helm: Path, promtool: Path, tmp_path: Path) -> None:
+    """promtool's rule unit tests: synthetic series, the recording rules evaluated, and each
+    alert's expression (threshold included) answering for the service, or not at all."""
+    alerts = rendered_alerts(prometheus_rule(helm))
+    signals = {a["alert"]: a["signal"] for a in RULES["alerts"]}
+    tests = []
+    for case in ALERT_CASES:
+        service = {"namespace": "team", "service": "emb"}
+        signal = signals[case["alert"]]
+        if re.fullmatch(r"[a-z_:0-9]+", signal):
+            # A comparison filter keeps the series' name: a recorded signal answers with it.
+            service["__name__"] = signal
+        expected = [
+            {
+                "labels": "{"
+                + ", ".join(f'{k}="{v}"' for k, v in sorted({**service, **labels}.items()))
+                + "}",
+                "value": value,
+            }
+            for labels, value in case["samples"]
+        ]
+        tests.append(
+            {
+                "interval": "1m",
+                "input_series": [{"series": s, "values": v} for s, v in case["series"].items()],
+                "promql_expr_test": [
+                    {
+                        "expr": alerts[case["alert"]]["expr"],
+                        "eval_time": "20m",
+                        "exp_samples": expected,
+                    }
+                ],
+            }
+        )
+    path = tmp_path / "tests.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "rule_files": [str(rules_file(helm, tmp_path))],
+                "evaluation_interval": "1m",
+                "tests": tests,
+            }
+        )
+    )
+    proc = subprocess.run(
+        [str(promtool), "test", "rules", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=RENDER_TIMEOUT_S,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -184,6 +184,16 @@ COMPONENTS: tuple[Component, ...] = (
         binaries={"prometheus": ("prometheus", BUILD_INFO)},
         ldflags=_prometheus_ldflags,
     ),
+    # promtool checks the chart's alert and recording rules (`promtool check rules`): the
+    # same module and pin as prometheus, in a wrapper of its own, so adding it changed no
+    # build input of the prometheus binary (worktrees sharing the cache do not rebuild it).
+    Component(
+        name="promtool",
+        version_key="PROMETHEUS_VERSION",
+        module="github.com/prometheus/prometheus",
+        binaries={"promtool": ("promtool", BUILD_INFO)},
+        ldflags=_prometheus_ldflags,
+    ),
     Component(
         name="prometheus-adapter",
         version_key="PROMETHEUS_ADAPTER_VERSION",
@@ -210,6 +220,7 @@ class Binaries:
     kube_proxy: Path
     coredns: Path
     prometheus: Path
+    promtool: Path
     prometheus_adapter: Path
     cni_bin_dir: Path
 

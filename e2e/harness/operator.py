@@ -114,10 +114,14 @@ class OperatorProcess:
     name: str = "embedding-operator"
     process: Process | None = None
     liveness_port: int = 0
+    metrics_port: int = 0
     starts: int = 0
 
     def start(self) -> OperatorProcess:
         self.liveness_port = free_port()
+        # The operator serves /metrics on every address, 8081 unless told: on a shared host
+        # two operators (a leader-election test runs two beside the session's) would collide.
+        self.metrics_port = free_port()
         self.starts += 1
         env = self.cluster.env()
         env["KUBECONFIG"] = str(self.kubeconfig)
@@ -127,6 +131,8 @@ class OperatorProcess:
             "run",
             "--liveness",
             f"http://127.0.0.1:{self.liveness_port}/healthz",
+            "--metrics-port",
+            str(self.metrics_port),
             "--resync-seconds",
             "15",
             "--log-format",

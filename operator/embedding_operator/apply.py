@@ -126,6 +126,14 @@ def _write(
                 raise ChildRejectedError(
                     f"{ref.kind} {ref.name} was refused: {exc.message}"
                 ) from None
+            if exc.status == 404:
+                # The namespace exists (the owner is in it): the API does not. A KEDA
+                # ScaledObject where KEDA is not installed; the resync retries once it is.
+                raise ChildRejectedError(
+                    f"{ref.kind} {ref.name} cannot be created: the API server does not serve "
+                    f"{ref.api_version} {ref.kind}"
+                    + (" (is KEDA installed?)" if ref.kind == "ScaledObject" else "")
+                ) from None
             raise
     checked = {**manifest, "metadata": {**manifest["metadata"], "uid": live["metadata"]["uid"]}}
     try:

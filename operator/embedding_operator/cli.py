@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from embedding_operator.builders.common import DEFAULT_IMAGE, KIND, Owner
+from embedding_operator.builders.common import DEFAULT_IMAGE, KIND, AutoscalingDefaults, Owner
 from embedding_operator.plan import Refused, plan
 from embedding_operator.policy import WorkloadPolicy
 from embedding_operator.profiles import GpuProfiles, ProfileConfigError
@@ -85,6 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="Placement on control-plane nodes, as for run.",
     )
+    render.add_argument(
+        "--default-autoscaler",
+        choices=["hpa", "keda"],
+        default="hpa",
+        help="The autoscaler of specs that name none, as for run.",
+    )
+    render.add_argument(
+        "--keda-prometheus-address", default="", help="KEDA's Prometheus, as for run."
+    )
     return parser
 
 
@@ -139,7 +148,12 @@ def render_command(args: argparse.Namespace) -> int:
             generation=1,
         )
         planned = plan(
-            owner, doc.get("spec") or {}, profiles, args.default_image or DEFAULT_IMAGE, policy
+            owner,
+            doc.get("spec") or {},
+            profiles,
+            args.default_image or DEFAULT_IMAGE,
+            policy,
+            AutoscalingDefaults(args.default_autoscaler, args.keda_prometheus_address),
         )
         if isinstance(planned, Refused):
             sys.stderr.write(f"embedding-operator: {name}: {planned.problem.message}\n")
@@ -178,6 +192,7 @@ def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
         LeadershipLostError,
         LeaseConfig,
     )
+    from embedding_operator.metrics import OperatorMetrics, serve
     from embedding_operator.reconcile import Reconciler
     from embedding_operator.versions import WatchedVersions
 
@@ -186,6 +201,8 @@ def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
     # A connection per reconcile thread, plus a few for events and leader election.
     cluster = KubeCluster(api_client(config.workers + 4))
 
+    metrics = OperatorMetrics()
+    metrics_server = serve(metrics, config.metrics_port) if config.metrics_port else None
     versions = WatchedVersions()
     reconciler = Reconciler(
         cluster=cluster,
@@ -195,18 +212,24 @@ def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
         policy=config.policy,
         versions=versions,
         full_resync_seconds=config.full_resync_seconds,
+        autoscaling=config.autoscaling,
+        metrics=metrics,
     )
     registry = kopf.OperatorRegistry()
-    controller = handlers.register(registry, reconciler, config, versions)
+    controller = handlers.register(registry, reconciler, config, versions, metrics)
     settings = handlers.kopf_settings(config)
     log.info(
-        "starting: namespaces=%s gpu-profiles=%s leader-elect=%s",
+        "starting: namespaces=%s gpu-profiles=%s leader-elect=%s default-autoscaler=%s "
+        "metrics-port=%s",
         ",".join(config.namespaces) or "<all>",
         ",".join(profiles.names()),
         config.leader_elect,
+        config.default_autoscaler,
+        config.metrics_port or "off",
     )
 
     async def work(stop_flag: asyncio.Event) -> None:
+        metrics.leader.set(1)
         queue_task = asyncio.create_task(controller.run(stop_flag))
         # If the controller dies, stop kopf too; awaiting the task below re-raises its error.
         queue_task.add_done_callback(lambda _: stop_flag.set())
@@ -228,7 +251,7 @@ def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
             if not queue_task.cancelled():
                 queue_task.result()
 
-    async def serve() -> None:
+    async def run() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -260,10 +283,13 @@ def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
             await run_as_leader(elector, stop, work)
 
     try:
-        asyncio.run(serve())
+        asyncio.run(run())
     except LeadershipLostError as exc:
         log.error("%s; exiting so that a fresh process stands for election", exc)
         return EXIT_LEADERSHIP_LOST
+    finally:
+        if metrics_server is not None:
+            metrics_server.shutdown()
     return 0
 
 

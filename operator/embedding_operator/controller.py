@@ -15,7 +15,9 @@ a watch missed. It is a loop here, not a ``kopf.timer``: kopf puts a finalizer o
 with a timer, and a finalizer makes ``kubectl delete`` hang whenever the operator is down.
 
 Reconciles run on a thread pool of ``workers`` threads (the API client is synchronous); the
-queue itself is only touched on the event loop.
+queue itself is only touched on the event loop. Each reconcile is counted by result and timed
+(``metrics.py``: ``success``, ``error`` for an API error, ``requeue`` for a problem retried with
+backoff), and the queue's state is read at each scrape.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from embedding_operator.kube import ApiError
+from embedding_operator.metrics import CONTROLLER, OperatorMetrics
 from embedding_operator.reconcile import Outcome
 from embedding_operator.workqueue import RateLimitingQueue
 
@@ -51,12 +55,15 @@ class Controller:
         resync_seconds: float,
         workers: int,
         queue: RateLimitingQueue[Key] | None = None,
+        metrics: OperatorMetrics | None = None,
     ) -> None:
         self._reconciler = reconciler
         self._resync_seconds = resync_seconds
         self._workers = max(1, workers)
         self.queue: RateLimitingQueue[Key] = queue if queue is not None else RateLimitingQueue()
         self._known: set[Key] = set()
+        self.metrics = metrics if metrics is not None else OperatorMetrics()
+        self.metrics.watch_queue(self.queue.stats, self._workers)
 
     def enqueue(self, namespace: str, name: str) -> None:
         """Reconcile this EmbeddingService soon (event-loop thread only)."""
@@ -67,10 +74,11 @@ class Controller:
         self._known.add((namespace, name))
 
     def gone(self, namespace: str, name: str) -> None:
-        """It was deleted: no more resyncs, no backoff state, no reconciler state."""
+        """It was deleted: no more resyncs, backoff state, reconciler state or series."""
         self._known.discard((namespace, name))
         self.queue.forget((namespace, name))
         self._reconciler.forget(namespace, name)
+        self.metrics.forget(namespace, name)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Work the queue and resync every ``resync_seconds`` until ``stop``."""
@@ -99,18 +107,26 @@ class Controller:
 
     async def _work(self, executor: ThreadPoolExecutor) -> None:
         loop = asyncio.get_running_loop()
+        active = self.metrics.active_workers.labels(CONTROLLER)
         while (key := await self.queue.get()) is not None:
             namespace, name = key
+            started = time.monotonic()
+            active.inc()
             try:
                 outcome = await loop.run_in_executor(
                     executor, self._reconciler.reconcile, namespace, name
                 )
             except ApiError as exc:
+                self.metrics.reconciled("error", time.monotonic() - started)
                 delay = self.queue.add_rate_limited(key)
                 log.warning(
                     "reconcile of %s/%s: %s; retrying in %.0fs", namespace, name, exc, delay
                 )
             else:
+                retry = outcome is not None and outcome.retry
+                self.metrics.reconciled(
+                    "requeue" if retry else "success", time.monotonic() - started
+                )
                 if outcome is not None and outcome.retry:
                     delay = self.queue.add_rate_limited(key)
                     log.info(
@@ -123,4 +139,5 @@ class Controller:
                 else:
                     self.queue.forget(key)
             finally:
+                active.dec()
                 self.queue.done(key)

@@ -4,14 +4,15 @@ Every trigger becomes one ``Controller.enqueue`` of the EmbeddingService's key:
 
 * the EmbeddingService was created, changed or found at startup (``create``/``update``/
   ``resume``; kopf compares spec and metadata, so our own status writes do not trigger them);
-* an owned child changed or was deleted (``event`` on Deployments, Services, HPAs, PDBs,
-  PVCs and NetworkPolicies, watched with a server-side label selector so the operator sees
-  only its own children):
+* an owned child changed or was deleted (``event`` on Deployments, Services, HPAs, KEDA
+  ScaledObjects, PDBs, PVCs and NetworkPolicies, watched with a server-side label selector so
+  the operator sees only its own children; kopf watches ScaledObjects once KEDA's CRD exists):
   the controlling EmbeddingService is enqueued, so drifted fields are re-applied and status
   follows the Deployment's;
 * a server pod changed (``event`` on pods, label-selected the same way): its EmbeddingService,
   named by the pod's ``app.kubernetes.io/instance`` label, is enqueued, so a pod the kubelet
-  cannot start (a missing Secret) is reported as soon as the kubelet says so;
+  cannot start (a missing Secret) or a model that will not load is reported as soon as the
+  kubelet says so; its restarts are counted (``metrics.py``);
 * the ``event`` handler on EmbeddingServices keeps the set the periodic resync walks.
 
 The EmbeddingService and child handlers also record each object's ``resourceVersion`` in
@@ -42,6 +43,7 @@ from embedding_operator.builders.common import (
 )
 from embedding_operator.controller import Controller
 from embedding_operator.kube import controller_of
+from embedding_operator.metrics import OperatorMetrics
 from embedding_operator.reconcile import Reconciler
 from embedding_operator.settings import OperatorSettings
 from embedding_operator.versions import WatchedVersions
@@ -52,6 +54,7 @@ CHILD_RESOURCES: tuple[tuple[str, str] | tuple[str, str, str], ...] = (
     ("apps", "v1", "deployments"),
     ("v1", "services"),
     ("autoscaling", "v2", "horizontalpodautoscalers"),
+    ("keda.sh", "v1alpha1", "scaledobjects"),
     ("policy", "v1", "poddisruptionbudgets"),
     ("v1", "persistentvolumeclaims"),
     ("networking.k8s.io", "v1", "networkpolicies"),
@@ -97,13 +100,14 @@ def register(
     reconciler: Reconciler,
     config: OperatorSettings,
     versions: WatchedVersions | None = None,
+    metrics: OperatorMetrics | None = None,
 ) -> Controller:
     """Register the handlers on ``registry`` (explicit, so tests and the CLI build their own);
     the returned ``Controller`` does the work and must run next to kopf. ``versions``, when
     given, is told every resourceVersion the watches report (the reconciler's skip of settled,
     unchanged objects, ``versions.py``)."""
     controller = Controller(
-        reconciler, resync_seconds=config.resync_seconds, workers=config.workers
+        reconciler, resync_seconds=config.resync_seconds, workers=config.workers, metrics=metrics
     )
 
     @kopf.on.login(registry=registry)
@@ -155,9 +159,17 @@ def register(
         registry=registry,
         labels={"app.kubernetes.io/managed-by": MANAGED_BY, "app.kubernetes.io/name": APP_NAME},
     )
-    async def on_pod(*, labels: kopf.Labels, namespace: str | None, **_: Any) -> None:
+    async def on_pod(
+        *,
+        body: kopf.Body,
+        labels: kopf.Labels,
+        namespace: str | None,
+        type: str | None,
+        **_: Any,
+    ) -> None:
         instance = labels.get("app.kubernetes.io/instance")
         if instance and namespace is not None:
+            controller.metrics.pod(namespace, instance, dict(body), deleted=type == "DELETED")
             controller.enqueue(namespace, instance)
 
     return controller

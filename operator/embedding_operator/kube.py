@@ -23,6 +23,7 @@ _PLURALS = {
     "Deployment": "deployments",
     "Service": "services",
     "HorizontalPodAutoscaler": "horizontalpodautoscalers",
+    "ScaledObject": "scaledobjects",
     "PodDisruptionBudget": "poddisruptionbudgets",
     "PersistentVolumeClaim": "persistentvolumeclaims",
     "NetworkPolicy": "networkpolicies",

@@ -4,7 +4,8 @@ The operator and ``embedding-operator render`` must agree on every spec: render 
 children from the same spec, and refuse the same specs with the same message. Both therefore
 call ``plan`` and nothing else between the raw ``.spec`` and the manifests: parse and validate
 the spec, resolve ``spec.gpu.type`` to a GPU profile, refuse what the admins' allowlist does not
-admit (``policy.py``), then run the pure builders.
+admit (``policy.py``) and a KEDA autoscaler the operator was given no Prometheus for, then run
+the pure builders.
 
 Pure like the builders: no cluster, no clock. What only the cluster knows (does a referenced
 pod start, is a child's name taken) is the reconciler's to check.
@@ -17,11 +18,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from embedding_operator.builders import DesiredChildren, desired_children
-from embedding_operator.builders.common import DEFAULT_IMAGE, Owner, RenderInput
+from embedding_operator.builders.common import (
+    DEFAULT_AUTOSCALING,
+    DEFAULT_IMAGE,
+    AutoscalingDefaults,
+    Owner,
+    RenderInput,
+)
 from embedding_operator.policy import DEFAULT_POLICY, WorkloadPolicy
 from embedding_operator.profiles import GpuProfiles, UnknownGpuTypeError
 from embedding_operator.spec import InvalidSpecError, parse_spec
 from embedding_operator.status import (
+    AUTOSCALER_NOT_CONFIGURED,
     INVALID_SPEC,
     UNKNOWN_GPU_TYPE,
     Problem,
@@ -49,6 +57,7 @@ def plan(
     profiles: GpuProfiles,
     default_image: str = DEFAULT_IMAGE,
     policy: WorkloadPolicy = DEFAULT_POLICY,
+    autoscaling: AutoscalingDefaults = DEFAULT_AUTOSCALING,
 ) -> Planned | Refused:
     """Parse ``raw_spec``, resolve its GPU profile, build the children (or say why not)."""
     try:
@@ -58,8 +67,25 @@ def plan(
         return Refused(Problem(INVALID_SPEC, str(exc)))
     except UnknownGpuTypeError as exc:
         return Refused(Problem(UNKNOWN_GPU_TYPE, str(exc)))
-    render = RenderInput(owner=owner, spec=spec, profile=profile, default_image=default_image)
+    render = RenderInput(
+        owner=owner,
+        spec=spec,
+        profile=profile,
+        default_image=default_image,
+        autoscaling=autoscaling,
+    )
     not_allowed = policy.refusal(render)
     if not_allowed is not None:
         return Refused(not_allowed)
+    if render.autoscaler == "keda" and not autoscaling.prometheus_address:
+        chosen = "spec.autoscaling.autoscaler" if spec.autoscaling.autoscaler else "the default"
+        return Refused(
+            Problem(
+                AUTOSCALER_NOT_CONFIGURED,
+                f"spec.autoscaling: autoscaler keda ({chosen}) needs the Prometheus that "
+                "KEDA's trigger queries, and the operator was given none (its "
+                "--keda-prometheus-address, the chart's autoscaling.keda.prometheusAddress); "
+                "ask your platform team, or set autoscaler hpa",
+            )
+        )
     return Planned(render, desired_children(render))

@@ -12,8 +12,9 @@ Problems are sorted by who can fix them:
 * what only the operator can see and only an edit can fix (unknown GPU type, a spec the schema
   let through but the model refuses, a name conflict, a child the API server refuses) is
   reported as ``Degraded`` plus a Warning Event, and the operator waits for the next edit;
-* what may fix itself (a Secret the pods cannot find yet, as their kubelet reports it) is
-  reported the same way and retried with a growing delay by the work queue (``Outcome.retry``).
+* what may fix itself (a Secret the pods cannot find yet, as their kubelet reports it; a model
+  the server could not load, as its termination message says) is reported the same way and
+  retried with a growing delay by the work queue (``Outcome.retry``).
 
 The operator never reads Secrets: a referenced Secret is the pods' business. While the
 Deployment is not fully ready, the reconcile lists its pods and reports a container the kubelet
@@ -43,17 +44,23 @@ from typing import Any, Protocol
 from embedding_operator.apply import ChildConflictError, ChildRejectedError, sync_children
 from embedding_operator.builders.common import (
     API_VERSION,
+    DEFAULT_AUTOSCALING,
     KIND,
+    AutoscalingDefaults,
     Owner,
     RenderInput,
     selector_string,
 )
 from embedding_operator.kube import Cluster, ObjectRef, controller_of
+from embedding_operator.metrics import OperatorMetrics, service_state
 from embedding_operator.plan import Planned, Refused, plan
 from embedding_operator.policy import DEFAULT_POLICY, WorkloadPolicy
 from embedding_operator.profiles import GpuProfiles
 from embedding_operator.spec import EmbeddingServiceSpec
 from embedding_operator.status import (
+    AUTOSCALER_KINDS,
+    AUTOSCALER_NOT_READY,
+    AUTOSCALER_READY,
     AVAILABLE,
     CHILD_CONFLICT,
     CHILD_REJECTED,
@@ -64,6 +71,7 @@ from embedding_operator.status import (
     compute_status,
     container_config_problem,
     merge_conditions,
+    model_load_problem,
     status_patch,
 )
 from embedding_operator.versions import Versions, WatchedVersions
@@ -120,11 +128,15 @@ class Reconciler:
         full_resync_seconds: float = 3600.0,
         clock: Callable[[], str] = utc_now,
         monotonic: Callable[[], float] = time.monotonic,
+        autoscaling: AutoscalingDefaults = DEFAULT_AUTOSCALING,
+        metrics: OperatorMetrics | None = None,
     ) -> None:
         self._cluster = cluster
         self._profiles = profiles
         self._default_image = default_image
         self._policy = policy
+        self._autoscaling = autoscaling
+        self._metrics = metrics
         self._recorder = recorder
         self._clock = clock
         # (namespace, name) -> (uid, generation) whose unwanted children are known to be gone;
@@ -177,7 +189,12 @@ class Reconciler:
         """The outcome, and the versions it verified if the object is settled."""
         owner = Owner.from_body(body)
         planned = plan(
-            owner, body.get("spec") or {}, self._profiles, self._default_image, self._policy
+            owner,
+            body.get("spec") or {},
+            self._profiles,
+            self._default_image,
+            self._policy,
+            self._autoscaling,
         )
         problem: Problem | None = None
         if isinstance(planned, Refused):
@@ -194,6 +211,11 @@ class Reconciler:
                     self._cluster, owner, planned.children, check_absent=not checked
                 )
                 self._absent_checked[key] = seen
+                if self._metrics is not None:
+                    for kind in result.applied:
+                        self._metrics.wrote(kind, "apply")
+                    for kind in result.deleted:
+                        self._metrics.wrote(kind, "delete")
                 children_live = result.live
                 deployment = result.live.get("Deployment")
                 applied = tuple(result.applied + [f"-{k}" for k in result.deleted])
@@ -210,7 +232,10 @@ class Reconciler:
             problem = self._pods_problem(owner, planned.render.spec, deployment)
 
         render = planned.render if isinstance(planned, Planned) else None
-        owner_version = self._write_status(body, owner, render, deployment, problem)
+        autoscaler = None
+        if render is not None and render.autoscaler is not None:
+            autoscaler = children_live.get(AUTOSCALER_KINDS[render.autoscaler])
+        owner_version = self._write_status(body, owner, render, deployment, problem, autoscaler)
         outcome = Outcome(
             problem=problem, status_written=owner_version is not None, applied=applied
         )
@@ -236,7 +261,7 @@ class Reconciler:
         if DeploymentFacts.from_live(deployment).settled:
             return None
         pods = self._cluster.list_pods(owner.namespace, selector_string(owner))
-        return container_config_problem(pods, spec)
+        return container_config_problem(pods, spec) or model_load_problem(pods)
 
     def _write_status(
         self,
@@ -245,15 +270,23 @@ class Reconciler:
         render: RenderInput | None,
         deployment: dict[str, Any] | None,
         problem: Problem | None,
+        autoscaler: dict[str, Any] | None = None,
     ) -> str | None:
         """Write status if it changed; the object's new resourceVersion, None if unchanged."""
         old: dict[str, Any] = dict(body.get("status") or {})
         status, conditions = compute_status(
-            generation=owner.generation, render=render, deployment=deployment, problem=problem
+            generation=owner.generation,
+            render=render,
+            deployment=deployment,
+            problem=problem,
+            autoscaler=autoscaler,
         )
         status["conditions"] = merge_conditions(
             old.get("conditions"), conditions, generation=owner.generation, now=self._clock()
         )
+        if self._metrics is not None:
+            spec = render.spec if render is not None else None
+            self._metrics.service(owner.namespace, owner.name, service_state(status, spec))
         patch = status_patch(old, status)
         if patch is None:
             return None
@@ -281,3 +314,14 @@ class Reconciler:
                 )
             elif cond["type"] == READY and cond["status"] == "True":
                 self._recorder(body, type="Normal", reason=AVAILABLE, message=cond["message"])
+            elif cond["type"] == AUTOSCALER_READY and cond["status"] == "True":
+                self._recorder(
+                    body, type="Normal", reason=AUTOSCALER_READY, message=cond["message"]
+                )
+            elif cond["type"] == AUTOSCALER_READY and cond["status"] == "False":
+                self._recorder(
+                    body,
+                    type="Warning",
+                    reason=AUTOSCALER_NOT_READY,
+                    message=cond["message"],
+                )

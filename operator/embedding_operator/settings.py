@@ -17,9 +17,9 @@ from typing import Annotated, Literal, get_args, get_origin
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from embedding_operator.builders.common import DEFAULT_IMAGE
+from embedding_operator.builders.common import DEFAULT_IMAGE, AutoscalingDefaults
 from embedding_operator.policy import WorkloadPolicy
-from embedding_operator.spec import ServiceType
+from embedding_operator.spec import Autoscaler, ServiceType
 
 _SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
@@ -92,9 +92,30 @@ class OperatorSettings(BaseSettings):
         "comma-separated shell patterns (e.g. 'prometheus.io/*'); empty allows any. A CR "
         "outside the list is Degraded (ServiceNotAllowed) and nothing is applied.",
     )
+    default_autoscaler: Autoscaler = Field(
+        "hpa",
+        description="The autoscaler of EmbeddingServices that enable autoscaling without "
+        "naming one in spec.autoscaling.autoscaler: hpa (a HorizontalPodAutoscaler on a "
+        "custom metrics API such as prometheus-adapter) or keda (a KEDA ScaledObject; needs "
+        "--keda-prometheus-address).",
+    )
+    keda_prometheus_address: str = Field(
+        "",
+        description="The Prometheus URL KEDA's Prometheus trigger queries for the server "
+        "metrics (e.g. http://prometheus-operated.monitoring.svc:9090); KEDA's operator and "
+        "metrics server must reach it. Empty: an EmbeddingService asking for keda is Degraded "
+        "(AutoscalerNotConfigured) and nothing is applied for it.",
+    )
     liveness: str | None = Field(
         "http://0.0.0.0:8080/healthz",
         description="Liveness endpoint URL (kopf's --liveness); empty disables it.",
+    )
+    metrics_port: int = Field(
+        8081,
+        ge=0,
+        le=65535,
+        description="Port of the operator's Prometheus /metrics (reconciles, work queue, "
+        "children written, conditions per EmbeddingService), on every address; 0 disables it.",
     )
     log_format: Literal["json", "text"] = Field(
         "text", description="Log format: json for log collectors, text for people."
@@ -191,6 +212,12 @@ class OperatorSettings(BaseSettings):
             allowed_extended_resources=tuple(self.allowed_extended_resources),
             allowed_service_types=tuple(self.allowed_service_types),
             allowed_service_annotations=tuple(self.allowed_service_annotations),
+        )
+
+    @property
+    def autoscaling(self) -> AutoscalingDefaults:
+        return AutoscalingDefaults(
+            autoscaler=self.default_autoscaler, prometheus_address=self.keda_prometheus_address
         )
 
     @property

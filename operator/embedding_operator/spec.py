@@ -31,7 +31,9 @@ Task = Literal["embed", "score", "classify", "token_classify", "reward", "sparse
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 ModelBackend = Literal["auto", "native", "transformers"]
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
-QueueMetric = Literal["queueRequests", "queueTokens"]
+ScalingMetric = Literal["backlogSeconds", "queueRequests", "queueTokens"]
+Autoscaler = Literal["hpa", "keda"]
+QUEUE_METRICS = ("queueRequests", "queueTokens")
 CacheMode = Literal["none", "pvc", "existing"]
 ServiceType = Literal["ClusterIP", "NodePort", "LoadBalancer"]
 AccessMode = Literal["ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWriteOncePod"]
@@ -215,10 +217,12 @@ class Scheduling(_Model):
 
 class Autoscaling(_Model):
     enabled: bool = False
-    min_replicas: int = Field(default=1, ge=1, le=1000)
+    autoscaler: Autoscaler | None = None
+    min_replicas: int = Field(default=1, ge=0, le=1000)
     max_replicas: int = Field(default=4, ge=1, le=1000)
-    metric: QueueMetric = "queueRequests"
+    metric: ScalingMetric = "backlogSeconds"
     target_per_pod: int | None = Field(default=None, ge=1)
+    target_backlog_seconds: float | None = Field(default=None, ge=0.1, le=3600)
     scale_down_stabilization_seconds: int = Field(default=300, ge=0, le=3600)
     behavior: dict[str, Any] | None = None
 
@@ -226,6 +230,28 @@ class Autoscaling(_Model):
     def _min_le_max(self) -> Autoscaling:
         if self.min_replicas > self.max_replicas:
             raise ValueError("minReplicas must be less than or equal to maxReplicas")
+        return self
+
+    @model_validator(mode="after")
+    def _zero_needs_keda(self) -> Autoscaling:
+        # A service at zero replicas exports no metric: only KEDA scales from zero, and only
+        # when asked for by name (the operator's default autoscaler may change under it).
+        if self.min_replicas == 0 and self.autoscaler != "keda":
+            raise ValueError(
+                "minReplicas 0 needs autoscaler keda (an HPA cannot scale up from zero pods "
+                "on their own metrics)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _target_fits_the_metric(self) -> Autoscaling:
+        if self.target_per_pod is not None and self.metric not in QUEUE_METRICS:
+            raise ValueError(
+                "targetPerPod applies to metric queueRequests or queueTokens; backlogSeconds "
+                "(the default metric) takes targetBacklogSeconds"
+            )
+        if self.target_backlog_seconds is not None and self.metric != "backlogSeconds":
+            raise ValueError("targetBacklogSeconds applies to metric backlogSeconds only")
         return self
 
 

@@ -1,6 +1,7 @@
 """Status of an EmbeddingService: conditions in the shape of metav1.Condition, and counts.
 
-Three conditions, following Kubernetes API conventions (and the ClusterOperator trio):
+Three conditions, following Kubernetes API conventions (and the ClusterOperator trio), and a
+fourth while autoscaling is enabled:
 
 * ``Ready``: the current spec is being served (the Deployment rolled out the current pod
   template and reports itself Available with at least one ready pod).
@@ -25,7 +26,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from embedding_operator.builders.common import RenderInput, endpoint, selector_string
+from embedding_operator.builders.hpa import METRICS, target, target_string
 from embedding_operator.spec import EmbeddingServiceSpec
+
+AUTOSCALER_KINDS = {"hpa": "HorizontalPodAutoscaler", "keda": "ScaledObject"}
 
 ConditionStatus = Literal["True", "False", "Unknown"]
 
@@ -55,6 +59,19 @@ ENV_NOT_ALLOWED = "EnvNotAllowed"
 PLACEMENT_NOT_ALLOWED = "PlacementNotAllowed"
 RESOURCE_NOT_ALLOWED = "ResourceNotAllowed"
 SERVICE_NOT_ALLOWED = "ServiceNotAllowed"
+AUTOSCALER_NOT_CONFIGURED = "AutoscalerNotConfigured"
+MODEL_LOAD_FAILED = "ModelLoadFailed"
+
+SERVER_MODEL_LOAD_FAILED = "embedding-server: the model could not be loaded"
+"""How the server's termination message begins when it exits because its model would not
+load (embedding_server.termination; the contract test keeps the two equal). The kubelet puts
+it in the pod's ``lastState.terminated.message``."""
+
+AUTOSCALER_READY = "AutoscalerReady"
+AUTOSCALER_PENDING = "AutoscalerPending"
+AUTOSCALER_NOT_READY = "AutoscalerNotReady"
+"""The Warning event's reason when the autoscaler reports that it cannot scale (the
+condition carries the autoscaler's own reason)."""
 
 # The kubelet's wording when a pod's env names a missing Secret or key (pkg/kubelet:
 # makeEnvironmentVariables), stable since Kubernetes 1.0.
@@ -129,6 +146,97 @@ class DeploymentFacts:
         )
 
 
+@dataclass(frozen=True)
+class AutoscalerFacts:
+    """What the HPA or ScaledObject reports about itself: whether it can scale, and why not.
+
+    ``ready`` is None until its controller wrote conditions. An HPA can scale when
+    ``AbleToScale`` and ``ScalingActive`` are True; a ScaledObject when ``Ready`` is."""
+
+    ready: bool | None
+    reason: str
+    message: str
+
+    @classmethod
+    def from_live(cls, live: dict[str, Any]) -> AutoscalerFacts:
+        conditions = {c.get("type"): c for c in (live.get("status") or {}).get("conditions") or []}
+        wanted = (
+            ("Ready",) if live.get("kind") == "ScaledObject" else ("AbleToScale", "ScalingActive")
+        )
+        found = [conditions.get(name) for name in wanted]
+        if any(c is None or c.get("status") not in ("True", "False") for c in found):
+            return cls(ready=None, reason="", message="")
+        failing = [c for c in found if c is not None and c.get("status") != "True"]
+        shown = failing[0] if failing else found[-1]
+        assert shown is not None
+        return cls(
+            ready=not failing,
+            reason=str(shown.get("reason") or ""),
+            message=str(shown.get("message") or ""),
+        )
+
+
+def autoscaling_status(render: RenderInput) -> dict[str, Any] | None:
+    """``status.autoscaling``: which autoscaler, which object, on what metric and target."""
+    autoscaler = render.autoscaler
+    if autoscaler is None:
+        return None
+    metric = render.spec.autoscaling.metric
+    return {
+        "autoscaler": autoscaler,
+        "kind": AUTOSCALER_KINDS[autoscaler],
+        "name": render.owner.name,
+        "metric": METRICS[metric],
+        "target": target_string(target(render)),
+    }
+
+
+def autoscaler_condition(
+    render: RenderInput, live: dict[str, Any] | None, ready_replicas: int
+) -> Condition | None:
+    """The ``AutoscalerReady`` condition from the autoscaler object's own report (None while
+    autoscaling is off)."""
+    autoscaler = render.autoscaler
+    if autoscaler is None:
+        return None
+    kind, name = AUTOSCALER_KINDS[autoscaler], render.owner.name
+    what = f"{kind} {name}"
+    if live is None:
+        return Condition(
+            AUTOSCALER_READY, "Unknown", AUTOSCALER_PENDING, f"{what} is not created yet"
+        )
+    facts = AutoscalerFacts.from_live(live)
+    controller = "the HPA controller" if autoscaler == "hpa" else "KEDA"
+    if facts.ready is None:
+        return Condition(
+            AUTOSCALER_READY,
+            "Unknown",
+            AUTOSCALER_PENDING,
+            f"{what} is waiting for {controller} to report on it",
+        )
+    metric = METRICS[render.spec.autoscaling.metric]
+    if facts.ready:
+        return Condition(
+            AUTOSCALER_READY,
+            "True",
+            facts.reason or "Ready",
+            f"{what} ({autoscaler}) scales on {metric}, target "
+            f"{target_string(target(render))} per pod",
+        )
+    said = f"{facts.reason}: {facts.message}" if facts.message else facts.reason
+    if ready_replicas == 0:
+        return Condition(
+            AUTOSCALER_READY,
+            "Unknown",
+            AUTOSCALER_PENDING,
+            f"{what}: no replica is ready, and only a ready replica exports {metric} "
+            f"({controller} says {said})",
+        )
+    return Condition(
+        AUTOSCALER_READY, "False", facts.reason or AUTOSCALER_NOT_READY, f"{what}: {said}"
+    )
+
+
 def _deployment_conditions(facts: DeploymentFacts | None) -> list[Condition]:
     if facts is None:
         return [
@@ -184,12 +292,18 @@ def compute_status(
     render: RenderInput | None,
     deployment: dict[str, Any] | None,
     problem: Problem | None,
+    autoscaler: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], list[Condition]]:
-    """The status document (conditions without timestamps) and the conditions themselves."""
+    """The status document (conditions without timestamps) and the conditions themselves;
+    ``autoscaler`` is the live HPA or ScaledObject, if the operator has one."""
     facts = DeploymentFacts.from_live(deployment) if deployment is not None else None
     conditions = (
         _problem_conditions(problem) if problem is not None else _deployment_conditions(facts)
     )
+    if problem is None and render is not None:
+        scaling = autoscaler_condition(render, autoscaler, facts.ready if facts else 0)
+        if scaling is not None:
+            conditions.append(scaling)
     status: dict[str, Any] = {
         "observedGeneration": generation,
         "replicas": facts.replicas if facts else 0,
@@ -212,6 +326,11 @@ def compute_status(
             "resourceName": render.profile.resource_name or "",
             "count": render.gpu_count,
         }
+        scaling_status = autoscaling_status(render)
+        if scaling_status is not None:
+            if facts is not None:
+                scaling_status["desiredReplicas"] = facts.desired
+            status["autoscaling"] = scaling_status
     return status, conditions
 
 
@@ -279,6 +398,38 @@ def _secret_fields(spec: EmbeddingServiceSpec) -> dict[str, tuple[str, str]]:
             key = str(secret_ref.get("key", ""))
             fields.setdefault(str(secret_ref["name"]), (f"spec.server.env[{i}]", key))
     return fields
+
+
+def restart_reason(terminated: dict[str, Any]) -> str:
+    """Why a container last ended, from its ``lastState.terminated``: ``ModelLoadFailed``
+    when the server says its model would not load, else the kubelet's reason (``Error``,
+    ``OOMKilled``, ...)."""
+    if str(terminated.get("message") or "").startswith(SERVER_MODEL_LOAD_FAILED):
+        return MODEL_LOAD_FAILED
+    return str(terminated.get("reason") or "Unknown")
+
+
+def model_load_problem(pods: Iterable[dict[str, Any]]) -> Problem | None:
+    """A server container that exited because its model would not load, or None.
+
+    Retryable: the kubelet restarts it (a Hub outage, a model cache being filled may pass).
+    The message names the pod and where the reason is, never the reason itself (the log may
+    quote a Secret; the status is read by more people)."""
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        for container in (pod.get("status") or {}).get("containerStatuses") or []:
+            terminated = (container.get("lastState") or {}).get("terminated") or {}
+            if restart_reason(terminated) != MODEL_LOAD_FAILED:
+                continue
+            name, namespace = meta.get("name", ""), meta.get("namespace", "")
+            return Problem(
+                MODEL_LOAD_FAILED,
+                f"pod {name} could not load its model (exit code "
+                f"{terminated.get('exitCode', '?')}, {container.get('restartCount', 0)} "
+                f"restarts); `kubectl logs -n {namespace} {name} --previous` says why",
+                retryable=True,
+            )
+    return None
 
 
 def container_config_problem(

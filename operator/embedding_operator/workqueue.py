@@ -15,8 +15,13 @@ the reconciler, guarantees what a level-based controller needs:
 * **delayed adds** keep the earliest due time per key, as client-go's delaying queue does.
 
 All methods run on the event loop's thread (kopf handlers are coroutines, workers hand the key
-back on the loop), so the queue needs no locks. The clock is injectable: tests move time by
-hand and use ``get_nowait`` instead of sleeping.
+back on the loop), so the queue needs no locks; ``stats`` alone is called from the metrics
+server's thread, and reads only counters and a copy. The clock is injectable: tests move time
+by hand and use ``get_nowait`` instead of sleeping.
+
+It counts what client-go's workqueue metrics count (``metrics.py``): ``depth`` is the keys
+waiting (queued, or added again while being processed), ``adds`` the adds that made a key
+wait, ``retries`` the rate-limited adds, and the processing time of the keys being worked on.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
+
+from embedding_operator.metrics import QueueStats
 
 K = TypeVar("K", bound=Hashable)
 
@@ -62,6 +69,9 @@ class RateLimitingQueue(Generic[K]):
         self._failures: dict[K, int] = {}
         self._wakeup = asyncio.Event()
         self._shut_down = False
+        self._started: dict[K, float] = {}  # key being processed -> when it was handed out
+        self.adds = 0
+        self.retries = 0
 
     def __len__(self) -> int:
         """Keys ready to be handed out now."""
@@ -72,6 +82,7 @@ class RateLimitingQueue(Generic[K]):
         if self._shut_down or key in self._dirty:
             return
         self._dirty.add(key)
+        self.adds += 1
         if key in self._processing:
             return  # ``done`` queues it again
         self._queue.append(key)
@@ -95,6 +106,7 @@ class RateLimitingQueue(Generic[K]):
         """``add`` after this key's next backoff delay; returns the delay."""
         delay = self._backoff(self._failures.get(key, 0))
         self._failures[key] = self._failures.get(key, 0) + 1
+        self.retries += 1
         self.add_after(key, delay)
         return delay
 
@@ -112,6 +124,7 @@ class RateLimitingQueue(Generic[K]):
             return None
         key = self._queue.popleft()
         self._processing.add(key)
+        self._started[key] = self._clock()
         self._dirty.discard(key)
         return key
 
@@ -130,6 +143,7 @@ class RateLimitingQueue(Generic[K]):
     def done(self, key: K) -> None:
         """The worker is finished with ``key``; if it was added meanwhile, queue it again."""
         self._processing.discard(key)
+        self._started.pop(key, None)
         if key in self._dirty and not self._shut_down:
             self._queue.append(key)
             self._wakeup.set()
@@ -138,6 +152,19 @@ class RateLimitingQueue(Generic[K]):
         """Stop handing out keys; waiting ``get`` calls return None."""
         self._shut_down = True
         self._wakeup.set()
+
+    def stats(self) -> QueueStats:
+        """What the queue holds now, for the metrics (safe from another thread: the counters
+        are read as they are, the processing times from a copy)."""
+        now = self._clock()
+        running = [now - since for since in self._started.copy().values()]
+        return QueueStats(
+            depth=len(self._dirty),
+            adds=self.adds,
+            retries=self.retries,
+            longest_running_seconds=max(running, default=0.0),
+            unfinished_seconds=sum(running),
+        )
 
     def _promote_due(self) -> float | None:
         """Move delayed keys that are due into the queue; seconds until the next is due."""

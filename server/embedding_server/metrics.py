@@ -1,9 +1,17 @@
 """Prometheus metrics, defined once.
 
-The engine and the HTTP layer both record into these. Queue depth (requests and tokens) is the
-autoscaling signal: the operator's HorizontalPodAutoscaler scales on
-``embedding_server_queue_requests`` (or ``embedding_server_queue_tokens``) averaged per pod, so
-those names are part of the operator contract and must not change casually.
+The engine and the HTTP layer both record into these. The autoscaling signals are
+``embedding_server_backlog_seconds`` (the work queued and running, in seconds at the rate the
+model has measured recently), ``embedding_server_queue_requests`` and
+``embedding_server_queue_tokens``: the operator's HPA or KEDA ScaledObject scales on one of
+them, so those names are part of the operator contract and must not change casually.
+
+A server that is not ready (loading its model, draining, failed) leaves the autoscaling
+signals out of ``/metrics`` (:data:`AUTOSCALING_METRICS`, ``routes_ops``): a loading replica
+has no traffic, and a 0 from it would lower the average an HPA scales on and so feed a
+scale-down (superlinked/sie#293 is a user hit by that). Absent, the HPA counts such a pod
+at the target when scaling down and at 0 when scaling up, and KEDA's sum over pods does not
+see it at all. ``embedding_server_loading`` says instead that a replica is still loading.
 
 With ``--api-workers N`` the server is several processes: N front-ends count requests and
 one engine process owns the queue. Then prometheus_client's multiprocess mode is on
@@ -17,14 +25,22 @@ front-end's copy stays 0).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 PREFIX = "embedding_server"
 
 QUEUE_REQUESTS_METRIC = f"{PREFIX}_queue_requests"
 QUEUE_TOKENS_METRIC = f"{PREFIX}_queue_tokens"
+BACKLOG_SECONDS_METRIC = f"{PREFIX}_backlog_seconds"
+LOADING_METRIC = f"{PREFIX}_loading"
+AUTOSCALING_METRICS = frozenset(
+    {QUEUE_REQUESTS_METRIC, QUEUE_TOKENS_METRIC, BACKLOG_SECONDS_METRIC}
+)
+"""The gauges autoscalers read: exported only while the server is ready."""
 
 MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 """prometheus_client's own variable: set, every process of the server shares its samples."""
@@ -74,6 +90,15 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+        self.backlog_seconds = Gauge(
+            BACKLOG_SECONDS_METRIC,
+            "Seconds of work waiting: tokens queued and running over the tokens per second "
+            "the model measured recently (a decaying average of batch tokens over batch "
+            "seconds; one batch budget per second before the first batch). Absent while the "
+            "server is not ready.",
+            registry=r,
+            multiprocess_mode="livemax",
+        )
         self.in_flight = Gauge(
             f"{PREFIX}_in_flight_requests",
             "HTTP requests being handled now.",
@@ -86,6 +111,14 @@ class Metrics:
             ["endpoint", "status"],
             registry=r,
         )
+        self.request_seconds = Histogram(
+            f"{PREFIX}_request_seconds",
+            "Seconds from a request's arrival to its response's first byte, by endpoint.",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._request_seconds_children: dict[str, Histogram] = {}
         self.input_tokens = Counter(
             f"{PREFIX}_input_tokens", "Tokens of all inputs embedded.", registry=r
         )
@@ -106,6 +139,13 @@ class Metrics:
         )
         self.batch_tokens = Histogram(
             f"{PREFIX}_batch_tokens", "Tokens per forward pass.", buckets=_TOKEN_BUCKETS, registry=r
+        )
+        self.batch_budget_tokens = Gauge(
+            f"{PREFIX}_batch_budget_tokens",
+            "Tokens one forward pass may hold (--max-batch-tokens): batch tokens over it is "
+            "how full the batches run.",
+            registry=r,
+            multiprocess_mode="livemax",
         )
         self.batch_seconds = Histogram(
             f"{PREFIX}_batch_seconds",
@@ -130,6 +170,12 @@ class Metrics:
             multiprocess_mode="livemax",
         )
 
+    def render(self, *, ready: bool, loading: bool) -> bytes:
+        """What ``/metrics`` serves now: every metric, less the autoscaling gauges unless the
+        server is ``ready``, plus ``embedding_server_loading`` (1 while ``loading``: the
+        process's state at this scrape, not a sample any process wrote)."""
+        return generate_latest(_Scrape(self.exposition, ready=ready, loading=loading))
+
     # Every request observes these, and prometheus_client's ``labels()`` validates and locks
     # on each call; the labelled children are looked up once and kept.
     def observe_stage(self, stage: str, seconds: float) -> None:
@@ -139,6 +185,13 @@ class Metrics:
             child = self._stage_children[stage] = self.stage_seconds.labels(stage)
         child.observe(seconds)
 
+    def observe_request(self, endpoint: str, seconds: float) -> None:
+        """One request's time to its response (``request_seconds{endpoint=...}``)."""
+        child = self._request_seconds_children.get(endpoint)
+        if child is None:
+            child = self._request_seconds_children[endpoint] = self.request_seconds.labels(endpoint)
+        child.observe(seconds)
+
     def count_request(self, endpoint: str, status: int) -> None:
         """One finished HTTP request (``requests_total{endpoint=..., status=...}``)."""
         key = (endpoint, status)
@@ -146,3 +199,25 @@ class Metrics:
         if child is None:
             child = self._request_children[key] = self.requests.labels(endpoint, str(status))
         child.inc()
+
+
+class _Scrape(CollectorRegistry):
+    """One scrape's view of a registry (``Metrics.render``)."""
+
+    def __init__(self, source: CollectorRegistry, *, ready: bool, loading: bool) -> None:
+        super().__init__(auto_describe=False)
+        self._source = source
+        self._ready = ready
+        self._loading = loading
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._source.collect():
+            if self._ready or family.name not in AUTOSCALING_METRICS:
+                yield family
+        yield GaugeMetricFamily(
+            LOADING_METRIC,
+            "1 while the server loads and warms up its model (not ready yet, not draining, "
+            "not failed), else 0. KEDA keeps a service scaled to zero from scaling a "
+            "loading replica away on it.",
+            value=1.0 if self._loading else 0.0,
+        )

@@ -36,8 +36,9 @@ a thread of its own, so the device does not idle while the host packs:
   one included) with :class:`~.errors.EngineFailedError`. Stopping fails what is queued,
   prepared or running with :class:`~.errors.NotReadyError`.
 
-The queue gauges (requests and tokens waiting) are updated on every change: they drive the
-HorizontalPodAutoscaler.
+The queue gauges (requests and tokens waiting) and the backlog in seconds (the work queued
+and running over the throughput measured recently, :func:`backlog_seconds`) are updated on
+every change: they drive the autoscalers.
 """
 
 from __future__ import annotations
@@ -114,6 +115,53 @@ class _Request:
     batches: int = 0
     batch_size: int = 0
     batch_tokens: int = 0
+
+
+RATE_DECAY = 0.8
+"""How much of the throughput estimate each batch keeps from the ones before it: about the
+last ten batches count, so the estimate follows a change of traffic (short texts after long
+ones) within seconds, and one odd batch (a cold cache, a pause) moves it by a fifth."""
+
+
+@dataclass
+class Throughput:
+    """The tokens per second the model has measured recently: a decaying average of batch
+    tokens over a decaying average of batch seconds (forward pass and pooling).
+
+    A ratio of averages, not an average of per-batch rates: a batch of 8 tokens that took
+    as long as one of 2,000 (a small batch is mostly fixed cost) counts for its share of the
+    time, so the estimate says how fast the queue drains, which is what the backlog and a full
+    queue's ``Retry-After`` need."""
+
+    decay: float = RATE_DECAY
+    tokens: float = 0.0
+    seconds: float = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """One batch of ``tokens`` that kept the model busy for ``seconds``."""
+        if seconds <= 0:
+            return
+        self.tokens = self.decay * self.tokens + (1 - self.decay) * tokens
+        self.seconds = self.decay * self.seconds + (1 - self.decay) * seconds
+
+    @property
+    def tokens_per_s(self) -> float:
+        """The measured rate; 0 before the first batch."""
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def backlog_seconds(work_tokens: int, tokens_per_s: float, prior_tokens_per_s: float) -> float:
+    """Seconds of work waiting: ``work_tokens`` (queued plus running) at the measured rate.
+
+    Before the first batch is measured there is no rate; the model is then assumed to run
+    ``prior_tokens_per_s`` (the scheduler passes one full batch budget per second). That
+    guess is pessimistic for a GPU and about right for a small model on CPU; it errs toward
+    reporting work, never hides a queue, and is replaced by a measurement as soon as the
+    first batch returns (within a second on any device). No work is 0 whatever the rate."""
+    if work_tokens <= 0:
+        return 0.0
+    rate = tokens_per_s if tokens_per_s > 0 else prior_tokens_per_s
+    return work_tokens / rate if rate > 0 else 0.0
 
 
 def drain_seconds(held: int, tokens_per_s: float) -> float:
@@ -212,6 +260,8 @@ class _Batch:
     """Items taken from the queue together, and (once prepared) the runner's packed form."""
 
     items: list[_Item]
+    tokens: int = 0
+    """Tokens of its items still counted as running work (0 once it is finished)."""
     prepared: Any = None
     ready: bool = False
     """``prepared`` holds the batch prepared ahead of its turn."""
@@ -253,13 +303,16 @@ class Scheduler:
         self._queued_tokens = 0
         self._queued_requests = 0
         self._queued_items = 0
+        self._taken_tokens = 0  # in batches taken from the queue that have not finished
         self._accepting = False
         self._task: asyncio.Task[None] | None = None
         self._wakeup: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
-        self._tokens_per_s = 0.0
+        self._throughput = Throughput()
         self._watcher: Callable[[], None] | None = None
         self.batches_run = 0
+        if metrics is not None:
+            metrics.batch_budget_tokens.set(max_batch_tokens)
 
     # -- observability ---------------------------------------------------------------------
     @property
@@ -276,8 +329,21 @@ class Scheduler:
 
     @property
     def tokens_per_s(self) -> float:
-        """The measured drain rate (a moving average over batches; 0 before the first)."""
-        return self._tokens_per_s
+        """The measured drain rate (:class:`Throughput`; 0 before the first batch)."""
+        return self._throughput.tokens_per_s
+
+    @property
+    def running_tokens(self) -> int:
+        """Tokens in batches taken from the queue (running, or prepared to run next)."""
+        return self._taken_tokens
+
+    @property
+    def backlog_seconds(self) -> float:
+        """Seconds of work queued and running at the measured rate (:func:`backlog_seconds`;
+        before the first batch, at one batch budget per second)."""
+        return backlog_seconds(
+            self._queued_tokens + self._taken_tokens, self.tokens_per_s, self.max_batch_tokens
+        )
 
     @property
     def held_tokens(self) -> int:
@@ -292,6 +358,7 @@ class Scheduler:
         if self._metrics is not None:
             self._metrics.queue_tokens.set(self._queued_tokens)
             self._metrics.queue_requests.set(self._queued_requests)
+            self._metrics.backlog_seconds.set(self.backlog_seconds)
         if self._watcher is not None:
             self._watcher()
 
@@ -340,7 +407,7 @@ class Scheduler:
         which is held in the queue's budget until :meth:`submit` or ``release``."""
         if not self._accepting:
             raise NotReadyError("the engine is not running (starting up or shutting down)")
-        return self.admission.reserve(floor, estimate, self._queued_tokens, self._tokens_per_s)
+        return self.admission.reserve(floor, estimate, self._queued_tokens, self.tokens_per_s)
 
     async def submit(
         self, seqs: Sequence[SequenceInput], reservation: Reservation | None = None
@@ -362,7 +429,7 @@ class Scheduler:
             raise NotReadyError("the engine is not running (starting up or shutting down)")
         total = sum(len(s.ids) for s in seqs)
         self.admission.check_size(total, exact=True)
-        self.admission.check_room(self._queued_tokens, total, self._tokens_per_s)
+        self.admission.check_room(self._queued_tokens, total, self.tokens_per_s)
         loop = asyncio.get_running_loop()
         request = _Request(
             future=loop.create_future(),
@@ -419,6 +486,7 @@ class Scheduler:
     def _take(self, item: _Item, batch: list[_Item]) -> None:
         item.state = _State.TAKEN
         batch.append(item)
+        self._taken_tokens += item.tokens
         self._queued_tokens -= item.tokens
         self._queued_items -= 1
         request = item.request
@@ -470,21 +538,35 @@ class Scheduler:
                         self._wakeup.clear()
                         await self._wakeup.wait()
                         continue
-                    batch = _Batch(self.next_batch())
+                    batch = self._new_batch()
                     if not batch.items:
                         continue
                 if not batch.wanted():
+                    self._finish(batch)
                     continue  # every request in it was cancelled while it waited, prepared
                 self._running = batch
                 await self._run(batch)
                 self._running = None
+                self._finish(batch)
         except asyncio.CancelledError:
             stopped = NotReadyError("the server is shutting down")
             for taken in (self._running, self._upcoming):
                 if taken is not None:
                     taken.fail(stopped)
+                    self._finish(taken)
             self._running = self._upcoming = None
             raise
+
+    def _new_batch(self) -> _Batch:
+        items = self.next_batch()
+        return _Batch(items, tokens=sum(item.tokens for item in items))
+
+    def _finish(self, batch: _Batch) -> None:
+        """``batch`` ran, failed or was dropped: its tokens are no longer running work."""
+        if batch.tokens:
+            self._taken_tokens -= batch.tokens
+            batch.tokens = 0
+            self._publish()
 
     async def _run(self, batch: _Batch) -> None:
         """Execute ``batch`` on the forward thread, preparing the next one meanwhile."""
@@ -514,7 +596,7 @@ class Scheduler:
         assert self._wakeup is not None and self._prepare_pool is not None
         while not running.done():
             if self._holds_full_batch():
-                batch = self._upcoming = _Batch(self.next_batch())
+                batch = self._upcoming = self._new_batch()
                 try:
                     batch.prepared = await asyncio.get_running_loop().run_in_executor(
                         self._prepare_pool, self._runner.prepare, [i.seq for i in batch.items]
@@ -523,6 +605,7 @@ class Scheduler:
                     logger.exception("preparing %d sequences failed", len(batch.items))
                     self._upcoming = None
                     batch.fail(exc)
+                    self._finish(batch)
                     return
                 batch.ready = True
                 return
@@ -537,10 +620,7 @@ class Scheduler:
         tokens = sum(item.tokens for item in batch)
         self.batches_run += 1
         if output.forward_s > 0:
-            rate = tokens / (output.forward_s + output.pool_s)
-            self._tokens_per_s = (
-                rate if self._tokens_per_s == 0 else 0.8 * self._tokens_per_s + 0.2 * rate
-            )
+            self._throughput.observe(tokens, output.forward_s + output.pool_s)
         if self._metrics is not None:
             self._metrics.batch_size.observe(len(batch))
             self._metrics.batch_tokens.observe(tokens)

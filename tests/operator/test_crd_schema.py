@@ -297,3 +297,39 @@ def test_env_names_that_load_code_are_refused_by_the_schema_as_by_the_model(
     for name in ("LD_PRELOAD", "PYTHONPATH", "PYTHONSTARTUP", *CODE_LOADING_ENV):
         with pytest.raises(InvalidSpecError, match=r"spec\.server\.env\.0\.name: "):
             parse_spec({"model": {"name": "m"}, "server": {"env": [{"name": name}]}})
+
+
+AUTOSCALING_REFUSALS = {
+    "minReplicas 0 needs autoscaler keda": {"minReplicas": 0},
+    "targetPerPod applies to metric queueRequests or queueTokens": {"targetPerPod": 8},
+    "targetBacklogSeconds applies to metric backlogSeconds only": {
+        "metric": "queueRequests",
+        "targetBacklogSeconds": 1,
+    },
+}
+
+
+@pytest.mark.parametrize("message", sorted(AUTOSCALING_REFUSALS))
+def test_autoscaling_rules_are_in_the_schema_and_the_model(
+    schema: dict[str, Any], message: str
+) -> None:
+    """What the API server refuses (CEL, same message) the operator refuses too; the e2e
+    tier has the real API server evaluate the rules."""
+    autoscaling = schema["properties"]["spec"]["properties"]["autoscaling"]
+    messages = [r["message"] for r in autoscaling["x-kubernetes-validations"]]
+    assert any(m.startswith(message) for m in messages)
+    with pytest.raises(InvalidSpecError, match=message):
+        parse_spec({"model": {"name": "m"}, "autoscaling": AUTOSCALING_REFUSALS[message]})
+
+
+def test_autoscaling_defaults_for_a_new_service() -> None:
+    """A new object gets backlogSeconds; the autoscaler has no default in the schema, so the
+    operator's configured default applies to every service that names none."""
+    auto = parse_spec({"model": {"name": "m"}}).autoscaling
+    assert auto.metric == "backlogSeconds" and auto.autoscaler is None
+    zero = parse_spec(
+        {"model": {"name": "m"}, "autoscaling": {"autoscaler": "keda", "minReplicas": 0}}
+    )
+    assert zero.autoscaling.min_replicas == 0
+    queue = parse_spec({"model": {"name": "m"}, "autoscaling": {"metric": "queueRequests"}})
+    assert queue.autoscaling.metric == "queueRequests"  # what existing objects were stored with

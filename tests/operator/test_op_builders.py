@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import re
+from dataclasses import replace
 from typing import Any
 
 import pytest
 from embedding_operator.builders import desired_children
+from embedding_operator.builders.common import AutoscalingDefaults, Owner, pod_name_regex
 from embedding_operator.builders.deployment import build_deployment, server_args
 from embedding_operator.builders.hpa import build_hpa
+from embedding_operator.builders.keda import build_scaled_object
 from embedding_operator.builders.pdb import build_pdb, wants_pdb
 from embedding_operator.builders.pvc import build_pvc
 from embedding_operator.builders.service import build_service
@@ -366,21 +370,26 @@ def test_replicas_left_to_the_hpa_when_autoscaling() -> None:
 @pytest.mark.parametrize(
     ("metric", "target", "name", "value"),
     [
+        (None, None, "embedding_server_backlog_seconds", "2"),  # the default for a new spec
+        ("backlogSeconds", 0.5, "embedding_server_backlog_seconds", "500m"),
         ("queueRequests", None, "embedding_server_queue_requests", "8"),
         ("queueTokens", None, "embedding_server_queue_tokens", "4096"),
         ("queueTokens", 9000, "embedding_server_queue_tokens", "9000"),
     ],
 )
-def test_hpa_on_queue_depth(metric: str, target: int | None, name: str, value: str) -> None:
+def test_hpa_on_the_servers_load(
+    metric: str | None, target: float | None, name: str, value: str
+) -> None:
     auto: dict[str, Any] = {
         "enabled": True,
         "minReplicas": 2,
         "maxReplicas": 6,
-        "metric": metric,
         "scaleDownStabilizationSeconds": 120,
     }
+    if metric is not None:
+        auto["metric"] = metric
     if target:
-        auto["targetPerPod"] = target
+        auto["targetBacklogSeconds" if metric == "backlogSeconds" else "targetPerPod"] = target
     hpa = build_hpa(render_input({"model": MODEL, "autoscaling": auto}))
     assert hpa["apiVersion"] == "autoscaling/v2"
     spec = hpa["spec"]
@@ -432,6 +441,7 @@ def test_pdb_only_with_more_than_one_replica() -> None:
     assert {r.kind for r in desired.absent} == {
         "PodDisruptionBudget",
         "HorizontalPodAutoscaler",
+        "ScaledObject",
         "PersistentVolumeClaim",
         "NetworkPolicy",
     }
@@ -581,3 +591,103 @@ def test_without_tracing_nothing_of_it_is_rendered_and_user_env_wins() -> None:
 def test_builders_are_deterministic() -> None:
     spec = {"model": MODEL, "autoscaling": {"enabled": True}}
     assert desired_children(render_input(spec)) == desired_children(render_input(spec))
+
+
+PROMETHEUS = "http://prometheus.monitoring.svc:9090"
+KEDA = AutoscalingDefaults(autoscaler="keda", prometheus_address=PROMETHEUS)
+
+
+def _keda(spec: dict[str, Any], defaults: AutoscalingDefaults = KEDA) -> Any:
+    return replace(render_input(spec), autoscaling=defaults)
+
+
+def test_scaled_object_sums_the_metric_over_this_services_pods() -> None:
+    auto = {
+        "enabled": True,
+        "autoscaler": "keda",
+        "minReplicas": 1,
+        "maxReplicas": 5,
+        "targetBacklogSeconds": 1.5,
+        "scaleDownStabilizationSeconds": 90,
+    }
+    render = _keda({"model": MODEL, "autoscaling": auto})
+    so = build_scaled_object(render)
+    assert (so["apiVersion"], so["kind"]) == ("keda.sh/v1alpha1", "ScaledObject")
+    assert so["metadata"]["ownerReferences"][0]["kind"] == "EmbeddingService"
+    spec = so["spec"]
+    # The Deployment, as the HPA's: the operator leaves its replicas to the autoscaler.
+    assert spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "emb"}
+    assert "replicas" not in build_deployment(render)["spec"]
+    assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (1, 5)
+    assert spec["cooldownPeriod"] == 90
+    assert spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"] == {
+        "scaleDown": {"stabilizationWindowSeconds": 90}
+    }
+    (trigger,) = spec["triggers"]  # no loading guard above zero
+    assert trigger["type"] == "prometheus"
+    # A sum with an AverageValue target: KEDA's HPA asks for ceil(sum / 1.5) replicas, and a
+    # replica that exports nothing (not ready) neither adds work nor lowers anyone's share.
+    assert trigger["metricType"] == "AverageValue"
+    meta = trigger["metadata"]
+    assert meta["serverAddress"] == PROMETHEUS
+    assert meta["query"] == (
+        'sum(embedding_server_backlog_seconds{namespace="ns",pod=~"emb-[a-z0-9]+-[a-z0-9]+"})'
+    )
+    assert meta["threshold"] == "1.5"
+    assert meta["ignoreNullValues"] == "true"
+    # One autoscaler at a time: the operator's own HPA must go.
+    desired = desired_children(render)
+    assert "ScaledObject" in {m["kind"] for m in desired.present}
+    assert "HorizontalPodAutoscaler" in {r.kind for r in desired.absent}
+    assert "HorizontalPodAutoscaler" not in {m["kind"] for m in desired.present}
+
+
+def test_the_autoscaler_is_the_specs_else_the_operators_default() -> None:
+    auto = {"enabled": True, "maxReplicas": 3}
+    assert _keda({"model": MODEL, "autoscaling": auto}).autoscaler == "keda"
+    chosen = _keda({"model": MODEL, "autoscaling": {**auto, "autoscaler": "hpa"}})
+    assert chosen.autoscaler == "hpa"
+    kinds = {m["kind"] for m in desired_children(chosen).present}
+    assert "HorizontalPodAutoscaler" in kinds and "ScaledObject" not in kinds
+    assert render_input({"model": MODEL, "autoscaling": auto}).autoscaler == "hpa"
+    assert _keda({"model": MODEL}).autoscaler is None  # autoscaling off: none at all
+
+
+def test_queue_metrics_through_keda_keep_their_targets() -> None:
+    auto = {"enabled": True, "autoscaler": "keda", "metric": "queueTokens", "targetPerPod": 9000}
+    (trigger,) = build_scaled_object(_keda({"model": MODEL, "autoscaling": auto}))["spec"][
+        "triggers"
+    ]
+    assert trigger["metadata"]["query"].startswith("sum(embedding_server_queue_tokens{")
+    assert trigger["metadata"]["threshold"] == "9000"
+
+
+def test_scale_to_zero_keeps_a_loading_replica() -> None:
+    """With minReplicas 0, KEDA takes the last replica away once its triggers are inactive.
+    A replica loading its model has no work yet, so the second trigger keeps the service
+    active while one loads (superlinked/sie#293), and asks for at most one replica."""
+    auto = {"enabled": True, "autoscaler": "keda", "minReplicas": 0, "maxReplicas": 2}
+    so = build_scaled_object(_keda({"model": MODEL, "autoscaling": auto}))
+    assert so["spec"]["minReplicaCount"] == 0
+    work, loading = so["spec"]["triggers"]
+    assert work["name"] == "backlogSeconds" and loading["name"] == "loading"
+    assert loading["metadata"]["query"] == (
+        'clamp_max(sum(embedding_server_loading{namespace="ns",pod=~"emb-[a-z0-9]+-[a-z0-9]+"}), 1)'
+    )
+    assert (loading["metricType"], loading["metadata"]["threshold"]) == ("AverageValue", "1")
+
+
+@pytest.mark.parametrize("length", [3, 46, 47, 52])
+def test_the_pod_regex_matches_this_services_pods_and_no_namesakes(length: int) -> None:
+    name = "e" * length
+    pattern = re.compile(pod_name_regex(Owner(name=name, namespace="ns", uid="u")))
+
+    def pod(service: str, template_hash: str = "7d4b9c8f5b") -> str:
+        # As the API server names them: <deployment>-<hash>- cut at 58, then 5 random.
+        return (f"{service}-{template_hash}-")[:58] + "x2x9q"
+
+    assert pattern.fullmatch(pod(name))
+    assert pattern.fullmatch(pod(name, "5d8f9"))
+    assert not pattern.fullmatch(pod(name + "x"))  # a longer name sharing the prefix
+    if length + 3 <= 46:  # "<name>-b": a namesake whose pods are never cut short
+        assert not pattern.fullmatch(pod(f"{name}-b"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from embedding_operator.builders.common import AutoscalingDefaults
 from embedding_operator.kube import ApiError, ObjectRef
 from embedding_operator.profiles import GpuProfiles
 from embedding_operator.reconcile import Reconciler, owner_ref
@@ -737,3 +738,198 @@ def test_tensor_parallel_edit_rolls_out_like_any_edit(cluster: FakeCluster) -> N
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
     cond = conditions(cluster)
     assert cond["Degraded"]["status"] == "False" and cond["Ready"]["status"] == "False"
+
+
+def test_status_and_events_say_which_autoscaler_runs_and_whether_it_can_scale(
+    cluster: FakeCluster,
+) -> None:
+    """The platform's default autoscaler (KEDA here) writes a ScaledObject; status names it,
+    and AutoscalerReady follows what KEDA reports about it, with events on the way."""
+    add_service(cluster, {**MODEL, "autoscaling": {"enabled": True, "maxReplicas": 3}})
+    events = Events()
+    clock = iter(f"2025-01-01T00:{i // 60:02d}:{i % 60:02d}Z" for i in range(600))
+    rec = Reconciler(
+        cluster=cluster,
+        profiles=GpuProfiles.builtin(),
+        default_image="img:1",
+        recorder=events,
+        clock=lambda: next(clock),
+        autoscaling=AutoscalingDefaults("keda", "http://prometheus:9090"),
+    )
+    rec.reconcile(NS, "emb")
+    so_ref = ObjectRef("keda.sh/v1alpha1", "ScaledObject", NS, "emb")
+    assert so_ref in cluster.objects
+    assert owner(cluster)["status"]["autoscaling"] == {
+        "autoscaler": "keda",
+        "kind": "ScaledObject",
+        "name": "emb",
+        "metric": "embedding_server_backlog_seconds",
+        "target": "2",
+        "desiredReplicas": 1,
+    }
+    scaling = conditions(cluster)["AutoscalerReady"]
+    assert (scaling["status"], scaling["reason"]) == ("Unknown", "AutoscalerPending")
+
+    def keda_reports(status: str, reason: str, message: str) -> None:
+        so = cluster.objects[so_ref]
+        so["status"] = {
+            "conditions": [
+                {"type": "Ready", "status": status, "reason": reason, "message": message}
+            ]
+        }
+        so["metadata"]["resourceVersion"] += "+status"
+
+    keda_reports("False", "ScaledObjectCheckFailed", "Prometheus query failed")
+    mark_rolled_out(cluster, ready=0)
+    rec.reconcile(NS, "emb")
+    # No replica is ready, so none exports the metric yet: waiting, not failing.
+    scaling = conditions(cluster)["AutoscalerReady"]
+    assert (scaling["status"], scaling["reason"]) == ("Unknown", "AutoscalerPending")
+    assert "Prometheus query failed" in scaling["message"]
+    assert not [e for e in events.posted if e[0] == "Warning"]
+
+    mark_rolled_out(cluster, ready=1)
+    rec.reconcile(NS, "emb")
+    scaling = conditions(cluster)["AutoscalerReady"]
+    assert (scaling["status"], scaling["reason"]) == ("False", "ScaledObjectCheckFailed")
+    assert (
+        "Warning",
+        "AutoscalerNotReady",
+        "ScaledObject emb: ScaledObjectCheckFailed: Prometheus query failed",
+    ) in events.posted
+
+    keda_reports("True", "ScaledObjectReady", "ScaledObject is defined correctly")
+    rec.reconcile(NS, "emb")
+    scaling = conditions(cluster)["AutoscalerReady"]
+    assert (scaling["status"], scaling["reason"]) == ("True", "ScaledObjectReady")
+    assert (
+        "Normal",
+        "AutoscalerReady",
+        "ScaledObject emb (keda) scales on embedding_server_backlog_seconds, target 2 per pod",
+    ) in events.posted
+
+    # The service chooses the HPA: the ScaledObject goes, the HPA comes, status follows.
+    body = owner(cluster)
+    body["spec"]["autoscaling"]["autoscaler"] = "hpa"
+    body["metadata"]["generation"] += 1
+    rec.reconcile(NS, "emb")
+    assert so_ref not in cluster.objects
+    assert ObjectRef("autoscaling/v2", "HorizontalPodAutoscaler", NS, "emb") in cluster.objects
+    assert owner(cluster)["status"]["autoscaling"]["kind"] == "HorizontalPodAutoscaler"
+
+    # Autoscaling off: no autoscaler, no condition about one.
+    body = owner(cluster)
+    body["spec"]["autoscaling"]["enabled"] = False
+    body["metadata"]["generation"] += 1
+    rec.reconcile(NS, "emb")
+    assert "AutoscalerReady" not in conditions(cluster)
+    assert "autoscaling" not in owner(cluster)["status"]
+
+
+def test_hpa_readiness_is_able_to_scale_and_scaling_active(cluster: FakeCluster) -> None:
+    add_service(cluster, {**MODEL, "autoscaling": {"enabled": True, "maxReplicas": 3}})
+    rec = make(cluster)
+    rec.reconcile(NS, "emb")
+    mark_rolled_out(cluster, ready=1)
+    hpa = cluster.objects[ObjectRef("autoscaling/v2", "HorizontalPodAutoscaler", NS, "emb")]
+    hpa["status"] = {
+        "conditions": [
+            {"type": "AbleToScale", "status": "True", "reason": "ReadyForNewScale"},
+            {
+                "type": "ScalingActive",
+                "status": "False",
+                "reason": "FailedGetPodsMetric",
+                "message": "unable to get metric embedding_server_backlog_seconds",
+            },
+        ]
+    }
+    hpa["metadata"]["resourceVersion"] += "+status"
+    rec.reconcile(NS, "emb")
+    scaling = conditions(cluster)["AutoscalerReady"]
+    assert (scaling["status"], scaling["reason"]) == ("False", "FailedGetPodsMetric")
+    assert "unable to get metric" in scaling["message"]
+
+
+def test_keda_without_a_prometheus_is_refused_before_anything_is_applied(
+    cluster: FakeCluster,
+) -> None:
+    auto = {"enabled": True, "autoscaler": "keda", "maxReplicas": 3}
+    add_service(cluster, {**MODEL, "autoscaling": auto})
+    rec = make(cluster)  # the operator was given no --keda-prometheus-address
+    outcome = rec.reconcile(NS, "emb")
+    assert outcome is not None and outcome.problem is not None
+    assert outcome.problem.reason == "AutoscalerNotConfigured"
+    assert "keda-prometheus-address" in outcome.problem.message
+    assert [w for w in cluster.writes() if w[0] == "apply"] == []
+    assert conditions(cluster)["Degraded"]["reason"] == "AutoscalerNotConfigured"
+
+
+def test_a_scaled_object_where_keda_is_not_installed_is_reported(cluster: FakeCluster) -> None:
+    auto = {"enabled": True, "autoscaler": "keda", "maxReplicas": 3}
+    add_service(cluster, {**MODEL, "autoscaling": auto})
+    real_apply = cluster.apply
+
+    def no_keda(manifest: dict[str, Any], *, force: bool = True) -> dict[str, Any]:
+        if manifest["kind"] == "ScaledObject":
+            raise ApiError(404, "the server could not find the requested resource")
+        return real_apply(manifest, force=force)
+
+    cluster.apply = no_keda  # type: ignore[method-assign]
+    rec = Reconciler(
+        cluster=cluster,
+        profiles=GpuProfiles.builtin(),
+        default_image="img:1",
+        recorder=Events(),
+        autoscaling=AutoscalingDefaults("hpa", "http://prometheus:9090"),
+    )
+    outcome = rec.reconcile(NS, "emb")
+    assert outcome is not None and outcome.problem is not None
+    assert outcome.problem.reason == "ChildRejected"
+    assert "is KEDA installed?" in outcome.problem.message
+
+
+def test_a_model_that_will_not_load_is_reported_from_the_pods(cluster: FakeCluster) -> None:
+    """The server writes a fixed termination message when its model will not load; the
+    kubelet puts it in the pod's status, and the operator says so without quoting the log."""
+    add_service(cluster, MODEL)
+    rec = make(cluster)
+    rec.reconcile(NS, "emb")
+    cluster.add(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": "emb-abc-1",
+                "namespace": NS,
+                "labels": {
+                    "app.kubernetes.io/name": "embedding-server",
+                    "app.kubernetes.io/instance": "emb",
+                },
+            },
+            "status": {
+                "containerStatuses": [
+                    {
+                        "name": "server",
+                        "restartCount": 3,
+                        "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                        "lastState": {
+                            "terminated": {
+                                "exitCode": 1,
+                                "reason": "Error",
+                                "message": "embedding-server: the model could not be loaded; "
+                                "the log says why\n",
+                            }
+                        },
+                    }
+                ]
+            },
+        }
+    )
+    outcome = rec.reconcile(NS, "emb")
+    assert outcome is not None and outcome.retry
+    degraded = conditions(cluster)["Degraded"]
+    assert (degraded["status"], degraded["reason"]) == ("True", "ModelLoadFailed")
+    assert degraded["message"] == (
+        "pod emb-abc-1 could not load its model (exit code 1, 3 restarts); "
+        "`kubectl logs -n team emb-abc-1 --previous` says why"
+    )

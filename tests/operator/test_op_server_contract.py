@@ -147,3 +147,13 @@ def test_tracing_renders_a_flag_and_variables_the_server_reads(
     assert resource["k8s.pod.name"] == "pod-7f9c"
     sampler = TracerProvider().sampler.get_description()
     assert sampler.startswith("ParentBased{root:TraceIdRatioBased{0.1}"), sampler
+
+
+def test_the_operator_recognises_the_servers_model_load_failure() -> None:
+    """The server's termination message on a failed load is what the operator matches to
+    report ModelLoadFailed and count the restarts by that reason."""
+    from embedding_operator.status import SERVER_MODEL_LOAD_FAILED, restart_reason
+    from embedding_server.termination import MODEL_LOAD_FAILED
+
+    assert MODEL_LOAD_FAILED.startswith(SERVER_MODEL_LOAD_FAILED)
+    assert restart_reason({"reason": "Error", "message": MODEL_LOAD_FAILED}) == "ModelLoadFailed"

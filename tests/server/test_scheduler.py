@@ -16,7 +16,7 @@ import pytest
 from embedding_server.engine import Engine
 from embedding_server.errors import NotReadyError, QueueFullError, TooManyTokensError
 from embedding_server.metrics import Metrics
-from embedding_server.scheduler import Admission, Scheduler
+from embedding_server.scheduler import RATE_DECAY, Admission, Scheduler
 
 from tests.support.scheduler import GatedForward, seq, wait_for
 
@@ -113,6 +113,42 @@ async def test_queue_gauges_track_depth_and_queue_full_gives_retry_after(
     await asyncio.gather(running, *waiting)
     assert gauge(metrics, "embedding_server_queue_requests") == 0
     assert gauge(metrics, "embedding_server_queue_tokens") == 0
+
+
+async def test_backlog_seconds_is_queued_and_running_tokens_over_the_measured_rate(
+    sched: tuple[Scheduler, GatedForward, Metrics],
+) -> None:
+    scheduler, forward, metrics = sched
+    backlog = "embedding_server_backlog_seconds"
+    assert gauge(metrics, backlog) == 0  # no work is no backlog, rate or not
+    # Before any batch has been measured, one batch budget (100 tokens) per second.
+    forward.seconds = [0.1, 0.1]
+    first = asyncio.create_task(scheduler.submit([seq(1, 80)]))
+    await wait_for(forward.started.is_set)
+    assert gauge(metrics, backlog) == pytest.approx(80 / 100)
+    forward.gate.set()
+    await first
+    # Batch 1: 80 tokens in 0.1 s; batch 2: 20 tokens in 0.1 s. The rate is a decaying
+    # average of tokens over a decaying average of seconds, by hand:
+    await scheduler.submit([seq(2, 20)])
+    keep = RATE_DECAY
+    tokens = keep * ((1 - keep) * 80) + (1 - keep) * 20
+    seconds = keep * ((1 - keep) * 0.1) + (1 - keep) * 0.1
+    rate = tokens / seconds  # 68 tokens/s: not the mean of the two batches' 800 and 200
+    assert scheduler.tokens_per_s == pytest.approx(rate)
+    forward.gate.clear()
+    forward.started.clear()
+    # A batch of 50 tokens running, and 40 + 50 queued behind it (less than a full batch, so
+    # nothing is prepared ahead of its turn).
+    running = asyncio.create_task(scheduler.submit([seq(3, 50)]))
+    await wait_for(forward.running.is_set)
+    waiting = asyncio.create_task(scheduler.submit([seq(4, 40), seq(5, 50)]))
+    await wait_for(lambda: scheduler.queued_tokens == 90)
+    assert scheduler.running_tokens == 50
+    assert gauge(metrics, backlog) == pytest.approx((90 + 50) / rate)
+    forward.gate.set()
+    await asyncio.gather(running, waiting)
+    assert gauge(metrics, backlog) == 0
 
 
 async def test_a_request_over_the_per_request_limit_is_never_admitted() -> None:

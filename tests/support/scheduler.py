@@ -31,7 +31,8 @@ class GatedForward:
 
     ``prepared`` lists the batches prepared (first token id of each sequence) in order, and
     ``batches`` those that ran; ``running`` is set while a forward pass waits at the gate.
-    ``fail_next`` / ``fail_prepare`` make the next forward pass / preparation raise."""
+    ``fail_next`` / ``fail_prepare`` make the next forward pass / preparation raise;
+    ``seconds`` are the forward-pass times the next batches report (else 10 ms each)."""
 
     def __init__(self) -> None:
         self.gate = threading.Event()
@@ -41,6 +42,7 @@ class GatedForward:
         self.running = threading.Event()
         self.fail_next: Exception | None = None
         self.fail_prepare: Exception | None = None
+        self.seconds: list[float] = []
 
     def prepare(self, seqs: Sequence[SequenceInput]) -> list[SequenceInput]:
         if self.fail_prepare is not None:
@@ -61,7 +63,10 @@ class GatedForward:
             exc, self.fail_next = self.fail_next, None
             raise exc
         pooled = np.array([[float(s.ids[0]), float(len(s.ids))] for s in seqs], dtype=np.float32)
-        return BatchOutput(pooled=pooled, tokens=[None] * len(seqs), forward_s=0.01, pool_s=0.0)
+        forward_s = self.seconds.pop(0) if self.seconds else 0.01
+        return BatchOutput(
+            pooled=pooled, tokens=[None] * len(seqs), forward_s=forward_s, pool_s=0.0
+        )
 
 
 def seq(tag: int, length: int) -> SequenceInput:

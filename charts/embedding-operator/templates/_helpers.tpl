@@ -70,7 +70,7 @@ app.kubernetes.io/part-of: embedding-operator
 {{- end }}
 
 {{/*
-prometheus-adapter rules: each queue gauge, per pod, as a custom metric of the same name.
+prometheus-adapter rules: each autoscaling gauge, per pod, as a custom metric of the same name.
 The HPA asks for `<metric>` on the pods of one Deployment; the adapter maps the request onto
 the series' `namespace` and `pod` labels (which Prometheus' pod discovery adds).
 */}}
@@ -103,6 +103,9 @@ EMBEDDING_OPERATOR_ALLOWED_SERVICE_TYPES: {{ join "," .Values.policy.allowedServ
 EMBEDDING_OPERATOR_ALLOWED_SERVICE_ANNOTATIONS: {{ join "," .Values.policy.allowedServiceAnnotations | quote }}
 EMBEDDING_OPERATOR_GPU_PROFILES: /etc/embedding-operator/gpu-profiles.yaml
 EMBEDDING_OPERATOR_LIVENESS: {{ printf "http://0.0.0.0:%d/healthz" (int .Values.operator.healthPort) | quote }}
+EMBEDDING_OPERATOR_METRICS_PORT: {{ .Values.operator.metricsPort | toString | quote }}
+EMBEDDING_OPERATOR_DEFAULT_AUTOSCALER: {{ .Values.autoscaling.defaultAutoscaler | quote }}
+EMBEDDING_OPERATOR_KEDA_PROMETHEUS_ADDRESS: {{ .Values.autoscaling.keda.prometheusAddress | quote }}
 EMBEDDING_OPERATOR_LOG_FORMAT: {{ .Values.operator.logFormat | quote }}
 EMBEDDING_OPERATOR_LOG_LEVEL: {{ .Values.operator.logLevel | quote }}
 EMBEDDING_OPERATOR_RESYNC_SECONDS: {{ .Values.operator.resyncSeconds | toString | quote }}
@@ -149,6 +152,10 @@ children a spec no longer wants (an HPA after autoscaling is switched off, ...).
   verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [autoscaling]
   resources: [horizontalpodautoscalers]
+  verbs: [get, list, watch, create, patch, delete]
+# KEDA ScaledObjects (spec.autoscaling.autoscaler keda); harmless where KEDA is not installed.
+- apiGroups: [keda.sh]
+  resources: [scaledobjects]
   verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]

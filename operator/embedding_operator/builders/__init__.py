@@ -2,8 +2,9 @@
 
 ``desired_children`` is the whole desired state of one EmbeddingService: the children that
 must exist (in apply order: storage first, the Deployment before what points at it) and the
-kinds that must not (an HPA after autoscaling was switched off, a PDB after scaling to one, a
-NetworkPolicy after it was disabled).
+kinds that must not (an HPA after autoscaling was switched off or moved to KEDA, a
+ScaledObject after it moved back, a PDB after scaling to one, a NetworkPolicy after it was
+disabled).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from embedding_operator.builders.common import Manifest, RenderInput, pvc_name
 from embedding_operator.builders.deployment import build_deployment
 from embedding_operator.builders.hpa import build_hpa, wants_hpa
+from embedding_operator.builders.keda import build_scaled_object, wants_scaled_object
 from embedding_operator.builders.networkpolicy import build_network_policy, wants_network_policy
 from embedding_operator.builders.pdb import build_pdb, wants_pdb
 from embedding_operator.builders.pvc import build_pvc, wants_pvc
@@ -41,6 +43,10 @@ def desired_children(render: RenderInput) -> DesiredChildren:
         absent.append(
             ObjectRef("autoscaling/v2", "HorizontalPodAutoscaler", owner.namespace, owner.name)
         )
+    if wants_scaled_object(render):
+        present.append(build_scaled_object(render))
+    else:
+        absent.append(ObjectRef("keda.sh/v1alpha1", "ScaledObject", owner.namespace, owner.name))
     if wants_pdb(render):
         present.append(build_pdb(render))
     else:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from embedding_operator.profiles import GpuProfile
-from embedding_operator.spec import EmbeddingServiceSpec
+from embedding_operator.spec import Autoscaler, EmbeddingServiceSpec
 
 GROUP = "embedding-operator.dev"
 VERSION = "v1alpha1"
@@ -54,6 +54,18 @@ class Owner:
 
 
 @dataclass(frozen=True)
+class AutoscalingDefaults:
+    """What the operator's configuration adds to ``spec.autoscaling``: the autoscaler a spec
+    that names none gets, and the Prometheus KEDA's triggers query (empty: not configured)."""
+
+    autoscaler: Autoscaler = "hpa"
+    prometheus_address: str = ""
+
+
+DEFAULT_AUTOSCALING = AutoscalingDefaults()
+
+
+@dataclass(frozen=True)
 class RenderInput:
     """Everything a builder may look at; nothing else (no cluster, no clock)."""
 
@@ -61,6 +73,16 @@ class RenderInput:
     spec: EmbeddingServiceSpec
     profile: GpuProfile
     default_image: str = DEFAULT_IMAGE
+    autoscaling: AutoscalingDefaults = DEFAULT_AUTOSCALING
+
+    @property
+    def autoscaler(self) -> Autoscaler | None:
+        """The autoscaler in charge while autoscaling is enabled (the spec's, else the
+        operator's default); None while it is off."""
+        auto = self.spec.autoscaling
+        if not auto.enabled:
+            return None
+        return auto.autoscaler or self.autoscaling.autoscaler
 
     @property
     def gpu_count(self) -> int:
@@ -108,6 +130,33 @@ def child_metadata(
     if annotations:
         meta["annotations"] = dict(annotations)
     return meta
+
+
+GENERATED_NAME_LIMIT = 58
+"""How long a generateName base may be before the API server cuts it (63 less the five
+random characters): a pod's name is ``<deployment>-<template hash>-<random>`` cut there."""
+
+
+def pod_name_regex(owner: Owner) -> str:
+    """A PromQL regex matching the names of this service's pods and of no other service's.
+
+    Prometheus knows a series' pod by name only (its labels are not copied by every scrape
+    setup), and a Deployment's pods are ``<name>-<template hash>-<5 random>``, the hash and
+    the suffix lowercase alphanumeric without dashes, so ``<name>-x-y`` names a pod of
+    ``<name>`` and not of ``<name>-x`` (whose pods have three dashed parts after the name).
+    For names over 46 characters the API server cuts the hash short and drops its dash
+    (``GENERATED_NAME_LIMIT``), so the second dash becomes optional: such a name could then
+    also match a namesake with one more dashed part (``<name>-b``), which only a name of 48
+    to 52 characters can have; docs/autoscaling.md says so."""
+    name = owner.name
+    if len(name) + len("-") + 10 + len("-") <= GENERATED_NAME_LIMIT:
+        return f"{name}-[a-z0-9]+-[a-z0-9]+"
+    return f"{name}-[a-z0-9]+(-[a-z0-9]+)?"
+
+
+def pod_selector(owner: Owner) -> str:
+    """The PromQL label matchers of this service's pods' series."""
+    return f'namespace="{owner.namespace}",pod=~"{pod_name_regex(owner)}"'
 
 
 def pvc_name(owner: Owner) -> str:

@@ -32,6 +32,7 @@ from embedding_server.api.tracing import TracingMiddleware
 from embedding_server.metrics import Metrics
 from embedding_server.serving import ServingEngine
 from embedding_server.settings import ServerSettings, redact_settings
+from embedding_server.termination import report_model_load_failure
 from embedding_server.tracing import Tracing
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ async def _bring_up(lifecycle: Lifecycle, connect: Connect | None) -> None:
         # Secret): the log gets it with those values masked, /ready only a fixed line.
         logger.debug("model load failed", exc_info=True)
         detail = redact_settings(f"{type(error).__name__}: {error}", settings)
+        report_model_load_failure()
         lifecycle.fail(f"could not load the model named by --model: {detail}")
         return
     freeze_heap()

@@ -107,8 +107,9 @@ class RequestContextMiddleware:
                 status_holder.append(int(message["status"]))
                 headers = list(message.get("headers", []))
                 headers.append((b"x-request-id", request_id.encode("latin-1")))
-                total_ms = (time.perf_counter() - started) * 1000.0
-                headers.append((b"x-total-time", f"{total_ms:.3f}".encode()))
+                seconds = time.perf_counter() - started
+                self.metrics.observe_request(endpoint, seconds)
+                headers.append((b"x-total-time", f"{seconds * 1000.0:.3f}".encode()))
                 message = {**message, "headers": headers}
             await send(message)
 

@@ -3,13 +3,14 @@
 ``/health`` is liveness: 200 for as long as the process can answer at all, so a slow model
 load never gets the pod killed. ``/ready`` is readiness: 503 until the model is loaded and
 warmed up, and 503 again from the moment a drain starts, so traffic moves elsewhere while
-in-flight work finishes.
+in-flight work finishes. ``/metrics`` follows readiness: the autoscaling gauges are there only
+while ``/ready`` would answer 200.
 """
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
 from embedding_server.api.errors import error_response
@@ -64,5 +65,9 @@ async def info(request: Request) -> Response:
 
 @router.get("/metrics", tags=["Operations"], summary="Prometheus metrics")
 async def metrics(request: Request) -> Response:
-    registry = lifecycle_of(request).metrics.exposition
-    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    # Not ready, the server leaves out the gauges autoscalers read (metrics.py says why).
+    lifecycle = lifecycle_of(request)
+    ready = lifecycle.is_ready()
+    loading = not ready and not lifecycle.draining and lifecycle.failure is None
+    body = lifecycle.metrics.render(ready=ready, loading=loading)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)

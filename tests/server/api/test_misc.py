@@ -14,9 +14,17 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from embedding_server import termination
 from embedding_server.api import create_app
-from embedding_server.engine import load_engine
-from embedding_server.metrics import QUEUE_REQUESTS_METRIC, QUEUE_TOKENS_METRIC
+from embedding_server.engine import Engine, load_engine
+from embedding_server.metrics import (
+    AUTOSCALING_METRICS,
+    BACKLOG_SECONDS_METRIC,
+    LOADING_METRIC,
+    QUEUE_REQUESTS_METRIC,
+    QUEUE_TOKENS_METRIC,
+    Metrics,
+)
 from embedding_server.settings import ServerSettings
 
 from tests.support.api import RunningServer, fake_settings, running_server, sample, wait_for
@@ -178,6 +186,57 @@ async def test_ready_is_503_until_the_model_is_up_and_again_while_draining() -> 
         assert httpx.get(running.url + "/health").status_code == 200
 
 
+async def test_autoscaling_gauges_are_exported_only_while_ready() -> None:
+    # A replica that is loading has no traffic: a 0 from it would lower the average an HPA
+    # scales on (superlinked/sie#293). Absent, it counts as at the target on a scale-down.
+    app = create_app(fake_settings(), connect=load_engine)  # no lifespan: never loads
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+        loading = (await client.get("/metrics")).text
+    for name in AUTOSCALING_METRICS:
+        assert sample(loading, name) is None, name
+    assert sample(loading, LOADING_METRIC) == 1
+    assert sample(loading, "embedding_server_requests_total") is None  # nothing counted yet
+    assert "# TYPE embedding_server_stage_seconds histogram" in loading  # the rest is there
+
+    with running_server(fake_settings()) as running:
+        ready = httpx.get(running.url + "/metrics").text
+        for name in AUTOSCALING_METRICS:
+            assert sample(ready, name) == 0, name
+        assert sample(ready, LOADING_METRIC) == 0
+        running.lifecycle.begin_drain("test")
+        draining = httpx.get(running.url + "/metrics").text
+        assert sample(draining, BACKLOG_SECONDS_METRIC) is None
+        assert sample(draining, LOADING_METRIC) == 0  # draining is not loading
+
+    failed = create_app(fake_settings(), connect=load_engine)
+    failed.state.lifecycle.fail("no such model")
+    transport = httpx.ASGITransport(app=failed)
+    async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+        text = (await client.get("/metrics")).text
+    assert sample(text, BACKLOG_SECONDS_METRIC) is None and sample(text, LOADING_METRIC) == 0
+
+
+async def test_a_model_that_will_not_load_says_so_in_the_pods_termination_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The kubelet copies /dev/termination-log into the pod's status: the operator reads it
+    # there (ModelLoadFailed). A fixed line: the error itself may quote a Secret's value.
+    log = tmp_path / "termination-log"
+    log.touch()
+    monkeypatch.setattr(termination, "TERMINATION_LOG", log)
+
+    async def broken(settings: ServerSettings, metrics: Metrics) -> Engine:
+        raise OSError("could not open /models/s3cr3t-token")
+
+    app = create_app(fake_settings(), connect=broken)
+    async with app.router.lifespan_context(app):
+        await asyncio.sleep(0.2)
+    assert app.state.lifecycle.exit_code == 1
+    assert log.read_text() == termination.MODEL_LOAD_FAILED + "\n"
+    assert "s3cr3t" not in log.read_text()
+
+
 async def test_ready_does_not_echo_why_the_model_failed_to_load() -> None:
     # /ready is open without the API key; a load error can quote a path or a value that
     # came from a Secret. The log says why, /ready only that it failed.
@@ -241,19 +300,23 @@ def test_metrics_are_exposed_and_move_under_load() -> None:
         for name in (
             QUEUE_REQUESTS_METRIC,
             QUEUE_TOKENS_METRIC,
+            BACKLOG_SECONDS_METRIC,
+            "embedding_server_request_seconds",
             "embedding_server_in_flight_requests",
             "embedding_server_requests_total",
             "embedding_server_input_tokens_total",
             "embedding_server_stage_seconds",
             "embedding_server_batch_size",
             "embedding_server_batch_tokens",
+            "embedding_server_batch_budget_tokens",
             "embedding_server_batch_seconds",
             "embedding_server_truncated_inputs_total",
             "embedding_server_model_load_seconds",
         ):
             assert f"# TYPE {name.removesuffix('_total')}" in text, name
         assert sample(text, "embedding_server_model_load_seconds") > 0
-        peaks = {"queue_requests": 0.0, "queue_tokens": 0.0, "in_flight": 0.0}
+        assert sample(text, "embedding_server_batch_budget_tokens") == 64  # --max-batch-tokens
+        peaks = {"queue_requests": 0.0, "queue_tokens": 0.0, "in_flight": 0.0, "backlog": 0.0}
 
         async def load() -> list[int]:
             async with httpx.AsyncClient(timeout=60) as http:
@@ -274,6 +337,7 @@ def test_metrics_are_exposed_and_move_under_load() -> None:
                     peaks["in_flight"] = max(
                         peaks["in_flight"], server.value("embedding_server_in_flight_requests")
                     )
+                    peaks["backlog"] = max(peaks["backlog"], server.value(BACKLOG_SECONDS_METRIC))
                     return peaks["queue_requests"] >= 3
 
                 await asyncio.to_thread(
@@ -283,8 +347,12 @@ def test_metrics_are_exposed_and_move_under_load() -> None:
 
         assert asyncio.run(load()) == [200] * 8
         assert peaks["queue_tokens"] >= 3 * 15 and peaks["in_flight"] >= 3
+        # Three or more texts waiting behind a 100 ms model that runs one at a time: at least
+        # a quarter second of work (the rate is measured on the warm batches before them).
+        assert peaks["backlog"] >= 0.25
         after = httpx.get(server.url + "/metrics").text
         assert sample(after, QUEUE_REQUESTS_METRIC) == 0
+        assert sample(after, BACKLOG_SECONDS_METRIC) == 0
         assert (
             sample(
                 after,
@@ -294,6 +362,10 @@ def test_metrics_are_exposed_and_move_under_load() -> None:
             == 8
         )
         assert sample(after, "embedding_server_input_tokens_total") >= 8 * 15
+        embeddings = {"endpoint": "/v1/embeddings"}
+        assert sample(after, "embedding_server_request_seconds_count", embeddings) == 8
+        # Each waited for at least one 100 ms forward pass.
+        assert sample(after, "embedding_server_request_seconds_sum", embeddings) >= 8 * 0.1
         batches = sample(after, "embedding_server_batch_size_count")
         assert batches >= 8
         # One timing per forward pass, each at least the fake model's 100 ms.

@@ -25,7 +25,7 @@ import numpy as np
 import psutil
 import pytest
 from embedding_server.engine import Engine
-from embedding_server.metrics import QUEUE_REQUESTS_METRIC
+from embedding_server.metrics import BACKLOG_SECONDS_METRIC, QUEUE_REQUESTS_METRIC
 
 from tests.support.api import (
     ServerProcess,
@@ -92,6 +92,7 @@ def test_each_request_gets_its_own_vectors_and_metrics_sum_over_front_ends() -> 
             assert sample(text, "embedding_server_requests_total", labels) == len(requests)
             assert sample(text, "embedding_server_input_tokens_total") is not None
             assert sample(text, QUEUE_REQUESTS_METRIC) == 0
+            assert sample(text, BACKLOG_SECONDS_METRIC) == 0  # the engine's, idle
             assert (sample(text, "embedding_server_model_load_seconds") or 0) > 0
             # The engine process times every forward pass, and any front-end reports it.
             passes = sample(text, "embedding_server_batch_size_count")

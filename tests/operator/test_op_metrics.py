@@ -1,0 +1,202 @@
+"""The operator's /metrics: what a platform team's controller-runtime dashboards and alerts
+read, counted from real reconciles, the work queue and the status the operator wrote."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import urllib.request
+from typing import Any
+
+from embedding_operator.controller import Controller
+from embedding_operator.metrics import OperatorMetrics, serve
+from embedding_operator.profiles import GpuProfiles
+from embedding_operator.reconcile import Reconciler
+from embedding_operator.status import SERVER_MODEL_LOAD_FAILED
+from embedding_operator.workqueue import RateLimitingQueue
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.operator.test_op_workqueue import FINE, RETRY, Clock, Scripted, _api_error, _until
+from tests.support.operator import FakeCluster
+
+SERVICE = {"model": {"name": "BAAI/bge-small-en-v1.5"}, "replicas": 2}
+
+
+def samples(metrics: OperatorMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample as a scrape shows it: (name, sorted labels) -> value."""
+    text = generate_latest(metrics.registry).decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(metrics: OperatorMetrics, metric: str, /, **labels: str) -> float | None:
+    return samples(metrics).get((metric, tuple(sorted(labels.items()))))
+
+
+def test_reconciles_are_counted_by_result_under_controller_runtimes_names() -> None:
+    metrics = OperatorMetrics()
+    assert (
+        value(
+            metrics,
+            "controller_runtime_reconcile_total",
+            controller="embeddingservice",
+            result="error",
+        )
+        == 0
+    )
+    reconciler = Scripted([lambda: RETRY, _api_error, lambda: FINE])
+    reconciler.gate.set()
+    queue: RateLimitingQueue[tuple[str, str]] = RateLimitingQueue(clock=Clock())
+    controller = Controller(
+        reconciler, resync_seconds=3600, workers=3, queue=queue, metrics=metrics
+    )
+    key = ("ns", "emb")
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(controller.run(stop))
+        for retries in (1, 2):
+            controller.enqueue(*key)
+            await _until(lambda r=retries: queue.num_requeues(key) == r, f"retry {retries}")
+        controller.enqueue(*key)
+        await _until(lambda: reconciler.calls == 3 and queue.num_requeues(key) == 0, "success")
+        stop.set()
+        await asyncio.wait_for(task, timeout=5)
+
+    asyncio.run(main())
+    ours = {"controller": "embeddingservice"}
+    for result in ("success", "error", "requeue"):
+        assert value(metrics, "controller_runtime_reconcile_total", **ours, result=result) == 1
+    assert value(metrics, "controller_runtime_reconcile_errors_total", **ours) == 1
+    assert value(metrics, "controller_runtime_reconcile_time_seconds_count", **ours) == 3
+    assert value(metrics, "controller_runtime_max_concurrent_reconciles", **ours) == 3
+    assert value(metrics, "controller_runtime_active_workers", **ours) == 0
+    assert value(metrics, "workqueue_retries_total", name="embeddingservice") == 2
+    assert value(metrics, "workqueue_adds_total", name="embeddingservice") == 3
+    assert value(metrics, "workqueue_depth", name="embeddingservice") == 0
+
+
+def test_queue_depth_and_the_longest_running_reconcile() -> None:
+    clock = Clock()
+    queue: RateLimitingQueue[str] = RateLimitingQueue(clock=clock)
+    metrics = OperatorMetrics()
+    metrics.watch_queue(queue.stats, workers=2)
+    queue.add("a")
+    assert queue.get_nowait() == "a"
+    clock.now += 7.0
+    queue.add("b")
+    assert queue.get_nowait() == "b"
+    clock.now += 2.0
+    queue.add("a")  # an event for "a" while it is reconciled: waits for it, counts as depth
+    queue.add("c")
+    queue.add("c")  # already waiting: not an add
+    name = {"name": "embeddingservice"}
+    assert value(metrics, "workqueue_depth", **name) == 2
+    assert value(metrics, "workqueue_adds_total", **name) == 4
+    assert value(metrics, "workqueue_longest_running_processor_seconds", **name) == 9.0
+    assert value(metrics, "workqueue_unfinished_work_seconds", **name) == 9.0 + 2.0
+    queue.done("a")
+    queue.done("b")
+    assert value(metrics, "workqueue_longest_running_processor_seconds", **name) == 0
+
+
+def test_children_written_and_each_services_conditions_and_replicas() -> None:
+    cluster = FakeCluster()
+    cluster.add(
+        {
+            "apiVersion": "embedding-operator.dev/v1alpha1",
+            "kind": "EmbeddingService",
+            "metadata": {"name": "emb", "namespace": "team", "uid": "u1", "generation": 1},
+            "spec": SERVICE,
+        }
+    )
+    metrics = OperatorMetrics()
+    reconciler = Reconciler(
+        cluster=cluster,
+        profiles=GpuProfiles.builtin(),
+        default_image="img:1",
+        recorder=lambda body, **_: None,
+        metrics=metrics,
+    )
+    reconciler.reconcile("team", "emb")
+    writes = "embedding_operator_child_writes_total"
+    for kind in ("Deployment", "Service", "PodDisruptionBudget"):
+        assert value(metrics, writes, kind=kind, operation="apply") == 1, kind
+    svc = {"namespace": "team", "service": "emb"}
+    condition = "embedding_operator_service_condition"
+    assert (
+        value(metrics, condition, **svc, type="Ready", status="False", reason="RolloutInProgress")
+        == 1
+    )
+    assert (
+        value(metrics, condition, **svc, type="Degraded", status="False", reason="AsExpected") == 1
+    )
+    replicas = "embedding_operator_service_replicas"
+    assert value(metrics, replicas, **svc, state="desired") == 2
+    assert value(metrics, replicas, **svc, state="ready") == 0
+    assert value(metrics, replicas, **svc, state="max") is None  # no autoscaling, no bounds
+
+    reconciler.reconcile("team", "emb")  # nothing changed: nothing written again
+    assert value(metrics, writes, kind="Deployment", operation="apply") == 1
+
+    restarts = "embedding_operator_server_restarts_total"
+    assert value(metrics, restarts, **svc, reason="ModelLoadFailed") == 0  # there before any
+
+    metrics.forget("team", "emb")  # the EmbeddingService was deleted
+    left = {key[0] for key in samples(metrics) if ("service", "emb") in key[1]}
+    assert not left, left
+
+
+def _pod(restarts: int, message: str = "", reason: str = "Error") -> dict[str, Any]:
+    last = {"terminated": {"exitCode": 1, "reason": reason, "message": message}}
+    return {
+        "metadata": {"name": "emb-7d4b9c8f5b-x2x9q", "namespace": "team"},
+        "status": {
+            "containerStatuses": [
+                {"name": "server", "restartCount": restarts, "lastState": last if restarts else {}}
+            ]
+        },
+    }
+
+
+def test_restarts_are_counted_by_why_the_server_ended() -> None:
+    metrics = OperatorMetrics()
+    svc = {"namespace": "team", "service": "emb"}
+    restarts = "embedding_operator_server_restarts_total"
+    # First sight of a pod that restarted before this operator started: a baseline.
+    metrics.pod("team", "emb", _pod(4, reason="OOMKilled"), deleted=False)
+    assert value(metrics, restarts, **svc, reason="OOMKilled") is None
+    metrics.pod("team", "emb", _pod(5, reason="OOMKilled"), deleted=False)
+    assert value(metrics, restarts, **svc, reason="OOMKilled") == 1
+    # The server's termination message says its model would not load.
+    load = f"{SERVER_MODEL_LOAD_FAILED}; the log says why"
+    metrics.pod("team", "emb", _pod(7, message=load), deleted=False)
+    assert value(metrics, restarts, **svc, reason="ModelLoadFailed") == 2
+    metrics.pod("team", "emb", _pod(7, message=load), deleted=False)  # an unrelated update
+    assert value(metrics, restarts, **svc, reason="ModelLoadFailed") == 2
+    metrics.pod("team", "emb", _pod(7), deleted=True)
+    metrics.pod("team", "emb", _pod(8), deleted=False)  # same name again: a new baseline
+    assert value(metrics, restarts, **svc, reason="Error") is None
+
+
+def test_metrics_are_served_over_http() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    metrics = OperatorMetrics()
+    metrics.leader.set(1)
+    server = serve(metrics, port, host="127.0.0.1")
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            text = response.read().decode()
+    finally:
+        server.shutdown()
+    assert "embedding_operator_leader 1.0" in text
+    assert (
+        'controller_runtime_reconcile_total{controller="embeddingservice",result="success"}' in text
+    )
+    assert 'workqueue_depth{name="embeddingservice"} 0.0' in text
