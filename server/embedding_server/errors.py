@@ -43,6 +43,15 @@ class InputTooLongError(InvalidRequestError):
         self.max_tokens = max_tokens
 
 
+class UnsettledInputError(InvalidRequestError):
+    """An input whose truncation the widest window the server reads of it cannot decide: a
+    word of thousands of characters runs across the window's edge, so the tokens to keep
+    depend on text the server does not tokenize (``tokenization.py``). Shorter texts are
+    tokenized whole; this one is refused rather than tokenized in full or guessed at."""
+
+    code = "input_unsettled"
+
+
 class AuthenticationError(EmbeddingServerError):
     """Missing or wrong API key."""
 

@@ -153,11 +153,22 @@ class ServingEngine(abc.ABC):
         return await self._rerank(self._scheduled(), query, documents, top_n, options)
 
     async def atokenize(
-        self, texts: str | Sequence[str], *, add_special_tokens: bool = True
+        self,
+        texts: str | Sequence[str],
+        *,
+        add_special_tokens: bool = True,
+        max_tokens: int | None = None,
+        param: str = "input",
     ) -> list[list[int]]:
         """``tokenize`` off the event loop."""
         return await self._offloader().offload(
-            functools.partial(self.tokenize, texts, add_special_tokens=add_special_tokens)
+            functools.partial(
+                self.tokenize,
+                texts,
+                add_special_tokens=add_special_tokens,
+                max_tokens=max_tokens,
+                param=param,
+            )
         )
 
     async def adetokenize(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
@@ -252,10 +263,19 @@ class ServingEngine(abc.ABC):
         )
 
     def tokenize(
-        self, texts: str | Sequence[str], *, add_special_tokens: bool = True
+        self,
+        texts: str | Sequence[str],
+        *,
+        add_special_tokens: bool = True,
+        max_tokens: int | None = None,
+        param: str = "input",
     ) -> list[list[int]]:
-        """Token ids of each text, untruncated (what ``/tokenize`` returns)."""
-        return self._tokenizer.tokenize(texts, add_special_tokens=add_special_tokens)
+        """Token ids of each text, untruncated (what ``/tokenize`` returns). With
+        ``max_tokens``, a text holding more is refused (413) after reading a bounded part of
+        it, never tokenized whole (:meth:`TextTokenizer.tokenize`)."""
+        return self._tokenizer.tokenize(
+            texts, add_special_tokens=add_special_tokens, max_tokens=max_tokens, param=param
+        )
 
     def detokenize(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """The text of token ids (special tokens dropped unless asked for)."""
