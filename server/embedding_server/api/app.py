@@ -11,6 +11,7 @@ A model that fails to load ends the process with one clear log line and exit sta
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,6 +24,7 @@ from embedding_server.api.direct import DirectRoutes, direct_routes
 from embedding_server.api.errors import install_error_handlers
 from embedding_server.api.lifecycle import Lifecycle, freeze_heap, served_model_name
 from embedding_server.api.middleware import RequestContextMiddleware
+from embedding_server.api.protocol import RequestLimits
 from embedding_server.api.routes_cohere import router as cohere_router
 from embedding_server.api.routes_openai import router as openai_router
 from embedding_server.api.routes_ops import router as ops_router
@@ -151,7 +153,7 @@ def create_app(
     route_paths = [getattr(route, "path", "") for router in ROUTERS for route in router.routes]
     # Added first, so it runs inside the request context (id, auth, limits, metrics).
     posts = direct_routes(ROUTERS)
-    app.add_middleware(DirectRoutes, routes=posts)
+    app.add_middleware(DirectRoutes, routes=posts, limits=functools.partial(_limits, lifecycle))
     app.add_middleware(
         RequestContextMiddleware,
         metrics=metrics,
@@ -162,6 +164,13 @@ def create_app(
     if tracing is not None:  # outermost: a request's span covers all of the above
         app.add_middleware(TracingMiddleware, tracing=tracing, paths=posts)
     return app
+
+
+def _limits(lifecycle: Lifecycle) -> RequestLimits:
+    """What a request body may carry now: the engine's token limit once it has loaded."""
+    engine = lifecycle.engine
+    max_tokens = engine.info().max_request_tokens if engine is not None else None
+    return RequestLimits(lifecycle.settings.max_inputs_per_request, max_tokens)
 
 
 def _version() -> str:

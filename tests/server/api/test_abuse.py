@@ -627,3 +627,58 @@ def test_a_cross_encoder_does_not_copy_the_query_for_every_document(
     assert response.status_code == 200, response.text[:300]
     assert len(response.json()["results"]) == 2048
     watch.assert_unharmed(loop_s=1.0)
+
+
+# -- issue 30, M2: big bodies are validated without stalling the loop ---------------------------
+
+
+def test_a_token_id_list_over_the_request_limit_is_refused_before_it_is_validated(
+    server: Served,
+) -> None:
+    # 4.1 million ids in 8 MiB: validating them tried every member of the input union first
+    # (1.4 s on the loop) before the 413 that their count alone decides.
+    body = b'{"input": [' + b"1," * 4_099_999 + b"1]}"
+    with Watch(server) as watch:
+        response = httpx.post(
+            server.url + "/v1/embeddings",
+            content=body,
+            headers={"content-type": "application/json"},
+            timeout=60,
+        )
+    assert "max_request_tokens" in assert_refused(response, 413, param="input")
+    watch.assert_unharmed(memory_mib=256)  # the body, and the list it parses into
+
+
+def test_more_inputs_than_allowed_are_refused_before_each_is_validated(server: Served) -> None:
+    # 1.5 million two-letter texts (7.5 MiB): each was validated (and scanned for lone
+    # surrogates) on the loop before their count was checked.
+    body = b'{"input": [' + b'"ab",' * 1_499_999 + b'"ab"]}'
+    with Watch(server) as watch:
+        response = httpx.post(
+            server.url + "/v1/embeddings",
+            content=body,
+            headers={"content-type": "application/json"},
+            timeout=60,
+        )
+    assert "at most 2048" in assert_refused(response, 400, param="input")
+    watch.assert_unharmed(memory_mib=256)  # the body, and the list it parses into
+
+
+def test_a_huge_token_id_list_within_the_limits_is_checked_off_the_loop(
+    roomy_server: Served,
+) -> None:
+    # 1.6 million ids in 8 MiB, cut to 64 tokens: within the roomy limits, so they are
+    # validated and checked against the vocabulary. That used to run on the loop, element by
+    # element (the input union tried as a list of strings first).
+    ids = ",".join(str(1000 + i % 20000) for i in range(1_600_000))
+    body = ('{"input": [' + ids + '], "truncate_prompt_tokens": -1}').encode()
+    with Watch(roomy_server) as watch:
+        response = httpx.post(
+            roomy_server.url + "/v1/embeddings",
+            content=body,
+            headers={"content-type": "application/json"},
+            timeout=60,
+        )
+    assert response.status_code == 200, response.text[:300]
+    assert response.json()["usage"]["prompt_tokens"] == MAX_LEN
+    watch.assert_unharmed(memory_mib=512)  # the body, and the list it parses into
