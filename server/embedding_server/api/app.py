@@ -160,6 +160,9 @@ def create_app(
         api_key=settings.api_key,
         max_request_bytes=settings.max_request_bytes,
         route_paths=route_paths,
+        allowed_hosts=settings.allowed_hosts,
+        body_timeout=settings.body_timeout,
+        max_receiving_bytes=settings.receiving_bytes,
     )
     if tracing is not None:  # outermost: a request's span covers all of the above
         app.add_middleware(TracingMiddleware, tracing=tracing, paths=posts)

@@ -682,3 +682,176 @@ def test_a_huge_token_id_list_within_the_limits_is_checked_off_the_loop(
     assert response.status_code == 200, response.text[:300]
     assert response.json()["usage"]["prompt_tokens"] == MAX_LEN
     watch.assert_unharmed(memory_mib=512)  # the body, and the list it parses into
+
+
+# -- issue 30, M3 and L4: the HTTP layer --------------------------------------------------------
+
+HEADER_TIMEOUT = 1.0
+BODY_TIMEOUT = 2.0
+MAX_CONNECTIONS = 200
+RECEIVING_BYTES = 8 * 2**20
+
+
+@pytest.fixture(scope="module")
+def http_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """MiniLM with short HTTP timeouts, a small connection cap and host checking."""
+    log = tmp_path_factory.mktemp("abuse-http") / "server.log"
+    with serve(
+        log,
+        "--max-model-len", str(MAX_LEN),
+        "--header-timeout", str(HEADER_TIMEOUT),
+        "--body-timeout", str(BODY_TIMEOUT),
+        "--keep-alive-timeout", "1",
+        "--max-connections", str(MAX_CONNECTIONS),
+        "--max-header-bytes", "16384",
+        "--max-receiving-bytes", str(RECEIVING_BYTES),
+        "--allowed-hosts", "localhost,embedder.example,*.svc.example",
+    ) as served:  # fmt: skip
+        yield served
+
+
+def _address(served: Served) -> tuple[str, int]:
+    host, port = served.url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+def _closed(sock: socket.socket) -> bool:
+    """Whether the server has closed ``sock`` (whatever it answered first)."""
+    sock.setblocking(False)
+    try:
+        while True:
+            if not sock.recv(65536):
+                return True
+    except BlockingIOError:
+        return False
+    except OSError:  # reset
+        return True
+
+
+def _answer(sock: socket.socket, timeout: float = 10.0) -> bytes:
+    """Everything the server sends on ``sock`` until it closes it."""
+    sock.settimeout(timeout)
+    chunks = []
+    with contextlib.suppress(OSError):
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_200_mib_of_headers_are_refused_as_they_arrive(http_server: Served) -> None:
+    # One header, sent 64 KiB at a time, up to 200 MiB: it used to be buffered whole
+    # (the process grew by 200 MiB) before the API key was even looked at.
+    with Watch(http_server) as watch:
+        sock = socket.create_connection(_address(http_server))
+        sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: localhost\r\nX-Fill: ")
+        sent = 0
+        with contextlib.suppress(OSError):
+            while sent < 200 * 2**20:
+                sock.sendall(b"a" * 65536)
+                sent += 65536
+        answer = _answer(sock)
+        sock.close()
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
+    assert sent < 8 * 2**20, f"the server read {sent / 2**20:.0f} MiB of headers"
+    watch.assert_unharmed(memory_mib=32)
+
+
+def test_half_open_connections_are_closed_and_capped(http_server: Served) -> None:
+    # 500 connections that never finish a request: they used to stay open for good. Beyond
+    # the cap they are closed at once; the rest when their headers' time is up.
+    sockets = [socket.create_connection(_address(http_server)) for _ in range(250)]
+    for sock in sockets[:125]:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: local")  # a head never finished
+    sockets += [socket.create_connection(_address(http_server)) for _ in range(250)]
+    try:
+        time.sleep(0.3)
+        early = sum(_closed(sock) for sock in sockets)
+        assert early >= 500 - MAX_CONNECTIONS - 5, f"only {early} of 500 closed at once"
+        time.sleep(HEADER_TIMEOUT + 1.5)
+        assert all(_closed(sock) for sock in sockets), "a half-open connection is still open"
+    finally:
+        for sock in sockets:
+            sock.close()
+    assert embed_ok(http_server.url).status_code == 200
+
+
+def test_a_head_sent_a_byte_at_a_time_is_cut_off(http_server: Served) -> None:
+    sock = socket.create_connection(_address(http_server))
+    started = time.monotonic()
+    with contextlib.suppress(OSError):
+        for byte in b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Slow: " + b"a" * 100:
+            sock.sendall(bytes([byte]))
+            time.sleep(0.05)
+    answer = _answer(sock)
+    sock.close()
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert time.monotonic() - started < HEADER_TIMEOUT + 2
+
+
+def test_stalled_uploads_are_bounded_in_memory_and_timed_out(http_server: Served) -> None:
+    # 60 uploads that send 1 MiB of a 2 MiB body and stop: they used to hold what they sent
+    # (486 MiB for 60 of 8 MiB) for as long as the client liked.
+    head = (
+        b"POST /v1/embeddings HTTP/1.1\r\nHost: localhost\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 2097152\r\n\r\n"
+    )
+    with Watch(http_server) as watch:
+        uploads = []
+        for _ in range(60):
+            sock = socket.create_connection(_address(http_server))
+            sock.sendall(head + b'{"input": "' + b"a" * (2**20 - 11))
+            uploads.append(sock)
+        time.sleep(0.5)
+        # Another client is served meanwhile.
+        assert embed_ok(http_server.url).status_code == 200
+        answers = [_answer(sock, timeout=BODY_TIMEOUT + 5) for sock in uploads]
+    for sock in uploads:
+        sock.close()
+    statuses = {answer[:12] for answer in answers}
+    assert statuses <= {b"HTTP/1.1 408", b"HTTP/1.1 503"}, statuses
+    assert b"HTTP/1.1 408" in statuses and b"HTTP/1.1 503" in statuses
+    # What they held: the receiving budget, 64 KiB each beyond it, and the sockets' buffers.
+    watch.assert_unharmed(loop_s=1.0, memory_mib=RECEIVING_BYTES // 2**20 + 40)
+
+
+def test_an_idle_kept_alive_connection_is_closed(http_server: Served) -> None:
+    sock = socket.create_connection(_address(http_server))
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+    sock.settimeout(5)
+    assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+    time.sleep(2.0)
+    assert _closed(sock)
+    sock.close()
+
+
+@pytest.mark.parametrize(
+    ("host", "allowed"),
+    [
+        ("localhost:8000", True),
+        ("embedder.example", True),
+        ("api.svc.example:80", True),
+        ("127.0.0.1:8000", True),
+        ("10.1.2.3", True),
+        ("[::1]:8000", True),
+        ("attacker.example", False),
+        ("localhost.attacker.example", False),
+        ("svc.example.attacker.example", False),
+    ],
+)
+def test_only_allowed_hosts_and_ip_addresses_are_answered(
+    http_server: Served, host: str, allowed: bool
+) -> None:
+    # DNS rebinding: a page from attacker.example re-resolves its own name to 127.0.0.1 and
+    # calls the server there; the browser still sends Host: attacker.example.
+    for path, body in (("/v1/embeddings", {"input": "hello"}), ("/health", None)):
+        response = httpx.request(
+            "POST" if body else "GET",
+            http_server.url + path,
+            json=body,
+            headers={"host": host},
+            timeout=30,
+        )
+        if allowed:
+            assert response.status_code == 200, (host, response.text[:200])
+        else:
+            assert "allowed-hosts" in assert_refused(response, 400)
