@@ -230,6 +230,38 @@ def test_a_request_over_its_limit_is_refused_before_all_its_texts_are_read(
     assert recording.calls - calls_before <= 2  # a turn or two of reading, not all of it
 
 
+def test_admission_estimates_are_never_less_than_what_the_texts_hold(minilm_dir: Path) -> None:
+    """Queue room is reserved on the estimate while a request is tokenized, so a text that
+    holds more tokens than its estimate says would let a crowd past admission and make the
+    server tokenize what the queue then refuses (issue 30: the estimate is an upper bound)."""
+    from tests.support.models import byte_tokenizer
+
+    wordpiece = Tokenizer.from_file(str(minilm_dir / "tokenizer.json"))
+    byte_level = byte_tokenizer(["<s>", "</s>", "<unk>"], "<s> $A </s>", ["<s>", "</s>"])
+    hostile = [
+        "a a a a a a a a",  # a token per two characters
+        ",.;:!?" * 20,  # a token per character
+        "日本語の文章" * 20,  # a token per character, or per byte on byte-level BPE
+        "\U0001f600" * 20,  # four bytes a character
+        "hello",
+    ]
+    for backend in (wordpiece, byte_level):
+        tokenizer = TextTokenizer(backend, max_length=512)
+        right = Truncation("right")
+        for text in hostile:
+            holds = len(tokenizer.encode([text], truncation=right)[0].ids)
+            _, estimate = tokenizer.admission_estimate([text], right, None)
+            assert estimate >= holds, (backend is byte_level, text[:12], estimate, holds)
+            prompted = len(tokenizer.encode([text], truncation=right, prompt="query: ")[0].ids)
+            _, estimate = tokenizer.admission_estimate([text], right, "query: ")
+            assert estimate >= prompted
+    pairs = TextTokenizer(wordpiece, max_length=512)
+    for a in hostile:
+        for b in hostile:
+            holds = len(pairs.encode_pairs([(a, b)], truncation=Truncation("right"))[0].ids)
+            assert pairs.pair_estimate([(a, b)], Truncation("right"))[1] >= holds
+
+
 def test_input_ids_must_be_rows_of_the_embedding_table_too(minilm_dir: Path) -> None:
     # A checkpoint whose embedding table is smaller than its tokenizer's vocabulary: an id
     # the tokenizer knows but the table lacks would be an out-of-range row (a device assert
