@@ -218,21 +218,28 @@ class ApiRequest(BaseModel):
 
     @field_validator("*", mode="before")
     @classmethod
-    def _valid_unicode(cls, value: Any, info: ValidationInfo) -> Any:
-        """Before any other check of a field: its counts against the server's limits when
-        the validation context gives them (:class:`RequestLimits`), then its text.
-
-        JSON can escape a lone surrogate (``"\\ud800"``), which is no Unicode text: no
+    def _valid_unicode(cls, value: Any) -> Any:
+        """JSON can escape a lone surrogate (``"\\ud800"``), which is no Unicode text: no
         tokenizer or JSON encoder takes it, so it is refused here, naming the field, before
         any other check of the field (pydantic's own length checks would call it only "not a
         valid string")."""
-        if isinstance(info.context, RequestLimits) and info.field_name in INPUT_FIELDS:
-            _check_counts(info.field_name, value, info.context)
         if _has_surrogate(value):
             raise ValueError(
                 "the text holds a lone UTF-16 surrogate escape (such as \\ud800), "
                 "which is not valid Unicode"
             )
+        return value
+
+    # Defined after _valid_unicode so that it runs before it: pydantic runs a field's
+    # "before" validators last-defined first. A flood is refused by its counts before its
+    # texts are scanned.
+    @field_validator(*sorted(INPUT_FIELDS), mode="before", check_fields=False)
+    @classmethod
+    def _within_limits(cls, value: Any, info: ValidationInfo) -> Any:
+        """The field's counts against the server's limits, when the validation context gives
+        them (:class:`RequestLimits`), before any element is validated."""
+        if isinstance(info.context, RequestLimits):
+            _check_counts(info.field_name or "input", value, info.context)
         return value
 
 

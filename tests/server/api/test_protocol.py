@@ -162,6 +162,14 @@ def test_counts_over_the_limits_are_refused_before_any_element_is_validated() ->
         (EmbeddingRequest, {"input": [*[1] * 100, "x"]}, TooManyTokensError, "input"),
         (EmbeddingRequest, {"input": [[1] * 60, [2] * 60]}, TooManyTokensError, "input"),
         (PoolingRequest, {"input": ["a"] * 5}, InvalidRequestError, "input"),
+        # A flood of lone surrogates is refused by its count, not scanned first.
+        (EmbeddingRequest, {"input": ["\ud800"] * 5}, InvalidRequestError, "input"),
+        (
+            RerankRequest,
+            {"query": "q", "documents": ["\ud800"] * 5},
+            InvalidRequestError,
+            "documents",
+        ),
         (ClassifyRequest, {"input": [[1]] * 5}, InvalidRequestError, "input"),
         (CohereEmbedRequest, {"texts": ["a", 1, 2, 3, 4]}, InvalidRequestError, "texts"),
         (ScoreRequest, {"text_1": "q", "text_2": ["d"] * 5}, InvalidRequestError, "text_2"),
