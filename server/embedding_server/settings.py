@@ -352,4 +352,3 @@ def otel_sdk_missing() -> str | None:
         if not found:
             return module
     return None
-
