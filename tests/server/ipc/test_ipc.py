@@ -293,10 +293,10 @@ def test_a_burst_at_one_front_end_is_refused_there_while_it_tokenizes(
         )
         path = str(tmp_path / "engine.sock")
         async with _front_end(path, engine, monkeypatch) as (front, _, calls):
-            # 2,500 token ids, too many to check on the event loop, cut to 320 tokens: the
-            # front-end holds room for them while its tokenizer thread checks them. A request
+            # Five texts too long to tokenize on the event loop, cut to 320 tokens: the
+            # front-end holds room for them while its tokenizer thread reads them. A request
             # that arrives meanwhile and would overfill the queue with them is refused at once.
-            big = asyncio.create_task(front.aembed([[7] * 500] * 5))
+            big = asyncio.create_task(front.aembed(["w" * 2500] * 5))
             await asyncio.sleep(0)
             with pytest.raises(QueueFullError):
                 await front.aembed(["q" * 40, "q" * 40])  # about 24 tokens
