@@ -15,6 +15,9 @@ class EmbeddingServerError(Exception):
     status_code: int = 500
     error_type: str = "server_error"
     code: str | None = None
+    close_connection: bool = False
+    """Answer with ``Connection: close``: the request's body may still be arriving, and the
+    connection is not worth keeping (a stalled or refused upload)."""
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -43,6 +46,15 @@ class InputTooLongError(InvalidRequestError):
         self.max_tokens = max_tokens
 
 
+class UnsettledInputError(InvalidRequestError):
+    """An input whose truncation the widest window the server reads of it cannot decide: a
+    word of thousands of characters runs across the window's edge, so the tokens to keep
+    depend on text the server does not tokenize (``tokenization.py``). Shorter texts are
+    tokenized whole; this one is refused rather than tokenized in full or guessed at."""
+
+    code = "input_unsettled"
+
+
 class AuthenticationError(EmbeddingServerError):
     """Missing or wrong API key."""
 
@@ -57,6 +69,36 @@ class UnsupportedMediaTypeError(InvalidRequestError):
 
     status_code = 415
     code = "unsupported_media_type"
+
+
+class HostNotAllowedError(InvalidRequestError):
+    """The ``Host`` header names a host the server does not answer for (``--allowed-hosts``):
+    what a web page using DNS rebinding sends to reach a server on the visitor's machine."""
+
+    code = "host_not_allowed"
+
+
+class RequestTimeoutError(EmbeddingServerError):
+    """The client did not send its whole request body within ``--body-timeout``."""
+
+    status_code = 408
+    error_type = "invalid_request_error"
+    code = "request_timeout"
+    close_connection = True
+
+
+class ServerBusyError(EmbeddingServerError):
+    """The process holds as many request bodies still arriving as it may
+    (``--max-receiving-bytes``); ``retry_after`` seconds is the client's wait."""
+
+    status_code = 503
+    error_type = "server_error"
+    code = "server_busy"
+    close_connection = True
+
+    def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class ModelNotFoundError(EmbeddingServerError):

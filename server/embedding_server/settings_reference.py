@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
+from pydantic import SecretStr
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
 
@@ -64,7 +65,13 @@ def _unwrap_optional(annotation: Any) -> Any:
     return annotation
 
 
-_TYPE_NAMES = {str: "string", int: "integer", float: "number", bool: "boolean"}
+_TYPE_NAMES = {
+    str: "string",
+    int: "integer",
+    float: "number",
+    bool: "boolean",
+    SecretStr: "string (secret: printed masked)",
+}
 
 
 def _type(field: FieldInfo) -> str:

@@ -16,13 +16,28 @@ too (:class:`Prompts`), as is the validation of what ``/tokenize`` and ``/detoke
 We truncate *content* tokens and then add the special tokens, as Hugging Face tokenizers do,
 so a truncated BERT input still starts with ``[CLS]`` and ends with ``[SEP]``.
 
-A text far longer than the model can use is clipped to :data:`CLIP_CHARS_PER_TOKEN` characters
-per allowed token before the tokenizer sees it, so a megabyte of text costs what a few
-thousand characters cost. Clipping never changes a result: the tokenizer splits text into
-words before it cuts words into tokens, so every token of a clipped text except those of the
-word at the cut is a token of the full text. When those tokens are more than the input may
-keep, the full text is over-long and its truncation is exactly theirs; otherwise (a text
-that fits, or one made of a few giant words) the full text is tokenized as before.
+A text longer than the model can use is *read* through a window before the tokenizer sees
+all of it, so a megabyte of text costs what a few thousand characters cost. Reading never
+changes a result; the argument: the tokenizer splits text into words before it cuts words into
+tokens, so every token of a window of the text, except those of the word at the window's edge
+(and an added token touching it), is a token of the whole text, the same token at the same
+place: these are the window's *settled* tokens, and the text beyond the window cannot change
+them. When the settled tokens are more than an input may keep, the whole text is over-long,
+and its truncation (or its refusal without truncation) is exactly that of the window. When
+they are not (a text made of a few giant words, or a word longer than the window straddling
+its edge), the window is doubled and the text read again, until either the settled tokens
+decide it or the window holds the whole text, which is then tokenized as it is. A window
+starts at :data:`CLIP_CHARS_PER_TOKEN` characters per token the input may keep and grows to
+:data:`MAX_CHARS_PER_TOKEN` per token at most, so the tokenizer reads at most twice that of
+any one input, whatever its words. A longer text its widest window does not settle (a word of
+thousands of characters at the cut) is refused with :class:`~.errors.UnsettledInputError`,
+never tokenized in full nor guessed at.
+
+Sentence pairs are read the same way, each distinct text once however many pairs it is in
+(the query of a rerank request is one text, read once, for all its documents), and the
+tokens a whole request holds are counted as its inputs are read, so a request over its limit
+is refused after reading at most that limit's worth of text (:meth:`TextTokenizer.encode`'s
+``max_total``).
 """
 
 from __future__ import annotations
@@ -34,17 +49,40 @@ from typing import Literal
 
 from tokenizers import Encoding, Tokenizer
 
-from .errors import InputTooLongError, InvalidRequestError
+from .errors import (
+    InputTooLongError,
+    InvalidRequestError,
+    TooManyTokensError,
+    UnsettledInputError,
+)
 
 logger = logging.getLogger(__name__)
 
 CLIP_CHARS_PER_TOKEN = 8
-"""Characters kept per allowed token when clipping an over-long text. Natural text averages
-3-5 characters per token in every tokenizer we serve, so the kept part nearly always holds
-more than the allowed tokens; when it does not, the full text is tokenized (see above)."""
+"""The first window over an over-long text: characters read per token the input may keep.
+Natural text averages 3-5 characters per token in every tokenizer we serve, so this window
+nearly always settles the text at once."""
 
-ESTIMATE_CHARS_PER_TOKEN = 4
-"""Characters per token assumed when reserving queue room for a text before tokenizing it."""
+MAX_CHARS_PER_TOKEN = 64
+"""The widest window: characters read per token the input may keep (at least
+:data:`MIN_WIDEST_CHARS`). Beyond it a text that is still not settled is refused."""
+
+MIN_WIDEST_CHARS = 16384
+"""The widest window is never narrower than this, so a request that keeps few tokens of each
+input (a small ``truncate_prompt_tokens``) still reads a long word whole."""
+
+READ_CHARS_PER_CALL = 1 << 20
+"""Characters one batched tokenizer call reads at most: the inputs of a bigger request are
+read in turns of this size, and its tokens are counted against its limit after each turn."""
+
+
+def token_bound(text: str) -> int:
+    """At most how many tokens ``text`` can hold: one per UTF-8 byte (four per character
+    unless it is ASCII, which Python knows without reading it), plus a leading word marker
+    (SentencePiece's). Every tokenizer we serve gives at most a token per byte, so no text can
+    make its admission estimate smaller than what it holds."""
+    return (len(text) if text.isascii() else 4 * len(text)) + 1
+
 
 TruncationSide = Literal["right", "left"]
 
@@ -150,6 +188,76 @@ class TokenizedInput:
         return self.original_length > len(self.ids)
 
 
+@dataclass(eq=False, slots=True)
+class _Reading:
+    """One text being read through a window (see the module docstring)."""
+
+    text: str
+    window: int
+    """Characters of ``text`` the next read takes (from its end with ``from_end``)."""
+    from_end: bool = False
+    prompt: str = ""
+    """Prepended to what is read from the start (a prompt is cut off with the start)."""
+    enc: Encoding | None = None
+    read: int = 0
+    """The window ``enc`` was read with (0: not read yet)."""
+    settled: int = 0
+    """Leading tokens of ``enc`` (trailing ones ``from_end``) that the unread text cannot
+    change; all of them once the whole text was read."""
+
+    @property
+    def whole(self) -> bool:
+        return self.window >= len(self.text)
+
+    @property
+    def current(self) -> bool:
+        return self.enc is not None and self.read == self.window
+
+    def part(self) -> str:
+        if self.whole:
+            return self.prompt + self.text
+        if self.from_end:
+            return self.text[len(self.text) - self.window :]
+        return self.prompt + self.text[: self.window]
+
+    def widen(self, widest: int) -> bool:
+        """Double the window (to ``widest`` at most); False when it is at ``widest``."""
+        if self.window >= widest:
+            return False
+        self.window = min(2 * self.window, widest)
+        return True
+
+
+class _Tally:
+    """The tokens a request's inputs hold so far, against its limit (``max_total``)."""
+
+    def __init__(self, limit: int | None, param: str) -> None:
+        self.limit, self.param, self.total = limit, param, 0
+
+    def add(self, tokens: int) -> None:
+        self.total += tokens
+        if self.limit is not None and self.total > self.limit:
+            raise TooManyTokensError(
+                f"this request holds at least {self.total} tokens; one request may hold at "
+                f"most {self.limit} (max_request_tokens); split it into smaller requests",
+                param=self.param,
+            )
+
+
+def _turns(readings: list[_Reading]) -> list[list[_Reading]]:
+    """``readings`` in turns of at most :data:`READ_CHARS_PER_CALL` characters read."""
+    turns: list[list[_Reading]] = [[]]
+    size = 0
+    for reading in readings:
+        cost = min(len(reading.text), reading.window)
+        if turns[-1] and size + cost > READ_CHARS_PER_CALL:
+            turns.append([])
+            size = 0
+        turns[-1].append(reading)
+        size += cost
+    return turns
+
+
 class TextTokenizer:
     """A fast tokenizer plus the model's limits; thread-safe for concurrent ``encode`` calls.
 
@@ -168,28 +276,75 @@ class TextTokenizer:
         self.input_id_limit = min(self.vocab_size, embedding_rows or self.vocab_size)
         """Token ids a model input may hold: known to the tokenizer *and* a row of the
         model's embedding table (on CUDA an out-of-range row is a device assert)."""
-        self.clip_chars = CLIP_CHARS_PER_TOKEN * max_length
+        self.first_chars_per_token = CLIP_CHARS_PER_TOKEN
+        self.max_chars_per_token = MAX_CHARS_PER_TOKEN
+        self.min_widest_chars = MIN_WIDEST_CHARS
         self._prefix, self._suffix = _special_affixes(tokenizer)
         self.num_special = len(self._prefix) + len(self._suffix)
+        self.num_pair_special = tokenizer.num_special_tokens_to_add(True)
 
     @property
     def backend(self) -> Tokenizer:
         return self._tok
 
+    def windows(self, limit: int) -> tuple[int, int]:
+        """The first and the widest window (characters) over a text that may keep ``limit``
+        tokens."""
+        first = self.first_chars_per_token * limit
+        widest = max(self.max_chars_per_token * limit, self.min_widest_chars, first)
+        return first, widest
+
     def tokenize(
-        self, texts: str | Sequence[str], *, add_special_tokens: bool = True
+        self,
+        texts: str | Sequence[str],
+        *,
+        add_special_tokens: bool = True,
+        max_tokens: int | None = None,
+        param: str = "input",
     ) -> list[list[int]]:
-        """Token ids of each text, untruncated (the ``/tokenize`` endpoint)."""
+        """Token ids of each text, untruncated (the ``/tokenize`` endpoint).
+
+        With ``max_tokens``, a text holding more is refused (:class:`TooManyTokensError`)
+        after reading at most :data:`CLIP_CHARS_PER_TOKEN` characters per allowed token of
+        it: it is read through windows from one character per allowed token up, until its
+        settled tokens are too many or the window holds it whole."""
         items = [texts] if isinstance(texts, str) else list(texts)
         if not items:
-            raise InvalidRequestError("no texts given to tokenize", param="input")
+            raise InvalidRequestError("no texts given to tokenize", param=param)
         for i, text in enumerate(items):
             if not isinstance(text, str):
                 raise InvalidRequestError(
-                    f"input[{i}] must be a string, got {type(text).__name__}", param="input"
+                    f"{param}[{i}] must be a string, got {type(text).__name__}", param=param
                 )
-        encodings = self._tok.encode_batch_fast(items, add_special_tokens=add_special_tokens)
-        return [e.ids for e in encodings]
+        if max_tokens is None:
+            encodings = self._tok.encode_batch_fast(items, add_special_tokens=add_special_tokens)
+            return [e.ids for e in encodings]
+        specials = self.num_special if add_special_tokens else 0
+        first, widest = max_tokens + 1, self.first_chars_per_token * (max_tokens + 1)
+        out: list[list[int]] = []
+        for i, text in enumerate(items):
+            where = param if len(items) == 1 else f"{param}[{i}]"
+            reading = _Reading(text, first)
+            while not reading.whole:
+                self._read([reading])
+                at_least = reading.settled + specials
+                if at_least > max_tokens:
+                    raise self._too_many(where, f"at least {at_least}", max_tokens)
+                if not reading.widen(widest):
+                    raise self._unsettled(where, reading, max_tokens - specials, widest)
+            ids = self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+            if len(ids) > max_tokens:
+                raise self._too_many(where, str(len(ids)), max_tokens)
+            out.append(ids)
+        return out
+
+    @staticmethod
+    def _too_many(where: str, count: str, limit: int) -> TooManyTokensError:
+        return TooManyTokensError(
+            f"'{where}' holds {count} tokens; one request may hold at most {limit} "
+            "(max_request_tokens)",
+            param=where.split("[", 1)[0],
+        )
 
     def detokenize(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """The text of token ids (special tokens dropped unless asked for)."""
@@ -210,6 +365,10 @@ class TextTokenizer:
         bound = self.vocab_size if limit is None else limit
         if isinstance(ids, str) or not isinstance(ids, Sequence):
             raise InvalidRequestError("tokens must be a list of integers", param=param)
+        # The common case in C loops (millions of ids in tens of milliseconds); the loop
+        # below only runs to name the first bad id, or for int subclasses.
+        if ids and set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < bound:
+            return
         for token in ids:
             if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < bound:
                 raise InvalidRequestError(
@@ -223,22 +382,34 @@ class TextTokenizer:
 
         ``floor`` never exceeds the tokens the request will hold (token-id inputs are
         counted exactly, at most the limit each; a text counts one token), so a request
-        whose floor is already too big can be refused at once. ``estimate`` guesses the
-        texts from their length (:data:`ESTIMATE_CHARS_PER_TOKEN`), to reserve queue room
-        while they are tokenized.
+        whose floor is already too big can be refused at once. ``estimate`` is never less
+        than they will be: each text at most the limit, or its :func:`token_bound` (with
+        the prompt's and the special tokens), so no text can make its request look smaller
+        than it is.
         """
         limit = min(self.max_length, truncation.max_tokens or self.max_length)
-        extra = len(prompt or "")
+        extra = (token_bound(prompt) if prompt else 0) + self.num_special
         floor = estimate = 0
         for item in inputs:
             if isinstance(item, str):
-                guess = -(-(len(item) + extra) // ESTIMATE_CHARS_PER_TOKEN) + self.num_special
                 floor += 1
-                estimate += min(limit, guess)
+                estimate += min(limit, token_bound(item) + extra)
             else:
                 exact = min(limit, len(item))
                 floor += exact
                 estimate += exact
+        return floor, estimate
+
+    def pair_estimate(
+        self, pairs: Sequence[tuple[str, str]], truncation: Truncation
+    ) -> tuple[int, int]:
+        """:meth:`admission_estimate` of sentence pairs, from their lengths alone (a pair's
+        texts are never joined to be measured)."""
+        limit = min(self.max_length, truncation.max_tokens or self.max_length)
+        floor = min(limit, max(1, self.num_pair_special)) * len(pairs)
+        estimate = sum(
+            min(limit, token_bound(a) + token_bound(b) + self.num_pair_special) for a, b in pairs
+        )
         return floor, estimate
 
     def prompt_length(self, prompt: str, *, add_special_tokens: bool = True) -> int:
@@ -257,82 +428,104 @@ class TextTokenizer:
         add_special_tokens: bool = True,
         prompt: str | None = None,
         param: str = "input",
+        max_total: int | None = None,
     ) -> list[TokenizedInput]:
-        """Tokenize and truncate one request's inputs in one batched call (two when a
-        clipped text has to be tokenized in full after all)."""
+        """Tokenize and truncate one request's inputs: each text read through windows (see
+        the module docstring), all of a turn's texts in one batched call.
+
+        ``max_total``: the most tokens the request may hold; once its inputs hold more, it
+        is refused (:class:`TooManyTokensError`) without reading the rest."""
         limit = self._limit(truncation)
         prefix = self._prefix if add_special_tokens else []
         suffix = self._suffix if add_special_tokens else []
         prompt_len = self.prompt_length(prompt or "", add_special_tokens=add_special_tokens)
+        first, widest = self.windows(limit)
+        from_end = truncation.side == "left"
+        tally = _Tally(max_total, param)
         out: list[TokenizedInput | None] = [None] * len(inputs)
-        texts: list[str] = []
-        text_slots: list[int] = []
-        clipped_at: dict[int, str] = {}  # slot -> the side its text was clipped on
+        slots: dict[int, int] = {}  # id(reading) -> its input's index
+        readings: list[_Reading] = []
         for i, item in enumerate(inputs):
             if isinstance(item, str):
-                text_slots.append(i)
-                if len(item) <= self.clip_chars:
-                    texts.append((prompt or "") + item)
-                elif truncation.side == "left":
-                    clipped_at[i] = "left"  # the prompt would be cut off: leave it out
-                    texts.append(item[-self.clip_chars :])
-                else:
-                    clipped_at[i] = "right"
-                    texts.append((prompt or "") + item[: self.clip_chars])
+                # A prompt read from the end would be cut off: it joins only a whole text.
+                reading = _Reading(item, first, from_end, prompt or "")
+                slots[id(reading)] = i
+                readings.append(reading)
             else:
                 ids = list(item)
                 where = f"{param}[{i}]" if len(inputs) > 1 else param
                 self.check_ids(ids, where, self.input_id_limit)
-                out[i] = self._fit(ids, ids, [], limit, truncation, i, param, 0)
-        if not texts:
-            return [x for x in out if x is not None]
-        encodings = self._encode_texts(
-            texts, [k for k, slot in enumerate(text_slots) if slot in clipped_at]
-        )
-        unsettled: list[int] = []
-        for slot, enc in zip(text_slots, encodings, strict=True):
-            side = clipped_at.get(slot)
-            if side is None:
-                out[slot] = self._fit_encoding(
-                    enc, prefix, suffix, limit, truncation, slot, param, prompt_len
-                )
-                continue
-            fitted = self._fit_clipped(
-                enc, side, prefix, suffix, limit, truncation, slot, param, prompt_len
-            )
-            if fitted is None:
-                unsettled.append(slot)
-            out[slot] = fitted
-        if unsettled:
-            full = [(prompt or "") + str(inputs[slot]) for slot in unsettled]
-            for slot, enc in zip(
-                unsettled, self._tok.encode_batch_fast(full, add_special_tokens=False), strict=True
-            ):
-                out[slot] = self._fit_encoding(
-                    enc, prefix, suffix, limit, truncation, slot, param, prompt_len
-                )
+                fitted = self._fit(ids, ids, [], limit, truncation, i, param, 0)
+                tally.add(len(fitted.ids))
+                out[i] = fitted
+        for turn in _turns(readings):
+            pending = turn
+            while pending:
+                self._read(pending)
+                unsettled: list[_Reading] = []
+                for reading in pending:
+                    slot = slots[id(reading)]
+                    if reading.whole:
+                        assert reading.enc is not None
+                        fitted = self._fit_encoding(
+                            reading.enc, prefix, suffix, limit, truncation, slot, param, prompt_len
+                        )
+                    else:
+                        unfit = self._fit_clipped(
+                            reading, prefix, suffix, limit, truncation, slot, param, prompt_len
+                        )
+                        if unfit is None:
+                            if not reading.widen(widest):
+                                keep = limit - len(prefix) - len(suffix)
+                                raise self._unsettled(f"{param}[{slot}]", reading, keep, widest)
+                            unsettled.append(reading)
+                            continue
+                        fitted = unfit
+                    tally.add(len(fitted.ids))
+                    out[slot] = fitted
+                pending = unsettled
         return [x for x in out if x is not None]
 
-    def _encode_texts(self, texts: list[str], need_words: Sequence[int]) -> list[Encoding]:
-        """Encodings of ``texts`` (no special tokens). Only the clipped texts, at positions
-        ``need_words``, need word ids (:meth:`_fit_clipped`); the rest skip the offset and
-        word bookkeeping (``encode_batch_fast``, measurably cheaper per text)."""
-        if not need_words:
-            return self._tok.encode_batch_fast(texts, add_special_tokens=False)
-        words = set(need_words)
-        plain = [k for k in range(len(texts)) if k not in words]
-        out: list[Encoding | None] = [None] * len(texts)
-        full = self._tok.encode_batch([texts[k] for k in need_words], add_special_tokens=False)
-        for k, enc in zip(need_words, full, strict=True):
-            out[k] = enc
-        if plain:
-            fast = self._tok.encode_batch_fast([texts[k] for k in plain], add_special_tokens=False)
-            for k, enc in zip(plain, fast, strict=True):
-                out[k] = enc
-        return [enc for enc in out if enc is not None]
+    def _read(self, readings: Sequence[_Reading]) -> None:
+        """Tokenize the window of each reading that is not current, in at most two batched
+        calls: windows need word ids to settle their edge (``encode_batch``); whole texts do
+        not and skip the offset and word bookkeeping (``encode_batch_fast``, measurably
+        cheaper per text)."""
+        stale = list({id(r): r for r in readings if not r.current}.values())
+        parts = [r for r in stale if not r.whole]
+        wholes = [r for r in stale if r.whole]
+        if parts:
+            encodings = self._tok.encode_batch([r.part() for r in parts], add_special_tokens=False)
+            for reading, enc in zip(parts, encodings, strict=True):
+                reading.enc, reading.read = enc, reading.window
+                reading.settled = _settled_tokens(enc.word_ids, from_end=reading.from_end)
+        if wholes:
+            encodings = self._tok.encode_batch_fast(
+                [r.part() for r in wholes], add_special_tokens=False
+            )
+            for reading, enc in zip(wholes, encodings, strict=True):
+                reading.enc, reading.read, reading.settled = enc, reading.window, len(enc.ids)
+
+    @staticmethod
+    def _unsettled(
+        where: str, reading: _Reading, keep: int, widest: int, param: str | None = None
+    ) -> UnsettledInputError:
+        end = "last" if reading.from_end else "first"
+        return UnsettledInputError(
+            f"{where} is {len(reading.text)} characters long and its {end} {widest} characters, "
+            "the most the server tokenizes of one input, hold only "
+            f"{reading.settled} tokens that the rest of the text cannot change, not the "
+            f"{max(keep, 1)} it needs: a word thousands of characters long runs across that "
+            f"point. Send at most {widest} characters of this text, or break up that word.",
+            param=param or where.split("[", 1)[0],
+        )
 
     def encode_pairs(
-        self, pairs: Sequence[tuple[str, str]], *, truncation: Truncation
+        self,
+        pairs: Sequence[tuple[str, str]],
+        *,
+        truncation: Truncation,
+        max_total: int | None = None,
     ) -> list[TokenizedInput]:
         """Tokenize sentence pairs as one sequence each, the way a cross-encoder reads them:
         the tokenizer's pair template (``[CLS] a [SEP] b [SEP]`` with segment ids for BERT,
@@ -340,85 +533,152 @@ class TextTokenizer:
         longest-first (one token at a time from the longer text), as transformers'
         ``truncation=True`` does.
 
-        As for single texts, a text longer than ``clip_chars`` is clipped before the
-        tokenizer sees it, and tokenized in full only when the clipped part cannot decide the
-        result (:meth:`_clipped_pair_settles`)."""
+        Each distinct text is read once (a query scored against 2,048 documents is read
+        once, not 2,048 times), through windows as single texts are, and widened only while
+        a pair it is in cannot be decided (:meth:`_pair_keeps`). ``max_total`` as for
+        :meth:`encode`."""
         limit = self._limit(truncation)
-        special = self._tok.num_special_tokens_to_add(True)
+        special = self.num_pair_special
+        first, widest = self.windows(limit)
         from_end = truncation.side == "left"
+        tally = _Tally(max_total, "input")
+        readings: dict[int, _Reading] = {}
 
-        def clip(text: str) -> str:
-            if len(text) <= self.clip_chars:
-                return text
-            return text[-self.clip_chars :] if from_end else text[: self.clip_chars]
+        def reading_of(text: str) -> _Reading:
+            found = readings.get(id(text))
+            if found is None:
+                found = readings[id(text)] = _Reading(text, first, from_end)
+            return found
 
-        firsts = self._tok.encode_batch([clip(a) for a, _ in pairs], add_special_tokens=False)
-        seconds = self._tok.encode_batch([clip(b) for _, b in pairs], add_special_tokens=False)
-        out: list[TokenizedInput] = []
-        for i, ((a, b), first, second) in enumerate(zip(pairs, firsts, seconds, strict=True)):
-            clipped = (len(a) > self.clip_chars, len(b) > self.clip_chars)
-            n = len(first) + len(second) + special
-            if not any(clipped):
-                settles = True
-            elif truncation.side is None:  # refused below when over the limit even clipped
-                settles = n > limit
-            else:
-                settles = self._clipped_pair_settles(
-                    first, second, clipped, limit - special, from_end=from_end
-                )
-            if not settles:
-                first, second = self._tok.encode_batch([a, b], add_special_tokens=False)
-                clipped = (False, False)
-                n = len(first) + len(second) + special
-            if n > limit:
-                if truncation.side is None:
-                    at_least = "at least " if any(clipped) else ""
-                    raise InputTooLongError(
-                        f"pair {i} has {at_least}{n} tokens, more than the maximum of {limit}; "
-                        "shorten it or ask for truncation",
-                        param=truncation.param,
-                        token_count=n,
-                        max_tokens=limit,
-                    )
-                keep_first, keep_second = longest_first(len(first), len(second), limit - special)
-                if min(keep_first, keep_second) == 0:
-                    raise InvalidRequestError(
-                        f"pair {i} cannot be cut to {limit} tokens without dropping one of "
-                        "its texts",
-                        param=truncation.param,
-                    )
-                first.truncate(keep_first, direction=truncation.side or "right")
-                second.truncate(keep_second, direction=truncation.side or "right")
-            enc = self._tok.post_process(first, second, add_special_tokens=True)
-            types = list(enc.type_ids)
-            out.append(TokenizedInput(list(enc.ids), n, 0, types if any(types) else None))
-        return out
+        both = [(reading_of(a), reading_of(b)) for a, b in pairs]
+        out: list[TokenizedInput | None] = [None] * len(pairs)
+        # Turns of pairs by the characters their texts not read in an earlier turn take.
+        groups: list[list[int]] = [[]]
+        seen: set[int] = set()
+        size = 0
+        for i, (a, b) in enumerate(both):
+            new = {id(r): r for r in (a, b) if id(r) not in seen}
+            cost = sum(min(len(r.text), r.window) for r in new.values())
+            if groups[-1] and size + cost > READ_CHARS_PER_CALL:
+                groups.append([])
+                size = 0
+            groups[-1].append(i)
+            size += cost
+            seen.update(new)
+        for pending in groups:
+            while pending:
+                self._read([r for i in pending for r in both[i]])
+                undecided: list[int] = []
+                widen: dict[int, _Reading] = {}
+                for i in pending:
+                    a, b = both[i]
+                    keeps = self._pair_keeps(a, b, limit, special, truncation, i)
+                    if keeps is None:
+                        for r in (a, b):
+                            if not r.whole:
+                                widen[id(r)] = r
+                        undecided.append(i)
+                        continue
+                    fitted = self._fit_pair(a, b, keeps, limit, special, truncation, i)
+                    tally.add(len(fitted.ids))
+                    out[i] = fitted
+                for r in widen.values():
+                    if not r.widen(widest):
+                        i = next(i for i in undecided if r in both[i])
+                        raise self._unsettled(f"pair {i}", r, 1, widest, truncation.param)
+                pending = undecided
+        return [x for x in out if x is not None]
 
-    @staticmethod
-    def _clipped_pair_settles(
-        first: Encoding,
-        second: Encoding,
-        clipped: tuple[bool, bool],
-        budget: int,
-        *,
-        from_end: bool,
-    ) -> bool:
-        """Whether a pair with one clipped text is cut exactly as its full texts would be.
+    def _pair_keeps(
+        self,
+        a: _Reading,
+        b: _Reading,
+        limit: int,
+        special: int,
+        truncation: Truncation,
+        index: int,
+    ) -> tuple[int, int] | None:
+        """How many tokens a pair keeps of each text, once its windows decide it; None while
+        they do not. A text read whole is exact; a window gives a lower bound (its settled
+        tokens), which decides the pair when:
 
-        Longest-first keeps of the longer text an amount that depends only on the shorter
-        text and the budget, so a clipped text that is still the strictly longer one, in a
-        pair over budget, keeps the same number of tokens; those must be settled (not
-        changed by the text beyond the cut, which is at the start with ``from_end``). Two
-        clipped texts tie-break on their unknown full lengths, so they are tokenized in
-        full."""
-        if all(clipped):
-            return False
-        longer, shorter = (first, second) if clipped[0] else (second, first)
-        if len(longer) <= len(shorter) or len(longer) + len(shorter) <= budget:
-            return False
-        keep = longest_first(len(first), len(second), budget)[0 if clipped[0] else 1]
-        settled = _settled_tokens(longer.word_ids, from_end=from_end)
-        return settled > keep
+        * refusing over-long pairs: the lower bounds alone are over the limit (refused);
+        * longest-first, one text read whole: the other is strictly longer even by its
+          lower bound, the pair over budget, so it keeps ``budget - shorter`` or half the
+          budget whatever its full length, and those are settled tokens;
+        * longest-first, both windows, an even budget: each is longer than half of it, so
+          each keeps exactly half. With an odd budget the longer text keeps the odd token,
+          and which one is longer depends on text not read: they are read further.
+        """
+        assert a.enc is not None and b.enc is not None
+        budget = limit - special
+        if a.whole and b.whole:
+            n = len(a.enc) + len(b.enc) + special
+            if n <= limit:
+                return len(a.enc), len(b.enc)
+            if truncation.side is None:
+                raise self._pair_too_long(index, n, limit, truncation, at_least=False)
+            return longest_first(len(a.enc), len(b.enc), budget)
+        if truncation.side is None:
+            lower = a.settled + b.settled + special
+            if lower > limit:
+                raise self._pair_too_long(index, lower, limit, truncation, at_least=True)
+            return None
+        if a.whole or b.whole:
+            whole, part = (a, b) if a.whole else (b, a)
+            n_whole, settled = whole.settled, part.settled
+            if settled <= n_whole or settled + n_whole <= budget:
+                return None
+            keep_a, keep_b = longest_first(
+                settled if part is a else n_whole, settled if part is b else n_whole, budget
+            )
+            return (keep_a, keep_b) if settled > (keep_a if part is a else keep_b) else None
+        half = budget // 2
+        if budget % 2 == 0 and a.settled > half and b.settled > half:
+            return half, half
+        return None
+
+    def _pair_too_long(
+        self, index: int, n: int, limit: int, truncation: Truncation, *, at_least: bool
+    ) -> InputTooLongError:
+        return InputTooLongError(
+            f"pair {index} has {'at least ' if at_least else ''}{n} tokens, more than the "
+            f"maximum of {limit}; shorten it or ask for truncation",
+            param=truncation.param,
+            token_count=n,
+            max_tokens=limit,
+        )
+
+    def _fit_pair(
+        self,
+        a: _Reading,
+        b: _Reading,
+        keeps: tuple[int, int],
+        limit: int,
+        special: int,
+        truncation: Truncation,
+        index: int,
+    ) -> TokenizedInput:
+        """The pair's sequence: both texts cut to ``keeps`` (copies: an encoding may be
+        shared with other pairs) inside the tokenizer's pair template."""
+        assert a.enc is not None and b.enc is not None
+        n = a.settled + b.settled + special
+        if min(keeps) == 0 and n > limit:
+            raise InvalidRequestError(
+                f"pair {index} cannot be cut to {limit} tokens without dropping one of its texts",
+                param=truncation.param,
+            )
+        encodings: list[Encoding] = []
+        for reading, keep in ((a, keeps[0]), (b, keeps[1])):
+            enc = reading.enc
+            assert enc is not None
+            if keep < len(enc):
+                enc = Encoding.merge([enc], growing_offsets=True)
+                enc.truncate(keep, direction=truncation.side or "right")
+            encodings.append(enc)
+        enc = self._tok.post_process(encodings[0], encodings[1], add_special_tokens=True)
+        types = list(enc.type_ids)
+        return TokenizedInput(list(enc.ids), n, 0, types if any(types) else None)
 
     def _limit(self, truncation: Truncation) -> int:
         if truncation.max_tokens is None:
@@ -433,8 +693,7 @@ class TextTokenizer:
 
     def _fit_clipped(
         self,
-        enc: Encoding,
-        side: str,
+        reading: _Reading,
         prefix: list[int],
         suffix: list[int],
         limit: int,
@@ -443,12 +702,14 @@ class TextTokenizer:
         param: str,
         prompt_len: int,
     ) -> TokenizedInput | None:
-        """The input of a clipped text, when its settled tokens decide it; else None."""
-        content = enc.ids
+        """The input of a text read through a window, when its settled tokens decide it (the
+        text is over-long); else None."""
+        assert reading.enc is not None
+        content = reading.enc.ids
         keep = limit - len(prefix) - len(suffix)
-        settled = _settled_tokens(enc.word_ids, from_end=side == "left")
-        if keep <= 0 or settled <= keep:
-            return None  # the full text decides (and _fit reports a limit with no room)
+        settled = reading.settled
+        if settled <= max(keep, 0):
+            return None
         at_least = len(prefix) + settled + len(suffix)
         if truncation.side is None:
             raise InputTooLongError(
@@ -458,10 +719,20 @@ class TextTokenizer:
                 token_count=at_least,
                 max_tokens=limit,
             )
-        if side == "left":
+        if keep <= 0:
+            raise self._no_room(limit, len(prefix) + len(suffix), truncation)
+        if reading.from_end:
             return TokenizedInput(prefix + content[len(content) - keep :] + suffix, at_least, 0)
         return TokenizedInput(
             prefix + content[:keep] + suffix, at_least, min(prompt_len, len(prefix) + keep)
+        )
+
+    @staticmethod
+    def _no_room(limit: int, specials: int, truncation: Truncation) -> InvalidRequestError:
+        return InvalidRequestError(
+            f"{truncation.param}={limit} leaves no room for content after the "
+            f"{specials} special tokens",
+            param=truncation.param,
         )
 
     def _fit_encoding(
@@ -514,11 +785,7 @@ class TextTokenizer:
         prefix, suffix = affixes if affixes else ([], [])
         keep = limit - len(prefix) - len(suffix)
         if keep <= 0:
-            raise InvalidRequestError(
-                f"{truncation.param}={limit} leaves no room for content after the "
-                f"{len(prefix) + len(suffix)} special tokens",
-                param=truncation.param,
-            )
+            raise self._no_room(limit, len(prefix) + len(suffix), truncation)
         kept = content[:keep] if truncation.side == "right" else content[len(content) - keep :]
         if truncation.side == "left":
             prompt_len = 0  # the prompt was cut off with the start of the text
@@ -594,7 +861,7 @@ def normalize_inputs(inputs: object, param: str) -> list[TextInput]:
     items = list(inputs)
     if not items:
         raise InvalidRequestError(f"{param} must not be an empty list", param=param)
-    if all(_is_token(x) for x in items):
+    if _all_tokens(items):
         return [items]
     out: list[TextInput] = []
     for i, item in enumerate(items):
@@ -604,8 +871,8 @@ def normalize_inputs(inputs: object, param: str) -> list[TextInput]:
             out.append(item)
         elif (
             isinstance(item, Sequence)
-            and not isinstance(item, bytes | bytearray)
-            and all(_is_token(x) for x in item)
+            and not isinstance(item, bytes | bytearray | str)
+            and _all_tokens(item)
         ):
             if not item:
                 raise InvalidRequestError(
@@ -622,3 +889,9 @@ def normalize_inputs(inputs: object, param: str) -> list[TextInput]:
 
 def _is_token(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _all_tokens(items: Sequence[object]) -> bool:
+    """Whether every item is a token id: in C loops for plain ints (millions of ids in tens of
+    milliseconds, on the event loop), item by item only for int subclasses."""
+    return set(map(type, items)) == {int} or all(_is_token(x) for x in items)

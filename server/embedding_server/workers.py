@@ -52,7 +52,7 @@ from embedding_server.device.service import EngineService
 from embedding_server.engine import Engine
 from embedding_server.logging import configure_logging
 from embedding_server.metrics import Metrics
-from embedding_server.settings import ServerSettings, redact_settings
+from embedding_server.settings import ServerSettings
 from embedding_server.termination import report_model_load_failure
 
 logger = logging.getLogger(__name__)
@@ -165,7 +165,7 @@ async def _start(
         await engine.start()
     except Exception as error:  # a failed warm-up ends the server, exit 1
         logger.debug("warm-up failed", exc_info=True)
-        detail = redact_settings(f"{type(error).__name__}: {error}", settings)
+        detail = f"{type(error).__name__}: {error}"
         report_model_load_failure()
         finish(1, f"the model failed its warm-up: {detail}")
         return None
@@ -225,7 +225,7 @@ def _loaded(
     if error is None:
         return loading.result()
     logger.debug("model load failed", exc_info=error)
-    detail = redact_settings(f"{type(error).__name__}: {error}", settings)
+    detail = f"{type(error).__name__}: {error}"
     report_model_load_failure()
     finish(1, f"could not load the model named by --model: {detail}")
     return None

@@ -84,6 +84,26 @@ def test_server_contract_flags() -> None:
     assert args[-2:] == ["--log-level", "debug"]
 
 
+def test_a_clusterip_service_renders_its_names_as_the_allowed_hosts() -> None:
+    args = server_args(render_input({"model": MODEL}, name="emb", namespace="team-a"))
+    assert _flag(args, "--allowed-hosts").split(",") == [
+        "emb",
+        "emb.team-a",
+        "emb.team-a.svc",
+        "emb.team-a.svc.cluster.local",
+        "localhost",
+    ]
+    # An Ingress's own name is the user's to add: extra args come last, and the last wins.
+    spec = {"model": MODEL, "server": {"extraArgs": ["--allowed-hosts=*"]}}
+    assert server_args(render_input(spec))[-1] == "--allowed-hosts=*"
+
+
+@pytest.mark.parametrize("service_type", ["NodePort", "LoadBalancer"])
+def test_a_service_reached_from_outside_leaves_host_checking_off(service_type: str) -> None:
+    args = server_args(render_input({"model": MODEL, "service": {"type": service_type}}))
+    assert "--allowed-hosts" not in args
+
+
 def test_unset_knobs_leave_server_defaults() -> None:
     args = server_args(render_input({"model": MODEL}))
     for flag in (

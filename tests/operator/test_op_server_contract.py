@@ -157,3 +157,29 @@ def test_the_operator_recognises_the_servers_model_load_failure() -> None:
 
     assert MODEL_LOAD_FAILED.startswith(SERVER_MODEL_LOAD_FAILED)
     assert restart_reason({"reason": "Error", "message": MODEL_LOAD_FAILED}) == "ModelLoadFailed"
+
+
+def test_the_allowed_hosts_let_in_the_service_names_probes_and_nothing_else() -> None:
+    """The names the operator renders are ones the server's Host check accepts, as are the
+    Hosts the kubelet's probes and Prometheus send (the pod's IP, v4 or v6, with the port);
+    a rebinding page's own name is not."""
+    from embedding_server.api.middleware import HostCheck
+
+    args = server_args(render_input({"model": {"name": "hf://m/e"}}, name="emb", namespace="ns"))
+    check = HostCheck(load_settings(args).allowed_hosts or [])
+    for host in (
+        "emb",
+        "emb.ns:80",
+        "emb.ns.svc",
+        "emb.ns.svc.cluster.local:80",
+        "localhost:8000",
+        "10.244.1.7:8000",
+        "[fd00:10:244::7]:8000",
+    ):
+        assert check.allows(host.encode()), host
+    for host in ("attacker.example", "emb.attacker.example", "emb.ns.svc.attacker.example"):
+        assert not check.allows(host.encode()), host
+    # An explicit --allowed-hosts in extraArgs replaces the rendered list (the last flag wins).
+    spec = {"model": {"name": "hf://m/e"}, "server": {"extraArgs": ["--allowed-hosts", "*"]}}
+    settings = load_settings(server_args(render_input(spec)))
+    assert HostCheck(settings.allowed_hosts or []).allows(b"embed.example.com")

@@ -128,21 +128,55 @@ def test_invalid_settings_fail_with_one_line_naming_the_setting(
     assert "Traceback" not in result.stderr
 
 
-def test_failures_do_not_repeat_setting_values(tmp_path: Path) -> None:
+def test_failures_do_not_repeat_setting_values_nor_print_the_api_key(tmp_path: Path) -> None:
     # Settings are often fed from Secrets, and these lines land in the pod's log.
     bad = run_cli("serve", env={"EMBEDDING_SERVER_MAX_BATCH_TOKENS": "s3cr3t-value"})
     assert bad.returncode == EXIT_BAD_SETTINGS
     assert "EMBEDDING_SERVER_MAX_BATCH_TOKENS" in bad.stderr and "s3cr3t" not in bad.stderr
-    model_dir = tmp_path / "s3cr3t-dir"
+    model_dir = tmp_path / "a-model-dir"
     model_dir.mkdir()  # exists, but holds no model
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    failed = run_cli("serve", "--model", str(model_dir), "--port", str(port), timeout=120)
+    failed = run_cli(
+        "serve",
+        "--model", str(model_dir),
+        "--port", str(port),
+        "--log-level", "debug",
+        env={"EMBEDDING_SERVER_API_KEY": "s3cr3t-key"},
+        timeout=120,
+    )  # fmt: skip
     assert failed.returncode == 1
     errors = [line for line in failed.stderr.splitlines() if "cannot serve" in line]
     assert len(errors) == 1 and "config.json" in errors[0], failed.stderr
-    assert "s3cr3t" not in failed.stderr and "<--model>" in errors[0]
+    # The model is no secret: the line names it. The API key is, and is never printed.
+    assert str(model_dir) in errors[0]
+    assert "s3cr3t" not in failed.stderr
+    settings = load_settings(["serve", "--api-key", "s3cr3t-key"])
+    assert "s3cr3t" not in repr(settings) and "s3cr3t" not in str(settings.model_dump())
+
+
+def test_a_failure_quoting_text_equal_to_a_setting_is_left_as_it_is(tmp_path: Path) -> None:
+    # A CLIP checkpoint served as "clip": the refusal names its model_type as it is, not as
+    # the setting whose value it happens to equal (issue 30, L9).
+    model_dir = tmp_path / "clip"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"model_type": "clip", "architectures": ["CLIPModel"]}')
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    failed = run_cli(
+        "serve",
+        "--model", str(model_dir),
+        "--served-model-name", "clip",
+        "--backend", "native",
+        "--port", str(port),
+        timeout=120,
+    )  # fmt: skip
+    assert failed.returncode == 1
+    errors = [line for line in failed.stderr.splitlines() if "cannot serve" in line]
+    assert len(errors) == 1, failed.stderr
+    assert "model_type 'clip'" in errors[0] and "<--" not in errors[0]
 
 
 def test_a_tensor_parallel_size_that_does_not_divide_the_heads_exits_1_naming_them() -> None:

@@ -12,7 +12,13 @@ import numpy as np
 import pytest
 from embedding_server.api.protocol import cohere_truncation, openai_truncation
 from embedding_server.engine import Engine, StageTimings
-from embedding_server.errors import InputTooLongError, InvalidRequestError, NotReadyError
+from embedding_server.errors import (
+    InputTooLongError,
+    InvalidRequestError,
+    NotReadyError,
+    TooManyTokensError,
+    UnsettledInputError,
+)
 from embedding_server.metrics import Metrics
 from embedding_server.tokenization import TextTokenizer, Truncation
 from sentence_transformers import SentenceTransformer
@@ -108,34 +114,39 @@ class _RecordingTokenizer:
     def __init__(self, path: Path) -> None:
         self.inner = Tokenizer.from_file(str(path / "tokenizer.json"))
         self.longest = 0
+        self.calls = 0
 
     def encode_batch(self, texts: list[str], **kwargs: Any) -> Any:
         self.longest = max([self.longest, *map(len, texts)])
+        self.calls += 1
         return self.inner.encode_batch(texts, **kwargs)
 
     def encode_batch_fast(self, texts: list[str], **kwargs: Any) -> Any:
         self.longest = max([self.longest, *map(len, texts)])
+        self.calls += 1
         return self.inner.encode_batch_fast(texts, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
 
-def test_long_texts_are_clipped_before_tokenizing_without_changing_any_result(
+def test_long_texts_are_read_through_windows_without_changing_any_result(
     minilm_dir: Path,
 ) -> None:
     recording = _RecordingTokenizer(minilm_dir)
     clipped = TextTokenizer(recording, max_length=32)  # type: ignore[arg-type]
     full = TextTokenizer(Tokenizer.from_file(str(minilm_dir / "tokenizer.json")), max_length=32)
-    full.clip_chars = 10**9  # the reference: every text tokenized whole
+    full.first_chars_per_token = 10**9  # the reference: every text tokenized whole
+    first, _ = clipped.windows(32)
     prose = " ".join(f"word{i} and some-more text, é 日本" for i in range(2000))
-    assert len(prose) > 100 * clipped.clip_chars
+    assert len(prose) > 100 * first
     cases = [
         prose,
         "hello" + " " * 5000 + "world",  # fits in 4 tokens whatever its length
         "x" * 5000,  # one giant word: a single [UNK]
         "a " * 5000 + "x" * 5000,  # ends in a giant word
         "x" * 5000 + " a" * 5000,  # starts with one
+        "x" * 3 * first + " a" * 5000,  # a first word wider than the first window
     ]
 
     def result(tok: TextTokenizer, text: str, truncation: Truncation, prompt: str | None) -> object:
@@ -151,8 +162,8 @@ def test_long_texts_are_clipped_before_tokenizing_without_changing_any_result(
                 assert result(clipped, text, truncation, prompt) == result(
                     full, text, truncation, prompt
                 ), (text[:40], truncation, prompt)
-    # Clipped and unclipped texts in one request (they take different tokenizer calls)
-    # come back in order, each as it would alone.
+    # Read and whole texts in one request (they take different tokenizer calls) come back
+    # in order, each as it would alone.
     mixed = ["short one", prose, "another short text", cases[4], "end"]
     for truncation in (Truncation("right"), Truncation("left")):
         together = clipped.encode(mixed, truncation=truncation)
@@ -160,7 +171,95 @@ def test_long_texts_are_clipped_before_tokenizing_without_changing_any_result(
         assert [t.ids for t in together] == [t.ids for t in alone]
     recording.longest = 0
     clipped.encode([prose, prose], truncation=Truncation("right"), prompt="query: ")
-    assert recording.longest <= clipped.clip_chars + len("query: ")
+    assert recording.longest <= first + len("query: ")
+    # A giant first word and then megabytes of short words: the windows widen past the
+    # word and stop; the tokenizer never sees more than a few windows of it.
+    recording.longest = 0
+    attack = "x" * 3 * first + " a" * 1_000_000
+    expected = full.encode([cases[-1]], truncation=Truncation("right"))[0].ids
+    assert clipped.encode([attack], truncation=Truncation("right"))[0].ids == expected
+    assert recording.longest <= 4 * first
+
+
+def test_a_text_its_widest_window_does_not_settle_is_refused_not_read_whole(
+    minilm_dir: Path,
+) -> None:
+    recording = _RecordingTokenizer(minilm_dir)
+    tokenizer = TextTokenizer(recording, max_length=32)  # type: ignore[arg-type]
+    _, widest = tokenizer.windows(32)
+    giant = "x" * (widest + 1) + " a" * 20
+    for truncation in (Truncation("right"), Truncation(None), Truncation("left")):
+        text = giant if truncation.side != "left" else giant[::-1]
+        with pytest.raises(UnsettledInputError) as refused:
+            tokenizer.encode(["fine", text], truncation=truncation)
+        assert refused.value.param == "input" and "input[1]" in refused.value.message
+        assert f"at most {widest} characters" in refused.value.message
+    assert recording.longest <= widest
+    # A text the widest window holds whole is tokenized as it is.
+    fits = tokenizer.encode(["x" * (widest - 50) + " a" * 20], truncation=Truncation("right"))[0]
+    assert fits.ids[:2] == [101, 100]  # [CLS] [UNK]
+
+
+def test_tokenize_refuses_an_over_long_prompt_after_reading_a_bounded_part(
+    minilm_dir: Path,
+) -> None:
+    recording = _RecordingTokenizer(minilm_dir)
+    tokenizer = TextTokenizer(recording, max_length=32)  # type: ignore[arg-type]
+    for prompt in ("a " * 1_000_000, "x" * 3000 + " a" * 1_000_000):
+        recording.longest = 0
+        with pytest.raises(TooManyTokensError) as refused:
+            tokenizer.tokenize(prompt, max_tokens=1000, param="prompt")
+        assert refused.value.param == "prompt" and "at least" in refused.value.message
+        assert recording.longest <= 8 * 1001
+    exact = "x" * 3000 + " hello" * 100
+    assert tokenizer.tokenize(exact, max_tokens=1000) == tokenizer.tokenize(exact)
+    with pytest.raises(TooManyTokensError, match="holds 102 tokens"):
+        tokenizer.tokenize("hello " * 100, max_tokens=101)
+
+
+def test_a_request_over_its_limit_is_refused_before_all_its_texts_are_read(
+    minilm_dir: Path,
+) -> None:
+    recording = _RecordingTokenizer(minilm_dir)
+    tokenizer = TextTokenizer(recording, max_length=32)  # type: ignore[arg-type]
+    texts = ["many words in every text " * 40] * 20_000  # 20 MB in all
+    calls_before = recording.calls
+    with pytest.raises(TooManyTokensError) as refused:
+        tokenizer.encode(texts, truncation=Truncation("right"), max_total=64_000)
+    assert "max_request_tokens" in refused.value.message
+    assert recording.calls - calls_before <= 2  # a turn or two of reading, not all of it
+
+
+def test_admission_estimates_are_never_less_than_what_the_texts_hold(minilm_dir: Path) -> None:
+    """Queue room is reserved on the estimate while a request is tokenized, so a text that
+    holds more tokens than its estimate says would let a crowd past admission and make the
+    server tokenize what the queue then refuses (issue 30: the estimate is an upper bound)."""
+    from tests.support.models import byte_tokenizer
+
+    wordpiece = Tokenizer.from_file(str(minilm_dir / "tokenizer.json"))
+    byte_level = byte_tokenizer(["<s>", "</s>", "<unk>"], "<s> $A </s>", ["<s>", "</s>"])
+    hostile = [
+        "a a a a a a a a",  # a token per two characters
+        ",.;:!?" * 20,  # a token per character
+        "日本語の文章" * 20,  # a token per character, or per byte on byte-level BPE
+        "\U0001f600" * 20,  # four bytes a character
+        "hello",
+    ]
+    for backend in (wordpiece, byte_level):
+        tokenizer = TextTokenizer(backend, max_length=512)
+        right = Truncation("right")
+        for text in hostile:
+            holds = len(tokenizer.encode([text], truncation=right)[0].ids)
+            _, estimate = tokenizer.admission_estimate([text], right, None)
+            assert estimate >= holds, (backend is byte_level, text[:12], estimate, holds)
+            prompted = len(tokenizer.encode([text], truncation=right, prompt="query: ")[0].ids)
+            _, estimate = tokenizer.admission_estimate([text], right, "query: ")
+            assert estimate >= prompted
+    pairs = TextTokenizer(wordpiece, max_length=512)
+    for a in hostile:
+        for b in hostile:
+            holds = len(pairs.encode_pairs([(a, b)], truncation=Truncation("right"))[0].ids)
+            assert pairs.pair_estimate([(a, b)], Truncation("right"))[1] >= holds
 
 
 def test_input_ids_must_be_rows_of_the_embedding_table_too(minilm_dir: Path) -> None:

@@ -11,6 +11,13 @@ Choices made here, and why:
   ranks 1..N-1 itself as child processes), so the pod asks for N GPUs of the profile and the
   flag, and the memory-backed ``/dev/shm`` the ranks' collectives go through is sized per
   rank (``shm_size``) unless the spec sets it. On the cpu profile the ranks are CPU processes.
+* Host checking: behind a ClusterIP Service the server answers only for the Service's DNS
+  names and ``localhost`` (``--allowed-hosts``; IP addresses always pass, which is what the
+  kubelet's probes and Prometheus send), so a browser on a machine that can reach the pod
+  cannot be walked into it by DNS rebinding. A NodePort or LoadBalancer Service is reached
+  by names the operator does not know, so there the server answers any host. An Ingress in
+  front of a ClusterIP Service sends its own host name: ``server.extraArgs`` can replace the
+  list (``--allowed-hosts=*`` turns the check off).
 * Probes: readiness on ``/ready`` (503 until loaded and warmed), liveness on ``/health``, and a
   startup probe on ``/ready`` with a failure budget of ``startupTimeoutSeconds`` so a slow model
   download is not killed by liveness, while a download that hangs forever is restarted.
@@ -118,6 +125,8 @@ def server_args(render: RenderInput) -> list[str]:
         args.append("--auto-truncate")
     if emb.prompts is not None and emb.prompts.default_name:
         args += ["--default-prompt-name", emb.prompts.default_name]
+    if spec.service.type == "ClusterIP":
+        args += ["--allowed-hosts", ",".join(allowed_hosts(render))]
     srv = spec.server
     if spec.tracing is not None:
         args += ["--otlp-traces-endpoint", spec.tracing.otlp_endpoint]
@@ -130,6 +139,19 @@ def server_args(render: RenderInput) -> list[str]:
         if value is not None:
             args += [flag, str(value)]
     return [*args, *srv.extra_args]
+
+
+def allowed_hosts(render: RenderInput) -> list[str]:
+    """The names in-cluster clients reach a ClusterIP Service by, and ``localhost`` (a port
+    forward, an exec in the pod). The cluster domain is the default, as in ``endpoint``."""
+    name, namespace = render.owner.name, render.owner.namespace
+    return [
+        name,
+        f"{name}.{namespace}",
+        f"{name}.{namespace}.svc",
+        f"{name}.{namespace}.svc.cluster.local",
+        "localhost",
+    ]
 
 
 def shm_size(render: RenderInput) -> str:

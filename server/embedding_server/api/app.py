@@ -11,6 +11,7 @@ A model that fails to load ends the process with one clear log line and exit sta
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,6 +24,7 @@ from embedding_server.api.direct import DirectRoutes, direct_routes
 from embedding_server.api.errors import install_error_handlers
 from embedding_server.api.lifecycle import Lifecycle, freeze_heap, served_model_name
 from embedding_server.api.middleware import RequestContextMiddleware
+from embedding_server.api.protocol import RequestLimits
 from embedding_server.api.routes_cohere import router as cohere_router
 from embedding_server.api.routes_openai import router as openai_router
 from embedding_server.api.routes_ops import router as ops_router
@@ -31,7 +33,7 @@ from embedding_server.api.routes_vllm import router as vllm_router
 from embedding_server.api.tracing import TracingMiddleware
 from embedding_server.metrics import Metrics
 from embedding_server.serving import ServingEngine
-from embedding_server.settings import ServerSettings, redact_settings
+from embedding_server.settings import ServerSettings
 from embedding_server.termination import report_model_load_failure
 from embedding_server.tracing import Tracing
 
@@ -65,10 +67,10 @@ async def _bring_up(lifecycle: Lifecycle, connect: Connect | None) -> None:
     except asyncio.CancelledError:
         raise
     except Exception as error:  # startup, not a request: one clear line, then exit 1
-        # The error's text may quote settings (a path, a revision, a value fed from a
-        # Secret): the log gets it with those values masked, /ready only a fixed line.
+        # The log gets the error as it is (the API key, the one secret setting, is never in
+        # it: it prints masked); /ready only a fixed line.
         logger.debug("model load failed", exc_info=True)
-        detail = redact_settings(f"{type(error).__name__}: {error}", settings)
+        detail = f"{type(error).__name__}: {error}"
         report_model_load_failure()
         lifecycle.fail(f"could not load the model named by --model: {detail}")
         return
@@ -151,17 +153,27 @@ def create_app(
     route_paths = [getattr(route, "path", "") for router in ROUTERS for route in router.routes]
     # Added first, so it runs inside the request context (id, auth, limits, metrics).
     posts = direct_routes(ROUTERS)
-    app.add_middleware(DirectRoutes, routes=posts)
+    app.add_middleware(DirectRoutes, routes=posts, limits=functools.partial(_limits, lifecycle))
     app.add_middleware(
         RequestContextMiddleware,
         metrics=metrics,
-        api_key=settings.api_key,
+        api_key=settings.api_key.get_secret_value() if settings.api_key else None,
         max_request_bytes=settings.max_request_bytes,
         route_paths=route_paths,
+        allowed_hosts=settings.allowed_hosts,
+        body_timeout=settings.body_timeout,
+        max_receiving_bytes=settings.receiving_bytes,
     )
     if tracing is not None:  # outermost: a request's span covers all of the above
         app.add_middleware(TracingMiddleware, tracing=tracing, paths=posts)
     return app
+
+
+def _limits(lifecycle: Lifecycle) -> RequestLimits:
+    """What a request body may carry now: the engine's token limit once it has loaded."""
+    engine = lifecycle.engine
+    max_tokens = engine.info().max_request_tokens if engine is not None else None
+    return RequestLimits(lifecycle.settings.max_inputs_per_request, max_tokens)
 
 
 def _version() -> str:

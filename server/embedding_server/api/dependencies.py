@@ -47,7 +47,8 @@ def as_input_list(
     if isinstance(value, str):
         return [value]
     if value and isinstance(value[0], int):
-        return [list(value)]
+        # The validated list itself: copying millions of ids would be loop time for nothing.
+        return [value]
     return list(value)
 
 

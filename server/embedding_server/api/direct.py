@@ -10,6 +10,13 @@ route of this server has the same shape,
 those same endpoints itself: one dict lookup by path, the body validated from its raw bytes
 by orjson and pydantic-core, and the endpoint's response sent as is.
 
+A body is validated with the server's :class:`~embedding_server.api.protocol.RequestLimits`
+as context, so one holding more inputs or token ids than a request may is refused by its
+counts before its elements are validated; a body over :data:`OFFLOAD_BODY_BYTES` is parsed and
+validated on a worker thread. That does not make parsing free (orjson and pydantic-core hold
+the GIL while they run), but the event loop gets its turn between them and during the
+Python-level checks, instead of waiting for the whole body.
+
 What a client sees does not change: the same 400s naming the field (pydantic's errors
 rendered by :func:`errors.validation_error_response`, their ``loc`` under ``"body"`` as
 FastAPI reports them), the same taxonomy errors and status codes. It runs inside
@@ -19,6 +26,7 @@ the API key, the body size limit, the metrics and the last-resort 500 apply as b
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import typing
@@ -38,9 +46,14 @@ from embedding_server.api.errors import (
     server_error_response,
     validation_error_response,
 )
+from embedding_server.api.protocol import RequestLimits
 from embedding_server.errors import EmbeddingServerError
 
 Endpoint = Callable[[Any, Request], Awaitable[Response]]
+
+OFFLOAD_BODY_BYTES = 256 * 1024
+"""Bodies larger than this are parsed and validated off the event loop. Smaller ones take
+less than the hop to a thread costs (a single text's body is a few hundred bytes)."""
 
 _SHAPE = ["body", "request"]
 
@@ -94,8 +107,11 @@ def _under_body(errors: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
 _MISSING_BODY = [{"type": "missing", "loc": ("body",), "msg": "Field required"}]
 
 
-def parse_body(model: type[BaseModel], body: bytes) -> BaseModel | Response:
-    """``body`` validated as ``model``, or the 400 that says what is wrong with it."""
+def parse_body(
+    model: type[BaseModel], body: bytes, limits: RequestLimits | None = None
+) -> BaseModel | Response:
+    """``body`` validated as ``model`` (within ``limits``), or the 400 that says what is
+    wrong with it; a body over the limits raises the taxonomy's error (413 or 400)."""
     if not body:
         return validation_error_response(_MISSING_BODY)
     try:
@@ -117,17 +133,28 @@ def parse_body(model: type[BaseModel], body: bytes) -> BaseModel | Response:
                 ]
             )
     try:
-        return model.model_validate(data, from_attributes=True)  # as FastAPI validates
+        # As FastAPI validates, plus the limits that let a body be refused by its counts.
+        return model.model_validate(data, from_attributes=True, context=limits)
     except ValidationError as exc:
         return validation_error_response(_under_body(exc.errors(include_url=False)))
 
 
 class DirectRoutes:
-    """ASGI layer that serves ``routes`` (POST only) itself and passes the rest on."""
+    """ASGI layer that serves ``routes`` (POST only) itself and passes the rest on.
 
-    def __init__(self, app: ASGIApp, *, routes: Mapping[str, DirectRoute]) -> None:
+    ``limits`` gives the limits bodies are validated within at the time of the request (the
+    engine's ``max_request_tokens`` is known once it has loaded)."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        routes: Mapping[str, DirectRoute],
+        limits: Callable[[], RequestLimits | None] = lambda: None,
+    ) -> None:
         self.app = app
         self.routes = dict(routes)
+        self.limits = limits
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         route = self.routes.get(scope["path"]) if scope["type"] == "http" else None
@@ -135,7 +162,12 @@ class DirectRoutes:
             await self.app(scope, receive, send)
             return
         try:
-            parsed = parse_body(route.model, await read_body(receive))
+            body = await read_body(receive)
+            if len(body) > OFFLOAD_BODY_BYTES:
+                parsed = await asyncio.to_thread(parse_body, route.model, body, self.limits())
+            else:
+                parsed = parse_body(route.model, body, self.limits())
+            del body  # a big body's bytes go before its request is served
             if isinstance(parsed, Response):
                 response = parsed
             else:

@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from embedding_server.errors import EmbeddingServerError, QueueFullError
+from embedding_server.errors import EmbeddingServerError, QueueFullError, ServerBusyError
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +78,10 @@ def error_response(
 
 def response_for(exc: EmbeddingServerError) -> Response:
     headers: dict[str, str] = {}
-    if isinstance(exc, QueueFullError):
+    if isinstance(exc, QueueFullError | ServerBusyError):
         headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+    if exc.close_connection:
+        headers["Connection"] = "close"
     return error_response(
         exc.status_code,
         exc.message,
@@ -98,6 +100,9 @@ def _param_of(loc: Sequence[Any]) -> str | None:
     if len(loc) >= 2 and loc[0] in ("body", "query", "path", "header") and isinstance(loc[1], str):
         return loc[1]
     return None
+
+
+_INPUT_SHAPES = frozenset({"text", "texts", "tokens", "token_lists"})
 
 
 def _describe(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None, str]:
@@ -124,7 +129,9 @@ def _describe(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None, str
             param,
             "invalid_type",
         )
-    where = ".".join(str(p) for p in loc[1:])
+    # Without the tag of the input shape it was read as (protocol.EmbeddingInput).
+    path = [p for i, p in enumerate(loc[1:]) if not (i == 1 and p in _INPUT_SHAPES)]
+    where = ".".join(str(p) for p in path)
     return f"Invalid value for '{where}': {first.get('msg')}.", param, "invalid_value"
 
 

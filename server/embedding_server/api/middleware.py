@@ -7,23 +7,34 @@ order, for each HTTP request it:
 1. takes the ``X-Request-Id`` header (or makes one), puts it in the logging context and
    echoes it on the response;
 2. counts the request in flight and, when it ends, by endpoint and status;
-3. refuses a missing or wrong API key (401) on every route except the probes and /metrics;
-4. refuses a POST whose body is not labelled ``application/json`` (415): a browser sends
+3. refuses a ``Host`` the server does not answer for (400), when ``--allowed-hosts`` is set:
+   a page using DNS rebinding sends its own name, never one of these or an IP address;
+4. refuses a missing or wrong API key (401) on every route except the probes and /metrics;
+5. refuses a POST whose body is not labelled ``application/json`` (415): a browser sends
    ``text/plain`` and form bodies cross-site without asking first, so accepting them would
    let any web page call a server without an API key on the visitor's network;
-5. refuses a body over the size limit (413), by ``Content-Length`` up front and by counting
-   bytes for chunked uploads;
-6. adds ``x-total-time`` (ms) to the response;
-7. turns an unexpected exception into a generic 500 that leaks nothing, logging the
+6. refuses a body over the size limit (413), by ``Content-Length`` up front and by counting
+   bytes for chunked uploads; a body that does not arrive within ``--body-timeout`` (408);
+   and a body that would make the bodies still arriving, all requests together, more than
+   ``--max-receiving-bytes`` (503 with Retry-After; a body's first 64 KiB do not count);
+   the last two close the connection;
+7. adds ``x-total-time`` (ms) to the response;
+8. turns an unexpected exception into a generic 500 that leaks nothing, logging the
    traceback with the request id.
+
+What it cannot see, because it happens before a request exists (header size and timeouts,
+half-open connections, the connection cap), is guarded under uvicorn by
+:mod:`embedding_server.api.connections`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import ipaddress
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -33,7 +44,10 @@ from embedding_server.api.ids import new_id
 from embedding_server.errors import (
     AuthenticationError,
     EmbeddingServerError,
+    HostNotAllowedError,
     PayloadTooLargeError,
+    RequestTimeoutError,
+    ServerBusyError,
     UnsupportedMediaTypeError,
 )
 from embedding_server.logging import request_id_var
@@ -45,6 +59,11 @@ OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 """Routes that never need the API key: probes and the scrape endpoint."""
 
 _MAX_REQUEST_ID = 128
+
+FREE_BODY_BYTES = 64 * 1024
+"""The first bytes of each body, not counted against ``--max-receiving-bytes``: uvicorn
+buffers this much of a connection's body anyway, and a small request is never refused for
+what big uploads hold."""
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
@@ -72,8 +91,37 @@ def _is_json(content_type: bytes | None) -> bool:
     )
 
 
+class HostCheck:
+    """Whether a ``Host`` header names a host the server answers for: one of ``allowed``
+    (``*.name`` also matches its subdomains, ``*`` anything), or an IP address."""
+
+    def __init__(self, allowed: Sequence[str]) -> None:
+        names = {h.strip().lower().rstrip(".") for h in allowed if h.strip()}
+        self.any = "*" in names
+        self.exact = frozenset(n for n in names if not n.startswith("*."))
+        self.suffixes = tuple(n[1:] for n in names if n.startswith("*."))
+
+    def allows(self, header: bytes | None) -> bool:
+        if self.any or header is None:  # no Host: HTTP/1.0, never a browser
+            return True
+        text = header.decode("latin-1").strip().lower()
+        if text.startswith("["):  # [v6]:port
+            host = text[1 : text.find("]")] if "]" in text else text
+        else:
+            host = text.rsplit(":", 1)[0] if text.count(":") == 1 else text
+        host = host.rstrip(".")
+        if host in self.exact or (self.suffixes and host.endswith(self.suffixes)):
+            return True
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            return False
+        return True
+
+
 class RequestContextMiddleware:
-    """Request id, auth, body limit, timing, metrics and last-resort 500s (see module doc)."""
+    """Request id, host, auth, body limits, timing, metrics and last-resort 500s (see the
+    module doc)."""
 
     def __init__(
         self,
@@ -83,12 +131,20 @@ class RequestContextMiddleware:
         api_key: str | None,
         max_request_bytes: int,
         route_paths: Iterable[str],
+        allowed_hosts: Sequence[str] | None = None,
+        body_timeout: float | None = None,
+        max_receiving_bytes: int | None = None,
     ) -> None:
         self.app = app
         self.metrics = metrics
         self.api_key = api_key.encode() if api_key else None
         self.max_request_bytes = max_request_bytes
         self.route_paths = frozenset(route_paths)
+        self.hosts = HostCheck(allowed_hosts) if allowed_hosts is not None else None
+        self.body_timeout = body_timeout
+        self.max_receiving_bytes = max_receiving_bytes
+        self.receiving = 0
+        """Bytes of bodies still arriving that count against ``max_receiving_bytes``."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -101,6 +157,7 @@ class RequestContextMiddleware:
         endpoint = path if path in self.route_paths else "other"
         status_holder: list[int] = []
         self.metrics.in_flight.inc()
+        receive, release = self._limited(receive)
 
         async def send_wrapper(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -128,7 +185,7 @@ class RequestContextMiddleware:
                     extra,
                 )
             else:
-                await self.app(scope, self._limited(receive), send_wrapper)
+                await self.app(scope, receive, send_wrapper)
         except Exception:
             logger.exception(
                 "unhandled error in %s %s (request id %s)", scope.get("method"), path, request_id
@@ -144,6 +201,7 @@ class RequestContextMiddleware:
                     (),
                 )
         finally:
+            release()
             self.metrics.in_flight.dec()
             status = status_holder[0] if status_holder else 499
             self.metrics.count_request(endpoint, status)
@@ -158,7 +216,12 @@ class RequestContextMiddleware:
             request_id_var.reset(token)
 
     def _refuse(self, scope: Scope, path: str) -> EmbeddingServerError | None:
-        """The error a request gets before its route runs, if any (steps 3-5 above)."""
+        """The error a request gets before its route runs, if any (steps 3-6 above)."""
+        if self.hosts is not None and not self.hosts.allows(_header(scope, b"host")):
+            return HostNotAllowedError(
+                "The Host header names a host this server does not answer for "
+                "(--allowed-hosts); use one of its names or its IP address."
+            )
         if self.api_key is not None and path not in OPEN_PATHS:
             auth = _header(scope, b"authorization") or b""
             scheme, _, key = auth.partition(b" ")
@@ -180,20 +243,54 @@ class RequestContextMiddleware:
     def _too_large_message(self) -> str:
         return f"The request body exceeds the limit of {self.max_request_bytes} bytes."
 
-    def _limited(self, receive: Receive) -> Receive:
-        limit = self.max_request_bytes
-        seen = 0
+    def _limited(self, receive: Receive) -> tuple[Receive, Callable[[], None]]:
+        """``receive`` with the body limits of step 6, and the function that gives back what
+        the request holds of ``max_receiving_bytes`` (called when the request ends)."""
+        limit, budget = self.max_request_bytes, self.max_receiving_bytes
+        timeout = self.body_timeout
+        deadline = asyncio.get_running_loop().time() + timeout if timeout is not None else None
+        seen = held = 0
+        arrived = False
+
+        def release() -> None:
+            nonlocal held
+            self.receiving -= held
+            held = 0
 
         async def receive_limited() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > limit:
-                    raise PayloadTooLargeError(self._too_large_message())
+            nonlocal seen, held, arrived
+            if arrived:  # the body is in: what is left to hear of is a disconnect
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise RequestTimeoutError(
+                    f"The request body did not arrive within {timeout:g} s (--body-timeout)."
+                ) from None
+            if message["type"] != "http.request":
+                arrived = True
+                release()
+                return message
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise PayloadTooLargeError(self._too_large_message())
+            counted = max(0, seen - FREE_BODY_BYTES)
+            if budget is not None and counted > held:
+                if self.receiving + counted - held > budget:
+                    raise ServerBusyError(
+                        "The server is receiving as many request bodies as it holds at once "
+                        "(--max-receiving-bytes); retry shortly.",
+                        retry_after=1.0,
+                    )
+                self.receiving += counted - held
+                held = counted
+            if not message.get("more_body", False):
+                arrived = True
+                release()
             return message
 
-        return receive_limited
+        return receive_limited, release
 
     @staticmethod
     async def _send_error(

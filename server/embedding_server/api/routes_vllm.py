@@ -6,8 +6,9 @@
 input token, so its size is checked against ``max_response_bytes`` once the inputs are
 tokenized and before the forward pass. Its other tasks (classify, token_classify, reward,
 sparse) need a model of that task and give far fewer values per token. ``/tokenize`` and
-``/detokenize`` take at most ``max_request_tokens`` tokens, and do their work off the event
-loop.
+``/detokenize`` take at most ``max_request_tokens`` tokens, counted before the work (a
+``/tokenize`` prompt is read through bounded windows until it is known to fit), and do their
+work off the event loop.
 """
 
 from __future__ import annotations
@@ -230,8 +231,15 @@ async def score(body: ScoreRequest, request: Request) -> Response:
 @router.post("/tokenize", tags=["vLLM"], summary="Text to token ids")
 async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     engine, _ = engine_for(request, body.model)
-    ids = (await engine.atokenize(body.prompt, add_special_tokens=body.add_special_tokens))[0]
-    _check_token_count(engine.info().max_request_tokens, len(ids), "prompt")
+    # Refused (413) as soon as the prompt is known to hold more than one request may: the
+    # tokenizer reads a bounded part of it first, never a whole 8 MiB prompt.
+    tokenized = await engine.atokenize(
+        body.prompt,
+        add_special_tokens=body.add_special_tokens,
+        max_tokens=engine.info().max_request_tokens,
+        param="prompt",
+    )
+    ids = tokenized[0]
     token_strs = await engine.atoken_strings(ids) if body.return_token_strs else None
     content = {
         "count": len(ids),

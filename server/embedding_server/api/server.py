@@ -3,8 +3,10 @@ lifecycle. Used by the single-process server and by each ``--api-workers`` front
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.util
+import logging
 import os
 import signal
 import socket
@@ -15,8 +17,11 @@ from collections.abc import Iterator
 import uvicorn
 from fastapi import FastAPI
 
+from embedding_server.api.connections import guarded_protocol
 from embedding_server.api.lifecycle import Lifecycle
 from embedding_server.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
 
 FATAL_EXIT_GRACE_S = 10.0
 """After a fatal error (the model failed to load, a tensor-parallel rank died or hangs, the
@@ -61,7 +66,15 @@ def run_http(
     """Serve ``app`` (on ``sockets`` when given, else on the settings' host and port) until a
     signal or a fatal error; return the process exit status."""
     lifecycle: Lifecycle = app.state.lifecycle
-
+    http: str | type[asyncio.Protocol] = "h11"
+    if importlib.util.find_spec("httptools") is not None:
+        # httptools (uvicorn[standard]) with the header, timeout and connection bounds.
+        http = guarded_protocol(settings)
+    else:
+        logger.warning(
+            "httptools is not installed: serving with h11, which bounds header size but "
+            "not --header-timeout or --max-connections"
+        )
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -69,7 +82,9 @@ def run_http(
         log_config=None,
         access_log=False,
         loop=best_available("uvloop", "asyncio"),
-        http=best_available("httptools", "h11"),
+        http=http,
+        h11_max_incomplete_event_size=settings.max_header_bytes,
+        timeout_keep_alive=settings.keep_alive_timeout,  # type: ignore[arg-type]
         lifespan="on",
         timeout_graceful_shutdown=int(max(1.0, settings.shutdown_timeout)),
         log_level=settings.log_level,

@@ -1,4 +1,4 @@
-"""Every attack of the hardening review (issue 14), replayed against the real server.
+"""Every attack of the hardening reviews (issues 14 and 30), replayed against the real server.
 
 Each test starts from what one unauthenticated client could do to a shared
 ``embedding-server serve`` process (real CLI, real all-MiniLM-L6-v2, 127.0.0.1) and checks
@@ -8,6 +8,12 @@ event loop keeps answering ``/health``, no traceback reaches the log, and the pr
 memory comes back near where it started. Sizes are picked so that each attack would
 succeed without its fix (lock the queue, block the loop, grow the pod's memory) yet every
 test stays within seconds on two CPU cores.
+
+Issue 30's attacks are replayed on every route family (``/v1/embeddings``, ``/v2/embed``,
+``/pooling``, ``/score``, ``/rerank``, ``/classify``, ``/tokenize``), against MiniLM, a
+cross-encoder and a classifier (tiny ones, built here). What they check beyond the answer:
+the worst ``/health`` latency while the attack runs (:class:`Watch`: the event loop stays
+free) and the server's peak memory during it (``VmHWM``, reset before the attack).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -55,6 +62,52 @@ class Served:
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
+
+    def reset_peak(self) -> None:
+        """Start the process's peak-memory mark (``VmHWM``) again from its current size."""
+        Path(f"/proc/{self.process.pid}/clear_refs").write_text("5")
+
+    def peak_bytes(self) -> int:
+        status = Path(f"/proc/{self.process.pid}/status").read_text()
+        kib = next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM"))
+        return int(kib) * 1024
+
+
+class Watch:
+    """While an attack runs: ``/health`` asked every 50 ms by another client (its worst
+    latency, in seconds), and the server's peak memory above where it started."""
+
+    def __init__(self, served: Served) -> None:
+        self.served = served
+        self.worst = 0.0
+        self.peak_growth = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._probe, daemon=True)
+
+    def _probe(self) -> None:
+        with httpx.Client(timeout=30) as client:
+            while not self._stop.is_set():
+                started = time.monotonic()
+                assert client.get(self.served.url + "/health").status_code == 200
+                self.worst = max(self.worst, time.monotonic() - started)
+                self._stop.wait(0.05)
+
+    def __enter__(self) -> Watch:
+        self.served.reset_peak()
+        self._start_rss = self.served.rss_bytes()
+        self._thread.start()
+        time.sleep(0.1)  # the prober's first request, before the attack
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+        self.peak_growth = self.served.peak_bytes() - self._start_rss
+
+    def assert_unharmed(self, *, loop_s: float = 0.5, memory_mib: int = 64) -> None:
+        grown = self.peak_growth / 2**20
+        assert self.worst < loop_s, f"/health took {self.worst:.2f} s during the attack"
+        assert grown < memory_mib, f"the server's peak memory grew by {grown:.0f} MiB"
 
 
 @contextlib.contextmanager
@@ -260,6 +313,28 @@ def test_a_lone_surrogate_is_a_400_naming_the_field_without_a_traceback(
     assert "Traceback" not in server.log_text()
 
 
+TASK_SURROGATE_CASES = [
+    ("cross_encoder", "/rerank", '{"query": "q", "documents": ["a", "%s"]}', "documents"),
+    ("cross_encoder", "/v2/rerank", '{"query": "q", "documents": [{"text": "%s"}]}', "documents"),
+    ("cross_encoder", "/score", '{"text_1": "q", "text_2": ["%s"]}', "text_2"),
+    ("classifier", "/classify", '{"input": ["a", "%s"]}', "input"),
+    ("classifier", "/v1/classify", '{"input": "fine", "model": "%s"}', "model"),
+]
+
+
+@pytest.mark.parametrize(("model", "path", "template", "param"), TASK_SURROGATE_CASES)
+def test_a_lone_surrogate_is_a_400_on_the_cross_encoder_and_the_classifier(
+    request: pytest.FixtureRequest, model: str, path: str, template: str, param: str
+) -> None:
+    served = task_server(request, model)
+    raw = (template % LONE).encode()
+    response = httpx.post(
+        served.url + path, content=raw, headers={"content-type": "application/json"}, timeout=30
+    )
+    assert "surrogate" in assert_refused(response, 400, param=param)
+    assert "Traceback" not in served.log_text()
+
+
 # -- 9. only JSON bodies ----------------------------------------------------------------------
 
 
@@ -336,3 +411,495 @@ def test_health_answers_while_a_huge_detokenize_runs(roomy_server: Served) -> No
         thread.join(timeout=120)
     assert result["response"].status_code == 200
     assert answered_while_busy >= 3
+
+
+# -- issue 30: a cross-encoder and a classifier, beside MiniLM ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """A tiny BERT cross-encoder (one label: task score) with MiniLM's WordPiece tokenizer."""
+    from tests.support.tasks import build_classifier
+
+    root = tmp_path_factory.mktemp("abuse-cross-encoder")
+    model = build_classifier(root / "model", "bert", 1)
+    with serve(
+        root / "server.log",
+        "--model", str(model),
+        "--max-model-len", str(MAX_LEN),
+        "--max-queue-tokens", "524288",
+        "--max-request-tokens", "262144",
+    ) as served:  # fmt: skip
+        yield served
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """A tiny BERT classifier with three labels (task classify)."""
+    from tests.support.tasks import build_classifier
+
+    root = tmp_path_factory.mktemp("abuse-classifier")
+    model = build_classifier(root / "model", "bert", 3)
+    with serve(
+        root / "server.log",
+        "--model", str(model),
+        "--max-model-len", str(MAX_LEN),
+        "--max-request-tokens", str(MAX_REQUEST_TOKENS),
+    ) as served:  # fmt: skip
+        yield served
+
+
+def task_server(request: pytest.FixtureRequest, name: str) -> Served:
+    served: Served = request.getfixturevalue(name)
+    return served
+
+
+# -- issue 30, H1: a text's tokenizer work is bounded, whatever its first word ---------------
+
+GIANT_WORD = "x" * 3000
+"""Wider than the first window over a text (8 characters per token: 512 here) and than
+WordPiece's longest word (100 characters, a single [UNK])."""
+
+
+def giant_first_word(words: int) -> str:
+    """A first word wider than the window, then ``words`` short words: before issue 30 the
+    window's tokens did not decide the cut, so the whole text was tokenized, on the event loop
+    because its estimate was capped at the model's limit."""
+    return GIANT_WORD + " a" * words
+
+
+def vectors(path: str, response: httpx.Response) -> list[list[float]]:
+    """The vectors of an embedding-like answer, whichever route gave it."""
+    assert response.status_code == 200, response.text[:500]
+    body = response.json()
+    if path == "/v2/embed":
+        return [list(v) for v in body["embeddings"]["float"]]
+    if path in ("/classify", "/v1/classify"):
+        return [item["probs"] for item in body["data"]]
+    if path == "/pooling":
+        return [item["data"] for item in body["data"]]
+    if path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        ranked = sorted(body["results"], key=lambda r: r["index"])
+        return [[r["relevance_score"]] for r in ranked]
+    if path in ("/score", "/v1/score"):
+        return [[item["score"]] for item in body["data"]]
+    return [item["embedding"] for item in body["data"]]
+
+
+def assert_same_vectors(got: list[list[float]], want: list[list[float]]) -> None:
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert len(a) == len(b)
+        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5
+
+
+def tokenize_seconds(response: httpx.Response) -> float:
+    return float(response.headers["x-tokenization-time"]) / 1000
+
+
+SINGLE_TEXT_ATTACKS = [
+    ("server", "/v1/embeddings", {"truncate_prompt_tokens": -1}, "input", False),
+    ("server", "/v1/embeddings", {"truncate_prompt_tokens": 8}, "input", False),
+    (
+        "server",
+        "/v1/embeddings",
+        {"truncate_prompt_tokens": -1, "truncation_side": "left"},
+        "input",
+        True,
+    ),
+    ("server", "/v2/embed", {}, "texts", False),
+    ("server", "/pooling", {"task": "embed", "truncate_prompt_tokens": -1}, "input", False),
+    ("cross_encoder", "/classify", {"truncate_prompt_tokens": -1}, "input", False),
+    ("classifier", "/v1/classify", {"truncate_prompt_tokens": 8}, "input", False),
+]
+
+
+@pytest.mark.parametrize(
+    ("model", "path", "extra", "field", "from_end"),
+    SINGLE_TEXT_ATTACKS,
+    ids=[
+        "openai",
+        "openai-truncate-8",
+        "openai-left",
+        "cohere",
+        "pooling",
+        "classify-cross-encoder",
+        "classify-classifier",
+    ],
+)
+def test_a_giant_first_word_costs_the_tokenizer_a_window_not_the_whole_text(
+    request: pytest.FixtureRequest,
+    model: str,
+    path: str,
+    extra: dict[str, Any],
+    field: str,
+    from_end: bool,
+) -> None:
+    # 4 MiB: a first word of 3,000 characters, then 2 million short words. It used to be
+    # tokenized whole, inline: the loop stalled for seconds and the process grew ~1 GB.
+    served = task_server(request, model)
+
+    def text(words: int) -> str:
+        forward = giant_first_word(words)
+        return " ".join(reversed(forward.split(" "))) if from_end else forward
+
+    def body(t: str) -> dict[str, Any]:
+        return {field: t if field == "input" else [t], **extra}
+
+    with Watch(served) as watch:
+        attacked = httpx.post(served.url + path, json=body(text(2_000_000)), timeout=120)
+    # The same first (last) tokens in a short text: the same vector.
+    reference = httpx.post(served.url + path, json=body(text(300)), timeout=30)
+    assert_same_vectors(vectors(path, attacked), vectors(path, reference))
+    assert tokenize_seconds(attacked) < 0.25
+    watch.assert_unharmed()
+
+
+def test_a_text_whose_widest_window_is_one_word_is_refused_naming_it(server: Served) -> None:
+    # One word of 2 million characters: no window the server reads settles where it is cut.
+    response = httpx.post(
+        server.url + "/v1/embeddings",
+        json={"input": ["fine", "y" * 2_000_000 + " a"], "truncate_prompt_tokens": -1},
+        timeout=60,
+    )
+    message = assert_refused(response, 400, param="input")
+    assert "input[1]" in message and "characters" in message
+
+
+def test_tokenize_refuses_an_over_long_prompt_without_tokenizing_it_whole(server: Served) -> None:
+    # 4 MiB prompts: /tokenize used to tokenize them whole before counting (5 GB at 8 MiB).
+    for prompt in ("a " * 2_000_000, giant_first_word(2_000_000)):
+        with Watch(server) as watch:
+            response = httpx.post(server.url + "/tokenize", json={"prompt": prompt}, timeout=120)
+        assert "max_request_tokens" in assert_refused(response, 413, param="prompt")
+        watch.assert_unharmed()
+    fits = giant_first_word(100)
+    counted = httpx.post(server.url + "/tokenize", json={"prompt": fits}, timeout=30).json()
+    assert counted["count"] == 103 and counted["tokens"][:2] == [101, 100]  # [CLS] [UNK]
+
+
+PAIR_ATTACKS = [
+    ("/rerank", lambda q, docs: {"query": q, "documents": docs}),
+    ("/v2/rerank", lambda q, docs: {"query": q, "documents": [{"text": d} for d in docs]}),
+    ("/score", lambda q, docs: {"text_1": q, "text_2": docs}),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), PAIR_ATTACKS, ids=["rerank", "rerank-v2", "score"])
+def test_a_giant_first_word_query_is_read_once_and_others_are_served(
+    cross_encoder: Served, path: str, body: Any
+) -> None:
+    # A 200 kB query whose first word is wider than the first window, against 64 documents:
+    # each pair used to tokenize the whole query again (seconds per request), and two such
+    # requests held both tokenizer threads while another client's rerank waited.
+    documents = [f"document number {i} about foxes" for i in range(64)]
+    attack = {**body(giant_first_word(100_000), documents), "truncate_prompt_tokens": -1}
+    # Big enough to be tokenized in the pool, not inline: it waits behind the attack there.
+    normal = {
+        "query": "what do foxes eat?",
+        "documents": [" ".join(["fox"] * 200)] * 8,
+        "truncate_prompt_tokens": -1,
+    }
+
+    async def run() -> tuple[list[httpx.Response], float]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            attacks = [
+                asyncio.create_task(http.post(cross_encoder.url + path, json=attack))
+                for _ in range(2)
+            ]
+            worst = 0.0
+            while not all(task.done() for task in attacks):
+                started = time.monotonic()
+                ok = await http.post(cross_encoder.url + "/rerank", json=normal)
+                assert ok.status_code == 200, ok.text[:300]
+                worst = max(worst, time.monotonic() - started)
+            return [await task for task in attacks], worst
+
+    with Watch(cross_encoder) as watch:
+        answers, bystander_worst = asyncio.run(run())
+    reference = httpx.post(
+        cross_encoder.url + path,
+        json={**body(giant_first_word(300), documents), "truncate_prompt_tokens": -1},
+        timeout=60,
+    )
+    for answer in answers:
+        assert_same_vectors(vectors(path, answer), vectors(path, reference))
+        assert tokenize_seconds(answer) < 0.5
+    assert bystander_worst < 1.0, f"another client's rerank took {bystander_worst:.1f} s"
+    watch.assert_unharmed()
+
+
+def test_a_cross_encoder_does_not_copy_the_query_for_every_document(
+    cross_encoder: Served,
+) -> None:
+    # A 256 kB query of ordinary words and 2,048 documents: admission used to join the
+    # query to every document to measure them, 512 MB before anything was refused or run.
+    query = "what is the meaning of this long question " * 6000
+    documents = [f"document {i}" for i in range(2048)]
+    with Watch(cross_encoder) as watch:
+        response = httpx.post(
+            cross_encoder.url + "/rerank",
+            json={
+                "query": query,
+                "documents": documents,
+                "truncate_prompt_tokens": -1,
+                "return_documents": False,
+            },
+            timeout=120,
+        )
+    assert response.status_code == 200, response.text[:300]
+    assert len(response.json()["results"]) == 2048
+    watch.assert_unharmed(loop_s=1.0)
+
+
+# -- issue 30, M2: big bodies are validated without stalling the loop ---------------------------
+
+
+ID_FLOODS = [
+    # (route, the body around 4.1 million ids, the field named)
+    ("/v1/embeddings", b'{"input": [%s]}', "input"),
+    ("/pooling", b'{"input": [%s], "task": "embed"}', "input"),
+    ("/classify", b'{"input": [%s]}', "input"),
+    ("/detokenize", b'{"tokens": [%s]}', "tokens"),
+]
+
+
+@pytest.mark.parametrize(("path", "template", "param"), ID_FLOODS, ids=lambda v: str(v)[:20])
+def test_a_token_id_list_over_the_request_limit_is_refused_before_it_is_validated(
+    server: Served, path: str, template: bytes, param: str
+) -> None:
+    # 4.1 million ids in 8 MiB: validating them tried every member of the input union first
+    # (1.4 s on the loop) before the 413 that their count alone decides.
+    body = template % (b"1," * 4_099_999 + b"1")
+    with Watch(server) as watch:
+        response = httpx.post(
+            server.url + path,
+            content=body,
+            headers={"content-type": "application/json"},
+            timeout=60,
+        )
+    assert "max_request_tokens" in assert_refused(response, 413, param=param)
+    watch.assert_unharmed(memory_mib=256)  # the body, and the list it parses into
+
+
+INPUT_FLOODS = [
+    # (route, the body around 1.5 million two-letter texts, the field named)
+    ("/v1/embeddings", b'{"input": [%s]}', "input"),
+    ("/v2/embed", b'{"texts": [%s]}', "texts"),
+    ("/score", b'{"text_1": "q", "text_2": [%s]}', "text_2"),
+    ("/rerank", b'{"query": "q", "documents": [%s]}', "documents"),
+    ("/classify", b'{"input": [%s]}', "input"),
+]
+
+
+@pytest.mark.parametrize(("path", "template", "param"), INPUT_FLOODS, ids=lambda v: str(v)[:20])
+def test_more_inputs_than_allowed_are_refused_before_each_is_validated(
+    server: Served, path: str, template: bytes, param: str
+) -> None:
+    # 1.5 million two-letter texts (7.5 MiB): each was validated (and scanned for lone
+    # surrogates) on the loop before their count was checked.
+    body = template % (b'"ab",' * 1_499_999 + b'"ab"')
+    with Watch(server) as watch:
+        response = httpx.post(
+            server.url + path,
+            content=body,
+            headers={"content-type": "application/json"},
+            timeout=60,
+        )
+    assert "at most 2048" in assert_refused(response, 400, param=param)
+    # Parsing 7.5 MiB of JSON still holds the GIL for ~0.1 s; validating 1.5 million
+    # strings on the loop first took ~0.4 s more.
+    watch.assert_unharmed(loop_s=0.25, memory_mib=256)  # the body, and the list it parses into
+
+
+def test_a_huge_token_id_list_within_the_limits_is_checked_off_the_loop(
+    roomy_server: Served,
+) -> None:
+    # 1.6 million ids in 8 MiB, cut to 64 tokens: within the roomy limits, so they are
+    # validated and checked against the vocabulary. That used to run on the loop, element by
+    # element (the input union tried as a list of strings first).
+    ids = ",".join(str(1000 + i % 20000) for i in range(1_600_000))
+    body = ('{"input": [' + ids + '], "truncate_prompt_tokens": -1}').encode()
+    with Watch(roomy_server) as watch:
+        response = httpx.post(
+            roomy_server.url + "/v1/embeddings",
+            content=body,
+            headers={"content-type": "application/json"},
+            timeout=60,
+        )
+    assert response.status_code == 200, response.text[:300]
+    assert response.json()["usage"]["prompt_tokens"] == MAX_LEN
+    watch.assert_unharmed(memory_mib=512)  # the body, and the list it parses into
+
+
+# -- issue 30, M3 and L4: the HTTP layer --------------------------------------------------------
+
+HEADER_TIMEOUT = 1.0
+BODY_TIMEOUT = 2.0
+MAX_CONNECTIONS = 200
+RECEIVING_BYTES = 8 * 2**20
+
+
+@pytest.fixture(scope="module")
+def http_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """MiniLM with short HTTP timeouts, a small connection cap and host checking."""
+    log = tmp_path_factory.mktemp("abuse-http") / "server.log"
+    with serve(
+        log,
+        "--max-model-len", str(MAX_LEN),
+        "--header-timeout", str(HEADER_TIMEOUT),
+        "--body-timeout", str(BODY_TIMEOUT),
+        "--keep-alive-timeout", "1",
+        "--max-connections", str(MAX_CONNECTIONS),
+        "--max-header-bytes", "16384",
+        "--max-receiving-bytes", str(RECEIVING_BYTES),
+        "--allowed-hosts", "localhost,embedder.example,*.svc.example",
+    ) as served:  # fmt: skip
+        yield served
+
+
+def _address(served: Served) -> tuple[str, int]:
+    host, port = served.url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+def _closed(sock: socket.socket) -> bool:
+    """Whether the server has closed ``sock`` (whatever it answered first)."""
+    sock.setblocking(False)
+    try:
+        while True:
+            if not sock.recv(65536):
+                return True
+    except BlockingIOError:
+        return False
+    except OSError:  # reset
+        return True
+
+
+def _answer(sock: socket.socket, timeout: float = 10.0) -> bytes:
+    """Everything the server sends on ``sock`` until it closes it."""
+    sock.settimeout(timeout)
+    chunks = []
+    with contextlib.suppress(OSError):
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_200_mib_of_headers_are_refused_as_they_arrive(http_server: Served) -> None:
+    # One header, sent 64 KiB at a time, up to 200 MiB: it used to be buffered whole
+    # (the process grew by 200 MiB) before the API key was even looked at.
+    with Watch(http_server) as watch:
+        sock = socket.create_connection(_address(http_server))
+        sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: localhost\r\nX-Fill: ")
+        sent = 0
+        with contextlib.suppress(OSError):
+            while sent < 200 * 2**20:
+                sock.sendall(b"a" * 65536)
+                sent += 65536
+        answer = _answer(sock)
+        sock.close()
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
+    assert sent < 8 * 2**20, f"the server read {sent / 2**20:.0f} MiB of headers"
+    watch.assert_unharmed(memory_mib=32)
+
+
+def test_half_open_connections_are_closed_and_capped(http_server: Served) -> None:
+    # 500 connections that never finish a request: they used to stay open for good. Beyond
+    # the cap they are closed at once; the rest when their headers' time is up.
+    sockets = [socket.create_connection(_address(http_server)) for _ in range(250)]
+    for sock in sockets[:125]:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: local")  # a head never finished
+    sockets += [socket.create_connection(_address(http_server)) for _ in range(250)]
+    try:
+        time.sleep(0.3)
+        early = sum(_closed(sock) for sock in sockets)
+        assert early >= 500 - MAX_CONNECTIONS - 5, f"only {early} of 500 closed at once"
+        time.sleep(HEADER_TIMEOUT + 1.5)
+        assert all(_closed(sock) for sock in sockets), "a half-open connection is still open"
+    finally:
+        for sock in sockets:
+            sock.close()
+    assert embed_ok(http_server.url).status_code == 200
+
+
+def test_a_head_sent_a_byte_at_a_time_is_cut_off(http_server: Served) -> None:
+    sock = socket.create_connection(_address(http_server))
+    started = time.monotonic()
+    with contextlib.suppress(OSError):
+        for byte in b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Slow: " + b"a" * 100:
+            sock.sendall(bytes([byte]))
+            time.sleep(0.05)
+    answer = _answer(sock)
+    sock.close()
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert time.monotonic() - started < HEADER_TIMEOUT + 2
+
+
+def test_stalled_uploads_are_bounded_in_memory_and_timed_out(http_server: Served) -> None:
+    # 60 uploads that send 1 MiB of a 2 MiB body and stop: they used to hold what they sent
+    # (486 MiB for 60 of 8 MiB) for as long as the client liked.
+    head = (
+        b"POST /v1/embeddings HTTP/1.1\r\nHost: localhost\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 2097152\r\n\r\n"
+    )
+    with Watch(http_server) as watch:
+        uploads = []
+        for _ in range(60):
+            sock = socket.create_connection(_address(http_server))
+            sock.sendall(head + b'{"input": "' + b"a" * (2**20 - 11))
+            uploads.append(sock)
+        time.sleep(0.5)
+        # Another client is served meanwhile.
+        assert embed_ok(http_server.url).status_code == 200
+        answers = [_answer(sock, timeout=BODY_TIMEOUT + 5) for sock in uploads]
+    for sock in uploads:
+        sock.close()
+    statuses = {answer[:12] for answer in answers}
+    assert statuses <= {b"HTTP/1.1 408", b"HTTP/1.1 503"}, statuses
+    assert b"HTTP/1.1 408" in statuses and b"HTTP/1.1 503" in statuses
+    # What they held: the receiving budget, 64 KiB each beyond it, and the sockets' buffers.
+    watch.assert_unharmed(loop_s=1.0, memory_mib=RECEIVING_BYTES // 2**20 + 40)
+
+
+def test_an_idle_kept_alive_connection_is_closed(http_server: Served) -> None:
+    sock = socket.create_connection(_address(http_server))
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+    sock.settimeout(5)
+    assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+    time.sleep(2.0)
+    assert _closed(sock)
+    sock.close()
+
+
+@pytest.mark.parametrize(
+    ("host", "allowed"),
+    [
+        ("localhost:8000", True),
+        ("embedder.example", True),
+        ("api.svc.example:80", True),
+        ("127.0.0.1:8000", True),
+        ("10.1.2.3", True),
+        ("[::1]:8000", True),
+        ("attacker.example", False),
+        ("localhost.attacker.example", False),
+        ("svc.example.attacker.example", False),
+    ],
+)
+def test_only_allowed_hosts_and_ip_addresses_are_answered(
+    http_server: Served, host: str, allowed: bool
+) -> None:
+    # DNS rebinding: a page from attacker.example re-resolves its own name to 127.0.0.1 and
+    # calls the server there; the browser still sends Host: attacker.example.
+    for path, body in (("/v1/embeddings", {"input": "hello"}), ("/health", None)):
+        response = httpx.request(
+            "POST" if body else "GET",
+            http_server.url + path,
+            json=body,
+            headers={"host": host},
+            timeout=30,
+        )
+        if allowed:
+            assert response.status_code == 200, (host, response.text[:200])
+        else:
+            assert "allowed-hosts" in assert_refused(response, 400)

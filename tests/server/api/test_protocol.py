@@ -13,13 +13,14 @@ from embedding_server.api.protocol import (
     DetokenizeRequest,
     EmbeddingRequest,
     PoolingRequest,
+    RequestLimits,
     ScoreRequest,
     TokenizeRequest,
     cohere_truncation,
     openai_truncation,
 )
 from embedding_server.api.protocol_tasks import ClassifyRequest, RerankRequest
-from embedding_server.errors import InvalidRequestError
+from embedding_server.errors import InvalidRequestError, TooManyTokensError
 from embedding_server.tokenization import Truncation
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
@@ -117,3 +118,68 @@ def test_every_schema_ignores_unknown_fields() -> None:
     for schema, body in MINIMAL_BODIES.items():
         parsed = schema.model_validate({**body, "an_unknown_field": 1})
         assert "an_unknown_field" not in parsed.model_dump(), schema.__name__
+
+
+@pytest.mark.parametrize(
+    ("value", "shape"),
+    [
+        ("text", "text"),
+        (["a", 1], "texts"),
+        ([1, "a"], "tokens"),
+        ([-1], "tokens"),
+        ([[1], ["a"]], "token_lists"),
+        (5, "texts"),
+    ],
+)
+def test_an_input_is_validated_as_the_one_shape_its_first_element_says(
+    value: Any, shape: str
+) -> None:
+    """One error, from one member of the input union: the shape is chosen from the value,
+    never found by trying each member (a list of millions of ids used to be validated as a
+    list of strings first)."""
+    if shape == "text":
+        assert EmbeddingRequest.model_validate({"input": value}).input == value
+        return
+    with pytest.raises(ValidationError) as caught:
+        EmbeddingRequest.model_validate({"input": value})
+    (error,) = caught.value.errors()
+    assert error["loc"][:2] == ("input", shape), error
+
+
+def test_token_ids_keep_their_list_and_bad_ones_are_named() -> None:
+    ids = list(range(200_000))
+    assert EmbeddingRequest.model_validate({"input": ids}).input is ids  # not copied
+    with pytest.raises(ValidationError) as caught:
+        DetokenizeRequest.model_validate({"tokens": [*ids, -3]})
+    (error,) = caught.value.errors()
+    assert error["loc"] == ("tokens", 200_000)
+
+
+def test_counts_over_the_limits_are_refused_before_any_element_is_validated() -> None:
+    limits = RequestLimits(max_inputs=4, max_tokens=100)
+    cases: list[tuple[type[ApiRequest], dict[str, Any], type[Exception], str]] = [
+        # The last id is not even an int: the count alone decides, first.
+        (EmbeddingRequest, {"input": [*[1] * 100, "x"]}, TooManyTokensError, "input"),
+        (EmbeddingRequest, {"input": [[1] * 60, [2] * 60]}, TooManyTokensError, "input"),
+        (PoolingRequest, {"input": ["a"] * 5}, InvalidRequestError, "input"),
+        # A flood of lone surrogates is refused by its count, not scanned first.
+        (EmbeddingRequest, {"input": ["\ud800"] * 5}, InvalidRequestError, "input"),
+        (
+            RerankRequest,
+            {"query": "q", "documents": ["\ud800"] * 5},
+            InvalidRequestError,
+            "documents",
+        ),
+        (ClassifyRequest, {"input": [[1]] * 5}, InvalidRequestError, "input"),
+        (CohereEmbedRequest, {"texts": ["a", 1, 2, 3, 4]}, InvalidRequestError, "texts"),
+        (ScoreRequest, {"text_1": "q", "text_2": ["d"] * 5}, InvalidRequestError, "text_2"),
+        (RerankRequest, {"query": "q", "documents": ["d"] * 5}, InvalidRequestError, "documents"),
+        (DetokenizeRequest, {"tokens": [1] * 101}, TooManyTokensError, "tokens"),
+    ]
+    for schema, body, error, param in cases:
+        with pytest.raises(error) as caught:
+            schema.model_validate(body, context=limits)
+        assert caught.value.param == param, (schema.__name__, caught.value)  # type: ignore[attr-defined]
+    # Within the limits, the same schemas validate as before.
+    EmbeddingRequest.model_validate({"input": [[1] * 50, [2] * 50]}, context=limits)
+    RerankRequest.model_validate({"query": "q", "documents": ["d"] * 4}, context=limits)

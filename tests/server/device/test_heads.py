@@ -11,13 +11,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from embedding_server.device.pooling import activation
 from embedding_server.engine import Engine
-from embedding_server.errors import InvalidRequestError, UnsupportedModelError
+from embedding_server.errors import (
+    InvalidRequestError,
+    UnsettledInputError,
+    UnsupportedModelError,
+)
 from embedding_server.heads import apply_activation, softmax
 from embedding_server.pooling import ACTIVATIONS
 from embedding_server.tokenization import Truncation, longest_first
@@ -385,19 +390,28 @@ def test_sparse_task_on_a_masked_lm_and_refusals(
     )
 
 
-def test_long_pairs_are_clipped_without_changing_the_tokens(
+def test_long_pairs_are_read_through_windows_without_changing_the_tokens(
     classifiers: Callable[..., Path],
 ) -> None:
-    """Texts longer than the clipping length: the pairs match transformers' own truncation
-    token for token, on either side, whichever text is the long one."""
+    """Texts longer than the first window: the pairs match transformers' own truncation
+    token for token, on either side, whichever text is the long one, both long included."""
     path = classifiers("bert", 1)
     engine = Engine.from_pretrained(str(path), dtype="float32")
     tokenizer = engine._tokenizer
     tok = AutoTokenizer.from_pretrained(str(path))
-    long_text = "the quick brown fox jumps over the lazy dog " * 400
-    assert len(long_text) > tokenizer.clip_chars
+    first, widest = tokenizer.windows(tokenizer.max_length)
+    long_text = "the quick brown fox jumps over the lazy dog " * 300
+    assert first < len(long_text) < widest
     short = "what does the fox do?"
-    for a, b in [(short, long_text), (long_text, short), (long_text, long_text[4:])]:
+    giant_first_word = "x" * 2 * first + " and then the fox" * 500
+    cases = [
+        (short, long_text),
+        (long_text, short),
+        (long_text, long_text[4:]),  # both long: which is longer decides the odd token
+        (giant_first_word, short),
+        (short, giant_first_word),
+    ]
+    for a, b in cases:
         for side in ("right", "left"):
             tok.truncation_side = side
             reference = tok(a, b, truncation=True, max_length=tokenizer.max_length)
@@ -406,6 +420,51 @@ def test_long_pairs_are_clipped_without_changing_the_tokens(
             assert got.truncated
     with pytest.raises(InvalidRequestError, match="more than the maximum"):
         tokenizer.encode_pairs([(short, long_text)], truncation=Truncation.refuse())
+
+
+def test_a_query_shared_by_many_pairs_is_read_once(classifiers: Callable[..., Path]) -> None:
+    """A rerank request's query is one text in every pair: it is read once, whatever the
+    number of documents, even when its first word is wider than every window but the last."""
+    path = classifiers("bert", 1)
+    engine = Engine.from_pretrained(str(path), dtype="float32")
+    tokenizer = engine._tokenizer
+    first, _ = tokenizer.windows(tokenizer.max_length)
+    query = "x" * 3 * first + " and a question" * 20_000  # 300 kB
+    documents = [f"document number {i}" for i in range(200)]
+    read: list[int] = []
+    backend = tokenizer.backend
+    original = backend.encode_batch
+
+    class Counting:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(backend, name)
+
+        def encode_batch(self, texts: list[str], **kwargs: Any) -> Any:
+            read.extend(map(len, texts))
+            return original(texts, **kwargs)
+
+    tokenizer._tok = Counting()  # type: ignore[assignment]
+    got = tokenizer.encode_pairs([(query, d) for d in documents], truncation=Truncation())
+    tokenizer._tok = backend
+    assert sum(read) < 8 * first  # the query's windows, once: not 200 times 300 kB
+    alone = tokenizer.encode_pairs([(query, documents[7])], truncation=Truncation())
+    assert got[7].ids == alone[0].ids
+
+
+def test_a_pair_of_texts_both_wider_than_the_widest_window_is_refused(
+    classifiers: Callable[..., Path],
+) -> None:
+    """With an odd budget, the longer text of an over-long pair keeps the odd token; when
+    both texts run past the widest window, which one is longer is text the server does not
+    read, so the pair is refused rather than guessed at (or read whole)."""
+    path = classifiers("bert", 1)
+    engine = Engine.from_pretrained(str(path), dtype="float32")
+    tokenizer = engine._tokenizer
+    _, widest = tokenizer.windows(tokenizer.max_length)
+    assert (tokenizer.max_length - tokenizer.num_pair_special) % 2 == 1
+    long_text = "the quick brown fox jumps over the lazy dog " * (widest // 40)
+    with pytest.raises(UnsettledInputError, match="pair 0"):
+        tokenizer.encode_pairs([(long_text, long_text[4:])], truncation=Truncation())
 
 
 @pytest.mark.parametrize("name", ACTIVATIONS)

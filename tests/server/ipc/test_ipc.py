@@ -293,10 +293,10 @@ def test_a_burst_at_one_front_end_is_refused_there_while_it_tokenizes(
         )
         path = str(tmp_path / "engine.sock")
         async with _front_end(path, engine, monkeypatch) as (front, _, calls):
-            # 300 tokens of ids, too many to tokenize on the event loop: the front-end holds
-            # room for them while its tokenizer thread checks them. A request that arrives
-            # meanwhile and would overfill the queue with them is refused at once.
-            big = asyncio.create_task(front.aembed([[7] * 60] * 5))
+            # Five texts too long to tokenize on the event loop, cut to 320 tokens: the
+            # front-end holds room for them while its tokenizer thread reads them. A request
+            # that arrives meanwhile and would overfill the queue with them is refused at once.
+            big = asyncio.create_task(front.aembed(["w" * 2500] * 5))
             await asyncio.sleep(0)
             with pytest.raises(QueueFullError):
                 await front.aembed(["q" * 40, "q" * 40])  # about 24 tokens

@@ -1,0 +1,500 @@
+"""What each attack of the hardening review (issue 30) costs a server, before and after.
+
+Not a test (``tests/server/api/test_abuse.py`` asserts the limits): the figures of the table
+in docs/security.md. Each attack runs against a fresh ``embedding-server serve`` on
+127.0.0.1 with its default limits (the packaged all-MiniLM-L6-v2; a 1-layer cross-encoder
+with its tokenizer, built here, for the pair attacks), once with the server code of
+``--before`` (a checkout's ``server/`` folder, e.g. ``git archive main | tar -x -C
+/tmp/before``) and once with this tree's, and prints them side by side:
+
+* **time**: how long the attack's request took (or the attack, for the connection ones);
+* **peak**: how far the server's resident memory rose above where it started (``VmHWM``,
+  reset before the attack), and **kept**: how much of it it still held a second after;
+* **others**: the worst latency another client saw meanwhile (``/health`` every 50 ms, or a
+  small rerank for the pair attacks);
+* **outcome**: the status the attacker got, or what was left open.
+
+The sizes are the review's where a machine shared with others can afford them (two of them are
+halved: noted in the table). Writes bench/out/abuse.json.
+
+    .venv/bin/python -m bench.abuse --before /tmp/before/server
+    .venv/bin/python -m bench.abuse --scale 0.02       # a smoke run, this tree only
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench import out_dir
+
+OUT = out_dir()
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = Path(sys.executable).parent / "embedding-server"
+MIB = 2**20
+
+
+@dataclass
+class Measure:
+    seconds: float = 0.0
+    peak_mib: float = 0.0
+    kept_mib: float = 0.0
+    others_worst_ms: float = 0.0
+    outcome: str = ""
+
+
+@dataclass
+class Row:
+    attack: str
+    limit: str
+    before: Measure | None = None
+    after: Measure | None = None
+
+
+@dataclass
+class Served:
+    url: str
+    pid: int
+
+    def _status(self, key: str) -> float:
+        text = Path(f"/proc/{self.pid}/status").read_text()
+        kib = next(line.split()[1] for line in text.splitlines() if line.startswith(key))
+        return int(kib) / 1024
+
+    def rss_mib(self) -> float:
+        return self._status("VmRSS")
+
+    def reset_peak(self) -> None:
+        Path(f"/proc/{self.pid}/clear_refs").write_text("5")
+
+    def peak_mib(self) -> float:
+        return self._status("VmHWM")
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self.url.removeprefix("http://").split(":")
+        return host, int(port)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def serve(server_dir: Path, log: Path, *flags: str) -> Iterator[Served]:
+    """``embedding-server serve`` with the code of ``server_dir``, until it is ready."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDDING_SERVER_")}
+    env["PYTHONPATH"] = str(server_dir)
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [str(SCRIPT), "serve", "--port", str(port), *flags],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"the server exited with {process.returncode}; see {log}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not get ready within 300 s; see {log}")
+            time.sleep(0.3)
+        yield Served(url, process.pid)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def build_cross_encoder(path: Path) -> Path:
+    """A 1-layer, 32-wide BERT cross-encoder (one label) with MiniLM's tokenizer."""
+    from embedding_server.device.loading import resolve_model_path
+    from embedding_server.settings import DEFAULT_MODEL
+    from transformers import BertConfig, BertForSequenceClassification
+
+    if (path / "config.json").exists():
+        return path
+    source = resolve_model_path(DEFAULT_MODEL, revision=None, cache_dir=None)
+    path.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
+        if (source / name).exists():
+            shutil.copy(source / name, path / name)
+    vocab = json.loads((source / "config.json").read_text())["vocab_size"]
+    config = BertConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=512,
+        num_labels=1,
+    )
+    BertForSequenceClassification(config).save_pretrained(path)
+    return path
+
+
+# -- measuring ---------------------------------------------------------------------------------
+
+
+class Probe:
+    """Another client, every 50 ms while an attack runs: ``/health`` (or ``request``); its
+    worst latency in ms."""
+
+    def __init__(self, served: Served, request: Callable[[httpx.Client], object] | None = None):
+        self.served = served
+        self.request = request or (lambda http: http.get(served.url + "/health"))
+        self.worst_ms = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=300) as http:
+            while not self._stop.is_set():
+                started = time.monotonic()
+                with contextlib.suppress(httpx.HTTPError):
+                    self.request(http)
+                self.worst_ms = max(self.worst_ms, (time.monotonic() - started) * 1000)
+                self._stop.wait(0.05)
+
+    def __enter__(self) -> Probe:
+        self._thread.start()
+        time.sleep(0.1)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=300)
+
+
+def measured(
+    served: Served,
+    attack: Callable[[], str],
+    probe: Callable[[httpx.Client], object] | None = None,
+) -> Measure:
+    """Run ``attack`` (it returns the outcome) with the server's memory and another client
+    watched."""
+    with httpx.Client(timeout=60) as http:
+        (probe or (lambda h: h.get(served.url + "/health")))(http)  # warm the prober's path
+    start_rss = served.rss_mib()
+    served.reset_peak()
+    with Probe(served, probe) as watch:
+        started = time.monotonic()
+        outcome = attack()
+        seconds = time.monotonic() - started
+    peak = served.peak_mib() - start_rss
+    time.sleep(1.0)
+    return Measure(seconds, peak, served.rss_mib() - start_rss, watch.worst_ms, outcome)
+
+
+def post(served: Served, path: str, body: dict[str, Any] | bytes, timeout: float = 600) -> str:
+    if isinstance(body, bytes):
+        response = httpx.post(
+            served.url + path,
+            content=body,
+            headers={"content-type": "application/json"},
+            timeout=timeout,
+        )
+    else:
+        response = httpx.post(served.url + path, json=body, timeout=timeout)
+    return f"{response.status_code}"
+
+
+# -- the attacks -------------------------------------------------------------------------------
+
+
+def giant_first_word(words: int, width: int = 3000) -> str:
+    """A first word wider than a text's first reading window (and the old clipping: 8
+    characters per token the model keeps, 2048 for MiniLM's 256 and 4096 for the
+    cross-encoder's 512), then ``words`` short words."""
+    return "x" * width + " a" * words
+
+
+def h1(scale: float, truncate: int) -> Callable[[Served], Measure]:
+    text = giant_first_word(int(4_000_000 * scale))
+    body = {"input": text, "truncate_prompt_tokens": truncate}
+    return lambda s: measured(s, lambda: post(s, "/v1/embeddings", body))
+
+
+def h2(scale: float) -> Callable[[Served], Measure]:
+    body = {"prompt": "a " * int(2_000_000 * scale)}
+    return lambda s: measured(s, lambda: post(s, "/tokenize", body))
+
+
+def h3_copy(scale: float) -> Callable[[Served], Measure]:
+    query = "what is the meaning of this long question " * int(12_000 * scale)
+    body = {
+        "query": query,
+        "documents": [f"document {i}" for i in range(max(16, int(2048 * min(1, scale * 4))))],
+        "truncate_prompt_tokens": -1,
+        "return_documents": False,
+    }
+    return lambda s: measured(s, lambda: post(s, "/rerank", body))
+
+
+def h3_giant_query(scale: float) -> Callable[[Served], Measure]:
+    body = {
+        "query": giant_first_word(int(100_000 * scale), width=5000),
+        "documents": [f"document number {i} about foxes" for i in range(64)],
+        "truncate_prompt_tokens": -1,
+    }
+    normal = {
+        "query": "what do foxes eat?",
+        "documents": [" ".join(["fox"] * 200)] * 8,
+        "truncate_prompt_tokens": -1,
+    }
+
+    def run(served: Served) -> Measure:
+        def attack() -> str:
+            async def two() -> list[int]:
+                async with httpx.AsyncClient(timeout=600) as http:
+                    answers = await asyncio.gather(
+                        *(http.post(served.url + "/rerank", json=body) for _ in range(2))
+                    )
+                return [a.status_code for a in answers]
+
+            return ",".join(map(str, asyncio.run(two())))
+
+        return measured(served, attack, lambda http: http.post(served.url + "/rerank", json=normal))
+
+    return run
+
+
+def m2(scale: float) -> Callable[[Served], Measure]:
+    ids = int(4_100_000 * scale)
+    body = b'{"input": [' + b"1," * (ids - 1) + b"1]}"
+    return lambda s: measured(s, lambda: post(s, "/v1/embeddings", body))
+
+
+def m3_headers(scale: float) -> Callable[[Served], Measure]:
+    total = int(200 * MIB * scale)
+
+    def run(served: Served) -> Measure:
+        def attack() -> str:
+            sock = socket.create_connection(served.address)
+            sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: localhost\r\nX-Fill: ")
+            sent = 0
+            with contextlib.suppress(OSError):
+                while sent < total:
+                    sock.sendall(b"a" * 65536)
+                    sent += 65536
+            sock.settimeout(5)
+            answer = b""
+            with contextlib.suppress(OSError):
+                answer = sock.recv(100)
+            sock.close()
+            status = answer[9:12].decode() or "no answer"
+            return f"{status} after {sent / MIB:.2f} MiB sent"
+
+        return measured(served, attack)
+
+    return run
+
+
+def _open_after(sockets: list[socket.socket], wait: float) -> int:
+    time.sleep(wait)
+    still = 0
+    for sock in sockets:
+        sock.setblocking(False)
+        try:
+            while sock.recv(65536):
+                pass
+        except BlockingIOError:
+            still += 1
+        except OSError:
+            pass
+    return still
+
+
+def m3_half_open(scale: float) -> Callable[[Served], Measure]:
+    count = max(10, int(500 * scale))
+
+    def run(served: Served) -> Measure:
+        def attack() -> str:
+            sockets = [socket.create_connection(served.address) for _ in range(count)]
+            try:
+                return f"{_open_after(sockets, 12.0)} of {count} open after 12 s"
+            finally:
+                for sock in sockets:
+                    sock.close()
+
+        return measured(served, attack)
+
+    return run
+
+
+def m3_stalled(scale: float) -> Callable[[Served], Measure]:
+    count, size = max(4, int(60 * scale)), 8 * MIB - 4096
+
+    def run(served: Served) -> Measure:
+        def attack() -> str:
+            head = (
+                b"POST /v1/embeddings HTTP/1.1\r\nHost: localhost\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % size
+            )
+            sockets = []
+            for _ in range(count):
+                sock = socket.create_connection(served.address)
+                with contextlib.suppress(OSError):
+                    sock.sendall(head + b'{"input": "' + b"a" * (size - 4096))
+                sockets.append(sock)
+            try:
+                return f"{_open_after(sockets, 35.0)} of {count} open after 35 s"
+            finally:
+                for sock in sockets:
+                    sock.close()
+
+        return measured(served, attack)
+
+    return run
+
+
+def l4_host() -> Callable[[Served], Measure]:
+    def run(served: Served) -> Measure:
+        def attack() -> str:
+            response = httpx.post(
+                served.url + "/v1/embeddings",
+                json={"input": "read by a page on attacker.example"},
+                headers={"host": "attacker.example"},
+                timeout=30,
+            )
+            return str(response.status_code)
+
+        return measured(served, attack)
+
+    return run
+
+
+def attacks(scale: float) -> list[tuple[Row, Callable[[Served], Measure], bool]]:
+    """(row, attack, whether it needs the cross-encoder)."""
+    return [
+        (Row("H1: 8 MiB text, 3,000-char first word", "reading windows; inline by size"),
+         h1(scale, -1), False),
+        (Row("H1: same, truncate_prompt_tokens 8", "reading windows; inline by size"),
+         h1(scale, 8), False),
+        (Row("H2: /tokenize 4 MiB prompt (review: 8)", "max_request_tokens, windows"),
+         h2(scale), False),
+        (Row("H3: rerank 512 kB query x 2048 docs (review: 1 MiB)", "pairs measured by length"),
+         h3_copy(scale), True),
+        (Row("H3: two reranks, 200 kB query with a 5,000-char first word x 64", "query read once"),
+         h3_giant_query(scale), True),
+        (Row("M2: 4.1 million token ids", "counted before validation"), m2(scale), False),
+        (Row("M3: 200 MiB of headers", "--max-header-bytes"), m3_headers(scale), False),
+        (Row("M3: 500 half-open connections", "--header-timeout"), m3_half_open(scale), False),
+        (Row("M3: 60 stalled 8 MiB uploads", "--max-receiving-bytes, --body-timeout"),
+         m3_stalled(scale), False),
+        (Row("L4: Host attacker.example", "--allowed-hosts localhost"), l4_host(), False),
+    ]  # fmt: skip
+
+
+def run_side(name: str, server_dir: Path, flags: list[str], cross: Path, rows: list[Any]) -> None:
+    logs = OUT / "abuse-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    for row, attack, needs_cross in rows:
+        # A fresh server per attack: what one attack leaves behind is not the next one's.
+        model = ["--model", str(cross)] if needs_cross else []
+        with serve(server_dir, logs / f"{name}.log", *flags, *model) as served:
+            print(f"{name:>6}: {row.attack} ...", flush=True)
+            measure = attack(served)
+            setattr(row, name, measure)
+            print(f"{'':>8}{_cells(measure)}", flush=True)
+
+
+def _cells(m: Measure | None) -> str:
+    if m is None:
+        return "not measured"
+    return (
+        f"{m.seconds:7.1f} s  peak {m.peak_mib:+7.0f} MiB  kept {m.kept_mib:+6.0f} MiB  "
+        f"others {m.others_worst_ms:7.0f} ms  {m.outcome}"
+    )
+
+
+def table(rows: list[Row]) -> str:
+    lines = [
+        "| Attack | Limit that stops it | Before: time, peak (kept) memory, others' worst "
+        "latency, outcome | After |",
+        "| --- | --- | --- | --- |",
+    ]
+    for row in rows:
+        cells = []
+        for m in (row.before, row.after):
+            if m is None:
+                cells.append("not measured")
+                continue
+            cells.append(
+                f"{m.seconds:.1f} s, {m.peak_mib:+.0f} MiB ({m.kept_mib:+.0f}), "
+                f"{m.others_worst_ms:.0f} ms, {m.outcome}"
+            )
+        lines.append(f"| {row.attack} | {row.limit} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)
+
+
+def cpu_model() -> str:
+    """The CPU's model name, as ``lscpu`` gives it (the figures' machine)."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--before", type=Path, help="a checkout's server/ folder to compare")
+    parser.add_argument("--scale", type=float, default=1.0, help="attack sizes (1: the table's)")
+    parser.add_argument("--only", default="", help="run the attacks whose name has this text")
+    args = parser.parse_args(argv)
+    OUT.mkdir(parents=True, exist_ok=True)
+    cross = build_cross_encoder(OUT / "abuse-cross-encoder")
+    rows = [r for r in attacks(args.scale) if args.only.lower() in r[0].attack.lower()]
+    if args.before is not None:
+        run_side("before", args.before.resolve(), [], cross, rows)
+    # This tree's defaults, plus the one check a server has only when asked for.
+    after_flags = ["--allowed-hosts", "localhost"]
+    run_side("after", REPO / "server", after_flags, cross, rows)
+    results = [row for row, _, _ in rows]
+    print()
+    print(table(results))
+    (OUT / "abuse.json").write_text(
+        json.dumps(
+            {
+                "date": time.strftime("%Y-%m-%d"),
+                "machine": cpu_model(),
+                "cpus": len(os.sched_getaffinity(0)),
+                "scale": args.scale,
+                "rows": [asdict(row) for row in results],
+            },
+            indent=2,
+        )
+    )
+    print(f"\nwrote {OUT / 'abuse.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""The connection layer under the application: what uvicorn itself does not bound.
+
+uvicorn (with httptools) reads a request's line and headers for as long as the client sends
+them, holds a connection that never sends a byte forever, and accepts every connection the
+kernel hands it. Each of these costs memory before any request exists for the application's
+middleware to refuse, so :class:`GuardedHttpToolsProtocol` bounds them where the bytes
+arrive, for each connection:
+
+* **Header size**: the bytes of a request's line and headers are counted as they arrive;
+  past ``--max-header-bytes`` the client gets 431 and the connection is closed (httptools
+  would otherwise buffer a header of any length: 200 MiB of one grew a server by 200 MiB).
+* **Header timeout**: a request's line and headers must arrive within ``--header-timeout``
+  of the connection opening, or of the next request's first byte on a kept-alive
+  connection; then 408 and the connection is closed (half-open connections, and headers
+  sent a byte at a time, used to stay open for good).
+* **Connection cap**: a connection beyond ``--max-connections`` open ones is answered 503
+  and closed at once.
+
+Idle kept-alive connections end after ``--keep-alive-timeout`` (uvicorn's own timer), and a
+body's timeout and the bytes bodies may hold while they arrive are the middleware's
+(:mod:`embedding_server.api.middleware`), which sees them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, ClassVar
+
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from embedding_server.api.errors import error_body
+from embedding_server.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the bounds of the module docstring (set per server
+    by :func:`guarded_protocol`)."""
+
+    max_header_bytes: ClassVar[int] = 32768
+    header_timeout: ClassVar[float] = 10.0
+    max_connections: ClassVar[int] = 1024
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._in_head = True
+        """Between requests or inside a request's line and headers: bytes are head bytes."""
+        self._head_bytes = 0
+        self._head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            self._refuse(503, "The server has as many connections open as it takes.", "busy")
+            return
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_head_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._in_head:
+            self._head_bytes += len(data)
+        super().data_received(data)
+        # Still in the head after these bytes: all of them were head bytes. httptools holds
+        # at most this limit plus one read of them.
+        if self._in_head and self._head_bytes > self.max_header_bytes:
+            self._refuse(
+                431,
+                f"The request line and headers exceed {self.max_header_bytes} bytes.",
+                "headers_too_large",
+            )
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._head_timer is None:
+            self._arm_head_timer()
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._disarm_head_timer()
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        # What follows on this connection is the next request's head (pipelined or not).
+        self._in_head = True
+        self._head_bytes = 0
+
+    def _arm_head_timer(self) -> None:
+        self._head_timer = self.loop.call_later(self.header_timeout, self._head_timed_out)
+
+    def _disarm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if not self._in_head or self.transport.is_closing():
+            return
+        self._refuse(
+            408,
+            f"The request line and headers did not arrive within {self.header_timeout:g} s.",
+            "request_timeout",
+        )
+
+    def _refuse(self, status: int, message: str, code: str) -> None:
+        """Answer ``status`` with an OpenAI-shaped error body and close the connection."""
+        self._disarm_head_timer()
+        self._in_head = False
+        if self.transport.is_closing():
+            return
+        logger.debug("closing a connection from %s: %s", self.client, message)
+        error_type = "server_error" if status >= 500 else "invalid_request_error"
+        body = error_body(message, error_type, None, code)
+        head = [
+            STATUS_LINE[status],
+            b"content-type: application/json\r\n",
+            b"content-length: %d\r\n" % len(body),
+            b"connection: close\r\n",
+        ]
+        if status == 503:
+            head.append(b"retry-after: 1\r\n")
+        self.transport.write(b"".join([*head, b"\r\n", body]))
+        self.transport.close()
+
+
+def guarded_protocol(settings: ServerSettings) -> type[GuardedHttpToolsProtocol]:
+    """The protocol class of a server with these settings' connection bounds."""
+    return type(
+        "GuardedHttpToolsProtocol",
+        (GuardedHttpToolsProtocol,),
+        {
+            "max_header_bytes": settings.max_header_bytes,
+            "header_timeout": settings.header_timeout,
+            "max_connections": settings.max_connections,
+        },
+    )
