@@ -90,12 +90,15 @@ def _reference_states(path: Path, seqs: list[list[int]]) -> list[np.ndarray]:
         return [model(input_ids=torch.tensor([s])).last_hidden_state[0].numpy() for s in seqs]
 
 
+@pytest.mark.parametrize("kernel", ["sdpa_bucketed", "sdpa_padded"])
 @pytest.mark.parametrize("variant", list(GTE_VARIANTS))
-def test_packed_batch_matches_transformers(gte_dir: Callable[..., Path], variant: str) -> None:
+def test_packed_batch_matches_transformers(
+    gte_dir: Callable[..., Path], variant: str, kernel: str
+) -> None:
     path = gte_dir(variant)
-    engine = Engine.from_pretrained(str(path), dtype="float32", normalize=False)
+    engine = Engine.from_pretrained(str(path), dtype="float32", normalize=False, attention=kernel)
     info = engine.info()
-    assert info.backend == "native" and info.pooling == "cls"
+    assert info.backend == "native" and info.pooling == "cls" and info.attention == kernel
     seqs = _sequences(engine)
     assert max(len(s) for s in seqs) == 200
     expected = _reference_states(path, seqs)
