@@ -66,6 +66,9 @@ class GteVariant:
     hub: dict[str, Any] | None = field(default=None)
     """config.json as the Hub ships it (merged over transformers'; None values drop keys);
     None: served as transformers saved it."""
+    segments: bool = False
+    """The tokenizer gives a pair's second text segment id 1 (BERT's template); else 0 for
+    both, as the XLM-R tokenizer of gte-multilingual and its reranker."""
 
 
 GTE_VARIANTS: dict[str, GteVariant] = {
@@ -103,6 +106,10 @@ GTE_VARIANTS: dict[str, GteVariant] = {
             "rope_scaling": {"factor": NTK_FACTOR, "type": "ntk"},
         },
     ),
+    # Segment ids from the tokenizer: two rows (read per token), and one row (what
+    # gte-multilingual has), which a tokenizer saying 1 must not index past.
+    "gte-segments": GteVariant({"type_vocab_size": 2}, segments=True),
+    "gte-one-segment": GteVariant({"type_vocab_size": 1}, segments=True),
     # Snowflake/snowflake-arctic-embed-m-v2.0: model_type gte, but new-impl's legacy keys.
     "gte-snowflake": GteVariant(
         {"type_vocab_size": 1, "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0}},
@@ -111,12 +118,12 @@ GTE_VARIANTS: dict[str, GteVariant] = {
 }
 
 
-def _tokenizer(path: Path) -> int:
+def _tokenizer(path: Path, *, segments: bool) -> int:
     return _byte_tokenizer_with_pairs(
         path,
         ["<s>", "<pad>", "</s>", "<unk>"],
         "<s> $A </s>",
-        "<s> $A </s> </s> $B </s>",
+        "<s> $A </s> </s> $B:1 </s>:1" if segments else "<s> $A </s> </s> $B </s>",
         ["<s>", "</s>"],
         bos_token="<s>",
         eos_token="</s>",
@@ -139,7 +146,7 @@ def build_gte(path: Path, variant: str, *, head: str | None = None, num_labels: 
     spec = GTE_VARIANTS[variant]
     ref = reference_dir(path)
     ref.mkdir(parents=True, exist_ok=True)
-    vocab = _tokenizer(ref)
+    vocab = _tokenizer(ref, segments=spec.segments)
     torch.manual_seed(21)
     extra: dict[str, Any] = {}
     if head is not None:

@@ -49,6 +49,7 @@ TEXTS = [
 ]
 QUERIES = ["what is a fox?", "q", "where do cats sleep in the winter months?", "x y z"]
 DOCS = ["the fox is an animal", "d", "cats sleep anywhere warm " * 6, "nothing at all"]
+BODIES = [v for v in GTE_VARIANTS if not GTE_VARIANTS[v].segments]
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +92,7 @@ def _reference_states(path: Path, seqs: list[list[int]]) -> list[np.ndarray]:
 
 
 @pytest.mark.parametrize("kernel", ["sdpa_bucketed", "sdpa_padded"])
-@pytest.mark.parametrize("variant", list(GTE_VARIANTS))
+@pytest.mark.parametrize("variant", BODIES)
 def test_packed_batch_matches_transformers(
     gte_dir: Callable[..., Path], variant: str, kernel: str
 ) -> None:
@@ -109,7 +110,7 @@ def test_packed_batch_matches_transformers(
     assert_rows_close(got, expected, min_cosine=F32_COSINE)
 
 
-@pytest.mark.parametrize("variant", list(GTE_VARIANTS))
+@pytest.mark.parametrize("variant", BODIES)
 def test_bfloat16_points_where_float32_transformers_does(
     gte_dir: Callable[..., Path], variant: str
 ) -> None:
@@ -152,7 +153,11 @@ def test_model_type_new_is_served_natively() -> None:
 # --- classifier heads --------------------------------------------------------------------------
 
 
-def _logits(path: Path, inputs: list[str] | list[tuple[str, str]], limit: int) -> np.ndarray:
+def _logits(
+    path: Path, inputs: list[str] | list[tuple[str, str]], limit: int, *, one_segment: bool = False
+) -> np.ndarray:
+    """transformers' float32 logits, each input (or pair) run alone; ``one_segment``: every
+    token's segment id 0."""
     ref = _reference(path)
     tok = AutoTokenizer.from_pretrained(str(ref))
     model = AutoModelForSequenceClassification.from_pretrained(str(ref)).eval()
@@ -160,7 +165,15 @@ def _logits(path: Path, inputs: list[str] | list[tuple[str, str]], limit: int) -
     with torch.no_grad():
         for item in inputs:
             parts = item if isinstance(item, tuple) else (item,)
-            enc = tok(*parts, return_tensors="pt", truncation=True, max_length=limit)
+            enc = tok(
+                *parts,
+                return_tensors="pt",
+                truncation=True,
+                max_length=limit,
+                return_token_type_ids=True,
+            )
+            if one_segment:
+                enc["token_type_ids"] = torch.zeros_like(enc["token_type_ids"])
             rows.append(model(**enc).logits[0].numpy())
     return np.stack(rows)
 
@@ -181,6 +194,21 @@ def test_reranker_scores_pairs_as_transformers(gte_dir: Callable[..., Path], var
     assert engine.info().task == "score"
     pairs = list(zip(QUERIES, DOCS, strict=True))
     logits = _logits(path, pairs, engine.info().max_input_tokens)[:, 0]
+    np.testing.assert_allclose(engine.score(QUERIES, DOCS), 1 / (1 + np.exp(-logits)), atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["gte-segments", "gte-one-segment"])
+def test_pair_segment_ids(gte_dir: Callable[..., Path], variant: str) -> None:
+    """A tokenizer that gives a pair's second text segment id 1: with two type rows each
+    token reads its own; with one (gte-multilingual's table) every token reads row 0, where
+    transformers would index past the table (on a GPU, a device-side assert)."""
+    path = gte_dir(variant, "sequence", 1)
+    engine = Engine.from_pretrained(str(path), dtype="float32")
+    pairs = list(zip(QUERIES, DOCS, strict=True))
+    tok = AutoTokenizer.from_pretrained(str(_reference(path)))
+    assert 1 in tok(*pairs[0], return_token_type_ids=True)["token_type_ids"]
+    one = variant == "gte-one-segment"
+    logits = _logits(path, pairs, engine.info().max_input_tokens, one_segment=one)[:, 0]
     np.testing.assert_allclose(engine.score(QUERIES, DOCS), 1 / (1 + np.exp(-logits)), atol=1e-5)
 
 

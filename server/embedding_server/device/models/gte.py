@@ -232,7 +232,10 @@ class GteModel:
         """The normalized word (+ segment) embeddings ``[T, hidden]``."""
         x = self.word_emb(batch.input_ids)
         if self.type_emb is not None:
-            if batch.token_type_ids is not None:
+            # One row (gte-multilingual's type_vocab_size 1): every token reads it. Its XLM-R
+            # tokenizer gives a pair's second text type 0 as well; a tokenizer that said 1
+            # would index past the table (a device-side assert on a GPU), not change the math.
+            if batch.token_type_ids is not None and self.type_emb.shape[0] > 1:
                 x = x + self.type_emb.index_select(0, batch.token_type_ids)
             else:
                 x = x + self.type_emb[0]
