@@ -34,7 +34,7 @@ from transformers import (
 
 from tests.support.attention import assert_rows_close
 from tests.support.gte import GTE_VARIANTS, build_gte, reference_dir
-from tests.support.models import rewrite_checkpoint
+from tests.support.models import add_sentence_transformers, rewrite_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -121,6 +121,29 @@ def test_bfloat16_points_where_float32_transformers_does(
     assert_rows_close(
         engine.embed_tokens(seqs), _reference_states(path, seqs), min_cosine=BF16_COSINE
     )
+
+
+@pytest.mark.parametrize(
+    ("dtype", "min_cosine"), [("float32", F32_COSINE), ("bfloat16", BF16_COSINE)]
+)
+def test_sentence_transformers_pipeline(
+    gte_dir: Callable[..., Path], dtype: str, min_cosine: float
+) -> None:
+    """gte-multilingual-base's pipeline: CLS pooling and Normalize, read from the saved
+    modules, against sentence-transformers' own encode (transformers' gte layout, which it
+    can load without remote code)."""
+    from sentence_transformers import SentenceTransformer
+
+    path = add_sentence_transformers(gte_dir("gte"), pooling="cls", max_seq_length=200)
+    engine = Engine.from_pretrained(str(path), dtype=dtype)
+    info = engine.info()
+    assert (info.pooling, info.normalize, info.max_input_tokens) == ("cls", True, 200)
+    texts = [*TEXTS, "long input " * 40]
+    expected = SentenceTransformer(str(path), device="cpu").encode(texts, convert_to_numpy=True)
+    got = engine.embed(texts)
+    if dtype == "float32":
+        np.testing.assert_allclose(got, expected, atol=1e-5)
+    assert_rows_close(got, expected, min_cosine=min_cosine)
 
 
 def test_ntk_scaling_applies_from_the_first_position(gte_dir: Callable[..., Path]) -> None:
