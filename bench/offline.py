@@ -16,8 +16,9 @@ chart goes to bench/out/offline.png.
 
 ``--family`` measures a model family without downloading a checkpoint: random weights in the
 shape of the family's base checkpoint (:data:`FAMILIES`: bert-base, mpnet-base,
-deberta-v3-base, distilbert-base, camembert-base, ernie-3.0-base, electra-base), all-MiniLM's
-tokenizer, and the pooling that family's embedders declare, built once under ``bench/out/``.
+deberta-v3-base, distilbert-base, camembert-base, ernie-3.0-base, electra-base,
+gte-multilingual-base), all-MiniLM's tokenizer, and the pooling that family's embedders
+declare, built once under ``bench/out/``.
 Random weights run at the speed real ones do, so families compare at one size.
 """
 
@@ -108,6 +109,19 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str]] = {
             "type_vocab_size": 4,
             "use_task_id": True,
             "task_type_vocab_size": 3,
+        },
+        "cls",
+    ),
+    # gte-multilingual-base (model_type new on the Hub, run as transformers' gte: the same
+    # math and weight names).
+    "gte": (
+        "Alibaba-NLP/gte-multilingual-base",
+        {
+            **_BASE,
+            "vocab_size": 250048,
+            "max_position_embeddings": 8192,
+            "type_vocab_size": 1,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 160000.0},
         },
         "cls",
     ),

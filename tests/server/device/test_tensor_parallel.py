@@ -23,6 +23,7 @@ from embedding_server.engine import Engine
 from embedding_server.errors import UnsupportedModelError
 
 from tests.support.api import wait_for
+from tests.support.gte import build_gte
 from tests.support.models import (
     MINILM_DIR,
     build_deberta,
@@ -59,6 +60,8 @@ BUILDERS: dict[str, Callable[[Path], Path]] = {
     # The relative-position bias and DeBERTa's position projections split by heads too.
     "mpnet": build_mpnet,
     "deberta-v3": lambda p: build_deberta(p, "deberta-v3"),
+    # GTE: the fused [up; gate] MLP halves split per rank, NTK-scaled rope.
+    "gte-new-ntk": lambda p: build_gte(p, "new-ntk"),
     "deberta-v2-conv": lambda p: build_deberta(p, "deberta-v2-conv"),
     "qwen2": lambda p: build_decoder(p, "qwen2"),
     "qwen3": lambda p: build_decoder(p, "qwen3"),

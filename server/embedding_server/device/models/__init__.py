@@ -27,11 +27,12 @@ from embedding_server.pooling import PoolingMethod
 
 from ..distributed import SINGLE, Shard
 from ..heads import ClassifierReader, MaskedLmReader, score_head
-from . import bert, deberta_v2, distilbert, electra, ernie, modernbert, mpnet
+from . import bert, deberta_v2, distilbert, electra, ernie, gte, modernbert, mpnet
 from .base import Checkpoint, EmbeddingModel, Ignored, PackedBatch
 from .bert import BertModel, BertVariant
 from .deberta_v2 import DebertaV2Model
 from .gemma3 import MULTIMODAL_REFUSAL, Gemma3TextModel
+from .gte import GteModel
 from .llama import DECODER_IGNORED, DecoderVariant, LlamaModel
 from .modernbert import ModernBertModel
 from .mpnet import MPNetModel
@@ -146,6 +147,12 @@ ARCHITECTURES: dict[str, Architecture] = {
             "cls",
             modernbert.classification_head,
             ignored=modernbert.IGNORED,
+        ),
+        # Alibaba GTE: ``new`` on the Hub (new-impl code), ``gte`` in transformers >= 5 and in
+        # Snowflake's arctic-embed-m-v2.0 config; one implementation reads both.
+        *(
+            Architecture(name, GteModel, "cls", gte.classification_head, ignored=gte.IGNORED)
+            for name in ("new", "gte")
         ),
         Architecture("llama", decoder(LLAMA), "last", score_head, ignored=DECODER_IGNORED),
         Architecture("mistral", decoder(MISTRAL), "last", score_head, ignored=DECODER_IGNORED),
