@@ -204,7 +204,8 @@ def ntk_base(base: float, factor: float, trained: int, length: int, head_dim: in
     (head_dim / (head_dim - 2))``."""
     if length <= trained:
         return base
-    return base * (factor * length / trained - (factor - 1)) ** (head_dim / (head_dim - 2))
+    stretch = factor * length / trained - (factor - 1)
+    return base * float(stretch ** (head_dim / (head_dim - 2)))
 
 
 @dataclass
@@ -224,7 +225,7 @@ class NomicBertModel:
 
     causal = False
     position_offset = 0
-    sliding_window = None
+    sliding_window: int | None = None
 
     def __init__(self, checkpoint: Checkpoint) -> None:
         config, dtype, device = checkpoint.config, checkpoint.dtype, checkpoint.device
