@@ -7,7 +7,9 @@ by transformers (which writes the Hub's weight names: ``emb_ln``, ``encoder.laye
 runs the native checkpoint as the reference, the engine the Hub-style one (and the native one).
 One packed batch of mixed lengths must match transformers running each input alone: cosine
 >= 0.99999 in float32 (and 2e-5 absolute), >= 0.999 in bfloat16, token states and the
-mean-pooled vectors. Dynamic NTK: transformers' ``dynamic`` rope implements NomicBERT's
+mean-pooled vectors, and the heads of transformers' NomicBertFor* classes (sequence
+classifier, cross-encoder pairs with segment ids, token classifier, a masked-LM checkpoint
+embedding with its body). Dynamic NTK: transformers' ``dynamic`` rope implements NomicBERT's
 formula (its trained length is the native config's ``max_position_embeddings``), so sequences
 longer than a small ``max_trained_positions`` are checked against it; it keeps scaled
 frequencies across calls, so each input runs on a freshly loaded reference.
@@ -33,6 +35,8 @@ from transformers import (
     AutoModel,
     AutoModelForMaskedLM,
     AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
 )
 
 from tests.support.models import MINILM_DIR, rewrite_checkpoint, spread_weights
@@ -60,7 +64,9 @@ _BASE = {
 }
 
 
-def _save(path: Path, *, classes: int = 0, masked_lm: bool = False, **overrides: Any) -> Path:
+def _save(
+    path: Path, *, classes: int = 0, masked_lm: bool = False, token: bool = False, **overrides: Any
+) -> Path:
     """A transformers-native NomicBERT at ``path`` (a classifier of ``classes`` labels when
     > 0), with the all-MiniLM WordPiece tokenizer (nomic's is bert-base-uncased's)."""
     path.mkdir(parents=True)
@@ -71,6 +77,7 @@ def _save(path: Path, *, classes: int = 0, masked_lm: bool = False, **overrides:
     config = AutoConfig.for_model("nomic_bert", **{**_BASE, **overrides, **extra})
     auto = AutoModelForSequenceClassification if classes else AutoModel
     auto = AutoModelForMaskedLM if masked_lm else auto
+    auto = AutoModelForTokenClassification if token else auto
     model = auto.from_config(config)
     spread_weights(model)
     model.save_pretrained(str(path))
@@ -139,7 +146,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     weights with transformers' dynamic rope trained on 16 positions; ``hub-dynamic``: the
     Hub's ``rotary_scaling_factor: 2``, ``max_trained_positions: 16`` (v1.5's form);
     ``classifier`` / ``hub-classifier``: a 3-label sequence classifier, native and Hub;
-    ``masked-lm``: NomicBertForMaskedLM (the body under ``nomic_bert.``, a ``cls.`` head)."""
+    ``masked-lm``: NomicBertForMaskedLM (the body under ``nomic_bert.``, a ``cls.`` head);
+    ``scorer`` / ``hub-scorer``: a one-label cross-encoder; ``token`` / ``hub-token``: a
+    4-label token classifier."""
     root = tmp_path_factory.mktemp("nomic")
     plain = _save(root / "plain", max_position_embeddings=SERVED)
     dynamic = _save(
@@ -149,6 +158,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     )
     classifier = _save(root / "classifier", classes=3, max_position_embeddings=SERVED)
     masked_lm = _save(root / "masked-lm", masked_lm=True, max_position_embeddings=SERVED)
+    scorer = _save(root / "scorer", classes=1, max_position_embeddings=SERVED)
+    token = _save(root / "token", classes=4, token=True, max_position_embeddings=SERVED)
     return {
         "plain": plain,
         "hub": _hub_copy(plain, root / "hub"),
@@ -157,6 +168,10 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "classifier": classifier,
         "hub-classifier": _hub_copy(classifier, root / "hub-classifier"),
         "masked-lm": masked_lm,
+        "scorer": scorer,
+        "hub-scorer": _hub_copy(scorer, root / "hub-scorer"),
+        "token": token,
+        "hub-token": _hub_copy(token, root / "hub-token"),
     }
 
 
@@ -194,20 +209,30 @@ def _assert_matches(got: np.ndarray, want: np.ndarray, min_cosine: float) -> Non
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kernel", ["sdpa_bucketed", "sdpa_padded"])
 @pytest.mark.parametrize(("dtype", "min_cosine"), DTYPES)
 @pytest.mark.parametrize(
     ("served", "reference"),
     [("plain", "plain"), ("hub", "plain"), ("hub-dynamic", "dynamic-ref")],
 )
 def test_packed_batch_matches_transformers(
-    models: dict[str, Path], served: str, reference: str, dtype: str, min_cosine: float
+    models: dict[str, Path],
+    served: str,
+    reference: str,
+    dtype: str,
+    min_cosine: float,
+    kernel: str,
 ) -> None:
     """Every token state of one packed batch (1 token up to n_positions, across the trained
     length) and every mean-pooled vector, as transformers computes each input alone: under
-    native keys, under the Hub's, and with dynamic NTK beyond max_trained_positions."""
-    engine = Engine.from_pretrained(str(models[served]), dtype=dtype, normalize=False)
+    native keys, under the Hub's, and with dynamic NTK beyond max_trained_positions; on
+    both CPU attention kernels (exact-length buckets, the batch padded to its longest)."""
+    engine = Engine.from_pretrained(
+        str(models[served]), dtype=dtype, normalize=False, attention=kernel
+    )
     info = engine.info()
     assert (info.model_type, info.pooling, info.hidden_size) == ("nomic_bert", "mean", 32)
+    assert info.attention == kernel
     assert info.max_input_tokens == SERVED
     seqs = _sequences(LENGTHS)
     expected = _reference(models[reference], seqs)
@@ -270,6 +295,51 @@ def test_sequence_classifier_matches_transformers(
     assert engine.info().task == "classify"
     probs = torch.softmax(torch.from_numpy(logits), -1).numpy()
     _assert_matches(engine.classify(seqs).probs, probs, min_cosine)
+
+
+QUERIES = ["what is a fox?", "q", "where do cats sleep in the winter months?"]
+DOCS = ["the fox is an animal", "d", "cats sleep anywhere warm " * 6]
+
+
+@pytest.mark.parametrize("served", ["scorer", "hub-scorer"])
+def test_cross_encoder_scores_match_transformers(models: dict[str, Path], served: str) -> None:
+    """One label: task score, sigmoid over the logit of each (query, document) pair, the
+    pair one sequence with its segment ids (token_type_embeddings row 1 for the document)."""
+    tok = AutoTokenizer.from_pretrained(str(models["scorer"]))
+    model = AutoModelForSequenceClassification.from_pretrained(
+        str(models["scorer"]), attn_implementation="eager"
+    ).eval()
+    with torch.no_grad():
+        logits = np.array(
+            [
+                model(**tok(q, d, return_tensors="pt")).logits[0, 0].item()
+                for q, d in zip(QUERIES, DOCS, strict=True)
+            ]
+        )
+    for dtype, min_cosine in DTYPES:
+        engine = Engine.from_pretrained(str(models[served]), dtype=dtype)
+        assert engine.info().task == "score"
+        scores = engine.score(QUERIES, DOCS)
+        _assert_matches(np.log(scores / (1 - scores)), logits, min_cosine)
+        if dtype == "float32":
+            np.testing.assert_allclose(scores, 1 / (1 + np.exp(-logits)), atol=1e-5)
+
+
+@pytest.mark.parametrize("served", ["token", "hub-token"])
+def test_token_classifier_matches_transformers(models: dict[str, Path], served: str) -> None:
+    """NomicBertForTokenClassification: ``classifier`` on every token's state, each
+    token's label probabilities."""
+    seqs = _sequences([1, 9, 30])
+    model = AutoModelForTokenClassification.from_pretrained(
+        str(models["token"]), attn_implementation="eager"
+    ).eval()
+    for dtype, min_cosine in DTYPES:
+        engine = Engine.from_pretrained(str(models[served]), dtype=dtype)
+        assert engine.info().task == "token_classify"
+        for seq, probs in zip(seqs, engine.token_classify(seqs), strict=True):
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([seq])).logits[0]
+            _assert_matches(probs, torch.softmax(logits, -1).numpy(), min_cosine)
 
 
 def test_two_ranks_give_the_vectors_of_one(models: dict[str, Path]) -> None:
