@@ -39,6 +39,7 @@ from transformers import (
     AutoTokenizer,
 )
 
+from tests.support.attention import assert_rows_close, pretend_cuda
 from tests.support.models import MINILM_DIR, rewrite_checkpoint, spread_weights
 
 pytest.importorskip("transformers.models.nomic_bert")
@@ -250,6 +251,23 @@ def test_a_masked_lm_checkpoint_embeds_with_its_body(models: dict[str, Path]) ->
     seqs = _sequences([2, 17, 33])
     expected = _reference(models["masked-lm"], seqs)
     _assert_matches(engine.embed(seqs), np.stack([e.mean(0) for e in expected]), F32_COSINE)
+
+
+def test_flash_attn_matches_transformers(
+    models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU's flash-attn (the strict CPU stand-in), bfloat16: plain bidirectional calls
+    over the packed rotated q/k, with dynamic NTK, giving transformers' states."""
+    seqs = _sequences(LENGTHS)
+    expected = _reference(models["dynamic-ref"], seqs)
+    cuda = pretend_cuda(monkeypatch)
+    engine = Engine.from_pretrained(str(models["hub-dynamic"]), dtype="bfloat16")
+    assert engine.info().attention == "flash_attn"
+    got = engine.embed_tokens(seqs)
+    assert len(cuda.flash.calls) == 2  # one per layer, the whole packed batch
+    assert not any(c["causal"] for c in cuda.flash.calls)
+    assert all(c["window_size"] == (-1, -1) for c in cuda.flash.calls)
+    assert_rows_close(got, expected, min_cosine=BF16_COSINE)
 
 
 def test_dynamic_ntk_changes_only_sequences_beyond_the_trained_length(
