@@ -17,8 +17,8 @@ chart goes to bench/out/offline.png.
 ``--family`` measures a model family without downloading a checkpoint: random weights in the
 shape of the family's base checkpoint (:data:`FAMILIES`: bert-base, mpnet-base,
 deberta-v3-base, distilbert-base, camembert-base, ernie-3.0-base, electra-base,
-gte-multilingual-base), all-MiniLM's tokenizer, and the pooling that family's embedders
-declare, built once under ``bench/out/``.
+gte-multilingual-base, nomic-embed-text-v1.5), all-MiniLM's tokenizer, and the pooling that
+family's embedders declare, built once under ``bench/out/``.
 Random weights run at the speed real ones do, so families compare at one size.
 """
 
@@ -125,6 +125,18 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str]] = {
         },
         "cls",
     ),
+    # nomic-embed-text-v1.5 (and arctic-embed-m-long): bert-base's shape, rotary positions
+    # (no position table), a SwiGLU MLP of three 768x3072 matrices.
+    "nomic_bert": (
+        "nomic-ai/nomic-embed-text-v1.5",
+        {
+            **_BASE,
+            "vocab_size": 30528,
+            "max_position_embeddings": 2048,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0},
+        },
+        "mean",
+    ),
     # ms-marco-electra-base's discriminator.
     "electra": (
         "google/electra-base-discriminator",
@@ -215,9 +227,11 @@ def matmul_peak(
 def model_flops_per_token(config: dict[str, Any], mean_len: float) -> float:
     """Matmul FLOPs per token of a BERT-style encoder: linear layers plus attention. DeBERTa's
     position terms add a matmul each against the position embeddings a sequence reaches
-    (about ``2 * mean_len`` rows, at most ``2 * position_buckets``)."""
+    (about ``2 * mean_len`` rows, at most ``2 * position_buckets``). A gated MLP (NomicBERT's
+    SwiGLU) has three ``h x i`` matrices, not two."""
     h, i, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
-    linear = 4 * h * h + 2 * h * i
+    mlp_matrices = 3 if config.get("model_type") == "nomic_bert" else 2
+    linear = 4 * h * h + mlp_matrices * h * i
     attention = 2 * mean_len * h  # QK^T and PV, per token
     if config.get("model_type") == "deberta-v2" and config.get("relative_attention"):
         span = config.get("position_buckets") or config["max_position_embeddings"]

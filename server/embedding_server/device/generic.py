@@ -153,7 +153,7 @@ def choose_backend(
 
 def custom_code_class(config: Mapping[str, Any]) -> str | None:
     """The class ``config.json``'s ``auto_map`` names for ``AutoModel`` (else its first
-    entry), e.g. ``modeling_hf_nomic_bert.NomicBertModel``; None without custom code."""
+    entry), e.g. ``modeling_nvembed.NVEmbedModel``; None without custom code."""
     auto_map = config.get("auto_map")
     if not isinstance(auto_map, Mapping) or not auto_map:
         return None

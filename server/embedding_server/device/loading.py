@@ -689,6 +689,8 @@ def plan_model(source: ModelSource, *, task: str, trust_remote_code: bool) -> Mo
         raise UnsupportedModelError(custom_code_refusal(config, trust_remote_code))
     arch = lookup(config)
     config = arch.read_config(config)  # the common keys, whatever the family calls them
+    if arch.check_config is not None:
+        arch.check_config(config)  # before any weight is fetched
     head_kind(config)  # a task head we do not serve
     st = read_sentence_transformers(source.path, dense_weights=False)
     refuse_generative(config, st, task)

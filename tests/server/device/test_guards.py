@@ -212,11 +212,9 @@ def _custom_code(src: Path, dst: Path) -> Path:
         src,
         dst,
         config={
-            "model_type": "nomic_bert",
-            "architectures": ["NomicBertModel"],
-            "auto_map": {
-                "AutoModel": "nomic-ai/nomic-bert-2048--modeling_hf_nomic_bert.NomicBertModel"
-            },
+            "model_type": "nvembed",
+            "architectures": ["NVEmbedModel"],
+            "auto_map": {"AutoModel": "modeling_nvembed.NVEmbedModel"},
         },
     )
 
@@ -242,7 +240,7 @@ def _unsupported_module(src: Path, dst: Path) -> Path:
     ("build", "found"),
     [
         (_unsupported_type, "model_type 'made_up' (MadeUpModel) has no native implementation"),
-        (_custom_code, "modeling_hf_nomic_bert.NomicBertModel"),
+        (_custom_code, "modeling_nvembed.NVEmbedModel"),
         (_unsupported_module, "StaticEmbedding"),
     ],
 )
@@ -351,18 +349,18 @@ def test_custom_code_of_a_native_model_type_is_served_natively_and_not_run(
 def test_custom_code_of_another_model_type_is_refused_saying_what_would_serve_it(
     tiny_model: Callable[[str], Path], tmp_path: Path
 ) -> None:
-    path = _custom_code(tiny_model("bert"), tmp_path / "nomic")
+    path = _custom_code(tiny_model("bert"), tmp_path / "nvembed")
     # backend auto: the transformers backend would serve it, but only with remote code.
     with pytest.raises(UnsupportedModelError) as refused:
         Engine.from_pretrained(str(path))
     message = str(refused.value)
-    assert "modeling_hf_nomic_bert.NomicBertModel" in message
+    assert "modeling_nvembed.NVEmbedModel" in message
     assert "--trust-remote-code" in message
     # backend native: never runs the code, and says what would serve it.
     with pytest.raises(UnsupportedModelError) as native:
         Engine.from_pretrained(str(path), backend="native")
     message = str(native.value)
-    assert "modeling_hf_nomic_bert.NomicBertModel" in message and "'nomic_bert'" in message
+    assert "modeling_nvembed.NVEmbedModel" in message and "'nvembed'" in message
     assert "--trust-remote-code" in message and "--backend transformers" in message
     with pytest.raises(UnsupportedModelError) as trusted:
         Engine.from_pretrained(str(path), backend="native", trust_remote_code=True)

@@ -27,7 +27,7 @@ from embedding_server.pooling import PoolingMethod
 
 from ..distributed import SINGLE, Shard
 from ..heads import ClassifierReader, MaskedLmReader, score_head
-from . import bert, deberta_v2, distilbert, electra, ernie, gte, modernbert, mpnet
+from . import bert, deberta_v2, distilbert, electra, ernie, gte, modernbert, mpnet, nomic_bert
 from .base import Checkpoint, EmbeddingModel, Ignored, PackedBatch
 from .bert import BertModel, BertVariant
 from .deberta_v2 import DebertaV2Model
@@ -36,6 +36,7 @@ from .gte import GteModel
 from .llama import DECODER_IGNORED, DecoderVariant, LlamaModel
 from .modernbert import ModernBertModel
 from .mpnet import MPNetModel
+from .nomic_bert import NomicBertModel
 
 ModelBuilder = Callable[[Checkpoint], EmbeddingModel]
 
@@ -59,6 +60,9 @@ class Architecture:
     config_keys: tuple[tuple[str, str], ...] = ()
     """``(common key, the family's own name for it)`` pairs, for families whose configs name
     ``hidden_size`` ... differently (DistilBERT's ``dim``, ``n_layers`` ...)."""
+    check_config: Callable[[Mapping[str, Any]], None] | None = None
+    """Refuses config values the family cannot serve exactly (UnsupportedModelError), run on
+    config.json alone so that such a model is refused before its weights are fetched."""
     attention_bias: str | None = None
     """What the family adds to its attention logits (a relative-position bias), which
     flash_attn and torch_varlen cannot take: then an SDPA kernel serves it, and the start-up
@@ -174,6 +178,15 @@ ARCHITECTURES: dict[str, Architecture] = {
             mpnet.masked_lm_head,
             ignored=mpnet.IGNORED,
             attention_bias="MPNet's relative-position bias",
+        ),
+        Architecture(
+            "nomic_bert",
+            NomicBertModel,
+            "mean",  # nomic-embed's and arctic-embed-m-long's sentence-transformers pooling
+            nomic_bert.CLASSIFIER,
+            ignored=nomic_bert.IGNORED,
+            config_keys=nomic_bert.CONFIG_KEYS,
+            check_config=nomic_bert.check_config,
         ),
         Architecture(
             "deberta-v2",
