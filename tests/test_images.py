@@ -695,3 +695,34 @@ def test_a_committed_cpu_lock_serves_the_extra_without_cuda(extras: dict[str, li
     for line in [*pyproject["project"]["dependencies"], *extras["server"]]:
         req = Requirement(line)
         assert canonicalize_name(req.name) in pins, f"{path.name} does not pin {req.name}"
+
+
+def test_the_operator_image_holds_every_package_the_operator_imports() -> None:
+    """The operator image installs only its lock: a module imported from a distribution the
+    lock does not pin (prometheus_client, once) passes every test run from the dev venv and
+    crash-loops the chart's operator pod with ModuleNotFoundError."""
+    import ast
+    import importlib.metadata
+    import sys
+
+    from packaging.utils import canonicalize_name
+
+    pins = image_builder.read_lock(image_builder.LOCKS["operator"])
+    distributions = importlib.metadata.packages_distributions()
+    missing: dict[str, str] = {}
+    for path in sorted((ROOT / "operator" / "embedding_operator").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top in sys.stdlib_module_names or top == "embedding_operator":
+                    continue
+                owners = {canonicalize_name(d) for d in distributions.get(top, [])}
+                if not owners & pins.keys():
+                    missing[top] = str(path.relative_to(ROOT))
+    assert not missing, f"imported by the operator, not in images/operator.lock: {missing}"
