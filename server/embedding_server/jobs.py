@@ -30,6 +30,7 @@ from .results import JobOutput, StageTimings
 from .scheduler import BatchRunner, Reservation, ScheduledOutput, Scheduler
 from .sequences import SequenceInput
 from .tokenization import (
+    AdmissionEstimate,
     Prompts,
     TextInput,
     TextTokenizer,
@@ -134,8 +135,8 @@ class Job:
         truncation = Truncation.coerce(options.get("truncate", True))
         return cls(items, prompt, truncation, add_special_tokens, want_tokens, max_token_rows)
 
-    def admission(self, tokenizer: TextTokenizer) -> tuple[int, int]:
-        """``(floor, estimate)`` of the tokens the job will hold, from its inputs' sizes
+    def admission(self, tokenizer: TextTokenizer) -> AdmissionEstimate:
+        """What the job will hold, from its inputs' sizes
         (:meth:`TextTokenizer.admission_estimate`): nothing is tokenized or copied."""
         if self.pairs is None:
             return tokenizer.admission_estimate(self.items, self.truncation, self.prompt)
@@ -250,8 +251,8 @@ class ThreadedRunner:
         """Admit ``job`` on what it is known to hold before it is tokenized, so a request the
         queue would refuse costs no tokenization; tokenize it; queue its sequences, which
         turns the reservation into their exact count."""
-        floor, estimate = job.admission(self._tokenizer)
-        reservation = self._reserve(floor, estimate)
+        estimate = job.admission(self._tokenizer)
+        reservation = self._reserve(estimate.floor, estimate.likely, estimate.bound)
         traced = current_trace.get()  # None unless this request is traced
         try:
             # In the pool, or on the loop when its inputs are short (INLINE_TOKENIZE_CHARS);
@@ -272,8 +273,9 @@ class ThreadedRunner:
         timings = StageTimings(tokenize_s, out.queue_s, out.forward_s, out.pool_s)
         return JobOutput(tokenized, out.pooled, out.tokens, timings)
 
-    def _reserve(self, floor: int, estimate: int) -> Reservation:
-        """Admit a job of ``floor`` tokens at least, about ``estimate``, or raise 413/429."""
+    def _reserve(self, floor: int, estimate: int, bound: int) -> Reservation:
+        """Admit a job of ``floor`` tokens at least, about ``estimate`` and at most ``bound``,
+        or raise 413/429."""
         raise NotImplementedError
 
     async def _submit(
@@ -304,8 +306,8 @@ class ScheduledRunner(ThreadedRunner):
         super().__init__(tokenizer, loop=loop, tokenize_pool=tokenize_pool)
         self._scheduler = scheduler
 
-    def _reserve(self, floor: int, estimate: int) -> Reservation:
-        return self._scheduler.reserve(floor, estimate)
+    def _reserve(self, floor: int, estimate: int, bound: int) -> Reservation:
+        return self._scheduler.reserve(floor, estimate, bound)
 
     async def _submit(
         self, job: Job, sequences: list[SequenceInput], reservation: Reservation

@@ -172,6 +172,12 @@ def drain_seconds(held: int, tokens_per_s: float) -> float:
     return float(min(60, max(1, math.ceil(held / tokens_per_s))))
 
 
+TOKENIZING_QUEUES = 4
+"""Requests being tokenized may hold at most this many queues' worth of tokens by their
+bounds: ordinary text's bound is about four times what it holds, so this budget is reached
+about when the queue is, while text made to hold a token per byte is bounded all the same."""
+
+
 @dataclass(eq=False)
 class Admission:
     """The queue's admission rules and the room reserved for requests being tokenized.
@@ -183,7 +189,10 @@ class Admission:
     max_queue_tokens: int
     max_request_tokens: int
     reserved: int = 0
-    """Tokens held for admitted requests that are still being tokenized."""
+    """Tokens held in the queue for admitted requests still being tokenized (their likely
+    count)."""
+    tokenizing: int = 0
+    """The most tokens the requests being tokenized can hold (their bounds)."""
 
     @classmethod
     def of(cls, max_queue_tokens: int, max_request_tokens: int | None = None) -> Admission:
@@ -221,16 +230,39 @@ class Admission:
         per-request limit (only a queue fuller than that refuses one)."""
         return self.max_queue_tokens - self.max_request_tokens
 
-    def reserve(self, floor: int, estimate: int, queued: int, tokens_per_s: float) -> Reservation:
+    def reserve(
+        self,
+        floor: int,
+        estimate: int,
+        queued: int,
+        tokens_per_s: float,
+        *,
+        bound: int | None = None,
+    ) -> Reservation:
         """Admit a request before it is tokenized, on what it is known to hold: ``floor``
-        tokens at least, about ``estimate``, which stays reserved until released. An
-        estimate over the per-request limit counts as the limit: a request that really
-        holds more is refused when its exact tokens are queued."""
+        tokens at least, about ``estimate`` (held in the queue's budget) and at most ``bound``
+        (held in the budget of what is being tokenized, :data:`TOKENIZING_QUEUES` queues), all
+        until released. An estimate or bound over the per-request limit counts as the limit:
+        a request that really holds more is refused when its exact tokens are queued.
+
+        Two budgets, because the likely count of a text is a guess a hostile text can beat
+        (one token per character of punctuation) and its bound is four times what ordinary
+        text holds: the queue is charged what is likely, so ordinary requests fill it, and
+        what the tokenizer may have to produce is bounded however the texts are made."""
         self.check_size(floor, exact=False)
-        estimate = min(estimate, self.max_request_tokens)
+        bound = min(estimate if bound is None else bound, self.max_request_tokens)
+        estimate = min(estimate, bound)
         self.check_room(queued, estimate, tokens_per_s)
+        if self.tokenizing and self.tokenizing + bound > TOKENIZING_QUEUES * self.max_queue_tokens:
+            raise QueueFullError(
+                f"requests being tokenized may hold up to {self.tokenizing} tokens, of "
+                f"{TOKENIZING_QUEUES * self.max_queue_tokens} this server tokenizes at once, "
+                f"and this request up to {bound}; retry later",
+                retry_after=drain_seconds(queued + self.reserved, tokens_per_s),
+            )
         self.reserved += estimate
-        return Reservation(self, estimate)
+        self.tokenizing += bound
+        return Reservation(self, estimate, bound)
 
 
 @dataclass(eq=False)
@@ -239,11 +271,13 @@ class Reservation:
 
     admission: Admission
     tokens: int
+    bound: int = 0
 
     def release(self) -> None:
-        if self.tokens:
+        if self.tokens or self.bound:
             self.admission.reserved -= self.tokens
-            self.tokens = 0
+            self.admission.tokenizing -= self.bound
+            self.tokens = self.bound = 0
 
 
 @dataclass(eq=False, slots=True)
@@ -401,13 +435,16 @@ class Scheduler:
         self._publish()
 
     # -- submission ------------------------------------------------------------------------
-    def reserve(self, floor: int, estimate: int) -> Reservation:
+    def reserve(self, floor: int, estimate: int, bound: int | None = None) -> Reservation:
         """Admit a request before it is tokenized, on what it is known to hold: ``floor``
-        tokens at least (over ``max_request_tokens`` it is refused) and about ``estimate``,
-        which is held in the queue's budget until :meth:`submit` or ``release``."""
+        tokens at least (over ``max_request_tokens`` it is refused), about ``estimate``,
+        which is held in the queue's budget until :meth:`submit` or ``release``, and at
+        most ``bound`` (:meth:`Admission.reserve`)."""
         if not self._accepting:
             raise NotReadyError("the engine is not running (starting up or shutting down)")
-        return self.admission.reserve(floor, estimate, self._queued_tokens, self.tokens_per_s)
+        return self.admission.reserve(
+            floor, estimate, self._queued_tokens, self.tokens_per_s, bound=bound
+        )
 
     async def submit(
         self, seqs: Sequence[SequenceInput], reservation: Reservation | None = None

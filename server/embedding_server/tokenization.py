@@ -45,7 +45,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from tokenizers import Encoding, Tokenizer
 
@@ -82,6 +82,28 @@ def token_bound(text: str) -> int:
     (SentencePiece's). Every tokenizer we serve gives at most a token per byte, so no text can
     make its admission estimate smaller than what it holds."""
     return (len(text) if text.isascii() else 4 * len(text)) + 1
+
+
+LIKELY_CHARS_PER_TOKEN = 4
+"""Characters per token of natural text (3-5 in every tokenizer we serve): what a text is
+likely to hold, charged to the queue while it is tokenized."""
+
+
+class AdmissionEstimate(NamedTuple):
+    """What a request will hold, known before tokenizing it."""
+
+    floor: int
+    """Never more than it holds: a request whose floor is too big is refused at once."""
+    likely: int
+    """What it probably holds (texts at :data:`LIKELY_CHARS_PER_TOKEN`): the queue room it
+    takes while it is tokenized, so ordinary text is not refused by a queue it fits in."""
+    bound: int
+    """Never less than it holds (:func:`token_bound`): what the tokenizer may have to produce
+    for it, which no hostile text can shrink (the scheduler bounds the sum in flight)."""
+
+
+def _likely(chars: int) -> int:
+    return -(-chars // LIKELY_CHARS_PER_TOKEN)
 
 
 TruncationSide = Literal["right", "left"]
@@ -377,40 +399,45 @@ class TextTokenizer:
 
     def admission_estimate(
         self, inputs: Sequence[TextInput], truncation: Truncation, prompt: str | None
-    ) -> tuple[int, int]:
-        """What a request will hold, known before tokenizing it: ``(floor, estimate)``.
+    ) -> AdmissionEstimate:
+        """What a request will hold, known before tokenizing it (:class:`AdmissionEstimate`).
 
-        ``floor`` never exceeds the tokens the request will hold (token-id inputs are
-        counted exactly, at most the limit each; a text counts one token), so a request
-        whose floor is already too big can be refused at once. ``estimate`` is never less
-        than they will be: each text at most the limit, or its :func:`token_bound` (with
-        the prompt's and the special tokens), so no text can make its request look smaller
-        than it is.
+        Token-id inputs are counted exactly, at most the limit each. A text counts one token
+        in ``floor``, its length at :data:`LIKELY_CHARS_PER_TOKEN` in ``likely``, and its
+        :func:`token_bound` in ``bound`` (with the prompt's and the special tokens), each at
+        most the limit, so no text can make its request's bound smaller than it is.
         """
         limit = min(self.max_length, truncation.max_tokens or self.max_length)
         extra = (token_bound(prompt) if prompt else 0) + self.num_special
-        floor = estimate = 0
+        prompt_chars = len(prompt or "")
+        floor = likely = bound = 0
         for item in inputs:
             if isinstance(item, str):
+                most = min(limit, token_bound(item) + extra)
                 floor += 1
-                estimate += min(limit, token_bound(item) + extra)
+                bound += most
+                likely += min(most, _likely(len(item) + prompt_chars) + self.num_special)
             else:
                 exact = min(limit, len(item))
                 floor += exact
-                estimate += exact
-        return floor, estimate
+                likely += exact
+                bound += exact
+        return AdmissionEstimate(floor, likely, bound)
 
     def pair_estimate(
         self, pairs: Sequence[tuple[str, str]], truncation: Truncation
-    ) -> tuple[int, int]:
+    ) -> AdmissionEstimate:
         """:meth:`admission_estimate` of sentence pairs, from their lengths alone (a pair's
         texts are never joined to be measured)."""
         limit = min(self.max_length, truncation.max_tokens or self.max_length)
-        floor = min(limit, max(1, self.num_pair_special)) * len(pairs)
-        estimate = sum(
-            min(limit, token_bound(a) + token_bound(b) + self.num_pair_special) for a, b in pairs
-        )
-        return floor, estimate
+        special = self.num_pair_special
+        floor = min(limit, max(1, special)) * len(pairs)
+        likely = bound = 0
+        for a, b in pairs:
+            most = min(limit, token_bound(a) + token_bound(b) + special)
+            bound += most
+            likely += min(most, _likely(len(a) + len(b)) + special)
+        return AdmissionEstimate(floor, likely, bound)
 
     def prompt_length(self, prompt: str, *, add_special_tokens: bool = True) -> int:
         """Leading tokens that belong to the prompt, leading special tokens included, as

@@ -330,3 +330,42 @@ def test_offline_batches_are_length_sorted_and_within_budget() -> None:
         assert len(batch) <= 8 and sum(lengths[i] for i in batch) <= 120
         assert min(lengths[i] for i in batch) >= previous_max
         previous_max = max(lengths[i] for i in batch)
+
+
+def test_ordinary_text_is_charged_what_it_likely_holds_not_its_bound() -> None:
+    """32 texts of 400 characters hold about 100 tokens each, while their bound (a token per
+    byte) is 400: charged the bound, three such requests in tokenization filled a queue they
+    fit in four times over, and a closed-loop benchmark got 429s at a quarter of capacity."""
+    admission = Admission.of(16_384, 16_384)
+    held = [
+        admission.reserve(32, 32 * 100, queued=0, tokens_per_s=0.0, bound=32 * 400)
+        for _ in range(5)
+    ]
+    assert [h.tokens for h in held] == [3200] * 5
+    assert admission.reserved == 16_000 and admission.tokenizing == 64_000
+    with pytest.raises(QueueFullError):  # the queue, by what is likely, is full
+        admission.reserve(32, 3200, queued=0, tokens_per_s=0.0, bound=12_800)
+    for h in held:
+        h.release()
+    assert admission.reserved == 0 and admission.tokenizing == 0
+
+
+def test_what_is_being_tokenized_is_bounded_however_its_texts_are_made() -> None:
+    """250 emoji are charged 63 tokens by their characters, and a byte-level BPE makes up to
+    one token per byte of them (1,000 here, the limit). The queue, by what is likely, has
+    room for many; what the tokenizer may be asked to produce at once is capped by their
+    bounds all the same: TOKENIZING_QUEUES queues' worth, then 429 with Retry-After."""
+    from embedding_server.scheduler import TOKENIZING_QUEUES
+
+    admission = Admission.of(1000, 1000)
+    held = [
+        admission.reserve(1, 63, queued=0, tokens_per_s=0.0, bound=1000)
+        for _ in range(TOKENIZING_QUEUES)
+    ]
+    assert admission.reserved == 63 * TOKENIZING_QUEUES < 1000
+    with pytest.raises(QueueFullError) as full:
+        admission.reserve(1, 63, queued=48, tokens_per_s=100.0, bound=1000)
+    assert "being tokenized" in full.value.message
+    assert full.value.retry_after == 3  # 300 tokens queued or held, at 100 per second
+    held[0].release()
+    assert admission.reserve(1, 63, queued=0, tokens_per_s=0.0, bound=1000).bound == 1000

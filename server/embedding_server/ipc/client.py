@@ -97,11 +97,12 @@ class EngineClient:
         """The engine's queue as this front-end last heard of it: tokens held, drain rate."""
         return self._queue
 
-    def reserve(self, floor: int, estimate: int) -> Reservation:
+    def reserve(self, floor: int, estimate: int, bound: int | None = None) -> Reservation:
         """Admit a request before it is tokenized (see the module docstring): ``floor``
-        tokens at least, about ``estimate``, reserved here until :meth:`submit` sends it."""
+        tokens at least, about ``estimate``, at most ``bound``, reserved here until
+        :meth:`submit` sends it."""
         held, rate = self._queue
-        return self._admission.reserve(floor, estimate, held, rate)
+        return self._admission.reserve(floor, estimate, held, rate, bound=bound)
 
     async def submit(
         self,
@@ -202,8 +203,8 @@ class RemoteRunner(ThreadedRunner):
         super().__init__(tokenizer, loop=loop, tokenize_pool=tokenize_pool)
         self._client = client
 
-    def _reserve(self, floor: int, estimate: int) -> Reservation:
-        return self._client.reserve(floor, estimate)
+    def _reserve(self, floor: int, estimate: int, bound: int) -> Reservation:
+        return self._client.reserve(floor, estimate, bound)
 
     async def _submit(
         self, job: Job, sequences: list[SequenceInput], reservation: Reservation
