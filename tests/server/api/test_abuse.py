@@ -104,7 +104,10 @@ class Watch:
         self._thread.join(timeout=60)
         self.peak_growth = self.served.peak_bytes() - self._start_rss
 
-    def assert_unharmed(self, *, loop_s: float = 0.5, memory_mib: int = 64) -> None:
+    def assert_unharmed(self, *, loop_s: float = 2.0, memory_mib: int = 64) -> None:
+        """Unharmed as a liveness probe sees it. The attacks took /health to 4-12 s before
+        their fixes and take ~0.2 s after; the margin is for a CI machine of 2 busy cores (a
+        shared one once took 0.61 s), not a speed target."""
         grown = self.peak_growth / 2**20
         assert self.worst < loop_s, f"/health took {self.worst:.2f} s during the attack"
         assert grown < memory_mib, f"the server's peak memory grew by {grown:.0f} MiB"
@@ -624,8 +627,8 @@ def test_a_giant_first_word_query_is_read_once_and_others_are_served(
     )
     for answer in answers:
         assert_same_vectors(vectors(path, answer), vectors(path, reference))
-        assert tokenize_seconds(answer) < 0.5
-    assert bystander_worst < 1.0, f"another client's rerank took {bystander_worst:.1f} s"
+        assert tokenize_seconds(answer) < 5.0  # 53 s before the fix; ~0.4 s after
+    assert bystander_worst < 10.0, f"another client's rerank took {bystander_worst:.1f} s"
     watch.assert_unharmed()
 
 
