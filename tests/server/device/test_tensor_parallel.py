@@ -69,6 +69,10 @@ BUILDERS: dict[str, Callable[[Path], Path]] = {
     "llama-1-kv-head": lambda p: build_decoder(p, "llama", num_key_value_heads=1),
     "mistral": lambda p: build_decoder(p, "mistral"),
     "gemma3_text": lambda p: build_decoder(p, "gemma3_text"),
+    # Soft-capped logits on every rank's heads, sliding and full layers.
+    "gemma2": lambda p: build_decoder(
+        p, "gemma2", head_dim=16, attn_logit_softcapping=4.0, sliding_window=8
+    ),
 }
 
 
