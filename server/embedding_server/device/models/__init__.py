@@ -116,6 +116,9 @@ LLAMA = DecoderVariant(attention_bias=True, mlp_bias=True)
 MISTRAL = DecoderVariant(window="every_layer")
 QWEN2 = DecoderVariant(qkv_bias=True, window="opt_in")
 QWEN3 = DecoderVariant(attention_bias=True, qk_norm=True, window="opt_in")
+# NVIDIA's LlamaBidirectionalModel (custom code, not run): a LlamaModel whose layers attend
+# both ways, whatever config.json's flags say.
+LLAMA_BIDIREC = DecoderVariant(attention_bias=True, mlp_bias=True, bidirectional=True)
 
 # CamemBERT is RoBERTa's math, names and heads (prefix ``roberta.``, positions after
 # padding_idx) under its own model_type.
@@ -180,6 +183,17 @@ ARCHITECTURES: dict[str, Architecture] = {
             for name in ("new", "gte")
         ),
         Architecture("llama", decoder(LLAMA), "last", score_head, ignored=DECODER_IGNORED),
+        # llama-nemotron-embed-1b-v2 averages its token states ("pooling": "avg" in its
+        # config). No classifier reader: its reranker sibling (nemotron-rerank, a
+        # LlamaBidirectionalForSequenceClassification) pools differently and is refused by
+        # its unread head rather than scored on the last token.
+        Architecture(
+            "llama_bidirec",
+            decoder(LLAMA_BIDIREC),
+            "mean",
+            ignored=DECODER_IGNORED,
+            check_config=LLAMA_BIDIREC.check_config,
+        ),
         Architecture("mistral", decoder(MISTRAL), "last", score_head, ignored=DECODER_IGNORED),
         Architecture("qwen2", decoder(QWEN2), "last", score_head, ignored=DECODER_IGNORED),
         Architecture("qwen3", decoder(QWEN3), "last", score_head, ignored=DECODER_IGNORED),
