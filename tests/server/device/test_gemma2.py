@@ -116,14 +116,28 @@ def _reference(
 
 
 @pytest.mark.parametrize(("dtype", "cosine"), [("float32", F32_COSINE), ("bfloat16", BF16_COSINE)])
-@pytest.mark.parametrize("kernel", ["sdpa_bucketed", "sdpa_padded"])
+@pytest.mark.parametrize(
+    ("kernel", "ratio"),
+    [
+        ("sdpa_bucketed", 1.0),  # exact-length buckets
+        ("sdpa_bucketed", 0.5),  # padded buckets
+        ("sdpa_padded", 1.0),  # the whole batch padded to its longest
+    ],
+)
 @pytest.mark.parametrize("checkpoint", ["gemma2", "gemma2_lm", "legacy"])
 def test_packed_batch_matches_transformers(
-    checkpoint: str, kernel: str, dtype: str, cosine: float, request: pytest.FixtureRequest
+    checkpoint: str,
+    kernel: str,
+    ratio: float,
+    dtype: str,
+    cosine: float,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Token states and last-token vectors of one packed batch equal transformers' eager
     Gemma2Model on each input alone: a bare body, a causal LM (its lm_head left unread) and
     bge-multilingual-gemma2's legacy config.json; the kernel says it runs eagerly."""
+    monkeypatch.setattr(attention, "_BUCKET_RATIO", ratio)
     path: Path = request.getfixturevalue(checkpoint)
     engine = Engine.from_pretrained(
         str(path), dtype=dtype, normalize=False, attention=kernel, task="embed"
