@@ -6,7 +6,8 @@ this CPU the tests hand the engine these instead, with the device facts of a GPU
 serve: float32 or host tensors, ``cu_seqlens`` that are not int32 on q's device, a tensor
 ``max_seqlen``, a strided last dimension, ``head_dim`` > 256, and for torch's kernel grouped
 query attention without ``enable_gqa``. It then computes the reference (float32 per-sequence
-SDPA under flash-attn's documented ``window_size`` mask) and returns it in q's dtype.
+SDPA under flash-attn's documented ``window_size`` mask, logits soft-capped as flash-attn's
+``softcap`` does) and returns it in q's dtype.
 """
 
 from __future__ import annotations
@@ -87,15 +88,22 @@ def reference(
     causal: bool,
     window_size: tuple[int, int],
     scale: float | None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Per-sequence float32 attention under flash-attn's mask, in q's dtype."""
+    """Per-sequence float32 attention under flash-attn's mask, in q's dtype; ``softcap`` > 0
+    caps the scaled logits at ``softcap * tanh(logits / softcap)`` (flash-attn's 0: none)."""
     rep = q.shape[1] // k.shape[1]
     out, start = [], 0
     for n in torch.diff(cu_seqlens).tolist():
         qs, ks, vs = (t[start : start + n].float().transpose(0, 1) for t in (q, k, v))
         ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
         mask = flash_mask(n, causal, window_size)
-        result = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
+        if softcap > 0:
+            logits = qs @ ks.transpose(-1, -2) * (qs.shape[-1] ** -0.5 if scale is None else scale)
+            logits = (torch.tanh(logits / softcap) * softcap).masked_fill(~mask, float("-inf"))
+            result = torch.softmax(logits, dim=-1) @ vs
+        else:
+            result = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
         out.append(result.transpose(0, 1))
         start += n
     return torch.cat(out).to(q.dtype)
@@ -120,6 +128,7 @@ class StrictFlash:
         softmax_scale: float | None = None,
         causal: bool = False,
         window_size: tuple[int, int] = (-1, -1),
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         check_varlen_call(q, k, v, (cu_seqlens_q, cu_seqlens_k), (max_seqlen_q, max_seqlen_k))
         self.calls.append(
@@ -132,10 +141,18 @@ class StrictFlash:
                 "dropout": dropout_p,
                 "scale": softmax_scale,
                 "window_size": window_size,
+                "softcap": softcap,
             }
         )
         return reference(
-            q, k, v, cu_seqlens_q, causal=causal, window_size=window_size, scale=softmax_scale
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            causal=causal,
+            window_size=window_size,
+            scale=softmax_scale,
+            softcap=softcap,
         )
 
 
@@ -196,16 +213,23 @@ def pretend_cuda(
     monkeypatch.setattr(attention, "varlen_kernels", lambda: kernels)
 
     def probe(
-        device: torch.device, dtype: torch.dtype, head_dim: int, *, bias: str | None = None
+        device: torch.device,
+        dtype: torch.dtype,
+        head_dim: int,
+        *,
+        bias: str | None = None,
+        softcap: bool = False,
     ) -> AttentionFacts:
         return AttentionFacts(
             device_type="cuda",
             dtype=dtype,
             head_dim=head_dim,
             capability=capability,
-            flash_attn_error=kernels.flash_error,
+            flash_attn_error=kernels.flash_error
+            or (attention.flash_softcap_error(kernels.flash) if softcap else None),
             torch_varlen_error=kernels.torch_varlen_error,
             bias=bias,
+            softcap=softcap,
         )
 
     # Where the engine (and inspect) choose the kernel from the facts.

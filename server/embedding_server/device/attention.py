@@ -39,6 +39,14 @@ keys a query may see on each side, in flash-attn's ``window_size`` convention; t
 its config onto it. The varlen kernels get it as ``window_size``; on the SDPA paths only blocks
 longer than ``window + 1`` get a banded mask (built once per batch), the others cannot tell
 the difference and keep the mask-free call.
+
+Attention logit soft-capping (Gemma 2's ``attn_logit_softcapping``: ``cap * tanh(logits /
+cap)`` after the scale, before the mask and softmax) passes ``softcap``. flash-attn >= 2.6
+applies it in the kernel (its ``softcap`` argument); torch's varlen_attn and SDPA cannot, so
+:func:`select_backend` passes over torch_varlen (and a flash-attn without ``softcap``) saying
+why, and the SDPA paths compute such attention eagerly per length bucket (matmul, tanh cap,
+mask, float32 softmax, matmul: transformers' eager attention, which is what it runs Gemma 2
+with).
 """
 
 from __future__ import annotations
@@ -48,7 +56,7 @@ import functools
 import inspect
 import itertools
 import logging
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
@@ -158,6 +166,9 @@ class AttentionFacts:
     bias: str | None = None
     """What the model adds to its attention logits that the varlen kernels cannot take
     (its registry entry's ``attention_bias``), or None when plain softmax attention."""
+    softcap: bool = False
+    """The model soft-caps its attention logits (Gemma 2): only flash-attn with ``softcap``
+    and the (eager) SDPA paths can."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,23 +179,45 @@ class BackendChoice:
 
 
 def probe(
-    device: torch.device, dtype: torch.dtype, head_dim: int, *, bias: str | None = None
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    *,
+    bias: str | None = None,
+    softcap: bool = False,
 ) -> AttentionFacts:
     """The facts of this process's install and ``device``, for a model whose attention adds
-    ``bias`` to its logits (None: nothing). The varlen kernels are looked for only on CUDA:
-    elsewhere neither can run, whatever is installed."""
+    ``bias`` to its logits (None: nothing) and soft-caps them (``softcap``). The varlen
+    kernels are looked for only on CUDA: elsewhere neither can run, whatever is installed."""
     if device.type != "cuda":
-        return AttentionFacts(device_type=device.type, dtype=dtype, head_dim=head_dim, bias=bias)
+        return AttentionFacts(
+            device_type=device.type, dtype=dtype, head_dim=head_dim, bias=bias, softcap=softcap
+        )
     kernels = varlen_kernels()
     return AttentionFacts(
         device_type=device.type,
         dtype=dtype,
         head_dim=head_dim,
         capability=torch.cuda.get_device_capability(device),
-        flash_attn_error=kernels.flash_error,
+        flash_attn_error=kernels.flash_error
+        or (flash_softcap_error(kernels.flash) if softcap else None),
         torch_varlen_error=kernels.torch_varlen_error,
         bias=bias,
+        softcap=softcap,
     )
+
+
+def flash_softcap_error(flash: VarlenFunc | None) -> str | None:
+    """Why this flash-attn cannot soft-cap attention logits (None: it can, or is missing)."""
+    if flash is None:
+        return None
+    try:
+        known = set(inspect.signature(flash).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature: do not guess
+        known = set()
+    if "softcap" in known:
+        return None
+    return "this flash-attn takes no softcap (2.6 and later do), which the model's attention needs"
 
 
 def _varlen_unfit(facts: AttentionFacts, install_error: str | None) -> str | None:
@@ -210,13 +243,29 @@ def unfit(backend: Backend, facts: AttentionFacts) -> str | None:
     if backend is Backend.FLASH_ATTN:
         return _varlen_unfit(facts, facts.flash_attn_error)
     if backend is Backend.TORCH_VARLEN:
+        if facts.softcap:
+            return "takes no logit soft-capping, and the model soft-caps its attention logits"
         return _varlen_unfit(facts, facts.torch_varlen_error)
     return None  # the SDPA paths run anywhere torch does
 
 
 def select_backend(requested: str, facts: AttentionFacts) -> BackendChoice:
     """``auto``: the fastest backend ``facts`` allow (CUDA: flash_attn, torch_varlen,
-    sdpa_padded; CPU: sdpa_bucketed). A named backend is strict: it is used or refused."""
+    sdpa_padded; CPU: sdpa_bucketed). A named backend is strict: it is used or refused.
+    A soft-capping model on an SDPA path is told so too: its attention runs eagerly."""
+    choice = _select(requested, facts)
+    if facts.softcap and choice.backend in (Backend.SDPA_PADDED, Backend.SDPA_BUCKETED):
+        return BackendChoice(choice.backend, (*choice.passed_over, EAGER_SOFTCAP))
+    return choice
+
+
+EAGER_SOFTCAP = (
+    "SDPA's fused kernels: they take no logit soft-capping, so this model's attention is "
+    "computed eagerly (matmul, tanh cap, float32 softmax, matmul) per length bucket"
+)
+
+
+def _select(requested: str, facts: AttentionFacts) -> BackendChoice:
     if requested != "auto":
         backend = Backend(requested)
         reason = unfit(backend, facts)
@@ -409,6 +458,7 @@ def varlen_attention(
     scale: float | None = None,
     window: int | None = None,
     bias: AttentionBias | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention over packed sequences, with the plan's backend (``sdpa_bucketed`` without).
 
@@ -420,7 +470,8 @@ def varlen_attention(
     causal query sees ``window + 1`` keys, itself included. ``bias`` adds a term to each
     bucket's logits (bidirectional attention without a window only, on an SDPA plan: the
     families that pass one are encoders that :func:`select_backend` keeps off the varlen
-    kernels).
+    kernels). ``softcap``: logits become ``softcap * tanh(logits / softcap)`` before the
+    mask and softmax (flash_attn's ``softcap``; eager on the SDPA plans; torch_varlen refuses).
     """
     if window is not None and window < 0:
         raise ValueError(f"attention window must be >= 0, got {window}")
@@ -436,12 +487,19 @@ def varlen_attention(
                 f"{plan.backend} takes no attention bias; the model's registry entry must "
                 "declare attention_bias so that an SDPA kernel is selected"
             )
+        if softcap is not None:
+            raise ValueError("an attention bias and logit soft-capping are not supported together")
         return _sdpa_bucketed(q, k, v, plan, causal=False, scale=scale, window=None, bias=bias)
     if plan.backend is Backend.FLASH_ATTN:
-        return _flash_attn(q, k, v, cu_seqlens, max_seqlen, causal, scale, window)
+        return _flash_attn(q, k, v, cu_seqlens, max_seqlen, causal, scale, window, softcap)
     if plan.backend is Backend.TORCH_VARLEN:
+        if softcap is not None:
+            raise ValueError(
+                "torch_varlen takes no logit soft-capping; the model's registry entry must "
+                "declare attention_softcap so that another kernel is selected"
+            )
         return _torch_varlen_attn(q, k, v, cu_seqlens, max_seqlen, causal, scale, window)
-    return _sdpa_bucketed(q, k, v, plan, causal=causal, scale=scale, window=window)
+    return _sdpa_bucketed(q, k, v, plan, causal=causal, scale=scale, window=window, softcap=softcap)
 
 
 def _flash_attn(
@@ -453,6 +511,7 @@ def _flash_attn(
     causal: bool,
     scale: float | None,
     window: int | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     kernels = varlen_kernels()
     if kernels.flash is None:
@@ -462,6 +521,8 @@ def _flash_attn(
     extra: dict[str, Any] = {}
     if window is not None:
         extra["window_size"] = (window, 0 if causal else window)
+    if softcap is not None:
+        extra["softcap"] = softcap
     return kernels.flash(
         q,
         k,
@@ -516,6 +577,7 @@ def _sdpa_bucketed(
     scale: float | None,
     window: int | None,
     bias: AttentionBias | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
     rep = heads // kv_heads
@@ -529,12 +591,12 @@ def _sdpa_bucketed(
         return None if bias is None else functools.partial(bias, plan, index)
 
     if len(plan.buckets) == 1 and plan.buckets[0].contiguous:
-        result = _attend(q, k, v, plan.buckets[0], rep, causal, scale, band(0), bias_of(0))
+        result = _attend(q, k, v, plan.buckets[0], rep, causal, scale, band(0), bias_of(0), softcap)
         return result.reshape(-1, heads, dim)
     out = q.new_empty(q.shape)
     for index, bucket in enumerate(plan.buckets):
         mask, extra = band(index), bias_of(index)
-        result = _attend(q, k, v, bucket, rep, causal, scale, mask, extra)  # [n*L, H, D]
+        result = _attend(q, k, v, bucket, rep, causal, scale, mask, extra, softcap)  # [n*L, H, D]
         if bucket.contiguous:
             out[bucket.start : bucket.start + bucket.count * bucket.length] = result
         else:
@@ -553,6 +615,7 @@ def _attend(
     scale: float | None,
     window_mask: torch.Tensor | None,
     bias: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     n, length = bucket.count, bucket.length
     if bucket.contiguous:
@@ -580,5 +643,33 @@ def _attend(
         kwargs["is_causal"] = True
     elif bucket.key_mask is not None:
         kwargs["attn_mask"] = bucket.key_mask
-    result = F.scaled_dot_product_attention(qb, kb, vb, **kwargs)
+    if softcap is not None:
+        result = _softcapped(qb, kb, vb, kwargs, scale, softcap, length)
+    else:
+        result = F.scaled_dot_product_attention(qb, kb, vb, **kwargs)
     return result.transpose(1, 2).reshape(n * length, q.shape[1], q.shape[2])
+
+
+def _softcapped(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sdpa_kwargs: Mapping[str, Any],
+    scale: float | None,
+    softcap: float,
+    length: int,
+) -> torch.Tensor:
+    """What SDPA would compute with ``sdpa_kwargs`` (its boolean mask or ``is_causal``), with
+    the logits soft-capped: transformers' eager attention, step by step and in its dtypes
+    (logits in the model dtype, softmax in float32 cast back), which it runs Gemma 2 with."""
+    logits = torch.matmul(q, k.transpose(-1, -2)) * (
+        q.shape[-1] ** -0.5 if scale is None else scale
+    )
+    logits = torch.tanh(logits / softcap) * softcap
+    mask = sdpa_kwargs.get("attn_mask")
+    if sdpa_kwargs.get("is_causal"):
+        mask = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)

@@ -271,7 +271,13 @@ def choose_attention(
     the runner builds per batch; the bucketed plan is the cheap one (a length-sorted batch
     makes its buckets views, no index tensors)."""
     if loaded.attention is None:
-        facts = probe(device, loaded.dtype, loaded.head_dim, bias=loaded.attention_bias)
+        facts = probe(
+            device,
+            loaded.dtype,
+            loaded.head_dim,
+            bias=loaded.attention_bias,
+            softcap=loaded.attention_softcap,
+        )
         return select_backend(settings.attention, facts)
     if settings.attention != "auto":
         raise InvalidRequestError(

@@ -642,6 +642,9 @@ class LoadedModel:
     attention_bias: str | None = None
     """What the architecture adds to its attention logits (``Architecture.attention_bias``),
     which keeps it off the varlen kernels; None: plain attention."""
+    attention_softcap: bool = False
+    """The body soft-caps its attention logits (``Architecture.attention_softcap``), which
+    keeps it off torch_varlen (and a flash-attn without ``softcap``)."""
 
 
 def head_dim_of(config: Mapping[str, Any]) -> int:
@@ -862,6 +865,7 @@ def load_model(
         tensors=parts.tensors,
         custom_code=plan.custom_code,
         attention_bias=plan.arch.attention_bias,
+        attention_softcap=plan.arch.softcaps(config),
     )
 
 
@@ -940,11 +944,12 @@ def load_shard(
     shard: Shard,
     task: str = "auto",
     trust_remote_code: bool = False,
-) -> tuple[EmbeddingModel, torch.dtype, int, str | None]:
+) -> tuple[EmbeddingModel, torch.dtype, int, str | None, bool]:
     """Only the body of ``model``, as tensor-parallel rank ``shard`` holds it: what a worker
     rank needs (no tokenizer, no pooling: those live on rank 0); with the dtype it runs in
     (resolved as :func:`load_model` resolves it), its attention head width and what its
-    attention adds to the logits (``Architecture.attention_bias``). The same refusals apply
+    attention adds to the logits (``Architecture.attention_bias``) and whether it soft-caps
+    them (``Architecture.attention_softcap``). The same refusals apply
     as on rank 0 (the heads are read and dropped, so the tensor guard counts them as rank 0
     does)."""
     with naming(model):
@@ -953,7 +958,13 @@ def load_shard(
         compute_dtype = _compute_dtype(plan.arch, dtype, device)
         weights = load_weights(fetch_weights(source, plan.st))
         parts = _build(plan, weights, dtype=compute_dtype, device=device, shard=shard, task=task)
-    return parts.body, compute_dtype, head_dim_of(plan.config), plan.arch.attention_bias
+    return (
+        parts.body,
+        compute_dtype,
+        head_dim_of(plan.config),
+        plan.arch.attention_bias,
+        plan.arch.softcaps(plan.config),
+    )
 
 
 def _weight_shapes(

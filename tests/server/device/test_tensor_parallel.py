@@ -31,6 +31,7 @@ from tests.support.models import (
     build_modernbert,
     build_mpnet,
     build_xlm_roberta,
+    rewrite_checkpoint,
 )
 
 TEXTS = [
@@ -69,6 +70,16 @@ BUILDERS: dict[str, Callable[[Path], Path]] = {
     "llama-1-kv-head": lambda p: build_decoder(p, "llama", num_key_value_heads=1),
     "mistral": lambda p: build_decoder(p, "mistral"),
     "gemma3_text": lambda p: build_decoder(p, "gemma3_text"),
+    # NVIDIA's bidirectional Llama: Llama's split, attention both ways.
+    "llama_bidirec": lambda p: rewrite_checkpoint(
+        build_decoder(p.with_name(p.name + "-llama"), "llama"),
+        p,
+        config={"model_type": "llama_bidirec", "architectures": ["LlamaBidirectionalModel"]},
+    ),
+    # Soft-capped logits on every rank's heads, sliding and full layers.
+    "gemma2": lambda p: build_decoder(
+        p, "gemma2", head_dim=16, attn_logit_softcapping=4.0, sliding_window=8
+    ),
 }
 
 

@@ -27,10 +27,22 @@ from embedding_server.pooling import PoolingMethod
 
 from ..distributed import SINGLE, Shard
 from ..heads import ClassifierReader, MaskedLmReader, score_head
-from . import bert, deberta_v2, distilbert, electra, ernie, gte, modernbert, mpnet, nomic_bert
+from . import (
+    bert,
+    deberta_v2,
+    distilbert,
+    electra,
+    ernie,
+    gemma2,
+    gte,
+    modernbert,
+    mpnet,
+    nomic_bert,
+)
 from .base import Checkpoint, EmbeddingModel, Ignored, PackedBatch
 from .bert import BertModel, BertVariant
 from .deberta_v2 import DebertaV2Model
+from .gemma2 import Gemma2Model
 from .gemma3 import MULTIMODAL_REFUSAL, Gemma3TextModel
 from .gte import GteModel
 from .llama import DECODER_IGNORED, DecoderVariant, LlamaModel
@@ -67,6 +79,15 @@ class Architecture:
     """What the family adds to its attention logits (a relative-position bias), which
     flash_attn and torch_varlen cannot take: then an SDPA kernel serves it, and the start-up
     log and ``/info`` say why the varlen kernels were passed over. None: plain attention."""
+    attention_softcap: Callable[[Mapping[str, Any]], float | None] | None = None
+    """The cap ``c`` of the family's attention logit soft-capping (``c * tanh(logits / c)``,
+    Gemma 2) a config sets, None where it sets none. torch_varlen cannot cap (and flash-attn
+    only from 2.6): a capping model is served by flash_attn or an (eager) SDPA path, and the
+    start-up log and ``/info`` say why torch_varlen was passed over."""
+
+    def softcaps(self, config: Mapping[str, Any]) -> bool:
+        """Whether a model of this config soft-caps its attention logits."""
+        return self.attention_softcap is not None and self.attention_softcap(config) is not None
 
     def read_config(self, config: Mapping[str, Any]) -> dict[str, Any]:
         """``config`` with the common keys set from :attr:`config_keys`, as every reader of the
@@ -95,6 +116,9 @@ LLAMA = DecoderVariant(attention_bias=True, mlp_bias=True)
 MISTRAL = DecoderVariant(window="every_layer")
 QWEN2 = DecoderVariant(qkv_bias=True, window="opt_in")
 QWEN3 = DecoderVariant(attention_bias=True, qk_norm=True, window="opt_in")
+# NVIDIA's LlamaBidirectionalModel (custom code, not run): a LlamaModel whose layers attend
+# both ways, whatever config.json's flags say.
+LLAMA_BIDIREC = DecoderVariant(attention_bias=True, mlp_bias=True, bidirectional=True)
 
 # CamemBERT is RoBERTa's math, names and heads (prefix ``roberta.``, positions after
 # padding_idx) under its own model_type.
@@ -159,6 +183,17 @@ ARCHITECTURES: dict[str, Architecture] = {
             for name in ("new", "gte")
         ),
         Architecture("llama", decoder(LLAMA), "last", score_head, ignored=DECODER_IGNORED),
+        # llama-nemotron-embed-1b-v2 averages its token states ("pooling": "avg" in its
+        # config). No classifier reader: its reranker sibling (nemotron-rerank, a
+        # LlamaBidirectionalForSequenceClassification) pools differently and is refused by
+        # its unread head rather than scored on the last token.
+        Architecture(
+            "llama_bidirec",
+            decoder(LLAMA_BIDIREC),
+            "mean",
+            ignored=DECODER_IGNORED,
+            check_config=LLAMA_BIDIREC.check_config,
+        ),
         Architecture("mistral", decoder(MISTRAL), "last", score_head, ignored=DECODER_IGNORED),
         Architecture("qwen2", decoder(QWEN2), "last", score_head, ignored=DECODER_IGNORED),
         Architecture("qwen3", decoder(QWEN3), "last", score_head, ignored=DECODER_IGNORED),
@@ -169,6 +204,16 @@ ARCHITECTURES: dict[str, Architecture] = {
             score_head,
             ignored=DECODER_IGNORED,
             float16_overflows=True,
+        ),
+        Architecture(
+            "gemma2",
+            Gemma2Model,
+            "last",  # bge-multilingual-gemma2's sentence-transformers pooling too
+            score_head,
+            ignored=DECODER_IGNORED,
+            float16_overflows=True,
+            check_config=gemma2.check_config,
+            attention_softcap=gemma2.attention_softcap,
         ),
         Architecture(
             "mpnet",

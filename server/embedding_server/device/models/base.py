@@ -139,10 +139,12 @@ class PackedBatch:
         scale: float,
         window: int | None = None,
         bias: AttentionBias | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Attention within each packed sequence (``[T, heads, head_dim]`` in and out);
         ``window`` is the keys a query sees on each side (flash-attn's convention); ``bias``
-        an additive term on the logits (SDPA kernels only, see ``Architecture.attention_bias``)."""
+        an additive term on the logits (SDPA kernels only, see ``Architecture.attention_bias``);
+        ``softcap`` the logits' tanh cap (see ``Architecture.attention_softcap``)."""
         return varlen_attention(
             q,
             k,
@@ -154,6 +156,7 @@ class PackedBatch:
             scale=scale,
             window=window,
             bias=bias,
+            softcap=softcap,
         )
 
 

@@ -1,6 +1,9 @@
-"""Decoder-only embedders on packed tokens: Llama, Mistral, Qwen2, Qwen3.
+"""Decoder-only embedders on packed tokens: Llama, Mistral, Qwen2, Qwen3, and NVIDIA's
+bidirectional Llama (``llama_bidirec``).
 
-Covers Qwen3-Embedding, gte-Qwen2 and e5-mistral (last-token pooling). Pre-RMSNorm blocks,
+Covers Qwen3-Embedding, gte-Qwen2 and e5-mistral (last-token pooling), and
+llama-nemotron-embed-1b-v2 (``llama_bidirec``: Llama's math and weight names, attention
+bidirectional by its model class, mean pooling). Pre-RMSNorm blocks,
 rotary position embeddings (``rope_theta``; default, linear and llama3 scaling),
 grouped-query attention, causal masks, SwiGLU MLP. The family members differ only in small
 switches, declared per ``model_type`` as a :class:`DecoderVariant` in the registry
@@ -85,6 +88,20 @@ class DecoderVariant:
     qk_norm: bool = False
     """RMSNorm over each head of q and k before RoPE (Qwen3)."""
     window: WindowRule = "none"
+    bidirectional: bool = False
+    """Bidirectional by definition of the model type, whatever the config's causality flags
+    (``llama_bidirec``: NVIDIA's LlamaBidirectionalModel turns causality off in code)."""
+
+    def check_config(self, config: Mapping[str, Any]) -> None:
+        """Refuse, before weights are fetched, a config that contradicts the variant."""
+        if self.bidirectional and config.get("is_causal") is True:
+            model_type = config.get("model_type")
+            raise UnsupportedModelError(
+                f"{model_type} attends bidirectionally by definition (its model class turns "
+                "causal masking off), but config.json says is_causal: true; which attention "
+                "the model was trained with is ambiguous: remove the flag or fix the "
+                "model_type"
+            )
 
 
 @dataclass
@@ -172,7 +189,8 @@ class LlamaModel:
             head_dim=self.head_dim,
             intermediate=int(config["intermediate_size"]),
         )
-        self.causal = decoder_causal(config, model_type)
+        variant.check_config(config)
+        self.causal = not variant.bidirectional and decoder_causal(config, model_type)
         windows = sliding_windows(config, variant)
         self.sliding_window = next((w for w in windows if w is not None), None)
         self.dtype, self.device = dtype, device
