@@ -236,17 +236,32 @@ def read_yes_no(
             f"{arch} checkpoint lacks lm_head.weight (and does not tie it to its embeddings): "
             "a yes/no reranker scores with its rows for the answer tokens; is it complete?"
         )
-    table = weights[name]
-    rows = int(table.shape[0])
+    rows = _rows(weights, name)
     for answer, row in ids.items():
         if not 0 <= row < rows:
             raise UnsupportedModelError(
                 f"{arch}: the tokenizer's {answer!r} token id {row} is not a row of {name} "
                 f"({rows} rows); the tokenizer and the checkpoint disagree"
             )
-    direction = table[ids[template.yes]].float() - table[ids[template.no]].float()
+    yes, no = (_row(weights, name, ids[a]).float() for a in (template.yes, template.no))
+    direction = yes - no
     head = ClassificationHead(weight=direction.unsqueeze(0), bias=None)
     return Classifier("last", (template.yes,), "sigmoid", template=template), head
+
+
+def _rows(weights: Mapping[str, torch.Tensor], name: str) -> int:
+    """The row count of ``name``, from its shape where the mapping knows shapes unread."""
+    shapes = getattr(weights, "shape_of", None)
+    return int(shapes(name)[0]) if shapes is not None else int(weights[name].shape[0])
+
+
+def _row(weights: Mapping[str, torch.Tensor], name: str, index: int) -> torch.Tensor:
+    """One row of ``name``, read alone where the mapping can (``TrackedWeights.row``)."""
+    reader = getattr(weights, "row", None)
+    if reader is not None:
+        row: torch.Tensor = reader(name, index)
+        return row
+    return weights[name][index]
 
 
 def token_head(head: ClassificationHead, *, raw: bool) -> Callable[[torch.Tensor], torch.Tensor]:

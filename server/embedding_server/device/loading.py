@@ -316,6 +316,18 @@ class SafetensorsWeights(Mapping[str, torch.Tensor]):
         tensor: torch.Tensor = handle.get_tensor(name)  # type: ignore[no-untyped-call]
         return tensor
 
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        """The shape of ``name``, from its file's header (the tensor is not read)."""
+        view = self._files[self._where[name]].get_slice(name)  # type: ignore[no-untyped-call]
+        return tuple(int(n) for n in view.get_shape())
+
+    def row(self, name: str, index: int) -> torch.Tensor:
+        """Row ``index`` of the tensor ``name``, read alone from the file (a yes/no
+        reranker's two rows of a language-model head of a hundred thousand rows)."""
+        view = self._files[self._where[name]].get_slice(name)  # type: ignore[no-untyped-call]
+        tensor: torch.Tensor = view[index : index + 1][0]
+        return tensor
+
     def shapes(self) -> dict[str, tuple[list[int], torch.dtype]]:
         """Every tensor's shape and dtype, from the files' headers (no tensor is read)."""
         out: dict[str, tuple[list[int], torch.dtype]] = {}

@@ -185,6 +185,17 @@ def test_only_the_answer_rows_of_the_lm_head_matter(reranker: Path, tmp_path: Pa
     )
     assert loaded.tensors is not None
     assert set(loaded.tensors.read) == set(tensors) and loaded.tensors.unclaimed == ()
+    meta = load_model(
+        str(reranker),
+        revision=None,
+        cache_dir=None,
+        dtype="float32",
+        device=CPU,
+        task="score",
+        shapes_only=True,
+    )
+    assert meta.tensors == loaded.tensors  # `inspect` accounts for them the same way
+    assert meta.classifier == loaded.classifier
     tok = AutoTokenizer.from_pretrained(str(reranker))
     keep = {tok.convert_tokens_to_ids("yes"), tok.convert_tokens_to_ids("no")}
     head = tensors["lm_head.weight"].clone()
