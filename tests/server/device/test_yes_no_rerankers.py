@@ -12,9 +12,11 @@ auto still refuses the checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -22,9 +24,11 @@ from embedding_server.device.loading import load_model
 from embedding_server.engine import Engine
 from embedding_server.errors import InvalidRequestError, UnsupportedModelError
 from embedding_server.heads import QWEN3_RERANKER
+from embedding_server.settings import ServerSettings
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.support.api import RunningServer, ServerProcess, running_server, server_process
 from tests.support.models import (
     _DECODER,
     _save_model,
@@ -227,3 +231,39 @@ def test_a_tokenizer_without_the_answer_tokens_is_refused(tmp_path: Path) -> Non
     path = build_decoder(tmp_path / "plain", "qwen3", causal_lm=True)
     with pytest.raises(UnsupportedModelError, match="no token 'yes'"):
         Engine.from_pretrained(str(path), task="score")
+
+
+@pytest.mark.parametrize("front_ends", [False, True])
+def test_http_score_and_rerank(reranker: Path, front_ends: bool) -> None:
+    """Over HTTP, in one process and through two front-end processes (which format the
+    pairs themselves, with no torch): /score and /rerank give the model card's P(yes);
+    /classify of single texts is a 400."""
+    expected = model_card_scores(reranker, [(QUERIES[0], d) for d in DOCS], 1024)
+    with contextlib.ExitStack() as stack:
+        server: RunningServer | ServerProcess
+        if front_ends:
+            args = ["--model", str(reranker), "--task", "score", "--dtype", "float32"]
+            server = stack.enter_context(server_process([*args, "--api-workers", "2"], workers=2))
+        else:
+            settings = ServerSettings(model=str(reranker), task="score", dtype="float32")
+            server = stack.enter_context(running_server(settings))
+        info = httpx.get(server.url + "/info", timeout=10).json()
+        assert (info["task"], info["score_activation"]) == ("score", "sigmoid")
+        for _ in range(2 if front_ends else 1):  # whichever front-end takes the connection
+            scored = httpx.post(
+                server.url + "/score", json={"text_1": QUERIES[0], "text_2": DOCS}, timeout=60
+            )
+            assert scored.status_code == 200, scored.text
+            got = [d["score"] for d in scored.json()["data"]]
+            np.testing.assert_allclose(got, expected, atol=1e-5)
+        ranked = httpx.post(
+            server.url + "/rerank", json={"query": QUERIES[0], "documents": DOCS}, timeout=60
+        )
+        assert ranked.status_code == 200, ranked.text
+        results = ranked.json()["results"]
+        assert [r["index"] for r in results] == list(np.argsort(-expected))
+        np.testing.assert_allclose(
+            [r["relevance_score"] for r in results], np.sort(expected)[::-1], atol=1e-5
+        )
+        refused = httpx.post(server.url + "/classify", json={"input": ["cats"]}, timeout=60)
+        assert refused.status_code == 400 and "yes/no reranker" in refused.text
