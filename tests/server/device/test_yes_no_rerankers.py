@@ -75,12 +75,12 @@ def build_reranker(path: Path, model_type: str = "qwen3", **overrides: object) -
     return path
 
 
-@pytest.fixture(scope="module")
-def reranker(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny reranker, its "yes" row set so that P(yes) spreads over (0, 1) for the test
-    pairs: a random head saturates (every pair's last state is mostly the shared prompt's),
-    and saturated scores could not tell a wrong pair from a right one."""
-    path = build_reranker(tmp_path_factory.mktemp("qwen3-reranker") / "qwen3")
+def calibrate(path: Path) -> Path:
+    """Set the "yes" row of ``path``'s LM head so that P(yes) spreads over (0, 1) for the
+    test pairs: a random head saturates (every pair's last state is mostly the shared
+    prompt's), and saturated scores could not tell a wrong pair from a right one. A tied
+    head is the embedding table: its row is set there (the prompt's own "yes" reads it too;
+    the reference is run on the saved result, so that only moves the spread)."""
     tok = AutoTokenizer.from_pretrained(str(path))
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     states = []
@@ -95,11 +95,17 @@ def reranker(tmp_path_factory: pytest.TempPathFactory) -> Path:
     direction = step - (step @ mean) / (mean @ mean) * mean  # no offset: centred on zero
     direction *= 3.0 / ((h[1] - h[0]) @ direction)
     tensors = load_file(str(path / "model.safetensors"))
-    head = tensors["lm_head.weight"]
+    name = "lm_head.weight" if "lm_head.weight" in tensors else "model.embed_tokens.weight"
+    head = tensors[name]
     yes, no = tok.convert_tokens_to_ids("yes"), tok.convert_tokens_to_ids("no")
     head[yes] = head[no] + direction
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
+
+
+@pytest.fixture(scope="module")
+def reranker(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return calibrate(build_reranker(tmp_path_factory.mktemp("qwen3-reranker") / "qwen3"))
 
 
 def model_card_scores(
@@ -267,3 +273,14 @@ def test_http_score_and_rerank(reranker: Path, front_ends: bool) -> None:
         )
         refused = httpx.post(server.url + "/classify", json={"input": ["cats"]}, timeout=60)
         assert refused.status_code == 400 and "yes/no reranker" in refused.text
+
+
+def test_a_head_tied_to_the_embeddings_reads_their_rows(tmp_path: Path) -> None:
+    """Qwen3-Reranker-0.6B ties its LM head to the embeddings: no lm_head.weight is saved,
+    and the answer rows come from the embedding table."""
+    path = calibrate(build_reranker(tmp_path / "tied", tie_word_embeddings=True))
+    assert "lm_head.weight" not in load_file(str(path / "model.safetensors"))
+    engine = Engine.from_pretrained(str(path), task="score", dtype="float32")
+    expected = model_card_scores(path, list(zip(QUERIES, DOCS, strict=True)), 1024)
+    assert expected.std() > 0.05
+    np.testing.assert_allclose(engine.score(QUERIES, DOCS), expected, atol=1e-5)
