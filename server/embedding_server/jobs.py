@@ -156,10 +156,10 @@ class Job:
         """``(floor, estimate)`` of the tokens the job will hold, from its inputs' sizes
         (:meth:`TextTokenizer.admission_estimate`): nothing is tokenized or copied."""
         if self.pairs is None:
-            floor, estimate = tokenizer.admission_estimate(self.items, self.truncation, self.prompt)
-            if self.suffix:  # every text's suffix tokens, never more than the suffix's chars
-                estimate += len(self.items) * len(self.suffix)
-            return floor, estimate
+            items = self.items
+            if self.suffix:  # each text with its suffix, still at most the limit
+                items = [t + self.suffix if isinstance(t, str) else t for t in items]
+            return tokenizer.admission_estimate(items, self.truncation, self.prompt)
         return tokenizer.pair_estimate(self.pairs, self.truncation)
 
     def small(self, most: int = INLINE_TOKENIZE_CHARS) -> bool:
