@@ -60,6 +60,51 @@ _ST_ACTIVATIONS = {
 
 
 @dataclass(frozen=True)
+class PairTemplate:
+    """How a yes/no reranker (a ``*ForCausalLM`` scored by its language-model head's logits
+    for a "yes" and a "no" token) reads a (query, document) pair: one text, ``prefix`` +
+    ``body`` (``{instruction}``, ``{query}``, ``{document}`` filled in) + ``suffix``, its
+    last token's logits giving P(yes). Truncation cuts the body's end only: the suffix (the
+    assistant turn whose next token is the answer) is always kept, as the model card's code
+    truncates the pair text between its fixed prefix and suffix token ids."""
+
+    name: str
+    prefix: str
+    body: str
+    suffix: str
+    instruction: str
+    """The default instruction; a request's ``prompt`` replaces it."""
+    yes: str
+    no: str
+    """The answer tokens (vocabulary entries) whose logits are compared."""
+
+    def text(self, query: str, document: str, instruction: str | None = None) -> str:
+        """The pair's text up to (not including) the suffix. ``str.format`` fills the
+        placeholders of ``body`` only: braces in the query or document are left as they are."""
+        given = self.instruction if instruction is None else instruction
+        return self.prefix + self.body.format(instruction=given, query=query, document=document)
+
+
+# Qwen3-Reranker's prompt, as its model card (Qwen/Qwen3-Reranker-0.6B on the Hub) and vLLM's
+# examples/offline_inference/qwen3_reranker.py format it: the system turn, the user turn
+# "<Instruct>: ...\n<Query>: ...\n<Document>: ...", then the assistant turn opened with an
+# empty think block; P(yes) = softmax over the logits of the tokens "no" and "yes".
+QWEN3_RERANKER = PairTemplate(
+    name="Qwen3-Reranker",
+    prefix=(
+        "<|im_start|>system\nJudge whether the Document meets the requirements based on the "
+        'Query and the Instruct provided. Note that the answer can only be "yes" or "no".'
+        "<|im_end|>\n<|im_start|>user\n"
+    ),
+    body="<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}",
+    suffix="<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
+    instruction="Given a web search query, retrieve relevant passages that answer the query",
+    yes="yes",
+    no="no",
+)
+
+
+@dataclass(frozen=True)
 class Classifier:
     """What a checkpoint's classification head means: how it pools, its labels, and how to
     read its logits (the weights are ``device.heads.ClassificationHead``)."""
@@ -71,6 +116,9 @@ class Classifier:
     """The activation the checkpoint declares (sentence-transformers), else None."""
     per_token: bool = False
     """A token classifier: the head runs on every token's hidden state, not a pooled one."""
+    template: PairTemplate | None = None
+    """A yes/no reranker's prompt (a generative checkpoint served with task score): each pair
+    is formatted into one text with it rather than tokenized as a sentence pair."""
 
     @property
     def num_labels(self) -> int:

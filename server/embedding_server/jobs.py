@@ -25,6 +25,7 @@ from typing import Any, Protocol, TypedDict, TypeVar
 import numpy as np
 
 from .errors import InvalidRequestError, OutputTooLargeError
+from .heads import PairTemplate
 from .pooling import FloatArray
 from .results import JobOutput, StageTimings
 from .scheduler import BatchRunner, Reservation, ScheduledOutput, Scheduler
@@ -107,17 +108,34 @@ class Job:
     pairs: list[tuple[str, str]] | None = None
     """Sentence pairs, each tokenized as one sequence (cross-encoders); then ``items`` is
     empty and there is no prompt."""
+    suffix: str | None = None
+    """A yes/no reranker's prompt suffix, tokenized after each of ``items`` (without special
+    tokens) and never truncated (:meth:`TextTokenizer.encode_suffixed`)."""
 
     @classmethod
-    def for_pairs(cls, pairs: list[tuple[str, str]], options: ScoreOptions) -> Job:
-        """A job over sentence pairs; prompts do not apply to them."""
-        given = {"prompt": options.get("prompt"), "prompt_name": options.get("prompt_name")}
-        for name, value in given.items():
-            if value is not None:
-                raise InvalidRequestError(
-                    f"{name} does not apply to a cross-encoder's text pairs", param=name
-                )
-        return cls([], None, Truncation.coerce(options.get("truncate", True)), pairs=pairs)
+    def for_pairs(
+        cls,
+        pairs: list[tuple[str, str]],
+        options: ScoreOptions,
+        template: PairTemplate | None = None,
+    ) -> Job:
+        """A job over sentence pairs; prompts do not apply to them. With a yes/no
+        reranker's ``template``, each pair becomes one text of its prompt, and ``prompt``
+        replaces the template's instruction."""
+        truncation = Truncation.coerce(options.get("truncate", True))
+        if options.get("prompt_name") is not None:
+            raise InvalidRequestError(
+                "prompt_name does not apply to a cross-encoder's text pairs", param="prompt_name"
+            )
+        instruction = options.get("prompt")
+        if template is not None:
+            texts: list[TextInput] = [template.text(q, d, instruction) for q, d in pairs]
+            return cls(texts, None, truncation, add_special_tokens=False, suffix=template.suffix)
+        if instruction is not None:
+            raise InvalidRequestError(
+                "prompt does not apply to a cross-encoder's text pairs", param="prompt"
+            )
+        return cls([], None, truncation, pairs=pairs)
 
     @classmethod
     def prepare(
@@ -139,7 +157,10 @@ class Job:
         """What the job will hold, from its inputs' sizes
         (:meth:`TextTokenizer.admission_estimate`): nothing is tokenized or copied."""
         if self.pairs is None:
-            return tokenizer.admission_estimate(self.items, self.truncation, self.prompt)
+            items = self.items
+            if self.suffix:  # each text with its suffix, still at most the limit
+                items = [t + self.suffix if isinstance(t, str) else t for t in items]
+            return tokenizer.admission_estimate(items, self.truncation, self.prompt)
         return tokenizer.pair_estimate(self.pairs, self.truncation)
 
     def small(self, most: int = INLINE_TOKENIZE_CHARS) -> bool:
@@ -171,6 +192,11 @@ class Job:
         if self.pairs is not None:
             return tokenizer.encode_pairs(
                 self.pairs, truncation=self.truncation, max_total=max_total
+            )
+        if self.suffix is not None:
+            texts = [t for t in self.items if isinstance(t, str)]
+            return tokenizer.encode_suffixed(
+                texts, self.suffix, truncation=self.truncation, max_total=max_total
             )
         tokenized = tokenizer.encode(
             self.items,

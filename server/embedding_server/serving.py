@@ -357,7 +357,7 @@ class ServingEngine(abc.ABC):
             out = await self._run(runner, Job.prepare(items, options, self._config.prompts))
             return out.score_result(cosine_scores(out.pooled, n_a))
         pairs = await _checked(runner, text_pairs, a, b)
-        out = await self._run(runner, Job.for_pairs(pairs, options))
+        out = await self._run(runner, Job.for_pairs(pairs, options, classifier.template))
         return out.score_result(classifier.scores(out.pooled))
 
     async def _classify(
@@ -367,6 +367,14 @@ class ServingEngine(abc.ABC):
         self._require("classification", "classify", "score")
         classifier = self._config.classifier
         assert classifier is not None  # task classify and score have one
+        if classifier.template is not None:
+            # Its P(yes) means something only for a pair inside its prompt.
+            raise InvalidRequestError(
+                f"classification of single texts is not served by a yes/no reranker "
+                f"({self._info.architecture}, {classifier.template.name}'s prompt); use "
+                "/score or /rerank with query and document pairs",
+                param="model",
+            )
         items = await _checked(runner, normalize_inputs, inputs, "input")
         out = await self._run(runner, Job.prepare(items, options, self._config.prompts))
         return out.classify_result(classifier.probabilities(out.pooled), classifier.labels)

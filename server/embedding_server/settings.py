@@ -98,7 +98,10 @@ class EngineSettings(BaseSettings):
         "sentence-transformers SPLADE SparseEncoder (/pooling task sparse), else embed "
         "(/v1/embeddings; /score and /rerank by cosine similarity). reward (never chosen by "
         "auto) serves a classifier's raw outputs at every token on /pooling task reward, as "
-        "vLLM's reward task; the last token's row is a decoder reward model's score. A task "
+        "vLLM's reward task; the last token's row is a decoder reward model's score. score "
+        "(never chosen by auto) on a qwen3 *ForCausalLM with no sentence-transformers config "
+        "serves it as a yes/no reranker (Qwen3-Reranker): each pair in its prompt, scored "
+        "P(yes) from the language-model head's yes and no logits. A task "
         "the checkpoint cannot serve is refused at start. pooling, normalize, dimensions and "
         "matryoshka_dimensions apply to embed only.",
     )

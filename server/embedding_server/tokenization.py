@@ -513,6 +513,42 @@ class TextTokenizer:
                 pending = unsettled
         return [x for x in out if x is not None]
 
+    def encode_suffixed(
+        self,
+        texts: Sequence[str],
+        suffix: str,
+        *,
+        truncation: Truncation,
+        param: str = "input",
+        max_total: int | None = None,
+    ) -> list[TokenizedInput]:
+        """Tokenize ``texts`` without special tokens, each followed by ``suffix``'s tokens,
+        which truncation never cuts: a text keeps at most the limit less the suffix, from its
+        start (a yes/no reranker's prompt, whose suffix opens the turn the model answers in:
+        its model card's code truncates the same way). Left truncation would cut the prompt's
+        instructions, so it is refused."""
+        if truncation.side == "left":
+            raise InvalidRequestError(
+                "truncate='left' would cut a yes/no reranker's prompt; use 'right' (the "
+                "document's end is cut) or refuse over-long pairs",
+                param=truncation.param,
+            )
+        tail = self._tok.encode(suffix, add_special_tokens=False).ids
+        room = self._limit(truncation) - len(tail)
+        if room < 1:
+            raise self._no_room(self._limit(truncation), len(tail), truncation)
+        bodies = self.encode(
+            texts,
+            truncation=Truncation(truncation.side, room, truncation.param),
+            add_special_tokens=False,
+            param=param,
+            max_total=None if max_total is None else max(0, max_total - len(tail) * len(texts)),
+        )
+        return [
+            TokenizedInput(b.ids + tail, b.original_length + len(tail), b.prompt_length)
+            for b in bodies
+        ]
+
     def _read(self, readings: Sequence[_Reading]) -> None:
         """Tokenize the window of each reading that is not current, in at most two batched
         calls: windows need word ids to settle their edge (``encode_batch``); whole texts do

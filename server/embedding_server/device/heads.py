@@ -20,7 +20,13 @@ import torch
 import torch.nn.functional as F
 
 from embedding_server.errors import UnsupportedModelError
-from embedding_server.heads import Classifier, SparseStrategy, declared_activation, head_kind
+from embedding_server.heads import (
+    Classifier,
+    PairTemplate,
+    SparseStrategy,
+    declared_activation,
+    head_kind,
+)
 from embedding_server.pooling import ACTIVATIONS, PoolingMethod
 
 from .pooling import activation
@@ -164,6 +170,98 @@ def read_classifier(
     )
     activation_name = declared_activation(config, st_activation)
     return Classifier(pooling, labels, activation_name, per_token=per_token), head
+
+
+def generative(config: Mapping[str, Any]) -> str | None:
+    """The ``*ForCausalLM`` architecture ``config`` names, None for any other."""
+    return next(
+        (str(n) for n in config.get("architectures") or [] if str(n).endswith("ForCausalLM")),
+        None,
+    )
+
+
+def yes_no_template(config: Mapping[str, Any], template: PairTemplate | None) -> PairTemplate:
+    """``template``, or the refusal of a generative checkpoint served with task score whose
+    family has no yes/no reranker prompt we implement (from config.json alone, so that it
+    comes before any weight is fetched)."""
+    if template is not None:
+        return template
+    arch = generative(config) or "?"
+    raise UnsupportedModelError(
+        f"task score on {arch} serves it as a yes/no reranker, which needs the prompt its "
+        "authors trained it with; only Qwen3-Reranker's (model_type qwen3) is "
+        f"implemented, not one for model_type {config.get('model_type')!r} (mxbai-rerank-v2, "
+        "a qwen2 reranker scored differently, is not supported yet). Serve its hidden "
+        "states with --task embed, or a *ForSequenceClassification conversion of it"
+    )
+
+
+def read_yes_no(
+    config: Mapping[str, Any],
+    weights: Mapping[str, torch.Tensor],
+    *,
+    template: PairTemplate | None,
+    token_id: Callable[[str], int | None],
+) -> tuple[Classifier, ClassificationHead]:
+    """A generative checkpoint served with task score as a yes/no reranker: its last token's
+    state through the language-model head's rows for ``template``'s "yes" and "no" tokens
+    (``lm_head.weight``, or the embeddings when tied), P(yes) = softmax([no, yes])[yes].
+    That is ``sigmoid(logit_yes - logit_no)``, so the head is one row, ``W[yes] - W[no]``,
+    read as a one-label cross-encoder (sigmoid, in float32); no other row of the LM head is
+    used. ``template`` None: the family has no reranker prompt we implement (refused)."""
+    arch = generative(config) or "?"
+    template = yes_no_template(config, template)
+    ids: dict[str, int] = {}
+    for answer in (template.yes, template.no):
+        found = token_id(answer)
+        if found is None:
+            raise UnsupportedModelError(
+                f"{arch} served as a {template.name} yes/no reranker: its tokenizer has no "
+                f"token {answer!r} whose logit is the answer; is it a {template.name} "
+                "checkpoint?"
+            )
+        ids[answer] = found
+    tied = "lm_head.weight" not in weights and bool(config.get("tie_word_embeddings", False))
+    name = next(
+        (
+            n
+            for n in (("model.embed_tokens.weight", "embed_tokens.weight") if tied else ())
+            + ("lm_head.weight",)
+            if n in weights
+        ),
+        None,
+    )
+    if name is None:
+        raise UnsupportedModelError(
+            f"{arch} checkpoint lacks lm_head.weight (and does not tie it to its embeddings): "
+            "a yes/no reranker scores with its rows for the answer tokens; is it complete?"
+        )
+    rows = _rows(weights, name)
+    for answer, row in ids.items():
+        if not 0 <= row < rows:
+            raise UnsupportedModelError(
+                f"{arch}: the tokenizer's {answer!r} token id {row} is not a row of {name} "
+                f"({rows} rows); the tokenizer and the checkpoint disagree"
+            )
+    yes, no = (_row(weights, name, ids[a]).float() for a in (template.yes, template.no))
+    direction = yes - no
+    head = ClassificationHead(weight=direction.unsqueeze(0), bias=None)
+    return Classifier("last", (template.yes,), "sigmoid", template=template), head
+
+
+def _rows(weights: Mapping[str, torch.Tensor], name: str) -> int:
+    """The row count of ``name``, from its shape where the mapping knows shapes unread."""
+    shapes = getattr(weights, "shape_of", None)
+    return int(shapes(name)[0]) if shapes is not None else int(weights[name].shape[0])
+
+
+def _row(weights: Mapping[str, torch.Tensor], name: str, index: int) -> torch.Tensor:
+    """One row of ``name``, read alone where the mapping can (``TrackedWeights.row``)."""
+    reader = getattr(weights, "row", None)
+    if reader is not None:
+        row: torch.Tensor = reader(name, index)
+        return row
+    return weights[name][index]
 
 
 def token_head(head: ClassificationHead, *, raw: bool) -> Callable[[torch.Tensor], torch.Tensor]:

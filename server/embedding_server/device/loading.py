@@ -70,7 +70,15 @@ from .generic import (
     refuse_before_fetch,
     tensor_parallel_refusal,
 )
-from .heads import ClassificationHead, SparseHead, read_classifier, read_sparse_head
+from .heads import (
+    ClassificationHead,
+    SparseHead,
+    generative,
+    read_classifier,
+    read_sparse_head,
+    read_yes_no,
+    yes_no_template,
+)
 from .models import ARCHITECTURES, Architecture, build_model, lookup
 from .models.base import EmbeddingModel, TensorAudit, TrackedWeights, audit_tensors
 from .pooling import DenseLayer
@@ -306,6 +314,18 @@ class SafetensorsWeights(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         handle = self._files[self._where[name]]
         tensor: torch.Tensor = handle.get_tensor(name)  # type: ignore[no-untyped-call]
+        return tensor
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        """The shape of ``name``, from its file's header (the tensor is not read)."""
+        view = self._files[self._where[name]].get_slice(name)  # type: ignore[no-untyped-call]
+        return tuple(int(n) for n in view.get_shape())
+
+    def row(self, name: str, index: int) -> torch.Tensor:
+        """Row ``index`` of the tensor ``name``, read alone from the file (a yes/no
+        reranker's two rows of a language-model head of a hundred thousand rows)."""
+        view = self._files[self._where[name]].get_slice(name)  # type: ignore[no-untyped-call]
+        tensor: torch.Tensor = view[index : index + 1][0]
         return tensor
 
     def shapes(self) -> dict[str, tuple[list[int], torch.dtype]]:
@@ -697,6 +717,8 @@ def plan_model(source: ModelSource, *, task: str, trust_remote_code: bool) -> Mo
     head_kind(config)  # a task head we do not serve
     st = read_sentence_transformers(source.path, dense_weights=False)
     refuse_generative(config, st, task)
+    if task == "score" and generative(config) and not st.present:
+        yes_no_template(config, arch.yes_no)  # a family with no reranker prompt: refused now
     if custom is not None:
         logger.warning(
             "model %r: config.json's auto_map names custom code (%s); it is not run: the "
@@ -716,20 +738,18 @@ def refuse_generative(config: Mapping[str, Any], st: SentenceTransformerConfig, 
     mxbai-rerank-v2), whose last-token state is not what it scores with."""
     if task != "auto" or st.present:
         return
-    causal_lm = next(
-        (str(n) for n in config.get("architectures") or [] if str(n).endswith("ForCausalLM")),
-        None,
-    )
+    causal_lm = generative(config)
     if causal_lm is None:
         return
     raise UnsupportedModelError(
         f"{causal_lm} checkpoint with no sentence-transformers config (modules.json): it looks "
         "like a generative model or a yes/no reranker (Qwen3-Reranker, mxbai-rerank-v2, which "
-        "score a pair by the language-model head's logits for their yes/no tokens), and "
-        "serving those as rerankers is not supported yet; served as an embedder, its /rerank "
-        "would return cosine similarities of hidden states, not its relevance scores. To "
-        "serve its hidden states as embeddings anyway, set --task embed (pooling defaults to "
-        "--pooling last; set the one the model was trained with)"
+        "score a pair by the language-model head's logits for their yes/no tokens), so it is "
+        "not served by guess; served as an embedder, its /rerank would return cosine "
+        "similarities of hidden states, not its relevance scores. To serve a Qwen3-Reranker "
+        "as the reranker it is, set --task score; to serve its hidden states as embeddings "
+        "anyway, set --task embed (pooling defaults to --pooling last; set the one the model "
+        "was trained with)"
     )
 
 
@@ -774,6 +794,11 @@ def _build(
     classifier = read_classifier(
         config, tracked, reader=arch.classifier, st_activation=st.activation_fn
     )
+    if classifier is None and task == "score" and generative(config) and not st.present:
+        tokenizer, _ = load_tokenizer(plan.source.path)
+        classifier = read_yes_no(
+            config, tracked, template=arch.yes_no, token_id=tokenizer.token_to_id
+        )
     sparse = _sparse_head(config, tracked, arch=arch, st=st, task=task)
     body = build_model(config, tracked, dtype=dtype, device=device, shard=shard)
     audit = audit_tensors(tracked, arch.ignored)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from embedding_server.errors import UnsupportedModelError
+from embedding_server.heads import QWEN3_RERANKER, PairTemplate
 from embedding_server.pooling import PoolingMethod
 
 from ..distributed import SINGLE, Shard
@@ -75,6 +76,10 @@ class Architecture:
     check_config: Callable[[Mapping[str, Any]], None] | None = None
     """Refuses config values the family cannot serve exactly (UnsupportedModelError), run on
     config.json alone so that such a model is refused before its weights are fetched."""
+    yes_no: PairTemplate | None = None
+    """The prompt its generative (``*ForCausalLM``) rerankers are trained with: with task
+    score, such a checkpoint is served as a yes/no reranker (``device.heads.read_yes_no``).
+    None: refused with task score."""
     attention_bias: str | None = None
     """What the family adds to its attention logits (a relative-position bias), which
     flash_attn and torch_varlen cannot take: then an SDPA kernel serves it, and the start-up
@@ -196,7 +201,14 @@ ARCHITECTURES: dict[str, Architecture] = {
         ),
         Architecture("mistral", decoder(MISTRAL), "last", score_head, ignored=DECODER_IGNORED),
         Architecture("qwen2", decoder(QWEN2), "last", score_head, ignored=DECODER_IGNORED),
-        Architecture("qwen3", decoder(QWEN3), "last", score_head, ignored=DECODER_IGNORED),
+        Architecture(
+            "qwen3",
+            decoder(QWEN3),
+            "last",
+            score_head,
+            ignored=DECODER_IGNORED,
+            yes_no=QWEN3_RERANKER,  # Qwen3-Reranker-0.6B/4B/8B
+        ),
         Architecture(
             "gemma3_text",
             Gemma3TextModel,

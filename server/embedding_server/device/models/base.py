@@ -208,6 +208,23 @@ class TrackedWeights(Mapping[str, torch.Tensor]):
     def __contains__(self, name: object) -> bool:
         return name in self._weights
 
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        """The shape of ``name``, without reading it where the checkpoint can tell."""
+        reader = getattr(self._weights, "shape_of", None)
+        if reader is not None:
+            return tuple(reader(name))
+        return tuple(self._weights[name].shape)
+
+    def row(self, name: str, index: int) -> torch.Tensor:
+        """Row ``index`` of ``name`` (which counts as read): from the file alone where the
+        checkpoint can read one row (safetensors), else from the whole tensor."""
+        self.read.add(name)
+        reader = getattr(self._weights, "row", None)
+        if reader is not None:
+            tensor: torch.Tensor = reader(name, index)
+            return tensor
+        return self._weights[name][index]
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._weights)
 

@@ -61,7 +61,8 @@ DECODER_IGNORED = (
     Ignored(
         r"lm_head\.weight",
         "the language-model head of a *ForCausalLM checkpoint (next-token logits); an "
-        "embedder reads the final hidden states",
+        "embedder reads the final hidden states, and a yes/no reranker (task score) only "
+        "its rows for the answer tokens",
     ),
     Ignored(
         r"(?:model\.)?(?:layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq",
