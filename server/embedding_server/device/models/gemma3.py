@@ -81,6 +81,11 @@ _LEGACY_ROPE_THETA_KEY = {
 _GELU_APPROXIMATION = {"gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu": "none"}
 
 
+def gelu_activation(config: Mapping[str, Any]) -> str:
+    """The config's activation name (Gemma's default: gelu with the tanh approximation)."""
+    return str(config_get(config, "hidden_activation", "hidden_act", default="gelu_pytorch_tanh"))
+
+
 @dataclass
 class _Layer:
     local: bool  # sliding_attention layer: local rope (and the window, if any)
@@ -88,8 +93,8 @@ class _Layer:
     in_norm: torch.Tensor  # norms hold 1 + weight, float32
     qkv_w: torch.Tensor
     qkv_b: torch.Tensor | None
-    q_norm: torch.Tensor
-    k_norm: torch.Tensor
+    q_norm: torch.Tensor | None  # Gemma 3's per-head norms; Gemma 2 has none
+    k_norm: torch.Tensor | None
     o_w: torch.Tensor
     o_b: torch.Tensor | None
     post_attn_norm: torch.Tensor
@@ -118,15 +123,19 @@ def rope_parameters(config: Mapping[str, Any], layer_type: str) -> dict[str, Any
 
 
 class Gemma3TextModel:
-    """Gemma 3 text body for packed batches (causal unless ``use_bidirectional_attention``)."""
+    """Gemma 3 text body for packed batches (causal unless ``use_bidirectional_attention``).
+
+    Gemma 2 (:mod:`.gemma2`) is the same block without the q/k norms and with one rope, plus
+    soft-capped attention logits: it subclasses this and overrides the hooks below."""
 
     position_offset = 0
+    model_type = "gemma3_text"
+    qk_norm = True
+    default_max_positions = 131_072
 
-    def __init__(self, checkpoint: Checkpoint) -> None:
-        config, dtype, device = checkpoint.config, checkpoint.dtype, checkpoint.device
-        act = str(
-            config_get(config, "hidden_activation", "hidden_act", default="gelu_pytorch_tanh")
-        )
+    def check(self, config: Mapping[str, Any]) -> None:
+        """Refuse what this family does not serve exactly."""
+        act = gelu_activation(config)
         if act not in _GELU_APPROXIMATION:
             raise UnsupportedModelError(
                 f"gemma3_text activation {act!r} is not supported "
@@ -137,7 +146,34 @@ class Gemma3TextModel:
                 "gemma3_text attn_logit_softcapping is not supported (attention logits are "
                 "not soft-capped here; Gemma 3 checkpoints leave it null)"
             )
-        self.gelu_approximation = _GELU_APPROXIMATION[act]
+        if not decoder_causal(config, "gemma3_text") and not config.get(
+            "use_bidirectional_attention"
+        ):
+            # transformers then masks local layers to |i - j| <= sliding_window, not the
+            # window // 2 each side of use_bidirectional_attention; no Gemma 3 checkpoint we
+            # know does this, and what is not checked against transformers is not served.
+            raise UnsupportedModelError(
+                "gemma3_text with is_causal: false is not supported; Gemma 3 embedders "
+                "declare bidirectional attention with use_bidirectional_attention: true "
+                "(EmbeddingGemma), which is: set that instead if the model was trained so"
+            )
+
+    def attention_softcap(self, config: Mapping[str, Any]) -> float | None:
+        return None
+
+    def local_layers(self, config: Mapping[str, Any]) -> list[bool]:
+        return local_layers(config)
+
+    def ropes(self, config: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+        """The rope parameters of each layer kind."""
+        return {kind: rope_parameters(config, kind) for kind in (FULL_ATTENTION, SLIDING_ATTENTION)}
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        config, dtype, device = checkpoint.config, checkpoint.dtype, checkpoint.device
+        name = self.model_type
+        self.check(config)
+        self.gelu_approximation = _GELU_APPROXIMATION[gelu_activation(config)]
+        self.softcap = self.attention_softcap(config)
         self.hidden_size = int(config["hidden_size"])
         self.num_heads = int(config["num_attention_heads"])
         self.num_kv_heads = int(
@@ -147,33 +183,26 @@ class Gemma3TextModel:
         self.eps = float(config_get(config, "rms_norm_eps", default=1e-6))
         scalar = config_get(config, "query_pre_attn_scalar", default=_DEFAULT_QUERY_PRE_ATTN_SCALAR)
         self.scale = float(scalar) ** -0.5
-        self.causal = decoder_causal(config, "gemma3_text")
-        if not self.causal and not config.get("use_bidirectional_attention"):
-            # transformers then masks local layers to |i - j| <= sliding_window, not the
-            # window // 2 each side of use_bidirectional_attention; no Gemma 3 checkpoint we
-            # know does this, and what is not checked against transformers is not served.
-            raise UnsupportedModelError(
-                "gemma3_text with is_causal: false is not supported; Gemma 3 embedders "
-                "declare bidirectional attention with use_bidirectional_attention: true "
-                "(EmbeddingGemma), which is: set that instead if the model was trained so"
-            )
-        self.max_positions = int(config_get(config, "max_position_embeddings", default=131_072))
+        self.causal = decoder_causal(config, name)
+        self.max_positions = int(
+            config_get(config, "max_position_embeddings", default=self.default_max_positions)
+        )
         self.dtype, self.device = dtype, device
         self.shard = checkpoint.shard
         self.split = split = HeadSplit.of(
             checkpoint.shard,
-            "gemma3_text",
+            name,
             heads=self.num_heads,
             kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
             intermediate=int(config["intermediate_size"]),
         )
 
-        local = local_layers(config)
+        local = self.local_layers(config)
         window = config.get("sliding_window", _DEFAULT_SLIDING_WINDOW)
         if any(local) and (window is None or int(window) < 1):
             raise UnsupportedModelError(
-                f"gemma3_text sliding_window must be >= 1 when layer_types has "
+                f"{name} sliding_window must be >= 1 when layer_types has "
                 f"sliding_attention layers; got {window!r}"
             )
         self.sliding_window = int(window) if any(local) else None
@@ -183,19 +212,17 @@ class Gemma3TextModel:
         attention_window = None
         if self.sliding_window is not None:
             attention_window = self.sliding_window - 1 if self.causal else self.sliding_window // 2
-        self.rotary = {
-            kind: RotaryTable.of(
-                rope_parameters(config, kind), self.head_dim, dtype=dtype, device=device
-            )
-            for kind in (FULL_ATTENTION, SLIDING_ATTENTION)
-        }
+        built: list[tuple[dict[str, Any], RotaryTable]] = []  # kinds of one rope share it
+        self.rotary: dict[str, RotaryTable] = {}
+        for kind, params in self.ropes(config).items():
+            table = next((t for known, t in built if known == params), None)
+            if table is None:
+                table = RotaryTable.of(params, self.head_dim, dtype=dtype, device=device)
+                built.append((params, table))
+            self.rotary[kind] = table
         bias = bool(config.get("attention_bias", False))
 
-        w = checkpoint.reader(
-            prefixes=("model.",),
-            marker="layers.",
-            architecture="gemma3_text",
-        )
+        w = checkpoint.reader(prefixes=("model.",), marker="layers.", architecture=name)
         get = w.get
 
         def norm(name: str) -> torch.Tensor:
@@ -219,8 +246,8 @@ class Gemma3TextModel:
                         if bias
                         else None
                     ),
-                    q_norm=norm(p + "self_attn.q_norm.weight"),
-                    k_norm=norm(p + "self_attn.k_norm.weight"),
+                    q_norm=norm(p + "self_attn.q_norm.weight") if self.qk_norm else None,
+                    k_norm=norm(p + "self_attn.k_norm.weight") if self.qk_norm else None,
                     o_w=w.columns(p + "self_attn.o_proj.weight", split.q),
                     o_b=w.maybe(p + "self_attn.o_proj.bias", bias),
                     post_attn_norm=norm(p + "post_attention_layernorm.weight"),
@@ -237,19 +264,32 @@ class Gemma3TextModel:
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         t = batch.input_ids.shape[0]
         hq, hkv, d, eps = self.split.heads, self.split.kv_heads, self.head_dim, self.eps
-        global_rope = self.rotary[FULL_ATTENTION].lookup(batch.position_ids, batch.max_seqlen)
-        local_rope = self.rotary[SLIDING_ATTENTION].lookup(batch.position_ids, batch.max_seqlen)
+        looked_up: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for table in self.rotary.values():
+            if id(table) not in looked_up:
+                looked_up[id(table)] = table.lookup(batch.position_ids, batch.max_seqlen)
+        global_rope = looked_up[id(self.rotary[FULL_ATTENTION])]
+        local_rope = looked_up[id(self.rotary[SLIDING_ATTENTION])]
         x = self.embed(batch.input_ids) * self.embed_scale
         for layer in self.layers:
             rope = local_rope if layer.local else global_rope
             h = gemma_rms_norm(x, layer.in_norm, eps)
             qkv = F.linear(h, layer.qkv_w, layer.qkv_b)
-            q = gemma_rms_norm(qkv[:, : hq * d].view(t, hq, d), layer.q_norm, eps)
-            k = gemma_rms_norm(qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d), layer.k_norm, eps)
+            q = qkv[:, : hq * d].view(t, hq, d)
+            k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q = gemma_rms_norm(q, layer.q_norm, eps)
+                k = gemma_rms_norm(k, layer.k_norm, eps)
             v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
             q, k = apply_rotary(q, rope), apply_rotary(k, rope)
             attn = batch.attention(
-                q, k, v, causal=self.causal, scale=self.scale, window=layer.window
+                q,
+                k,
+                v,
+                causal=self.causal,
+                scale=self.scale,
+                window=layer.window,
+                softcap=self.softcap,
             )
             h = row_linear(attn.reshape(t, hq * d), layer.o_w, layer.o_b, self.shard)
             x = x + gemma_rms_norm(h, layer.post_attn_norm, eps)
