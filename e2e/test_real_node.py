@@ -28,6 +28,7 @@ import hashlib
 import json
 import secrets
 import shutil
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,7 @@ import pytest
 import yaml
 
 from e2e.harness.cluster import REAL_NODE_TAINT_KEY, KubeClient, poll_until
+from e2e.harness.cluster.local import Cluster
 from e2e.harness.diagnostics import namespace_report
 from e2e.harness.existing import ExistingCluster, deep_merge
 from e2e.harness.images import ImageSet
@@ -52,6 +54,7 @@ from e2e.harness.operator import (
     values_args,
     wait_condition,
 )
+from e2e.harness.promql import dashboard_queries, missing_series, render_dashboard, rule_queries
 
 RELEASE = "eo-real"
 HELM_TIMEOUT_S = 300.0
@@ -60,6 +63,8 @@ SCALE_TIMEOUT_S = 300.0
 CLIENT_TIMEOUT_S = 240.0
 TOLERATION = {"key": REAL_NODE_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}
 ON_REAL_NODE = {"kubernetes.io/hostname": NODE_NAME}
+ARTIFACTS = Path(__file__).resolve().parent / "out"
+"""Files a run leaves for people to look at (the dashboard picture); not in git."""
 SMALL_POD = {"requests": {"cpu": "100m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}}
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -443,6 +448,157 @@ def test_queue_depth_scales_out_under_load_and_back_in(
             interval=2.0,
         )
         wait_ready_replicas(cluster, namespace, "scaler", 1)
+
+
+PACED_LOAD_SCRIPT = """
+import concurrent.futures, json, sys, threading, time
+import openai
+from openai import OpenAI
+base_url, seconds, rate = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+batch, words = int(sys.argv[4]), int(sys.argv[5])
+text = " ".join(("embedding servers scale on the seconds of work waiting " * words).split()[:words])
+client = OpenAI(base_url=base_url, api_key="unused", timeout=120, max_retries=0)
+model = client.models.list().data[0].id
+lock = threading.Lock()
+summary = {"ok": 0, "rate_limited": 0, "failures": []}
+def one():
+    try:
+        client.embeddings.create(model=model, input=[text] * batch)
+        outcome = "ok"
+    except openai.RateLimitError as exc:
+        outcome = "rate_limited" if exc.response.headers.get("retry-after") else repr(exc)
+    except Exception as exc:
+        outcome = repr(exc)[:300]
+    with lock:
+        if outcome in ("ok", "rate_limited"):
+            summary[outcome] += 1
+        else:
+            summary["failures"].append(outcome)
+# Open loop: a request every 1/rate seconds whatever the answers take, as independent clients
+# send them, so that long and short texts arrive at the same request rate.
+with concurrent.futures.ThreadPoolExecutor(max_workers=64) as pool:
+    start = time.monotonic()
+    sent = 0
+    while time.monotonic() - start < seconds:
+        pool.submit(one)
+        sent += 1
+        time.sleep(max(0.0, start + sent / rate - time.monotonic()))
+print(json.dumps(summary))
+"""
+BACKLOG_RATE = "6"
+"""Requests per second of both loads: 16 texts each."""
+QUIET_WINDOW_S = 40.0
+"""How long the short-text load must leave the service at one replica, once the HPA reads it."""
+
+
+def hpa_value(cluster: KubeClient, namespace: str, name: str) -> float | None:
+    """The current value of the HPA's (only) pods metric, or None before it has read one."""
+    hpa = get_json(cluster, "hpa", name, "-n", namespace)
+    for metric in (hpa or {}).get("status", {}).get("currentMetrics") or []:
+        value = metric.get("pods", {}).get("current", {}).get("averageValue")
+        if value is not None:
+            text = str(value)
+            return float(text.removesuffix("m")) / (1000 if text.endswith("m") else 1)
+    return None
+
+
+@pytest.mark.metrics_pipeline
+def test_backlog_seconds_scale_out_on_long_texts_not_on_short_ones(
+    cluster: KubeClient, release: str, client_pod: ClientPod, namespace: str
+) -> None:
+    """The default signal weighs work, not requests: 16 three-word texts a request leave one
+    replica alone at a rate where 16 two-hundred-word texts a request scale it out. While the
+    long load runs, every dashboard panel, recording rule and alert signal the chart ships is
+    run against this cluster's Prometheus and must return series for the service."""
+    target = 0.5
+    spec = {
+        "model": {"name": "sentence-transformers/all-MiniLM-L6-v2"},
+        "gpu": {"type": "cpu"},
+        "resources": SMALL_POD,
+        "autoscaling": {
+            "enabled": True,
+            "minReplicas": 1,
+            "maxReplicas": 2,
+            "metric": "backlogSeconds",
+            "targetBacklogSeconds": target,
+            "scaleDownStabilizationSeconds": 15,
+        },
+    }
+    url = service_url("backlog", namespace)
+    with diagnostics(cluster, namespace, release):
+        cluster.apply(embedding_service("backlog", spec), namespace=namespace)
+        wait_condition(cluster, namespace, "backlog", "Ready", "True", timeout=READY_TIMEOUT_S)
+        wait_ready_replicas(cluster, namespace, "backlog", 1)
+
+        # Short texts: the HPA reads the backlog, which stays under target: no scale-out.
+        start_client(
+            cluster, client_pod, namespace, "short", PACED_LOAD_SCRIPT, url, "90", BACKLOG_RATE,
+            "16", "3",
+        )  # fmt: skip
+        poll_until(
+            lambda: hpa_value(cluster, namespace, "backlog") is not None or None,
+            timeout=SCALE_TIMEOUT_S,
+            what="the HPA to read embedding_server_backlog_seconds under the short-text load",
+            interval=2.0,
+        )
+        seen: list[float] = []
+        quiet_until = time.monotonic() + QUIET_WINDOW_S
+        while time.monotonic() < quiet_until:
+            value = hpa_value(cluster, namespace, "backlog")
+            if value is not None:
+                seen.append(value)
+            hpa = get_json(cluster, "hpa", "backlog", "-n", namespace) or {}
+            desired = hpa.get("status", {}).get("desiredReplicas")
+            assert desired in (None, 1), (
+                f"short texts scaled the service out (desired {desired}; backlog seen {seen})"
+            )
+            time.sleep(2.0)
+        assert seen and max(seen) < target, f"backlog seconds under short texts: {seen}"
+        short = client_output(cluster, namespace, "short", timeout=CLIENT_TIMEOUT_S)
+        assert short["failures"] == [] and short["rate_limited"] == 0, short
+        assert short["ok"] > 0, short
+
+        # Long texts at the same request rate: the backlog grows past target and it scales.
+        start_client(
+            cluster, client_pod, namespace, "long", PACED_LOAD_SCRIPT, url, "240", BACKLOG_RATE,
+            "16", "200",
+        )  # fmt: skip
+        load_started = time.time()
+        poll_until(
+            lambda: len(ready_server_pods(cluster, namespace, "backlog")) >= 2 or None,
+            timeout=SCALE_TIMEOUT_S,
+            what="the long-text load to scale backlog to 2 ready replicas",
+            interval=2.0,
+        )
+        assert (hpa_value(cluster, namespace, "backlog") or 0) > target
+
+        if isinstance(cluster, Cluster):
+            queries = [q for _, panel in dashboard_queries(namespace, "backlog") for q in panel]
+            queries += rule_queries()
+            missing: list[str] = []
+
+            def all_answer() -> bool | None:
+                missing[:] = missing_series(cluster.prometheus_url, queries, namespace, "backlog")
+                return not missing or None
+
+            with contextlib.suppress(TimeoutError):
+                poll_until(
+                    all_answer, timeout=120.0, what="every query to return series", interval=5.0
+                )
+            assert not missing, "queries with no series for a loaded service:\n" + "\n".join(
+                missing
+            )
+            render_dashboard(
+                cluster.prometheus_url,
+                namespace,
+                "backlog",
+                load_started - 60,
+                time.time(),
+                ARTIFACTS / "dashboard.png",
+            )
+        cluster.kubectl(
+            "delete", "pod", "long", "-n", namespace, "--grace-period=0", "--force", "--wait=true"
+        )
 
 
 # -- (c) rollout under load, (d) killed pods ---------------------------------------------------

@@ -584,7 +584,8 @@ class Kubelet(Component):
 
 
 class Prometheus(Component):
-    """Scrapes the server pods on the real node (``prometheus_config``). Ready: ``/-/ready``."""
+    """Scrapes the server and operator pods on the real node (``prometheus_config``) and
+    evaluates ``rules`` (the chart's PrometheusRule groups, as YAML). Ready: ``/-/ready``."""
 
     name = "prometheus"
 
@@ -597,17 +598,24 @@ class Prometheus(Component):
         kubeconfig: Path,
         port: int,
         timeout: float,
+        rules: str | None = None,
     ) -> None:
         super().__init__(launcher, timeout=timeout)
         self.binary = binary
         self.state_dir = state_dir
         self.config_file = state_dir / "prometheus.yaml"
+        self.rules_file = state_dir / "prometheus-rules.yaml"
+        self.rules = rules
         self.kubeconfig = kubeconfig
         self.url = f"http://127.0.0.1:{port}"
         self.port = port
 
     def prepare(self) -> None:
-        node.write_yaml(self.config_file, prometheus_config(self.kubeconfig))
+        config = prometheus_config(self.kubeconfig)
+        if self.rules is not None:
+            self.rules_file.write_text(self.rules)
+            config["rule_files"] = [str(self.rules_file)]
+        node.write_yaml(self.config_file, config)
 
     def argv(self) -> list[str]:
         return [
@@ -706,11 +714,18 @@ def stop_processes(processes: Sequence[Process], teardown: Teardown) -> list[str
     return errors
 
 
+OPERATOR_COMPONENT = "operator"
+"""``app.kubernetes.io/component`` of the chart's operator pod."""
+
+
 def prometheus_config(kubeconfig: Path) -> dict[str, Any]:
-    """Scrape every pod on the real node that asks to be scraped (the operator's server pods
-    carry the prometheus.io/* annotations), labelled by namespace and pod as the adapter's
-    rules expect."""
+    """Scrape every pod on the real node that asks to be scraped (the prometheus.io/*
+    annotations), labelled by namespace and pod as the adapter's and the chart's rules expect:
+    the server pods in one job; the chart's operator pod in another that honors the scraped
+    labels, as the chart's PodMonitor does, since its per-service series carry their
+    EmbeddingService's own ``namespace``."""
     meta = "__meta_kubernetes_pod_"
+    component = f"{meta}label_app_kubernetes_io_component"
     return {
         "global": {"scrape_interval": "2s", "scrape_timeout": "2s", "evaluation_interval": "2s"},
         "scrape_configs": [
@@ -718,38 +733,55 @@ def prometheus_config(kubeconfig: Path) -> dict[str, Any]:
                 "job_name": "embedding-server-pods",
                 "kubernetes_sd_configs": [{"role": "pod", "kubeconfig_file": str(kubeconfig)}],
                 "relabel_configs": [
-                    {
-                        "source_labels": [f"{meta}annotation_prometheus_io_scrape"],
-                        "action": "keep",
-                        "regex": "true",
-                    },
-                    {
-                        "source_labels": [f"{meta}node_name"],
-                        "action": "keep",
-                        "regex": node.NODE_NAME,
-                    },
-                    {
-                        "source_labels": ["__address__", f"{meta}annotation_prometheus_io_port"],
-                        "action": "replace",
-                        "regex": r"([^:]+)(?::\d+)?;(\d+)",
-                        "replacement": "$1:$2",
-                        "target_label": "__address__",
-                    },
-                    {
-                        "source_labels": [f"{meta}annotation_prometheus_io_path"],
-                        "action": "replace",
-                        "regex": "(.+)",
-                        "target_label": "__metrics_path__",
-                    },
-                    {
-                        "source_labels": ["__meta_kubernetes_namespace"],
-                        "target_label": "namespace",
-                    },
-                    {"source_labels": [f"{meta}name"], "target_label": "pod"},
+                    {"source_labels": [component], "action": "drop", "regex": OPERATOR_COMPONENT},
+                    *_annotated_pods_on_the_real_node(),
                 ],
-            }
+            },
+            {
+                "job_name": "embedding-operator",
+                "honor_labels": True,
+                "kubernetes_sd_configs": [{"role": "pod", "kubeconfig_file": str(kubeconfig)}],
+                "relabel_configs": [
+                    {"source_labels": [component], "action": "keep", "regex": OPERATOR_COMPONENT},
+                    *_annotated_pods_on_the_real_node(),
+                ],
+            },
         ],
     }
+
+
+def _annotated_pods_on_the_real_node() -> list[dict[str, Any]]:
+    meta = "__meta_kubernetes_pod_"
+    return [
+        {
+            "source_labels": [f"{meta}annotation_prometheus_io_scrape"],
+            "action": "keep",
+            "regex": "true",
+        },
+        {
+            "source_labels": [f"{meta}node_name"],
+            "action": "keep",
+            "regex": node.NODE_NAME,
+        },
+        {
+            "source_labels": ["__address__", f"{meta}annotation_prometheus_io_port"],
+            "action": "replace",
+            "regex": r"([^:]+)(?::\d+)?;(\d+)",
+            "replacement": "$1:$2",
+            "target_label": "__address__",
+        },
+        {
+            "source_labels": [f"{meta}annotation_prometheus_io_path"],
+            "action": "replace",
+            "regex": "(.+)",
+            "target_label": "__metrics_path__",
+        },
+        {
+            "source_labels": ["__meta_kubernetes_namespace"],
+            "target_label": "namespace",
+        },
+        {"source_labels": [f"{meta}name"], "target_label": "pod"},
+    ]
 
 
 def adapter_api_objects(port: int, ca_bundle: str) -> str:

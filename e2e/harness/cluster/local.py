@@ -221,6 +221,11 @@ class Cluster(KubeClient):
 
     # -- what the parts use ----------------------------------------------------------------
 
+    @property
+    def prometheus_url(self) -> str:
+        """The metrics pipeline's Prometheus (on 127.0.0.1)."""
+        return f"http://127.0.0.1:{self.ports.prometheus}"
+
     def start_component(self, component: C) -> C:
         """Start ``component`` (spawn, then wait until ready) as the next one in order."""
         self.components.append(component)

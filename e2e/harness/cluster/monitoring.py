@@ -1,6 +1,7 @@
 """The local cluster's metrics pipeline: Prometheus and prometheus-adapter.
 
-Prometheus scrapes the server pods on the real node; prometheus-adapter serves
+Prometheus scrapes the server and operator pods on the real node and evaluates the chart's
+recording rules and alerts (its PrometheusRule); prometheus-adapter serves
 custom.metrics.k8s.io from it with the rules the chart renders; the APIService points the
 aggregation layer at the adapter on the node IP. The HPAs the operator makes read the
 servers' queue depth through it, as they would on a cluster with the chart's adapter rules.
@@ -35,6 +36,7 @@ class MetricsPipeline:
                 kubeconfig=cluster.kubeconfig,
                 port=cluster.ports.prometheus,
                 timeout=cluster.timeouts.prometheus,
+                rules=chart_prometheus_rules(cluster),
             )
         )
         adapter = cluster.add_component(
@@ -68,3 +70,19 @@ def chart_adapter_rules(client: KubeClient) -> str:
     config_map = yaml.safe_load(rendered)
     config: str = config_map["data"]["config.yaml"]
     return config
+
+
+def chart_prometheus_rules(client: KubeClient) -> str:
+    """The chart's recording rules and alerts (its PrometheusRule's groups) as a Prometheus
+    rule file."""
+    rendered = client.helm(
+        "template",
+        "e2e",
+        str(CHART_DIR),
+        "--show-only",
+        "templates/prometheusrule.yaml",
+        "--set",
+        "monitoring.prometheusRule.enabled=true",
+    ).stdout
+    rule = yaml.safe_load(rendered)
+    return yaml.safe_dump({"groups": rule["spec"]["groups"]}, sort_keys=False)
