@@ -105,6 +105,10 @@ def test_values_yaml_satisfies_its_schema(
             "a misspelt override (threshold)",
         ),
         ({"monitoring": {"grafanaDashboard": {"labels": {"grafana_dashboard": 1}}}}, "a number"),
+        ({"gateway": {"replica": 2}}, "a typo of gateway.replicas"),
+        ({"gateway": {"replicas": 0}}, "a gateway that is enabled with no pod"),
+        ({"gateway": {"service": {"type": "ExternalName"}}}, "a Service type with no pods"),
+        ({"gateway": {"holdTimeoutSeconds": "30s"}}, "a duration as a string"),
     ],
 )
 def test_schema_refuses_mistakes(
@@ -933,3 +937,68 @@ def test_the_alerts_fire_on_what_they_describe(helm: Path, promtool: Path, tmp_p
         check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# --- the gateway -----------------------------------------------------------------------------
+
+
+def test_the_gateway_is_off_by_default_and_complete_when_on(helm: Path) -> None:
+    assert not [d for d in objects(helm) if "gateway" in d["metadata"]["name"]]
+    docs = objects(helm, {"gateway": {"enabled": True}})
+    name = "eo-embedding-operator-gateway"
+    deployment = one(docs, "Deployment", name)
+    service = one(docs, "Service", name)
+    pdb = one(docs, "PodDisruptionBudget", name)
+    operator = one(docs, "Deployment", "eo-embedding-operator")
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    pod = deployment["spec"]["template"]
+    # Its Service and PDB select exactly its pods, and the operator's selector none of them.
+    assert service["spec"]["selector"] == selector == pdb["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= pod["metadata"]["labels"].items()
+    operator_selector = operator["spec"]["selector"]["matchLabels"]
+    assert not operator_selector.items() <= pod["metadata"]["labels"].items()
+    container = pod["spec"]["containers"][0]
+    app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    assert container["image"] == f"ghcr.io/embedding-operator/embedding-server:{app_version}"
+    assert container["args"][:2] == ["gateway", "--discovery=kubernetes"]
+    assert not any(a.startswith("--namespace") for a in container["args"])
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert deployment["spec"]["replicas"] == 2
+
+
+def test_the_gateway_may_only_read_models_and_endpoints(helm: Path) -> None:
+    docs = objects(helm, {"gateway": {"enabled": True}})
+    name = "eo-embedding-operator-gateway"
+    role = one(docs, "ClusterRole", name)
+    binding = one(docs, "ClusterRoleBinding", name)
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": name, "namespace": "ops"}]
+    granted = {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    assert granted == {
+        (group, resource, verb)
+        for group, resource in (
+            ("embedding-operator.dev", "embeddingservices"),
+            ("discovery.k8s.io", "endpointslices"),
+        )
+        for verb in ("get", "list", "watch")
+    }
+
+
+def test_a_namespaced_gateway_watches_and_reads_that_namespace_only(helm: Path) -> None:
+    docs = objects(helm, {"gateway": {"enabled": True}, "watchNamespaces": ["team"]})
+    name = "eo-embedding-operator-gateway"
+    assert not [d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == name]
+    one(docs, "Role", name, "team")
+    one(docs, "RoleBinding", name, "team")
+    args = one(docs, "Deployment", name)["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=team" in args
+    proc = render_with(helm, {"gateway": {"enabled": True}, "watchNamespaces": ["a", "b"]})
+    assert proc.returncode != 0
+    assert "more than one watchNamespaces" in proc.stderr

@@ -29,6 +29,13 @@ app.kubernetes.io/name: {{ include "embedding-operator.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
+{{/* The gateway's pods: a name of their own, so that no selector of the operator's (its
+Deployment, its PodMonitor) overlaps them. */}}
+{{- define "embedding-operator.gatewaySelectorLabels" -}}
+app.kubernetes.io/name: {{ include "embedding-operator.name" . }}-gateway
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
 {{- define "embedding-operator.labels" -}}
 helm.sh/chart: {{ include "embedding-operator.chart" . }}
 {{ include "embedding-operator.selectorLabels" . }}
