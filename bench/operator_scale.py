@@ -14,6 +14,11 @@ Measures, with the real ``embedding-operator run`` subprocess against the e2e co
    seconds the operator burned for the batch; then writes during an idle resync window
    (should be zero: nothing changed, nothing written).
 
+Every pod of the benchmark lands on kwok's fake CPU nodes, written for the run with room for
+``--count`` pods: the real node is tainted as the e2e session taints it, so no real server
+starts on this machine (60 real MiniLM servers starved a 2-core control plane once), and the
+figures are the operator's and the control plane's, not the servers'.
+
 Usage: ``python -m bench.operator_scale [--count 100] [--single 5] [--json FILE]``
 (starts a cluster of its own, real node included, so not beside another cluster of the e2e
 harness: ``make cluster-up``'s or a running e2e session's).
@@ -31,16 +36,66 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import yaml
 from embedding_operator.kube import KubeCluster
 from kubernetes import config as kube_config
 
 from bench import out_dir
 from e2e.harness.binaries import ensure_binaries
-from e2e.harness.cluster import Cluster
+from e2e.harness.cluster import REAL_NODE_TAINT, Cluster
 from e2e.harness.operator import OperatorProcess, embedding_service, get_json
 from e2e.harness.proc import poll_until
 
 MODEL = {"name": "sentence-transformers/all-MiniLM-L6-v2"}
+PODS_PER_NODE = 250
+PROGRESS_EVERY_S = 5.0
+
+
+def fake_cpu_nodes(count: int, path: Path) -> Path:
+    """A nodes file of kwok CPU nodes with room for ``count`` server pods (each node takes
+    ``PODS_PER_NODE``, with CPU and memory to spare for the default pod's requests)."""
+    nodes = []
+    for i in range(count // PODS_PER_NODE + 1):
+        name = f"bench-cpu-{i}"
+        capacity = {
+            "cpu": str(PODS_PER_NODE * 8),
+            "memory": f"{PODS_PER_NODE * 32}Gi",
+            "pods": str(PODS_PER_NODE),
+            "ephemeral-storage": "10Ti",
+        }
+        nodes.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {
+                    "name": name,
+                    "annotations": {"kwok.x-k8s.io/node": "fake"},
+                    "labels": {
+                        "type": "kwok",
+                        "kubernetes.io/arch": "amd64",
+                        "kubernetes.io/os": "linux",
+                        "kubernetes.io/hostname": name,
+                    },
+                },
+                "status": {"capacity": capacity, "allocatable": capacity},
+            }
+        )
+    path.write_text(yaml.safe_dump_all(nodes))
+    return path
+
+
+class Progress:
+    """Prints ``what: n/total`` at most every few seconds while a wait runs."""
+
+    def __init__(self, what: str, total: int) -> None:
+        self.what, self.total, self.started, self.last = what, total, time.monotonic(), 0.0
+
+    def __call__(self, done: int) -> bool:
+        now = time.monotonic()
+        if done == self.total or now - self.last >= PROGRESS_EVERY_S:
+            self.last = now
+            print(f"  {self.what}: {done}/{self.total} at {now - self.started:.1f}s", flush=True)
+        return done == self.total
 
 
 def _ready_names(cluster: Cluster, namespace: str) -> set[str]:
@@ -121,11 +176,12 @@ def run(cluster: Cluster, workdir: Path, count: int, single: int, resync: float)
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(api.create, manifests))
     applied = time.monotonic() - started
+    print(f"created {count} EmbeddingServices in {applied:.1f}s", flush=True)
     # The operator's share: every Deployment written (the rest is controllers + scheduler).
+    written = Progress("Deployments written", count)
     poll_until(
-        lambda: (
+        lambda: written(
             len((get_json(cluster, "deployments", "-n", batch_ns) or {}).get("items") or [])
-            == count
         ),
         timeout=900,
         what=f"{count} Deployments",
@@ -133,8 +189,9 @@ def run(cluster: Cluster, workdir: Path, count: int, single: int, resync: float)
         max_interval=1.0,
     )
     children = time.monotonic() - started
+    ready = Progress("EmbeddingServices Ready", count)
     poll_until(
-        lambda: len(_ready_names(cluster, batch_ns)) == count,
+        lambda: ready(len(_ready_names(cluster, batch_ns))),
         timeout=900,
         what=f"{count} EmbeddingServices Ready",
         interval=0.5,
@@ -177,7 +234,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-operator-") as tmp:
         workdir = Path(tmp)
         started = time.monotonic()
-        with Cluster(ensure_binaries(), workdir / "cluster") as cluster:
+        nodes = fake_cpu_nodes(args.count + args.single, workdir / "nodes.yaml")
+        with Cluster(
+            ensure_binaries(),
+            workdir / "cluster",
+            nodes_file=nodes,
+            node_taints=[REAL_NODE_TAINT],
+        ) as cluster:
             startup = time.monotonic() - started
             try:
                 results = run(cluster, workdir, args.count, args.single, args.resync)
