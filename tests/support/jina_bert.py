@@ -134,13 +134,44 @@ def _weights(variant: str, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def build_jina_bert(path: Path, variant: str = "v2", *, seed: int = 29) -> Path:
-    """A tiny JinaBERT v2 checkpoint of ``variant`` (``v2`` or ``code``) at ``path``."""
+def build_jina_bert(
+    path: Path, variant: str = "v2", *, head: str | None = None, seed: int = 29
+) -> Path:
+    """A tiny JinaBERT v2 checkpoint of ``variant`` (``v2`` or ``code``) at ``path``: the bare
+    body (``JinaBertModel``, as jina-embeddings-v2 ships), or with ``head`` the body under
+    ``bert.`` and ``JinaBertForMaskedLM``'s ``cls.predictions`` (``masked_lm``) or
+    ``JinaBertForSequenceClassification``'s pooler and one-label ``classifier`` (``score``,
+    jina-reranker-v1's kind)."""
     path.mkdir(parents=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
         shutil.copy(MINILM_DIR / name, path / name)
-    (path / "config.json").write_text(json.dumps(config_of(variant), indent=2))
-    save_file(_weights(variant, seed), str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = config_of(variant)
+    weights = _weights(variant, seed)
+    if head is not None:
+        generator = torch.Generator().manual_seed(seed + 1)
+        h = VARIANTS[variant]["hidden_size"]
+        pooler = {k: weights.pop(k) for k in ("pooler.dense.weight", "pooler.dense.bias")}
+        weights = {"bert." + k: v for k, v in weights.items()}
+        if head == "masked_lm":
+            weights.update(
+                {
+                    "cls.predictions.transform.dense.weight": torch.randn(
+                        h, h, generator=generator
+                    ),
+                    "cls.predictions.transform.dense.bias": torch.zeros(h),
+                    "cls.predictions.transform.LayerNorm.weight": torch.ones(h),
+                    "cls.predictions.transform.LayerNorm.bias": torch.zeros(h),
+                    "cls.predictions.bias": torch.zeros(VOCAB),
+                }
+            )
+        else:
+            weights.update({"bert." + k: v for k, v in pooler.items()})
+            weights["classifier.weight"] = 0.1 * torch.randn(1, h, generator=generator)
+            weights["classifier.bias"] = torch.randn(1, generator=generator)
+            config["architectures"] = ["JinaBertForSequenceClassification"]
+            config["id2label"], config["label2id"] = {"0": "LABEL_0"}, {"LABEL_0": 0}
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
 
 
@@ -168,7 +199,7 @@ def reference(
     token_types: list[int] | None = None,
 ) -> torch.Tensor:
     """The published model's last hidden states ``[L, hidden]`` for one sequence, float32."""
-    w = {k: v.float() for k, v in weights.items()}
+    w = {k.removeprefix("bert."): v.float() for k, v in weights.items()}
     h, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     inter, eps, d = int(config["intermediate_size"]), float(config["layer_norm_eps"]), h // heads
     code = "encoder.layer.0.attention.self.layer_norm_q.weight" in w

@@ -20,11 +20,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from embedding_server.device.attention import AttentionFacts, Backend, select_backend
 from embedding_server.device.models.jina_bert import alibi_slopes
 from embedding_server.engine import Engine
 from embedding_server.errors import InvalidRequestError, UnsupportedModelError
 from safetensors.torch import load_file
+from transformers import AutoTokenizer
 
 from tests.support.attention import assert_rows_close, pretend_cuda
 from tests.support.jina_bert import POSITIONS, build_jina_bert, config_of, reference
@@ -181,6 +183,54 @@ def test_the_slopes_are_the_alibi_papers() -> None:
     assert alibi_slopes(8) == pytest.approx([2.0**-i for i in range(1, 9)])
     sixteen = [2.0 ** (-i / 2) for i in range(1, 17)]
     assert alibi_slopes(12) == pytest.approx([2.0**-i for i in range(1, 9)] + sixteen[0:8:2])
+
+
+def test_a_masked_lm_checkpoint_embeds_with_its_body(tmp_path: Path) -> None:
+    """JinaBertForMaskedLM: the body under ``bert.``, the ``cls.`` head declared ignored,
+    mean-pooled vectors equal to the reference body's."""
+    path = build_jina_bert(tmp_path / "mlm", "v2", head="masked_lm")
+    engine = Engine.from_pretrained(str(path), dtype="float32", normalize=False)
+    assert (engine.info().task, engine.info().pooling) == ("embed", "mean")
+    seqs = _sequences([2, 17, 33])
+    expected = np.stack([e.mean(0) for e in _expected(path, seqs)])
+    _assert_matches(engine.embed(seqs), expected, F32_COSINE)
+
+
+QUERIES = ["what is a fox?", "q", "where do cats sleep in the winter months?"]
+DOCS = ["the fox is an animal", "d", "cats sleep anywhere warm " * 6]
+
+
+def test_cross_encoder_scores_match_the_published_architecture(tmp_path: Path) -> None:
+    """JinaBertForSequenceClassification (jina-reranker-v1's kind), one label: BERT's
+    pooler (dense + tanh on [CLS]) and ``classifier`` over the JinaBERT body, each (query,
+    document) pair one sequence with its segment ids, sigmoid of the logit."""
+    path = build_jina_bert(tmp_path / "scorer", "v2", head="score")
+    tok = AutoTokenizer.from_pretrained(str(path))
+    weights = load_file(str(path / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    logits = []
+    with torch.no_grad():
+        for q, d in zip(QUERIES, DOCS, strict=True):
+            enc = tok(q, d)
+            states = reference(weights, config, enc["input_ids"], enc["token_type_ids"])
+            pooled = torch.tanh(
+                F.linear(
+                    states[0],
+                    weights["bert.pooler.dense.weight"],
+                    weights["bert.pooler.dense.bias"],
+                )
+            )
+            logits.append(
+                float(F.linear(pooled, weights["classifier.weight"], weights["classifier.bias"]))
+            )
+    want = np.array(logits)
+    for dtype, min_cosine in DTYPES:
+        engine = Engine.from_pretrained(str(path), dtype=dtype)
+        assert engine.info().task == "score"
+        scores = engine.score(QUERIES, DOCS)
+        _assert_matches(np.log(scores / (1 - scores)), want, min_cosine)
+        if dtype == "float32":
+            np.testing.assert_allclose(scores, 1 / (1 + np.exp(-want)), atol=1e-5)
 
 
 def test_two_ranks_give_the_vectors_of_one(models: dict[str, Path]) -> None:
