@@ -46,7 +46,7 @@ from embedding_server.errors import UnsupportedModelError
 from embedding_server.pooling import PoolingMethod
 
 from ..attention import AlibiBias
-from .base import Checkpoint, EmbeddingModel, PackedBatch
+from .base import Checkpoint, EmbeddingModel, PackedBatch, WeightReader
 from .bert import BERT, LEGACY_NAMES, BertModel, _read_qkv, renames
 from .layers import ACT_FUNCS, HeadSplit, row_linear
 
@@ -198,7 +198,7 @@ class JinaBertModel:
             self._read_layer(w, i, split) for i in range(int(config["num_hidden_layers"]))
         ]
 
-    def _read_layer(self, w: Any, i: int, split: HeadSplit) -> _Layer:
+    def _read_layer(self, w: WeightReader, i: int, split: HeadSplit) -> _Layer:
         get = w.get
         p = f"encoder.layer.{i}."
         qkv_w, qkv_b = _read_qkv(w, p, split)
