@@ -260,12 +260,14 @@ def test_the_code_model_is_refused_under_tensor_parallelism(models: dict[str, Pa
     [
         ({"position_embedding_type": "relative_key"}, "position_embedding_type='relative_key'"),
         ({"feed_forward_type": "original"}, "feed_forward_type='original'"),
+        ({"feed_forward_type": None}, "states no feed_forward_type"),
     ],
 )
 def test_what_is_not_served_exactly_is_refused_before_the_weights(
-    models: dict[str, Path], tmp_path: Path, config: dict[str, str], named: str
+    models: dict[str, Path], tmp_path: Path, config: dict[str, str | None], named: str
 ) -> None:
-    """From config.json alone (the weights are never read: here there are none)."""
+    """From config.json alone (the weights are never read: here there are none): another
+    position type, an MLP that is not gated, a config that does not say which."""
     path = rewrite_checkpoint(models["v2"], tmp_path / "m", config=config)
     (path / "model.safetensors").unlink()
     with pytest.raises(UnsupportedModelError, match=re.escape(named)):

@@ -82,7 +82,17 @@ def declared_pooling(config: Mapping[str, Any]) -> PoolingMethod | None:
 
 
 def _gate_activation(config: Mapping[str, Any]) -> Callable[[torch.Tensor], torch.Tensor]:
-    kind = config.get("feed_forward_type", "geglu")
+    """The gate's activation ``feed_forward_type`` names. A config without one is refused:
+    jina's config classes disagree on its default (the published jina-embeddings-v2 configs
+    all state ``geglu``), so it is not guessed."""
+    kind = config.get("feed_forward_type")
+    if kind is None:
+        raise UnsupportedModelError(
+            f"JinaBERT ({MODEL_TYPE} with ALiBi) config.json states no feed_forward_type; "
+            "jina's code defaults it differently across versions, so which MLP the weights "
+            "were trained with is not guessed: add the one the model was trained with "
+            "(geglu for jina-embeddings-v2)"
+        )
     if kind not in _ACTIVATIONS:
         raise UnsupportedModelError(
             f"JinaBERT ({MODEL_TYPE} with ALiBi) feed_forward_type={kind!r} is not supported; "
