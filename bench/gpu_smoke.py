@@ -11,7 +11,7 @@ One command, a few minutes, no downloads; what it prints goes into docs/benchmar
    float32 reference: head dims 32-256, grouped-query and plain, causal and bidirectional,
    with and without a sliding window, one packed batch of lengths from 1 to 2048.
 3. Models: a tiny random model of each family (BERT, XLM-R, CamemBERT, DistilBERT, ERNIE,
-   ELECTRA, MPNet, DeBERTa-v3, ModernBERT, Llama, Mistral, Qwen2, Qwen3, Gemma 3) on the
+   ELECTRA, JinaBERT, MPNet, DeBERTa-v3, ModernBERT, Llama, Mistral, Qwen2, Qwen3, Gemma 3) on the
    device in each dtype and kernel it can run, against the CPU in float32; then a sequence
    and a token classifier through the whole engine (heads on the device).
 4. Scale: a two-layer decoder with a 7B model's shapes (hidden 4096, 32 heads, 8 KV heads,
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from embedding_server.device import attention
 from embedding_server.device.attention import Backend, plan_attention, probe, select_backend, unfit
 from embedding_server.device.loading import head_dim_of, load_weights, read_model_config
-from embedding_server.device.models import ARCHITECTURES, build_model, lookup
+from embedding_server.device.models import build_model, lookup
 from embedding_server.device.models.base import PackedBatch
 from embedding_server.settings import GPU_BATCH_TOKENS
 
@@ -89,9 +89,13 @@ def device_facts(device: torch.device) -> dict[str, Any]:
 
 
 def runnable_backends(
-    device: torch.device, dtype: torch.dtype, head_dim: int, bias: str | None = None
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    bias: str | None = None,
+    alibi: bool = False,
 ) -> list[Backend]:
-    facts = probe(device, dtype, head_dim, bias=bias)
+    facts = probe(device, dtype, head_dim, bias=bias, alibi=alibi)
     return [b for b in Backend if unfit(b, facts) is None]
 
 
@@ -185,6 +189,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 2048,
         **{f"{t}_token_id": i for i, t in enumerate(("pad", "bos", "eos", "cls", "sep"))},
     },
+    # JinaBERT (jina-embeddings-v2): ALiBi slopes, flash-attn's alibi_slopes or an SDPA mask;
+    # a BERT rewritten into its layout (build_tiny).
+    "bert-alibi": {"num_attention_heads": 4, "max_position_embeddings": 2048},
     "llama": {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16},
     "mistral": {"num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 32},
     "qwen2": {"num_attention_heads": 4, "num_key_value_heads": 2},
@@ -199,17 +206,43 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
-def build_tiny(model_type: str, root: Path) -> Path:
+def build_tiny(family: str, root: Path) -> Path:
     from transformers import AutoConfig, AutoModel
 
-    path = root / model_type
-    config = AutoConfig.for_model(model_type, **SMALL, **FAMILIES[model_type])
+    path = root / family
+    model_type = family.removesuffix("-alibi")
+    config = AutoConfig.for_model(model_type, **SMALL, **FAMILIES[family])
     torch.manual_seed(0)
     model = AutoModel.from_config(config, attn_implementation="eager")
     for parameter in model.parameters():  # random but not tiny: make layers matter
         parameter.data.normal_(0.0, 0.2)
     model.save_pretrained(path)
+    if family == "bert-alibi":
+        _as_jina_bert(path)
     return path
+
+
+def _as_jina_bert(path: Path) -> None:
+    """BERT's checkpoint at ``path`` rewritten into JinaBERT v2's layout: no position table,
+    ``mlp.gated_layers`` / ``mlp.wo`` / ``mlp.layernorm`` for the MLP, an ALiBi config."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(path / "model.safetensors"))
+    weights.pop("embeddings.position_embeddings.weight")
+    inter, hidden = SMALL["intermediate_size"], SMALL["hidden_size"]
+    for i in range(SMALL["num_hidden_layers"]):
+        p = f"encoder.layer.{i}."
+        weights.pop(p + "intermediate.dense.bias")
+        up = weights.pop(p + "intermediate.dense.weight")
+        weights[p + "mlp.gated_layers.weight"] = torch.cat([up, torch.randn(inter, hidden) * 0.2])
+        weights[p + "mlp.wo.weight"] = weights.pop(p + "output.dense.weight")
+        weights[p + "mlp.wo.bias"] = weights.pop(p + "output.dense.bias")
+        for part in ("weight", "bias"):
+            weights[p + f"mlp.layernorm.{part}"] = weights.pop(p + f"output.LayerNorm.{part}")
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config.update(position_embedding_type="alibi", feed_forward_type="geglu", emb_pooler="mean")
+    (path / "config.json").write_text(json.dumps(config))
 
 
 def _hidden(
@@ -232,12 +265,13 @@ def model_checks(
         path = build_tiny(model_type, root)
         want = _hidden(path, torch.device("cpu"), torch.float32, Backend.SDPA_BUCKETED, seqs)
         config = read_model_config(path)
-        head_dim = head_dim_of(lookup(config).read_config(config))
-        bias = ARCHITECTURES[model_type].attention_bias
+        arch = lookup(config)
+        head_dim = head_dim_of(arch.read_config(config))
+        bias, alibi = arch.attention_bias, arch.alibi(config)
         for dtype in dtypes:
             if model_type == "gemma3_text" and dtype == torch.float16:
                 continue  # refused by the server: Gemma 3 overflows float16
-            for backend in runnable_backends(device, dtype, head_dim, bias):
+            for backend in runnable_backends(device, dtype, head_dim, bias, alibi):
                 got = _hidden(path, device, dtype, backend, seqs)
                 cosine = _row_cosine(got, want)
                 yield Check(

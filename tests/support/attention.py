@@ -4,10 +4,11 @@ flash-attn's ``flash_attn_varlen_func`` and torch's ``varlen_attn`` only run on 
 this CPU the tests hand the engine these instead, with the device facts of a GPU
 (:func:`pretend_cuda`). Each stand-in refuses, as the real kernel does, a call it could not
 serve: float32 or host tensors, ``cu_seqlens`` that are not int32 on q's device, a tensor
-``max_seqlen``, a strided last dimension, ``head_dim`` > 256, and for torch's kernel grouped
-query attention without ``enable_gqa``. It then computes the reference (float32 per-sequence
-SDPA under flash-attn's documented ``window_size`` mask, logits soft-capped as flash-attn's
-``softcap`` does) and returns it in q's dtype.
+``max_seqlen``, a strided last dimension, ``head_dim`` > 256, ALiBi slopes that are not
+float32 per head, and for torch's kernel grouped query attention without ``enable_gqa``. It
+then computes the reference (float32 per-sequence SDPA under flash-attn's documented
+``window_size`` mask, logits soft-capped as flash-attn's ``softcap`` does, ALiBi added as its
+``alibi_slopes`` documents) and returns it in q's dtype.
 """
 
 from __future__ import annotations
@@ -89,15 +90,23 @@ def reference(
     window_size: tuple[int, int],
     scale: float | None,
     softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-sequence float32 attention under flash-attn's mask, in q's dtype; ``softcap`` > 0
-    caps the scaled logits at ``softcap * tanh(logits / softcap)`` (flash-attn's 0: none)."""
+    caps the scaled logits at ``softcap * tanh(logits / softcap)`` (flash-attn's 0: none);
+    ``alibi_slopes`` adds flash-attn's documented ALiBi term, ``-slope * |i - j|`` per head
+    (queries and keys of equal length)."""
     rep = q.shape[1] // k.shape[1]
     out, start = [], 0
     for n in torch.diff(cu_seqlens).tolist():
         qs, ks, vs = (t[start : start + n].float().transpose(0, 1) for t in (q, k, v))
         ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
         mask = flash_mask(n, causal, window_size)
+        if alibi_slopes is not None:
+            pos = torch.arange(n)
+            distance = (pos.unsqueeze(0) - pos.unsqueeze(1)).abs().float()
+            bias = -alibi_slopes.float()[:, None, None] * distance
+            mask = bias.masked_fill(~mask, float("-inf"))
         if softcap > 0:
             logits = qs @ ks.transpose(-1, -2) * (qs.shape[-1] ** -0.5 if scale is None else scale)
             logits = (torch.tanh(logits / softcap) * softcap).masked_fill(~mask, float("-inf"))
@@ -129,8 +138,15 @@ class StrictFlash:
         causal: bool = False,
         window_size: tuple[int, int] = (-1, -1),
         softcap: float = 0.0,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> torch.Tensor:
         check_varlen_call(q, k, v, (cu_seqlens_q, cu_seqlens_k), (max_seqlen_q, max_seqlen_k))
+        if alibi_slopes is not None and (
+            alibi_slopes.dtype != torch.float32
+            or alibi_slopes.device != q.device
+            or tuple(alibi_slopes.shape) != (q.shape[1],)
+        ):
+            raise RuntimeError("alibi_slopes must be float32 (nheads,) on q's device")
         self.calls.append(
             {
                 "cu_q": cu_seqlens_q.clone(),
@@ -142,6 +158,7 @@ class StrictFlash:
                 "scale": softmax_scale,
                 "window_size": window_size,
                 "softcap": softcap,
+                "alibi_slopes": None if alibi_slopes is None else alibi_slopes.clone(),
             }
         )
         return reference(
@@ -153,6 +170,7 @@ class StrictFlash:
             window_size=window_size,
             scale=softmax_scale,
             softcap=softcap,
+            alibi_slopes=alibi_slopes,
         )
 
 
@@ -219,6 +237,7 @@ def pretend_cuda(
         *,
         bias: str | None = None,
         softcap: bool = False,
+        alibi: bool = False,
     ) -> AttentionFacts:
         return AttentionFacts(
             device_type="cuda",
@@ -226,10 +245,12 @@ def pretend_cuda(
             head_dim=head_dim,
             capability=capability,
             flash_attn_error=kernels.flash_error
-            or (attention.flash_softcap_error(kernels.flash) if softcap else None),
+            or (attention.flash_softcap_error(kernels.flash) if softcap else None)
+            or (attention.flash_alibi_error(kernels.flash) if alibi else None),
             torch_varlen_error=kernels.torch_varlen_error,
             bias=bias,
             softcap=softcap,
+            alibi=alibi,
         )
 
     # Where the engine (and inspect) choose the kernel from the facts.

@@ -34,6 +34,13 @@ take no such term, so those families declare it (:attr:`AttentionFacts.bias`) an
 on positions (:class:`PositionBias`) is built once per batch and bucket and reused by every
 layer.
 
+ALiBi (JinaBERT's symmetric linear biases, ``-slope * |i - j|`` per head) is the one bias
+flash-attn computes itself (its ``alibi_slopes``): the family passes an :class:`AlibiBias`,
+which carries the slopes for flash_attn and builds the same term as an SDPA float mask per
+length bucket. torch_varlen takes neither, so such a family declares it
+(:attr:`AttentionFacts.alibi`) and :func:`select_backend` passes over torch_varlen (and a
+flash-attn without ``alibi_slopes``), saying why.
+
 Sliding-window layers (Mistral, Qwen2/Qwen3 with ``use_sliding_window``) pass ``window``, the
 keys a query may see on each side, in flash-attn's ``window_size`` convention; the model maps
 its config onto it. The varlen kernels get it as ``window_size``; on the SDPA paths only blocks
@@ -169,6 +176,9 @@ class AttentionFacts:
     softcap: bool = False
     """The model soft-caps its attention logits (Gemma 2): only flash-attn with ``softcap``
     and the (eager) SDPA paths can."""
+    alibi: bool = False
+    """The model adds ALiBi position biases (JinaBERT): only flash-attn with
+    ``alibi_slopes`` and the SDPA paths (as a float mask) can."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,13 +195,20 @@ def probe(
     *,
     bias: str | None = None,
     softcap: bool = False,
+    alibi: bool = False,
 ) -> AttentionFacts:
     """The facts of this process's install and ``device``, for a model whose attention adds
-    ``bias`` to its logits (None: nothing) and soft-caps them (``softcap``). The varlen
-    kernels are looked for only on CUDA: elsewhere neither can run, whatever is installed."""
+    ``bias`` to its logits (None: nothing), soft-caps them (``softcap``) and adds ALiBi
+    position biases (``alibi``). The varlen kernels are looked for only on CUDA: elsewhere
+    neither can run, whatever is installed."""
     if device.type != "cuda":
         return AttentionFacts(
-            device_type=device.type, dtype=dtype, head_dim=head_dim, bias=bias, softcap=softcap
+            device_type=device.type,
+            dtype=dtype,
+            head_dim=head_dim,
+            bias=bias,
+            softcap=softcap,
+            alibi=alibi,
         )
     kernels = varlen_kernels()
     return AttentionFacts(
@@ -200,10 +217,12 @@ def probe(
         head_dim=head_dim,
         capability=torch.cuda.get_device_capability(device),
         flash_attn_error=kernels.flash_error
-        or (flash_softcap_error(kernels.flash) if softcap else None),
+        or (flash_softcap_error(kernels.flash) if softcap else None)
+        or (flash_alibi_error(kernels.flash) if alibi else None),
         torch_varlen_error=kernels.torch_varlen_error,
         bias=bias,
         softcap=softcap,
+        alibi=alibi,
     )
 
 
@@ -218,6 +237,22 @@ def flash_softcap_error(flash: VarlenFunc | None) -> str | None:
     if "softcap" in known:
         return None
     return "this flash-attn takes no softcap (2.6 and later do), which the model's attention needs"
+
+
+def flash_alibi_error(flash: VarlenFunc | None) -> str | None:
+    """Why this flash-attn cannot add ALiBi biases (None: it can, or is missing)."""
+    if flash is None:
+        return None
+    try:
+        known = set(inspect.signature(flash).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature: do not guess
+        known = set()
+    if "alibi_slopes" in known:
+        return None
+    return (
+        "this flash-attn takes no alibi_slopes (2.4 and later do), which the model's ALiBi "
+        "positions need"
+    )
 
 
 def _varlen_unfit(facts: AttentionFacts, install_error: str | None) -> str | None:
@@ -245,6 +280,8 @@ def unfit(backend: Backend, facts: AttentionFacts) -> str | None:
     if backend is Backend.TORCH_VARLEN:
         if facts.softcap:
             return "takes no logit soft-capping, and the model soft-caps its attention logits"
+        if facts.alibi:
+            return "takes no ALiBi slopes, and the model adds ALiBi position biases"
         return _varlen_unfit(facts, facts.torch_varlen_error)
     return None  # the SDPA paths run anywhere torch does
 
@@ -384,6 +421,32 @@ class PositionBias:
         return plan.memo((self, index), lambda: plan.mask_keys(index, self.table(q.shape[2])))
 
 
+@dataclass(frozen=True, eq=False)
+class AlibiBias:
+    """Symmetric ALiBi (Press et al.; JinaBERT's encoder form): ``-slopes[h] * |i - j|`` on
+    head ``h``'s logits for query ``i`` and key ``j``. ``slopes`` (float32, ``[heads]``, on
+    the model's device, this rank's heads) go to flash-attn as its ``alibi_slopes``, which
+    adds exactly that term when queries and keys have the same lengths; the SDPA paths get
+    it as a float mask, computed in float32 and cast to the model dtype (as the reference
+    implementations build their ALiBi tensor), once per batch and bucket, shared by every
+    layer."""
+
+    slopes: torch.Tensor
+
+    def table(self, length: int, dtype: torch.dtype) -> torch.Tensor:
+        """The bias of a sequence of ``length`` tokens, ``[heads, L, L]`` in ``dtype``."""
+        pos = torch.arange(length, device=self.slopes.device)
+        distance = (pos.unsqueeze(0) - pos.unsqueeze(1)).abs()
+        return (-self.slopes[:, None, None] * distance).to(dtype)
+
+    def __call__(
+        self, plan: AttentionPlan, index: int, q: torch.Tensor, k: torch.Tensor
+    ) -> torch.Tensor:
+        return plan.memo(
+            (self, index), lambda: plan.mask_keys(index, self.table(q.shape[2], q.dtype))
+        )
+
+
 def staged(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``host`` on ``device``. On CUDA the copy comes from pinned memory and is queued
     ``non_blocking`` on the current stream: the host does not wait for it, and whatever that
@@ -470,8 +533,10 @@ def varlen_attention(
     causal query sees ``window + 1`` keys, itself included. ``bias`` adds a term to each
     bucket's logits (bidirectional attention without a window only, on an SDPA plan: the
     families that pass one are encoders that :func:`select_backend` keeps off the varlen
-    kernels). ``softcap``: logits become ``softcap * tanh(logits / softcap)`` before the
-    mask and softmax (flash_attn's ``softcap``; eager on the SDPA plans; torch_varlen refuses).
+    kernels). An :class:`AlibiBias` is the exception: flash_attn adds it itself (its
+    ``alibi_slopes``), so it is served there too. ``softcap``: logits become ``softcap *
+    tanh(logits / softcap)`` before the mask and softmax (flash_attn's ``softcap``; eager on
+    the SDPA plans; torch_varlen refuses).
     """
     if window is not None and window < 0:
         raise ValueError(f"attention window must be >= 0, got {window}")
@@ -482,10 +547,15 @@ def varlen_attention(
     if bias is not None:
         if causal or window is not None:
             raise ValueError("an attention bias is supported on bidirectional attention only")
+        if isinstance(bias, AlibiBias) and plan.backend is Backend.FLASH_ATTN and softcap is None:
+            return _flash_attn(
+                q, k, v, cu_seqlens, max_seqlen, False, scale, None, alibi_slopes=bias.slopes
+            )
         if plan.backend in (Backend.FLASH_ATTN, Backend.TORCH_VARLEN):
             raise ValueError(
                 f"{plan.backend} takes no attention bias; the model's registry entry must "
-                "declare attention_bias so that an SDPA kernel is selected"
+                "declare attention_bias (ALiBi: attention_alibi) so that a kernel that "
+                "takes it is selected"
             )
         if softcap is not None:
             raise ValueError("an attention bias and logit soft-capping are not supported together")
@@ -512,6 +582,7 @@ def _flash_attn(
     scale: float | None,
     window: int | None,
     softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     kernels = varlen_kernels()
     if kernels.flash is None:
@@ -523,6 +594,8 @@ def _flash_attn(
         extra["window_size"] = (window, 0 if causal else window)
     if softcap is not None:
         extra["softcap"] = softcap
+    if alibi_slopes is not None:
+        extra["alibi_slopes"] = alibi_slopes
     return kernels.flash(
         q,
         k,

@@ -277,6 +277,7 @@ def choose_attention(
             loaded.head_dim,
             bias=loaded.attention_bias,
             softcap=loaded.attention_softcap,
+            alibi=loaded.attention_alibi,
         )
         return select_backend(settings.attention, facts)
     if settings.attention != "auto":

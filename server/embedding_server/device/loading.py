@@ -665,6 +665,9 @@ class LoadedModel:
     attention_softcap: bool = False
     """The body soft-caps its attention logits (``Architecture.attention_softcap``), which
     keeps it off torch_varlen (and a flash-attn without ``softcap``)."""
+    attention_alibi: bool = False
+    """The body adds ALiBi position biases (``Architecture.attention_alibi``), which keeps it
+    off torch_varlen (and a flash-attn without ``alibi_slopes``)."""
 
 
 def head_dim_of(config: Mapping[str, Any]) -> int:
@@ -881,7 +884,7 @@ def load_model(
         tokenizer=tokenizer,
         tokenizer_max_length=tokenizer_max,
         st=plan.st,
-        default_pooling=plan.arch.default_pooling,
+        default_pooling=plan.arch.pooling_of(config),
         dtype=compute_dtype,
         head_dim=head_dim_of(config),
         classifier=parts.classifier[0] if parts.classifier else None,
@@ -891,6 +894,7 @@ def load_model(
         custom_code=plan.custom_code,
         attention_bias=plan.arch.attention_bias,
         attention_softcap=plan.arch.softcaps(config),
+        attention_alibi=plan.arch.alibi(config),
     )
 
 
@@ -969,12 +973,13 @@ def load_shard(
     shard: Shard,
     task: str = "auto",
     trust_remote_code: bool = False,
-) -> tuple[EmbeddingModel, torch.dtype, int, str | None, bool]:
+) -> tuple[EmbeddingModel, torch.dtype, int, str | None, bool, bool]:
     """Only the body of ``model``, as tensor-parallel rank ``shard`` holds it: what a worker
     rank needs (no tokenizer, no pooling: those live on rank 0); with the dtype it runs in
     (resolved as :func:`load_model` resolves it), its attention head width and what its
-    attention adds to the logits (``Architecture.attention_bias``) and whether it soft-caps
-    them (``Architecture.attention_softcap``). The same refusals apply
+    attention adds to the logits (``Architecture.attention_bias``), whether it soft-caps
+    them (``Architecture.attention_softcap``) and whether it adds ALiBi biases
+    (``Architecture.attention_alibi``). The same refusals apply
     as on rank 0 (the heads are read and dropped, so the tensor guard counts them as rank 0
     does)."""
     with naming(model):
@@ -989,6 +994,7 @@ def load_shard(
         head_dim_of(plan.config),
         plan.arch.attention_bias,
         plan.arch.softcaps(plan.config),
+        plan.arch.alibi(plan.config),
     )
 
 

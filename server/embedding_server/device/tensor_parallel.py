@@ -473,7 +473,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     timeout = timedelta(seconds=settings.tensor_parallel_timeout)
     keys = _Keys(TCPStore("127.0.0.1", args.port, is_master=False, timeout=timeout), secret)
     try:
-        model, dtype, head_dim, bias, softcap = load_shard(
+        model, dtype, head_dim, bias, softcap, alibi = load_shard(
             settings.model,
             revision=settings.revision,
             cache_dir=settings.cache_dir,
@@ -484,7 +484,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
             trust_remote_code=settings.trust_remote_code,
         )
         # The same rule on the same facts as rank 0, so every rank runs the same kernel.
-        facts = probe(device, dtype, head_dim, bias=bias, softcap=softcap)
+        facts = probe(device, dtype, head_dim, bias=bias, softcap=softcap, alibi=alibi)
         attention = select_backend(settings.attention, facts).backend
     except Exception as error:
         logger.debug("rank %d failed to load", args.rank, exc_info=True)

@@ -210,12 +210,13 @@ def test_flash_names_are_what_jina_reranker_v2_ships(
     assert config["auto_map"]["AutoConfig"].endswith("XLMRobertaFlashConfig")
 
 
-def test_jina_embeddings_v2_alibi_positions_are_refused(
+def test_a_bert_checkpoint_under_an_alibi_config_is_refused(
     tiny_model: Callable[[str], Path], tmp_path: Path
 ) -> None:
-    """jina-embeddings-v2 is a ``bert`` config with ALiBi positions (and its own code): the
-    native BERT has none of that math, so it refuses, naming the position type, rather than
-    serve learned absolute positions it does not have."""
+    """An ALiBi ``bert`` config is jina-embeddings-v2's (JinaBERT, served natively:
+    test_jina_bert.py); plain BERT weights under it (a position table, an ungated MLP) are
+    not that model, so they are refused, naming the position type and the MLP it lacks,
+    rather than served with the positions dropped."""
     v2 = tmp_path / "jina-v2-shaped"
     shutil.copytree(tiny_model("bert"), v2)
     config = json.loads((v2 / "config.json").read_text())
@@ -224,8 +225,9 @@ def test_jina_embeddings_v2_alibi_positions_are_refused(
         "AutoModel": "jinaai/jina-bert-implementation--modeling_bert.JinaBertModel"
     }
     (v2 / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match="alibi"):
+    with pytest.raises(UnsupportedModelError, match="alibi") as error:
         Engine.from_pretrained(str(v2), dtype="float32")
+    assert "mlp.gated_layers" in str(error.value)
 
 
 def test_the_flash_config_class_with_rotary_positions_is_refused(

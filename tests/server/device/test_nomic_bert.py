@@ -379,12 +379,18 @@ _REFUSALS: list[tuple[dict[str, Any], str]] = [
     ({"prenorm": True}, "prenorm"),
     ({"rotary_emb_fraction": 0.5}, "rotary_emb_fraction=0.5"),
     ({"rotary_emb_interleaved": True}, "rotary_emb_interleaved"),
-    ({"moe_every_n_layers": 2, "num_experts": 8}, "--trust-remote-code"),
-    ({"num_experts": 8}, "mixture-of-experts"),
-    ({"qkv_proj_bias": True}, "qkv_proj_bias"),
+    ({"moe_every_n_layers": 2}, "without num_experts and moe_top_k"),
+    ({"num_experts": 8}, "without moe_every_n_layers"),
+    (
+        {"moe_every_n_layers": 2, "num_experts": 8, "moe_top_k": 2, "num_shared_experts": 1},
+        "shared experts",
+    ),
+    # Served where the checkpoint has them (test_nomic_moe.py); here the weights lack them.
+    ({"qkv_proj_bias": True}, "attn.Wqkv.bias"),
+    ({"mlp_fc1_bias": True}, "mlp_fc1_bias: true on the gated MLP"),
     ({"use_rms_norm": True}, "RMSNorm"),
     ({"rotary_emb_scale_base": 512}, "xPos"),
-    ({"activation_function": "gelu"}, "activation_function 'gelu'"),
+    ({"activation_function": "relu"}, "activation_function 'relu'"),
 ]
 
 
@@ -393,7 +399,7 @@ def test_what_is_not_served_exactly_is_refused(
     models: dict[str, Path], tmp_path: Path, config: dict[str, Any], named: str
 ) -> None:
     """Each config value we cannot serve exactly refuses the load, naming the model type and
-    the value; MoE (nomic-embed-text-v2-moe) points at the generic path."""
+    the value."""
     path = _hub_copy(models["plain"], tmp_path / "m", **config)
     with pytest.raises(UnsupportedModelError, match="nomic_bert") as err:
         Engine.from_pretrained(str(path), dtype="float32")
@@ -424,11 +430,19 @@ def test_a_stray_tensor_is_refused(models: dict[str, Path], tmp_path: Path) -> N
         Engine.from_pretrained(str(path), dtype="float32")
 
 
-def test_moe_is_refused_before_any_weight_is_read(models: dict[str, Path], tmp_path: Path) -> None:
-    """nomic-embed-text-v2-moe's config is refused from config.json alone: its weights are
-    never fetched (here: there are none), and the message says how to serve it."""
-    path = _hub_copy(models["plain"], tmp_path / "m", moe_every_n_layers=2, num_experts=8)
+def test_an_moe_we_cannot_serve_is_refused_before_any_weight_is_read(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Renormalized expert weights (not nomic-embed-text-v2-moe's routing) are refused from
+    config.json alone: the weights are never fetched (here: there are none)."""
+    path = _hub_copy(
+        models["plain"],
+        tmp_path / "m",
+        moe_every_n_layers=2,
+        num_experts=8,
+        moe_top_k=2,
+        moe_normalize_expert_weights=1.0,
+    )
     (path / "model.safetensors").unlink()
-    with pytest.raises(UnsupportedModelError, match="mixture-of-experts") as err:
+    with pytest.raises(UnsupportedModelError, match="moe_normalize_expert_weights"):
         Engine.from_pretrained(str(path), dtype="float32")
-    assert "--backend transformers --trust-remote-code" in str(err.value)

@@ -36,6 +36,7 @@ from . import (
     ernie,
     gemma2,
     gte,
+    jina_bert,
     modernbert,
     mpnet,
     nomic_bert,
@@ -90,6 +91,25 @@ class Architecture:
     only from 2.6): a capping model is served by flash_attn or an (eager) SDPA path, and the
     start-up log and ``/info`` say why torch_varlen was passed over."""
 
+    attention_alibi: Callable[[Mapping[str, Any]], bool] | None = None
+    """Whether a config's attention adds ALiBi position biases (JinaBERT's
+    ``position_embedding_type: alibi``). flash-attn takes them (``alibi_slopes``), the SDPA
+    kernels as a float mask, torch_varlen not at all: it is passed over, and the start-up log
+    and ``/info`` say why."""
+    declared_pooling: Callable[[Mapping[str, Any]], PoolingMethod | None] | None = None
+    """The pooling a config itself declares (JinaBERT's ``emb_pooler: mean``), which its
+    authors' own ``encode`` applies; it replaces :attr:`default_pooling` for such a config
+    (a sentence-transformers pooling config still wins over both)."""
+
+    def alibi(self, config: Mapping[str, Any]) -> bool:
+        """Whether a model of this config adds ALiBi biases to its attention logits."""
+        return self.attention_alibi is not None and self.attention_alibi(config)
+
+    def pooling_of(self, config: Mapping[str, Any]) -> PoolingMethod:
+        """The pooling a model of this config gets without a sentence-transformers config."""
+        declared = None if self.declared_pooling is None else self.declared_pooling(config)
+        return declared or self.default_pooling
+
     def softcaps(self, config: Mapping[str, Any]) -> bool:
         """Whether a model of this config soft-caps its attention logits."""
         return self.attention_softcap is not None and self.attention_softcap(config) is not None
@@ -131,6 +151,20 @@ LLAMA_BIDIREC = DecoderVariant(attention_bias=True, mlp_bias=True, bidirectional
 ARCHITECTURES: dict[str, Architecture] = {
     a.model_type: a
     for a in (
+        # ``bert`` also names JinaBERT (jina-embeddings-v2): ALiBi positions and a gated MLP,
+        # routed by its config's position_embedding_type (jina_bert.py), mean-pooled as its
+        # config's emb_pooler says.
+        Architecture(
+            "bert",
+            jina_bert.build,
+            "cls",
+            bert.classification_head,
+            bert.masked_lm_head,
+            ignored=bert.IGNORED,
+            check_config=jina_bert.check_config,
+            attention_alibi=jina_bert.uses_alibi,
+            declared_pooling=jina_bert.declared_pooling,
+        ),
         *(
             Architecture(
                 name,
@@ -141,7 +175,6 @@ ARCHITECTURES: dict[str, Architecture] = {
                 ignored=bert.IGNORED,
             )
             for name, variant in (
-                ("bert", bert.BERT),
                 ("roberta", bert.ROBERTA),
                 ("xlm-roberta", bert.XLM_ROBERTA),
             )
