@@ -221,6 +221,7 @@ def test_a_bert_checkpoint_under_an_alibi_config_is_refused(
     shutil.copytree(tiny_model("bert"), v2)
     config = json.loads((v2 / "config.json").read_text())
     config["position_embedding_type"] = "alibi"
+    config["feed_forward_type"] = "geglu"
     config["auto_map"] = {
         "AutoModel": "jinaai/jina-bert-implementation--modeling_bert.JinaBertModel"
     }
