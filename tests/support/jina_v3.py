@@ -74,9 +74,7 @@ def build_jina_v3(root: Path) -> tuple[Path, Path]:
         sep_token="</s>",
     )
     torch.manual_seed(29)
-    config = AutoConfig.for_model(
-        "jina_embeddings_v3", vocab_size=tok.get_vocab_size(), **_BODY
-    )
+    config = AutoConfig.for_model("jina_embeddings_v3", vocab_size=tok.get_vocab_size(), **_BODY)
     model = AutoModel.from_config(config)
     spread_weights(model)
     model.save_pretrained(str(native))

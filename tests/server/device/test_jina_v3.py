@@ -19,10 +19,10 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from embedding_server.device.distributed import Shard
 from embedding_server.device.loading import load_weights
 from embedding_server.device.models import PackedBatch, build_model, lookup
 from embedding_server.device.models.jina_v3 import JinaV3Model
-from embedding_server.device.distributed import Shard
 from embedding_server.engine import Engine
 from embedding_server.errors import InvalidRequestError, UnsupportedModelError
 from embedding_server.ipc.messages import decode_sequences, encode_sequences
@@ -82,7 +82,9 @@ def _packed_states(
 ) -> list[np.ndarray]:
     from embedding_server.device.attention import Backend
 
-    model = build_model(config_of(hub), dict(load_weights(hub)), dtype=dtype, device=torch.device("cpu"))
+    model = build_model(
+        config_of(hub), dict(load_weights(hub)), dtype=dtype, device=torch.device("cpu")
+    )
     assert isinstance(model, JinaV3Model) and list(model.adapters) == ADAPTERS
     backend = Backend(kernel) if kernel else Backend.SDPA_BUCKETED
     batch = PackedBatch.build(seqs, torch.device("cpu"), 0, attention=backend, adapters=plan)
@@ -198,7 +200,9 @@ def test_adapters_cross_the_process_boundary() -> None:
     assert plain[0].adapter is None
 
 
-def test_http_input_type_and_task_choose_the_adapter(dirs: tuple[Path, Path], engine: Engine) -> None:
+def test_http_input_type_and_task_choose_the_adapter(
+    dirs: tuple[Path, Path], engine: Engine
+) -> None:
     """Cohere's ``input_type`` maps onto jina's prompt and adapter names (search_query ->
     retrieval.query, search_document -> retrieval.passage, clustering -> separation); Jina's
     ``task`` field names one directly; an unknown ``task`` is a 400 naming it."""
@@ -236,7 +240,9 @@ def test_http_input_type_and_task_choose_the_adapter(dirs: tuple[Path, Path], en
         assert "retrieval.query" in bad.json()["error"]["message"]
 
 
-def test_default_prompt_name_sets_the_default_adapter(dirs: tuple[Path, Path], engine: Engine) -> None:
+def test_default_prompt_name_sets_the_default_adapter(
+    dirs: tuple[Path, Path], engine: Engine
+) -> None:
     """A request naming no adapter runs the one named like the server's default prompt."""
     served = Engine.from_pretrained(
         str(dirs[1]), dtype="float32", default_prompt_name="retrieval.passage"
@@ -261,7 +267,9 @@ def test_checkpoints_we_cannot_serve_exactly_are_refused(
     wrong_rank = rewrite_checkpoint(hub, tmp_path / "rank", config={"lora_rank": 8})
     with pytest.raises(UnsupportedModelError, match="lora_rank"):
         Engine.from_pretrained(str(wrong_rank), dtype="float32")
-    interleaved = rewrite_checkpoint(hub, tmp_path / "gptj", config={"rotary_emb_interleaved": True})
+    interleaved = rewrite_checkpoint(
+        hub, tmp_path / "gptj", config={"rotary_emb_interleaved": True}
+    )
     with pytest.raises(UnsupportedModelError, match="rotary_emb_interleaved"):
         Engine.from_pretrained(str(interleaved), dtype="float32")
     config, weights = config_of(hub), dict(load_weights(hub))
