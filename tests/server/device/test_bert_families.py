@@ -241,7 +241,7 @@ def test_the_flash_config_class_with_rotary_positions_is_not_served_as_xlm_r(
     config = json.loads((v3 / "config.json").read_text())
     config["position_embedding_type"] = "rotary"
     (v3 / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match="jina_embeddings_v3.*position_embeddings"):
+    with pytest.raises(UnsupportedModelError, match=r"jina_embeddings_v3.*position_embeddings"):
         Engine.from_pretrained(str(v3), dtype="float32")
 
 

@@ -272,8 +272,27 @@ def test_checkpoints_we_cannot_serve_exactly_are_refused(
     )
     with pytest.raises(UnsupportedModelError, match="rotary_emb_interleaved"):
         Engine.from_pretrained(str(interleaved), dtype="float32")
-    config, weights = config_of(hub), dict(load_weights(hub))
-    with pytest.raises(UnsupportedModelError, match="tensor_parallel_size 1"):
-        build_model(
+
+
+def test_two_ranks_give_the_vectors_of_one(dirs: tuple[Path, Path], engine: Engine) -> None:
+    """Heads and MLP columns split over two ranks, each adapter's factors with its weight;
+    every token's adapter crosses to the other rank with the batch plan. One batch mixing
+    adapters gives one rank's vectors."""
+    ids = [engine.tokenize(t)[0] for t in TEXTS]
+    plan = [0, None, 4]
+    seqs = [SequenceInput(i, adapter=a) for i, a in zip(ids, plan, strict=True)]
+    expected = engine._runner.run(seqs).pooled
+    with Engine.from_pretrained(str(dirs[1]), dtype="float32", tensor_parallel_size=2) as parallel:
+        assert parallel.info().adapters == ADAPTERS
+        assert_rows_close(list(parallel._runner.run(seqs).pooled), list(expected), F32_COSINE)
+        got = parallel.embed(TEXTS, adapter="retrieval.passage")
+        want = engine.embed(TEXTS, adapter="retrieval.passage")
+        assert_rows_close(list(got), list(want), min_cosine=F32_COSINE)
+        # The split itself: rank 0 holds half the heads and half of each adapter's B rows.
+        weights, config = dict(load_weights(dirs[1])), config_of(dirs[1])
+        half = build_model(
             config, weights, dtype=torch.float32, device=torch.device("cpu"), shard=Shard(0, 2)
         )
+        assert isinstance(half, JinaV3Model) and half.split.heads == 2
+        lora = half.layers[0].qkv_lora
+        assert lora is not None and lora.up.shape == (len(ADAPTERS) * 4, 3 * 16)

@@ -33,7 +33,12 @@ tokens (``n*r`` = 20 columns against a 1024-wide body: a few percent of the laye
 the batch is never split by adapter. Embeddings gather the rows of ``A`` by token id instead
 of multiplying.
 
-Tensor parallelism is refused: the ranks' batch broadcast does not carry the adapter ids.
+Tensor parallelism splits heads and MLP columns as for XLM-R. The adapters follow their
+weight: a column-parallel projection (q/k/v, fc1) keeps its rows of ``B`` and all of ``A``; a
+row-parallel one (out_proj, fc2) its columns of ``A`` and all of ``B``, its partial low-rank
+product summed over the ranks with the partial base product (the masked GEMM is linear, so
+the sum is the whole). The embeddings' factors are small (``vocab x n*r``) and replicated.
+The adapter of every token crosses to the other ranks with the batch plan.
 """
 
 from __future__ import annotations
@@ -48,9 +53,10 @@ import torch.nn.functional as F
 
 from embedding_server.errors import UnsupportedModelError
 
+from ..distributed import Shard
 from .base import Checkpoint, Ignored, PackedBatch, WeightReader
 from .bert import FLASH_NAMES, LEGACY_NAMES, renames
-from .layers import RotaryTable, activation, apply_rotary, rope_inv_freq
+from .layers import HeadSplit, RotaryTable, activation, apply_rotary, rope_inv_freq, row_linear
 
 HUB_MODEL_TYPE = "xlm-roberta"
 NATIVE_MODEL_TYPE = "jina_embeddings_v3"
@@ -197,10 +203,28 @@ def _linear(
     lora: LoraStack | None,
     mask: torch.Tensor | None,
 ) -> torch.Tensor:
+    """A column-parallel (or whole) projection with its adapters."""
     out = F.linear(x, weight, bias)
     if lora is not None and mask is not None:
         out = out + lora(x, mask)
     return out
+
+
+def _row_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    lora: LoraStack | None,
+    mask: torch.Tensor | None,
+    shard: Shard,
+) -> torch.Tensor:
+    """A row-parallel projection with its adapters: this rank's partial base and low-rank
+    products, summed over the ranks, then the bias once."""
+    if lora is None or mask is None:
+        return row_linear(x, weight, bias, shard)
+    if not shard.parallel:
+        return F.linear(x, weight, bias) + lora(x, mask)
+    return shard.all_reduce(F.linear(x, weight) + lora(x, mask)) + bias
 
 
 def rotary_frequencies(config: Mapping[str, Any], head_dim: int) -> torch.Tensor:
@@ -232,12 +256,6 @@ class JinaV3Model:
         config, dtype, device = checkpoint.config, checkpoint.dtype, checkpoint.device
         model_type = str(config.get("model_type", NATIVE_MODEL_TYPE))
         check_config(config)
-        if checkpoint.shard.parallel:
-            raise UnsupportedModelError(
-                f"tensor_parallel_size {checkpoint.shard.size}: tensor parallelism is not "
-                "implemented for jina-embeddings-v3 (the ranks' batch broadcast does not carry "
-                "each sequence's task adapter); serve it with tensor_parallel_size 1"
-            )
         self._act = activation(config, model_type, "hidden_act", default="gelu")
         self.hidden_size = int(config["hidden_size"])
         self.num_heads = int(config["num_attention_heads"])
@@ -250,6 +268,15 @@ class JinaV3Model:
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.eps = float(config.get("layer_norm_eps", 1e-5))
         self.max_positions = int(config.get("max_position_embeddings", 8194))
+        self.shard = checkpoint.shard
+        self.split = split = HeadSplit.of(
+            checkpoint.shard,
+            model_type,
+            heads=self.num_heads,
+            kv_heads=self.num_heads,
+            head_dim=self.head_dim,
+            intermediate=int(config["intermediate_size"]),
+        )
         self.rotary = RotaryTable(
             rotary_frequencies(config, self.head_dim), dtype=dtype, device=device
         )
@@ -277,22 +304,22 @@ class JinaV3Model:
             up, down = p + "intermediate.dense.", p + "output.dense."
             self.layers.append(
                 _Layer(
-                    qkv_w=get(qkv + "weight"),
-                    qkv_b=get(qkv + "bias"),
-                    out_w=get(out + "weight"),
+                    qkv_w=w.rows(qkv + "weight", split.q, blocks=3),
+                    qkv_b=w.rows(qkv + "bias", split.q, blocks=3),
+                    out_w=w.columns(out + "weight", split.q),
                     out_b=get(out + "bias"),
                     ln1_w=get(p + "attention.output.LayerNorm.weight"),
                     ln1_b=get(p + "attention.output.LayerNorm.bias"),
-                    up_w=get(up + "weight"),
-                    up_b=get(up + "bias"),
-                    down_w=get(down + "weight"),
+                    up_w=w.rows(up + "weight", split.mlp),
+                    up_b=w.rows(up + "bias", split.mlp),
+                    down_w=w.columns(down + "weight", split.mlp),
                     down_b=get(down + "bias"),
                     ln2_w=get(p + "output.LayerNorm.weight"),
                     ln2_b=get(p + "output.LayerNorm.bias"),
-                    qkv_lora=self._linear_lora(w, qkv),
-                    out_lora=self._linear_lora(w, out),
-                    up_lora=self._linear_lora(w, up),
-                    down_lora=self._linear_lora(w, down),
+                    qkv_lora=self._linear_lora(w, qkv, rows=split.q, blocks=3),
+                    out_lora=self._linear_lora(w, out, columns=split.q),
+                    up_lora=self._linear_lora(w, up, rows=split.mlp),
+                    down_lora=self._linear_lora(w, down, columns=split.mlp),
                 )
             )
 
@@ -326,13 +353,28 @@ class JinaV3Model:
                 f"config.json says {n} adapters (lora_adaptations) of rank {r} (lora_rank)"
             )
 
-    def _linear_lora(self, w: WeightReader, prefix: str) -> LoraStack | None:
+    def _linear_lora(
+        self,
+        w: WeightReader,
+        prefix: str,
+        *,
+        rows: slice | None = None,
+        blocks: int = 1,
+        columns: slice | None = None,
+    ) -> LoraStack | None:
+        """One Linear's adapters, this rank's share: ``rows`` of ``B`` (of each of
+        ``blocks`` fused parts) for a column-parallel weight, ``columns`` of ``A`` for a
+        row-parallel one."""
         if not self.adapters:
             return None
         a, b = w.get(prefix + "lora_A"), w.get(prefix + "lora_B")  # [n, r, in], [n, out, r]
         self._check_factors(prefix, a, b, rank_dim=1)
+        if rows is not None:
+            b = torch.cat([part[:, rows] for part in b.chunk(blocks, dim=1)], dim=1)
+        if columns is not None:
+            a = a[:, :, columns]
         up = b.float().transpose(1, 2).reshape(-1, b.shape[1]) * self._scaling
-        return LoraStack(down=a.reshape(-1, a.shape[2]), up=up.to(b.dtype))
+        return LoraStack(down=a.reshape(-1, a.shape[2]).contiguous(), up=up.to(b.dtype))
 
     def _embedding_lora(self, w: WeightReader, prefix: str) -> EmbeddingLora | None:
         if not self.adapters:
@@ -370,7 +412,7 @@ class JinaV3Model:
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         t = batch.input_ids.shape[0]
-        h, heads, d = self.hidden_size, self.num_heads, self.head_dim
+        h, heads, d, shard = self.hidden_size, self.split.heads, self.head_dim, self.shard
         mask = self.adapter_mask(batch)
         rope = self.rotary.lookup(batch.position_ids, batch.max_seqlen)
         x = self.embed(batch, mask)
@@ -379,9 +421,11 @@ class JinaV3Model:
             q, k, v = qkv.view(t, 3, heads, d).unbind(1)
             q, k = apply_rotary(q, rope), apply_rotary(k, rope)
             attn = batch.attention(q, k, v, causal=False, scale=self.scale)
-            a = _linear(attn.reshape(t, h), layer.out_w, layer.out_b, layer.out_lora, mask)
+            a = _row_linear(
+                attn.reshape(t, heads * d), layer.out_w, layer.out_b, layer.out_lora, mask, shard
+            )
             x = F.layer_norm(a + x, (h,), layer.ln1_w, layer.ln1_b, self.eps)
             up = self._act(_linear(x, layer.up_w, layer.up_b, layer.up_lora, mask))
-            m = _linear(up, layer.down_w, layer.down_b, layer.down_lora, mask)
+            m = _row_linear(up, layer.down_w, layer.down_b, layer.down_lora, mask, shard)
             x = F.layer_norm(m + x, (h,), layer.ln2_w, layer.ln2_b, self.eps)
         return x
