@@ -296,3 +296,16 @@ def test_two_ranks_give_the_vectors_of_one(dirs: tuple[Path, Path], engine: Engi
         assert isinstance(half, JinaV3Model) and half.split.heads == 2
         lora = half.layers[0].qkv_lora
         assert lora is not None and lora.up.shape == (len(ADAPTERS) * 4, 3 * 16)
+
+
+def test_inspect_lists_the_task_adapters(
+    dirs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``embedding-server inspect`` (from weight shapes only) names the adapters a request
+    can choose."""
+    from embedding_server.cli import main
+
+    assert main(["inspect", "--model", str(dirs[1])]) == 0
+    out = capsys.readouterr().out
+    assert "task adapters     " + ", ".join(ADAPTERS) in out
+    assert "pooling           mean" in out

@@ -78,7 +78,7 @@ _WEIGHT = r"(?:weight|parametrizations\.weight\.(?:original|0\.lora_[AB]))"
 IGNORED = (
     Ignored(
         _PREFIX + r"pooler\.dense\.(?:bias|" + _WEIGHT + ")",
-        "the BERT-style pooler (dense + tanh over the first token, with its LoRA factors): "
+        "the BERT-style pooler (dense + tanh over the first token; its LoRA factors too): "
         "jina-embeddings-v3 mean-pools the final hidden states",
     ),
     Ignored(
