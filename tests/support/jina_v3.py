@@ -114,6 +114,7 @@ def build_jina_v3(root: Path) -> tuple[Path, Path]:
         "lora_dropout_p": 0.0,
         "task_instructions": INSTRUCTIONS,
         "emb_pooler": None,
+        "matryoshka_dimensions": [8, 16, 32],
         "use_flash_attn": True,
     }
     hub = rewrite_checkpoint(native, root / "hub", rename=rename, add=factors, config=hub_config)

@@ -161,6 +161,11 @@ def test_offline_api_chooses_the_adapter(dirs: tuple[Path, Path], engine: Engine
             np.testing.assert_allclose(by_prompt, got, atol=1e-6)
     query, passage = engine.embed(TEXTS, adapter="retrieval.query"), engine.embed(TEXTS)
     assert np.abs(query - passage).max() > 0.05
+    # Matryoshka sizes from config.json: the first 16 dimensions, renormalized.
+    assert info.matryoshka and info.matryoshka_dimensions == [8, 16, 32]
+    short = engine.embed(TEXTS, adapter="retrieval.query", dimensions=16)
+    head = query[:, :16] / np.linalg.norm(query[:, :16], axis=1, keepdims=True)
+    np.testing.assert_allclose(short, head, atol=1e-6)
 
 
 def test_one_batch_runs_each_sequence_with_its_own_adapter(
