@@ -272,6 +272,9 @@ def test_checkpoints_we_cannot_serve_exactly_are_refused(
     wrong_rank = rewrite_checkpoint(hub, tmp_path / "rank", config={"lora_rank": 8})
     with pytest.raises(UnsupportedModelError, match="lora_rank"):
         Engine.from_pretrained(str(wrong_rank), dtype="float32")
+    fewer = rewrite_checkpoint(hub, tmp_path / "fewer", config={"lora_adaptations": ADAPTERS[:3]})
+    with pytest.raises(UnsupportedModelError, match="3 adapters"):
+        Engine.from_pretrained(str(fewer), dtype="float32")
     interleaved = rewrite_checkpoint(
         hub, tmp_path / "gptj", config={"rotary_emb_interleaved": True}
     )

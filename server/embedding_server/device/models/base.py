@@ -340,6 +340,17 @@ class WeightReader:
     def __contains__(self, name: str) -> bool:
         return name in self._names
 
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        """The whole shape of ``name`` (every rank's share), without reading it where the
+        checkpoint can tell."""
+        if name not in self._names:
+            self._take(name)  # the error naming the missing weight
+        source = self._names[name]
+        reader = getattr(self._weights, "shape_of", None)
+        if reader is not None:
+            return tuple(reader(source))
+        return tuple(self._weights[source].shape)
+
     def rename(self, rename: Callable[[str], str]) -> None:
         """Map legacy names onto the current ones before reading."""
         self._names = {rename(name): source for name, source in self._names.items()}

@@ -286,18 +286,22 @@ class JinaV3Model:
         self.adapters = self._read_adapter_config(config, w, model_type)
         """The task adapters' names; index ``i`` is ``PackedBatch.adapter_ids`` value ``i``."""
         get = w.get
+        vocab = w.shape_of("embeddings.word_embeddings.weight")  # every rank's rows
         self.word_emb = w.embedding("embeddings.word_embeddings.weight")
-        self.word_lora = self._embedding_lora(w, "embeddings.word_embeddings.")
+        self.word_lora = self._embedding_lora(w, "embeddings.word_embeddings.", vocab)
         self.type_emb: torch.Tensor | None = None
         self.type_lora: EmbeddingLora | None = None
         if "embeddings.token_type_embeddings.weight" in w:
             self.type_emb = get("embeddings.token_type_embeddings.weight")
-            self.type_lora = self._embedding_lora(w, "embeddings.token_type_embeddings.")
+            self.type_lora = self._embedding_lora(
+                w, "embeddings.token_type_embeddings.", tuple(self.type_emb.shape)
+            )
         self.emb_ln_w = get("embeddings.LayerNorm.weight")
         self.emb_ln_b = get("embeddings.LayerNorm.bias")
         rank = self._rank if self.adapters else 0
         self._slots = torch.arange(len(self.adapters), device=device).repeat_interleave(rank)
         self.layers: list[_Layer] = []
+        h, inter = self.hidden_size, int(config["intermediate_size"])
         for i in range(int(config["num_hidden_layers"])):
             p = f"encoder.layer.{i}."
             qkv, out = p + "attention.self.qkv.", p + "attention.output.dense."
@@ -316,10 +320,10 @@ class JinaV3Model:
                     down_b=get(down + "bias"),
                     ln2_w=get(p + "output.LayerNorm.weight"),
                     ln2_b=get(p + "output.LayerNorm.bias"),
-                    qkv_lora=self._linear_lora(w, qkv, rows=split.q, blocks=3),
-                    out_lora=self._linear_lora(w, out, columns=split.q),
-                    up_lora=self._linear_lora(w, up, rows=split.mlp),
-                    down_lora=self._linear_lora(w, down, columns=split.mlp),
+                    qkv_lora=self._linear_lora(w, qkv, (3 * h, h), rows=split.q, blocks=3),
+                    out_lora=self._linear_lora(w, out, (h, h), columns=split.q),
+                    up_lora=self._linear_lora(w, up, (inter, h), rows=split.mlp),
+                    down_lora=self._linear_lora(w, down, (h, inter), columns=split.mlp),
                 )
             )
 
@@ -345,30 +349,36 @@ class JinaV3Model:
         self._scaling = float(config.get("lora_alpha", 1)) / self._rank
         return names
 
-    def _check_factors(self, name: str, a: torch.Tensor, b: torch.Tensor, rank_dim: int) -> None:
-        n, r = len(self.adapters), self._rank
-        if a.shape[0] != n or b.shape[0] != n or a.shape[rank_dim] != r:
+    def _check_factors(
+        self, name: str, a: torch.Tensor, b: torch.Tensor, expected: tuple[tuple[int, ...], ...]
+    ) -> None:
+        """Refuse factors whose shapes are not ``expected`` (``A``'s, then ``B``'s): the
+        adapter count and rank config.json names, the weight's own sizes."""
+        if (tuple(a.shape), tuple(b.shape)) != expected:
             raise UnsupportedModelError(
-                f"{name} LoRA factors have shapes {tuple(a.shape)} and {tuple(b.shape)}; "
-                f"config.json says {n} adapters (lora_adaptations) of rank {r} (lora_rank)"
+                f"{name} LoRA factors have shapes {tuple(a.shape)} and {tuple(b.shape)}, not "
+                f"{expected[0]} and {expected[1]}: config.json says {len(self.adapters)} "
+                f"adapters (lora_adaptations) of rank {self._rank} (lora_rank) on the weight"
             )
 
     def _linear_lora(
         self,
         w: WeightReader,
         prefix: str,
+        shape: tuple[int, ...],
         *,
         rows: slice | None = None,
         blocks: int = 1,
         columns: slice | None = None,
     ) -> LoraStack | None:
-        """One Linear's adapters, this rank's share: ``rows`` of ``B`` (of each of
-        ``blocks`` fused parts) for a column-parallel weight, ``columns`` of ``A`` for a
-        row-parallel one."""
+        """One Linear's adapters (its whole weight ``[out, in]`` is ``shape``), this rank's
+        share: ``rows`` of ``B`` (of each of ``blocks`` fused parts) for a column-parallel
+        weight, ``columns`` of ``A`` for a row-parallel one."""
         if not self.adapters:
             return None
         a, b = w.get(prefix + "lora_A"), w.get(prefix + "lora_B")  # [n, r, in], [n, out, r]
-        self._check_factors(prefix, a, b, rank_dim=1)
+        n, r, fan_out, fan_in = len(self.adapters), self._rank, shape[0], shape[1]
+        self._check_factors(prefix, a, b, ((n, r, fan_in), (n, fan_out, r)))
         if rows is not None:
             b = torch.cat([part[:, rows] for part in b.chunk(blocks, dim=1)], dim=1)
         if columns is not None:
@@ -376,11 +386,15 @@ class JinaV3Model:
         up = b.float().transpose(1, 2).reshape(-1, b.shape[1]) * self._scaling
         return LoraStack(down=a.reshape(-1, a.shape[2]).contiguous(), up=up.to(b.dtype))
 
-    def _embedding_lora(self, w: WeightReader, prefix: str) -> EmbeddingLora | None:
+    def _embedding_lora(
+        self, w: WeightReader, prefix: str, shape: tuple[int, ...]
+    ) -> EmbeddingLora | None:
+        """One Embedding's adapters (its table ``[rows, dim]`` is ``shape``), replicated."""
         if not self.adapters:
             return None
         a, b = w.get(prefix + "lora_A"), w.get(prefix + "lora_B")  # [n, vocab, r], [n, r, dim]
-        self._check_factors(prefix, a, b, rank_dim=2)
+        n, r, rows, dim = len(self.adapters), self._rank, shape[0], shape[1]
+        self._check_factors(prefix, a, b, ((n, rows, r), (n, r, dim)))
         down = a.transpose(0, 1).reshape(a.shape[1], -1).contiguous()
         up = b.float().reshape(-1, b.shape[2]) * self._scaling
         return EmbeddingLora(down=down, up=up.to(b.dtype))
