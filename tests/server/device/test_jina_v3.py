@@ -317,3 +317,27 @@ def test_inspect_lists_the_task_adapters(
     out = capsys.readouterr().out
     assert "task adapters     " + ", ".join(ADAPTERS) in out
     assert "pooling           mean" in out
+
+
+async def test_scheduled_requests_with_different_adapters_share_batches(
+    dirs: tuple[Path, Path], engine: Engine
+) -> None:
+    """Online, concurrent requests naming different adapters (and none) are batched
+    together; each gets its own adapter's vectors, whatever it was batched with."""
+    import asyncio
+
+    plan: list[str | None] = ["retrieval.query", None, "separation", "text-matching"] * 2
+    expected = {a: engine.embed(TEXTS, adapter=a) for a in set(plan)}
+    online = Engine.from_pretrained(str(dirs[1]), dtype="float32")
+    await online.start()
+    try:
+        before = online.scheduler.batches_run
+        results = await asyncio.gather(*(online.aembed(TEXTS, adapter=a) for a in plan))
+        ran = online.scheduler.batches_run - before
+    finally:
+        await online.stop()
+    for adapter, result in zip(plan, results, strict=True):
+        np.testing.assert_allclose(result.embeddings, expected[adapter], atol=1e-5)
+    # Queued in one loop tick, they share batches (here: all eight in one) rather than
+    # running one batch per adapter or per request.
+    assert ran < len(set(plan)), ran
