@@ -283,6 +283,10 @@ def format_inspection(inspection: Inspection) -> str:
     rows += [
         ("attention", ("causal" if inspection.causal else "bidirectional") + f"; {attention}"),
         ("prompts", prompts),
+    ]
+    if info.adapters:  # jina-embeddings-v3: chosen per request (task, input_type, prompt_name)
+        rows.append(("task adapters", ", ".join(info.adapters)))
+    rows += [
         ("max input tokens", str(info.max_input_tokens)),
         ("dtype", info.dtype),
     ]

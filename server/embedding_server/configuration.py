@@ -74,6 +74,8 @@ class EngineInfo:
     None when every layer sees the whole input."""
     prompts: dict[str, str]
     default_prompt_name: str | None
+    adapters: list[str]
+    """The task LoRA adapters a request may choose (jina-embeddings-v3); empty for none."""
     matryoshka: bool
     matryoshka_dimensions: list[int] | None
     """Allowed truncation sizes; None with ``matryoshka`` true means any size up to full."""

@@ -61,6 +61,11 @@ class ScoreOptions(TypedDict, total=False):
     """One of the model's sentence-transformers prompts (default: the configured one)."""
     truncate: TruncationArg
     """True / "right" / "left" / a Truncation; False or None refuses over-long input."""
+    adapter: str | None
+    """One of the model's task LoRA adapters by name (jina-embeddings-v3's
+    ``lora_adaptations``: retrieval.query, retrieval.passage, separation, classification,
+    text-matching), with its prompt when the model has one of that name and the request
+    gives none. Default: the adapter named like the prompt, else none (the base weights)."""
 
 
 class TokenOptions(ScoreOptions, total=False):
@@ -111,6 +116,8 @@ class Job:
     suffix: str | None = None
     """A yes/no reranker's prompt suffix, tokenized after each of ``items`` (without special
     tokens) and never truncated (:meth:`TextTokenizer.encode_suffixed`)."""
+    adapter: int | None = None
+    """The task adapter every sequence of the job runs (:meth:`Prompts.adapter`)."""
 
     @classmethod
     def for_pairs(
@@ -123,10 +130,11 @@ class Job:
         reranker's ``template``, each pair becomes one text of its prompt, and ``prompt``
         replaces the template's instruction."""
         truncation = Truncation.coerce(options.get("truncate", True))
-        if options.get("prompt_name") is not None:
-            raise InvalidRequestError(
-                "prompt_name does not apply to a cross-encoder's text pairs", param="prompt_name"
-            )
+        for name in ("prompt_name", "adapter"):
+            if options.get(name) is not None:
+                raise InvalidRequestError(
+                    f"{name} does not apply to a cross-encoder's text pairs", param=name
+                )
         instruction = options.get("prompt")
         if template is not None:
             texts: list[TextInput] = [template.text(q, d, instruction) for q, d in pairs]
@@ -148,10 +156,25 @@ class Job:
         want_tokens: bool = False,
         max_token_rows: int | None = None,
     ) -> Job:
-        """Resolve a request's prompt and truncation once, after its inputs were checked."""
-        prompt = prompts.resolve(options.get("prompt"), options.get("prompt_name"))
+        """Resolve a request's prompt, task adapter and truncation once, after its inputs
+        were checked. A named adapter brings its prompt (jina's ``encode(task=...)`` prepends
+        the task's instruction) unless the request gives one."""
+        adapter, raw = options.get("adapter"), options.get("prompt")
+        prompt_name = options.get("prompt_name")
+        if adapter is not None and prompt_name is None and raw is None and adapter in prompts.table:
+            prompt_name = adapter
+        prompt = prompts.resolve(raw, prompt_name)
+        index = prompts.adapter(adapter, prompt_name)
         truncation = Truncation.coerce(options.get("truncate", True))
-        return cls(items, prompt, truncation, add_special_tokens, want_tokens, max_token_rows)
+        return cls(
+            items,
+            prompt,
+            truncation,
+            add_special_tokens,
+            want_tokens,
+            max_token_rows,
+            adapter=index,
+        )
 
     def admission(self, tokenizer: TextTokenizer) -> AdmissionEstimate:
         """What the job will hold, from its inputs' sizes
@@ -219,7 +242,8 @@ class Job:
 
     def sequences(self, tokenized: Sequence[TokenizedInput]) -> list[SequenceInput]:
         return [
-            SequenceInput(t.ids, t.prompt_length, self.want_tokens, t.type_ids) for t in tokenized
+            SequenceInput(t.ids, t.prompt_length, self.want_tokens, t.type_ids, self.adapter)
+            for t in tokenized
         ]
 
 

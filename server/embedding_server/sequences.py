@@ -25,6 +25,9 @@ class SequenceInput:
     """Also return the per-token hidden states (``embed_tokens``)."""
     type_ids: Sequence[int] | None = None
     """Segment ids of a sentence pair (cross-encoders); None for all zeros."""
+    adapter: int | None = None
+    """Index of the task adapter the sequence runs (jina-embeddings-v3's task LoRA, in the
+    model's ``lora_adaptations`` order); None for the base weights."""
 
 
 @dataclass(frozen=True, slots=True)

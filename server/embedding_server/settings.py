@@ -172,7 +172,8 @@ class EngineSettings(BaseSettings):
         None,
         description="Prompt (from the model's "
         "sentence-transformers config) applied when a "
-        "request names none.",
+        "request names none; on a model with task adapters (jina-embeddings-v3), the "
+        "adapter of that name runs too.",
     )
 
     @field_validator("matryoshka_dimensions", mode="before")

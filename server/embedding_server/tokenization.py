@@ -164,10 +164,15 @@ def parse_side(value: str, param: str) -> TruncationSide:
 
 @dataclass(frozen=True)
 class Prompts:
-    """The model's named prompts and the one applied when a request names none."""
+    """The model's named prompts and the one applied when a request names none, and its task
+    adapters, which share the prompts' names (jina-embeddings-v3: the ``retrieval.query``
+    adapter is trained with the ``retrieval.query`` prompt)."""
 
     table: Mapping[str, str]
     default_name: str | None = None
+    adapters: tuple[str, ...] = ()
+    """The model's task LoRA adapters in index order (``lora_adaptations``); empty for a
+    model without any."""
 
     def resolve(self, prompt: str | None, prompt_name: str | None) -> str | None:
         """The prompt text for a request: an explicit ``prompt``, else the named one (or the
@@ -190,6 +195,21 @@ class Prompts:
                 param="prompt_name",
             )
         return self.table[name]
+
+    def adapter(self, adapter: str | None, prompt_name: str | None) -> int | None:
+        """The index of the task adapter a request runs: the one it names (``adapter``),
+        else the one named like its prompt (``prompt_name``, or the default prompt), else
+        None (the base weights). An adapter the model lacks is a 400."""
+        if adapter is not None:
+            if adapter not in self.adapters:
+                available = ", ".join(self.adapters) or "none (it has no task adapters)"
+                raise InvalidRequestError(
+                    f"unknown task adapter {adapter!r}; this model's adapters: {available}",
+                    param="adapter",
+                )
+            return self.adapters.index(adapter)
+        name = prompt_name if prompt_name is not None else self.default_name
+        return self.adapters.index(name) if name in self.adapters else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,25 +10,29 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from embedding_server.errors import InvalidRequestError
 from embedding_server.serving import ServingEngine
 
 INPUT_TYPE_PROMPTS: Mapping[str, tuple[str, ...]] = {
     "search_query": ("search_query", "query", "retrieval.query"),
-    "query": ("query", "search_query"),
+    "query": ("query", "search_query", "retrieval.query"),
     "search_document": ("search_document", "document", "passage", "retrieval.passage"),
-    "document": ("document", "passage", "search_document"),
-    "passage": ("passage", "document", "search_document"),
+    "document": ("document", "passage", "search_document", "retrieval.passage"),
+    "passage": ("passage", "document", "search_document", "retrieval.passage"),
     "classification": ("classification",),
-    "clustering": ("clustering",),
+    "clustering": ("clustering", "separation"),
 }
-"""Prompt names tried, in order, for each input_type."""
+"""Prompt names tried, in order, for each input_type. jina-embeddings-v3's names come last
+(``retrieval.query``, ``retrieval.passage``, ``classification``, ``separation``): there the
+prompt name also chooses the task adapter of that name (:meth:`Prompts.adapter`)."""
 
 
 def prompt_name_for(
     engine: ServingEngine, prompt_name: str | None, input_type: str | None
 ) -> str | None:
     """The prompt to apply: an explicit ``prompt_name`` wins, else the model's prompt that
-    matches ``input_type``, else none (the engine's default prompt, if configured)."""
+    matches ``input_type``, else none (the engine's default prompt, if configured). On a
+    model with task adapters the prompt's name picks the adapter too."""
     if prompt_name is not None or input_type is None:
         return prompt_name
     prompts = engine.info().prompts
@@ -36,3 +40,14 @@ def prompt_name_for(
         if candidate in prompts:
             return candidate
     return None
+
+
+def check_task_adapter(engine: ServingEngine, task: str | None) -> None:
+    """A 400 naming the ``task`` field when it names an adapter the model lacks (the engine
+    would refuse it too, naming its own ``adapter`` option)."""
+    adapters = engine.info().adapters
+    if task is not None and task not in adapters:
+        available = ", ".join(adapters) or "none (it has no task adapters)"
+        raise InvalidRequestError(
+            f"unknown task {task!r}; this model's task adapters: {available}", param="task"
+        )

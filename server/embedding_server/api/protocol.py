@@ -330,7 +330,15 @@ class EmbeddingRequest(ApiRequest, _TruncationOptions, _EncodingOptions):
     )
     input_type: InputType | None = Field(
         None,
-        description="Cohere-style task hint; selects the model's matching prompt when it has one.",
+        description="Cohere-style task hint; selects the model's matching prompt when it has "
+        "one (and, on jina-embeddings-v3, the task adapter of that prompt's name).",
+    )
+    task: str | None = Field(
+        None,
+        description="Jina-style task adapter (jina-embeddings-v3: retrieval.query, "
+        "retrieval.passage, separation, classification, text-matching): runs that LoRA "
+        "adapter, with its prompt unless prompt_name is given. A model without that adapter "
+        "answers 400.",
     )
 
 

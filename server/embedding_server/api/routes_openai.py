@@ -33,7 +33,7 @@ from embedding_server.api.encoding import (
 )
 from embedding_server.api.ids import new_id
 from embedding_server.api.lifecycle import lifecycle_of
-from embedding_server.api.prompts import prompt_name_for
+from embedding_server.api.prompts import check_task_adapter, prompt_name_for
 from embedding_server.api.protocol import EmbeddingRequest
 from embedding_server.api.responses import (
     BINARY_RESPONSES,
@@ -61,6 +61,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
     check_response_size(lifecycle, len(inputs), dims, value_bytes, body.encoding_format)
     check_metadata_fits(body.encoding_format, len(inputs))
     prompt_name = prompt_name_for(engine, body.prompt_name, body.input_type)
+    check_task_adapter(engine, body.task)
     result = await cancel_on_disconnect(
         request,
         engine.aembed(
@@ -68,6 +69,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
             dimensions=body.dimensions,
             normalize=body.normalize,
             prompt_name=prompt_name,
+            adapter=body.task,
             truncate=body.truncation(auto=lifecycle.settings.auto_truncate),
             add_special_tokens=body.add_special_tokens,
         ),

@@ -160,14 +160,20 @@ def _pooling(settings: EngineSettings, loaded: LoadedModel) -> PoolingMethod:
 
 
 def _prompts(settings: EngineSettings, loaded: LoadedModel) -> Prompts:
-    table = dict(loaded.st.prompts)
+    # jina-embeddings-v3 names each adapter's prompt in config.json (task_instructions) as
+    # well as in its sentence-transformers config: read there when the latter is missing.
+    instructions = loaded.config.get("task_instructions")
+    table = dict(loaded.st.prompts) or (
+        {str(k): str(v) for k, v in instructions.items()} if isinstance(instructions, dict) else {}
+    )
     default = settings.default_prompt_name or loaded.st.default_prompt_name
     if default and default not in table:
         raise InvalidRequestError(
             f"default_prompt_name={default!r} is not one of the model's prompts {sorted(table)}",
             param="default_prompt_name",
         )
-    return Prompts(table, default)
+    adapters = tuple(getattr(loaded.model, "adapters", ()))
+    return Prompts(table, default, adapters)
 
 
 def describe(
@@ -204,6 +210,7 @@ def describe(
         sliding_window=loaded.model.sliding_window,
         prompts=dict(config.prompts.table),
         default_prompt_name=config.prompts.default_name,
+        adapters=list(config.prompts.adapters),
         matryoshka=m.supported,
         matryoshka_dimensions=m.to_list(),
         full_dimensions=m.full,

@@ -276,8 +276,8 @@ CUSTOM_CONFIG_MODEL_TYPES = {"XLMRobertaFlashConfig": "xlm-roberta"}
 """The ``model_type`` of checkpoints whose config.json names none and whose custom config
 class (``auto_map.AutoConfig``) is a known re-implementation of one: jinaai's
 xlm-roberta-flash-implementation (jina-reranker-v2) is XLM-R's math under other weight
-names. What it adds beyond XLM-R (rotary positions, LoRA adapters: jina-embeddings-v3) is
-refused by the family's checks and the tensor guard."""
+names. With rotary positions and task LoRA adapters it is jina-embeddings-v3, which
+``models.lookup`` routes to its own family (``models/jina_v3.py``)."""
 
 
 def read_model_config(path: Path) -> dict[str, Any]:

@@ -224,6 +224,11 @@ class ModelRunner:
                     if any(s.type_ids for s in ordered)
                     else None
                 ),
+                adapters=(
+                    [-1 if s.adapter is None else s.adapter for s in ordered]
+                    if any(s.adapter is not None for s in ordered)
+                    else None
+                ),
             )
             batch.attention_plan  # noqa: B018  (built here, off the forward thread)
             copied = None

@@ -86,27 +86,36 @@ def _send(kind: int, batch: PackedBatch | None, device: torch.device) -> None:
     """Rank 0's half of one plan: the header, then (for a forward) the payload."""
     tokens = 0 if batch is None else batch.input_ids.shape[0]
     sequences = 0 if batch is None else len(batch.seqlens)
-    dist.broadcast(torch.tensor([kind, tokens, sequences], dtype=torch.int64, device=device), 0)
+    adapters = batch is not None and batch.adapter_ids is not None
+    header = [kind, tokens, sequences, int(adapters)]
+    dist.broadcast(torch.tensor(header, dtype=torch.int64, device=device), 0)
     if batch is not None:
         lens = torch.tensor(batch.seqlens, dtype=torch.int64, device=device)
-        dist.broadcast(torch.cat([batch.input_ids, batch.position_ids, lens]), 0)
+        parts = [batch.input_ids, batch.position_ids, lens]
+        if batch.adapter_ids is not None:  # each token's task adapter (jina-embeddings-v3)
+            parts.append(batch.adapter_ids)
+        dist.broadcast(torch.cat(parts), 0)
     if kind == _PING:
         dist.all_reduce(torch.ones(1, device=device))
 
 
 def _receive(device: torch.device, attention: Backend) -> tuple[int, PackedBatch | None]:
     """A worker's half of :func:`_send`."""
-    header = torch.empty(3, dtype=torch.int64, device=device)
+    header = torch.empty(4, dtype=torch.int64, device=device)
     dist.broadcast(header, 0)
-    kind, tokens, sequences = header.tolist()
+    kind, tokens, sequences, adapters = header.tolist()
     if kind == _PING:
         dist.all_reduce(torch.ones(1, device=device))
     if kind != _FORWARD:
         return kind, None
-    payload = torch.empty(2 * tokens + sequences, dtype=torch.int64, device=device)
+    extra = tokens if adapters else 0
+    payload = torch.empty(2 * tokens + sequences + extra, dtype=torch.int64, device=device)
     dist.broadcast(payload, 0)
-    ids, positions, lens = torch.split(payload, [tokens, tokens, sequences])
-    return kind, PackedBatch.of(ids, positions, lens.tolist(), attention=attention)
+    ids, positions, lens, adapter_ids = torch.split(payload, [tokens, tokens, sequences, extra])
+    batch = PackedBatch.of(ids, positions, lens.tolist(), attention=attention)
+    if adapters:
+        batch.adapter_ids = adapter_ids
+    return kind, batch
 
 
 def _backend(device: torch.device) -> str:
@@ -403,6 +412,8 @@ class TensorParallelModel:
         self.position_offset = model.position_offset
         self.max_positions = model.max_positions
         self.sliding_window = model.sliding_window
+        self.adapters: tuple[str, ...] = getattr(model, "adapters", ())
+        """The body's task adapters (jina-embeddings-v3), which requests choose by name."""
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         return self.group.forward(self.model, batch)

@@ -7,7 +7,7 @@ float32 buffers, never as Python lists; the header says how to read them.
 front-end -> engine:
 
 * :class:`Hello`: a front-end's first message;
-* :class:`Run`: a request's sequences, then four int32 frames (:func:`encode_sequences`);
+* :class:`Run`: a request's sequences, then five int32 frames (:func:`encode_sequences`);
 * :class:`Cancel`: the request's caller went away.
 
 engine -> front-end (every one carries the engine's queue, see :class:`QueueView`):
@@ -172,9 +172,10 @@ def _int32(values: Any, count: int) -> bytes:
 
 
 def encode_sequences(seqs: Sequence[SequenceInput]) -> list[bytes]:
-    """A request's sequences as four int32 buffers: the sequence lengths, all token ids
-    concatenated, the prompt tokens to skip per sequence, and the segment ids concatenated
-    (an empty buffer for single texts)."""
+    """A request's sequences as five int32 buffers: the sequence lengths, all token ids
+    concatenated, the prompt tokens to skip per sequence, the segment ids concatenated (an
+    empty buffer for single texts), and each sequence's task adapter, -1 for none (an empty
+    buffer when none names one)."""
     n = len(seqs)
     lengths = [len(s.ids) for s in seqs]
     total = sum(lengths)
@@ -184,7 +185,10 @@ def encode_sequences(seqs: Sequence[SequenceInput]) -> list[bytes]:
     if any(s.type_ids is not None for s in seqs):
         segments = (s.type_ids if s.type_ids is not None else [0] * len(s.ids) for s in seqs)
         types = _int32(itertools.chain.from_iterable(segments), total)
-    return [_int32(lengths, n), ids, skips, types]
+    adapters = b""
+    if any(s.adapter is not None for s in seqs):
+        adapters = _int32((-1 if s.adapter is None else s.adapter for s in seqs), n)
+    return [_int32(lengths, n), ids, skips, types, adapters]
 
 
 def decode_sequences(
@@ -197,12 +201,14 @@ def decode_sequences(
     ids = np.frombuffer(frames[1], np.int32).tolist()
     skips = np.frombuffer(frames[2], np.int32).tolist()
     types = np.frombuffer(frames[3], np.int32).tolist() if len(frames[3]) else None
+    adapters = np.frombuffer(frames[4], np.int32).tolist() if len(frames[4]) else None
     seqs: list[SequenceInput] = []
     start = 0
-    for length, skip in zip(lengths, skips, strict=True):
+    for i, (length, skip) in enumerate(zip(lengths, skips, strict=True)):
         end = start + length
         segments = None if types is None else types[start:end]
-        seqs.append(SequenceInput(ids[start:end], skip, want_tokens, segments))
+        adapter = None if adapters is None or adapters[i] < 0 else adapters[i]
+        seqs.append(SequenceInput(ids[start:end], skip, want_tokens, segments, adapter))
         start = end
     return seqs
 

@@ -37,6 +37,7 @@ from . import (
     gemma2,
     gte,
     jina_bert,
+    jina_v3,
     modernbert,
     mpnet,
     nomic_bert,
@@ -47,6 +48,7 @@ from .deberta_v2 import DebertaV2Model
 from .gemma2 import Gemma2Model
 from .gemma3 import MULTIMODAL_REFUSAL, Gemma3TextModel
 from .gte import GteModel
+from .jina_v3 import JinaV3Model
 from .llama import DECODER_IGNORED, DecoderVariant, LlamaModel
 from .modernbert import ModernBertModel
 from .mpnet import MPNetModel
@@ -278,6 +280,15 @@ ARCHITECTURES: dict[str, Architecture] = {
             config_keys=nomic_bert.CONFIG_KEYS,
             check_config=nomic_bert.check_config,
         ),
+        # jina-embeddings-v3: transformers' name for its body; the Hub's config says
+        # xlm-roberta with rotary positions, which lookup() routes here too.
+        Architecture(
+            jina_v3.NATIVE_MODEL_TYPE,
+            JinaV3Model,
+            "mean",  # jina-embeddings-v3's sentence-transformers pooling
+            ignored=jina_v3.IGNORED,
+            check_config=jina_v3.check_config,
+        ),
         Architecture(
             "deberta-v2",
             DebertaV2Model,
@@ -293,8 +304,12 @@ REFUSED: dict[str, str] = {"gemma3": MULTIMODAL_REFUSAL}
 
 
 def lookup(config: Mapping[str, Any]) -> Architecture:
-    """The registry entry for a config, or UnsupportedModelError naming what we support."""
+    """The registry entry for a config, or UnsupportedModelError naming what we support.
+    Mostly by ``model_type``; jina-embeddings-v3's Hub config says ``xlm-roberta`` and
+    selects its rotary body with ``position_embedding_type: rotary``."""
     model_type = str(config.get("model_type", ""))
+    if jina_v3.is_jina_v3(config):
+        return ARCHITECTURES[jina_v3.NATIVE_MODEL_TYPE]
     arch = ARCHITECTURES.get(model_type)
     if arch is None and model_type in REFUSED:
         raise UnsupportedModelError(REFUSED[model_type])

@@ -45,6 +45,9 @@ class PackedBatch:
     attention_backend: Backend = Backend.SDPA_BUCKETED
     token_type_ids: torch.Tensor | None = None
     """[T] int64 segment ids of sentence pairs (BERT), None when every token is segment 0."""
+    adapter_ids: torch.Tensor | None = None
+    """[T] int64 index of the task adapter each token's sequence runs (jina-embeddings-v3's
+    LoRA), -1 for none; None when no sequence of the batch names one."""
     _plan: AttentionPlan | None = field(default=None, repr=False)
 
     @classmethod
@@ -56,10 +59,12 @@ class PackedBatch:
         *,
         attention: Backend = Backend.SDPA_BUCKETED,
         token_types: Sequence[Sequence[int]] | None = None,
+        adapters: Sequence[int] | None = None,
     ) -> PackedBatch:
         """Pack token id lists; ``position_offset`` shifts positions (RoBERTa: padding_idx+1);
         ``attention`` is the kernel every layer's attention runs on; ``token_types`` are the
-        segment ids of each sequence (sentence pairs), None for all zeros.
+        segment ids of each sequence (sentence pairs), None for all zeros; ``adapters`` the
+        task adapter of each sequence (-1: none), None for none at all.
 
         The integer rows (ids, positions, segment ids) are packed on the host into one
         staging tensor and reach the device in one copy, ``cu_seqlens`` in a second. On CUDA
@@ -69,7 +74,7 @@ class PackedBatch:
         batch's tensors are rows of the staging tensor itself."""
         seqlens = tuple(len(s) for s in sequences)
         total = sum(seqlens)
-        rows = 2 if token_types is None else 3
+        rows = 2 + (token_types is not None) + (adapters is not None)
         pin_memory = device.type == "cuda"
         staging = torch.empty((rows, total), dtype=torch.int64, pin_memory=pin_memory)
         host = staging.numpy()
@@ -79,6 +84,8 @@ class PackedBatch:
         host[1] = np.arange(total, dtype=np.int64) - np.repeat(starts, lens) + position_offset
         if token_types is not None:
             host[2] = np.fromiter(itertools.chain.from_iterable(token_types), np.int64, total)
+        if adapters is not None:
+            host[rows - 1] = np.repeat(np.asarray(adapters, dtype=np.int64), lens)
         cu = torch.empty(len(seqlens) + 1, dtype=torch.int32, pin_memory=pin_memory)
         cu_host = cu.numpy()
         cu_host[0] = 0
@@ -92,6 +99,7 @@ class PackedBatch:
             seqlens,
             attention,
             None if token_types is None else packed[2],
+            None if adapters is None else packed[rows - 1],
         )
 
     @classmethod
@@ -119,7 +127,13 @@ class PackedBatch:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor of the batch on its device, the attention plan's included."""
-        own = [self.input_ids, self.position_ids, self.cu_seqlens, self.token_type_ids]
+        own = [
+            self.input_ids,
+            self.position_ids,
+            self.cu_seqlens,
+            self.token_type_ids,
+            self.adapter_ids,
+        ]
         return [t for t in own if t is not None] + self.attention_plan.tensors()
 
     @property
@@ -325,6 +339,17 @@ class WeightReader:
 
     def __contains__(self, name: str) -> bool:
         return name in self._names
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        """The whole shape of ``name`` (every rank's share), without reading it where the
+        checkpoint can tell."""
+        if name not in self._names:
+            self._take(name)  # the error naming the missing weight
+        source = self._names[name]
+        reader = getattr(self._weights, "shape_of", None)
+        if reader is not None:
+            return tuple(reader(source))
+        return tuple(self._weights[source].shape)
 
     def rename(self, rename: Callable[[str], str]) -> None:
         """Map legacy names onto the current ones before reading."""
