@@ -34,6 +34,7 @@ from . import (
     distilbert,
     electra,
     ernie,
+    gemma,
     gemma2,
     gte,
     modernbert,
@@ -43,6 +44,7 @@ from . import (
 from .base import Checkpoint, EmbeddingModel, Ignored, PackedBatch
 from .bert import BertModel, BertVariant
 from .deberta_v2 import DebertaV2Model
+from .gemma import GemmaModel
 from .gemma2 import Gemma2Model
 from .gemma3 import MULTIMODAL_REFUSAL, Gemma3TextModel
 from .gte import GteModel
@@ -200,7 +202,13 @@ ARCHITECTURES: dict[str, Architecture] = {
             check_config=LLAMA_BIDIREC.check_config,
         ),
         Architecture("mistral", decoder(MISTRAL), "last", score_head, ignored=DECODER_IGNORED),
-        Architecture("qwen2", decoder(QWEN2), "last", score_head, ignored=DECODER_IGNORED),
+        Architecture(
+            "qwen2",
+            decoder(QWEN2),
+            "last",
+            score_head,
+            ignored=DECODER_IGNORED,
+        ),
         Architecture(
             "qwen3",
             decoder(QWEN3),
@@ -216,6 +224,15 @@ ARCHITECTURES: dict[str, Architecture] = {
             score_head,
             ignored=DECODER_IGNORED,
             float16_overflows=True,
+        ),
+        Architecture(
+            "gemma",
+            GemmaModel,
+            "last",
+            score_head,
+            ignored=DECODER_IGNORED,
+            float16_overflows=True,
+            check_config=gemma.check_config,
         ),
         Architecture(
             "gemma2",
