@@ -25,7 +25,7 @@ from typing import Any, Protocol, TypedDict, TypeVar
 import numpy as np
 
 from .errors import InvalidRequestError, OutputTooLargeError
-from .heads import PairTemplate
+from .heads import PairTemplate, SegmentedPairTemplate
 from .pooling import FloatArray
 from .results import JobOutput, StageTimings
 from .scheduler import BatchRunner, Reservation, ScheduledOutput, Scheduler
@@ -111,13 +111,16 @@ class Job:
     suffix: str | None = None
     """A yes/no reranker's prompt suffix, tokenized after each of ``items`` (without special
     tokens) and never truncated (:meth:`TextTokenizer.encode_suffixed`)."""
+    segmented: SegmentedPairTemplate | None = None
+    """With ``pairs``: a yes/no reranker's prompt whose pieces are tokenized apart
+    (:meth:`TextTokenizer.encode_segmented`); ``prompt`` is then its instruction."""
 
     @classmethod
     def for_pairs(
         cls,
         pairs: list[tuple[str, str]],
         options: ScoreOptions,
-        template: PairTemplate | None = None,
+        template: PairTemplate | SegmentedPairTemplate | None = None,
     ) -> Job:
         """A job over sentence pairs; prompts do not apply to them. With a yes/no
         reranker's ``template``, each pair becomes one text of its prompt, and ``prompt``
@@ -128,6 +131,8 @@ class Job:
                 "prompt_name does not apply to a cross-encoder's text pairs", param="prompt_name"
             )
         instruction = options.get("prompt")
+        if isinstance(template, SegmentedPairTemplate):
+            return cls([], instruction, truncation, pairs=pairs, segmented=template)
         if template is not None:
             texts: list[TextInput] = [template.text(q, d, instruction) for q, d in pairs]
             return cls(texts, None, truncation, add_special_tokens=False, suffix=template.suffix)
@@ -161,6 +166,13 @@ class Job:
             if self.suffix:  # each text with its suffix, still at most the limit
                 items = [t + self.suffix if isinstance(t, str) else t for t in items]
             return tokenizer.admission_estimate(items, self.truncation, self.prompt)
+        if self.segmented is not None:  # each pair in its prompt, at most the limit
+            t = self.segmented
+            fixed = "".join((*t.head, t.separator, *t.tail_texts(self.prompt)))
+            joined: list[TextInput] = [
+                fixed + t.query_text(q, self.prompt) + t.document_text(d) for q, d in self.pairs
+            ]
+            return tokenizer.admission_estimate(joined, self.truncation, None)
         return tokenizer.pair_estimate(self.pairs, self.truncation)
 
     def small(self, most: int = INLINE_TOKENIZE_CHARS) -> bool:
@@ -189,6 +201,14 @@ class Job:
     ) -> list[TokenizedInput]:
         """The job's inputs tokenized and truncated; over ``max_total`` tokens in all it is
         refused as soon as its inputs read so far hold more."""
+        if self.pairs is not None and self.segmented is not None:
+            return tokenizer.encode_segmented(
+                self.pairs,
+                self.segmented,
+                instruction=self.prompt,
+                truncation=self.truncation,
+                max_total=max_total,
+            )
         if self.pairs is not None:
             return tokenizer.encode_pairs(
                 self.pairs, truncation=self.truncation, max_total=max_total

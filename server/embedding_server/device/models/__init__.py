@@ -23,7 +23,13 @@ from typing import Any
 import torch
 
 from embedding_server.errors import UnsupportedModelError
-from embedding_server.heads import QWEN3_RERANKER, PairTemplate
+from embedding_server.heads import (
+    BGE_RERANKER_GEMMA,
+    MXBAI_RERANK_V2,
+    QWEN3_RERANKER,
+    PairTemplate,
+    SegmentedPairTemplate,
+)
 from embedding_server.pooling import PoolingMethod
 
 from ..distributed import SINGLE, Shard
@@ -78,7 +84,7 @@ class Architecture:
     check_config: Callable[[Mapping[str, Any]], None] | None = None
     """Refuses config values the family cannot serve exactly (UnsupportedModelError), run on
     config.json alone so that such a model is refused before its weights are fetched."""
-    yes_no: PairTemplate | None = None
+    yes_no: PairTemplate | SegmentedPairTemplate | None = None
     """The prompt its generative (``*ForCausalLM``) rerankers are trained with: with task
     score, such a checkpoint is served as a yes/no reranker (``device.heads.read_yes_no``).
     None: refused with task score."""
@@ -208,6 +214,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             "last",
             score_head,
             ignored=DECODER_IGNORED,
+            yes_no=MXBAI_RERANK_V2,  # mxbai-rerank-base-v2 / -large-v2
         ),
         Architecture(
             "qwen3",
@@ -233,6 +240,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             ignored=DECODER_IGNORED,
             float16_overflows=True,
             check_config=gemma.check_config,
+            yes_no=BGE_RERANKER_GEMMA,  # BAAI/bge-reranker-v2-gemma
         ),
         Architecture(
             "gemma2",

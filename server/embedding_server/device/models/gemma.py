@@ -82,7 +82,8 @@ class GemmaModel(Gemma3TextModel):
         return gelu_approximation(config)
 
     def attention_scale(self, config: Mapping[str, Any], head_dim: int) -> float:
-        return float(head_dim) ** -0.5
+        scale: float = float(head_dim) ** -0.5  # GemmaAttention's scaling
+        return scale
 
     def local_layers(self, config: Mapping[str, Any]) -> list[bool]:
         return [False] * int(config["num_hidden_layers"])

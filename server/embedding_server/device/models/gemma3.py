@@ -176,7 +176,8 @@ class Gemma3TextModel:
     def attention_scale(self, config: Mapping[str, Any], head_dim: int) -> float:
         """``query_pre_attn_scalar ** -0.5`` (Gemma 2 and 3), not ``head_dim ** -0.5``."""
         scalar = config_get(config, "query_pre_attn_scalar", default=_DEFAULT_QUERY_PRE_ATTN_SCALAR)
-        return float(scalar) ** -0.5
+        scale: float = float(scalar) ** -0.5
+        return scale
 
     def ropes(self, config: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         """The rope parameters of each layer kind."""
