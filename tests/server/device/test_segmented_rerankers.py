@@ -22,6 +22,7 @@ compared too.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import shutil
 from collections.abc import Callable
@@ -38,7 +39,7 @@ from embedding_server.settings import ServerSettings
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.support.api import running_server
+from tests.support.api import RunningServer, ServerProcess, running_server, server_process
 from tests.support.models import (
     _DECODER,
     _save_model,
@@ -301,19 +302,30 @@ def test_only_the_answer_rows_of_an_untied_head_are_read(tmp_path: Path) -> None
     np.testing.assert_allclose(other.score(QUERIES, DOCS), engine.score(QUERIES, DOCS), atol=1e-6)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_http_score_and_rerank(family: str, request: pytest.FixtureRequest) -> None:
-    """Over HTTP: /score and /rerank give the reference's scores and order."""
+@pytest.mark.parametrize(("family", "front_ends"), [("mxbai", False), ("gemma", True)])
+def test_http_score_and_rerank(
+    family: str, front_ends: bool, request: pytest.FixtureRequest
+) -> None:
+    """Over HTTP, in one process or through two front-end processes (which lay the pairs out
+    themselves, with no torch): /score and /rerank give the reference's scores and order."""
     path: Path = request.getfixturevalue(family)
     one = [(QUERIES[0], d) for d in DOCS]
     expected = reference(family, path, one)
-    settings = ServerSettings(model=str(path), task="score", dtype="float32")
-    with running_server(settings) as server:
-        scored = httpx.post(
-            server.url + "/score", json={"text_1": QUERIES[0], "text_2": DOCS}, timeout=60
-        )
-        assert scored.status_code == 200, scored.text
-        np.testing.assert_allclose([d["score"] for d in scored.json()["data"]], expected, atol=1e-5)
+    with contextlib.ExitStack() as stack:
+        server: RunningServer | ServerProcess
+        if front_ends:
+            args = ["--model", str(path), "--task", "score", "--dtype", "float32"]
+            server = stack.enter_context(server_process([*args, "--api-workers", "2"], workers=2))
+        else:
+            settings = ServerSettings(model=str(path), task="score", dtype="float32")
+            server = stack.enter_context(running_server(settings))
+        for _ in range(2 if front_ends else 1):  # whichever front-end takes the connection
+            scored = httpx.post(
+                server.url + "/score", json={"text_1": QUERIES[0], "text_2": DOCS}, timeout=60
+            )
+            assert scored.status_code == 200, scored.text
+            got = [d["score"] for d in scored.json()["data"]]
+            np.testing.assert_allclose(got, expected, atol=1e-5)
         ranked = httpx.post(
             server.url + "/rerank", json={"query": QUERIES[0], "documents": DOCS}, timeout=60
         )
