@@ -337,6 +337,17 @@ def test_http_score_and_rerank(
         )
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_task_auto_refuses_and_points_at_task_score(
+    family: str, request: pytest.FixtureRequest
+) -> None:
+    """Without --task score the checkpoint looks like any chat model: refused, saying how."""
+    path: Path = request.getfixturevalue(family)
+    with pytest.raises(UnsupportedModelError, match="--task score") as refused:
+        Engine.from_pretrained(str(path))
+    assert "bge-reranker-v2-gemma" in str(refused.value)
+
+
 @pytest.mark.parametrize(("family", "token"), [("mxbai", "<|im_start|>"), ("gemma", "<bos>")])
 def test_a_tokenizer_without_the_prompts_tokens_is_refused(
     family: str, token: str, request: pytest.FixtureRequest, tmp_path: Path
