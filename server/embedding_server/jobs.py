@@ -123,8 +123,9 @@ class Job:
         template: PairTemplate | SegmentedPairTemplate | None = None,
     ) -> Job:
         """A job over sentence pairs; prompts do not apply to them. With a yes/no
-        reranker's ``template``, each pair becomes one text of its prompt, and ``prompt``
-        replaces the template's instruction."""
+        reranker's ``template``, each pair becomes one text of its prompt (a
+        :class:`SegmentedPairTemplate`: its pieces, tokenized apart when the job is), and
+        ``prompt`` is the template's instruction."""
         truncation = Truncation.coerce(options.get("truncate", True))
         if options.get("prompt_name") is not None:
             raise InvalidRequestError(
