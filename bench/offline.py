@@ -17,8 +17,11 @@ chart goes to bench/out/offline.png.
 ``--family`` measures a model family without downloading a checkpoint: random weights in the
 shape of the family's base checkpoint (:data:`FAMILIES`: bert-base, mpnet-base,
 deberta-v3-base, distilbert-base, camembert-base, ernie-3.0-base, electra-base,
-gte-multilingual-base, nomic-embed-text-v1.5), all-MiniLM's tokenizer, and the pooling that
-family's embedders declare, built once under ``bench/out/``.
+gte-multilingual-base, nomic-embed-text-v1.5; the decoders Qwen3-Embedding-0.6B,
+gte-Qwen2-1.5B, embeddinggemma-300m, Gemma 2 2B and bge-reranker-v2-gemma's Gemma 2B body),
+all-MiniLM's tokenizer, and the pooling that family's embedders declare, built once under
+``bench/out/``. The decoders are big: their float32 weights take 2.4 to 10 GB on disk and in
+memory.
 Random weights run at the speed real ones do, so families compare at one size.
 """
 
@@ -143,7 +146,85 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str]] = {
         {**_BASE, "vocab_size": 30522, "embedding_size": 768},
         "cls",
     ),
+    # Decoders: grouped-query attention, a gated MLP of three matrices, the last token pooled
+    # (model_flops_per_token counts them so). The smallest published size of each family.
+    "qwen3": (
+        "Qwen/Qwen3-Embedding-0.6B",
+        {
+            "vocab_size": 151669,
+            "hidden_size": 1024,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "intermediate_size": 3072,
+            "max_position_embeddings": 32768,
+            "tie_word_embeddings": True,
+        },
+        "lasttoken",
+    ),
+    "qwen2": (
+        "Alibaba-NLP/gte-Qwen2-1.5B-instruct",
+        {
+            "vocab_size": 151646,
+            "hidden_size": 1536,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 2,
+            "intermediate_size": 8960,
+            "max_position_embeddings": 32768,
+        },
+        "lasttoken",
+    ),
+    "gemma3_text": (
+        "google/embeddinggemma-300m",
+        {
+            "vocab_size": 262144,
+            "hidden_size": 768,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 3,
+            "num_key_value_heads": 1,
+            "head_dim": 256,
+            "intermediate_size": 1152,
+            "max_position_embeddings": 2048,
+            "sliding_window": 512,
+            "use_bidirectional_attention": True,
+        },
+        "mean",
+    ),
+    # Gemma 2 2B's shape: bge-multilingual-gemma2 is the 9B, too big for a CPU run.
+    "gemma2": (
+        "google/gemma-2-2b",
+        {
+            "vocab_size": 256000,
+            "hidden_size": 2304,
+            "num_hidden_layers": 26,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "head_dim": 256,
+            "intermediate_size": 9216,
+            "max_position_embeddings": 8192,
+            "sliding_window": 4096,
+        },
+        "lasttoken",
+    ),
+    # bge-reranker-v2-gemma's body (Gemma 2B), measured as an embedder.
+    "gemma": (
+        "BAAI/bge-reranker-v2-gemma",
+        {
+            "vocab_size": 256000,
+            "hidden_size": 2048,
+            "num_hidden_layers": 18,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 1,
+            "head_dim": 256,
+            "intermediate_size": 16384,
+            "max_position_embeddings": 8192,
+        },
+        "lasttoken",
+    ),
 }
+DECODERS = ("qwen3", "qwen2", "gemma3_text", "gemma2", "gemma")
 
 
 def random_model(family: str) -> Path:
@@ -228,7 +309,9 @@ def model_flops_per_token(config: dict[str, Any], mean_len: float) -> float:
     """Matmul FLOPs per token of a BERT-style encoder: linear layers plus attention. DeBERTa's
     position terms add a matmul each against the position embeddings a sequence reaches
     (about ``2 * mean_len`` rows, at most ``2 * position_buckets``). A gated MLP (NomicBERT's
-    SwiGLU) has three ``h x i`` matrices, not two."""
+    SwiGLU) has three ``h x i`` matrices, not two. Decoders: :func:`decoder_flops_per_token`."""
+    if config.get("model_type") in DECODERS:
+        return decoder_flops_per_token(config, mean_len)
     h, i, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
     mlp_matrices = 3 if config.get("model_type") == "nomic_bert" else 2
     linear = 4 * h * h + mlp_matrices * h * i
@@ -238,6 +321,20 @@ def model_flops_per_token(config: dict[str, Any], mean_len: float) -> float:
         terms = len({"c2p", "p2c"} & set(config.get("pos_att_type") or []))
         attention += terms * min(2 * mean_len, 2 * span) * h
     return 2 * layers * (linear + attention)
+
+
+def decoder_flops_per_token(config: dict[str, Any], mean_len: float) -> float:
+    """Matmul FLOPs per token of a decoder: q and o over every head, k and v over the
+    key/value heads only (grouped-query attention), ``head_dim`` its own setting where the
+    config says, a gated MLP of three ``h x i`` matrices; attention over the whole sequence
+    (a causal run does about half of it, as the kernels skip masked blocks only in part)."""
+    h, i, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads") or heads
+    d = config.get("head_dim") or h // heads
+    linear = 2 * h * heads * d + 2 * h * kv * d + 3 * h * i
+    attention = 2 * mean_len * heads * d
+    return float(2 * layers * (linear + attention))
 
 
 def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:

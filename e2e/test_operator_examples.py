@@ -49,12 +49,21 @@ def operator(
 def test_example_converges(
     path: Path, cluster: Cluster, namespace: str, operator: OperatorProcess
 ) -> None:
-    manifest: dict[str, Any] = yaml.safe_load(path.read_text())
-    name, spec = manifest["metadata"]["name"], manifest["spec"]
-    if spec.get("modelCache", {}).get("mode") == "pvc":
-        provide_volume(cluster, namespace, f"{name}-model-cache", spec["modelCache"]["size"])
+    # A file may hold several services (hybrid-search-l4.yaml: an embedder and a reranker).
+    manifests: list[dict[str, Any]] = list(yaml.safe_load_all(path.read_text()))
+    for manifest in manifests:
+        name, spec = manifest["metadata"]["name"], manifest["spec"]
+        if spec.get("modelCache", {}).get("mode") == "pvc":
+            provide_volume(cluster, namespace, f"{name}-model-cache", spec["modelCache"]["size"])
 
     apply_file(cluster, path, namespace)
+    for manifest in manifests:
+        _converged(cluster, namespace, manifest)
+
+
+def _converged(cluster: Cluster, namespace: str, manifest: dict[str, Any]) -> None:
+    """One EmbeddingService of an applied example is Ready with what its spec asks for."""
+    name, spec = manifest["metadata"]["name"], manifest["spec"]
     # Ready turns True once one replica serves; every replica is ready once Progressing is
     # False.
     wait_condition(cluster, namespace, name, "Progressing", "False", reason="RolloutComplete")

@@ -105,6 +105,132 @@ QWEN3_RERANKER = PairTemplate(
 
 
 @dataclass(frozen=True)
+class SegmentedPairTemplate:
+    """A yes/no reranker's prompt whose pieces are tokenized each alone and cut to their own
+    budgets, as mxbai-rerank-v2's and FlagEmbedding's LLM-reranker code build a pair: ids of
+    ``head``, the query segment (cut to 3/4 of the budget), ``separator``, the document
+    segment (cut to what is left), then ``tail``'s pieces (``separator``, the task prompt,
+    any chat suffix), which are never cut. Tokenizing the pieces apart (not the joined
+    text) is what those references do, so a boundary merge cannot differ from them.
+
+    ``budget`` names whose arithmetic turns the limit into the two cuts
+    (:meth:`query_room`, :meth:`document_room`); each keeps the whole within the limit."""
+
+    name: str
+    head: tuple[str, ...]
+    """Texts before the query, each tokenized alone (a chat prefix; a BOS token)."""
+    query: str
+    """The query segment, ``{query}`` filled in."""
+    instructed_query: str | None
+    """The query segment when the request gives an instruction (``{instruction}`` too);
+    None: the instruction replaces ``{instruction}`` in ``tail`` instead."""
+    document: str
+    separator: str
+    tail: tuple[str, ...]
+    instruction: str | None
+    """The default instruction (None: none unless the request's ``prompt`` gives one)."""
+    yes: str
+    no: str | None
+    """The answer tokens; ``no`` None: the "yes" logit alone is the score."""
+    budget: Literal["mxbai", "flag_embedding"]
+    tokens: tuple[str, ...] = ()
+    """Vocabulary entries the fixed pieces need as single tokens (chat markers, BOS): a
+    tokenizer without them is not the model's, and is refused at start."""
+
+    def query_text(self, query: str, instruction: str | None) -> str:
+        """The query segment's text (``str.format`` fills the template's placeholders only)."""
+        given = instruction if instruction is not None else self.instruction
+        if self.instructed_query is not None and given:
+            return self.instructed_query.format(instruction=given, query=query)
+        return self.query.format(query=query)
+
+    def document_text(self, document: str) -> str:
+        return self.document.format(document=document)
+
+    def tail_texts(self, instruction: str | None) -> tuple[str, ...]:
+        """``tail`` with the instruction in it where the query does not take it."""
+        given = instruction if instruction is not None else self.instruction
+        if self.instructed_query is not None:
+            return self.tail
+        return tuple(t.format(instruction=given or "") for t in self.tail)
+
+    def budget_of(self, limit: int, head: int, tail: int) -> int:
+        """The tokens the query and document segments (and the separator between them) may
+        share under ``limit``: mxbai keeps the limit less the fixed pieces
+        (``predefined_length``); FlagEmbedding's ``max_length`` is what leaves room for its
+        separator and prompt twice (its ``encode_max_length`` counts them once more than it
+        adds), so the whole sequence fits the limit in both."""
+        if self.budget == "mxbai":
+            return limit - head - tail
+        return limit - 2 * tail
+
+    def query_room(self, limit: int, head: int, tail: int) -> int:
+        """The most tokens the query segment keeps: 3/4 of the budget, in both references."""
+        return self.budget_of(limit, head, tail) * 3 // 4
+
+    def document_room(self, limit: int, head: int, sep: int, tail: int, query: int) -> int:
+        """The most tokens the document segment keeps after a query segment of ``query``."""
+        budget = self.budget_of(limit, head, tail)
+        if self.budget == "mxbai":  # query + sep + document <= budget
+            return budget - query - sep
+        # FlagEmbedding: the passage alone at most max_length, then [bos] + query + sep +
+        # passage at most max_length + len(sep) + len(prompt) (= tail), cutting the passage.
+        return min(budget, budget + tail - head - query - sep)
+
+
+# mixedbread-ai/mxbai-rerank-base-v2 and -large-v2 (Qwen2ForCausalLM), as the mxbai-rerank
+# package's MxbaiRerankV2 builds a pair: Qwen's chat turns around "query: ..." (after
+# "instruction: ...\n" when one is given), "\n", "document: ...", "\n" and its task prompt;
+# the score is logit("1") - logit("0") at the last position (sigmoid of it here).
+MXBAI_RERANK_V2 = SegmentedPairTemplate(
+    name="mxbai-rerank-v2",
+    head=(
+        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+        "assistant.<|im_end|>\n<|im_start|>user\n",
+    ),
+    query="query: {query}",
+    instructed_query="instruction: {instruction}\nquery: {query}",
+    document="document: {document}",
+    separator="\n",
+    tail=(
+        "\n",
+        "You are a search relevance expert who evaluates how well documents match search "
+        "queries. For each query-document pair, carefully analyze the semantic relationship "
+        "between them, then provide your binary relevance judgment (0 for not relevant, 1 for "
+        "relevant).\nRelevance:",
+        "<|im_end|>\n<|im_start|>assistant\n",
+    ),
+    instruction=None,
+    yes="1",
+    no="0",
+    budget="mxbai",
+    tokens=("<|im_start|>", "<|im_end|>"),
+)
+
+# BAAI/bge-reranker-v2-gemma (GemmaForCausalLM), as FlagEmbedding's LLM reranker
+# (inference/reranker/decoder_only/base.py) builds a pair: <bos>, "A: {query}", "\n",
+# "B: {passage}", "\n", its prompt (a request's ``prompt`` replaces it); the score is the
+# "Yes" logit at the last position (FlagEmbedding's normalize=True: its sigmoid).
+BGE_RERANKER_GEMMA = SegmentedPairTemplate(
+    name="bge-reranker-v2-gemma",
+    head=("<bos>",),
+    query="A: {query}",
+    instructed_query=None,
+    document="B: {document}",
+    separator="\n",
+    tail=("\n", "{instruction}"),
+    instruction=(
+        "Given a query A and a passage B, determine whether the passage contains an answer "
+        "to the query by providing a prediction of either 'Yes' or 'No'."
+    ),
+    yes="Yes",
+    no=None,
+    budget="flag_embedding",
+    tokens=("<bos>",),
+)
+
+
+@dataclass(frozen=True)
 class Classifier:
     """What a checkpoint's classification head means: how it pools, its labels, and how to
     read its logits (the weights are ``device.heads.ClassificationHead``)."""
@@ -116,9 +242,9 @@ class Classifier:
     """The activation the checkpoint declares (sentence-transformers), else None."""
     per_token: bool = False
     """A token classifier: the head runs on every token's hidden state, not a pooled one."""
-    template: PairTemplate | None = None
+    template: PairTemplate | SegmentedPairTemplate | None = None
     """A yes/no reranker's prompt (a generative checkpoint served with task score): each pair
-    is formatted into one text with it rather than tokenized as a sentence pair."""
+    is formatted with it rather than tokenized as a sentence pair."""
 
     @property
     def num_labels(self) -> int:

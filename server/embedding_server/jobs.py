@@ -25,7 +25,7 @@ from typing import Any, Protocol, TypedDict, TypeVar
 import numpy as np
 
 from .errors import InvalidRequestError, OutputTooLargeError
-from .heads import PairTemplate
+from .heads import PairTemplate, SegmentedPairTemplate
 from .pooling import FloatArray
 from .results import JobOutput, StageTimings
 from .scheduler import BatchRunner, Reservation, ScheduledOutput, Scheduler
@@ -118,17 +118,21 @@ class Job:
     tokens) and never truncated (:meth:`TextTokenizer.encode_suffixed`)."""
     adapter: int | None = None
     """The task adapter every sequence of the job runs (:meth:`Prompts.adapter`)."""
+    segmented: SegmentedPairTemplate | None = None
+    """With ``pairs``: a yes/no reranker's prompt whose pieces are tokenized apart
+    (:meth:`TextTokenizer.encode_segmented`); ``prompt`` is then its instruction."""
 
     @classmethod
     def for_pairs(
         cls,
         pairs: list[tuple[str, str]],
         options: ScoreOptions,
-        template: PairTemplate | None = None,
+        template: PairTemplate | SegmentedPairTemplate | None = None,
     ) -> Job:
         """A job over sentence pairs; prompts do not apply to them. With a yes/no
-        reranker's ``template``, each pair becomes one text of its prompt, and ``prompt``
-        replaces the template's instruction."""
+        reranker's ``template``, each pair becomes one text of its prompt (a
+        :class:`SegmentedPairTemplate`: its pieces, tokenized apart when the job is), and
+        ``prompt`` is the template's instruction."""
         truncation = Truncation.coerce(options.get("truncate", True))
         for name in ("prompt_name", "adapter"):
             if options.get(name) is not None:
@@ -136,6 +140,8 @@ class Job:
                     f"{name} does not apply to a cross-encoder's text pairs", param=name
                 )
         instruction = options.get("prompt")
+        if isinstance(template, SegmentedPairTemplate):
+            return cls([], instruction, truncation, pairs=pairs, segmented=template)
         if template is not None:
             texts: list[TextInput] = [template.text(q, d, instruction) for q, d in pairs]
             return cls(texts, None, truncation, add_special_tokens=False, suffix=template.suffix)
@@ -184,6 +190,13 @@ class Job:
             if self.suffix:  # each text with its suffix, still at most the limit
                 items = [t + self.suffix if isinstance(t, str) else t for t in items]
             return tokenizer.admission_estimate(items, self.truncation, self.prompt)
+        if self.segmented is not None:  # each pair in its prompt, at most the limit
+            t = self.segmented
+            fixed = "".join((*t.head, t.separator, *t.tail_texts(self.prompt)))
+            joined: list[TextInput] = [
+                fixed + t.query_text(q, self.prompt) + t.document_text(d) for q, d in self.pairs
+            ]
+            return tokenizer.admission_estimate(joined, self.truncation, None)
         return tokenizer.pair_estimate(self.pairs, self.truncation)
 
     def small(self, most: int = INLINE_TOKENIZE_CHARS) -> bool:
@@ -212,6 +225,14 @@ class Job:
     ) -> list[TokenizedInput]:
         """The job's inputs tokenized and truncated; over ``max_total`` tokens in all it is
         refused as soon as its inputs read so far hold more."""
+        if self.pairs is not None and self.segmented is not None:
+            return tokenizer.encode_segmented(
+                self.pairs,
+                self.segmented,
+                instruction=self.prompt,
+                truncation=self.truncation,
+                max_total=max_total,
+            )
         if self.pairs is not None:
             return tokenizer.encode_pairs(
                 self.pairs, truncation=self.truncation, max_total=max_total

@@ -99,9 +99,10 @@ class EngineSettings(BaseSettings):
         "(/v1/embeddings; /score and /rerank by cosine similarity). reward (never chosen by "
         "auto) serves a classifier's raw outputs at every token on /pooling task reward, as "
         "vLLM's reward task; the last token's row is a decoder reward model's score. score "
-        "(never chosen by auto) on a qwen3 *ForCausalLM with no sentence-transformers config "
-        "serves it as a yes/no reranker (Qwen3-Reranker): each pair in its prompt, scored "
-        "P(yes) from the language-model head's yes and no logits. A task "
+        "(never chosen by auto) on a *ForCausalLM with no sentence-transformers config "
+        "serves it as a yes/no reranker, by model_type: qwen3 Qwen3-Reranker, qwen2 "
+        "mxbai-rerank-v2, gemma bge-reranker-v2-gemma: each pair in its published prompt, "
+        "scored from the language-model head's answer-token logits (through a sigmoid). A task "
         "the checkpoint cannot serve is refused at start. pooling, normalize, dimensions and "
         "matryoshka_dimensions apply to embed only.",
     )

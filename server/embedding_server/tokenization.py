@@ -45,7 +45,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from tokenizers import Encoding, Tokenizer
 
@@ -55,6 +55,9 @@ from .errors import (
     TooManyTokensError,
     UnsettledInputError,
 )
+
+if TYPE_CHECKING:
+    from .heads import SegmentedPairTemplate
 
 logger = logging.getLogger(__name__)
 
@@ -568,6 +571,75 @@ class TextTokenizer:
             TokenizedInput(b.ids + tail, b.original_length + len(tail), b.prompt_length)
             for b in bodies
         ]
+
+    def encode_segmented(
+        self,
+        pairs: Sequence[tuple[str, str]],
+        template: SegmentedPairTemplate,
+        *,
+        instruction: str | None,
+        truncation: Truncation,
+        max_total: int | None = None,
+    ) -> list[TokenizedInput]:
+        """A yes/no reranker's pairs laid out by ``template`` (:class:`SegmentedPairTemplate`):
+        its fixed pieces and each pair's query and document segments tokenized apart, without
+        special tokens, the query cut to :meth:`~SegmentedPairTemplate.query_room` and the
+        document to what :meth:`~SegmentedPairTemplate.document_room` leaves it, from their
+        ends, as the model's reference code cuts them. Each distinct query is read once.
+        ``truncate=False`` refuses a pair that would be cut; ``'left'`` is refused (it would
+        cut the prompt's instructions), as :meth:`encode_suffixed` does."""
+        if truncation.side == "left":
+            raise InvalidRequestError(
+                "truncate='left' would cut a yes/no reranker's prompt; use 'right' (the "
+                "document's end is cut) or refuse over-long pairs",
+                param=truncation.param,
+            )
+        limit = self._limit(truncation)
+
+        def ids(text: str) -> list[int]:
+            return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+        head = [i for text in template.head for i in ids(text)]
+        sep = ids(template.separator)
+        tail = [i for text in template.tail_texts(instruction) for i in ids(text)]
+        query_room = template.query_room(limit, len(head), len(tail))
+        least_room = template.document_room(limit, len(head), len(sep), len(tail), query_room)
+        if query_room < 1 or least_room < 1:
+            raise self._no_room(limit, len(head) + len(sep) + len(tail), truncation)
+        most_room = template.document_room(limit, len(head), len(sep), len(tail), 0)
+        queries = list(dict.fromkeys(template.query_text(q, instruction) for q, _ in pairs))
+        read_queries = self.encode(
+            queries,
+            truncation=Truncation("right", query_room, truncation.param),
+            add_special_tokens=False,
+        )
+        by_query = dict(zip(queries, read_queries, strict=True))
+        documents = self.encode(
+            [template.document_text(d) for _, d in pairs],
+            truncation=Truncation("right", most_room, truncation.param),
+            add_special_tokens=False,
+        )
+        tally = _Tally(max_total, "input")
+        out: list[TokenizedInput] = []
+        for i, ((query, _), document) in enumerate(zip(pairs, documents, strict=True)):
+            q = by_query[template.query_text(query, instruction)]
+            room = template.document_room(limit, len(head), len(sep), len(tail), len(q.ids))
+            body = document.ids[:room]
+            whole = len(head) + q.original_length + len(sep) + document.original_length
+            whole += len(tail)
+            if truncation.side is None and (q.truncated or len(body) < document.original_length):
+                raise InputTooLongError(
+                    f"pair {i} has {whole} tokens in {template.name}'s prompt, more than its "
+                    f"query may keep ({query_room}) or the maximum of {limit}; shorten it or "
+                    "ask for truncation",
+                    param="input",
+                    token_count=whole,
+                    max_tokens=limit,
+                )
+            fitted = TokenizedInput(head + q.ids + sep + body + tail, whole)
+            tally.add(len(fitted.ids))
+            out.append(fitted)
+        return out
 
     def _read(self, readings: Sequence[_Reading]) -> None:
         """Tokenize the window of each reading that is not current, in at most two batched

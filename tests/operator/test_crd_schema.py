@@ -191,7 +191,20 @@ def test_examples_cover_the_advertised_cases() -> None:
         "bge-reranker-l4.yaml",
         "mpnet-search-cpu.yaml",
         "ms-marco-reranker-cpu.yaml",
+        "hybrid-search-l4.yaml",
     } <= names
+
+
+def test_the_hybrid_search_example_pairs_an_embedder_and_a_yes_no_reranker() -> None:
+    """examples/hybrid-search-l4.yaml: bge-m3 embedding and Qwen3-Reranker with task score
+    (without it a *ForCausalLM reranker is refused), each its own service."""
+    path = next(p for p in EXAMPLES if p.name == "hybrid-search-l4.yaml")
+    specs = {d["metadata"]["name"]: d["spec"] for d in yaml.safe_load_all(path.read_text())}
+    assert {n: (s["model"]["name"], s["task"]) for n, s in specs.items()} == {
+        "bge-m3": ("BAAI/bge-m3", "embed"),
+        "qwen3-reranker": ("Qwen/Qwen3-Reranker-0.6B", "score"),
+    }
+    assert parse_spec(specs["qwen3-reranker"]).task == "score"
 
 
 BAD_SPECS = {

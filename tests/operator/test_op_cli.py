@@ -28,6 +28,21 @@ def test_render_examples(path: Path, capsys: pytest.CaptureFixture[str]) -> None
         assert "ownerReferences" not in doc["metadata"]  # applyable on its own
 
 
+def test_render_hybrid_search_example_serves_the_reranker_with_task_score(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The Qwen3-Reranker of examples/hybrid-search-l4.yaml starts with --task score (under
+    the default, auto, the server refuses a *ForCausalLM reranker); bge-m3 with task embed."""
+    root = EXAMPLES[0].parent
+    docs = _render(root / "hybrid-search-l4.yaml", capsys)
+    tasks = {}
+    for doc in docs:
+        if doc["kind"] == "Deployment":
+            args = doc["spec"]["template"]["spec"]["containers"][0]["args"]
+            tasks[doc["metadata"]["name"]] = args[args.index("--task") + 1]
+    assert tasks == {"bge-m3": "embed", "qwen3-reranker": "score"}
+
+
 def test_render_autoscaled_example_has_hpa(capsys: pytest.CaptureFixture[str]) -> None:
     root = EXAMPLES[0].parent
     docs = {d["kind"]: d for d in _render(root / "bge-h100.yaml", capsys)}

@@ -23,6 +23,7 @@ from embedding_server.errors import UnsupportedModelError
 from embedding_server.heads import (
     Classifier,
     PairTemplate,
+    SegmentedPairTemplate,
     SparseStrategy,
     declared_activation,
     head_kind,
@@ -180,7 +181,10 @@ def generative(config: Mapping[str, Any]) -> str | None:
     )
 
 
-def yes_no_template(config: Mapping[str, Any], template: PairTemplate | None) -> PairTemplate:
+YesNoTemplate = PairTemplate | SegmentedPairTemplate
+
+
+def yes_no_template(config: Mapping[str, Any], template: YesNoTemplate | None) -> YesNoTemplate:
     """``template``, or the refusal of a generative checkpoint served with task score whose
     family has no yes/no reranker prompt we implement (from config.json alone, so that it
     comes before any weight is fetched)."""
@@ -189,10 +193,10 @@ def yes_no_template(config: Mapping[str, Any], template: PairTemplate | None) ->
     arch = generative(config) or "?"
     raise UnsupportedModelError(
         f"task score on {arch} serves it as a yes/no reranker, which needs the prompt its "
-        "authors trained it with; only Qwen3-Reranker's (model_type qwen3) is "
-        f"implemented, not one for model_type {config.get('model_type')!r} (mxbai-rerank-v2, "
-        "a qwen2 reranker scored differently, is not supported yet). Serve its hidden "
-        "states with --task embed, or a *ForSequenceClassification conversion of it"
+        "authors trained it with; those implemented are Qwen3-Reranker's (model_type qwen3), "
+        "mxbai-rerank-v2's (qwen2) and bge-reranker-v2-gemma's (gemma), none for model_type "
+        f"{config.get('model_type')!r}. Serve its hidden states with --task embed, or a "
+        "*ForSequenceClassification conversion of it"
     )
 
 
@@ -200,7 +204,7 @@ def read_yes_no(
     config: Mapping[str, Any],
     weights: Mapping[str, torch.Tensor],
     *,
-    template: PairTemplate | None,
+    template: YesNoTemplate | None,
     token_id: Callable[[str], int | None],
 ) -> tuple[Classifier, ClassificationHead]:
     """A generative checkpoint served with task score as a yes/no reranker: its last token's
@@ -208,11 +212,22 @@ def read_yes_no(
     (``lm_head.weight``, or the embeddings when tied), P(yes) = softmax([no, yes])[yes].
     That is ``sigmoid(logit_yes - logit_no)``, so the head is one row, ``W[yes] - W[no]``,
     read as a one-label cross-encoder (sigmoid, in float32); no other row of the LM head is
-    used. ``template`` None: the family has no reranker prompt we implement (refused)."""
+    used. A template with no "no" token (bge-reranker-v2-gemma) scores ``sigmoid(logit_yes)``:
+    the head is ``W[yes]`` alone. ``template`` None: the family has no reranker prompt we
+    implement (refused)."""
     arch = generative(config) or "?"
     template = yes_no_template(config, template)
+    if isinstance(template, SegmentedPairTemplate):
+        for marker in template.tokens:
+            if token_id(marker) is None:
+                raise UnsupportedModelError(
+                    f"{arch} served as a {template.name} yes/no reranker: its tokenizer has "
+                    f"no token {marker!r}, which the prompt needs; is it a {template.name} "
+                    "checkpoint?"
+                )
+    answers = (template.yes,) if template.no is None else (template.yes, template.no)
     ids: dict[str, int] = {}
-    for answer in (template.yes, template.no):
+    for answer in answers:
         found = token_id(answer)
         if found is None:
             raise UnsupportedModelError(
@@ -243,8 +258,9 @@ def read_yes_no(
                 f"{arch}: the tokenizer's {answer!r} token id {row} is not a row of {name} "
                 f"({rows} rows); the tokenizer and the checkpoint disagree"
             )
-    yes, no = (_row(weights, name, ids[a]).float() for a in (template.yes, template.no))
-    direction = yes - no
+    direction = _row(weights, name, ids[template.yes]).float()
+    if template.no is not None:
+        direction = direction - _row(weights, name, ids[template.no]).float()
     head = ClassificationHead(weight=direction.unsqueeze(0), bias=None)
     return Classifier("last", (template.yes,), "sigmoid", template=template), head
 

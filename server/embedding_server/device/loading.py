@@ -738,7 +738,8 @@ def refuse_generative(config: Mapping[str, Any], st: SentenceTransformerConfig, 
     """Refuse a ``*ForCausalLM`` checkpoint with no sentence-transformers files under task
     auto: a decoder embedder says how it pools in ``modules.json`` (Qwen3-Embedding,
     gte-Qwen2); without one it is a chat model or a yes/no reranker (Qwen3-Reranker,
-    mxbai-rerank-v2), whose last-token state is not what it scores with."""
+    mxbai-rerank-v2, bge-reranker-v2-gemma), whose last-token state is not what it scores
+    with."""
     if task != "auto" or st.present:
         return
     causal_lm = generative(config)
@@ -746,11 +747,12 @@ def refuse_generative(config: Mapping[str, Any], st: SentenceTransformerConfig, 
         return
     raise UnsupportedModelError(
         f"{causal_lm} checkpoint with no sentence-transformers config (modules.json): it looks "
-        "like a generative model or a yes/no reranker (Qwen3-Reranker, mxbai-rerank-v2, which "
-        "score a pair by the language-model head's logits for their yes/no tokens), so it is "
-        "not served by guess; served as an embedder, its /rerank would return cosine "
-        "similarities of hidden states, not its relevance scores. To serve a Qwen3-Reranker "
-        "as the reranker it is, set --task score; to serve its hidden states as embeddings "
+        "like a generative model or a yes/no reranker (Qwen3-Reranker, mxbai-rerank-v2, "
+        "bge-reranker-v2-gemma, which score a pair by the language-model head's logits for "
+        "their answer tokens), so it is not served by guess; served as an embedder, its "
+        "/rerank would return cosine similarities of hidden states, not its relevance scores. "
+        "To serve one of those rerankers as the reranker it is, set --task score; to serve "
+        "its hidden states as embeddings "
         "anyway, set --task embed (pooling defaults to --pooling last; set the one the model "
         "was trained with)"
     )

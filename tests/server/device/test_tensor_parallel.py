@@ -80,6 +80,8 @@ BUILDERS: dict[str, Callable[[Path], Path]] = {
     "gemma2": lambda p: build_decoder(
         p, "gemma2", head_dim=16, attn_logit_softcapping=4.0, sliding_window=8
     ),
+    # Gemma 1 (bge-reranker-v2-gemma's body): Gemma 2's split without the cap or the window.
+    "gemma": lambda p: build_decoder(p, "gemma", head_dim=16),
 }
 
 

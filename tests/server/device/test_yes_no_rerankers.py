@@ -223,7 +223,7 @@ def test_task_auto_still_refuses_and_points_at_task_score(reranker: Path) -> Non
         Engine.from_pretrained(str(reranker))
 
 
-@pytest.mark.parametrize("model_type", ["qwen2", "llama"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral"])
 def test_families_without_a_reranker_prompt_are_refused(tmp_path: Path, model_type: str) -> None:
     path = build_reranker(tmp_path / model_type, model_type)
     with pytest.raises(UnsupportedModelError) as refused:

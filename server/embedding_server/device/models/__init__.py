@@ -23,7 +23,13 @@ from typing import Any
 import torch
 
 from embedding_server.errors import UnsupportedModelError
-from embedding_server.heads import QWEN3_RERANKER, PairTemplate
+from embedding_server.heads import (
+    BGE_RERANKER_GEMMA,
+    MXBAI_RERANK_V2,
+    QWEN3_RERANKER,
+    PairTemplate,
+    SegmentedPairTemplate,
+)
 from embedding_server.pooling import PoolingMethod
 
 from ..distributed import SINGLE, Shard
@@ -34,6 +40,7 @@ from . import (
     distilbert,
     electra,
     ernie,
+    gemma,
     gemma2,
     gte,
     jina_bert,
@@ -45,6 +52,7 @@ from . import (
 from .base import Checkpoint, EmbeddingModel, Ignored, PackedBatch
 from .bert import BertModel, BertVariant
 from .deberta_v2 import DebertaV2Model
+from .gemma import GemmaModel
 from .gemma2 import Gemma2Model
 from .gemma3 import MULTIMODAL_REFUSAL, Gemma3TextModel
 from .gte import GteModel
@@ -79,7 +87,7 @@ class Architecture:
     check_config: Callable[[Mapping[str, Any]], None] | None = None
     """Refuses config values the family cannot serve exactly (UnsupportedModelError), run on
     config.json alone so that such a model is refused before its weights are fetched."""
-    yes_no: PairTemplate | None = None
+    yes_no: PairTemplate | SegmentedPairTemplate | None = None
     """The prompt its generative (``*ForCausalLM``) rerankers are trained with: with task
     score, such a checkpoint is served as a yes/no reranker (``device.heads.read_yes_no``).
     None: refused with task score."""
@@ -235,7 +243,14 @@ ARCHITECTURES: dict[str, Architecture] = {
             check_config=LLAMA_BIDIREC.check_config,
         ),
         Architecture("mistral", decoder(MISTRAL), "last", score_head, ignored=DECODER_IGNORED),
-        Architecture("qwen2", decoder(QWEN2), "last", score_head, ignored=DECODER_IGNORED),
+        Architecture(
+            "qwen2",
+            decoder(QWEN2),
+            "last",
+            score_head,
+            ignored=DECODER_IGNORED,
+            yes_no=MXBAI_RERANK_V2,  # mxbai-rerank-base-v2 / -large-v2
+        ),
         Architecture(
             "qwen3",
             decoder(QWEN3),
@@ -251,6 +266,16 @@ ARCHITECTURES: dict[str, Architecture] = {
             score_head,
             ignored=DECODER_IGNORED,
             float16_overflows=True,
+        ),
+        Architecture(
+            "gemma",
+            GemmaModel,
+            "last",
+            score_head,
+            ignored=DECODER_IGNORED,
+            float16_overflows=True,
+            check_config=gemma.check_config,
+            yes_no=BGE_RERANKER_GEMMA,  # BAAI/bge-reranker-v2-gemma
         ),
         Architecture(
             "gemma2",

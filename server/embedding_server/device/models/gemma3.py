@@ -97,9 +97,9 @@ class _Layer:
     k_norm: torch.Tensor | None
     o_w: torch.Tensor
     o_b: torch.Tensor | None
-    post_attn_norm: torch.Tensor
+    post_attn_norm: torch.Tensor | None  # sandwich norms (Gemma 2, 3); Gemma 1 has none
     pre_ff_norm: torch.Tensor
-    post_ff_norm: torch.Tensor
+    post_ff_norm: torch.Tensor | None
     gate_up_w: torch.Tensor
     down_w: torch.Tensor
 
@@ -126,12 +126,17 @@ class Gemma3TextModel:
     """Gemma 3 text body for packed batches (causal unless ``use_bidirectional_attention``).
 
     Gemma 2 (:mod:`.gemma2`) is the same block without the q/k norms and with one rope, plus
-    soft-capped attention logits: it subclasses this and overrides the hooks below."""
+    soft-capped attention logits; Gemma 1 (:mod:`.gemma`) is Gemma 2 without the sandwich
+    norms, the cap and the window. They subclass this and override the hooks below."""
 
     position_offset = 0
     model_type = "gemma3_text"
     qk_norm = True
+    sandwich = True
+    """Four norms per block, each sublayer's output normed before its residual add; False:
+    Llama's two (``post_attention_layernorm`` is then the MLP's input norm)."""
     default_max_positions = 131_072
+    default_kv_heads = _DEFAULT_KV_HEADS
 
     def check(self, config: Mapping[str, Any]) -> None:
         """Refuse what this family does not serve exactly."""
@@ -161,8 +166,18 @@ class Gemma3TextModel:
     def attention_softcap(self, config: Mapping[str, Any]) -> float | None:
         return None
 
+    def gelu_approximation_of(self, config: Mapping[str, Any]) -> str:
+        """torch's ``approximate`` for the MLP's gelu (``check`` refused any other name)."""
+        return _GELU_APPROXIMATION[gelu_activation(config)]
+
     def local_layers(self, config: Mapping[str, Any]) -> list[bool]:
         return local_layers(config)
+
+    def attention_scale(self, config: Mapping[str, Any], head_dim: int) -> float:
+        """``query_pre_attn_scalar ** -0.5`` (Gemma 2 and 3), not ``head_dim ** -0.5``."""
+        scalar = config_get(config, "query_pre_attn_scalar", default=_DEFAULT_QUERY_PRE_ATTN_SCALAR)
+        scale: float = float(scalar) ** -0.5
+        return scale
 
     def ropes(self, config: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         """The rope parameters of each layer kind."""
@@ -172,17 +187,16 @@ class Gemma3TextModel:
         config, dtype, device = checkpoint.config, checkpoint.dtype, checkpoint.device
         name = self.model_type
         self.check(config)
-        self.gelu_approximation = _GELU_APPROXIMATION[gelu_activation(config)]
+        self.gelu_approximation = self.gelu_approximation_of(config)
         self.softcap = self.attention_softcap(config)
         self.hidden_size = int(config["hidden_size"])
         self.num_heads = int(config["num_attention_heads"])
         self.num_kv_heads = int(
-            config_get(config, "num_key_value_heads", default=_DEFAULT_KV_HEADS)
+            config_get(config, "num_key_value_heads", default=self.default_kv_heads)
         )
         self.head_dim = int(config_get(config, "head_dim", default=_DEFAULT_HEAD_DIM))
         self.eps = float(config_get(config, "rms_norm_eps", default=1e-6))
-        scalar = config_get(config, "query_pre_attn_scalar", default=_DEFAULT_QUERY_PRE_ATTN_SCALAR)
-        self.scale = float(scalar) ** -0.5
+        self.scale = self.attention_scale(config, self.head_dim)
         self.causal = decoder_causal(config, name)
         self.max_positions = int(
             config_get(config, "max_position_embeddings", default=self.default_max_positions)
@@ -250,9 +264,20 @@ class Gemma3TextModel:
                     k_norm=norm(p + "self_attn.k_norm.weight") if self.qk_norm else None,
                     o_w=w.columns(p + "self_attn.o_proj.weight", split.q),
                     o_b=w.maybe(p + "self_attn.o_proj.bias", bias),
-                    post_attn_norm=norm(p + "post_attention_layernorm.weight"),
-                    pre_ff_norm=norm(p + "pre_feedforward_layernorm.weight"),
-                    post_ff_norm=norm(p + "post_feedforward_layernorm.weight"),
+                    post_attn_norm=(
+                        norm(p + "post_attention_layernorm.weight") if self.sandwich else None
+                    ),
+                    pre_ff_norm=norm(
+                        p
+                        + (
+                            "pre_feedforward_layernorm.weight"
+                            if self.sandwich
+                            else "post_attention_layernorm.weight"
+                        )
+                    ),
+                    post_ff_norm=(
+                        norm(p + "post_feedforward_layernorm.weight") if self.sandwich else None
+                    ),
                     gate_up_w=w.cat(
                         [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
                         (split.mlp, split.mlp),
@@ -292,10 +317,14 @@ class Gemma3TextModel:
                 softcap=self.softcap,
             )
             h = row_linear(attn.reshape(t, hq * d), layer.o_w, layer.o_b, self.shard)
-            x = x + gemma_rms_norm(h, layer.post_attn_norm, eps)
+            if layer.post_attn_norm is not None:
+                h = gemma_rms_norm(h, layer.post_attn_norm, eps)
+            x = x + h
             h = gemma_rms_norm(x, layer.pre_ff_norm, eps)
             gate, up = F.linear(h, layer.gate_up_w).chunk(2, dim=-1)
             h = F.gelu(gate, approximate=self.gelu_approximation) * up
             h = row_linear(h, layer.down_w, None, self.shard)
-            x = x + gemma_rms_norm(h, layer.post_ff_norm, eps)
+            if layer.post_ff_norm is not None:
+                h = gemma_rms_norm(h, layer.post_ff_norm, eps)
+            x = x + h
         return gemma_rms_norm(x, self.norm, eps)
