@@ -13,7 +13,9 @@ A model is a directory (local, the packaged default, or a Hugging Face Hub snaps
   ``sentence_bert_config.json`` (max_seq_length), ``config_sentence_transformers.json``
   (prompts, default_prompt_name, a CrossEncoder's activation_fn);
 * a ``*ForSequenceClassification`` checkpoint's classification head, named as its family
-  declares (``heads.py``, ``models/__init__.py``).
+  declares (``heads.py``, ``models/__init__.py``);
+* bge-m3's ``sparse_linear.pt`` and ``colbert_linear.pt`` where the root has them: its sparse
+  and multi-vector outputs (``hybrid.py``), unpickled with ``weights_only=True``.
 
 Everything read here is declarative; the engine combines it with the settings.
 
@@ -56,6 +58,7 @@ from tokenizers import Tokenizer
 
 from embedding_server.errors import ModelNotFoundError, UnsupportedModelError
 from embedding_server.heads import Classifier, SparseStrategy, head_kind
+from embedding_server.hybrid import HybridHeads
 from embedding_server.pooling import PoolingMethod
 from embedding_server.settings import DEFAULT_MODEL, Dtype, ModelBackend
 
@@ -79,6 +82,7 @@ from .heads import (
     read_yes_no,
     yes_no_template,
 )
+from .hybrid import HEAD_FILES, HybridHead, read_hybrid_head
 from .models import ARCHITECTURES, Architecture, build_model, lookup
 from .models.base import EmbeddingModel, TensorAudit, TrackedWeights, audit_tensors
 from .pooling import DenseLayer
@@ -92,7 +96,9 @@ with fnmatch, whose ``*`` crosses ``/``: ``1_Pooling/config.json`` too), enough 
 whether it can be served. No weights, and no pattern that could match code: a ``.py`` or
 ``.so`` on disk is one environment variable (``PYTHONPATH``, ``LD_PRELOAD``) away from
 running, so a checkpoint's Python comes only with remote code (:func:`fetch_weights`)."""
-_WEIGHT_PATTERNS = ["*.safetensors"]
+_WEIGHT_PATTERNS = ["*.safetensors", *HEAD_FILES]
+"""The weights: safetensors, and bge-m3's two head files at the root (pickles, read with
+``torch.load(weights_only=True)``: ``device/hybrid.py``)."""
 _BIN_PATTERNS = ["pytorch_model*.bin"]
 _MODULE_FILES = ("config.json", "model.safetensors", "pytorch_model.bin")
 """What a sentence-transformers Dense module's folder holds that we read (``_read_dense``)."""
@@ -649,6 +655,10 @@ class LoadedModel:
     """That head's weights (on the CPU, float32)."""
     sparse: SparseHead | None = None
     """The SPLADE head of a masked-LM checkpoint (task sparse), where it has one."""
+    hybrid: HybridHeads | None = None
+    """What bge-m3's sparse and ColBERT heads mean, where the directory has them."""
+    hybrid_head: HybridHead | None = None
+    """Their weights (on the CPU, float32)."""
     tensors: TensorAudit | None = None
     """Which of the checkpoint's tensors were read and which ignored, and why."""
     custom_code: str | None = None
@@ -870,6 +880,7 @@ def load_model(
         parts = _build(
             plan, weights, dtype=compute_dtype, device=build_device, shard=shard, task=task
         )
+        hybrid = None if shapes_only else _hybrid(path, parts.body.hidden_size, tokenizer, plan)
     config = plan.config
     architectures = config.get("architectures") or [plan.arch.model_type]
     return LoadedModel(
@@ -887,6 +898,8 @@ def load_model(
         classifier=parts.classifier[0] if parts.classifier else None,
         classifier_head=parts.classifier[1] if parts.classifier else None,
         sparse=parts.sparse,
+        hybrid=hybrid[0] if hybrid else None,
+        hybrid_head=hybrid[1] if hybrid else None,
         tensors=parts.tensors,
         custom_code=plan.custom_code,
         attention_bias=plan.arch.attention_bias,
@@ -939,6 +952,12 @@ def _load_transformers(
         declared_max_length=max(st.max_seq_length or 0, tokenizer_max or 0) or None,
     )
     architectures = config.get("architectures") or [type(built.model.module).__name__]
+    hybrid = read_hybrid_head(
+        path,
+        hidden_size=built.model.hidden_size,
+        tokenizer=tokenizer,
+        architecture=str(architectures[0]),
+    )
     return LoadedModel(
         name=model,
         path=path,
@@ -953,6 +972,8 @@ def _load_transformers(
         head_dim=built.head_dim,
         classifier=built.classifier[0] if built.classifier else None,
         classifier_head=built.classifier[1] if built.classifier else None,
+        hybrid=hybrid[0] if hybrid else None,
+        hybrid_head=hybrid[1] if hybrid else None,
         backend="transformers",
         attention=built.model.attention,
         custom_code=custom_code_class(config),
@@ -1023,6 +1044,16 @@ def _weight_shapes(
             return path, TensorShapes.from_hub(meta.files_metadata)
     path = fetch_weights(source, st)
     return path, TensorShapes.of(load_weights(path))
+
+
+def _hybrid(
+    path: Path, hidden_size: int, tokenizer: Tokenizer, plan: ModelPlan
+) -> tuple[HybridHeads, HybridHead] | None:
+    """bge-m3's sparse and ColBERT heads where ``path`` holds them (``device/hybrid.py``)."""
+    architectures = plan.config.get("architectures") or [plan.arch.model_type]
+    return read_hybrid_head(
+        path, hidden_size=hidden_size, tokenizer=tokenizer, architecture=str(architectures[0])
+    )
 
 
 def _sparse_head(
