@@ -30,7 +30,12 @@ from embedding_server.engine import Engine
 from embedding_server.errors import InvalidRequestError, UnsupportedModelError
 from transformers import AutoTokenizer, XLMRobertaModel
 
-from tests.support.models import add_sentence_transformers, build_xlm_roberta
+from tests.support.models import (
+    add_bge_m3_heads,
+    add_sentence_transformers,
+    build_bge_m3,
+    build_xlm_roberta,
+)
 from tests.support.tasks import build_classifier
 
 F32_COSINE, BF16_COSINE = 0.99999, 0.999
@@ -43,27 +48,10 @@ TEXTS = [
 SPECIAL_IDS = {0, 1, 2, 3}  # <s>, <pad>, </s>, <unk> in build_xlm_roberta's tokenizer
 
 
-def _add_heads(path: Path, colbert_dim: int | None = None) -> tuple[torch.nn.Linear, ...]:
-    hidden = 32
-    torch.manual_seed(7)
-    sparse = torch.nn.Linear(hidden, 1)
-    colbert = torch.nn.Linear(hidden, colbert_dim or hidden)
-    with torch.no_grad():
-        sparse.weight.normal_(0.0, 0.3)
-        sparse.bias.fill_(0.3)  # most tokens weighted, some not
-        colbert.weight.normal_(0.0, 0.2)
-    torch.save(sparse.state_dict(), path / "sparse_linear.pt")
-    torch.save(colbert.state_dict(), path / "colbert_linear.pt")
-    return sparse, colbert
-
-
 @pytest.fixture(scope="module")
 def bge_m3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny bge-m3-shaped directory: XLM-R, CLS pooling + Normalize, the two heads."""
-    root = tmp_path_factory.mktemp("bge-m3")
-    path = add_sentence_transformers(build_xlm_roberta(root / "xlmr"), pooling="cls")
-    _add_heads(path)
-    return path
+    return build_bge_m3(tmp_path_factory.mktemp("bge-m3") / "xlmr")
 
 
 def _reference(path: Path, texts: list[str]) -> list[dict[str, Any]]:
@@ -200,7 +188,7 @@ class _Planted:
 
 def test_head_files_are_read_safely_or_refused(tmp_path: Path) -> None:
     path = add_sentence_transformers(build_xlm_roberta(tmp_path / "xlmr"), pooling="cls")
-    _add_heads(path)
+    add_bge_m3_heads(path)
     (path / "colbert_linear.pt").unlink()
     with pytest.raises(UnsupportedModelError, match=r"not colbert_linear\.pt"):
         Engine.from_pretrained(str(path))
@@ -216,10 +204,10 @@ def test_head_files_are_read_safely_or_refused(tmp_path: Path) -> None:
         Engine.from_pretrained(str(path))
     # A model of another task would leave the heads unread: refused, not dropped.
     reranker = build_classifier(tmp_path / "reranker", "xlm-roberta", 1)
-    _add_heads(reranker)
+    add_bge_m3_heads(reranker)
     with pytest.raises(UnsupportedModelError, match="served with task embed"):
         Engine.from_pretrained(str(reranker))
-    _add_heads(path, colbert_dim=8)
+    add_bge_m3_heads(path, colbert_dim=8)
     narrow = Engine.from_pretrained(str(path), dtype="float32")
     assert narrow.info().multi_vector_dim == 8
     assert narrow.embed_tokens(["ab"])[0].shape == (3, 8)  # <s> a b </s>, CLS left out
