@@ -15,8 +15,9 @@ sentence-transformers prompt for mteb's task and prompt type (query or document)
 mteb's SentenceTransformer wrapper does; ``MtebCrossEncoder`` scores query-document pairs
 (``Engine.score`` or ``/score``) of a cross-encoder; ``MtebMultiVectorEncoder`` gives a
 multi-vector model's (bge-m3's) per-token vectors for mteb's MaxSim. Inputs longer than the
-model's maximum are truncated, as sentence-transformers does, rather than refused. mteb has
-no protocol for sparse vectors, so bge-m3's sparse output has no wrapper.
+model's maximum are truncated, as sentence-transformers does, rather than refused. Sparse
+output (SPLADE, bge-m3's lexical weights) has no wrapper here yet: mteb's sparse support
+wraps a sentence-transformers ``SparseEncoder`` object itself.
 """
 
 from __future__ import annotations
