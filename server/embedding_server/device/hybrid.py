@@ -72,6 +72,22 @@ class HybridHead:
         return torch.cat([sparse, colbert], dim=-1)
 
 
+COLBERT_NOT_SERVED = (
+    "it is a ColBERT late-interaction model: its vectors are per-token, projected and "
+    "normalized, with [Q]/[D] markers and query augmentation, and scored by MaxSim. ColBERT "
+    "checkpoints are not served yet (bge-m3's ColBERT head is); a single pooled vector of it "
+    "would not be what it was trained to give, so it is refused"
+)
+
+
+def refuse_colbert(config: Mapping[str, Any]) -> None:
+    """Refuse a stanford-colbert ``HF_ColBERT`` checkpoint (a BERT body with a ``linear``
+    projection), from config.json alone, before any weight is fetched."""
+    names = [str(n) for n in config.get("architectures") or []]
+    if "HF_ColBERT" in names:
+        raise UnsupportedModelError(f"architecture HF_ColBERT: {COLBERT_NOT_SERVED}")
+
+
 def read_hybrid_head(
     path: Path | None, *, hidden_size: int, tokenizer: Tokenizer, architecture: str
 ) -> tuple[HybridHeads, HybridHead] | None:

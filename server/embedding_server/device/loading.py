@@ -82,7 +82,13 @@ from .heads import (
     read_yes_no,
     yes_no_template,
 )
-from .hybrid import HEAD_FILES, HybridHead, read_hybrid_head
+from .hybrid import (
+    COLBERT_NOT_SERVED,
+    HEAD_FILES,
+    HybridHead,
+    read_hybrid_head,
+    refuse_colbert,
+)
 from .models import ARCHITECTURES, Architecture, build_model, lookup
 from .models.base import EmbeddingModel, TensorAudit, TrackedWeights, audit_tensors
 from .pooling import DenseLayer
@@ -485,6 +491,12 @@ def read_sentence_transformers(
         return st
     st.present = True
     for module in sorted(modules, key=lambda m: int(m.get("idx", 0))):
+        if str(module.get("type", "")).startswith("pylate."):
+            # PyLate's Dense is named like sentence-transformers' but projects every token.
+            raise UnsupportedModelError(
+                f"sentence-transformers module {module.get('type')!r} is PyLate's: "
+                f"{COLBERT_NOT_SERVED}"
+            )
         kind = str(module.get("type", "")).rsplit(".", 1)[-1]
         module_path = path / str(module.get("path", ""))
         if kind == "Pooling":
@@ -717,6 +729,7 @@ def plan_model(source: ModelSource, *, task: str, trust_remote_code: bool) -> Mo
     ``model_type``, a task head or sentence-transformers module we do not serve, a
     generative checkpoint under task auto."""
     config = read_model_config(source.path)
+    refuse_colbert(config)
     custom = custom_code_class(config)
     if custom is not None and str(config.get("model_type", "")) not in ARCHITECTURES:
         raise UnsupportedModelError(custom_code_refusal(config, trust_remote_code))
@@ -933,6 +946,7 @@ def _load_transformers(
     it is allowed. ``shapes_only`` (``inspect``) builds the model all the same: transformers'
     classes are not built from shapes, and what they read decides what is refused."""
     config = read_model_config(source.path)
+    refuse_colbert(config)
     refuse_before_fetch(config, name=model, trust_remote_code=trust)
     st = read_sentence_transformers(source.path, dense_weights=False)
     refuse_generative(config, st, task)  # as on the native path: no silent last-token embedder

@@ -211,3 +211,24 @@ def test_head_files_are_read_safely_or_refused(tmp_path: Path) -> None:
     narrow = Engine.from_pretrained(str(path), dtype="float32")
     assert narrow.info().multi_vector_dim == 8
     assert narrow.embed_tokens(["ab"])[0].shape == (3, 8)  # <s> a b </s>, CLS left out
+
+
+def test_colbert_checkpoints_are_refused_not_pooled(tmp_path: Path) -> None:
+    """A ColBERT checkpoint (stanford-colbert's HF_ColBERT, or PyLate's, whose Dense module
+    is named like sentence-transformers' but projects every token) would otherwise load as
+    a single-vector embedder: refused, saying why, before any weight is read."""
+    import json
+
+    hf = build_xlm_roberta(tmp_path / "hf-colbert")
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "architectures": ["HF_ColBERT"]}))
+    with pytest.raises(UnsupportedModelError, match="HF_ColBERT: it is a ColBERT"):
+        Engine.from_pretrained(str(hf))
+    pylate = add_sentence_transformers(build_xlm_roberta(tmp_path / "pylate"), pooling="cls")
+    modules = json.loads((pylate / "modules.json").read_text())
+    modules = [m for m in modules if not m["type"].endswith(("Pooling", "Normalize"))]
+    modules.append({"idx": 1, "name": "1", "path": "1_Dense", "type": "pylate.models.Dense.Dense"})
+    (pylate / "modules.json").write_text(json.dumps(modules))
+    for backend in ("native", "transformers"):
+        with pytest.raises(UnsupportedModelError, match="PyLate's: it is a ColBERT"):
+            Engine.from_pretrained(str(pylate), backend=backend)
