@@ -15,10 +15,11 @@ from typing import Any
 import httpx
 import numpy as np
 import openai
+import psutil
 import pytest
 from embedding_server.engine import Engine
 
-from tests.support.api import RunningServer, fake_settings, running_server
+from tests.support.api import RunningServer, fake_settings, running_server, server_process
 from tests.support.models import build_bge_m3
 
 pytestmark = pytest.mark.timeout(180)
@@ -152,3 +153,28 @@ def test_a_model_without_the_heads_refuses_their_outputs() -> None:
             fake, "/v2/embed", {"texts": ["a"], "embedding_types": ["float", "sparse"]}, 400
         )
         assert "task sparse" in refused["error"]["message"]
+
+
+def test_front_end_processes_answer_all_three_without_torch(model: Path, offline: Engine) -> None:
+    """With --api-workers the heads run in the engine process's batches and the outputs are
+    read from the token rows in the front-end, which loads no torch."""
+    args = ["--model", str(model), "--dtype", "float32", "--api-workers", "2"]
+    with server_process(args, workers=2) as s:
+        response = httpx.post(
+            s.url + "/pooling", json={"input": TEXTS, "task": "hybrid"}, timeout=60
+        )
+        assert response.status_code == 200, response.text
+        want = offline.hybrid_embed(TEXTS)
+        assert want.sparse is not None and want.multi_vector is not None
+        for row, sparse, multi in zip(
+            response.json()["data"], want.sparse, want.multi_vector, strict=True
+        ):
+            assert row["data"]["sparse"]["indices"] == sparse.indices.tolist()
+            np.testing.assert_allclose(np.array(row["data"]["multi_vector"]), multi, atol=1e-5)
+        scores = httpx.post(s.url + "/score", json={"text_1": "z", "text_2": TEXTS}, timeout=60)
+        np.testing.assert_allclose(
+            [d["score"] for d in scores.json()["data"]], offline.score("z", TEXTS), atol=1e-5
+        )
+        for child in s.children:
+            maps = psutil.Process(child.pid).memory_maps()
+            assert not any("libtorch" in Path(m.path).name for m in maps), child.pid
