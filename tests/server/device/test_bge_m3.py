@@ -232,3 +232,19 @@ def test_colbert_checkpoints_are_refused_not_pooled(tmp_path: Path) -> None:
     for backend in ("native", "transformers"):
         with pytest.raises(UnsupportedModelError, match="PyLate's: it is a ColBERT"):
             Engine.from_pretrained(str(pylate), backend=backend)
+
+
+def test_the_transformers_backend_serves_the_same_outputs(bge_m3: Path) -> None:
+    """The heads run on the token states whichever backend runs the body."""
+    native = Engine.from_pretrained(str(bge_m3), dtype="float32").hybrid_embed(TEXTS)
+    generic = Engine.from_pretrained(str(bge_m3), dtype="float32", backend="transformers")
+    assert generic.info().backend == "transformers"
+    got = generic.hybrid_embed(TEXTS)
+    assert got.dense is not None and native.dense is not None
+    np.testing.assert_allclose(got.dense, native.dense, atol=2e-5)
+    assert got.multi_vector is not None and native.multi_vector is not None
+    for a, b in zip(got.multi_vector, native.multi_vector, strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-5)
+    assert got.sparse is not None and native.sparse is not None
+    for x, y in zip(got.sparse, native.sparse, strict=True):
+        np.testing.assert_array_equal(x.indices, y.indices)
