@@ -893,7 +893,7 @@ def load_model(
         parts = _build(
             plan, weights, dtype=compute_dtype, device=build_device, shard=shard, task=task
         )
-        hybrid = None if shapes_only else _hybrid(path, parts.body.hidden_size, tokenizer, plan)
+        hybrid = _hybrid(path, parts.body.hidden_size, tokenizer, plan)
     config = plan.config
     architectures = config.get("architectures") or [plan.arch.model_type]
     return LoadedModel(
@@ -1032,7 +1032,7 @@ def _weight_shapes(
 ) -> tuple[Path, Mapping[str, torch.Tensor]]:
     """The directory to read the Dense modules from, and the checkpoint's tensors as shapes:
     from the safetensors headers on the Hub when online (only the Dense modules' small
-    files are downloaded), else from the files themselves."""
+    files and bge-m3's head files are downloaded), else from the files themselves."""
     if source.repo_id is not None and not _hub_offline():
         from huggingface_hub import get_safetensors_metadata
         from huggingface_hub.errors import HfHubHTTPError, NotASafetensorsRepoError
@@ -1047,14 +1047,14 @@ def _weight_shapes(
                 f"Hugging Face Hub: {exc}"
             ) from exc
         else:
-            path = source.path
-            if st.dense_modules:
-                path = _snapshot(
-                    source.repo_id,
-                    revision=source.revision,
-                    cache_dir=source.cache_dir,
-                    patterns=module_patterns(st.dense_modules),
-                )
+            # Small files read whole: the Dense modules', and bge-m3's two heads (which say
+            # what the model outputs) where the repository has them.
+            path = _snapshot(
+                source.repo_id,
+                revision=source.revision,
+                cache_dir=source.cache_dir,
+                patterns=[*module_patterns(st.dense_modules), *HEAD_FILES],
+            )
             return path, TensorShapes.from_hub(meta.files_metadata)
     path = fetch_weights(source, st)
     return path, TensorShapes.of(load_weights(path))

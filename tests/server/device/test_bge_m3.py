@@ -248,3 +248,15 @@ def test_the_transformers_backend_serves_the_same_outputs(bge_m3: Path) -> None:
     assert got.sparse is not None and native.sparse is not None
     for x, y in zip(got.sparse, native.sparse, strict=True):
         np.testing.assert_array_equal(x.indices, y.indices)
+
+
+def test_inspect_says_which_outputs_the_model_has(bge_m3: Path) -> None:
+    from embedding_server.device.inspection import inspect_model
+    from embedding_server.settings import EngineSettings
+
+    info = inspect_model(EngineSettings(model=str(bge_m3), dtype="float32")).info
+    assert (info.outputs, info.multi_vector_dim, info.score_method) == (
+        ["dense", "sparse", "multi_vector"],
+        32,
+        "maxsim",
+    )
