@@ -11,10 +11,11 @@ what the loaded model declares; the weights of the heads stay there too.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .heads import Classifier, Task
+from .hybrid import HybridHeads
 from .pooling import PoolingHead, PoolingMethod
 from .tokenization import Prompts
 
@@ -40,6 +41,9 @@ class EngineConfig:
     classifier: Classifier | None = None
     """What the classification head means (task score, classify, token_classify or
     reward); its weights are on the device."""
+    hybrid: HybridHeads | None = None
+    """bge-m3's sparse and multi-vector heads (task embed), where the model has them: its
+    token outputs are then their rows (``hybrid.py``), and /score is MaxSim."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,15 @@ class EngineInfo:
     backend: str = "native"
     """What runs the model: native (our packed implementation of its family), transformers
     (transformers' own model class, ``--backend``) or fake."""
+    outputs: list[str] = field(default_factory=list)
+    """What task embed serves: ``dense``, and ``sparse`` and ``multi_vector`` for a
+    bge-m3-shaped model (its ``sparse_linear.pt`` and ``colbert_linear.pt`` were found);
+    empty for the other tasks."""
+    multi_vector_dim: int | None = None
+    """Width of one multi-vector (ColBERT) vector, where the model has them."""
+    score_method: str | None = None
+    """How /score and /rerank score a pair: cross_encoder (task score), cosine (dense
+    embeddings) or maxsim (late interaction over multi-vectors); None: not served."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -50,6 +50,7 @@ from .ipc.messages import Handoff
 from .jobs import (
     DirectRunner,
     EmbedOptions,
+    HybridOptions,
     JobRunner,
     ScheduledRunner,
     ScoreOptions,
@@ -61,6 +62,7 @@ from .metrics import Metrics
 from .results import (
     ClassifyResult,
     EmbedResult,
+    HybridResult,
     Ranked,
     RerankResult,
     ScoreResult,
@@ -86,6 +88,8 @@ __all__ = [
     "EncodeTask",
     "Engine",
     "EngineInfo",
+    "HybridOptions",
+    "HybridResult",
     "Inputs",
     "Ranked",
     "RerankResult",

@@ -13,14 +13,17 @@ mteb is not a server dependency: nothing in the server imports this module, whic
 ``MtebEncoder`` embeds (``Engine.embed`` or ``/v1/embeddings``), choosing the model's own
 sentence-transformers prompt for mteb's task and prompt type (query or document) the way
 mteb's SentenceTransformer wrapper does; ``MtebCrossEncoder`` scores query-document pairs
-(``Engine.score`` or ``/score``) of a cross-encoder. Inputs longer than the model's maximum
-are truncated, as sentence-transformers does, rather than refused.
+(``Engine.score`` or ``/score``) of a cross-encoder; ``MtebMultiVectorEncoder`` gives a
+multi-vector model's (bge-m3's) per-token vectors for mteb's MaxSim. Inputs longer than the
+model's maximum are truncated, as sentence-transformers does, rather than refused. Sparse
+output (SPLADE, bge-m3's lexical weights) has no wrapper here yet: mteb's sparse support
+wraps a sentence-transformers ``SparseEncoder`` object itself.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -36,7 +39,7 @@ if TYPE_CHECKING:
 
     from embedding_server.engine import Engine
 
-__all__ = ["MtebCrossEncoder", "MtebEncoder"]
+__all__ = ["MtebCrossEncoder", "MtebEncoder", "MtebMultiVectorEncoder"]
 
 FloatArray = npt.NDArray[np.float32]
 
@@ -51,6 +54,8 @@ class _Backend(Protocol):
 
     def score(self, a: list[str], b: list[str]) -> FloatArray: ...
 
+    def embed_tokens(self, texts: list[str], prompt_name: str | None) -> list[FloatArray]: ...
+
 
 class _EngineBackend:
     def __init__(self, engine: Engine) -> None:
@@ -62,6 +67,9 @@ class _EngineBackend:
 
     def score(self, a: list[str], b: list[str]) -> FloatArray:
         return self._engine.score(a, b, truncate=True)
+
+    def embed_tokens(self, texts: list[str], prompt_name: str | None) -> list[FloatArray]:
+        return self._engine.embed_tokens(texts, prompt_name=prompt_name, truncate=True)
 
 
 class _HttpBackend:
@@ -113,6 +121,23 @@ class _HttpBackend:
             data = self._call("POST", "/score", body)["data"]
             scores.extend(item["score"] for item in sorted(data, key=lambda d: d["index"]))
         return np.asarray(scores, dtype=np.float32)
+
+    def embed_tokens(self, texts: list[str], prompt_name: str | None) -> list[FloatArray]:
+        out: list[FloatArray] = []
+        for _, chunk in self._chunks(texts):
+            body = {
+                "model": self._model,
+                "input": chunk,
+                "task": "token_embed",
+                "prompt_name": prompt_name,
+                "truncate_prompt_tokens": -1,
+            }
+            data = self._call("POST", "/pooling", body)["data"]
+            out.extend(
+                np.asarray(item["data"], dtype=np.float32)
+                for item in sorted(data, key=lambda d: d["index"])
+            )
+        return out
 
 
 def _backend(model: Engine | str, timeout: float, client: httpx.Client | None) -> _Backend:
@@ -201,6 +226,39 @@ class MtebEncoder(_Served, AbsEncoder):
         this task and prompt type (the one mteb's SentenceTransformer wrapper picks)."""
         prompt_name = self.get_prompt_name(task_metadata, prompt_type)
         return self._backend.embed(_texts(inputs), prompt_name)
+
+
+class MtebMultiVectorEncoder(MtebEncoder):
+    """mteb's encoder protocol with MaxSim (``ScoringFunction.MAX_SIM``, mteb's ColBERT
+    models' protocol) over a model with multi-vector outputs (bge-m3's ColBERT head):
+    ``encode`` gives each text's normalized per-token vectors (``Engine.embed_tokens`` or
+    ``/pooling`` task token_embed), which mteb's ``max_sim`` compares. Arguments as
+    :class:`_Served`, whose ``similarity`` is MaxSim here."""
+
+    def __init__(self, model: Engine | str, **options: Any) -> None:
+        options.setdefault("similarity", ScoringFunction.MAX_SIM)
+        super().__init__(model, **options)
+        if "multi_vector" not in (self._backend.info.get("outputs") or []):
+            raise ValueError(
+                "MtebMultiVectorEncoder needs a model with multi-vector outputs (bge-m3's "
+                f"colbert_linear.pt); this model serves {self._backend.info.get('outputs')}"
+            )
+
+    def encode(
+        self,
+        inputs: DataLoader[BatchedInput],
+        *,
+        task_metadata: TaskMetadata,
+        hf_split: str,
+        hf_subset: str,
+        prompt_type: PromptType | None = None,
+        **kwargs: Any,
+    ) -> Array:
+        """Each text's multi-vectors (``[tokens - 1, width]``), as mteb's ragged MaxSim
+        input, with the prompt :class:`MtebEncoder` would choose."""
+        prompt_name = self.get_prompt_name(task_metadata, prompt_type)
+        vectors: Any = self._backend.embed_tokens(_texts(inputs), prompt_name)
+        return cast("Array", vectors)
 
 
 class MtebCrossEncoder(_Served):

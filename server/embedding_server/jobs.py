@@ -92,6 +92,15 @@ class EmbedOptions(TokenOptions, total=False):
     """Matryoshka truncation to this many dimensions."""
 
 
+class HybridOptions(EmbedOptions, total=False):
+    """Options of a bge-m3-shaped model's outputs together (``dimensions`` and
+    ``normalize`` apply to the dense output; multi-vectors are always normalized)."""
+
+    max_output_values: int | None
+    """As :class:`TokenEmbedOptions`'s: refuse, before the forward pass, a request whose
+    multi-vectors would hold more numbers than this."""
+
+
 def check_options(method: str, options: dict[str, Any], allowed: type) -> None:
     """Refuse unknown keyword arguments, as a plain signature would."""
     unknown = sorted(set(options) - set(allowed.__annotations__))

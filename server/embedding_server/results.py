@@ -141,6 +141,17 @@ class SparseEmbedResult(Usage):
     vectors: list[SparseVector]
 
 
+@dataclass(frozen=True, kw_only=True)
+class HybridResult(Usage):
+    """The outputs one request asked of a bge-m3-shaped model, from one forward pass: dense
+    vectors ``[n, d]``, sparse (lexical) weights and multi-vectors (``[len_i - 1, width]``
+    per input), each None when not asked for."""
+
+    dense: FloatArray | None = None
+    sparse: list[SparseVector] | None = None
+    multi_vector: list[FloatArray] | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class Ranked:
     """One document of a rerank: its position in the request and its relevance."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import abc
 import functools
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, Literal, TypeVar, Unpack
+from typing import Any, Literal, TypeVar, Unpack, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -29,9 +29,11 @@ import numpy.typing as npt
 from .configuration import EngineConfig, EngineInfo
 from .errors import InvalidRequestError
 from .heads import Task
+from .hybrid import OUTPUTS, HybridHeads, maxsim_scores
 from .jobs import (
     INLINE_TOKENIZE_CHARS,
     EmbedOptions,
+    HybridOptions,
     Job,
     JobRunner,
     ScoreOptions,
@@ -44,6 +46,7 @@ from .pooling import FloatArray
 from .results import (
     ClassifyResult,
     EmbedResult,
+    HybridResult,
     JobOutput,
     RerankResult,
     ScoreResult,
@@ -160,6 +163,15 @@ class ServingEngine(abc.ABC):
         """SPLADE sparse vectors (see :meth:`sparse_embed`)."""
         return await self._sparse(self._scheduled(), inputs, options)
 
+    async def ahybrid_embed(
+        self,
+        inputs: Inputs,
+        outputs: Sequence[str] = OUTPUTS,
+        **options: Unpack[HybridOptions],
+    ) -> HybridResult:
+        """A bge-m3-shaped model's ``outputs`` (see :meth:`hybrid_embed`)."""
+        return await self._hybrid(self._scheduled(), inputs, outputs, options)
+
     async def arerank(
         self,
         query: str,
@@ -245,6 +257,19 @@ class ServingEngine(abc.ABC):
         with a non-zero weight and their weights, as sentence-transformers' SparseEncoder
         computes them."""
         return self._sync(lambda runner: self._sparse(runner, inputs, options)).vectors
+
+    def hybrid_embed(
+        self,
+        inputs: Inputs,
+        outputs: Sequence[str] = OUTPUTS,
+        **options: Unpack[HybridOptions],
+    ) -> HybridResult:
+        """Any of a bge-m3-shaped model's three outputs from one forward pass, as
+        FlagEmbedding's ``BGEM3FlagModel.encode`` computes them: ``dense`` (the pooled
+        vectors, ``[n, d]``), ``sparse`` (lexical weights per token id) and ``multi_vector``
+        (ColBERT vectors, ``[len_i - 1, width]`` per input, normalized). Needs a model whose
+        ``info().outputs`` lists them."""
+        return self._sync(lambda runner: self._hybrid(runner, inputs, outputs, options))
 
     def rerank(
         self,
@@ -333,16 +358,28 @@ class ServingEngine(abc.ABC):
         items = await _checked(runner, normalize_inputs, inputs, "input")
         special = options.get("add_special_tokens", True)
         max_values = options.get("max_output_values")
+        hybrid = self._config.hybrid
+        width = hybrid.multi_vector_dim if hybrid is not None else self._info.hidden_size
         job = Job.prepare(
             items,
             options,
             self._config.prompts,
             add_special_tokens=special,
             want_tokens=True,
-            max_token_rows=None if max_values is None else max_values // self._info.hidden_size,
+            max_token_rows=None if max_values is None else max_values // width,
         )
         out = await self._run(runner, job)
         matrices = [t for t in out.tokens if t is not None]
+        if hybrid is not None:
+            # A bge-m3-shaped model's per-token output is its multi-vectors (as vLLM's
+            # token_embed of BgeM3EmbeddingModel): CLS left out, normalized by default.
+            normalize = options.get("normalize")
+            vectors = [
+                hybrid.multi_vector(m, normalize=normalize is None or bool(normalize))
+                for m in matrices
+            ]
+            token_ids = [list(t.ids[1:]) for t in out.tokenized]
+            return TokenEmbedResult(embeddings=vectors, token_ids=token_ids, **usage_of(out))
         normalize = bool(options.get("normalize"))
         return out.token_result(self._config.head.finish_tokens(matrices, normalize))
 
@@ -352,6 +389,14 @@ class ServingEngine(abc.ABC):
         check_options("score", dict(options), ScoreOptions)
         self._require("scoring", "embed", "score")
         classifier = self._config.classifier
+        hybrid = self._config.hybrid
+        if classifier is None and hybrid is not None:
+            # Late interaction: both sides' multi-vectors from one job, MaxSim per pair.
+            items, n_a = await _checked(runner, pair_inputs, a, b)
+            job = Job.prepare(items, options, self._config.prompts, want_tokens=True)
+            out = await self._run(runner, job)
+            vectors = [hybrid.multi_vector(t) for t in out.tokens if t is not None]
+            return out.score_result(maxsim_scores(vectors, n_a))
         if classifier is None:
             items, n_a = await _checked(runner, pair_inputs, a, b)
             out = await self._run(runner, Job.prepare(items, options, self._config.prompts))
@@ -412,6 +457,12 @@ class ServingEngine(abc.ABC):
         check_options("sparse_embed", dict(options), TokenOptions)
         if options.get("normalize"):
             raise InvalidRequestError("normalize does not apply to task sparse", param="normalize")
+        if self._config.hybrid is not None:  # bge-m3's lexical weights
+            hybrid_options = cast(
+                HybridOptions, {k: v for k, v in options.items() if k != "normalize"}
+            )
+            result = await self._hybrid(runner, inputs, ("sparse",), hybrid_options)
+            return SparseEmbedResult(vectors=result.sparse or [], **usage_of(result))
         self._require("sparse embedding", "sparse")
         items = await _checked(runner, normalize_inputs, inputs, "input")
         special = options.get("add_special_tokens", True)
@@ -441,6 +492,74 @@ class ServingEngine(abc.ABC):
             raise InvalidRequestError("top_n must be a non-negative integer", param="top_n")
         result = await self._score(runner, query, list(documents), options)
         return RerankResult(results=rank(result.scores, top_n), **usage_of(result))
+
+    def _hybrid_heads(self, what: str) -> HybridHeads:
+        """The model's sparse and multi-vector heads, or a 400 saying it has none."""
+        hybrid = self._config.hybrid
+        if hybrid is None:
+            raise InvalidRequestError(
+                f"{what} needs a model with sparse and multi-vector outputs (bge-m3's "
+                f"sparse_linear.pt and colbert_linear.pt); this model ({self._info.architecture}"
+                f", task {self._config.task}) serves {', '.join(self._info.outputs) or 'neither'}",
+                param="model",
+            )
+        return hybrid
+
+    async def _hybrid(
+        self,
+        runner: JobRunner,
+        inputs: Inputs,
+        outputs: Sequence[str],
+        options: HybridOptions,
+    ) -> HybridResult:
+        check_options("hybrid_embed", dict(options), HybridOptions)
+        hybrid = self._hybrid_heads("dense, sparse and multi-vector output")
+        wanted = set(outputs) if not isinstance(outputs, str) else {outputs}
+        unknown = sorted(wanted - set(OUTPUTS))
+        if unknown or not wanted:
+            raise InvalidRequestError(
+                f"outputs must be a non-empty list of {', '.join(OUTPUTS)}"
+                + (f"; got {', '.join(map(repr, unknown))}" if unknown else ""),
+                param="outputs",
+            )
+        dense = "dense" in wanted
+        if not dense:
+            for name in ("dimensions", "normalize"):
+                if options.get(name) is not None:
+                    raise InvalidRequestError(
+                        f"{name} applies to the dense output, which was not asked for",
+                        param=name,
+                    )
+        head = self._config.head.options(options.get("dimensions"), options.get("normalize"))
+        items = await _checked(runner, normalize_inputs, inputs, "input")
+        per_token = bool(wanted & {"sparse", "multi_vector"})
+        max_values = options.get("max_output_values")
+        job = Job.prepare(
+            items,
+            options,
+            self._config.prompts,
+            add_special_tokens=options.get("add_special_tokens", True),
+            want_tokens=per_token,
+            max_token_rows=(
+                None
+                if max_values is None or "multi_vector" not in wanted
+                else max_values // hybrid.multi_vector_dim
+            ),
+        )
+        out = await self._run(runner, job)
+        rows = [t for t in out.tokens if t is not None]
+        return HybridResult(
+            dense=head.apply(out.pooled) if dense else None,
+            sparse=(
+                [hybrid.sparse(r, t.ids) for r, t in zip(rows, out.tokenized, strict=True)]
+                if "sparse" in wanted
+                else None
+            ),
+            multi_vector=(
+                [hybrid.multi_vector(r) for r in rows] if "multi_vector" in wanted else None
+            ),
+            **usage_of(out),
+        )
 
     async def _run(self, runner: JobRunner, job: Job) -> JobOutput:
         out = await runner.run(job)

@@ -21,15 +21,16 @@ import mteb
 import pytest
 from datasets import Dataset, DatasetDict
 from embedding_server.engine import Engine
-from embedding_server.evaluation import MtebCrossEncoder, MtebEncoder
+from embedding_server.evaluation import MtebCrossEncoder, MtebEncoder, MtebMultiVectorEncoder
 from embedding_server.settings import ServerSettings
 from mteb.abstasks.retrieval import AbsTaskRetrieval
 from mteb.abstasks.retrieval_dataset_loaders import RetrievalSplitData
 from mteb.abstasks.sts import AbsTaskSTS
 from mteb.abstasks.task_metadata import TaskMetadata
+from mteb.models.abs_encoder import AbsEncoder
 
 from tests.support.api import RunningServer, running_server
-from tests.support.models import MINILM_DIR
+from tests.support.models import MINILM_DIR, build_bge_m3
 from tests.support.tasks import build_classifier, save_cross_encoder
 
 pytestmark = pytest.mark.timeout(300)
@@ -265,3 +266,52 @@ def test_wrong_task_is_refused(cross_dir: Path, embed_engine: Engine) -> None:
         MtebEncoder(cross)
     with pytest.raises(ValueError, match="task score; this model's task is embed"):
         MtebCrossEncoder(embed_engine)
+
+
+class _FlagEmbeddingColbert(AbsEncoder):
+    """The reference multi-vector encoder: FlagEmbedding's ColBERT output (colbert_linear
+    over transformers' XLMRobertaModel, CLS left out, each vector normalized), written out
+    (FlagEmbedding is not a dependency), with mteb's MaxSim."""
+
+    def __init__(self, path: Path) -> None:
+        import torch
+        from mteb.models import ModelMeta
+        from mteb.models.model_meta import ScoringFunction
+        from transformers import AutoTokenizer, XLMRobertaModel
+
+        self._torch = torch
+        self.model = XLMRobertaModel.from_pretrained(str(path)).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        state = torch.load(path / "colbert_linear.pt", weights_only=True)
+        self.colbert = torch.nn.Linear(state["weight"].shape[1], state["weight"].shape[0])
+        self.colbert.load_state_dict(state)
+        self.mteb_model_meta = ModelMeta.create_empty(
+            overwrites={"name": "reference/colbert", "similarity_fn_name": ScoringFunction.MAX_SIM}
+        )
+
+    def encode(self, inputs: Any, **kwargs: Any) -> Any:
+        torch = self._torch
+        out = []
+        with torch.no_grad():
+            for text in [t for batch in inputs for t in batch["text"]]:
+                enc = self.tokenizer(text, truncation=True, max_length=64, return_tensors="pt")
+                h = self.model(**enc).last_hidden_state[0]
+                out.append(torch.nn.functional.normalize(self.colbert(h[1:]), dim=-1).numpy())
+        return out
+
+
+def test_multi_vector_encoder_is_maxsim_over_the_colbert_vectors(
+    tmp_path_factory: pytest.TempPathFactory, embed_engine: Engine
+) -> None:
+    """mteb's MaxSim protocol over bge-m3's multi-vectors, offline and over HTTP, scores a
+    retrieval task as the reference ColBERT encoder does."""
+    path = build_bge_m3(tmp_path_factory.mktemp("bge-m3") / "xlmr")
+    task = LocalRetrieval()
+    reference = evaluate(_FlagEmbeddingColbert(path), task)
+    with Engine.from_pretrained(str(path), dtype="float32") as engine:
+        assert_same_scores(evaluate(MtebMultiVectorEncoder(engine), task), reference)
+    settings = ServerSettings(model=str(path), dtype="float32", max_inputs_per_request=4)
+    with running_server(settings) as server:
+        assert_same_scores(evaluate(MtebMultiVectorEncoder(server.url), task), reference)
+    with pytest.raises(ValueError, match="needs a model with multi-vector outputs"):
+        MtebMultiVectorEncoder(embed_engine)

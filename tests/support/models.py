@@ -619,3 +619,26 @@ def build_deberta(path: Path, variant: str = "deberta-v3") -> Path:
         config["pos_att_type"] = overrides["pos_att_type"]
         (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
+
+
+def add_bge_m3_heads(path: Path, colbert_dim: int | None = None, seed: int = 7) -> Path:
+    """bge-m3's two head files at the root of ``path`` (a 32-wide body), as FlagEmbedding
+    saves them: ``torch.save`` of ``sparse_linear`` (hidden -> 1) and ``colbert_linear``
+    (hidden -> ``colbert_dim``, default hidden) state dicts."""
+    hidden = 32
+    torch.manual_seed(seed)
+    sparse = torch.nn.Linear(hidden, 1)
+    colbert = torch.nn.Linear(hidden, colbert_dim or hidden)
+    with torch.no_grad():
+        sparse.weight.normal_(0.0, 0.3)
+        sparse.bias.fill_(0.3)  # most tokens weighted, some not
+        colbert.weight.normal_(0.0, 0.2)
+    torch.save(sparse.state_dict(), path / "sparse_linear.pt")
+    torch.save(colbert.state_dict(), path / "colbert_linear.pt")
+    return path
+
+
+def build_bge_m3(path: Path) -> Path:
+    """A tiny bge-m3-shaped model: XLM-R, CLS pooling and Normalize (sentence-transformers),
+    and the sparse and ColBERT head files."""
+    return add_bge_m3_heads(add_sentence_transformers(build_xlm_roberta(path), pooling="cls"))

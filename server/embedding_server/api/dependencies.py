@@ -82,15 +82,19 @@ def check_sparse_request(
     """Refuse (400), before any work, sparse output asked of a model without a sparse head,
     or a response that could exceed ``max_response_bytes``: a SPLADE vector may weight every
     vocabulary entry, so each of ``vectors`` is bounded by the vocabulary size, or by
-    ``max_active_dims`` when the request caps it. Returns the bytes one entry may take."""
+    ``max_active_dims`` when the request caps it (bge-m3's lexical weights, one per distinct
+    token, also by the input length). Returns the bytes one entry may take."""
     info = engine.info()
-    if info.task != "sparse":
+    lexical = "sparse" in info.outputs  # bge-m3's: one weight per distinct input token
+    if info.task != "sparse" and not lexical:
         raise InvalidRequestError(
-            f"{what} needs a model with task sparse; this model's task is {info.task} "
-            f"({info.architecture})",
+            f"{what} needs a model with task sparse, or one with a sparse output (bge-m3); "
+            f"this model's task is {info.task} ({info.architecture})",
             param="model",
         )
     entries = min(info.vocab_size, max_active_dims or info.vocab_size)
+    if lexical:
+        entries = min(entries, info.max_input_tokens)
     # A value, its token id (at most as many digits as the vocabulary size) and separators.
     entry_bytes = JSON_FLOAT_BYTES + len(str(info.vocab_size)) + 1
     size = vectors * entries * entry_bytes
@@ -105,6 +109,21 @@ def check_sparse_request(
             vectors=vectors,
         )
     return entry_bytes
+
+
+def require_outputs(engine: ServingEngine, outputs: Sequence[str], what: str) -> None:
+    """Refuse (400) ``outputs`` of a model that does not serve them all (``info().outputs``:
+    dense for an embedder; sparse and multi_vector for a bge-m3-shaped one)."""
+    info = engine.info()
+    missing = [o for o in outputs if o not in info.outputs]
+    if missing:
+        raise InvalidRequestError(
+            f"{what} needs a model with {' and '.join(missing)} output; this model "
+            f"({info.architecture}, task {info.task}) serves "
+            f"{', '.join(info.outputs) or 'none of dense, sparse and multi_vector'} (sparse "
+            "and multi_vector come from bge-m3's sparse_linear.pt and colbert_linear.pt)",
+            param="model",
+        )
 
 
 def max_response_values(lifecycle: Lifecycle, bytes_per_value: float) -> int:

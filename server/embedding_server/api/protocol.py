@@ -342,8 +342,9 @@ class EmbeddingRequest(ApiRequest, _TruncationOptions, _EncodingOptions):
     )
 
 
-CohereEmbedType = CohereEmbeddingType | Literal["sparse"]
-"""Cohere's embedding types, and ``sparse``: a SPLADE model's ``{indices, values}``."""
+CohereEmbedType = CohereEmbeddingType | Literal["sparse", "multi_vector"]
+"""Cohere's embedding types, and our extensions: ``sparse`` (a SPLADE model's, or bge-m3's,
+``{indices, values}``) and ``multi_vector`` (bge-m3's per-token ColBERT vectors)."""
 
 
 def _float_only() -> list[CohereEmbedType]:
@@ -371,8 +372,10 @@ class CohereEmbedRequest(ApiRequest):
         default_factory=_float_only,
         min_length=1,
         description="Any of float, int8, uint8, binary, ubinary, base64 (a model of task "
-        "embed); or sparse alone (a SPLADE model of task sparse): each text's weights over "
-        "the vocabulary as {indices, values}, token ids ascending.",
+        "embed); sparse: each text's weights over the vocabulary as {indices, values}, token "
+        "ids ascending (alone on a SPLADE model of task sparse; with any other type on a "
+        "model with sparse and multi-vector outputs, bge-m3); multi_vector: each text's "
+        "per-token ColBERT vectors, [tokens - 1][width] (bge-m3). All from one forward pass.",
     )
     max_active_dims: int | None = Field(None, gt=0, description=MAX_ACTIVE_DIMS_DESCRIPTION)
     output_dimension: int | None = Field(None, gt=0, description="Matryoshka truncation.")
@@ -396,7 +399,9 @@ class PoolingRequest(ApiRequest, _TruncationOptions, _EncodingOptions):
     """
 
     input: EmbeddingInput = Field(description="As for /v1/embeddings.")
-    task: Literal["token_embed", "embed", "classify", "token_classify", "reward", "sparse"] = Field(
+    task: Literal[
+        "token_embed", "embed", "classify", "token_classify", "reward", "sparse", "hybrid"
+    ] = Field(
         "token_embed",
         description="token_embed (the default, as in vLLM for models that support it): one "
         "vector per token, refused with 400 when the answer would exceed the server's "
@@ -404,13 +409,18 @@ class PoolingRequest(ApiRequest, _TruncationOptions, _EncodingOptions):
         "classify: the class probabilities (a classifier or cross-encoder); token_classify: "
         "the label probabilities of every token (a token classifier); reward: a reward "
         "model's raw outputs at every token (task reward); sparse: a SPLADE model's "
-        "{indices, values} over the vocabulary (task sparse).",
+        "{indices, values} over the vocabulary (task sparse, or bge-m3's lexical weights); "
+        "hybrid: a bge-m3-shaped model's three outputs from one pass, "
+        "{dense, sparse: {indices, values}, multi_vector} per input (JSON only). On a model "
+        "with multi-vector outputs (bge-m3), token_embed gives its ColBERT vectors, every "
+        "token but the first, normalized unless normalize is false.",
     )
     max_active_dims: int | None = Field(None, gt=0, description=MAX_ACTIVE_DIMS_DESCRIPTION)
     normalize: bool | None = Field(
         None,
-        description="L2-normalize each vector (default: "
-        "false for token_embed, the server setting for embed).",
+        description="L2-normalize each vector (default: false for token_embed, true for "
+        "a multi-vector model's token_embed, the server setting for embed and hybrid's dense "
+        "vector; hybrid's multi-vectors are always normalized).",
     )
 
 

@@ -10,6 +10,11 @@ model (task sparse) for each text's weights over the vocabulary, ``{indices, val
 ``embeddings.sparse``, the shape ``/pooling`` task sparse gives. Its response size is
 bounded before the forward pass by the vocabulary size, or by the request's
 ``max_active_dims``.
+
+A bge-m3-shaped model (``info().outputs`` lists ``sparse`` and ``multi_vector``) serves any
+mix of Cohere's dense types, ``sparse`` (its lexical weights) and ``multi_vector`` (our
+extension too: each text's ColBERT vectors under ``embeddings.multi_vector``) from one
+forward pass.
 """
 
 from __future__ import annotations
@@ -24,10 +29,13 @@ from embedding_server.api.dependencies import (
     check_response_size,
     check_sparse_request,
     engine_for,
+    max_response_values,
     pooled_dimensions,
+    require_outputs,
 )
 from embedding_server.api.disconnect import cancel_on_disconnect
 from embedding_server.api.encoding import (
+    JSON_FLOAT_BYTES,
     CohereEmbeddingType,
     cohere_bytes_per_dimension,
     cohere_embeddings,
@@ -37,7 +45,7 @@ from embedding_server.api.lifecycle import Lifecycle
 from embedding_server.api.prompts import prompt_name_for
 from embedding_server.api.protocol import CohereEmbedRequest
 from embedding_server.api.responses import encode_off_loop, json_response, timing_headers
-from embedding_server.errors import InvalidRequestError
+from embedding_server.errors import InvalidRequestError, OutputTooLargeError
 from embedding_server.serving import ServingEngine
 
 router = APIRouter(tags=["Cohere"])
@@ -47,13 +55,18 @@ router = APIRouter(tags=["Cohere"])
 async def cohere_embed(body: CohereEmbedRequest, request: Request) -> Response:
     engine, lifecycle = engine_for(request, body.model)
     check_input_count(lifecycle, len(body.texts), "texts")
+    extensions = [t for t in body.embedding_types if t in _EXTENSIONS]
+    if extensions and "multi_vector" in engine.info().outputs:
+        return await _hybrid_embed(body, request, engine, lifecycle)
+    if "multi_vector" in extensions:
+        require_outputs(engine, ["multi_vector"], "embedding_types multi_vector")
     if "sparse" in body.embedding_types:
         return await _sparse_embed(body, request, engine, lifecycle)
     if body.max_active_dims is not None:
         raise InvalidRequestError(
             "max_active_dims applies to embedding_types sparse only", param="max_active_dims"
         )
-    # "sparse" is not among them: the rest are Cohere's dense types.
+    # Neither extension is among them: the rest are Cohere's dense types.
     dense_types = cast(list[CohereEmbeddingType], body.embedding_types)
     value_bytes = cohere_bytes_per_dimension(dense_types)
     dims = pooled_dimensions(engine, body.output_dimension)
@@ -78,14 +91,97 @@ async def cohere_embed(body: CohereEmbedRequest, request: Request) -> Response:
     return await encode_off_loop(encode, size)
 
 
+_EXTENSIONS = ("sparse", "multi_vector")
+
+
+async def _hybrid_embed(
+    body: CohereEmbedRequest, request: Request, engine: ServingEngine, lifecycle: Lifecycle
+) -> Response:
+    """A bge-m3-shaped model's outputs from one forward pass: Cohere's dense types from its
+    dense vector, ``sparse`` from its lexical weights, ``multi_vector`` from its ColBERT
+    vectors. Each part's size is bounded before the forward pass (the multi-vectors once
+    the texts are tokenized)."""
+    wanted = set(body.embedding_types)
+    dense_types = [
+        cast(CohereEmbeddingType, t) for t in body.embedding_types if t not in _EXTENSIONS
+    ]
+    outputs = (["dense"] if dense_types else []) + [t for t in _EXTENSIONS if t in wanted]
+    if not dense_types and body.output_dimension is not None:
+        raise InvalidRequestError(
+            "output_dimension applies to the dense embedding_types (float, int8, ...), none "
+            "of which was asked for",
+            param="output_dimension",
+        )
+    if "sparse" not in wanted and body.max_active_dims is not None:
+        raise InvalidRequestError(
+            "max_active_dims applies to embedding_types sparse only", param="max_active_dims"
+        )
+    count = len(body.texts)
+    entry_bytes = 0
+    if "sparse" in wanted:
+        entry_bytes = check_sparse_request(
+            engine,
+            lifecycle,
+            count,
+            body.max_active_dims,
+            what="embedding_types sparse",
+            input_param="texts",
+        )
+    dims = pooled_dimensions(engine, body.output_dimension)
+    if dense_types:
+        value_bytes = cohere_bytes_per_dimension(dense_types)
+        check_response_size(
+            lifecycle, count, dims, value_bytes, f"embedding_types {','.join(dense_types)}"
+        )
+    width = engine.info().multi_vector_dim or 0
+    try:
+        result = await cancel_on_disconnect(
+            request,
+            engine.ahybrid_embed(
+                body.texts,
+                outputs,
+                dimensions=body.output_dimension,
+                prompt_name=prompt_name_for(engine, None, body.input_type),
+                truncate=body.truncation(),
+                max_output_values=max_response_values(lifecycle, JSON_FLOAT_BYTES),
+            ),
+        )
+    except OutputTooLargeError as error:
+        check_response_size(
+            lifecycle, error.vectors, width, JSON_FLOAT_BYTES, "embedding_types multi_vector"
+        )
+        raise
+    sparse = [v.top(body.max_active_dims) for v in result.sparse or []]
+    headers = timing_headers(result.timings, result.prompt_tokens)
+
+    def encode() -> Response:
+        embeddings: dict[str, object] = {}
+        if result.dense is not None:
+            embeddings = cohere_embeddings(result.dense, dense_types)
+        if result.sparse is not None:
+            embeddings["sparse"] = [{"indices": v.indices, "values": v.values} for v in sparse]
+        if result.multi_vector is not None:
+            embeddings["multi_vector"] = result.multi_vector
+        return json_response(_content(body, embeddings, result.prompt_tokens), headers)
+
+    size = (
+        (count * dims * 16 if dense_types else 0)
+        + sum(len(v.indices) for v in sparse) * entry_bytes
+        + sum(m.size for m in result.multi_vector or []) * JSON_FLOAT_BYTES
+        + sum(map(len, body.texts))
+    )
+    return await encode_off_loop(encode, size)
+
+
 async def _sparse_embed(
     body: CohereEmbedRequest, request: Request, engine: ServingEngine, lifecycle: Lifecycle
 ) -> Response:
     others = sorted(set(body.embedding_types) - {"sparse"})
     if others:
         raise InvalidRequestError(
-            f"embedding_types sparse cannot be combined with {', '.join(others)}: a model "
-            "serves dense vectors (task embed) or sparse ones (task sparse)",
+            f"embedding_types sparse cannot be combined with {', '.join(others)} on this "
+            "model: a SPLADE model (task sparse) serves sparse vectors alone; only a model "
+            "with sparse and multi-vector outputs (bge-m3) serves them together",
             param="embedding_types",
         )
     if body.output_dimension is not None:

@@ -27,9 +27,11 @@ from embedding_server.api.dependencies import (
     engine_for,
     max_response_values,
     pooled_dimensions,
+    require_outputs,
 )
 from embedding_server.api.disconnect import cancel_on_disconnect
 from embedding_server.api.encoding import (
+    JSON_FLOAT_BYTES,
     FloatMatrix,
     as_float32,
     base64_array,
@@ -76,6 +78,8 @@ async def pooling(body: PoolingRequest, request: Request) -> Response:
     }
     if body.task == "sparse":
         return await _sparse_pooling(body, request, inputs, options)
+    if body.task == "hybrid":
+        return await _hybrid_pooling(body, request, inputs, options)
     if body.max_active_dims is not None:
         raise InvalidRequestError(
             "max_active_dims applies to task sparse only", param="max_active_dims"
@@ -106,7 +110,7 @@ async def pooling(body: PoolingRequest, request: Request) -> Response:
         outputs = labelled.embeddings
         tokens, timings = labelled.prompt_tokens, labelled.timings
     else:
-        dims = engine.info().hidden_size
+        dims = engine.info().multi_vector_dim or engine.info().hidden_size
         try:
             per_token = await cancel_on_disconnect(
                 request,
@@ -197,6 +201,80 @@ async def _sparse_pooling(
         return json_response(content, timing_headers(result.timings, tokens))
 
     return await encode_off_loop(encode, sum(len(v.indices) for v in vectors) * entry_bytes)
+
+
+async def _hybrid_pooling(
+    body: PoolingRequest, request: Request, inputs: list[Any], options: TokenOptions
+) -> Response:
+    """``/pooling`` task hybrid: a bge-m3-shaped model's dense vector, sparse weights and
+    multi-vectors of each input from one forward pass, in JSON. Bounded before the forward
+    pass: the dense and sparse parts by the input count (a sparse vector holds at most one
+    entry per input token), the multi-vectors, which grow with every token, once the
+    inputs are tokenized."""
+    if body.encoding_format != "float":
+        raise InvalidRequestError(
+            "task hybrid returns {dense, sparse, multi_vector} in JSON; use encoding_format float",
+            param="encoding_format",
+        )
+    engine, lifecycle = engine_for(request, body.model)
+    info = engine.info()
+    require_outputs(engine, ("dense", "sparse", "multi_vector"), "task hybrid")
+    entry_bytes = check_sparse_request(
+        engine,
+        lifecycle,
+        len(inputs),
+        body.max_active_dims,
+        what="task hybrid",
+        input_param="input",
+    )
+    dims = pooled_dimensions(engine, None)
+    check_response_size(lifecycle, len(inputs), dims, JSON_FLOAT_BYTES, "task hybrid")
+    width = info.multi_vector_dim or info.hidden_size
+    try:
+        result = await cancel_on_disconnect(
+            request,
+            engine.ahybrid_embed(
+                inputs,
+                **options,
+                max_output_values=max_response_values(lifecycle, JSON_FLOAT_BYTES),
+            ),
+        )
+    except OutputTooLargeError as error:
+        check_response_size(lifecycle, error.vectors, width, JSON_FLOAT_BYTES, "task hybrid")
+        raise
+    dense, multi = result.dense, result.multi_vector
+    assert dense is not None and result.sparse is not None and multi is not None
+    sparse = [v.top(body.max_active_dims) for v in result.sparse]
+    tokens = result.prompt_tokens
+
+    def encode() -> Response:
+        content = {
+            "id": f"pool-{new_id()}",
+            "object": "list",
+            "created": int(time.time()),
+            "model": lifecycle.served_model_name,
+            "data": [
+                {
+                    "index": i,
+                    "object": "pooling",
+                    "data": {
+                        "dense": dense[i],
+                        "sparse": {"indices": sparse[i].indices, "values": sparse[i].values},
+                        "multi_vector": multi[i],
+                    },
+                }
+                for i in range(len(sparse))
+            ],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+        return json_response(content, timing_headers(result.timings, tokens))
+
+    size = (
+        sum(m.size for m in multi) * JSON_FLOAT_BYTES
+        + dense.size * JSON_FLOAT_BYTES
+        + sum(len(v.indices) for v in sparse) * entry_bytes
+    )
+    return await encode_off_loop(encode, size)
 
 
 @router.post("/score", tags=["vLLM"], summary="Scores of text pairs (cross-encoder or cosine)")

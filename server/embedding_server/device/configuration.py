@@ -21,6 +21,7 @@ import torch
 from embedding_server.configuration import EngineConfig, EngineInfo
 from embedding_server.errors import InvalidRequestError, UnsupportedModelError
 from embedding_server.heads import Task, resolve_task
+from embedding_server.hybrid import OUTPUTS
 from embedding_server.pooling import POOLING_METHODS, PoolingHead, PoolingMethod, build_matryoshka
 from embedding_server.settings import CPU_BATCH_TOKENS, GPU_BATCH_TOKENS, EngineSettings
 from embedding_server.tokenization import Prompts
@@ -28,6 +29,7 @@ from embedding_server.tokenization import Prompts
 from .attention import Backend, BackendChoice, probe, select_backend
 from .dtypes import cpu_thread_budget, dtype_name
 from .heads import ClassificationHead, SparseHead, token_head
+from .hybrid import HybridHead
 from .loading import LoadedModel, declared_matryoshka
 from .pooling import DenseHead
 
@@ -39,6 +41,12 @@ def resolve_config(
     task = resolve_task(
         settings.task, loaded.classifier, loaded.architecture, splade=loaded.st.splade is not None
     )
+    if loaded.hybrid is not None and task != "embed":
+        raise UnsupportedModelError(
+            f"{loaded.architecture} has bge-m3's sparse_linear.pt and colbert_linear.pt, whose "
+            f"outputs are served with task embed, not {task}; serve it with task embed (or "
+            "auto), or remove the two files to serve the body alone"
+        )
     if task == "sparse" and loaded.sparse is None:  # the fake backend: no weights, no head
         raise UnsupportedModelError(f"{loaded.architecture} has no masked-LM head for task sparse")
     if task != "embed":
@@ -83,6 +91,7 @@ def resolve_config(
         tensor_parallel_size=settings.tensor_parallel_size,
         task=task,
         classifier=classifier,
+        hybrid=loaded.hybrid,
     )
 
 
@@ -222,7 +231,22 @@ def describe(
         max_queue_tokens=config.max_queue_tokens,
         max_request_tokens=config.max_request_tokens,
         backend=loaded.backend,
+        outputs=(
+            (list(OUTPUTS) if config.hybrid is not None else ["dense"])
+            if config.task == "embed"
+            else []
+        ),
+        multi_vector_dim=config.hybrid.multi_vector_dim if config.hybrid else None,
+        score_method=_score_method(config),
     )
+
+
+def _score_method(config: EngineConfig) -> str | None:
+    if config.task == "score":
+        return "cross_encoder"
+    if config.task == "embed":
+        return "maxsim" if config.hybrid is not None else "cosine"
+    return None
 
 
 _TOKEN_HEAD_TASKS: tuple[Task, ...] = ("token_classify", "reward")
@@ -232,13 +256,15 @@ _TOKEN_HEAD_TASKS: tuple[Task, ...] = ("token_classify", "reward")
 @dataclass(frozen=True)
 class DeviceHeads:
     """The weights the forward worker applies after the body, on the engine's device: the
-    sentence-transformers Dense layers (task embed), the classification head (score,
-    classify, token_classify, reward) or the SPLADE head (sparse)."""
+    sentence-transformers Dense layers (task embed, with bge-m3's sparse and ColBERT heads
+    on the token states where it has them), the classification head (score, classify,
+    token_classify, reward) or the SPLADE head (sparse)."""
 
     task: Task
     dense: DenseHead
     classifier: ClassificationHead | None = None
     sparse: SparseHead | None = None
+    hybrid: HybridHead | None = None
 
     @classmethod
     def of(cls, config: EngineConfig, loaded: LoadedModel, device: torch.device) -> DeviceHeads:
@@ -250,6 +276,11 @@ class DeviceHeads:
             dense=DenseHead(tuple(loaded.st.dense)).to(device),
             classifier=classifier.to(device) if classifier is not None else None,
             sparse=loaded.sparse.to(device) if task == "sparse" and loaded.sparse else None,
+            hybrid=(
+                loaded.hybrid_head.to(device)
+                if config.hybrid is not None and loaded.hybrid_head is not None
+                else None
+            ),
         )
 
     @property
@@ -264,7 +295,10 @@ class DeviceHeads:
     @property
     def token_head(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """What the forward worker applies to the token states it returns: the classifier of
-        task token_classify (probabilities) or reward (raw outputs), else nothing."""
+        task token_classify (probabilities) or reward (raw outputs), bge-m3's sparse and
+        ColBERT heads (each token's weight and vector), else nothing."""
+        if self.hybrid is not None:
+            return self.hybrid
         if self.classifier is None or self.task not in _TOKEN_HEAD_TASKS:
             return None
         return token_head(self.classifier, raw=self.task == "reward")

@@ -13,7 +13,9 @@ A model is a directory (local, the packaged default, or a Hugging Face Hub snaps
   ``sentence_bert_config.json`` (max_seq_length), ``config_sentence_transformers.json``
   (prompts, default_prompt_name, a CrossEncoder's activation_fn);
 * a ``*ForSequenceClassification`` checkpoint's classification head, named as its family
-  declares (``heads.py``, ``models/__init__.py``).
+  declares (``heads.py``, ``models/__init__.py``);
+* bge-m3's ``sparse_linear.pt`` and ``colbert_linear.pt`` where the root has them: its sparse
+  and multi-vector outputs (``hybrid.py``), unpickled with ``weights_only=True``.
 
 Everything read here is declarative; the engine combines it with the settings.
 
@@ -56,6 +58,7 @@ from tokenizers import Tokenizer
 
 from embedding_server.errors import ModelNotFoundError, UnsupportedModelError
 from embedding_server.heads import Classifier, SparseStrategy, head_kind
+from embedding_server.hybrid import HybridHeads
 from embedding_server.pooling import PoolingMethod
 from embedding_server.settings import DEFAULT_MODEL, Dtype, ModelBackend
 
@@ -79,6 +82,13 @@ from .heads import (
     read_yes_no,
     yes_no_template,
 )
+from .hybrid import (
+    COLBERT_NOT_SERVED,
+    HEAD_FILES,
+    HybridHead,
+    read_hybrid_head,
+    refuse_colbert,
+)
 from .models import ARCHITECTURES, Architecture, build_model, lookup
 from .models.base import EmbeddingModel, TensorAudit, TrackedWeights, audit_tensors
 from .pooling import DenseLayer
@@ -92,7 +102,9 @@ with fnmatch, whose ``*`` crosses ``/``: ``1_Pooling/config.json`` too), enough 
 whether it can be served. No weights, and no pattern that could match code: a ``.py`` or
 ``.so`` on disk is one environment variable (``PYTHONPATH``, ``LD_PRELOAD``) away from
 running, so a checkpoint's Python comes only with remote code (:func:`fetch_weights`)."""
-_WEIGHT_PATTERNS = ["*.safetensors"]
+_WEIGHT_PATTERNS = ["*.safetensors", *HEAD_FILES]
+"""The weights: safetensors, and bge-m3's two head files at the root (pickles, read with
+``torch.load(weights_only=True)``: ``device/hybrid.py``)."""
 _BIN_PATTERNS = ["pytorch_model*.bin"]
 _MODULE_FILES = ("config.json", "model.safetensors", "pytorch_model.bin")
 """What a sentence-transformers Dense module's folder holds that we read (``_read_dense``)."""
@@ -479,6 +491,12 @@ def read_sentence_transformers(
         return st
     st.present = True
     for module in sorted(modules, key=lambda m: int(m.get("idx", 0))):
+        if str(module.get("type", "")).startswith("pylate."):
+            # PyLate's Dense is named like sentence-transformers' but projects every token.
+            raise UnsupportedModelError(
+                f"sentence-transformers module {module.get('type')!r} is PyLate's: "
+                f"{COLBERT_NOT_SERVED}"
+            )
         kind = str(module.get("type", "")).rsplit(".", 1)[-1]
         module_path = path / str(module.get("path", ""))
         if kind == "Pooling":
@@ -649,6 +667,10 @@ class LoadedModel:
     """That head's weights (on the CPU, float32)."""
     sparse: SparseHead | None = None
     """The SPLADE head of a masked-LM checkpoint (task sparse), where it has one."""
+    hybrid: HybridHeads | None = None
+    """What bge-m3's sparse and ColBERT heads mean, where the directory has them."""
+    hybrid_head: HybridHead | None = None
+    """Their weights (on the CPU, float32)."""
     tensors: TensorAudit | None = None
     """Which of the checkpoint's tensors were read and which ignored, and why."""
     custom_code: str | None = None
@@ -710,6 +732,7 @@ def plan_model(source: ModelSource, *, task: str, trust_remote_code: bool) -> Mo
     ``model_type``, a task head or sentence-transformers module we do not serve, a
     generative checkpoint under task auto."""
     config = read_model_config(source.path)
+    refuse_colbert(config)
     custom = custom_code_class(config)
     if custom is not None and str(config.get("model_type", "")) not in ARCHITECTURES:
         raise UnsupportedModelError(custom_code_refusal(config, trust_remote_code))
@@ -875,6 +898,7 @@ def load_model(
         parts = _build(
             plan, weights, dtype=compute_dtype, device=build_device, shard=shard, task=task
         )
+        hybrid = _hybrid(path, parts.body.hidden_size, tokenizer, plan)
     config = plan.config
     architectures = config.get("architectures") or [plan.arch.model_type]
     return LoadedModel(
@@ -892,6 +916,8 @@ def load_model(
         classifier=parts.classifier[0] if parts.classifier else None,
         classifier_head=parts.classifier[1] if parts.classifier else None,
         sparse=parts.sparse,
+        hybrid=hybrid[0] if hybrid else None,
+        hybrid_head=hybrid[1] if hybrid else None,
         tensors=parts.tensors,
         custom_code=plan.custom_code,
         attention_bias=plan.arch.attention_bias,
@@ -926,6 +952,7 @@ def _load_transformers(
     it is allowed. ``shapes_only`` (``inspect``) builds the model all the same: transformers'
     classes are not built from shapes, and what they read decides what is refused."""
     config = read_model_config(source.path)
+    refuse_colbert(config)
     refuse_before_fetch(config, name=model, trust_remote_code=trust)
     st = read_sentence_transformers(source.path, dense_weights=False)
     refuse_generative(config, st, task)  # as on the native path: no silent last-token embedder
@@ -945,6 +972,12 @@ def _load_transformers(
         declared_max_length=max(st.max_seq_length or 0, tokenizer_max or 0) or None,
     )
     architectures = config.get("architectures") or [type(built.model.module).__name__]
+    hybrid = read_hybrid_head(
+        path,
+        hidden_size=built.model.hidden_size,
+        tokenizer=tokenizer,
+        architecture=str(architectures[0]),
+    )
     return LoadedModel(
         name=model,
         path=path,
@@ -959,6 +992,8 @@ def _load_transformers(
         head_dim=built.head_dim,
         classifier=built.classifier[0] if built.classifier else None,
         classifier_head=built.classifier[1] if built.classifier else None,
+        hybrid=hybrid[0] if hybrid else None,
+        hybrid_head=hybrid[1] if hybrid else None,
         backend="transformers",
         attention=built.model.attention,
         custom_code=custom_code_class(config),
@@ -1005,7 +1040,7 @@ def _weight_shapes(
 ) -> tuple[Path, Mapping[str, torch.Tensor]]:
     """The directory to read the Dense modules from, and the checkpoint's tensors as shapes:
     from the safetensors headers on the Hub when online (only the Dense modules' small
-    files are downloaded), else from the files themselves."""
+    files and bge-m3's head files are downloaded), else from the files themselves."""
     if source.repo_id is not None and not _hub_offline():
         from huggingface_hub import get_safetensors_metadata
         from huggingface_hub.errors import HfHubHTTPError, NotASafetensorsRepoError
@@ -1020,17 +1055,27 @@ def _weight_shapes(
                 f"Hugging Face Hub: {exc}"
             ) from exc
         else:
-            path = source.path
-            if st.dense_modules:
-                path = _snapshot(
-                    source.repo_id,
-                    revision=source.revision,
-                    cache_dir=source.cache_dir,
-                    patterns=module_patterns(st.dense_modules),
-                )
+            # Small files read whole: the Dense modules', and bge-m3's two heads (which say
+            # what the model outputs) where the repository has them.
+            path = _snapshot(
+                source.repo_id,
+                revision=source.revision,
+                cache_dir=source.cache_dir,
+                patterns=[*module_patterns(st.dense_modules), *HEAD_FILES],
+            )
             return path, TensorShapes.from_hub(meta.files_metadata)
     path = fetch_weights(source, st)
     return path, TensorShapes.of(load_weights(path))
+
+
+def _hybrid(
+    path: Path, hidden_size: int, tokenizer: Tokenizer, plan: ModelPlan
+) -> tuple[HybridHeads, HybridHead] | None:
+    """bge-m3's sparse and ColBERT heads where ``path`` holds them (``device/hybrid.py``)."""
+    architectures = plan.config.get("architectures") or [plan.arch.model_type]
+    return read_hybrid_head(
+        path, hidden_size=hidden_size, tokenizer=tokenizer, architecture=str(architectures[0])
+    )
 
 
 def _sparse_head(

@@ -103,3 +103,30 @@ def test_a_hub_model_downloads_no_python_or_shared_library(
         Engine.from_pretrained(str(st), dtype="float32").embed(TEXTS),
         atol=1e-6,
     )
+
+
+def test_bge_m3_head_files_are_fetched_from_the_root_only(
+    tmp_path: Path, hub: Callable[[Path], tuple[Path, Recorded]]
+) -> None:
+    """bge-m3's sparse_linear.pt and colbert_linear.pt come with the weights (and are read
+    with weights_only=True, tests/server/device/test_bge_m3.py); other pickles, at the root
+    (training state) or in a folder, are never fetched."""
+    import torch
+
+    from tests.support.models import build_xlm_roberta
+
+    st = add_sentence_transformers(build_xlm_roberta(tmp_path / "xlmr"), pooling="cls")
+    repo = tmp_path / "repo"
+    shutil.copytree(st, repo)
+    torch.save(torch.nn.Linear(32, 1).state_dict(), repo / "sparse_linear.pt")
+    torch.save(torch.nn.Linear(32, 32).state_dict(), repo / "colbert_linear.pt")
+    for stray in ("optimizer.pt", "checkpoint-1/colbert_linear.pt", "1_Pooling/sparse_linear.pt"):
+        (repo / stray).parent.mkdir(parents=True, exist_ok=True)
+        (repo / stray).write_bytes(b"not fetched")
+    snapshot, _ = hub(repo)
+
+    engine = Engine.from_pretrained("BAAI/bge-m3-tiny", dtype="float32")
+
+    fetched = sorted(p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file())
+    assert [f for f in fetched if f.endswith(".pt")] == ["colbert_linear.pt", "sparse_linear.pt"]
+    assert engine.info().outputs == ["dense", "sparse", "multi_vector"]

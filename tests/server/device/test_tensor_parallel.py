@@ -26,6 +26,7 @@ from tests.support.api import wait_for
 from tests.support.gte import build_gte
 from tests.support.models import (
     MINILM_DIR,
+    build_bge_m3,
     build_deberta,
     build_decoder,
     build_modernbert,
@@ -76,6 +77,8 @@ BUILDERS: dict[str, Callable[[Path], Path]] = {
         p,
         config={"model_type": "llama_bidirec", "architectures": ["LlamaBidirectionalModel"]},
     ),
+    # bge-m3's heads on rank 0's gathered token states: embed_tokens are its multi-vectors.
+    "bge-m3": build_bge_m3,
     # Soft-capped logits on every rank's heads, sliding and full layers.
     "gemma2": lambda p: build_decoder(
         p, "gemma2", head_dim=16, attn_logit_softcapping=4.0, sliding_window=8
