@@ -204,15 +204,16 @@ def test_operator_runs_with_the_charts_service_account(
     try:
         names = []
         for path in EXAMPLES:
-            manifest = yaml.safe_load(path.read_text())
-            name, spec = manifest["metadata"]["name"], manifest["spec"]
-            cache = spec.get("modelCache", {})
-            if cache.get("mode") == "pvc":
-                volumes.append(
-                    provide_volume(cluster, namespace, f"{name}-model-cache", cache["size"])
-                )
+            # A file may hold several services (hybrid-search-l4.yaml).
+            for manifest in yaml.safe_load_all(path.read_text()):
+                name, spec = manifest["metadata"]["name"], manifest["spec"]
+                cache = spec.get("modelCache", {})
+                if cache.get("mode") == "pvc":
+                    volumes.append(
+                        provide_volume(cluster, namespace, f"{name}-model-cache", cache["size"])
+                    )
+                names.append(name)
             cluster.kubectl("apply", "-n", namespace, "-f", str(path))
-            names.append(name)
         made: set[str] = set()
         for name in names:
             es = wait_condition(

@@ -24,6 +24,7 @@ pod logs of the namespaces involved.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import secrets
@@ -1006,9 +1007,10 @@ def test_reranker_serves_cross_encoder_scores_from_an_offline_model_cache(
 
 KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 GPU_EXAMPLES = [
-    path
+    pytest.param(manifest, id=f"{path.stem}-{manifest['metadata']['name']}")
     for path in sorted(EXAMPLES_DIR.glob("*.yaml"))
-    if (yaml.safe_load(path.read_text())["spec"].get("gpu") or {}).get("type", "cpu") != "cpu"
+    for manifest in yaml.safe_load_all(path.read_text())  # a file may hold several
+    if (manifest["spec"].get("gpu") or {}).get("type", "cpu") != "cpu"
 ]
 
 
@@ -1045,7 +1047,7 @@ def gpu_profile_missing(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("example", GPU_EXAMPLES, ids=lambda path: path.stem)
+@pytest.mark.parametrize("manifest", GPU_EXAMPLES)
 def test_gpu_example_serves_its_task(
     cluster: KubeClient,
     release: str,
@@ -1053,13 +1055,13 @@ def test_gpu_example_serves_its_task(
     e2e_existing: ExistingCluster | None,
     client_pod: ClientPod,
     namespace: str,
-    example: Path,
+    manifest: dict[str, Any],
 ) -> None:
     """``kubectl apply -f examples/<file>`` as the README says, Ready on the GPUs it names
     (the model downloaded from the Hub), then its task's endpoint called from a pod through
     the Service: embeddings of the dimensions the spec asks, normalized where it says so; a
     reranker that puts the documents about the question first."""
-    manifest = yaml.safe_load(example.read_text())
+    manifest = copy.deepcopy(manifest)
     name, spec = manifest["metadata"]["name"], manifest["spec"]
     missing = gpu_profile_missing(cluster, release_values, spec)
     if missing is not None:
