@@ -9,12 +9,8 @@ node's start has to end with the image ready.
 
 from __future__ import annotations
 
-import hashlib
-import io
-import json
 import logging
 import os
-import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,51 +21,13 @@ from e2e.harness.binaries import Binaries
 from e2e.harness.cluster import start_containerd_with_images
 from e2e.harness.components import Containerd, Launcher, Teardown
 from e2e.harness.images import containerd_images, import_stream
+from e2e.harness.images.archive import docker_archive, tar
 from e2e.harness.proc import Process
 
 # A containerd of this machine, and the node's store-mending start: the local cluster only.
 pytestmark = pytest.mark.local_node
 
 TAG = "embedding-operator.local/store-check:1"
-
-
-def _tar(members: dict[str, bytes]) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w") as archive:
-        for name, data in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            archive.addfile(info, io.BytesIO(data))
-    return buffer.getvalue()
-
-
-def _docker_archive(path: Path, layers: list[bytes]) -> None:
-    """A `docker save` archive of ``TAG`` with these layers."""
-    members: dict[str, bytes] = {}
-    diff_ids = []
-    for layer in layers:
-        digest = hashlib.sha256(layer).hexdigest()
-        diff_ids.append(f"sha256:{digest}")
-        members[f"{digest}/layer.tar"] = layer
-    config = json.dumps(
-        {
-            "architecture": "amd64",
-            "os": "linux",
-            "config": {"Cmd": ["/first"]},
-            "rootfs": {"type": "layers", "diff_ids": diff_ids},
-        }
-    ).encode()
-    config_digest = hashlib.sha256(config).hexdigest()
-    members[f"{config_digest}.json"] = config
-    manifest = [
-        {
-            "Config": f"{config_digest}.json",
-            "RepoTags": [TAG],
-            "Layers": [f"{d.removeprefix('sha256:')}/layer.tar" for d in diff_ids],
-        }
-    ]
-    members["manifest.json"] = json.dumps(manifest).encode()
-    path.write_bytes(_tar(members))
 
 
 @pytest.fixture
@@ -94,11 +52,13 @@ def test_a_kept_store_that_refuses_the_import_is_replaced_by_an_empty_one(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     paths, launcher = standalone
-    base = _tar({"first": b"1" * 4096})
+    base = tar({"first": b"1" * 4096})
     old = tmp_path / "old.tar"
     new = tmp_path / "new.tar"
-    _docker_archive(old, [base, _tar({"second": b"2"})])
-    _docker_archive(new, [base, _tar({"second": b"2"}), _tar({"third": b"3"})])
+    docker_archive(old, [base, tar({"second": b"2"})], tag=TAG, cmd=["/first"])
+    docker_archive(
+        new, [base, tar({"second": b"2"}), tar({"third": b"3"})], tag=TAG, cmd=["/first"]
+    )
 
     def start() -> Containerd:
         containerd = Containerd(

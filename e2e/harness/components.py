@@ -425,8 +425,15 @@ class Containerd(Component):
 
     @classmethod
     def stop_process(cls, process: Process, teardown: Teardown) -> list[str]:
-        node.remove_containers(teardown.node_paths)
-        return super().stop_process(process, teardown)
+        paths = teardown.node_paths
+        failed = node.remove_containers(paths)
+        errors = super().stop_process(process, teardown)
+        # Shims outlive containerd by design; after a containerd that did not answer (or whose
+        # deletes failed) they still run their containers: end them without it.
+        survivors = node.kill_shims(paths)
+        if failed and not survivors:
+            log.warning("containerd's own cleanup failed (%s); its shims were killed", failed)
+        return errors + survivors
 
 
 class KubeProxy(Component):

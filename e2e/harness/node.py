@@ -37,7 +37,9 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -289,20 +291,23 @@ def discard_store(store: Path) -> None:
         raise ClusterError(f"cannot discard {store}: it is still there after rm -r")
 
 
+def mounts_under(*roots: Path) -> list[str]:
+    """The mount points below ``roots`` now, deepest first."""
+    prefixes = [str(r.resolve()) + "/" for r in roots]
+    mounts = [
+        line.split()[1].encode().decode("unicode_escape")
+        for line in Path("/proc/mounts").read_text().splitlines()
+    ]
+    return sorted(
+        {m for m in mounts if any(m.startswith(p) for p in prefixes)}, key=len, reverse=True
+    )
+
+
 def unmount_under(*roots: Path) -> list[str]:
     """Unmount everything mounted below ``roots`` (deepest first); the paths that stayed."""
-    prefixes = [str(r.resolve()) + "/" for r in roots]
     stuck: list[str] = []
     for _ in range(3):
-        mounts = [
-            line.split()[1].encode().decode("unicode_escape")
-            for line in Path("/proc/mounts").read_text().splitlines()
-        ]
-        ours = sorted(
-            {m for m in mounts if any(m.startswith(p) for p in prefixes)},
-            key=len,
-            reverse=True,
-        )
+        ours = mounts_under(*roots)
         if not ours:
             return []
         stuck = []
@@ -313,6 +318,29 @@ def unmount_under(*roots: Path) -> list[str]:
             if proc.returncode != 0:
                 stuck.append(mount)
     return stuck
+
+
+def veth_names() -> set[str]:
+    """The host's veth interfaces now (pods' host ends, among others)."""
+    try:
+        out = run(["ip", "-o", "link", "show", "type", "veth"], timeout=30)
+    except ClusterError:
+        return set()
+    # "12: vethabc@if3: <BROADCAST,...> ..." -> vethabc
+    return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if ":" in line}
+
+
+def remove_veths(names: set[str]) -> list[str]:
+    """Delete these veths (a pod's host end outlives its namespace only while something still
+    holds the namespace); the ones that stayed, as messages."""
+    problems = []
+    for name in sorted(names):
+        try:
+            run(["ip", "link", "del", name], timeout=30)
+        except ClusterError as exc:
+            if _link_exists(name):
+                problems.append(str(exc))
+    return problems
 
 
 def remove_netns(names: set[str]) -> None:
@@ -548,21 +576,115 @@ def containerd_answers(paths: NodePaths) -> bool:
     return True
 
 
-def remove_containers(paths: NodePaths) -> None:
+def remove_containers(paths: NodePaths) -> list[str]:
     """Kill and delete every container task left in containerd's ``k8s.io`` namespace, so no
-    container outlives the cluster (the kubelet is gone by now and would not do it)."""
-    if not paths.containerd_socket.exists():
-        return
-    with contextlib.suppress(ClusterError):
-        for task in ctr(paths, "tasks", "ls", "-q").split():
-            with contextlib.suppress(ClusterError):
-                ctr(paths, "tasks", "kill", "--signal", "SIGKILL", task)
-        for task in ctr(paths, "tasks", "ls", "-q").split():
-            with contextlib.suppress(ClusterError):
-                ctr(paths, "tasks", "delete", "--force", task)
-        for container in ctr(paths, "containers", "ls", "-q").split():
-            with contextlib.suppress(ClusterError):
-                ctr(paths, "containers", "delete", container)
+    container outlives the cluster (the kubelet is gone by now and would not do it); what
+    failed, as messages. A containerd that does not answer is not asked: ``kill_shims`` ends
+    its containers without it, after containerd stops."""
+    if not containerd_answers(paths):
+        return []
+    problems: list[str] = []
+
+    def attempt(*args: str) -> str:
+        try:
+            return ctr(paths, *args)
+        except ClusterError as exc:
+            problems.append(str(exc))
+            return ""
+
+    for task in attempt("tasks", "ls", "-q").split():
+        attempt("tasks", "kill", "--signal", "SIGKILL", task)
+    for task in attempt("tasks", "ls", "-q").split():
+        attempt("tasks", "delete", "--force", task)
+    for container in attempt("containers", "ls", "-q").split():
+        attempt("containers", "delete", container)
+    return problems
+
+
+SHIM_PREFIX = "containerd-shim"
+SHIM_EXIT_TIMEOUT_S = 10.0
+
+
+def _processes() -> dict[int, tuple[int, list[str]]]:
+    """Every process now: pid -> (parent pid, argv)."""
+    found: dict[int, tuple[int, list[str]]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue  # it ended while we looked
+        # The command name in stat is in parentheses and may hold spaces: read after the last.
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        found[int(entry.name)] = (ppid, [a.decode(errors="replace") for a in argv if a])
+    return found
+
+
+def shim_trees(paths: NodePaths) -> dict[int, list[int]]:
+    """containerd's shims serving this node's socket, each with its descendants (the
+    containers' processes: a shim is their subreaper), deepest first."""
+    processes = _processes()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in processes.items():
+        children.setdefault(ppid, []).append(pid)
+    socket = str(paths.containerd_socket)
+    trees: dict[int, list[int]] = {}
+    for pid, (_, argv) in processes.items():
+        if not argv or not Path(argv[0]).name.startswith(SHIM_PREFIX):
+            continue
+        if socket not in argv:
+            continue
+        descendants: list[int] = []
+        stack = list(children.get(pid, []))
+        while stack:
+            child = stack.pop()
+            descendants.append(child)
+            stack.extend(children.get(child, []))
+        trees[pid] = descendants[::-1]
+    return trees
+
+
+def kill_shims(paths: NodePaths) -> list[str]:
+    """SIGKILL the shims of this node's containerd and every process under them: after a
+    containerd that did not answer (or was killed) their containers would run on, holding
+    their network namespaces, veths and mounts. Empty when none is left; otherwise a message
+    naming each process that survived."""
+    trees = shim_trees(paths)
+    if not trees:
+        return []
+    pids = [pid for shim, tree in trees.items() for pid in (*tree, shim)]
+    log.warning(
+        "containerd left %d shim(s) with %d process(es) under them: killing them",
+        len(trees),
+        len(pids) - len(trees),
+    )
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + SHIM_EXIT_TIMEOUT_S
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [pid for pid in alive if process_running(pid)]
+    return [f"process {pid} ({_argv(pid)}) outlived SIGKILL" for pid in alive]
+
+
+def process_running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie (a zombie holds no resources)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2 :].split()[0] != "Z"
+
+
+def _argv(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return "gone"
 
 
 # Paths the kubelet, containerd's shims and libcni write whatever their flags say; whichever

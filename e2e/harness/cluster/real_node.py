@@ -51,6 +51,7 @@ class RealNode:
         self.netns_before = node.pod_netns_names()
         self.host_paths_before = node.existing_host_paths()
         self.chains_before = node.kube_chains()
+        self.veths_before = node.veth_names()
 
     def network_up(self) -> None:
         """The node's address must exist before the apiserver binds to it."""
@@ -126,6 +127,7 @@ class RealNode:
             self.netns_before,
             self.host_paths_before,
             self.chains_before,
+            self.veths_before,
         )
 
     def state(self) -> dict[str, Any]:
@@ -139,6 +141,7 @@ class RealNode:
             "netns_before": sorted(self.netns_before),
             "host_paths_before": self.host_paths_before,
             "chains_before": self.chains_before,
+            "veths_before": sorted(self.veths_before),
         }
 
 
@@ -148,19 +151,65 @@ def node_cleanup(
     netns_before: Iterable[str],
     host_paths_before: Sequence[str],
     chains_before: Sequence[str],
+    veths_before: Iterable[str] | None = None,
 ) -> list[str]:
-    """Unmount what containerd mounted, delete the pods' network namespaces, the bridges and
-    the guard rules; the problems met (as messages)."""
-    errors: list[str] = []
-    stuck = node.unmount_under(paths.state, paths.images)
-    if stuck:
-        errors.append(f"could not unmount {stuck}")
-    node.remove_netns(node.pod_netns_names() - set(netns_before))
+    """Unmount what containerd mounted, delete the pods' network namespaces and veths, the
+    bridges and the guard rules, the kubelet's and kube-proxy's chains (iptables and
+    ip6tables); then check that none of it, and no shim of this node's containerd, is left.
+    The problems met and everything left behind, as messages. ``veths_before`` None (a state
+    file of an older harness): the veths are not checked."""
+    netns_before = set(netns_before)
+    errors = pod_cleanup(paths, netns_before, veths_before)
     errors += node.network_down(dict(network_restore))
     node.remove_host_paths(host_paths_before)
     node.remove_kube_chains(chains_before)
     shutil.rmtree(paths.state, ignore_errors=True)
+    errors += leftovers(paths, netns_before, chains_before, veths_before)
     return errors
+
+
+def pod_cleanup(
+    paths: node.NodePaths, netns_before: Iterable[str], veths_before: Iterable[str] | None
+) -> list[str]:
+    """What the node's containers leave: the shims and their processes (normally gone with
+    containerd's stop; after a containerd that was killed, or a stop interrupted before it,
+    they would hold the rest), the mounts under the node's directories, the pods' network
+    namespaces and veths that did not exist before. The problems met, as messages."""
+    errors = node.kill_shims(paths)
+    stuck = node.unmount_under(paths.state, paths.images)
+    if stuck:
+        errors.append(f"could not unmount {stuck}")
+    node.remove_netns(node.pod_netns_names() - set(netns_before))
+    if veths_before is not None:
+        errors += node.remove_veths(node.veth_names() - set(veths_before))
+    return errors
+
+
+def leftovers(
+    paths: node.NodePaths,
+    netns_before: Iterable[str],
+    chains_before: Sequence[str],
+    veths_before: Iterable[str] | None,
+) -> list[str]:
+    """What this node made that is still there: shims and their processes, network
+    namespaces, veths, KUBE-* chains (v4 and v6), mounts under its directories."""
+    found = []
+    for shim, tree in node.shim_trees(paths).items():
+        found.append(f"left behind: containerd shim {shim} with {len(tree)} process(es)")
+    netns = node.pod_netns_names() - set(netns_before)
+    if netns:
+        found.append(f"left behind: network namespaces {sorted(netns)}")
+    if veths_before is not None:
+        veths = node.veth_names() - set(veths_before)
+        if veths:
+            found.append(f"left behind: veths {sorted(veths)}")
+    chains = [c for c in node.kube_chains() if c not in set(chains_before)]
+    if chains:
+        found.append(f"left behind: chains {chains}")
+    mounts = node.mounts_under(paths.state, paths.images)
+    if mounts:
+        found.append(f"left behind: mounts {mounts}")
+    return found
 
 
 def start_containerd_with_images(

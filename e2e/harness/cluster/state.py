@@ -58,6 +58,7 @@ def stop_detached(workdir: Path) -> int:
             state.get("netns_before") or [],
             state.get("host_paths_before", list(node.HOST_PATHS)),
             state.get("chains_before", node.kube_chains()),
+            state.get("veths_before"),
         )
     if errors:
         raise ClusterError("; ".join(errors))
