@@ -419,6 +419,9 @@ class Gateway:
         name = service.name
         held = False
         while True:
+            # The catalog may have changed while the request was held: look the service
+            # up again (a new endpoint is what a held request waits for).
+            service = self.catalog.services.get(service.key, service)
             candidates = [s for s in self.ready_endpoints(service) if s.url not in tried]
             if candidates:
                 break
