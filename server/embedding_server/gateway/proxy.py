@@ -201,7 +201,9 @@ class Gateway:
             enable_cleanup_closed=True,
         )
         self._session = aiohttp.ClientSession(
-            connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
+            connector=connector,
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
         )
         self._poller = LoadPoller(
             self._session,
