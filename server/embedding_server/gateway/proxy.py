@@ -498,7 +498,9 @@ class Gateway:
                 error_type="server_error",
                 code="upstream_timeout",
             )
-        except aiohttp.ClientConnectionError as error:
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as error:
+            # Refused, reset, or closed before the whole answer arrived: nothing of it has
+            # reached the client, so another pod may answer instead.
             return _Retryable(
                 "connection",
                 error_response(
@@ -507,6 +509,13 @@ class Gateway:
                     error_type="server_error",
                     code="upstream_unavailable",
                 ),
+            )
+        except aiohttp.ClientError as error:  # a malformed answer: the pod's fault, not retried
+            return error_response(
+                502,
+                f"The model's endpoint sent an answer that is not valid HTTP ({error}).",
+                error_type="server_error",
+                code="upstream_invalid",
             )
         finally:
             state.in_flight_requests -= 1

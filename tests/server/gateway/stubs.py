@@ -35,6 +35,8 @@ class Stub:
     )
     status: int = 200
     delay: float = 0.0
+    die_mid_answer: bool = False
+    """Send the answer's headers and a few bytes of its body, then close the connection."""
     received: list[bytes] = field(default_factory=list)
     url: str = ""
     runner: web.AppRunner | None = None
@@ -47,6 +49,15 @@ class Stub:
         self.received.append(body)
         if self.delay:
             await asyncio.sleep(self.delay)
+        if self.die_mid_answer:
+            partial = web.StreamResponse(status=200)
+            partial.content_length = 1000
+            partial.content_type = "application/json"
+            await partial.prepare(request)
+            await partial.write(b'{"object": "li')
+            assert request.transport is not None
+            request.transport.close()
+            return partial
         return web.json_response(
             {"served_by": self.url, "path": request.path, "echo": body.decode()},
             status=self.status,

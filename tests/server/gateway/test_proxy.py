@@ -174,6 +174,41 @@ async def test_a_pod_gone_without_answering_is_retried_on_another(
     assert _sample(gateway, "retries_total", {"model": "m", "reason": "connection"}) == 1
 
 
+async def test_a_pod_that_dies_mid_answer_is_retried_and_the_client_sees_one_whole_answer(
+    stubs: tuple[Stub, Stub],
+) -> None:
+    dying, alive = stubs
+    dying.die_mid_answer = True
+    alive.load = BUSY  # the dying pod looks idler, so it is picked first
+    discovery = ListDiscovery([Service("s", ("m",), frozenset(s.url for s in stubs))])
+    async with running_gateway(discovery) as (gateway, url):
+        await wait_until(lambda: _ready(gateway, "m", 2), what="both endpoints ready")
+        await wait_until(
+            lambda: (
+                gateway._poller is not None
+                and gateway._poller.endpoints[alive.url].queued_tokens > 0
+            ),
+            what="the load polled",
+        )
+        async with httpx.AsyncClient(base_url=url) as client:
+            answer = await client.post("/v1/embeddings", json={"model": "m", "input": "x"})
+    assert answer.status_code == 200 and answer.json()["served_by"] == alive.url
+    assert len(dying.received) == 1
+    assert _sample(gateway, "retries_total", {"model": "m", "reason": "connection"}) == 1
+
+
+async def test_a_body_over_the_limit_is_a_413(stubs: tuple[Stub, Stub]) -> None:
+    discovery = ListDiscovery([Service("s", ("m",), frozenset({stubs[0].url}))])
+    async with (
+        running_gateway(discovery, max_request_bytes=1000) as (_gateway, url),
+        httpx.AsyncClient(base_url=url) as client,
+    ):
+        answer = await client.post("/v1/embeddings", json={"model": "m", "input": "x" * 2000})
+    assert answer.status_code == 413
+    assert answer.json()["error"]["code"] == "payload_too_large"
+    assert stubs[0].received == []
+
+
 async def test_a_model_without_endpoints_holds_then_503s_with_retry_after() -> None:
     discovery = ListDiscovery([Service("s", ("cold",), frozenset())])
     async with (
