@@ -67,5 +67,9 @@ def run_gateway(settings: GatewaySettings) -> int:
         shutdown_timeout=SHUTDOWN_TIMEOUT,
         loop=loop,
         handle_signals=True,
+        # A client that hangs up stops its request here too: a held one leaves the holding
+        # queue (so the held-requests gauge an autoscaler reads counts only live demand), and
+        # a forwarded one closes its upstream connection, which cancels its work on the pod.
+        handler_cancellation=True,
     )
     return 0

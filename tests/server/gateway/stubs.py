@@ -112,7 +112,7 @@ async def running_gateway(
     """An in-process gateway on a free port; yields it and its base URL."""
     options = {"discovery": "static", "routes": ["unused=http://127.0.0.1:9"], **settings}
     gateway = Gateway(GatewaySettings(**options), discovery)
-    runner = web.AppRunner(gateway.app(), access_log=None)
+    runner = web.AppRunner(gateway.app(), access_log=None, handler_cancellation=True)
     await runner.setup()
     sock = _socket()
     await web.SockSite(runner, sock).start()

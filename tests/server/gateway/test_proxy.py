@@ -249,6 +249,21 @@ async def test_a_held_request_is_answered_once_an_endpoint_appears() -> None:
     assert answer.status_code == 200 and answer.json()["served_by"] == stub.url
 
 
+async def test_a_client_that_hangs_up_leaves_the_holding_queue() -> None:
+    # The held-requests gauge is what scales a model from zero: it must count live demand.
+    discovery = ListDiscovery([Service("s", ("cold",), frozenset())])
+    async with running_gateway(discovery, hold_timeout=30) as (gateway, url):
+        client = httpx.AsyncClient(base_url=url)
+        held = asyncio.create_task(
+            client.post("/v1/embeddings", json={"model": "cold", "input": "x"})
+        )
+        await wait_until(lambda: gateway.holding.held("cold") == 1, what="held")
+        held.cancel()
+        await client.aclose()
+        await wait_until(lambda: gateway.holding.held("cold") == 0, what="the hold released")
+        assert _sample(gateway, "held_requests", {"model": "cold"}) == 0
+
+
 async def test_holding_is_bounded_per_model() -> None:
     discovery = ListDiscovery([Service("s", ("cold",), frozenset())])
     async with (
