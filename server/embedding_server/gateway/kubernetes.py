@@ -160,8 +160,7 @@ class KubernetesDiscovery:
             config.load_incluster_config()  # type: ignore[no-untyped-call]
         except config.ConfigException:
             config.load_kube_config()  # type: ignore[no-untyped-call]
-        api = client.ApiClient()
-        return cls(ApiWatchSource(api, namespace))
+        return cls(ApiWatchSource.for_api(client.ApiClient(), namespace))
 
     async def run(self, publish: Publish) -> None:
         loop = asyncio.get_running_loop()
@@ -200,6 +199,11 @@ class KubernetesDiscovery:
             stop.set()
 
 
+ListFunction = tuple[Callable[..., Any], tuple[Any, ...]]
+"""A ``kubernetes`` client list function and its positional arguments; with ``watch=True``
+the same function streams the changes (as the client's ``watch.Watch`` calls it)."""
+
+
 class ApiWatchSource:
     """List-then-watch one kind with the ``kubernetes`` client, forever: a SYNC with the
     listing, then its events; on a broken or expired watch (410 Gone), list again."""
@@ -207,28 +211,41 @@ class ApiWatchSource:
     WATCH_SECONDS = 60
     """A watch is renewed this often, so a stop is noticed within it."""
 
-    def __init__(self, api: Any, namespace: str | None) -> None:
+    RETRY_SECONDS = 2.0
+    """Pause before listing again after an error other than 410 Gone."""
+
+    def __init__(self, functions: Mapping[Kind, ListFunction]) -> None:
+        self._functions = functions
+
+    @classmethod
+    def for_api(cls, api: Any, namespace: str | None) -> ApiWatchSource:
+        """EmbeddingServices and EndpointSlices in ``namespace`` (None: all namespaces)."""
         from kubernetes import client
 
-        self._custom = client.CustomObjectsApi(api)
-        self._discovery = client.DiscoveryV1Api(api)
-        self._namespace = namespace
-
-    def _list_function(self, kind: Kind) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-        ns = self._namespace
-        if kind == "EmbeddingService":
-            if ns:
-                return self._custom.list_namespaced_custom_object, (GROUP, VERSION, ns, PLURAL)
-            return self._custom.list_cluster_custom_object, (GROUP, VERSION, PLURAL)
-        if ns:
-            return self._discovery.list_namespaced_endpoint_slice, (ns,)
-        return self._discovery.list_endpoint_slice_for_all_namespaces, ()
+        custom = client.CustomObjectsApi(api)
+        slices = client.DiscoveryV1Api(api)
+        if namespace:
+            return cls(
+                {
+                    "EmbeddingService": (
+                        custom.list_namespaced_custom_object,
+                        (GROUP, VERSION, namespace, PLURAL),
+                    ),
+                    "EndpointSlice": (slices.list_namespaced_endpoint_slice, (namespace,)),
+                }
+            )
+        return cls(
+            {
+                "EmbeddingService": (custom.list_cluster_custom_object, (GROUP, VERSION, PLURAL)),
+                "EndpointSlice": (slices.list_endpoint_slice_for_all_namespaces, ()),
+            }
+        )
 
     def __call__(self, kind: Kind, stop: threading.Event) -> Iterator[Event]:
         from kubernetes import watch
         from kubernetes.client.exceptions import ApiException
 
-        function, args = self._list_function(kind)
+        function, args = self._functions[kind]
         while not stop.is_set():
             try:
                 listing = orjson.loads(function(*args, _preload_content=False).data)
@@ -253,11 +270,7 @@ class ApiWatchSource:
             except ApiException as error:
                 if error.status != 410:
                     logger.warning("watching %ss failed (%s); listing again", kind, error.reason)
-                    _sleep(stop, 2.0)
+                    stop.wait(self.RETRY_SECONDS)
             except Exception as error:  # noqa: BLE001 - network trouble: list again after a pause
                 logger.warning("watching %ss failed (%s); listing again", kind, error)
-                _sleep(stop, 2.0)
-
-
-def _sleep(stop: threading.Event, seconds: float) -> None:
-    stop.wait(seconds)
+                stop.wait(self.RETRY_SECONDS)

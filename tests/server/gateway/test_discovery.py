@@ -10,6 +10,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from embedding_server.gateway.discovery import (
     DiscoveryError,
@@ -19,6 +20,7 @@ from embedding_server.gateway.discovery import (
 )
 from embedding_server.gateway.kubernetes import (
     ALIASES_ANNOTATION,
+    ApiWatchSource,
     ClusterState,
     Event,
     Kind,
@@ -193,3 +195,74 @@ async def _until(condition: Any, what: str = "condition", timeout: float = 5.0) 
     while not condition():
         assert loop.time() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(0.01)
+
+
+class _Response:
+    """What the kubernetes client's functions return with ``_preload_content=False``."""
+
+    status = 200
+
+    def __init__(self, lines: list[dict[str, Any]] | None = None, data: Any = None) -> None:
+        self.lines = lines or []
+        self.data = orjson.dumps(data) if data is not None else b""
+
+    def stream(self, amt: Any = None, decode_content: Any = None) -> Iterator[bytes]:
+        for line in self.lines:
+            yield orjson.dumps(line) + b"\n"
+
+    def close(self) -> None:
+        pass
+
+    def release_conn(self) -> None:
+        pass
+
+
+def _es(name: str, version: str) -> dict[str, Any]:
+    resource = _service(name, {"model": {"name": name}})
+    resource["metadata"]["resourceVersion"] = version
+    return resource
+
+
+def test_the_api_source_lists_watches_and_lists_again_when_the_watch_expires() -> None:
+    calls: list[dict[str, Any]] = []
+    gone = {"code": 410, "reason": "Expired", "message": "too old", "kind": "Status"}
+    script = [
+        _Response(data={"metadata": {"resourceVersion": "1"}, "items": [_es("a", "1")]}),
+        _Response(
+            [
+                {"type": "ADDED", "object": _es("b", "2")},
+                {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "3"}}},
+                {"type": "ERROR", "object": gone},
+            ]
+        ),
+        _Response(
+            data={"metadata": {"resourceVersion": "4"}, "items": [_es("a", "1"), _es("b", "2")]}
+        ),
+        _Response([{"type": "DELETED", "object": _es("a", "5")}]),
+    ]
+
+    def list_things(*args: Any, **kwargs: Any) -> _Response:
+        calls.append({"args": args, **kwargs})
+        return script[len(calls) - 1]
+
+    source = ApiWatchSource({"EmbeddingService": (list_things, ("ns",))})
+    stop = threading.Event()
+    events = source("EmbeddingService", stop)
+    got = [next(events) for _ in range(4)]
+    stop.set()
+    # The bookmark moved the version on and is not an event; 410 Gone lists again rather
+    # than resuming from a version the API server no longer has.
+    assert [(kind, _names(payload)) for kind, payload in got] == [
+        ("SYNC", ["a"]),
+        ("ADDED", ["b"]),
+        ("SYNC", ["a", "b"]),
+        ("DELETED", ["a"]),
+    ]
+    assert all(call["args"] == ("ns",) for call in calls)
+    assert calls[1]["watch"] is True and calls[1]["resource_version"] == "1"
+    assert calls[3]["resource_version"] == "4"
+
+
+def _names(payload: Any) -> list[str]:
+    items = payload if isinstance(payload, list) else [payload]
+    return [item["metadata"]["name"] for item in items]
