@@ -167,6 +167,7 @@ class KubernetesDiscovery:
         stop = threading.Event()
         queue: asyncio.Queue[tuple[Kind, str, Any]] = asyncio.Queue()
         synced: set[Kind] = set()
+        published: list[Service] | None = None
 
         def pump(kind: Kind) -> None:
             for event_type, payload in self._source(kind, stop):
@@ -193,8 +194,10 @@ class KubernetesDiscovery:
                     self.state.apply(kind, event_type, payload)
                     if event_type == "SYNC":
                         synced.add(kind)
-                if len(synced) == 2:
-                    publish(self.state.catalog())
+                catalog = self.state.catalog()
+                if len(synced) == 2 and catalog != published:  # status updates change nothing
+                    publish(catalog)
+                    published = catalog
         finally:
             stop.set()
 

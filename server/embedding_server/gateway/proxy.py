@@ -119,19 +119,21 @@ class Catalog:
         self.services: dict[str, Service] = {}
         self.by_name: dict[str, Service] = {}
         self.loaded = False
+        self._conflicts: set[tuple[str, str, str]] = set()
 
     def replace(self, services: Sequence[Service]) -> None:
         by_name: dict[str, Service] = {}
         for service in sorted(services, key=lambda s: s.key):
             for name in service.names:
                 if name in by_name and by_name[name].key != service.key:
-                    logger.warning(
-                        "model name %r is claimed by %s and %s; routing it to %s",
-                        name,
-                        by_name[name].key,
-                        service.key,
-                        by_name[name].key,
-                    )
+                    conflict = (name, by_name[name].key, service.key)
+                    if conflict not in self._conflicts:  # once, not on every new catalog
+                        self._conflicts.add(conflict)
+                        logger.warning(
+                            "model name %r is claimed by %s and %s; routing it to %s",
+                            *conflict,
+                            by_name[name].key,
+                        )
                     continue
                 by_name[name] = service
         self.services = {service.key: service for service in services}
