@@ -192,6 +192,23 @@ async def open_loop(url: str, work: list[tuple[float, bool, bytes]]) -> list[tup
     return results
 
 
+async def sequential_httpx(url: str, count: int) -> list[float]:
+    """As :func:`sequential`, with httpx's AsyncClient: the other client the gateway could
+    have been built on."""
+    import httpx
+
+    body = _body(["How far is the moon from the earth?"])
+    headers = {"Content-Type": "application/json"}
+    latencies = []
+    async with httpx.AsyncClient(base_url=url) as client:
+        for _ in range(count + 20):
+            started = time.perf_counter()
+            answer = await client.post("/v1/embeddings", content=body, headers=headers)
+            assert answer.status_code == 200, answer.status_code
+            latencies.append((time.perf_counter() - started) * 1000)
+    return latencies[20:]
+
+
 def bench_overhead(args: argparse.Namespace) -> dict[str, Any]:
     with server("fake?dim=32") as direct, gateway([direct]) as (through, process):
         rounds = []
@@ -207,6 +224,13 @@ def bench_overhead(args: argparse.Namespace) -> dict[str, Any]:
                 }
             )
         best = min(rounds, key=lambda r: r["gateway_p50"] - r["direct_p50"])
+        # The client library the gateway forwards with, measured the same way (direct).
+        clients = []
+        for _ in range(args.rounds):
+            a = asyncio.run(sequential(direct, args.sequential))
+            h = asyncio.run(sequential_httpx(direct, args.sequential))
+            clients.append((statistics.median(a), statistics.median(h)))
+        aiohttp_p50, httpx_p50 = min(clients, key=lambda pair: pair[0] + pair[1])
         rps_direct = asyncio.run(closed_loop(direct, args.clients, args.seconds)) / args.seconds
         cpu_before = sum(process.cpu_times()[:2])
         answered = asyncio.run(closed_loop(through, args.clients, args.seconds))
@@ -215,6 +239,8 @@ def bench_overhead(args: argparse.Namespace) -> dict[str, Any]:
         **best,
         "added_p50": best["gateway_p50"] - best["direct_p50"],
         "added_p99": best["gateway_p99"] - best["direct_p99"],
+        "client_aiohttp_p50": aiohttp_p50,
+        "client_httpx_p50": httpx_p50,
         "rps_direct": rps_direct,
         "rps_gateway": answered / args.seconds,
         "gateway_cpu_ms_per_request": cpu / answered * 1000,
@@ -261,6 +287,8 @@ def report(overhead: dict[str, Any], balancing: dict[str, Any], args: argparse.N
         f"  gateway  p50 {o['gateway_p50']:.3f} ms  p99 {o['gateway_p99']:.3f} ms",
         f"  added    p50 {o['added_p50']:.3f} ms  p99 {o['added_p99']:.3f} ms"
         f"   (target p50 < {TARGET_ADDED_P50_MS:.0f} ms: {verdict})",
+        f"Client library, direct, one client: aiohttp p50 {o['client_aiohttp_p50']:.3f} ms, "
+        f"httpx p50 {o['client_httpx_p50']:.3f} ms",
         f"Requests/s ({args.clients} clients, {args.seconds:.0f} s): direct "
         f"{o['rps_direct']:.0f}, through the gateway {o['rps_gateway']:.0f}; gateway CPU "
         f"{o['gateway_cpu_ms_per_request']:.3f} ms/request = "
