@@ -7,7 +7,8 @@ model, so the numbers are the gateway's and the server's, not a model's) and rea
 
 1. **Added latency.** One client, one request at a time, alternating rounds of direct calls
    to the server and calls through the gateway; p50/p99 of each and the difference (best of
-   the rounds, as the box is shared). Target: under 1 ms added at p50.
+   the rounds, as the box is shared). Target: under 1 ms added at p50. The same for the
+   two client libraries the gateway could forward with (aiohttp, which it uses, and httpx).
 2. **Requests/s.** ``--clients`` concurrent clients for ``--seconds``, direct and through the
    gateway, and the gateway process's CPU seconds per request: the requests/s one gateway
    core carries (the fleet it can front without being the bottleneck).
