@@ -1,10 +1,13 @@
 """The gateway's Prometheus metrics (``GET /metrics`` on the gateway).
 
-``embedding_gateway_held_requests{model}`` is the scale-from-zero signal: requests waiting
-for a model with no ready endpoint. An HPA (external metric through the Prometheus adapter)
-or a KEDA ScaledObject scales the model's service 0 -> 1 on it, and
-``embedding_gateway_last_request_timestamp_seconds{model}`` says when a model was last
-asked for (the operator's ScaledToZero status reads it). Both are part of the contract
+``embedding_gateway_held_requests{model, service}`` is the scale-from-zero signal: requests
+waiting for a model with no ready endpoint (``service``: the discovery's key of the model's
+service, ``namespace/name`` of its EmbeddingService with Kubernetes discovery, so an
+autoscaler's query selects one service even where two namespaces serve one model name).
+An HPA (external metric through the Prometheus adapter) or a KEDA ScaledObject scales the
+model's service 0 -> 1 on it, and
+``embedding_gateway_last_request_timestamp_seconds{model, service}`` says when a model was
+last asked for (the operator's ScaledToZero status can read it). Both are part of the contract
 with the chart and the operator: do not rename them casually.
 """
 
@@ -64,14 +67,15 @@ class GatewayMetrics:
         self.held_requests = Gauge(
             HELD_REQUESTS_METRIC,
             "Requests held now because their model has no ready endpoint (the scale-from-zero "
-            "demand signal).",
-            ["model"],
+            "demand signal); service: namespace/name of its EmbeddingService.",
+            ["model", "service"],
             registry=r,
         )
         self.last_request = Gauge(
             LAST_REQUEST_METRIC,
-            "Unix time of the last request for each model.",
-            ["model"],
+            "Unix time of the last request for each model; service: namespace/name of its "
+            "EmbeddingService.",
+            ["model", "service"],
             registry=r,
         )
         self.decisions = Counter(

@@ -175,7 +175,7 @@ class Gateway:
         self.holding = Holding(
             max_requests=settings.max_held_requests,
             max_tokens=settings.max_held_tokens,
-            on_change=lambda model, count: self.metrics.held_requests.labels(model).set(count),
+            on_change=self._held_changed,
         )
         self.bulk_routes = frozenset(settings.bulk_routes)
         self._session: aiohttp.ClientSession | None = None
@@ -233,6 +233,11 @@ class Gateway:
             await self._poller.stop()
         if self._session is not None:
             await self._session.close()
+
+    def _held_changed(self, model: str, count: int) -> None:
+        service = self.catalog.by_name.get(model)
+        key = service.key if service is not None else ""
+        self.metrics.held_requests.labels(model, key).set(count)
 
     # -- catalog and endpoints ------------------------------------------------------------
     def publish(self, services: Sequence[Service]) -> None:
@@ -317,7 +322,7 @@ class Gateway:
             assert problem is not None
             return problem, ""
         name = service.name
-        self.metrics.last_request.labels(name).set(time.time())
+        self.metrics.last_request.labels(name, service.key).set(time.time())
         priority, problem = self._priority(request)
         if problem is not None:
             return problem, name

@@ -116,7 +116,10 @@ def test_a_model_with_no_endpoint_holds_then_503s_and_is_answered_once_one_appea
         answered = asyncio.run(held_then_answered())
         assert answered.status_code == 200 and answered.json()["model"] == FAKE
         metrics = httpx.get(url + "/metrics").text
-        assert f'embedding_gateway_held_requests{{model="{FAKE}"}} 0.0' in metrics
+        assert (
+            f'embedding_gateway_held_requests{{model="{FAKE}",service="file/{FAKE}"}} 0.0'
+            in metrics
+        )
         assert (
             f'embedding_gateway_routing_decisions_total{{decision="held",model="{FAKE}"}}'
             in metrics
