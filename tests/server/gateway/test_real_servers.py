@@ -62,7 +62,7 @@ def routes(
     servers: tuple[ServerProcess, ServerProcess], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Routes]:
     routes = Routes(tmp_path_factory.mktemp("gateway") / "routes.json", servers)
-    args = ["--routes-file", str(routes.path), "--hold-timeout", "2", "--poll-interval", "0.05"]
+    args = ["--routes-file", str(routes.path), "--hold-timeout", "4", "--poll-interval", "0.05"]
     with gateway_process(args) as gateway:
         routes.gateway = gateway
         routes.write(fake_endpoint=True)
@@ -111,7 +111,7 @@ def test_a_model_with_no_endpoint_holds_then_503s_and_is_answered_once_one_appea
                 routes.write(fake_endpoint=True, wait=False)
                 return await held
 
-        # The hold timeout is 2 s and the routes file is checked every second: the request
+        # The hold timeout is 4 s and the routes file is checked every second: the request
         # is answered by the endpoint that appeared, not refused.
         answered = asyncio.run(held_then_answered())
         assert answered.status_code == 200 and answered.json()["model"] == FAKE
