@@ -133,6 +133,17 @@ def test_frontend(tmp_path: Path) -> None:
     assert [line.split(":")[0] for line in budgets] == ["1-text", "32-text"], report["ratios"]
 
 
+def test_gateway(tmp_path: Path) -> None:
+    args = ("--rounds", "1", "--sequential", "50", "--seconds", "1", "--requests", "60")
+    run_bench("gateway", *args, out=tmp_path)
+    report = read_json(tmp_path / "gateway.json")
+    overhead = report["overhead"]
+    assert overhead["gateway_p50"] > 0 and overhead["rps_gateway"] > 0, overhead
+    assert set(report["balancing"]) == {"least-backlog", "random"}
+    for figures in report["balancing"].values():
+        assert 0 < figures["short_p50"] <= figures["short_p99"], figures
+
+
 def test_gpu_smoke_on_the_cpu(tmp_path: Path) -> None:
     report = tmp_path / "gpu_smoke.json"
     args = ("--device", "cpu", "--quick", "--no-scale", "--json", str(report))

@@ -7,9 +7,11 @@ Flags the user did not pass are left out, so environment variables and defaults 
 underneath them. A bad setting ends the process before anything loads, with one line that
 names the flag and the variable and no traceback.
 
-Two commands: ``serve`` runs the server; ``inspect`` takes the engine's settings (the model
-and everything that decides how it is served) and prints what ``serve`` would serve, from
-the model's config files and weight names alone (``device/inspection.py``).
+Three commands: ``serve`` runs the server; ``gateway`` runs the model router in front of
+servers (``embedding_server/gateway/``, with its own ``EMBEDDING_GATEWAY_*`` settings);
+``inspect`` takes the engine's settings (the model and everything that decides how it is
+served) and prints what ``serve`` would serve, from the model's config files and weight
+names alone (``device/inspection.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsError
 
 from embedding_server.errors import EmbeddingServerError
+from embedding_server.gateway.settings import GATEWAY_ENV_PREFIX, GatewaySettings
 from embedding_server.settings import DEFAULT_MODEL, EngineSettings, ServerSettings
 
 if TYPE_CHECKING:
@@ -49,8 +52,8 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _env(name: str) -> str:
-    return ENV_PREFIX + name.upper()
+def _env(name: str, prefix: str = ENV_PREFIX) -> str:
+    return prefix + name.upper()
 
 
 def _unwrap_optional(annotation: Any) -> Any:
@@ -62,11 +65,13 @@ def _unwrap_optional(annotation: Any) -> Any:
     return annotation
 
 
-def _add_field(group: argparse._ArgumentGroup, name: str, field: FieldInfo) -> None:
+def _add_field(
+    group: argparse._ArgumentGroup, name: str, field: FieldInfo, prefix: str = ENV_PREFIX
+) -> None:
     annotation = _unwrap_optional(field.annotation)
     description = (field.description or "").replace("%", "%%")
     default = field.get_default(call_default_factory=True)
-    details = [f"env {_env(name)}"]
+    details = [f"env {_env(name, prefix)}"]
     if default is not None and annotation is not bool:
         details.append(f"default {default}")
     kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS}
@@ -130,10 +135,23 @@ def build_parser(settings_model: type[BaseSettings] = ServerSettings) -> argpars
     engine_group = inspect.add_argument_group("settings (as serve takes them)")
     for name, field in EngineSettings.model_fields.items():
         _add_field(engine_group, name, field)
+    gateway = commands.add_parser(
+        "gateway",
+        help="Route requests for many models to their servers (no model loaded here).",
+        description="One address for every model: route each request by its 'model' field "
+        "to the least-loaded ready endpoint of that model, hold requests while a model has "
+        "no ready endpoint (scale from zero), and retry once on another endpoint what a "
+        "dying one dropped. Models and endpoints come from --routes / --routes-file or, with "
+        "--discovery kubernetes, from EmbeddingServices and their EndpointSlices. Each flag "
+        f"can also be set with an {GATEWAY_ENV_PREFIX}* environment variable.",
+    )
+    gateway_group = gateway.add_argument_group("settings")
+    for name, field in GatewaySettings.model_fields.items():
+        _add_field(gateway_group, name, field, GATEWAY_ENV_PREFIX)
     return parser
 
 
-def format_settings_error(error: ValidationError | SettingsError) -> str:
+def format_settings_error(error: ValidationError | SettingsError, prefix: str = ENV_PREFIX) -> str:
     """One line that names each offending setting by flag and variable."""
     if isinstance(error, SettingsError):
         return f"invalid settings: {error}"
@@ -148,7 +166,7 @@ def format_settings_error(error: ValidationError | SettingsError) -> str:
         # The value is not repeated: settings are often fed from Secrets, and this line
         # goes to the pod's log. The flag, the variable and the reason say what to fix.
         # A list setting reports each bad element; name the setting once.
-        problems.setdefault((name, message), f"{_flag(name)} / {_env(name)}: {message}")
+        problems.setdefault((name, message), f"{_flag(name)} / {_env(name, prefix)}: {message}")
     return "invalid settings: " + "; ".join(problems.values())
 
 
@@ -176,6 +194,26 @@ def _settings(model: type[SettingsT], namespace: argparse.Namespace) -> Settings
         )
         raise SystemExit(EXIT_BAD_SETTINGS)
     return settings
+
+
+def _gateway_settings(namespace: argparse.Namespace) -> GatewaySettings:
+    """The gateway's settings from the flags given (variables and defaults underneath),
+    or exit 2 with one line, as for ``serve``."""
+    given = {k: v for k, v in vars(namespace).items() if k in GatewaySettings.model_fields}
+    try:
+        return GatewaySettings(**given)
+    except (ValidationError, SettingsError) as error:
+        message = format_settings_error(error, GATEWAY_ENV_PREFIX)
+        sys.stderr.write(f"{PROG} gateway: error: {message}\n")
+        raise SystemExit(EXIT_BAD_SETTINGS) from None
+
+
+def gateway(settings: GatewaySettings) -> int:
+    """Run the gateway until a signal; return the process exit status. Request plane
+    only: nothing here imports torch (pyproject's import contracts)."""
+    from embedding_server.gateway.server import run_gateway
+
+    return run_gateway(settings)
 
 
 PROCESS_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
@@ -310,6 +348,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     namespace = build_parser().parse_args(argv)
     if namespace.command == "inspect":
         return inspect(_settings(EngineSettings, namespace), as_json=namespace.json)
+    if namespace.command == "gateway":
+        return gateway(_gateway_settings(namespace))
     return serve(_settings(ServerSettings, namespace))
 
 

@@ -72,7 +72,7 @@ from .results import (
     TokenEmbedResult,
 )
 from .scheduler import Scheduler
-from .serving import ENCODE_TASKS, EncodeTask, Inputs, ServingEngine
+from .serving import ENCODE_TASKS, EncodeTask, EngineLoad, Inputs, ServingEngine
 from .settings import DEFAULT_MODEL, EngineSettings
 from .tokenization import TextTokenizer, Truncation, TruncationArg, TruncationSide
 
@@ -295,6 +295,12 @@ class Engine(ServingEngine):
     @property
     def scheduler(self) -> Scheduler:
         return self._scheduler
+
+    def load(self) -> EngineLoad:
+        scheduler = self._scheduler
+        return EngineLoad(
+            scheduler.queued_tokens, scheduler.running_tokens, scheduler.backlog_seconds
+        )
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:

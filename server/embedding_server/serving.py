@@ -21,6 +21,7 @@ from __future__ import annotations
 import abc
 import functools
 from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, Unpack, cast
 
 import numpy as np
@@ -92,6 +93,17 @@ async def _checked(runner: JobRunner, check: Callable[..., T], *inputs: object) 
     return check(*inputs)
 
 
+@dataclass(frozen=True)
+class EngineLoad:
+    """The work ahead of a new request, as ``GET /load`` reports it to a gateway: tokens
+    admitted and waiting, tokens in batches taken from the queue, and both in seconds at
+    the rate the model measured recently (the ``embedding_server_backlog_seconds`` gauge)."""
+
+    queued_tokens: int = 0
+    running_tokens: int = 0
+    backlog_seconds: float = 0.0
+
+
 class ServingEngine(abc.ABC):
     """The request-level API of an engine; subclasses say where a job's sequences run."""
 
@@ -103,6 +115,10 @@ class ServingEngine(abc.ABC):
 
     def info(self) -> EngineInfo:
         return self._info
+
+    def load(self) -> EngineLoad:
+        """The work queued and running now (an engine without a queue of its own: none)."""
+        return EngineLoad()
 
     @property
     @abc.abstractmethod

@@ -5,9 +5,12 @@ of :class:`~embedding_server.settings.ServerSettings` (``cli.py`` builds the par
 fields), so the reference page is rendered from the same fields: flag, variable, type,
 default, limits and the field's description, which is also its ``--help`` text.
 
-This module imports nothing of the server but ``settings``: no torch, no HTTP stack.
-:func:`render_reference` is pure; running the module rewrites
-``docs/reference/server-flags.md`` (``--check`` only compares), and
+The gateway's flags (``embedding-server gateway``, :class:`GatewaySettings`) get their own
+page the same way, ``docs/reference/gateway-flags.md`` (:func:`render_gateway_reference`).
+
+This module imports nothing of the server but the settings: no torch, no HTTP stack.
+:func:`render_reference` is pure; running the module rewrites both pages (``--check`` only
+compares), and
 ``tests/server/test_settings_reference.py`` fails when the committed page drifts::
 
     python -m embedding_server.settings_reference
@@ -26,10 +29,12 @@ from pydantic import SecretStr
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
 
+from embedding_server.gateway.settings import GatewaySettings
 from embedding_server.settings import EngineSettings, ServerSettings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 OUTPUT_PATH = REPO_ROOT / "docs" / "reference" / "server-flags.md"
+GATEWAY_OUTPUT_PATH = REPO_ROOT / "docs" / "reference" / "gateway-flags.md"
 COMMAND = "python -m embedding_server.settings_reference"
 
 _MARKDOWN_SPECIAL = set("\\`*_[]|")
@@ -105,7 +110,7 @@ def _default(field: FieldInfo) -> str:
     return f"`{default}`"
 
 
-def _row(name: str, field: FieldInfo) -> str:
+def _row(name: str, field: FieldInfo, model: type[BaseSettings] = ServerSettings) -> str:
     # An anchor per flag, so other pages can link straight to it (server-flags.md#max-batch-tokens).
     anchor = f'<a id="{name.replace("_", "-")}"></a>'
     flags = anchor + " / ".join(f"`{flag}`" for flag in flag_names(name, field))
@@ -114,16 +119,18 @@ def _row(name: str, field: FieldInfo) -> str:
     if limits:
         kind += f" ({_text(limits)})"
     description = _text(" ".join((field.description or "").split()))
-    cells = [flags, f"`{env_name(name)}`", kind, _default(field), description]
+    cells = [flags, f"`{env_name(name, model)}`", kind, _default(field), description]
     return "| " + " | ".join(cells) + " |"
 
 
-def _table(fields: Sequence[tuple[str, FieldInfo]]) -> list[str]:
+def _table(
+    fields: Sequence[tuple[str, FieldInfo]], model: type[BaseSettings] = ServerSettings
+) -> list[str]:
     lines = [
         "| Flag | Environment variable | Type | Default | Description |",
         "| --- | --- | --- | --- | --- |",
     ]
-    return [*lines, *(_row(name, field) for name, field in fields), ""]
+    return [*lines, *(_row(name, field, model) for name, field in fields), ""]
 
 
 def render_reference() -> str:
@@ -168,6 +175,31 @@ def render_reference() -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
+def render_gateway_reference() -> str:
+    """The gateway-flags page (``embedding-server gateway``), as Markdown."""
+    lines = [
+        f"<!-- Generated from embedding_server.gateway.settings by `{COMMAND}`. Do not edit: "
+        "edit the settings model and rerun. -->",
+        "",
+        "# Gateway flags",
+        "",
+        "Every setting of `embedding-server gateway` is a flag and an `EMBEDDING_GATEWAY_*` "
+        "environment variable; both derive from one settings model "
+        "(`server/embedding_server/gateway/settings.py`), and this page is generated from it "
+        f"(`{COMMAND}`), so it matches `embedding-server gateway --help`. The gateway itself "
+        "is described in [the gateway guide](../gateway.md).",
+        "",
+        "- A flag wins over its environment variable; a setting given by neither takes its "
+        "default.",
+        "- Lists are comma-separated, in the environment too.",
+        "- An invalid value, or an invalid combination (static discovery without routes), "
+        "stops the gateway at start with exit status 2 and one line naming the setting.",
+        "",
+        *_table(list(GatewaySettings.model_fields.items()), GatewaySettings),
+    ]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Write (or with ``--check`` compare) the reference page; return the exit status."""
     parser = argparse.ArgumentParser(
@@ -177,16 +209,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--check", action="store_true", help="Exit 1 if the page differs; write nothing."
     )
+    parser.add_argument(
+        "--gateway-output", type=Path, default=GATEWAY_OUTPUT_PATH, help="Gateway page to write."
+    )
     args = parser.parse_args(argv)
-    page = render_reference()
+    pages = [(args.output, render_reference()), (args.gateway_output, render_gateway_reference())]
     if args.check:
-        current = args.output.read_text(encoding="utf-8") if args.output.exists() else ""
-        if current != page:
-            sys.stderr.write(f"{args.output} is out of date: run {COMMAND}\n")
-            return 1
-        return 0
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(page, encoding="utf-8")
+        stale = False
+        for path, page in pages:
+            current = path.read_text(encoding="utf-8") if path.exists() else ""
+            if current != page:
+                sys.stderr.write(f"{path} is out of date: run {COMMAND}\n")
+                stale = True
+        return 1 if stale else 0
+    for path, page in pages:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(page, encoding="utf-8")
     return 0
 
 

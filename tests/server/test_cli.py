@@ -320,3 +320,34 @@ def test_inspect_exits_1_with_the_refusal_for_a_model_that_would_not_serve(
     assert "classifier_dropout" in result.stderr
     bad = run_cli("inspect", "--max-batch-size", "0")
     assert bad.returncode == EXIT_BAD_SETTINGS and "--max-batch-size" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        ([], "--discovery static needs --routes or --routes-file"),
+        (
+            ["--routes", "m=http://a:1", "--poll-interval", "0"],
+            "--poll-interval / EMBEDDING_GATEWAY_POLL_INTERVAL",
+        ),
+        (["--routes", "m=not-a-url"], "--routes: 'not-a-url' is not an http(s) URL"),
+    ],
+)
+def test_the_gateway_refuses_bad_settings_with_one_line(args: list[str], named: str) -> None:
+    result = run_cli("gateway", *args)
+    assert result.returncode == EXIT_BAD_SETTINGS, result.stderr
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and named in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_the_gateway_starts_without_importing_torch() -> None:
+    # The gateway image-less mode: its whole import graph, discovery and proxy included.
+    code = (
+        "import sys, embedding_server.cli, embedding_server.gateway.server, "
+        "embedding_server.gateway.kubernetes; print('torch' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert result.stdout.strip() == "False"

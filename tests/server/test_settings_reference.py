@@ -53,3 +53,26 @@ def test_every_setting_is_on_the_page_as_the_cli_spells_it() -> None:
         for flag in flag_names(name, field)
     }
     assert accepted - {"-h", "--help"} <= documented, "serve accepts flags the page does not list"
+
+
+def test_the_gateway_page_matches_its_settings_and_its_cli() -> None:
+    from embedding_server.gateway.settings import GatewaySettings
+    from embedding_server.settings_reference import (
+        GATEWAY_OUTPUT_PATH,
+        render_gateway_reference,
+    )
+
+    committed = GATEWAY_OUTPUT_PATH.read_text(encoding="utf-8")
+    assert committed == render_gateway_reference(), f"gateway-flags.md is out of date: {FIX}"
+    parser = build_parser()
+    (commands,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    accepted = {f for a in commands.choices["gateway"]._actions for f in a.option_strings}
+    documented = {
+        flag
+        for name, field in GatewaySettings.model_fields.items()
+        for flag in flag_names(name, field)
+    }
+    assert accepted - {"-h", "--help"} == documented
+    for name in GatewaySettings.model_fields:
+        variable = env_name(name, GatewaySettings)
+        assert variable == f"EMBEDDING_GATEWAY_{name.upper()}" and f"`{variable}`" in committed

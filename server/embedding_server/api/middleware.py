@@ -55,7 +55,7 @@ from embedding_server.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/load", "/metrics"})
 """Routes that never need the API key: probes and the scrape endpoint."""
 
 _MAX_REQUEST_ID = 128

@@ -1,9 +1,11 @@
-"""The operational endpoints: ``/health``, ``/ready``, ``/info``, ``/metrics``.
+"""The operational endpoints: ``/health``, ``/ready``, ``/load``, ``/info``, ``/metrics``.
 
 ``/health`` is liveness: 200 for as long as the process can answer at all, so a slow model
 load never gets the pod killed. ``/ready`` is readiness: 503 until the model is loaded and
 warmed up, and 503 again from the moment a drain starts, so traffic moves elsewhere while
-in-flight work finishes. ``/metrics`` follows readiness: the autoscaling gauges are there only
+in-flight work finishes. ``/load`` is what a gateway polls every few tens of milliseconds to
+pick the least-loaded pod: four numbers read from the scheduler, no Prometheus rendering.
+``/metrics`` follows readiness: the autoscaling gauges are there only
 while ``/ready`` would answer 200.
 """
 
@@ -16,6 +18,7 @@ from starlette.responses import Response
 from embedding_server.api.errors import error_response
 from embedding_server.api.lifecycle import lifecycle_of
 from embedding_server.api.responses import json_response
+from embedding_server.serving import EngineLoad
 
 router = APIRouter()
 
@@ -43,6 +46,31 @@ async def ready(request: Request) -> Response:
     else:
         message = "The model is still loading."
     return error_response(503, message, code="not_ready")
+
+
+@router.get(
+    "/load",
+    tags=["Operations"],
+    summary="The work ahead of a new request: queued and running tokens, backlog seconds",
+)
+async def load(request: Request) -> Response:
+    # Open without the API key, as /ready: the numbers say how busy the pod is, nothing of
+    # what it serves. 200 when ready, 503 (with the same body) when not, so a gateway reads
+    # both the pod's readiness and its backlog from one poll.
+    lifecycle = lifecycle_of(request)
+    ready = lifecycle.is_ready()
+    engine = lifecycle.engine
+    current = engine.load() if engine is not None and engine.ready else EngineLoad()
+    content = {
+        "ready": ready,
+        "queued_tokens": current.queued_tokens,
+        "running_tokens": current.running_tokens,
+        "backlog_seconds": round(current.backlog_seconds, 6),
+    }
+    response = json_response(content)
+    if not ready:
+        response.status_code = 503
+    return response
 
 
 @router.get("/info", tags=["Operations"], summary="The resolved model configuration")

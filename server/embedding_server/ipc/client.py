@@ -33,9 +33,9 @@ from typing import Any, TypeVar
 from embedding_server.errors import EngineFailedError, NotReadyError
 from embedding_server.jobs import Job, JobRunner, ThreadedRunner
 from embedding_server.metrics import Metrics
-from embedding_server.scheduler import Admission, Reservation, ScheduledOutput
+from embedding_server.scheduler import Admission, Reservation, ScheduledOutput, backlog_seconds
 from embedding_server.sequences import SequenceInput
-from embedding_server.serving import ServingEngine
+from embedding_server.serving import EngineLoad, ServingEngine
 from embedding_server.settings import ServerSettings
 from embedding_server.tokenization import TextTokenizer
 
@@ -247,6 +247,13 @@ class AttachedEngine(ServingEngine):
             client.close()
             raise
         return cls(settings, handoff, client, metrics=metrics)
+
+    def load(self) -> EngineLoad:
+        """The engine's queue as this front-end last heard of it (the engine tells a change
+        only once the queue nears its bound, so a light load can read as none; a gateway
+        adds its own in-flight work on top)."""
+        held, rate = self._client.engine_queue
+        return EngineLoad(held, 0, backlog_seconds(held, rate, self._config.max_batch_tokens))
 
     @property
     def ready(self) -> bool:

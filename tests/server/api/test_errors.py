@@ -254,7 +254,7 @@ def test_api_key_guards_every_route_but_probes_and_metrics() -> None:
             assert ok.status_code == 200, (path, ok.text)
         for path in ("/v1/models", "/info", "/openapi.json"):
             assert_error(httpx.get(server.url + path), 401)
-        for path in ("/health", "/ready", "/metrics"):
+        for path in ("/health", "/ready", "/load", "/metrics"):
             assert httpx.get(server.url + path).status_code == 200
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):

@@ -1,0 +1,279 @@
+"""Discovery from the cluster: EmbeddingServices for the models and their names,
+EndpointSlices for where each is served.
+
+Two list-then-watch loops (one per kind) run in threads with the ``kubernetes`` client, each
+handing every event to the event loop, where :class:`ClusterState` applies it and the
+catalog is published again. The state logic is pure (events in, catalog out), so the tests
+drive it with replayed events; only :meth:`KubernetesDiscovery.in_cluster` talks to an API
+server.
+
+Names of an EmbeddingService (the first is what ``/v1/models`` lists):
+``status.model.servedModelName``, ``spec.servedModelName``, the last path component of
+``spec.model.name`` (the server's default name), ``spec.model.name`` itself (the server
+accepts it too), and the comma-separated annotation :data:`ALIASES_ANNOTATION`. Its
+endpoints are the ready addresses of the EndpointSlices labelled
+``kubernetes.io/service-name`` with its name (the operator names the Service after the
+EmbeddingService), on the port named ``http``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Literal
+
+import orjson
+
+from embedding_server.gateway.discovery import Publish, Service
+
+logger = logging.getLogger(__name__)
+
+GROUP = "embedding-operator.dev"
+VERSION = "v1alpha1"
+PLURAL = "embeddingservices"
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+PORT_NAME = "http"
+ALIASES_ANNOTATION = "embedding-operator.dev/aliases"
+"""Extra model names of an EmbeddingService, comma-separated (the CRD has no field for
+them yet)."""
+HF_PREFIX = "hf://"
+
+Kind = Literal["EmbeddingService", "EndpointSlice"]
+Event = tuple[str, Any]
+"""``(type, payload)``: type ADDED, MODIFIED or DELETED with one object, or SYNC with the
+whole list (after a (re)list, which replaces what was known of that kind)."""
+
+WatchSource = Callable[[Kind, threading.Event], Iterator[Event]]
+"""Yields one kind's events until the stop event is set (a real watch, or a replay)."""
+
+
+def model_names(resource: Mapping[str, Any]) -> tuple[str, ...]:
+    """The names an EmbeddingService answers to, the served name first, no duplicates."""
+    spec = resource.get("spec") or {}
+    status = resource.get("status") or {}
+    model = str((spec.get("model") or {}).get("name") or "").removeprefix(HF_PREFIX)
+    annotations = (resource.get("metadata") or {}).get("annotations") or {}
+    candidates = [
+        ((status.get("model") or {}).get("servedModelName")),
+        spec.get("servedModelName"),
+        model.rstrip("/").rsplit("/", 1)[-1] if model else None,
+        model or None,
+        *str(annotations.get(ALIASES_ANNOTATION, "")).split(","),
+    ]
+    names: list[str] = []
+    for candidate in candidates:
+        name = str(candidate).strip() if candidate else ""
+        if name and name not in names:
+            names.append(name)
+    return tuple(names)
+
+
+def slice_endpoints(endpoint_slice: Mapping[str, Any]) -> frozenset[str]:
+    """Base URLs of an EndpointSlice's ready endpoints on the ``http`` port."""
+    ports = endpoint_slice.get("ports") or []
+    port = next((p.get("port") for p in ports if p.get("name") == PORT_NAME), None)
+    if port is None and len(ports) == 1:
+        port = ports[0].get("port")
+    if port is None or endpoint_slice.get("addressType") not in ("IPv4", "IPv6"):
+        return frozenset()
+    urls = set()
+    for endpoint in endpoint_slice.get("endpoints") or []:
+        # An unset condition means ready (discovery.k8s.io/v1); terminating ones are not.
+        if (endpoint.get("conditions") or {}).get("ready") is False:
+            continue
+        for address in (endpoint.get("addresses") or [])[:1]:
+            host = f"[{address}]" if ":" in address else address
+            urls.add(f"http://{host}:{port}")
+    return frozenset(urls)
+
+
+def _key(resource: Mapping[str, Any]) -> tuple[str, str]:
+    metadata = resource.get("metadata") or {}
+    return (str(metadata.get("namespace") or ""), str(metadata.get("name") or ""))
+
+
+class ClusterState:
+    """What the watches have said: EmbeddingServices' names and EndpointSlices' ready
+    endpoints, and the catalog that follows from them."""
+
+    def __init__(self) -> None:
+        self.models: dict[tuple[str, str], tuple[str, ...]] = {}
+        self.slices: dict[tuple[str, str], tuple[str, frozenset[str]]] = {}
+
+    def apply(self, kind: Kind, event_type: str, payload: Any) -> None:
+        if kind == "EmbeddingService":
+            self._apply_model(event_type, payload)
+        else:
+            self._apply_slice(event_type, payload)
+
+    def _apply_model(self, event_type: str, payload: Any) -> None:
+        if event_type == "SYNC":
+            self.models = {}
+            for item in payload:
+                self._apply_model("ADDED", item)
+        elif event_type == "DELETED":
+            self.models.pop(_key(payload), None)
+        elif event_type in ("ADDED", "MODIFIED"):
+            names = model_names(payload)
+            if names:
+                self.models[_key(payload)] = names
+
+    def _apply_slice(self, event_type: str, payload: Any) -> None:
+        if event_type == "SYNC":
+            self.slices = {}
+            for item in payload:
+                self._apply_slice("ADDED", item)
+        elif event_type == "DELETED":
+            self.slices.pop(_key(payload), None)
+        elif event_type in ("ADDED", "MODIFIED"):
+            labels = (payload.get("metadata") or {}).get("labels") or {}
+            service = labels.get(SERVICE_NAME_LABEL)
+            if service:
+                self.slices[_key(payload)] = (str(service), slice_endpoints(payload))
+
+    def catalog(self) -> list[Service]:
+        by_service: dict[tuple[str, str], set[str]] = {}
+        for (namespace, _), (service, urls) in self.slices.items():
+            by_service.setdefault((namespace, service), set()).update(urls)
+        return [
+            Service(f"{namespace}/{name}", names, frozenset(by_service.get((namespace, name), ())))
+            for (namespace, name), names in sorted(self.models.items())
+        ]
+
+
+class KubernetesDiscovery:
+    """The catalog from the API server (or from ``source``: a replay, in tests)."""
+
+    def __init__(self, source: WatchSource) -> None:
+        self._source = source
+        self.state = ClusterState()
+
+    @classmethod
+    def in_cluster(cls, namespace: str | None) -> KubernetesDiscovery:
+        """Watch with the pod's service account (or ``~/.kube/config`` outside a pod);
+        ``namespace`` None watches every namespace."""
+        from kubernetes import client, config
+
+        try:
+            config.load_incluster_config()  # type: ignore[no-untyped-call]
+        except config.ConfigException:
+            config.load_kube_config()  # type: ignore[no-untyped-call]
+        return cls(ApiWatchSource.for_api(client.ApiClient(), namespace))
+
+    async def run(self, publish: Publish) -> None:
+        loop = asyncio.get_running_loop()
+        stop = threading.Event()
+        queue: asyncio.Queue[tuple[Kind, str, Any]] = asyncio.Queue()
+        synced: set[Kind] = set()
+        published: list[Service] | None = None
+
+        def pump(kind: Kind) -> None:
+            for event_type, payload in self._source(kind, stop):
+                if stop.is_set():
+                    return
+                loop.call_soon_threadsafe(queue.put_nowait, (kind, event_type, payload))
+
+        threads = [
+            threading.Thread(target=pump, args=(kind,), daemon=True, name=f"watch-{kind}")
+            for kind in ("EmbeddingService", "EndpointSlice")
+        ]
+        for thread in threads:
+            thread.start()
+        try:
+            while True:
+                kind, event_type, payload = await queue.get()
+                self.state.apply(kind, event_type, payload)
+                if event_type == "SYNC":
+                    synced.add(kind)
+                # Publish once both kinds are listed (a catalog without endpoints would
+                # hold every request), then on every event, coalesced with those queued.
+                while not queue.empty():
+                    kind, event_type, payload = queue.get_nowait()
+                    self.state.apply(kind, event_type, payload)
+                    if event_type == "SYNC":
+                        synced.add(kind)
+                catalog = self.state.catalog()
+                if len(synced) == 2 and catalog != published:  # status updates change nothing
+                    publish(catalog)
+                    published = catalog
+        finally:
+            stop.set()
+
+
+ListFunction = tuple[Callable[..., Any], tuple[Any, ...]]
+"""A ``kubernetes`` client list function and its positional arguments; with ``watch=True``
+the same function streams the changes (as the client's ``watch.Watch`` calls it)."""
+
+
+class ApiWatchSource:
+    """List-then-watch one kind with the ``kubernetes`` client, forever: a SYNC with the
+    listing, then its events; on a broken or expired watch (410 Gone), list again."""
+
+    WATCH_SECONDS = 60
+    """A watch is renewed this often, so a stop is noticed within it."""
+
+    RETRY_SECONDS = 2.0
+    """Pause before listing again after an error other than 410 Gone."""
+
+    def __init__(self, functions: Mapping[Kind, ListFunction]) -> None:
+        self._functions = functions
+
+    @classmethod
+    def for_api(cls, api: Any, namespace: str | None) -> ApiWatchSource:
+        """EmbeddingServices and EndpointSlices in ``namespace`` (None: all namespaces)."""
+        from kubernetes import client
+
+        custom = client.CustomObjectsApi(api)
+        slices = client.DiscoveryV1Api(api)
+        if namespace:
+            return cls(
+                {
+                    "EmbeddingService": (
+                        custom.list_namespaced_custom_object,
+                        (GROUP, VERSION, namespace, PLURAL),
+                    ),
+                    "EndpointSlice": (slices.list_namespaced_endpoint_slice, (namespace,)),
+                }
+            )
+        return cls(
+            {
+                "EmbeddingService": (custom.list_cluster_custom_object, (GROUP, VERSION, PLURAL)),
+                "EndpointSlice": (slices.list_endpoint_slice_for_all_namespaces, ()),
+            }
+        )
+
+    def __call__(self, kind: Kind, stop: threading.Event) -> Iterator[Event]:
+        from kubernetes import watch
+        from kubernetes.client.exceptions import ApiException
+
+        function, args = self._functions[kind]
+        while not stop.is_set():
+            try:
+                listing = orjson.loads(function(*args, _preload_content=False).data)
+                version = (listing.get("metadata") or {}).get("resourceVersion")
+                yield "SYNC", listing.get("items") or []
+                while not stop.is_set():
+                    watcher = watch.Watch()  # type: ignore[no-untyped-call]
+                    for event in watcher.stream(  # type: ignore[no-untyped-call]
+                        function,
+                        *args,
+                        resource_version=version,
+                        timeout_seconds=self.WATCH_SECONDS,
+                        allow_watch_bookmarks=True,
+                    ):
+                        raw = event.get("raw_object") or {}
+                        version = (raw.get("metadata") or {}).get("resourceVersion") or version
+                        if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
+                            yield event["type"], raw
+                        if stop.is_set():
+                            watcher.stop()  # type: ignore[no-untyped-call]
+                            return
+            except ApiException as error:
+                if error.status != 410:
+                    logger.warning("watching %ss failed (%s); listing again", kind, error.reason)
+                    stop.wait(self.RETRY_SECONDS)
+            except Exception as error:  # noqa: BLE001 - network trouble: list again after a pause
+                logger.warning("watching %ss failed (%s); listing again", kind, error)
+                stop.wait(self.RETRY_SECONDS)

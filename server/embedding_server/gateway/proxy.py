@@ -1,0 +1,538 @@
+"""The gateway's HTTP front: route by ``model``, forward untouched, retry what was dropped.
+
+Every POST route the server has is forwarded: the body is read once, only its ``model``
+field is decoded (msgspec skips everything else without building it), and the same bytes go
+upstream. The upstream answer is read whole before any byte of it goes to the client, so a
+pod that dies mid-answer is retried like one that refused the connection: nothing of the
+first attempt ever reached the client. Embedding requests are idempotent, which is what
+makes a retry safe at all; a 4xx is the request's own fault and is never retried, and a
+request that timed out upstream is not retried either (the pod may still be working on it,
+and a retry would double the load that made it slow).
+
+Errors the gateway itself gives have the OpenAI shape the server uses::
+
+    {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import aiohttp
+import msgspec
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from embedding_server.gateway.balancer import (
+    Choose,
+    EndpointState,
+    LoadPoller,
+    least_backlog,
+    random_choice,
+)
+from embedding_server.gateway.discovery import Discovery, Service
+from embedding_server.gateway.holding import HoldFullError, Holding
+from embedding_server.gateway.metrics import GatewayMetrics
+from embedding_server.gateway.settings import GatewaySettings, Priority
+
+logger = logging.getLogger(__name__)
+
+FORWARDED_ROUTES = (
+    "/v1/embeddings",
+    "/v2/embed",
+    "/pooling",
+    "/score",
+    "/v1/score",
+    "/rerank",
+    "/v1/rerank",
+    "/v2/rerank",
+    "/classify",
+    "/v1/classify",
+    "/tokenize",
+    "/detokenize",
+)
+"""The server's model routes (``api/routes_*.py``); each names its model in ``model``.
+``tests/server/gateway`` checks this against the server's own route table."""
+
+PRIORITY_HEADER = "X-Priority"
+TOKENS_PER_BYTE = 0.25
+"""Estimated tokens of a held request: a quarter of its body's bytes (English text runs at
+about four bytes per token; JSON framing makes it an overestimate, which is the safe side
+for a bound)."""
+
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
+_RESPONSE_SKIP = _HOP_BY_HOP | {"date", "server"}
+
+
+class _ModelField(msgspec.Struct):
+    """Only ``model``; every other field of the body is skipped, not decoded."""
+
+    model: str | None = None
+
+
+_decode_model = msgspec.json.Decoder(_ModelField).decode
+
+
+def error_response(
+    status: int,
+    message: str,
+    *,
+    error_type: str,
+    code: str,
+    param: str | None = None,
+    retry_after: float | None = None,
+) -> web.Response:
+    body = orjson.dumps(
+        {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+    )
+    headers = {}
+    if retry_after is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(retry_after)))
+    return web.Response(status=status, body=body, content_type="application/json", headers=headers)
+
+
+class Catalog:
+    """The current services by key and by every name they answer to."""
+
+    def __init__(self) -> None:
+        self.services: dict[str, Service] = {}
+        self.by_name: dict[str, Service] = {}
+        self.loaded = False
+        self._conflicts: set[tuple[str, str, str]] = set()
+
+    def replace(self, services: Sequence[Service]) -> None:
+        by_name: dict[str, Service] = {}
+        for service in sorted(services, key=lambda s: s.key):
+            for name in service.names:
+                if name in by_name and by_name[name].key != service.key:
+                    conflict = (name, by_name[name].key, service.key)
+                    if conflict not in self._conflicts:  # once, not on every new catalog
+                        self._conflicts.add(conflict)
+                        logger.warning(
+                            "model name %r is claimed by %s and %s; routing it to %s",
+                            *conflict,
+                            by_name[name].key,
+                        )
+                    continue
+                by_name[name] = service
+        self.services = {service.key: service for service in services}
+        self.by_name = by_name
+        self.loaded = True
+
+    def endpoints(self) -> set[str]:
+        return {url for service in self.services.values() for url in service.endpoints}
+
+
+@dataclass
+class _Retryable:
+    """An attempt that reached no answer the client may see (connection lost before the
+    whole answer, or 503): ``fallback`` is what the client gets if no retry is left."""
+
+    reason: str
+    fallback: web.Response
+
+
+class Gateway:
+    """The gateway's state and request handling; :meth:`app` is its aiohttp application."""
+
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        discovery: Discovery,
+        *,
+        metrics: GatewayMetrics | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.settings = settings
+        self.discovery = discovery
+        self.metrics = metrics or GatewayMetrics()
+        rng = rng or random.Random()
+        self.choose: Choose = (
+            random_choice(rng) if settings.balancing == "random" else least_backlog(rng)
+        )
+        self.catalog = Catalog()
+        self.holding = Holding(
+            max_requests=settings.max_held_requests,
+            max_tokens=settings.max_held_tokens,
+            on_change=self._held_changed,
+        )
+        self.bulk_routes = frozenset(settings.bulk_routes)
+        self._session: aiohttp.ClientSession | None = None
+        self._poller: LoadPoller | None = None
+        self._discovery_task: asyncio.Task[None] | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.settings.max_request_bytes)
+        for path in FORWARDED_ROUTES:
+            app.router.add_post(path, self.forward)
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
+        app.router.add_get("/metrics", self.metrics_page)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, app: web.Application) -> None:
+        connector = aiohttp.TCPConnector(
+            limit=0,
+            limit_per_host=self.settings.max_connections_per_endpoint,
+            ttl_dns_cache=10,
+            enable_cleanup_closed=True,
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        )
+        self._poller = LoadPoller(
+            self._session,
+            interval=self.settings.poll_interval,
+            timeout=self.settings.poll_timeout,
+            concurrency=self.settings.poll_concurrency,
+            on_change=self._endpoint_changed,
+        )
+        self._poller.start()
+        self._discovery_task = asyncio.create_task(self._run_discovery(), name="gateway-discovery")
+
+    async def _run_discovery(self) -> None:
+        try:
+            await self.discovery.run(self.publish)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the last catalog keeps serving; the log says why it stopped
+            logger.exception("discovery stopped; routing on the last catalog")
+
+    async def _stop(self, app: web.Application) -> None:
+        if self._discovery_task is not None:
+            self._discovery_task.cancel()
+            await asyncio.gather(self._discovery_task, return_exceptions=True)
+        if self._poller is not None:
+            await self._poller.stop()
+        if self._session is not None:
+            await self._session.close()
+
+    def _held_changed(self, model: str, count: int) -> None:
+        service = self.catalog.by_name.get(model)
+        key = service.key if service is not None else ""
+        self.metrics.held_requests.labels(model, key).set(count)
+
+    # -- catalog and endpoints ------------------------------------------------------------
+    def publish(self, services: Sequence[Service]) -> None:
+        """Take a new catalog (discovery's callback)."""
+        self.catalog.replace(services)
+        if self._poller is not None:
+            self._poller.track(self.catalog.endpoints())
+        for service in self.catalog.services.values():
+            self._service_changed(service)
+
+    def _endpoint_changed(self, state: EndpointState) -> None:
+        for service in self.catalog.services.values():
+            if state.url in service.endpoints:
+                self._service_changed(service)
+
+    def _service_changed(self, service: Service) -> None:
+        ready = self.ready_endpoints(service)
+        self.metrics.ready_endpoints.labels(service.name).set(len(ready))
+        if ready:
+            self.holding.release(service.name)
+
+    def ready_endpoints(self, service: Service) -> list[EndpointState]:
+        if self._poller is None:
+            return []
+        states = self._poller.endpoints
+        found = (states.get(url) for url in sorted(service.endpoints))
+        return [state for state in found if state is not None and state.ready]
+
+    # -- routes ----------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        if self.catalog.loaded:
+            return web.json_response({"status": "ready"})
+        return error_response(
+            503,
+            "The gateway has not read its routes yet.",
+            error_type="server_error",
+            code="not_ready",
+        )
+
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        data = [
+            {
+                "id": service.name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "embedding-server",
+                "aliases": list(service.names[1:]),
+                "ready_endpoints": len(self.ready_endpoints(service)),
+            }
+            for service in sorted(self.catalog.services.values(), key=lambda s: s.name)
+        ]
+        return web.json_response({"object": "list", "data": data})
+
+    async def forward(self, request: web.Request) -> web.Response:
+        started = time.monotonic()
+        label = ""
+        try:
+            response, label = await self._forward(request, started)
+        except web.HTTPRequestEntityTooLarge:
+            response = error_response(
+                413,
+                f"The request body is larger than {self.settings.max_request_bytes} bytes.",
+                error_type="invalid_request_error",
+                code="payload_too_large",
+            )
+        self.metrics.requests.labels(label, str(response.status)).inc()
+        if label:
+            self.metrics.request_seconds.labels(label).observe(time.monotonic() - started)
+        return response
+
+    async def _forward(self, request: web.Request, started: float) -> tuple[web.Response, str]:
+        body = await request.read()
+        service, problem = self._service_of(body)
+        if service is None:
+            assert problem is not None
+            return problem, ""
+        name = service.name
+        self.metrics.last_request.labels(name, service.key).set(time.time())
+        priority, problem = self._priority(request)
+        if problem is not None:
+            return problem, name
+        deadline = started + self.settings.request_timeout
+        tokens = max(1, int(len(body) * TOKENS_PER_BYTE))
+        headers = _forward_headers(request.headers.items())
+        tried: set[str] = set()
+        fallback: web.Response | None = None
+        for attempt in range(2):
+            state, problem = await self._pick(service, tokens, priority, deadline, tried)
+            if state is None:
+                assert problem is not None
+                return (fallback if fallback is not None and attempt else problem), name
+            outcome = await self._attempt(state, request, body, headers, tokens, deadline)
+            if isinstance(outcome, web.Response):
+                return outcome, name
+            fallback = outcome.fallback
+            tried.add(state.url)
+            state.refused()
+            self._service_changed(service)
+            if attempt == 0:
+                self.metrics.retries.labels(name, outcome.reason).inc()
+                logger.info(
+                    "retrying a %s request for %r on another endpoint: %s at %s",
+                    request.path,
+                    name,
+                    outcome.reason,
+                    state.url,
+                )
+        assert fallback is not None
+        return fallback, name
+
+    def _service_of(self, body: bytes) -> tuple[Service | None, web.Response | None]:
+        try:
+            model = _decode_model(body).model
+        except msgspec.ValidationError:
+            return None, error_response(
+                400,
+                "'model' must be a string naming a model.",
+                error_type="invalid_request_error",
+                code="invalid_value",
+                param="model",
+            )
+        except msgspec.DecodeError:
+            return None, error_response(
+                400,
+                "The request body is not a JSON object.",
+                error_type="invalid_request_error",
+                code="invalid_json",
+            )
+        if model is None:
+            if len(self.catalog.services) == 1:
+                return next(iter(self.catalog.services.values())), None
+            return None, error_response(
+                400,
+                "'model' is required: this gateway serves "
+                f"{len(self.catalog.services)} models ({self._known()}).",
+                error_type="invalid_request_error",
+                code="missing_model",
+                param="model",
+            )
+        service = self.catalog.by_name.get(model)
+        if service is None:
+            return None, error_response(
+                404,
+                f"The model {model!r} does not exist here. Known models: {self._known()}.",
+                error_type="invalid_request_error",
+                code="model_not_found",
+                param="model",
+            )
+        return service, None
+
+    def _known(self) -> str:
+        names = sorted(self.catalog.by_name)
+        return ", ".join(repr(name) for name in names) if names else "none"
+
+    def _priority(self, request: web.Request) -> tuple[Priority, web.Response | None]:
+        given = request.headers.get(PRIORITY_HEADER)
+        if given is None:
+            return ("bulk" if request.path in self.bulk_routes else "interactive"), None
+        value = given.strip().lower()
+        if value == "interactive":
+            return "interactive", None
+        if value == "bulk":
+            return "bulk", None
+        return "interactive", error_response(
+            400,
+            f"The {PRIORITY_HEADER} header must be 'interactive' or 'bulk'.",
+            error_type="invalid_request_error",
+            code="invalid_value",
+            param=PRIORITY_HEADER,
+        )
+
+    async def _pick(
+        self,
+        service: Service,
+        tokens: int,
+        priority: Priority,
+        deadline: float,
+        tried: set[str],
+    ) -> tuple[EndpointState | None, web.Response | None]:
+        """A ready endpoint not tried yet, holding the request while there is none."""
+        name = service.name
+        held = False
+        while True:
+            # The catalog may have changed while the request was held: look the service
+            # up again (a new endpoint is what a held request waits for).
+            service = self.catalog.services.get(service.key, service)
+            candidates = [s for s in self.ready_endpoints(service) if s.url not in tried]
+            if candidates:
+                break
+            remaining = min(deadline - time.monotonic(), self.settings.hold_timeout)
+            if held or remaining <= 0:
+                self.metrics.decisions.labels(name, "hold_timeout").inc()
+                return None, self._unavailable(name)
+            self.metrics.decisions.labels(name, "held").inc()
+            try:
+                released = await self.holding.wait(name, tokens, priority, remaining)
+            except HoldFullError:
+                self.metrics.decisions.labels(name, "hold_full").inc()
+                return None, error_response(
+                    503,
+                    f"The model {name!r} has no ready endpoint and already holds as many "
+                    "requests as it may; retry later.",
+                    error_type="server_error",
+                    code="model_unavailable",
+                    retry_after=max(1.0, self.settings.hold_timeout / 2),
+                )
+            held = not released
+        limit = self.settings.saturation_backlog_seconds
+        if priority == "bulk" and all(s.backlog_seconds >= limit for s in candidates):
+            self.metrics.decisions.labels(name, "saturated").inc()
+            return None, error_response(
+                429,
+                f"Every endpoint of {name!r} is saturated; bulk requests wait for slack.",
+                error_type="rate_limit_error",
+                code="saturated",
+                retry_after=min(s.backlog_seconds for s in candidates),
+            )
+        self.metrics.decisions.labels(name, "only" if len(candidates) == 1 else "picked").inc()
+        return self.choose(candidates), None
+
+    def _unavailable(self, name: str) -> web.Response:
+        return error_response(
+            503,
+            f"The model {name!r} has no ready endpoint (it may be scaling up from zero); "
+            "retry later.",
+            error_type="server_error",
+            code="model_unavailable",
+            retry_after=max(1.0, self.settings.hold_timeout / 2),
+        )
+
+    async def _attempt(
+        self,
+        state: EndpointState,
+        request: web.Request,
+        body: bytes,
+        headers: dict[str, str],
+        tokens: int,
+        deadline: float,
+    ) -> web.Response | _Retryable:
+        assert self._session is not None
+        url = state.url + request.path_qs
+        timeout = aiohttp.ClientTimeout(total=max(0.001, deadline - time.monotonic()))
+        state.in_flight_requests += 1
+        state.in_flight_tokens += tokens
+        try:
+            async with self._session.request(
+                request.method, url, data=body, headers=headers, timeout=timeout
+            ) as upstream:
+                payload = await upstream.read()
+                status = upstream.status
+                out_headers = {
+                    k: v for k, v in upstream.headers.items() if k.lower() not in _RESPONSE_SKIP
+                }
+        except TimeoutError:
+            return error_response(
+                504,
+                "The model's endpoint did not answer within the gateway's request timeout.",
+                error_type="server_error",
+                code="upstream_timeout",
+            )
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as error:
+            # Refused, reset, or closed before the whole answer arrived: nothing of it has
+            # reached the client, so another pod may answer instead.
+            return _Retryable(
+                "connection",
+                error_response(
+                    502,
+                    f"The model's endpoint closed the connection before answering ({error}).",
+                    error_type="server_error",
+                    code="upstream_unavailable",
+                ),
+            )
+        except aiohttp.ClientError as error:  # a malformed answer: the pod's fault, not retried
+            return error_response(
+                502,
+                f"The model's endpoint sent an answer that is not valid HTTP ({error}).",
+                error_type="server_error",
+                code="upstream_invalid",
+            )
+        finally:
+            state.in_flight_requests -= 1
+            state.in_flight_tokens -= tokens
+        response = web.Response(status=status, body=payload, headers=out_headers)
+        if status == 503:
+            return _Retryable("unavailable", response)
+        return response
+
+
+def _forward_headers(items: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """The client's headers less the hop-by-hop ones (and Host: the upstream's own)."""
+    return {k: v for k, v in items if k.lower() not in _HOP_BY_HOP}

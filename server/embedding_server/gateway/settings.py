@@ -1,0 +1,112 @@
+"""The gateway's settings: every field is a flag of ``embedding-server gateway`` and an
+``EMBEDDING_GATEWAY_*`` variable (the CLI and the reference page derive from these fields,
+as the server's do from :mod:`embedding_server.settings`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+Priority = Literal["interactive", "bulk"]
+
+GATEWAY_ENV_PREFIX = "EMBEDDING_GATEWAY_"
+
+
+class GatewaySettings(BaseSettings):
+    """How the gateway listens, finds its models, picks endpoints and holds requests."""
+
+    model_config = SettingsConfigDict(env_prefix=GATEWAY_ENV_PREFIX, extra="forbid")
+
+    host: str = Field("127.0.0.1", description="Address to listen on.")
+    port: int = Field(8080, gt=0, lt=65536, description="Port to listen on.")
+    discovery: Literal["static", "kubernetes"] = Field(
+        "static",
+        description="Where models and endpoints come from: static (--routes and/or "
+        "--routes-file) or kubernetes (EmbeddingServices and their EndpointSlices, read with "
+        "the pod's service account).",
+    )
+    routes: list[str] | None = Field(
+        None,
+        description="Static routes, comma-separated MODEL=URL items (a model repeated gets "
+        "several endpoints): minilm=http://10.0.0.1:8000,minilm=http://10.0.0.2:8000.",
+    )
+    routes_file: str | None = Field(
+        None,
+        description="A YAML or JSON file of static routes: 'models: [{name, aliases: [...], "
+        "endpoints: [URL, ...]}]'. Read again when it changes (checked every second).",
+    )
+    namespace: str | None = Field(
+        None,
+        description="With --discovery kubernetes: the namespace to watch. Unset: every "
+        "namespace (needs cluster-wide RBAC).",
+    )
+    poll_interval: float = Field(
+        0.075,
+        ge=0.01,
+        le=5.0,
+        description="Seconds between polls of each endpoint's GET /load (its queued and "
+        "running tokens and backlog seconds).",
+    )
+    poll_timeout: float = Field(
+        0.5, gt=0, le=10.0, description="Seconds a /load poll may take before it counts as failed."
+    )
+    poll_concurrency: int = Field(
+        32, ge=1, description="Most /load polls in flight at once, over all endpoints."
+    )
+    balancing: Literal["least-backlog", "random"] = Field(
+        "least-backlog",
+        description="How an endpoint is picked: least-backlog (power of two choices on "
+        "polled backlog plus the gateway's own in-flight tokens) or random (kube-proxy's "
+        "choice; for comparison).",
+    )
+    request_timeout: float = Field(
+        60.0,
+        gt=0,
+        description="Seconds a request may take through the gateway, holding and one retry "
+        "included; past it the client gets 503 (held) or 504 (upstream).",
+    )
+    hold_timeout: float = Field(
+        30.0,
+        ge=0,
+        description="Seconds a request for a model with no ready endpoint is held before it "
+        "gets 503 with Retry-After (0: answer 503 at once).",
+    )
+    max_held_requests: int = Field(
+        256, ge=0, description="Most requests held per model; past it, 503 with Retry-After."
+    )
+    max_held_tokens: int = Field(
+        262144,
+        ge=0,
+        description="Most estimated tokens (body bytes / 4) held per model; past it, 503.",
+    )
+    max_request_bytes: int = Field(
+        16 * 1024 * 1024, gt=0, description="Largest request body forwarded; larger gets 413."
+    )
+    max_connections_per_endpoint: int = Field(
+        256, ge=1, description="Connections kept open to each endpoint at most."
+    )
+    saturation_backlog_seconds: float = Field(
+        2.0,
+        gt=0,
+        description="An endpoint whose polled backlog reaches this many seconds is saturated; "
+        "when every ready endpoint of a model is, bulk requests get 429.",
+    )
+    bulk_routes: list[str] = Field(
+        default_factory=list,
+        description="Routes whose requests are bulk unless X-Priority says otherwise "
+        "(comma-separated paths, e.g. /v1/embeddings); other routes default to interactive.",
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Log level."
+    )
+    log_format: Literal["json", "text"] = Field("text", description="Log format.")
+
+    @model_validator(mode="after")
+    def _static_routes_given(self) -> GatewaySettings:
+        if self.discovery == "static" and not self.routes and not self.routes_file:
+            raise ValueError("--discovery static needs --routes or --routes-file")
+        if self.discovery == "kubernetes" and (self.routes or self.routes_file):
+            raise ValueError("--routes and --routes-file apply to --discovery static only")
+        return self

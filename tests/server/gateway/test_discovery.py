@@ -1,0 +1,268 @@
+"""Discovery: static routes from flags and files (reloaded on change), and the Kubernetes
+source driven by replayed watch events (the real API server is the e2e tier's)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from embedding_server.gateway.discovery import (
+    DiscoveryError,
+    Service,
+    StaticDiscovery,
+    parse_route_flags,
+)
+from embedding_server.gateway.kubernetes import (
+    ALIASES_ANNOTATION,
+    ApiWatchSource,
+    ClusterState,
+    Event,
+    Kind,
+    KubernetesDiscovery,
+    model_names,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_route_flags_group_endpoints_by_model() -> None:
+    services = parse_route_flags(
+        ["a=http://10.0.0.1:8000", "a=http://10.0.0.2:8000/", "b=https://b.example"]
+    )
+    assert {s.name: s.endpoints for s in services} == {
+        "a": {"http://10.0.0.1:8000", "http://10.0.0.2:8000"},
+        "b": {"https://b.example"},
+    }
+    with pytest.raises(DiscoveryError, match="not MODEL=URL"):
+        parse_route_flags(["http://10.0.0.1:8000"])
+    with pytest.raises(DiscoveryError, match="not an http"):
+        parse_route_flags(["a=10.0.0.1:8000"])
+
+
+def test_a_routes_file_is_read_and_bad_ones_name_the_field(tmp_path: Path) -> None:
+    path = tmp_path / "routes.yaml"
+    path.write_text(
+        "models:\n"
+        "  - name: minilm\n"
+        "    aliases: [all-MiniLM-L6-v2]\n"
+        "    endpoints: [http://127.0.0.1:8001]\n"
+        "  - name: cold\n"
+    )
+    discovery = StaticDiscovery((), str(path))
+    assert discovery.catalog() == [
+        Service(
+            "file/minilm", ("minilm", "all-MiniLM-L6-v2"), frozenset({"http://127.0.0.1:8001"})
+        ),
+        Service("file/cold", ("cold",), frozenset()),
+    ]
+    path.write_text("models:\n  - name: x\n    endpoint: [http://a]\n")
+    with pytest.raises(DiscoveryError, match=r"models\[0\]: unknown field\(s\) endpoint"):
+        StaticDiscovery((), str(path))
+
+
+async def test_a_changed_routes_file_is_published_again_and_a_broken_one_is_not(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "routes.json"
+    path.write_text('{"models": [{"name": "m", "endpoints": []}]}')
+    published: list[Sequence[Service]] = []
+    discovery = StaticDiscovery(["f=http://127.0.0.1:1"], str(path), check_interval=0.02)
+    task = asyncio.create_task(discovery.run(published.append))
+    try:
+        await _until(lambda: len(published) == 1)
+        path.write_text('{"models": [{"name": "m", "endpoints": ["http://127.0.0.1:2"]}]}')
+        os.utime(path, ns=(1, 2_000_000_000))  # a different mtime even on coarse clocks
+        await _until(lambda: len(published) == 2)
+        path.write_text("{not json")
+        os.utime(path, ns=(1, 3_000_000_000))
+        await asyncio.sleep(0.1)
+    finally:
+        task.cancel()
+    assert len(published) == 2  # the broken file kept the last good catalog
+    assert {s.name: s.endpoints for s in published[1]} == {
+        "f": {"http://127.0.0.1:1"},
+        "m": {"http://127.0.0.1:2"},
+    }
+
+
+def _service(name: str, spec: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"metadata": {"namespace": "ns", "name": name, **extra}, "spec": spec}
+
+
+def _slice(name: str, service: str, *endpoints: tuple[str, bool | None]) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "namespace": "ns",
+            "name": name,
+            "labels": {"kubernetes.io/service-name": service},
+        },
+        "addressType": "IPv4",
+        "ports": [{"name": "metrics", "port": 9090}, {"name": "http", "port": 8000}],
+        "endpoints": [
+            {"addresses": [address], "conditions": {} if ready is None else {"ready": ready}}
+            for address, ready in endpoints
+        ],
+    }
+
+
+def test_model_names_come_from_status_spec_model_and_the_aliases_annotation() -> None:
+    resource = _service(
+        "bge",
+        {"model": {"name": "hf://BAAI/bge-small-en-v1.5"}},
+        annotations={ALIASES_ANNOTATION: "bge, small ,"},
+    )
+    assert model_names(resource) == ("bge-small-en-v1.5", "BAAI/bge-small-en-v1.5", "bge", "small")
+    resource["spec"]["servedModelName"] = "bge-s"
+    resource["status"] = {"model": {"servedModelName": "bge-s"}}
+    assert model_names(resource)[:2] == ("bge-s", "bge-small-en-v1.5")
+
+
+def test_cluster_state_joins_services_to_their_ready_slice_endpoints() -> None:
+    state = ClusterState()
+    state.apply("EmbeddingService", "SYNC", [_service("a", {"model": {"name": "org/a"}})])
+    state.apply(
+        "EndpointSlice",
+        "SYNC",
+        [
+            _slice("a-1", "a", ("10.0.0.1", True), ("10.0.0.2", False), ("10.0.0.3", None)),
+            _slice("other-1", "other", ("10.0.0.9", True)),
+        ],
+    )
+    state.apply("EndpointSlice", "ADDED", _slice("a-2", "a", ("10.0.0.4", True)))
+    assert state.catalog() == [
+        Service(
+            "ns/a",
+            ("a", "org/a"),
+            frozenset({"http://10.0.0.1:8000", "http://10.0.0.3:8000", "http://10.0.0.4:8000"}),
+        )
+    ]
+    state.apply("EndpointSlice", "DELETED", _slice("a-1", "a"))
+    assert state.catalog()[0].endpoints == {"http://10.0.0.4:8000"}
+    state.apply("EmbeddingService", "DELETED", _service("a", {}))
+    assert state.catalog() == []
+
+
+class Replay:
+    """A watch source that yields scripted events per kind, then blocks until stopped."""
+
+    def __init__(self, events: dict[Kind, list[Event]]) -> None:
+        self.events = events
+
+    def __call__(self, kind: Kind, stop: threading.Event) -> Iterator[Event]:
+        yield from self.events[kind]
+        stop.wait()
+
+
+async def test_kubernetes_discovery_publishes_once_both_kinds_are_listed_then_each_change() -> None:
+    replay = Replay(
+        {
+            "EmbeddingService": [
+                ("SYNC", [_service("a", {"model": {"name": "a"}})]),
+                ("ADDED", _service("b", {"model": {"name": "b"}, "servedModelName": "bee"})),
+            ],
+            "EndpointSlice": [
+                ("SYNC", []),
+                ("ADDED", _slice("b-1", "b", ("10.0.0.7", True))),
+            ],
+        }
+    )
+    published: list[list[Service]] = []
+    task = asyncio.create_task(KubernetesDiscovery(replay).run(published.append))  # type: ignore[arg-type]
+    try:
+        await _until(
+            lambda: bool(published) and any(s.endpoints for s in published[-1]), what="b's pod"
+        )
+    finally:
+        task.cancel()
+    final = {s.key: (s.names, s.endpoints) for s in published[-1]}
+    assert final == {
+        "ns/a": (("a",), frozenset()),
+        "ns/b": (("bee", "b"), frozenset({"http://10.0.0.7:8000"})),
+    }
+    # Nothing was published before both listings arrived (no half-empty catalog).
+    assert all({s.key for s in catalog} >= {"ns/a"} for catalog in published)
+
+
+async def _until(condition: Any, what: str = "condition", timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        assert loop.time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+class _Response:
+    """What the kubernetes client's functions return with ``_preload_content=False``."""
+
+    status = 200
+
+    def __init__(self, lines: list[dict[str, Any]] | None = None, data: Any = None) -> None:
+        self.lines = lines or []
+        self.data = orjson.dumps(data) if data is not None else b""
+
+    def stream(self, amt: Any = None, decode_content: Any = None) -> Iterator[bytes]:
+        for line in self.lines:
+            yield orjson.dumps(line) + b"\n"
+
+    def close(self) -> None:
+        pass
+
+    def release_conn(self) -> None:
+        pass
+
+
+def _es(name: str, version: str) -> dict[str, Any]:
+    resource = _service(name, {"model": {"name": name}})
+    resource["metadata"]["resourceVersion"] = version
+    return resource
+
+
+def test_the_api_source_lists_watches_and_lists_again_when_the_watch_expires() -> None:
+    calls: list[dict[str, Any]] = []
+    gone = {"code": 410, "reason": "Expired", "message": "too old", "kind": "Status"}
+    script = [
+        _Response(data={"metadata": {"resourceVersion": "1"}, "items": [_es("a", "1")]}),
+        _Response(
+            [
+                {"type": "ADDED", "object": _es("b", "2")},
+                {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "3"}}},
+                {"type": "ERROR", "object": gone},
+            ]
+        ),
+        _Response(
+            data={"metadata": {"resourceVersion": "4"}, "items": [_es("a", "1"), _es("b", "2")]}
+        ),
+        _Response([{"type": "DELETED", "object": _es("a", "5")}]),
+    ]
+
+    def list_things(*args: Any, **kwargs: Any) -> _Response:
+        calls.append({"args": args, **kwargs})
+        return script[len(calls) - 1]
+
+    source = ApiWatchSource({"EmbeddingService": (list_things, ("ns",))})
+    stop = threading.Event()
+    events = source("EmbeddingService", stop)
+    got = [next(events) for _ in range(4)]
+    stop.set()
+    # The bookmark moved the version on and is not an event; 410 Gone lists again rather
+    # than resuming from a version the API server no longer has.
+    assert [(kind, _names(payload)) for kind, payload in got] == [
+        ("SYNC", ["a"]),
+        ("ADDED", ["b"]),
+        ("SYNC", ["a", "b"]),
+        ("DELETED", ["a"]),
+    ]
+    assert all(call["args"] == ("ns",) for call in calls)
+    assert calls[1]["watch"] is True and calls[1]["resource_version"] == "1"
+    assert calls[3]["resource_version"] == "4"
+
+
+def _names(payload: Any) -> list[str]:
+    items = payload if isinstance(payload, list) else [payload]
+    return [item["metadata"]["name"] for item in items]

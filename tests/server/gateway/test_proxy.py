@@ -1,0 +1,357 @@
+"""The gateway against stub endpoints: least-backlog picking, forwarding, retries, holding
+and priority, each as a client would see it (answers, statuses, which pod served)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+from embedding_server.gateway.discovery import Service
+from embedding_server.gateway.holding import HoldFullError, Holding
+from embedding_server.gateway.proxy import FORWARDED_ROUTES, Gateway
+
+from tests.server.gateway.stubs import ListDiscovery, Stub, running_gateway, wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+BUSY = {"ready": True, "queued_tokens": 60000, "running_tokens": 4000, "backlog_seconds": 5.0}
+
+
+@pytest.fixture
+async def stubs() -> AsyncIterator[tuple[Stub, Stub]]:
+    a, b = await Stub("m").start(), await Stub("m").start()
+    try:
+        yield a, b
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+def _ready(gateway: Gateway, name: str, count: int) -> bool:
+    service = gateway.catalog.by_name.get(name)
+    return service is not None and len(gateway.ready_endpoints(service)) == count
+
+
+def _sample(gateway: Gateway, name: str, labels: dict[str, str]) -> float:
+    """One sample of the gateway's metrics (``name`` without its prefix)."""
+    full = "embedding_gateway_" + name
+    return gateway.metrics.registry.get_sample_value(full, labels) or 0.0
+
+
+async def test_every_request_goes_to_the_idle_pod_not_the_busy_one(
+    stubs: tuple[Stub, Stub],
+) -> None:
+    busy, idle = stubs
+    busy.load = BUSY
+    discovery = ListDiscovery([Service("s", ("m",), frozenset({busy.url, idle.url}))])
+    async with running_gateway(discovery) as (gateway, url):
+        await wait_until(lambda: _ready(gateway, "m", 2), what="both endpoints ready")
+        await wait_until(
+            lambda: (
+                gateway._poller is not None
+                and gateway._poller.endpoints[busy.url].queued_tokens > 0
+            ),
+            what="the busy pod's load polled",
+        )
+        async with httpx.AsyncClient(base_url=url) as client:
+            for _ in range(20):
+                answer = await client.post("/v1/embeddings", json={"model": "m", "input": "x"})
+                assert answer.status_code == 200
+                assert answer.json()["served_by"] == idle.url
+    assert len(idle.received) == 20 and busy.received == []
+
+
+async def test_a_burst_spreads_over_idle_pods_by_in_flight_work(
+    stubs: tuple[Stub, Stub],
+) -> None:
+    # Between two polls both pods look idle; the gateway's own in-flight count spreads the
+    # burst instead of sending all of it to whichever pod won the first pick.
+    for stub in stubs:
+        stub.delay = 0.5
+    discovery = ListDiscovery([Service("s", ("m",), frozenset(s.url for s in stubs))])
+    async with running_gateway(discovery, poll_interval=5.0) as (gateway, url):
+        await wait_until(lambda: _ready(gateway, "m", 2), what="both endpoints ready")
+        async with httpx.AsyncClient(base_url=url) as client:
+            body = {"model": "m", "input": "x"}
+            answers = await asyncio.gather(
+                *(client.post("/v1/embeddings", json=body) for _ in range(20))
+            )
+    assert all(a.status_code == 200 for a in answers)
+    # Polled load alone would send all 20 to one pod; the in-flight count alternates them
+    # (exactly 10 each when all 20 arrive within the pods' 0.5 s; a slow machine may let a
+    # pod answer one early and take one more).
+    assert abs(len(stubs[0].received) - len(stubs[1].received)) <= 2
+
+
+async def test_the_body_and_path_reach_the_server_untouched(stubs: tuple[Stub, Stub]) -> None:
+    stub = stubs[0]
+    discovery = ListDiscovery([Service("s", ("m", "m-alias"), frozenset({stub.url}))])
+    raw = '{"input": ["é ☃", "b"], "model": "m-alias", "extra": {"nested": [1, 2.50]}}'
+    async with running_gateway(discovery) as (gateway, url):
+        await wait_until(lambda: _ready(gateway, "m", 1), what="the endpoint ready")
+        async with httpx.AsyncClient(base_url=url) as client:
+            for path in FORWARDED_ROUTES:
+                answer = await client.post(
+                    path + "?x=1",
+                    content=raw.encode(),
+                    headers={"Content-Type": "application/json", "Authorization": "Bearer k"},
+                )
+                assert answer.status_code == 200, path
+                assert answer.json() == {"served_by": stub.url, "path": path, "echo": raw}
+                assert answer.headers["X-Stub"] == stub.url
+
+
+async def test_an_unknown_model_is_a_404_naming_the_known_ones(stubs: tuple[Stub, Stub]) -> None:
+    discovery = ListDiscovery(
+        [
+            Service("s", ("m",), frozenset({stubs[0].url})),
+            Service("t", ("other", "o"), frozenset({stubs[1].url})),
+        ]
+    )
+    async with (
+        running_gateway(discovery) as (_gateway, url),
+        httpx.AsyncClient(base_url=url) as client,
+    ):
+        answer = await client.post("/v1/embeddings", json={"model": "nope", "input": "x"})
+        missing = await client.post("/v1/embeddings", json={"input": "x"})
+        wrong = await client.post("/v1/embeddings", json={"model": 3, "input": "x"})
+        models = (await client.get("/v1/models")).json()
+    assert answer.status_code == 404
+    error = answer.json()["error"]
+    assert error["param"] == "model" and error["code"] == "model_not_found"
+    assert all(f"'{name}'" in error["message"] for name in ("m", "other", "o"))
+    # With several models, 'model' is needed to choose one.
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "model"
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "model"
+    assert [(m["id"], m["aliases"]) for m in models["data"]] == [("m", []), ("other", ["o"])]
+    assert stubs[0].received == stubs[1].received == []
+
+
+async def test_a_503_is_retried_once_on_another_pod(stubs: tuple[Stub, Stub]) -> None:
+    draining, healthy = stubs
+    draining.status = 503
+    healthy.load = BUSY  # so the first pick is the draining pod
+    discovery = ListDiscovery([Service("s", ("m",), frozenset(s.url for s in stubs))])
+    async with running_gateway(discovery) as (gateway, url):
+        await wait_until(lambda: _ready(gateway, "m", 2), what="both endpoints ready")
+        await wait_until(
+            lambda: (
+                gateway._poller is not None
+                and gateway._poller.endpoints[healthy.url].queued_tokens > 0
+            ),
+            what="the load polled",
+        )
+        async with httpx.AsyncClient(base_url=url) as client:
+            answer = await client.post("/v1/embeddings", json={"model": "m", "input": "x"})
+    assert answer.status_code == 200 and answer.json()["served_by"] == healthy.url
+    assert len(draining.received) == 1 and len(healthy.received) == 1
+    assert _sample(gateway, "retries_total", {"model": "m", "reason": "unavailable"}) == 1
+
+
+async def test_a_4xx_is_never_retried(stubs: tuple[Stub, Stub]) -> None:
+    for stub in stubs:
+        stub.status = 400
+    discovery = ListDiscovery([Service("s", ("m",), frozenset(s.url for s in stubs))])
+    async with running_gateway(discovery) as (gateway, url):
+        await wait_until(lambda: _ready(gateway, "m", 2), what="both endpoints ready")
+        async with httpx.AsyncClient(base_url=url) as client:
+            answer = await client.post("/v1/embeddings", json={"model": "m", "input": "x"})
+    assert answer.status_code == 400
+    assert len(stubs[0].received) + len(stubs[1].received) == 1
+
+
+async def test_a_pod_gone_without_answering_is_retried_on_another(
+    stubs: tuple[Stub, Stub],
+) -> None:
+    gone, alive = stubs
+    alive.load = BUSY  # the gone pod looks idler, so it is picked first
+    discovery = ListDiscovery([Service("s", ("m",), frozenset(s.url for s in stubs))])
+    async with running_gateway(discovery, poll_interval=5.0) as (gateway, url):
+        await wait_until(lambda: _ready(gateway, "m", 2), what="both endpoints ready")
+        await gone.stop()  # connections refused from now on; the gateway has not polled
+        async with httpx.AsyncClient(base_url=url) as client:
+            answer = await client.post("/v1/embeddings", json={"model": "m", "input": "x"})
+    assert answer.status_code == 200 and answer.json()["served_by"] == alive.url
+    assert _sample(gateway, "retries_total", {"model": "m", "reason": "connection"}) == 1
+
+
+async def test_a_pod_that_dies_mid_answer_is_retried_and_the_client_sees_one_whole_answer(
+    stubs: tuple[Stub, Stub],
+) -> None:
+    dying, alive = stubs
+    dying.die_mid_answer = True
+    alive.load = BUSY  # the dying pod looks idler, so it is picked first
+    discovery = ListDiscovery([Service("s", ("m",), frozenset(s.url for s in stubs))])
+    async with running_gateway(discovery) as (gateway, url):
+        await wait_until(lambda: _ready(gateway, "m", 2), what="both endpoints ready")
+        await wait_until(
+            lambda: (
+                gateway._poller is not None
+                and gateway._poller.endpoints[alive.url].queued_tokens > 0
+            ),
+            what="the load polled",
+        )
+        async with httpx.AsyncClient(base_url=url) as client:
+            answer = await client.post("/v1/embeddings", json={"model": "m", "input": "x"})
+    assert answer.status_code == 200 and answer.json()["served_by"] == alive.url
+    assert len(dying.received) == 1
+    assert _sample(gateway, "retries_total", {"model": "m", "reason": "connection"}) == 1
+
+
+async def test_a_body_over_the_limit_is_a_413(stubs: tuple[Stub, Stub]) -> None:
+    discovery = ListDiscovery([Service("s", ("m",), frozenset({stubs[0].url}))])
+    async with (
+        running_gateway(discovery, max_request_bytes=1000) as (_gateway, url),
+        httpx.AsyncClient(base_url=url) as client,
+    ):
+        answer = await client.post("/v1/embeddings", json={"model": "m", "input": "x" * 2000})
+    assert answer.status_code == 413
+    assert answer.json()["error"]["code"] == "payload_too_large"
+    assert stubs[0].received == []
+
+
+async def test_a_model_without_endpoints_holds_then_503s_with_retry_after() -> None:
+    discovery = ListDiscovery([Service("s", ("cold",), frozenset())])
+    async with (
+        running_gateway(discovery, hold_timeout=0.3) as (gateway, url),
+        httpx.AsyncClient(base_url=url) as client,
+    ):
+        held = asyncio.create_task(
+            client.post("/v1/embeddings", json={"model": "cold", "input": "x"})
+        )
+        await wait_until(
+            lambda: _sample(gateway, "held_requests", {"model": "cold", "service": "s"}) == 1,
+            what="the request held",
+        )
+        answer = await held
+    assert answer.status_code == 503
+    assert answer.json()["error"]["code"] == "model_unavailable"
+    assert int(answer.headers["Retry-After"]) >= 1
+    assert _sample(gateway, "held_requests", {"model": "cold", "service": "s"}) == 0
+    assert _sample(gateway, "last_request_timestamp_seconds", {"model": "cold", "service": "s"}) > 0
+
+
+async def test_a_held_request_is_answered_once_an_endpoint_appears() -> None:
+    stub = await Stub("cold").start()
+    discovery = ListDiscovery([Service("s", ("cold",), frozenset())])
+    try:
+        async with (
+            running_gateway(discovery, hold_timeout=10) as (gateway, url),
+            httpx.AsyncClient(base_url=url, timeout=15) as client,
+        ):
+            held = asyncio.create_task(
+                client.post("/v1/embeddings", json={"model": "cold", "input": "x"})
+            )
+            await wait_until(lambda: gateway.holding.held("cold") == 1, what="held")
+            discovery.set([Service("s", ("cold",), frozenset({stub.url}))])
+            answer = await held
+    finally:
+        await stub.stop()
+    assert answer.status_code == 200 and answer.json()["served_by"] == stub.url
+
+
+async def test_a_client_that_hangs_up_leaves_the_holding_queue() -> None:
+    # The held-requests gauge is what scales a model from zero: it must count live demand.
+    discovery = ListDiscovery([Service("s", ("cold",), frozenset())])
+    async with running_gateway(discovery, hold_timeout=30) as (gateway, url):
+        client = httpx.AsyncClient(base_url=url)
+        held = asyncio.create_task(
+            client.post("/v1/embeddings", json={"model": "cold", "input": "x"})
+        )
+        await wait_until(lambda: gateway.holding.held("cold") == 1, what="held")
+        held.cancel()
+        await client.aclose()
+        await wait_until(lambda: gateway.holding.held("cold") == 0, what="the hold released")
+        assert _sample(gateway, "held_requests", {"model": "cold", "service": "s"}) == 0
+
+
+async def test_holding_is_bounded_per_model() -> None:
+    discovery = ListDiscovery([Service("s", ("cold",), frozenset())])
+    async with (
+        running_gateway(discovery, hold_timeout=1, max_held_requests=1) as (gateway, url),
+        httpx.AsyncClient(base_url=url) as client,
+    ):
+        body = {"model": "cold", "input": "x"}
+        first = asyncio.create_task(client.post("/v1/embeddings", json=body))
+        await wait_until(lambda: gateway.holding.held("cold") == 1, what="held")
+        second = await client.post("/v1/embeddings", json=body)
+        assert second.status_code == 503 and "Retry-After" in second.headers
+        assert "holds as many" in second.json()["error"]["message"]
+        assert (await first).status_code == 503
+
+
+async def test_held_interactive_requests_are_released_before_bulk_ones() -> None:
+    holding = Holding(max_requests=10, max_tokens=100)
+    order: list[str] = []
+
+    async def hold(priority: str) -> None:
+        assert await holding.wait("m", 1, priority, 5)  # type: ignore[arg-type]
+        order.append(priority)
+
+    tasks = [asyncio.create_task(hold(p)) for p in ("bulk", "bulk", "interactive")]
+    await wait_until(lambda: holding.held("m") == 3, what="three held")
+    assert holding.release("m") == 3
+    await asyncio.gather(*tasks)
+    assert order == ["interactive", "bulk", "bulk"]
+    with pytest.raises(HoldFullError):
+        await Holding(max_requests=10, max_tokens=5).wait("m", 6, "bulk", 1)
+
+
+async def test_bulk_gets_429_when_every_pod_is_saturated_and_interactive_goes_through(
+    stubs: tuple[Stub, Stub],
+) -> None:
+    stub = stubs[0]
+    stub.load = BUSY
+    discovery = ListDiscovery([Service("s", ("m",), frozenset({stub.url}))])
+    async with running_gateway(discovery, bulk_routes=["/v2/embed"]) as (gateway, url):
+        await wait_until(lambda: _ready(gateway, "m", 1), what="the endpoint ready")
+        await wait_until(
+            lambda: (
+                gateway._poller is not None
+                and gateway._poller.endpoints[stub.url].backlog_seconds > 0
+            ),
+            what="the load polled",
+        )
+        async with httpx.AsyncClient(base_url=url) as client:
+            body = {"model": "m", "input": "x"}
+            bulk = await client.post("/v1/embeddings", json=body, headers={"X-Priority": "bulk"})
+            by_route = await client.post("/v2/embed", json=body)
+            interactive = await client.post("/v1/embeddings", json=body)
+            overridden = await client.post(
+                "/v2/embed", json=body, headers={"X-Priority": "interactive"}
+            )
+            bad = await client.post("/v1/embeddings", json=body, headers={"X-Priority": "x"})
+    assert bulk.status_code == by_route.status_code == 429
+    assert bulk.json()["error"]["type"] == "rate_limit_error" and "Retry-After" in bulk.headers
+    assert interactive.status_code == overridden.status_code == 200
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Priority"
+    assert len(stub.received) == 2
+
+
+async def test_metrics_count_requests_by_model_and_status(stubs: tuple[Stub, Stub]) -> None:
+    discovery = ListDiscovery([Service("s", ("m",), frozenset({stubs[0].url}))])
+    async with running_gateway(discovery) as (gateway, url):
+        await wait_until(lambda: _ready(gateway, "m", 1), what="the endpoint ready")
+        async with httpx.AsyncClient(base_url=url) as client:
+            await client.post("/v1/embeddings", json={"model": "m", "input": "x"})
+            await client.post("/v1/embeddings", json={"model": "zz", "input": "x"})
+            text = (await client.get("/metrics")).text
+    assert 'embedding_gateway_requests_total{model="m",status="200"} 1.0' in text
+    assert 'embedding_gateway_requests_total{model="",status="404"} 1.0' in text
+    assert 'embedding_gateway_request_seconds_count{model="m"} 1.0' in text
+    assert 'embedding_gateway_ready_endpoints{model="m"} 1.0' in text
+    assert 'embedding_gateway_routing_decisions_total{decision="only",model="m"} 1.0' in text
+
+
+def test_the_gateway_forwards_exactly_the_servers_model_routes() -> None:
+    from embedding_server.api.app import ROUTERS
+
+    posts = {
+        route.path  # type: ignore[attr-defined]
+        for router in ROUTERS
+        for route in router.routes
+        if "POST" in getattr(route, "methods", ())
+    }
+    assert set(FORWARDED_ROUTES) == posts
