@@ -689,12 +689,23 @@ def test_scale_to_zero_keeps_a_loading_replica() -> None:
     auto = {"enabled": True, "autoscaler": "keda", "minReplicas": 0, "maxReplicas": 2}
     so = build_scaled_object(_keda({"model": MODEL, "autoscaling": auto}))
     assert so["spec"]["minReplicaCount"] == 0
-    work, loading = so["spec"]["triggers"]
+    work, loading, held = so["spec"]["triggers"]
     assert work["name"] == "backlogSeconds" and loading["name"] == "loading"
     assert loading["metadata"]["query"] == (
         'clamp_max(sum(embedding_server_loading{namespace="ns",pod=~"emb-[a-z0-9]+-[a-z0-9]+"}), 1)'
     )
     assert (loading["metricType"], loading["metadata"]["threshold"]) == ("AverageValue", "1")
+    # From zero: the requests the gateway holds for this service, one replica's worth.
+    assert held["name"] == "held"
+    assert held["metadata"]["query"] == (
+        'clamp_max(sum(embedding_gateway_held_requests{embedding_service="ns/emb"}), 1)'
+    )
+    assert (held["metricType"], held["metadata"]["threshold"]) == ("AverageValue", "1")
+    # The gateway labels its gauge with exactly that name.
+    from embedding_server.gateway.metrics import HELD_REQUESTS_METRIC, GatewayMetrics
+
+    assert HELD_REQUESTS_METRIC == "embedding_gateway_held_requests"
+    assert GatewayMetrics().held_requests._labelnames == ("model", "embedding_service")
 
 
 @pytest.mark.parametrize("length", [3, 46, 47, 52])

@@ -12,7 +12,12 @@ writes the query, and the query decides what a replica counts for:
 * with ``minReplicas: 0`` a second trigger keeps the service active while any replica is
   loading (``embedding_server_loading``, at most one replica's worth), so KEDA never takes the
   last replica away in the middle of its model load (superlinked/sie#293 is a user hit by
-  exactly that). It cannot ask for more than one replica.
+  exactly that). It cannot ask for more than one replica;
+* with ``minReplicas: 0`` a third trigger wakes the service from zero on the requests the
+  gateway (docs/gateway.md) holds for it while it has no ready pod
+  (``embedding_gateway_held_requests`` of this EmbeddingService), also at most one replica's
+  worth: once that replica is ready the gateway releases them to it and the work trigger
+  takes over. Without the gateway nothing exports the series and the trigger stays inactive.
 
 The target is the Deployment, as the operator's own HPA's is: the operator leaves
 ``spec.replicas`` to the autoscaler while autoscaling is on, so they never fight over it.
@@ -36,6 +41,9 @@ from embedding_operator.builders.hpa import (
     target_string,
 )
 
+HELD_METRIC = "embedding_gateway_held_requests"
+"""The gateway's gauge of requests it holds per EmbeddingService (``embedding_service`` is its
+``namespace/name``): the demand that scales a service up from zero."""
 API_VERSION = "keda.sh/v1alpha1"
 KIND = "ScaledObject"
 
@@ -53,6 +61,12 @@ def trigger_query(render: RenderInput) -> str:
 def loading_query(render: RenderInput) -> str:
     """1 while any replica of this service is loading its model, else 0 (or nothing)."""
     return f"clamp_max(sum({LOADING_METRIC}{{{pod_selector(render.owner)}}}), 1)"
+
+
+def held_query(render: RenderInput) -> str:
+    """1 while the gateway holds a request for this service (it has no ready pod), else 0."""
+    owner = render.owner
+    return f'clamp_max(sum({HELD_METRIC}{{embedding_service="{owner.namespace}/{owner.name}"}}), 1)'
 
 
 def _prometheus_trigger(name: str, server: str, query: str, threshold: str) -> dict[str, Any]:
@@ -80,6 +94,7 @@ def build_scaled_object(render: RenderInput) -> Manifest:
     ]
     if auto.min_replicas == 0:
         triggers.append(_prometheus_trigger("loading", server, loading_query(render), "1"))
+        triggers.append(_prometheus_trigger("held", server, held_query(render), "1"))
     return {
         "apiVersion": API_VERSION,
         "kind": KIND,

@@ -67,15 +67,15 @@ class GatewayMetrics:
         self.held_requests = Gauge(
             HELD_REQUESTS_METRIC,
             "Requests held now because their model has no ready endpoint (the scale-from-zero "
-            "demand signal); service: namespace/name of its EmbeddingService.",
-            ["model", "service"],
+            "demand signal); embedding_service: namespace/name of its EmbeddingService.",
+            ["model", "embedding_service"],
             registry=r,
         )
         self.last_request = Gauge(
             LAST_REQUEST_METRIC,
-            "Unix time of the last request for each model; service: namespace/name of its "
-            "EmbeddingService.",
-            ["model", "service"],
+            "Unix time of the last request for each model; embedding_service: namespace/name "
+            "of its EmbeddingService.",
+            ["model", "embedding_service"],
             registry=r,
         )
         self.decisions = Counter(

@@ -222,15 +222,22 @@ async def test_a_model_without_endpoints_holds_then_503s_with_retry_after() -> N
             client.post("/v1/embeddings", json={"model": "cold", "input": "x"})
         )
         await wait_until(
-            lambda: _sample(gateway, "held_requests", {"model": "cold", "service": "s"}) == 1,
+            lambda: (
+                _sample(gateway, "held_requests", {"model": "cold", "embedding_service": "s"}) == 1
+            ),
             what="the request held",
         )
         answer = await held
     assert answer.status_code == 503
     assert answer.json()["error"]["code"] == "model_unavailable"
     assert int(answer.headers["Retry-After"]) >= 1
-    assert _sample(gateway, "held_requests", {"model": "cold", "service": "s"}) == 0
-    assert _sample(gateway, "last_request_timestamp_seconds", {"model": "cold", "service": "s"}) > 0
+    assert _sample(gateway, "held_requests", {"model": "cold", "embedding_service": "s"}) == 0
+    assert (
+        _sample(
+            gateway, "last_request_timestamp_seconds", {"model": "cold", "embedding_service": "s"}
+        )
+        > 0
+    )
 
 
 async def test_a_held_request_is_answered_once_an_endpoint_appears() -> None:
@@ -264,7 +271,7 @@ async def test_a_client_that_hangs_up_leaves_the_holding_queue() -> None:
         held.cancel()
         await client.aclose()
         await wait_until(lambda: gateway.holding.held("cold") == 0, what="the hold released")
-        assert _sample(gateway, "held_requests", {"model": "cold", "service": "s"}) == 0
+        assert _sample(gateway, "held_requests", {"model": "cold", "embedding_service": "s"}) == 0
 
 
 async def test_holding_is_bounded_per_model() -> None:

@@ -117,7 +117,7 @@ def test_a_model_with_no_endpoint_holds_then_503s_and_is_answered_once_one_appea
         assert answered.status_code == 200 and answered.json()["model"] == FAKE
         metrics = httpx.get(url + "/metrics").text
         assert (
-            f'embedding_gateway_held_requests{{model="{FAKE}",service="file/{FAKE}"}} 0.0'
+            f'embedding_gateway_held_requests{{embedding_service="file/{FAKE}",model="{FAKE}"}} 0.0'
             in metrics
         )
         assert (
