@@ -85,6 +85,31 @@ with urllib.request.urlopen(sys.argv[1].removesuffix("/v1") + "/info", timeout=6
 print(json.dumps({"model": model, "dtype": dtype, "vectors": [d.embedding for d in response.data]}))
 """
 
+# Through the gateway: each named model's vectors for the texts, with the model the answer
+# names and the dtype its own Service's /info reports; what /v1/models lists; and the error
+# an unknown model gets.
+GATEWAY_SCRIPT = """
+import json, sys, urllib.request
+import openai
+from openai import OpenAI
+base_url, services, texts = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+client = OpenAI(base_url=base_url, api_key="unused", timeout=60, max_retries=0)
+out = {"listed": [m.id for m in client.models.list().data], "answers": {}}
+for model, info_url in services.items():
+    response = client.embeddings.create(model=model, input=texts)
+    with urllib.request.urlopen(info_url, timeout=60) as info:
+        dtype = json.load(info)["dtype"]
+    out["answers"][model] = {
+        "model": response.model, "dtype": dtype, "vectors": [d.embedding for d in response.data]
+    }
+try:
+    client.embeddings.create(model="no-such-model", input=texts)
+    out["unknown"] = {"status": 200}
+except openai.APIStatusError as exc:
+    out["unknown"] = {"status": exc.status_code, "body": exc.response.json()}
+print(json.dumps(out))
+"""
+
 # Closed-loop load for a bounded time: `workers` threads, each sending its next request as
 # soon as the last one is answered. Prints one JSON summary; every failure is listed by kind.
 LOAD_SCRIPT = """
@@ -99,7 +124,7 @@ summary = {"ok": 0, "rate_limited": 0, "failures": []}
 deadline = time.monotonic() + seconds
 def work():
     client = OpenAI(base_url=base_url, api_key="unused", timeout=60)
-    model = client.models.list().data[0].id
+    model = sys.argv[5] if len(sys.argv) > 5 else client.models.list().data[0].id
     while time.monotonic() < deadline:
         try:
             client.embeddings.create(model=model, input=[text] * batch)
@@ -147,7 +172,15 @@ def release_values(
             "nodeSelector": ON_REAL_NODE,
             "gpuProfiles": {"cpu": {"nodeSelector": ON_REAL_NODE, "tolerations": [TOLERATION]}},
         }
-    return deep_merge(chart_values, {"operator": {"resyncSeconds": 30}})
+        # One gateway pod, placed as the operator is: the node has two cores to share.
+        chart_values["gateway"] = {
+            "replicas": 1,
+            "nodeSelector": ON_REAL_NODE,
+            "tolerations": [TOLERATION],
+        }
+    return deep_merge(
+        chart_values, {"operator": {"resyncSeconds": 30}, "gateway": {"enabled": True}}
+    )
 
 
 @dataclass(frozen=True)
@@ -1001,6 +1034,107 @@ def test_reranker_serves_cross_encoder_scores_from_an_offline_model_cache(
         )
     assert got["embeddings"]["status"] == 400, got["embeddings"]
     assert "task is score" in got["embeddings"]["body"]["error"]["message"], got["embeddings"]
+
+
+# -- (g2) the gateway: one address for every model ---------------------------------------------
+
+
+def gateway_url(release_namespace: str) -> str:
+    return f"http://{RELEASE}-embedding-operator-gateway.{release_namespace}.svc/v1"
+
+
+def minilm_named(served: str, replicas: int = 1) -> dict[str, Any]:
+    return {
+        "model": {"name": "sentence-transformers/all-MiniLM-L6-v2"},
+        "servedModelName": served,
+        "gpu": {"type": "cpu"},
+        "resources": SMALL_POD,
+        "replicas": replicas,
+    }
+
+
+def test_one_gateway_address_reaches_each_model_by_name(
+    cluster: KubeClient, release: str, client_pod: ClientPod, namespace: str
+) -> None:
+    """The chart's gateway routes the official openai client to each of two EmbeddingServices
+    by the model it names, lists both in /v1/models, and answers an unknown model 404 in the
+    OpenAI shape naming the models it knows."""
+    served = {"gw-a": f"minilm-a-{namespace[-6:]}", "gw-b": f"minilm-b-{namespace[-6:]}"}
+    with diagnostics(cluster, namespace, release):
+        for name, model in served.items():
+            cluster.apply(embedding_service(name, minilm_named(model)), namespace=namespace)
+        for name in served:
+            wait_condition(cluster, namespace, name, "Ready", "True", timeout=READY_TIMEOUT_S)
+            wait_ready_replicas(cluster, namespace, name, 1)
+        infos = {model: f"http://{name}.{namespace}.svc/info" for name, model in served.items()}
+        # The gateway learns of new endpoints from the EndpointSlice watch: poll its catalog.
+        start_client(
+            cluster,
+            client_pod,
+            namespace,
+            "through-gateway",
+            GATEWAY_SCRIPT,
+            gateway_url(release),
+            json.dumps(infos),
+            json.dumps(TEXTS),
+        )
+        result = client_output(cluster, namespace, "through-gateway")
+    assert set(served.values()) <= set(result["listed"]), result["listed"]
+    for model in served.values():
+        answer = result["answers"][model]
+        assert answer["model"] == model
+        assert_sentence_transformers_vectors(answer)
+    unknown = result["unknown"]
+    assert unknown["status"] == 404, unknown
+    message = unknown["body"]["error"]["message"]
+    assert "no-such-model" in message and all(m in message for m in served.values()), message
+
+
+def test_a_killed_server_pod_under_load_through_the_gateway_fails_no_request(
+    cluster: KubeClient, release: str, client_pod: ClientPod, namespace: str
+) -> None:
+    """Steady load through the gateway on a service of two replicas; one server pod is killed
+    (SIGKILL, no drain): the gateway retries what it dropped on the other, so the client sees
+    no failure."""
+    model = f"minilm-kill-{namespace[-6:]}"
+    with diagnostics(cluster, namespace, release):
+        cluster.apply(embedding_service("gw-kill", minilm_named(model, 2)), namespace=namespace)
+        wait_condition(cluster, namespace, "gw-kill", "Ready", "True", timeout=READY_TIMEOUT_S)
+        wait_ready_replicas(cluster, namespace, "gw-kill", 2)
+        start_client(
+            cluster,
+            client_pod,
+            namespace,
+            "gw-load",
+            LOAD_SCRIPT,
+            gateway_url(release),
+            "90",
+            "4",
+            "4",
+            model,
+        )
+        poll_until(
+            lambda: (
+                (get_json(cluster, "pod", "gw-load", "-n", namespace) or {})
+                .get("status", {})
+                .get("phase")
+                == "Running"
+                or None
+            ),
+            timeout=120,
+            what="the load client to run",
+            interval=1.0,
+        )
+        time.sleep(15)  # the load runs through both pods before one dies
+        victim = ready_server_pods(cluster, namespace, "gw-kill")[0]["metadata"]["name"]
+        cluster.kubectl(
+            "delete", "pod", victim, "-n", namespace, "--grace-period=0", "--force", "--wait=false"
+        )
+        load = get_json(cluster, "pod", "gw-load", "-n", namespace) or {}
+        assert load.get("status", {}).get("phase") == "Running", "the load ended before the kill"
+        summary = client_output(cluster, namespace, "gw-load", timeout=CLIENT_TIMEOUT_S)
+    assert summary["failures"] == [], summary
+    assert summary["ok"] > 0, summary
 
 
 # -- (h) the GPU examples, served on the GPUs they name (existing clusters only) ---------------
