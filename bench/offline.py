@@ -140,6 +140,22 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str]] = {
         },
         "mean",
     ),
+    # jina-embeddings-v3: XLM-R-large's shape with rotary positions (base 20000), run without a
+    # task adapter (transformers' class has none; the adapters add 2 rank-4 products a layer).
+    "jina_embeddings_v3": (
+        "jinaai/jina-embeddings-v3",
+        {
+            "vocab_size": 250002,
+            "hidden_size": 1024,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 16,
+            "intermediate_size": 4096,
+            "max_position_embeddings": 8194,
+            "type_vocab_size": 1,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 20000.0},
+        },
+        "mean",
+    ),
     # ms-marco-electra-base's discriminator.
     "electra": (
         "google/electra-base-discriminator",
