@@ -61,9 +61,11 @@ attends to them, their keys being masked as stanford-colbert and PyLate mask the
 ``attention_mask`` 0): the plan takes ``key_lens``, each sequence's count of leading tokens
 that serve as keys and values. Every query of the sequence is still computed. The varlen
 kernels get the keys and values of those tokens gathered, with their own ``cu_seqlens_k``;
-the SDPA paths a key mask. Sliding windows, causal attention and ALiBi are refused with it:
-flash-attn aligns a query to the *end* of a shorter key sequence for those, which is not what
-the reference computes.
+the SDPA paths a key mask. Causal attention and ALiBi are refused with it, and sliding
+windows on the varlen kernels: flash-attn aligns a query to the *end* of a shorter key
+sequence for those, which is not what the reference computes. The SDPA paths take a window
+(ModernBERT's local layers) as long as every query has a key within it; one without would
+get an empty softmax, which the references fill differently, so that batch is refused.
 """
 
 from __future__ import annotations
@@ -351,6 +353,7 @@ class _KeyPrefix:
     index: torch.Tensor  # [sum(key_lens)] packed index of each key token, in order
     cu_seqlens: torch.Tensor  # int32 [B+1]
     max_seqlen: int
+    max_unseen: int  # the most tokens of one sequence that are queries only
 
 
 @dataclass(frozen=True, slots=True)
@@ -383,8 +386,9 @@ class AttentionPlan:
 
         Query ``i`` sees key ``j`` when ``i - window <= j``, and ``j <= i`` (causal) or
         ``j <= i + window`` (not causal). ``[L, L]``, or ``[n, 1, L, L]`` when the bucket
-        pads its shorter sequences and attention is not causal (then padded keys are masked
-        too, and each padded query sees itself so that no row is empty).
+        pads its shorter sequences or limits their keys and attention is not causal (then
+        those keys are masked too, and a padded query with no key left sees itself so that
+        no row is empty; a real query always has one, :func:`varlen_attention` checks).
         """
         key = (index, window, causal)
         mask = self._window_masks.get(key)
@@ -395,7 +399,8 @@ class AttentionPlan:
             mask = (back <= window) & (back >= (0 if causal else -window))
             if not causal and bucket.key_mask is not None:
                 diagonal = torch.eye(bucket.length, dtype=torch.bool, device=self.device)
-                mask = (mask & bucket.key_mask) | diagonal
+                mask = mask & bucket.key_mask
+                mask = mask | (diagonal & ~mask.any(dim=-1, keepdim=True))
             self._window_masks[key] = mask
         return mask
 
@@ -512,7 +517,8 @@ def plan_attention(
         starts = list(itertools.accumulate(seqlens, initial=0))[:-1]
         index = torch.cat([torch.arange(s, s + k) for s, k in zip(starts, key_lens, strict=True)])
         cu_k = torch.tensor(list(itertools.accumulate(key_lens, initial=0)), dtype=torch.int32)
-        prefix = _KeyPrefix(staged(index, device), staged(cu_k, device), max(key_lens))
+        unseen = max(n - k for n, k in zip(seqlens, key_lens, strict=True))
+        prefix = _KeyPrefix(staged(index, device), staged(cu_k, device), max(key_lens), unseen)
     if backend in (Backend.FLASH_ATTN, Backend.TORCH_VARLEN):
         return AttentionPlan((), total, device, backend, prefix)
     keys = list(seqlens) if key_lens is None else list(key_lens)
@@ -594,13 +600,25 @@ def varlen_attention(
     if plan is None:
         plan = plan_attention(torch.diff(cu_seqlens).tolist(), q.device)
     if plan.key_prefix is not None:
-        if causal or window is not None or isinstance(bias, AlibiBias):
+        if causal or isinstance(bias, AlibiBias):
             raise ValueError(
                 "keys limited to a prefix of each sequence (key_lens) are supported on "
-                "bidirectional attention without a sliding window or ALiBi only: flash-attn "
-                "aligns such terms to the end of the shorter key sequence"
+                "bidirectional attention without ALiBi only: flash-attn aligns such terms to "
+                "the end of the shorter key sequence"
+            )
+        if window is not None and plan.key_prefix.max_unseen > window:
+            raise ValueError(
+                f"keys limited to a prefix of each sequence (key_lens) leave up to "
+                f"{plan.key_prefix.max_unseen} queries after the last key, more than the "
+                f"sliding window of {window}: a query would see no key at all"
             )
         if plan.backend in (Backend.FLASH_ATTN, Backend.TORCH_VARLEN):
+            if window is not None:
+                raise ValueError(
+                    f"{plan.backend} aligns a sliding window to the end of a shorter key "
+                    "sequence; keys limited to a prefix (key_lens) with a window need an "
+                    "SDPA kernel"
+                )
             if bias is not None:
                 raise ValueError(f"{plan.backend} takes no attention bias")
             prefix = plan.key_prefix

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from embedding_server.device import attention, dtypes
 from embedding_server.device.attention import (
     AttentionFacts,
@@ -403,18 +404,46 @@ def test_keys_limited_to_a_prefix_are_all_a_query_sees(
     torch.testing.assert_close(again, got)
 
 
+@pytest.mark.parametrize("backend", [Backend.SDPA_BUCKETED, Backend.SDPA_PADDED])
+def test_keys_limited_to_a_prefix_within_a_sliding_window(backend: Backend) -> None:
+    """ModernBERT's local layers: a query sees the keys of its prefix within the window."""
+    generator = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(sum(LENS), 2, 8, generator=generator) for _ in range(3))
+    cu = torch.tensor([0, *np.cumsum(LENS).tolist()], dtype=torch.int32)
+    plan = plan_attention(LENS, torch.device("cpu"), backend, key_lens=KEY_LENS)
+    window = 5  # the most queries after a sequence's last key (7 - 2), so each sees one
+    got = attention.varlen_attention(
+        q, k, v, cu_seqlens=cu, max_seqlen=7, causal=False, window=window, plan=plan
+    )
+    want, start = [], 0
+    for n, m in zip(LENS, KEY_LENS, strict=True):
+        i, j = torch.arange(n).unsqueeze(1), torch.arange(n).unsqueeze(0)
+        mask = ((i - j).abs() <= window) & (j < m)
+        qs, ks, vs = (t[start : start + n].transpose(0, 1) for t in (q, k, v))
+        want.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask).transpose(0, 1))
+        start += n
+    torch.testing.assert_close(got, torch.cat(want), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize(
-    ("causal", "window"), [(True, None), (False, 2)], ids=["causal", "sliding-window"]
+    ("backend", "causal", "window", "complaint"),
+    [
+        (Backend.SDPA_BUCKETED, True, None, "bidirectional"),
+        (Backend.SDPA_BUCKETED, False, 4, "a query would see no key"),
+        (Backend.FLASH_ATTN, False, 5, "need an SDPA kernel"),
+        (Backend.TORCH_VARLEN, False, 5, "need an SDPA kernel"),
+    ],
 )
-def test_keys_limited_to_a_prefix_refuse_what_flash_attn_would_align_wrongly(
-    causal: bool, window: int | None
+def test_keys_limited_to_a_prefix_refuse_what_the_kernel_would_get_wrong(
+    backend: Backend, causal: bool, window: int | None, complaint: str
 ) -> None:
     """flash-attn aligns causal masks and windows to the end of a shorter key sequence, which
-    is not the reference's mask: such attention with a key prefix is refused, on every path."""
+    is not the reference's mask, and a query with no key in its window has no defined
+    softmax: such attention with a key prefix is refused."""
     q = k = v = torch.randn(sum(LENS), 2, 8)
     cu = torch.tensor([0, *np.cumsum(LENS).tolist()], dtype=torch.int32)
-    plan = plan_attention(LENS, torch.device("cpu"), key_lens=KEY_LENS)
-    with pytest.raises(ValueError, match="key_lens"):
+    plan = plan_attention(LENS, torch.device("cpu"), backend, key_lens=KEY_LENS)
+    with pytest.raises(ValueError, match=complaint):
         attention.varlen_attention(
             q, k, v, cu_seqlens=cu, max_seqlen=7, causal=causal, window=window, plan=plan
         )
