@@ -68,13 +68,15 @@ def check_varlen_call(
         )
     if q.shape[1] % k.shape[1]:
         raise RuntimeError("Number of heads in key/value must divide number of heads in query")
-    for cu in cu_seqlens:
+    for cu, packed in zip(cu_seqlens, (q, k), strict=True):
         if cu.dtype != torch.int32:
             raise RuntimeError(f"cu_seqlens must have dtype int32, not {cu.dtype}")
         if cu.device != q.device:
             raise RuntimeError(f"cu_seqlens must be on {q.device}, not {cu.device}")
-        if int(cu[-1]) != q.shape[0]:
+        if int(cu[-1]) != packed.shape[0]:
             raise RuntimeError("cu_seqlens does not add up to the packed tokens")
+    if len(cu_seqlens[0]) != len(cu_seqlens[1]):
+        raise RuntimeError("cu_seqlens_q and cu_seqlens_k must have the same batch size")
     for value in max_seqlen:
         if type(value) is not int:
             raise RuntimeError(f"max_seqlen must be a Python int, not {type(value).__name__}")
@@ -91,17 +93,24 @@ def reference(
     scale: float | None,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-sequence float32 attention under flash-attn's mask, in q's dtype; ``softcap`` > 0
     caps the scaled logits at ``softcap * tanh(logits / softcap)`` (flash-attn's 0: none);
     ``alibi_slopes`` adds flash-attn's documented ALiBi term, ``-slope * |i - j|`` per head
-    (queries and keys of equal length)."""
+    (queries and keys of equal length). ``cu_seqlens_k``: keys and values packed apart from
+    the queries; where a sequence's differ in length, only unmasked bidirectional attention
+    is modelled (flash-attn aligns the rest to the end of the keys), else it raises."""
     rep = q.shape[1] // k.shape[1]
-    out, start = [], 0
-    for n in torch.diff(cu_seqlens).tolist():
-        qs, ks, vs = (t[start : start + n].float().transpose(0, 1) for t in (q, k, v))
+    out, start, key_start = [], 0, 0
+    key_lens = torch.diff(cu_seqlens if cu_seqlens_k is None else cu_seqlens_k).tolist()
+    for n, m in zip(torch.diff(cu_seqlens).tolist(), key_lens, strict=True):
+        qs = q[start : start + n].float().transpose(0, 1)
+        ks, vs = (t[key_start : key_start + m].float().transpose(0, 1) for t in (k, v))
         ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
-        mask = flash_mask(n, causal, window_size)
+        if m != n and (causal or window_size != (-1, -1) or alibi_slopes is not None):
+            raise RuntimeError("the stand-in models unequal q/k lengths without masks only")
+        mask = flash_mask(n, causal, window_size) if m == n else torch.ones(n, m, dtype=torch.bool)
         if alibi_slopes is not None:
             pos = torch.arange(n)
             distance = (pos.unsqueeze(0) - pos.unsqueeze(1)).abs().float()
@@ -115,6 +124,7 @@ def reference(
             result = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
         out.append(result.transpose(0, 1))
         start += n
+        key_start += m
     return torch.cat(out).to(q.dtype)
 
 
@@ -171,6 +181,7 @@ class StrictFlash:
             scale=softmax_scale,
             softcap=softcap,
             alibi_slopes=alibi_slopes,
+            cu_seqlens_k=cu_seqlens_k,
         )
 
 
@@ -200,7 +211,14 @@ class StrictTorchVarlen:
             raise RuntimeError("grouped-query attention needs enable_gqa=True")
         self.calls.append({"window_size": window_size, "enable_gqa": enable_gqa, "scale": scale})
         return reference(
-            query, key, value, cu_seq_q, causal=False, window_size=window_size, scale=scale
+            query,
+            key,
+            value,
+            cu_seq_q,
+            causal=False,
+            window_size=window_size,
+            scale=scale,
+            cu_seqlens_k=cu_seq_k,
         )
 
 

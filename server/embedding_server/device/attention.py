@@ -54,6 +54,18 @@ applies it in the kernel (its ``softcap`` argument); torch's varlen_attn and SDP
 why, and the SDPA paths compute such attention eagerly per length bucket (matmul, tanh cap,
 mask, float32 softmax, matmul: transformers' eager attention, which is what it runs Gemma 2
 with).
+
+Keys limited to a prefix (ColBERT's query augmentation: a query padded with ``[MASK]`` up to
+its query length, where the ``[MASK]`` positions are queries of their own but no position
+attends to them, their keys being masked as stanford-colbert and PyLate mask them with
+``attention_mask`` 0): the plan takes ``key_lens``, each sequence's count of leading tokens
+that serve as keys and values. Every query of the sequence is still computed. The varlen
+kernels get the keys and values of those tokens gathered, with their own ``cu_seqlens_k``;
+the SDPA paths a key mask. Causal attention and ALiBi are refused with it, and sliding
+windows on the varlen kernels: flash-attn aligns a query to the *end* of a shorter key
+sequence for those, which is not what the reference computes. The SDPA paths take a window
+(ModernBERT's local layers) as long as every query has a key within it; one without would
+get an empty softmax, which the references fill differently, so that batch is refused.
 """
 
 from __future__ import annotations
@@ -334,6 +346,17 @@ class _Bucket:
 
 
 @dataclass(frozen=True, slots=True)
+class _KeyPrefix:
+    """The varlen kernels' view of a plan whose sequences attend to a prefix of their tokens
+    only (``key_lens``): which packed tokens are keys, and their ``cu_seqlens_k``."""
+
+    index: torch.Tensor  # [sum(key_lens)] packed index of each key token, in order
+    cu_seqlens: torch.Tensor  # int32 [B+1]
+    max_seqlen: int
+    max_unseen: int  # the most tokens of one sequence that are queries only
+
+
+@dataclass(frozen=True, slots=True)
 class AttentionPlan:
     """How one packed batch is attended: the backend, and for SDPA the padded blocks."""
 
@@ -341,6 +364,9 @@ class AttentionPlan:
     total_tokens: int
     device: torch.device
     backend: Backend = Backend.SDPA_BUCKETED
+    key_prefix: _KeyPrefix | None = None
+    """Set when some sequence's keys are a strict prefix of its tokens (``key_lens``); the
+    SDPA buckets then carry that in their ``key_mask``."""
     _window_masks: dict[tuple[int, int, bool], torch.Tensor] = field(
         default_factory=dict, compare=False, repr=False
     )
@@ -350,15 +376,19 @@ class AttentionPlan:
         """The index and mask tensors built with the plan (not the per-layer window masks,
         which the forward pass builds on its own stream)."""
         fields = ((b.gather, b.slots, b.tokens, b.key_mask) for b in self.buckets)
-        return [t for group in fields for t in group if t is not None]
+        own = [t for group in fields for t in group if t is not None]
+        if self.key_prefix is not None:
+            own += [self.key_prefix.index, self.key_prefix.cu_seqlens]
+        return own
 
     def window_mask(self, index: int, window: int, causal: bool) -> torch.Tensor:
         """Bucket ``index``'s banded mask (True = attend), cached for the other layers.
 
         Query ``i`` sees key ``j`` when ``i - window <= j``, and ``j <= i`` (causal) or
         ``j <= i + window`` (not causal). ``[L, L]``, or ``[n, 1, L, L]`` when the bucket
-        pads its shorter sequences and attention is not causal (then padded keys are masked
-        too, and each padded query sees itself so that no row is empty).
+        pads its shorter sequences or limits their keys and attention is not causal (then
+        those keys are masked too, and a padded query with no key left sees itself so that
+        no row is empty; a real query always has one, :func:`varlen_attention` checks).
         """
         key = (index, window, causal)
         mask = self._window_masks.get(key)
@@ -369,7 +399,8 @@ class AttentionPlan:
             mask = (back <= window) & (back >= (0 if causal else -window))
             if not causal and bucket.key_mask is not None:
                 diagonal = torch.eye(bucket.length, dtype=torch.bool, device=self.device)
-                mask = (mask & bucket.key_mask) | diagonal
+                mask = mask & bucket.key_mask
+                mask = mask | (diagonal & ~mask.any(dim=-1, keepdim=True))
             self._window_masks[key] = mask
         return mask
 
@@ -462,12 +493,35 @@ def plan_attention(
     seqlens: Sequence[int],
     device: torch.device,
     backend: Backend = Backend.SDPA_BUCKETED,
+    key_lens: Sequence[int] | None = None,
 ) -> AttentionPlan:
-    """The plan for one batch. The varlen kernels need none; ``sdpa_padded`` is one bucket of
-    everything; ``sdpa_bucketed`` groups sequences by length (order kept within a bucket)."""
+    """The plan for one batch. The varlen kernels need none (but the gathered keys when
+    ``key_lens`` limits them); ``sdpa_padded`` is one bucket of everything; ``sdpa_bucketed``
+    groups sequences by length (order kept within a bucket).
+
+    ``key_lens``: per sequence, how many of its leading tokens are keys and values (1 to its
+    length; None: all of them). Its other tokens are queries that nothing attends to."""
     total = sum(seqlens)
+    if key_lens is not None:
+        if len(key_lens) != len(seqlens) or any(
+            not 1 <= k <= n for k, n in zip(key_lens, seqlens, strict=True)
+        ):
+            raise ValueError(
+                f"key_lens {list(key_lens)} must give each of the {len(seqlens)} sequences "
+                "between 1 and its length of key tokens"
+            )
+        if list(key_lens) == list(seqlens):
+            key_lens = None
+    prefix = None
+    if key_lens is not None:
+        starts = list(itertools.accumulate(seqlens, initial=0))[:-1]
+        index = torch.cat([torch.arange(s, s + k) for s, k in zip(starts, key_lens, strict=True)])
+        cu_k = torch.tensor(list(itertools.accumulate(key_lens, initial=0)), dtype=torch.int32)
+        unseen = max(n - k for n, k in zip(seqlens, key_lens, strict=True))
+        prefix = _KeyPrefix(staged(index, device), staged(cu_k, device), max(key_lens), unseen)
     if backend in (Backend.FLASH_ATTN, Backend.TORCH_VARLEN):
-        return AttentionPlan((), total, device, backend)
+        return AttentionPlan((), total, device, backend, prefix)
+    keys = list(seqlens) if key_lens is None else list(key_lens)
     ratio = 0.0 if backend is Backend.SDPA_PADDED else _BUCKET_RATIO
     starts = list(itertools.accumulate(seqlens, initial=0))[:-1]
     order = sorted(range(len(seqlens)), key=lambda i: -seqlens[i])
@@ -481,7 +535,7 @@ def plan_attention(
     for group in groups:
         group.sort()
         length = max(seqlens[i] for i in group)
-        same = all(seqlens[i] == length for i in group)
+        same = all(seqlens[i] == length == keys[i] for i in group)
         adjacent = all(starts[b] == starts[a] + length for a, b in itertools.pairwise(group))
         if same and adjacent:
             buckets.append(
@@ -491,6 +545,7 @@ def plan_attention(
         slot = torch.arange(length)
         lens = torch.tensor([seqlens[i] for i in group])
         valid = slot.unsqueeze(0) < lens.unsqueeze(1)  # [n, L]
+        attended = slot.unsqueeze(0) < torch.tensor([keys[i] for i in group]).unsqueeze(1)
         base = torch.tensor([starts[i] for i in group]).unsqueeze(1)
         gather = torch.where(valid, base + slot, base).reshape(-1)  # pads -> own start
         slots = valid.reshape(-1).nonzero().squeeze(1)  # on the host, once per batch
@@ -503,10 +558,10 @@ def plan_attention(
                 staged(gather, device),
                 staged(slots, device),
                 staged(gather[slots], device),
-                None if same else staged(valid[:, None, None, :], device),
+                None if same else staged(attended[:, None, None, :], device),
             )
         )
-    return AttentionPlan(tuple(buckets), total, device, backend)
+    return AttentionPlan(tuple(buckets), total, device, backend, prefix)
 
 
 def varlen_attention(
@@ -544,6 +599,39 @@ def varlen_attention(
         window = None  # no query of this batch is far enough from any key for it to bite
     if plan is None:
         plan = plan_attention(torch.diff(cu_seqlens).tolist(), q.device)
+    if plan.key_prefix is not None:
+        if causal or isinstance(bias, AlibiBias):
+            raise ValueError(
+                "keys limited to a prefix of each sequence (key_lens) are supported on "
+                "bidirectional attention without ALiBi only: flash-attn aligns such terms to "
+                "the end of the shorter key sequence"
+            )
+        if window is not None and plan.key_prefix.max_unseen > window:
+            raise ValueError(
+                f"keys limited to a prefix of each sequence (key_lens) leave up to "
+                f"{plan.key_prefix.max_unseen} queries after the last key, more than the "
+                f"sliding window of {window}: a query would see no key at all"
+            )
+        if plan.backend in (Backend.FLASH_ATTN, Backend.TORCH_VARLEN):
+            if window is not None:
+                raise ValueError(
+                    f"{plan.backend} aligns a sliding window to the end of a shorter key "
+                    "sequence; keys limited to a prefix (key_lens) with a window need an "
+                    "SDPA kernel"
+                )
+            if bias is not None:
+                raise ValueError(f"{plan.backend} takes no attention bias")
+            prefix = plan.key_prefix
+            k, v = k.index_select(0, prefix.index), v.index_select(0, prefix.index)
+            if plan.backend is Backend.FLASH_ATTN:
+                return _flash_attn(
+                    q, k, v, cu_seqlens, max_seqlen, False, scale, None, softcap, keys=prefix
+                )
+            if softcap is not None:
+                raise ValueError("torch_varlen takes no logit soft-capping")
+            return _torch_varlen_attn(
+                q, k, v, cu_seqlens, max_seqlen, False, scale, None, keys=prefix
+            )
     if bias is not None:
         if causal or window is not None:
             raise ValueError("an attention bias is supported on bidirectional attention only")
@@ -583,7 +671,10 @@ def _flash_attn(
     window: int | None,
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    keys: _KeyPrefix | None = None,
 ) -> torch.Tensor:
+    """flash_attn_varlen_func; ``keys``: ``k`` and ``v`` hold only the key tokens, delimited
+    by its ``cu_seqlens`` (the queries by ``cu_seqlens``)."""
     kernels = varlen_kernels()
     if kernels.flash is None:
         raise RuntimeError(f"flash_attn was not selectable: {kernels.flash_error}")
@@ -601,9 +692,9 @@ def _flash_attn(
         k,
         v,
         cu_seqlens,
-        cu_seqlens,
+        cu_seqlens if keys is None else keys.cu_seqlens,
         max_seqlen,
-        max_seqlen,
+        max_seqlen if keys is None else keys.max_seqlen,
         dropout_p=0.0,
         softmax_scale=scale,
         causal=causal,
@@ -620,7 +711,9 @@ def _torch_varlen_attn(
     causal: bool,
     scale: float | None,
     window: int | None,
+    keys: _KeyPrefix | None = None,
 ) -> torch.Tensor:
+    """torch's varlen_attn; ``keys`` as for :func:`_flash_attn`."""
     kernels = varlen_kernels()
     if kernels.torch_varlen is None:
         raise RuntimeError(f"torch_varlen was not selectable: {kernels.torch_varlen_error}")
@@ -631,9 +724,9 @@ def _torch_varlen_attn(
         k,
         v,
         cu_seqlens,
-        cu_seqlens,
+        cu_seqlens if keys is None else keys.cu_seqlens,
         max_seqlen,
-        max_seqlen,
+        max_seqlen if keys is None else keys.max_seqlen,
         scale=scale,
         window_size=(left, right),
         enable_gqa=q.shape[1] != k.shape[1],

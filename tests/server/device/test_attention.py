@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from embedding_server.device import attention, dtypes
 from embedding_server.device.attention import (
     AttentionFacts,
@@ -30,6 +31,7 @@ from embedding_server.errors import InvalidRequestError
 from tests.support.attention import (
     BF16_COSINE,
     StrictFlash,
+    StrictTorchVarlen,
     assert_rows_close,
     pretend_cuda,
 )
@@ -337,3 +339,118 @@ def test_a_cpu_engine_never_imports_the_cuda_kernels() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["sdpa_bucketed", "[]"], done.stdout
+
+
+def _prefix_keys_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], key_lens: list[int]
+) -> torch.Tensor:
+    """What stanford-colbert's and PyLate's padded forward computes for a query padded with
+    [MASK] under ``attention_mask`` 0 at those positions (their BERT/ModernBERT attention,
+    eager or SDPA): every position is a query, only the first ``key_lens[i]`` are keys.
+    Written out per sequence: float32 logits, the masked keys dropped, softmax, values."""
+    out, start = [], 0
+    for n, m in zip(lens, key_lens, strict=True):
+        qs = q[start : start + n].float().transpose(0, 1)  # [H, n, D]
+        ks, vs = (t[start : start + m].float().transpose(0, 1) for t in (k, v))
+        weights = torch.softmax(qs @ ks.transpose(-1, -2) * qs.shape[-1] ** -0.5, dim=-1)
+        out.append((weights @ vs).transpose(0, 1))
+        start += n
+    return torch.cat(out)
+
+
+LENS = [5, 3, 7, 7, 2, 7]
+KEY_LENS = [3, 3, 4, 7, 1, 2]
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [Backend.SDPA_BUCKETED, Backend.SDPA_PADDED, Backend.FLASH_ATTN, Backend.TORCH_VARLEN],
+)
+def test_keys_limited_to_a_prefix_are_all_a_query_sees(
+    monkeypatch: pytest.MonkeyPatch, backend: Backend
+) -> None:
+    """ColBERT's query augmentation: the [MASK] tokens after a query are queries whose keys
+    nobody sees. Each backend gives every token (the [MASK] ones too) attention over its
+    sequence's key prefix only, in a packed batch of mixed lengths and prefixes; what sits in
+    the masked keys and values changes nothing."""
+    varlen = backend in (Backend.FLASH_ATTN, Backend.TORCH_VARLEN)
+    flash, torch_varlen = StrictFlash(), StrictTorchVarlen()
+    kernels = attention.VarlenKernels(flash, None, torch_varlen, None)
+    monkeypatch.setattr(attention, "varlen_kernels", lambda: kernels)
+    dtype = torch.bfloat16 if varlen else torch.float32
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(sum(LENS), 4, 16, generator=generator, dtype=dtype) for _ in range(3))
+    cu = torch.tensor([0, *np.cumsum(LENS).tolist()], dtype=torch.int32)
+    plan = plan_attention(LENS, torch.device("cpu"), backend, key_lens=KEY_LENS)
+
+    got = attention.varlen_attention(q, k, v, cu_seqlens=cu, max_seqlen=7, causal=False, plan=plan)
+
+    want = _prefix_keys_reference(q, k, v, LENS, KEY_LENS)
+    if varlen:
+        assert_rows_close(got.float().flatten(1), want.flatten(1), min_cosine=0.999)
+        calls = flash.calls if backend is Backend.FLASH_ATTN else torch_varlen.calls
+        assert calls, f"{backend} was never called"
+    else:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # Scramble the keys and values nobody may see: nothing moves.
+    masked = torch.ones(sum(LENS), dtype=torch.bool)
+    for start, m in zip(cu[:-1].tolist(), KEY_LENS, strict=True):
+        masked[start : start + m] = False
+    k2, v2 = k.clone(), v.clone()
+    k2[masked], v2[masked] = k2[masked] * 7 + 3, v2[masked] - 5
+    again = attention.varlen_attention(
+        q, k2, v2, cu_seqlens=cu, max_seqlen=7, causal=False, plan=plan
+    )
+    torch.testing.assert_close(again, got)
+
+
+@pytest.mark.parametrize("backend", [Backend.SDPA_BUCKETED, Backend.SDPA_PADDED])
+def test_keys_limited_to_a_prefix_within_a_sliding_window(backend: Backend) -> None:
+    """ModernBERT's local layers: a query sees the keys of its prefix within the window."""
+    generator = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(sum(LENS), 2, 8, generator=generator) for _ in range(3))
+    cu = torch.tensor([0, *np.cumsum(LENS).tolist()], dtype=torch.int32)
+    plan = plan_attention(LENS, torch.device("cpu"), backend, key_lens=KEY_LENS)
+    window = 5  # the most queries after a sequence's last key (7 - 2), so each sees one
+    got = attention.varlen_attention(
+        q, k, v, cu_seqlens=cu, max_seqlen=7, causal=False, window=window, plan=plan
+    )
+    want, start = [], 0
+    for n, m in zip(LENS, KEY_LENS, strict=True):
+        i, j = torch.arange(n).unsqueeze(1), torch.arange(n).unsqueeze(0)
+        mask = ((i - j).abs() <= window) & (j < m)
+        qs, ks, vs = (t[start : start + n].transpose(0, 1) for t in (q, k, v))
+        want.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask).transpose(0, 1))
+        start += n
+    torch.testing.assert_close(got, torch.cat(want), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("backend", "causal", "window", "complaint"),
+    [
+        (Backend.SDPA_BUCKETED, True, None, "bidirectional"),
+        (Backend.SDPA_BUCKETED, False, 4, "a query would see no key"),
+        (Backend.FLASH_ATTN, False, 5, "need an SDPA kernel"),
+        (Backend.TORCH_VARLEN, False, 5, "need an SDPA kernel"),
+    ],
+)
+def test_keys_limited_to_a_prefix_refuse_what_the_kernel_would_get_wrong(
+    backend: Backend, causal: bool, window: int | None, complaint: str
+) -> None:
+    """flash-attn aligns causal masks and windows to the end of a shorter key sequence, which
+    is not the reference's mask, and a query with no key in its window has no defined
+    softmax: such attention with a key prefix is refused."""
+    q = k = v = torch.randn(sum(LENS), 2, 8)
+    cu = torch.tensor([0, *np.cumsum(LENS).tolist()], dtype=torch.int32)
+    plan = plan_attention(LENS, torch.device("cpu"), backend, key_lens=KEY_LENS)
+    with pytest.raises(ValueError, match=complaint):
+        attention.varlen_attention(
+            q, k, v, cu_seqlens=cu, max_seqlen=7, causal=causal, window=window, plan=plan
+        )
+
+
+def test_key_lens_outside_a_sequence_are_refused() -> None:
+    with pytest.raises(ValueError, match="between 1 and its length"):
+        plan_attention([3, 2], torch.device("cpu"), key_lens=[3, 0])
+    with pytest.raises(ValueError, match="between 1 and its length"):
+        plan_attention([3, 2], torch.device("cpu"), key_lens=[4, 2])

@@ -48,6 +48,9 @@ class PackedBatch:
     adapter_ids: torch.Tensor | None = None
     """[T] int64 index of the task adapter each token's sequence runs (jina-embeddings-v3's
     LoRA), -1 for none; None when no sequence of the batch names one."""
+    key_lens: tuple[int, ...] | None = None
+    """Per sequence, how many leading tokens are keys (ColBERT's query augmentation: the
+    ``[MASK]`` tokens after a query are queries nothing attends to); None: all of them."""
     _plan: AttentionPlan | None = field(default=None, repr=False)
 
     @classmethod
@@ -60,11 +63,13 @@ class PackedBatch:
         attention: Backend = Backend.SDPA_BUCKETED,
         token_types: Sequence[Sequence[int]] | None = None,
         adapters: Sequence[int] | None = None,
+        key_lens: Sequence[int] | None = None,
     ) -> PackedBatch:
         """Pack token id lists; ``position_offset`` shifts positions (RoBERTa: padding_idx+1);
         ``attention`` is the kernel every layer's attention runs on; ``token_types`` are the
         segment ids of each sequence (sentence pairs), None for all zeros; ``adapters`` the
-        task adapter of each sequence (-1: none), None for none at all.
+        task adapter of each sequence (-1: none), None for none at all; ``key_lens`` each
+        sequence's count of leading tokens other tokens may attend to, None for all.
 
         The integer rows (ids, positions, segment ids) are packed on the host into one
         staging tensor and reach the device in one copy, ``cu_seqlens`` in a second. On CUDA
@@ -100,6 +105,7 @@ class PackedBatch:
             attention,
             None if token_types is None else packed[2],
             None if adapters is None else packed[rows - 1],
+            None if key_lens is None else tuple(key_lens),
         )
 
     @classmethod
@@ -140,7 +146,9 @@ class PackedBatch:
     def attention_plan(self) -> AttentionPlan:
         """The attention plan, built once and shared by all layers."""
         if self._plan is None:
-            self._plan = plan_attention(self.seqlens, self.input_ids.device, self.attention_backend)
+            self._plan = plan_attention(
+                self.seqlens, self.input_ids.device, self.attention_backend, self.key_lens
+            )
         return self._plan
 
     def attention(
