@@ -701,14 +701,16 @@ def test_the_prometheus_rule_has_every_alert_with_its_overrides(helm: Path) -> N
 
 
 def exported_sample_names() -> set[str]:
-    """Every sample name the server's and the operator's /metrics can carry."""
+    """Every sample name the server's, the operator's and the gateway's /metrics can carry."""
     from embedding_operator.metrics import OperatorMetrics
+    from embedding_server.gateway.metrics import GatewayMetrics
     from embedding_server.metrics import Metrics
     from prometheus_client import generate_latest
 
     texts = [
         Metrics().render(ready=True, loading=False).decode(),
         generate_latest(OperatorMetrics().registry).decode(),
+        generate_latest(GatewayMetrics().registry).decode(),
     ]
     names: set[str] = set()
     for name, kind in re.findall(r"^# TYPE (\S+) (\S+)$", "\n".join(texts), re.M):
@@ -721,7 +723,8 @@ def exported_sample_names() -> set[str]:
 
 
 METRIC_NAME = re.compile(
-    r"\b(?:embedding_server|embedding_operator|controller_runtime|workqueue)_[a-z_]+"
+    r"\b(?:embedding_server|embedding_operator|embedding_gateway|controller_runtime|workqueue)"
+    r"_[a-z_]+"
     r"|\b[a-z_]+:[a-z_0-9]+:[a-z_0-9]+\b"
 )
 
