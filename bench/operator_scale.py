@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -230,6 +232,10 @@ def main() -> int:
     )
     parser.add_argument("--json", type=Path, default=out_dir() / "operator.json")
     args = parser.parse_args()
+    # A stopped run (kill, timeout) tears its cluster down as a finished one does: SystemExit
+    # unwinds through the Cluster's context manager, which leaves no process, mount, bridge
+    # or chain behind (a SIGTERM would otherwise end Python without running it).
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
     with tempfile.TemporaryDirectory(prefix="bench-operator-") as tmp:
         workdir = Path(tmp)

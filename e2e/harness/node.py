@@ -13,7 +13,8 @@ the internet), on interfaces this module creates:
   the kubelet, CoreDNS and prometheus-adapter listen on it, so pods reach them through their
   default route and the host reaches them locally.
 * ``POD_SUBNET`` (198.18.1.0/24) on the CNI bridge ``eocni0``: pod IPs.
-* ``SERVICE_CIDR`` (198.19.0.0/24): ClusterIPs, which kube-proxy DNATs to pod IPs.
+* ``SERVICE_CIDR`` (198.19.0.0/20): ClusterIPs, which kube-proxy DNATs to pod IPs (4094 of
+  them: bench.operator_scale creates a Service per EmbeddingService, 1,000 at once).
 
 A guard rule drops anything addressed to 198.18.0.0/15 that would leave through the host's
 default interface (a ClusterIP kube-proxy has not programmed yet, say), so no test traffic ever
@@ -36,6 +37,7 @@ import contextlib
 import json
 import logging
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -59,7 +61,7 @@ NODE_IP = "198.18.0.1"
 POD_BRIDGE = "eocni0"
 POD_SUBNET = "198.18.1.0/24"
 POD_GATEWAY = "198.18.1.1"
-SERVICE_CIDR = "198.19.0.0/24"
+SERVICE_CIDR = "198.19.0.0/20"
 CLUSTER_RANGE = "198.18.0.0/15"
 CLUSTER_DOMAIN = "cluster.local"
 GUARD_COMMENT = "embedding-operator-e2e"
@@ -241,7 +243,9 @@ def remove_kube_chains(existed_before: Sequence[str]) -> None:
         by_table.setdefault((binary, table), set()).add(chain)
     for (binary, table), chains in by_table.items():
         for line in _rules(binary, table):
-            parts = line.split()
+            # shlex, not split(): kube-proxy's rules carry quoted comments with spaces, and a
+            # rule that cannot be deleted keeps its target chain from being deleted.
+            parts = shlex.split(line)
             if (
                 parts[:1] == ["-A"]
                 and parts[1] not in chains
