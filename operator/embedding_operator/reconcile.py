@@ -66,6 +66,7 @@ from embedding_operator.status import (
     CHILD_REJECTED,
     DEGRADED,
     READY,
+    SCALED_TO_ZERO,
     DeploymentFacts,
     Problem,
     compute_status,
@@ -313,7 +314,9 @@ class Reconciler:
                     cond["message"],
                 )
             elif cond["type"] == READY and cond["status"] == "True":
-                self._recorder(body, type="Normal", reason=AVAILABLE, message=cond["message"])
+                # Available, or ScaledToZero: at zero by design (status.py), said as such.
+                reason = SCALED_TO_ZERO if cond["reason"] == SCALED_TO_ZERO else AVAILABLE
+                self._recorder(body, type="Normal", reason=reason, message=cond["message"])
             elif cond["type"] == AUTOSCALER_READY and cond["status"] == "True":
                 self._recorder(
                     body, type="Normal", reason=AUTOSCALER_READY, message=cond["message"]

@@ -1,7 +1,7 @@
 """Status of an EmbeddingService: conditions in the shape of metav1.Condition, and counts.
 
-Three conditions, following Kubernetes API conventions (and the ClusterOperator trio), and a
-fourth while autoscaling is enabled:
+Three conditions, following Kubernetes API conventions (and the ClusterOperator trio), a
+fourth while autoscaling is enabled, and a fifth while it may scale the service to zero:
 
 * ``Ready``: the current spec is being served (the Deployment rolled out the current pod
   template and reports itself Available with at least one ready pod).
@@ -12,6 +12,15 @@ fourth while autoscaling is enabled:
   extended resource or Service outside the operator's policy, a child's name held by an
   object we do not control (ChildConflict), a Secret the pods cannot find (as their kubelet
   reports it), a child the API server refuses, a rollout past its progress deadline.
+* ``AutoscalerReady``: whether the HPA or ScaledObject says it can scale.
+* ``ScaledToZero`` (autoscaling with ``minReplicas: 0``): True, reason ``NoDemand``, once the
+  autoscaler has taken the Deployment to 0 replicas and none is left; False while replicas
+  serve or are still stopping. A service at zero by design is not failing, so then ``Ready``
+  stays True (reason ``ScaledToZero``): as a Knative revision's, it says that the spec is
+  served as meant, and requests through the gateway are held while KEDA starts a replica.
+  ``Ready`` False at zero is kept for ``replicas: 0`` set by hand, where nothing wakes it.
+  The time of the last request is not in status: the gateway, which sees it, has read-only
+  access; its ``embedding_gateway_last_request_timestamp_seconds`` metric has it.
 
 Everything here is pure: the reconciler gathers the facts, ``compute_status`` turns them into
 the status document, ``merge_conditions`` keeps ``lastTransitionTime`` unless a condition's
@@ -45,6 +54,11 @@ ROLLOUT_IN_PROGRESS = "RolloutInProgress"
 SCALING = "Scaling"
 MINIMUM_REPLICAS_UNAVAILABLE = "MinimumReplicasUnavailable"
 SCALED_TO_ZERO = "ScaledToZero"
+"""A Ready/Progressing reason at zero replicas, and the condition type of a service that
+the autoscaler may take to zero."""
+NO_DEMAND = "NoDemand"
+SERVING = "Serving"
+SCALING_TO_ZERO = "ScalingToZero"
 DEPLOYMENT_PENDING = "DeploymentPending"
 PROGRESS_DEADLINE_EXCEEDED = "ProgressDeadlineExceeded"
 INVALID_SPEC = "InvalidSpec"
@@ -237,7 +251,50 @@ def autoscaler_condition(
     )
 
 
-def _deployment_conditions(facts: DeploymentFacts | None) -> list[Condition]:
+def scales_to_zero(render: RenderInput | None) -> str | None:
+    """Who takes the service to zero and wakes it (``ScaledObject emb (keda)``), when its
+    autoscaling may (``minReplicas: 0``); None otherwise."""
+    if render is None or render.autoscaler is None or render.spec.autoscaling.min_replicas:
+        return None
+    return f"{AUTOSCALER_KINDS[render.autoscaler]} {render.owner.name} ({render.autoscaler})"
+
+
+def scaled_to_zero_condition(render: RenderInput, facts: DeploymentFacts) -> Condition | None:
+    """``ScaledToZero`` from the Deployment's replicas (None unless the service may be
+    scaled to zero)."""
+    autoscaler = scales_to_zero(render)
+    if autoscaler is None:
+        return None
+    idle = render.spec.autoscaling.scale_down_stabilization_seconds
+    if facts.desired == 0 and facts.replicas == 0:
+        return Condition(
+            SCALED_TO_ZERO,
+            "True",
+            NO_DEMAND,
+            f"{autoscaler} scaled the Deployment to 0 replicas after {idle}s without work; "
+            "a request through the gateway is held while it starts one",
+        )
+    if facts.desired == 0:
+        return Condition(
+            SCALED_TO_ZERO,
+            "False",
+            SCALING_TO_ZERO,
+            f"{autoscaler} scales the Deployment to 0; {facts.replicas} replicas still stop",
+        )
+    return Condition(
+        SCALED_TO_ZERO,
+        "False",
+        SERVING,
+        f"{facts.ready}/{facts.desired} replicas ready; {autoscaler} scales to 0 after "
+        f"{idle}s without work",
+    )
+
+
+def _deployment_conditions(
+    facts: DeploymentFacts | None, zero_by: str | None = None
+) -> list[Condition]:
+    """Ready, Progressing and Degraded from the Deployment; ``zero_by`` names the autoscaler
+    when zero replicas is one of its intended states (:func:`scales_to_zero`)."""
     if facts is None:
         return [
             Condition(READY, "False", DEPLOYMENT_PENDING, "the Deployment does not exist yet"),
@@ -254,6 +311,14 @@ def _deployment_conditions(facts: DeploymentFacts | None) -> list[Condition]:
         )
     else:
         degraded = Condition(DEGRADED, "False", AS_EXPECTED, "")
+    if facts.desired == 0 and zero_by is not None:
+        message = f"scaled to 0 replicas by {zero_by}, for lack of demand"
+        if facts.replicas:
+            stopping = f"{message}; {facts.replicas} replicas still stop"
+            progressing = Condition(PROGRESSING, "True", SCALING, stopping)
+        else:
+            progressing = Condition(PROGRESSING, "False", SCALED_TO_ZERO, message)
+        return [Condition(READY, "True", SCALED_TO_ZERO, message), progressing, degraded]
     if facts.desired == 0:
         return [
             Condition(READY, "False", SCALED_TO_ZERO, "replicas is 0"),
@@ -298,12 +363,17 @@ def compute_status(
     ``autoscaler`` is the live HPA or ScaledObject, if the operator has one."""
     facts = DeploymentFacts.from_live(deployment) if deployment is not None else None
     conditions = (
-        _problem_conditions(problem) if problem is not None else _deployment_conditions(facts)
+        _problem_conditions(problem)
+        if problem is not None
+        else _deployment_conditions(facts, scales_to_zero(render))
     )
     if problem is None and render is not None:
         scaling = autoscaler_condition(render, autoscaler, facts.ready if facts else 0)
         if scaling is not None:
             conditions.append(scaling)
+        at_zero = scaled_to_zero_condition(render, facts) if facts is not None else None
+        if at_zero is not None:
+            conditions.append(at_zero)
     status: dict[str, Any] = {
         "observedGeneration": generation,
         "replicas": facts.replicas if facts else 0,

@@ -19,6 +19,7 @@ import asyncio
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol, TypedDict, TypeVar
 
@@ -28,7 +29,7 @@ from .errors import InvalidRequestError, OutputTooLargeError
 from .heads import PairTemplate, SegmentedPairTemplate
 from .pooling import FloatArray
 from .results import JobOutput, StageTimings
-from .scheduler import BatchRunner, Reservation, ScheduledOutput, Scheduler
+from .scheduler import BatchRunner, Priority, Reservation, ScheduledOutput, Scheduler
 from .sequences import SequenceInput
 from .tokenization import (
     AdmissionEstimate,
@@ -50,6 +51,13 @@ tokenizer thread and back costs on a busy core (``bench/frontend.py``;
 docs/performance-log.md, "The tokenizer-thread hop for small jobs"). Decided by the inputs'
 size, never by an estimate of their tokens: a long text can hold few tokens and still cost
 the tokenizer its whole length to find that out."""
+
+request_priority: ContextVar[Priority] = ContextVar("request_priority", default="interactive")
+"""The priority of the request being served (the ``X-Priority`` header, which the HTTP layer
+sets here for the whole request): a property of the request, not of one call, so every route
+and every job a request runs (a rerank's, a score's) is admitted and batched in its class
+without each route passing it on. The offline API serves ``interactive`` unless the caller
+sets it (``request_priority.set("bulk")``) around its calls."""
 
 
 class ScoreOptions(TypedDict, total=False):
@@ -332,7 +340,8 @@ class ThreadedRunner:
         queue would refuse costs no tokenization; tokenize it; queue its sequences, which
         turns the reservation into their exact count."""
         estimate = job.admission(self._tokenizer)
-        reservation = self._reserve(estimate.floor, estimate.likely, estimate.bound)
+        priority = request_priority.get()
+        reservation = self._reserve(estimate.floor, estimate.likely, estimate.bound, priority)
         traced = current_trace.get()  # None unless this request is traced
         try:
             # In the pool, or on the loop when its inputs are short (INLINE_TOKENIZE_CHARS);
@@ -345,7 +354,7 @@ class ThreadedRunner:
                 inline=job.small(),
                 max_total=reservation.admission.max_request_tokens,
             )
-            out = await self._submit(job, job.sequences(tokenized), reservation)
+            out = await self._submit(job, job.sequences(tokenized), reservation, priority)
         finally:
             reservation.release()
         if traced is not None:
@@ -353,15 +362,20 @@ class ThreadedRunner:
         timings = StageTimings(tokenize_s, out.queue_s, out.forward_s, out.pool_s)
         return JobOutput(tokenized, out.pooled, out.tokens, timings)
 
-    def _reserve(self, floor: int, estimate: int, bound: int) -> Reservation:
+    def _reserve(self, floor: int, estimate: int, bound: int, priority: Priority) -> Reservation:
         """Admit a job of ``floor`` tokens at least, about ``estimate`` and at most ``bound``,
-        or raise 413/429."""
+        in the room a request of ``priority`` may fill, or raise 413/429."""
         raise NotImplementedError
 
     async def _submit(
-        self, job: Job, sequences: list[SequenceInput], reservation: Reservation
+        self,
+        job: Job,
+        sequences: list[SequenceInput],
+        reservation: Reservation,
+        priority: Priority,
     ) -> ScheduledOutput:
-        """Queue the job's sequences (ending ``reservation``) and wait for their results."""
+        """Queue the job's sequences (ending ``reservation``) in ``priority``'s class and
+        wait for their results."""
         raise NotImplementedError
 
     def shutdown(self) -> None:
@@ -386,13 +400,17 @@ class ScheduledRunner(ThreadedRunner):
         super().__init__(tokenizer, loop=loop, tokenize_pool=tokenize_pool)
         self._scheduler = scheduler
 
-    def _reserve(self, floor: int, estimate: int, bound: int) -> Reservation:
-        return self._scheduler.reserve(floor, estimate, bound)
+    def _reserve(self, floor: int, estimate: int, bound: int, priority: Priority) -> Reservation:
+        return self._scheduler.reserve(floor, estimate, bound, priority)
 
     async def _submit(
-        self, job: Job, sequences: list[SequenceInput], reservation: Reservation
+        self,
+        job: Job,
+        sequences: list[SequenceInput],
+        reservation: Reservation,
+        priority: Priority,
     ) -> ScheduledOutput:
-        return await self._scheduler.submit(sequences, reservation)
+        return await self._scheduler.submit(sequences, reservation, priority)
 
 
 class DirectRunner:

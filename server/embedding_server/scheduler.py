@@ -23,6 +23,15 @@ a thread of its own, so the device does not idle while the host packs:
   request within the per-request limit, so a big request is delayed, never refused forever.
   The rules are :class:`Admission`'s, which ``--api-workers`` front-ends apply too, on their
   view of the engine process's queue (:mod:`.ipc`).
+* **Priority**: each request is ``interactive`` (the default) or ``bulk`` (the
+  ``X-Priority`` header). Bulk requests may fill at most :data:`BULK_QUEUE_SHARE` of
+  ``max_queue_tokens``; past that they get :class:`QueueFullError` (429) while interactive
+  ones are still admitted, so a bulk indexing job cannot take the room a user's query
+  needs. A batch is anchored on the oldest *interactive* item and filled with interactive
+  items first; bulk items fill what room is left, so bulk rides the slack interactive
+  traffic leaves. When interactive traffic leaves none, the oldest bulk item anchors every
+  :data:`BULK_TURN`-th batch all the same: bulk is slowed, never starved. Within a class the
+  fairness rule above holds as it is.
 * **Pipelining, lazily**: batch N+1 is taken while N runs only once the queue holds a full
   batch (``max_batch_tokens`` tokens or ``max_batch_size`` items), so nothing that arrives
   later could have joined it anyway; otherwise it is taken when N returns, and everything
@@ -54,7 +63,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 import numpy as np
 
@@ -105,6 +114,7 @@ class _Request:
     future: asyncio.Future[ScheduledOutput]
     size: int
     enqueued_at: float
+    priority: Priority = "interactive"
     pooled: list[FloatArray | None] = field(default_factory=list)
     tokens: list[FloatArray | None] = field(default_factory=list)
     remaining: int = 0
@@ -172,6 +182,23 @@ def drain_seconds(held: int, tokens_per_s: float) -> float:
     return float(min(60, max(1, math.ceil(held / tokens_per_s))))
 
 
+Priority = Literal["interactive", "bulk"]
+"""A request's class: ``interactive`` (queries a user waits for) or ``bulk`` (indexing)."""
+
+PRIORITIES: tuple[Priority, ...] = ("interactive", "bulk")
+
+BULK_QUEUE_SHARE = 0.75
+"""Bulk requests may fill at most this share of ``max_queue_tokens``: the last quarter of the
+queue is kept for interactive requests, which are admitted there while bulk ones get 429.
+A quarter holds a few full batches at the default budgets, enough for a burst of queries to
+wait one batch rather than be refused behind an indexing job."""
+
+BULK_TURN = 4
+"""When interactive work fills every batch, the oldest bulk item anchors every this-many-th
+batch anyway (bulk gets at least a fifth of the batches' anchors under saturation), so bulk
+traffic is slowed by interactive traffic, never starved by it."""
+
+
 TOKENIZING_QUEUES = 4
 """Requests being tokenized may hold at most this many queues' worth of tokens by their
 bounds: ordinary text's bound is about four times what it holds, so this budget is reached
@@ -188,6 +215,9 @@ class Admission:
 
     max_queue_tokens: int
     max_request_tokens: int
+    bulk_queue_tokens: int = 0
+    """Tokens held past which bulk requests are refused (:data:`BULK_QUEUE_SHARE` of the
+    queue; 0 means the whole queue)."""
     reserved: int = 0
     """Tokens held in the queue for admitted requests still being tokenized (their likely
     count)."""
@@ -199,7 +229,13 @@ class Admission:
         """Rules for a queue of ``max_queue_tokens``; one request may hold at most
         ``max_request_tokens`` (at most, and by default, the whole queue)."""
         limit = min(max_request_tokens or max_queue_tokens, max_queue_tokens)
-        return cls(max_queue_tokens, limit)
+        return cls(max_queue_tokens, limit, int(max_queue_tokens * BULK_QUEUE_SHARE))
+
+    def limit(self, priority: Priority) -> int:
+        """The tokens the queue may hold with a request of ``priority`` in it."""
+        if priority == "bulk" and self.bulk_queue_tokens:
+            return self.bulk_queue_tokens
+        return self.max_queue_tokens
 
     def check_size(self, tokens: int, *, exact: bool) -> None:
         """Refuse a request of ``tokens`` (``exact``, or at least that many) over the
@@ -212,23 +248,39 @@ class Admission:
                 param="input",
             )
 
-    def check_room(self, queued: int, tokens: int, tokens_per_s: float) -> None:
+    def check_room(
+        self,
+        queued: int,
+        tokens: int,
+        tokens_per_s: float,
+        priority: Priority = "interactive",
+    ) -> None:
         """Refuse ``tokens`` more when the queue holds ``queued`` (plus what is reserved) and
-        they would not fit. An empty queue admits any request within the per-request limit,
-        so a big request is delayed, never refused forever."""
+        they would not fit in what a request of ``priority`` may fill (:meth:`limit`). An
+        empty queue admits any request within the per-request limit, bulk included, so a
+        big request is delayed, never refused forever."""
         held = queued + self.reserved
-        if held and held + tokens > self.max_queue_tokens:
-            raise QueueFullError(
-                f"the queue holds {held} of {self.max_queue_tokens} tokens and this request "
-                f"needs {tokens}; retry later",
-                retry_after=drain_seconds(held, tokens_per_s),
-            )
+        limit = self.limit(priority)
+        if held and held + tokens > limit:
+            if limit < self.max_queue_tokens:
+                message = (
+                    f"the queue holds {held} of {self.max_queue_tokens} tokens and bulk "
+                    f"requests may fill at most {limit} of them (X-Priority: bulk); this "
+                    f"request needs {tokens}; retry later"
+                )
+            else:
+                message = (
+                    f"the queue holds {held} of {self.max_queue_tokens} tokens and this "
+                    f"request needs {tokens}; retry later"
+                )
+            raise QueueFullError(message, retry_after=drain_seconds(held, tokens_per_s))
 
     @property
     def refusing_above(self) -> int:
         """Below this many tokens held, the queue has room for any request within the
-        per-request limit (only a queue fuller than that refuses one)."""
-        return self.max_queue_tokens - self.max_request_tokens
+        per-request limit, of either priority (only a queue fuller than that refuses one)."""
+        least = min(self.limit(priority) for priority in PRIORITIES)
+        return max(0, least - self.max_request_tokens)
 
     def reserve(
         self,
@@ -238,6 +290,7 @@ class Admission:
         tokens_per_s: float,
         *,
         bound: int | None = None,
+        priority: Priority = "interactive",
     ) -> Reservation:
         """Admit a request before it is tokenized, on what it is known to hold: ``floor``
         tokens at least, about ``estimate`` (held in the queue's budget) and at most ``bound``
@@ -248,11 +301,12 @@ class Admission:
         Two budgets, because the likely count of a text is a guess a hostile text can beat
         (one token per character of punctuation) and its bound is four times what ordinary
         text holds: the queue is charged what is likely, so ordinary requests fill it, and
-        what the tokenizer may have to produce is bounded however the texts are made."""
+        what the tokenizer may have to produce is bounded however the texts are made.
+        A ``bulk`` request is admitted into :data:`BULK_QUEUE_SHARE` of the queue only."""
         self.check_size(floor, exact=False)
         bound = min(estimate if bound is None else bound, self.max_request_tokens)
         estimate = min(estimate, bound)
-        self.check_room(queued, estimate, tokens_per_s)
+        self.check_room(queued, estimate, tokens_per_s, priority)
         if self.tokenizing and self.tokenizing + bound > TOKENIZING_QUEUES * self.max_queue_tokens:
             raise QueueFullError(
                 f"requests being tokenized may hold up to {self.tokenizing} tokens, of "
@@ -287,6 +341,23 @@ class _Item:
     request: _Request
     index: int
     state: _State = _State.QUEUED
+
+
+@dataclass(eq=False, slots=True)
+class _Lane:
+    """The queued items of one priority: in arrival order, and by length (the same items;
+    taken or cancelled ones are dropped from both lazily)."""
+
+    fifo: deque[_Item] = field(default_factory=deque)
+    by_len: dict[int, deque[_Item]] = field(default_factory=dict)
+    items: int = 0
+    """Items of this lane still queued."""
+
+    def oldest(self) -> _Item | None:
+        """The oldest item still queued (dropping the taken and cancelled ones before it)."""
+        while self.fifo and self.fifo[0].state is not _State.QUEUED:
+            self.fifo.popleft()
+        return self.fifo[0] if self.fifo else None
 
 
 @dataclass(eq=False, slots=True)
@@ -332,8 +403,8 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.admission = Admission.of(max_queue_tokens, max_request_tokens)
         self._metrics = metrics
-        self._fifo: deque[_Item] = deque()
-        self._by_len: dict[int, deque[_Item]] = {}
+        self._lanes: dict[Priority, _Lane] = {p: _Lane() for p in PRIORITIES}
+        self._bulk_passed = 0  # batches formed in a row without bulk items while bulk waited
         self._queued_tokens = 0
         self._queued_requests = 0
         self._queued_items = 0
@@ -435,26 +506,39 @@ class Scheduler:
         self._publish()
 
     # -- submission ------------------------------------------------------------------------
-    def reserve(self, floor: int, estimate: int, bound: int | None = None) -> Reservation:
+    def reserve(
+        self,
+        floor: int,
+        estimate: int,
+        bound: int | None = None,
+        priority: Priority = "interactive",
+    ) -> Reservation:
         """Admit a request before it is tokenized, on what it is known to hold: ``floor``
         tokens at least (over ``max_request_tokens`` it is refused), about ``estimate``,
         which is held in the queue's budget until :meth:`submit` or ``release``, and at
-        most ``bound`` (:meth:`Admission.reserve`)."""
+        most ``bound`` (:meth:`Admission.reserve`; bulk into its share of the queue)."""
         if not self._accepting:
             raise NotReadyError("the engine is not running (starting up or shutting down)")
         return self.admission.reserve(
-            floor, estimate, self._queued_tokens, self.tokens_per_s, bound=bound
-        )
+            floor, estimate, self._queued_tokens, self.tokens_per_s, bound=bound,
+            priority=priority,
+        )  # fmt: skip
 
     async def submit(
-        self, seqs: Sequence[SequenceInput], reservation: Reservation | None = None
+        self,
+        seqs: Sequence[SequenceInput],
+        reservation: Reservation | None = None,
+        priority: Priority = "interactive",
     ) -> ScheduledOutput:
         """Queue one request's sequences and wait for all their results (its reservation,
         if any, becomes the exact count). Cancelling the caller withdraws what is queued."""
-        return await self.enqueue(seqs, reservation)
+        return await self.enqueue(seqs, reservation, priority)
 
     def enqueue(
-        self, seqs: Sequence[SequenceInput], reservation: Reservation | None = None
+        self,
+        seqs: Sequence[SequenceInput],
+        reservation: Reservation | None = None,
+        priority: Priority = "interactive",
     ) -> asyncio.Future[ScheduledOutput]:
         """:meth:`submit` without a coroutine: queue the sequences and return the future of
         their results. Cancelling the future withdraws whatever of the request is still
@@ -466,21 +550,24 @@ class Scheduler:
             raise NotReadyError("the engine is not running (starting up or shutting down)")
         total = sum(len(s.ids) for s in seqs)
         self.admission.check_size(total, exact=True)
-        self.admission.check_room(self._queued_tokens, total, self.tokens_per_s)
+        self.admission.check_room(self._queued_tokens, total, self.tokens_per_s, priority)
         loop = asyncio.get_running_loop()
         request = _Request(
             future=loop.create_future(),
             size=len(seqs),
             enqueued_at=time.perf_counter(),
+            priority=priority,
             pooled=[None] * len(seqs),
             tokens=[None] * len(seqs),
             remaining=len(seqs),
             queued_items=len(seqs),
         )
+        lane = self._lanes[priority]
         for index, seq in enumerate(seqs):
             item = _Item(seq, len(seq.ids), request, index)
-            self._fifo.append(item)
-            self._by_len.setdefault(item.tokens, deque()).append(item)
+            lane.fifo.append(item)
+            lane.by_len.setdefault(item.tokens, deque()).append(item)
+        lane.items += len(seqs)
         self._queued_tokens += total
         self._queued_items += len(seqs)
         self._queued_requests += 1
@@ -499,23 +586,27 @@ class Scheduler:
         """Remove a cancelled request's queued items (lazily dropped from the deques)."""
         if request.queued_items == 0:
             return
-        for item in self._fifo:
+        lane = self._lanes[request.priority]
+        for item in lane.fifo:
             if item.request is request and item.state is _State.QUEUED:
                 item.state = _State.CANCELLED
                 self._queued_tokens -= item.tokens
                 self._queued_items -= 1
+                lane.items -= 1
         request.queued_items = 0
         self._queued_requests -= 1
         self._publish()
 
     def _fail_queued(self, exc: BaseException) -> None:
-        for item in self._fifo:
-            if item.state is _State.QUEUED:
-                item.state = _State.CANCELLED
-                if not item.request.future.done():
-                    item.request.future.set_exception(exc)
-        self._fifo.clear()
-        self._by_len.clear()
+        for lane in self._lanes.values():
+            for item in lane.fifo:
+                if item.state is _State.QUEUED:
+                    item.state = _State.CANCELLED
+                    if not item.request.future.done():
+                        item.request.future.set_exception(exc)
+            lane.fifo.clear()
+            lane.by_len.clear()
+            lane.items = 0
         self._queued_tokens = self._queued_items = self._queued_requests = 0
         self._publish()
 
@@ -527,36 +618,50 @@ class Scheduler:
         self._queued_tokens -= item.tokens
         self._queued_items -= 1
         request = item.request
+        self._lanes[request.priority].items -= 1
         request.queued_items -= 1
         if request.queued_items == 0:
             self._queued_requests -= 1
 
     def next_batch(self) -> list[_Item]:
-        """Pick the next batch: the oldest item, then the closest lengths within budget."""
+        """Pick the next batch: the oldest interactive item (the oldest bulk one when none
+        is queued, or when bulk is owed its turn, :data:`BULK_TURN`), then interactive
+        items of the closest lengths within budget, then bulk ones in the room left."""
         batch: list[_Item] = []
-        while self._fifo and self._fifo[0].state is not _State.QUEUED:
-            self._fifo.popleft()
-        if not self._fifo:
+        interactive, bulk = self._lanes["interactive"], self._lanes["bulk"]
+        first, waiting = interactive.oldest(), bulk.oldest()
+        if waiting is not None and (first is None or self._bulk_passed >= BULK_TURN):
+            first = waiting
+        if first is None:
             return batch
-        oldest = self._fifo.popleft()
-        self._take(oldest, batch)
-        budget = self.max_batch_tokens - oldest.tokens
-        anchor = oldest.tokens
-        for length in sorted(self._by_len, key=lambda n: (abs(n - anchor), n)):
+        self._take(first, batch)
+        budget = self.max_batch_tokens - first.tokens
+        for lane in (interactive, bulk):
+            budget = self._fill(lane, batch, budget, first.tokens)
+        if bulk.items and not any(item.request.priority == "bulk" for item in batch):
+            self._bulk_passed += 1
+        else:
+            self._bulk_passed = 0
+        self._publish()
+        return batch
+
+    def _fill(self, lane: _Lane, batch: list[_Item], budget: int, anchor: int) -> int:
+        """Add ``lane``'s items to ``batch``, lengths closest to ``anchor`` first (oldest
+        first among equals), within ``budget`` tokens and the batch size; the budget left."""
+        for length in sorted(lane.by_len, key=lambda n: (abs(n - anchor), n)):
             if len(batch) >= self.max_batch_size:
                 break
             if length > budget:
                 continue
-            queue = self._by_len[length]
+            queue = lane.by_len[length]
             while queue and len(batch) < self.max_batch_size and length <= budget:
                 item = queue.popleft()
                 if item.state is _State.QUEUED:
                     self._take(item, batch)
                     budget -= length
             if not queue:
-                del self._by_len[length]
-        self._publish()
-        return batch
+                del lane.by_len[length]
+        return budget
 
     def _holds_full_batch(self) -> bool:
         return (

@@ -277,6 +277,13 @@ class ServerSettings(EngineSettings):
         "without an API key that a browser could reach, such as a developer's on "
         "127.0.0.1 (--allowed-hosts localhost).",
     )
+    bulk_routes: list[str] = Field(
+        default_factory=list,
+        description="Routes whose requests are bulk unless their X-Priority header says "
+        "otherwise (comma-separated paths, e.g. /v1/embeddings), as the gateway's flag of "
+        "that name; other routes default to interactive. Bulk requests are batched after "
+        "interactive ones and may fill at most 75% of max_queue_tokens (then 429).",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level."
     )
@@ -323,7 +330,7 @@ class ServerSettings(EngineSettings):
             raise ValueError(f"{MISSING_SDK} ({missing} not found)")
         return value
 
-    @field_validator("allowed_hosts", mode="before")
+    @field_validator("allowed_hosts", "bulk_routes", mode="before")
     @classmethod
     def _split_hosts(cls, value: object) -> object:
         if isinstance(value, str):

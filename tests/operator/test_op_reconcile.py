@@ -624,7 +624,83 @@ def test_scaled_to_zero(cluster: FakeCluster) -> None:
     rec.reconcile(NS, "emb")
     mark_rolled_out(cluster)
     rec.reconcile(NS, "emb")
-    assert conditions(cluster)["Ready"]["reason"] == "ScaledToZero"
+    cond = conditions(cluster)
+    # replicas: 0 by hand: nothing wakes it, so not Ready, and no autoscaler to name.
+    assert (cond["Ready"]["status"], cond["Ready"]["reason"]) == ("False", "ScaledToZero")
+    assert "ScaledToZero" not in cond
+
+
+def test_scaled_to_zero_by_keda_is_ready_not_degraded_and_says_so(cluster: FakeCluster) -> None:
+    """minReplicas 0: KEDA takes the Deployment to zero when the service has no work. The
+    status says so (ScaledToZero True, NoDemand, naming the ScaledObject), Ready stays True
+    (a service at zero by design is not failing), and waking up reads as serving again."""
+    auto = {"enabled": True, "autoscaler": "keda", "minReplicas": 0, "maxReplicas": 2}
+    add_service(cluster, {**MODEL, "autoscaling": auto})
+    events = Events()
+    clock = iter(f"2025-01-01T00:{i // 60:02d}:{i % 60:02d}Z" for i in range(600))
+    rec = Reconciler(
+        cluster=cluster,
+        profiles=GpuProfiles.builtin(),
+        default_image="img:1",
+        recorder=events,
+        clock=lambda: next(clock),
+        autoscaling=AutoscalingDefaults("keda", "http://prometheus:9090"),
+    )
+    rec.reconcile(NS, "emb")
+    mark_rolled_out(cluster)
+    rec.reconcile(NS, "emb")
+    cond = conditions(cluster)
+    assert (cond["ScaledToZero"]["status"], cond["ScaledToZero"]["reason"]) == (
+        "False",
+        "Serving",
+    )
+    assert (cond["Ready"]["status"], cond["Ready"]["reason"]) == ("True", "Available")
+
+    def keda_scales(replicas: int, running: int) -> None:
+        dep = cluster.objects[dep_ref()]
+        dep["spec"]["replicas"] = replicas
+        dep["metadata"]["resourceVersion"] += "+scale"
+        mark_rolled_out(cluster)
+        dep["status"]["replicas"] = dep["status"]["updatedReplicas"] = running
+
+    keda_scales(0, running=1)  # the last pod is still stopping
+    rec.reconcile(NS, "emb")
+    cond = conditions(cluster)
+    assert (cond["ScaledToZero"]["status"], cond["ScaledToZero"]["reason"]) == (
+        "False",
+        "ScalingToZero",
+    )
+    assert cond["Progressing"]["status"] == "True"
+
+    keda_scales(0, running=0)
+    rec.reconcile(NS, "emb")
+    cond = conditions(cluster)
+    at_zero = cond["ScaledToZero"]
+    assert (at_zero["status"], at_zero["reason"]) == ("True", "NoDemand")
+    assert "ScaledObject emb (keda)" in at_zero["message"] and "300s" in at_zero["message"]
+    assert (cond["Ready"]["status"], cond["Ready"]["reason"]) == ("True", "ScaledToZero")
+    assert (cond["Progressing"]["status"], cond["Degraded"]["status"]) == ("False", "False")
+    assert owner(cluster)["status"]["readyReplicas"] == 0
+    assert any(e[:2] == ("Normal", "ScaledToZero") for e in events.posted)
+    assert not [e for e in events.posted if e[0] == "Warning"]
+    cluster.calls.clear()
+    rec.reconcile(NS, "emb")
+    assert cluster.writes() == [], "at zero and unchanged: no status write"
+
+    # A request held at the gateway wakes it: one replica starting, then serving.
+    keda_scales(1, running=1)
+    cluster.objects[dep_ref()]["status"]["readyReplicas"] = 0
+    cluster.objects[dep_ref()]["status"]["conditions"][0]["status"] = "False"
+    rec.reconcile(NS, "emb")
+    cond = conditions(cluster)
+    assert (cond["ScaledToZero"]["status"], cond["ScaledToZero"]["reason"]) == (
+        "False",
+        "Serving",
+    )
+    assert cond["Ready"]["status"] == "False" and cond["Degraded"]["status"] == "False"
+    mark_rolled_out(cluster)
+    rec.reconcile(NS, "emb")
+    assert conditions(cluster)["Ready"]["reason"] == "Available"
 
 
 @pytest.mark.parametrize("ready", [0, 1])

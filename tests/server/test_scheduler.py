@@ -16,7 +16,13 @@ import pytest
 from embedding_server.engine import Engine
 from embedding_server.errors import NotReadyError, QueueFullError, TooManyTokensError
 from embedding_server.metrics import Metrics
-from embedding_server.scheduler import RATE_DECAY, Admission, Scheduler
+from embedding_server.scheduler import (
+    BULK_QUEUE_SHARE,
+    BULK_TURN,
+    RATE_DECAY,
+    Admission,
+    Scheduler,
+)
 
 from tests.support.scheduler import GatedForward, seq, wait_for
 
@@ -369,3 +375,102 @@ def test_what_is_being_tokenized_is_bounded_however_its_texts_are_made() -> None
     assert full.value.retry_after == 3  # 300 tokens queued or held, at 100 per second
     held[0].release()
     assert admission.reserve(1, 63, queued=0, tokens_per_s=0.0, bound=1000).bound == 1000
+
+
+async def test_interactive_is_picked_ahead_of_older_bulk_and_bulk_fills_the_slack(
+    sched: tuple[Scheduler, GatedForward, Metrics],
+) -> None:
+    scheduler, forward, _ = sched
+    blocker = asyncio.create_task(scheduler.submit([seq(0, 10)]))
+    await wait_for(forward.started.is_set)
+    # Bulk arrives first (an indexing job), then two queries; 150 tokens, more than a batch.
+    bulk = [
+        asyncio.create_task(scheduler.submit([seq(tag, 30)], priority="bulk")) for tag in (1, 2, 3)
+    ]
+    queries = [asyncio.create_task(scheduler.submit([seq(tag, 30)])) for tag in (10, 11)]
+    await wait_for(lambda: len(forward.prepared) == 2)
+    forward.gate.set()
+    await asyncio.gather(blocker, *bulk, *queries)
+    # The queries ride the next batch although bulk was queued before them, and the room
+    # they leave (40 of 100 tokens) goes to the oldest bulk item; the rest of bulk follows.
+    assert sorted(forward.batches[1]) == [1, 10, 11]
+    assert sorted(forward.batches[2]) == [2, 3]
+    for tag, task in zip((1, 2, 3), bulk, strict=True):
+        assert task.result().pooled.tolist() == [[float(tag), 30.0]]
+
+
+async def test_bulk_is_slowed_never_starved_by_interactive_traffic() -> None:
+    forward = GatedForward()
+    executor = ThreadPoolExecutor(1)
+    scheduler = Scheduler(forward, max_batch_tokens=100, max_batch_size=4, max_queue_tokens=5000)
+    await scheduler.start(executor)
+    try:
+        blocker = asyncio.create_task(scheduler.submit([seq(0, 10)]))
+        await wait_for(forward.started.is_set)
+        # One bulk item, then more queries than BULK_TURN batches hold, each a full batch:
+        # interactive traffic leaves no room for the bulk item in any of them.
+        bulk = asyncio.create_task(scheduler.submit([seq(1, 50)], priority="bulk"))
+        queries = [
+            asyncio.create_task(scheduler.submit([seq(tag, 100)]))
+            for tag in range(10, 10 + 2 * BULK_TURN)
+        ]
+        await wait_for(lambda: len(forward.prepared) == 2)
+        forward.gate.set()
+        await asyncio.gather(blocker, bulk, *queries)
+        # BULK_TURN query batches pass it over; then the bulk item anchors a batch of its
+        # own, ahead of the queries still waiting.
+        ran = forward.batches[1:]
+        assert ran[:BULK_TURN] == [[tag] for tag in range(10, 10 + BULK_TURN)]
+        assert ran[BULK_TURN] == [1]
+        assert bulk.result().pooled.tolist() == [[1.0, 50.0]]
+    finally:
+        forward.gate.set()
+        await scheduler.stop(drain=False)
+        executor.shutdown(wait=True)
+
+
+async def test_bulk_is_refused_past_its_share_while_interactive_is_admitted() -> None:
+    forward = GatedForward()
+    executor = ThreadPoolExecutor(1)
+    scheduler = Scheduler(forward, max_batch_tokens=40, max_batch_size=1, max_queue_tokens=400)
+    await scheduler.start(executor)
+    try:
+        running = asyncio.create_task(scheduler.submit([seq(0, 40)]))
+        await wait_for(forward.started.is_set)
+        # Bulk fills the queue up to 280 tokens (one more item is prepared beside the
+        # running one: it has left the queue).
+        queued = [
+            asyncio.create_task(scheduler.submit([seq(tag, 40)], priority="bulk"))
+            for tag in range(1, 8)
+        ]
+        await wait_for(lambda: len(forward.prepared) == 2)
+        queued.append(asyncio.create_task(scheduler.submit([seq(8, 40)], priority="bulk")))
+        await wait_for(lambda: scheduler.queued_tokens == 280)
+        assert scheduler.admission.bulk_queue_tokens == int(400 * BULK_QUEUE_SHARE) == 300
+        with pytest.raises(QueueFullError) as refused:
+            await scheduler.submit([seq(20, 40)], priority="bulk")  # 320 > 300
+        assert "bulk" in refused.value.message and refused.value.retry_after >= 1
+        with pytest.raises(QueueFullError):
+            scheduler.reserve(1, 40, priority="bulk")  # refused before tokenizing too
+        # At the same depth a query is admitted, into the quarter kept for interactive work.
+        query = asyncio.create_task(scheduler.submit([seq(30, 40)]))
+        await wait_for(lambda: scheduler.queued_tokens == 320)
+        scheduler.reserve(1, 40).release()
+        forward.gate.set()
+        await asyncio.gather(running, query, *queued)
+        # The query ran ahead of the bulk items queued before it (the prepared one aside).
+        order = [batch[0] for batch in forward.batches]
+        assert order.index(30) < order.index(3)
+    finally:
+        forward.gate.set()
+        await scheduler.stop(drain=False)
+        executor.shutdown(wait=True)
+
+
+def test_an_empty_queue_admits_a_bulk_request_however_big() -> None:
+    # Within the per-request limit a bulk request is delayed, never refused forever: an
+    # empty queue takes it even when it alone is more than bulk's share.
+    admission = Admission.of(400, 400)
+    assert admission.reserve(1, 380, queued=0, tokens_per_s=0.0, priority="bulk").tokens == 380
+    # Any request within the limit fits while the queue holds at most bulk's share less it.
+    assert Admission.of(400, 100).refusing_above == 200

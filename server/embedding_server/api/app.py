@@ -163,6 +163,7 @@ def create_app(
         allowed_hosts=settings.allowed_hosts,
         body_timeout=settings.body_timeout,
         max_receiving_bytes=settings.receiving_bytes,
+        bulk_routes=settings.bulk_routes,
     )
     if tracing is not None:  # outermost: a request's span covers all of the above
         app.add_middleware(TracingMiddleware, tracing=tracing, paths=posts)

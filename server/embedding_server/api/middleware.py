@@ -18,8 +18,12 @@ order, for each HTTP request it:
    and a body that would make the bodies still arriving, all requests together, more than
    ``--max-receiving-bytes`` (503 with Retry-After; a body's first 64 KiB do not count);
    the last two close the connection;
-7. adds ``x-total-time`` (ms) to the response;
-8. turns an unexpected exception into a generic 500 that leaks nothing, logging the
+7. reads the request's ``X-Priority`` (``interactive`` or ``bulk``; without it, bulk on the
+   ``--bulk-routes`` and interactive elsewhere) into :data:`~embedding_server.jobs.
+   request_priority`, where the engine's admission and batching read it; any other value
+   is a 400 naming the header;
+8. adds ``x-total-time`` (ms) to the response;
+9. turns an unexpected exception into a generic 500 that leaks nothing, logging the
    traceback with the request id.
 
 What it cannot see, because it happens before a request exists (header size and timeouts,
@@ -45,13 +49,16 @@ from embedding_server.errors import (
     AuthenticationError,
     EmbeddingServerError,
     HostNotAllowedError,
+    InvalidRequestError,
     PayloadTooLargeError,
     RequestTimeoutError,
     ServerBusyError,
     UnsupportedMediaTypeError,
 )
+from embedding_server.jobs import request_priority
 from embedding_server.logging import request_id_var
 from embedding_server.metrics import Metrics
+from embedding_server.scheduler import Priority
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +66,10 @@ OPEN_PATHS = frozenset({"/health", "/ready", "/load", "/metrics"})
 """Routes that never need the API key: probes and the scrape endpoint."""
 
 _MAX_REQUEST_ID = 128
+
+PRIORITY_HEADER = "X-Priority"
+"""The header that marks a request ``interactive`` or ``bulk``; the gateway reads and
+forwards the same one (docs/gateway.md, "Priority")."""
 
 FREE_BODY_BYTES = 64 * 1024
 """The first bytes of each body, not counted against ``--max-receiving-bytes``: uvicorn
@@ -134,8 +145,10 @@ class RequestContextMiddleware:
         allowed_hosts: Sequence[str] | None = None,
         body_timeout: float | None = None,
         max_receiving_bytes: int | None = None,
+        bulk_routes: Iterable[str] = (),
     ) -> None:
         self.app = app
+        self.bulk_routes = frozenset(bulk_routes)
         self.metrics = metrics
         self.api_key = api_key.encode() if api_key else None
         self.max_request_bytes = max_request_bytes
@@ -158,6 +171,7 @@ class RequestContextMiddleware:
         status_holder: list[int] = []
         self.metrics.in_flight.inc()
         receive, release = self._limited(receive)
+        priority_token = None
 
         async def send_wrapper(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -172,6 +186,12 @@ class RequestContextMiddleware:
 
         try:
             refusal = self._refuse(scope, path)
+            if refusal is None and scope["method"] == "POST":
+                priority = self._priority(scope, path)
+                if isinstance(priority, InvalidRequestError):
+                    refusal = priority
+                else:
+                    priority_token = request_priority.set(priority)
             if refusal is not None:
                 # A client without the key learns which scheme to use (RFC 6750).
                 bearer = ((b"www-authenticate", b"Bearer"),)
@@ -183,6 +203,7 @@ class RequestContextMiddleware:
                     refusal.error_type,
                     refusal.code,
                     extra,
+                    refusal.param,
                 )
             else:
                 await self.app(scope, receive, send_wrapper)
@@ -202,6 +223,8 @@ class RequestContextMiddleware:
                 )
         finally:
             release()
+            if priority_token is not None:
+                request_priority.reset(priority_token)
             self.metrics.in_flight.dec()
             status = status_holder[0] if status_holder else 499
             self.metrics.count_request(endpoint, status)
@@ -239,6 +262,21 @@ class RequestContextMiddleware:
         if length is not None and length.isdigit() and int(length) > self.max_request_bytes:
             return PayloadTooLargeError(self._too_large_message())
         return None
+
+    def _priority(self, scope: Scope, path: str) -> Priority | InvalidRequestError:
+        """The request's priority by its header, or by its route; a 400 for another value."""
+        given = _header(scope, b"x-priority")
+        if given is None:
+            return "bulk" if path in self.bulk_routes else "interactive"
+        value = given.decode("latin-1").strip().lower()
+        if value == "interactive":
+            return "interactive"
+        if value == "bulk":
+            return "bulk"
+        return InvalidRequestError(
+            f"The {PRIORITY_HEADER} header must be 'interactive' or 'bulk'.",
+            param=PRIORITY_HEADER,
+        )
 
     def _too_large_message(self) -> str:
         return f"The request body exceeds the limit of {self.max_request_bytes} bytes."
@@ -300,8 +338,9 @@ class RequestContextMiddleware:
         error_type: str,
         code: str | None,
         extra_headers: Any,
+        param: str | None = None,
     ) -> None:
-        body = error_body(message, error_type, None, code)
+        body = error_body(message, error_type, param, code)
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),

@@ -117,7 +117,7 @@ class EngineService:
             rid = message.rid
             seqs = decode_sequences(frames[1:], message.want_tokens)
             try:
-                running = scheduler.enqueue(seqs)
+                running = scheduler.enqueue(seqs, priority=message.priority)
             except EmbeddingServerError as error:  # 413, 429, not running: answered at once
                 _answer(wire, [encode_error(rid, error, self._queue(wire))])
                 return

@@ -329,6 +329,9 @@ class Gateway:
         deadline = started + self.settings.request_timeout
         tokens = max(1, int(len(body) * TOKENS_PER_BYTE))
         headers = _forward_headers(request.headers.items())
+        # The priority as decided here (by header or by --bulk-routes), so that the pod
+        # admits and batches the request in the same class whatever its own defaults.
+        headers[PRIORITY_HEADER] = priority
         tried: set[str] = set()
         fallback: web.Response | None = None
         for attempt in range(2):
@@ -534,5 +537,6 @@ class Gateway:
 
 
 def _forward_headers(items: Iterable[tuple[str, str]]) -> dict[str, str]:
-    """The client's headers less the hop-by-hop ones (and Host: the upstream's own)."""
-    return {k: v for k, v in items if k.lower() not in _HOP_BY_HOP}
+    """The client's headers less the hop-by-hop ones (and Host: the upstream's own), and
+    less its ``X-Priority``, which the gateway sets to what it decided."""
+    return {k: v for k, v in items if k.lower() not in _HOP_BY_HOP and k.lower() != "x-priority"}

@@ -33,7 +33,13 @@ from typing import Any, TypeVar
 from embedding_server.errors import EngineFailedError, NotReadyError
 from embedding_server.jobs import Job, JobRunner, ThreadedRunner
 from embedding_server.metrics import Metrics
-from embedding_server.scheduler import Admission, Reservation, ScheduledOutput, backlog_seconds
+from embedding_server.scheduler import (
+    Admission,
+    Priority,
+    Reservation,
+    ScheduledOutput,
+    backlog_seconds,
+)
 from embedding_server.sequences import SequenceInput
 from embedding_server.serving import EngineLoad, ServingEngine
 from embedding_server.settings import ServerSettings
@@ -97,22 +103,30 @@ class EngineClient:
         """The engine's queue as this front-end last heard of it: tokens held, drain rate."""
         return self._queue
 
-    def reserve(self, floor: int, estimate: int, bound: int | None = None) -> Reservation:
+    def reserve(
+        self,
+        floor: int,
+        estimate: int,
+        bound: int | None = None,
+        priority: Priority = "interactive",
+    ) -> Reservation:
         """Admit a request before it is tokenized (see the module docstring): ``floor``
         tokens at least, about ``estimate``, at most ``bound``, reserved here until
-        :meth:`submit` sends it."""
+        :meth:`submit` sends it; a bulk request into its share of the queue only."""
         held, rate = self._queue
-        return self._admission.reserve(floor, estimate, held, rate, bound=bound)
+        return self._admission.reserve(floor, estimate, held, rate, bound=bound, priority=priority)
 
     async def submit(
         self,
         seqs: Sequence[SequenceInput],
         want_tokens: bool,
         reservation: Reservation | None = None,
+        priority: Priority = "interactive",
     ) -> ScheduledOutput:
-        """Queue ``seqs`` in the engine's scheduler and wait for their results; cancelling
-        the caller withdraws them there. Their ``reservation`` ends as they are sent: from
-        then on the engine's queue holds them."""
+        """Queue ``seqs`` in the engine's scheduler, in ``priority``'s class (it travels in
+        the ``Run`` message), and wait for their results; cancelling the caller withdraws
+        them there. Their ``reservation`` ends as they are sent: from then on the engine's
+        queue holds them."""
         if reservation is not None:
             reservation.release()
         if self.failure is not None:
@@ -120,7 +134,7 @@ class EngineClient:
         rid = next(self._rids)
         future: asyncio.Future[ScheduledOutput] = asyncio.get_running_loop().create_future()
         self._pending[rid] = future
-        header = encode(Run(rid=rid, want_tokens=want_tokens))
+        header = encode(Run(rid=rid, want_tokens=want_tokens, priority=priority))
         try:
             self._wire.send([header, *encode_sequences(seqs)])
             await self._wire.drained()
@@ -203,13 +217,17 @@ class RemoteRunner(ThreadedRunner):
         super().__init__(tokenizer, loop=loop, tokenize_pool=tokenize_pool)
         self._client = client
 
-    def _reserve(self, floor: int, estimate: int, bound: int) -> Reservation:
-        return self._client.reserve(floor, estimate, bound)
+    def _reserve(self, floor: int, estimate: int, bound: int, priority: Priority) -> Reservation:
+        return self._client.reserve(floor, estimate, bound, priority)
 
     async def _submit(
-        self, job: Job, sequences: list[SequenceInput], reservation: Reservation
+        self,
+        job: Job,
+        sequences: list[SequenceInput],
+        reservation: Reservation,
+        priority: Priority,
     ) -> ScheduledOutput:
-        return await self._client.submit(sequences, job.want_tokens, reservation)
+        return await self._client.submit(sequences, job.want_tokens, reservation, priority)
 
 
 class AttachedEngine(ServingEngine):

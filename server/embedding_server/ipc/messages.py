@@ -43,7 +43,7 @@ from embedding_server.errors import (
     TooManyTokensError,
 )
 from embedding_server.pooling import FloatArray
-from embedding_server.scheduler import ScheduledOutput
+from embedding_server.scheduler import Priority, ScheduledOutput
 from embedding_server.sequences import SequenceInput
 from embedding_server.tokenization import TextTokenizer
 
@@ -69,6 +69,8 @@ class Run(msgspec.Struct, tag_field="op", tag="run", frozen=True):
 
     rid: int
     want_tokens: bool
+    priority: Priority = "interactive"
+    """The request's class in the engine's admission and batching (``X-Priority``)."""
 
 
 class Cancel(msgspec.Struct, tag_field="op", tag="cancel", frozen=True):

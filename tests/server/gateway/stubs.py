@@ -38,6 +38,8 @@ class Stub:
     die_mid_answer: bool = False
     """Send the answer's headers and a few bytes of its body, then close the connection."""
     received: list[bytes] = field(default_factory=list)
+    priorities: list[str | None] = field(default_factory=list)
+    """The ``X-Priority`` header of each POST received."""
     url: str = ""
     runner: web.AppRunner | None = None
 
@@ -47,6 +49,7 @@ class Stub:
     async def _post(self, request: web.Request) -> web.Response:
         body = await request.read()
         self.received.append(body)
+        self.priorities.append(request.headers.get("X-Priority"))
         if self.delay:
             await asyncio.sleep(self.delay)
         if self.die_mid_answer:

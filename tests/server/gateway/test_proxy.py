@@ -337,6 +337,26 @@ async def test_bulk_gets_429_when_every_pod_is_saturated_and_interactive_goes_th
     assert len(stub.received) == 2
 
 
+async def test_the_pod_hears_the_priority_the_gateway_decided(stubs: tuple[Stub, Stub]) -> None:
+    # The server admits and batches by X-Priority: a request the gateway treats as bulk by
+    # its route must reach the pod as bulk, whatever the pod's own --bulk-routes say.
+    stub = stubs[0]
+    discovery = ListDiscovery([Service("s", ("m",), frozenset({stub.url}))])
+    async with running_gateway(discovery, bulk_routes=["/v2/embed"]) as (gateway, url):
+        await wait_until(lambda: _ready(gateway, "m", 1), what="the endpoint ready")
+        async with httpx.AsyncClient(base_url=url) as client:
+            body = {"model": "m", "input": "x"}
+            for path, headers in (
+                ("/v2/embed", {}),
+                ("/v1/embeddings", {}),
+                ("/v2/embed", {"x-priority": "Interactive"}),
+                ("/v1/embeddings", {"X-Priority": "bulk"}),
+            ):
+                answer = await client.post(path, json=body, headers=headers)
+                assert answer.status_code == 200
+    assert stub.priorities == ["bulk", "interactive", "interactive", "bulk"]
+
+
 async def test_metrics_count_requests_by_model_and_status(stubs: tuple[Stub, Stub]) -> None:
     discovery = ListDiscovery([Service("s", ("m",), frozenset({stubs[0].url}))])
     async with running_gateway(discovery) as (gateway, url):
