@@ -31,7 +31,6 @@ Rotary frequencies come from the config as each reader of it computes them:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -44,7 +43,15 @@ from embedding_server.pooling import PoolingMethod
 
 from ..heads import ClassificationHead, HeadWeights
 from .base import Checkpoint, Ignored, PackedBatch
-from .layers import HeadSplit, RotaryTable, activation, apply_rotary, rope_inv_freq, row_linear
+from .layers import (
+    HeadSplit,
+    RotaryTable,
+    activation,
+    apply_rotary,
+    attention_shape,
+    rope_inv_freq,
+    row_linear,
+)
 
 PREFIXES = ("new.", "gte.")
 """Where task heads nest the body: ``new.`` on the Hub (new-impl), ``gte.`` in transformers."""
@@ -174,15 +181,9 @@ class GteModel:
         self._act: Callable[[torch.Tensor], torch.Tensor] = activation(
             config, model_type, "hidden_act", default="gelu"
         )
-        self.hidden_size = int(config["hidden_size"])
-        self.num_heads = int(config["num_attention_heads"])
-        if self.hidden_size % self.num_heads:
-            raise UnsupportedModelError(
-                f"{model_type} hidden_size {self.hidden_size} is not a multiple of "
-                f"num_attention_heads {self.num_heads}"
-            )
-        self.head_dim = self.hidden_size // self.num_heads
-        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.hidden_size, self.num_heads, self.head_dim, self.scale = attention_shape(
+            config, model_type
+        )
         self.eps = float(config.get("layer_norm_eps", 1e-12))
         self.max_positions = int(config.get("max_position_embeddings", 8192))
         self.shard = checkpoint.shard

@@ -48,7 +48,7 @@ from embedding_server.pooling import PoolingMethod
 from ..attention import AlibiBias
 from .base import Checkpoint, EmbeddingModel, PackedBatch, WeightReader
 from .bert import BERT, LEGACY_NAMES, BertModel, _read_qkv, renames
-from .layers import ACT_FUNCS, HeadSplit, row_linear
+from .layers import ACT_FUNCS, HeadSplit, attention_shape, row_linear
 
 MODEL_TYPE = "bert"
 ALIBI = "alibi"
@@ -154,15 +154,9 @@ class JinaBertModel:
         config = checkpoint.config
         check_config(config)
         self._act = _gate_activation(config)
-        self.hidden_size = int(config["hidden_size"])
-        self.num_heads = int(config["num_attention_heads"])
-        if self.hidden_size % self.num_heads:
-            raise UnsupportedModelError(
-                f"JinaBERT hidden_size {self.hidden_size} is not a multiple of "
-                f"num_attention_heads {self.num_heads}"
-            )
-        self.head_dim = self.hidden_size // self.num_heads
-        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.hidden_size, self.num_heads, self.head_dim, self.scale = attention_shape(
+            config, "JinaBERT"
+        )
         self.eps = float(config.get("layer_norm_eps", 1e-12))
         # ALiBi has no table to run past; the config's length is the one it was trained for.
         self.max_positions = int(config.get("max_position_embeddings", 512))

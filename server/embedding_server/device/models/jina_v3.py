@@ -43,7 +43,6 @@ The adapter of every token crosses to the other ranks with the batch plan.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -56,7 +55,15 @@ from embedding_server.errors import UnsupportedModelError
 from ..distributed import Shard
 from .base import Checkpoint, Ignored, PackedBatch, WeightReader
 from .bert import FLASH_NAMES, LEGACY_NAMES, renames
-from .layers import HeadSplit, RotaryTable, activation, apply_rotary, rope_inv_freq, row_linear
+from .layers import (
+    HeadSplit,
+    RotaryTable,
+    activation,
+    apply_rotary,
+    attention_shape,
+    rope_inv_freq,
+    row_linear,
+)
 
 HUB_MODEL_TYPE = "xlm-roberta"
 NATIVE_MODEL_TYPE = "jina_embeddings_v3"
@@ -257,15 +264,9 @@ class JinaV3Model:
         model_type = str(config.get("model_type", NATIVE_MODEL_TYPE))
         check_config(config)
         self._act = activation(config, model_type, "hidden_act", default="gelu")
-        self.hidden_size = int(config["hidden_size"])
-        self.num_heads = int(config["num_attention_heads"])
-        if self.hidden_size % self.num_heads:
-            raise UnsupportedModelError(
-                f"{model_type} hidden_size {self.hidden_size} is not a multiple of "
-                f"num_attention_heads {self.num_heads}"
-            )
-        self.head_dim = self.hidden_size // self.num_heads
-        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.hidden_size, self.num_heads, self.head_dim, self.scale = attention_shape(
+            config, model_type
+        )
         self.eps = float(config.get("layer_norm_eps", 1e-5))
         self.max_positions = int(config.get("max_position_embeddings", 8194))
         self.shard = checkpoint.shard

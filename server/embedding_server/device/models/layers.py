@@ -50,6 +50,20 @@ def activation(
     return ACT_FUNCS[name]
 
 
+def attention_shape(config: Mapping[str, Any], name: str) -> tuple[int, int, int, float]:
+    """``(hidden_size, num_heads, head_dim, scale)`` of an encoder whose heads split its
+    width evenly (scale ``1 / sqrt(head_dim)``); a width the heads do not divide is refused,
+    naming the family (``name``)."""
+    hidden_size = int(config["hidden_size"])
+    num_heads = int(config["num_attention_heads"])
+    if hidden_size % num_heads:
+        raise UnsupportedModelError(
+            f"{name} hidden_size {hidden_size} is not a multiple of num_attention_heads {num_heads}"
+        )
+    head_dim = hidden_size // num_heads
+    return hidden_size, num_heads, head_dim, 1.0 / math.sqrt(head_dim)
+
+
 @dataclass(frozen=True)
 class HeadSplit:
     """Which attention heads and MLP columns one tensor-parallel rank holds (Megatron-style).

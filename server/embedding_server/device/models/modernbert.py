@@ -24,7 +24,6 @@ fast path; padding never reaches the math in either.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +38,15 @@ from ..heads import ClassificationHead, HeadWeights
 from .base import Checkpoint, Ignored, PackedBatch
 from .layers import FULL_ATTENTION as _FULL
 from .layers import SLIDING_ATTENTION as _SLIDING
-from .layers import HeadSplit, RotaryTable, activation, apply_rotary, layer_rope, row_linear
+from .layers import (
+    HeadSplit,
+    RotaryTable,
+    activation,
+    apply_rotary,
+    attention_shape,
+    layer_rope,
+    row_linear,
+)
 from .layers import layer_types as read_layer_types
 
 # Defaults of transformers' ModernBertConfig for keys config.json may omit.
@@ -126,15 +133,9 @@ class ModernBertModel:
         self._act: Callable[[torch.Tensor], torch.Tensor] = activation(
             config, "modernbert", "hidden_activation", default="gelu"
         )
-        self.hidden_size = int(config["hidden_size"])
-        self.num_heads = int(config["num_attention_heads"])
-        if self.hidden_size % self.num_heads:
-            raise UnsupportedModelError(
-                f"modernbert hidden_size {self.hidden_size} is not a multiple of "
-                f"num_attention_heads {self.num_heads}"
-            )
-        self.head_dim = self.hidden_size // self.num_heads
-        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.hidden_size, self.num_heads, self.head_dim, self.scale = attention_shape(
+            config, "modernbert"
+        )
         self.eps = float(config.get("norm_eps", 1e-5))
         self.shard = checkpoint.shard
         self.split = split = HeadSplit.of(

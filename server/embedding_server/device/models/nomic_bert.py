@@ -44,7 +44,6 @@ routed otherwise than v2-moe's (renormalized weights, shared experts, expert-cho
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -56,7 +55,15 @@ from embedding_server.errors import UnsupportedModelError
 
 from ..heads import ClassifierNames
 from .base import Checkpoint, Ignored, PackedBatch, WeightReader, config_get
-from .layers import ACT_FUNCS, HeadSplit, RotaryTable, apply_rotary, rope_inv_freq, row_linear
+from .layers import (
+    ACT_FUNCS,
+    HeadSplit,
+    RotaryTable,
+    apply_rotary,
+    attention_shape,
+    rope_inv_freq,
+    row_linear,
+)
 
 MODEL_TYPE = "nomic_bert"
 DEFAULT_BASE = 1000.0
@@ -288,21 +295,15 @@ class NomicBertModel:
         self.moe_every = int(config.get("moe_every_n_layers") or 0)
         self.num_experts = int(config.get("num_experts") or 0)
         self.top_k = int(config.get("moe_top_k") or 0)
-        self.hidden_size = int(config["hidden_size"])
-        self.num_heads = int(config["num_attention_heads"])
         intermediate = config.get("intermediate_size")
         if intermediate is None:
             raise UnsupportedModelError(
                 f"{MODEL_TYPE} config.json gives no n_inner / intermediate_size; the MLP "
                 "width must be stated"
             )
-        if self.hidden_size % self.num_heads:
-            raise UnsupportedModelError(
-                f"{MODEL_TYPE} hidden_size {self.hidden_size} is not a multiple of "
-                f"num_attention_heads {self.num_heads}"
-            )
-        self.head_dim = self.hidden_size // self.num_heads
-        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.hidden_size, self.num_heads, self.head_dim, self.scale = attention_shape(
+            config, MODEL_TYPE
+        )
         self.eps = float(config.get("layer_norm_eps", 1e-12))
         self.max_positions = int(config.get("max_position_embeddings", 2048))
         self.shard = checkpoint.shard
