@@ -91,6 +91,12 @@ class ColbertFormat:
             vectors = vectors[keep]
         return l2_normalize(np.ascontiguousarray(vectors))
 
+    def kept_ids(self, ids: Sequence[int], side: Side) -> list[int]:
+        """The token ids whose vectors :meth:`vectors` keeps, in order."""
+        if side == "document" and self.skiplist:
+            return [i for i in ids if i not in self.skiplist]
+        return list(ids)
+
 
 def _cut(ids: list[int], length: int) -> list[int]:
     """``ids`` (``[CLS] ... [SEP]``) cut to ``length`` tokens, the closing token kept, as

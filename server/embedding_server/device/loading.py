@@ -56,12 +56,14 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
+from embedding_server.colbert import ColbertFormat
 from embedding_server.errors import ModelNotFoundError, UnsupportedModelError
 from embedding_server.heads import Classifier, SparseStrategy, head_kind
 from embedding_server.hybrid import HybridHeads
 from embedding_server.pooling import PoolingMethod
 from embedding_server.settings import DEFAULT_MODEL, Dtype, ModelBackend
 
+from .colbert import METADATA_FILE, ColbertHead, is_hf_colbert, read_linear, read_stanford_format
 from .distributed import SINGLE, Shard
 from .dtypes import resolve_dtype
 from .generic import (
@@ -95,13 +97,14 @@ from .pooling import DenseLayer
 
 logger = logging.getLogger(__name__)
 
-_CONFIG_PATTERNS = ["*.json", "*.txt", "*.model"]
+_CONFIG_PATTERNS = ["*.json", "*.txt", "*.model", METADATA_FILE]
 """What a Hub model's first download fetches: config, tokenizer (``tokenizer.json``,
 ``vocab.txt``, a sentencepiece ``*.model``) and sentence-transformers files (the Hub matches
 with fnmatch, whose ``*`` crosses ``/``: ``1_Pooling/config.json`` too), enough to decide
 whether it can be served. No weights, and no pattern that could match code: a ``.py`` or
 ``.so`` on disk is one environment variable (``PYTHONPATH``, ``LD_PRELOAD``) away from
-running, so a checkpoint's Python comes only with remote code (:func:`fetch_weights`)."""
+running, so a checkpoint's Python comes only with remote code (:func:`fetch_weights`).
+stanford-colbert's ``artifact.metadata`` (JSON) is its tokenization's configuration."""
 _WEIGHT_PATTERNS = ["*.safetensors", *HEAD_FILES]
 """The weights: safetensors, and bge-m3's two head files at the root (pickles, read with
 ``torch.load(weights_only=True)``: ``device/hybrid.py``)."""
@@ -671,6 +674,10 @@ class LoadedModel:
     """What bge-m3's sparse and ColBERT heads mean, where the directory has them."""
     hybrid_head: HybridHead | None = None
     """Their weights (on the CPU, float32)."""
+    colbert: ColbertFormat | None = None
+    """A ColBERT checkpoint's tokenization per side and skip-list (``HF_ColBERT``)."""
+    colbert_head: ColbertHead | None = None
+    """Its projection (on the CPU, float32)."""
     tensors: TensorAudit | None = None
     """Which of the checkpoint's tensors were read and which ignored, and why."""
     custom_code: str | None = None
@@ -732,7 +739,8 @@ def plan_model(source: ModelSource, *, task: str, trust_remote_code: bool) -> Mo
     ``model_type``, a task head or sentence-transformers module we do not serve, a
     generative checkpoint under task auto."""
     config = read_model_config(source.path)
-    refuse_colbert(config)
+    if not is_hf_colbert(config):  # served natively: its projection is read in _build
+        refuse_colbert(config)
     custom = custom_code_class(config)
     if custom is not None and str(config.get("model_type", "")) not in ARCHITECTURES:
         raise UnsupportedModelError(custom_code_refusal(config, trust_remote_code))
@@ -804,6 +812,7 @@ class _Parts:
     classifier: tuple[Classifier, ClassificationHead] | None
     sparse: SparseHead | None
     tensors: TensorAudit
+    colbert: ColbertHead | None = None
 
 
 def _build(
@@ -829,9 +838,10 @@ def _build(
         )
     sparse = _sparse_head(config, tracked, arch=arch, st=st, task=task)
     body = build_model(config, tracked, dtype=dtype, device=device, shard=shard)
+    colbert = read_linear(tracked, body.hidden_size) if is_hf_colbert(config) else None
     audit = audit_tensors(tracked, arch.ignored)
     refuse_unclaimed(audit, arch)
-    return _Parts(body, classifier, sparse, audit)
+    return _Parts(body, classifier, sparse, audit, colbert)
 
 
 def _compute_dtype(arch: Architecture, dtype: Dtype, device: torch.device) -> torch.dtype:
@@ -899,6 +909,11 @@ def load_model(
             plan, weights, dtype=compute_dtype, device=build_device, shard=shard, task=task
         )
         hybrid = _hybrid(path, parts.body.hidden_size, tokenizer, plan)
+        colbert = (
+            read_stanford_format(path, tokenizer, int(parts.colbert.weight.shape[0]))
+            if parts.colbert is not None
+            else None
+        )
     config = plan.config
     architectures = config.get("architectures") or [plan.arch.model_type]
     return LoadedModel(
@@ -918,6 +933,8 @@ def load_model(
         sparse=parts.sparse,
         hybrid=hybrid[0] if hybrid else None,
         hybrid_head=hybrid[1] if hybrid else None,
+        colbert=colbert,
+        colbert_head=parts.colbert,
         tensors=parts.tensors,
         custom_code=plan.custom_code,
         attention_bias=plan.arch.attention_bias,
