@@ -28,7 +28,7 @@ from __future__ import annotations
 import string
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -39,6 +39,16 @@ from .pooling import FloatArray, l2_normalize
 Side = Literal["query", "document"]
 SIDES: tuple[Side, ...] = ("query", "document")
 Style = Literal["stanford", "pylate"]
+
+
+class Encoded(NamedTuple):
+    """One text as a ColBERT side sees it."""
+
+    ids: list[int]
+    keys: int
+    """How many leading tokens are keys (fewer than ``ids`` for an expanded query)."""
+    original: int
+    """Its token count, marker included, before it was cut to its side's length."""
 
 
 @dataclass(frozen=True)
@@ -63,24 +73,28 @@ class ColbertFormat:
     width: int
     """Width of one vector (the projection's output size)."""
 
-    def encode(self, tokenizer: Tokenizer, text: str, side: Side) -> tuple[list[int], int]:
+    def encode(self, tokenizer: Tokenizer, text: str, side: Side) -> Encoded:
         """``text``'s token ids as the checkpoint's side sees them, and how many leading
         tokens are keys (less than the ids for an expanded query). ``tokenizer`` pads and
         truncates nothing itself (:class:`~.tokenization.TextTokenizer`'s backend)."""
         length = self.query_length if side == "query" else self.document_length
         marker = self.query_marker if side == "query" else self.document_marker
         if self.style == "stanford":
-            ids = _cut(tokenizer.encode(". " + text).ids, length)
+            whole = tokenizer.encode(". " + text).ids
+            ids = _cut(whole, length)
             ids[1] = marker
+            original = len(whole)
         else:
-            first, *rest = _cut(tokenizer.encode(text).ids, length - 1)
+            whole = tokenizer.encode(text).ids
+            first, *rest = _cut(whole, length - 1)
             ids = [first, marker, *rest]
+            original = len(whole) + 1
         keys = len(ids)
         if side == "query" and len(ids) < length:
             ids += [self.mask_id] * (length - len(ids))
             if self.attend_to_expansion:
                 keys = length
-        return ids, keys
+        return Encoded(ids, keys, original)
 
     def vectors(self, rows: FloatArray, ids: Sequence[int], side: Side) -> FloatArray:
         """One input's ColBERT vectors from its projected token rows: every query token,

@@ -25,7 +25,7 @@ from typing import Any, Protocol, TypedDict, TypeVar
 import numpy as np
 
 from .colbert import ColbertFormat, Side
-from .errors import InvalidRequestError, OutputTooLargeError
+from .errors import InputTooLongError, InvalidRequestError, OutputTooLargeError
 from .heads import PairTemplate, SegmentedPairTemplate
 from .pooling import FloatArray
 from .results import JobOutput, StageTimings
@@ -191,12 +191,13 @@ class Job:
                     "are marked as the checkpoint was trained (input_type)",
                     param=name,
                 )
-        if options.get("truncate", True) is not True:
+        truncation = Truncation.coerce(options.get("truncate", True))
+        if truncation.side == "left" or truncation.max_tokens is not None:
             raise InvalidRequestError(
-                f"truncate does not apply to a ColBERT model: queries are cut or expanded to "
-                f"{colbert.query_length} tokens and documents cut to "
-                f"{colbert.document_length}, as the checkpoint was trained",
-                param="truncate",
+                f"a ColBERT model cuts queries to {colbert.query_length} tokens and documents "
+                f"to {colbert.document_length}, keeping their start, as it was trained: "
+                "truncation may only be asked for at the end (or refused)",
+                param=truncation.param,
             )
         if options.get("add_special_tokens", True) is not True:
             raise InvalidRequestError(
@@ -210,7 +211,6 @@ class Job:
                     "and query expansion are added to the text's tokens)",
                     param="input",
                 )
-        truncation = Truncation.coerce(True)
         return cls(
             items,
             None,
@@ -300,10 +300,24 @@ class Job:
                 self.colbert.encode(tokenizer.backend, str(text), side)
                 for text, side in zip(self.items, self.sides, strict=True)
             ]
+            if self.truncation.side is None:
+                for i, e in enumerate(encoded):
+                    limit = len(e.ids) if self.sides[i] == "document" else e.keys
+                    if e.original > limit:
+                        raise InputTooLongError(
+                            f"input[{i}] has {e.original} tokens, more than this ColBERT "
+                            f"model's {self.sides[i]} length of {limit}; shorten it or ask "
+                            "for truncation",
+                            param=self.truncation.param,
+                            token_count=e.original,
+                            max_tokens=limit,
+                        )
             return self._checked_rows(
                 [
-                    TokenizedInput(ids, len(ids), key_len=keys if keys < len(ids) else None)
-                    for ids, keys in encoded
+                    TokenizedInput(
+                        e.ids, e.original, key_len=e.keys if e.keys < len(e.ids) else None
+                    )
+                    for e in encoded
                 ]
             )
         if self.pairs is not None and self.segmented is not None:

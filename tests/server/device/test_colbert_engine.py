@@ -14,7 +14,11 @@ import numpy as np
 import pytest
 import torch
 from embedding_server.engine import Engine
-from embedding_server.errors import InvalidRequestError, UnsupportedModelError
+from embedding_server.errors import (
+    InputTooLongError,
+    InvalidRequestError,
+    UnsupportedModelError,
+)
 from safetensors.torch import load_file, save_file
 
 from tests.server.device.test_colbert_augmentation import (
@@ -113,10 +117,21 @@ def test_what_a_colbert_model_cannot_answer_is_a_400(colbert: Path) -> None:
     with pytest.raises(InvalidRequestError, match="must be multi_vector") as outputs:
         engine.hybrid_embed(QUERIES, ["dense"], input_type="query")
     assert outputs.value.param == "outputs"
-    for option in ({"prompt": "q: "}, {"truncate": False}, {"normalize": False}):
+    for option in ({"prompt": "q: "}, {"truncate": "left"}, {"normalize": False}):
         with pytest.raises(InvalidRequestError) as refused:
             engine.embed_tokens(QUERIES, input_type="query", **option)  # type: ignore[arg-type]
         assert refused.value.param == next(iter(option))
+
+
+def test_without_truncation_a_text_longer_than_its_side_is_refused(colbert: Path) -> None:
+    engine = Engine.from_pretrained(str(colbert), dtype="float32")
+    long = " ".join(DOCS * 2)
+    assert len(engine.embed_tokens([long], input_type="document")[0]) <= DOC_MAXLEN
+    with pytest.raises(InputTooLongError, match="document length of 24"):
+        engine.embed_tokens([long], input_type="document", truncate=False)
+    with pytest.raises(InputTooLongError, match="query length of 16"):
+        engine.score(long, DOCS, truncate=False)
+    engine.embed_tokens(QUERIES, input_type="query", truncate=False)  # short: expanded
 
 
 def test_input_type_on_another_model_is_a_400(bert: Path) -> None:

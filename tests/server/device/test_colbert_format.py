@@ -65,12 +65,12 @@ def test_stanford_queries_and_documents_tokenize_as_stanford_colbert(bert: Path)
     fmt, tok = stanford_format(bert), _tokenizer(bert)
     queries, real, docs = _tensorize(bert)
     got = [fmt.encode(tok, q, "query") for q in QUERIES]
-    assert [ids for ids, _ in got] == queries
-    assert [keys for _, keys in got] == real
-    assert all(len(ids) == QUERY_MAXLEN for ids, _ in got)
+    assert [e.ids for e in got] == queries
+    assert [e.keys for e in got] == real
+    assert all(len(e.ids) == QUERY_MAXLEN for e in got)
     got_docs = [fmt.encode(tok, d, "document") for d in DOCS]
-    assert [ids for ids, _ in got_docs] == docs
-    assert [keys for _, keys in got_docs] == [len(d) for d in docs]
+    assert [e.ids for e in got_docs] == docs
+    assert [e.keys for e in got_docs] == [len(d) for d in docs]
     assert fmt.skiplist == _skiplist(bert)
 
 
@@ -79,15 +79,16 @@ def test_long_queries_and_documents_are_cut_as_transformers_truncates(bert: Path
     hf = AutoTokenizer.from_pretrained(str(bert))
     text = " ".join(DOCS * 2)
     for side, length in (("query", QUERY_MAXLEN), ("document", DOC_MAXLEN)):
-        ids, keys = fmt.encode(tok, text, side)  # type: ignore[arg-type]
+        ids, keys, original = fmt.encode(tok, text, side)  # type: ignore[arg-type]
         want = hf(". " + text, truncation=True, max_length=length)["input_ids"]
         assert ids[2:] == want[2:] and keys == length == len(want)
+        assert original == len(hf(". " + text)["input_ids"]) > length
         assert ids[-1] == hf.sep_token_id
 
 
 def test_attending_to_the_expansion_makes_every_query_token_a_key(bert: Path) -> None:
     fmt, tok = stanford_format(bert, attend=True), _tokenizer(bert)
-    ids, keys = fmt.encode(tok, QUERIES[1], "query")
+    ids, keys, _ = fmt.encode(tok, QUERIES[1], "query")
     assert keys == len(ids) == QUERY_MAXLEN
 
 
@@ -109,8 +110,8 @@ def test_pylate_queries_and_documents_tokenize_as_pylate(
     )
     queries, real, docs = _pylate_preprocess(path)
     got = [fmt.encode(tok, q, "query") for q in PYLATE_QUERIES]
-    assert [ids for ids, _ in got] == queries
-    assert [keys for _, keys in got] == real
+    assert [e.ids for e in got] == queries
+    assert [e.keys for e in got] == real
     assert [fmt.encode(tok, d, "document")[0] for d in DOCS] == docs
     assert fmt.skiplist == _pylate_skiplist(path)
 
@@ -119,7 +120,7 @@ def test_documents_drop_their_skiplist_tokens_and_every_vector_is_unit_length(
     bert: Path,
 ) -> None:
     fmt, tok = stanford_format(bert), _tokenizer(bert)
-    ids, _ = fmt.encode(tok, "short, with punctuation!", "document")
+    ids, _, _ = fmt.encode(tok, "short, with punctuation!", "document")
     rows = np.random.default_rng(0).standard_normal((len(ids), 8)).astype(np.float32)
     vectors = fmt.vectors(rows, ids, "document")
     kept = [i for i in ids if i not in fmt.skiplist]
