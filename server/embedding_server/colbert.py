@@ -35,6 +35,7 @@ from tokenizers import Tokenizer
 
 from .errors import InvalidRequestError
 from .pooling import FloatArray, l2_normalize
+from .tokenization import LIKELY_CHARS_PER_TOKEN, AdmissionEstimate, token_bound
 
 Side = Literal["query", "document"]
 SIDES: tuple[Side, ...] = ("query", "document")
@@ -105,11 +106,32 @@ class ColbertFormat:
             vectors = vectors[keep]
         return l2_normalize(np.ascontiguousarray(vectors))
 
+    def admission(self, texts: Sequence[str], sides: Sequence[Side]) -> AdmissionEstimate:
+        """What a job of ``texts`` will hold, before tokenizing it: a query exactly its
+        length (cut or expanded), a document at most its length, and at most its text's
+        :func:`~.tokenization.token_bound` with the marker and special tokens."""
+        floor = likely = bound = 0
+        for text, side in zip(texts, sides, strict=True):
+            if side == "query":
+                floor += self.query_length
+                likely += self.query_length
+                bound += self.query_length
+                continue
+            most = min(self.document_length, token_bound(". " + text) + _EXTRA)
+            floor += 1
+            bound += most
+            likely += min(most, -(-len(text) // LIKELY_CHARS_PER_TOKEN) + _EXTRA)
+        return AdmissionEstimate(floor, likely, bound)
+
     def kept_ids(self, ids: Sequence[int], side: Side) -> list[int]:
         """The token ids whose vectors :meth:`vectors` keeps, in order."""
         if side == "document" and self.skiplist:
             return [i for i in ids if i not in self.skiplist]
         return list(ids)
+
+
+_EXTRA = 3
+"""Tokens beyond ``". " + text``'s own: ``[CLS]``, ``[SEP]`` and PyLate's inserted marker."""
 
 
 def _cut(ids: list[int], length: int) -> list[int]:

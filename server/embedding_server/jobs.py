@@ -255,6 +255,8 @@ class Job:
     def admission(self, tokenizer: TextTokenizer) -> AdmissionEstimate:
         """What the job will hold, from its inputs' sizes
         (:meth:`TextTokenizer.admission_estimate`): nothing is tokenized or copied."""
+        if self.colbert is not None:  # queries expanded to their length: not the text's size
+            return self.colbert.admission([str(t) for t in self.items], self.sides)
         if self.pairs is None:
             items = self.items
             if self.suffix:  # each text with its suffix, still at most the limit

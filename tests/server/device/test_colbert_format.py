@@ -131,6 +131,19 @@ def test_documents_drop_their_skiplist_tokens_and_every_vector_is_unit_length(
     assert fmt.vectors(rows, ids, "query").shape == (len(ids), 8)
 
 
+def test_the_admission_estimate_bounds_what_each_side_holds(bert: Path) -> None:
+    """The scheduler admits a job by its bound before tokenizing it: an expanded query holds
+    its whole length however short its text, so a text-size estimate would undercount it."""
+    fmt, tok = stanford_format(bert), _tokenizer(bert)
+    texts = ["q", *QUERIES, *DOCS, " ".join(DOCS * 3)]
+    for side in ("query", "document"):
+        held = [len(fmt.encode(tok, t, side).ids) for t in texts]  # type: ignore[arg-type]
+        estimate = fmt.admission(texts, [side] * len(texts))  # type: ignore[list-item]
+        assert estimate.floor <= sum(held) <= estimate.bound
+        if side == "query":
+            assert estimate.floor == sum(held) == QUERY_MAXLEN * len(texts)
+
+
 def test_maxsim_sums_each_query_vectors_best_match() -> None:
     q = np.array([[1.0, 0.0], [0.0, 1.0]], np.float32)
     d = np.array([[0.6, 0.8], [1.0, 0.0]], np.float32)
