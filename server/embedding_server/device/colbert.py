@@ -8,8 +8,12 @@ query and document lengths, whether the query's ``[MASK]`` expansion is attended
 whether punctuation is masked out of documents. A setting this server cannot reproduce
 (another similarity than cosine, another interaction than ColBERT's) is refused naming it.
 
-PyLate's checkpoints (GTE-ModernColBERT) are still refused: their Dense module and
-``config_sentence_transformers.json`` are not read yet.
+PyLate's (lightonai/GTE-ModernColBERT-v1) is a sentence-transformers pipeline of a
+Transformer and PyLate ``Dense`` modules (read as sentence-transformers' Dense layers, whose
+format they share, but applied to every token), its tokenization in
+``config_sentence_transformers.json``: ``query_prefix``/``document_prefix`` (tokens added to
+the vocabulary), ``query_length``/``document_length``, ``do_query_expansion``,
+``attend_to_expansion_tokens`` and ``skiplist_words``.
 """
 
 from __future__ import annotations
@@ -21,12 +25,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from embedding_server.colbert import ColbertFormat, punctuation_skiplist
 from embedding_server.errors import UnsupportedModelError
 
+from .pooling import DenseLayer
+
+PYLATE_DENSE = "pylate.models.Dense.Dense"
+"""The one PyLate module type read (its other modules are refused by name)."""
 METADATA_FILE = "artifact.metadata"
 """stanford-colbert's checkpoint settings, saved beside the weights."""
 LINEAR = "linear.weight"
@@ -34,15 +41,23 @@ LINEAR = "linear.weight"
 
 @dataclass(frozen=True)
 class ColbertHead:
-    """The projection (``[width, hidden]``, float32) applied to every token state."""
+    """The projection applied to every token state: HF_ColBERT's ``linear`` (no bias), or
+    PyLate's Dense layers in order (float32)."""
 
-    weight: torch.Tensor
+    layers: tuple[DenseLayer, ...]
+
+    @property
+    def width(self) -> int:
+        return self.layers[-1].out_features
 
     def to(self, device: torch.device) -> ColbertHead:
-        return ColbertHead(self.weight.to(device=device, dtype=torch.float32))
+        return ColbertHead(tuple(layer.to(device) for layer in self.layers))
 
     def __call__(self, states: torch.Tensor) -> torch.Tensor:
-        return F.linear(states.float(), self.weight)
+        x = states.float()
+        for layer in self.layers:
+            x = layer(x)
+        return x
 
 
 def is_hf_colbert(config: Mapping[str, Any]) -> bool:
@@ -67,7 +82,7 @@ def read_linear(weights: Mapping[str, torch.Tensor], hidden_size: int) -> Colber
             "HF_ColBERT checkpoint with linear.bias: stanford-colbert's projection has none, "
             "and serving it without the bias would not give the checkpoint's vectors"
         )
-    return ColbertHead(weight)
+    return ColbertHead((DenseLayer(weight, None, "identity"),))
 
 
 def read_stanford_format(path: Path | None, tokenizer: Tokenizer, width: int) -> ColbertFormat:
@@ -127,5 +142,57 @@ def read_stanford_format(path: Path | None, tokenizer: Tokenizer, width: int) ->
             if meta.get("mask_punctuation", True)
             else frozenset()
         ),
+        width=width,
+    )
+
+
+def read_pylate_format(
+    settings: Mapping[str, Any], tokenizer: Tokenizer, width: int
+) -> ColbertFormat:
+    """The tokenization a PyLate ``config_sentence_transformers.json`` declares; refused
+    where it asks for what is not served or names a token the vocabulary lacks."""
+    file = "config_sentence_transformers.json"
+
+    def token(key: str) -> int:
+        name = settings.get(key)
+        found = tokenizer.token_to_id(name) if isinstance(name, str) else None
+        if found is None:
+            raise UnsupportedModelError(
+                f"PyLate {file}'s {key} {name!r} is not a token of the vocabulary (PyLate "
+                "adds it as one and inserts its id after the first token)"
+            )
+        return found
+
+    def length(key: str) -> int:
+        value = settings.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 3:
+            raise UnsupportedModelError(
+                f"PyLate {file}'s {key} must be an integer of at least 3; got {value!r}"
+            )
+        return value
+
+    if settings.get("do_query_expansion", True) is not True:
+        raise UnsupportedModelError(
+            f"PyLate {file} sets do_query_expansion false; only expanded queries are served"
+        )
+    mask = tokenizer.token_to_id("[MASK]")
+    if mask is None:
+        raise UnsupportedModelError("PyLate model whose tokenizer has no [MASK] token")
+    words = settings.get("skiplist_words") or []
+    if not isinstance(words, list):
+        raise UnsupportedModelError(f"PyLate {file}'s skiplist_words is not a list")
+    # convert_tokens_to_ids gives the unknown token for a word the vocabulary lacks.
+    unk = tokenizer.token_to_id("[UNK]")
+    found = [tokenizer.token_to_id(str(w)) for w in words]
+    skip = {unk if i is None else i for i in found}
+    return ColbertFormat(
+        style="pylate",
+        query_marker=token("query_prefix"),
+        document_marker=token("document_prefix"),
+        query_length=length("query_length"),
+        document_length=length("document_length"),
+        mask_id=mask,
+        attend_to_expansion=bool(settings.get("attend_to_expansion_tokens", False)),
+        skiplist=frozenset(i for i in skip if i is not None),
         width=width,
     )

@@ -351,6 +351,7 @@ def choose_attention(
             loaded.dtype,
             loaded.head_dim,
             bias=loaded.attention_bias,
+            windowed_key_prefix=loaded.colbert is not None and bool(loaded.model.sliding_window),
             softcap=loaded.attention_softcap,
             alibi=loaded.attention_alibi,
         )

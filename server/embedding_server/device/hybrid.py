@@ -74,10 +74,10 @@ class HybridHead:
 
 COLBERT_NOT_SERVED = (
     "it is a ColBERT late-interaction model: its vectors are per-token, projected and "
-    "normalized, with [Q]/[D] markers and query augmentation, and scored by MaxSim. PyLate's "
-    "checkpoints are not served yet (stanford-colbert's HF_ColBERT and bge-m3's ColBERT head "
-    "are); a single pooled vector of it would not be what it was trained to give, so it is "
-    "refused"
+    "normalized, with [Q]/[D] markers and query augmentation, and scored by MaxSim. Of "
+    "PyLate's modules only its Dense (pylate.models.Dense.Dense, with the settings of "
+    "config_sentence_transformers.json) is read; a single pooled vector of it would not be "
+    "what it was trained to give, so it is refused"
 )
 
 

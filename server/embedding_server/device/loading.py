@@ -44,6 +44,7 @@ weight names and shapes alone (``shapes_only``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -63,7 +64,15 @@ from embedding_server.hybrid import HybridHeads
 from embedding_server.pooling import PoolingMethod
 from embedding_server.settings import DEFAULT_MODEL, Dtype, ModelBackend
 
-from .colbert import METADATA_FILE, ColbertHead, is_hf_colbert, read_linear, read_stanford_format
+from .colbert import (
+    METADATA_FILE,
+    PYLATE_DENSE,
+    ColbertHead,
+    is_hf_colbert,
+    read_linear,
+    read_pylate_format,
+    read_stanford_format,
+)
 from .distributed import SINGLE, Shard
 from .dtypes import resolve_dtype
 from .generic import (
@@ -146,6 +155,9 @@ class SentenceTransformerConfig:
     dense_modules: list[str] = field(default_factory=list)
     """The Dense modules' directories (relative to the model), in pipeline order: their
     weights are read into ``dense`` once the weights are fetched."""
+    pylate: dict[str, Any] | None = None
+    """A PyLate ColBERT's config_sentence_transformers.json (its modules are a Transformer
+    and PyLate Dense layers, applied to every token: ``device/colbert.py``)."""
 
 
 PACKAGED_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"
@@ -495,11 +507,14 @@ def read_sentence_transformers(
     st.present = True
     for module in sorted(modules, key=lambda m: int(m.get("idx", 0))):
         if str(module.get("type", "")).startswith("pylate."):
-            # PyLate's Dense is named like sentence-transformers' but projects every token.
-            raise UnsupportedModelError(
-                f"sentence-transformers module {module.get('type')!r} is PyLate's: "
-                f"{COLBERT_NOT_SERVED}"
-            )
+            # PyLate's Dense is named like sentence-transformers' but projects every token:
+            # read as a ColBERT's projection (device/colbert.py), never a pooled vector's.
+            if module.get("type") != PYLATE_DENSE or not isinstance(st_cfg, dict):
+                raise UnsupportedModelError(
+                    f"sentence-transformers module {module.get('type')!r} is PyLate's: "
+                    f"{COLBERT_NOT_SERVED}"
+                )
+            st.pylate = st_cfg
         kind = str(module.get("type", "")).rsplit(".", 1)[-1]
         module_path = path / str(module.get("path", ""))
         if kind == "Pooling":
@@ -910,10 +925,14 @@ def load_model(
         )
         hybrid = _hybrid(path, parts.body.hidden_size, tokenizer, plan)
         colbert = (
-            read_stanford_format(path, tokenizer, int(parts.colbert.weight.shape[0]))
+            read_stanford_format(path, tokenizer, parts.colbert.width)
             if parts.colbert is not None
             else None
         )
+        if plan.st.pylate is not None:
+            colbert_head = ColbertHead(tuple(plan.st.dense))
+            colbert = read_pylate_format(plan.st.pylate, tokenizer, colbert_head.width)
+            parts = dataclasses.replace(parts, colbert=colbert_head)
     config = plan.config
     architectures = config.get("architectures") or [plan.arch.model_type]
     return LoadedModel(
@@ -972,6 +991,12 @@ def _load_transformers(
     refuse_colbert(config)
     refuse_before_fetch(config, name=model, trust_remote_code=trust)
     st = read_sentence_transformers(source.path, dense_weights=False)
+    if st.pylate is not None:
+        raise UnsupportedModelError(
+            "a PyLate ColBERT model is served by the native backend only (its query "
+            "expansion needs the packed attention's key limits, its Dense layers apply to "
+            "every token); serve it with backend native (or auto)"
+        )
     refuse_generative(config, st, task)  # as on the native path: no silent last-token embedder
     path = fetch_weights(source, st, code=trust)
     read_dense_layers(st, path)

@@ -215,10 +215,10 @@ def test_head_files_are_read_safely_or_refused(tmp_path: Path) -> None:
 
 def test_colbert_checkpoints_are_refused_not_pooled(tmp_path: Path) -> None:
     """A ColBERT checkpoint that cannot be served as one (stanford-colbert's HF_ColBERT
-    without its projection or on the transformers backend, or PyLate's, whose Dense module
-    is named like sentence-transformers' but projects every token) would otherwise load as
-    a single-vector embedder: refused, saying why (served HF_ColBERT checkpoints:
-    test_colbert_engine.py)."""
+    without its projection, PyLate's with a module other than its Dense, whose Dense is
+    named like sentence-transformers' but projects every token, or either on the
+    transformers backend) would otherwise load as a single-vector embedder: refused, saying
+    why (the served ones: test_colbert_engine.py)."""
     import json
 
     hf = build_xlm_roberta(tmp_path / "hf-colbert")
@@ -232,6 +232,11 @@ def test_colbert_checkpoints_are_refused_not_pooled(tmp_path: Path) -> None:
     modules = json.loads((pylate / "modules.json").read_text())
     modules = [m for m in modules if not m["type"].endswith(("Pooling", "Normalize"))]
     modules.append({"idx": 1, "name": "1", "path": "1_Dense", "type": "pylate.models.Dense.Dense"})
+    (pylate / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(UnsupportedModelError, match=r"PyLate ColBERT .* native backend only"):
+        Engine.from_pretrained(str(pylate), backend="transformers")
+    # A PyLate module other than its Dense is not read: refused by name on either backend.
+    modules[-1]["type"] = "pylate.models.Other"
     (pylate / "modules.json").write_text(json.dumps(modules))
     for backend in ("native", "transformers"):
         with pytest.raises(UnsupportedModelError, match="PyLate's: it is a ColBERT"):

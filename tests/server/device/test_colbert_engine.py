@@ -8,6 +8,7 @@ the batch, the expanded queries' [MASK] keys hidden by the packed attention."""
 from __future__ import annotations
 
 import json
+import string
 from pathlib import Path
 
 import numpy as np
@@ -162,3 +163,108 @@ def test_a_checkpoint_without_its_metadata_is_refused(tmp_path: Path) -> None:
     (path / "artifact.metadata").unlink()
     with pytest.raises(UnsupportedModelError, match=r"without a readable artifact\.metadata"):
         Engine.from_pretrained(str(path), dtype="float32")
+
+
+def build_pylate(path: Path) -> Path:
+    """``build_modernbert``'s body saved as PyLate saves a ColBERT: a Transformer and a
+    PyLate Dense module, its tokenization in config_sentence_transformers.json. The prefix
+    tokens are the stand-in ids the reference uses (PyLate adds ``[Q] ``/``[D] `` to the
+    vocabulary)."""
+    from tokenizers import Tokenizer
+
+    from tests.server.device.test_colbert_augmentation import (
+        D_PREFIX,
+        DOCUMENT_LENGTH,
+        Q_PREFIX,
+        QUERY_LENGTH,
+    )
+    from tests.support.models import build_modernbert
+
+    build_modernbert(path, "modernbert")
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Dense", "type": "pylate.models.Dense.Dense"},
+    ]
+    (path / "modules.json").write_text(json.dumps(modules))
+    dense = path / "1_Dense"
+    dense.mkdir()
+    (dense / "config.json").write_text(
+        json.dumps(
+            {
+                "in_features": 32,
+                "out_features": DIM,
+                "bias": False,
+                "activation_function": "torch.nn.modules.linear.Identity",
+            }
+        )
+    )
+    save_file({"linear.weight": PYLATE_LINEAR.clone()}, str(dense / "model.safetensors"))
+    settings = {
+        "query_prefix": tok.id_to_token(Q_PREFIX),
+        "document_prefix": tok.id_to_token(D_PREFIX),
+        "query_length": QUERY_LENGTH,
+        "document_length": DOCUMENT_LENGTH,
+        "do_query_expansion": True,
+        "attend_to_expansion_tokens": False,
+        "skiplist_words": list(string.punctuation),
+    }
+    (path / "config_sentence_transformers.json").write_text(json.dumps(settings))
+    return path
+
+
+PYLATE_LINEAR = torch.randn(DIM, 32, generator=torch.Generator().manual_seed(4))
+
+
+@pytest.mark.parametrize(("dtype", "min_cosine"), [("float32", 0.99999), ("bfloat16", 0.999)])
+def test_pylate_queries_and_documents_match_pylate(
+    tmp_path_factory: pytest.TempPathFactory, dtype: str, min_cosine: float
+) -> None:
+    from tests.server.device.test_colbert_augmentation import (
+        PYLATE_QUERIES,
+        _pylate_reference,
+    )
+    from tests.support.attention import BF16_COSINE
+
+    path = build_pylate(tmp_path_factory.mktemp("pylate") / "gte-moderncolbert")
+    want = _pylate_reference(path, PYLATE_LINEAR)
+    engine = Engine.from_pretrained(str(path), dtype=dtype)
+    assert engine.info().outputs == ["multi_vector"]
+    queries = engine.embed_tokens(PYLATE_QUERIES, input_type="query")
+    documents = engine.embed_tokens(DOCS, input_type="document")
+    got = [*queries, *documents]
+    assert [g.shape for g in got] == [w.shape for w in want]
+    n = len(PYLATE_QUERIES)
+    assert_rows_close(got[:n], want[:n], min_cosine=min_cosine)
+    # As test_colbert_augmentation's: this 4-layer ModernBERT's plain documents come to
+    # 0.9988 in bfloat16 against float32, key prefix or not.
+    assert_rows_close(
+        got[n:], want[n:], min_cosine=min_cosine if dtype == "float32" else BF16_COSINE
+    )
+    for q in range(n):
+        expected = [_maxsim(want[q], want[n + d]) for d in range(len(DOCS))]
+        rel = 1e-4 if dtype == "float32" else 2e-2
+        np.testing.assert_allclose(engine.score(PYLATE_QUERIES[q], DOCS), expected, rtol=rel)
+
+
+def test_a_sliding_window_colbert_is_kept_off_the_varlen_kernels_and_served(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU with flash-attn and torch's varlen kernel, a ModernBERT (local layers slide)
+    serving ColBERT queries runs padded SDPA, saying why: the varlen kernels would align the
+    window to the end of the keys, and the packed attention refuses a key prefix there."""
+    from tests.server.device.test_colbert_augmentation import PYLATE_QUERIES
+    from tests.support.attention import BF16_COSINE, pretend_cuda
+
+    path = build_pylate(tmp_path / "gte-moderncolbert")
+    baseline = Engine.from_pretrained(str(path), dtype="bfloat16")
+    want = baseline.embed_tokens(PYLATE_QUERIES, input_type="query")
+    cuda = pretend_cuda(monkeypatch)
+    engine = Engine.from_pretrained(str(path), dtype="bfloat16")
+    info = engine.info()
+    assert info.attention == "sdpa_padded"
+    assert len(info.attention_passed_over) == 2
+    assert all("prefix within a sliding window" in r for r in info.attention_passed_over)
+    got = engine.embed_tokens(PYLATE_QUERIES, input_type="query")
+    assert not cuda.flash.calls
+    assert_rows_close(got, want, min_cosine=BF16_COSINE)
