@@ -9,6 +9,7 @@ reference (through the server's scheduler, not the offline path)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -109,3 +110,25 @@ def test_what_it_cannot_answer_is_a_400_naming_the_field(
     server: RunningServer, path: str, body: dict[str, Any], param: str
 ) -> None:
     assert post(server, path, body, 400)["error"]["param"] == param
+
+
+@pytest.mark.slow
+def test_front_ends_tokenize_each_side_and_the_engine_hides_the_expansion(
+    tmp_path: Path, want: list[np.ndarray]
+) -> None:
+    """With --api-workers the front-ends tokenize queries and documents and the key lengths
+    cross to the engine process with the token ids: the answers are still the reference's."""
+    from tests.support.api import server_process
+
+    path = build_hf_colbert(tmp_path / "hf_colbert")
+    args = ["--model", str(path), "--dtype", "float32", "--api-workers", "2"]
+    with server_process(args, workers=2) as s:
+        for _ in range(3):  # whichever front-end accepts each connection
+            got = []
+            for texts, side in ((QUERIES, "search_query"), (DOCS, "search_document")):
+                body = {"texts": texts, "input_type": side, "embedding_types": ["multi_vector"]}
+                response = httpx.post(s.url + "/v2/embed", json=body, timeout=60)
+                assert response.status_code == 200, response.text
+                vectors = response.json()["embeddings"]["multi_vector"]
+                got += [np.array(m, np.float32) for m in vectors]
+            assert_rows_close(got, want, min_cosine=0.99999)
