@@ -25,7 +25,12 @@ from typing import Any, Protocol, TypedDict, TypeVar
 import numpy as np
 
 from .colbert import ColbertFormat, Side
-from .errors import InputTooLongError, InvalidRequestError, OutputTooLargeError
+from .errors import (
+    InputTooLongError,
+    InvalidRequestError,
+    OutputTooLargeError,
+    TooManyTokensError,
+)
 from .heads import PairTemplate, SegmentedPairTemplate
 from .pooling import FloatArray
 from .results import JobOutput, StageTimings
@@ -302,6 +307,13 @@ class Job:
                 self.colbert.encode(tokenizer.backend, str(text), side)
                 for text, side in zip(self.items, self.sides, strict=True)
             ]
+            total = sum(len(e.ids) for e in encoded)
+            if max_total is not None and total > max_total:
+                raise TooManyTokensError(
+                    f"'input' holds {total} tokens; one request may hold at most {max_total} "
+                    "(max_request_tokens)",
+                    param="input",
+                )
             if self.truncation.side is None:
                 for i, e in enumerate(encoded):
                     limit = len(e.ids) if self.sides[i] == "document" else e.keys

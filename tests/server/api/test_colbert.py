@@ -112,6 +112,18 @@ def test_what_it_cannot_answer_is_a_400_naming_the_field(
     assert post(server, path, body, 400)["error"]["param"] == param
 
 
+def test_expanded_queries_count_their_whole_length_against_the_request_limit(
+    tmp_path: Path,
+) -> None:
+    path = build_hf_colbert(tmp_path / "hf_colbert")
+    settings = fake_settings(str(path), dtype="float32", max_request_tokens=64, max_model_len=64)
+    body = {"input_type": "search_query", "embedding_types": ["multi_vector"]}
+    with running_server(settings) as small:
+        assert post(small, "/v2/embed", {**body, "texts": ["q"] * 4})  # 4 x 16 tokens
+        refused = post(small, "/v2/embed", {**body, "texts": ["q"] * 5}, 413)
+        assert "64" in refused["error"]["message"]
+
+
 @pytest.mark.slow
 def test_front_ends_tokenize_each_side_and_the_engine_hides_the_expansion(
     tmp_path: Path, want: list[np.ndarray]
