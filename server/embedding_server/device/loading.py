@@ -514,6 +514,12 @@ def read_sentence_transformers(
                     f"sentence-transformers module {module.get('type')!r} is PyLate's: "
                     f"{COLBERT_NOT_SERVED}"
                 )
+            dense_cfg = read_json(path / str(module.get("path", "")) / "config.json") or {}
+            if isinstance(dense_cfg, dict) and dense_cfg.get("use_residual"):
+                raise UnsupportedModelError(
+                    f"PyLate Dense module {module.get('path')!r} sets use_residual, which is "
+                    "not served (its vectors would lack the residual)"
+                )
             st.pylate = st_cfg
         kind = str(module.get("type", "")).rsplit(".", 1)[-1]
         module_path = path / str(module.get("path", ""))

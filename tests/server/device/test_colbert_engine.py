@@ -158,6 +158,14 @@ def test_settings_it_cannot_reproduce_are_refused(
         Engine.from_pretrained(str(path), dtype="float32")
 
 
+def test_a_pylate_dense_with_a_residual_is_refused(tmp_path: Path) -> None:
+    path = build_pylate(tmp_path / "residual")
+    config = json.loads((path / "1_Dense" / "config.json").read_text())
+    (path / "1_Dense" / "config.json").write_text(json.dumps({**config, "use_residual": True}))
+    with pytest.raises(UnsupportedModelError, match="sets use_residual"):
+        Engine.from_pretrained(str(path), dtype="float32")
+
+
 def test_a_checkpoint_without_its_metadata_is_refused(tmp_path: Path) -> None:
     path = build_hf_colbert(tmp_path / "bare")
     (path / "artifact.metadata").unlink()
