@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .colbert import ColbertFormat
 from .heads import Classifier, Task
 from .hybrid import HybridHeads
 from .pooling import PoolingHead, PoolingMethod
@@ -44,6 +45,10 @@ class EngineConfig:
     hybrid: HybridHeads | None = None
     """bge-m3's sparse and multi-vector heads (task embed), where the model has them: its
     token outputs are then their rows (``hybrid.py``), and /score is MaxSim."""
+    colbert: ColbertFormat | None = None
+    """A ColBERT checkpoint's tokenization per side (task embed): its outputs are
+    multi-vectors only, each request says whether its texts are queries or documents, and
+    /score is ColBERT's MaxSim (``colbert.py``)."""
 
 
 @dataclass(frozen=True)

@@ -30,11 +30,12 @@ import numpy.typing as npt
 from mteb.models import ModelMeta
 from mteb.models.abs_encoder import AbsEncoder
 from mteb.models.model_meta import ScoringFunction
+from mteb.types import PromptType
 
 if TYPE_CHECKING:
     import httpx
     from mteb.abstasks.task_metadata import TaskMetadata
-    from mteb.types import Array, BatchedInput, PromptType
+    from mteb.types import Array, BatchedInput
     from torch.utils.data import DataLoader
 
     from embedding_server.engine import Engine
@@ -54,7 +55,9 @@ class _Backend(Protocol):
 
     def score(self, a: list[str], b: list[str]) -> FloatArray: ...
 
-    def embed_tokens(self, texts: list[str], prompt_name: str | None) -> list[FloatArray]: ...
+    def embed_tokens(
+        self, texts: list[str], prompt_name: str | None, side: str | None = None
+    ) -> list[FloatArray]: ...
 
 
 class _EngineBackend:
@@ -68,7 +71,11 @@ class _EngineBackend:
     def score(self, a: list[str], b: list[str]) -> FloatArray:
         return self._engine.score(a, b, truncate=True)
 
-    def embed_tokens(self, texts: list[str], prompt_name: str | None) -> list[FloatArray]:
+    def embed_tokens(
+        self, texts: list[str], prompt_name: str | None, side: str | None = None
+    ) -> list[FloatArray]:
+        if side is not None:  # a ColBERT model: its texts' side, no prompt
+            return self._engine.embed_tokens(texts, input_type=side, truncate=True)
         return self._engine.embed_tokens(texts, prompt_name=prompt_name, truncate=True)
 
 
@@ -122,8 +129,22 @@ class _HttpBackend:
             scores.extend(item["score"] for item in sorted(data, key=lambda d: d["index"]))
         return np.asarray(scores, dtype=np.float32)
 
-    def embed_tokens(self, texts: list[str], prompt_name: str | None) -> list[FloatArray]:
+    def embed_tokens(
+        self, texts: list[str], prompt_name: str | None, side: str | None = None
+    ) -> list[FloatArray]:
         out: list[FloatArray] = []
+        if side is not None:  # a ColBERT model: Cohere's /v2/embed takes the side
+            for _, chunk in self._chunks(texts):
+                request: dict[str, Any] = {
+                    "model": self._model,
+                    "texts": chunk,
+                    "input_type": f"search_{side}",
+                    "embedding_types": ["multi_vector"],
+                }
+                answer = self._call("POST", "/v2/embed", request)
+                vectors = answer["embeddings"]["multi_vector"]
+                out.extend(np.asarray(v, dtype=np.float32) for v in vectors)
+            return out
         for _, chunk in self._chunks(texts):
             body = {
                 "model": self._model,
@@ -255,9 +276,14 @@ class MtebMultiVectorEncoder(MtebEncoder):
         **kwargs: Any,
     ) -> Array:
         """Each text's multi-vectors (``[tokens - 1, width]``), as mteb's ragged MaxSim
-        input, with the prompt :class:`MtebEncoder` would choose."""
+        input, with the prompt :class:`MtebEncoder` would choose; a ColBERT checkpoint's
+        (``outputs`` multi_vector alone) as queries or documents by ``prompt_type``."""
+        if self._backend.info.get("outputs") == ["multi_vector"]:
+            side = "query" if prompt_type == PromptType.query else "document"
+            vectors: Any = self._backend.embed_tokens(_texts(inputs), None, side)
+            return cast("Array", vectors)
         prompt_name = self.get_prompt_name(task_metadata, prompt_type)
-        vectors: Any = self._backend.embed_tokens(_texts(inputs), prompt_name)
+        vectors = self._backend.embed_tokens(_texts(inputs), prompt_name)
         return cast("Array", vectors)
 
 

@@ -20,7 +20,7 @@ per request, in numpy, so ``--api-workers`` front-ends do it without torch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,12 +84,17 @@ def maxsim(query: FloatArray, document: FloatArray) -> float:
     return float(similarities.max(axis=1).mean())
 
 
-def maxsim_scores(vectors: Sequence[FloatArray], n_a: int) -> npt.NDArray[np.float32]:
-    """MaxSim of side a (``vectors[:n_a]``, the queries) against side b (the rest), pairwise
-    or one against many, as :func:`~.scoring.cosine_scores` pairs them."""
+def maxsim_scores(
+    vectors: Sequence[FloatArray],
+    n_a: int,
+    score: Callable[[FloatArray, FloatArray], float] = maxsim,
+) -> npt.NDArray[np.float32]:
+    """MaxSim (``score``: FlagEmbedding's mean by default) of side a (``vectors[:n_a]``, the
+    queries) against side b (the rest), pairwise or one against many, as
+    :func:`~.scoring.cosine_scores` pairs them."""
     a, b = list(vectors[:n_a]), list(vectors[n_a:])
     if len(a) == 1 and len(b) > 1:
         a = a * len(b)
     elif len(b) == 1 and len(a) > 1:
         b = b * len(a)
-    return np.asarray([maxsim(q, d) for q, d in zip(a, b, strict=True)], dtype=np.float32)
+    return np.asarray([score(q, d) for q, d in zip(a, b, strict=True)], dtype=np.float32)

@@ -25,7 +25,13 @@ from typing import Any, Protocol, TypedDict, TypeVar
 
 import numpy as np
 
-from .errors import InvalidRequestError, OutputTooLargeError
+from .colbert import ColbertFormat, Side
+from .errors import (
+    InputTooLongError,
+    InvalidRequestError,
+    OutputTooLargeError,
+    TooManyTokensError,
+)
 from .heads import PairTemplate, SegmentedPairTemplate
 from .pooling import FloatArray
 from .results import JobOutput, StageTimings
@@ -88,6 +94,10 @@ class TokenOptions(ScoreOptions, total=False):
 class TokenEmbedOptions(TokenOptions, total=False):
     """Options of per-token embeddings."""
 
+    input_type: str | None
+    """A ColBERT model's side, ``query`` or ``document``: which marker, length and
+    expansion its texts get (required there; refused for any other model)."""
+
     max_output_values: int | None
     """Refuse, before the forward pass, a request whose per-token output would hold more
     numbers than this (:class:`~.errors.OutputTooLargeError`)."""
@@ -107,6 +117,8 @@ class HybridOptions(EmbedOptions, total=False):
     max_output_values: int | None
     """As :class:`TokenEmbedOptions`'s: refuse, before the forward pass, a request whose
     multi-vectors would hold more numbers than this."""
+    input_type: str | None
+    """As :class:`TokenEmbedOptions`'s: a ColBERT model's side."""
 
 
 def check_options(method: str, options: dict[str, Any], allowed: type) -> None:
@@ -138,6 +150,11 @@ class Job:
     segmented: SegmentedPairTemplate | None = None
     """With ``pairs``: a yes/no reranker's prompt whose pieces are tokenized apart
     (:meth:`TextTokenizer.encode_segmented`); ``prompt`` is then its instruction."""
+    colbert: ColbertFormat | None = None
+    """A ColBERT model's tokenization: each of ``items`` is encoded as the query or
+    document ``sides`` says (:meth:`ColbertFormat.encode`), its keys limited accordingly."""
+    sides: tuple[Side, ...] = ()
+    """With ``colbert``: the side of each of ``items``."""
 
     @classmethod
     def for_pairs(
@@ -167,6 +184,55 @@ class Job:
                 "prompt does not apply to a cross-encoder's text pairs", param="prompt"
             )
         return cls([], None, truncation, pairs=pairs)
+
+    @classmethod
+    def for_colbert(
+        cls,
+        items: list[TextInput],
+        sides: Sequence[Side],
+        options: ScoreOptions | TokenOptions,
+        colbert: ColbertFormat,
+        max_token_rows: int | None = None,
+    ) -> Job:
+        """A ColBERT model's job: its markers, lengths and query expansion are the
+        checkpoint's, so options that would change its tokenization are refused, never
+        ignored."""
+        for name in ("prompt", "prompt_name", "adapter"):
+            if options.get(name) is not None:
+                raise InvalidRequestError(
+                    f"{name} does not apply to a ColBERT model: its queries and documents "
+                    "are marked as the checkpoint was trained (input_type)",
+                    param=name,
+                )
+        truncation = Truncation.coerce(options.get("truncate", True))
+        if truncation.side == "left" or truncation.max_tokens is not None:
+            raise InvalidRequestError(
+                f"a ColBERT model cuts queries to {colbert.query_length} tokens and documents "
+                f"to {colbert.document_length}, keeping their start, as it was trained: "
+                "truncation may only be asked for at the end (or refused)",
+                param=truncation.param,
+            )
+        if options.get("add_special_tokens", True) is not True:
+            raise InvalidRequestError(
+                "add_special_tokens does not apply to a ColBERT model",
+                param="add_special_tokens",
+            )
+        for i, item in enumerate(items):
+            if not isinstance(item, str):
+                raise InvalidRequestError(
+                    f"input[{i}]: a ColBERT model takes texts, not token ids (its markers "
+                    "and query expansion are added to the text's tokens)",
+                    param="input",
+                )
+        return cls(
+            items,
+            None,
+            truncation,
+            want_tokens=True,
+            max_token_rows=max_token_rows,
+            colbert=colbert,
+            sides=tuple(sides),
+        )
 
     @classmethod
     def prepare(
@@ -202,6 +268,8 @@ class Job:
     def admission(self, tokenizer: TextTokenizer) -> AdmissionEstimate:
         """What the job will hold, from its inputs' sizes
         (:meth:`TextTokenizer.admission_estimate`): nothing is tokenized or copied."""
+        if self.colbert is not None:  # queries expanded to their length: not the text's size
+            return self.colbert.admission([str(t) for t in self.items], self.sides)
         if self.pairs is None:
             items = self.items
             if self.suffix:  # each text with its suffix, still at most the limit
@@ -242,6 +310,38 @@ class Job:
     ) -> list[TokenizedInput]:
         """The job's inputs tokenized and truncated; over ``max_total`` tokens in all it is
         refused as soon as its inputs read so far hold more."""
+        if self.colbert is not None:
+            encoded = [
+                self.colbert.encode(tokenizer.backend, str(text), side)
+                for text, side in zip(self.items, self.sides, strict=True)
+            ]
+            total = sum(len(e.ids) for e in encoded)
+            if max_total is not None and total > max_total:
+                raise TooManyTokensError(
+                    f"'input' holds {total} tokens; one request may hold at most {max_total} "
+                    "(max_request_tokens)",
+                    param="input",
+                )
+            if self.truncation.side is None:
+                for i, e in enumerate(encoded):
+                    limit = len(e.ids) if self.sides[i] == "document" else e.keys
+                    if e.original > limit:
+                        raise InputTooLongError(
+                            f"input[{i}] has {e.original} tokens, more than this ColBERT "
+                            f"model's {self.sides[i]} length of {limit}; shorten it or ask "
+                            "for truncation",
+                            param=self.truncation.param,
+                            token_count=e.original,
+                            max_tokens=limit,
+                        )
+            return self._checked_rows(
+                [
+                    TokenizedInput(
+                        e.ids, e.original, key_len=e.keys if e.keys < len(e.ids) else None
+                    )
+                    for e in encoded
+                ]
+            )
         if self.pairs is not None and self.segmented is not None:
             return tokenizer.encode_segmented(
                 self.pairs,
@@ -267,6 +367,10 @@ class Job:
             param="input",
             max_total=max_total,
         )
+        return self._checked_rows(tokenized)
+
+    def _checked_rows(self, tokenized: list[TokenizedInput]) -> list[TokenizedInput]:
+        """``tokenized``, or the refusal of a per-token output over ``max_token_rows``."""
         if self.want_tokens and self.max_token_rows is not None:
             rows = sum(len(t.ids) for t in tokenized)
             if rows > self.max_token_rows:
@@ -280,7 +384,9 @@ class Job:
 
     def sequences(self, tokenized: Sequence[TokenizedInput]) -> list[SequenceInput]:
         return [
-            SequenceInput(t.ids, t.prompt_length, self.want_tokens, t.type_ids, self.adapter)
+            SequenceInput(
+                t.ids, t.prompt_length, self.want_tokens, t.type_ids, self.adapter, t.key_len
+            )
             for t in tokenized
         ]
 

@@ -28,6 +28,10 @@ class SequenceInput:
     adapter: int | None = None
     """Index of the task adapter the sequence runs (jina-embeddings-v3's task LoRA, in the
     model's ``lora_adaptations`` order); None for the base weights."""
+    key_len: int | None = None
+    """How many leading tokens the sequence's tokens may attend to (ColBERT's query
+    augmentation: the ``[MASK]`` tokens padding a query are queries whose keys nothing
+    sees); None: all of them."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,7 @@ from typing import Any, Literal, TypeVar, Unpack, cast
 import numpy as np
 import numpy.typing as npt
 
+from .colbert import ColbertFormat, Side, maxsim_sum, parse_side
 from .configuration import EngineConfig, EngineInfo
 from .errors import InvalidRequestError
 from .heads import Task
@@ -359,6 +360,14 @@ class ServingEngine(abc.ABC):
     async def _embed(self, runner: JobRunner, inputs: Inputs, options: EmbedOptions) -> EmbedResult:
         check_options("embed", dict(options), EmbedOptions)
         self._require("embedding", "embed")
+        if self._config.colbert is not None:
+            raise InvalidRequestError(
+                f"{self._info.architecture} is a ColBERT model: it has no single pooled "
+                "vector, only per-token multi-vectors (token embeddings or the multi_vector "
+                "output, with input_type query or document) scored by MaxSim (/score, "
+                "/rerank)",
+                param="model",
+            )
         items = await _checked(runner, normalize_inputs, inputs, "input")
         head = self._config.head.options(options.get("dimensions"), options.get("normalize"))
         special = options.get("add_special_tokens", True)
@@ -372,6 +381,20 @@ class ServingEngine(abc.ABC):
         check_options("embed_tokens", dict(options), TokenEmbedOptions)
         self._require("per-token embedding", "embed")
         items = await _checked(runner, normalize_inputs, inputs, "input")
+        colbert = self._colbert(options.get("input_type"))
+        if colbert is not None:
+            if options.get("normalize") is False:
+                raise InvalidRequestError(
+                    "a ColBERT model's vectors are always normalized", param="normalize"
+                )
+            fmt, side = colbert
+            out = await self._run(runner, self._colbert_job(items, side, options, fmt))
+            rows = [t for t in out.tokens if t is not None]
+            vectors = [
+                fmt.vectors(r, t.ids, side) for r, t in zip(rows, out.tokenized, strict=True)
+            ]
+            token_ids = [fmt.kept_ids(t.ids, side) for t in out.tokenized]
+            return TokenEmbedResult(embeddings=vectors, token_ids=token_ids, **usage_of(out))
         special = options.get("add_special_tokens", True)
         max_values = options.get("max_output_values")
         hybrid = self._config.hybrid
@@ -406,6 +429,20 @@ class ServingEngine(abc.ABC):
         self._require("scoring", "embed", "score")
         classifier = self._config.classifier
         hybrid = self._config.hybrid
+        fmt = self._config.colbert
+        if fmt is not None:
+            # ColBERT: the a side as queries, the b side as documents, summed MaxSim.
+            items, n_a = await _checked(runner, pair_inputs, a, b)
+            query: Side = "query"
+            document: Side = "document"
+            sides = [query] * n_a + [document] * (len(items) - n_a)
+            out = await self._run(runner, self._colbert_job(items, sides, options, fmt))
+            rows = [t for t in out.tokens if t is not None]
+            vectors = [
+                fmt.vectors(r, t.ids, side)
+                for r, t, side in zip(rows, out.tokenized, sides, strict=True)
+            ]
+            return out.score_result(maxsim_scores(vectors, n_a, maxsim_sum))
         if classifier is None and hybrid is not None:
             # Late interaction: both sides' multi-vectors from one job, MaxSim per pair.
             items, n_a = await _checked(runner, pair_inputs, a, b)
@@ -509,6 +546,50 @@ class ServingEngine(abc.ABC):
         result = await self._score(runner, query, list(documents), options)
         return RerankResult(results=rank(result.scores, top_n), **usage_of(result))
 
+    def _colbert(self, input_type: object) -> tuple[ColbertFormat, Side] | None:
+        """A ColBERT model's format and the request's side; None for any other model, which
+        refuses an ``input_type`` rather than ignore it."""
+        fmt = self._config.colbert
+        if fmt is None:
+            if input_type is not None:
+                raise InvalidRequestError(
+                    "input_type applies to a ColBERT model's queries and documents; this "
+                    f"model ({self._info.architecture}) is not one",
+                    param="input_type",
+                )
+            return None
+        if input_type is None:
+            raise InvalidRequestError(
+                "input_type (query or document) is required by a ColBERT model: its queries "
+                "and documents are tokenized differently",
+                param="input_type",
+            )
+        return fmt, parse_side(input_type)
+
+    def _colbert_job(
+        self,
+        items: list[TextInput],
+        sides: Side | Sequence[Side],
+        options: ScoreOptions | TokenOptions,
+        fmt: ColbertFormat,
+    ) -> Job:
+        """A ColBERT job over ``items`` (one side for all, or one each), its per-token
+        output held to the request's ``max_output_values``."""
+        per_item: list[Side] = [sides] * len(items) if isinstance(sides, str) else list(sides)
+        max_values = cast(dict[str, Any], options).get("max_output_values")
+        rest = {
+            k: v
+            for k, v in options.items()
+            if k not in ("input_type", "normalize", "max_output_values")
+        }
+        return Job.for_colbert(
+            items,
+            per_item,
+            cast(TokenOptions, rest),
+            fmt,
+            max_token_rows=None if max_values is None else max_values // fmt.width,
+        )
+
     def _hybrid_heads(self, what: str) -> HybridHeads:
         """The model's sparse and multi-vector heads, or a 400 saying it has none."""
         hybrid = self._config.hybrid
@@ -529,8 +610,30 @@ class ServingEngine(abc.ABC):
         options: HybridOptions,
     ) -> HybridResult:
         check_options("hybrid_embed", dict(options), HybridOptions)
-        hybrid = self._hybrid_heads("dense, sparse and multi-vector output")
         wanted = set(outputs) if not isinstance(outputs, str) else {outputs}
+        colbert = self._colbert(options.get("input_type"))
+        if colbert is not None:
+            if wanted != {"multi_vector"}:
+                raise InvalidRequestError(
+                    f"outputs must be multi_vector for a ColBERT model ({self._info.architecture}"
+                    "), which has no dense or sparse output",
+                    param="outputs",
+                )
+            for name in ("dimensions", "normalize"):
+                if options.get(name) is not None:
+                    raise InvalidRequestError(
+                        f"{name} applies to the dense output, which a ColBERT model has not",
+                        param=name,
+                    )
+            fmt, side = colbert
+            items = await _checked(runner, normalize_inputs, inputs, "input")
+            out = await self._run(runner, self._colbert_job(items, side, options, fmt))
+            rows = [t for t in out.tokens if t is not None]
+            vectors = [
+                fmt.vectors(r, t.ids, side) for r, t in zip(rows, out.tokenized, strict=True)
+            ]
+            return HybridResult(multi_vector=vectors, **usage_of(out))
+        hybrid = self._hybrid_heads("dense, sparse and multi-vector output")
         unknown = sorted(wanted - set(OUTPUTS))
         if unknown or not wanted:
             raise InvalidRequestError(

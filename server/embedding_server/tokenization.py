@@ -227,6 +227,9 @@ class TokenizedInput:
     type_ids: list[int] | None = None
     """Segment ids of a sentence pair (0 for the first text, 1 for the second where the
     tokenizer's template says so); None for a single text."""
+    key_len: int | None = None
+    """How many leading tokens are keys (a ColBERT query expanded with ``[MASK]``); None:
+    all of them."""
 
     @property
     def truncated(self) -> bool:

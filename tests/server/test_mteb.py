@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import mteb
+import numpy as np
 import pytest
 from datasets import Dataset, DatasetDict
 from embedding_server.engine import Engine
@@ -315,3 +316,36 @@ def test_multi_vector_encoder_is_maxsim_over_the_colbert_vectors(
         assert_same_scores(evaluate(MtebMultiVectorEncoder(server.url), task), reference)
     with pytest.raises(ValueError, match="needs a model with multi-vector outputs"):
         MtebMultiVectorEncoder(embed_engine)
+
+
+def test_multi_vector_encoder_gives_a_colbert_its_queries_and_documents_sides(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """On a ColBERT checkpoint mteb's query and document prompt types choose the side its
+    texts are tokenized as (marker, query expansion), offline and over HTTP (/v2/embed)."""
+    from mteb.types import PromptType
+
+    from tests.server.device.test_colbert_engine import build_hf_colbert
+
+    path = build_hf_colbert(tmp_path_factory.mktemp("colbert") / "hf_colbert")
+    texts = ["late interaction", "a document, with punctuation."]
+    metadata = LocalRetrieval().metadata
+    inputs = [{"text": texts}]
+    with Engine.from_pretrained(str(path), dtype="float32") as engine:
+        want = {side: engine.embed_tokens(texts, input_type=side) for side in ("query", "document")}
+        assert want["query"][1].shape[0] != want["document"][1].shape[0]
+        encoders = [MtebMultiVectorEncoder(engine)]
+        settings = ServerSettings(model=str(path), dtype="float32")
+        with running_server(settings) as server:
+            encoders.append(MtebMultiVectorEncoder(server.url))
+            for encoder in encoders:
+                for prompt_type, side in ((PromptType.query, "query"), (None, "document")):
+                    got = encoder.encode(
+                        inputs,  # type: ignore[arg-type]
+                        task_metadata=metadata,
+                        hf_split="test",
+                        hf_subset="default",
+                        prompt_type=prompt_type,
+                    )
+                    for g, w in zip(got, want[side], strict=True):  # type: ignore[arg-type]
+                        np.testing.assert_allclose(g, w, atol=1e-5)

@@ -256,6 +256,7 @@ def pretend_cuda(
         bias: str | None = None,
         softcap: bool = False,
         alibi: bool = False,
+        windowed_key_prefix: bool = False,
     ) -> AttentionFacts:
         return AttentionFacts(
             device_type="cuda",
@@ -269,6 +270,7 @@ def pretend_cuda(
             bias=bias,
             softcap=softcap,
             alibi=alibi,
+            windowed_key_prefix=windowed_key_prefix,
         )
 
     # Where the engine (and inspect) choose the kernel from the facts.

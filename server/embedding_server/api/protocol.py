@@ -366,7 +366,8 @@ class CohereEmbedRequest(ApiRequest):
         None,
         description="search_document, search_query, "
         "classification or clustering; selects the model's "
-        "matching prompt when it has one.",
+        "matching prompt when it has one. On a ColBERT checkpoint, search_query or "
+        "search_document (required) says whether the texts are queries or documents.",
     )
     embedding_types: list[CohereEmbedType] = Field(
         default_factory=_float_only,

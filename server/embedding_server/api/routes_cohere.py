@@ -56,6 +56,8 @@ async def cohere_embed(body: CohereEmbedRequest, request: Request) -> Response:
     engine, lifecycle = engine_for(request, body.model)
     check_input_count(lifecycle, len(body.texts), "texts")
     extensions = [t for t in body.embedding_types if t in _EXTENSIONS]
+    if engine.info().outputs == ["multi_vector"]:  # a ColBERT model
+        return await _colbert_embed(body, request, engine, lifecycle)
     if extensions and "multi_vector" in engine.info().outputs:
         return await _hybrid_embed(body, request, engine, lifecycle)
     if "multi_vector" in extensions:
@@ -170,6 +172,66 @@ async def _hybrid_embed(
         + sum(m.size for m in result.multi_vector or []) * JSON_FLOAT_BYTES
         + sum(map(len, body.texts))
     )
+    return await encode_off_loop(encode, size)
+
+
+_COLBERT_SIDES = {
+    "search_query": "query",
+    "query": "query",
+    "search_document": "document",
+    "document": "document",
+    "passage": "document",
+}
+"""Cohere's input_type as a ColBERT model's side."""
+
+
+async def _colbert_embed(
+    body: CohereEmbedRequest, request: Request, engine: ServingEngine, lifecycle: Lifecycle
+) -> Response:
+    """A ColBERT model's multi-vectors: ``input_type`` says whether the texts are queries
+    (marked and expanded to the query length) or documents; every field that would change
+    what the checkpoint computes is refused rather than ignored."""
+    if body.embedding_types != ["multi_vector"]:
+        raise InvalidRequestError(
+            f"embedding_types must be [multi_vector] for a ColBERT model "
+            f"({engine.info().architecture}), which has no dense or sparse output",
+            param="embedding_types",
+        )
+    side = _COLBERT_SIDES.get(body.input_type or "")
+    if side is None:
+        raise InvalidRequestError(
+            "input_type must be search_query or search_document (query, document, passage) "
+            "for a ColBERT model: its queries and documents are tokenized differently",
+            param="input_type",
+        )
+    for name in ("output_dimension", "max_active_dims"):
+        if getattr(body, name) is not None:
+            raise InvalidRequestError(f"{name} does not apply to a ColBERT model", param=name)
+    width = engine.info().multi_vector_dim or 0
+    try:
+        result = await cancel_on_disconnect(
+            request,
+            engine.ahybrid_embed(
+                body.texts,
+                ["multi_vector"],
+                input_type=side,
+                truncate=body.truncation(),
+                max_output_values=max_response_values(lifecycle, JSON_FLOAT_BYTES),
+            ),
+        )
+    except OutputTooLargeError as error:
+        check_response_size(
+            lifecycle, error.vectors, width, JSON_FLOAT_BYTES, "embedding_types multi_vector"
+        )
+        raise
+    vectors = result.multi_vector or []
+    headers = timing_headers(result.timings, result.prompt_tokens)
+
+    def encode() -> Response:
+        content = _content(body, {"multi_vector": vectors}, result.prompt_tokens)
+        return json_response(content, headers)
+
+    size = sum(m.size for m in vectors) * JSON_FLOAT_BYTES + sum(map(len, body.texts))
     return await encode_off_loop(encode, size)
 
 

@@ -191,6 +191,10 @@ class AttentionFacts:
     alibi: bool = False
     """The model adds ALiBi position biases (JinaBERT): only flash-attn with
     ``alibi_slopes`` and the SDPA paths (as a float mask) can."""
+    windowed_key_prefix: bool = False
+    """Batches limit keys to a prefix (ColBERT's query expansion) in a model with a sliding
+    window (ModernBERT): :func:`plan_attention` refuses the pair on the varlen kernels,
+    which would align the window to the end of the keys."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +212,7 @@ def probe(
     bias: str | None = None,
     softcap: bool = False,
     alibi: bool = False,
+    windowed_key_prefix: bool = False,
 ) -> AttentionFacts:
     """The facts of this process's install and ``device``, for a model whose attention adds
     ``bias`` to its logits (None: nothing), soft-caps them (``softcap``) and adds ALiBi
@@ -221,6 +226,7 @@ def probe(
             bias=bias,
             softcap=softcap,
             alibi=alibi,
+            windowed_key_prefix=windowed_key_prefix,
         )
     kernels = varlen_kernels()
     return AttentionFacts(
@@ -235,6 +241,7 @@ def probe(
         bias=bias,
         softcap=softcap,
         alibi=alibi,
+        windowed_key_prefix=windowed_key_prefix,
     )
 
 
@@ -271,6 +278,11 @@ def _varlen_unfit(facts: AttentionFacts, install_error: str | None) -> str | Non
     """Why a FlashAttention-2 varlen kernel cannot serve ``facts``, or None when it can."""
     if facts.bias is not None:
         return f"takes no additive bias on the logits, and the model adds {facts.bias}"
+    if facts.windowed_key_prefix:
+        return (
+            "cannot limit keys to a prefix within a sliding window, which the model's "
+            "ColBERT query expansion needs"
+        )
     if facts.device_type != "cuda":
         return f"needs CUDA, the device is {facts.device_type}"
     if install_error is not None:

@@ -27,6 +27,7 @@ from embedding_server.settings import CPU_BATCH_TOKENS, GPU_BATCH_TOKENS, Engine
 from embedding_server.tokenization import Prompts
 
 from .attention import Backend, BackendChoice, probe, select_backend
+from .colbert import ColbertHead
 from .dtypes import cpu_thread_budget, dtype_name
 from .heads import ClassificationHead, SparseHead, token_head
 from .hybrid import HybridHead
@@ -46,6 +47,16 @@ def resolve_config(
             f"{loaded.architecture} has bge-m3's sparse_linear.pt and colbert_linear.pt, whose "
             f"outputs are served with task embed, not {task}; serve it with task embed (or "
             "auto), or remove the two files to serve the body alone"
+        )
+    if loaded.colbert is not None and task != "embed":
+        raise UnsupportedModelError(
+            f"{loaded.architecture} is a ColBERT model, whose multi-vectors are served with "
+            f"task embed, not {task}"
+        )
+    if loaded.colbert is not None and settings.tensor_parallel_size > 1:
+        raise UnsupportedModelError(
+            f"{loaded.architecture} is a ColBERT model, served with tensor_parallel_size 1 "
+            "only for now"
         )
     if task == "sparse" and loaded.sparse is None:  # the fake backend: no weights, no head
         raise UnsupportedModelError(f"{loaded.architecture} has no masked-LM head for task sparse")
@@ -92,6 +103,7 @@ def resolve_config(
         task=task,
         classifier=classifier,
         hybrid=loaded.hybrid,
+        colbert=loaded.colbert,
     )
 
 
@@ -232,11 +244,23 @@ def describe(
         max_request_tokens=config.max_request_tokens,
         backend=loaded.backend,
         outputs=(
-            (list(OUTPUTS) if config.hybrid is not None else ["dense"])
+            (
+                ["multi_vector"]
+                if config.colbert is not None
+                else list(OUTPUTS)
+                if config.hybrid is not None
+                else ["dense"]
+            )
             if config.task == "embed"
             else []
         ),
-        multi_vector_dim=config.hybrid.multi_vector_dim if config.hybrid else None,
+        multi_vector_dim=(
+            config.hybrid.multi_vector_dim
+            if config.hybrid
+            else config.colbert.width
+            if config.colbert
+            else None
+        ),
         score_method=_score_method(config),
     )
 
@@ -245,7 +269,8 @@ def _score_method(config: EngineConfig) -> str | None:
     if config.task == "score":
         return "cross_encoder"
     if config.task == "embed":
-        return "maxsim" if config.hybrid is not None else "cosine"
+        late = config.hybrid is not None or config.colbert is not None
+        return "maxsim" if late else "cosine"
     return None
 
 
@@ -265,6 +290,7 @@ class DeviceHeads:
     classifier: ClassificationHead | None = None
     sparse: SparseHead | None = None
     hybrid: HybridHead | None = None
+    colbert: ColbertHead | None = None
 
     @classmethod
     def of(cls, config: EngineConfig, loaded: LoadedModel, device: torch.device) -> DeviceHeads:
@@ -279,6 +305,11 @@ class DeviceHeads:
             hybrid=(
                 loaded.hybrid_head.to(device)
                 if config.hybrid is not None and loaded.hybrid_head is not None
+                else None
+            ),
+            colbert=(
+                loaded.colbert_head.to(device)
+                if config.colbert is not None and loaded.colbert_head is not None
                 else None
             ),
         )
@@ -296,9 +327,12 @@ class DeviceHeads:
     def token_head(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """What the forward worker applies to the token states it returns: the classifier of
         task token_classify (probabilities) or reward (raw outputs), bge-m3's sparse and
-        ColBERT heads (each token's weight and vector), else nothing."""
+        ColBERT heads (each token's weight and vector), a ColBERT checkpoint's projection,
+        else nothing."""
         if self.hybrid is not None:
             return self.hybrid
+        if self.colbert is not None:
+            return self.colbert
         if self.classifier is None or self.task not in _TOKEN_HEAD_TASKS:
             return None
         return token_head(self.classifier, raw=self.task == "reward")
@@ -317,6 +351,7 @@ def choose_attention(
             loaded.dtype,
             loaded.head_dim,
             bias=loaded.attention_bias,
+            windowed_key_prefix=loaded.colbert is not None and bool(loaded.model.sliding_window),
             softcap=loaded.attention_softcap,
             alibi=loaded.attention_alibi,
         )

@@ -74,18 +74,24 @@ class HybridHead:
 
 COLBERT_NOT_SERVED = (
     "it is a ColBERT late-interaction model: its vectors are per-token, projected and "
-    "normalized, with [Q]/[D] markers and query augmentation, and scored by MaxSim. ColBERT "
-    "checkpoints are not served yet (bge-m3's ColBERT head is); a single pooled vector of it "
-    "would not be what it was trained to give, so it is refused"
+    "normalized, with [Q]/[D] markers and query augmentation, and scored by MaxSim. Of "
+    "PyLate's modules only its Dense (pylate.models.Dense.Dense, with the settings of "
+    "config_sentence_transformers.json) is read; a single pooled vector of it would not be "
+    "what it was trained to give, so it is refused"
 )
 
 
 def refuse_colbert(config: Mapping[str, Any]) -> None:
     """Refuse a stanford-colbert ``HF_ColBERT`` checkpoint (a BERT body with a ``linear``
-    projection), from config.json alone, before any weight is fetched."""
+    projection) on the transformers backend, from config.json alone, before any weight is
+    fetched: the native backend serves it (``device/colbert.py``)."""
     names = [str(n) for n in config.get("architectures") or []]
     if "HF_ColBERT" in names:
-        raise UnsupportedModelError(f"architecture HF_ColBERT: {COLBERT_NOT_SERVED}")
+        raise UnsupportedModelError(
+            "architecture HF_ColBERT: it is a ColBERT late-interaction model, served by the "
+            "native backend only (its query expansion needs the packed attention's key "
+            "limits); serve it with backend native (or auto)"
+        )
 
 
 def read_hybrid_head(

@@ -44,6 +44,7 @@ weight names and shapes alone (``shapes_only``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -56,12 +57,22 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
+from embedding_server.colbert import ColbertFormat
 from embedding_server.errors import ModelNotFoundError, UnsupportedModelError
 from embedding_server.heads import Classifier, SparseStrategy, head_kind
 from embedding_server.hybrid import HybridHeads
 from embedding_server.pooling import PoolingMethod
 from embedding_server.settings import DEFAULT_MODEL, Dtype, ModelBackend
 
+from .colbert import (
+    METADATA_FILE,
+    PYLATE_DENSE,
+    ColbertHead,
+    is_hf_colbert,
+    read_linear,
+    read_pylate_format,
+    read_stanford_format,
+)
 from .distributed import SINGLE, Shard
 from .dtypes import resolve_dtype
 from .generic import (
@@ -95,13 +106,14 @@ from .pooling import DenseLayer
 
 logger = logging.getLogger(__name__)
 
-_CONFIG_PATTERNS = ["*.json", "*.txt", "*.model"]
+_CONFIG_PATTERNS = ["*.json", "*.txt", "*.model", METADATA_FILE]
 """What a Hub model's first download fetches: config, tokenizer (``tokenizer.json``,
 ``vocab.txt``, a sentencepiece ``*.model``) and sentence-transformers files (the Hub matches
 with fnmatch, whose ``*`` crosses ``/``: ``1_Pooling/config.json`` too), enough to decide
 whether it can be served. No weights, and no pattern that could match code: a ``.py`` or
 ``.so`` on disk is one environment variable (``PYTHONPATH``, ``LD_PRELOAD``) away from
-running, so a checkpoint's Python comes only with remote code (:func:`fetch_weights`)."""
+running, so a checkpoint's Python comes only with remote code (:func:`fetch_weights`).
+stanford-colbert's ``artifact.metadata`` (JSON) is its tokenization's configuration."""
 _WEIGHT_PATTERNS = ["*.safetensors", *HEAD_FILES]
 """The weights: safetensors, and bge-m3's two head files at the root (pickles, read with
 ``torch.load(weights_only=True)``: ``device/hybrid.py``)."""
@@ -143,6 +155,9 @@ class SentenceTransformerConfig:
     dense_modules: list[str] = field(default_factory=list)
     """The Dense modules' directories (relative to the model), in pipeline order: their
     weights are read into ``dense`` once the weights are fetched."""
+    pylate: dict[str, Any] | None = None
+    """A PyLate ColBERT's config_sentence_transformers.json (its modules are a Transformer
+    and PyLate Dense layers, applied to every token: ``device/colbert.py``)."""
 
 
 PACKAGED_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"
@@ -492,11 +507,20 @@ def read_sentence_transformers(
     st.present = True
     for module in sorted(modules, key=lambda m: int(m.get("idx", 0))):
         if str(module.get("type", "")).startswith("pylate."):
-            # PyLate's Dense is named like sentence-transformers' but projects every token.
-            raise UnsupportedModelError(
-                f"sentence-transformers module {module.get('type')!r} is PyLate's: "
-                f"{COLBERT_NOT_SERVED}"
-            )
+            # PyLate's Dense is named like sentence-transformers' but projects every token:
+            # read as a ColBERT's projection (device/colbert.py), never a pooled vector's.
+            if module.get("type") != PYLATE_DENSE or not isinstance(st_cfg, dict):
+                raise UnsupportedModelError(
+                    f"sentence-transformers module {module.get('type')!r} is PyLate's: "
+                    f"{COLBERT_NOT_SERVED}"
+                )
+            dense_cfg = read_json(path / str(module.get("path", "")) / "config.json") or {}
+            if isinstance(dense_cfg, dict) and dense_cfg.get("use_residual"):
+                raise UnsupportedModelError(
+                    f"PyLate Dense module {module.get('path')!r} sets use_residual, which is "
+                    "not served (its vectors would lack the residual)"
+                )
+            st.pylate = st_cfg
         kind = str(module.get("type", "")).rsplit(".", 1)[-1]
         module_path = path / str(module.get("path", ""))
         if kind == "Pooling":
@@ -671,6 +695,10 @@ class LoadedModel:
     """What bge-m3's sparse and ColBERT heads mean, where the directory has them."""
     hybrid_head: HybridHead | None = None
     """Their weights (on the CPU, float32)."""
+    colbert: ColbertFormat | None = None
+    """A ColBERT checkpoint's tokenization per side and skip-list (``HF_ColBERT``)."""
+    colbert_head: ColbertHead | None = None
+    """Its projection (on the CPU, float32)."""
     tensors: TensorAudit | None = None
     """Which of the checkpoint's tensors were read and which ignored, and why."""
     custom_code: str | None = None
@@ -732,7 +760,8 @@ def plan_model(source: ModelSource, *, task: str, trust_remote_code: bool) -> Mo
     ``model_type``, a task head or sentence-transformers module we do not serve, a
     generative checkpoint under task auto."""
     config = read_model_config(source.path)
-    refuse_colbert(config)
+    if not is_hf_colbert(config):  # served natively: its projection is read in _build
+        refuse_colbert(config)
     custom = custom_code_class(config)
     if custom is not None and str(config.get("model_type", "")) not in ARCHITECTURES:
         raise UnsupportedModelError(custom_code_refusal(config, trust_remote_code))
@@ -804,6 +833,7 @@ class _Parts:
     classifier: tuple[Classifier, ClassificationHead] | None
     sparse: SparseHead | None
     tensors: TensorAudit
+    colbert: ColbertHead | None = None
 
 
 def _build(
@@ -829,9 +859,10 @@ def _build(
         )
     sparse = _sparse_head(config, tracked, arch=arch, st=st, task=task)
     body = build_model(config, tracked, dtype=dtype, device=device, shard=shard)
+    colbert = read_linear(tracked, body.hidden_size) if is_hf_colbert(config) else None
     audit = audit_tensors(tracked, arch.ignored)
     refuse_unclaimed(audit, arch)
-    return _Parts(body, classifier, sparse, audit)
+    return _Parts(body, classifier, sparse, audit, colbert)
 
 
 def _compute_dtype(arch: Architecture, dtype: Dtype, device: torch.device) -> torch.dtype:
@@ -899,6 +930,15 @@ def load_model(
             plan, weights, dtype=compute_dtype, device=build_device, shard=shard, task=task
         )
         hybrid = _hybrid(path, parts.body.hidden_size, tokenizer, plan)
+        colbert = (
+            read_stanford_format(path, tokenizer, parts.colbert.width)
+            if parts.colbert is not None
+            else None
+        )
+        if plan.st.pylate is not None:
+            colbert_head = ColbertHead(tuple(plan.st.dense))
+            colbert = read_pylate_format(plan.st.pylate, tokenizer, colbert_head.width)
+            parts = dataclasses.replace(parts, colbert=colbert_head)
     config = plan.config
     architectures = config.get("architectures") or [plan.arch.model_type]
     return LoadedModel(
@@ -918,6 +958,8 @@ def load_model(
         sparse=parts.sparse,
         hybrid=hybrid[0] if hybrid else None,
         hybrid_head=hybrid[1] if hybrid else None,
+        colbert=colbert,
+        colbert_head=parts.colbert,
         tensors=parts.tensors,
         custom_code=plan.custom_code,
         attention_bias=plan.arch.attention_bias,
@@ -955,6 +997,12 @@ def _load_transformers(
     refuse_colbert(config)
     refuse_before_fetch(config, name=model, trust_remote_code=trust)
     st = read_sentence_transformers(source.path, dense_weights=False)
+    if st.pylate is not None:
+        raise UnsupportedModelError(
+            "a PyLate ColBERT model is served by the native backend only (its query "
+            "expansion needs the packed attention's key limits, its Dense layers apply to "
+            "every token); serve it with backend native (or auto)"
+        )
     refuse_generative(config, st, task)  # as on the native path: no silent last-token embedder
     path = fetch_weights(source, st, code=trust)
     read_dense_layers(st, path)

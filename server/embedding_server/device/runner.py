@@ -229,6 +229,11 @@ class ModelRunner:
                     if any(s.adapter is not None for s in ordered)
                     else None
                 ),
+                key_lens=(
+                    [len(s.ids) if s.key_len is None else s.key_len for s in ordered]
+                    if any(s.key_len is not None for s in ordered)
+                    else None
+                ),
             )
             batch.attention_plan  # noqa: B018  (built here, off the forward thread)
             copied = None

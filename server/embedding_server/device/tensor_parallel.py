@@ -87,13 +87,16 @@ def _send(kind: int, batch: PackedBatch | None, device: torch.device) -> None:
     tokens = 0 if batch is None else batch.input_ids.shape[0]
     sequences = 0 if batch is None else len(batch.seqlens)
     adapters = batch is not None and batch.adapter_ids is not None
-    header = [kind, tokens, sequences, int(adapters)]
+    key_lens = batch is not None and batch.key_lens is not None
+    header = [kind, tokens, sequences, int(adapters), int(key_lens)]
     dist.broadcast(torch.tensor(header, dtype=torch.int64, device=device), 0)
     if batch is not None:
         lens = torch.tensor(batch.seqlens, dtype=torch.int64, device=device)
         parts = [batch.input_ids, batch.position_ids, lens]
         if batch.adapter_ids is not None:  # each token's task adapter (jina-embeddings-v3)
             parts.append(batch.adapter_ids)
+        if batch.key_lens is not None:  # each sequence's keys (ColBERT's augmented queries)
+            parts.append(torch.tensor(batch.key_lens, dtype=torch.int64, device=device))
         dist.broadcast(torch.cat(parts), 0)
     if kind == _PING:
         dist.all_reduce(torch.ones(1, device=device))
@@ -101,18 +104,27 @@ def _send(kind: int, batch: PackedBatch | None, device: torch.device) -> None:
 
 def _receive(device: torch.device, attention: Backend) -> tuple[int, PackedBatch | None]:
     """A worker's half of :func:`_send`."""
-    header = torch.empty(4, dtype=torch.int64, device=device)
+    header = torch.empty(5, dtype=torch.int64, device=device)
     dist.broadcast(header, 0)
-    kind, tokens, sequences, adapters = header.tolist()
+    kind, tokens, sequences, adapters, key_lens = header.tolist()
     if kind == _PING:
         dist.all_reduce(torch.ones(1, device=device))
     if kind != _FORWARD:
         return kind, None
     extra = tokens if adapters else 0
-    payload = torch.empty(2 * tokens + sequences + extra, dtype=torch.int64, device=device)
+    keys = sequences if key_lens else 0
+    payload = torch.empty(2 * tokens + sequences + extra + keys, dtype=torch.int64, device=device)
     dist.broadcast(payload, 0)
-    ids, positions, lens, adapter_ids = torch.split(payload, [tokens, tokens, sequences, extra])
-    batch = PackedBatch.of(ids, positions, lens.tolist(), attention=attention)
+    ids, positions, lens, adapter_ids, key_len = torch.split(
+        payload, [tokens, tokens, sequences, extra, keys]
+    )
+    batch = PackedBatch.of(
+        ids,
+        positions,
+        lens.tolist(),
+        attention=attention,
+        key_lens=key_len.tolist() if key_lens else None,
+    )
     if adapters:
         batch.adapter_ids = adapter_ids
     return kind, batch

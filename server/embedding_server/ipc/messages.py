@@ -7,7 +7,7 @@ float32 buffers, never as Python lists; the header says how to read them.
 front-end -> engine:
 
 * :class:`Hello`: a front-end's first message;
-* :class:`Run`: a request's sequences, then five int32 frames (:func:`encode_sequences`);
+* :class:`Run`: a request's sequences, then six int32 frames (:func:`encode_sequences`);
 * :class:`Cancel`: the request's caller went away.
 
 engine -> front-end (every one carries the engine's queue, see :class:`QueueView`):
@@ -174,10 +174,11 @@ def _int32(values: Any, count: int) -> bytes:
 
 
 def encode_sequences(seqs: Sequence[SequenceInput]) -> list[bytes]:
-    """A request's sequences as five int32 buffers: the sequence lengths, all token ids
+    """A request's sequences as six int32 buffers: the sequence lengths, all token ids
     concatenated, the prompt tokens to skip per sequence, the segment ids concatenated (an
-    empty buffer for single texts), and each sequence's task adapter, -1 for none (an empty
-    buffer when none names one)."""
+    empty buffer for single texts), each sequence's task adapter, -1 for none (an empty
+    buffer when none names one), and each sequence's key length, -1 for all its tokens (an
+    empty buffer when none limits its keys: ColBERT's augmented queries)."""
     n = len(seqs)
     lengths = [len(s.ids) for s in seqs]
     total = sum(lengths)
@@ -190,7 +191,10 @@ def encode_sequences(seqs: Sequence[SequenceInput]) -> list[bytes]:
     adapters = b""
     if any(s.adapter is not None for s in seqs):
         adapters = _int32((-1 if s.adapter is None else s.adapter for s in seqs), n)
-    return [_int32(lengths, n), ids, skips, types, adapters]
+    key_lens = b""
+    if any(s.key_len is not None for s in seqs):
+        key_lens = _int32((-1 if s.key_len is None else s.key_len for s in seqs), n)
+    return [_int32(lengths, n), ids, skips, types, adapters, key_lens]
 
 
 def decode_sequences(
@@ -204,13 +208,15 @@ def decode_sequences(
     skips = np.frombuffer(frames[2], np.int32).tolist()
     types = np.frombuffer(frames[3], np.int32).tolist() if len(frames[3]) else None
     adapters = np.frombuffer(frames[4], np.int32).tolist() if len(frames[4]) else None
+    key_lens = np.frombuffer(frames[5], np.int32).tolist() if len(frames[5]) else None
     seqs: list[SequenceInput] = []
     start = 0
     for i, (length, skip) in enumerate(zip(lengths, skips, strict=True)):
         end = start + length
         segments = None if types is None else types[start:end]
         adapter = None if adapters is None or adapters[i] < 0 else adapters[i]
-        seqs.append(SequenceInput(ids[start:end], skip, want_tokens, segments, adapter))
+        key_len = None if key_lens is None or key_lens[i] < 0 else key_lens[i]
+        seqs.append(SequenceInput(ids[start:end], skip, want_tokens, segments, adapter, key_len))
         start = end
     return seqs
 

@@ -214,20 +214,29 @@ def test_head_files_are_read_safely_or_refused(tmp_path: Path) -> None:
 
 
 def test_colbert_checkpoints_are_refused_not_pooled(tmp_path: Path) -> None:
-    """A ColBERT checkpoint (stanford-colbert's HF_ColBERT, or PyLate's, whose Dense module
-    is named like sentence-transformers' but projects every token) would otherwise load as
-    a single-vector embedder: refused, saying why, before any weight is read."""
+    """A ColBERT checkpoint that cannot be served as one (stanford-colbert's HF_ColBERT
+    without its projection, PyLate's with a module other than its Dense, whose Dense is
+    named like sentence-transformers' but projects every token, or either on the
+    transformers backend) would otherwise load as a single-vector embedder: refused, saying
+    why (the served ones: test_colbert_engine.py)."""
     import json
 
     hf = build_xlm_roberta(tmp_path / "hf-colbert")
     config = json.loads((hf / "config.json").read_text())
     (hf / "config.json").write_text(json.dumps({**config, "architectures": ["HF_ColBERT"]}))
-    with pytest.raises(UnsupportedModelError, match="HF_ColBERT: it is a ColBERT"):
+    with pytest.raises(UnsupportedModelError, match="HF_ColBERT checkpoint without linear"):
         Engine.from_pretrained(str(hf))
+    with pytest.raises(UnsupportedModelError, match=r"HF_ColBERT: .* native backend only"):
+        Engine.from_pretrained(str(hf), backend="transformers")
     pylate = add_sentence_transformers(build_xlm_roberta(tmp_path / "pylate"), pooling="cls")
     modules = json.loads((pylate / "modules.json").read_text())
     modules = [m for m in modules if not m["type"].endswith(("Pooling", "Normalize"))]
     modules.append({"idx": 1, "name": "1", "path": "1_Dense", "type": "pylate.models.Dense.Dense"})
+    (pylate / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(UnsupportedModelError, match=r"PyLate ColBERT .* native backend only"):
+        Engine.from_pretrained(str(pylate), backend="transformers")
+    # A PyLate module other than its Dense is not read: refused by name on either backend.
+    modules[-1]["type"] = "pylate.models.Other"
     (pylate / "modules.json").write_text(json.dumps(modules))
     for backend in ("native", "transformers"):
         with pytest.raises(UnsupportedModelError, match="PyLate's: it is a ColBERT"):

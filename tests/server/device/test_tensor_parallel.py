@@ -205,8 +205,9 @@ def test_the_batch_plan_crosses_once_per_batch(
     monkeypatch.setattr(dist, "broadcast", counting)
     with Engine.from_pretrained(str(model_dir("minilm")), tensor_parallel_size=2) as engine:
         engine.embed(TEXTS)  # one batch of five sequences
-        # The header (kind, tokens, sequences, whether task adapters follow), then the plan.
-        assert len(calls) == 2 and calls[0] == 4
+        # The header (kind, tokens, sequences, whether task adapters and key lengths
+        # follow), then the plan.
+        assert len(calls) == 2 and calls[0] == 5
         engine.embed(["one more"])
         assert len(calls) == 4
 

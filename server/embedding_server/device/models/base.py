@@ -116,9 +116,10 @@ class PackedBatch:
         seqlens: Sequence[int],
         *,
         attention: Backend = Backend.SDPA_BUCKETED,
+        key_lens: Sequence[int] | None = None,
     ) -> PackedBatch:
         """A batch from already packed ids and positions (what a tensor-parallel worker
-        receives); ``cu_seqlens`` goes to their device."""
+        receives); ``cu_seqlens`` goes to their device; ``key_lens`` as :meth:`build`'s."""
         lens = torch.tensor(list(seqlens), dtype=torch.int32)
         cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
         torch.cumsum(lens, 0, out=cu[1:])
@@ -129,6 +130,7 @@ class PackedBatch:
             max(seqlens, default=0),
             tuple(seqlens),
             attention,
+            key_lens=None if key_lens is None else tuple(key_lens),
         )
 
     def tensors(self) -> list[torch.Tensor]:
