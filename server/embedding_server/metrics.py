@@ -45,7 +45,7 @@ AUTOSCALING_METRICS = frozenset(
 MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 """prometheus_client's own variable: set, every process of the server shares its samples."""
 
-_LATENCY_BUCKETS = (
+LATENCY_BUCKETS = (
     0.0005,
     0.001,
     0.0025,
@@ -115,7 +115,7 @@ class Metrics:
             f"{PREFIX}_request_seconds",
             "Seconds from a request's arrival to its response's first byte, by endpoint.",
             ["endpoint"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self._request_seconds_children: dict[str, Histogram] = {}
@@ -129,7 +129,7 @@ class Metrics:
             f"{PREFIX}_stage_seconds",
             "Per-request latency by pipeline stage.",
             ["stage"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self._stage_children: dict[str, Histogram] = {}
@@ -152,7 +152,7 @@ class Metrics:
             "Seconds per forward pass, pooling and batch head included. The model is busy "
             "for their sum: its rate near 1 means the model is the limit; well below 1 "
             "while requests wait elsewhere means the front end is (see --api-workers).",
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.model_load_seconds = Gauge(

@@ -15,28 +15,14 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from embedding_server.metrics import LATENCY_BUCKETS
+
 PREFIX = "embedding_gateway"
 HELD_REQUESTS_METRIC = f"{PREFIX}_held_requests"
 LAST_REQUEST_METRIC = f"{PREFIX}_last_request_timestamp_seconds"
 
-_LATENCY_BUCKETS = (
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-)
+# The server's request-latency buckets, and a minute: a held request can wait that long.
+_LATENCY_BUCKETS = (*LATENCY_BUCKETS, 60.0)
 
 
 class GatewayMetrics:

@@ -36,7 +36,7 @@ from .base import (
     config_get,
     refuse_beyond_table,
 )
-from .layers import HeadSplit, activation, row_linear
+from .layers import HeadSplit, PostLnLayer, activation, row_linear
 
 _PREFIX = r"(?:(?:bert|roberta|model|encoder)\.)?"
 
@@ -114,22 +114,6 @@ ROBERTA = BertVariant(offset_positions=True)
 XLM_ROBERTA = BertVariant(offset_positions=True, names=FLASH_NAMES)
 
 
-@dataclass
-class _Layer:
-    qkv_w: torch.Tensor
-    qkv_b: torch.Tensor
-    out_w: torch.Tensor
-    out_b: torch.Tensor
-    ln1_w: torch.Tensor
-    ln1_b: torch.Tensor
-    up_w: torch.Tensor
-    up_b: torch.Tensor
-    down_w: torch.Tensor
-    down_b: torch.Tensor
-    ln2_w: torch.Tensor
-    ln2_b: torch.Tensor
-
-
 class BertModel:
     """A BERT-family encoder body for packed batches.
 
@@ -182,12 +166,12 @@ class BertModel:
             "position table",
         )
         get = w.get
-        self.layers: list[_Layer] = []
+        self.layers: list[PostLnLayer] = []
         for i in range(self.num_layers):
             p = f"encoder.layer.{i}."
             qkv_w, qkv_b = _read_qkv(w, p, split)
             self.layers.append(
-                _Layer(
+                PostLnLayer(
                     qkv_w=qkv_w,
                     qkv_b=qkv_b,
                     out_w=w.columns(p + "attention.output.dense.weight", split.q),

@@ -46,7 +46,7 @@ from embedding_server.pooling import ACTIVATIONS, PoolingMethod
 from ..attention import AttentionPlan
 from ..heads import ClassificationHead, HeadWeights
 from .base import Checkpoint, Ignored, PackedBatch
-from .layers import HeadSplit, activation, row_linear
+from .layers import HeadSplit, PostLnLayer, activation, row_linear
 
 MODEL_TYPE = "deberta-v2"
 
@@ -177,19 +177,7 @@ class _DisentangledBias:
 
 
 @dataclass
-class _Layer:
-    qkv_w: torch.Tensor
-    qkv_b: torch.Tensor
-    out_w: torch.Tensor
-    out_b: torch.Tensor
-    ln1_w: torch.Tensor
-    ln1_b: torch.Tensor
-    up_w: torch.Tensor
-    up_b: torch.Tensor
-    down_w: torch.Tensor
-    down_b: torch.Tensor
-    ln2_w: torch.Tensor
-    ln2_b: torch.Tensor
+class _Layer(PostLnLayer):
     bias: _DisentangledBias | None
 
 

@@ -57,6 +57,7 @@ from .base import Checkpoint, Ignored, PackedBatch, WeightReader
 from .bert import FLASH_NAMES, LEGACY_NAMES, renames
 from .layers import (
     HeadSplit,
+    PostLnLayer,
     RotaryTable,
     activation,
     apply_rotary,
@@ -184,19 +185,7 @@ class EmbeddingLora:
 
 
 @dataclass
-class _Layer:
-    qkv_w: torch.Tensor
-    qkv_b: torch.Tensor
-    out_w: torch.Tensor
-    out_b: torch.Tensor
-    ln1_w: torch.Tensor
-    ln1_b: torch.Tensor
-    up_w: torch.Tensor
-    up_b: torch.Tensor
-    down_w: torch.Tensor
-    down_b: torch.Tensor
-    ln2_w: torch.Tensor
-    ln2_b: torch.Tensor
+class _Layer(PostLnLayer):
     qkv_lora: LoraStack | None = None
     out_lora: LoraStack | None = None
     up_lora: LoraStack | None = None

@@ -12,7 +12,6 @@ the positions, so it is built once per batch and length bucket
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +22,7 @@ from embedding_server.heads import SparseStrategy
 from ..attention import PositionBias
 from ..heads import HeadWeights, SparseHead
 from .base import Checkpoint, Ignored, PackedBatch
-from .layers import HeadSplit, activation, relative_position_buckets, row_linear
+from .layers import HeadSplit, PostLnLayer, activation, relative_position_buckets, row_linear
 
 # transformers' MPNet hard-codes these rather than reading the config: the embeddings'
 # padding_idx (positions start after it), and the buckets' count and reach.
@@ -43,22 +42,6 @@ IGNORED = (
     ),
     Ignored(r"lm_head\..+", "the masked-LM head, read only for task sparse (SPLADE)"),
 )
-
-
-@dataclass
-class _Layer:
-    qkv_w: torch.Tensor
-    qkv_b: torch.Tensor
-    out_w: torch.Tensor
-    out_b: torch.Tensor
-    ln1_w: torch.Tensor
-    ln1_b: torch.Tensor
-    up_w: torch.Tensor
-    up_b: torch.Tensor
-    down_w: torch.Tensor
-    down_b: torch.Tensor
-    ln2_w: torch.Tensor
-    ln2_b: torch.Tensor
 
 
 class MPNetModel:
@@ -104,12 +87,12 @@ class MPNetModel:
         heads = slice(split.q.start // self.head_dim, split.q.stop // self.head_dim)
         # [buckets, heads]: this rank's heads' columns.
         self.rel_bias = w.columns("encoder.relative_attention_bias.weight", heads)
-        self.layers: list[_Layer] = []
+        self.layers: list[PostLnLayer] = []
         for i in range(int(config["num_hidden_layers"])):
             p = f"encoder.layer.{i}."
             qkv = [p + f"attention.attn.{n}." for n in ("q", "k", "v")]
             self.layers.append(
-                _Layer(
+                PostLnLayer(
                     qkv_w=w.qkv([n + "weight" for n in qkv], split),
                     qkv_b=w.qkv([n + "bias" for n in qkv], split),
                     out_w=w.columns(p + "attention.attn.o.weight", split.q),
