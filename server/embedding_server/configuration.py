@@ -111,5 +111,12 @@ class EngineInfo:
     """How /score and /rerank score a pair: cross_encoder (task score), cosine (dense
     embeddings) or maxsim (late interaction over multi-vectors); None: not served."""
 
+    modalities: list[str] = field(default_factory=lambda: ["text"])
+    """What the model embeds: ``text``, and ``image`` for a model with a vision tower
+    (CLIP, SigLIP); an image sent to a text-only model is refused with 400."""
+    image_tokens: int | None = None
+    """The vision tower's sequence length for one image (what an image costs in admission
+    and batching), where the model takes images."""
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -32,6 +32,11 @@ class SequenceInput:
     """How many leading tokens the sequence's tokens may attend to (ColBERT's query
     augmentation: the ``[MASK]`` tokens padding a query are queries whose keys nothing
     sees); None: all of them."""
+    pixels: FloatArray | None = None
+    """A preprocessed image (``[3, height, width]`` float32, :class:`~.imaging.ImageInput`)
+    for the model's vision tower; then ``ids`` are placeholders, one per token of the vision
+    tower's sequence (what the image costs in admission and batching), and no other field
+    applies. None for text."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -277,6 +277,31 @@ class ServerSettings(EngineSettings):
         "without an API key that a browser could reach, such as a developer's on "
         "127.0.0.1 (--allowed-hosts localhost).",
     )
+    allowed_media_domains: list[str] = Field(
+        default_factory=list,
+        description="Hosts whose http(s) image URLs the server fetches (comma-separated; "
+        "'*.example.com' also matches subdomains). Empty: images come only as data: URIs. "
+        "Addresses that are loopback, link-local, private or cluster-internal are refused "
+        "unless their host name is listed here.",
+    )
+    media_fetch_timeout: float = Field(
+        5.0, gt=0, description="Seconds an image URL may take to answer and send its body."
+    )
+    max_image_bytes: int = Field(
+        8 * 1024 * 1024,
+        gt=0,
+        description="Largest encoded image accepted (a data: URI's decoded bytes or a fetched "
+        "body), refused with 400 before it is decoded.",
+    )
+    max_image_pixels: int = Field(
+        25_000_000,
+        gt=0,
+        description="Most pixels (width x height, read from the image header) an image may "
+        "have; larger ones are refused with 400 before they are decoded (decompression bombs).",
+    )
+    max_images_per_request: int = Field(
+        16, gt=0, description="Most images in one request (400 beyond)."
+    )
     bulk_routes: list[str] = Field(
         default_factory=list,
         description="Routes whose requests are bulk unless their X-Priority header says "
@@ -330,7 +355,7 @@ class ServerSettings(EngineSettings):
             raise ValueError(f"{MISSING_SDK} ({missing} not found)")
         return value
 
-    @field_validator("allowed_hosts", "bulk_routes", mode="before")
+    @field_validator("allowed_hosts", "bulk_routes", "allowed_media_domains", mode="before")
     @classmethod
     def _split_hosts(cls, value: object) -> object:
         if isinstance(value, str):
