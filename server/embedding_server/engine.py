@@ -40,12 +40,20 @@ from .configuration import EngineInfo
 from .device.configuration import DeviceHeads, choose_attention, describe, resolve_config
 from .device.distributed import SINGLE
 from .device.dtypes import resolve_device, resolve_dtype
-from .device.fake import is_fake, load_fake
+from .device.fake import (
+    FakeRunner,
+    fake_chat_template,
+    fake_images,
+    fake_info,
+    is_fake,
+    load_fake,
+)
 from .device.generic import tensor_parallel_refusal
 from .device.loading import LoadedModel, load_model, model_backend
 from .device.runner import ModelRunner
 from .device.tensor_parallel import TensorParallelGroup, TensorParallelModel
 from .errors import NotReadyError, UnsupportedModelError
+from .imaging import ImageProcessor
 from .ipc.messages import Handoff
 from .jobs import (
     DirectRunner,
@@ -59,6 +67,7 @@ from .jobs import (
     run_sync,
 )
 from .metrics import Metrics
+from .multimodal import ChatTemplate, ImagePreprocessor
 from .results import (
     ClassifyResult,
     EmbedResult,
@@ -134,7 +143,8 @@ class Engine(ServingEngine):
             max_length=config.max_input_tokens,
             embedding_rows=_int_or_none(loaded.config.get("vocab_size")),
         )
-        self._runner = ModelRunner(
+        fake = loaded.backend == "fake"
+        self._runner = (FakeRunner if fake else ModelRunner)(
             loaded.model,
             device=device,
             pooling=config.pooling,
@@ -169,6 +179,9 @@ class Engine(ServingEngine):
             attention=attention,
             vocab_size=self._tokenizer.vocab_size,
         )
+        if fake:
+            self._info = fake_info(loaded, self._info)
+        self._images, self._chat = _inputs_of(loaded, self._info)
         info = self._info.to_dict()
         logger.info(
             "engine configured: %s backend, %s (%s), attention %s: %s",
@@ -354,7 +367,7 @@ class Engine(ServingEngine):
 
     def handoff(self) -> Handoff:
         """What a front-end process needs to serve this engine's requests (``--api-workers``)."""
-        return Handoff(self._config, self._info, self._tokenizer)
+        return Handoff(self._config, self._info, self._tokenizer, self._images, self._chat)
 
     def _sync(self, work: Callable[[JobRunner], Coroutine[Any, Any, T]]) -> T:
         return run_sync(work, self._direct, self._online if self._ready else None)
@@ -364,6 +377,32 @@ async def load_engine(settings: EngineSettings, metrics: Metrics) -> Engine:
     """Load the model ``settings`` names, off the event loop: how a one-process server gets
     its engine (``create_app(settings, connect=load_engine)``)."""
     return await asyncio.to_thread(Engine.from_settings, settings, metrics=metrics)
+
+
+def _inputs_of(
+    loaded: LoadedModel, info: EngineInfo
+) -> tuple[ImagePreprocessor | None, ChatTemplate | None]:
+    """The model's image preprocessing (where ``info.modalities`` lists images: its
+    ``preprocessor_config.json``) and its tokenizer's chat template, from the model
+    directory. A model that takes images without a processor we can build is refused: its
+    images could not be served exactly."""
+    if loaded.backend == "fake":
+        return fake_images(loaded), fake_chat_template(loaded)
+    images: ImagePreprocessor | None = None
+    if "image" in info.modalities:
+        if loaded.path is not None:
+            images = ImageProcessor.from_pretrained(loaded.path, loaded.config)
+        if images is None:
+            raise UnsupportedModelError(
+                f"{loaded.name} ({loaded.architecture}) has a vision tower but no image "
+                "preprocessing this server can build (preprocessor_config.json)"
+            )
+    try:
+        chat = ChatTemplate.from_directory(loaded.path)
+    except ValueError as error:
+        logger.warning("%s: no chat template served: %s", loaded.name, error)
+        chat = None
+    return images, chat
 
 
 def _int_or_none(value: object) -> int | None:

@@ -33,6 +33,7 @@ from .errors import (
     TooManyTokensError,
 )
 from .heads import PairTemplate, SegmentedPairTemplate
+from .imaging import ImageInput
 from .pooling import FloatArray
 from .results import JobOutput, StageTimings
 from .scheduler import BatchRunner, Priority, Reservation, ScheduledOutput, Scheduler
@@ -49,6 +50,9 @@ from .tokenization import (
 from .tracing import current_trace
 
 T = TypeVar("T")
+
+JobItem = TextInput | ImageInput
+"""One input of a job: a text, token ids, or a preprocessed image."""
 
 INLINE_TOKENIZE_CHARS = 2048
 """Jobs whose texts (prompt included) and token ids come to this many characters or fewer
@@ -132,7 +136,10 @@ def check_options(method: str, options: dict[str, Any], allowed: type) -> None:
 class Job:
     """One request, checked and resolved, ready to tokenize and run."""
 
-    items: list[TextInput]
+    items: list[JobItem]
+    """Texts, token ids, and images (:class:`~.imaging.ImageInput`, already preprocessed):
+    an image becomes one sequence of placeholder ids, one per token of the vision tower,
+    carrying its pixels; prompts, truncation and special tokens apply to texts only."""
     prompt: str | None
     truncation: Truncation
     add_special_tokens: bool = True
@@ -177,7 +184,7 @@ class Job:
         if isinstance(template, SegmentedPairTemplate):
             return cls([], instruction, truncation, pairs=pairs, segmented=template)
         if template is not None:
-            texts: list[TextInput] = [template.text(q, d, instruction) for q, d in pairs]
+            texts: list[JobItem] = [template.text(q, d, instruction) for q, d in pairs]
             return cls(texts, None, truncation, add_special_tokens=False, suffix=template.suffix)
         if instruction is not None:
             raise InvalidRequestError(
@@ -225,7 +232,7 @@ class Job:
                     param="input",
                 )
         return cls(
-            items,
+            list[JobItem](items),
             None,
             truncation,
             want_tokens=True,
@@ -237,7 +244,7 @@ class Job:
     @classmethod
     def prepare(
         cls,
-        items: list[TextInput],
+        items: Sequence[JobItem],
         options: ScoreOptions,
         prompts: Prompts,
         *,
@@ -247,16 +254,32 @@ class Job:
     ) -> Job:
         """Resolve a request's prompt, task adapter and truncation once, after its inputs
         were checked. A named adapter brings its prompt (jina's ``encode(task=...)`` prepends
-        the task's instruction) unless the request gives one."""
+        the task's instruction) unless the request gives one. A prompt applies to texts
+        only: asked for a request of images alone, it is refused, never ignored."""
         adapter, raw = options.get("adapter"), options.get("prompt")
         prompt_name = options.get("prompt_name")
+        if items and all(isinstance(item, ImageInput) for item in items):
+            for name in ("prompt", "prompt_name"):
+                if options.get(name) is not None:
+                    raise InvalidRequestError(
+                        f"{name} applies to text inputs; this request holds only images",
+                        param=name,
+                    )
+            if want_tokens:
+                raise InvalidRequestError(
+                    "per-token outputs are served for text inputs only", param="input"
+                )
         if adapter is not None and prompt_name is None and raw is None and adapter in prompts.table:
             prompt_name = adapter
         prompt = prompts.resolve(raw, prompt_name)
         index = prompts.adapter(adapter, prompt_name)
         truncation = Truncation.coerce(options.get("truncate", True))
+        if want_tokens and any(isinstance(item, ImageInput) for item in items):
+            raise InvalidRequestError(
+                "per-token outputs are served for text inputs only", param="input"
+            )
         return cls(
-            items,
+            list(items),
             prompt,
             truncation,
             add_special_tokens,
@@ -271,10 +294,16 @@ class Job:
         if self.colbert is not None:  # queries expanded to their length: not the text's size
             return self.colbert.admission([str(t) for t in self.items], self.sides)
         if self.pairs is None:
-            items = self.items
+            items = self.text_items
             if self.suffix:  # each text with its suffix, still at most the limit
                 items = [t + self.suffix if isinstance(t, str) else t for t in items]
-            return tokenizer.admission_estimate(items, self.truncation, self.prompt)
+            estimate = tokenizer.admission_estimate(items, self.truncation, self.prompt)
+            images = self.image_tokens
+            if images:  # an image holds exactly its vision tower's tokens
+                return AdmissionEstimate(
+                    estimate.floor + images, estimate.likely + images, estimate.bound + images
+                )
+            return estimate
         if self.segmented is not None:  # each pair in its prompt, at most the limit
             t = self.segmented
             fixed = "".join((*t.head, t.separator, *t.tail_texts(self.prompt)))
@@ -283,6 +312,16 @@ class Job:
             ]
             return tokenizer.admission_estimate(joined, self.truncation, None)
         return tokenizer.pair_estimate(self.pairs, self.truncation)
+
+    @property
+    def text_items(self) -> list[TextInput]:
+        """The job's texts and token ids, in order, without its images."""
+        return [item for item in self.items if not isinstance(item, ImageInput)]
+
+    @property
+    def image_tokens(self) -> int:
+        """The tokens the job's images hold (their vision tower's sequences)."""
+        return sum(item.tokens for item in self.items if isinstance(item, ImageInput))
 
     def small(self, most: int = INLINE_TOKENIZE_CHARS) -> bool:
         """Whether its texts (each distinct one once, with the prompt) and token ids come to
@@ -300,6 +339,8 @@ class Job:
             return True
         prompt = len(self.prompt or "")
         for item in self.items:
+            if isinstance(item, ImageInput):  # preprocessed already: nothing to tokenize
+                continue
             size += len(item) + prompt if isinstance(item, str) else len(item)
             if size > most:
                 return False
@@ -359,14 +400,34 @@ class Job:
             return tokenizer.encode_suffixed(
                 texts, self.suffix, truncation=self.truncation, max_total=max_total
             )
-        tokenized = tokenizer.encode(
-            self.items,
-            truncation=self.truncation,
-            add_special_tokens=self.add_special_tokens,
-            prompt=self.prompt,
-            param="input",
-            max_total=max_total,
+        images = self.image_tokens
+        if max_total is not None and images > max_total:
+            raise TooManyTokensError(
+                f"'input' holds {images} image tokens; one request may hold at most "
+                f"{max_total} (max_request_tokens)",
+                param="input",
+            )
+        plain = self.text_items
+        tokenized = (
+            tokenizer.encode(
+                plain,
+                truncation=self.truncation,
+                add_special_tokens=self.add_special_tokens,
+                prompt=self.prompt,
+                param="input",
+                max_total=None if max_total is None else max_total - images,
+            )
+            if plain
+            else []
         )
+        if len(plain) < len(self.items):  # images, in their places among the texts
+            rest = iter(tokenized)
+            tokenized = [
+                TokenizedInput([0] * item.tokens, item.tokens)
+                if isinstance(item, ImageInput)
+                else next(rest)
+                for item in self.items
+            ]
         return self._checked_rows(tokenized)
 
     def _checked_rows(self, tokenized: list[TokenizedInput]) -> list[TokenizedInput]:
@@ -383,6 +444,17 @@ class Job:
         return tokenized
 
     def sequences(self, tokenized: Sequence[TokenizedInput]) -> list[SequenceInput]:
+        """The scheduler's sequences of the tokenized inputs; an image's carries its pixels
+        beside its placeholder ids (and nothing else: no prompt, adapter or key limit)."""
+        if self.pairs is None and any(isinstance(item, ImageInput) for item in self.items):
+            return [
+                SequenceInput(t.ids, pixels=item.pixels)
+                if isinstance(item, ImageInput)
+                else SequenceInput(
+                    t.ids, t.prompt_length, self.want_tokens, t.type_ids, self.adapter, t.key_len
+                )
+                for item, t in zip(self.items, tokenized, strict=True)
+            ]
         return [
             SequenceInput(
                 t.ids, t.prompt_length, self.want_tokens, t.type_ids, self.adapter, t.key_len

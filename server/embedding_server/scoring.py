@@ -19,17 +19,23 @@ from .results import Ranked
 from .tokenization import TextInput, normalize_inputs
 
 
+def check_sides(count_a: int, count_b: int) -> None:
+    """Equal lengths, or one input on either side (scored against every input of the
+    other)."""
+    if count_a != count_b and 1 not in (count_a, count_b):
+        raise InvalidRequestError(
+            f"text_1 has {count_a} inputs and text_2 has {count_b}; give equal "
+            "numbers or one on either side",
+            param="text_2",
+        )
+
+
 def _sides(a: object, b: object) -> tuple[list[TextInput], list[TextInput]]:
     """Both sides' inputs; equal lengths, or one input on either side (scored against every
     input of the other)."""
     items_a = normalize_inputs(a, "text_1")
     items_b = normalize_inputs(b, "text_2")
-    if len(items_a) != len(items_b) and 1 not in (len(items_a), len(items_b)):
-        raise InvalidRequestError(
-            f"text_1 has {len(items_a)} inputs and text_2 has {len(items_b)}; give equal "
-            "numbers or one on either side",
-            param="text_2",
-        )
+    check_sides(len(items_a), len(items_b))
     return items_a, items_b
 
 

@@ -19,6 +19,7 @@ model runtime (seconds of start-up and hundreds of MB per process: docs/performa
 from __future__ import annotations
 
 import abc
+import asyncio
 import functools
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -26,24 +27,29 @@ from typing import Any, Literal, TypeVar, Unpack, cast
 
 import numpy as np
 import numpy.typing as npt
+from PIL import Image
 
 from .colbert import ColbertFormat, Side, maxsim_sum, parse_side
 from .configuration import EngineConfig, EngineInfo
 from .errors import InvalidRequestError
 from .heads import Task
 from .hybrid import OUTPUTS, HybridHeads, maxsim_scores
+from .imaging import ImageInput
 from .jobs import (
     INLINE_TOKENIZE_CHARS,
     EmbedOptions,
     HybridOptions,
     Job,
+    JobItem,
     JobRunner,
     ScoreOptions,
     TokenEmbedOptions,
     TokenOptions,
     check_options,
 )
+from .media import MediaPolicy, decode_image, fetch_image
 from .metrics import Metrics
+from .multimodal import IMAGE_TYPES, ChatTemplate, ImagePreprocessor, ImageRef
 from .pooling import FloatArray
 from .results import (
     ClassifyResult,
@@ -57,14 +63,25 @@ from .results import (
     TokenEmbedResult,
     usage_of,
 )
-from .scoring import cosine_scores, pair_inputs, rank, text_pairs
+from .scoring import check_sides, cosine_scores, pair_inputs, rank, text_pairs
 from .settings import EngineSettings
 from .tokenization import TextInput, TextTokenizer, normalize_inputs
 
 T = TypeVar("T")
 
-Inputs = str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] | Sequence[TextInput]
-"""One string, a list of strings, one token-id list, or a list of token-id lists (mixed ok)."""
+Inputs = (
+    str
+    | Sequence[str]
+    | Sequence[int]
+    | Sequence[Sequence[int]]
+    | Sequence[TextInput]
+    | Image.Image
+    | ImageInput
+    | Sequence[TextInput | Image.Image | ImageInput]
+)
+"""One string, a list of strings, one token-id list, or a list of token-id lists (mixed ok);
+for a model that takes images, PIL images and :class:`~.imaging.ImageInput` too, alone or
+mixed with texts."""
 
 EncodeTask = Literal["embed", "token_embed", "classify", "token_classify", "reward"]
 ENCODE_TASKS: tuple[EncodeTask, ...] = (
@@ -84,6 +101,13 @@ def _sizeable(value: object) -> bool:
     if len(value) > INLINE_TOKENIZE_CHARS:
         return True
     return sum(len(v) for v in value if isinstance(v, list)) > INLINE_TOKENIZE_CHARS
+
+
+def _holds_pil(inputs: object) -> bool:
+    """Whether ``inputs`` hold a PIL image (its preprocessing is CPU work for a thread)."""
+    if isinstance(inputs, Image.Image):
+        return True
+    return isinstance(inputs, list | tuple) and any(isinstance(x, Image.Image) for x in inputs)
 
 
 async def _checked(runner: JobRunner, check: Callable[..., T], *inputs: object) -> T:
@@ -113,9 +137,95 @@ class ServingEngine(abc.ABC):
     _config: EngineConfig
     _info: EngineInfo
     _tokenizer: TextTokenizer
+    _images: ImagePreprocessor | None = None
+    """The model's image preprocessing, where it takes images (``info().modalities``)."""
+    _chat: ChatTemplate | None = None
+    """The tokenizer's chat template, where it has one (``messages`` requests)."""
 
     def info(self) -> EngineInfo:
         return self._info
+
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        """The tokenizer's chat template (``tokenizer_config.json``), where it has one."""
+        return self._chat
+
+    @property
+    def takes_images(self) -> bool:
+        """Whether the model embeds images (a vision tower and its preprocessing)."""
+        return "image" in self._info.modalities and self._images is not None
+
+    def check_takes_images(self, param: str) -> None:
+        """A 400 naming ``param`` (the request field holding an image) when the model does
+        not embed images: an image is never dropped or guessed at."""
+        if not self.takes_images:
+            raise InvalidRequestError(
+                f"{param} is an image, and this model ({self._info.architecture}) embeds "
+                f"{' and '.join(self._info.modalities)} only",
+                param=param,
+            )
+
+    async def aload_images(self, refs: Sequence[ImageRef], policy: MediaPolicy) -> list[ImageInput]:
+        """The images ``refs`` point at, fetched (concurrently, on the loop: network I/O)
+        then decoded and preprocessed off the event loop in the tokenizer threads. Every
+        refusal (a host not listed, a body too large, a decompression bomb) is a 400 naming
+        the image's field."""
+        for ref in refs:
+            self.check_takes_images(ref.param)
+        processor = self._images
+        assert processor is not None
+        data = await asyncio.gather(*(fetch_image(r.url, policy, param=r.param) for r in refs))
+        offloader = self._offloader()
+
+        def prepare(raw: bytes, param: str) -> ImageInput:
+            return processor.preprocess(decode_image(raw, policy, param=param))
+
+        return list(
+            await asyncio.gather(
+                *(
+                    offloader.offload(functools.partial(prepare, raw, ref.param))
+                    for raw, ref in zip(data, refs, strict=True)
+                )
+            )
+        )
+
+    def _image_input(self, image: Image.Image | ImageInput, param: str) -> ImageInput:
+        """An offline API image input, preprocessed as the model's processor does."""
+        self.check_takes_images(param)
+        if isinstance(image, ImageInput):
+            return image
+        assert self._images is not None
+        return self._images.preprocess(image.convert("RGB"))
+
+    def _job_items(self, inputs: object, param: str = "input") -> list[JobItem]:
+        """A request's inputs: texts and token ids (:func:`normalize_inputs`), and images
+        (PIL images are preprocessed here: call it off the loop for many of them)."""
+        if isinstance(inputs, IMAGE_TYPES):
+            return [self._image_input(inputs, param)]
+        if isinstance(inputs, list | tuple) and any(isinstance(x, IMAGE_TYPES) for x in inputs):
+            items: list[JobItem] = []
+            for i, item in enumerate(inputs):
+                if isinstance(item, IMAGE_TYPES):
+                    items.append(self._image_input(item, f"{param}[{i}]"))
+                    continue
+                try:
+                    items.extend(normalize_inputs([item], param))
+                except InvalidRequestError as error:
+                    raise InvalidRequestError(
+                        f"{param}[{i}] must be a string, a list of token ids or an image",
+                        param=param,
+                    ) from error
+            return items
+        return list(normalize_inputs(inputs, param))
+
+    async def _items(
+        self, runner: JobRunner, inputs: object, param: str = "input"
+    ) -> list[JobItem]:
+        """:meth:`_job_items` of ``inputs``, off the event loop when they are many or hold
+        images to preprocess."""
+        if _holds_pil(inputs):
+            return await runner.offload(functools.partial(self._job_items, inputs, param))
+        return await _checked(runner, self._job_items, inputs, param)
 
     def load(self) -> EngineLoad:
         """The work queued and running now (an engine without a queue of its own: none)."""
@@ -191,8 +301,8 @@ class ServingEngine(abc.ABC):
 
     async def arerank(
         self,
-        query: str,
-        documents: Sequence[str],
+        query: str | Image.Image | ImageInput,
+        documents: Sequence[str | Image.Image | ImageInput],
         *,
         top_n: int | None = None,
         **options: Unpack[ScoreOptions],
@@ -290,8 +400,8 @@ class ServingEngine(abc.ABC):
 
     def rerank(
         self,
-        query: str,
-        documents: Sequence[str],
+        query: str | Image.Image | ImageInput,
+        documents: Sequence[str | Image.Image | ImageInput],
         *,
         top_n: int | None = None,
         **options: Unpack[ScoreOptions],
@@ -368,7 +478,7 @@ class ServingEngine(abc.ABC):
                 "/rerank)",
                 param="model",
             )
-        items = await _checked(runner, normalize_inputs, inputs, "input")
+        items = await self._items(runner, inputs)
         head = self._config.head.options(options.get("dimensions"), options.get("normalize"))
         special = options.get("add_special_tokens", True)
         job = Job.prepare(items, options, self._config.prompts, add_special_tokens=special)
@@ -451,9 +561,12 @@ class ServingEngine(abc.ABC):
             vectors = [hybrid.multi_vector(t) for t in out.tokens if t is not None]
             return out.score_result(maxsim_scores(vectors, n_a))
         if classifier is None:
-            items, n_a = await _checked(runner, pair_inputs, a, b)
-            out = await self._run(runner, Job.prepare(items, options, self._config.prompts))
-            return out.score_result(cosine_scores(out.pooled, n_a))
+            items_a = await self._items(runner, a, "text_1")
+            items_b = await self._items(runner, b, "text_2")
+            check_sides(len(items_a), len(items_b))
+            both = [*items_a, *items_b]
+            out = await self._run(runner, Job.prepare(both, options, self._config.prompts))
+            return out.score_result(cosine_scores(out.pooled, len(items_a)))
         pairs = await _checked(runner, text_pairs, a, b)
         out = await self._run(runner, Job.for_pairs(pairs, options, classifier.template))
         return out.score_result(classifier.scores(out.pooled))
@@ -526,24 +639,26 @@ class ServingEngine(abc.ABC):
     async def _rerank(
         self,
         runner: JobRunner,
-        query: str,
-        documents: Sequence[str],
+        query: str | Image.Image | ImageInput,
+        documents: Sequence[str | Image.Image | ImageInput],
         top_n: int | None,
         options: ScoreOptions,
     ) -> RerankResult:
         check_options("rerank", dict(options), ScoreOptions)
-        if not isinstance(query, str) or not query:
+        if not isinstance(query, IMAGE_TYPES) and (not isinstance(query, str) or not query):
             raise InvalidRequestError("query must be a non-empty string", param="query")
         if isinstance(documents, str) or not documents:
             raise InvalidRequestError("documents must be a non-empty list", param="documents")
         for i, document in enumerate(documents):
+            if isinstance(document, IMAGE_TYPES):
+                continue
             if not isinstance(document, str) or not document:
                 raise InvalidRequestError(
                     f"documents[{i}] must be a non-empty string", param="documents"
                 )
         if top_n is not None and (isinstance(top_n, bool) or top_n < 0):
             raise InvalidRequestError("top_n must be a non-negative integer", param="top_n")
-        result = await self._score(runner, query, list(documents), options)
+        result = await self._score(runner, query, list(documents), options)  # type: ignore[arg-type]
         return RerankResult(results=rank(result.scores, top_n), **usage_of(result))
 
     def _colbert(self, input_type: object) -> tuple[ColbertFormat, Side] | None:

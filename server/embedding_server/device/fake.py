@@ -9,25 +9,52 @@ alone and in a crowd.
 Options ride on the model name as a query string, which also works from the CLI and in a
 Kubernetes manifest (e.g. to make a load test fill the queue):
 ``fake?dim=64&max_len=128&delay_ms=20&matryoshka=false&pooling=mean``.
+
+``image_tokens=N`` makes it a model that takes images too (``info().modalities`` lists
+``image``): each image costs N tokens, and its vector is a deterministic function of its
+pixels' bytes (:class:`FakeRunner`), never of its placeholder ids. ``chat=true`` gives its
+tokenizer a small chat template (:data:`FAKE_CHAT_TEMPLATE`), as an instruction-tuned
+decoder embedder has, for ``messages`` requests.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from urllib.parse import parse_qsl
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
+from embedding_server.configuration import EngineInfo
 from embedding_server.errors import InvalidRequestError
+from embedding_server.fake_images import FakeImageProcessor
+from embedding_server.multimodal import ChatTemplate
 from embedding_server.pooling import POOLING_METHODS, PoolingMethod, parse_pooling_method
+from embedding_server.sequences import SequenceInput
 
 from .loading import LoadedModel, SentenceTransformerConfig
 from .models.base import PackedBatch
+from .runner import ModelRunner, PreparedBatch
 
 FAKE_MODEL = "fake"
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
+
+FAKE_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + message['role']) }}{% endif %}"
+    "<|{{ message['role'] }}|>\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}"
+    "{{ part['text'] }}{% endif %}{% endfor %}{% endif %}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+"""The fake tokenizer's chat template with ``chat=true`` (the shape of a Zephyr-style
+template: a tag per role, the end-of-sequence token after each turn)."""
 
 
 def is_fake(model: str) -> bool:
@@ -45,12 +72,25 @@ class FakeOptions:
     device_error_after: int = 0
     """Forward passes (warm-up included) after which every one raises a CUDA-style fatal
     error, as a poisoned device does; 0 = never. For the failure-path tests."""
+    image_tokens: int = 0
+    """Tokens one image costs; 0: the model takes text only."""
+    chat: bool = False
+    """Give the tokenizer :data:`FAKE_CHAT_TEMPLATE`."""
 
     @classmethod
     def parse(cls, model: str) -> FakeOptions:
         _, _, query = model.partition("?")
         fields: dict[str, str] = dict(parse_qsl(query, strict_parsing=bool(query)))
-        known = {"dim", "max_len", "delay_ms", "matryoshka", "pooling", "prompts"}
+        known = {
+            "dim",
+            "max_len",
+            "delay_ms",
+            "matryoshka",
+            "pooling",
+            "prompts",
+            "image_tokens",
+            "chat",
+        }
         unknown = set(fields) - known - {"device_error_after"}
         if unknown:
             raise InvalidRequestError(
@@ -62,7 +102,7 @@ class FakeOptions:
                 f"fake pooling must be one of {POOLING_METHODS}", param="model"
             )
         try:
-            return cls(
+            options = cls(
                 dim=int(fields.get("dim", 384)),
                 max_len=int(fields.get("max_len", 512)),
                 delay_ms=float(fields.get("delay_ms", 0.0)),
@@ -70,9 +110,17 @@ class FakeOptions:
                 pooling=pooling_method,
                 prompts=_bool(fields.get("prompts", "true")),
                 device_error_after=int(fields.get("device_error_after", 0)),
+                image_tokens=int(fields.get("image_tokens", 0)),
+                chat=_bool(fields.get("chat", "false")),
             )
         except ValueError as exc:
             raise InvalidRequestError(f"bad fake-model option: {exc}", param="model") from exc
+        if not 0 <= options.image_tokens <= options.max_len:
+            raise InvalidRequestError(
+                f"fake image_tokens must be between 0 and max_len ({options.max_len})",
+                param="model",
+            )
+        return options
 
 
 def _bool(value: str) -> bool:
@@ -167,3 +215,44 @@ def load_fake(model: str, *, device: torch.device, dtype: torch.dtype) -> Loaded
         head_dim=options.dim,
         backend="fake",
     )
+
+
+def fake_images(loaded: LoadedModel) -> FakeImageProcessor | None:
+    """The fake model's image processor, where its options make it take images."""
+    tokens = FakeOptions.parse(loaded.name).image_tokens
+    return FakeImageProcessor(tokens) if tokens > 0 else None
+
+
+def fake_chat_template(loaded: LoadedModel) -> ChatTemplate | None:
+    """The fake tokenizer's chat template, with ``chat=true``."""
+    if not FakeOptions.parse(loaded.name).chat:
+        return None
+    return ChatTemplate(FAKE_CHAT_TEMPLATE, {"bos_token": "<s>", "eos_token": "</s>"})
+
+
+def fake_info(loaded: LoadedModel, info: EngineInfo) -> EngineInfo:
+    """``info`` with the fake model's modalities."""
+    tokens = FakeOptions.parse(loaded.name).image_tokens
+    if tokens <= 0:
+        return info
+    return replace(info, modalities=["text", "image"], image_tokens=tokens)
+
+
+class FakeRunner(ModelRunner):
+    """The fake model's runner: an image's sequence runs as ids drawn from a hash of its
+    pixels' bytes (its placeholder ids say nothing about it), so its vector depends on the
+    image alone, as a real vision tower's does, and never on the batch it is in."""
+
+    def _prepare(self, seqs: Sequence[SequenceInput]) -> PreparedBatch:
+        if any(s.pixels is not None for s in seqs):
+            seqs = [_hashed(s) if s.pixels is not None else s for s in seqs]
+        return super()._prepare(seqs)
+
+
+def _hashed(seq: SequenceInput) -> SequenceInput:
+    assert seq.pixels is not None
+    pixels = np.ascontiguousarray(seq.pixels, dtype=np.float32)
+    digest = hashlib.sha256(pixels.tobytes()).digest()
+    rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
+    ids = rng.integers(len(SPECIAL_TOKENS), 256 + len(SPECIAL_TOKENS), size=len(seq.ids))
+    return SequenceInput([int(i) for i in ids])

@@ -249,6 +249,7 @@ class AttachedEngine(ServingEngine):
         self.settings, self.metrics = settings, metrics
         self._config, self._info = handoff.config, handoff.info
         self._tokenizer = handoff.tokenizer
+        self._images, self._chat = handoff.images, handoff.chat
         self._client = client
         self._remote: RemoteRunner | None = None
         self._ready = False

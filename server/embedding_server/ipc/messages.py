@@ -42,6 +42,7 @@ from embedding_server.errors import (
     QueueFullError,
     TooManyTokensError,
 )
+from embedding_server.multimodal import ChatTemplate, ImagePreprocessor
 from embedding_server.pooling import FloatArray
 from embedding_server.scheduler import Priority, ScheduledOutput
 from embedding_server.sequences import SequenceInput
@@ -58,6 +59,11 @@ class Handoff:
     config: EngineConfig
     info: EngineInfo
     tokenizer: TextTokenizer
+    images: ImagePreprocessor | None = None
+    """The model's image preprocessing, where it takes images (front-ends decode and
+    preprocess a request's images themselves)."""
+    chat: ChatTemplate | None = None
+    """The tokenizer's chat template, where it has one."""
 
 
 class Hello(msgspec.Struct, tag_field="op", tag="hello", frozen=True):
