@@ -309,11 +309,57 @@ class _EncodingOptions(BaseModel):
         return value
 
 
-class EmbeddingRequest(ApiRequest, _TruncationOptions, _EncodingOptions):
-    """POST /v1/embeddings (OpenAI, with vLLM's extras)."""
+class MultiModalContent(BaseModel):
+    """vLLM's ``ScoreMultiModalParam``: ``{"content": [parts]}``, each part one input
+    (``{"type": "image_url", "image_url": {"url"}}`` or ``{"type": "text", "text"}``)."""
 
-    input: EmbeddingInput = Field(
-        description="A string, a list of strings, a list of token ids, or a list of token-id lists."
+    model_config = ConfigDict(extra="forbid")
+
+    content: list[dict[str, Any]] = Field(
+        min_length=1, description="Content parts, each one input: image_url or text."
+    )
+
+
+class EmbeddingRequest(ApiRequest, _TruncationOptions, _EncodingOptions):
+    """POST /v1/embeddings (OpenAI, with vLLM's extras, and vLLM's chat form: ``messages``
+    in place of ``input``)."""
+
+    input: EmbeddingInput | None = Field(
+        None,
+        description="A string, a list of strings, a list of token ids, or a list of token-id "
+        "lists. Exactly one of input and messages.",
+    )
+    messages: list[dict[str, Any]] | None = Field(
+        None,
+        description="vLLM's chat form, one embedding for the conversation: messages "
+        "{role, content}, content a string or a list of {type: text, text} and {type: "
+        "image_url, image_url: {url}} parts (data: URIs, or http(s) URLs of the hosts in "
+        "--allowed-media-domains). A model with a chat template renders them through it; "
+        "a dual encoder (CLIP, SigLIP) takes messages that hold one text or one image. "
+        "Exactly one of input and messages.",
+    )
+    add_generation_prompt: bool = Field(
+        False,
+        description="messages only: add the chat template's generation prompt (vLLM's "
+        "default: false).",
+    )
+    continue_final_message: bool = Field(
+        False,
+        description="messages only: leave the final message open (no end-of-turn after it).",
+    )
+    chat_template: str | None = Field(
+        None,
+        description="Not accepted (vLLM refuses a request's own template unless its server "
+        "trusts them): the model's template is used.",
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="messages only: extra variables for the chat template."
+    )
+    mm_processor_kwargs: dict[str, Any] | None = Field(
+        None, description="Not accepted: images get the model's own preprocessing."
+    )
+    media_io_kwargs: dict[str, Any] | None = Field(
+        None, description="Not accepted: images are decoded under the server's limits."
     )
     dimensions: int | None = Field(
         None,
@@ -358,16 +404,50 @@ MAX_ACTIVE_DIMS_DESCRIPTION = (
 )
 
 
+class CohereContent(BaseModel):
+    """One part of a Cohere input object."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "image_url"] = Field(description="text or image_url.")
+    text: str | None = Field(None, description="With type text: the text.")
+    image_url: dict[str, Any] | str | None = Field(
+        None, description="With type image_url: {url} (a data: URI or an http(s) URL)."
+    )
+
+
+class CohereInput(BaseModel):
+    """Cohere's input object: content parts that make one embedding."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    content: list[CohereContent] = Field(min_length=1, description="The input's parts.")
+
+
 class CohereEmbedRequest(ApiRequest):
     """POST /v2/embed (Cohere v2)."""
 
-    texts: list[str] = Field(description="Texts to embed.")
-    input_type: InputType | None = Field(
+    texts: list[str] | None = Field(
+        None, description="Texts to embed. Exactly one of texts, images and inputs."
+    )
+    images: list[str] | None = Field(
+        None,
+        description="Images to embed (input_type image): data: URIs, or http(s) URLs of the "
+        "hosts in --allowed-media-domains. Needs a model that takes images.",
+    )
+    inputs: list[CohereInput] | None = Field(
+        None,
+        description="Input objects, each {content: [parts]} one embedding; a part is {type: "
+        "text, text} or {type: image_url, image_url: {url}}. A dual encoder (CLIP, SigLIP) "
+        "takes one part per input.",
+    )
+    input_type: InputType | Literal["image"] | None = Field(
         None,
         description="search_document, search_query, "
         "classification or clustering; selects the model's "
-        "matching prompt when it has one. On a ColBERT checkpoint, search_query or "
-        "search_document (required) says whether the texts are queries or documents.",
+        "matching prompt when it has one (for texts); image with images. On a ColBERT "
+        "checkpoint, search_query or search_document (required) says whether the texts "
+        "are queries or documents.",
     )
     embedding_types: list[CohereEmbedType] = Field(
         default_factory=_float_only,
@@ -427,10 +507,16 @@ class PoolingRequest(ApiRequest, _TruncationOptions, _EncodingOptions):
 
 class ScoreRequest(ApiRequest, _TruncationOptions):
     """POST /score (vLLM): a cross-encoder's relevance of text pairs (task score), or the
-    cosine similarity of their embeddings (task embed)."""
+    cosine similarity of their embeddings (task embed), images included for a model that
+    takes them (vLLM's ``{"content": [parts]}``)."""
 
-    text_1: str | list[str] = Field(description="One text, or one per pair.")
-    text_2: str | list[str] = Field(description="One text, or one per pair.")
+    text_1: str | list[str] | MultiModalContent = Field(
+        description="One text, or one per pair; or {content: [parts]}, each part one input "
+        "(image_url or text), for a model that takes images."
+    )
+    text_2: str | list[str] | MultiModalContent = Field(
+        description="One text, or one per pair; or {content: [parts]} as text_1."
+    )
 
 
 class TokenizeRequest(ApiRequest):

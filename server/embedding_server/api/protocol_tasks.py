@@ -10,7 +10,12 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from embedding_server.api.protocol import ApiRequest, EmbeddingInput, openai_truncation
+from embedding_server.api.protocol import (
+    ApiRequest,
+    EmbeddingInput,
+    MultiModalContent,
+    openai_truncation,
+)
 from embedding_server.settings import TruncationSide
 from embedding_server.tokenization import Truncation
 
@@ -45,9 +50,14 @@ class RerankDocument(BaseModel):
 class RerankRequest(_TaskRequest):
     """POST /rerank, /v1/rerank, /v2/rerank (vLLM; Jina and Cohere clients' shape)."""
 
-    query: str = Field(min_length=1, description="The query the documents are ranked for.")
-    documents: list[str | RerankDocument] = Field(
-        min_length=1, description="Documents to rank: strings, or objects with a text field."
+    query: str | MultiModalContent = Field(
+        description="The query the documents are ranked for; or {content: [one part]} (an "
+        "image_url) for a model that takes images.",
+    )
+    documents: list[str | RerankDocument] | MultiModalContent = Field(
+        description="Documents to rank: strings, or objects with a text field; or vLLM's "
+        "{content: [parts]}, each part (image_url or text) one document, for a model that "
+        "takes images."
     )
     top_n: int | None = Field(
         None,
@@ -59,6 +69,8 @@ class RerankRequest(_TaskRequest):
     )
 
     def texts(self) -> list[str]:
+        """The documents' texts (not for ``{content: [...]}`` documents)."""
+        assert not isinstance(self.documents, MultiModalContent)
         return [d if isinstance(d, str) else d.text for d in self.documents]
 
 

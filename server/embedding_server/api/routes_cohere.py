@@ -42,6 +42,7 @@ from embedding_server.api.encoding import (
 )
 from embedding_server.api.ids import new_id
 from embedding_server.api.lifecycle import Lifecycle
+from embedding_server.api.media import cohere_parts, load_parts
 from embedding_server.api.prompts import prompt_name_for
 from embedding_server.api.protocol import CohereEmbedRequest
 from embedding_server.api.responses import encode_off_loop, json_response, timing_headers
@@ -54,6 +55,14 @@ router = APIRouter(tags=["Cohere"])
 @router.post("/v2/embed", summary="Embed texts (Cohere v2-compatible)")
 async def cohere_embed(body: CohereEmbedRequest, request: Request) -> Response:
     engine, lifecycle = engine_for(request, body.model)
+    if body.texts is None or body.images is not None or body.inputs is not None:
+        return await _multimodal_embed(body, request, engine, lifecycle)
+    if body.input_type == "image":
+        raise InvalidRequestError(
+            "input_type image applies to images; texts take search_document, search_query, "
+            "classification or clustering",
+            param="input_type",
+        )
     check_input_count(lifecycle, len(body.texts), "texts")
     extensions = [t for t in body.embedding_types if t in _EXTENSIONS]
     if engine.info().outputs == ["multi_vector"]:  # a ColBERT model
@@ -96,6 +105,52 @@ async def cohere_embed(body: CohereEmbedRequest, request: Request) -> Response:
 _EXTENSIONS = ("sparse", "multi_vector")
 
 
+async def _multimodal_embed(
+    body: CohereEmbedRequest, request: Request, engine: ServingEngine, lifecycle: Lifecycle
+) -> Response:
+    """``images`` (each one embedding) or ``inputs`` (each input object one embedding: one
+    part on a dual encoder), in Cohere's dense types. The sparse and multi-vector
+    extensions are text-only, so they are refused here rather than dropped."""
+    parts, param = cohere_parts(body)
+    check_input_count(lifecycle, len(parts), param)
+    extensions = [t for t in body.embedding_types if t in _EXTENSIONS]
+    if extensions:
+        raise InvalidRequestError(
+            f"embedding_types {', '.join(extensions)} applies to texts; {param} get Cohere's "
+            "dense types (float, int8, uint8, binary, ubinary, base64)",
+            param="embedding_types",
+        )
+    for name in ("max_active_dims",):
+        if getattr(body, name) is not None:
+            raise InvalidRequestError(f"{name} applies to sparse texts", param=name)
+    dense_types = cast(list[CohereEmbeddingType], body.embedding_types)
+    value_bytes = cohere_bytes_per_dimension(dense_types)
+    dims = pooled_dimensions(engine, body.output_dimension)
+    types = ",".join(dense_types)
+    check_response_size(lifecycle, len(parts), dims, value_bytes, f"embedding_types {types}")
+    items = await load_parts(engine, lifecycle, parts, param)
+    texts_only = [item for item in items if isinstance(item, str)]
+    # input_type picks a text prompt where the model has one; an image has none.
+    input_type = None if body.input_type == "image" or not texts_only else body.input_type
+    result = await cancel_on_disconnect(
+        request,
+        engine.aembed(
+            items,
+            dimensions=body.output_dimension,
+            prompt_name=prompt_name_for(engine, None, input_type),
+            truncate=body.truncation(),
+        ),
+    )
+    headers = timing_headers(result.timings, result.prompt_tokens)
+
+    def encode() -> Response:
+        embeddings = cohere_embeddings(result.embeddings, dense_types)
+        return json_response(_content(body, embeddings, result.prompt_tokens), headers)
+
+    size = result.embeddings.shape[0] * dims * value_bytes + sum(map(len, texts_only))
+    return await encode_off_loop(encode, size)
+
+
 async def _hybrid_embed(
     body: CohereEmbedRequest, request: Request, engine: ServingEngine, lifecycle: Lifecycle
 ) -> Response:
@@ -118,7 +173,7 @@ async def _hybrid_embed(
         raise InvalidRequestError(
             "max_active_dims applies to embedding_types sparse only", param="max_active_dims"
         )
-    count = len(body.texts)
+    count = len(_texts(body))
     entry_bytes = 0
     if "sparse" in wanted:
         entry_bytes = check_sparse_request(
@@ -140,7 +195,7 @@ async def _hybrid_embed(
         result = await cancel_on_disconnect(
             request,
             engine.ahybrid_embed(
-                body.texts,
+                _texts(body),
                 outputs,
                 dimensions=body.output_dimension,
                 prompt_name=prompt_name_for(engine, None, body.input_type),
@@ -170,7 +225,7 @@ async def _hybrid_embed(
         (count * dims * 16 if dense_types else 0)
         + sum(len(v.indices) for v in sparse) * entry_bytes
         + sum(m.size for m in result.multi_vector or []) * JSON_FLOAT_BYTES
-        + sum(map(len, body.texts))
+        + sum(map(len, _texts(body)))
     )
     return await encode_off_loop(encode, size)
 
@@ -212,7 +267,7 @@ async def _colbert_embed(
         result = await cancel_on_disconnect(
             request,
             engine.ahybrid_embed(
-                body.texts,
+                _texts(body),
                 ["multi_vector"],
                 input_type=side,
                 truncate=body.truncation(),
@@ -231,7 +286,7 @@ async def _colbert_embed(
         content = _content(body, {"multi_vector": vectors}, result.prompt_tokens)
         return json_response(content, headers)
 
-    size = sum(m.size for m in vectors) * JSON_FLOAT_BYTES + sum(map(len, body.texts))
+    size = sum(m.size for m in vectors) * JSON_FLOAT_BYTES + sum(map(len, _texts(body)))
     return await encode_off_loop(encode, size)
 
 
@@ -254,7 +309,7 @@ async def _sparse_embed(
     entry_bytes = check_sparse_request(
         engine,
         lifecycle,
-        len(body.texts),
+        len(_texts(body)),
         body.max_active_dims,
         what="embedding_types sparse",
         input_param="texts",
@@ -262,7 +317,7 @@ async def _sparse_embed(
     result = await cancel_on_disconnect(
         request,
         engine.asparse_embed(
-            body.texts,
+            _texts(body),
             prompt_name=prompt_name_for(engine, None, body.input_type),
             truncate=body.truncation(),
         ),
@@ -274,8 +329,14 @@ async def _sparse_embed(
         sparse = [{"indices": v.indices, "values": v.values} for v in vectors]
         return json_response(_content(body, {"sparse": sparse}, result.prompt_tokens), headers)
 
-    size = sum(len(v.indices) for v in vectors) * entry_bytes + sum(map(len, body.texts))
+    size = sum(len(v.indices) for v in vectors) * entry_bytes + sum(map(len, _texts(body)))
     return await encode_off_loop(encode, size)
+
+
+def _texts(body: CohereEmbedRequest) -> list[str]:
+    """The request's texts (the text-only paths are reached with texts only)."""
+    assert body.texts is not None
+    return body.texts
 
 
 def _content(body: CohereEmbedRequest, embeddings: Any, prompt_tokens: int) -> dict[str, Any]:
@@ -283,7 +344,7 @@ def _content(body: CohereEmbedRequest, embeddings: Any, prompt_tokens: int) -> d
     return {
         "id": new_id(),
         "embeddings": embeddings,
-        "texts": body.texts,
+        "texts": body.texts or [],
         "meta": {
             "api_version": {"version": "2"},
             "billed_units": {"input_tokens": prompt_tokens},

@@ -13,6 +13,7 @@ clients use plain HTTP.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
@@ -33,6 +34,7 @@ from embedding_server.api.encoding import (
 )
 from embedding_server.api.ids import new_id
 from embedding_server.api.lifecycle import lifecycle_of
+from embedding_server.api.media import check_input_form, messages_input
 from embedding_server.api.prompts import check_task_adapter, prompt_name_for
 from embedding_server.api.protocol import EmbeddingRequest
 from embedding_server.api.responses import (
@@ -43,6 +45,7 @@ from embedding_server.api.responses import (
     json_response,
     timing_headers,
 )
+from embedding_server.imaging import ImageInput
 
 router = APIRouter(tags=["OpenAI"])
 
@@ -54,13 +57,26 @@ _CREATED = int(time.time())
 )
 async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
     engine, lifecycle = engine_for(request, body.model)
-    inputs = as_input_list(body.input)
+    check_input_form(body)
+    special = body.add_special_tokens
+    inputs: list[Any]
+    if body.messages is not None:
+        # One embedding for the conversation (vLLM's chat form).
+        item, special = await messages_input(engine, lifecycle, body)
+        inputs = [item]
+    else:
+        assert body.input is not None
+        inputs = as_input_list(body.input)
     check_input_count(lifecycle, len(inputs), "input")
     value_bytes = bytes_per_value(body.encoding_format, body.embed_dtype)
     dims = pooled_dimensions(engine, body.dimensions)
     check_response_size(lifecycle, len(inputs), dims, value_bytes, body.encoding_format)
     check_metadata_fits(body.encoding_format, len(inputs))
-    prompt_name = prompt_name_for(engine, body.prompt_name, body.input_type)
+    # input_type picks a text prompt where the model has one; an image has none (an explicit
+    # prompt_name for images alone is refused by the engine).
+    images_only = all(isinstance(item, ImageInput) for item in inputs)
+    input_type = None if images_only else body.input_type
+    prompt_name = prompt_name_for(engine, body.prompt_name, input_type)
     check_task_adapter(engine, body.task)
     result = await cancel_on_disconnect(
         request,
@@ -71,7 +87,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
             prompt_name=prompt_name,
             adapter=body.task,
             truncate=body.truncation(auto=lifecycle.settings.auto_truncate),
-            add_special_tokens=body.add_special_tokens,
+            add_special_tokens=special,
         ),
     )
     matrix = result.embeddings
@@ -120,4 +136,5 @@ async def list_models(request: Request) -> Response:
         info = lifecycle.engine.info()
         entry["max_model_len"] = info.max_input_tokens
         entry["dimensions"] = info.dimensions
+        entry["modalities"] = info.modalities
     return json_response({"object": "list", "data": [entry]})

@@ -19,8 +19,15 @@ from starlette.responses import Response
 from embedding_server.api.dependencies import as_input_list, check_input_count, engine_for
 from embedding_server.api.disconnect import cancel_on_disconnect
 from embedding_server.api.ids import new_id
+from embedding_server.api.lifecycle import Lifecycle
+from embedding_server.api.media import content_parts, load_parts
+from embedding_server.api.protocol import MultiModalContent
 from embedding_server.api.protocol_tasks import ClassifyRequest, RerankRequest
 from embedding_server.api.responses import json_response, timing_headers
+from embedding_server.errors import InvalidRequestError
+from embedding_server.imaging import ImageInput
+from embedding_server.multimodal import TextPart, check_image_count, images_of
+from embedding_server.serving import ServingEngine
 
 router = APIRouter(tags=["Tasks"])
 
@@ -30,12 +37,11 @@ router = APIRouter(tags=["Tasks"])
 @router.post("/v2/rerank", summary="Rank documents by relevance to a query (vLLM/Cohere v2)")
 async def rerank(body: RerankRequest, request: Request) -> Response:
     engine, lifecycle = engine_for(request, body.model)
-    documents = body.texts()
-    check_input_count(lifecycle, len(documents), "documents")
+    query, documents, shown = await rerank_inputs(engine, lifecycle, body)
     result = await cancel_on_disconnect(
         request,
         engine.arerank(
-            body.query,
+            query,
             documents,
             top_n=body.top_n,
             truncate=body.truncation(auto=lifecycle.settings.auto_truncate),
@@ -45,7 +51,7 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
     for ranked in result.results:
         item: dict[str, object] = {"index": ranked.index, "relevance_score": ranked.score}
         if body.return_documents:
-            item["document"] = {"text": documents[ranked.index]}
+            item["document"] = shown[ranked.index]
         results.append(item)
     content = {
         "id": f"rerank-{new_id()}",
@@ -54,6 +60,44 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
         "results": results,
     }
     return json_response(content, timing_headers(result.timings, result.prompt_tokens))
+
+
+async def rerank_inputs(
+    engine: ServingEngine, lifecycle: Lifecycle, body: RerankRequest
+) -> tuple[str | ImageInput, list[str | ImageInput], list[dict[str, object]]]:
+    """The query and documents as the engine's inputs (vLLM's ``{"content": [parts]}``:
+    one document per part, images loaded; the query one part), and each document as
+    ``return_documents`` shows it (``{"text"}``, or an image's ``{"image_url": {"url"}}``)."""
+    query_parts = (
+        content_parts(body.query, "query") if isinstance(body.query, MultiModalContent) else []
+    )
+    if isinstance(body.query, MultiModalContent) and len(query_parts) != 1:
+        raise InvalidRequestError(
+            f"query holds {len(query_parts)} parts; a query is one text or one image",
+            param="query",
+        )
+    if isinstance(body.documents, MultiModalContent):
+        doc_parts = content_parts(body.documents, "documents")
+    else:
+        doc_parts = [TextPart(text, "documents") for text in body.texts()]
+    check_input_count(lifecycle, len(doc_parts), "documents")
+    check_image_count(
+        len(images_of([*query_parts, *doc_parts])),
+        lifecycle.settings.max_images_per_request,
+        "documents",
+    )
+    query: str | ImageInput
+    if query_parts:
+        (query,) = await load_parts(engine, lifecycle, query_parts, "query")
+    else:
+        assert isinstance(body.query, str)
+        query = body.query
+    documents = await load_parts(engine, lifecycle, doc_parts, "documents")
+    shown: list[dict[str, object]] = [
+        {"text": p.text} if isinstance(p, TextPart) else {"image_url": {"url": p.url}}
+        for p in doc_parts
+    ]
+    return query, documents, shown
 
 
 @router.post("/classify", summary="Class probabilities of each input (vLLM)")

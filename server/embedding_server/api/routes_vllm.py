@@ -39,8 +39,11 @@ from embedding_server.api.encoding import (
     bytes_per_value,
 )
 from embedding_server.api.ids import new_id
+from embedding_server.api.lifecycle import Lifecycle
+from embedding_server.api.media import content_parts, load_parts
 from embedding_server.api.protocol import (
     DetokenizeRequest,
+    MultiModalContent,
     PoolingRequest,
     ScoreRequest,
     TokenizeRequest,
@@ -55,6 +58,8 @@ from embedding_server.api.responses import (
 )
 from embedding_server.errors import InvalidRequestError, OutputTooLargeError, TooManyTokensError
 from embedding_server.jobs import TokenOptions
+from embedding_server.multimodal import Part, check_image_count, images_of
+from embedding_server.serving import ServingEngine
 
 router = APIRouter()
 
@@ -281,15 +286,12 @@ async def _hybrid_pooling(
 @router.post("/v1/score", tags=["vLLM"], summary="Scores of text pairs (cross-encoder or cosine)")
 async def score(body: ScoreRequest, request: Request) -> Response:
     engine, lifecycle = engine_for(request, body.model)
-    count_1 = 1 if isinstance(body.text_1, str) else len(body.text_1)
-    count_2 = 1 if isinstance(body.text_2, str) else len(body.text_2)
-    check_input_count(lifecycle, count_1, "text_1")
-    check_input_count(lifecycle, count_2, "text_2")
+    side_1, side_2 = await score_sides(engine, lifecycle, body.text_1, body.text_2)
     result = await cancel_on_disconnect(
         request,
         engine.ascore(
-            body.text_1,
-            body.text_2,
+            side_1,
+            side_2,
             truncate=body.truncation(auto=lifecycle.settings.auto_truncate),
         ),
     )
@@ -304,6 +306,37 @@ async def score(body: ScoreRequest, request: Request) -> Response:
         "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens},
     }
     return json_response(content, timing_headers(result.timings, result.prompt_tokens))
+
+
+async def score_sides(
+    engine: ServingEngine,
+    lifecycle: Lifecycle,
+    text_1: str | list[str] | MultiModalContent,
+    text_2: str | list[str] | MultiModalContent,
+) -> tuple[Any, Any]:
+    """Both sides of a /score request as the engine's inputs: texts as they are, vLLM's
+    ``{"content": [parts]}`` as one input per part, images loaded (counted together against
+    ``--max-images-per-request`` before any is fetched)."""
+    sides: list[Any] = []
+    parts: list[list[Part]] = []
+    for param, side in (("text_1", text_1), ("text_2", text_2)):
+        if isinstance(side, MultiModalContent):
+            parts.append(content_parts(side, param))
+            check_input_count(lifecycle, len(parts[-1]), param)
+        else:
+            parts.append([])
+            check_input_count(lifecycle, 1 if isinstance(side, str) else len(side), param)
+    check_image_count(
+        sum(len(images_of(p)) for p in parts),
+        lifecycle.settings.max_images_per_request,
+        "text_2",
+    )
+    for param, side, side_parts in (("text_1", text_1, parts[0]), ("text_2", text_2, parts[1])):
+        if isinstance(side, MultiModalContent):
+            sides.append(await load_parts(engine, lifecycle, side_parts, param))
+        else:
+            sides.append(side)
+    return sides[0], sides[1]
 
 
 @router.post("/tokenize", tags=["vLLM"], summary="Text to token ids")
