@@ -1,0 +1,112 @@
+"""Chat templates render as transformers' ``apply_chat_template(..., tokenize=False)`` renders
+them (the reference: the same messages through a transformers tokenizer carrying the same
+template), and are found where transformers finds them in a model directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from embedding_server.device.fake import FAKE_CHAT_TEMPLATE, build_fake_tokenizer
+from embedding_server.errors import InvalidRequestError
+from embedding_server.multimodal import ChatTemplate, parse_messages
+from transformers import PreTrainedTokenizerFast
+
+# A Qwen-style template: namespace, loop controls, tojson, a system default.
+QWEN_STYLE = (
+    "{%- set ns = namespace(system=false) -%}"
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'system' -%}{%- set ns.system = true -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if not ns.system -%}<|im_start|>system\nYou are helpful.<|im_end|>\n{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message.content is string -%}"
+    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{%- else -%}<|im_start|>{{ message.role }}\n"
+    "{%- for part in message.content -%}{%- if part.type != 'text' -%}{%- continue -%}"
+    "{%- endif -%}{{ part.text }}{%- endfor -%}<|im_end|>\n{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if meta is defined -%}{{ meta | tojson }}{%- endif -%}"
+    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}"
+)
+
+CONVERSATIONS: list[list[dict[str, Any]]] = [
+    [{"role": "user", "content": "What is a café?"}],
+    [
+        {"role": "system", "content": "Represent the query for retrieval."},
+        {"role": "user", "content": [{"type": "text", "text": "red <b>squares</b>"}]},
+    ],
+    [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello! How can I"},
+    ],
+]
+
+
+def reference(template: str) -> PreTrainedTokenizerFast:
+    return PreTrainedTokenizerFast(
+        tokenizer_object=build_fake_tokenizer(),
+        bos_token="<s>",
+        eos_token="</s>",
+        chat_template=template,
+    )
+
+
+@pytest.mark.parametrize("template", [FAKE_CHAT_TEMPLATE, QWEN_STYLE], ids=["zephyr", "qwen"])
+@pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
+@pytest.mark.parametrize("mode", ["plain", "generation", "continue"])
+def test_rendering_matches_transformers(template: str, conversation: int, mode: str) -> None:
+    messages = CONVERSATIONS[conversation]
+    options = {
+        "add_generation_prompt": mode == "generation",
+        "continue_final_message": mode == "continue",
+    }
+    want = reference(template).apply_chat_template(
+        messages, tokenize=False, meta={"k": "é<"}, **options
+    )
+    ours = ChatTemplate(template, {"bos_token": "<s>", "eos_token": "</s>"})
+    got = ours.render(parse_messages(messages), kwargs={"meta": {"k": "é<"}}, **options)
+    assert got == want
+
+
+def test_the_template_is_found_in_the_model_directory(tmp_path: Path) -> None:
+    config = {
+        "chat_template": [
+            {"name": "default", "template": FAKE_CHAT_TEMPLATE},
+            {"name": "tool_use", "template": "x"},
+        ],
+        "bos_token": {"content": "<s>", "special": True},
+        "eos_token": "</s>",
+    }
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    found = ChatTemplate.from_directory(tmp_path)
+    assert found is not None
+    assert found.source == FAKE_CHAT_TEMPLATE
+    assert found.special_tokens == {"bos_token": "<s>", "eos_token": "</s>"}
+    # chat_template.jinja, where transformers now writes it, comes first.
+    (tmp_path / "chat_template.jinja").write_text(QWEN_STYLE)
+    jinja = ChatTemplate.from_directory(tmp_path)
+    assert jinja is not None and jinja.source == QWEN_STYLE
+    empty = tmp_path / "none"
+    empty.mkdir()
+    (empty / "tokenizer_config.json").write_text("{}")
+    assert ChatTemplate.from_directory(empty) is None
+
+
+def test_the_sandbox_refuses_reaching_into_python() -> None:
+    escape = ChatTemplate("{{ messages.__class__.__mro__ }}")
+    with pytest.raises(InvalidRequestError):
+        escape.render(parse_messages([{"role": "user", "content": "x"}]))
+
+
+def test_generation_prompt_and_continue_exclude_each_other() -> None:
+    ours = ChatTemplate(FAKE_CHAT_TEMPLATE)
+    with pytest.raises(InvalidRequestError) as caught:
+        ours.render(
+            parse_messages(CONVERSATIONS[0]),
+            add_generation_prompt=True,
+            continue_final_message=True,
+        )
+    assert caught.value.param == "continue_final_message"
