@@ -27,10 +27,7 @@ def test_mixed_inputs_come_back_in_order(engine: Engine) -> None:
     red, blue = picture(1), picture(2)
     texts = ["a red square", "a blue one"]
     mixed = engine.embed_full([texts[0], red, texts[1], blue, red])
-    alone = np.stack(
-        [engine.embed(texts[0])[0], engine.embed(red)[0], engine.embed(texts[1])[0]]
-        + [engine.embed(blue)[0]]
-    )
+    alone = np.stack([engine.embed(x)[0] for x in (texts[0], red, texts[1], blue)])
     np.testing.assert_allclose(mixed.embeddings[:4], alone, atol=1e-6)
     np.testing.assert_array_equal(mixed.embeddings[4], mixed.embeddings[1])
     assert float(mixed.embeddings[1] @ mixed.embeddings[3]) < 0.999
@@ -102,7 +99,7 @@ async def test_the_scheduler_serves_images_as_the_offline_path_does() -> None:
 
 async def test_admission_counts_an_image_by_its_tokens() -> None:
     small = Engine.from_pretrained(
-        f"fake?dim=16&max_len=64&image_tokens=48", dtype="float32", max_request_tokens=64
+        "fake?dim=16&max_len=64&image_tokens=48", dtype="float32", max_request_tokens=64
     )
     async with small:
         await small.aembed([picture(1)])
