@@ -29,6 +29,7 @@ import numpy as np
 import numpy.typing as npt
 from PIL import Image
 
+from . import media
 from .colbert import ColbertFormat, Side, maxsim_sum, parse_side
 from .configuration import EngineConfig, EngineInfo
 from .errors import InvalidRequestError
@@ -47,7 +48,6 @@ from .jobs import (
     TokenOptions,
     check_options,
 )
-from . import media
 from .media import MediaPolicy
 from .metrics import Metrics
 from .multimodal import IMAGE_TYPES, ChatTemplate, ImagePreprocessor, ImageRef
