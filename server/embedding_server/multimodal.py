@@ -68,7 +68,7 @@ def parse_content(content: object, param: str) -> list[Part]:
     (vLLM's and OpenAI's shapes; ``image_url`` may also be the URL string itself, as vLLM
     takes it). Anything else is a 400 naming the part."""
     if isinstance(content, str):
-        return [TextPart(content, param)]
+        return [TextPart(_unicode(content, param), param)]
     if not isinstance(content, list) or not content:
         raise InvalidRequestError(
             f"{param} must be a string or a non-empty list of content parts", param=param
@@ -83,7 +83,7 @@ def parse_content(content: object, param: str) -> list[Part]:
             text = part.get("text")
             if not isinstance(text, str):
                 raise InvalidRequestError(f"{where}.text must be a string", param=where)
-            parts.append(TextPart(text, where))
+            parts.append(TextPart(_unicode(text, where), where))
         elif kind == "image_url":
             ref = part.get("image_url")
             url = ref.get("url") if isinstance(ref, Mapping) else ref
@@ -106,6 +106,20 @@ def parse_content(content: object, param: str) -> list[Part]:
                 param=where,
             )
     return parts
+
+
+def _unicode(text: str, param: str) -> str:
+    """``text``, refused (400) when it holds a lone UTF-16 surrogate (JSON can escape one):
+    no tokenizer takes it. The request schemas check their own text fields; content parts
+    are nested deeper than they look."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidRequestError(
+            f"{param} holds a lone UTF-16 surrogate escape, which is not valid Unicode",
+            param=param,
+        ) from error
+    return text
 
 
 @dataclass(frozen=True, slots=True)

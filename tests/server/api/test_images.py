@@ -353,3 +353,15 @@ def test_rerank_images_for_a_text_query(server: RunningServer) -> None:
     assert len(post(server, "/rerank", image_query)["results"]) == 2
     two = {"query": {"content": [image_part(RED), image_part(BLUE)]}, "documents": ["a"]}
     refused(server, "/rerank", two, "query")
+
+
+def test_a_lone_surrogate_in_a_content_part_is_a_400(text_server: RunningServer) -> None:
+    raw = '{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\ud800"}]}]}'
+    response = httpx.post(
+        text_server.url + "/v1/embeddings",
+        content=raw,
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "messages[0].content[0]"
