@@ -156,11 +156,8 @@ def cohere_parts(body: CohereEmbedRequest) -> tuple[list[Part], str]:
             param=given[-1] if given else "texts",
         )
     if body.images is not None:
-        if body.input_type not in (None, "image"):
-            raise InvalidRequestError(
-                f"input_type {body.input_type} applies to texts; images take input_type image",
-                param="input_type",
-            )
+        # Any input_type goes with images (Embed v3 sends image, v4 search_document ...):
+        # it selects a text prompt, which an image never gets.
         return [ImageRef(url, f"images[{i}]") for i, url in enumerate(body.images)], "images"
     assert body.inputs is not None
     return [

@@ -287,7 +287,7 @@ def test_a_text_model_without_a_chat_template_refuses_messages() -> None:
 def test_cohere_inputs_are_one_embedding_each(server: RunningServer) -> None:
     inputs = [
         {"content": [{"type": "text", "text": "a red square"}]},
-        {"content": [image_part(RED)]},
+        {"content": [{"type": "image_url", "image_url": RED}]},  # Cohere's string form
     ]
     body = post(server, "/v2/embed", {"inputs": inputs, "input_type": "search_document"})
     got = np.array(body["embeddings"]["float"], np.float32)
@@ -306,7 +306,11 @@ def test_cohere_refuses_what_it_cannot_serve(server: RunningServer) -> None:
     refused(server, "/v2/embed", {"texts": ["a"], "images": [RED]}, "images")
     refused(server, "/v2/embed", {"input_type": "search_query"}, "texts")
     refused(server, "/v2/embed", {"texts": ["a"], "input_type": "image"}, "input_type")
-    refused(server, "/v2/embed", {"images": [RED], "input_type": "search_query"}, "input_type")
+    # Embed v4 clients send images with a text input_type: it selects no prompt for them.
+    typed = post(server, "/v2/embed", {"images": [RED], "input_type": "search_document"})
+    np.testing.assert_allclose(
+        typed["embeddings"]["float"], cohere_images(server, [RED]), atol=1e-6
+    )
     two_parts = {"inputs": [{"content": [{"type": "text", "text": "a"}, image_part(RED)]}]}
     assert "one text or one image" in refused(server, "/v2/embed", two_parts, "inputs[0].content")
     sparse = {"images": [RED], "embedding_types": ["sparse"]}
