@@ -114,3 +114,22 @@ def test_a_text_model_refuses_images() -> None:
         text_only.embed(["a", picture(1)])
     assert caught.value.param == "input[1]"
     assert "text only" in str(caught.value)
+
+
+def test_the_handoff_gives_front_ends_the_image_processor_and_chat_template() -> None:
+    """An ``--api-workers`` front-end preprocesses images and renders chat templates itself:
+    both travel, pickled, in the engine's handoff."""
+    import pickle
+
+    from embedding_server.multimodal import parse_messages
+
+    engine = Engine.from_pretrained(f"fake?dim=16&image_tokens={TOKENS}&chat=true")
+    handoff = pickle.loads(pickle.dumps(engine.handoff()))
+    assert handoff.images is not None and handoff.chat is not None
+    red = picture(1)
+    np.testing.assert_array_equal(
+        handoff.images.preprocess(red).pixels, FakeImageProcessor(TOKENS).preprocess(red).pixels
+    )
+    messages = parse_messages([{"role": "user", "content": "hi"}])
+    assert engine.chat_template is not None
+    assert handoff.chat.render(messages) == engine.chat_template.render(messages)

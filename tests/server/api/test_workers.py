@@ -442,3 +442,44 @@ def test_a_front_end_that_keeps_dying_ends_the_server_with_status_1() -> None:
         output = server.output()
         assert output.count("restarting it") == RESTART_LIMIT, output
         assert f"{RESTART_LIMIT} restarts within" in output, output
+
+
+def _wire_carries_pixels() -> bool:
+    """Whether the IPC wire between front-ends and the engine carries an image's pixels
+    (issue 33's VISION work: until it does, an image sent through a front-end cannot be
+    served)."""
+    from embedding_server.ipc.messages import decode_sequences, encode_sequences
+    from embedding_server.sequences import SequenceInput
+
+    probe = SequenceInput([0, 0], pixels=np.ones((3, 2, 2), np.float32))
+    back = decode_sequences(encode_sequences([probe]), False)[0]
+    return back.pixels is not None and np.array_equal(back.pixels, probe.pixels)
+
+
+def _media_is_stub() -> bool:
+    from tests.support.images import media_is_stub
+
+    return media_is_stub()
+
+
+@pytest.mark.skipif(
+    not _wire_carries_pixels() or _media_is_stub(),
+    reason="needs issue 33's IPC transport of pixels (VISION) and media.py's real bodies "
+    "(MEDIA): rerun after the merge",
+)
+def test_images_through_front_ends_get_the_vectors_of_one_process() -> None:
+    """A front-end decodes and preprocesses the image itself (its processor came in the
+    handoff) and sends the pixels to the engine process: the vector is the image's."""
+    from tests.support.images import data_uri, picture
+
+    model = "fake?dim=32&image_tokens=8"
+    reference = Engine.from_pretrained(model)
+    images = [picture(1), picture(2)]
+    with server_process(["--model", model, *WORKERS], workers=2) as server:
+        for image in images:
+            part = {"type": "image_url", "image_url": {"url": data_uri(image)}}
+            body = {"messages": [{"role": "user", "content": [part]}]}
+            response = httpx.post(server.url + "/v1/embeddings", json=body, timeout=30)
+            assert response.status_code == 200, response.text
+            got = np.array(response.json()["data"][0]["embedding"])
+            np.testing.assert_allclose(got, reference.embed(image)[0], atol=1e-6)
