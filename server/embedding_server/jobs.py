@@ -259,7 +259,7 @@ class Job:
         adapter, raw = options.get("adapter"), options.get("prompt")
         prompt_name = options.get("prompt_name")
         if items and all(isinstance(item, ImageInput) for item in items):
-            for name in ("prompt", "prompt_name"):
+            for name in ("prompt", "prompt_name", "adapter"):
                 if options.get(name) is not None:
                     raise InvalidRequestError(
                         f"{name} applies to text inputs; this request holds only images",

@@ -11,6 +11,7 @@ model that does not take images (naming its field), then fetch, decode and prepr
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from embedding_server.api.lifecycle import Lifecycle
@@ -95,14 +96,25 @@ def check_input_form(body: EmbeddingRequest) -> None:
                 raise InvalidRequestError(f"{name} applies to messages, not to input", param=name)
 
 
+@dataclass(frozen=True)
+class MessagesInput:
+    """What a ``messages`` request embeds."""
+
+    item: Item
+    add_special_tokens: bool
+    templated: bool
+    """Rendered through the chat template: the template formats the text, so no
+    sentence-transformers prompt is put before it."""
+
+
 async def messages_input(
     engine: ServingEngine, lifecycle: Lifecycle, body: EmbeddingRequest
-) -> tuple[Item, bool]:
+) -> MessagesInput:
     """The one input a ``messages`` request embeds, and whether special tokens are added to
     it: the conversation rendered through the model's chat template (special tokens: no,
-    unless asked, as vLLM: the template places them), or, for a dual encoder (a model
-    that takes images and has no template), the one text or image its messages hold (as
-    ``input`` would embed it)."""
+    unless asked, as vLLM: the template places them; a ``prompt_name`` is refused, the
+    template formats the text), or, for a dual encoder (a model that takes images and has
+    no template), the one text or image its messages hold (as ``input`` would embed it)."""
     messages = parse_messages(body.messages)
     parts = [part for message in messages for part in message.parts]
     refs = images_of(parts)
@@ -124,10 +136,16 @@ async def messages_input(
             continue_final_message=body.continue_final_message,
             kwargs=body.chat_template_kwargs,
         )
+        if body.prompt_name is not None:
+            raise InvalidRequestError(
+                "prompt_name does not apply to messages rendered through the model's chat "
+                "template (put an instruction in a system message)",
+                param="prompt_name",
+            )
         special = (
             body.add_special_tokens if "add_special_tokens" in body.model_fields_set else False
         )
-        return text, special
+        return MessagesInput(text, special, templated=True)
     if not engine.takes_images:
         raise InvalidRequestError(
             f"messages need a chat template, and this model ({engine.info().architecture}) "
@@ -142,7 +160,7 @@ async def messages_input(
             )
     part = single_input(parts, "messages")
     (item,) = await load_parts(engine, lifecycle, [part], "messages")
-    return item, body.add_special_tokens
+    return MessagesInput(item, body.add_special_tokens, templated=False)
 
 
 def cohere_parts(body: CohereEmbedRequest) -> tuple[list[Part], str]:

@@ -59,11 +59,12 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
     engine, lifecycle = engine_for(request, body.model)
     check_input_form(body)
     special = body.add_special_tokens
+    templated = False
     inputs: list[Any]
     if body.messages is not None:
         # One embedding for the conversation (vLLM's chat form).
-        item, special = await messages_input(engine, lifecycle, body)
-        inputs = [item]
+        chat = await messages_input(engine, lifecycle, body)
+        inputs, special, templated = [chat.item], chat.add_special_tokens, chat.templated
     else:
         assert body.input is not None
         inputs = as_input_list(body.input)
@@ -75,8 +76,10 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
     # input_type picks a text prompt where the model has one; an image has none (an explicit
     # prompt_name for images alone is refused by the engine).
     images_only = all(isinstance(item, ImageInput) for item in inputs)
-    input_type = None if images_only else body.input_type
+    input_type = None if images_only or templated else body.input_type
     prompt_name = prompt_name_for(engine, body.prompt_name, input_type)
+    # A chat template formats its text itself: no prompt (the default one either) before it.
+    prompt = "" if templated else None
     check_task_adapter(engine, body.task)
     result = await cancel_on_disconnect(
         request,
@@ -84,6 +87,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
             inputs,
             dimensions=body.dimensions,
             normalize=body.normalize,
+            prompt=prompt,
             prompt_name=prompt_name,
             adapter=body.task,
             truncate=body.truncation(auto=lifecycle.settings.auto_truncate),

@@ -369,3 +369,15 @@ def test_a_lone_surrogate_in_a_content_part_is_a_400(text_server: RunningServer)
     )
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "messages[0].content[0]"
+
+
+def test_no_prompt_goes_before_a_rendered_conversation() -> None:
+    """The template formats the text: an explicit prompt_name is refused, and input_type
+    (a hint) selects no prompt for it."""
+    with running_server(fake_settings("fake?dim=16&chat=true")) as chat:
+        messages = [{"role": "user", "content": "red squares"}]
+        body = {"messages": messages, "prompt_name": "query"}
+        assert "chat template" in refused(chat, "/v1/embeddings", body, "prompt_name")
+        plain = post(chat, "/v1/embeddings", {"messages": messages})["data"][0]["embedding"]
+        typed = post(chat, "/v1/embeddings", {"messages": messages, "input_type": "search_query"})
+        np.testing.assert_allclose(typed["data"][0]["embedding"], plain, atol=1e-6)
