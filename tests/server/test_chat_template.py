@@ -110,3 +110,38 @@ def test_generation_prompt_and_continue_exclude_each_other() -> None:
             continue_final_message=True,
         )
     assert caught.value.param == "continue_final_message"
+
+
+def test_messages_on_a_decoder_embedder_are_transformers_chat_tokens(
+    tiny_model: Any, tmp_path: Path
+) -> None:
+    """A tiny Qwen3 embedder with a chat template: a ``messages`` request embeds exactly the
+    token ids transformers' ``apply_chat_template(..., tokenize=True)`` gives (no special
+    tokens added again), as the same ids sent as ``input`` are embedded."""
+    import shutil
+
+    import httpx
+    import numpy as np
+    from embedding_server.settings import ServerSettings
+    from transformers import AutoTokenizer
+
+    from tests.support.api import running_server
+
+    model = tmp_path / "qwen3-chat"
+    shutil.copytree(tiny_model("qwen3"), model)
+    hf = AutoTokenizer.from_pretrained(str(model))
+    hf.chat_template = QWEN_STYLE
+    hf.save_pretrained(str(model))
+    messages = CONVERSATIONS[1]
+    encoded = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    ids = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+    with running_server(ServerSettings(model=str(model), dtype="float32")) as server:
+        url = server.url + "/v1/embeddings"
+        chat = httpx.post(url, json={"messages": messages, "add_generation_prompt": True})
+        assert chat.status_code == 200, chat.text
+        plain = httpx.post(url, json={"input": ids})
+        assert plain.status_code == 200, plain.text
+    assert chat.json()["usage"]["prompt_tokens"] == len(ids)
+    np.testing.assert_allclose(
+        chat.json()["data"][0]["embedding"], plain.json()["data"][0]["embedding"], atol=1e-6
+    )
