@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -336,8 +336,23 @@ def _compile(source: str) -> Any:
     def strftime_now(fmt: str) -> str:
         return datetime.now().strftime(fmt)
 
+    class Generation(jinja2.ext.Extension):
+        """``{% generation %}...{% endgeneration %}`` (transformers' AssistantTracker,
+        which marks the assistant's tokens for training masks): rendered as its content."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            call = self.call_method("_content")
+            return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+        def _content(self, caller: Any) -> str:
+            return str(caller())
+
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
@@ -346,12 +361,3 @@ def _compile(source: str) -> Any:
         return env.from_string(source)
     except jinja2.TemplateError as error:
         raise ValueError(f"the tokenizer's chat template does not compile: {error}") from error
-
-
-@dataclass
-class ChatOptions:
-    """vLLM's chat-embedding fields (``EmbeddingChatRequest``), with its defaults."""
-
-    add_generation_prompt: bool = False
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)

@@ -32,6 +32,13 @@ QWEN_STYLE = (
     "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}"
 )
 
+# SmolLM-style: the assistant's turns inside {% generation %} (training masks).
+GENERATION_BLOCKS = (
+    "{% for message in messages %}<|{{ message.role }}|>"
+    "{% if message.role == 'assistant' %}{% generation %}{{ message.content }}"
+    "{% endgeneration %}{% else %}{{ message.content }}{% endif %}\n{% endfor %}"
+)
+
 CONVERSATIONS: list[list[dict[str, Any]]] = [
     [{"role": "user", "content": "What is a café?"}],
     [
@@ -54,7 +61,11 @@ def reference(template: str) -> PreTrainedTokenizerFast:
     )
 
 
-@pytest.mark.parametrize("template", [FAKE_CHAT_TEMPLATE, QWEN_STYLE], ids=["zephyr", "qwen"])
+@pytest.mark.parametrize(
+    "template",
+    [FAKE_CHAT_TEMPLATE, QWEN_STYLE, GENERATION_BLOCKS],
+    ids=["zephyr", "qwen", "generation-blocks"],
+)
 @pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
 @pytest.mark.parametrize("mode", ["plain", "generation", "continue"])
 def test_rendering_matches_transformers(template: str, conversation: int, mode: str) -> None:
