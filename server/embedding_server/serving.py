@@ -21,7 +21,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import functools
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, Unpack, cast
 
@@ -50,7 +50,7 @@ from .jobs import (
 )
 from .media import MediaPolicy
 from .metrics import Metrics
-from .multimodal import IMAGE_TYPES, ChatTemplate, ImagePreprocessor, ImageRef
+from .multimodal import IMAGE_TYPES, ChatMessage, ChatTemplate, ImagePreprocessor, ImageRef
 from .pooling import FloatArray
 from .results import (
     ClassifyResult,
@@ -150,6 +150,33 @@ class ServingEngine(abc.ABC):
     def chat_template(self) -> ChatTemplate | None:
         """The tokenizer's chat template (``tokenizer_config.json``), where it has one."""
         return self._chat
+
+    async def arender_chat(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = False,
+        continue_final_message: bool = False,
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """``messages`` rendered through the model's chat template
+        (:meth:`ChatTemplate.render`), off the event loop: a long conversation is
+        milliseconds of template work the loop must not spend."""
+        template = self._chat
+        if template is None:
+            raise InvalidRequestError(
+                f"messages need a chat template, and this model ({self._info.architecture}) "
+                "has none in its tokenizer_config.json; send the text as input",
+                param="messages",
+            )
+        render = functools.partial(
+            template.render,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            kwargs=kwargs,
+        )
+        return await self._offloader().offload(render)
 
     @property
     def takes_images(self) -> bool:

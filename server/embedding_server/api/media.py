@@ -130,7 +130,7 @@ async def messages_input(
                 "them, are not served)",
                 param=refs[0].param,
             )
-        text = template.render(
+        text = await engine.arender_chat(
             messages,
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
