@@ -329,7 +329,7 @@ async def score_sides(
     check_image_count(
         sum(len(images_of(p)) for p in parts),
         lifecycle.settings.max_images_per_request,
-        "text_2",
+        "text_2" if images_of(parts[1]) else "text_1",
     )
     for param, side, side_parts in (("text_1", text_1, parts[0]), ("text_2", text_2, parts[1])):
         if isinstance(side, MultiModalContent):
