@@ -155,7 +155,9 @@ class RequestLimits:
     """The engine's ``max_request_tokens``: token ids in one field (None before it loads)."""
 
 
-INPUT_FIELDS = frozenset({"input", "texts", "documents", "text_1", "text_2", "tokens"})
+INPUT_FIELDS = frozenset(
+    {"input", "texts", "images", "inputs", "documents", "text_1", "text_2", "tokens"}
+)
 """The request fields that carry what is embedded, scored or decoded."""
 
 
