@@ -917,25 +917,26 @@ def fill_hub_cache(cache: Path, repo_id: str, checkpoint: Path) -> Path:
     return snapshot
 
 
-@pytest.fixture
-def reranker_claim(
-    cluster: KubeClient, namespace: str, tmp_path: Path
-) -> Iterator[tuple[str, Path]]:
-    """A tiny random ``BertForSequenceClassification`` cross-encoder (one label, saved by
-    sentence-transformers' CrossEncoder) in a hub cache on the real node, behind a hostPath
-    PersistentVolume bound to a claim in ``namespace``: the claim's name and the snapshot."""
-    from tests.support.tasks import build_classifier, save_cross_encoder
-
-    checkpoint = save_cross_encoder(build_classifier(tmp_path / "bert-1", "bert", 1))
-    cache = tmp_path / "hub-cache"
+def hub_cache_claim(
+    cluster: KubeClient,
+    namespace: str,
+    tmp_path: Path,
+    repo_id: str,
+    checkpoint: Path,
+    claim: str,
+) -> Path:
+    """``checkpoint`` in a hub cache on the real node, behind a hostPath PersistentVolume
+    bound to ``claim`` in ``namespace``; returns the snapshot. The caller deletes the volume
+    (``{namespace}-{claim}``)."""
+    cache = tmp_path / f"hub-cache-{claim}"
     cache.mkdir()
-    snapshot = fill_hub_cache(cache, RERANKER_ID, checkpoint)
+    snapshot = fill_hub_cache(cache, repo_id, checkpoint)
     # Owned by root and made world-readable (chmod -R a+rX), as an administrator fills a
     # share: the pods (uid 1000) only read it, through a read-only mount.
     for path in (cache, *cache.rglob("*")):
         extra = 0o555 if path.is_dir() else 0o444
         path.chmod(path.stat().st_mode | extra)
-    volume = f"{namespace}-weights"
+    volume = f"{namespace}-{claim}"
     cluster.apply(
         {
             "apiVersion": "v1",
@@ -969,7 +970,7 @@ def reranker_claim(
         {
             "apiVersion": "v1",
             "kind": "PersistentVolumeClaim",
-            "metadata": {"name": "reranker-weights"},
+            "metadata": {"name": claim},
             "spec": {
                 "accessModes": ["ReadOnlyMany"],
                 "storageClassName": "",
@@ -979,8 +980,23 @@ def reranker_claim(
         },
         namespace=namespace,
     )
-    yield "reranker-weights", snapshot
-    cluster.kubectl("delete", "pv", volume, "--wait=false", "--ignore-not-found")
+    return snapshot
+
+
+@pytest.fixture
+def reranker_claim(
+    cluster: KubeClient, namespace: str, tmp_path: Path
+) -> Iterator[tuple[str, Path]]:
+    """A tiny random ``BertForSequenceClassification`` cross-encoder (one label, saved by
+    sentence-transformers' CrossEncoder) in a hub cache on the real node, behind a hostPath
+    PersistentVolume bound to a claim in ``namespace``: the claim's name and the snapshot."""
+    from tests.support.tasks import build_classifier, save_cross_encoder
+
+    checkpoint = save_cross_encoder(build_classifier(tmp_path / "bert-1", "bert", 1))
+    claim = "reranker-weights"
+    snapshot = hub_cache_claim(cluster, namespace, tmp_path, RERANKER_ID, checkpoint, claim)
+    yield claim, snapshot
+    cluster.kubectl("delete", "pv", f"{namespace}-{claim}", "--wait=false", "--ignore-not-found")
 
 
 @pytest.mark.local_node  # the model cache is a hostPath volume of this machine's files
@@ -1040,6 +1056,133 @@ def test_reranker_serves_cross_encoder_scores_from_an_offline_model_cache(
         )
     assert got["embeddings"]["status"] == 400, got["embeddings"]
     assert "task is score" in got["embeddings"]["body"]["error"]["message"], got["embeddings"]
+
+
+# -- (f2) images: a CLIP model through the Service ---------------------------------------------
+
+CLIP_ID = "e2e-org/tiny-clip"
+
+# Runs in the client pod: one image as vLLM's chat form through the official openai client
+# (``client.post``: ``embeddings.create`` always sends ``input``), the same image through
+# Cohere's /v2/embed, a text through ``input``, and an image URL of a host nobody listed.
+IMAGE_SCRIPT = """
+import json, sys, urllib.error, urllib.request
+import openai
+from openai import OpenAI
+base, uri, text = sys.argv[1], sys.argv[2], sys.argv[3]
+def post(path, body):
+    request = urllib.request.Request(
+        base + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return {"status": response.status, "body": json.load(response)}
+    except urllib.error.HTTPError as exc:
+        return {"status": exc.code, "body": json.load(exc)}
+client = OpenAI(base_url=base + "/v1", api_key="unused", timeout=60)
+model = client.models.list().data[0].id
+image_part = {"type": "image_url", "image_url": {"url": uri}}
+chat = client.post(
+    "/embeddings",
+    body={"model": model, "messages": [{"role": "user", "content": [image_part]}]},
+    cast_to=object,
+)
+out = {
+    "messages": chat["data"][0]["embedding"],
+    "text": client.embeddings.create(model=model, input=[text]).data[0].embedding,
+    "cohere": post("/v2/embed", {"model": model, "images": [uri], "input_type": "image",
+                                 "embedding_types": ["float"]}),
+}
+unlisted = {"type": "image_url", "image_url": {"url": "http://images.example.com/cat.png"}}
+out["unlisted"] = post(
+    "/v1/embeddings", {"model": model, "messages": [{"role": "user", "content": [unlisted]}]}
+)
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture
+def clip_claim(cluster: KubeClient, namespace: str, tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """A tiny random CLIP (both towers, its tokenizer and image processor) in a hub cache on
+    the real node, behind a claim in ``namespace``: the claim's name and the snapshot."""
+    from tests.support.vision import build_clip
+
+    claim = "clip-weights"
+    checkpoint = build_clip(tmp_path / "clip")
+    snapshot = hub_cache_claim(cluster, namespace, tmp_path, CLIP_ID, checkpoint, claim)
+    yield claim, snapshot
+    cluster.kubectl("delete", "pv", f"{namespace}-{claim}", "--wait=false", "--ignore-not-found")
+
+
+@pytest.mark.local_node  # the model cache is a hostPath volume of this machine's files
+def test_an_image_through_the_service_gets_transformers_clip_vector(
+    cluster: KubeClient,
+    release: str,
+    client_pod: ClientPod,
+    namespace: str,
+    clip_claim: tuple[str, Path],
+) -> None:
+    """Issue 33's "done when": an image sent through the Service (vLLM's chat form with the
+    official openai client, and Cohere's ``images``) comes back as transformers' own
+    ``CLIPModel.get_image_features`` on the processor's pixels, and a text as
+    ``get_text_features``; an image URL whose host nobody listed is a 400 naming the part."""
+    import torch
+    from PIL import Image
+    from transformers import CLIPModel, CLIPProcessor
+
+    from tests.support.images import data_uri, picture
+
+    claim, snapshot = clip_claim
+    image: Image.Image = picture(5, (40, 28))
+    text = "a photo of a fox"
+    spec = {
+        "model": {"name": CLIP_ID},
+        "gpu": {"type": "cpu"},
+        "resources": SMALL_POD,
+        "modelCache": {"mode": "existing", "claimName": claim, "readOnly": True},
+        "server": {"dtype": "float32"},
+    }
+    with diagnostics(cluster, namespace, release):
+        cluster.apply(embedding_service("images", spec), namespace=namespace)
+        wait_condition(cluster, namespace, "images", "Ready", "True", timeout=READY_TIMEOUT_S)
+        wait_ready_replicas(cluster, namespace, "images", 1)
+        start_client(
+            cluster,
+            client_pod,
+            namespace,
+            "images",
+            IMAGE_SCRIPT,
+            f"http://images.{namespace}.svc",
+            data_uri(image),
+            text,
+        )
+        got = client_output(cluster, namespace, "images")
+
+    model = CLIPModel.from_pretrained(str(snapshot)).eval()
+    processor = CLIPProcessor.from_pretrained(str(snapshot))
+    with torch.inference_mode():
+        pixels = processor(images=image, return_tensors="pt")["pixel_values"]
+        want_image = model.get_image_features(pixel_values=pixels)[0].numpy()
+        ids = processor(text=[text], return_tensors="pt")["input_ids"]
+        want_text = model.get_text_features(input_ids=ids)[0].numpy()
+
+    def cosine(a: Any, b: Any) -> float:
+        a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+        return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+    assert got["cohere"]["status"] == 200, got["cohere"]
+    cohere = got["cohere"]["body"]["embeddings"]["float"][0]
+    for name, vector, want in (
+        ("messages", got["messages"], want_image),
+        ("cohere images", cohere, want_image),
+        ("text", got["text"], want_text),
+    ):
+        assert len(vector) == len(want), name
+        assert cosine(vector, want) >= 0.99999, (name, cosine(vector, want))
+    assert got["unlisted"]["status"] == 400, got["unlisted"]
+    error = got["unlisted"]["body"]["error"]
+    assert error["param"] == "messages[0].content[0]", error
+    assert "images.example.com" in error["message"], error
 
 
 # -- (g2) the gateway: one address for every model ---------------------------------------------
