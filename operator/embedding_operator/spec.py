@@ -337,7 +337,7 @@ def media_domain_problem(domain: str) -> str | None:
         return "media.allowedDomains lists host names; an IP address is not allowed"
     if len(domain) > 253 or not MEDIA_DOMAIN_PATTERN.match(domain):
         return (
-            f"media.allowedDomains: {domain!r} is not a lowercase host name "
+            "media.allowedDomains lists lowercase host names "
             "(such as images.example.com or *.example.com)"
         )
     return None

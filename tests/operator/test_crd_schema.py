@@ -376,9 +376,9 @@ MEDIA_DOMAIN_REFUSALS = {
     "fd00::1": "a port or an IPv6 address is not allowed",
     "169.254.169.254": "an IP address is not allowed",
     "*.10": "an IP address is not allowed",
-    "Images.Example.com": "is not a lowercase host name",
-    "*": "is not a lowercase host name",
-    "*.*.example.com": "is not a lowercase host name",
+    "Images.Example.com": "lists lowercase host names",
+    "*": "lists lowercase host names",
+    "*.*.example.com": "lists lowercase host names",
 }
 
 
