@@ -373,6 +373,21 @@ def test_network_policy_admits_only_chosen_namespaces() -> None:
     assert "NetworkPolicy" in [r.kind for r in off.absent]
 
 
+def test_network_policy_leaves_image_fetches_to_listed_hosts_open() -> None:
+    """With media.allowedDomains the server fetches image URLs: the operator's NetworkPolicy
+    restricts ingress only, so it never blocks that egress (docs/security.md)."""
+    from embedding_operator.builders.networkpolicy import build_network_policy
+
+    spec = {
+        "model": MODEL,
+        "networkPolicy": {"enabled": True},
+        "media": {"allowedDomains": ["images.example.com"]},
+    }
+    policy = build_network_policy(render_input(spec))["spec"]
+    assert policy["policyTypes"] == ["Ingress"]
+    assert "egress" not in policy
+
+
 def test_network_policy_namespaces_need_enabled() -> None:
     from embedding_operator.spec import InvalidSpecError, parse_spec
 
