@@ -214,6 +214,11 @@ def _section(section: _Section) -> list[str]:
     if description:
         lines += [_text(description), ""]
     rules = _rules(section.path, node)
+    # Rules on a list of scalars (media.allowedDomains[]) have no section of their own.
+    for name, prop in (node.get("properties") or {}).items():
+        items = prop.get("items")
+        if isinstance(items, Mapping) and not _is_object_with_fields(items):
+            rules += _rules(f"{section.path}.{name}[]", items)
     if rules:
         lines += ["Rules the API server checks:", "", *rules, ""]
     lines += [

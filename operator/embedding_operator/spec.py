@@ -13,7 +13,9 @@ is checked during reconciliation, and a missing Secret is reported from the pods
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
+from decimal import Decimal, InvalidOperation
 from typing import Any, Literal
 
 from pydantic import (
@@ -312,6 +314,79 @@ class Tracing(_Model):
     sampling_ratio: float | None = Field(default=None, ge=0, le=1)
 
 
+MEDIA_DOMAIN_PATTERN = re.compile(
+    r"^(\*\.)?[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+)
+"""A host name, optionally ``*.``-prefixed: the CRD's pattern on ``media.allowedDomains[]``."""
+
+
+def media_domain_problem(domain: str) -> str | None:
+    """Why ``domain`` is not a host name ``media.allowedDomains`` may list, or None.
+
+    The CRD's CEL rules on ``media.allowedDomains[]`` say the same, in the same order and
+    words: the server matches the list against a URL's host name only, so a scheme, a path or
+    a port would silently never match, and an IP literal would bypass the point of the list
+    (the server refuses internal addresses unless their *name* is listed)."""
+    if "://" in domain:
+        return "media.allowedDomains lists host names, not URLs (no scheme such as https://)"
+    if "/" in domain:
+        return "media.allowedDomains lists host names; a path is not allowed"
+    if ":" in domain:
+        return "media.allowedDomains lists host names; a port or an IPv6 address is not allowed"
+    if re.search(r"(^|[.])[0-9]+$", domain):
+        return "media.allowedDomains lists host names; an IP address is not allowed"
+    if len(domain) > 253 or not MEDIA_DOMAIN_PATTERN.match(domain):
+        return (
+            "media.allowedDomains lists lowercase host names "
+            "(such as images.example.com or *.example.com)"
+        )
+    return None
+
+
+def quantity_bytes(value: IntOrString) -> int:
+    """A Kubernetes quantity (``8Mi``, ``500k``, ``1048576``) as a whole number of bytes."""
+    from kubernetes.utils.quantity import parse_quantity
+
+    try:
+        amount = Decimal(parse_quantity(value))  # type: ignore[no-untyped-call]
+    except (ValueError, InvalidOperation, TypeError):
+        raise ValueError(f"{value!r} is not a quantity (such as 8Mi or 8388608)") from None
+    if amount != amount.to_integral_value() or amount < 1:
+        raise ValueError(f"{value!r} is not a whole number of bytes of at least 1")
+    return int(amount)
+
+
+class Media(_Model):
+    """Image inputs: the server's media policy (``--allowed-media-domains`` and limits)."""
+
+    allowed_domains: list[str] = Field(default_factory=list, max_length=64)
+    max_images_per_request: int | None = Field(default=None, ge=1, le=1024)
+    max_image_bytes: IntOrString | None = None
+    max_image_pixels: int | None = Field(default=None, ge=1, le=1_000_000_000)
+    fetch_timeout_seconds: float | None = Field(default=None, ge=0.1, le=300)
+
+    @field_validator("allowed_domains")
+    @classmethod
+    def _host_names(cls, domains: list[str]) -> list[str]:
+        for domain in domains:
+            problem = media_domain_problem(domain)
+            if problem is not None:
+                raise ValueError(f"{problem} (got {domain!r})")
+        return domains
+
+    @field_validator("max_image_bytes")
+    @classmethod
+    def _a_byte_count(cls, value: IntOrString | None) -> IntOrString | None:
+        if value is not None:
+            quantity_bytes(value)
+        return value
+
+    @property
+    def image_bytes(self) -> int | None:
+        """``maxImageBytes`` in bytes, as the server's ``--max-image-bytes`` takes it."""
+        return None if self.max_image_bytes is None else quantity_bytes(self.max_image_bytes)
+
+
 # Embedding fields that mean nothing for a cross-encoder or classifier, by their wire names.
 EMBED_ONLY_FIELDS = ("pooling", "normalize", "dimensions", "matryoshkaDimensions")
 
@@ -333,6 +408,7 @@ class EmbeddingServiceSpec(_Model):
     service: ServiceSpec = ServiceSpec()
     network_policy: NetworkPolicySpec = NetworkPolicySpec()
     tracing: Tracing | None = None
+    media: Media | None = None
     api_key_secret_ref: ApiKeySecretRef | None = None
 
     @model_validator(mode="after")
@@ -368,6 +444,15 @@ class EmbeddingServiceSpec(_Model):
         for name in EMBED_ONLY_FIELDS:
             if given[name]:
                 raise ValueError(f"embedding.{name} applies to task embed only")
+        return self
+
+    @model_validator(mode="after")
+    def _media_needs_embed(self) -> EmbeddingServiceSpec:
+        if self.media is not None and self.task != "embed":
+            raise ValueError(
+                "media applies to task embed only (score, classify, token_classify, reward "
+                "and sparse models take no images)"
+            )
         return self
 
     @property

@@ -8,6 +8,7 @@ when an example stops validating.
 
 from __future__ import annotations
 
+import re
 import types
 import typing
 from typing import Any
@@ -19,9 +20,11 @@ from embedding_operator.spec import (
     CODE_LOADING_ENV,
     CODE_LOADING_ENV_PREFIXES,
     EMBED_ONLY_FIELDS,
+    MEDIA_DOMAIN_PATTERN,
     SERVER_QUEUE_TOKENS,
     EmbeddingServiceSpec,
     InvalidSpecError,
+    media_domain_problem,
     parse_spec,
 )
 from pydantic import BaseModel
@@ -192,7 +195,21 @@ def test_examples_cover_the_advertised_cases() -> None:
         "mpnet-search-cpu.yaml",
         "ms-marco-reranker-cpu.yaml",
         "hybrid-search-l4.yaml",
+        "image-search-clip.yaml",
     } <= names
+
+
+def test_the_image_search_example_serves_clip_with_data_uris_by_default() -> None:
+    """examples/image-search-clip.yaml: CLIP on CPU, embed, its media limits set and no host
+    fetched from until the user uncomments allowedDomains."""
+    path = next(p for p in EXAMPLES if p.name == "image-search-clip.yaml")
+    (doc,) = yaml.safe_load_all(path.read_text())
+    spec = parse_spec(doc["spec"])
+    assert spec.model.name == "openai/clip-vit-base-patch32"
+    assert spec.task == "embed" and spec.gpu.type == "cpu"
+    assert spec.media is not None and spec.media.allowed_domains == []
+    assert spec.media.image_bytes == 4 * 1024 * 1024
+    assert "# allowedDomains:" in path.read_text()
 
 
 def test_the_hybrid_search_example_pairs_an_embedder_and_a_yes_no_reranker() -> None:
@@ -222,6 +239,10 @@ BAD_SPECS = {
         "tracing": {"otlpEndpoint": "http://collector:4318", "samplingRatio": 1.5},
     },
     "backend": {"model": {"name": "m"}, "server": {"backend": "onnx"}},
+    "allowedDomains": {"model": {"name": "m"}, "media": {"allowedDomains": ["https://x.io/a"]}},
+    "maxImagesPerRequest": {"model": {"name": "m"}, "media": {"maxImagesPerRequest": 0}},
+    "maxImageBytes": {"model": {"name": "m"}, "media": {"maxImageBytes": "8MB"}},
+    "fetchTimeoutSeconds": {"model": {"name": "m"}, "media": {"fetchTimeoutSeconds": 0}},
 }
 
 
@@ -346,3 +367,72 @@ def test_autoscaling_defaults_for_a_new_service() -> None:
     assert zero.autoscaling.min_replicas == 0
     queue = parse_spec({"model": {"name": "m"}, "autoscaling": {"metric": "queueRequests"}})
     assert queue.autoscaling.metric == "queueRequests"  # what existing objects were stored with
+
+
+MEDIA_DOMAIN_REFUSALS = {
+    "https://images.example.com": "not URLs (no scheme such as https://)",
+    "images.example.com/cats": "a path is not allowed",
+    "images.example.com:8443": "a port or an IPv6 address is not allowed",
+    "fd00::1": "a port or an IPv6 address is not allowed",
+    "169.254.169.254": "an IP address is not allowed",
+    "*.10": "an IP address is not allowed",
+    "Images.Example.com": "lists lowercase host names",
+    "*": "lists lowercase host names",
+    "*.*.example.com": "lists lowercase host names",
+}
+
+
+@pytest.mark.parametrize("domain", sorted(MEDIA_DOMAIN_REFUSALS))
+def test_media_domains_are_host_names_in_the_schema_and_the_model(
+    schema: dict[str, Any], validator: Any, domain: str
+) -> None:
+    """``media.allowedDomains[]``: the CRD refuses a scheme, a path, a port or an IP literal
+    (CEL, with a message naming the field) or anything else that is not a host name (its
+    pattern); the model refuses the same with the same words, so the operator never renders
+    a list the server would match nothing against."""
+    items = schema["properties"]["spec"]["properties"]["media"]["properties"]["allowedDomains"]
+    items = items["items"]
+    messages = [r["message"] for r in items["x-kubernetes-validations"]]
+    assert all(m.startswith("media.allowedDomains") for m in messages)
+    expected = MEDIA_DOMAIN_REFUSALS[domain]
+    cel = [m for m in messages if expected in m]
+    if not cel:  # not a CEL refusal: the schema's pattern refuses it
+        doc = {
+            "apiVersion": "embedding-operator.dev/v1alpha1",
+            "kind": "EmbeddingService",
+            "metadata": {"name": "bad"},
+            "spec": {"model": {"name": "m"}, "media": {"allowedDomains": [domain]}},
+        }
+        assert not validator.is_valid(doc)
+    with pytest.raises(InvalidSpecError, match=r"spec\.media\.allowedDomains: ") as refused:
+        parse_spec({"model": {"name": "m"}, "media": {"allowedDomains": [domain]}})
+    assert expected in str(refused.value)
+    for message in cel:
+        assert message in str(refused.value)
+
+
+def test_media_domain_rules_in_the_schema_are_the_models(schema: dict[str, Any]) -> None:
+    """The schema's pattern on ``media.allowedDomains[]`` is the model's, and host names a
+    user would list pass both."""
+    items = schema["properties"]["spec"]["properties"]["media"]["properties"]["allowedDomains"]
+    assert items["items"]["pattern"] == MEDIA_DOMAIN_PATTERN.pattern
+    for domain in ("images.example.com", "*.example.com", "localhost", "cdn-1.example.co.uk"):
+        assert re.fullmatch(items["items"]["pattern"], domain)
+        assert media_domain_problem(domain) is None
+        spec = parse_spec({"model": {"name": "m"}, "media": {"allowedDomains": [domain]}})
+        assert spec.media is not None and spec.media.allowed_domains == [domain]
+
+
+def test_media_takes_task_embed_only(schema: dict[str, Any]) -> None:
+    """Images go to embedding models (CLIP, SigLIP); a score, classify, token_classify,
+    reward or sparse service has nothing to do with them, so the CRD refuses the combination
+    (CEL, FieldValueForbidden on .media) as the model does."""
+    rules = schema["properties"]["spec"]["x-kubernetes-validations"]
+    (rule,) = [r for r in rules if r.get("fieldPath") == ".media"]
+    assert rule["rule"] == "!has(self.media) || !has(self.task) || self.task == 'embed'"
+    assert rule["reason"] == "FieldValueForbidden"
+    for task in ("score", "classify", "token_classify", "reward", "sparse"):
+        with pytest.raises(InvalidSpecError, match="media applies to task embed only"):
+            parse_spec({"model": {"name": "m"}, "task": task, "media": {}})
+        assert rule["message"].startswith("media applies to task embed only")
+    assert parse_spec({"model": {"name": "m"}, "media": {}}).media is not None

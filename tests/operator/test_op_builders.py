@@ -119,6 +119,48 @@ def test_unset_knobs_leave_server_defaults() -> None:
         assert flag not in args
 
 
+def test_media_renders_the_servers_image_flags() -> None:
+    """spec.media reaches the server's media policy; maxImageBytes as a quantity becomes the
+    bytes --max-image-bytes takes, and the user's extraArgs still come last."""
+    media = {
+        "allowedDomains": ["images.example.com", "*.cdn.example.org"],
+        "maxImagesPerRequest": 4,
+        "maxImageBytes": "2Mi",
+        "maxImagePixels": 4_000_000,
+        "fetchTimeoutSeconds": 2.5,
+    }
+    spec = {"model": MODEL, "media": media, "server": {"extraArgs": ["--log-level", "debug"]}}
+    args = server_args(render_input(spec))
+    assert _flag(args, "--allowed-media-domains") == "images.example.com,*.cdn.example.org"
+    assert _flag(args, "--max-images-per-request") == "4"
+    assert _flag(args, "--max-image-bytes") == str(2 * 1024 * 1024)
+    assert _flag(args, "--max-image-pixels") == "4000000"
+    assert _flag(args, "--media-fetch-timeout") == "2.5"
+    assert args[-2:] == ["--log-level", "debug"]
+
+
+@pytest.mark.parametrize("media", [None, {}, {"allowedDomains": []}])
+def test_without_media_settings_the_server_keeps_data_uris_only(media: Any) -> None:
+    spec: dict[str, Any] = {"model": MODEL}
+    if media is not None:
+        spec["media"] = media
+    args = server_args(render_input(spec))
+    for flag in (
+        "--allowed-media-domains",
+        "--max-images-per-request",
+        "--max-image-bytes",
+        "--max-image-pixels",
+        "--media-fetch-timeout",
+    ):
+        assert flag not in args
+
+
+@pytest.mark.parametrize(("quantity", "expected"), [(8388608, 8388608), ("500k", 500000)])
+def test_max_image_bytes_takes_an_integer_or_a_quantity(quantity: Any, expected: int) -> None:
+    args = server_args(render_input({"model": MODEL, "media": {"maxImageBytes": quantity}}))
+    assert _flag(args, "--max-image-bytes") == str(expected)
+
+
 @pytest.mark.parametrize("backend", ["native", "transformers"])
 def test_backend_renders_its_flag(backend: str) -> None:
     args = server_args(render_input({"model": MODEL, "server": {"backend": backend}}))
@@ -329,6 +371,21 @@ def test_network_policy_admits_only_chosen_namespaces() -> None:
     off = desired_children(render_input({"model": MODEL}))
     assert "NetworkPolicy" not in [m["kind"] for m in off.present]
     assert "NetworkPolicy" in [r.kind for r in off.absent]
+
+
+def test_network_policy_leaves_image_fetches_to_listed_hosts_open() -> None:
+    """With media.allowedDomains the server fetches image URLs: the operator's NetworkPolicy
+    restricts ingress only, so it never blocks that egress (docs/security.md)."""
+    from embedding_operator.builders.networkpolicy import build_network_policy
+
+    spec = {
+        "model": MODEL,
+        "networkPolicy": {"enabled": True},
+        "media": {"allowedDomains": ["images.example.com"]},
+    }
+    policy = build_network_policy(render_input(spec))["spec"]
+    assert policy["policyTypes"] == ["Ingress"]
+    assert "egress" not in policy
 
 
 def test_network_policy_namespaces_need_enabled() -> None:

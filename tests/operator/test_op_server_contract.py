@@ -183,3 +183,36 @@ def test_the_allowed_hosts_let_in_the_service_names_probes_and_nothing_else() ->
     spec = {"model": {"name": "hf://m/e"}, "server": {"extraArgs": ["--allowed-hosts", "*"]}}
     settings = load_settings(server_args(render_input(spec)))
     assert HostCheck(settings.allowed_hosts or []).allows(b"embed.example.com")
+
+
+def test_media_renders_flags_the_server_parses() -> None:
+    """Every spec.media field reaches the ServerSettings field it names, with the value the
+    server then enforces (maxImageBytes as a quantity arrives in bytes)."""
+    media = {
+        "allowedDomains": ["images.example.com", "*.cdn.example.org"],
+        "maxImagesPerRequest": 3,
+        "maxImageBytes": "1Mi",
+        "maxImagePixels": 1_000_000,
+        "fetchTimeoutSeconds": 1.5,
+    }
+    render = render_input({"model": {"name": "m/clip"}, "media": media})
+    settings = load_settings(server_args(render))
+    assert settings.allowed_media_domains == ["images.example.com", "*.cdn.example.org"]
+    assert settings.max_images_per_request == 3
+    assert settings.max_image_bytes == 1024 * 1024
+    assert settings.max_image_pixels == 1_000_000
+    assert settings.media_fetch_timeout == 1.5
+
+
+def test_media_limits_default_to_the_servers() -> None:
+    """The CRD's descriptions quote the server's defaults for the media limits."""
+    from tests.support.operator import CRD_PATH
+
+    crd = CRD_PATH.read_text()
+    fields = server_settings.ServerSettings.model_fields
+    assert fields["max_images_per_request"].default == 16
+    assert fields["max_image_bytes"].default == 8 * 1024 * 1024
+    assert fields["max_image_pixels"].default == 25_000_000
+    assert fields["media_fetch_timeout"].default == 5.0
+    for quoted in ("Server default: 16.", "Server default: 8Mi.", "Server default: 25000000."):
+        assert quoted in " ".join(crd.split()), quoted

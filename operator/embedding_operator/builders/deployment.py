@@ -42,6 +42,9 @@ Choices made here, and why:
   variables the server's OpenTelemetry SDK reads (the EmbeddingService as the service, its
   namespace and the pod's name as resource attributes, the sampler for ``samplingRatio``),
   each only where the user's ``server.env`` does not set it.
+* Images: ``spec.media`` passes the server's media flags (``--allowed-media-domains`` and
+  the image limits), each only when set. The pods need egress to the listed hosts; the
+  operator's NetworkPolicy restricts ingress only, so it never stands in the way.
 * When autoscaling is on, ``spec.replicas`` is omitted: the HPA owns it, and server-side apply
   then never fights the HPA over the field.
 """
@@ -130,6 +133,7 @@ def server_args(render: RenderInput) -> list[str]:
     srv = spec.server
     if spec.tracing is not None:
         args += ["--otlp-traces-endpoint", spec.tracing.otlp_endpoint]
+    args += media_args(render)
     for flag, value in (
         ("--max-batch-tokens", srv.max_batch_tokens),
         ("--max-batch-size", srv.max_batch_size),
@@ -139,6 +143,26 @@ def server_args(render: RenderInput) -> list[str]:
         if value is not None:
             args += [flag, str(value)]
     return [*args, *srv.extra_args]
+
+
+def media_args(render: RenderInput) -> list[str]:
+    """The server's media flags for ``spec.media``: only what the spec sets, so the server's
+    defaults (data: URIs only, its limits) stay defined in one place."""
+    media = render.spec.media
+    if media is None:
+        return []
+    args: list[str] = []
+    if media.allowed_domains:
+        args += ["--allowed-media-domains", ",".join(media.allowed_domains)]
+    for flag, value in (
+        ("--max-images-per-request", media.max_images_per_request),
+        ("--max-image-bytes", media.image_bytes),
+        ("--max-image-pixels", media.max_image_pixels),
+        ("--media-fetch-timeout", media.fetch_timeout_seconds),
+    ):
+        if value is not None:
+            args += [flag, str(value)]
+    return args
 
 
 def allowed_hosts(render: RenderInput) -> list[str]:

@@ -5,7 +5,8 @@ denies every source it does not list, and only the CR author knows where the cli
 on, ingress to the server port is admitted from pods in the EmbeddingService's own namespace
 and in each of ``allowedNamespaces``, matched on the ``kubernetes.io/metadata.name`` label the
 API server puts on every namespace (so a namespace cannot claim another's name by labelling
-itself). Only ingress is restricted: the server's egress (a Hub download, DNS) is untouched.
+itself). Only ingress is restricted: the server's egress (a Hub download, DNS, the image URLs of
+``spec.media.allowedDomains``) is untouched.
 """
 
 from __future__ import annotations
