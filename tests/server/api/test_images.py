@@ -208,9 +208,19 @@ def test_models_and_info_list_the_modalities(
 
 
 def test_the_openai_client_sends_messages(server: RunningServer) -> None:
-    """vLLM's documented way: the client's ``post`` (``embeddings.create`` always sends an
-    ``input``, which with ``messages`` would be two inputs)."""
+    """Both ways the README and the API page show: ``embeddings.create`` with ``input=omit``
+    and the messages in ``extra_body``, and vLLM's documented ``post``."""
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    created = client.embeddings.create(
+        model="fake",
+        input=openai.omit,
+        extra_body={"messages": [{"role": "user", "content": [image_part(RED)]}]},
+    )
+    np.testing.assert_allclose(
+        np.array(created.data[0].embedding, np.float32),
+        embed_messages(server, [image_part(RED)]),
+        atol=1e-6,
+    )
     response = client.post(
         "/embeddings",
         cast_to=CreateEmbeddingResponse,
