@@ -310,9 +310,9 @@ async def _download(
             if response.content_length is not None and response.content_length > limit:
                 raise _too_large(response.content_length, limit, param)
             body = bytearray()
-            async for chunk in response.content.iter_chunked(_CHUNK):
+            while chunk := await response.content.read(min(_CHUNK, limit + 1 - len(body))):
                 body += chunk
-                if len(body) > limit:
+                if len(body) > limit:  # read max_image_bytes + 1 at most
                     raise _too_large(None, limit, param)
             return bytes(body)
     except TimeoutError:

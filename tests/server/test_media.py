@@ -267,6 +267,9 @@ async def server() -> AsyncIterator[str]:
     async def declared_big(request: web.Request) -> web.Response:
         return web.Response(body=b"x" * (BIG + 1), content_type="image/png")
 
+    async def at_limit(request: web.Request) -> web.Response:
+        return web.Response(body=b"x" * BIG, content_type="image/png")
+
     async def redirect(request: web.Request) -> web.Response:
         raise web.HTTPFound("http://unlisted.example.net/a.png")
 
@@ -280,6 +283,7 @@ async def server() -> AsyncIterator[str]:
         ("/drip", drip),
         ("/endless", endless),
         ("/declared-big", declared_big),
+        ("/at-limit", at_limit),
         ("/redirect", redirect),
         ("/html", html),
     ]:
@@ -342,6 +346,7 @@ async def test_oversized_body_refused(server: str) -> None:
         fetch_image(f"{server}/endless", LISTED, param="input[0]"),
         f"more than {BIG} bytes",
     )
+    assert len(await fetch_image(f"{server}/at-limit", LISTED, param="input[0]")) == BIG
 
 
 async def test_redirect_and_non_image_refused(server: str) -> None:
