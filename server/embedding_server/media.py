@@ -77,11 +77,13 @@ class MediaPolicy:
         """``"exact"`` where ``host`` is listed as is, ``"wildcard"`` where only a
         ``*.suffix`` entry covers it (a subdomain, not the suffix itself), else None."""
         host = host.lower().rstrip(".")
-        if host in self.allowed_domains:
+        # Normalized here too: the policy may be built from raw flag values.
+        domains = [domain.strip().lower().rstrip(".") for domain in self.allowed_domains]
+        if host in domains:
             return "exact"
         if _is_ip_literal(host):
             return None  # a wildcard names DNS names, never addresses
-        for domain in self.allowed_domains:
+        for domain in domains:
             if domain.startswith("*.") and host.endswith(domain[1:]) and host != domain[1:]:
                 return "wildcard"
         return None

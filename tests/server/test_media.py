@@ -77,6 +77,7 @@ def test_wildcard_matches_subdomains_only() -> None:
     assert policy.host_listing("badexample.com") is None
     assert policy.host_listing("EXACT.org.") == "exact"
     assert policy.host_listing("sub.exact.org") is None
+    assert MediaPolicy(allowed_domains=(" Images.Example.COM ",)).host_listing("images.example.com")
 
 
 # ---------------------------------------------------------------------------------------------
