@@ -61,6 +61,8 @@ _INERT_KEYS = frozenset(
         "return_tensors",
         "device",
         "image_seq_length",
+        "disable_grouping",  # how the torchvision backend batches, not what it computes
+        "_valid_processor_keys",
     }
 )
 _PIXEL_KEYS: dict[Family, frozenset[str]] = {
@@ -105,7 +107,16 @@ _PIXEL_KEYS: dict[Family, frozenset[str]] = {
     ),
 }
 # Keys that only matter when truthy; false (or null) is what the processor does anyway.
-_OFF_KEYS = frozenset({"do_pad", "do_center_crop", "use_square_size", "do_flip_channel_order"})
+_OFF_KEYS = frozenset(
+    {
+        "do_pad",
+        "do_center_crop",
+        "use_square_size",
+        "do_flip_channel_order",
+        "default_to_square",  # false is these processors' own setting
+        "crop_pct",
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +193,9 @@ class ImageProcessor:
     ) -> ImageProcessor:
         """The processor a ``preprocessor_config.json`` dict describes, for a tower with
         ``vision_config``; refuses (UnsupportedModelError) what it cannot reproduce."""
+        # null is "the processor's default" in transformers (saved processors list their
+        # unset options as null): the same as an absent key.
+        config = {key: value for key, value in config.items() if value is not None}
         family = _family(config, source)
         unknown = sorted(
             key

@@ -74,6 +74,23 @@ CASES: dict[str, tuple[dict[str, object], dict[str, object]]] = {
         },
         CLIP_MODEL,
     ),
+    # As transformers 4.4x saved a fast processor: unset options as null, the backend's own.
+    "clip-fast-saved": (
+        {
+            "image_processor_type": "CLIPImageProcessorFast",
+            "size": {"shortest_edge": 32},
+            "crop_size": {"height": 32, "width": 32},
+            "default_to_square": False,
+            "disable_grouping": None,
+            "crop_pct": None,
+            "do_pad": None,
+            "input_data_format": None,
+            "data_format": "channels_first",
+            "device": None,
+            "return_tensors": None,
+        },
+        CLIP_MODEL,
+    ),
     "siglip": (
         {
             "image_processor_type": "SiglipImageProcessor",
@@ -168,6 +185,7 @@ def test_no_preprocessor_config_means_no_vision(tmp_path: Path) -> None:
     [
         ({"image_processor_type": "ViTImageProcessor"}, "ViTImageProcessor"),
         ({"do_pad": True}, "do_pad"),
+        ({"default_to_square": True}, "default_to_square"),
         ({"crop_pct": 0.9}, "crop_pct"),
         ({"size": {"longest_edge": 32}}, "longest_edge"),
         ({"resample": 7}, "resample=7"),
@@ -192,3 +210,36 @@ def test_refuses_siglip2_patch_size_mismatch(tmp_path: Path) -> None:
     path = _checkpoint(tmp_path, "siglip2", preprocessor, SIGLIP2_MODEL)
     with pytest.raises(UnsupportedModelError, match="patch_size 16"):
         ImageProcessor.from_pretrained(path, SIGLIP2_MODEL)
+
+
+def test_loads_what_transformers_saves(tmp_path: Path) -> None:
+    """The installed transformers' own ``save_pretrained`` output is accepted as is."""
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+    from transformers.models.siglip2.image_processing_pil_siglip2 import (
+        Siglip2ImageProcessorPil,
+    )
+
+    saved = [
+        (
+            CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size=32),
+            CLIP_MODEL,
+            5,
+        ),
+        (SiglipImageProcessorPil(size={"height": 48, "width": 48}), SIGLIP_MODEL, 36),
+        (Siglip2ImageProcessorPil(patch_size=4, max_num_patches=64), SIGLIP2_MODEL, None),
+    ]
+    for i, (reference, model, tokens) in enumerate(saved):
+        path = tmp_path / str(i)
+        reference.save_pretrained(path)  # type: ignore[no-untyped-call]
+        ours = ImageProcessor.from_pretrained(path, model)
+        assert ours is not None and ours.fixed_tokens == tokens
+        image = _image(29, 41, "RGB", i)
+        want = reference(images=image, return_tensors="np")["pixel_values"][0]
+        got = ours.preprocess(image)
+        if tokens is not None:
+            np.testing.assert_allclose(got.pixels, want, rtol=0, atol=1e-6)
+        else:
+            np.testing.assert_allclose(
+                _patchify(got.pixels, 4), want[: got.tokens], rtol=0, atol=1e-6
+            )
