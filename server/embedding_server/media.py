@@ -141,7 +141,7 @@ async def fetch_image(url: str, policy: MediaPolicy, *, param: str) -> bytes:
     try:
         async with asyncio.timeout(policy.fetch_timeout):
             addresses = await _checked_addresses(host, port, exact=exact, param=param)
-            return await _download(url, host, addresses, policy, param=param)
+            return await _download(url, addresses, policy, param=param)
     except TimeoutError as exc:
         raise InvalidRequestError(
             f"image URL did not answer with its whole body within {policy.fetch_timeout:g} s",
@@ -241,17 +241,16 @@ async def _checked_addresses(host: str, port: int, *, exact: bool, param: str) -
 
 class _PinnedResolver(AbstractResolver):
     """Answers aiohttp with the addresses already checked: the connection goes where the
-    check looked, whatever a second DNS answer would say (DNS rebinding)."""
+    check looked, whatever a second DNS answer would say (DNS rebinding). Its connector
+    serves one request to one host and follows no redirect, so every question it gets is
+    about that host (in whatever spelling aiohttp uses: IDNA for a non-ASCII name)."""
 
-    def __init__(self, host: str, addresses: Sequence[str]) -> None:
-        self._host = host
+    def __init__(self, addresses: Sequence[str]) -> None:
         self._addresses = tuple(addresses)
 
     async def resolve(
         self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
     ) -> list[ResolveResult]:
-        if host.rstrip(".").lower() != self._host.lower():
-            raise OSError(f"unexpected host {host}")
         results: list[ResolveResult] = []
         for address in self._addresses:
             parsed = ipaddress.ip_address(address.split("%")[0])
@@ -272,11 +271,11 @@ class _PinnedResolver(AbstractResolver):
 
 
 async def _download(
-    url: str, host: str, addresses: Sequence[str], policy: MediaPolicy, *, param: str
+    url: str, addresses: Sequence[str], policy: MediaPolicy, *, param: str
 ) -> bytes:
     limit = policy.max_image_bytes
     connector = aiohttp.TCPConnector(
-        resolver=_PinnedResolver(host, addresses), use_dns_cache=False, limit=1
+        resolver=_PinnedResolver(addresses), use_dns_cache=False, limit=1
     )
     timeout = aiohttp.ClientTimeout(total=policy.fetch_timeout)
     try:

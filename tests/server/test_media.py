@@ -329,6 +329,10 @@ async def test_connects_to_the_checked_address(
     got = await fetch_image(f"http://images.invalid:{port}/a.png", policy, param="input[0]")
     assert got == PNG
     assert calls == ["images.invalid"]
+    # A non-ASCII name too (aiohttp asks for its IDNA spelling; the answer is the same).
+    policy = MediaPolicy(allowed_domains=("bücher.invalid",), fetch_timeout=2.0)
+    got = await fetch_image(f"http://bücher.invalid:{port}/a.png", policy, param="input[0]")
+    assert got == PNG
 
 
 async def test_slow_server_times_out(server: str) -> None:
