@@ -202,23 +202,28 @@ class ServingEngine(abc.ABC):
             self.check_takes_images(ref.param)
         processor = self._images
         assert processor is not None
-        # Looked up on the module at each call (media's functions are the seam tests replace).
-        data = await asyncio.gather(
-            *(media.fetch_image(r.url, policy, param=r.param) for r in refs)
-        )
         offloader = self._offloader()
 
         def prepare(raw: bytes, param: str) -> ImageInput:
-            return processor.preprocess(media.decode_image(raw, policy, param=param))
+            with media.decode_image(raw, policy, param=param) as image:
+                return processor.preprocess(image)
 
-        return list(
-            await asyncio.gather(
-                *(
-                    offloader.offload(functools.partial(prepare, raw, ref.param))
-                    for raw, ref in zip(data, refs, strict=True)
-                )
-            )
-        )
+        async def one(ref: ImageRef) -> ImageInput:
+            # Looked up on the module at each call (media's functions are the seam tests
+            # replace).
+            raw = await media.fetch_image(ref.url, policy, param=ref.param)
+            return await offloader.offload(functools.partial(prepare, raw, ref.param))
+
+        # The first refusal cancels the other fetches: a request already answered with 400
+        # must not keep connections open until their timeouts.
+        tasks = [asyncio.ensure_future(one(ref)) for ref in refs]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
 
     def _image_input(self, image: Image.Image | ImageInput, param: str) -> ImageInput:
         """An offline API image input, preprocessed as the model's processor does."""

@@ -43,13 +43,7 @@ Item = str | ImageInput
 
 def media_policy(settings: ServerSettings) -> MediaPolicy:
     """The server's limits on images (``--allowed-media-domains``, ...)."""
-    return MediaPolicy(
-        allowed_domains=tuple(settings.allowed_media_domains),
-        fetch_timeout=settings.media_fetch_timeout,
-        max_image_bytes=settings.max_image_bytes,
-        max_image_pixels=settings.max_image_pixels,
-        max_images=settings.max_images_per_request,
-    )
+    return MediaPolicy.from_settings(settings)
 
 
 async def load_parts(
