@@ -1105,10 +1105,14 @@ print(json.dumps(out))
 def clip_claim(cluster: KubeClient, namespace: str, tmp_path: Path) -> Iterator[tuple[str, Path]]:
     """A tiny random CLIP (both towers, its tokenizer and image processor) in a hub cache on
     the real node, behind a claim in ``namespace``: the claim's name and the snapshot."""
-    from tests.support.vision import build_clip
+    from tests.support.vision import IMAGE_SIZE, build_clip
+    from transformers import CLIPImageProcessor
 
     claim = "clip-weights"
     checkpoint = build_clip(tmp_path / "clip")
+    CLIPImageProcessor(
+        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+    ).save_pretrained(str(checkpoint))
     snapshot = hub_cache_claim(cluster, namespace, tmp_path, CLIP_ID, checkpoint, claim)
     yield claim, snapshot
     cluster.kubectl("delete", "pv", f"{namespace}-{claim}", "--wait=false", "--ignore-not-found")
@@ -1128,7 +1132,7 @@ def test_an_image_through_the_service_gets_transformers_clip_vector(
     ``get_text_features``; an image URL whose host nobody listed is a 400 naming the part."""
     import torch
     from PIL import Image
-    from transformers import CLIPModel, CLIPProcessor
+    from transformers import AutoTokenizer, CLIPImageProcessor, CLIPModel
 
     from tests.support.images import data_uri, picture
 
@@ -1159,12 +1163,12 @@ def test_an_image_through_the_service_gets_transformers_clip_vector(
         got = client_output(cluster, namespace, "images")
 
     model = CLIPModel.from_pretrained(str(snapshot)).eval()
-    processor = CLIPProcessor.from_pretrained(str(snapshot))
+    pixels = CLIPImageProcessor.from_pretrained(str(snapshot))(images=image, return_tensors="pt")
+    ids = AutoTokenizer.from_pretrained(str(snapshot))([text], return_tensors="pt")["input_ids"]
     with torch.inference_mode():
-        pixels = processor(images=image, return_tensors="pt")["pixel_values"]
-        want_image = model.get_image_features(pixel_values=pixels)[0].numpy()
-        ids = processor(text=[text], return_tensors="pt")["input_ids"]
-        want_text = model.get_text_features(input_ids=ids)[0].numpy()
+        want_image = model.get_image_features(pixel_values=pixels["pixel_values"])
+        want_text = model.get_text_features(input_ids=ids)
+    want_image, want_text = want_image[0].numpy(), want_text[0].numpy()
 
     def cosine(a: Any, b: Any) -> float:
         a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
