@@ -238,7 +238,10 @@ class FakeModel:
             # An accelerator's time: the GIL is free and no CPU is spent (time.sleep), as on
             # a host thread blocked in a CUDA synchronize.
             time.sleep(wait)
-        return self.tokens[batch.input_ids] + self.positions[batch.position_ids]
+        # index_select, not advanced indexing: the same rows at a seventh of the host's CPU
+        # (0.34 against 2.4 ms for 2,103 tokens), which the device model must not spend.
+        hidden = self.tokens.index_select(0, batch.input_ids)
+        return hidden.add_(self.positions.index_select(0, batch.position_ids))
 
 
 def load_fake(model: str, *, device: torch.device, dtype: torch.dtype) -> LoadedModel:
