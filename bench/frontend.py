@@ -38,9 +38,9 @@ get CPUs of their own: the engine process and every front-end share ``--server-c
 that as many CPUs as you can spare from wrk (on a 2-CPU machine, ``--server-cpus 0,1
 --client-cpus 1`` shares one with wrk, which then understates every server alike).
 
-``--py-spy PATH`` (a py-spy binary) profiles our single-process server on single texts in an
+``--py-spy PATH`` (a py-spy binary) profiles our single-process server on each load in an
 extra, unmeasured wrk run (py-spy's sampling is not free) and prints its top frames, by own
-time and by time under them, into ``bench/out/frontend-profile.txt``.
+time and by time under them, into ``bench/out/frontend-profile-<load>.txt``.
 
     .venv/bin/python -m bench.frontend [--seconds 15] [--infinity-python PATH]
     .venv/bin/python -m bench.frontend --api-workers 1,2 --server-cpus 0,1 --client-cpus 1
@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         "--no-ceiling", action="store_true", help="skip the bare ASGI ceiling (saves a run)"
     )
     parser.add_argument(
-        "--py-spy", help="a py-spy binary: profile our server on single texts (an extra run)"
+        "--py-spy", help="a py-spy binary: profile our server on each load (an extra run each)"
     )
     parser.add_argument("--ceiling-port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--ceiling-dim", type=int, default=BERT_DIM, help=argparse.SUPPRESS)
@@ -492,7 +492,8 @@ def main(argv: list[str] | None = None) -> int:
             with running(name, pinned(args.server_cpus, command), port, log) as (url, server):
                 results.extend(measure(name, url, server, script, loads, args))
                 if args.py_spy and name == "embedding-server":
-                    profile = profile_single_texts(url, server, script, loads["1-text"][1], args)
+                    for load, (_, bodies) in loads.items():
+                        profile += profile_load(load, url, server, script, bodies, args)
         except RuntimeError as error:
             if name != "infinity-emb":
                 raise
@@ -534,12 +535,17 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def profile_single_texts(
-    url: str, server: psutil.Process, script: Path, bodies: Path, args: argparse.Namespace
+def profile_load(
+    load: str,
+    url: str,
+    server: psutil.Process,
+    script: Path,
+    bodies: Path,
+    args: argparse.Namespace,
 ) -> list[str]:
-    """py-spy on our server under the single-text load (an extra wrk run, not measured):
-    its top frames by own time and by time under them, written to frontend-profile.txt."""
-    raw = OUT / "frontend-profile.folded"
+    """py-spy on our server under one load (an extra wrk run, not measured): its top frames
+    by own time and by time under them, written to frontend-profile-<load>.txt."""
+    raw = OUT / f"frontend-profile-{load}.folded"
     seconds = max(args.seconds, 5)
     command = [
         args.py_spy,
@@ -565,12 +571,12 @@ def profile_single_texts(
     _, error = spy.communicate(timeout=seconds + 60)
     if spy.returncode != 0 or not raw.exists():
         return [f"py-spy failed ({spy.returncode}): {error.decode(errors='replace')[-300:]}"]
-    lines = top_frames(raw.read_text())
-    (OUT / "frontend-profile.txt").write_text("\n".join(lines) + "\n")
+    lines = top_frames(raw.read_text(), load)
+    (OUT / f"frontend-profile-{load}.txt").write_text("\n".join(lines) + "\n")
     return lines
 
 
-def top_frames(folded: str, count: int = 20) -> list[str]:
+def top_frames(folded: str, load: str, count: int = 20) -> list[str]:
     """The ``count`` frames with the most samples of their own, and with the most samples
     under them, from py-spy's folded stacks (``thread;frame;frame samples`` per line), as
     percentages of all samples, after each thread's share."""
@@ -597,7 +603,7 @@ def top_frames(folded: str, count: int = 20) -> list[str]:
             under[frame] += n
     if not total:
         return ["py-spy: no samples"]
-    out = [f"py-spy, single texts: {total} samples (idle threads left out as py-spy can)"]
+    out = [f"py-spy, {load}: {total} samples (idle threads left out as py-spy can)"]
     out += [f"  {100 * n / total:5.1f}%  {name}" for name, n in threads.most_common(8)]
     out.append("top frames by own time:")
     out += [f"  {100 * n / total:5.1f}%  {name}" for name, n in own.most_common(count)]
