@@ -36,6 +36,7 @@ host pays it too. Vectors are those of the plain fake model: deterministic, batc
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -163,9 +164,11 @@ class FakeOptions:
                 f"fake tokenizer must be one of {TOKENIZERS}, not {options.tokenizer!r}",
                 param="model",
             )
-        if not (options.device_us_per_token >= 0 and options.device_launch_us >= 0):
+        waits = (options.device_us_per_token, options.device_launch_us)
+        if not all(math.isfinite(w) and w >= 0 for w in waits):
             raise InvalidRequestError(
-                "fake device_us_per_token and device_launch_us must be >= 0", param="model"
+                "fake device_us_per_token and device_launch_us must be finite and >= 0",
+                param="model",
             )
         return options
 

@@ -134,6 +134,7 @@ def test_a_second_engine_gives_the_same_vectors(device_engine: Engine) -> None:
     [
         ("fake?tokenizer=gpt2", "tokenizer"),
         ("fake?device_us_per_token=-1", "device_us_per_token"),
+        ("fake?device_launch_us=inf", "device_launch_us"),
         ("fake?device_launch_us=soon", "bad fake-model option"),
     ],
 )
