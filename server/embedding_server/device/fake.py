@@ -15,11 +15,28 @@ Kubernetes manifest (e.g. to make a load test fill the queue):
 pixels' bytes (:class:`FakeRunner`), never of its placeholder ids. ``chat=true`` gives its
 tokenizer a small chat template (:data:`FAKE_CHAT_TEMPLATE`), as an instruction-tuned
 decoder embedder has, for ``messages`` requests.
+
+**The device-shaped benchmark model** (:data:`DEVICE_MODEL`,
+``fake?tokenizer=minilm&device_us_per_token=1&device_launch_us=200``): what a GPU serving
+all-MiniLM-L6-v2 looks like to the host, for measuring the front end (``bench.frontend``).
+``tokenizer=minilm`` tokenizes with the packaged all-MiniLM-L6-v2's own tokenizer (the same
+WordPiece, the same token counts as the real model), and every forward pass *waits*
+``device_launch_us + device_us_per_token * tokens`` microseconds in ``time.sleep``, which
+releases the GIL and spends no CPU, as a host thread blocked on a CUDA synchronize does. The
+figures are an H100's order of magnitude for MiniLM (an estimate, not a measurement): its 6
+layers of 384 wide hold 10.6M weights besides the embeddings, about 21 MFLOP a token with
+attention, so at 2% of an H100's ~990 TFLOP/s dense bfloat16 it runs a million tokens a second
+(1 us a token: small matrices keep it far from peak); a forward pass's fixed cost (its ~100
+small kernels, the synchronize, the copy back) is a couple of hundred microseconds whatever
+the batch. Both default to 0 (no wait), as the fake model always was. The host work around
+the wait (packing, pooling, the copy back, all tiny torch ops) stays real, as a GPU server's
+host pays it too. Vectors are those of the plain fake model: deterministic, batch-independent.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -35,12 +52,21 @@ from embedding_server.fake_images import FakeImageProcessor
 from embedding_server.multimodal import ChatTemplate
 from embedding_server.pooling import POOLING_METHODS, PoolingMethod, parse_pooling_method
 from embedding_server.sequences import SequenceInput
+from embedding_server.settings import DEFAULT_MODEL
 
-from .loading import LoadedModel, SentenceTransformerConfig
+from .loading import (
+    LoadedModel,
+    SentenceTransformerConfig,
+    load_tokenizer,
+    resolve_model_path,
+)
 from .models.base import PackedBatch
 from .runner import ModelRunner, PreparedBatch
 
 FAKE_MODEL = "fake"
+DEVICE_MODEL = "fake?tokenizer=minilm&device_us_per_token=1&device_launch_us=200"
+"""The device-shaped benchmark model: MiniLM's tokenizer and an H100's time for MiniLM."""
+TOKENIZERS = ("bytes", "minilm")
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
 
 FAKE_CHAT_TEMPLATE = (
@@ -76,6 +102,13 @@ class FakeOptions:
     """Tokens one image costs; 0: the model takes text only."""
     chat: bool = False
     """Give the tokenizer :data:`FAKE_CHAT_TEMPLATE`."""
+    tokenizer: str = "bytes"
+    """``bytes``: one token per UTF-8 byte (:func:`build_fake_tokenizer`); ``minilm``: the
+    packaged all-MiniLM-L6-v2's tokenizer, so requests cost the real model's tokens."""
+    device_us_per_token: float = 0.0
+    """Device time a forward pass waits per token of its batch, GIL released (microseconds)."""
+    device_launch_us: float = 0.0
+    """Device time every forward pass waits besides its tokens' (microseconds)."""
 
     @classmethod
     def parse(cls, model: str) -> FakeOptions:
@@ -90,6 +123,9 @@ class FakeOptions:
             "prompts",
             "image_tokens",
             "chat",
+            "tokenizer",
+            "device_us_per_token",
+            "device_launch_us",
         }
         unknown = set(fields) - known - {"device_error_after"}
         if unknown:
@@ -112,12 +148,26 @@ class FakeOptions:
                 device_error_after=int(fields.get("device_error_after", 0)),
                 image_tokens=int(fields.get("image_tokens", 0)),
                 chat=_bool(fields.get("chat", "false")),
+                tokenizer=fields.get("tokenizer", "bytes"),
+                device_us_per_token=float(fields.get("device_us_per_token", 0.0)),
+                device_launch_us=float(fields.get("device_launch_us", 0.0)),
             )
         except ValueError as exc:
             raise InvalidRequestError(f"bad fake-model option: {exc}", param="model") from exc
         if not 0 <= options.image_tokens <= options.max_len:
             raise InvalidRequestError(
                 f"fake image_tokens must be between 0 and max_len ({options.max_len})",
+                param="model",
+            )
+        if options.tokenizer not in TOKENIZERS:
+            raise InvalidRequestError(
+                f"fake tokenizer must be one of {TOKENIZERS}, not {options.tokenizer!r}",
+                param="model",
+            )
+        waits = (options.device_us_per_token, options.device_launch_us)
+        if not all(math.isfinite(w) and w >= 0 for w in waits):
+            raise InvalidRequestError(
+                "fake device_us_per_token and device_launch_us must be finite and >= 0",
                 param="model",
             )
         return options
@@ -161,6 +211,8 @@ class FakeModel:
         self.hidden_size = options.dim
         self.max_positions = options.max_len
         self.delay_s = options.delay_ms / 1000.0
+        self.device_s_per_token = options.device_us_per_token / 1e6
+        self.device_launch_s = options.device_launch_us / 1e6
         self.device_error_after = options.device_error_after
         self.tokens = torch.randn(vocab_size, options.dim, generator=generator).to(device, dtype)
         self.positions = (0.1 * torch.randn(options.max_len, options.dim, generator=generator)).to(
@@ -168,6 +220,12 @@ class FakeModel:
         )
         self.calls = 0
         """Forward passes run (tests use it to observe batching)."""
+
+    def device_seconds(self, tokens: int) -> float:
+        """How long a forward pass over ``tokens`` tokens waits for the simulated device."""
+        if not (self.device_s_per_token or self.device_launch_s):
+            return 0.0
+        return self.device_launch_s + self.device_s_per_token * tokens
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         self.calls += 1
@@ -178,13 +236,25 @@ class FakeModel:
             )
         if self.delay_s:
             time.sleep(self.delay_s)  # simulates a slow accelerator; runs in the forward thread
-        return self.tokens[batch.input_ids] + self.positions[batch.position_ids]
+        wait = self.device_seconds(batch.input_ids.numel())
+        if wait:
+            # An accelerator's time: the GIL is free and no CPU is spent (time.sleep), as on
+            # a host thread blocked in a CUDA synchronize.
+            time.sleep(wait)
+        # index_select, not advanced indexing: the same rows at a seventh of the host's CPU
+        # (0.34 against 2.4 ms for 2,103 tokens), which the device model must not spend.
+        hidden = self.tokens.index_select(0, batch.input_ids)
+        return hidden.add_(self.positions.index_select(0, batch.position_ids))
 
 
 def load_fake(model: str, *, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     """The fake model as a LoadedModel, configured from the query string of ``model``."""
     options = FakeOptions.parse(model)
-    tokenizer = build_fake_tokenizer()
+    if options.tokenizer == "minilm":
+        # The real server's tokenizer of the packaged default, loaded as it loads it.
+        tokenizer, _ = load_tokenizer(resolve_model_path(DEFAULT_MODEL))
+    else:
+        tokenizer = build_fake_tokenizer()
     body = FakeModel(tokenizer.get_vocab_size(with_added_tokens=True), options, device, dtype)
     prompts = {"query": "query: ", "document": "passage: "} if options.prompts else {}
     st = SentenceTransformerConfig(
