@@ -766,6 +766,11 @@ def plan_model(source: ModelSource, *, task: str, trust_remote_code: bool) -> Mo
     if custom is not None and str(config.get("model_type", "")) not in ARCHITECTURES:
         raise UnsupportedModelError(custom_code_refusal(config, trust_remote_code))
     arch = lookup(config)
+    if arch.images and task not in ("auto", "embed"):
+        raise UnsupportedModelError(
+            f"{arch.model_type} models embed texts and images (task embed); task {task!r} "
+            "has no head for them"
+        )
     config = arch.read_config(config)  # the common keys, whatever the family calls them
     if arch.check_config is not None:
         arch.check_config(config)  # before any weight is fetched
@@ -919,6 +924,8 @@ def load_model(
         plan = plan_model(source, task=task, trust_remote_code=trust_remote_code)
         compute_dtype = _compute_dtype(plan.arch, dtype, device)
         tokenizer, tokenizer_max = load_tokenizer(source.path)
+        if plan.arch.check_tokenizer is not None:
+            plan.arch.check_tokenizer(plan.config, tokenizer)
         if shapes_only:
             path, weights = _weight_shapes(source, plan.st)
             build_device = torch.device("meta")
