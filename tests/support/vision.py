@@ -69,17 +69,17 @@ def build_clip(path: Path, *, seed: int = 3, **text: Any) -> Path:
 
 def build_siglip(path: Path, *, seed: int = 4, **vision: Any) -> Path:
     """A 2-layer SigLIP (text and vision, attention-pooling head) with a SigLIP-style
-    tokenizer that appends ``</s>``; texts are padded with ``<pad>`` (id 0) to 16 tokens."""
+    tokenizer that appends ``</s>``; texts are padded with ``<pad>`` (id 0) to 24 tokens."""
     path.mkdir(parents=True, exist_ok=True)
     tok = byte_tokenizer(SIGLIP_SPECIALS, "$A </s>", ["</s>"])
     _save_tokenizer(tok, path, eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
     text_config = {
         **TOWER,
         "vocab_size": tok.get_vocab_size(),
-        "max_position_embeddings": 16,
+        "max_position_embeddings": 24,
         "pad_token_id": 0,
         "eos_token_id": 1,
-        "projection_size": 24,
+        "bos_token_id": 1,
     }
     vision_config = {**TOWER, "image_size": IMAGE_SIZE, "patch_size": PATCH, **vision}
     config = SiglipConfig(text_config=text_config, vision_config=vision_config)
