@@ -89,7 +89,7 @@ def test_images_alone_and_texts_alone(clip_dir: Path) -> None:
 
 
 def test_warmup_includes_an_image(clip_dir: Path) -> None:
-    loaded, runner = serve(clip_dir)
+    _, runner = serve(clip_dir)
     warmup = runner.warmup_batch(64, 1024, 8)
     assert any(s.pixels is not None for s in warmup)
     out = runner.run(warmup)
@@ -104,7 +104,7 @@ def test_token_states_of_an_image_are_refused(clip_dir: Path) -> None:
 
 
 def test_wrong_image_size_is_refused(clip_dir: Path) -> None:
-    loaded, runner = serve(clip_dir)
+    _, runner = serve(clip_dir)
     small = np.zeros((3, 16, 16), dtype=np.float32)
     with pytest.raises(ValueError, match=f"3 x {IMAGE_SIZE} x {IMAGE_SIZE}"):
         runner.run([SequenceInput([0] * 5, pixels=small)])

@@ -431,9 +431,9 @@ __all__ = [
     "IMAGE_MODEL_TYPES",
     "Architecture",
     "EmbeddingModel",
-    "VisionModel",
     "Ignored",
     "PackedBatch",
+    "VisionModel",
     "build_model",
     "lookup",
 ]

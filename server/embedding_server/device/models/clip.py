@@ -105,9 +105,9 @@ def check_tokenizer(config: Mapping[str, Any], tokenizer: Tokenizer) -> None:
 class ClipModel:
     """CLIP's text tower on packed tokens (projected), and its vision tower."""
 
-    causal = True
-    position_offset = 0
-    sliding_window = None
+    causal: bool = True
+    position_offset: int = 0
+    sliding_window: int | None = None
 
     def __init__(self, ckpt: Checkpoint) -> None:
         refuse_parallel(ckpt.shard.parallel, MODEL_TYPE)
@@ -149,7 +149,9 @@ class ClipModel:
             r.get("vision_model.pre_layrnorm.weight"),
             r.get("vision_model.pre_layrnorm.bias"),
         )
-        self.vision = PreLnStack(r, "vision_model.", vision, "clip vision", default_act="quick_gelu")
+        self.vision = PreLnStack(
+            r, "vision_model.", vision, "clip vision", default_act="quick_gelu"
+        )
         self.post_ln = (
             r.get("vision_model.post_layernorm.weight"),
             r.get("vision_model.post_layernorm.bias"),

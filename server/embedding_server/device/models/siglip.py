@@ -85,9 +85,9 @@ class SiglipModel:
     """SigLIP's text tower (padded to its trained length, pooled by ``head``) on packed
     tokens, and its vision tower."""
 
-    causal = False
-    position_offset = 0
-    sliding_window = None
+    causal: bool = False
+    position_offset: int = 0
+    sliding_window: int | None = None
 
     def __init__(self, ckpt: Checkpoint) -> None:
         refuse_parallel(ckpt.shard.parallel, MODEL_TYPE)
@@ -193,8 +193,8 @@ class SiglipModel:
         """SiglipMultiheadAttentionPoolingHead: the probe attends over each image's tokens."""
         count, _, width = h.shape
         heads, head_dim = self.vision.heads, self.vision.head_dim
-        w_q, w_k, w_v = self.pool_in[0].split(width)
-        b_q, b_k, b_v = self.pool_in[1].split(width)
+        w_q, w_k, w_v = self.pool_in[0].chunk(3)
+        b_q, b_k, b_v = self.pool_in[1].chunk(3)
         q = F.linear(self.probe.reshape(1, width), w_q, b_q)  # [1, width]
         k, v = F.linear(h, w_k, b_k), F.linear(h, w_v, b_v)  # [N, S, width]
         q = q.reshape(1, 1, heads, head_dim).transpose(1, 2).expand(count, -1, -1, -1)

@@ -135,14 +135,20 @@ class PreLnStack:
         tokens = h.shape[0]
         for layer in self.layers:
             x = self.norm(h, layer.ln1_w, layer.ln1_b)
-            q, k, v = F.linear(x, layer.qkv_w, layer.qkv_b).split(self.hidden, dim=-1)
+            q, k, v = F.linear(x, layer.qkv_w, layer.qkv_b).chunk(3, dim=-1)
             shape = (tokens, self.heads, self.head_dim)
             ctx = batch.attention(
-                q.reshape(shape), k.reshape(shape), v.reshape(shape), causal=causal, scale=self.scale
+                q.reshape(shape),
+                k.reshape(shape),
+                v.reshape(shape),
+                causal=causal,
+                scale=self.scale,
             )
             h = h + F.linear(ctx.reshape(tokens, self.hidden), layer.out_w, layer.out_b)
             x = self.norm(h, layer.ln2_w, layer.ln2_b)
-            h = h + F.linear(self.act(F.linear(x, layer.fc1_w, layer.fc1_b)), layer.fc2_w, layer.fc2_b)
+            h = h + F.linear(
+                self.act(F.linear(x, layer.fc1_w, layer.fc1_b)), layer.fc2_w, layer.fc2_b
+            )
         return h
 
 
