@@ -1,7 +1,8 @@
 """Tiny CLIP and SigLIP checkpoints for the vision-tower tests: random weights (spread so the
-layers mix) saved with transformers' ``save_pretrained``, and byte-level tokenizers built
+layers mix) saved with transformers' ``save_pretrained``, byte-level tokenizers built
 offline in each model's layout (CLIP: ``<|startoftext|> text <|endoftext|>``; SigLIP:
-``text </s>``), saved as tokenizer.json so the loader finds them.
+``text </s>``), saved as tokenizer.json so the loader finds them, and the model's image
+processor (``preprocessor_config.json``, 32 x 32 pixels).
 
 ``serve`` loads such a directory the way the server does (``load_model``) and wraps it in the
 runner that executes batches, so tests go through the same path as requests.
@@ -19,7 +20,14 @@ from embedding_server.device.pooling import DenseHead
 from embedding_server.device.runner import ModelRunner
 from embedding_server.pooling import FloatArray
 from embedding_server.settings import Dtype
-from transformers import CLIPConfig, CLIPModel, SiglipConfig, SiglipModel
+from transformers import (
+    CLIPConfig,
+    CLIPImageProcessor,
+    CLIPModel,
+    SiglipConfig,
+    SiglipImageProcessor,
+    SiglipModel,
+)
 
 from tests.support.models import _save_tokenizer, byte_tokenizer, spread_weights
 
@@ -64,6 +72,9 @@ def build_clip(path: Path, *, seed: int = 3, **text: Any) -> Path:
     model = CLIPModel(config)
     spread_weights(model)
     model.save_pretrained(str(path))
+    CLIPImageProcessor(
+        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+    ).save_pretrained(str(path))
     return path
 
 
@@ -87,6 +98,9 @@ def build_siglip(path: Path, *, seed: int = 4, **vision: Any) -> Path:
     model = SiglipModel(config)
     spread_weights(model)
     model.save_pretrained(str(path))
+    SiglipImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(
+        str(path)
+    )
     return path
 
 

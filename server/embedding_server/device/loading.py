@@ -307,9 +307,35 @@ names. With rotary positions and task LoRA adapters it is jina-embeddings-v3, wh
 ``models.lookup`` routes to its own family (``models/jina_v3.py``)."""
 
 
+ST_CLIP = "CLIPModel"
+"""sentence-transformers' CLIP module (``sentence_transformers.models.CLIPModel``): a whole
+CLIP checkpoint (config.json, weights, tokenizer, processor) in the module's folder, whose
+vectors are ``get_text_features`` / ``get_image_features``, what the native ``clip`` family
+serves."""
+
+
+def _st_clip_folder(path: Path) -> str | None:
+    """The folder a sentence-transformers CLIP model keeps its CLIP checkpoint in, per its
+    ``modules.json``; None where it has no CLIP module."""
+    modules = read_json(path / "modules.json")
+    if not isinstance(modules, list):
+        return None
+    for module in modules:
+        if isinstance(module, dict) and str(module.get("type", "")).endswith("." + ST_CLIP):
+            return str(module.get("path", ""))
+    return None
+
+
 def read_model_config(path: Path) -> dict[str, Any]:
     config = read_json(path / "config.json")
     if not isinstance(config, dict):
+        clip_folder = _st_clip_folder(path)
+        if clip_folder:
+            raise UnsupportedModelError(
+                f"{path} is a sentence-transformers CLIP model whose CLIP checkpoint is in "
+                f"its {clip_folder!r} folder; serve that folder ({path / clip_folder}): it "
+                "gives the same vectors (get_text_features, get_image_features)"
+            )
         raise UnsupportedModelError(f"{path} has no config.json; not a Hugging Face model")
     if not config.get("model_type"):
         auto_map = config.get("auto_map")
@@ -532,11 +558,16 @@ def read_sentence_transformers(
             st.dense_modules.append(str(module.get("path", "")))
         elif kind == "Normalize":
             st.normalize = True
-        elif kind not in ("Transformer", "MLMTransformer", ""):
+        elif kind == ST_CLIP and str(module.get("path", "")) not in ("", "."):
+            raise UnsupportedModelError(
+                f"{path} is a sentence-transformers CLIP model whose CLIP checkpoint is in "
+                f"its {module.get('path')!r} folder; serve that folder ({module_path})"
+            )
+        elif kind not in (ST_CLIP, "Transformer", "MLMTransformer", ""):
             raise UnsupportedModelError(
                 f"sentence-transformers module {module.get('type')!r} is not supported "
                 "(supported: Transformer, Pooling, Dense, Normalize; MLMTransformer and "
-                "SpladePooling for SPLADE)"
+                "SpladePooling for SPLADE; CLIPModel)"
             )
     if dense_weights:
         read_dense_layers(st, path)

@@ -13,6 +13,7 @@ given directly (preprocessing parity is the image processor's test). Also: the l
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -143,3 +144,27 @@ def test_every_tensor_is_read_or_ignored_with_its_reason(clip_dir: Path) -> None
     assert "contrastive temperature" in ignored["logit_scale"]
     config = json.loads((clip_dir / "config.json").read_text())
     assert config["model_type"] == "clip"
+
+
+def test_sentence_transformers_clip_layouts(clip_dir: Path, tmp_path: Path) -> None:
+    """sentence-transformers' CLIPModel module: at the root (path "") the folder is served
+    with CLIP's own vectors; in its own folder (clip-ViT-B-32's 0_CLIPModel) the load is
+    refused, naming the folder to serve instead."""
+    module = {"idx": 0, "name": "0", "type": "sentence_transformers.models.CLIPModel"}
+    root = tmp_path / "st-root"
+    shutil.copytree(clip_dir, root)
+    (root / "modules.json").write_text(json.dumps([{**module, "path": ""}]))
+    loaded, runner = serve(root)
+    ids = loaded.tokenizer.encode(TEXTS[1]).ids
+    pixels = random_pixels(1, seed=9)
+    tokens = image_tokens_of(loaded.model) or 0
+    out = runner.run([SequenceInput(ids), SequenceInput([0] * tokens, pixels=pixels[0])])
+    assert cosines(out.pooled, _reference(clip_dir, [ids], pixels)).min() >= 0.99999
+
+    nested = tmp_path / "st-nested"
+    nested.mkdir()
+    shutil.copytree(clip_dir, nested / "0_CLIPModel")
+    (nested / "modules.json").write_text(json.dumps([{**module, "path": "0_CLIPModel"}]))
+    with pytest.raises(UnsupportedModelError, match="serve that folder") as refused:
+        serve(nested)
+    assert str(nested / "0_CLIPModel") in str(refused.value)
