@@ -24,6 +24,9 @@ from transformers import (
     CLIPConfig,
     CLIPImageProcessor,
     CLIPModel,
+    Siglip2Config,
+    Siglip2ImageProcessor,
+    Siglip2Model,
     SiglipConfig,
     SiglipImageProcessor,
     SiglipModel,
@@ -101,6 +104,30 @@ def build_siglip(path: Path, *, seed: int = 4, **vision: Any) -> Path:
     SiglipImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(
         str(path)
     )
+    return path
+
+
+def build_siglip2(path: Path, *, seed: int = 5) -> Path:
+    """A 2-layer SigLIP 2 NaFlex (patch 8, a 4 x 4 position table) with build_siglip's
+    tokenizer and a Siglip2ImageProcessor of ``max_num_patches`` 16."""
+    path.mkdir(parents=True, exist_ok=True)
+    tok = byte_tokenizer(SIGLIP_SPECIALS, "$A </s>", ["</s>"])
+    _save_tokenizer(tok, path, eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
+    text_config = {
+        **TOWER,
+        "vocab_size": tok.get_vocab_size(),
+        "max_position_embeddings": 24,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "bos_token_id": 1,
+    }
+    vision_config = {**TOWER, "num_patches": 16, "patch_size": PATCH}
+    config = Siglip2Config(text_config=text_config, vision_config=vision_config)
+    torch.manual_seed(seed)
+    model = Siglip2Model(config)
+    spread_weights(model)
+    model.save_pretrained(str(path))
+    Siglip2ImageProcessor(patch_size=PATCH, max_num_patches=16).save_pretrained(str(path))
     return path
 
 

@@ -803,6 +803,11 @@ def plan_model(source: ModelSource, *, task: str, trust_remote_code: bool) -> Mo
             "has no head for them"
         )
     config = arch.read_config(config)  # the common keys, whatever the family calls them
+    if arch.images:
+        # NaFlex SigLIP 2's processor bounds an image's patches (its image_tokens).
+        processor = read_json(source.path / "preprocessor_config.json")
+        if isinstance(processor, dict) and isinstance(processor.get("max_num_patches"), int):
+            config["max_num_patches"] = processor["max_num_patches"]
     if arch.check_config is not None:
         arch.check_config(config)  # before any weight is fetched
     head_kind(config)  # a task head we do not serve

@@ -69,8 +69,10 @@ class PreparedBatch:
     copied: torch.cuda.Event | None
     """Recorded on the copy stream after the batch's copies (CUDA); None on the CPU."""
     images: torch.Tensor | None = None
-    """The batch's images stacked ``[N, 3, H, W]`` (float32, on the device), in the
-    caller's order; None when it has none."""
+    """The batch's images' pixels, flat and concatenated (float32, on the device: one
+    copy), in the caller's order; None when it has none."""
+    image_shapes: tuple[tuple[int, ...], ...] = ()
+    """Each image's ``[3, H, W]`` shape (NaFlex SigLIP 2's differ)."""
 
 
 class BatchHead(Protocol):
@@ -146,7 +148,9 @@ class ModelRunner:
         pixels = np.zeros((3, size, size), dtype=np.float32)
         return [SequenceInput([0] * tokens, pixels=pixels)]
 
-    def _encode_images(self, images: torch.Tensor | None) -> torch.Tensor | None:
+    def _encode_images(
+        self, images: torch.Tensor | None, shapes: Sequence[tuple[int, ...]]
+    ) -> torch.Tensor | None:
         """The vision tower's pooled vectors of the batch's images (their own pooling and
         projection: the text pooling method and batch head do not apply)."""
         if images is None:
@@ -154,7 +158,11 @@ class ModelRunner:
         encode = getattr(self.model, "encode_images", None)
         if encode is None:  # prepare refused already; never drop an image silently
             raise InvalidRequestError("this model embeds texts only, not images", param="input")
-        out: torch.Tensor = encode(images, self.attention)
+        sizes = [int(np.prod(shape)) for shape in shapes]
+        views = [
+            part.view(shape) for part, shape in zip(torch.split(images, sizes), shapes, strict=True)
+        ]
+        out: torch.Tensor = encode(views, self.attention)
         return out
 
     def _token_states(
@@ -235,10 +243,12 @@ class ModelRunner:
                     callback(self.failure or "")
             raise EngineFailedError(self.failure or "the device failed") from error
 
-    def _stack_images(self, seqs: Sequence[SequenceInput], rows: Sequence[int]) -> torch.Tensor:
-        """The images of ``seqs`` at ``rows``, stacked on the device; refused (a client
-        error, never silently dropped) where the model has no vision tower, a sequence wants
-        its token states, or the images differ in size."""
+    def _stack_images(
+        self, seqs: Sequence[SequenceInput], rows: Sequence[int]
+    ) -> tuple[torch.Tensor, tuple[tuple[int, ...], ...]]:
+        """The images of ``seqs`` at ``rows``, flat on the device in one copy, and their
+        shapes; refused (a client error, never silently dropped) where the model has no
+        vision tower, a sequence wants its token states, or an image is not ``[3, H, W]``."""
         if image_tokens_of(self.model) is None:
             raise InvalidRequestError(
                 "this model has no vision tower: it embeds texts only, not images",
@@ -250,16 +260,16 @@ class ModelRunner:
                 param="input",
             )
         arrays = [np.asarray(seqs[i].pixels, dtype=np.float32) for i in rows]
-        if len({a.shape for a in arrays}) != 1 or arrays[0].ndim != 3:
+        if any(a.ndim != 3 or a.shape[0] != 3 for a in arrays):
             raise InvalidRequestError(
-                "images of one batch must be preprocessed to one [3, H, W] size; got "
-                f"{sorted({a.shape for a in arrays})}",
+                f"an image must be [3, H, W] pixels; got {[a.shape for a in arrays]}",
                 param="input",
             )
-        host = torch.from_numpy(np.stack(arrays))
+        host = torch.from_numpy(np.concatenate([a.reshape(-1) for a in arrays]))
         if self.device.type == "cuda":
             host = host.pin_memory()
-        return host.to(self.device, non_blocking=True)
+        shapes = tuple(tuple(int(d) for d in a.shape) for a in arrays)
+        return host.to(self.device, non_blocking=True), shapes
 
     def _prepare(self, seqs: Sequence[SequenceInput]) -> PreparedBatch:
         image_rows = [i for i, s in enumerate(seqs) if s.pixels is not None]
@@ -295,12 +305,12 @@ class ModelRunner:
                 ),
             )
             batch.attention_plan  # noqa: B018  (built here, off the forward thread)
-            images = self._stack_images(seqs, image_rows) if image_rows else None
+            images, shapes = self._stack_images(seqs, image_rows) if image_rows else (None, ())
             copied = None
             if stream is not None:
                 copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 copied.record(stream)
-        return PreparedBatch(batch, ordered, inverse, copied, images)
+        return PreparedBatch(batch, ordered, inverse, copied, images, shapes)
 
     def _execute(self, prepared: PreparedBatch) -> BatchOutput:
         batch, ordered = prepared.batch, prepared.ordered
@@ -320,13 +330,12 @@ class ModelRunner:
                     prepared.images.record_stream(forward_stream)
             if self.device.type == "cpu":
                 total = sum(batch.seqlens)
-                if prepared.images is not None:
-                    total += len(prepared.images) * (image_tokens_of(self.model) or 0)
+                total += len(prepared.image_shapes) * (image_tokens_of(self.model) or 0)
                 threads = 1 if total < SMALL_BATCH_TOKENS else self.cpu_threads
                 if torch.get_num_threads() != threads:
                     torch.set_num_threads(threads)
             hidden = self.model.forward(batch) if ordered else None
-            pictures = self._encode_images(prepared.images)
+            pictures = self._encode_images(prepared.images, prepared.image_shapes)
             if hidden is not None and hidden.is_cuda:
                 torch.cuda.synchronize(hidden.device)
             if pictures is not None and pictures.is_cuda:

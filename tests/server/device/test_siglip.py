@@ -5,9 +5,9 @@ mixing texts of several lengths and images runs through the ModelRunner. Each te
 transformers' ``get_text_features`` on that text padded to ``max_length`` with the pad id and
 no attention mask (how SigLIP's processor is documented to be called, and how it was trained;
 the tower pads itself), each image ``get_image_features`` (the attention-pooling head):
-cosine >= 0.99999 in float32, >= 0.999 in bfloat16. Also: NaFlex ``siglip2`` and the
-vision-language embedders are refused with what is missing, and a text-only model refuses
-pixels.
+cosine >= 0.99999 in float32, >= 0.999 in bfloat16; SigLIP 2 NaFlex (``siglip2``) likewise
+with images of several sizes packed in one batch. Also: the vision-language embedders are
+refused with what is missing, and a text-only model refuses pixels.
 """
 
 from __future__ import annotations
@@ -22,10 +22,19 @@ import torch
 from embedding_server.device.models.vision import image_tokens_of
 from embedding_server.errors import InvalidRequestError, UnsupportedModelError
 from embedding_server.sequences import SequenceInput
-from transformers import SiglipModel
+from transformers import Siglip2Model, SiglipModel
+from transformers.models.siglip2.image_processing_pil_siglip2 import convert_image_to_patches
 
 from tests.support.models import build_bert
-from tests.support.vision import IMAGE_SIZE, PATCH, build_siglip, cosines, random_pixels, serve
+from tests.support.vision import (
+    IMAGE_SIZE,
+    PATCH,
+    build_siglip,
+    build_siglip2,
+    cosines,
+    random_pixels,
+    serve,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -88,14 +97,49 @@ def test_unpadded_text_would_differ(siglip_dir: Path) -> None:
     assert cosines(served, _reference(siglip_dir, [seq], []))[0] >= 0.99999
 
 
-def test_siglip2_naflex_is_refused_naming_what_is_served(tmp_path: Path) -> None:
-    path = build_siglip(tmp_path / "naflex")
-    config = json.loads((path / "config.json").read_text())
-    config["model_type"] = "siglip2"
-    (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match="NaFlex") as refused:
-        serve(path)
-    assert "FixRes" in str(refused.value) and "'siglip'" in str(refused.value)
+@pytest.mark.parametrize(("dtype", "floor"), [("float32", 0.99999), ("bfloat16", 0.999)])
+def test_siglip2_naflex_packs_images_of_several_sizes(
+    tmp_path_factory: pytest.TempPathFactory, dtype: str, floor: float
+) -> None:
+    """NaFlex: images of different aspect ratios and patch counts (and texts) in one batch,
+    packed by their patch counts; each equals transformers' Siglip2Model on that image's
+    processor layout (``convert_image_to_patches``, its spatial shape, a full mask)."""
+    path = build_siglip2(tmp_path_factory.mktemp("siglip2") / "tiny-naflex")
+    loaded, runner = serve(path, dtype)  # type: ignore[arg-type]
+    assert image_tokens_of(loaded.model) == 16  # the processor's max_num_patches
+    rng = np.random.default_rng(8)
+    shapes = [(2, 4), (4, 2), (3, 3), (1, 1), (4, 4)]  # (h, w) in patches
+    pixels = [rng.standard_normal((3, h * PATCH, w * PATCH)).astype(np.float32) for h, w in shapes]
+    ids = [loaded.tokenizer.encode(t).ids for t in TEXTS[:2]]
+    seqs = [SequenceInput(ids[0])]
+    seqs += [
+        SequenceInput([0] * (h * w), pixels=p) for (h, w), p in zip(shapes, pixels, strict=True)
+    ]
+    seqs += [SequenceInput(ids[1])]
+    out = runner.run(seqs)
+
+    model = Siglip2Model.from_pretrained(str(path)).eval()
+    width = model.config.text_config.max_position_embeddings
+    pad = model.config.text_config.pad_token_id
+    rows = []
+    with torch.no_grad():
+        padded = torch.tensor([ids[0] + [pad] * (width - len(ids[0]))])
+        rows.append(model.get_text_features(input_ids=padded).pooler_output[0].numpy())
+        for (h, w), image in zip(shapes, pixels, strict=True):
+            patches = torch.from_numpy(convert_image_to_patches(image, PATCH))[None]
+            out_ref = model.get_image_features(
+                pixel_values=patches,
+                pixel_attention_mask=torch.ones(1, h * w, dtype=torch.long),
+                spatial_shapes=torch.tensor([[h, w]]),
+            )
+            rows.append(out_ref.pooler_output[0].numpy())
+        padded = torch.tensor([ids[1] + [pad] * (width - len(ids[1]))])
+        rows.append(model.get_text_features(input_ids=padded).pooler_output[0].numpy())
+    expected = np.stack(rows)
+    assert out.pooled.shape == expected.shape
+    assert cosines(out.pooled, expected).min() >= floor
+    # The position table really is resized per shape: a 2 x 4 and a 4 x 2 image differ.
+    assert cosines(out.pooled[1:2], out.pooled[2:3])[0] < 0.999
 
 
 @pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen3_vl", "phi3_v", "llava_next"])

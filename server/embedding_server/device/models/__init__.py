@@ -356,6 +356,16 @@ ARCHITECTURES: dict[str, Architecture] = {
             flatten=flatten_text,
             images=True,
         ),
+        # SigLIP 2 NaFlex: variable-resolution images, packed by their patch counts.
+        Architecture(
+            siglip.NAFLEX_MODEL_TYPE,
+            siglip.build_naflex,
+            "last",
+            ignored=siglip.IGNORED,
+            check_config=siglip.check_config,
+            flatten=flatten_text,
+            images=True,
+        ),
     )
 }
 
@@ -388,7 +398,6 @@ transformers backend cannot feed images."""
 
 REFUSED: dict[str, str] = {
     "gemma3": MULTIMODAL_REFUSAL,
-    "siglip2": siglip.NAFLEX_REFUSAL,
     **{name: VLM_REFUSAL.format(model_type=name) for name in VISION_LANGUAGE_TYPES},
 }
 

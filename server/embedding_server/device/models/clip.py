@@ -23,7 +23,7 @@ training, not the vectors.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -36,10 +36,10 @@ from ..attention import Backend
 from .base import Checkpoint, Ignored, PackedBatch, refuse_beyond_table
 from .vision import (
     PreLnStack,
-    check_images,
     image_batch,
     patch_tokens,
     refuse_parallel,
+    stack_images,
     text_config,
     vision_config,
 )
@@ -173,9 +173,9 @@ class ClipModel:
         h = self.text.norm(h, *self.final_ln)
         return F.linear(h, self.text_projection)
 
-    def encode_images(self, pixels: torch.Tensor, attention: Backend) -> torch.Tensor:
-        """get_image_features of ``pixels`` ``[N, 3, H, W]``: ``[N, projection_dim]``."""
-        check_images(pixels, self.image_size, MODEL_TYPE)
+    def encode_images(self, images: Sequence[torch.Tensor], attention: Backend) -> torch.Tensor:
+        """get_image_features of ``images`` (each ``[3, H, W]``): ``[N, projection_dim]``."""
+        pixels = stack_images(images, self.image_size, MODEL_TYPE)
         count = pixels.shape[0]
         patches = patch_tokens(pixels, self.patch_w, None, self.patch)
         cls = self.class_embedding.expand(count, 1, -1)

@@ -22,13 +22,22 @@ weights ``in_proj_*``, ``out_proj``), then ``x + mlp(layernorm(x))``: ``get_imag
 ``logit_scale`` and ``logit_bias`` (the sigmoid loss's temperature and bias) are read by
 nothing: they turn similarities into probabilities in training, not the vectors.
 
-SigLIP 2's NaFlex checkpoints (``model_type: siglip2``: variable resolution, patches made by
-the processor) are refused in the registry.
+SigLIP 2 NaFlex (``model_type: siglip2``, ``Siglip2Model``, :class:`Siglip2Model`): the same
+text tower; images keep their aspect ratio at a variable number of patches. The processor
+resizes an image to ``[3, h * patch, w * patch]`` (at most ``max_num_patches`` patches);
+the tower cuts it into patches exactly as Siglip2ImageProcessor's
+``convert_image_to_patches`` lays them out (row-major patches, each flattened as
+``(patch_row, patch_col, channel)``), embeds them with a Linear, and adds the position table
+resized to ``h x w`` as transformers resizes it (bilinear with antialiasing, its own
+float32 formula). The images of a batch are packed as variable-length sequences
+(``cu_seqlens``), not padded: attention and the pooling head see each image's own patches,
+as transformers' ``pixel_attention_mask`` makes them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -40,10 +49,10 @@ from ..attention import Backend
 from .base import Checkpoint, Ignored, PackedBatch, refuse_beyond_table
 from .vision import (
     PreLnStack,
-    check_images,
     image_batch,
     patch_tokens,
     refuse_parallel,
+    stack_images,
     text_config,
     vision_config,
 )
@@ -62,12 +71,10 @@ IGNORED = (
     ),
 )
 
-NAFLEX_REFUSAL = (
-    "model_type 'siglip2' (Siglip2Model, SigLIP 2 NaFlex: variable-resolution images "
-    "patchified by the processor) is not served yet. The SigLIP 2 FixRes checkpoints "
-    "(google/siglip2-base-patch16-224 and the other fixed-resolution ones, model_type "
-    "'siglip') are served natively"
-)
+NAFLEX_MODEL_TYPE = "siglip2"
+
+DEFAULT_MAX_PATCHES = 256
+"""Siglip2ImageProcessor's default ``max_num_patches``."""
 
 
 def check_config(config: Mapping[str, Any]) -> None:
@@ -118,17 +125,10 @@ class SiglipModel:
         self.hidden_size = int(self.text_head[0].shape[0])
         # Vision tower.
         self.patch = int(vision.get("patch_size", 16))
-        self.image_size = int(vision.get("image_size", 224))
-        self.image_tokens = (self.image_size // self.patch) ** 2
         self.patch_w = r.get("vision_model.embeddings.patch_embedding.weight")
         self.patch_b = r.get("vision_model.embeddings.patch_embedding.bias")
         self.image_positions = r.get("vision_model.embeddings.position_embedding.weight")
-        if self.image_positions.shape[0] != self.image_tokens:
-            raise UnsupportedModelError(
-                f"siglip vision position table has {self.image_positions.shape[0]} rows, but "
-                f"image_size {self.image_size} / patch_size {self.patch} makes "
-                f"{self.image_tokens} patches; the config does not match its weights"
-            )
+        self._image_shape(ckpt, vision)
         self.vision = PreLnStack(
             r, "vision_model.", vision, "siglip vision", default_act="gelu_pytorch_tanh"
         )
@@ -156,6 +156,17 @@ class SiglipModel:
                 f"({self.hidden_size} and {self.pool_out[0].shape[0]})"
             )
 
+    def _image_shape(self, ckpt: Checkpoint, vision: Mapping[str, Any]) -> None:
+        """The fixed resolution and its patch count, checked against the position table."""
+        self.image_size = int(vision.get("image_size", 224))
+        self.image_tokens = (self.image_size // self.patch) ** 2
+        if self.image_positions.shape[0] != self.image_tokens:
+            raise UnsupportedModelError(
+                f"siglip vision position table has {self.image_positions.shape[0]} rows, but "
+                f"image_size {self.image_size} / patch_size {self.patch} makes "
+                f"{self.image_tokens} patches; the config does not match its weights"
+            )
+
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         """Each sequence padded to ``max_position_embeddings`` and run with full attention;
         its pooled, projected vector (get_text_features) on each of its rows ``[T, dim]``."""
@@ -179,15 +190,21 @@ class SiglipModel:
         pooled = F.linear(self.text.norm(last, *self.final_ln), *self.text_head)
         return pooled.repeat_interleave(lens, dim=0)
 
-    def encode_images(self, pixels: torch.Tensor, attention: Backend) -> torch.Tensor:
-        """get_image_features of ``pixels`` ``[N, 3, H, W]``: ``[N, dim]``."""
-        check_images(pixels, self.image_size, MODEL_TYPE)
+    def encode_images(self, images: Sequence[torch.Tensor], attention: Backend) -> torch.Tensor:
+        """get_image_features of ``images`` (each ``[3, H, W]``): ``[N, dim]``."""
+        pixels = stack_images(images, self.image_size, MODEL_TYPE)
         count, tokens = pixels.shape[0], self.image_tokens
         h = patch_tokens(pixels, self.patch_w, self.patch_b, self.patch) + self.image_positions
         batch = image_batch(count, tokens, pixels.device, attention)
         h = self.vision(h.reshape(count * tokens, -1), batch, causal=False)
         h = self.vision.norm(h, *self.post_ln).reshape(count, tokens, -1)
         return self._attention_pool(h)
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """post_layernorm, then the attention-pooling head, over one image's tokens
+        ``[S, width]`` (or a stack ``[N, S, width]``)."""
+        h = self.vision.norm(h, *self.post_ln)
+        return self._attention_pool(h if h.dim() == 3 else h[None])
 
     def _attention_pool(self, h: torch.Tensor) -> torch.Tensor:
         """SiglipMultiheadAttentionPoolingHead: the probe attends over each image's tokens."""
@@ -210,3 +227,74 @@ class SiglipModel:
 def build(ckpt: Checkpoint) -> SiglipModel:
     """The SigLIP builder of the registry."""
     return SiglipModel(ckpt)
+
+
+class Siglip2Model(SiglipModel):
+    """SigLIP 2 NaFlex: SigLIP's towers with variable-resolution, packed images."""
+
+    def _image_shape(self, ckpt: Checkpoint, vision: Mapping[str, Any]) -> None:
+        positions = int(self.image_positions.shape[0])
+        self.grid = math.isqrt(positions)
+        if self.grid**2 != positions or self.patch_w.dim() != 2:
+            raise UnsupportedModelError(
+                f"siglip2 vision tower: a square position table and a Linear patch embedding "
+                f"are expected (NaFlex); got {positions} positions and a patch embedding of "
+                f"shape {tuple(self.patch_w.shape)}"
+            )
+        self.image_tokens = int(ckpt.config.get("max_num_patches") or DEFAULT_MAX_PATCHES)
+        side = math.isqrt(self.image_tokens)
+        self.image_size = side * self.patch  # a square image of (at most) max_num_patches
+
+    def encode_images(self, images: Sequence[torch.Tensor], attention: Backend) -> torch.Tensor:
+        """get_image_features of ``images`` (each ``[3, h * patch, w * patch]``, sizes may
+        differ), packed: ``[N, dim]``."""
+        p = self.patch
+        table = self.image_positions.reshape(self.grid, self.grid, -1)
+        embedded: list[torch.Tensor] = []
+        lengths: list[int] = []
+        for image in images:
+            channels, height, width = image.shape
+            if channels != 3 or height % p or width % p or not height or not width:
+                raise ValueError(
+                    f"siglip2 vision tower takes [3, h * {p}, w * {p}] pixels; got "
+                    f"{list(image.shape)} (the model's image processor makes them so)"
+                )
+            h, w = height // p, width // p
+            patches = image.reshape(3, h, p, w, p).permute(1, 3, 2, 4, 0).reshape(h * w, -1)
+            x = F.linear(patches.to(self.patch_w.dtype), self.patch_w, self.patch_b)
+            embedded.append(x + resized_positions(table, h, w))
+            lengths.append(h * w)
+        device = self.patch_w.device
+        batch = PackedBatch.build([[0] * n for n in lengths], device, attention=attention)
+        hidden = self.vision(torch.cat(embedded), batch, causal=False)
+        hidden = self.vision.norm(hidden, *self.post_ln)
+        return torch.cat(
+            [self._attention_pool(part[None]) for part in torch.split(hidden, lengths)]
+        )
+
+
+def resized_positions(table: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The ``[grid, grid, width]`` position table resized to ``rows x cols`` ``[rows * cols,
+    width]``, row-major: transformers' ``Siglip2VisionEmbeddings.resize_positional_embeddings``
+    (``F.interpolate(mode="bilinear", align_corners=False, antialias=True)`` written as its
+    per-axis weights, in float32, then cast to the table's dtype)."""
+    grid = table.shape[0]
+
+    def axis(size: int) -> torch.Tensor:
+        scale = grid / size
+        support = max(scale, 1.0)
+        center = (torch.arange(size, device=table.device, dtype=torch.float32) + 0.5) * scale - 0.5
+        source = torch.arange(grid, device=table.device, dtype=torch.float32)
+        weights = (1 - (source[None, :] - center[:, None]).abs() / support).clamp(min=0)
+        return weights / weights.sum(-1, keepdim=True)  # [size, grid]
+
+    weights = (axis(rows)[:, None, :, None] * axis(cols)[None, :, None, :]).reshape(
+        rows * cols, grid * grid
+    )
+    flat = table.reshape(grid * grid, -1).float()
+    return (weights @ flat).to(table.dtype)
+
+
+def build_naflex(ckpt: Checkpoint) -> Siglip2Model:
+    """The SigLIP 2 NaFlex builder of the registry."""
+    return Siglip2Model(ckpt)

@@ -13,7 +13,7 @@ text pooling methods.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -60,8 +60,8 @@ class VisionModel(EmbeddingModel, Protocol):
     image_size: int
     """The height and width (pixels) the tower takes."""
 
-    def encode_images(self, pixels: torch.Tensor, attention: Backend) -> torch.Tensor:
-        """Pooled, projected image vectors ``[N, dim]`` of ``pixels`` ``[N, 3, H, W]``."""
+    def encode_images(self, images: Sequence[torch.Tensor], attention: Backend) -> torch.Tensor:
+        """Pooled, projected image vectors ``[N, dim]`` of ``images`` (each ``[3, H, W]``)."""
         ...
 
 
@@ -190,13 +190,17 @@ def refuse_parallel(checkpoint_parallel: bool, model_type: str) -> None:
         )
 
 
-def check_images(pixels: torch.Tensor, size: int, model_type: str) -> None:
-    """Images must be ``[N, 3, size, size]``: what the model's processor makes."""
-    if pixels.dim() != 4 or pixels.shape[1] != 3 or tuple(pixels.shape[2:]) != (size, size):
-        raise ValueError(
-            f"{model_type} vision tower takes images of 3 x {size} x {size} pixels; got "
-            f"{tuple(pixels.shape[1:])} (the model's image processor makes them that size)"
-        )
+def stack_images(images: Sequence[torch.Tensor], size: int, model_type: str) -> torch.Tensor:
+    """Fixed-resolution images stacked ``[N, 3, size, size]``; each must be that size, what
+    the model's processor makes."""
+    for image in images:
+        if tuple(image.shape) != (3, size, size):
+            raise ValueError(
+                f"{model_type} vision tower takes images of 3 x {size} x {size} pixels; got "
+                f"{' x '.join(str(d) for d in image.shape)} (the model's image processor makes "
+                "them that size)"
+            )
+    return torch.stack(list(images))
 
 
 def patch_tokens(
