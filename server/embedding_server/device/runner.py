@@ -276,6 +276,12 @@ class ModelRunner:
         texts = [i for i, s in enumerate(seqs) if s.pixels is None]
         order = sorted(texts, key=lambda i: len(seqs[i].ids)) + image_rows
         ordered = tuple(seqs[i] for i in order[: len(texts)])
+        if not getattr(self.model, "token_states", True) and any(s.want_tokens for s in ordered):
+            raise InvalidRequestError(
+                "this model's text tower pools inside the model (SigLIP's head): it has no "
+                "per-token states to return",
+                param="input",
+            )
         inverse = np.empty(len(order), dtype=np.int64)
         inverse[np.asarray(order, dtype=np.int64)] = np.arange(len(order))
         stream = self._copy_stream

@@ -19,6 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from embedding_server.device.distributed import Shard
+from embedding_server.device.loading import load_weights
+from embedding_server.device.models import ARCHITECTURES, build_model
 from embedding_server.device.models.vision import image_tokens_of
 from embedding_server.errors import InvalidRequestError, UnsupportedModelError
 from embedding_server.sequences import SequenceInput
@@ -172,3 +175,25 @@ def test_vision_use_head_false_is_refused(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedModelError, match="vision_use_head"):
         serve(path)
     shutil.rmtree(path)
+
+
+def test_token_states_are_refused_not_faked(siglip_dir: Path) -> None:
+    """The text tower pools inside the model: per-token states would be copies of the
+    vector, so asking for them is refused."""
+    loaded, runner = serve(siglip_dir)
+    seq = loaded.tokenizer.encode("a cat").ids
+    with pytest.raises(InvalidRequestError, match="no per-token states"):
+        runner.run([SequenceInput(seq, want_tokens=True)])
+
+
+def test_tensor_parallel_is_refused(siglip_dir: Path) -> None:
+    config = json.loads((siglip_dir / "config.json").read_text())
+    weights = load_weights(siglip_dir)
+    with pytest.raises(UnsupportedModelError, match="tensor_parallel_size 1"):
+        build_model(
+            ARCHITECTURES["siglip"].read_config(config),
+            weights,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            shard=Shard(rank=0, size=2),
+        )

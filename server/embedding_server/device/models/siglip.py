@@ -95,6 +95,9 @@ class SiglipModel:
     causal: bool = False
     position_offset: int = 0
     sliding_window: int | None = None
+    token_states = False
+    """The rows ``forward`` returns are the pooled vector, not per-token states: the runner
+    refuses requests for token states (``embed_tokens``) instead of returning copies."""
 
     def __init__(self, ckpt: Checkpoint) -> None:
         refuse_parallel(ckpt.shard.parallel, MODEL_TYPE)
