@@ -32,6 +32,7 @@ from .dtypes import cpu_thread_budget, dtype_name
 from .heads import ClassificationHead, SparseHead, token_head
 from .hybrid import HybridHead
 from .loading import LoadedModel, declared_matryoshka
+from .models.vision import image_tokens_of
 from .pooling import DenseHead
 
 
@@ -207,7 +208,10 @@ def describe(
 ) -> EngineInfo:
     """The :class:`EngineInfo` of an engine built from ``config``."""
     m = config.head.matryoshka
+    image_tokens = image_tokens_of(loaded.model)
     return EngineInfo(
+        modalities=["text", "image"] if image_tokens is not None else ["text"],
+        image_tokens=image_tokens,
         model=loaded.name,
         model_path=str(loaded.path) if loaded.path else None,
         architecture=loaded.architecture,

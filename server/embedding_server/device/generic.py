@@ -54,7 +54,7 @@ from embedding_server.settings import Dtype, ModelBackend
 
 from .dtypes import resolve_dtype
 from .heads import ClassificationHead
-from .models import ARCHITECTURES, REFUSED
+from .models import ARCHITECTURES, IMAGE_MODEL_TYPES, REFUSED
 from .models.base import Ignored, PackedBatch
 
 logger = logging.getLogger(__name__)
@@ -133,6 +133,12 @@ def choose_backend(
     if model_type in REFUSED:
         raise UnsupportedModelError(REFUSED[model_type])
     native = native_model_type(config)
+    if requested == "transformers" and model_type in IMAGE_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model {model!r}: model_type {model_type!r} embeds images, which the "
+            "transformers backend cannot carry (it runs text only, so the vision tower would "
+            "go unused); serve it with backend native (or auto)"
+        )
     if requested == "transformers":
         return "transformers"
     if native:

@@ -307,9 +307,35 @@ names. With rotary positions and task LoRA adapters it is jina-embeddings-v3, wh
 ``models.lookup`` routes to its own family (``models/jina_v3.py``)."""
 
 
+ST_CLIP = "CLIPModel"
+"""sentence-transformers' CLIP module (``sentence_transformers.models.CLIPModel``): a whole
+CLIP checkpoint (config.json, weights, tokenizer, processor) in the module's folder, whose
+vectors are ``get_text_features`` / ``get_image_features``, what the native ``clip`` family
+serves."""
+
+
+def _st_clip_folder(path: Path) -> str | None:
+    """The folder a sentence-transformers CLIP model keeps its CLIP checkpoint in, per its
+    ``modules.json``; None where it has no CLIP module."""
+    modules = read_json(path / "modules.json")
+    if not isinstance(modules, list):
+        return None
+    for module in modules:
+        if isinstance(module, dict) and str(module.get("type", "")).endswith("." + ST_CLIP):
+            return str(module.get("path", ""))
+    return None
+
+
 def read_model_config(path: Path) -> dict[str, Any]:
     config = read_json(path / "config.json")
     if not isinstance(config, dict):
+        clip_folder = _st_clip_folder(path)
+        if clip_folder:
+            raise UnsupportedModelError(
+                f"{path} is a sentence-transformers CLIP model whose CLIP checkpoint is in "
+                f"its {clip_folder!r} folder; serve that folder ({path / clip_folder}): it "
+                "gives the same vectors (get_text_features, get_image_features)"
+            )
         raise UnsupportedModelError(f"{path} has no config.json; not a Hugging Face model")
     if not config.get("model_type"):
         auto_map = config.get("auto_map")
@@ -532,11 +558,16 @@ def read_sentence_transformers(
             st.dense_modules.append(str(module.get("path", "")))
         elif kind == "Normalize":
             st.normalize = True
-        elif kind not in ("Transformer", "MLMTransformer", ""):
+        elif kind == ST_CLIP and str(module.get("path", "")) not in ("", "."):
+            raise UnsupportedModelError(
+                f"{path} is a sentence-transformers CLIP model whose CLIP checkpoint is in "
+                f"its {module.get('path')!r} folder; serve that folder ({module_path})"
+            )
+        elif kind not in (ST_CLIP, "Transformer", "MLMTransformer", ""):
             raise UnsupportedModelError(
                 f"sentence-transformers module {module.get('type')!r} is not supported "
                 "(supported: Transformer, Pooling, Dense, Normalize; MLMTransformer and "
-                "SpladePooling for SPLADE)"
+                "SpladePooling for SPLADE; CLIPModel)"
             )
     if dense_weights:
         read_dense_layers(st, path)
@@ -766,7 +797,17 @@ def plan_model(source: ModelSource, *, task: str, trust_remote_code: bool) -> Mo
     if custom is not None and str(config.get("model_type", "")) not in ARCHITECTURES:
         raise UnsupportedModelError(custom_code_refusal(config, trust_remote_code))
     arch = lookup(config)
+    if arch.images and task not in ("auto", "embed"):
+        raise UnsupportedModelError(
+            f"{arch.model_type} models embed texts and images (task embed); task {task!r} "
+            "has no head for them"
+        )
     config = arch.read_config(config)  # the common keys, whatever the family calls them
+    if arch.images:
+        # NaFlex SigLIP 2's processor bounds an image's patches (its image_tokens).
+        processor = read_json(source.path / "preprocessor_config.json")
+        if isinstance(processor, dict) and isinstance(processor.get("max_num_patches"), int):
+            config["max_num_patches"] = processor["max_num_patches"]
     if arch.check_config is not None:
         arch.check_config(config)  # before any weight is fetched
     head_kind(config)  # a task head we do not serve
@@ -919,6 +960,8 @@ def load_model(
         plan = plan_model(source, task=task, trust_remote_code=trust_remote_code)
         compute_dtype = _compute_dtype(plan.arch, dtype, device)
         tokenizer, tokenizer_max = load_tokenizer(source.path)
+        if plan.arch.check_tokenizer is not None:
+            plan.arch.check_tokenizer(plan.config, tokenizer)
         if shapes_only:
             path, weights = _weight_shapes(source, plan.st)
             build_device = torch.device("meta")

@@ -10,6 +10,11 @@ One batch is one forward pass, in two halves so that a GPU never waits for the h
   pooling and the batch-level part of the pooling head (the sentence-transformers Dense
   layers) in float32, one copy of the results back, the caller's order restored.
 
+A batch may mix texts and images (sequences carrying ``pixels``, CLIP and SigLIP): the texts
+take the packed path above; the images are stacked and embedded by the model's vision tower
+(``encode_images``), which pools and projects them itself, so their rows skip the text
+pooling and the batch head. A model without a vision tower refuses pixels.
+
 The scheduler prepares batch N+1 on its own thread while batch N executes on the forward
 thread. ``execute`` is the only code that touches the model, and it serializes calls with a
 lock (``prepare`` never takes it), so the offline path (:meth:`ModelRunner.run`, both halves
@@ -31,13 +36,14 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from embedding_server.errors import EngineFailedError
+from embedding_server.errors import EngineFailedError, InvalidRequestError
 from embedding_server.pooling import FloatArray, PoolingMethod
 from embedding_server.sequences import BatchOutput, SequenceInput
 
 from .attention import Backend
 from .dtypes import fatal_device_error
 from .models.base import EmbeddingModel, PackedBatch
+from .models.vision import image_tokens_of
 from .pooling import pool
 
 logger = logging.getLogger(__name__)
@@ -54,13 +60,19 @@ class PreparedBatch:
     :meth:`ModelRunner.execute`."""
 
     batch: PackedBatch
-    """Sequences in length order, on the device (or on their way there)."""
+    """Text sequences in length order, on the device (or on their way there)."""
     ordered: tuple[SequenceInput, ...]
-    """The caller's sequences in that order."""
+    """The caller's text sequences in that order."""
     inverse: npt.NDArray[np.int64]
-    """Row ``inverse[i]`` of the ordered results is the caller's sequence ``i``."""
+    """Row ``inverse[i]`` of the ordered results (the texts', then the images') is the
+    caller's sequence ``i``."""
     copied: torch.cuda.Event | None
     """Recorded on the copy stream after the batch's copies (CUDA); None on the CPU."""
+    images: torch.Tensor | None = None
+    """The batch's images' pixels, flat and concatenated (float32, on the device: one
+    copy), in the caller's order; None when it has none."""
+    image_shapes: tuple[tuple[int, ...], ...] = ()
+    """Each image's ``[3, H, W]`` shape (NaFlex SigLIP 2's differ)."""
 
 
 class BatchHead(Protocol):
@@ -123,8 +135,35 @@ class ModelRunner:
         out-of-memory surfaces at start rather than under load."""
         if self.device.type == "cuda":
             n = max(1, min(max_size, max_tokens // max_len))
-            return [SequenceInput([1] * max_len) for _ in range(n)]
-        return [SequenceInput([1] * min(16, max_len)), SequenceInput([1] * min(7, max_len))]
+            return [SequenceInput([1] * max_len) for _ in range(n)] + self._warmup_image()
+        texts = [SequenceInput([1] * min(16, max_len)), SequenceInput([1] * min(7, max_len))]
+        return texts + self._warmup_image()
+
+    def _warmup_image(self) -> list[SequenceInput]:
+        """One blank image for a model with a vision tower (its kernels warm up too)."""
+        tokens = image_tokens_of(self.model)
+        size = getattr(self.model, "image_size", None)
+        if tokens is None or not isinstance(size, int):
+            return []
+        pixels = np.zeros((3, size, size), dtype=np.float32)
+        return [SequenceInput([0] * tokens, pixels=pixels)]
+
+    def _encode_images(
+        self, images: torch.Tensor | None, shapes: Sequence[tuple[int, ...]]
+    ) -> torch.Tensor | None:
+        """The vision tower's pooled vectors of the batch's images (their own pooling and
+        projection: the text pooling method and batch head do not apply)."""
+        if images is None:
+            return None
+        encode = getattr(self.model, "encode_images", None)
+        if encode is None:  # prepare refused already; never drop an image silently
+            raise InvalidRequestError("this model embeds texts only, not images", param="input")
+        sizes = [int(np.prod(shape)) for shape in shapes]
+        views = [
+            part.view(shape) for part, shape in zip(torch.split(images, sizes), shapes, strict=True)
+        ]
+        out: torch.Tensor = encode(views, self.attention)
+        return out
 
     def _token_states(
         self, hidden: torch.Tensor, ordered: Sequence[SequenceInput]
@@ -204,9 +243,45 @@ class ModelRunner:
                     callback(self.failure or "")
             raise EngineFailedError(self.failure or "the device failed") from error
 
+    def _stack_images(
+        self, seqs: Sequence[SequenceInput], rows: Sequence[int]
+    ) -> tuple[torch.Tensor, tuple[tuple[int, ...], ...]]:
+        """The images of ``seqs`` at ``rows``, flat on the device in one copy, and their
+        shapes; refused (a client error, never silently dropped) where the model has no
+        vision tower, a sequence wants its token states, or an image is not ``[3, H, W]``."""
+        if image_tokens_of(self.model) is None:
+            raise InvalidRequestError(
+                "this model has no vision tower: it embeds texts only, not images",
+                param="input",
+            )
+        if any(seqs[i].want_tokens for i in rows):
+            raise InvalidRequestError(
+                "an image has no per-token states to return: its vision tower pools it",
+                param="input",
+            )
+        arrays = [np.asarray(seqs[i].pixels, dtype=np.float32) for i in rows]
+        if any(a.ndim != 3 or a.shape[0] != 3 for a in arrays):
+            raise InvalidRequestError(
+                f"an image must be [3, H, W] pixels; got {[a.shape for a in arrays]}",
+                param="input",
+            )
+        host = torch.from_numpy(np.concatenate([a.reshape(-1) for a in arrays]))
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        shapes = tuple(tuple(int(d) for d in a.shape) for a in arrays)
+        return host.to(self.device, non_blocking=True), shapes
+
     def _prepare(self, seqs: Sequence[SequenceInput]) -> PreparedBatch:
-        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].ids))
-        ordered = tuple(seqs[i] for i in order)
+        image_rows = [i for i, s in enumerate(seqs) if s.pixels is not None]
+        texts = [i for i, s in enumerate(seqs) if s.pixels is None]
+        order = sorted(texts, key=lambda i: len(seqs[i].ids)) + image_rows
+        ordered = tuple(seqs[i] for i in order[: len(texts)])
+        if not getattr(self.model, "token_states", True) and any(s.want_tokens for s in ordered):
+            raise InvalidRequestError(
+                "this model's text tower pools inside the model (SigLIP's head): it has no "
+                "per-token states to return",
+                param="input",
+            )
         inverse = np.empty(len(order), dtype=np.int64)
         inverse[np.asarray(order, dtype=np.int64)] = np.arange(len(order))
         stream = self._copy_stream
@@ -236,11 +311,12 @@ class ModelRunner:
                 ),
             )
             batch.attention_plan  # noqa: B018  (built here, off the forward thread)
+            images, shapes = self._stack_images(seqs, image_rows) if image_rows else (None, ())
             copied = None
             if stream is not None:
                 copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 copied.record(stream)
-        return PreparedBatch(batch, ordered, inverse, copied)
+        return PreparedBatch(batch, ordered, inverse, copied, images, shapes)
 
     def _execute(self, prepared: PreparedBatch) -> BatchOutput:
         batch, ordered = prepared.batch, prepared.ordered
@@ -256,22 +332,39 @@ class ModelRunner:
                 forward_stream.wait_event(prepared.copied)
                 for tensor in batch.tensors():
                     tensor.record_stream(forward_stream)
+                if prepared.images is not None:
+                    prepared.images.record_stream(forward_stream)
             if self.device.type == "cpu":
                 total = sum(batch.seqlens)
+                total += len(prepared.image_shapes) * (image_tokens_of(self.model) or 0)
                 threads = 1 if total < SMALL_BATCH_TOKENS else self.cpu_threads
                 if torch.get_num_threads() != threads:
                     torch.set_num_threads(threads)
-            hidden = self.model.forward(batch)
-            if hidden.is_cuda:
+            hidden = self.model.forward(batch) if ordered else None
+            pictures = self._encode_images(prepared.images, prepared.image_shapes)
+            if hidden is not None and hidden.is_cuda:
                 torch.cuda.synchronize(hidden.device)
+            if pictures is not None and pictures.is_cuda:
+                torch.cuda.synchronize(pictures.device)
             forward_done = time.perf_counter()
-            skip = None if self.include_prompt else [s.skip for s in ordered]
-            if self.token_pooler is not None:
-                pooled = self.token_pooler(hidden, batch.seqlens)
-            else:
-                pooled = self.head.project(pool(hidden, batch.seqlens, self.pooling, skip))
-            pooled_np = pooled.float().cpu().numpy()
-            tokens_sorted = self._token_states(hidden, ordered)
+            rows: list[FloatArray] = []
+            tokens_sorted: list[FloatArray | None] = []
+            if hidden is not None:
+                skip = None if self.include_prompt else [s.skip for s in ordered]
+                if self.token_pooler is not None:
+                    pooled = self.token_pooler(hidden, batch.seqlens)
+                else:
+                    pooled = self.head.project(pool(hidden, batch.seqlens, self.pooling, skip))
+                rows.append(pooled.float().cpu().numpy())
+                tokens_sorted = self._token_states(hidden, ordered)
+            if pictures is not None:
+                rows.append(pictures.float().cpu().numpy())
+                tokens_sorted += [None] * pictures.shape[0]
+            pooled_np = (
+                np.concatenate(rows)
+                if rows
+                else np.zeros((0, self.model.hidden_size), dtype=np.float32)
+            )
             pool_done = time.perf_counter()
         inverse = prepared.inverse
         return BatchOutput(

@@ -7,7 +7,8 @@ float32 buffers, never as Python lists; the header says how to read them.
 front-end -> engine:
 
 * :class:`Hello`: a front-end's first message;
-* :class:`Run`: a request's sequences, then six int32 frames (:func:`encode_sequences`);
+* :class:`Run`: a request's sequences, then six int32 frames and two for images
+  (:func:`encode_sequences`);
 * :class:`Cancel`: the request's caller went away.
 
 engine -> front-end (every one carries the engine's queue, see :class:`QueueView`):
@@ -184,7 +185,10 @@ def encode_sequences(seqs: Sequence[SequenceInput]) -> list[bytes]:
     concatenated, the prompt tokens to skip per sequence, the segment ids concatenated (an
     empty buffer for single texts), each sequence's task adapter, -1 for none (an empty
     buffer when none names one), and each sequence's key length, -1 for all its tokens (an
-    empty buffer when none limits its keys: ColBERT's augmented queries)."""
+    empty buffer when none limits its keys: ColBERT's augmented queries). Then two for
+    images (empty when the request has none): each sequence's pixel shape as three int32
+    (-1s for a text), and every image's float32 pixels concatenated, so an image crosses
+    as its raw frame, never as a Python list."""
     n = len(seqs)
     lengths = [len(s.ids) for s in seqs]
     total = sum(lengths)
@@ -200,7 +204,37 @@ def encode_sequences(seqs: Sequence[SequenceInput]) -> list[bytes]:
     key_lens = b""
     if any(s.key_len is not None for s in seqs):
         key_lens = _int32((-1 if s.key_len is None else s.key_len for s in seqs), n)
-    return [_int32(lengths, n), ids, skips, types, adapters, key_lens]
+    shapes, pixels = _encode_pixels(seqs)
+    return [_int32(lengths, n), ids, skips, types, adapters, key_lens, shapes, pixels]
+
+
+def _encode_pixels(seqs: Sequence[SequenceInput]) -> tuple[bytes, bytes]:
+    images = [s.pixels for s in seqs if s.pixels is not None]
+    if not images:
+        return b"", b""
+    dims = itertools.chain.from_iterable(
+        (-1, -1, -1) if s.pixels is None else s.pixels.shape for s in seqs
+    )
+    shapes = _int32(dims, 3 * len(seqs))
+    data = np.concatenate([np.asarray(p, dtype=np.float32).reshape(-1) for p in images])
+    return shapes, data.tobytes()
+
+
+def _decode_pixels(frames: Sequence[memoryview | bytes], count: int) -> list[FloatArray | None]:
+    if len(frames) < 8 or not len(frames[6]):
+        return [None] * count
+    shapes = np.frombuffer(frames[6], np.int32).reshape(count, 3).tolist()
+    data = np.frombuffer(frames[7], np.float32)
+    out: list[FloatArray | None] = []
+    start = 0
+    for shape in shapes:
+        if shape[0] < 0:
+            out.append(None)
+            continue
+        size = shape[0] * shape[1] * shape[2]
+        out.append(data[start : start + size].reshape(shape))
+        start += size
+    return out
 
 
 def decode_sequences(
@@ -215,6 +249,7 @@ def decode_sequences(
     types = np.frombuffer(frames[3], np.int32).tolist() if len(frames[3]) else None
     adapters = np.frombuffer(frames[4], np.int32).tolist() if len(frames[4]) else None
     key_lens = np.frombuffer(frames[5], np.int32).tolist() if len(frames[5]) else None
+    pixels = _decode_pixels(frames, len(lengths))
     seqs: list[SequenceInput] = []
     start = 0
     for i, (length, skip) in enumerate(zip(lengths, skips, strict=True)):
@@ -222,7 +257,9 @@ def decode_sequences(
         segments = None if types is None else types[start:end]
         adapter = None if adapters is None or adapters[i] < 0 else adapters[i]
         key_len = None if key_lens is None or key_lens[i] < 0 else key_lens[i]
-        seqs.append(SequenceInput(ids[start:end], skip, want_tokens, segments, adapter, key_len))
+        seqs.append(
+            SequenceInput(ids[start:end], skip, want_tokens, segments, adapter, key_len, pixels[i])
+        )
         start = end
     return seqs
 

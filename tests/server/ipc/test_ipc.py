@@ -307,3 +307,26 @@ def test_a_burst_at_one_front_end_is_refused_there_while_it_tokenizes(
             assert len(calls) == 2
 
     asyncio.run(scenario())
+
+
+def test_images_cross_as_float32_frames_beside_texts() -> None:
+    rng = np.random.default_rng(1)
+    big = rng.standard_normal((3, 8, 6)).astype(np.float32)
+    small = rng.standard_normal((3, 2, 2)).astype(np.float32)
+    seqs = [
+        SequenceInput([101, 7, 102]),
+        SequenceInput([0] * 5, pixels=big),
+        SequenceInput([0] * 2, pixels=small),
+        SequenceInput([101, 102], skip=1),
+    ]
+    frames = encode_sequences(seqs)
+    assert len(frames[7]) == 4 * (big.size + small.size)  # the pixels, once, as float32
+    back = decode_sequences(frames, want_tokens=False)
+    assert [s.ids for s in back] == [s.ids for s in seqs]
+    assert back[0].pixels is None and back[3].pixels is None
+    assert back[1].pixels is not None and np.array_equal(back[1].pixels, big)
+    assert back[2].pixels is not None and np.array_equal(back[2].pixels, small)
+    assert back[3].skip == 1
+    texts = encode_sequences([seqs[0]])
+    assert texts[6:] == [b"", b""]  # texts alone pay nothing for images
+    assert decode_sequences(texts, want_tokens=False)[0].pixels is None

@@ -21,6 +21,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from tokenizers import Tokenizer
 
 from embedding_server.errors import UnsupportedModelError
 from embedding_server.heads import (
@@ -36,6 +37,7 @@ from ..distributed import SINGLE, Shard
 from ..heads import ClassifierReader, MaskedLmReader, score_head
 from . import (
     bert,
+    clip,
     deberta_v2,
     distilbert,
     electra,
@@ -48,6 +50,7 @@ from . import (
     modernbert,
     mpnet,
     nomic_bert,
+    siglip,
 )
 from .base import Checkpoint, EmbeddingModel, Ignored, PackedBatch
 from .bert import BertModel, BertVariant
@@ -61,6 +64,7 @@ from .llama import DECODER_IGNORED, DecoderVariant, LlamaModel
 from .modernbert import ModernBertModel
 from .mpnet import MPNetModel
 from .nomic_bert import NomicBertModel
+from .vision import VisionModel, flatten_text
 
 ModelBuilder = Callable[[Checkpoint], EmbeddingModel]
 
@@ -110,6 +114,15 @@ class Architecture:
     """The pooling a config itself declares (JinaBERT's ``emb_pooler: mean``), which its
     authors' own ``encode`` applies; it replaces :attr:`default_pooling` for such a config
     (a sentence-transformers pooling config still wins over both)."""
+    flatten: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
+    """Lifts a nested config's text-body keys to top level (CLIP's and SigLIP's
+    ``text_config``), where the loader and the tokenizer stage read a body's shape."""
+    check_tokenizer: Callable[[Mapping[str, Any], Tokenizer], None] | None = None
+    """Refuses a tokenizer whose texts would not be pooled where the model pools them
+    (CLIP: pooling ``last`` must be the end-of-text token transformers pools at)."""
+    images: bool = False
+    """The family has a vision tower (:class:`~.vision.VisionModel`): it embeds images, on
+    the native backend only, on one device, with task embed."""
 
     def alibi(self, config: Mapping[str, Any]) -> bool:
         """Whether a model of this config adds ALiBi biases to its attention logits."""
@@ -128,7 +141,7 @@ class Architecture:
         """``config`` with the common keys set from :attr:`config_keys`, as every reader of the
         config (models, heads, the loader) expects them. The family's own key wins over a
         common one beside it: it is the one transformers reads."""
-        out = dict(config)
+        out = self.flatten(config) if self.flatten is not None else dict(config)
         for common, own in self.config_keys:
             if own in config:
                 out[common] = config[own]
@@ -322,10 +335,71 @@ ARCHITECTURES: dict[str, Architecture] = {
             ignored=deberta_v2.IGNORED,
             attention_bias="DeBERTa's disentangled position terms",
         ),
+        # Two towers, one vector space: texts through the packed path, images through the
+        # model's own encode_images (the runner routes sequences that carry pixels).
+        Architecture(
+            clip.MODEL_TYPE,
+            clip.build,
+            "last",  # the end-of-text token, which CLIP's tokenizer puts last
+            ignored=clip.IGNORED,
+            check_config=clip.check_config,
+            flatten=flatten_text,
+            check_tokenizer=clip.check_tokenizer,
+            images=True,
+        ),
+        Architecture(
+            siglip.MODEL_TYPE,
+            siglip.build,
+            "last",  # the tower puts its pooled vector on every row; last is what it means
+            ignored=siglip.IGNORED,
+            check_config=siglip.check_config,
+            flatten=flatten_text,
+            images=True,
+        ),
+        # SigLIP 2 NaFlex: variable-resolution images, packed by their patch counts.
+        Architecture(
+            siglip.NAFLEX_MODEL_TYPE,
+            siglip.build_naflex,
+            "last",
+            ignored=siglip.IGNORED,
+            check_config=siglip.check_config,
+            flatten=flatten_text,
+            images=True,
+        ),
     )
 }
 
-REFUSED: dict[str, str] = {"gemma3": MULTIMODAL_REFUSAL}
+IMAGE_MODEL_TYPES = frozenset(a.model_type for a in ARCHITECTURES.values() if a.images)
+"""The model types that embed images (natively): what ``EngineInfo.modalities`` reports."""
+
+VLM_REFUSAL = (
+    "model_type {model_type!r} is a vision-language model (a language model reading images "
+    "through its chat template); as an embedder (Qwen3-VL-Embedding, DSE-Qwen2, VLM2Vec, "
+    "GME) its image vectors need an image path through the generic transformers backend, "
+    "which carries text only: its vision tower would go unused. It is refused rather than "
+    "served text-only. For image and text search in one vector space serve CLIP or SigLIP "
+    "(model_type clip or siglip), which are native"
+)
+
+VISION_LANGUAGE_TYPES = (
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "phi3_v",
+    "llava",
+    "llava_next",
+    "idefics2",
+    "idefics3",
+    "paligemma",
+    "mllama",
+)
+"""Vision-language model types (chat models with a vision tower) whose embedders the
+transformers backend cannot feed images."""
+
+REFUSED: dict[str, str] = {
+    "gemma3": MULTIMODAL_REFUSAL,
+    **{name: VLM_REFUSAL.format(model_type=name) for name in VISION_LANGUAGE_TYPES},
+}
 
 
 def lookup(config: Mapping[str, Any]) -> Architecture:
@@ -363,10 +437,12 @@ def build_model(
 
 __all__ = [
     "ARCHITECTURES",
+    "IMAGE_MODEL_TYPES",
     "Architecture",
     "EmbeddingModel",
     "Ignored",
     "PackedBatch",
+    "VisionModel",
     "build_model",
     "lookup",
 ]
