@@ -1105,14 +1105,10 @@ print(json.dumps(out))
 def clip_claim(cluster: KubeClient, namespace: str, tmp_path: Path) -> Iterator[tuple[str, Path]]:
     """A tiny random CLIP (both towers, its tokenizer and image processor) in a hub cache on
     the real node, behind a claim in ``namespace``: the claim's name and the snapshot."""
-    from tests.support.vision import IMAGE_SIZE, build_clip
-    from transformers import CLIPImageProcessor
+    from tests.support.vision import build_clip
 
     claim = "clip-weights"
-    checkpoint = build_clip(tmp_path / "clip")
-    CLIPImageProcessor(
-        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
-    ).save_pretrained(str(checkpoint))
+    checkpoint = build_clip(tmp_path / "clip")  # with its tokenizer and image processor
     snapshot = hub_cache_claim(cluster, namespace, tmp_path, CLIP_ID, checkpoint, claim)
     yield claim, snapshot
     cluster.kubectl("delete", "pv", f"{namespace}-{claim}", "--wait=false", "--ignore-not-found")
@@ -1165,9 +1161,9 @@ def test_an_image_through_the_service_gets_transformers_clip_vector(
     model = CLIPModel.from_pretrained(str(snapshot)).eval()
     pixels = CLIPImageProcessor.from_pretrained(str(snapshot))(images=image, return_tensors="pt")
     ids = AutoTokenizer.from_pretrained(str(snapshot))([text], return_tensors="pt")["input_ids"]
-    with torch.inference_mode():
-        want_image = model.get_image_features(pixel_values=pixels["pixel_values"])
-        want_text = model.get_text_features(input_ids=ids)
+    with torch.inference_mode():  # transformers 5: the projected vector is the pooler output
+        want_image = model.get_image_features(pixel_values=pixels["pixel_values"]).pooler_output
+        want_text = model.get_text_features(input_ids=ids).pooler_output
     want_image, want_text = want_image[0].numpy(), want_text[0].numpy()
 
     def cosine(a: Any, b: Any) -> float:
