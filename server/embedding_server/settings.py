@@ -363,7 +363,11 @@ class ServerSettings(EngineSettings):
         return value
 
     @field_validator(
-        "allowed_hosts", "bulk_routes", "allowed_media_domains", "served_model_aliases", mode="before"
+        "allowed_hosts",
+        "bulk_routes",
+        "allowed_media_domains",
+        "served_model_aliases",
+        mode="before",
     )
     @classmethod
     def _split_hosts(cls, value: object) -> object:
