@@ -30,6 +30,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from embedding_server.gateway.apikeys import BulkApiKeysFile
 from embedding_server.gateway.balancer import (
     Choose,
     EndpointState,
@@ -40,7 +41,6 @@ from embedding_server.gateway.balancer import (
 from embedding_server.gateway.discovery import Discovery, Service
 from embedding_server.gateway.holding import HoldFullError, Holding
 from embedding_server.gateway.metrics import GatewayMetrics
-from embedding_server.gateway.apikeys import BulkApiKeysFile
 from embedding_server.gateway.settings import GatewaySettings, Priority
 
 logger = logging.getLogger(__name__)

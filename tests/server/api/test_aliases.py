@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-
 from embedding_server.cli import load_settings
+
 from tests.support.api import RunningServer, fake_settings, running_server
 
 pytestmark = pytest.mark.timeout(120)

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from embedding_server.gateway import server as gateway_server
 from embedding_server.gateway.apikeys import BulkApiKeys, BulkApiKeysFile, parse_keys
 from embedding_server.gateway.discovery import Service
 from embedding_server.gateway.proxy import Gateway
-from embedding_server.gateway import server as gateway_server
 from embedding_server.gateway.server import run_gateway
 from embedding_server.gateway.settings import GatewaySettings
 
