@@ -109,6 +109,9 @@ def test_values_yaml_satisfies_its_schema(
         ({"gateway": {"replicas": 0}}, "a gateway that is enabled with no pod"),
         ({"gateway": {"service": {"type": "ExternalName"}}}, "a Service type with no pods"),
         ({"gateway": {"holdTimeoutSeconds": "30s"}}, "a duration as a string"),
+        ({"gateway": {"bulkApiKeysSecret": {"name": "Keys"}}}, "a Secret name in capitals"),
+        ({"gateway": {"bulkApiKeysSecret": {"name": "k", "key": ""}}}, "an empty Secret key"),
+        ({"gateway": {"bulkApiKeysSecret": {"secretName": "k"}}}, "a typo of name"),
     ],
 )
 def test_schema_refuses_mistakes(
@@ -1005,3 +1008,28 @@ def test_a_namespaced_gateway_watches_and_reads_that_namespace_only(helm: Path) 
     proc = render_with(helm, {"gateway": {"enabled": True}, "watchNamespaces": ["a", "b"]})
     assert proc.returncode != 0
     assert "more than one watchNamespaces" in proc.stderr
+
+
+def test_the_gateway_reads_bulk_api_keys_from_a_mounted_secret(helm: Path) -> None:
+    """``gateway.bulkApiKeysSecret``: the Secret mounted read-only as a directory (so a changed
+    Secret reaches the file the gateway reads again) and named by ``--bulk-api-keys-file``;
+    the keys never appear in the pod spec (no env value, no argument)."""
+    name = "eo-embedding-operator-gateway"
+    plain = one(objects(helm, {"gateway": {"enabled": True}}), "Deployment", name)
+    plain_pod = plain["spec"]["template"]["spec"]
+    assert not any("bulk-api-keys" in a for a in plain_pod["containers"][0]["args"])
+    assert [v["name"] for v in plain_pod["volumes"]] == ["tmp"]
+    values = {"gateway": {"enabled": True, "bulkApiKeysSecret": {"name": "indexers"}}}
+    pod = one(objects(helm, values), "Deployment", name)["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    (flag,) = [a for a in container["args"] if a.startswith("--bulk-api-keys-file=")]
+    path = flag.split("=", 1)[1]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "bulk-api-keys"]
+    assert mount["readOnly"] is True and "subPath" not in mount
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "bulk-api-keys"]
+    secret = volume["secret"]
+    assert secret["secretName"] == "indexers"
+    (item,) = secret["items"]
+    assert item["key"] == "bulk-api-keys"
+    assert path == f"{mount['mountPath']}/{item['path']}"
+    assert "env" not in container

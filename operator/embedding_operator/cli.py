@@ -154,6 +154,7 @@ def render_command(args: argparse.Namespace) -> int:
             args.default_image or DEFAULT_IMAGE,
             policy,
             AutoscalingDefaults(args.default_autoscaler, args.keda_prometheus_address),
+            meta.get("annotations"),
         )
         if isinstance(planned, Refused):
             sys.stderr.write(f"embedding-operator: {name}: {planned.problem.message}\n")

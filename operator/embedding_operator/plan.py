@@ -27,7 +27,7 @@ from embedding_operator.builders.common import (
 )
 from embedding_operator.policy import DEFAULT_POLICY, WorkloadPolicy
 from embedding_operator.profiles import GpuProfiles, UnknownGpuTypeError
-from embedding_operator.spec import InvalidSpecError, parse_spec
+from embedding_operator.spec import InvalidSpecError, parse_spec, with_annotation_aliases
 from embedding_operator.status import (
     AUTOSCALER_NOT_CONFIGURED,
     INVALID_SPEC,
@@ -58,10 +58,12 @@ def plan(
     default_image: str = DEFAULT_IMAGE,
     policy: WorkloadPolicy = DEFAULT_POLICY,
     autoscaling: AutoscalingDefaults = DEFAULT_AUTOSCALING,
+    annotations: Mapping[str, str] | None = None,
 ) -> Planned | Refused:
-    """Parse ``raw_spec``, resolve its GPU profile, build the children (or say why not)."""
+    """Parse ``raw_spec``, resolve its GPU profile, build the children (or say why not).
+    ``annotations`` are the object's: the deprecated aliases annotation still adds names."""
     try:
-        spec = parse_spec(raw_spec)
+        spec = with_annotation_aliases(parse_spec(raw_spec), annotations)
         profile = profiles.resolve(spec.gpu.type)
     except InvalidSpecError as exc:
         return Refused(Problem(INVALID_SPEC, str(exc)))

@@ -196,6 +196,7 @@ class Reconciler:
             self._default_image,
             self._policy,
             self._autoscaling,
+            (body.get("metadata") or {}).get("annotations"),
         )
         problem: Problem | None = None
         if isinstance(planned, Refused):

@@ -387,6 +387,29 @@ class Media(_Model):
         return None if self.max_image_bytes is None else quantity_bytes(self.max_image_bytes)
 
 
+MODEL_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][-A-Za-z0-9._:/@+]*$")
+"""A name ``servedModelAliases[]`` may hold: the CRD's pattern. No spaces or commas, because
+the server's ``--served-model-aliases`` and the deprecated annotation are comma-separated."""
+
+MAX_ALIASES = 16
+"""The CRD's ``maxItems`` on ``servedModelAliases``."""
+
+ALIASES_ANNOTATION = "embedding-operator.dev/aliases"
+"""Deprecated: extra model names, comma-separated, from before ``spec.servedModelAliases``.
+Its names are added to the field's (:func:`with_annotation_aliases`); the gateway reads both
+(``embedding_server/gateway/kubernetes.py`` names the same annotation)."""
+
+
+def model_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be a model alias, or None."""
+    if len(name) > 256 or not MODEL_NAME_PATTERN.match(name):
+        return (
+            f"{name!r} is not a model name (a letter or digit, then letters, digits and "
+            "- . _ : / @ +; at most 256 characters)"
+        )
+    return None
+
+
 # Embedding fields that mean nothing for a cross-encoder or classifier, by their wire names.
 EMBED_ONLY_FIELDS = ("pooling", "normalize", "dimensions", "matryoshkaDimensions")
 
@@ -394,6 +417,7 @@ EMBED_ONLY_FIELDS = ("pooling", "normalize", "dimensions", "matryoshkaDimensions
 class EmbeddingServiceSpec(_Model):
     model: ModelSource
     served_model_name: str | None = None
+    served_model_aliases: list[str] = Field(default_factory=list, max_length=MAX_ALIASES)
     task: Task = "embed"
     embedding: Embedding = Embedding()
     server: Server = Server()
@@ -410,6 +434,25 @@ class EmbeddingServiceSpec(_Model):
     tracing: Tracing | None = None
     media: Media | None = None
     api_key_secret_ref: ApiKeySecretRef | None = None
+
+    @field_validator("served_model_aliases")
+    @classmethod
+    def _aliases_are_names(cls, aliases: list[str]) -> list[str]:
+        for alias in aliases:
+            problem = model_name_problem(alias)
+            if problem is not None:
+                raise ValueError(problem)
+        if len(set(aliases)) != len(aliases):
+            raise ValueError("servedModelAliases lists a name twice")
+        return aliases
+
+    @model_validator(mode="after")
+    def _aliases_are_other_names(self) -> EmbeddingServiceSpec:
+        # As the CRD's CEL rule: only an explicit servedModelName is compared (the default
+        # name, a path component of model.name, is more than a rule should compute).
+        if self.served_model_name and self.served_model_name in self.served_model_aliases:
+            raise ValueError("servedModelAliases must not repeat servedModelName")
+        return self
 
     @model_validator(mode="after")
     def _transformers_backend_on_one_device(self) -> EmbeddingServiceSpec:
@@ -465,6 +508,33 @@ class EmbeddingServiceSpec(_Model):
 
 class InvalidSpecError(ValueError):
     """The spec cannot be rendered; ``message`` names the field paths (spec.x.y)."""
+
+
+def with_annotation_aliases(
+    spec: EmbeddingServiceSpec, annotations: Mapping[str, str] | None
+) -> EmbeddingServiceSpec:
+    """``spec`` with the deprecated :data:`ALIASES_ANNOTATION`'s names added to
+    ``servedModelAliases`` (the union: the field's first, then the annotation's new ones;
+    the served name itself is left out), so that the pods answer to every name the gateway
+    routes to them. A name that is not a model name refuses the spec, naming the annotation,
+    rather than being dropped: the gateway would route it to pods that 404 it."""
+    raw = (annotations or {}).get(ALIASES_ANNOTATION)
+    if not raw:
+        return spec
+    aliases = list(spec.served_model_aliases)
+    for name in (n.strip() for n in raw.split(",")):
+        if not name or name == spec.served_name or name in aliases:
+            continue
+        problem = model_name_problem(name)
+        if problem is not None:
+            raise InvalidSpecError(f"metadata.annotations[{ALIASES_ANNOTATION}]: {problem}")
+        aliases.append(name)
+    if len(aliases) > MAX_ALIASES:
+        raise InvalidSpecError(
+            f"metadata.annotations[{ALIASES_ANNOTATION}]: with spec.servedModelAliases, more "
+            f"than {MAX_ALIASES} aliases"
+        )
+    return spec.model_copy(update={"served_model_aliases": aliases})
 
 
 def parse_spec(raw: Mapping[str, Any]) -> EmbeddingServiceSpec:

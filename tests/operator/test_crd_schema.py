@@ -20,7 +20,9 @@ from embedding_operator.spec import (
     CODE_LOADING_ENV,
     CODE_LOADING_ENV_PREFIXES,
     EMBED_ONLY_FIELDS,
+    MAX_ALIASES,
     MEDIA_DOMAIN_PATTERN,
+    MODEL_NAME_PATTERN,
     SERVER_QUEUE_TOKENS,
     EmbeddingServiceSpec,
     InvalidSpecError,
@@ -243,6 +245,7 @@ BAD_SPECS = {
     "maxImagesPerRequest": {"model": {"name": "m"}, "media": {"maxImagesPerRequest": 0}},
     "maxImageBytes": {"model": {"name": "m"}, "media": {"maxImageBytes": "8MB"}},
     "fetchTimeoutSeconds": {"model": {"name": "m"}, "media": {"fetchTimeoutSeconds": 0}},
+    "servedModelAliases": {"model": {"name": "m"}, "servedModelAliases": ["a,b"]},
 }
 
 
@@ -436,3 +439,56 @@ def test_media_takes_task_embed_only(schema: dict[str, Any]) -> None:
             parse_spec({"model": {"name": "m"}, "task": task, "media": {}})
         assert rule["message"].startswith("media applies to task embed only")
     assert parse_spec({"model": {"name": "m"}, "media": {}}).media is not None
+
+
+def test_aliases_are_a_bounded_set_of_names_in_the_schema_and_the_model(
+    schema: dict[str, Any], validator: Any
+) -> None:
+    """``servedModelAliases``: names the server's comma-separated flag can carry (the same
+    pattern on both sides), at most 16, unique (``x-kubernetes-list-type: set``: the API
+    server refuses a repeat; the model says so too)."""
+    field = schema["properties"]["spec"]["properties"]["servedModelAliases"]
+    assert field["items"]["pattern"] == MODEL_NAME_PATTERN.pattern
+    assert field["maxItems"] == MAX_ALIASES
+    assert field["x-kubernetes-list-type"] == "set"
+
+    def doc(aliases: list[str]) -> dict[str, Any]:
+        spec = {"model": {"name": "m"}, "servedModelAliases": aliases}
+        return {
+            "apiVersion": "x/v1",
+            "kind": "EmbeddingService",
+            "metadata": {"name": "a"},
+            "spec": spec,
+        }
+
+    good = ["text-embedding-3-small", "BAAI/bge-small-en-v1.5", "e5:large@v2", "a+b_c"]
+    assert validator.is_valid(doc(good))
+    assert parse_spec(doc(good)["spec"]).served_model_aliases == good
+    for bad in (["has space"], ["a,b"], ["-lead"], [""], ["x" * 257]):
+        assert not validator.is_valid(doc(bad)), bad
+        with pytest.raises(InvalidSpecError, match=r"spec\.servedModelAliases"):
+            parse_spec(doc(bad)["spec"])
+    too_many = [f"n{i}" for i in range(MAX_ALIASES + 1)]
+    assert not validator.is_valid(doc(too_many))
+    with pytest.raises(InvalidSpecError, match=r"spec\.servedModelAliases"):
+        parse_spec(doc(too_many)["spec"])
+    with pytest.raises(InvalidSpecError, match="lists a name twice"):
+        parse_spec(doc(["a", "b", "a"])["spec"])
+
+
+def test_an_alias_may_not_repeat_the_served_name(schema: dict[str, Any]) -> None:
+    """CEL on spec (the API server's) and the model refuse the same, with the same words;
+    a clash between two services is not the schema's to see: the gateway reports it."""
+    rules = schema["properties"]["spec"]["x-kubernetes-validations"]
+    (rule,) = [r for r in rules if r.get("fieldPath") == ".servedModelAliases"]
+    assert rule["rule"] == (
+        "!has(self.servedModelAliases) || !has(self.servedModelName) || "
+        "!(self.servedModelName in self.servedModelAliases)"
+    )
+    assert rule["reason"] == "FieldValueDuplicate"
+    with pytest.raises(InvalidSpecError, match=rule["message"]):
+        parse_spec(
+            {"model": {"name": "m"}, "servedModelName": "x", "servedModelAliases": ["y", "x"]}
+        )
+    spec = parse_spec({"model": {"name": "m"}, "servedModelName": "x", "servedModelAliases": ["y"]})
+    assert spec.served_model_aliases == ["y"]

@@ -98,6 +98,13 @@ def test_a_clusterip_service_renders_its_names_as_the_allowed_hosts() -> None:
     assert server_args(render_input(spec))[-1] == "--allowed-hosts=*"
 
 
+def test_aliases_become_the_servers_flag_beside_the_served_name() -> None:
+    spec = {"model": MODEL, "servedModelName": "bge", "servedModelAliases": ["small", "b/s:1"]}
+    args = server_args(render_input(spec))
+    assert _flag(args, "--served-model-name") == "bge"
+    assert _flag(args, "--served-model-aliases") == "small,b/s:1"
+
+
 @pytest.mark.parametrize("service_type", ["NodePort", "LoadBalancer"])
 def test_a_service_reached_from_outside_leaves_host_checking_off(service_type: str) -> None:
     args = server_args(render_input({"model": MODEL, "service": {"type": service_type}}))
@@ -107,6 +114,7 @@ def test_a_service_reached_from_outside_leaves_host_checking_off(service_type: s
 def test_unset_knobs_leave_server_defaults() -> None:
     args = server_args(render_input({"model": MODEL}))
     for flag in (
+        "--served-model-aliases",
         "--revision",
         "--normalize",
         "--no-normalize",

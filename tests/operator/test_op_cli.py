@@ -115,3 +115,19 @@ def test_run_rejects_bad_configuration(tmp_path: Path, capsys: pytest.CaptureFix
     assert "invalid configuration" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["run", "--log-format", "xml"])
+
+
+def test_render_passes_aliases_as_the_operator_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``render`` plans with the object's annotations too, so its Deployment is the one the
+    operator applies: the field's aliases, then the deprecated annotation's."""
+    manifest = tmp_path / "aliased.yaml"
+    manifest.write_text(
+        "apiVersion: embedding-operator.dev/v1alpha1\nkind: EmbeddingService\n"
+        "metadata: {name: x, annotations: {embedding-operator.dev/aliases: 'legacy'}}\n"
+        "spec: {model: {name: BAAI/bge-small-en-v1.5}, servedModelAliases: [bge]}\n"
+    )
+    (deployment,) = [d for d in _render(manifest, capsys) if d["kind"] == "Deployment"]
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--served-model-aliases") + 1] == "bge,legacy"

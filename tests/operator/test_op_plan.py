@@ -307,3 +307,36 @@ def test_policy_restricts_the_service_type_and_annotations(
     assert isinstance(plan(OWNER, spec, GpuProfiles.builtin(), "img:1"), Planned)
     ok = {"model": M, "service": {"annotations": {"prometheus.io/scrape": "true"}}}
     assert isinstance(plan(OWNER, ok, GpuProfiles.builtin(), "img:1", SERVICE_POLICY), Planned)
+
+
+ALIASES = "embedding-operator.dev/aliases"
+
+
+def test_the_deprecated_aliases_annotation_adds_its_names_to_the_fields() -> None:
+    """The annotation's names reach the server too (the gateway routes them to its pods),
+    after the field's, without repeats or the served name."""
+    spec = {"model": {"name": "BAAI/bge-small-en-v1.5"}, "servedModelAliases": ["a", "b"]}
+    annotations = {ALIASES: " b, c ,bge-small-en-v1.5,,d"}
+    planned = plan(OWNER, spec, GpuProfiles.builtin(), annotations=annotations)
+    assert isinstance(planned, Planned)
+    assert planned.render.spec.served_model_aliases == ["a", "b", "c", "d"]
+    (deployment,) = [m for m in planned.children.present if m["kind"] == "Deployment"]
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--served-model-aliases") + 1] == "a,b,c,d"
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("good, has space", "is not a model name"),
+        (",".join(f"n{i}" for i in range(17)), "more than 16 aliases"),
+    ],
+)
+def test_an_annotation_alias_the_server_could_not_take_refuses_the_spec(
+    value: str, expected: str
+) -> None:
+    refused = plan(OWNER, {"model": M}, GpuProfiles.builtin(), annotations={ALIASES: value})
+    assert isinstance(refused, Refused)
+    assert refused.problem.reason == "InvalidSpec"
+    assert refused.problem.message.startswith(f"metadata.annotations[{ALIASES}]: ")
+    assert expected in refused.problem.message

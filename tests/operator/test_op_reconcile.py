@@ -1009,3 +1009,14 @@ def test_a_model_that_will_not_load_is_reported_from_the_pods(cluster: FakeClust
         "pod emb-abc-1 could not load its model (exit code 1, 3 restarts); "
         "`kubectl logs -n team emb-abc-1 --previous` says why"
     )
+
+
+def test_the_deprecated_aliases_annotation_reaches_the_pods(cluster: FakeCluster) -> None:
+    """The reconciler hands the object's annotations to the plan: the pods are started with
+    the annotation's names too, so the names the gateway routes by it are accepted there."""
+    add_service(cluster, {**MODEL, "servedModelAliases": ["bge"]})
+    owner(cluster)["metadata"]["annotations"] = {"embedding-operator.dev/aliases": "old,bge"}
+    outcome = make(cluster).reconcile(NS, "emb")
+    assert outcome is not None and outcome.problem is None
+    args = cluster.objects[dep_ref()]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--served-model-aliases") + 1] == "bge,old"

@@ -216,3 +216,10 @@ def test_media_limits_default_to_the_servers() -> None:
     assert fields["media_fetch_timeout"].default == 5.0
     for quoted in ("Server default: 16.", "Server default: 8Mi.", "Server default: 25000000."):
         assert quoted in " ".join(crd.split()), quoted
+
+
+def test_aliases_render_a_flag_the_server_parses_into_the_names_it_accepts() -> None:
+    spec = {"model": {"name": "hf://BAAI/bge-small-en-v1.5"}, "servedModelAliases": ["a", "b.c/d"]}
+    settings = load_settings(server_args(render_input(spec)))
+    assert settings.served_model_aliases == ["a", "b.c/d"]
+    assert settings.served_model_name == "bge-small-en-v1.5"

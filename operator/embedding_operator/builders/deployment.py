@@ -4,7 +4,9 @@ Choices made here, and why:
 
 * Container contract: ``embedding-server serve`` with flags that are the kebab-case of the
   server's settings fields; only values the user set are passed, so the server's own defaults
-  stay defined in one place. ``--served-model-name`` is always passed so status can name it.
+  stay defined in one place. ``--served-model-name`` is always passed so status can name it;
+  ``--served-model-aliases`` when ``servedModelAliases`` (or the deprecated annotation) has
+  names, so the pod answers to every name the gateway routes to it.
 * GPUs: ``<profile resource> = tensorParallelSize`` in limits (requests default to limits for
   extended resources), node selector and tolerations from the profile, then the user's.
 * Tensor parallelism: one pod runs all ``tensorParallelSize`` ranks (embedding-server starts
@@ -109,6 +111,8 @@ def server_args(render: RenderInput) -> list[str]:
         "--api-workers",
         str(api_workers(render)),
     ]
+    if spec.served_model_aliases:
+        args += ["--served-model-aliases", ",".join(spec.served_model_aliases)]
     if spec.model.revision:
         args += ["--revision", spec.model.revision]
     if spec.model.trust_remote_code:

@@ -44,6 +44,7 @@ class Lifecycle:
                 self.served_model_name,
                 self.settings.model,
                 *_DEFAULT_ALIASES.get(self.settings.model, ()),
+                *self.settings.served_model_aliases,
             }
         )
 

@@ -135,6 +135,10 @@ async def list_models(request: Request) -> Response:
         "created": _CREATED,
         "owned_by": "embedding-server",
         "root": lifecycle.settings.model,
+        # The gateway's /v1/models has the same field: the other names 'model' may take.
+        "aliases": [
+            a for a in lifecycle.settings.served_model_aliases if a != lifecycle.served_model_name
+        ],
     }
     if lifecycle.engine is not None:
         info = lifecycle.engine.info()

@@ -10,7 +10,9 @@ server.
 Names of an EmbeddingService (the first is what ``/v1/models`` lists):
 ``status.model.servedModelName``, ``spec.servedModelName``, the last path component of
 ``spec.model.name`` (the server's default name), ``spec.model.name`` itself (the server
-accepts it too), and the comma-separated annotation :data:`ALIASES_ANNOTATION`. Its
+accepts it too), ``spec.servedModelAliases`` (the server's ``--served-model-aliases``), and
+the deprecated comma-separated annotation :data:`ALIASES_ANNOTATION` (the union: the
+operator passes its names to the server too, so both keep routing while users move). Its
 endpoints are the ready addresses of the EndpointSlices labelled
 ``kubernetes.io/service-name`` with its name (the operator names the Service after the
 EmbeddingService), on the port named ``http``.
@@ -36,8 +38,9 @@ PLURAL = "embeddingservices"
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 PORT_NAME = "http"
 ALIASES_ANNOTATION = "embedding-operator.dev/aliases"
-"""Extra model names of an EmbeddingService, comma-separated (the CRD has no field for
-them yet)."""
+"""Deprecated: extra model names of an EmbeddingService, comma-separated, from before
+``spec.servedModelAliases``; still read (its names are added to the field's), with a warning
+in the log once per object."""
 HF_PREFIX = "hf://"
 
 Kind = Literal["EmbeddingService", "EndpointSlice"]
@@ -60,6 +63,7 @@ def model_names(resource: Mapping[str, Any]) -> tuple[str, ...]:
         spec.get("servedModelName"),
         model.rstrip("/").rsplit("/", 1)[-1] if model else None,
         model or None,
+        *(spec.get("servedModelAliases") or []),
         *str(annotations.get(ALIASES_ANNOTATION, "")).split(","),
     ]
     names: list[str] = []
@@ -101,6 +105,7 @@ class ClusterState:
     def __init__(self) -> None:
         self.models: dict[tuple[str, str], tuple[str, ...]] = {}
         self.slices: dict[tuple[str, str], tuple[str, frozenset[str]]] = {}
+        self._warned_annotation: set[tuple[str, str]] = set()
 
     def apply(self, kind: Kind, event_type: str, payload: Any) -> None:
         if kind == "EmbeddingService":
@@ -119,6 +124,16 @@ class ClusterState:
             names = model_names(payload)
             if names:
                 self.models[_key(payload)] = names
+            annotations = (payload.get("metadata") or {}).get("annotations") or {}
+            key = _key(payload)
+            if ALIASES_ANNOTATION in annotations and key not in self._warned_annotation:
+                self._warned_annotation.add(key)
+                logger.warning(
+                    "%s/%s: the annotation %s is deprecated; move its names to "
+                    "spec.servedModelAliases",
+                    *key,
+                    ALIASES_ANNOTATION,
+                )
 
     def _apply_slice(self, event_type: str, payload: Any) -> None:
         if event_type == "SYNC":

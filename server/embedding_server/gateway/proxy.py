@@ -30,6 +30,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from embedding_server.gateway.apikeys import BulkApiKeysFile
 from embedding_server.gateway.balancer import (
     Choose,
     EndpointState,
@@ -178,6 +179,10 @@ class Gateway:
             on_change=self._held_changed,
         )
         self.bulk_routes = frozenset(settings.bulk_routes)
+        self.bulk_keys = (
+            BulkApiKeysFile(settings.bulk_api_keys_file) if settings.bulk_api_keys_file else None
+        )
+        self._keys_task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         self._poller: LoadPoller | None = None
         self._discovery_task: asyncio.Task[None] | None = None
@@ -216,6 +221,8 @@ class Gateway:
         )
         self._poller.start()
         self._discovery_task = asyncio.create_task(self._run_discovery(), name="gateway-discovery")
+        if self.bulk_keys is not None:
+            self._keys_task = asyncio.create_task(self.bulk_keys.watch(), name="gateway-keys")
 
     async def _run_discovery(self) -> None:
         try:
@@ -226,6 +233,9 @@ class Gateway:
             logger.exception("discovery stopped; routing on the last catalog")
 
     async def _stop(self, app: web.Application) -> None:
+        if self._keys_task is not None:
+            self._keys_task.cancel()
+            await asyncio.gather(self._keys_task, return_exceptions=True)
         if self._discovery_task is not None:
             self._discovery_task.cancel()
             await asyncio.gather(self._discovery_task, return_exceptions=True)
@@ -405,6 +415,10 @@ class Gateway:
     def _priority(self, request: web.Request) -> tuple[Priority, web.Response | None]:
         given = request.headers.get(PRIORITY_HEADER)
         if given is None:
+            # The header, else the API key, else the route.
+            keys = self.bulk_keys
+            if keys is not None and keys.keys.is_bulk(request.headers.get("Authorization")):
+                return "bulk", None
             return ("bulk" if request.path in self.bulk_routes else "interactive"), None
         value = given.strip().lower()
         if value == "interactive":

@@ -43,10 +43,11 @@ def run_gateway(settings: GatewaySettings) -> int:
     configure_logging(settings.log_level, settings.log_format)
     try:
         discovery = build_discovery(settings)
+        # Reads --bulk-api-keys-file: a file that is missing or not text stops it here.
+        app = Gateway(settings, discovery).app()
     except (OSError, ValueError) as error:
         logger.error("cannot start the gateway: %s", error)
         return 2
-    app = Gateway(settings, discovery).app()
     loop = _new_loop()
     asyncio.set_event_loop(loop)
     listener = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET)

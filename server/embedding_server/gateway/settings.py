@@ -98,6 +98,13 @@ class GatewaySettings(BaseSettings):
         description="Routes whose requests are bulk unless X-Priority says otherwise "
         "(comma-separated paths, e.g. /v1/embeddings); other routes default to interactive.",
     )
+    bulk_api_keys_file: str | None = Field(
+        None,
+        description="A file of API keys, one per line ('#' comments), whose requests are bulk "
+        "unless X-Priority says otherwise: the key of an 'Authorization: Bearer' header is "
+        "looked up before --bulk-routes. Only the keys' SHA-256 digests are kept and none "
+        "is ever logged; the file (a mounted Secret) is read again when it changes.",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level."
     )

@@ -4,6 +4,7 @@ source driven by replayed watch events (the real API server is the e2e tier's)."
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -27,6 +28,7 @@ from embedding_server.gateway.kubernetes import (
     KubernetesDiscovery,
     model_names,
 )
+from embedding_server.gateway.proxy import Catalog
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -121,6 +123,51 @@ def test_model_names_come_from_status_spec_model_and_the_aliases_annotation() ->
     resource["spec"]["servedModelName"] = "bge-s"
     resource["status"] = {"model": {"servedModelName": "bge-s"}}
     assert model_names(resource)[:2] == ("bge-s", "bge-small-en-v1.5")
+
+
+def test_model_names_take_the_specs_aliases_with_the_deprecated_annotations() -> None:
+    """``spec.servedModelAliases`` after the served name and the model's own names; the
+    annotation's names, still read, after them, with no name twice."""
+    spec = {
+        "model": {"name": "hf://BAAI/bge-small-en-v1.5"},
+        "servedModelName": "bge",
+        "servedModelAliases": ["text-embedding-3-small", "small"],
+    }
+    resource = _service("bge", spec)
+    assert model_names(resource) == (
+        "bge",
+        "bge-small-en-v1.5",
+        "BAAI/bge-small-en-v1.5",
+        "text-embedding-3-small",
+        "small",
+    )
+    resource["metadata"]["annotations"] = {ALIASES_ANNOTATION: "small,old-name"}
+    assert model_names(resource)[3:] == ("text-embedding-3-small", "small", "old-name")
+
+
+def test_an_alias_routes_to_its_service_and_a_clash_goes_to_the_first(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Two services claiming one alias: the schema cannot see across objects, so the
+    gateway routes it to the first by namespace/name and says so once in the log; the
+    annotation's use is logged as deprecated once per object."""
+    a = _service("a", {"model": {"name": "org/a"}, "servedModelAliases": ["shared", "only-a"]})
+    b = _service("b", {"model": {"name": "org/b"}, "servedModelAliases": ["shared"]})
+    b["metadata"]["annotations"] = {ALIASES_ANNOTATION: "legacy-b"}
+    state = ClusterState()
+    with caplog.at_level(logging.WARNING):
+        state.apply("EmbeddingService", "SYNC", [b, a])
+        state.apply("EmbeddingService", "MODIFIED", b)
+        state.apply("EndpointSlice", "SYNC", [])
+        catalog = Catalog()
+        catalog.replace(state.catalog())
+    assert catalog.by_name["shared"].key == "ns/a"
+    assert catalog.by_name["only-a"].key == "ns/a"
+    assert catalog.by_name["legacy-b"].key == "ns/b"
+    assert catalog.by_name["b"].key == "ns/b"
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("'shared' is claimed by ns/a and ns/b" in m for m in messages) == 1
+    assert sum("ns/b: the annotation" in m and "deprecated" in m for m in messages) == 1
 
 
 def test_cluster_state_joins_services_to_their_ready_slice_endpoints() -> None:
