@@ -275,7 +275,7 @@ class ServerSettings(EngineSettings):
         "its connection is closed. The first 64 KiB of each body do not count, so small "
         "requests are never refused by it. Default: 16 x max_request_bytes.",
     )
-    allowed_hosts: list[str] | None = Field(
+    allowed_hosts: Annotated[list[str] | None, NoDecode] = Field(
         None,
         description="Host names the server answers for, comma-separated (the Host header, "
         "its port ignored; '*.example.com' also matches subdomains): a request naming "
@@ -284,7 +284,7 @@ class ServerSettings(EngineSettings):
         "without an API key that a browser could reach, such as a developer's on "
         "127.0.0.1 (--allowed-hosts localhost).",
     )
-    allowed_media_domains: list[str] = Field(
+    allowed_media_domains: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Hosts whose http(s) image URLs the server fetches (comma-separated; "
         "'*.example.com' also matches subdomains). Empty: images come only as data: URIs. "
@@ -309,7 +309,7 @@ class ServerSettings(EngineSettings):
     max_images_per_request: int = Field(
         16, gt=0, description="Most images in one request (400 beyond)."
     )
-    bulk_routes: list[str] = Field(
+    bulk_routes: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Routes whose requests are bulk unless their X-Priority header says "
         "otherwise (comma-separated paths, e.g. /v1/embeddings), as the gateway's flag of "

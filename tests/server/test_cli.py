@@ -157,18 +157,18 @@ def test_failures_do_not_repeat_setting_values_nor_print_the_api_key(tmp_path: P
 
 
 def test_a_failure_quoting_text_equal_to_a_setting_is_left_as_it_is(tmp_path: Path) -> None:
-    # A CLIP checkpoint served as "clip": the refusal names its model_type as it is, not as
-    # the setting whose value it happens to equal (issue 30, L9).
-    model_dir = tmp_path / "clip"
+    # A BLIP checkpoint (no native family) served as "blip": the refusal names its model_type
+    # as it is, not as the setting whose value it happens to equal (issue 30, L9).
+    model_dir = tmp_path / "blip"
     model_dir.mkdir()
-    (model_dir / "config.json").write_text('{"model_type": "clip", "architectures": ["CLIPModel"]}')
+    (model_dir / "config.json").write_text('{"model_type": "blip", "architectures": ["BlipModel"]}')
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     failed = run_cli(
         "serve",
         "--model", str(model_dir),
-        "--served-model-name", "clip",
+        "--served-model-name", "blip",
         "--backend", "native",
         "--port", str(port),
         timeout=120,
@@ -176,7 +176,7 @@ def test_a_failure_quoting_text_equal_to_a_setting_is_left_as_it_is(tmp_path: Pa
     assert failed.returncode == 1
     errors = [line for line in failed.stderr.splitlines() if "cannot serve" in line]
     assert len(errors) == 1, failed.stderr
-    assert "model_type 'clip'" in errors[0] and "<--" not in errors[0]
+    assert "model_type 'blip'" in errors[0] and "<--" not in errors[0]
 
 
 def test_a_tensor_parallel_size_that_does_not_divide_the_heads_exits_1_naming_them() -> None:
@@ -351,3 +351,26 @@ def test_the_gateway_starts_without_importing_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert result.stdout.strip() == "False"
+
+
+def test_list_settings_read_comma_separated_environment_variables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every list setting's variable is comma-separated, as its flag and help say (not a
+    JSON list): the operator and users set them as env as often as flags."""
+    from embedding_server.gateway.settings import GatewaySettings
+
+    monkeypatch.setenv(
+        "EMBEDDING_SERVER_ALLOWED_MEDIA_DOMAINS", "images.example.com, *.cdn.example"
+    )
+    monkeypatch.setenv("EMBEDDING_SERVER_ALLOWED_HOSTS", "localhost,embed.example")
+    monkeypatch.setenv("EMBEDDING_SERVER_BULK_ROUTES", "/v1/embeddings")
+    settings = load_settings(["serve"])
+    assert settings.allowed_media_domains == ["images.example.com", "*.cdn.example"]
+    assert settings.allowed_hosts == ["localhost", "embed.example"]
+    assert settings.bulk_routes == ["/v1/embeddings"]
+    monkeypatch.setenv("EMBEDDING_GATEWAY_ROUTES", "a=http://10.0.0.1:8000,a=http://10.0.0.2:8000")
+    monkeypatch.setenv("EMBEDDING_GATEWAY_BULK_ROUTES", "/v1/embeddings,/rerank")
+    gateway = GatewaySettings()
+    assert gateway.routes == ["a=http://10.0.0.1:8000", "a=http://10.0.0.2:8000"]
+    assert gateway.bulk_routes == ["/v1/embeddings", "/rerank"]

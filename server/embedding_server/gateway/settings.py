@@ -4,10 +4,10 @@ as the server's do from :mod:`embedding_server.settings`)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 Priority = Literal["interactive", "bulk"]
 
@@ -27,7 +27,7 @@ class GatewaySettings(BaseSettings):
         "--routes-file) or kubernetes (EmbeddingServices and their EndpointSlices, read with "
         "the pod's service account).",
     )
-    routes: list[str] | None = Field(
+    routes: Annotated[list[str] | None, NoDecode] = Field(
         None,
         description="Static routes, comma-separated MODEL=URL items (a model repeated gets "
         "several endpoints): minilm=http://10.0.0.1:8000,minilm=http://10.0.0.2:8000.",
@@ -93,7 +93,7 @@ class GatewaySettings(BaseSettings):
         description="An endpoint whose polled backlog reaches this many seconds is saturated; "
         "when every ready endpoint of a model is, bulk requests get 429.",
     )
-    bulk_routes: list[str] = Field(
+    bulk_routes: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Routes whose requests are bulk unless X-Priority says otherwise "
         "(comma-separated paths, e.g. /v1/embeddings); other routes default to interactive.",
@@ -109,6 +109,14 @@ class GatewaySettings(BaseSettings):
         "info", description="Log level."
     )
     log_format: Literal["json", "text"] = Field("text", description="Log format.")
+
+    @field_validator("routes", "bulk_routes", mode="before")
+    @classmethod
+    def _split(cls, value: object) -> object:
+        # NoDecode: the variables are comma-separated like the flags, not JSON lists.
+        if isinstance(value, str):
+            return [item.strip() for item in value.split(",") if item.strip()]
+        return value
 
     @model_validator(mode="after")
     def _static_routes_given(self) -> GatewaySettings:
