@@ -1125,7 +1125,8 @@ def test_an_image_through_the_service_gets_transformers_clip_vector(
     """Issue 33's "done when": an image sent through the Service (vLLM's chat form with the
     official openai client, and Cohere's ``images``) comes back as transformers' own
     ``CLIPModel.get_image_features`` on the processor's pixels, and a text as
-    ``get_text_features``; an image URL whose host nobody listed is a 400 naming the part."""
+    ``get_text_features``; an image URL on a server that lists no media hosts is a 400 naming
+    the part and the flag."""
     import torch
     from PIL import Image
     from transformers import AutoTokenizer, CLIPImageProcessor, CLIPModel
@@ -1182,7 +1183,7 @@ def test_an_image_through_the_service_gets_transformers_clip_vector(
     assert got["unlisted"]["status"] == 400, got["unlisted"]
     error = got["unlisted"]["body"]["error"]
     assert error["param"] == "messages[0].content[0]", error
-    assert "images.example.com" in error["message"], error
+    assert "--allowed-media-domains" in error["message"], error
 
 
 # -- (g2) the gateway: one address for every model ---------------------------------------------
