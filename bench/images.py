@@ -16,7 +16,8 @@ agreement with sentence-transformers float32.
 The model is random weights in the shape of openai/clip-vit-base-patch32 (ViT-B/32 at 224
 pixels, the most downloaded CLIP), built once under ``bench/out/`` with the real
 checkpoint's preprocessing config; random weights run at the speed real ones do. Its
-tokenizer is all-MiniLM's (only the text tower reads it, and images are measured here).
+tokenizer is a byte-level one in CLIP's layout (``<|startoftext|> text <|endoftext|>``):
+only the text tower reads it, and images are measured here.
 """
 
 from __future__ import annotations
@@ -31,9 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 from embedding_server.device.dtypes import cpu_flags, cpu_thread_budget
-from embedding_server.device.loading import resolve_model_path
 from embedding_server.engine import Engine
-from embedding_server.settings import DEFAULT_MODEL
 from PIL import Image, ImageFilter
 
 from bench import out_dir
@@ -57,6 +56,9 @@ TEXT = {
     "num_attention_heads": 8,
     "max_position_embeddings": 77,
     "vocab_size": 49408,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "pad_token_id": 1,
 }
 PROCESSOR = {
     "size": {"shortest_edge": 224},
@@ -69,7 +71,8 @@ PROCESSOR = {
 
 def random_clip() -> Path:
     """The ViT-B/32-shaped random CLIP, built once."""
-    from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessor, CLIPModel
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, PreTrainedTokenizerFast
 
     path = OUT / "clip-vit-b32-random"
     if (path / "model.safetensors").exists():
@@ -78,7 +81,25 @@ def random_clip() -> Path:
     config = CLIPConfig(text_config=TEXT, vision_config=VISION, projection_dim=512)
     CLIPModel(config).save_pretrained(str(path))
     CLIPImageProcessor(**PROCESSOR).save_pretrained(str(path))
-    AutoTokenizer.from_pretrained(str(resolve_model_path(DEFAULT_MODEL))).save_pretrained(str(path))
+    specials = ["<|startoftext|>", "<|endoftext|>"]  # ids 0 and 1, as TEXT says
+    vocab = {token: i for i, token in enumerate(specials)}
+    for char in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[char] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=specials[1]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|startoftext|> $A <|endoftext|>", special_tokens=[(t, vocab[t]) for t in specials]
+    )
+    tok.add_special_tokens(specials)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        model_max_length=77,
+        bos_token=specials[0],
+        eos_token=specials[1],
+        pad_token=specials[1],
+        unk_token=specials[1],
+    ).save_pretrained(str(path))
     return path
 
 
