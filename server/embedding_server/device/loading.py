@@ -75,6 +75,7 @@ from .colbert import (
 )
 from .distributed import SINGLE, Shard
 from .dtypes import resolve_dtype
+from .quantization import Quantization, quantize_layers, refuse_int8
 from .generic import (
     ServedBackend,
     build_transformers,
@@ -718,6 +719,8 @@ class LoadedModel:
     attention_alibi: bool = False
     """The body adds ALiBi position biases (``Architecture.attention_alibi``), which keeps it
     off torch_varlen (and a flash-attn without ``alibi_slopes``)."""
+    quantization: str = "none"
+    """How the body's weights are held: none (``dtype``) or int8 (``quantization.py``)."""
 
 
 def head_dim_of(config: Mapping[str, Any]) -> int:
@@ -882,6 +885,7 @@ def load_model(
     backend: ModelBackend = "auto",
     trust_remote_code: bool = False,
     shapes_only: bool = False,
+    quantization: Quantization = "none",
 ) -> LoadedModel:
     """Resolve, read and build ``model`` (a path, the packaged default, or a Hub id), in the
     dtype that ``dtype`` resolves to for this device and architecture; with a tensor-parallel
@@ -894,7 +898,11 @@ def load_model(
     ``shapes_only`` (``inspect``): the same decisions and refusals from the tensors' names
     and shapes alone, the model built on the ``meta`` device (a Hub model's safetensors
     headers are read remotely where possible, not downloaded); such a model cannot run. On
-    the transformers backend nothing is built: the result says which backend would serve."""
+    the transformers backend nothing is built: the result says which backend would serve.
+
+    ``quantization`` int8 builds the body in float32 (``dtype`` auto resolves to it) and
+    turns its blocks' linear weights into int8 (``quantization.py``); where that cannot run
+    it is refused."""
     with naming(model):
         source = locate_model(model, revision=revision, cache_dir=cache_dir)
         served = choose_backend(
@@ -903,6 +911,9 @@ def load_model(
             model=model,
             trust_remote_code=trust_remote_code,
         )
+        if quantization == "int8":
+            refuse_int8(device=device, dtype=dtype, backend=served, tensor_parallel=shard.parallel)
+            dtype = "float32"
         if served == "transformers":
             if shard.parallel:
                 config = read_model_config(source.path)
@@ -929,6 +940,8 @@ def load_model(
         parts = _build(
             plan, weights, dtype=compute_dtype, device=build_device, shard=shard, task=task
         )
+        if quantization == "int8" and not shapes_only:
+            quantize_layers(parts.body)
         hybrid = _hybrid(path, parts.body.hidden_size, tokenizer, plan)
         colbert = (
             read_stanford_format(path, tokenizer, parts.colbert.width)
@@ -965,6 +978,7 @@ def load_model(
         attention_bias=plan.arch.attention_bias,
         attention_softcap=plan.arch.softcaps(config),
         attention_alibi=plan.arch.alibi(config),
+        quantization=quantization,
     )
 
 
