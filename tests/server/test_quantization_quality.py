@@ -125,4 +125,3 @@ def test_int8_retrieval_ndcg_at_10_is_within_1_percent_of_float32(
     assert reference > 0.5  # the task measures something
     quantized = evaluate(MtebEncoder(int8), task)["ndcg_at_10"]
     assert abs(quantized - reference) <= 0.01 * reference, (quantized, reference)
-

@@ -75,7 +75,6 @@ from .colbert import (
 )
 from .distributed import SINGLE, Shard
 from .dtypes import resolve_dtype
-from .quantization import Quantization, quantize_layers, refuse_int8
 from .generic import (
     ServedBackend,
     build_transformers,
@@ -104,6 +103,7 @@ from .hybrid import (
 from .models import ARCHITECTURES, Architecture, build_model, lookup
 from .models.base import EmbeddingModel, TensorAudit, TrackedWeights, audit_tensors
 from .pooling import DenseLayer
+from .quantization import Quantization, quantize_layers, refuse_int8
 
 logger = logging.getLogger(__name__)
 

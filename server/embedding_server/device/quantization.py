@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -46,6 +45,7 @@ from embedding_server.errors import UnsupportedModelError
 logger = logging.getLogger(__name__)
 
 Quantization = Literal["none", "int8"]
+
 
 def _quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight`` ``[out, in]`` as int8 per output channel, symmetric, and the float32
@@ -94,12 +94,21 @@ class Int8Weight(torch.Tensor):
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] == 0:
             return x.new_empty((*x.shape[:-1], self.shape[0]))
-        row_scale = torch.linalg.vector_norm(rows, ord=math.inf, dim=1, keepdim=True)
+        # max |x| per row as max(max, -min): torch's inf-norm and abs().amax() reductions
+        # took 2-20x longer here (2048x384, one thread: 2.2 ms, 0.17 ms, against 0.09 ms).
+        row_scale = torch.maximum(
+            rows.amax(dim=1, keepdim=True), rows.amin(dim=1, keepdim=True).neg_()
+        )
         row_scale = row_scale.clamp_min_(_TINY).div_(127.0)
         scaled = rows / row_scale
         quantized = scaled.round_().to(torch.int8)
-        out = torch._int_mm(quantized, self._int8).to(torch.float32).mul_(row_scale)
-        out = out.mul_(self._scale) if bias is None else torch.addcmul(bias, out, self._scale)
+        # int32 sums times float32 row scales: one pass that is also the conversion; the
+        # column scales and the bias then in place (no more [tokens, out] buffers).
+        out = torch.mul(torch._int_mm(quantized, self._int8), row_scale)
+        if bias is None:
+            out.mul_(self._scale)
+        else:
+            torch.addcmul(bias, out, self._scale, out=out)
         return out.reshape(*x.shape[:-1], self.shape[0])
 
     @classmethod
@@ -145,9 +154,7 @@ def _linear_args(
     return values[0], values[1], values[2]
 
 
-def refuse_int8(
-    *, device: torch.device, dtype: str, backend: str, tensor_parallel: bool
-) -> None:
+def refuse_int8(*, device: torch.device, dtype: str, backend: str, tensor_parallel: bool) -> None:
     """Refuse ``--quantization int8`` where it cannot run exactly as described: the kernels
     are CPU-only and take float32 activations; the transformers backend's modules are not
     ours to rewrite; a tensor-parallel shard would need its int8 partial sums all-reduced,
@@ -164,7 +171,10 @@ def refuse_int8(
             f"--dtype {dtype} cannot apply; leave --dtype auto or set float32"
         )
     elif backend == "transformers":
-        reason = "it quantizes the native families' linear layers; the transformers backend is not served quantized"
+        reason = (
+            "it quantizes the native families' linear layers; the transformers backend is "
+            "not served quantized"
+        )
     elif tensor_parallel:
         reason = "tensor parallelism is not served quantized; set --tensor-parallel-size 1"
     if reason is not None:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from embedding_server.device.inspection import inspect_model
 from embedding_server.device.loading import load_model
 from embedding_server.device.quantization import Int8Weight
 from embedding_server.engine import Engine
@@ -140,3 +141,13 @@ def test_load_refuses_a_gpu_and_the_transformers_backend(
         Engine.from_pretrained(path, quantization="int8", backend="transformers")
     with pytest.raises(UnsupportedModelError, match="fake backend"):
         Engine.from_pretrained("fake?dim=8", quantization="int8")
+
+
+def test_inspect_reports_int8_and_refuses_as_serving_would(
+    tiny_model: Callable[[str], Path],
+) -> None:
+    path = str(tiny_model("bert"))
+    inspected = inspect_model(EngineSettings(model=path, quantization="int8"))
+    assert (inspected.info.quantization, inspected.info.dtype) == ("int8", "float32")
+    with pytest.raises(UnsupportedModelError, match="transformers backend"):
+        inspect_model(EngineSettings(model=path, quantization="int8", backend="transformers"))
