@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
 import torch
@@ -128,12 +128,12 @@ class Int8Weight(torch.Tensor):
             return func(*args, **kwargs)  # shape, dtype, device: the wrapper's own
 
     @classmethod
-    def __torch_dispatch__(
+    def __torch_dispatch__(  # type: ignore[override]  # torch declares a plain function
         cls,
-        func: Callable[..., Any],
-        types: tuple[type, ...],
+        func: Any,
+        types: Iterable[type],
         args: tuple[Any, ...] = (),
-        kwargs: Mapping[str, Any] | None = None,
+        kwargs: dict[Any, Any] | None = None,
     ) -> Any:
         """Any operation but ``F.linear`` runs on the dequantized float32 weight."""
 
