@@ -101,6 +101,9 @@ class EngineInfo:
     backend: str = "native"
     """What runs the model: native (our packed implementation of its family), transformers
     (transformers' own model class, ``--backend``) or fake."""
+    quantization: str = "none"
+    """How the body's weights are held (``--quantization``): none, or int8 (per-channel int8
+    linear weights in the transformer blocks, activations quantized per token, CPU)."""
     outputs: list[str] = field(default_factory=list)
     """What task embed serves: ``dense``, and ``sparse`` and ``multi_vector`` for a
     bge-m3-shaped model (its ``sparse_linear.pt`` and ``colbert_linear.pt`` were found);

@@ -223,6 +223,11 @@ class Engine(ServingEngine):
                     "tensor_parallel_size > 1 needs a real model; the fake backend has no "
                     "weights to split"
                 )
+            if settings.quantization != "none":
+                raise UnsupportedModelError(
+                    "quantization int8 needs a real model; the fake backend has no weights",
+                    param="quantization",
+                )
             dtype = resolve_dtype(settings.dtype, device)
             loaded = load_fake(settings.model, device=device, dtype=dtype)
             return cls(settings, loaded, metrics=metrics, device=device)
@@ -253,6 +258,7 @@ class Engine(ServingEngine):
                 task=settings.task,
                 backend=settings.backend,
                 trust_remote_code=settings.trust_remote_code,
+                quantization=settings.quantization,
             )
             if group is not None:
                 group.join()

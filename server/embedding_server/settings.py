@@ -34,6 +34,7 @@ Pooling = Literal["auto", "cls", "mean", "last", "max", "weightedmean", "mean_sq
 TruncationSide = Literal["right", "left"]
 TaskSetting = Literal["auto", "embed", "score", "classify", "token_classify", "reward", "sparse"]
 ModelBackend = Literal["auto", "native", "transformers"]
+Quantization = Literal["none", "int8"]
 
 
 class EngineSettings(BaseSettings):
@@ -79,6 +80,15 @@ class EngineSettings(BaseSettings):
         "capability 8.0 (Ampere) or newer, else float16 (float32 for models whose "
         "activations overflow float16, such as Gemma 3, which refuse float16); on CPU "
         "bfloat16 when the processor has avx512_bf16 or AMX, else float32.",
+    )
+    quantization: Quantization = Field(
+        "none",
+        description="Weight quantization. int8 (CPU, native backend): each transformer "
+        "block's linear weights as int8 per output channel, each token's activations "
+        "quantized at run time, multiplied by torch's int8 CPU matmul (oneDNN: AVX-512 VNNI "
+        "and AMX where present); embeddings, norms and heads stay float32, and --dtype auto "
+        "means float32. Refused on CUDA, with --dtype bfloat16/float16, on the transformers "
+        "backend and with tensor parallelism.",
     )
     attention: Attention = Field(
         "auto",
@@ -190,6 +200,16 @@ class EngineSettings(BaseSettings):
             raise ValueError("max_queue_tokens must be >= max_batch_tokens")
         if self.max_request_tokens is not None and self.max_request_tokens > self.max_queue_tokens:
             raise ValueError("max_request_tokens must be <= max_queue_tokens")
+        if self.quantization == "int8":
+            if self.dtype in ("bfloat16", "float16"):
+                raise ValueError(
+                    f"quantization int8 computes in float32 (int8 weights, activations "
+                    f"quantized per token); it cannot run with dtype {self.dtype}"
+                )
+            if self.device.startswith("cuda"):
+                raise ValueError("quantization int8 runs on the CPU only; device is " + self.device)
+            if self.tensor_parallel_size > 1:
+                raise ValueError("quantization int8 is not served with tensor_parallel_size > 1")
         return self
 
 

@@ -247,6 +247,7 @@ def describe(
         max_queue_tokens=config.max_queue_tokens,
         max_request_tokens=config.max_request_tokens,
         backend=loaded.backend,
+        quantization=loaded.quantization,
         outputs=(
             (
                 ["multi_vector"]

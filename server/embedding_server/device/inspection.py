@@ -71,6 +71,7 @@ def inspect_model(settings: EngineSettings) -> Inspection:
         backend=settings.backend,
         trust_remote_code=settings.trust_remote_code,
         shapes_only=True,
+        quantization=settings.quantization,
     )
     config = resolve_config(settings, loaded, device=device)
     attention = choose_attention(settings, loaded, device)

@@ -103,6 +103,7 @@ from .hybrid import (
 from .models import ARCHITECTURES, Architecture, build_model, lookup
 from .models.base import EmbeddingModel, TensorAudit, TrackedWeights, audit_tensors
 from .pooling import DenseLayer
+from .quantization import Quantization, quantize_layers, refuse_int8
 
 logger = logging.getLogger(__name__)
 
@@ -749,6 +750,8 @@ class LoadedModel:
     attention_alibi: bool = False
     """The body adds ALiBi position biases (``Architecture.attention_alibi``), which keeps it
     off torch_varlen (and a flash-attn without ``alibi_slopes``)."""
+    quantization: str = "none"
+    """How the body's weights are held: none (``dtype``) or int8 (``quantization.py``)."""
 
 
 def head_dim_of(config: Mapping[str, Any]) -> int:
@@ -923,6 +926,7 @@ def load_model(
     backend: ModelBackend = "auto",
     trust_remote_code: bool = False,
     shapes_only: bool = False,
+    quantization: Quantization = "none",
 ) -> LoadedModel:
     """Resolve, read and build ``model`` (a path, the packaged default, or a Hub id), in the
     dtype that ``dtype`` resolves to for this device and architecture; with a tensor-parallel
@@ -935,7 +939,11 @@ def load_model(
     ``shapes_only`` (``inspect``): the same decisions and refusals from the tensors' names
     and shapes alone, the model built on the ``meta`` device (a Hub model's safetensors
     headers are read remotely where possible, not downloaded); such a model cannot run. On
-    the transformers backend nothing is built: the result says which backend would serve."""
+    the transformers backend nothing is built: the result says which backend would serve.
+
+    ``quantization`` int8 builds the body in float32 (``dtype`` auto resolves to it) and
+    turns its blocks' linear weights into int8 (``quantization.py``); where that cannot run
+    it is refused."""
     with naming(model):
         source = locate_model(model, revision=revision, cache_dir=cache_dir)
         served = choose_backend(
@@ -944,6 +952,9 @@ def load_model(
             model=model,
             trust_remote_code=trust_remote_code,
         )
+        if quantization == "int8":
+            refuse_int8(device=device, dtype=dtype, backend=served, tensor_parallel=shard.parallel)
+            dtype = "float32"
         if served == "transformers":
             if shard.parallel:
                 config = read_model_config(source.path)
@@ -972,6 +983,8 @@ def load_model(
         parts = _build(
             plan, weights, dtype=compute_dtype, device=build_device, shard=shard, task=task
         )
+        if quantization == "int8" and not shapes_only:
+            quantize_layers(parts.body)
         hybrid = _hybrid(path, parts.body.hidden_size, tokenizer, plan)
         colbert = (
             read_stanford_format(path, tokenizer, parts.colbert.width)
@@ -1008,6 +1021,7 @@ def load_model(
         attention_bias=plan.arch.attention_bias,
         attention_softcap=plan.arch.softcaps(config),
         attention_alibi=plan.arch.alibi(config),
+        quantization=quantization,
     )
 
 
