@@ -19,8 +19,9 @@ fourth while autoscaling is enabled, and a fifth while it may scale the service 
   stays True (reason ``ScaledToZero``): as a Knative revision's, it says that the spec is
   served as meant, and requests through the gateway are held while KEDA starts a replica.
   ``Ready`` False at zero is kept for ``replicas: 0`` set by hand, where nothing wakes it.
-  The time of the last request is not in status: the gateway, which sees it, has read-only
-  access; its ``embedding_gateway_last_request_timestamp_seconds`` metric has it.
+  ``status.autoscaling.lastActiveTime`` is when KEDA last saw demand (its ScaledObject's
+  own ``lastActiveTime``, to the minute): the last request, to within a minute. The gateway's
+  ``embedding_gateway_last_request_timestamp_seconds`` metric has it to the second.
 
 Everything here is pure: the reconciler gathers the facts, ``compute_status`` turns them into
 the status document, ``merge_conditions`` keeps ``lastTransitionTime`` unless a condition's
@@ -203,6 +204,19 @@ def autoscaling_status(render: RenderInput) -> dict[str, Any] | None:
         "metric": METRICS[metric],
         "target": target_string(target(render)),
     }
+
+
+def last_active_time(live: dict[str, Any] | None) -> str | None:
+    """When KEDA last saw a trigger active (a ScaledObject's ``status.lastActiveTime``): the
+    last demand, polled every ``pollingInterval``. An HPA reports nothing like it.
+
+    To the minute: KEDA moves it at every poll while there is work, and a status write per
+    poll and busy service is not worth the seconds (the gateway's metric has them)."""
+    if live is None or live.get("kind") != "ScaledObject":
+        return None
+    value = str((live.get("status") or {}).get("lastActiveTime") or "")
+    match = re.fullmatch(r"(\d{4}-\d\d-\d\dT\d\d:\d\d):\d\d(\.\d+)?Z", value)
+    return f"{match.group(1)}:00Z" if match else None
 
 
 def autoscaler_condition(
@@ -400,6 +414,9 @@ def compute_status(
         if scaling_status is not None:
             if facts is not None:
                 scaling_status["desiredReplicas"] = facts.desired
+            last_active = last_active_time(autoscaler) if scales_to_zero(render) else None
+            if last_active is not None:
+                scaling_status["lastActiveTime"] = last_active
             status["autoscaling"] = scaling_status
     return status, conditions
 

@@ -754,6 +754,14 @@ def test_scale_to_zero_keeps_a_loading_replica() -> None:
     auto = {"enabled": True, "autoscaler": "keda", "minReplicas": 0, "maxReplicas": 2}
     so = build_scaled_object(_keda({"model": MODEL, "autoscaling": auto}))
     assert so["spec"]["minReplicaCount"] == 0
+    # KEDA asks the triggers every 5 s whether to wake it (its 30 s default would be most of
+    # a cold start); services that never go to zero keep KEDA's default.
+    assert so["spec"]["pollingInterval"] == 5
+    above_zero = {**auto, "minReplicas": 1}
+    assert (
+        "pollingInterval"
+        not in build_scaled_object(_keda({"model": MODEL, "autoscaling": above_zero}))["spec"]
+    )
     work, loading, held = so["spec"]["triggers"]
     assert work["name"] == "backlogSeconds" and loading["name"] == "loading"
     assert loading["metadata"]["query"] == (

@@ -702,6 +702,16 @@ def test_scaled_to_zero_by_keda_is_ready_not_degraded_and_says_so(cluster: FakeC
     rec.reconcile(NS, "emb")
     assert conditions(cluster)["Ready"]["reason"] == "Available"
 
+    # When KEDA last saw demand, from its ScaledObject, to the minute: a service's "idle since".
+    so = cluster.objects[ObjectRef("keda.sh/v1alpha1", "ScaledObject", NS, "emb")]
+    so.setdefault("status", {})["lastActiveTime"] = "2025-01-01T00:07:41Z"
+    rec.reconcile(NS, "emb")
+    assert owner(cluster)["status"]["autoscaling"]["lastActiveTime"] == "2025-01-01T00:07:00Z"
+    cluster.calls.clear()
+    so["status"]["lastActiveTime"] = "2025-01-01T00:07:46Z"  # KEDA's next poll, same minute
+    rec.reconcile(NS, "emb")
+    assert cluster.writes() == [], "a busy service's status is not rewritten at every poll"
+
 
 @pytest.mark.parametrize("ready", [0, 1])
 def test_partial_availability(cluster: FakeCluster, ready: int) -> None:

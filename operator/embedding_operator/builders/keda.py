@@ -41,6 +41,11 @@ from embedding_operator.builders.hpa import (
     target_string,
 )
 
+WAKE_POLLING_SECONDS = 5
+"""KEDA's ``pollingInterval`` for services that may be at zero: how often it asks the
+triggers whether to wake one. A held request waits up to this long before KEDA notices it
+(KEDA's default, 30 s, would be most of a cold start). Above one replica the HPA KEDA makes
+scales, on its own sync period, so services that never go to zero keep KEDA's default."""
 HELD_METRIC = "embedding_gateway_held_requests"
 """The gateway's gauge of requests it holds per EmbeddingService (``embedding_service`` is its
 ``namespace/name``): the demand that scales a service up from zero."""
@@ -95,21 +100,24 @@ def build_scaled_object(render: RenderInput) -> Manifest:
     if auto.min_replicas == 0:
         triggers.append(_prometheus_trigger("loading", server, loading_query(render), "1"))
         triggers.append(_prometheus_trigger("held", server, held_query(render), "1"))
+    spec: dict[str, Any] = {
+        "scaleTargetRef": {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "name": render.owner.name,
+        },
+        "minReplicaCount": auto.min_replicas,
+        "maxReplicaCount": auto.max_replicas,
+        # Used only on the way to zero: how long without work before the last replica goes.
+        "cooldownPeriod": auto.scale_down_stabilization_seconds,
+        "advanced": {"horizontalPodAutoscalerConfig": {"behavior": behavior(render)}},
+        "triggers": triggers,
+    }
+    if auto.min_replicas == 0:
+        spec["pollingInterval"] = WAKE_POLLING_SECONDS
     return {
         "apiVersion": API_VERSION,
         "kind": KIND,
         "metadata": child_metadata(render.owner),
-        "spec": {
-            "scaleTargetRef": {
-                "apiVersion": "apps/v1",
-                "kind": "Deployment",
-                "name": render.owner.name,
-            },
-            "minReplicaCount": auto.min_replicas,
-            "maxReplicaCount": auto.max_replicas,
-            # Used only on the way to zero: how long without work before the last replica goes.
-            "cooldownPeriod": auto.scale_down_stabilization_seconds,
-            "advanced": {"horizontalPodAutoscalerConfig": {"behavior": behavior(render)}},
-            "triggers": triggers,
-        },
+        "spec": spec,
     }
