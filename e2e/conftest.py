@@ -8,8 +8,9 @@ tests (examples served on real GPUs) are deselected, and the report's header say
 
 With ``E2E_KUBECONFIG`` set (existing.py, e2e/README.md) the tests run on that cluster instead,
 with the images the settings name; nothing is built or loaded. Tests marked ``local_node`` or
-``kwok`` are skipped there with the reason, and ``metrics_pipeline`` ones where the cluster has
-no custom metrics API.
+``kwok`` are skipped there with the reason, ``metrics_pipeline`` ones where the cluster has
+no custom metrics API, and ``keda`` ones where it has no KEDA (or the settings no Prometheus
+address for KEDA's triggers).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from e2e.harness.existing import (
     ExistingCluster,
     SettingsError,
     custom_metrics_missing,
+    keda_missing,
 )
 from e2e.harness.images import ImageSet, build_images, load_images
 from e2e.harness.node import containerd_store
@@ -187,6 +189,18 @@ def _metrics_pipeline_present(
         return
     client: KubeClient = request.getfixturevalue("cluster")
     reason = custom_metrics_missing(client)
+    if reason is not None:
+        pytest.skip(reason)
+
+
+@pytest.fixture(autouse=True)
+def _keda_present(request: pytest.FixtureRequest, e2e_existing: ExistingCluster | None) -> None:
+    """On an existing cluster, a ``keda`` test is skipped when the cluster has no KEDA or the
+    settings give its triggers no Prometheus (the local cluster runs both)."""
+    if e2e_existing is None or request.node.get_closest_marker("keda") is None:
+        return
+    client: KubeClient = request.getfixturevalue("cluster")
+    reason = keda_missing(client, e2e_existing.chart_values())
     if reason is not None:
         pytest.skip(reason)
 

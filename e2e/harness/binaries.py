@@ -16,7 +16,11 @@ written last. A component is rebuilt only when its stamp is missing or its build
 (go.mod, go.sum, ldflags) changed. A failed build raises ``BuildError``; callers must treat
 that as a failure, never as a reason to skip.
 
-CLI: ``python -m e2e.harness.binaries`` builds whatever is missing and prints progress.
+CLI: ``python -m e2e.harness.binaries`` builds whatever is missing and prints progress;
+``python -m e2e.harness.binaries keda`` only KEDA, and ``--except keda`` all the others (``make
+test`` builds KEDA, the longest build, in the background beside the rest: it keeps a build
+cache of its own, so the others' ``go clean -cache`` never pulls it from under it). A build of
+a component another process is building waits for it, and then finds it cached.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger("e2e.build")
@@ -92,6 +96,15 @@ def _prometheus_ldflags(version: str) -> list[str]:
     return ["-s", "-w", f"-X github.com/prometheus/common/version.Version={release}"]
 
 
+def _keda_ldflags(version: str) -> list[str]:
+    # As KEDA's Makefile does: without it both commands log version "main".
+    return [
+        "-s",
+        "-w",
+        f"-X github.com/kedacore/keda/v2/version.Version={version.removeprefix('v')}",
+    ]
+
+
 def _adapter_ldflags(version: str) -> list[str]:
     # prometheus-adapter reports component-base's version, like the Kubernetes commands.
     return ["-s", "-w", f"-X k8s.io/component-base/version.gitVersion={version}"]
@@ -114,6 +127,12 @@ class Component:
     binaries: dict[str, tuple[str, tuple[str, ...]]]
     ldflags: Callable[[str], list[str]]
     staging_replaces: bool = False
+    # output directory name -> a directory of the module copied beside the binaries (KEDA's
+    # CRDs), so what the cluster applies is the pinned version's, cached with its binaries.
+    module_dirs: dict[str, str] = field(default_factory=dict)
+    # Build in a Go build cache of its own, emptied once built (a build that runs beside the
+    # others, which empty the shared one when they are done).
+    own_build_cache: bool = False
 
     @property
     def tools_dir(self) -> Path:
@@ -202,6 +221,19 @@ COMPONENTS: tuple[Component, ...] = (
         binaries={"prometheus-adapter": ("adapter", BUILD_INFO)},
         ldflags=_adapter_ldflags,
     ),
+    # ScaledObjects (`autoscaler: keda`) and external.metrics.k8s.io, with scale to zero.
+    Component(
+        name="keda",
+        version_key="KEDA_VERSION",
+        module="github.com/kedacore/keda/v2",
+        binaries={
+            "keda-operator": ("operator", BUILD_INFO),
+            "keda-adapter": ("adapter", BUILD_INFO),
+        },
+        ldflags=_keda_ldflags,
+        module_dirs={"keda-crds": "config/crd/bases"},
+        own_build_cache=True,
+    ),
 )
 
 
@@ -222,6 +254,9 @@ class Binaries:
     prometheus: Path
     promtool: Path
     prometheus_adapter: Path
+    keda_operator: Path
+    keda_adapter: Path
+    keda_crds: Path
     cni_bin_dir: Path
 
     def bin_dirs(self) -> list[Path]:
@@ -267,15 +302,20 @@ def _go_env() -> dict[str, str]:
     return env
 
 
-def _go(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+def _go(
+    args: list[str], cwd: Path, timeout: float, *, gocache: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     go = shutil.which("go")
     if go is None:
         raise BuildError("`go` is not on PATH; the e2e control plane is built from Go modules")
     try:
+        env = _go_env()
+        if gocache is not None:
+            env["GOCACHE"] = str(gocache)
         return subprocess.run(
             [go, *args],
             cwd=cwd,
-            env=_go_env(),
+            env=env,
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -320,6 +360,7 @@ def _inputs_digest(component: Component, version: str) -> str:
         digest.update((component.tools_dir / name).read_bytes())
     digest.update("\0".join(component.ldflags(version)).encode())
     digest.update("\0".join(sorted(component.binaries)).encode())
+    digest.update("\0".join(f"{k}={v}" for k, v in sorted(component.module_dirs.items())).encode())
     return digest.hexdigest()
 
 
@@ -337,7 +378,22 @@ def _cached(out_dir: Path, component: Component, digest: str) -> bool:
         return False
     if recorded.get("inputs_sha256") != digest:
         return False
-    return all(os.access(out_dir / name, os.X_OK) for name in component.binaries)
+    return all(os.access(out_dir / name, os.X_OK) for name in component.binaries) and all(
+        (out_dir / name).is_dir() for name in component.module_dirs
+    )
+
+
+def _lock_held(path: Path) -> bool:
+    """Whether another process holds ``locked(path)`` right now."""
+    if not path.exists():
+        return False
+    with path.open("a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(handle, fcntl.LOCK_UN)
+    return False
 
 
 @contextlib.contextmanager
@@ -396,6 +452,33 @@ def _check_outputs(component: Component, version: str, staging: Path) -> None:
         log.info("[build]   %s: %s", out_name, reported)
 
 
+def _own_build_cache(component: Component) -> Path | None:
+    """The component's own Go build cache, if it keeps one and GOCACHE is ours to place."""
+    ours = cache_root() / "go" / "build"
+    if not component.own_build_cache or Path(_go_env()["GOCACHE"]) != ours:
+        return None
+    return cache_root() / "go" / f"build-{component.name}"
+
+
+def _copy_module_dirs(component: Component, version: str, staging: Path) -> None:
+    """Copy each of ``module_dirs`` from the module as the build downloaded it."""
+    if not component.module_dirs:
+        return
+    proc = _go(["list", "-m", "-f", "{{.Dir}}", component.module], component.tools_dir, timeout=60)
+    module_dir = Path(proc.stdout.strip())
+    if proc.returncode != 0 or not module_dir.is_dir():
+        raise BuildError(f"cannot find {component.module} {version}'s files: {proc.stderr.strip()}")
+    for out_name, source in component.module_dirs.items():
+        if not (module_dir / source).is_dir():
+            raise BuildError(f"{component.module} {version} has no {source}/")
+        # File by file: the module cache is read-only, and its modes would follow a copytree.
+        (staging / out_name).mkdir()
+        for item in sorted((module_dir / source).iterdir()):
+            if item.is_file():
+                shutil.copyfile(item, staging / out_name / item.name)
+        log.info("[build]   %s: %s/%s", out_name, component.module, source)
+
+
 def _build(component: Component, version: str, out_dir: Path, digest: str) -> None:
     staging = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
@@ -407,6 +490,7 @@ def _build(component: Component, version: str, out_dir: Path, digest: str) -> No
         component.tools_dir,
     )
     started = time.monotonic()
+    gocache = _own_build_cache(component)
     proc = _go(
         [
             "build",
@@ -419,7 +503,10 @@ def _build(component: Component, version: str, out_dir: Path, digest: str) -> No
         ],
         component.tools_dir,
         timeout=BUILD_TIMEOUT_S,
+        gocache=gocache,
     )
+    if gocache is not None:
+        shutil.rmtree(gocache, ignore_errors=True)
     seconds = time.monotonic() - started
     if proc.returncode != 0:
         shutil.rmtree(staging, ignore_errors=True)
@@ -429,6 +516,7 @@ def _build(component: Component, version: str, out_dir: Path, digest: str) -> No
         )
     try:
         _check_outputs(component, version, staging)
+        _copy_module_dirs(component, version, staging)
     except BuildError:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -469,7 +557,10 @@ def _ensure(component: Component, versions: dict[str, str] | None) -> tuple[Path
     if _cached(out_dir, component, digest):
         log.info("[build] %s %s: cached in %s", component.name, version, out_dir)
         return out_dir, False
-    with locked(out_dir.with_name(f"{out_dir.name}.lock")):
+    lock = out_dir.with_name(f"{out_dir.name}.lock")
+    if _lock_held(lock):
+        log.info("[build] %s %s: another process is building it; waiting", component.name, version)
+    with locked(lock):
         if _cached(out_dir, component, digest):  # another process built it while we waited
             return out_dir, False
         _build(component, version, out_dir, digest)
@@ -487,7 +578,7 @@ def ensure_binaries(components: tuple[Component, ...] = COMPONENTS) -> Binaries:
         if component.name == "cni":
             paths["cni_bin_dir"] = out_dir
             continue
-        for name in component.binaries:
+        for name in [*component.binaries, *component.module_dirs]:
             paths[name.replace("-", "_")] = out_dir / name
     if built:
         trim_build_cache()
@@ -544,14 +635,32 @@ def main(argv: list[str] | None = None) -> int:
         metavar="COMPONENT",
         help=f"only these components, of {', '.join(names)} (default: all)",
     )
+    parser.add_argument(
+        "--except",
+        dest="excluded",
+        action="append",
+        default=[],
+        metavar="COMPONENT",
+        help="every component but these (make test builds keda in the background)",
+    )
     args = parser.parse_args(argv)
-    unknown = sorted(set(args.components) - set(names))
+    unknown = sorted((set(args.components) | set(args.excluded)) - set(names))
     if unknown:
         parser.error(f"unknown component(s) {unknown}; choose from {names}")
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-    wanted = tuple(c for c in COMPONENTS if not args.components or c.name in args.components)
+    wanted = tuple(
+        c
+        for c in COMPONENTS
+        if (not args.components or c.name in args.components) and c.name not in args.excluded
+    )
     try:
-        if len(wanted) == len(COMPONENTS):
+        if args.excluded and not args.components:
+            built = False
+            for component in wanted:
+                built |= _ensure(component, None)[1]
+            if built:
+                trim_build_cache()
+        elif len(wanted) == len(COMPONENTS):
             binaries = ensure_binaries()
             for field, path in vars(binaries).items():
                 print(f"{field}={path}")

@@ -19,7 +19,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -41,6 +41,8 @@ FAKE_NODE_ANNOTATION = "kwok.x-k8s.io/node=fake"
 ADAPTER_SERVICE = "prometheus-adapter"
 ADAPTER_NAMESPACE = "kube-system"
 ADAPTER_API_SERVICE = "v1beta1.custom.metrics.k8s.io"
+KEDA_NAMESPACE = "keda"
+KEDA_METRICS_SERVICE = "keda-metrics-apiserver"
 
 
 class Launcher:
@@ -54,8 +56,12 @@ class Launcher:
         self.detached = detached
         self.on_spawn = on_spawn
 
-    def spawn(self, name: str, argv: Sequence[str]) -> Process:
-        process = Process.spawn(name, argv, self.log_dir / f"{name}.log", detached=self.detached)
+    def spawn(
+        self, name: str, argv: Sequence[str], *, env: Mapping[str, str] | None = None
+    ) -> Process:
+        process = Process.spawn(
+            name, argv, self.log_dir / f"{name}.log", detached=self.detached, env=env
+        )
         self.on_spawn(process)
         return process
 
@@ -105,9 +111,13 @@ class Component:
     def prepare(self) -> None:
         """Write the files the command line names (none by default)."""
 
+    def env(self) -> dict[str, str] | None:
+        """The process's environment (None: this process's own)."""
+        return None
+
     def spawn(self) -> Process:
         self.prepare()
-        self.process = self.launcher.spawn(self.name, self.argv())
+        self.process = self.launcher.spawn(self.name, self.argv(), env=self.env())
         return self.process
 
     def running(self) -> Process:
@@ -693,6 +703,142 @@ class PrometheusAdapter(Component):
         return self.api.get("/apis/custom.metrics.k8s.io/v1beta1") is not None
 
 
+class KedaOperator(Component):
+    """KEDA's operator: turns each ScaledObject into an HPA of its own (``keda-hpa-<name>``),
+    polls the triggers to take a target to and from zero, and serves the trigger values to
+    the metrics server over gRPC on 127.0.0.1 (mutual TLS with ``pki.keda``, as KEDA's own
+    certificates would be, with its certificate rotation off). Watches every namespace.
+    Ready: its ``/readyz``."""
+
+    name = "keda-operator"
+
+    def __init__(
+        self,
+        launcher: Launcher,
+        binary: Path,
+        keda: KeyPair,
+        ca: KeyPair,
+        *,
+        state_dir: Path,
+        kubeconfig: Path,
+        grpc_port: int,
+        metrics_port: int,
+        probe_port: int,
+        timeout: float,
+    ) -> None:
+        super().__init__(launcher, timeout=timeout)
+        self.binary = binary
+        self.keda = keda
+        self.ca = ca
+        self.cert_dir = state_dir / "keda-certs"
+        self.ca_dir = state_dir / "keda-ca"
+        self.kubeconfig = kubeconfig
+        self.grpc_port = grpc_port
+        self.metrics_port = metrics_port
+        self.probe_port = probe_port
+
+    def prepare(self) -> None:
+        write_keda_cert_dir(self.cert_dir, self.keda, self.ca)
+        self.ca_dir.mkdir(parents=True, exist_ok=True)
+        (self.ca_dir / "ca.crt").write_bytes(self.ca.cert.read_bytes())
+
+    def env(self) -> dict[str, str]:
+        return keda_env(self.kubeconfig)
+
+    def argv(self) -> list[str]:
+        return [
+            str(self.binary),
+            f"--metrics-bind-address=127.0.0.1:{self.metrics_port}",
+            f"--health-probe-bind-address=127.0.0.1:{self.probe_port}",
+            f"--metrics-service-bind-address=127.0.0.1:{self.grpc_port}",
+            f"--cert-dir={self.cert_dir}",
+            # The CAs its scalers trust (the default, /custom/ca, is a pod's mount).
+            f"--ca-dir={self.ca_dir}",
+            "--enable-cert-rotation=false",
+            "--leader-elect=false",
+        ]
+
+    def healthy(self) -> bool:
+        return http_get(f"http://127.0.0.1:{self.probe_port}/readyz", None) is not None
+
+
+class KedaMetricsServer(Component):
+    """KEDA's metrics API server: external.metrics.k8s.io on the node IP behind an APIService
+    (``keda_api_objects``), answering the HPAs KEDA made from the operator's gRPC service.
+    Ready: the aggregated API answers discovery through the apiserver."""
+
+    name = "keda-metrics-apiserver"
+
+    def __init__(
+        self,
+        launcher: Launcher,
+        binary: Path,
+        api: AdminApi,
+        *,
+        state_dir: Path,
+        kubeconfig: Path,
+        grpc_port: int,
+        port: int,
+        metrics_port: int,
+        timeout: float,
+    ) -> None:
+        super().__init__(launcher, timeout=timeout)
+        self.binary = binary
+        self.api = api
+        self.cert_dir = state_dir / "keda-certs"
+        self.kubeconfig = kubeconfig
+        self.grpc_port = grpc_port
+        self.port = port
+        self.metrics_port = metrics_port
+
+    def prepare(self) -> None:
+        write_keda_cert_dir(self.cert_dir, self.api.pki.keda, self.api.pki.ca)
+
+    def env(self) -> dict[str, str]:
+        return keda_env(self.kubeconfig)
+
+    def argv(self) -> list[str]:
+        keda = self.api.pki.keda
+        return [
+            str(self.binary),
+            f"--bind-address={node.NODE_IP}",
+            f"--secure-port={self.port}",
+            f"--tls-cert-file={keda.cert}",
+            f"--tls-private-key-file={keda.key}",
+            # The gRPC client's certificate and CA: ca.crt, tls.crt and tls.key in here.
+            f"--cert-dir={self.cert_dir}",
+            f"--lister-kubeconfig={self.kubeconfig}",
+            f"--authentication-kubeconfig={self.kubeconfig}",
+            f"--authorization-kubeconfig={self.kubeconfig}",
+            f"--metrics-service-address=127.0.0.1:{self.grpc_port}",
+            f"--port={self.metrics_port}",
+        ]
+
+    def healthy(self) -> bool:
+        return self.api.get("/apis/external.metrics.k8s.io/v1beta1") is not None
+
+
+def keda_env(kubeconfig: Path) -> dict[str, str]:
+    """What KEDA's commands read from a pod's environment: every namespace watched, its own
+    namespace (for cluster-wide trigger authentications), the admin kubeconfig."""
+    return {
+        **os.environ,
+        "KUBECONFIG": str(kubeconfig),
+        "WATCH_NAMESPACE": "",
+        "POD_NAMESPACE": KEDA_NAMESPACE,
+        "KEDA_CLUSTER_OBJECT_NAMESPACE": KEDA_NAMESPACE,
+    }
+
+
+def write_keda_cert_dir(cert_dir: Path, keda: KeyPair, ca: KeyPair) -> None:
+    """The layout KEDA's gRPC ends read (a Secret's keys in a pod): ca.crt, tls.crt, tls.key."""
+    cert_dir.mkdir(parents=True, exist_ok=True)
+    for name, source in (("ca.crt", ca.cert), ("tls.crt", keda.cert), ("tls.key", keda.key)):
+        target = cert_dir / name
+        target.write_bytes(source.read_bytes())
+        target.chmod(0o600)
+
+
 # Each component class by process name, so a detached cluster's processes (from its state file)
 # are stopped with their component's cleanup.
 COMPONENTS: dict[str, type[Component]] = {
@@ -709,6 +855,8 @@ COMPONENTS: dict[str, type[Component]] = {
         Kubelet,
         Prometheus,
         PrometheusAdapter,
+        KedaOperator,
+        KedaMetricsServer,
     )
 }
 
@@ -792,18 +940,40 @@ def _annotated_pods_on_the_real_node() -> list[dict[str, Any]]:
 
 
 def adapter_api_objects(port: int, ca_bundle: str) -> str:
-    """The APIService for custom.metrics.k8s.io, and a selector-less Service whose Endpoints
-    name the adapter on the node IP (the EndpointSlice mirroring controller copies them)."""
+    """prometheus-adapter's APIService for custom.metrics.k8s.io (``aggregated_api_objects``)."""
+    return aggregated_api_objects(
+        ADAPTER_SERVICE, ADAPTER_NAMESPACE, "custom.metrics.k8s.io", port, ca_bundle
+    )
+
+
+def keda_api_objects(port: int, ca_bundle: str) -> str:
+    """KEDA's namespace and its APIService for external.metrics.k8s.io."""
+    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": KEDA_NAMESPACE}}
+    return "---\n".join(
+        [
+            yaml.safe_dump(namespace),
+            aggregated_api_objects(
+                KEDA_METRICS_SERVICE, KEDA_NAMESPACE, "external.metrics.k8s.io", port, ca_bundle
+            ),
+        ]
+    )
+
+
+def aggregated_api_objects(
+    service_name: str, namespace: str, group: str, port: int, ca_bundle: str
+) -> str:
+    """The APIService for ``group``/v1beta1, and a selector-less Service whose Endpoints name
+    its server on the node IP (the EndpointSlice mirroring controller copies them)."""
     service = {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {"name": ADAPTER_SERVICE, "namespace": ADAPTER_NAMESPACE},
+        "metadata": {"name": service_name, "namespace": namespace},
         "spec": {"ports": [{"name": "https", "port": port, "targetPort": port}]},
     }
     endpoints = {
         "apiVersion": "v1",
         "kind": "Endpoints",
-        "metadata": {"name": ADAPTER_SERVICE, "namespace": ADAPTER_NAMESPACE},
+        "metadata": {"name": service_name, "namespace": namespace},
         "subsets": [
             {"addresses": [{"ip": node.NODE_IP}], "ports": [{"name": "https", "port": port}]}
         ],
@@ -811,10 +981,10 @@ def adapter_api_objects(port: int, ca_bundle: str) -> str:
     api_service = {
         "apiVersion": "apiregistration.k8s.io/v1",
         "kind": "APIService",
-        "metadata": {"name": ADAPTER_API_SERVICE},
+        "metadata": {"name": f"v1beta1.{group}"},
         "spec": {
-            "service": {"name": ADAPTER_SERVICE, "namespace": ADAPTER_NAMESPACE, "port": port},
-            "group": "custom.metrics.k8s.io",
+            "service": {"name": service_name, "namespace": namespace, "port": port},
+            "group": group,
             "version": "v1beta1",
             "caBundle": ca_bundle,
             "groupPriorityMinimum": 100,

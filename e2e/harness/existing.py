@@ -52,6 +52,7 @@ IMAGE_NAMES = {
 }
 DEFAULT_NAMESPACE_PREFIX = "e2e-"
 CUSTOM_METRICS_API = "v1beta1.custom.metrics.k8s.io"
+EXTERNAL_METRICS_API = "v1beta1.external.metrics.k8s.io"
 
 # Why each marker's tests cannot run here; the skip reasons the tests report.
 SKIP_REASONS = {
@@ -202,13 +203,37 @@ def custom_metrics_missing(client: KubeClient) -> str | None:
     """Why this cluster cannot autoscale on the servers' queue gauges, or None if it can:
     the HPAs read them from custom.metrics.k8s.io (prometheus-adapter with the chart's
     rules, docs/helm.md)."""
-    found = client.kubectl("get", "apiservice", CUSTOM_METRICS_API, "-o", "json", check=False)
-    if found.returncode != 0:
+    return api_service_missing(
+        client,
+        CUSTOM_METRICS_API,
+        "install prometheus-adapter with the chart's rules (docs/helm.md) to run the "
+        "autoscaling tests",
+    )
+
+
+def keda_missing(client: KubeClient, values: Mapping[str, Any]) -> str | None:
+    """Why this cluster cannot run the ``autoscaler: keda`` tests, or None if it can: KEDA
+    serving external.metrics.k8s.io, and the chart told where its triggers find Prometheus."""
+    missing = api_service_missing(
+        client, EXTERNAL_METRICS_API, "install KEDA (docs/autoscaling.md) to run the KEDA tests"
+    )
+    if missing is not None:
+        return missing
+    address = ((values.get("autoscaling") or {}).get("keda") or {}).get("prometheusAddress")
+    if not address:
         return (
-            f"no {CUSTOM_METRICS_API} APIService on this cluster: install prometheus-adapter "
-            "with the chart's rules (docs/helm.md) to run the autoscaling tests"
+            "E2E_HELM_VALUES sets no autoscaling.keda.prometheusAddress: KEDA's triggers "
+            "need the Prometheus that scrapes the server pods"
         )
+    return None
+
+
+def api_service_missing(client: KubeClient, name: str, hint: str) -> str | None:
+    """Why the aggregated API ``name`` cannot be used here (with ``hint``), or None."""
+    found = client.kubectl("get", "apiservice", name, "-o", "json", check=False)
+    if found.returncode != 0:
+        return f"no {name} APIService on this cluster: {hint}"
     conditions = json.loads(found.stdout).get("status", {}).get("conditions") or []
     if not any(c.get("type") == "Available" and c.get("status") == "True" for c in conditions):
-        return f"the {CUSTOM_METRICS_API} APIService is not Available on this cluster"
+        return f"the {name} APIService is not Available on this cluster"
     return None

@@ -36,6 +36,14 @@ APISERVER_SANS = (
 LOCAL_SANS = ("IP:127.0.0.1", "DNS:localhost")
 # The aggregation layer dials an APIService by its Service's DNS name and verifies it.
 ADAPTER_SANS = (f"IP:{NODE_IP}", "DNS:prometheus-adapter.kube-system.svc")
+# KEDA's metrics server is an APIService too, and dials the KEDA operator's gRPC metrics
+# service on 127.0.0.1 with mutual TLS: one certificate serves both ends, as a server and a client.
+KEDA_SANS = (
+    "IP:127.0.0.1",
+    f"IP:{NODE_IP}",
+    "DNS:keda-metrics-apiserver.keda.svc",
+    "DNS:keda-operator.keda.svc",
+)
 FRONT_PROXY_CLIENT = "front-proxy-client"
 
 
@@ -67,6 +75,7 @@ class Pki:
     kube_proxy: KeyPair
     apiserver_kubelet_client: KeyPair
     adapter_serving: KeyPair
+    keda: KeyPair
 
 
 def _openssl(*args: str) -> None:
@@ -132,6 +141,22 @@ def _server(directory: Path, name: str, ca: KeyPair, cn: str, sans: tuple[str, .
     )
 
 
+def _server_and_client(
+    directory: Path, name: str, ca: KeyPair, cn: str, sans: tuple[str, ...]
+) -> KeyPair:
+    return _signed(
+        directory,
+        name,
+        ca,
+        f"/CN={cn}",
+        [
+            "keyUsage=critical,digitalSignature,keyEncipherment",
+            "extendedKeyUsage=serverAuth,clientAuth",
+            f"subjectAltName={','.join(sans)}",
+        ],
+    )
+
+
 def _client(directory: Path, name: str, ca: KeyPair, subject: str) -> KeyPair:
     return _signed(
         directory,
@@ -192,6 +217,7 @@ def create_pki(directory: Path) -> Pki:
         adapter_serving=_server(
             directory, "adapter-serving", ca, "prometheus-adapter", ADAPTER_SANS
         ),
+        keda=_server_and_client(directory, "keda", ca, "keda", KEDA_SANS),
         service_account_key=sa_key,
         service_account_pub=sa_pub,
     )

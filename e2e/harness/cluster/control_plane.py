@@ -87,8 +87,9 @@ class ControlPlane:
             return []
         return sorted(p for p in self.crd_dir.iterdir() if p.suffix in (".yaml", ".yml", ".json"))
 
-    def apply_crds(self) -> None:
-        files = self.crd_files()
+    def apply_crds(self, files: list[Path] | None = None) -> None:
+        """Apply ``files`` (default: ``crd_dir``'s) and wait until their CRDs are Established."""
+        files = self.crd_files() if files is None else files
         if not files:
             log.info("[cluster] no CRDs in %s", self.crd_dir)
             return

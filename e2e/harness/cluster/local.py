@@ -4,7 +4,7 @@
    and kube-scheduler;
 2. kwok's fake GPU nodes (fake_nodes.py);
 3. the real node (real_node.py): containerd, the images, kube-proxy, CoreDNS, the kubelet;
-4. the metrics pipeline (monitoring.py): Prometheus and prometheus-adapter;
+4. the metrics pipeline (monitoring.py): Prometheus, prometheus-adapter and KEDA;
 
 and the cluster is ready when the ``default`` ServiceAccount exists (proof that the controllers
 reconcile). Each process is one class in components.py (command line, files, health probe), as
@@ -75,6 +75,7 @@ class Timeouts:
     dns: float = 60
     prometheus: float = 60
     adapter: float = 120
+    keda: float = 120
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,11 @@ class Ports:
     coredns_health: int
     prometheus: int
     adapter: int
+    keda_grpc: int
+    keda_metrics: int
+    keda_probe: int
+    keda_apiserver: int
+    keda_apiserver_metrics: int
 
     @classmethod
     def pick_free(cls) -> Ports:
@@ -110,7 +116,7 @@ C = TypeVar("C", bound=Component)
 
 class Cluster(KubeClient):
     """etcd + kube-apiserver + kube-controller-manager + kube-scheduler + kwok's fake GPU
-    nodes + one real node (see ``node.py``) + Prometheus and prometheus-adapter, each a
+    nodes + one real node (see ``node.py``) + Prometheus, prometheus-adapter and KEDA, each a
     ``Component`` (components.py) in ``components``, in start order; and, as a
     ``KubeClient``, kubectl and helm against it as its admin.
 

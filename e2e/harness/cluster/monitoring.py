@@ -1,10 +1,16 @@
-"""The local cluster's metrics pipeline: Prometheus and prometheus-adapter.
+"""The local cluster's metrics pipeline: Prometheus, prometheus-adapter and KEDA.
 
 Prometheus scrapes the server and operator pods on the real node and evaluates the chart's
 recording rules and alerts (its PrometheusRule); prometheus-adapter serves
 custom.metrics.k8s.io from it with the rules the chart renders; the APIService points the
 aggregation layer at the adapter on the node IP. The HPAs the operator makes read the
 servers' queue depth through it, as they would on a cluster with the chart's adapter rules.
+
+KEDA (its operator and metrics API server, with its own CRDs from the pinned module) serves
+external.metrics.k8s.io the same way, for services with ``autoscaler: keda``: its
+ScaledObjects' Prometheus triggers query this Prometheus on 127.0.0.1 (``prometheus_url``, the
+address the operator is given as ``--keda-prometheus-address``), and its operator takes
+services to and from zero replicas.
 """
 
 from __future__ import annotations
@@ -14,7 +20,14 @@ from typing import TYPE_CHECKING
 import yaml
 
 from e2e.harness.cluster.client import KubeClient, b64
-from e2e.harness.components import Prometheus, PrometheusAdapter, adapter_api_objects
+from e2e.harness.components import (
+    KedaMetricsServer,
+    KedaOperator,
+    Prometheus,
+    PrometheusAdapter,
+    adapter_api_objects,
+    keda_api_objects,
+)
 from e2e.harness.images.refs import CHART_DIR
 
 if TYPE_CHECKING:
@@ -54,6 +67,42 @@ class MetricsPipeline:
         )
         cluster.apply(adapter_api_objects(cluster.ports.adapter, b64(cluster.pki.ca.cert)))
         adapter.wait_ready()
+        self.start_keda()
+
+    def start_keda(self) -> None:
+        cluster = self.cluster
+        state = cluster.real_node.paths.state
+        ports = cluster.ports
+        crds = cluster.binaries.keda_crds
+        cluster.control_plane.apply_crds(sorted(crds.glob("*.yaml")))
+        cluster.apply(keda_api_objects(ports.keda_apiserver, b64(cluster.pki.ca.cert)))
+        cluster.start_component(
+            KedaOperator(
+                cluster.launcher,
+                cluster.binaries.keda_operator,
+                cluster.pki.keda,
+                cluster.pki.ca,
+                state_dir=state,
+                kubeconfig=cluster.kubeconfig,
+                grpc_port=ports.keda_grpc,
+                metrics_port=ports.keda_metrics,
+                probe_port=ports.keda_probe,
+                timeout=cluster.timeouts.keda,
+            )
+        )
+        cluster.start_component(
+            KedaMetricsServer(
+                cluster.launcher,
+                cluster.binaries.keda_adapter,
+                cluster.api,
+                state_dir=state,
+                kubeconfig=cluster.kubeconfig,
+                grpc_port=ports.keda_grpc,
+                port=ports.keda_apiserver,
+                metrics_port=ports.keda_apiserver_metrics,
+                timeout=cluster.timeouts.keda,
+            )
+        )
 
 
 def chart_adapter_rules(client: KubeClient) -> str:
