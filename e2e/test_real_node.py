@@ -162,10 +162,11 @@ def diagnostics(cluster: KubeClient, *namespaces: str) -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def release_values(
-    e2e_existing: ExistingCluster | None, chart_values: dict[str, Any]
+    e2e_existing: ExistingCluster | None, chart_values: dict[str, Any], cluster: KubeClient
 ) -> dict[str, Any]:
     """The release's chart values: on the local cluster, those that put the operator and the
-    cpu profile's pods on the tainted real node; on an existing one, its settings' values."""
+    cpu profile's pods on the tainted real node, and the Prometheus KEDA's triggers query; on
+    an existing one, its settings' values."""
     if e2e_existing is None:
         chart_values = {
             "tolerations": [TOLERATION],
@@ -177,7 +178,14 @@ def release_values(
             "replicas": 1,
             "nodeSelector": ON_REAL_NODE,
             "tolerations": [TOLERATION],
+            # A cold start on two busy cores (KEDA's poll, a pod, a model load) can outlast
+            # the default 30 s hold: the scale-from-zero test waits for its first answer.
+            "holdTimeoutSeconds": 240,
+            "requestTimeoutSeconds": 300,
         }
+        # KEDA runs on this machine beside Prometheus (e2e/harness/cluster/monitoring.py).
+        assert isinstance(cluster, Cluster)
+        chart_values["autoscaling"] = {"keda": {"prometheusAddress": cluster.prometheus_url}}
     return deep_merge(
         chart_values, {"operator": {"resyncSeconds": 30}, "gateway": {"enabled": True}}
     )
@@ -1305,6 +1313,208 @@ def test_a_killed_server_pod_under_load_through_the_gateway_fails_no_request(
         summary = client_output(cluster, namespace, "gw-load", timeout=CLIENT_TIMEOUT_S)
     assert summary["failures"] == [], summary
     assert summary["ok"] > 0, summary
+
+
+# -- (g2) KEDA: scaling out and in, and from zero through the gateway -------------------------
+
+
+def keda_hpa(name: str) -> str:
+    """The HPA KEDA makes for a ScaledObject (its own, not the operator's)."""
+    return f"keda-hpa-{name}"
+
+
+def external_value(cluster: KubeClient, namespace: str, name: str) -> float | None:
+    """The current value of the first External metric of KEDA's HPA of ``name``."""
+    hpa = get_json(cluster, "hpa", keda_hpa(name), "-n", namespace)
+    for metric in (hpa or {}).get("status", {}).get("currentMetrics") or []:
+        value = (metric.get("external") or {}).get("current", {}).get("averageValue")
+        if value is not None:
+            text = str(value)
+            return float(text.removesuffix("m")) / (1000 if text.endswith("m") else 1)
+    return None
+
+
+def scaled_object_ready(cluster: KubeClient, namespace: str, name: str) -> bool | None:
+    """Whether KEDA reports the operator's ScaledObject Ready (None until it says)."""
+    scaled = get_json(cluster, "scaledobject", name, "-n", namespace) or {}
+    for item in scaled.get("status", {}).get("conditions") or []:
+        if item.get("type") == "Ready":
+            return item.get("status") == "True"
+    return None
+
+
+@pytest.mark.keda
+def test_keda_scales_out_under_load_and_back_in(
+    cluster: KubeClient, release: str, client_pod: ClientPod, namespace: str
+) -> None:
+    """``autoscaler: keda``: the operator's ScaledObject, read by KEDA's operator and answered
+    by its metrics server (external.metrics.k8s.io) from Prometheus, takes a service from one
+    replica to two or more under closed-loop load, and back to one once the load stops. The
+    service's status names KEDA and reports its object ready."""
+    spec = {
+        "model": {"name": "sentence-transformers/all-MiniLM-L6-v2"},
+        "gpu": {"type": "cpu"},
+        "resources": SMALL_POD,
+        "autoscaling": {
+            "enabled": True,
+            "autoscaler": "keda",
+            "minReplicas": 1,
+            "maxReplicas": 3,
+            "metric": "backlogSeconds",
+            "targetBacklogSeconds": 0.5,
+            "scaleDownStabilizationSeconds": 15,
+        },
+    }
+    with diagnostics(cluster, namespace, release):
+        cluster.apply(embedding_service("keda", spec), namespace=namespace)
+        wait_condition(cluster, namespace, "keda", "Ready", "True", timeout=READY_TIMEOUT_S)
+        wait_ready_replicas(cluster, namespace, "keda", 1)
+        poll_until(
+            lambda: scaled_object_ready(cluster, namespace, "keda"),
+            timeout=SCALE_TIMEOUT_S,
+            what="KEDA to report the ScaledObject Ready",
+            interval=2.0,
+        )
+        wait_condition(
+            cluster, namespace, "keda", "AutoscalerReady", "True", timeout=SCALE_TIMEOUT_S
+        )
+        service = get_json(cluster, "embeddingservice", "keda", "-n", namespace) or {}
+        shown = service.get("status", {}).get("autoscaling") or {}
+        assert (shown.get("autoscaler"), shown.get("kind")) == ("keda", "ScaledObject"), shown
+        # No HPA of the operator's own beside KEDA's: one autoscaler owns the Deployment.
+        assert get_json(cluster, "hpa", "keda", "-n", namespace) is None
+
+        start_client(
+            cluster,
+            client_pod,
+            namespace,
+            "keda-load",
+            LOAD_SCRIPT,
+            service_url("keda", namespace),
+            "300",
+            "12",
+            "16",
+        )
+        poll_until(
+            lambda: (external_value(cluster, namespace, "keda") or 0) > 0 or None,
+            timeout=SCALE_TIMEOUT_S,
+            what="KEDA's HPA to read a non-zero backlog through external.metrics.k8s.io",
+            interval=2.0,
+        )
+        poll_until(
+            lambda: len(ready_server_pods(cluster, namespace, "keda")) >= 2 or None,
+            timeout=SCALE_TIMEOUT_S,
+            what="the load to scale keda to >= 2 ready replicas through KEDA",
+            interval=2.0,
+        )
+        # The value KEDA's HPA read is served by KEDA's metrics server, which runs the
+        # trigger's PromQL (the backlog summed over this service's ready pods).
+        hpa = get_json(cluster, "hpa", keda_hpa("keda"), "-n", namespace) or {}
+        metric_name = hpa["spec"]["metrics"][0]["external"]["metric"]["name"]
+        served = json.loads(
+            cluster.kubectl(
+                "get",
+                "--raw",
+                f"/apis/external.metrics.k8s.io/v1beta1/namespaces/{namespace}/{metric_name}"
+                "?labelSelector=scaledobject.keda.sh%2Fname%3Dkeda",
+            ).stdout
+        )
+        assert served.get("items"), served
+
+        cluster.kubectl(
+            "delete", "pod", "keda-load", "-n", namespace, "--grace-period=0", "--force",
+            "--wait=true",
+        )  # fmt: skip
+        poll_until(
+            lambda: (
+                (get_json(cluster, "hpa", keda_hpa("keda"), "-n", namespace) or {})
+                .get("status", {})
+                .get("desiredReplicas")
+                == 1
+                or None
+            ),
+            timeout=SCALE_TIMEOUT_S,
+            what="KEDA's HPA to scale keda back to 1 once the load stopped",
+            interval=2.0,
+        )
+        wait_ready_replicas(cluster, namespace, "keda", 1)
+
+
+# Through the gateway to a service at zero replicas: the official openai client, no retry, a
+# timeout longer than a cold start; the seconds to the first answer and the vectors.
+COLD_SCRIPT = """
+import json, sys, time, urllib.error, urllib.request
+from openai import OpenAI
+base_url, model, texts, info_url = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+client = OpenAI(base_url=base_url, api_key="unused", timeout=300, max_retries=0)
+started = time.monotonic()
+response = client.embeddings.create(model=model, input=texts)
+seconds = time.monotonic() - started
+print(f"first answer after {seconds:.1f}s", file=sys.stderr)
+# The dtype from the service's own address: kube-proxy may program the new endpoint a few
+# seconds after the gateway (which watches EndpointSlices) routed to it.
+deadline = time.monotonic() + 60
+while True:
+    try:
+        with urllib.request.urlopen(info_url, timeout=10) as info:
+            dtype = json.load(info)["dtype"]
+        break
+    except urllib.error.URLError:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(1)
+print(json.dumps({"seconds": seconds, "model": response.model, "dtype": dtype,
+                  "vectors": [d.embedding for d in response.data]}))
+"""
+COLD_TIMEOUT_S = 360.0
+
+
+@pytest.mark.keda
+def test_a_service_at_zero_answers_its_first_request_through_the_gateway(
+    cluster: KubeClient, release: str, client_pod: ClientPod, namespace: str
+) -> None:
+    """``minReplicas: 0`` with KEDA behind the gateway: once nothing asks for it, the service
+    goes to zero replicas (``ScaledToZero``); a request through the gateway is held, KEDA
+    wakes the service on the gateway's held-request gauge, and the answer is
+    sentence-transformers' vectors. Then, without work, it returns to zero."""
+    model = f"minilm-cold-{namespace[-6:]}"
+    spec = minilm_named(model)
+    del spec["replicas"]
+    spec["autoscaling"] = {
+        "enabled": True,
+        "autoscaler": "keda",
+        "minReplicas": 0,
+        "maxReplicas": 1,
+        "scaleDownStabilizationSeconds": 20,
+    }
+    with diagnostics(cluster, namespace, release):
+        cluster.apply(embedding_service("cold", spec), namespace=namespace)
+        wait_condition(cluster, namespace, "cold", "ScaledToZero", "True", timeout=SCALE_TIMEOUT_S)
+        ready = condition(get_json(cluster, "embeddingservice", "cold", "-n", namespace), "Ready")
+        assert ready is not None and ready["status"] == "True", ready
+        assert not ready_server_pods(cluster, namespace, "cold")
+
+        start_client(
+            cluster,
+            client_pod,
+            namespace,
+            "cold-client",
+            COLD_SCRIPT,
+            gateway_url(release),
+            model,
+            json.dumps(TEXTS),
+            f"http://cold.{namespace}.svc/info",
+        )
+        result = client_output(cluster, namespace, "cold-client", timeout=COLD_TIMEOUT_S)
+        print(f"scale from zero: first answer through the gateway in {result['seconds']:.1f}s")
+        assert result["model"] == model
+        assert_sentence_transformers_vectors(result)
+
+        service = get_json(cluster, "embeddingservice", "cold", "-n", namespace) or {}
+        assert (service.get("status", {}).get("autoscaling") or {}).get("lastActiveTime"), (
+            "the status shows when KEDA last saw demand"
+        )
+        wait_condition(cluster, namespace, "cold", "ScaledToZero", "True", timeout=SCALE_TIMEOUT_S)
 
 
 # -- (h) the GPU examples, served on the GPUs they name (existing clusters only) ---------------
