@@ -199,10 +199,9 @@ def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
 
     _configure_logging(config)
     identity = config.resolved_identity()
-    # A connection per reconcile thread, plus a few for events and leader election.
-    cluster = KubeCluster(api_client(config.workers + 4))
-
     metrics = OperatorMetrics()
+    # A connection per reconcile thread, plus a few for events and leader election.
+    cluster = KubeCluster(api_client(config.workers + 4), observe=metrics.requested)
     metrics_server = serve(metrics, config.metrics_port) if config.metrics_port else None
     versions = WatchedVersions()
     reconciler = Reconciler(

@@ -115,6 +115,43 @@ def test_converges_then_goes_quiet(cluster: FakeCluster) -> None:
     assert cluster.writes() == [], "an unchanged object must cost no writes"
 
 
+def _reads_writes(cluster: FakeCluster) -> tuple[int, int]:
+    reads = sum(1 for verb, _ in cluster.calls if verb == "get")
+    return reads, len(cluster.calls) - reads
+
+
+def test_api_calls_per_reconcile(cluster: FakeCluster) -> None:
+    """What each reconcile costs the API server, counted exactly, so that a change that adds a
+    read or a write to every reconcile (x 1,000 services, x every pod event) fails here
+    before it halves the operator's throughput at scale (bench.operator_scale prints the
+    same counts from a real run's /metrics)."""
+    add_service(cluster, MODEL)
+    rec = make(cluster)
+    # New: the owner, the 2 children, the 5 it must not have (PVC, HPA, ScaledObject, PDB,
+    # NetworkPolicy), the pods (not ready yet); 2 applies and the first status.
+    rec.reconcile(NS, "emb")
+    assert _reads_writes(cluster) == (9, 3)
+    # Rolling out, woken by a pod event: the absent children are not looked for again, and
+    # an unchanged status is not written.
+    cluster.calls.clear()
+    rec.reconcile(NS, "emb")
+    assert _reads_writes(cluster) == (4, 0)
+    # Rolled out: no pod list once the Deployment is ready; Ready is written once.
+    mark_rolled_out(cluster)
+    cluster.calls.clear()
+    rec.reconcile(NS, "emb")
+    assert _reads_writes(cluster) == (3, 1)
+    # Converged: three reads, no write.
+    cluster.calls.clear()
+    rec.reconcile(NS, "emb")
+    assert _reads_writes(cluster) == (3, 0)
+    assert cluster.calls == [
+        ("get", "EmbeddingService"),
+        ("get", "Deployment"),
+        ("get", "Service"),
+    ]
+
+
 def _watch_delivers(cluster: FakeCluster, versions: WatchedVersions) -> None:
     """What kopf's watches report: every object's current resourceVersion."""
     for ref, obj in cluster.objects.items():
