@@ -24,6 +24,7 @@ Written on the event loop by the kopf handlers, read on the reconcile threads: o
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -90,7 +91,10 @@ def _slim(pod: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "metadata": {"name": meta.get("name", ""), "namespace": meta.get("namespace", "")},
         "status": {
-            which: [{k: c[k] for k in _CONTAINER_FIELDS if k in c} for c in status.get(which) or []]
+            which: [
+                {k: copy.deepcopy(c[k]) for k in _CONTAINER_FIELDS if k in c}
+                for c in status.get(which) or []
+            ]
             for which in ("initContainerStatuses", "containerStatuses")
         },
     }
