@@ -366,6 +366,7 @@ def run(
     server_before = apiserver_metrics(cluster)
     components_before = _component_cpu_s(cluster)
     cpu_before = _cpu_s(pid)
+    load_before = psutil.getloadavg()[0]
     started = time.monotonic()
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(api.create, manifests))
@@ -392,6 +393,7 @@ def run(
         max_interval=1.0,
     )
     wall = time.monotonic() - started
+    load_after = psutil.getloadavg()[0]
     operator_cpu = _cpu_s(pid) - cpu_before
     ops = delta(operator_metrics(operator.metrics_port), ops_before)
     components_after = _component_cpu_s(cluster)
@@ -402,6 +404,8 @@ def run(
         "all_ready_s": round(wall, 2),
         "operator_cpu_s": round(operator_cpu, 2),
         "operator_cores": round(operator_cpu / wall, 2),
+        # The machine is shared: what else ran shows here (1-minute load, start and end).
+        "load_average": [round(load_before, 1), round(load_after, 1)],
         "component_cores": {
             name: round((cpu - components_before.get(name, 0.0)) / wall, 2)
             for name, cpu in components_after.items()
@@ -532,7 +536,8 @@ def report(results: dict[str, Any]) -> None:
     cores = ", ".join(f"{k} {v}" for k, v in sorted(batch["component_cores"].items()))
     print(
         f"CPU over the batch (cores of {psutil.cpu_count()}): operator "
-        f"{batch['operator_cores']} ({batch['operator_cpu_s']}s), {cores}"
+        f"{batch['operator_cores']} ({batch['operator_cpu_s']}s), {cores}; "
+        f"load average {batch['load_average'][0]} -> {batch['load_average'][1]}"
     )
     wait, rec, lat = batch["queue_wait"], batch["reconcile_time"], batch["operator_request_latency"]
     print(
