@@ -20,8 +20,9 @@ Measures, with the real ``embedding-operator run`` subprocess against the e2e co
    counted for the reconciles alone: the leader Lease and Events are shown apart.
 5. With ``--failover``: a second replica stands by (leader election on both), the leader is
    SIGKILLed once the batch is idle, and the figures are the seconds until the standby holds
-   the Lease (against the lease duration), until it has reconciled every EmbeddingService,
-   the API calls it made for that, and how many objects it rewrote (target: none).
+   the Lease (against the lease duration), until it has reconciled every EmbeddingService
+   (its reconcile count reaches their number with its queue empty), the API calls it made
+   for that, and how many objects it rewrote (target: none).
 
 Every pod of the benchmark lands on kwok's fake CPU nodes, written for the run with room for
 ``--count`` pods: the real node is tainted as the e2e session taints it, so no real server
