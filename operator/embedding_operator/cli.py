@@ -195,16 +195,16 @@ def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
     )
     from embedding_operator.metrics import OperatorMetrics, serve
     from embedding_operator.reconcile import Reconciler
-    from embedding_operator.versions import WatchedVersions
+    from embedding_operator.versions import WatchedPods, WatchedVersions
 
     _configure_logging(config)
     identity = config.resolved_identity()
-    # A connection per reconcile thread, plus a few for events and leader election.
-    cluster = KubeCluster(api_client(config.workers + 4))
-
     metrics = OperatorMetrics()
+    # A connection per reconcile thread, plus a few for events and leader election.
+    cluster = KubeCluster(api_client(config.workers + 4), observe=metrics.requested)
     metrics_server = serve(metrics, config.metrics_port) if config.metrics_port else None
     versions = WatchedVersions()
+    pods = WatchedPods()
     reconciler = Reconciler(
         cluster=cluster,
         profiles=profiles,
@@ -215,9 +215,10 @@ def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
         full_resync_seconds=config.full_resync_seconds,
         autoscaling=config.autoscaling,
         metrics=metrics,
+        pods=pods,
     )
     registry = kopf.OperatorRegistry()
-    controller = handlers.register(registry, reconciler, config, versions, metrics)
+    controller = handlers.register(registry, reconciler, config, versions, metrics, pods)
     settings = handlers.kopf_settings(config)
     log.info(
         "starting: namespaces=%s gpu-profiles=%s leader-elect=%s default-autoscaler=%s "

@@ -64,6 +64,7 @@ class Controller:
         self._known: set[Key] = set()
         self.metrics = metrics if metrics is not None else OperatorMetrics()
         self.metrics.watch_queue(self.queue.stats, self._workers)
+        self.queue.on_wait = self.metrics.queued
 
     def enqueue(self, namespace: str, name: str) -> None:
         """Reconcile this EmbeddingService soon (event-loop thread only)."""

@@ -12,7 +12,8 @@ Every trigger becomes one ``Controller.enqueue`` of the EmbeddingService's key:
 * a server pod changed (``event`` on pods, label-selected the same way): its EmbeddingService,
   named by the pod's ``app.kubernetes.io/instance`` label, is enqueued, so a pod the kubelet
   cannot start (a missing Secret) or a model that will not load is reported as soon as the
-  kubelet says so; its restarts are counted (``metrics.py``);
+  kubelet says so; its restarts are counted (``metrics.py``), and what the reconciler reads of
+  it is kept in ``WatchedPods``, first, so that the reconcile sees it without a LIST;
 * the ``event`` handler on EmbeddingServices keeps the set the periodic resync walks.
 
 The EmbeddingService and child handlers also record each object's ``resourceVersion`` in
@@ -46,7 +47,7 @@ from embedding_operator.kube import controller_of
 from embedding_operator.metrics import OperatorMetrics
 from embedding_operator.reconcile import Reconciler
 from embedding_operator.settings import OperatorSettings
-from embedding_operator.versions import WatchedVersions
+from embedding_operator.versions import WatchedPods, WatchedVersions
 
 MANAGED_SELECTOR = f"app.kubernetes.io/managed-by={MANAGED_BY}"
 # kopf resource selectors (group/version/plural; core resources have no group).
@@ -101,11 +102,12 @@ def register(
     config: OperatorSettings,
     versions: WatchedVersions | None = None,
     metrics: OperatorMetrics | None = None,
+    pods: WatchedPods | None = None,
 ) -> Controller:
     """Register the handlers on ``registry`` (explicit, so tests and the CLI build their own);
     the returned ``Controller`` does the work and must run next to kopf. ``versions``, when
     given, is told every resourceVersion the watches report (the reconciler's skip of settled,
-    unchanged objects, ``versions.py``)."""
+    unchanged objects, ``versions.py``); ``pods``, every server pod the pod watch reports."""
     controller = Controller(
         reconciler, resync_seconds=config.resync_seconds, workers=config.workers, metrics=metrics
     )
@@ -170,6 +172,8 @@ def register(
         instance = labels.get("app.kubernetes.io/instance")
         if instance and namespace is not None:
             controller.metrics.pod(namespace, instance, dict(body), deleted=type == "DELETED")
+            if pods is not None:
+                pods.pod_event(namespace, instance, body, deleted=type == "DELETED")
             controller.enqueue(namespace, instance)
 
     return controller

@@ -13,7 +13,8 @@ need refs but no cluster.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -65,6 +66,31 @@ def controller_of(obj: Mapping[str, Any]) -> Mapping[str, Any] | None:
     return None
 
 
+RequestObserver = Callable[[str, str, str, float], None]
+"""Told of every API request once it ended: ``(verb, resource, code, seconds)``."""
+
+
+def request_labels(method: str, path: str, content_type: str) -> tuple[str, str]:
+    """The ``(verb, resource)`` of a REST request, as the API server names them in its own
+    ``apiserver_request_total``: ``get``/``list`` (a name, or a collection), ``apply`` (a
+    server-side apply patch), ``patch``, ``create``, ``update``, ``delete``; the resource is
+    the plural, with its subresource (``embeddingservices/status``)."""
+    parts = path.strip("/").split("/")
+    # /api/v1/namespaces/ns/<plural>[/name[/sub]] or /apis/group/v1/namespaces/ns/...
+    rest = parts[parts.index("namespaces") + 2 :] if "namespaces" in parts else parts[-2:]
+    resource = rest[0] if rest else "unknown"
+    named = len(rest) >= 2
+    if len(rest) >= 3:
+        resource = f"{resource}/{rest[2]}"
+    if method == "GET":
+        verb = "get" if named else "list"
+    elif method == "PATCH":
+        verb = "apply" if content_type == "application/apply-patch+yaml" else "patch"
+    else:
+        verb = {"POST": "create", "PUT": "update", "DELETE": "delete"}.get(method, method.lower())
+    return verb, resource
+
+
 class ApiError(Exception):
     """An API call failed; ``status`` is the HTTP status (0: no response)."""
 
@@ -107,9 +133,16 @@ def api_client(pool_size: int) -> Any:
 class KubeCluster:
     """``Cluster`` over the official kubernetes client (sync; runs in worker threads)."""
 
-    def __init__(self, api_client: Any, *, timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        api_client: Any,
+        *,
+        timeout: float = 30.0,
+        observe: RequestObserver | None = None,
+    ) -> None:
         self._api = api_client
         self._timeout = (5.0, timeout)
+        self._observe = observe
 
     def _call(
         self,
@@ -120,6 +153,34 @@ class KubeCluster:
         content_type: str = "application/json",
         query: list[tuple[str, str]] | None = None,
     ) -> dict[str, Any]:
+        """One request; each is told to ``observe`` with its HTTP status (``<error>``: none
+        came back) and how long it took, whatever its outcome."""
+        started = time.monotonic()
+        code = "<error>"
+        try:
+            status, result = self._request(
+                method, path, body=body, content_type=content_type, query=query
+            )
+            code = str(status)
+            return result
+        except ApiError as exc:
+            code = str(exc.status) if exc.status else "<error>"
+            raise
+        finally:
+            if self._observe is not None:
+                verb, resource = request_labels(method, path, content_type)
+                self._observe(verb, resource, code, time.monotonic() - started)
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        content_type: str = "application/json",
+        query: list[tuple[str, str]] | None = None,
+    ) -> tuple[int, dict[str, Any]]:
+        """The HTTP status and the decoded body of a successful request; else ``ApiError``."""
         import urllib3
         from kubernetes.client.exceptions import ApiException
 
@@ -145,7 +206,7 @@ class KubeCluster:
             raise ApiError(0, f"{method} {path}: {exc}") from exc
         if not 200 <= response.status < 300:
             raise ApiError(int(response.status), _error_message(data) or str(response.reason))
-        return dict(json.loads(data)) if data else {}
+        return int(response.status), (dict(json.loads(data)) if data else {})
 
     def get(self, ref: ObjectRef) -> dict[str, Any] | None:
         try:

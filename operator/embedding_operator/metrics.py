@@ -11,10 +11,20 @@ controller-runtime; naming the same things the same way lets those work here unc
   ``controller_runtime_active_workers`` and ``controller_runtime_max_concurrent_reconciles``;
 * ``workqueue_depth``, ``workqueue_adds_total``, ``workqueue_retries_total``,
   ``workqueue_longest_running_processor_seconds`` and ``workqueue_unfinished_work_seconds``,
-  labelled ``name``, read from the work queue at each scrape (``workqueue.py``).
+  labelled ``name``, read from the work queue at each scrape (``workqueue.py``);
+  ``workqueue_queue_duration_seconds{name}`` (a histogram): how long a key waited in the
+  queue before a worker took it, the first thing to read when reconciles fall behind.
 
 And what only this operator knows:
 
+* ``embedding_operator_api_requests_total{verb, resource, code}``: every Kubernetes API request
+  the operator made (reconciles, Events, the leader Lease; not kopf's watches), by the API
+  server's verb (``get``, ``list``, ``apply``, ``patch``, ``create``, ``update``,
+  ``delete``), resource (``deployments``, ``embeddingservices/status``...) and HTTP status
+  (``<error>``: no answer); with ``controller_runtime_reconcile_total`` it gives the calls a
+  reconcile costs, so a change that adds reads or writes to every reconcile shows;
+  ``embedding_operator_api_request_duration_seconds{verb}`` (a histogram): their latency as
+  the operator waited for them (the API server's answer, and any wait for a connection);
 * ``embedding_operator_child_writes_total{kind, operation}``: children written (``apply``) or
   deleted (``delete``) by kind; steady state writes nothing, so a rate that stays up is drift
   someone keeps re-introducing, or a bug;
@@ -106,6 +116,10 @@ _RECONCILE_BUCKETS = (
     50.0,
     60.0,
 )
+# client-go's buckets for rest_client_request_duration_seconds.
+_REQUEST_BUCKETS = (0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0)
+# A key's wait in the queue: milliseconds when idle, minutes when a batch floods it.
+_QUEUE_BUCKETS = (0.001, 0.01, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
 @dataclass(frozen=True)
@@ -188,6 +202,27 @@ class OperatorMetrics:
             ["controller"],
             registry=r,
         )
+        self.api_requests = Counter(
+            "embedding_operator_api_requests_total",
+            "Kubernetes API requests the operator made, by verb, resource and HTTP status "
+            "(<error>: no answer).",
+            ["verb", "resource", "code"],
+            registry=r,
+        )
+        self.api_request_time = Histogram(
+            "embedding_operator_api_request_duration_seconds",
+            "Latency of the operator's Kubernetes API requests, by verb.",
+            ["verb"],
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "workqueue_queue_duration_seconds",
+            "How long in seconds an item stays in workqueue before being requested.",
+            ["name"],
+            buckets=_QUEUE_BUCKETS,
+            registry=r,
+        )
         self.child_writes = Counter(
             "embedding_operator_child_writes_total",
             "Children of EmbeddingServices written (operation apply) or deleted (delete), by kind.",
@@ -214,6 +249,7 @@ class OperatorMetrics:
         self.reconcile_errors.labels(CONTROLLER)
         self.active_workers.labels(CONTROLLER)
         self.max_workers.labels(CONTROLLER)
+        self.queue_time.labels(CONTROLLER)
         self._lock = threading.Lock()
         self._services: dict[tuple[str, str], ServiceState] = {}
         self._pod_restarts: dict[tuple[str, str], int] = {}
@@ -227,6 +263,15 @@ class OperatorMetrics:
         if result == "error":
             self.reconcile_errors.labels(CONTROLLER).inc()
         self.reconcile_time.labels(CONTROLLER).observe(seconds)
+
+    def requested(self, verb: str, resource: str, code: str, seconds: float) -> None:
+        """One API request ended (``kube.RequestObserver``; called from worker threads)."""
+        self.api_requests.labels(verb, resource, code).inc()
+        self.api_request_time.labels(verb).observe(seconds)
+
+    def queued(self, seconds: float) -> None:
+        """A worker took a key that had waited ``seconds`` in the queue."""
+        self.queue_time.labels(CONTROLLER).observe(seconds)
 
     def wrote(self, kind: str, operation: str) -> None:
         self.child_writes.labels(kind, operation).inc()

@@ -17,9 +17,11 @@ Problems are sorted by who can fix them:
   retried with a growing delay by the work queue (``Outcome.retry``).
 
 The operator never reads Secrets: a referenced Secret is the pods' business. While the
-Deployment is not fully ready, the reconcile lists its pods and reports a container the kubelet
-cannot create (``CreateContainerConfigError``: a Secret or key missing) as ``SecretNotFound``,
-naming the spec field; a ready Deployment costs no pod list.
+Deployment is not fully ready, the reconcile looks at its pods and reports a container the
+kubelet cannot create (``CreateContainerConfigError``: a Secret or key missing) as
+``SecretNotFound``, naming the spec field; a ready Deployment costs no look at pods. The pods
+come from the operator's pod watch (``versions.WatchedPods``) when it runs one, else from a
+label-selected LIST.
 
 While a problem found before applying stands (invalid spec, unknown GPU type, an image or
 priority class outside the allowlist, a child's name held by an object we do not control), no
@@ -75,7 +77,7 @@ from embedding_operator.status import (
     model_load_problem,
     status_patch,
 )
-from embedding_operator.versions import Versions, WatchedVersions
+from embedding_operator.versions import Versions, WatchedPods, WatchedVersions
 
 log = logging.getLogger(__name__)
 
@@ -131,8 +133,10 @@ class Reconciler:
         monotonic: Callable[[], float] = time.monotonic,
         autoscaling: AutoscalingDefaults = DEFAULT_AUTOSCALING,
         metrics: OperatorMetrics | None = None,
+        pods: WatchedPods | None = None,
     ) -> None:
         self._cluster = cluster
+        self._pods = pods
         self._profiles = profiles
         self._default_image = default_image
         self._policy = policy
@@ -208,7 +212,14 @@ class Reconciler:
         if isinstance(planned, Planned) and problem is None:
             try:
                 key, seen = (owner.namespace, owner.name), (owner.uid, owner.generation)
-                checked = self._absent_checked.get(key) == seen
+                # Nothing to look for on an object no reconcile has finished yet, at its first
+                # generation: any child of it was rendered from this very spec (a reconcile
+                # cut short before its status write), so none can be one it no longer wants
+                # (unless the operator was reconfigured in between, say another default
+                # autoscaler: that leftover goes at the object's next edit). Five GETs fewer
+                # on each new EmbeddingService.
+                fresh = owner.generation == 1 and not body.get("status")
+                checked = fresh or self._absent_checked.get(key) == seen
                 result = sync_children(
                     self._cluster, owner, planned.children, check_absent=not checked
                 )
@@ -262,7 +273,10 @@ class Reconciler:
         """A pod the kubelet cannot start (a missing Secret), read only while pods are unready."""
         if DeploymentFacts.from_live(deployment).settled:
             return None
-        pods = self._cluster.list_pods(owner.namespace, selector_string(owner))
+        if self._pods is not None:
+            pods = self._pods.pods(owner.namespace, owner.name)
+        else:
+            pods = self._cluster.list_pods(owner.namespace, selector_string(owner))
         return container_config_problem(pods, spec) or model_load_problem(pods)
 
     def _write_status(

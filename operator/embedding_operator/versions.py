@@ -15,15 +15,20 @@ on every resync as before, and every object is re-read at least every ``--full-r
 whatever the watches say, the backstop for a watch that silently missed an event.
 
 This keeps versions (a few short strings per object), never bodies: a cache of the children
-themselves would cost tens of kilobytes per EmbeddingService in a Python process.
+themselves would cost tens of kilobytes per EmbeddingService in a Python process. The one
+exception is ``WatchedPods``: the few container-status fields of each server pod that a
+reconcile of a rolling-out service reads, so that it never lists pods from the API server.
 
 Written on the event loop by the kopf handlers, read on the reconcile threads: one lock.
 """
 
 from __future__ import annotations
 
+import copy
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 Key = tuple[str, str]  # (namespace, name) of an EmbeddingService
 ChildVersion = tuple[str, str, str]  # (kind, name, resourceVersion)
@@ -73,3 +78,60 @@ class WatchedVersions:
                 return None
             children = self._children.get((namespace, name)) or {}
             return Versions(owner, frozenset((k, n, v) for (k, n), v in children.items()))
+
+
+_CONTAINER_FIELDS = ("name", "state", "lastState", "restartCount")
+
+
+def _slim(pod: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``status.container_config_problem`` and ``status.model_load_problem`` read of a
+    pod, and nothing else (a full pod is several kilobytes; 1,000 of them would double RSS)."""
+    meta = pod.get("metadata") or {}
+    status = pod.get("status") or {}
+    return {
+        "metadata": {"name": meta.get("name", ""), "namespace": meta.get("namespace", "")},
+        "status": {
+            which: [
+                {k: copy.deepcopy(c[k]) for k in _CONTAINER_FIELDS if k in c}
+                for c in status.get(which) or []
+            ]
+            for which in ("initContainerStatuses", "containerStatuses")
+        },
+    }
+
+
+class WatchedPods:
+    """The server pods the pod watch last reported, per EmbeddingService, as much of each as
+    the reconciler reads.
+
+    Why: while a Deployment rolls out, every reconcile looks at its pods for a container the
+    kubelet cannot create (a missing Secret) or a model that will not load. Listing them from
+    the API server costs a LIST per reconcile, filtered by label among every pod of the
+    namespace: at 1,000 EmbeddingServices rolling out at once, several thousand LISTs over
+    thousands of pods, on the API server that is the bound. The operator already watches these
+    pods (``handlers.on_pod``), and every pod event enqueues its EmbeddingService *after*
+    recording the pod here, so the reconcile it triggers sees the pod as the event did: the
+    reconciler reads pods from here and makes no call at all.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pods: dict[Key, dict[str, dict[str, Any]]] = {}
+
+    def pod_event(
+        self, namespace: str, owner: str, pod: Mapping[str, Any], *, deleted: bool
+    ) -> None:
+        """A pod of ``owner`` (its ``app.kubernetes.io/instance``) was seen, or deleted."""
+        name = str((pod.get("metadata") or {}).get("name", ""))
+        with self._lock:
+            pods = self._pods.setdefault((namespace, owner), {})
+            if deleted:
+                pods.pop(name, None)
+                if not pods:
+                    del self._pods[(namespace, owner)]
+            else:
+                pods[name] = _slim(pod)
+
+    def pods(self, namespace: str, owner: str) -> list[dict[str, Any]]:
+        with self._lock:
+            return list((self._pods.get((namespace, owner)) or {}).values())

@@ -21,7 +21,8 @@ by hand and use ``get_nowait`` instead of sleeping.
 
 It counts what client-go's workqueue metrics count (``metrics.py``): ``depth`` is the keys
 waiting (queued, or added again while being processed), ``adds`` the adds that made a key
-wait, ``retries`` the rate-limited adds, and the processing time of the keys being worked on.
+wait, ``retries`` the rate-limited adds, and the processing time of the keys being worked on;
+``on_wait``, when set, is told how long each key handed out had waited since it was added.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ class RateLimitingQueue(Generic[K]):
         self._wakeup = asyncio.Event()
         self._shut_down = False
         self._started: dict[K, float] = {}  # key being processed -> when it was handed out
+        self._added: dict[K, float] = {}  # waiting key -> when it was added
+        self.on_wait: Callable[[float], None] | None = None
         self.adds = 0
         self.retries = 0
 
@@ -82,6 +85,7 @@ class RateLimitingQueue(Generic[K]):
         if self._shut_down or key in self._dirty:
             return
         self._dirty.add(key)
+        self._added[key] = self._clock()
         self.adds += 1
         if key in self._processing:
             return  # ``done`` queues it again
@@ -123,9 +127,13 @@ class RateLimitingQueue(Generic[K]):
         if self._shut_down or not self._queue:
             return None
         key = self._queue.popleft()
+        now = self._clock()
         self._processing.add(key)
-        self._started[key] = self._clock()
+        self._started[key] = now
         self._dirty.discard(key)
+        added = self._added.pop(key, now)
+        if self.on_wait is not None:
+            self.on_wait(now - added)
         return key
 
     async def get(self) -> K | None:

@@ -4,11 +4,15 @@ read, counted from real reconciles, the work queue and the status the operator w
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import urllib.request
 from typing import Any
 
+import pytest
+import urllib3
 from embedding_operator.controller import Controller
+from embedding_operator.kube import ApiError, KubeCluster, ObjectRef
 from embedding_operator.metrics import OperatorMetrics, serve
 from embedding_operator.profiles import GpuProfiles
 from embedding_operator.reconcile import Reconciler
@@ -102,6 +106,98 @@ def test_queue_depth_and_the_longest_running_reconcile() -> None:
     queue.done("a")
     queue.done("b")
     assert value(metrics, "workqueue_longest_running_processor_seconds", **name) == 0
+
+
+def test_how_long_keys_waited_in_the_queue() -> None:
+    clock = Clock()
+    queue: RateLimitingQueue[str] = RateLimitingQueue(clock=clock)
+    metrics = OperatorMetrics()
+    Controller(Scripted([]), resync_seconds=3600, workers=1, queue=queue, metrics=metrics)
+    name = {"name": "embeddingservice"}
+    queue.add("a")
+    clock.now += 0.3
+    queue.add("b")
+    queue.add("a")  # already waiting: still counted from its first add
+    clock.now += 4.0
+    assert queue.get_nowait() == "a" and queue.get_nowait() == "b"
+    assert value(metrics, "workqueue_queue_duration_seconds_count", **name) == 2
+    assert value(metrics, "workqueue_queue_duration_seconds_sum", **name) == pytest.approx(8.3)
+    assert value(metrics, "workqueue_queue_duration_seconds_bucket", **name, le="5.0") == 2
+    assert value(metrics, "workqueue_queue_duration_seconds_bucket", **name, le="2.5") == 0
+
+
+class _Response:
+    def __init__(self, status: int, body: object) -> None:
+        self.status, self.reason, self._body = status, "", json.dumps(body).encode()
+
+    def read(self) -> bytes:
+        return self._body
+
+
+class _ApiClient:
+    """The two calls ``KubeCluster`` makes of kubernetes' ApiClient, answering from a script
+    of (method, path) -> (status, body), or raising what the script holds."""
+
+    def __init__(self, script: dict[tuple[str, str], tuple[int, object] | Exception]) -> None:
+        self.script = script
+
+    def param_serialize(self, *, method: str, resource_path: str, **_: object) -> tuple[Any, ...]:
+        return method, resource_path, {}, None, []
+
+    def call_api(self, method: str, url: str, **_: object) -> _Response:
+        answer = self.script[(method, url)]
+        if isinstance(answer, Exception):
+            raise answer
+        return _Response(*answer)
+
+
+def test_every_api_request_is_counted_by_verb_resource_and_status() -> None:
+    dep = "/apis/apps/v1/namespaces/team/deployments/emb"
+    owner = "/apis/embedding-operator.dev/v1alpha1/namespaces/team/embeddingservices/emb"
+    client = _ApiClient(
+        {
+            ("GET", dep): (404, {"message": "not found"}),
+            ("PATCH", dep): (201, {"metadata": {"name": "emb"}}),
+            ("GET", "/api/v1/namespaces/team/pods"): (200, {"items": []}),
+            ("PATCH", f"{owner}/status"): (200, {}),
+            ("POST", "/api/v1/namespaces/team/events"): urllib3.exceptions.ReadTimeoutError(
+                None, "/api/v1/namespaces/team/events", "read timed out"
+            ),
+        }
+    )
+    metrics = OperatorMetrics()
+    cluster = KubeCluster(client, observe=metrics.requested)
+    ref = ObjectRef("apps/v1", "Deployment", "team", "emb")
+    assert cluster.get(ref) is None
+    cluster.apply(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"namespace": "team", "name": "emb"},
+        }
+    )
+    assert cluster.list_pods("team", "app=x") == []
+    kind = ("embedding-operator.dev/v1alpha1", "EmbeddingService")
+    cluster.patch_status(ObjectRef(*kind, "team", "emb"), {})
+    try:
+        cluster.create({"apiVersion": "v1", "kind": "Event", "metadata": {"namespace": "team"}})
+    except ApiError as exc:
+        assert exc.status == 0
+    else:
+        raise AssertionError("a timed-out request must raise")
+    requests = "embedding_operator_api_requests_total"
+    assert value(metrics, requests, verb="get", resource="deployments", code="404") == 1
+    assert value(metrics, requests, verb="apply", resource="deployments", code="201") == 1
+    assert value(metrics, requests, verb="list", resource="pods", code="200") == 1
+    assert (
+        value(metrics, requests, verb="patch", resource="embeddingservices/status", code="200") == 1
+    )
+    assert value(metrics, requests, verb="create", resource="events", code="<error>") == 1
+    assert sum(v for (n, _), v in samples(metrics).items() if n == requests) == 5, (
+        "one count per request, no more"
+    )
+    latency = "embedding_operator_api_request_duration_seconds_count"
+    assert value(metrics, latency, verb="get") == 1 and value(metrics, latency, verb="apply") == 1
 
 
 def test_children_written_and_each_services_conditions_and_replicas() -> None:

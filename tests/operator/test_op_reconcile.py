@@ -9,7 +9,7 @@ from embedding_operator.builders.common import AutoscalingDefaults
 from embedding_operator.kube import ApiError, ObjectRef
 from embedding_operator.profiles import GpuProfiles
 from embedding_operator.reconcile import Reconciler, owner_ref
-from embedding_operator.versions import WatchedVersions
+from embedding_operator.versions import WatchedPods, WatchedVersions
 
 from tests.support.operator import FakeCluster
 
@@ -113,6 +113,64 @@ def test_converges_then_goes_quiet(cluster: FakeCluster) -> None:
     cluster.calls.clear()
     rec.reconcile(NS, "emb")
     assert cluster.writes() == [], "an unchanged object must cost no writes"
+
+
+def _reads_writes(cluster: FakeCluster) -> tuple[int, int]:
+    reads = sum(1 for verb, _ in cluster.calls if verb == "get")
+    return reads, len(cluster.calls) - reads
+
+
+def test_api_calls_per_reconcile(cluster: FakeCluster) -> None:
+    """What each reconcile costs the API server, counted exactly, so that a change that adds a
+    read or a write to every reconcile (x 1,000 services, x every pod event) fails here
+    before it halves the operator's throughput at scale (bench.operator_scale prints the
+    same counts from a real run's /metrics)."""
+    add_service(cluster, MODEL)
+    rec = make(cluster)
+    # New (generation 1, no status yet): the owner, its 2 children, the pods (not ready yet);
+    # 2 applies and the first status. Nothing to look for that it must not have.
+    rec.reconcile(NS, "emb")
+    assert _reads_writes(cluster) == (4, 3)
+    # Rolling out, woken by a pod event: an unchanged status is not written.
+    cluster.calls.clear()
+    rec.reconcile(NS, "emb")
+    assert _reads_writes(cluster) == (4, 0)
+    # Rolled out: no pod list once the Deployment is ready; Ready is written once.
+    mark_rolled_out(cluster)
+    cluster.calls.clear()
+    rec.reconcile(NS, "emb")
+    assert _reads_writes(cluster) == (3, 1)
+    # Converged: three reads, no write.
+    cluster.calls.clear()
+    rec.reconcile(NS, "emb")
+    assert _reads_writes(cluster) == (3, 0)
+    assert cluster.calls == [
+        ("get", "EmbeddingService"),
+        ("get", "Deployment"),
+        ("get", "Service"),
+    ]
+    # A fresh operator (a restart, a failover) checks once that the five children this spec
+    # does not want (PVC, HPA, ScaledObject, PDB, NetworkPolicy) are gone: the object has a
+    # status, so an earlier reconcile may have created them for an earlier spec.
+    cluster.calls.clear()
+    make(cluster).reconcile(NS, "emb")
+    assert _reads_writes(cluster) == (3 + 5, 0)
+
+
+def test_an_unwanted_child_left_by_an_earlier_spec_is_deleted_by_a_fresh_operator(
+    cluster: FakeCluster,
+) -> None:
+    """Skipping the absent-children check on a new object must not skip it on one whose spec
+    changed while no operator ran."""
+    add_service(cluster, {**MODEL, "autoscaling": {"enabled": True, "maxReplicas": 3}})
+    make(cluster).reconcile(NS, "emb")
+    hpa = ObjectRef("autoscaling/v2", "HorizontalPodAutoscaler", NS, "emb")
+    assert hpa in cluster.objects
+    # The spec is edited while no operator runs; a new one starts.
+    owner(cluster)["spec"] = dict(MODEL)
+    owner(cluster)["metadata"]["generation"] = 2
+    make(cluster).reconcile(NS, "emb")
+    assert hpa not in cluster.objects
 
 
 def _watch_delivers(cluster: FakeCluster, versions: WatchedVersions) -> None:
@@ -352,6 +410,37 @@ def test_missing_secret_is_reported_from_the_pod_never_read(cluster: FakeCluster
     cluster.calls.clear()
     rec.reconcile(NS, "emb")
     assert ("get", "Pod") not in cluster.calls
+
+
+def test_pods_come_from_the_pod_watch_without_a_list(cluster: FakeCluster) -> None:
+    """With the operator's pod watch feeding ``WatchedPods``, a rolling-out service's
+    reconcile reads its pods from there: the same SecretNotFound, and no LIST at all."""
+    add_service(cluster, {**MODEL, "apiKeySecretRef": {"name": "auth"}})
+    watched = WatchedPods()
+    rec = Reconciler(
+        cluster=cluster,
+        profiles=GpuProfiles.builtin(),
+        default_image="img:1",
+        recorder=Events(),
+        pods=watched,
+    )
+    rec.reconcile(NS, "emb")
+    waiting = {"reason": "CreateContainerConfigError", "message": 'secret "auth" not found'}
+    watched.pod_event(NS, "emb", _pod("emb-abc", waiting), deleted=False)
+    watched.pod_event(NS, "other", _pod("other-abc", None), deleted=False)
+    cluster.calls.clear()
+    outcome = rec.reconcile(NS, "emb")
+    assert outcome is not None and outcome.retry
+    assert conditions(cluster)["Degraded"]["reason"] == "SecretNotFound"
+    assert "emb-abc" in conditions(cluster)["Degraded"]["message"]
+    assert ("get", "Pod") not in cluster.calls
+    # The pod is replaced by one that starts: the deletion is seen, the Secret is no longer
+    # reported.
+    watched.pod_event(NS, "emb", _pod("emb-abc", waiting), deleted=True)
+    watched.pod_event(NS, "emb", _pod("emb-def", None), deleted=False)
+    outcome = rec.reconcile(NS, "emb")
+    assert outcome is not None and outcome.problem is None
+    assert [p["metadata"]["name"] for p in watched.pods(NS, "emb")] == ["emb-def"]
 
 
 def test_secret_in_server_env_and_other_config_errors(cluster: FakeCluster) -> None:
