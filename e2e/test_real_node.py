@@ -1438,7 +1438,7 @@ holds about six passes of work ahead of a bulk query."""
 def test_interactive_queries_keep_their_latency_while_bulk_traffic_saturates_the_pod(
     cluster: KubeClient, release: str, client_pod: ClientPod, namespace: str
 ) -> None:
-    """(d) One pod with a small queue, saturated through the gateway by bulk clients
+    """Issue 32 (d). One pod with a small queue, saturated through the gateway by bulk clients
     (X-Priority: bulk): interactive queries all succeed, within a fixed allowance of their
     latency on the idle pod; bulk requests get 429 with Retry-After (or wait); the same
     queries sent as bulk under the same load take several times longer to get their vector,
