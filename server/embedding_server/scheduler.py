@@ -31,7 +31,10 @@ a thread of its own, so the device does not idle while the host packs:
   items first; bulk items fill what room is left, so bulk rides the slack interactive
   traffic leaves. When interactive traffic leaves none, the oldest bulk item anchors every
   :data:`BULK_TURN`-th batch all the same: bulk is slowed, never starved. Within a class the
-  fairness rule above holds as it is.
+  fairness rule above holds as it is. A batch of bulk items only, prepared ahead while
+  interactive items were not yet queued, is passed once by a batch formed for those that
+  arrived since: a query waits for the batch running when it arrives, never also for a bulk
+  batch packed behind it (the passed batch runs next, so bulk loses one batch's time).
 * **Pipelining, lazily**: batch N+1 is taken while N runs only once the queue holds a full
   batch (``max_batch_tokens`` tokens or ``max_batch_size`` items), so nothing that arrives
   later could have joined it anyway; otherwise it is taken when N returns, and everything
@@ -370,6 +373,9 @@ class _Batch:
     prepared: Any = None
     ready: bool = False
     """``prepared`` holds the batch prepared ahead of its turn."""
+    passable: bool = False
+    """Bulk items only, taken while no interactive item was queued: interactive items
+    queued later may run first in a batch of their own, once (:meth:`Scheduler._loop`)."""
 
     def wanted(self) -> bool:
         """Whether any of its requests still waits for a result."""
@@ -674,6 +680,11 @@ class Scheduler:
         try:
             while True:
                 batch, self._upcoming = self._upcoming, None
+                if batch is not None and batch.passable and self._lanes["interactive"].items:
+                    # Queries queued since this bulk batch was prepared run first; it runs
+                    # next, still prepared, and is not passed again.
+                    batch.passable = False
+                    batch, self._upcoming = self._new_batch(), batch
                 if batch is None:
                     if self._queued_items == 0:
                         self._idle.set()
@@ -701,7 +712,10 @@ class Scheduler:
 
     def _new_batch(self) -> _Batch:
         items = self.next_batch()
-        return _Batch(items, tokens=sum(item.tokens for item in items))
+        passable = not self._lanes["interactive"].items and all(
+            item.request.priority == "bulk" for item in items
+        )
+        return _Batch(items, tokens=sum(item.tokens for item in items), passable=passable)
 
     def _finish(self, batch: _Batch) -> None:
         """``batch`` ran, failed or was dropped: its tokens are no longer running work."""
@@ -736,6 +750,8 @@ class Scheduler:
         one and prepare it (into ``_upcoming``). If the queue never fills, nothing is taken:
         the next batch forms when ``running`` returns, with everything that arrived by then."""
         assert self._wakeup is not None and self._prepare_pool is not None
+        if self._upcoming is not None:  # a passed batch is next, prepared already
+            return
         while not running.done():
             if self._holds_full_batch():
                 batch = self._upcoming = self._new_batch()

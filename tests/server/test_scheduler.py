@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -23,6 +24,7 @@ from embedding_server.scheduler import (
     Admission,
     Scheduler,
 )
+from embedding_server.sequences import BatchOutput, SequenceInput
 
 from tests.support.scheduler import GatedForward, seq, wait_for
 
@@ -474,3 +476,88 @@ def test_an_empty_queue_admits_a_bulk_request_however_big() -> None:
     assert admission.reserve(1, 380, queued=0, tokens_per_s=0.0, priority="bulk").tokens == 380
     # Any request within the limit fits while the queue holds at most bulk's share less it.
     assert Admission.of(400, 100).refusing_above == 200
+
+
+class SteppedForward(GatedForward):
+    """A forward pass per permit: ``permits.release()`` lets the running pass (or the next
+    one) finish, so a test can act between two passes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.permits = threading.Semaphore(0)
+
+    def execute(self, seqs: list[SequenceInput]) -> BatchOutput:
+        self.batches.append([s.ids[0] for s in seqs])
+        self.started.set()
+        assert self.permits.acquire(timeout=10), "test never let the pass finish"
+        pooled = np.array([[float(s.ids[0]), float(len(s.ids))] for s in seqs], dtype=np.float32)
+        return BatchOutput(pooled=pooled, tokens=[None] * len(seqs), forward_s=0.01, pool_s=0.0)
+
+
+async def test_a_query_passes_a_bulk_batch_prepared_before_it_came_once() -> None:
+    forward = SteppedForward()
+    executor = ThreadPoolExecutor(1)
+    scheduler = Scheduler(forward, max_batch_tokens=100, max_batch_size=4, max_queue_tokens=5000)
+    await scheduler.start(executor)
+    try:
+        blocker = asyncio.create_task(scheduler.submit([seq(0, 10)]))
+        await wait_for(forward.started.is_set)
+        # An indexing job: more than a full batch, so the next batch (bulk only) is prepared
+        # while the blocker runs, before any query is queued.
+        bulk = [
+            asyncio.create_task(scheduler.submit([seq(tag, 50)], priority="bulk"))
+            for tag in range(1, 9)
+        ]
+        await wait_for(lambda: forward.prepared[1:] == [[1, 2]])
+        first = asyncio.create_task(scheduler.submit([seq(10, 30)]))
+        await wait_for(lambda: scheduler.queued_requests == 7)
+        forward.permits.release()  # the blocker returns
+        # The query runs next, with the bulk slack it leaves, not behind the prepared batch.
+        await wait_for(lambda: len(forward.batches) == 2)
+        assert forward.batches[1] == [10, 3]
+        # A second query, queued while the first runs, does not pass the same batch again:
+        # bulk loses one batch's time to queries, never more.
+        second = asyncio.create_task(scheduler.submit([seq(11, 30)]))
+        await wait_for(lambda: scheduler.queued_requests == 6)
+        for _ in range(8):
+            forward.permits.release()
+        await asyncio.gather(blocker, first, second, *bulk)
+        assert forward.batches[2] == [1, 2]
+        assert forward.batches[3][0] == 11
+        assert forward.prepared.count([1, 2]) == 1  # it ran as it was prepared, once
+        assert first.result().pooled.tolist() == [[10.0, 30.0]]
+        for tag, task in zip(range(1, 9), bulk, strict=True):
+            assert task.result().pooled.tolist() == [[float(tag), 50.0]]
+    finally:
+        for _ in range(16):
+            forward.permits.release()
+        await scheduler.stop(drain=False)
+        executor.shutdown(wait=True)
+
+
+async def test_a_bulk_batch_taken_while_queries_waited_is_not_passed() -> None:
+    # Bulk's turn (BULK_TURN) is a bulk-only batch formed while queries wait: passing it
+    # would starve bulk, so it runs in its turn.
+    forward = SteppedForward()
+    executor = ThreadPoolExecutor(1)
+    scheduler = Scheduler(forward, max_batch_tokens=100, max_batch_size=4, max_queue_tokens=5000)
+    await scheduler.start(executor)
+    try:
+        blocker = asyncio.create_task(scheduler.submit([seq(0, 10)]))
+        await wait_for(forward.started.is_set)
+        bulk = asyncio.create_task(scheduler.submit([seq(1, 50)], priority="bulk"))
+        queries = [
+            asyncio.create_task(scheduler.submit([seq(tag, 100)]))
+            for tag in range(10, 10 + 2 * BULK_TURN)
+        ]
+        for _ in range(4 * BULK_TURN):
+            forward.permits.release()
+        await asyncio.gather(blocker, bulk, *queries)
+        ran = forward.batches[1:]
+        assert ran[:BULK_TURN] == [[tag] for tag in range(10, 10 + BULK_TURN)]
+        assert ran[BULK_TURN] == [1]
+    finally:
+        for _ in range(16):
+            forward.permits.release()
+        await scheduler.stop(drain=False)
+        executor.shutdown(wait=True)
