@@ -596,6 +596,7 @@ def main() -> int:
             workdir / "cluster",
             nodes_file=nodes,
             node_taints=[REAL_NODE_TAINT],
+            keda=False,
         ) as cluster:
             startup = time.monotonic() - started
             try:

@@ -125,6 +125,8 @@ class Cluster(KubeClient):
     ``fake_nodes`` picks which nodes of ``nodes.yaml`` to create (default: all);
     ``node_taints`` are registered on the real node; ``image_loader`` is called with the
     containerd socket before the kubelet starts, to import the images pods will run.
+    ``keda=False`` leaves KEDA out (``bench.operator_scale``: its watches of every HPA and
+    ScaledObject would load the control plane being measured).
     """
 
     def __init__(
@@ -140,6 +142,7 @@ class Cluster(KubeClient):
         fake_nodes: Collection[str] | None = None,
         node_taints: Sequence[str] = (),
         image_loader: Callable[[Path], object] | None = None,
+        keda: bool = True,
     ) -> None:
         self.timeouts = timeouts or Timeouts()
         workdir = workdir.resolve()
@@ -166,7 +169,7 @@ class Cluster(KubeClient):
         self.control_plane = ControlPlane(self, crd_dir=crd_dir, hpa_sync_period=hpa_sync_period)
         self.fake_nodes = FakeNodes(self, nodes_file=nodes_file, names=fake_nodes)
         self.real_node = RealNode(self, taints=node_taints, image_loader=image_loader)
-        self.metrics = MetricsPipeline(self)
+        self.metrics = MetricsPipeline(self, keda=keda)
 
     @property
     def ca_file(self) -> Path:

@@ -35,8 +35,9 @@ if TYPE_CHECKING:
 
 
 class MetricsPipeline:
-    def __init__(self, cluster: Cluster) -> None:
+    def __init__(self, cluster: Cluster, *, keda: bool = True) -> None:
         self.cluster = cluster
+        self.keda = keda
 
     def start(self) -> None:
         cluster = self.cluster
@@ -67,7 +68,8 @@ class MetricsPipeline:
         )
         cluster.apply(adapter_api_objects(cluster.ports.adapter, b64(cluster.pki.ca.cert)))
         adapter.wait_ready()
-        self.start_keda()
+        if self.keda:
+            self.start_keda()
 
     def start_keda(self) -> None:
         cluster = self.cluster
