@@ -1490,8 +1490,11 @@ def test_a_service_at_zero_answers_its_first_request_through_the_gateway(
     with diagnostics(cluster, namespace, release):
         cluster.apply(embedding_service("cold", spec), namespace=namespace)
         wait_condition(cluster, namespace, "cold", "ScaledToZero", "True", timeout=SCALE_TIMEOUT_S)
-        ready = condition(get_json(cluster, "embeddingservice", "cold", "-n", namespace), "Ready")
+        service = get_json(cluster, "embeddingservice", "cold", "-n", namespace)
+        ready = condition(service, "Ready")
         assert ready is not None and ready["status"] == "True", ready
+        at_zero = condition(service, "ScaledToZero")
+        assert at_zero is not None
         assert not ready_server_pods(cluster, namespace, "cold")
 
         start_client(
@@ -1510,11 +1513,26 @@ def test_a_service_at_zero_answers_its_first_request_through_the_gateway(
         assert result["model"] == model
         assert_sentence_transformers_vectors(result)
 
+        # Idle again: back to zero, a new ScaledToZero transition (it woke in between), and
+        # the status says when KEDA last saw demand.
+        def back_at_zero() -> dict[str, Any] | None:
+            again = condition(
+                get_json(cluster, "embeddingservice", "cold", "-n", namespace), "ScaledToZero"
+            )
+            if again is None or again["status"] != "True":
+                return None
+            return again if again["lastTransitionTime"] != at_zero["lastTransitionTime"] else None
+
+        poll_until(
+            back_at_zero,
+            timeout=SCALE_TIMEOUT_S,
+            what="the idle service to be scaled to zero again",
+            interval=2.0,
+        )
         service = get_json(cluster, "embeddingservice", "cold", "-n", namespace) or {}
         assert (service.get("status", {}).get("autoscaling") or {}).get("lastActiveTime"), (
             "the status shows when KEDA last saw demand"
         )
-        wait_condition(cluster, namespace, "cold", "ScaledToZero", "True", timeout=SCALE_TIMEOUT_S)
 
 
 # The priority queue, from the client pod: a query stream on the idle service, then the same
