@@ -85,7 +85,7 @@ $(INFINITY_VENV)/bin/python:
 	$(INFINITY_VENV)/bin/pip install -q 'infinity-emb[all]' || echo "infinity-emb did not install: the HTTP benchmark says so and runs without it"
 
 bench: $(call STAMP,dev) binaries $(INFINITY_VENV)/bin/python ## Benchmarks against sentence-transformers and peers (prints ratios)
-	$(PY) -m bench.offline --texts 200
+	$(PY) -m bench.offline --texts 200 --quantization int8 --infinity-python $(INFINITY_VENV)/bin/python
 	$(PY) -m bench.images --images 128
 	$(PY) -m bench.generic --texts 200
 	$(PY) -m bench.http_load --texts 256 --infinity-python $(INFINITY_VENV)/bin/python

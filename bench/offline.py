@@ -6,7 +6,10 @@ with
 * sentence-transformers, float32 and bfloat16 (``model.encode``, its default batching);
 * our Engine, float32 and bfloat16 (``engine.embed``: packed, length-sorted, no padding);
 * with ``--quantization int8``, our Engine with int8 block weights and per-token activation
-  quantization too (``--quantization int8``: float32 activations);
+  quantization too (``--quantization int8``: float32 activations), and, with
+  ``--infinity-python`` naming infinity-emb's virtualenv, infinity-emb's two int8 modes on
+  the CPU (torch ``--dtype int8`` and optimum/onnxruntime on an int8 ONNX export) in worker
+  processes of that Python, in the same rounds (``bench/infinity_int8.py``);
 
 and prints texts/s, tokens/s, ratios, cosine agreement with the float32 sentence-transformers
 reference, and the fraction of this machine's measured matmul peak each run achieves. CPU
@@ -15,7 +18,8 @@ chart goes to bench/out/offline.png.
 
     .venv/bin/python -m bench.offline --texts 1000
     .venv/bin/python -m bench.offline --family mpnet --texts 200
-    .venv/bin/python -m bench.offline --texts 300 --quantization int8 --skip-bf16
+    .venv/bin/python -m bench.offline --texts 300 --quantization int8 --skip-bf16 \
+        --infinity-python bench/out/infinity-venv/bin/python
 
 ``--family`` measures a model family without downloading a checkpoint: random weights in the
 shape of the family's base checkpoint (:data:`FAMILIES`: bert-base, mpnet-base,
@@ -34,6 +38,7 @@ import argparse
 import json
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +53,7 @@ from embedding_server.settings import DEFAULT_MODEL
 
 from bench import out_dir
 from bench.corpus import make_corpus
+from bench.infinity_int8 import InfinityWorker, infinity_int8
 
 OUT = out_dir()
 
@@ -394,6 +400,12 @@ def main() -> None:
         default="none",
         help="int8: also run our Engine with --quantization int8 (a row beside float32)",
     )
+    parser.add_argument(
+        "--infinity-python",
+        default=None,
+        help="with --quantization int8: the Python of a virtualenv with infinity-emb[all], to "
+        "run its int8 modes beside ours (`make bench` installs it in bench/out/infinity-venv)",
+    )
     args = parser.parse_args()
 
     from sentence_transformers import SentenceTransformer
@@ -459,10 +471,24 @@ def main() -> None:
             f"  {name:<34} {run.seconds:7.2f}s (cpu {run.cpu_seconds:6.1f}s) "
             f"{run.texts_per_s:8.1f} texts/s "
             f"{run.tokens_per_s:9.0f} tok/s  {100 * run.peak_fraction:5.1f}% of peak  "
-            f"cos min {run.cos_min:.6f}"
+            f"cos min {run.cos_min:.6f} mean {run.cos_mean:.6f}"
         )
 
-    runners: list[tuple[str, Any]] = []
+    # Each runner embeds the corpus and says how long it took: (vectors, wall s, CPU s).
+    Timed = tuple[np.ndarray, float, float]
+    runners: list[tuple[str, Callable[[list[str]], Timed]]] = []
+    warm_ups: list[Callable[[list[str]], Any]] = []
+
+    def in_process(fn: Callable[[list[str]], Any]) -> Callable[[list[str]], Timed]:
+        warm_ups.append(fn)
+
+        def timed(batch: list[str]) -> Timed:
+            start, cpu_start = time.perf_counter(), time.process_time()
+            vectors = np.asarray(fn(batch), dtype=np.float32)
+            return vectors, time.perf_counter() - start, time.process_time() - cpu_start
+
+        return timed
+
     for dtype in dtypes:
         st = SentenceTransformer(str(path), device="cpu")
         if dtype == "bfloat16":
@@ -470,38 +496,61 @@ def main() -> None:
         runners.append(
             (
                 f"sentence-transformers {dtype}",
-                lambda t, st=st: st.encode(t, batch_size=args.st_batch_size, convert_to_numpy=True),
+                in_process(
+                    lambda t, st=st: st.encode(
+                        t, batch_size=args.st_batch_size, convert_to_numpy=True
+                    )
+                ),
             )
         )
     for dtype in dtypes:
-        runners.append((f"embedding-server {dtype}", engines[dtype].embed))
+        runners.append((f"embedding-server {dtype}", in_process(engines[dtype].embed)))
     int8 = "embedding-server int8"
+    workers: list[InfinityWorker] = []
+    infinity_notes: list[str] = []
     if args.quantization == "int8":
         quantized = Engine.from_pretrained(
             args.model, quantization="int8", max_batch_tokens=args.max_batch_tokens
         )
-        runners.append((int8, quantized.embed))
-    for _, fn in runners:
-        fn(texts[:32])  # warm-up
+        runners.append((int8, in_process(quantized.embed)))
+        # infinity-emb pools and normalizes as sentence-transformers does (mean, for MiniLM);
+        # its workers warm up on their own.
+        workers, infinity_notes = infinity_int8(
+            args.infinity_python, path, args.model, texts, threads, args.st_batch_size
+        )
+        for note in infinity_notes:
+            print(note)
+        runners += [(w.name, lambda _t, w=w: w.run()) for w in workers]
+    for fn in warm_ups:
+        fn(texts[:32])
     # Rounds alternate between the runners, so a neighbour's burst on a shared machine hits
     # them all alike; the best wall and the best CPU time of each are kept.
     best: dict[str, tuple[float, float, np.ndarray]] = {}
+    failed: dict[str, str] = {}
     for round_ in range(args.rounds):
         for name, fn in runners:
-            start, cpu_start = time.perf_counter(), time.process_time()
-            vectors = np.asarray(fn(texts), dtype=np.float32)
-            seconds = time.perf_counter() - start
-            cpu_seconds = time.process_time() - cpu_start
+            if name in failed:
+                continue
+            try:
+                vectors, seconds, cpu_seconds = fn(texts)
+            except RuntimeError as exc:  # an infinity worker's error: said, not hidden
+                failed[name] = str(exc)
+                print(f"  {name} failed: {exc}")
+                continue
             if args.rounds > 1:
                 print(f"  round {round_ + 1}: {name:<34} {seconds:7.2f}s (cpu {cpu_seconds:6.1f}s)")
             if name in best:
                 seconds = min(seconds, best[name][0])
                 cpu_seconds = min(cpu_seconds, best[name][1])
             best[name] = (seconds, cpu_seconds, vectors)
+    for worker in workers:
+        worker.close()
+    infinity_notes += [f"{name}: failed ({error})" for name, error in failed.items()]
     if args.rounds > 1:
         print(f"best of {args.rounds} rounds:")
     for name, _ in runners:
-        record(name, *best[name])
+        if name in best:
+            record(name, *best[name])
     if int8 in best:
         agreement = cosines(best[int8][2], best["embedding-server float32"][2])
         print(
@@ -528,15 +577,26 @@ def main() -> None:
                 f"  ours int8 / {peer}: {ours.texts_per_s / theirs.texts_per_s:.2f}x wall, "
                 f"{theirs.cpu_seconds / ours.cpu_seconds:.2f}x CPU time{target}"
             )
+        st32 = by_name["sentence-transformers float32"]
+        for name in (n for n in by_name if n.startswith("infinity-emb")):
+            theirs = by_name[name]
+            print(
+                f"  ours int8 / {name}: {ours.texts_per_s / theirs.texts_per_s:.2f}x wall, "
+                f"{theirs.cpu_seconds / ours.cpu_seconds:.2f}x CPU time"
+                f"  ({name} / sentence-transformers float32: "
+                f"{theirs.texts_per_s / st32.texts_per_s:.2f}x wall)"
+            )
+        for note in infinity_notes:
+            print(f"  {note}")
     auto = Engine.from_pretrained(args.model).info().dtype
     print(f"\ndtype=auto picks {auto} on this machine")
 
-    print("\n| run | texts/s | tokens/s | CPU s | % matmul peak | cosine min vs ST fp32 |")
+    print("\n| run | texts/s | tokens/s | CPU s | % matmul peak | cosine min / mean vs ST fp32 |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in runs:
         print(
             f"| {r.name} | {r.texts_per_s:.1f} | {r.tokens_per_s:.0f} | {r.cpu_seconds:.1f} | "
-            f"{100 * r.peak_fraction:.1f}% | {r.cos_min:.6f} |"
+            f"{100 * r.peak_fraction:.1f}% | {r.cos_min:.6f} / {r.cos_mean:.6f} |"
         )
 
     OUT.mkdir(parents=True, exist_ok=True)
@@ -548,6 +608,7 @@ def main() -> None:
                 "threads": threads,
                 "peaks_gflops": {k: v / 1e9 for k, v in peaks.items()},
                 "runs": [asdict(r) for r in runs],
+                "infinity_notes": infinity_notes,
             },
             indent=2,
         )
@@ -565,7 +626,8 @@ def chart(runs: list[Run], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 3.5))
     names = [r.name for r in runs]
     values = [r.texts_per_s for r in runs]
-    colors = ["#999999" if n.startswith("sentence") else "#2a7ab9" for n in names]
+    palette = {"sentence": "#999999", "infinity": "#e08a2c"}
+    colors = [palette.get(n.split("-")[0], "#2a7ab9") for n in names]
     bars = ax.barh(names, values, color=colors)
     ax.bar_label(bars, labels=[f"{v:.1f}" for v in values], padding=3)
     ax.set_xlabel("texts / second (higher is better)")

@@ -64,6 +64,30 @@ def test_offline(tmp_path: Path) -> None:
     assert runs["embedding-server float32"]["cos_min"] > 0.9999  # against sentence-transformers
 
 
+def test_offline_int8_says_why_infinity_did_not_run(tmp_path: Path) -> None:
+    """``--quantization int8`` adds our int8 row (cosine >= 0.99 to sentence-transformers
+    float32, the quality bar); an infinity-emb virtualenv that is not there is said, not
+    skipped in silence or replaced by another runner."""
+    missing = tmp_path / "no-venv" / "bin" / "python"
+    out = run_bench(
+        "offline",
+        *("--texts", "8", "--skip-bf16", "--quantization", "int8"),
+        *("--infinity-python", str(missing)),
+        out=tmp_path,
+    )
+    report = read_json(tmp_path / "offline.json")
+    runs = {run["name"]: run for run in report["runs"]}
+    assert set(runs) == {
+        "sentence-transformers float32",
+        "embedding-server float32",
+        "embedding-server int8",
+    }
+    assert runs["embedding-server int8"]["cos_min"] >= 0.99
+    (note,) = report["infinity_notes"]
+    assert f"{missing} does not exist" in note and note in out
+    assert "ours int8 / sentence-transformers float32" in out and "(target >= 2x)" in out
+
+
 def test_generic(tmp_path: Path) -> None:
     run_bench("generic", "--texts", "8", "--t5-layers", "2", out=tmp_path)
     runs = {(run["model"], run["name"]) for run in read_json(tmp_path / "generic.json")["runs"]}

@@ -345,6 +345,23 @@ BAD = [
         "spec.server.maxRequestTokens",
         {"model": MODEL, "embedding": {"maxInputTokens": 512}, "server": {"maxRequestTokens": 8}},
     ),
+    # int8 where the server would refuse it at start: a GPU, bfloat16, tensor parallelism.
+    (
+        "spec.server.quantization",
+        {"model": MODEL, "server": {"quantization": "int8"}, "gpu": {"type": "h100"}},
+    ),
+    (
+        "spec.server.quantization",
+        {"model": MODEL, "server": {"quantization": "int8", "dtype": "bfloat16"}},
+    ),
+    (
+        "spec.server.quantization",
+        {
+            "model": MODEL,
+            "server": {"quantization": "int8"},
+            "parallelism": {"tensorParallelSize": 2},
+        },
+    ),
 ]
 
 

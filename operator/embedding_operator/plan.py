@@ -3,9 +3,9 @@
 The operator and ``embedding-operator render`` must agree on every spec: render the same
 children from the same spec, and refuse the same specs with the same message. Both therefore
 call ``plan`` and nothing else between the raw ``.spec`` and the manifests: parse and validate
-the spec, resolve ``spec.gpu.type`` to a GPU profile, refuse what the admins' allowlist does not
-admit (``policy.py``) and a KEDA autoscaler the operator was given no Prometheus for, then run
-the pure builders.
+the spec, resolve ``spec.gpu.type`` to a GPU profile (int8 is refused on one with an
+accelerator), refuse what the admins' allowlist does not admit (``policy.py``) and a KEDA
+autoscaler the operator was given no Prometheus for, then run the pure builders.
 
 Pure like the builders: no cluster, no clock. What only the cluster knows (does a referenced
 pod start, is a child's name taken) is the reconciler's to check.
@@ -69,6 +69,17 @@ def plan(
         return Refused(Problem(INVALID_SPEC, str(exc)))
     except UnknownGpuTypeError as exc:
         return Refused(Problem(UNKNOWN_GPU_TYPE, str(exc)))
+    if spec.server.quantization == "int8" and profile.resource_name:
+        # The CRD refuses the built-in GPU profiles by name; an admin's own is known here only.
+        return Refused(
+            Problem(
+                INVALID_SPEC,
+                f"spec.server.quantization: int8 runs on the CPU only (torch's int8 kernels), "
+                f"and gpu.type {spec.gpu.type} is a GPU profile (it requests "
+                f"{profile.resource_name}); use a profile without an accelerator, or "
+                "quantization none",
+            )
+        )
     render = RenderInput(
         owner=owner,
         spec=spec,

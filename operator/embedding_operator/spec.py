@@ -28,10 +28,13 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from embedding_operator.profiles import BUILTIN_PROFILES
+
 Pooling = Literal["auto", "cls", "mean", "last", "max", "weightedmean", "mean_sqrt_len"]
 Task = Literal["embed", "score", "classify", "token_classify", "reward", "sparse"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 ModelBackend = Literal["auto", "native", "transformers"]
+Quantization = Literal["none", "int8"]
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 ScalingMetric = Literal["backlogSeconds", "queueRequests", "queueTokens"]
 Autoscaler = Literal["hpa", "keda"]
@@ -157,11 +160,34 @@ class EnvVar(_Model):
         return name
 
 
+BUILTIN_GPU_TYPES = tuple(name for name, p in BUILTIN_PROFILES.items() if p.resource_name)
+"""The built-in profiles that request an accelerator: the CRD's CEL rule refuses int8 on these
+by name (it cannot read the operator's profile file; ``plan`` refuses the others)."""
+INT8_REFUSED_DTYPES = ("bfloat16", "float16")
+INT8_DTYPE_MESSAGE = (
+    "quantization int8 computes in float32 (int8 weights, activations quantized per token); "
+    "dtype must be auto or float32"
+)
+INT8_BACKEND_MESSAGE = (
+    "quantization int8 quantizes the native backend's layers; backend transformers is not "
+    "served quantized"
+)
+INT8_PARALLEL_MESSAGE = (
+    "server.quantization int8 is not served with tensor parallelism; "
+    "parallelism.tensorParallelSize must be 1"
+)
+INT8_GPU_MESSAGE = (
+    "server.quantization int8 runs on the CPU only (torch's int8 kernels); gpu.type must be "
+    "cpu or another profile without an accelerator"
+)
+
+
 class Server(_Model):
     image: str | None = None
     image_pull_policy: PullPolicy | None = None
     dtype: Dtype = "auto"
     backend: ModelBackend = "auto"
+    quantization: Quantization = "none"
     max_batch_tokens: int | None = Field(default=None, ge=1)
     max_batch_size: int | None = Field(default=None, ge=1)
     max_queue_tokens: int | None = Field(default=None, ge=1)
@@ -171,6 +197,18 @@ class Server(_Model):
     startup_timeout_seconds: int = Field(default=1800, ge=30, le=86400)
     extra_args: list[str] = Field(default_factory=list)
     env: list[EnvVar] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _int8_runs_what_it_can(self) -> Server:
+        # As the CRD's CEL rules on spec.server, with their words: the server refuses the same
+        # at start (a crash-looping pod), so neither gets that far.
+        if self.quantization != "int8":
+            return self
+        if self.dtype in INT8_REFUSED_DTYPES:
+            raise ValueError(INT8_DTYPE_MESSAGE)
+        if self.backend == "transformers":
+            raise ValueError(INT8_BACKEND_MESSAGE)
+        return self
 
     @model_validator(mode="after")
     def _limits_nest(self) -> Server:
@@ -461,6 +499,18 @@ class EmbeddingServiceSpec(_Model):
                 "server.backend transformers runs the whole model on one device; "
                 "parallelism.tensorParallelSize must be 1"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _int8_on_one_cpu_process(self) -> EmbeddingServiceSpec:
+        # As the CRD's CEL rules on spec. The CRD knows the built-in GPU profiles only; plan()
+        # also refuses int8 on an admin's own profile that requests an accelerator.
+        if self.server.quantization != "int8":
+            return self
+        if self.parallelism.tensor_parallel_size != 1:
+            raise ValueError(INT8_PARALLEL_MESSAGE)
+        if self.gpu.type in BUILTIN_GPU_TYPES:
+            raise ValueError(INT8_GPU_MESSAGE)
         return self
 
     @model_validator(mode="after")

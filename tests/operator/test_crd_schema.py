@@ -16,7 +16,9 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
+from embedding_operator.profiles import BUILTIN_PROFILES
 from embedding_operator.spec import (
+    BUILTIN_GPU_TYPES,
     CODE_LOADING_ENV,
     CODE_LOADING_ENV_PREFIXES,
     EMBED_ONLY_FIELDS,
@@ -241,6 +243,7 @@ BAD_SPECS = {
         "tracing": {"otlpEndpoint": "http://collector:4318", "samplingRatio": 1.5},
     },
     "backend": {"model": {"name": "m"}, "server": {"backend": "onnx"}},
+    "quantization": {"model": {"name": "m"}, "server": {"quantization": "fp8"}},
     "allowedDomains": {"model": {"name": "m"}, "media": {"allowedDomains": ["https://x.io/a"]}},
     "maxImagesPerRequest": {"model": {"name": "m"}, "media": {"maxImagesPerRequest": 0}},
     "maxImageBytes": {"model": {"name": "m"}, "media": {"maxImageBytes": "8MB"}},
@@ -492,3 +495,93 @@ def test_an_alias_may_not_repeat_the_served_name(schema: dict[str, Any]) -> None
         )
     spec = parse_spec({"model": {"name": "m"}, "servedModelName": "x", "servedModelAliases": ["y"]})
     assert spec.served_model_aliases == ["y"]
+
+
+# --- server.quantization int8 ------------------------------------------------------------------
+
+INT8_REFUSALS = {
+    "dtype bfloat16": ("server", {"dtype": "bfloat16"}),
+    "dtype float16": ("server", {"dtype": "float16"}),
+    "backend transformers": ("server", {"backend": "transformers"}),
+    "tensorParallelSize 2": ("spec", {"parallelism": {"tensorParallelSize": 2}}),
+    "gpu.type h100": ("spec", {"gpu": {"type": "h100"}}),
+    "gpu.type t4": ("spec", {"gpu": {"type": "t4"}}),
+}
+
+
+def _int8_rules(schema: dict[str, Any], level: str) -> list[dict[str, Any]]:
+    node = schema["properties"]["spec"]
+    if level == "server":
+        node = node["properties"]["server"]
+    return [r for r in node["x-kubernetes-validations"] if "int8" in r["rule"]]
+
+
+@pytest.mark.parametrize("case", sorted(INT8_REFUSALS))
+def test_int8_is_refused_where_the_server_would_refuse_it(
+    schema: dict[str, Any], case: str
+) -> None:
+    """What the server refuses at start under ``--quantization int8`` (a crash-looping pod),
+    the CRD refuses at ``kubectl apply`` (CEL, FieldValueForbidden on the quantization field)
+    and the model with the same words, naming the field."""
+    level, extra = INT8_REFUSALS[case]
+    server = {"quantization": "int8", **(extra if level == "server" else {})}
+    raw = {"model": {"name": "m"}, "server": server, **(extra if level == "spec" else {})}
+    with pytest.raises(InvalidSpecError) as refused:
+        parse_spec(raw)
+    path, message = str(refused.value).split(": ", 1)
+    assert path == ("spec.server" if level == "server" else "spec")
+    (rule,) = [r for r in _int8_rules(schema, level) if r["message"] == message]
+    assert rule["reason"] == "FieldValueForbidden"
+    assert rule["fieldPath"] == (".quantization" if level == "server" else ".server.quantization")
+    # The same spec without int8 is fine: the rule is about the combination.
+    server.pop("quantization")
+    parse_spec(raw)
+
+
+def test_int8_rules_name_every_builtin_gpu_and_refuse_nothing_else(
+    schema: dict[str, Any],
+) -> None:
+    """The CEL rule cannot read the operator's profile file, so it lists the built-in GPU
+    profiles (``plan`` refuses an admin's own GPU profile); the rules' shapes are pinned so
+    that a spec without int8 can never trip them."""
+    names = ", ".join(f"'{n}'" for n in BUILTIN_GPU_TYPES)
+    assert set(BUILTIN_GPU_TYPES) == {n for n, p in BUILTIN_PROFILES.items() if p.resource_name}
+    assert "cpu" not in BUILTIN_GPU_TYPES and len(BUILTIN_GPU_TYPES) == len(BUILTIN_PROFILES) - 1
+    guard = "!has(self.server) || !has(self.server.quantization) || "
+    guard += "self.server.quantization != 'int8'"
+    assert sorted(r["rule"] for r in _int8_rules(schema, "spec")) == sorted(
+        [
+            f"{guard} || !has(self.gpu) || !has(self.gpu.type) || !(self.gpu.type in [{names}])",
+            f"{guard} || !has(self.parallelism) || !has(self.parallelism.tensorParallelSize) "
+            "|| self.parallelism.tensorParallelSize == 1",
+        ]
+    )
+    guard = "!has(self.quantization) || self.quantization != 'int8'"
+    assert sorted(r["rule"] for r in _int8_rules(schema, "server")) == sorted(
+        [
+            f"{guard} || !has(self.backend) || self.backend != 'transformers'",
+            f"{guard} || !has(self.dtype) || !(self.dtype in ['bfloat16', 'float16'])",
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"server": {"quantization": "int8", "dtype": "float32", "backend": "native"}},
+        {"server": {"quantization": "int8", "dtype": "auto", "backend": "auto"}},
+        {"server": {"quantization": "int8"}, "gpu": {"type": "cpu-amx"}},
+        {"server": {"quantization": "none", "dtype": "bfloat16"}, "gpu": {"type": "h100"}},
+    ],
+)
+def test_int8_on_the_cpu_is_admitted(validator: Any, extra: dict[str, Any]) -> None:
+    doc = {
+        "apiVersion": "embedding-operator.dev/v1alpha1",
+        "kind": "EmbeddingService",
+        "metadata": {"name": "int8"},
+        "spec": {"model": {"name": "m"}, **extra},
+    }
+    assert validator.is_valid(doc)
+    quantization = extra.get("server", {}).get("quantization", "none")
+    assert parse_spec(doc["spec"]).server.quantization == quantization

@@ -123,6 +123,7 @@ def test_unset_knobs_leave_server_defaults() -> None:
         "--max-model-len",
         "--trust-remote-code",
         "--backend",  # auto, the server's own default
+        "--quantization",  # none, the server's own default
     ):
         assert flag not in args
 
@@ -167,6 +168,16 @@ def test_without_media_settings_the_server_keeps_data_uris_only(media: Any) -> N
 def test_max_image_bytes_takes_an_integer_or_a_quantity(quantity: Any, expected: int) -> None:
     args = server_args(render_input({"model": MODEL, "media": {"maxImageBytes": quantity}}))
     assert _flag(args, "--max-image-bytes") == str(expected)
+
+
+def test_int8_renders_the_servers_flag_beside_the_dtype() -> None:
+    spec = {"model": MODEL, "server": {"quantization": "int8", "dtype": "float32"}}
+    args = server_args(render_input(spec))
+    assert _flag(args, "--quantization") == "int8"
+    assert _flag(args, "--dtype") == "float32" and _flag(args, "--device") == "cpu"
+    # none is left out: an operator upgrade does not touch the pods of existing services.
+    spec["server"]["quantization"] = "none"
+    assert "--quantization" not in server_args(render_input(spec))
 
 
 @pytest.mark.parametrize("backend", ["native", "transformers"])

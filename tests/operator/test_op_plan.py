@@ -52,6 +52,41 @@ def test_tensor_parallelism_on_the_bundled_server_is_planned(gpu: str) -> None:
     assert container["args"][container["args"].index("--tensor-parallel-size") + 1] == "2"
 
 
+# --- int8 and the admins' own profiles -----------------------------------------------------------
+
+ADMIN_PROFILES = GpuProfiles.from_document(
+    {
+        "profiles": {
+            "cpu-amx": {"resourceName": "", "nodeSelector": {"cpu.example/amx": "true"}},
+            "mi300x": {"resourceName": "amd.com/gpu"},
+        }
+    }
+)
+INT8 = {"model": M, "server": {"quantization": "int8"}}
+
+
+def test_int8_on_an_admins_gpu_profile_is_refused_naming_the_field() -> None:
+    """The CRD refuses int8 on the built-in GPU profiles by name; one the admins added is
+    known to the operator only, which refuses it with the same field before any pod would
+    crash-loop on the server's own refusal."""
+    refused = plan(OWNER, {**INT8, "gpu": {"type": "mi300x"}}, ADMIN_PROFILES)
+    assert isinstance(refused, Refused)
+    assert refused.problem.reason == "InvalidSpec" and not refused.problem.retryable
+    assert refused.problem.message.startswith("spec.server.quantization: int8 runs on the CPU")
+    assert "mi300x" in refused.problem.message and "amd.com/gpu" in refused.problem.message
+
+
+def test_int8_on_a_cpu_profile_is_planned_with_the_flag() -> None:
+    for gpu in ("cpu", "cpu-amx"):
+        planned = plan(OWNER, {**INT8, "gpu": {"type": gpu}}, ADMIN_PROFILES, "img:1")
+        assert isinstance(planned, Planned), gpu
+        (deployment,) = [m for m in planned.children.present if m["kind"] == "Deployment"]
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        args = container["args"]
+        assert args[args.index("--quantization") + 1] == "int8"
+        assert args[args.index("--device") + 1] == "cpu"
+
+
 # --- the admins' allowlist (policy.py) ---------------------------------------------------------
 
 POLICY = WorkloadPolicy(

@@ -6,19 +6,23 @@ CRD admits but the server would refuse at start (a crash-looping pod) gets caugh
 
 from __future__ import annotations
 
+import itertools
 import typing
 
 import pytest
+import torch
 from embedding_operator import spec as operator_spec
 from embedding_operator.builders.deployment import SERVER_DRAIN_SECONDS, server_args
 from embedding_operator.builders.hpa import SERVER_BATCH_TOKENS
 from embedding_server import settings as server_settings
 from embedding_server.cli import load_settings
+from embedding_server.device.quantization import refuse_int8
+from embedding_server.errors import UnsupportedModelError
 
 from tests.support.operator import render_input
 
 
-@pytest.mark.parametrize("name", ["Pooling", "Dtype", "ModelBackend"])
+@pytest.mark.parametrize("name", ["Pooling", "Dtype", "ModelBackend", "Quantization"])
 def test_enums_agree(name: str) -> None:
     ours = set(typing.get_args(getattr(operator_spec, name)))
     theirs = set(typing.get_args(getattr(server_settings, name)))
@@ -223,3 +227,69 @@ def test_aliases_render_a_flag_the_server_parses_into_the_names_it_accepts() -> 
     settings = load_settings(server_args(render_input(spec)))
     assert settings.served_model_aliases == ["a", "b.c/d"]
     assert settings.served_model_name == "bge-small-en-v1.5"
+
+
+def _server_refuses(args: list[str], backend: str) -> str | None:
+    """Why the server refuses these flags at start, or None: its settings' checks, then the
+    loader's (``refuse_int8``, given the backend a model type would be served by)."""
+    try:
+        settings = load_settings(args)
+    except SystemExit as exc:
+        return f"its settings refuse them (exit {exc.code})"
+    if settings.quantization == "int8":
+        try:
+            refuse_int8(
+                device=torch.device(settings.device),
+                dtype=settings.dtype,
+                backend=backend,
+                tensor_parallel=settings.tensor_parallel_size > 1,
+            )
+        except UnsupportedModelError as exc:
+            return str(exc)
+    return None
+
+
+def test_the_crd_admits_int8_exactly_where_the_server_serves_it() -> None:
+    """Every combination of quantization, dtype, backend, tensor parallelism and GPU: the
+    spec is refused (as the CRD's CEL rules refuse it) exactly when the server would refuse
+    the flags the operator renders for it, so no admitted spec crash-loops and nothing the
+    server serves is refused. The backend auto resolves to native for the families int8
+    quantizes."""
+    checked = 0
+    for quantization, dtype, backend, tp, gpu in itertools.product(
+        typing.get_args(operator_spec.Quantization),
+        typing.get_args(operator_spec.Dtype),
+        typing.get_args(operator_spec.ModelBackend),
+        (1, 2),
+        ("cpu", "l4"),
+    ):
+        if backend == "transformers" and tp > 1:
+            continue  # refused on its own account, int8 or not
+        raw = {
+            "model": {"name": "hf://BAAI/bge-small-en-v1.5"},
+            "server": {"quantization": quantization, "dtype": dtype, "backend": backend},
+            "parallelism": {"tensorParallelSize": tp},
+            "gpu": {"type": gpu},
+        }
+        try:
+            render = render_input(raw)
+        except operator_spec.InvalidSpecError as exc:
+            assert quantization == "int8", (raw, exc)
+            args = [
+                "serve",
+                "--quantization",
+                "int8",
+                "--dtype",
+                dtype,
+                "--device",
+                "cuda" if gpu != "cpu" else "cpu",
+                "--tensor-parallel-size",
+                str(tp),
+            ]
+            assert _server_refuses(args, "native" if backend == "auto" else backend), raw
+        else:
+            served = "native" if backend == "auto" else backend
+            assert _server_refuses(server_args(render), served) is None, raw
+            assert load_settings(server_args(render)).quantization == quantization
+        checked += 1
+    assert checked == 2 * 4 * 3 * 2 * 2 - 2 * 4 * 2

@@ -119,6 +119,9 @@ def server_args(render: RenderInput) -> list[str]:
         args.append("--trust-remote-code")
     if spec.server.backend != "auto":  # auto is the server's own default
         args += ["--backend", spec.server.backend]
+    # none is the server's default: existing services' pod templates stay as they were.
+    if spec.server.quantization != "none":
+        args += ["--quantization", spec.server.quantization]
     emb = spec.embedding
     if emb.normalize is not None:
         args.append("--normalize" if emb.normalize else "--no-normalize")
