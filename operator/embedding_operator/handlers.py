@@ -8,7 +8,8 @@ Every trigger becomes one ``Controller.enqueue`` of the EmbeddingService's key:
   ScaledObjects, PDBs, PVCs and NetworkPolicies, watched with a server-side label selector so
   the operator sees only its own children; kopf watches ScaledObjects once KEDA's CRD exists):
   the controlling EmbeddingService is enqueued, so drifted fields are re-applied and status
-  follows the Deployment's;
+  follows the Deployment's (but not for a ScaledObject event that only moves KEDA's
+  ``lastActiveTime`` within the minute: ``versions.ScaledObjectEvents``);
 * a server pod changed (``event`` on pods, label-selected the same way): its EmbeddingService,
   named by the pod's ``app.kubernetes.io/instance`` label, is enqueued, so a pod the kubelet
   cannot start (a missing Secret) or a model that will not load is reported as soon as the
@@ -47,7 +48,7 @@ from embedding_operator.kube import controller_of
 from embedding_operator.metrics import OperatorMetrics
 from embedding_operator.reconcile import Reconciler
 from embedding_operator.settings import OperatorSettings
-from embedding_operator.versions import WatchedPods, WatchedVersions
+from embedding_operator.versions import ScaledObjectEvents, WatchedPods, WatchedVersions
 
 MANAGED_SELECTOR = f"app.kubernetes.io/managed-by={MANAGED_BY}"
 # kopf resource selectors (group/version/plural; core resources have no group).
@@ -137,14 +138,20 @@ def register(
         else:
             controller.seen(namespace, name)
 
+    scaledobjects = ScaledObjectEvents()
+
     async def on_child(
         *, body: kopf.Body, namespace: str | None, name: str, type: str | None, **_: Any
     ) -> None:
         owner = _owner_name(body)
         if owner is not None and namespace is not None:
+            kind = str(body.get("kind") or "")
             if versions is not None:
-                kind = str(body.get("kind") or "")
                 versions.child_event(namespace, owner, kind, name, _version(body, type))
+            if kind == "ScaledObject" and not scaledobjects.worth_a_reconcile(
+                namespace, name, body, deleted=type == "DELETED"
+            ):
+                return  # KEDA's per-poll lastActiveTime, within the minute: nothing to see
             controller.enqueue(namespace, owner)
 
     for selector in CHILD_RESOURCES:

@@ -25,6 +25,8 @@ Written on the event loop by the kopf handlers, read on the reconcile threads: o
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -135,3 +137,56 @@ class WatchedPods:
     def pods(self, namespace: str, owner: str) -> list[dict[str, Any]]:
         with self._lock:
             return list((self._pods.get((namespace, owner)) or {}).values())
+
+
+def _minute(value: Any) -> str:
+    """``2026-11-28T18:41:07Z`` -> ``2026-11-28T18:41``; anything else as it is."""
+    text = str(value or "")
+    return text[:16] if len(text) >= 16 and text[13] == ":" else text
+
+
+def scaledobject_essence(body: Mapping[str, Any]) -> bytes:
+    """A digest of a KEDA ScaledObject without what KEDA rewrites at every poll.
+
+    While a trigger is active, KEDA writes ``status.lastActiveTime`` at every poll (every 5 s
+    for a scale-to-zero service), so each poll is a watch event. The reconciler reads that time
+    to the minute (``status.last_active_time``) and nothing else of such a write, so the digest
+    keeps it to the minute and drops ``resourceVersion`` and ``managedFields``; everything else
+    (spec, labels, owners, conditions, health) is in it, so any other change still counts."""
+    metadata = {
+        k: v
+        for k, v in (body.get("metadata") or {}).items()
+        if k not in ("resourceVersion", "managedFields")
+    }
+    status = dict(body.get("status") or {})
+    if "lastActiveTime" in status:
+        status["lastActiveTime"] = _minute(status["lastActiveTime"])
+    essence = {"metadata": metadata, "spec": body.get("spec"), "status": status}
+    return hashlib.blake2b(
+        json.dumps(essence, sort_keys=True, default=str).encode(), digest_size=16
+    ).digest()
+
+
+class ScaledObjectEvents:
+    """Which ScaledObject events are worth a reconcile: a change the reconciler could see.
+
+    Why: at 1,000 busy scale-to-zero services KEDA's per-poll ``lastActiveTime`` writes would
+    enqueue 200 reconciles a second, each reading the service and its children only to find
+    nothing to do. An event whose :func:`scaledobject_essence` equals the last one's is skipped;
+    deletions and first sightings always count. Called on the event loop only (kopf handlers)."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[str, str], bytes] = {}
+
+    def worth_a_reconcile(
+        self, namespace: str, name: str, body: Mapping[str, Any], *, deleted: bool
+    ) -> bool:
+        key = (namespace, name)
+        if deleted:
+            self._last.pop(key, None)
+            return True
+        essence = scaledobject_essence(body)
+        if self._last.get(key) == essence:
+            return False
+        self._last[key] = essence
+        return True
