@@ -278,6 +278,16 @@ class Admission:
                 )
             raise QueueFullError(message, retry_after=drain_seconds(held, tokens_per_s))
 
+    def tokenizing_limit(self, priority: Priority) -> int:
+        """The most tokens requests being tokenized may hold (by their bounds) with one of
+        ``priority`` among them: :data:`TOKENIZING_QUEUES` queues' worth, of which bulk may
+        fill :data:`BULK_QUEUE_SHARE`, so that bulk text which looks cheap but tokenizes to a
+        token per byte cannot fill this budget and get queries refused behind it."""
+        whole = TOKENIZING_QUEUES * self.max_queue_tokens
+        if priority == "bulk" and self.bulk_queue_tokens:
+            return int(whole * BULK_QUEUE_SHARE)
+        return whole
+
     @property
     def refusing_above(self) -> int:
         """Below this many tokens held, the queue has room for any request within the
@@ -310,11 +320,13 @@ class Admission:
         bound = min(estimate if bound is None else bound, self.max_request_tokens)
         estimate = min(estimate, bound)
         self.check_room(queued, estimate, tokens_per_s, priority)
-        if self.tokenizing and self.tokenizing + bound > TOKENIZING_QUEUES * self.max_queue_tokens:
+        budget = self.tokenizing_limit(priority)
+        if self.tokenizing and self.tokenizing + bound > budget:
+            whose = " bulk requests" if budget < TOKENIZING_QUEUES * self.max_queue_tokens else ""
             raise QueueFullError(
                 f"requests being tokenized may hold up to {self.tokenizing} tokens, of "
-                f"{TOKENIZING_QUEUES * self.max_queue_tokens} this server tokenizes at once, "
-                f"and this request up to {bound}; retry later",
+                f"{budget}{whose} may have tokenized at once, and this request up to "
+                f"{bound}; retry later",
                 retry_after=drain_seconds(queued + self.reserved, tokens_per_s),
             )
         self.reserved += estimate

@@ -379,6 +379,31 @@ def test_what_is_being_tokenized_is_bounded_however_its_texts_are_made() -> None
     assert admission.reserve(1, 63, queued=0, tokens_per_s=0.0, bound=1000).bound == 1000
 
 
+def test_bulk_text_that_tokenizes_hostilely_cannot_fill_the_budget_queries_need() -> None:
+    """Bulk requests whose texts look cheap (63 likely tokens) but may tokenize to a token per
+    byte (1,000) fill only BULK_QUEUE_SHARE of what may be tokenized at once; past that, bulk
+    gets 429 and a query is still admitted, up to the whole budget."""
+    from embedding_server.scheduler import TOKENIZING_QUEUES
+
+    admission = Admission.of(1000, 1000)
+    bulk_room = int(TOKENIZING_QUEUES * 1000 * BULK_QUEUE_SHARE) // 1000  # 3 at these sizes
+    held = [
+        admission.reserve(1, 63, queued=0, tokens_per_s=0.0, bound=1000, priority="bulk")
+        for _ in range(bulk_room)
+    ]
+    with pytest.raises(QueueFullError) as refused:
+        admission.reserve(1, 63, queued=0, tokens_per_s=100.0, bound=1000, priority="bulk")
+    assert "bulk" in refused.value.message and "being tokenized" in refused.value.message
+    assert refused.value.retry_after >= 1
+    query = admission.reserve(1, 63, queued=0, tokens_per_s=0.0, bound=1000)
+    assert query.bound == 1000 and admission.tokenizing == TOKENIZING_QUEUES * 1000
+    with pytest.raises(QueueFullError):  # the whole budget binds queries too
+        admission.reserve(1, 63, queued=0, tokens_per_s=0.0, bound=1000)
+    for h in (*held, query):
+        h.release()
+    assert admission.tokenizing == 0
+
+
 async def test_interactive_is_picked_ahead_of_older_bulk_and_bulk_fills_the_slack(
     sched: tuple[Scheduler, GatedForward, Metrics],
 ) -> None:
