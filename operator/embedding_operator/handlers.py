@@ -2,20 +2,23 @@
 
 Every trigger becomes one ``Controller.enqueue`` of the EmbeddingService's key:
 
-* the EmbeddingService was created, changed or found at startup (``create``/``update``/
-  ``resume``; kopf compares spec and metadata, so our own status writes do not trigger them);
+* the EmbeddingService was created, changed or found at startup (its ``event`` handler, when
+  the digest of its spec, labels, annotations and deletion differs from the last event's:
+  ``versions.EssenceChanges``, so our own status writes do not trigger it). Not kopf's
+  ``create``/``update``/``resume``: they would have kopf write a ``last-handled-configuration``
+  annotation on every object to tell them apart, a PATCH per new service;
 * an owned child changed or was deleted (``event`` on Deployments, Services, HPAs, KEDA
   ScaledObjects, PDBs, PVCs and NetworkPolicies, watched with a server-side label selector so
   the operator sees only its own children; kopf watches ScaledObjects once KEDA's CRD exists):
   the controlling EmbeddingService is enqueued, so drifted fields are re-applied and status
   follows the Deployment's (but not for a ScaledObject event that only moves KEDA's
-  ``lastActiveTime`` within the minute: ``versions.ScaledObjectEvents``);
+  ``lastActiveTime`` within the minute: ``versions.EssenceChanges``);
 * a server pod changed (``event`` on pods, label-selected the same way): its EmbeddingService,
   named by the pod's ``app.kubernetes.io/instance`` label, is enqueued, so a pod the kubelet
   cannot start (a missing Secret) or a model that will not load is reported as soon as the
   kubelet says so; its restarts are counted (``metrics.py``), and what the reconciler reads of
   it is kept in ``WatchedPods``, first, so that the reconcile sees it without a LIST;
-* the ``event`` handler on EmbeddingServices keeps the set the periodic resync walks.
+* the same ``event`` handler keeps the set the periodic resync walks.
 
 The EmbeddingService and child handlers also record each object's ``resourceVersion`` in
 ``WatchedVersions``, so the reconciler can skip a resync of an object nothing has changed
@@ -48,7 +51,13 @@ from embedding_operator.kube import controller_of
 from embedding_operator.metrics import OperatorMetrics
 from embedding_operator.reconcile import Reconciler
 from embedding_operator.settings import OperatorSettings
-from embedding_operator.versions import ScaledObjectEvents, WatchedPods, WatchedVersions
+from embedding_operator.versions import (
+    EssenceChanges,
+    WatchedPods,
+    WatchedVersions,
+    owner_essence,
+    scaledobject_essence,
+)
 
 MANAGED_SELECTOR = f"app.kubernetes.io/managed-by={MANAGED_BY}"
 # kopf resource selectors (group/version/plural; core resources have no group).
@@ -118,27 +127,26 @@ def register(
         # The same credentials as our own client: in-cluster token or $KUBECONFIG.
         return kopf.login_via_client(**kwargs)
 
-    @kopf.on.resume(GROUP, VERSION, PLURAL, id="reconcile", registry=registry)
-    @kopf.on.create(GROUP, VERSION, PLURAL, id="reconcile", registry=registry)
-    @kopf.on.update(GROUP, VERSION, PLURAL, id="reconcile", registry=registry)
-    async def on_change(*, namespace: str | None, name: str, **_: Any) -> None:
-        if namespace is not None:  # always: a namespaced resource
-            controller.enqueue(namespace, name)
+    owners = EssenceChanges(owner_essence)
+    scaledobjects = EssenceChanges(scaledobject_essence)
 
     @kopf.on.event(GROUP, VERSION, PLURAL, id="track", registry=registry)
     async def on_owner_event(
-        *, body: kopf.Body, namespace: str | None, name: str, type: str, **_: Any
+        *, body: kopf.Body, namespace: str | None, name: str, type: str | None, **_: Any
     ) -> None:
-        if namespace is None:
+        if namespace is None:  # never: a namespaced resource
             return
         if versions is not None:
             versions.owner_event(namespace, name, _version(body, type))
-        if type == "DELETED":
+        deleted = type == "DELETED"
+        if deleted:
             controller.gone(namespace, name)
         else:
             controller.seen(namespace, name)
-
-    scaledobjects = ScaledObjectEvents()
+        # Created, found at startup (type None: kopf's initial listing), or its spec or
+        # metadata changed; not our own status writes.
+        if owners.worth_a_reconcile(namespace, name, body, deleted=deleted) and not deleted:
+            controller.enqueue(namespace, name)
 
     async def on_child(
         *, body: kopf.Body, namespace: str | None, name: str, type: str | None, **_: Any

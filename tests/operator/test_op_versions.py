@@ -1,11 +1,11 @@
-"""Which watch events of KEDA's ScaledObjects wake the reconciler (versions.ScaledObjectEvents)."""
+"""Which watch events wake the reconciler (versions.EssenceChanges): ScaledObjects, owners."""
 
 from __future__ import annotations
 
 import copy
 from typing import Any
 
-from embedding_operator.versions import ScaledObjectEvents
+from embedding_operator.versions import EssenceChanges, owner_essence, scaledobject_essence
 
 
 def scaledobject(*, version: str = "100", last_active: str | None = None) -> dict[str, Any]:
@@ -35,7 +35,7 @@ def scaledobject(*, version: str = "100", last_active: str | None = None) -> dic
 
 
 def test_kedas_per_poll_last_active_time_within_a_minute_wakes_nothing() -> None:
-    events = ScaledObjectEvents()
+    events = EssenceChanges(scaledobject_essence)
     assert events.worth_a_reconcile(
         "default", "minilm", scaledobject(last_active="2026-11-28T18:41:02Z"), deleted=False
     ), "the first sighting always counts"
@@ -45,7 +45,7 @@ def test_kedas_per_poll_last_active_time_within_a_minute_wakes_nothing() -> None
 
 
 def test_the_next_minute_a_condition_or_a_spec_change_wakes_the_reconciler() -> None:
-    events = ScaledObjectEvents()
+    events = EssenceChanges(scaledobject_essence)
     base = scaledobject(last_active="2026-11-28T18:41:02Z")
     events.worth_a_reconcile("default", "minilm", base, deleted=False)
 
@@ -69,7 +69,7 @@ def test_the_next_minute_a_condition_or_a_spec_change_wakes_the_reconciler() -> 
 
 
 def test_deletion_always_counts_and_forgets_the_object() -> None:
-    events = ScaledObjectEvents()
+    events = EssenceChanges(scaledobject_essence)
     body = scaledobject(last_active="2026-11-28T18:41:02Z")
     events.worth_a_reconcile("default", "minilm", body, deleted=False)
     assert events.worth_a_reconcile("default", "minilm", body, deleted=True)
@@ -79,8 +79,52 @@ def test_deletion_always_counts_and_forgets_the_object() -> None:
 
 
 def test_objects_are_told_apart_by_namespace_and_name() -> None:
-    events = ScaledObjectEvents()
+    events = EssenceChanges(scaledobject_essence)
     body = scaledobject(last_active="2026-11-28T18:41:02Z")
     assert events.worth_a_reconcile("default", "minilm", body, deleted=False)
     assert events.worth_a_reconcile("other", "minilm", body, deleted=False)
     assert events.worth_a_reconcile("default", "bge", body, deleted=False)
+
+
+def embeddingservice(version: str = "7") -> dict[str, Any]:
+    return {
+        "apiVersion": "embedding-operator.dev/v1alpha1",
+        "kind": "EmbeddingService",
+        "metadata": {
+            "name": "minilm",
+            "namespace": "default",
+            "resourceVersion": version,
+            "generation": 1,
+            "labels": {"team": "search"},
+            "annotations": {},
+        },
+        "spec": {"model": "sentence-transformers/all-MiniLM-L6-v2"},
+        "status": {"phase": "Pending"},
+    }
+
+
+def test_an_embeddingservice_wakes_the_reconciler_on_creation_and_edits_not_status_writes() -> None:
+    events = EssenceChanges(owner_essence)
+    created = embeddingservice()
+    assert events.worth_a_reconcile("default", "minilm", created, deleted=False), (
+        "created, or listed at startup: reconciled"
+    )
+    status_write = copy.deepcopy(created)
+    status_write["metadata"]["resourceVersion"] = "8"
+    status_write["status"] = {"phase": "Ready", "readyReplicas": 1}
+    assert not events.worth_a_reconcile("default", "minilm", status_write, deleted=False), (
+        "our own status write must not wake the reconciler again"
+    )
+    for change in ("spec", "labels", "annotations", "deletion"):
+        edited = copy.deepcopy(status_write)
+        edited["metadata"]["resourceVersion"] = f"9-{change}"
+        if change == "spec":
+            edited["spec"]["replicas"] = 3
+        elif change == "labels":
+            edited["metadata"]["labels"]["tier"] = "gold"
+        elif change == "annotations":
+            edited["metadata"]["annotations"]["embedding-operator.dev/served-model-aliases"] = "a"
+        else:
+            edited["metadata"]["deletionTimestamp"] = "2026-11-28T18:40:00Z"
+        assert events.worth_a_reconcile("default", "minilm", edited, deleted=False), change
+        status_write = edited
