@@ -340,6 +340,38 @@ async def test_the_hold_runs_to_its_own_deadline_not_the_request_timeout() -> No
     )
 
 
+async def test_a_retry_without_another_pod_is_held_within_the_request_timeout(
+    stubs: tuple[Stub, Stub],
+) -> None:
+    # The only pod answers 503 (draining): the retry waits for another one, but only as long
+    # as the upstream deadline allows, and then the client gets the first pod's answer.
+    draining, fresh = stubs
+    draining.status = 503
+    discovery = ListDiscovery([Service("s", ("m",), frozenset({draining.url}))])
+    async with (
+        running_gateway(discovery, request_timeout=0.5, hold_timeout=10) as (gateway, url),
+        httpx.AsyncClient(base_url=url, timeout=5) as client,
+    ):
+        await wait_until(lambda: _ready(gateway, "m", 1), what="the endpoint ready")
+        body = {"model": "m", "input": "x"}
+        # Within the client's 5 s: the 0.5 s request timeout bounds the retry's wait, not
+        # what is left of the 10 s hold.
+        alone = await client.post("/v1/embeddings", json=body)
+        assert alone.status_code == 503 and alone.json()["served_by"] == draining.url
+    # A second pod that appears while the retry is held answers it.
+    async with (
+        running_gateway(discovery, request_timeout=5, hold_timeout=10) as (gateway, url),
+        httpx.AsyncClient(base_url=url, timeout=10) as client,
+    ):
+        await wait_until(lambda: _ready(gateway, "m", 1), what="the endpoint ready")
+        held = asyncio.create_task(client.post("/v1/embeddings", json=body))
+        await wait_until(lambda: gateway.holding.held("m") == 1, what="the retry held")
+        discovery.set([Service("s", ("m",), frozenset({draining.url, fresh.url}))])
+        answer = await held
+    assert answer.status_code == 200 and answer.json()["served_by"] == fresh.url
+    assert len(draining.received) == 2 and len(fresh.received) == 1
+
+
 async def test_retry_after_is_half_the_hold_timeout_up_to_30_s() -> None:
     # With the default 300 s hold, a client told to come back in 150 s would miss a model
     # that woke meanwhile.
