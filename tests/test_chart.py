@@ -109,6 +109,8 @@ def test_values_yaml_satisfies_its_schema(
         ({"gateway": {"replicas": 0}}, "a gateway that is enabled with no pod"),
         ({"gateway": {"service": {"type": "ExternalName"}}}, "a Service type with no pods"),
         ({"gateway": {"holdTimeoutSeconds": "30s"}}, "a duration as a string"),
+        ({"gateway": {"holdTimeoutSeconds": 300000}}, "milliseconds given for seconds"),
+        ({"gateway": {"requestTimeoutSeconds": 0}}, "a request that may take no time"),
         ({"gateway": {"bulkApiKeysSecret": {"name": "Keys"}}}, "a Secret name in capitals"),
         ({"gateway": {"bulkApiKeysSecret": {"name": "k", "key": ""}}}, "an empty Secret key"),
         ({"gateway": {"bulkApiKeysSecret": {"secretName": "k"}}}, "a typo of name"),
@@ -968,6 +970,8 @@ def test_the_gateway_is_off_by_default_and_complete_when_on(helm: Path) -> None:
     assert container["image"] == f"ghcr.io/embedding-operator/embedding-server:{app_version}"
     assert container["args"][:2] == ["gateway", "--discovery=kubernetes"]
     assert not any(a.startswith("--namespace") for a in container["args"])
+    # A cold start's hold (300 s) before the pod's own 60 s: the two are separate deadlines.
+    assert {"--hold-timeout=300", "--request-timeout=60"} <= set(container["args"])
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
     assert container["securityContext"]["readOnlyRootFilesystem"] is True

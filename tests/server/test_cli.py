@@ -331,6 +331,26 @@ def test_inspect_exits_1_with_the_refusal_for_a_model_that_would_not_serve(
             "--poll-interval / EMBEDDING_GATEWAY_POLL_INTERVAL",
         ),
         (["--routes", "m=not-a-url"], "--routes: 'not-a-url' is not an http(s) URL"),
+        (
+            ["--routes", "m=http://a:1", "--hold-timeout", "-1"],
+            "--hold-timeout / EMBEDDING_GATEWAY_HOLD_TIMEOUT: Input should be greater than or "
+            "equal to 0",
+        ),
+        # Milliseconds given for seconds, and a hold that never ends, are refused.
+        (
+            ["--routes", "m=http://a:1", "--hold-timeout", "300000"],
+            "--hold-timeout / EMBEDDING_GATEWAY_HOLD_TIMEOUT: Input should be less than or "
+            "equal to 3600",
+        ),
+        (
+            ["--routes", "m=http://a:1", "--hold-timeout", "inf"],
+            "--hold-timeout / EMBEDDING_GATEWAY_HOLD_TIMEOUT: Input should be less than or "
+            "equal to 3600",
+        ),
+        (
+            ["--routes", "m=http://a:1", "--request-timeout", "0"],
+            "--request-timeout / EMBEDDING_GATEWAY_REQUEST_TIMEOUT: Input should be greater than 0",
+        ),
     ],
 )
 def test_the_gateway_refuses_bad_settings_with_one_line(args: list[str], named: str) -> None:

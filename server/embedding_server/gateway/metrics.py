@@ -21,8 +21,9 @@ PREFIX = "embedding_gateway"
 HELD_REQUESTS_METRIC = f"{PREFIX}_held_requests"
 LAST_REQUEST_METRIC = f"{PREFIX}_last_request_timestamp_seconds"
 
-# The server's request-latency buckets, and a minute: a held request can wait that long.
-_LATENCY_BUCKETS = (*LATENCY_BUCKETS, 60.0)
+# The server's request-latency buckets, then up to ten minutes: a request held through a
+# cold start waits minutes (--hold-timeout, 300 s, before its --request-timeout, 60 s).
+_LATENCY_BUCKETS = (*LATENCY_BUCKETS, 60.0, 120.0, 300.0, 600.0)
 
 
 class GatewayMetrics:

@@ -85,6 +85,11 @@ _HOP_BY_HOP = frozenset(
 )
 _RESPONSE_SKIP = _HOP_BY_HOP | {"date", "server"}
 
+MAX_RETRY_AFTER_SECONDS = 30.0
+"""The longest ``Retry-After`` a 503 for a model without a ready endpoint suggests (half the
+hold timeout, up to this): a model that wakes while its clients are away should not wait
+for clients told to come back minutes later."""
+
 
 class _ModelField(msgspec.Struct):
     """Only ``model``; every other field of the body is skipped, not decoded."""
@@ -143,6 +148,17 @@ class Catalog:
 
     def endpoints(self) -> set[str]:
         return {url for service in self.services.values() for url in service.endpoints}
+
+
+@dataclass
+class _Deadlines:
+    """A request's two clocks (``time.monotonic()``), each started when its phase begins:
+    ``hold`` when the request is first held (``--hold-timeout`` in all, over every wait),
+    ``upstream`` when a ready endpoint is first picked (``--request-timeout`` for the
+    forwarding, one retry included). Time held never counts against the upstream work."""
+
+    hold: float | None = None
+    upstream: float | None = None
 
 
 @dataclass
@@ -312,7 +328,7 @@ class Gateway:
         started = time.monotonic()
         label = ""
         try:
-            response, label = await self._forward(request, started)
+            response, label = await self._forward(request)
         except web.HTTPRequestEntityTooLarge:
             response = error_response(
                 413,
@@ -325,7 +341,7 @@ class Gateway:
             self.metrics.request_seconds.labels(label).observe(time.monotonic() - started)
         return response
 
-    async def _forward(self, request: web.Request, started: float) -> tuple[web.Response, str]:
+    async def _forward(self, request: web.Request) -> tuple[web.Response, str]:
         body = await request.read()
         service, problem = self._service_of(body)
         if service is None:
@@ -336,7 +352,7 @@ class Gateway:
         priority, problem = self._priority(request)
         if problem is not None:
             return problem, name
-        deadline = started + self.settings.request_timeout
+        deadlines = _Deadlines()
         tokens = max(1, int(len(body) * TOKENS_PER_BYTE))
         headers = _forward_headers(request.headers.items())
         # The priority as decided here (by header or by --bulk-routes), so that the pod
@@ -345,11 +361,13 @@ class Gateway:
         tried: set[str] = set()
         fallback: web.Response | None = None
         for attempt in range(2):
-            state, problem = await self._pick(service, tokens, priority, deadline, tried)
+            state, problem = await self._pick(service, tokens, priority, deadlines, tried)
             if state is None:
                 assert problem is not None
                 return (fallback if fallback is not None and attempt else problem), name
-            outcome = await self._attempt(state, request, body, headers, tokens, deadline)
+            if deadlines.upstream is None:
+                deadlines.upstream = time.monotonic() + self.settings.request_timeout
+            outcome = await self._attempt(state, request, body, headers, tokens, deadlines.upstream)
             if isinstance(outcome, web.Response):
                 return outcome, name
             fallback = outcome.fallback
@@ -438,10 +456,11 @@ class Gateway:
         service: Service,
         tokens: int,
         priority: Priority,
-        deadline: float,
+        deadlines: _Deadlines,
         tried: set[str],
     ) -> tuple[EndpointState | None, web.Response | None]:
-        """A ready endpoint not tried yet, holding the request while there is none."""
+        """A ready endpoint not tried yet, holding the request while there is none: up to
+        its hold deadline, and on a retry no longer than its upstream deadline either."""
         name = service.name
         held = False
         while True:
@@ -451,7 +470,12 @@ class Gateway:
             candidates = [s for s in self.ready_endpoints(service) if s.url not in tried]
             if candidates:
                 break
-            remaining = min(deadline - time.monotonic(), self.settings.hold_timeout)
+            now = time.monotonic()
+            if deadlines.hold is None:
+                deadlines.hold = now + self.settings.hold_timeout
+            remaining = deadlines.hold - now
+            if deadlines.upstream is not None:  # a retry's wait is part of the upstream work
+                remaining = min(remaining, deadlines.upstream - now)
             if held or remaining <= 0:
                 self.metrics.decisions.labels(name, "hold_timeout").inc()
                 return None, self._unavailable(name)
@@ -466,7 +490,7 @@ class Gateway:
                     "requests as it may; retry later.",
                     error_type="server_error",
                     code="model_unavailable",
-                    retry_after=max(1.0, self.settings.hold_timeout / 2),
+                    retry_after=self._retry_after(),
                 )
             held = not released
         limit = self.settings.saturation_backlog_seconds
@@ -489,8 +513,11 @@ class Gateway:
             "retry later.",
             error_type="server_error",
             code="model_unavailable",
-            retry_after=max(1.0, self.settings.hold_timeout / 2),
+            retry_after=self._retry_after(),
         )
+
+    def _retry_after(self) -> float:
+        return min(MAX_RETRY_AFTER_SECONDS, max(1.0, self.settings.hold_timeout / 2))
 
     async def _attempt(
         self,

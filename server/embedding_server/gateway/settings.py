@@ -13,6 +13,11 @@ Priority = Literal["interactive", "bulk"]
 
 GATEWAY_ENV_PREFIX = "EMBEDDING_GATEWAY_"
 
+MAX_TIMEOUT_SECONDS = 3600.0
+"""The most --hold-timeout and --request-timeout may be: an hour. Clients and load balancers
+have given up long before; a larger value is most likely milliseconds given for seconds
+(and an infinite one would make Retry-After unwritable)."""
+
 
 class GatewaySettings(BaseSettings):
     """How the gateway listens, finds its models, picks endpoints and holds requests."""
@@ -64,14 +69,20 @@ class GatewaySettings(BaseSettings):
     request_timeout: float = Field(
         60.0,
         gt=0,
-        description="Seconds a request may take through the gateway, holding and one retry "
-        "included; past it the client gets 503 (held) or 504 (upstream).",
+        le=MAX_TIMEOUT_SECONDS,
+        description="Seconds a request's upstream work may take, one retry included, counted "
+        "from when a ready endpoint is picked (time held before that counts against "
+        "--hold-timeout, not this); past it the client gets 504.",
     )
     hold_timeout: float = Field(
-        30.0,
+        300.0,
         ge=0,
-        description="Seconds a request for a model with no ready endpoint is held before it "
-        "gets 503 with Retry-After (0: answer 503 at once).",
+        le=MAX_TIMEOUT_SECONDS,
+        description="Seconds in all a request for a model with no ready endpoint is held "
+        "before it gets 503 with Retry-After (0: answer 503 at once). The "
+        "default covers a cold start on a node without the image: the autoscaler's scrape "
+        "and poll, the 6.4 GB server image's pull and the model's load. Once released, the "
+        "request gets the whole --request-timeout.",
     )
     max_held_requests: int = Field(
         256, ge=0, description="Most requests held per model; past it, 503 with Retry-After."

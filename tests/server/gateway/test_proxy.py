@@ -259,6 +259,135 @@ async def test_a_held_request_is_answered_once_an_endpoint_appears() -> None:
     assert answer.status_code == 200 and answer.json()["served_by"] == stub.url
 
 
+async def _held_then_ready(
+    stub: Stub, *, hold_for: float, **settings: float
+) -> tuple[Gateway, httpx.Response, float, float]:
+    """A request for a model with no endpoint, held ``hold_for`` seconds before ``stub``
+    appears: the gateway, the answer, seconds from sending to the answer and from the
+    endpoint's appearance to the answer."""
+    discovery = ListDiscovery([Service("s", ("cold",), frozenset())])
+    loop = asyncio.get_running_loop()
+    async with (
+        running_gateway(discovery, **settings) as (gateway, url),
+        httpx.AsyncClient(base_url=url, timeout=30) as client,
+    ):
+        sent = loop.time()
+        held = asyncio.create_task(
+            client.post("/v1/embeddings", json={"model": "cold", "input": "x"})
+        )
+        await wait_until(lambda: gateway.holding.held("cold") == 1, what="held")
+        await asyncio.sleep(hold_for - (loop.time() - sent))
+        assert not held.done(), "answered while held"
+        appeared = loop.time()
+        discovery.set([Service("s", ("cold",), frozenset({stub.url}))])
+        answer = await held
+        answered = loop.time()
+    return gateway, answer, answered - sent, answered - appeared
+
+
+async def test_a_request_held_longer_than_the_request_timeout_is_still_answered() -> None:
+    # A cold start outlasts --request-timeout: the hold has its own deadline, and the request
+    # released from it is answered, not cut short by the time it spent held.
+    stub = await Stub("cold").start()
+    stub.delay = 0.2
+    try:
+        gateway, answer, total, _ = await _held_then_ready(
+            stub, hold_for=1.5, request_timeout=1.0, hold_timeout=10
+        )
+    finally:
+        await stub.stop()
+    assert answer.status_code == 200 and answer.json()["served_by"] == stub.url
+    # The request-latency histogram is still arrival to answer, the hold included.
+    observed = _sample(gateway, "request_seconds_sum", {"model": "cold"})
+    assert _sample(gateway, "request_seconds_count", {"model": "cold"}) == 1
+    assert 1.5 <= observed <= total
+
+
+async def test_a_released_request_gets_the_whole_request_timeout_upstream() -> None:
+    # Held 1.5 s, then sent to a pod that takes 2.5 s: the 504 comes a whole
+    # --request-timeout (1 s) after the pod appeared, not at once for the time already held.
+    stub = await Stub("cold").start()
+    stub.delay = 2.5
+    try:
+        _, answer, _, upstream = await _held_then_ready(
+            stub, hold_for=1.5, request_timeout=1.0, hold_timeout=10
+        )
+    finally:
+        await stub.stop()
+    assert answer.status_code == 504
+    assert answer.json()["error"]["code"] == "upstream_timeout"
+    assert len(stub.received) == 1
+    assert upstream >= 1.0
+
+
+async def test_the_hold_runs_to_its_own_deadline_not_the_request_timeout() -> None:
+    discovery = ListDiscovery([Service("s", ("cold",), frozenset())])
+    loop = asyncio.get_running_loop()
+    async with (
+        running_gateway(discovery, hold_timeout=0.8, request_timeout=0.2) as (gateway, url),
+        httpx.AsyncClient(base_url=url, timeout=30) as client,
+    ):
+        sent = loop.time()
+        answer = await client.post("/v1/embeddings", json={"model": "cold", "input": "x"})
+        waited = loop.time() - sent
+    assert answer.status_code == 503
+    assert answer.json()["error"]["code"] == "model_unavailable"
+    assert int(answer.headers["Retry-After"]) >= 1
+    assert waited >= 0.8
+    assert (
+        _sample(gateway, "routing_decisions_total", {"model": "cold", "decision": "hold_timeout"})
+        == 1
+    )
+
+
+async def test_a_retry_without_another_pod_is_held_within_the_request_timeout(
+    stubs: tuple[Stub, Stub],
+) -> None:
+    # The only pod answers 503 (draining): the retry waits for another one, but only as long
+    # as the upstream deadline allows, and then the client gets the first pod's answer.
+    draining, fresh = stubs
+    draining.status = 503
+    discovery = ListDiscovery([Service("s", ("m",), frozenset({draining.url}))])
+    async with (
+        running_gateway(discovery, request_timeout=0.5, hold_timeout=10) as (gateway, url),
+        httpx.AsyncClient(base_url=url, timeout=5) as client,
+    ):
+        await wait_until(lambda: _ready(gateway, "m", 1), what="the endpoint ready")
+        body = {"model": "m", "input": "x"}
+        # Within the client's 5 s: the 0.5 s request timeout bounds the retry's wait, not
+        # what is left of the 10 s hold.
+        alone = await client.post("/v1/embeddings", json=body)
+        assert alone.status_code == 503 and alone.json()["served_by"] == draining.url
+    # A second pod that appears while the retry is held answers it.
+    async with (
+        running_gateway(discovery, request_timeout=5, hold_timeout=10) as (gateway, url),
+        httpx.AsyncClient(base_url=url, timeout=10) as client,
+    ):
+        await wait_until(lambda: _ready(gateway, "m", 1), what="the endpoint ready")
+        held = asyncio.create_task(client.post("/v1/embeddings", json=body))
+        await wait_until(lambda: gateway.holding.held("m") == 1, what="the retry held")
+        discovery.set([Service("s", ("m",), frozenset({draining.url, fresh.url}))])
+        answer = await held
+    assert answer.status_code == 200 and answer.json()["served_by"] == fresh.url
+    assert len(draining.received) == 2 and len(fresh.received) == 1
+
+
+async def test_retry_after_is_half_the_hold_timeout_up_to_30_s() -> None:
+    # With the default 300 s hold, a client told to come back in 150 s would miss a model
+    # that woke meanwhile.
+    discovery = ListDiscovery([Service("s", ("cold",), frozenset())])
+    answers = {}
+    for hold_timeout in (300.0, 20.0, 0.0):
+        async with (
+            running_gateway(discovery, hold_timeout=hold_timeout, max_held_requests=0) as (_, url),
+            httpx.AsyncClient(base_url=url) as client,
+        ):
+            answer = await client.post("/v1/embeddings", json={"model": "cold", "input": "x"})
+            assert answer.status_code == 503
+            answers[hold_timeout] = answer.headers["Retry-After"]
+    assert answers == {300.0: "30", 20.0: "10", 0.0: "1"}
+
+
 async def test_a_client_that_hangs_up_leaves_the_holding_queue() -> None:
     # The held-requests gauge is what scales a model from zero: it must count live demand.
     discovery = ListDiscovery([Service("s", ("cold",), frozenset())])
