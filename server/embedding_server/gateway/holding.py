@@ -24,6 +24,10 @@ class HoldFullError(Exception):
     """The model's holding queue is at its request or token bound."""
 
 
+class HoldClosedError(Exception):
+    """The gateway is shutting down: nothing is held any more (:meth:`Holding.close`)."""
+
+
 @dataclass
 class _Waiter:
     tokens: int
@@ -55,6 +59,7 @@ class Holding:
         self._max_tokens = max_tokens
         self._on_change = on_change
         self._models: dict[str, _ModelHold] = {}
+        self._closed = False
 
     def held(self, model: str) -> int:
         hold = self._models.get(model)
@@ -63,8 +68,11 @@ class Holding:
     async def wait(self, model: str, tokens: int, priority: Priority, timeout: float) -> bool:
         """Hold until :meth:`release` for ``model`` (True) or ``timeout`` seconds (False).
 
-        Raises :class:`HoldFullError` at once when the model already holds its bound.
+        Raises :class:`HoldFullError` at once when the model already holds its bound, and
+        :class:`HoldClosedError` once the gateway is shutting down (:meth:`close`).
         """
+        if self._closed:
+            raise HoldClosedError(model)
         hold = self._models.setdefault(model, _ModelHold())
         if hold.count + 1 > self._max_requests or hold.tokens + tokens > self._max_tokens:
             raise HoldFullError(model)
@@ -99,3 +107,20 @@ class Holding:
                 released += 1
         self._on_change(model, hold.count)
         return released
+
+    def close(self) -> int:
+        """Shutting down: wake every held request with :class:`HoldClosedError`, so that its
+        client is answered (503, retry elsewhere) within the shutdown's grace period rather
+        than cut off at its end, and hold nothing from now on; return how many were held."""
+        self._closed = True
+        woken = 0
+        for model, hold in self._models.items():
+            for queue in (hold.interactive, hold.bulk):
+                while queue:
+                    waiter = queue.popleft()
+                    hold.tokens -= waiter.tokens
+                    if not waiter.future.done():
+                        waiter.future.set_exception(HoldClosedError(model))
+                    woken += 1
+            self._on_change(model, hold.count)
+        return woken

@@ -69,7 +69,8 @@ class GatewayMetrics:
             f"{PREFIX}_routing_decisions",
             "How each attempt was routed, by model and decision: picked (of two or more ready "
             "endpoints), only (one ready endpoint), held (no ready endpoint), hold_timeout, "
-            "hold_full, saturated (bulk refused with 429).",
+            "hold_full, saturated (bulk refused with 429), shutdown (held when the gateway "
+            "stopped).",
             ["model", "decision"],
             registry=r,
         )

@@ -39,7 +39,7 @@ from embedding_server.gateway.balancer import (
     random_choice,
 )
 from embedding_server.gateway.discovery import Discovery, Service
-from embedding_server.gateway.holding import HoldFullError, Holding
+from embedding_server.gateway.holding import HoldClosedError, HoldFullError, Holding
 from embedding_server.gateway.metrics import GatewayMetrics
 from embedding_server.gateway.settings import GatewaySettings, Priority
 
@@ -213,8 +213,16 @@ class Gateway:
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics_page)
         app.on_startup.append(self._start)
+        # aiohttp runs on_shutdown once it stops accepting connections and before it waits
+        # for in-flight requests: held ones are answered then, not cut off at the grace end.
+        app.on_shutdown.append(self._close_holding)
         app.on_cleanup.append(self._stop)
         return app
+
+    async def _close_holding(self, app: web.Application) -> None:
+        woken = self.holding.close()
+        if woken:
+            logger.info("shutting down: %d held requests answered 503 to retry elsewhere", woken)
 
     async def _start(self, app: web.Application) -> None:
         connector = aiohttp.TCPConnector(
@@ -482,6 +490,16 @@ class Gateway:
             self.metrics.decisions.labels(name, "held").inc()
             try:
                 released = await self.holding.wait(name, tokens, priority, remaining)
+            except HoldClosedError:
+                self.metrics.decisions.labels(name, "shutdown").inc()
+                return None, error_response(
+                    503,
+                    f"The gateway is shutting down and was holding this request for {name!r}; "
+                    "it reached no pod: retry.",
+                    error_type="server_error",
+                    code="model_unavailable",
+                    retry_after=1.0,
+                )
             except HoldFullError:
                 self.metrics.decisions.labels(name, "hold_full").inc()
                 return None, error_response(
