@@ -683,16 +683,9 @@ class PrometheusAdapter(Component):
         self.rules_file.write_text(self.rules)
 
     def argv(self) -> list[str]:
-        pki = self.api.pki
         return [
             str(self.binary),
-            f"--bind-address={node.NODE_IP}",
-            f"--secure-port={self.port}",
-            f"--tls-cert-file={pki.adapter_serving.cert}",
-            f"--tls-private-key-file={pki.adapter_serving.key}",
-            f"--lister-kubeconfig={self.kubeconfig}",
-            f"--authentication-kubeconfig={self.kubeconfig}",
-            f"--authorization-kubeconfig={self.kubeconfig}",
+            *aggregated_server_flags(self.port, self.api.pki.adapter_serving, self.kubeconfig),
             f"--prometheus-url={self.prometheus_url}/",
             "--metrics-relist-interval=5s",
             f"--config={self.rules_file}",
@@ -798,24 +791,32 @@ class KedaMetricsServer(Component):
         return keda_env(self.kubeconfig)
 
     def argv(self) -> list[str]:
-        keda = self.api.pki.keda
         return [
             str(self.binary),
-            f"--bind-address={node.NODE_IP}",
-            f"--secure-port={self.port}",
-            f"--tls-cert-file={keda.cert}",
-            f"--tls-private-key-file={keda.key}",
+            *aggregated_server_flags(self.port, self.api.pki.keda, self.kubeconfig),
             # The gRPC client's certificate and CA: ca.crt, tls.crt and tls.key in here.
             f"--cert-dir={self.cert_dir}",
-            f"--lister-kubeconfig={self.kubeconfig}",
-            f"--authentication-kubeconfig={self.kubeconfig}",
-            f"--authorization-kubeconfig={self.kubeconfig}",
             f"--metrics-service-address=127.0.0.1:{self.grpc_port}",
             f"--port={self.metrics_port}",
         ]
 
     def healthy(self) -> bool:
         return self.api.get("/apis/external.metrics.k8s.io/v1beta1") is not None
+
+
+def aggregated_server_flags(port: int, serving: KeyPair, kubeconfig: Path) -> list[str]:
+    """The flags of a custom-metrics-apiserver (prometheus-adapter, KEDA's metrics server) on
+    the node IP, where the aggregation layer dials it: its serving certificate, and the admin
+    kubeconfig for its lister, authentication and authorization."""
+    return [
+        f"--bind-address={node.NODE_IP}",
+        f"--secure-port={port}",
+        f"--tls-cert-file={serving.cert}",
+        f"--tls-private-key-file={serving.key}",
+        f"--lister-kubeconfig={kubeconfig}",
+        f"--authentication-kubeconfig={kubeconfig}",
+        f"--authorization-kubeconfig={kubeconfig}",
+    ]
 
 
 def keda_env(kubeconfig: Path) -> dict[str, str]:
