@@ -350,7 +350,19 @@ class Gateway:
         return response
 
     async def _forward(self, request: web.Request) -> tuple[web.Response, str]:
-        body = await request.read()
+        try:
+            # A body trickled in byte by byte would hold this handler forever: the time to
+            # receive it is bounded like the upstream work is.
+            async with asyncio.timeout(self.settings.request_timeout):
+                body = await request.read()
+        except TimeoutError:
+            return error_response(
+                408,
+                "The request body did not arrive within the gateway's request timeout "
+                f"({self.settings.request_timeout:g} s); send it whole and retry.",
+                error_type="invalid_request_error",
+                code="request_timeout",
+            ), ""
         service, problem = self._service_of(body)
         if service is None:
             assert problem is not None

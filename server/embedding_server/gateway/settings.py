@@ -72,7 +72,8 @@ class GatewaySettings(BaseSettings):
         le=MAX_TIMEOUT_SECONDS,
         description="Seconds a request's upstream work may take, one retry included, counted "
         "from when a ready endpoint is picked (time held before that counts against "
-        "--hold-timeout, not this); past it the client gets 504.",
+        "--hold-timeout, not this); past it the client gets 504. Receiving the request "
+        "body is bounded by it too, separately (past it, 408 request_timeout).",
     )
     hold_timeout: float = Field(
         300.0,

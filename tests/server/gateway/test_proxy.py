@@ -511,3 +511,30 @@ def test_the_gateway_forwards_exactly_the_servers_model_routes() -> None:
         if "POST" in getattr(route, "methods", ())
     }
     assert set(FORWARDED_ROUTES) == posts
+
+
+async def test_a_body_that_trickles_in_gets_a_408_within_the_request_timeout(
+    stubs: tuple[Stub, Stub],
+) -> None:
+    """A client that sends its headers and then holds back the body cannot keep a handler
+    (and its connection) forever: it is answered 408 at the request timeout."""
+    a, _ = stubs
+    discovery = ListDiscovery([Service("s", ("m",), frozenset({a.url}))])
+    async with running_gateway(discovery, request_timeout=0.5) as (_gateway, url):
+        port = int(url.rsplit(":", 1)[1])
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        body = b'{"model": "m", "input": "x"}'
+        writer.write(
+            b"POST /v1/embeddings HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body) + body[:5]
+        )
+        await writer.drain()
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
+        answer = await asyncio.wait_for(reader.read(4096), timeout=10)
+        waited = loop.time() - sent
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 408"), answer
+    assert b'"code":"request_timeout"' in answer
+    assert 0.4 <= waited < 5, waited
+    assert a.received == [], "nothing reached the pod"
