@@ -30,7 +30,7 @@ import json
 import secrets
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -410,6 +410,65 @@ def test_readme_path_serves_sentence_transformers_vectors(
 
 
 @pytest.mark.metrics_pipeline
+def load_until_scaled_out(
+    cluster: KubeClient,
+    client_pod: ClientPod,
+    namespace: str,
+    name: str,
+    *,
+    load: str,
+    seconds: int,
+    metric: Callable[[], float | None],
+    what: str,
+) -> None:
+    """Start closed-loop load on service ``name`` (pod ``load``, 12 clients of 16 texts for
+    ``seconds``); wait for its autoscaler's ``metric`` to read above zero (``what`` says which)
+    and for two or more ready replicas."""
+    start_client(
+        cluster,
+        client_pod,
+        namespace,
+        load,
+        LOAD_SCRIPT,
+        service_url(name, namespace),
+        str(seconds),
+        "12",
+        "16",
+    )
+    poll_until(
+        lambda: (metric() or 0) > 0 or None, timeout=SCALE_TIMEOUT_S, what=what, interval=2.0
+    )
+    poll_until(
+        lambda: len(ready_server_pods(cluster, namespace, name)) >= 2 or None,
+        timeout=SCALE_TIMEOUT_S,
+        what=f"the load to scale {name} to >= 2 ready replicas",
+        interval=2.0,
+    )
+
+
+def stop_load_and_scale_in(
+    cluster: KubeClient, namespace: str, name: str, *, load: str, hpa: str
+) -> None:
+    """Delete the ``load`` pod; wait for the HPA ``hpa`` (the operator's, or KEDA's) to want
+    one replica of ``name`` again, and for one ready replica."""
+    cluster.kubectl(
+        "delete", "pod", load, "-n", namespace, "--grace-period=0", "--force", "--wait=true"
+    )
+    poll_until(
+        lambda: (
+            (get_json(cluster, "hpa", hpa, "-n", namespace) or {})
+            .get("status", {})
+            .get("desiredReplicas")
+            == 1
+            or None
+        ),
+        timeout=SCALE_TIMEOUT_S,
+        what=f"the HPA {hpa} to scale {name} back to 1 once the load stopped",
+        interval=2.0,
+    )
+    wait_ready_replicas(cluster, namespace, name, 1)
+
+
 def test_queue_depth_scales_out_under_load_and_back_in(
     cluster: KubeClient, release: str, client_pod: ClientPod, namespace: str
 ) -> None:
@@ -431,18 +490,6 @@ def test_queue_depth_scales_out_under_load_and_back_in(
         wait_condition(cluster, namespace, "scaler", "Ready", "True", timeout=READY_TIMEOUT_S)
         wait_ready_replicas(cluster, namespace, "scaler", 1)
 
-        start_client(
-            cluster,
-            client_pod,
-            namespace,
-            "load",
-            LOAD_SCRIPT,
-            service_url("scaler", namespace),
-            "400",
-            "12",
-            "16",
-        )
-
         def hpa_metric() -> float | None:
             hpa = get_json(cluster, "hpa", "scaler", "-n", namespace)
             for metric in (hpa or {}).get("status", {}).get("currentMetrics") or []:
@@ -453,42 +500,24 @@ def test_queue_depth_scales_out_under_load_and_back_in(
                     )
             return None
 
-        poll_until(
-            lambda: (hpa_metric() or 0) > 0 or None,
-            timeout=SCALE_TIMEOUT_S,
+        load_until_scaled_out(
+            cluster,
+            client_pod,
+            namespace,
+            "scaler",
+            load="load",
+            seconds=400,
+            metric=hpa_metric,
             what="the HPA to read a non-zero embedding_server_queue_requests",
-            interval=2.0,
         )
         shown = cluster.kubectl("get", "hpa", "scaler", "-n", namespace).stdout
         assert "<unknown>" not in shown, shown
-        poll_until(
-            lambda: len(ready_server_pods(cluster, namespace, "scaler")) >= 2 or None,
-            timeout=SCALE_TIMEOUT_S,
-            what="the load to scale scaler to >= 2 ready replicas",
-            interval=2.0,
-        )
         # The queue the HPA read is the server's own gauge, per pod: what the custom metrics
         # API serves (prometheus-adapter, from what Prometheus scraped off the pods).
         assert custom_metric_pods(cluster, namespace, "embedding_server_queue_requests") & {
             p["metadata"]["name"] for p in ready_server_pods(cluster, namespace, "scaler")
         }
-
-        cluster.kubectl(
-            "delete", "pod", "load", "-n", namespace, "--grace-period=0", "--force", "--wait=true"
-        )
-        poll_until(
-            lambda: (
-                (get_json(cluster, "hpa", "scaler", "-n", namespace) or {})
-                .get("status", {})
-                .get("desiredReplicas")
-                == 1
-                or None
-            ),
-            timeout=SCALE_TIMEOUT_S,
-            what="the HPA to scale scaler back to 1 once the load stopped",
-            interval=2.0,
-        )
-        wait_ready_replicas(cluster, namespace, "scaler", 1)
+        stop_load_and_scale_in(cluster, namespace, "scaler", load="load", hpa="scaler")
 
 
 PACED_LOAD_SCRIPT = """
@@ -1383,28 +1412,15 @@ def test_keda_scales_out_under_load_and_back_in(
         # No HPA of the operator's own beside KEDA's: one autoscaler owns the Deployment.
         assert get_json(cluster, "hpa", "keda", "-n", namespace) is None
 
-        start_client(
+        load_until_scaled_out(
             cluster,
             client_pod,
             namespace,
-            "keda-load",
-            LOAD_SCRIPT,
-            service_url("keda", namespace),
-            "300",
-            "12",
-            "16",
-        )
-        poll_until(
-            lambda: (external_value(cluster, namespace, "keda") or 0) > 0 or None,
-            timeout=SCALE_TIMEOUT_S,
+            "keda",
+            load="keda-load",
+            seconds=300,
+            metric=lambda: external_value(cluster, namespace, "keda"),
             what="KEDA's HPA to read a non-zero backlog through external.metrics.k8s.io",
-            interval=2.0,
-        )
-        poll_until(
-            lambda: len(ready_server_pods(cluster, namespace, "keda")) >= 2 or None,
-            timeout=SCALE_TIMEOUT_S,
-            what="the load to scale keda to >= 2 ready replicas through KEDA",
-            interval=2.0,
         )
         # The value KEDA's HPA read is served by KEDA's metrics server, which runs the
         # trigger's PromQL (the backlog summed over this service's ready pods).
@@ -1420,23 +1436,7 @@ def test_keda_scales_out_under_load_and_back_in(
         )
         assert served.get("items"), served
 
-        cluster.kubectl(
-            "delete", "pod", "keda-load", "-n", namespace, "--grace-period=0", "--force",
-            "--wait=true",
-        )  # fmt: skip
-        poll_until(
-            lambda: (
-                (get_json(cluster, "hpa", keda_hpa("keda"), "-n", namespace) or {})
-                .get("status", {})
-                .get("desiredReplicas")
-                == 1
-                or None
-            ),
-            timeout=SCALE_TIMEOUT_S,
-            what="KEDA's HPA to scale keda back to 1 once the load stopped",
-            interval=2.0,
-        )
-        wait_ready_replicas(cluster, namespace, "keda", 1)
+        stop_load_and_scale_in(cluster, namespace, "keda", load="keda-load", hpa=keda_hpa("keda"))
 
 
 # Through the gateway to a service at zero replicas: the official openai client, no retry, a
