@@ -502,25 +502,23 @@ class Gateway:
             self.metrics.decisions.labels(name, "held").inc()
             try:
                 released = await self.holding.wait(name, tokens, priority, remaining)
-            except HoldClosedError:
-                self.metrics.decisions.labels(name, "shutdown").inc()
-                return None, error_response(
-                    503,
+            except (HoldClosedError, HoldFullError) as refused:
+                closing = isinstance(refused, HoldClosedError)
+                self.metrics.decisions.labels(name, "shutdown" if closing else "hold_full").inc()
+                message = (
                     f"The gateway is shutting down and was holding this request for {name!r}; "
-                    "it reached no pod: retry.",
-                    error_type="server_error",
-                    code="model_unavailable",
-                    retry_after=1.0,
+                    "it reached no pod: retry."
+                    if closing
+                    else f"The model {name!r} has no ready endpoint and already holds as many "
+                    "requests as it may; retry later."
                 )
-            except HoldFullError:
-                self.metrics.decisions.labels(name, "hold_full").inc()
                 return None, error_response(
                     503,
-                    f"The model {name!r} has no ready endpoint and already holds as many "
-                    "requests as it may; retry later.",
+                    message,
                     error_type="server_error",
                     code="model_unavailable",
-                    retry_after=self._retry_after(),
+                    # Closing: another gateway pod can hold it now.
+                    retry_after=1.0 if closing else self._retry_after(),
                 )
             held = not released
         limit = self.settings.saturation_backlog_seconds
