@@ -86,6 +86,7 @@ $(INFINITY_VENV)/bin/python:
 
 bench: $(call STAMP,dev) binaries $(INFINITY_VENV)/bin/python ## Benchmarks against sentence-transformers and peers (prints ratios)
 	$(PY) -m bench.offline --texts 200 --quantization int8 --infinity-python $(INFINITY_VENV)/bin/python
+	$(PY) -m bench.shape_grid
 	$(PY) -m bench.images --images 128
 	$(PY) -m bench.generic --texts 200
 	$(PY) -m bench.http_load --texts 256 --infinity-python $(INFINITY_VENV)/bin/python

@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 import torch
 
 from .configuration import EngineInfo
+from .device.attention import Backend
 from .device.configuration import DeviceHeads, choose_attention, describe, resolve_config
 from .device.distributed import SINGLE
 from .device.dtypes import resolve_device, resolve_dtype
@@ -154,6 +155,12 @@ class Engine(ServingEngine):
             attention=attention.backend,
             token_pooler=heads.sparse,
             token_head=heads.token_head,
+            # oneDNN's bfloat16/float16 matmuls on the CPU compile a kernel per shape (the
+            # varlen kernels are CUDA's; the transformers backend pads batches its own way).
+            shape_grid=loaded.backend == "native"
+            and device.type == "cpu"
+            and attention.backend in (Backend.SDPA_BUCKETED, Backend.SDPA_PADDED)
+            and loaded.dtype in (torch.bfloat16, torch.float16),
         )
         self._direct = DirectRunner(
             self._tokenizer,

@@ -54,6 +54,22 @@ logger = logging.getLogger(__name__)
 SMALL_BATCH_TOKENS = 256
 
 
+def token_grid(total: int) -> int:
+    """The token count a CPU batch in bfloat16 or float16 is padded to: a multiple of 16 up
+    to 128, then eight steps per doubling (at most 12.5% more rows).
+
+    oneDNN compiles a matmul kernel for each shape it meets (about 0.7 ms at 16 rows, 7-9 ms
+    at 2,000 on an AMX VM) and keeps 1,024 of them. A packed batch has a new row count almost
+    every time, so without a grid a serving process compiles kernels for ever: four linear
+    shapes per row count outrun the cache long before 2,048 row counts are seen. On the grid
+    there are eight row counts up to 128 and eight per doubling above, 64 up to 16,384
+    (docs/performance-log.md, "oneDNN kernels per batch shape")."""
+    if total <= 128:
+        return -(-total // 16) * 16
+    step = 1 << ((total - 1).bit_length() - 4)
+    return -(-total // step) * step
+
+
 @dataclass(frozen=True, slots=True)
 class PreparedBatch:
     """A batch packed for the device by :meth:`ModelRunner.prepare`, for
@@ -73,6 +89,9 @@ class PreparedBatch:
     copy), in the caller's order; None when it has none."""
     image_shapes: tuple[tuple[int, ...], ...] = ()
     """Each image's ``[3, H, W]`` shape (NaFlex SigLIP 2's differ)."""
+    fill: int = 0
+    """One-token filler sequences after the texts (:attr:`ModelRunner.shape_grid`), whose
+    rows the forward pass computes and :meth:`ModelRunner.execute` drops."""
 
 
 class BatchHead(Protocol):
@@ -109,8 +128,13 @@ class ModelRunner:
         attention: Backend = Backend.SDPA_BUCKETED,
         token_pooler: TokenPooler | None = None,
         token_head: TokenHead | None = None,
+        shape_grid: bool = False,
     ) -> None:
         self.model = model
+        self.shape_grid = shape_grid and getattr(model, "token_states", True)
+        """Pad each text batch to :func:`token_grid` tokens with one-token filler sequences
+        (CPU bfloat16/float16: oneDNN's kernels are per shape); their rows are dropped after
+        the forward pass."""
         self.token_pooler = token_pooler
         self.token_head = token_head
         self.device = device
@@ -285,27 +309,36 @@ class ModelRunner:
         inverse = np.empty(len(order), dtype=np.int64)
         inverse[np.asarray(order, dtype=np.int64)] = np.arange(len(order))
         stream = self._copy_stream
+        ids = [s.ids for s in ordered]
+        fill = 0
+        if self.shape_grid and ordered:
+            total = sum(len(i) for i in ids)
+            fill = token_grid(total) - total
+            # One-token sequences: they attend only to themselves, in one attention bucket
+            # of their own, so no real sequence sees them; their rows are dropped after the
+            # forward pass. Their token is the batch's first (a valid id of the vocabulary).
+            ids = ids + [ordered[0].ids[:1]] * fill
         with (
             torch.inference_mode(),
             torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(),
         ):
             batch = PackedBatch.build(
-                [s.ids for s in ordered],
+                ids,
                 self.device,
                 self.model.position_offset,
                 attention=self.attention,
                 token_types=(
-                    [s.type_ids or [0] * len(s.ids) for s in ordered]
+                    [s.type_ids or [0] * len(s.ids) for s in ordered] + [[0]] * fill
                     if any(s.type_ids for s in ordered)
                     else None
                 ),
                 adapters=(
-                    [-1 if s.adapter is None else s.adapter for s in ordered]
+                    [-1 if s.adapter is None else s.adapter for s in ordered] + [-1] * fill
                     if any(s.adapter is not None for s in ordered)
                     else None
                 ),
                 key_lens=(
-                    [len(s.ids) if s.key_len is None else s.key_len for s in ordered]
+                    [len(s.ids) if s.key_len is None else s.key_len for s in ordered] + [1] * fill
                     if any(s.key_len is not None for s in ordered)
                     else None
                 ),
@@ -316,7 +349,7 @@ class ModelRunner:
             if stream is not None:
                 copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 copied.record(stream)
-        return PreparedBatch(batch, ordered, inverse, copied, images, shapes)
+        return PreparedBatch(batch, ordered, inverse, copied, images, shapes, fill)
 
     def _execute(self, prepared: PreparedBatch) -> BatchOutput:
         batch, ordered = prepared.batch, prepared.ordered
@@ -341,6 +374,10 @@ class ModelRunner:
                 if torch.get_num_threads() != threads:
                     torch.set_num_threads(threads)
             hidden = self.model.forward(batch) if ordered else None
+            seqlens = batch.seqlens
+            if prepared.fill and hidden is not None:
+                seqlens = seqlens[: len(ordered)]
+                hidden = hidden[: hidden.shape[0] - prepared.fill]
             pictures = self._encode_images(prepared.images, prepared.image_shapes)
             if hidden is not None and hidden.is_cuda:
                 torch.cuda.synchronize(hidden.device)
@@ -352,9 +389,9 @@ class ModelRunner:
             if hidden is not None:
                 skip = None if self.include_prompt else [s.skip for s in ordered]
                 if self.token_pooler is not None:
-                    pooled = self.token_pooler(hidden, batch.seqlens)
+                    pooled = self.token_pooler(hidden, seqlens)
                 else:
-                    pooled = self.head.project(pool(hidden, batch.seqlens, self.pooling, skip))
+                    pooled = self.head.project(pool(hidden, seqlens, self.pooling, skip))
                 rows.append(pooled.float().cpu().numpy())
                 tokens_sorted = self._token_states(hidden, ordered)
             if pictures is not None:
