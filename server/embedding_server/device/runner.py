@@ -368,7 +368,7 @@ class ModelRunner:
                 if prepared.images is not None:
                     prepared.images.record_stream(forward_stream)
             if self.device.type == "cpu":
-                total = sum(batch.seqlens)
+                total = sum(batch.seqlens) - prepared.fill
                 total += len(prepared.image_shapes) * (image_tokens_of(self.model) or 0)
                 threads = 1 if total < SMALL_BATCH_TOKENS else self.cpu_threads
                 if torch.get_num_threads() != threads:
