@@ -155,11 +155,12 @@ class Engine(ServingEngine):
             attention=attention.backend,
             token_pooler=heads.sparse,
             token_head=heads.token_head,
-            # oneDNN's bfloat16/float16 matmuls on the CPU compile a kernel per shape (the
-            # varlen kernels are CUDA's; the transformers backend pads batches its own way).
+            # oneDNN's bfloat16/float16 matmuls on the CPU compile a kernel per shape. Only
+            # length buckets keep the fillers in one bucket of length 1 (sdpa_padded would
+            # pad each to the longest text; the transformers backend pads its own way).
             shape_grid=loaded.backend == "native"
             and device.type == "cpu"
-            and attention.backend in (Backend.SDPA_BUCKETED, Backend.SDPA_PADDED)
+            and attention.backend is Backend.SDPA_BUCKETED
             and loaded.dtype in (torch.bfloat16, torch.float16),
         )
         self._direct = DirectRunner(

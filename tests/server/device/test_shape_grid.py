@@ -77,3 +77,11 @@ def test_padded_bfloat16_vectors_point_where_float32_ones_do(bf16: Engine) -> No
     ours, want = np.asarray(bf16.embed(texts)), np.asarray(full.embed(texts))
     cosines = (ours * want).sum(1) / (np.linalg.norm(ours, axis=1) * np.linalg.norm(want, axis=1))
     assert cosines.min() >= 0.999, cosines
+
+
+def test_one_padded_attention_call_gets_no_fillers() -> None:
+    # sdpa_padded pads every sequence to the longest: a filler would cost a whole row there.
+    engine = Engine.from_pretrained(dtype="bfloat16", attention="sdpa_padded")
+    assert not engine._runner.shape_grid
+    prepared = engine._runner.prepare(_sequences())
+    assert prepared.fill == 0
