@@ -24,6 +24,11 @@ Targets (issue 34), printed beside the figures: single process, on the device mo
 the ceiling's requests/s on single texts and on 32-text requests, at p99 no worse than the
 ceiling's plus 10 ms; >= 3x infinity-emb's requests/s on single texts (near-zero model).
 
+The servers run in ``--rounds`` rounds (3 by default): in each, every server starts afresh,
+is measured on both loads and stops, in turns. A shared VM's speed drifts by a third between
+minutes, so one run of each, minutes apart, can put either side ahead; each ratio is taken
+within a round and the figure is the rounds' median, with every round's printed beside it.
+
 Load comes from ``wrk`` (Debian's, C, one thread) with a Lua script cycling through a
 deterministic mixed-length corpus: single-text requests, then 32-text requests, 32
 connections. Server and client are pinned to different CPUs (``taskset``) so that the client's
@@ -55,6 +60,7 @@ import contextlib
 import json
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -127,6 +133,8 @@ class Result:
     """The part of it spent on the processes' main threads, which run the event loops (HTTP,
     validation, inline tokenization, the answer); the rest is the model's forward thread,
     batch preparation and tokenizer threads. The ceiling does all its work there."""
+    round: int = 0
+    """Which round of ``--rounds`` measured it: every server runs once per round, in turns."""
 
 
 def build_model(path: Path) -> Path:
@@ -295,6 +303,7 @@ def measure(
     script: Path,
     loads: dict[str, tuple[int, Path]],
     args: argparse.Namespace,
+    round_: int = 0,
 ) -> list[Result]:
     results = []
     for load, (per_request, bodies) in loads.items():
@@ -318,10 +327,11 @@ def measure(
                 failed=raw["non2xx"] + raw["socket_errors"],
                 cpu_us_per_request=cpu / max(ok, 1) * 1e6,
                 loop_cpu_us_per_request=loop_cpu / max(ok, 1) * 1e6,
+                round=round_,
             )
         )
         print(
-            f"{name:>16} {load:>8}: {results[-1].requests_per_s:8.0f} req/s "
+            f"round {round_ + 1} {name:>16} {load:>8}: {results[-1].requests_per_s:8.0f} req/s "
             f"{results[-1].texts_per_s:8.0f} texts/s  p50 {results[-1].p50_ms:6.1f} ms  "
             f"p99 {results[-1].p99_ms:6.1f} ms  CPU {results[-1].cpu_us_per_request:6.0f} us/req "
             f"(loop {results[-1].loop_cpu_us_per_request:5.0f})  "
@@ -342,12 +352,12 @@ def chart(results: list[Result], path: Path) -> None:
     figure, axes = plt.subplots(1, len(loads), figsize=(5 * len(loads), 3.5))
     for axis, load in zip([axes] if len(loads) == 1 else axes, loads, strict=True):
         values = [
-            next(r.texts_per_s for r in results if r.server == s and r.load == load)
+            median([r.texts_per_s for r in results if r.server == s and r.load == load])
             for s in servers
         ]
         palette = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860"]
         axis.bar(servers, values, color=[palette[i % len(palette)] for i in range(len(servers))])
-        axis.set_title(f"{load} requests: texts/s")
+        axis.set_title(f"{load} requests: texts/s (median of rounds)")
     figure.tight_layout()
     figure.savefig(path)
 
@@ -401,6 +411,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=int, default=15, help="length of each measured run")
     parser.add_argument("--connections", type=int, default=32, help="wrk connections")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds: each server runs once per round, in turns; ratios are per round, and "
+        "the figure is their median",
+    )
     parser.add_argument("--texts", type=int, default=2048, help="corpus size")
     parser.add_argument("--server-cpus", default="0", help="CPUs the servers run on (taskset)")
     parser.add_argument("--client-cpus", default="1", help="CPUs wrk runs on (taskset)")
@@ -484,21 +501,27 @@ def main(argv: list[str] | None = None) -> int:
         servers.append(("ceiling", ceiling))
     results: list[Result] = []
     profile: list[str] = []
-    for name, command in servers:
-        port = free_port()
-        command = [part.replace("{port}", str(port)) for part in command]
-        log = work / f"{name.replace(' ', '-')}.log"
-        try:
-            with running(name, pinned(args.server_cpus, command), port, log) as (url, server):
-                results.extend(measure(name, url, server, script, loads, args))
-                if args.py_spy and name == "embedding-server":
-                    for load, (_, bodies) in loads.items():
-                        profile += profile_load(load, url, server, script, bodies, args)
-        except RuntimeError as error:
-            if name != "infinity-emb":
-                raise
-            infinity_note = f"infinity-emb: not measured ({error})"
-            print(infinity_note)
+    # Rounds: every server once per round, in turns, each in a fresh process. This VM's speed
+    # drifts by a third between minutes, so a ratio is taken within a round (its two servers
+    # ran minutes apart at most) and the rounds' median is the figure.
+    for round_ in range(args.rounds):
+        for name, command in servers:
+            if name == "infinity-emb" and infinity_note:
+                continue  # it failed to start in an earlier round
+            port = free_port()
+            command = [part.replace("{port}", str(port)) for part in command]
+            log = work / f"{name.replace(' ', '-')}.log"
+            try:
+                with running(name, pinned(args.server_cpus, command), port, log) as (url, server):
+                    results.extend(measure(name, url, server, script, loads, args, round_))
+                    if args.py_spy and name == "embedding-server" and round_ == 0:
+                        for load, (_, bodies) in loads.items():
+                            profile += profile_load(load, url, server, script, bodies, args)
+            except RuntimeError as error:
+                if name != "infinity-emb":
+                    raise
+                infinity_note = f"infinity-emb: not measured ({error})"
+                print(infinity_note)
     summary = ratios(results)
     if infinity_note:
         summary.append(infinity_note)
@@ -616,17 +639,58 @@ def verdict(met: bool) -> str:
     return "met" if met else "MISSED"
 
 
+def median(values: list[float]) -> float:
+    return float(statistics.median(values)) if values else 0.0
+
+
+def merged(results: list[Result], server: str, load: str) -> Result | None:
+    """``server``'s figures on ``load``: the median of its rounds, field by field."""
+    runs = [r for r in results if r.server == server and r.load == load]
+    if not runs:
+        return None
+    return Result(
+        server=server,
+        load=load,
+        texts_per_request=runs[0].texts_per_request,
+        requests_per_s=median([r.requests_per_s for r in runs]),
+        texts_per_s=median([r.texts_per_s for r in runs]),
+        p50_ms=median([r.p50_ms for r in runs]),
+        p99_ms=median([r.p99_ms for r in runs]),
+        failed=sum(r.failed for r in runs),
+        cpu_us_per_request=median([r.cpu_us_per_request for r in runs]),
+        loop_cpu_us_per_request=median([r.loop_cpu_us_per_request for r in runs]),
+    )
+
+
+def round_ratios(results: list[Result], server: str, other: str, load: str) -> list[float]:
+    """``server``'s requests/s over ``other``'s on ``load``, in each round both ran."""
+    by = {(r.server, r.load, r.round): r for r in results}
+    out = []
+    for round_ in sorted({r.round for r in results}):
+        mine, theirs = by.get((server, load, round_)), by.get((other, load, round_))
+        if mine is not None and theirs is not None and theirs.requests_per_s > 0:
+            out.append(mine.requests_per_s / theirs.requests_per_s)
+    return out
+
+
+def described(ratios: list[float]) -> str:
+    """The median of per-round ratios, and each round's."""
+    rounds = ", ".join(f"{r:.2f}" for r in ratios)
+    return f"{median(ratios):.2f}x requests/s (median of rounds: {rounds})"
+
+
 def ratios(results: list[Result]) -> list[str]:
-    by = {(r.server, r.load): r for r in results}
+    """The comparisons, each a median of per-round ratios, with the targets."""
     lines = []
     for load in dict.fromkeys(r.load for r in results):
-        ours = by.get(("embedding-server", load))
-        ceiling = by.get(("ceiling", load))
-        if ours is not None and ceiling is not None and ceiling.requests_per_s > 0:
-            ratio = ours.requests_per_s / ceiling.requests_per_s
+        ours = merged(results, "embedding-server", load)
+        ceiling = merged(results, "ceiling", load)
+        per_round = round_ratios(results, "embedding-server", "ceiling", load)
+        if ours is not None and ceiling is not None and per_round:
+            ratio = median(per_round)
             p99_limit = ceiling.p99_ms + P99_SLACK_MS
             lines.append(
-                f"{load}: embedding-server / ceiling = {ratio:.2f}x requests/s "
+                f"{load}: embedding-server / ceiling = {described(per_round)} "
                 f"(target >= {CEILING_TARGET}x: {verdict(ratio >= CEILING_TARGET)}), "
                 f"p99 {ours.p99_ms:.1f} vs {ceiling.p99_ms:.1f} ms (target <= "
                 f"{p99_limit:.1f} ms: {verdict(ours.p99_ms <= p99_limit)}), "
@@ -639,33 +703,38 @@ def ratios(results: list[Result]) -> list[str]:
                 )
             )
             lines.append(budget_line(load, ours, ceiling, CEILING_TARGET))
-        near_zero = by.get((NEAR_ZERO_OURS, load)) or by.get(("embedding-server", load))
-        infinity = by.get(("infinity-emb", load))
-        if near_zero is not None and infinity is not None and infinity.requests_per_s > 0:
-            ratio = near_zero.requests_per_s / infinity.requests_per_s
+        near_zero_name = (
+            NEAR_ZERO_OURS
+            if any(r.server == NEAR_ZERO_OURS for r in results)
+            else "embedding-server"
+        )
+        near_zero = merged(results, near_zero_name, load)
+        infinity = merged(results, "infinity-emb", load)
+        per_round = round_ratios(results, near_zero_name, "infinity-emb", load)
+        if near_zero is not None and infinity is not None and per_round:
+            ratio = median(per_round)
             target = f" (target >= {INFINITY_TARGET}x: {verdict(ratio >= INFINITY_TARGET)})"
             lines.append(
-                f"{load}: {near_zero.server} / infinity-emb (near-zero BERT) = {ratio:.2f}x "
-                f"requests/s{target if load == '1-text' else ''}, p99 {near_zero.p99_ms:.1f} vs "
-                f"{infinity.p99_ms:.1f} ms, CPU per request {near_zero.cpu_us_per_request:.0f} "
-                f"vs {infinity.cpu_us_per_request:.0f} us"
+                f"{load}: {near_zero.server} / infinity-emb (near-zero BERT) = "
+                f"{described(per_round)}{target if load == '1-text' else ''}, p99 "
+                f"{near_zero.p99_ms:.1f} vs {infinity.p99_ms:.1f} ms, CPU per request "
+                f"{near_zero.cpu_us_per_request:.0f} vs {infinity.cpu_us_per_request:.0f} us"
             )
     for name in dict.fromkeys(r.server for r in results):
         if not name.startswith("embedding-server x"):
             continue
         for load in dict.fromkeys(r.load for r in results):
-            one, many = by.get(("embedding-server", load)), by.get((name, load))
-            if one and many and one.requests_per_s > 0:
+            one, many = merged(results, "embedding-server", load), merged(results, name, load)
+            per_round = round_ratios(results, name, "embedding-server", load)
+            if one and many and per_round:
                 lines.append(
-                    f"{load}: {name} / embedding-server = "
-                    f"{many.requests_per_s / one.requests_per_s:.2f}x requests/s, "
+                    f"{load}: {name} / embedding-server = {described(per_round)}, "
                     f"p99 {many.p99_ms:.0f} vs {one.p99_ms:.0f} ms"
                 )
-                ceiling = by.get(("ceiling", load))
-                if ceiling and ceiling.requests_per_s > 0:
+                per_round = round_ratios(results, name, "ceiling", load)
+                if per_round:
                     lines.append(
-                        f"{load}: {name} / ceiling = "
-                        f"{many.requests_per_s / ceiling.requests_per_s:.2f}x requests/s "
+                        f"{load}: {name} / ceiling = {described(per_round)} "
                         f"(the target is single-process; for comparison)"
                     )
     return lines
