@@ -19,6 +19,7 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from embedding_server.api.direct import DirectRoutes, direct_routes
 from embedding_server.api.errors import install_error_handlers
@@ -51,6 +52,49 @@ Connect = Callable[[ServerSettings, Metrics], Awaitable[ServingEngine]]
 (:func:`embedding_server.engine.load_engine`, which the CLI passes), or, in an
 ``--api-workers`` front-end, connect to the engine process. The HTTP layer never imports
 the model runtime itself (the import contracts in pyproject.toml)."""
+
+
+class EmbeddingApp(FastAPI):
+    """FastAPI, with the JSON POST routes (:mod:`embedding_server.api.direct`) entered at the
+    server's own outermost middleware.
+
+    Starlette passes every request through five layers before the first user middleware:
+    FastAPI's and Starlette's ``__call__``, ``ServerErrorMiddleware``, FastAPI's telemetry
+    and body-limit layers. The telemetry is off here and no ``max_body_size`` is set, so for
+    these routes they only cost a coroutine frame on every resume of the request (several
+    per request, a few percent of a single text's event-loop time: docs/performance-log.md).
+    A direct route's request starts at :class:`RequestContextMiddleware` (or the tracing
+    layer outside it), which already turns an unexpected exception into the server's own
+    500; every other request, and the lifespan, take FastAPI's whole stack as before."""
+
+    direct_paths: frozenset[str] = frozenset()
+    """The paths whose POSTs :class:`DirectRoutes` serves."""
+    _direct_entry: ASGIApp | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] == "http"
+            and scope["method"] == "POST"
+            and scope["path"] in self.direct_paths
+        ):
+            entry = self._direct_entry or self._user_stack()
+            if self.root_path:
+                scope["root_path"] = self.root_path
+            scope["app"] = self  # what Request.app reads, as Starlette sets it
+            await entry(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
+
+    def _user_stack(self) -> ASGIApp:
+        """The outermost user middleware of the built stack (built as Starlette would)."""
+        if self.middleware_stack is None:
+            self.middleware_stack = self.build_middleware_stack()
+        outermost = self.user_middleware[0].cls
+        node: object = self.middleware_stack
+        while not isinstance(node, outermost):  # type: ignore[arg-type]
+            node = getattr(node, "app")  # noqa: B009  (each layer wraps the next as .app)
+        self._direct_entry = node  # type: ignore[assignment]
+        return self._direct_entry  # type: ignore[return-value]
 
 
 async def _bring_up(lifecycle: Lifecycle, connect: Connect | None) -> None:
@@ -132,7 +176,7 @@ def create_app(
                 tracing.shutdown()  # the last spans leave before the process does
             logger.info("stopped")
 
-    app = FastAPI(
+    app = EmbeddingApp(
         title="embedding-server",
         summary="OpenAI-compatible, Cohere-style and vLLM-style embedding endpoints.",
         version=_version(),
@@ -153,6 +197,7 @@ def create_app(
     route_paths = [getattr(route, "path", "") for router in ROUTERS for route in router.routes]
     # Added first, so it runs inside the request context (id, auth, limits, metrics).
     posts = direct_routes(ROUTERS)
+    app.direct_paths = frozenset(posts)
     app.add_middleware(DirectRoutes, routes=posts, limits=functools.partial(_limits, lifecycle))
     app.add_middleware(
         RequestContextMiddleware,
