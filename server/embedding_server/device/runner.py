@@ -351,6 +351,23 @@ class ModelRunner:
                 copied.record(stream)
         return PreparedBatch(batch, ordered, inverse, copied, images, shapes, fill)
 
+    def _forward(self, batch: PackedBatch, ordered: Sequence[SequenceInput]) -> torch.Tensor:
+        """The model's forward pass over ``batch`` (``ordered``: its sequences)."""
+        return self.model.forward(batch)
+
+    def _pool(
+        self,
+        hidden: torch.Tensor,
+        batch: PackedBatch,
+        seqlens: Sequence[int],
+        skip: Sequence[int] | None,
+    ) -> torch.Tensor:
+        """One vector per sequence of ``hidden`` (the first ``len(seqlens)`` of ``batch``),
+        through the batch head or the token pooler."""
+        if self.token_pooler is not None:
+            return self.token_pooler(hidden, seqlens)
+        return self.head.project(pool(hidden, seqlens, self.pooling, skip))
+
     def _execute(self, prepared: PreparedBatch) -> BatchOutput:
         batch, ordered = prepared.batch, prepared.ordered
         with self._lock, torch.inference_mode():
@@ -373,7 +390,7 @@ class ModelRunner:
                 threads = 1 if total < SMALL_BATCH_TOKENS else self.cpu_threads
                 if torch.get_num_threads() != threads:
                     torch.set_num_threads(threads)
-            hidden = self.model.forward(batch) if ordered else None
+            hidden = self._forward(batch, ordered) if ordered else None
             seqlens = batch.seqlens
             if prepared.fill and hidden is not None:
                 seqlens = seqlens[: len(ordered)]
@@ -388,10 +405,7 @@ class ModelRunner:
             tokens_sorted: list[FloatArray | None] = []
             if hidden is not None:
                 skip = None if self.include_prompt else [s.skip for s in ordered]
-                if self.token_pooler is not None:
-                    pooled = self.token_pooler(hidden, seqlens)
-                else:
-                    pooled = self.head.project(pool(hidden, seqlens, self.pooling, skip))
+                pooled = self._pool(hidden, batch, seqlens, skip)
                 rows.append(pooled.float().cpu().numpy())
                 tokens_sorted = self._token_states(hidden, ordered)
             if pictures is not None:

@@ -142,3 +142,55 @@ def test_bad_device_options_are_refused_naming_them(model: str, field: str) -> N
     with pytest.raises(InvalidRequestError, match=field) as caught:
         FakeOptions.parse(model)
     assert caught.value.param == "model"
+
+
+# -- no per-token work on the host ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls", "last"])
+def test_pooled_from_ids_is_the_plain_fake_models_vector(pooling: str) -> None:
+    """The device-shaped model pools from the token ids, without per-token rows on the host;
+    what a client gets is the plain fake model's vector (same tokenizer, same tables)."""
+    device = f"fake?tokenizer=minilm&pooling={pooling}&device_us_per_token=0.1&device_launch_us=1"
+    with (
+        Engine.from_pretrained(f"fake?tokenizer=minilm&pooling={pooling}", dtype="float32") as a,
+        Engine.from_pretrained(device, dtype="float32") as b,
+    ):
+        np.testing.assert_allclose(b.embed(TEXTS), a.embed(TEXTS), rtol=0, atol=2e-6)
+        # Truncated to fewer dimensions and left unnormalized too.
+        np.testing.assert_allclose(
+            b.embed(TEXTS, dimensions=64, normalize=False),
+            a.embed(TEXTS, dimensions=64, normalize=False),
+            rtol=0,
+            atol=2e-5,
+        )
+
+
+def test_the_forward_pass_hands_the_host_no_token_rows_unless_token_states_are_asked(
+    device_engine: Engine,
+) -> None:
+    runner = device_engine._runner
+    model = runner.model
+    assert isinstance(model, FakeModel)
+    shapes: list[tuple[bool, int]] = []
+    original = model.forward
+
+    def watched(batch: PackedBatch, *, rows: bool = True) -> torch.Tensor:
+        hidden = original(batch, rows=rows)
+        shapes.append((model.is_placeholder(hidden), hidden.shape[0]))
+        return hidden
+
+    model.forward = watched  # type: ignore[method-assign]
+    try:
+        vectors = device_engine.embed(TEXTS)
+        states = device_engine.embed_tokens(TEXTS)
+    finally:
+        del model.forward
+    tokens = sum(len(s) for s in states)
+    # The embeddings' pass got rows that hold no memory; the token states' pass real ones.
+    assert shapes[0] == (True, tokens)
+    assert shapes[-1] == (False, tokens)
+    # The token states are the rows whose mean is the vector.
+    means = np.stack([s.mean(axis=0) for s in states])
+    means /= np.linalg.norm(means, axis=1, keepdims=True)
+    np.testing.assert_allclose(means, vectors, rtol=0, atol=1e-2)
