@@ -234,10 +234,11 @@ class FakeModel:
             # float32 tables for pooled(): a sequence's positions are 0..L-1, so their sum
             # is one row of a running sum.
             self._tokens32 = self.tokens.float()
+            self._positions32 = self.positions.float()
             self._position_sums = torch.cat(
                 [
                     torch.zeros(1, options.dim, device=device),
-                    torch.cumsum(self.positions.float(), 0),
+                    torch.cumsum(self._positions32, 0),
                 ]
             )
 
@@ -247,9 +248,7 @@ class FakeModel:
         return self._placeholder.expand(tokens, -1)
 
     def is_placeholder(self, hidden: torch.Tensor) -> bool:
-        return hidden.data_ptr() == self._placeholder.data_ptr() and (
-            hidden.shape[0] <= 1 or hidden.stride(0) == 0
-        )
+        return hidden.data_ptr() == self._placeholder.data_ptr()
 
     def pooled(
         self, input_ids: torch.Tensor, seqlens: Sequence[int], method: PoolingMethod
@@ -275,7 +274,7 @@ class FakeModel:
             raise ValueError(f"the device-shaped fake model pools mean, cls or last, not {method}")
         return self._tokens32.index_select(
             0, input_ids.index_select(0, rows)
-        ) + self.positions.float().index_select(0, positions)
+        ) + self._positions32.index_select(0, positions)
 
     def device_seconds(self, tokens: int) -> float:
         """How long a forward pass over ``tokens`` tokens waits for the simulated device."""
