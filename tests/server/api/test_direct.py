@@ -1,7 +1,9 @@
 """The POST routes are served by ``api/direct.py`` rather than through FastAPI's request
-machinery: a client must not be able to tell. Each request below goes to the server as it
-runs and to the same app with that layer taken out (FastAPI serving every route itself),
-and the two answers must match: status, error type, field and code, and the payload."""
+machinery, and enter the app at the server's own outermost middleware (``EmbeddingApp``)
+rather than through Starlette's outer layers: a client must not be able to tell. Each
+request below goes to the server as it runs and to the same app with both shortcuts taken
+out (FastAPI's whole stack serving every route itself), and the two answers must match:
+status, error type, field and code, and the payload."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from embedding_server.api.app import EmbeddingApp
 from embedding_server.api.direct import DirectRoutes, direct_routes
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
@@ -37,6 +40,8 @@ def framework() -> Iterator[RunningServer]:
         m for m in server.app.user_middleware if m.cls is not DirectRoutes
     ]
     assert len(server.app.user_middleware) == before - 1
+    assert isinstance(server.app, EmbeddingApp)
+    server.app.direct_paths = frozenset()  # every request through Starlette's outer layers
     server.start()
     try:
         yield server
@@ -147,6 +152,43 @@ def test_the_body_limit_and_the_request_context_still_apply(direct: RunningServe
         timeout=10,
         what="the request counted by endpoint and status",
     )
+
+
+class _Spy:
+    """An ASGI layer that records the paths it is called for, then passes them on."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.paths: list[str] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            self.paths.append(f"{scope['method']} {scope['path']}")
+        await self.app(scope, receive, send)
+
+
+def test_json_posts_skip_starlettes_outer_layers_and_nothing_else_does(
+    direct: RunningServer,
+) -> None:
+    app = direct.app
+    assert httpx.post(direct.url + "/v1/embeddings", json={"input": "warm"}).status_code == 200
+    outer = app.middleware_stack  # Starlette's ServerErrorMiddleware and what it wraps
+    spy = app.middleware_stack = _Spy(outer)
+    try:
+        answer = httpx.post(
+            direct.url + "/v1/embeddings", json={"input": "a"}, headers={"x-request-id": "r-7"}
+        )
+        health = httpx.get(direct.url + "/health")
+        unknown = httpx.post(direct.url + "/v1/nothing-here", json={})
+    finally:
+        app.middleware_stack = outer
+    # The JSON POST still went through the server's own middleware (request id, timing)...
+    assert answer.status_code == 200 and answer.headers["x-request-id"] == "r-7"
+    assert len(answer.json()["data"][0]["embedding"]) > 0
+    assert "x-total-time" in answer.headers
+    # ... but not through Starlette's outer layers; a GET and an unknown path did.
+    assert health.status_code == 200 and unknown.status_code == 404
+    assert spy.paths == ["GET /health", "POST /v1/nothing-here"]
 
 
 def test_a_post_route_of_another_shape_is_refused_when_the_app_is_built() -> None:
