@@ -6,10 +6,11 @@ the 2-D tensors of each entry of the body's ``layers``) become :class:`Int8Weigh
 output channel, symmetric (scale ``max|w| / 127``), with no float copy kept. At run time each
 token's activations are quantized the same way with their own scale (dynamic, per token: one
 outlier token does not coarsen the grid of the whole packed batch), multiplied in int8 with
-int32 accumulation by torch's ``_int_mm`` (oneDNN on the CPU: AVX-512 VNNI, AMX-INT8 where
-present), and rescaled to float32 with the bias added. Embedding tables, norms, position
-tables, a body's own projection and every head stay float32: they are not in the blocks' 2-D
-fields, and they are a small share of the work.
+int32 accumulation by torch's ``_int_mm`` (oneDNN's int8 GEMM on the CPU, which uses AVX-512
+VNNI; on an AMX CPU it still runs through oneDNN's ``gemm_api``, not the AMX matmul primitive
+bfloat16 gets: docs/performance-log.md), and rescaled to float32 with the bias added.
+Embedding tables, norms, position tables, a body's own projection and every head stay
+float32: they are not in the blocks' 2-D fields, and they are a small share of the work.
 
 Why per token and ``_int_mm`` rather than ``quantized::linear_dynamic`` (fbgemm, the kernel
 behind ``torch.ao``'s dynamic quantization): that kernel quantizes activations per tensor,
