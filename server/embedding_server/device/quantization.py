@@ -6,9 +6,17 @@ the 2-D tensors of each entry of the body's ``layers``) become :class:`Int8Weigh
 output channel, symmetric (scale ``max|w| / 127``), with no float copy kept. At run time each
 token's activations are quantized the same way with their own scale (dynamic, per token: one
 outlier token does not coarsen the grid of the whole packed batch), multiplied in int8 with
-int32 accumulation by torch's ``_int_mm`` (oneDNN's int8 GEMM on the CPU, which uses AVX-512
-VNNI; on an AMX CPU it still runs through oneDNN's ``gemm_api``, not the AMX matmul primitive
-bfloat16 gets: docs/performance-log.md), and rescaled to float32 with the bias added.
+int32 accumulation, and rescaled to float32 with the bias added. The product runs on one of
+two torch kernels (:func:`amx_int8_available` decides, when a weight is made):
+
+* on CPUs with AMX-INT8 tiles, oneDNN's prepacked ``qlinear`` (``torch.ops.onednn``, what
+  torch's own x86 int8 lowering uses; oneDNN's AMX brgemm). It takes one activation scale
+  per tensor, so it is given a scale of 1 and the int8 values shifted to uint8 around a
+  zero point of 128, and each token's own scale is applied to its output row afterwards:
+  the scale factors out of the row's sums, so the product is exactly the per-token one;
+* elsewhere ``torch._int_mm`` (oneDNN's int8 GEMM API: AVX-512 VNNI), which on an AMX CPU
+  does not reach the tiles (2-3.5x slower on MiniLM's up-projection there:
+  docs/performance-log.md).
 Embedding tables, norms, position tables, a body's own projection and every head stay
 float32: they are not in the blocks' 2-D fields, and they are a small share of the work.
 
@@ -41,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
+from embedding_server.device.dtypes import cpu_flags
 from embedding_server.errors import UnsupportedModelError
 
 logger = logging.getLogger(__name__)
@@ -58,6 +67,19 @@ def _quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 _TINY = torch.finfo(torch.float32).tiny
 
+_UINT8_ZERO = 128
+"""Where the int8 grid's zero sits once shifted into uint8 for oneDNN's ``qlinear``."""
+
+
+def amx_int8_available() -> bool:
+    """True where the int8 products run on oneDNN's prepacked ``qlinear`` (the CPU has
+    AMX-INT8 tiles and this torch has the operator); else they run on ``torch._int_mm``."""
+    return (
+        "amx_int8" in cpu_flags()
+        and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+        and hasattr(torch.ops.onednn, "qlinear_pointwise")
+    )
+
 
 class Int8Weight(torch.Tensor):
     """A ``[out, in]`` linear weight held as int8 with one scale per output row, no float
@@ -68,6 +90,10 @@ class Int8Weight(torch.Tensor):
     """``[in, out]``: the transposed view ``_int_mm`` multiplies by (its fast layout)."""
     _scale: torch.Tensor
     """``[out]`` float32."""
+    _packed: torch.Tensor | None
+    """The int8 values prepacked for oneDNN's AMX ``qlinear`` (None: ``_int_mm`` is used)."""
+    _zero_points: torch.Tensor
+    """``[out]`` zeros: the weights are symmetric."""
 
     @staticmethod
     def __new__(cls, weight: torch.Tensor) -> Int8Weight:
@@ -78,6 +104,10 @@ class Int8Weight(torch.Tensor):
         )
         int8, out._scale = _quantize(weight)
         out._int8 = int8.t()
+        out._packed = None
+        out._zero_points = torch.zeros(weight.shape[0], dtype=torch.int64)
+        if amx_int8_available():
+            out._packed = torch.ops.onednn.qlinear_prepack(int8, None)
         return out
 
     def __init__(self, weight: torch.Tensor) -> None:
@@ -102,6 +132,18 @@ class Int8Weight(torch.Tensor):
         )
         row_scale = row_scale.clamp_min_(_TINY).div_(127.0)
         scaled = rows / row_scale
+        if self._packed is not None:
+            # Activation scale 1 and zero point 128 here, the weight's per-row scales inside;
+            # each token's own scale then multiplies its row: exactly the per-token product.
+            shifted = scaled.round_().add_(_UINT8_ZERO).to(torch.uint8)
+            out: torch.Tensor = torch.ops.onednn.qlinear_pointwise(
+                shifted, 1.0, _UINT8_ZERO, self._packed, self._scale, self._zero_points,
+                None, 1.0, 0, torch.float32, "none", [], "",
+            )  # fmt: skip
+            out.mul_(row_scale)
+            if bias is not None:
+                out.add_(bias)
+            return out.reshape(*x.shape[:-1], self.shape[0])
         quantized = scaled.round_().to(torch.int8)
         # int32 sums times float32 row scales: one pass that is also the conversion; the
         # column scales and the bias then in place (no more [tokens, out] buffers).
@@ -219,8 +261,9 @@ def quantize_layers(body: Any) -> int:
         )
     logger.info(
         "quantization int8: %d linear weights in %d blocks as int8 per output channel "
-        "(activations quantized per token at run time)",
+        "(activations quantized per token at run time), products on %s",
         count,
         len(layers),
+        "oneDNN's AMX qlinear" if amx_int8_available() else "torch._int_mm",
     )
     return count

@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from embedding_server.device import quantization
 from embedding_server.device.inspection import inspect_model
 from embedding_server.device.loading import load_model
-from embedding_server.device.quantization import Int8Weight
+from embedding_server.device.quantization import Int8Weight, amx_int8_available
 from embedding_server.engine import Engine
 from embedding_server.errors import UnsupportedModelError
 from embedding_server.settings import EngineSettings
@@ -52,6 +53,47 @@ def test_int8_linear_is_close_to_float_and_quantizes_each_token_on_its_own() -> 
     assert torch.allclose(no_bias + b, ours, atol=1e-4)
     batched = F.linear(x.view(3, 4, 64), q, b)  # leading dimensions are kept
     assert torch.allclose(batched.view(12, 96), ours)
+
+
+HAS_QLINEAR = (
+    hasattr(torch.ops.onednn, "qlinear_pointwise") and torch.backends.mkldnn.is_available()
+)
+
+
+@pytest.mark.skipif(not HAS_QLINEAR, reason="this torch has no oneDNN qlinear operator")
+def test_onednns_qlinear_computes_exactly_the_per_token_int8_product(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The AMX path (oneDNN's qlinear, given activation scale 1 and each token's scale
+    applied afterwards) and the _int_mm path are the same product: forced here on any x86
+    CPU, where oneDNN runs the same qlinear on the instructions it has."""
+    torch.manual_seed(2)
+    w, b = torch.randn(200, 72) * 0.05, torch.randn(200)
+    x = torch.randn(37, 72)
+    x[5] *= 500.0  # an outlier token keeps its own scale on both paths
+    x[9] = 0.0  # an all-zero token: scale clamped, an exact zero product
+    monkeypatch.setattr(quantization, "amx_int8_available", lambda: True)
+    amx = Int8Weight(w)
+    monkeypatch.setattr(quantization, "amx_int8_available", lambda: False)
+    plain = Int8Weight(w)
+    assert amx._packed is not None and plain._packed is None
+    for bias in (b, None):
+        ours, theirs = F.linear(x, amx, bias), F.linear(x, plain, bias)
+        assert ours.shape == theirs.shape == (37, 200) and ours.dtype == torch.float32
+        scale = theirs.abs().amax(dim=1, keepdim=True).clamp_min(1e-6)
+        assert ((ours - theirs).abs() / scale).max() < 1e-5
+    assert torch.equal(F.linear(x[9:10], amx), torch.zeros(1, 200))
+    batched = F.linear(x[:36].view(4, 9, 72), amx, b)  # leading dimensions are kept
+    assert torch.allclose(batched.view(36, 200), F.linear(x[:36], amx, b))
+    assert F.linear(x[:0], amx, b).shape == (0, 200)
+
+
+def test_the_amx_kernel_is_chosen_exactly_where_the_cpu_has_amx_int8() -> None:
+    chosen = Int8Weight(torch.randn(8, 4))._packed is not None
+    assert chosen == amx_int8_available()
+    assert amx_int8_available() == (
+        "amx_int8" in Path("/proc/cpuinfo").read_text().split() and HAS_QLINEAR
+    )
 
 
 def test_int8_weight_holds_int8_and_reads_as_its_dequantized_value() -> None:
