@@ -1,8 +1,9 @@
 """Child processes of the e2e control plane: start, probe, stop, and never leave strays.
 
-Also the two helpers every runner of local servers needs (the e2e tier, the unit tests that
-start ``embedding-server serve``, the benchmarks): ``free_port()`` and ``child_process()`` /
-``stop_child()`` for a plain ``subprocess.Popen`` that must not outlive its block.
+Also the helpers every runner of local servers needs (the e2e tier, the unit tests that start
+``embedding-server serve``, the benchmarks): ``free_port()`` / ``free_ports()``, and
+``child_process()`` / ``stop_child()`` for a plain ``subprocess.Popen`` that must not outlive
+its block.
 
 Every component runs in its own session (``start_new_session``), so its process group id is
 its pid and ``killpg`` reaches anything it forks. Stopping is SIGTERM to the group, a bounded
@@ -18,6 +19,7 @@ import ctypes
 import errno
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -65,9 +67,62 @@ def poll_until(
         delay = min(delay * 1.5, max_interval)
 
 
+# Ports handed out by this process: a later call never repeats one, even after its holder exits.
+_GIVEN: set[int] = set()
+# Below the kernel's ephemeral range (32768 and up unless tuned) nothing is ever given out by
+# connect() or bind(0). CI caught the kernel's own pick (bind to port 0, close, return) being
+# taken in the gap by an outgoing connection's source port on a busy node, and the operator
+# exited with EADDRINUSE. Ports here are taken only by an explicit bind.
+_LOWEST = 10000
+
+
+def _ephemeral_floor() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct TCP ports that nothing is bound to now, on ``host`` or any address.
+
+    Drawn at random below the kernel's ephemeral range, so no outgoing connection can take
+    one before the caller binds it; only another explicit bind could, and each is checked
+    free on the wildcard address, which fails if any socket holds the port."""
+    ceiling = _ephemeral_floor()
+    if ceiling - _LOWEST < 1000:  # a tuned range that leaves no room: the kernel's own picks
+        return [_kernel_pick(host) for _ in range(count)]
+    rng = random.SystemRandom()
+    ports: list[int] = []
+    for _ in range(count * 200):
+        if len(ports) == count:
+            break
+        port = rng.randrange(_LOWEST, ceiling)
+        if port in _GIVEN or port in ports:
+            continue
+        if _bindable("", port) and (host in ("", "0.0.0.0") or _bindable(host, port)):
+            ports.append(port)
+    if len(ports) < count:
+        raise RuntimeError(f"no {count} free ports in [{_LOWEST}, {ceiling}) after many tries")
+    _GIVEN.update(ports)
+    return ports
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that nothing listens on now (the kernel's pick). Another process
-    could take it before the caller binds; on a test machine that has not been seen."""
+    """One TCP port nothing is bound to now: ``free_ports(1, host)[0]``."""
+    return free_ports(1, host)[0]
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _kernel_pick(host: str) -> int:
     with socket.socket() as probe:
         probe.bind((host, 0))
         return int(probe.getsockname()[1])

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import urllib.request
 from typing import Any
 
@@ -21,6 +20,7 @@ from embedding_operator.workqueue import RateLimitingQueue
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from e2e.harness.proc import free_port
 from tests.operator.test_op_workqueue import FINE, RETRY, Clock, Scripted, _api_error, _until
 from tests.support.operator import FakeCluster
 
@@ -280,9 +280,7 @@ def test_restarts_are_counted_by_why_the_server_ended() -> None:
 
 
 def test_metrics_are_served_over_http() -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     metrics = OperatorMetrics()
     metrics.leader.set(1)
     server = serve(metrics, port, host="127.0.0.1")

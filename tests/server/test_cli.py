@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from embedding_server.cli import (
 )
 from embedding_server.settings import ServerSettings
 
+from e2e.harness.proc import free_port
 from tests.support.models import rewrite_checkpoint
 
 SCRIPT = os.path.join(os.path.dirname(sys.executable), "embedding-server")
@@ -135,9 +135,7 @@ def test_failures_do_not_repeat_setting_values_nor_print_the_api_key(tmp_path: P
     assert "EMBEDDING_SERVER_MAX_BATCH_TOKENS" in bad.stderr and "s3cr3t" not in bad.stderr
     model_dir = tmp_path / "a-model-dir"
     model_dir.mkdir()  # exists, but holds no model
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     failed = run_cli(
         "serve",
         "--model", str(model_dir),
@@ -162,9 +160,7 @@ def test_a_failure_quoting_text_equal_to_a_setting_is_left_as_it_is(tmp_path: Pa
     model_dir = tmp_path / "blip"
     model_dir.mkdir()
     (model_dir / "config.json").write_text('{"model_type": "blip", "architectures": ["BlipModel"]}')
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     failed = run_cli(
         "serve",
         "--model", str(model_dir),
@@ -180,9 +176,7 @@ def test_a_failure_quoting_text_equal_to_a_setting_is_left_as_it_is(tmp_path: Pa
 
 
 def test_a_tensor_parallel_size_that_does_not_divide_the_heads_exits_1_naming_them() -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     result = run_cli("serve", "--tensor-parallel-size", "5", "--port", str(port), timeout=120)
     assert result.returncode == 1
     errors = [line for line in result.stderr.splitlines() if "cannot serve" in line]
@@ -191,9 +185,7 @@ def test_a_tensor_parallel_size_that_does_not_divide_the_heads_exits_1_naming_th
 
 
 def test_a_model_that_cannot_load_exits_1_with_one_clear_line() -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     result = run_cli("serve", "--model", "fake?bogus=1", "--port", str(port), timeout=120)
     assert result.returncode == 1
     assert "Traceback" not in result.stderr

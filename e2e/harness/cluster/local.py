@@ -13,16 +13,14 @@ starts.
 
 ``stop()`` (and any failure during ``start()``) stops the components in reverse order, SIGTERM
 then SIGKILL, whole process groups, then cleans up after the node. Ports are free ports on
-127.0.0.1 picked at start.
+127.0.0.1 picked at start, below the kernel's ephemeral range (``free_ports``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
-import socket
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, fields
@@ -48,7 +46,7 @@ from e2e.harness.components import Component, Launcher, Teardown, stop_processes
 from e2e.harness.host_packages import ensure_packages
 from e2e.harness.pki import Pki, create_pki
 from e2e.harness.probes import AdminApi
-from e2e.harness.proc import ClusterError, Process
+from e2e.harness.proc import ClusterError, Process, free_ports
 
 log = logging.getLogger("e2e.cluster")
 
@@ -101,14 +99,8 @@ class Ports:
 
     @classmethod
     def pick_free(cls) -> Ports:
-        # Hold every socket open until all are bound, so no two ports coincide.
-        with contextlib.ExitStack() as stack:
-            ports = []
-            for _ in fields(cls):
-                sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-                sock.bind(("127.0.0.1", 0))
-                ports.append(sock.getsockname()[1])
-        return cls(*ports)
+        # Distinct, and below the ephemeral range: see free_ports.
+        return cls(*free_ports(len(fields(cls))))
 
 
 C = TypeVar("C", bound=Component)

@@ -10,7 +10,6 @@ be broken here; the fake model's ``device_error_after`` raises the error torch r
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -21,6 +20,7 @@ from embedding_server.device.dtypes import fatal_device_error
 from embedding_server.engine import Engine
 from embedding_server.errors import EngineFailedError
 
+from e2e.harness.proc import free_port
 from tests.support.api import wait_for
 
 SCRIPT = os.path.join(os.path.dirname(sys.executable), "embedding-server")
@@ -68,9 +68,7 @@ def test_after_a_fatal_device_error_the_engine_refuses_work_and_says_so() -> Non
 
 
 def test_the_server_stops_being_ready_and_exits_1() -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDDING_SERVER_")}
     # Forward pass 1 is the warm-up, 2 the first request; 3 and later fail.
