@@ -72,8 +72,10 @@ _GIVEN: set[int] = set()
 # Below the kernel's ephemeral range (32768 and up unless tuned) nothing is ever given out by
 # connect() or bind(0). CI caught the kernel's own pick (bind to port 0, close, return) being
 # taken in the gap by an outgoing connection's source port on a busy node, and the operator
-# exited with EADDRINUSE. Ports here are taken only by an explicit bind.
-_LOWEST = 10000
+# exited with EADDRINUSE. Ports here are taken only by an explicit bind. The window also stays
+# clear of the well-known component ports (8080-10259) and Kubernetes' NodePorts (30000+).
+_LOWEST = 20000
+_HIGHEST = 30000
 
 
 def _ephemeral_floor() -> int:
@@ -89,7 +91,7 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     Drawn at random below the kernel's ephemeral range, so no outgoing connection can take
     one before the caller binds it; only another explicit bind could, and each is checked
     free on the wildcard address, which fails if any socket holds the port."""
-    ceiling = _ephemeral_floor()
+    ceiling = min(_ephemeral_floor(), _HIGHEST)
     if ceiling - _LOWEST < 1000:  # a tuned range that leaves no room: the kernel's own picks
         return [_kernel_pick(host) for _ in range(count)]
     rng = random.SystemRandom()
