@@ -3,10 +3,11 @@ the CPU (``--quantization int8``).
 
 Every transformer block's linear weights (attention q/k/v and output, the MLP projections:
 the 2-D tensors of each entry of the body's ``layers``) become :class:`Int8Weight`: int8 per
-output channel, symmetric (scale ``max|w| / 127``), with no float copy kept. At run time each
-token's activations are quantized the same way with their own scale (dynamic, per token: one
-outlier token does not coarsen the grid of the whole packed batch), multiplied in int8 with
-int32 accumulation, and rescaled to float32 with the bias added. The product runs on one of
+output channel, symmetric (scale ``max|w| / 127``), with no float copy kept and one int8 copy
+(in the layout of the kernel that runs it). At run time each token's activations are quantized
+the same way with their own scale (dynamic, per token: one outlier token does not coarsen the
+grid of the whole packed batch), multiplied in int8 with int32 accumulation, and rescaled to
+float32 with the bias added. The product runs on one of
 two torch kernels (:func:`amx_int8_available` decides, when a weight is made):
 
 * on CPUs with AMX-INT8 tiles, oneDNN's prepacked ``qlinear`` (``torch.ops.onednn``, what
@@ -86,14 +87,15 @@ class Int8Weight(torch.Tensor):
     copy: ``F.linear(x, w, b)`` on it runs the int8 product (:meth:`linear`); any other
     operation sees its dequantized float32 value."""
 
-    _int8: torch.Tensor
-    """``[in, out]``: the transposed view ``_int_mm`` multiplies by (its fast layout)."""
+    _int8: torch.Tensor | None
+    """``[in, out]``: the transposed view ``_int_mm`` multiplies by (its fast layout); None
+    where ``_packed`` holds the values (one int8 copy per weight, not two)."""
     _scale: torch.Tensor
     """``[out]`` float32."""
     _packed: torch.Tensor | None
     """The int8 values prepacked for oneDNN's AMX ``qlinear`` (None: ``_int_mm`` is used)."""
-    _zero_points: torch.Tensor
-    """``[out]`` zeros: the weights are symmetric."""
+    _zero_points: torch.Tensor | None
+    """``[out]`` zeros for ``qlinear`` (the weights are symmetric); None with ``_int_mm``."""
 
     @staticmethod
     def __new__(cls, weight: torch.Tensor) -> Int8Weight:
@@ -103,19 +105,35 @@ class Int8Weight(torch.Tensor):
             cls, weight.shape, dtype=weight.dtype, device=weight.device
         )
         int8, out._scale = _quantize(weight)
-        out._int8 = int8.t()
-        out._packed = None
-        out._zero_points = torch.zeros(weight.shape[0], dtype=torch.int64)
         if amx_int8_available():
+            out._int8 = None
             out._packed = torch.ops.onednn.qlinear_prepack(int8, None)
+            out._zero_points = torch.zeros(weight.shape[0], dtype=torch.int64)
+        else:
+            out._int8, out._packed, out._zero_points = int8.t(), None, None
         return out
 
     def __init__(self, weight: torch.Tensor) -> None:
         pass  # all done in __new__: a wrapper subclass has no storage to initialize
 
+    def int8_values(self) -> torch.Tensor:
+        """The int8 weight ``[out, in]``, whichever kernel holds it. Prepacked values are read
+        back through ``qlinear`` itself: the identity (as uint8 129 against zero point 128)
+        times the weight with unit scales, whose int32 sums are the values, exactly."""
+        if self._int8 is not None:
+            return self._int8.t()
+        assert self._packed is not None and self._zero_points is not None
+        n_in, n_out = self.shape[1], self.shape[0]
+        identity = torch.eye(n_in, dtype=torch.uint8).add_(_UINT8_ZERO)
+        values: torch.Tensor = torch.ops.onednn.qlinear_pointwise(
+            identity, 1.0, _UINT8_ZERO, self._packed, torch.ones(n_out), self._zero_points,
+            None, 1.0, 0, torch.float32, "none", [], "",
+        )  # fmt: skip
+        return values.t().to(torch.int8)
+
     def dequantize(self) -> torch.Tensor:  # type: ignore[override]
         """The float32 weight ``[out, in]`` the int8 values stand for."""
-        return self._int8.t().to(torch.float32) * self._scale[:, None]
+        return self.int8_values().to(torch.float32) * self._scale[:, None]
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ self.T + bias``: ``x``'s rows quantized to int8 each by its own scale
@@ -133,6 +151,7 @@ class Int8Weight(torch.Tensor):
         row_scale = row_scale.clamp_min_(_TINY).div_(127.0)
         scaled = rows / row_scale
         if self._packed is not None:
+            assert self._zero_points is not None
             # Activation scale 1 and zero point 128 here, the weight's per-row scales inside;
             # each token's own scale then multiplies its row: exactly the per-token product.
             shifted = scaled.round_().add_(_UINT8_ZERO).to(torch.uint8)
@@ -144,6 +163,7 @@ class Int8Weight(torch.Tensor):
             if bias is not None:
                 out.add_(bias)
             return out.reshape(*x.shape[:-1], self.shape[0])
+        assert self._int8 is not None
         quantized = scaled.round_().to(torch.int8)
         # int32 sums times float32 row scales: one pass that is also the conversion; the
         # column scales and the bias then in place (no more [tokens, out] buffers).

@@ -77,6 +77,10 @@ def test_onednns_qlinear_computes_exactly_the_per_token_int8_product(
     monkeypatch.setattr(quantization, "amx_int8_available", lambda: False)
     plain = Int8Weight(w)
     assert amx._packed is not None and plain._packed is None
+    # One int8 copy each, in its kernel's layout, holding the same values.
+    assert amx._int8 is None and plain._int8 is not None
+    assert torch.equal(amx.int8_values(), plain.int8_values())
+    assert torch.equal(amx.dequantize(), plain.dequantize())
     for bias in (b, None):
         ours, theirs = F.linear(x, amx, bias), F.linear(x, plain, bias)
         assert ours.shape == theirs.shape == (37, 200) and ours.dtype == torch.float32
@@ -101,7 +105,7 @@ def test_int8_weight_holds_int8_and_reads_as_its_dequantized_value() -> None:
     w = torch.randn(32, 16)
     q = Int8Weight(w)
     assert (q.shape, q.dtype, q.device, q.dim()) == (w.shape, torch.float32, w.device, 2)
-    assert q._int8.dtype == torch.int8
+    assert q.int8_values().dtype == torch.int8 and q.int8_values().shape == w.shape
     step = w.abs().amax(dim=1, keepdim=True) / 127
     assert ((q.dequantize() - w).abs() <= step / 2 + 1e-7).all()
     # Any other use than F.linear sees the dequantized float weight, never garbage.
