@@ -37,6 +37,7 @@ def test_a_port_someone_holds_is_skipped(monkeypatch: pytest.MonkeyPatch) -> Non
         listener.listen()
         picks = iter([taken, taken, taken + 1000])
         monkeypatch.setattr(random.SystemRandom, "randrange", lambda self, a, b: next(picks))
+        monkeypatch.setattr(proc, "_GIVEN", set())  # taken + 1000 not handed out before
         assert proc.free_port("0.0.0.0") == taken + 1000
 
 
