@@ -86,11 +86,12 @@ def _ephemeral_floor() -> int:
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """``count`` distinct TCP ports that nothing is bound to now, on ``host`` or any address.
+    """``count`` distinct TCP ports that nothing is bound to now, on any address.
 
     Drawn at random below the kernel's ephemeral range, so no outgoing connection can take
-    one before the caller binds it; only another explicit bind could, and each is checked
-    free on the wildcard address, which fails if any socket holds the port."""
+    one before the caller binds it; only another explicit bind could. Each is checked free on
+    the wildcard address, which fails if any socket holds the port on any address (``host``
+    is only where the kernel picks, should a tuned range leave no room below it)."""
     ceiling = min(_ephemeral_floor(), _HIGHEST)
     if ceiling - _LOWEST < 1000:  # a tuned range that leaves no room: the kernel's own picks
         return [_kernel_pick(host) for _ in range(count)]
@@ -102,7 +103,7 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
         port = rng.randrange(_LOWEST, ceiling)
         if port in _GIVEN or port in ports:
             continue
-        if _bindable("", port) and (host in ("", "0.0.0.0") or _bindable(host, port)):
+        if _bindable("", port):
             ports.append(port)
     if len(ports) < count:
         raise RuntimeError(f"no {count} free ports in [{_LOWEST}, {ceiling}) after many tries")
