@@ -7,8 +7,8 @@ output channel, symmetric (scale ``max|w| / 127``), with no float copy kept and 
 (in the layout of the kernel that runs it). At run time each token's activations are quantized
 the same way with their own scale (dynamic, per token: one outlier token does not coarsen the
 grid of the whole packed batch), multiplied in int8 with int32 accumulation, and rescaled to
-float32 with the bias added. The product runs on one of
-two torch kernels (:func:`amx_int8_available` decides, when a weight is made):
+float32 with the bias added. The product runs on one of two torch kernels
+(:func:`amx_int8_available` decides, when a weight is made):
 
 * on CPUs with AMX-INT8 tiles, oneDNN's prepacked ``qlinear`` (``torch.ops.onednn``, what
   torch's own x86 int8 lowering uses; oneDNN's AMX brgemm). It takes one activation scale
@@ -18,6 +18,7 @@ two torch kernels (:func:`amx_int8_available` decides, when a weight is made):
 * elsewhere ``torch._int_mm`` (oneDNN's int8 GEMM API: AVX-512 VNNI), which on an AMX CPU
   does not reach the tiles (2-3.5x slower on MiniLM's up-projection there:
   docs/performance-log.md).
+
 Embedding tables, norms, position tables, a body's own projection and every head stay
 float32: they are not in the blocks' 2-D fields, and they are a small share of the work.
 
