@@ -119,6 +119,18 @@ class Controller:
                 )
             except ApiError as exc:
                 self.metrics.reconciled("error", time.monotonic() - started)
+                if exc.namespace_terminating:
+                    # Nothing can be created there any more and the object goes with its
+                    # namespace: a retry would only fail again (and warn) on every child
+                    # event of the teardown. The resync still comes back if deletion stalls.
+                    self.queue.forget(key)
+                    log.info(
+                        "reconcile of %s/%s stopped: namespace %s is being deleted",
+                        namespace,
+                        name,
+                        namespace,
+                    )
+                    continue
                 delay = self.queue.add_rate_limited(key)
                 log.warning(
                     "reconcile of %s/%s: %s; retrying in %.0fs", namespace, name, exc, delay

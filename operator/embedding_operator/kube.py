@@ -91,13 +91,26 @@ def request_labels(method: str, path: str, content_type: str) -> tuple[str, str]
     return verb, resource
 
 
-class ApiError(Exception):
-    """An API call failed; ``status`` is the HTTP status (0: no response)."""
+NAMESPACE_TERMINATING = "NamespaceTerminating"
+"""The cause the API server gives when it refuses to create an object in a namespace that is
+being deleted (``metav1.StatusCause``, serialized under ``details.causes[].reason``)."""
 
-    def __init__(self, status: int, message: str) -> None:
+
+class ApiError(Exception):
+    """An API call failed; ``status`` is the HTTP status (0: no response), ``causes`` the
+    reasons of the Status body's ``details.causes``."""
+
+    def __init__(self, status: int, message: str, causes: tuple[str, ...] = ()) -> None:
         super().__init__(f"HTTP {status}: {message}" if status else message)
         self.status = status
         self.message = message
+        self.causes = causes
+
+    @property
+    def namespace_terminating(self) -> bool:
+        """The write was refused because its namespace is being deleted: retrying cannot
+        help, and the object being reconciled goes with the namespace."""
+        return NAMESPACE_TERMINATING in self.causes
 
 
 class Cluster(Protocol):
@@ -198,14 +211,14 @@ class KubeCluster:
             )
             data = response.read()
         except ApiException as exc:
-            raise ApiError(
-                int(exc.status or 0), _error_message(exc.body) or str(exc.reason)
-            ) from None
+            message, causes = _error_status(exc.body)
+            raise ApiError(int(exc.status or 0), message or str(exc.reason), causes) from None
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             # Connection refused, timeouts, TLS errors: retryable like a 5xx.
             raise ApiError(0, f"{method} {path}: {exc}") from exc
         if not 200 <= response.status < 300:
-            raise ApiError(int(response.status), _error_message(data) or str(response.reason))
+            message, causes = _error_status(data)
+            raise ApiError(int(response.status), message or str(response.reason), causes)
         return int(response.status), (dict(json.loads(data)) if data else {})
 
     def get(self, ref: ObjectRef) -> dict[str, Any] | None:
@@ -280,12 +293,21 @@ class KubeCluster:
         )
 
 
-def _error_message(body: object) -> str:
+def _error_status(body: object) -> tuple[str, tuple[str, ...]]:
+    """The message of an error response's Status body and the reasons of its causes (the
+    body itself as the message when it is not JSON)."""
     if isinstance(body, (bytes, str)):
         try:
             parsed = json.loads(body)
         except ValueError:
-            return body.decode() if isinstance(body, bytes) else body
+            return (body.decode(errors="replace") if isinstance(body, bytes) else body), ()
         if isinstance(parsed, dict):
-            return str(parsed.get("message", ""))
-    return ""
+            details = parsed.get("details")
+            causes = details.get("causes") if isinstance(details, dict) else None
+            reasons = tuple(
+                str(cause["reason"])
+                for cause in (causes if isinstance(causes, list) else [])
+                if isinstance(cause, dict) and cause.get("reason")
+            )
+            return str(parsed.get("message", "")), reasons
+    return "", ()

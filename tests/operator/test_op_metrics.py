@@ -200,6 +200,62 @@ def test_every_api_request_is_counted_by_verb_resource_and_status() -> None:
     assert value(metrics, latency, verb="get") == 1 and value(metrics, latency, verb="apply") == 1
 
 
+def test_a_refusal_in_a_terminating_namespace_is_told_apart() -> None:
+    """The API server's Status for a create in a namespace being deleted carries the
+    ``NamespaceTerminating`` cause; other refusals (a plain RBAC 403) do not."""
+    dep = "/apis/apps/v1/namespaces/team/deployments/emb"
+    terminating = {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "status": "Failure",
+        "message": 'deployments.apps "emb" is forbidden: unable to create new content in '
+        "namespace team because it is being terminated",
+        "reason": "Forbidden",
+        "details": {
+            "name": "emb",
+            "group": "apps",
+            "kind": "deployments",
+            "causes": [
+                {
+                    "reason": "NamespaceTerminating",
+                    "message": "namespace team is being terminated",
+                    "field": "metadata.namespace",
+                }
+            ],
+        },
+        "code": 403,
+    }
+    rbac = {
+        "kind": "Status",
+        "status": "Failure",
+        "message": 'deployments.apps "emb" is forbidden: User "x" cannot patch resource',
+        "reason": "Forbidden",
+        "details": {"name": "emb", "group": "apps", "kind": "deployments"},
+        "code": 403,
+    }
+    manifest = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"namespace": "team", "name": "emb"},
+    }
+    for body, expected in ((terminating, True), (rbac, False)):
+        cluster = KubeCluster(_ApiClient({("PATCH", dep): (403, body)}))
+        try:
+            cluster.apply(manifest)
+        except ApiError as exc:
+            assert exc.status == 403 and exc.message == body["message"]
+            assert exc.namespace_terminating is expected
+        else:
+            raise AssertionError("a 403 must raise")
+    plain = KubeCluster(_ApiClient({("PATCH", dep): (502, "<html>bad gateway</html>")}))
+    try:
+        plain.apply(manifest)
+    except ApiError as exc:
+        assert exc.status == 502 and not exc.namespace_terminating
+    else:
+        raise AssertionError("a 502 must raise")
+
+
 def test_children_written_and_each_services_conditions_and_replicas() -> None:
     cluster = FakeCluster()
     cluster.add(

@@ -7,6 +7,7 @@ a delay to pass.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Callable
 
@@ -211,6 +212,46 @@ def test_controller_retries_with_backoff_and_forgets_on_success(clock: Clock) ->
 
     asyncio.run(main())
     assert reconciler.forgotten == [key]
+
+
+def _namespace_terminating() -> Outcome:
+    raise ApiError(403, "is being terminated", ("NamespaceTerminating",))
+
+
+def test_controller_does_not_retry_into_a_namespace_being_deleted(
+    clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Creating children there can only fail again, and the object goes with its namespace:
+    no backoff retry, no warning; a later event or the resync still reconciles it."""
+    reconciler = Scripted([_namespace_terminating, lambda: FINE])
+    reconciler.gate.set()
+    queue: RateLimitingQueue[tuple[str, str]] = RateLimitingQueue(clock=clock)
+    controller = Controller(reconciler, resync_seconds=3600, workers=1, queue=queue)
+    key = ("ns", "emb")
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(controller.run(stop))
+        controller.enqueue(*key)
+        await _until(lambda: reconciler.calls == 1 and reconciler.running == 0, "the reconcile")
+        await _until(lambda: queue.stats().depth == 0, "the key to leave the queue")
+        assert queue.num_requeues(key) == 0, "no rate-limited retry"
+        clock.now += 120  # past any backoff: nothing comes back by itself
+        await asyncio.sleep(0.01)
+        assert reconciler.calls == 1
+        controller.enqueue(*key)  # an event still reconciles it
+        await _until(lambda: reconciler.calls == 2, "the reconcile after an event")
+        stop.set()
+        await asyncio.wait_for(task, timeout=5)
+
+    with caplog.at_level(logging.INFO, logger="embedding_operator.controller"):
+        asyncio.run(main())
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("namespace ns is being deleted" in r.getMessage() for r in caplog.records)
+    errors = controller.metrics.registry.get_sample_value(
+        "controller_runtime_reconcile_errors_total", {"controller": "embeddingservice"}
+    )
+    assert errors == 1, "it still counts as a failed reconcile"
 
 
 def test_controller_never_reconciles_one_object_twice_at_once() -> None:
