@@ -10,6 +10,7 @@ runner that executes batches, so tests go through the same path as requests.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,77 @@ def build_siglip(path: Path, *, seed: int = 4, **vision: Any) -> Path:
         "bos_token_id": 1,
     }
     vision_config = {**TOWER, "image_size": IMAGE_SIZE, "patch_size": PATCH, **vision}
+    config = SiglipConfig(text_config=text_config, vision_config=vision_config)
+    torch.manual_seed(seed)
+    model = SiglipModel(config)
+    spread_weights(model)
+    model.save_pretrained(str(path))
+    SiglipImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(
+        str(path)
+    )
+    return path
+
+
+SPM_CORPUS = [
+    "a photo of a cat",
+    "a photo of two dogs playing in the snow",
+    "the quick brown fox jumps over the lazy dog",
+    "an image of a red car parked on a street",
+    "hello world this is a tiny sentencepiece model",
+    "people walking in a park with trees",
+]
+
+
+SPM_VOCAB = 48
+
+
+def build_siglip_spm(path: Path, *, seed: int = 6) -> Path:
+    """A 2-layer SigLIP laid out as google/siglip-* are: a sentencepiece ``spiece.model``
+    (Unigram, trained here on :data:`SPM_CORPUS`; ``<pad>`` 0, ``</s>`` 1, ``<unk>`` 2), no
+    ``tokenizer.json``, and a ``tokenizer_config.json`` naming ``SiglipTokenizer`` with
+    ``do_lower_case`` and ``</s>`` as the pad token; the text tower pads with ``</s>`` (id 1)
+    to 24 tokens."""
+    import sentencepiece as spm
+
+    path.mkdir(parents=True, exist_ok=True)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(SPM_CORPUS * 20),
+        model_prefix=str(path / "spiece"),
+        vocab_size=SPM_VOCAB,
+        model_type="unigram",
+        pad_id=0,
+        eos_id=1,
+        unk_id=2,
+        bos_id=-1,
+        pad_piece="<pad>",
+        eos_piece="</s>",
+        unk_piece="<unk>",
+        character_coverage=1.0,
+        num_threads=1,
+        minloglevel=2,
+    )
+    (path / "spiece.vocab").unlink()
+    specials = {"eos_token": "</s>", "pad_token": "</s>", "unk_token": "<unk>"}
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "SiglipTokenizer",
+                "do_lower_case": True,
+                "model_max_length": 24,
+                **specials,
+            }
+        )
+    )
+    (path / "special_tokens_map.json").write_text(json.dumps(specials))
+    text_config = {
+        **TOWER,
+        "vocab_size": SPM_VOCAB,
+        "max_position_embeddings": 24,
+        "pad_token_id": 1,
+        "eos_token_id": 1,
+        "bos_token_id": 1,
+    }
+    vision_config = {**TOWER, "image_size": IMAGE_SIZE, "patch_size": PATCH}
     config = SiglipConfig(text_config=text_config, vision_config=vision_config)
     torch.manual_seed(seed)
     model = SiglipModel(config)

@@ -7,7 +7,8 @@ A model is a directory (local, the packaged default, or a Hugging Face Hub snaps
 * weights: ``model.safetensors``, sharded safetensors (``model.safetensors.index.json``), or
   ``pytorch_model.bin`` when that is all there is;
 * the fast tokenizer (through ``transformers.AutoTokenizer`` so that tokenizer_config.json
-  switches such as ``add_eos_token`` apply exactly as sentence-transformers sees them);
+  switches such as ``add_eos_token`` apply exactly as sentence-transformers sees them; the
+  original SigLIP's, which transformers has only in Python, is built by :mod:`.siglip_text`);
 * sentence-transformers files: ``modules.json`` (is there a Normalize module? Dense layers?),
   ``1_Pooling/config.json`` (pooling method, include_prompt), ``2_Dense*/``,
   ``sentence_bert_config.json`` (max_seq_length), ``config_sentence_transformers.json``
@@ -64,6 +65,7 @@ from embedding_server.hybrid import HybridHeads
 from embedding_server.pooling import PoolingMethod
 from embedding_server.settings import DEFAULT_MODEL, Dtype, ModelBackend
 
+from . import siglip_text
 from .colbert import (
     METADATA_FILE,
     PYLATE_DENSE,
@@ -493,12 +495,17 @@ def load_tokenizer(path: Path) -> tuple[Tokenizer, int | None]:
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoTokenizer
 
+    config = read_json(path / "tokenizer_config.json")
+    if isinstance(config, dict) and config.get("tokenizer_class") == siglip_text.TOKENIZER_CLASS:
+        return siglip_text.siglip_tokenizer(path, config)
     try:
         # Never the checkpoint's own tokenizer code (only the Rust tokenizer is used), and
         # said explicitly: left unset, transformers prompts on stdin for a config with
         # auto_map, which blocks a server with no terminal.
         hf_tok = AutoTokenizer.from_pretrained(str(path), use_fast=True, trust_remote_code=False)
-    except (OSError, ValueError, StrictDataclassError) as exc:  # a config transformers rejects
+    except (OSError, ValueError, StrictDataclassError, ImportError) as exc:
+        # A config transformers rejects, or a tokenizer class that needs a library this
+        # server does not install.
         raise UnsupportedModelError(f"cannot load a tokenizer from {path}: {exc}") from exc
     if not getattr(hf_tok, "is_fast", False):
         raise UnsupportedModelError(
