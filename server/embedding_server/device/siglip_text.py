@@ -55,9 +55,11 @@ def _char_class(chars: str) -> str:
     return "[" + "".join(f"\\x{{{ord(c):x}}}" for c in chars) + "]"
 
 
-FINAL_SIGMA = r"(?<=\p{Cased}\p{Case_Ignorable}*)\x{3a3}(?!\p{Case_Ignorable}*\p{Cased})"
+FINAL_SIGMA = r"(?<=\p{Cased}\p{Case_Ignorable}{0,16})\x{3a3}(?!\p{Case_Ignorable}*\p{Cased})"
 """A capital sigma that Python's ``str.lower`` makes final (``ς``): a cased letter before it
-and none after it, case-ignorable characters between skipped."""
+and none after it, case-ignorable characters (apostrophes, periods, combining marks) between
+skipped. Looking back, at most 16 of them: an unbounded look-behind made the regex engine
+quadratic (30 s for 100 KB of Greek capitals, against 30 ms with the bound)."""
 
 
 def canonicalizer(*, lowercase: bool) -> normalizers.Normalizer:
