@@ -33,6 +33,7 @@ typed as such): transformers' tokenizer puts no ``▁`` before the word after it
 
 from __future__ import annotations
 
+import functools
 import string
 from collections.abc import Mapping
 from pathlib import Path
@@ -47,7 +48,11 @@ TOKENIZER_CLASS = "SiglipTokenizer"
 
 SPIECE = "spiece.model"
 
-_WHITESPACE = "".join(chr(c) for c in range(0x110000) if chr(c).isspace())
+
+@functools.cache
+def _whitespace() -> str:
+    """Every character ``str.isspace`` accepts (computed once, when a SigLIP loads)."""
+    return "".join(chr(c) for c in range(0x110000) if chr(c).isspace())
 
 
 def _char_class(chars: str) -> str:
@@ -70,7 +75,7 @@ def canonicalizer(*, lowercase: bool) -> normalizers.Normalizer:
         steps += [normalizers.Replace(Regex(FINAL_SIGMA), "\u03c2"), normalizers.Lowercase()]
     steps += [
         normalizers.Replace(Regex(_char_class(string.punctuation)), ""),
-        normalizers.Replace(Regex(_char_class(_WHITESPACE) + "+"), " "),
+        normalizers.Replace(Regex(_char_class(_whitespace()) + "+"), " "),
         normalizers.Strip(),
     ]
     return normalizers.Sequence(steps)
