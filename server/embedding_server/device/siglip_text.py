@@ -22,9 +22,11 @@ so the text is canonicalized in Rust, inside the tokenizer, as every other model
 normalized. ``tokenizers`` lowercases char by char, where ``str.lower`` turns a capital sigma
 that ends a word into ``ς`` (Unicode's Final_Sigma rule), so a regex does that first.
 
-One difference remains, for a special token written in a text (``</s>``, ``<unk>``, ``<pad>``
-typed as such): transformers' tokenizer puts no ``▁`` before the word after it, this one does.
-(In training such a text was plain characters, canonicalized to ``s``, ``unk``, ``pad``.)
+Differences remain only for a special token typed into a text (``</s>``, ``<unk>``,
+``<pad>``): transformers' tokenizer puts no ``▁`` before the word after it, where this one
+does, and adds no ``</s>`` after a text that already ends in one (with google's checkpoints,
+whose pad token is ``</s>``, that second one is where padding would be anyway). In training,
+such a text was plain characters, canonicalized to ``s``, ``unk``, ``pad``.
 
 ``tests/server/device/test_siglip_text.py`` compares the canonical text with
 ``SiglipTokenizer.canonicalize_text`` on random strings and the token ids with
