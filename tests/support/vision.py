@@ -96,6 +96,12 @@ def build_siglip(path: Path, *, seed: int = 4, **vision: Any) -> Path:
         "eos_token_id": 1,
         "bos_token_id": 1,
     }
+    return _save_siglip(path, text_config, seed, **vision)
+
+
+def _save_siglip(path: Path, text_config: dict[str, Any], seed: int, **vision: Any) -> Path:
+    """A random SiglipModel of ``text_config`` and :data:`TOWER`'s vision tower, spread and
+    saved at ``path`` with SigLIP's image processor at :data:`IMAGE_SIZE`."""
     vision_config = {**TOWER, "image_size": IMAGE_SIZE, "patch_size": PATCH, **vision}
     config = SiglipConfig(text_config=text_config, vision_config=vision_config)
     torch.manual_seed(seed)
@@ -167,16 +173,7 @@ def build_siglip_spm(path: Path, *, seed: int = 6) -> Path:
         "eos_token_id": 1,
         "bos_token_id": 1,
     }
-    vision_config = {**TOWER, "image_size": IMAGE_SIZE, "patch_size": PATCH}
-    config = SiglipConfig(text_config=text_config, vision_config=vision_config)
-    torch.manual_seed(seed)
-    model = SiglipModel(config)
-    spread_weights(model)
-    model.save_pretrained(str(path))
-    SiglipImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(
-        str(path)
-    )
-    return path
+    return _save_siglip(path, text_config, seed)
 
 
 def build_siglip2(path: Path, *, seed: int = 5) -> Path:
