@@ -6,8 +6,9 @@ A google/siglip-* layout (``spiece.model``, no ``tokenizer.json``, ``SiglipToken
 in ``tokenizer_config.json``) is built with a tiny sentencepiece model trained here. Checked:
 the canonical text equals ``canonicalize_text`` on random strings (Greek final sigma, every
 kind of whitespace and punctuation); the token ids equal ``SiglipTokenizer``'s on a corpus;
-and the served text vectors equal ``get_text_features`` on ``SiglipTokenizer``'s ids padded
-to ``max_length``, for texts whose case and punctuation a plain conversion would keep.
+and the served text vectors, from the runner and through the offline engine (truncation
+included), equal ``get_text_features`` on ``SiglipTokenizer``'s ids padded to ``max_length``,
+for texts whose case and punctuation a plain conversion would keep.
 """
 
 from __future__ import annotations
@@ -108,6 +109,23 @@ def test_served_text_vectors_are_transformers(siglip_dir: Path, slow: SiglipToke
     assert served.shape == expected.shape
     assert cosines(served, expected).min() >= 0.99999
     np.testing.assert_allclose(served[0], served[1], rtol=0, atol=0)
+
+
+def test_the_engine_embeds_texts_as_transformers(siglip_dir: Path, slow: SiglipTokenizer) -> None:
+    """Through the offline API, as a user calls it (the engine's own tokenization stage,
+    truncation included): a text longer than the tower's 24 tokens is cut to them, as
+    ``SiglipTokenizer(truncation=True)`` cuts it, ``</s>`` kept last."""
+    from embedding_server.engine import Engine
+
+    engine = Engine.from_pretrained(str(siglip_dir), dtype="float32", normalize=False)
+    texts = ["A Photo of a CAT!", "people walking, in a PARK...", "the quick brown fox " * 6]
+    served = engine.embed(texts, truncate=True)
+    model = SiglipModel.from_pretrained(str(siglip_dir)).eval()
+    batch = slow(texts, padding="max_length", truncation=True, max_length=24, return_tensors="pt")
+    assert int(batch["input_ids"][2, -1]) == 1  # the long text: cut, then </s>
+    with torch.no_grad():
+        expected = model.get_text_features(input_ids=batch["input_ids"]).pooler_output.numpy()
+    assert cosines(served, expected).min() >= 0.99999
 
 
 def test_a_siglip_checkpoint_without_its_sentencepiece_model_is_refused(
