@@ -182,7 +182,6 @@ def start_operator(env: dict[str, str], log_path: Path) -> Process:
     return process
 
 
-# Every child kind the operator can create, and which example makes it.
 def rbac_denials(log: str) -> list[str]:
     """The operator's log lines that carry a 403, less the API server's refusal to create in a
     namespace being deleted: the operator watches every namespace, and an earlier test's
@@ -196,6 +195,7 @@ def rbac_denials(log: str) -> list[str]:
     ]
 
 
+# Every child kind the operator can create, and which example makes it.
 CHILD_KINDS = {
     "Deployment": "deployment",
     "Service": "service",

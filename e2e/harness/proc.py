@@ -103,7 +103,7 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
         port = rng.randrange(_LOWEST, ceiling)
         if port in _GIVEN or port in ports:
             continue
-        if _bindable("", port):
+        if _bindable(port):
             ports.append(port)
     if len(ports) < count:
         raise RuntimeError(f"no {count} free ports in [{_LOWEST}, {ceiling}) after many tries")
@@ -116,10 +116,11 @@ def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
 
 
-def _bindable(host: str, port: int) -> bool:
+def _bindable(port: int) -> bool:
+    """Nothing holds ``port`` on any address (a bind on the wildcard address fails if so)."""
     with socket.socket() as probe:
         try:
-            probe.bind((host, port))
+            probe.bind(("", port))
         except OSError:
             return False
     return True
