@@ -236,6 +236,22 @@ def refuse_before_fetch(config: Mapping[str, Any], *, name: str, trust_remote_co
     _refuse_unknown_type(config, name=name, custom=custom)
 
 
+def refuse_task(config: Mapping[str, Any], *, name: str, task: str, splade: bool) -> None:
+    """Refuse, from the config files alone, a task this backend does not serve: SPLADE (a
+    SparseEncoder's pooling, or task sparse) and task reward are native only."""
+    if splade or task == "sparse":
+        raise UnsupportedModelError(
+            f"model {name!r}: task sparse (SPLADE) is served by the native backend only, and this "
+            f"model is on the transformers backend ({_why_transformers(config)})"
+        )
+    if task == "reward":
+        raise UnsupportedModelError(
+            f"model {name!r}: task reward (a classifier's raw outputs at every token) is served "
+            "by the native backend only; the transformers backend serves score, classify and "
+            "token_classify through transformers' own heads"
+        )
+
+
 def _refuse_unknown_type(config: Mapping[str, Any], *, name: str, custom: str | None) -> None:
     from transformers import CONFIG_MAPPING, __version__
 
@@ -380,17 +396,7 @@ def build_transformers(
     resolves to, or refuse it saying why (remote code not allowed, weights missing or unread,
     a task this backend does not serve)."""
     model_type = str(config.get("model_type", ""))
-    if splade or task == "sparse":
-        raise UnsupportedModelError(
-            f"model {name!r}: task sparse (SPLADE) is served by the native backend only, and this "
-            f"model is on the transformers backend ({_why_transformers(config)})"
-        )
-    if task == "reward":
-        raise UnsupportedModelError(
-            f"model {name!r}: task reward (a classifier's raw outputs at every token) is served "
-            "by the native backend only; the transformers backend serves score, classify and "
-            "token_classify through transformers' own heads"
-        )
+    refuse_task(config, name=name, task=task, splade=splade)
     kind = head_kind(config)
     auto_class = _AUTO_CLASSES[kind]
     custom = remote_code_class(config, auto_class)

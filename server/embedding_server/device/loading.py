@@ -26,7 +26,8 @@ Loading is guarded, so that a model is served as its authors compute it or not a
   tokenizer and sentence-transformers files (:func:`locate_model`); the weights only once
   those are accepted (:func:`fetch_weights`, pinned to the same commit). An unsupported
   architecture, head, sentence-transformers module or custom-code checkpoint is refused
-  without downloading a single weight.
+  without downloading a single weight; so is, natively, one whose tensors would refuse the
+  load, audited first from the Hub's safetensors headers (:func:`_audit_before_fetch`).
 * **Every tensor is used or declared.** The body and its heads read through one
   :class:`~.models.base.TrackedWeights`; a tensor nobody read that the family does not
   declare ignorable (``Architecture.ignored``) refuses the load, naming it
@@ -84,6 +85,7 @@ from .generic import (
     custom_code_class,
     custom_code_refusal,
     refuse_before_fetch,
+    refuse_task,
     tensor_parallel_refusal,
 )
 from .heads import (
@@ -984,6 +986,7 @@ def load_model(
             path, weights = _weight_shapes(source, plan.st)
             build_device = torch.device("meta")
         else:
+            _audit_before_fetch(plan, dtype=compute_dtype, shard=shard, task=task)
             path = fetch_weights(source, plan.st)
             weights, build_device = load_weights(path), device
         read_dense_layers(plan.st, path)
@@ -1068,6 +1071,7 @@ def _load_transformers(
             "every token); serve it with backend native (or auto)"
         )
     refuse_generative(config, st, task)  # as on the native path: no silent last-token embedder
+    refuse_task(config, name=model, task=task, splade=st.splade is not None)
     path = fetch_weights(source, st, code=trust)
     read_dense_layers(st, path)
     tokenizer, tokenizer_max = load_tokenizer(path)
@@ -1135,6 +1139,7 @@ def load_shard(
         source = locate_model(model, revision=revision, cache_dir=cache_dir)
         plan = plan_model(source, task=task, trust_remote_code=trust_remote_code)
         compute_dtype = _compute_dtype(plan.arch, dtype, device)
+        _audit_before_fetch(plan, dtype=compute_dtype, shard=shard, task=task)
         weights = load_weights(fetch_weights(source, plan.st))
         parts = _build(plan, weights, dtype=compute_dtype, device=device, shard=shard, task=task)
     return (
@@ -1147,35 +1152,62 @@ def load_shard(
     )
 
 
+def _hub_shapes(source: ModelSource) -> TensorShapes | None:
+    """A Hub model's tensors as shapes, from its safetensors headers on the Hub (no weight is
+    downloaded); None where there are none to read that way: a local directory, the local
+    cache only (``HF_HUB_OFFLINE``), a repository of ``pytorch_model.bin`` only."""
+    if source.repo_id is None or _hub_offline():
+        return None
+    from huggingface_hub import get_safetensors_metadata
+    from huggingface_hub.errors import HfHubHTTPError, NotASafetensorsRepoError
+
+    try:
+        meta = get_safetensors_metadata(source.repo_id, revision=source.revision)
+    except NotASafetensorsRepoError:
+        return None
+    except (OSError, HfHubHTTPError) as exc:
+        raise ModelNotFoundError(
+            f"model {source.repo_id!r}: cannot read its safetensors headers from the "
+            f"Hugging Face Hub: {exc}"
+        ) from exc
+    return TensorShapes.from_hub(meta.files_metadata)
+
+
+def _audit_before_fetch(plan: ModelPlan, *, dtype: torch.dtype, shard: Shard, task: str) -> None:
+    """Refuse a Hub model whose tensors would refuse the load (a head we do not implement,
+    a tensor nobody claims, a shape the config contradicts) before its weights are
+    downloaded: the body and heads are built on the ``meta`` device from the safetensors
+    headers, as ``inspect`` builds them. A model accepted here is audited again on the real
+    weights; where the headers cannot be read (offline, ``.bin`` only) that audit is the one."""
+    try:
+        shapes = _hub_shapes(plan.source)
+    except ModelNotFoundError as error:
+        # The download may still work (the headers are a separate request): go on, and let
+        # the audit of the downloaded weights decide.
+        logger.warning("%s; auditing the weights after the download instead", error)
+        return
+    if shapes is None:
+        return
+    _build(plan, shapes, dtype=dtype, device=torch.device("meta"), shard=shard, task=task)
+
+
 def _weight_shapes(
     source: ModelSource, st: SentenceTransformerConfig
 ) -> tuple[Path, Mapping[str, torch.Tensor]]:
     """The directory to read the Dense modules from, and the checkpoint's tensors as shapes:
     from the safetensors headers on the Hub when online (only the Dense modules' small
     files and bge-m3's head files are downloaded), else from the files themselves."""
-    if source.repo_id is not None and not _hub_offline():
-        from huggingface_hub import get_safetensors_metadata
-        from huggingface_hub.errors import HfHubHTTPError, NotASafetensorsRepoError
-
-        try:
-            meta = get_safetensors_metadata(source.repo_id, revision=source.revision)
-        except NotASafetensorsRepoError:
-            pass  # pytorch_model.bin only: read from the download below
-        except (OSError, HfHubHTTPError) as exc:
-            raise ModelNotFoundError(
-                f"model {source.repo_id!r}: cannot read its safetensors headers from the "
-                f"Hugging Face Hub: {exc}"
-            ) from exc
-        else:
-            # Small files read whole: the Dense modules', and bge-m3's two heads (which say
-            # what the model outputs) where the repository has them.
-            path = _snapshot(
-                source.repo_id,
-                revision=source.revision,
-                cache_dir=source.cache_dir,
-                patterns=[*module_patterns(st.dense_modules), *HEAD_FILES],
-            )
-            return path, TensorShapes.from_hub(meta.files_metadata)
+    shapes = _hub_shapes(source)
+    if shapes is not None and source.repo_id is not None:
+        # Small files read whole: the Dense modules', and bge-m3's two heads (which say
+        # what the model outputs) where the repository has them.
+        path = _snapshot(
+            source.repo_id,
+            revision=source.revision,
+            cache_dir=source.cache_dir,
+            patterns=[*module_patterns(st.dense_modules), *HEAD_FILES],
+        )
+        return path, shapes
     path = fetch_weights(source, st)
     return path, TensorShapes.of(load_weights(path))
 
