@@ -392,9 +392,12 @@ VISION_LANGUAGE_TYPES = (
     "idefics3",
     "paligemma",
     "mllama",
+    "llama_nemotron_vl",
 )
 """Vision-language model types (chat models with a vision tower) whose embedders the
-transformers backend cannot feed images."""
+transformers backend cannot feed images. Refused before the backend is chosen, so a
+custom-code one (``llama_nemotron_vl``: nemotron-embed-vl) is refused as what it is, not
+run text-only through its remote class with --trust-remote-code."""
 
 REFUSED: dict[str, str] = {
     "gemma3": MULTIMODAL_REFUSAL,
