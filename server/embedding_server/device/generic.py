@@ -343,10 +343,73 @@ class TransformersModel:
             inputs["token_type_ids"] = types.masked_fill(~valid, 0)
         result = self.module(**inputs)
         if self.output == "sequence_logits":
-            logits: torch.Tensor = result.logits
+            logits = _output_tensor(result, "logits", self.module, rows=valid.shape[:1])
             return logits.repeat_interleave(lens.to(device), dim=0)
-        states: torch.Tensor = result.logits if self.output == "token_logits" else result[0]
+        if self.output == "token_logits":
+            states = _output_tensor(result, "logits", self.module, rows=valid.shape)
+        else:
+            states = _output_tensor(result, "last_hidden_state", self.module, rows=valid.shape)
         return states[valid]
+
+    def check_output(self, device: torch.device) -> None:
+        """Run one short sequence and refuse the model unless its forward pass returns what
+        this backend pools: per-token states (or a classifier's logits), not a vector the
+        model has already pooled, nor a dict without them."""
+        batch = PackedBatch.build([[self.pad_token_id] * 3], device)
+        with torch.inference_mode():
+            self._run(batch, 0, batch.seqlens)
+
+
+def _output_tensor(
+    result: Any, field: str, module: torch.nn.Module, *, rows: Sequence[int]
+) -> torch.Tensor:
+    """``result``'s ``field`` (a transformers ``ModelOutput``'s, a dict's, else the first
+    item of a tuple or a bare tensor), checked to lead with the dimensions ``rows`` (batch,
+    and tokens where per-token states are meant); else the model is refused, naming what
+    its forward pass returned."""
+    value: Any = None
+    if isinstance(result, torch.Tensor):
+        value = result
+    elif isinstance(result, Mapping):
+        # A ModelOutput is a Mapping of its set fields: the one asked for, or the first
+        # (what result[0] is; T5's encoder names its states last_hidden_state too).
+        value = result.get(field)
+        if value is None and type(result).__name__ != "dict" and result:
+            value = next(iter(result.values()))
+    elif isinstance(result, tuple) and result:
+        value = result[0]
+    leading = tuple(rows)
+    if (
+        isinstance(value, torch.Tensor)
+        and value.dim() >= len(leading) + 1
+        and tuple(value.shape[: len(leading)]) == leading
+    ):
+        return value
+    expected = "[batch, tokens, hidden]" if len(leading) == 2 else "[batch, labels]"
+    raise UnsupportedModelError(
+        f"{type(module).__name__}'s forward pass returns {_describe_output(result)}, not the "
+        f"{field} {expected} this backend pools, truncates and batches; a model whose code "
+        "returns a vector it has already pooled itself (NV-Embed-v2's sentence_embeddings) "
+        "or other outputs cannot be served by it, so it is refused"
+    )
+
+
+def _describe_output(result: Any) -> str:
+    """What a forward pass returned, for a refusal: its type, with the keys and shapes."""
+
+    def shape(value: Any) -> str:
+        if isinstance(value, torch.Tensor):
+            return f"a tensor of shape {list(value.shape)}"
+        return type(value).__name__
+
+    if isinstance(result, torch.Tensor):
+        return shape(result)
+    if isinstance(result, Mapping):
+        fields = ", ".join(f"{key!r}: {shape(value)}" for key, value in result.items())
+        return f"a {type(result).__name__} {{{fields}}}"
+    if isinstance(result, tuple):
+        return f"a tuple ({', '.join(shape(value) for value in result)})"
+    return f"a {type(result).__name__}"
 
 
 def padded_groups(seqlens: Sequence[int]) -> list[list[int]]:
@@ -450,6 +513,7 @@ def build_transformers(
         attention=attention,
         sliding_window=_sliding_window(config),
     )
+    body.check_output(device)
     logger.info(
         "transformers backend: %s (%s, attention %s, %s)",
         type(hf_module).__name__,
