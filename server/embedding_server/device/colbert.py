@@ -7,6 +7,11 @@ safetensors, and ``artifact.metadata`` (JSON) naming the query and document mark
 query and document lengths, whether the query's ``[MASK]`` expansion is attended to, and
 whether punctuation is masked out of documents. A setting this server cannot reproduce
 (another similarity than cosine, another interaction than ColBERT's) is refused naming it.
+The body is whatever the config says: jinaai/jina-colbert-v2 is an ``HF_ColBERT`` over jina's
+rotary XLM-R (``model_type: xlm-roberta``, ``position_embedding_type: rotary``, the body
+under ``roberta.``: vLLM's ``ColBERTJinaRobertaModel``), served by jina-embeddings-v3's
+implementation; its markers are tokens added to XLM-R's vocabulary (``[QueryMarker]``,
+``[DocumentMarker]``), its expansion token XLM-R's ``<mask>``.
 
 PyLate's (lightonai/GTE-ModernColBERT-v1) is a sentence-transformers pipeline of a
 Transformer and PyLate ``Dense`` modules (read as sentence-transformers' Dense layers, whose
@@ -135,7 +140,9 @@ def read_stanford_format(path: Path | None, tokenizer: Tokenizer, width: int) ->
         document_marker=token("doc_token_id", "[unused1]"),
         query_length=length("query_maxlen"),
         document_length=length("doc_maxlen"),
-        mask_id=token("mask_token", "[MASK]"),
+        # stanford-colbert expands with its tokenizer's own mask token (XLM-R's <mask> in
+        # jina-colbert-v2), which artifact.metadata does not repeat.
+        mask_id=token("mask_token", declared_token(path, "mask_token") or "[MASK]"),
         attend_to_expansion=bool(meta.get("attend_to_mask_tokens", False)),
         skiplist=(
             punctuation_skiplist(tokenizer, "stanford")
@@ -144,6 +151,22 @@ def read_stanford_format(path: Path | None, tokenizer: Tokenizer, width: int) ->
         ),
         width=width,
     )
+
+
+def declared_token(path: Path | None, role: str) -> str | None:
+    """The token ``role`` (``mask_token`` ...) the tokenizer's configuration names
+    (``tokenizer_config.json``, else ``special_tokens_map.json``), None where neither does."""
+    for file in ("tokenizer_config.json", "special_tokens_map.json"):
+        try:
+            data = json.loads((path / file).read_text()) if path is not None else None
+        except (OSError, ValueError):
+            continue
+        value = data.get(role) if isinstance(data, dict) else None
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            return value
+    return None
 
 
 def read_pylate_format(
