@@ -4,6 +4,11 @@ Clients of Cohere-style APIs always send ``input_type``; a model whose sentence-
 config has no matching prompt simply embeds the text as is (refusing would break every such
 client on models without prompts). An explicit ``prompt_name`` is different: the client
 asked for a specific prompt, so an unknown name is an error (raised by the engine).
+
+``input_type`` may also be any prompt name the checkpoint declares (``s2p_query``;
+jina-embeddings-v3's ``retrieval.query``, the task-key form vLLM's docs describe), which
+selects that prompt. Any other value is a 400 naming the field and what it accepts: a
+typo'd task would otherwise embed queries as documents without a word.
 """
 
 from __future__ import annotations
@@ -33,13 +38,30 @@ def prompt_name_for(
     """The prompt to apply: an explicit ``prompt_name`` wins, else the model's prompt that
     matches ``input_type``, else none (the engine's default prompt, if configured). On a
     model with task adapters the prompt's name picks the adapter too."""
-    if prompt_name is not None or input_type is None:
+    candidates = input_type_prompts(engine, input_type)
+    if prompt_name is not None:
         return prompt_name
     prompts = engine.info().prompts
-    for candidate in INPUT_TYPE_PROMPTS.get(input_type, (input_type,)):
-        if candidate in prompts:
-            return candidate
-    return None
+    return next((c for c in candidates if c in prompts), None)
+
+
+def input_type_prompts(engine: ServingEngine, input_type: str | None) -> tuple[str, ...]:
+    """The prompt names ``input_type`` may select, in order (none for None); a 400 naming
+    the field and the accepted values when it is neither a hint nor one of the model's
+    prompt names."""
+    if input_type is None:
+        return ()
+    prompts = engine.info().prompts
+    if input_type in prompts:  # the checkpoint's own name first
+        return (input_type,)
+    if input_type in INPUT_TYPE_PROMPTS:
+        return INPUT_TYPE_PROMPTS[input_type]
+    declared = ", ".join(sorted(prompts)) if prompts else "none"
+    raise InvalidRequestError(
+        f"unknown input_type {input_type!r}; accepted: {', '.join(INPUT_TYPE_PROMPTS)}, or a "
+        f"prompt name this model declares ({declared})",
+        param="input_type",
+    )
 
 
 def check_task_adapter(engine: ServingEngine, task: str | None) -> None:

@@ -132,15 +132,15 @@ EmbeddingInput = Annotated[
 ]
 """A string, a list of strings, one token-id list, or a list of token-id lists."""
 
-InputType = Literal[
-    "search_document",
-    "search_query",
-    "classification",
-    "clustering",
-    "query",
-    "document",
-    "passage",
-]
+INPUT_TYPE_DESCRIPTION = (
+    "Cohere-style task hint (search_query, search_document, classification, clustering; "
+    "query, document, passage too), or any prompt name the model declares (its "
+    "sentence-transformers prompts; jina-embeddings-v3's task names, retrieval.query ...): "
+    "selects the model's matching prompt when it has one (and, on jina-embeddings-v3, the "
+    "task adapter of that prompt's name). Any other value is a 400 listing the accepted ones."
+)
+"""The ``input_type`` field, checked against the model's prompts by the routes
+(``api/prompts.py``): the values accepted depend on the checkpoint."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -376,11 +376,7 @@ class EmbeddingRequest(ApiRequest, _TruncationOptions, _EncodingOptions):
         None,
         description="Name of a prompt from the model's sentence-transformers config to prepend.",
     )
-    input_type: InputType | None = Field(
-        None,
-        description="Cohere-style task hint; selects the model's matching prompt when it has "
-        "one (and, on jina-embeddings-v3, the task adapter of that prompt's name).",
-    )
+    input_type: str | None = Field(None, max_length=256, description=INPUT_TYPE_DESCRIPTION)
     task: str | None = Field(
         None,
         description="Jina-style task adapter (jina-embeddings-v3: retrieval.query, "
@@ -443,13 +439,12 @@ class CohereEmbedRequest(ApiRequest):
         "text, text} or {type: image_url, image_url: {url}}. A dual encoder (CLIP, SigLIP) "
         "takes one part per input.",
     )
-    input_type: InputType | Literal["image"] | None = Field(
+    input_type: str | None = Field(
         None,
-        description="search_document, search_query, "
-        "classification or clustering; selects the model's "
-        "matching prompt when it has one (for texts); image with images. On a ColBERT "
-        "checkpoint, search_query or search_document (required) says whether the texts "
-        "are queries or documents.",
+        max_length=256,
+        description=INPUT_TYPE_DESCRIPTION + " With images: image. On a ColBERT checkpoint, "
+        "search_query or search_document (required) says whether the texts are queries or "
+        "documents.",
     )
     embedding_types: list[CohereEmbedType] = Field(
         default_factory=_float_only,

@@ -43,7 +43,7 @@ from embedding_server.api.encoding import (
 from embedding_server.api.ids import new_id
 from embedding_server.api.lifecycle import Lifecycle
 from embedding_server.api.media import cohere_parts, load_parts
-from embedding_server.api.prompts import prompt_name_for
+from embedding_server.api.prompts import input_type_prompts, prompt_name_for
 from embedding_server.api.protocol import CohereEmbedRequest
 from embedding_server.api.responses import encode_off_loop, json_response, timing_headers
 from embedding_server.errors import InvalidRequestError, OutputTooLargeError
@@ -60,7 +60,7 @@ async def cohere_embed(body: CohereEmbedRequest, request: Request) -> Response:
     if body.input_type == "image":
         raise InvalidRequestError(
             "input_type image applies to images; texts take search_document, search_query, "
-            "classification or clustering",
+            "classification, clustering or one of the model's prompt names",
             param="input_type",
         )
     check_input_count(lifecycle, len(body.texts), "texts")
@@ -131,6 +131,8 @@ async def _multimodal_embed(
     items = await load_parts(engine, lifecycle, parts, param)
     texts_only = [item for item in items if isinstance(item, str)]
     # input_type picks a text prompt where the model has one; an image has none.
+    if body.input_type != "image":
+        input_type_prompts(engine, body.input_type)  # an unknown one is a 400, used or not
     input_type = None if body.input_type == "image" or not texts_only else body.input_type
     result = await cancel_on_disconnect(
         request,

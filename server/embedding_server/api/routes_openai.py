@@ -35,7 +35,7 @@ from embedding_server.api.encoding import (
 from embedding_server.api.ids import new_id
 from embedding_server.api.lifecycle import lifecycle_of
 from embedding_server.api.media import check_input_form, messages_input
-from embedding_server.api.prompts import check_task_adapter, prompt_name_for
+from embedding_server.api.prompts import check_task_adapter, input_type_prompts, prompt_name_for
 from embedding_server.api.protocol import EmbeddingRequest
 from embedding_server.api.responses import (
     BINARY_RESPONSES,
@@ -76,6 +76,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
     # input_type picks a text prompt where the model has one; an image has none (an explicit
     # prompt_name for images alone is refused by the engine).
     images_only = all(isinstance(item, ImageInput) for item in inputs)
+    input_type_prompts(engine, body.input_type)  # an unknown one is a 400, used or not
     input_type = None if images_only or templated else body.input_type
     prompt_name = prompt_name_for(engine, body.prompt_name, input_type)
     # A chat template formats its text itself: no prompt (the default one either) before it.
