@@ -11,7 +11,8 @@ Three commands: ``serve`` runs the server; ``gateway`` runs the model router in 
 servers (``embedding_server/gateway/``, with its own ``EMBEDDING_GATEWAY_*`` settings);
 ``inspect`` takes the engine's settings (the model and everything that decides how it is
 served) and prints what ``serve`` would serve, from the model's config files and weight
-names alone (``device/inspection.py``).
+names alone (``device/inspection.py``); with ``--verify`` it also serves a fixed probe set
+and compares it with the model's authors' computation (``device/verification.py``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ EXIT_BAD_SETTINGS = 2
 
 EXIT_REFUSED = 1
 """Exit status of ``inspect`` for a model the server would refuse (as ``serve`` exits)."""
+
+EXIT_UNVERIFIABLE = 3
+"""Exit status of ``inspect --verify`` for a model it cannot compare with a reference (a
+task, a modality or a reference that cannot run here): not a pass, and not a failure."""
 
 SettingsT = TypeVar("SettingsT", bound=EngineSettings)
 
@@ -131,6 +136,25 @@ def build_parser(settings_model: type[BaseSettings] = ServerSettings) -> argpars
     )
     inspect.add_argument(
         "--json", action="store_true", help="Print one JSON object instead of text."
+    )
+    inspect.add_argument(
+        "--verify",
+        action="store_true",
+        help="Also load the model, serve a fixed set of probe texts (short, long, "
+        "multilingual, instruction-prefixed, truncated) with these settings, and compare "
+        "them with the model's authors' computation (sentence-transformers, else "
+        "transformers; float32 on the CPU): print the lowest cosine per kind of input (the "
+        "largest score difference for score and classify) and exit 1 below the threshold, "
+        f"{EXIT_UNVERIFIABLE} when the model cannot be verified here.",
+    )
+    inspect.add_argument(
+        "--verify-threshold",
+        type=float,
+        default=None,
+        metavar="X",
+        help="With --verify: the lowest cosine accepted (default 0.9999 in float32, 0.999 in "
+        "bfloat16 and float16, 0.99 with int8), or for score and classify the largest "
+        "absolute difference (default 1e-4 in float32, 1e-2 in bfloat16 and float16).",
     )
     engine_group = inspect.add_argument_group("settings (as serve takes them)")
     for name, field in EngineSettings.model_fields.items():
@@ -262,9 +286,16 @@ def _serve_workers(settings: ServerSettings) -> int:
         return serve_workers(settings, shared)
 
 
-def inspect(settings: EngineSettings, *, as_json: bool = False) -> int:
+def inspect(
+    settings: EngineSettings,
+    *,
+    as_json: bool = False,
+    verify: bool = False,
+    threshold: float | None = None,
+) -> int:
     """Print what ``settings`` would serve (``embedding-server inspect``); 1 when the
-    server would refuse the model, with the reason on stderr."""
+    server would refuse the model, with the reason on stderr. ``verify``: then compare what
+    it serves with the reference (:func:`_verify`)."""
     apply_process_env_defaults(os.environ)  # as serve: before anything imports torch
     from embedding_server.device.inspection import inspect_model
 
@@ -276,11 +307,46 @@ def inspect(settings: EngineSettings, *, as_json: bool = False) -> int:
             message = f"model {settings.model!r}: {message}"
         sys.stderr.write(f"{PROG} inspect: cannot serve {message}\n")
         return EXIT_REFUSED
+    if verify:
+        return _verify(settings, inspection, as_json=as_json, threshold=threshold)
     if as_json:
         sys.stdout.write(json.dumps(inspection.to_dict(), indent=2) + "\n")
     else:
         sys.stdout.write(format_inspection(inspection))
     return 0
+
+
+def _verify(
+    settings: EngineSettings, inspection: Inspection, *, as_json: bool, threshold: float | None
+) -> int:
+    """``inspect --verify``: the inspection, then the served outputs against the authors'
+    computation (``device/verification.py``); 0 when every kind of probe is within the
+    threshold, 1 when one is not (or the load is refused), :data:`EXIT_UNVERIFIABLE` when
+    there is no reference to compare with."""
+    from embedding_server.device.verification import (
+        UnverifiableError,
+        format_verification,
+        verify_model,
+    )
+
+    if not as_json:
+        sys.stdout.write(format_inspection(inspection) + "\n")
+        sys.stdout.flush()
+    try:
+        result = verify_model(settings, threshold=threshold)
+    except EmbeddingServerError as error:
+        sys.stderr.write(f"{PROG} inspect: cannot serve model {settings.model!r}: {error}\n")
+        return EXIT_REFUSED
+    except UnverifiableError as error:
+        sys.stderr.write(f"{PROG} inspect: cannot verify model {settings.model!r}: {error}\n")
+        return EXIT_UNVERIFIABLE
+    if as_json:
+        out = inspection.to_dict()
+        out["verification"] = result.to_dict()
+        sys.stdout.write(json.dumps(out, indent=2) + "\n")
+    else:
+        sys.stdout.write(format_verification(result))
+    return 0 if result.passed else EXIT_REFUSED
 
 
 def format_inspection(inspection: Inspection) -> str:
@@ -347,7 +413,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point (``embedding-server``)."""
     namespace = build_parser().parse_args(argv)
     if namespace.command == "inspect":
-        return inspect(_settings(EngineSettings, namespace), as_json=namespace.json)
+        return inspect(
+            _settings(EngineSettings, namespace),
+            as_json=namespace.json,
+            verify=namespace.verify,
+            threshold=namespace.verify_threshold,
+        )
     if namespace.command == "gateway":
         return gateway(_gateway_settings(namespace))
     return serve(_settings(ServerSettings, namespace))

@@ -1,0 +1,383 @@
+"""``inspect --verify`` passes for a tiny checkpoint of every native family, and fails for a
+wrong one.
+
+:data:`CHECKPOINTS` has one row per checkpoint builder of ``tests/support`` (a new family
+adds its row here): the row's registry ``model_type`` and how to build the checkpoint. Each
+is verified as a user would run it, with the offline engine serving it in float32 and in
+bfloat16 against sentence-transformers or transformers in float32; every native model type
+of the registry must have a row or a reasoned entry in :data:`NOT_VERIFIED`. Then the
+failures a user must see: a pooling overridden against the checkpoint's own, and a tampered
+weight, both exit 1 with the low cosine printed, through the real ``embedding-server``
+entry point; and what cannot be verified exits 3 rather than passing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+from embedding_server.cli import EXIT_REFUSED, EXIT_UNVERIFIABLE, main
+from embedding_server.device.inspection import inspect_model
+from embedding_server.device.models import ARCHITECTURES
+from embedding_server.device.verification import (
+    COSINE_THRESHOLDS,
+    SCORE_THRESHOLDS,
+    UnverifiableError,
+    verify_model,
+)
+from embedding_server.settings import EngineSettings
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModel
+
+from tests.support.api import SCRIPT
+from tests.support.bert_families import build_family
+from tests.support.gte import build_gte
+from tests.support.jina_v3 import build_jina_v3
+from tests.support.models import (
+    add_sentence_transformers,
+    build_bert,
+    build_bge_m3,
+    build_deberta,
+    build_decoder,
+    build_modernbert,
+    build_mpnet,
+    build_xlm_roberta,
+    rewrite_checkpoint,
+    spread_weights,
+)
+from tests.support.tasks import build_classifier, save_cross_encoder
+
+pytestmark = pytest.mark.timeout(600)
+
+Builder = Callable[[Path], Path]
+
+
+class Row(NamedTuple):
+    model_type: str
+    """The registry entry the checkpoint is served by (checked against what the engine says)."""
+    build: Builder
+    """Writes the checkpoint under the given directory; returns the directory to serve."""
+    task: str = "embed"
+
+
+def _roberta(path: Path) -> Path:
+    """RoBERTa is XLM-R's math under its own model_type and class name."""
+    return rewrite_checkpoint(
+        build_xlm_roberta(path / "xlmr"),
+        path / "roberta",
+        config={"model_type": "roberta", "architectures": ["RobertaModel"]},
+    )
+
+
+def _nomic_bert(path: Path) -> Path:
+    """transformers' own NomicBERT layout, which its NomicBertModel reads (the Hub's GPT-2
+    style config needs nomic's code: see test_nomic_bert for that layout)."""
+    build_bert(path)  # nomic's tokenizer is bert-base-uncased's WordPiece
+    (path / "model.safetensors").unlink()
+    torch.manual_seed(29)
+    config = AutoConfig.for_model(
+        "nomic_bert",
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        vocab_size=30528,
+        type_vocab_size=2,
+        max_position_embeddings=128,
+    )
+    model = AutoModel.from_config(config)
+    spread_weights(model)
+    model.save_pretrained(str(path))
+    return path
+
+
+def _calm_gemma(model_type: str) -> Builder:
+    """A Gemma-family decoder with its matrices halved, as test_gemma and test_gemma2 build
+    them: Gemma scales its embeddings by sqrt(hidden), and with the spread random weights
+    bfloat16 rounding then grows chaotically through the layers, which no trained Gemma does."""
+
+    def build(path: Path) -> Path:
+        build_decoder(path, model_type)
+        weights = load_file(str(path / "model.safetensors"))
+        calm = {n: t * 0.5 if t.dim() > 1 and "embed" not in n else t for n, t in weights.items()}
+        save_file(calm, str(path / "model.safetensors"), metadata={"format": "pt"})
+        return path
+
+    return build
+
+
+def _with_prompts(path: Path) -> Path:
+    """all-MiniLM-shaped (mean pooling, Normalize) with e5's prompts, one the default."""
+    return add_sentence_transformers(
+        build_bert(path),
+        pooling="mean",
+        prompts={"query": "query: ", "passage": "passage: "},
+        default_prompt_name="passage",
+    )
+
+
+def _instructor(path: Path) -> Path:
+    """A Dense layer, and the prompt left out of the mean (``include_prompt: false``)."""
+    return add_sentence_transformers(
+        build_mpnet(path),
+        pooling="mean",
+        dense_out=16,
+        prompts={"query": "Represent the query: "},
+        include_prompt=False,
+        name="instructor",
+    )
+
+
+def _cross_encoder(path: Path) -> Path:
+    return save_cross_encoder(build_classifier(path, "xlm-roberta", 1))
+
+
+CHECKPOINTS: dict[str, Row] = {
+    "bert": Row("bert", build_bert),
+    "bert-st-prompts": Row("bert", _with_prompts),
+    "roberta": Row("roberta", _roberta),
+    "xlm-roberta": Row("xlm-roberta", build_xlm_roberta),
+    "bge-m3": Row("xlm-roberta", build_bge_m3),
+    **{
+        name: Row(name, lambda p, t=name: build_family(p, t))
+        for name in ("camembert", "distilbert", "ernie", "electra")
+    },
+    "modernbert": Row("modernbert", lambda p: build_modernbert(p, "modernbert")),
+    "modernbert-mlm-legacy": Row(
+        "modernbert", lambda p: build_modernbert(p, "modernbert-mlm-legacy")
+    ),
+    "gte": Row("gte", lambda p: build_gte(p, "gte")),
+    "mpnet-st-instructor": Row("mpnet", _instructor),
+    "mpnet": Row("mpnet", build_mpnet),
+    "deberta-v3": Row("deberta-v2", build_deberta),
+    "nomic_bert": Row("nomic_bert", _nomic_bert),
+    "jina_v3-native": Row("jina_embeddings_v3", lambda p: build_jina_v3(p)[0]),
+    **{
+        name: Row(name, lambda p, t=name: build_decoder(p, t))
+        for name in ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+    },
+    **{name: Row(name, _calm_gemma(name)) for name in ("gemma", "gemma2")},
+    "qwen3-causal-lm-st-last": Row(
+        "qwen3",
+        lambda p: add_sentence_transformers(
+            build_decoder(p, "qwen3", causal_lm=True), pooling="lasttoken"
+        ),
+    ),
+    "xlm-roberta-cross-encoder": Row("xlm-roberta", _cross_encoder, task="score"),
+    "electra-classifier": Row(
+        "electra", lambda p: build_family(p, "electra", "sequence", num_labels=3), task="classify"
+    ),
+}
+
+NOT_VERIFIED: dict[str, str] = {
+    "new": "Alibaba's new-impl is the only code that runs model_type new; it is remote "
+    "code on the Hub, which this offline suite cannot fetch (the same math as transformers' "
+    "gte, which its row verifies)",
+    "llama_bidirec": "NVIDIA's LlamaBidirectionalModel is remote code on the Hub; "
+    "test_llama_bidirec checks it against transformers' LlamaModel given a bidirectional mask",
+    "clip": "an image model: --verify refuses image towers (tested below)",
+    "siglip": "an image model",
+    "siglip2": "an image model",
+}
+
+
+def test_every_native_model_type_has_a_checkpoint_to_verify_or_a_reason() -> None:
+    """A family added to the registry without a row here fails, until it has one."""
+    covered = {row.model_type for row in CHECKPOINTS.values()}
+    missing = sorted(set(ARCHITECTURES) - covered - set(NOT_VERIFIED))
+    assert not missing, f"model types with no tiny checkpoint in CHECKPOINTS: {missing}"
+    stale = sorted(set(NOT_VERIFIED) & covered)
+    assert not stale, f"excluded yet verified: {stale}"
+    assert set(NOT_VERIFIED) <= set(ARCHITECTURES)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """Each row's checkpoint, built once for the module."""
+    root = tmp_path_factory.mktemp("verify")
+    cache: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            cache[name] = CHECKPOINTS[name].build(root / name)
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_every_native_family_passes_verification(
+    built: Callable[[str], Path], name: str, dtype: str
+) -> None:
+    row = CHECKPOINTS[name]
+    settings = EngineSettings(model=str(built(name)), dtype=dtype, device="cpu")
+    assert inspect_model(settings).info.model_type == row.model_type
+    result = verify_model(settings)
+    kinds = {r.kind for r in result.rows}
+    expected = {"short", "long", "multilingual", "truncated"}
+    if row.task == "embed":
+        expected.add("instruction")
+        assert result.metric == "cosine"
+        assert result.threshold == COSINE_THRESHOLDS[dtype]
+    else:
+        assert result.metric == "abs_diff"
+        assert result.threshold == SCORE_THRESHOLDS[dtype]
+    assert kinds == expected
+    assert f"native, {dtype}" in result.served
+    failing = [(r.kind, r.worst) for r in result.rows if not r.passed]
+    assert result.passed, (name, failing, result.reference)
+
+
+# -- what a user sees when the served vectors are wrong ---------------------------------------
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """The installed ``embedding-server`` script, as a user runs it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDDING_SERVER_")}
+    return subprocess.run(
+        [SCRIPT, *args], capture_output=True, text=True, timeout=timeout, env=env, check=False
+    )
+
+
+def _table(stdout: str) -> dict[str, tuple[int, float, str]]:
+    """``kind -> (inputs, worst, verdict)`` from the printed verification table."""
+    rows = {}
+    for line in stdout.splitlines():
+        match = re.match(
+            r"^(short|long|multilingual|instruction|truncated)\s+(\d+)\s+(\S+)\s+(ok|FAIL)\b", line
+        )
+        if match:
+            rows[match[1]] = (int(match[2]), float(match[3]), match[4])
+    return rows
+
+
+@pytest.fixture(scope="module")
+def cls_pipeline(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A sentence-transformers pipeline that declares CLS pooling."""
+    return add_sentence_transformers(
+        build_bert(tmp_path_factory.mktemp("verify-cls") / "bert"), pooling="cls"
+    )
+
+
+def test_the_cli_passes_a_checkpoint_served_as_declared(cls_pipeline: Path) -> None:
+    """The real ``embedding-server`` entry point: the inspection, then one table row per
+    kind of probe, and exit 0."""
+    result = run_cli(
+        "inspect",
+        "--model",
+        str(cls_pipeline),
+        "--verify",
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^pooling\s+cls$", result.stdout, re.M)  # the inspection comes first
+    table = _table(result.stdout)
+    assert set(table) == {"short", "long", "multilingual", "instruction", "truncated"}
+    assert all(worst >= 0.9999 and verdict == "ok" for _, worst, verdict in table.values())
+    assert "reference  sentence-transformers SentenceTransformer, float32 on cpu" in result.stdout
+    assert "verification passed" in result.stdout
+
+
+def test_the_cli_fails_a_pooling_overridden_against_the_checkpoint(cls_pipeline: Path) -> None:
+    """``--pooling mean`` on a checkpoint whose pipeline pools CLS serves other vectors than
+    its authors': exit 1, and the low cosines are printed (every kind fails; a one-token
+    text cannot tell the poolings apart, so the kind's lowest cosine is what shows it)."""
+    result = run_cli(
+        "inspect",
+        "--model",
+        str(cls_pipeline),
+        "--verify",
+        "--pooling",
+        "mean",
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        timeout=300,
+    )
+    assert result.returncode == EXIT_REFUSED, (result.stdout, result.stderr)
+    table = _table(result.stdout)
+    assert table["long"][2] == "FAIL" and table["long"][1] < 0.99
+    assert "verification FAILED" in result.stdout
+    # The override is what was served: the same flag lowered, it passes.
+    relaxed = run_cli(
+        "inspect",
+        "--model",
+        str(cls_pipeline),
+        "--verify",
+        "--pooling",
+        "mean",
+        "--verify-threshold",
+        "-1",
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--json",
+        timeout=300,
+    )
+    assert relaxed.returncode == 0, relaxed.stderr
+    verification = json.loads(relaxed.stdout)["verification"]
+    assert verification["passed"] and verification["threshold"] == -1.0
+    assert min(k["worst"] for k in verification["kinds"]) < 0.99
+
+
+def test_a_tampered_weight_fails_verification(
+    built: Callable[[str], Path],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The server reading one weight wrong (as a loader bug would) while the reference reads
+    the true file: ``main(argv)`` returns 1 and prints the cosines that show it."""
+    from embedding_server.device import loading
+
+    true_load = loading.load_weights
+
+    def tampered(path: Path) -> dict[str, torch.Tensor]:
+        weights = dict(true_load(path))
+        name = next(n for n in weights if re.search(r"layers\.1\.mlp\.down_proj\.weight$", n))
+        weights[name] = weights[name] * 1.5
+        return weights
+
+    monkeypatch.setattr(loading, "load_weights", tampered)
+    path = built("qwen3")
+    code = main(
+        ["inspect", "--model", str(path), "--verify", "--dtype", "float32", "--device", "cpu"]
+    )
+    out = capsys.readouterr().out
+    assert code == EXIT_REFUSED, out
+    table = _table(out)
+    assert all(verdict == "FAIL" for _, _, verdict in table.values()), out
+    assert max(worst for _, worst, _ in table.values()) < 0.9999
+
+
+def test_what_cannot_be_verified_exits_3_and_says_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An image model is not passed: exit 3 with the reason, nothing claimed."""
+    from tests.support.vision import build_clip
+
+    path = build_clip(tmp_path / "clip")
+    code = main(
+        ["inspect", "--model", str(path), "--verify", "--dtype", "float32", "--device", "cpu"]
+    )
+    captured = capsys.readouterr()
+    assert code == EXIT_UNVERIFIABLE
+    assert "cannot verify" in captured.err and "image" in captured.err
+    assert "verification passed" not in captured.out
+    with pytest.raises(UnverifiableError, match="task sparse is not verified"):
+        from tests.support.tasks import build_splade
+
+        verify_model(
+            EngineSettings(model=str(build_splade(tmp_path / "splade", "bert")), device="cpu")
+        )
