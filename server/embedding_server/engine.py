@@ -151,6 +151,7 @@ class Engine(ServingEngine):
             pooling=config.pooling,
             head=heads.batch_head,
             include_prompt=config.include_prompt,
+            instruction=loaded.instruction,
             cpu_threads=config.cpu_threads,
             attention=attention.backend,
             token_pooler=heads.sparse,

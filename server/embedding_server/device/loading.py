@@ -104,6 +104,7 @@ from .hybrid import (
     read_hybrid_head,
     refuse_colbert,
 )
+from .instructions import InstructionSpan
 from .models import ARCHITECTURES, Architecture, build_model, lookup
 from .models.base import EmbeddingModel, TensorAudit, TrackedWeights, audit_tensors
 from .pooling import DenseLayer
@@ -761,6 +762,9 @@ class LoadedModel:
     off torch_varlen (and a flash-attn without ``alibi_slopes``)."""
     quantization: str = "none"
     """How the body's weights are held: none (``dtype``) or int8 (``quantization.py``)."""
+    instruction: InstructionSpan | None = None
+    """Finds the leading instruction tokens of each sequence that pooling leaves out
+    (``Architecture.instruction``: GritLM); None: none are."""
 
 
 def head_dim_of(config: Mapping[str, Any]) -> int:
@@ -982,6 +986,11 @@ def load_model(
         tokenizer, tokenizer_max = load_tokenizer(source.path)
         if plan.arch.check_tokenizer is not None:
             plan.arch.check_tokenizer(plan.config, tokenizer)
+        instruction = (
+            InstructionSpan.of(plan.arch.instruction, tokenizer)
+            if plan.arch.instruction is not None
+            else None
+        )
         if shapes_only:
             path, weights = _weight_shapes(source, plan.st)
             build_device = torch.device("meta")
@@ -1032,6 +1041,7 @@ def load_model(
         attention_softcap=plan.arch.softcaps(config),
         attention_alibi=plan.arch.alibi(config),
         quantization=quantization,
+        instruction=instruction,
     )
 
 

@@ -124,6 +124,7 @@ class ModelRunner:
         pooling: PoolingMethod,
         head: BatchHead,
         include_prompt: bool = True,
+        instruction: Callable[[Sequence[int]], int] | None = None,
         cpu_threads: int = 1,
         attention: Backend = Backend.SDPA_BUCKETED,
         token_pooler: TokenPooler | None = None,
@@ -140,6 +141,10 @@ class ModelRunner:
         self.device = device
         self.pooling = pooling
         self.include_prompt = include_prompt
+        self.instruction = instruction
+        """How many leading tokens of a sequence's ids are its instruction, which pooling
+        leaves out (GritLM's, ``device.instructions``); None: the prompt's, where
+        ``include_prompt`` is false."""
         self.head = head
         self._lock = threading.Lock()
         self._failure_lock = threading.Lock()
@@ -404,7 +409,13 @@ class ModelRunner:
             rows: list[FloatArray] = []
             tokens_sorted: list[FloatArray | None] = []
             if hidden is not None:
-                skip = None if self.include_prompt else [s.skip for s in ordered]
+                skip = (
+                    [self.instruction(s.ids) for s in ordered]
+                    if self.instruction is not None
+                    else None
+                    if self.include_prompt
+                    else [s.skip for s in ordered]
+                )
                 pooled = self._pool(hidden, batch, seqlens, skip)
                 rows.append(pooled.float().cpu().numpy())
                 tokens_sorted = self._token_states(hidden, ordered)

@@ -35,6 +35,8 @@ from embedding_server.pooling import PoolingMethod
 
 from ..distributed import SINGLE, Shard
 from ..heads import ClassifierReader, MaskedLmReader, score_head
+from ..instructions import GRITLM as GRITLM_INSTRUCTION
+from ..instructions import InstructionFormat
 from . import (
     bert,
     clip,
@@ -63,6 +65,7 @@ from .jina_v3 import JinaV3Model
 from .llama import DECODER_IGNORED, DecoderVariant, LlamaModel
 from .modernbert import ModernBertModel
 from .mpnet import MPNetModel
+from .names import KNOWN_NAMES, check_names
 from .nomic_bert import NomicBertModel
 from .vision import VisionModel, flatten_text
 
@@ -123,6 +126,10 @@ class Architecture:
     images: bool = False
     """The family has a vision tower (:class:`~.vision.VisionModel`): it embeds images, on
     the native backend only, on one device, with task embed."""
+    instruction: InstructionFormat | None = None
+    """The instruction its texts carry in front, which pooling leaves out (GritLM's
+    ``<|user|>\\n...\\n<|embed|>\\n``, found in each sequence's ids:
+    ``device.instructions``); None: every token is pooled."""
 
     def alibi(self, config: Mapping[str, Any]) -> bool:
         """Whether a model of this config adds ALiBi biases to its attention logits."""
@@ -167,6 +174,9 @@ QWEN3 = DecoderVariant(attention_bias=True, qk_norm=True, window="opt_in")
 # NVIDIA's LlamaBidirectionalModel (custom code, not run): a LlamaModel whose layers attend
 # both ways, whatever config.json's flags say.
 LLAMA_BIDIREC = DecoderVariant(attention_bias=True, mlp_bias=True, bidirectional=True)
+# GritLM in embedding mode (as its authors' GritLM.encode and vLLM's gritlm.py run it): the
+# Mistral body attending both ways, with no sliding window, whatever config.json says.
+GRITLM = DecoderVariant(bidirectional=True)
 
 # CamemBERT is RoBERTa's math, names and heads (prefix ``roberta.``, positions after
 # padding_idx) under its own model_type.
@@ -369,6 +379,20 @@ ARCHITECTURES: dict[str, Architecture] = {
     )
 }
 
+NAMED: dict[tuple[str, str], Architecture] = {
+    # parasail-ai/GritLM-7B-vllm (model_type mistral, architectures ["GritLM"]): mean over
+    # the tokens after its instruction; no classifier, no yes/no prompt (embed only).
+    ("mistral", "GritLM"): Architecture(
+        "mistral",
+        decoder(GRITLM),
+        "mean",
+        ignored=DECODER_IGNORED,
+        instruction=GRITLM_INSTRUCTION,
+    ),
+}
+"""Entries chosen by ``(model_type, architectures[0])``: an architecture that runs other math
+on a family's weights. Every other name is checked against ``names.KNOWN_NAMES``."""
+
 IMAGE_MODEL_TYPES = frozenset(a.model_type for a in ARCHITECTURES.values() if a.images)
 """The model types that embed images (natively): what ``EngineInfo.modalities`` reports."""
 
@@ -408,10 +432,12 @@ REFUSED: dict[str, str] = {
 def lookup(config: Mapping[str, Any]) -> Architecture:
     """The registry entry for a config, or UnsupportedModelError naming what we support.
     Mostly by ``model_type``; jina-embeddings-v3's Hub config says ``xlm-roberta`` and
-    selects its rotary body with ``position_embedding_type: rotary``."""
+    selects its rotary body with ``position_embedding_type: rotary``. The config's
+    ``architectures`` name picks an entry of :data:`NAMED`, else must be one the
+    ``model_type`` declares (``names.KNOWN_NAMES``): an unknown one is refused, naming it."""
     model_type = str(config.get("model_type", ""))
     if jina_v3.is_jina_v3(config):
-        return ARCHITECTURES[jina_v3.NATIVE_MODEL_TYPE]
+        return _checked(config, ARCHITECTURES[jina_v3.NATIVE_MODEL_TYPE])
     arch = ARCHITECTURES.get(model_type)
     if arch is None and model_type in REFUSED:
         raise UnsupportedModelError(REFUSED[model_type])
@@ -421,7 +447,27 @@ def lookup(config: Mapping[str, Any]) -> Architecture:
             f"model_type {model_type!r} ({names}) is not supported; supported model types: "
             f"{', '.join(sorted(ARCHITECTURES))}"
         )
-    return arch
+    return _checked(config, arch)
+
+
+def _checked(config: Mapping[str, Any], arch: Architecture) -> Architecture:
+    """``arch``, or the :data:`NAMED` entry the config's architecture picks; refuses an
+    architecture name the model type does not declare, and a :data:`NAMED` one beside
+    another (which math the model runs would be a guess)."""
+    model_type = arch.model_type
+    names = [str(name) for name in config.get("architectures") or []]
+    known = KNOWN_NAMES.get(model_type)
+    if known is not None:
+        known = (*known, *(name for kind, name in NAMED if kind == model_type))
+    check_names(config, model_type, known)
+    special = [name for name in names if (model_type, name) in NAMED]
+    if special and len(set(names)) > 1:
+        raise UnsupportedModelError(
+            f"config.json's architectures name {', '.join(names)}: {special[0]} runs other "
+            f"math on {model_type}'s weights than the others, so which one the model runs is "
+            "ambiguous; name one"
+        )
+    return NAMED[(model_type, special[0])] if special else arch
 
 
 def build_model(
