@@ -22,7 +22,7 @@ choice) is refused with the reason, rather than being served as an embedder by i
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -36,12 +36,19 @@ Task = Literal["embed", "score", "classify", "token_classify", "reward", "sparse
 cross-encoder: /score and /rerank; /classify gives its sigmoid probability), classify
 (labels with probabilities), token_classify (label probabilities of every token), reward
 (a classifier's raw outputs at every token, as vLLM's reward task: no activation; only when
-asked for, since a reward model's checkpoint is a plain ``*ForSequenceClassification``),
+asked for, since a reward model's checkpoint is usually a plain
+``*ForSequenceClassification``; chosen by auto for a dedicated ``*ForRewardModel`` /
+``*ForProcessRewardModel``, the latter answering at its step separators),
 sparse (SPLADE: a vocabulary-sized sparse vector from the masked-LM head)."""
 
 TASKS: tuple[Task, ...] = ("embed", "score", "classify", "token_classify", "reward", "sparse")
 
 HeadKind = Literal["sequence_classification", "token_classification"]
+
+RewardKind = Literal["outcome", "process"]
+"""A dedicated reward model's head (vLLM's reward models): ``outcome``
+(``*ForRewardModel``: one output at every token, the last token's is the reward) or
+``process`` (``*ForProcessRewardModel``: two outputs, read at each step separator)."""
 
 _REFUSED_HEADS = {
     "ForQuestionAnswering": "extractive question answering (span start/end logits)",
@@ -231,6 +238,30 @@ BGE_RERANKER_GEMMA = SegmentedPairTemplate(
 
 
 @dataclass(frozen=True)
+class PairPrompt:
+    """How a cross-encoder whose authors format a (query, document) pair as one text reads
+    it: ``text`` with ``{query}`` and ``{document}`` filled in, tokenized like any single
+    text (the tokenizer's special tokens around it) and truncated at its end, the
+    document's, as the model card's code tokenizes it."""
+
+    name: str
+    text: str
+
+    def format(self, query: str, document: str) -> str:
+        """The pair's text (``str.format`` fills the template's placeholders only: braces in
+        the query or document are left as they are)."""
+        return self.text.format(query=query, document=document)
+
+
+# nvidia/llama-nemotron-rerank-1b-v2 (LlamaBidirectionalForSequenceClassification), as its
+# model card's prompt_template and vLLM's examples/pooling/score/template/nemotron-rerank.jinja
+# write a pair.
+NEMOTRON_RERANK = PairPrompt(
+    name="llama-nemotron-rerank", text="question:{query} \n \n passage:{document}"
+)
+
+
+@dataclass(frozen=True)
 class Classifier:
     """What a checkpoint's classification head means: how it pools, its labels, and how to
     read its logits (the weights are ``device.heads.ClassificationHead``)."""
@@ -242,9 +273,15 @@ class Classifier:
     """The activation the checkpoint declares (sentence-transformers), else None."""
     per_token: bool = False
     """A token classifier: the head runs on every token's hidden state, not a pooled one."""
-    template: PairTemplate | SegmentedPairTemplate | None = None
-    """A yes/no reranker's prompt (a generative checkpoint served with task score): each pair
-    is formatted with it rather than tokenized as a sentence pair."""
+    template: PairTemplate | SegmentedPairTemplate | PairPrompt | None = None
+    """A yes/no reranker's prompt (a generative checkpoint served with task score), or the
+    one text a cross-encoder's authors make of a pair (:class:`PairPrompt`): each pair is
+    formatted with it rather than tokenized as a sentence pair."""
+    reward: RewardKind | None = None
+    """A dedicated reward model's head: task reward is what it serves (also under auto)."""
+    step_token: int | None = None
+    """A process reward model's step separator (``<extra_0>`` for Qwen2.5-Math-PRM): task
+    reward answers with the rows at this token only, as probabilities (:meth:`rewards`)."""
 
     @property
     def num_labels(self) -> int:
@@ -266,6 +303,18 @@ class Classifier:
     def scores(self, logits: FloatArray) -> FloatArray:
         """One relevance score per pair (``[B]``) from one-label logits."""
         return apply_activation(self.score_activation, logits[:, 0])
+
+    def rewards(self, outputs: FloatArray, token_ids: Sequence[int]) -> FloatArray:
+        """Task reward's answer for one input from the head's raw outputs at its tokens
+        (``[len, num_labels]``): those outputs as they are (vLLM's ALL pooling, no
+        activation), or, for a process reward model, the softmax of the rows at its step
+        separator, one row per step (vLLM's STEP pooling, and the model card's
+        ``make_step_rewards``, whose step reward is column 1): ``[steps, num_labels]``,
+        no rows for a text with no step."""
+        if self.step_token is None:
+            return outputs
+        steps = np.asarray(token_ids) == self.step_token
+        return softmax(outputs[steps]).reshape(-1, outputs.shape[-1])
 
 
 def apply_activation(name: str, x: FloatArray) -> FloatArray:
@@ -319,6 +368,17 @@ def head_kind(config: Mapping[str, Any]) -> HeadKind | None:
     return None
 
 
+def reward_kind(config: Mapping[str, Any]) -> RewardKind | None:
+    """The reward-model head a ``*ForRewardModel`` or ``*ForProcessRewardModel`` checkpoint
+    has (Qwen2.5-Math-RM / -PRM), None for any other."""
+    for name in config.get("architectures") or []:
+        if str(name).endswith("ForProcessRewardModel"):
+            return "process"
+        if str(name).endswith("ForRewardModel"):
+            return "outcome"
+    return None
+
+
 def declared_activation(config: Mapping[str, Any], st_activation: str | None) -> str | None:
     """The CrossEncoder activation a checkpoint declares, as an ``ACTIVATIONS`` name."""
     block = config.get("sentence_transformers")
@@ -347,6 +407,8 @@ def resolve_task(
     natural: Task = "embed"
     if splade and classifier is None:
         natural = "sparse"
+    elif classifier is not None and classifier.reward is not None:
+        natural = "reward"
     elif classifier is not None and classifier.per_token:
         natural = "token_classify"
     elif classifier is not None:
@@ -371,8 +433,15 @@ def resolve_task(
     what = (
         f"a token classifier with {classifier.num_labels} label(s)"
         if classifier.per_token
+        else f"a {classifier.reward} reward model"
+        if classifier.reward is not None
         else f"a sequence classifier with {classifier.num_labels} label(s)"
     )
+    if classifier.reward is not None:
+        raise UnsupportedModelError(
+            f"{architecture} is {what}: its head's outputs are rewards, served by task reward "
+            f"(or auto) on /pooling, not by task {requested}"
+        )
     if requested == "classify" and natural == "score":
         return "classify"  # a cross-encoder's one probability
     if requested == "reward":

@@ -32,7 +32,7 @@ from .errors import (
     OutputTooLargeError,
     TooManyTokensError,
 )
-from .heads import PairTemplate, SegmentedPairTemplate
+from .heads import PairPrompt, PairTemplate, SegmentedPairTemplate
 from .imaging import ImageInput
 from .pooling import FloatArray
 from .results import JobOutput, StageTimings
@@ -168,12 +168,13 @@ class Job:
         cls,
         pairs: list[tuple[str, str]],
         options: ScoreOptions,
-        template: PairTemplate | SegmentedPairTemplate | None = None,
+        template: PairTemplate | SegmentedPairTemplate | PairPrompt | None = None,
     ) -> Job:
         """A job over sentence pairs; prompts do not apply to them. With a yes/no
         reranker's ``template``, each pair becomes one text of its prompt (a
         :class:`SegmentedPairTemplate`: its pieces, tokenized apart when the job is), and
-        ``prompt`` is the template's instruction."""
+        ``prompt`` is the template's instruction; with a cross-encoder's
+        :class:`PairPrompt`, one text tokenized as any single text."""
         truncation = Truncation.coerce(options.get("truncate", True))
         for name in ("prompt_name", "adapter"):
             if options.get(name) is not None:
@@ -181,6 +182,13 @@ class Job:
                     f"{name} does not apply to a cross-encoder's text pairs", param=name
                 )
         instruction = options.get("prompt")
+        if isinstance(template, PairPrompt):
+            if instruction is not None:
+                raise InvalidRequestError(
+                    f"prompt does not apply to {template.name}'s pairs: its prompt is fixed",
+                    param="prompt",
+                )
+            return cls([template.format(q, d) for q, d in pairs], None, truncation)
         if isinstance(template, SegmentedPairTemplate):
             return cls([], instruction, truncation, pairs=pairs, segmented=template)
         if template is not None:

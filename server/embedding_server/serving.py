@@ -33,7 +33,7 @@ from . import media
 from .colbert import ColbertFormat, Side, maxsim_sum, parse_side
 from .configuration import EngineConfig, EngineInfo
 from .errors import InvalidRequestError
-from .heads import Task
+from .heads import PairPrompt, Task
 from .hybrid import OUTPUTS, HybridHeads, maxsim_scores
 from .imaging import ImageInput
 from .jobs import (
@@ -615,9 +615,14 @@ class ServingEngine(abc.ABC):
         classifier = self._config.classifier
         assert classifier is not None  # task classify and score have one
         if classifier.template is not None:
-            # Its P(yes) means something only for a pair inside its prompt.
+            # Its score means something only for a pair inside its prompt.
+            kind = (
+                "a cross-encoder that reads each pair inside its prompt"
+                if isinstance(classifier.template, PairPrompt)
+                else "a yes/no reranker"
+            )
             raise InvalidRequestError(
-                f"classification of single texts is not served by a yes/no reranker "
+                f"classification of single texts is not served by {kind} "
                 f"({self._info.architecture}, {classifier.template.name}'s prompt); use "
                 "/score or /rerank with query and document pairs",
                 param="model",
@@ -651,7 +656,13 @@ class ServingEngine(abc.ABC):
             items, options, self._config.prompts, add_special_tokens=special, want_tokens=True
         )
         out = await self._run(runner, job)
-        return out.token_result([t for t in out.tokens if t is not None])
+        outputs = [t for t in out.tokens if t is not None]
+        classifier = self._config.classifier
+        if task == "reward" and classifier is not None:  # a process reward model's steps
+            outputs = [
+                classifier.rewards(o, t.ids) for o, t in zip(outputs, out.tokenized, strict=True)
+            ]
+        return out.token_result(outputs)
 
     async def _sparse(
         self, runner: JobRunner, inputs: Inputs, options: TokenOptions

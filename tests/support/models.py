@@ -133,14 +133,21 @@ def build_xlm_roberta(path: Path) -> Path:
 
 
 def build_decoder(
-    path: Path, model_type: str, *, causal_lm: bool = False, **overrides: Any
+    path: Path,
+    model_type: str,
+    *,
+    causal_lm: bool = False,
+    extra_specials: Sequence[str] = (),
+    **overrides: Any,
 ) -> Path:
     """A 2-layer decoder (qwen2 / qwen3 / llama / mistral / gemma3_text), GQA 4:2, EOS
     appended like Qwen3-Embedding's tokenizer does, so last-token pooling reads the EOS
     state. ``causal_lm``: saved as ``*ForCausalLM`` (``model.`` prefix, an ``lm_head``), as
-    Qwen3-Embedding and the decoder rerankers are."""
+    Qwen3-Embedding and the decoder rerankers are. ``extra_specials``: more special tokens
+    in the vocabulary (a process reward model's step separator), before ``<unk>``."""
     path.mkdir(parents=True, exist_ok=True)
-    tok = byte_tokenizer(["<pad>", "<s>", "</s>", "<unk>"], "$A </s>", ["</s>"])
+    specials = ["<pad>", "<s>", "</s>", *extra_specials, "<unk>"]
+    tok = byte_tokenizer(specials, "$A </s>", ["</s>"])
     _save_tokenizer(
         tok, path, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
     )

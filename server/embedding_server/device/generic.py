@@ -48,7 +48,7 @@ from typing import Any, Literal
 import torch
 
 from embedding_server.errors import UnsupportedModelError
-from embedding_server.heads import Classifier, declared_activation, head_kind
+from embedding_server.heads import Classifier, declared_activation, head_kind, reward_kind
 from embedding_server.pooling import PoolingMethod
 from embedding_server.settings import Dtype, ModelBackend
 
@@ -244,11 +244,11 @@ def refuse_task(config: Mapping[str, Any], *, name: str, task: str, splade: bool
             f"model {name!r}: task sparse (SPLADE) is served by the native backend only, and this "
             f"model is on the transformers backend ({_why_transformers(config)})"
         )
-    if task == "reward":
+    if task == "reward" or reward_kind(config) is not None:
         raise UnsupportedModelError(
-            f"model {name!r}: task reward (a classifier's raw outputs at every token) is served "
-            "by the native backend only; the transformers backend serves score, classify and "
-            "token_classify through transformers' own heads"
+            f"model {name!r}: task reward (a classifier's raw outputs at every token, a reward "
+            "model's rewards) is served by the native backend only; the transformers backend "
+            "serves score, classify and token_classify through transformers' own heads"
         )
 
 

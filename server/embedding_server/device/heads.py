@@ -22,11 +22,14 @@ import torch.nn.functional as F
 from embedding_server.errors import UnsupportedModelError
 from embedding_server.heads import (
     Classifier,
+    PairPrompt,
     PairTemplate,
+    RewardKind,
     SegmentedPairTemplate,
     SparseStrategy,
     declared_activation,
     head_kind,
+    reward_kind,
 )
 from embedding_server.pooling import ACTIVATIONS, PoolingMethod
 
@@ -152,10 +155,12 @@ def read_classifier(
     *,
     reader: ClassifierReader | None,
     st_activation: str | None = None,
+    pair_prompt: PairPrompt | None = None,
 ) -> tuple[Classifier, ClassificationHead] | None:
     """The classification head of a ``*ForSequenceClassification`` or
     ``*ForTokenClassification`` checkpoint (None for a body), read by its family's
-    ``reader`` (None: the family has no classification head we serve)."""
+    ``reader`` (None: the family has no classification head we serve); ``pair_prompt``:
+    the one text the family's cross-encoders make of a pair."""
     kind = head_kind(config)
     if kind is None:
         return None
@@ -170,7 +175,75 @@ def read_classifier(
         str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(head.num_labels)
     )
     activation_name = declared_activation(config, st_activation)
-    return Classifier(pooling, labels, activation_name, per_token=per_token), head
+    template = None if per_token else pair_prompt
+    return Classifier(
+        pooling, labels, activation_name, per_token=per_token, template=template
+    ), head
+
+
+@dataclass(frozen=True)
+class RewardReader:
+    """How a family's dedicated reward models (``*ForRewardModel``,
+    ``*ForProcessRewardModel``) name their head, how many outputs each kind's head has (its
+    authors' code and vLLM fix them, whatever ``num_labels`` says), and the step separator a
+    process reward model is read at (a vocabulary entry of its tokenizer)."""
+
+    head: ClassifierReader
+    outputs: Mapping[RewardKind, int]
+    step_token: str | None = None
+
+
+def check_reward(config: Mapping[str, Any], reader: RewardReader | None) -> RewardKind | None:
+    """The reward kind ``config``'s architecture names (None: not a reward model), or its
+    refusal when the family has no reward head we implement (from config.json alone)."""
+    kind = reward_kind(config)
+    if kind is None:
+        return None
+    if reader is None or kind not in reader.outputs:
+        arch = next(iter(config.get("architectures") or []), "?")
+        raise UnsupportedModelError(
+            f"{arch}: {kind} reward models of model_type {config.get('model_type')!r} are not "
+            "supported (implemented: Qwen2ForRewardModel, Qwen2ForProcessRewardModel)"
+        )
+    return kind
+
+
+def read_reward(
+    config: Mapping[str, Any],
+    weights: Mapping[str, torch.Tensor],
+    *,
+    reader: RewardReader | None,
+    token_id: Callable[[str], int | None],
+) -> tuple[Classifier, ClassificationHead] | None:
+    """The head of a dedicated reward model (None for any other checkpoint), read by its
+    family's ``reader``; a process reward model's step separator is looked up with
+    ``token_id`` (its tokenizer's)."""
+    kind = check_reward(config, reader)
+    if kind is None or reader is None:
+        return None
+    arch = str((config.get("architectures") or ["?"])[0])
+    head, pooling = reader.head(HeadWeights(config, weights, arch), True)
+    want = reader.outputs[kind]
+    if head.num_labels != want:
+        raise UnsupportedModelError(
+            f"{arch} checkpoint's reward head has {head.num_labels} output(s); its authors' "
+            f"code (and vLLM) define {want}: is it a {arch} checkpoint?"
+        )
+    step = None
+    if kind == "process":
+        marker = reader.step_token
+        step = None if marker is None else token_id(marker)
+        if step is None:
+            raise UnsupportedModelError(
+                f"{arch}: its tokenizer has no token {marker!r}, the step separator a process "
+                "reward model is read at; is it the model's tokenizer?"
+            )
+    labels = tuple(f"LABEL_{i}" for i in range(want))
+    id2label = config.get("id2label") or {}
+    if len(id2label) == want:
+        labels = tuple(str(id2label.get(str(i), id2label.get(i, labels[i]))) for i in range(want))
+    classifier = Classifier(pooling, labels, None, per_token=True, reward=kind, step_token=step)
+    return classifier, head
 
 
 def generative(config: Mapping[str, Any]) -> str | None:

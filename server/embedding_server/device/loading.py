@@ -91,8 +91,10 @@ from .generic import (
 from .heads import (
     ClassificationHead,
     SparseHead,
+    check_reward,
     generative,
     read_classifier,
+    read_reward,
     read_sparse_head,
     read_yes_no,
     yes_no_template,
@@ -827,6 +829,7 @@ def plan_model(source: ModelSource, *, task: str, trust_remote_code: bool) -> Mo
     if arch.check_config is not None:
         arch.check_config(config)  # before any weight is fetched
     head_kind(config)  # a task head we do not serve
+    check_reward(config, arch.reward)  # a reward model whose head we do not implement
     st = read_sentence_transformers(source.path, dense_weights=False)
     refuse_generative(config, st, task)
     if task == "score" and generative(config) and not st.present:
@@ -907,8 +910,19 @@ def _build(
     tracked = TrackedWeights(weights)
     config, arch, st = plan.config, plan.arch, plan.st
     classifier = read_classifier(
-        config, tracked, reader=arch.classifier, st_activation=st.activation_fn
+        config,
+        tracked,
+        reader=arch.classifier,
+        st_activation=st.activation_fn,
+        pair_prompt=arch.pair_prompt,
     )
+    if classifier is None:
+        classifier = read_reward(
+            config,
+            tracked,
+            reader=arch.reward,
+            token_id=lambda token: load_tokenizer(plan.source.path)[0].token_to_id(token),
+        )
     if classifier is None and task == "score" and generative(config) and not st.present:
         tokenizer, _ = load_tokenizer(plan.source.path)
         classifier = read_yes_no(

@@ -117,20 +117,22 @@ def test_is_causal_true_is_refused_before_weights(nemotron: Path, tmp_path: Path
         Engine.from_pretrained(str(path), dtype="float32")
 
 
-def test_a_reranker_head_is_refused_not_scored(nemotron: Path, tmp_path: Path) -> None:
-    """nemotron-rerank (a LlamaBidirectionalForSequenceClassification, which pools its own
-    way) is refused by name rather than scored on the last token; a stray head tensor in an
-    embedder's checkpoint is refused naming the tensor."""
+def test_a_stray_head_is_refused_and_a_reranker_is_a_reranker(
+    nemotron: Path, tmp_path: Path
+) -> None:
+    """A head tensor in an embedder's checkpoint is refused naming the tensor; the same
+    weights under nemotron-rerank's architecture name are served as that reranker (task
+    score, mean pooling; its parity is test_nemotron_rerank.py's), never as an embedder."""
+    stray = rewrite_checkpoint(
+        nemotron, tmp_path / "stray", add={"score.weight": torch.zeros(1, 32)}
+    )
+    with pytest.raises(UnsupportedModelError, match=r"score\.weight"):
+        Engine.from_pretrained(str(stray), dtype="float32")
     path = rewrite_checkpoint(
         nemotron,
         tmp_path / "rerank",
         add={"score.weight": torch.zeros(1, 32)},
         config={"architectures": ["LlamaBidirectionalForSequenceClassification"]},
     )
-    with pytest.raises(UnsupportedModelError, match="sequence classification is not supported"):
-        Engine.from_pretrained(str(path), dtype="float32")
-    stray = rewrite_checkpoint(
-        nemotron, tmp_path / "stray", add={"score.weight": torch.zeros(1, 32)}
-    )
-    with pytest.raises(UnsupportedModelError, match=r"score\.weight"):
-        Engine.from_pretrained(str(stray), dtype="float32")
+    info = Engine.from_pretrained(str(path), dtype="float32").info()
+    assert (info.task, info.pooling) == ("score", "mean")

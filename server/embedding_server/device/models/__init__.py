@@ -27,14 +27,16 @@ from embedding_server.errors import UnsupportedModelError
 from embedding_server.heads import (
     BGE_RERANKER_GEMMA,
     MXBAI_RERANK_V2,
+    NEMOTRON_RERANK,
     QWEN3_RERANKER,
+    PairPrompt,
     PairTemplate,
     SegmentedPairTemplate,
 )
 from embedding_server.pooling import PoolingMethod
 
 from ..distributed import SINGLE, Shard
-from ..heads import ClassifierReader, MaskedLmReader, score_head
+from ..heads import ClassifierReader, MaskedLmReader, RewardReader, score_head
 from ..instructions import GRITLM as GRITLM_INSTRUCTION
 from ..instructions import InstructionFormat
 from . import (
@@ -49,9 +51,11 @@ from . import (
     gte,
     jina_bert,
     jina_v3,
+    llama_bidirec,
     modernbert,
     mpnet,
     nomic_bert,
+    reward,
     siglip,
 )
 from .base import Checkpoint, EmbeddingModel, Ignored, PackedBatch
@@ -84,6 +88,12 @@ class Architecture:
     checkpoints name their head (tasks score, classify, token_classify, reward)."""
     masked_lm: MaskedLmReader | None = None
     """How its ``*ForMaskedLM`` checkpoints name the LM head (task sparse, SPLADE)."""
+    reward: RewardReader | None = None
+    """How its dedicated reward models (``*ForRewardModel``, ``*ForProcessRewardModel``)
+    name their head (task reward); None: refused."""
+    pair_prompt: PairPrompt | None = None
+    """The one text its cross-encoders' authors make of a (query, document) pair
+    (nemotron-rerank's); None: a pair is tokenized as a sentence pair."""
     ignored: tuple[Ignored, ...] = ()
     """Tensors its checkpoints may hold that it does not read, each with the reason."""
     float16_overflows: bool = False
@@ -173,7 +183,7 @@ QWEN2 = DecoderVariant(qkv_bias=True, window="opt_in")
 QWEN3 = DecoderVariant(attention_bias=True, qk_norm=True, window="opt_in")
 # NVIDIA's LlamaBidirectionalModel (custom code, not run): a LlamaModel whose layers attend
 # both ways, whatever config.json's flags say.
-LLAMA_BIDIREC = DecoderVariant(attention_bias=True, mlp_bias=True, bidirectional=True)
+LLAMA_BIDIREC = llama_bidirec.LLAMA_BIDIREC
 # GritLM in embedding mode (as its authors' GritLM.encode and vLLM's gritlm.py run it): the
 # Mistral body attending both ways, with no sliding window, whatever config.json says.
 GRITLM = DecoderVariant(bidirectional=True)
@@ -255,15 +265,18 @@ ARCHITECTURES: dict[str, Architecture] = {
         ),
         Architecture("llama", decoder(LLAMA), "last", score_head, ignored=DECODER_IGNORED),
         # llama-nemotron-embed-1b-v2 averages its token states ("pooling": "avg" in its
-        # config). No classifier reader: its reranker sibling (nemotron-rerank, a
-        # LlamaBidirectionalForSequenceClassification) pools differently and is refused by
-        # its unread head rather than scored on the last token.
+        # config); its reranker sibling (llama-nemotron-rerank-1b-v2, a
+        # LlamaBidirectionalForSequenceClassification) scores that average, each pair one
+        # text of its prompt.
         Architecture(
             "llama_bidirec",
             decoder(LLAMA_BIDIREC),
             "mean",
+            llama_bidirec.classification_head,
             ignored=DECODER_IGNORED,
-            check_config=LLAMA_BIDIREC.check_config,
+            check_config=llama_bidirec.check_config,
+            declared_pooling=llama_bidirec.declared_pooling,
+            pair_prompt=NEMOTRON_RERANK,
         ),
         Architecture("mistral", decoder(MISTRAL), "last", score_head, ignored=DECODER_IGNORED),
         Architecture(
@@ -273,6 +286,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             score_head,
             ignored=DECODER_IGNORED,
             yes_no=MXBAI_RERANK_V2,  # mxbai-rerank-base-v2 / -large-v2
+            reward=reward.QWEN2_REWARD,  # Qwen2.5-Math-RM / -PRM
         ),
         Architecture(
             "qwen3",
