@@ -380,7 +380,10 @@ def format_inspection(inspection: Inspection) -> str:
     ]
     if info.task == "embed":
         rows += [
-            ("pooling", info.pooling),
+            (
+                "pooling",
+                info.pooling + (" (a guess, see the note)" if inspection.pooling_note else ""),
+            ),
             ("normalize", "yes" if info.normalize else "no"),
             ("dimensions", dims),
         ]
@@ -401,6 +404,8 @@ def format_inspection(inspection: Inspection) -> str:
     lines = [f"{name:<{width}}{value}" for name, value in rows]
     for reason in info.attention_passed_over:
         lines.append(f"{'':<{width}}attention: not using {reason}")
+    if inspection.pooling_note:
+        lines.append(f"{'':<{width}}note: {inspection.pooling_note}")
     by_reason: dict[str, list[str]] = {}
     for name, reason in inspection.ignored:
         by_reason.setdefault(reason, []).append(name)

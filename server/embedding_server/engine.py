@@ -51,6 +51,7 @@ from .device.fake import (
 )
 from .device.generic import tensor_parallel_refusal
 from .device.loading import LoadedModel, load_model, model_backend
+from .device.pooling_guess import pooling_guess
 from .device.runner import ModelRunner
 from .device.tensor_parallel import TensorParallelGroup, TensorParallelModel
 from .errors import NotReadyError, UnsupportedModelError
@@ -135,6 +136,9 @@ class Engine(ServingEngine):
         self._group = group
         self._load_seconds = load_seconds
         self._config = config = resolve_config(settings, loaded, device=device)
+        guess = pooling_guess(settings, loaded, config)
+        if guess is not None:
+            logger.warning("model %r: %s", settings.model, guess)
         heads = DeviceHeads.of(config, loaded, device)
         attention = choose_attention(settings, loaded, device)
         for reason in attention.passed_over:

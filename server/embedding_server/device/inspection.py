@@ -21,6 +21,7 @@ from .configuration import choose_attention, describe, resolve_config
 from .distributed import SINGLE, Shard
 from .dtypes import resolve_device
 from .loading import load_model
+from .pooling_guess import pooling_guess
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,9 @@ class Inspection:
     tensors_read: int
     ignored: list[tuple[str, str]]
     """``(tensor, reason)`` of each tensor the family knowingly leaves unread."""
+    pooling_note: str | None = None
+    """Why the pooling is a guess (the architecture's default: the checkpoint declares
+    none) and how to set it; None where it is declared (``pooling_guess.py``)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as JSON-ready values: the info's, then this inspection's."""
@@ -50,6 +54,7 @@ class Inspection:
             causal=self.causal,
             tensors_read=self.tensors_read,
             tensors_ignored=[{"name": n, "reason": r} for n, r in self.ignored],
+            pooling_note=self.pooling_note,
         )
         return out
 
@@ -90,4 +95,5 @@ def inspect_model(settings: EngineSettings) -> Inspection:
         causal=bool(loaded.model.causal),
         tensors_read=len(audit.read) if audit else 0,
         ignored=list(audit.ignored) if audit else [],
+        pooling_note=pooling_guess(settings, loaded, config),
     )
