@@ -54,8 +54,9 @@ from embedding_server.settings import Dtype, ModelBackend
 
 from .dtypes import resolve_dtype
 from .heads import ClassificationHead
-from .models import ARCHITECTURES, IMAGE_MODEL_TYPES, REFUSED
+from .models import ARCHITECTURES, IMAGE_MODEL_TYPES, NAMED, REFUSED, known_names
 from .models.base import Ignored, PackedBatch
+from .models.names import check_names
 
 logger = logging.getLogger(__name__)
 
@@ -234,6 +235,28 @@ def refuse_before_fetch(config: Mapping[str, Any], *, name: str, trust_remote_co
     if custom is not None and not trust_remote_code:
         raise UnsupportedModelError(remote_code_refusal(name, config, custom))
     _refuse_unknown_type(config, name=name, custom=custom)
+    if custom is None:
+        _refuse_other_math(config, name=name)
+
+
+def _refuse_other_math(config: Mapping[str, Any], *, name: str) -> None:
+    """transformers builds a checkpoint without code of its own from its ``model_type``
+    (``AutoModel``), whatever ``architectures`` names: GritLM, or a name the registry does
+    not know for a native model type, would run as that type's plain model."""
+    model_type = str(config.get("model_type", ""))
+    for architecture in (str(a) for a in config.get("architectures") or []):
+        if (model_type, architecture) in NAMED:
+            raise UnsupportedModelError(
+                f"model {name!r}: {architecture} runs other math on {model_type}'s weights "
+                f"than transformers' {model_type} classes, which the transformers backend "
+                "would run (it builds the model from model_type, not architectures); it is "
+                "served natively: serve it with backend native (or auto)"
+            )
+    with_name = {**config, "auto_map": None}  # the way out named is not remote code
+    try:
+        check_names(with_name, model_type, known_names(model_type))
+    except UnsupportedModelError as error:
+        raise UnsupportedModelError(f"model {name!r}: {error.message}") from error
 
 
 def refuse_task(config: Mapping[str, Any], *, name: str, task: str, splade: bool) -> None:

@@ -78,6 +78,8 @@ def test_gritlm_is_routed_by_its_architecture_name() -> None:
     arch = lookup({"model_type": "mistral", "architectures": ["GritLM"]})
     assert arch.default_pooling == "mean" and arch.instruction is GRITLM
     assert lookup({"model_type": "mistral", "architectures": ["MistralModel"]}).instruction is None
+    with pytest.raises(UnsupportedModelError, match="ambiguous"):
+        lookup({"model_type": "mistral", "architectures": ["MistralModel", "GritLM"]})
 
 
 @pytest.mark.parametrize(
@@ -182,3 +184,20 @@ def test_an_architecture_its_model_type_does_not_declare_is_refused(
 ) -> None:
     with pytest.raises(UnsupportedModelError, match=f"architecture '{name}'"):
         lookup({"model_type": model_type, "architectures": [name]})
+
+
+@pytest.mark.parametrize(
+    ("architectures", "found"),
+    [
+        (["GritLM"], "serve it with backend native"),
+        (["MistralForFooBar"], "architecture 'MistralForFooBar'"),
+    ],
+)
+def test_the_transformers_backend_refuses_what_it_would_run_as_a_plain_mistral(
+    checkpoints: tuple[Path, Path], tmp_path: Path, architectures: list[str], found: str
+) -> None:
+    """transformers builds a model from its model_type: GritLM there would be a causal,
+    windowed Mistral, last-token pooled."""
+    path = _without_weights(checkpoints[1], tmp_path / "named", architectures)
+    with pytest.raises(UnsupportedModelError, match=found):
+        Engine.from_pretrained(str(path), dtype="float32", backend="transformers")

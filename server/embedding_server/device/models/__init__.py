@@ -464,16 +464,22 @@ def lookup(config: Mapping[str, Any]) -> Architecture:
     return _checked(config, arch)
 
 
+def known_names(model_type: str) -> tuple[str, ...] | None:
+    """The ``architectures`` names the registry serves for ``model_type`` (those of
+    :data:`NAMED` included); None where it declares none."""
+    known = KNOWN_NAMES.get(model_type)
+    if known is None:
+        return None
+    return (*known, *(name for kind, name in NAMED if kind == model_type))
+
+
 def _checked(config: Mapping[str, Any], arch: Architecture) -> Architecture:
     """``arch``, or the :data:`NAMED` entry the config's architecture picks; refuses an
     architecture name the model type does not declare, and a :data:`NAMED` one beside
     another (which math the model runs would be a guess)."""
     model_type = arch.model_type
     names = [str(name) for name in config.get("architectures") or []]
-    known = KNOWN_NAMES.get(model_type)
-    if known is not None:
-        known = (*known, *(name for kind, name in NAMED if kind == model_type))
-    check_names(config, model_type, known)
+    check_names(config, model_type, known_names(model_type))
     special = [name for name in names if (model_type, name) in NAMED]
     if special and len(set(names)) > 1:
         raise UnsupportedModelError(
