@@ -77,6 +77,8 @@ def test_the_template_is_found_as_vllm_matches_it() -> None:
 def test_gritlm_is_routed_by_its_architecture_name() -> None:
     arch = lookup({"model_type": "mistral", "architectures": ["GritLM"]})
     assert arch.default_pooling == "mean" and arch.instruction is GRITLM
+    # Declared by the architecture, so not reported as a default that may be a guess.
+    assert arch.declared_pooling is not None and arch.declared_pooling({}) == "mean"
     assert lookup({"model_type": "mistral", "architectures": ["MistralModel"]}).instruction is None
     with pytest.raises(UnsupportedModelError, match="ambiguous"):
         lookup({"model_type": "mistral", "architectures": ["MistralModel", "GritLM"]})

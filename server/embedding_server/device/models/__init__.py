@@ -393,6 +393,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     )
 }
 
+GRITLM_POOLING: PoolingMethod = "mean"
+"""GritLM's pooling, which its architecture declares (not a default that may be wrong)."""
+
 NAMED: dict[tuple[str, str], Architecture] = {
     # parasail-ai/GritLM-7B-vllm (model_type mistral, architectures ["GritLM"]): mean over
     # the tokens after its instruction; no classifier, no yes/no prompt (embed only).
@@ -401,6 +404,7 @@ NAMED: dict[tuple[str, str], Architecture] = {
         decoder(GRITLM),
         "mean",
         ignored=DECODER_IGNORED,
+        declared_pooling=lambda config: GRITLM_POOLING,
         instruction=GRITLM_INSTRUCTION,
     ),
 }
