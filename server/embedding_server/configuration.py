@@ -17,6 +17,7 @@ from typing import Any
 from .colbert import ColbertFormat
 from .heads import Classifier, Task
 from .hybrid import HybridHeads
+from .listwise import ListwiseFormat
 from .pooling import PoolingHead, PoolingMethod
 from .tokenization import Prompts
 
@@ -49,6 +50,9 @@ class EngineConfig:
     """A ColBERT checkpoint's tokenization per side (task embed): its outputs are
     multi-vectors only, each request says whether its texts are queries or documents, and
     /score is ColBERT's MaxSim (``colbert.py``)."""
+    listwise: ListwiseFormat | None = None
+    """A listwise reranker's prompt (task score, jina-reranker-v3): /score and /rerank put a
+    query and its documents in one prompt and score them at its markers (``listwise.py``)."""
 
 
 @dataclass(frozen=True)
@@ -111,8 +115,9 @@ class EngineInfo:
     multi_vector_dim: int | None = None
     """Width of one multi-vector (ColBERT) vector, where the model has them."""
     score_method: str | None = None
-    """How /score and /rerank score a pair: cross_encoder (task score), cosine (dense
-    embeddings) or maxsim (late interaction over multi-vectors); None: not served."""
+    """How /score and /rerank score a pair: cross_encoder (task score), listwise (a query
+    and its documents in one prompt, jina-reranker-v3), cosine (dense embeddings) or maxsim
+    (late interaction over multi-vectors); None: not served."""
 
     modalities: list[str] = field(default_factory=lambda: ["text"])
     """What the model embeds: ``text``, and ``image`` for a model with a vision tower

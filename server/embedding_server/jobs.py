@@ -34,6 +34,7 @@ from .errors import (
 )
 from .heads import PairPrompt, PairTemplate, SegmentedPairTemplate
 from .imaging import ImageInput
+from .listwise import ListwiseFormat, ListwiseJob
 from .pooling import FloatArray
 from .results import JobOutput, StageTimings
 from .scheduler import BatchRunner, Priority, Reservation, ScheduledOutput, Scheduler
@@ -162,6 +163,33 @@ class Job:
     document ``sides`` says (:meth:`ColbertFormat.encode`), its keys limited accordingly."""
     sides: tuple[Side, ...] = ()
     """With ``colbert``: the side of each of ``items``."""
+    listwise: ListwiseJob | None = None
+    """A listwise reranker's lists (``listwise.py``), each tokenized into blocks, one
+    sequence per block whose token projections come back; then ``items`` is empty."""
+
+    @classmethod
+    def for_listwise(
+        cls,
+        queries: Sequence[str],
+        documents: Sequence[str],
+        options: ScoreOptions,
+        fmt: ListwiseFormat,
+    ) -> Job:
+        """A listwise reranker's job: ``prompt`` is the instruction its prompt holds; prompt
+        names and adapters do not apply and are refused, never ignored."""
+        for name in ("prompt_name", "adapter"):
+            if options.get(name) is not None:
+                raise InvalidRequestError(
+                    f"{name} does not apply to a listwise reranker ({fmt.name}); its "
+                    "instruction is the request's prompt",
+                    param=name,
+                )
+        instruction = options.get("prompt")
+        if instruction is not None and not isinstance(instruction, str):
+            raise InvalidRequestError("prompt must be a string", param="prompt")
+        truncation = Truncation.coerce(options.get("truncate", True))
+        lists = ListwiseJob.of_sides(queries, documents, fmt, instruction)
+        return cls([], None, truncation, want_tokens=True, listwise=lists)
 
     @classmethod
     def for_pairs(
@@ -299,6 +327,8 @@ class Job:
     def admission(self, tokenizer: TextTokenizer) -> AdmissionEstimate:
         """What the job will hold, from its inputs' sizes
         (:meth:`TextTokenizer.admission_estimate`): nothing is tokenized or copied."""
+        if self.listwise is not None:
+            return self.listwise.admission(tokenizer)
         if self.colbert is not None:  # queries expanded to their length: not the text's size
             return self.colbert.admission([str(t) for t in self.items], self.sides)
         if self.pairs is None:
@@ -334,6 +364,8 @@ class Job:
     def small(self, most: int = INLINE_TOKENIZE_CHARS) -> bool:
         """Whether its texts (each distinct one once, with the prompt) and token ids come to
         ``most`` characters or fewer."""
+        if self.listwise is not None:
+            return self.listwise.chars() <= most
         size = 0
         if self.pairs is not None:
             seen: set[int] = set()
@@ -359,6 +391,8 @@ class Job:
     ) -> list[TokenizedInput]:
         """The job's inputs tokenized and truncated; over ``max_total`` tokens in all it is
         refused as soon as its inputs read so far hold more."""
+        if self.listwise is not None:
+            return self.listwise.tokenize(tokenizer, self.truncation, max_total)
         if self.colbert is not None:
             encoded = [
                 self.colbert.encode(tokenizer.backend, str(text), side)

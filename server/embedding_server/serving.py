@@ -48,6 +48,7 @@ from .jobs import (
     TokenOptions,
     check_options,
 )
+from .listwise import text_sides
 from .media import MediaPolicy
 from .metrics import Metrics
 from .multimodal import IMAGE_TYPES, ChatMessage, ChatTemplate, ImagePreprocessor, ImageRef
@@ -575,6 +576,16 @@ class ServingEngine(abc.ABC):
         self._require("scoring", "embed", "score")
         classifier = self._config.classifier
         hybrid = self._config.hybrid
+        listwise = self._config.listwise
+        if listwise is not None:
+            # A listwise reranker: a query and its documents in one prompt per block.
+            queries, documents = await _checked(runner, text_sides, a, b)
+            job = Job.for_listwise(queries, documents, options, listwise)
+            assert job.listwise is not None
+            out = await self._run(runner, job)
+            rows = [t for t in out.tokens if t is not None]
+            ids = [t.ids for t in out.tokenized]
+            return out.score_result(job.listwise.scores(rows, ids))
         fmt = self._config.colbert
         if fmt is not None:
             # ColBERT: the a side as queries, the b side as documents, summed MaxSim.
@@ -612,6 +623,13 @@ class ServingEngine(abc.ABC):
     ) -> ClassifyResult:
         check_options("classify", dict(options), ScoreOptions)
         self._require("classification", "classify", "score")
+        if self._config.listwise is not None:
+            raise InvalidRequestError(
+                f"classification of single texts is not served by a listwise reranker "
+                f"({self._info.architecture}, {self._config.listwise.name}): it scores "
+                "documents against a query; use /score or /rerank",
+                param="model",
+            )
         classifier = self._config.classifier
         assert classifier is not None  # task classify and score have one
         if classifier.template is not None:

@@ -31,6 +31,7 @@ from .colbert import ColbertHead
 from .dtypes import cpu_thread_budget, dtype_name
 from .heads import ClassificationHead, SparseHead, token_head
 from .hybrid import HybridHead
+from .listwise import ProjectorHead
 from .loading import LoadedModel, declared_matryoshka
 from .models.vision import image_tokens_of
 from .pooling import DenseHead
@@ -40,9 +41,15 @@ def resolve_config(
     settings: EngineSettings, loaded: LoadedModel, *, device: torch.device
 ) -> EngineConfig:
     """Combine ``settings`` with what ``loaded`` declares; settings win where both speak."""
-    task = resolve_task(
-        settings.task, loaded.classifier, loaded.architecture, splade=loaded.st.splade is not None
-    )
+    if loaded.listwise is not None:
+        task = _listwise_task(settings.task, loaded.architecture)
+    else:
+        task = resolve_task(
+            settings.task,
+            loaded.classifier,
+            loaded.architecture,
+            splade=loaded.st.splade is not None,
+        )
     if loaded.hybrid is not None and task != "embed":
         raise UnsupportedModelError(
             f"{loaded.architecture} has bge-m3's sparse_linear.pt and colbert_linear.pt, whose "
@@ -105,6 +112,19 @@ def resolve_config(
         classifier=classifier,
         hybrid=loaded.hybrid,
         colbert=loaded.colbert,
+        listwise=loaded.listwise,
+    )
+
+
+def _listwise_task(requested: str, architecture: str) -> Task:
+    """A listwise reranker's task: score (its /score and /rerank), whatever auto would guess
+    from its causal-LM body; any other is refused, naming why."""
+    if requested in ("auto", "score"):
+        return "score"
+    raise UnsupportedModelError(
+        f"{architecture} is a listwise reranker (jina-reranker-v3): it scores documents "
+        f"against a query in one prompt (task score: /score and /rerank), and has no head "
+        f"for task {requested}"
     )
 
 
@@ -271,6 +291,8 @@ def describe(
 
 
 def _score_method(config: EngineConfig) -> str | None:
+    if config.listwise is not None:
+        return "listwise"
     if config.task == "score":
         return "cross_encoder"
     if config.task == "embed":
@@ -296,6 +318,7 @@ class DeviceHeads:
     sparse: SparseHead | None = None
     hybrid: HybridHead | None = None
     colbert: ColbertHead | None = None
+    listwise: ProjectorHead | None = None
 
     @classmethod
     def of(cls, config: EngineConfig, loaded: LoadedModel, device: torch.device) -> DeviceHeads:
@@ -315,6 +338,11 @@ class DeviceHeads:
             colbert=(
                 loaded.colbert_head.to(device)
                 if config.colbert is not None and loaded.colbert_head is not None
+                else None
+            ),
+            listwise=(
+                loaded.listwise_head.to(device)
+                if config.listwise is not None and loaded.listwise_head is not None
                 else None
             ),
         )
@@ -338,6 +366,8 @@ class DeviceHeads:
             return self.hybrid
         if self.colbert is not None:
             return self.colbert
+        if self.listwise is not None:  # a listwise reranker's projector, at every token
+            return self.listwise
         if self.classifier is None or self.task not in _TOKEN_HEAD_TASKS:
             return None
         return token_head(self.classifier, raw=self.task == "reward")

@@ -63,6 +63,7 @@ from embedding_server.colbert import ColbertFormat
 from embedding_server.errors import ModelNotFoundError, UnsupportedModelError
 from embedding_server.heads import Classifier, SparseStrategy, head_kind
 from embedding_server.hybrid import HybridHeads
+from embedding_server.listwise import ListwiseFormat
 from embedding_server.pooling import PoolingMethod
 from embedding_server.settings import DEFAULT_MODEL, Dtype, ModelBackend
 
@@ -107,6 +108,7 @@ from .hybrid import (
     refuse_colbert,
 )
 from .instructions import InstructionSpan
+from .listwise import ProjectorHead, is_listwise, read_format, read_projector
 from .models import ARCHITECTURES, Architecture, build_model, lookup
 from .models.base import EmbeddingModel, TensorAudit, TrackedWeights, audit_tensors
 from .pooling import DenseLayer
@@ -743,6 +745,10 @@ class LoadedModel:
     """A ColBERT checkpoint's tokenization per side and skip-list (``HF_ColBERT``)."""
     colbert_head: ColbertHead | None = None
     """Its projection (on the CPU, float32)."""
+    listwise: ListwiseFormat | None = None
+    """A listwise reranker's prompt markers (jina-reranker-v3's ``JinaForRanking``)."""
+    listwise_head: ProjectorHead | None = None
+    """Its projector (on the CPU, float32)."""
     tensors: TensorAudit | None = None
     """Which of the checkpoint's tensors were read and which ignored, and why."""
     custom_code: str | None = None
@@ -820,6 +826,12 @@ def plan_model(source: ModelSource, *, task: str, trust_remote_code: bool) -> Mo
             f"{arch.model_type} models embed texts and images (task embed); task {task!r} "
             "has no head for them"
         )
+    if is_listwise(config) and task not in ("auto", "score"):
+        raise UnsupportedModelError(
+            f"{config['architectures'][0]} is a listwise reranker (jina-reranker-v3): it "
+            f"scores documents against a query in one prompt (task score: /score and "
+            f"/rerank), and has no head for task {task}"
+        )
     config = arch.read_config(config)  # the common keys, whatever the family calls them
     if arch.images:
         # NaFlex SigLIP 2's processor bounds an image's patches (its image_tokens).
@@ -894,6 +906,7 @@ class _Parts:
     sparse: SparseHead | None
     tensors: TensorAudit
     colbert: ColbertHead | None = None
+    listwise: ProjectorHead | None = None
 
 
 def _build(
@@ -931,9 +944,10 @@ def _build(
     sparse = _sparse_head(config, tracked, arch=arch, st=st, task=task)
     body = build_model(config, tracked, dtype=dtype, device=device, shard=shard)
     colbert = read_linear(tracked, body.hidden_size) if is_hf_colbert(config) else None
+    listwise = read_projector(tracked, body.hidden_size) if is_listwise(config) else None
     audit = audit_tensors(tracked, arch.ignored)
     refuse_unclaimed(audit, arch)
-    return _Parts(body, classifier, sparse, audit, colbert)
+    return _Parts(body, classifier, sparse, audit, colbert, listwise)
 
 
 def _compute_dtype(arch: Architecture, dtype: Dtype, device: torch.device) -> torch.dtype:
@@ -1028,6 +1042,9 @@ def load_model(
             colbert_head = ColbertHead(tuple(plan.st.dense))
             colbert = read_pylate_format(plan.st.pylate, tokenizer, colbert_head.width)
             parts = dataclasses.replace(parts, colbert=colbert_head)
+        listwise = (
+            read_format(tokenizer, parts.listwise.width) if parts.listwise is not None else None
+        )
     config = plan.config
     architectures = config.get("architectures") or [plan.arch.model_type]
     return LoadedModel(
@@ -1049,6 +1066,8 @@ def load_model(
         hybrid_head=hybrid[1] if hybrid else None,
         colbert=colbert,
         colbert_head=parts.colbert,
+        listwise=listwise,
+        listwise_head=parts.listwise,
         tensors=parts.tensors,
         custom_code=plan.custom_code,
         attention_bias=plan.arch.attention_bias,
@@ -1086,6 +1105,12 @@ def _load_transformers(
     classes are not built from shapes, and what they read decides what is refused."""
     config = read_model_config(source.path)
     refuse_colbert(config)
+    if is_listwise(config):
+        raise UnsupportedModelError(
+            "a listwise reranker (JinaForRanking, jina-reranker-v3) is served by the native "
+            "backend only (its scores are read at marker tokens of one prompt per list); "
+            "serve it with backend native (or auto)"
+        )
     refuse_before_fetch(config, name=model, trust_remote_code=trust)
     st = read_sentence_transformers(source.path, dense_weights=False)
     if st.pylate is not None:
