@@ -108,7 +108,8 @@ class InstructionSpan:
                 return end + len(self.separator)
         elif _at(ids, self.embed, start):
             return start + len(self.embed)
-        if not self._warned:
+        # Warm-up batches repeat one token: they are no user's input to warn about.
+        if not self._warned and len(set(ids)) > 1:
             self._warned = True
             logger.warning(
                 "a %s input does not start with its embedding template (%r + instruction + "

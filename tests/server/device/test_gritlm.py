@@ -203,3 +203,16 @@ def test_the_transformers_backend_refuses_what_it_would_run_as_a_plain_mistral(
     path = _without_weights(checkpoints[1], tmp_path / "named", architectures)
     with pytest.raises(UnsupportedModelError, match=found):
         Engine.from_pretrained(str(path), dtype="float32", backend="transformers")
+
+
+def test_a_text_without_the_template_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    tok = gritlm_tokenizer()
+    span = InstructionSpan.of(GRITLM, tok)
+    with caplog.at_level("WARNING", logger="embedding_server.device.instructions"):
+        span([1] * 16)  # a warm-up batch's sequence
+        assert not caplog.records
+        span(tok.encode("no template").ids)
+        span(tok.encode("nor here").ids)
+    assert len(caplog.records) == 1 and "does not start with its embedding template" in (
+        caplog.records[0].getMessage()
+    )
