@@ -390,6 +390,7 @@ def format_inspection(inspection: Inspection) -> str:
     rows += [
         ("attention", ("causal" if inspection.causal else "bidirectional") + f"; {attention}"),
         ("prompts", prompts),
+        ("special tokens", info.special_tokens.describe()),
     ]
     if info.adapters:  # jina-embeddings-v3: chosen per request (task, input_type, prompt_name)
         rows.append(("task adapters", ", ".join(info.adapters)))

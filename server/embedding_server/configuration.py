@@ -19,6 +19,7 @@ from .heads import Classifier, Task
 from .hybrid import HybridHeads
 from .listwise import ListwiseFormat
 from .pooling import PoolingHead, PoolingMethod
+from .special_tokens import SpecialTokens
 from .tokenization import Prompts
 
 
@@ -125,6 +126,10 @@ class EngineInfo:
     image_tokens: int | None = None
     """The vision tower's sequence length for one image (what an image costs in admission
     and batching), where the model takes images."""
+    special_tokens: SpecialTokens = field(default_factory=SpecialTokens)
+    """The special tokens around one text input and where they come from: tokenizer.json,
+    tokenizer_config.json's switches, or the checkpoint's own tokenizer code
+    (``special_tokens.py``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

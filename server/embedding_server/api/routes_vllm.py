@@ -352,11 +352,22 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     )
     ids = tokenized[0]
     token_strs = await engine.atoken_strings(ids) if body.return_token_strs else None
+    info = engine.info()
+    specials = info.special_tokens
+    added = body.add_special_tokens
     content = {
         "count": len(ids),
-        "max_model_len": engine.info().max_input_tokens,
+        "max_model_len": info.max_input_tokens,
         "tokens": ids,
         "token_strs": token_strs,
+        # Not in vLLM's answer: which special tokens the text got (first and last of
+        # ``tokens``) and where the model's template comes from (special_tokens.py).
+        "special_tokens": {
+            "before": list(specials.before) if added else [],
+            "after": list(specials.after) if added else [],
+            "source": specials.source,
+            "note": specials.note,
+        },
     }
     return await encode_off_loop(lambda: json_response(content), len(ids) * 16)
 

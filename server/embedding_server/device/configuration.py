@@ -24,6 +24,7 @@ from embedding_server.heads import Task, resolve_task
 from embedding_server.hybrid import OUTPUTS
 from embedding_server.pooling import POOLING_METHODS, PoolingHead, PoolingMethod, build_matryoshka
 from embedding_server.settings import CPU_BATCH_TOKENS, GPU_BATCH_TOKENS, EngineSettings
+from embedding_server.special_tokens import describe_tokens
 from embedding_server.tokenization import Prompts
 
 from .attention import Backend, BackendChoice, probe, select_backend
@@ -287,6 +288,7 @@ def describe(
             else None
         ),
         score_method=_score_method(config),
+        special_tokens=loaded.special_tokens or describe_tokens(loaded.tokenizer),
     )
 
 

@@ -54,7 +54,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from tokenizers import Tokenizer
@@ -66,6 +66,7 @@ from embedding_server.hybrid import HybridHeads
 from embedding_server.listwise import ListwiseFormat
 from embedding_server.pooling import PoolingMethod
 from embedding_server.settings import DEFAULT_MODEL, Dtype, ModelBackend
+from embedding_server.special_tokens import SpecialTokens, apply_template, describe_tokens
 
 from . import siglip_text
 from .colbert import (
@@ -499,12 +500,29 @@ def load_weights(path: Path) -> Mapping[str, torch.Tensor]:
 
 def load_tokenizer(path: Path) -> tuple[Tokenizer, int | None]:
     """The fast tokenizer and its declared ``model_max_length`` (None when unset/absurd)."""
+    loaded = read_tokenizer(path)
+    return loaded.tokenizer, loaded.max_length
+
+
+class ReadTokenizer(NamedTuple):
+    tokenizer: Tokenizer
+    max_length: int | None
+    """``model_max_length`` (None when unset/absurd)."""
+    special_tokens: SpecialTokens
+    """What a text gets and where it came from (``special_tokens.py``)."""
+
+
+def read_tokenizer(path: Path) -> ReadTokenizer:
+    """The fast tokenizer, with the special tokens its checkpoint's authors computed
+    (``special_tokens.apply_template``: tokenizer_config.json's switches, or the template of
+    the checkpoint's own tokenizer code), and its declared ``model_max_length``."""
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoTokenizer
 
     config = read_json(path / "tokenizer_config.json")
     if isinstance(config, dict) and config.get("tokenizer_class") == siglip_text.TOKENIZER_CLASS:
-        return siglip_text.siglip_tokenizer(path, config)
+        tok, max_len = siglip_text.siglip_tokenizer(path, config)
+        return ReadTokenizer(tok, max_len, describe_tokens(tok))
     try:
         # Never the checkpoint's own tokenizer code (only the Rust tokenizer is used), and
         # said explicitly: left unset, transformers prompts on stdin for a config with
@@ -522,7 +540,18 @@ def load_tokenizer(path: Path) -> tuple[Tokenizer, int | None]:
     max_len = getattr(hf_tok, "model_max_length", None)
     sane = int(max_len) if isinstance(max_len, int) and 0 < max_len < 10**7 else None
     backend: Tokenizer = hf_tok.backend_tokenizer
-    return backend, sane
+    specials = apply_template(
+        backend,
+        tokenizer_config=config if isinstance(config, dict) else {},
+        model_config=read_json(path / "config.json") or {},
+        bos_token=_token_text(hf_tok.bos_token),
+        eos_token=_token_text(hf_tok.eos_token),
+    )
+    return ReadTokenizer(backend, sane, specials)
+
+
+def _token_text(token: object) -> str | None:
+    return token if isinstance(token, str) and token else None
 
 
 def read_sentence_transformers(
@@ -770,6 +799,8 @@ class LoadedModel:
     off torch_varlen (and a flash-attn without ``alibi_slopes``)."""
     quantization: str = "none"
     """How the body's weights are held: none (``dtype``) or int8 (``quantization.py``)."""
+    special_tokens: SpecialTokens | None = None
+    """The special tokens a text gets and where they come from (``special_tokens.py``)."""
     instruction: InstructionSpan | None = None
     """Finds the leading instruction tokens of each sequence that pooling leaves out
     (``Architecture.instruction``: GritLM); None: none are."""
@@ -1011,7 +1042,7 @@ def load_model(
             )
         plan = plan_model(source, task=task, trust_remote_code=trust_remote_code)
         compute_dtype = _compute_dtype(plan.arch, dtype, device)
-        tokenizer, tokenizer_max = load_tokenizer(source.path)
+        tokenizer, tokenizer_max, special_tokens = read_tokenizer(source.path)
         if plan.arch.check_tokenizer is not None:
             plan.arch.check_tokenizer(plan.config, tokenizer)
         instruction = (
@@ -1075,6 +1106,7 @@ def load_model(
         attention_alibi=plan.arch.alibi(config),
         quantization=quantization,
         instruction=instruction,
+        special_tokens=special_tokens,
     )
 
 
@@ -1123,7 +1155,7 @@ def _load_transformers(
     refuse_task(config, name=model, task=task, splade=st.splade is not None)
     path = fetch_weights(source, st, code=trust)
     read_dense_layers(st, path)
-    tokenizer, tokenizer_max = load_tokenizer(path)
+    tokenizer, tokenizer_max, special_tokens = read_tokenizer(path)
     built = build_transformers(
         path,
         config,
@@ -1162,6 +1194,7 @@ def _load_transformers(
         backend="transformers",
         attention=built.model.attention,
         custom_code=custom_code_class(config),
+        special_tokens=special_tokens,
     )
 
 
