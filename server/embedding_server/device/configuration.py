@@ -209,7 +209,13 @@ def _prompts(settings: EngineSettings, loaded: LoadedModel) -> Prompts:
     table = dict(loaded.st.prompts) or (
         {str(k): str(v) for k, v in instructions.items()} if isinstance(instructions, dict) else {}
     )
-    default = settings.default_prompt_name or loaded.st.default_prompt_name
+    # jina-embeddings-v5's encode() puts "Query: " / "Document: " (the default) in front.
+    table = table or dict(getattr(loaded.model, "declared_prompts", None) or {})
+    default = (
+        settings.default_prompt_name
+        or loaded.st.default_prompt_name
+        or getattr(loaded.model, "default_prompt_name", None)
+    )
     if default and default not in table:
         raise InvalidRequestError(
             f"default_prompt_name={default!r} is not one of the model's prompts {sorted(table)}",

@@ -1057,6 +1057,9 @@ def load_model(
             _audit_before_fetch(plan, dtype=compute_dtype, shard=shard, task=task)
             path = fetch_weights(source, plan.st)
             weights, build_device = load_weights(path), device
+            if plan.arch.companion is not None:  # jina-embeddings-v5's task adapters
+                companion_config, weights = plan.arch.companion(path, plan.config, weights)
+                plan = dataclasses.replace(plan, config=companion_config)
         read_dense_layers(plan.st, path)
         parts = _build(
             plan, weights, dtype=compute_dtype, device=build_device, shard=shard, task=task

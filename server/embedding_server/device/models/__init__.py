@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,6 +52,7 @@ from . import (
     gte,
     jina_bert,
     jina_v3,
+    jina_v5,
     llama_bidirec,
     modernbert,
     mpnet,
@@ -133,6 +135,16 @@ class Architecture:
     check_tokenizer: Callable[[Mapping[str, Any], Tokenizer], None] | None = None
     """Refuses a tokenizer whose texts would not be pooled where the model pools them
     (CLIP: pooling ``last`` must be the end-of-text token transformers pools at)."""
+    companion: (
+        Callable[
+            [Path, Mapping[str, Any], Mapping[str, torch.Tensor]],
+            tuple[dict[str, Any], Mapping[str, torch.Tensor]],
+        ]
+        | None
+    ) = None
+    """Reads what the family keeps beside its checkpoint (jina-embeddings-v5's task adapters
+    under ``adapters/<task>/``) into its config and tensors, once the weights are fetched,
+    so that the builder reads them and the tensor audit covers them; None: nothing."""
     images: bool = False
     """The family has a vision tower (:class:`~.vision.VisionModel`): it embeds images, on
     the native backend only, on one device, with task embed."""
@@ -350,6 +362,17 @@ ARCHITECTURES: dict[str, Architecture] = {
             "mean",  # jina-embeddings-v3's sentence-transformers pooling
             ignored=jina_v3.IGNORED,
             check_config=jina_v3.check_config,
+        ),
+        # jina-embeddings-v5-text-small: Qwen3 with a LoRA adapter per task, chosen per
+        # request; its EuroBERT sibling (-nano) is refused by check_config.
+        Architecture(
+            jina_v5.MODEL_TYPE,
+            jina_v5.JinaV5Model,
+            "last",  # its authors' encode() pools the last token
+            ignored=DECODER_IGNORED,
+            check_config=jina_v5.check_config,
+            declared_pooling=jina_v5.declared_pooling,
+            companion=jina_v5.read_adapters,
         ),
         Architecture(
             "deberta-v2",
