@@ -52,6 +52,7 @@ from .device.fake import (
 from .device.generic import tensor_parallel_refusal
 from .device.loading import LoadedModel, load_model, model_backend
 from .device.pooling_guess import pooling_guess
+from .device.preflight import inspect_before_download
 from .device.runner import ModelRunner
 from .device.tensor_parallel import TensorParallelGroup, TensorParallelModel
 from .errors import NotReadyError, UnsupportedModelError
@@ -257,6 +258,8 @@ class Engine(ServingEngine):
                 raise UnsupportedModelError(
                     tensor_parallel_refusal(settings.model, config, settings.tensor_parallel_size)
                 )
+        # What inspect would refuse, refused before a Hub model's weights are downloaded.
+        inspect_before_download(settings)
         group = TensorParallelGroup(settings, device) if settings.tensor_parallel_size > 1 else None
         try:
             if group is not None:

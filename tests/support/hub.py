@@ -80,10 +80,12 @@ class FakeHub:
         )
 
     def weight_requests(self) -> list[list[str]]:
-        """The snapshot calls whose patterns could match a weight file."""
+        """The snapshot calls that ask for the model's weights (its safetensors or
+        ``pytorch_model*.bin``; not the few small files ``inspect`` reads whole, bge-m3's
+        head files, which this repository does not have)."""
         return [
             patterns
             for kind, patterns in self.calls
             if kind == "snapshot"
-            and any(p.endswith((".safetensors", ".bin", ".pt")) for p in patterns)
+            and any(p.endswith((".safetensors", ".bin")) and "/" not in p for p in patterns)
         ]

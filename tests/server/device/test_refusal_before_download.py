@@ -1,8 +1,9 @@
 """A Hub model that would be refused is refused before a single weight file is downloaded.
 
-``inspect`` decides from the safetensors headers; serving runs the same audit first (the
-body and heads built on the ``meta`` device from the headers), so a checkpoint with a
-tensor nobody claims costs its config files, not its weights. The fake Hub records every
+``inspect`` decides from the config files and the safetensors headers; serving runs the
+same inspection first (the body and heads built on the ``meta`` device from the headers,
+then the settings' own checks), so a checkpoint with a tensor nobody claims, or one the
+settings cannot serve, costs its config files, not its weights. The fake Hub records every
 request, in order.
 """
 
@@ -17,10 +18,10 @@ import torch
 from embedding_server.device.distributed import Shard
 from embedding_server.device.loading import load_shard
 from embedding_server.engine import Engine
-from embedding_server.errors import UnsupportedModelError
+from embedding_server.errors import EmbeddingServerError, UnsupportedModelError
 
 from tests.support.hub import FakeHub
-from tests.support.models import rewrite_checkpoint
+from tests.support.models import add_sentence_transformers, rewrite_checkpoint
 
 TEXTS = ["a", "audited before it is downloaded", "tokens " * 9]
 
@@ -69,11 +70,32 @@ def test_a_servable_hub_model_is_audited_then_downloaded_and_served(
     repo = tiny_model("qwen3")
     hub = FakeHub(repo, tmp_path / "hub").install(monkeypatch)
     engine = Engine.from_pretrained("acme/qwen3", dtype="float32")
-    kinds = [kind for kind, _ in hub.calls]
-    assert kinds == ["snapshot", "headers", "snapshot"]  # config, headers, then the weights
+    assert len(hub.weight_requests()) == 1  # once, and only after the headers were read
+    asked_weights = next(i for i, call in enumerate(hub.calls) if call[1] in hub.weight_requests())
+    assert ("headers", []) in hub.calls[:asked_weights]
+    assert asked_weights == len(hub.calls) - 1
     assert "model.safetensors" in " ".join(hub.weights_downloaded())
     local = Engine.from_pretrained(str(repo), dtype="float32")
     np.testing.assert_allclose(engine.embed(TEXTS), local.embed(TEXTS), atol=1e-6)
+
+
+def test_serving_refuses_what_the_settings_audit_refuses_before_any_weight(
+    tiny_model: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A refusal that needs the loaded model's configuration, not its tensors: a
+    sentence-transformers pooling that concatenates two modes, and a --dimensions beyond
+    the model's, each decided by inspect from the config files and headers."""
+    concatenated = add_sentence_transformers(tiny_model("bert"), pooling="cls+mean")
+    hub = FakeHub(concatenated, tmp_path / "hub").install(monkeypatch)
+    with pytest.raises(UnsupportedModelError, match="concatenated pooling is not supported"):
+        Engine.from_pretrained("acme/cls-mean", dtype="float32")
+    assert hub.weight_requests() == [] and hub.weights_downloaded() == []
+
+    hub = FakeHub(tiny_model("bert"), tmp_path / "hub-2").install(monkeypatch)
+    with pytest.raises(EmbeddingServerError) as refused:
+        Engine.from_pretrained("acme/bert", dtype="float32", dimensions=1000)
+    assert refused.value.param == "dimensions"
+    assert hub.weight_requests() == [] and hub.weights_downloaded() == []
 
 
 def test_a_bin_only_repository_is_audited_on_its_downloaded_weights(
