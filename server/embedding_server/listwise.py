@@ -44,14 +44,12 @@ import numpy.typing as npt
 
 from .errors import InputTooLongError, InvalidRequestError, TooManyTokensError
 from .pooling import FloatArray
-from .scoring import check_sides
 from .tokenization import (
     LIKELY_CHARS_PER_TOKEN,
     AdmissionEstimate,
     TextTokenizer,
     TokenizedInput,
     Truncation,
-    normalize_inputs,
     token_bound,
 )
 
@@ -334,18 +332,3 @@ class ListwiseJob:
                 raise RuntimeError(f"a {fmt.name} list of {size} documents read {held} markers")
             out.append(merge(blocks))
         return np.concatenate(out).astype(np.float32)
-
-
-def text_sides(a: object, b: object) -> tuple[list[str], list[str]]:
-    """Both sides of a ``/score`` request as texts (equal numbers, or one on either side)."""
-    items_a = normalize_inputs(a, "text_1")
-    items_b = normalize_inputs(b, "text_2")
-    check_sides(len(items_a), len(items_b))
-    for param, items in (("text_1", items_a), ("text_2", items_b)):
-        if not all(isinstance(item, str) for item in items):
-            raise InvalidRequestError(
-                f"{param} must be text: a listwise reranker puts queries and documents in "
-                "its prompt",
-                param=param,
-            )
-    return [str(x) for x in items_a], [str(x) for x in items_b]

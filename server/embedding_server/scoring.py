@@ -59,6 +59,22 @@ def text_pairs(a: object, b: object) -> list[tuple[str, str]]:
     return list(zip(texts_a, texts_b, strict=True))
 
 
+def text_sides(a: object, b: object) -> tuple[list[str], list[str]]:
+    """Both sides as texts, unrepeated (equal numbers, or one on either side): a listwise
+    reranker's queries and documents (``listwise.py``)."""
+    items_a = normalize_inputs(a, "text_1")
+    items_b = normalize_inputs(b, "text_2")
+    check_sides(len(items_a), len(items_b))
+    for param, items in (("text_1", items_a), ("text_2", items_b)):
+        if not all(isinstance(item, str) for item in items):
+            raise InvalidRequestError(
+                f"{param} must be text: a listwise reranker puts queries and documents in "
+                "its prompt",
+                param=param,
+            )
+    return [str(x) for x in items_a], [str(x) for x in items_b]
+
+
 def rank(scores: npt.NDArray[np.float32], top_n: int | None) -> list[Ranked]:
     """Documents by decreasing score (ties keep request order), the first ``top_n`` when
     given (None or 0: all, as vLLM reads 0)."""

@@ -48,7 +48,6 @@ from .jobs import (
     TokenOptions,
     check_options,
 )
-from .listwise import text_sides
 from .media import MediaPolicy
 from .metrics import Metrics
 from .multimodal import IMAGE_TYPES, ChatMessage, ChatTemplate, ImagePreprocessor, ImageRef
@@ -65,7 +64,7 @@ from .results import (
     TokenEmbedResult,
     usage_of,
 )
-from .scoring import check_sides, cosine_scores, pair_inputs, rank, text_pairs
+from .scoring import check_sides, cosine_scores, pair_inputs, rank, text_pairs, text_sides
 from .settings import EngineSettings
 from .tokenization import TextInput, TextTokenizer, normalize_inputs
 

@@ -29,7 +29,7 @@ from embedding_server.settings import ServerSettings
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from tests.support.api import running_server
+from tests.support.api import running_server, server_process
 from tests.support.models import _DECODER, _save_model, byte_tokenizer, rewrite_checkpoint
 
 CPU = torch.device("cpu")
@@ -307,3 +307,21 @@ def test_http_rerank_and_score(reranker: Path) -> None:
         np.testing.assert_allclose([d["score"] for d in scored.json()["data"]], expected, atol=1e-4)
         refused = httpx.post(server.url + "/classify", json={"input": ["cats"]}, timeout=60)
         assert refused.status_code == 400 and "listwise reranker" in refused.text
+
+
+def test_front_end_processes_build_the_lists_themselves(reranker: Path) -> None:
+    """Through two front-end processes (the request plane alone, no torch: they cut the
+    texts, build the blocks and merge their scores) /rerank gives the authors' scores."""
+    expected, _ = authors_rerank(reranker, QUERY, DOCUMENTS)
+    args = ["--model", str(reranker), "--dtype", "float32", "--auto-truncate"]
+    with server_process([*args, "--api-workers", "2"], workers=2) as server:
+        for _ in range(2):  # whichever front-end takes the connection
+            ranked = httpx.post(
+                server.url + "/rerank", json={"query": QUERY, "documents": DOCUMENTS}, timeout=120
+            )
+            assert ranked.status_code == 200, ranked.text
+            results = ranked.json()["results"]
+            assert [r["index"] for r in results] == list(np.argsort(-expected))
+            np.testing.assert_allclose(
+                [r["relevance_score"] for r in results], np.sort(expected)[::-1], atol=1e-4
+            )
