@@ -140,6 +140,19 @@ def choose_backend(
             "transformers backend cannot carry (it runs text only, so the vision tower would "
             "go unused); serve it with backend native (or auto)"
         )
+    if reward_kind(config) is not None and (requested == "transformers" or not native):
+        # Reward heads are native only: no transformers class reads them as vLLM does.
+        names = ", ".join(config.get("architectures") or [])
+        way_out = (
+            "serve it with backend native (or auto)"
+            if native
+            else f"model_type {model_type!r} has no native reward model (those implemented: "
+            "Qwen2ForRewardModel and Qwen2ForProcessRewardModel, model_type qwen2)"
+        )
+        raise UnsupportedModelError(
+            f"model {model!r}: {names} is a reward model, served by the native backend only "
+            f"(the transformers backend serves no reward head); {way_out}"
+        )
     if requested == "transformers":
         return "transformers"
     if native:

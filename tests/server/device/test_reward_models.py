@@ -16,14 +16,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from embedding_server.engine import Engine
 from embedding_server.errors import InvalidRequestError, UnsupportedModelError
+from embedding_server.settings import ServerSettings
 from transformers import AutoModel
 
+from tests.support.api import running_server
 from tests.support.models import build_decoder, rewrite_checkpoint
 
 STEP = "<extra_0>"
@@ -193,3 +196,48 @@ def test_unknown_reward_families_are_refused_before_weights(rm: Path, tmp_path: 
     (path / "model.safetensors").unlink()
     with pytest.raises(UnsupportedModelError, match="reward models of model_type 'llama'"):
         Engine.from_pretrained(str(path), dtype="float32")
+
+
+def test_process_rewards_over_http(prm: Path) -> None:
+    """/pooling task reward: one row per step, none for a text without a step."""
+    want = Engine.from_pretrained(str(prm), dtype="float32").reward(STEPPED)
+    with running_server(ServerSettings(model=str(prm), dtype="float32")) as server:
+        response = httpx.post(
+            server.url + "/pooling", json={"input": STEPPED, "task": "reward"}, timeout=60
+        )
+        assert response.status_code == 200, response.text
+        rows = [np.asarray(item["data"], dtype=np.float32) for item in response.json()["data"]]
+    assert [len(r) for r in rows] == [1, 3, 0, 1]
+    for got, expected in zip(rows, want, strict=True):
+        if len(expected):
+            np.testing.assert_allclose(got, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("trust", [False, True])
+def test_internlm2_reward_is_refused_before_its_code_or_weights(
+    rm: Path, tmp_path: Path, trust: bool
+) -> None:
+    """InternLM2ForRewardModel has no native body; the transformers backend (its custom
+    code) serves no reward model, so it is refused, not run as an embedder."""
+    path = rewrite_checkpoint(
+        rm,
+        tmp_path / "internlm2",
+        config={
+            "model_type": "internlm2",
+            "architectures": ["InternLM2ForRewardModel"],
+            "auto_map": {
+                "AutoConfig": "configuration_internlm2.InternLM2Config",
+                "AutoModel": "modeling_internlm2.InternLM2ForRewardModel",
+            },
+        },
+    )
+    (path / "model.safetensors").unlink()
+    with pytest.raises(UnsupportedModelError, match="no native reward model"):
+        Engine.from_pretrained(str(path), dtype="float32", trust_remote_code=trust)
+
+
+def test_the_transformers_backend_refuses_reward_models(rm: Path) -> None:
+    with pytest.raises(UnsupportedModelError, match="backend native"):
+        Engine.from_pretrained(
+            str(rm), dtype="float32", backend="transformers", trust_remote_code=True
+        )
