@@ -326,20 +326,25 @@ def _verify(
     from embedding_server.device.verification import (
         UnverifiableError,
         format_verification,
-        verify_model,
+        verify,
     )
+    from embedding_server.engine import Engine
 
     if not as_json:
         sys.stdout.write(format_inspection(inspection) + "\n")
         sys.stdout.flush()
     try:
-        result = verify_model(settings, threshold=threshold)
+        engine = Engine.from_settings(settings)
     except EmbeddingServerError as error:
         sys.stderr.write(f"{PROG} inspect: cannot serve model {settings.model!r}: {error}\n")
         return EXIT_REFUSED
+    try:
+        result = verify(engine, settings, threshold=threshold)
     except UnverifiableError as error:
         sys.stderr.write(f"{PROG} inspect: cannot verify model {settings.model!r}: {error}\n")
         return EXIT_UNVERIFIABLE
+    finally:
+        engine.close()
     if as_json:
         out = inspection.to_dict()
         out["verification"] = result.to_dict()

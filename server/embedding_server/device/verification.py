@@ -40,6 +40,7 @@ import numpy.typing as npt
 import torch
 
 from embedding_server.configuration import EngineInfo
+from embedding_server.serving import ServingEngine
 from embedding_server.settings import EngineSettings
 from embedding_server.tokenization import Truncation
 
@@ -164,23 +165,15 @@ def default_threshold(settings: EngineSettings, info: EngineInfo, metric: Metric
     return table.get(info.dtype, table["bfloat16"])
 
 
-def verify_model(settings: EngineSettings, *, threshold: float | None = None) -> Verification:
-    """Serve ``settings`` with the offline engine and compare it with the reference on the
-    probe set. Raises what loading raises (a refusal), or :class:`UnverifiableError`."""
+def verify(
+    engine: ServingEngine, settings: EngineSettings, *, threshold: float | None = None
+) -> Verification:
+    """Compare what ``engine`` (built from ``settings``, as ``serve`` builds it) serves with
+    the reference on the probe set; :class:`UnverifiableError` when there is none."""
     from transformers.utils import logging as transformers_logging
 
-    from embedding_server.engine import Engine
-
-    transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # the reference loads: not the user's output
-    engine = Engine.from_settings(settings)
-    try:
-        return _verify(engine, settings, threshold)
-    finally:
-        engine.close()
-
-
-def _verify(engine: Any, settings: EngineSettings, threshold: float | None) -> Verification:
-    info: EngineInfo = engine.info()
+    transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    info = engine.info()
     _check_verifiable(info)
     path = info.model_path or settings.model
     limit = min(info.max_input_tokens, PROBE_MAX_TOKENS)
@@ -233,16 +226,23 @@ def _check_verifiable(info: EngineInfo) -> None:
         )
     if info.task == "score" and info.score_method != "cross_encoder":
         raise UnverifiableError(f"scores by {info.score_method} are not verified yet")
+    if info.task == "score" and info.architecture.endswith("ForCausalLM"):
+        # A language model scored from its answer-token logits in a published prompt
+        # (Qwen3-Reranker, mxbai-rerank-v2): CrossEncoder would read a head it has not got.
+        raise UnverifiableError(
+            f"{info.architecture} is served as a yes/no reranker (its prompt, answer-token "
+            "logits); yes/no rerankers are not verified yet"
+        )
 
 
 # -- the probe set ---------------------------------------------------------------------------
-def _fill(engine: Any, tokens: int) -> str:
+def _fill(engine: ServingEngine, tokens: int) -> str:
     """:data:`PARAGRAPH` repeated to about ``tokens`` tokens of this model's tokenizer."""
     per = max(1, len(engine.tokenize(PARAGRAPH, add_special_tokens=False)[0]))
     return PARAGRAPH * max(1, math.ceil(tokens / per))
 
 
-def _long(engine: Any, tokens: int) -> str:
+def _long(engine: ServingEngine, tokens: int) -> str:
     """The longest repetition of :data:`PARAGRAPH`'s words that stays within ``tokens``."""
     words = _fill(engine, tokens).split(" ")
     low, high = 1, len(words)
@@ -255,7 +255,7 @@ def _long(engine: Any, tokens: int) -> str:
     return " ".join(words[:low])
 
 
-def _probes(engine: Any, info: EngineInfo, limit: int) -> list[Probe]:
+def _probes(engine: ServingEngine, info: EngineInfo, limit: int) -> list[Probe]:
     long_text = _long(engine, max(1, (limit * 3) // 4))
     over = _fill(engine, limit * 2)
     clipped = f"clipped at {limit} tokens"
@@ -274,9 +274,11 @@ def _probes(engine: Any, info: EngineInfo, limit: int) -> list[Probe]:
     if info.task == "embed":
         if info.prompts:
             for name in info.prompts:
-                probes.append(Probe("instruction", list(QUERIES), prompt_name=name, note=name))
+                probe = Probe("instruction", list(QUERIES), prompt_name=name, note=f"prompt {name}")
+                probes.append(probe)
         else:
-            probes.append(Probe("instruction", list(QUERIES), prompt=INSTRUCTION, note="Instruct"))
+            note = "no prompts declared: an 'Instruct: ...' prefix"
+            probes.append(Probe("instruction", list(QUERIES), prompt=INSTRUCTION, note=note))
     probes.append(Probe("truncated", [over], note=clipped))
     return probes
 
@@ -286,7 +288,7 @@ def _truncation(info: EngineInfo, limit: int) -> Truncation:
     return Truncation(max_tokens=limit if limit < info.max_input_tokens else None)
 
 
-def _served(engine: Any, info: EngineInfo, probe: Probe, limit: int) -> FloatArray:
+def _served(engine: ServingEngine, info: EngineInfo, probe: Probe, limit: int) -> FloatArray:
     truncate = _truncation(info, limit)
     if info.task == "score":
         assert probe.pairs is not None
@@ -536,5 +538,5 @@ __all__ = [
     "UnverifiableError",
     "Verification",
     "format_verification",
-    "verify_model",
+    "verify",
 ]

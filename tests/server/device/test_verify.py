@@ -30,17 +30,22 @@ from embedding_server.device.verification import (
     COSINE_THRESHOLDS,
     SCORE_THRESHOLDS,
     UnverifiableError,
-    verify_model,
+    Verification,
+    verify,
 )
+from embedding_server.engine import Engine
 from embedding_server.settings import EngineSettings
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModel
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from tests.support.api import SCRIPT
 from tests.support.bert_families import build_family
 from tests.support.gte import build_gte
 from tests.support.jina_v3 import build_jina_v3
 from tests.support.models import (
+    _DECODER,
+    _save_model,
+    _save_tokenizer,
     add_sentence_transformers,
     build_bert,
     build_bge_m3,
@@ -49,6 +54,7 @@ from tests.support.models import (
     build_modernbert,
     build_mpnet,
     build_xlm_roberta,
+    byte_tokenizer,
     rewrite_checkpoint,
     spread_weights,
 )
@@ -182,10 +188,21 @@ NOT_VERIFIED: dict[str, str] = {
     "gte, which its row verifies)",
     "llama_bidirec": "NVIDIA's LlamaBidirectionalModel is remote code on the Hub; "
     "test_llama_bidirec checks it against transformers' LlamaModel given a bidirectional mask",
+    "jina_embeddings_v5": "its vectors come from a task LoRA adapter chosen per request, "
+    "which --verify does not verify yet (it exits 3), over jina's remote code",
     "clip": "an image model: --verify refuses image towers (tested below)",
     "siglip": "an image model",
     "siglip2": "an image model",
 }
+
+
+def verify_model(settings: EngineSettings) -> Verification:
+    """What ``inspect --verify`` computes for ``settings``, without the printing."""
+    engine = Engine.from_settings(settings)
+    try:
+        return verify(engine, settings)
+    finally:
+        engine.close()
 
 
 def test_every_native_model_type_has_a_checkpoint_to_verify_or_a_reason() -> None:
@@ -361,10 +378,24 @@ def test_a_tampered_weight_fails_verification(
     assert max(worst for _, worst, _ in table.values()) < 0.9999
 
 
+def _yes_no_reranker(path: Path) -> Path:
+    """A Qwen3ForCausalLM whose vocabulary holds "yes" and "no" whole (Qwen3-Reranker's shape),
+    which task score serves from its answer-token logits."""
+    path.mkdir(parents=True)
+    tok = byte_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"], "$A", [])
+    tok.add_tokens(["yes", "no"])
+    _save_tokenizer(tok, path, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    config = {**_DECODER, "head_dim": 16, "pad_token_id": 0, "eos_token_id": 2}
+    _save_model("qwen3", path, vocab, seed=5, auto=AutoModelForCausalLM, **config)
+    return path
+
+
 def test_what_cannot_be_verified_exits_3_and_says_why(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """An image model is not passed: exit 3 with the reason, nothing claimed."""
+    """An image model is not passed: exit 3 with the reason, nothing claimed; nor a yes/no
+    reranker or a SPLADE encoder, whose outputs have no reference here yet."""
     from tests.support.vision import build_clip
 
     path = build_clip(tmp_path / "clip")
@@ -375,6 +406,8 @@ def test_what_cannot_be_verified_exits_3_and_says_why(
     assert code == EXIT_UNVERIFIABLE
     assert "cannot verify" in captured.err and "image" in captured.err
     assert "verification passed" not in captured.out
+    with pytest.raises(UnverifiableError, match="yes/no rerankers are not verified"):
+        verify_model(EngineSettings(model=str(_yes_no_reranker(tmp_path / "yn")), task="score"))
     with pytest.raises(UnverifiableError, match="task sparse is not verified"):
         from tests.support.tasks import build_splade
 
