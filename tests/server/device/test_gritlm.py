@@ -19,7 +19,8 @@ import pytest
 import torch
 from embedding_server.device.inspection import inspect_model
 from embedding_server.device.instructions import GRITLM, InstructionSpan
-from embedding_server.device.models import lookup
+from embedding_server.device.models import ARCHITECTURES, lookup
+from embedding_server.device.models.names import KNOWN_NAMES
 from embedding_server.engine import Engine
 from embedding_server.errors import UnsupportedModelError
 from embedding_server.settings import EngineSettings
@@ -216,3 +217,10 @@ def test_a_text_without_the_template_is_logged_once(caplog: pytest.LogCaptureFix
     assert len(caplog.records) == 1 and "does not start with its embedding template" in (
         caplog.records[0].getMessage()
     )
+
+
+def test_every_native_model_type_declares_the_architectures_it_serves() -> None:
+    """A family added without its names would serve any architecture name unchecked."""
+    assert sorted(set(ARCHITECTURES) - set(KNOWN_NAMES)) == []
+    # A config without the key is served by its model_type alone (as transformers loads it).
+    assert lookup({"model_type": "mistral"}) is ARCHITECTURES["mistral"]
