@@ -7,6 +7,8 @@
 ``adapters/<task>/`` (``adapter_config.json`` and ``adapter_model.safetensors`` with
 ``base_model.model.layers.N.<module>.lora_A.weight`` ``[r, in]`` / ``lora_B.weight``
 ``[out, r]``). The tasks differ in rank and in which projections they adapt, as peft allows.
+With ``body="eurobert"`` the body is a transformers ``EuroBertModel`` and the config says
+``is_decoder: false``: jina-embeddings-v5-text-nano's layout.
 
 :func:`merged_reference` is the reference for one task: transformers' model with every adapted
 weight replaced by ``W + (lora_alpha / r) * B @ A``, which is what peft's LoRA layer computes
@@ -39,10 +41,12 @@ _PARENT = {
 }
 
 
-def build_jina_v5(root: Path) -> tuple[Path, Path]:
-    """``(base, hub)`` directories of one tiny random model (see the module docstring)."""
-    base = build_decoder(root / "base", "qwen3")
+def build_jina_v5(root: Path, body: str = "qwen3") -> tuple[Path, Path]:
+    """``(base, hub)`` directories of one tiny random model (see the module docstring);
+    ``body`` eurobert for the -nano layout (``is_decoder: false``)."""
+    base = build_decoder(root / "base", body)
     hub_config: dict[str, Any] = {
+        **({"is_decoder": False} if body == "eurobert" else {}),
         "model_type": "jina_embeddings_v5",
         "architectures": ["JinaEmbeddingsV5Model"],
         "auto_map": {

@@ -6,7 +6,8 @@ The reference is the authors' ``encode(texts, task, prompt_name)``: transformers
 ``Qwen3Model`` with the task's peft LoRA merged (``W + (alpha / r) * B @ A``), the text
 prefixed ``"Query: "`` or ``"Document: "`` (the default), the last token's state,
 L2-normalized. A request naming no task runs ``retrieval``, vLLM's default. The -nano
-sibling (a EuroBERT body) is refused by name.
+sibling's EuroBERT body (``is_decoder: false``) is checked the same way against
+transformers' ``EuroBertModel``, attending both ways.
 """
 
 from __future__ import annotations
@@ -193,12 +194,57 @@ def _edit_config(path: Path, **changes: object) -> None:
     (path / "config.json").write_text(json.dumps(config))
 
 
-def test_the_eurobert_nano_is_refused_by_name(dirs: tuple[Path, Path], tmp_path: Path) -> None:
-    nano = _copy(dirs[1], tmp_path / "nano")
-    _edit_config(nano, is_decoder=False)
-    with pytest.raises(UnsupportedModelError, match=r"jina-embeddings-v5-text-nano.*EuroBERT"):
+@pytest.fixture(scope="module")
+def nano(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """``(base, hub)`` of the -nano layout: a EuroBERT body, ``is_decoder: false``."""
+    return build_jina_v5(tmp_path_factory.mktemp("jina-v5-nano"), body="eurobert")
+
+
+@pytest.mark.parametrize(
+    ("dtype", "min_cosine"), [(torch.float32, F32_COSINE), (torch.bfloat16, BF16_COSINE)]
+)
+def test_the_nanos_eurobert_body_attends_both_ways_with_its_tasks(
+    nano: tuple[Path, Path], dtype: torch.dtype, min_cosine: float
+) -> None:
+    """One packed batch mixing tasks and lengths against transformers' ``EuroBertModel``
+    with each task merged (bidirectional: a causal body would differ on every token but
+    the last)."""
+    base, hub = nano
+    model = _model(hub, dtype)
+    assert not model.causal
+    references = {task: merged_reference(base, hub, task) for task in TASK_NAMES}
+    vocab = json.loads((hub / "config.json").read_text())["vocab_size"]
+    generator = torch.Generator().manual_seed(9)
+    lengths = [2, 9, 33, 4, 17]
+    plan = [3, 0, 1, 2, 0]
+    seqs = [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
+    batch = PackedBatch.build(seqs, torch.device("cpu"), adapters=plan)
+    with torch.inference_mode():
+        got = [g.numpy() for g in torch.split(model.forward(batch).float(), lengths)]
+    with torch.no_grad():
+        want = [
+            references[TASK_NAMES[a]](input_ids=torch.tensor([s])).last_hidden_state[0].numpy()
+            for s, a in zip(seqs, plan, strict=True)
+        ]
+    assert_rows_close(got, want, min_cosine=min_cosine)
+
+
+def test_the_nano_engine_serves_encode(nano: tuple[Path, Path]) -> None:
+    base, hub = nano
+    engine = Engine.from_pretrained(str(hub), dtype="float32")
+    assert engine.info().adapters == TASK_NAMES and engine.info().pooling == "last"
+    for task, prompt_name in (("retrieval", "query"), ("classification", "document")):
+        want = _encode(base, merged_reference(base, hub, task), TEXTS, prompt_name)
+        got = engine.embed(TEXTS, adapter=task, prompt_name=prompt_name)
+        assert_rows_close(got, want, min_cosine=F32_COSINE)
+
+
+def test_a_causal_eurobert_is_refused(nano: tuple[Path, Path], tmp_path: Path) -> None:
+    causal = _copy(nano[1], tmp_path / "causal")
+    _edit_config(causal, is_causal=True)
+    with pytest.raises(UnsupportedModelError, match="is_causal: true"):
         load_model(
-            str(nano), revision=None, cache_dir=None, dtype="float32", device=torch.device("cpu")
+            str(causal), revision=None, cache_dir=None, dtype="float32", device=torch.device("cpu")
         )
 
 

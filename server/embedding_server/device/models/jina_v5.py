@@ -1,5 +1,5 @@
-"""jina-embeddings-v5-text on packed tokens: a Qwen3 decoder with per-task LoRA adapters,
-the adapter chosen per sequence.
+"""jina-embeddings-v5-text on packed tokens: a Qwen3 decoder (-small) or a EuroBERT encoder
+(-nano) with per-task LoRA adapters, the adapter chosen per sequence.
 
 jinaai/jina-embeddings-v5-text-small ships ``model_type: jina_embeddings_v5`` (a Qwen3Config
 under another name, plus ``task_names``), ``architectures: ["JinaEmbeddingsV5Model"]``, the
@@ -19,9 +19,11 @@ projection adds ``((x @ A_all^T) * mask) @ B_all`` to its base product, ``A_all`
 stacking every adapter's factors (q, k and v side by side for the fused projection, likewise
 gate and up), ``mask`` keeping each token's own adapter's columns.
 
-The -nano sibling is a bidirectional EuroBERT body (``is_decoder: false``), a family this
-server does not implement: refused by name from config.json alone. Tensor parallelism is not
-implemented for the adapters: refused.
+The -nano sibling says ``is_decoder: false``: its body is EuroBERT (its authors' code,
+``EuroBertModel``, in transformers as ``eurobert``), which is Llama's blocks and weight
+names attending both ways, as vLLM runs it (``JinaEmbeddingsV5EncoderModel``: a Llama whose
+attention is encoder-only); the same adapters, prompts and last-token pooling apply. Tensor
+parallelism is not implemented for the adapters: refused.
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ DEFAULT_PROMPT = "document"
 used where the checkpoint has no sentence-transformers prompts."""
 
 _QWEN3 = DecoderVariant(attention_bias=True, qk_norm=True, window="opt_in")
+_EUROBERT = DecoderVariant(attention_bias=True, mlp_bias=True, bidirectional=True)
+"""EuroBERT as transformers (and vLLM's ``JinaEmbeddingsV5EncoderModel``) runs it: Llama's
+blocks, names and bias flags, attending both ways."""
 _PEFT_NAME = re.compile(
     r"base_model\.model\.(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\."
     r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.lora_([AB])\.weight"
@@ -83,18 +88,16 @@ def task_names(config: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(names)
 
 
+def variant_of(config: Mapping[str, Any]) -> DecoderVariant:
+    """The body a config describes: EuroBERT (-nano, ``is_decoder: false``), else Qwen3."""
+    return _EUROBERT if config.get("is_decoder") is False else _QWEN3
+
+
 def check_config(config: Mapping[str, Any]) -> None:
-    """Refuse from config.json alone what is not served: the EuroBERT -nano body, and a
-    config without its task names."""
-    if config.get("is_decoder") is False:
-        raise UnsupportedModelError(
-            f"{MODEL_TYPE} with is_decoder: false is jina-embeddings-v5-text-nano, a "
-            "bidirectional EuroBERT body with task adapters; EuroBERT is not implemented "
-            "natively (only the Qwen3 body of jina-embeddings-v5-text-small is). Its "
-            "authors' own code (which needs peft) is the only way to run it: --backend "
-            "transformers --trust-remote-code, untested here"
-        )
+    """Refuse from config.json alone what is not served: a config without its task names,
+    a EuroBERT body said to be causal."""
     task_names(config)
+    variant_of(config).check_config(config)
 
 
 def declared_pooling(config: Mapping[str, Any]) -> PoolingMethod:
@@ -198,7 +201,7 @@ _FUSED = {
 
 
 class JinaV5Model(LlamaModel):
-    """jina-embeddings-v5-text-small's Qwen3 body with its task adapters."""
+    """jina-embeddings-v5-text's body (Qwen3 or EuroBERT) with its task adapters."""
 
     def __init__(self, checkpoint: Checkpoint) -> None:
         config = checkpoint.config
@@ -208,7 +211,7 @@ class JinaV5Model(LlamaModel):
                 f"{MODEL_TYPE} with tensor_parallel_size > 1 is not served (its task "
                 "adapters are not split across ranks); serve it on one device"
             )
-        super().__init__(checkpoint, variant=_QWEN3)
+        super().__init__(checkpoint, variant=variant_of(config))
         self.adapters = task_names(config)
         """The task adapters' names; index ``i`` is ``PackedBatch.adapter_ids`` value ``i``."""
         self.default_adapter = DEFAULT_TASK if DEFAULT_TASK in self.adapters else self.adapters[0]

@@ -129,7 +129,7 @@ KNOWN_NAMES: dict[str, tuple[str, ...]] = {
     "jina_embeddings_v3": encoder_names(
         "JinaEmbeddingsV3", "XLMRobertaModel", "XLMRobertaLoRA", "HF_ColBERT"
     ),
-    # jina-embeddings-v5-text: one name for both bodies (is_decoder picks; -nano refused).
+    # jina-embeddings-v5-text: one name for both bodies (is_decoder false: EuroBERT).
     "jina_embeddings_v5": ("JinaEmbeddingsV5Model",),
     # Decoders.
     "llama": decoder_names("Llama"),
