@@ -138,9 +138,12 @@ def authors_rerank(
     documents: list[str],
     instruction: str | None = None,
     dtype: torch.dtype = torch.float32,
+    window: int | None = None,
 ) -> tuple[np.ndarray, int]:
     """The authors' ``JinaForRanking.rerank`` on transformers' Qwen3 (scores in document
-    order), and how many blocks it ran."""
+    order), and how many blocks it ran. ``window``: a served limit below the tokenizer's
+    ``model_max_length``, which takes its place, and a block whose prompt exceeds it is
+    halved until it fits (the server's rule where the authors' count falls short)."""
     tok = AutoTokenizer.from_pretrained(str(path))
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
     weights = load_file(str(path / "model.safetensors"))
@@ -157,15 +160,24 @@ def authors_rerank(
 
     query, query_length = cut(query, 512)
     docs, lengths = zip(*(cut(d, 2048) for d in documents), strict=True)
-    blocks, block, room = [], [], tok.model_max_length - 2 * query_length
+    limit = window or tok.model_max_length
+    blocks, block, room = [], [], limit - 2 * query_length
     for doc, length in zip(docs, lengths, strict=True):
         block.append(doc)
         room -= length
         if len(block) >= 125 or room <= 2048:
             blocks.append(block)
-            block, room = [], tok.model_max_length - 2 * query_length
+            block, room = [], limit - 2 * query_length
     if block:
         blocks.append(block)
+    fitted: list[list[str]] = []
+    while blocks:
+        block = blocks.pop(0)
+        if window and len(tok(_prompt(query, block, instruction))["input_ids"]) > window:
+            blocks[:0] = [block[: len(block) // 2], block[len(block) // 2 :]]
+        else:
+            fitted.append(block)
+    blocks = fitted
     doc_embeds, query_embeds, block_weights = [], [], []
     for block in blocks:
         batch = tok(text=[_prompt(query, block, instruction)], return_tensors="pt")
@@ -325,3 +337,15 @@ def test_front_end_processes_build_the_lists_themselves(reranker: Path) -> None:
             np.testing.assert_allclose(
                 [r["relevance_score"] for r in results], np.sort(expected)[::-1], atol=1e-4
             )
+
+
+def test_a_block_whose_prompt_overflows_the_window_is_halved(reranker: Path) -> None:
+    """125 one-letter documents in a 2400-token window: the authors' rule puts them in one
+    block, whose prompt (over 4000 tokens with its passage tags) does not fit; it is halved
+    until each half does, and every document is scored by the authors' merge over those
+    blocks."""
+    engine = Engine.from_pretrained(str(reranker), dtype="float32", max_model_len=2400)
+    documents = [chr(ord("a") + i % 26) for i in range(125)]
+    expected, blocks = authors_rerank(reranker, QUERY, documents, window=2400)
+    assert blocks > 2
+    np.testing.assert_allclose(engine.score(QUERY, documents), expected, atol=1e-4)
