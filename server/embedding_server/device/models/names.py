@@ -133,8 +133,8 @@ KNOWN_NAMES: dict[str, tuple[str, ...]] = {
     "jina_embeddings_v5": ("JinaEmbeddingsV5Model",),
     # Decoders.
     "llama": decoder_names("Llama"),
-    # NVIDIA's bidirectional Llama: the embedder, and its reranker (refused by its unread
-    # head today, or served by the family that reads it).
+    # NVIDIA's bidirectional Llama: the embedder, and its reranker (nemotron-rerank, served
+    # by the family's classifier reader: llama_bidirec.py).
     "llama_bidirec": (
         "LlamaBidirectionalModel",
         "LlamaBidirectionalForSequenceClassification",
