@@ -312,3 +312,21 @@ def test_another_architecture_name_is_refused(dirs: tuple[Path, Path], tmp_path:
     _edit_config(renamed, architectures=["JinaEmbeddingsV5ForCausalLM"])
     with pytest.raises(UnsupportedModelError, match="JinaEmbeddingsV5ForCausalLM"):
         Engine.from_pretrained(str(renamed), dtype="float32")
+
+
+def test_a_hub_checkpoint_fetches_its_adapters_with_the_weights(
+    dirs: tuple[Path, Path], engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From the Hub: the body audited from its headers before the download, the adapters'
+    files fetched with the weights, and the same vectors as the local directory."""
+    from tests.support.hub import FakeHub
+
+    hub = FakeHub(dirs[1], tmp_path / "hub").install(monkeypatch)
+    served = Engine.from_pretrained("jinaai/jina-embeddings-v5-text-small", dtype="float32")
+    assert ("headers", []) in hub.calls
+    fetched = hub.weights_downloaded()
+    assert all(any(f"adapters/{t}/adapter_model.safetensors" in f for f in fetched) for t in TASKS)
+    for task in ("retrieval", "clustering"):
+        np.testing.assert_allclose(
+            served.embed(TEXTS, adapter=task), engine.embed(TEXTS, adapter=task), atol=1e-6
+        )
