@@ -288,6 +288,16 @@ def refuse_task(config: Mapping[str, Any], *, name: str, task: str, splade: bool
         )
 
 
+def transformers_dtype(
+    config: Mapping[str, Any], dtype: Dtype, device: torch.device
+) -> torch.dtype:
+    """The dtype ``dtype`` resolves to for ``config`` on ``device``, from config.json alone
+    (so a refusal, T5 in float16, comes before any weight is fetched)."""
+    model_type = str(config.get("model_type", ""))
+    overflows = model_type if model_type in FP16_OVERFLOWS else None
+    return resolve_dtype(dtype, device, fp16_overflows=overflows)
+
+
 def _refuse_unknown_type(config: Mapping[str, Any], *, name: str, custom: str | None) -> None:
     from transformers import CONFIG_MAPPING, __version__
 
@@ -513,8 +523,7 @@ def build_transformers(
             f"(model_type {model_type!r}): {error}"
         ) from error
     loader = _auto_class(auto_class, model_type, custom is not None)
-    overflows = model_type if model_type in FP16_OVERFLOWS else None
-    compute_dtype = resolve_dtype(dtype, device, fp16_overflows=overflows)
+    compute_dtype = transformers_dtype(config, dtype, device)
     hf_module, info, attention = _load_module(
         loader, path, name=name, dtype=compute_dtype, trust_remote_code=trust_remote_code
     )

@@ -89,6 +89,7 @@ from .generic import (
     refuse_before_fetch,
     refuse_task,
     tensor_parallel_refusal,
+    transformers_dtype,
 )
 from .heads import (
     ClassificationHead,
@@ -1156,6 +1157,7 @@ def _load_transformers(
         )
     refuse_generative(config, st, task)  # as on the native path: no silent last-token embedder
     refuse_task(config, name=model, task=task, splade=st.splade is not None)
+    transformers_dtype(config, dtype, device)  # T5 in float16: refused before the download
     path = fetch_weights(source, st, code=trust)
     read_dense_layers(st, path)
     tokenizer, tokenizer_max, special_tokens = read_tokenizer(path)

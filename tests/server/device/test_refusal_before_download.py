@@ -21,7 +21,7 @@ from embedding_server.engine import Engine
 from embedding_server.errors import EmbeddingServerError, UnsupportedModelError
 
 from tests.support.hub import FakeHub
-from tests.support.models import add_sentence_transformers, rewrite_checkpoint
+from tests.support.models import add_sentence_transformers, build_t5_encoder, rewrite_checkpoint
 
 TEXTS = ["a", "audited before it is downloaded", "tokens " * 9]
 
@@ -121,4 +121,14 @@ def test_the_transformers_backend_refuses_a_task_it_lacks_before_any_weight(
     hub = FakeHub(tiny_model("bert"), tmp_path / "hub").install(monkeypatch)
     with pytest.raises(UnsupportedModelError, match=r"task sparse .* native backend only"):
         Engine.from_pretrained("acme/bert", backend="transformers", task="sparse")
+    assert hub.weight_requests() == [] and hub.weights_downloaded() == []
+
+
+def test_the_transformers_backend_refuses_t5_in_float16_before_any_weight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hub = FakeHub(build_t5_encoder(tmp_path / "t5"), tmp_path / "hub").install(monkeypatch)
+    with pytest.raises(EmbeddingServerError, match="overflow float16") as refused:
+        Engine.from_pretrained("acme/t5", dtype="float16")
+    assert refused.value.param == "dtype"
     assert hub.weight_requests() == [] and hub.weights_downloaded() == []
