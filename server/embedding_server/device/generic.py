@@ -147,7 +147,8 @@ def choose_backend(
             "serve it with backend native (or auto)"
             if native
             else f"model_type {model_type!r} has no native reward model (those implemented: "
-            "Qwen2ForRewardModel and Qwen2ForProcessRewardModel, model_type qwen2)"
+            "Qwen2ForRewardModel and Qwen2ForProcessRewardModel, model_type qwen2; "
+            "InternLM2ForRewardModel, internlm2)"
         )
         raise UnsupportedModelError(
             f"model {model!r}: {names} is a reward model, served by the native backend only "

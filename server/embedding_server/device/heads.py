@@ -203,7 +203,8 @@ def check_reward(config: Mapping[str, Any], reader: RewardReader | None) -> Rewa
         arch = next(iter(config.get("architectures") or []), "?")
         raise UnsupportedModelError(
             f"{arch}: {kind} reward models of model_type {config.get('model_type')!r} are not "
-            "supported (implemented: Qwen2ForRewardModel, Qwen2ForProcessRewardModel)"
+            "supported (implemented: Qwen2ForRewardModel, Qwen2ForProcessRewardModel, "
+            "InternLM2ForRewardModel)"
         )
     return kind
 

@@ -214,21 +214,19 @@ def test_process_rewards_over_http(prm: Path) -> None:
 
 
 @pytest.mark.parametrize("trust", [False, True])
-def test_internlm2_reward_is_refused_before_its_code_or_weights(
+def test_a_reward_model_without_a_native_body_is_refused_before_its_code_or_weights(
     rm: Path, tmp_path: Path, trust: bool
 ) -> None:
-    """InternLM2ForRewardModel has no native body; the transformers backend (its custom
-    code) serves no reward model, so it is refused, not run as an embedder."""
+    """A reward architecture whose model type has no native body: the transformers backend
+    (its custom code) serves no reward model, so it is refused, not run as an embedder,
+    and not sent to --trust-remote-code first."""
     path = rewrite_checkpoint(
         rm,
-        tmp_path / "internlm2",
+        tmp_path / "neox",
         config={
-            "model_type": "internlm2",
-            "architectures": ["InternLM2ForRewardModel"],
-            "auto_map": {
-                "AutoConfig": "configuration_internlm2.InternLM2Config",
-                "AutoModel": "modeling_internlm2.InternLM2ForRewardModel",
-            },
+            "model_type": "gpt_neox",
+            "architectures": ["GPTNeoXForRewardModel"],
+            "auto_map": {"AutoModel": "modeling_rm.GPTNeoXForRewardModel"},
         },
     )
     (path / "model.safetensors").unlink()

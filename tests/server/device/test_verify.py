@@ -188,6 +188,9 @@ NOT_VERIFIED: dict[str, str] = {
     "gte, which its row verifies)",
     "llama_bidirec": "NVIDIA's LlamaBidirectionalModel is remote code on the Hub; "
     "test_llama_bidirec checks it against transformers' LlamaModel given a bidirectional mask",
+    "internlm2": "InternLM2 runs only as remote code on the Hub, and its checkpoints are "
+    "reward models (task reward, which --verify does not verify); test_internlm2_reward "
+    "checks them against transformers' LlamaModel with wqkv unpacked as the authors' code",
     "jina_embeddings_v5": "its vectors come from a task LoRA adapter chosen per request, "
     "which --verify does not verify yet (it exits 3), over jina's remote code",
     "clip": "an image model: --verify refuses image towers (tested below)",

@@ -50,6 +50,7 @@ from . import (
     gemma,
     gemma2,
     gte,
+    internlm2,
     jina_bert,
     jina_v3,
     jina_v5,
@@ -291,6 +292,16 @@ ARCHITECTURES: dict[str, Architecture] = {
             pair_prompt=NEMOTRON_RERANK,
         ),
         Architecture("mistral", decoder(MISTRAL), "last", score_head, ignored=DECODER_IGNORED),
+        # InternLM2: Llama's math under its own names, q/k/v interleaved in one wqkv; served
+        # for its reward models (internlm2-*-reward), whose v_head is read, and its body.
+        Architecture(
+            "internlm2",
+            internlm2.build,
+            "last",
+            ignored=internlm2.IGNORED,
+            check_config=internlm2.check_config,
+            reward=internlm2.REWARD,
+        ),
         Architecture(
             "qwen2",
             decoder(QWEN2),

@@ -140,6 +140,7 @@ KNOWN_NAMES: dict[str, tuple[str, ...]] = {
         "LlamaBidirectionalForSequenceClassification",
     ),
     "mistral": decoder_names("Mistral"),
+    "internlm2": decoder_names("InternLM2"),
     "qwen2": decoder_names("Qwen2"),
     # voyage-4-nano: a Qwen3 body (bidirectional by its config's flag) and a projection.
     # jina-reranker-v3 (JinaForRanking): the causal body and a projector, served as a
