@@ -182,3 +182,17 @@ def test_an_unread_tensor_is_refused(internlm2: Path, tmp_path: Path) -> None:
     )
     with pytest.raises(UnsupportedModelError, match=r"attention\.bias"):
         Engine.from_pretrained(str(path), dtype="float32")
+
+
+def test_linear_rope_scaling_matches(tmp_path: Path) -> None:
+    """rope_scaling type linear (InternLM2's key) divides the positions, as Llama's does."""
+    llama = build_decoder(
+        tmp_path / "llama-linear",
+        "llama",
+        rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 500000.0},
+    )
+    path = _hub(llama, tmp_path / "hub", rope_scaling={"type": "linear", "factor": 4.0})
+    engine = Engine.from_pretrained(str(path), dtype="float32")
+    seqs = engine.tokenize(TEXTS)
+    for got, want in zip(engine.reward(TEXTS), _reference(llama, seqs, torch.float32), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-4)
