@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import string
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -206,3 +207,36 @@ def test_a_checkpoint_with_task_adapters_is_not_mistaken_for_it(tmp_path: Path) 
     (hub / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match="holds no LoRA factors"):
         Engine.from_pretrained(str(hub), dtype="float32")
+
+
+def test_over_http_its_multi_vectors_and_maxsim_scores_are_stanford_colberts(
+    checkpoint: tuple[Path, Path, bool], want: list[np.ndarray]
+) -> None:
+    """Through the server's scheduler: Cohere's /v2/embed per side, /score by MaxSim."""
+    import httpx
+    from embedding_server.settings import ServerSettings
+
+    from tests.support.api import running_server
+
+    with running_server(ServerSettings(model=str(checkpoint[1]), dtype="float32")) as server:
+
+        def post(path: str, body: dict[str, object]) -> dict[str, Any]:
+            response = httpx.post(server.url + path, json=body, timeout=60)
+            assert response.status_code == 200, response.text
+            answer: dict[str, Any] = response.json()
+            return answer
+
+        got = []
+        for texts, side in ((QUERIES, "search_query"), (DOCS, "search_document")):
+            body = {"texts": texts, "input_type": side, "embedding_types": ["multi_vector"]}
+            vectors = post("/v2/embed", body)["embeddings"]["multi_vector"]
+            got += [np.array(m, np.float32) for m in vectors]
+        assert_rows_close(got, want, min_cosine=0.99999)
+        n = len(QUERIES)
+        # /score cuts a text to its side's length only when asked to (-1: at the model's).
+        expected = [_maxsim(want[1], want[n + d]) for d in range(len(DOCS))]
+        body = {"text_1": QUERIES[1], "text_2": DOCS, "truncate_prompt_tokens": -1}
+        scored = post("/score", body)
+        np.testing.assert_allclose(
+            [d["score"] for d in scored["data"]], expected, rtol=1e-4, atol=1e-4
+        )
