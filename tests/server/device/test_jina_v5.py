@@ -330,3 +330,23 @@ def test_a_hub_checkpoint_fetches_its_adapters_with_the_weights(
         np.testing.assert_allclose(
             served.embed(TEXTS, adapter=task), engine.embed(TEXTS, adapter=task), atol=1e-6
         )
+
+
+def test_tensor_parallelism_is_refused_naming_it(dirs: tuple[Path, Path]) -> None:
+    """The adapters are not split across ranks: a rank of two refuses, rather than run the
+    base weights' share with whole adapters."""
+    from embedding_server.device.distributed import Shard
+    from embedding_server.device.loading import load_weights
+
+    hub = dirs[1]
+    config, weights = read_adapters(
+        hub, json.loads((hub / "config.json").read_text()), load_weights(hub)
+    )
+    with pytest.raises(UnsupportedModelError, match="tensor_parallel_size"):
+        build_model(
+            config,
+            dict(weights),
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            shard=Shard(1, 2),
+        )
