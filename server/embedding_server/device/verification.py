@@ -44,6 +44,8 @@ from embedding_server.serving import ServingEngine
 from embedding_server.settings import EngineSettings
 from embedding_server.tokenization import Truncation
 
+from .loading import locate_model
+
 ProbeKind = Literal["short", "long", "multilingual", "instruction", "truncated"]
 Metric = Literal["cosine", "abs_diff"]
 FloatArray = npt.NDArray[np.float64]
@@ -175,7 +177,7 @@ def verify(
     transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     info = engine.info()
     _check_verifiable(info)
-    path = info.model_path or settings.model
+    path = _reference_files(settings)
     limit = min(info.max_input_tokens, PROBE_MAX_TOKENS)
     served = f"{info.backend}, {info.dtype} on {info.device}, attention {info.attention}"
     if settings.quantization != "none":
@@ -312,6 +314,30 @@ class Reference:
     run: Callable[[Probe], FloatArray]
 
 
+REFERENCE_FILES = ("*.json", "*.py", "*.txt", "*.model", "*.tiktoken", "*/*.json", "*/*.py")
+"""What a Hub snapshot needs beyond what the server fetched for the reference to load as its
+authors' libraries load it (sentence_bert_config.json, a module's own code, tokenizer
+vocabularies); never weights, which the server fetched already."""
+
+
+def _reference_files(settings: EngineSettings) -> str:
+    """The local directory the reference loads, found as the server found it (the packaged
+    default, a local directory, a Hub snapshot); a Hub snapshot, served at its commit, gets
+    :data:`REFERENCE_FILES` fetched into it."""
+    source = locate_model(settings.model, revision=settings.revision, cache_dir=settings.cache_dir)
+    if source.repo_id is None:
+        return str(source.path)
+    from huggingface_hub import snapshot_download
+
+    path: str = snapshot_download(
+        source.repo_id,
+        revision=source.revision,
+        cache_dir=source.cache_dir,
+        allow_patterns=list(REFERENCE_FILES),
+    )
+    return path
+
+
 def _has_sentence_transformers(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "modules.json"))
 
@@ -358,6 +384,7 @@ def _embed_reference(
         except (OSError, ValueError, ImportError, KeyError, TypeError) as error:
             raise _load_failure(error, trust) from error
         st.float()
+        _authors_special_tokens(st.tokenizer, info, notes)
         if st.max_seq_length is not None and st.max_seq_length != info.max_input_tokens:
             notes.append(
                 f"sentence-transformers' max_seq_length is {st.max_seq_length}, the server's "
@@ -389,6 +416,7 @@ def _embed_reference(
     except (OSError, ValueError, ImportError, KeyError, TypeError) as error:
         raise _load_failure(error, trust) from error
     model.float()
+    _authors_special_tokens(tokenizer, info, notes)
     source = "--pooling" if settings.pooling != "auto" else "as the checkpoint declares"
     notes.append(f"the reference pools {pooling} ({source}): no sentence-transformers pooling")
 
@@ -404,6 +432,28 @@ def _embed_reference(
 
     name = f"transformers {type(model).__name__}, float32 on cpu"
     return Reference(name + _remote_code_note(path, trust), run_hf)
+
+
+def _authors_special_tokens(tokenizer: Any, info: EngineInfo, notes: list[str]) -> None:
+    """Give the reference's tokenizer the special tokens the server adds where they are not
+    ``tokenizer.json``'s own: there the pinned transformers departs from the authors (it
+    drops ``tokenizer_config.json``'s ``add_eos_token``, and the checkpoint's tokenizer code
+    that appends gte-Qwen2's ``<|endoftext|>`` is not run), and their model cards add the
+    tokens by hand. Which tokens those are is checked against the model cards' own code in
+    the tokenizer tests; here the rest of the computation is compared."""
+    from tokenizers import processors
+
+    tokens = info.special_tokens
+    if tokens.source == "tokenizer.json":
+        return
+    backend = tokenizer.backend_tokenizer
+    single = " ".join([*tokens.before, "$A", *tokens.after])
+    ids = [(t, backend.token_to_id(t)) for t in dict.fromkeys([*tokens.before, *tokens.after])]
+    backend.post_processor = processors.TemplateProcessing(single=single, special_tokens=ids)
+    notes.append(
+        f"the reference tokenizer was given the server's {tokens.template} (from "
+        f"{tokens.source}), which the pinned transformers leaves out and the model card adds"
+    )
 
 
 def _pool(states: torch.Tensor, method: str) -> torch.Tensor:
