@@ -178,6 +178,8 @@ def verify(
     info = engine.info()
     _check_verifiable(info)
     path = _reference_files(settings)
+    if info.backend == "native":
+        _check_family(path, info)
     limit = min(info.max_input_tokens, PROBE_MAX_TOKENS)
     served = f"{info.backend}, {info.dtype} on {info.device}, attention {info.attention}"
     if settings.quantization != "none":
@@ -234,6 +236,20 @@ def _check_verifiable(info: EngineInfo) -> None:
         raise UnverifiableError(
             f"{info.architecture} is served as a yes/no reranker (its prompt, answer-token "
             "logits); yes/no rerankers are not verified yet"
+        )
+
+
+def _check_family(path: str, info: EngineInfo) -> None:
+    """Refuse a native family whose authors' computation is neither sentence-transformers'
+    nor transformers': compared with those, it would fail for being right."""
+    from .models import lookup
+
+    instruction = getattr(lookup(_config(path)), "instruction", None)
+    if instruction is not None:
+        raise UnverifiableError(
+            f"{info.architecture} pools only the tokens after its {instruction.name} "
+            "instruction template, as its authors' own package computes it; neither "
+            "sentence-transformers nor transformers computes that, so it is not verified yet"
         )
 
 
