@@ -455,3 +455,19 @@ def test_the_settings_served_are_the_settings_verified(
     assert result.reference.startswith("transformers TinyEncoderModel")
     assert result.reference.endswith("its own code")
     assert "--pooling" in " ".join(result.notes)
+
+
+def test_a_hub_model_is_verified_from_the_snapshot_the_server_served(
+    cls_pipeline: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Hub id: the reference loads the snapshot the server loaded, at its commit, with the
+    small files its libraries read fetched into it (never other weights)."""
+    from embedding_server.device.verification import REFERENCE_FILES
+
+    from tests.support.hub import FakeHub
+
+    hub = FakeHub(cls_pipeline, tmp_path / "hub").install(monkeypatch)
+    result = verify_model(EngineSettings(model="someone/tiny-cls", dtype="float32", device="cpu"))
+    assert result.passed, result.rows
+    assert result.reference.startswith("sentence-transformers SentenceTransformer")
+    assert ("snapshot", list(REFERENCE_FILES)) in hub.calls
