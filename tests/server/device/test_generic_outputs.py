@@ -18,7 +18,10 @@ from tests.support.models import build_custom_code
 STATES = "return BaseModelOutput(last_hidden_state=self.norm(x))"
 RETURNS = {
     # NV-Embed-v2's contract: a dict holding the pooled vectors only.
-    "pooled dict": ('return {"sentence_embeddings": self.norm(x).mean(1)}', "'sentence_embeddings'"),
+    "pooled dict": (
+        'return {"sentence_embeddings": self.norm(x).mean(1)}',
+        "'sentence_embeddings'",
+    ),
     "pooled tensor": ("return self.norm(x).mean(1)", "a tensor of shape [1, 32]"),
     "pooled tuple": ("return (self.norm(x).mean(1), self.norm(x))", "a tuple (a tensor of shape"),
     "dict of states under another name": (

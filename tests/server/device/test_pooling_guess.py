@@ -54,9 +54,7 @@ def test_a_qwen2_body_without_pooling_files_is_said_to_get_a_guessed_last_token(
     assert _inspect(path, pooling="mean").pooling_note is None  # the way out it names
 
 
-def test_a_declared_pooling_gets_no_note(
-    tiny_model: Callable[[str], Path], tmp_path: Path
-) -> None:
+def test_a_declared_pooling_gets_no_note(tiny_model: Callable[[str], Path], tmp_path: Path) -> None:
     st = add_sentence_transformers(tiny_model("bert"), pooling="mean", name="declared")
     assert _inspect(st).pooling_note is None
     jina = build_jina_bert(tmp_path / "jina-bert")  # config.json's emb_pooler: mean
