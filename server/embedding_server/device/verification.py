@@ -426,12 +426,22 @@ def _embed_reference(
     from transformers import AutoModel, AutoTokenizer
 
     pooling = settings.pooling if settings.pooling != "auto" else info.pooling
+    config = _config(path)
+    builder = _native_reference(config, trust)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
-        model = AutoModel.from_pretrained(path, dtype=torch.float32, trust_remote_code=trust).eval()
+        if builder is not None:
+            model = builder.load(path, config).eval()
+        else:
+            model = AutoModel.from_pretrained(
+                path, dtype=torch.float32, trust_remote_code=trust
+            ).eval()
     except (OSError, ValueError, ImportError, KeyError, TypeError) as error:
         raise _load_failure(error, trust) from error
     model.float()
+    bidirectional = builder is not None and builder.bidirectional
+    if builder is not None:
+        notes.append(f"the reference is {builder.description}")
     _authors_special_tokens(tokenizer, info, notes)
     source = "--pooling" if settings.pooling != "auto" else "as the checkpoint declares"
     notes.append(f"the reference pools {pooling} ({source}): no sentence-transformers pooling")
@@ -441,6 +451,9 @@ def _embed_reference(
         for text in probe.texts:
             full = (probe.prompt or "") + text
             enc = tokenizer(full, truncation=True, max_length=limit, return_tensors="pt")
+            if bidirectional:  # additive: zero everywhere, every token sees every token
+                n = enc["input_ids"].shape[1]
+                enc["attention_mask"] = torch.zeros(1, 1, n, n)
             with torch.inference_mode():
                 states = model(**enc)[0][0].float()
             rows.append(_pool(states, pooling).numpy())
@@ -448,6 +461,61 @@ def _embed_reference(
 
     name = f"transformers {type(model).__name__}, float32 on cpu"
     return Reference(name + _remote_code_note(path, trust), run_hf)
+
+
+@dataclass(frozen=True)
+class NativeReference:
+    """transformers' computation of a family whose Hub checkpoints run only their authors'
+    code (``auto_map``): the same math under a transformers class, which the reference runs
+    when that code is not run (no ``--trust-remote-code``)."""
+
+    description: str
+    load: Callable[[str, dict[str, Any]], Any]
+    """Loads the checkpoint directory (its ``config.json`` given) as that class, float32."""
+    bidirectional: bool = False
+    """Every token attends to every token of its text (an all-zero additive 4-D mask, eager
+    attention), where the class itself is a causal decoder."""
+
+
+_REMOTE_CONFIG_KEYS = ("model_type", "architectures", "auto_map", "transformers_version")
+
+
+def _as_config(model_type: str, config: dict[str, Any], **overrides: Any) -> Any:
+    """``config.json`` read as transformers' ``model_type`` config, the remote code's own
+    keys dropped."""
+    from transformers import AutoConfig
+
+    kept = {k: v for k, v in config.items() if k not in _REMOTE_CONFIG_KEYS}
+    return AutoConfig.for_model(model_type, **{**kept, **overrides})
+
+
+def _llama_bidirectional(path: str, config: dict[str, Any]) -> Any:
+    from transformers import LlamaModel
+
+    return LlamaModel.from_pretrained(
+        path,
+        config=_as_config("llama", config),
+        dtype=torch.float32,
+        attn_implementation="eager",
+    )
+
+
+NATIVE_REFERENCES: dict[str, NativeReference] = {
+    "llama_bidirec": NativeReference(
+        "transformers' LlamaModel attending bidirectionally (NVIDIA's LlamaBidirectionalModel "
+        "is a LlamaModel without the causal mask)",
+        _llama_bidirectional,
+        bidirectional=True,
+    ),
+}
+"""The declared reference per ``model_type`` of a family that transformers runs only under
+another class; looked up only when the checkpoint's own code is not run."""
+
+
+def _native_reference(config: dict[str, Any], trust: bool) -> NativeReference | None:
+    if trust and "auto_map" in config:
+        return None  # the authors' own code is the reference
+    return NATIVE_REFERENCES.get(str(config.get("model_type")))
 
 
 def _authors_special_tokens(tokenizer: Any, info: EngineInfo, notes: list[str]) -> None:

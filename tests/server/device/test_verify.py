@@ -142,6 +142,15 @@ def _instructor(path: Path) -> Path:
     )
 
 
+def _llama_bidirec(path: Path) -> Path:
+    """llama-nemotron-embed-1b-v2's Hub shape (as test_llama_bidirec builds it): NVIDIA's
+    remote-code config over a tiny Llama, mean pooled."""
+    from tests.server.device.test_llama_bidirec import HUB_CONFIG, LLAMA3_ROPE
+
+    llama = build_decoder(path / "llama", "llama", rope_parameters=LLAMA3_ROPE)
+    return rewrite_checkpoint(llama, path / "hub", config=HUB_CONFIG)
+
+
 def _cross_encoder(path: Path) -> Path:
     return save_cross_encoder(build_classifier(path, "xlm-roberta", 1))
 
@@ -171,6 +180,7 @@ CHECKPOINTS: dict[str, Row] = {
         for name in ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
     },
     **{name: Row(name, _calm_gemma(name)) for name in ("gemma", "gemma2")},
+    "llama_bidirec": Row("llama_bidirec", _llama_bidirec),
     "qwen3-causal-lm-st-last": Row(
         "qwen3",
         lambda p: add_sentence_transformers(
@@ -190,8 +200,6 @@ NOT_VERIFIED: dict[str, str] = {
     "new": "Alibaba's new-impl is the only code that runs model_type new; it is remote "
     "code on the Hub, which this offline suite cannot fetch (the same math as transformers' "
     "gte, which its row verifies)",
-    "llama_bidirec": "NVIDIA's LlamaBidirectionalModel is remote code on the Hub; "
-    "test_llama_bidirec checks it against transformers' LlamaModel given a bidirectional mask",
     "internlm2": "InternLM2 runs only as remote code on the Hub, and its checkpoints are "
     "reward models (task reward, which --verify does not verify); test_internlm2_reward "
     "checks them against transformers' LlamaModel with wqkv unpacked as the authors' code",
