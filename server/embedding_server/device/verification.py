@@ -500,12 +500,45 @@ def _llama_bidirectional(path: str, config: dict[str, Any]) -> Any:
     )
 
 
+def _gte_from_new(path: str, config: dict[str, Any]) -> Any:
+    """Alibaba's new-impl (``model_type: new``) as transformers' GteModel, whose weight names
+    it shares: only the rope keys differ. new-impl's fixed ``ntk`` scaling is, from the
+    first position, a base ``theta * factor`` with the frequencies divided by
+    ``factor ** (2 / head_dim)``: transformers' ``linear`` rope with those two numbers."""
+    from transformers import GteModel
+
+    theta = float(config.get("rope_theta", 10000.0))
+    scaling = config.get("rope_scaling") or {}
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    if scaling:
+        if scaling.get("type") != "ntk":
+            raise UnverifiableError(f"new rope_scaling {scaling!r} has no reference computation")
+        factor = float(scaling["factor"])
+        head_dim = int(config["hidden_size"]) // int(config["num_attention_heads"])
+        rope = {
+            "rope_type": "linear",
+            "factor": factor ** (2 / head_dim),
+            "rope_theta": theta * factor,
+        }
+    kept = {k: v for k, v in config.items() if k not in ("rope_theta", "rope_scaling")}
+    return GteModel.from_pretrained(
+        path,
+        config=_as_config("gte", kept, rope_parameters=rope),
+        dtype=torch.float32,
+        attn_implementation="eager",
+    )
+
+
 NATIVE_REFERENCES: dict[str, NativeReference] = {
     "llama_bidirec": NativeReference(
         "transformers' LlamaModel attending bidirectionally (NVIDIA's LlamaBidirectionalModel "
         "is a LlamaModel without the causal mask)",
         _llama_bidirectional,
         bidirectional=True,
+    ),
+    "new": NativeReference(
+        "transformers' GteModel, the same math as Alibaba's new-impl, its rope keys translated",
+        _gte_from_new,
     ),
 }
 """The declared reference per ``model_type`` of a family that transformers runs only under

@@ -170,6 +170,7 @@ CHECKPOINTS: dict[str, Row] = {
         "modernbert", lambda p: build_modernbert(p, "modernbert-mlm-legacy")
     ),
     "gte": Row("gte", lambda p: build_gte(p, "gte")),
+    **{name: Row("new", lambda p, v=name: build_gte(p, v)) for name in ("new", "new-ntk")},
     "mpnet-st-instructor": Row("mpnet", _instructor),
     "mpnet": Row("mpnet", build_mpnet),
     "deberta-v3": Row("deberta-v2", build_deberta),
@@ -197,9 +198,6 @@ CHECKPOINTS: dict[str, Row] = {
 }
 
 NOT_VERIFIED: dict[str, str] = {
-    "new": "Alibaba's new-impl is the only code that runs model_type new; it is remote "
-    "code on the Hub, which this offline suite cannot fetch (the same math as transformers' "
-    "gte, which its row verifies)",
     "internlm2": "InternLM2 runs only as remote code on the Hub, and its checkpoints are "
     "reward models (task reward, which --verify does not verify); test_internlm2_reward "
     "checks them against transformers' LlamaModel with wqkv unpacked as the authors' code",
