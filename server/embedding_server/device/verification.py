@@ -44,6 +44,7 @@ from embedding_server.serving import ServingEngine
 from embedding_server.settings import EngineSettings
 from embedding_server.tokenization import Truncation
 
+from .instructions import GRITLM, InstructionFormat
 from .loading import locate_model
 
 ProbeKind = Literal["short", "long", "multilingual", "instruction", "truncated"]
@@ -85,6 +86,9 @@ PARAGRAPH = (
 INSTRUCTION = "Instruct: Given a web search query, retrieve relevant passages\nQuery: "
 """The instruction prefixed to the ``instruction`` probes of a checkpoint that declares no
 prompts (e5-mistral's and gte-Qwen2's form)."""
+INSTRUCTION_TASK = "Given a web search query, retrieve relevant passages"
+"""The instruction of the ``instruction`` probes of a family whose texts carry it in its own
+template (GritLM's ``<|user|>\n{instruction}\n<|embed|>\n``)."""
 QUERIES = ("what is a fox?", "where do cats sleep?", "Wie hoch ist der Mount Everest?")
 DOCUMENTS = (
     "The fox is a small omnivorous mammal.",
@@ -157,6 +161,9 @@ class Probe:
     prompt_name: str | None = None
     prompt: str | None = None
     note: str = ""
+    prefixes: list[str] | None = None
+    """Per text, the instruction template in front of it that the family's pooling leaves
+    out (its authors' ``instruction`` argument); the texts sent hold it already."""
 
 
 def default_threshold(settings: EngineSettings, info: EngineInfo, metric: Metric) -> float:
@@ -178,8 +185,9 @@ def verify(
     info = engine.info()
     _check_verifiable(info)
     path = _reference_files(settings)
+    native = _native_reference(_config(path), settings.trust_remote_code)
     if info.backend == "native":
-        _check_family(path, info)
+        _check_family(path, info, native)
     limit = min(info.max_input_tokens, PROBE_MAX_TOKENS)
     served = f"{info.backend}, {info.dtype} on {info.device}, attention {info.attention}"
     if settings.quantization != "none":
@@ -193,7 +201,8 @@ def verify(
     else:
         reference = _score_reference(path, info, limit, trust)
     rows: list[KindResult] = []
-    for probe in _probes(engine, info, limit):
+    template = native.instruction if native is not None else None
+    for probe in _probes(engine, info, limit, template):
         ours = _served(engine, info, probe, limit)
         theirs = reference.run(probe)
         if metric == "cosine":
@@ -239,13 +248,14 @@ def _check_verifiable(info: EngineInfo) -> None:
         )
 
 
-def _check_family(path: str, info: EngineInfo) -> None:
+def _check_family(path: str, info: EngineInfo, native: NativeReference | None) -> None:
     """Refuse a native family whose authors' computation is neither sentence-transformers'
-    nor transformers': compared with those, it would fail for being right."""
+    nor transformers' (nor declared in :data:`NATIVE_REFERENCES`): compared with those, it
+    would fail for being right."""
     from .models import lookup
 
     instruction = getattr(lookup(_config(path)), "instruction", None)
-    if instruction is not None:
+    if instruction is not None and (native is None or native.instruction != instruction):
         raise UnverifiableError(
             f"{info.architecture} pools only the tokens after its {instruction.name} "
             "instruction template, as its authors' own package computes it; neither "
@@ -273,7 +283,12 @@ def _long(engine: ServingEngine, tokens: int) -> str:
     return " ".join(words[:low])
 
 
-def _probes(engine: ServingEngine, info: EngineInfo, limit: int) -> list[Probe]:
+def _probes(
+    engine: ServingEngine,
+    info: EngineInfo,
+    limit: int,
+    template: InstructionFormat | None = None,
+) -> list[Probe]:
     long_text = _long(engine, max(1, (limit * 3) // 4))
     over = _fill(engine, limit * 2)
     clipped = f"clipped at {limit} tokens"
@@ -298,7 +313,25 @@ def _probes(engine: ServingEngine, info: EngineInfo, limit: int) -> list[Probe]:
             note = "no prompts declared: an 'Instruct: ...' prefix"
             probes.append(Probe("instruction", list(QUERIES), prompt=INSTRUCTION, note=note))
     probes.append(Probe("truncated", [over], note=clipped))
+    if template is not None and info.task == "embed":
+        return [_templated(probe, template) for probe in probes]
     return probes
+
+
+def _templated(probe: Probe, template: InstructionFormat) -> Probe:
+    """``probe`` as a family whose texts carry its instruction template sends it: the
+    instruction probe with :data:`INSTRUCTION_TASK`, the others with the template alone."""
+    task = INSTRUCTION_TASK if probe.kind == "instruction" else ""
+    prefix = template.example(task, "")
+    note = f"{template.name}'s template" + (f", {probe.note}" if probe.note else "")
+    if probe.kind == "instruction":
+        note = f"{template.name}'s template with an instruction"
+    return Probe(
+        probe.kind,
+        [template.example(task, text) for text in probe.texts],
+        note=note,
+        prefixes=[prefix] * len(probe.texts),
+    )
 
 
 # -- our side ---------------------------------------------------------------------------------
@@ -387,7 +420,11 @@ def _embed_reference(
     notes: list[str],
 ) -> Reference:
     dims = info.dimensions
-    if _has_sentence_transformers(path):
+    config = _config(path)
+    builder = _native_reference(config, trust)
+    if builder is not None:
+        _check_pipeline_is_pooling_only(path)
+    elif _has_sentence_transformers(path):
         from sentence_transformers import SentenceTransformer
 
         try:
@@ -426,8 +463,6 @@ def _embed_reference(
     from transformers import AutoModel, AutoTokenizer
 
     pooling = settings.pooling if settings.pooling != "auto" else info.pooling
-    config = _config(path)
-    builder = _native_reference(config, trust)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
         if builder is not None:
@@ -448,15 +483,16 @@ def _embed_reference(
 
     def run_hf(probe: Probe) -> FloatArray:
         rows = []
-        for text in probe.texts:
+        for i, text in enumerate(probe.texts):
             full = (probe.prompt or "") + text
             enc = tokenizer(full, truncation=True, max_length=limit, return_tensors="pt")
+            skip = len(tokenizer(probe.prefixes[i])["input_ids"]) if probe.prefixes else 0
             if bidirectional:  # additive: zero everywhere, every token sees every token
                 n = enc["input_ids"].shape[1]
                 enc["attention_mask"] = torch.zeros(1, 1, n, n)
             with torch.inference_mode():
                 states = model(**enc)[0][0].float()
-            rows.append(_pool(states, pooling).numpy())
+            rows.append(_pool(states[skip:], pooling).numpy())
         return _first(np.stack(rows).astype(np.float64), dims)
 
     name = f"transformers {type(model).__name__}, float32 on cpu"
@@ -475,6 +511,9 @@ class NativeReference:
     bidirectional: bool = False
     """Every token attends to every token of its text (an all-zero additive 4-D mask, eager
     attention), where the class itself is a causal decoder."""
+    instruction: InstructionFormat | None = None
+    """The template the family's texts carry their instruction in, which its authors leave
+    out of the pooling (BOS and the template's tokens): the probes are sent in it."""
 
 
 _REMOTE_CONFIG_KEYS = ("model_type", "architectures", "auto_map", "transformers_version")
@@ -495,6 +534,19 @@ def _llama_bidirectional(path: str, config: dict[str, Any]) -> Any:
     return LlamaModel.from_pretrained(
         path,
         config=_as_config("llama", config),
+        dtype=torch.float32,
+        attn_implementation="eager",
+    )
+
+
+def _gritlm(path: str, config: dict[str, Any]) -> Any:
+    """GritLM's embedding mode: its authors run the Mistral body with ``is_causal=False``
+    and no sliding window."""
+    from transformers import MistralModel
+
+    return MistralModel.from_pretrained(
+        path,
+        config=_as_config("mistral", config, is_causal=False, sliding_window=None),
         dtype=torch.float32,
         attn_implementation="eager",
     )
@@ -540,15 +592,48 @@ NATIVE_REFERENCES: dict[str, NativeReference] = {
         "transformers' GteModel, the same math as Alibaba's new-impl, its rope keys translated",
         _gte_from_new,
     ),
+    "GritLM": NativeReference(
+        "transformers' MistralModel attending bidirectionally without a sliding window, "
+        "mean-pooled over the tokens after BOS and the instruction template, as GritLM's "
+        "own gritlm package computes it",
+        _gritlm,
+        bidirectional=True,
+        instruction=GRITLM,
+    ),
 }
-"""The declared reference per ``model_type`` of a family that transformers runs only under
-another class; looked up only when the checkpoint's own code is not run."""
+"""The declared reference per architecture name or ``model_type`` (the name first) of a
+family that transformers runs only under another class, or whose authors pool in a way
+neither sentence-transformers nor transformers does; looked up only when the checkpoint's
+own code is not run."""
 
 
 def _native_reference(config: dict[str, Any], trust: bool) -> NativeReference | None:
     if trust and "auto_map" in config:
         return None  # the authors' own code is the reference
-    return NATIVE_REFERENCES.get(str(config.get("model_type")))
+    for name in (*(config.get("architectures") or ()), config.get("model_type")):
+        if str(name) in NATIVE_REFERENCES:
+            return NATIVE_REFERENCES[str(name)]
+    return None
+
+
+_POOLING_ONLY = ("Transformer", "Pooling", "Normalize")
+"""sentence-transformers modules whose computation a declared reference makes as well (the
+body, the declared pooling; normalization does not change a cosine)."""
+
+
+def _check_pipeline_is_pooling_only(path: str) -> None:
+    """A declared reference is the body and its pooling: a pipeline that adds more (a Dense
+    layer) cannot be compared with it."""
+    if not _has_sentence_transformers(path):
+        return
+    with open(os.path.join(path, "modules.json"), encoding="utf-8") as file:
+        modules = json.load(file)
+    extra = [m["type"] for m in modules if not str(m["type"]).endswith(_POOLING_ONLY)]
+    if extra:
+        raise UnverifiableError(
+            f"the sentence-transformers pipeline adds {', '.join(extra)} after the body, which "
+            "needs the checkpoint's own code to load (pass --trust-remote-code if you trust it)"
+        )
 
 
 def _authors_special_tokens(tokenizer: Any, info: EngineInfo, notes: list[str]) -> None:

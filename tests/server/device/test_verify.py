@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -72,6 +73,8 @@ class Row(NamedTuple):
     build: Builder
     """Writes the checkpoint under the given directory; returns the directory to serve."""
     task: str = "embed"
+    architecture: str | None = None
+    """The registry's architecture-named entry (``NAMED``) the checkpoint is served by."""
 
 
 def _roberta(path: Path) -> Path:
@@ -151,6 +154,12 @@ def _llama_bidirec(path: Path) -> Path:
     return rewrite_checkpoint(llama, path / "hub", config=HUB_CONFIG)
 
 
+def _gritlm(path: Path) -> Path:
+    from tests.support.gritlm import build_gritlm
+
+    return build_gritlm(path)[0]
+
+
 def _cross_encoder(path: Path) -> Path:
     return save_cross_encoder(build_classifier(path, "xlm-roberta", 1))
 
@@ -182,6 +191,8 @@ CHECKPOINTS: dict[str, Row] = {
     },
     **{name: Row(name, _calm_gemma(name)) for name in ("gemma", "gemma2")},
     "llama_bidirec": Row("llama_bidirec", _llama_bidirec),
+    # Routed by its architecture name; its probes carry GritLM's instruction template.
+    "gritlm": Row("mistral", _gritlm, architecture="GritLM"),
     "qwen3-causal-lm-st-last": Row(
         "qwen3",
         lambda p: add_sentence_transformers(
@@ -218,11 +229,7 @@ def verify_model(settings: EngineSettings) -> Verification:
         engine.close()
 
 
-NOT_VERIFIED_NAMED: dict[tuple[str, str], str] = {
-    ("mistral", "GritLM"): "its authors' gritlm package pools the tokens after the "
-    "instruction; --verify exits 3 for it (tested below); test_gritlm checks it against "
-    "that code",
-}
+NOT_VERIFIED_NAMED: dict[tuple[str, str], str] = {}
 """Registry entries chosen by ``architectures`` name (``NAMED``) that are not verified."""
 
 
@@ -234,7 +241,8 @@ def test_every_native_model_type_has_a_checkpoint_to_verify_or_a_reason() -> Non
     stale = sorted(set(NOT_VERIFIED) & covered)
     assert not stale, f"excluded yet verified: {stale}"
     assert set(NOT_VERIFIED) <= set(ARCHITECTURES)
-    named = sorted(set(NAMED) - set(NOT_VERIFIED_NAMED))
+    named_rows = {(row.model_type, row.architecture) for row in CHECKPOINTS.values()}
+    named = sorted(set(NAMED) - set(NOT_VERIFIED_NAMED) - named_rows)
     assert not named, f"architecture-named entries with no checkpoint to verify: {named}"
 
 
@@ -259,7 +267,10 @@ def test_every_native_family_passes_verification(
 ) -> None:
     row = CHECKPOINTS[name]
     settings = EngineSettings(model=str(built(name)), dtype=dtype, device="cpu")
-    assert inspect_model(settings).info.model_type == row.model_type
+    info = inspect_model(settings).info
+    assert info.model_type == row.model_type
+    if row.architecture is not None:
+        assert info.architecture == row.architecture
     result = verify_model(settings)
     kinds = {r.kind for r in result.rows}
     expected = {"short", "long", "multilingual", "truncated"}
@@ -421,11 +432,6 @@ def test_what_cannot_be_verified_exits_3_and_says_why(
     assert code == EXIT_UNVERIFIABLE
     assert "cannot verify" in captured.err and "image" in captured.err
     assert "verification passed" not in captured.out
-    from tests.support.gritlm import build_gritlm
-
-    gritlm, _ = build_gritlm(tmp_path / "gritlm")
-    with pytest.raises(UnverifiableError, match="GritLM pools only the tokens after"):
-        verify_model(EngineSettings(model=str(gritlm), device="cpu"))
     with pytest.raises(UnverifiableError, match="yes/no rerankers are not verified"):
         verify_model(EngineSettings(model=str(_yes_no_reranker(tmp_path / "yn")), task="score"))
     with pytest.raises(UnverifiableError, match="task sparse is not verified"):
@@ -477,3 +483,22 @@ def test_a_hub_model_is_verified_from_the_snapshot_the_server_served(
     assert result.passed, result.rows
     assert result.reference.startswith("sentence-transformers SentenceTransformer")
     assert ("snapshot", list(REFERENCE_FILES)) in hub.calls
+
+
+def test_a_declared_reference_refuses_a_pipeline_it_does_not_compute(tmp_path: Path) -> None:
+    """A family whose code is not run is compared with its declared reference, the body and
+    its pooling: a sentence-transformers Dense layer over it would be compared with vectors
+    that lack it, so it exits 3 rather than failing (or passing) by that."""
+    from tests.support.gte import GTE_VARIANTS
+
+    pipeline = add_sentence_transformers(build_gte(tmp_path / "gte", "gte"), pooling="cls")
+    plain = rewrite_checkpoint(pipeline, tmp_path / "new", config=GTE_VARIANTS["new"].hub)
+    assert verify_model(EngineSettings(model=str(plain), dtype="float32", device="cpu")).passed
+    dense = add_sentence_transformers(
+        build_gte(tmp_path / "gte-dense", "gte"), pooling="cls", dense_out=16
+    )
+    path = rewrite_checkpoint(dense, tmp_path / "new-dense", config=GTE_VARIANTS["new"].hub)
+    for layer in dense.glob("*_Dense/model.safetensors"):  # the copy leaves weights behind
+        shutil.copy(layer, path / layer.parent.name / layer.name)
+    with pytest.raises(UnverifiableError, match="pipeline adds .*Dense"):
+        verify_model(EngineSettings(model=str(path), dtype="float32", device="cpu"))
