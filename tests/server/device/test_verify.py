@@ -500,5 +500,5 @@ def test_a_declared_reference_refuses_a_pipeline_it_does_not_compute(tmp_path: P
     path = rewrite_checkpoint(dense, tmp_path / "new-dense", config=GTE_VARIANTS["new"].hub)
     for layer in dense.glob("*_Dense/model.safetensors"):  # the copy leaves weights behind
         shutil.copy(layer, path / layer.parent.name / layer.name)
-    with pytest.raises(UnverifiableError, match="pipeline adds .*Dense"):
+    with pytest.raises(UnverifiableError, match=r"pipeline adds .*Dense"):
         verify_model(EngineSettings(model=str(path), dtype="float32", device="cpu"))
