@@ -188,6 +188,14 @@ def verify(
     native = _native_reference(_config(path), settings.trust_remote_code)
     if info.backend == "native":
         _check_family(path, info, native)
+    notes: list[str] = []
+    if "image" in info.modalities:
+        if native is None or native.text_features is None:
+            raise UnverifiableError(
+                f"{info.architecture} embeds images: image towers (and their text towers) "
+                "are not verified yet"
+            )
+        notes.append("images are not verified: only the text tower's vectors are compared")
     limit = min(info.max_input_tokens, PROBE_MAX_TOKENS)
     served = f"{info.backend}, {info.dtype} on {info.device}, attention {info.attention}"
     if settings.quantization != "none":
@@ -195,7 +203,6 @@ def verify(
     metric: Metric = "cosine" if info.task == "embed" else "abs_diff"
     bar = threshold if threshold is not None else default_threshold(settings, info, metric)
     trust = settings.trust_remote_code
-    notes: list[str] = []
     if info.task == "embed":
         reference = _embed_reference(path, info, settings, limit, trust, notes)
     else:
@@ -218,11 +225,6 @@ def verify(
 def _check_verifiable(info: EngineInfo) -> None:
     if info.backend == "fake":
         raise UnverifiableError("the fake backend has no weights: there is nothing to verify")
-    if "image" in info.modalities:
-        raise UnverifiableError(
-            f"{info.architecture} embeds images: image towers (and their text towers) are "
-            "not verified yet"
-        )
     if info.adapters:
         raise UnverifiableError(
             f"{info.architecture} chooses task LoRA adapters per request "
@@ -475,11 +477,15 @@ def _embed_reference(
         raise _load_failure(error, trust) from error
     model.float()
     bidirectional = builder is not None and builder.bidirectional
+    features = builder.text_features if builder is not None else None
     if builder is not None:
         notes.append(f"the reference is {builder.description}")
     _authors_special_tokens(tokenizer, info, notes)
     source = "--pooling" if settings.pooling != "auto" else "as the checkpoint declares"
-    notes.append(f"the reference pools {pooling} ({source}): no sentence-transformers pooling")
+    if features is None:
+        notes.append(
+            f"the reference pools {pooling} ({source}): no sentence-transformers pooling"
+        )
 
     def run_hf(probe: Probe) -> FloatArray:
         rows = []
@@ -491,6 +497,9 @@ def _embed_reference(
                 n = enc["input_ids"].shape[1]
                 enc["attention_mask"] = torch.zeros(1, 1, n, n)
             with torch.inference_mode():
+                if features is not None:
+                    rows.append(features(model, enc["input_ids"]).float().numpy())
+                    continue
                 states = model(**enc)[0][0].float()
             rows.append(_pool(states[skip:], pooling).numpy())
         return _first(np.stack(rows).astype(np.float64), dims)
@@ -514,6 +523,9 @@ class NativeReference:
     instruction: InstructionFormat | None = None
     """The template the family's texts carry their instruction in, which its authors leave
     out of the pooling (BOS and the template's tokens): the probes are sent in it."""
+    text_features: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
+    """A dual encoder's text vector from ``(model, input_ids [1, n])``, its projection
+    included, in place of pooling token states; the text side of an image model."""
 
 
 _REMOTE_CONFIG_KEYS = ("model_type", "architectures", "auto_map", "transformers_version")
@@ -537,6 +549,27 @@ def _llama_bidirectional(path: str, config: dict[str, Any]) -> Any:
         dtype=torch.float32,
         attn_implementation="eager",
     )
+
+
+def _auto_model(path: str, config: dict[str, Any]) -> Any:
+    from transformers import AutoModel
+
+    return AutoModel.from_pretrained(path, dtype=torch.float32)
+
+
+def _clip_text(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    """CLIP's ``get_text_features``: the projected state at the end-of-text token."""
+    return model.get_text_features(input_ids=ids).pooler_output[0]  # type: ignore[no-any-return]
+
+
+def _siglip_text(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    """SigLIP's ``get_text_features`` on the text padded to ``max_length`` with the pad id
+    and no attention mask, as its processor is documented to be called and as it was
+    trained (the tower pads itself)."""
+    text = model.config.text_config
+    pad = torch.full((1, text.max_position_embeddings - ids.shape[1]), text.pad_token_id)
+    padded = torch.cat([ids, pad.to(ids.dtype)], dim=1)
+    return model.get_text_features(input_ids=padded).pooler_output[0]  # type: ignore[no-any-return]
 
 
 def _gritlm(path: str, config: dict[str, Any]) -> Any:
@@ -600,6 +633,20 @@ NATIVE_REFERENCES: dict[str, NativeReference] = {
         bidirectional=True,
         instruction=GRITLM,
     ),
+    "clip": NativeReference(
+        "transformers' CLIPModel.get_text_features (the text tower)",
+        _auto_model,
+        text_features=_clip_text,
+    ),
+    **{
+        name: NativeReference(
+            f"transformers' {cls}.get_text_features (the text tower), the text padded to "
+            "max_length without a mask",
+            _auto_model,
+            text_features=_siglip_text,
+        )
+        for name, cls in (("siglip", "SiglipModel"), ("siglip2", "Siglip2Model"))
+    },
 }
 """The declared reference per architecture name or ``model_type`` (the name first) of a
 family that transformers runs only under another class, or whose authors pool in a way
