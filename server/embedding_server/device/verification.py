@@ -483,9 +483,7 @@ def _embed_reference(
     _authors_special_tokens(tokenizer, info, notes)
     source = "--pooling" if settings.pooling != "auto" else "as the checkpoint declares"
     if features is None:
-        notes.append(
-            f"the reference pools {pooling} ({source}): no sentence-transformers pooling"
-        )
+        notes.append(f"the reference pools {pooling} ({source}): no sentence-transformers pooling")
 
     def run_hf(probe: Probe) -> FloatArray:
         rows = []
