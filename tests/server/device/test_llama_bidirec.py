@@ -23,27 +23,10 @@ from embedding_server.errors import UnsupportedModelError
 from transformers import AutoModel
 
 from tests.support.attention import assert_rows_close
+from tests.support.llama_bidirec import EMBED_CONFIG, LLAMA3_ROPE
 from tests.support.models import build_decoder, rewrite_checkpoint
 
 F32_COSINE, BF16_COSINE = 0.99999, 0.999
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "rope_theta": 500000.0,
-    "factor": 4.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 32,
-}
-HUB_CONFIG = {
-    "model_type": "llama_bidirec",
-    "architectures": ["LlamaBidirectionalModel"],
-    "auto_map": {
-        "AutoConfig": "llama_bidirectional_model.LlamaBidirectionalConfig",
-        "AutoModel": "llama_bidirectional_model.LlamaBidirectionalModel",
-    },
-    "pooling": "avg",
-    "temperature": 1.0,
-}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +38,9 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def nemotron(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return rewrite_checkpoint(llama, tmp_path_factory.mktemp("nemotron") / "hub", config=HUB_CONFIG)
+    return rewrite_checkpoint(
+        llama, tmp_path_factory.mktemp("nemotron") / "hub", config=EMBED_CONFIG
+    )
 
 
 def _reference(

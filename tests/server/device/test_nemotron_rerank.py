@@ -28,30 +28,15 @@ from embedding_server.settings import ServerSettings
 from transformers import AutoModel, AutoTokenizer
 
 from tests.support.api import running_server
+from tests.support.llama_bidirec import LLAMA3_ROPE, hub_config
 from tests.support.models import build_decoder, rewrite_checkpoint
 
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "rope_theta": 500000.0,
-    "factor": 4.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 32,
-}
-HUB_CONFIG = {
-    "model_type": "llama_bidirec",
-    "architectures": ["LlamaBidirectionalForSequenceClassification"],
-    "auto_map": {
-        "AutoConfig": "llama_bidirectional_model.LlamaBidirectionalConfig",
-        "AutoModelForSequenceClassification": (
-            "llama_bidirectional_model.LlamaBidirectionalForSequenceClassification"
-        ),
-    },
-    "pooling": "avg",
-    "temperature": 1.0,
-    "id2label": {"0": "LABEL_0"},
-    "label2id": {"LABEL_0": 0},
-}
+HUB_CONFIG = hub_config(
+    "LlamaBidirectionalForSequenceClassification",
+    "AutoModelForSequenceClassification",
+    id2label={"0": "LABEL_0"},
+    label2id={"LABEL_0": 0},
+)
 QUERY = "how much protein should a female eat?"
 DOCUMENTS = [
     "As a general guideline, the CDC's average requirement of protein for women is 46 grams.",

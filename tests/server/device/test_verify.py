@@ -147,12 +147,12 @@ def _instructor(path: Path) -> Path:
 
 
 def _llama_bidirec(path: Path) -> Path:
-    """llama-nemotron-embed-1b-v2's Hub shape (as test_llama_bidirec builds it): NVIDIA's
+    """llama-nemotron-embed-1b-v2's Hub shape (tests/support/llama_bidirec.py): NVIDIA's
     remote-code config over a tiny Llama, mean pooled."""
-    from tests.server.device.test_llama_bidirec import HUB_CONFIG, LLAMA3_ROPE
+    from tests.support.llama_bidirec import EMBED_CONFIG, LLAMA3_ROPE
 
     llama = build_decoder(path / "llama", "llama", rope_parameters=LLAMA3_ROPE)
-    return rewrite_checkpoint(llama, path / "hub", config=HUB_CONFIG)
+    return rewrite_checkpoint(llama, path / "hub", config=EMBED_CONFIG)
 
 
 def _gritlm(path: Path) -> Path:
