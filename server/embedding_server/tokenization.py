@@ -55,6 +55,7 @@ from .errors import (
     TooManyTokensError,
     UnsettledInputError,
 )
+from .special_tokens import affixes
 
 if TYPE_CHECKING:
     from .heads import SegmentedPairTemplate
@@ -987,17 +988,12 @@ def _settled_tokens(word_ids: Sequence[int | None], *, from_end: bool) -> int:
 
 
 def _special_affixes(tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
-    """The special tokens the post-processor puts before and after a single sequence.
-
-    Found by tokenizing a probe with and without special tokens; this covers BERT
-    ([CLS] x [SEP]), RoBERTa (<s> x </s>), Llama (<s> x) and Qwen (x or x <|endoftext|>).
-    """
-    probe = "hello world"
-    plain = tokenizer.encode(probe, add_special_tokens=False).ids
-    full = tokenizer.encode(probe, add_special_tokens=True).ids
-    for start in range(len(full) - len(plain) + 1):
-        if full[start : start + len(plain)] == plain:
-            return full[:start], full[start + len(plain) :]
+    """The special tokens the post-processor puts before and after a single sequence
+    (:func:`~embedding_server.special_tokens.affixes`: BERT's [CLS] x [SEP], RoBERTa's
+    <s> x </s>, Llama's <s> x, Qwen's x or x <|endoftext|>)."""
+    found = affixes(tokenizer)
+    if found is not None:
+        return found
     logger.warning(
         "could not locate the special-token template of the tokenizer; inputs get no special tokens"
     )
