@@ -726,3 +726,25 @@ def test_the_operator_image_holds_every_package_the_operator_imports() -> None:
                 if not owners & pins.keys():
                     missing[top] = str(path.relative_to(ROOT))
     assert not missing, f"imported by the operator, not in images/operator.lock: {missing}"
+
+
+def test_a_dockerd_slow_to_answer_its_first_probe_is_waited_for_not_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """dockerd opens its socket before it can answer; a probe that times out is "not yet".
+
+    CI once failed every e2e test because the first `docker version` waited past 10 s."""
+    from e2e.harness.images import dockerd
+
+    marker = tmp_path / "answered-once"
+    client = tmp_path / "docker"
+    client.write_text(
+        "#!/bin/sh\n"
+        f'if [ ! -e "{marker}" ]; then touch "{marker}"; sleep 5; exit 1; fi\n'
+        "echo 27.5.1\n"
+    )
+    client.chmod(0o755)
+    monkeypatch.setattr(dockerd, "DOCKERD_PROBE_TIMEOUT_S", 0.5)
+    docker = dockerd.Docker(str(client), tmp_path / "docker.sock")
+    assert dockerd._server_version(docker) is None
+    assert dockerd._server_version(docker) == "27.5.1"

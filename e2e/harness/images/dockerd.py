@@ -28,7 +28,8 @@ log = logging.getLogger("e2e.images")
 DOCKER_CANDIDATES = ("/usr/bin/docker",)
 DOCKERD_CANDIDATES = ("/usr/sbin/dockerd", "/usr/bin/dockerd")
 
-DOCKERD_READY_TIMEOUT_S = 60.0
+DOCKERD_READY_TIMEOUT_S = 180.0
+DOCKERD_PROBE_TIMEOUT_S = 15.0
 DOCKERD_STOP_GRACE_S = 20.0
 
 
@@ -75,6 +76,27 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _server_version(docker: Docker) -> str | None:
+    """The daemon's version, or None while it does not answer yet.
+
+    dockerd opens its socket before it has loaded its data root, and a request sent then waits
+    until it has: on a loaded CI machine with a warm data root that took over 10 s, so a probe
+    that times out means "not yet", like one that fails, until the readiness deadline."""
+    try:
+        probe = subprocess.run(
+            docker.argv("version", "--format", "{{.Server.Version}}"),
+            capture_output=True,
+            text=True,
+            env=docker.env,
+            timeout=DOCKERD_PROBE_TIMEOUT_S,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        log.info("[images] dockerd has not answered within %.0fs yet", DOCKERD_PROBE_TIMEOUT_S)
+        return None
+    return probe.stdout.strip() if probe.returncode == 0 else None
 
 
 @contextlib.contextmanager
@@ -128,19 +150,10 @@ def private_dockerd(cache: Path | None = None) -> Iterator[Docker]:
                 tail = log_path.read_text(errors="replace")[-3000:]
                 raise ImageError(f"dockerd exited with {proc.returncode}:\n{tail}")
             if socket.exists():
-                probe = subprocess.run(
-                    docker.argv("version", "--format", "{{.Server.Version}}"),
-                    capture_output=True,
-                    text=True,
-                    env=docker.env,
-                    timeout=10,
-                    check=False,
-                )
-                if probe.returncode == 0:
+                version = _server_version(docker)
+                if version is not None:
                     log.info(
-                        "[images] dockerd %s ready in %.1fs",
-                        probe.stdout.strip(),
-                        time.monotonic() - started,
+                        "[images] dockerd %s ready in %.1fs", version, time.monotonic() - started
                     )
                     break
             if time.monotonic() > deadline:
