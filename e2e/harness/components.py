@@ -18,16 +18,17 @@ from __future__ import annotations
 import json
 import logging
 import os
+import ssl
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 import yaml
 
 from e2e.harness import node
-from e2e.harness.pki import FRONT_PROXY_CLIENT, SERVICE_IP, KeyPair
+from e2e.harness.pki import FRONT_PROXY_CLIENT, SERVICE_IP, KeyPair, Pki
 from e2e.harness.probes import AdminApi, http_get, resolve_a
 from e2e.harness.proc import ClusterError, Process, poll_until
 
@@ -45,16 +46,15 @@ KEDA_NAMESPACE = "keda"
 KEDA_METRICS_SERVICE = "keda-metrics-apiserver"
 
 
+@dataclass(frozen=True)
 class Launcher:
     """What the components of one cluster share: their log directory, whether they outlive
     this Python process (``detached``), and the callback that records each spawned process."""
 
-    def __init__(
-        self, log_dir: Path, *, detached: bool, on_spawn: Callable[[Process], None]
-    ) -> None:
-        self.log_dir = log_dir
-        self.detached = detached
-        self.on_spawn = on_spawn
+    log_dir: Path
+    _: KW_ONLY
+    detached: bool
+    on_spawn: Callable[[Process], None]
 
     def spawn(
         self, name: str, argv: Sequence[str], *, env: Mapping[str, str] | None = None
@@ -92,15 +92,21 @@ class Teardown:
     kube_proxy: Path | None
 
 
+# Every component is a dataclass of its own arguments: the launcher first, then its positional
+# arguments, then (keyword-only, after ``KW_ONLY``) its ports and files, and ``timeout``, the
+# deadline of its readiness wait. ``eq=False``: a component is itself, never equal to another
+# one with the same arguments (``Cluster.components.remove`` relies on it).
+
+
+@dataclass(eq=False)
 class Component:
     """One control-plane process: ``start()`` / ``stop()`` / ``healthy()``."""
 
     name: ClassVar[str]
 
-    def __init__(self, launcher: Launcher, *, timeout: float) -> None:
-        self.launcher = launcher
-        self.timeout = timeout
-        self.process: Process | None = None
+    launcher: Launcher
+    timeout: float = field(kw_only=True)
+    process: Process | None = field(default=None, init=False, repr=False)
 
     def argv(self) -> list[str]:
         raise NotImplementedError
@@ -145,26 +151,25 @@ class Component:
         return []
 
 
+@dataclass(eq=False)
 class Etcd(Component):
     """``--unsafe-no-fsync``: a test cluster needs no durability. Ready: ``GET /health``."""
 
     name = "etcd"
 
-    def __init__(
-        self,
-        launcher: Launcher,
-        binary: Path,
-        data_dir: Path,
-        *,
-        client_port: int,
-        peer_port: int,
-        timeout: float,
-    ) -> None:
-        super().__init__(launcher, timeout=timeout)
-        self.binary = binary
-        self.data_dir = data_dir
-        self.client_url = f"http://127.0.0.1:{client_port}"
-        self.peer_url = f"http://127.0.0.1:{peer_port}"
+    binary: Path
+    data_dir: Path
+    _: KW_ONLY
+    client_port: int
+    peer_port: int
+
+    @property
+    def client_url(self) -> str:
+        return f"http://127.0.0.1:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self.peer_port}"
 
     def argv(self) -> list[str]:
         return [
@@ -186,6 +191,7 @@ class Etcd(Component):
         return body is not None and json.loads(body).get("health") == "true"
 
 
+@dataclass(eq=False)
 class APIServer(Component):
     """TLS, Node+RBAC authorization, the default admission plugins (ServiceAccount included), a
     ServiceAccount signing key (so the TokenRequest API issues real tokens), and the
@@ -193,24 +199,16 @@ class APIServer(Component):
 
     name = "kube-apiserver"
 
-    def __init__(
-        self,
-        launcher: Launcher,
-        binary: Path,
-        api: AdminApi,
-        *,
-        etcd_url: str,
-        port: int,
-        service_cidr: str,
-        timeout: float,
-    ) -> None:
-        super().__init__(launcher, timeout=timeout)
-        self.binary = binary
-        self.api = api
-        self.etcd_url = etcd_url
-        self.port = port
-        self.service_cidr = service_cidr
-        self._context = api.ssl_context(client_cert=True)
+    binary: Path
+    api: AdminApi
+    _: KW_ONLY
+    etcd_url: str
+    port: int
+    service_cidr: str
+    _context: ssl.SSLContext = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._context = self.api.ssl_context(client_cert=True)
 
     def argv(self) -> list[str]:
         pki = self.api.pki
@@ -248,28 +246,29 @@ class APIServer(Component):
         return http_get(f"{self.api.server}/readyz", self._context) == "ok"
 
 
+@dataclass(eq=False)
 class SecureComponent(Component):
     """A control-plane component that authenticates to the apiserver with its own client cert
-    and serves ``/healthz`` over TLS on 127.0.0.1 with a cert of the cluster CA."""
+    and serves ``/healthz`` over TLS on 127.0.0.1 with a cert of the cluster CA (``serving``,
+    each subclass's own)."""
 
-    def __init__(
-        self,
-        launcher: Launcher,
-        binary: Path,
-        api: AdminApi,
-        *,
-        kubeconfig: Path,
-        port: int,
-        serving: KeyPair,
-        timeout: float,
-    ) -> None:
-        super().__init__(launcher, timeout=timeout)
-        self.binary = binary
-        self.pki = api.pki
-        self.kubeconfig = kubeconfig
-        self.port = port
-        self.serving = serving
-        self._context = api.ssl_context(client_cert=False)
+    binary: Path
+    api: AdminApi
+    _: KW_ONLY
+    kubeconfig: Path
+    port: int
+    _context: ssl.SSLContext = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._context = self.api.ssl_context(client_cert=False)
+
+    @property
+    def pki(self) -> Pki:
+        return self.api.pki
+
+    @property
+    def serving(self) -> KeyPair:
+        raise NotImplementedError
 
     def extra_args(self) -> list[str]:
         return []
@@ -293,35 +292,20 @@ class SecureComponent(Component):
         return http_get(f"https://127.0.0.1:{self.port}/healthz", self._context) == "ok"
 
 
+@dataclass(eq=False)
 class ControllerManager(SecureComponent):
     """Every controller authenticating as its own ServiceAccount
     (``--use-service-account-credentials``), as on kubeadm clusters; short HPA sync period."""
 
     name = "kube-controller-manager"
 
-    def __init__(
-        self,
-        launcher: Launcher,
-        binary: Path,
-        api: AdminApi,
-        *,
-        kubeconfig: Path,
-        port: int,
-        service_cidr: str,
-        hpa_sync_period: str,
-        timeout: float,
-    ) -> None:
-        super().__init__(
-            launcher,
-            binary,
-            api,
-            kubeconfig=kubeconfig,
-            port=port,
-            serving=api.pki.controller_manager_serving,
-            timeout=timeout,
-        )
-        self.service_cidr = service_cidr
-        self.hpa_sync_period = hpa_sync_period
+    _: KW_ONLY
+    service_cidr: str
+    hpa_sync_period: str
+
+    @property
+    def serving(self) -> KeyPair:
+        return self.pki.controller_manager_serving
 
     def extra_args(self) -> list[str]:
         pki = self.pki
@@ -337,53 +321,31 @@ class ControllerManager(SecureComponent):
         ]
 
 
+@dataclass(eq=False)
 class Scheduler(SecureComponent):
     name = "kube-scheduler"
 
-    def __init__(
-        self,
-        launcher: Launcher,
-        binary: Path,
-        api: AdminApi,
-        *,
-        kubeconfig: Path,
-        port: int,
-        timeout: float,
-    ) -> None:
-        super().__init__(
-            launcher,
-            binary,
-            api,
-            kubeconfig=kubeconfig,
-            port=port,
-            serving=api.pki.scheduler_serving,
-            timeout=timeout,
-        )
+    @property
+    def serving(self) -> KeyPair:
+        return self.pki.scheduler_serving
 
 
+@dataclass(eq=False)
 class Kwok(Component):
     """Heartbeats the fake GPU nodes (those annotated ``FAKE_NODE_ANNOTATION``) and runs their
     pods on paper. Ready: every expected node is Ready, its ``not-ready`` taint gone."""
 
     name = "kwok"
 
-    def __init__(
-        self,
-        launcher: Launcher,
-        binary: Path,
-        api: AdminApi,
-        *,
-        kubeconfig: Path,
-        port: int,
-        nodes: Sequence[str],
-        timeout: float,
-    ) -> None:
-        super().__init__(launcher, timeout=timeout)
-        self.binary = binary
-        self.api = api
-        self.kubeconfig = kubeconfig
-        self.port = port
-        self.nodes = tuple(nodes)
+    binary: Path
+    api: AdminApi
+    _: KW_ONLY
+    kubeconfig: Path
+    port: int
+    nodes: Sequence[str]
+
+    def __post_init__(self) -> None:
+        self.nodes = tuple(self.nodes)
 
     def argv(self) -> list[str]:
         return [
@@ -401,6 +363,7 @@ class Kwok(Component):
         return self.api.nodes_ready(self.nodes)
 
 
+@dataclass(eq=False)
 class Containerd(Component):
     """Debian's containerd with our own root, state, socket and CNI directories (node.py).
     Ready: ``ctr version`` reaches it. Before it stops, every container is killed and deleted
@@ -408,19 +371,10 @@ class Containerd(Component):
 
     name = "containerd"
 
-    def __init__(
-        self,
-        launcher: Launcher,
-        paths: node.NodePaths,
-        *,
-        cni_bin_dir: Path,
-        resolv_conf: Path,
-        timeout: float,
-    ) -> None:
-        super().__init__(launcher, timeout=timeout)
-        self.paths = paths
-        self.cni_bin_dir = cni_bin_dir
-        self.resolv_conf = resolv_conf
+    paths: node.NodePaths
+    _: KW_ONLY
+    cni_bin_dir: Path
+    resolv_conf: Path
 
     def prepare(self) -> None:
         node.write_node_files(
@@ -446,29 +400,19 @@ class Containerd(Component):
         return errors + survivors
 
 
+@dataclass(eq=False)
 class KubeProxy(Component):
     """iptables mode on the node IP. Ready: its healthz, which turns 200 only once it has
     synced for its Node. After it stops, ``kube-proxy --cleanup`` removes its chains."""
 
     name = "kube-proxy"
 
-    def __init__(
-        self,
-        launcher: Launcher,
-        binary: Path,
-        *,
-        config_file: Path,
-        kubeconfig: Path,
-        healthz_port: int,
-        metrics_port: int,
-        timeout: float,
-    ) -> None:
-        super().__init__(launcher, timeout=timeout)
-        self.binary = binary
-        self.config_file = config_file
-        self.kubeconfig = kubeconfig
-        self.healthz_port = healthz_port
-        self.metrics_port = metrics_port
+    binary: Path
+    _: KW_ONLY
+    config_file: Path
+    kubeconfig: Path
+    healthz_port: int
+    metrics_port: int
 
     def prepare(self) -> None:
         node.write_yaml(
@@ -495,6 +439,7 @@ class KubeProxy(Component):
         return errors
 
 
+@dataclass(eq=False)
 class CoreDNS(Component):
     """Cluster names from the API on the node IP, nothing forwarded upstream. Ready: its health
     endpoint; ``wait_resolving()`` then waits until it answers for the `kubernetes` Service (so
@@ -502,21 +447,11 @@ class CoreDNS(Component):
 
     name = "coredns"
 
-    def __init__(
-        self,
-        launcher: Launcher,
-        binary: Path,
-        *,
-        corefile: Path,
-        kubeconfig: Path,
-        health_port: int,
-        timeout: float,
-    ) -> None:
-        super().__init__(launcher, timeout=timeout)
-        self.binary = binary
-        self.corefile = corefile
-        self.kubeconfig = kubeconfig
-        self.health_port = health_port
+    binary: Path
+    _: KW_ONLY
+    corefile: Path
+    kubeconfig: Path
+    health_port: int
 
     def prepare(self) -> None:
         self.corefile.write_text(node.corefile(self.kubeconfig, health_port=self.health_port))
@@ -535,37 +470,26 @@ class CoreDNS(Component):
         self.launcher.wait_ready(self.running(), self.resolves, self.timeout)
 
 
+@dataclass(eq=False)
 class Kubelet(Component):
     """The real node ``node.NODE_NAME`` on the node IP, registered with ``taints``. Ready: the
     Node is Ready and its ``not-ready`` taint is gone."""
 
     name = "kubelet"
 
-    def __init__(
-        self,
-        launcher: Launcher,
-        binary: Path,
-        api: AdminApi,
-        paths: node.NodePaths,
-        *,
-        config_file: Path,
-        kubeconfig: Path,
-        port: int,
-        healthz_port: int,
-        resolv_conf: Path,
-        taints: Sequence[str],
-        timeout: float,
-    ) -> None:
-        super().__init__(launcher, timeout=timeout)
-        self.binary = binary
-        self.api = api
-        self.paths = paths
-        self.config_file = config_file
-        self.kubeconfig = kubeconfig
-        self.port = port
-        self.healthz_port = healthz_port
-        self.resolv_conf = resolv_conf
-        self.taints = tuple(taints)
+    binary: Path
+    api: AdminApi
+    paths: node.NodePaths
+    _: KW_ONLY
+    config_file: Path
+    kubeconfig: Path
+    port: int
+    healthz_port: int
+    resolv_conf: Path
+    taints: Sequence[str]
+
+    def __post_init__(self) -> None:
+        self.taints = tuple(self.taints)
 
     def prepare(self) -> None:
         node.write_yaml(
@@ -600,32 +524,31 @@ class Kubelet(Component):
         return self.api.nodes_ready([node.NODE_NAME])
 
 
+@dataclass(eq=False)
 class Prometheus(Component):
     """Scrapes the server and operator pods on the real node (``prometheus_config``) and
     evaluates ``rules`` (the chart's PrometheusRule groups, as YAML). Ready: ``/-/ready``."""
 
     name = "prometheus"
 
-    def __init__(
-        self,
-        launcher: Launcher,
-        binary: Path,
-        *,
-        state_dir: Path,
-        kubeconfig: Path,
-        port: int,
-        timeout: float,
-        rules: str | None = None,
-    ) -> None:
-        super().__init__(launcher, timeout=timeout)
-        self.binary = binary
-        self.state_dir = state_dir
-        self.config_file = state_dir / "prometheus.yaml"
-        self.rules_file = state_dir / "prometheus-rules.yaml"
-        self.rules = rules
-        self.kubeconfig = kubeconfig
-        self.url = f"http://127.0.0.1:{port}"
-        self.port = port
+    binary: Path
+    _: KW_ONLY
+    state_dir: Path
+    kubeconfig: Path
+    port: int
+    rules: str | None = None
+
+    @property
+    def config_file(self) -> Path:
+        return self.state_dir / "prometheus.yaml"
+
+    @property
+    def rules_file(self) -> Path:
+        return self.state_dir / "prometheus-rules.yaml"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
     def prepare(self) -> None:
         config = prometheus_config(self.kubeconfig)
@@ -648,6 +571,7 @@ class Prometheus(Component):
         return http_get(f"{self.url}/-/ready", None) is not None
 
 
+@dataclass(eq=False)
 class PrometheusAdapter(Component):
     """Serves custom.metrics.k8s.io from Prometheus with the rules the chart renders, on the
     node IP behind an APIService (``adapter_api_objects``). Ready: the aggregated API answers
@@ -656,28 +580,18 @@ class PrometheusAdapter(Component):
 
     name = "prometheus-adapter"
 
-    def __init__(
-        self,
-        launcher: Launcher,
-        binary: Path,
-        api: AdminApi,
-        *,
-        state_dir: Path,
-        kubeconfig: Path,
-        rules: str,
-        prometheus_url: str,
-        port: int,
-        timeout: float,
-    ) -> None:
-        super().__init__(launcher, timeout=timeout)
-        self.binary = binary
-        self.api = api
-        self.state_dir = state_dir
-        self.rules_file = state_dir / "adapter-rules.yaml"
-        self.kubeconfig = kubeconfig
-        self.rules = rules
-        self.prometheus_url = prometheus_url
-        self.port = port
+    binary: Path
+    api: AdminApi
+    _: KW_ONLY
+    state_dir: Path
+    kubeconfig: Path
+    rules: str
+    prometheus_url: str
+    port: int
+
+    @property
+    def rules_file(self) -> Path:
+        return self.state_dir / "adapter-rules.yaml"
 
     def prepare(self) -> None:
         self.rules_file.write_text(self.rules)
@@ -696,6 +610,7 @@ class PrometheusAdapter(Component):
         return self.api.get("/apis/custom.metrics.k8s.io/v1beta1") is not None
 
 
+@dataclass(eq=False)
 class KedaOperator(Component):
     """KEDA's operator: turns each ScaledObject into an HPA of its own (``keda-hpa-<name>``),
     polls the triggers to take a target to and from zero, and serves the trigger values to
@@ -705,30 +620,23 @@ class KedaOperator(Component):
 
     name = "keda-operator"
 
-    def __init__(
-        self,
-        launcher: Launcher,
-        binary: Path,
-        keda: KeyPair,
-        ca: KeyPair,
-        *,
-        state_dir: Path,
-        kubeconfig: Path,
-        grpc_port: int,
-        metrics_port: int,
-        probe_port: int,
-        timeout: float,
-    ) -> None:
-        super().__init__(launcher, timeout=timeout)
-        self.binary = binary
-        self.keda = keda
-        self.ca = ca
-        self.cert_dir = state_dir / "keda-certs"
-        self.ca_dir = state_dir / "keda-ca"
-        self.kubeconfig = kubeconfig
-        self.grpc_port = grpc_port
-        self.metrics_port = metrics_port
-        self.probe_port = probe_port
+    binary: Path
+    keda: KeyPair
+    ca: KeyPair
+    _: KW_ONLY
+    state_dir: Path
+    kubeconfig: Path
+    grpc_port: int
+    metrics_port: int
+    probe_port: int
+
+    @property
+    def cert_dir(self) -> Path:
+        return self.state_dir / "keda-certs"
+
+    @property
+    def ca_dir(self) -> Path:
+        return self.state_dir / "keda-ca"
 
     def prepare(self) -> None:
         write_keda_cert_dir(self.cert_dir, self.keda, self.ca)
@@ -755,6 +663,7 @@ class KedaOperator(Component):
         return http_get(f"http://127.0.0.1:{self.probe_port}/readyz", None) is not None
 
 
+@dataclass(eq=False)
 class KedaMetricsServer(Component):
     """KEDA's metrics API server: external.metrics.k8s.io on the node IP behind an APIService
     (``keda_api_objects``), answering the HPAs KEDA made from the operator's gRPC service.
@@ -762,27 +671,18 @@ class KedaMetricsServer(Component):
 
     name = "keda-metrics-apiserver"
 
-    def __init__(
-        self,
-        launcher: Launcher,
-        binary: Path,
-        api: AdminApi,
-        *,
-        state_dir: Path,
-        kubeconfig: Path,
-        grpc_port: int,
-        port: int,
-        metrics_port: int,
-        timeout: float,
-    ) -> None:
-        super().__init__(launcher, timeout=timeout)
-        self.binary = binary
-        self.api = api
-        self.cert_dir = state_dir / "keda-certs"
-        self.kubeconfig = kubeconfig
-        self.grpc_port = grpc_port
-        self.port = port
-        self.metrics_port = metrics_port
+    binary: Path
+    api: AdminApi
+    _: KW_ONLY
+    state_dir: Path
+    kubeconfig: Path
+    grpc_port: int
+    port: int
+    metrics_port: int
+
+    @property
+    def cert_dir(self) -> Path:
+        return self.state_dir / "keda-certs"
 
     def prepare(self) -> None:
         write_keda_cert_dir(self.cert_dir, self.api.pki.keda, self.api.pki.ca)
