@@ -51,6 +51,8 @@ import yaml
 
 from e2e.harness.binaries import cache_root
 from e2e.harness.images import PAUSE_IMAGE
+from e2e.harness.mounts import mounts_under as mounts_under
+from e2e.harness.mounts import unmount_under as unmount_under
 from e2e.harness.proc import ClusterError
 
 log = logging.getLogger("e2e.node")
@@ -293,35 +295,6 @@ def discard_store(store: Path) -> None:
     shutil.rmtree(store, ignore_errors=True)
     if store.exists():
         raise ClusterError(f"cannot discard {store}: it is still there after rm -r")
-
-
-def mounts_under(*roots: Path) -> list[str]:
-    """The mount points below ``roots`` now, deepest first."""
-    prefixes = [str(r.resolve()) + "/" for r in roots]
-    mounts = [
-        line.split()[1].encode().decode("unicode_escape")
-        for line in Path("/proc/mounts").read_text().splitlines()
-    ]
-    return sorted(
-        {m for m in mounts if any(m.startswith(p) for p in prefixes)}, key=len, reverse=True
-    )
-
-
-def unmount_under(*roots: Path) -> list[str]:
-    """Unmount everything mounted below ``roots`` (deepest first); the paths that stayed."""
-    stuck: list[str] = []
-    for _ in range(3):
-        ours = mounts_under(*roots)
-        if not ours:
-            return []
-        stuck = []
-        for mount in ours:
-            proc = subprocess.run(
-                ["umount", "-l", mount], capture_output=True, timeout=30, check=False
-            )
-            if proc.returncode != 0:
-                stuck.append(mount)
-    return stuck
 
 
 def veth_names() -> set[str]:

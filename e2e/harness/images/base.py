@@ -17,8 +17,9 @@ import time
 from pathlib import Path
 
 from e2e.harness.images.dockerd import Docker
-from e2e.harness.images.host import run, timed, unmount_under
+from e2e.harness.images.host import run, timed
 from e2e.harness.images.refs import BASE_IMAGE, ImageError, images_cache
+from e2e.harness.mounts import unmount_under
 
 log = logging.getLogger("e2e.images")
 

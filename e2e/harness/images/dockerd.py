@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from e2e.harness.binaries import cache_root
-from e2e.harness.images.host import SHORT_TIMEOUT_S, first_executable, run, unmount_under
+from e2e.harness.images.host import SHORT_TIMEOUT_S, first_executable, run
 from e2e.harness.images.refs import ImageError
+from e2e.harness.mounts import unmount_under
 from e2e.harness.proc import stop_child
 
 log = logging.getLogger("e2e.images")

@@ -64,21 +64,3 @@ def timed(timings: dict[str, float], step: str) -> Iterator[None]:
     yield
     timings[step] = round(time.monotonic() - started, 1)
     log.info("[images] %s: %.1fs", step, timings[step])
-
-
-def unmount_under(root: Path) -> None:
-    """Lazily unmount whatever is still mounted under `root` (deepest first)."""
-    try:
-        mounts = Path("/proc/self/mounts").read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return
-    prefix = str(root.resolve())
-    targets = []
-    for line in mounts:
-        parts = line.split()
-        if len(parts) > 1:
-            target = parts[1].replace("\\040", " ")
-            if target == prefix or target.startswith(prefix + "/"):
-                targets.append(target)
-    for target in sorted(targets, key=len, reverse=True):
-        subprocess.run(["umount", "-l", target], capture_output=True, timeout=30, check=False)
