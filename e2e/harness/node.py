@@ -53,7 +53,7 @@ from e2e.harness.binaries import cache_root
 from e2e.harness.images import PAUSE_IMAGE
 from e2e.harness.mounts import mounts_under as mounts_under
 from e2e.harness.mounts import unmount_under as unmount_under
-from e2e.harness.proc import ClusterError
+from e2e.harness.proc import ClusterError, run_command
 
 log = logging.getLogger("e2e.node")
 
@@ -79,19 +79,9 @@ def containerd_store() -> Path:
 
 
 def run(argv: Sequence[str], *, timeout: float = COMMAND_TIMEOUT_S, check: bool = True) -> str:
-    """Run a host command; its stdout. A failure names the command and its stderr."""
-    try:
-        proc = subprocess.run(
-            list(argv), capture_output=True, text=True, timeout=timeout, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise ClusterError(f"`{' '.join(argv)}` failed: {exc}") from exc
-    if check and proc.returncode != 0:
-        raise ClusterError(
-            f"`{' '.join(argv)}` failed (rc={proc.returncode}): "
-            f"{proc.stderr.strip() or proc.stdout.strip()}"
-        )
-    return proc.stdout
+    """Run a host command (``proc.run_command``); its stdout. A failure is a ``ClusterError``
+    that names the command, with its output."""
+    return run_command(argv, timeout=timeout, check=check).stdout
 
 
 def default_interface() -> str | None:

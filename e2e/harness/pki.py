@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import secrets
 import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 from e2e.harness.node import NODE_IP, NODE_NAME
-from e2e.harness.proc import ClusterError
+from e2e.harness.proc import ClusterError, run_command
 
 CERT_DAYS = 7
 SERVICE_IP = "198.19.0.1"  # first address of --service-cluster-ip-range: the `kubernetes` Service
@@ -82,9 +81,7 @@ def _openssl(*args: str) -> None:
     openssl = shutil.which("openssl")
     if openssl is None:
         raise ClusterError("`openssl` is not on PATH; it makes the cluster's certificates")
-    proc = subprocess.run([openssl, *args], capture_output=True, text=True, timeout=60, check=False)
-    if proc.returncode != 0:
-        raise ClusterError(f"openssl {' '.join(args)} failed: {proc.stderr.strip()}")
+    run_command([openssl, *args], timeout=60, what=f"openssl {' '.join(args)}")
 
 
 def _key(path: Path) -> Path:

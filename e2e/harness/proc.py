@@ -3,7 +3,9 @@
 Also the helpers every runner of local servers needs (the e2e tier, the unit tests that start
 ``embedding-server serve``, the benchmarks): ``free_port()`` / ``free_ports()``, and
 ``child_process()`` / ``stop_child()`` for a plain ``subprocess.Popen`` that must not outlive
-its block.
+its block; and ``run_command()``, the harness's one way to run a command to completion
+(node.py's host commands, the image tooling's, openssl, kubectl and helm), with a deadline
+and an error that names it.
 
 Every component runs in its own session (``start_new_session``), so its process group id is
 its pid and ``killpg`` reaches anything it forks. Stopping is SIGTERM to the group, a bounded
@@ -65,6 +67,46 @@ def poll_until(
             raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(min(delay, remaining))
         delay = min(delay * 1.5, max_interval)
+
+
+def run_command(
+    argv: Sequence[str],
+    *,
+    timeout: float,
+    check: bool = True,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+    input: str | None = None,
+    what: str | None = None,
+    error: type[Exception] = ClusterError,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` to completion, ``input`` on its stdin and its output captured as text.
+
+    ``error`` (``ClusterError`` unless the caller has its own) is raised, naming ``what``
+    (default: the command line), when the command cannot be started, outlives ``timeout``
+    seconds, or, with ``check``, exits non-zero; then with the tail of its output."""
+    label = what or f"`{' '.join(argv)}`"
+    try:
+        proc = subprocess.run(
+            list(argv),
+            input=input,
+            capture_output=True,
+            text=True,
+            env=dict(env) if env is not None else None,
+            cwd=cwd,
+            timeout=timeout,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise error(f"{label} timed out after {timeout:.0f}s") from exc
+    except FileNotFoundError as exc:
+        raise error(f"{label}: {argv[0]} not found") from exc
+    except OSError as exc:
+        raise error(f"{label} failed: {exc}") from exc
+    if check and proc.returncode != 0:
+        output = (proc.stdout + proc.stderr).strip()[-4000:]
+        raise error(f"{label} failed (rc={proc.returncode}):\n{output}")
+    return proc
 
 
 # Ports handed out by this process: a later call never repeats one, even after its holder exits.

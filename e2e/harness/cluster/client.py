@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from e2e.harness.proc import ClusterError, poll_until
+from e2e.harness.proc import poll_until, run_command
 
 # A namespace name is a DNS label.
 NAMESPACE_MAX = 63
@@ -220,24 +220,11 @@ class KubeClient:
         check: bool,
         timeout: float | None,
     ) -> subprocess.CompletedProcess[str]:
-        timeout = timeout if timeout is not None else self.command_timeout
-        try:
-            proc = subprocess.run(
-                [str(binary), *args],
-                input=input,
-                capture_output=True,
-                text=True,
-                timeout=timeout,
-                env=self.env(),
-                check=False,
-            )
-        except subprocess.TimeoutExpired as exc:
-            raise ClusterError(
-                f"`{binary.name} {' '.join(args)}` timed out after {timeout}s"
-            ) from exc
-        if check and proc.returncode != 0:
-            raise ClusterError(
-                f"`{binary.name} {' '.join(args)}` failed (rc={proc.returncode}):\n"
-                f"{proc.stderr.strip() or proc.stdout.strip()}"
-            )
-        return proc
+        return run_command(
+            [str(binary), *args],
+            timeout=timeout if timeout is not None else self.command_timeout,
+            check=check,
+            env=self.env(),
+            input=input,
+            what=f"`{binary.name} {' '.join(args)}`",
+        )

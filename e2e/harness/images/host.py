@@ -12,6 +12,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from e2e.harness.images.refs import ImageError
+from e2e.harness.proc import run_command
 
 log = logging.getLogger("e2e.images")
 
@@ -26,26 +27,16 @@ def run(
     cwd: Path | None = None,
     what: str | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """Run to completion; ImageError with the output's tail on failure or timeout."""
-    label = what or " ".join(argv[:3])
-    try:
-        proc = subprocess.run(
-            list(argv),
-            capture_output=True,
-            text=True,
-            env=dict(env) if env is not None else None,
-            cwd=cwd,
-            timeout=timeout,
-            check=False,
-        )
-    except subprocess.TimeoutExpired as exc:
-        raise ImageError(f"{label} timed out after {timeout:.0f}s") from exc
-    except FileNotFoundError as exc:
-        raise ImageError(f"{label}: {argv[0]} not found") from exc
-    if proc.returncode != 0:
-        output = (proc.stdout + proc.stderr)[-4000:]
-        raise ImageError(f"{label} failed (rc={proc.returncode}):\n{output}")
-    return proc
+    """Run to completion (``proc.run_command``); ImageError with the output's tail on failure
+    or timeout, naming ``what`` (default: the command's first three words)."""
+    return run_command(
+        argv,
+        timeout=timeout,
+        env=env,
+        cwd=cwd,
+        what=what or " ".join(argv[:3]),
+        error=ImageError,
+    )
 
 
 def first_executable(candidates: Sequence[str], name: str) -> str:
