@@ -9,6 +9,8 @@ One module per part, as components.py has one class per process:
 * ``control_plane`` (etcd, kube-apiserver, the CRDs, controller manager, scheduler),
   ``fake_nodes`` (kwok's GPU nodes), ``real_node`` (containerd and the images, kube-proxy,
   CoreDNS, the kubelet) and ``monitoring`` (Prometheus and prometheus-adapter);
+* ``context``: ``ClusterContext``, what those parts use of the cluster (a Protocol, so they
+  never import ``local``), with its ``Ports`` and ``Timeouts``;
 * ``state``: a detached cluster's state file; ``cli``: ``python -m e2e.harness.cluster
   up|env|down``.
 
@@ -17,7 +19,8 @@ The names below are the package's public surface (the e2e tests and fixtures, be
 
 from e2e.harness.binaries import Binaries, BuildError
 from e2e.harness.cluster.client import KubeClient, kubeconfig_dict
-from e2e.harness.cluster.local import Cluster, Timeouts
+from e2e.harness.cluster.context import Timeouts
+from e2e.harness.cluster.local import Cluster
 from e2e.harness.cluster.monitoring import chart_adapter_rules
 from e2e.harness.cluster.real_node import (
     REAL_NODE_TAINT,

@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from e2e.harness import node
+from e2e.harness.cluster.context import ClusterContext
 from e2e.harness.components import APIServer, ControllerManager, Etcd, Scheduler
-
-if TYPE_CHECKING:
-    from e2e.harness.cluster.local import Cluster
 
 log = logging.getLogger("e2e.cluster")
 
@@ -29,7 +26,9 @@ log = logging.getLogger("e2e.cluster")
 class ControlPlane:
     """Starts the control plane's components into ``cluster``, in order."""
 
-    def __init__(self, cluster: Cluster, *, crd_dir: Path | None, hpa_sync_period: str) -> None:
+    def __init__(
+        self, cluster: ClusterContext, *, crd_dir: Path | None, hpa_sync_period: str
+    ) -> None:
         self.cluster = cluster
         self.crd_dir = crd_dir
         self.hpa_sync_period = hpa_sync_period

@@ -9,21 +9,19 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
+from e2e.harness.cluster.context import ClusterContext
 from e2e.harness.components import Kwok
-
-if TYPE_CHECKING:
-    from e2e.harness.cluster.local import Cluster
 
 
 class FakeNodes:
     """``names`` picks which nodes of ``nodes_file`` to create (default: all)."""
 
     def __init__(
-        self, cluster: Cluster, *, nodes_file: Path | None, names: Collection[str] | None
+        self, cluster: ClusterContext, *, nodes_file: Path | None, names: Collection[str] | None
     ) -> None:
         self.cluster = cluster
         self.nodes_file = nodes_file

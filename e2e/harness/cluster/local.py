@@ -13,7 +13,8 @@ starts.
 
 ``stop()`` (and any failure during ``start()``) stops the components in reverse order, SIGTERM
 then SIGKILL, whole process groups, then cleans up after the node. Ports are free ports on
-127.0.0.1 picked at start, below the kernel's ephemeral range (``free_ports``).
+127.0.0.1 picked at start, below the kernel's ephemeral range (``free_ports``). The parts know
+the cluster only as a ``ClusterContext`` (context.py), which ``Cluster`` satisfies.
 """
 
 from __future__ import annotations
@@ -23,10 +24,8 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, fields
 from pathlib import Path
 from types import TracebackType
-from typing import TypeVar
 
 from e2e.harness import node
 from e2e.harness.binaries import Binaries
@@ -37,6 +36,7 @@ from e2e.harness.cluster.client import (
     kubeconfig_dict,
     write_kubeconfig,
 )
+from e2e.harness.cluster.context import C, Ports, Timeouts
 from e2e.harness.cluster.control_plane import ControlPlane
 from e2e.harness.cluster.fake_nodes import FakeNodes
 from e2e.harness.cluster.monitoring import MetricsPipeline
@@ -46,7 +46,7 @@ from e2e.harness.components import Component, Launcher, Teardown, stop_processes
 from e2e.harness.host_packages import ensure_packages
 from e2e.harness.pki import Pki, create_pki
 from e2e.harness.probes import AdminApi
-from e2e.harness.proc import ClusterError, Process, free_ports
+from e2e.harness.proc import ClusterError, Process
 
 log = logging.getLogger("e2e.cluster")
 
@@ -54,56 +54,6 @@ E2E_DIR = Path(__file__).resolve().parents[2]
 REPO_ROOT = E2E_DIR.parent
 DEFAULT_CRD_DIR = REPO_ROOT / "crds"
 DEFAULT_NODES_FILE = E2E_DIR / "nodes.yaml"
-
-
-@dataclass(frozen=True)
-class Timeouts:
-    """Deadlines in seconds. Generous: the machines running e2e may have 2 busy cores."""
-
-    etcd: float = 30
-    apiserver: float = 120
-    crds: float = 60
-    controller_manager: float = 60
-    scheduler: float = 60
-    nodes: float = 90
-    service_account: float = 60
-    command: float = 120
-    containerd: float = 60
-    real_node: float = 180
-    dns: float = 60
-    prometheus: float = 60
-    adapter: float = 120
-    keda: float = 120
-
-
-@dataclass(frozen=True)
-class Ports:
-    etcd_client: int
-    etcd_peer: int
-    apiserver: int
-    controller_manager: int
-    scheduler: int
-    kwok: int
-    kubelet: int
-    kubelet_healthz: int
-    proxy_healthz: int
-    proxy_metrics: int
-    coredns_health: int
-    prometheus: int
-    adapter: int
-    keda_grpc: int
-    keda_metrics: int
-    keda_probe: int
-    keda_apiserver: int
-    keda_apiserver_metrics: int
-
-    @classmethod
-    def pick_free(cls) -> Ports:
-        # Distinct, and below the ephemeral range: see free_ports.
-        return cls(*free_ports(len(fields(cls))))
-
-
-C = TypeVar("C", bound=Component)
 
 
 class Cluster(KubeClient):

@@ -15,11 +15,10 @@ services to and from zero replicas.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import yaml
 
-from e2e.harness.cluster.client import KubeClient, b64
+from e2e.harness.cluster.client import b64
+from e2e.harness.cluster.context import ClusterContext, KubeCommands
 from e2e.harness.components import (
     KedaMetricsServer,
     KedaOperator,
@@ -30,12 +29,9 @@ from e2e.harness.components import (
 )
 from e2e.harness.images.refs import CHART_DIR
 
-if TYPE_CHECKING:
-    from e2e.harness.cluster.local import Cluster
-
 
 class MetricsPipeline:
-    def __init__(self, cluster: Cluster, *, keda: bool = True) -> None:
+    def __init__(self, cluster: ClusterContext, *, keda: bool = True) -> None:
         self.cluster = cluster
         self.keda = keda
 
@@ -107,7 +103,7 @@ class MetricsPipeline:
         )
 
 
-def chart_adapter_rules(client: KubeClient) -> str:
+def chart_adapter_rules(client: KubeCommands) -> str:
     """prometheus-adapter's config as the chart renders it (its rules ConfigMap)."""
     rendered = client.helm(
         "template",
@@ -123,7 +119,7 @@ def chart_adapter_rules(client: KubeClient) -> str:
     return config
 
 
-def chart_prometheus_rules(client: KubeClient) -> str:
+def chart_prometheus_rules(client: KubeCommands) -> str:
     """The chart's recording rules and alerts (its PrometheusRule's groups) as a Prometheus
     rule file."""
     rendered = client.helm(

@@ -14,14 +14,12 @@ import shutil
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from e2e.harness import node
+from e2e.harness.cluster.context import ClusterContext
 from e2e.harness.components import Containerd, CoreDNS, Kubelet, KubeProxy
 from e2e.harness.images import ImportFailed
-
-if TYPE_CHECKING:
-    from e2e.harness.cluster.local import Cluster
 
 log = logging.getLogger("e2e.cluster")
 
@@ -37,7 +35,7 @@ class RealNode:
 
     def __init__(
         self,
-        cluster: Cluster,
+        cluster: ClusterContext,
         *,
         taints: Sequence[str],
         image_loader: Callable[[Path], object] | None,
