@@ -36,12 +36,16 @@ from typing import Any, TypeVar
 
 import torch
 
-from .configuration import EngineInfo
-from .device.attention import Backend
-from .device.configuration import DeviceHeads, choose_attention, describe, resolve_config
-from .device.distributed import SINGLE
-from .device.dtypes import resolve_device, resolve_dtype
-from .device.fake import (
+from embedding_server.device.attention import Backend
+from embedding_server.device.configuration import (
+    DeviceHeads,
+    choose_attention,
+    describe,
+    resolve_config,
+)
+from embedding_server.device.distributed import SINGLE
+from embedding_server.device.dtypes import resolve_device, resolve_dtype
+from embedding_server.device.fake import (
     FakeRunner,
     fake_chat_template,
     fake_images,
@@ -49,16 +53,17 @@ from .device.fake import (
     is_fake,
     load_fake,
 )
-from .device.generic import tensor_parallel_refusal
-from .device.loading import LoadedModel, load_model, model_backend
-from .device.pooling_guess import pooling_guess
-from .device.preflight import inspect_before_download
-from .device.runner import ModelRunner
-from .device.tensor_parallel import TensorParallelGroup, TensorParallelModel
-from .errors import NotReadyError, UnsupportedModelError
-from .imaging import ImageProcessor
-from .ipc.messages import Handoff
-from .jobs import (
+from embedding_server.device.generic import tensor_parallel_refusal
+from embedding_server.device.loading import LoadedModel, load_model, model_backend
+from embedding_server.device.pooling_guess import pooling_guess
+from embedding_server.device.preflight import inspect_before_download
+from embedding_server.device.runner import ModelRunner
+from embedding_server.device.tensor_parallel import TensorParallelGroup, TensorParallelModel
+from embedding_server.errors import NotReadyError, UnsupportedModelError
+from embedding_server.ipc.messages import Handoff
+from embedding_server.metrics import Metrics
+from embedding_server.request.configuration import EngineInfo
+from embedding_server.request.jobs import (
     DirectRunner,
     EmbedOptions,
     HybridOptions,
@@ -69,9 +74,9 @@ from .jobs import (
     TokenOptions,
     run_sync,
 )
-from .metrics import Metrics
-from .multimodal import ChatTemplate, ImagePreprocessor
-from .results import (
+from embedding_server.request.media.inputs import ChatTemplate, ImagePreprocessor
+from embedding_server.request.media.preprocessing import ImageProcessor
+from embedding_server.request.results import (
     ClassifyResult,
     EmbedResult,
     HybridResult,
@@ -83,10 +88,21 @@ from .results import (
     StageTimings,
     TokenEmbedResult,
 )
-from .scheduler import Scheduler
-from .serving import ENCODE_TASKS, EncodeTask, EngineLoad, Inputs, ServingEngine
-from .settings import DEFAULT_MODEL, EngineSettings
-from .tokenization import TextTokenizer, Truncation, TruncationArg, TruncationSide
+from embedding_server.request.scheduler import Scheduler
+from embedding_server.request.serving import (
+    ENCODE_TASKS,
+    EncodeTask,
+    EngineLoad,
+    Inputs,
+    ServingEngine,
+)
+from embedding_server.request.tokenization import (
+    TextTokenizer,
+    Truncation,
+    TruncationArg,
+    TruncationSide,
+)
+from embedding_server.settings import DEFAULT_MODEL, EngineSettings
 
 logger = logging.getLogger(__name__)
 

@@ -411,7 +411,7 @@ MISSING_SDK = (
 
 
 def otel_sdk_missing() -> str | None:
-    """The first OpenTelemetry module that :mod:`embedding_server.tracing` needs to export
+    """The first OpenTelemetry module that :mod:`embedding_server.request.tracing` needs to export
     spans and that is not installed, or ``None`` when all are."""
     for module in (
         "opentelemetry.sdk.trace",

@@ -48,8 +48,8 @@ from prometheus_client import multiprocess
 from embedding_server.api.frontend import engine_address, run_frontend
 from embedding_server.api.lifecycle import freeze_heap
 from embedding_server.api.server import FATAL_EXIT_GRACE_S, best_available
-from embedding_server.device.service import EngineService
 from embedding_server.engine import Engine
+from embedding_server.ipc.service import EngineService
 from embedding_server.logging import configure_logging
 from embedding_server.metrics import Metrics
 from embedding_server.settings import ServerSettings

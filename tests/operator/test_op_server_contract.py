@@ -129,7 +129,7 @@ def test_tracing_renders_a_flag_and_variables_the_server_reads(
     operator sets are ones the server's OpenTelemetry SDK reads: the service, the resource
     attributes (with the pod name the kubelet substitutes) and the sampler."""
     from embedding_operator.builders.deployment import build_deployment
-    from embedding_server.tracing import service_resource
+    from embedding_server.request.tracing import service_resource
     from opentelemetry.sdk.trace import TracerProvider
 
     tracing = {"otlpEndpoint": "http://otel.observability:4318", "samplingRatio": 0.1}

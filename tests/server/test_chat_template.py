@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from embedding_server.device.fake import FAKE_CHAT_TEMPLATE, build_fake_tokenizer
 from embedding_server.errors import InvalidRequestError
-from embedding_server.multimodal import ChatTemplate, parse_messages
+from embedding_server.request.media.inputs import ChatTemplate, parse_messages
 from transformers import PreTrainedTokenizerFast
 
 # A Qwen-style template: namespace, loop controls, tojson, a system default.

@@ -20,7 +20,7 @@ from embedding_server.errors import (
     UnsettledInputError,
 )
 from embedding_server.metrics import Metrics
-from embedding_server.tokenization import TextTokenizer, Truncation
+from embedding_server.request.tokenization import TextTokenizer, Truncation
 from sentence_transformers import SentenceTransformer
 from tokenizers import Tokenizer
 
@@ -440,7 +440,7 @@ def test_batch_budget_that_cannot_hold_one_input_names_the_setting() -> None:
 def test_token_states_of_a_mixed_batch_are_each_sequences_own(minilm_engine: Engine) -> None:
     """In one batch where only some sequences ask for per-token states, each gets exactly
     its own rows (the states leave the device in one copy, then are split on the host)."""
-    from embedding_server.sequences import SequenceInput
+    from embedding_server.request.sequences import SequenceInput
 
     seqs = minilm_engine.tokenize(["a", "a much longer input than the first", "mid length"])
     alone = [minilm_engine.embed_tokens([s])[0] for s in seqs]

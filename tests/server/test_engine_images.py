@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from embedding_server.device.fake_images import FakeImageProcessor
 from embedding_server.engine import Engine
 from embedding_server.errors import InvalidRequestError, TooManyTokensError
-from embedding_server.fake_images import FakeImageProcessor
 
 from tests.support.images import image_input, picture
 
@@ -121,7 +121,7 @@ def test_the_handoff_gives_front_ends_the_image_processor_and_chat_template() ->
     both travel, pickled, in the engine's handoff."""
     import pickle
 
-    from embedding_server.multimodal import parse_messages
+    from embedding_server.request.media.inputs import parse_messages
 
     engine = Engine.from_pretrained(f"fake?dim=16&image_tokens={TOKENS}&chat=true")
     handoff = pickle.loads(pickle.dumps(engine.handoff()))

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from embedding_server.errors import UnsupportedModelError
-from embedding_server.imaging import ImageProcessor
+from embedding_server.request.media.preprocessing import ImageProcessor
 from PIL import Image
 from transformers import AutoImageProcessor
 

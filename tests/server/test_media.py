@@ -17,10 +17,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 from aiohttp import web
-from embedding_server import media
 from embedding_server.errors import InvalidRequestError
-from embedding_server.imaging import ImageProcessor
-from embedding_server.media import MediaPolicy, decode_image, fetch_image, load_images
+from embedding_server.request.media import fetching as media
+from embedding_server.request.media.fetching import (
+    MediaPolicy,
+    decode_image,
+    fetch_image,
+    load_images,
+)
+from embedding_server.request.media.preprocessing import ImageProcessor
 from embedding_server.settings import ServerSettings
 from PIL import Image
 

@@ -25,8 +25,8 @@ from embedding_server.device.attention import Backend, plan_attention
 from embedding_server.device.runner import ModelRunner, PreparedBatch
 from embedding_server.engine import Engine
 from embedding_server.errors import EngineFailedError, NotReadyError
-from embedding_server.scheduler import Scheduler
-from embedding_server.sequences import SequenceInput
+from embedding_server.request.scheduler import Scheduler
+from embedding_server.request.sequences import SequenceInput
 
 from tests.support.scheduler import GatedForward, seq, wait_for
 

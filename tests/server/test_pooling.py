@@ -10,7 +10,7 @@ import pytest
 from embedding_server import settings
 from embedding_server.engine import Engine
 from embedding_server.errors import InvalidRequestError
-from embedding_server.pooling import (
+from embedding_server.request.pooling import (
     POOLING_METHODS,
     Matryoshka,
     build_matryoshka,

@@ -1,5 +1,6 @@
 """Images for the tests of image inputs: small PNGs made with Pillow, as data URIs, and
-stand-ins for ``embedding_server.media``'s fetch and decode while its bodies are stubs.
+stand-ins for ``embedding_server.request.media.fetching``'s fetch and decode while its bodies
+are stubs.
 
 The stand-ins are used only where the real functions raise NotImplementedError (before the
 media work is merged); against the real ones every test here runs unchanged, so the data
@@ -15,9 +16,9 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from embedding_server import media
 from embedding_server.errors import InvalidRequestError
-from embedding_server.imaging import ImageInput
+from embedding_server.request.media import fetching as media
+from embedding_server.request.media.preprocessing import ImageInput
 from PIL import Image
 
 
@@ -72,7 +73,7 @@ def _decode_stand_in(data: bytes, policy: media.MediaPolicy, *, param: str) -> I
 
 
 def media_is_stub() -> bool:
-    """Whether ``embedding_server.media`` still has its contract stubs."""
+    """Whether ``embedding_server.request.media.fetching`` still has its contract stubs."""
     try:
         media.decode_image(png_bytes(picture(0)), media.MediaPolicy(), param="probe")
     except NotImplementedError:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
-from embedding_server.sequences import BatchOutput, SequenceInput
+from embedding_server.request.sequences import BatchOutput, SequenceInput
 
 
 async def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:

@@ -19,7 +19,7 @@ import torch
 from embedding_server.device.loading import LoadedModel, load_model
 from embedding_server.device.pooling import DenseHead
 from embedding_server.device.runner import ModelRunner
-from embedding_server.pooling import FloatArray
+from embedding_server.request.pooling import FloatArray
 from embedding_server.settings import Dtype
 from transformers import (
     CLIPConfig,

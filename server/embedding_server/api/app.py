@@ -33,10 +33,10 @@ from embedding_server.api.routes_tasks import router as tasks_router
 from embedding_server.api.routes_vllm import router as vllm_router
 from embedding_server.api.tracing import TracingMiddleware
 from embedding_server.metrics import Metrics
-from embedding_server.serving import ServingEngine
+from embedding_server.request.serving import ServingEngine
+from embedding_server.request.tracing import Tracing
 from embedding_server.settings import ServerSettings
 from embedding_server.termination import report_model_load_failure
-from embedding_server.tracing import Tracing
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -145,7 +145,7 @@ def create_app(
     ``--api-workers`` front-end restarted beside others that serve meanwhile).
     ``tracer_provider``: where the model routes' spans go (the caller's to shut down); by
     default OTLP to ``settings.otlp_traces_endpoint``, and no tracing when that is unset
-    (:mod:`embedding_server.tracing`).
+    (:mod:`embedding_server.request.tracing`).
     """
     metrics: Metrics = getattr(engine, "metrics", None) or Metrics()
     lifecycle = Lifecycle(settings=settings, metrics=metrics, engine=engine)
@@ -184,7 +184,7 @@ def create_app(
         # FastAPI's own OpenTelemetry hooks look the global providers up in os.environ on
         # every request (a share of the event loop's time under load: docs/performance-log.md);
         # this server reports through its Prometheus metrics and request-id logs instead,
-        # and with --otlp-traces-endpoint through its own spans (embedding_server.tracing).
+        # and with --otlp-traces-endpoint through its own spans (embedding_server.request.tracing).
         telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False},
     )
     app.state.lifecycle = lifecycle

@@ -13,7 +13,7 @@ from fastapi import Request
 from embedding_server.api.encoding import JSON_FLOAT_BYTES
 from embedding_server.api.lifecycle import Lifecycle, lifecycle_of
 from embedding_server.errors import InvalidRequestError, ModelNotFoundError, OutputTooLargeError
-from embedding_server.serving import ServingEngine
+from embedding_server.request.serving import ServingEngine
 
 
 def engine_for(request: Request, model: str | None) -> tuple[ServingEngine, Lifecycle]:

@@ -43,7 +43,7 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 
-from embedding_server.pooling import l2_normalize
+from embedding_server.request.pooling import l2_normalize
 
 FloatMatrix = npt.NDArray[np.float32]
 

@@ -22,7 +22,7 @@ from embedding_server.api.server import run_http
 from embedding_server.ipc.client import AttachedEngine
 from embedding_server.logging import configure_logging
 from embedding_server.metrics import Metrics
-from embedding_server.serving import ServingEngine
+from embedding_server.request.serving import ServingEngine
 from embedding_server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)

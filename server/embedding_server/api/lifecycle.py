@@ -17,7 +17,7 @@ from fastapi import Request
 
 from embedding_server.errors import NotReadyError
 from embedding_server.metrics import Metrics
-from embedding_server.serving import ServingEngine
+from embedding_server.request.serving import ServingEngine
 from embedding_server.settings import DEFAULT_MODEL, ServerSettings
 
 logger = logging.getLogger(__name__)

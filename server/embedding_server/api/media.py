@@ -5,7 +5,7 @@ Cohere's ``images`` and ``inputs`` on ``/v2/embed``, vLLM's ``{"content": [parts
 Every route goes the same way: parse the parts (a 400 names the part), count the images
 against ``--max-images-per-request`` before anything is fetched, refuse an image sent to a
 model that does not take images (naming its field), then fetch, decode and preprocess them
-(:meth:`~embedding_server.serving.ServingEngine.aload_images`: decoding off the event loop).
+(:meth:`~embedding_server.request.serving.ServingEngine.aload_images`: decoding off the event loop).
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ from embedding_server.api.protocol import (
     MultiModalContent,
 )
 from embedding_server.errors import InvalidRequestError
-from embedding_server.imaging import ImageInput
-from embedding_server.media import MediaPolicy
-from embedding_server.multimodal import (
+from embedding_server.request.media.fetching import MediaPolicy
+from embedding_server.request.media.inputs import (
     ImageRef,
     Part,
     TextPart,
@@ -34,7 +33,8 @@ from embedding_server.multimodal import (
     parse_messages,
     single_input,
 )
-from embedding_server.serving import ServingEngine
+from embedding_server.request.media.preprocessing import ImageInput
+from embedding_server.request.serving import ServingEngine
 from embedding_server.settings import ServerSettings
 
 Item = str | ImageInput

@@ -19,7 +19,7 @@ order, for each HTTP request it:
    ``--max-receiving-bytes`` (503 with Retry-After; a body's first 64 KiB do not count);
    the last two close the connection;
 7. reads the request's ``X-Priority`` (``interactive`` or ``bulk``; without it, bulk on the
-   ``--bulk-routes`` and interactive elsewhere) into :data:`~embedding_server.jobs.
+   ``--bulk-routes`` and interactive elsewhere) into :data:`~embedding_server.request.jobs.
    request_priority`, where the engine's admission and batching read it; any other value
    is a 400 naming the header;
 8. adds ``x-total-time`` (ms) to the response;
@@ -55,10 +55,10 @@ from embedding_server.errors import (
     ServerBusyError,
     UnsupportedMediaTypeError,
 )
-from embedding_server.jobs import request_priority
 from embedding_server.logging import request_id_var
 from embedding_server.metrics import Metrics
-from embedding_server.scheduler import Priority
+from embedding_server.request.jobs import request_priority
+from embedding_server.request.scheduler import Priority
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from embedding_server.errors import InvalidRequestError
-from embedding_server.serving import ServingEngine
+from embedding_server.request.serving import ServingEngine
 
 INPUT_TYPE_PROMPTS: Mapping[str, tuple[str, ...]] = {
     "search_query": ("search_query", "query", "retrieval.query"),

@@ -43,8 +43,8 @@ from embedding_server.api.encoding import (
     Endianness,
 )
 from embedding_server.errors import InvalidRequestError, TooManyTokensError
+from embedding_server.request.tokenization import Truncation, parse_side
 from embedding_server.settings import TruncationSide
-from embedding_server.tokenization import Truncation, parse_side
 
 
 def openai_truncation(

@@ -16,8 +16,8 @@ from embedding_server.api.protocol import (
     MultiModalContent,
     openai_truncation,
 )
+from embedding_server.request.tokenization import Truncation
 from embedding_server.settings import TruncationSide
-from embedding_server.tokenization import Truncation
 
 
 class _TaskRequest(ApiRequest):

@@ -17,7 +17,7 @@ from starlette.responses import Response
 
 from embedding_server.api.encoding import BINARY_MEDIA_TYPE, BinaryPayload, dumps, metadata_header
 from embedding_server.errors import InvalidRequestError
-from embedding_server.results import StageTimings
+from embedding_server.request.results import StageTimings
 
 JSON_MEDIA_TYPE = "application/json"
 

@@ -47,7 +47,7 @@ from embedding_server.api.prompts import input_type_prompts, prompt_name_for
 from embedding_server.api.protocol import CohereEmbedRequest
 from embedding_server.api.responses import encode_off_loop, json_response, timing_headers
 from embedding_server.errors import InvalidRequestError, OutputTooLargeError
-from embedding_server.serving import ServingEngine
+from embedding_server.request.serving import ServingEngine
 
 router = APIRouter(tags=["Cohere"])
 

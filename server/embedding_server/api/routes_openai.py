@@ -45,7 +45,7 @@ from embedding_server.api.responses import (
     json_response,
     timing_headers,
 )
-from embedding_server.imaging import ImageInput
+from embedding_server.request.media.preprocessing import ImageInput
 
 router = APIRouter(tags=["OpenAI"])
 

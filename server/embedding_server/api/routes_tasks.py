@@ -25,9 +25,9 @@ from embedding_server.api.protocol import MultiModalContent
 from embedding_server.api.protocol_tasks import ClassifyRequest, RerankRequest
 from embedding_server.api.responses import json_response, timing_headers
 from embedding_server.errors import InvalidRequestError
-from embedding_server.imaging import ImageInput
-from embedding_server.multimodal import TextPart, check_image_count, images_of
-from embedding_server.serving import ServingEngine
+from embedding_server.request.media.inputs import TextPart, check_image_count, images_of
+from embedding_server.request.media.preprocessing import ImageInput
+from embedding_server.request.serving import ServingEngine
 
 router = APIRouter(tags=["Tasks"])
 

@@ -57,9 +57,9 @@ from embedding_server.api.responses import (
     timing_headers,
 )
 from embedding_server.errors import InvalidRequestError, OutputTooLargeError, TooManyTokensError
-from embedding_server.jobs import TokenOptions
-from embedding_server.multimodal import Part, check_image_count, images_of
-from embedding_server.serving import ServingEngine
+from embedding_server.request.jobs import TokenOptions
+from embedding_server.request.media.inputs import Part, check_image_count, images_of
+from embedding_server.request.serving import ServingEngine
 
 router = APIRouter()
 

@@ -3,7 +3,7 @@
 It is the outermost layer, so a request's span covers everything the server does for it,
 the request-context layer's refusals (401, 413, 415) included. Only the POST model routes are
 traced: probes and scrapes would drown the traces that matter. What the spans hold, and how
-the engine's stages join them, is :mod:`embedding_server.tracing`'s.
+the engine's stages join them, is :mod:`embedding_server.request.tracing`'s.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from embedding_server.tracing import Tracing, current_trace
+from embedding_server.request.tracing import Tracing, current_trace
 
 
 class TracingMiddleware:

@@ -1,5 +1,5 @@
 """ColBERT checkpoints on the device: the projection of every token state, and what the
-checkpoint's files say about its tokenization (``embedding_server/colbert.py``).
+checkpoint's files say about its tokenization (``embedding_server/request/colbert.py``).
 
 stanford-futuredata/ColBERT's ``HF_ColBERT`` (answerdotai/answerai-colbert-small-v1) is a
 BERT body under ``bert.``, a ``linear`` projection without bias beside it in the same
@@ -32,10 +32,9 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
-from embedding_server.colbert import ColbertFormat, punctuation_skiplist
+from embedding_server.device.pooling import DenseLayer
 from embedding_server.errors import UnsupportedModelError
-
-from .pooling import DenseLayer
+from embedding_server.request.colbert import ColbertFormat, punctuation_skiplist
 
 PYLATE_DENSE = "pylate.models.Dense.Dense"
 """The one PyLate module type read (its other modules are refused by name)."""

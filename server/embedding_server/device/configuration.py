@@ -4,10 +4,11 @@ model declares, decided once.
 :func:`resolve_config` is pure: from the settings and the loaded model's declarations
 (positions, tokenizer limit, sentence-transformers files, its heads) it decides the input
 length, the batch budgets, the pooling method and head, the task and the prompts, or raises
-naming the setting at fault. The result (:class:`~embedding_server.configuration.EngineConfig`)
-holds no tensor; the weights the forward worker applies after the body go to
-:class:`DeviceHeads`. :func:`describe` turns the same decisions into
-:class:`~embedding_server.configuration.EngineInfo` for the start-up log line and ``/info``,
+naming the setting at fault. The result
+(:class:`~embedding_server.request.configuration.EngineConfig`) holds no tensor; the weights
+the forward worker applies after the body go to :class:`DeviceHeads`. :func:`describe` turns
+the same decisions into :class:`~embedding_server.request.configuration.EngineInfo` for the
+start-up log line and ``/info``,
 so what runs and what is reported cannot drift apart.
 """
 
@@ -18,24 +19,28 @@ from dataclasses import dataclass
 
 import torch
 
-from embedding_server.configuration import EngineConfig, EngineInfo
+from embedding_server.device.attention import Backend, BackendChoice, probe, select_backend
+from embedding_server.device.colbert import ColbertHead
+from embedding_server.device.dtypes import cpu_thread_budget, dtype_name
+from embedding_server.device.heads import ClassificationHead, SparseHead, token_head
+from embedding_server.device.hybrid import HybridHead
+from embedding_server.device.listwise import ProjectorHead
+from embedding_server.device.loading import LoadedModel, declared_matryoshka
+from embedding_server.device.models.vision import image_tokens_of
+from embedding_server.device.pooling import DenseHead
 from embedding_server.errors import InvalidRequestError, UnsupportedModelError
-from embedding_server.heads import Task, resolve_task
-from embedding_server.hybrid import OUTPUTS
-from embedding_server.pooling import POOLING_METHODS, PoolingHead, PoolingMethod, build_matryoshka
+from embedding_server.request.configuration import EngineConfig, EngineInfo
+from embedding_server.request.heads import Task, resolve_task
+from embedding_server.request.hybrid import OUTPUTS
+from embedding_server.request.pooling import (
+    POOLING_METHODS,
+    PoolingHead,
+    PoolingMethod,
+    build_matryoshka,
+)
+from embedding_server.request.special_tokens import describe_tokens
+from embedding_server.request.tokenization import Prompts
 from embedding_server.settings import CPU_BATCH_TOKENS, GPU_BATCH_TOKENS, EngineSettings
-from embedding_server.special_tokens import describe_tokens
-from embedding_server.tokenization import Prompts
-
-from .attention import Backend, BackendChoice, probe, select_backend
-from .colbert import ColbertHead
-from .dtypes import cpu_thread_budget, dtype_name
-from .heads import ClassificationHead, SparseHead, token_head
-from .hybrid import HybridHead
-from .listwise import ProjectorHead
-from .loading import LoadedModel, declared_matryoshka
-from .models.vision import image_tokens_of
-from .pooling import DenseHead
 
 
 def resolve_config(

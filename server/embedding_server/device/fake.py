@@ -52,22 +52,21 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
-from embedding_server.configuration import EngineInfo
-from embedding_server.errors import InvalidRequestError
-from embedding_server.fake_images import FakeImageProcessor
-from embedding_server.multimodal import ChatTemplate
-from embedding_server.pooling import POOLING_METHODS, PoolingMethod, parse_pooling_method
-from embedding_server.sequences import SequenceInput
-from embedding_server.settings import DEFAULT_MODEL
-
-from .loading import (
+from embedding_server.device.fake_images import FakeImageProcessor
+from embedding_server.device.loading import (
     LoadedModel,
     SentenceTransformerConfig,
     load_tokenizer,
     resolve_model_path,
 )
-from .models.base import PackedBatch
-from .runner import ModelRunner, PreparedBatch
+from embedding_server.device.models.base import PackedBatch
+from embedding_server.device.runner import ModelRunner, PreparedBatch
+from embedding_server.errors import InvalidRequestError
+from embedding_server.request.configuration import EngineInfo
+from embedding_server.request.media.inputs import ChatTemplate
+from embedding_server.request.pooling import POOLING_METHODS, PoolingMethod, parse_pooling_method
+from embedding_server.request.sequences import SequenceInput
+from embedding_server.settings import DEFAULT_MODEL
 
 FAKE_MODEL = "fake"
 DEVICE_MODEL = "fake?tokenizer=minilm&device_us_per_token=1&device_launch_us=200"

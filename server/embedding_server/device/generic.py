@@ -47,16 +47,21 @@ from typing import Any, Literal
 
 import torch
 
+from embedding_server.device.dtypes import resolve_dtype
+from embedding_server.device.heads import ClassificationHead
+from embedding_server.device.models import (
+    ARCHITECTURES,
+    IMAGE_MODEL_TYPES,
+    NAMED,
+    REFUSED,
+    known_names,
+)
+from embedding_server.device.models.base import Ignored, PackedBatch
+from embedding_server.device.models.names import check_names
 from embedding_server.errors import UnsupportedModelError
-from embedding_server.heads import Classifier, declared_activation, head_kind, reward_kind
-from embedding_server.pooling import PoolingMethod
+from embedding_server.request.heads import Classifier, declared_activation, head_kind, reward_kind
+from embedding_server.request.pooling import PoolingMethod
 from embedding_server.settings import Dtype, ModelBackend
-
-from .dtypes import resolve_dtype
-from .heads import ClassificationHead
-from .models import ARCHITECTURES, IMAGE_MODEL_TYPES, NAMED, REFUSED, known_names
-from .models.base import Ignored, PackedBatch
-from .models.names import check_names
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ Each model family declares how its checkpoints name these weights (a
 ``device/models/__init__.py``), as vLLM's model classes declare their pooling heads; this
 module reads the parts every family shares (labels, activations, which task the
 architecture names) and runs the heads. What is done per request (activations over the
-logits, label names) is the request plane's ``embedding_server/heads.py``. The head runs in
+logits, label names) is the request plane's ``embedding_server/request/heads.py``. The head runs in
 float32 like the embedding head.
 """
 
@@ -19,8 +19,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from embedding_server.device.pooling import activation
 from embedding_server.errors import UnsupportedModelError
-from embedding_server.heads import (
+from embedding_server.request.heads import (
     Classifier,
     PairPrompt,
     PairTemplate,
@@ -31,9 +32,7 @@ from embedding_server.heads import (
     head_kind,
     reward_kind,
 )
-from embedding_server.pooling import ACTIVATIONS, PoolingMethod
-
-from .pooling import activation
+from embedding_server.request.pooling import ACTIVATIONS, PoolingMethod
 
 
 @dataclass(frozen=True)
@@ -129,7 +128,7 @@ class ClassifierNames:
     dense: str | None = None
     """The prefix of the dense layer before it (``classifier.dense.``, ``bert.pooler.dense.``)."""
     activation: str = "tanh"
-    """Applied after ``dense``, a name in ``embedding_server.pooling.ACTIVATIONS``."""
+    """Applied after ``dense``, a name in ``embedding_server.request.pooling.ACTIVATIONS``."""
     token_out: str = "classifier."
 
     def __call__(self, w: HeadWeights, per_token: bool) -> tuple[ClassificationHead, PoolingMethod]:

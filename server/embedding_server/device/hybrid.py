@@ -1,7 +1,7 @@
 """bge-m3's sparse and ColBERT heads on the device: read from their pickled state dicts, run
 on the token states in one pass.
 
-The request plane's half (what the outputs mean, MaxSim) is ``embedding_server/hybrid.py``.
+The request plane's half (what the outputs mean, MaxSim) is ``embedding_server/request/hybrid.py``.
 BAAI/bge-m3 keeps the heads outside ``model.safetensors``, as ``sparse_linear.pt`` and
 ``colbert_linear.pt`` at the repository's root: ``torch.save`` of an ``nn.Linear``'s state
 dict. A pickle can run code when it is loaded, so they are read with
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from embedding_server.errors import UnsupportedModelError
-from embedding_server.hybrid import HybridHeads
+from embedding_server.request.hybrid import HybridHeads
 
 SPARSE_FILE = "sparse_linear.pt"
 COLBERT_FILE = "colbert_linear.pt"

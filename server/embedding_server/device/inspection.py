@@ -14,14 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from embedding_server.configuration import EngineInfo
+from embedding_server.device.configuration import choose_attention, describe, resolve_config
+from embedding_server.device.distributed import SINGLE, Shard
+from embedding_server.device.dtypes import resolve_device
+from embedding_server.device.loading import load_model
+from embedding_server.device.pooling_guess import pooling_guess
+from embedding_server.request.configuration import EngineInfo
 from embedding_server.settings import EngineSettings
-
-from .configuration import choose_attention, describe, resolve_config
-from .distributed import SINGLE, Shard
-from .dtypes import resolve_device
-from .loading import load_model
-from .pooling_guess import pooling_guess
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@
 it); this module reads the projector's two weights (``projector.0.weight``,
 ``projector.2.weight``) and applies it, in float32, to the token states a listwise job asks
 for. The request plane picks the marker positions' rows and scores them
-(``embedding_server/listwise.py``).
+(``embedding_server/request/listwise.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from embedding_server.errors import UnsupportedModelError
-from embedding_server.listwise import CHAT_TOKENS, ListwiseFormat
+from embedding_server.request.listwise import CHAT_TOKENS, ListwiseFormat
 
 ARCHITECTURE = "JinaForRanking"
 FIRST, SECOND = "projector.0.weight", "projector.2.weight"

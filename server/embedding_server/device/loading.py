@@ -59,17 +59,8 @@ from typing import Any, NamedTuple
 import torch
 from tokenizers import Tokenizer
 
-from embedding_server.colbert import ColbertFormat
-from embedding_server.errors import ModelNotFoundError, UnsupportedModelError
-from embedding_server.heads import Classifier, SparseStrategy, head_kind
-from embedding_server.hybrid import HybridHeads
-from embedding_server.listwise import ListwiseFormat
-from embedding_server.pooling import PoolingMethod
-from embedding_server.settings import DEFAULT_MODEL, Dtype, ModelBackend
-from embedding_server.special_tokens import SpecialTokens, apply_template, describe_tokens
-
-from . import siglip_text
-from .colbert import (
+from embedding_server.device import siglip_text
+from embedding_server.device.colbert import (
     METADATA_FILE,
     PYLATE_DENSE,
     ColbertHead,
@@ -78,9 +69,9 @@ from .colbert import (
     read_pylate_format,
     read_stanford_format,
 )
-from .distributed import SINGLE, Shard
-from .dtypes import resolve_dtype
-from .generic import (
+from embedding_server.device.distributed import SINGLE, Shard
+from embedding_server.device.dtypes import resolve_dtype
+from embedding_server.device.generic import (
     ServedBackend,
     build_transformers,
     choose_backend,
@@ -91,7 +82,7 @@ from .generic import (
     tensor_parallel_refusal,
     transformers_dtype,
 )
-from .heads import (
+from embedding_server.device.heads import (
     ClassificationHead,
     SparseHead,
     check_reward,
@@ -102,19 +93,32 @@ from .heads import (
     read_yes_no,
     yes_no_template,
 )
-from .hybrid import (
+from embedding_server.device.hybrid import (
     COLBERT_NOT_SERVED,
     HEAD_FILES,
     HybridHead,
     read_hybrid_head,
     refuse_colbert,
 )
-from .instructions import InstructionSpan
-from .listwise import ProjectorHead, is_listwise, read_format, read_projector
-from .models import ARCHITECTURES, Architecture, build_model, lookup
-from .models.base import EmbeddingModel, TensorAudit, TrackedWeights, audit_tensors
-from .pooling import DenseLayer
-from .quantization import Quantization, quantize_layers, refuse_int8
+from embedding_server.device.instructions import InstructionSpan
+from embedding_server.device.listwise import ProjectorHead, is_listwise, read_format, read_projector
+from embedding_server.device.models import ARCHITECTURES, Architecture, build_model, lookup
+from embedding_server.device.models.base import (
+    EmbeddingModel,
+    TensorAudit,
+    TrackedWeights,
+    audit_tensors,
+)
+from embedding_server.device.pooling import DenseLayer
+from embedding_server.device.quantization import Quantization, quantize_layers, refuse_int8
+from embedding_server.errors import ModelNotFoundError, UnsupportedModelError
+from embedding_server.request.colbert import ColbertFormat
+from embedding_server.request.heads import Classifier, SparseStrategy, head_kind
+from embedding_server.request.hybrid import HybridHeads
+from embedding_server.request.listwise import ListwiseFormat
+from embedding_server.request.pooling import PoolingMethod
+from embedding_server.request.special_tokens import SpecialTokens, apply_template, describe_tokens
+from embedding_server.settings import DEFAULT_MODEL, Dtype, ModelBackend
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """Pooling on the device: the methods over packed hidden states, and the Dense layers.
 
 The request plane's half (method names, Matryoshka truncation, normalization) is
-``embedding_server/pooling.py``; see its docstring for the composition (method x head) and the
-methods' sentence-transformers semantics. What runs here, per batch in the forward worker:
+``embedding_server/request/pooling.py``; see its docstring for the composition (method x head)
+and the methods' sentence-transformers semantics. What runs here, per batch in the forward worker:
 :func:`pool` (one float32 vector per packed sequence) and :class:`DenseHead`
 (sentence-transformers ``Dense`` modules), before the vectors leave the device.
 """
@@ -16,7 +16,7 @@ from typing import assert_never
 
 import torch
 
-from embedding_server.pooling import PoolingMethod
+from embedding_server.request.pooling import PoolingMethod
 
 
 def pool(

@@ -13,12 +13,11 @@ logs it at warning level.
 
 from __future__ import annotations
 
-from embedding_server.configuration import EngineConfig
+from embedding_server.device.loading import LoadedModel
+from embedding_server.device.models import lookup
 from embedding_server.errors import UnsupportedModelError
+from embedding_server.request.configuration import EngineConfig
 from embedding_server.settings import EngineSettings
-
-from .loading import LoadedModel
-from .models import lookup
 
 _METHODS = {
     "cls": "the first token's state",

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import logging
 
+from embedding_server.device.generic import choose_backend
+from embedding_server.device.inspection import inspect_model
+from embedding_server.device.loading import _hub_offline, locate_model, naming, read_model_config
 from embedding_server.settings import EngineSettings
-
-from .generic import choose_backend
-from .inspection import inspect_model
-from .loading import _hub_offline, locate_model, naming, read_model_config
 
 logger = logging.getLogger(__name__)
 

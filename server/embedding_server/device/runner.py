@@ -36,15 +36,14 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from embedding_server.device.attention import Backend
+from embedding_server.device.dtypes import fatal_device_error
+from embedding_server.device.models.base import EmbeddingModel, PackedBatch
+from embedding_server.device.models.vision import image_tokens_of
+from embedding_server.device.pooling import pool
 from embedding_server.errors import EngineFailedError, InvalidRequestError
-from embedding_server.pooling import FloatArray, PoolingMethod
-from embedding_server.sequences import BatchOutput, SequenceInput
-
-from .attention import Backend
-from .dtypes import fatal_device_error
-from .models.base import EmbeddingModel, PackedBatch
-from .models.vision import image_tokens_of
-from .pooling import pool
+from embedding_server.request.pooling import FloatArray, PoolingMethod
+from embedding_server.request.sequences import BatchOutput, SequenceInput
 
 logger = logging.getLogger(__name__)
 

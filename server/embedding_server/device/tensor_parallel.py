@@ -48,14 +48,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 
+from embedding_server.device.attention import Backend, probe, select_backend
+from embedding_server.device.distributed import Shard
+from embedding_server.device.loading import load_shard
+from embedding_server.device.models.base import EmbeddingModel, PackedBatch
+from embedding_server.device.runner import SMALL_BATCH_TOKENS
 from embedding_server.errors import NotReadyError, UnsupportedModelError
 from embedding_server.settings import EngineSettings
-
-from .attention import Backend, probe, select_backend
-from .distributed import Shard
-from .loading import load_shard
-from .models.base import EmbeddingModel, PackedBatch
-from .runner import SMALL_BATCH_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -471,9 +470,8 @@ def _serve(model: EmbeddingModel, device: torch.device, threads: int, attention:
 
 def worker_main(argv: Sequence[str] | None = None) -> int:
     """A worker rank: load the shard, join the group, run forward passes until told to stop."""
+    from embedding_server.device.dtypes import cpu_thread_budget
     from embedding_server.logging import configure_logging
-
-    from .dtypes import cpu_thread_budget
 
     parser = argparse.ArgumentParser(prog="embedding-server tensor-parallel worker")
     parser.add_argument("--rank", type=int, required=True)

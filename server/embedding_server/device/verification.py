@@ -39,13 +39,12 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from embedding_server.configuration import EngineInfo
-from embedding_server.serving import ServingEngine
+from embedding_server.device.instructions import GRITLM, InstructionFormat
+from embedding_server.device.loading import locate_model
+from embedding_server.request.configuration import EngineInfo
+from embedding_server.request.serving import ServingEngine
+from embedding_server.request.tokenization import Truncation
 from embedding_server.settings import EngineSettings
-from embedding_server.tokenization import Truncation
-
-from .instructions import GRITLM, InstructionFormat
-from .loading import locate_model
 
 ProbeKind = Literal["short", "long", "multilingual", "instruction", "truncated"]
 Metric = Literal["cosine", "abs_diff"]
@@ -254,7 +253,7 @@ def _check_family(path: str, info: EngineInfo, native: NativeReference | None) -
     """Refuse a native family whose authors' computation is neither sentence-transformers'
     nor transformers' (nor declared in :data:`NATIVE_REFERENCES`): compared with those, it
     would fail for being right."""
-    from .models import lookup
+    from embedding_server.device.models import lookup
 
     instruction = getattr(lookup(_config(path)), "instruction", None)
     if instruction is not None and (native is None or native.instruction != instruction):

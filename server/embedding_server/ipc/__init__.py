@@ -3,7 +3,7 @@
 With N front-ends, each runs the engine's request-level code (inputs, prompts, truncation,
 tokenization, the per-request head, results) and hands the engine process only what its
 scheduler takes: token ids. The engine process owns the model and the one
-:class:`~embedding_server.scheduler.Scheduler`, so a batch holds sequences of every
+:class:`~embedding_server.request.scheduler.Scheduler`, so a batch holds sequences of every
 front-end. Nothing per request is pickled, and nothing is a Python list on the wire.
 
 * :mod:`.messages`: every message, one typed definition each, and the buffers they carry;

@@ -2,7 +2,7 @@
 serves through it (``--api-workers N``).
 
 **Admission before tokenizing.** A front-end admits each request as the one-process server
-does (:class:`~embedding_server.scheduler.Admission`), before paying for its tokenization:
+does (:class:`~embedding_server.request.scheduler.Admission`), before paying for its tokenization:
 over the per-request limit is a 413, and a request that would not fit the engine's queue, as
 the front-end last heard of it, is a 429 with the engine's ``Retry-After``; so is one that
 would not fit beside the requests this front-end is still tokenizing (a burst). The view never
@@ -31,21 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from embedding_server.errors import EngineFailedError, NotReadyError
-from embedding_server.jobs import Job, JobRunner, ThreadedRunner
-from embedding_server.metrics import Metrics
-from embedding_server.scheduler import (
-    Admission,
-    Priority,
-    Reservation,
-    ScheduledOutput,
-    backlog_seconds,
-)
-from embedding_server.sequences import SequenceInput
-from embedding_server.serving import EngineLoad, ServingEngine
-from embedding_server.settings import ServerSettings
-from embedding_server.tokenization import TextTokenizer
-
-from .messages import (
+from embedding_server.ipc.messages import (
     HELLO,
     Cancel,
     Failure,
@@ -59,7 +45,20 @@ from .messages import (
     encode_sequences,
     to_front_end,
 )
-from .wire import Frames, Wire
+from embedding_server.ipc.wire import Frames, Wire
+from embedding_server.metrics import Metrics
+from embedding_server.request.jobs import Job, JobRunner, ThreadedRunner
+from embedding_server.request.scheduler import (
+    Admission,
+    Priority,
+    Reservation,
+    ScheduledOutput,
+    backlog_seconds,
+)
+from embedding_server.request.sequences import SequenceInput
+from embedding_server.request.serving import EngineLoad, ServingEngine
+from embedding_server.request.tokenization import TextTokenizer
+from embedding_server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -198,10 +197,10 @@ class EngineClient:
 
 
 class RemoteRunner(ThreadedRunner):
-    """A front-end's :class:`~embedding_server.jobs.JobRunner`: tokenizes here, in the
+    """A front-end's :class:`~embedding_server.request.jobs.JobRunner`: tokenizes here, in the
     front-end's thread pool, and runs the sequences in the engine process's scheduler.
 
-    Like :class:`~embedding_server.jobs.ScheduledRunner` it admits a request before
+    Like :class:`~embedding_server.request.jobs.ScheduledRunner` it admits a request before
     tokenizing it, here on the front-end's view of the engine's queue
     (:meth:`EngineClient.reserve`), with no round trip; the engine admits the exact tokens
     when they arrive."""

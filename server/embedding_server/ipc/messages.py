@@ -31,7 +31,6 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from embedding_server.configuration import EngineConfig, EngineInfo
 from embedding_server.errors import (
     EmbeddingServerError,
     EngineFailedError,
@@ -43,11 +42,12 @@ from embedding_server.errors import (
     QueueFullError,
     TooManyTokensError,
 )
-from embedding_server.multimodal import ChatTemplate, ImagePreprocessor
-from embedding_server.pooling import FloatArray
-from embedding_server.scheduler import Priority, ScheduledOutput
-from embedding_server.sequences import SequenceInput
-from embedding_server.tokenization import TextTokenizer
+from embedding_server.request.configuration import EngineConfig, EngineInfo
+from embedding_server.request.media.inputs import ChatTemplate, ImagePreprocessor
+from embedding_server.request.pooling import FloatArray
+from embedding_server.request.scheduler import Priority, ScheduledOutput
+from embedding_server.request.sequences import SequenceInput
+from embedding_server.request.tokenization import TextTokenizer
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ class Output(msgspec.Struct, tag_field="op", tag="output", frozen=True):
     """A request's results: the pooled ``[n, dim]`` matrix, then, with ``token_rows``, the
     per-token states ``[sum(token_rows), token_dim]``. The header carries the engine's stage
     seconds and the batches the request rode, which the front-end's traces turn into spans
-    (:mod:`embedding_server.tracing`): three integers rather than a trace context."""
+    (:mod:`embedding_server.request.tracing`): three integers rather than a trace context."""
 
     rid: int
     held: int

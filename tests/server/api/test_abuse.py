@@ -928,7 +928,8 @@ def _media_is_stub() -> bool:
 
 needs_media = pytest.mark.skipif(
     _media_is_stub(),
-    reason="needs embedding_server.media's real fetch and decode (issue 33's MEDIA work; "
+    reason="needs embedding_server.request.media.fetching's real fetch and decode "
+    "(the MEDIA work; "
     "its contract stubs raise NotImplementedError): rerun after the merge",
 )
 

@@ -4,9 +4,10 @@ model that takes images, whose image vectors are a function of the pixels): vLLM
 ``images`` and ``inputs`` on /v2/embed, images on /score and /rerank, and the refusals a
 client would meet, each a 400 naming its field.
 
-The images are real base64 PNG data URIs made with Pillow. Where ``embedding_server.media``
-still has its contract stubs, its fetch and decode are replaced by stand-ins
-(:func:`tests.support.images.media_stand_ins`); against the real ones the tests are the same.
+The images are real base64 PNG data URIs made with Pillow. Where
+``embedding_server.request.media.fetching`` still has its contract stubs, its fetch and decode
+are replaced by stand-ins (:func:`tests.support.images.media_stand_ins`); against the real
+ones the tests are the same.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from embedding_server import media
 from embedding_server.device.fake import FAKE_CHAT_TEMPLATE
-from embedding_server.multimodal import ChatTemplate, parse_messages
+from embedding_server.request.media import fetching as media
+from embedding_server.request.media.inputs import ChatTemplate, parse_messages
 from openai.types import CreateEmbeddingResponse
 
 from tests.support.api import RunningServer, fake_settings, running_server

@@ -27,11 +27,11 @@ import pytest
 from embedding_server.api import create_app
 from embedding_server.api.tracing import TracingMiddleware
 from embedding_server.cli import load_settings
-from embedding_server.device.service import EngineService
 from embedding_server.engine import Engine
 from embedding_server.ipc.client import AttachedEngine, EngineClient
+from embedding_server.ipc.service import EngineService
+from embedding_server.request.tracing import Tracing, current_trace, service_resource, traces_url
 from embedding_server.settings import ServerSettings
-from embedding_server.tracing import Tracing, current_trace, service_resource, traces_url
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter

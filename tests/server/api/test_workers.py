@@ -449,7 +449,7 @@ def _wire_carries_pixels() -> bool:
     (issue 33's VISION work: until it does, an image sent through a front-end cannot be
     served)."""
     from embedding_server.ipc.messages import decode_sequences, encode_sequences
-    from embedding_server.sequences import SequenceInput
+    from embedding_server.request.sequences import SequenceInput
 
     probe = SequenceInput([0, 0], pixels=np.ones((3, 2, 2), np.float32))
     back = decode_sequences(encode_sequences([probe]), False)[0]

@@ -23,8 +23,8 @@ from embedding_server.device.loading import load_model
 from embedding_server.device.models.vision import image_tokens_of
 from embedding_server.engine import Engine
 from embedding_server.errors import UnsupportedModelError
-from embedding_server.imaging import ImageInput, ImageProcessor
-from embedding_server.sequences import SequenceInput
+from embedding_server.request.media.preprocessing import ImageInput, ImageProcessor
+from embedding_server.request.sequences import SequenceInput
 from transformers import CLIPModel
 
 from tests.support.vision import IMAGE_SIZE, PATCH, build_clip, cosines, random_pixels, serve
@@ -173,7 +173,7 @@ def test_sentence_transformers_clip_layouts(clip_dir: Path, tmp_path: Path) -> N
 
 
 def _processor_is_stub(path: Path) -> bool:
-    """Whether ``embedding_server.imaging`` still has its contract stubs (the MEDIA work)."""
+    """Whether ``embedding_server.request.media.preprocessing`` still has its contract stubs."""
     try:
         ImageProcessor.from_pretrained(path, {})
     except NotImplementedError:

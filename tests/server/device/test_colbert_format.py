@@ -1,5 +1,5 @@
 """A ColBERT checkpoint's tokenization per side and its token vectors
-(``embedding_server/colbert.py``), against the references restated in
+(``embedding_server/request/colbert.py``), against the references restated in
 ``test_colbert_augmentation.py``: stanford-colbert's ``QueryTokenizer``/``DocTokenizer``
 ``tensorize`` and PyLate's ``ColBERT.preprocess`` over the same tokenizers."""
 
@@ -9,8 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from embedding_server.colbert import ColbertFormat, maxsim_sum, parse_side, punctuation_skiplist
 from embedding_server.errors import InvalidRequestError
+from embedding_server.request.colbert import (
+    ColbertFormat,
+    maxsim_sum,
+    parse_side,
+    punctuation_skiplist,
+)
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 

@@ -23,9 +23,9 @@ from embedding_server.errors import (
     UnsettledInputError,
     UnsupportedModelError,
 )
-from embedding_server.heads import apply_activation, softmax
-from embedding_server.pooling import ACTIVATIONS
-from embedding_server.tokenization import Truncation, longest_first
+from embedding_server.request.heads import apply_activation, softmax
+from embedding_server.request.pooling import ACTIVATIONS
+from embedding_server.request.tokenization import Truncation, longest_first
 from transformers import (
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,

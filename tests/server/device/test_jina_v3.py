@@ -26,7 +26,7 @@ from embedding_server.device.models.jina_v3 import JinaV3Model
 from embedding_server.engine import Engine
 from embedding_server.errors import InvalidRequestError, UnsupportedModelError
 from embedding_server.ipc.messages import decode_sequences, encode_sequences
-from embedding_server.sequences import SequenceInput
+from embedding_server.request.sequences import SequenceInput
 from embedding_server.settings import ServerSettings
 from transformers import AutoTokenizer
 

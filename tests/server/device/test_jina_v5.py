@@ -292,7 +292,7 @@ def test_an_adapted_module_it_does_not_read_is_refused(
 def test_a_sequence_naming_no_task_runs_retrieval_beside_others(engine: Engine) -> None:
     """One batch of sequences with and without a task: those without run retrieval, as
     they do alone, never the bare base weights."""
-    from embedding_server.sequences import SequenceInput
+    from embedding_server.request.sequences import SequenceInput
 
     ids = engine.tokenize("Document: " + TEXTS[2])[0]
     plan = [None, 1, None, 3]

@@ -20,7 +20,7 @@ from embedding_server.device.attention import Backend
 from embedding_server.device.models import PackedBatch
 from embedding_server.engine import Engine
 from embedding_server.ipc.messages import decode_sequences, encode_sequences
-from embedding_server.sequences import SequenceInput
+from embedding_server.request.sequences import SequenceInput
 
 from tests.support.models import build_bert
 

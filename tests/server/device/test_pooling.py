@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from embedding_server.device.pooling import pool
-from embedding_server.pooling import POOLING_METHODS
+from embedding_server.request.pooling import POOLING_METHODS
 
 LENS = [3, 1, 4]
 

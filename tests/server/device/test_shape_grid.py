@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from embedding_server.device.runner import token_grid
 from embedding_server.engine import Engine
-from embedding_server.sequences import SequenceInput
+from embedding_server.request.sequences import SequenceInput
 
 
 def test_the_grid_pads_by_at_most_an_eighth_and_has_few_sizes() -> None:

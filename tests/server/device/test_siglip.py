@@ -24,7 +24,7 @@ from embedding_server.device.loading import load_weights
 from embedding_server.device.models import ARCHITECTURES, build_model
 from embedding_server.device.models.vision import image_tokens_of
 from embedding_server.errors import InvalidRequestError, UnsupportedModelError
-from embedding_server.sequences import SequenceInput
+from embedding_server.request.sequences import SequenceInput
 from transformers import Siglip2Model, SiglipModel
 from transformers.models.siglip2.image_processing_pil_siglip2 import convert_image_to_patches
 

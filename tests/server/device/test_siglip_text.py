@@ -24,7 +24,7 @@ import transformers
 from embedding_server.device.loading import load_tokenizer
 from embedding_server.device.siglip_text import canonicalizer
 from embedding_server.errors import UnsupportedModelError
-from embedding_server.sequences import SequenceInput
+from embedding_server.request.sequences import SequenceInput
 from transformers import SiglipModel
 from transformers.models.siglip.tokenization_siglip import SiglipTokenizer
 

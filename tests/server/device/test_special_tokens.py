@@ -29,8 +29,8 @@ from embedding_server.cli import main
 from embedding_server.device.loading import read_tokenizer
 from embedding_server.engine import Engine
 from embedding_server.errors import UnsupportedModelError
-from embedding_server.special_tokens import apply_template, describe_tokens
-from embedding_server.tokenization import TextTokenizer, Truncation
+from embedding_server.request.special_tokens import apply_template, describe_tokens
+from embedding_server.request.tokenization import TextTokenizer, Truncation
 from transformers import AutoModel, AutoTokenizer
 
 from tests.support.api import fake_settings, running_server

@@ -1,8 +1,9 @@
 """CLIP, SigLIP and SigLIP 2 NaFlex through the whole engine: an image as a user sends it (a
-PIL image through the model's own preprocessing, ``embedding_server.imaging``) beside a text
-in one request must come back as transformers' processor + ``get_image_features``, cosine >=
-0.99999 in float32; NaFlex at the image's own patch grid. Needs the imaging bodies (issue
-33's MEDIA work): skipped, saying so, while ``ImageProcessor`` is the contract stub.
+PIL image through the model's own preprocessing,
+``embedding_server.request.media.preprocessing``) beside a text in one request must come back
+as transformers' processor + ``get_image_features``, cosine >= 0.99999 in float32; NaFlex at
+the image's own patch grid. Needs the imaging bodies: skipped, saying so, while
+``ImageProcessor`` is the contract stub.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from embedding_server.engine import Engine
-from embedding_server.imaging import ImageProcessor
+from embedding_server.request.media.preprocessing import ImageProcessor
 from transformers import AutoImageProcessor, CLIPModel, Siglip2Model, SiglipModel
 
 from tests.support.images import picture
@@ -43,7 +44,9 @@ def test_an_image_as_sent_gets_transformers_vector(
 ) -> None:
     path = build(tmp_path / "model")
     if _imaging_is_stub(path):
-        pytest.skip("needs embedding_server.imaging's bodies (issue 33, MEDIA): rerun after merge")
+        pytest.skip(
+            "needs embedding_server.request.media.preprocessing's bodies: rerun after merge"
+        )
     engine = Engine.from_pretrained(str(path), dtype="float32", normalize=False)
     image = picture(5, (40, 28))  # not square: NaFlex keeps the aspect ratio
     out = engine.embed_full(["a photo", image])

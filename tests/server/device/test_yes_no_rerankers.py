@@ -23,7 +23,7 @@ import torch
 from embedding_server.device.loading import load_model
 from embedding_server.engine import Engine
 from embedding_server.errors import InvalidRequestError, UnsupportedModelError
-from embedding_server.heads import QWEN3_RERANKER
+from embedding_server.request.heads import QWEN3_RERANKER
 from embedding_server.settings import ServerSettings
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from embedding_server.device.service import EngineService
 from embedding_server.engine import Engine
 from embedding_server.errors import (
     EmbeddingServerError,
@@ -35,10 +34,11 @@ from embedding_server.ipc.messages import (
     encode_sequences,
     to_front_end,
 )
+from embedding_server.ipc.service import EngineService
 from embedding_server.ipc.wire import Frames, Wire, pack
 from embedding_server.metrics import Metrics
-from embedding_server.scheduler import ScheduledOutput
-from embedding_server.sequences import SequenceInput
+from embedding_server.request.scheduler import ScheduledOutput
+from embedding_server.request.sequences import SequenceInput
 from embedding_server.settings import ServerSettings
 
 from tests.support.scheduler import wait_for

@@ -24,23 +24,11 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
-from embedding_server.errors import UnsupportedModelError
-from embedding_server.heads import (
-    BGE_RERANKER_GEMMA,
-    MXBAI_RERANK_V2,
-    NEMOTRON_RERANK,
-    QWEN3_RERANKER,
-    PairPrompt,
-    PairTemplate,
-    SegmentedPairTemplate,
-)
-from embedding_server.pooling import PoolingMethod
-
-from ..distributed import SINGLE, Shard
-from ..heads import ClassifierReader, MaskedLmReader, RewardReader, score_head
-from ..instructions import GRITLM as GRITLM_INSTRUCTION
-from ..instructions import InstructionFormat
-from . import (
+from embedding_server.device.distributed import SINGLE, Shard
+from embedding_server.device.heads import ClassifierReader, MaskedLmReader, RewardReader, score_head
+from embedding_server.device.instructions import GRITLM as GRITLM_INSTRUCTION
+from embedding_server.device.instructions import InstructionFormat
+from embedding_server.device.models import (
     bert,
     clip,
     deberta_v2,
@@ -61,20 +49,31 @@ from . import (
     reward,
     siglip,
 )
-from .base import Checkpoint, EmbeddingModel, Ignored, PackedBatch
-from .bert import BertModel, BertVariant
-from .deberta_v2 import DebertaV2Model
-from .gemma import GemmaModel
-from .gemma2 import Gemma2Model
-from .gemma3 import MULTIMODAL_REFUSAL, Gemma3TextModel
-from .gte import GteModel
-from .jina_v3 import JinaV3Model
-from .llama import DECODER_IGNORED, DecoderVariant, LlamaModel
-from .modernbert import ModernBertModel
-from .mpnet import MPNetModel
-from .names import KNOWN_NAMES, check_names
-from .nomic_bert import NomicBertModel
-from .vision import VisionModel, flatten_text
+from embedding_server.device.models.base import Checkpoint, EmbeddingModel, Ignored, PackedBatch
+from embedding_server.device.models.bert import BertModel, BertVariant
+from embedding_server.device.models.deberta_v2 import DebertaV2Model
+from embedding_server.device.models.gemma import GemmaModel
+from embedding_server.device.models.gemma2 import Gemma2Model
+from embedding_server.device.models.gemma3 import MULTIMODAL_REFUSAL, Gemma3TextModel
+from embedding_server.device.models.gte import GteModel
+from embedding_server.device.models.jina_v3 import JinaV3Model
+from embedding_server.device.models.llama import DECODER_IGNORED, DecoderVariant, LlamaModel
+from embedding_server.device.models.modernbert import ModernBertModel
+from embedding_server.device.models.mpnet import MPNetModel
+from embedding_server.device.models.names import KNOWN_NAMES, check_names
+from embedding_server.device.models.nomic_bert import NomicBertModel
+from embedding_server.device.models.vision import VisionModel, flatten_text
+from embedding_server.errors import UnsupportedModelError
+from embedding_server.request.heads import (
+    BGE_RERANKER_GEMMA,
+    MXBAI_RERANK_V2,
+    NEMOTRON_RERANK,
+    QWEN3_RERANKER,
+    PairPrompt,
+    PairTemplate,
+    SegmentedPairTemplate,
+)
+from embedding_server.request.pooling import PoolingMethod
 
 ModelBuilder = Callable[[Checkpoint], EmbeddingModel]
 

@@ -19,9 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from embedding_server.errors import UnsupportedModelError
-
-from ..attention import (
+from embedding_server.device.attention import (
     AttentionBias,
     AttentionPlan,
     Backend,
@@ -29,8 +27,9 @@ from ..attention import (
     staged,
     varlen_attention,
 )
-from ..distributed import SINGLE, Shard
-from .layers import HeadSplit, VocabEmbedding
+from embedding_server.device.distributed import SINGLE, Shard
+from embedding_server.device.models.layers import HeadSplit, VocabEmbedding
+from embedding_server.errors import UnsupportedModelError
 
 
 @dataclass(eq=False)

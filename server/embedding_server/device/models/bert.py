@@ -23,12 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from embedding_server.errors import UnsupportedModelError
-from embedding_server.heads import SparseStrategy
-from embedding_server.pooling import ACTIVATIONS, PoolingMethod
-
-from ..heads import ClassificationHead, HeadWeights, SparseHead
-from .base import (
+from embedding_server.device.heads import ClassificationHead, HeadWeights, SparseHead
+from embedding_server.device.models.base import (
     Checkpoint,
     Ignored,
     PackedBatch,
@@ -36,7 +32,10 @@ from .base import (
     config_get,
     refuse_beyond_table,
 )
-from .layers import HeadSplit, PostLnLayer, activation, row_linear
+from embedding_server.device.models.layers import HeadSplit, PostLnLayer, activation, row_linear
+from embedding_server.errors import UnsupportedModelError
+from embedding_server.request.heads import SparseStrategy
+from embedding_server.request.pooling import ACTIVATIONS, PoolingMethod
 
 _PREFIX = r"(?:(?:bert|roberta|model|encoder)\.)?"
 

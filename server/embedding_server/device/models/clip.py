@@ -30,11 +30,14 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-from embedding_server.errors import UnsupportedModelError
-
-from ..attention import Backend
-from .base import Checkpoint, Ignored, PackedBatch, refuse_beyond_table
-from .vision import (
+from embedding_server.device.attention import Backend
+from embedding_server.device.models.base import (
+    Checkpoint,
+    Ignored,
+    PackedBatch,
+    refuse_beyond_table,
+)
+from embedding_server.device.models.vision import (
     PreLnStack,
     image_batch,
     patch_tokens,
@@ -43,6 +46,7 @@ from .vision import (
     text_config,
     vision_config,
 )
+from embedding_server.errors import UnsupportedModelError
 
 MODEL_TYPE = "clip"
 

@@ -40,13 +40,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from embedding_server.device.attention import AttentionPlan
+from embedding_server.device.heads import ClassificationHead, HeadWeights
+from embedding_server.device.models.base import Checkpoint, Ignored, PackedBatch
+from embedding_server.device.models.layers import HeadSplit, PostLnLayer, activation, row_linear
 from embedding_server.errors import UnsupportedModelError
-from embedding_server.pooling import ACTIVATIONS, PoolingMethod
-
-from ..attention import AttentionPlan
-from ..heads import ClassificationHead, HeadWeights
-from .base import Checkpoint, Ignored, PackedBatch
-from .layers import HeadSplit, PostLnLayer, activation, row_linear
+from embedding_server.request.pooling import ACTIVATIONS, PoolingMethod
 
 MODEL_TYPE = "deberta-v2"
 

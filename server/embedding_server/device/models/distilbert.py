@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from functools import partial
 
-from ..heads import ClassifierNames, MaskedLmNames
-from .base import Ignored
-from .bert import BertModel, BertVariant
+from embedding_server.device.heads import ClassifierNames, MaskedLmNames
+from embedding_server.device.models.base import Ignored
+from embedding_server.device.models.bert import BertModel, BertVariant
 
 CONFIG_KEYS = (
     ("hidden_size", "dim"),

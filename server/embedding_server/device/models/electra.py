@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..heads import ClassifierNames, MaskedLmNames
-from .base import Checkpoint, Ignored, PackedBatch, WeightReader
-from .bert import BertModel, BertVariant
+from embedding_server.device.heads import ClassifierNames, MaskedLmNames
+from embedding_server.device.models.base import Checkpoint, Ignored, PackedBatch, WeightReader
+from embedding_server.device.models.bert import BertModel, BertVariant
 
 VARIANT = BertVariant(prefixes=("electra.",))
 

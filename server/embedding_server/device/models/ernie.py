@@ -9,9 +9,9 @@ constant vector, folded into the segment embeddings at load, so the forward pass
 
 from __future__ import annotations
 
-from ..heads import ClassifierNames, MaskedLmNames
-from .base import Checkpoint, Ignored, WeightReader
-from .bert import BertModel, BertVariant
+from embedding_server.device.heads import ClassifierNames, MaskedLmNames
+from embedding_server.device.models.base import Checkpoint, Ignored, WeightReader
+from embedding_server.device.models.bert import BertModel, BertVariant
 
 VARIANT = BertVariant(prefixes=("ernie.",))
 

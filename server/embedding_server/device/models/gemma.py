@@ -25,11 +25,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from embedding_server.device.models.base import config_get, decoder_causal
+from embedding_server.device.models.gemma3 import Gemma3TextModel
+from embedding_server.device.models.layers import FULL_ATTENTION, SLIDING_ATTENTION, model_rope
 from embedding_server.errors import UnsupportedModelError
-
-from .base import config_get, decoder_causal
-from .gemma3 import Gemma3TextModel
-from .layers import FULL_ATTENTION, SLIDING_ATTENTION, model_rope
 
 # What transformers' GemmaMLP runs for each activation name a Gemma config holds: "gelu"
 # is the original releases' value, meant (and converted to) the tanh approximation.

@@ -33,11 +33,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from embedding_server.device.models.base import decoder_causal
+from embedding_server.device.models.gemma3 import (
+    _GELU_APPROXIMATION,
+    Gemma3TextModel,
+    gelu_activation,
+)
+from embedding_server.device.models.layers import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    layer_types,
+    model_rope,
+)
 from embedding_server.errors import UnsupportedModelError
-
-from .base import decoder_causal
-from .gemma3 import _GELU_APPROXIMATION, Gemma3TextModel, gelu_activation
-from .layers import FULL_ATTENTION, SLIDING_ATTENTION, layer_types, model_rope
 
 _DEFAULT_ATTN_SOFTCAP = 50.0  # Gemma2Config's, for configs that omit the key
 

@@ -44,10 +44,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from embedding_server.errors import UnsupportedModelError
-
-from .base import Checkpoint, PackedBatch, config_get, decoder_causal
-from .layers import (
+from embedding_server.device.models.base import Checkpoint, PackedBatch, config_get, decoder_causal
+from embedding_server.device.models.layers import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
     HeadSplit,
@@ -58,6 +56,7 @@ from .layers import (
     layer_types,
     row_linear,
 )
+from embedding_server.errors import UnsupportedModelError
 
 MULTIMODAL_REFUSAL = (
     "model_type 'gemma3' is the multimodal Gemma 3 checkpoint (vision tower + language "

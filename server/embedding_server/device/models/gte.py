@@ -38,12 +38,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from embedding_server.errors import UnsupportedModelError
-from embedding_server.pooling import PoolingMethod
-
-from ..heads import ClassificationHead, HeadWeights
-from .base import Checkpoint, Ignored, PackedBatch
-from .layers import (
+from embedding_server.device.heads import ClassificationHead, HeadWeights
+from embedding_server.device.models.base import Checkpoint, Ignored, PackedBatch
+from embedding_server.device.models.layers import (
     HeadSplit,
     RotaryTable,
     activation,
@@ -52,6 +49,8 @@ from .layers import (
     rope_inv_freq,
     row_linear,
 )
+from embedding_server.errors import UnsupportedModelError
+from embedding_server.request.pooling import PoolingMethod
 
 PREFIXES = ("new.", "gte.")
 """Where task heads nest the body: ``new.`` on the Hub (new-impl), ``gte.`` in transformers."""

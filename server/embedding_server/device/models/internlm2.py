@@ -30,12 +30,11 @@ from typing import Any
 
 import torch
 
+from embedding_server.device.heads import ClassificationHead, HeadWeights, RewardReader
+from embedding_server.device.models.base import Checkpoint, EmbeddingModel, Ignored
+from embedding_server.device.models.llama import DECODER_IGNORED, DecoderVariant, LlamaModel
 from embedding_server.errors import UnsupportedModelError
-from embedding_server.pooling import PoolingMethod
-
-from ..heads import ClassificationHead, HeadWeights, RewardReader
-from .base import Checkpoint, EmbeddingModel, Ignored
-from .llama import DECODER_IGNORED, DecoderVariant, LlamaModel
+from embedding_server.request.pooling import PoolingMethod
 
 VARIANT = DecoderVariant()
 """Llama's math with no biases (``bias: false``, every published checkpoint)."""

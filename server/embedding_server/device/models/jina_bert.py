@@ -42,13 +42,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from embedding_server.device.attention import AlibiBias
+from embedding_server.device.models.base import (
+    Checkpoint,
+    EmbeddingModel,
+    PackedBatch,
+    WeightReader,
+)
+from embedding_server.device.models.bert import BERT, LEGACY_NAMES, BertModel, _read_qkv, renames
+from embedding_server.device.models.layers import ACT_FUNCS, HeadSplit, attention_shape, row_linear
 from embedding_server.errors import UnsupportedModelError
-from embedding_server.pooling import PoolingMethod
-
-from ..attention import AlibiBias
-from .base import Checkpoint, EmbeddingModel, PackedBatch, WeightReader
-from .bert import BERT, LEGACY_NAMES, BertModel, _read_qkv, renames
-from .layers import ACT_FUNCS, HeadSplit, attention_shape, row_linear
+from embedding_server.request.pooling import PoolingMethod
 
 MODEL_TYPE = "bert"
 ALIBI = "alibi"

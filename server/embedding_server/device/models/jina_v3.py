@@ -50,12 +50,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from embedding_server.errors import UnsupportedModelError
-
-from ..distributed import Shard
-from .base import Checkpoint, Ignored, PackedBatch, WeightReader
-from .bert import FLASH_NAMES, LEGACY_NAMES, renames
-from .layers import (
+from embedding_server.device.distributed import Shard
+from embedding_server.device.models.base import Checkpoint, Ignored, PackedBatch, WeightReader
+from embedding_server.device.models.bert import FLASH_NAMES, LEGACY_NAMES, renames
+from embedding_server.device.models.layers import (
     HeadSplit,
     PostLnLayer,
     RotaryTable,
@@ -65,6 +63,7 @@ from .layers import (
     rope_inv_freq,
     row_linear,
 )
+from embedding_server.errors import UnsupportedModelError
 
 HUB_MODEL_TYPE = "xlm-roberta"
 NATIVE_MODEL_TYPE = "jina_embeddings_v3"

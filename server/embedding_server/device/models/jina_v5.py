@@ -38,13 +38,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from embedding_server.device.models.base import Checkpoint, PackedBatch
+from embedding_server.device.models.jina_v3 import LoraStack
+from embedding_server.device.models.layers import apply_rotary, rms_norm, row_linear
+from embedding_server.device.models.llama import DecoderVariant, LlamaModel
 from embedding_server.errors import UnsupportedModelError
-from embedding_server.pooling import PoolingMethod
-
-from .base import Checkpoint, PackedBatch
-from .jina_v3 import LoraStack
-from .layers import apply_rotary, rms_norm, row_linear
-from .llama import DecoderVariant, LlamaModel
+from embedding_server.request.pooling import PoolingMethod
 
 MODEL_TYPE = "jina_embeddings_v5"
 ARCHITECTURE = "JinaEmbeddingsV5Model"

@@ -17,9 +17,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from embedding_server.device.distributed import Shard
 from embedding_server.errors import UnsupportedModelError
-
-from ..distributed import Shard
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"

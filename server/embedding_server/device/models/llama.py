@@ -38,10 +38,15 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from embedding_server.errors import UnsupportedModelError
-
-from .base import Checkpoint, Ignored, PackedBatch, WeightReader, config_get, decoder_causal
-from .layers import (
+from embedding_server.device.models.base import (
+    Checkpoint,
+    Ignored,
+    PackedBatch,
+    WeightReader,
+    config_get,
+    decoder_causal,
+)
+from embedding_server.device.models.layers import (
     SLIDING_ATTENTION,
     HeadSplit,
     RotaryTable,
@@ -51,6 +56,7 @@ from .layers import (
     rms_norm,
     row_linear,
 )
+from embedding_server.errors import UnsupportedModelError
 
 WindowRule = Literal["none", "every_layer", "opt_in"]
 """Which layers slide: none; every layer when ``sliding_window`` is set (Mistral); or, with

@@ -8,7 +8,7 @@ Their custom code (``llama_bidirectional_model.py``, not run) pools by the confi
 through ``score`` (a Linear without bias) and divides the logit by the config's
 ``temperature``. vLLM reads ``pooling`` the same way and refuses any other value; the
 authors' code would silently fall back to the first token, so we refuse it too. The
-reranker's pair prompt is ``embedding_server.heads.NEMOTRON_RERANK``.
+reranker's pair prompt is ``embedding_server.request.heads.NEMOTRON_RERANK``.
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from embedding_server.device.heads import ClassificationHead, HeadWeights
+from embedding_server.device.models.llama import DecoderVariant
 from embedding_server.errors import UnsupportedModelError
-from embedding_server.pooling import PoolingMethod
-
-from ..heads import ClassificationHead, HeadWeights
-from .llama import DecoderVariant
+from embedding_server.request.pooling import PoolingMethod
 
 LLAMA_BIDIREC = DecoderVariant(attention_bias=True, mlp_bias=True, bidirectional=True)
 """A LlamaModel whose layers attend both ways, whatever config.json's flags say."""

@@ -31,14 +31,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from embedding_server.errors import UnsupportedModelError
-from embedding_server.pooling import ACTIVATIONS, PoolingMethod
-
-from ..heads import ClassificationHead, HeadWeights
-from .base import Checkpoint, Ignored, PackedBatch
-from .layers import FULL_ATTENTION as _FULL
-from .layers import SLIDING_ATTENTION as _SLIDING
-from .layers import (
+from embedding_server.device.heads import ClassificationHead, HeadWeights
+from embedding_server.device.models.base import Checkpoint, Ignored, PackedBatch
+from embedding_server.device.models.layers import FULL_ATTENTION as _FULL
+from embedding_server.device.models.layers import SLIDING_ATTENTION as _SLIDING
+from embedding_server.device.models.layers import (
     HeadSplit,
     RotaryTable,
     activation,
@@ -47,7 +44,9 @@ from .layers import (
     layer_rope,
     row_linear,
 )
-from .layers import layer_types as read_layer_types
+from embedding_server.device.models.layers import layer_types as read_layer_types
+from embedding_server.errors import UnsupportedModelError
+from embedding_server.request.pooling import ACTIVATIONS, PoolingMethod
 
 # Defaults of transformers' ModernBertConfig for keys config.json may omit.
 _DEFAULT_GLOBAL_EVERY = 3

@@ -16,13 +16,18 @@ import math
 import torch
 import torch.nn.functional as F
 
+from embedding_server.device.attention import PositionBias
+from embedding_server.device.heads import HeadWeights, SparseHead
+from embedding_server.device.models.base import Checkpoint, Ignored, PackedBatch
+from embedding_server.device.models.layers import (
+    HeadSplit,
+    PostLnLayer,
+    activation,
+    relative_position_buckets,
+    row_linear,
+)
 from embedding_server.errors import UnsupportedModelError
-from embedding_server.heads import SparseStrategy
-
-from ..attention import PositionBias
-from ..heads import HeadWeights, SparseHead
-from .base import Checkpoint, Ignored, PackedBatch
-from .layers import HeadSplit, PostLnLayer, activation, relative_position_buckets, row_linear
+from embedding_server.request.heads import SparseStrategy
 
 # transformers' MPNet hard-codes these rather than reading the config: the embeddings'
 # padding_idx (positions start after it), and the buckets' count and reach.

@@ -51,11 +51,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from embedding_server.errors import UnsupportedModelError
-
-from ..heads import ClassifierNames
-from .base import Checkpoint, Ignored, PackedBatch, WeightReader, config_get
-from .layers import (
+from embedding_server.device.heads import ClassifierNames
+from embedding_server.device.models.base import (
+    Checkpoint,
+    Ignored,
+    PackedBatch,
+    WeightReader,
+    config_get,
+)
+from embedding_server.device.models.layers import (
     ACT_FUNCS,
     HeadSplit,
     RotaryTable,
@@ -64,6 +68,7 @@ from .layers import (
     rope_inv_freq,
     row_linear,
 )
+from embedding_server.errors import UnsupportedModelError
 
 MODEL_TYPE = "nomic_bert"
 DEFAULT_BASE = 1000.0

@@ -17,9 +17,8 @@ head reader is here; the step selection is the request plane's (``Classifier.rew
 
 from __future__ import annotations
 
-from embedding_server.pooling import PoolingMethod
-
-from ..heads import ClassificationHead, HeadWeights, RewardReader
+from embedding_server.device.heads import ClassificationHead, HeadWeights, RewardReader
+from embedding_server.request.pooling import PoolingMethod
 
 
 def score_mlp_head(w: HeadWeights, per_token: bool) -> tuple[ClassificationHead, PoolingMethod]:

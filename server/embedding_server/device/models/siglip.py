@@ -43,11 +43,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from embedding_server.errors import UnsupportedModelError
-
-from ..attention import Backend
-from .base import Checkpoint, Ignored, PackedBatch, refuse_beyond_table
-from .vision import (
+from embedding_server.device.attention import Backend
+from embedding_server.device.models.base import (
+    Checkpoint,
+    Ignored,
+    PackedBatch,
+    refuse_beyond_table,
+)
+from embedding_server.device.models.vision import (
     PreLnStack,
     image_batch,
     patch_tokens,
@@ -56,6 +59,7 @@ from .vision import (
     text_config,
     vision_config,
 )
+from embedding_server.errors import UnsupportedModelError
 
 MODEL_TYPE = "siglip"
 

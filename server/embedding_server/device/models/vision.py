@@ -20,11 +20,10 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
+from embedding_server.device.attention import Backend
+from embedding_server.device.models.base import EmbeddingModel, PackedBatch, WeightReader
+from embedding_server.device.models.layers import ACT_FUNCS, attention_shape
 from embedding_server.errors import UnsupportedModelError
-
-from ..attention import Backend
-from .base import EmbeddingModel, PackedBatch, WeightReader
-from .layers import ACT_FUNCS, attention_shape
 
 QUICK_GELU = "quick_gelu"
 

@@ -41,7 +41,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from .errors import InvalidRequestError
+from embedding_server.errors import InvalidRequestError
 
 PoolingMethod = Literal["cls", "mean", "last", "max", "weightedmean", "mean_sqrt_len"]
 POOLING_METHODS: tuple[PoolingMethod, ...] = (

@@ -13,10 +13,10 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from .errors import InvalidRequestError
-from .pooling import FloatArray, l2_normalize
-from .results import Ranked
-from .tokenization import TextInput, normalize_inputs
+from embedding_server.errors import InvalidRequestError
+from embedding_server.request.pooling import FloatArray, l2_normalize
+from embedding_server.request.results import Ranked
+from embedding_server.request.tokenization import TextInput, normalize_inputs
 
 
 def check_sides(count_a: int, count_b: int) -> None:

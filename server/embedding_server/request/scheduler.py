@@ -70,10 +70,10 @@ from typing import Any, Literal, Protocol, TypeVar
 
 import numpy as np
 
-from .errors import NotReadyError, QueueFullError, TooManyTokensError
-from .metrics import Metrics
-from .pooling import FloatArray
-from .sequences import BatchOutput, SequenceInput
+from embedding_server.errors import NotReadyError, QueueFullError, TooManyTokensError
+from embedding_server.metrics import Metrics
+from embedding_server.request.pooling import FloatArray
+from embedding_server.request.sequences import BatchOutput, SequenceInput
 
 logger = logging.getLogger(__name__)
 

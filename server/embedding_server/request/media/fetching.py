@@ -28,11 +28,11 @@ import aiohttp
 from aiohttp.abc import AbstractResolver, ResolveResult
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from .errors import InvalidRequestError
+from embedding_server.errors import InvalidRequestError
 
 if TYPE_CHECKING:
-    from .imaging import ImageInput, ImageProcessor
-    from .settings import ServerSettings
+    from embedding_server.request.media.preprocessing import ImageInput, ImageProcessor
+    from embedding_server.settings import ServerSettings
 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 """What ``decode_image`` opens (Pillow's format names); GIFs give their first frame."""

@@ -14,13 +14,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .colbert import ColbertFormat
-from .heads import Classifier, Task
-from .hybrid import HybridHeads
-from .listwise import ListwiseFormat
-from .pooling import PoolingHead, PoolingMethod
-from .special_tokens import SpecialTokens
-from .tokenization import Prompts
+from embedding_server.request.colbert import ColbertFormat
+from embedding_server.request.heads import Classifier, Task
+from embedding_server.request.hybrid import HybridHeads
+from embedding_server.request.listwise import ListwiseFormat
+from embedding_server.request.pooling import PoolingHead, PoolingMethod
+from embedding_server.request.special_tokens import SpecialTokens
+from embedding_server.request.tokenization import Prompts
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ from typing import Literal
 import numpy as np
 from PIL import Image
 
-from .errors import UnsupportedModelError
-from .pooling import FloatArray
+from embedding_server.errors import UnsupportedModelError
+from embedding_server.request.pooling import FloatArray
 
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from .pooling import FloatArray, l2_normalize
-from .results import SparseVector
+from embedding_server.request.pooling import FloatArray, l2_normalize
+from embedding_server.request.results import SparseVector
 
 OUTPUTS = ("dense", "sparse", "multi_vector")
 """The outputs a hybrid model serves, by the names ``/info`` and the APIs use."""

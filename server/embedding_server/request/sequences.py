@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .pooling import FloatArray
+from embedding_server.request.pooling import FloatArray
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,21 +25,27 @@ from typing import Any, Protocol, TypedDict, TypeVar
 
 import numpy as np
 
-from .colbert import ColbertFormat, Side
-from .errors import (
+from embedding_server.errors import (
     InputTooLongError,
     InvalidRequestError,
     OutputTooLargeError,
     TooManyTokensError,
 )
-from .heads import PairPrompt, PairTemplate, SegmentedPairTemplate
-from .imaging import ImageInput
-from .listwise import ListwiseFormat, ListwiseJob
-from .pooling import FloatArray
-from .results import JobOutput, StageTimings
-from .scheduler import BatchRunner, Priority, Reservation, ScheduledOutput, Scheduler
-from .sequences import SequenceInput
-from .tokenization import (
+from embedding_server.request.colbert import ColbertFormat, Side
+from embedding_server.request.heads import PairPrompt, PairTemplate, SegmentedPairTemplate
+from embedding_server.request.listwise import ListwiseFormat, ListwiseJob
+from embedding_server.request.media.preprocessing import ImageInput
+from embedding_server.request.pooling import FloatArray
+from embedding_server.request.results import JobOutput, StageTimings
+from embedding_server.request.scheduler import (
+    BatchRunner,
+    Priority,
+    Reservation,
+    ScheduledOutput,
+    Scheduler,
+)
+from embedding_server.request.sequences import SequenceInput
+from embedding_server.request.tokenization import (
     AdmissionEstimate,
     Prompts,
     TextInput,
@@ -48,7 +54,7 @@ from .tokenization import (
     Truncation,
     TruncationArg,
 )
-from .tracing import current_trace
+from embedding_server.request.tracing import current_trace
 
 T = TypeVar("T")
 

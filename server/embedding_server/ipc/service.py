@@ -33,7 +33,7 @@ from embedding_server.ipc.messages import (
     to_engine,
 )
 from embedding_server.ipc.wire import Frames, Wire
-from embedding_server.scheduler import ScheduledOutput, Scheduler
+from embedding_server.request.scheduler import ScheduledOutput, Scheduler
 
 logger = logging.getLogger(__name__)
 

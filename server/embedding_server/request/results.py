@@ -14,9 +14,9 @@ from typing import TypedDict
 import numpy as np
 import numpy.typing as npt
 
-from .metrics import Metrics
-from .pooling import FloatArray
-from .tokenization import TokenizedInput
+from embedding_server.metrics import Metrics
+from embedding_server.request.pooling import FloatArray
+from embedding_server.request.tokenization import TokenizedInput
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
-from .imaging import ImageInput
+from embedding_server.request.media.preprocessing import ImageInput
 
 SIZE = 16
 """Side of the square the fake processor resizes every image to."""

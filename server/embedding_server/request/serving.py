@@ -29,14 +29,13 @@ import numpy as np
 import numpy.typing as npt
 from PIL import Image
 
-from . import media
-from .colbert import ColbertFormat, Side, maxsim_sum, parse_side
-from .configuration import EngineConfig, EngineInfo
-from .errors import InvalidRequestError
-from .heads import PairPrompt, Task
-from .hybrid import OUTPUTS, HybridHeads, maxsim_scores
-from .imaging import ImageInput
-from .jobs import (
+from embedding_server.errors import InvalidRequestError
+from embedding_server.metrics import Metrics
+from embedding_server.request.colbert import ColbertFormat, Side, maxsim_sum, parse_side
+from embedding_server.request.configuration import EngineConfig, EngineInfo
+from embedding_server.request.heads import PairPrompt, Task
+from embedding_server.request.hybrid import OUTPUTS, HybridHeads, maxsim_scores
+from embedding_server.request.jobs import (
     INLINE_TOKENIZE_CHARS,
     EmbedOptions,
     HybridOptions,
@@ -48,11 +47,18 @@ from .jobs import (
     TokenOptions,
     check_options,
 )
-from .media import MediaPolicy
-from .metrics import Metrics
-from .multimodal import IMAGE_TYPES, ChatMessage, ChatTemplate, ImagePreprocessor, ImageRef
-from .pooling import FloatArray
-from .results import (
+from embedding_server.request.media import fetching as media
+from embedding_server.request.media.fetching import MediaPolicy
+from embedding_server.request.media.inputs import (
+    IMAGE_TYPES,
+    ChatMessage,
+    ChatTemplate,
+    ImagePreprocessor,
+    ImageRef,
+)
+from embedding_server.request.media.preprocessing import ImageInput
+from embedding_server.request.pooling import FloatArray
+from embedding_server.request.results import (
     ClassifyResult,
     EmbedResult,
     HybridResult,
@@ -64,9 +70,16 @@ from .results import (
     TokenEmbedResult,
     usage_of,
 )
-from .scoring import check_sides, cosine_scores, pair_inputs, rank, text_pairs, text_sides
-from .settings import EngineSettings
-from .tokenization import TextInput, TextTokenizer, normalize_inputs
+from embedding_server.request.scoring import (
+    check_sides,
+    cosine_scores,
+    pair_inputs,
+    rank,
+    text_pairs,
+    text_sides,
+)
+from embedding_server.request.tokenization import TextInput, TextTokenizer, normalize_inputs
+from embedding_server.settings import EngineSettings
 
 T = TypeVar("T")
 

@@ -63,8 +63,8 @@ from urllib.parse import urlsplit, urlunsplit
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from .scheduler import ScheduledOutput
-from .tokenization import TokenizedInput
+from embedding_server.request.scheduler import ScheduledOutput
+from embedding_server.request.tokenization import TokenizedInput
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context

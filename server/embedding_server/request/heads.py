@@ -28,8 +28,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from .errors import UnsupportedModelError
-from .pooling import FloatArray, PoolingMethod
+from embedding_server.errors import UnsupportedModelError
+from embedding_server.request.pooling import FloatArray, PoolingMethod
 
 Task = Literal["embed", "score", "classify", "token_classify", "reward", "sparse"]
 """What a served model does: embed (vectors; /score is cosine), score (a one-label

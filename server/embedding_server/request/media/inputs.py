@@ -28,8 +28,8 @@ from typing import Any, Protocol
 
 from PIL import Image
 
-from .errors import InvalidRequestError
-from .imaging import ImageInput
+from embedding_server.errors import InvalidRequestError
+from embedding_server.request.media.preprocessing import ImageInput
 
 IMAGE_TYPES = (Image.Image, ImageInput)
 """What the offline API takes as an image input."""

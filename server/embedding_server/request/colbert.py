@@ -33,9 +33,13 @@ from typing import Literal, NamedTuple
 import numpy as np
 from tokenizers import Tokenizer
 
-from .errors import InvalidRequestError
-from .pooling import FloatArray, l2_normalize
-from .tokenization import LIKELY_CHARS_PER_TOKEN, AdmissionEstimate, token_bound
+from embedding_server.errors import InvalidRequestError
+from embedding_server.request.pooling import FloatArray, l2_normalize
+from embedding_server.request.tokenization import (
+    LIKELY_CHARS_PER_TOKEN,
+    AdmissionEstimate,
+    token_bound,
+)
 
 Side = Literal["query", "document"]
 SIDES: tuple[Side, ...] = ("query", "document")

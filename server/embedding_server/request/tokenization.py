@@ -49,16 +49,16 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from tokenizers import Encoding, Tokenizer
 
-from .errors import (
+from embedding_server.errors import (
     InputTooLongError,
     InvalidRequestError,
     TooManyTokensError,
     UnsettledInputError,
 )
-from .special_tokens import affixes
+from embedding_server.request.special_tokens import affixes
 
 if TYPE_CHECKING:
-    from .heads import SegmentedPairTemplate
+    from embedding_server.request.heads import SegmentedPairTemplate
 
 logger = logging.getLogger(__name__)
 
@@ -989,7 +989,7 @@ def _settled_tokens(word_ids: Sequence[int | None], *, from_end: bool) -> int:
 
 def _special_affixes(tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
     """The special tokens the post-processor puts before and after a single sequence
-    (:func:`~embedding_server.special_tokens.affixes`: BERT's [CLS] x [SEP], RoBERTa's
+    (:func:`~embedding_server.request.special_tokens.affixes`: BERT's [CLS] x [SEP], RoBERTa's
     <s> x </s>, Llama's <s> x, Qwen's x or x <|endoftext|>)."""
     found = affixes(tokenizer)
     if found is not None:

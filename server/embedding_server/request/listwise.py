@@ -42,9 +42,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from .errors import InputTooLongError, InvalidRequestError, TooManyTokensError
-from .pooling import FloatArray
-from .tokenization import (
+from embedding_server.errors import InputTooLongError, InvalidRequestError, TooManyTokensError
+from embedding_server.request.pooling import FloatArray
+from embedding_server.request.tokenization import (
     LIKELY_CHARS_PER_TOKEN,
     AdmissionEstimate,
     TextTokenizer,

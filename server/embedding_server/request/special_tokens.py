@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 from tokenizers import Tokenizer, processors
 
-from .errors import UnsupportedModelError
+from embedding_server.errors import UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 
