@@ -6,10 +6,9 @@ import goes back up."""
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 from e2e.harness import node
 from e2e.harness.binaries import Binaries
@@ -70,26 +69,16 @@ C = TypeVar("C", bound=Component)
 
 
 class KubeCommands(Protocol):
-    """kubectl and helm against a cluster, as ``KubeClient`` runs them."""
+    """kubectl and helm against a cluster as its admin, as much of ``KubeClient`` as the parts
+    use."""
 
     def kubectl(
-        self,
-        *args: str,
-        input: str | None = None,
-        check: bool = True,
-        timeout: float | None = None,
-        kubeconfig: Path | None = None,
+        self, *args: str, input: str | None = None, timeout: float | None = None
     ) -> subprocess.CompletedProcess[str]: ...
 
-    def apply(self, manifest: str | Mapping[str, Any], *, namespace: str | None = None) -> str: ...
+    def apply(self, manifest: str) -> str: ...
 
-    def helm(
-        self,
-        *args: str,
-        check: bool = True,
-        timeout: float | None = None,
-        kubeconfig: Path | None = None,
-    ) -> subprocess.CompletedProcess[str]: ...
+    def helm(self, *args: str) -> subprocess.CompletedProcess[str]: ...
 
 
 class CrdApplier(Protocol):
@@ -108,25 +97,15 @@ class NodeDirectories(Protocol):
 class ClusterContext(KubeCommands, Protocol):
     """The cluster a part starts its components into: its binaries, ports, deadlines, files
     and credentials, the components started so far (``start_component`` and friends), and
-    kubectl / helm against it as its admin."""
+    kubectl / helm against it. ``pki`` and ``api`` exist once the cluster has started; the
+    other parts, ``control_plane`` and ``real_node``, as far as one part uses another."""
 
-    @property
-    def binaries(self) -> Binaries: ...
-
-    @property
-    def ports(self) -> Ports: ...
-
-    @property
-    def timeouts(self) -> Timeouts: ...
-
-    @property
-    def launcher(self) -> Launcher: ...
-
-    @property
-    def workdir(self) -> Path: ...
-
-    @property
-    def kubeconfig(self) -> Path: ...
+    binaries: Binaries
+    ports: Ports
+    timeouts: Timeouts
+    launcher: Launcher
+    workdir: Path
+    kubeconfig: Path
 
     @property
     def pki(self) -> Pki: ...
