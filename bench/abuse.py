@@ -42,7 +42,7 @@ from typing import Any
 
 import httpx
 
-from bench import out_dir
+from bench import out_dir, write_results
 
 OUT = out_dir()
 REPO = Path(__file__).resolve().parents[1]
@@ -455,14 +455,6 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def cpu_model() -> str:
-    """The CPU's model name, as ``lscpu`` gives it (the figures' machine)."""
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--before", type=Path, help="a checkout's server/ folder to compare")
@@ -480,19 +472,10 @@ def main(argv: list[str] | None = None) -> int:
     results = [row for row, _, _ in rows]
     print()
     print(table(results))
-    (OUT / "abuse.json").write_text(
-        json.dumps(
-            {
-                "date": time.strftime("%Y-%m-%d"),
-                "machine": cpu_model(),
-                "cpus": len(os.sched_getaffinity(0)),
-                "scale": args.scale,
-                "rows": [asdict(row) for row in results],
-            },
-            indent=2,
-        )
+    written = write_results(
+        "abuse", {"scale": args.scale, "rows": [asdict(row) for row in results]}
     )
-    print(f"\nwrote {OUT / 'abuse.json'}")
+    print(f"\nwrote {written}")
     return 0
 
 

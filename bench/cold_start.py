@@ -46,7 +46,7 @@ from typing import Any
 import httpx
 import psutil
 
-from bench import out_dir
+from bench import out_dir, write_results
 from bench.processes import cpu_seconds
 from e2e.harness.proc import child_process, free_port
 
@@ -292,10 +292,8 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(line)
     for line in lines:
         print(line)
-    (OUT / "cold_start.json").write_text(
-        json.dumps({"starts": [asdict(s) for s in starts], "summary": lines}, indent=2)
-    )
-    print(f"wrote {OUT / 'cold_start.json'}")
+    written = write_results("cold_start", {"starts": [asdict(s) for s in starts], "summary": lines})
+    print(f"wrote {written}")
     return 0
 
 

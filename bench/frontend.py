@@ -72,7 +72,7 @@ from typing import Any
 import httpx
 import psutil
 
-from bench import out_dir
+from bench import out_dir, write_results
 from bench.corpus import make_corpus
 from bench.processes import cpu_seconds, main_thread_cpu_seconds
 from e2e.harness.proc import child_process, free_port
@@ -529,19 +529,17 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     for line in profile:
         print(line)
-    (OUT / "frontend.json").write_text(
-        json.dumps(
-            {
-                "model": DEVICE_MODEL if device else "near-zero BERT",
-                "cpu": cpu_name(),
-                "results": [asdict(r) for r in results],
-                "ratios": summary,
-            },
-            indent=2,
-        )
+    written = write_results(
+        "frontend",
+        {
+            "model": DEVICE_MODEL if device else "near-zero BERT",
+            "cpu": cpu_name(),
+            "results": [asdict(r) for r in results],
+            "ratios": summary,
+        },
     )
     chart(results, OUT / "frontend.png")
-    print(f"wrote {OUT / 'frontend.json'} and {OUT / 'frontend.png'}")
+    print(f"wrote {written} and {OUT / 'frontend.png'}")
     return 0
 
 

@@ -45,7 +45,7 @@ from typing import Any
 import aiohttp
 import psutil
 
-from bench import out_dir
+from bench import out_dir, write_results
 from e2e.harness.proc import child_process, free_port
 
 OUT = out_dir()
@@ -337,10 +337,7 @@ def main() -> None:
     balancing = bench_balancing(args)
     text = report(overhead, balancing, args)
     print(text)
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "gateway.json").write_text(
-        json.dumps({"args": vars(args), "overhead": overhead, "balancing": balancing}, indent=2)
-    )
+    write_results("gateway", {"args": vars(args), "overhead": overhead, "balancing": balancing})
 
 
 if __name__ == "__main__":

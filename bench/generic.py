@@ -23,7 +23,6 @@ float32; results go to ``bench/out/generic.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import tempfile
 import time
@@ -38,7 +37,7 @@ from embedding_server.device.loading import resolve_model_path
 from embedding_server.engine import Engine
 from embedding_server.settings import DEFAULT_MODEL
 
-from bench import out_dir
+from bench import out_dir, write_results
 from bench.corpus import make_corpus
 from bench.offline import cosines
 
@@ -170,14 +169,10 @@ def main() -> None:
         if "minilm" in models:
             minilm = str(resolve_model_path(DEFAULT_MODEL))
             runs += compare("minilm", minilm, texts, args.st_batch_size, native=True)
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "generic.json").write_text(
-        json.dumps(
-            {"texts": len(texts), "threads": threads, "runs": [asdict(r) for r in runs]},
-            indent=2,
-        )
+    written = write_results(
+        "generic", {"texts": len(texts), "threads": threads, "runs": [asdict(r) for r in runs]}
     )
-    print(f"\nwrote {OUT / 'generic.json'}")
+    print(f"\nwrote {written}")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 One command, a few minutes, no downloads; what it prints goes into docs/benchmarks/index.md:
 
-    .venv/bin/python bench/gpu_smoke.py            # on a GPU host
-    .venv/bin/python bench/gpu_smoke.py --device cpu --quick   # the same checks on a CPU
+    .venv/bin/python -m bench.gpu_smoke            # on a GPU host
+    .venv/bin/python -m bench.gpu_smoke --device cpu --quick   # the same checks on a CPU
 
 1. The device: nvidia-smi's facts, torch's and flash-attn's versions, the kernels available
    and the one ``--attention auto`` would pick (with its reasons).
@@ -43,6 +43,8 @@ from embedding_server.device.loading import head_dim_of, load_weights, read_mode
 from embedding_server.device.models import build_model, lookup
 from embedding_server.device.models.base import PackedBatch
 from embedding_server.settings import GPU_BATCH_TOKENS
+
+from bench import write_results
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Worst per-row cosine to the float32 reference that a kernel/model may show, per dtype.
@@ -411,7 +413,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--tokens", type=int, default=GPU_BATCH_TOKENS, help="token budget of the scale run"
     )
-    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--json", type=Path, help="write the results here (default: gpu_smoke.json in bench/out)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     device = torch.device(args.device)
@@ -441,10 +445,9 @@ def main(argv: list[str] | None = None) -> int:
         f"\n{len(checks) - len(failed)}/{len(checks)} checks passed in "
         f"{time.perf_counter() - started:.0f} s on {facts.get('name', device.type)}"
     )
-    if args.json:
-        args.json.write_text(
-            json.dumps({"facts": facts, "checks": [c.__dict__ for c in checks]}, indent=2)
-        )
+    write_results(
+        "gpu_smoke", {"facts": facts, "checks": [c.__dict__ for c in checks]}, path=args.json
+    )
     return 1 if failed else 0
 
 

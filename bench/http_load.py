@@ -46,7 +46,7 @@ from pathlib import Path
 
 import orjson
 
-from bench import out_dir
+from bench import out_dir, write_results
 from bench.corpus import make_corpus
 from e2e.harness.proc import child_process, free_port
 
@@ -630,19 +630,17 @@ def main() -> None:
         lines += rounds
     print("\n".join(lines))
     everything = offline + ours + infinity
-    (OUT / "http_load.json").write_text(
-        json.dumps(
-            {
-                "results": [r.summary() for r in everything],
-                "ceiling": asdict(ceiling),
-                "infinity_note": note,
-                "ratios": lines,
-            },
-            indent=2,
-        )
+    written = write_results(
+        "http_load",
+        {
+            "results": [r.summary() for r in everything],
+            "ceiling": asdict(ceiling),
+            "infinity_note": note,
+            "ratios": lines,
+        },
     )
     plot(everything, OUT / "http_load.png")
-    print(f"wrote {OUT / 'http_load.json'} and {OUT / 'http_load.png'}")
+    print(f"wrote {written} and {OUT / 'http_load.png'}")
 
 
 if __name__ == "__main__":

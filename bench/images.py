@@ -23,7 +23,6 @@ only the text tower reads it, and images are measured here.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,7 +34,7 @@ from embedding_server.device.dtypes import cpu_flags, cpu_thread_budget
 from embedding_server.engine import Engine
 from PIL import Image, ImageFilter
 
-from bench import out_dir
+from bench import out_dir, write_results
 
 OUT = out_dir()
 
@@ -208,11 +207,10 @@ def main() -> None:
     print("|---|---:|---:|---:|")
     for r in runs:
         print(f"| {r.name} | {r.images_per_s:.1f} | {r.cpu_seconds:.1f} | {r.cos_min:.6f} |")
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "images.json").write_text(
-        json.dumps({"images": len(images), "threads": threads, "runs": [asdict(r) for r in runs]})
+    written = write_results(
+        "images", {"images": len(images), "threads": threads, "runs": [asdict(r) for r in runs]}
     )
-    print(f"\nwrote {OUT / 'images.json'}")
+    print(f"\nwrote {written}")
 
 
 if __name__ == "__main__":

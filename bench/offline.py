@@ -51,7 +51,7 @@ from embedding_server.device.models import lookup
 from embedding_server.engine import Engine
 from embedding_server.settings import DEFAULT_MODEL
 
-from bench import out_dir
+from bench import out_dir, write_results
 from bench.corpus import make_corpus
 from bench.infinity_int8 import InfinityWorker, infinity_int8
 
@@ -614,23 +614,20 @@ def main() -> None:
             f"{100 * r.peak_fraction:.1f}% | {r.cos_min:.6f} / {r.cos_mean:.6f} |"
         )
 
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "offline.json").write_text(
-        json.dumps(
-            {
-                "texts": len(texts),
-                "tokens": tokens,
-                "threads": threads,
-                "isa": isa,
-                "peaks_gflops": {k: v / 1e9 for k, v in peaks.items()},
-                "runs": [asdict(r) for r in runs],
-                "infinity_notes": infinity_notes,
-            },
-            indent=2,
-        )
+    written = write_results(
+        "offline",
+        {
+            "texts": len(texts),
+            "tokens": tokens,
+            "threads": threads,
+            "isa": isa,
+            "peaks_gflops": {k: v / 1e9 for k, v in peaks.items()},
+            "runs": [asdict(r) for r in runs],
+            "infinity_notes": infinity_notes,
+        },
     )
     chart(runs, OUT / "offline.png", f"{args.model}, {len(texts)} texts, {threads} threads")
-    print(f"\nwrote {OUT / 'offline.png'} and offline.json")
+    print(f"\nwrote {OUT / 'offline.png'} and {written}")
 
 
 def chart(runs: list[Run], path: Path, title: str) -> None:

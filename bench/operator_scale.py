@@ -56,7 +56,7 @@ from embedding_operator.kube import KubeCluster
 from kubernetes import config as kube_config
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench import out_dir
+from bench import out_dir, write_results
 from e2e.harness.binaries import ensure_binaries
 from e2e.harness.cluster import REAL_NODE_TAINT, Cluster
 from e2e.harness.operator import OperatorProcess, embedding_service, get_json
@@ -580,7 +580,7 @@ def main() -> int:
         action="store_true",
         help="leader election on; after the batch, SIGKILL the leader and time the standby",
     )
-    parser.add_argument("--json", type=Path, default=out_dir() / "operator.json")
+    parser.add_argument("--json", type=Path, default=out_dir() / "operator_scale.json")
     args = parser.parse_args()
     # A stopped run (kill, timeout) tears its cluster down as a finished one does: SystemExit
     # unwinds through the Cluster's context manager, which leaves no process, mount, bridge
@@ -618,12 +618,7 @@ def main() -> int:
                     "".join(p.read_text(errors="replace") for p in logs)
                 )
     results["cluster_startup_s"] = round(startup, 1)
-    results["machine"] = {
-        "cpus": psutil.cpu_count(),
-        "mem_gib": round(psutil.virtual_memory().total / 2**30, 1),
-    }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(results, indent=2) + "\n")
+    write_results("operator_scale", results, path=args.json)
     print(json.dumps(results, indent=2))
     report(results)
     return 0

@@ -31,6 +31,7 @@ from typing import Any
 from embedding_server.engine import Engine
 from embedding_server.settings import DEFAULT_MODEL
 
+from bench import write_results
 from bench.corpus import make_corpus
 
 
@@ -123,7 +124,8 @@ async def main() -> None:
         await engine.stop()
     best = max(runs, key=lambda r: r.texts_per_s)
     report = {"model": args.model, "best": asdict(best), "runs": [asdict(r) for r in runs]}
-    print(json.dumps(report))
+    write_results("scheduler", report)
+    print(json.dumps(report))  # the last line: the e2e tier's smoke run reads it
 
 
 if __name__ == "__main__":

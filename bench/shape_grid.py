@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from bench import out_dir
+from bench import out_dir, write_results
 
 OUT = out_dir()
 
@@ -116,7 +116,7 @@ def main() -> None:
     print(f"  grid / plain speed, first round: {first['plain'] / first['grid']:.2f}x")
     print(f"  cosine grid vs plain: min {cosines.min():.6f}")
     summary = {"isa": isa, "best": best, "first": first, "cos_min": float(cosines.min())}
-    (OUT / "shape_grid.json").write_text(json.dumps(summary, indent=2))
+    write_results("shape_grid", summary)
 
 
 if __name__ == "__main__":

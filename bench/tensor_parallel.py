@@ -20,7 +20,6 @@ fit, or do not run fast enough, on one GPU. Raw figures go to bench/out/tensor_p
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, get_args
@@ -33,7 +32,7 @@ from embedding_server.device.loading import load_shard
 from embedding_server.engine import Engine
 from embedding_server.settings import DEFAULT_MODEL, Dtype
 
-from bench import out_dir
+from bench import out_dir, write_results
 from bench.corpus import make_corpus
 from bench.processes import cpu_seconds
 
@@ -159,10 +158,8 @@ def main() -> None:
         f"throughput x{many.texts_per_s / one.texts_per_s:.2f}, "
         f"p50 x{many.p50_ms / one.p50_ms:.2f}, p99 x{many.p99_ms / one.p99_ms:.2f}"
     )
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "tensor_parallel.json").write_text(
-        json.dumps({"model": args.model, "runs": [asdict(r) for r in runs]}, indent=2)
-    )
+    write_results("tensor_parallel", {"model": args.model, "runs": [asdict(r) for r in runs]})
+    print(f"wrote {out_dir() / 'tensor_parallel.json'}")
 
 
 if __name__ == "__main__":
