@@ -1,4 +1,4 @@
-"""What each attack of the hardening review (issue 30) costs a server, before and after.
+"""What each attack of the hardening review costs a server, before and after.
 
 Not a test (``tests/server/api/test_abuse.py`` asserts the limits): the figures of the table
 in docs/security.md. Each attack runs against a fresh ``embedding-server serve`` on

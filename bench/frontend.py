@@ -1,9 +1,9 @@
 """Front-end capacity: requests/s of the HTTP path when the model costs the host no CPU.
 
-Not a test: a measurement (issues "A request path fast enough for GPUs" and 34, item 1). On a
-GPU a small embedder computes about a million tokens per second, so what caps a server is the
-CPU work around the model: HTTP, JSON, validation, tokenization and encoding. This runs our
-server on the device-shaped benchmark model (``--model device``, the default:
+Not a test: a measurement of the request path a GPU leaves exposed. On a GPU a small embedder
+computes about a million tokens per second, so what caps a server is the CPU work around the
+model: HTTP, JSON, validation, tokenization and encoding. This runs our server on the
+device-shaped benchmark model (``--model device``, the default:
 :data:`embedding_server.device.fake.DEVICE_MODEL`, all-MiniLM-L6-v2's real tokenizer and
 forward passes that wait an H100's time for MiniLM with the GIL released and no CPU spent) and
 drives, side by side in one run:
@@ -20,14 +20,14 @@ drives, side by side in one run:
 measurement before the device model existed): its forward passes cost the same CPU the
 front end needs, which a GPU would not.
 
-Targets (issue 34), printed beside the figures: single process, on the device model, >= 0.6x
+Targets, printed beside the figures: single process, on the device model, >= 0.6x
 the ceiling's requests/s on single texts and on 32-text requests, at p99 no worse than the
 ceiling's plus 10 ms; >= 3x infinity-emb's requests/s on single texts (near-zero model).
 
-The servers run in ``--rounds`` rounds (3 by default): in each, every server starts afresh,
-is measured on both loads and stops, in turns. A shared VM's speed drifts by a third between
-minutes, so one run of each, minutes apart, can put either side ahead; each ratio is taken
-within a round and the figure is the rounds' median, with every round's printed beside it.
+The servers run in ``--rounds`` rounds (3 by default): in each, every server starts afresh, is
+measured on both loads and stops, in turns. A shared VM's speed drifts between minutes, so one
+run of each, minutes apart, can put either side ahead; each ratio is taken within a round and
+the figure is the rounds' median, with every round's printed beside it.
 
 Load comes from ``wrk`` (Debian's, C, one thread) with a Lua script cycling through a
 deterministic mixed-length corpus: single-text requests, then 32-text requests, 32
@@ -86,7 +86,7 @@ BERT_DIM = 32
 CEILING_TARGET = 0.6
 INFINITY_TARGET = 3.0
 P99_SLACK_MS = 10.0
-"""Our p99 may exceed the ceiling's by this much (issue 34)."""
+"""Our p99 may exceed the ceiling's by this much."""
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",

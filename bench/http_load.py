@@ -183,7 +183,7 @@ def run_loads(
 ) -> list[list[Result]]:
     """Both load shapes against one server, ``repeats`` rounds: ``runs[shape][round]``.
     ``before_round`` runs at the start of each round (our offline engine), so that a shared
-    machine's drift, which can be 20% between minutes, hits what is compared alike."""
+    machine's drift between minutes hits what is compared alike."""
     for _, clients, per_request in LOADS:
         warm = chunk(corpus[:128], per_request)
         asyncio.run(closed_loop("warm-up", port, path, model, warm, clients))
@@ -460,7 +460,7 @@ def ratio(a: Result | None, b: Result | None) -> str:
 
 ROUND_TARGET = 0.9
 """32-text requests over HTTP, against our offline engine measured just before: in every
-round (issue 34, item 2)."""
+round."""
 
 
 def per_round(runs: list[list[Result]], offline: list[Result]) -> list[str]:

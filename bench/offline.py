@@ -369,7 +369,7 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def dtype_target(ours: str, peer: str, native_bf16: bool) -> str:
     """The target printed beside a same-dtype ratio: what --dtype auto picks on this CPU
     (bfloat16 with native bf16 matmuls, float32 without) against sentence-transformers in that
-    dtype (1.3x bfloat16 on AMX/avx512_bf16; the AVX2 float32 path holds its 1.34x)."""
+    dtype (on AVX2, the float32 floor that path must hold)."""
     if ours != peer:
         return ""
     if ours == "bfloat16" and native_bf16:

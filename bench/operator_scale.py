@@ -506,7 +506,7 @@ def _failover(
 
 
 def report(results: dict[str, Any]) -> None:
-    """The figures against the targets of issue 35."""
+    """The figures against their targets."""
     single = results["apply_to_ready_s"]
     batch = results["batch"]
     n = batch["count"]
