@@ -14,7 +14,7 @@ KEDA_BUILD_LOG := .keda-build.log
 # Reinstall only when pyproject.toml changes: the stamp carries its checksum.
 STAMP = $(VENV)/.installed-$(1)-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: help venv install-server install-dev run test lint unit e2e binaries binaries-but-keda build-images images bench gpu-smoke cluster-up cluster-down clean
+.PHONY: help venv install-server install-dev run test check lint unit e2e binaries binaries-but-keda build-images images bench gpu-smoke cluster-up cluster-down clean
 
 help: ## List the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -51,6 +51,10 @@ test: $(call STAMP,dev) ## Lint, unit tests, then e2e tests on a real local clus
 	@sed 's/^/[keda, background] /' $(KEDA_BUILD_LOG)
 	$(MAKE) e2e
 
+check: $(call STAMP,dev) ## The fast gate: lint and unit tests, no builds and no cluster
+	$(MAKE) lint
+	$(MAKE) unit
+
 lint: $(call STAMP,dev) ## ruff, mypy, the import contracts and the docs site (strict links)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -84,7 +88,7 @@ $(INFINITY_VENV)/bin/python:
 	$(PYTHON) -m venv $(INFINITY_VENV)
 	$(INFINITY_VENV)/bin/pip install -q 'infinity-emb[all]' || echo "infinity-emb did not install: the HTTP benchmark says so and runs without it"
 
-bench: $(call STAMP,dev) binaries $(INFINITY_VENV)/bin/python ## Benchmarks against sentence-transformers and peers (prints ratios)
+bench: $(call STAMP,dev) binaries $(INFINITY_VENV)/bin/python ## Benchmarks against sentence-transformers and peers (ratios; figures in bench/out/*.json)
 	$(PY) -m bench.offline --texts 200 --quantization int8 --infinity-python $(INFINITY_VENV)/bin/python
 	$(PY) -m bench.shape_grid
 	$(PY) -m bench.images --images 128
@@ -97,7 +101,7 @@ bench: $(call STAMP,dev) binaries $(INFINITY_VENV)/bin/python ## Benchmarks agai
 	$(PY) -m bench.operator_scale
 
 gpu-smoke: $(call STAMP,dev) ## On a GPU host: every attention kernel, dtype and model family vs float32 (exit 1 on a miss)
-	$(PY) -m bench.gpu_smoke --json bench/out/gpu_smoke.json
+	$(PY) -m bench.gpu_smoke
 
 cluster-up: $(call STAMP,dev) binaries ## Start the local cluster (a real node, fake GPU nodes, images loaded); prints the exports
 	@$(PY) -m e2e.harness.cluster up
