@@ -186,4 +186,4 @@ def test_cold_start(tmp_path: Path) -> None:
     report = read_json(tmp_path / "cold_start.json")
     assert [s["model"] for s in report["starts"]] == ["MiniLM (packaged)"], report
     assert 0 < report["starts"][0]["seconds"] < 120, report
-    assert "2.3-2.5 s" in report["summary"][0], report  # the figure beside ours
+    assert "2.3-2.5 s" in report["summary"][0], report  # the target's figure beside ours

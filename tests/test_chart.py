@@ -773,7 +773,7 @@ def test_the_dashboard_configmap_is_labelled_for_grafanas_sidecar(helm: Path) ->
     panels = [p for p in dashboard["panels"] if p["type"] != "row"]
     assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
     titles = {p["title"] for p in panels}
-    # What the issue asks the dashboard to show, per service, and the operator's own.
+    # What the dashboard shows, per service, and the operator's own panels.
     assert {
         "Requests by endpoint and status",
         "Latency by stage (p99)",

@@ -156,7 +156,7 @@ def test_failures_do_not_repeat_setting_values_nor_print_the_api_key(tmp_path: P
 
 def test_a_failure_quoting_text_equal_to_a_setting_is_left_as_it_is(tmp_path: Path) -> None:
     # A BLIP checkpoint (no native family) served as "blip": the refusal names its model_type
-    # as it is, not as the setting whose value it happens to equal (issue 30, L9).
+    # as it is, not as the setting whose value it happens to equal.
     model_dir = tmp_path / "blip"
     model_dir.mkdir()
     (model_dir / "config.json").write_text('{"model_type": "blip", "architectures": ["BlipModel"]}')

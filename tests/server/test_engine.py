@@ -233,7 +233,7 @@ def test_a_request_over_its_limit_is_refused_before_all_its_texts_are_read(
 def test_admission_estimates_are_never_less_than_what_the_texts_hold(minilm_dir: Path) -> None:
     """Queue room is reserved on the estimate while a request is tokenized, so a text that
     holds more tokens than its estimate says would let a crowd past admission and make the
-    server tokenize what the queue then refuses (issue 30: the estimate is an upper bound)."""
+    server tokenize what the queue then refuses: the estimate is an upper bound."""
     from tests.support.models import byte_tokenizer
 
     wordpiece = Tokenizer.from_file(str(minilm_dir / "tokenizer.json"))

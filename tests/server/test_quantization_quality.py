@@ -1,6 +1,6 @@
-"""``--quantization int8``'s quality bar on the packaged all-MiniLM-L6-v2 (issue 34): every
-text of a fixed corpus at cosine >= 0.99 against float32, and retrieval nDCG@10 within 1% of
-float32's through mteb.
+"""``--quantization int8``'s quality bar on the packaged all-MiniLM-L6-v2: every text of a
+fixed corpus at cosine >= 0.99 against float32, and retrieval nDCG@10 within 1% of float32's
+through mteb.
 
 No published mteb retrieval task runs offline here (their data is downloaded), so the
 retrieval sets are local: test_mteb.py's LocalRetrieval (5 queries, 10 documents, prompts on)

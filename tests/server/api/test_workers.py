@@ -446,8 +446,7 @@ def test_a_front_end_that_keeps_dying_ends_the_server_with_status_1() -> None:
 
 def _wire_carries_pixels() -> bool:
     """Whether the IPC wire between front-ends and the engine carries an image's pixels
-    (issue 33's VISION work: until it does, an image sent through a front-end cannot be
-    served)."""
+    (where it does not, an image sent through a front-end cannot be served)."""
     from embedding_server.ipc.messages import decode_sequences, encode_sequences
     from embedding_server.request.sequences import SequenceInput
 
@@ -464,8 +463,8 @@ def _media_is_stub() -> bool:
 
 @pytest.mark.skipif(
     not _wire_carries_pixels() or _media_is_stub(),
-    reason="needs issue 33's IPC transport of pixels (VISION) and media.py's real bodies "
-    "(MEDIA): rerun after the merge",
+    reason="needs the IPC wire to carry pixels and embedding_server.request.media.fetching's "
+    "real fetch and decode (not their contract stubs)",
 )
 def test_images_through_front_ends_get_the_vectors_of_one_process() -> None:
     """A front-end decodes and preprocesses the image itself (its processor came in the
