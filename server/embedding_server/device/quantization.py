@@ -16,18 +16,19 @@ float32 with the bias added. The product runs on one of two torch kernels
   zero point of 128, and each token's own scale is applied to its output row afterwards:
   the scale factors out of the row's sums, so the product is exactly the per-token one;
 * elsewhere ``torch._int_mm`` (oneDNN's int8 GEMM API: AVX-512 VNNI), which on an AMX CPU
-  does not reach the tiles (2-3.5x slower on MiniLM's up-projection there:
-  docs/performance-log.md).
+  does not reach the tiles (slower there on MiniLM's up-projection: docs/performance-log.md,
+  "int8's matmul on AMX").
 
 Embedding tables, norms, position tables, a body's own projection and every head stay
 float32: they are not in the blocks' 2-D fields, and they are a small share of the work.
 
 Why per token and ``_int_mm`` rather than ``quantized::linear_dynamic`` (fbgemm, the kernel
-behind ``torch.ao``'s dynamic quantization): that kernel quantizes activations per tensor,
-and on all-MiniLM-L6-v2 over ``bench.corpus`` texts it left the worst text at cosine 0.980
-against float32 (below the 0.99 bar); per token gives 0.995, and ``_int_mm`` was faster than
-it here too (2048x1536 by 1536x384: 3.6 ms against 10-12 ms, float32 17 ms; 2 threads,
-AVX-512 VNNI). torch also marks the quantized-tensor constructors fbgemm needs deprecated.
+behind ``torch.ao``'s dynamic quantization): that kernel quantizes activations per tensor, so
+one outlier token sets the grid of a whole packed batch, and on all-MiniLM-L6-v2 over
+``bench.corpus`` texts it left the worst text below the 0.99 cosine bar against float32;
+per-token scales pass it, and ``_int_mm`` was also the faster product (docs/performance-log.md,
+"int8 on the CPU"). torch also marks the quantized-tensor constructors fbgemm needs
+deprecated.
 
 Why a tensor subclass: the families call ``F.linear(x, weight, bias)`` on raw tensors at some
 60 sites. :class:`Int8Weight` is a weight those calls dispatch on (``__torch_function__``), so
@@ -35,9 +36,9 @@ no family changes and the float path stays exactly as it was. Any other use of s
 (none today) gets its dequantized float32 value (``__torch_dispatch__``): correct if slower,
 never wrong.
 
-Why not torchao: its ``Int8DynamicActivationInt8WeightConfig`` measured 94 ms for a 2048x384
-by 384x1536 product here (torch 2.15, torchao 0.18, eager CPU) against 22 ms in float32; and
-it rewrites ``nn.Linear`` modules, which our families do not have.
+Why not torchao: its ``Int8DynamicActivationInt8WeightConfig`` ran slower than float32 on
+MiniLM's shapes in eager mode on the CPU (docs/performance-log.md, "int8 on the CPU"), and it
+rewrites ``nn.Linear`` modules, which our families do not have.
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ class Int8Weight(torch.Tensor):
         if rows.shape[0] == 0:
             return x.new_empty((*x.shape[:-1], self.shape[0]))
         # max |x| per row as max(max, -min): torch's inf-norm and abs().amax() reductions
-        # took 2-20x longer here (2048x384, one thread: 2.2 ms, 0.17 ms, against 0.09 ms).
+        # are slower (docs/performance-log.md, "int8 on the CPU").
         row_scale = torch.maximum(
             rows.amax(dim=1, keepdim=True), rows.amin(dim=1, keepdim=True).neg_()
         )

@@ -57,10 +57,10 @@ def token_grid(total: int) -> int:
     """The token count a CPU batch in bfloat16 or float16 is padded to: a multiple of 16 up
     to 128, then eight steps per doubling (at most 12.5% more rows).
 
-    oneDNN compiles a matmul kernel for each shape it meets (about 0.7 ms at 16 rows, 7-9 ms
-    at 2,000 on an AMX VM) and keeps 1,024 of them. A packed batch has a new row count almost
-    every time, so without a grid a serving process compiles kernels for ever: four linear
-    shapes per row count outrun the cache long before 2,048 row counts are seen. On the grid
+    oneDNN compiles a matmul kernel for each shape it meets, at a cost that grows with the
+    row count, and keeps 1,024 of them. A packed batch has a new row count almost every time,
+    so without a grid a serving process compiles kernels for ever: four linear shapes per row
+    count outrun the cache long before 2,048 row counts are seen. On the grid
     there are eight row counts up to 128 and eight per doubling above, 64 up to 16,384
     (docs/performance-log.md, "oneDNN kernels per batch shape")."""
     if total <= 128:

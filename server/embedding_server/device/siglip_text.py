@@ -65,8 +65,8 @@ def _char_class(chars: str) -> str:
 FINAL_SIGMA = r"(?<=\p{Cased}\p{Case_Ignorable}{0,16})\x{3a3}(?!\p{Case_Ignorable}*\p{Cased})"
 """A capital sigma that Python's ``str.lower`` makes final (``ς``): a cased letter before it
 and none after it, case-ignorable characters (apostrophes, periods, combining marks) between
-skipped. Looking back, at most 16 of them: an unbounded look-behind made the regex engine
-quadratic (30 s for 100 KB of Greek capitals, against 30 ms with the bound)."""
+skipped. Looking back, at most 16 of them: an unbounded look-behind makes the regex engine
+quadratic in the text's length (docs/models.md, "Original SigLIP (v1) tokenizers")."""
 
 
 def canonicalizer(*, lowercase: bool) -> normalizers.Normalizer:
