@@ -18,9 +18,17 @@ that as a failure, never as a reason to skip.
 
 CLI: ``python -m e2e.harness.binaries`` builds whatever is missing and prints progress;
 ``python -m e2e.harness.binaries keda`` only KEDA, and ``--except keda`` all the others (``make
-test`` builds KEDA, the longest build, in the background beside the rest: it keeps a build
-cache of its own, so the others' ``go clean -cache`` never pulls it from under it). A build of
-a component another process is building waits for it, and then finds it cached.
+test`` builds KEDA, the longest build, in a second process beside the rest). A build of a
+component another process is building waits for it, and then finds it cached.
+
+Every component builds in one Go build cache, so what they share (the standard library, and
+the modules they pin at the same version) is compiled once. Builds in several processes may
+share it; each holds ``building()`` for the whole of its ``go build``, and the cache is emptied
+(``trim_build_cache``, ``drop_go_caches``) only while no build holds it: the last builder to
+finish empties it.
+
+The module needs only the standard library, so ``make test`` runs it with the system Python
+while the virtualenv installs.
 """
 
 from __future__ import annotations
@@ -130,9 +138,6 @@ class Component:
     # output directory name -> a directory of the module copied beside the binaries (KEDA's
     # CRDs), so what the cluster applies is the pinned version's, cached with its binaries.
     module_dirs: dict[str, str] = field(default_factory=dict)
-    # Build in a Go build cache of its own, emptied once built (a build that runs beside the
-    # others, which empty the shared one when they are done).
-    own_build_cache: bool = False
 
     @property
     def tools_dir(self) -> Path:
@@ -232,7 +237,6 @@ COMPONENTS: tuple[Component, ...] = (
         },
         ldflags=_keda_ldflags,
         module_dirs={"keda-crds": "config/crd/bases"},
-        own_build_cache=True,
     ),
 )
 
@@ -302,20 +306,15 @@ def _go_env() -> dict[str, str]:
     return env
 
 
-def _go(
-    args: list[str], cwd: Path, timeout: float, *, gocache: Path | None = None
-) -> subprocess.CompletedProcess[str]:
+def _go(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
     go = shutil.which("go")
     if go is None:
         raise BuildError("`go` is not on PATH; the e2e control plane is built from Go modules")
     try:
-        env = _go_env()
-        if gocache is not None:
-            env["GOCACHE"] = str(gocache)
         return subprocess.run(
             [go, *args],
             cwd=cwd,
-            env=env,
+            env=_go_env(),
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -396,6 +395,42 @@ def _lock_held(path: Path) -> bool:
     return False
 
 
+def _build_lock() -> Path:
+    return cache_root() / "go" / "build.lock"
+
+
+@contextlib.contextmanager
+def building() -> Iterator[None]:
+    """Held, shared, for the whole of a build: any number of builds, in any processes, may
+    use the Go caches at once, and none of them is emptied under them (``_unless_building``)."""
+    path = _build_lock()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _unless_building() -> Iterator[bool]:
+    """Hold the Go caches alone if no build holds ``building()``; yields whether it does.
+    Never waits: a build still running empties the caches itself when it is done."""
+    path = _build_lock()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @contextlib.contextmanager
 def locked(path: Path) -> Iterator[None]:
     """An exclusive lock file: one builder of a thing at a time (parallel pytest sessions, CI
@@ -452,14 +487,6 @@ def _check_outputs(component: Component, version: str, staging: Path) -> None:
         log.info("[build]   %s: %s", out_name, reported)
 
 
-def _own_build_cache(component: Component) -> Path | None:
-    """The component's own Go build cache, if it keeps one and GOCACHE is ours to place."""
-    ours = cache_root() / "go" / "build"
-    if not component.own_build_cache or Path(_go_env()["GOCACHE"]) != ours:
-        return None
-    return cache_root() / "go" / f"build-{component.name}"
-
-
 def _copy_module_dirs(component: Component, version: str, staging: Path) -> None:
     """Copy each of ``module_dirs`` from the module as the build downloaded it."""
     if not component.module_dirs:
@@ -480,6 +507,11 @@ def _copy_module_dirs(component: Component, version: str, staging: Path) -> None
 
 
 def _build(component: Component, version: str, out_dir: Path, digest: str) -> None:
+    with building():
+        _build_into(component, version, out_dir, digest)
+
+
+def _build_into(component: Component, version: str, out_dir: Path, digest: str) -> None:
     staging = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -490,7 +522,6 @@ def _build(component: Component, version: str, out_dir: Path, digest: str) -> No
         component.tools_dir,
     )
     started = time.monotonic()
-    gocache = _own_build_cache(component)
     proc = _go(
         [
             "build",
@@ -503,10 +534,7 @@ def _build(component: Component, version: str, out_dir: Path, digest: str) -> No
         ],
         component.tools_dir,
         timeout=BUILD_TIMEOUT_S,
-        gocache=gocache,
     )
-    if gocache is not None:
-        shutil.rmtree(gocache, ignore_errors=True)
     seconds = time.monotonic() - started
     if proc.returncode != 0:
         shutil.rmtree(staging, ignore_errors=True)
@@ -586,7 +614,8 @@ def ensure_binaries(components: tuple[Component, ...] = COMPONENTS) -> Binaries:
 
 
 def trim_build_cache() -> None:
-    """Empty our Go build cache once every binary is built (7 GB for this set).
+    """Empty our Go build cache once every binary is built (7 GB for this set), unless a
+    build in another process still uses it (that one empties it when it is done).
 
     The binaries themselves are cached by version, so the build cache only speeds up a
     rebuild after a version bump, and the images and the node's store need the disk more.
@@ -595,7 +624,11 @@ def trim_build_cache() -> None:
     ours = cache_root() / "go" / "build"
     if Path(_go_env()["GOCACHE"]) != ours or not ours.is_dir():
         return
-    proc = _go(["clean", "-cache"], cache_root(), timeout=600)
+    with _unless_building() as alone:
+        if not alone:
+            log.info("[build] a build still uses the Go build cache %s: it empties it", ours)
+            return
+        proc = _go(["clean", "-cache"], cache_root(), timeout=600)
     if proc.returncode != 0:
         log.warning("[build] go clean -cache failed: %s", proc.stderr.strip()[-500:])
     else:
@@ -619,7 +652,11 @@ def drop_go_caches() -> None:
     ]
     if not flags or shutil.which("go") is None:
         return
-    proc = _go(["clean", *flags], cache_root(), timeout=600)
+    with _unless_building() as alone:
+        if not alone:
+            log.info("[build] a Go build is running: our Go caches stay (%s)", " ".join(flags))
+            return
+        proc = _go(["clean", *flags], cache_root(), timeout=600)
     if proc.returncode != 0:
         log.warning("[build] go clean %s failed: %s", " ".join(flags), proc.stderr.strip()[-500:])
     else:
@@ -654,19 +691,16 @@ def main(argv: list[str] | None = None) -> int:
         if (not args.components or c.name in args.components) and c.name not in args.excluded
     )
     try:
-        if args.excluded and not args.components:
+        if len(wanted) == len(COMPONENTS):
+            binaries = ensure_binaries()
+            for field, path in vars(binaries).items():
+                print(f"{field}={path}")
+        else:
             built = False
             for component in wanted:
                 built |= _ensure(component, None)[1]
             if built:
                 trim_build_cache()
-        elif len(wanted) == len(COMPONENTS):
-            binaries = ensure_binaries()
-            for field, path in vars(binaries).items():
-                print(f"{field}={path}")
-        else:
-            for component in wanted:
-                ensure_component(component)
     except BuildError as exc:
         print(f"[build] FAILED: {exc}", file=sys.stderr)
         return 1
