@@ -36,20 +36,22 @@ venv: $(call STAMP,dev) ## Create .venv with everything installed
 run: $(call STAMP,server) ## Serve the packaged all-MiniLM-L6-v2 on http://127.0.0.1:8000
 	$(VENV)/bin/embedding-server serve --host $(HOST) --port $(PORT)
 
-test: $(call STAMP,dev) ## Lint, unit tests, then e2e tests on a real local cluster (needs root)
-	@# KEDA is the longest Go build (its scalers pull in every cloud SDK) and only the e2e
-	@# tier needs it: it builds niced in the background, in a build cache of its own, beside
-	@# the other builds, lint and the unit tests (which leave a core idle); `make binaries`
-	@# before the e2e tier waits for it and prints its log.
-	nice -n 19 $(PY) -m e2e.harness.binaries keda > $(KEDA_BUILD_LOG) 2>&1 &
-	@# The Go builds are CPU-bound, the image builds mostly download and unpack: overlap them
-	@# (their log lines interleave, each prefixed [build] or [images]).
+test: ## Lint, unit tests, then e2e tests on a real local cluster (needs root)
+	@# The Go builds need only the standard library, so they start at once with $(PYTHON),
+	@# beside the venv install. KEDA is the longest (its scalers pull in every cloud SDK) and
+	@# only the e2e tier needs it: it builds niced in the background, in the Go build cache
+	@# the others use, beside them, lint and the unit tests (which leave a core idle); `make
+	@# binaries` before the e2e tier waits for it and prints its log.
+	nice -n 19 $(PYTHON) -m e2e.harness.binaries keda > $(KEDA_BUILD_LOG) 2>&1 &
+	@# The Go builds are CPU-bound, the venv install and the image builds mostly download and
+	@# unpack: overlap them (their log lines interleave, each prefixed [build] or [images]).
+	@# The unit tier needs helm and promtool, so every build but KEDA's ends before it.
 	$(MAKE) -j2 binaries-but-keda build-images
 	$(MAKE) lint
-	$(MAKE) unit
+	$(MAKE) unit PYTEST_ARGS="--durations=15 $(PYTEST_ARGS)"
 	$(MAKE) binaries
 	@sed 's/^/[keda, background] /' $(KEDA_BUILD_LOG)
-	$(MAKE) e2e
+	$(MAKE) e2e PYTEST_ARGS="--durations=30 $(PYTEST_ARGS)"
 
 check: $(call STAMP,dev) ## The fast gate: lint and unit tests, no builds and no cluster
 	$(MAKE) lint
@@ -71,8 +73,8 @@ e2e: $(call STAMP,dev) binaries ## Tests against a real local Kubernetes cluster
 binaries: $(call STAMP,dev) ## Build (or reuse from ~/.cache) the cluster's Go binaries (e2e/versions.env)
 	$(PY) -m e2e.harness.binaries
 
-binaries-but-keda: $(call STAMP,dev)
-	$(PY) -m e2e.harness.binaries --except keda
+binaries-but-keda: # no venv needed: e2e.harness.binaries is the standard library only
+	$(PYTHON) -m e2e.harness.binaries --except keda
 
 build-images: $(call STAMP,dev)
 	$(PY) -m e2e.harness.images build
