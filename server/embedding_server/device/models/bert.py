@@ -15,7 +15,6 @@ DistilBERT is a rename, ERNIE and ELECTRA add one embedding step each through
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,7 +31,8 @@ from embedding_server.device.models.base import (
     config_get,
     refuse_beyond_table,
 )
-from embedding_server.device.models.layers import HeadSplit, PostLnLayer, activation, row_linear
+from embedding_server.device.models.layers import HeadSplit
+from embedding_server.device.models.post_ln import PostLnEncoder, PostLnLayer
 from embedding_server.errors import UnsupportedModelError
 from embedding_server.request.heads import SparseStrategy
 from embedding_server.request.pooling import ACTIVATIONS, PoolingMethod
@@ -113,14 +113,11 @@ ROBERTA = BertVariant(offset_positions=True)
 XLM_ROBERTA = BertVariant(offset_positions=True, names=FLASH_NAMES)
 
 
-class BertModel:
+class BertModel(PostLnEncoder):
     """A BERT-family encoder body for packed batches.
 
     Subclasses change the embeddings only, through :meth:`read_embeddings` (what they read
     from the checkpoint) and :meth:`embed` (the states entering layer 0)."""
-
-    causal = False
-    sliding_window: int | None = None
 
     def __init__(self, checkpoint: Checkpoint, variant: BertVariant = BERT) -> None:
         config = checkpoint.config
@@ -130,22 +127,8 @@ class BertModel:
                 f"{model_type} with position_embedding_type="
                 f"{config.get('position_embedding_type')!r} is not supported (only absolute)"
             )
-        self._act = activation(config, model_type, "hidden_act", default="gelu")
-        self.hidden_size = int(config["hidden_size"])
-        self.num_heads = int(config["num_attention_heads"])
-        self.head_dim = self.hidden_size // self.num_heads
-        self.scale = 1.0 / math.sqrt(self.head_dim)
-        self.eps = float(config.get("layer_norm_eps", 1e-12))
+        split = self._read_sizes(checkpoint, model_type, eps=1e-12)
         self.num_layers = int(config["num_hidden_layers"])
-        self.shard = checkpoint.shard
-        self.split = split = HeadSplit.of(
-            checkpoint.shard,
-            model_type,
-            heads=self.num_heads,
-            kv_heads=self.num_heads,
-            head_dim=self.head_dim,
-            intermediate=int(config["intermediate_size"]),
-        )
         if variant.offset_positions:
             self.position_offset = int(config_get(config, "pad_token_id", default=1)) + 1
         else:
@@ -164,27 +147,10 @@ class BertModel:
             self.pos_emb.shape[0],
             "position table",
         )
-        get = w.get
         self.layers: list[PostLnLayer] = []
         for i in range(self.num_layers):
             p = f"encoder.layer.{i}."
-            qkv_w, qkv_b = _read_qkv(w, p, split)
-            self.layers.append(
-                PostLnLayer(
-                    qkv_w=qkv_w,
-                    qkv_b=qkv_b,
-                    out_w=w.columns(p + "attention.output.dense.weight", split.q),
-                    out_b=get(p + "attention.output.dense.bias"),
-                    ln1_w=get(p + "attention.output.LayerNorm.weight"),
-                    ln1_b=get(p + "attention.output.LayerNorm.bias"),
-                    up_w=w.rows(p + "intermediate.dense.weight", split.mlp),
-                    up_b=w.rows(p + "intermediate.dense.bias", split.mlp),
-                    down_w=w.columns(p + "output.dense.weight", split.mlp),
-                    down_b=get(p + "output.dense.bias"),
-                    ln2_w=get(p + "output.LayerNorm.weight"),
-                    ln2_b=get(p + "output.LayerNorm.bias"),
-                )
-            )
+            self.layers.append(PostLnLayer.read(w, p, split, _read_qkv(w, p, split)))
 
     def read_embeddings(self, w: WeightReader, checkpoint: Checkpoint) -> None:
         """The word, position and segment tables and their LayerNorm."""
@@ -212,23 +178,9 @@ class BertModel:
         return F.layer_norm(x, self.emb_ln_w.shape, self.emb_ln_w, self.emb_ln_b, self.eps)
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
-        t = batch.input_ids.shape[0]
-        h, heads, d, shard = self.hidden_size, self.split.heads, self.head_dim, self.shard
         x = self.embed(batch)
         for layer in self.layers:
-            qkv = F.linear(x, layer.qkv_w, layer.qkv_b).view(t, 3, heads, d)
-            q, k, v = qkv.unbind(1)
-            attn = batch.attention(q, k, v, causal=False, scale=self.scale)
-            a = row_linear(attn.reshape(t, heads * d), layer.out_w, layer.out_b, shard)
-            x = F.layer_norm(a + x, (h,), layer.ln1_w, layer.ln1_b, self.eps)
-            up = self._act(F.linear(x, layer.up_w, layer.up_b))
-            x = F.layer_norm(
-                row_linear(up, layer.down_w, layer.down_b, shard) + x,
-                (h,),
-                layer.ln2_w,
-                layer.ln2_b,
-                self.eps,
-            )
+            x = self._block(x, layer, batch)
         return x
 
 

@@ -43,7 +43,8 @@ import torch.nn.functional as F
 from embedding_server.device.attention import AttentionPlan
 from embedding_server.device.heads import ClassificationHead, HeadWeights
 from embedding_server.device.models.base import Checkpoint, Ignored, PackedBatch
-from embedding_server.device.models.layers import HeadSplit, PostLnLayer, activation, row_linear
+from embedding_server.device.models.layers import activation
+from embedding_server.device.models.post_ln import PostLnEncoder, PostLnLayer
 from embedding_server.errors import UnsupportedModelError
 from embedding_server.request.pooling import ACTIVATIONS, PoolingMethod
 
@@ -199,35 +200,19 @@ def pos_att_types(config: Mapping[str, Any]) -> list[str]:
     return [str(x) for x in value]
 
 
-class DebertaV2Model:
+class DebertaV2Model(PostLnEncoder):
     """A DeBERTa-v2/v3 encoder body for packed batches."""
-
-    causal = False
-    sliding_window: int | None = None
-    position_offset = 0
 
     def __init__(self, checkpoint: Checkpoint) -> None:
         config, device = checkpoint.config, checkpoint.device
-        self.hidden_size = hidden = int(config["hidden_size"])
-        self.num_heads = int(config["num_attention_heads"])
-        self.head_dim = hidden // self.num_heads
+        split = self._read_sizes(checkpoint, MODEL_TYPE, eps=1e-7)
+        hidden = self.hidden_size
         declared_head = config.get("attention_head_size")
         if declared_head is not None and int(declared_head) != self.head_dim:
             raise UnsupportedModelError(
                 f"{MODEL_TYPE} with attention_head_size={declared_head} (not hidden_size / "
                 f"num_attention_heads = {self.head_dim}) is not supported"
             )
-        self._act = activation(config, MODEL_TYPE, "hidden_act", default="gelu")
-        self.eps = float(config.get("layer_norm_eps", 1e-7))
-        self.shard = checkpoint.shard
-        self.split = split = HeadSplit.of(
-            checkpoint.shard,
-            MODEL_TYPE,
-            heads=self.num_heads,
-            kv_heads=self.num_heads,
-            head_dim=self.head_dim,
-            intermediate=int(config["intermediate_size"]),
-        )
         max_position_embeddings = int(config.get("max_position_embeddings", 512))
         # Relative positions work at any length, but the checkpoint was trained up to this.
         self.max_positions = max_position_embeddings
@@ -315,28 +300,11 @@ class DebertaV2Model:
                         q_b if share_att_key else w.rows(a + f"{name}.bias", split.q),
                     )
                 bias = _DisentangledBias(positions, pos_key, pos_query)
-            self.layers.append(
-                _Layer(
-                    qkv_w=torch.cat([q_w, k_w, v_w]),
-                    qkv_b=torch.cat([q_b, k_b, v_b]),
-                    out_w=w.columns(p + "attention.output.dense.weight", split.q),
-                    out_b=get(p + "attention.output.dense.bias"),
-                    ln1_w=get(p + "attention.output.LayerNorm.weight"),
-                    ln1_b=get(p + "attention.output.LayerNorm.bias"),
-                    up_w=w.rows(p + "intermediate.dense.weight", split.mlp),
-                    up_b=w.rows(p + "intermediate.dense.bias", split.mlp),
-                    down_w=w.columns(p + "output.dense.weight", split.mlp),
-                    down_b=get(p + "output.dense.bias"),
-                    ln2_w=get(p + "output.LayerNorm.weight"),
-                    ln2_b=get(p + "output.LayerNorm.bias"),
-                    bias=bias,
-                )
-            )
+            qkv = torch.cat([q_w, k_w, v_w]), torch.cat([q_b, k_b, v_b])
+            self.layers.append(_Layer.read(w, p, split, qkv, bias=bias))
         self.conv = _read_conv(config, get) if _conv_kernel(config) else None
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
-        t = batch.input_ids.shape[0]
-        h, heads, d, shard = self.hidden_size, self.split.heads, self.head_dim, self.shard
         x = self.word_emb(batch.input_ids)
         if self.pos_emb is not None:
             x += self.pos_emb.index_select(0, batch.position_ids)
@@ -347,22 +315,10 @@ class DebertaV2Model:
                 x += self.type_emb[0]
         if self.embed_proj is not None:
             x = F.linear(x, self.embed_proj)
-        x = F.layer_norm(x, (h,), self.emb_ln_w, self.emb_ln_b, self.eps)
+        x = F.layer_norm(x, (self.hidden_size,), self.emb_ln_w, self.emb_ln_b, self.eps)
         embeddings = x
         for i, layer in enumerate(self.layers):
-            qkv = F.linear(x, layer.qkv_w, layer.qkv_b).view(t, 3, heads, d)
-            q, k, v = qkv.unbind(1)
-            attn = batch.attention(q, k, v, causal=False, scale=self.scale, bias=layer.bias)
-            a = row_linear(attn.reshape(t, heads * d), layer.out_w, layer.out_b, shard)
-            x = F.layer_norm(a + x, (h,), layer.ln1_w, layer.ln1_b, self.eps)
-            up = self._act(F.linear(x, layer.up_w, layer.up_b))
-            x = F.layer_norm(
-                row_linear(up, layer.down_w, layer.down_b, shard) + x,
-                (h,),
-                layer.ln2_w,
-                layer.ln2_b,
-                self.eps,
-            )
+            x = self._block(x, layer, batch, bias=layer.bias)
             if i == 0 and self.conv is not None:
                 x = self._convolve(embeddings, x, batch.position_ids)
         return x

@@ -31,8 +31,7 @@ Rotary frequencies come from the config as each reader of it computes them:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -40,15 +39,8 @@ import torch.nn.functional as F
 
 from embedding_server.device.heads import ClassificationHead, HeadWeights
 from embedding_server.device.models.base import Checkpoint, Ignored, PackedBatch
-from embedding_server.device.models.layers import (
-    HeadSplit,
-    RotaryTable,
-    activation,
-    apply_rotary,
-    attention_shape,
-    rope_inv_freq,
-    row_linear,
-)
+from embedding_server.device.models.layers import RotaryTable, rope_inv_freq
+from embedding_server.device.models.post_ln import GatedPostLnLayer, PostLnEncoder
 from embedding_server.errors import UnsupportedModelError
 from embedding_server.request.pooling import PoolingMethod
 
@@ -151,49 +143,15 @@ def rope_frequencies(config: Mapping[str, Any], model_type: str, head_dim: int) 
     return scaled / float(factor ** (2 / head_dim))
 
 
-@dataclass
-class _Layer:
-    qkv_w: torch.Tensor
-    qkv_b: torch.Tensor
-    out_w: torch.Tensor
-    out_b: torch.Tensor
-    attn_ln_w: torch.Tensor
-    attn_ln_b: torch.Tensor
-    up_gate_w: torch.Tensor  # this rank's up rows, then its gate rows
-    down_w: torch.Tensor
-    down_b: torch.Tensor
-    mlp_ln_w: torch.Tensor
-    mlp_ln_b: torch.Tensor
-
-
-class GteModel:
+class GteModel(PostLnEncoder):
     """A GTE ("new") encoder body for packed batches (bidirectional)."""
-
-    causal = False
-    position_offset = 0
-    sliding_window: int | None = None
 
     def __init__(self, checkpoint: Checkpoint) -> None:
         config, dtype, device = checkpoint.config, checkpoint.dtype, checkpoint.device
         model_type = str(config.get("model_type", "new"))
         _refuse_unserved(config, model_type)
-        self._act: Callable[[torch.Tensor], torch.Tensor] = activation(
-            config, model_type, "hidden_act", default="gelu"
-        )
-        self.hidden_size, self.num_heads, self.head_dim, self.scale = attention_shape(
-            config, model_type
-        )
-        self.eps = float(config.get("layer_norm_eps", 1e-12))
+        split = self._read_sizes(checkpoint, model_type, eps=1e-12, even=True)
         self.max_positions = int(config.get("max_position_embeddings", 8192))
-        self.shard = checkpoint.shard
-        self.split = split = HeadSplit.of(
-            checkpoint.shard,
-            model_type,
-            heads=self.num_heads,
-            kv_heads=self.num_heads,
-            head_dim=self.head_dim,
-            intermediate=int(config["intermediate_size"]),
-        )
         self.rotary = RotaryTable(
             rope_frequencies(config, model_type, self.head_dim), dtype=dtype, device=device
         )
@@ -206,27 +164,25 @@ class GteModel:
             self.type_emb = get("embeddings.token_type_embeddings.weight")
         self.emb_ln_w = get("embeddings.LayerNorm.weight")
         self.emb_ln_b = get("embeddings.LayerNorm.bias")
-        self.layers: list[_Layer] = []
+        self.layers: list[GatedPostLnLayer] = []
         for i in range(int(config["num_hidden_layers"])):
             p = f"encoder.layer.{i}."
             self.layers.append(
-                _Layer(
+                GatedPostLnLayer(
                     qkv_w=w.rows(p + "attention.qkv_proj.weight", split.q, blocks=3),
                     qkv_b=w.rows(p + "attention.qkv_proj.bias", split.q, blocks=3),
                     out_w=w.columns(p + "attention.o_proj.weight", split.q),
                     out_b=get(p + "attention.o_proj.bias"),
-                    attn_ln_w=get(p + "attn_ln.weight"),
-                    attn_ln_b=get(p + "attn_ln.bias"),
-                    up_gate_w=w.rows(p + "mlp.up_gate_proj.weight", split.mlp, blocks=2),
+                    ln1_w=get(p + "attn_ln.weight"),
+                    ln1_b=get(p + "attn_ln.bias"),
+                    up_w=w.rows(p + "mlp.up_gate_proj.weight", split.mlp, blocks=2),
+                    up_b=None,
                     down_w=w.columns(p + "mlp.down_proj.weight", split.mlp),
                     down_b=get(p + "mlp.down_proj.bias"),
-                    mlp_ln_w=get(p + "mlp_ln.weight"),
-                    mlp_ln_b=get(p + "mlp_ln.bias"),
+                    ln2_w=get(p + "mlp_ln.weight"),
+                    ln2_b=get(p + "mlp_ln.bias"),
                 )
             )
-
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, (self.hidden_size,), weight, bias, self.eps)
 
     def embed(self, batch: PackedBatch) -> torch.Tensor:
         """The normalized word (+ segment) embeddings ``[T, hidden]``."""
@@ -239,22 +195,13 @@ class GteModel:
                 x = x + self.type_emb.index_select(0, batch.token_type_ids)
             else:
                 x = x + self.type_emb[0]
-        return self._norm(x, self.emb_ln_w, self.emb_ln_b)
+        return F.layer_norm(x, (self.hidden_size,), self.emb_ln_w, self.emb_ln_b, self.eps)
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
-        t = batch.input_ids.shape[0]
-        heads, d, shard = self.split.heads, self.head_dim, self.shard
         rope = self.rotary.lookup(batch.position_ids, batch.max_seqlen)
         x = self.embed(batch)
         for layer in self.layers:
-            q, k, v = F.linear(x, layer.qkv_w, layer.qkv_b).view(t, 3, heads, d).unbind(1)
-            q, k = apply_rotary(q, rope), apply_rotary(k, rope)
-            attn = batch.attention(q, k, v, causal=False, scale=self.scale)
-            a = row_linear(attn.reshape(t, heads * d), layer.out_w, layer.out_b, shard)
-            x = self._norm(x + a, layer.attn_ln_w, layer.attn_ln_b)
-            up, gate = F.linear(x, layer.up_gate_w).chunk(2, dim=-1)
-            m = row_linear(self._act(gate) * up, layer.down_w, layer.down_b, shard)
-            x = self._norm(x + m, layer.mlp_ln_w, layer.mlp_ln_b)
+            x = self._block(x, layer, batch, rope=rope)
         return x
 
 

@@ -53,16 +53,8 @@ import torch.nn.functional as F
 from embedding_server.device.distributed import Shard
 from embedding_server.device.models.base import Checkpoint, Ignored, PackedBatch, WeightReader
 from embedding_server.device.models.bert import FLASH_NAMES, LEGACY_NAMES, renames
-from embedding_server.device.models.layers import (
-    HeadSplit,
-    PostLnLayer,
-    RotaryTable,
-    activation,
-    apply_rotary,
-    attention_shape,
-    rope_inv_freq,
-    row_linear,
-)
+from embedding_server.device.models.layers import RotaryTable, rope_inv_freq, row_linear
+from embedding_server.device.models.post_ln import Activation, PostLnEncoder, PostLnLayer
 from embedding_server.errors import UnsupportedModelError
 
 HUB_MODEL_TYPE = "xlm-roberta"
@@ -185,16 +177,30 @@ class EmbeddingLora:
 
 @dataclass
 class _Layer(PostLnLayer):
+    """A block whose four projections carry their adapters."""
+
     qkv_lora: LoraStack | None = None
     out_lora: LoraStack | None = None
     up_lora: LoraStack | None = None
     down_lora: LoraStack | None = None
 
+    def qkv(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return _linear(x, self.qkv_w, self.qkv_b, self.qkv_lora, mask)
+
+    def out(self, x: torch.Tensor, mask: torch.Tensor | None, shard: Shard) -> torch.Tensor:
+        return _row_linear(x, self.out_w, self.out_b, self.out_lora, mask, shard)
+
+    def mlp(self, x: torch.Tensor, act: Activation, mask: torch.Tensor | None) -> torch.Tensor:
+        return act(_linear(x, self.up_w, self.up_b, self.up_lora, mask))
+
+    def down(self, x: torch.Tensor, mask: torch.Tensor | None, shard: Shard) -> torch.Tensor:
+        return _row_linear(x, self.down_w, self.down_b, self.down_lora, mask, shard)
+
 
 def _linear(
     x: torch.Tensor,
     weight: torch.Tensor,
-    bias: torch.Tensor,
+    bias: torch.Tensor | None,
     lora: LoraStack | None,
     mask: torch.Tensor | None,
 ) -> torch.Tensor:
@@ -240,32 +246,15 @@ def rotary_frequencies(config: Mapping[str, Any], head_dim: int) -> torch.Tensor
     return rope_inv_freq({"rope_theta": base}, head_dim)
 
 
-class JinaV3Model:
+class JinaV3Model(PostLnEncoder):
     """A jina-embeddings-v3 body for packed batches, with its task adapters."""
-
-    causal = False
-    position_offset = 0
-    sliding_window: int | None = None
 
     def __init__(self, checkpoint: Checkpoint) -> None:
         config, dtype, device = checkpoint.config, checkpoint.dtype, checkpoint.device
         model_type = str(config.get("model_type", NATIVE_MODEL_TYPE))
         check_config(config)
-        self._act = activation(config, model_type, "hidden_act", default="gelu")
-        self.hidden_size, self.num_heads, self.head_dim, self.scale = attention_shape(
-            config, model_type
-        )
-        self.eps = float(config.get("layer_norm_eps", 1e-5))
+        split = self._read_sizes(checkpoint, model_type, eps=1e-5, even=True)
         self.max_positions = int(config.get("max_position_embeddings", 8194))
-        self.shard = checkpoint.shard
-        self.split = split = HeadSplit.of(
-            checkpoint.shard,
-            model_type,
-            heads=self.num_heads,
-            kv_heads=self.num_heads,
-            head_dim=self.head_dim,
-            intermediate=int(config["intermediate_size"]),
-        )
         self.rotary = RotaryTable(
             rotary_frequencies(config, self.head_dim), dtype=dtype, device=device
         )
@@ -296,19 +285,14 @@ class JinaV3Model:
             qkv, out = p + "attention.self.qkv.", p + "attention.output.dense."
             up, down = p + "intermediate.dense.", p + "output.dense."
             self.layers.append(
-                _Layer(
-                    qkv_w=w.rows(qkv + "weight", split.q, blocks=3),
-                    qkv_b=w.rows(qkv + "bias", split.q, blocks=3),
-                    out_w=w.columns(out + "weight", split.q),
-                    out_b=get(out + "bias"),
-                    ln1_w=get(p + "attention.output.LayerNorm.weight"),
-                    ln1_b=get(p + "attention.output.LayerNorm.bias"),
-                    up_w=w.rows(up + "weight", split.mlp),
-                    up_b=w.rows(up + "bias", split.mlp),
-                    down_w=w.columns(down + "weight", split.mlp),
-                    down_b=get(down + "bias"),
-                    ln2_w=get(p + "output.LayerNorm.weight"),
-                    ln2_b=get(p + "output.LayerNorm.bias"),
+                _Layer.read(
+                    w,
+                    p,
+                    split,
+                    (
+                        w.rows(qkv + "weight", split.q, blocks=3),
+                        w.rows(qkv + "bias", split.q, blocks=3),
+                    ),
                     qkv_lora=self._linear_lora(w, qkv, (3 * h, h), rows=split.q, blocks=3),
                     out_lora=self._linear_lora(w, out, (h, h), columns=split.q),
                     up_lora=self._linear_lora(w, up, (inter, h), rows=split.mlp),
@@ -414,21 +398,9 @@ class JinaV3Model:
         return F.layer_norm(x, (self.hidden_size,), self.emb_ln_w, self.emb_ln_b, self.eps)
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
-        t = batch.input_ids.shape[0]
-        h, heads, d, shard = self.hidden_size, self.split.heads, self.head_dim, self.shard
         mask = self.adapter_mask(batch)
         rope = self.rotary.lookup(batch.position_ids, batch.max_seqlen)
         x = self.embed(batch, mask)
         for layer in self.layers:
-            qkv = _linear(x, layer.qkv_w, layer.qkv_b, layer.qkv_lora, mask)
-            q, k, v = qkv.view(t, 3, heads, d).unbind(1)
-            q, k = apply_rotary(q, rope), apply_rotary(k, rope)
-            attn = batch.attention(q, k, v, causal=False, scale=self.scale)
-            a = _row_linear(
-                attn.reshape(t, heads * d), layer.out_w, layer.out_b, layer.out_lora, mask, shard
-            )
-            x = F.layer_norm(a + x, (h,), layer.ln1_w, layer.ln1_b, self.eps)
-            up = self._act(_linear(x, layer.up_w, layer.up_b, layer.up_lora, mask))
-            m = _row_linear(up, layer.down_w, layer.down_b, layer.down_lora, mask, shard)
-            x = F.layer_norm(m + x, (h,), layer.ln2_w, layer.ln2_b, self.eps)
+            x = self._block(x, layer, batch, rope=rope, mask=mask)
         return x

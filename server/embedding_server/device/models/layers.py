@@ -49,26 +49,6 @@ def activation(
     return ACT_FUNCS[name]
 
 
-@dataclass
-class PostLnLayer:
-    """One BERT-style post-LayerNorm block's weights, this rank's share: fused q/k/v and the
-    attention output with their biases, LayerNorm, the two MLP projections, LayerNorm. BERT,
-    MPNet, DeBERTa-v2 and jina-embeddings-v3 read these names (the last two add fields)."""
-
-    qkv_w: torch.Tensor
-    qkv_b: torch.Tensor
-    out_w: torch.Tensor
-    out_b: torch.Tensor
-    ln1_w: torch.Tensor
-    ln1_b: torch.Tensor
-    up_w: torch.Tensor
-    up_b: torch.Tensor
-    down_w: torch.Tensor
-    down_b: torch.Tensor
-    ln2_w: torch.Tensor
-    ln2_b: torch.Tensor
-
-
 def attention_shape(config: Mapping[str, Any], name: str) -> tuple[int, int, int, float]:
     """``(hidden_size, num_heads, head_dim, scale)`` of an encoder whose heads split its
     width evenly (scale ``1 / sqrt(head_dim)``); a width the heads do not divide is refused,

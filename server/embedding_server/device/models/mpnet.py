@@ -11,21 +11,14 @@ the positions, so it is built once per batch and length bucket
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
 from embedding_server.device.attention import PositionBias
 from embedding_server.device.heads import HeadWeights, SparseHead
 from embedding_server.device.models.base import Checkpoint, Ignored, PackedBatch
-from embedding_server.device.models.layers import (
-    HeadSplit,
-    PostLnLayer,
-    activation,
-    relative_position_buckets,
-    row_linear,
-)
+from embedding_server.device.models.layers import relative_position_buckets
+from embedding_server.device.models.post_ln import PostLnEncoder, PostLnLayer
 from embedding_server.errors import UnsupportedModelError
 from embedding_server.request.heads import SparseStrategy
 
@@ -49,11 +42,9 @@ IGNORED = (
 )
 
 
-class MPNetModel:
+class MPNetModel(PostLnEncoder):
     """An MPNet encoder body for packed batches."""
 
-    causal = False
-    sliding_window: int | None = None
     position_offset = PADDING_IDX + 1
 
     def __init__(self, checkpoint: Checkpoint) -> None:
@@ -66,21 +57,7 @@ class MPNetModel:
                 f"transformers' MPNet always uses {NUM_BUCKETS} buckets, so such a checkpoint "
                 "cannot be served as it was trained"
             )
-        self._act = activation(config, "mpnet", "hidden_act", default="gelu")
-        self.hidden_size = int(config["hidden_size"])
-        self.num_heads = int(config["num_attention_heads"])
-        self.head_dim = self.hidden_size // self.num_heads
-        self.scale = 1.0 / math.sqrt(self.head_dim)
-        self.eps = float(config.get("layer_norm_eps", 1e-12))
-        self.shard = checkpoint.shard
-        self.split = split = HeadSplit.of(
-            checkpoint.shard,
-            "mpnet",
-            heads=self.num_heads,
-            kv_heads=self.num_heads,
-            head_dim=self.head_dim,
-            intermediate=int(config["intermediate_size"]),
-        )
+        split = self._read_sizes(checkpoint, "mpnet", eps=1e-12)
         self.max_positions = int(config.get("max_position_embeddings", 514)) - self.position_offset
 
         w = checkpoint.reader(prefixes=("mpnet.",), marker="embeddings.", architecture="mpnet")
@@ -95,21 +72,14 @@ class MPNetModel:
         self.layers: list[PostLnLayer] = []
         for i in range(int(config["num_hidden_layers"])):
             p = f"encoder.layer.{i}."
-            qkv = [p + f"attention.attn.{n}." for n in ("q", "k", "v")]
+            names = [p + f"attention.attn.{n}." for n in ("q", "k", "v")]
+            qkv = (
+                w.qkv([n + "weight" for n in names], split),
+                w.qkv([n + "bias" for n in names], split),
+            )
             self.layers.append(
-                PostLnLayer(
-                    qkv_w=w.qkv([n + "weight" for n in qkv], split),
-                    qkv_b=w.qkv([n + "bias" for n in qkv], split),
-                    out_w=w.columns(p + "attention.attn.o.weight", split.q),
-                    out_b=get(p + "attention.attn.o.bias"),
-                    ln1_w=get(p + "attention.LayerNorm.weight"),
-                    ln1_b=get(p + "attention.LayerNorm.bias"),
-                    up_w=w.rows(p + "intermediate.dense.weight", split.mlp),
-                    up_b=w.rows(p + "intermediate.dense.bias", split.mlp),
-                    down_w=w.columns(p + "output.dense.weight", split.mlp),
-                    down_b=get(p + "output.dense.bias"),
-                    ln2_w=get(p + "output.LayerNorm.weight"),
-                    ln2_b=get(p + "output.LayerNorm.bias"),
+                PostLnLayer.read(
+                    w, p, split, qkv, out="attention.attn.o.", ln1="attention.LayerNorm."
                 )
             )
         self._buckets = torch.empty(0, 0, dtype=torch.long, device=checkpoint.device)
@@ -133,25 +103,11 @@ class MPNetModel:
         return F.embedding(buckets, self.rel_bias).permute(2, 0, 1).contiguous()
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
-        t = batch.input_ids.shape[0]
-        h, heads, d, shard = self.hidden_size, self.split.heads, self.head_dim, self.shard
         x = self.word_emb(batch.input_ids)
         x += self.pos_emb.index_select(0, batch.position_ids)
-        x = F.layer_norm(x, (h,), self.emb_ln_w, self.emb_ln_b, self.eps)
+        x = F.layer_norm(x, (self.hidden_size,), self.emb_ln_w, self.emb_ln_b, self.eps)
         for layer in self.layers:
-            qkv = F.linear(x, layer.qkv_w, layer.qkv_b).view(t, 3, heads, d)
-            q, k, v = qkv.unbind(1)
-            attn = batch.attention(q, k, v, causal=False, scale=self.scale, bias=self.bias)
-            a = row_linear(attn.reshape(t, heads * d), layer.out_w, layer.out_b, shard)
-            x = F.layer_norm(a + x, (h,), layer.ln1_w, layer.ln1_b, self.eps)
-            up = self._act(F.linear(x, layer.up_w, layer.up_b))
-            x = F.layer_norm(
-                row_linear(up, layer.down_w, layer.down_b, shard) + x,
-                (h,),
-                layer.ln2_w,
-                layer.ln2_b,
-                self.eps,
-            )
+            x = self._block(x, layer, batch, bias=self.bias)
         return x
 
 
