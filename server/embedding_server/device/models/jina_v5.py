@@ -36,12 +36,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from embedding_server.device.models.base import Checkpoint, PackedBatch
 from embedding_server.device.models.jina_v3 import LoraStack
-from embedding_server.device.models.layers import apply_rotary, rms_norm, row_linear
-from embedding_server.device.models.llama import DecoderVariant, LlamaModel
+from embedding_server.device.models.llama import Adapters, DecoderVariant, LlamaModel
 from embedding_server.errors import UnsupportedModelError
 from embedding_server.request.pooling import PoolingMethod
 
@@ -332,7 +330,7 @@ class JinaV5Model(LlamaModel):
             raise UnsupportedModelError(f"{MODEL_TYPE} fused q/k/v has {rows} rows")
         return q, kv, kv
 
-    def forward(self, batch: PackedBatch) -> torch.Tensor:
+    def _adapters(self, batch: PackedBatch) -> Adapters:
         # A sequence that names no task (no adapter ids, or -1) runs the default task's:
         # the authors' code has no base-weights mode.
         default = self.adapters.index(self.default_adapter)
@@ -344,7 +342,8 @@ class JinaV5Model(LlamaModel):
         onehot = (ids.unsqueeze(1) == torch.arange(len(self.adapters), device=ids.device)).float()
         masks: dict[int, torch.Tensor] = {}
 
-        def lora(stack: tuple[LoraStack, torch.Tensor] | None, x: torch.Tensor) -> torch.Tensor:
+        def lora(i: int, kind: str, x: torch.Tensor) -> torch.Tensor:
+            stack = self._stacks[i][kind]
             if stack is None:
                 return torch.zeros((), dtype=x.dtype, device=x.device)
             factors, slots = stack
@@ -353,30 +352,4 @@ class JinaV5Model(LlamaModel):
                 mask = masks[id(slots)] = onehot.index_select(1, slots)
             return factors(x.float(), mask).to(x.dtype)
 
-        t = batch.input_ids.shape[0]
-        hq, hkv, d, shard = self.split.heads, self.split.kv_heads, self.head_dim, self.shard
-        rope = self.rotary.lookup(batch.position_ids, batch.max_seqlen)
-        x = self.embed(batch.input_ids)
-        for layer, stacks in zip(self.layers, self._stacks, strict=True):
-            h = rms_norm(x, layer.in_norm, self.eps)
-            qkv = F.linear(h, layer.qkv_w, layer.qkv_b) + lora(stacks["qkv"], h)
-            q = qkv[:, : hq * d].view(t, hq, d)
-            k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
-            v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
-            if layer.q_norm is not None and layer.k_norm is not None:
-                q = rms_norm(q, layer.q_norm, self.eps)
-                k = rms_norm(k, layer.k_norm, self.eps)
-            q, k = apply_rotary(q, rope), apply_rotary(k, rope)
-            attn = batch.attention(
-                q, k, v, causal=self.causal, scale=self.scale, window=layer.window
-            ).reshape(t, hq * d)
-            x = x + row_linear(attn, layer.o_w, layer.o_b, shard) + lora(stacks["o"], attn)
-            h = rms_norm(x, layer.post_norm, self.eps)
-            gate_up = F.linear(h, layer.gate_up_w, layer.gate_up_b) + lora(stacks["gate_up"], h)
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate) * up
-            x = x + row_linear(act, layer.down_w, layer.down_b, shard) + lora(stacks["down"], act)
-        x = rms_norm(x, self.norm, self.eps)
-        if self.projection is not None:
-            x = F.linear(x, self.projection, self.projection_bias)
-        return x
+        return lora

@@ -31,7 +31,7 @@ any other tensor the checkpoint carries and this code does not read refuses the 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -127,6 +127,10 @@ class _Layer:
     down_w: torch.Tensor
     down_b: torch.Tensor | None
 
+
+Adapters = Callable[[int, str, torch.Tensor], torch.Tensor]
+"""``(layer, projection, input) -> what the projection adds to its output`` for a batch: the
+projections are ``qkv``, ``o``, ``gate_up`` and ``down``, each fed its input."""
 
 # Defaults transformers' configuration classes apply when config.json omits the key.
 _DEFAULT_SLIDING_WINDOW = 4096
@@ -252,10 +256,15 @@ class LlamaModel:
         t = batch.input_ids.shape[0]
         hq, hkv, d, shard = self.split.heads, self.split.kv_heads, self.head_dim, self.shard
         rope = self.rotary.lookup(batch.position_ids, batch.max_seqlen)
+        adapt = self._adapters(batch)
+
+        def plus(out: torch.Tensor, i: int, kind: str, x: torch.Tensor) -> torch.Tensor:
+            return out if adapt is None else out + adapt(i, kind, x)
+
         x = self.embed(batch.input_ids)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.in_norm, self.eps)
-            qkv = F.linear(h, layer.qkv_w, layer.qkv_b)
+            qkv = plus(F.linear(h, layer.qkv_w, layer.qkv_b), i, "qkv", h)
             q = qkv[:, : hq * d].view(t, hq, d)
             k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
             v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
@@ -265,15 +274,22 @@ class LlamaModel:
             q, k = apply_rotary(q, rope), apply_rotary(k, rope)
             attn = batch.attention(
                 q, k, v, causal=self.causal, scale=self.scale, window=layer.window
-            )
-            x = x + row_linear(attn.reshape(t, hq * d), layer.o_w, layer.o_b, shard)
+            ).reshape(t, hq * d)
+            x = plus(x + row_linear(attn, layer.o_w, layer.o_b, shard), i, "o", attn)
             h = rms_norm(x, layer.post_norm, self.eps)
-            gate, up = F.linear(h, layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
-            x = x + row_linear(F.silu(gate) * up, layer.down_w, layer.down_b, shard)
+            gate_up = plus(F.linear(h, layer.gate_up_w, layer.gate_up_b), i, "gate_up", h)
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+            x = plus(x + row_linear(act, layer.down_w, layer.down_b, shard), i, "down", act)
         x = rms_norm(x, self.norm, self.eps)
         if self.projection is not None:
             x = F.linear(x, self.projection, self.projection_bias)
         return x
+
+    def _adapters(self, batch: PackedBatch) -> Adapters | None:
+        """What each projection of a batch adds to its output (LoRA, :data:`Adapters`);
+        None: nothing (the plain body)."""
+        return None
 
 
 def _projection(
