@@ -343,7 +343,7 @@ def test_offline_batches_are_length_sorted_and_within_budget() -> None:
 def test_ordinary_text_is_charged_what_it_likely_holds_not_its_bound() -> None:
     """32 texts of 400 characters hold about 100 tokens each, while their bound (a token per
     byte) is 400: charged the bound, three such requests in tokenization filled a queue they
-    fit in four times over, and a closed-loop benchmark got 429s at a quarter of capacity."""
+    fit in four times over, and a closed-loop benchmark got 429s far below capacity."""
     admission = Admission.of(16_384, 16_384)
     held = [
         admission.reserve(32, 32 * 100, queued=0, tokens_per_s=0.0, bound=32 * 400)
