@@ -135,7 +135,7 @@ def serve(server_dir: Path, log: Path, *flags: str) -> Iterator[Served]:
 
 def build_cross_encoder(path: Path) -> Path:
     """A 1-layer, 32-wide BERT cross-encoder (one label) with MiniLM's tokenizer."""
-    from embedding_server.device.loading import resolve_model_path
+    from embedding_server.device.hub import resolve_model_path
     from embedding_server.settings import DEFAULT_MODEL
     from transformers import BertConfig, BertForSequenceClassification
 

@@ -89,7 +89,7 @@ def decoder_model(path: Path) -> Path:
     if (path / "modules.json").is_file():
         return path
     import torch
-    from embedding_server.device.loading import resolve_model_path
+    from embedding_server.device.hub import resolve_model_path
     from embedding_server.settings import DEFAULT_MODEL
     from transformers import AutoConfig, AutoModel
 

@@ -139,7 +139,7 @@ class Result:
 
 def build_model(path: Path) -> Path:
     """A 1-layer, 32-wide BERT with the packaged MiniLM's tokenizer: near-zero compute."""
-    from embedding_server.device.loading import resolve_model_path
+    from embedding_server.device.hub import resolve_model_path
     from embedding_server.settings import DEFAULT_MODEL
     from transformers import BertConfig, BertModel
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from embedding_server.device.dtypes import cpu_thread_budget
-from embedding_server.device.loading import resolve_model_path
+from embedding_server.device.hub import resolve_model_path
 from embedding_server.engine import Engine
 from embedding_server.settings import DEFAULT_MODEL
 

@@ -39,9 +39,11 @@ import torch
 import torch.nn.functional as F
 from embedding_server.device import attention
 from embedding_server.device.attention import Backend, plan_attention, probe, select_backend, unfit
-from embedding_server.device.loading import head_dim_of, load_weights, read_model_config
+from embedding_server.device.loading import head_dim_of
+from embedding_server.device.model_config import read_model_config
 from embedding_server.device.models import build_model, lookup
 from embedding_server.device.models.base import PackedBatch
+from embedding_server.device.weights import load_weights
 from embedding_server.settings import GPU_BATCH_TOKENS
 
 from bench import write_results

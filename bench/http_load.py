@@ -585,7 +585,7 @@ def main() -> None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     workers = [int(n) for n in args.api_workers.split(",")]
 
-    from embedding_server.device.loading import resolve_model_path
+    from embedding_server.device.hub import resolve_model_path
     from embedding_server.engine import Engine
 
     OUT.mkdir(parents=True, exist_ok=True)

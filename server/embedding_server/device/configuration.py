@@ -25,9 +25,10 @@ from embedding_server.device.dtypes import cpu_thread_budget, dtype_name
 from embedding_server.device.heads import ClassificationHead, SparseHead, token_head
 from embedding_server.device.hybrid import HybridHead
 from embedding_server.device.listwise import ProjectorHead
-from embedding_server.device.loading import LoadedModel, declared_matryoshka
+from embedding_server.device.loading import LoadedModel
 from embedding_server.device.models.vision import image_tokens_of
 from embedding_server.device.pooling import DenseHead
+from embedding_server.device.sentence_transformers import declared_matryoshka
 from embedding_server.errors import InvalidRequestError, UnsupportedModelError
 from embedding_server.request.configuration import EngineConfig, EngineInfo
 from embedding_server.request.heads import Task, resolve_task

@@ -53,14 +53,12 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
 from embedding_server.device.fake_images import FakeImageProcessor
-from embedding_server.device.loading import (
-    LoadedModel,
-    SentenceTransformerConfig,
-    load_tokenizer,
-    resolve_model_path,
-)
+from embedding_server.device.hub import resolve_model_path
+from embedding_server.device.loading import LoadedModel
 from embedding_server.device.models.base import PackedBatch
 from embedding_server.device.runner import ModelRunner, PreparedBatch
+from embedding_server.device.sentence_transformers import SentenceTransformerConfig
+from embedding_server.device.tokenizer_files import load_tokenizer
 from embedding_server.errors import InvalidRequestError
 from embedding_server.request.configuration import EngineInfo
 from embedding_server.request.media.inputs import ChatTemplate

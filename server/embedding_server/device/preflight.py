@@ -16,8 +16,10 @@ from __future__ import annotations
 import logging
 
 from embedding_server.device.generic import choose_backend
+from embedding_server.device.hub import hub_offline, locate_model
 from embedding_server.device.inspection import inspect_model
-from embedding_server.device.loading import _hub_offline, locate_model, naming, read_model_config
+from embedding_server.device.loading import naming
+from embedding_server.device.model_config import read_model_config
 from embedding_server.settings import EngineSettings
 
 logger = logging.getLogger(__name__)
@@ -29,7 +31,7 @@ def inspect_before_download(settings: EngineSettings) -> None:
     cache nothing is downloaded) and is served natively. On the transformers backend
     ``inspect`` itself loads the model, so nothing is gained: that path refuses from the
     config files what it can (``generic.refuse_before_fetch``)."""
-    if _hub_offline():
+    if hub_offline():
         return
     with naming(settings.model):
         source = locate_model(

@@ -39,8 +39,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from embedding_server.device.hub import locate_model
 from embedding_server.device.instructions import GRITLM, InstructionFormat
-from embedding_server.device.loading import locate_model
 from embedding_server.request.configuration import EngineInfo
 from embedding_server.request.serving import ServingEngine
 from embedding_server.request.tokenization import Truncation

@@ -40,8 +40,8 @@ import pytest
 import torch
 from embedding_server.device import attention
 from embedding_server.device.attention import Backend
-from embedding_server.device.loading import load_weights
 from embedding_server.device.models import PackedBatch, build_model
+from embedding_server.device.weights import load_weights
 from transformers import AutoTokenizer, BertModel, ModernBertModel
 
 from tests.support.attention import (

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 from embedding_server.device.fake import DEVICE_MODEL, FakeModel, FakeOptions
-from embedding_server.device.loading import load_tokenizer, resolve_model_path
+from embedding_server.device.hub import resolve_model_path
 from embedding_server.device.models.base import PackedBatch
+from embedding_server.device.tokenizer_files import load_tokenizer
 from embedding_server.engine import Engine
 from embedding_server.errors import InvalidRequestError
 from embedding_server.settings import DEFAULT_MODEL

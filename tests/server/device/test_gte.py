@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from embedding_server.device.loading import load_weights
 from embedding_server.device.models import ARCHITECTURES, build_model, lookup
+from embedding_server.device.weights import load_weights
 from embedding_server.engine import Engine
 from embedding_server.errors import UnsupportedModelError
 from transformers import (

@@ -30,8 +30,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from embedding_server.device.loading import load_model, load_weights
+from embedding_server.device.loading import load_model
 from embedding_server.device.models import PackedBatch, build_model
+from embedding_server.device.weights import load_weights
 from embedding_server.engine import Engine
 from embedding_server.errors import UnsupportedModelError
 from transformers import AutoModel, AutoTokenizer

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import torch
 from embedding_server.device.distributed import Shard
-from embedding_server.device.loading import load_weights
 from embedding_server.device.models import PackedBatch, build_model, lookup
 from embedding_server.device.models.jina_v3 import JinaV3Model
+from embedding_server.device.weights import load_weights
 from embedding_server.engine import Engine
 from embedding_server.errors import InvalidRequestError, UnsupportedModelError
 from embedding_server.ipc.messages import decode_sequences, encode_sequences

@@ -73,7 +73,7 @@ def engine(dirs: tuple[Path, Path]) -> Iterator[Engine]:
 
 def _model(hub: Path, dtype: torch.dtype) -> JinaV5Model:
     config = json.loads((hub / "config.json").read_text())
-    from embedding_server.device.loading import load_weights
+    from embedding_server.device.weights import load_weights
 
     config, weights = read_adapters(hub, config, load_weights(hub))
     model = build_model(config, dict(weights), dtype=dtype, device=torch.device("cpu"))
@@ -336,7 +336,7 @@ def test_tensor_parallelism_is_refused_naming_it(dirs: tuple[Path, Path]) -> Non
     """The adapters are not split across ranks: a rank of two refuses, rather than run the
     base weights' share with whole adapters."""
     from embedding_server.device.distributed import Shard
-    from embedding_server.device.loading import load_weights
+    from embedding_server.device.weights import load_weights
 
     hub = dirs[1]
     config, weights = read_adapters(

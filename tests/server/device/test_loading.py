@@ -10,11 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from embedding_server.device.loading import (
-    PACKAGED_HUB_ID,
-    read_sentence_transformers,
-    resolve_model_path,
-)
+from embedding_server.device.hub import PACKAGED_HUB_ID, resolve_model_path
+from embedding_server.device.sentence_transformers import read_sentence_transformers
 from embedding_server.engine import Engine
 from embedding_server.errors import ModelNotFoundError, UnsupportedModelError
 from safetensors.torch import load_file

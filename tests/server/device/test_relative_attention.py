@@ -33,8 +33,8 @@ from embedding_server.device.attention import (
     plan_attention,
     select_backend,
 )
-from embedding_server.device.loading import load_weights
 from embedding_server.device.models import ARCHITECTURES, build_model
+from embedding_server.device.weights import load_weights
 from embedding_server.engine import Engine
 from embedding_server.errors import InvalidRequestError, UnsupportedModelError
 from transformers import (

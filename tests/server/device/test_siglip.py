@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import torch
 from embedding_server.device.distributed import Shard
-from embedding_server.device.loading import load_weights
 from embedding_server.device.models import ARCHITECTURES, build_model
 from embedding_server.device.models.vision import image_tokens_of
+from embedding_server.device.weights import load_weights
 from embedding_server.errors import InvalidRequestError, UnsupportedModelError
 from embedding_server.request.sequences import SequenceInput
 from transformers import Siglip2Model, SiglipModel

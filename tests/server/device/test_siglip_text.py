@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from embedding_server.device.loading import load_tokenizer
 from embedding_server.device.siglip_text import canonicalizer
+from embedding_server.device.tokenizer_files import load_tokenizer
 from embedding_server.errors import UnsupportedModelError
 from embedding_server.request.sequences import SequenceInput
 from transformers import SiglipModel

@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from embedding_server.cli import main
-from embedding_server.device.loading import read_tokenizer
+from embedding_server.device.tokenizer_files import read_tokenizer
 from embedding_server.engine import Engine
 from embedding_server.errors import UnsupportedModelError
 from embedding_server.request.special_tokens import apply_template, describe_tokens
