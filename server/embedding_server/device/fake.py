@@ -254,8 +254,8 @@ class FakeModel:
         sequences ``input_ids`` (lengths ``seqlens``), in float32, from the token ids: one
         ``embedding_bag`` over the ids and one row of the positions' running sum per sequence
         for ``mean``, two rows per sequence for ``cls`` and ``last``. Equal to pooling the
-        rows within float rounding, at a fraction of the host's CPU (0.24 against about
-        1.9 ms for 2,400 tokens): a GPU pools on the device, not on the host."""
+        rows within float rounding, at a fraction of the host's CPU (docs/performance-log.md,
+        "The device-shaped front end in rounds"): a GPU pools on the device, not on the host."""
         lens = torch.tensor(seqlens, dtype=torch.int64, device=input_ids.device)
         ends = torch.cumsum(lens, 0)
         starts = ends - lens
@@ -298,8 +298,9 @@ class FakeModel:
             time.sleep(wait)
         if not rows:
             return self.placeholder(batch.input_ids.numel())
-        # index_select, not advanced indexing: the same rows at a seventh of the host's CPU
-        # (0.34 against 2.4 ms for 2,103 tokens), which the device model must not spend.
+        # index_select, not advanced indexing: the same rows at a fraction of the host's CPU
+        # (docs/performance-log.md, "The front end on a device-shaped model"), which the
+        # device model must not spend.
         hidden = self.tokens.index_select(0, batch.input_ids)
         return hidden.add_(self.positions.index_select(0, batch.position_ids))
 
