@@ -1,19 +1,27 @@
 """What every model route checks first: that the request names the served model and that
-the engine is ready, that its input count is within the server's limit, and that the answer
-it asks for is within the response size limit.
+the engine is ready (:func:`model_route`, around each handler), that its input count is within
+the server's limit, and that the answer it asks for is within the response size limit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import functools
+import inspect
+import typing
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
+from starlette.responses import Response
 
+from embedding_server.api.disconnect import cancel_on_disconnect
 from embedding_server.api.encoding import JSON_FLOAT_BYTES
 from embedding_server.api.lifecycle import Lifecycle, lifecycle_of
 from embedding_server.errors import InvalidRequestError, ModelNotFoundError, OutputTooLargeError
 from embedding_server.request.serving import ServingEngine
+
+T = TypeVar("T")
 
 
 def engine_for(request: Request, model: str | None) -> tuple[ServingEngine, Lifecycle]:
@@ -27,6 +35,68 @@ def engine_for(request: Request, model: str | None) -> tuple[ServingEngine, Life
             param="model",
         )
     return lifecycle.require_engine(), lifecycle
+
+
+class NamesModel(Protocol):
+    """A model route's body: the model it asks for (None: the served one)."""
+
+    @property
+    def model(self) -> str | None: ...
+
+
+BodyT = TypeVar("BodyT", bound=NamesModel)
+
+
+@dataclass(frozen=True)
+class Served:
+    """A model route's request once :func:`model_route` has admitted it: the engine (ready,
+    the model the one asked for) and the server's lifecycle."""
+
+    request: Request
+    engine: ServingEngine
+    lifecycle: Lifecycle
+
+    @property
+    def model_name(self) -> str:
+        """The name answers carry (``served_model_name``, whichever alias was asked for)."""
+        return self.lifecycle.served_model_name
+
+    @property
+    def auto_truncate(self) -> bool:
+        """The server's default for a request that leaves truncation unset."""
+        return self.lifecycle.settings.auto_truncate
+
+    async def run(self, work: Awaitable[T]) -> T:
+        """``work`` (an engine call), cancelled if the client disconnects first."""
+        return await cancel_on_disconnect(self.request, work)
+
+
+def model_route(
+    handler: Callable[[BodyT, Served], Awaitable[Response]],
+) -> Callable[[BodyT, Request], Awaitable[Response]]:
+    """The endpoint of a model route: ``(body, request)``, as FastAPI and the direct routes
+    (``direct.py``) call every POST route, admitting the request (:func:`engine_for`: 404 for
+    another model, 503 before the engine is ready) and then running ``handler(body, served)``.
+
+    The endpoint carries the handler's name and docstring (the OpenAPI operation's) and the
+    signature ``(body: <the handler's body type>, request: Request) -> Response``, so both
+    callers read the body's type from it as from a plain endpoint."""
+    body_type = typing.get_type_hints(handler)["body"]
+
+    async def endpoint(body: BodyT, request: Request) -> Response:
+        engine, lifecycle = engine_for(request, body.model)
+        return await handler(body, Served(request, engine, lifecycle))
+
+    functools.update_wrapper(endpoint, handler)
+    endpoint.__annotations__ = {"body": body_type, "request": Request, "return": Response}
+    endpoint.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [
+            inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=kind)
+            for name, kind in (("body", body_type), ("request", Request))
+        ],
+        return_annotation=Response,
+    )
+    return endpoint
 
 
 def check_input_count(lifecycle: Lifecycle, count: int, param: str) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 from starlette.responses import Response
 
 from embedding_server.api.encoding import BINARY_MEDIA_TYPE, BinaryPayload, dumps, metadata_header
+from embedding_server.api.ids import new_id
 from embedding_server.errors import InvalidRequestError
 from embedding_server.request.results import StageTimings
 
@@ -68,6 +69,24 @@ class JSONBytes(Response):
 
 def json_response(content: object, headers: Mapping[str, str] | None = None) -> Response:
     return JSONBytes(dumps(content), headers=dict(headers) if headers else None)
+
+
+def usage(tokens: int) -> dict[str, int]:
+    """The ``usage`` of an answer whose inputs took ``tokens``, all of them prompt tokens."""
+    return {"prompt_tokens": tokens, "total_tokens": tokens}
+
+
+def list_content(kind: str, model: str, data: object, tokens: int) -> dict[str, object]:
+    """vLLM's list answer (``/pooling``, ``/score``, ``/classify``): ``{id, object, created,
+    model, data, usage}``, the id ``<kind>-<hex>``."""
+    return {
+        "id": f"{kind}-{new_id()}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": model,
+        "data": data,
+        "usage": usage(tokens),
+    }
 
 
 BINARY_RESPONSES: dict[int | str, dict[str, Any]] = {

@@ -11,19 +11,16 @@ metrics as every other request.
 
 from __future__ import annotations
 
-import time
-
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from starlette.responses import Response
 
-from embedding_server.api.dependencies import as_input_list, check_input_count, engine_for
-from embedding_server.api.disconnect import cancel_on_disconnect
+from embedding_server.api.dependencies import Served, as_input_list, check_input_count, model_route
 from embedding_server.api.ids import new_id
 from embedding_server.api.lifecycle import Lifecycle
 from embedding_server.api.media import content_parts, load_parts
 from embedding_server.api.protocol import MultiModalContent
 from embedding_server.api.protocol_tasks import ClassifyRequest, RerankRequest
-from embedding_server.api.responses import json_response, timing_headers
+from embedding_server.api.responses import json_response, list_content, timing_headers, usage
 from embedding_server.errors import InvalidRequestError
 from embedding_server.request.media.inputs import TextPart, check_image_count, images_of
 from embedding_server.request.media.preprocessing import ImageInput
@@ -35,17 +32,16 @@ router = APIRouter(tags=["Tasks"])
 @router.post("/rerank", summary="Rank documents by relevance to a query (vLLM/Jina)")
 @router.post("/v1/rerank", summary="Rank documents by relevance to a query (vLLM/Jina)")
 @router.post("/v2/rerank", summary="Rank documents by relevance to a query (vLLM/Cohere v2)")
-async def rerank(body: RerankRequest, request: Request) -> Response:
-    engine, lifecycle = engine_for(request, body.model)
-    query, documents, shown = await rerank_inputs(engine, lifecycle, body)
-    result = await cancel_on_disconnect(
-        request,
-        engine.arerank(
+@model_route
+async def rerank(body: RerankRequest, served: Served) -> Response:
+    query, documents, shown = await rerank_inputs(served.engine, served.lifecycle, body)
+    result = await served.run(
+        served.engine.arerank(
             query,
             documents,
             top_n=body.top_n,
-            truncate=body.truncation(auto=lifecycle.settings.auto_truncate),
-        ),
+            truncate=body.truncation(auto=served.auto_truncate),
+        )
     )
     results: list[dict[str, object]] = []
     for ranked in result.results:
@@ -55,8 +51,8 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
         results.append(item)
     content = {
         "id": f"rerank-{new_id()}",
-        "model": lifecycle.served_model_name,
-        "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens},
+        "model": served.model_name,
+        "usage": usage(result.prompt_tokens),
         "results": results,
     }
     return json_response(content, timing_headers(result.timings, result.prompt_tokens))
@@ -102,29 +98,17 @@ async def rerank_inputs(
 
 @router.post("/classify", summary="Class probabilities of each input (vLLM)")
 @router.post("/v1/classify", summary="Class probabilities of each input (vLLM)")
-async def classify(body: ClassifyRequest, request: Request) -> Response:
-    engine, lifecycle = engine_for(request, body.model)
+@model_route
+async def classify(body: ClassifyRequest, served: Served) -> Response:
     inputs = as_input_list(body.input)
-    check_input_count(lifecycle, len(inputs), "input")
-    result = await cancel_on_disconnect(
-        request,
-        engine.aclassify(inputs, truncate=body.truncation(auto=lifecycle.settings.auto_truncate)),
+    check_input_count(served.lifecycle, len(inputs), "input")
+    result = await served.run(
+        served.engine.aclassify(inputs, truncate=body.truncation(auto=served.auto_truncate))
     )
     labels = result.predicted
-    content = {
-        "id": f"classify-{new_id()}",
-        "object": "list",
-        "created": int(time.time()),
-        "model": lifecycle.served_model_name,
-        "data": [
-            {
-                "index": i,
-                "label": labels[i],
-                "probs": probs,
-                "num_classes": len(result.labels),
-            }
-            for i, probs in enumerate(result.probs)
-        ],
-        "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens},
-    }
+    data = [
+        {"index": i, "label": labels[i], "probs": probs, "num_classes": len(result.labels)}
+        for i, probs in enumerate(result.probs)
+    ]
+    content = list_content("classify", served.model_name, data, result.prompt_tokens)
     return json_response(content, timing_headers(result.timings, result.prompt_tokens))
