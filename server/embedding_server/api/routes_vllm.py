@@ -13,23 +13,22 @@ work off the event loop.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from starlette.responses import Response
 
 from embedding_server.api.dependencies import (
+    Served,
     as_input_list,
     check_input_count,
     check_response_size,
     check_sparse_request,
-    engine_for,
     max_response_values,
+    model_route,
     pooled_dimensions,
     require_outputs,
 )
-from embedding_server.api.disconnect import cancel_on_disconnect
 from embedding_server.api.encoding import (
     JSON_FLOAT_BYTES,
     FloatMatrix,
@@ -54,7 +53,9 @@ from embedding_server.api.responses import (
     check_metadata_fits,
     encode_off_loop,
     json_response,
+    list_content,
     timing_headers,
+    usage,
 )
 from embedding_server.errors import InvalidRequestError, OutputTooLargeError, TooManyTokensError
 from embedding_server.request.jobs import TokenOptions
@@ -70,21 +71,22 @@ router = APIRouter()
     summary="Per-token (or pooled) hidden states",
     responses=BINARY_RESPONSES,
 )
-async def pooling(body: PoolingRequest, request: Request) -> Response:
-    engine, lifecycle = engine_for(request, body.model)
+@model_route
+async def pooling(body: PoolingRequest, served: Served) -> Response:
+    engine, lifecycle = served.engine, served.lifecycle
     inputs = as_input_list(body.input)
     check_input_count(lifecycle, len(inputs), "input")
     check_metadata_fits(body.encoding_format, len(inputs))
     value_bytes = bytes_per_value(body.encoding_format, body.embed_dtype)
     options: TokenOptions = {
         "normalize": body.normalize,
-        "truncate": body.truncation(auto=lifecycle.settings.auto_truncate),
+        "truncate": body.truncation(auto=served.auto_truncate),
         "add_special_tokens": body.add_special_tokens,
     }
     if body.task == "sparse":
-        return await _sparse_pooling(body, request, inputs, options)
+        return await _sparse_pooling(body, served, inputs, options)
     if body.task == "hybrid":
-        return await _hybrid_pooling(body, request, inputs, options)
+        return await _hybrid_pooling(body, served, inputs, options)
     if body.max_active_dims is not None:
         raise InvalidRequestError(
             "max_active_dims applies to task sparse only", param="max_active_dims"
@@ -94,7 +96,7 @@ async def pooling(body: PoolingRequest, request: Request) -> Response:
     if body.task == "embed":
         dims = pooled_dimensions(engine, None)
         check_response_size(lifecycle, len(inputs), dims, value_bytes, body.encoding_format)
-        pooled = await cancel_on_disconnect(request, engine.aembed(inputs, **options))
+        pooled = await served.run(engine.aembed(inputs, **options))
         outputs = as_float32(pooled.embeddings)
         tokens, timings = pooled.prompt_tokens, pooled.timings
     elif body.task == "classify":
@@ -103,27 +105,24 @@ async def pooling(body: PoolingRequest, request: Request) -> Response:
             raise InvalidRequestError(
                 "normalize does not apply to task classify", param="normalize"
             )
-        classified = await cancel_on_disconnect(
-            request, engine.aclassify(inputs, truncate=options["truncate"])
-        )
+        classified = await served.run(engine.aclassify(inputs, truncate=options["truncate"]))
         outputs = as_float32(classified.probs)
         tokens, timings = classified.prompt_tokens, classified.timings
     elif body.task in ("token_classify", "reward"):
         dims = len(engine.info().labels or [])
         per_token_head = engine.atoken_classify if body.task == "token_classify" else engine.areward
-        labelled = await cancel_on_disconnect(request, per_token_head(inputs, **options))
+        labelled = await served.run(per_token_head(inputs, **options))
         outputs = labelled.embeddings
         tokens, timings = labelled.prompt_tokens, labelled.timings
     else:
         dims = engine.info().multi_vector_dim or engine.info().hidden_size
         try:
-            per_token = await cancel_on_disconnect(
-                request,
+            per_token = await served.run(
                 engine.aembed_tokens(
                     inputs,
                     **options,
                     max_output_values=max_response_values(lifecycle, value_bytes),
-                ),
+                )
             )
         except OutputTooLargeError as error:
             check_response_size(lifecycle, error.vectors, dims, value_bytes, body.encoding_format)
@@ -131,8 +130,6 @@ async def pooling(body: PoolingRequest, request: Request) -> Response:
         outputs = per_token.embeddings
         tokens, timings = per_token.prompt_tokens, per_token.timings
     headers = timing_headers(timings, tokens)
-    usage = {"prompt_tokens": tokens, "total_tokens": tokens}
-    response_id = f"pool-{new_id()}"
 
     def encode() -> Response:
         if body.encoding_format in ("bytes", "bytes_only"):
@@ -140,9 +137,9 @@ async def pooling(body: PoolingRequest, request: Request) -> Response:
                 binary_payload(outputs, body.embed_dtype, body.endianness),
                 headers,
                 with_metadata=body.encoding_format == "bytes",
-                response_id=response_id,
-                model=lifecycle.served_model_name,
-                usage=usage,
+                response_id=f"pool-{new_id()}",
+                model=served.model_name,
+                usage=usage(tokens),
             )
         data: list[dict[str, object]] = []
         for i, output in enumerate(outputs):
@@ -150,22 +147,14 @@ async def pooling(body: PoolingRequest, request: Request) -> Response:
             if body.encoding_format == "base64":
                 payload_json = base64_array(output, body.embed_dtype, body.endianness)
             data.append({"index": i, "object": "pooling", "data": payload_json})
-        content = {
-            "id": response_id,
-            "object": "list",
-            "created": int(time.time()),
-            "model": lifecycle.served_model_name,
-            "data": data,
-            "usage": usage,
-        }
-        return json_response(content, headers)
+        return json_response(list_content("pool", served.model_name, data, tokens), headers)
 
     vectors = len(inputs) if body.task in ("embed", "classify") else tokens
     return await encode_off_loop(encode, vectors * dims * value_bytes)
 
 
 async def _sparse_pooling(
-    body: PoolingRequest, request: Request, inputs: list[Any], options: TokenOptions
+    body: PoolingRequest, served: Served, inputs: list[Any], options: TokenOptions
 ) -> Response:
     """``/pooling`` task sparse: each input's SPLADE vector as ``{indices, values}`` (token
     ids ascending), in JSON only, its size bounded before any work."""
@@ -174,42 +163,31 @@ async def _sparse_pooling(
             "task sparse returns {indices, values} in JSON; use encoding_format float",
             param="encoding_format",
         )
-    engine, lifecycle = engine_for(request, body.model)
     entry_bytes = check_sparse_request(
-        engine,
-        lifecycle,
+        served.engine,
+        served.lifecycle,
         len(inputs),
         body.max_active_dims,
         what="task sparse",
         input_param="input",
     )
-    result = await cancel_on_disconnect(request, engine.asparse_embed(inputs, **options))
+    result = await served.run(served.engine.asparse_embed(inputs, **options))
     vectors = [v.top(body.max_active_dims) for v in result.vectors]
     tokens = result.prompt_tokens
 
     def encode() -> Response:
-        content = {
-            "id": f"pool-{new_id()}",
-            "object": "list",
-            "created": int(time.time()),
-            "model": lifecycle.served_model_name,
-            "data": [
-                {
-                    "index": i,
-                    "object": "pooling",
-                    "data": {"indices": v.indices, "values": v.values},
-                }
-                for i, v in enumerate(vectors)
-            ],
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-        }
+        data = [
+            {"index": i, "object": "pooling", "data": {"indices": v.indices, "values": v.values}}
+            for i, v in enumerate(vectors)
+        ]
+        content = list_content("pool", served.model_name, data, tokens)
         return json_response(content, timing_headers(result.timings, tokens))
 
     return await encode_off_loop(encode, sum(len(v.indices) for v in vectors) * entry_bytes)
 
 
 async def _hybrid_pooling(
-    body: PoolingRequest, request: Request, inputs: list[Any], options: TokenOptions
+    body: PoolingRequest, served: Served, inputs: list[Any], options: TokenOptions
 ) -> Response:
     """``/pooling`` task hybrid: a bge-m3-shaped model's dense vector, sparse weights and
     multi-vectors of each input from one forward pass, in JSON. Bounded before the forward
@@ -221,7 +199,7 @@ async def _hybrid_pooling(
             "task hybrid returns {dense, sparse, multi_vector} in JSON; use encoding_format float",
             param="encoding_format",
         )
-    engine, lifecycle = engine_for(request, body.model)
+    engine, lifecycle = served.engine, served.lifecycle
     info = engine.info()
     require_outputs(engine, ("dense", "sparse", "multi_vector"), "task hybrid")
     entry_bytes = check_sparse_request(
@@ -236,13 +214,12 @@ async def _hybrid_pooling(
     check_response_size(lifecycle, len(inputs), dims, JSON_FLOAT_BYTES, "task hybrid")
     width = info.multi_vector_dim or info.hidden_size
     try:
-        result = await cancel_on_disconnect(
-            request,
+        result = await served.run(
             engine.ahybrid_embed(
                 inputs,
                 **options,
                 max_output_values=max_response_values(lifecycle, JSON_FLOAT_BYTES),
-            ),
+            )
         )
     except OutputTooLargeError as error:
         check_response_size(lifecycle, error.vectors, width, JSON_FLOAT_BYTES, "task hybrid")
@@ -253,25 +230,19 @@ async def _hybrid_pooling(
     tokens = result.prompt_tokens
 
     def encode() -> Response:
-        content = {
-            "id": f"pool-{new_id()}",
-            "object": "list",
-            "created": int(time.time()),
-            "model": lifecycle.served_model_name,
-            "data": [
-                {
-                    "index": i,
-                    "object": "pooling",
-                    "data": {
-                        "dense": dense[i],
-                        "sparse": {"indices": sparse[i].indices, "values": sparse[i].values},
-                        "multi_vector": multi[i],
-                    },
-                }
-                for i in range(len(sparse))
-            ],
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-        }
+        data = [
+            {
+                "index": i,
+                "object": "pooling",
+                "data": {
+                    "dense": dense[i],
+                    "sparse": {"indices": sparse[i].indices, "values": sparse[i].values},
+                    "multi_vector": multi[i],
+                },
+            }
+            for i in range(len(sparse))
+        ]
+        content = list_content("pool", served.model_name, data, tokens)
         return json_response(content, timing_headers(result.timings, tokens))
 
     size = (
@@ -284,27 +255,15 @@ async def _hybrid_pooling(
 
 @router.post("/score", tags=["vLLM"], summary="Scores of text pairs (cross-encoder or cosine)")
 @router.post("/v1/score", tags=["vLLM"], summary="Scores of text pairs (cross-encoder or cosine)")
-async def score(body: ScoreRequest, request: Request) -> Response:
-    engine, lifecycle = engine_for(request, body.model)
-    side_1, side_2 = await score_sides(engine, lifecycle, body.text_1, body.text_2)
-    result = await cancel_on_disconnect(
-        request,
-        engine.ascore(
-            side_1,
-            side_2,
-            truncate=body.truncation(auto=lifecycle.settings.auto_truncate),
-        ),
+@model_route
+async def score(body: ScoreRequest, served: Served) -> Response:
+    engine = served.engine
+    side_1, side_2 = await score_sides(engine, served.lifecycle, body.text_1, body.text_2)
+    result = await served.run(
+        engine.ascore(side_1, side_2, truncate=body.truncation(auto=served.auto_truncate))
     )
-    content = {
-        "id": f"score-{new_id()}",
-        "object": "list",
-        "created": int(time.time()),
-        "model": lifecycle.served_model_name,
-        "data": [
-            {"index": i, "object": "score", "score": float(s)} for i, s in enumerate(result.scores)
-        ],
-        "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens},
-    }
+    data = [{"index": i, "object": "score", "score": float(s)} for i, s in enumerate(result.scores)]
+    content = list_content("score", served.model_name, data, result.prompt_tokens)
     return json_response(content, timing_headers(result.timings, result.prompt_tokens))
 
 
@@ -340,8 +299,9 @@ async def score_sides(
 
 
 @router.post("/tokenize", tags=["vLLM"], summary="Text to token ids")
-async def tokenize(body: TokenizeRequest, request: Request) -> Response:
-    engine, _ = engine_for(request, body.model)
+@model_route
+async def tokenize(body: TokenizeRequest, served: Served) -> Response:
+    engine = served.engine
     # Refused (413) as soon as the prompt is known to hold more than one request may: the
     # tokenizer reads a bounded part of it first, never a whole 8 MiB prompt.
     tokenized = await engine.atokenize(
@@ -373,8 +333,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
 
 
 @router.post("/detokenize", tags=["vLLM"], summary="Token ids to text")
-async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
-    engine, _ = engine_for(request, body.model)
+@model_route
+async def detokenize(body: DetokenizeRequest, served: Served) -> Response:
+    engine = served.engine
     _check_token_count(engine.info().max_request_tokens, len(body.tokens), "tokens")
     text = await engine.adetokenize(body.tokens)
     return await encode_off_loop(lambda: json_response({"prompt": text}), len(text))
