@@ -21,19 +21,19 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from starlette.responses import Response
 
 from embedding_server.api.dependencies import (
+    Served,
     check_input_count,
     check_response_size,
     check_sparse_request,
-    engine_for,
     max_response_values,
+    model_route,
     pooled_dimensions,
     require_outputs,
 )
-from embedding_server.api.disconnect import cancel_on_disconnect
 from embedding_server.api.encoding import (
     JSON_FLOAT_BYTES,
     CohereEmbeddingType,
@@ -41,22 +41,21 @@ from embedding_server.api.encoding import (
     cohere_embeddings,
 )
 from embedding_server.api.ids import new_id
-from embedding_server.api.lifecycle import Lifecycle
 from embedding_server.api.media import cohere_parts, load_parts
 from embedding_server.api.prompts import input_type_prompts, prompt_name_for
 from embedding_server.api.protocol import CohereEmbedRequest
 from embedding_server.api.responses import encode_off_loop, json_response, timing_headers
 from embedding_server.errors import InvalidRequestError, OutputTooLargeError
-from embedding_server.request.serving import ServingEngine
 
 router = APIRouter(tags=["Cohere"])
 
 
 @router.post("/v2/embed", summary="Embed texts (Cohere v2-compatible)")
-async def cohere_embed(body: CohereEmbedRequest, request: Request) -> Response:
-    engine, lifecycle = engine_for(request, body.model)
+@model_route
+async def cohere_embed(body: CohereEmbedRequest, served: Served) -> Response:
+    engine, lifecycle = served.engine, served.lifecycle
     if body.texts is None or body.images is not None or body.inputs is not None:
-        return await _multimodal_embed(body, request, engine, lifecycle)
+        return await _multimodal_embed(body, served)
     if body.input_type == "image":
         raise InvalidRequestError(
             "input_type image applies to images; texts take search_document, search_query, "
@@ -66,13 +65,13 @@ async def cohere_embed(body: CohereEmbedRequest, request: Request) -> Response:
     check_input_count(lifecycle, len(body.texts), "texts")
     extensions = [t for t in body.embedding_types if t in _EXTENSIONS]
     if engine.info().outputs == ["multi_vector"]:  # a ColBERT model
-        return await _colbert_embed(body, request, engine, lifecycle)
+        return await _colbert_embed(body, served)
     if extensions and "multi_vector" in engine.info().outputs:
-        return await _hybrid_embed(body, request, engine, lifecycle)
+        return await _hybrid_embed(body, served)
     if "multi_vector" in extensions:
         require_outputs(engine, ["multi_vector"], "embedding_types multi_vector")
     if "sparse" in body.embedding_types:
-        return await _sparse_embed(body, request, engine, lifecycle)
+        return await _sparse_embed(body, served)
     if body.max_active_dims is not None:
         raise InvalidRequestError(
             "max_active_dims applies to embedding_types sparse only", param="max_active_dims"
@@ -83,14 +82,13 @@ async def cohere_embed(body: CohereEmbedRequest, request: Request) -> Response:
     dims = pooled_dimensions(engine, body.output_dimension)
     types = ",".join(dense_types)
     check_response_size(lifecycle, len(body.texts), dims, value_bytes, f"embedding_types {types}")
-    result = await cancel_on_disconnect(
-        request,
+    result = await served.run(
         engine.aembed(
             body.texts,
             dimensions=body.output_dimension,
             prompt_name=prompt_name_for(engine, None, body.input_type),
             truncate=body.truncation(),
-        ),
+        )
     )
     headers = timing_headers(result.timings, result.prompt_tokens)
 
@@ -105,12 +103,11 @@ async def cohere_embed(body: CohereEmbedRequest, request: Request) -> Response:
 _EXTENSIONS = ("sparse", "multi_vector")
 
 
-async def _multimodal_embed(
-    body: CohereEmbedRequest, request: Request, engine: ServingEngine, lifecycle: Lifecycle
-) -> Response:
+async def _multimodal_embed(body: CohereEmbedRequest, served: Served) -> Response:
     """``images`` (each one embedding) or ``inputs`` (each input object one embedding: one
     part on a dual encoder), in Cohere's dense types. The sparse and multi-vector
     extensions are text-only, so they are refused here rather than dropped."""
+    engine, lifecycle = served.engine, served.lifecycle
     parts, param = cohere_parts(body)
     check_input_count(lifecycle, len(parts), param)
     extensions = [t for t in body.embedding_types if t in _EXTENSIONS]
@@ -134,14 +131,13 @@ async def _multimodal_embed(
     if body.input_type != "image":
         input_type_prompts(engine, body.input_type)  # an unknown one is a 400, used or not
     input_type = None if body.input_type == "image" or not texts_only else body.input_type
-    result = await cancel_on_disconnect(
-        request,
+    result = await served.run(
         engine.aembed(
             items,
             dimensions=body.output_dimension,
             prompt_name=prompt_name_for(engine, None, input_type),
             truncate=body.truncation(),
-        ),
+        )
     )
     headers = timing_headers(result.timings, result.prompt_tokens)
 
@@ -153,13 +149,12 @@ async def _multimodal_embed(
     return await encode_off_loop(encode, size)
 
 
-async def _hybrid_embed(
-    body: CohereEmbedRequest, request: Request, engine: ServingEngine, lifecycle: Lifecycle
-) -> Response:
+async def _hybrid_embed(body: CohereEmbedRequest, served: Served) -> Response:
     """A bge-m3-shaped model's outputs from one forward pass: Cohere's dense types from its
     dense vector, ``sparse`` from its lexical weights, ``multi_vector`` from its ColBERT
     vectors. Each part's size is bounded before the forward pass (the multi-vectors once
     the texts are tokenized)."""
+    engine, lifecycle = served.engine, served.lifecycle
     wanted = set(body.embedding_types)
     dense_types = [
         cast(CohereEmbeddingType, t) for t in body.embedding_types if t not in _EXTENSIONS
@@ -194,8 +189,7 @@ async def _hybrid_embed(
         )
     width = engine.info().multi_vector_dim or 0
     try:
-        result = await cancel_on_disconnect(
-            request,
+        result = await served.run(
             engine.ahybrid_embed(
                 _texts(body),
                 outputs,
@@ -203,7 +197,7 @@ async def _hybrid_embed(
                 prompt_name=prompt_name_for(engine, None, body.input_type),
                 truncate=body.truncation(),
                 max_output_values=max_response_values(lifecycle, JSON_FLOAT_BYTES),
-            ),
+            )
         )
     except OutputTooLargeError as error:
         check_response_size(
@@ -242,12 +236,11 @@ _COLBERT_SIDES = {
 """Cohere's input_type as a ColBERT model's side."""
 
 
-async def _colbert_embed(
-    body: CohereEmbedRequest, request: Request, engine: ServingEngine, lifecycle: Lifecycle
-) -> Response:
+async def _colbert_embed(body: CohereEmbedRequest, served: Served) -> Response:
     """A ColBERT model's multi-vectors: ``input_type`` says whether the texts are queries
     (marked and expanded to the query length) or documents; every field that would change
     what the checkpoint computes is refused rather than ignored."""
+    engine, lifecycle = served.engine, served.lifecycle
     if body.embedding_types != ["multi_vector"]:
         raise InvalidRequestError(
             f"embedding_types must be [multi_vector] for a ColBERT model "
@@ -266,15 +259,14 @@ async def _colbert_embed(
             raise InvalidRequestError(f"{name} does not apply to a ColBERT model", param=name)
     width = engine.info().multi_vector_dim or 0
     try:
-        result = await cancel_on_disconnect(
-            request,
+        result = await served.run(
             engine.ahybrid_embed(
                 _texts(body),
                 ["multi_vector"],
                 input_type=side,
                 truncate=body.truncation(),
                 max_output_values=max_response_values(lifecycle, JSON_FLOAT_BYTES),
-            ),
+            )
         )
     except OutputTooLargeError as error:
         check_response_size(
@@ -292,9 +284,8 @@ async def _colbert_embed(
     return await encode_off_loop(encode, size)
 
 
-async def _sparse_embed(
-    body: CohereEmbedRequest, request: Request, engine: ServingEngine, lifecycle: Lifecycle
-) -> Response:
+async def _sparse_embed(body: CohereEmbedRequest, served: Served) -> Response:
+    engine, lifecycle = served.engine, served.lifecycle
     others = sorted(set(body.embedding_types) - {"sparse"})
     if others:
         raise InvalidRequestError(
@@ -316,13 +307,12 @@ async def _sparse_embed(
         what="embedding_types sparse",
         input_param="texts",
     )
-    result = await cancel_on_disconnect(
-        request,
+    result = await served.run(
         engine.asparse_embed(
             _texts(body),
             prompt_name=prompt_name_for(engine, None, body.input_type),
             truncate=body.truncation(),
-        ),
+        )
     )
     vectors = [v.top(body.max_active_dims) for v in result.vectors]
     headers = timing_headers(result.timings, result.prompt_tokens)

@@ -19,13 +19,13 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from embedding_server.api.dependencies import (
+    Served,
     as_input_list,
     check_input_count,
     check_response_size,
-    engine_for,
+    model_route,
     pooled_dimensions,
 )
-from embedding_server.api.disconnect import cancel_on_disconnect
 from embedding_server.api.encoding import (
     FloatMatrix,
     base64_rows,
@@ -44,6 +44,7 @@ from embedding_server.api.responses import (
     encode_off_loop,
     json_response,
     timing_headers,
+    usage,
 )
 from embedding_server.request.media.preprocessing import ImageInput
 
@@ -55,8 +56,9 @@ _CREATED = int(time.time())
 @router.post(
     "/v1/embeddings", summary="Create embeddings (OpenAI-compatible)", responses=BINARY_RESPONSES
 )
-async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
-    engine, lifecycle = engine_for(request, body.model)
+@model_route
+async def create_embeddings(body: EmbeddingRequest, served: Served) -> Response:
+    engine, lifecycle = served.engine, served.lifecycle
     check_input_form(body)
     special = body.add_special_tokens
     templated = False
@@ -82,8 +84,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
     # A chat template formats its text itself: no prompt (the default one either) before it.
     prompt = "" if templated else None
     check_task_adapter(engine, body.task)
-    result = await cancel_on_disconnect(
-        request,
+    result = await served.run(
         engine.aembed(
             inputs,
             dimensions=body.dimensions,
@@ -91,13 +92,12 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
             prompt=prompt,
             prompt_name=prompt_name,
             adapter=body.task,
-            truncate=body.truncation(auto=lifecycle.settings.auto_truncate),
+            truncate=body.truncation(auto=served.auto_truncate),
             add_special_tokens=special,
-        ),
+        )
     )
     matrix = result.embeddings
     headers = timing_headers(result.timings, result.prompt_tokens)
-    usage = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
 
     def encode() -> Response:
         if body.encoding_format in ("bytes", "bytes_only"):
@@ -106,8 +106,8 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
                 headers,
                 with_metadata=body.encoding_format == "bytes",
                 response_id=f"embd-{new_id()}",
-                model=lifecycle.served_model_name,
-                usage=usage,
+                model=served.model_name,
+                usage=usage(result.prompt_tokens),
             )
         rows: list[str] | list[FloatMatrix] = (
             base64_rows(matrix, body.embed_dtype, body.endianness)
@@ -119,8 +119,8 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
             "data": [
                 {"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(rows)
             ],
-            "model": lifecycle.served_model_name,
-            "usage": usage,
+            "model": served.model_name,
+            "usage": usage(result.prompt_tokens),
         }
         return json_response(content, headers)
 
