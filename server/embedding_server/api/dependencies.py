@@ -70,6 +70,25 @@ class Served:
         """``work`` (an engine call), cancelled if the client disconnects first."""
         return await cancel_on_disconnect(self.request, work)
 
+    async def run_bounded(
+        self,
+        call: Callable[[int], Awaitable[T]],
+        *,
+        width: int,
+        bytes_per_value: float,
+        encoding: str,
+    ) -> T:
+        """``call(max_output_values)`` as :meth:`run`: an engine call whose output grows with
+        its inputs' tokens (per-token vectors of ``width`` numbers), bounded by the values
+        ``max_response_bytes`` holds at ``bytes_per_value``. An answer past the bound, known
+        once the inputs are tokenized, is refused (400) naming its size as
+        :func:`check_response_size` does, as ``encoding``."""
+        try:
+            return await self.run(call(max_response_values(self.lifecycle, bytes_per_value)))
+        except OutputTooLargeError as error:
+            check_response_size(self.lifecycle, error.vectors, width, bytes_per_value, encoding)
+            raise
+
 
 def model_route(
     handler: Callable[[BodyT, Served], Awaitable[Response]],

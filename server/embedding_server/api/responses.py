@@ -10,12 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
+import numpy as np
+import numpy.typing as npt
 from starlette.responses import Response
 
-from embedding_server.api.encoding import BINARY_MEDIA_TYPE, BinaryPayload, dumps, metadata_header
+from embedding_server.api.encoding import (
+    BINARY_MEDIA_TYPE,
+    EmbedDtype,
+    EncodingFormat,
+    Endianness,
+    FloatMatrix,
+    binary_payload,
+    dumps,
+    metadata_header,
+)
 from embedding_server.api.ids import new_id
 from embedding_server.errors import InvalidRequestError
 from embedding_server.request.results import StageTimings
@@ -105,32 +116,50 @@ BINARY_RESPONSES: dict[int | str, dict[str, Any]] = {
 """OpenAPI for routes that can answer with vLLM's binary encodings, next to their JSON."""
 
 
+class WireEncoding(Protocol):
+    """A request's vLLM encoding options (``encoding_format``, ``embed_dtype``,
+    ``endianness``)."""
+
+    @property
+    def encoding_format(self) -> EncodingFormat: ...
+    @property
+    def embed_dtype(self) -> EmbedDtype: ...
+    @property
+    def endianness(self) -> Endianness: ...
+
+
+BINARY_FORMATS = ("bytes", "bytes_only")
+"""The encoding formats answered by :func:`binary_response`."""
+
+
 def binary_response(
-    payload: BinaryPayload,
+    outputs: Sequence[npt.NDArray[np.float32]] | FloatMatrix,
+    wire: WireEncoding,
     headers: Mapping[str, str],
     *,
-    with_metadata: bool,
-    response_id: str,
+    kind: str,
     model: str,
-    usage: Mapping[str, int],
+    tokens: int,
 ) -> Response:
-    """vLLM's binary answer: the body, plus (for ``bytes``, not ``bytes_only``) the
-    ``metadata`` header ``{id, created, model, data: [items], usage}``.
+    """vLLM's binary answer: ``outputs`` in ``wire``'s element type and byte order, plus
+    (for ``bytes``, not ``bytes_only``) the ``metadata`` header ``{id, created, model, data:
+    [items], usage}``, the id ``<kind>-<hex>``.
 
     The header grows by ~100 bytes per input and HTTP clients cap header sizes (aiohttp at
     8 KiB, requests at 64 KiB per line, httpx at 100 KiB in all), so one over
     :data:`MAX_METADATA_HEADER_BYTES` is refused (400) with a pointer to ``bytes_only``,
     whose offsets follow from the shape.
     """
+    payload = binary_payload(outputs, wire.embed_dtype, wire.endianness)
     all_headers = dict(headers)
-    if with_metadata:
+    if wire.encoding_format == "bytes":
         header = metadata_header(
             {
-                "id": response_id,
+                "id": f"{kind}-{new_id()}",
                 "created": int(time.time()),
                 "model": model,
                 "data": payload.items,
-                "usage": dict(usage),
+                "usage": usage(tokens),
             }
         )
         if len(header) > MAX_METADATA_HEADER_BYTES:

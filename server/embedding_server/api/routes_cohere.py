@@ -29,7 +29,6 @@ from embedding_server.api.dependencies import (
     check_input_count,
     check_response_size,
     check_sparse_request,
-    max_response_values,
     model_route,
     pooled_dimensions,
     require_outputs,
@@ -45,7 +44,7 @@ from embedding_server.api.media import cohere_parts, load_parts
 from embedding_server.api.prompts import input_type_prompts, prompt_name_for
 from embedding_server.api.protocol import CohereEmbedRequest
 from embedding_server.api.responses import encode_off_loop, json_response, timing_headers
-from embedding_server.errors import InvalidRequestError, OutputTooLargeError
+from embedding_server.errors import InvalidRequestError
 
 router = APIRouter(tags=["Cohere"])
 
@@ -187,23 +186,19 @@ async def _hybrid_embed(body: CohereEmbedRequest, served: Served) -> Response:
         check_response_size(
             lifecycle, count, dims, value_bytes, f"embedding_types {','.join(dense_types)}"
         )
-    width = engine.info().multi_vector_dim or 0
-    try:
-        result = await served.run(
-            engine.ahybrid_embed(
-                _texts(body),
-                outputs,
-                dimensions=body.output_dimension,
-                prompt_name=prompt_name_for(engine, None, body.input_type),
-                truncate=body.truncation(),
-                max_output_values=max_response_values(lifecycle, JSON_FLOAT_BYTES),
-            )
-        )
-    except OutputTooLargeError as error:
-        check_response_size(
-            lifecycle, error.vectors, width, JSON_FLOAT_BYTES, "embedding_types multi_vector"
-        )
-        raise
+    result = await served.run_bounded(
+        lambda limit: engine.ahybrid_embed(
+            _texts(body),
+            outputs,
+            dimensions=body.output_dimension,
+            prompt_name=prompt_name_for(engine, None, body.input_type),
+            truncate=body.truncation(),
+            max_output_values=limit,
+        ),
+        width=engine.info().multi_vector_dim or 0,
+        bytes_per_value=JSON_FLOAT_BYTES,
+        encoding="embedding_types multi_vector",
+    )
     sparse = [v.top(body.max_active_dims) for v in result.sparse or []]
     headers = timing_headers(result.timings, result.prompt_tokens)
 
@@ -240,7 +235,7 @@ async def _colbert_embed(body: CohereEmbedRequest, served: Served) -> Response:
     """A ColBERT model's multi-vectors: ``input_type`` says whether the texts are queries
     (marked and expanded to the query length) or documents; every field that would change
     what the checkpoint computes is refused rather than ignored."""
-    engine, lifecycle = served.engine, served.lifecycle
+    engine = served.engine
     if body.embedding_types != ["multi_vector"]:
         raise InvalidRequestError(
             f"embedding_types must be [multi_vector] for a ColBERT model "
@@ -257,22 +252,18 @@ async def _colbert_embed(body: CohereEmbedRequest, served: Served) -> Response:
     for name in ("output_dimension", "max_active_dims"):
         if getattr(body, name) is not None:
             raise InvalidRequestError(f"{name} does not apply to a ColBERT model", param=name)
-    width = engine.info().multi_vector_dim or 0
-    try:
-        result = await served.run(
-            engine.ahybrid_embed(
-                _texts(body),
-                ["multi_vector"],
-                input_type=side,
-                truncate=body.truncation(),
-                max_output_values=max_response_values(lifecycle, JSON_FLOAT_BYTES),
-            )
-        )
-    except OutputTooLargeError as error:
-        check_response_size(
-            lifecycle, error.vectors, width, JSON_FLOAT_BYTES, "embedding_types multi_vector"
-        )
-        raise
+    result = await served.run_bounded(
+        lambda limit: engine.ahybrid_embed(
+            _texts(body),
+            ["multi_vector"],
+            input_type=side,
+            truncate=body.truncation(),
+            max_output_values=limit,
+        ),
+        width=engine.info().multi_vector_dim or 0,
+        bytes_per_value=JSON_FLOAT_BYTES,
+        encoding="embedding_types multi_vector",
+    )
     vectors = result.multi_vector or []
     headers = timing_headers(result.timings, result.prompt_tokens)
 

@@ -29,15 +29,14 @@ from embedding_server.api.dependencies import (
 from embedding_server.api.encoding import (
     FloatMatrix,
     base64_rows,
-    binary_payload,
     bytes_per_value,
 )
-from embedding_server.api.ids import new_id
 from embedding_server.api.lifecycle import lifecycle_of
 from embedding_server.api.media import check_input_form, messages_input
 from embedding_server.api.prompts import check_task_adapter, input_type_prompts, prompt_name_for
 from embedding_server.api.protocol import EmbeddingRequest
 from embedding_server.api.responses import (
+    BINARY_FORMATS,
     BINARY_RESPONSES,
     binary_response,
     check_metadata_fits,
@@ -100,15 +99,9 @@ async def create_embeddings(body: EmbeddingRequest, served: Served) -> Response:
     headers = timing_headers(result.timings, result.prompt_tokens)
 
     def encode() -> Response:
-        if body.encoding_format in ("bytes", "bytes_only"):
-            return binary_response(
-                binary_payload(matrix, body.embed_dtype, body.endianness),
-                headers,
-                with_metadata=body.encoding_format == "bytes",
-                response_id=f"embd-{new_id()}",
-                model=served.model_name,
-                usage=usage(result.prompt_tokens),
-            )
+        if body.encoding_format in BINARY_FORMATS:
+            model, tokens = served.model_name, result.prompt_tokens
+            return binary_response(matrix, body, headers, kind="embd", model=model, tokens=tokens)
         rows: list[str] | list[FloatMatrix] = (
             base64_rows(matrix, body.embed_dtype, body.endianness)
             if body.encoding_format == "base64"

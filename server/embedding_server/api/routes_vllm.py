@@ -24,7 +24,6 @@ from embedding_server.api.dependencies import (
     check_input_count,
     check_response_size,
     check_sparse_request,
-    max_response_values,
     model_route,
     pooled_dimensions,
     require_outputs,
@@ -34,10 +33,8 @@ from embedding_server.api.encoding import (
     FloatMatrix,
     as_float32,
     base64_array,
-    binary_payload,
     bytes_per_value,
 )
-from embedding_server.api.ids import new_id
 from embedding_server.api.lifecycle import Lifecycle
 from embedding_server.api.media import content_parts, load_parts
 from embedding_server.api.protocol import (
@@ -48,6 +45,7 @@ from embedding_server.api.protocol import (
     TokenizeRequest,
 )
 from embedding_server.api.responses import (
+    BINARY_FORMATS,
     BINARY_RESPONSES,
     binary_response,
     check_metadata_fits,
@@ -55,9 +53,8 @@ from embedding_server.api.responses import (
     json_response,
     list_content,
     timing_headers,
-    usage,
 )
-from embedding_server.errors import InvalidRequestError, OutputTooLargeError, TooManyTokensError
+from embedding_server.errors import InvalidRequestError, TooManyTokensError
 from embedding_server.request.jobs import TokenOptions
 from embedding_server.request.media.inputs import Part, check_image_count, images_of
 from embedding_server.request.serving import ServingEngine
@@ -116,30 +113,20 @@ async def pooling(body: PoolingRequest, served: Served) -> Response:
         tokens, timings = labelled.prompt_tokens, labelled.timings
     else:
         dims = engine.info().multi_vector_dim or engine.info().hidden_size
-        try:
-            per_token = await served.run(
-                engine.aembed_tokens(
-                    inputs,
-                    **options,
-                    max_output_values=max_response_values(lifecycle, value_bytes),
-                )
-            )
-        except OutputTooLargeError as error:
-            check_response_size(lifecycle, error.vectors, dims, value_bytes, body.encoding_format)
-            raise
+        per_token = await served.run_bounded(
+            lambda limit: engine.aembed_tokens(inputs, **options, max_output_values=limit),
+            width=dims,
+            bytes_per_value=value_bytes,
+            encoding=body.encoding_format,
+        )
         outputs = per_token.embeddings
         tokens, timings = per_token.prompt_tokens, per_token.timings
     headers = timing_headers(timings, tokens)
 
     def encode() -> Response:
-        if body.encoding_format in ("bytes", "bytes_only"):
+        if body.encoding_format in BINARY_FORMATS:
             return binary_response(
-                binary_payload(outputs, body.embed_dtype, body.endianness),
-                headers,
-                with_metadata=body.encoding_format == "bytes",
-                response_id=f"pool-{new_id()}",
-                model=served.model_name,
-                usage=usage(tokens),
+                outputs, body, headers, kind="pool", model=served.model_name, tokens=tokens
             )
         data: list[dict[str, object]] = []
         for i, output in enumerate(outputs):
@@ -212,18 +199,12 @@ async def _hybrid_pooling(
     )
     dims = pooled_dimensions(engine, None)
     check_response_size(lifecycle, len(inputs), dims, JSON_FLOAT_BYTES, "task hybrid")
-    width = info.multi_vector_dim or info.hidden_size
-    try:
-        result = await served.run(
-            engine.ahybrid_embed(
-                inputs,
-                **options,
-                max_output_values=max_response_values(lifecycle, JSON_FLOAT_BYTES),
-            )
-        )
-    except OutputTooLargeError as error:
-        check_response_size(lifecycle, error.vectors, width, JSON_FLOAT_BYTES, "task hybrid")
-        raise
+    result = await served.run_bounded(
+        lambda limit: engine.ahybrid_embed(inputs, **options, max_output_values=limit),
+        width=info.multi_vector_dim or info.hidden_size,
+        bytes_per_value=JSON_FLOAT_BYTES,
+        encoding="task hybrid",
+    )
     dense, multi = result.dense, result.multi_vector
     assert dense is not None and result.sparse is not None and multi is not None
     sparse = [v.top(body.max_active_dims) for v in result.sparse]
