@@ -70,6 +70,7 @@ get an empty softmax, which the references fill differently, so that batch is re
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import inspect
@@ -218,59 +219,55 @@ def probe(
     ``bias`` to its logits (None: nothing), soft-caps them (``softcap``) and adds ALiBi
     position biases (``alibi``). The varlen kernels are looked for only on CUDA: elsewhere
     neither can run, whatever is installed."""
-    if device.type != "cuda":
-        return AttentionFacts(
-            device_type=device.type,
-            dtype=dtype,
-            head_dim=head_dim,
-            bias=bias,
-            softcap=softcap,
-            alibi=alibi,
-            windowed_key_prefix=windowed_key_prefix,
-        )
-    kernels = varlen_kernels()
-    return AttentionFacts(
+    facts = AttentionFacts(
         device_type=device.type,
         dtype=dtype,
         head_dim=head_dim,
-        capability=torch.cuda.get_device_capability(device),
-        flash_attn_error=kernels.flash_error
-        or (flash_softcap_error(kernels.flash) if softcap else None)
-        or (flash_alibi_error(kernels.flash) if alibi else None),
-        torch_varlen_error=kernels.torch_varlen_error,
         bias=bias,
         softcap=softcap,
         alibi=alibi,
         windowed_key_prefix=windowed_key_prefix,
     )
+    if device.type != "cuda":
+        return facts
+    kernels = varlen_kernels()
+    return dataclasses.replace(
+        facts,
+        capability=torch.cuda.get_device_capability(device),
+        flash_attn_error=kernels.flash_error
+        or (flash_softcap_error(kernels.flash) if softcap else None)
+        or (flash_alibi_error(kernels.flash) if alibi else None),
+        torch_varlen_error=kernels.torch_varlen_error,
+    )
+
+
+def _flash_lacks(flash: VarlenFunc | None, parameter: str, why: str) -> str | None:
+    """``why`` when this flash-attn takes no ``parameter`` (None: it does, or is missing)."""
+    if flash is None:
+        return None
+    try:
+        known = set(inspect.signature(flash).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature: do not guess
+        known = set()
+    return None if parameter in known else why
 
 
 def flash_softcap_error(flash: VarlenFunc | None) -> str | None:
     """Why this flash-attn cannot soft-cap attention logits (None: it can, or is missing)."""
-    if flash is None:
-        return None
-    try:
-        known = set(inspect.signature(flash).parameters)
-    except (TypeError, ValueError):  # a builtin without a signature: do not guess
-        known = set()
-    if "softcap" in known:
-        return None
-    return "this flash-attn takes no softcap (2.6 and later do), which the model's attention needs"
+    return _flash_lacks(
+        flash,
+        "softcap",
+        "this flash-attn takes no softcap (2.6 and later do), which the model's attention needs",
+    )
 
 
 def flash_alibi_error(flash: VarlenFunc | None) -> str | None:
     """Why this flash-attn cannot add ALiBi biases (None: it can, or is missing)."""
-    if flash is None:
-        return None
-    try:
-        known = set(inspect.signature(flash).parameters)
-    except (TypeError, ValueError):  # a builtin without a signature: do not guess
-        known = set()
-    if "alibi_slopes" in known:
-        return None
-    return (
+    return _flash_lacks(
+        flash,
+        "alibi_slopes",
         "this flash-attn takes no alibi_slopes (2.4 and later do), which the model's ALiBi "
-        "positions need"
+        "positions need",
     )
 
 
