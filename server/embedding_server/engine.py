@@ -96,12 +96,8 @@ from embedding_server.request.serving import (
     Inputs,
     ServingEngine,
 )
-from embedding_server.request.tokenization import (
-    TextTokenizer,
-    Truncation,
-    TruncationArg,
-    TruncationSide,
-)
+from embedding_server.request.tokenization import TextTokenizer
+from embedding_server.request.truncation import Truncation, TruncationArg, TruncationSide
 from embedding_server.settings import DEFAULT_MODEL, EngineSettings
 
 logger = logging.getLogger(__name__)

@@ -43,7 +43,7 @@ from embedding_server.api.encoding import (
     Endianness,
 )
 from embedding_server.errors import InvalidRequestError, TooManyTokensError
-from embedding_server.request.tokenization import Truncation, parse_side
+from embedding_server.request.truncation import Truncation, parse_side
 from embedding_server.settings import TruncationSide
 
 

@@ -16,7 +16,7 @@ from embedding_server.api.protocol import (
     MultiModalContent,
     openai_truncation,
 )
-from embedding_server.request.tokenization import Truncation
+from embedding_server.request.truncation import Truncation
 from embedding_server.settings import TruncationSide
 
 

@@ -39,8 +39,8 @@ from embedding_server.request.pooling import (
     PoolingMethod,
     build_matryoshka,
 )
+from embedding_server.request.prompts import Prompts
 from embedding_server.request.special_tokens import describe_tokens
-from embedding_server.request.tokenization import Prompts
 from embedding_server.settings import CPU_BATCH_TOKENS, GPU_BATCH_TOKENS, EngineSettings
 
 

@@ -43,7 +43,7 @@ from embedding_server.device.hub import locate_model
 from embedding_server.device.instructions import GRITLM, InstructionFormat
 from embedding_server.request.configuration import EngineInfo
 from embedding_server.request.serving import ServingEngine
-from embedding_server.request.tokenization import Truncation
+from embedding_server.request.truncation import Truncation
 from embedding_server.settings import EngineSettings
 
 ProbeKind = Literal["short", "long", "multilingual", "instruction", "truncated"]

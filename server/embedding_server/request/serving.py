@@ -78,7 +78,8 @@ from embedding_server.request.scoring import (
     text_pairs,
     text_sides,
 )
-from embedding_server.request.tokenization import TextInput, TextTokenizer, normalize_inputs
+from embedding_server.request.texts import TextInput, normalize_inputs
+from embedding_server.request.tokenization import TextTokenizer
 from embedding_server.settings import EngineSettings
 
 T = TypeVar("T")
