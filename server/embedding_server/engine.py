@@ -65,39 +65,32 @@ from embedding_server.metrics import Metrics
 from embedding_server.request.configuration import EngineInfo
 from embedding_server.request.jobs import (
     DirectRunner,
-    EmbedOptions,
-    HybridOptions,
     JobRunner,
     ScheduledRunner,
     ScoreOptions,
-    TokenEmbedOptions,
     TokenOptions,
     run_sync,
 )
 from embedding_server.request.media.inputs import ChatTemplate, ImagePreprocessor
 from embedding_server.request.media.preprocessing import ImageProcessor
-from embedding_server.request.results import (
-    ClassifyResult,
-    EmbedResult,
-    HybridResult,
-    Ranked,
-    RerankResult,
-    ScoreResult,
-    SparseEmbedResult,
-    SparseVector,
-    StageTimings,
-    TokenEmbedResult,
+from embedding_server.request.results import Ranked, SparseVector, StageTimings
+from embedding_server.request.scheduler import EngineLoad, Scheduler
+from embedding_server.request.serving import ServingEngine
+from embedding_server.request.tasks.classify import ClassifyResult
+from embedding_server.request.tasks.context import Inputs
+from embedding_server.request.tasks.embed import EmbedOptions, EmbedResult
+from embedding_server.request.tasks.encode import ENCODE_TASKS, EncodeTask
+from embedding_server.request.tasks.hybrid_embed import HybridOptions, HybridResult
+from embedding_server.request.tasks.rerank import RerankResult
+from embedding_server.request.tasks.score import ScoreResult
+from embedding_server.request.tasks.sparse import SparseEmbedResult
+from embedding_server.request.tasks.token_embed import TokenEmbedOptions, TokenEmbedResult
+from embedding_server.request.tokenization import (
+    TextTokenizer,
+    Truncation,
+    TruncationArg,
+    TruncationSide,
 )
-from embedding_server.request.scheduler import Scheduler
-from embedding_server.request.serving import (
-    ENCODE_TASKS,
-    EncodeTask,
-    EngineLoad,
-    Inputs,
-    ServingEngine,
-)
-from embedding_server.request.tokenization import TextTokenizer
-from embedding_server.request.truncation import Truncation, TruncationArg, TruncationSide
 from embedding_server.settings import DEFAULT_MODEL, EngineSettings
 
 logger = logging.getLogger(__name__)

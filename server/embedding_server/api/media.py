@@ -5,7 +5,7 @@ Cohere's ``images`` and ``inputs`` on ``/v2/embed``, vLLM's ``{"content": [parts
 Every route goes the same way: parse the parts (a 400 names the part), count the images
 against ``--max-images-per-request`` before anything is fetched, refuse an image sent to a
 model that does not take images (naming its field), then fetch, decode and preprocess them
-(:meth:`~embedding_server.request.serving.ServingEngine.aload_images`: decoding off the event loop).
+(:func:`~embedding_server.request.tasks.media.load_images`: decoding off the event loop).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from embedding_server.request.media.inputs import (
 )
 from embedding_server.request.media.preprocessing import ImageInput
 from embedding_server.request.serving import ServingEngine
+from embedding_server.request.tasks.media import load_images, render_chat
 from embedding_server.settings import ServerSettings
 
 Item = str | ImageInput
@@ -56,7 +57,9 @@ async def load_parts(
     check_image_count(len(refs), lifecycle.settings.max_images_per_request, param)
     for ref in refs:
         engine.check_takes_images(ref.param)
-    loaded = iter(await engine.aload_images(refs, media_policy(lifecycle.settings)) if refs else [])
+    loaded = iter(
+        await engine.serve(load_images, refs, media_policy(lifecycle.settings)) if refs else []
+    )
     return [part.text if isinstance(part, TextPart) else next(loaded) for part in parts]
 
 
@@ -124,7 +127,8 @@ async def messages_input(
                 "them, are not served)",
                 param=refs[0].param,
             )
-        text = await engine.arender_chat(
+        text = await engine.serve(
+            render_chat,
             messages,
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,

@@ -18,7 +18,7 @@ from starlette.responses import Response
 from embedding_server.api.errors import error_response
 from embedding_server.api.lifecycle import lifecycle_of
 from embedding_server.api.responses import json_response
-from embedding_server.request.serving import EngineLoad
+from embedding_server.request.scheduler import EngineLoad
 
 router = APIRouter()
 

@@ -50,13 +50,14 @@ from embedding_server.metrics import Metrics
 from embedding_server.request.jobs import Job, JobRunner, ThreadedRunner
 from embedding_server.request.scheduler import (
     Admission,
+    EngineLoad,
     Priority,
     Reservation,
     ScheduledOutput,
     backlog_seconds,
 )
 from embedding_server.request.sequences import SequenceInput
-from embedding_server.request.serving import EngineLoad, ServingEngine
+from embedding_server.request.serving import ServingEngine
 from embedding_server.request.tokenization import TextTokenizer
 from embedding_server.settings import ServerSettings
 

@@ -1,14 +1,16 @@
 """Jobs: a request prepared once, and the two ways to run one.
 
-The engine turns every request into a :class:`Job` (inputs checked, prompt and truncation
-resolved) before any work starts, then hands it to a :class:`JobRunner`:
+Each task (:mod:`.tasks`) turns its request into a :class:`Job` (inputs checked, prompt and
+truncation resolved: :meth:`Job.prepare`, or the task's own job shape: sentence pairs, a
+ColBERT side, a listwise prompt) before any work starts, then hands it to a
+:class:`JobRunner`:
 
 * :class:`ScheduledRunner`, inside the server's event loop: tokenization in the engine's
   thread pool, then the continuous-batching :class:`~.scheduler.Scheduler`;
 * :class:`DirectRunner`, the offline bulk path used before ``start()``: tokenization and
   length-sorted, budgeted batches on the calling thread, no admission queue.
 
-Both have the same async interface, so the engine has one code path per request type. The
+Both have the same async interface, so a task has one code path whichever runs it. The
 direct runner never suspends, which is what lets the engine's sync methods drive an async
 method to completion on the calling thread (:func:`run_inline`) without an event loop.
 """
@@ -31,13 +33,11 @@ from embedding_server.errors import (
     OutputTooLargeError,
     TooManyTokensError,
 )
-from embedding_server.request.admission import AdmissionEstimate
 from embedding_server.request.colbert import ColbertFormat, Side
-from embedding_server.request.heads import PairPrompt, PairTemplate, SegmentedPairTemplate
-from embedding_server.request.listwise import ListwiseFormat, ListwiseJob
+from embedding_server.request.heads import SegmentedPairTemplate
+from embedding_server.request.listwise import ListwiseJob
 from embedding_server.request.media.preprocessing import ImageInput
 from embedding_server.request.pooling import FloatArray
-from embedding_server.request.prompts import Prompts
 from embedding_server.request.results import JobOutput, StageTimings
 from embedding_server.request.scheduler import (
     BatchRunner,
@@ -47,10 +47,16 @@ from embedding_server.request.scheduler import (
     Scheduler,
 )
 from embedding_server.request.sequences import SequenceInput
-from embedding_server.request.texts import TextInput
-from embedding_server.request.tokenization import TextTokenizer
+from embedding_server.request.tokenization import (
+    AdmissionEstimate,
+    Prompts,
+    TextInput,
+    TextTokenizer,
+    TokenizedInput,
+    Truncation,
+    TruncationArg,
+)
 from embedding_server.request.tracing import current_trace
-from embedding_server.request.truncation import TokenizedInput, Truncation, TruncationArg
 
 T = TypeVar("T")
 
@@ -98,43 +104,6 @@ class TokenOptions(ScoreOptions, total=False):
     """L2-normalize each vector (per-token default: no; pooled: the server's setting)."""
 
 
-class TokenEmbedOptions(TokenOptions, total=False):
-    """Options of per-token embeddings."""
-
-    input_type: str | None
-    """A ColBERT model's side, ``query`` or ``document``: which marker, length and
-    expansion its texts get (required there; refused for any other model)."""
-
-    max_output_values: int | None
-    """Refuse, before the forward pass, a request whose per-token output would hold more
-    numbers than this (:class:`~.errors.OutputTooLargeError`)."""
-
-
-class EmbedOptions(TokenOptions, total=False):
-    """Options of pooled embeddings."""
-
-    dimensions: int | None
-    """Matryoshka truncation to this many dimensions."""
-
-
-class HybridOptions(EmbedOptions, total=False):
-    """Options of a bge-m3-shaped model's outputs together (``dimensions`` and
-    ``normalize`` apply to the dense output; multi-vectors are always normalized)."""
-
-    max_output_values: int | None
-    """As :class:`TokenEmbedOptions`'s: refuse, before the forward pass, a request whose
-    multi-vectors would hold more numbers than this."""
-    input_type: str | None
-    """As :class:`TokenEmbedOptions`'s: a ColBERT model's side."""
-
-
-def check_options(method: str, options: dict[str, Any], allowed: type) -> None:
-    """Refuse unknown keyword arguments, as a plain signature would."""
-    unknown = sorted(set(options) - set(allowed.__annotations__))
-    if unknown:
-        raise TypeError(f"{method}() got an unexpected keyword argument {unknown[0]!r}")
-
-
 @dataclass(frozen=True)
 class Job:
     """One request, checked and resolved, ready to tokenize and run."""
@@ -168,116 +137,6 @@ class Job:
     listwise: ListwiseJob | None = None
     """A listwise reranker's lists (``listwise.py``), each tokenized into blocks, one
     sequence per block whose token projections come back; then ``items`` is empty."""
-
-    @classmethod
-    def for_listwise(
-        cls,
-        queries: Sequence[str],
-        documents: Sequence[str],
-        options: ScoreOptions,
-        fmt: ListwiseFormat,
-    ) -> Job:
-        """A listwise reranker's job: ``prompt`` is the instruction its prompt holds; prompt
-        names and adapters do not apply and are refused, never ignored."""
-        for name in ("prompt_name", "adapter"):
-            if options.get(name) is not None:
-                raise InvalidRequestError(
-                    f"{name} does not apply to a listwise reranker ({fmt.name}); its "
-                    "instruction is the request's prompt",
-                    param=name,
-                )
-        instruction = options.get("prompt")
-        if instruction is not None and not isinstance(instruction, str):
-            raise InvalidRequestError("prompt must be a string", param="prompt")
-        truncation = Truncation.coerce(options.get("truncate", True))
-        lists = ListwiseJob.of_sides(queries, documents, fmt, instruction)
-        return cls([], None, truncation, want_tokens=True, listwise=lists)
-
-    @classmethod
-    def for_pairs(
-        cls,
-        pairs: list[tuple[str, str]],
-        options: ScoreOptions,
-        template: PairTemplate | SegmentedPairTemplate | PairPrompt | None = None,
-    ) -> Job:
-        """A job over sentence pairs; prompts do not apply to them. With a yes/no
-        reranker's ``template``, each pair becomes one text of its prompt (a
-        :class:`SegmentedPairTemplate`: its pieces, tokenized apart when the job is), and
-        ``prompt`` is the template's instruction; with a cross-encoder's
-        :class:`PairPrompt`, one text tokenized as any single text."""
-        truncation = Truncation.coerce(options.get("truncate", True))
-        for name in ("prompt_name", "adapter"):
-            if options.get(name) is not None:
-                raise InvalidRequestError(
-                    f"{name} does not apply to a cross-encoder's text pairs", param=name
-                )
-        instruction = options.get("prompt")
-        if isinstance(template, PairPrompt):
-            if instruction is not None:
-                raise InvalidRequestError(
-                    f"prompt does not apply to {template.name}'s pairs: its prompt is fixed",
-                    param="prompt",
-                )
-            return cls([template.format(q, d) for q, d in pairs], None, truncation)
-        if isinstance(template, SegmentedPairTemplate):
-            return cls([], instruction, truncation, pairs=pairs, segmented=template)
-        if template is not None:
-            texts: list[JobItem] = [template.text(q, d, instruction) for q, d in pairs]
-            return cls(texts, None, truncation, add_special_tokens=False, suffix=template.suffix)
-        if instruction is not None:
-            raise InvalidRequestError(
-                "prompt does not apply to a cross-encoder's text pairs", param="prompt"
-            )
-        return cls([], None, truncation, pairs=pairs)
-
-    @classmethod
-    def for_colbert(
-        cls,
-        items: list[TextInput],
-        sides: Sequence[Side],
-        options: ScoreOptions | TokenOptions,
-        colbert: ColbertFormat,
-        max_token_rows: int | None = None,
-    ) -> Job:
-        """A ColBERT model's job: its markers, lengths and query expansion are the
-        checkpoint's, so options that would change its tokenization are refused, never
-        ignored."""
-        for name in ("prompt", "prompt_name", "adapter"):
-            if options.get(name) is not None:
-                raise InvalidRequestError(
-                    f"{name} does not apply to a ColBERT model: its queries and documents "
-                    "are marked as the checkpoint was trained (input_type)",
-                    param=name,
-                )
-        truncation = Truncation.coerce(options.get("truncate", True))
-        if truncation.side == "left" or truncation.max_tokens is not None:
-            raise InvalidRequestError(
-                f"a ColBERT model cuts queries to {colbert.query_length} tokens and documents "
-                f"to {colbert.document_length}, keeping their start, as it was trained: "
-                "truncation may only be asked for at the end (or refused)",
-                param=truncation.param,
-            )
-        if options.get("add_special_tokens", True) is not True:
-            raise InvalidRequestError(
-                "add_special_tokens does not apply to a ColBERT model",
-                param="add_special_tokens",
-            )
-        for i, item in enumerate(items):
-            if not isinstance(item, str):
-                raise InvalidRequestError(
-                    f"input[{i}]: a ColBERT model takes texts, not token ids (its markers "
-                    "and query expansion are added to the text's tokens)",
-                    param="input",
-                )
-        return cls(
-            list[JobItem](items),
-            None,
-            truncation,
-            want_tokens=True,
-            max_token_rows=max_token_rows,
-            colbert=colbert,
-            sides=tuple(sides),
-        )
 
     @classmethod
     def prepare(

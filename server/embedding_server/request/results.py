@@ -1,9 +1,10 @@
-"""What the engine hands back: vectors plus the usage and timings the HTTP layer reports.
+"""What every result is built from: a job's raw output, the usage and timings the HTTP layer
+reports, and the value types results share (sparse vectors, ranked documents).
 
 :class:`JobOutput` is what a job runner returns (pooled vectors before the per-request head,
-token states, usage, stage timings); the engine turns it into one of the result types once
-the head has been applied. Kept apart from the engine so the runners can build it without
-importing the engine.
+token states, usage, stage timings); each task (:mod:`.tasks`) turns it into its own result
+type, a :class:`Usage`, once the head has been applied. Kept apart from the tasks so the
+runners can build it without importing them.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy.typing as npt
 
 from embedding_server.metrics import Metrics
 from embedding_server.request.pooling import FloatArray
-from embedding_server.request.truncation import TokenizedInput
+from embedding_server.request.tokenization import TokenizedInput
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,44 +71,6 @@ def usage_of(source: Usage | JobOutput) -> UsageFields:
     }
 
 
-@dataclass(frozen=True, kw_only=True)
-class EmbedResult(Usage):
-    """Embeddings of one request plus what the HTTP layer reports about it."""
-
-    embeddings: FloatArray  # [n, d] float32
-    token_counts: list[int]  # per input, after truncation
-
-
-@dataclass(frozen=True, kw_only=True)
-class TokenEmbedResult(Usage):
-    """Per-token hidden states (float32 ``[len_i, hidden]`` per input) and their token ids."""
-
-    embeddings: list[FloatArray]
-    token_ids: list[list[int]]
-
-
-@dataclass(frozen=True, kw_only=True)
-class ScoreResult(Usage):
-    """Scores of text pairs (``[n]`` float32): cross-encoder relevance, or cosine similarity
-    of embeddings."""
-
-    scores: npt.NDArray[np.float32]
-
-
-@dataclass(frozen=True, kw_only=True)
-class ClassifyResult(Usage):
-    """Class probabilities of each input (``[n, num_labels]`` float32) and the labels."""
-
-    probs: FloatArray
-    labels: tuple[str, ...]
-    """The model's labels, in ``probs`` column order."""
-
-    @property
-    def predicted(self) -> list[str]:
-        """The most probable label of each input."""
-        return [self.labels[int(i)] for i in self.probs.argmax(axis=1)]
-
-
 @dataclass(frozen=True, slots=True)
 class SparseVector:
     """A sparse vector over the vocabulary: token ids with a non-zero weight, ascending."""
@@ -134,37 +97,12 @@ class SparseVector:
         return dense
 
 
-@dataclass(frozen=True, kw_only=True)
-class SparseEmbedResult(Usage):
-    """SPLADE vectors of one request, with usage."""
-
-    vectors: list[SparseVector]
-
-
-@dataclass(frozen=True, kw_only=True)
-class HybridResult(Usage):
-    """The outputs one request asked of a bge-m3-shaped model, from one forward pass: dense
-    vectors ``[n, d]``, sparse (lexical) weights and multi-vectors (``[len_i - 1, width]``
-    per input), each None when not asked for."""
-
-    dense: FloatArray | None = None
-    sparse: list[SparseVector] | None = None
-    multi_vector: list[FloatArray] | None = None
-
-
 @dataclass(frozen=True, slots=True)
 class Ranked:
     """One document of a rerank: its position in the request and its relevance."""
 
     index: int
     score: float
-
-
-@dataclass(frozen=True, kw_only=True)
-class RerankResult(Usage):
-    """Documents by decreasing relevance to the query (``top_n`` of them when asked)."""
-
-    results: list[Ranked]
 
 
 @dataclass(frozen=True)
@@ -196,22 +134,3 @@ class JobOutput:
             metrics.truncated_inputs.inc(self.truncated_inputs)
         for stage, seconds in self.timings.to_dict().items():
             metrics.observe_stage(stage, seconds)
-
-    def _usage(self) -> UsageFields:
-        return usage_of(self)
-
-    def embed_result(self, embeddings: FloatArray) -> EmbedResult:
-        return EmbedResult(embeddings=embeddings, token_counts=self.token_counts, **self._usage())
-
-    def token_result(self, embeddings: list[FloatArray]) -> TokenEmbedResult:
-        token_ids = [list(t.ids) for t in self.tokenized]
-        return TokenEmbedResult(embeddings=embeddings, token_ids=token_ids, **self._usage())
-
-    def classify_result(self, probs: FloatArray, labels: tuple[str, ...]) -> ClassifyResult:
-        return ClassifyResult(probs=probs, labels=labels, **self._usage())
-
-    def sparse_result(self, vectors: list[SparseVector]) -> SparseEmbedResult:
-        return SparseEmbedResult(vectors=vectors, **self._usage())
-
-    def score_result(self, scores: npt.NDArray[np.float32]) -> ScoreResult:
-        return ScoreResult(scores=scores, **self._usage())

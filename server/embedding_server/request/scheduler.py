@@ -163,6 +163,18 @@ class Throughput:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class EngineLoad:
+    """The work ahead of a new request, as ``GET /load`` reports it to a gateway: tokens
+    admitted and waiting, tokens in batches taken from the queue, and both in seconds at
+    the rate the model measured recently (the ``embedding_server_backlog_seconds`` gauge,
+    :func:`backlog_seconds`)."""
+
+    queued_tokens: int = 0
+    running_tokens: int = 0
+    backlog_seconds: float = 0.0
+
+
 def backlog_seconds(work_tokens: int, tokens_per_s: float, prior_tokens_per_s: float) -> float:
     """Seconds of work waiting: ``work_tokens`` (queued plus running) at the measured rate.
 
