@@ -48,6 +48,31 @@ class ClassificationHead:
     norm_bias: torch.Tensor | None = None
     norm_eps: float = 1e-5
 
+    @classmethod
+    def read(
+        cls,
+        w: HeadWeights,
+        out: str,
+        dense: str | None = None,
+        norm: str | None = None,
+        *,
+        pooler_activation: str = "tanh",
+        norm_eps: float = 1e-5,
+    ) -> ClassificationHead:
+        """The head whose projection to the labels is ``out`` (a prefix of ``weight`` and an
+        optional ``bias``), after the pooler ``dense`` and its LayerNorm ``norm`` where the
+        family has them, read in that order."""
+        return cls(
+            weight=w.get(out + "weight"),
+            bias=w.maybe(out + "bias"),
+            pooler_weight=None if dense is None else w.get(dense + "weight"),
+            pooler_bias=None if dense is None else w.maybe(dense + "bias"),
+            pooler_activation=pooler_activation,
+            norm_weight=None if norm is None else w.get(norm + "weight"),
+            norm_bias=None if norm is None else w.maybe(norm + "bias"),
+            norm_eps=norm_eps,
+        )
+
     @property
     def num_labels(self) -> int:
         return int(self.weight.shape[0])
@@ -113,7 +138,7 @@ def score_head(w: HeadWeights, per_token: bool) -> tuple[ClassificationHead, Poo
     """A decoder's ``score`` projection (no pooler), over the last token, as transformers'
     ``*ForSequenceClassification`` decoders read it; token classifiers apply it to every
     token."""
-    return ClassificationHead(weight=w.get("score.weight"), bias=w.maybe("score.bias")), "last"
+    return ClassificationHead.read(w, "score."), "last"
 
 
 @dataclass(frozen=True)
@@ -133,19 +158,10 @@ class ClassifierNames:
 
     def __call__(self, w: HeadWeights, per_token: bool) -> tuple[ClassificationHead, PoolingMethod]:
         if per_token:
-            out = self.token_out
-            return ClassificationHead(
-                weight=w.get(out + "weight"), bias=w.maybe(out + "bias")
-            ), "cls"
-        dense = self.dense
-        head = ClassificationHead(
-            weight=w.get(self.out + "weight"),
-            bias=w.maybe(self.out + "bias"),
-            pooler_weight=None if dense is None else w.get(dense + "weight"),
-            pooler_bias=None if dense is None else w.maybe(dense + "bias"),
-            pooler_activation=self.activation,
-        )
-        return head, "cls"
+            return ClassificationHead.read(w, self.token_out), "cls"
+        return ClassificationHead.read(
+            w, self.out, self.dense, pooler_activation=self.activation
+        ), "cls"
 
 
 def read_classifier(

@@ -203,25 +203,13 @@ def classification_head(
     (``classifier.dense`` + tanh) before ``classifier.out_proj``; BERT its ``bert.pooler``
     before ``classifier``. Token classifiers have no pooler, just ``classifier``."""
     if per_token:
-        return ClassificationHead(
-            weight=w.get("classifier.weight"), bias=w.maybe("classifier.bias")
-        ), "cls"
+        return ClassificationHead.read(w, "classifier."), "cls"
     if "classifier.out_proj.weight" in w:  # RoBERTa, XLM-R
-        head = ClassificationHead(
-            weight=w.get("classifier.out_proj.weight"),
-            bias=w.maybe("classifier.out_proj.bias"),
-            pooler_weight=w.get("classifier.dense.weight"),
-            pooler_bias=w.maybe("classifier.dense.bias"),
-        )
-        return head, "cls"
+        return ClassificationHead.read(w, "classifier.out_proj.", "classifier.dense."), "cls"
     pooler = next((p for p in ("bert.pooler.", "pooler.") if p + "dense.weight" in w), None)
-    head = ClassificationHead(
-        weight=w.get("classifier.weight"),
-        bias=w.maybe("classifier.bias"),
-        pooler_weight=w.get(pooler + "dense.weight") if pooler else None,
-        pooler_bias=w.maybe(pooler + "dense.bias") if pooler else None,
-    )
-    return head, "cls"
+    return ClassificationHead.read(
+        w, "classifier.", None if pooler is None else pooler + "dense."
+    ), "cls"
 
 
 _MASKED_LM_NAMES = {

@@ -387,20 +387,11 @@ def classification_head(
     ``pooler_hidden_act``, gelu by default) on the first token, then ``classifier``.
     DebertaV2ForTokenClassification: ``classifier`` on every token."""
     if per_token:
-        return ClassificationHead(
-            weight=w.get("classifier.weight"), bias=w.maybe("classifier.bias")
-        ), "cls"
+        return ClassificationHead.read(w, "classifier."), "cls"
     act = str(w.config.get("pooler_hidden_act", "gelu"))
     if act not in ACTIVATIONS:
         raise UnsupportedModelError(
             f"{w.architecture}: pooler_hidden_act {act!r} is not supported; supported: "
             f"{', '.join(ACTIVATIONS)}"
         )
-    head = ClassificationHead(
-        weight=w.get("classifier.weight"),
-        bias=w.maybe("classifier.bias"),
-        pooler_weight=w.get("pooler.dense.weight"),
-        pooler_bias=w.maybe("pooler.dense.bias"),
-        pooler_activation=act,
-    )
-    return head, "cls"
+    return ClassificationHead.read(w, "classifier.", "pooler.dense.", pooler_activation=act), "cls"

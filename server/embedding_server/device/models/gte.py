@@ -210,7 +210,7 @@ def classification_head(
 ) -> tuple[ClassificationHead, PoolingMethod]:
     """``NewForSequenceClassification``: the pooler (dense + tanh over the first token), then
     ``classifier``; ``NewForTokenClassification``: ``classifier`` on every token."""
-    out = ClassificationHead(weight=w.get("classifier.weight"), bias=w.maybe("classifier.bias"))
+    out = ClassificationHead.read(w, "classifier.")
     if per_token:
         return out, "cls"
     pooler = next((p for p in (*PREFIXES, "") if p + "pooler.dense.weight" in w), None)

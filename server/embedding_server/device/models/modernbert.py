@@ -237,14 +237,12 @@ def classification_head(
     act = str(config.get("classifier_activation") or config.get("hidden_activation") or "gelu")
     if act not in ACTIVATIONS:
         raise UnsupportedModelError(f"ModernBERT classifier_activation {act!r} is not supported")
-    head = ClassificationHead(
-        weight=w.get("classifier.weight"),
-        bias=w.maybe("classifier.bias"),
-        pooler_weight=w.get("head.dense.weight"),
-        pooler_bias=w.maybe("head.dense.bias"),
+    head = ClassificationHead.read(
+        w,
+        "classifier.",
+        "head.dense.",
+        "head.norm.",
         pooler_activation=act,
-        norm_weight=w.get("head.norm.weight"),
-        norm_bias=w.maybe("head.norm.bias"),
         norm_eps=float(config.get("norm_eps", 1e-5)),
     )
     pooled = str(config.get("classifier_pooling", "cls"))

@@ -25,14 +25,7 @@ def score_mlp_head(w: HeadWeights, per_token: bool) -> tuple[ClassificationHead,
     """``score.0`` (with its ReLU) as the head's pooler, then ``score.2`` to the outputs; it
     runs on every token's state (the pooling is the last token's, which the outcome model's
     own forward pass returns as its reward)."""
-    head = ClassificationHead(
-        weight=w.get("score.2.weight"),
-        bias=w.maybe("score.2.bias"),
-        pooler_weight=w.get("score.0.weight"),
-        pooler_bias=w.maybe("score.0.bias"),
-        pooler_activation="relu",
-    )
-    return head, "last"
+    return ClassificationHead.read(w, "score.2.", "score.0.", pooler_activation="relu"), "last"
 
 
 QWEN2_REWARD = RewardReader(
