@@ -85,12 +85,8 @@ from embedding_server.request.tasks.rerank import RerankResult
 from embedding_server.request.tasks.score import ScoreResult
 from embedding_server.request.tasks.sparse import SparseEmbedResult
 from embedding_server.request.tasks.token_embed import TokenEmbedOptions, TokenEmbedResult
-from embedding_server.request.tokenization import (
-    TextTokenizer,
-    Truncation,
-    TruncationArg,
-    TruncationSide,
-)
+from embedding_server.request.tokenization import TextTokenizer
+from embedding_server.request.truncation import Truncation, TruncationArg, TruncationSide
 from embedding_server.settings import DEFAULT_MODEL, EngineSettings
 
 logger = logging.getLogger(__name__)

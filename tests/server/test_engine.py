@@ -20,7 +20,8 @@ from embedding_server.errors import (
     UnsettledInputError,
 )
 from embedding_server.metrics import Metrics
-from embedding_server.request.tokenization import TextTokenizer, Truncation
+from embedding_server.request.tokenization import TextTokenizer
+from embedding_server.request.truncation import Truncation
 from sentence_transformers import SentenceTransformer
 from tokenizers import Tokenizer
 

@@ -34,12 +34,12 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from embedding_server.errors import InvalidRequestError
-from embedding_server.request.pooling import FloatArray, l2_normalize
-from embedding_server.request.tokenization import (
+from embedding_server.request.admission import (
     LIKELY_CHARS_PER_TOKEN,
     AdmissionEstimate,
     token_bound,
 )
+from embedding_server.request.pooling import FloatArray, l2_normalize
 
 Side = Literal["query", "document"]
 SIDES: tuple[Side, ...] = ("query", "document")

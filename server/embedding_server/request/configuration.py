@@ -19,8 +19,8 @@ from embedding_server.request.heads import Classifier, Task
 from embedding_server.request.hybrid import HybridHeads
 from embedding_server.request.listwise import ListwiseFormat
 from embedding_server.request.pooling import PoolingHead, PoolingMethod
+from embedding_server.request.prompts import Prompts
 from embedding_server.request.special_tokens import SpecialTokens
-from embedding_server.request.tokenization import Prompts
 
 
 @dataclass(frozen=True)

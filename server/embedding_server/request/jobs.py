@@ -33,11 +33,13 @@ from embedding_server.errors import (
     OutputTooLargeError,
     TooManyTokensError,
 )
+from embedding_server.request.admission import AdmissionEstimate
 from embedding_server.request.colbert import ColbertFormat, Side
 from embedding_server.request.heads import SegmentedPairTemplate
 from embedding_server.request.listwise import ListwiseJob
 from embedding_server.request.media.preprocessing import ImageInput
 from embedding_server.request.pooling import FloatArray
+from embedding_server.request.prompts import Prompts
 from embedding_server.request.results import JobOutput, StageTimings
 from embedding_server.request.scheduler import (
     BatchRunner,
@@ -47,16 +49,10 @@ from embedding_server.request.scheduler import (
     Scheduler,
 )
 from embedding_server.request.sequences import SequenceInput
-from embedding_server.request.tokenization import (
-    AdmissionEstimate,
-    Prompts,
-    TextInput,
-    TextTokenizer,
-    TokenizedInput,
-    Truncation,
-    TruncationArg,
-)
+from embedding_server.request.texts import TextInput
+from embedding_server.request.tokenization import TextTokenizer
 from embedding_server.request.tracing import current_trace
+from embedding_server.request.truncation import TokenizedInput, Truncation, TruncationArg
 
 T = TypeVar("T")
 

@@ -43,15 +43,14 @@ import numpy as np
 import numpy.typing as npt
 
 from embedding_server.errors import InputTooLongError, InvalidRequestError, TooManyTokensError
-from embedding_server.request.pooling import FloatArray
-from embedding_server.request.tokenization import (
+from embedding_server.request.admission import (
     LIKELY_CHARS_PER_TOKEN,
     AdmissionEstimate,
-    TextTokenizer,
-    TokenizedInput,
-    Truncation,
     token_bound,
 )
+from embedding_server.request.pooling import FloatArray
+from embedding_server.request.tokenization import TextTokenizer
+from embedding_server.request.truncation import TokenizedInput, Truncation
 
 PREFIX = (
     "<|im_start|>system\n"

@@ -17,7 +17,7 @@ import numpy.typing as npt
 
 from embedding_server.metrics import Metrics
 from embedding_server.request.pooling import FloatArray
-from embedding_server.request.tokenization import TokenizedInput
+from embedding_server.request.truncation import TokenizedInput
 
 
 @dataclass(frozen=True, slots=True)

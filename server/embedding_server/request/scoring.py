@@ -16,7 +16,7 @@ import numpy.typing as npt
 from embedding_server.errors import InvalidRequestError
 from embedding_server.request.pooling import FloatArray, l2_normalize
 from embedding_server.request.results import Ranked
-from embedding_server.request.tokenization import TextInput, normalize_inputs
+from embedding_server.request.texts import TextInput, normalize_inputs
 
 
 def check_sides(count_a: int, count_b: int) -> None:

@@ -64,7 +64,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from embedding_server.request.scheduler import ScheduledOutput
-from embedding_server.request.tokenization import TokenizedInput
+from embedding_server.request.truncation import TokenizedInput
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context

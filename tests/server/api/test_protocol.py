@@ -21,7 +21,7 @@ from embedding_server.api.protocol import (
 )
 from embedding_server.api.protocol_tasks import ClassifyRequest, RerankRequest
 from embedding_server.errors import InvalidRequestError, TooManyTokensError
-from embedding_server.request.tokenization import Truncation
+from embedding_server.request.truncation import Truncation
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 

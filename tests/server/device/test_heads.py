@@ -24,8 +24,9 @@ from embedding_server.errors import (
     UnsupportedModelError,
 )
 from embedding_server.request.heads import apply_activation, softmax
+from embedding_server.request.pairs import longest_first
 from embedding_server.request.pooling import ACTIVATIONS
-from embedding_server.request.tokenization import Truncation, longest_first
+from embedding_server.request.truncation import Truncation
 from transformers import (
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,

@@ -30,7 +30,8 @@ from embedding_server.device.tokenizer_files import read_tokenizer
 from embedding_server.engine import Engine
 from embedding_server.errors import UnsupportedModelError
 from embedding_server.request.special_tokens import apply_template, describe_tokens
-from embedding_server.request.tokenization import TextTokenizer, Truncation
+from embedding_server.request.tokenization import TextTokenizer
+from embedding_server.request.truncation import Truncation
 from transformers import AutoModel, AutoTokenizer
 
 from tests.support.api import fake_settings, running_server

@@ -11,7 +11,8 @@ from embedding_server.errors import InvalidRequestError
 from embedding_server.request.colbert import ColbertFormat, Side, parse_side
 from embedding_server.request.jobs import Job, JobItem, ScoreOptions, TokenOptions
 from embedding_server.request.tasks.context import TaskContext
-from embedding_server.request.tokenization import TextInput, Truncation
+from embedding_server.request.texts import TextInput
+from embedding_server.request.truncation import Truncation
 
 
 def colbert_side(ctx: TaskContext, input_type: object) -> tuple[ColbertFormat, Side] | None:

@@ -24,7 +24,7 @@ from embedding_server.request.jobs import INLINE_TOKENIZE_CHARS, Job, JobItem, J
 from embedding_server.request.media.inputs import IMAGE_TYPES, ChatTemplate, ImagePreprocessor
 from embedding_server.request.media.preprocessing import ImageInput
 from embedding_server.request.results import JobOutput
-from embedding_server.request.tokenization import TextInput, normalize_inputs
+from embedding_server.request.texts import TextInput, normalize_inputs
 
 T = TypeVar("T")
 

@@ -29,7 +29,7 @@ from embedding_server.request.scoring import (
 )
 from embedding_server.request.tasks.colbert_jobs import colbert_job
 from embedding_server.request.tasks.context import Inputs, TaskContext, check_options
-from embedding_server.request.tokenization import Truncation
+from embedding_server.request.truncation import Truncation
 
 
 @dataclass(frozen=True, kw_only=True)
