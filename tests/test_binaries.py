@@ -10,6 +10,7 @@ and whoever empties it must hold it alone, or leave it to the build still runnin
 from __future__ import annotations
 
 import fcntl
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -136,3 +137,21 @@ def test_the_builder_needs_only_the_standard_library() -> None:
         check=True,
     )
     assert result.stdout.strip() == "[]"
+
+
+def test_make_test_builds_what_the_unit_tier_runs_first() -> None:
+    """`make test` runs the unit tier while the Go builds go on, once the binaries the unit
+    tests look up are built: those must be the ones it waits for, and built first, or a
+    chart test skips (no helm) or waits for the whole set."""
+    makefile = (ROOT / "Makefile").read_text()
+    match = re.search(r"^UNIT_TIER_BINARIES := (.+)$", makefile, re.MULTILINE)
+    assert match is not None
+    waited_for = match.group(1).split()
+    looked_up = set()
+    for path in (ROOT / "tests").rglob("*.py"):
+        looked_up |= set(re.findall(r'c\.name == "([a-z-]+)"', path.read_text()))
+    looked_up.discard("keda")  # this file's own lookups
+    assert looked_up <= set(waited_for), looked_up
+    names = [c.name for c in binaries.COMPONENTS]
+    assert names[: len(waited_for)] == waited_for
+    assert "$(PYTHON) -m e2e.harness.binaries $(UNIT_TIER_BINARIES)" in makefile

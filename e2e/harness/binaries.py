@@ -145,6 +145,25 @@ class Component:
 
 
 COMPONENTS: tuple[Component, ...] = (
+    # Built first: the unit tier runs these two (the chart's `helm template` and `helm lint`,
+    # `promtool check rules`), and `make test` starts it while the others build.
+    Component(
+        name="helm",
+        version_key="HELM_VERSION",
+        module="helm.sh/helm/v3",
+        binaries={"helm": ("helm", ("version", "--short"))},
+        ldflags=_helm_ldflags,
+    ),
+    # promtool checks the chart's alert and recording rules (`promtool check rules`): the
+    # same module and pin as prometheus, in a wrapper of its own, so adding it changed no
+    # build input of the prometheus binary (worktrees sharing the cache do not rebuild it).
+    Component(
+        name="promtool",
+        version_key="PROMETHEUS_VERSION",
+        module="github.com/prometheus/prometheus",
+        binaries={"promtool": ("promtool", BUILD_INFO)},
+        ldflags=_prometheus_ldflags,
+    ),
     Component(
         name="etcd",
         version_key="ETCD_VERSION",
@@ -158,13 +177,6 @@ COMPONENTS: tuple[Component, ...] = (
         module="sigs.k8s.io/kwok",
         binaries={"kwok": ("kwok", ("--version",))},
         ldflags=_plain_ldflags,
-    ),
-    Component(
-        name="helm",
-        version_key="HELM_VERSION",
-        module="helm.sh/helm/v3",
-        binaries={"helm": ("helm", ("version", "--short"))},
-        ldflags=_helm_ldflags,
     ),
     Component(
         name="k8s",
@@ -206,16 +218,6 @@ COMPONENTS: tuple[Component, ...] = (
         version_key="PROMETHEUS_VERSION",
         module="github.com/prometheus/prometheus",
         binaries={"prometheus": ("prometheus", BUILD_INFO)},
-        ldflags=_prometheus_ldflags,
-    ),
-    # promtool checks the chart's alert and recording rules (`promtool check rules`): the
-    # same module and pin as prometheus, in a wrapper of its own, so adding it changed no
-    # build input of the prometheus binary (worktrees sharing the cache do not rebuild it).
-    Component(
-        name="promtool",
-        version_key="PROMETHEUS_VERSION",
-        module="github.com/prometheus/prometheus",
-        binaries={"promtool": ("promtool", BUILD_INFO)},
         ldflags=_prometheus_ldflags,
     ),
     Component(
