@@ -56,7 +56,7 @@ test: ## Lint, unit tests, then e2e tests on a real local cluster (needs root)
 	$(PYTHON) -m e2e.harness.binaries $(UNIT_TIER_BINARIES)
 	$(MAKE) unit PYTEST_ARGS="--durations=15 $(PYTEST_ARGS)"
 	@# Waits for the background builds in turn (building whatever one of them failed, failing
-	@# with the error), then prints their logs.
+	@# with the error) and empties the Go build cache, then prints the builds' logs.
 	@$(MAKE) binaries; rc=$$?; \
 	sed 's/^/[go, background] /' $(GO_BUILD_LOG); sed 's/^/[keda, background] /' $(KEDA_BUILD_LOG); \
 	exit $$rc

@@ -90,6 +90,67 @@ def test_a_build_holds_the_caches_for_the_whole_go_build(
     assert go_calls[-1] == ("clean", "-cache", "alone")
 
 
+def test_a_build_is_published_only_once_it_lets_go_of_the_caches(
+    go_calls: list[tuple[str, ...]], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Whoever finds a binary cached may empty the caches at once (`make binaries`, before
+    the e2e tier): the build that made it must not hold them any more by then."""
+    held: dict[str, str] = {}
+    publish = binaries._publish
+
+    def build_into(*args: Any) -> tuple[Path, float]:
+        held["building"] = _caches_held()
+        staging = tmp_path / "staging"
+        staging.mkdir()
+        return staging, 1.0
+
+    def published(staging: Path, out_dir: Path) -> None:
+        held["publishing"] = _caches_held()
+        publish(staging, out_dir)
+
+    monkeypatch.setattr(binaries, "_build_into", build_into)
+    monkeypatch.setattr(binaries, "_publish", published)
+    out_dir = tmp_path / "cache" / "helm-v0"
+    binaries._build(binaries.COMPONENTS[0], "v0", out_dir, "digest")
+    assert held == {"building": "by a build", "publishing": "free"}
+    assert out_dir.is_dir()
+
+
+def test_emptying_the_caches_waits_for_another_emptying(
+    go_calls: list[tuple[str, ...]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """So `make binaries` returns with the cache empty even while a background builder is
+    still emptying it."""
+    during: list[bool] = []
+    go = binaries._go
+
+    def clean(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+        with binaries._empty_lock().open("a") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                during.append(True)
+            else:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+                during.append(False)
+        return go(args, cwd, timeout)
+
+    monkeypatch.setattr(binaries, "_go", clean)
+    binaries.trim_build_cache()
+    binaries.drop_go_caches()
+    assert during == [True, True]
+
+
+def test_ensure_binaries_empties_the_cache_even_when_others_built_everything(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    trims: list[bool] = []
+    monkeypatch.setattr(binaries, "_ensure", lambda component, versions: (Path("/x"), False))
+    monkeypatch.setattr(binaries, "trim_build_cache", lambda: trims.append(True))
+    binaries.ensure_binaries()
+    assert trims == [True]
+
+
 def test_no_component_keeps_a_build_cache_of_its_own() -> None:
     """KEDA compiled the standard library (and the modules it pins at the others' versions)
     a second time in a cache of its own."""

@@ -25,7 +25,8 @@ Every component builds in one Go build cache, so what they share (the standard l
 the modules they pin at the same version) is compiled once. Builds in several processes may
 share it; each holds ``building()`` for the whole of its ``go build``, and the cache is emptied
 (``trim_build_cache``, ``drop_go_caches``) only while no build holds it: the last builder to
-finish empties it.
+finish empties it, and so does ``ensure_binaries`` once every binary is there, so ``make
+binaries`` returns with the cache empty however the builds were spread.
 
 The module needs only the standard library, so ``make test`` runs it with the system Python
 while the virtualenv installs.
@@ -401,6 +402,10 @@ def _build_lock() -> Path:
     return cache_root() / "go" / "build.lock"
 
 
+def _empty_lock() -> Path:
+    return cache_root() / "go" / "empty.lock"
+
+
 @contextlib.contextmanager
 def building() -> Iterator[None]:
     """Held, shared, for the whole of a build: any number of builds, in any processes, may
@@ -418,10 +423,10 @@ def building() -> Iterator[None]:
 @contextlib.contextmanager
 def _unless_building() -> Iterator[bool]:
     """Hold the Go caches alone if no build holds ``building()``; yields whether it does.
-    Never waits: a build still running empties the caches itself when it is done."""
-    path = _build_lock()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as handle:
+
+    Waits for another process emptying them (so the caller returns with them empty), never
+    for a build: a builder still running empties them itself when it is done."""
+    with locked(_empty_lock()), _build_lock().open("a") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -510,10 +515,22 @@ def _copy_module_dirs(component: Component, version: str, staging: Path) -> None
 
 def _build(component: Component, version: str, out_dir: Path, digest: str) -> None:
     with building():
-        _build_into(component, version, out_dir, digest)
+        staging, seconds = _build_into(component, version, out_dir, digest)
+    # Published only once this build lets go of the caches: whoever finds it cached then may
+    # empty them at once (make test's `make binaries` does, before the e2e tier).
+    _publish(staging, out_dir)
+    log.info("[build] %s %s: built in %.0fs -> %s", component.name, version, seconds, out_dir)
 
 
-def _build_into(component: Component, version: str, out_dir: Path, digest: str) -> None:
+def _publish(staging: Path, out_dir: Path) -> None:
+    shutil.rmtree(out_dir, ignore_errors=True)
+    staging.rename(out_dir)
+
+
+def _build_into(
+    component: Component, version: str, out_dir: Path, digest: str
+) -> tuple[Path, float]:
+    """Build into a staging directory beside ``out_dir``; it and the build's seconds."""
     staging = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -564,9 +581,7 @@ def _build_into(component: Component, version: str, out_dir: Path, digest: str) 
         )
         + "\n"
     )
-    shutil.rmtree(out_dir, ignore_errors=True)
-    staging.rename(out_dir)
-    log.info("[build] %s %s: built in %.0fs -> %s", component.name, version, seconds, out_dir)
+    return staging, seconds
 
 
 def ensure_component(component: Component, versions: dict[str, str] | None = None) -> Path:
@@ -598,26 +613,26 @@ def _ensure(component: Component, versions: dict[str, str] | None) -> tuple[Path
 
 
 def ensure_binaries(components: tuple[Component, ...] = COMPONENTS) -> Binaries:
-    """Build what is missing, one component at a time (builds saturate every core)."""
+    """Build what is missing, one component at a time (builds saturate every core), then
+    empty the Go build cache, even when other processes built them all (``make test``'s
+    background builds): with every binary there, no build of ours needs it any more."""
     versions = read_versions()
     paths: dict[str, Path] = {}
-    built = False
     for component in components:
-        out_dir, fresh = _ensure(component, versions)
-        built |= fresh
+        out_dir, _ = _ensure(component, versions)
         if component.name == "cni":
             paths["cni_bin_dir"] = out_dir
             continue
         for name in [*component.binaries, *component.module_dirs]:
             paths[name.replace("-", "_")] = out_dir / name
-    if built:
-        trim_build_cache()
+    trim_build_cache()
     return Binaries(**paths)
 
 
 def trim_build_cache() -> None:
     """Empty our Go build cache once every binary is built (7 GB for this set), unless a
-    build in another process still uses it (that one empties it when it is done).
+    build in another process still uses it (that one empties it when it is done); one that
+    another process is emptying is waited for.
 
     The binaries themselves are cached by version, so the build cache only speeds up a
     rebuild after a version bump, and the images and the node's store need the disk more.
