@@ -18,6 +18,7 @@ import json
 import signal
 import socket
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -296,9 +297,14 @@ def _connections_on_each(
     server: ServerProcess, pids: set[int], each: int
 ) -> dict[int, list[http.client.HTTPConnection]]:
     """Keep-alive connections, opened until each front-end in ``pids`` has accepted
-    ``each`` of them (the kernel, not the client, picks the front-end)."""
+    ``each`` of them (the kernel, not the client, picks the front-end).
+
+    Polled to a deadline, not a count: a front-end just started in place of a killed one
+    accepts nothing until it listens, and on a loaded machine that took longer than 200 quick
+    attempts."""
     by_pid: dict[int, list[http.client.HTTPConnection]] = {pid: [] for pid in pids}
-    for _ in range(200):
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
         if all(len(conns) >= each for conns in by_pid.values()):
             break
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
@@ -309,6 +315,7 @@ def _connections_on_each(
             by_pid[pid].append(conn)
         else:
             conn.close()
+            time.sleep(0.02)
     assert all(len(conns) >= each for conns in by_pid.values()), by_pid
     return by_pid
 
