@@ -43,11 +43,12 @@ run: $(call STAMP,server) ## Serve the packaged all-MiniLM-L6-v2 on http://127.0
 test: ## Lint, unit tests, then e2e tests on a real local cluster (needs root)
 	@# The Go builds are most of a cold run's CPU, and only the e2e tier needs all of them. They
 	@# start at once in the background (e2e.harness.binaries is the standard library only, so
-	@# $(PYTHON) runs it before the venv exists), niced, so that the venv install, the image
-	@# builds, lint and the unit tests (which leave a core idle) go first and the builds take
-	@# every cycle those leave. KEDA, the longest (its scalers pull in every cloud SDK), builds
-	@# in a second process, niced further; all of them share one Go build cache.
-	nice -n 10 $(PYTHON) -m e2e.harness.binaries --except keda > $(GO_BUILD_LOG) 2>&1 &
+	@# $(PYTHON) runs it before the venv exists), niced all the way, so that the venv install,
+	@# the image builds, lint and the unit tests (which leave a core idle, and time a few
+	@# things) go first, as they would alone, and the builds take every cycle those leave.
+	@# KEDA, the longest (its scalers pull in every cloud SDK), builds in a second process;
+	@# both share one Go build cache.
+	nice -n 19 $(PYTHON) -m e2e.harness.binaries --except keda > $(GO_BUILD_LOG) 2>&1 &
 	nice -n 19 $(PYTHON) -m e2e.harness.binaries keda > $(KEDA_BUILD_LOG) 2>&1 &
 	$(MAKE) build-images
 	$(MAKE) lint
