@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -39,7 +40,7 @@ def go_calls(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[tuple[str,
         return subprocess.CompletedProcess(["go", *args], 1 if args[0] == "build" else 0, "", "")
 
     monkeypatch.setattr(binaries, "_go", go)
-    monkeypatch.setattr(binaries.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
     return calls
 
 
