@@ -18,5 +18,6 @@ preprocessing and metrics, and the runner its jobs go to), never the engine: the
 :class:`~embedding_server.request.serving.ServingEngine` only dispatches to them, on the
 scheduler for its async API and offline for its sync one. :mod:`.colbert_jobs` is the
 ColBERT preparation three of them share, :mod:`.media` what images and chat messages become
-before a task runs. A new task is a module here, its route (``api/``) and its docs.
+before a task runs, :mod:`.tokenize` the options of the engine's ``tokenize``. A new task is a
+module here, its route (``api/``, through ``engine.serve``) and its docs.
 """
