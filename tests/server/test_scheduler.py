@@ -17,13 +17,8 @@ import pytest
 from embedding_server.engine import Engine
 from embedding_server.errors import NotReadyError, QueueFullError, TooManyTokensError
 from embedding_server.metrics import Metrics
-from embedding_server.request.scheduler import (
-    BULK_QUEUE_SHARE,
-    BULK_TURN,
-    RATE_DECAY,
-    Admission,
-    Scheduler,
-)
+from embedding_server.request.admission import BULK_QUEUE_SHARE, Admission
+from embedding_server.request.scheduler import BULK_TURN, RATE_DECAY, Scheduler
 from embedding_server.request.sequences import BatchOutput, SequenceInput
 
 from tests.support.scheduler import GatedForward, seq, wait_for
@@ -363,7 +358,7 @@ def test_what_is_being_tokenized_is_bounded_however_its_texts_are_made() -> None
     one token per byte of them (1,000 here, the limit). The queue, by what is likely, has
     room for many; what the tokenizer may be asked to produce at once is capped by their
     bounds all the same: TOKENIZING_QUEUES queues' worth, then 429 with Retry-After."""
-    from embedding_server.request.scheduler import TOKENIZING_QUEUES
+    from embedding_server.request.admission import TOKENIZING_QUEUES
 
     admission = Admission.of(1000, 1000)
     held = [
@@ -383,7 +378,7 @@ def test_bulk_text_that_tokenizes_hostilely_cannot_fill_the_budget_queries_need(
     """Bulk requests whose texts look cheap (63 likely tokens) but may tokenize to a token per
     byte (1,000) fill only BULK_QUEUE_SHARE of what may be tokenized at once; past that, bulk
     gets 429 and a query is still admitted, up to the whole budget."""
-    from embedding_server.request.scheduler import TOKENIZING_QUEUES
+    from embedding_server.request.admission import TOKENIZING_QUEUES
 
     admission = Admission.of(1000, 1000)
     bulk_room = int(TOKENIZING_QUEUES * 1000 * BULK_QUEUE_SHARE) // 1000  # 3 at these sizes

@@ -57,8 +57,8 @@ from embedding_server.errors import (
 )
 from embedding_server.logging import request_id_var
 from embedding_server.metrics import Metrics
+from embedding_server.request.admission import Priority
 from embedding_server.request.jobs import request_priority
-from embedding_server.request.scheduler import Priority
 
 logger = logging.getLogger(__name__)
 

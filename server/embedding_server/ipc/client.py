@@ -2,7 +2,7 @@
 serves through it (``--api-workers N``).
 
 **Admission before tokenizing.** A front-end admits each request as the one-process server
-does (:class:`~embedding_server.request.scheduler.Admission`), before paying for its tokenization:
+does (:class:`~embedding_server.request.admission.Admission`), before paying for its tokenization:
 over the per-request limit is a 413, and a request that would not fit the engine's queue, as
 the front-end last heard of it, is a 429 with the engine's ``Retry-After``; so is one that
 would not fit beside the requests this front-end is still tokenizing (a burst). The view never
@@ -47,15 +47,9 @@ from embedding_server.ipc.messages import (
 )
 from embedding_server.ipc.wire import Frames, Wire
 from embedding_server.metrics import Metrics
+from embedding_server.request.admission import Admission, Priority, Reservation
 from embedding_server.request.jobs import Job, JobRunner, ThreadedRunner
-from embedding_server.request.scheduler import (
-    Admission,
-    EngineLoad,
-    Priority,
-    Reservation,
-    ScheduledOutput,
-    backlog_seconds,
-)
+from embedding_server.request.scheduler import EngineLoad, ScheduledOutput, backlog_seconds
 from embedding_server.request.sequences import SequenceInput
 from embedding_server.request.serving import ServingEngine
 from embedding_server.request.tokenization import TextTokenizer

@@ -42,10 +42,11 @@ from embedding_server.errors import (
     QueueFullError,
     TooManyTokensError,
 )
+from embedding_server.request.admission import Priority
 from embedding_server.request.configuration import EngineConfig, EngineInfo
 from embedding_server.request.media.inputs import ChatTemplate, ImagePreprocessor
 from embedding_server.request.pooling import FloatArray
-from embedding_server.request.scheduler import Priority, ScheduledOutput
+from embedding_server.request.scheduler import ScheduledOutput
 from embedding_server.request.sequences import SequenceInput
 from embedding_server.request.tokenization import TextTokenizer
 

@@ -34,7 +34,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from embedding_server.errors import InvalidRequestError
-from embedding_server.request.admission import (
+from embedding_server.request.estimates import (
     LIKELY_CHARS_PER_TOKEN,
     AdmissionEstimate,
     token_bound,

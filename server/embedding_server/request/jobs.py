@@ -33,21 +33,16 @@ from embedding_server.errors import (
     OutputTooLargeError,
     TooManyTokensError,
 )
-from embedding_server.request.admission import AdmissionEstimate
+from embedding_server.request.admission import Priority, Reservation
 from embedding_server.request.colbert import ColbertFormat, Side
+from embedding_server.request.estimates import AdmissionEstimate
 from embedding_server.request.heads import SegmentedPairTemplate
 from embedding_server.request.listwise import ListwiseJob
 from embedding_server.request.media.preprocessing import ImageInput
 from embedding_server.request.pooling import FloatArray
 from embedding_server.request.prompts import Prompts
 from embedding_server.request.results import JobOutput, StageTimings
-from embedding_server.request.scheduler import (
-    BatchRunner,
-    Priority,
-    Reservation,
-    ScheduledOutput,
-    Scheduler,
-)
+from embedding_server.request.scheduler import BatchRunner, ScheduledOutput, Scheduler
 from embedding_server.request.sequences import SequenceInput
 from embedding_server.request.texts import TextInput
 from embedding_server.request.tokenization import TextTokenizer

@@ -43,7 +43,7 @@ import numpy as np
 import numpy.typing as npt
 
 from embedding_server.errors import InputTooLongError, InvalidRequestError, TooManyTokensError
-from embedding_server.request.admission import (
+from embedding_server.request.estimates import (
     LIKELY_CHARS_PER_TOKEN,
     AdmissionEstimate,
     token_bound,

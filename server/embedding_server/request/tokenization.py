@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING
 from tokenizers import Tokenizer
 
 from embedding_server.errors import InvalidRequestError, TooManyTokensError
-from embedding_server.request import admission, prompts
+from embedding_server.request import estimates, prompts
 from embedding_server.request import pairs as sentence_pairs
-from embedding_server.request.admission import AdmissionEstimate
+from embedding_server.request.estimates import AdmissionEstimate
 from embedding_server.request.special_tokens import affixes
 from embedding_server.request.texts import TextInput
 from embedding_server.request.texts import check_ids as check_token_ids
@@ -174,18 +174,18 @@ class TextTokenizer:
         self, inputs: Sequence[TextInput], truncation: Truncation, prompt: str | None
     ) -> AdmissionEstimate:
         """What a request will hold, known before tokenizing it
-        (:func:`~.admission.estimate_inputs`)."""
+        (:func:`~.estimates.estimate_inputs`)."""
         limit = min(self.max_length, truncation.max_tokens or self.max_length)
-        return admission.estimate_inputs(
+        return estimates.estimate_inputs(
             inputs, limit=limit, num_special=self.num_special, prompt=prompt
         )
 
     def pair_estimate(
         self, pairs: Sequence[tuple[str, str]], truncation: Truncation
     ) -> AdmissionEstimate:
-        """:meth:`admission_estimate` of sentence pairs (:func:`~.admission.estimate_pairs`)."""
+        """:meth:`admission_estimate` of sentence pairs (:func:`~.estimates.estimate_pairs`)."""
         limit = min(self.max_length, truncation.max_tokens or self.max_length)
-        return admission.estimate_pairs(pairs, limit=limit, num_special=self.num_pair_special)
+        return estimates.estimate_pairs(pairs, limit=limit, num_special=self.num_pair_special)
 
     def prompt_length(self, prompt: str, *, add_special_tokens: bool = True) -> int:
         """Leading tokens that belong to the prompt, leading special tokens included, as
