@@ -2,7 +2,7 @@
 
 The process ``embedding-server serve`` started (PID 1 in a container) becomes the engine
 process: it binds the HTTP port, binds the engine socket
-(:class:`~.device.service.EngineService`), starts N front-ends (``multiprocessing`` spawn,
+(:class:`~.ipc.service.EngineService`), starts N front-ends (``multiprocessing`` spawn,
 handed the listening socket as uvicorn's own workers are), then loads the model. Each
 front-end (:mod:`.api.frontend`) serves the whole HTTP API through an
 :class:`~.ipc.client.AttachedEngine`: it answers ``/health`` at once and

@@ -11,5 +11,6 @@ front-end. Nothing per request is pickled, and nothing is a Python list on the w
 * :mod:`.client`: the front-end's end (its connection, admission against the engine's
   queue, and the :class:`~.client.AttachedEngine` its HTTP API serves).
 
-The engine process's end is in the device plane (``device/service.py``), beside the model.
+* :mod:`.service`: the engine process's end, serving every front-end from the one scheduler
+  (torch-free, like the rest of this package).
 """
