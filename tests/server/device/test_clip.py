@@ -23,7 +23,7 @@ from embedding_server.device.loading import load_model
 from embedding_server.device.models.vision import image_tokens_of
 from embedding_server.engine import Engine
 from embedding_server.errors import UnsupportedModelError
-from embedding_server.request.media.preprocessing import ImageInput, ImageProcessor
+from embedding_server.request.media.preprocessing import ImageInput
 from embedding_server.request.sequences import SequenceInput
 from transformers import CLIPModel
 
@@ -172,26 +172,9 @@ def test_sentence_transformers_clip_layouts(clip_dir: Path, tmp_path: Path) -> N
     assert str(nested / "0_CLIPModel") in str(refused.value)
 
 
-def _processor_is_stub(path: Path) -> bool:
-    """Whether ``embedding_server.request.media.preprocessing`` still has its contract stubs."""
-    try:
-        ImageProcessor.from_pretrained(path, {})
-    except NotImplementedError:
-        return True
-    except Exception:  # noqa: BLE001  (a real body refusing an empty config is not a stub)
-        return False
-    return False
-
-
-def test_the_engine_serves_texts_and_images_with_transformers_vectors(
-    clip_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_engine_serves_texts_and_images_with_transformers_vectors(clip_dir: Path) -> None:
     """Through the offline API: /info's modalities and image_tokens, and a preprocessed
     ImageInput beside a text in one request, each transformers' vector."""
-    if _processor_is_stub(clip_dir):  # before the merge: a stand-in, the pixels are given
-        monkeypatch.setattr(
-            ImageProcessor, "from_pretrained", classmethod(lambda cls, path, config: cls())
-        )
     engine = Engine.from_pretrained(str(clip_dir), dtype="float32", normalize=False)
     info = engine.info()
     assert info.modalities == ["text", "image"]

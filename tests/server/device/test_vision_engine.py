@@ -2,8 +2,7 @@
 PIL image through the model's own preprocessing,
 ``embedding_server.request.media.preprocessing``) beside a text in one request must come back
 as transformers' processor + ``get_image_features``, cosine >= 0.99999 in float32; NaFlex at
-the image's own patch grid. Needs the imaging bodies: skipped, saying so, while
-``ImageProcessor`` is the contract stub.
+the image's own patch grid.
 """
 
 from __future__ import annotations
@@ -15,23 +14,12 @@ import numpy as np
 import pytest
 import torch
 from embedding_server.engine import Engine
-from embedding_server.request.media.preprocessing import ImageProcessor
 from transformers import AutoImageProcessor, CLIPModel, Siglip2Model, SiglipModel
 
 from tests.support.images import picture
 from tests.support.vision import build_clip, build_siglip, build_siglip2, cosines
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _imaging_is_stub(path: Path) -> bool:
-    try:
-        ImageProcessor.from_pretrained(path, {})
-    except NotImplementedError:
-        return True
-    except Exception:  # noqa: BLE001  (a real body refusing an empty config is not a stub)
-        return False
-    return False
 
 
 @pytest.mark.parametrize(
@@ -43,10 +31,6 @@ def test_an_image_as_sent_gets_transformers_vector(
     tmp_path: Path, build: Callable[[Path], Path], reference: type[torch.nn.Module]
 ) -> None:
     path = build(tmp_path / "model")
-    if _imaging_is_stub(path):
-        pytest.skip(
-            "needs embedding_server.request.media.preprocessing's bodies: rerun after merge"
-        )
     engine = Engine.from_pretrained(str(path), dtype="float32", normalize=False)
     image = picture(5, (40, 28))  # not square: NaFlex keeps the aspect ratio
     out = engine.embed_full(["a photo", image])
