@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -43,6 +41,7 @@ from typing import Any
 import httpx
 
 from bench import out_dir, write_results
+from bench.tiny_bert import build_tiny_bert
 
 OUT = out_dir()
 REPO = Path(__file__).resolve().parents[1]
@@ -131,33 +130,6 @@ def serve(server_dir: Path, log: Path, *flags: str) -> Iterator[Served]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-
-
-def build_cross_encoder(path: Path) -> Path:
-    """A 1-layer, 32-wide BERT cross-encoder (one label) with MiniLM's tokenizer."""
-    from embedding_server.device.hub import resolve_model_path
-    from embedding_server.settings import DEFAULT_MODEL
-    from transformers import BertConfig, BertForSequenceClassification
-
-    if (path / "config.json").exists():
-        return path
-    source = resolve_model_path(DEFAULT_MODEL, revision=None, cache_dir=None)
-    path.mkdir(parents=True, exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
-        if (source / name).exists():
-            shutil.copy(source / name, path / name)
-    vocab = json.loads((source / "config.json").read_text())["vocab_size"]
-    config = BertConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=512,
-        num_labels=1,
-    )
-    BertForSequenceClassification(config).save_pretrained(path)
-    return path
 
 
 # -- measuring ---------------------------------------------------------------------------------
@@ -462,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="run the attacks whose name has this text")
     args = parser.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
-    cross = build_cross_encoder(OUT / "abuse-cross-encoder")
+    cross = build_tiny_bert(OUT / "abuse-cross-encoder", cross_encoder=True)
     rows = [r for r in attacks(args.scale) if args.only.lower() in r[0].attack.lower()]
     if args.before is not None:
         run_side("before", args.before.resolve(), [], cross, rows)

@@ -75,6 +75,7 @@ import psutil
 from bench import out_dir, write_results
 from bench.corpus import make_corpus
 from bench.processes import cpu_seconds, main_thread_cpu_seconds
+from bench.tiny_bert import build_tiny_bert
 from e2e.harness.proc import child_process, free_port
 
 OUT = out_dir()
@@ -87,12 +88,6 @@ CEILING_TARGET = 0.6
 INFINITY_TARGET = 3.0
 P99_SLACK_MS = 10.0
 """Our p99 may exceed the ceiling's by this much."""
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.txt",
-)
 
 WRK_SCRIPT = r"""
 local bodies = {}
@@ -135,32 +130,6 @@ class Result:
     batch preparation and tokenizer threads. The ceiling does all its work there."""
     round: int = 0
     """Which round of ``--rounds`` measured it: every server runs once per round, in turns."""
-
-
-def build_model(path: Path) -> Path:
-    """A 1-layer, 32-wide BERT with the packaged MiniLM's tokenizer: near-zero compute."""
-    from embedding_server.device.hub import resolve_model_path
-    from embedding_server.settings import DEFAULT_MODEL
-    from transformers import BertConfig, BertModel
-
-    if (path / "config.json").exists():
-        return path
-    source = resolve_model_path(DEFAULT_MODEL, revision=None, cache_dir=None)
-    path.mkdir(parents=True, exist_ok=True)
-    for name in TOKENIZER_FILES:
-        if (source / name).exists():
-            shutil.copy(source / name, path / name)
-    vocab = json.loads((source / "config.json").read_text())["vocab_size"]
-    config = BertConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=512,
-    )
-    BertModel(config).save_pretrained(path)
-    return path
 
 
 # -- the ceiling: a bare ASGI app --------------------------------------------------------------
@@ -457,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
 
     work = OUT / "frontend"
     work.mkdir(parents=True, exist_ok=True)
-    bert = build_model(args.model_dir)
+    bert = build_tiny_bert(args.model_dir)
     script = work / "wrk.lua"
     script.write_text(WRK_SCRIPT)
     texts = make_corpus(args.texts, max_words=120)
