@@ -54,7 +54,7 @@ from embedding_server.device.fake import (
     load_fake,
 )
 from embedding_server.device.generic import tensor_parallel_refusal
-from embedding_server.device.loading import LoadedModel, load_model, model_backend
+from embedding_server.device.loading import LoadedModel, load_configured, model_backend
 from embedding_server.device.pooling_guess import pooling_guess
 from embedding_server.device.preflight import inspect_before_download
 from embedding_server.device.runner import ModelRunner
@@ -265,17 +265,8 @@ class Engine(ServingEngine):
         try:
             if group is not None:
                 device = group.device
-            loaded = load_model(
-                settings.model,
-                revision=settings.revision,
-                cache_dir=settings.cache_dir,
-                dtype=settings.dtype,
-                device=device,
-                shard=group.shard if group is not None else SINGLE,
-                task=settings.task,
-                backend=settings.backend,
-                trust_remote_code=settings.trust_remote_code,
-                quantization=settings.quantization,
+            loaded = load_configured(
+                settings, device=device, shard=group.shard if group is not None else SINGLE
             )
             if group is not None:
                 group.join()

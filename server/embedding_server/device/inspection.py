@@ -17,7 +17,7 @@ from typing import Any
 from embedding_server.device.configuration import choose_attention, describe, resolve_config
 from embedding_server.device.distributed import SINGLE, Shard
 from embedding_server.device.dtypes import resolve_device
-from embedding_server.device.loading import load_model
+from embedding_server.device.loading import load_configured
 from embedding_server.device.pooling_guess import pooling_guess
 from embedding_server.request.configuration import EngineInfo
 from embedding_server.settings import EngineSettings
@@ -64,19 +64,7 @@ def inspect_model(settings: EngineSettings) -> Inspection:
     size = settings.tensor_parallel_size
     # Rank 0's share: a size that does not divide the heads is refused as at start-up.
     shard = SINGLE if size == 1 else Shard(0, size)
-    loaded = load_model(
-        settings.model,
-        revision=settings.revision,
-        cache_dir=settings.cache_dir,
-        dtype=settings.dtype,
-        device=device,
-        shard=shard,
-        task=settings.task,
-        backend=settings.backend,
-        trust_remote_code=settings.trust_remote_code,
-        shapes_only=True,
-        quantization=settings.quantization,
-    )
+    loaded = load_configured(settings, device=device, shard=shard, shapes_only=True)
     config = resolve_config(settings, loaded, device=device)
     attention = choose_attention(settings, loaded, device)
     info = describe(

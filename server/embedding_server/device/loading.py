@@ -128,7 +128,7 @@ from embedding_server.request.hybrid import HybridHeads
 from embedding_server.request.listwise import ListwiseFormat
 from embedding_server.request.pooling import PoolingMethod
 from embedding_server.request.special_tokens import SpecialTokens
-from embedding_server.settings import Dtype, ModelBackend
+from embedding_server.settings import Dtype, EngineSettings, ModelBackend
 
 logger = logging.getLogger(__name__)
 
@@ -375,6 +375,30 @@ def _build(
 def _compute_dtype(arch: Architecture, dtype: Dtype, device: torch.device) -> torch.dtype:
     overflows = arch.model_type if arch.float16_overflows else None
     return resolve_dtype(dtype, device, fp16_overflows=overflows)
+
+
+def load_configured(
+    settings: EngineSettings,
+    *,
+    device: torch.device,
+    shard: Shard = SINGLE,
+    shapes_only: bool = False,
+) -> LoadedModel:
+    """:func:`load_model` with what the engine's settings say (model, revision, cache, dtype,
+    task, backend, remote code, quantization): serving and ``inspect`` load alike."""
+    return load_model(
+        settings.model,
+        revision=settings.revision,
+        cache_dir=settings.cache_dir,
+        dtype=settings.dtype,
+        device=device,
+        shard=shard,
+        task=settings.task,
+        backend=settings.backend,
+        trust_remote_code=settings.trust_remote_code,
+        shapes_only=shapes_only,
+        quantization=settings.quantization,
+    )
 
 
 def load_model(
