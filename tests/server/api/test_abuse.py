@@ -914,26 +914,11 @@ def test_only_allowed_hosts_and_ip_addresses_are_answered(
 
 # -- 5. image inputs -------------------------------------------------------------------------
 #
-# These replay the attacks on image inputs against a real server process, so they need
-# embedding_server.request.media.fetching's real fetch and decode. The guard below skips them
-# where those are contract stubs that raise NotImplementedError, saying so; the module has
-# real bodies, so the guard no longer triggers.
+# These replay the attacks on image inputs against a real server process, through
+# embedding_server.request.media.fetching's fetch and decode.
 
 MAX_IMAGE_BYTES = 20_000
 MAX_IMAGE_PIXELS = 1_000_000
-
-
-def _media_is_stub() -> bool:
-    from tests.support.images import media_is_stub
-
-    return media_is_stub()
-
-
-needs_media = pytest.mark.skipif(
-    _media_is_stub(),
-    reason="needs embedding_server.request.media.fetching's real fetch and decode "
-    "(its contract stubs raise NotImplementedError)",
-)
 
 
 @pytest.fixture(scope="module")
@@ -970,7 +955,6 @@ def _refused_4xx(response: httpx.Response, param: str) -> str:
     return assert_refused(response, response.status_code, param=param)
 
 
-@needs_media
 def test_image_too_many_images_are_refused_before_fetching(image_server: Served) -> None:
     from tests.support.images import data_uri, picture
 
@@ -984,7 +968,6 @@ def test_image_too_many_images_are_refused_before_fetching(image_server: Served)
     _still_serves_images(image_server.url)
 
 
-@needs_media
 def test_image_over_max_image_bytes_as_a_data_uri_is_refused(image_server: Served) -> None:
     from tests.support.images import data_uri, picture
 
@@ -999,7 +982,6 @@ def test_image_over_max_image_bytes_as_a_data_uri_is_refused(image_server: Serve
     _still_serves_images(image_server.url)
 
 
-@needs_media
 def test_image_decompression_bomb_is_refused_from_its_header(image_server: Served) -> None:
     import base64
     import io
@@ -1021,7 +1003,6 @@ def test_image_decompression_bomb_is_refused_from_its_header(image_server: Serve
     _still_serves_images(image_server.url)
 
 
-@needs_media
 @pytest.mark.parametrize(
     "url",
     [

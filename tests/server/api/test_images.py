@@ -4,10 +4,7 @@ model that takes images, whose image vectors are a function of the pixels): vLLM
 ``images`` and ``inputs`` on /v2/embed, images on /score and /rerank, and the refusals a
 client would meet, each a 400 naming its field.
 
-The images are real base64 PNG data URIs made with Pillow. Where
-``embedding_server.request.media.fetching`` still has its contract stubs, its fetch and decode
-are replaced by stand-ins (:func:`tests.support.images.media_stand_ins`); against the real
-ones the tests are the same.
+The images are real base64 PNG data URIs made with Pillow.
 """
 
 from __future__ import annotations
@@ -25,11 +22,9 @@ from embedding_server.request.media.inputs import ChatTemplate, parse_messages
 from openai.types import CreateEmbeddingResponse
 
 from tests.support.api import RunningServer, fake_settings, running_server
-from tests.support.images import data_uri, media_stand_ins, picture
+from tests.support.images import data_uri, picture
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("media_stand_ins")]
-
-__all__ = ["media_stand_ins"]  # the fixture, used through pytestmark
+pytestmark = pytest.mark.timeout(120)
 
 IMAGE_TOKENS = 8
 RED, BLUE, NOISE = data_uri(picture(1)), data_uri(picture(2)), data_uri(picture(3))

@@ -451,28 +451,6 @@ def test_a_front_end_that_keeps_dying_ends_the_server_with_status_1() -> None:
         assert f"{RESTART_LIMIT} restarts within" in output, output
 
 
-def _wire_carries_pixels() -> bool:
-    """Whether the IPC wire between front-ends and the engine carries an image's pixels
-    (where it does not, an image sent through a front-end cannot be served)."""
-    from embedding_server.ipc.messages import decode_sequences, encode_sequences
-    from embedding_server.request.sequences import SequenceInput
-
-    probe = SequenceInput([0, 0], pixels=np.ones((3, 2, 2), np.float32))
-    back = decode_sequences(encode_sequences([probe]), False)[0]
-    return back.pixels is not None and np.array_equal(back.pixels, probe.pixels)
-
-
-def _media_is_stub() -> bool:
-    from tests.support.images import media_is_stub
-
-    return media_is_stub()
-
-
-@pytest.mark.skipif(
-    not _wire_carries_pixels() or _media_is_stub(),
-    reason="needs the IPC wire to carry pixels and embedding_server.request.media.fetching's "
-    "real fetch and decode (not their contract stubs)",
-)
 def test_images_through_front_ends_get_the_vectors_of_one_process() -> None:
     """A front-end decodes and preprocesses the image itself (its processor came in the
     handoff) and sends the pixels to the engine process: the vector is the image's."""
