@@ -289,19 +289,24 @@ def m3_headers(scale: float) -> Callable[[Served], Measure]:
     return run
 
 
-def _open_after(sockets: list[socket.socket], wait: float) -> int:
-    time.sleep(wait)
-    still = 0
-    for sock in sockets:
-        sock.setblocking(False)
-        try:
-            while sock.recv(65536):
+def _open_after(sockets: list[socket.socket], wait: float) -> str:
+    """How many of ``sockets`` the server still held open ``wait`` seconds on; closes them."""
+    try:
+        time.sleep(wait)
+        still = 0
+        for sock in sockets:
+            sock.setblocking(False)
+            try:
+                while sock.recv(65536):
+                    pass
+            except BlockingIOError:
+                still += 1
+            except OSError:
                 pass
-        except BlockingIOError:
-            still += 1
-        except OSError:
-            pass
-    return still
+        return f"{still} of {len(sockets)} open after {wait:g} s"
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def m3_half_open(scale: float) -> Callable[[Served], Measure]:
@@ -310,11 +315,7 @@ def m3_half_open(scale: float) -> Callable[[Served], Measure]:
     def run(served: Served) -> Measure:
         def attack() -> str:
             sockets = [socket.create_connection(served.address) for _ in range(count)]
-            try:
-                return f"{_open_after(sockets, 12.0)} of {count} open after 12 s"
-            finally:
-                for sock in sockets:
-                    sock.close()
+            return _open_after(sockets, 12.0)
 
         return measured(served, attack)
 
@@ -336,11 +337,7 @@ def m3_stalled(scale: float) -> Callable[[Served], Measure]:
                 with contextlib.suppress(OSError):
                     sock.sendall(head + b'{"input": "' + b"a" * (size - 4096))
                 sockets.append(sock)
-            try:
-                return f"{_open_after(sockets, 35.0)} of {count} open after 35 s"
-            finally:
-                for sock in sockets:
-                    sock.close()
+            return _open_after(sockets, 35.0)
 
         return measured(served, attack)
 
