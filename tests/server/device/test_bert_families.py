@@ -37,22 +37,21 @@ from transformers import (
 )
 
 from tests.support.bert_families import FAMILIES, Kind, build_family, build_flash_xlm_roberta
+from tests.support.device_cases import (
+    BF16_COSINE,
+    DOCS,
+    F32_COSINE,
+    QUERIES,
+    TEXTS,
+    assert_matches,
+    cosines,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
-F32_COSINE, BF16_COSINE = 0.99999, 0.999
 DTYPES = [("float32", F32_COSINE), ("bfloat16", BF16_COSINE)]
 FLASH = "xlm-roberta-flash"
 """An ``xlm-roberta`` checkpoint saved under jina-reranker-v2's flash-attention names."""
-
-TEXTS = [
-    "a",
-    "The quick brown fox jumps over the lazy dog.",
-    "short one",
-    "packed batches of mixed lengths must not leak into each other " * 3,
-]
-QUERIES = ["what is a fox?", "q", "where do cats sleep in the winter months?", "x y z"]
-DOCS = ["the fox is an animal", "d", "cats sleep anywhere warm " * 6, "nothing at all"]
 
 _AUTO = {
     "body": AutoModel,
@@ -87,21 +86,6 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[
         return cache[key]
 
     return get
-
-
-def cosines(got: np.ndarray, want: np.ndarray) -> np.ndarray:
-    """Row-wise cosine similarity."""
-    return np.sum(got * want, axis=-1) / (
-        np.linalg.norm(got, axis=-1) * np.linalg.norm(want, axis=-1)
-    )
-
-
-def assert_matches(got: np.ndarray, want: np.ndarray, min_cosine: float) -> None:
-    """Rows agree in direction; in float32 (``min_cosine`` F32_COSINE) also to 2e-5."""
-    assert got.shape == want.shape
-    assert cosines(got, want).min() >= min_cosine, cosines(got, want).min()
-    if min_cosine == F32_COSINE:
-        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
 
 
 def _reference(path: Path, kind: Kind) -> torch.nn.Module:
@@ -283,15 +267,6 @@ def test_masked_lm_head_serves_splade(
         got = vector.to_dense(vocab)
         assert cosines(got, expected) >= F32_COSINE
         np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-5)
-
-
-@pytest.fixture
-def engines() -> Iterator[list[Engine]]:
-    """Engines a test opened, closed after it even when it fails."""
-    opened: list[Engine] = []
-    yield opened
-    for engine in opened:
-        engine.close()
 
 
 @pytest.mark.parametrize("family", ["distilbert", "electra", FLASH])

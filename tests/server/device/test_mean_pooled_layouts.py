@@ -28,6 +28,7 @@ from transformers import AutoModel, AutoTokenizer
 
 from tests.support.attention import assert_rows_close
 from tests.support.bert_families import build_family
+from tests.support.device_cases import build_roberta
 from tests.support.models import add_sentence_transformers, build_decoder, build_xlm_roberta
 
 TEXTS = [
@@ -40,17 +41,8 @@ TEXTS = [
 DTYPES = [("float32", 0.99999), ("bfloat16", 0.999)]
 
 
-def _roberta(path: Path) -> Path:
-    """RoBERTa as all-roberta-large-v1 ships it: XLM-R's layout under ``model_type: roberta``."""
-    build_xlm_roberta(path)
-    config = json.loads((path / "config.json").read_text())
-    config.update(model_type="roberta", architectures=["RobertaModel"])
-    (path / "config.json").write_text(json.dumps(config))
-    return path
-
-
 BODIES: dict[str, Callable[[Path], Path]] = {
-    "roberta": _roberta,  # all-roberta-large-v1
+    "roberta": build_roberta,  # all-roberta-large-v1
     "xlm-roberta": build_xlm_roberta,  # multilingual-e5-base
     "ernie": lambda path: build_family(path, "ernie"),  # text2vec-base-chinese-sentence
 }

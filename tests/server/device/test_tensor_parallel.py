@@ -9,9 +9,8 @@ refused naming the numbers, and closing an engine leaves no worker process behin
 
 from __future__ import annotations
 
-import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from embedding_server.engine import Engine
 from embedding_server.errors import UnsupportedModelError
 
 from tests.support.api import wait_for
+from tests.support.device_cases import build_roberta
 from tests.support.gte import build_gte
 from tests.support.models import (
     MINILM_DIR,
@@ -45,18 +45,9 @@ TEXTS = [
 COSINE = 0.99999
 
 
-def _roberta(path: Path) -> Path:
-    """RoBERTa: XLM-R's architecture and weight names under model_type roberta."""
-    build_xlm_roberta(path)
-    config = json.loads((path / "config.json").read_text())
-    config.update(model_type="roberta", architectures=["RobertaModel"])
-    (path / "config.json").write_text(json.dumps(config))
-    return path
-
-
 BUILDERS: dict[str, Callable[[Path], Path]] = {
     "xlm-roberta": build_xlm_roberta,
-    "roberta": _roberta,
+    "roberta": build_roberta,
     "modernbert": lambda p: build_modernbert(p, "modernbert"),
     "modernbert-biases": lambda p: build_modernbert(p, "modernbert-mlm-legacy"),
     # The relative-position bias and DeBERTa's position projections split by heads too.
@@ -107,15 +98,6 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
-
-
-@pytest.fixture
-def engines() -> Iterator[list[Engine]]:
-    """Engines a test opened, closed after it even when it fails."""
-    opened: list[Engine] = []
-    yield opened
-    for engine in opened:
-        engine.close()
 
 
 def _token_states(engine: Engine) -> list[np.ndarray]:
