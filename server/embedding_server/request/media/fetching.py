@@ -18,10 +18,10 @@ import io
 import ipaddress
 import socket
 import struct
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -33,6 +33,8 @@ from embedding_server.errors import InvalidRequestError
 if TYPE_CHECKING:
     from embedding_server.request.media.preprocessing import ImageInput, ImageProcessor
     from embedding_server.settings import ServerSettings
+
+T = TypeVar("T")
 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 """What ``decode_image`` opens (Pillow's format names); GIFs give their first frame."""
@@ -413,7 +415,14 @@ async def load_images(
             executor, _decode_and_preprocess, data, policy, processor, param
         )
 
-    tasks = [asyncio.ensure_future(one(url, param)) for url, param in refs]
+    return await gather_all_or_none([one(url, param) for url, param in refs])
+
+
+async def gather_all_or_none(coroutines: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
+    """The results of ``coroutines``, run concurrently, in order; the first to fail cancels
+    the others (awaited before its exception is raised): a request already answered with
+    400 must not keep connections open until their timeouts."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
     try:
         return list(await asyncio.gather(*tasks))
     except BaseException:

@@ -4,7 +4,6 @@ messages rendered through the model's template. Both are CPU work kept off the e
 
 from __future__ import annotations
 
-import asyncio
 import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -69,13 +68,5 @@ async def load_images(
         raw = await media.fetch_image(ref.url, policy, param=ref.param)
         return await offloader.offload(functools.partial(prepare, raw, ref.param))
 
-    # The first refusal cancels the other fetches: a request already answered with 400
-    # must not keep connections open until their timeouts.
-    tasks = [asyncio.ensure_future(one(ref)) for ref in refs]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
+    # The first refusal cancels the other fetches.
+    return await media.gather_all_or_none([one(ref) for ref in refs])
