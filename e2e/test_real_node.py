@@ -299,6 +299,21 @@ def wait_ready_replicas(
     )
 
 
+def wait_serving(cluster: KubeClient, namespace: str, name: str, replicas: int = 1) -> None:
+    """Wait for the EmbeddingService ``name`` to be Ready, then for ``replicas`` ready server
+    pods of it."""
+    wait_condition(cluster, namespace, name, "Ready", "True", timeout=READY_TIMEOUT_S)
+    wait_ready_replicas(cluster, namespace, name, replicas)
+
+
+def deploy(
+    cluster: KubeClient, namespace: str, name: str, spec: dict[str, Any], replicas: int = 1
+) -> None:
+    """Apply the EmbeddingService ``name`` of ``spec``; :func:`wait_serving`."""
+    cluster.apply(embedding_service(name, spec), namespace=namespace)
+    wait_serving(cluster, namespace, name, replicas)
+
+
 # -- client pods ------------------------------------------------------------------------------
 
 
@@ -347,6 +362,20 @@ def client_output(
     return json.loads(logs.strip().splitlines()[-1])
 
 
+def ask(
+    cluster: KubeClient,
+    client: ClientPod,
+    namespace: str,
+    name: str,
+    script: str,
+    *args: str,
+    timeout: float = CLIENT_TIMEOUT_S,
+) -> Any:
+    """:func:`start_client`, then its :func:`client_output`."""
+    start_client(cluster, client, namespace, name, script, *args)
+    return client_output(cluster, namespace, name, timeout=timeout)
+
+
 def set_max_batch_size(cluster: KubeClient, namespace: str, name: str, size: int) -> None:
     """An edit of the spec that changes the pod template: a rolling update."""
     patch = {"spec": {"server": {"maxBatchSize": size}}}
@@ -364,8 +393,7 @@ def embed_through_the_service(
 ) -> dict[str, Any]:
     """TEXTS embedded by the official openai client in a pod, through ``service``."""
     url = service_url(service, namespace)
-    start_client(cluster, client, namespace, job, EMBED_SCRIPT, url, json.dumps(TEXTS))
-    return client_output(cluster, namespace, job)
+    return ask(cluster, client, namespace, job, EMBED_SCRIPT, url, json.dumps(TEXTS))
 
 
 def assert_sentence_transformers_vectors(result: dict[str, Any]) -> None:
@@ -395,9 +423,8 @@ def test_readme_path_serves_sentence_transformers_vectors(
     example = EXAMPLES_DIR / "minilm-cpu.yaml"
     with diagnostics(cluster, namespace, release):
         cluster.kubectl("apply", "-n", namespace, "-f", str(example))
-        wait_condition(cluster, namespace, "minilm", "Ready", "True", timeout=READY_TIMEOUT_S)
         replicas = yaml.safe_load(example.read_text())["spec"]["replicas"]
-        wait_ready_replicas(cluster, namespace, "minilm", replicas)
+        wait_serving(cluster, namespace, "minilm", replicas)
         deployment = get_json(cluster, "deployment", "minilm", "-n", namespace)
         assert deployment is not None
         assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == e2e_images.server
@@ -486,9 +513,7 @@ def test_queue_depth_scales_out_under_load_and_back_in(
         },
     }
     with diagnostics(cluster, namespace, release):
-        cluster.apply(embedding_service("scaler", spec), namespace=namespace)
-        wait_condition(cluster, namespace, "scaler", "Ready", "True", timeout=READY_TIMEOUT_S)
-        wait_ready_replicas(cluster, namespace, "scaler", 1)
+        deploy(cluster, namespace, "scaler", spec)
 
         def hpa_metric() -> float | None:
             hpa = get_json(cluster, "hpa", "scaler", "-n", namespace)
@@ -596,9 +621,7 @@ def test_backlog_seconds_scale_out_on_long_texts_not_on_short_ones(
     }
     url = service_url("backlog", namespace)
     with diagnostics(cluster, namespace, release):
-        cluster.apply(embedding_service("backlog", spec), namespace=namespace)
-        wait_condition(cluster, namespace, "backlog", "Ready", "True", timeout=READY_TIMEOUT_S)
-        wait_ready_replicas(cluster, namespace, "backlog", 1)
+        deploy(cluster, namespace, "backlog", spec)
 
         # Short texts: the HPA reads the backlog, which stays under target: no scale-out.
         start_client(
@@ -691,9 +714,7 @@ def steady(cluster: KubeClient, release: str, namespace: str) -> Iterator[str]:
         "rollout": {"maxSurge": 1, "maxUnavailable": 0},
     }
     with diagnostics(cluster, namespace, release):
-        cluster.apply(embedding_service("steady", spec), namespace=namespace)
-        wait_condition(cluster, namespace, "steady", "Ready", "True", timeout=READY_TIMEOUT_S)
-        wait_ready_replicas(cluster, namespace, "steady", 1)
+        deploy(cluster, namespace, "steady", spec)
     yield "steady"
 
 
@@ -780,12 +801,11 @@ def test_killed_operator_and_server_pods_come_back(
             what="a new operator pod to be ready",
             interval=1.0,
         )
-        wait_condition(cluster, namespace, steady, "Ready", "True", timeout=READY_TIMEOUT_S)
-        wait_ready_replicas(cluster, namespace, steady, 1)
+        wait_serving(cluster, namespace, steady)
         deployment = get_json(cluster, "deployment", steady, "-n", namespace)
         assert deployment is not None
         assert "32" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
-        start_client(
+        result = ask(
             cluster,
             client_pod,
             namespace,
@@ -794,7 +814,6 @@ def test_killed_operator_and_server_pods_come_back(
             service_url(steady, namespace),
             json.dumps(TEXTS[:1]),
         )
-        result = client_output(cluster, namespace, "after")
     assert len(result["vectors"]) == 1 and len(result["vectors"][0]) == 384
 
 
@@ -819,9 +838,7 @@ def test_tensor_parallel_on_the_cpu_profile_serves_sentence_transformers_vectors
         "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "3Gi"}},
     }
     with diagnostics(cluster, namespace, release):
-        cluster.apply(embedding_service("tp", spec), namespace=namespace)
-        wait_condition(cluster, namespace, "tp", "Ready", "True", timeout=READY_TIMEOUT_S)
-        wait_ready_replicas(cluster, namespace, "tp", 1)
+        deploy(cluster, namespace, "tp", spec)
         logs = cluster.kubectl("logs", "-n", namespace, "deployment/tp").stdout
         assert "tensor-parallel group of 2 ranks formed" in logs, logs
         assert "engine ready for 2 API workers" in logs, logs
@@ -1059,10 +1076,8 @@ def test_reranker_serves_cross_encoder_scores_from_an_offline_model_cache(
         "server": {"dtype": "float32"},
     }
     with diagnostics(cluster, namespace, release):
-        cluster.apply(embedding_service("reranker", spec), namespace=namespace)
-        wait_condition(cluster, namespace, "reranker", "Ready", "True", timeout=READY_TIMEOUT_S)
-        wait_ready_replicas(cluster, namespace, "reranker", 1)
-        start_client(
+        deploy(cluster, namespace, "reranker", spec)
+        got = ask(
             cluster,
             client_pod,
             namespace,
@@ -1072,7 +1087,6 @@ def test_reranker_serves_cross_encoder_scores_from_an_offline_model_cache(
             QUERY,
             json.dumps(DOCS),
         )
-        got = client_output(cluster, namespace, "tasks")
 
     reference = CrossEncoder(str(snapshot), device="cpu")
     expected = reference.predict([(QUERY, d) for d in DOCS])
@@ -1180,10 +1194,8 @@ def test_an_image_through_the_service_gets_transformers_clip_vector(
         "server": {"dtype": "float32"},
     }
     with diagnostics(cluster, namespace, release):
-        cluster.apply(embedding_service("images", spec), namespace=namespace)
-        wait_condition(cluster, namespace, "images", "Ready", "True", timeout=READY_TIMEOUT_S)
-        wait_ready_replicas(cluster, namespace, "images", 1)
-        start_client(
+        deploy(cluster, namespace, "images", spec)
+        got = ask(
             cluster,
             client_pod,
             namespace,
@@ -1193,7 +1205,6 @@ def test_an_image_through_the_service_gets_transformers_clip_vector(
             data_uri(image),
             text,
         )
-        got = client_output(cluster, namespace, "images")
 
     model = CLIPModel.from_pretrained(str(snapshot)).eval()
     pixels = CLIPImageProcessor.from_pretrained(str(snapshot))(images=image, return_tensors="pt")
@@ -1250,11 +1261,10 @@ def test_one_gateway_address_reaches_each_model_by_name(
         for name, model in served.items():
             cluster.apply(embedding_service(name, minilm_named(model)), namespace=namespace)
         for name in served:
-            wait_condition(cluster, namespace, name, "Ready", "True", timeout=READY_TIMEOUT_S)
-            wait_ready_replicas(cluster, namespace, name, 1)
+            wait_serving(cluster, namespace, name)
         infos = {model: f"http://{name}.{namespace}.svc/info" for name, model in served.items()}
         # The gateway learns of new endpoints from the EndpointSlice watch: poll its catalog.
-        start_client(
+        result = ask(
             cluster,
             client_pod,
             namespace,
@@ -1264,7 +1274,6 @@ def test_one_gateway_address_reaches_each_model_by_name(
             json.dumps(infos),
             json.dumps(TEXTS),
         )
-        result = client_output(cluster, namespace, "through-gateway")
     if isinstance(cluster, Cluster):
         # The dashboard's gateway panels show this traffic (retries and held requests have
         # series only once one happens: the gateway's own tests cover those gauges).
@@ -1304,9 +1313,7 @@ def test_a_killed_server_pod_under_load_through_the_gateway_fails_no_request(
     no failure."""
     model = f"minilm-kill-{namespace[-6:]}"
     with diagnostics(cluster, namespace, release):
-        cluster.apply(embedding_service("gw-kill", minilm_named(model, 2)), namespace=namespace)
-        wait_condition(cluster, namespace, "gw-kill", "Ready", "True", timeout=READY_TIMEOUT_S)
-        wait_ready_replicas(cluster, namespace, "gw-kill", 2)
+        deploy(cluster, namespace, "gw-kill", minilm_named(model, 2), replicas=2)
         start_client(
             cluster,
             client_pod,
@@ -1394,9 +1401,7 @@ def test_keda_scales_out_under_load_and_back_in(
         },
     }
     with diagnostics(cluster, namespace, release):
-        cluster.apply(embedding_service("keda", spec), namespace=namespace)
-        wait_condition(cluster, namespace, "keda", "Ready", "True", timeout=READY_TIMEOUT_S)
-        wait_ready_replicas(cluster, namespace, "keda", 1)
+        deploy(cluster, namespace, "keda", spec)
         poll_until(
             lambda: scaled_object_ready(cluster, namespace, "keda"),
             timeout=SCALE_TIMEOUT_S,
@@ -1496,7 +1501,7 @@ def test_a_service_at_zero_answers_its_first_request_through_the_gateway(
         assert at_zero is not None
         assert not ready_server_pods(cluster, namespace, "cold")
 
-        start_client(
+        result = ask(
             cluster,
             client_pod,
             namespace,
@@ -1506,8 +1511,8 @@ def test_a_service_at_zero_answers_its_first_request_through_the_gateway(
             model,
             json.dumps(TEXTS),
             f"http://cold.{namespace}.svc/info",
+            timeout=COLD_TIMEOUT_S,
         )
-        result = client_output(cluster, namespace, "cold-client", timeout=COLD_TIMEOUT_S)
         print(f"scale from zero: first answer through the gateway in {result['seconds']:.1f}s")
         assert result["model"] == model
         assert_sentence_transformers_vectors(result)
@@ -1673,10 +1678,8 @@ def test_interactive_queries_keep_their_latency_while_bulk_traffic_saturates_the
     model = f"minilm-prio-{namespace[-6:]}"
     spec = minilm_named(model) | {"server": PRIORITY_SERVER}
     with diagnostics(cluster, namespace, release):
-        cluster.apply(embedding_service("gw-prio", spec), namespace=namespace)
-        wait_condition(cluster, namespace, "gw-prio", "Ready", "True", timeout=READY_TIMEOUT_S)
-        wait_ready_replicas(cluster, namespace, "gw-prio", 1)
-        start_client(
+        deploy(cluster, namespace, "gw-prio", spec)
+        result = ask(
             cluster,
             client_pod,
             namespace,
@@ -1687,8 +1690,8 @@ def test_interactive_queries_keep_their_latency_while_bulk_traffic_saturates_the
             str(PRIORITY_PROBES),
             str(PRIORITY_INDEXERS),
             str(PRIORITY_BATCH),
+            timeout=2 * CLIENT_TIMEOUT_S,
         )
-        result = client_output(cluster, namespace, "gw-prio", timeout=2 * CLIENT_TIMEOUT_S)
 
     def seconds(name: str) -> list[float]:
         probes = result[name]
@@ -1800,7 +1803,7 @@ def test_gpu_example_serves_its_task(
         cluster.apply(manifest, namespace=namespace)
         wait_condition(cluster, namespace, name, "Ready", "True", timeout=READY_TIMEOUT_S + startup)
         if spec.get("task", "embed") == "score":
-            start_client(
+            got = ask(
                 cluster,
                 client_pod,
                 namespace,
@@ -1810,7 +1813,6 @@ def test_gpu_example_serves_its_task(
                 QUERY,
                 json.dumps(DOCS),
             )
-            got = client_output(cluster, namespace, "tasks")
         else:
             got = embed_through_the_service(cluster, client_pod, namespace, name, "embed")
     if spec.get("task", "embed") == "score":
