@@ -24,7 +24,7 @@ from transformers import (
 )
 
 from tests.support.models import rewrite_checkpoint, spread_weights
-from tests.support.tasks import _byte_tokenizer_with_pairs
+from tests.support.tasks import roberta_pair_tokenizer
 
 HEADS, HIDDEN = 4, 32
 HEAD_DIM = HIDDEN // HEADS
@@ -119,19 +119,9 @@ GTE_VARIANTS: dict[str, GteVariant] = {
 
 
 def _tokenizer(path: Path, *, segments: bool) -> int:
-    return _byte_tokenizer_with_pairs(
-        path,
-        ["<s>", "<pad>", "</s>", "<unk>"],
-        "<s> $A </s>",
-        "<s> $A </s> </s> $B:1 </s>:1" if segments else "<s> $A </s> </s> $B </s>",
-        ["<s>", "</s>"],
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        unk_token="<unk>",
-        cls_token="<s>",
-        sep_token="</s>",
-    )
+    if segments:
+        return roberta_pair_tokenizer(path, "<s> $A </s> </s> $B:1 </s>:1")
+    return roberta_pair_tokenizer(path)
 
 
 def reference_dir(path: Path) -> Path:

@@ -22,7 +22,13 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModel
 
-from tests.support.models import _save_tokenizer, byte_tokenizer, rewrite_checkpoint, spread_weights
+from tests.support.models import (
+    ROBERTA_ROLES,
+    _save_tokenizer,
+    byte_tokenizer,
+    rewrite_checkpoint,
+    spread_weights,
+)
 
 QUERY_MARKER, DOCUMENT_MARKER, MASK = "[QueryMarker]", "[DocumentMarker]", "<mask>"
 QUERY_MAXLEN, DOC_MAXLEN, DIM = 16, 24, 8
@@ -47,17 +53,7 @@ def build_jina_colbert(root: Path, **metadata: Any) -> tuple[Path, Path]:
     native.mkdir(parents=True, exist_ok=True)
     specials = ["<s>", "<pad>", "</s>", MASK, QUERY_MARKER, DOCUMENT_MARKER, "<unk>"]
     tok = byte_tokenizer(specials, "<s> $A </s>", ["<s>", "</s>"])
-    _save_tokenizer(
-        tok,
-        native,
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        unk_token="<unk>",
-        cls_token="<s>",
-        sep_token="</s>",
-        mask_token=MASK,
-    )
+    _save_tokenizer(tok, native, **ROBERTA_ROLES, mask_token=MASK)
     torch.manual_seed(31)
     config = AutoConfig.for_model("jina_embeddings_v3", vocab_size=tok.get_vocab_size(), **_BODY)
     model = AutoModel.from_config(config)

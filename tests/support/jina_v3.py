@@ -27,6 +27,8 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModel
 
 from tests.support.models import (
+    ROBERTA_ROLES,
+    ROBERTA_SPECIALS,
     _save_tokenizer,
     byte_tokenizer,
     rewrite_checkpoint,
@@ -62,17 +64,8 @@ def build_jina_v3(root: Path) -> tuple[Path, Path]:
     """``(native, hub)`` directories of one tiny random model (see the module docstring)."""
     native = root / "native"
     native.mkdir(parents=True, exist_ok=True)
-    tok = byte_tokenizer(["<s>", "<pad>", "</s>", "<unk>"], "<s> $A </s>", ["<s>", "</s>"])
-    _save_tokenizer(
-        tok,
-        native,
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        unk_token="<unk>",
-        cls_token="<s>",
-        sep_token="</s>",
-    )
+    tok = byte_tokenizer(ROBERTA_SPECIALS, "<s> $A </s>", ["<s>", "</s>"])
+    _save_tokenizer(tok, native, **ROBERTA_ROLES)
     torch.manual_seed(29)
     config = AutoConfig.for_model("jina_embeddings_v3", vocab_size=tok.get_vocab_size(), **_BODY)
     model = AutoModel.from_config(config)

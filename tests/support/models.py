@@ -36,6 +36,17 @@ _ENCODER = {
     "intermediate_size": 64,
     "max_position_embeddings": 128,
 }
+# RoBERTa's special tokens (XLM-R, MPNet, GTE and Jina's bodies wrap inputs in <s> ... </s>):
+# their order at the head of the vocabulary, and the roles a saved tokenizer gives them.
+ROBERTA_SPECIALS = ["<s>", "<pad>", "</s>", "<unk>"]
+ROBERTA_ROLES = {
+    "bos_token": "<s>",
+    "eos_token": "</s>",
+    "pad_token": "<pad>",
+    "unk_token": "<unk>",
+    "cls_token": "<s>",
+    "sep_token": "</s>",
+}
 _DECODER = {
     "hidden_size": 32,
     "num_hidden_layers": 2,
@@ -107,17 +118,8 @@ def build_bert(path: Path) -> Path:
 def build_xlm_roberta(path: Path) -> Path:
     """A 2-layer XLM-R (pad id 1: positions start at 2) with a byte-level tokenizer."""
     path.mkdir(parents=True, exist_ok=True)
-    tok = byte_tokenizer(["<s>", "<pad>", "</s>", "<unk>"], "<s> $A </s>", ["<s>", "</s>"])
-    _save_tokenizer(
-        tok,
-        path,
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        unk_token="<unk>",
-        cls_token="<s>",
-        sep_token="</s>",
-    )
+    tok = byte_tokenizer(ROBERTA_SPECIALS, "<s> $A </s>", ["<s>", "</s>"])
+    _save_tokenizer(tok, path, **ROBERTA_ROLES)
     _save_model(
         "xlm-roberta",
         path,
@@ -527,17 +529,8 @@ def build_mpnet(path: Path) -> Path:
     """A 2-layer MPNet (positions from padding_idx + 1 = 2, the relative-position bias on
     every layer) with a byte-level tokenizer wrapping inputs in <s> ... </s>, as MPNet's."""
     path.mkdir(parents=True, exist_ok=True)
-    tok = byte_tokenizer(["<s>", "<pad>", "</s>", "<unk>"], "<s> $A </s>", ["<s>", "</s>"])
-    _save_tokenizer(
-        tok,
-        path,
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        unk_token="<unk>",
-        cls_token="<s>",
-        sep_token="</s>",
-    )
+    tok = byte_tokenizer(ROBERTA_SPECIALS, "<s> $A </s>", ["<s>", "</s>"])
+    _save_tokenizer(tok, path, **ROBERTA_ROLES)
     _save_model(
         "mpnet",
         path,

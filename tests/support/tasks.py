@@ -22,6 +22,8 @@ from transformers import (
 from tests.support.models import (
     DEBERTA_VARIANTS,
     MINILM_DIR,
+    ROBERTA_ROLES,
+    ROBERTA_SPECIALS,
     _save_tokenizer,
     byte_tokenizer,
     deberta_tokenizer,
@@ -59,6 +61,14 @@ def _byte_tokenizer_with_pairs(
     return int(tok.get_vocab_size())
 
 
+def roberta_pair_tokenizer(path: Path, pair: str = "<s> $A </s> </s> $B </s>") -> int:
+    """RoBERTa's byte-level tokenizer, ``<s> a </s>`` and the ``pair`` template, saved at
+    ``path``: its vocabulary size."""
+    return _byte_tokenizer_with_pairs(
+        path, ROBERTA_SPECIALS, "<s> $A </s>", pair, ["<s>", "</s>"], **ROBERTA_ROLES
+    )
+
+
 def build_classifier(
     path: Path, family: str, num_labels: int, *, per_token: bool = False, **overrides: Any
 ) -> Path:
@@ -88,19 +98,7 @@ def build_classifier(
             **common,
         )
     elif family == "xlm-roberta":
-        vocab = _byte_tokenizer_with_pairs(
-            path,
-            ["<s>", "<pad>", "</s>", "<unk>"],
-            "<s> $A </s>",
-            "<s> $A </s> </s> $B </s>",
-            ["<s>", "</s>"],
-            bos_token="<s>",
-            eos_token="</s>",
-            pad_token="<pad>",
-            unk_token="<unk>",
-            cls_token="<s>",
-            sep_token="</s>",
-        )
+        vocab = roberta_pair_tokenizer(path)
         _save_classifier(
             "xlm-roberta",
             path,
@@ -115,19 +113,7 @@ def build_classifier(
             **common,
         )
     elif family == "mpnet":
-        vocab = _byte_tokenizer_with_pairs(
-            path,
-            ["<s>", "<pad>", "</s>", "<unk>"],
-            "<s> $A </s>",
-            "<s> $A </s> </s> $B </s>",
-            ["<s>", "</s>"],
-            bos_token="<s>",
-            eos_token="</s>",
-            pad_token="<pad>",
-            unk_token="<unk>",
-            cls_token="<s>",
-            sep_token="</s>",
-        )
+        vocab = roberta_pair_tokenizer(path)
         _save_classifier(
             "mpnet",
             path,
