@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 
 from bench import out_dir, write_results
-from bench.tiny_bert import build_tiny_bert
+from bench.models import build_tiny_bert
 
 OUT = out_dir()
 REPO = Path(__file__).resolve().parents[1]

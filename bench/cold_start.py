@@ -47,7 +47,8 @@ import httpx
 import psutil
 
 from bench import out_dir, write_results
-from bench.processes import cpu_seconds
+from bench.models import copy_tokenizer
+from bench.processes import cpu_seconds, serve_command
 from e2e.harness.proc import child_process, free_port
 
 OUT = out_dir()
@@ -89,15 +90,10 @@ def decoder_model(path: Path) -> Path:
     if (path / "modules.json").is_file():
         return path
     import torch
-    from embedding_server.device.hub import resolve_model_path
-    from embedding_server.settings import DEFAULT_MODEL
     from transformers import AutoConfig, AutoModel
 
     path.mkdir(parents=True, exist_ok=True)
-    minilm = resolve_model_path(DEFAULT_MODEL)
-    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
-        if (minilm / name).is_file():
-            shutil.copy(minilm / name, path / name)
+    copy_tokenizer(path)
     torch.manual_seed(0)
     # Built in bfloat16 (half the memory and disk of float32), as the server runs it on a CPU
     # with avx512_bf16 or AMX and on a GPU.
@@ -155,20 +151,7 @@ def time_to_ready(model: str, log: Path, code: Path | None = None) -> tuple[floa
             [str(code / "server"), *filter(None, [env.get("PYTHONPATH")])]
         )
     port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "embedding_server",
-        "serve",
-        "--model",
-        model,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-    ]
+    command = serve_command(model, str(port))
     url = f"http://127.0.0.1:{port}/ready"
     with httpx.Client(timeout=1.0) as client, log.open("wb") as out:
         started = time.perf_counter()

@@ -74,8 +74,8 @@ import psutil
 
 from bench import out_dir, write_results
 from bench.corpus import make_corpus
-from bench.processes import cpu_seconds, main_thread_cpu_seconds
-from bench.tiny_bert import build_tiny_bert
+from bench.models import build_tiny_bert
+from bench.processes import cpu_seconds, main_thread_cpu_seconds, serve_command
 from e2e.harness.proc import child_process, free_port
 
 OUT = out_dir()
@@ -333,24 +333,9 @@ def chart(results: list[Result], path: Path) -> None:
 
 def ours_command(model: str, workers: int) -> list[str]:
     """Our server on ``model`` (a directory or the fake device model), ``workers`` front-ends."""
-    command = [
-        sys.executable,
-        "-m",
-        "embedding_server",
-        "serve",
-        "--model",
-        model,
-        "--served-model-name",
-        MODEL_NAME,
-        "--dtype",
-        "float32",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "{port}",
-        "--log-level",
-        "warning",
-    ]
+    command = serve_command(
+        model, "{port}", "--served-model-name", MODEL_NAME, "--dtype", "float32"
+    )
     return [*command, "--api-workers", str(workers)] if workers > 1 else command
 
 

@@ -23,7 +23,6 @@ float32; results go to ``bench/out/generic.json``.
 from __future__ import annotations
 
 import argparse
-import shutil
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -39,6 +38,7 @@ from embedding_server.settings import DEFAULT_MODEL
 
 from bench import out_dir, write_results
 from bench.corpus import make_corpus
+from bench.models import copy_tokenizer
 from bench.offline import cosines
 
 OUT = out_dir()
@@ -77,12 +77,9 @@ def build_gtr_like(root: Path, layers: int) -> Path:
     )
     from transformers import T5Config, T5EncoderModel
 
-    minilm = resolve_model_path(DEFAULT_MODEL)
     body = root / "t5-body"
     body.mkdir(parents=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
-        if (minilm / name).is_file():
-            shutil.copy(minilm / name, body / name)
+    copy_tokenizer(body)
     torch.manual_seed(0)
     config = T5Config(**{**GTR_BASE, "num_layers": layers}, vocab_size=30522, pad_token_id=0)
     T5EncoderModel(config).save_pretrained(str(body))

@@ -54,6 +54,7 @@ from embedding_server.settings import DEFAULT_MODEL
 from bench import out_dir, write_results
 from bench.corpus import make_corpus
 from bench.infinity_int8 import InfinityWorker, infinity_int8
+from bench.models import copy_tokenizer
 
 OUT = out_dir()
 
@@ -264,10 +265,7 @@ def random_model(family: str) -> Path:
         return target
     body = OUT / f"random-{family}-body"
     body.mkdir(parents=True, exist_ok=True)
-    minilm = resolve_model_path(DEFAULT_MODEL)
-    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
-        if (minilm / name).is_file():
-            shutil.copy(minilm / name, body / name)
+    copy_tokenizer(body)
     torch.manual_seed(0)
     AutoModel.from_config(AutoConfig.for_model(family, **FAMILIES[family][1])).save_pretrained(
         str(body)

@@ -1,8 +1,10 @@
-"""CPU accounting of a process tree, for the benchmarks that compare servers or ranks."""
+"""CPU accounting of a process tree, and the command that starts our server, for the benchmarks
+that compare servers or ranks."""
 
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import psutil
 
@@ -34,3 +36,12 @@ def main_thread_cpu_seconds(root: psutil.Process | None = None) -> float:
                 if thread.id == process.pid:
                     total += thread.user_time + thread.system_time
     return total
+
+
+def serve_command(model: str, port: str, *flags: str) -> list[str]:
+    """``python -m embedding_server serve`` on ``model`` with ``flags``, on 127.0.0.1:``port``,
+    logging warnings and worse."""
+    return [
+        *(sys.executable, "-m", "embedding_server", "serve", "--model", model, *flags),
+        *("--host", "127.0.0.1", "--port", port, "--log-level", "warning"),
+    ]

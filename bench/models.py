@@ -1,5 +1,6 @@
-"""A 1-layer, 32-wide BERT with the packaged MiniLM's tokenizer: near-zero compute, so that
-what a benchmark measures around it is the server's own cost, not the model's."""
+"""What the benchmarks build their random models from: the packaged MiniLM's tokenizer, and a
+1-layer, 32-wide BERT with it (near-zero compute, so that what a benchmark measures around it
+is the server's own cost, not the model's)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,17 @@ TOKENIZER_FILES = (
 """What is copied from the packaged MiniLM (those of them it has)."""
 
 
+def copy_tokenizer(path: Path) -> None:
+    """The packaged MiniLM's :data:`TOKENIZER_FILES` into the folder ``path``."""
+    from embedding_server.device.hub import resolve_model_path
+    from embedding_server.settings import DEFAULT_MODEL
+
+    source = resolve_model_path(DEFAULT_MODEL)
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy(source / name, path / name)
+
+
 def build_tiny_bert(path: Path, *, cross_encoder: bool = False) -> Path:
     """The model at ``path``, built there unless a ``config.json`` already is: a bare
     ``BertModel``, or with ``cross_encoder`` a ``BertForSequenceClassification`` of one label."""
@@ -27,9 +39,7 @@ def build_tiny_bert(path: Path, *, cross_encoder: bool = False) -> Path:
         return path
     source = resolve_model_path(DEFAULT_MODEL, revision=None, cache_dir=None)
     path.mkdir(parents=True, exist_ok=True)
-    for name in TOKENIZER_FILES:
-        if (source / name).exists():
-            shutil.copy(source / name, path / name)
+    copy_tokenizer(path)
     vocab = json.loads((source / "config.json").read_text())["vocab_size"]
     config = BertConfig(
         vocab_size=vocab,
