@@ -22,9 +22,8 @@ import json
 import os
 import sys
 import tempfile
-import types
 from collections.abc import MutableMapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args, get_origin
 
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
@@ -32,7 +31,12 @@ from pydantic_settings import BaseSettings, SettingsError
 
 from embedding_server.errors import EmbeddingServerError
 from embedding_server.gateway.settings import GATEWAY_ENV_PREFIX, GatewaySettings
-from embedding_server.settings import DEFAULT_MODEL, EngineSettings, ServerSettings
+from embedding_server.settings import (
+    DEFAULT_MODEL,
+    EngineSettings,
+    ServerSettings,
+    unwrap_optional,
+)
 
 if TYPE_CHECKING:
     from embedding_server.device.inspection import Inspection
@@ -61,19 +65,10 @@ def _env(name: str, prefix: str = ENV_PREFIX) -> str:
     return prefix + name.upper()
 
 
-def _unwrap_optional(annotation: Any) -> Any:
-    """``X | None`` -> ``X``; anything else unchanged."""
-    if get_origin(annotation) in (Union, types.UnionType):
-        members = [a for a in get_args(annotation) if a is not type(None)]
-        if len(members) == 1:
-            return members[0]
-    return annotation
-
-
 def _add_field(
     group: argparse._ArgumentGroup, name: str, field: FieldInfo, prefix: str = ENV_PREFIX
 ) -> None:
-    annotation = _unwrap_optional(field.annotation)
+    annotation = unwrap_optional(field.annotation)
     description = (field.description or "").replace("%", "%%")
     default = field.get_default(call_default_factory=True)
     details = [f"env {_env(name, prefix)}"]

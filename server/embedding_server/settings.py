@@ -9,7 +9,8 @@ field's description is its ``--help`` text. Invalid values fail at start with th
 from __future__ import annotations
 
 import importlib.util
-from typing import Annotated, Literal
+import types
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
@@ -424,3 +425,13 @@ def otel_sdk_missing() -> str | None:
         if not found:
             return module
     return None
+
+
+def unwrap_optional(annotation: Any) -> Any:
+    """``X | None`` -> ``X``; anything else unchanged (a settings field's annotation, as the
+    command line and the settings reference read it)."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        members = [a for a in get_args(annotation) if a is not type(None)]
+        if len(members) == 1:
+            return members[0]
+    return annotation

@@ -20,17 +20,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-import types
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Literal, get_args, get_origin
 
 from pydantic import SecretStr
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
 
 from embedding_server.gateway.settings import GatewaySettings
-from embedding_server.settings import EngineSettings, ServerSettings
+from embedding_server.settings import EngineSettings, ServerSettings, unwrap_optional
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 OUTPUT_PATH = REPO_ROOT / "docs" / "reference" / "server-flags.md"
@@ -51,7 +50,7 @@ def _text(value: str) -> str:
 def flag_names(name: str, field: FieldInfo) -> list[str]:
     """The command-line spellings of a settings field (booleans take a ``--no-`` form)."""
     flag = "--" + name.replace("_", "-")
-    if _unwrap_optional(field.annotation) is bool:
+    if unwrap_optional(field.annotation) is bool:
         return [flag, "--no-" + flag.removeprefix("--")]
     return [flag]
 
@@ -59,15 +58,6 @@ def flag_names(name: str, field: FieldInfo) -> list[str]:
 def env_name(name: str, model: type[BaseSettings] = ServerSettings) -> str:
     """The environment variable of a settings field."""
     return str(model.model_config.get("env_prefix", "")) + name.upper()
-
-
-def _unwrap_optional(annotation: Any) -> Any:
-    """``X | None`` -> ``X``; anything else unchanged."""
-    if get_origin(annotation) in (Union, types.UnionType):
-        members = [a for a in get_args(annotation) if a is not type(None)]
-        if len(members) == 1:
-            return members[0]
-    return annotation
 
 
 _TYPE_NAMES = {
@@ -80,7 +70,7 @@ _TYPE_NAMES = {
 
 
 def _type(field: FieldInfo) -> str:
-    annotation = _unwrap_optional(field.annotation)
+    annotation = unwrap_optional(field.annotation)
     if get_origin(annotation) is Literal:
         return "one of " + ", ".join(f"`{choice}`" for choice in get_args(annotation))
     if get_origin(annotation) is list:
