@@ -40,20 +40,24 @@ class HostPackageError(RuntimeError):
     """A Debian package is missing and apt-get could not install it."""
 
 
-def is_installed(name: str) -> bool:
-    """True when dpkg reports the package fully installed (not merely known or half-removed)."""
+def _run(
+    argv: list[str], timeout: float, what: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``argv`` run to its end, output captured; a missing program, or a timeout (``what``
+    timed out), is a :class:`HostPackageError`."""
     try:
-        proc = subprocess.run(
-            ["dpkg-query", "-W", "-f=${Status}", name],
-            capture_output=True,
-            text=True,
-            timeout=DPKG_TIMEOUT_S,
-            check=False,
+        return subprocess.run(
+            argv, capture_output=True, text=True, env=env, timeout=timeout, check=False
         )
     except FileNotFoundError as exc:
-        raise HostPackageError("dpkg-query not found: this is not a Debian-based machine") from exc
+        raise HostPackageError(f"{argv[0]} not found: this is not a Debian-based machine") from exc
     except subprocess.TimeoutExpired as exc:
-        raise HostPackageError(f"dpkg-query {name} timed out after {DPKG_TIMEOUT_S}s") from exc
+        raise HostPackageError(f"{what} timed out after {timeout:.0f}s") from exc
+
+
+def is_installed(name: str) -> bool:
+    """True when dpkg reports the package fully installed (not merely known or half-removed)."""
+    proc = _run(["dpkg-query", "-W", "-f=${Status}", name], DPKG_TIMEOUT_S, f"dpkg-query {name}")
     return proc.returncode == 0 and proc.stdout.strip().endswith(" installed")
 
 
@@ -68,19 +72,7 @@ def missing_packages(names: Sequence[str]) -> list[str]:
 
 def _apt(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    try:
-        return subprocess.run(
-            ["apt-get", *args],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=timeout,
-            check=False,
-        )
-    except FileNotFoundError as exc:
-        raise HostPackageError("apt-get not found: this is not a Debian-based machine") from exc
-    except subprocess.TimeoutExpired as exc:
-        raise HostPackageError(f"apt-get {' '.join(args)} timed out after {timeout:.0f}s") from exc
+    return _run(["apt-get", *args], timeout, f"apt-get {' '.join(args)}", env=env)
 
 
 def ensure_packages(names: Sequence[str]) -> None:
