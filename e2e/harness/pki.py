@@ -124,23 +124,18 @@ def _signed(
     return KeyPair(cert, key)
 
 
-def _server(directory: Path, name: str, ca: KeyPair, cn: str, sans: tuple[str, ...]) -> KeyPair:
-    return _signed(
-        directory,
-        name,
-        ca,
-        f"/CN={cn}",
-        [
-            "keyUsage=critical,digitalSignature,keyEncipherment",
-            "extendedKeyUsage=serverAuth",
-            f"subjectAltName={','.join(sans)}",
-        ],
-    )
-
-
-def _server_and_client(
-    directory: Path, name: str, ca: KeyPair, cn: str, sans: tuple[str, ...]
+def _server(
+    directory: Path,
+    name: str,
+    ca: KeyPair,
+    cn: str,
+    sans: tuple[str, ...],
+    *,
+    client_auth: bool = False,
 ) -> KeyPair:
+    """A serving certificate for ``sans``; with ``client_auth``, one that also authenticates
+    its holder as a client."""
+    usage = "serverAuth,clientAuth" if client_auth else "serverAuth"
     return _signed(
         directory,
         name,
@@ -148,7 +143,7 @@ def _server_and_client(
         f"/CN={cn}",
         [
             "keyUsage=critical,digitalSignature,keyEncipherment",
-            "extendedKeyUsage=serverAuth,clientAuth",
+            f"extendedKeyUsage={usage}",
             f"subjectAltName={','.join(sans)}",
         ],
     )
@@ -214,7 +209,7 @@ def create_pki(directory: Path) -> Pki:
         adapter_serving=_server(
             directory, "adapter-serving", ca, "prometheus-adapter", ADAPTER_SANS
         ),
-        keda=_server_and_client(directory, "keda", ca, "keda", KEDA_SANS),
+        keda=_server(directory, "keda", ca, "keda", KEDA_SANS, client_auth=True),
         service_account_key=sa_key,
         service_account_pub=sa_pub,
     )
