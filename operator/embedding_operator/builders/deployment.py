@@ -141,15 +141,18 @@ def server_args(render: RenderInput) -> list[str]:
     if spec.tracing is not None:
         args += ["--otlp-traces-endpoint", spec.tracing.otlp_endpoint]
     args += media_args(render)
-    for flag, value in (
+    args += _set_flags(
         ("--max-batch-tokens", srv.max_batch_tokens),
         ("--max-batch-size", srv.max_batch_size),
         ("--max-queue-tokens", srv.max_queue_tokens),
         ("--max-request-tokens", srv.max_request_tokens),
-    ):
-        if value is not None:
-            args += [flag, str(value)]
+    )
     return [*args, *srv.extra_args]
+
+
+def _set_flags(*flags: tuple[str, object]) -> list[str]:
+    """``flag value`` for each of ``flags`` whose value the spec sets (not None), in order."""
+    return [arg for flag, value in flags if value is not None for arg in (flag, str(value))]
 
 
 def media_args(render: RenderInput) -> list[str]:
@@ -161,15 +164,12 @@ def media_args(render: RenderInput) -> list[str]:
     args: list[str] = []
     if media.allowed_domains:
         args += ["--allowed-media-domains", ",".join(media.allowed_domains)]
-    for flag, value in (
+    return args + _set_flags(
         ("--max-images-per-request", media.max_images_per_request),
         ("--max-image-bytes", media.image_bytes),
         ("--max-image-pixels", media.max_image_pixels),
         ("--media-fetch-timeout", media.fetch_timeout_seconds),
-    ):
-        if value is not None:
-            args += [flag, str(value)]
-    return args
+    )
 
 
 def allowed_hosts(render: RenderInput) -> list[str]:
