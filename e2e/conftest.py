@@ -38,6 +38,7 @@ from e2e.harness.existing import (
 )
 from e2e.harness.images import ImageSet, build_images, load_images
 from e2e.harness.node import containerd_store
+from e2e.harness.operator import OperatorProcess, start_operator
 
 log = logging.getLogger("e2e.conftest")
 
@@ -177,6 +178,18 @@ def cluster(
             yield instance
         finally:
             instance.stop()
+
+
+@pytest.fixture(scope="module")
+def operator(
+    cluster: KubeClient, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[OperatorProcess]:
+    """One operator process (:func:`start_operator`) for the tests of a module that take
+    ``operator``, its log in a folder named after the module."""
+    module = request.module.__name__.rpartition(".")[2].removeprefix("test_")
+    process = start_operator(cluster, tmp_path_factory.mktemp(f"{module}-operator"))
+    yield process
+    process.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,6 @@ reports Ready for its current generation.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,6 @@ from e2e.harness.operator import (
     get_json,
     pods,
     provide_volume,
-    start_operator,
     wait_condition,
 )
 from e2e.harness.proc import poll_until
@@ -34,15 +32,6 @@ pytestmark = pytest.mark.kwok
 EXAMPLES = sorted(EXAMPLES_DIR.glob("*.yaml"))
 PRODUCT_LABEL = "nvidia.com/gpu.product"
 PRODUCTS = {"h100": "NVIDIA-H100-80GB-HBM3", "l4": "NVIDIA-L4"}
-
-
-@pytest.fixture(scope="module")
-def operator(
-    cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[OperatorProcess]:
-    process = start_operator(cluster, tmp_path_factory.mktemp("operator-examples"))
-    yield process
-    process.stop()
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)

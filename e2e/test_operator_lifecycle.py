@@ -11,7 +11,6 @@ condition plus an Event; tensor parallelism on the bundled server asks for a GPU
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,7 +21,6 @@ from e2e.harness.operator import (
     apply_expect_refusal,
     embedding_service,
     get_json,
-    start_operator,
     wait_condition,
     wait_gone,
 )
@@ -35,15 +33,6 @@ MODEL = {"name": "sentence-transformers/all-MiniLM-L6-v2"}
 # A server image of the user's own: the operator trusts it with tensor parallelism (kwok runs
 # no containers, so it never has to exist).
 TP_IMAGE = "registry.example/embedding-server-tp:1"
-
-
-@pytest.fixture(scope="module")
-def operator(
-    cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[OperatorProcess]:
-    process = start_operator(cluster, tmp_path_factory.mktemp("operator-lifecycle"))
-    yield process
-    process.stop()
 
 
 def _create(cluster: Cluster, namespace: str, name: str, spec: dict[str, Any]) -> None:

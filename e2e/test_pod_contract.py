@@ -26,7 +26,6 @@ import re
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,6 @@ from e2e.harness.operator import (
     OperatorProcess,
     embedding_service,
     get_json,
-    start_operator,
     wait_condition,
 )
 from e2e.harness.proc import Process, free_port, poll_until
@@ -74,15 +72,6 @@ TEXTS = [
 ]
 SERVER_START_TIMEOUT_S = 180.0
 HTTP_TIMEOUT_S = 60.0
-
-
-@pytest.fixture(scope="module")
-def operator(
-    cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[OperatorProcess]:
-    process = start_operator(cluster, tmp_path_factory.mktemp("pod-contract-operator"))
-    yield process
-    process.stop()
 
 
 def http(method: str, url: str, body: dict[str, Any] | None = None) -> tuple[int, bytes]:
