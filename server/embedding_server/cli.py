@@ -65,6 +65,14 @@ def _env(name: str, prefix: str = ENV_PREFIX) -> str:
     return prefix + name.upper()
 
 
+def _add_settings(
+    group: argparse._ArgumentGroup, model: type[BaseSettings], prefix: str = ENV_PREFIX
+) -> None:
+    """A flag in ``group`` for each field of ``model`` (its variables named with ``prefix``)."""
+    for name, field in model.model_fields.items():
+        _add_field(group, name, field, prefix)
+
+
 def _add_field(
     group: argparse._ArgumentGroup, name: str, field: FieldInfo, prefix: str = ENV_PREFIX
 ) -> None:
@@ -115,9 +123,7 @@ def build_parser(settings_model: type[BaseSettings] = ServerSettings) -> argpars
         "then finish in-flight requests and exit 0. With no flags it serves the "
         f"packaged all-MiniLM-L6-v2 ('{DEFAULT_MODEL}') on 127.0.0.1:8000.",
     )
-    group = serve.add_argument_group("settings")
-    for name, field in settings_model.model_fields.items():
-        _add_field(group, name, field)
+    _add_settings(serve.add_argument_group("settings"), settings_model)
     inspect = commands.add_parser(
         "inspect",
         help="Print what a model would be served as, without serving it.",
@@ -151,9 +157,7 @@ def build_parser(settings_model: type[BaseSettings] = ServerSettings) -> argpars
         "bfloat16 and float16, 0.99 with int8), or for score and classify the largest "
         "absolute difference (default 1e-4 in float32, 1e-2 in bfloat16 and float16).",
     )
-    engine_group = inspect.add_argument_group("settings (as serve takes them)")
-    for name, field in EngineSettings.model_fields.items():
-        _add_field(engine_group, name, field)
+    _add_settings(inspect.add_argument_group("settings (as serve takes them)"), EngineSettings)
     gateway = commands.add_parser(
         "gateway",
         help="Route requests for many models to their servers (no model loaded here).",
@@ -164,9 +168,7 @@ def build_parser(settings_model: type[BaseSettings] = ServerSettings) -> argpars
         "--discovery kubernetes, from EmbeddingServices and their EndpointSlices. Each flag "
         f"can also be set with an {GATEWAY_ENV_PREFIX}* environment variable.",
     )
-    gateway_group = gateway.add_argument_group("settings")
-    for name, field in GatewaySettings.model_fields.items():
-        _add_field(gateway_group, name, field, GATEWAY_ENV_PREFIX)
+    _add_settings(gateway.add_argument_group("settings"), GatewaySettings, GATEWAY_ENV_PREFIX)
     return parser
 
 
