@@ -232,15 +232,8 @@ ARCHITECTURES: dict[str, Architecture] = {
             for name, variant in (
                 ("roberta", bert.ROBERTA),
                 ("xlm-roberta", bert.XLM_ROBERTA),
+                ("camembert", bert.ROBERTA),
             )
-        ),
-        Architecture(
-            "camembert",
-            encoder(bert.ROBERTA),
-            "cls",
-            bert.classification_head,
-            bert.masked_lm_head,
-            ignored=bert.IGNORED,
         ),
         Architecture(
             "distilbert",
