@@ -29,6 +29,7 @@ import hashlib
 import json
 import secrets
 import shutil
+import textwrap
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -73,6 +74,36 @@ TEXTS = [
     "An embedding maps text to a vector.",
 ]
 
+# Client pod script pieces. ``post(path, body)``: a JSON POST with the standard library to
+# ``base`` + path; the status and the parsed body, an HTTP error's too.
+POST_FUNCTION = """\
+def post(path, body):
+    request = urllib.request.Request(
+        base + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return {"status": response.status, "body": json.load(response)}
+    except urllib.error.HTTPError as exc:
+        return {"status": exc.code, "body": json.load(exc)}
+"""
+# One embeddings request of ``batch`` texts, its outcome counted in ``summary`` under ``lock``:
+# "ok", "rate_limited" (a 429 that says when to retry), else listed among the failures.
+ONE_REQUEST = """\
+try:
+    client.embeddings.create(model=model, input=[text] * batch)
+    outcome = "ok"
+except openai.RateLimitError as exc:
+    outcome = "rate_limited" if exc.response.headers.get("retry-after") else repr(exc)
+except Exception as exc:
+    outcome = repr(exc)[:300]
+with lock:
+    if outcome in ("ok", "rate_limited"):
+        summary[outcome] += 1
+    else:
+        summary["failures"].append(outcome)
+"""
+
 # Runs in the client pod: the official OpenAI client against the Service's DNS name.
 EMBED_SCRIPT = """
 import json, sys, urllib.request
@@ -112,7 +143,8 @@ print(json.dumps(out))
 
 # Closed-loop load for a bounded time: `workers` threads, each sending its next request as
 # soon as the last one is answered. Prints one JSON summary; every failure is listed by kind.
-LOAD_SCRIPT = """
+LOAD_SCRIPT = (
+    """
 import json, sys, threading, time
 import openai
 from openai import OpenAI
@@ -126,23 +158,15 @@ def work():
     client = OpenAI(base_url=base_url, api_key="unused", timeout=60)
     model = sys.argv[5] if len(sys.argv) > 5 else client.models.list().data[0].id
     while time.monotonic() < deadline:
-        try:
-            client.embeddings.create(model=model, input=[text] * batch)
-            outcome = "ok"
-        except openai.RateLimitError as exc:
-            outcome = "rate_limited" if exc.response.headers.get("retry-after") else repr(exc)
-        except Exception as exc:
-            outcome = repr(exc)[:300]
-        with lock:
-            if outcome in ("ok", "rate_limited"):
-                summary[outcome] += 1
-            else:
-                summary["failures"].append(outcome)
+"""
+    + textwrap.indent(ONE_REQUEST, " " * 8)
+    + """\
 threads = [threading.Thread(target=work) for _ in range(workers)]
 for t in threads: t.start()
 for t in threads: t.join()
 print(json.dumps(summary))
 """
+)
 
 
 # -- diagnostics ------------------------------------------------------------------------------
@@ -545,7 +569,8 @@ def test_queue_depth_scales_out_under_load_and_back_in(
         stop_load_and_scale_in(cluster, namespace, "scaler", load="load", hpa="scaler")
 
 
-PACED_LOAD_SCRIPT = """
+PACED_LOAD_SCRIPT = (
+    """
 import concurrent.futures, json, sys, threading, time
 import openai
 from openai import OpenAI
@@ -557,18 +582,9 @@ model = client.models.list().data[0].id
 lock = threading.Lock()
 summary = {"ok": 0, "rate_limited": 0, "failures": []}
 def one():
-    try:
-        client.embeddings.create(model=model, input=[text] * batch)
-        outcome = "ok"
-    except openai.RateLimitError as exc:
-        outcome = "rate_limited" if exc.response.headers.get("retry-after") else repr(exc)
-    except Exception as exc:
-        outcome = repr(exc)[:300]
-    with lock:
-        if outcome in ("ok", "rate_limited"):
-            summary[outcome] += 1
-        else:
-            summary["failures"].append(outcome)
+"""
+    + textwrap.indent(ONE_REQUEST, " " * 4)
+    + """\
 # Open loop: a request every 1/rate seconds whatever the answers take, as independent clients
 # send them, so that long and short texts arrive at the same request rate.
 with concurrent.futures.ThreadPoolExecutor(max_workers=64) as pool:
@@ -580,6 +596,7 @@ with concurrent.futures.ThreadPoolExecutor(max_workers=64) as pool:
         time.sleep(max(0.0, start + sent / rate - time.monotonic()))
 print(json.dumps(summary))
 """
+)
 BACKLOG_RATE = "6"
 """Requests per second of both loads: 16 texts each."""
 QUIET_WINDOW_S = 40.0
@@ -928,20 +945,15 @@ DOCS = [
 
 # Runs in the client pod: the task endpoints with the standard library, /v1/embeddings with
 # the official openai client (which a user would point at the reranker by mistake).
-TASKS_SCRIPT = """
+TASKS_SCRIPT = (
+    """
 import json, sys, urllib.error, urllib.request
 import openai
 from openai import OpenAI
 base, query, docs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-def post(path, body):
-    request = urllib.request.Request(
-        base + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return {"status": response.status, "body": json.load(response)}
-    except urllib.error.HTTPError as exc:
-        return {"status": exc.code, "body": json.load(exc)}
+"""
+    + POST_FUNCTION
+    + """\
 out = {
     "rerank": post("/rerank", {"query": query, "documents": docs}),
     "v2_rerank": post("/v2/rerank", {"query": query, "documents": docs, "top_n": 2}),
@@ -955,6 +967,7 @@ except openai.APIStatusError as exc:
     out["embeddings"] = {"status": exc.status_code, "body": exc.response.json()}
 print(json.dumps(out))
 """
+)
 
 
 def fill_hub_cache(cache: Path, repo_id: str, checkpoint: Path) -> Path:
@@ -1036,6 +1049,20 @@ def hub_cache_claim(
     return snapshot
 
 
+def offline_spec(model_id: str, claim: str, **more: Any) -> dict[str, Any]:
+    """The spec of a small CPU pod serving ``model_id`` in float32 from the hub cache on
+    ``claim``, mounted with ``modelCache.readOnly`` (which also switches the Hub off); ``more``
+    adds fields (``task``)."""
+    return {
+        "model": {"name": model_id},
+        **more,
+        "gpu": {"type": "cpu"},
+        "resources": SMALL_POD,
+        "modelCache": {"mode": "existing", "claimName": claim, "readOnly": True},
+        "server": {"dtype": "float32"},
+    }
+
+
 @pytest.fixture
 def reranker_claim(
     cluster: KubeClient, namespace: str, tmp_path: Path
@@ -1067,14 +1094,7 @@ def test_reranker_serves_cross_encoder_scores_from_an_offline_model_cache(
     from sentence_transformers import CrossEncoder
 
     claim, snapshot = reranker_claim
-    spec = {
-        "model": {"name": RERANKER_ID},
-        "task": "score",
-        "gpu": {"type": "cpu"},
-        "resources": SMALL_POD,
-        "modelCache": {"mode": "existing", "claimName": claim, "readOnly": True},
-        "server": {"dtype": "float32"},
-    }
+    spec = offline_spec(RERANKER_ID, claim, task="score")
     with diagnostics(cluster, namespace, release):
         deploy(cluster, namespace, "reranker", spec)
         got = ask(
@@ -1115,20 +1135,15 @@ CLIP_ID = "e2e-org/tiny-clip"
 # Runs in the client pod: one image as vLLM's chat form through the official openai client
 # (``client.post``: ``embeddings.create`` always sends ``input``), the same image through
 # Cohere's /v2/embed, a text through ``input``, and an image URL of a host nobody listed.
-IMAGE_SCRIPT = """
+IMAGE_SCRIPT = (
+    """
 import json, sys, urllib.error, urllib.request
 import openai
 from openai import OpenAI
 base, uri, text = sys.argv[1], sys.argv[2], sys.argv[3]
-def post(path, body):
-    request = urllib.request.Request(
-        base + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return {"status": response.status, "body": json.load(response)}
-    except urllib.error.HTTPError as exc:
-        return {"status": exc.code, "body": json.load(exc)}
+"""
+    + POST_FUNCTION
+    + """\
 client = OpenAI(base_url=base + "/v1", api_key="unused", timeout=60)
 model = client.models.list().data[0].id
 image_part = {"type": "image_url", "image_url": {"url": uri}}
@@ -1149,6 +1164,7 @@ out["unlisted"] = post(
 )
 print(json.dumps(out))
 """
+)
 
 
 @pytest.fixture
@@ -1186,13 +1202,7 @@ def test_an_image_through_the_service_gets_transformers_clip_vector(
     claim, snapshot = clip_claim
     image: Image.Image = picture(5, (40, 28))
     text = "a photo of a fox"
-    spec = {
-        "model": {"name": CLIP_ID},
-        "gpu": {"type": "cpu"},
-        "resources": SMALL_POD,
-        "modelCache": {"mode": "existing", "claimName": claim, "readOnly": True},
-        "server": {"dtype": "float32"},
-    }
+    spec = offline_spec(CLIP_ID, claim)
     with diagnostics(cluster, namespace, release):
         deploy(cluster, namespace, "images", spec)
         got = ask(
