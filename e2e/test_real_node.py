@@ -368,14 +368,30 @@ def start_client(
     return name
 
 
+def pod_phase(cluster: KubeClient, namespace: str, name: str) -> str | None:
+    """The pod's phase (None while it has none, or where there is no such pod)."""
+    pod = get_json(cluster, "pod", name, "-n", namespace)
+    phase: str | None = (pod or {}).get("status", {}).get("phase")
+    return phase
+
+
+def wait_client_running(cluster: KubeClient, namespace: str, name: str, what: str) -> None:
+    """Wait for the client pod ``name`` (``what`` says which) to run."""
+    poll_until(
+        lambda: pod_phase(cluster, namespace, name) == "Running" or None,
+        timeout=120,
+        what=what,
+        interval=1.0,
+    )
+
+
 def client_output(
     cluster: KubeClient, namespace: str, name: str, timeout: float = CLIENT_TIMEOUT_S
 ) -> Any:
     """Wait for the client pod to finish; its last stdout line, parsed as JSON."""
 
     def finished() -> str | None:
-        pod = get_json(cluster, "pod", name, "-n", namespace)
-        phase = (pod or {}).get("status", {}).get("phase")
+        phase = pod_phase(cluster, namespace, name)
         return phase if phase in ("Succeeded", "Failed") else None
 
     phase = poll_until(
@@ -751,18 +767,7 @@ def test_rollout_under_load_loses_no_request(
             "3",
             "1",
         )
-        poll_until(
-            lambda: (
-                (get_json(cluster, "pod", "stream", "-n", namespace) or {})
-                .get("status", {})
-                .get("phase")
-                == "Running"
-                or None
-            ),
-            timeout=120,
-            what="the stream client to run",
-            interval=1.0,
-        )
+        wait_client_running(cluster, namespace, "stream", "the stream client to run")
         set_max_batch_size(cluster, namespace, steady, 64)
         poll_until(
             lambda: (
@@ -782,8 +787,7 @@ def test_rollout_under_load_loses_no_request(
             what="the rollout to replace the server pod",
             interval=1.0,
         )
-        stream = get_json(cluster, "pod", "stream", "-n", namespace) or {}
-        assert stream.get("status", {}).get("phase") == "Running", (
+        assert pod_phase(cluster, namespace, "stream") == "Running", (
             "the stream ended before the rollout did: it proved nothing about the rollout"
         )
         summary = client_output(cluster, namespace, "stream", timeout=CLIENT_TIMEOUT_S)
@@ -1336,25 +1340,15 @@ def test_a_killed_server_pod_under_load_through_the_gateway_fails_no_request(
             "4",
             model,
         )
-        poll_until(
-            lambda: (
-                (get_json(cluster, "pod", "gw-load", "-n", namespace) or {})
-                .get("status", {})
-                .get("phase")
-                == "Running"
-                or None
-            ),
-            timeout=120,
-            what="the load client to run",
-            interval=1.0,
-        )
+        wait_client_running(cluster, namespace, "gw-load", "the load client to run")
         time.sleep(15)  # the load runs through both pods before one dies
         victim = ready_server_pods(cluster, namespace, "gw-kill")[0]["metadata"]["name"]
         cluster.kubectl(
             "delete", "pod", victim, "-n", namespace, "--grace-period=0", "--force", "--wait=false"
         )
-        load = get_json(cluster, "pod", "gw-load", "-n", namespace) or {}
-        assert load.get("status", {}).get("phase") == "Running", "the load ended before the kill"
+        assert pod_phase(cluster, namespace, "gw-load") == "Running", (
+            "the load ended before the kill"
+        )
         summary = client_output(cluster, namespace, "gw-load", timeout=CLIENT_TIMEOUT_S)
     assert summary["failures"] == [], summary
     assert summary["ok"] > 0, summary
