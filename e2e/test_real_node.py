@@ -536,22 +536,21 @@ def stop_load_and_scale_in(
     wait_ready_replicas(cluster, namespace, name, 1)
 
 
-def test_queue_depth_scales_out_under_load_and_back_in(
-    cluster: KubeClient, release: str, client_pod: ClientPod, namespace: str
-) -> None:
-    spec = {
+def autoscaled_minilm(**autoscaling: Any) -> dict[str, Any]:
+    """The spec of MiniLM on a small CPU pod, autoscaled by ``autoscaling`` (its metric,
+    bounds and target) and back in after 15 s of stabilization."""
+    return {
         "model": {"name": "sentence-transformers/all-MiniLM-L6-v2"},
         "gpu": {"type": "cpu"},
         "resources": SMALL_POD,
-        "autoscaling": {
-            "enabled": True,
-            "minReplicas": 1,
-            "maxReplicas": 3,
-            "metric": "queueRequests",
-            "targetPerPod": 2,
-            "scaleDownStabilizationSeconds": 15,
-        },
+        "autoscaling": {"enabled": True, **autoscaling, "scaleDownStabilizationSeconds": 15},
     }
+
+
+def test_queue_depth_scales_out_under_load_and_back_in(
+    cluster: KubeClient, release: str, client_pod: ClientPod, namespace: str
+) -> None:
+    spec = autoscaled_minilm(minReplicas=1, maxReplicas=3, metric="queueRequests", targetPerPod=2)
     with diagnostics(cluster, namespace, release):
         deploy(cluster, namespace, "scaler", spec)
 
@@ -639,19 +638,9 @@ def test_backlog_seconds_scale_out_on_long_texts_not_on_short_ones(
     long load runs, every dashboard panel, recording rule and alert signal the chart ships is
     run against this cluster's Prometheus and must return series for the service."""
     target = 0.5
-    spec = {
-        "model": {"name": "sentence-transformers/all-MiniLM-L6-v2"},
-        "gpu": {"type": "cpu"},
-        "resources": SMALL_POD,
-        "autoscaling": {
-            "enabled": True,
-            "minReplicas": 1,
-            "maxReplicas": 2,
-            "metric": "backlogSeconds",
-            "targetBacklogSeconds": target,
-            "scaleDownStabilizationSeconds": 15,
-        },
-    }
+    spec = autoscaled_minilm(
+        minReplicas=1, maxReplicas=2, metric="backlogSeconds", targetBacklogSeconds=target
+    )
     url = service_url("backlog", namespace)
     with diagnostics(cluster, namespace, release):
         deploy(cluster, namespace, "backlog", spec)
@@ -1390,20 +1379,13 @@ def test_keda_scales_out_under_load_and_back_in(
     by its metrics server (external.metrics.k8s.io) from Prometheus, takes a service from one
     replica to two or more under closed-loop load, and back to one once the load stops. The
     service's status names KEDA and reports its object ready."""
-    spec = {
-        "model": {"name": "sentence-transformers/all-MiniLM-L6-v2"},
-        "gpu": {"type": "cpu"},
-        "resources": SMALL_POD,
-        "autoscaling": {
-            "enabled": True,
-            "autoscaler": "keda",
-            "minReplicas": 1,
-            "maxReplicas": 3,
-            "metric": "backlogSeconds",
-            "targetBacklogSeconds": 0.5,
-            "scaleDownStabilizationSeconds": 15,
-        },
-    }
+    spec = autoscaled_minilm(
+        autoscaler="keda",
+        minReplicas=1,
+        maxReplicas=3,
+        metric="backlogSeconds",
+        targetBacklogSeconds=0.5,
+    )
     with diagnostics(cluster, namespace, release):
         deploy(cluster, namespace, "keda", spec)
         poll_until(
