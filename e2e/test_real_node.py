@@ -983,10 +983,10 @@ def hub_cache_claim(
     repo_id: str,
     checkpoint: Path,
     claim: str,
-) -> Path:
+) -> Iterator[tuple[str, Path]]:
     """``checkpoint`` in a hub cache on the real node, behind a hostPath PersistentVolume
-    bound to ``claim`` in ``namespace``; returns the snapshot. The caller deletes the volume
-    (``{namespace}-{claim}``)."""
+    bound to ``claim`` in ``namespace``: a fixture's body (``yield from``), which yields the
+    claim's name and the snapshot, then deletes the volume (``{namespace}-{claim}``)."""
     cache = tmp_path / f"hub-cache-{claim}"
     cache.mkdir()
     snapshot = fill_hub_cache(cache, repo_id, checkpoint)
@@ -1039,7 +1039,8 @@ def hub_cache_claim(
         },
         namespace=namespace,
     )
-    return snapshot
+    yield claim, snapshot
+    cluster.kubectl("delete", "pv", volume, "--wait=false", "--ignore-not-found")
 
 
 def offline_spec(model_id: str, claim: str, **more: Any) -> dict[str, Any]:
@@ -1066,10 +1067,9 @@ def reranker_claim(
     from tests.support.tasks import build_classifier, save_cross_encoder
 
     checkpoint = save_cross_encoder(build_classifier(tmp_path / "bert-1", "bert", 1))
-    claim = "reranker-weights"
-    snapshot = hub_cache_claim(cluster, namespace, tmp_path, RERANKER_ID, checkpoint, claim)
-    yield claim, snapshot
-    cluster.kubectl("delete", "pv", f"{namespace}-{claim}", "--wait=false", "--ignore-not-found")
+    yield from hub_cache_claim(
+        cluster, namespace, tmp_path, RERANKER_ID, checkpoint, "reranker-weights"
+    )
 
 
 @pytest.mark.local_node  # the model cache is a hostPath volume of this machine's files
@@ -1166,11 +1166,8 @@ def clip_claim(cluster: KubeClient, namespace: str, tmp_path: Path) -> Iterator[
     the real node, behind a claim in ``namespace``: the claim's name and the snapshot."""
     from tests.support.vision import build_clip
 
-    claim = "clip-weights"
     checkpoint = build_clip(tmp_path / "clip")  # with its tokenizer and image processor
-    snapshot = hub_cache_claim(cluster, namespace, tmp_path, CLIP_ID, checkpoint, claim)
-    yield claim, snapshot
-    cluster.kubectl("delete", "pv", f"{namespace}-{claim}", "--wait=false", "--ignore-not-found")
+    yield from hub_cache_claim(cluster, namespace, tmp_path, CLIP_ID, checkpoint, "clip-weights")
 
 
 @pytest.mark.local_node  # the model cache is a hostPath volume of this machine's files
