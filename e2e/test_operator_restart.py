@@ -102,20 +102,13 @@ def test_leader_election_failover(
         "--retry-period-seconds",
         "1",
     ]
-    first = OperatorProcess(
-        cluster,
-        kubeconfig,
-        tmp_path,
-        name="replica-a",
-        extra_args=[*timing, "--identity", "replica-a"],
-    ).start()
-    second = OperatorProcess(
-        cluster,
-        kubeconfig,
-        tmp_path,
-        name="replica-b",
-        extra_args=[*timing, "--identity", "replica-b"],
+    first, second = (
+        OperatorProcess(
+            cluster, kubeconfig, tmp_path, name=name, extra_args=[*timing, "--identity", name]
+        )
+        for name in ("replica-a", "replica-b")
     )
+    first.start()
     try:
         poll_until(
             lambda: _holder(cluster, system_namespace) == "replica-a",
