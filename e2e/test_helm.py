@@ -29,6 +29,7 @@ import yaml
 from e2e.harness.cluster import KubeClient
 from e2e.harness.operator import (
     adopt_crd,
+    field_of,
     get_json,
     provide_volume,
     values_args,
@@ -253,9 +254,7 @@ def test_operator_runs_with_the_charts_service_account(
         wait_condition(cluster, namespace, name, "Ready", "True", timeout=CONVERGE_TIMEOUT_S)
         poll_until(
             lambda: (
-                (get_json(cluster, "hpa", name, "-n", namespace) or {})
-                .get("spec", {})
-                .get("maxReplicas")
+                field_of(get_json(cluster, "hpa", name, "-n", namespace), "spec", "maxReplicas")
                 == 6
             ),
             timeout=CONVERGE_TIMEOUT_S,
@@ -354,9 +353,11 @@ def test_upgrade_updates_operator_and_crd(cluster: KubeClient, release_namespace
     assert configmap is not None and configmap["data"]["EMBEDDING_OPERATOR_LOG_LEVEL"] == "debug"
     poll_until(
         lambda: (
-            (get_json(cluster, "deployment", FULLNAME, "-n", release_namespace) or {})
-            .get("status", {})
-            .get("updatedReplicas")
+            field_of(
+                get_json(cluster, "deployment", FULLNAME, "-n", release_namespace),
+                "status",
+                "updatedReplicas",
+            )
             == 1
         ),
         timeout=HELM_TIMEOUT_S,

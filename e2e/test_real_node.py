@@ -52,6 +52,7 @@ from e2e.harness.operator import (
     adopt_crd,
     condition,
     embedding_service,
+    field_of,
     get_json,
     values_args,
     wait_condition,
@@ -370,8 +371,7 @@ def start_client(
 
 def pod_phase(cluster: KubeClient, namespace: str, name: str) -> str | None:
     """The pod's phase (None while it has none, or where there is no such pod)."""
-    pod = get_json(cluster, "pod", name, "-n", namespace)
-    phase: str | None = (pod or {}).get("status", {}).get("phase")
+    phase: str | None = field_of(get_json(cluster, "pod", name, "-n", namespace), "status", "phase")
     return phase
 
 
@@ -523,9 +523,7 @@ def stop_load_and_scale_in(
     )
     poll_until(
         lambda: (
-            (get_json(cluster, "hpa", hpa, "-n", namespace) or {})
-            .get("status", {})
-            .get("desiredReplicas")
+            field_of(get_json(cluster, "hpa", hpa, "-n", namespace), "status", "desiredReplicas")
             == 1
             or None
         ),

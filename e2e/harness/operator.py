@@ -189,6 +189,15 @@ def get_json(cluster: KubeClient, *args: str) -> dict[str, Any] | None:
     return dict(json.loads(result.stdout))
 
 
+def field_of(obj: dict[str, Any] | None, *keys: str) -> Any:
+    """``obj[keys[0]]...[keys[-1]]`` of a :func:`get_json` answer, each missing key read as
+    an empty object and the last as None (``(obj or {}).get(a, {}).get(b)``)."""
+    value: dict[str, Any] = obj or {}
+    for key in keys[:-1]:
+        value = value.get(key, {})
+    return value.get(keys[-1])
+
+
 def condition(obj: dict[str, Any] | None, kind: str) -> dict[str, Any] | None:
     for cond in ((obj or {}).get("status") or {}).get("conditions") or []:
         if cond.get("type") == kind:
