@@ -30,7 +30,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any, Literal
@@ -405,11 +406,17 @@ def _remote_code_note(path: str, trust: bool) -> str:
     return "; its own code" if trust else "; its own code not run (no --trust-remote-code)"
 
 
-def _load_failure(error: Exception, trust: bool) -> UnverifiableError:
-    hint = "" if trust else " (a checkpoint that needs its own code needs --trust-remote-code)"
-    return UnverifiableError(
-        f"the reference could not be loaded: {type(error).__name__}: {error}{hint}"
-    )
+@contextmanager
+def _reference_loading(trust: bool) -> Iterator[None]:
+    """Loading the reference: what a checkpoint the libraries cannot load raises becomes
+    :class:`UnverifiableError`, with a hint at ``--trust-remote-code`` when it was off."""
+    try:
+        yield
+    except (OSError, ValueError, ImportError, KeyError, TypeError) as error:
+        hint = "" if trust else " (a checkpoint that needs its own code needs --trust-remote-code)"
+        raise UnverifiableError(
+            f"the reference could not be loaded: {type(error).__name__}: {error}{hint}"
+        ) from error
 
 
 def _embed_reference(
@@ -428,15 +435,13 @@ def _embed_reference(
     elif _has_sentence_transformers(path):
         from sentence_transformers import SentenceTransformer
 
-        try:
+        with _reference_loading(trust):
             st = SentenceTransformer(
                 path,
                 device="cpu",
                 trust_remote_code=trust,
                 model_kwargs={"dtype": torch.float32},
             )
-        except (OSError, ValueError, ImportError, KeyError, TypeError) as error:
-            raise _load_failure(error, trust) from error
         st.float()
         _authors_special_tokens(st.tokenizer, info, notes)
         if st.max_seq_length is not None and st.max_seq_length != info.max_input_tokens:
@@ -464,7 +469,7 @@ def _embed_reference(
     from transformers import AutoModel, AutoTokenizer
 
     pooling = settings.pooling if settings.pooling != "auto" else info.pooling
-    try:
+    with _reference_loading(trust):
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
         if builder is not None:
             model = builder.load(path, config).eval()
@@ -472,8 +477,6 @@ def _embed_reference(
             model = AutoModel.from_pretrained(
                 path, dtype=torch.float32, trust_remote_code=trust
             ).eval()
-    except (OSError, ValueError, ImportError, KeyError, TypeError) as error:
-        raise _load_failure(error, trust) from error
     model.float()
     bidirectional = builder is not None and builder.bidirectional
     features = builder.text_features if builder is not None else None
@@ -735,7 +738,7 @@ def _score_reference(path: str, info: EngineInfo, limit: int, trust: bool) -> Re
     if info.task == "score":
         from sentence_transformers import CrossEncoder
 
-        try:
+        with _reference_loading(trust):
             ce = CrossEncoder(
                 path,
                 device="cpu",
@@ -743,8 +746,6 @@ def _score_reference(path: str, info: EngineInfo, limit: int, trust: bool) -> Re
                 trust_remote_code=trust,
                 model_kwargs={"dtype": torch.float32},
             )
-        except (OSError, ValueError, ImportError, KeyError, TypeError) as error:
-            raise _load_failure(error, trust) from error
         ce.model.float()
 
         def run_ce(probe: Probe) -> FloatArray:
@@ -758,13 +759,11 @@ def _score_reference(path: str, info: EngineInfo, limit: int, trust: bool) -> Re
 
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    try:
+    with _reference_loading(trust):
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
         model = AutoModelForSequenceClassification.from_pretrained(
             path, dtype=torch.float32, trust_remote_code=trust
         ).eval()
-    except (OSError, ValueError, ImportError, KeyError, TypeError) as error:
-        raise _load_failure(error, trust) from error
     model.float()
 
     def run_classifier(probe: Probe) -> FloatArray:
