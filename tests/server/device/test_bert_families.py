@@ -36,20 +36,13 @@ from transformers import (
     AutoTokenizer,
 )
 
+from tests.support import device_cases as cases
 from tests.support.bert_families import FAMILIES, Kind, build_family, build_flash_xlm_roberta
-from tests.support.device_cases import (
-    BF16_COSINE,
-    DOCS,
-    F32_COSINE,
-    QUERIES,
-    TEXTS,
-    assert_matches,
-    cosines,
-)
+from tests.support.device_cases import assert_matches, cosines
 
 pytestmark = pytest.mark.timeout(300)
 
-DTYPES = [("float32", F32_COSINE), ("bfloat16", BF16_COSINE)]
+
 FLASH = "xlm-roberta-flash"
 """An ``xlm-roberta`` checkpoint saved under jina-reranker-v2's flash-attention names."""
 
@@ -102,7 +95,7 @@ def _inputs(
     return {k: v for k, v in enc.items() if k in ("input_ids", "token_type_ids")}
 
 
-@pytest.mark.parametrize(("dtype", "min_cosine"), DTYPES)
+@pytest.mark.parametrize(("dtype", "min_cosine"), cases.DTYPES)
 @pytest.mark.parametrize("family", [*FAMILIES, FLASH])
 def test_packed_batch_matches_transformers(
     checkpoint: Callable[..., tuple[Path, Path]], family: str, dtype: str, min_cosine: float
@@ -114,7 +107,7 @@ def test_packed_batch_matches_transformers(
     info = engine.info()
     assert (info.pooling, info.hidden_size) == ("cls", 32)
     limit = info.max_input_tokens
-    seqs = [ids[:limit] for ids in engine.tokenize([*TEXTS, "long " * 200])]
+    seqs = [ids[:limit] for ids in engine.tokenize([*cases.TEXTS, "long " * 200])]
     seqs.insert(0, [seqs[0][0]])  # a single token
     assert len(seqs[-1]) == 128  # the last row of every position table is read
     model = _reference(reference, "body")
@@ -125,7 +118,7 @@ def test_packed_batch_matches_transformers(
     assert_matches(engine.embed(seqs), np.stack([s[0] for s in expected]), min_cosine)
 
 
-@pytest.mark.parametrize(("dtype", "min_cosine"), DTYPES)
+@pytest.mark.parametrize(("dtype", "min_cosine"), cases.DTYPES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_sequence_classifier_matches_transformers(
     checkpoint: Callable[..., tuple[Path, Path]], family: str, dtype: str, min_cosine: float
@@ -139,16 +132,16 @@ def test_sequence_classifier_matches_transformers(
     limit = rewards.info().max_input_tokens
     with torch.no_grad():
         logits = np.stack(
-            [model(**_inputs(reference, text, limit)).logits[0].numpy() for text in TEXTS]
+            [model(**_inputs(reference, text, limit)).logits[0].numpy() for text in cases.TEXTS]
         )
-    assert_matches(np.stack([r[0] for r in rewards.reward(TEXTS)]), logits, min_cosine)
+    assert_matches(np.stack([r[0] for r in rewards.reward(cases.TEXTS)]), logits, min_cosine)
     engine = Engine.from_pretrained(str(served), dtype=dtype)
     assert (engine.info().task, engine.info().labels) == (
         "classify",
         ["class_0", "class_1", "class_2"],
     )
     probs = torch.softmax(torch.from_numpy(logits), -1).numpy()
-    assert_matches(engine.classify(TEXTS).probs, probs, min_cosine)
+    assert_matches(engine.classify(cases.TEXTS).probs, probs, min_cosine)
 
 
 @pytest.mark.parametrize("family", [*FAMILIES, FLASH])
@@ -160,7 +153,7 @@ def test_cross_encoder_scores_match_transformers(
     jina-reranker-v2's layout, against the checkpoint it was renamed from."""
     served, reference = checkpoint(family, "sequence", 1)
     model = _reference(reference, "sequence")
-    for dtype, min_cosine in DTYPES:
+    for dtype, min_cosine in cases.DTYPES:
         engine = Engine.from_pretrained(str(served), dtype=dtype)
         assert (engine.info().task, engine.info().score_activation) == ("score", "sigmoid")
         limit = engine.info().max_input_tokens
@@ -168,10 +161,10 @@ def test_cross_encoder_scores_match_transformers(
             logits = np.array(
                 [
                     model(**_inputs(reference, pair, limit)).logits[0, 0].item()
-                    for pair in zip(QUERIES, DOCS, strict=True)
+                    for pair in zip(cases.QUERIES, cases.DOCS, strict=True)
                 ]
             )
-        scores = engine.score(QUERIES, DOCS)
+        scores = engine.score(cases.QUERIES, cases.DOCS)
         assert_matches(np.log(scores / (1 - scores)), logits, min_cosine)  # the logits, as one row
         if dtype == "float32":
             np.testing.assert_allclose(scores, 1 / (1 + np.exp(-logits)), atol=1e-5)
@@ -239,11 +232,11 @@ def test_token_classifier_matches_transformers(
     """Every token's label probabilities, ``classifier`` on every token's state."""
     served, reference = checkpoint(family, "token", 4)
     model = _reference(reference, "token")
-    for dtype, min_cosine in DTYPES:
+    for dtype, min_cosine in cases.DTYPES:
         engine = Engine.from_pretrained(str(served), dtype=dtype)
         assert engine.info().task == "token_classify"
         limit = engine.info().max_input_tokens
-        for text, probs in zip(TEXTS, engine.token_classify(TEXTS), strict=True):
+        for text, probs in zip(cases.TEXTS, engine.token_classify(cases.TEXTS), strict=True):
             with torch.no_grad():
                 logits = model(**_inputs(reference, text, limit)).logits[0]
             assert_matches(probs, torch.softmax(logits, -1).numpy(), min_cosine)
@@ -260,12 +253,12 @@ def test_masked_lm_head_serves_splade(
     model = _reference(reference, "masked_lm")
     engine = Engine.from_pretrained(str(served), dtype="float32", task="sparse")
     limit, vocab = engine.info().max_input_tokens, engine.info().vocab_size
-    for text, vector in zip(TEXTS, engine.sparse_embed(TEXTS), strict=True):
+    for text, vector in zip(cases.TEXTS, engine.sparse_embed(cases.TEXTS), strict=True):
         with torch.no_grad():
             logits = model(**_inputs(reference, text, limit)).logits[0]
         expected = torch.log1p(torch.relu(logits)).amax(0).numpy()
         got = vector.to_dense(vocab)
-        assert cosines(got, expected) >= F32_COSINE
+        assert cosines(got, expected) >= cases.F32_COSINE
         np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-5)
 
 
@@ -280,9 +273,11 @@ def test_two_ranks_give_the_vectors_of_one(
     engines.append(Engine.from_pretrained(str(served), dtype="float32", tensor_parallel_size=2))
     parallel = engines[0]
     assert parallel.tensor_parallel is not None
-    for want, got in zip(single.embed_tokens(TEXTS), parallel.embed_tokens(TEXTS), strict=True):
-        assert cosines(got, want).min() >= F32_COSINE
-    assert cosines(parallel.embed(TEXTS), single.embed(TEXTS)).min() >= F32_COSINE
+    for want, got in zip(
+        single.embed_tokens(cases.TEXTS), parallel.embed_tokens(cases.TEXTS), strict=True
+    ):
+        assert cosines(got, want).min() >= cases.F32_COSINE
+    assert cosines(parallel.embed(cases.TEXTS), single.embed(cases.TEXTS)).min() >= cases.F32_COSINE
 
 
 class _Recording(Mapping[str, torch.Tensor]):

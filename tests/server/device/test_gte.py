@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,28 +26,25 @@ from embedding_server.engine import Engine
 from embedding_server.errors import UnsupportedModelError
 from transformers import (
     AutoModel,
-    AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
     AutoTokenizer,
 )
 
+from tests.support import device_cases as cases
 from tests.support.attention import assert_rows_close
+from tests.support.device_cases import (
+    assert_bfloat16_classifier_matches,
+    assert_refused,
+    assert_scores_are_sigmoid_logits,
+    edited_copy,
+)
 from tests.support.gte import GTE_VARIANTS, build_gte, reference_dir
 from tests.support.models import add_sentence_transformers, rewrite_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
 
-F32_COSINE = 0.99999
-BF16_COSINE = 0.999
+
 LENGTHS = [1, 2, 3, 5, 9, 9, 17, 40, 64, 96, 128, 200]
-TEXTS = [
-    "a",
-    "The quick brown fox jumps over the lazy dog.",
-    "short one",
-    "packed batches of mixed lengths must not leak into each other " * 3,
-]
-QUERIES = ["what is a fox?", "q", "where do cats sleep in the winter months?", "x y z"]
-DOCS = ["the fox is an animal", "d", "cats sleep anywhere warm " * 6, "nothing at all"]
 BODIES = [v for v in GTE_VARIANTS if not GTE_VARIANTS[v].segments]
 
 
@@ -107,7 +103,7 @@ def test_packed_batch_matches_transformers(
     for seq, have, want in zip(seqs, got, expected, strict=True):
         assert have.shape == want.shape == (len(seq), info.hidden_size)
         np.testing.assert_allclose(have, want, atol=2e-5, rtol=1e-4)
-    assert_rows_close(got, expected, min_cosine=F32_COSINE)
+    assert_rows_close(got, expected, min_cosine=cases.F32_COSINE)
 
 
 @pytest.mark.parametrize("variant", BODIES)
@@ -119,12 +115,12 @@ def test_bfloat16_points_where_float32_transformers_does(
     assert engine.info().dtype == "bfloat16"
     seqs = _sequences(engine)
     assert_rows_close(
-        engine.embed_tokens(seqs), _reference_states(path, seqs), min_cosine=BF16_COSINE
+        engine.embed_tokens(seqs), _reference_states(path, seqs), min_cosine=cases.BF16_COSINE
     )
 
 
 @pytest.mark.parametrize(
-    ("dtype", "min_cosine"), [("float32", F32_COSINE), ("bfloat16", BF16_COSINE)]
+    ("dtype", "min_cosine"), [("float32", cases.F32_COSINE), ("bfloat16", cases.BF16_COSINE)]
 )
 def test_sentence_transformers_pipeline(
     gte_dir: Callable[..., Path], dtype: str, min_cosine: float
@@ -138,7 +134,7 @@ def test_sentence_transformers_pipeline(
     engine = Engine.from_pretrained(str(path), dtype=dtype)
     info = engine.info()
     assert (info.pooling, info.normalize, info.max_input_tokens) == ("cls", True, 200)
-    texts = [*TEXTS, "long input " * 40]
+    texts = [*cases.TEXTS, "long input " * 40]
     expected = SentenceTransformer(str(path), device="cpu").encode(texts, convert_to_numpy=True)
     got = engine.embed(texts)
     if dtype == "float32":
@@ -161,7 +157,7 @@ def test_ntk_scaling_applies_from_the_first_position(gte_dir: Callable[..., Path
     engine = Engine.from_pretrained(str(path), dtype="float32", normalize=False)
     seqs = _sequences(engine)
     assert_rows_close(
-        engine.embed_tokens(seqs), _reference_states(path, seqs), min_cosine=F32_COSINE
+        engine.embed_tokens(seqs), _reference_states(path, seqs), min_cosine=cases.F32_COSINE
     )
 
 
@@ -176,35 +172,6 @@ def test_model_type_new_is_served_natively() -> None:
 # --- classifier heads --------------------------------------------------------------------------
 
 
-def _logits(
-    path: Path, inputs: list[str] | list[tuple[str, str]], limit: int, *, one_segment: bool = False
-) -> np.ndarray:
-    """transformers' float32 logits, each input (or pair) run alone; ``one_segment``: every
-    token's segment id 0."""
-    ref = _reference(path)
-    tok = AutoTokenizer.from_pretrained(str(ref))
-    model = AutoModelForSequenceClassification.from_pretrained(str(ref)).eval()
-    rows = []
-    with torch.no_grad():
-        for item in inputs:
-            parts = item if isinstance(item, tuple) else (item,)
-            enc = tok(
-                *parts,
-                return_tensors="pt",
-                truncation=True,
-                max_length=limit,
-                return_token_type_ids=True,
-            )
-            if one_segment:
-                enc["token_type_ids"] = torch.zeros_like(enc["token_type_ids"])
-            rows.append(model(**enc).logits[0].numpy())
-    return np.stack(rows)
-
-
-def _centered(log_probs: np.ndarray) -> np.ndarray:
-    return (log_probs - log_probs.mean(-1, keepdims=True)).reshape(1, -1)
-
-
 @pytest.mark.parametrize("variant", ["new", "gte"])
 def test_reranker_scores_pairs_as_transformers(gte_dir: Callable[..., Path], variant: str) -> None:
     """gte-multilingual-reranker-base's shape: NewForSequenceClassification, one label, the
@@ -215,9 +182,7 @@ def test_reranker_scores_pairs_as_transformers(gte_dir: Callable[..., Path], var
         assert names == ["NewForSequenceClassification"]
     engine = Engine.from_pretrained(str(path), dtype="float32")
     assert engine.info().task == "score"
-    pairs = list(zip(QUERIES, DOCS, strict=True))
-    logits = _logits(path, pairs, engine.info().max_input_tokens)[:, 0]
-    np.testing.assert_allclose(engine.score(QUERIES, DOCS), 1 / (1 + np.exp(-logits)), atol=1e-5)
+    assert_scores_are_sigmoid_logits(engine, _reference(path))
 
 
 @pytest.mark.parametrize("variant", ["gte-segments", "gte-one-segment"])
@@ -227,21 +192,16 @@ def test_pair_segment_ids(gte_dir: Callable[..., Path], variant: str) -> None:
     transformers would index past the table (on a GPU, a device-side assert)."""
     path = gte_dir(variant, "sequence", 1)
     engine = Engine.from_pretrained(str(path), dtype="float32")
-    pairs = list(zip(QUERIES, DOCS, strict=True))
+    pairs = list(zip(cases.QUERIES, cases.DOCS, strict=True))
     tok = AutoTokenizer.from_pretrained(str(_reference(path)))
     assert 1 in tok(*pairs[0], return_token_type_ids=True)["token_type_ids"]
     one = variant == "gte-one-segment"
-    logits = _logits(path, pairs, engine.info().max_input_tokens, one_segment=one)[:, 0]
-    np.testing.assert_allclose(engine.score(QUERIES, DOCS), 1 / (1 + np.exp(-logits)), atol=1e-5)
+    assert_scores_are_sigmoid_logits(engine, _reference(path), one_segment=one)
 
 
 def test_sequence_classifier_in_bfloat16(gte_dir: Callable[..., Path]) -> None:
     path = gte_dir("new-ntk", "sequence", 3)
-    engine = Engine.from_pretrained(str(path), dtype="bfloat16")
-    assert engine.info().task == "classify"
-    expected = _logits(path, TEXTS, engine.info().max_input_tokens)
-    got = np.log(engine.classify(TEXTS).probs)
-    assert_rows_close(_centered(got), _centered(expected), min_cosine=BF16_COSINE)
+    assert_bfloat16_classifier_matches(path, _reference(path))
 
 
 def test_token_classifier(gte_dir: Callable[..., Path]) -> None:
@@ -251,7 +211,7 @@ def test_token_classifier(gte_dir: Callable[..., Path]) -> None:
     ref = _reference(path)
     tok = AutoTokenizer.from_pretrained(str(ref))
     model = AutoModelForTokenClassification.from_pretrained(str(ref)).eval()
-    for text, probs in zip(TEXTS, engine.token_classify(TEXTS), strict=True):
+    for text, probs in zip(cases.TEXTS, engine.token_classify(cases.TEXTS), strict=True):
         with torch.no_grad():
             logits = model(**tok(text, return_tensors="pt")).logits[0]
         np.testing.assert_allclose(probs, torch.softmax(logits, -1).numpy(), atol=1e-5)
@@ -267,14 +227,6 @@ def test_a_sequence_classifier_without_its_pooler_is_refused(
 
 
 # --- refusals and the tensors left unread ------------------------------------------------------
-
-
-def _edited(src: Path, target: Path, **changes: Any) -> Path:
-    shutil.copytree(src, target)
-    config = json.loads((target / "config.json").read_text())
-    config.update(changes)
-    (target / "config.json").write_text(json.dumps(config))
-    return target
 
 
 @pytest.mark.parametrize(
@@ -315,9 +267,8 @@ def test_what_cannot_be_served_exactly_is_refused(
     changes: dict[str, Any],
     complaint: str,
 ) -> None:
-    path = _edited(gte_dir(variant), tmp_path / "m", **changes)
-    with pytest.raises(UnsupportedModelError, match=re.escape(complaint)):
-        Engine.from_pretrained(str(path), dtype="float32")
+    path = edited_copy(gte_dir(variant), tmp_path / "m", **changes)
+    assert_refused(path, re.escape(complaint))
 
 
 def test_dynamic_rope_within_max_positions_is_the_default_rope(
@@ -327,13 +278,13 @@ def test_dynamic_rope_within_max_positions_is_the_default_rope(
     longest input the server runs: served as the default rope, it matches transformers."""
     src = gte_dir("gte")
     params = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 160000.0}
-    path = _edited(src, tmp_path / "m", rope_parameters=params)
+    path = edited_copy(src, tmp_path / "m", rope_parameters=params)
     engine = Engine.from_pretrained(str(path), dtype="float32", normalize=False)
     seqs = _sequences(engine)
     model = AutoModel.from_pretrained(str(path), attn_implementation="eager").eval()
     with torch.no_grad():
         expected = [model(input_ids=torch.tensor([s])).last_hidden_state[0].numpy() for s in seqs]
-    assert_rows_close(engine.embed_tokens(seqs), expected, min_cosine=F32_COSINE)
+    assert_rows_close(engine.embed_tokens(seqs), expected, min_cosine=cases.F32_COSINE)
 
 
 class _Recording(dict[str, torch.Tensor]):

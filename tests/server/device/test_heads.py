@@ -33,19 +33,11 @@ from transformers import (
     AutoTokenizer,
 )
 
+from tests.support.device_cases import DOCS, QUERIES, TEXTS
 from tests.support.models import MINILM_DIR
 from tests.support.tasks import build_classifier, build_splade, save_cross_encoder
 
 pytestmark = pytest.mark.timeout(300)
-
-TEXTS = [
-    "a",
-    "The quick brown fox jumps over the lazy dog.",
-    "short one",
-    "packed batches of mixed lengths must not leak into each other " * 3,
-]
-QUERIES = ["what is a fox?", "q", "where do cats sleep in the winter months?", "x y z"]
-DOCS = ["the fox is an animal", "d", "cats sleep anywhere warm " * 6, "nothing at all"]
 
 
 @pytest.fixture(scope="module")

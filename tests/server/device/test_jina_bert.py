@@ -28,14 +28,14 @@ from embedding_server.errors import InvalidRequestError, UnsupportedModelError
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
+from tests.support import device_cases as cases
 from tests.support.attention import assert_rows_close, pretend_cuda
 from tests.support.jina_bert import POSITIONS, build_jina_bert, config_of, reference
 from tests.support.models import rewrite_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
 
-F32_COSINE, BF16_COSINE = 0.99999, 0.999
-DTYPES = [("float32", F32_COSINE), ("bfloat16", BF16_COSINE)]
+
 LENGTHS = [1, 3, 9, 9, 17, 40, POSITIONS]
 
 
@@ -47,16 +47,6 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: build_jina_bert(root / name, name) for name in ("v2", "code")}
 
 
-def _sequences(lengths: list[int]) -> list[list[int]]:
-    """[CLS] random word ids [SEP] of each length (a lone [CLS] for 1)."""
-    generator = torch.Generator().manual_seed(7)
-    out = []
-    for n in lengths:
-        body = torch.randint(1000, 30000, (max(n - 2, 0),), generator=generator).tolist()
-        out.append([101] if n == 1 else [101, *body, 102])
-    return out
-
-
 def _expected(path: Path, seqs: list[list[int]]) -> list[np.ndarray]:
     weights = load_file(str(path / "model.safetensors"))
     config = json.loads((path / "config.json").read_text())
@@ -64,21 +54,8 @@ def _expected(path: Path, seqs: list[list[int]]) -> list[np.ndarray]:
         return [reference(weights, config, seq).numpy() for seq in seqs]
 
 
-def _cosines(got: np.ndarray, want: np.ndarray) -> np.ndarray:
-    return np.sum(got * want, axis=-1) / (
-        np.linalg.norm(got, axis=-1) * np.linalg.norm(want, axis=-1)
-    )
-
-
-def _assert_matches(got: np.ndarray, want: np.ndarray, min_cosine: float) -> None:
-    assert got.shape == want.shape
-    assert _cosines(got, want).min() >= min_cosine, _cosines(got, want).min()
-    if min_cosine == F32_COSINE:
-        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
-
-
 @pytest.mark.parametrize("kernel", ["sdpa_bucketed", "sdpa_padded"])
-@pytest.mark.parametrize(("dtype", "min_cosine"), DTYPES)
+@pytest.mark.parametrize(("dtype", "min_cosine"), cases.DTYPES)
 @pytest.mark.parametrize("variant", ["v2", "code"])
 def test_packed_batch_matches_the_published_architecture(
     models: dict[str, Path], variant: str, dtype: str, min_cosine: float, kernel: str
@@ -94,11 +71,9 @@ def test_packed_batch_matches_the_published_architecture(
     assert (info.model_type, info.backend, info.pooling) == ("bert", "native", "mean")
     assert info.attention == kernel
     assert info.max_input_tokens == POSITIONS
-    seqs = _sequences(LENGTHS)
+    seqs = cases.bert_sequences(LENGTHS)
     expected = _expected(models[variant], seqs)
-    for got, want in zip(engine.embed_tokens(seqs), expected, strict=True):
-        _assert_matches(got, want, min_cosine)
-    _assert_matches(engine.embed(seqs), np.stack([e.mean(0) for e in expected]), min_cosine)
+    cases.assert_states_and_means(engine, seqs, expected, min_cosine)
 
 
 def test_the_bias_orders_the_tokens_symmetrically(models: dict[str, Path]) -> None:
@@ -107,10 +82,10 @@ def test_the_bias_orders_the_tokens_symmetrically(models: dict[str, Path]) -> No
     without positions would give the same, permuted); reversed, the same state mirrored
     (the bias depends on |i - j| only, both ways)."""
     engine = Engine.from_pretrained(str(models["v2"]), dtype="float32", normalize=False)
-    seq = _sequences([12])[0]
+    seq = cases.bert_sequences([12])[0]
     order = [0, 5, 2, 9, 1, 7, 3, 10, 4, 8, 6, 11]
     forward, shuffled, backward = engine.embed_tokens([seq, [seq[i] for i in order], seq[::-1]])
-    assert float(_cosines(shuffled, forward[order]).min()) < 0.99
+    assert float(cases.cosines(shuffled, forward[order]).min()) < 0.99
     np.testing.assert_allclose(backward[::-1], forward, atol=2e-5)
 
 
@@ -121,7 +96,7 @@ def test_flash_attn_takes_the_alibi_slopes(
     """On a GPU with flash-attn (the strict stand-in), bfloat16: one call per layer over the
     whole packed batch, given the slopes of every head (float32), giving the reference's
     states; torch_varlen, which takes no ALiBi, is passed over with the reason."""
-    seqs = _sequences(LENGTHS)
+    seqs = cases.bert_sequences(LENGTHS)
     expected = _expected(models[variant], seqs)
     cuda = pretend_cuda(monkeypatch)
     engine = Engine.from_pretrained(str(models[variant]), dtype="bfloat16")
@@ -135,7 +110,7 @@ def test_flash_attn_takes_the_alibi_slopes(
             call["alibi_slopes"], torch.tensor(alibi_slopes(heads), dtype=torch.float32)
         )
     assert cuda.torch_varlen.calls == []
-    assert_rows_close(got, expected, min_cosine=BF16_COSINE)
+    assert_rows_close(got, expected, min_cosine=cases.BF16_COSINE)
 
 
 def test_without_flash_attn_the_sdpa_kernel_serves_and_says_why(
@@ -191,9 +166,9 @@ def test_a_masked_lm_checkpoint_embeds_with_its_body(tmp_path: Path) -> None:
     path = build_jina_bert(tmp_path / "mlm", "v2", head="masked_lm")
     engine = Engine.from_pretrained(str(path), dtype="float32", normalize=False)
     assert (engine.info().task, engine.info().pooling) == ("embed", "mean")
-    seqs = _sequences([2, 17, 33])
+    seqs = cases.bert_sequences([2, 17, 33])
     expected = np.stack([e.mean(0) for e in _expected(path, seqs)])
-    _assert_matches(engine.embed(seqs), expected, F32_COSINE)
+    cases.assert_matches(engine.embed(seqs), expected, cases.F32_COSINE)
 
 
 QUERIES = ["what is a fox?", "q", "where do cats sleep in the winter months?"]
@@ -224,11 +199,11 @@ def test_cross_encoder_scores_match_the_published_architecture(tmp_path: Path) -
                 float(F.linear(pooled, weights["classifier.weight"], weights["classifier.bias"]))
             )
     want = np.array(logits)
-    for dtype, min_cosine in DTYPES:
+    for dtype, min_cosine in cases.DTYPES:
         engine = Engine.from_pretrained(str(path), dtype=dtype)
         assert engine.info().task == "score"
         scores = engine.score(QUERIES, DOCS)
-        _assert_matches(np.log(scores / (1 - scores)), want, min_cosine)
+        cases.assert_matches(np.log(scores / (1 - scores)), want, min_cosine)
         if dtype == "float32":
             np.testing.assert_allclose(scores, 1 / (1 + np.exp(-want)), atol=1e-5)
 
@@ -236,16 +211,7 @@ def test_cross_encoder_scores_match_the_published_architecture(tmp_path: Path) -
 def test_two_ranks_give_the_vectors_of_one(models: dict[str, Path]) -> None:
     """Tensor parallelism: 3 of the 6 heads (with their slopes) and half of each GeGLU half
     on each rank, out and wo by columns."""
-    path = str(models["v2"])
-    seqs = _sequences([3, 40, 9])
-    single = Engine.from_pretrained(path, dtype="float32")
-    parallel = Engine.from_pretrained(path, dtype="float32", tensor_parallel_size=2)
-    try:
-        assert parallel.tensor_parallel is not None
-        for want, got in zip(single.embed_tokens(seqs), parallel.embed_tokens(seqs), strict=True):
-            assert _cosines(got, want).min() >= F32_COSINE
-    finally:
-        parallel.close()
+    cases.assert_two_ranks_give_the_states_of_one(models["v2"], cases.bert_sequences([3, 40, 9]))
 
 
 def test_the_code_model_is_refused_under_tensor_parallelism(models: dict[str, Path]) -> None:

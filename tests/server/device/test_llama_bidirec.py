@@ -23,6 +23,7 @@ from embedding_server.errors import UnsupportedModelError
 from transformers import AutoModel
 
 from tests.support.attention import assert_rows_close
+from tests.support.device_cases import assert_token_states_match
 from tests.support.llama_bidirec import EMBED_CONFIG, LLAMA3_ROPE
 from tests.support.models import build_decoder, rewrite_checkpoint
 
@@ -75,13 +76,7 @@ def test_packed_batch_matches_bidirectional_llama(
     seqs = _sequences(engine)
     assert len({len(s) for s in seqs}) >= 4
     want = _reference(llama, seqs, getattr(torch, dtype))
-    got = engine.embed_tokens(seqs)
-    for seq, g, w in zip(seqs, got, want, strict=True):
-        assert g.shape == w.shape == (len(seq), 32)
-    assert_rows_close(got, want, cosine)
-    if dtype == "float32":
-        for g, w in zip(got, want, strict=True):
-            np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-4)
+    assert_token_states_match(seqs, engine.embed_tokens(seqs), want, cosine, dtype)
     assert_rows_close(engine.embed(seqs), [w.mean(0) for w in want], cosine)
 
 

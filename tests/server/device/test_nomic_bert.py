@@ -39,14 +39,14 @@ from transformers import (
     AutoTokenizer,
 )
 
+from tests.support import device_cases as cases
 from tests.support.attention import assert_rows_close, pretend_cuda
 from tests.support.models import MINILM_DIR, rewrite_checkpoint, spread_weights
 
 pytest.importorskip("transformers.models.nomic_bert")
 pytestmark = pytest.mark.timeout(300)
 
-F32_COSINE, BF16_COSINE = 0.99999, 0.999
-DTYPES = [("float32", F32_COSINE), ("bfloat16", BF16_COSINE)]
+
 TRAINED = 16
 """The tiny models' ``max_trained_positions``: inputs beyond it are NTK-scaled."""
 SERVED = 64
@@ -176,16 +176,6 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-def _sequences(lengths: list[int]) -> list[list[int]]:
-    """[CLS] random word ids [SEP] of each length (a lone [CLS] for 1)."""
-    generator = torch.Generator().manual_seed(7)
-    out = []
-    for n in lengths:
-        body = torch.randint(1000, 30000, (max(n - 2, 0),), generator=generator).tolist()
-        out.append([101] if n == 1 else [101, *body, 102])
-    return out
-
-
 def _reference(path: Path, seqs: list[list[int]]) -> list[np.ndarray]:
     """transformers' token states of each sequence alone, on a freshly loaded model each (its
     dynamic rope keeps the frequencies of the longest input it has seen)."""
@@ -197,21 +187,8 @@ def _reference(path: Path, seqs: list[list[int]]) -> list[np.ndarray]:
     return out
 
 
-def _cosines(got: np.ndarray, want: np.ndarray) -> np.ndarray:
-    return np.sum(got * want, axis=-1) / (
-        np.linalg.norm(got, axis=-1) * np.linalg.norm(want, axis=-1)
-    )
-
-
-def _assert_matches(got: np.ndarray, want: np.ndarray, min_cosine: float) -> None:
-    assert got.shape == want.shape
-    assert _cosines(got, want).min() >= min_cosine, _cosines(got, want).min()
-    if min_cosine == F32_COSINE:
-        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
-
-
 @pytest.mark.parametrize("kernel", ["sdpa_bucketed", "sdpa_padded"])
-@pytest.mark.parametrize(("dtype", "min_cosine"), DTYPES)
+@pytest.mark.parametrize(("dtype", "min_cosine"), cases.DTYPES)
 @pytest.mark.parametrize(
     ("served", "reference"),
     [("plain", "plain"), ("hub", "plain"), ("hub-dynamic", "dynamic-ref")],
@@ -235,11 +212,9 @@ def test_packed_batch_matches_transformers(
     assert (info.model_type, info.pooling, info.hidden_size) == ("nomic_bert", "mean", 32)
     assert info.attention == kernel
     assert info.max_input_tokens == SERVED
-    seqs = _sequences(LENGTHS)
+    seqs = cases.bert_sequences(LENGTHS)
     expected = _reference(models[reference], seqs)
-    for got, want in zip(engine.embed_tokens(seqs), expected, strict=True):
-        _assert_matches(got, want, min_cosine)
-    _assert_matches(engine.embed(seqs), np.stack([e.mean(0) for e in expected]), min_cosine)
+    cases.assert_states_and_means(engine, seqs, expected, min_cosine)
 
 
 def test_a_masked_lm_checkpoint_embeds_with_its_body(models: dict[str, Path]) -> None:
@@ -248,9 +223,11 @@ def test_a_masked_lm_checkpoint_embeds_with_its_body(models: dict[str, Path]) ->
     vectors equal to transformers' NomicBertModel over the same checkpoint."""
     engine = Engine.from_pretrained(str(models["masked-lm"]), dtype="float32", normalize=False)
     assert (engine.info().task, engine.info().pooling) == ("embed", "mean")
-    seqs = _sequences([2, 17, 33])
+    seqs = cases.bert_sequences([2, 17, 33])
     expected = _reference(models["masked-lm"], seqs)
-    _assert_matches(engine.embed(seqs), np.stack([e.mean(0) for e in expected]), F32_COSINE)
+    cases.assert_matches(
+        engine.embed(seqs), np.stack([e.mean(0) for e in expected]), cases.F32_COSINE
+    )
 
 
 def test_flash_attn_matches_transformers(
@@ -258,7 +235,7 @@ def test_flash_attn_matches_transformers(
 ) -> None:
     """On a GPU's flash-attn (the strict CPU stand-in), bfloat16: plain bidirectional calls
     over the packed rotated q/k, with dynamic NTK, giving transformers' states."""
-    seqs = _sequences(LENGTHS)
+    seqs = cases.bert_sequences(LENGTHS)
     expected = _reference(models["dynamic-ref"], seqs)
     cuda = pretend_cuda(monkeypatch)
     engine = Engine.from_pretrained(str(models["hub-dynamic"]), dtype="bfloat16")
@@ -267,7 +244,7 @@ def test_flash_attn_matches_transformers(
     assert len(cuda.flash.calls) == 2  # one per layer, the whole packed batch
     assert not any(c["causal"] for c in cuda.flash.calls)
     assert all(c["window_size"] == (-1, -1) for c in cuda.flash.calls)
-    assert_rows_close(got, expected, min_cosine=BF16_COSINE)
+    assert_rows_close(got, expected, min_cosine=cases.BF16_COSINE)
 
 
 def test_dynamic_ntk_changes_only_sequences_beyond_the_trained_length(
@@ -278,10 +255,10 @@ def test_dynamic_ntk_changes_only_sequences_beyond_the_trained_length(
     short text's vector does not depend on a long one batched with it."""
     plain = Engine.from_pretrained(str(models["hub"]), dtype="float32")
     scaled = Engine.from_pretrained(str(models["hub-dynamic"]), dtype="float32")
-    short, long = _sequences([TRAINED, 40])
+    short, long = cases.bert_sequences([TRAINED, 40])
     a, b = plain.embed([short, long]), scaled.embed([short, long])
     np.testing.assert_allclose(b[0], a[0], atol=1e-6)
-    assert float(_cosines(b[1:], a[1:])[0]) < 0.9999
+    assert float(cases.cosines(b[1:], a[1:])[0]) < 0.9999
     np.testing.assert_allclose(scaled.embed([short])[0], b[0], atol=1e-6)
 
 
@@ -294,25 +271,25 @@ def test_ntk_base_is_nomics_formula() -> None:
     assert ntk_base(1000.0, 2.0, 2048, 3072, 64) == pytest.approx(1000.0 * 2 ** (64 / 62))
 
 
-@pytest.mark.parametrize(("dtype", "min_cosine"), DTYPES)
+@pytest.mark.parametrize(("dtype", "min_cosine"), cases.DTYPES)
 @pytest.mark.parametrize("served", ["classifier", "hub-classifier"])
 def test_sequence_classifier_matches_transformers(
     models: dict[str, Path], served: str, dtype: str, min_cosine: float
 ) -> None:
     """NomicBertForSequenceClassification: the pooler (dense + tanh on [CLS]) and
     ``classifier``, raw logits (task reward) and the classify task's probabilities."""
-    seqs = _sequences([1, 5, 30, SERVED])
+    seqs = cases.bert_sequences([1, 5, 30, SERVED])
     model = AutoModelForSequenceClassification.from_pretrained(
         str(models["classifier"]), attn_implementation="eager"
     ).eval()
     with torch.no_grad():
         logits = np.stack([model(input_ids=torch.tensor([s])).logits[0].numpy() for s in seqs])
     rewards = Engine.from_pretrained(str(models[served]), dtype=dtype, task="reward")
-    _assert_matches(np.stack([r[0] for r in rewards.reward(seqs)]), logits, min_cosine)
+    cases.assert_matches(np.stack([r[0] for r in rewards.reward(seqs)]), logits, min_cosine)
     engine = Engine.from_pretrained(str(models[served]), dtype=dtype)
     assert engine.info().task == "classify"
     probs = torch.softmax(torch.from_numpy(logits), -1).numpy()
-    _assert_matches(engine.classify(seqs).probs, probs, min_cosine)
+    cases.assert_matches(engine.classify(seqs).probs, probs, min_cosine)
 
 
 QUERIES = ["what is a fox?", "q", "where do cats sleep in the winter months?"]
@@ -334,11 +311,11 @@ def test_cross_encoder_scores_match_transformers(models: dict[str, Path], served
                 for q, d in zip(QUERIES, DOCS, strict=True)
             ]
         )
-    for dtype, min_cosine in DTYPES:
+    for dtype, min_cosine in cases.DTYPES:
         engine = Engine.from_pretrained(str(models[served]), dtype=dtype)
         assert engine.info().task == "score"
         scores = engine.score(QUERIES, DOCS)
-        _assert_matches(np.log(scores / (1 - scores)), logits, min_cosine)
+        cases.assert_matches(np.log(scores / (1 - scores)), logits, min_cosine)
         if dtype == "float32":
             np.testing.assert_allclose(scores, 1 / (1 + np.exp(-logits)), atol=1e-5)
 
@@ -347,32 +324,25 @@ def test_cross_encoder_scores_match_transformers(models: dict[str, Path], served
 def test_token_classifier_matches_transformers(models: dict[str, Path], served: str) -> None:
     """NomicBertForTokenClassification: ``classifier`` on every token's state, each
     token's label probabilities."""
-    seqs = _sequences([1, 9, 30])
+    seqs = cases.bert_sequences([1, 9, 30])
     model = AutoModelForTokenClassification.from_pretrained(
         str(models["token"]), attn_implementation="eager"
     ).eval()
-    for dtype, min_cosine in DTYPES:
+    for dtype, min_cosine in cases.DTYPES:
         engine = Engine.from_pretrained(str(models[served]), dtype=dtype)
         assert engine.info().task == "token_classify"
         for seq, probs in zip(seqs, engine.token_classify(seqs), strict=True):
             with torch.no_grad():
                 logits = model(input_ids=torch.tensor([seq])).logits[0]
-            _assert_matches(probs, torch.softmax(logits, -1).numpy(), min_cosine)
+            cases.assert_matches(probs, torch.softmax(logits, -1).numpy(), min_cosine)
 
 
 def test_two_ranks_give_the_vectors_of_one(models: dict[str, Path]) -> None:
     """Tensor parallelism: 2 of the 4 heads and half the SwiGLU on each rank (Wqkv split per
     q/k/v block, fc11/fc12 by rows, out_proj/fc2 by columns), dynamic NTK included."""
-    path = str(models["hub-dynamic"])
-    seqs = _sequences([3, 40, 9])
-    single = Engine.from_pretrained(path, dtype="float32")
-    parallel = Engine.from_pretrained(path, dtype="float32", tensor_parallel_size=2)
-    try:
-        assert parallel.tensor_parallel is not None
-        for want, got in zip(single.embed_tokens(seqs), parallel.embed_tokens(seqs), strict=True):
-            assert _cosines(got, want).min() >= F32_COSINE
-    finally:
-        parallel.close()
+    cases.assert_two_ranks_give_the_states_of_one(
+        models["hub-dynamic"], cases.bert_sequences([3, 40, 9])
+    )
 
 
 _REFUSALS: list[tuple[dict[str, Any], str]] = [

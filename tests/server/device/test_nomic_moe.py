@@ -36,11 +36,17 @@ import torch.nn.functional as F
 from embedding_server.engine import Engine
 from safetensors.torch import load_file, save_file
 
+from tests.support.device_cases import (
+    BF16_COSINE,
+    F32_COSINE,
+    assert_two_ranks_give_the_states_of_one,
+    bert_sequences,
+    cosines,
+)
 from tests.support.models import MINILM_DIR
 
 pytestmark = pytest.mark.timeout(300)
 
-F32_COSINE, BF16_COSINE = 0.99999, 0.999
 H, HEADS, INNER, LAYERS, EXPERTS, TOP_K, POSITIONS = 32, 4, 48, 4, 8, 2, 64
 LENGTHS = [1, 3, 9, 17, 40, POSITIONS]
 
@@ -194,21 +200,6 @@ def _reference(weights: dict[str, torch.Tensor], ids: list[int], dtype: torch.dt
     return x.float().numpy()
 
 
-def _sequences(lengths: list[int]) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(7)
-    out = []
-    for n in lengths:
-        body = torch.randint(1000, 30000, (max(n - 2, 0),), generator=generator).tolist()
-        out.append([101] if n == 1 else [101, *body, 102])
-    return out
-
-
-def _cosines(got: np.ndarray, want: np.ndarray) -> np.ndarray:
-    return np.sum(got * want, axis=-1) / (
-        np.linalg.norm(got, axis=-1) * np.linalg.norm(want, axis=-1)
-    )
-
-
 @pytest.mark.parametrize("kernel", ["sdpa_bucketed", "sdpa_padded"])
 @pytest.mark.parametrize(
     ("dtype", "min_cosine"), [("float32", F32_COSINE), ("bfloat16", BF16_COSINE)]
@@ -221,17 +212,17 @@ def test_packed_batch_matches_the_published_architecture(
     engine = Engine.from_pretrained(str(model), dtype=dtype, normalize=False, attention=kernel)
     info = engine.info()
     assert (info.model_type, info.backend, info.pooling) == ("nomic_bert", "native", "mean")
-    seqs = _sequences(LENGTHS)
+    seqs = bert_sequences(LENGTHS)
     weights = load_file(str(model / "model.safetensors"))
     torch_dtype = getattr(torch, dtype)
     with torch.no_grad():
         expected = [_reference(weights, seq, torch_dtype) for seq in seqs]
     for got, want in zip(engine.embed_tokens(seqs), expected, strict=True):
-        assert _cosines(got, want).min() >= min_cosine, _cosines(got, want).min()
+        assert cosines(got, want).min() >= min_cosine, cosines(got, want).min()
         if dtype == "float32":
             np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
     pooled = np.stack([e.mean(0) for e in expected])
-    assert _cosines(engine.embed(seqs), pooled).min() >= min_cosine
+    assert cosines(engine.embed(seqs), pooled).min() >= min_cosine
 
 
 def test_every_expert_is_routed_to(model: Path, tmp_path: Path) -> None:
@@ -239,7 +230,7 @@ def test_every_expert_is_routed_to(model: Path, tmp_path: Path) -> None:
     output weights (in both MoE layers) changes some token's state, so the parity above
     covers the routing to each of them, not one or two."""
     weights = load_file(str(model / "model.safetensors"))
-    seqs = _sequences(LENGTHS)
+    seqs = bert_sequences(LENGTHS)
     base = np.concatenate(
         Engine.from_pretrained(str(model), dtype="float32", normalize=False).embed_tokens(seqs)
     )
@@ -254,19 +245,12 @@ def test_every_expert_is_routed_to(model: Path, tmp_path: Path) -> None:
         shutil.copytree(model, dst)
         save_file(changed, str(dst / "model.safetensors"), metadata={"format": "pt"})
         engine = Engine.from_pretrained(str(dst), dtype="float32", normalize=False)
-        assert _cosines(np.concatenate(engine.embed_tokens(seqs)), base).min() < 0.999, expert
+        assert cosines(np.concatenate(engine.embed_tokens(seqs)), base).min() < 0.999, expert
 
 
 def test_two_ranks_give_the_vectors_of_one(model: Path) -> None:
     """Tensor parallelism: 2 of the 4 heads, half of each expert's (and each dense MLP's)
     intermediate features on each rank, the router whole on both, the partial sums added
     and the biases once."""
-    seqs = _sequences([3, 40, 9])
-    single = Engine.from_pretrained(str(model), dtype="float32")
-    parallel = Engine.from_pretrained(str(model), dtype="float32", tensor_parallel_size=2)
-    try:
-        assert parallel.tensor_parallel is not None
-        for want, got in zip(single.embed_tokens(seqs), parallel.embed_tokens(seqs), strict=True):
-            assert _cosines(got, want).min() >= F32_COSINE
-    finally:
-        parallel.close()
+    seqs = bert_sequences([3, 40, 9])
+    assert_two_ranks_give_the_states_of_one(model, seqs)
