@@ -13,7 +13,6 @@ with a message naming the model, what was found and what to do.
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import logging
 import shutil
@@ -35,6 +34,7 @@ from embedding_server.settings import DEFAULT_MODEL, EngineSettings
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from tests.support.device_cases import fake_snapshot_download
 from tests.support.models import (
     add_sentence_transformers,
     build_decoder,
@@ -144,17 +144,10 @@ def fake_hub(
         calls: list[tuple[str | None, list[str]]] = []
         snapshot = tmp_path / "hub" / "snapshots" / COMMIT
 
-        def snapshot_download(repo_id: str, **kwargs: Any) -> str:
-            patterns = list(kwargs.get("allow_patterns") or ["*"])
-            calls.append((kwargs.get("revision"), patterns))
-            for f in repo.rglob("*"):
-                rel = f.relative_to(repo).as_posix()
-                if f.is_file() and any(fnmatch.fnmatch(rel, p) for p in patterns):
-                    (snapshot / rel).parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copy(f, snapshot / rel)
-            return str(snapshot)
+        def record(kwargs: dict[str, Any]) -> None:
+            calls.append((kwargs.get("revision"), list(kwargs.get("allow_patterns") or ["*"])))
 
-        monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+        fake_snapshot_download(monkeypatch, repo, snapshot, record, honour_ignore_patterns=False)
         return snapshot, calls
 
     return serve

@@ -17,11 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import huggingface_hub
 import numpy as np
 import pytest
 from embedding_server.engine import Engine
 
+from tests.support.device_cases import fake_snapshot_download
 from tests.support.models import add_sentence_transformers
 
 COMMIT = "feedface" * 5
@@ -54,19 +54,10 @@ def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Callable[[Path], tup
         calls: Recorded = []
         snapshot = tmp_path / "hub" / "snapshots" / COMMIT
 
-        def snapshot_download(repo_id: str, **kwargs: Any) -> str:
-            patterns = list(kwargs.get("allow_patterns") or ["*"])
-            ignored = list(kwargs.get("ignore_patterns") or [])
-            calls.append(patterns)
-            for f in repo.rglob("*"):
-                rel = f.relative_to(repo).as_posix()
-                wanted = any(fnmatch.fnmatch(rel, p) for p in patterns)
-                if f.is_file() and wanted and not any(fnmatch.fnmatch(rel, p) for p in ignored):
-                    (snapshot / rel).parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copy(f, snapshot / rel)
-            return str(snapshot)
+        def record(kwargs: dict[str, Any]) -> None:
+            calls.append(list(kwargs.get("allow_patterns") or ["*"]))
 
-        monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+        fake_snapshot_download(monkeypatch, repo, snapshot, record, honour_ignore_patterns=True)
         return snapshot, calls
 
     return serve

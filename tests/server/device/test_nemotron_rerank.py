@@ -28,6 +28,7 @@ from embedding_server.settings import ServerSettings
 from transformers import AutoModel, AutoTokenizer
 
 from tests.support.api import running_server
+from tests.support.device_cases import assert_refused_before_weights
 from tests.support.llama_bidirec import LLAMA3_ROPE, hub_config
 from tests.support.models import build_decoder, rewrite_checkpoint
 
@@ -138,10 +139,7 @@ def test_the_configs_pooling_and_temperature_apply(
 def test_configs_it_cannot_serve_exactly_are_refused_before_weights(
     nemotron: Path, tmp_path: Path, config: dict[str, object], match: str
 ) -> None:
-    path = rewrite_checkpoint(nemotron, tmp_path / "n", config=config)
-    (path / "model.safetensors").unlink()
-    with pytest.raises(UnsupportedModelError, match=match):
-        Engine.from_pretrained(str(path), dtype="float32")
+    assert_refused_before_weights(nemotron, tmp_path / "n", config, match)
 
 
 def test_single_texts_and_prompts_are_refused(nemotron: Path) -> None:
