@@ -34,7 +34,7 @@ from __future__ import annotations
 import base64
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -267,21 +267,18 @@ def cohere_embeddings(
 
     Values are numpy arrays or lists of strings; serialize with :data:`ORJSON_OPTIONS`.
     """
-    out: dict[str, object] = {}
-    for kind in dict.fromkeys(types):
-        if kind == "float":
-            out[kind] = matrix
-        elif kind == "base64":
-            out[kind] = base64_rows(matrix, "float32", "little")  # Cohere: little-endian f32
-        elif kind == "int8":
-            out[kind] = int8_rows(matrix)
-        elif kind == "uint8":
-            out[kind] = uint8_rows(matrix)
-        elif kind == "binary":
-            out[kind] = binary_rows(matrix)
-        else:
-            out[kind] = ubinary_rows(matrix)
-    return out
+    return {kind: _COHERE_ENCODINGS[kind](matrix) for kind in dict.fromkeys(types)}
+
+
+_COHERE_ENCODINGS: dict[CohereEmbeddingType, Callable[[FloatMatrix], object]] = {
+    "float": lambda matrix: matrix,
+    "base64": lambda matrix: base64_rows(matrix, "float32", "little"),  # little-endian f32
+    "int8": int8_rows,
+    "uint8": uint8_rows,
+    "binary": binary_rows,
+    "ubinary": ubinary_rows,
+}
+"""Each Cohere embedding type's encoding of the float rows."""
 
 
 def dumps(content: object) -> bytes:
