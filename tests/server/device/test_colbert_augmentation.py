@@ -50,6 +50,7 @@ from tests.support.attention import (
     StrictTorchVarlen,
     assert_rows_close,
 )
+from tests.support.device_cases import colbert_skiplist, stanford_tensorize
 from tests.support.models import build_bert, build_modernbert
 
 QUERY_MAXLEN, DOC_MAXLEN, DIM = 16, 24, 8
@@ -70,30 +71,9 @@ def bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _tensorize(path: Path) -> tuple[list[list[int]], list[int], list[list[int]]]:
     """stanford-colbert's tensorize, each query padded to QUERY_MAXLEN: the token ids of
     every query and document, the queries' real (attended) lengths, and the documents'."""
-    tok = AutoTokenizer.from_pretrained(str(path))
-    q_marker, d_marker = tok.convert_tokens_to_ids(["[unused0]", "[unused1]"])
-    q = tok(
-        [". " + x for x in QUERIES],
-        padding="max_length",
-        truncation=True,
-        max_length=QUERY_MAXLEN,
-        return_tensors="pt",
+    return stanford_tensorize(
+        path, QUERIES, DOCS, (QUERY_MAXLEN, DOC_MAXLEN), ("[unused0]", "[unused1]")
     )
-    ids, mask = q["input_ids"], q["attention_mask"]
-    ids[:, 1] = q_marker
-    ids[ids == tok.pad_token_id] = tok.mask_token_id
-    docs = [
-        tok(". " + x, truncation="longest_first", max_length=DOC_MAXLEN)["input_ids"] for x in DOCS
-    ]
-    for d in docs:
-        d[1] = d_marker
-    return ids.tolist(), mask.sum(1).tolist(), docs
-
-
-def _skiplist(path: Path) -> set[int]:
-    """ColBERT's punctuation skip-list: each symbol's first token id."""
-    tok = AutoTokenizer.from_pretrained(str(path))
-    return {tok.encode(s, add_special_tokens=False)[0] for s in string.punctuation}
 
 
 def _head(states: torch.Tensor, linear: torch.Tensor, keep: list[bool]) -> np.ndarray:
@@ -102,40 +82,64 @@ def _head(states: torch.Tensor, linear: torch.Tensor, keep: list[bool]) -> np.nd
     return torch.nn.functional.normalize(projected, dim=-1).numpy()
 
 
-def _reference(path: Path, linear: torch.Tensor) -> list[np.ndarray]:
-    model = BertModel.from_pretrained(str(path), attn_implementation="eager").eval()
-    queries, real, docs = _tensorize(path)
-    skip = _skiplist(path)
+def _vectors_alone(
+    model: torch.nn.Module,
+    linear: torch.Tensor,
+    prepared: tuple[list[list[int]], list[int], list[list[int]]],
+    skip: set[int],
+    query_length: int,
+) -> list[np.ndarray]:
+    """The authors' computation: the padded queries as one batch under their real lengths'
+    mask, each document alone without its skip-listed tokens, through ``_head``."""
+    queries, real, docs = prepared
     out = []
     with torch.no_grad():
-        ids = torch.tensor(queries)
-        mask = (torch.arange(QUERY_MAXLEN) < torch.tensor(real).unsqueeze(1)).long()
-        states = model(input_ids=ids, attention_mask=mask).last_hidden_state
-        out += [_head(s, linear, [True] * QUERY_MAXLEN) for s in states]
+        mask = (torch.arange(query_length) < torch.tensor(real).unsqueeze(1)).long()
+        states = model(input_ids=torch.tensor(queries), attention_mask=mask).last_hidden_state
+        out += [_head(s, linear, [True] * query_length) for s in states]
         for d in docs:
             state = model(input_ids=torch.tensor([d])).last_hidden_state[0]
             out.append(_head(state, linear, [t not in skip for t in d]))
     return out
 
 
-def _packed(
-    path: Path, linear: torch.Tensor, dtype: torch.dtype, backend: Backend, augmented: bool = True
+def _vectors_packed(
+    path: Path,
+    linear: torch.Tensor,
+    dtype: torch.dtype,
+    backend: Backend,
+    prepared: tuple[list[list[int]], list[int], list[list[int]]],
+    skip: set[int],
+    query_length: int,
+    augmented: bool = True,
 ) -> list[np.ndarray]:
+    """The native model on the queries and documents as ONE packed batch (the queries' keys
+    cut to their real lengths when ``augmented``), through ``_head``."""
     config = json.loads((path / "config.json").read_text())
     model = build_model(config, dict(load_weights(path)), dtype=dtype, device=torch.device("cpu"))
-    queries, real, docs = _tensorize(path)
-    skip = _skiplist(path)
+    queries, real, docs = prepared
     seqs = queries + docs
     key_lens = [*real, *(len(d) for d in docs)] if augmented else None
     batch = PackedBatch.build(seqs, torch.device("cpu"), attention=backend, key_lens=key_lens)
     with torch.inference_mode():
-        hidden = model.forward(batch)
-    states = torch.split(hidden, [len(s) for s in seqs])
-    out = [_head(s, linear, [True] * QUERY_MAXLEN) for s in states[: len(queries)]]
+        states = torch.split(model.forward(batch), [len(s) for s in seqs])
+    out = [_head(s, linear, [True] * query_length) for s in states[: len(queries)]]
     return out + [
         _head(s, linear, [t not in skip for t in d])
         for s, d in zip(states[len(queries) :], docs, strict=True)
     ]
+
+
+def _reference(path: Path, linear: torch.Tensor) -> list[np.ndarray]:
+    model = BertModel.from_pretrained(str(path), attn_implementation="eager").eval()
+    return _vectors_alone(model, linear, _tensorize(path), colbert_skiplist(path), QUERY_MAXLEN)
+
+
+def _packed(
+    path: Path, linear: torch.Tensor, dtype: torch.dtype, backend: Backend, augmented: bool = True
+) -> list[np.ndarray]:
+    prepared, skip = _tensorize(path), colbert_skiplist(path)
+    return _vectors_packed(path, linear, dtype, backend, prepared, skip, QUERY_MAXLEN, augmented)
 
 
 def _maxsim(q: np.ndarray, d: np.ndarray) -> float:
@@ -217,36 +221,16 @@ def _pylate_skiplist(path: Path) -> set[int]:
 
 def _pylate_reference(path: Path, linear: torch.Tensor) -> list[np.ndarray]:
     model = ModernBertModel.from_pretrained(str(path), attn_implementation="eager").eval()
-    queries, real, docs = _pylate_preprocess(path)
-    skip = _pylate_skiplist(path)
-    out = []
-    with torch.no_grad():
-        mask = (torch.arange(QUERY_LENGTH) < torch.tensor(real).unsqueeze(1)).long()
-        states = model(input_ids=torch.tensor(queries), attention_mask=mask).last_hidden_state
-        out += [_head(s, linear, [True] * QUERY_LENGTH) for s in states]
-        for d in docs:
-            state = model(input_ids=torch.tensor([d])).last_hidden_state[0]
-            out.append(_head(state, linear, [t not in skip for t in d]))
-    return out
+    return _vectors_alone(
+        model, linear, _pylate_preprocess(path), _pylate_skiplist(path), QUERY_LENGTH
+    )
 
 
 def _pylate_packed(
     path: Path, linear: torch.Tensor, dtype: torch.dtype, backend: Backend
 ) -> list[np.ndarray]:
-    config = json.loads((path / "config.json").read_text())
-    model = build_model(config, dict(load_weights(path)), dtype=dtype, device=torch.device("cpu"))
-    queries, real, docs = _pylate_preprocess(path)
-    skip = _pylate_skiplist(path)
-    seqs = queries + docs
-    key_lens = [*real, *(len(d) for d in docs)]
-    batch = PackedBatch.build(seqs, torch.device("cpu"), attention=backend, key_lens=key_lens)
-    with torch.inference_mode():
-        states = torch.split(model.forward(batch), [len(s) for s in seqs])
-    out = [_head(s, linear, [True] * QUERY_LENGTH) for s in states[: len(queries)]]
-    return out + [
-        _head(s, linear, [t not in skip for t in d])
-        for s, d in zip(states[len(queries) :], docs, strict=True)
-    ]
+    prepared, skip = _pylate_preprocess(path), _pylate_skiplist(path)
+    return _vectors_packed(path, linear, dtype, backend, prepared, skip, QUERY_LENGTH)
 
 
 @pytest.mark.parametrize(

@@ -31,9 +31,9 @@ from tests.server.device.test_colbert_augmentation import (
     QUERY_MAXLEN,
     _pylate_preprocess,
     _pylate_skiplist,
-    _skiplist,
     _tensorize,
 )
+from tests.support.device_cases import colbert_skiplist
 from tests.support.models import build_bert, build_modernbert
 
 
@@ -76,7 +76,7 @@ def test_stanford_queries_and_documents_tokenize_as_stanford_colbert(bert: Path)
     got_docs = [fmt.encode(tok, d, "document") for d in DOCS]
     assert [e.ids for e in got_docs] == docs
     assert [e.keys for e in got_docs] == [len(d) for d in docs]
-    assert fmt.skiplist == _skiplist(bert)
+    assert fmt.skiplist == colbert_skiplist(bert)
 
 
 def test_long_queries_and_documents_are_cut_as_transformers_truncates(bert: Path) -> None:

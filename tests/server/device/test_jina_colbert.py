@@ -23,7 +23,6 @@ batch mixing queries and documents of different lengths.
 from __future__ import annotations
 
 import json
-import string
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,7 @@ from embedding_server.errors import UnsupportedModelError
 from transformers import AutoModel, AutoTokenizer
 
 from tests.support.attention import assert_rows_close
+from tests.support.device_cases import colbert_skiplist, stanford_tensorize
 from tests.support.jina_colbert import (
     DIM,
     DOC_MAXLEN,
@@ -63,31 +63,8 @@ def _tensorize(
 ) -> tuple[list[list[int]], list[int], list[list[int]]]:
     """stanford-colbert's tensorize: every query's ids (padded to QUERY_MAXLEN) and how many
     of its leading tokens are attended to, and every document's ids."""
-    tok = AutoTokenizer.from_pretrained(str(path))
-    q_marker, d_marker = tok.convert_tokens_to_ids([QUERY_MARKER, DOCUMENT_MARKER])
-    q = tok(
-        [". " + x for x in QUERIES],
-        padding="max_length",
-        truncation=True,
-        max_length=QUERY_MAXLEN,
-        return_tensors="pt",
-    )
-    ids, mask = q["input_ids"], q["attention_mask"]
-    ids[:, 1] = q_marker
-    ids[ids == tok.pad_token_id] = tok.mask_token_id
-    if attend_to_mask:
-        mask[ids == tok.mask_token_id] = 1
-    docs = [
-        tok(". " + x, truncation="longest_first", max_length=DOC_MAXLEN)["input_ids"] for x in DOCS
-    ]
-    for d in docs:
-        d[1] = d_marker
-    return ids.tolist(), mask.sum(1).tolist(), docs
-
-
-def _skiplist(path: Path) -> set[int]:
-    tok = AutoTokenizer.from_pretrained(str(path))
-    return {tok.encode(s, add_special_tokens=False)[0] for s in string.punctuation}
+    lengths, markers = (QUERY_MAXLEN, DOC_MAXLEN), (QUERY_MARKER, DOCUMENT_MARKER)
+    return stanford_tensorize(path, QUERIES, DOCS, lengths, markers, attend_to_mask=attend_to_mask)
 
 
 def _head(states: torch.Tensor, keep: list[bool]) -> np.ndarray:
@@ -100,7 +77,7 @@ def _reference(native: Path, hub: Path, attend_to_mask: bool) -> list[np.ndarray
     over the body in float32."""
     model = AutoModel.from_pretrained(str(native), attn_implementation="eager").eval()
     queries, real, docs = _tensorize(hub, attend_to_mask)
-    skip = _skiplist(hub)
+    skip = colbert_skiplist(hub)
     out = []
     with torch.no_grad():
         mask = (torch.arange(QUERY_MAXLEN) < torch.tensor(real).unsqueeze(1)).long()
@@ -162,7 +139,7 @@ def test_one_packed_batch_of_queries_and_documents_gives_the_references_states(
     batch = PackedBatch.build(seqs, torch.device("cpu"), key_lens=key_lens)
     with torch.inference_mode():
         states = torch.split(model.forward(batch), [len(s) for s in seqs])
-    skip = _skiplist(hub)
+    skip = colbert_skiplist(hub)
     order = [len(QUERIES), 0, 1, *range(len(QUERIES) + 1, len(want)), 2]
     got = [
         _head(s, [True] * len(ids) if i < len(QUERIES) else [t not in skip for t in ids])
