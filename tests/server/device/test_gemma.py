@@ -18,24 +18,17 @@ import pytest
 import torch
 from embedding_server.engine import Engine
 from embedding_server.errors import InvalidRequestError, UnsupportedModelError
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+from tests.support import device_cases as cases
 from tests.support.attention import assert_rows_close
-from tests.support.models import _save_tokenizer, byte_tokenizer, rewrite_checkpoint, spread_weights
+from tests.support.models import rewrite_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
 
 F32_COSINE, BF16_COSINE = 0.99999, 0.999
 LENGTHS = [1, 3, 7, 8, 9, 17, 30, 64]
 _CONFIG: dict[str, Any] = {
-    "hidden_size": 32,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,  # not hidden / heads
-    "intermediate_size": 64,
-    "max_position_embeddings": 64,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0},
+    **cases.GEMMA_BODY,
     "pad_token_id": 0,
     "eos_token_id": 1,
     "bos_token_id": 2,
@@ -43,23 +36,20 @@ _CONFIG: dict[str, Any] = {
 
 
 def _save(path: Path, *, causal_lm: bool = False, **overrides: Any) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    tok = byte_tokenizer(["<pad>", "<eos>", "<bos>", "<unk>"], "<bos> $A", ["<bos>"])
-    _save_tokenizer(
-        tok, path, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    # Damped after the spread: bfloat16 rounding then does not chaotically grow through the
+    # layers.
+    return cases.save_byte_decoder(
+        path,
+        "gemma",
+        {**_CONFIG, **overrides},
+        specials=["<pad>", "<eos>", "<bos>", "<unk>"],
+        template="<bos> $A",
+        bos="<bos>",
+        eos="<eos>",
+        seed=31,
+        causal_lm=causal_lm,
+        damp=0.5,
     )
-    torch.manual_seed(31)
-    config = AutoConfig.for_model(
-        "gemma", vocab_size=tok.get_vocab_size(), **{**_CONFIG, **overrides}
-    )
-    model = (AutoModelForCausalLM if causal_lm else AutoModel).from_config(config)
-    spread_weights(model)
-    with torch.no_grad():  # calmer than spread: bfloat16 rounding then does not chaotically
-        for name, param in model.named_parameters():  # grow through the layers
-            if param.dim() > 1 and "embed" not in name:
-                param.mul_(0.5)
-    model.save_pretrained(str(path))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -96,17 +86,6 @@ def _sequences(vocab_size: int) -> list[list[int]]:
     ]
 
 
-def _reference(
-    path: Path, seqs: list[list[int]], dtype: torch.dtype = torch.float32
-) -> list[np.ndarray]:
-    model = AutoModel.from_pretrained(str(path), attn_implementation="eager", dtype=dtype).eval()
-    with torch.no_grad():
-        return [
-            model(input_ids=torch.tensor([seq])).last_hidden_state[0].float().numpy()
-            for seq in seqs
-        ]
-
-
 @pytest.mark.parametrize(("dtype", "cosine"), [("float32", F32_COSINE), ("bfloat16", BF16_COSINE)])
 @pytest.mark.parametrize("kernel", ["sdpa_bucketed", "sdpa_padded"])
 @pytest.mark.parametrize("checkpoint", ["gemma", "gemma_lm", "legacy"])
@@ -124,14 +103,8 @@ def test_packed_batch_matches_transformers(
     assert (info.backend, info.attention, info.sliding_window) == ("native", kernel, None)
     assert info.attention_passed_over == []
     seqs = _sequences(info.vocab_size)
-    want = _reference(path, seqs, getattr(torch, dtype))
-    got = engine.embed_tokens(seqs)
-    for seq, g, w in zip(seqs, got, want, strict=True):
-        assert g.shape == w.shape == (len(seq), 32)
-    assert_rows_close(got, want, cosine)
-    if dtype == "float32":
-        for g, w in zip(got, want, strict=True):
-            np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-4)
+    want = cases.eager_states(path, seqs, getattr(torch, dtype))
+    cases.assert_token_states_match(seqs, engine.embed_tokens(seqs), want, cosine, dtype)
     assert_rows_close(engine.embed(seqs), [w[-1] for w in want], cosine)
 
 
@@ -141,7 +114,7 @@ def test_the_parity_tells_gemma_from_gemma2(gemma: Path, monkeypatch: pytest.Mon
     transformers' by more than the float32 parity allows."""
     engine = Engine.from_pretrained(str(gemma), dtype="float32", normalize=False, task="embed")
     seqs = _sequences(engine.info().vocab_size)
-    want = _reference(gemma, seqs)
+    want = cases.eager_states(gemma, seqs)
     from embedding_server.device.models import gemma as family
 
     monkeypatch.setattr(family.GemmaModel, "attention_scale", lambda self, c, d: 0.5)

@@ -23,10 +23,10 @@ import torch
 from embedding_server.device import attention
 from embedding_server.engine import Engine
 from embedding_server.errors import InvalidRequestError, UnsupportedModelError
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+from tests.support import device_cases as cases
 from tests.support.attention import assert_rows_close, pretend_cuda
-from tests.support.models import _save_tokenizer, byte_tokenizer, rewrite_checkpoint, spread_weights
+from tests.support.models import rewrite_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -35,17 +35,10 @@ WINDOW = 8
 CAP = 4.0
 LENGTHS = [1, 3, WINDOW - 1, WINDOW, WINDOW + 1, WINDOW + 1, 17, 30, 64]
 _CONFIG: dict[str, Any] = {
-    "hidden_size": 32,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,  # not hidden / heads
-    "intermediate_size": 64,
-    "max_position_embeddings": 64,
+    **cases.GEMMA_BODY,
     "query_pre_attn_scalar": 24,  # not head_dim: the scale is 24 ** -0.5
     "sliding_window": WINDOW,
     "attn_logit_softcapping": CAP,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0},
     "pad_token_id": 0,
     "bos_token_id": 1,
     "eos_token_id": 2,
@@ -53,19 +46,17 @@ _CONFIG: dict[str, Any] = {
 
 
 def _save(path: Path, *, causal_lm: bool = False, **overrides: Any) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    tok = byte_tokenizer(["<pad>", "<s>", "</s>", "<unk>"], "$A </s>", ["</s>"])
-    _save_tokenizer(
-        tok, path, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    return cases.save_byte_decoder(
+        path,
+        "gemma2",
+        {**_CONFIG, **overrides},
+        specials=["<pad>", "<s>", "</s>", "<unk>"],
+        template="$A </s>",
+        bos="<s>",
+        eos="</s>",
+        seed=29,
+        causal_lm=causal_lm,
     )
-    torch.manual_seed(29)
-    config = AutoConfig.for_model(
-        "gemma2", vocab_size=tok.get_vocab_size(), **{**_CONFIG, **overrides}
-    )
-    model = (AutoModelForCausalLM if causal_lm else AutoModel).from_config(config)
-    spread_weights(model)
-    model.save_pretrained(str(path))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -102,19 +93,6 @@ def _sequences(vocab_size: int) -> list[list[int]]:
     ]
 
 
-def _reference(
-    path: Path, seqs: list[list[int]], dtype: torch.dtype = torch.float32, **config: Any
-) -> list[np.ndarray]:
-    model = AutoModel.from_pretrained(
-        str(path), attn_implementation="eager", dtype=dtype, **config
-    ).eval()
-    with torch.no_grad():
-        return [
-            model(input_ids=torch.tensor([seq])).last_hidden_state[0].float().numpy()
-            for seq in seqs
-        ]
-
-
 @pytest.mark.parametrize(("dtype", "cosine"), [("float32", F32_COSINE), ("bfloat16", BF16_COSINE)])
 @pytest.mark.parametrize(
     ("kernel", "ratio"),
@@ -147,14 +125,8 @@ def test_packed_batch_matches_transformers(
     assert info.attention_passed_over == [attention.EAGER_SOFTCAP]
     seqs = _sequences(info.vocab_size)
     torch_dtype = getattr(torch, dtype)
-    want = _reference(path, seqs, torch_dtype)
-    got = engine.embed_tokens(seqs)
-    for seq, g, w in zip(seqs, got, want, strict=True):
-        assert g.shape == w.shape == (len(seq), 32)
-    assert_rows_close(got, want, cosine)
-    if dtype == "float32":
-        for g, w in zip(got, want, strict=True):
-            np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-4)
+    want = cases.eager_states(path, seqs, torch_dtype)
+    cases.assert_token_states_match(seqs, engine.embed_tokens(seqs), want, cosine, dtype)
     assert_rows_close(engine.embed(seqs), [w[-1] for w in want], cosine)
 
 
@@ -168,7 +140,7 @@ def test_the_cap_and_the_window_bite(gemma2: Path) -> None:
         {"attn_logit_softcapping": None},
         {"layer_types": ["full_attention"] * 3},
     ):
-        want = _reference(gemma2, seqs, **other)
+        want = cases.eager_states(gemma2, seqs, **other)
         worst = min(
             float(
                 np.min((g * w).sum(-1) / (np.linalg.norm(g, axis=-1) * np.linalg.norm(w, axis=-1)))
@@ -243,7 +215,7 @@ def test_null_cap_serves_plain_attention(tmp_path: Path) -> None:
     engine = Engine.from_pretrained(str(path), dtype="float32", normalize=False, task="embed")
     assert engine.info().attention_passed_over == []
     seqs = _sequences(engine.info().vocab_size)
-    assert_rows_close(engine.embed_tokens(seqs), _reference(path, seqs), F32_COSINE)
+    assert_rows_close(engine.embed_tokens(seqs), cases.eager_states(path, seqs), F32_COSINE)
 
 
 @pytest.mark.parametrize(
