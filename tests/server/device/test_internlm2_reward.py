@@ -26,6 +26,7 @@ from embedding_server.errors import UnsupportedModelError
 from safetensors.torch import load_file
 from transformers import AutoModel
 
+from tests.support.device_cases import assert_refused_before_weights, assert_rewards_match
 from tests.support.models import build_decoder, rewrite_checkpoint
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
@@ -123,11 +124,6 @@ def _reference(llama: Path, seqs: list[list[int]], dtype: torch.dtype) -> list[n
     return out
 
 
-def _cosine(a: np.ndarray, b: np.ndarray) -> float:
-    x, y = a.ravel().astype(np.float64), b.ravel().astype(np.float64)
-    return float(x @ y / (np.linalg.norm(x) * np.linalg.norm(y)))
-
-
 @pytest.mark.parametrize(("dtype", "cosine"), [("float32", 0.99999), ("bfloat16", 0.999)])
 def test_rewards_match_the_authors_computation(
     llama: Path, internlm2: Path, dtype: str, cosine: float
@@ -139,11 +135,7 @@ def test_rewards_match_the_authors_computation(
     assert len({len(s) for s in seqs}) == len(seqs)
     want = _reference(llama, seqs, getattr(torch, dtype))
     got = engine.reward(TEXTS)
-    for seq, g, w in zip(seqs, got, want, strict=True):
-        assert g.shape == w.shape == (len(seq), 1)
-        assert _cosine(g, w) >= cosine
-        if dtype == "float32":
-            np.testing.assert_allclose(g, w, atol=1e-4)
+    assert_rewards_match(seqs, got, want, cosine, dtype)
 
 
 def test_dynamic_ntk_is_the_plain_rotary_within_the_limit(
@@ -170,10 +162,7 @@ def test_dynamic_ntk_is_the_plain_rotary_within_the_limit(
 def test_what_it_cannot_serve_exactly_is_refused_before_weights(
     internlm2: Path, tmp_path: Path, config: dict[str, object], match: str
 ) -> None:
-    path = rewrite_checkpoint(internlm2, tmp_path / "n", config=config)
-    (path / "model.safetensors").unlink()
-    with pytest.raises(UnsupportedModelError, match=match):
-        Engine.from_pretrained(str(path), dtype="float32")
+    assert_refused_before_weights(internlm2, tmp_path / "n", config, match)
 
 
 def test_an_unread_tensor_is_refused(internlm2: Path, tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ from embedding_server.settings import ServerSettings
 from transformers import AutoModel
 
 from tests.support.api import running_server
+from tests.support.device_cases import assert_rewards_match
 from tests.support.models import build_decoder, rewrite_checkpoint
 
 STEP = "<extra_0>"
@@ -116,11 +117,6 @@ def _reference(
     return out
 
 
-def _cosine(a: np.ndarray, b: np.ndarray) -> float:
-    a, b = a.ravel().astype(np.float64), b.ravel().astype(np.float64)
-    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
-
-
 @pytest.mark.parametrize(("dtype", "cosine"), [("float32", 0.99999), ("bfloat16", 0.999)])
 def test_outcome_reward_is_the_head_at_every_token(
     qwen2: Path, rm: Path, dtype: str, cosine: float
@@ -132,11 +128,9 @@ def test_outcome_reward_is_the_head_at_every_token(
     assert len({len(s) for s in seqs}) == len(seqs)
     want = _reference(qwen2, rm, seqs, getattr(torch, dtype))
     got = engine.reward(TEXTS)
-    for seq, g, w in zip(seqs, got, want, strict=True):
-        assert g.shape == w.shape == (len(seq), 1)
-        assert _cosine(g, w) >= cosine
-        if dtype == "float32":
-            np.testing.assert_allclose(g, w, atol=1e-4)
+    assert_rewards_match(seqs, got, want, cosine, dtype)
+    if dtype == "float32":
+        for g, w in zip(got, want, strict=True):
             assert abs(g[-1, 0] - w[-1, 0]) <= 1e-4  # the reward the model card prints
 
 

@@ -22,24 +22,21 @@ compared too.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 import torch
 from embedding_server.device.loading import load_model
 from embedding_server.engine import Engine
 from embedding_server.errors import InputTooLongError, InvalidRequestError, UnsupportedModelError
-from embedding_server.settings import ServerSettings
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.support.api import RunningServer, ServerProcess, running_server, server_process
+from tests.support import device_cases as cases
 from tests.support.models import (
     _DECODER,
     _save_model,
@@ -51,12 +48,7 @@ from tests.support.models import (
 pytestmark = pytest.mark.timeout(300)
 
 CPU = torch.device("cpu")
-QUERIES = ["what do cats eat?", "where is the capital of France?", "q"]
-DOCS = [
-    "cats eat fish and mice, and sometimes {braces} or no food at all",
-    "Paris is the capital of France; yes, it is.",
-    "d",
-]
+QUERIES, DOCS = cases.RERANK_QUERIES, cases.RERANK_DOCS
 BF16_ATOL = 0.01  # a probability: bfloat16 keeps about 3 significant digits
 LONG_QUERY = "which small cats sleep the longest in a warm house? " * 6
 LONG_DOC = "cats sleep anywhere warm, on beds and boxes. " * 20
@@ -292,14 +284,9 @@ def test_only_the_answer_rows_of_an_untied_head_are_read(tmp_path: Path) -> None
     )
     ids = _ids(path)
     keep = {ids("1")[0], ids("0")[0]}
-    head = tensors["lm_head.weight"].clone()
-    others = [i for i in range(head.shape[0]) if i not in keep]
-    head[others] = torch.randn(len(others), head.shape[1])
-    changed = tmp_path / "changed"
-    shutil.copytree(path, changed)
-    save_file({**tensors, "lm_head.weight": head}, str(changed / "model.safetensors"))
-    other = Engine.from_pretrained(str(changed), task="score", dtype="float32")
-    np.testing.assert_allclose(other.score(QUERIES, DOCS), engine.score(QUERIES, DOCS), atol=1e-6)
+    cases.assert_other_head_rows_are_not_read(
+        engine, path, keep, tmp_path / "changed", QUERIES, DOCS
+    )
 
 
 @pytest.mark.parametrize(("family", "front_ends"), [("mxbai", False), ("gemma", True)])
@@ -311,30 +298,9 @@ def test_http_score_and_rerank(
     path: Path = request.getfixturevalue(family)
     one = [(QUERIES[0], d) for d in DOCS]
     expected = reference(family, path, one)
-    with contextlib.ExitStack() as stack:
-        server: RunningServer | ServerProcess
-        if front_ends:
-            args = ["--model", str(path), "--task", "score", "--dtype", "float32"]
-            server = stack.enter_context(server_process([*args, "--api-workers", "2"], workers=2))
-        else:
-            settings = ServerSettings(model=str(path), task="score", dtype="float32")
-            server = stack.enter_context(running_server(settings))
-        for _ in range(2 if front_ends else 1):  # whichever front-end takes the connection
-            scored = httpx.post(
-                server.url + "/score", json={"text_1": QUERIES[0], "text_2": DOCS}, timeout=60
-            )
-            assert scored.status_code == 200, scored.text
-            got = [d["score"] for d in scored.json()["data"]]
-            np.testing.assert_allclose(got, expected, atol=1e-5)
-        ranked = httpx.post(
-            server.url + "/rerank", json={"query": QUERIES[0], "documents": DOCS}, timeout=60
-        )
-        assert ranked.status_code == 200, ranked.text
-        results = ranked.json()["results"]
-        assert [r["index"] for r in results] == list(np.argsort(-expected))
-        np.testing.assert_allclose(
-            [r["relevance_score"] for r in results], np.sort(expected)[::-1], atol=1e-5
-        )
+    with cases.score_server(path, front_ends) as server:
+        tries = 2 if front_ends else 1  # whichever front-end takes the connection
+        cases.assert_scored_and_ranked(server.url, QUERIES[0], DOCS, expected, tries)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -12,8 +12,6 @@ auto still refuses the checkpoint.
 
 from __future__ import annotations
 
-import contextlib
-import shutil
 from pathlib import Path
 
 import httpx
@@ -24,11 +22,10 @@ from embedding_server.device.loading import load_model
 from embedding_server.engine import Engine
 from embedding_server.errors import InvalidRequestError, UnsupportedModelError
 from embedding_server.request.heads import QWEN3_RERANKER
-from embedding_server.settings import ServerSettings
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.support.api import RunningServer, ServerProcess, running_server, server_process
+from tests.support import device_cases as cases
 from tests.support.models import (
     _DECODER,
     _save_model,
@@ -39,12 +36,7 @@ from tests.support.models import (
 
 CPU = torch.device("cpu")
 
-QUERIES = ["what do cats eat?", "where is the capital of France?", "q"]
-DOCS = [
-    "cats eat fish and mice, and sometimes {braces} or no food at all",
-    "Paris is the capital of France; yes, it is.",
-    "d",
-]
+QUERIES, DOCS = cases.RERANK_QUERIES, cases.RERANK_DOCS
 BF16_ATOL = 0.01  # P(yes) in [0, 1]: bfloat16 keeps about 3 significant digits
 
 
@@ -208,14 +200,9 @@ def test_only_the_answer_rows_of_the_lm_head_matter(reranker: Path, tmp_path: Pa
     assert meta.classifier == loaded.classifier
     tok = AutoTokenizer.from_pretrained(str(reranker))
     keep = {tok.convert_tokens_to_ids("yes"), tok.convert_tokens_to_ids("no")}
-    head = tensors["lm_head.weight"].clone()
-    others = [i for i in range(head.shape[0]) if i not in keep]
-    head[others] = torch.randn(len(others), head.shape[1])
-    changed = tmp_path / "changed"
-    shutil.copytree(reranker, changed)
-    save_file({**tensors, "lm_head.weight": head}, str(changed / "model.safetensors"))
-    other = Engine.from_pretrained(str(changed), task="score", dtype="float32")
-    np.testing.assert_allclose(other.score(QUERIES, DOCS), engine.score(QUERIES, DOCS), atol=1e-6)
+    cases.assert_other_head_rows_are_not_read(
+        engine, reranker, keep, tmp_path / "changed", QUERIES, DOCS
+    )
 
 
 def test_task_auto_still_refuses_and_points_at_task_score(reranker: Path) -> None:
@@ -245,32 +232,11 @@ def test_http_score_and_rerank(reranker: Path, front_ends: bool) -> None:
     pairs themselves, with no torch): /score and /rerank give the model card's P(yes);
     /classify of single texts is a 400."""
     expected = model_card_scores(reranker, [(QUERIES[0], d) for d in DOCS], 1024)
-    with contextlib.ExitStack() as stack:
-        server: RunningServer | ServerProcess
-        if front_ends:
-            args = ["--model", str(reranker), "--task", "score", "--dtype", "float32"]
-            server = stack.enter_context(server_process([*args, "--api-workers", "2"], workers=2))
-        else:
-            settings = ServerSettings(model=str(reranker), task="score", dtype="float32")
-            server = stack.enter_context(running_server(settings))
+    with cases.score_server(reranker, front_ends) as server:
         info = httpx.get(server.url + "/info", timeout=10).json()
         assert (info["task"], info["score_activation"]) == ("score", "sigmoid")
-        for _ in range(2 if front_ends else 1):  # whichever front-end takes the connection
-            scored = httpx.post(
-                server.url + "/score", json={"text_1": QUERIES[0], "text_2": DOCS}, timeout=60
-            )
-            assert scored.status_code == 200, scored.text
-            got = [d["score"] for d in scored.json()["data"]]
-            np.testing.assert_allclose(got, expected, atol=1e-5)
-        ranked = httpx.post(
-            server.url + "/rerank", json={"query": QUERIES[0], "documents": DOCS}, timeout=60
-        )
-        assert ranked.status_code == 200, ranked.text
-        results = ranked.json()["results"]
-        assert [r["index"] for r in results] == list(np.argsort(-expected))
-        np.testing.assert_allclose(
-            [r["relevance_score"] for r in results], np.sort(expected)[::-1], atol=1e-5
-        )
+        tries = 2 if front_ends else 1  # whichever front-end takes the connection
+        cases.assert_scored_and_ranked(server.url, QUERIES[0], DOCS, expected, tries)
         refused = httpx.post(server.url + "/classify", json={"input": ["cats"]}, timeout=60)
         assert refused.status_code == 400 and "yes/no reranker" in refused.text
 
