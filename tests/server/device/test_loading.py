@@ -68,23 +68,27 @@ def st_embeddinggemma(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
+def _assert_sentence_transformers_parity(
+    engine: Engine, path: Path, prompts: list[dict[str, str]], dimensions: int
+) -> None:
+    """``engine``'s vectors of TEXTS, with each of ``prompts``, are sentence-transformers'."""
+    st = SentenceTransformer(str(path), device="cpu")
+    for kwargs in prompts:
+        want = st.encode(TEXTS, **kwargs)
+        got = engine.embed(TEXTS, **kwargs)
+        assert got.shape == (4, dimensions)
+        assert cosines(got, want).min() >= 0.9999, kwargs
+
+
 def test_sentence_transformers_pipeline_parity(st_bert_dense: Path) -> None:
     """Pooling config, Dense layer, Normalize, default prompt and include_prompt=False."""
     engine = Engine.from_pretrained(str(st_bert_dense), dtype="float32")
     info = engine.info()
-    assert (info.pooling, info.normalize, info.dimensions, info.hidden_size) == (
-        "mean",
-        True,
-        24,
-        32,
-    )
+    facts = (info.pooling, info.normalize, info.dimensions, info.hidden_size)
+    assert facts == ("mean", True, 24, 32)
     assert info.default_prompt_name == "query" and info.max_input_tokens == 64
-    st = SentenceTransformer(str(st_bert_dense), device="cpu")
-    for kwargs in ({}, {"prompt_name": "doc"}, {"prompt": "custom: "}):
-        want = st.encode(TEXTS, **kwargs)
-        got = engine.embed(TEXTS, **kwargs)
-        assert got.shape == (4, 24)
-        assert cosines(got, want).min() >= 0.9999, kwargs
+    prompts: list[dict[str, str]] = [{}, {"prompt_name": "doc"}, {"prompt": "custom: "}]
+    _assert_sentence_transformers_parity(engine, st_bert_dense, prompts, 24)
 
 
 def test_decoder_last_token_pipeline_parity(st_qwen3_last: Path) -> None:
@@ -100,19 +104,11 @@ def test_embeddinggemma_pipeline_parity(st_embeddinggemma: Path) -> None:
     sentence-transformers, on inputs shorter and longer than the sliding window."""
     engine = Engine.from_pretrained(str(st_embeddinggemma), dtype="float32")
     info = engine.info()
-    assert (info.pooling, info.normalize, info.dimensions, info.hidden_size) == (
-        "mean",
-        True,
-        32,
-        32,
-    )
+    facts = (info.pooling, info.normalize, info.dimensions, info.hidden_size)
+    assert facts == ("mean", True, 32, 32)
     assert info.sliding_window == 8
-    st = SentenceTransformer(str(st_embeddinggemma), device="cpu")
-    for kwargs in ({}, {"prompt_name": "query"}, {"prompt_name": "document"}):
-        want = st.encode(TEXTS, **kwargs)
-        got = engine.embed(TEXTS, **kwargs)
-        assert got.shape == (4, 32)
-        assert cosines(got, want).min() >= 0.9999, kwargs
+    prompts: list[dict[str, str]] = [{}, {"prompt_name": "query"}, {"prompt_name": "document"}]
+    _assert_sentence_transformers_parity(engine, st_embeddinggemma, prompts, 32)
 
 
 @pytest.mark.parametrize(

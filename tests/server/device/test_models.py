@@ -24,6 +24,7 @@ from embedding_server.errors import UnsupportedModelError
 from transformers import AutoModel
 
 from tests.support.attention import BF16_COSINE, assert_rows_close, flash_mask, pretend_cuda
+from tests.support.device_cases import KERNEL_RATIOS, built_once
 from tests.support.models import build_decoder
 
 FAMILIES = [
@@ -277,32 +278,28 @@ _LEGACY_GEMMA3_WINDOW = 7
 @pytest.fixture(scope="session")
 def windowed_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """Factory: a tiny decoder per ``_WINDOWED`` variant, built once per session."""
-    root = tmp_path_factory.mktemp("windowed-models")
-    cache: dict[str, Path] = {}
 
-    def get(variant: str) -> Path:
-        if variant not in cache:
-            model_type, overrides = _WINDOWED[variant]
-            path = build_decoder(root / variant, model_type, **overrides)
-            config = json.loads((path / "config.json").read_text())
-            if variant == "qwen2-max-window-layers":
-                del config["layer_types"]  # transformers derives it from max_window_layers
-                (path / "config.json").write_text(json.dumps(config))
-            if variant == "gemma3-legacy-config":
-                for key in ("layer_types", "rope_parameters", "_sliding_window_pattern"):
-                    config.pop(key, None)
-                config.update(
-                    sliding_window=_LEGACY_GEMMA3_WINDOW,
-                    sliding_window_pattern=2,  # layers: sliding, full
-                    rope_theta=10000.0,
-                    rope_local_base_freq=100.0,
-                    rope_scaling={"rope_type": "linear", "factor": 4.0},
-                )
-                (path / "config.json").write_text(json.dumps(config))
-            cache[variant] = path
-        return cache[variant]
+    def build(target: Path, variant: str) -> Path:
+        model_type, overrides = _WINDOWED[variant]
+        path = build_decoder(target, model_type, **overrides)
+        config = json.loads((path / "config.json").read_text())
+        if variant == "qwen2-max-window-layers":
+            del config["layer_types"]  # transformers derives it from max_window_layers
+            (path / "config.json").write_text(json.dumps(config))
+        if variant == "gemma3-legacy-config":
+            for key in ("layer_types", "rope_parameters", "_sliding_window_pattern"):
+                config.pop(key, None)
+            config.update(
+                sliding_window=_LEGACY_GEMMA3_WINDOW,
+                sliding_window_pattern=2,  # layers: sliding, full
+                rope_theta=10000.0,
+                rope_local_base_freq=100.0,
+                rope_scaling={"rope_type": "linear", "factor": 4.0},
+            )
+            (path / "config.json").write_text(json.dumps(config))
+        return path
 
-    return get
+    return built_once(tmp_path_factory.mktemp("windowed-models"), build)
 
 
 def _windowed_sequences(vocab_size: int) -> list[list[int]]:
@@ -315,14 +312,7 @@ def _windowed_sequences(vocab_size: int) -> list[list[int]]:
     ]
 
 
-@pytest.mark.parametrize(
-    ("kernel", "ratio"),
-    [
-        ("sdpa_bucketed", 1.0),  # exact-length buckets
-        ("sdpa_bucketed", 0.5),  # padded buckets
-        ("sdpa_padded", 1.0),  # the whole batch padded to its longest, one call per layer
-    ],
-)
+@pytest.mark.parametrize(("kernel", "ratio"), KERNEL_RATIOS)
 @pytest.mark.parametrize("variant", list(_WINDOWED))
 def test_sliding_window_matches_transformers(
     windowed_model: Callable[[str], Path],

@@ -17,9 +17,10 @@ import torch
 from embedding_server.device import attention
 from embedding_server.engine import Engine
 from sentence_transformers import SentenceTransformer
-from transformers import AutoConfig, AutoModel
+from transformers import AutoConfig
 
 from tests.support.attention import BF16_COSINE, assert_rows_close, pretend_cuda
+from tests.support.device_cases import KERNEL_RATIOS, built_once, eager_states
 from tests.support.models import (
     MODERNBERT_CLS as _CLS,
 )
@@ -47,15 +48,7 @@ _EXPECTED_WINDOW = {"modernbert": 4, "modernbert-mlm-legacy": 3}
 @pytest.fixture(scope="module")
 def modernbert(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """Factory: a tiny ModernBERT per ``_VARIANTS`` entry, built once per module."""
-    root = tmp_path_factory.mktemp("modernbert")
-    cache: dict[str, Path] = {}
-
-    def get(variant: str) -> Path:
-        if variant not in cache:
-            cache[variant] = build_modernbert(root / variant, variant)
-        return cache[variant]
-
-    return get
+    return built_once(tmp_path_factory.mktemp("modernbert"), build_modernbert)
 
 
 def _sequences(vocab_size: int) -> list[list[int]]:
@@ -69,20 +62,7 @@ def _sequences(vocab_size: int) -> list[list[int]]:
     return out
 
 
-def _reference(path: Path, seqs: list[list[int]]) -> list[np.ndarray]:
-    model = AutoModel.from_pretrained(str(path), attn_implementation="eager").eval()
-    with torch.no_grad():
-        return [model(input_ids=torch.tensor([s])).last_hidden_state[0].numpy() for s in seqs]
-
-
-@pytest.mark.parametrize(
-    ("kernel", "ratio"),
-    [
-        ("sdpa_bucketed", 1.0),  # exact-length buckets
-        ("sdpa_bucketed", 0.5),  # padded buckets
-        ("sdpa_padded", 1.0),  # the whole batch padded to its longest, one call per layer
-    ],
-)
+@pytest.mark.parametrize(("kernel", "ratio"), KERNEL_RATIOS)
 @pytest.mark.parametrize("variant", list(_VARIANTS))
 def test_packed_batch_matches_transformers(
     modernbert: Callable[[str], Path],
@@ -103,7 +83,7 @@ def test_packed_batch_matches_transformers(
     assert (info.model_type, info.pooling, info.attention) == ("modernbert", "cls", kernel)
     assert info.sliding_window == _EXPECTED_WINDOW[variant]
     seqs = _sequences(info.vocab_size)
-    expected = _reference(path, seqs)
+    expected = eager_states(path, seqs)
     for seq, got, want in zip(seqs, engine.embed_tokens(seqs), expected, strict=True):
         assert got.shape == want.shape == (len(seq), info.hidden_size)
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)

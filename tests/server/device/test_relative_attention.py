@@ -38,14 +38,22 @@ from embedding_server.device.weights import load_weights
 from embedding_server.engine import Engine
 from embedding_server.errors import InvalidRequestError, UnsupportedModelError
 from transformers import (
-    AutoModel,
     AutoModelForMaskedLM,
-    AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
     AutoTokenizer,
 )
 
+from tests.support import device_cases as cases
 from tests.support.attention import assert_rows_close, pretend_cuda
+from tests.support.device_cases import (
+    assert_bfloat16_classifier_matches,
+    assert_refused,
+    assert_scores_are_sigmoid_logits,
+    built_once,
+    centered,
+    eager_states,
+    edited_copy,
+)
 from tests.support.models import (
     DEBERTA_VARIANTS,
     add_sentence_transformers,
@@ -56,35 +64,21 @@ from tests.support.tasks import build_classifier
 
 pytestmark = pytest.mark.timeout(300)
 
-F32_COSINE = 0.99999
-BF16_COSINE = 0.999
+
 MODELS = ["mpnet", *DEBERTA_VARIANTS]
 # Up to 200 tokens: past MPNet's 128-token bucket reach (its tiny model has 256 positions);
 # DeBERTa's tiny models stop at 128, past their 16-position clamp and 8-bucket log range.
 LENGTHS = [1, 2, 3, 5, 9, 9, 17, 40, 64, 96, 128, 200]
-TEXTS = [
-    "a",
-    "The quick brown fox jumps over the lazy dog.",
-    "short one",
-    "packed batches of mixed lengths must not leak into each other " * 3,
-]
-QUERIES = ["what is a fox?", "q", "where do cats sleep in the winter months?", "x y z"]
-DOCS = ["the fox is an animal", "d", "cats sleep anywhere warm " * 6, "nothing at all"]
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """Factory: a tiny body per ``MODELS`` entry, built once per module."""
-    root = tmp_path_factory.mktemp("relative-attention")
-    cache: dict[str, Path] = {}
 
-    def get(name: str) -> Path:
-        if name not in cache:
-            target = root / name
-            cache[name] = build_mpnet(target) if name == "mpnet" else build_deberta(target, name)
-        return cache[name]
+    def build(target: Path, name: str) -> Path:
+        return build_mpnet(target) if name == "mpnet" else build_deberta(target, name)
 
-    return get
+    return built_once(tmp_path_factory.mktemp("relative-attention"), build)
 
 
 def _sequences(engine: Engine) -> list[list[int]]:
@@ -98,12 +92,6 @@ def _sequences(engine: Engine) -> list[list[int]]:
         middle = torch.randint(4, vocab, (max(0, n - 2),), generator=generator).tolist()
         seqs.append([first, *middle, last][:n])
     return seqs
-
-
-def _reference_states(path: Path, seqs: list[list[int]]) -> list[np.ndarray]:
-    model = AutoModel.from_pretrained(str(path), attn_implementation="eager").eval()
-    with torch.no_grad():
-        return [model(input_ids=torch.tensor([s])).last_hidden_state[0].numpy() for s in seqs]
 
 
 @pytest.mark.parametrize(
@@ -128,12 +116,12 @@ def test_packed_batch_matches_transformers(
     assert engine.info().attention == kernel
     seqs = _sequences(engine)
     assert max(len(s) for s in seqs) >= 128
-    expected = _reference_states(path, seqs)
+    expected = eager_states(path, seqs)
     got = engine.embed_tokens(seqs)
     for seq, have, want in zip(seqs, got, expected, strict=True):
         assert have.shape == want.shape == (len(seq), engine.info().hidden_size)
         np.testing.assert_allclose(have, want, atol=2e-5, rtol=1e-4)
-    assert_rows_close(got, expected, min_cosine=F32_COSINE)
+    assert_rows_close(got, expected, min_cosine=cases.F32_COSINE)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -145,11 +133,13 @@ def test_bfloat16_points_where_float32_transformers_does(
     assert engine.info().dtype == "bfloat16"
     seqs = _sequences(engine)
     assert_rows_close(
-        engine.embed_tokens(seqs), _reference_states(path, seqs), min_cosine=BF16_COSINE
+        engine.embed_tokens(seqs), eager_states(path, seqs), min_cosine=cases.BF16_COSINE
     )
 
 
-@pytest.mark.parametrize(("dtype", "min_cosine"), [("float32", F32_COSINE), ("bfloat16", 0.999)])
+@pytest.mark.parametrize(
+    ("dtype", "min_cosine"), [("float32", cases.F32_COSINE), ("bfloat16", 0.999)]
+)
 def test_mpnet_sentence_transformers_pipeline(
     model_dir: Callable[[str], Path], dtype: str, min_cosine: float
 ) -> None:
@@ -161,7 +151,7 @@ def test_mpnet_sentence_transformers_pipeline(
     engine = Engine.from_pretrained(str(path), dtype=dtype)
     info = engine.info()
     assert (info.pooling, info.normalize, info.max_input_tokens) == ("mean", True, 200)
-    texts = [*TEXTS, "long input " * 40]
+    texts = [*cases.TEXTS, "long input " * 40]
     expected = SentenceTransformer(str(path), device="cpu").encode(texts, convert_to_numpy=True)
     got = engine.embed(texts)
     if dtype == "float32":
@@ -190,44 +180,12 @@ def classifiers(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]
     return get
 
 
-def _logits(path: Path, inputs: list[str] | list[tuple[str, str]], limit: int) -> np.ndarray:
-    """transformers' float32 sequence logits, each input (or pair, with its segment ids) run
-    alone."""
-    tok = AutoTokenizer.from_pretrained(str(path))
-    model = AutoModelForSequenceClassification.from_pretrained(str(path)).eval()
-    rows = []
-    with torch.no_grad():
-        for item in inputs:
-            parts = item if isinstance(item, tuple) else (item,)
-            enc = tok(
-                *parts,
-                return_tensors="pt",
-                truncation=True,
-                max_length=limit,
-                return_token_type_ids=True,  # as DeBERTa's own tokenizer returns them
-            )
-            rows.append(model(**enc).logits[0].numpy())
-    return np.stack(rows)
-
-
-def _centered(log_probs: np.ndarray) -> np.ndarray:
-    """Logits up to their per-row constant (what log-softmax keeps of them), centered, and
-    flattened: the logits of several rows as one vector. Compared row by row, a row whose
-    labels are nearly tied (centered logits of norm ~0.2) has its direction set by bfloat16's
-    rounding alone; transformers' own bfloat16 run misses 0.999 on such rows too."""
-    return (log_probs - log_probs.mean(-1, keepdims=True)).reshape(1, -1)
-
-
 @pytest.mark.parametrize("family", ["mpnet", "deberta-v2"])
 def test_sequence_classifier_in_bfloat16(classifiers: Callable[..., Path], family: str) -> None:
     """The head (pooler, activation, classifier) on bfloat16 states: the logits point where
     float32 transformers' do (cosine of the centered logits, which softmax keeps)."""
     path = classifiers(family, 3)
-    engine = Engine.from_pretrained(str(path), dtype="bfloat16")
-    assert engine.info().task == "classify"
-    expected = _logits(path, TEXTS, engine.info().max_input_tokens)
-    got = np.log(engine.classify(TEXTS).probs)
-    assert_rows_close(_centered(got), _centered(expected), min_cosine=BF16_COSINE)
+    assert_bfloat16_classifier_matches(path, path)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -241,7 +199,7 @@ def test_token_classifier_in_both_dtypes(
     tok = AutoTokenizer.from_pretrained(str(path))
     model = AutoModelForTokenClassification.from_pretrained(str(path)).eval()
     limit = engine.info().max_input_tokens
-    for text, probs in zip(TEXTS, engine.token_classify(TEXTS), strict=True):
+    for text, probs in zip(cases.TEXTS, engine.token_classify(cases.TEXTS), strict=True):
         enc = tok(text, return_tensors="pt", truncation=True, max_length=limit)
         with torch.no_grad():
             logits = model(**enc).logits[0].numpy()
@@ -250,8 +208,8 @@ def test_token_classifier_in_both_dtypes(
             np.testing.assert_allclose(
                 probs, torch.softmax(torch.from_numpy(logits), -1), atol=1e-5
             )
-        min_cosine = F32_COSINE if dtype == "float32" else BF16_COSINE
-        assert_rows_close(_centered(np.log(probs)), _centered(logits), min_cosine=min_cosine)
+        min_cosine = cases.F32_COSINE if dtype == "float32" else cases.BF16_COSINE
+        assert_rows_close(centered(np.log(probs)), centered(logits), min_cosine=min_cosine)
 
 
 def test_deberta_v2_cross_encoder_with_segment_ids_and_the_convolution(
@@ -263,9 +221,7 @@ def test_deberta_v2_cross_encoder_with_segment_ids_and_the_convolution(
     path = classifiers("deberta-v2", 1, variant="deberta-v2-conv")
     engine = Engine.from_pretrained(str(path), dtype="float32")
     assert engine.info().task == "score"
-    pairs = list(zip(QUERIES, DOCS, strict=True))
-    logits = _logits(path, pairs, engine.info().max_input_tokens)[:, 0]
-    np.testing.assert_allclose(engine.score(QUERIES, DOCS), 1 / (1 + np.exp(-logits)), atol=1e-5)
+    assert_scores_are_sigmoid_logits(engine, path)
 
 
 # --- the kernel: SDPA only, and said ---------------------------------------------------------
@@ -326,7 +282,7 @@ def test_on_a_gpu_the_families_run_padded_sdpa_and_info_says_why(
     assert any(
         "not using flash_attn" in r.getMessage() and what in r.getMessage() for r in caplog.records
     )
-    assert_rows_close(engine.embed_tokens(seqs), baseline, min_cosine=BF16_COSINE)
+    assert_rows_close(engine.embed_tokens(seqs), baseline, min_cosine=cases.BF16_COSINE)
     assert cuda.flash.calls == [] and cuda.torch_varlen.calls == []
     with pytest.raises(InvalidRequestError, match=f"attention=flash_attn cannot be used.*{what}"):
         Engine.from_pretrained(path, dtype="bfloat16", attention="flash_attn")
@@ -402,14 +358,6 @@ def test_a_bias_is_refused_where_it_cannot_apply() -> None:
 # --- refusals and the tensors left unread ----------------------------------------------------
 
 
-def _edited(src: Path, target: Path, **changes: Any) -> Path:
-    shutil.copytree(src, target)
-    config = json.loads((target / "config.json").read_text())
-    config.update(changes)
-    (target / "config.json").write_text(json.dumps(config))
-    return target
-
-
 @pytest.mark.parametrize(
     ("name", "changes", "complaint"),
     [
@@ -426,15 +374,14 @@ def test_what_cannot_be_served_exactly_is_refused(
     changes: dict[str, Any],
     complaint: str,
 ) -> None:
-    path = _edited(model_dir(name), tmp_path / "m", **changes)
-    with pytest.raises(UnsupportedModelError, match=re.escape(complaint)):
-        Engine.from_pretrained(str(path), dtype="float32")
+    path = edited_copy(model_dir(name), tmp_path / "m", **changes)
+    assert_refused(path, re.escape(complaint))
 
 
 def test_an_unknown_pooler_activation_is_refused(
     classifiers: Callable[..., Path], tmp_path: Path
 ) -> None:
-    path = _edited(classifiers("deberta-v2", 1), tmp_path / "m", pooler_hidden_act="gelu_new")
+    path = edited_copy(classifiers("deberta-v2", 1), tmp_path / "m", pooler_hidden_act="gelu_new")
     with pytest.raises(UnsupportedModelError, match="pooler_hidden_act 'gelu_new'"):
         Engine.from_pretrained(str(path), dtype="float32")
 

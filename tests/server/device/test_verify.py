@@ -41,6 +41,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from tests.support.api import SCRIPT
 from tests.support.bert_families import build_family
+from tests.support.device_cases import built_once
 from tests.support.gte import build_gte
 from tests.support.jina_v3 import build_jina_v3
 from tests.support.models import (
@@ -256,15 +257,9 @@ def test_every_native_model_type_has_a_checkpoint_to_verify_or_a_reason() -> Non
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """Each row's checkpoint, built once for the module."""
-    root = tmp_path_factory.mktemp("verify")
-    cache: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in cache:
-            cache[name] = CHECKPOINTS[name].build(root / name)
-        return cache[name]
-
-    return get
+    return built_once(
+        tmp_path_factory.mktemp("verify"), lambda path, name: CHECKPOINTS[name].build(path)
+    )
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
