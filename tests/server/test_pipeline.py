@@ -28,7 +28,7 @@ from embedding_server.errors import EngineFailedError, NotReadyError
 from embedding_server.request.scheduler import Scheduler
 from embedding_server.request.sequences import SequenceInput
 
-from tests.support.scheduler import GatedForward, seq, wait_for
+from tests.support.scheduler import GatedForward, seq, started, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,13 +36,9 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture
 async def sched() -> tuple[Scheduler, GatedForward]:  # type: ignore[misc]
     forward = GatedForward()
-    executor = ThreadPoolExecutor(1)
-    scheduler = Scheduler(forward, max_batch_tokens=100, max_batch_size=4, max_queue_tokens=500)
-    await scheduler.start(executor)
-    yield scheduler, forward
-    forward.gate.set()
-    await scheduler.stop(drain=False)
-    executor.shutdown(wait=True)
+    limits = {"max_batch_tokens": 100, "max_batch_size": 4, "max_queue_tokens": 500}
+    async with started(forward, **limits) as scheduler:
+        yield scheduler, forward
 
 
 async def test_the_next_full_batch_is_prepared_while_the_current_one_runs(

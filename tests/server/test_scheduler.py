@@ -21,7 +21,7 @@ from embedding_server.request.admission import BULK_QUEUE_SHARE, Admission
 from embedding_server.request.scheduler import BULK_TURN, RATE_DECAY, Scheduler
 from embedding_server.request.sequences import BatchOutput, SequenceInput
 
-from tests.support.scheduler import GatedForward, seq, wait_for
+from tests.support.scheduler import GatedForward, seq, started, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -30,15 +30,9 @@ pytestmark = pytest.mark.timeout(60)
 async def sched() -> tuple[Scheduler, GatedForward, Metrics]:  # type: ignore[misc]
     forward = GatedForward()
     metrics = Metrics()
-    executor = ThreadPoolExecutor(1)
-    scheduler = Scheduler(
-        forward, max_batch_tokens=100, max_batch_size=4, max_queue_tokens=500, metrics=metrics
-    )
-    await scheduler.start(executor)
-    yield scheduler, forward, metrics
-    forward.gate.set()
-    await scheduler.stop(drain=False)
-    executor.shutdown(wait=True)
+    limits = {"max_batch_tokens": 100, "max_batch_size": 4, "max_queue_tokens": 500}
+    async with started(forward, **limits, metrics=metrics) as scheduler:
+        yield scheduler, forward, metrics
 
 
 def gauge(metrics: Metrics, name: str) -> float:
@@ -156,13 +150,10 @@ async def test_backlog_seconds_is_queued_and_running_tokens_over_the_measured_ra
 
 async def test_a_request_over_the_per_request_limit_is_never_admitted() -> None:
     forward = GatedForward()
-    executor = ThreadPoolExecutor(1)
-    scheduler = Scheduler(
+    async with started(
         forward, max_batch_tokens=100, max_batch_size=4, max_queue_tokens=500,
         max_request_tokens=200,
-    )  # fmt: skip
-    await scheduler.start(executor)
-    try:
+    ) as scheduler:  # fmt: skip
         # Even into an empty queue: one request may not hold the whole budget.
         with pytest.raises(TooManyTokensError) as err:
             await scheduler.submit([seq(1, 100), seq(2, 101)])
@@ -173,10 +164,6 @@ async def test_a_request_over_the_per_request_limit_is_never_admitted() -> None:
         forward.gate.set()
         out = await scheduler.submit([seq(1, 100), seq(2, 100)])
         assert out.pooled.shape == (2, 2)
-    finally:
-        forward.gate.set()
-        await scheduler.stop(drain=False)
-        executor.shutdown(wait=True)
 
 
 async def test_reservations_refuse_a_crowd_before_it_is_tokenized(
@@ -423,10 +410,9 @@ async def test_interactive_is_picked_ahead_of_older_bulk_and_bulk_fills_the_slac
 
 async def test_bulk_is_slowed_never_starved_by_interactive_traffic() -> None:
     forward = GatedForward()
-    executor = ThreadPoolExecutor(1)
-    scheduler = Scheduler(forward, max_batch_tokens=100, max_batch_size=4, max_queue_tokens=5000)
-    await scheduler.start(executor)
-    try:
+    async with started(
+        forward, max_batch_tokens=100, max_batch_size=4, max_queue_tokens=5000
+    ) as scheduler:
         blocker = asyncio.create_task(scheduler.submit([seq(0, 10)]))
         await wait_for(forward.started.is_set)
         # One bulk item, then more queries than BULK_TURN batches hold, each a full batch:
@@ -445,18 +431,13 @@ async def test_bulk_is_slowed_never_starved_by_interactive_traffic() -> None:
         assert ran[:BULK_TURN] == [[tag] for tag in range(10, 10 + BULK_TURN)]
         assert ran[BULK_TURN] == [1]
         assert bulk.result().pooled.tolist() == [[1.0, 50.0]]
-    finally:
-        forward.gate.set()
-        await scheduler.stop(drain=False)
-        executor.shutdown(wait=True)
 
 
 async def test_bulk_is_refused_past_its_share_while_interactive_is_admitted() -> None:
     forward = GatedForward()
-    executor = ThreadPoolExecutor(1)
-    scheduler = Scheduler(forward, max_batch_tokens=40, max_batch_size=1, max_queue_tokens=400)
-    await scheduler.start(executor)
-    try:
+    async with started(
+        forward, max_batch_tokens=40, max_batch_size=1, max_queue_tokens=400
+    ) as scheduler:
         running = asyncio.create_task(scheduler.submit([seq(0, 40)]))
         await wait_for(forward.started.is_set)
         # Bulk fills the queue up to 280 tokens (one more item is prepared beside the
@@ -483,10 +464,6 @@ async def test_bulk_is_refused_past_its_share_while_interactive_is_admitted() ->
         # The query ran ahead of the bulk items queued before it (the prepared one aside).
         order = [batch[0] for batch in forward.batches]
         assert order.index(30) < order.index(3)
-    finally:
-        forward.gate.set()
-        await scheduler.stop(drain=False)
-        executor.shutdown(wait=True)
 
 
 def test_an_empty_queue_admits_a_bulk_request_however_big() -> None:
@@ -506,6 +483,10 @@ class SteppedForward(GatedForward):
         super().__init__()
         self.permits = threading.Semaphore(0)
 
+    def open(self) -> None:
+        for _ in range(16):
+            self.permits.release()
+
     def execute(self, seqs: list[SequenceInput]) -> BatchOutput:
         self.batches.append([s.ids[0] for s in seqs])
         self.started.set()
@@ -516,10 +497,9 @@ class SteppedForward(GatedForward):
 
 async def test_a_query_passes_a_bulk_batch_prepared_before_it_came_once() -> None:
     forward = SteppedForward()
-    executor = ThreadPoolExecutor(1)
-    scheduler = Scheduler(forward, max_batch_tokens=100, max_batch_size=4, max_queue_tokens=5000)
-    await scheduler.start(executor)
-    try:
+    async with started(
+        forward, max_batch_tokens=100, max_batch_size=4, max_queue_tokens=5000
+    ) as scheduler:
         blocker = asyncio.create_task(scheduler.submit([seq(0, 10)]))
         await wait_for(forward.started.is_set)
         # An indexing job: more than a full batch, so the next batch (bulk only) is prepared
@@ -548,21 +528,15 @@ async def test_a_query_passes_a_bulk_batch_prepared_before_it_came_once() -> Non
         assert first.result().pooled.tolist() == [[10.0, 30.0]]
         for tag, task in zip(range(1, 9), bulk, strict=True):
             assert task.result().pooled.tolist() == [[float(tag), 50.0]]
-    finally:
-        for _ in range(16):
-            forward.permits.release()
-        await scheduler.stop(drain=False)
-        executor.shutdown(wait=True)
 
 
 async def test_a_bulk_batch_taken_while_queries_waited_is_not_passed() -> None:
     # Bulk's turn (BULK_TURN) is a bulk-only batch formed while queries wait: passing it
     # would starve bulk, so it runs in its turn.
     forward = SteppedForward()
-    executor = ThreadPoolExecutor(1)
-    scheduler = Scheduler(forward, max_batch_tokens=100, max_batch_size=4, max_queue_tokens=5000)
-    await scheduler.start(executor)
-    try:
+    async with started(
+        forward, max_batch_tokens=100, max_batch_size=4, max_queue_tokens=5000
+    ) as scheduler:
         blocker = asyncio.create_task(scheduler.submit([seq(0, 10)]))
         await wait_for(forward.started.is_set)
         bulk = asyncio.create_task(scheduler.submit([seq(1, 50)], priority="bulk"))
@@ -576,8 +550,3 @@ async def test_a_bulk_batch_taken_while_queries_waited_is_not_passed() -> None:
         ran = forward.batches[1:]
         assert ran[:BULK_TURN] == [[tag] for tag in range(10, 10 + BULK_TURN)]
         assert ran[BULK_TURN] == [1]
-    finally:
-        for _ in range(16):
-            forward.permits.release()
-        await scheduler.stop(drain=False)
-        executor.shutdown(wait=True)

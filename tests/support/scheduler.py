@@ -1,5 +1,5 @@
-"""Helpers for the scheduler tests: a runner whose forward pass is held closed, and an async
-poll with a deadline.
+"""Helpers for the scheduler tests: a runner whose forward pass is held closed, a scheduler
+started over it for the length of a block, and an async poll with a deadline.
 
 The runner blocks in ``execute`` until its ``gate`` (a threading.Event) is set, so the
 queue state and what was prepared meanwhile are exact at each step instead of
@@ -9,11 +9,15 @@ timing-dependent.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
+from embedding_server.request.scheduler import Scheduler
 from embedding_server.request.sequences import BatchOutput, SequenceInput
 
 
@@ -44,6 +48,10 @@ class GatedForward:
         self.fail_prepare: Exception | None = None
         self.seconds: list[float] = []
 
+    def open(self) -> None:
+        """Let every forward pass through, from now on (a test's teardown)."""
+        self.gate.set()
+
     def prepare(self, seqs: Sequence[SequenceInput]) -> list[SequenceInput]:
         if self.fail_prepare is not None:
             exc, self.fail_prepare = self.fail_prepare, None
@@ -71,3 +79,19 @@ class GatedForward:
 
 def seq(tag: int, length: int) -> SequenceInput:
     return SequenceInput([tag] * length)
+
+
+@contextlib.asynccontextmanager
+async def started(forward: GatedForward, **options: Any) -> AsyncIterator[Scheduler]:
+    """A ``Scheduler(forward, **options)`` running on a thread of its own for the block; on
+    leaving, ``forward`` is opened, the scheduler stopped without draining and the thread
+    shut down."""
+    executor = ThreadPoolExecutor(1)
+    scheduler = Scheduler(forward, **options)
+    await scheduler.start(executor)
+    try:
+        yield scheduler
+    finally:
+        forward.open()
+        await scheduler.stop(drain=False)
+        executor.shutdown(wait=True)
