@@ -61,6 +61,19 @@ def float_vectors(server: RunningServer, texts: list[str], **extra: Any) -> np.n
     return np.array([d["embedding"] for d in body.json()["data"]], dtype=np.float32)
 
 
+def embed_packed(
+    server: RunningServer, encoding_format: str, dtype: str, endianness: str
+) -> httpx.Response:
+    """TEXTS' embeddings packed as ``encoding_format``, in ``dtype`` and ``endianness``."""
+    body = {
+        "input": TEXTS,
+        "encoding_format": encoding_format,
+        "embed_dtype": dtype,
+        "endianness": endianness,
+    }
+    return post(server, "/v1/embeddings", body)
+
+
 def decode(raw: bytes, dtype: str, endianness: str) -> np.ndarray:
     """Wire bytes -> float32 values, as a vLLM client reads them (no server code involved)."""
     order = sys.byteorder if endianness == "native" else endianness
@@ -104,16 +117,7 @@ def reference(server: RunningServer) -> np.ndarray:
 def test_base64_decodes_to_the_float_vectors(
     server: RunningServer, reference: np.ndarray, dtype: str, endianness: str
 ) -> None:
-    body = post(
-        server,
-        "/v1/embeddings",
-        {
-            "input": TEXTS,
-            "encoding_format": "base64",
-            "embed_dtype": dtype,
-            "endianness": endianness,
-        },
-    ).json()
+    body = embed_packed(server, "base64", dtype, endianness).json()
     assert [d["index"] for d in body["data"]] == list(range(len(TEXTS)))
     raws = [base64.b64decode(d["embedding"]) for d in body["data"]]
     assert {len(r) for r in raws} == {MINILM_DIMS * ITEMSIZE[dtype]}
@@ -126,16 +130,7 @@ def test_base64_decodes_to_the_float_vectors(
 def test_bytes_with_metadata_decode_to_the_float_vectors(
     server: RunningServer, reference: np.ndarray, dtype: str, endianness: str
 ) -> None:
-    response = post(
-        server,
-        "/v1/embeddings",
-        {
-            "input": TEXTS,
-            "encoding_format": "bytes",
-            "embed_dtype": dtype,
-            "endianness": endianness,
-        },
-    )
+    response = embed_packed(server, "bytes", dtype, endianness)
     assert response.headers["content-type"] == "application/octet-stream"
     metadata = json.loads(response.headers["metadata"])
     assert metadata["model"] == server.lifecycle.served_model_name
@@ -170,16 +165,7 @@ def test_bytes_with_metadata_decode_to_the_float_vectors(
 def test_bytes_only_is_the_same_body_without_metadata(
     server: RunningServer, reference: np.ndarray, dtype: str, endianness: str
 ) -> None:
-    response = post(
-        server,
-        "/v1/embeddings",
-        {
-            "input": TEXTS,
-            "encoding_format": "bytes_only",
-            "embed_dtype": dtype,
-            "endianness": endianness,
-        },
-    )
+    response = embed_packed(server, "bytes_only", dtype, endianness)
     assert response.headers["content-type"] == "application/octet-stream"
     assert "metadata" not in response.headers
     assert int(response.headers["x-compute-tokens"]) > 0  # timing headers as for JSON
