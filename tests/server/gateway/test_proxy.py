@@ -40,6 +40,27 @@ def _sample(gateway: Gateway, name: str, labels: dict[str, str]) -> float:
     return gateway.metrics.registry.get_sample_value(full, labels) or 0.0
 
 
+def _both(stubs: tuple[Stub, Stub]) -> ListDiscovery:
+    """One service, "s", serving model "m" on both stubs."""
+    return _both(stubs)
+
+
+async def _load_polled(gateway: Gateway, stub: Stub, what: str = "the load polled") -> None:
+    """Wait until the gateway has polled ``stub``'s queued tokens (a busy stub's load)."""
+    await wait_until(
+        lambda: (
+            gateway._poller is not None and gateway._poller.endpoints[stub.url].queued_tokens > 0
+        ),
+        what=what,
+    )
+
+
+async def _embed(url: str) -> httpx.Response:
+    """One small embeddings request for model "m" through the gateway at ``url``."""
+    async with httpx.AsyncClient(base_url=url) as client:
+        return await client.post("/v1/embeddings", json={"model": "m", "input": "x"})
+
+
 async def test_every_request_goes_to_the_idle_pod_not_the_busy_one(
     stubs: tuple[Stub, Stub],
 ) -> None:
@@ -48,13 +69,7 @@ async def test_every_request_goes_to_the_idle_pod_not_the_busy_one(
     discovery = ListDiscovery([Service("s", ("m",), frozenset({busy.url, idle.url}))])
     async with running_gateway(discovery) as (gateway, url):
         await wait_until(lambda: _ready(gateway, "m", 2), what="both endpoints ready")
-        await wait_until(
-            lambda: (
-                gateway._poller is not None
-                and gateway._poller.endpoints[busy.url].queued_tokens > 0
-            ),
-            what="the busy pod's load polled",
-        )
+        await _load_polled(gateway, busy, "the busy pod's load polled")
         async with httpx.AsyncClient(base_url=url) as client:
             for _ in range(20):
                 answer = await client.post("/v1/embeddings", json={"model": "m", "input": "x"})
@@ -70,7 +85,7 @@ async def test_a_burst_spreads_over_idle_pods_by_in_flight_work(
     # burst instead of sending all of it to whichever pod won the first pick.
     for stub in stubs:
         stub.delay = 0.5
-    discovery = ListDiscovery([Service("s", ("m",), frozenset(s.url for s in stubs))])
+    discovery = _both(stubs)
     async with running_gateway(discovery, poll_interval=5.0) as (gateway, url):
         await wait_until(lambda: _ready(gateway, "m", 2), what="both endpoints ready")
         async with httpx.AsyncClient(base_url=url) as client:
@@ -133,18 +148,11 @@ async def test_a_503_is_retried_once_on_another_pod(stubs: tuple[Stub, Stub]) ->
     draining, healthy = stubs
     draining.status = 503
     healthy.load = BUSY  # so the first pick is the draining pod
-    discovery = ListDiscovery([Service("s", ("m",), frozenset(s.url for s in stubs))])
+    discovery = _both(stubs)
     async with running_gateway(discovery) as (gateway, url):
         await wait_until(lambda: _ready(gateway, "m", 2), what="both endpoints ready")
-        await wait_until(
-            lambda: (
-                gateway._poller is not None
-                and gateway._poller.endpoints[healthy.url].queued_tokens > 0
-            ),
-            what="the load polled",
-        )
-        async with httpx.AsyncClient(base_url=url) as client:
-            answer = await client.post("/v1/embeddings", json={"model": "m", "input": "x"})
+        await _load_polled(gateway, healthy)
+        answer = await _embed(url)
     assert answer.status_code == 200 and answer.json()["served_by"] == healthy.url
     assert len(draining.received) == 1 and len(healthy.received) == 1
     assert _sample(gateway, "retries_total", {"model": "m", "reason": "unavailable"}) == 1
@@ -153,11 +161,10 @@ async def test_a_503_is_retried_once_on_another_pod(stubs: tuple[Stub, Stub]) ->
 async def test_a_4xx_is_never_retried(stubs: tuple[Stub, Stub]) -> None:
     for stub in stubs:
         stub.status = 400
-    discovery = ListDiscovery([Service("s", ("m",), frozenset(s.url for s in stubs))])
+    discovery = _both(stubs)
     async with running_gateway(discovery) as (gateway, url):
         await wait_until(lambda: _ready(gateway, "m", 2), what="both endpoints ready")
-        async with httpx.AsyncClient(base_url=url) as client:
-            answer = await client.post("/v1/embeddings", json={"model": "m", "input": "x"})
+        answer = await _embed(url)
     assert answer.status_code == 400
     assert len(stubs[0].received) + len(stubs[1].received) == 1
 
@@ -167,12 +174,11 @@ async def test_a_pod_gone_without_answering_is_retried_on_another(
 ) -> None:
     gone, alive = stubs
     alive.load = BUSY  # the gone pod looks idler, so it is picked first
-    discovery = ListDiscovery([Service("s", ("m",), frozenset(s.url for s in stubs))])
+    discovery = _both(stubs)
     async with running_gateway(discovery, poll_interval=5.0) as (gateway, url):
         await wait_until(lambda: _ready(gateway, "m", 2), what="both endpoints ready")
         await gone.stop()  # connections refused from now on; the gateway has not polled
-        async with httpx.AsyncClient(base_url=url) as client:
-            answer = await client.post("/v1/embeddings", json={"model": "m", "input": "x"})
+        answer = await _embed(url)
     assert answer.status_code == 200 and answer.json()["served_by"] == alive.url
     assert _sample(gateway, "retries_total", {"model": "m", "reason": "connection"}) == 1
 
@@ -183,18 +189,11 @@ async def test_a_pod_that_dies_mid_answer_is_retried_and_the_client_sees_one_who
     dying, alive = stubs
     dying.die_mid_answer = True
     alive.load = BUSY  # the dying pod looks idler, so it is picked first
-    discovery = ListDiscovery([Service("s", ("m",), frozenset(s.url for s in stubs))])
+    discovery = _both(stubs)
     async with running_gateway(discovery) as (gateway, url):
         await wait_until(lambda: _ready(gateway, "m", 2), what="both endpoints ready")
-        await wait_until(
-            lambda: (
-                gateway._poller is not None
-                and gateway._poller.endpoints[alive.url].queued_tokens > 0
-            ),
-            what="the load polled",
-        )
-        async with httpx.AsyncClient(base_url=url) as client:
-            answer = await client.post("/v1/embeddings", json={"model": "m", "input": "x"})
+        await _load_polled(gateway, alive)
+        answer = await _embed(url)
     assert answer.status_code == 200 and answer.json()["served_by"] == alive.url
     assert len(dying.received) == 1
     assert _sample(gateway, "retries_total", {"model": "m", "reason": "connection"}) == 1
