@@ -42,7 +42,7 @@ def _sample(gateway: Gateway, name: str, labels: dict[str, str]) -> float:
 
 def _both(stubs: tuple[Stub, Stub]) -> ListDiscovery:
     """One service, "s", serving model "m" on both stubs."""
-    return _both(stubs)
+    return ListDiscovery([Service("s", ("m",), frozenset(s.url for s in stubs))])
 
 
 async def _load_polled(gateway: Gateway, stub: Stub, what: str = "the load polled") -> None:
