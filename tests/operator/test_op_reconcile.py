@@ -25,15 +25,32 @@ class Events:
 
 
 def make(
-    cluster: FakeCluster, events: Events | None = None, times: list[str] | None = None
+    cluster: FakeCluster,
+    events: Events | None = None,
+    times: list[str] | None = None,
+    **options: Any,
 ) -> Reconciler:
     clock = iter(times or [f"2025-01-01T00:00:{i:02d}Z" for i in range(60)])
+    return reconciler(cluster, events, clock=lambda: next(clock), **options)
+
+
+def make_with_keda(cluster: FakeCluster, events: Events) -> Reconciler:
+    """``make`` with KEDA as the platform's autoscaler and ten minutes of clock ticks."""
+    times = [f"2025-01-01T00:{i // 60:02d}:{i % 60:02d}Z" for i in range(600)]
+    return make(
+        cluster, events, times, autoscaling=AutoscalingDefaults("keda", "http://prometheus:9090")
+    )
+
+
+def reconciler(cluster: FakeCluster, events: Events | None = None, **options: Any) -> Reconciler:
+    """A Reconciler with the built-in GPU profiles, image img:1 and ``events`` (else a fresh
+    Events) as its recorder; ``options`` as given (the real clock unless one is)."""
     return Reconciler(
         cluster=cluster,
         profiles=GpuProfiles.builtin(),
         default_image="img:1",
         recorder=events or Events(),
-        clock=lambda: next(clock),
+        **options,
     )
 
 
@@ -193,15 +210,7 @@ def test_resync_of_a_settled_unchanged_object_costs_no_api_call(cluster: FakeClu
     add_service(cluster, {**MODEL, "replicas": 2})
     versions = WatchedVersions()
     now = [0.0]
-    rec = Reconciler(
-        cluster=cluster,
-        profiles=GpuProfiles.builtin(),
-        default_image="img:1",
-        recorder=Events(),
-        versions=versions,
-        full_resync_seconds=600,
-        monotonic=lambda: now[0],
-    )
+    rec = reconciler(cluster, versions=versions, full_resync_seconds=600, monotonic=lambda: now[0])
     rec.reconcile(NS, "emb")
     _watch_delivers(cluster, versions)
     # Rolling out: not settled, read every time.
@@ -251,13 +260,7 @@ def test_resync_of_a_settled_unchanged_object_costs_no_api_call(cluster: FakeClu
 def test_unsettled_objects_are_read_on_every_resync(cluster: FakeCluster) -> None:
     add_service(cluster, {**MODEL, "gpu": {"type": "tpu"}})
     versions = WatchedVersions()
-    rec = Reconciler(
-        cluster=cluster,
-        profiles=GpuProfiles.builtin(),
-        default_image="img:1",
-        recorder=Events(),
-        versions=versions,
-    )
+    rec = reconciler(cluster, versions=versions)
     for _ in range(2):
         _watch_delivers(cluster, versions)
         cluster.calls.clear()
@@ -417,13 +420,7 @@ def test_pods_come_from_the_pod_watch_without_a_list(cluster: FakeCluster) -> No
     reconcile reads its pods from there: the same SecretNotFound, and no LIST at all."""
     add_service(cluster, {**MODEL, "apiKeySecretRef": {"name": "auth"}})
     watched = WatchedPods()
-    rec = Reconciler(
-        cluster=cluster,
-        profiles=GpuProfiles.builtin(),
-        default_image="img:1",
-        recorder=Events(),
-        pods=watched,
-    )
+    rec = reconciler(cluster, pods=watched)
     rec.reconcile(NS, "emb")
     waiting = {"reason": "CreateContainerConfigError", "message": 'secret "auth" not found'}
     watched.pod_event(NS, "emb", _pod("emb-abc", waiting), deleted=False)
@@ -477,13 +474,7 @@ def test_image_outside_the_allowlist_applies_nothing(cluster: FakeCluster) -> No
 
     add_service(cluster, {**MODEL, "server": {"image": "me/srv:1"}})
     events = Events()
-    rec = Reconciler(
-        cluster=cluster,
-        profiles=GpuProfiles.builtin(),
-        default_image="img:1",
-        recorder=events,
-        policy=WorkloadPolicy(allowed_images=("corp/*",)),
-    )
+    rec = reconciler(cluster, events, policy=WorkloadPolicy(allowed_images=("corp/*",)))
     outcome = rec.reconcile(NS, "emb")
     assert outcome is not None and outcome.problem is not None and not outcome.retry
     assert cluster.writes() == [("status", "EmbeddingService")]
@@ -726,15 +717,7 @@ def test_scaled_to_zero_by_keda_is_ready_not_degraded_and_says_so(cluster: FakeC
     auto = {"enabled": True, "autoscaler": "keda", "minReplicas": 0, "maxReplicas": 2}
     add_service(cluster, {**MODEL, "autoscaling": auto})
     events = Events()
-    clock = iter(f"2025-01-01T00:{i // 60:02d}:{i % 60:02d}Z" for i in range(600))
-    rec = Reconciler(
-        cluster=cluster,
-        profiles=GpuProfiles.builtin(),
-        default_image="img:1",
-        recorder=events,
-        clock=lambda: next(clock),
-        autoscaling=AutoscalingDefaults("keda", "http://prometheus:9090"),
-    )
+    rec = make_with_keda(cluster, events)
     rec.reconcile(NS, "emb")
     mark_rolled_out(cluster)
     rec.reconcile(NS, "emb")
@@ -922,15 +905,7 @@ def test_status_and_events_say_which_autoscaler_runs_and_whether_it_can_scale(
     and AutoscalerReady follows what KEDA reports about it, with events on the way."""
     add_service(cluster, {**MODEL, "autoscaling": {"enabled": True, "maxReplicas": 3}})
     events = Events()
-    clock = iter(f"2025-01-01T00:{i // 60:02d}:{i % 60:02d}Z" for i in range(600))
-    rec = Reconciler(
-        cluster=cluster,
-        profiles=GpuProfiles.builtin(),
-        default_image="img:1",
-        recorder=events,
-        clock=lambda: next(clock),
-        autoscaling=AutoscalingDefaults("keda", "http://prometheus:9090"),
-    )
+    rec = make_with_keda(cluster, events)
     rec.reconcile(NS, "emb")
     so_ref = ObjectRef("keda.sh/v1alpha1", "ScaledObject", NS, "emb")
     assert so_ref in cluster.objects
@@ -1050,13 +1025,7 @@ def test_a_scaled_object_where_keda_is_not_installed_is_reported(cluster: FakeCl
         return real_apply(manifest, force=force)
 
     cluster.apply = no_keda  # type: ignore[method-assign]
-    rec = Reconciler(
-        cluster=cluster,
-        profiles=GpuProfiles.builtin(),
-        default_image="img:1",
-        recorder=Events(),
-        autoscaling=AutoscalingDefaults("hpa", "http://prometheus:9090"),
-    )
+    rec = reconciler(cluster, autoscaling=AutoscalingDefaults("hpa", "http://prometheus:9090"))
     outcome = rec.reconcile(NS, "emb")
     assert outcome is not None and outcome.problem is not None
     assert outcome.problem.reason == "ChildRejected"
