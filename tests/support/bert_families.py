@@ -38,26 +38,18 @@ FAMILIES = ("camembert", "distilbert", "ernie", "electra")
 :func:`build_flash_xlm_roberta` from an ``xlm-roberta`` checkpoint."""
 
 _BERT = {"num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64}
+_ROBERTA = {
+    **_BERT,
+    "hidden_size": 32,
+    "max_position_embeddings": 130,
+    "type_vocab_size": 1,
+    "pad_token_id": 1,
+    "bos_token_id": 0,
+    "eos_token_id": 2,
+}
 CONFIGS: dict[str, dict[str, Any]] = {
-    "camembert": {
-        **_BERT,
-        "hidden_size": 32,
-        "max_position_embeddings": 130,
-        "type_vocab_size": 1,
-        "pad_token_id": 1,
-        "bos_token_id": 0,
-        "eos_token_id": 2,
-    },
-    "xlm-roberta": {
-        **_BERT,
-        "hidden_size": 32,
-        "max_position_embeddings": 130,
-        "type_vocab_size": 1,
-        "pad_token_id": 1,
-        "bos_token_id": 0,
-        "eos_token_id": 2,
-        "layer_norm_eps": 1e-5,
-    },
+    "camembert": _ROBERTA,
+    "xlm-roberta": {**_ROBERTA, "layer_norm_eps": 1e-5},
     # Its own names for BERT's keys, no segment embeddings.
     "distilbert": {
         "dim": 32,

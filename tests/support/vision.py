@@ -82,13 +82,12 @@ def build_clip(path: Path, *, seed: int = 3, **text: Any) -> Path:
     return path
 
 
-def build_siglip(path: Path, *, seed: int = 4, **vision: Any) -> Path:
-    """A 2-layer SigLIP (text and vision, attention-pooling head) with a SigLIP-style
-    tokenizer that appends ``</s>``; texts are padded with ``<pad>`` (id 0) to 24 tokens."""
+def _siglip_text(path: Path) -> dict[str, Any]:
+    """SigLIP's tokenizer saved in ``path`` (a new folder), and the text tower's config."""
     path.mkdir(parents=True, exist_ok=True)
     tok = byte_tokenizer(SIGLIP_SPECIALS, "$A </s>", ["</s>"])
     _save_tokenizer(tok, path, eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
-    text_config = {
+    return {
         **TOWER,
         "vocab_size": tok.get_vocab_size(),
         "max_position_embeddings": 24,
@@ -96,6 +95,12 @@ def build_siglip(path: Path, *, seed: int = 4, **vision: Any) -> Path:
         "eos_token_id": 1,
         "bos_token_id": 1,
     }
+
+
+def build_siglip(path: Path, *, seed: int = 4, **vision: Any) -> Path:
+    """A 2-layer SigLIP (text and vision, attention-pooling head) with a SigLIP-style
+    tokenizer that appends ``</s>``; texts are padded with ``<pad>`` (id 0) to 24 tokens."""
+    text_config = _siglip_text(path)
     return _save_siglip(path, text_config, seed, **vision)
 
 
@@ -179,17 +184,7 @@ def build_siglip_spm(path: Path, *, seed: int = 6) -> Path:
 def build_siglip2(path: Path, *, seed: int = 5) -> Path:
     """A 2-layer SigLIP 2 NaFlex (patch 8, a 4 x 4 position table) with build_siglip's
     tokenizer and a Siglip2ImageProcessor of ``max_num_patches`` 16."""
-    path.mkdir(parents=True, exist_ok=True)
-    tok = byte_tokenizer(SIGLIP_SPECIALS, "$A </s>", ["</s>"])
-    _save_tokenizer(tok, path, eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
-    text_config = {
-        **TOWER,
-        "vocab_size": tok.get_vocab_size(),
-        "max_position_embeddings": 24,
-        "pad_token_id": 0,
-        "eos_token_id": 1,
-        "bos_token_id": 1,
-    }
+    text_config = _siglip_text(path)
     vision_config = {**TOWER, "num_patches": 16, "patch_size": PATCH}
     config = Siglip2Config(text_config=text_config, vision_config=vision_config)
     torch.manual_seed(seed)
