@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModel
 
+from tests.support.jina_v3 import JINA_BODY
 from tests.support.models import (
     ROBERTA_ROLES,
     _save_tokenizer,
@@ -32,17 +33,6 @@ from tests.support.models import (
 
 QUERY_MARKER, DOCUMENT_MARKER, MASK = "[QueryMarker]", "[DocumentMarker]", "<mask>"
 QUERY_MAXLEN, DOC_MAXLEN, DIM = 16, 24, 8
-_BODY = {
-    "hidden_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "intermediate_size": 64,
-    "max_position_embeddings": 258,
-    "type_vocab_size": 1,
-    "pad_token_id": 1,
-    "bos_token_id": 0,
-    "eos_token_id": 2,
-}
 LINEAR = torch.randn(DIM, 32, generator=torch.Generator().manual_seed(11))
 
 
@@ -55,7 +45,9 @@ def build_jina_colbert(root: Path, **metadata: Any) -> tuple[Path, Path]:
     tok = byte_tokenizer(specials, "<s> $A </s>", ["<s>", "</s>"])
     _save_tokenizer(tok, native, **ROBERTA_ROLES, mask_token=MASK)
     torch.manual_seed(31)
-    config = AutoConfig.for_model("jina_embeddings_v3", vocab_size=tok.get_vocab_size(), **_BODY)
+    config = AutoConfig.for_model(
+        "jina_embeddings_v3", vocab_size=tok.get_vocab_size(), **JINA_BODY
+    )
     model = AutoModel.from_config(config)
     spread_weights(model)
     model.save_pretrained(str(native))

@@ -47,7 +47,8 @@ RANK, ALPHA = 4, 2.0
 SCALING = ALPHA / RANK
 _LINEAR = re.compile(r"encoder\.layers\.\d+\.(?:mixer\.(?:Wqkv|out_proj)|mlp\.fc[12])\.weight")
 _EMBEDDING = re.compile(r"embeddings\.(?:word|token_type)_embeddings\.weight")
-_BODY = {
+# The XLM-R body both jina-embeddings-v3 and jina-colbert-v2 build on, tiny.
+JINA_BODY = {
     "hidden_size": 32,
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
@@ -67,7 +68,9 @@ def build_jina_v3(root: Path) -> tuple[Path, Path]:
     tok = byte_tokenizer(ROBERTA_SPECIALS, "<s> $A </s>", ["<s>", "</s>"])
     _save_tokenizer(tok, native, **ROBERTA_ROLES)
     torch.manual_seed(29)
-    config = AutoConfig.for_model("jina_embeddings_v3", vocab_size=tok.get_vocab_size(), **_BODY)
+    config = AutoConfig.for_model(
+        "jina_embeddings_v3", vocab_size=tok.get_vocab_size(), **JINA_BODY
+    )
     model = AutoModel.from_config(config)
     spread_weights(model)
     model.save_pretrained(str(native))
