@@ -10,9 +10,7 @@ the model's prompt; the cross-encoder is a tiny random BERT saved by CrossEncode
 
 from __future__ import annotations
 
-import json
 import math
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,7 +29,7 @@ from mteb.abstasks.task_metadata import TaskMetadata
 from mteb.models.abs_encoder import AbsEncoder
 
 from tests.support.api import RunningServer, running_server
-from tests.support.models import MINILM_DIR, build_bge_m3
+from tests.support.models import MINILM_DIR, build_bge_m3, minilm_with_prompts
 from tests.support.tasks import build_classifier, save_cross_encoder
 
 pytestmark = pytest.mark.timeout(300)
@@ -185,13 +183,7 @@ def assert_same_scores(ours: dict[str, float], reference: dict[str, float]) -> N
 @pytest.fixture(scope="module")
 def embedder_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """MiniLM with query/document prompts in its sentence-transformers config."""
-    path = tmp_path_factory.mktemp("minilm-prompts") / "minilm"
-    shutil.copytree(MINILM_DIR, path)
-    config_path = path / "config_sentence_transformers.json"
-    config = json.loads(config_path.read_text())
-    config["prompts"] = {"query": "query: ", "document": "passage: "}
-    config_path.write_text(json.dumps(config))
-    return path
+    return minilm_with_prompts(tmp_path_factory.mktemp("minilm-prompts") / "minilm")
 
 
 @pytest.fixture(scope="module")

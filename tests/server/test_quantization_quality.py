@@ -11,8 +11,6 @@ mteb.evaluate like any mteb task.
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +32,7 @@ from tests.server.test_mteb import (
     LocalRetrieval,
     evaluate,
 )
-from tests.support.models import MINILM_DIR
+from tests.support.models import minilm_with_prompts
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -79,13 +77,7 @@ def _offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 def minilm_prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """MiniLM with test_mteb.py's query/document prompts (LocalRetrieval's scores there are
     with them)."""
-    path = tmp_path_factory.mktemp("minilm-prompts") / "minilm"
-    shutil.copytree(MINILM_DIR, path)
-    config_path = path / "config_sentence_transformers.json"
-    config = json.loads(config_path.read_text())
-    config["prompts"] = {"query": "query: ", "document": "passage: "}
-    config_path.write_text(json.dumps(config))
-    return path
+    return minilm_with_prompts(tmp_path_factory.mktemp("minilm-prompts") / "minilm")
 
 
 @pytest.fixture(scope="module")

@@ -115,6 +115,17 @@ def build_bert(path: Path) -> Path:
     return path
 
 
+def minilm_with_prompts(path: Path) -> Path:
+    """The real all-MiniLM-L6-v2 copied to ``path``, with query/document prompts ("query: ",
+    "passage: ") in its sentence-transformers config."""
+    shutil.copytree(MINILM_DIR, path)
+    config_path = path / "config_sentence_transformers.json"
+    config = json.loads(config_path.read_text())
+    config["prompts"] = {"query": "query: ", "document": "passage: "}
+    config_path.write_text(json.dumps(config))
+    return path
+
+
 def build_xlm_roberta(path: Path) -> Path:
     """A 2-layer XLM-R (pad id 1: positions start at 2) with a byte-level tokenizer."""
     path.mkdir(parents=True, exist_ok=True)
