@@ -106,6 +106,14 @@ class RunningServer:
         return scrape(self.url, name, labels)
 
 
+def post_json(server: RunningServer, path: str, body: dict[str, Any], status: int = 200) -> Any:
+    """POST ``body`` to ``server``'s ``path``, check the answer's ``status`` and return its
+    JSON."""
+    response = httpx.post(server.url + path, json=body, timeout=60)
+    assert response.status_code == status, response.text
+    return response.json()
+
+
 def scrape(url: str, name: str, labels: dict[str, str] | None = None) -> float | None:
     text = httpx.get(url + "/metrics", timeout=5).text
     return sample(text, name, labels)

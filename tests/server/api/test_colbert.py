@@ -19,6 +19,7 @@ import pytest
 from tests.server.device.test_colbert_augmentation import DOCS, QUERIES, _maxsim, _reference
 from tests.server.device.test_colbert_engine import LINEAR, build_hf_colbert
 from tests.support.api import RunningServer, fake_settings, running_server
+from tests.support.api import post_json as post
 from tests.support.attention import assert_rows_close
 from tests.support.models import build_bert
 
@@ -35,12 +36,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     path = build_hf_colbert(tmp_path_factory.mktemp("colbert") / "hf_colbert")
     with running_server(fake_settings(str(path), dtype="float32")) as running:
         yield running
-
-
-def post(server: RunningServer, path: str, body: dict[str, Any], status: int = 200) -> Any:
-    response = httpx.post(server.url + path, json=body, timeout=60)
-    assert response.status_code == status, response.text
-    return response.json()
 
 
 def test_info_says_multi_vector_and_maxsim(server: RunningServer) -> None:

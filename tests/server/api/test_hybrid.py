@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import numpy as np
@@ -20,6 +19,7 @@ import pytest
 from embedding_server.engine import Engine
 
 from tests.support.api import RunningServer, fake_settings, running_server, server_process
+from tests.support.api import post_json as post
 from tests.support.models import build_bge_m3
 
 pytestmark = pytest.mark.timeout(180)
@@ -41,12 +41,6 @@ def offline(model: Path) -> Engine:
 def server(model: Path) -> Iterator[RunningServer]:
     with running_server(fake_settings(str(model), dtype="float32")) as running:
         yield running
-
-
-def post(server: RunningServer, path: str, body: dict[str, Any], status: int = 200) -> Any:
-    response = httpx.post(server.url + path, json=body, timeout=60)
-    assert response.status_code == status, response.text
-    return response.json()
 
 
 def test_info_lists_the_three_outputs(server: RunningServer) -> None:

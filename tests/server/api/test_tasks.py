@@ -16,6 +16,7 @@ import pytest
 from embedding_server.settings import ServerSettings
 
 from tests.support.api import RunningServer, fake_settings, running_server
+from tests.support.api import post_json as post
 from tests.support.tasks import build_classifier, build_splade, save_cross_encoder
 
 pytestmark = pytest.mark.timeout(300)
@@ -65,12 +66,6 @@ def tagger(model_dirs: dict[str, Path]) -> Iterator[RunningServer]:
 def embedder() -> Iterator[RunningServer]:
     with running_server(fake_settings("fake?dim=32")) as running:
         yield running
-
-
-def post(server: RunningServer, path: str, body: dict[str, Any], status: int = 200) -> Any:
-    response = httpx.post(server.url + path, json=body, timeout=60)
-    assert response.status_code == status, response.text
-    return response.json()
 
 
 def test_info_shows_the_task(
