@@ -218,6 +218,13 @@ async def test_url_refused_before_connecting(
         ("224.0.0.1", "multicast"),
         ("fe80::1", "link-local"),
         ("::ffff:127.0.0.1", "loopback"),
+        # 6to4 carries an IPv4 address in its bits 16-48: a relay delivers 2002:7f00:1:: to
+        # 127.0.0.1, 2002:a9fe:a9fe:: to the metadata endpoint.
+        ("2002:7f00:1::", "6to4 loopback"),
+        ("2002:a9fe:a9fe::1", "6to4 link-local"),
+        ("2002:a01:203::", "6to4 private"),
+        # Deprecated site-local (RFC 3879): still routed inside some sites.
+        ("fec0::1", "site-local"),
     ],
 )
 async def test_wildcard_host_resolving_inside_refused(

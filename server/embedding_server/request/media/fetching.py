@@ -200,9 +200,16 @@ _resolve: Resolver = resolve_host
 def forbidden_address(address: IPAddress) -> str | None:
     """Why a fetch must not connect to ``address`` unless its host is listed exactly:
     loopback, link-local (the cloud metadata endpoint), private, unspecified, multicast,
-    reserved or otherwise not globally routable; None for a public address."""
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
+    reserved, site-local or otherwise not globally routable, or a 6to4 address of any of those
+    (Python counts 6to4 and site-local as global); None for a public address."""
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            address = address.ipv4_mapped
+        elif address.sixtofour is not None:
+            inner = forbidden_address(address.sixtofour)
+            return None if inner is None else f"6to4 {inner}"
+        elif address.is_site_local:
+            return "site-local"
     for reason, flag in (
         ("unspecified", address.is_unspecified),
         ("loopback", address.is_loopback),
