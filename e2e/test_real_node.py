@@ -42,7 +42,7 @@ import yaml
 
 from e2e.harness.cluster import REAL_NODE_TAINT_KEY, KubeClient, poll_until
 from e2e.harness.cluster.local import Cluster
-from e2e.harness.diagnostics import namespace_report
+from e2e.harness.diagnostics import explained, keda_report, namespace_report
 from e2e.harness.existing import ExistingCluster, deep_merge
 from e2e.harness.images import ImageSet
 from e2e.harness.node import NODE_NAME
@@ -1381,7 +1381,10 @@ def test_keda_scales_out_under_load_and_back_in(
         metric="backlogSeconds",
         targetBacklogSeconds=0.5,
     )
-    with diagnostics(cluster, namespace, release):
+    with (
+        diagnostics(cluster, namespace, release),
+        explained(lambda: keda_report(cluster, namespace)),
+    ):
         deploy(cluster, namespace, "keda", spec)
         poll_until(
             lambda: scaled_object_ready(cluster, namespace, "keda"),
@@ -1472,7 +1475,10 @@ def test_a_service_at_zero_answers_its_first_request_through_the_gateway(
         "maxReplicas": 1,
         "scaleDownStabilizationSeconds": 20,
     }
-    with diagnostics(cluster, namespace, release):
+    with (
+        diagnostics(cluster, namespace, release),
+        explained(lambda: keda_report(cluster, namespace)),
+    ):
         cluster.apply(embedding_service("cold", spec), namespace=namespace)
         wait_condition(cluster, namespace, "cold", "ScaledToZero", "True", timeout=SCALE_TIMEOUT_S)
         service = get_json(cluster, "embeddingservice", "cold", "-n", namespace)
