@@ -7,22 +7,27 @@ Flags the user did not pass are left out, so environment variables and defaults 
 underneath them. A bad setting ends the process before anything loads, with one line that
 names the flag and the variable and no traceback.
 
-Three commands: ``serve`` runs the server; ``gateway`` runs the model router in front of
+Four commands: ``serve`` runs the server; ``gateway`` runs the model router in front of
 servers (``embedding_server/gateway/``, with its own ``EMBEDDING_GATEWAY_*`` settings);
 ``inspect`` takes the engine's settings (the model and everything that decides how it is
 served) and prints what ``serve`` would serve, from the model's config files and weight
 names alone (``device/inspection.py``); with ``--verify`` it also serves a fixed probe set
 and compares it with the model's authors' computation (``device/verification.py``).
+``run-batch`` answers a file of requests in the OpenAI batch format with the server's own
+application in this process, no port opened (``embedding_server/batch/``), resumably.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import logging
 import os
 import sys
 import tempfile
 from collections.abc import MutableMapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args, get_origin
 
 from pydantic import ValidationError
@@ -39,6 +44,7 @@ from embedding_server.settings import (
 )
 
 if TYPE_CHECKING:
+    from embedding_server.batch.output import BatchOutput
     from embedding_server.device.inspection import Inspection
 
 PROG = "embedding-server"
@@ -169,7 +175,48 @@ def build_parser(settings_model: type[BaseSettings] = ServerSettings) -> argpars
         f"can also be set with an {GATEWAY_ENV_PREFIX}* environment variable.",
     )
     _add_settings(gateway.add_argument_group("settings"), GatewaySettings, GATEWAY_ENV_PREFIX)
+    batch = commands.add_parser(
+        "run-batch",
+        help="Answer a file of requests (the OpenAI batch format) offline, resumably.",
+        description="Load the model as 'serve' would and answer every line of IN, a JSONL file "
+        "of {custom_id, method, url, body} requests for this server's routes (/v1/embeddings, "
+        "/v2/embed, /pooling, /score, /rerank, /classify, ...), with the server's own "
+        "application in this process (no port is opened), writing one line per request to "
+        "OUT: {id, custom_id, response: {status_code, request_id, body}, error}, in the order "
+        "the answers come. A line that is not a request, or that the server refuses, gets an "
+        "error line with the reason and never stops the batch. Run the same command again "
+        "after an interruption (SIGKILL included) and it continues where it stopped: every "
+        "request is answered once. Exits 0 when every line has an answer, errors included; 2 "
+        "when IN or OUT cannot be used (a repeated custom_id, an OUT that is not batch output).",
+    )
+    batch.add_argument(
+        "-i", "--input-file", required=True, type=Path, metavar="IN", help="The requests (JSONL)."
+    )
+    batch.add_argument(
+        "-o",
+        "--output-file",
+        required=True,
+        type=Path,
+        metavar="OUT",
+        help="The answers (JSONL), appended to when it exists: what it answers is not sent again.",
+    )
+    batch.add_argument(
+        "--max-in-flight",
+        type=_positive_int,
+        default=64,
+        metavar="N",
+        help="Requests sent at once (default 64); the engine batches them together, within "
+        "--max-batch-tokens. A request answered 429 waits its Retry-After and is sent again.",
+    )
+    _add_settings(batch.add_argument_group("settings (as serve takes them)"), ServerSettings)
     return parser
+
+
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {number}")
+    return number
 
 
 def format_settings_error(error: ValidationError | SettingsError, prefix: str = ENV_PREFIX) -> str:
@@ -351,6 +398,100 @@ def _verify(
     return 0 if result.passed else EXIT_REFUSED
 
 
+def run_batch(
+    settings: ServerSettings, input_file: Path, output_file: Path, *, max_in_flight: int = 64
+) -> int:
+    """``embedding-server run-batch``: answer ``input_file``'s requests into ``output_file``;
+    the process exit status. The files are checked before the model loads."""
+    apply_process_env_defaults(os.environ)  # as serve: before anything imports torch
+    from embedding_server.batch.lines import BatchFileError
+    from embedding_server.batch.output import BatchOutput
+    from embedding_server.batch.runner import scan_input
+    from embedding_server.logging import configure_logging
+
+    configure_logging(settings.log_level, settings.log_format)
+    # The client logs every request at INFO: the progress line says it once per interval.
+    logging.getLogger("httpx2").setLevel(logging.WARNING)
+    output = BatchOutput(output_file)
+    try:
+        answered = output.recover()
+        scan = scan_input(input_file, answered)
+    except (BatchFileError, OSError) as error:
+        sys.stderr.write(f"{PROG} run-batch: error: {error}\n")
+        return EXIT_BAD_SETTINGS
+    if scan.remaining == 0:
+        logging.getLogger(__name__).info(
+            "run-batch: all %d requests of %s are answered in %s",
+            scan.total,
+            input_file,
+            output_file,
+        )
+        return 0
+    return asyncio.run(
+        _run_batch_here(settings, input_file, output, answered, scan.total, max_in_flight)
+    )
+
+
+async def _run_batch_here(
+    settings: ServerSettings,
+    input_file: Path,
+    output: BatchOutput,
+    answered: set[str | int],
+    total: int,
+    max_in_flight: int,
+) -> int:
+    """The server's application, its engine loaded in this process, driven through
+    ``httpx2.ASGITransport``: each line is answered exactly as the HTTP API would answer it."""
+    import time
+
+    import httpx2
+
+    from embedding_server.api.app import create_app
+    from embedding_server.batch.runner import Progress, run_batch
+    from embedding_server.engine import load_engine
+
+    log = logging.getLogger(__name__)
+    started = time.monotonic()
+    # No key in front of our own calls: the app is reached from this process only.
+    app = create_app(settings.model_copy(update={"api_key": None}), connect=load_engine)
+    lifecycle = app.state.lifecycle
+    async with app.router.lifespan_context(app):
+        while not lifecycle.is_ready():
+            if lifecycle.failure is not None:
+                sys.stderr.write(f"{PROG} run-batch: {lifecycle.failure}\n")
+                return 1
+            await asyncio.sleep(0.05)
+        output.open()
+        try:
+            transport = httpx2.ASGITransport(app=app)
+            async with httpx2.AsyncClient(
+                transport=transport, base_url="http://127.0.0.1", timeout=None
+            ) as client:
+                counts = await run_batch(
+                    input_file,
+                    output,
+                    client,
+                    urls=app.direct_paths,
+                    answered=answered,
+                    total=total,
+                    max_in_flight=max_in_flight,
+                    progress=Progress(total, len(answered)),
+                )
+        finally:
+            output.close()
+    log.info(
+        "run-batch: %d requests answered in %.1f s (%d succeeded, %d with an error, %d by an "
+        "earlier run) into %s",
+        counts.answered,
+        time.monotonic() - started,
+        counts.succeeded,
+        counts.failed,
+        counts.already,
+        output.path,
+    )
+    return 0
+
+
 def format_inspection(inspection: Inspection) -> str:
     """The inspection as aligned ``field  value`` lines, for people."""
     info = inspection.info
@@ -429,6 +570,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if namespace.command == "gateway":
         return gateway(_gateway_settings(namespace))
+    if namespace.command == "run-batch":
+        return run_batch(
+            _settings(ServerSettings, namespace),
+            namespace.input_file,
+            namespace.output_file,
+            max_in_flight=namespace.max_in_flight,
+        )
     return serve(_settings(ServerSettings, namespace))
 
 

@@ -134,7 +134,7 @@ def create_app(
     connect: Connect | None = None,
     accept_when_ready: bool = False,
     tracer_provider: TracerProvider | None = None,
-) -> FastAPI:
+) -> EmbeddingApp:
     """Build the HTTP application.
 
     With ``engine=None``, ``connect`` gets the engine in the background once the server
