@@ -6,7 +6,7 @@ tokenization, and no hostile text can make its bound smaller than what it holds
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from embedding_server.request.texts import TextInput
@@ -17,7 +17,13 @@ def token_bound(text: str) -> int:
     unless it is ASCII, which Python knows without reading it), plus a leading word marker
     (SentencePiece's). Every tokenizer we serve gives at most a token per byte, so no text can
     make its admission estimate smaller than what it holds."""
-    return (len(text) if text.isascii() else 4 * len(text)) + 1
+    return size_bound(len(text), text.isascii())
+
+
+def size_bound(chars: int, ascii: bool) -> int:
+    """:func:`token_bound` of a text of ``chars`` characters, all ASCII or not: what a text
+    that is not built (a pair's prompt) can hold, from its parts' sizes."""
+    return (chars if ascii else 4 * chars) + 1
 
 
 LIKELY_CHARS_PER_TOKEN = 4
@@ -67,6 +73,21 @@ def estimate_inputs(
             floor += exact
             likely += exact
             bound += exact
+    return AdmissionEstimate(floor, likely, bound)
+
+
+def estimate_sized(
+    sizes: Iterable[tuple[int, bool]], *, limit: int, num_special: int
+) -> AdmissionEstimate:
+    """:func:`estimate_inputs` of texts known by their sizes alone (characters, and whether
+    all are ASCII), without a prompt: the prompts of a request's pairs, each holding its
+    query, are measured from their parts and never built to be measured."""
+    floor = likely = bound = 0
+    for chars, ascii in sizes:
+        most = min(limit, size_bound(chars, ascii) + num_special)
+        floor += 1
+        bound += most
+        likely += min(most, _likely(chars) + num_special)
     return AdmissionEstimate(floor, likely, bound)
 
 

@@ -21,7 +21,9 @@ choice) is refused with the reason, rather than being served as an embedder by i
 
 from __future__ import annotations
 
+import functools
 import math
+import string
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -66,6 +68,42 @@ _ST_ACTIVATIONS = {
 }
 
 
+Size = tuple[int, bool]
+"""A text's length in characters and whether it is all ASCII: what admission reads of a text
+(:func:`~.estimates.token_bound`), known of a filled-in template from its parts' sizes,
+without building it (:func:`filled_size`)."""
+
+
+@functools.cache
+def _fields(template: str) -> tuple[int, bool, tuple[str, ...]]:
+    """``template``'s literal characters, whether they are ASCII, and its fields in order (one
+    entry per occurrence). Only plain named fields: a conversion or a format spec would make
+    the filled-in size other than the sum of the parts'."""
+    literal: list[str] = []
+    fields: list[str] = []
+    for text, name, spec, conversion in string.Formatter().parse(template):
+        literal.append(text)
+        if name is None:
+            continue
+        if spec or conversion or not name.isidentifier():
+            raise ValueError(f"template field {name!r} must be a plain name: {template!r}")
+        fields.append(name)
+    joined = "".join(literal)
+    return len(joined), joined.isascii(), tuple(fields)
+
+
+def filled_size(template: str, **values: str) -> Size:
+    """The :data:`Size` of ``template.format(**values)``, from the values' sizes alone:
+    ``len`` and ``isascii`` of a ``str`` are known without reading it, so this costs the same
+    for a megabyte of query as for a word."""
+    chars, ascii, fields = _fields(template)
+    for name in fields:
+        value = values[name]
+        chars += len(value)
+        ascii = ascii and value.isascii()
+    return chars, ascii
+
+
 @dataclass(frozen=True)
 class PairTemplate:
     """How a yes/no reranker (a ``*ForCausalLM`` scored by its language-model head's logits
@@ -90,6 +128,12 @@ class PairTemplate:
         placeholders of ``body`` only: braces in the query or document are left as they are."""
         given = self.instruction if instruction is None else instruction
         return self.prefix + self.body.format(instruction=given, query=query, document=document)
+
+    def size(self, query: str, document: str, instruction: str | None = None) -> Size:
+        """The :data:`Size` of :meth:`text`, which is not built."""
+        given = self.instruction if instruction is None else instruction
+        chars, ascii = filled_size(self.body, instruction=given, query=query, document=document)
+        return len(self.prefix) + chars, ascii and self.prefix.isascii()
 
 
 # Qwen3-Reranker's prompt, as its model card (Qwen/Qwen3-Reranker-0.6B on the Hub) and vLLM's
@@ -151,8 +195,19 @@ class SegmentedPairTemplate:
             return self.instructed_query.format(instruction=given, query=query)
         return self.query.format(query=query)
 
+    def query_size(self, query: str, instruction: str | None) -> Size:
+        """The :data:`Size` of :meth:`query_text`, which is not built."""
+        given = instruction if instruction is not None else self.instruction
+        if self.instructed_query is not None and given:
+            return filled_size(self.instructed_query, instruction=given, query=query)
+        return filled_size(self.query, query=query)
+
     def document_text(self, document: str) -> str:
         return self.document.format(document=document)
+
+    def document_size(self, document: str) -> Size:
+        """The :data:`Size` of :meth:`document_text`, which is not built."""
+        return filled_size(self.document, document=document)
 
     def tail_texts(self, instruction: str | None) -> tuple[str, ...]:
         """``tail`` with the instruction in it where the query does not take it."""
@@ -251,6 +306,10 @@ class PairPrompt:
         """The pair's text (``str.format`` fills the template's placeholders only: braces in
         the query or document are left as they are)."""
         return self.text.format(query=query, document=document)
+
+    def size(self, query: str, document: str) -> Size:
+        """The :data:`Size` of :meth:`format`, which is not built."""
+        return filled_size(self.text, query=query, document=document)
 
 
 # nvidia/llama-nemotron-rerank-1b-v2 (LlamaBidirectionalForSequenceClassification), as its

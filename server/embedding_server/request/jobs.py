@@ -36,11 +36,11 @@ from embedding_server.errors import (
 from embedding_server.request.admission import Priority, Reservation
 from embedding_server.request.colbert import ColbertFormat, Side
 from embedding_server.request.estimates import AdmissionEstimate
-from embedding_server.request.heads import SegmentedPairTemplate
+from embedding_server.request.heads import SegmentedPairTemplate, Size
 from embedding_server.request.listwise import ListwiseJob
 from embedding_server.request.media.preprocessing import ImageInput
 from embedding_server.request.pooling import FloatArray
-from embedding_server.request.prompts import Prompts
+from embedding_server.request.prompts import PromptedPairs, Prompts
 from embedding_server.request.results import JobOutput, StageTimings
 from embedding_server.request.scheduler import BatchRunner, ScheduledOutput, Scheduler
 from embedding_server.request.sequences import SequenceInput
@@ -112,9 +112,10 @@ class Job:
     pairs: list[tuple[str, str]] | None = None
     """Sentence pairs, each tokenized as one sequence (cross-encoders); then ``items`` is
     empty and there is no prompt."""
-    suffix: str | None = None
-    """A yes/no reranker's prompt suffix, tokenized after each of ``items`` (without special
-    tokens) and never truncated (:meth:`TextTokenizer.encode_suffixed`)."""
+    prompted: PromptedPairs | None = None
+    """Sentence pairs, each one text of a prompt (a yes/no reranker's, or a cross-encoder's
+    pair text), built only when they are tokenized (:class:`~.prompts.PromptedPairs`); then
+    ``items`` is empty and there is no prompt."""
     adapter: int | None = None
     """The task adapter every sequence of the job runs (:meth:`Prompts.adapter`)."""
     segmented: SegmentedPairTemplate | None = None
@@ -181,13 +182,12 @@ class Job:
         (:meth:`TextTokenizer.admission_estimate`): nothing is tokenized or copied."""
         if self.listwise is not None:
             return self.listwise.admission(tokenizer)
+        if self.prompted is not None:  # from the prompts' parts: none is built
+            return tokenizer.sized_estimate(self.prompted.sizes(suffix=True), self.truncation)
         if self.colbert is not None:  # queries expanded to their length: not the text's size
             return self.colbert.admission([str(t) for t in self.items], self.sides)
         if self.pairs is None:
-            items = self.text_items
-            if self.suffix:  # each text with its suffix, still at most the limit
-                items = [t + self.suffix if isinstance(t, str) else t for t in items]
-            estimate = tokenizer.admission_estimate(items, self.truncation, self.prompt)
+            estimate = tokenizer.admission_estimate(self.text_items, self.truncation, self.prompt)
             images = self.image_tokens
             if images:  # an image holds exactly its vision tower's tokens
                 return AdmissionEstimate(
@@ -197,10 +197,13 @@ class Job:
         if self.segmented is not None:  # each pair in its prompt, at most the limit
             t = self.segmented
             fixed = "".join((*t.head, t.separator, *t.tail_texts(self.prompt)))
-            joined: list[TextInput] = [
-                fixed + t.query_text(q, self.prompt) + t.document_text(d) for q, d in self.pairs
-            ]
-            return tokenizer.admission_estimate(joined, self.truncation, None)
+            sizes = (
+                _joined(
+                    len(fixed), fixed.isascii(), t.query_size(q, self.prompt), t.document_size(d)
+                )
+                for q, d in self.pairs
+            )
+            return tokenizer.sized_estimate(sizes, self.truncation)
         return tokenizer.pair_estimate(self.pairs, self.truncation)
 
     @property
@@ -218,6 +221,8 @@ class Job:
         ``most`` characters or fewer."""
         if self.listwise is not None:
             return self.listwise.chars() <= most
+        if self.prompted is not None:
+            return self.prompted.chars() <= most
         size = 0
         if self.pairs is not None:
             seen: set[int] = set()
@@ -245,6 +250,8 @@ class Job:
         refused as soon as its inputs read so far hold more."""
         if self.listwise is not None:
             return self.listwise.tokenize(tokenizer, self.truncation, max_total)
+        if self.prompted is not None:
+            return self.prompted.tokenize(tokenizer, self.truncation, max_total)
         if self.colbert is not None:
             encoded = [
                 self.colbert.encode(tokenizer.backend, str(text), side)
@@ -288,11 +295,6 @@ class Job:
         if self.pairs is not None:
             return tokenizer.encode_pairs(
                 self.pairs, truncation=self.truncation, max_total=max_total
-            )
-        if self.suffix is not None:
-            texts = [t for t in self.items if isinstance(t, str)]
-            return tokenizer.encode_suffixed(
-                texts, self.suffix, truncation=self.truncation, max_total=max_total
             )
         images = self.image_tokens
         if max_total is not None and images > max_total:
@@ -355,6 +357,11 @@ class Job:
             )
             for t in tokenized
         ]
+
+
+def _joined(fixed: int, ascii: bool, *parts: Size) -> Size:
+    """The :data:`~.heads.Size` of a text of ``fixed`` characters and ``parts`` joined."""
+    return fixed + sum(n for n, _ in parts), ascii and all(a for _, a in parts)
 
 
 class Offloader(Protocol):

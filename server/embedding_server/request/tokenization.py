@@ -27,7 +27,7 @@ limit is refused after reading at most that limit's worth of text
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer
@@ -59,7 +59,7 @@ from embedding_server.request.windows import (
 )
 
 if TYPE_CHECKING:
-    from embedding_server.request.heads import SegmentedPairTemplate
+    from embedding_server.request.heads import SegmentedPairTemplate, Size
 
 logger = logging.getLogger(__name__)
 
@@ -180,6 +180,13 @@ class TextTokenizer:
             inputs, limit=limit, num_special=self.num_special, prompt=prompt
         )
 
+    def sized_estimate(self, sizes: Iterable[Size], truncation: Truncation) -> AdmissionEstimate:
+        """:meth:`admission_estimate` of texts known by their sizes alone, without a prompt
+        (:func:`~.estimates.estimate_sized`): pair prompts, which are not built to be
+        measured."""
+        limit = min(self.max_length, truncation.max_tokens or self.max_length)
+        return estimates.estimate_sized(sizes, limit=limit, num_special=self.num_special)
+
     def pair_estimate(
         self, pairs: Sequence[tuple[str, str]], truncation: Truncation
     ) -> AdmissionEstimate:
@@ -204,21 +211,28 @@ class TextTokenizer:
         prompt: str | None = None,
         param: str = "input",
         max_total: int | None = None,
+        start: int = 0,
+        tally: Tally | None = None,
     ) -> list[TokenizedInput]:
         """Tokenize and truncate one request's inputs: each text read through windows
         (``windows.py``), all of a turn's texts in one batched call.
 
         ``max_total``: the most tokens the request may hold; once its inputs hold more, it
-        is refused (:class:`TooManyTokensError`) without reading the rest."""
+        is refused (:class:`TooManyTokensError`) without reading the rest. A request
+        encoded in parts, a turn of its texts at a time (pair prompts, which are built as
+        they are read: ``prompts.py``), passes each part's ``start`` (the index of
+        ``inputs[0]`` in the request, for the errors naming an input) and the request's
+        ``tally`` (its count so far, against its limit) instead of ``max_total``."""
         limit = limit_of(truncation, self.max_length)
         prefix = self._prefix if add_special_tokens else []
         suffix = self._suffix if add_special_tokens else []
         prompt_len = self.prompt_length(prompt or "", add_special_tokens=add_special_tokens)
         first, widest = self.windows(limit)
         from_end = truncation.side == "left"
-        tally = Tally(max_total, param)
+        if tally is None:
+            tally = Tally(max_total, param)
         out: list[TokenizedInput | None] = [None] * len(inputs)
-        slots: dict[int, int] = {}  # id(reading) -> its input's index
+        slots: dict[int, int] = {}  # id(reading) -> its input's index in inputs
         readings: list[Reading] = []
         for i, item in enumerate(inputs):
             if isinstance(item, str):
@@ -228,9 +242,9 @@ class TextTokenizer:
                 readings.append(reading)
             else:
                 ids = list(item)
-                where = f"{param}[{i}]" if len(inputs) > 1 else param
+                where = f"{param}[{start + i}]" if len(inputs) > 1 or start else param
                 self.check_ids(ids, where, self.input_id_limit)
-                fitted = fit(ids, ids, [], limit, truncation, i, param, 0)
+                fitted = fit(ids, ids, [], limit, truncation, start + i, param, 0)
                 tally.add(len(fitted.ids))
                 out[i] = fitted
         for turn in in_turns(readings):
@@ -240,19 +254,20 @@ class TextTokenizer:
                 unsettled: list[Reading] = []
                 for reading in pending:
                     slot = slots[id(reading)]
+                    index = start + slot  # in the request
                     if reading.whole:
                         assert reading.enc is not None
                         fitted = fit_encoding(
-                            reading.enc, prefix, suffix, limit, truncation, slot, param, prompt_len
+                            reading.enc, prefix, suffix, limit, truncation, index, param, prompt_len
                         )
                     else:
                         unfit = fit_clipped(
-                            reading, prefix, suffix, limit, truncation, slot, param, prompt_len
+                            reading, prefix, suffix, limit, truncation, index, param, prompt_len
                         )
                         if unfit is None:
                             if not reading.widen(widest):
                                 keep = limit - len(prefix) - len(suffix)
-                                raise unsettled_error(f"{param}[{slot}]", reading, keep, widest)
+                                raise unsettled_error(f"{param}[{index}]", reading, keep, widest)
                             unsettled.append(reading)
                             continue
                         fitted = unfit
@@ -260,21 +275,6 @@ class TextTokenizer:
                     out[slot] = fitted
                 pending = unsettled
         return [x for x in out if x is not None]
-
-    def encode_suffixed(
-        self,
-        texts: Sequence[str],
-        suffix: str,
-        *,
-        truncation: Truncation,
-        param: str = "input",
-        max_total: int | None = None,
-    ) -> list[TokenizedInput]:
-        """``texts`` each followed by ``suffix``, which truncation never cuts (a yes/no
-        reranker's prompt: :func:`~.prompts.encode_suffixed`)."""
-        return prompts.encode_suffixed(
-            self, texts, suffix, truncation=truncation, param=param, max_total=max_total
-        )
 
     def encode_segmented(
         self,

@@ -145,11 +145,13 @@ def unsettled_error(
     where: str, reading: Reading, keep: int, widest: int, param: str | None = None
 ) -> UnsettledInputError:
     """The refusal of a text whose widest window does not settle the ``keep`` tokens it
-    needs."""
+    needs. The text is longer than the window (else it would be read whole), and that is
+    all the message says of its length: a pair's prompt is read from a cut of it
+    (``prompts.py``), whose length is not the prompt's."""
     end = "last" if reading.from_end else "first"
     return UnsettledInputError(
-        f"{where} is {len(reading.text)} characters long and its {end} {widest} characters, "
-        "the most the server tokenizes of one input, hold only "
+        f"{where} is longer than {widest} characters, the most the server tokenizes of one "
+        f"input, and its {end} {widest} characters hold only "
         f"{reading.settled} tokens that the rest of the text cannot change, not the "
         f"{max(keep, 1)} it needs: a word thousands of characters long runs across that "
         f"point. Send at most {widest} characters of this text, or break up that word.",

@@ -17,8 +17,9 @@ from embedding_server.errors import InvalidRequestError
 from embedding_server.request.colbert import Side, maxsim_sum
 from embedding_server.request.heads import PairPrompt, PairTemplate, SegmentedPairTemplate
 from embedding_server.request.hybrid import maxsim_scores
-from embedding_server.request.jobs import Job, JobItem, ScoreOptions
+from embedding_server.request.jobs import Job, ScoreOptions
 from embedding_server.request.listwise import ListwiseFormat, ListwiseJob
+from embedding_server.request.prompts import PromptedPairs
 from embedding_server.request.results import JobOutput, Usage, usage_of
 from embedding_server.request.scoring import (
     check_sides,
@@ -127,7 +128,9 @@ def pairs_job(
     reranker's ``template``, each pair becomes one text of its prompt (a
     :class:`SegmentedPairTemplate`: its pieces, tokenized apart when the job is), and
     ``prompt`` is the template's instruction; with a cross-encoder's
-    :class:`PairPrompt`, one text tokenized as any single text."""
+    :class:`PairPrompt`, one text tokenized as any single text. No prompt is built here:
+    the query is in every one, so they are built when the job is tokenized, after it was
+    admitted on their sizes (:class:`PromptedPairs`)."""
     truncation = Truncation.coerce(options.get("truncate", True))
     for name in ("prompt_name", "adapter"):
         if options.get(name) is not None:
@@ -141,12 +144,14 @@ def pairs_job(
                 f"prompt does not apply to {template.name}'s pairs: its prompt is fixed",
                 param="prompt",
             )
-        return Job([template.format(q, d) for q, d in pairs], None, truncation)
+        return Job([], None, truncation, prompted=PromptedPairs(pairs, template))
+    if instruction is not None and not isinstance(instruction, str):
+        raise InvalidRequestError("prompt must be a string", param="prompt")
     if isinstance(template, SegmentedPairTemplate):
         return Job([], instruction, truncation, pairs=pairs, segmented=template)
     if template is not None:
-        texts: list[JobItem] = [template.text(q, d, instruction) for q, d in pairs]
-        return Job(texts, None, truncation, add_special_tokens=False, suffix=template.suffix)
+        prompted = PromptedPairs(pairs, template, instruction)
+        return Job([], None, truncation, add_special_tokens=False, prompted=prompted)
     if instruction is not None:
         raise InvalidRequestError(
             "prompt does not apply to a cross-encoder's text pairs", param="prompt"
