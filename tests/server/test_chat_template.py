@@ -156,3 +156,99 @@ def test_messages_on_a_decoder_embedder_are_transformers_chat_tokens(
     np.testing.assert_allclose(
         chat.json()["data"][0]["embedding"], plain.json()["data"][0]["embedding"], atol=1e-6
     )
+
+
+# -- a request's chat-template inputs are bounded before they cost rendering ---------------
+
+SPECIALS = {"bos_token": "<s>", "eos_token": "</s>"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "eos_token",  # the tokenizer's, written after every message
+        "bos_token",
+        "pad_token",  # a special token the tokenizer does not set: still the tokenizer's name
+        "raise_exception",  # the template's own refusal
+        "strftime_now",
+        "namespace",
+        "messages",
+        "add_generation_prompt",  # a request field of its own
+    ],
+)
+def test_request_kwargs_cannot_set_what_the_renderer_supplies(name: str) -> None:
+    """A special token set by the request, written after each of N messages, rendered N
+    times its length before any check (issue H1); shadowing ``raise_exception`` turned the
+    template's 400 into a 500 (M1)."""
+    template = ChatTemplate(FAKE_CHAT_TEMPLATE, SPECIALS)
+    with pytest.raises(InvalidRequestError) as caught:
+        template.render(parse_messages(CONVERSATIONS[0]), kwargs={name: "A" * 1000})
+    assert caught.value.param == f"chat_template_kwargs.{name}"
+    assert "cannot be set by a request" in str(caught.value)
+
+
+def test_other_kwargs_still_reach_the_template() -> None:
+    template = ChatTemplate(QWEN_STYLE, SPECIALS)
+    got = template.render(parse_messages(CONVERSATIONS[0]), kwargs={"meta": {"k": 1}})
+    assert got.endswith('{"k": 1}')
+
+
+def test_a_conversation_rendering_past_the_limit_is_refused_as_it_is_written() -> None:
+    """A kwarg the template writes per message: 2000 x 10,000 characters would be 20 M
+    characters; the limit (twice max_request_bytes) refuses it as the template writes,
+    holding about the limit, never the whole text."""
+    import tracemalloc
+
+    template = ChatTemplate("{% for m in messages %}{{ sep }}{{ m.content }}{% endfor %}")
+    messages = parse_messages([{"role": "user", "content": "x"}] * 2000)
+    kwargs = {"sep": "A" * 10_000}
+    # Within the limit the same conversation renders whole.
+    assert len(template.render(messages, kwargs=kwargs, max_request_bytes=20_000_000)) == (
+        2000 * 10_001
+    )
+    tracemalloc.start()
+    try:
+        with pytest.raises(InvalidRequestError) as caught:
+            template.render(messages, kwargs=kwargs, max_request_bytes=1_000_000)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert caught.value.param == "messages"
+    assert "2,000,000 characters" in str(caught.value)
+    assert peak < 8 * 2**20, f"rendering held {peak / 2**20:.0f} MiB before it was refused"
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("{% for m in messages %}{{ m.name + '!' }}{% endfor %}", {"name": 5}),
+        ("{% for m in messages %}{{ m.content | int // m.n }}{% endfor %}", {"n": 0}),
+        ("{% for m in messages %}{{ m.content.split(m.sep) }}{% endfor %}", {"sep": ""}),
+    ],
+    ids=["type-error", "zero-division", "value-error"],
+)
+def test_a_template_failing_on_the_request_data_is_a_400(
+    source: str, message: dict[str, Any]
+) -> None:
+    """The template is the model's and compiled at load, so what fails while it renders is
+    the request's data (a message's extra field of another type, ...): a 400, not a 500."""
+    template = ChatTemplate(source)
+    messages = parse_messages([{"role": "user", "content": "7", **message}])
+    with pytest.raises(InvalidRequestError) as caught:
+        template.render(messages)
+    assert caught.value.param == "messages"
+    assert "chat template" in str(caught.value)
+
+
+def test_more_messages_than_allowed_are_refused_before_each_is_parsed() -> None:
+    from embedding_server.request.media.inputs import MAX_CHAT_MESSAGES
+
+    # Not messages at all past the first: counted, never looked at.
+    flood: list[Any] = [{"role": "user", "content": "x"}] + [None] * MAX_CHAT_MESSAGES
+    with pytest.raises(InvalidRequestError) as caught:
+        parse_messages(flood)
+    assert caught.value.param == "messages"
+    assert f"at most {MAX_CHAT_MESSAGES}" in str(caught.value)
+    assert len(parse_messages([{"role": "user", "content": "x"}] * MAX_CHAT_MESSAGES)) == (
+        MAX_CHAT_MESSAGES
+    )

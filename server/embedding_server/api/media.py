@@ -133,6 +133,7 @@ async def messages_input(
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
             kwargs=body.chat_template_kwargs,
+            max_request_bytes=lifecycle.settings.max_request_bytes,
         )
         if body.prompt_name is not None:
             raise InvalidRequestError(

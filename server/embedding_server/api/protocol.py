@@ -43,6 +43,7 @@ from embedding_server.api.encoding import (
     Endianness,
 )
 from embedding_server.errors import InvalidRequestError, TooManyTokensError
+from embedding_server.request.media.inputs import MAX_CHAT_MESSAGES, check_message_count
 from embedding_server.request.truncation import Truncation, parse_side
 from embedding_server.settings import TruncationSide
 
@@ -338,7 +339,7 @@ class EmbeddingRequest(ApiRequest, _TruncationOptions, _EncodingOptions):
         "image_url, image_url: {url}} parts (data: URIs, or http(s) URLs of the hosts in "
         "--allowed-media-domains). A model with a chat template renders them through it; "
         "a dual encoder (CLIP, SigLIP) takes messages that hold one text or one image. "
-        "Exactly one of input and messages.",
+        f"At most {MAX_CHAT_MESSAGES} messages. Exactly one of input and messages.",
     )
     add_generation_prompt: bool = Field(
         False,
@@ -355,7 +356,10 @@ class EmbeddingRequest(ApiRequest, _TruncationOptions, _EncodingOptions):
         "trusts them): the model's template is used.",
     )
     chat_template_kwargs: dict[str, Any] | None = Field(
-        None, description="messages only: extra variables for the chat template."
+        None,
+        description="messages only: extra variables for the chat template (not the "
+        "tokenizer's special tokens, messages, add_generation_prompt or the template's "
+        "functions, which the server supplies: 400).",
     )
     mm_processor_kwargs: dict[str, Any] | None = Field(
         None, description="Not accepted: images get the model's own preprocessing."
@@ -384,6 +388,15 @@ class EmbeddingRequest(ApiRequest, _TruncationOptions, _EncodingOptions):
         "adapter, with its prompt unless prompt_name is given. A model without that adapter "
         "answers 400.",
     )
+
+    # Defined in the subclass, so that it runs before ApiRequest's "before" validators (the
+    # lone-surrogate scan walks every message): a flood is refused by its count alone.
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _messages_counted(cls, value: Any) -> Any:
+        """More messages than a conversation may hold, refused before any is validated."""
+        check_message_count(value)
+        return value
 
 
 CohereEmbedType = CohereEmbeddingType | Literal["sparse", "multi_vector"]

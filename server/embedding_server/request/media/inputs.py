@@ -131,10 +131,28 @@ class ChatMessage:
     raw: Mapping[str, Any]
 
 
+MAX_CHAT_MESSAGES = 2048
+"""Most messages in one ``messages`` request (400 beyond). A conversation is embedded as one
+input, so an embedder's context holds far fewer turns than this; the count is checked before
+any message is looked at (and by the request schema before any is validated)."""
+
+
+def check_message_count(messages: object, param: str = "messages") -> None:
+    """Refuse, by its length alone, a list of more than :data:`MAX_CHAT_MESSAGES` messages."""
+    if isinstance(messages, list) and len(messages) > MAX_CHAT_MESSAGES:
+        raise InvalidRequestError(
+            f"{param} holds {len(messages)} messages; this server accepts at most "
+            f"{MAX_CHAT_MESSAGES} in one conversation",
+            param=param,
+        )
+
+
 def parse_messages(messages: object, param: str = "messages") -> list[ChatMessage]:
-    """A request's ``messages``: a non-empty list of ``{"role", "content"}`` objects."""
+    """A request's ``messages``: a non-empty list of at most :data:`MAX_CHAT_MESSAGES`
+    ``{"role", "content"}`` objects."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError(f"{param} must be a non-empty list of messages", param=param)
+    check_message_count(messages, param)
     out: list[ChatMessage] = []
     for i, message in enumerate(messages):
         where = f"{param}[{i}]"
@@ -181,6 +199,39 @@ def check_image_count(count: int, most: int, param: str) -> None:
 
 
 # -- chat templates ------------------------------------------------------------------------
+
+RENDERED_CHARS_PER_BODY_BYTE = 2
+"""A conversation may render to at most this many characters per byte of
+``--max-request-bytes`` (16 Mi characters by default): a template adds a few characters
+around each message, never a multiple of what the request carries, so twice the largest body
+leaves a template's own text ample room while bounding what a request makes it write."""
+
+SPECIAL_TOKEN_NAMES = frozenset(
+    {
+        "bos_token",
+        "eos_token",
+        "unk_token",
+        "sep_token",
+        "pad_token",
+        "cls_token",
+        "mask_token",
+        "additional_special_tokens",
+    }
+)
+"""The special-token variables transformers gives every template (its tokenizers'
+``SPECIAL_TOKENS_ATTRIBUTES``), whether or not this tokenizer sets them."""
+
+_RENDER_ERRORS = (
+    TypeError,
+    ValueError,
+    LookupError,
+    AttributeError,
+    ArithmeticError,
+    RecursionError,
+)
+"""What a template raises on data it cannot handle (a message's extra field of another type
+than it expects, ...). The template is the model's and compiles at load, so these come from
+the request: a 400, never a 500."""
 
 
 class ChatTemplate:
@@ -242,12 +293,19 @@ class ChatTemplate:
         add_generation_prompt: bool = False,
         continue_final_message: bool = False,
         kwargs: Mapping[str, Any] | None = None,
+        max_request_bytes: int | None = None,
     ) -> str:
         """The conversation as one text. ``continue_final_message`` leaves the last message
         open (the template's end-of-turn after it cut off), as transformers does; it and
         ``add_generation_prompt`` exclude each other. Errors of the template itself
-        (``raise_exception`` on a role it does not take, ...) are a 400 naming
-        ``messages``."""
+        (``raise_exception`` on a role it does not take, ...) and what it raises on the
+        request's data are a 400 naming ``messages``.
+
+        ``kwargs`` (the request's ``chat_template_kwargs``) may not set what the renderer
+        supplies (:meth:`supplied_names`): a 400 naming ``chat_template_kwargs.<name>``.
+        With ``max_request_bytes``, the text is counted as the template writes it and
+        refused (400) past :data:`RENDERED_CHARS_PER_BODY_BYTE` characters per byte of it,
+        before the rest is written."""
         import jinja2
 
         if add_generation_prompt and continue_final_message:
@@ -255,6 +313,7 @@ class ChatTemplate:
                 "add_generation_prompt and continue_final_message cannot both be true",
                 param="continue_final_message",
             )
+        variables = self._variables(kwargs)
         chat = [_plain_message(m) for m in messages]
         tag = "CONTINUE_FINAL_MESSAGE_TAG "
         final = ""
@@ -273,14 +332,21 @@ class ChatTemplate:
             else:
                 final = content
                 last["content"] = content + tag
-        variables: dict[str, Any] = {**self.special_tokens, **dict(kwargs or {})}
-        variables.pop("messages", None)
         variables["add_generation_prompt"] = add_generation_prompt
+        limit = (
+            None if max_request_bytes is None else RENDERED_CHARS_PER_BODY_BYTE * max_request_bytes
+        )
         try:
-            rendered: str = self._template.render(messages=chat, **variables)
+            rendered = self._written(chat, variables, limit)
         except jinja2.TemplateError as error:
             raise InvalidRequestError(
                 f"the model's chat template refused the messages: {error}", param="messages"
+            ) from error
+        except _RENDER_ERRORS as error:
+            raise InvalidRequestError(
+                "the model's chat template failed on the messages: "
+                f"{type(error).__name__}: {str(error)[:200]}",  # it may quote the request
+                param="messages",
             ) from error
         if continue_final_message:
             if final.strip() not in rendered or tag.strip() not in rendered:
@@ -295,6 +361,56 @@ class ChatTemplate:
             else:
                 rendered = rendered[:at].rstrip()
         return rendered
+
+    def supplied_names(self) -> frozenset[str]:
+        """The template variables the renderer sets itself: the tokenizer's special tokens
+        (and transformers' standard special-token names), ``messages``,
+        ``add_generation_prompt`` and the sandbox's functions (``raise_exception``,
+        ``strftime_now``, ``namespace``, ``range``, ...)."""
+        return frozenset(
+            {*self.special_tokens, *SPECIAL_TOKEN_NAMES, *self._template.environment.globals}
+            | {"messages", "add_generation_prompt"}
+        )
+
+    def _variables(self, kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The template's variables: the special tokens, and the request's ``kwargs``, which
+        may add variables but not replace one the renderer supplies (a special token the
+        template writes after every message would multiply the request's size by the
+        message count; a function replaced by a value turns the template's refusals into
+        errors)."""
+        supplied = self.supplied_names()
+        for name in kwargs or {}:
+            if name in supplied:
+                raise InvalidRequestError(
+                    f"chat_template_kwargs.{name} is the chat template's own variable (the "
+                    "tokenizer's special tokens, messages, add_generation_prompt and the "
+                    "template's functions) and cannot be set by a request",
+                    param=f"chat_template_kwargs.{name}",
+                )
+        return {**self.special_tokens, **dict(kwargs or {})}
+
+    def _written(
+        self, chat: list[dict[str, Any]], variables: dict[str, Any], limit: int | None
+    ) -> str:
+        """The template's output, counted piece by piece as it is written: past ``limit``
+        characters it is refused before the rest is written."""
+        pieces: list[str] = []
+        written = 0
+        stream = self._template.generate(messages=chat, **variables)
+        try:
+            for piece in stream:
+                written += len(piece)
+                if limit is not None and written > limit:
+                    raise InvalidRequestError(
+                        "the messages render through the model's chat template to more than "
+                        f"{limit:,} characters, the most one request may render "
+                        f"({RENDERED_CHARS_PER_BODY_BYTE} x max_request_bytes)",
+                        param="messages",
+                    )
+                pieces.append(piece)
+        finally:
+            stream.close()
+        return "".join(pieces)
 
 
 def _plain_message(message: ChatMessage) -> dict[str, Any]:

@@ -24,10 +24,12 @@ async def render_chat(
     add_generation_prompt: bool = False,
     continue_final_message: bool = False,
     kwargs: Mapping[str, Any] | None = None,
+    max_request_bytes: int | None = None,
 ) -> str:
     """``messages`` rendered through the model's chat template
-    (:meth:`ChatTemplate.render`), off the event loop: a long conversation is
-    milliseconds of template work the loop must not spend."""
+    (:meth:`ChatTemplate.render`, within ``max_request_bytes``' bound on the rendered text),
+    off the event loop: a long conversation is milliseconds of template work the loop must
+    not spend."""
     template = ctx.chat
     if template is None:
         raise InvalidRequestError(
@@ -41,6 +43,7 @@ async def render_chat(
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
         kwargs=kwargs,
+        max_request_bytes=max_request_bytes,
     )
     return await ctx.runner.offload(render)
 
