@@ -76,6 +76,7 @@ def test_more_messages_than_allowed_are_refused_before_each_is_parsed(
         response = _post(chat_server, body)
     assert "at most 2048" in assert_refused(response, 400, param="messages")
     # What is left is parsing 7.2 MiB of JSON on a worker thread, which holds the GIL for
-    # ~0.1 s (test_abuse's input floods allow 0.45 s for the same).
-    watch.assert_unharmed(loop_s=0.45, memory_mib=256)
+    # ~0.1-0.2 s; the margin is for two busy CI cores (the refusal above is what the fix
+    # changed; the old code's 1.4 s hold is in docs/security.md).
+    watch.assert_unharmed(loop_s=1.0, memory_mib=256)
     _still_chats(chat_server)
