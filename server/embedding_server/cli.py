@@ -44,6 +44,7 @@ from embedding_server.settings import (
 )
 
 if TYPE_CHECKING:
+    from embedding_server.batch.lines import Key
     from embedding_server.batch.output import BatchOutput
     from embedding_server.device.inspection import Inspection
 
@@ -436,7 +437,7 @@ async def _run_batch_here(
     settings: ServerSettings,
     input_file: Path,
     output: BatchOutput,
-    answered: set[str | int],
+    answered: set[Key],
     total: int,
     max_in_flight: int,
 ) -> int:

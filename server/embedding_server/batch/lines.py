@@ -42,7 +42,7 @@ class BatchRequest:
 
     @property
     def key(self) -> Key:
-        return self.custom_id if self.custom_id is not None else self.line
+        return line_key(self.custom_id, self.line)
 
     @property
     def request_id(self) -> str:
@@ -59,7 +59,12 @@ class LineRefusal:
 
     @property
     def key(self) -> Key:
-        return self.custom_id if self.custom_id is not None else self.line
+        return line_key(self.custom_id, self.line)
+
+
+def line_key(custom_id: str | None, line: int) -> Key:
+    """A line's :data:`Key`: its ``custom_id``, else its number."""
+    return custom_id if custom_id is not None else line
 
 
 def request_id(line: int) -> str:

@@ -35,6 +35,7 @@ from embedding_server.batch.lines import (
     answer_line,
     custom_id_of,
     failure_line,
+    line_key,
     parse_line,
     refusal_line,
 )
@@ -99,8 +100,7 @@ def scan_input(path: Path, answered: Collection[Key]) -> InputScan:
                     f"line {number}; each request needs its own"
                 )
             first_line[custom_id] = number
-        key: Key = custom_id if custom_id is not None else number
-        if key not in answered:
+        if line_key(custom_id, number) not in answered:
             remaining += 1
     return InputScan(total, remaining)
 
