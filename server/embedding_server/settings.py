@@ -235,6 +235,17 @@ class ServerSettings(EngineSettings):
     )
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8000, gt=0, lt=65536, description="Port to listen on.")
+    probe_port: int | None = Field(
+        None,
+        gt=0,
+        lt=65536,
+        description="A second port, on the same address, that serves only /health, /ready "
+        "and /metrics, for the kubelet's probes and Prometheus: its connections do not count "
+        "against max_connections, so clients that hold every client connection cannot make "
+        "the probes fail. It takes at most 64 connections of its own; past that the oldest "
+        "one that has not sent its request is closed, never the new one. Unset: the probes "
+        "use the client port only (they are always served there too).",
+    )
     api_key: SecretStr | None = Field(
         None,
         description="Require 'Authorization: Bearer <key>' on "
@@ -402,6 +413,12 @@ class ServerSettings(EngineSettings):
     def receiving_bytes(self) -> int:
         """``max_receiving_bytes``, or its default from ``max_request_bytes``."""
         return self.max_receiving_bytes or 16 * self.max_request_bytes
+
+    @model_validator(mode="after")
+    def _probe_port_is_another(self) -> ServerSettings:
+        if self.probe_port is not None and self.probe_port == self.port:
+            raise ValueError(f"probe_port must differ from port ({self.port})")
+        return self
 
 
 MISSING_SDK = (

@@ -31,6 +31,7 @@ Lifecycle, all waits bounded:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -47,7 +48,7 @@ from prometheus_client import multiprocess
 
 from embedding_server.api.frontend import engine_address, run_frontend
 from embedding_server.api.lifecycle import freeze_heap
-from embedding_server.api.server import FATAL_EXIT_GRACE_S, best_available
+from embedding_server.api.server import FATAL_EXIT_GRACE_S, best_available, listen
 from embedding_server.engine import Engine
 from embedding_server.ipc.service import EngineService
 from embedding_server.logging import configure_logging
@@ -75,33 +76,46 @@ def serve_workers(settings: ServerSettings, shared_dir: str) -> int:
     """Run the engine process and its front-ends until a signal; the exit status.
     ``shared_dir`` holds the engine socket (and the metrics directory)."""
     configure_logging(settings.log_level, settings.log_format)
-    try:
-        listener = _listen(settings.host, settings.port)
-    except OSError as error:
-        logger.error("cannot listen on %s:%d: %s", settings.host, settings.port, error)
-        return 1
+    listeners = Listeners()
+    for port, what in ((settings.port, ""), (settings.probe_port, " (--probe-port)")):
+        if port is None:
+            continue
+        try:
+            listeners.sockets.append(listen(settings.host, port))
+        except OSError as error:
+            logger.error("cannot listen on %s:%d%s: %s", settings.host, port, what, error)
+            listeners.close()
+            return 1
     factory: Callable[[], asyncio.AbstractEventLoop] | None = None
     if best_available("uvloop", "asyncio") == "uvloop":
         import uvloop
 
         factory = uvloop.new_event_loop
-    with listener, asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(_engine_process(settings, listener, shared_dir))
+    with contextlib.closing(listeners), asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(_engine_process(settings, listeners, shared_dir))
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets whose protocol says TCP.
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.set_inheritable(True)
-    return sock
+class Listeners:
+    """The sockets the engine process binds for its front-ends: the client port's, then the
+    probe port's (``--probe-port``) when there is one."""
+
+    def __init__(self) -> None:
+        self.sockets: list[socket.socket] = []
+
+    @property
+    def client(self) -> socket.socket:
+        return self.sockets[0]
+
+    @property
+    def probe(self) -> socket.socket | None:
+        return self.sockets[1] if len(self.sockets) > 1 else None
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            sock.close()
 
 
-async def _engine_process(
-    settings: ServerSettings, listener: socket.socket, shared_dir: str
-) -> int:
+async def _engine_process(settings: ServerSettings, listeners: Listeners, shared_dir: str) -> int:
     loop = asyncio.get_running_loop()
     address = engine_address(shared_dir)
     metrics = Metrics()
@@ -112,7 +126,7 @@ async def _engine_process(
         if not stopping.done():
             stopping.set_result((code, why))
 
-    frontends = FrontEnds(settings, listener, shared_dir, finish)
+    frontends = FrontEnds(settings, listeners, shared_dir, finish)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, finish, 0, signal.Signals(sig).name)
     frontends.start()
@@ -241,9 +255,9 @@ class FrontEnds:
     with backoff: see the module docstring), and stopped."""
 
     def __init__(
-        self, settings: ServerSettings, listener: socket.socket, shared_dir: str, finish: Finish
+        self, settings: ServerSettings, listeners: Listeners, shared_dir: str, finish: Finish
     ) -> None:
-        self._settings, self._listener, self._shared_dir = settings, listener, shared_dir
+        self._settings, self._listener, self._shared_dir = settings, listeners, shared_dir
         self._finish = finish
         self._context = multiprocessing.get_context("spawn")
         self._running: dict[int, BaseProcess] = {}
@@ -261,8 +275,8 @@ class FrontEnds:
     def _spawn(self, slot: int) -> None:
         process = self._context.Process(
             target=run_frontend,
-            args=(self._settings, self._listener, self._shared_dir, os.getpid()),
-            kwargs={"wait_for_engine": self.serving},
+            args=(self._settings, self._listener.client, self._shared_dir, os.getpid()),
+            kwargs={"wait_for_engine": self.serving, "probe_listener": self._listener.probe},
             name=f"api-worker-{slot}",
             daemon=True,
         )

@@ -49,13 +49,30 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         """Between requests or inside a request's line and headers: bytes are head bytes."""
         self._head_bytes = 0
         self._head_timer: asyncio.TimerHandle | None = None
+        self.opened_at = 0.0
+        """The loop's time when the connection was made."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if len(self.connections) > self.max_connections:
-            self._refuse(503, "The server has as many connections open as it takes.", "busy")
+        self.opened_at = self.loop.time()
+        if len(self.connections) > self.max_connections and not self._make_room():
+            self.refuse_busy()
             return
         self._arm_head_timer()
+
+    def _make_room(self) -> bool:
+        """Past the cap: whether room was made for this connection (the client port makes
+        none: the new connection is refused)."""
+        return False
+
+    @property
+    def waiting_for_request(self) -> bool:
+        """Between requests or still sending one's line and headers."""
+        return self._in_head
+
+    def refuse_busy(self) -> None:
+        """Answer 503 (the server holds as many connections as it takes) and close."""
+        self._refuse(503, "The server has as many connections open as it takes.", "busy")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()
@@ -129,14 +146,20 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.close()
 
 
-def guarded_protocol(settings: ServerSettings) -> type[GuardedHttpToolsProtocol]:
-    """The protocol class of a server with these settings' connection bounds."""
+def guarded_protocol(
+    settings: ServerSettings,
+    base: type[GuardedHttpToolsProtocol] = GuardedHttpToolsProtocol,
+    *,
+    max_connections: int | None = None,
+) -> type[GuardedHttpToolsProtocol]:
+    """The protocol class (``base``'s) of a server with these settings' connection bounds;
+    ``max_connections`` in place of the settings' (the probe port's own cap)."""
     return type(
-        "GuardedHttpToolsProtocol",
-        (GuardedHttpToolsProtocol,),
+        base.__name__,
+        (base,),
         {
             "max_header_bytes": settings.max_header_bytes,
             "header_timeout": settings.header_timeout,
-            "max_connections": settings.max_connections,
+            "max_connections": max_connections or settings.max_connections,
         },
     )

@@ -43,12 +43,14 @@ def run_frontend(
     parent: int,
     *,
     wait_for_engine: bool = False,
+    probe_listener: socket.socket | None = None,
 ) -> None:
     """A front-end process: the HTTP API on the shared socket, its jobs run by the engine.
 
     ``wait_for_engine``: accept no connection before the engine has handed this front-end
     the model (one started in place of a front-end that died, while the others serve: a
-    client it accepted earlier would be told the server is not ready)."""
+    client it accepted earlier would be told the server is not ready). ``probe_listener``:
+    the shared probe port's socket (``--probe-port``), served beside the client port."""
     configure_logging(settings.log_level, settings.log_format)
     # Out of the engine's process group: a terminal's Ctrl-C reaches the engine process only,
     # which sends one SIGTERM (a second signal would make uvicorn skip the drain).
@@ -59,7 +61,8 @@ def run_frontend(
         return await AttachedEngine.connect(settings, engine_address(shared_dir), metrics=metrics)
 
     app = create_app(settings, connect=connect, accept_when_ready=wait_for_engine)
-    code = run_http(settings, app, sockets=[listener])
+    probes = [probe_listener] if probe_listener is not None else None
+    code = run_http(settings, app, sockets=[listener], probe_sockets=probes)
     _clean_up_after(parent, shared_dir)
     raise SystemExit(code)
 

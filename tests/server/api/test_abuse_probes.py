@@ -1,0 +1,143 @@
+"""H8 of the third hardening review (docs/security.md): one client that holds every client
+connection, reopening each as it is closed, kept ``/health`` at 503 for as long as it liked,
+and the liveness probe would have restarted a pod that was fine. Replayed against real
+``embedding-server serve`` processes (the fake backend, one process and ``--api-workers 2``):
+with ``--probe-port``, the probes keep answering there, fast, while the client port stays
+full; and the probe port itself cannot be filled by idle connections."""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from e2e.harness.proc import free_port
+from tests.server.api.test_abuse import Served, serve
+
+pytestmark = pytest.mark.timeout(300)
+
+MAX_CONNECTIONS = 40
+HEADER_TIMEOUT = 2.0
+PROBE_MAX_CONNECTIONS = 64  # embedding_server.api.probes.PROBE_MAX_CONNECTIONS
+
+
+class Hog:
+    """A client that keeps ``count`` connections to ``address`` open, sending nothing, and
+    opens a new one as soon as the server closes one (503 past the cap, 408 at the header
+    timeout)."""
+
+    def __init__(self, address: tuple[str, int], count: int) -> None:
+        self.address, self.count = address, count
+        self.reopened = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._sockets: list[socket.socket] = []
+
+    def _open(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sockets.append(socket.create_connection(self.address, timeout=5))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            while len(self._sockets) < self.count and not self._stop.is_set():
+                self._open()
+            readable, _, _ = select.select(self._sockets, [], [], 0.02)
+            for sock in readable:  # answered (503/408) or closed: open another
+                sock.close()
+                self._sockets.remove(sock)
+                self.reopened += 1
+
+    def __enter__(self) -> Hog:
+        for _ in range(self.count):
+            self._open()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        for sock in self._sockets:
+            sock.close()
+
+
+def probe(url: str) -> tuple[int, float]:
+    """One probe as the kubelet sends it: a new connection, no keep-alive. Its status (0 when
+    refused or timed out) and how long it took."""
+    started = time.monotonic()
+    try:
+        status = httpx.get(url, headers={"connection": "close"}, timeout=5).status_code
+    except httpx.HTTPError:
+        status = 0
+    return status, time.monotonic() - started
+
+
+def probes_during(url: str, seconds: float) -> list[tuple[int, float]]:
+    """Probes of ``url`` every 100 ms for ``seconds``."""
+    results = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        results.append(probe(url))
+        time.sleep(0.1)
+    return results
+
+
+@contextlib.contextmanager
+def probed_server(tmp_path: Path, *flags: str) -> Iterator[tuple[Served, str]]:
+    probe_port = free_port()
+    with serve(
+        tmp_path / "server.log",
+        "--model", "fake?dim=8",
+        "--max-connections", str(MAX_CONNECTIONS),
+        "--header-timeout", str(HEADER_TIMEOUT),
+        "--probe-port", str(probe_port),
+        *flags,
+    ) as served:  # fmt: skip
+        yield served, f"http://127.0.0.1:{probe_port}"
+
+
+def _address(served: Served) -> tuple[str, int]:
+    host, port = served.url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+@pytest.mark.parametrize("workers", [1, 2], ids=["one-process", "api-workers-2"])
+def test_a_client_holding_every_connection_leaves_the_probe_port_answering(
+    tmp_path: Path, workers: int
+) -> None:
+    with probed_server(tmp_path, "--api-workers", str(workers)) as (served, probes):
+        # Every client connection of every front-end held, and reopened as it is closed.
+        with Hog(_address(served), MAX_CONNECTIONS * workers + 10) as hog:
+            time.sleep(0.5)
+            on_client_port = probes_during(served.url + "/health", 1.0)
+            # Longer than the header timeout: the held connections are cut and reopened.
+            health = probes_during(probes + "/health", 2 * HEADER_TIMEOUT + 1)
+            ready = [probe(probes + "/ready") for _ in range(5)]
+        assert hog.reopened > 0, "the attack never had a connection closed"
+    # The attack is real: the client port is full, and probes there get 503 or nothing.
+    assert any(status != 200 for status, _ in on_client_port), on_client_port
+    # The probe port answers every probe, fast.
+    assert all(status == 200 for status, _ in health + ready), health + ready
+    worst = max(seconds for _, seconds in health + ready)
+    assert worst < 1.0, f"a probe took {worst:.2f} s"
+
+
+def test_the_probe_port_serves_only_the_probes_and_cannot_be_filled(tmp_path: Path) -> None:
+    with probed_server(tmp_path) as (_served, probes):
+        # Not a way around the client port's cap: only /health, /ready and /metrics.
+        response = httpx.post(probes + "/v1/embeddings", json={"input": "hi"}, timeout=10)
+        assert response.status_code == 404
+        assert "only /health, /ready and /metrics" in response.json()["error"]["message"]
+        assert "embedding_server_queue_requests" in httpx.get(probes + "/metrics").text
+        # Idle connections past the probe port's own cap make room for new ones.
+        host, port = probes.removeprefix("http://").split(":")
+        with Hog((host, int(port)), 3 * PROBE_MAX_CONNECTIONS):
+            time.sleep(0.5)
+            results = probes_during(probes + "/health", 1.5)
+    assert all(status == 200 for status, _ in results), results
