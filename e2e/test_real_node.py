@@ -468,9 +468,27 @@ def test_readme_path_serves_sentence_transformers_vectors(
         deployment = get_json(cluster, "deployment", "minilm", "-n", namespace)
         assert deployment is not None
         assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == e2e_images.server
+        assert_probed_on_the_probe_port(ready_server_pods(cluster, namespace, "minilm"))
 
         result = embed_through_the_service(cluster, client_pod, namespace, "minilm", "embed")
     assert_sentence_transformers_vectors(result)
+
+
+def assert_probed_on_the_probe_port(pods: list[dict[str, Any]]) -> None:
+    """The real kubelet's startup, readiness and liveness probes go to the server's probe
+    port (``--probe-port``, outside the client port's connection cap), and the pods they
+    made Ready were never restarted by them."""
+    assert pods
+    for pod in pods:
+        (container,) = pod["spec"]["containers"]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        args = container["args"]
+        probe_port = int(args[args.index("--probe-port") + 1])
+        assert ports["probe"] == probe_port != ports["http"], ports
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert ports[container[probe]["httpGet"]["port"]] == probe_port, probe
+        (status,) = pod["status"]["containerStatuses"]
+        assert status["ready"] and status["restartCount"] == 0, status
 
 
 # -- (b) queue-depth autoscaling ----------------------------------------------------------------

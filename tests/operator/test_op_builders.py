@@ -295,11 +295,16 @@ def test_deployment_probes_security_volumes_labels() -> None:
     deployment = build_deployment(render)
     container = _container(deployment)
     pod = deployment["spec"]["template"]["spec"]
-    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
-    assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    # The probes go to the probe port, outside the client port's connection cap.
+    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "probe"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "probe"}
     startup = container["startupProbe"]
+    assert startup["httpGet"] == {"path": "/ready", "port": "probe"}
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
-    assert container["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert container["ports"] == [
+        {"name": "http", "containerPort": 8000, "protocol": "TCP"},
+        {"name": "probe", "containerPort": 8001, "protocol": "TCP"},
+    ]
     assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     # Read-only root; every path the server writes is a volume.
@@ -369,6 +374,8 @@ def test_network_policy_admits_only_chosen_namespaces() -> None:
         }
     }
     assert policy["spec"]["policyTypes"] == ["Ingress"], "egress (Hub downloads) is untouched"
+    # The client port only: the kubelet reaches the probe port as node traffic, which a
+    # NetworkPolicy never blocks, and client namespaces cannot crowd it.
     (rule,) = policy["spec"]["ingress"]
     assert rule["ports"] == [{"protocol": "TCP", "port": 8000}]
     (peer,) = rule["from"]

@@ -15,6 +15,7 @@ from embedding_operator import spec as operator_spec
 from embedding_operator.builders.deployment import SERVER_DRAIN_SECONDS, server_args
 from embedding_operator.builders.hpa import SERVER_BATCH_TOKENS
 from embedding_server import settings as server_settings
+from embedding_server.api.probes import PROBE_PATHS
 from embedding_server.cli import load_settings
 from embedding_server.device.quantization import refuse_int8
 from embedding_server.errors import UnsupportedModelError
@@ -75,6 +76,23 @@ def test_request_limits_render_flags_the_server_parses_and_its_default_queue() -
     settings = load_settings(args)
     assert settings.max_request_tokens == 4096
     assert settings.max_queue_tokens == default
+
+
+def test_the_probes_target_the_probe_port_the_server_is_told_to_open() -> None:
+    """The kubelet's probes go to the container port the server opens with --probe-port (a
+    port of its own, outside --max-connections), and the client port stays the Service's."""
+    from embedding_operator.builders.deployment import build_deployment
+
+    render = render_input({"model": {"name": "hf://m/e"}}, name="minilm")
+    (container,) = build_deployment(render)["spec"]["template"]["spec"]["containers"]
+    settings = load_settings(container["args"])
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert settings.probe_port is not None and settings.probe_port != settings.port
+    assert ports == {"http": settings.port, "probe": settings.probe_port}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        get = container[probe]["httpGet"]
+        assert ports[get["port"]] == settings.probe_port, probe
+        assert get["path"] in PROBE_PATHS, probe
 
 
 def test_grace_period_covers_the_servers_drain() -> None:

@@ -27,6 +27,10 @@ MANAGED_BY = "embedding-operator"
 
 SERVER_PORT = 8000
 PORT_NAME = "http"
+PROBE_PORT = 8001
+"""The server's probe port (``--probe-port``): the kubelet's probes go there, outside the
+client port's connection cap, so clients that hold every connection cannot fail them."""
+PROBE_PORT_NAME = "probe"
 CACHE_MOUNT_PATH = "/cache"
 DEFAULT_IMAGE = "ghcr.io/embedding-operator/embedding-server:0.1.0"
 

@@ -22,7 +22,12 @@ Choices made here, and why:
   list (``--allowed-hosts=*`` turns the check off).
 * Probes: readiness on ``/ready`` (503 until loaded and warmed), liveness on ``/health``, and a
   startup probe on ``/ready`` with a failure budget of ``startupTimeoutSeconds`` so a slow model
-  download is not killed by liveness, while a download that hangs forever is restarted.
+  download is not killed by liveness, while a download that hangs forever is restarted. They
+  go to the server's probe port (``--probe-port``, the container port ``probe``), whose
+  connections do not count against the client port's cap: a client holding every client
+  connection cannot get a healthy pod restarted. Prometheus still scrapes ``/metrics`` on the
+  client port (the NetworkPolicy admits its namespace there; the kubelet reaches the probe
+  port as node traffic, which a NetworkPolicy never blocks).
 * Rollout: ``maxSurge 0`` by default, because a surge pod needs a free GPU that usually is not
   there and would sit Pending, stalling the rollout.
 * Model cache: ``modelCache.readOnly`` mounts a claim filled beforehand read-only (the volume
@@ -59,6 +64,8 @@ from typing import Any
 from embedding_operator.builders.common import (
     CACHE_MOUNT_PATH,
     PORT_NAME,
+    PROBE_PORT,
+    PROBE_PORT_NAME,
     SERVER_PORT,
     Manifest,
     RenderInput,
@@ -92,6 +99,8 @@ def server_args(render: RenderInput) -> list[str]:
         "0.0.0.0",
         "--port",
         str(SERVER_PORT),
+        "--probe-port",
+        str(PROBE_PORT),
         "--log-format",
         "json",
         "--cache-dir",
@@ -284,7 +293,7 @@ def _resources(render: RenderInput) -> dict[str, Any]:
 
 def _probe(path: str, period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
     return {
-        "httpGet": {"path": path, "port": PORT_NAME},
+        "httpGet": {"path": path, "port": PROBE_PORT_NAME},
         "periodSeconds": period,
         "timeoutSeconds": timeout,
         "failureThreshold": failures,
@@ -324,7 +333,10 @@ def _pod_spec(render: RenderInput) -> dict[str, Any]:
         "image": spec.server.image or render.default_image,
         "command": ["embedding-server"],
         "args": server_args(render),
-        "ports": [{"name": PORT_NAME, "containerPort": SERVER_PORT, "protocol": "TCP"}],
+        "ports": [
+            {"name": PORT_NAME, "containerPort": SERVER_PORT, "protocol": "TCP"},
+            {"name": PROBE_PORT_NAME, "containerPort": PROBE_PORT, "protocol": "TCP"},
+        ],
         "env": _env(render),
         "resources": _resources(render),
         "startupProbe": _probe("/ready", STARTUP_PERIOD_SECONDS, startup_failures),

@@ -7,6 +7,11 @@ and in each of ``allowedNamespaces``, matched on the ``kubernetes.io/metadata.na
 API server puts on every namespace (so a namespace cannot claim another's name by labelling
 itself). Only ingress is restricted: the server's egress (a Hub download, DNS, the image URLs of
 ``spec.media.allowedDomains``) is untouched.
+
+The probe port (``PROBE_PORT``) is admitted from no pod: the kubelet's probes come from the
+node, and traffic from a pod's own node is always allowed whatever the policy says (the
+Kubernetes NetworkPolicy contract), so the probes get through while clients in the admitted
+namespaces cannot crowd the probe port.
 """
 
 from __future__ import annotations
