@@ -29,7 +29,13 @@ from e2e.harness.proc import poll_until
 # The examples' GPU pods run on kwok's fake nodes (test_real_node.py serves them for real).
 pytestmark = pytest.mark.kwok
 
-EXAMPLES = sorted(EXAMPLES_DIR.glob("*.yaml"))
+EXAMPLES = [
+    path
+    for path in sorted(EXAMPLES_DIR.glob("*.yaml"))
+    if {doc.get("kind") for doc in yaml.safe_load_all(path.read_text()) if doc}
+    == {"EmbeddingService"}
+]
+"""The EmbeddingService examples (examples/embeddingjob.yaml needs a store and a corpus)."""
 PRODUCT_LABEL = "nvidia.com/gpu.product"
 PRODUCTS = {"h100": "NVIDIA-H100-80GB-HBM3", "l4": "NVIDIA-L4"}
 

@@ -31,6 +31,7 @@ CHART = ROOT / "charts" / "embedding-operator"
 CANONICAL_CRD = ROOT / "crds" / "embeddingservices.yaml"
 CHART_CRD = CHART / "files" / "crds" / "embeddingservices.yaml"
 CRD_NAME = "embeddingservices.embedding-operator.dev"
+JOB_CRD_NAME = "embeddingjobs.embedding-operator.dev"
 KEEP = "helm.sh/resource-policy"
 RENDER_TIMEOUT_S = 60
 
@@ -224,6 +225,7 @@ def test_default_install_objects(helm: Path) -> None:
             "ClusterRoleBinding/eo-embedding-operator",
             "ConfigMap/eo-embedding-operator-config",
             f"CustomResourceDefinition/{CRD_NAME}",
+            f"CustomResourceDefinition/{JOB_CRD_NAME}",
             "Deployment/eo-embedding-operator",
             "Role/eo-embedding-operator-leader-election",
             "RoleBinding/eo-embedding-operator-leader-election",
@@ -234,7 +236,7 @@ def test_default_install_objects(helm: Path) -> None:
 
 def test_rendered_crd_is_the_canonical_crd_plus_helm_metadata(helm: Path) -> None:
     canonical = yaml.safe_load(CANONICAL_CRD.read_text())
-    crd = one(objects(helm, {"crds.labels": {"team": "ml"}}), "CustomResourceDefinition")
+    crd = one(objects(helm, {"crds.labels": {"team": "ml"}}), "CustomResourceDefinition", CRD_NAME)
     assert crd["spec"] == canonical["spec"]
     assert crd["metadata"]["name"] == canonical["metadata"]["name"]
     assert crd["metadata"]["annotations"][KEEP] == "keep"
@@ -244,8 +246,9 @@ def test_rendered_crd_is_the_canonical_crd_plus_helm_metadata(helm: Path) -> Non
 
 
 def test_crd_retention_and_opt_out(helm: Path) -> None:
-    crd = one(objects(helm, {"crds.keep": False}), "CustomResourceDefinition")
-    assert KEEP not in (crd["metadata"].get("annotations") or {})
+    for name in (CRD_NAME, JOB_CRD_NAME):
+        crd = one(objects(helm, {"crds.keep": False}), "CustomResourceDefinition", name)
+        assert KEEP not in (crd["metadata"].get("annotations") or {})
     assert not [
         d for d in objects(helm, {"crds.install": False}) if d["kind"] == "CustomResourceDefinition"
     ]

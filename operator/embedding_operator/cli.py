@@ -187,6 +187,8 @@ def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
 
     from embedding_operator import handlers
     from embedding_operator.events import ApiEventRecorder
+    from embedding_operator.jobs.handlers import register_jobs
+    from embedding_operator.jobs.reconcile import JobReconciler
     from embedding_operator.kube import KubeCluster, api_client
     from embedding_operator.leader import (
         LeaderElector,
@@ -219,6 +221,15 @@ def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
     )
     registry = kopf.OperatorRegistry()
     controller = handlers.register(registry, reconciler, config, versions, metrics, pods)
+    job_controller = register_jobs(
+        registry,
+        JobReconciler(
+            cluster=cluster,
+            recorder=ApiEventRecorder(cluster, identity),
+            default_image=config.default_image,
+        ),
+        config,
+    )
     settings = handlers.kopf_settings(config)
     log.info(
         "starting: namespaces=%s gpu-profiles=%s leader-elect=%s default-autoscaler=%s "
@@ -232,7 +243,7 @@ def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
 
     async def work(stop_flag: asyncio.Event) -> None:
         metrics.leader.set(1)
-        queue_task = asyncio.create_task(controller.run(stop_flag))
+        queue_task = asyncio.create_task(_run_all(stop_flag, controller, job_controller))
         # If the controller dies, stop kopf too; awaiting the task below re-raises its error.
         queue_task.add_done_callback(lambda _: stop_flag.set())
         try:
@@ -293,6 +304,19 @@ def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
         if metrics_server is not None:
             metrics_server.shutdown()
     return 0
+
+
+async def _run_all(stop: asyncio.Event, *controllers: Any) -> None:
+    """Run every controller until ``stop``; the first to fail ends them all with its error."""
+    tasks = [asyncio.create_task(c.run(stop)) for c in controllers]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            task.result()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks)
 
 
 async def _standby_liveness(url: str) -> Any:

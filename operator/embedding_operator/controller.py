@@ -151,6 +151,8 @@ class Controller:
                     )
                 else:
                     self.queue.forget(key)
+                    if outcome is not None and outcome.requeue_after is not None:
+                        self.queue.add_after(key, outcome.requeue_after)
             finally:
                 active.dec()
                 self.queue.done(key)

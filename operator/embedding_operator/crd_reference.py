@@ -1,4 +1,4 @@
-"""The EmbeddingService reference page, generated from the CRD schema.
+"""The EmbeddingService and EmbeddingJob reference pages, generated from the CRD schemas.
 
 ``crds/embeddingservices.yaml`` is the API's single source of truth: the API server enforces
 it, ``kubectl explain`` prints its descriptions, and the operator's spec model is checked
@@ -7,8 +7,10 @@ page is rendered from the schema instead: every field path with its type, defaul
 validation and description, and every CEL rule with the message ``kubectl apply`` prints.
 
 :func:`render_reference` is a pure function of the parsed CRD. Running the module rewrites
-``docs/reference/embeddingservice.md`` (``--check`` only compares), and
-``tests/operator/test_crd_reference.py`` fails when the committed page drifts::
+``docs/reference/embeddingservice.md`` and ``docs/reference/embeddingjob.md`` from
+``crds/embeddingjobs.yaml`` (``--check`` only compares), and
+``tests/operator/test_crd_reference.py`` (``test_job_crd.py``) fails when a committed page
+drifts::
 
     python -m embedding_operator.crd_reference
 """
@@ -30,6 +32,10 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CRD_PATH = REPO_ROOT / "crds" / "embeddingservices.yaml"
 OUTPUT_PATH = REPO_ROOT / "docs" / "reference" / "embeddingservice.md"
+JOB_CRD_PATH = REPO_ROOT / "crds" / "embeddingjobs.yaml"
+JOB_OUTPUT_PATH = REPO_ROOT / "docs" / "reference" / "embeddingjob.md"
+PAGES = ((CRD_PATH, OUTPUT_PATH), (JOB_CRD_PATH, JOB_OUTPUT_PATH))
+"""Each CRD and the page generated from it."""
 COMMAND = "python -m embedding_operator.crd_reference"
 
 Schema = Mapping[str, Any]
@@ -230,11 +236,11 @@ def _section(section: _Section) -> list[str]:
     return [*lines, ""]
 
 
-def _printer_columns(version: Schema) -> list[str]:
+def _printer_columns(version: Schema, plural: str) -> list[str]:
     lines = [
         "## Printer columns",
         "",
-        "What `kubectl get embeddingservices` shows; columns marked *wide* appear with `-o wide`.",
+        f"What `kubectl get {plural}` shows; columns marked *wide* appear with `-o wide`.",
         "",
         "| Column | Type | JSON path | Shown | Description |",
         "| --- | --- | --- | --- | --- |",
@@ -305,7 +311,7 @@ def render_reference(crd: Mapping[str, Any], source: str = "crds/embeddingservic
     object_rules = _rules("", schema)
     if object_rules:
         lines += ["Rules the API server checks on the whole object:", "", *object_rules, ""]
-    lines += _printer_columns(version)
+    lines += _printer_columns(version, names["plural"])
     for section in sections:
         lines += _section(section)
     return "\n".join(lines).rstrip("\n") + "\n"
@@ -317,26 +323,38 @@ def load_crd(path: Path = CRD_PATH) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Write (or with ``--check`` compare) the reference page; return the exit status."""
+    """Write (or with ``--check`` compare) the reference pages; return the exit status."""
     parser = argparse.ArgumentParser(
-        prog=COMMAND, description="Generate the EmbeddingService reference from the CRD."
+        prog=COMMAND, description="Generate the CRD reference pages from the CRDs."
     )
-    parser.add_argument("--crd", type=Path, default=CRD_PATH, help="CRD manifest to read.")
-    parser.add_argument("--output", type=Path, default=OUTPUT_PATH, help="Page to write.")
     parser.add_argument(
-        "--check", action="store_true", help="Exit 1 if the page differs; write nothing."
+        "--crd", type=Path, default=None, help="CRD manifest to read (default: every CRD)."
+    )
+    parser.add_argument("--output", type=Path, default=None, help="Page to write (with --crd).")
+    parser.add_argument(
+        "--check", action="store_true", help="Exit 1 if a page differs; write nothing."
     )
     args = parser.parse_args(argv)
-    page = render_reference(load_crd(args.crd))
-    if args.check:
-        current = args.output.read_text(encoding="utf-8") if args.output.exists() else ""
-        if current != page:
-            sys.stderr.write(f"{args.output} is out of date: run {COMMAND}\n")
-            return 1
-        return 0
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(page, encoding="utf-8")
-    return 0
+    if args.crd is not None:
+        pages: Sequence[tuple[Path, Path]] = ((args.crd, args.output or OUTPUT_PATH),)
+    else:
+        pages = PAGES
+    status = 0
+    for crd_path, output in pages:
+        try:
+            source = str(crd_path.resolve().relative_to(REPO_ROOT))
+        except ValueError:
+            source = str(crd_path)
+        page = render_reference(load_crd(crd_path), source)
+        if args.check:
+            current = output.read_text(encoding="utf-8") if output.exists() else ""
+            if current != page:
+                sys.stderr.write(f"{output} is out of date: run {COMMAND}\n")
+                status = 1
+            continue
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(page, encoding="utf-8")
+    return status
 
 
 if __name__ == "__main__":

@@ -71,6 +71,8 @@ CHILD_RESOURCES: tuple[tuple[str, str] | tuple[str, str, str], ...] = (
     ("networking.k8s.io", "v1", "networkpolicies"),
 )
 POD_RESOURCE = ("v1", "pods")
+JOB_RESOURCE = ("batch", "v1", "jobs")
+"""An EmbeddingJob's Jobs (``jobs/handlers.py`` registers their handler)."""
 
 
 def kopf_settings(config: OperatorSettings) -> kopf.OperatorSettings:
@@ -86,7 +88,7 @@ def kopf_settings(config: OperatorSettings) -> kopf.OperatorSettings:
     # A watch that silently stops is the classic stuck operator; recycle them.
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
-    for selector in (*CHILD_RESOURCES, POD_RESOURCE):
+    for selector in (*CHILD_RESOURCES, POD_RESOURCE, JOB_RESOURCE):
         settings.watching.label_selectors[selector] = MANAGED_SELECTOR
     return settings
 

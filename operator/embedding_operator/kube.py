@@ -30,6 +30,9 @@ _PLURALS = {
     "NetworkPolicy": "networkpolicies",
     "Secret": "secrets",
     "EmbeddingService": "embeddingservices",
+    "EmbeddingJob": "embeddingjobs",
+    "Job": "jobs",
+    "ServiceAccount": "serviceaccounts",
     "Lease": "leases",
     "Event": "events",
 }

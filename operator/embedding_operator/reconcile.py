@@ -91,13 +91,15 @@ class Outcome:
     """What a reconcile found; ``problem.retryable`` asks the caller to retry later.
 
     ``skipped``: the object was settled and the watches report no change since it was last
-    verified, so nothing was read or written (``versions.py``).
+    verified, so nothing was read or written (``versions.py``). ``requeue_after``: come back
+    in that many seconds though nothing failed (an EmbeddingJob's ``ttlSecondsAfterFinished``).
     """
 
     problem: Problem | None
     status_written: bool
     applied: tuple[str, ...] = ()
     skipped: bool = False
+    requeue_after: float | None = None
 
     @property
     def retry(self) -> bool:

@@ -7,6 +7,7 @@ import itertools
 from pathlib import Path
 from typing import Any
 
+import yaml
 from embedding_operator.builders.common import Owner, RenderInput
 from embedding_operator.kube import ApiError, ObjectRef, ref_of
 from embedding_operator.profiles import GpuProfiles
@@ -14,7 +15,18 @@ from embedding_operator.spec import parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "crds" / "embeddingservices.yaml"
-EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+JOB_CRD_PATH = ROOT / "crds" / "embeddingjobs.yaml"
+
+
+def _kinds(path: Path) -> set[str]:
+    return {str(doc.get("kind")) for doc in yaml.safe_load_all(path.read_text()) if doc}
+
+
+ALL_EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+EXAMPLES = [p for p in ALL_EXAMPLES if _kinds(p) == {"EmbeddingService"}]
+"""The EmbeddingService examples."""
+JOB_EXAMPLES = [p for p in ALL_EXAMPLES if _kinds(p) == {"EmbeddingJob"}]
+"""The EmbeddingJob examples."""
 
 
 def render_input(

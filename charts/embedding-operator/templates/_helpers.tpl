@@ -176,8 +176,31 @@ children a spec no longer wants (an HPA after autoscaling is switched off, ...).
 - apiGroups: [""]
   resources: [pods]
   verbs: [list, watch]
-# Events about EmbeddingServices (kopf's and the operator's own).
+# Events about EmbeddingServices and EmbeddingJobs (kopf's and the operator's own).
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+# EmbeddingJobs: watched, read per reconcile, status written, deleted once their
+# ttlSecondsAfterFinished has passed; finalizers for blockOwnerDeletion, as above.
+- apiGroups: [embedding-operator.dev]
+  resources: [embeddingjobs]
+  verbs: [get, list, watch, delete]
+- apiGroups: [embedding-operator.dev]
+  resources: [embeddingjobs/status]
+  verbs: [patch]
+- apiGroups: [embedding-operator.dev]
+  resources: [embeddingjobs/finalizers]
+  verbs: [update]
+# An EmbeddingJob's planner and worker Jobs: created once, then only suspend and parallelism
+# patched; garbage collection deletes them with the EmbeddingJob. Their pods are read through
+# the pods rule above (list: termination messages).
+- apiGroups: [batch]
+  resources: [jobs]
+  verbs: [get, list, watch, create, patch]
+# The job pods' own ServiceAccount, bound to no Role (the pods call no Kubernetes API; the
+# kubelet resolves their credentials Secret). Created by a server-side apply, which needs
+# patch as well. No access to Secrets, and no token requests (serviceaccounts/token).
+- apiGroups: [""]
+  resources: [serviceaccounts]
+  verbs: [get, create, patch]
 {{- end }}

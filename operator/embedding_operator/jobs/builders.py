@@ -1,0 +1,327 @@
+"""Pure builders of an EmbeddingJob's children: its ServiceAccount and its two Jobs.
+
+An EmbeddingJob runs in two phases, each a ``batch/v1`` Job of the server image:
+
+* the planner (``<name>-plan``, one pod): ``embedding-server job plan`` lists the input,
+  writes ``OUTPUT/_plan.json`` and says in its termination message how many shards and rows
+  there are (``{"shards": S, "rows": R}``);
+* the workers (``<name>-work``): an Indexed Job of ``S`` completions, ``parallelism`` pods at
+  a time, each pod ``embedding-server job work`` for the shard ``JOB_COMPLETION_INDEX`` (the
+  Job controller sets it), which commits ``OUTPUT/parts/part-<index>.parquet`` once. A shard
+  retries ``backoffLimitPerIndex`` times on its own, without failing the others;
+  ``maxFailedIndexes`` is left unset, so every shard that can be done is done before the Job
+  reports the failed ones (a second EmbeddingJob with the same output skips the committed
+  shards and redoes only those). The pod failure policy fails the whole Job at once on the
+  worker's exit code 2 (bad arguments: every shard would fail alike) and does not count a
+  disruption (an eviction, a preemption, a node drain) against a shard's retries.
+
+``S`` and ``R`` travel on the worker Job itself (``spec.completions`` and the
+:data:`ROWS_ANNOTATION`), so the planner Job may be deleted once the workers exist.
+
+Pods: the EmbeddingJob's own ServiceAccount (bound to no Role: the pods call no Kubernetes
+API, and the kubelet, not the pod, resolves the credentials Secret into env), no
+service-account token, non-root, no privilege escalation, every capability dropped, seccomp
+RuntimeDefault and a read-only root filesystem with an emptyDir ``/tmp``, as the server's
+Deployment has. The operator never reads the Secret and never touches the store.
+
+Job pod templates are immutable: the reconciler creates each Job once from these manifests
+and afterwards patches only ``spec.suspend`` and ``spec.parallelism``
+(:func:`mutable_fields`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from embedding_operator.builders.common import (
+    GROUP,
+    MANAGED_BY,
+    VERSION,
+    Manifest,
+    Owner,
+)
+from embedding_operator.builders.deployment import RUN_AS_USER
+from embedding_operator.jobs.spec import PVC_MOUNT_PATH, EmbeddingJobSpec
+
+JOB_KIND = "EmbeddingJob"
+JOB_PLURAL = "embeddingjobs"
+JOB_API_VERSION = f"{GROUP}/{VERSION}"
+APP_NAME = "embedding-job"
+PLANNER = "planner"
+WORKER = "worker"
+CONTAINER_NAME = "job"
+TERMINATION_LOG = "/dev/termination-log"
+ROWS_ANNOTATION = f"{GROUP}/rows"
+"""On the worker Job: the rows the planner counted (``R``)."""
+EXIT_BAD_ARGS = 2
+PLANNER_BACKOFF_LIMIT = 2
+ACCESS_KEY_ENV = "AWS_ACCESS_KEY_ID"
+SECRET_KEY_ENV = "AWS_SECRET_ACCESS_KEY"
+REGION_ENV = "AWS_REGION"
+
+
+def planner_name(owner: Owner) -> str:
+    return f"{owner.name}-plan"
+
+
+def worker_name(owner: Owner) -> str:
+    return f"{owner.name}-work"
+
+
+def service_account_name(owner: Owner) -> str:
+    return f"{owner.name}-embedding-job"
+
+
+def job_labels(owner: Owner, component: str | None = None) -> dict[str, str]:
+    """Labels of the children and their pods; ``component`` is planner or worker."""
+    labels = {
+        "app.kubernetes.io/name": APP_NAME,
+        "app.kubernetes.io/instance": owner.name,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+    }
+    if component is not None:
+        labels["app.kubernetes.io/component"] = component
+    return labels
+
+
+def pod_selector(owner: Owner, component: str) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(job_labels(owner, component).items()))
+
+
+def job_owner_reference(owner: Owner) -> dict[str, Any]:
+    return {
+        "apiVersion": JOB_API_VERSION,
+        "kind": JOB_KIND,
+        "name": owner.name,
+        "uid": owner.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(
+    owner: Owner, name: str, component: str | None, annotations: dict[str, str] | None = None
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": owner.namespace,
+        "labels": job_labels(owner, component),
+        "ownerReferences": [job_owner_reference(owner)],
+    }
+    if annotations:
+        meta["annotations"] = annotations
+    return meta
+
+
+def build_service_account(owner: Owner) -> Manifest:
+    """The pods' identity: bound to nothing, and no token is mounted from it."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": _metadata(owner, service_account_name(owner), None),
+        "automountServiceAccountToken": False,
+    }
+
+
+def _s3_flags(spec: EmbeddingJobSpec) -> list[str]:
+    s3 = spec.storage.s3 if spec.storage is not None else None
+    if s3 is None or s3.endpoint is None:
+        return []
+    return ["--s3-endpoint", s3.endpoint]
+
+
+def planner_args(spec: EmbeddingJobSpec) -> list[str]:
+    """``embedding-server job plan`` flags (the pod contract with the server image)."""
+    args = ["job", "plan"]
+    for url in spec.input.urls:
+        args += ["--input", url]
+    args += [
+        "--format",
+        spec.input.format,
+        "--id-field",
+        spec.input.id_field,
+        "--text-field",
+        spec.input.text_field,
+        "--output",
+        spec.output.url,
+    ]
+    if spec.shard_rows is not None:
+        args += ["--shard-rows", str(spec.shard_rows)]
+    return [*args, *_s3_flags(spec), "--termination-log", TERMINATION_LOG]
+
+
+def worker_args(spec: EmbeddingJobSpec, service_url: str, model: str | None) -> list[str]:
+    """``embedding-server job work`` flags; the shard index comes from the Job controller's
+    ``JOB_COMPLETION_INDEX``."""
+    args = ["job", "work", "--output", spec.output.url, "--service", service_url]
+    if model:
+        args += ["--model", model]
+    if spec.max_in_flight is not None:
+        args += ["--max-in-flight", str(spec.max_in_flight)]
+    if spec.batch_size is not None:
+        args += ["--batch-size", str(spec.batch_size)]
+    return [*args, *_s3_flags(spec), "--termination-log", TERMINATION_LOG]
+
+
+def _env(spec: EmbeddingJobSpec) -> list[dict[str, Any]]:
+    """S3 credentials as secretKeyRefs (the kubelet reads the Secret), and the region."""
+    s3 = spec.storage.s3 if spec.storage is not None else None
+    if s3 is None:
+        return []
+    env: list[dict[str, Any]] = []
+    if s3.credentials_secret is not None:
+        for key in (ACCESS_KEY_ENV, SECRET_KEY_ENV):
+            env.append(
+                {
+                    "name": key,
+                    "valueFrom": {"secretKeyRef": {"name": s3.credentials_secret.name, "key": key}},
+                }
+            )
+    if s3.region is not None:
+        env.append({"name": REGION_ENV, "value": s3.region})
+    return env
+
+
+def _resources(spec: EmbeddingJobSpec) -> dict[str, Any]:
+    requests = {k: str(v) for k, v in spec.resources.requests.items()}
+    limits = {k: str(v) for k, v in spec.resources.limits.items()}
+    if "memory" in requests and "memory" not in limits:
+        limits["memory"] = requests["memory"]  # as the Deployment's: see builders.deployment
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _pod_template(
+    owner: Owner,
+    spec: EmbeddingJobSpec,
+    component: str,
+    image: str,
+    args: list[str],
+    pull_policy: str | None,
+) -> dict[str, Any]:
+    mounts = [{"name": "tmp", "mountPath": "/tmp"}]
+    volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}]
+    if spec.storage is not None and spec.storage.pvc is not None:
+        mounts.append({"name": "data", "mountPath": PVC_MOUNT_PATH})
+        volumes.append(
+            {"name": "data", "persistentVolumeClaim": {"claimName": spec.storage.pvc.claim_name}}
+        )
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": image,
+        "command": ["embedding-server"],
+        "args": args,
+        "env": _env(spec),
+        "resources": _resources(spec),
+        # A worker that dies before writing its message leaves its last log lines instead:
+        # what the operator reports for a failed planner.
+        "terminationMessagePath": TERMINATION_LOG,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "runAsNonRoot": True,
+            "readOnlyRootFilesystem": True,
+        },
+        "volumeMounts": mounts,
+    }
+    if pull_policy:
+        container["imagePullPolicy"] = pull_policy
+    return {
+        "metadata": {"labels": job_labels(owner, component)},
+        "spec": {
+            "restartPolicy": "Never",  # the Job controller retries; required by the policy
+            "serviceAccountName": service_account_name(owner),
+            "automountServiceAccountToken": False,
+            "enableServiceLinks": False,
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": RUN_AS_USER,
+                "runAsGroup": RUN_AS_USER,
+                "fsGroup": RUN_AS_USER,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+            "containers": [container],
+            "volumes": volumes,
+        },
+    }
+
+
+def _pod_failure_policy() -> dict[str, Any]:
+    return {
+        "rules": [
+            {
+                "action": "FailJob",
+                "onExitCodes": {
+                    "containerName": CONTAINER_NAME,
+                    "operator": "In",
+                    "values": [EXIT_BAD_ARGS],
+                },
+            },
+            {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
+        ]
+    }
+
+
+def build_planner_job(
+    owner: Owner, spec: EmbeddingJobSpec, image: str, pull_policy: str | None = None
+) -> Manifest:
+    """The planner: one pod, a couple of retries (a store that hiccups)."""
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": _metadata(owner, planner_name(owner), PLANNER),
+        "spec": {
+            "completions": 1,
+            "parallelism": 1,
+            "backoffLimit": PLANNER_BACKOFF_LIMIT,
+            "suspend": spec.suspend,
+            "podFailurePolicy": _pod_failure_policy(),
+            "template": _pod_template(owner, spec, PLANNER, image, planner_args(spec), pull_policy),
+        },
+    }
+
+
+def build_worker_job(
+    owner: Owner,
+    spec: EmbeddingJobSpec,
+    *,
+    shards: int,
+    rows: int,
+    image: str,
+    service_url: str,
+    model: str | None = None,
+    pull_policy: str | None = None,
+) -> Manifest:
+    """The Indexed Job of ``shards`` completions (``shards`` >= 1)."""
+    if shards < 1:
+        raise ValueError("a worker Job needs at least one shard")
+    args = worker_args(spec, service_url, model)
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": _metadata(
+            owner, worker_name(owner), WORKER, annotations={ROWS_ANNOTATION: str(rows)}
+        ),
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": shards,
+            **mutable_fields(spec, shards),
+            "backoffLimitPerIndex": spec.backoff_limit_per_index,
+            "podFailurePolicy": _pod_failure_policy(),
+            "template": _pod_template(owner, spec, WORKER, image, args, pull_policy),
+        },
+    }
+
+
+def mutable_fields(spec: EmbeddingJobSpec, shards: int | None) -> dict[str, Any]:
+    """The fields of a Job's spec the reconciler keeps in step after creating it: ``suspend``
+    (the Job controller stops the pods and keeps the completed indexes) and, for the workers,
+    ``parallelism`` (never more pods than shards)."""
+    if shards is None:
+        return {"suspend": spec.suspend}
+    return {"parallelism": min(spec.parallelism, shards), "suspend": spec.suspend}

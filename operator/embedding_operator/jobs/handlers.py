@@ -1,0 +1,69 @@
+"""kopf handlers for EmbeddingJobs: they watch and enqueue; a ``Controller`` of its own does
+the reconciling (one concern per controller, and one queue per kind, so a key is the
+``(namespace, name)`` of an EmbeddingJob there and of an EmbeddingService in the other).
+
+Triggers: an EmbeddingJob was created, changed (its spec or metadata, not our status writes:
+``versions.EssenceChanges``) or found at startup; one of its Jobs changed (label-selected,
+``app.kubernetes.io/name=embedding-job``: a pod started or finished, an index completed or
+failed, the Job finished). The periodic resync covers the rest (a pod that waits for a
+missing Secret changes no Job) and is also what deletes a finished job after
+``ttlSecondsAfterFinished``, with the work queue's delayed add for the exact time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kopf
+
+from embedding_operator.builders.common import GROUP, MANAGED_BY, VERSION
+from embedding_operator.controller import Controller
+from embedding_operator.handlers import JOB_RESOURCE
+from embedding_operator.jobs.builders import APP_NAME, JOB_KIND, JOB_PLURAL
+from embedding_operator.jobs.reconcile import JobReconciler
+from embedding_operator.kube import controller_of
+from embedding_operator.metrics import OperatorMetrics
+from embedding_operator.settings import OperatorSettings
+from embedding_operator.versions import EssenceChanges, owner_essence
+
+JOB_LABELS = {"app.kubernetes.io/managed-by": MANAGED_BY, "app.kubernetes.io/name": APP_NAME}
+
+
+def register_jobs(
+    registry: kopf.OperatorRegistry, reconciler: JobReconciler, config: OperatorSettings
+) -> Controller:
+    """Register the EmbeddingJob handlers; run the returned ``Controller`` next to kopf.
+
+    Its metrics are a registry of their own for now (not served): the operator's reconcile
+    metrics are labelled for EmbeddingServices only."""
+    controller = Controller(
+        reconciler,
+        resync_seconds=config.resync_seconds,
+        workers=max(1, config.workers // 4),
+        metrics=OperatorMetrics(),
+    )
+    owners = EssenceChanges(owner_essence)
+
+    @kopf.on.event(GROUP, VERSION, JOB_PLURAL, id="track-jobs", registry=registry)
+    async def on_embedding_job(
+        *, body: kopf.Body, namespace: str | None, name: str, type: str | None, **_: Any
+    ) -> None:
+        if namespace is None:
+            return
+        deleted = type == "DELETED"
+        if deleted:
+            controller.gone(namespace, name)
+        else:
+            controller.seen(namespace, name)
+        if owners.worth_a_reconcile(namespace, name, body, deleted=deleted) and not deleted:
+            controller.enqueue(namespace, name)
+
+    @kopf.on.event(*JOB_RESOURCE, id="embedding-job-jobs", registry=registry, labels=JOB_LABELS)
+    async def on_job(*, body: kopf.Body, namespace: str | None, **_: Any) -> None:
+        ref = controller_of(body)
+        if ref is None or ref.get("kind") != JOB_KIND or namespace is None:
+            return
+        if str(ref.get("apiVersion", "")).startswith(f"{GROUP}/"):
+            controller.enqueue(namespace, str(ref["name"]))
+
+    return controller

@@ -1,0 +1,178 @@
+"""The EmbeddingJob spec as typed, validated Python values.
+
+``crds/embeddingjobs.yaml`` is the API's source of truth and the API server enforces it (types,
+bounds, the CEL rules) before the operator sees an object. As for EmbeddingService
+(``embedding_operator.spec``) this model mirrors it field for field with the same defaults,
+restates the CEL rules with the same words, and ``tests/operator/test_job_crd.py`` fails
+when the two drift apart.
+
+What the schema leaves to the planner and the workers stays theirs: ``shardRows``,
+``maxInFlight`` and ``batchSize`` have no default here, so an unset field is not passed and
+the worker's own default applies (one place).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from embedding_operator.spec import (
+    InvalidSpecError,
+    Resources,
+    _Model,
+    format_validation_error,
+)
+
+InputFormat = Literal["parquet", "jsonl", "csv"]
+
+PVC_MOUNT_PATH = "/data"
+"""Where ``storage.pvc`` is mounted in the job's pods: path URLs start here."""
+
+S3_PREFIX = "s3://"
+URL_PATTERN = re.compile(r"^(s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/\S*)?|/data(/\S*)?)$")
+"""An input or output URL: ``s3://bucket[/key]`` or a path under :data:`PVC_MOUNT_PATH`
+(the CRD's pattern on ``input.urls[]`` and ``output.url``; globs are the workers' to expand)."""
+
+MAX_INPUT_URLS = 1000
+
+NAME_PATTERN = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+"""A DNS-1035 label: the CRD's pattern on ``service`` (an EmbeddingService's name)."""
+
+S3_NEEDS_STORAGE = "storage.s3 is required when input.urls or output.url are s3:// URLs"
+PATH_NEEDS_STORAGE = (
+    "storage.pvc is required when input.urls or output.url are paths (under /data, where the "
+    "claim is mounted)"
+)
+STORAGE_NEEDS_ONE = "storage names s3, pvc or both"
+UNUSED_S3 = "storage.s3 is set but no input or output URL is an s3:// URL"
+UNUSED_PVC = "storage.pvc is set but no input or output URL is a path under /data"
+
+
+class JobInput(_Model):
+    urls: list[str] = Field(min_length=1, max_length=MAX_INPUT_URLS)
+    format: InputFormat
+    id_field: str = Field(default="id", min_length=1, max_length=256)
+    text_field: str = Field(default="text", min_length=1, max_length=256)
+
+    @field_validator("urls")
+    @classmethod
+    def _urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            _check_url(url)
+        return urls
+
+
+class JobOutput(_Model):
+    url: str = Field(min_length=1, max_length=2048)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, url: str) -> str:
+        return _check_url(url)
+
+
+def _check_url(url: str) -> str:
+    if len(url) > 2048 or not URL_PATTERN.match(url):
+        raise ValueError(
+            f"{url!r} is neither an s3://bucket/key URL nor a path under {PVC_MOUNT_PATH}"
+        )
+    return url
+
+
+class S3CredentialsSecret(_Model):
+    """A Secret with the keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY."""
+
+    name: str = Field(min_length=1, max_length=253)
+
+
+class S3Storage(_Model):
+    endpoint: str | None = Field(
+        default=None, min_length=1, max_length=2048, pattern=r"^https?://[^/\s]+(/\S*)?$"
+    )
+    region: str | None = Field(default=None, min_length=1, max_length=64)
+    credentials_secret: S3CredentialsSecret | None = None
+
+
+class PvcStorage(_Model):
+    claim_name: str = Field(min_length=1, max_length=253)
+
+
+class Storage(_Model):
+    s3: S3Storage | None = None
+    pvc: PvcStorage | None = None
+
+    @model_validator(mode="after")
+    def _one_at_least(self) -> Storage:
+        if self.s3 is None and self.pvc is None:
+            raise ValueError(STORAGE_NEEDS_ONE)
+        return self
+
+
+class EmbeddingJobSpec(_Model):
+    service: str = Field(min_length=1, max_length=52)
+    input: JobInput
+    output: JobOutput
+    storage: Storage | None = None
+    shard_rows: int | None = Field(default=None, ge=1, le=10_000_000)
+    parallelism: int = Field(default=1, ge=1, le=1000)
+    backoff_limit_per_index: int = Field(default=3, ge=0, le=100)
+    max_in_flight: int | None = Field(default=None, ge=1, le=1024)
+    batch_size: int | None = Field(default=None, ge=1, le=65536)
+    suspend: bool = False
+    ttl_seconds_after_finished: int | None = Field(default=None, ge=0, le=31_536_000)
+    resources: Resources = Resources()
+
+    @field_validator("service")
+    @classmethod
+    def _service_name(cls, name: str) -> str:
+        if not NAME_PATTERN.match(name):
+            raise ValueError(f"{name!r} is not an EmbeddingService name (a DNS-1035 label)")
+        return name
+
+    @property
+    def urls(self) -> list[str]:
+        return [*self.input.urls, self.output.url]
+
+    @property
+    def uses_s3(self) -> bool:
+        return any(url.startswith(S3_PREFIX) for url in self.urls)
+
+    @property
+    def uses_pvc(self) -> bool:
+        return any(not url.startswith(S3_PREFIX) for url in self.urls)
+
+    @model_validator(mode="after")
+    def _storage_fits_the_urls(self) -> EmbeddingJobSpec:
+        # As the CRD's CEL rules on spec, with their words, on spec.storage.
+        storage = self.storage or Storage.model_construct(s3=None, pvc=None)
+        if self.uses_s3 and storage.s3 is None:
+            raise ValueError(S3_NEEDS_STORAGE)
+        if self.uses_pvc and storage.pvc is None:
+            raise ValueError(PATH_NEEDS_STORAGE)
+        if storage.s3 is not None and not self.uses_s3:
+            raise ValueError(UNUSED_S3)
+        if storage.pvc is not None and not self.uses_pvc:
+            raise ValueError(UNUSED_PVC)
+        return self
+
+
+def parse_job_spec(raw: Mapping[str, Any]) -> EmbeddingJobSpec:
+    """Parse ``.spec`` of an EmbeddingJob; raise InvalidSpecError naming the fields."""
+    try:
+        return EmbeddingJobSpec.model_validate(dict(raw))
+    except ValidationError as exc:
+        raise InvalidSpecError(format_validation_error(exc)) from None
+
+
+__all__ = [
+    "PVC_MOUNT_PATH",
+    "EmbeddingJobSpec",
+    "InvalidSpecError",
+    "JobInput",
+    "JobOutput",
+    "Storage",
+    "parse_job_spec",
+]

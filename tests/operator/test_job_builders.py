@@ -1,0 +1,178 @@
+"""An EmbeddingJob's children as the pods will run them: the worker contract, secrets by
+reference only, suspend, the pods' identity and hardening."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from embedding_operator.builders.common import Owner
+from embedding_operator.jobs.builders import (
+    ROWS_ANNOTATION,
+    build_planner_job,
+    build_service_account,
+    build_worker_job,
+    mutable_fields,
+    pod_selector,
+)
+from embedding_operator.jobs.spec import parse_job_spec
+
+OWNER = Owner(name="corpus", namespace="team", uid="uid-job", generation=1)
+IMAGE = "registry.example/embedding-server:1.2"
+URL = "http://minilm.team.svc.cluster.local:80"
+SPEC: dict[str, Any] = {
+    "service": "minilm",
+    "input": {"urls": ["s3://corpus/a/*.parquet", "s3://corpus/b.parquet"], "format": "parquet"},
+    "output": {"url": "s3://corpus/out/"},
+    "storage": {
+        "s3": {
+            "endpoint": "http://seaweedfs:8333",
+            "region": "us-east-1",
+            "credentialsSecret": {"name": "corpus-s3"},
+        }
+    },
+    "parallelism": 4,
+}
+
+
+def _worker(spec: dict[str, Any] = SPEC, shards: int = 10, **kw: Any) -> dict[str, Any]:
+    return build_worker_job(
+        OWNER, parse_job_spec(spec), shards=shards, rows=12345, image=IMAGE, service_url=URL, **kw
+    )
+
+
+def _container(job: dict[str, Any]) -> dict[str, Any]:
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    return dict(container)
+
+
+def test_planner_runs_job_plan_with_every_input() -> None:
+    job = build_planner_job(OWNER, parse_job_spec({**SPEC, "shardRows": 5000}), IMAGE)
+    container = _container(job)
+    assert container["image"] == IMAGE and container["command"] == ["embedding-server"]
+    assert container["args"] == [
+        "job",
+        "plan",
+        "--input",
+        "s3://corpus/a/*.parquet",
+        "--input",
+        "s3://corpus/b.parquet",
+        "--format",
+        "parquet",
+        "--id-field",
+        "id",
+        "--text-field",
+        "text",
+        "--output",
+        "s3://corpus/out/",
+        "--shard-rows",
+        "5000",
+        "--s3-endpoint",
+        "http://seaweedfs:8333",
+        "--termination-log",
+        "/dev/termination-log",
+    ]
+    assert job["metadata"]["name"] == "corpus-plan"
+    assert job["spec"]["completions"] == 1 and job["spec"]["suspend"] is False
+
+
+def test_worker_is_an_indexed_job_over_the_shards() -> None:
+    job = _worker(model="all-MiniLM-L6-v2")
+    spec = job["spec"]
+    assert job["metadata"]["name"] == "corpus-work"
+    assert spec["completionMode"] == "Indexed"
+    assert spec["completions"] == 10 and spec["parallelism"] == 4
+    assert spec["backoffLimitPerIndex"] == 3
+    assert "maxFailedIndexes" not in spec  # every shard is tried before the job fails
+    assert job["metadata"]["annotations"][ROWS_ANNOTATION] == "12345"
+    args = _container(job)["args"]
+    assert args[:6] == ["job", "work", "--output", "s3://corpus/out/", "--service", URL]
+    assert args[args.index("--model") + 1] == "all-MiniLM-L6-v2"
+    assert "--index" not in args  # JOB_COMPLETION_INDEX, set by the Job controller
+    assert "--max-in-flight" not in args and "--batch-size" not in args  # worker defaults
+    tuned = _container(_worker({**SPEC, "maxInFlight": 8, "batchSize": 64}))["args"]
+    assert tuned[tuned.index("--max-in-flight") + 1] == "8"
+    assert tuned[tuned.index("--batch-size") + 1] == "64"
+
+
+def test_never_more_pods_than_shards() -> None:
+    assert _worker(shards=2)["spec"]["parallelism"] == 2
+
+
+def test_bad_arguments_fail_the_job_and_disruptions_cost_no_retry() -> None:
+    rules = _worker()["spec"]["podFailurePolicy"]["rules"]
+    assert rules[0] == {
+        "action": "FailJob",
+        "onExitCodes": {"containerName": "job", "operator": "In", "values": [2]},
+    }
+    assert rules[1] == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}
+    assert _worker()["spec"]["template"]["spec"]["restartPolicy"] == "Never"
+
+
+def test_credentials_come_from_the_secret_by_reference() -> None:
+    for job in (_worker(), build_planner_job(OWNER, parse_job_spec(SPEC), IMAGE)):
+        env = {e["name"]: e for e in _container(job)["env"]}
+        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            assert env[key] == {
+                "name": key,
+                "valueFrom": {"secretKeyRef": {"name": "corpus-s3", "key": key}},
+            }
+        assert env["AWS_REGION"]["value"] == "us-east-1"
+        assert all("value" not in e for k, e in env.items() if k.startswith("AWS_") and "KEY" in k)
+
+
+def test_pvc_storage_is_mounted_at_data() -> None:
+    spec = {
+        "service": "minilm",
+        "input": {"urls": ["/data/in/*.jsonl"], "format": "jsonl"},
+        "output": {"url": "/data/out/"},
+        "storage": {"pvc": {"claimName": "corpus"}},
+    }
+    job = _worker(spec)
+    pod = job["spec"]["template"]["spec"]
+    assert {"name": "data", "persistentVolumeClaim": {"claimName": "corpus"}} in pod["volumes"]
+    assert {"name": "data", "mountPath": "/data"} in _container(job)["volumeMounts"]
+    assert _container(job)["env"] == []
+    assert "--s3-endpoint" not in _container(job)["args"]
+
+
+def test_suspend_is_mirrored_and_the_only_fields_kept_in_step() -> None:
+    suspended = parse_job_spec({**SPEC, "suspend": True})
+    assert _worker({**SPEC, "suspend": True})["spec"]["suspend"] is True
+    assert build_planner_job(OWNER, suspended, IMAGE)["spec"]["suspend"] is True
+    assert mutable_fields(suspended, 10) == {"parallelism": 4, "suspend": True}
+    assert mutable_fields(suspended, None) == {"suspend": True}
+
+
+def test_pods_have_their_own_identity_and_no_token() -> None:
+    account = build_service_account(OWNER)
+    assert account["metadata"]["name"] == "corpus-embedding-job"
+    assert account["automountServiceAccountToken"] is False
+    for job in (_worker(), build_planner_job(OWNER, parse_job_spec(SPEC), IMAGE)):
+        pod = job["spec"]["template"]["spec"]
+        assert pod["serviceAccountName"] == "corpus-embedding-job"
+        assert pod["automountServiceAccountToken"] is False
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        security = _container(job)["securityContext"]
+        assert security["readOnlyRootFilesystem"] is True
+        assert security["allowPrivilegeEscalation"] is False
+        assert security["capabilities"] == {"drop": ["ALL"]}
+        assert {"name": "tmp", "mountPath": "/tmp"} in _container(job)["volumeMounts"]
+        assert _container(job)["terminationMessagePolicy"] == "FallbackToLogsOnError"
+
+
+def test_children_are_owned_by_the_embedding_job() -> None:
+    for child in (_worker(), build_service_account(OWNER)):
+        (ref,) = child["metadata"]["ownerReferences"]
+        assert ref["kind"] == "EmbeddingJob" and ref["uid"] == "uid-job" and ref["controller"]
+    labels = _worker()["spec"]["template"]["metadata"]["labels"]
+    assert labels["app.kubernetes.io/name"] == "embedding-job"
+    assert labels["app.kubernetes.io/component"] == "worker"
+    assert "app.kubernetes.io/component=worker" in pod_selector(OWNER, "worker")
+
+
+def test_memory_request_is_the_limit_when_none_is_set() -> None:
+    job = _worker({**SPEC, "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}}})
+    assert _container(job)["resources"] == {
+        "requests": {"cpu": "250m", "memory": "256Mi"},
+        "limits": {"memory": "256Mi"},
+    }
