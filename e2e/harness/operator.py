@@ -302,22 +302,28 @@ def pods(cluster: KubeClient, namespace: str, instance: str) -> list[dict[str, A
 
 
 CRD = "customresourcedefinition/embeddingservices.embedding-operator.dev"
+CRDS = tuple(
+    f"customresourcedefinition/{yaml.safe_load(path.read_text())['metadata']['name']}"
+    for path in sorted((REPO_ROOT / "crds").glob("*.yaml"))
+)
+"""Every CRD in ``crds/`` (the chart templates each of them too)."""
 
 
 def adopt_crd(cluster: KubeClient, release: str, namespace: str) -> None:
-    """Hand an already-applied CRD (``kubectl apply -f crds/``, as the cluster fixture does) to
-    the release: Helm adopts an existing object carrying its ownership metadata. docs/helm.md
-    gives users the same two commands."""
-    if get_json(cluster, CRD) is None:
-        return
-    cluster.kubectl("label", CRD, "app.kubernetes.io/managed-by=Helm", "--overwrite")
-    cluster.kubectl(
-        "annotate",
-        CRD,
-        f"meta.helm.sh/release-name={release}",
-        f"meta.helm.sh/release-namespace={namespace}",
-        "--overwrite",
-    )
+    """Hand the already-applied CRDs (``kubectl apply -f crds/``, as the cluster fixture does)
+    to the release: Helm adopts an existing object carrying its ownership metadata, and refuses
+    the install for any it finds without it. docs/helm.md gives users the same two commands."""
+    for crd in CRDS:
+        if get_json(cluster, crd) is None:
+            continue
+        cluster.kubectl("label", crd, "app.kubernetes.io/managed-by=Helm", "--overwrite")
+        cluster.kubectl(
+            "annotate",
+            crd,
+            f"meta.helm.sh/release-name={release}",
+            f"meta.helm.sh/release-namespace={namespace}",
+            "--overwrite",
+        )
 
 
 # --- fixtures (imported by the e2e/test_operator_*.py modules) -------------------------------
