@@ -9,6 +9,9 @@ standalone mode, next to the work queue's ``Controller``, under Lease-based lead
 ``render -f es.yaml`` prints what the operator would create, from the same pure builders, with
 no cluster: for review, for diffs in CI, and to see the effect of a spec change. A spec the
 operator would refuse (Degraded, nothing applied) is refused here too, with the same message.
+An EmbeddingJob renders as its ServiceAccount, planner Job and worker Job (with
+``--job-shards`` shards: render reads no store), from its EmbeddingService in the same file
+when there is one.
 """
 
 from __future__ import annotations
@@ -27,10 +30,19 @@ import yaml
 from pydantic import ValidationError
 
 from embedding_operator.builders.common import DEFAULT_IMAGE, KIND, AutoscalingDefaults, Owner
+from embedding_operator.jobs.builders import (
+    JOB_KIND,
+    ServiceTarget,
+    build_planner_job,
+    build_service_account,
+    build_worker_job,
+)
+from embedding_operator.jobs.spec import parse_job_spec
 from embedding_operator.plan import Refused, plan
 from embedding_operator.policy import WorkloadPolicy
 from embedding_operator.profiles import GpuProfiles, ProfileConfigError
 from embedding_operator.settings import OperatorSettings, add_settings_flags, settings_from_args
+from embedding_operator.spec import InvalidSpecError, parse_spec
 
 log = logging.getLogger("embedding_operator")
 
@@ -94,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     render.add_argument(
         "--keda-prometheus-address", default="", help="KEDA's Prometheus, as for run."
     )
+    render.add_argument(
+        "--job-shards",
+        type=int,
+        default=1,
+        help="For an EmbeddingJob: the shards its planner would report (the worker Job's "
+        "completions), since render reads no store.",
+    )
     return parser
 
 
@@ -136,8 +155,15 @@ def render_command(args: argparse.Namespace) -> int:
         allowed_service_annotations=_names(args.allowed_service_annotations),
     )
     out: list[dict[str, Any]] = []
-    for doc in yaml.safe_load_all(text):
-        if not isinstance(doc, dict) or doc.get("kind") != KIND:
+    docs = [doc for doc in yaml.safe_load_all(text) if isinstance(doc, dict)]
+    for doc in docs:
+        if doc.get("kind") == JOB_KIND:
+            rendered = _render_job(doc, docs, args)
+            if rendered is None:
+                return EXIT_USAGE
+            out += rendered
+            continue
+        if doc.get("kind") != KIND:
             continue
         meta = doc.get("metadata") or {}
         name = meta.get("name", "<unnamed>")
@@ -165,6 +191,51 @@ def render_command(args: argparse.Namespace) -> int:
             out.append(manifest)
     sys.stdout.write(yaml.safe_dump_all(out, sort_keys=False))
     return 0
+
+
+def _render_job(
+    doc: dict[str, Any], docs: list[dict[str, Any]], args: argparse.Namespace
+) -> list[dict[str, Any]] | None:
+    """An EmbeddingJob's ServiceAccount, planner Job and worker Job (``--job-shards``
+    completions); the image and URL from its EmbeddingService when the file holds it, else
+    the default image and the service's default port. None (and a message) if refused."""
+    meta = doc.get("metadata") or {}
+    name = meta.get("name", "<unnamed>")
+    namespace = meta.get("namespace") or args.namespace
+    try:
+        spec = parse_job_spec(doc.get("spec") or {})
+        service_doc = next(
+            (
+                d
+                for d in docs
+                if d.get("kind") == KIND and (d.get("metadata") or {}).get("name") == spec.service
+            ),
+            {},
+        )
+        service = parse_spec(service_doc.get("spec") or {"model": {"name": spec.service}})
+    except InvalidSpecError as exc:
+        sys.stderr.write(f"embedding-operator: {name}: {exc}\n")
+        return None
+    owner = Owner(name=name, namespace=namespace, uid=meta.get("uid", ""), generation=1)
+    target = ServiceTarget.of(namespace, spec.service, service, args.default_image or DEFAULT_IMAGE)
+    manifests = [
+        build_service_account(owner),
+        build_planner_job(owner, spec, target.image, target.pull_policy),
+        build_worker_job(
+            owner,
+            spec,
+            shards=max(1, args.job_shards),
+            rows=0,
+            image=target.image,
+            service_url=target.url,
+            model=target.model,
+            pull_policy=target.pull_policy,
+        ),
+    ]
+    if not owner.uid:
+        for manifest in manifests:
+            manifest["metadata"].pop("ownerReferences", None)
+    return manifests
 
 
 # --- run --------------------------------------------------------------------------------------

@@ -176,3 +176,45 @@ def test_memory_request_is_the_limit_when_none_is_set() -> None:
         "requests": {"cpu": "250m", "memory": "256Mi"},
         "limits": {"memory": "256Mi"},
     }
+
+
+def test_render_shows_what_the_operator_would_create(tmp_path: Any, capsys: Any) -> None:
+    """``embedding-operator render`` of an EmbeddingJob beside its EmbeddingService: the same
+    builders, the service's image and port, and the shards given on the command line."""
+    import yaml
+    from embedding_operator.cli import main
+
+    from tests.support.operator import JOB_EXAMPLES, ROOT
+
+    manifest = tmp_path / "both.yaml"
+    service = yaml.safe_load((ROOT / "examples" / "minilm-cpu.yaml").read_text())
+    service["spec"]["server"] = {"image": "registry.example/embedding-server:3"}
+    service["spec"]["service"] = {"port": 8080}
+    job = yaml.safe_load(JOB_EXAMPLES[0].read_text())
+    manifest.write_text(yaml.safe_dump_all([service, job]))
+    assert main(["render", "-f", str(manifest), "--namespace", "demo", "--job-shards", "6"]) == 0
+    docs = {
+        (d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(capsys.readouterr().out)
+    }
+    worker = docs[("Job", "corpus-minilm-work")]
+    assert worker["spec"]["completions"] == 6
+    assert "ownerReferences" not in worker["metadata"]
+    container = _container(worker)
+    assert container["image"] == "registry.example/embedding-server:3"
+    args = container["args"]
+    assert args[args.index("--service") + 1] == "http://minilm.demo.svc.cluster.local:8080"
+    assert ("ServiceAccount", "corpus-minilm-embedding-job") in docs
+    assert ("Job", "corpus-minilm-plan") in docs
+
+
+def test_render_refuses_a_bad_job(tmp_path: Any, capsys: Any) -> None:
+    from embedding_operator.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "apiVersion: embedding-operator.dev/v1alpha1\nkind: EmbeddingJob\n"
+        "metadata: {name: j}\nspec: {service: minilm, input: {urls: ['s3://corpus/a'], "
+        "format: csv}, output: {url: 's3://corpus/o'}}\n"
+    )
+    assert main(["render", "-f", str(bad)]) == 2
+    assert "spec: storage.s3 is required" in capsys.readouterr().err

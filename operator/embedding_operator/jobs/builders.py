@@ -31,6 +31,7 @@ and afterwards patches only ``spec.suspend`` and ``spec.parallelism``
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from embedding_operator.builders.common import (
@@ -39,9 +40,11 @@ from embedding_operator.builders.common import (
     VERSION,
     Manifest,
     Owner,
+    endpoint,
 )
 from embedding_operator.builders.deployment import RUN_AS_USER
 from embedding_operator.jobs.spec import PVC_MOUNT_PATH, EmbeddingJobSpec
+from embedding_operator.spec import EmbeddingServiceSpec
 
 JOB_KIND = "EmbeddingJob"
 JOB_PLURAL = "embeddingjobs"
@@ -58,6 +61,30 @@ PLANNER_BACKOFF_LIMIT = 2
 ACCESS_KEY_ENV = "AWS_ACCESS_KEY_ID"
 SECRET_KEY_ENV = "AWS_SECRET_ACCESS_KEY"
 REGION_ENV = "AWS_REGION"
+
+
+@dataclass(frozen=True)
+class ServiceTarget:
+    """What the job takes from its EmbeddingService: the image its pods run (the service's,
+    so the workers speak the same version of the API), the URL the workers call (the
+    Service's cluster DNS name, one the server's host check admits) and the model name."""
+
+    image: str
+    pull_policy: str | None
+    url: str
+    model: str
+
+    @classmethod
+    def of(
+        cls, namespace: str, name: str, spec: EmbeddingServiceSpec, default_image: str
+    ) -> ServiceTarget:
+        url = endpoint(Owner(name, namespace, ""), spec.service.port).removesuffix("/v1")
+        return cls(
+            image=spec.server.image or default_image,
+            pull_policy=spec.server.image_pull_policy,
+            url=url,
+            model=spec.served_name,
+        )
 
 
 def planner_name(owner: Owner) -> str:

@@ -36,7 +36,6 @@ from embedding_operator.builders.common import (
     KIND,
     Manifest,
     Owner,
-    endpoint,
 )
 from embedding_operator.jobs.builders import (
     JOB_API_VERSION,
@@ -44,6 +43,7 @@ from embedding_operator.jobs.builders import (
     PLANNER,
     ROWS_ANNOTATION,
     WORKER,
+    ServiceTarget,
     build_planner_job,
     build_service_account,
     build_worker_job,
@@ -167,10 +167,9 @@ class JobReconciler:
             service, problem = self._service(owner, spec, need_ready=False)
             if problem is not None or service is None:
                 return JobFacts(spec.suspend, problem=problem)
-            image, pull_policy, _, _ = service
             self._create(build_service_account(owner), owner, applied, check=True)
             planner = self._create(
-                build_planner_job(owner, spec, image, pull_policy), owner, applied
+                build_planner_job(owner, spec, service.image, service.pull_policy), owner, applied
             )
             return JobFacts(spec.suspend, planner)
         planner = self._keep_in_step(planner, spec, applied)
@@ -188,16 +187,15 @@ class JobReconciler:
         service, problem = self._service(owner, spec, need_ready=True)
         if problem is not None or service is None:
             return JobFacts(spec.suspend, planner, message, problem=problem)
-        image, pull_policy, url, model = service
         manifest = build_worker_job(
             owner,
             spec,
             shards=plan.shards,
             rows=plan.rows,
-            image=image,
-            service_url=url,
-            model=model,
-            pull_policy=pull_policy,
+            image=service.image,
+            service_url=service.url,
+            model=service.model,
+            pull_policy=service.pull_policy,
         )
         self._create(build_service_account(owner), owner, applied, check=True)
         worker = self._create(manifest, owner, applied)
@@ -294,8 +292,8 @@ class JobReconciler:
 
     def _service(
         self, owner: Owner, spec: EmbeddingJobSpec, *, need_ready: bool
-    ) -> tuple[tuple[str, str | None, str, str | None] | None, Problem | None]:
-        """(image, pull policy, URL, served model name) of ``spec.service``, or why not."""
+    ) -> tuple[ServiceTarget | None, Problem | None]:
+        """What ``spec.service`` gives the job's pods, or why it cannot yet."""
         ref = ObjectRef(API_VERSION, KIND, owner.namespace, spec.service)
         service = self._cluster.get(ref)
         if service is None:
@@ -320,13 +318,7 @@ class JobReconciler:
                 "start once it is",
                 retryable=True,
             )
-        url = endpoint(Owner(spec.service, owner.namespace, ""), parsed.service.port)
-        return (
-            parsed.server.image or self._default_image,
-            parsed.server.image_pull_policy,
-            url.removesuffix("/v1"),
-            parsed.served_name,
-        ), None
+        return ServiceTarget.of(owner.namespace, spec.service, parsed, self._default_image), None
 
     # --- status -----------------------------------------------------------------------------
 

@@ -1,0 +1,58 @@
+"""The EmbeddingJob watches only enqueue, into their own queue: an EmbeddingJob's changes and
+its Jobs' (by their controller reference), never another owner's Jobs."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import kopf
+from embedding_operator.jobs.handlers import register_jobs
+from embedding_operator.jobs.reconcile import JobReconciler
+from embedding_operator.settings import OperatorSettings
+
+from tests.support.operator import FakeCluster
+
+
+def _handlers() -> tuple[dict[str, Any], Any]:
+    registry = kopf.OperatorRegistry()
+    reconciler = JobReconciler(cluster=FakeCluster(), recorder=lambda *a, **k: None)
+    controller = register_jobs(registry, reconciler, OperatorSettings())
+    found = {h.id: h.fn for h in registry._watching.get_all_handlers()}
+    return found, controller
+
+
+def _job(owner_kind: str, owner: str = "corpus") -> dict[str, Any]:
+    return {
+        "kind": "Job",
+        "metadata": {
+            "name": f"{owner}-work",
+            "namespace": "team",
+            "ownerReferences": [
+                {
+                    "apiVersion": "embedding-operator.dev/v1alpha1",
+                    "kind": owner_kind,
+                    "name": owner,
+                    "uid": "u",
+                    "controller": True,
+                }
+            ],
+        },
+    }
+
+
+def test_jobs_and_their_owners_are_enqueued() -> None:
+    handlers, controller = _handlers()
+    assert set(handlers) == {"track-jobs", "embedding-job-jobs"}
+
+    async def events() -> None:
+        body = {"metadata": {"name": "corpus", "namespace": "team"}, "spec": {"service": "m"}}
+        await handlers["track-jobs"](body=body, namespace="team", name="corpus", type=None)
+        await handlers["embedding-job-jobs"](body=_job("EmbeddingJob", "other"), namespace="team")
+        await handlers["embedding-job-jobs"](body=_job("EmbeddingService", "svc"), namespace="team")
+
+    asyncio.run(events())
+    keys = []
+    while (key := controller.queue.get_nowait()) is not None:
+        keys.append(key)
+    assert sorted(keys) == [("team", "corpus"), ("team", "other")]
