@@ -74,6 +74,12 @@ class GatewayMetrics:
             ["model", "decision"],
             registry=r,
         )
+        self.buffered_bytes = Gauge(
+            f"{PREFIX}_buffered_bytes",
+            "Bytes of request bodies and answers held against --max-buffered-bytes (each "
+            "one's first 64 KiB not counted).",
+            registry=r,
+        )
         self.ready_endpoints = Gauge(
             f"{PREFIX}_ready_endpoints",
             "Endpoints of each model that are ready for requests.",

@@ -4,7 +4,15 @@ Every POST route the server has is forwarded: the body is read once, only its ``
 field is decoded (msgspec skips everything else without building it), and the same bytes go
 upstream. The upstream answer is read whole before any byte of it goes to the client, so a
 pod that dies mid-answer is retried like one that refused the connection: nothing of the
-first attempt ever reached the client. Embedding requests are idempotent, which is what
+first attempt ever reached the client.
+
+Holding bodies and answers whole is what makes the retry possible, so what they hold is
+bounded (:mod:`embedding_server.gateway.budget`): each is charged to ``--max-buffered-bytes``
+by its ``Content-Length`` before it is read, and a request that does not fit gets 503 with
+``Retry-After`` (``server_busy``) without being read. A body must arrive within
+``--body-timeout``; an answer is written as the client takes it, in pieces the socket's
+buffer holds, and a client that has not taken it all within ``--write-timeout`` loses its
+connection and the answer's bytes. Embedding requests are idempotent, which is what
 makes a retry safe at all; a 4xx is the request's own fault and is never retried, and a
 request that timed out upstream is not retried either (the pod may still be working on it,
 and a retry would double the load that made it slow).
@@ -38,6 +46,8 @@ from embedding_server.gateway.balancer import (
     least_backlog,
     random_choice,
 )
+from embedding_server.gateway.budget import ByteBudget, Hold
+from embedding_server.gateway.connections import ConnectionGuard
 from embedding_server.gateway.discovery import Discovery, Service
 from embedding_server.gateway.holding import HoldClosedError, HoldFullError, Holding
 from embedding_server.gateway.metrics import GatewayMetrics
@@ -84,6 +94,15 @@ _HOP_BY_HOP = frozenset(
     }
 )
 _RESPONSE_SKIP = _HOP_BY_HOP | {"date", "server"}
+
+WRITE_CHUNK_BYTES = 64 * 1024
+"""The pieces an answer is written in: each waits until the socket's buffer has room, so a
+client that reads slowly (or not at all) holds one piece of the answer in it, not a copy of
+the whole."""
+
+KEEPALIVE_OFF = 24 * 3600.0
+"""aiohttp's own keep-alive timer, which also runs while a head arrives: off (a day), as
+:mod:`embedding_server.gateway.connections` times heads and idle connections itself."""
 
 MAX_RETRY_AFTER_SECONDS = 30.0
 """The longest ``Retry-After`` a 503 for a model without a ready endpoint suggests (half the
@@ -162,12 +181,31 @@ class _Deadlines:
 
 
 @dataclass
+class _Answer:
+    """An upstream answer read whole: its bytes (as they arrived) and their hold on the
+    byte budget, given back once written (or dropped)."""
+
+    status: int
+    headers: dict[str, str]
+    chunks: list[bytes]
+    hold: Hold
+
+    @property
+    def size(self) -> int:
+        return sum(len(chunk) for chunk in self.chunks)
+
+    def drop(self) -> None:
+        self.chunks = []
+        self.hold.release()
+
+
+@dataclass
 class _Retryable:
     """An attempt that reached no answer the client may see (connection lost before the
     whole answer, or 503): ``fallback`` is what the client gets if no retry is left."""
 
     reason: str
-    fallback: web.Response
+    fallback: web.Response | _Answer
 
 
 class Gateway:
@@ -198,6 +236,13 @@ class Gateway:
         self.bulk_keys = (
             BulkApiKeysFile(settings.bulk_api_keys_file) if settings.bulk_api_keys_file else None
         )
+        self.budget = ByteBudget(settings.max_buffered_bytes, self.metrics.buffered_bytes.set)
+        self.guard = ConnectionGuard(
+            max_connections=settings.max_connections,
+            max_header_bytes=settings.max_header_bytes,
+            header_timeout=settings.header_timeout,
+            keep_alive_timeout=settings.keep_alive_timeout,
+        )
         self._keys_task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         self._poller: LoadPoller | None = None
@@ -205,7 +250,9 @@ class Gateway:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.settings.max_request_bytes)
+        app = web.Application(
+            client_max_size=self.settings.max_request_bytes, middlewares=[self.guard.middleware]
+        )
         for path in FORWARDED_ROUTES:
             app.router.add_post(path, self.forward)
         app.router.add_get("/v1/models", self.list_models)
@@ -218,6 +265,27 @@ class Gateway:
         app.on_shutdown.append(self._close_holding)
         app.on_cleanup.append(self._stop)
         return app
+
+    def runner(
+        self, *, handle_signals: bool = False, shutdown_timeout: float = 60.0
+    ) -> web.AppRunner:
+        """The runner of :meth:`app` with the gateway's connection options; serve it with
+        ``self.guard.listen(runner, sock)`` once it is set up."""
+        return web.AppRunner(
+            self.app(),
+            handle_signals=handle_signals,
+            access_log=None,
+            shutdown_timeout=shutdown_timeout,
+            keepalive_timeout=KEEPALIVE_OFF,
+            # A body its handler did not read (a refusal) ends the connection at once,
+            # rather than being read and dropped for aiohttp's default 10 s.
+            lingering_time=0,
+            # A client that hangs up stops its request here too: a held one leaves the
+            # holding queue (so the held-requests gauge an autoscaler reads counts only
+            # live demand), and a forwarded one closes its upstream connection, which
+            # cancels its work on the pod.
+            handler_cancellation=True,
+        )
 
     async def _close_holding(self, app: web.Application) -> None:
         woken = self.holding.close()
@@ -332,37 +400,113 @@ class Gateway:
         ]
         return web.json_response({"object": "list", "data": data})
 
-    async def forward(self, request: web.Request) -> web.Response:
+    async def forward(self, request: web.Request) -> web.StreamResponse:
         started = time.monotonic()
-        label = ""
-        try:
-            response, label = await self._forward(request)
-        except web.HTTPRequestEntityTooLarge:
-            response = error_response(
-                413,
-                f"The request body is larger than {self.settings.max_request_bytes} bytes.",
-                error_type="invalid_request_error",
-                code="payload_too_large",
-            )
-        self.metrics.requests.labels(label, str(response.status)).inc()
+        outcome, label = await self._forward(request)
+        if isinstance(outcome, _Answer):
+            status = outcome.status
+            response = await self._send(request, outcome)
+        else:
+            status = outcome.status
+            response = outcome
+        self.metrics.requests.labels(label, str(status)).inc()
         if label:
             self.metrics.request_seconds.labels(label).observe(time.monotonic() - started)
         return response
 
-    async def _forward(self, request: web.Request) -> tuple[web.Response, str]:
+    async def _send(self, request: web.Request, answer: _Answer) -> web.StreamResponse:
+        """Write ``answer`` as the client takes it, within ``--write-timeout``; past it the
+        connection is dropped with what its buffer held. The answer's bytes are given back
+        either way."""
+        response = web.StreamResponse(status=answer.status, headers=answer.headers)
+        response.content_length = answer.size
         try:
-            # A body trickled in byte by byte would hold this handler forever: the time to
-            # receive it is bounded like the upstream work is.
-            async with asyncio.timeout(self.settings.request_timeout):
-                body = await request.read()
+            async with asyncio.timeout(self.settings.write_timeout):
+                await response.prepare(request)
+                for chunk in answer.chunks:
+                    view = memoryview(chunk)
+                    for start in range(0, len(view), WRITE_CHUNK_BYTES):
+                        await response.write(view[start : start + WRITE_CHUNK_BYTES])
+                await response.write_eof()
         except TimeoutError:
-            return error_response(
-                408,
-                "The request body did not arrive within the gateway's request timeout "
-                f"({self.settings.request_timeout:g} s); send it whole and retry.",
-                error_type="invalid_request_error",
-                code="request_timeout",
-            ), ""
+            logger.info(
+                "closing a connection whose client took less than its %d-byte answer to %s "
+                "within --write-timeout (%g s)",
+                answer.size,
+                request.path,
+                self.settings.write_timeout,
+            )
+            if request.transport is not None:
+                request.transport.abort()  # drops what its buffer holds, unlike close()
+        except ConnectionError:
+            pass  # the client went away: nothing more to write
+        finally:
+            answer.drop()
+        return response
+
+    async def _read_body(self, request: web.Request, hold: Hold) -> bytearray | web.Response:
+        """The request's body, held against the byte budget; or the refusal it gets (its
+        connection then closes, with whatever of the body was not read)."""
+        limit = self.settings.max_request_bytes
+        length = request.content_length
+        if length is not None and length > limit:
+            return _closing(self._too_large())
+        if length is not None and not hold.resize(length):
+            return _closing(self._busy())
+        body = bytearray()
+        try:
+            # A body trickled in byte by byte would hold this handler (and its bytes)
+            # forever: the time to receive it is bounded.
+            async with asyncio.timeout(self.settings.body_timeout):
+                while chunk := await request.content.readany():
+                    body += chunk
+                    if len(body) > limit:
+                        return _closing(self._too_large())
+                    if length is None and not hold.resize(len(body)):
+                        return _closing(self._busy())
+        except TimeoutError:
+            return _closing(
+                error_response(
+                    408,
+                    "The request body did not arrive within the gateway's --body-timeout "
+                    f"({self.settings.body_timeout:g} s); send it whole and retry.",
+                    error_type="invalid_request_error",
+                    code="request_timeout",
+                )
+            )
+        return body
+
+    def _too_large(self) -> web.Response:
+        return error_response(
+            413,
+            f"The request body is larger than {self.settings.max_request_bytes} bytes.",
+            error_type="invalid_request_error",
+            code="payload_too_large",
+        )
+
+    def _busy(self) -> web.Response:
+        return error_response(
+            503,
+            "The gateway holds as many request and answer bytes as it may at once "
+            "(--max-buffered-bytes); retry shortly.",
+            error_type="server_error",
+            code="server_busy",
+            retry_after=1.0,
+        )
+
+    async def _forward(self, request: web.Request) -> tuple[web.Response | _Answer, str]:
+        hold = self.budget.hold()
+        try:
+            return await self._forward_held(request, hold)
+        finally:
+            hold.release()
+
+    async def _forward_held(
+        self, request: web.Request, hold: Hold
+    ) -> tuple[web.Response | _Answer, str]:
+        body = await self._read_body(request, hold)
+        if isinstance(body, web.Response):
+            return body, ""
         service, problem = self._service_of(body)
         if service is None:
             assert problem is not None
@@ -379,17 +523,23 @@ class Gateway:
         # admits and batches the request in the same class whatever its own defaults.
         headers[PRIORITY_HEADER] = priority
         tried: set[str] = set()
-        fallback: web.Response | None = None
+        fallback: web.Response | _Answer | None = None
         for attempt in range(2):
             state, problem = await self._pick(service, tokens, priority, deadlines, tried)
             if state is None:
                 assert problem is not None
-                return (fallback if fallback is not None and attempt else problem), name
+                if fallback is not None and attempt:
+                    return fallback, name
+                return problem, name
             if deadlines.upstream is None:
                 deadlines.upstream = time.monotonic() + self.settings.request_timeout
             outcome = await self._attempt(state, request, body, headers, tokens, deadlines.upstream)
-            if isinstance(outcome, web.Response):
+            if not isinstance(outcome, _Retryable):
+                if isinstance(fallback, _Answer):
+                    fallback.drop()
                 return outcome, name
+            if isinstance(fallback, _Answer):
+                fallback.drop()
             fallback = outcome.fallback
             tried.add(state.url)
             state.refused()
@@ -406,7 +556,7 @@ class Gateway:
         assert fallback is not None
         return fallback, name
 
-    def _service_of(self, body: bytes) -> tuple[Service | None, web.Response | None]:
+    def _service_of(self, body: bytes | bytearray) -> tuple[Service | None, web.Response | None]:
         try:
             model = _decode_model(body).model
         except msgspec.ValidationError:
@@ -551,26 +701,24 @@ class Gateway:
         self,
         state: EndpointState,
         request: web.Request,
-        body: bytes,
+        body: bytearray,
         headers: dict[str, str],
         tokens: int,
         deadline: float,
-    ) -> web.Response | _Retryable:
+    ) -> web.Response | _Answer | _Retryable:
         assert self._session is not None
         url = state.url + request.path_qs
         timeout = aiohttp.ClientTimeout(total=max(0.001, deadline - time.monotonic()))
         state.in_flight_requests += 1
         state.in_flight_tokens += tokens
+        hold = self.budget.hold()
         try:
             async with self._session.request(
                 request.method, url, data=body, headers=headers, timeout=timeout
             ) as upstream:
-                payload = await upstream.read()
-                status = upstream.status
-                out_headers = {
-                    k: v for k, v in upstream.headers.items() if k.lower() not in _RESPONSE_SKIP
-                }
+                answer = await self._read_answer(upstream, hold)
         except TimeoutError:
+            hold.release()
             return error_response(
                 504,
                 "The model's endpoint did not answer within the gateway's request timeout.",
@@ -578,6 +726,7 @@ class Gateway:
                 code="upstream_timeout",
             )
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as error:
+            hold.release()
             # Refused, reset, or closed before the whole answer arrived: nothing of it has
             # reached the client, so another pod may answer instead.
             return _Retryable(
@@ -590,19 +739,60 @@ class Gateway:
                 ),
             )
         except aiohttp.ClientError as error:  # a malformed answer: the pod's fault, not retried
+            hold.release()
             return error_response(
                 502,
                 f"The model's endpoint sent an answer that is not valid HTTP ({error}).",
                 error_type="server_error",
                 code="upstream_invalid",
             )
+        except BaseException:
+            hold.release()
+            raise
         finally:
             state.in_flight_requests -= 1
             state.in_flight_tokens -= tokens
-        response = web.Response(status=status, body=payload, headers=out_headers)
-        if status == 503:
-            return _Retryable("unavailable", response)
-        return response
+        if isinstance(answer, web.Response):  # refused by the byte budget
+            return answer
+        if answer.status == 503:
+            return _Retryable("unavailable", answer)
+        return answer
+
+    async def _read_answer(
+        self, upstream: aiohttp.ClientResponse, hold: Hold
+    ) -> _Answer | web.Response:
+        """The upstream answer, read whole and held against the byte budget (charged by
+        its Content-Length before it is read); or, when it does not fit, the 503 the client
+        gets instead (the upstream connection is then closed unread)."""
+        length = upstream.content_length
+        if length is not None and not self.budget.fits(length):
+            hold.release()
+            return error_response(
+                502,
+                f"The model's answer ({length} bytes) is larger than the gateway may hold "
+                f"(--max-buffered-bytes, {self.budget.limit} bytes).",
+                error_type="server_error",
+                code="response_too_large",
+            )
+        if length is not None and not hold.resize(length):
+            hold.release()
+            return self._busy()
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in upstream.content.iter_any():
+            size += len(chunk)
+            if length is None and not hold.resize(size):
+                hold.release()
+                return self._busy()
+            chunks.append(chunk)
+        out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _RESPONSE_SKIP}
+        return _Answer(upstream.status, out_headers, chunks, hold)
+
+
+def _closing(response: web.Response) -> web.Response:
+    """``response``, after which its connection is closed (its body was not all read)."""
+    response.force_close()
+    return response
 
 
 def _forward_headers(items: Iterable[tuple[str, str]]) -> dict[str, str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 
@@ -44,7 +45,7 @@ def run_gateway(settings: GatewaySettings) -> int:
     try:
         discovery = build_discovery(settings)
         # Reads --bulk-api-keys-file: a file that is missing or not text stops it here.
-        app = Gateway(settings, discovery).app()
+        gateway = Gateway(settings, discovery)
     except (OSError, ValueError) as error:
         logger.error("cannot start the gateway: %s", error)
         return 2
@@ -60,17 +61,35 @@ def run_gateway(settings: GatewaySettings) -> int:
         settings.discovery,
         settings.balancing,
     )
-    web.run_app(
-        app,
-        sock=listener,
-        access_log=None,
-        print=None,
-        shutdown_timeout=SHUTDOWN_TIMEOUT,
-        loop=loop,
-        handle_signals=True,
-        # A client that hangs up stops its request here too: a held one leaves the holding
-        # queue (so the held-requests gauge an autoscaler reads counts only live demand), and
-        # a forwarded one closes its upstream connection, which cancels its work on the pod.
-        handler_cancellation=True,
-    )
+    main = loop.create_task(_serve(gateway, listener))
+    try:
+        loop.run_until_complete(main)
+    except (web.GracefulExit, KeyboardInterrupt):
+        pass  # SIGTERM or SIGINT (the runner's signal handlers raise GracefulExit)
+    finally:
+        # What web.run_app does: stop serving (the runner's cleanup lets in-flight requests
+        # finish within SHUTDOWN_TIMEOUT), then end whatever is left.
+        if not main.done():
+            main.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                loop.run_until_complete(main)
+        left = asyncio.all_tasks(loop)
+        for task in left:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
     return 0
+
+
+async def _serve(gateway: Gateway, listener: socket.socket) -> None:
+    """Serve on ``listener`` until cancelled, each connection behind the gateway's
+    connection bounds (:mod:`embedding_server.gateway.connections`), then shut down."""
+    runner = gateway.runner(handle_signals=True, shutdown_timeout=SHUTDOWN_TIMEOUT)
+    await runner.setup()
+    listening = await gateway.guard.listen(runner, listener)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        listening.close()
+        await runner.cleanup()

@@ -73,7 +73,8 @@ class GatewaySettings(BaseSettings):
         description="Seconds a request's upstream work may take, one retry included, counted "
         "from when a ready endpoint is picked (time held before that counts against "
         "--hold-timeout, not this); past it the client gets 504. Receiving the request "
-        "body is bounded by it too, separately (past it, 408 request_timeout).",
+        "is bounded by --header-timeout and --body-timeout, sending the answer by "
+        "--write-timeout.",
     )
     hold_timeout: float = Field(
         300.0,
@@ -95,6 +96,61 @@ class GatewaySettings(BaseSettings):
     )
     max_request_bytes: int = Field(
         16 * 1024 * 1024, gt=0, description="Largest request body forwarded; larger gets 413."
+    )
+    max_buffered_bytes: int = Field(
+        128 * 1024 * 1024,
+        gt=0,
+        description="Bytes of request bodies and upstream answers the gateway holds at once, "
+        "all connections together (it holds each whole, to retry it on another endpoint): "
+        "a body is charged by its Content-Length before it is read, an answer by its "
+        "Content-Length before it is read, each until it is dropped. A request that does "
+        "not fit gets 503 with Retry-After (server_busy) and its connection is closed. The "
+        "first 64 KiB of each body and answer do not count, so small requests are never "
+        "refused by it. A held byte can cost up to two while it is copied: keep this under "
+        "a third of the gateway's memory limit. At least --max-request-bytes.",
+    )
+    max_header_bytes: int = Field(
+        32768,
+        gt=0,
+        description="Largest request line and headers accepted: beyond it the connection is "
+        "answered 431 and closed as the bytes arrive.",
+    )
+    header_timeout: float = Field(
+        10.0,
+        gt=0,
+        le=MAX_TIMEOUT_SECONDS,
+        description="Seconds a client has to send a request's line and headers, from "
+        "connecting (or from the first byte of the next request on a kept-alive connection); "
+        "then it gets 408 and the connection is closed. Ends connections that never send a "
+        "request and headers sent a byte at a time.",
+    )
+    body_timeout: float = Field(
+        30.0,
+        gt=0,
+        le=MAX_TIMEOUT_SECONDS,
+        description="Seconds a client has to send a request's whole body once its headers "
+        "have arrived; then it gets 408 (request_timeout) and the connection is closed.",
+    )
+    write_timeout: float = Field(
+        30.0,
+        gt=0,
+        le=MAX_TIMEOUT_SECONDS,
+        description="Seconds a client has to take a whole answer once the gateway starts "
+        "sending it; then the connection is closed and the answer's bytes given back (a "
+        "client that does not read). Answers are written as the client reads them, never "
+        "copied whole into the socket's buffer.",
+    )
+    keep_alive_timeout: float = Field(
+        5.0,
+        gt=0,
+        le=MAX_TIMEOUT_SECONDS,
+        description="Seconds an idle kept-alive connection stays open.",
+    )
+    max_connections: int = Field(
+        1024,
+        gt=0,
+        description="Most open client connections: a connection beyond it is answered 503 "
+        "and closed at once.",
     )
     max_connections_per_endpoint: int = Field(
         256, ge=1, description="Connections kept open to each endpoint at most."
@@ -136,4 +192,9 @@ class GatewaySettings(BaseSettings):
             raise ValueError("--discovery static needs --routes or --routes-file")
         if self.discovery == "kubernetes" and (self.routes or self.routes_file):
             raise ValueError("--routes and --routes-file apply to --discovery static only")
+        if self.max_buffered_bytes < self.max_request_bytes:
+            raise ValueError(
+                "--max-buffered-bytes must be at least --max-request-bytes: a body of the "
+                "largest size could never be held"
+            )
         return self

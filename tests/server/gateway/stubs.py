@@ -115,13 +115,14 @@ async def running_gateway(
     """An in-process gateway on a free port; yields it and its base URL."""
     options = {"discovery": "static", "routes": ["unused=http://127.0.0.1:9"], **settings}
     gateway = Gateway(GatewaySettings(**options), discovery)
-    runner = web.AppRunner(gateway.app(), access_log=None, handler_cancellation=True)
+    runner = gateway.runner()
     await runner.setup()
     sock = _socket()
-    await web.SockSite(runner, sock).start()
+    listening = await gateway.guard.listen(runner, sock)
     try:
         yield gateway, f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:
+        listening.close()
         await runner.cleanup()
 
 

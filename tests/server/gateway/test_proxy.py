@@ -512,14 +512,14 @@ def test_the_gateway_forwards_exactly_the_servers_model_routes() -> None:
     assert set(FORWARDED_ROUTES) == posts
 
 
-async def test_a_body_that_trickles_in_gets_a_408_within_the_request_timeout(
+async def test_a_body_that_trickles_in_gets_a_408_within_the_body_timeout(
     stubs: tuple[Stub, Stub],
 ) -> None:
     """A client that sends its headers and then holds back the body cannot keep a handler
-    (and its connection) forever: it is answered 408 at the request timeout."""
+    (and its connection) forever: it is answered 408 at the body timeout."""
     a, _ = stubs
     discovery = ListDiscovery([Service("s", ("m",), frozenset({a.url}))])
-    async with running_gateway(discovery, request_timeout=0.5) as (_gateway, url):
+    async with running_gateway(discovery, body_timeout=0.5) as (_gateway, url):
         port = int(url.rsplit(":", 1)[1])
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         body = b'{"model": "m", "input": "x"}'
