@@ -43,7 +43,7 @@ def _job(owner_kind: str, owner: str = "corpus") -> dict[str, Any]:
 
 def test_jobs_and_their_owners_are_enqueued() -> None:
     handlers, controller = _handlers()
-    assert set(handlers) == {"track-jobs", "embedding-job-jobs"}
+    assert set(handlers) == {"track-jobs", "embedding-job-jobs", "embedding-job-services"}
 
     async def events() -> None:
         body = {"metadata": {"name": "corpus", "namespace": "team"}, "spec": {"service": "m"}}
@@ -56,3 +56,32 @@ def test_jobs_and_their_owners_are_enqueued() -> None:
     while (key := controller.queue.get_nowait()) is not None:
         keys.append(key)
     assert sorted(keys) == [("team", "corpus"), ("team", "other")]
+
+
+def test_a_service_event_wakes_the_unfinished_jobs_that_name_it() -> None:
+    """A service turning Ready starts the waiting job's workers now, not at its next retry;
+    a finished job, or one naming another service, is left alone."""
+    handlers, controller = _handlers()
+
+    def job(name: str, service: str, phase: str | None = None) -> dict[str, Any]:
+        return {
+            "metadata": {"name": name, "namespace": "team"},
+            "spec": {"service": service},
+            "status": {"phase": phase} if phase else {},
+        }
+
+    async def events() -> None:
+        for name, service, phase in (
+            ("waits", "minilm", "Pending"),
+            ("done", "minilm", "Complete"),
+            ("other", "bge", None),
+        ):
+            body = job(name, service, phase)
+            await handlers["track-jobs"](body=body, namespace="team", name=name, type=None)
+        while (key := controller.queue.get_nowait()) is not None:
+            controller.queue.done(key)
+        await handlers["embedding-job-services"](namespace="team", name="minilm")
+
+    asyncio.run(events())
+    assert controller.queue.get_nowait() == ("team", "waits")
+    assert controller.queue.get_nowait() is None

@@ -5,7 +5,8 @@ the reconciling (one concern per controller, and one queue per kind, so a key is
 Triggers: an EmbeddingJob was created, changed (its spec or metadata, not our status writes:
 ``versions.EssenceChanges``) or found at startup; one of its Jobs changed (label-selected,
 ``app.kubernetes.io/name=embedding-job``: a pod started or finished, an index completed or
-failed, the Job finished). The periodic resync covers the rest (a pod that waits for a
+failed, the Job finished); the EmbeddingService an unfinished job names changed (it turned
+Ready: the workers may start). The periodic resync covers the rest (a pod that waits for a
 missing Secret changes no Job) and is also what deletes a finished job after
 ``ttlSecondsAfterFinished``, with the work queue's delayed add for the exact time.
 """
@@ -16,11 +17,12 @@ from typing import Any
 
 import kopf
 
-from embedding_operator.builders.common import GROUP, MANAGED_BY, VERSION
+from embedding_operator.builders.common import GROUP, MANAGED_BY, PLURAL, VERSION
 from embedding_operator.controller import Controller
 from embedding_operator.handlers import JOB_RESOURCE
 from embedding_operator.jobs.builders import APP_NAME, JOB_KIND, JOB_PLURAL
 from embedding_operator.jobs.reconcile import JobReconciler
+from embedding_operator.jobs.status import TERMINAL_PHASES
 from embedding_operator.kube import controller_of
 from embedding_operator.metrics import OperatorMetrics
 from embedding_operator.settings import OperatorSettings
@@ -43,6 +45,18 @@ def register_jobs(
         metrics=OperatorMetrics(),
     )
     owners = EssenceChanges(owner_essence)
+    # (namespace, EmbeddingService) -> the unfinished EmbeddingJobs that name it: a service
+    # turning Ready starts their workers at once, not at the job's next retry.
+    waiting: dict[tuple[str, str], set[str]] = {}
+
+    def track(namespace: str, name: str, body: kopf.Body, deleted: bool) -> None:
+        for (ns, _), names in waiting.items():
+            if ns == namespace:
+                names.discard(name)
+        service = str((body.get("spec") or {}).get("service") or "")
+        phase = (body.get("status") or {}).get("phase")
+        if service and not deleted and phase not in TERMINAL_PHASES:
+            waiting.setdefault((namespace, service), set()).add(name)
 
     @kopf.on.event(GROUP, VERSION, JOB_PLURAL, id="track-jobs", registry=registry)
     async def on_embedding_job(
@@ -51,6 +65,7 @@ def register_jobs(
         if namespace is None:
             return
         deleted = type == "DELETED"
+        track(namespace, name, body, deleted)
         if deleted:
             controller.gone(namespace, name)
         else:
@@ -65,5 +80,12 @@ def register_jobs(
             return
         if str(ref.get("apiVersion", "")).startswith(f"{GROUP}/"):
             controller.enqueue(namespace, str(ref["name"]))
+
+    @kopf.on.event(GROUP, VERSION, PLURAL, id="embedding-job-services", registry=registry)
+    async def on_service(*, namespace: str | None, name: str, **_: Any) -> None:
+        if namespace is None:
+            return
+        for job in sorted(waiting.get((namespace, name), ())):
+            controller.enqueue(namespace, job)
 
     return controller
