@@ -359,3 +359,23 @@ def test_an_invalid_spec_fails_naming_the_field(cluster: FakeCluster) -> None:
     assert conditions(cluster)["Failed"]["reason"] == "InvalidSpec"
     assert conditions(cluster)["Failed"]["message"].startswith("spec: storage.s3 is required")
     assert batch_job(cluster, "corpus-plan") is None
+
+
+def test_a_job_the_api_server_refuses_fails_with_its_reason(cluster: FakeCluster) -> None:
+    from embedding_operator.kube import ApiError
+
+    add_service(cluster)
+    add_job(cluster)
+    real_apply = cluster.apply
+
+    def refuse_jobs(manifest: dict[str, Any], *, force: bool = True) -> dict[str, Any]:
+        if manifest["kind"] == "Job":
+            raise ApiError(422, 'Job.batch "corpus-plan" is invalid: spec.podFailurePolicy')
+        return real_apply(manifest, force=force)
+
+    cluster.apply = refuse_jobs  # type: ignore[method-assign]
+    outcome = make(cluster, Events()).reconcile(NS, "corpus")
+    assert outcome is not None and not outcome.retry
+    assert status(cluster)["phase"] == "Failed"
+    assert conditions(cluster)["Failed"]["reason"] == "ChildRejected"
+    assert "spec.podFailurePolicy" in conditions(cluster)["Failed"]["message"]

@@ -17,9 +17,11 @@ its Jobs were deleted, and only waits for ``ttlSecondsAfterFinished`` to delete 
 second of the deadline: the reconcile asks the work queue to come back then).
 
 A name held by an object this EmbeddingJob does not control is never written (as
-``apply.py``'s rule for EmbeddingServices). The operator never reads the credentials Secret: a
-missing one is reported from the pods' ``CreateContainerConfigError``. API errors propagate
-to the work queue, which retries them.
+``apply.py``'s rule for EmbeddingServices): ``ChildConflict``, retried until the name is
+free. A Job the API server refuses fails the EmbeddingJob (``ChildRejected``, with the API
+server's message). The operator never reads the credentials Secret: a missing one is
+reported from the pods' ``CreateContainerConfigError``. API errors propagate to the work
+queue, which retries them.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from embedding_operator.jobs.builders import (
 from embedding_operator.jobs.spec import EmbeddingJobSpec, InvalidSpecError, parse_job_spec
 from embedding_operator.jobs.status import (
     CHILD_CONFLICT,
+    CHILD_REJECTED,
     FAILED,
     INVALID_SPEC,
     SERVICE_NOT_FOUND,
@@ -70,7 +73,7 @@ from embedding_operator.jobs.status import (
     plan_result,
     planner_message,
 )
-from embedding_operator.kube import Cluster, ObjectRef, controller_of
+from embedding_operator.kube import ApiError, Cluster, ObjectRef, controller_of
 from embedding_operator.reconcile import EventRecorder, Outcome, utc_now
 from embedding_operator.spec import parse_spec
 from embedding_operator.status import Problem, merge_conditions, status_patch
@@ -92,7 +95,12 @@ def _parse_time(value: object) -> datetime | None:
 
 
 class _Conflict(Exception):
-    pass
+    """A child's name is held by an object this EmbeddingJob does not control."""
+
+
+class _Rejected(Exception):
+    """The API server refused a child (400/422): a cluster without Indexed Jobs'
+    backoffLimitPerIndex (Kubernetes before 1.29), an admission policy."""
 
 
 class JobReconciler:
@@ -151,6 +159,8 @@ class JobReconciler:
             facts = JobFacts(
                 suspend=spec.suspend, problem=Problem(CHILD_CONFLICT, str(exc), retryable=True)
             )
+        except _Rejected as exc:
+            facts = JobFacts(suspend=spec.suspend, problem=Problem(CHILD_REJECTED, str(exc)))
         return self._write(body, owner, facts, tuple(applied))
 
     def _advance(self, owner: Owner, spec: EmbeddingJobSpec, applied: list[str]) -> JobFacts:
@@ -253,7 +263,12 @@ class JobReconciler:
             live = self._owned(ref, owner)
             if live is not None:
                 return live
-        created = self._cluster.apply(manifest, force=False)
+        try:
+            created = self._cluster.apply(manifest, force=False)
+        except ApiError as exc:
+            if exc.status in (400, 422):
+                raise _Rejected(f"{ref.kind} {ref.name} was refused: {exc.message}") from None
+            raise
         if (controller_of(created) or {}).get("uid") != owner.uid:
             raise _Conflict(f"{ref.kind} {ref.namespace}/{ref.name} is held by another object")
         applied.append(ref.kind)
