@@ -99,8 +99,9 @@ def test_rows_and_shards_done_come_from_the_facts() -> None:
     facts = WorkerFacts.from_live(job, pods)
     assert (facts.shards, facts.shards_done, facts.rows, facts.rows_done) == (8, 3, 8000, 3000)
     assert facts.failed_rows == 3
-    assert facts.rows_per_second == 150.0  # 3000 rows in the 20 s since the Job started
-    # 8000 - 3000 - 3 rows left at 150 rows/s, counted from the last commit.
+    # 3000 rows embedded and 3 failed in the 20 s since the Job started.
+    assert facts.rows_per_second == 150.2
+    # 8000 - 3000 - 3 rows left at 150.2 rows/s, counted from the last commit.
     assert facts.eta == "2026-12-03T10:00:53Z"
 
 
@@ -111,7 +112,7 @@ def test_shards_an_earlier_run_committed_are_done_but_not_in_the_rate() -> None:
         _pod(1, 1000, "2026-12-03T10:00:10Z"),
     ]
     facts = WorkerFacts.from_live(job, pods)
-    assert facts.rows_done == 2000 and facts.rows_per_second == 100.0
+    assert facts.rows_done == 2000 and facts.rows_per_second == 100.1  # 1001 rows in 10 s
 
 
 def _status(facts: JobFacts) -> tuple[dict[str, Any], dict[str, Any], str]:
@@ -228,3 +229,15 @@ def test_planner_message_prefers_the_succeeded_pod() -> None:
     assert planner_message([bad, ok]) == "{}"
     assert planner_message([bad]) == "boom"
     assert planner_message([]) is None
+
+
+def test_a_resumed_job_keeps_its_rate_from_the_first_worker() -> None:
+    """Resuming a suspended Job moves its startTime; the rate still counts from the first
+    worker pod's start, so it never turns negative or infinite."""
+    job = _job({"startTime": "2026-12-03T11:00:00Z", "completedIndexes": "0-1"})
+    pods = [_pod(0, 999, "2026-12-03T10:00:10Z"), _pod(1, 999, "2026-12-03T11:00:20Z")]
+    for pod, began in zip(pods, ("2026-12-03T10:00:00Z", "2026-12-03T11:00:00Z"), strict=True):
+        pod["status"]["containerStatuses"][0]["state"]["terminated"]["startedAt"] = began
+    facts = WorkerFacts.from_live(job, pods)
+    # 2000 rows processed (999 + 1 failed, twice) from 10:00:00 to 11:00:20.
+    assert facts.rows_per_second == round(2000 / 3620, 1)

@@ -210,6 +210,7 @@ class WorkerFacts:
             rows = 0
         completed = parse_indexes(status.get("completedIndexes"))
         reports: dict[int, tuple[ShardReport, datetime | None]] = {}
+        started: list[datetime] = []
         for pod in pods:
             if (pod.get("status") or {}).get("phase") != "Succeeded":
                 continue
@@ -228,10 +229,16 @@ class WorkerFacts:
                 finished is not None and (earlier[1] is None or finished < earlier[1])
             ):
                 reports[report.shard] = (report, finished)
+            began = _parse_time(state.get("startedAt"))
+            if began is not None and not report.skipped:
+                started.append(began)
         rows_done = sum(r.rows for r, _ in reports.values())
         failed_rows = sum(r.failed for r, _ in reports.values())
-        worked = sum(r.rows for r, _ in reports.values() if not r.skipped)
-        start = _parse_time(status.get("startTime"))
+        worked = sum(r.rows + r.failed for r, _ in reports.values() if not r.skipped)
+        # From the first worker's start: the Job's startTime moves when it is resumed from
+        # suspension, the pods' own start times do not.
+        job_start = _parse_time(status.get("startTime"))
+        start = min([*started, *([job_start] if job_start else [])], default=None)
         finishes = [t for _, t in reports.values() if t is not None]
         rate: float | None = None
         eta: str | None = None
