@@ -218,3 +218,32 @@ def test_render_refuses_a_bad_job(tmp_path: Any, capsys: Any) -> None:
     )
     assert main(["render", "-f", str(bad)]) == 2
     assert "spec: storage.s3 is required" in capsys.readouterr().err
+
+
+def test_the_services_network_policy_admits_the_jobs_workers() -> None:
+    """An EmbeddingJob runs in its service's namespace, and the service's NetworkPolicy admits
+    every pod of that namespace (a namespace peer without a pod selector), so the workers need
+    no rule of their own. If the policy ever narrows to pods, this fails and the job's pods
+    (label app.kubernetes.io/name=embedding-job) must be added to it."""
+    from embedding_operator.builders.networkpolicy import build_network_policy
+
+    from tests.support.operator import render_input
+
+    render = render_input(
+        {"model": {"name": "m"}, "networkPolicy": {"enabled": True}},
+        name="minilm",
+        namespace="team",
+    )
+    (rule,) = build_network_policy(render)["spec"]["ingress"]
+    (peer,) = rule["from"]
+    assert "podSelector" not in peer
+    (expression,) = peer["namespaceSelector"]["matchExpressions"]
+    assert "team" in expression["values"]
+
+
+def test_the_job_watch_is_label_selected() -> None:
+    from embedding_operator.handlers import JOB_RESOURCE, MANAGED_SELECTOR, kopf_settings
+    from embedding_operator.settings import OperatorSettings
+
+    settings = kopf_settings(OperatorSettings())
+    assert settings.watching.label_selectors[JOB_RESOURCE] == MANAGED_SELECTOR
