@@ -53,6 +53,7 @@ from embedding_server.device.fake import (
     is_fake,
     load_fake,
 )
+from embedding_server.device.fingerprint import with_fingerprint
 from embedding_server.device.generic import tensor_parallel_refusal
 from embedding_server.device.loading import LoadedModel, load_configured, model_backend
 from embedding_server.device.pooling_guess import pooling_guess
@@ -196,6 +197,19 @@ class Engine(ServingEngine):
         )
         if fake:
             self._info = fake_info(loaded, self._info)
+        started = time.perf_counter()
+        self._info = with_fingerprint(
+            self._info,
+            loaded,
+            config,
+            code=loaded.backend == "transformers" and settings.trust_remote_code,
+        )
+        logger.info(
+            "embedding fingerprint %s (%d files, %.3f s)",
+            self._info.fingerprint,
+            len(self._info.fingerprint_inputs["files"]),
+            time.perf_counter() - started,
+        )
         self._images, self._chat = _inputs_of(loaded, self._info)
         info = self._info.to_dict()
         logger.info(
@@ -213,6 +227,7 @@ class Engine(ServingEngine):
                 model_type=self._info.model_type,
                 architecture=self._info.architecture,
                 attention=self._info.attention,
+                fingerprint=self._info.fingerprint,
             ).set(1)
 
     # -- construction ----------------------------------------------------------------------

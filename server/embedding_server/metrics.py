@@ -164,8 +164,9 @@ class Metrics:
         self.model_info = Gauge(
             f"{PREFIX}_model_info",
             "1, labelled with what serves the model: backend (native, transformers or fake), "
-            "model_type, architecture and attention (the kernel, or transformers' sdpa/eager).",
-            ["backend", "model_type", "architecture", "attention"],
+            "model_type, architecture, attention (the kernel, or transformers' sdpa/eager) "
+            "and fingerprint (the embedding fingerprint, as /info and every answer say).",
+            ["backend", "model_type", "architecture", "attention", "fingerprint"],
             registry=r,
             multiprocess_mode="livemax",
         )

@@ -131,5 +131,13 @@ class EngineInfo:
     tokenizer_config.json's switches, or the checkpoint's own tokenizer code
     (``special_tokens.py``)."""
 
+    fingerprint: str = ""
+    """The embedding fingerprint (``embedding_server.fingerprint``): 16 hex digits of the
+    sha256 of :attr:`fingerprint_inputs`; empty where it is not known (``inspect`` of a Hub
+    model, whose weights it does not download)."""
+    fingerprint_inputs: dict[str, Any] = field(default_factory=dict)
+    """What the fingerprint hashes: the model files' sha256 and the decisions that change a
+    vector (``embedding_server.device.fingerprint``)."""
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
