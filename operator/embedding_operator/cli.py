@@ -259,6 +259,7 @@ def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
     from embedding_operator import handlers
     from embedding_operator.events import ApiEventRecorder
     from embedding_operator.jobs.handlers import register_jobs
+    from embedding_operator.jobs.pods import WatchedJobPods
     from embedding_operator.jobs.reconcile import JobReconciler
     from embedding_operator.kube import KubeCluster, api_client
     from embedding_operator.leader import (
@@ -292,14 +293,17 @@ def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
     )
     registry = kopf.OperatorRegistry()
     controller = handlers.register(registry, reconciler, config, versions, metrics, pods)
+    job_pods = WatchedJobPods()
     job_controller = register_jobs(
         registry,
         JobReconciler(
             cluster=cluster,
             recorder=ApiEventRecorder(cluster, identity),
             default_image=config.default_image,
+            pods=job_pods,
         ),
         config,
+        job_pods,
     )
     settings = handlers.kopf_settings(config)
     log.info(

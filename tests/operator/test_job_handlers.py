@@ -8,16 +8,17 @@ from typing import Any
 
 import kopf
 from embedding_operator.jobs.handlers import register_jobs
+from embedding_operator.jobs.pods import WatchedJobPods
 from embedding_operator.jobs.reconcile import JobReconciler
 from embedding_operator.settings import OperatorSettings
 
 from tests.support.operator import FakeCluster
 
 
-def _handlers() -> tuple[dict[str, Any], Any]:
+def _handlers(pods: WatchedJobPods | None = None) -> tuple[dict[str, Any], Any]:
     registry = kopf.OperatorRegistry()
     reconciler = JobReconciler(cluster=FakeCluster(), recorder=lambda *a, **k: None)
-    controller = register_jobs(registry, reconciler, OperatorSettings())
+    controller = register_jobs(registry, reconciler, OperatorSettings(), pods)
     found = {h.id: h.fn for h in registry._watching.get_all_handlers()}
     return found, controller
 
@@ -43,7 +44,12 @@ def _job(owner_kind: str, owner: str = "corpus") -> dict[str, Any]:
 
 def test_jobs_and_their_owners_are_enqueued() -> None:
     handlers, controller = _handlers()
-    assert set(handlers) == {"track-jobs", "embedding-job-jobs", "embedding-job-services"}
+    assert set(handlers) == {
+        "track-jobs",
+        "embedding-job-jobs",
+        "embedding-job-services",
+        "embedding-job-pods",
+    }
 
     async def events() -> None:
         body = {"metadata": {"name": "corpus", "namespace": "team"}, "spec": {"service": "m"}}
@@ -85,3 +91,33 @@ def test_a_service_event_wakes_the_unfinished_jobs_that_name_it() -> None:
     asyncio.run(events())
     assert controller.queue.get_nowait() == ("team", "waits")
     assert controller.queue.get_nowait() is None
+
+
+def test_a_terminated_job_pod_is_kept_and_wakes_its_job() -> None:
+    pods = WatchedJobPods()
+    handlers, controller = _handlers(pods)
+    labels = {"app.kubernetes.io/instance": "corpus", "app.kubernetes.io/component": "worker"}
+
+    def pod(state: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "metadata": {"name": "corpus-work-0-x", "namespace": "team", "labels": labels},
+            "spec": {"containers": [{"name": "job", "image": "big" * 100}]},
+            "status": {"phase": "Running", "containerStatuses": [{"name": "job", "state": state}]},
+        }
+
+    async def events() -> None:
+        await handlers["embedding-job-pods"](
+            body=pod({"running": {}}), labels=labels, namespace="team", type=None
+        )
+        assert controller.queue.get_nowait() is None  # still running: nothing to read yet
+        done = pod({"terminated": {"exitCode": 0, "message": '{"shard": 0}'}})
+        await handlers["embedding-job-pods"](body=done, labels=labels, namespace="team", type=None)
+
+    asyncio.run(events())
+    assert controller.queue.get_nowait() == ("team", "corpus")
+    (kept,) = pods.pods("team", "corpus", "worker")
+    assert "spec" not in kept  # only what the reconcile reads
+    state = kept["status"]["containerStatuses"][0]["state"]
+    assert state["terminated"]["message"] == '{"shard": 0}'
+    pods.forget("team", "corpus")
+    assert pods.pods("team", "corpus", "worker") == []

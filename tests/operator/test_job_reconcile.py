@@ -11,6 +11,7 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
+from embedding_operator.jobs.pods import WatchedJobPods
 from embedding_operator.jobs.reconcile import JobReconciler, job_ref
 from embedding_operator.kube import ObjectRef
 
@@ -39,7 +40,12 @@ class Clock:
         return self.now
 
 
-def make(cluster: FakeCluster, events: Events, clock: Clock | None = None) -> JobReconciler:
+def make(
+    cluster: FakeCluster,
+    events: Events,
+    clock: Clock | None = None,
+    pods: WatchedJobPods | None = None,
+) -> JobReconciler:
     clock = clock or Clock()
     return JobReconciler(
         cluster=cluster,
@@ -47,6 +53,7 @@ def make(cluster: FakeCluster, events: Events, clock: Clock | None = None) -> Jo
         default_image="img:1",
         clock=lambda: clock.now.strftime("%Y-%m-%dT%H:%M:%SZ"),
         now=clock,
+        pods=pods,
     )
 
 
@@ -379,3 +386,41 @@ def test_a_job_the_api_server_refuses_fails_with_its_reason(cluster: FakeCluster
     assert status(cluster)["phase"] == "Failed"
     assert conditions(cluster)["Failed"]["reason"] == "ChildRejected"
     assert "spec.podFailurePolicy" in conditions(cluster)["Failed"]["message"]
+
+
+def test_pods_come_from_the_watch_and_a_lagging_watch_is_backed_by_a_list(
+    cluster: FakeCluster,
+) -> None:
+    """With the pod watch's cache the reconcile of a running job lists no pods; while the
+    cache lacks a committed shard's pod (the Job's event came first, or the operator just
+    started), it lists them once, so rowsDone never drops below the truth."""
+    watched = WatchedJobPods()
+    add_service(cluster)
+    add_job(cluster)
+    reconciler = make(cluster, Events(), pods=watched)
+    reconciler.reconcile(NS, "corpus")
+    plan_done(cluster, shards=2, rows=200)
+    reconciler.reconcile(NS, "corpus")  # the planner's pod is not in the cache: listed
+    worker = batch_job(cluster, "corpus-work")
+    assert worker is not None and status(cluster)["shards"] == 2
+    worker["status"] = {"startTime": "2026-12-03T10:01:00Z", "completedIndexes": "0-1"}
+    for index in (0, 1):
+        finish_pod(
+            cluster,
+            worker,
+            "work",
+            f"corpus-work-{index}-abc",
+            {"shard": index, "rows": 100, "failed": 0, "seconds": 5.0, "skipped": False},
+        )
+    pod_ref = ObjectRef("v1", "Pod", NS, "corpus-work-0-abc")
+    watched.pod_event(NS, "corpus", "worker", cluster.objects[pod_ref], deleted=False)
+    cluster.calls.clear()
+    reconciler.reconcile(NS, "corpus")
+    assert ("get", "Pod") in cluster.calls  # shard 1's pod is not in the cache yet
+    assert status(cluster)["rowsDone"] == 200
+    other = ObjectRef("v1", "Pod", NS, "corpus-work-1-abc")
+    watched.pod_event(NS, "corpus", "worker", cluster.objects[other], deleted=False)
+    cluster.calls.clear()
+    reconciler.reconcile(NS, "corpus")
+    assert ("get", "Pod") not in cluster.calls
+    assert status(cluster)["rowsDone"] == 200

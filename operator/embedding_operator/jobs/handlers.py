@@ -5,7 +5,9 @@ the reconciling (one concern per controller, and one queue per kind, so a key is
 Triggers: an EmbeddingJob was created, changed (its spec or metadata, not our status writes:
 ``versions.EssenceChanges``) or found at startup; one of its Jobs changed (label-selected,
 ``app.kubernetes.io/name=embedding-job``: a pod started or finished, an index completed or
-failed, the Job finished); the EmbeddingService an unfinished job names changed (it turned
+failed, the Job finished); a job pod's container terminated (its message is kept in
+``jobs.pods.WatchedJobPods`` first, so the reconcile reads no pod from the API); the
+EmbeddingService an unfinished job names changed (it turned
 Ready: the workers may start). The periodic resync covers the rest (a pod that waits for a
 missing Secret changes no Job) and is also what deletes a finished job after
 ``ttlSecondsAfterFinished``, with the work queue's delayed add for the exact time.
@@ -19,8 +21,9 @@ import kopf
 
 from embedding_operator.builders.common import GROUP, MANAGED_BY, PLURAL, VERSION
 from embedding_operator.controller import Controller
-from embedding_operator.handlers import JOB_RESOURCE
+from embedding_operator.handlers import JOB_RESOURCE, POD_RESOURCE
 from embedding_operator.jobs.builders import APP_NAME, JOB_KIND, JOB_PLURAL
+from embedding_operator.jobs.pods import WatchedJobPods, terminated_now
 from embedding_operator.jobs.reconcile import JobReconciler
 from embedding_operator.jobs.status import TERMINAL_PHASES
 from embedding_operator.kube import controller_of
@@ -32,7 +35,10 @@ JOB_LABELS = {"app.kubernetes.io/managed-by": MANAGED_BY, "app.kubernetes.io/nam
 
 
 def register_jobs(
-    registry: kopf.OperatorRegistry, reconciler: JobReconciler, config: OperatorSettings
+    registry: kopf.OperatorRegistry,
+    reconciler: JobReconciler,
+    config: OperatorSettings,
+    pods: WatchedJobPods | None = None,
 ) -> Controller:
     """Register the EmbeddingJob handlers; run the returned ``Controller`` next to kopf.
 
@@ -80,6 +86,19 @@ def register_jobs(
             return
         if str(ref.get("apiVersion", "")).startswith(f"{GROUP}/"):
             controller.enqueue(namespace, str(ref["name"]))
+
+    @kopf.on.event(*POD_RESOURCE, id="embedding-job-pods", registry=registry, labels=JOB_LABELS)
+    async def on_pod(
+        *, body: kopf.Body, labels: kopf.Labels, namespace: str | None, type: str | None, **_: Any
+    ) -> None:
+        job = labels.get("app.kubernetes.io/instance")
+        component = labels.get("app.kubernetes.io/component")
+        if not job or not component or namespace is None:
+            return
+        if pods is not None:
+            pods.pod_event(namespace, job, component, body, deleted=type == "DELETED")
+            if terminated_now(body):
+                controller.enqueue(namespace, job)
 
     @kopf.on.event(GROUP, VERSION, PLURAL, id="embedding-job-services", registry=registry)
     async def on_service(*, namespace: str | None, name: str, **_: Any) -> None:

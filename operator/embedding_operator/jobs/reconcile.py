@@ -55,6 +55,7 @@ from embedding_operator.jobs.builders import (
     service_account_name,
     worker_name,
 )
+from embedding_operator.jobs.pods import WatchedJobPods
 from embedding_operator.jobs.spec import EmbeddingJobSpec, InvalidSpecError, parse_job_spec
 from embedding_operator.jobs.status import (
     CHILD_CONFLICT,
@@ -114,15 +115,19 @@ class JobReconciler:
         default_image: str = DEFAULT_IMAGE,
         clock: Callable[[], str] = utc_now,
         now: Callable[[], datetime] = lambda: datetime.now(UTC),
+        pods: WatchedJobPods | None = None,
     ) -> None:
         self._cluster = cluster
+        self._watched = pods
         self._recorder = recorder
         self._default_image = default_image
         self._clock = clock
         self._now = now
 
     def forget(self, namespace: str, name: str) -> None:
-        """No per-object state is kept: status is computed from facts."""
+        """Drop the deleted job's pods from the watch's cache (status keeps no state)."""
+        if self._watched is not None:
+            self._watched.forget(namespace, name)
 
     def reconcile(self, namespace: str, name: str) -> Outcome | None:
         started = time.monotonic()
@@ -171,6 +176,11 @@ class JobReconciler:
             worker = self._keep_in_step(worker, spec, applied)
             pods = self._pods(owner, WORKER, worker)
             workers = WorkerFacts.from_live(worker, pods)
+            if self._watched is not None and workers.reported < workers.shards_done:
+                # The watch has not delivered every committed shard's pod yet (the Job's
+                # event came first, or the operator just started): read them all once.
+                pods = self._pods(owner, WORKER, worker, listed=True)
+                workers = WorkerFacts.from_live(worker, pods)
             problem = None if workers.suspended else container_config_problem(pods)
             return JobFacts(spec.suspend, planner, None, workers, problem)
         if planner is None:
@@ -184,6 +194,9 @@ class JobReconciler:
             return JobFacts(spec.suspend, planner)
         planner = self._keep_in_step(planner, spec, applied)
         pods = self._pods(owner, PLANNER, planner)
+        finished = job_condition(planner, "Complete") or job_condition(planner, FAILED)
+        if self._watched is not None and finished and planner_message(pods) is None:
+            pods = self._pods(owner, PLANNER, planner, listed=True)
         message = planner_message(pods)
         facts = JobFacts(spec.suspend, planner, message)
         plan = plan_result(facts)
@@ -299,10 +312,16 @@ class JobReconciler:
         log.info("patched Job %s/%s: %s", meta["namespace"], meta["name"], wanted)
         return patched
 
-    def _pods(self, owner: Owner, component: str, job: dict[str, Any]) -> list[dict[str, Any]]:
-        """The Job's pods (label-selected, and controlled by this very Job)."""
+    def _pods(
+        self, owner: Owner, component: str, job: dict[str, Any], *, listed: bool = False
+    ) -> list[dict[str, Any]]:
+        """The Job's pods (label-selected, and controlled by this very Job): from the pod
+        watch when there is one, unless ``listed``; else a LIST."""
         uid = (job.get("metadata") or {}).get("uid")
-        pods = self._cluster.list_pods(owner.namespace, pod_selector(owner, component))
+        if self._watched is not None and not listed:
+            pods = self._watched.pods(owner.namespace, owner.name, component)
+        else:
+            pods = self._cluster.list_pods(owner.namespace, pod_selector(owner, component))
         return [p for p in pods if (controller_of(p) or {}).get("uid") == uid]
 
     def _service(

@@ -197,6 +197,8 @@ class WorkerFacts:
     complete: bool
     failed: dict[str, Any] | None
     suspended: bool
+    reported: int = 0
+    """Committed shards whose pod's report was found (``shards_done`` once every pod is seen)."""
 
     @classmethod
     def from_live(cls, job: dict[str, Any], pods: Iterable[dict[str, Any]]) -> WorkerFacts:
@@ -270,6 +272,7 @@ class WorkerFacts:
             complete=complete is not None,
             failed=failed,
             suspended=bool(spec.get("suspend")),
+            reported=len(reports),
         )
 
 
