@@ -15,6 +15,9 @@ names alone (``device/inspection.py``); with ``--verify`` it also serves a fixed
 and compares it with the model's authors' computation (``device/verification.py``).
 ``run-batch`` answers a file of requests in the OpenAI batch format with the server's own
 application in this process, no port opened (``embedding_server/batch/``), resumably.
+``job plan`` and ``job work`` are an EmbeddingJob's two steps: cut a corpus (local files or
+``s3://``) into shards, then embed one shard through a service and commit its part
+(``embedding_server/batch/job.py``, which owns their flags).
 """
 
 from __future__ import annotations
@@ -210,6 +213,9 @@ def build_parser(settings_model: type[BaseSettings] = ServerSettings) -> argpars
         "--max-batch-tokens. A request answered 429 waits its Retry-After and is sent again.",
     )
     _add_settings(batch.add_argument_group("settings (as serve takes them)"), ServerSettings)
+    from embedding_server.batch.job import add_job_parser
+
+    add_job_parser(commands)
     return parser
 
 
@@ -493,6 +499,15 @@ async def _run_batch_here(
     return 0
 
 
+def job(namespace: argparse.Namespace) -> int:
+    """``embedding-server job plan|work``: no model loads here (the request plane only)."""
+    from embedding_server.batch.job import run_job
+    from embedding_server.logging import configure_logging
+
+    configure_logging(namespace.log_level, namespace.log_format)
+    return run_job(namespace)
+
+
 def format_inspection(inspection: Inspection) -> str:
     """The inspection as aligned ``field  value`` lines, for people."""
     info = inspection.info
@@ -571,6 +586,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if namespace.command == "gateway":
         return gateway(_gateway_settings(namespace))
+    if namespace.command == "job":
+        return job(namespace)
     if namespace.command == "run-batch":
         return run_batch(
             _settings(ServerSettings, namespace),

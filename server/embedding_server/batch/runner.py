@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import sys
 import time
 from collections.abc import Collection, Iterator
@@ -40,16 +39,20 @@ from embedding_server.batch.lines import (
     refusal_line,
 )
 from embedding_server.batch.output import BatchOutput
+from embedding_server.batch.retries import (
+    FIRST_BACKOFF_S,
+    PRIORITY_HEADERS,
+    RETRY_STATUSES,
+    next_backoff,
+    retry_after,
+)
 
 logger = logging.getLogger(__name__)
 
 READ_AHEAD_WINDOWS = 4
 """The read-ahead, sorted by size, in windows of ``max_in_flight`` requests."""
 
-RETRY_STATUSES = frozenset({429, 503})
-MAX_RETRY_WAIT_S = 30.0
 PROGRESS_LOG_INTERVAL_S = 10.0
-PRIORITY_HEADERS = {"X-Priority": "bulk"}
 
 
 @dataclass(frozen=True)
@@ -225,7 +228,7 @@ async def _send(
     """The output line for ``request`` and whether it succeeded, after waiting out 429 and 503
     (their ``Retry-After``) and unreachable servers for up to ``retry_for`` seconds."""
     deadline = time.monotonic() + retry_for
-    backoff = 0.5
+    backoff = FIRST_BACKOFF_S
     headers = {
         "Content-Type": "application/json",
         "X-Request-ID": request.request_id,
@@ -236,7 +239,7 @@ async def _send(
             response = await client.post(request.url, content=request.body, headers=headers)
         except httpx2.TransportError as error:
             wait = backoff
-            backoff = min(backoff * 2, MAX_RETRY_WAIT_S)
+            backoff = next_backoff(backoff)
             if time.monotonic() + wait > deadline:
                 message = f"no answer from the server after {retry_for:.0f} s: {error!r}"
                 return failure_line(request, "server_unreachable", message), False
@@ -244,8 +247,8 @@ async def _send(
             continue
         status = response.status_code
         if status in RETRY_STATUSES:
-            wait = _retry_after(response) or backoff
-            backoff = min(backoff * 2, MAX_RETRY_WAIT_S)
+            wait = retry_after(response) or backoff
+            backoff = next_backoff(backoff)
             if time.monotonic() + wait <= deadline:
                 await asyncio.sleep(wait)
                 continue
@@ -258,17 +261,6 @@ async def _send(
             json_body="json" in content_type,
         )
         return line, status < 400
-
-
-def _retry_after(response: httpx2.Response) -> float | None:
-    value = response.headers.get("retry-after")
-    try:
-        seconds = float(value) if value is not None else None
-    except ValueError:
-        return None
-    if seconds is None or not math.isfinite(seconds) or seconds < 0:
-        return None
-    return min(seconds, MAX_RETRY_WAIT_S)
 
 
 def _duration(seconds: float) -> str:

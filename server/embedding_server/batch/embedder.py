@@ -1,0 +1,222 @@
+"""A shard's texts embedded by a server's ``/v1/embeddings``, at bulk priority.
+
+Texts go out ``batch_size`` to a request, base64-encoded float32 back, at most
+``max_in_flight`` requests at once. A 429 or 503 waits its ``Retry-After`` (bounded
+backoff when there is none), a transport error or another 5xx is retried with backoff, for
+up to ``retry_for`` seconds per request; past that the service counts as unreachable
+(:class:`ServiceUnavailableError`) and the shard is left for another attempt.
+
+A batch the API refuses with a 4xx is sent again one text per request, so that the refusal
+lands on the rows that caused it: those rows get the API's error, the others their vectors.
+
+Every answer's ``X-Embedding-Fingerprint`` (the hash of everything that decides a vector)
+is compared with the first one's: vectors of two computations (a rollout halfway through the
+shard) are never mixed in one part (:class:`MixedFingerprintsError`). A server that sends no
+fingerprint counts as one computation, ``None``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx2
+import numpy as np
+import orjson
+
+from embedding_server.batch.retries import (
+    FIRST_BACKOFF_S,
+    PRIORITY_HEADERS,
+    RETRY_STATUSES,
+    next_backoff,
+    retry_after,
+)
+
+logger = logging.getLogger(__name__)
+
+EMBEDDINGS_PATH = "/v1/embeddings"
+FINGERPRINT_HEADER = "X-Embedding-Fingerprint"
+PROGRESS_LOG_INTERVAL_S = 10.0
+
+
+class ServiceUnavailableError(Exception):
+    """The service did not answer usably within the retry budget."""
+
+
+class MixedFingerprintsError(Exception):
+    """Two answers of one shard came from two computations."""
+
+
+@dataclass
+class Embedded:
+    """A shard's answers, by position: a vector, or the API's error for that row."""
+
+    vectors: list[np.ndarray | None]
+    errors: dict[int, dict[str, Any]] = field(default_factory=dict)
+    model: str | None = None
+    fingerprint: str | None = None
+
+
+@dataclass
+class _Progress:
+    total: int
+    done: int = 0
+    started: float = field(default_factory=time.monotonic)
+    logged: float = field(default_factory=time.monotonic)
+
+    def advance(self, rows: int) -> None:
+        self.done += rows
+        now = time.monotonic()
+        if now - self.logged >= PROGRESS_LOG_INTERVAL_S:
+            self.logged = now
+            rate = self.done / max(now - self.started, 1e-9)
+            logger.info("job: %d of %d rows embedded, %.1f rows/s", self.done, self.total, rate)
+
+
+class Embedder:
+    """Sends texts to one service through ``client`` (its base URL is the service's)."""
+
+    def __init__(
+        self,
+        client: httpx2.AsyncClient,
+        *,
+        model: str | None = None,
+        batch_size: int = 64,
+        max_in_flight: int = 8,
+        retry_for: float = 600.0,
+    ) -> None:
+        if batch_size < 1 or max_in_flight < 1:
+            raise ValueError("batch_size and max_in_flight must be at least 1")
+        self._client = client
+        self._model = model
+        self._batch_size = batch_size
+        self._slots = asyncio.Semaphore(max_in_flight)
+        self._retry_for = retry_for
+        self._fingerprints: list[str | None] = []
+        self._model_seen: str | None = None
+
+    async def embed(self, texts: list[str | None]) -> Embedded:
+        """Vectors for the texts that are not None (those stay None, with no error)."""
+        result = Embedded(vectors=[None] * len(texts))
+        positions = [i for i, text in enumerate(texts) if text is not None]
+        progress = _Progress(len(positions))
+        batches = [
+            positions[start : start + self._batch_size]
+            for start in range(0, len(positions), self._batch_size)
+        ]
+        try:
+            async with asyncio.TaskGroup() as group:
+                for batch in batches:
+                    group.create_task(self._embed_batch(batch, texts, result, progress))
+        except ExceptionGroup as failed:
+            # One request's failure stops the shard (the others are cancelled with it): it
+            # is what the caller sees, not the group.
+            raise failed.exceptions[0] from None
+        result.model = self._model or self._model_seen
+        result.fingerprint = self._fingerprints[0] if self._fingerprints else None
+        return result
+
+    async def _embed_batch(
+        self,
+        batch: list[int],
+        texts: list[str | None],
+        result: Embedded,
+        progress: _Progress,
+    ) -> None:
+        inputs = [str(texts[i]) for i in batch]
+        response = await self._post(inputs)
+        if response.status_code == 200:
+            for position, vector in zip(batch, self._vectors(response, len(batch)), strict=True):
+                result.vectors[position] = vector
+            progress.advance(len(batch))
+            return
+        if len(batch) > 1:
+            # Which row was refused? Ask for each alone; the others get their vectors.
+            for position in batch:
+                await self._embed_batch([position], texts, result, progress)
+            return
+        result.errors[batch[0]] = _api_error(response)
+        progress.advance(1)
+
+    async def _post(self, inputs: list[str]) -> httpx2.Response:
+        """The service's answer that is not worth waiting out: a 200 or a refusal (4xx but
+        429). :class:`ServiceUnavailableError` past the retry budget."""
+        body: dict[str, Any] = {"input": inputs, "encoding_format": "base64"}
+        if self._model is not None:
+            body["model"] = self._model
+        content = orjson.dumps(body)
+        headers = {"Content-Type": "application/json", **PRIORITY_HEADERS}
+        deadline = time.monotonic() + self._retry_for
+        backoff = FIRST_BACKOFF_S
+        async with self._slots:
+            while True:
+                wait: float | None
+                try:
+                    response = await self._client.post(
+                        EMBEDDINGS_PATH, content=content, headers=headers
+                    )
+                except httpx2.TransportError as error:
+                    problem, wait = f"no answer ({error!r})", None
+                else:
+                    status = response.status_code
+                    if status < 500 and status not in RETRY_STATUSES:
+                        return response
+                    problem = f"answered {status}: {response.text[:200]}"
+                    wait = retry_after(response) if status in RETRY_STATUSES else None
+                wait = wait or backoff
+                backoff = next_backoff(backoff)
+                if time.monotonic() + wait > deadline:
+                    raise ServiceUnavailableError(
+                        f"{self._client.base_url}{EMBEDDINGS_PATH}: {problem}; still so after "
+                        f"{self._retry_for:.0f} s"
+                    )
+                logger.debug("job: service %s; again in %.1f s", problem, wait)
+                await asyncio.sleep(wait)
+
+    def _vectors(self, response: httpx2.Response, count: int) -> list[np.ndarray]:
+        fingerprint = response.headers.get(FINGERPRINT_HEADER)
+        if not self._fingerprints:
+            self._fingerprints.append(fingerprint)
+        elif fingerprint != self._fingerprints[0]:
+            raise MixedFingerprintsError(
+                f"the service answered with fingerprint {fingerprint!r} after "
+                f"{self._fingerprints[0]!r}: two computations in one shard, which is not "
+                "committed (is a rollout under way?)"
+            )
+        try:
+            body = orjson.loads(response.content)
+            data = sorted(body["data"], key=lambda item: item["index"])
+            vectors = [
+                np.frombuffer(base64.b64decode(item["embedding"]), dtype="<f4") for item in data
+            ]
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as error:
+            raise ServiceUnavailableError(
+                f"{EMBEDDINGS_PATH} answered 200 with a body that is not embeddings: {error!r}"
+            ) from None
+        if len(vectors) != count:
+            raise ServiceUnavailableError(
+                f"{EMBEDDINGS_PATH} answered {len(vectors)} embeddings for {count} inputs"
+            )
+        if isinstance(body.get("model"), str):
+            self._model_seen = body["model"]
+        return vectors
+
+
+def _api_error(response: httpx2.Response) -> dict[str, Any]:
+    """The API's error object (OpenAI's shape), with the status."""
+    try:
+        body = orjson.loads(response.content)
+        error = (
+            body["error"]
+            if isinstance(body, dict) and isinstance(body.get("error"), dict)
+            else None
+        )
+    except orjson.JSONDecodeError:
+        error = None
+    if error is None:
+        error = {"message": response.text[:1000]}
+    return {"status": response.status_code, **error}

@@ -1,0 +1,346 @@
+"""``embedding-server job plan`` and ``job work``: the two halves of an EmbeddingJob.
+
+``plan`` runs once per job: it lists the inputs, cuts them into shards and commits
+``OUTPUT/_plan.json`` (:mod:`embedding_server.batch.plan`). ``work`` runs once per shard,
+as one index of a Kubernetes Indexed Job: it reads the plan, takes shard ``--index`` (by
+default ``JOB_COMPLETION_INDEX``), has a service embed its rows (:mod:`.embedder`) and
+commits the shard's part (:mod:`.parts`). A shard whose part exists is done and is skipped,
+so a worker killed mid-shard redoes only its shard, and a part is never written twice.
+
+Each command leaves one JSON line in the termination log (``/dev/termination-log`` in a
+container), which the kubelet copies into the pod's status for the operator to count:
+``{"shards", "rows"}`` for ``plan``; ``{"shard", "rows", "failed", "seconds", "skipped"}``
+for ``work``, or ``{"shard", "error"}`` when it failed. Exit status: 0 done, 1 the
+service stayed unreachable (or answered with two fingerprints: the shard is tried again), 2
+bad arguments, inputs or plan (trying again cannot help).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from embedding_server.batch.corpus import FORMATS, CorpusError, read
+from embedding_server.batch.embedder import (
+    Embedder,
+    MixedFingerprintsError,
+    ServiceUnavailableError,
+)
+from embedding_server.batch.parts import PartCounts, Provenance, ShardOutput
+from embedding_server.batch.plan import Plan, PlanArguments, PlanError, make_plan, read_plan
+from embedding_server.batch.storage import Location, StorageError, locate
+
+logger = logging.getLogger(__name__)
+
+PROG = "embedding-server job"
+EXIT_UNREACHABLE = 1
+EXIT_BAD_JOB = 2
+TERMINATION_LOG = Path("/dev/termination-log")
+MESSAGE_LIMIT = 1000
+"""Characters of an error kept in the termination log, whose whole line the kubelet keeps
+only up to 4 KiB."""
+INDEX_ENV = "JOB_COMPLETION_INDEX"
+
+
+def add_job_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``job plan`` and ``job work`` under ``commands``."""
+    job = commands.add_parser(
+        "job",
+        help="Embed a corpus from files or object storage, one shard per worker (EmbeddingJob).",
+        description="The two commands an EmbeddingJob runs: 'plan' once, to cut the corpus into "
+        "shards, then 'work' once per shard, to embed it through a service and commit its part. "
+        "Exit status: 0 done; 1 the service stayed unreachable (try again); 2 bad arguments, "
+        "inputs or plan.",
+    )
+    steps = job.add_subparsers(dest="job_command", metavar="STEP", required=True)
+    plan = steps.add_parser(
+        "plan",
+        help="Cut the inputs into shards and write OUTPUT/_plan.json.",
+        description="List the inputs (globs allowed), cut them into shards of about "
+        "--shard-rows rows (Parquet: row-group ranges; JSONL and CSV: row ranges of a file) and "
+        "commit OUTPUT/_plan.json atomically. Run again with the same arguments, it reuses the "
+        "plan there; a plan made for other arguments exits 2, naming it.",
+    )
+    plan.add_argument(
+        "--input",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="A file, or a glob (s3://bucket/corpus/*.parquet, /data/in/*.jsonl); repeatable.",
+    )
+    plan.add_argument("--format", required=True, choices=FORMATS, help="The inputs' format.")
+    plan.add_argument("--id-field", required=True, metavar="F", help="The rows' id column.")
+    plan.add_argument("--text-field", required=True, metavar="F", help="The text to embed.")
+    plan.add_argument(
+        "--shard-rows",
+        type=_positive_int,
+        default=10000,
+        metavar="N",
+        help="Rows per shard, about (default 10000; Parquet row groups are never split).",
+    )
+    _add_common(plan)
+    work = steps.add_parser(
+        "work",
+        help="Embed one shard of the plan through a service and commit its part.",
+        description="Read OUTPUT/_plan.json, take shard --index, and unless "
+        "OUTPUT/parts/part-NNNNNN.parquet exists already, have SERVICE embed its rows "
+        "(POST /v1/embeddings, base64, at bulk priority, honouring Retry-After) and commit the "
+        "part atomically, with the rows the API refused in OUTPUT/errors/part-NNNNNN.jsonl.",
+    )
+    work.add_argument("--service", required=True, metavar="URL", help="The embedding server.")
+    work.add_argument(
+        "--index",
+        type=_non_negative_int,
+        default=None,
+        metavar="I",
+        help=f"The shard (default: the {INDEX_ENV} environment variable).",
+    )
+    work.add_argument("--model", default=None, metavar="NAME", help="The model to ask for.")
+    work.add_argument(
+        "--max-in-flight",
+        type=_positive_int,
+        default=8,
+        metavar="N",
+        help="Requests at once (default 8).",
+    )
+    work.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=64,
+        metavar="N",
+        help="Texts per request (default 64).",
+    )
+    work.add_argument(
+        "--retry-for",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="How long one request waits out an unreachable or overloaded service before the "
+        "shard gives up with exit 1 (default 600).",
+    )
+    _add_common(work)
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--output", required=True, metavar="URL", help="The job's output prefix (local or s3://)."
+    )
+    parser.add_argument(
+        "--s3-endpoint",
+        default=None,
+        metavar="URL",
+        help="The S3 endpoint, for S3-compatible stores (default: AWS_ENDPOINT_URL, else AWS).",
+    )
+    parser.add_argument(
+        "--termination-log",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help=f"Where the one-line JSON summary goes (default {TERMINATION_LOG} when writable).",
+    )
+    parser.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        default=os.environ.get("EMBEDDING_SERVER_LOG_LEVEL", "info"),
+        help="Log level (default info; env EMBEDDING_SERVER_LOG_LEVEL).",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=("json", "text"),
+        default=os.environ.get("EMBEDDING_SERVER_LOG_FORMAT", "text"),
+        help="json for log collectors, text for people (env EMBEDDING_SERVER_LOG_FORMAT).",
+    )
+
+
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {number}")
+    return number
+
+
+def _non_negative_int(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, not {number}")
+    return number
+
+
+def run_job(namespace: argparse.Namespace) -> int:
+    """``embedding-server job ...``: the exit status."""
+    # The client logs every request at INFO; the job logs its progress itself.
+    logging.getLogger("httpx2").setLevel(logging.WARNING)
+    if namespace.job_command == "plan":
+        return plan_command(namespace)
+    return work_command(namespace)
+
+
+def plan_command(namespace: argparse.Namespace) -> int:
+    arguments = PlanArguments(
+        tuple(namespace.input),
+        namespace.format,
+        namespace.id_field,
+        namespace.text_field,
+        namespace.shard_rows,
+    )
+    try:
+        output = locate(namespace.output, namespace.s3_endpoint)
+        plan, reused = make_plan(arguments, output, namespace.s3_endpoint)
+    except (PlanError, CorpusError, StorageError) as error:
+        return _refuse(namespace, error)
+    except OSError as error:
+        return _refuse(namespace, error, EXIT_UNREACHABLE)
+    logger.info(
+        "job plan: %s %s: %d shards, %d rows, from %d files",
+        "reused" if reused else "wrote",
+        output.child("_plan.json").url,
+        len(plan.shards),
+        plan.rows,
+        len(plan.files),
+    )
+    _terminate(namespace.termination_log, {"shards": len(plan.shards), "rows": plan.rows})
+    return 0
+
+
+def work_command(namespace: argparse.Namespace) -> int:
+    started = time.monotonic()
+    index = namespace.index
+    if index is None:
+        raw = os.environ.get(INDEX_ENV)
+        if raw is None or not raw.isdigit():
+            return _refuse(namespace, f"--index: not given, and {INDEX_ENV} is {raw!r}")
+        index = int(raw)
+    try:
+        output = locate(namespace.output, namespace.s3_endpoint)
+        plan = read_plan(output)
+    except (PlanError, StorageError) as error:
+        return _refuse(namespace, error, index=index)
+    except OSError as error:
+        return _refuse(namespace, error, EXIT_UNREACHABLE, index=index)
+    if index >= len(plan.shards):
+        return _refuse(
+            namespace, f"--index {index}: the plan has {len(plan.shards)} shards", index=index
+        )
+    shard_output = ShardOutput(output, index)
+    try:
+        done = shard_output.committed()
+        if done is not None:
+            logger.info(
+                "job work: shard %d is committed already (%s)", index, shard_output.part.url
+            )
+            _report(namespace, index, done, started, skipped=True)
+            return 0
+        counts = asyncio.run(_work(namespace, plan, index, shard_output))
+    except (CorpusError, StorageError) as error:
+        return _refuse(namespace, error, index=index)
+    except (ServiceUnavailableError, MixedFingerprintsError, OSError) as error:
+        return _refuse(namespace, error, EXIT_UNREACHABLE, index=index)
+    _report(namespace, index, counts, started, skipped=False)
+    return 0
+
+
+async def _work(
+    namespace: argparse.Namespace, plan: Plan, index: int, shard_output: ShardOutput
+) -> PartCounts:
+    import httpx2
+
+    shard = plan.shards[index]
+    fields = plan.arguments.fields
+    source: Location = locate(shard.file, namespace.s3_endpoint)
+    rows = await asyncio.to_thread(read, source, plan.arguments.format, fields, shard)
+    logger.info(
+        "job work: shard %d, %d rows of %s, to %s",
+        index,
+        len(rows.texts),
+        shard.file,
+        namespace.service,
+    )
+    timeout = httpx2.Timeout(300.0, connect=10.0)
+    async with httpx2.AsyncClient(base_url=namespace.service, timeout=timeout) as client:
+        embedder = Embedder(
+            client,
+            model=namespace.model,
+            batch_size=namespace.batch_size,
+            max_in_flight=namespace.max_in_flight,
+            retry_for=namespace.retry_for,
+        )
+        embedded = await embedder.embed(rows.texts)
+    ids = rows.ids.to_pylist()
+    failures: dict[int, Any] = {
+        position: {"message": problem, "type": "invalid_row", "code": "invalid_row"}
+        for position, problem in rows.problems.items()
+    }
+    failures.update(embedded.errors)
+    errors = [
+        {"id": ids[p], "file": shard.file, "row": rows.first_row + p, "error": failures[p]}
+        for p in sorted(failures)
+    ]
+    provenance = Provenance(embedded.model, embedded.fingerprint, index)
+    return await asyncio.to_thread(
+        shard_output.commit, rows.ids, fields.id, embedded.vectors, errors, provenance
+    )
+
+
+def _report(
+    namespace: argparse.Namespace, index: int, counts: PartCounts, started: float, skipped: bool
+) -> None:
+    seconds = round(time.monotonic() - started, 3)
+    logger.info(
+        "job work: shard %d %s: %d rows, %d failed, in %.1f s",
+        index,
+        "skipped (committed before)" if skipped else "committed",
+        counts.rows,
+        counts.failed,
+        seconds,
+    )
+    _terminate(
+        namespace.termination_log,
+        {
+            "shard": index,
+            "rows": counts.rows,
+            "failed": counts.failed,
+            "seconds": seconds,
+            "skipped": skipped,
+        },
+    )
+
+
+def _refuse(
+    namespace: argparse.Namespace,
+    error: object,
+    status: int = EXIT_BAD_JOB,
+    *,
+    index: int | None = None,
+) -> int:
+    """Say why on stderr and in the termination log; the exit status."""
+    message = str(error)
+    sys.stderr.write(f"{PROG} {namespace.job_command}: error: {message}\n")
+    summary: dict[str, Any] = {"error": message[:MESSAGE_LIMIT]}
+    if index is not None:
+        summary = {"shard": index, **summary}
+    _terminate(namespace.termination_log, summary)
+    return status
+
+
+def _terminate(path: Path | None, summary: dict[str, Any]) -> None:
+    """One JSON line in the termination log: ``path``, else the container's when writable."""
+    target = path if path is not None else _default_termination_log()
+    if target is None:
+        return
+    line = orjson.dumps(summary) + b"\n"
+    try:
+        target.write_bytes(line)
+    except OSError as error:  # the summary is a courtesy: the exit status says what happened
+        logger.warning("could not write the termination log %s: %s", target, error)
+
+
+def _default_termination_log() -> Path | None:
+    return TERMINATION_LOG if os.access(TERMINATION_LOG, os.W_OK) else None

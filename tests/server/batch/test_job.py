@@ -1,0 +1,489 @@
+"""``embedding-server job plan`` and ``job work``, as an EmbeddingJob's pods run them, on local
+files and on an S3 store (moto on 127.0.0.1), in Parquet, JSONL and CSV: the plan cuts and is
+kept, the packaged MiniLM served by a real server embeds every row once with
+sentence-transformers' vectors, refused rows land in the errors file, a worker killed
+mid-shard leaves no part and its rerun commits it, and a shard answered by two computations
+is not committed."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import http.server
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import orjson
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import pytest
+from embedding_server.cli import main
+from embedding_server.settings import ServerSettings
+from sentence_transformers import SentenceTransformer
+
+from e2e.harness.proc import free_port
+from tests.support.api import RunningServer, fake_settings, running_server, wait_for
+from tests.support.models import MINILM_DIR
+from tests.support.s3 import S3Store, moto_s3
+
+SCRIPT = os.path.join(os.path.dirname(sys.executable), "embedding-server")
+FORMATS = ["parquet", "jsonl", "csv"]
+LONG_TEXT = "word " * 700  # beyond MiniLM's 256 tokens: the API refuses it (400)
+Row = tuple[Any, str | None]
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Store]:
+    with moto_s3() as store:
+        yield store
+
+
+@dataclass
+class Place:
+    """Where a test's corpus and output live: a local folder or an S3 bucket."""
+
+    fs: pafs.FileSystem
+    root: str
+    """The folder's path in ``fs``."""
+    url_root: str
+    env: dict[str, str]
+
+    def url(self, name: str) -> str:
+        return f"{self.url_root}/{name}"
+
+    def write(self, name: str, data: bytes) -> None:
+        if isinstance(self.fs, pafs.LocalFileSystem):
+            self.fs.create_dir(os.path.dirname(f"{self.root}/{name}"), recursive=True)
+        with self.fs.open_output_stream(f"{self.root}/{name}") as stream:
+            stream.write(data)
+
+    def read(self, name: str) -> bytes:
+        with self.fs.open_input_stream(f"{self.root}/{name}") as stream:
+            data: bytes = stream.read()
+        return data
+
+    def exists(self, name: str) -> bool:
+        return bool(self.fs.get_file_info(f"{self.root}/{name}").type == pafs.FileType.File)
+
+    def files(self, folder: str) -> list[str]:
+        selector = pafs.FileSelector(f"{self.root}/{folder}", allow_not_found=True)
+        return sorted(
+            info.base_name
+            for info in self.fs.get_file_info(selector)
+            if info.type == pafs.FileType.File
+        )
+
+
+@pytest.fixture(params=["local", "s3"])
+def place(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Place:
+    if request.param == "local":
+        return Place(pafs.LocalFileSystem(), str(tmp_path), str(tmp_path), {})
+    store: S3Store = request.getfixturevalue("s3")
+    for name, value in store.environment.items():
+        monkeypatch.setenv(name, value)
+    bucket = store.new_bucket()
+    return Place(store.filesystem(), bucket, f"s3://{bucket}", store.environment)
+
+
+def corpus_bytes(fmt: str, rows: list[Row]) -> bytes:
+    """One file of ``rows`` (id, text) with columns doc_id and body; a None text is left out
+    (JSONL), null (Parquet) or empty (CSV). Parquet in row groups of 5 rows."""
+    if fmt == "jsonl":
+        return b"".join(
+            orjson.dumps({"doc_id": i, **({"body": t} if t is not None else {})}) + b"\n"
+            for i, t in rows
+        )
+    table = pa.table({"doc_id": [i for i, _ in rows], "body": [t for _, t in rows]})
+    sink = pa.BufferOutputStream()
+    if fmt == "parquet":
+        pq.write_table(table, sink, row_group_size=5)
+    else:
+        pacsv.write_csv(table, sink)
+    return bytes(sink.getvalue().to_pybytes())
+
+
+def write_corpus(place: Place, fmt: str, files: list[list[Row]]) -> str:
+    """The files under ``corpus/``; the glob that names them."""
+    for number, rows in enumerate(files):
+        place.write(f"corpus/part-{number}.{fmt}", corpus_bytes(fmt, rows))
+    return place.url(f"corpus/*.{fmt}")
+
+
+def row_id(fmt: str, n: int) -> Any:
+    return n if fmt == "parquet" else f"d-{n}"
+
+
+def run(*args: str, log: Path | None = None) -> tuple[int, dict[str, Any] | None]:
+    """``embedding-server job ARGS`` in this process; its exit status and termination log."""
+    extra = ["--termination-log", str(log)] if log is not None else []
+    code = main(["job", *args, *extra])
+    summary = json.loads(log.read_text()) if log is not None and log.exists() else None
+    return code, summary
+
+
+def plan_args(glob: str, fmt: str, output: str, shard_rows: int) -> list[str]:
+    return [
+        "plan",
+        "--input",
+        glob,
+        "--format",
+        fmt,
+        "--id-field",
+        "doc_id",
+        "--text-field",
+        "body",
+        "--output",
+        output,
+        "--shard-rows",
+        str(shard_rows),
+    ]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_plan_cuts_every_file_and_is_kept_for_the_same_arguments(
+    place: Place, fmt: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    files = [[(row_id(fmt, 100 * f + n), f"text {n}") for n in range(23)] for f in range(2)]
+    glob = write_corpus(place, fmt, files)
+    output = place.url("out")
+    log = tmp_path / "plan.log"
+    code, summary = run(*plan_args(glob, fmt, output, 10), log=log)
+    assert code == 0, capsys.readouterr().err
+    assert summary == {"shards": 6, "rows": 46}
+    plan = orjson.loads(place.read("out/_plan.json"))
+    assert plan["files"] == [place.url(f"corpus/part-{n}.{fmt}") for n in range(2)]
+    # Parquet: row groups of 5 rows taken whole (10, 10, 3); JSONL and CSV: rows (10, 10, 3).
+    unit_ranges = [[0, 2], [2, 4], [4, 5]] if fmt == "parquet" else [[0, 10], [10, 20], [20, 23]]
+    assert [s["range"] for s in plan["shards"]] == unit_ranges * 2
+    assert [s["rows"] for s in plan["shards"]] == [10, 10, 3] * 2
+    written = place.read("out/_plan.json")
+
+    # Planned again (an operator's restart): the plan there is kept as it is.
+    assert run(*plan_args(glob, fmt, output, 10), log=log) == (0, {"shards": 6, "rows": 46})
+    assert place.read("out/_plan.json") == written
+    # Other arguments for the same output: refused, naming the plan and what differs.
+    capsys.readouterr()
+    code, _ = run(*plan_args(glob, fmt, output, 20))
+    error = capsys.readouterr().err
+    assert code == 2
+    assert f"{output}/_plan.json is the plan of another job" in error
+    assert "shard_rows 10, not 20" in error
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"--text-field": "nope"}, "no text field 'nope'"),
+        ({"--input": "/nowhere/*.jsonl"}, "the pattern matches no file"),
+    ],
+)
+def test_plan_refuses_inputs_it_cannot_read_with_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], change: dict[str, str], message: str
+) -> None:
+    place = Place(pafs.LocalFileSystem(), str(tmp_path), str(tmp_path), {})
+    glob = write_corpus(place, "jsonl", [[("d-1", "x")]])
+    args = plan_args(glob, "jsonl", place.url("out"), 10)
+    for flag, value in change.items():
+        args[args.index(flag) + 1] = value
+    code, summary = run(*args, log=tmp_path / "log")
+    assert code == 2
+    assert message in capsys.readouterr().err
+    assert summary is not None and message in summary["error"]
+    assert not place.exists("out/_plan.json")
+
+
+@pytest.fixture(scope="module")
+def minilm_server() -> Iterator[RunningServer]:
+    with running_server(ServerSettings()) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def reference() -> SentenceTransformer:
+    return SentenceTransformer(str(MINILM_DIR), device="cpu")
+
+
+def read_parts(place: Place) -> pa.Table:
+    names = place.files("out/parts")
+    tables = [pq.read_table(pa.BufferReader(place.read(f"out/parts/{n}"))) for n in names]
+    return pa.concat_tables(tables)
+
+
+def errors_of(place: Place) -> list[dict[str, Any]]:
+    lines = [place.read(f"out/errors/{n}") for n in place.files("out/errors")]
+    return [orjson.loads(line) for data in lines for line in data.splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_work_embeds_every_row_once_with_sentence_transformers_vectors(
+    place: Place,
+    fmt: str,
+    minilm_server: RunningServer,
+    reference: SentenceTransformer,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    texts = {n: f"passage {n}: the {['cat', 'sea', 'tax', 'moon'][n % 4]} story" for n in range(24)}
+    texts[3] = LONG_TEXT
+    texts[17] = None  # missing (JSONL), null (Parquet), empty (CSV: the API refuses "")
+    files = [[(row_id(fmt, n), texts[n]) for n in range(f * 12, f * 12 + 12)] for f in range(2)]
+    glob = write_corpus(place, fmt, files)
+    output = place.url("out")
+    assert run(*plan_args(glob, fmt, output, 5))[0] == 0
+    shards = len(orjson.loads(place.read("out/_plan.json"))["shards"])
+    summaries = []
+    for index in range(shards):
+        log = tmp_path / f"work-{index}.log"
+        code, summary = run(
+            "work",
+            "--output",
+            output,
+            "--service",
+            minilm_server.url,
+            "--index",
+            str(index),
+            "--batch-size",
+            "4",
+            log=log,
+        )
+        assert code == 0, capsys.readouterr().err
+        summaries.append(summary)
+    assert sum(s["rows"] for s in summaries) == 22
+    assert sum(s["failed"] for s in summaries) == 2
+    assert not any(s["skipped"] for s in summaries)
+
+    table = read_parts(place)
+    ids = table.column("doc_id").to_pylist()
+    good = [n for n in range(24) if n not in (3, 17)]
+    assert sorted(ids, key=str) == sorted((row_id(fmt, n) for n in good), key=str)
+    assert len(set(ids)) == len(ids)
+    # The id as the input has it; the vector a fixed-size list of float32.
+    assert table.schema.field("doc_id").type == (pa.int64() if fmt == "parquet" else pa.string())
+    assert table.schema.field("embedding").type == pa.list_(pa.float32(), 384)
+    metadata = table.schema.metadata
+    served = httpx.get(minilm_server.url + "/v1/models").json()["data"][0]["id"]
+    assert metadata[b"model"] == served.encode() and metadata[b"dimensions"] == b"384"
+
+    by_id = dict(zip(ids, np.asarray(table.column("embedding").to_pylist()), strict=True))
+    want = reference.encode([texts[n] for n in good], normalize_embeddings=True)
+    got = np.stack([by_id[row_id(fmt, n)] for n in good])
+    cosines = (
+        np.sum(got * want, axis=1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    )
+    assert cosines.min() >= 0.9999
+
+    errors = {e["id"]: e for e in errors_of(place)}
+    assert set(errors) == {row_id(fmt, 3), row_id(fmt, 17)}
+    refused = errors[row_id(fmt, 3)]
+    assert refused["error"]["status"] == 400
+    assert refused["error"]["code"] == "context_length_exceeded"
+    assert refused["file"] == place.url(f"corpus/part-0.{fmt}") and refused["row"] == 3
+    missing = errors[row_id(fmt, 17)]["error"]
+    assert missing["code"] == ("invalid_value" if fmt == "csv" else "invalid_row")
+    assert errors[row_id(fmt, 17)]["row"] == 5  # the sixth row of the second file
+
+    # A shard run again is skipped, and says what its part holds.
+    code, summary = run(
+        "work", "--output", output, "--service", minilm_server.url, "--index", "0",
+        log=tmp_path / "again.log",
+    )  # fmt: skip
+    assert code == 0
+    assert summary is not None and summary["skipped"] is True
+    assert (summary["rows"], summary["failed"]) == (summaries[0]["rows"], summaries[0]["failed"])
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_shard_leaves_no_part_and_its_rerun_commits_it(
+    place: Place, tmp_path: Path
+) -> None:
+    rows = [(f"d-{n}", f"text {n}") for n in range(120)]
+    glob = write_corpus(place, "jsonl", [rows])
+    output = place.url("out")
+    assert run(*plan_args(glob, "jsonl", output, 60))[0] == 0
+    counted = {"endpoint": "/v1/embeddings", "status": "200"}
+    with running_server(fake_settings("fake?delay_ms=40")) as server:
+        work = ["work", "--output", output, "--service", server.url, "--batch-size", "1"]
+        env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("EMBEDDING_SERVER_")},
+            **place.env,
+            "JOB_COMPLETION_INDEX": "0",
+        }
+        process = subprocess.Popen(
+            [SCRIPT, "job", *work, "--max-in-flight", "1"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        try:
+            wait_for(
+                lambda: (
+                    process.poll() is None
+                    and server.value("embedding_server_requests_total", counted) >= 10
+                ),
+                timeout=120,
+                what="the worker to be halfway through its shard",
+            )
+            assert server.value("embedding_server_requests_total", counted) < 60
+            process.send_signal(signal.SIGKILL)
+            process.wait(timeout=30)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        assert place.files("out/parts") == []
+        assert place.files("out/errors") == []
+
+        log = tmp_path / "rerun.log"
+        code, summary = run(*work, "--index", "0", log=log)
+        assert code == 0
+        assert summary is not None and summary["rows"] == 60 and summary["skipped"] is False
+        assert run(*work, "--index", "1")[0] == 0
+    assert place.files("out/parts") == ["part-000000.parquet", "part-000001.parquet"]
+    ids = read_parts(place).column("doc_id").to_pylist()
+    assert sorted(ids) == sorted(i for i, _ in rows)
+
+
+class StubEmbeddings(http.server.BaseHTTPRequestHandler):
+    """/v1/embeddings answered with 4-dimensional base64 vectors; the server's ``fingerprints``
+    go out one per request in turn, after ``busy`` answers of 429 with Retry-After."""
+
+    fingerprints: list[str] = []
+    busy = 0
+    requests = 0
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        cls = type(self)
+        cls.requests += 1
+        if cls.busy > 0:
+            cls.busy -= 1
+            self._send(429, {"error": {"message": "busy"}}, {"Retry-After": "0.1"})
+            return
+        vector = base64.b64encode(np.arange(4, dtype="<f4").tobytes()).decode()
+        data = [
+            {"object": "embedding", "index": i, "embedding": vector}
+            for i in range(len(body["input"]))
+        ]
+        headers = {}
+        if cls.fingerprints:
+            headers["X-Embedding-Fingerprint"] = cls.fingerprints[
+                cls.requests % len(cls.fingerprints)
+            ]
+        self._send(200, {"object": "list", "data": data, "model": "stub"}, headers)
+
+    def _send(self, status: int, body: dict[str, Any], headers: dict[str, str]) -> None:
+        content = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(content)))
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(content)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def stub_service(fingerprints: list[str], busy: int = 0) -> Iterator[str]:
+    handler = type("Stub", (StubEmbeddings,), {"fingerprints": fingerprints, "busy": busy})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+def planned(tmp_path: Path, rows: int = 10) -> Place:
+    place = Place(pafs.LocalFileSystem(), str(tmp_path), str(tmp_path), {})
+    glob = write_corpus(place, "jsonl", [[(f"d-{n}", f"t {n}") for n in range(rows)]])
+    assert run(*plan_args(glob, "jsonl", place.url("out"), rows))[0] == 0
+    return place
+
+
+def test_a_shard_answered_by_two_computations_is_not_committed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    place = planned(tmp_path)
+    work = ["work", "--output", place.url("out"), "--index", "0", "--batch-size", "2"]
+    with stub_service(["fp-a", "fp-b"]) as url:
+        code, summary = run(*work, "--service", url, log=tmp_path / "log")
+    assert code == 1
+    assert "two computations in one shard" in capsys.readouterr().err
+    assert summary is not None and summary["shard"] == 0 and "fp-" in summary["error"]
+    assert place.files("out/parts") == []
+
+    # One computation throughout (after two 429s waited out): committed, with its fingerprint.
+    with stub_service(["fp-a"], busy=2) as url:
+        code, summary = run(*work, "--service", url, log=tmp_path / "log")
+    assert code == 0 and summary is not None and summary["rows"] == 10
+    metadata = read_parts(place).schema.metadata
+    assert metadata[b"fingerprint"] == b"fp-a" and metadata[b"model"] == b"stub"
+
+
+def test_an_unreachable_service_exits_1_and_commits_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    place = planned(tmp_path)
+    started = time.monotonic()
+    code, summary = run(
+        "work", "--output", place.url("out"), "--index", "0", "--retry-for", "2",
+        "--service", f"http://127.0.0.1:{free_port()}", log=tmp_path / "log",
+    )  # fmt: skip
+    assert code == 1
+    assert time.monotonic() - started < 30
+    assert "no answer" in capsys.readouterr().err
+    assert summary is not None and summary["shard"] == 0
+    assert place.files("out/parts") == []
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["--index", "1"], {}, "--index 1: the plan has 1 shards"),
+        ([], {}, "--index: not given, and JOB_COMPLETION_INDEX is None"),
+        ([], {"JOB_COMPLETION_INDEX": "x"}, "JOB_COMPLETION_INDEX is 'x'"),
+    ],
+)
+def test_work_refuses_a_shard_the_plan_does_not_have_with_exit_2(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    args: list[str],
+    env: dict[str, str],
+    message: str,
+) -> None:
+    monkeypatch.delenv("JOB_COMPLETION_INDEX", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    place = planned(tmp_path)
+    code, _ = run("work", "--output", place.url("out"), "--service", "http://127.0.0.1:1", *args)
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_work_without_a_plan_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _ = run(
+        "work", "--output", str(tmp_path / "out"), "--service", "http://x", "--index", "0"
+    )
+    assert code == 2
+    assert "no plan; run 'embedding-server job plan' first" in capsys.readouterr().err
