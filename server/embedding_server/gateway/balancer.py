@@ -47,6 +47,8 @@ class EndpointState:
     in_flight_tokens: int = 0
     failures: int = 0
     last_poll: float = 0.0
+    refused_at: float = 0.0
+    """When a forwarded request last found it gone (``time.monotonic()``)."""
 
     @property
     def load_tokens(self) -> int:
@@ -73,8 +75,10 @@ class EndpointState:
 
     def refused(self) -> None:
         """A forwarded request found the endpoint gone (connection refused, reset, or 503
-        draining): stop sending it more until a poll says it is ready again."""
+        draining): stop sending it more until a poll begun after this says it is ready
+        again (a pod restarted on its address is then routed to again, retries included)."""
         self.ready = False
+        self.refused_at = time.monotonic()
 
 
 def _int(value: object) -> int:
@@ -167,6 +171,7 @@ class LoadPoller:
         """One poll of one endpoint."""
         was_ready = state.ready
         async with self._limit:
+            started = time.monotonic()
             try:
                 async with self._session.get(state.url + "/load", timeout=self._timeout) as resp:
                     body = await resp.read()
@@ -175,6 +180,9 @@ class LoadPoller:
                 report = None
         if isinstance(report, dict):
             state.apply_load(report)
+            if started < state.refused_at:
+                # Asked before a request found the endpoint gone: it says nothing of now.
+                state.ready = False
         else:
             state.poll_failed()
         if state.ready != was_ready:

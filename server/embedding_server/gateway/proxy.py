@@ -522,7 +522,8 @@ class Gateway:
         # The priority as decided here (by header or by --bulk-routes), so that the pod
         # admits and batches the request in the same class whatever its own defaults.
         headers[PRIORITY_HEADER] = priority
-        tried: set[str] = set()
+        tried: dict[str, str] = {}
+        """Each endpoint tried, and why it failed (``_Retryable.reason``)."""
         fallback: web.Response | _Answer | None = None
         for attempt in range(2):
             state, problem = await self._pick(service, tokens, priority, deadlines, tried)
@@ -541,7 +542,7 @@ class Gateway:
             if isinstance(fallback, _Answer):
                 fallback.drop()
             fallback = outcome.fallback
-            tried.add(state.url)
+            tried[state.url] = outcome.reason
             state.refused()
             self._service_changed(service)
             if attempt == 0:
@@ -627,17 +628,23 @@ class Gateway:
         tokens: int,
         priority: Priority,
         deadlines: _Deadlines,
-        tried: set[str],
+        tried: dict[str, str],
     ) -> tuple[EndpointState | None, web.Response | None]:
-        """A ready endpoint not tried yet, holding the request while there is none: up to
-        its hold deadline, and on a retry no longer than its upstream deadline either."""
+        """A ready endpoint, one not tried yet if there is one, holding the request while
+        there is none: up to its hold deadline, and on a retry no longer than its upstream
+        deadline either. An endpoint that dropped the connection may be tried again once
+        a poll begun after that says it is ready (a single replica restarted on its
+        address); one that answered 503 is not (it said it cannot take the request)."""
         name = service.name
         held = False
         while True:
             # The catalog may have changed while the request was held: look the service
             # up again (a new endpoint is what a held request waits for).
             service = self.catalog.services.get(service.key, service)
-            candidates = [s for s in self.ready_endpoints(service) if s.url not in tried]
+            ready = self.ready_endpoints(service)
+            candidates = [s for s in ready if s.url not in tried] or [
+                s for s in ready if tried.get(s.url) == "connection"
+            ]
             if candidates:
                 break
             now = time.monotonic()

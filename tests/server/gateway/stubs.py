@@ -37,6 +37,8 @@ class Stub:
     delay: float = 0.0
     die_mid_answer: bool = False
     """Send the answer's headers and a few bytes of its body, then close the connection."""
+    deaths: int = 0
+    """As ``die_mid_answer``, for this many POSTs only (a pod restarted on its address)."""
     received: list[bytes] = field(default_factory=list)
     priorities: list[str | None] = field(default_factory=list)
     """The ``X-Priority`` header of each POST received."""
@@ -52,7 +54,8 @@ class Stub:
         self.priorities.append(request.headers.get("X-Priority"))
         if self.delay:
             await asyncio.sleep(self.delay)
-        if self.die_mid_answer:
+        if self.die_mid_answer or self.deaths > 0:
+            self.deaths = max(0, self.deaths - 1)
             partial = web.StreamResponse(status=200)
             partial.content_length = 1000
             partial.content_type = "application/json"

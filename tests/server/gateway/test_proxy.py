@@ -199,6 +199,28 @@ async def test_a_pod_that_dies_mid_answer_is_retried_and_the_client_sees_one_who
     assert _sample(gateway, "retries_total", {"model": "m", "reason": "connection"}) == 1
 
 
+async def test_a_retry_returns_to_the_only_pod_once_it_is_ready_again(
+    stubs: tuple[Stub, Stub],
+) -> None:
+    """L6: a single replica that dropped a request and came back on the same address (a
+    restart) answers its retry, instead of the request waiting out its whole timeout for
+    another pod and getting the first attempt's 502."""
+    pod, _ = stubs
+    pod.deaths = 1
+    discovery = ListDiscovery([Service("s", ("m",), frozenset({pod.url}))])
+    async with running_gateway(discovery, request_timeout=5.0) as (gateway, url):
+        await wait_until(lambda: _ready(gateway, "m", 1), what="the endpoint ready")
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        answer = await _embed(url)
+        waited = loop.time() - started
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["served_by"] == pod.url
+    assert len(pod.received) == 2
+    assert waited < 2.5, f"the retry waited {waited:.1f} s"
+    assert _sample(gateway, "retries_total", {"model": "m", "reason": "connection"}) == 1
+
+
 async def test_a_body_over_the_limit_is_a_413(stubs: tuple[Stub, Stub]) -> None:
     discovery = ListDiscovery([Service("s", ("m",), frozenset({stubs[0].url}))])
     async with (
