@@ -258,7 +258,7 @@ def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
 
     from embedding_operator import handlers
     from embedding_operator.events import ApiEventRecorder
-    from embedding_operator.jobs.handlers import register_jobs
+    from embedding_operator.jobs.handlers import job_workers, register_jobs
     from embedding_operator.jobs.pods import WatchedJobPods
     from embedding_operator.jobs.reconcile import JobReconciler
     from embedding_operator.kube import KubeCluster, api_client
@@ -274,8 +274,10 @@ def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
     _configure_logging(config)
     identity = config.resolved_identity()
     metrics = OperatorMetrics()
-    # A connection per reconcile thread, plus a few for events and leader election.
-    cluster = KubeCluster(api_client(config.workers + 4), observe=metrics.requested)
+    # A connection per reconcile thread (EmbeddingServices' and EmbeddingJobs'), plus a few
+    # for events and leader election.
+    pool = config.workers + job_workers(config) + 4
+    cluster = KubeCluster(api_client(pool), observe=metrics.requested)
     metrics_server = serve(metrics, config.metrics_port) if config.metrics_port else None
     versions = WatchedVersions()
     pods = WatchedPods()

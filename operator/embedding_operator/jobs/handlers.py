@@ -34,6 +34,12 @@ from embedding_operator.versions import EssenceChanges, owner_essence
 JOB_LABELS = {"app.kubernetes.io/managed-by": MANAGED_BY, "app.kubernetes.io/name": APP_NAME}
 
 
+def job_workers(config: OperatorSettings) -> int:
+    """Reconcile threads for EmbeddingJobs: a quarter of the EmbeddingServices' (jobs are
+    few and each reconcile is a handful of calls)."""
+    return max(1, config.workers // 4)
+
+
 def register_jobs(
     registry: kopf.OperatorRegistry,
     reconciler: JobReconciler,
@@ -47,7 +53,7 @@ def register_jobs(
     controller = Controller(
         reconciler,
         resync_seconds=config.resync_seconds,
-        workers=max(1, config.workers // 4),
+        workers=job_workers(config),
         metrics=OperatorMetrics(),
     )
     owners = EssenceChanges(owner_essence)
