@@ -273,3 +273,31 @@ def test_controller_never_reconciles_one_object_twice_at_once() -> None:
 
     asyncio.run(main())
     assert reconciler.max_running == 1 and reconciler.calls == 2
+
+
+def test_controller_comes_back_when_a_reconcile_asks_to(clock: Clock) -> None:
+    """``Outcome.requeue_after`` (an EmbeddingJob's ttlSecondsAfterFinished): the key comes
+    back after that delay, with no backoff counted, and not before."""
+    later = Outcome(problem=None, status_written=False, requeue_after=30.0)
+    reconciler = Scripted([lambda: later, lambda: FINE])
+    reconciler.gate.set()
+    queue: RateLimitingQueue[tuple[str, str]] = RateLimitingQueue(clock=clock)
+    controller = Controller(reconciler, resync_seconds=3600, workers=1, queue=queue)
+    key = ("ns", "job")
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(controller.run(stop))
+        controller.enqueue(*key)
+        await _until(lambda: reconciler.calls == 1 and reconciler.running == 0, "the reconcile")
+        await _until(lambda: queue.stats().depth == 0, "the key to leave the queue")
+        clock.now += 29
+        assert queue.get_nowait() is None, "back before its time"
+        clock.now += 2
+        controller.queue._wakeup.set()  # the fake clock moved: let the waiting worker look
+        await _until(lambda: reconciler.calls == 2, "the reconcile it asked for")
+        assert queue.num_requeues(key) == 0
+        stop.set()
+        await asyncio.wait_for(task, timeout=5)
+
+    asyncio.run(main())
