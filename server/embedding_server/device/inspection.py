@@ -17,6 +17,7 @@ from typing import Any
 from embedding_server.device.configuration import choose_attention, describe, resolve_config
 from embedding_server.device.distributed import SINGLE, Shard
 from embedding_server.device.dtypes import resolve_device
+from embedding_server.device.fingerprint import has_weights, with_fingerprint
 from embedding_server.device.loading import load_configured
 from embedding_server.device.pooling_guess import pooling_guess
 from embedding_server.request.configuration import EngineInfo
@@ -74,6 +75,11 @@ def inspect_model(settings: EngineSettings) -> Inspection:
         attention=attention,
         vocab_size=loaded.tokenizer.get_vocab_size(with_added_tokens=True),
     )
+    if loaded.path is not None and has_weights(loaded.path):
+        # As serving computes it; a Hub model's weights are not downloaded here, so its
+        # fingerprint is known only where an earlier download left them in the cache.
+        code = loaded.backend == "transformers" and settings.trust_remote_code
+        info = with_fingerprint(info, loaded, config, code=code)
     audit = loaded.tensors
     return Inspection(
         info=info,
