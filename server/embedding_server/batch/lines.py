@@ -6,6 +6,9 @@ output line: the server's answer (``response``, with ``error`` set from the answ
 body when its status is 4xx or 5xx), or, for a line that is not a request this server could
 be sent, ``response: null`` and an ``error`` that names the field and the line.
 
+A successful answer's ``response`` also carries the server's embedding ``fingerprint`` (its
+``X-Embedding-Fingerprint`` header), so every vector in the file says what computed it.
+
 An output line's ``id`` is ``batch_req_<line number>`` (the request id the server logs too), so
 a line without a ``custom_id`` is still recognised when a run resumes.
 """
@@ -118,19 +121,26 @@ def parse_line(number: int, raw: bytes, urls: Collection[str]) -> BatchRequest |
 
 
 def answer_line(
-    request: BatchRequest, status: int, request_id: str, body: bytes, *, json_body: bool = True
+    request: BatchRequest,
+    status: int,
+    request_id: str,
+    body: bytes,
+    *,
+    json_body: bool = True,
+    fingerprint: str | None = None,
 ) -> bytes:
     """The output line for ``request``'s answer: ``body`` as the server sent it, spliced in
     without being decoded and encoded again (vectors stay the server's floats) when it is
-    JSON (``json_body``: its content type says so), else as a string."""
+    JSON (``json_body``: its content type says so), else as a string. ``fingerprint``: the
+    answer's ``X-Embedding-Fingerprint``, kept as the response's ``fingerprint`` (what
+    computed its vectors), where the answer had one."""
     error = _error_of(body, status) if status >= 400 else None
     shown: object = orjson.Fragment(body) if json_body else body.decode("utf-8", "replace")
-    return _line(
-        request.line,
-        request.custom_id,
-        {"status_code": status, "request_id": request_id, "body": shown},
-        error,
-    )
+    response: dict[str, Any] = {"status_code": status, "request_id": request_id}
+    if fingerprint:
+        response["fingerprint"] = fingerprint
+    response["body"] = shown
+    return _line(request.line, request.custom_id, response, error)
 
 
 def refusal_line(refusal: LineRefusal) -> bytes:

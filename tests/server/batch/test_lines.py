@@ -96,6 +96,13 @@ def test_an_answer_line_splices_the_body_and_lifts_an_error_out_of_it() -> None:
     assert bad["error"] == {"code": "invalid_value", "message": "input: Field required"}
 
 
+def test_an_answer_line_keeps_the_answers_fingerprint() -> None:
+    request = BatchRequest(2, "y", "/v1/embeddings", b"{}")
+    line = answer_line(request, 200, "rid", b'{"data":[]}', fingerprint="0123456789abcdef")
+    assert orjson.loads(line)["response"]["fingerprint"] == "0123456789abcdef"
+    assert "fingerprint" not in orjson.loads(answer_line(request, 200, "rid", b"{}"))["response"]
+
+
 def test_an_answer_that_is_not_json_is_kept_as_text() -> None:
     request = BatchRequest(1, None, "/score", b"{}")
     answer = orjson.loads(answer_line(request, 502, "rid", b"Bad Gateway", json_body=False))
