@@ -306,6 +306,7 @@ def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
         ),
         config,
         job_pods,
+        metrics,
     )
     settings = handlers.kopf_settings(config)
     log.info(

@@ -56,15 +56,17 @@ class Controller:
         workers: int,
         queue: RateLimitingQueue[Key] | None = None,
         metrics: OperatorMetrics | None = None,
+        name: str = CONTROLLER,
     ) -> None:
         self._reconciler = reconciler
+        self._name = name
         self._resync_seconds = resync_seconds
         self._workers = max(1, workers)
         self.queue: RateLimitingQueue[Key] = queue if queue is not None else RateLimitingQueue()
         self._known: set[Key] = set()
         self.metrics = metrics if metrics is not None else OperatorMetrics()
-        self.metrics.watch_queue(self.queue.stats, self._workers)
-        self.queue.on_wait = self.metrics.queued
+        self.metrics.watch_queue(self.queue.stats, self._workers, name)
+        self.queue.on_wait = lambda seconds: self.metrics.queued(seconds, name)
 
     def enqueue(self, namespace: str, name: str) -> None:
         """Reconcile this EmbeddingService soon (event-loop thread only)."""
@@ -79,7 +81,8 @@ class Controller:
         self._known.discard((namespace, name))
         self.queue.forget((namespace, name))
         self._reconciler.forget(namespace, name)
-        self.metrics.forget(namespace, name)
+        if self._name == CONTROLLER:  # the per-service series are EmbeddingServices'
+            self.metrics.forget(namespace, name)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Work the queue and resync every ``resync_seconds`` until ``stop``."""
@@ -108,7 +111,7 @@ class Controller:
 
     async def _work(self, executor: ThreadPoolExecutor) -> None:
         loop = asyncio.get_running_loop()
-        active = self.metrics.active_workers.labels(CONTROLLER)
+        active = self.metrics.active_workers.labels(self._name)
         while (key := await self.queue.get()) is not None:
             namespace, name = key
             started = time.monotonic()
@@ -118,7 +121,7 @@ class Controller:
                     executor, self._reconciler.reconcile, namespace, name
                 )
             except ApiError as exc:
-                self.metrics.reconciled("error", time.monotonic() - started)
+                self.metrics.reconciled("error", time.monotonic() - started, self._name)
                 if exc.namespace_terminating:
                     # Nothing can be created there any more and the object goes with its
                     # namespace: a retry would only fail again (and warn) on every child
@@ -138,7 +141,7 @@ class Controller:
             else:
                 retry = outcome is not None and outcome.retry
                 self.metrics.reconciled(
-                    "requeue" if retry else "success", time.monotonic() - started
+                    "requeue" if retry else "success", time.monotonic() - started, self._name
                 )
                 if outcome is not None and outcome.retry:
                     delay = self.queue.add_rate_limited(key)

@@ -244,43 +244,52 @@ class OperatorMetrics:
         )
         # Series exist from the start, at zero: a rate() over them answers before the first
         # error, as controller-runtime's do.
-        for result in RESULTS:
-            self.reconciles.labels(CONTROLLER, result)
-        self.reconcile_errors.labels(CONTROLLER)
-        self.active_workers.labels(CONTROLLER)
-        self.max_workers.labels(CONTROLLER)
-        self.queue_time.labels(CONTROLLER)
         self._lock = threading.Lock()
         self._services: dict[tuple[str, str], ServiceState] = {}
         self._pod_restarts: dict[tuple[str, str], int] = {}
-        self._queue_stats: Callable[[], QueueStats] | None = None
+        self._queue_stats: dict[str, Callable[[], QueueStats]] = {}
+        self.controller_series(CONTROLLER)
         r.register(_Collected(self))
 
+    def controller_series(self, controller: str) -> None:
+        """Create a controller's work-path series at zero: a rate() over them answers
+        before its first error, as controller-runtime's do."""
+        for result in RESULTS:
+            self.reconciles.labels(controller, result)
+        self.reconcile_errors.labels(controller)
+        self.active_workers.labels(controller)
+        self.max_workers.labels(controller)
+        self.queue_time.labels(controller)
+
     # -- the work path ----------------------------------------------------------------------
-    def reconciled(self, result: str, seconds: float) -> None:
+    def reconciled(self, result: str, seconds: float, controller: str = CONTROLLER) -> None:
         """One reconcile ended with ``result`` (one of :data:`RESULTS`) after ``seconds``."""
-        self.reconciles.labels(CONTROLLER, result).inc()
+        self.reconciles.labels(controller, result).inc()
         if result == "error":
-            self.reconcile_errors.labels(CONTROLLER).inc()
-        self.reconcile_time.labels(CONTROLLER).observe(seconds)
+            self.reconcile_errors.labels(controller).inc()
+        self.reconcile_time.labels(controller).observe(seconds)
 
     def requested(self, verb: str, resource: str, code: str, seconds: float) -> None:
         """One API request ended (``kube.RequestObserver``; called from worker threads)."""
         self.api_requests.labels(verb, resource, code).inc()
         self.api_request_time.labels(verb).observe(seconds)
 
-    def queued(self, seconds: float) -> None:
+    def queued(self, seconds: float, controller: str = CONTROLLER) -> None:
         """A worker took a key that had waited ``seconds`` in the queue."""
-        self.queue_time.labels(CONTROLLER).observe(seconds)
+        self.queue_time.labels(controller).observe(seconds)
 
     def wrote(self, kind: str, operation: str) -> None:
         self.child_writes.labels(kind, operation).inc()
 
-    def watch_queue(self, stats: Callable[[], QueueStats], workers: int) -> None:
+    def watch_queue(
+        self, stats: Callable[[], QueueStats], workers: int, controller: str = CONTROLLER
+    ) -> None:
         """Read the work queue's state at each scrape (``stats`` must be safe to call from
         the scraping thread)."""
-        self._queue_stats = stats
-        self.max_workers.labels(CONTROLLER).set(workers)
+        if controller != CONTROLLER:
+            self.controller_series(controller)
+        self._queue_stats[controller] = stats
+        self.max_workers.labels(controller).set(workers)
 
     # -- per service ------------------------------------------------------------------------
     def service(self, namespace: str, name: str, state: ServiceState) -> None:
@@ -353,9 +362,9 @@ class OperatorMetrics:
         yield conditions
         yield replicas
         yield targets
-        stats = self._queue_stats() if self._queue_stats is not None else None
-        if stats is None:
-            stats = QueueStats(0, 0, 0, 0.0, 0.0)
+        # The EmbeddingService queue's series exist from the start, as they always have.
+        queues = {CONTROLLER: lambda: QueueStats(0, 0, 0, 0.0, 0.0), **self._queue_stats}
+        snapshots = {name: stats() for name, stats in sorted(queues.items())}
         labels = ["name"]
         for family in (
             GaugeMetricFamily("workqueue_depth", "Current depth of workqueue.", labels=labels),
@@ -371,22 +380,24 @@ class OperatorMetrics:
                 labels=labels,
             ),
         ):
-            value = {
-                "workqueue_depth": float(stats.depth),
-                "workqueue_longest_running_processor_seconds": stats.longest_running_seconds,
-                "workqueue_unfinished_work_seconds": stats.unfinished_seconds,
-            }[family.name]
-            family.add_metric([CONTROLLER], value)
+            for name, stats in snapshots.items():
+                value = {
+                    "workqueue_depth": float(stats.depth),
+                    "workqueue_longest_running_processor_seconds": stats.longest_running_seconds,
+                    "workqueue_unfinished_work_seconds": stats.unfinished_seconds,
+                }[family.name]
+                family.add_metric([name], value)
             yield family
         adds = CounterMetricFamily(
             "workqueue_adds", "Total number of adds handled by workqueue.", labels=labels
         )
-        adds.add_metric([CONTROLLER], float(stats.adds))
-        yield adds
         retries = CounterMetricFamily(
             "workqueue_retries", "Total number of retries handled by workqueue.", labels=labels
         )
-        retries.add_metric([CONTROLLER], float(stats.retries))
+        for name, stats in snapshots.items():
+            adds.add_metric([name], float(stats.adds))
+            retries.add_metric([name], float(stats.retries))
+        yield adds
         yield retries
 
 

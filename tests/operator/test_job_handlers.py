@@ -121,3 +121,29 @@ def test_a_terminated_job_pod_is_kept_and_wakes_its_job() -> None:
     assert state["terminated"]["message"] == '{"shard": 0}'
     pods.forget("team", "corpus")
     assert pods.pods("team", "corpus", "worker") == []
+
+
+def test_the_job_controller_is_counted_beside_the_service_controller() -> None:
+    """One /metrics: controller-runtime's series for both controllers, told apart by their
+    controller (and work-queue name) label; deleting a job forgets no service's series."""
+    from embedding_operator.metrics import OperatorMetrics
+
+    metrics = OperatorMetrics()
+    registry = kopf.OperatorRegistry()
+    reconciler = JobReconciler(cluster=FakeCluster(), recorder=lambda *a, **k: None)
+    controller = register_jobs(registry, reconciler, OperatorSettings(), metrics=metrics)
+    controller.metrics.reconciled("success", 0.01, "embeddingjob")
+    sample = metrics.registry.get_sample_value
+    assert sample(
+        "controller_runtime_reconcile_total", {"controller": "embeddingjob", "result": "success"}
+    )
+    assert (
+        sample(
+            "controller_runtime_reconcile_total",
+            {"controller": "embeddingservice", "result": "success"},
+        )
+        == 0
+    )
+    assert sample("workqueue_depth", {"name": "embeddingjob"}) == 0
+    assert sample("workqueue_depth", {"name": "embeddingservice"}) == 0
+    assert sample("controller_runtime_max_concurrent_reconciles", {"controller": "embeddingjob"})

@@ -31,6 +31,8 @@ from embedding_operator.metrics import OperatorMetrics
 from embedding_operator.settings import OperatorSettings
 from embedding_operator.versions import EssenceChanges, owner_essence
 
+JOB_CONTROLLER = "embeddingjob"
+"""The ``controller`` (and work queue ``name``) label of the EmbeddingJob controller's metrics."""
 JOB_LABELS = {"app.kubernetes.io/managed-by": MANAGED_BY, "app.kubernetes.io/name": APP_NAME}
 
 
@@ -45,16 +47,17 @@ def register_jobs(
     reconciler: JobReconciler,
     config: OperatorSettings,
     pods: WatchedJobPods | None = None,
+    metrics: OperatorMetrics | None = None,
 ) -> Controller:
-    """Register the EmbeddingJob handlers; run the returned ``Controller`` next to kopf.
-
-    Its metrics are a registry of their own for now (not served): the operator's reconcile
-    metrics are labelled for EmbeddingServices only."""
+    """Register the EmbeddingJob handlers; run the returned ``Controller`` next to kopf. Its
+    reconciles and queue are counted in ``metrics`` under the controller name
+    :data:`JOB_CONTROLLER` (controller-runtime's series, as the EmbeddingServices')."""
     controller = Controller(
         reconciler,
         resync_seconds=config.resync_seconds,
         workers=job_workers(config),
-        metrics=OperatorMetrics(),
+        metrics=metrics,
+        name=JOB_CONTROLLER,
     )
     owners = EssenceChanges(owner_essence)
     # (namespace, EmbeddingService) -> the unfinished EmbeddingJobs that name it: a service
