@@ -29,7 +29,6 @@ from embedding_server.batch.storage import Location
 
 Format = Literal["parquet", "jsonl", "csv"]
 FORMATS: tuple[Format, ...] = ("parquet", "jsonl", "csv")
-READ_CHUNK = 1 << 20
 
 
 class CorpusError(Exception):
@@ -159,28 +158,10 @@ def _row_text(rows: ShardRows, position: int, row_id: Any, text: Any, fields: Fi
     return text
 
 
-def _lines(location: Location, offset: int = 0) -> Iterator[tuple[int, bytes]]:
-    """The file's lines from ``offset`` on, each with the byte offset it starts at."""
-    stream = location.fs.open_input_file(location.path)
-    try:
-        stream.seek(offset)
-        position, tail = offset, b""
-        while chunk := stream.read(READ_CHUNK):
-            lines = (tail + chunk).split(b"\n")
-            tail = lines.pop()
-            for line in lines:
-                yield position, line
-                position += len(line) + 1
-        if tail:
-            yield position, tail
-    finally:
-        stream.close()
-
-
 def _cut_jsonl(location: Location, fields: Fields, shard_rows: int) -> list[Shard]:
     shards: list[Shard] = []
     start_offset, rows, index = 0, 0, 0
-    for position, line in _lines(location):
+    for position, line in location.lines():
         if not line.strip():
             continue
         if index == 0:
@@ -210,7 +191,7 @@ def _check_first_object(location: Location, line: bytes, fields: Fields) -> None
 def _read_jsonl(location: Location, fields: Fields, shard: Shard) -> ShardRows:
     ids: list[Any] = []
     rows = ShardRows(pa.array([]), [], first_row=shard.range[0])
-    for _, line in _lines(location, shard.offset or 0):
+    for _, line in location.lines(shard.offset or 0):
         if len(ids) == shard.rows:
             break
         if not line.strip():

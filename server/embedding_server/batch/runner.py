@@ -46,6 +46,8 @@ from embedding_server.batch.retries import (
     next_backoff,
     retry_after,
 )
+from embedding_server.batch.storage import Location
+from embedding_server.fingerprint import HEADER
 
 logger = logging.getLogger(__name__)
 
@@ -79,15 +81,21 @@ class BatchCounts:
         return self.already + self.succeeded + self.failed
 
 
-def input_lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    """The file's lines that are not blank, with their 1-based numbers."""
+def input_lines(path: Path | Location) -> Iterator[tuple[int, bytes]]:
+    """The file's lines that are not blank, with their 1-based numbers; a
+    :class:`~embedding_server.batch.storage.Location` (``s3://``) is streamed."""
+    if isinstance(path, Location):
+        for number, (_, raw) in enumerate(path.lines(), start=1):
+            if raw.strip():
+                yield number, raw
+        return
     with path.open("rb") as handle:
         for number, raw in enumerate(handle, start=1):
             if raw.strip():
                 yield number, raw
 
 
-def scan_input(path: Path, answered: Collection[Key]) -> InputScan:
+def scan_input(path: Path | Location, answered: Collection[Key]) -> InputScan:
     """Count the request lines of ``path`` and those ``answered`` does not hold yet.
     :class:`BatchFileError` when a ``custom_id`` repeats: its answers could not be told
     apart (OpenAI's Batch API refuses such a file too)."""
@@ -154,7 +162,7 @@ class Progress:
 
 
 async def run_batch(
-    input_path: Path,
+    input_path: Path | Location,
     output: BatchOutput,
     client: httpx2.AsyncClient,
     *,
@@ -259,6 +267,7 @@ async def _send(
             response.headers.get("x-request-id", request.request_id),
             response.content,
             json_body="json" in content_type,
+            fingerprint=response.headers.get(HEADER),
         )
         return line, status < 400
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -30,6 +31,7 @@ import pyarrow.fs as pafs
 
 S3_SCHEME = "s3://"
 GLOB_CHARS = frozenset("*?[")
+READ_CHUNK = 1 << 20
 TEMP_FOLDER = "_tmp"
 """Under an S3 output prefix: uploads not yet copied to their names (debris of killed
 workers may stay there; nothing reads it)."""
@@ -66,6 +68,24 @@ class Location:
         with self.fs.open_input_stream(self.path) as stream:
             data: bytes = stream.read()
         return data
+
+    def lines(self, offset: int = 0) -> Iterator[tuple[int, bytes]]:
+        """The file's lines from byte ``offset`` on (newline cut off), each with the byte
+        offset it starts at; streamed, a chunk at a time."""
+        stream = self.fs.open_input_file(self.path)
+        try:
+            stream.seek(offset)
+            position, tail = offset, b""
+            while chunk := stream.read(READ_CHUNK):
+                lines = (tail + chunk).split(b"\n")
+                tail = lines.pop()
+                for line in lines:
+                    yield position, line
+                    position += len(line) + 1
+            if tail:
+                yield position, tail
+        finally:
+            stream.close()
 
     def delete(self) -> None:
         """Remove the file, if it is there."""
