@@ -35,11 +35,11 @@ from embedding_server.batch.retries import (
     next_backoff,
     retry_after,
 )
+from embedding_server.fingerprint import HEADER as FINGERPRINT_HEADER
 
 logger = logging.getLogger(__name__)
 
 EMBEDDINGS_PATH = "/v1/embeddings"
-FINGERPRINT_HEADER = "X-Embedding-Fingerprint"
 PROGRESS_LOG_INTERVAL_S = 10.0
 
 

@@ -277,6 +277,10 @@ def test_work_embeds_every_row_once_with_sentence_transformers_vectors(
     metadata = table.schema.metadata
     served = httpx.get(minilm_server.url + "/v1/models").json()["data"][0]["id"]
     assert metadata[b"model"] == served.encode() and metadata[b"dimensions"] == b"384"
+    # The computation's fingerprint, as the server sends it with every answer.
+    probe = httpx.post(minilm_server.url + "/v1/embeddings", json={"input": "x"})
+    sent = probe.headers.get("x-embedding-fingerprint")
+    assert metadata.get(b"fingerprint") == (sent.encode() if sent is not None else None)
 
     by_id = dict(zip(ids, np.asarray(table.column("embedding").to_pylist()), strict=True))
     want = reference.encode([texts[n] for n in good], normalize_embeddings=True)
