@@ -17,6 +17,16 @@ with its tokenizer, built here, for the pair attacks), once with the server code
 The sizes are the review's where a machine shared with others can afford them (two of them are
 halved: noted in the table). Writes bench/out/abuse.json.
 
+The gateway's rows (``(gateway)`` in their names: the third review's H4, H5 and L1) run a
+fresh ``embedding-server gateway`` with the code of ``--before`` or this tree's, in front of
+this tree's ``embedding-server serve`` on the fake backend (whose ``/pooling`` answers a 4 KB
+input with 42 MB); what they measure is the gateway process, and the other client is a small
+``/v1/embeddings`` request through it::
+
+    .venv/bin/python -m bench.abuse --before /tmp/before/server --only gateway
+
+(``--after`` names another checkout's ``server/`` folder than this tree's to measure after.)
+
     .venv/bin/python -m bench.abuse --before /tmp/before/server
     .venv/bin/python -m bench.abuse --scale 0.02       # a smoke run, this tree only
 """
@@ -27,6 +37,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -360,8 +371,8 @@ def l4_host() -> Callable[[Served], Measure]:
     return run
 
 
-def attacks(scale: float) -> list[tuple[Row, Callable[[Served], Measure], bool]]:
-    """(row, attack, whether it needs the cross-encoder)."""
+def attacks(scale: float) -> list[tuple[Row, Callable[[Served], Measure], bool | str]]:
+    """(row, attack, whether it needs the cross-encoder, or :data:`GATEWAY`)."""
     return [
         (Row("H1: 8 MiB text, 3,000-char first word", "reading windows; inline by size"),
          h1(scale, -1), False),
@@ -379,20 +390,165 @@ def attacks(scale: float) -> list[tuple[Row, Callable[[Served], Measure], bool]]
         (Row("M3: 60 stalled 8 MiB uploads", "--max-receiving-bytes, --body-timeout"),
          m3_stalled(scale), False),
         (Row("L4: Host attacker.example", "--allowed-hosts localhost"), l4_host(), False),
+        (Row("H4 (gateway): 30 stalled 16 MiB uploads", "--max-buffered-bytes, --body-timeout"),
+         gateway_stalled(scale), GATEWAY),
+        (Row("H5 (gateway): 5 unread 42 MB answers", "--max-buffered-bytes, --write-timeout"),
+         gateway_unread(scale), GATEWAY),
+        (Row("L1 (gateway): 500 half-open connections", "--header-timeout"),
+         gateway_half_open(scale), GATEWAY),
     ]  # fmt: skip
 
 
-def run_side(name: str, server_dir: Path, flags: list[str], cross: Path, rows: list[Any]) -> None:
+GATEWAY = "gateway"
+FAKE_POOLING = "fake?dim=1024&max_len=4096"
+"""The gateway rows' upstream: a 4 KB ``/pooling`` input is answered with 4096 vectors of
+1024 floats (42 MB of JSON)."""
+
+
+@contextlib.contextmanager
+def serve_gateway(server_dir: Path, log: Path, upstream: str) -> Iterator[Served]:
+    """``embedding-server gateway`` with the code of ``server_dir`` in front of
+    ``upstream``, with its default limits, until it routes to it."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDDING_GATEWAY_")}
+    env["PYTHONPATH"] = str(server_dir)
+    args = ["gateway", "--port", str(port), "--routes", f"fake={upstream}"]
+    with log.open("wb") as out:
+        process = subprocess.Popen([str(SCRIPT), *args], env=env, stdout=out, stderr=out)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"the gateway exited with {process.returncode}; see {log}")
+            with contextlib.suppress(httpx.HTTPError, KeyError, IndexError):
+                models = httpx.get(url + "/v1/models", timeout=2).json()["data"]
+                if models[0]["ready_endpoints"] == 1:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the gateway did not route within 60 s; see {log}")
+            time.sleep(0.2)
+        yield Served(url, process.pid)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _through(served: Served) -> Callable[[httpx.Client], object]:
+    """Another client of the gateway: a small embedding through it."""
+    return lambda http: http.post(served.url + "/v1/embeddings", json={"input": "another"})
+
+
+def gateway_stalled(scale: float) -> Callable[[Served], Measure]:
+    count, size = max(4, int(30 * scale)), 16 * MIB - 1
+
+    def run(served: Served) -> Measure:
+        def attack() -> str:
+            head = (
+                b"POST /v1/embeddings HTTP/1.1\r\nHost: localhost\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % size
+            )
+            sent = b'{"input": "' + b"a" * (size - MIB)
+            sockets: list[socket.socket] = []
+            refused = []
+
+            def upload() -> None:
+                sock = socket.create_connection(served.address)
+                sockets.append(sock)
+                sock.sendall(head)
+                if select.select([sock], [], [], 1.0)[0]:  # refused by its Content-Length
+                    refused.append(sock)
+                    return
+                sock.settimeout(30)
+                with contextlib.suppress(OSError):
+                    sock.sendall(sent)
+
+            threads = [threading.Thread(target=upload) for _ in range(count)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=120)
+            left = _open_after([s for s in sockets if s not in refused], 35.0)
+            for sock in refused:
+                sock.close()
+            return f"{len(refused)} refused at once, {left}"
+
+        return measured(served, attack, _through(served))
+
+    return run
+
+
+def gateway_unread(scale: float) -> Callable[[Served], Measure]:
+    count = max(2, int(5 * scale))
+    body = b'{"input": "' + b"a" * 4000 + b'"}'
+    request = (
+        b"POST /pooling HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+
+    def run(served: Served) -> Measure:
+        def attack() -> str:
+            sockets = []
+            for _ in range(count):
+                sock = socket.socket()
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                sock.connect(served.address)
+                sock.sendall(request)
+                sockets.append(sock)
+            # The answers come one after another (about 2 s each here); each has 30 s.
+            return _open_after(sockets, 45.0)
+
+        return measured(served, attack, _through(served))
+
+    return run
+
+
+def gateway_half_open(scale: float) -> Callable[[Served], Measure]:
+    count = max(10, int(500 * scale))
+
+    def run(served: Served) -> Measure:
+        def attack() -> str:
+            sockets = [socket.create_connection(served.address) for _ in range(count)]
+            return _open_after(sockets, 12.0)
+
+        return measured(served, attack, _through(served))
+
+    return run
+
+
+def run_side(
+    name: str,
+    server_dir: Path,
+    flags: list[str],
+    cross: Path,
+    rows: list[Any],
+    upstream_dir: Path = REPO / "server",
+) -> None:
     logs = OUT / "abuse-logs"
     logs.mkdir(parents=True, exist_ok=True)
-    for row, attack, needs_cross in rows:
-        # A fresh server per attack: what one attack leaves behind is not the next one's.
-        model = ["--model", str(cross)] if needs_cross else []
-        with serve(server_dir, logs / f"{name}.log", *flags, *model) as served:
-            print(f"{name:>6}: {row.attack} ...", flush=True)
-            measure = attack(served)
-            setattr(row, name, measure)
-            print(f"{'':>8}{_cells(measure)}", flush=True)
+    for row, attack, needs in rows:
+        if needs == GATEWAY:
+            # The same upstream for both sides (the after side's server); the gateway's
+            # code is the side's.
+            upstream_log, log = logs / f"{name}-upstream.log", logs / f"{name}-gateway.log"
+            with (
+                serve(upstream_dir, upstream_log, "--model", FAKE_POOLING) as upstream,
+                serve_gateway(server_dir, log, upstream.url) as served,
+            ):
+                print(f"{name:>6}: {row.attack} ...", flush=True)
+                measure = attack(served)
+        else:
+            # A fresh server per attack: what one attack leaves behind is not the next one's.
+            model = ["--model", str(cross)] if needs else []
+            with serve(server_dir, logs / f"{name}.log", *flags, *model) as served:
+                print(f"{name:>6}: {row.attack} ...", flush=True)
+                measure = attack(served)
+        setattr(row, name, measure)
+        print(f"{'':>8}{_cells(measure)}", flush=True)
 
 
 def _cells(m: Measure | None) -> str:
@@ -427,17 +583,24 @@ def table(rows: list[Row]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--before", type=Path, help="a checkout's server/ folder to compare")
+    parser.add_argument(
+        "--after",
+        type=Path,
+        default=REPO / "server",
+        help="the server/ folder measured after (default: this tree's)",
+    )
     parser.add_argument("--scale", type=float, default=1.0, help="attack sizes (1: the table's)")
     parser.add_argument("--only", default="", help="run the attacks whose name has this text")
     args = parser.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
     cross = build_tiny_bert(OUT / "abuse-cross-encoder", cross_encoder=True)
     rows = [r for r in attacks(args.scale) if args.only.lower() in r[0].attack.lower()]
+    after = args.after.resolve()
     if args.before is not None:
-        run_side("before", args.before.resolve(), [], cross, rows)
+        run_side("before", args.before.resolve(), [], cross, rows, after)
     # This tree's defaults, plus the one check a server has only when asked for.
     after_flags = ["--allowed-hosts", "localhost"]
-    run_side("after", REPO / "server", after_flags, cross, rows)
+    run_side("after", after, after_flags, cross, rows, after)
     results = [row for row, _, _ in rows]
     print()
     print(table(results))

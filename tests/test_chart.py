@@ -112,6 +112,9 @@ def test_values_yaml_satisfies_its_schema(
         ({"gateway": {"holdTimeoutSeconds": "30s"}}, "a duration as a string"),
         ({"gateway": {"holdTimeoutSeconds": 300000}}, "milliseconds given for seconds"),
         ({"gateway": {"requestTimeoutSeconds": 0}}, "a request that may take no time"),
+        ({"gateway": {"maxBufferedMiB": "128Mi"}}, "a quantity, not a number of MiB"),
+        ({"gateway": {"maxBufferedMiB": 8}}, "a budget smaller than the largest body"),
+        ({"gateway": {"maxConnections": 0}}, "a gateway that takes no connection"),
         ({"gateway": {"bulkApiKeysSecret": {"name": "Keys"}}}, "a Secret name in capitals"),
         ({"gateway": {"bulkApiKeysSecret": {"name": "k", "key": ""}}}, "an empty Secret key"),
         ({"gateway": {"bulkApiKeysSecret": {"secretName": "k"}}}, "a typo of name"),
@@ -975,6 +978,8 @@ def test_the_gateway_is_off_by_default_and_complete_when_on(helm: Path) -> None:
     assert not any(a.startswith("--namespace") for a in container["args"])
     # A cold start's hold (300 s) before the pod's own 60 s: the two are separate deadlines.
     assert {"--hold-timeout=300", "--request-timeout=60"} <= set(container["args"])
+    # 128 MiB of held bodies and answers: under a third of the 512 MiB memory limit.
+    assert {"--max-buffered-bytes=134217728", "--max-connections=1024"} <= set(container["args"])
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
