@@ -38,6 +38,7 @@ from e2e.harness.existing import (
 )
 from e2e.harness.images import ImageSet, build_images, load_images
 from e2e.harness.node import containerd_store
+from e2e.harness.object_store import ObjectStore, start_object_store, stop_object_store
 from e2e.harness.operator import OperatorProcess, start_operator
 
 log = logging.getLogger("e2e.conftest")
@@ -178,6 +179,24 @@ def cluster(
             yield instance
         finally:
             instance.stop()
+
+
+@pytest.fixture(scope="session")
+def object_store(cluster: KubeClient) -> Iterator[ObjectStore]:
+    """The S3-compatible store on the host (object_store.py), started by the first test that
+    takes it and stopped at the end of the session: the others never pay for it. Only on the
+    local cluster (the tests that take it are ``local_node``)."""
+    if not isinstance(cluster, Cluster):
+        pytest.skip("the object store runs beside the harness's own cluster only")
+    store = start_object_store(cluster)
+    log.info(
+        "object store at %s (pods: %s), up in %.1fs",
+        store.url,
+        store.pod_url,
+        store.started_seconds,
+    )
+    yield store
+    stop_object_store(cluster, store)
 
 
 @pytest.fixture(scope="module")

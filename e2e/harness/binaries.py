@@ -114,6 +114,11 @@ def _keda_ldflags(version: str) -> list[str]:
     ]
 
 
+def _versitygw_ldflags(version: str) -> list[str]:
+    # As versitygw's Makefile does: without it `--version` says "git".
+    return ["-s", "-w", f"-X main.Version={version}"]
+
+
 def _adapter_ldflags(version: str) -> list[str]:
     # prometheus-adapter reports component-base's version, like the Kubernetes commands.
     return ["-s", "-w", f"-X k8s.io/component-base/version.gitVersion={version}"]
@@ -229,6 +234,16 @@ COMPONENTS: tuple[Component, ...] = (
         binaries={"prometheus-adapter": ("adapter", BUILD_INFO)},
         ldflags=_adapter_ldflags,
     ),
+    # An S3-compatible object store on the host (Apache-2.0) for the EmbeddingJob tests:
+    # their corpora and outputs. Light (about 220 s of CPU cold), so it builds in the same
+    # background process as the others, which finishes well before KEDA's.
+    Component(
+        name="versitygw",
+        version_key="VERSITYGW_VERSION",
+        module="github.com/versity/versitygw",
+        binaries={"versitygw": ("versitygw", ("--version",))},
+        ldflags=_versitygw_ldflags,
+    ),
     # ScaledObjects (`autoscaler: keda`) and external.metrics.k8s.io, with scale to zero.
     Component(
         name="keda",
@@ -261,6 +276,7 @@ class Binaries:
     prometheus: Path
     promtool: Path
     prometheus_adapter: Path
+    versitygw: Path
     keda_operator: Path
     keda_adapter: Path
     keda_crds: Path
