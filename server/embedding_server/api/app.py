@@ -19,7 +19,7 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from embedding_server.api.direct import DirectRoutes, direct_routes
 from embedding_server.api.errors import install_error_handlers
@@ -32,6 +32,7 @@ from embedding_server.api.routes_ops import router as ops_router
 from embedding_server.api.routes_tasks import router as tasks_router
 from embedding_server.api.routes_vllm import router as vllm_router
 from embedding_server.api.tracing import TracingMiddleware
+from embedding_server.fingerprint import HEADER
 from embedding_server.metrics import Metrics
 from embedding_server.request.serving import ServingEngine
 from embedding_server.request.tracing import Tracing
@@ -69,9 +70,18 @@ class EmbeddingApp(FastAPI):
 
     direct_paths: frozenset[str] = frozenset()
     """The paths whose POSTs :class:`DirectRoutes` serves."""
+    fingerprinted_paths: frozenset[str] = frozenset()
+    """The paths whose answers carry :data:`~embedding_server.fingerprint.HEADER`: every
+    route that answers from the model's outputs (:data:`UNFINGERPRINTED` aside)."""
+    fingerprint: Callable[[], str] | None = None
+    """The served model's fingerprint, once it is known (else empty)."""
     _direct_entry: ASGIApp | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] in self.fingerprinted_paths:
+            fingerprint = self.fingerprint() if self.fingerprint is not None else ""
+            if fingerprint:
+                send = _fingerprinting(send, fingerprint.encode("ascii"))
         if (
             scope["type"] == "http"
             and scope["method"] == "POST"
@@ -95,6 +105,21 @@ class EmbeddingApp(FastAPI):
             node = getattr(node, "app")  # noqa: B009  (each layer wraps the next as .app)
         self._direct_entry = node  # type: ignore[assignment]
         return self._direct_entry  # type: ignore[return-value]
+
+
+_FINGERPRINT_HEADER = HEADER.lower().encode("ascii")
+
+
+def _fingerprinting(send: Send, fingerprint: bytes) -> Send:
+    """``send``, adding the fingerprint header to a successful answer."""
+
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start" and 200 <= message["status"] < 300:
+            headers = [*message.get("headers", ()), (_FINGERPRINT_HEADER, fingerprint)]
+            message = {**message, "headers": headers}
+        await send(message)
+
+    return sending
 
 
 async def _bring_up(lifecycle: Lifecycle, connect: Connect | None) -> None:
@@ -198,6 +223,14 @@ def create_app(
     # Added first, so it runs inside the request context (id, auth, limits, metrics).
     posts = direct_routes(ROUTERS)
     app.direct_paths = frozenset(posts)
+    app.fingerprinted_paths = frozenset(
+        path
+        for router in ROUTERS
+        for route in router.routes
+        if "POST" in getattr(route, "methods", ())
+        and (path := getattr(route, "path", "")) not in UNFINGERPRINTED
+    )
+    app.fingerprint = functools.partial(_fingerprint, lifecycle)
     app.add_middleware(DirectRoutes, routes=posts, limits=functools.partial(_limits, lifecycle))
     app.add_middleware(
         RequestContextMiddleware,
@@ -213,6 +246,15 @@ def create_app(
     if tracing is not None:  # outermost: a request's span covers all of the above
         app.add_middleware(TracingMiddleware, tracing=tracing, paths=posts)
     return app
+
+
+UNFINGERPRINTED = frozenset({"/tokenize", "/detokenize"})
+"""Model routes whose answers are token ids or text, no model output: no fingerprint."""
+
+
+def _fingerprint(lifecycle: Lifecycle) -> str:
+    engine = lifecycle.engine
+    return engine.info().fingerprint if engine is not None else ""
 
 
 def _limits(lifecycle: Lifecycle) -> RequestLimits:
