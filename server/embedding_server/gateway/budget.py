@@ -36,6 +36,10 @@ class ByteBudget:
         """A hold of nothing yet, to :meth:`Hold.resize` as bytes are known."""
         return Hold(self)
 
+    def has_room(self, size: int) -> bool:
+        """Whether a new hold of ``size`` bytes fits now."""
+        return self.held + _charged(size) <= self.limit
+
     def fits(self, size: int) -> bool:
         """Whether one hold of ``size`` bytes could ever fit (in an empty budget)."""
         return _charged(size) <= self.limit

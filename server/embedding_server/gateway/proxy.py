@@ -254,7 +254,7 @@ class Gateway:
             client_max_size=self.settings.max_request_bytes, middlewares=[self.guard.middleware]
         )
         for path in FORWARDED_ROUTES:
-            app.router.add_post(path, self.forward)
+            app.router.add_post(path, self.forward, expect_handler=self._expect)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
@@ -443,6 +443,24 @@ class Gateway:
         finally:
             answer.drop()
         return response
+
+    async def _expect(self, request: web.Request) -> web.Response | None:
+        """``Expect: 100-continue`` (curl's, for bodies over 1 MiB): a body that is too
+        large, or that the byte budget has no room for now, is refused before the client
+        is asked to send it; else "100 Continue", as aiohttp's own handler writes it."""
+        expect = request.headers.get("Expect", "")
+        if request.version != aiohttp.HttpVersion11:
+            return None
+        if expect.lower() != "100-continue":
+            raise web.HTTPExpectationFailed(text=f"Unknown Expect: {expect[:100]}")
+        length = request.content_length
+        if length is not None and length > self.settings.max_request_bytes:
+            return _closing(self._too_large())
+        if length is not None and not self.budget.has_room(length):
+            return _closing(self._busy())
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # not the answer's
+        return None
 
     async def _read_body(self, request: web.Request, hold: Hold) -> bytearray | web.Response:
         """The request's body, held against the byte budget; or the refusal it gets (its

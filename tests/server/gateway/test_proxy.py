@@ -199,6 +199,37 @@ async def test_a_pod_that_dies_mid_answer_is_retried_and_the_client_sees_one_who
     assert _sample(gateway, "retries_total", {"model": "m", "reason": "connection"}) == 1
 
 
+async def test_a_body_that_would_not_fit_is_refused_before_100_continue(
+    stubs: tuple[Stub, Stub],
+) -> None:
+    """A client that asks before sending its body (``Expect: 100-continue``, as curl does for
+    bodies over 1 MiB) is refused by the byte budget at once, not invited to send it."""
+    a, _ = stubs
+    discovery = ListDiscovery([Service("s", ("m",), frozenset({a.url}))])
+    limits = {"max_request_bytes": 200_000, "max_buffered_bytes": 200_000}
+    async with running_gateway(discovery, **limits) as (gateway, url):
+        port = int(url.rsplit(":", 1)[1])
+        head = (
+            b"POST /v1/embeddings HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 200000\r\n"
+        )
+        _, stalled = await asyncio.open_connection("127.0.0.1", port)
+        stalled.write(head + b"\r\n" + b'{"input": "')
+        await wait_until(lambda: gateway.budget.held > 0, what="the stalled body held")
+        reader, asking = await asyncio.open_connection("127.0.0.1", port)
+        asking.write(head + b"Expect: 100-continue\r\n\r\n")
+        answer = await asyncio.wait_for(reader.read(4096), timeout=10)
+        over, too_large = await asyncio.open_connection("127.0.0.1", port)
+        too_large.write(head.replace(b"200000", b"200001") + b"Expect: 100-continue\r\n\r\n")
+        refused = await asyncio.wait_for(over.read(4096), timeout=10)
+        for writer in (stalled, asking, too_large):
+            writer.close()
+    assert answer.startswith(b"HTTP/1.1 503"), answer
+    assert b'"code":"server_busy"' in answer
+    assert refused.startswith(b"HTTP/1.1 413"), refused
+    assert a.received == []
+
+
 async def test_a_retry_returns_to_the_only_pod_once_it_is_ready_again(
     stubs: tuple[Stub, Stub],
 ) -> None:
