@@ -179,6 +179,8 @@ class GuardedConnection(asyncio.Protocol):
         """Its handler returned: what arrives next is the next request's head."""
         self._phase = _Phase.IDLE
         self._cancel_timer()
+        if self._transport is None or self._transport.is_closing():
+            return  # closed while it ran (a write timeout): nothing to time
         loop = asyncio.get_running_loop()
         self._timer = loop.call_later(self._guard.keep_alive_timeout, self._idle_timed_out)
 
