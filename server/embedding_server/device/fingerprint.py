@@ -67,7 +67,13 @@ def model_files(path: Path, *, code: bool = False) -> dict[str, str]:
 
 
 def _model_file_paths(root: Path, *, code: bool) -> Iterator[tuple[str, Path]]:
+    seen: set[str] = set()
     for folder, dirs, files in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:  # a linked folder met twice (or a link to a parent): once is enough
+            dirs[:] = []
+            continue
+        seen.add(real)
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         here = Path(folder)
         has_safetensors = any(f.endswith(".safetensors") for f in files)
