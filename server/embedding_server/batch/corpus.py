@@ -28,6 +28,8 @@ import pyarrow.parquet as pq
 from embedding_server.batch.storage import Location
 
 Format = Literal["parquet", "jsonl", "csv"]
+FIELD_CHECK_ROWS = 1000
+"""JSONL: a plan is refused when none of a file's first rows has the id or text field."""
 FORMATS: tuple[Format, ...] = ("parquet", "jsonl", "csv")
 
 
@@ -161,11 +163,12 @@ def _row_text(rows: ShardRows, position: int, row_id: Any, text: Any, fields: Fi
 def _cut_jsonl(location: Location, fields: Fields, shard_rows: int) -> list[Shard]:
     shards: list[Shard] = []
     start_offset, rows, index = 0, 0, 0
+    sampled: list[bytes] = []
     for position, line in location.lines():
         if not line.strip():
             continue
-        if index == 0:
-            _check_first_object(location, line, fields)
+        if index < FIELD_CHECK_ROWS:
+            sampled.append(line)
         if rows == 0:
             start_offset = position
         rows += 1
@@ -175,17 +178,31 @@ def _cut_jsonl(location: Location, fields: Fields, shard_rows: int) -> list[Shar
             rows = 0
     if rows:
         shards.append(Shard(location.url, (index - rows, index), rows, start_offset))
+    _check_sampled_objects(location, sampled, fields)
     return shards
 
 
-def _check_first_object(location: Location, line: bytes, fields: Fields) -> None:
-    try:
-        first = orjson.loads(line)
-    except orjson.JSONDecodeError as error:
-        raise CorpusError(f"{location.url}: the first row is not JSON: {error}") from None
-    if not isinstance(first, dict):
-        raise CorpusError(f"{location.url}: the first row is not a JSON object")
-    _check_columns(location, list(first), fields)
+def _check_sampled_objects(location: Location, lines: list[bytes], fields: Fields) -> None:
+    """Refuse the file when none of its first rows has the id or the text field (a misspelt
+    flag, most likely); one row without them is that row's problem, not the file's."""
+    if not lines:
+        return
+    seen: dict[str, None] = {}
+    for line in lines:
+        try:
+            row = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            seen.update(dict.fromkeys(row))
+    if not seen:
+        raise CorpusError(f"{location.url}: none of the first {len(lines)} rows is a JSON object")
+    for role, name in (("id", fields.id), ("text", fields.text)):
+        if name not in seen:
+            raise CorpusError(
+                f"{location.url}: no {role} field {name!r} in the first {len(lines)} rows "
+                f"(their fields: {', '.join(list(seen)[:20])})"
+            )
 
 
 def _read_jsonl(location: Location, fields: Fields, shard: Shard) -> ShardRows:

@@ -41,6 +41,9 @@ logger = logging.getLogger(__name__)
 
 EMBEDDINGS_PATH = "/v1/embeddings"
 PROGRESS_LOG_INTERVAL_S = 10.0
+PROBE_TEXT = "dimensions"
+"""Embedded for a shard none of whose rows could be, so that its empty part still says the
+vector size (and its part has the schema of the others)."""
 
 
 class ServiceUnavailableError(Exception):

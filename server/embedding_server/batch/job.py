@@ -30,6 +30,7 @@ import orjson
 
 from embedding_server.batch.corpus import FORMATS, CorpusError, read
 from embedding_server.batch.embedder import (
+    PROBE_TEXT,
     Embedder,
     MixedFingerprintsError,
     ServiceUnavailableError,
@@ -273,6 +274,12 @@ async def _work(
             retry_for=namespace.retry_for,
         )
         embedded = await embedder.embed(rows.texts)
+        dimensions = None
+        if not any(vector is not None for vector in embedded.vectors):
+            probe = await embedder.embed([PROBE_TEXT])
+            if probe.vectors[0] is not None:
+                dimensions = int(probe.vectors[0].shape[0])
+                embedded.model, embedded.fingerprint = probe.model, probe.fingerprint
     ids = rows.ids.to_pylist()
     failures: dict[int, Any] = {
         position: {"message": problem, "type": "invalid_row", "code": "invalid_row"}
@@ -283,7 +290,7 @@ async def _work(
         {"id": ids[p], "file": shard.file, "row": rows.first_row + p, "error": failures[p]}
         for p in sorted(failures)
     ]
-    provenance = Provenance(embedded.model, embedded.fingerprint, index)
+    provenance = Provenance(embedded.model, embedded.fingerprint, index, dimensions)
     return await asyncio.to_thread(
         shard_output.commit, rows.ids, fields.id, embedded.vectors, errors, provenance
     )

@@ -43,6 +43,8 @@ class Provenance:
     model: str | None
     fingerprint: str | None
     shard: int
+    dimensions: int | None = None
+    """The vector size when the shard has no vector to tell it (none of its rows embedded)."""
 
 
 class ShardOutput:
@@ -75,7 +77,7 @@ class ShardOutput:
         """Write the errors file (or remove an earlier attempt's), then the part."""
         mask = [vector is not None for vector in vectors]
         kept = [vector for vector in vectors if vector is not None]
-        dimensions = int(kept[0].shape[0]) if kept else 0
+        dimensions = int(kept[0].shape[0]) if kept else (provenance.dimensions or 0)
         if any(vector.shape[0] != dimensions for vector in kept):
             raise ValueError("the service answered vectors of different sizes in one shard")
         flat = np.concatenate(kept).astype("<f4", copy=False) if kept else np.zeros(0, "<f4")

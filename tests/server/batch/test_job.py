@@ -491,3 +491,26 @@ def test_work_without_a_plan_exits_2(tmp_path: Path, capsys: pytest.CaptureFixtu
     )
     assert code == 2
     assert "no plan; run 'embedding-server job plan' first" in capsys.readouterr().err
+
+
+def test_a_shard_with_no_row_to_embed_commits_an_empty_part_of_the_same_schema(
+    tmp_path: Path,
+) -> None:
+    """Every row without text: the errors file lists them all, and the part (the shard's
+    commit) holds no row but the vector size the service embeds at, so that the output's
+    parts still read as one table."""
+    place = Place(pafs.LocalFileSystem(), str(tmp_path), str(tmp_path), {})
+    glob = write_corpus(place, "parquet", [[(n, None) for n in range(3)]])
+    assert run(*plan_args(glob, "parquet", place.url("out"), 10))[0] == 0
+    with stub_service(["fp-a"]) as url:
+        code, summary = run(
+            "work", "--output", place.url("out"), "--index", "0", "--service", url,
+            log=tmp_path / "log",
+        )  # fmt: skip
+    assert code == 0
+    assert summary is not None and (summary["rows"], summary["failed"]) == (0, 3)
+    table = read_parts(place)
+    assert table.num_rows == 0
+    assert table.schema.field("embedding").type == pa.list_(pa.float32(), 4)
+    assert table.schema.metadata[b"fingerprint"] == b"fp-a"
+    assert [e["id"] for e in errors_of(place)] == [0, 1, 2]
