@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pyarrow as pa
 
 from embedding_server.batch.corpus import FORMATS, CorpusError, read
 from embedding_server.batch.embedder import (
@@ -219,6 +220,10 @@ def work_command(namespace: argparse.Namespace) -> int:
         if raw is None or not raw.isdigit():
             return _refuse(namespace, f"--index: not given, and {INDEX_ENV} is {raw!r}")
         index = int(raw)
+    if not namespace.service.startswith(("http://", "https://")):
+        return _refuse(
+            namespace, f"--service {namespace.service!r}: not an http:// or https:// URL"
+        )
     try:
         output = locate(namespace.output, namespace.s3_endpoint)
         plan = read_plan(output)
@@ -240,7 +245,7 @@ def work_command(namespace: argparse.Namespace) -> int:
             _report(namespace, index, done, started, skipped=True)
             return 0
         counts = asyncio.run(_work(namespace, plan, index, shard_output))
-    except (CorpusError, StorageError) as error:
+    except (CorpusError, StorageError, pa.ArrowInvalid) as error:
         return _refuse(namespace, error, index=index)
     except (ServiceUnavailableError, MixedFingerprintsError, OSError) as error:
         return _refuse(namespace, error, EXIT_UNREACHABLE, index=index)
