@@ -27,6 +27,10 @@ input with 42 MB); what they measure is the gateway process, and the other clien
 
 (``--after`` names another checkout's ``server/`` folder than this tree's to measure after.)
 
+The third review's H6 and H8 rows (``--only "3rd review"``) each run on a server of their own
+(:class:`Own`: the fake backend, and for H8 ``--max-connections 200`` on both sides and
+``--probe-port`` after, where the probes then go).
+
     .venv/bin/python -m bench.abuse --before /tmp/before/server
     .venv/bin/python -m bench.abuse --scale 0.02       # a smoke run, this tree only
 """
@@ -36,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import select
 import signal
@@ -50,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from bench import out_dir, write_results
 from bench.models import build_tiny_bert
@@ -81,6 +87,8 @@ class Row:
 class Served:
     url: str
     pid: int
+    probe_url: str | None = None
+    """The probe port's base URL, where the server has one (``--probe-port``)."""
 
     def _status(self, key: str) -> float:
         text = Path(f"/proc/{self.pid}/status").read_text()
@@ -371,8 +379,9 @@ def l4_host() -> Callable[[Served], Measure]:
     return run
 
 
-def attacks(scale: float) -> list[tuple[Row, Callable[[Served], Measure], bool | str]]:
-    """(row, attack, whether it needs the cross-encoder, or :data:`GATEWAY`)."""
+def attacks(scale: float) -> list[tuple[Row, Callable[[Served], Measure], bool | str | Own]]:
+    """(row, attack, whether it needs the cross-encoder, or :data:`GATEWAY`, or its
+    :class:`Own` server)."""
     return [
         (Row("H1: 8 MiB text, 3,000-char first word", "reading windows; inline by size"),
          h1(scale, -1), False),
@@ -396,7 +405,133 @@ def attacks(scale: float) -> list[tuple[Row, Callable[[Served], Measure], bool |
          gateway_unread(scale), GATEWAY),
         (Row("L1 (gateway): 500 half-open connections", "--header-timeout"),
          gateway_half_open(scale), GATEWAY),
+        (Row("H8 (3rd review): a client holds all 200 connections, reopening them, 25 s",
+             "--probe-port"),
+         h8_connection_hog(scale), Own("fake?dim=8", ("--max-connections", "200"),
+                                       (PROBE_PORT_FLAG,))),
+        (Row("H6 (3rd review): 8 clients that never read a 42 MB /pooling answer",
+             "--max-sending-bytes, --send-timeout"),
+         h6_unread_answers(scale), Own("fake?dim=1024")),
     ]  # fmt: skip
+
+
+# -- the third review's H6 and H8 (their own servers: see Own) --------------------------------
+
+
+@dataclass(frozen=True)
+class Own:
+    """A row's own server: its model and flags (``both``), and the flags only this tree's
+    server has (``after``: the fix's own switch, such as ``--probe-port``)."""
+
+    model: str
+    both: tuple[str, ...] = ()
+    after: tuple[str, ...] = ()
+
+
+PROBE_PORT_FLAG = "--probe-port"
+CLOSE = {"connection": "close"}
+"""A probe as the kubelet sends it: a new connection each time."""
+
+
+def h8_connection_hog(scale: float) -> Callable[[Served], Measure]:
+    """One client holds every client connection (``--max-connections 200`` on both sides:
+    the default 1024 needs more descriptors than a shell gives), reopening each as the server
+    closes it, for 25 s; the probes meanwhile are the kubelet's: a new connection each,
+    ``/health`` every 100 ms, on the probe port where there is one."""
+    count, seconds = 210, 25.0 * max(scale, 0.2)
+
+    def run(served: Served) -> Measure:
+        probe_url = served.probe_url or served.url
+        outcomes: list[int] = []
+
+        def kubelet(http: httpx.Client) -> object:
+            try:
+                status = http.get(probe_url + "/health", headers=CLOSE).status_code
+            except httpx.HTTPError:
+                status = 0
+            outcomes.append(status)
+            return status
+
+        def attack() -> str:
+            outcomes.clear()  # not the warm-up probe
+            stop = threading.Event()
+            held: list[socket.socket] = []
+
+            def hog() -> None:
+                while not stop.is_set():
+                    while len(held) < count and not stop.is_set():
+                        with contextlib.suppress(OSError):
+                            held.append(socket.create_connection(served.address, timeout=5))
+                    readable = select.select(held, [], [], 0.02)[0]
+                    for sock in readable:
+                        sock.close()
+                        held.remove(sock)
+
+            thread = threading.Thread(target=hog, daemon=True)
+            thread.start()
+            time.sleep(seconds)
+            stop.set()
+            thread.join(timeout=30)
+            for sock in held:
+                sock.close()
+            ok = sum(status == 200 for status in outcomes)
+            port = "probe" if served.probe_url else "client"
+            return f"{ok} of {len(outcomes)} probes 200 on the {port} port"
+
+        return measured(served, attack, kubelet)
+
+    return run
+
+
+def h6_unread_answers(scale: float) -> Callable[[Served], Measure]:
+    """Clients that each ask ``/pooling`` for a 42 MB answer and never read it (a 4 KiB
+    receive buffer), one after another, then wait 35 s (the default --send-timeout is 30)."""
+    count = max(2, int(8 * scale))
+    body = json.dumps({"input": ["w " * 250] * 8}).encode()
+    request = (
+        b"POST /pooling HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+
+    def run(served: Served) -> Measure:
+        def attack() -> str:
+            sockets, statuses = [], []
+            for _ in range(count):
+                sock = socket.socket()
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                sock.connect(served.address)
+                sock.sendall(request)
+                sock.settimeout(60)
+                statuses.append(sock.recv(12)[9:12].decode() or "none")
+                sockets.append(sock)
+            answered = ", ".join(f"{statuses.count(s)} x {s}" for s in sorted(set(statuses)))
+            held = _held_by(served, sockets)
+            return f"{answered}; {held}"
+
+        return measured(served, attack, _small_embed(served))
+
+    return run
+
+
+def _small_embed(served: Served) -> Callable[[httpx.Client], object]:
+    return lambda http: http.post(served.url + "/v1/embeddings", json={"input": "another"})
+
+
+def _held_by(served: Served, sockets: list[socket.socket], wait: float = 35.0) -> str:
+    """How many of ``sockets`` the server still holds open ``wait`` seconds on, seen from the
+    server process (the client must not read to find out); closes them."""
+    try:
+        time.sleep(wait)
+        mine = {s.getsockname() for s in sockets}
+        held = sum(
+            1
+            for c in psutil.Process(served.pid).net_connections(kind="tcp")
+            if c.raddr and tuple(c.raddr) in mine
+        )
+        return f"{held} of {len(sockets)} held after {wait:g} s"
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 GATEWAY = "gateway"
@@ -539,6 +674,17 @@ def run_side(
                 serve(upstream_dir, upstream_log, "--model", FAKE_POOLING) as upstream,
                 serve_gateway(server_dir, log, upstream.url) as served,
             ):
+                print(f"{name:>6}: {row.attack} ...", flush=True)
+                measure = attack(served)
+        elif isinstance(needs, Own):
+            own = [*flags, "--model", needs.model, *needs.both]
+            probe_port = None
+            if name == "after" and PROBE_PORT_FLAG in needs.after:
+                probe_port = free_port()
+                own += [PROBE_PORT_FLAG, str(probe_port)]
+            with serve(server_dir, logs / f"{name}.log", *own) as served:
+                if probe_port is not None:
+                    served.probe_url = f"http://127.0.0.1:{probe_port}"
                 print(f"{name:>6}: {row.attack} ...", flush=True)
                 measure = attack(served)
         else:
