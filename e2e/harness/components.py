@@ -223,7 +223,12 @@ class APIServer(Component):
             f"--tls-private-key-file={pki.apiserver.key}",
             f"--client-ca-file={pki.ca.cert}",
             "--authorization-mode=Node,RBAC",
-            "--enable-admission-plugins=NodeRestriction,ExtendedResourceToleration",
+            # PodNodeSelector and PodTolerationRestriction act only on namespaces annotated
+            # with a node selector or default tolerations: the EmbeddingJob tests place their
+            # namespace's pods (workers the operator makes, with no placement of their own) on
+            # the tainted real node, as a platform team dedicates a namespace to a pool.
+            "--enable-admission-plugins=NodeRestriction,ExtendedResourceToleration,"
+            "PodNodeSelector,PodTolerationRestriction",
             "--kubelet-preferred-address-types=InternalIP",
             f"--kubelet-client-certificate={pki.apiserver_kubelet_client.cert}",
             f"--kubelet-client-key={pki.apiserver_kubelet_client.key}",

@@ -27,6 +27,9 @@ def namespace_report(cluster: KubeClient, *namespaces: str) -> str:
         for args in (
             ("get", "embeddingservices,deploy,rs,pods,svc,endpointslices,hpa", "-o", "wide"),
             ("describe", "embeddingservices,deploy,pods,hpa"),
+            # Apart: a cluster without the EmbeddingJob CRD fails only these two.
+            ("get", "embeddingjobs,jobs", "-o", "wide"),
+            ("describe", "embeddingjobs,jobs"),
             ("get", "events", "--sort-by=.lastTimestamp"),
         ):
             out = cluster.kubectl(*args, "-n", ns, check=False)
