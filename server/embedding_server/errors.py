@@ -153,6 +153,13 @@ class QueueFullError(EmbeddingServerError):
         self.retry_after = retry_after
 
 
+class AnswersWaitingError(QueueFullError):
+    """The process holds as many answers waiting for their clients to take them as it may
+    (``--max-sending-bytes``); refused before any work, ``retry_after`` seconds to wait."""
+
+    code = "answers_waiting"
+
+
 class NotReadyError(EmbeddingServerError):
     """The model is still loading or the server is shutting down."""
 

@@ -9,6 +9,8 @@ field's description is its ``--help`` text. Invalid values fail at start with th
 from __future__ import annotations
 
 import importlib.util
+import json
+import re
 import types
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from urllib.parse import urlsplit
@@ -233,6 +235,16 @@ class ServerSettings(EngineSettings):
         "model's old name, a short name): each is accepted like the served model name, "
         "answers carry the served model name, and /v1/models lists them as its 'aliases'.",
     )
+    expect_fingerprint: str | None = Field(
+        None,
+        description="The embedding fingerprint this server must have (16 hex digits, as "
+        "/info's 'fingerprint'), or the JSON of its inputs (/info's 'fingerprint_inputs', or "
+        "a saved /info answer holding them): when the loaded model's differs, the server "
+        "never becomes ready (/ready and the model routes answer 503) and logs both "
+        "fingerprints, and, given the inputs, which of them differ. The fingerprint changes "
+        "only with what changes vectors (model files, pooling, normalize, dimensions, "
+        "prompts, input length, dtype, quantization, attention, task), never with a rename.",
+    )
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8000, gt=0, lt=65536, description="Port to listen on.")
     probe_port: int | None = Field(
@@ -309,6 +321,21 @@ class ServerSettings(EngineSettings):
         "its connection is closed. The first 64 KiB of each body do not count, so small "
         "requests are never refused by it. Default: 16 x max_request_bytes.",
     )
+    max_sending_bytes: int | None = Field(
+        None,
+        gt=0,
+        description="Bytes of answers one HTTP process holds that their clients have not "
+        "taken yet, all connections together: while that much waits, a new request gets 429 "
+        "with Retry-After before any work is done for it. Default: 2 x max_response_bytes.",
+    )
+    send_timeout: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds a client has to take an answer once the server has written it: "
+        "an answer still waiting to be sent (beyond the socket's own buffers) after that is "
+        "dropped and its connection closed, giving back what it held of max_sending_bytes. "
+        "The next request on a connection is not worked on while its previous answer waits.",
+    )
     allowed_hosts: Annotated[list[str] | None, NoDecode] = Field(
         None,
         description="Host names the server answers for, comma-separated (the Host header, "
@@ -382,6 +409,33 @@ class ServerSettings(EngineSettings):
         "when one CPU core, not the model, caps throughput.",
     )
 
+    @field_validator("expect_fingerprint")
+    @classmethod
+    def _expected_fingerprint(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():  # an empty variable means unset
+            return None
+        text = value.strip()
+        # The shape is checked here, with the flag named; embedding_server.fingerprint reads
+        # the value (ExpectedFingerprint.parse) once the model is loaded.
+        if text.startswith("{"):
+            try:
+                given = json.loads(text)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"is not valid JSON: {error}") from None
+            inputs = given.get("fingerprint_inputs", given) if isinstance(given, dict) else None
+            if not isinstance(inputs, dict) or "schema" not in inputs:
+                raise ValueError(
+                    "a JSON value must be the fingerprint's inputs (an object with 'schema', "
+                    "as /info's 'fingerprint_inputs') or an object holding them as "
+                    "'fingerprint_inputs'"
+                )
+        elif re.fullmatch(r"[0-9a-f]{16}", text) is None:
+            raise ValueError(
+                "must be a fingerprint (16 lowercase hex digits, as /info's 'fingerprint') or "
+                f"a JSON object of its inputs; got {text[:40]!r}"
+            )
+        return text
+
     @field_validator("otlp_traces_endpoint")
     @classmethod
     def _otlp_url(cls, value: str | None) -> str | None:
@@ -413,6 +467,11 @@ class ServerSettings(EngineSettings):
     def receiving_bytes(self) -> int:
         """``max_receiving_bytes``, or its default from ``max_request_bytes``."""
         return self.max_receiving_bytes or 16 * self.max_request_bytes
+
+    @property
+    def sending_bytes(self) -> int:
+        """``max_sending_bytes``, or its default from ``max_response_bytes``."""
+        return self.max_sending_bytes or 2 * self.max_response_bytes
 
     @model_validator(mode="after")
     def _probe_port_is_another(self) -> ServerSettings:

@@ -32,7 +32,7 @@ from embedding_server.api.routes_ops import router as ops_router
 from embedding_server.api.routes_tasks import router as tasks_router
 from embedding_server.api.routes_vllm import router as vllm_router
 from embedding_server.api.tracing import TracingMiddleware
-from embedding_server.fingerprint import HEADER
+from embedding_server.fingerprint import HEADER, ExpectedFingerprint
 from embedding_server.metrics import Metrics
 from embedding_server.request.serving import ServingEngine
 from embedding_server.request.tracing import Tracing
@@ -132,6 +132,17 @@ async def _bring_up(lifecycle: Lifecycle, connect: Connect | None) -> None:
             lifecycle.engine = await connect(settings, lifecycle.metrics)
             # A tensor-parallel rank that dies or hangs ends the server (exit 1).
             lifecycle.engine.on_failure(lifecycle.fail)
+        if settings.expect_fingerprint is not None:
+            info = lifecycle.engine.info()
+            try:
+                expected = ExpectedFingerprint.parse(settings.expect_fingerprint)
+            except ValueError as error:  # its shape was checked with the settings
+                lifecycle.refuse(f"--expect-fingerprint {error}")
+                return
+            mismatch = expected.mismatch(info.fingerprint, info.fingerprint_inputs)
+            if mismatch is not None:
+                lifecycle.refuse(mismatch)
+                return
         await lifecycle.engine.start()
     except asyncio.CancelledError:
         raise

@@ -34,6 +34,9 @@ class Lifecycle:
     exit_code: int = 0
     on_fatal: Callable[[], None] | None = None
     failure: str | None = None
+    refusal: str | None = None
+    """Why the loaded model is not served (``--expect-fingerprint`` differs): the process
+    stays up, not ready, so a rollout stops at this pod and the old ones keep serving."""
     served_model_name: str = ""
     accepted_model_names: frozenset[str] = frozenset()
 
@@ -51,19 +54,31 @@ class Lifecycle:
     def require_engine(self) -> ServingEngine:
         """The engine, or 503 while it is still loading (or once it has stopped)."""
         engine = self.engine
-        if engine is None or not engine.ready:
-            message = (
-                "The model could not be loaded; the server log says why."
-                if self.failure is not None
-                else "The model is still loading; retry shortly."
-            )
+        if engine is None or not engine.ready or self.refusal is not None:
+            if self.refusal is not None:
+                message = REFUSED
+            elif self.failure is not None:
+                message = "The model could not be loaded; the server log says why."
+            else:
+                message = "The model is still loading; retry shortly."
             raise NotReadyError(message)
         return engine
 
     def is_ready(self) -> bool:
         """Ready for new traffic: the engine is warmed up (``Engine.ready``, the one source of
         truth) and no drain has begun."""
-        return not self.draining and self.engine is not None and self.engine.ready
+        return (
+            not self.draining
+            and self.refusal is None
+            and self.engine is not None
+            and self.engine.ready
+        )
+
+    def refuse(self, message: str) -> None:
+        """Never become ready: the loaded model is not the one expected (``message`` says
+        how it differs; logged, and the fingerprints only on ``/ready``)."""
+        self.refusal = message
+        logger.error("not serving: %s", message)
 
     def begin_drain(self, reason: str) -> None:
         if not self.draining:
@@ -78,6 +93,11 @@ class Lifecycle:
         if self.on_fatal is not None:
             self.on_fatal()
 
+
+REFUSED = (
+    "The model's embedding fingerprint differs from --expect-fingerprint, so it is not "
+    "served; /info and the server log say which inputs differ."
+)
 
 _heap_frozen = False
 

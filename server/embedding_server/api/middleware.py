@@ -18,6 +18,10 @@ order, for each HTTP request it:
    and a body that would make the bodies still arriving, all requests together, more than
    ``--max-receiving-bytes`` (503 with Retry-After; a body's first 64 KiB do not count);
    the last two close the connection;
+6b. on a POST, waits for the connection's previous answer to have been taken by its client
+   (bounded by ``--send-timeout``, which closes the connection), and refuses the request
+   (429 with Retry-After) while the process holds ``--max-sending-bytes`` of answers waiting
+   to be sent (both from :mod:`embedding_server.api.connections`, under uvicorn);
 7. reads the request's ``X-Priority`` (``interactive`` or ``bulk``; without it, bulk on the
    ``--bulk-routes`` and interactive elsewhere) into :data:`~embedding_server.request.jobs.
    request_priority`, where the engine's admission and batching read it; any other value
@@ -46,6 +50,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from embedding_server.api.errors import error_body
 from embedding_server.api.ids import new_id
 from embedding_server.errors import (
+    AnswersWaitingError,
     AuthenticationError,
     EmbeddingServerError,
     HostNotAllowedError,
@@ -66,6 +71,12 @@ OPEN_PATHS = frozenset({"/health", "/ready", "/load", "/metrics"})
 """Routes that never need the API key: probes and the scrape endpoint."""
 
 _MAX_REQUEST_ID = 128
+
+SENDING_SCOPE_KEY = "embedding_server.sending"
+"""The ASGI scope key of a request's connection under uvicorn
+(:class:`embedding_server.api.connections.GuardedHttpToolsProtocol`): ``await
+previous_answer_sent()`` (whether the connection is still open once its previous answer has
+been taken) and ``budget_full()`` (``--max-sending-bytes`` reached). Absent elsewhere."""
 
 PRIORITY_HEADER = "X-Priority"
 """The header that marks a request ``interactive`` or ``bulk``; the gateway reads and
@@ -163,6 +174,9 @@ class RequestContextMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        sending = scope.get(SENDING_SCOPE_KEY) if scope["method"] == "POST" else None
+        if sending is not None and not await sending.previous_answer_sent():
+            return  # the client never took its previous answer: the connection is closed
         started = time.perf_counter()
         request_id = _clean_request_id(_header(scope, b"x-request-id"))
         token = request_id_var.set(request_id)
@@ -186,6 +200,12 @@ class RequestContextMiddleware:
 
         try:
             refusal = self._refuse(scope, path)
+            if refusal is None and sending is not None and sending.budget_full():
+                refusal = AnswersWaitingError(
+                    "The server holds as many answers waiting for their clients to read them "
+                    "as it may (--max-sending-bytes); retry shortly.",
+                    retry_after=1.0,
+                )
             if refusal is None and scope["method"] == "POST":
                 priority = self._priority(scope, path)
                 if isinstance(priority, InvalidRequestError):
@@ -195,7 +215,11 @@ class RequestContextMiddleware:
             if refusal is not None:
                 # A client without the key learns which scheme to use (RFC 6750).
                 bearer = ((b"www-authenticate", b"Bearer"),)
-                extra = bearer if isinstance(refusal, AuthenticationError) else ()
+                extra: tuple[tuple[bytes, bytes], ...] = ()
+                if isinstance(refusal, AuthenticationError):
+                    extra = bearer
+                elif isinstance(refusal, AnswersWaitingError):
+                    extra = ((b"retry-after", b"%d" % max(1, round(refusal.retry_after))),)
                 await self._send_error(
                     send_wrapper,
                     refusal.status_code,

@@ -18,6 +18,7 @@ from starlette.responses import Response
 from embedding_server.api.errors import error_response
 from embedding_server.api.lifecycle import lifecycle_of
 from embedding_server.api.responses import json_response
+from embedding_server.fingerprint import ExpectedFingerprint
 from embedding_server.request.scheduler import EngineLoad
 
 router = APIRouter()
@@ -39,6 +40,16 @@ async def ready(request: Request) -> Response:
         return json_response({"status": "ready"})
     if lifecycle.draining:
         message = "The server is shutting down."
+    elif lifecycle.refusal is not None and lifecycle.engine is not None:
+        # The fingerprints are no secret (every answer carries one); what differs is logged.
+        info = lifecycle.engine.info()
+        expected = lifecycle.settings.expect_fingerprint or ""
+        message = (
+            f"The model's embedding fingerprint is {info.fingerprint}, not the one "
+            f"--expect-fingerprint gives ({ExpectedFingerprint.parse(expected).fingerprint}): "
+            "it is not served. The server log says which inputs differ."
+        )
+        return error_response(503, message, code="fingerprint_mismatch")
     elif lifecycle.failure is not None:
         # Fixed text: /ready is open without the API key, and a failure's details belong in
         # the log, which only the operator reads.
