@@ -49,6 +49,7 @@ from embedding_server.settings import (
 if TYPE_CHECKING:
     from embedding_server.batch.lines import Key
     from embedding_server.batch.output import BatchOutput
+    from embedding_server.batch.storage import Location
     from embedding_server.device.inspection import Inspection
 
 PROG = "embedding-server"
@@ -194,15 +195,20 @@ def build_parser(settings_model: type[BaseSettings] = ServerSettings) -> argpars
         "when IN or OUT cannot be used (a repeated custom_id, an OUT that is not batch output).",
     )
     batch.add_argument(
-        "-i", "--input-file", required=True, type=Path, metavar="IN", help="The requests (JSONL)."
+        "-i",
+        "--input-file",
+        required=True,
+        metavar="IN",
+        help="The requests (JSONL): a local path, or an s3://bucket/key URL, streamed (the "
+        "standard AWS_* variables; AWS_ENDPOINT_URL for an S3-compatible store).",
     )
     batch.add_argument(
         "-o",
         "--output-file",
         required=True,
-        type=Path,
         metavar="OUT",
-        help="The answers (JSONL), appended to when it exists: what it answers is not sent again.",
+        help="The answers (JSONL), appended to when it exists: what it answers is not sent "
+        "again. A local path: object storage cannot be appended to.",
     )
     batch.add_argument(
         "--max-in-flight",
@@ -406,24 +412,41 @@ def _verify(
 
 
 def run_batch(
-    settings: ServerSettings, input_file: Path, output_file: Path, *, max_in_flight: int = 64
+    settings: ServerSettings,
+    input_file: str | Path,
+    output_file: str | Path,
+    *,
+    max_in_flight: int = 64,
 ) -> int:
-    """``embedding-server run-batch``: answer ``input_file``'s requests into ``output_file``;
-    the process exit status. The files are checked before the model loads."""
+    """``embedding-server run-batch``: answer ``input_file``'s requests (a path, or an
+    ``s3://`` URL) into ``output_file``; the process exit status. The files are checked
+    before the model loads."""
     apply_process_env_defaults(os.environ)  # as serve: before anything imports torch
     from embedding_server.batch.lines import BatchFileError
     from embedding_server.batch.output import BatchOutput
     from embedding_server.batch.runner import scan_input
+    from embedding_server.batch.storage import S3_SCHEME, StorageError, locate
     from embedding_server.logging import configure_logging
 
     configure_logging(settings.log_level, settings.log_format)
     # The client logs every request at INFO: the progress line says it once per interval.
     logging.getLogger("httpx2").setLevel(logging.WARNING)
-    output = BatchOutput(output_file)
+    if str(output_file).startswith(S3_SCHEME):
+        sys.stderr.write(
+            f"{PROG} run-batch: error: -o {output_file}: the output must be a local file: it is "
+            "appended to answer by answer and read back to resume, which object storage "
+            "cannot do. Write it locally and copy it when the run ends, or embed a corpus on "
+            f"S3 with '{PROG} job' (docs/server/jobs.md)\n"
+        )
+        return EXIT_BAD_SETTINGS
+    output = BatchOutput(Path(output_file))
+    source: Path | Location = Path(input_file)
     try:
+        if str(input_file).startswith(S3_SCHEME):
+            source = locate(str(input_file))
         answered = output.recover()
-        scan = scan_input(input_file, answered)
-    except (BatchFileError, OSError) as error:
+        scan = scan_input(source, answered)
+    except (BatchFileError, OSError, StorageError) as error:
         sys.stderr.write(f"{PROG} run-batch: error: {error}\n")
         return EXIT_BAD_SETTINGS
     if scan.remaining == 0:
@@ -435,13 +458,13 @@ def run_batch(
         )
         return 0
     return asyncio.run(
-        _run_batch_here(settings, input_file, output, answered, scan.total, max_in_flight)
+        _run_batch_here(settings, source, output, answered, scan.total, max_in_flight)
     )
 
 
 async def _run_batch_here(
     settings: ServerSettings,
-    input_file: Path,
+    input_file: Path | Location,
     output: BatchOutput,
     answered: set[Key],
     total: int,
@@ -556,6 +579,11 @@ def format_inspection(inspection: Inspection) -> str:
     rows += [
         ("max input tokens", str(info.max_input_tokens)),
         ("dtype", info.dtype),
+        (
+            "fingerprint",
+            info.fingerprint
+            or "unknown until the weights are downloaded (inspect reads only their headers)",
+        ),
     ]
     if info.tensor_parallel_size > 1:
         rows.append(("tensor parallel", f"{info.tensor_parallel_size} ranks"))

@@ -17,6 +17,7 @@ from embedding_server.cli import (
     build_parser,
     load_settings,
 )
+from embedding_server.engine import Engine
 from embedding_server.settings import ServerSettings
 
 from e2e.harness.proc import free_port
@@ -257,6 +258,9 @@ def test_inspect_prints_what_the_packaged_model_would_be_served_as() -> None:
         line.startswith("ignored pooler.dense.bias, pooler.dense.weight: ") for line in ignored
     )
     assert any(line.startswith("ignored embeddings.position_ids: ") for line in ignored)
+    # What serving the same settings would fingerprint, known before serving.
+    with Engine.from_pretrained(dtype="float32", device="cpu") as served:
+        assert _field(out, "fingerprint") == served.info().fingerprint
 
 
 def test_inspect_json_follows_the_settings_given() -> None:

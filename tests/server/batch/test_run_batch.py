@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import orjson
 import pytest
+from embedding_server.fingerprint import is_fingerprint
 from sentence_transformers import SentenceTransformer
 
 from tests.support.models import MINILM_DIR
@@ -78,6 +79,10 @@ def test_a_batch_file_gets_sentence_transformers_vectors_and_the_apis_errors(
     by_id = {(a["custom_id"] or a["id"]): a for a in answers(out)}
     # One answer per request line (the blank line is not one), each once.
     assert len(answers(out)) == 9 == len(by_id)
+    # Every answer with vectors says what computed them: one fingerprint, the server's.
+    fingerprints = {a["response"].get("fingerprint") for a in by_id.values() if a["error"] is None}
+    assert len(fingerprints) == 1 and is_fingerprint(fingerprints.pop() or "")
+    assert "fingerprint" not in by_id["no-input"]["response"]
 
     reference = SentenceTransformer(str(MINILM_DIR), device="cpu")
     expected = reference.encode(TEXTS, normalize_embeddings=True)
@@ -205,3 +210,48 @@ def test_an_unusable_input_or_output_is_refused_with_exit_2(
     result = run_batch("-i", str(source), "-o", str(tmp_path / "out.jsonl"), "--model", "fake")
     assert result.returncode == 2
     assert message in result.stderr
+
+
+def test_an_s3_input_is_streamed_and_an_s3_output_refused(tmp_path: Path) -> None:
+    """-i s3://bucket/key reads the requests from the store (moto on 127.0.0.1); -o s3://
+    is refused before any load, saying why: an object cannot be appended to."""
+    from tests.support.s3 import moto_s3
+
+    count = 30
+    with moto_s3() as store:
+        bucket = store.new_bucket()
+        with store.filesystem().open_output_stream(f"{bucket}/in/requests.jsonl") as stream:
+            stream.write(
+                b"".join(
+                    request(f"doc-{i}", "/v1/embeddings", {"model": "fake", "input": f"t {i}"})
+                    for i in range(count)
+                )
+            )
+        env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("EMBEDDING_SERVER_")},
+            **store.environment,
+        }
+        url = f"s3://{bucket}/in/requests.jsonl"
+        out = tmp_path / "out.jsonl"
+        result = subprocess.run(
+            [SCRIPT, "run-batch", "-i", url, "-o", str(out), "--model", "fake"],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env=env,
+            check=False,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        ids = sorted(a["custom_id"] for a in answers(out))
+        assert ids == sorted(f"doc-{i}" for i in range(count))
+
+        refused = subprocess.run(
+            [SCRIPT, "run-batch", "-i", url, "-o", f"s3://{bucket}/out.jsonl", "--model", "fake"],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env=env,
+            check=False,
+        )
+    assert refused.returncode == 2
+    assert f"-o s3://{bucket}/out.jsonl: the output must be a local file" in refused.stderr
