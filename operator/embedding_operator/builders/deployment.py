@@ -71,6 +71,8 @@ from embedding_operator.builders.common import (
     RenderInput,
     child_metadata,
     common_labels,
+    container_security_context,
+    pod_security_context,
     pvc_name,
     selector_labels,
 )
@@ -79,7 +81,6 @@ CONTAINER_NAME = "embedding-server"
 SHM_GIB_PER_RANK = 1
 """Default ``/dev/shm`` per tensor-parallel rank: NCCL's shared-memory transport keeps a few
 buffers of 4 MiB per channel and peer there, far below this even at 8 ranks."""
-RUN_AS_USER = 1000
 STARTUP_PERIOD_SECONDS = 10
 API_KEY_ENV = "EMBEDDING_SERVER_API_KEY"
 HUB_TOKEN_ENV = "HF_TOKEN"
@@ -345,12 +346,7 @@ def _pod_spec(render: RenderInput) -> dict[str, Any]:
         # then does SIGTERM start the server's drain (readiness 503, in-flight work finished).
         "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SECONDS}}},
         "livenessProbe": _probe("/health", 10, 3),
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "capabilities": {"drop": ["ALL"]},
-            "runAsNonRoot": True,
-            "readOnlyRootFilesystem": True,
-        },
+        "securityContext": container_security_context(),
         "volumeMounts": [
             {
                 "name": "model-cache",
@@ -373,13 +369,7 @@ def _pod_spec(render: RenderInput) -> dict[str, Any]:
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": termination_grace_seconds(render),
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUN_AS_USER,
-            "runAsGroup": RUN_AS_USER,
-            "fsGroup": RUN_AS_USER,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": pod_security_context(),
         "containers": [container],
         "volumes": _volumes(render),
     }

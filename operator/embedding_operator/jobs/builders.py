@@ -40,9 +40,10 @@ from embedding_operator.builders.common import (
     VERSION,
     Manifest,
     Owner,
+    container_security_context,
     endpoint,
+    pod_security_context,
 )
-from embedding_operator.builders.deployment import RUN_AS_USER
 from embedding_operator.jobs.spec import PVC_MOUNT_PATH, EmbeddingJobSpec
 from embedding_operator.spec import EmbeddingServiceSpec
 
@@ -248,12 +249,7 @@ def _pod_template(
         # what the operator reports for a failed planner.
         "terminationMessagePath": TERMINATION_LOG,
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "capabilities": {"drop": ["ALL"]},
-            "runAsNonRoot": True,
-            "readOnlyRootFilesystem": True,
-        },
+        "securityContext": container_security_context(),
         "volumeMounts": mounts,
     }
     if pull_policy:
@@ -265,13 +261,7 @@ def _pod_template(
             "serviceAccountName": service_account_name(owner),
             "automountServiceAccountToken": False,
             "enableServiceLinks": False,
-            "securityContext": {
-                "runAsNonRoot": True,
-                "runAsUser": RUN_AS_USER,
-                "runAsGroup": RUN_AS_USER,
-                "fsGroup": RUN_AS_USER,
-                "seccompProfile": {"type": "RuntimeDefault"},
-            },
+            "securityContext": pod_security_context(),
             "containers": [container],
             "volumes": volumes,
         },
