@@ -37,6 +37,7 @@ import pytest
 
 from e2e.harness.proc import free_port
 from tests.support.api import scrape, wait_for
+from tests.support.sockets import peer_closed, read_until_closed
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -759,29 +760,6 @@ def _address(served: Served) -> tuple[str, int]:
     return host, int(port)
 
 
-def _closed(sock: socket.socket) -> bool:
-    """Whether the server has closed ``sock`` (whatever it answered first)."""
-    sock.setblocking(False)
-    try:
-        while True:
-            if not sock.recv(65536):
-                return True
-    except BlockingIOError:
-        return False
-    except OSError:  # reset
-        return True
-
-
-def _answer(sock: socket.socket, timeout: float = 10.0) -> bytes:
-    """Everything the server sends on ``sock`` until it closes it."""
-    sock.settimeout(timeout)
-    chunks = []
-    with contextlib.suppress(OSError):
-        while chunk := sock.recv(65536):
-            chunks.append(chunk)
-    return b"".join(chunks)
-
-
 def test_200_mib_of_headers_are_refused_as_they_arrive(http_server: Served) -> None:
     # One header, sent 64 KiB at a time, up to 200 MiB: it used to be buffered whole
     # (the process grew by 200 MiB) before the API key was even looked at.
@@ -793,7 +771,7 @@ def test_200_mib_of_headers_are_refused_as_they_arrive(http_server: Served) -> N
             while sent < 200 * 2**20:
                 sock.sendall(b"a" * 65536)
                 sent += 65536
-        answer = _answer(sock)
+        answer = read_until_closed(sock)
         sock.close()
     assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
     assert sent < 8 * 2**20, f"the server read {sent / 2**20:.0f} MiB of headers"
@@ -809,10 +787,10 @@ def test_half_open_connections_are_closed_and_capped(http_server: Served) -> Non
     sockets += [socket.create_connection(_address(http_server)) for _ in range(250)]
     try:
         time.sleep(0.3)
-        early = sum(_closed(sock) for sock in sockets)
+        early = sum(peer_closed(sock) for sock in sockets)
         assert early >= 500 - MAX_CONNECTIONS - 5, f"only {early} of 500 closed at once"
         time.sleep(HEADER_TIMEOUT + 1.5)
-        assert all(_closed(sock) for sock in sockets), "a half-open connection is still open"
+        assert all(peer_closed(sock) for sock in sockets), "a half-open connection is still open"
     finally:
         for sock in sockets:
             sock.close()
@@ -826,7 +804,7 @@ def test_a_head_sent_a_byte_at_a_time_is_cut_off(http_server: Served) -> None:
         for byte in b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Slow: " + b"a" * 100:
             sock.sendall(bytes([byte]))
             time.sleep(0.05)
-    answer = _answer(sock)
+    answer = read_until_closed(sock)
     sock.close()
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
     assert time.monotonic() - started < HEADER_TIMEOUT + 2
@@ -848,7 +826,7 @@ def test_stalled_uploads_are_bounded_in_memory_and_timed_out(http_server: Served
         time.sleep(0.5)
         # Another client is served meanwhile.
         assert embed_ok(http_server.url).status_code == 200
-        answers = [_answer(sock, timeout=BODY_TIMEOUT + 5) for sock in uploads]
+        answers = [read_until_closed(sock, timeout=BODY_TIMEOUT + 5) for sock in uploads]
     for sock in uploads:
         sock.close()
     statuses = {answer[:12] for answer in answers}
@@ -864,7 +842,7 @@ def test_an_idle_kept_alive_connection_is_closed(http_server: Served) -> None:
     sock.settimeout(5)
     assert sock.recv(65536).startswith(b"HTTP/1.1 200")
     time.sleep(2.0)
-    assert _closed(sock)
+    assert peer_closed(sock)
     sock.close()
 
 

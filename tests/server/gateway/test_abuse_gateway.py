@@ -25,6 +25,7 @@ import pytest
 
 from tests.server.gateway.gateway_process import GatewayProcess, gateway_process
 from tests.support.api import ServerProcess, server_process, wait_for
+from tests.support.sockets import peer_closed, read_until_closed
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -83,29 +84,6 @@ def _address(gw: GatewayProcess) -> tuple[str, int]:
     return "127.0.0.1", gw.port
 
 
-def _closed(sock: socket.socket) -> bool:
-    """Whether the gateway has closed ``sock`` (whatever it sent first)."""
-    sock.setblocking(False)
-    try:
-        while True:
-            if not sock.recv(65536):
-                return True
-    except BlockingIOError:
-        return False
-    except OSError:  # reset
-        return True
-
-
-def _answer(sock: socket.socket, timeout: float) -> bytes:
-    """Everything the gateway sends on ``sock`` until it closes it (or ``timeout``)."""
-    sock.settimeout(timeout)
-    chunks = []
-    with contextlib.suppress(OSError):
-        while chunk := sock.recv(65536):
-            chunks.append(chunk)
-    return b"".join(chunks)
-
-
 def _small_request(gw: GatewayProcess) -> httpx.Response:
     return httpx.post(gw.url + "/v1/embeddings", json={"input": "another client"}, timeout=30)
 
@@ -140,7 +118,7 @@ def test_h4_stalled_uploads_are_held_within_the_byte_budget(upstream: ServerProc
             # Refused by its Content-Length, the answer comes before any byte is read (all
             # the heads arrive before any body is sent: the refusals are not slowed by them).
             if select.select([sock], [], [], 2.0)[0]:
-                answers[index] = _answer(sock, timeout=5)
+                answers[index] = read_until_closed(sock, timeout=5)
                 return
             sock.settimeout(20)
             with contextlib.suppress(OSError):
@@ -159,7 +137,7 @@ def test_h4_stalled_uploads_are_held_within_the_byte_budget(upstream: ServerProc
         assert grown < BUFFERED_BYTES / MIB + 64, f"the gateway grew by {grown:.0f} MiB"
         try:
             stalled = [s for i, s in enumerate(uploads) if i not in answers]
-            timed_out = [_answer(sock, timeout=BODY_TIMEOUT + 5) for sock in stalled]
+            timed_out = [read_until_closed(sock, timeout=BODY_TIMEOUT + 5) for sock in stalled]
             closed_after = time.monotonic() - started
         finally:
             for sock in uploads:
@@ -208,7 +186,7 @@ def test_h5_unread_answers_are_held_within_the_budget_and_cut_off(
         assert grown < BUFFERED_BYTES / MIB + 64, f"the gateway grew by {grown:.0f} MiB"
         started = time.monotonic()
         wait_for(
-            lambda: all(_closed(s) for s in readers),
+            lambda: all(peer_closed(s) for s in readers),
             timeout=WRITE_TIMEOUT + 30,
             interval=0.1,
             what="the unread connections closed",
@@ -262,11 +240,11 @@ def test_l1_connections_without_a_request_are_capped_and_closed(upstream: Server
         sockets += [socket.create_connection(_address(gw)) for _ in range(150)]
         try:
             time.sleep(0.5)
-            early = [sock for sock in sockets if _closed(sock)]
+            early = [sock for sock in sockets if peer_closed(sock)]
             assert len(early) >= 300 - MAX_CONNECTIONS - 5, f"only {len(early)} closed at once"
             started = time.monotonic()
             wait_for(
-                lambda: all(_closed(sock) for sock in sockets),
+                lambda: all(peer_closed(sock) for sock in sockets),
                 timeout=HEADER_TIMEOUT + 3,
                 interval=0.1,
                 what="every half-open connection closed",
@@ -286,7 +264,7 @@ def test_l1_a_head_sent_a_byte_at_a_time_is_cut_off(upstream: ServerProcess) -> 
             for byte in b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Slow: " + b"a" * 200:
                 sock.sendall(bytes([byte]))
                 time.sleep(0.05)
-        answer = _answer(sock, timeout=10)
+        answer = read_until_closed(sock, timeout=10)
         sock.close()
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
     assert b"--header-timeout" in answer
@@ -304,7 +282,7 @@ def test_l1_headers_are_bounded_as_they_arrive(upstream: ServerProcess) -> None:
             for n in range(120):
                 sock.sendall(b"X-Fill-%d: %s\r\n" % (n, b"a" * 8000))
                 sent += 8000
-        answer = _answer(sock, timeout=10)
+        answer = read_until_closed(sock, timeout=10)
         sock.close()
     assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
 
@@ -315,5 +293,7 @@ def test_l1_an_idle_kept_alive_connection_is_closed(upstream: ServerProcess) -> 
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
         sock.settimeout(5)
         assert sock.recv(65536).startswith(b"HTTP/1.1 200")
-        wait_for(lambda: _closed(sock), timeout=4, interval=0.1, what="the idle connection closed")
+        wait_for(
+            lambda: peer_closed(sock), timeout=4, interval=0.1, what="the idle connection closed"
+        )
         sock.close()
