@@ -1,7 +1,8 @@
 """Which API keys send bulk traffic: ``--bulk-api-keys-file``.
 
 A team's indexing job and its search box often share a route (``/v1/embeddings``) but not a
-key, so the key is how the gateway tells them apart when the client sets no ``X-Priority``.
+key, so the key is how the gateway tells them apart; a bulk key's requests stay bulk whatever
+their ``X-Priority`` says, so an indexing job cannot jump the interactive queue.
 
 The keys are secrets, so the gateway keeps only their SHA-256 digests, never logs a key or
 its digest (only how many were read and from where), and compares a request's key with every

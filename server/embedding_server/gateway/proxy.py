@@ -620,25 +620,27 @@ class Gateway:
         return ", ".join(repr(name) for name in names) if names else "none"
 
     def _priority(self, request: web.Request) -> tuple[Priority, web.Response | None]:
+        """A bulk API key's requests are bulk whatever their header says (a key handed to an
+        indexing job cannot jump the interactive queue); otherwise the header, else the
+        route. A header that is neither class is a 400 either way."""
         given = request.headers.get(PRIORITY_HEADER)
-        if given is None:
-            # The header, else the API key, else the route.
-            keys = self.bulk_keys
-            if keys is not None and keys.keys.is_bulk(request.headers.get("Authorization")):
-                return "bulk", None
-            return ("bulk" if request.path in self.bulk_routes else "interactive"), None
-        value = given.strip().lower()
+        value = None if given is None else given.strip().lower()
+        if value not in (None, "interactive", "bulk"):
+            return "interactive", error_response(
+                400,
+                f"The {PRIORITY_HEADER} header must be 'interactive' or 'bulk'.",
+                error_type="invalid_request_error",
+                code="invalid_value",
+                param=PRIORITY_HEADER,
+            )
+        keys = self.bulk_keys
+        if keys is not None and keys.keys.is_bulk(request.headers.get("Authorization")):
+            return "bulk", None
         if value == "interactive":
             return "interactive", None
         if value == "bulk":
             return "bulk", None
-        return "interactive", error_response(
-            400,
-            f"The {PRIORITY_HEADER} header must be 'interactive' or 'bulk'.",
-            error_type="invalid_request_error",
-            code="invalid_value",
-            param=PRIORITY_HEADER,
-        )
+        return ("bulk" if request.path in self.bulk_routes else "interactive"), None
 
     async def _pick(
         self,

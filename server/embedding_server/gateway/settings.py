@@ -169,8 +169,9 @@ class GatewaySettings(BaseSettings):
     bulk_api_keys_file: str | None = Field(
         None,
         description="A file of API keys, one per line ('#' comments), whose requests are bulk "
-        "unless X-Priority says otherwise: the key of an 'Authorization: Bearer' header is "
-        "looked up before --bulk-routes. Only the keys' SHA-256 digests are kept and none "
+        "whatever their X-Priority says: the key of an 'Authorization: Bearer' header is "
+        "looked up before the header and --bulk-routes. Only the keys' SHA-256 digests are "
+        "kept and none "
         "is ever logged; the file (a mounted Secret) is read again when it changes.",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field(

@@ -1,5 +1,5 @@
-"""Priority by API key: ``--bulk-api-keys-file`` makes a key's requests bulk when they carry no
-``X-Priority``, before ``--bulk-routes``; the keys stay secret (digests only, never logged)."""
+"""Priority by API key: ``--bulk-api-keys-file`` makes a key's requests bulk whatever their
+``X-Priority`` says, before ``--bulk-routes``; the keys stay secret (digests only, never logged)."""
 
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def test_a_keys_file_that_cannot_be_read_stops_the_gateway_at_start(
     assert BULK_KEY not in log
 
 
-async def test_the_key_decides_before_the_route_and_the_header_before_both(
+async def test_a_bulk_key_stays_bulk_and_the_header_decides_before_the_route(
     tmp_path: Path,
 ) -> None:
     path = tmp_path / "keys"
@@ -114,11 +114,22 @@ async def test_the_key_decides_before_the_route_and_the_header_before_both(
                     ("/v1/embeddings", bulk),  # the key: bulk
                     ("/v1/embeddings", search),  # another key, an interactive route
                     ("/v2/embed", search),  # another key, a bulk route
-                    ("/v1/embeddings", {**bulk, "X-Priority": "interactive"}),  # the header
+                    # A bulk key cannot make itself interactive (issue 48, L5).
+                    ("/v1/embeddings", {**bulk, "X-Priority": "interactive"}),
+                    ("/v2/embed", {**search, "X-Priority": "interactive"}),  # the header
+                    ("/v1/embeddings", {**search, "X-Priority": "bulk"}),  # the header
                     ("/v1/embeddings", {}),  # no key
                 ):
                     answer = await client.post(path_, json=body, headers=headers)
                     assert answer.status_code == 200
     finally:
         await stub.stop()
-    assert stub.priorities == ["bulk", "interactive", "bulk", "interactive", "interactive"]
+    assert stub.priorities == [
+        "bulk",
+        "interactive",
+        "bulk",
+        "bulk",
+        "interactive",
+        "bulk",
+        "interactive",
+    ]
