@@ -73,6 +73,18 @@ FORWARDED_ROUTES = (
 ``tests/server/gateway`` checks this against the server's own route table."""
 
 PRIORITY_HEADER = "X-Priority"
+ECHO_CHARS = 200
+"""The most of a client's model name an error message repeats (issue 48, L4: a 1 MiB name was
+echoed whole into the 404)."""
+
+
+def _echo(name: str) -> str:
+    """``name`` quoted for an error message, cut to :data:`ECHO_CHARS` characters."""
+    if len(name) <= ECHO_CHARS:
+        return repr(name)
+    return f"{name[:ECHO_CHARS]!r}... ({len(name):,} characters)"
+
+
 TOKENS_PER_BYTE = 0.25
 """Estimated tokens of a held request: a quarter of its body's bytes (English text runs at
 about four bytes per token; JSON framing makes it an overestimate, which is the safe side
@@ -608,7 +620,7 @@ class Gateway:
         if service is None:
             return None, error_response(
                 404,
-                f"The model {model!r} does not exist here. Known models: {self._known()}.",
+                f"The model {_echo(model)} does not exist here. Known models: {self._known()}.",
                 error_type="invalid_request_error",
                 code="model_not_found",
                 param="model",

@@ -132,11 +132,16 @@ async def test_an_unknown_model_is_a_404_naming_the_known_ones(stubs: tuple[Stub
         answer = await client.post("/v1/embeddings", json={"model": "nope", "input": "x"})
         missing = await client.post("/v1/embeddings", json={"input": "x"})
         wrong = await client.post("/v1/embeddings", json={"model": 3, "input": "x"})
+        huge = await client.post("/v1/embeddings", json={"model": "n" * 1_000_000, "input": "x"})
         models = (await client.get("/v1/models")).json()
     assert answer.status_code == 404
     error = answer.json()["error"]
     assert error["param"] == "model" and error["code"] == "model_not_found"
     assert all(f"'{name}'" in error["message"] for name in ("m", "other", "o"))
+    # A name is echoed cut short, not whole (issue 48, L4: a 1 MiB name came back whole).
+    assert huge.status_code == 404
+    assert len(huge.content) < 2_000, len(huge.content)
+    assert "(1,000,000 characters)" in huge.json()["error"]["message"]
     # With several models, 'model' is needed to choose one.
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "model"
     assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "model"
