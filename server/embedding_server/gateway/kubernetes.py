@@ -15,7 +15,11 @@ the deprecated comma-separated annotation :data:`ALIASES_ANNOTATION` (the union:
 operator passes its names to the server too, so both keep routing while users move). Its
 endpoints are the ready addresses of the EndpointSlices labelled
 ``kubernetes.io/service-name`` with its name (the operator names the Service after the
-EmbeddingService), on the port named ``http``.
+EmbeddingService), on the port named ``http``; only slices that Kubernetes' own
+endpoint-slice controller manages for that Service (its ``managed-by`` label and a controller
+ownerReference to the Service of that name), and only their endpoints that are pods (a
+``targetRef`` of kind Pod): a slice anyone else writes, labelled with a service's name, is
+not routed to (issue 48, L8).
 """
 
 from __future__ import annotations
@@ -36,6 +40,11 @@ GROUP = "embedding-operator.dev"
 VERSION = "v1alpha1"
 PLURAL = "embeddingservices"
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+MANAGED_BY_LABEL = "endpointslice.kubernetes.io/managed-by"
+SLICE_CONTROLLER = "endpointslice-controller.k8s.io"
+"""The value of :data:`MANAGED_BY_LABEL` on the slices Kubernetes derives from a Service's
+selector; a slice written by anyone else (a mirroring controller, a CR author with write
+access to EndpointSlices) carries another value or none."""
 PORT_NAME = "http"
 ALIASES_ANNOTATION = "embedding-operator.dev/aliases"
 """Deprecated: extra model names of an EmbeddingService, comma-separated, from before
@@ -74,8 +83,30 @@ def model_names(resource: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(names)
 
 
+def slice_service(endpoint_slice: Mapping[str, Any]) -> str | None:
+    """The Service whose endpoints an EndpointSlice holds, if the endpoint-slice controller
+    made it for that Service: its ``kubernetes.io/service-name`` label, when the slice is
+    also labelled managed by the controller and controlled (ownerReference) by the v1
+    Service of that name. None for any other slice, which is never routed to."""
+    metadata = endpoint_slice.get("metadata") or {}
+    labels = metadata.get("labels") or {}
+    service = labels.get(SERVICE_NAME_LABEL)
+    if not service or labels.get(MANAGED_BY_LABEL) != SLICE_CONTROLLER:
+        return None
+    for owner in metadata.get("ownerReferences") or []:
+        if (
+            owner.get("controller") is True
+            and owner.get("apiVersion") == "v1"
+            and owner.get("kind") == "Service"
+            and owner.get("name") == service
+        ):
+            return str(service)
+    return None
+
+
 def slice_endpoints(endpoint_slice: Mapping[str, Any]) -> frozenset[str]:
-    """Base URLs of an EndpointSlice's ready endpoints on the ``http`` port."""
+    """Base URLs of an EndpointSlice's ready pod endpoints on the ``http`` port (an endpoint
+    without a Pod ``targetRef``, an address written by hand, is skipped)."""
     ports = endpoint_slice.get("ports") or []
     port = next((p.get("port") for p in ports if p.get("name") == PORT_NAME), None)
     if port is None and len(ports) == 1:
@@ -86,6 +117,8 @@ def slice_endpoints(endpoint_slice: Mapping[str, Any]) -> frozenset[str]:
     for endpoint in endpoint_slice.get("endpoints") or []:
         # An unset condition means ready (discovery.k8s.io/v1); terminating ones are not.
         if (endpoint.get("conditions") or {}).get("ready") is False:
+            continue
+        if (endpoint.get("targetRef") or {}).get("kind") != "Pod":
             continue
         for address in (endpoint.get("addresses") or [])[:1]:
             host = f"[{address}]" if ":" in address else address
@@ -143,10 +176,11 @@ class ClusterState:
         elif event_type == "DELETED":
             self.slices.pop(_key(payload), None)
         elif event_type in ("ADDED", "MODIFIED"):
-            labels = (payload.get("metadata") or {}).get("labels") or {}
-            service = labels.get(SERVICE_NAME_LABEL)
-            if service:
-                self.slices[_key(payload)] = (str(service), slice_endpoints(payload))
+            service = slice_service(payload)
+            if service is not None:
+                self.slices[_key(payload)] = (service, slice_endpoints(payload))
+            else:  # relabelled or re-owned: it no longer counts for any service
+                self.slices.pop(_key(payload), None)
 
     def catalog(self) -> list[Service]:
         by_service: dict[tuple[str, str], set[str]] = {}

@@ -98,16 +98,34 @@ def _service(name: str, spec: dict[str, Any], **extra: Any) -> dict[str, Any]:
 
 
 def _slice(name: str, service: str, *endpoints: tuple[str, bool | None]) -> dict[str, Any]:
+    """An EndpointSlice as Kubernetes' endpoint-slice controller writes it for ``service``."""
     return {
         "metadata": {
             "namespace": "ns",
             "name": name,
-            "labels": {"kubernetes.io/service-name": service},
+            "labels": {
+                "kubernetes.io/service-name": service,
+                "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io",
+            },
+            "ownerReferences": [
+                {
+                    "apiVersion": "v1",
+                    "kind": "Service",
+                    "name": service,
+                    "uid": f"uid-{service}",
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
         },
         "addressType": "IPv4",
         "ports": [{"name": "metrics", "port": 9090}, {"name": "http", "port": 8000}],
         "endpoints": [
-            {"addresses": [address], "conditions": {} if ready is None else {"ready": ready}}
+            {
+                "addresses": [address],
+                "conditions": {} if ready is None else {"ready": ready},
+                "targetRef": {"kind": "Pod", "namespace": "ns", "name": f"pod-{address}"},
+            }
             for address, ready in endpoints
         ],
     }
@@ -193,6 +211,40 @@ def test_cluster_state_joins_services_to_their_ready_slice_endpoints() -> None:
     assert state.catalog()[0].endpoints == {"http://10.0.0.4:8000"}
     state.apply("EmbeddingService", "DELETED", _service("a", {}))
     assert state.catalog() == []
+
+
+def test_only_the_slice_controllers_slices_of_the_service_and_their_pods_are_routed_to() -> None:
+    """Issue 48, L8: a slice labelled with a service's name but written by someone else
+    (without the endpoint-slice controller's label, or not controlled by the Service of that
+    name), and an endpoint that is not a pod, are not routed to; the controller's own slice
+    of the Service is."""
+    state = ClusterState()
+    state.apply("EmbeddingService", "SYNC", [_service("a", {"model": {"name": "org/a"}})])
+    genuine = _slice("a-1", "a", ("10.0.0.1", True))
+    unmanaged = _slice("a-forged-1", "a", ("10.6.6.1", True))
+    del unmanaged["metadata"]["labels"]["endpointslice.kubernetes.io/managed-by"]
+    mirrored = _slice("a-forged-2", "a", ("10.6.6.2", True))
+    mirrored["metadata"]["labels"]["endpointslice.kubernetes.io/managed-by"] = "someone-else"
+    foreign_owner = _slice("a-forged-3", "a", ("10.6.6.3", True))
+    foreign_owner["metadata"]["ownerReferences"][0]["name"] = "attacker"
+    not_controller = _slice("a-forged-4", "a", ("10.6.6.4", True))
+    not_controller["metadata"]["ownerReferences"][0]["controller"] = False
+    no_owner = _slice("a-forged-5", "a", ("10.6.6.5", True))
+    del no_owner["metadata"]["ownerReferences"]
+    not_a_pod = _slice("a-2", "a", ("10.0.0.2", True), ("10.6.6.6", True))
+    not_a_pod["endpoints"][1]["targetRef"]["kind"] = "Node"
+    del not_a_pod["endpoints"][0]["targetRef"]
+    state.apply(
+        "EndpointSlice",
+        "SYNC",
+        [genuine, unmanaged, mirrored, foreign_owner, not_controller, no_owner, not_a_pod],
+    )
+    assert state.catalog()[0].endpoints == {"http://10.0.0.1:8000"}
+    # A slice that was the controller's and is relabelled by hand stops counting.
+    relabelled = _slice("a-1", "a", ("10.0.0.1", True))
+    relabelled["metadata"]["labels"]["endpointslice.kubernetes.io/managed-by"] = "me"
+    state.apply("EndpointSlice", "MODIFIED", relabelled)
+    assert state.catalog()[0].endpoints == frozenset()
 
 
 class Replay:
