@@ -53,8 +53,10 @@ from embedding_operator.builders.common import (
     RenderInput,
     selector_string,
 )
+from embedding_operator.golden import Fetch, GoldenKeeper, GoldenOutcome, http_fetch
 from embedding_operator.kube import Cluster, ObjectRef, controller_of
 from embedding_operator.metrics import OperatorMetrics, service_state
+from embedding_operator.names import NameClaims, Refusal, claimed_names
 from embedding_operator.plan import Planned, Refused, plan
 from embedding_operator.policy import DEFAULT_POLICY, WorkloadPolicy
 from embedding_operator.profiles import GpuProfiles
@@ -67,6 +69,7 @@ from embedding_operator.status import (
     CHILD_CONFLICT,
     CHILD_REJECTED,
     DEGRADED,
+    NAMES_OWNED,
     READY,
     SCALED_TO_ZERO,
     DeploymentFacts,
@@ -75,6 +78,7 @@ from embedding_operator.status import (
     container_config_problem,
     merge_conditions,
     model_load_problem,
+    names_condition,
     status_patch,
 )
 from embedding_operator.versions import Versions, WatchedPods, WatchedVersions
@@ -114,6 +118,19 @@ def owner_ref(namespace: str, name: str) -> ObjectRef:
     return ObjectRef(API_VERSION, KIND, namespace, name)
 
 
+class _Once:
+    """A reconcile's pods, read at most once however many steps look at them."""
+
+    def __init__(self, read: Callable[[], list[dict[str, Any]]]) -> None:
+        self._read = read
+        self._pods: list[dict[str, Any]] | None = None
+
+    def __call__(self) -> list[dict[str, Any]]:
+        if self._pods is None:
+            self._pods = self._read()
+        return self._pods
+
+
 class Reconciler:
     """Reconciles EmbeddingServices against a ``Cluster``.
 
@@ -136,9 +153,17 @@ class Reconciler:
         autoscaling: AutoscalingDefaults = DEFAULT_AUTOSCALING,
         metrics: OperatorMetrics | None = None,
         pods: WatchedPods | None = None,
+        names: NameClaims | None = None,
+        golden_fetch: Fetch = http_fetch,
     ) -> None:
         self._cluster = cluster
+        self._golden = GoldenKeeper(cluster, golden_fetch, clock)
         self._pods = pods
+        # Who claims which model name (None: not watched, no NamesOwned condition), and per
+        # object the refusals its status last said, so a settled object is not skipped once
+        # another object's claim changed them.
+        self._names = names
+        self._refusals_said: dict[tuple[str, str], tuple[Refusal, ...]] = {}
         self._profiles = profiles
         self._default_image = default_image
         self._policy = policy
@@ -160,12 +185,17 @@ class Reconciler:
         """Drop per-object state of a deleted EmbeddingService."""
         self._absent_checked.pop((namespace, name), None)
         self._settled.pop((namespace, name), None)
+        self._refusals_said.pop((namespace, name), None)
 
     def _unchanged_since_settled(self, namespace: str, name: str) -> bool:
         settled = self._settled.get((namespace, name))
         if settled is None or self._versions is None:
             return False
         versions, verified_at = settled
+        if self._names is not None and self._names.refused(
+            namespace, name
+        ) != self._refusals_said.get((namespace, name)):
+            return False
         fresh = self._monotonic() - verified_at < self._full_resync_seconds
         return fresh and self._versions.current(namespace, name) == versions
 
@@ -243,20 +273,36 @@ class Reconciler:
             live = self._cluster.get(ref)
             if live is not None and (controller_of(live) or {}).get("uid") == owner.uid:
                 deployment = live
+        golden: GoldenOutcome | None = None
         if problem is None and deployment is not None and isinstance(planned, Planned):
-            problem = self._pods_problem(owner, planned.render.spec, deployment)
+            pods = _Once(lambda: self._server_pods(owner))
+            problem = self._pods_problem(planned.render.spec, deployment, pods)
+            if problem is None:
+                golden = self._golden.step(
+                    owner,
+                    planned.render.spec,
+                    pods,
+                    settled=DeploymentFacts.from_live(deployment).settled,
+                )
+                problem = golden.problem
 
         render = planned.render if isinstance(planned, Planned) else None
         autoscaler = None
         if render is not None and render.autoscaler is not None:
             autoscaler = children_live.get(AUTOSCALER_KINDS[render.autoscaler])
-        owner_version = self._write_status(body, owner, render, deployment, problem, autoscaler)
+        owner_version = self._write_status(
+            body, owner, render, deployment, problem, autoscaler, golden
+        )
         outcome = Outcome(
-            problem=problem, status_written=owner_version is not None, applied=applied
+            problem=problem,
+            status_written=owner_version is not None,
+            applied=applied,
+            requeue_after=golden.retry_after if golden is not None else None,
         )
         if not (
             isinstance(planned, Planned)
             and problem is None
+            and (golden is None or golden.retry_after is None)
             and deployment is not None
             and DeploymentFacts.from_live(deployment).settled
             and set(children_live) == {m["kind"] for m in planned.children.present}
@@ -270,16 +316,21 @@ class Reconciler:
         return outcome, Versions(version, children)
 
     def _pods_problem(
-        self, owner: Owner, spec: EmbeddingServiceSpec, deployment: dict[str, Any]
+        self,
+        spec: EmbeddingServiceSpec,
+        deployment: dict[str, Any],
+        pods: Callable[[], list[dict[str, Any]]],
     ) -> Problem | None:
         """A pod the kubelet cannot start (a missing Secret), read only while pods are unready."""
         if DeploymentFacts.from_live(deployment).settled:
             return None
+        return container_config_problem(pods(), spec) or model_load_problem(pods())
+
+    def _server_pods(self, owner: Owner) -> list[dict[str, Any]]:
+        """The service's pods, from the pod watch when it runs one, else a labelled LIST."""
         if self._pods is not None:
-            pods = self._pods.pods(owner.namespace, owner.name)
-        else:
-            pods = self._cluster.list_pods(owner.namespace, selector_string(owner))
-        return container_config_problem(pods, spec) or model_load_problem(pods)
+            return self._pods.pods(owner.namespace, owner.name)
+        return self._cluster.list_pods(owner.namespace, selector_string(owner))
 
     def _write_status(
         self,
@@ -289,16 +340,27 @@ class Reconciler:
         deployment: dict[str, Any] | None,
         problem: Problem | None,
         autoscaler: dict[str, Any] | None = None,
+        golden: GoldenOutcome | None = None,
     ) -> str | None:
         """Write status if it changed; the object's new resourceVersion, None if unchanged."""
         old: dict[str, Any] = dict(body.get("status") or {})
+        names = None
+        if self._names is not None:
+            refusals = self._names.refused(owner.namespace, owner.name)
+            self._refusals_said[(owner.namespace, owner.name)] = refusals
+            names = names_condition(len(claimed_names(body)), refusals)
         status, conditions = compute_status(
             generation=owner.generation,
             render=render,
             deployment=deployment,
             problem=problem,
             autoscaler=autoscaler,
+            names=names,
         )
+        if golden is not None:
+            status["contract"] = golden.status
+        elif "contract" in old:
+            status["contract"] = old["contract"]  # not looked at this time: still what it was
         status["conditions"] = merge_conditions(
             old.get("conditions"), conditions, generation=owner.generation, now=self._clock()
         )
@@ -326,6 +388,14 @@ class Reconciler:
                 self._recorder(body, type="Warning", reason=cond["reason"], message=cond["message"])
                 log.warning(
                     "%s/%s degraded: %s",
+                    body["metadata"]["namespace"],
+                    body["metadata"]["name"],
+                    cond["message"],
+                )
+            elif cond["type"] == NAMES_OWNED and cond["status"] == "False":
+                self._recorder(body, type="Warning", reason=cond["reason"], message=cond["message"])
+                log.warning(
+                    "%s/%s: %s",
                     body["metadata"]["namespace"],
                     body["metadata"]["name"],
                     cond["message"],

@@ -308,6 +308,34 @@ class Rollout(_Model):
         return self
 
 
+ContractPolicy = Literal["strict", "allowDrift"]
+STRICT_MIN_COSINE = 0.9999
+"""What ``strict`` asks of every probe: vLLM's CI counts a model as unchanged when its STS
+score moves by less than 1e-4, and a different model moves it by more than 1e-3."""
+DRIFT_MIN_COSINE = 0.999
+
+
+class Contract(_Model):
+    """What a pod's vectors must match: the golden vectors the service's first ready pod
+    recorded (``golden.py``)."""
+
+    policy: ContractPolicy = "strict"
+    min_cosine: float | None = Field(default=None, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _tolerance_needs_drift(self) -> Contract:
+        if self.min_cosine is not None and self.policy != "allowDrift":
+            raise ValueError("minCosine needs policy allowDrift (strict asks 0.9999)")
+        return self
+
+    @property
+    def threshold(self) -> float:
+        """The lowest cosine a probe may reach before the pod is kept out of the Service."""
+        if self.policy == "strict":
+            return STRICT_MIN_COSINE
+        return DRIFT_MIN_COSINE if self.min_cosine is None else self.min_cosine
+
+
 class ModelCache(_Model):
     mode: CacheMode = "none"
     size: IntOrString | None = None
@@ -466,6 +494,7 @@ class EmbeddingServiceSpec(_Model):
     replicas: int = Field(default=1, ge=0, le=1000)
     autoscaling: Autoscaling = Autoscaling()
     rollout: Rollout = Rollout()
+    contract: Contract = Contract()
     model_cache: ModelCache = ModelCache()
     service: ServiceSpec = ServiceSpec()
     network_policy: NetworkPolicySpec = NetworkPolicySpec()

@@ -32,6 +32,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from embedding_operator.builders.golden import CONTRACT_LABEL
+
 Key = tuple[str, str]  # (namespace, name) of an EmbeddingService
 ChildVersion = tuple[str, str, str]  # (kind, name, resourceVersion)
 
@@ -86,20 +88,36 @@ _CONTAINER_FIELDS = ("name", "state", "lastState", "restartCount")
 
 
 def _slim(pod: Mapping[str, Any]) -> dict[str, Any]:
-    """What ``status.container_config_problem`` and ``status.model_load_problem`` read of a
-    pod, and nothing else (a full pod is several kilobytes; 1,000 of them would double RSS)."""
+    """What ``status.container_config_problem``, ``status.model_load_problem`` and
+    ``golden.PodFacts`` read of a pod, and nothing else (a full pod is several kilobytes;
+    1,000 of them would double RSS)."""
     meta = pod.get("metadata") or {}
     status = pod.get("status") or {}
-    return {
-        "metadata": {"name": meta.get("name", ""), "namespace": meta.get("namespace", "")},
-        "status": {
-            which: [
-                {k: copy.deepcopy(c[k]) for k in _CONTAINER_FIELDS if k in c}
-                for c in status.get(which) or []
-            ]
-            for which in ("initContainerStatuses", "containerStatuses")
-        },
+    labels = meta.get("labels") or {}
+    slim_meta: dict[str, Any] = {
+        "name": meta.get("name", ""),
+        "namespace": meta.get("namespace", ""),
     }
+    if CONTRACT_LABEL in labels:
+        slim_meta["labels"] = {CONTRACT_LABEL: labels[CONTRACT_LABEL]}
+    if meta.get("deletionTimestamp"):
+        slim_meta["deletionTimestamp"] = meta["deletionTimestamp"]
+    slim_status: dict[str, Any] = {
+        which: [
+            {k: copy.deepcopy(c[k]) for k in _CONTAINER_FIELDS if k in c}
+            for c in status.get(which) or []
+        ]
+        for which in ("initContainerStatuses", "containerStatuses")
+    }
+    if status.get("podIP"):
+        slim_status["podIP"] = status["podIP"]
+    ready = [c for c in status.get("conditions") or [] if c.get("type") == "Ready"]
+    if ready:
+        slim_status["conditions"] = [{"type": "Ready", "status": ready[0].get("status")}]
+    slim: dict[str, Any] = {"metadata": slim_meta, "status": slim_status}
+    if (pod.get("spec") or {}).get("nodeName"):
+        slim["spec"] = {"nodeName": pod["spec"]["nodeName"]}
+    return slim
 
 
 class WatchedPods:

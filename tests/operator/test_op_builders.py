@@ -310,7 +310,15 @@ def test_deployment_probes_security_volumes_labels() -> None:
     # Read-only root; every path the server writes is a volume.
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
-    assert mounts == {"/cache": "model-cache", "/dev/shm": "dshm", "/tmp": "tmp"}
+    # Every path the server writes, and the golden record it reads (read-only).
+    assert mounts == {
+        "/cache": "model-cache",
+        "/dev/shm": "dshm",
+        "/tmp": "tmp",
+        "/etc/embedding-server/golden": "golden",
+    }
+    golden_mount = next(m for m in container["volumeMounts"] if m["name"] == "golden")
+    assert golden_mount["readOnly"] is True
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["HF_HOME"].startswith("/cache/")
     # Endpoints go first (preStop), then the server drains; the kubelet waits for both.
@@ -322,6 +330,8 @@ def test_deployment_probes_security_volumes_labels() -> None:
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}
     assert volumes["model-cache"] == {"name": "model-cache", "emptyDir": {}}
+    # Optional: the first pod of a model starts before anything is recorded.
+    assert volumes["golden"]["configMap"]["optional"] is True
     annotations = deployment["spec"]["template"]["metadata"]["annotations"]
     assert annotations == {
         "prometheus.io/scrape": "true",
@@ -609,7 +619,8 @@ def test_model_cache_modes() -> None:
     volumes = {v["name"]: v for v in existing["spec"]["template"]["spec"]["volumes"]}
     assert volumes["model-cache"]["persistentVolumeClaim"] == {"claimName": "shared-hf-cache"}
     container = existing["spec"]["template"]["spec"]["containers"][0]
-    assert all(not m.get("readOnly") for m in container["volumeMounts"])
+    cache_mount = next(m for m in container["volumeMounts"] if m["name"] == "model-cache")
+    assert not cache_mount.get("readOnly")
     assert "HF_HUB_OFFLINE" not in {e["name"] for e in container["env"]}
 
 

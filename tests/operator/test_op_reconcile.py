@@ -6,12 +6,20 @@ from typing import Any
 
 import pytest
 from embedding_operator.builders.common import AutoscalingDefaults
+from embedding_operator.builders.golden import contract_key
 from embedding_operator.kube import ApiError, ObjectRef
 from embedding_operator.profiles import GpuProfiles
 from embedding_operator.reconcile import Reconciler, owner_ref
+from embedding_operator.spec import parse_spec
 from embedding_operator.versions import WatchedPods, WatchedVersions
 
-from tests.support.operator import FakeCluster
+from tests.support.operator import (
+    FakeCluster,
+    FakeGolden,
+    golden_answer,
+    golden_record,
+    server_pod,
+)
 
 NS = "team"
 
@@ -143,35 +151,43 @@ def test_api_calls_per_reconcile(cluster: FakeCluster) -> None:
     before it halves the operator's throughput at scale (bench.operator_scale prints the
     same counts from a real run's /metrics)."""
     add_service(cluster, MODEL)
-    rec = make(cluster)
-    # New (generation 1, no status yet): the owner, its 2 children, the pods (not ready yet);
-    # 2 applies and the first status. Nothing to look for that it must not have.
+    golden = FakeGolden({"10.0.0.1": golden_answer()})
+    rec = make(cluster, golden_fetch=golden)
+    # New (generation 1, no status yet): the owner, its 2 children, the golden record, the
+    # pods (not ready yet, listed once for both steps that look at them); 2 applies and the
+    # first status. Nothing to look for that it must not have.
     rec.reconcile(NS, "emb")
-    assert _reads_writes(cluster) == (4, 3)
+    assert _reads_writes(cluster) == (5, 3)
     # Rolling out, woken by a pod event: an unchanged status is not written.
     cluster.calls.clear()
     rec.reconcile(NS, "emb")
-    assert _reads_writes(cluster) == (4, 0)
-    # Rolled out: no pod list once the Deployment is ready; Ready is written once.
+    assert _reads_writes(cluster) == (5, 0)
+    # Rolled out: the first ready pod's golden vectors are recorded (one pod list, one
+    # write), and Ready is written once.
     mark_rolled_out(cluster)
+    key = contract_key(parse_spec(MODEL))
+    cluster.add(server_pod("emb-abc", key=key, ip="10.0.0.1"))
     cluster.calls.clear()
     rec.reconcile(NS, "emb")
-    assert _reads_writes(cluster) == (3, 1)
-    # Converged: three reads, no write.
+    assert _reads_writes(cluster) == (5, 2)
+    # Converged: four reads (the record's included), no write, no pod list, no pod asked.
     cluster.calls.clear()
+    golden.asked.clear()
     rec.reconcile(NS, "emb")
-    assert _reads_writes(cluster) == (3, 0)
+    assert _reads_writes(cluster) == (4, 0)
     assert cluster.calls == [
         ("get", "EmbeddingService"),
         ("get", "Deployment"),
         ("get", "Service"),
+        ("get", "ConfigMap"),
     ]
+    assert golden.asked == []
     # A fresh operator (a restart, a failover) checks once that the five children this spec
     # does not want (PVC, HPA, ScaledObject, PDB, NetworkPolicy) are gone: the object has a
     # status, so an earlier reconcile may have created them for an earlier spec.
     cluster.calls.clear()
-    make(cluster).reconcile(NS, "emb")
-    assert _reads_writes(cluster) == (3 + 5, 0)
+    make(cluster, golden_fetch=golden).reconcile(NS, "emb")
+    assert _reads_writes(cluster) == (4 + 5, 0)
 
 
 def test_an_unwanted_child_left_by_an_earlier_spec_is_deleted_by_a_fresh_operator(
@@ -409,7 +425,8 @@ def test_missing_secret_is_reported_from_the_pod_never_read(cluster: FakeCluster
     assert conditions(cluster)["Ready"]["status"] == "True"
     assert not [c for c in cluster.calls if c[1] == "Secret"], "Secrets are never read"
 
-    # A ready Deployment costs no pod list.
+    # A ready Deployment whose golden vectors are recorded costs no pod list.
+    cluster.add(golden_record(contract_key(parse_spec(owner(cluster)["spec"])), golden_answer()))
     cluster.calls.clear()
     rec.reconcile(NS, "emb")
     assert ("get", "Pod") not in cluster.calls

@@ -166,3 +166,102 @@ class FakeCluster:
 
     def writes(self) -> list[tuple[str, str]]:
         return [c for c in self.calls if c[0] != "get"]
+
+
+def golden_answer(
+    fingerprint: str = "0123456789abcdef", state: str = "unchecked", **check: Any
+) -> dict[str, Any]:
+    """A server's ``GET /golden`` answer (the shape ``embedding_server.api.golden`` serves)."""
+    return {
+        "probe_set": "v1",
+        "fingerprint": fingerprint,
+        "fingerprint_inputs": {"dtype": "float32"},
+        "model": "m",
+        "dimensions": 2,
+        "probes": ["hello", "world"],
+        "vectors": ["AACAPwAAAAA=", "AAAAAAAAgD8="],
+        "check": {"state": state, **check},
+    }
+
+
+class FakeGolden:
+    """The operator's view of the pods' probe ports: ``answers`` by pod IP; an IP without one
+    is unreachable. ``asked`` lists the IPs asked, in order."""
+
+    def __init__(self, answers: dict[str, dict[str, Any]] | None = None) -> None:
+        self.answers = answers or {}
+        self.asked: list[str] = []
+
+    def __call__(self, ip: str) -> dict[str, Any]:
+        from embedding_operator.golden import GoldenUnreachable
+
+        self.asked.append(ip)
+        if ip not in self.answers:
+            raise GoldenUnreachable(f"GET http://{ip}:8001/golden: connection refused")
+        return copy.deepcopy(self.answers[ip])
+
+
+def server_pod(
+    name: str,
+    *,
+    key: str,
+    ip: str = "10.0.0.1",
+    ready: bool = True,
+    node: str = "node-1",
+    instance: str = "emb",
+    namespace: str = "team",
+) -> dict[str, Any]:
+    """A running server pod of EmbeddingService ``instance`` with contract key ``key``."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": {
+                "app.kubernetes.io/name": "embedding-server",
+                "app.kubernetes.io/instance": instance,
+                "embedding-operator.dev/contract": key,
+            },
+        },
+        "spec": {"nodeName": node},
+        "status": {
+            "podIP": ip,
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+            "containerStatuses": [{"name": "embedding-server", "state": {"running": {}}}],
+        },
+    }
+
+
+def golden_record(
+    key: str,
+    answer: dict[str, Any],
+    *,
+    name: str = "emb",
+    namespace: str = "team",
+    owner_uid: str = "owner-uid",
+) -> dict[str, Any]:
+    """The ConfigMap ``<name>-golden`` as the operator writes it, holding ``answer`` for
+    contract ``key``."""
+    import json
+
+    record = {k: v for k, v in answer.items() if k != "check"}
+    record["recordedFrom"] = {"pod": f"{name}-first", "node": "node-1"}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": f"{name}-golden",
+            "namespace": namespace,
+            "ownerReferences": [
+                {
+                    "apiVersion": "embedding-operator.dev/v1alpha1",
+                    "kind": "EmbeddingService",
+                    "name": name,
+                    "uid": owner_uid,
+                    "controller": True,
+                }
+            ],
+        },
+        "data": {f"{key}.json": json.dumps(record)},
+    }

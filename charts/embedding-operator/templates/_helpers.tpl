@@ -171,6 +171,11 @@ children a spec no longer wants (an HPA after autoscaling is switched off, ...).
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
   verbs: [get, list, watch, create, patch, delete]
+# The golden-vectors record of each EmbeddingService (the ConfigMap <name>-golden it owns):
+# read per reconcile, written when a model's first pod turns Ready. No other ConfigMap is read.
+- apiGroups: [""]
+  resources: [configmaps]
+  verbs: [get, create, patch]
 # Server pods (label-selected): a container the kubelet cannot create (a missing Secret) is
 # reported from the pod's status. No access to Secrets at all.
 - apiGroups: [""]

@@ -52,6 +52,10 @@ Choices made here, and why:
 * Images: ``spec.media`` passes the server's media flags (``--allowed-media-domains`` and
   the image limits), each only when set. The pods need egress to the listed hosts; the
   operator's NetworkPolicy restricts ingress only, so it never stands in the way.
+* Golden vectors: the pod template carries its contract key (a label) and mounts the optional
+  ConfigMap ``<name>-golden``; ``--golden-vectors`` names the record its vectors must match and
+  ``--golden-min-cosine`` the bar of ``spec.contract`` (``builders/golden.py``). The flags come
+  before ``server.extraArgs``, which may override them.
 * When autoscaling is on, ``spec.replicas`` is omitted: the HPA owns it, and server-side apply
   then never fights the HPA over the field.
 """
@@ -61,6 +65,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from embedding_operator.builders import golden
 from embedding_operator.builders.common import (
     CACHE_MOUNT_PATH,
     PORT_NAME,
@@ -151,6 +156,7 @@ def server_args(render: RenderInput) -> list[str]:
     if spec.tracing is not None:
         args += ["--otlp-traces-endpoint", spec.tracing.otlp_endpoint]
     args += media_args(render)
+    args += golden.server_args(spec)
     args += _set_flags(
         ("--max-batch-tokens", srv.max_batch_tokens),
         ("--max-batch-size", srv.max_batch_size),
@@ -321,6 +327,7 @@ def _volumes(render: RenderInput) -> list[dict[str, Any]]:
             "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(render)},
         },
         {"name": "tmp", "emptyDir": {}},
+        golden.volume(render.owner),
     ]
 
 
@@ -355,6 +362,7 @@ def _pod_spec(render: RenderInput) -> dict[str, Any]:
             },
             {"name": "dshm", "mountPath": "/dev/shm"},
             {"name": "tmp", "mountPath": "/tmp"},
+            golden.volume_mount(),
         ],
     }
     if spec.server.image_pull_policy:
@@ -401,7 +409,10 @@ def build_deployment(render: RenderInput) -> Manifest:
         },
         "template": {
             "metadata": {
-                "labels": common_labels(render.owner),
+                "labels": {
+                    **common_labels(render.owner),
+                    golden.CONTRACT_LABEL: golden.contract_key(spec),
+                },
                 "annotations": {
                     "prometheus.io/scrape": "true",
                     "prometheus.io/port": str(SERVER_PORT),

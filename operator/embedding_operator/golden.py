@@ -1,0 +1,315 @@
+"""Golden vectors: what the first ready pod of a model embeds is the record every later pod of
+that model must match (issue 47, item 2).
+
+The server does the embedding and the comparing (``--golden-vectors``, ``GET /golden``); the
+operator does the two things only it can:
+
+* **record**: when the ConfigMap ``<name>-golden`` holds no record for the spec's contract key
+  (``builders/golden.py``) and a pod of that key is Ready, it reads the pod's ``/golden`` on
+  the probe port and writes it there, with the pod and node it came from. The ConfigMap then
+  holds that key's record only: pods of an earlier model lose their file and compare no more,
+  which is right, since the record they matched is no longer the service's.
+* **name the pods that differ**: while the Deployment is not settled, it reads ``/golden`` of
+  each not-ready pod of the current key; one whose server found its vectors changed makes the
+  ``VectorsChanged`` problem, naming the pod, its node, the lowest cosine and which fingerprint
+  inputs differ. The server keeps that pod's ``/ready`` at 503, so it never takes traffic
+  whatever the operator does; the operator's part is to say so.
+
+Everything in ``status.contract`` is computed from the ConfigMap each reconcile (facts, not
+memory), so an operator restart or a second replica reports the same. The operator never adopts
+a ConfigMap of that name it did not create: it is reported, and no record is written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from embedding_operator.builders.common import PROBE_PORT, Owner, owner_reference
+from embedding_operator.builders.golden import (
+    CONTRACT_LABEL,
+    configmap_name,
+    contract_key,
+    record_file,
+)
+from embedding_operator.kube import ApiError, Cluster, ObjectRef, controller_of
+from embedding_operator.spec import EmbeddingServiceSpec
+from embedding_operator.status import Problem
+
+log = logging.getLogger(__name__)
+
+VECTORS_CHANGED = "VectorsChanged"
+GOLDEN_CONFLICT = "GoldenRecordConflict"
+RECORD_FIELDS = ("probe_set", "fingerprint", "fingerprint_inputs", "model", "dimensions")
+RECORD_DATA_FIELDS = ("probes", "vectors")
+MAX_ANSWER_BYTES = 4 << 20
+"""A record is a few hundred kilobytes at most (8 probes of 4,096 float32 dimensions, base64);
+an answer past this is not one, and is not read on."""
+MAX_PODS_ASKED = 8
+"""Not-ready pods asked per reconcile: enough to name the first that differ, bounded however
+many replicas roll at once."""
+FETCH_TIMEOUT_SECONDS = 5.0
+
+
+class GoldenUnreachable(Exception):
+    """A pod's ``/golden`` could not be read (refused, timed out, not JSON)."""
+
+
+Fetch = Callable[[str], dict[str, Any]]
+"""Pod IP -> its ``/golden`` answer; raises :class:`GoldenUnreachable`."""
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A pod runs whatever image its spec names: its answer must not send the operator on to
+    another address (the API server, a cloud metadata service)."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+# No proxy either: a pod address is reached directly, whatever HTTP_PROXY the operator has.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirects())
+
+
+def http_fetch(ip: str, timeout: float = FETCH_TIMEOUT_SECONDS) -> dict[str, Any]:
+    host = f"[{ip}]" if ":" in ip else ip
+    url = f"http://{host}:{PROBE_PORT}/golden"
+    try:
+        with _OPENER.open(url, timeout=timeout) as answer:
+            body = answer.read(MAX_ANSWER_BYTES + 1)
+    except (OSError, urllib.error.URLError) as exc:
+        raise GoldenUnreachable(f"GET {url}: {exc}") from exc
+    if len(body) > MAX_ANSWER_BYTES:
+        raise GoldenUnreachable(f"GET {url}: the answer is over {MAX_ANSWER_BYTES} bytes")
+    try:
+        parsed = json.loads(body)
+    except ValueError as exc:
+        raise GoldenUnreachable(f"GET {url}: not JSON ({exc})") from exc
+    if not isinstance(parsed, dict):
+        raise GoldenUnreachable(f"GET {url}: not a JSON object")
+    return parsed
+
+
+@dataclass(frozen=True)
+class PodFacts:
+    """What the golden step reads of a server pod."""
+
+    name: str
+    node: str
+    ip: str
+    ready: bool
+    key: str
+    terminating: bool
+
+    @classmethod
+    def from_pod(cls, pod: Mapping[str, Any]) -> PodFacts:
+        meta = pod.get("metadata") or {}
+        status = pod.get("status") or {}
+        conditions = {c.get("type"): c.get("status") for c in status.get("conditions") or []}
+        return cls(
+            name=str(meta.get("name") or ""),
+            node=str((pod.get("spec") or {}).get("nodeName") or ""),
+            ip=str(status.get("podIP") or ""),
+            ready=conditions.get("Ready") == "True",
+            key=str((meta.get("labels") or {}).get(CONTRACT_LABEL) or ""),
+            terminating=bool(meta.get("deletionTimestamp")),
+        )
+
+
+@dataclass(frozen=True)
+class GoldenOutcome:
+    """``status.contract``; the problem a pod that differs makes; ``retry_after`` when a
+    record is due but could not be taken yet (a ready pod not answering)."""
+
+    status: dict[str, Any]
+    problem: Problem | None = None
+    retry_after: float | None = None
+
+
+def changed_message(pod: PodFacts, check: Mapping[str, Any], threshold: float) -> str:
+    lowest = check.get("min_cosine")
+    probe = check.get("probe")
+    where = f"pod {pod.name} on node {pod.node or '(unscheduled)'}"
+    if isinstance(lowest, int | float):
+        said = f"{where}: lowest cosine {lowest:.6f} on probe {probe}, under {threshold:g}"
+    else:
+        said = f"{where}: {check.get('reason') or 'its vectors differ from the record'}"
+    differs = check.get("differs") or {}
+    if isinstance(differs, Mapping) and differs:
+        parts = []
+        for name, pair in sorted(differs.items()):
+            if isinstance(pair, list | tuple) and len(pair) == 2:
+                parts.append(f"{name} {pair[0]} -> {pair[1]}")
+            else:
+                parts.append(str(name))
+        said += "; its fingerprint differs in " + ", ".join(parts)
+    elif check.get("expected_fingerprint"):
+        said += "; its fingerprint inputs are the record's (the same inputs gave other vectors)"
+    return said + "; it is kept out of the Service"
+
+
+def record_status(
+    key: str, spec: EmbeddingServiceSpec, record: Mapping[str, Any] | None, **extra: Any
+) -> dict[str, Any]:
+    status: dict[str, Any] = {
+        "key": key,
+        "policy": spec.contract.policy,
+        "minCosine": spec.contract.threshold,
+    }
+    if record is not None:
+        status["state"] = "Recorded"
+        status["fingerprint"] = str(record.get("fingerprint") or "")
+        status["probeSet"] = str(record.get("probe_set") or "")
+        source = record.get("recordedFrom") or {}
+        if isinstance(source, Mapping):
+            status["recordedFrom"] = {
+                "pod": str(source.get("pod") or ""),
+                "node": str(source.get("node") or ""),
+            }
+        if record.get("recordedAt"):
+            status["recordedAt"] = str(record["recordedAt"])
+    status.update(extra)
+    return status
+
+
+def _parse_record(text: object) -> dict[str, Any] | None:
+    if not isinstance(text, str):
+        return None
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return None
+    return parsed if isinstance(parsed, dict) and parsed.get("vectors") else None
+
+
+class GoldenKeeper:
+    """The golden step of a reconcile, against a ``Cluster`` and a way to reach pods."""
+
+    def __init__(self, cluster: Cluster, fetch: Fetch, clock: Callable[[], str]) -> None:
+        self._cluster = cluster
+        self._fetch = fetch
+        self._clock = clock
+
+    def step(
+        self,
+        owner: Owner,
+        spec: EmbeddingServiceSpec,
+        pods: Callable[[], Iterable[Mapping[str, Any]]],
+        *,
+        settled: bool,
+    ) -> GoldenOutcome:
+        """``pods`` is called only when needed: a settled Deployment with a record has every
+        pod ready, so there is none to ask, and it costs one GET (the ConfigMap)."""
+        key = contract_key(spec)
+        ref = ObjectRef("v1", "ConfigMap", owner.namespace, configmap_name(owner))
+        live = self._cluster.get(ref)
+        if live is not None and (controller_of(live) or {}).get("uid") != owner.uid:
+            message = (
+                f"ConfigMap {ref.name} exists and is not this EmbeddingService's: the operator "
+                "never adopts it, so no golden vectors are recorded or checked; delete or "
+                "rename it"
+            )
+            return GoldenOutcome(
+                record_status(key, spec, None, state="Conflict", message=message),
+                problem=Problem(GOLDEN_CONFLICT, message),
+            )
+        record = _parse_record(((live or {}).get("data") or {}).get(record_file(key)))
+        if record is not None and settled:
+            return GoldenOutcome(record_status(key, spec, record))
+        mine = [
+            p for p in map(PodFacts.from_pod, pods()) if p.key == key and p.ip and not p.terminating
+        ]
+        if record is None:
+            return self._record(owner, spec, key, live, [p for p in mine if p.ready])
+        status = record_status(key, spec, record)
+        for pod in [p for p in mine if not p.ready][:MAX_PODS_ASKED]:
+            try:
+                answer = self._fetch(pod.ip)
+            except GoldenUnreachable as exc:
+                log.debug("%s/%s: %s", owner.namespace, pod.name, exc)
+                continue
+            check = answer.get("check") or {}
+            if isinstance(check, Mapping) and check.get("state") == "changed":
+                message = changed_message(pod, check, spec.contract.threshold)
+                return GoldenOutcome(status, problem=Problem(VECTORS_CHANGED, message, True))
+        return GoldenOutcome(status)
+
+    def _record(
+        self,
+        owner: Owner,
+        spec: EmbeddingServiceSpec,
+        key: str,
+        live: Mapping[str, Any] | None,
+        ready: list[PodFacts],
+    ) -> GoldenOutcome:
+        if not ready:
+            waiting = "no golden vectors yet: they are recorded from the first ready pod"
+            return GoldenOutcome(record_status(key, spec, None, state="Pending", message=waiting))
+        failures = []
+        for pod in ready[:2]:
+            try:
+                answer = self._fetch(pod.ip)
+            except GoldenUnreachable as exc:
+                failures.append(str(exc))
+                continue
+            check = answer.get("check") or {}
+            if isinstance(check, Mapping) and check.get("state") == "unsupported":
+                reason = str(check.get("reason") or "this task has no embedding to record")
+                return GoldenOutcome(
+                    record_status(key, spec, None, state="Unsupported", message=reason)
+                )
+            if not answer.get("vectors"):
+                failures.append(f"pod {pod.name}: /golden has no vectors yet")
+                continue
+            record = {k: answer[k] for k in (*RECORD_FIELDS, *RECORD_DATA_FIELDS) if k in answer}
+            record["recordedFrom"] = {"pod": pod.name, "node": pod.node}
+            record["recordedAt"] = self._clock()
+            if not self._write(owner, key, live, record):
+                failures.append(f"ConfigMap {configmap_name(owner)} changed while written")
+                break
+            log.info(
+                "%s/%s: golden vectors recorded from pod %s on node %s (fingerprint %s)",
+                owner.namespace,
+                owner.name,
+                pod.name,
+                pod.node,
+                record.get("fingerprint"),
+            )
+            return GoldenOutcome(record_status(key, spec, record))
+        message = "could not read a ready pod's /golden: " + "; ".join(failures)
+        return GoldenOutcome(
+            record_status(key, spec, None, state="Pending", message=message), retry_after=10.0
+        )
+
+    def _write(
+        self, owner: Owner, key: str, live: Mapping[str, Any] | None, record: dict[str, Any]
+    ) -> bool:
+        """Write the record; False when the ConfigMap changed hands meanwhile (a 409)."""
+        manifest: dict[str, Any] = {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {
+                "name": configmap_name(owner),
+                "namespace": owner.namespace,
+                "labels": {CONTRACT_LABEL: key},
+                "ownerReferences": [owner_reference(owner)],
+            },
+            # This key's record only: a server-side apply drops what it applied before.
+            "data": {record_file(key): json.dumps(record, separators=(",", ":"))},
+        }
+        if live is not None:
+            # Written with the uid it was read with: a ConfigMap replaced since is refused.
+            manifest["metadata"]["uid"] = (live.get("metadata") or {}).get("uid")
+        try:
+            self._cluster.apply(manifest, force=live is not None)
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
+            log.warning("%s/%s: golden record not written: %s", owner.namespace, owner.name, exc)
+            return False
+        return True
