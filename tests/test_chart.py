@@ -1045,3 +1045,42 @@ def test_the_gateway_reads_bulk_api_keys_from_a_mounted_secret(helm: Path) -> No
     assert item["key"] == "bulk-api-keys"
     assert path == f"{mount['mountPath']}/{item['path']}"
     assert "env" not in container
+
+
+def test_reserved_model_names_reach_the_operator_and_the_gateway_alike(
+    helm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``modelNames.reserved`` (issue 48, H3): the operator's setting and the gateway's flag
+    say the same, in the order given (the first match decides), and each parses it."""
+    from embedding_operator.names import ReservedNames as OperatorReserved
+    from embedding_operator.settings import OperatorSettings
+    from embedding_server.gateway.settings import GatewaySettings
+
+    reserved = [
+        {"name": "text-embedding-*", "namespaces": ["search", "ml"]},
+        {"name": "bge-m3", "namespaces": ["ml"]},
+    ]
+    values = {"gateway": {"enabled": True}, "modelNames": {"reserved": reserved}}
+    docs = objects(helm, values)
+    env = _env(one(docs, "Deployment", "eo-embedding-operator"), one(docs, "ConfigMap"))
+    gateway = one(docs, "Deployment", "eo-embedding-operator-gateway")
+    (flag,) = [
+        a
+        for a in gateway["spec"]["template"]["spec"]["containers"][0]["args"]
+        if a.startswith("--reserved-model-names=")
+    ]
+    expected = "text-embedding-*=search|ml,bge-m3=ml"
+    assert env["EMBEDDING_OPERATOR_RESERVED_MODEL_NAMES"] == expected
+    assert flag.split("=", 1)[1] == expected
+    monkeypatch.setenv("EMBEDDING_OPERATOR_RESERVED_MODEL_NAMES", expected)
+    operator = OperatorSettings()
+    assert OperatorReserved(operator.reserved_model_names).rules == (
+        ("text-embedding-*", frozenset({"search", "ml"})),
+        ("bge-m3", frozenset({"ml"})),
+    )
+    gateway_settings = GatewaySettings(discovery="kubernetes", reserved_model_names=expected)
+    assert gateway_settings.reserved_model_names == operator.reserved_model_names
+    plain = objects(helm, {"gateway": {"enabled": True}})
+    assert "EMBEDDING_OPERATOR_RESERVED_MODEL_NAMES" not in _env(
+        one(plain, "Deployment", "eo-embedding-operator"), one(plain, "ConfigMap")
+    )

@@ -268,6 +268,7 @@ def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
         LeaseConfig,
     )
     from embedding_operator.metrics import OperatorMetrics, serve
+    from embedding_operator.names import NameClaims, ReservedNames
     from embedding_operator.reconcile import Reconciler
     from embedding_operator.versions import WatchedPods, WatchedVersions
 
@@ -281,6 +282,7 @@ def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
     metrics_server = serve(metrics, config.metrics_port) if config.metrics_port else None
     versions = WatchedVersions()
     pods = WatchedPods()
+    names = NameClaims(ReservedNames(config.reserved_model_names))
     reconciler = Reconciler(
         cluster=cluster,
         profiles=profiles,
@@ -292,9 +294,10 @@ def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
         autoscaling=config.autoscaling,
         metrics=metrics,
         pods=pods,
+        names=names,
     )
     registry = kopf.OperatorRegistry()
-    controller = handlers.register(registry, reconciler, config, versions, metrics, pods)
+    controller = handlers.register(registry, reconciler, config, versions, metrics, pods, names)
     job_pods = WatchedJobPods()
     job_controller = register_jobs(
         registry,

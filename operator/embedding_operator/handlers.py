@@ -18,7 +18,9 @@ Every trigger becomes one ``Controller.enqueue`` of the EmbeddingService's key:
   cannot start (a missing Secret) or a model that will not load is reported as soon as the
   kubelet says so; its restarts are counted (``metrics.py``), and what the reconciler reads of
   it is kept in ``WatchedPods``, first, so that the reconcile sees it without a LIST;
-* the same ``event`` handler keeps the set the periodic resync walks.
+* the same ``event`` handler keeps the set the periodic resync walks, and who claims which
+  model name (``names.NameClaims``): when an object's names or its existence change, every
+  other claimant of those names is enqueued too, since its ``NamesOwned`` may have changed.
 
 The EmbeddingService and child handlers also record each object's ``resourceVersion`` in
 ``WatchedVersions``, so the reconciler can skip a resync of an object nothing has changed
@@ -49,6 +51,7 @@ from embedding_operator.builders.common import (
 from embedding_operator.controller import Controller
 from embedding_operator.kube import controller_of
 from embedding_operator.metrics import OperatorMetrics
+from embedding_operator.names import NameClaims
 from embedding_operator.reconcile import Reconciler
 from embedding_operator.settings import OperatorSettings
 from embedding_operator.versions import (
@@ -115,6 +118,7 @@ def register(
     versions: WatchedVersions | None = None,
     metrics: OperatorMetrics | None = None,
     pods: WatchedPods | None = None,
+    names: NameClaims | None = None,
 ) -> Controller:
     """Register the handlers on ``registry`` (explicit, so tests and the CLI build their own);
     the returned ``Controller`` does the work and must run next to kopf. ``versions``, when
@@ -149,6 +153,9 @@ def register(
         # metadata changed; not our own status writes.
         if owners.worth_a_reconcile(namespace, name, body, deleted=deleted) and not deleted:
             controller.enqueue(namespace, name)
+        if names is not None:
+            for other in names.update(namespace, name, None if deleted else body):
+                controller.enqueue(*other)
 
     async def on_child(
         *, body: kopf.Body, namespace: str | None, name: str, type: str | None, **_: Any

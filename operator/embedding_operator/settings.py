@@ -92,6 +92,15 @@ class OperatorSettings(BaseSettings):
         "comma-separated shell patterns (e.g. 'prometheus.io/*'); empty allows any. A CR "
         "outside the list is Degraded (ServiceNotAllowed) and nothing is applied.",
     )
+    reserved_model_names: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Model names only some namespaces may claim, comma-separated "
+        "PATTERN=NAMESPACE[|NAMESPACE...] items (shell patterns; the first that matches a "
+        "name decides), e.g. 'text-embedding-*=search|ml'. A claim from another namespace is "
+        "refused (NamesOwned False, NameReserved) however old; any other name is owned by "
+        "its oldest claimant (NameTaken for the others). The gateway's "
+        "--reserved-model-names must say the same (the chart sets both).",
+    )
     default_autoscaler: Autoscaler = Field(
         "hpa",
         description="The autoscaler of EmbeddingServices that enable autoscaling without "
@@ -177,6 +186,21 @@ class OperatorSettings(BaseSettings):
     def _split(cls, value: object) -> object:
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("reserved_model_names", mode="before")
+    @classmethod
+    def _split_reservations(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("reserved_model_names")
+    @classmethod
+    def _reservations(cls, value: list[str]) -> list[str]:
+        from embedding_operator.names import ReservedNames
+
+        ReservedNames(value)  # a malformed item is a settings error, named, at start
         return value
 
     @field_validator("allowed_service_types")

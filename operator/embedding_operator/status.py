@@ -23,6 +23,11 @@ fourth while autoscaling is enabled, and a fifth while it may scale the service 
   own ``lastActiveTime``, to the minute): the last request, to within a minute. The gateway's
   ``embedding_gateway_last_request_timestamp_seconds`` metric has it to the second.
 
+* ``NamesOwned`` (the operator watches who claims which model name, ``names.py``): True when
+  the service owns every name it claims; False, reason ``NameTaken`` (an older
+  EmbeddingService owns one) or ``NameReserved`` (``--reserved-model-names`` keeps it for
+  other namespaces), naming each such name and its owner. The gateway routes the others.
+
 Everything here is pure: the reconciler gathers the facts, ``compute_status`` turns them into
 the status document, ``merge_conditions`` keeps ``lastTransitionTime`` unless a condition's
 status flipped, so that writing status only when it differs never loops.
@@ -37,6 +42,7 @@ from typing import Any, Literal
 
 from embedding_operator.builders.common import RenderInput, endpoint, selector_string
 from embedding_operator.builders.hpa import METRICS, target, target_string
+from embedding_operator.names import Refusal
 from embedding_operator.spec import EmbeddingServiceSpec
 
 AUTOSCALER_KINDS = {"hpa": "HorizontalPodAutoscaler", "keda": "ScaledObject"}
@@ -81,6 +87,11 @@ SERVER_MODEL_LOAD_FAILED = "embedding-server: the model could not be loaded"
 """How the server's termination message begins when it exits because its model would not
 load (embedding_server.termination; the contract test keeps the two equal). The kubelet puts
 it in the pod's ``lastState.terminated.message``."""
+
+NAMES_OWNED = "NamesOwned"
+"""The condition type, and its True reason: every name the service claims is its own."""
+NAME_TAKEN = "NameTaken"
+NAME_RESERVED = "NameReserved"
 
 AUTOSCALER_READY = "AutoscalerReady"
 AUTOSCALER_PENDING = "AutoscalerPending"
@@ -304,6 +315,34 @@ def scaled_to_zero_condition(render: RenderInput, facts: DeploymentFacts) -> Con
     )
 
 
+def names_condition(claimed: int, refusals: Iterable[Refusal]) -> Condition:
+    """``NamesOwned`` from the names the service claims (how many) and those it does not own."""
+    refused = list(refusals)
+    if not refused:
+        return Condition(
+            NAMES_OWNED, "True", NAMES_OWNED, f"the gateway routes all {claimed} model names here"
+        )
+    said = []
+    for refusal in refused:
+        if refusal.owner is None:
+            said.append(
+                f"model name {refusal.name!r} is reserved for other namespaces "
+                "(--reserved-model-names)"
+            )
+        else:
+            said.append(
+                f"model name {refusal.name!r} is taken by {refusal.owner[0]}/{refusal.owner[1]} "
+                "(the older claim)"
+            )
+    reason = NAME_TAKEN if any(r.owner is not None for r in refused) else NAME_RESERVED
+    return Condition(
+        NAMES_OWNED,
+        "False",
+        reason,
+        "; ".join(said) + f"; the gateway does not route {'it' if len(said) == 1 else 'them'} here",
+    )
+
+
 def _deployment_conditions(
     facts: DeploymentFacts | None, zero_by: str | None = None
 ) -> list[Condition]:
@@ -372,9 +411,11 @@ def compute_status(
     deployment: dict[str, Any] | None,
     problem: Problem | None,
     autoscaler: dict[str, Any] | None = None,
+    names: Condition | None = None,
 ) -> tuple[dict[str, Any], list[Condition]]:
     """The status document (conditions without timestamps) and the conditions themselves;
-    ``autoscaler`` is the live HPA or ScaledObject, if the operator has one."""
+    ``autoscaler`` is the live HPA or ScaledObject, if the operator has one; ``names`` the
+    ``NamesOwned`` condition, when the operator watches the names' claims."""
     facts = DeploymentFacts.from_live(deployment) if deployment is not None else None
     conditions = (
         _problem_conditions(problem)
@@ -388,6 +429,8 @@ def compute_status(
         at_zero = scaled_to_zero_condition(render, facts) if facts is not None else None
         if at_zero is not None:
             conditions.append(at_zero)
+    if names is not None:
+        conditions.append(names)
     status: dict[str, Any] = {
         "observedGeneration": generation,
         "replicas": facts.replicas if facts else 0,

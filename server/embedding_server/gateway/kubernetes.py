@@ -20,6 +20,15 @@ endpoint-slice controller manages for that Service (its ``managed-by`` label and
 ownerReference to the Service of that name), and only their endpoints that are pods (a
 ``targetRef`` of kind Pod): a slice anyone else writes, labelled with a service's name, is
 not routed to (issue 48, L8).
+
+A model name is owned by one EmbeddingService (issue 48, H3): when several claim it, the
+oldest claim wins (``metadata.creationTimestamp``, then ``namespace/name``), so a newer object
+can never take a name that routes another team's traffic; the later claimant keeps its other
+names, and the log says once which names it was refused. A name that
+:class:`ReservedNames` reserves (``--reserved-model-names``) may be claimed only from the
+namespaces it lists, whatever the age of the claim. The operator applies the same rule and
+reports a refused claim on the object (``NamesOwned`` False: ``operator/.../names.py``; the
+contract test keeps the two equal).
 """
 
 from __future__ import annotations
@@ -27,7 +36,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from typing import Any, Literal
 
 import orjson
@@ -126,6 +137,60 @@ def slice_endpoints(endpoint_slice: Mapping[str, Any]) -> frozenset[str]:
     return frozenset(urls)
 
 
+class ReservedNames:
+    """Model names that only some namespaces may claim: ``PATTERN=NAMESPACE|NAMESPACE``
+    items (shell patterns such as ``text-embedding-*``). The first pattern that matches a
+    name decides; a name no pattern matches may be claimed from any namespace (and is then
+    its oldest claimant's)."""
+
+    def __init__(self, items: Iterable[str] = ()) -> None:
+        rules: list[tuple[str, frozenset[str]]] = []
+        for item in items:
+            pattern, sep, namespaces = item.partition("=")
+            allowed = frozenset(n.strip() for n in namespaces.split("|") if n.strip())
+            if not sep or not pattern.strip() or not allowed:
+                raise ValueError(
+                    f"--reserved-model-names: {item!r} is not PATTERN=NAMESPACE[|NAMESPACE...]"
+                )
+            rules.append((pattern.strip(), allowed))
+        self.rules = tuple(rules)
+
+    def allows(self, name: str, namespace: str) -> bool:
+        for pattern, allowed in self.rules:
+            if fnmatchcase(name, pattern):
+                return namespace in allowed
+        return True
+
+
+@dataclass(frozen=True)
+class _Claim:
+    """What an EmbeddingService claims: its names, and when it was created (the claim's age;
+    an object without a timestamp sorts last)."""
+
+    names: tuple[str, ...]
+    created: str
+
+
+def _created(resource: Mapping[str, Any]) -> str:
+    return str((resource.get("metadata") or {}).get("creationTimestamp") or "~")
+
+
+def name_owners(
+    claims: Mapping[tuple[str, str], tuple[tuple[str, ...], str]],
+    reserved: ReservedNames | None = None,
+) -> dict[str, tuple[str, str]]:
+    """Each claimed name's owner: of the claims the reservations allow, the oldest (by
+    creation time, then ``(namespace, name)``). ``claims`` maps ``(namespace, name)`` to the
+    object's names and creation time."""
+    reserved = reserved or ReservedNames()
+    owners: dict[str, tuple[str, str]] = {}
+    for key in sorted(claims, key=lambda k: (claims[k][1], k)):
+        for name in claims[key][0]:
+            if name not in owners and reserved.allows(name, key[0]):
+                owners[name] = key
+    return owners
+
+
 def _key(resource: Mapping[str, Any]) -> tuple[str, str]:
     metadata = resource.get("metadata") or {}
     return (str(metadata.get("namespace") or ""), str(metadata.get("name") or ""))
@@ -135,10 +200,12 @@ class ClusterState:
     """What the watches have said: EmbeddingServices' names and EndpointSlices' ready
     endpoints, and the catalog that follows from them."""
 
-    def __init__(self) -> None:
-        self.models: dict[tuple[str, str], tuple[str, ...]] = {}
+    def __init__(self, reserved: ReservedNames | None = None) -> None:
+        self.reserved = reserved or ReservedNames()
+        self.models: dict[tuple[str, str], _Claim] = {}
         self.slices: dict[tuple[str, str], tuple[str, frozenset[str]]] = {}
         self._warned_annotation: set[tuple[str, str]] = set()
+        self._refused: set[tuple[str, tuple[str, str], tuple[str, str] | None]] = set()
 
     def apply(self, kind: Kind, event_type: str, payload: Any) -> None:
         if kind == "EmbeddingService":
@@ -156,7 +223,9 @@ class ClusterState:
         elif event_type in ("ADDED", "MODIFIED"):
             names = model_names(payload)
             if names:
-                self.models[_key(payload)] = names
+                self.models[_key(payload)] = _Claim(names, _created(payload))
+            else:
+                self.models.pop(_key(payload), None)
             annotations = (payload.get("metadata") or {}).get("annotations") or {}
             key = _key(payload)
             if ALIASES_ANNOTATION in annotations and key not in self._warned_annotation:
@@ -186,21 +255,53 @@ class ClusterState:
         by_service: dict[tuple[str, str], set[str]] = {}
         for (namespace, _), (service, urls) in self.slices.items():
             by_service.setdefault((namespace, service), set()).update(urls)
-        return [
-            Service(f"{namespace}/{name}", names, frozenset(by_service.get((namespace, name), ())))
-            for (namespace, name), names in sorted(self.models.items())
-        ]
+        owners = name_owners(
+            {key: (claim.names, claim.created) for key, claim in self.models.items()},
+            self.reserved,
+        )
+        services = []
+        for key, claim in sorted(self.models.items()):
+            owned = tuple(name for name in claim.names if owners.get(name) == key)
+            for name in claim.names:
+                if owners.get(name) != key:
+                    self._refuse(name, key, owners.get(name))
+            if owned:
+                endpoints = frozenset(by_service.get(key, ()))
+                services.append(Service(f"{key[0]}/{key[1]}", owned, endpoints))
+        return services
+
+    def _refuse(self, name: str, key: tuple[str, str], owner: tuple[str, str] | None) -> None:
+        """Log once that ``key``'s claim on ``name`` is ignored, and why."""
+        if (name, key, owner) in self._refused:
+            return
+        self._refused.add((name, key, owner))
+        if owner is None:
+            logger.warning(
+                "%s/%s: model name %r is reserved for other namespaces "
+                "(--reserved-model-names); not routing it there",
+                *key,
+                name,
+            )
+        else:
+            logger.warning(
+                "%s/%s: model name %r is taken by %s/%s (the older claim); not routing it there",
+                *key,
+                name,
+                *owner,
+            )
 
 
 class KubernetesDiscovery:
     """The catalog from the API server (or from ``source``: a replay, in tests)."""
 
-    def __init__(self, source: WatchSource) -> None:
+    def __init__(self, source: WatchSource, reserved: ReservedNames | None = None) -> None:
         self._source = source
-        self.state = ClusterState()
+        self.state = ClusterState(reserved)
 
     @classmethod
-    def in_cluster(cls, namespace: str | None) -> KubernetesDiscovery:
+    def in_cluster(
+        cls, namespace: str | None, reserved: ReservedNames | None = None
+    ) -> KubernetesDiscovery:
         """Watch with the pod's service account (or ``~/.kube/config`` outside a pod);
         ``namespace`` None watches every namespace."""
         from kubernetes import client, config
@@ -209,7 +310,7 @@ class KubernetesDiscovery:
             config.load_incluster_config()  # type: ignore[no-untyped-call]
         except config.ConfigException:
             config.load_kube_config()  # type: ignore[no-untyped-call]
-        return cls(ApiWatchSource.for_api(client.ApiClient(), namespace))
+        return cls(ApiWatchSource.for_api(client.ApiClient(), namespace), reserved)
 
     async def run(self, publish: Publish) -> None:
         loop = asyncio.get_running_loop()

@@ -23,9 +23,10 @@ SHUTDOWN_TIMEOUT = 30.0
 def build_discovery(settings: GatewaySettings) -> Discovery:
     """The discovery source the settings name (a bad routes file fails here, at start)."""
     if settings.discovery == "kubernetes":
-        from embedding_server.gateway.kubernetes import KubernetesDiscovery
+        from embedding_server.gateway.kubernetes import KubernetesDiscovery, ReservedNames
 
-        return KubernetesDiscovery.in_cluster(settings.namespace)
+        reserved = ReservedNames(settings.reserved_model_names)
+        return KubernetesDiscovery.in_cluster(settings.namespace, reserved)
     return StaticDiscovery(settings.routes or (), settings.routes_file)
 
 

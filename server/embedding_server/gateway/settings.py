@@ -47,6 +47,14 @@ class GatewaySettings(BaseSettings):
         description="With --discovery kubernetes: the namespace to watch. Unset: every "
         "namespace (needs cluster-wide RBAC).",
     )
+    reserved_model_names: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="With --discovery kubernetes: model names only some namespaces may "
+        "claim, comma-separated PATTERN=NAMESPACE[|NAMESPACE...] items (shell patterns, the "
+        "first that matches a name decides), e.g. 'text-embedding-*=search|ml'. Any other "
+        "name is owned by its oldest claimant; a claim that loses is not routed. The "
+        "operator's --reserved-model-names must say the same (the chart sets both).",
+    )
     poll_interval: float = Field(
         0.075,
         ge=0.01,
@@ -179,12 +187,20 @@ class GatewaySettings(BaseSettings):
     )
     log_format: Literal["json", "text"] = Field("text", description="Log format.")
 
-    @field_validator("routes", "bulk_routes", mode="before")
+    @field_validator("routes", "bulk_routes", "reserved_model_names", mode="before")
     @classmethod
     def _split(cls, value: object) -> object:
         # NoDecode: the variables are comma-separated like the flags, not JSON lists.
         if isinstance(value, str):
             return [item.strip() for item in value.split(",") if item.strip()]
+        return value
+
+    @field_validator("reserved_model_names")
+    @classmethod
+    def _reservations(cls, value: list[str]) -> list[str]:
+        from embedding_server.gateway.kubernetes import ReservedNames
+
+        ReservedNames(value)  # a malformed item is a settings error, named, at start
         return value
 
     @model_validator(mode="after")

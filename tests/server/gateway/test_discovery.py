@@ -26,6 +26,7 @@ from embedding_server.gateway.kubernetes import (
     Event,
     Kind,
     KubernetesDiscovery,
+    ReservedNames,
     model_names,
 )
 from embedding_server.gateway.proxy import Catalog
@@ -163,14 +164,13 @@ def test_model_names_take_the_specs_aliases_with_the_deprecated_annotations() ->
     assert model_names(resource)[3:] == ("text-embedding-3-small", "small", "old-name")
 
 
-def test_an_alias_routes_to_its_service_and_a_clash_goes_to_the_first(
+def test_an_alias_routes_to_its_service_and_the_deprecated_annotation_is_logged_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Two services claiming one alias: the schema cannot see across objects, so the
-    gateway routes it to the first by namespace/name and says so once in the log; the
-    annotation's use is logged as deprecated once per object."""
-    a = _service("a", {"model": {"name": "org/a"}, "servedModelAliases": ["shared", "only-a"]})
-    b = _service("b", {"model": {"name": "org/b"}, "servedModelAliases": ["shared"]})
+    """Each service's aliases route to it; the annotation's use is logged as deprecated
+    once per object."""
+    a = _service("a", {"model": {"name": "org/a"}, "servedModelAliases": ["only-a"]})
+    b = _service("b", {"model": {"name": "org/b"}, "servedModelAliases": ["only-b"]})
     b["metadata"]["annotations"] = {ALIASES_ANNOTATION: "legacy-b"}
     state = ClusterState()
     with caplog.at_level(logging.WARNING):
@@ -179,13 +179,92 @@ def test_an_alias_routes_to_its_service_and_a_clash_goes_to_the_first(
         state.apply("EndpointSlice", "SYNC", [])
         catalog = Catalog()
         catalog.replace(state.catalog())
-    assert catalog.by_name["shared"].key == "ns/a"
     assert catalog.by_name["only-a"].key == "ns/a"
     assert catalog.by_name["legacy-b"].key == "ns/b"
-    assert catalog.by_name["b"].key == "ns/b"
+    assert catalog.by_name["only-b"].key == "ns/b"
     messages = [r.getMessage() for r in caplog.records]
-    assert sum("'shared' is claimed by ns/a and ns/b" in m for m in messages) == 1
     assert sum("ns/b: the annotation" in m and "deprecated" in m for m in messages) == 1
+
+
+def _claim(namespace: str, name: str, created: str, *aliases: str) -> dict[str, Any]:
+    resource = _service(
+        name,
+        {"model": {"name": f"org/{name}"}, "servedModelAliases": list(aliases)},
+        creationTimestamp=created,
+    )
+    resource["metadata"]["namespace"] = namespace
+    return resource
+
+
+def test_a_model_name_is_the_oldest_claimants_and_a_newer_one_cannot_take_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 48, H3: team-b's newer EmbeddingService claims team-a's served name as an
+    alias, from a namespace that sorts first. The name stays team-a's (the older claim), the
+    thief keeps routing its own names, and the log says so once."""
+    victim = _claim("team-a", "search", "2026-01-01T00:00:00Z", "text-embedding-3-small")
+    thief = _claim("a-thief", "grab", "2026-06-01T00:00:00Z", "search", "text-embedding-3-small")
+    state = ClusterState()
+    with caplog.at_level(logging.WARNING):
+        state.apply("EmbeddingService", "SYNC", [thief, victim])
+        state.apply("EndpointSlice", "SYNC", [])
+        first = state.catalog()
+        state.apply("EmbeddingService", "MODIFIED", thief)
+        catalog = Catalog()
+        catalog.replace(state.catalog())
+    assert catalog.by_name["search"].key == "team-a/search"
+    assert catalog.by_name["text-embedding-3-small"].key == "team-a/search"
+    assert catalog.by_name["grab"].key == "a-thief/grab"
+    assert {s.key: s.names for s in first} == {
+        "a-thief/grab": ("grab", "org/grab"),
+        "team-a/search": ("search", "org/search", "text-embedding-3-small"),
+    }
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("a-thief/grab: model name 'search' is taken by team-a/search" in m for m in messages)
+    assert sum("'search' is taken" in m for m in messages) == 1  # once, not per catalog
+    # The owner goes away: the name is the remaining claimant's.
+    state.apply("EmbeddingService", "DELETED", victim)
+    assert {s.key: s.names for s in state.catalog()}["a-thief/grab"][-2:] == (
+        "search",
+        "text-embedding-3-small",
+    )
+
+
+def test_equal_ages_are_decided_by_namespace_and_name_and_a_spec_edit_does_not_steal() -> None:
+    """Same creation second: namespace/name decides, the same way every time; an older
+    object that adds a name later still wins it (the object's age, not the edit's), and a
+    re-created owner is a new, younger claim."""
+    a = _claim("ns", "a", "2026-01-01T00:00:00Z", "shared")
+    b = _claim("ns", "b", "2026-01-01T00:00:00Z", "shared")
+    state = ClusterState()
+    state.apply("EmbeddingService", "SYNC", [b, a])
+    assert [s.key for s in state.catalog() if "shared" in s.names] == ["ns/a"]
+    old = _claim("other", "old", "2025-01-01T00:00:00Z")
+    state.apply("EmbeddingService", "ADDED", old)
+    state.apply(
+        "EmbeddingService",
+        "MODIFIED",
+        _claim("other", "old", old["metadata"]["creationTimestamp"], "shared"),
+    )
+    assert [s.key for s in state.catalog() if "shared" in s.names] == ["other/old"]
+
+
+def test_reserved_names_may_be_claimed_only_from_their_namespaces() -> None:
+    """``--reserved-model-names``: a reserved name goes to a listed namespace's claim even
+    when an unlisted one claimed it first, and an unlisted claim alone is not routed."""
+    reserved = ReservedNames(["text-embedding-*=search|ml", "bge=ml"])
+    early = _claim("squatter", "early", "2025-01-01T00:00:00Z", "text-embedding-3-large")
+    late = _claim("search", "late", "2026-01-01T00:00:00Z", "text-embedding-3-large")
+    alone = _claim("squatter", "bge", "2025-01-01T00:00:00Z")
+    state = ClusterState(reserved)
+    state.apply("EmbeddingService", "SYNC", [early, late, alone])
+    names = {s.key: s.names for s in state.catalog()}
+    assert "text-embedding-3-large" in names["search/late"]
+    assert "text-embedding-3-large" not in names["squatter/early"]
+    assert names["squatter/bge"] == ("org/bge",)  # "bge" is ml's, its other name still routes
+    assert reserved.allows("anything-else", "squatter")
+    with pytest.raises(ValueError, match="PATTERN=NAMESPACE"):
+        ReservedNames(["text-embedding-*"])
 
 
 def test_cluster_state_joins_services_to_their_ready_slice_endpoints() -> None:
