@@ -54,6 +54,7 @@ from e2e.harness.operator import (
     embedding_service,
     field_of,
     get_json,
+    pods,
     values_args,
     wait_condition,
 )
@@ -841,6 +842,163 @@ def test_killed_operator_and_server_pods_come_back(
             json.dumps(TEXTS[:1]),
         )
     assert len(result["vectors"]) == 1 and len(result["vectors"][0]) == 384
+
+
+# -- (d2) golden vectors: a pod whose vectors drift never takes traffic (issue 47) -------------
+
+# Through the Service: the fingerprint each of N answers carries.
+FINGERPRINTS_SCRIPT = """
+import json, sys
+from openai import OpenAI
+client = OpenAI(base_url=sys.argv[1], api_key="unused", timeout=60)
+model = client.models.list().data[0].id
+seen = []
+for i in range(int(sys.argv[2])):
+    raw = client.embeddings.with_raw_response.create(model=model, input=[f"probe text {i}"])
+    seen.append(raw.headers.get("x-embedding-fingerprint"))
+print(json.dumps({"fingerprints": seen}))
+"""
+
+
+def endpoint_addresses(cluster: KubeClient, namespace: str, service: str) -> set[str]:
+    """The ready pod addresses the Service's EndpointSlices list (what kube-proxy routes to)."""
+    listing = get_json(
+        cluster,
+        "endpointslices",
+        "-n",
+        namespace,
+        "-l",
+        f"kubernetes.io/service-name={service}",
+    )
+    return {
+        address
+        for item in (listing or {}).get("items") or []
+        for endpoint in item.get("endpoints") or []
+        if (endpoint.get("conditions") or {}).get("ready") is not False
+        for address in endpoint.get("addresses") or []
+    }
+
+
+def test_a_pod_whose_vectors_drift_is_kept_out_with_vectors_changed(
+    cluster: KubeClient, release: str, client_pod: ClientPod, namespace: str
+) -> None:
+    """The first ready pod's golden vectors are recorded; a pod of the same model started in
+    another dtype (``server.extraArgs``, as a GPU-type or library change would) embeds the
+    probes, finds them moved, and is never Ready: the Service keeps routing to the first pod
+    only, every answer carries the recorded fingerprint, and the status and an event name
+    the pod, its node, the lowest cosine and the dtype."""
+    name = "drift"
+    spec = {
+        "model": {"name": "sentence-transformers/all-MiniLM-L6-v2"},
+        "server": {"dtype": "float32"},
+        "gpu": {"type": "cpu"},
+        "resources": SMALL_POD,
+        "replicas": 1,
+        "rollout": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    with diagnostics(cluster, namespace, release):
+        deploy(cluster, namespace, name, spec)
+        first = ready_server_pods(cluster, namespace, name)[0]
+        recorded = poll_until(
+            lambda: (
+                (
+                    (
+                        contract := field_of(
+                            get_json(cluster, "embeddingservice", name, "-n", namespace),
+                            "status",
+                            "contract",
+                        )
+                    )
+                    and contract.get("state") == "Recorded"
+                    and contract
+                )
+                or None
+            ),
+            timeout=120,
+            what="the golden vectors to be recorded",
+            interval=1.0,
+        )
+        assert recorded["recordedFrom"]["pod"] == first["metadata"]["name"]
+        assert recorded["recordedFrom"]["node"] == NODE_NAME
+        fingerprint = recorded["fingerprint"]
+        configmap = get_json(cluster, "configmap", f"{name}-golden", "-n", namespace)
+        assert configmap is not None
+        record = json.loads(configmap["data"][f"{recorded['key']}.json"])
+        assert record["fingerprint"] == fingerprint
+        assert record["fingerprint_inputs"]["dtype"] == "float32"
+
+        patch = {"spec": {"server": {"extraArgs": ["--dtype", "bfloat16"]}}}
+        cluster.kubectl(
+            "patch",
+            "embeddingservice",
+            name,
+            "-n",
+            namespace,
+            "--type=merge",
+            "-p",
+            json.dumps(patch),
+        )
+        obj = wait_condition(
+            cluster,
+            namespace,
+            name,
+            "Degraded",
+            "True",
+            reason="VectorsChanged",
+            timeout=READY_TIMEOUT_S,
+        )
+        message = str((condition(obj, "Degraded") or {}).get("message"))
+        drifted = [
+            p
+            for p in pods(cluster, namespace, name)
+            if p["metadata"]["name"] != first["metadata"]["name"]
+        ]
+        assert len(drifted) == 1, [p["metadata"]["name"] for p in drifted]
+        for said in (
+            drifted[0]["metadata"]["name"],
+            NODE_NAME,
+            "lowest cosine",
+            "dtype float32 -> bfloat16",
+        ):
+            assert said in message, (said, message)
+        assert not _ready(drifted[0]), "the drifted pod must never be Ready"
+        events = get_json(
+            cluster,
+            "events",
+            "-n",
+            namespace,
+            "--field-selector",
+            f"involvedObject.name={name},reason=VectorsChanged",
+        )
+        assert (events or {}).get("items"), "a Warning event names the drift"
+        # kube-proxy routes to the first pod only, and what clients get is the recorded model.
+        assert endpoint_addresses(cluster, namespace, name) == {first["status"]["podIP"]}
+        seen = ask(
+            cluster,
+            client_pod,
+            namespace,
+            "fingerprints",
+            FINGERPRINTS_SCRIPT,
+            service_url(name, namespace),
+            "8",
+        )["fingerprints"]
+        assert seen == [fingerprint] * 8, seen
+
+        # Reverting the drift finishes the rollout and clears the condition.
+        patch = {"spec": {"server": {"extraArgs": []}}}
+        cluster.kubectl(
+            "patch",
+            "embeddingservice",
+            name,
+            "-n",
+            namespace,
+            "--type=merge",
+            "-p",
+            json.dumps(patch),
+        )
+        wait_condition(cluster, namespace, name, "Degraded", "False", timeout=READY_TIMEOUT_S)
+        wait_ready_replicas(cluster, namespace, name, 1)
+    cluster.kubectl("delete", "embeddingservice", name, "-n", namespace, "--wait=false")
 
 
 # -- (e) tensor parallelism with the bundled image ---------------------------------------------

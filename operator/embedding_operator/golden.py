@@ -54,6 +54,7 @@ MAX_PODS_ASKED = 8
 """Not-ready pods asked per reconcile: enough to name the first that differ, bounded however
 many replicas roll at once."""
 FETCH_TIMEOUT_SECONDS = 5.0
+COMPARING_RETRY_SECONDS = 10.0
 
 
 class GoldenUnreachable(Exception):
@@ -227,17 +228,23 @@ class GoldenKeeper:
         if record is None:
             return self._record(owner, spec, key, live, [p for p in mine if p.ready])
         status = record_status(key, spec, record)
+        comparing = False
         for pod in [p for p in mine if not p.ready][:MAX_PODS_ASKED]:
             try:
                 answer = self._fetch(pod.ip)
             except GoldenUnreachable as exc:
                 log.debug("%s/%s: %s", owner.namespace, pod.name, exc)
+                comparing = True  # still starting, most likely
                 continue
             check = answer.get("check") or {}
-            if isinstance(check, Mapping) and check.get("state") == "changed":
+            state = check.get("state") if isinstance(check, Mapping) else None
+            if state == "changed":
                 message = changed_message(pod, check, spec.contract.threshold)
                 return GoldenOutcome(status, problem=Problem(VECTORS_CHANGED, message, True))
-        return GoldenOutcome(status)
+            comparing = comparing or state == "unchecked"
+        # A pod still loading or comparing makes no event when it is done (it stays not
+        # ready if its vectors changed): come back rather than wait for the resync.
+        return GoldenOutcome(status, retry_after=COMPARING_RETRY_SECONDS if comparing else None)
 
     def _record(
         self,

@@ -386,3 +386,27 @@ def test_the_fetch_refuses_an_answer_too_large_to_be_a_record(
     probe_port["/golden"] = (200, {}, b"not json")
     with pytest.raises(GoldenUnreachable, match="not JSON"):
         http_fetch("127.0.0.1")
+
+
+def test_a_pod_still_comparing_is_asked_again_soon_without_a_problem() -> None:
+    """A pod whose vectors changed stays not ready, which makes no pod event: the operator
+    must come back on its own, not wait for the resync."""
+    cluster, events = FakeCluster(), Events()
+    spec = {**MODEL, "replicas": 2}
+    _service(cluster, spec)
+    key = contract_key(parse_spec(spec))
+    golden = FakeGolden({"10.0.0.9": golden_answer(state="unchecked")})
+    rec = _reconciler(cluster, golden, events)
+    rec.reconcile(NS, "emb")
+    cluster.add(golden_record(key, golden_answer("feedfacecafebeef")))
+    cluster.add(server_pod("emb-old", key=key, ip="10.0.0.7"))
+    cluster.add(server_pod("emb-new", key=key, ip="10.0.0.9", ready=False))
+    _rolled_out(cluster, ready=1, replicas=2)
+    outcome = rec.reconcile(NS, "emb")
+    assert outcome is not None and outcome.problem is None
+    assert outcome.requeue_after == 10.0
+    # Then it finds them changed.
+    golden.answers["10.0.0.9"] = golden_answer(state="changed", min_cosine=0.5, probe=0)
+    outcome = rec.reconcile(NS, "emb")
+    assert outcome is not None and outcome.problem is not None
+    assert outcome.problem.reason == "VectorsChanged"
