@@ -1514,6 +1514,108 @@ def test_a_killed_server_pod_under_load_through_the_gateway_fails_no_request(
     assert summary["ok"] > 0, summary
 
 
+# Through the gateway: the model each answer for ``owned`` names (a server answers with its own
+# servedModelName, so the thief's pod gives itself away), for ``seconds``; what /v1/models
+# lists; and the model that answers the thief's own name.
+CLAIM_SCRIPT = """
+import json, sys, time, urllib.request
+from openai import OpenAI
+base_url, owned, thief, seconds = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+client = OpenAI(base_url=base_url, api_key="unused", timeout=60, max_retries=0)
+with urllib.request.urlopen(base_url + "/models", timeout=60) as listing:
+    listed = {m["id"]: m.get("aliases") or [] for m in json.load(listing)["data"]}
+answered = {}
+deadline = time.monotonic() + seconds
+while time.monotonic() < deadline:
+    name = client.embeddings.create(model=owned, input=["whose vectors are these?"]).model
+    answered[name] = answered.get(name, 0) + 1
+own = client.embeddings.create(model=thief, input=["the thief's own name"]).model
+print(json.dumps({"listed": listed, "answered": answered, "thief_own": own}))
+"""
+
+
+def test_a_model_name_stays_its_owners_and_a_forged_endpoint_slice_gets_no_traffic(
+    cluster: KubeClient, release: str, client_pod: ClientPod, namespace: str
+) -> None:
+    """Issue 48, H3 and L8, through the chart's gateway. A newer EmbeddingService in another
+    namespace (one that sorts first: the old gateway gave it the name) claims this team's
+    model name as an alias: the operator refuses it (NamesOwned False, NameTaken naming the
+    owner, a Warning Event) and the gateway keeps the name on the owner's pods. Then an
+    EndpointSlice written by hand in the owner's namespace, labelled with the owner's
+    Service and pointing at the thief's ready pod, gets none of the owner's requests. The
+    thief's own name is still routed to it (its pod is reachable through the gateway)."""
+    model = f"minilm-own-{namespace[-6:]}"
+    thief_model = f"minilm-thief-{namespace[-6:]}"
+    thief_ns = cluster.create_namespace(f"a-thief-{secrets.token_hex(3)}")
+    try:
+        with diagnostics(cluster, namespace, thief_ns, release):
+            deploy(cluster, namespace, "gw-own", minilm_named(model))
+            thief = {**minilm_named(thief_model), "servedModelAliases": [model]}
+            deploy(cluster, thief_ns, "gw-thief", thief)
+            refused = condition(
+                wait_condition(
+                    cluster, thief_ns, "gw-thief", "NamesOwned", "False", reason="NameTaken"
+                ),
+                "NamesOwned",
+            )
+            assert refused is not None
+            assert f"{model!r} is taken by {namespace}/gw-own" in refused["message"], refused
+            owner = condition(
+                get_json(cluster, "embeddingservice", "gw-own", "-n", namespace), "NamesOwned"
+            )
+            assert owner is not None and owner["status"] == "True", owner
+            events = cluster.kubectl_json(
+                "get", "events", "-n", thief_ns, "--field-selector", "reason=NameTaken"
+            )
+            assert any(
+                e.get("type") == "Warning" and f"{namespace}/gw-own" in e.get("message", "")
+                for e in events.get("items") or []
+            ), events
+            thief_pod = ready_server_pods(cluster, thief_ns, "gw-thief")[0]
+            cluster.apply(
+                {
+                    "apiVersion": "discovery.k8s.io/v1",
+                    "kind": "EndpointSlice",
+                    "metadata": {
+                        "name": "gw-own-extra",
+                        "labels": {"kubernetes.io/service-name": "gw-own"},
+                    },
+                    "addressType": "IPv4",
+                    "ports": [{"name": "http", "port": 8000, "protocol": "TCP"}],
+                    "endpoints": [
+                        {
+                            "addresses": [thief_pod["status"]["podIP"]],
+                            "conditions": {"ready": True},
+                            "targetRef": {
+                                "kind": "Pod",
+                                "namespace": thief_ns,
+                                "name": thief_pod["metadata"]["name"],
+                            },
+                        }
+                    ],
+                },
+                namespace=namespace,
+            )
+            result = ask(
+                cluster,
+                client_pod,
+                namespace,
+                "gw-claims",
+                CLAIM_SCRIPT,
+                gateway_url(release),
+                model,
+                thief_model,
+                "15",
+            )
+    finally:
+        cluster.kubectl("delete", "namespace", thief_ns, "--wait=false", "--ignore-not-found")
+    assert set(result["answered"]) == {model}, result["answered"]
+    assert sum(result["answered"].values()) >= 10, result["answered"]
+    assert result["thief_own"] == thief_model
+    assert model in result["listed"] and thief_model in result["listed"], result["listed"]
+    assert model not in result["listed"][thief_model], result["listed"]
+
+
 # -- (g2) KEDA: scaling out and in, and from zero through the gateway -------------------------
 
 
