@@ -187,9 +187,9 @@ def create_app(
     lifecycle = Lifecycle(settings=settings, metrics=metrics, engine=engine)
     model = lifecycle.served_model_name
     tracing = (
-        Tracing(tracer_provider, model)
+        Tracing(tracer_provider, model, settings.trace_parent_policy)
         if tracer_provider is not None
-        else Tracing.configure(settings.otlp_traces_endpoint, model)
+        else Tracing.configure(settings.otlp_traces_endpoint, model, settings.trace_parent_policy)
     )
 
     @asynccontextmanager

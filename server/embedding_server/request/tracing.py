@@ -43,6 +43,22 @@ request whose sequences rode several batches, ``inference`` lasts the sum of tho
 ``queue`` the wait until the last one began, so the two can overlap by up to a pass; the
 ``embedding_server.batches`` attribute says when that is the case.
 
+**Whose sampling decision counts** (``--trace-parent-policy``). OpenTelemetry's default
+sampler is parent-based: a request whose ``traceparent`` has the sampled flag set is traced
+whatever the ratio says, so any client can have every one of its requests traced and
+exported (five spans each) against a ``samplingRatio`` of 0.01, and even a plain ratio
+sampler decides on the trace id, which the client chose too. So the policy decides:
+
+* ``ratio`` (the default): a caller may decline (a parent that is not sampled gets no
+  spans here) but not insist: a sampled parent is traced only when the server's own random
+  draw at the ratio picks it, a draw on an id the server makes, never the caller's. The
+  spans still join the caller's trace. This is ``ParentBased`` with the root sampler also
+  deciding for sampled remote parents (:func:`parent_policy_sampler`);
+* ``respect``: OpenTelemetry's ``ParentBased`` as the ``OTEL_TRACES_SAMPLER`` variables
+  configure it, for callers the operator trusts (one team's own services);
+* ``ignore``: the ``traceparent`` is not read; every request starts a trace of its own and
+  the ratio decides, for servers that must not be linked into traces their clients name.
+
 **Cost when off.** Nothing of the OpenTelemetry SDK is imported and the tracing ASGI layer
 is not installed; the job runner reads one context variable per job (``None``). When on, a
 sampled request costs five spans, exported in batches by the SDK's background thread, and one
@@ -57,7 +73,7 @@ import time
 from collections.abc import Iterable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from opentelemetry import trace
@@ -69,6 +85,10 @@ from embedding_server.request.truncation import TokenizedInput
 if TYPE_CHECKING:
     from opentelemetry.context import Context
     from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.sampling import Sampler
+
+TraceParentPolicy = Literal["ratio", "respect", "ignore"]
+"""Whose decision samples a request that names a parent trace (``--trace-parent-policy``)."""
 
 logger = logging.getLogger(__name__)
 
@@ -190,19 +210,91 @@ class RequestTrace:
         self.span.end()
 
 
+def parent_policy_sampler(configured: Sampler, policy: TraceParentPolicy) -> Sampler:
+    """The sampler that decides under ``policy``, from the one the ``OTEL_TRACES_SAMPLER``
+    variables configure (``configured``; its root when it is parent-based). The SDK is
+    imported here, only once tracing is on."""
+    from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+    from opentelemetry.sdk.trace.sampling import (
+        ALWAYS_OFF,
+        ALWAYS_ON,
+        ParentBased,
+        Sampler,
+        SamplingResult,
+    )
+    from opentelemetry.trace import get_current_span
+
+    ids = RandomIdGenerator()
+
+    class OwnDraw(Sampler):
+        """``root``'s decision on a trace id of the server's own: a ratio sampler decides on
+        the trace id, and a remote parent's trace id is its sender's choice (one below the
+        ratio's bound would be sampled every time)."""
+
+        def __init__(self, root: Sampler) -> None:
+            self._root = root
+
+        def should_sample(
+            self,
+            parent_context: Context | None,
+            trace_id: int,
+            name: str,
+            kind: SpanKind | None = None,
+            attributes: Any = None,
+            links: Any = None,
+            trace_state: Any = None,
+        ) -> SamplingResult:
+            parent = get_current_span(parent_context).get_span_context()
+            if parent.is_valid and parent.is_remote:
+                trace_id = ids.generate_trace_id()
+            return self._root.should_sample(
+                parent_context, trace_id, name, kind, attributes, links, trace_state
+            )
+
+        def get_description(self) -> str:
+            return f"OwnDraw{{{self._root.get_description()}}}"
+
+    if policy == "respect":
+        return configured
+    root: Sampler = getattr(configured, "_root", configured)  # ParentBased has no public one
+    own = OwnDraw(root)
+    if policy == "ignore":
+        return own  # and no parent is extracted (Tracing.begin): every span is a root
+    return ParentBased(
+        root=own,
+        remote_parent_sampled=own,
+        remote_parent_not_sampled=ALWAYS_OFF,
+        local_parent_sampled=ALWAYS_ON,
+        local_parent_not_sampled=ALWAYS_OFF,
+    )
+
+
 class Tracing:
     """The server's tracer and the provider that exports its spans."""
 
-    def __init__(self, provider: TracerProvider, model: str) -> None:
+    def __init__(
+        self, provider: TracerProvider, model: str, parent_policy: TraceParentPolicy = "ratio"
+    ) -> None:
         from opentelemetry import propagate
+        from opentelemetry.sdk.trace import Tracer
 
         self.provider = provider
         self.tracer = provider.get_tracer(INSTRUMENTATION)
+        if isinstance(self.tracer, Tracer):  # the SDK's (a proxy or no-op one samples nothing)
+            self.tracer.sampler = parent_policy_sampler(provider.sampler, parent_policy)
+            logger.info(
+                "tracing: sampler %s (--trace-parent-policy %s)",
+                self.tracer.sampler.get_description(),
+                parent_policy,
+            )
         self.model = model
+        self.parent_policy = parent_policy
         self._extract = propagate.extract
 
     @classmethod
-    def configure(cls, endpoint: str | None, model: str) -> Tracing | None:
+    def configure(
+        cls, endpoint: str | None, model: str, parent_policy: TraceParentPolicy = "ratio"
+    ) -> Tracing | None:
         """Spans exported over OTLP/HTTP to ``endpoint`` in batches, or ``None`` (no
         endpoint, or ``OTEL_SDK_DISABLED=true``)."""
         if not endpoint:
@@ -218,15 +310,18 @@ class Tracing:
         url = traces_url(endpoint)
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=url)))
         logger.info("tracing: spans of the model routes go to %s", url)
-        return cls(provider, model)
+        return cls(provider, model, parent_policy)
 
     def begin(
         self, method: str, route: str, headers: Iterable[tuple[bytes, bytes]]
     ) -> RequestTrace | None:
-        """Start a request's span, in the trace its ``traceparent`` names if any; ``None``
-        when the sampler drops it (then nothing else is recorded for it)."""
-        carrier = {key.decode("latin-1"): value.decode("latin-1") for key, value in headers}
-        parent = self._extract(carrier)
+        """Start a request's span, in the trace its ``traceparent`` names if any (unless the
+        parent policy is ``ignore``); ``None`` when the sampler drops it (then nothing else
+        is recorded for it)."""
+        parent: Context | None = None
+        if self.parent_policy != "ignore":
+            carrier = {key.decode("latin-1"): value.decode("latin-1") for key, value in headers}
+            parent = self._extract(carrier)
         span = self.tracer.start_span(
             f"{method} {route}",
             context=parent,

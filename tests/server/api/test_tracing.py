@@ -35,6 +35,7 @@ from embedding_server.settings import ServerSettings
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ParentBasedTraceIdRatio, Sampler, TraceIdRatioBased
 from opentelemetry.trace import SpanKind, StatusCode
 from pydantic import ValidationError
 
@@ -221,6 +222,94 @@ async def attached(path: str, engine: Engine) -> Any:
         await asyncio.gather(serving, return_exceptions=True)
         service.close()
         await engine.stop(drain=False)
+
+
+def ratio_provider(exporter: InMemorySpanExporter, sampler: Sampler) -> TracerProvider:
+    """A provider sampling as ``OTEL_TRACES_SAMPLER[_ARG]`` would configure it."""
+    provider = TracerProvider(sampler=sampler)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider
+
+
+CRAFTED_TRACE_ID = "4bf92f3577b34da60000000000000001"
+"""A trace id whose low 64 bits (what a ratio sampler compares with its bound) are 1: under
+any ratio above 2^-64, a sampler deciding on the trace id samples it every time."""
+
+
+def test_a_clients_sampled_traceparent_does_not_override_the_sampling_ratio(
+    exporter: InMemorySpanExporter,
+) -> None:
+    """Issue 48, L3. The operator's ``samplingRatio`` is ``parentbased_traceidratio``: with
+    OpenTelemetry's parent-based sampling, a client that sends a sampled ``traceparent``
+    had every request traced and exported whatever the ratio. By default
+    (``--trace-parent-policy ratio``) the ratio decides: a sampled parent is traced only as
+    often as a request without one, and a trace id chosen under the ratio's bound does not
+    pick itself either (the server draws on an id of its own)."""
+    provider = ratio_provider(exporter, ParentBasedTraceIdRatio(1e-9))
+    settings = fake_settings("fake?dim=16")
+    assert settings.trace_parent_policy == "ratio"
+    try:
+        with running_server(settings, tracer_provider=provider) as server:
+            for trace_id in (TRACE_ID, CRAFTED_TRACE_ID):
+                for _ in range(10):
+                    response = httpx.post(
+                        server.url + "/v1/embeddings",
+                        json={"input": "ab"},
+                        headers={"traceparent": f"00-{trace_id}-{CALLER_SPAN_ID}-01"},
+                        timeout=30,
+                    )
+                    assert response.status_code == 200
+            assert exporter.get_finished_spans() == ()
+    finally:
+        provider.shutdown()
+
+
+@pytest.mark.parametrize(
+    "sampler",
+    [ParentBasedTraceIdRatio(1e-9), TraceIdRatioBased(1e-9)],
+    ids=["parentbased_traceidratio", "traceidratio"],
+)
+def test_under_the_ratio_policy_neither_the_flag_nor_the_trace_id_forces_a_span(
+    exporter: InMemorySpanExporter, sampler: Sampler
+) -> None:
+    provider = ratio_provider(exporter, sampler)
+    tracing = Tracing(provider, "m", "ratio")
+    for trace_id in (TRACE_ID, CRAFTED_TRACE_ID):
+        header = [(b"traceparent", f"00-{trace_id}-{CALLER_SPAN_ID}-01".encode())]
+        assert all(tracing.begin("POST", "/v1/embeddings", header) is None for _ in range(50))
+    provider.shutdown()
+
+
+def test_the_parent_policy_decides_whose_sampling_counts(
+    exporter: InMemorySpanExporter,
+) -> None:
+    """``respect`` is OpenTelemetry's parent-based sampling (a trusted caller's sampled flag
+    decides); ``ratio`` still lets a caller decline; ``ignore`` never joins the caller's
+    trace. With every request sampled (no ratio), ``ratio`` keeps the caller's trace."""
+    sampled = [(b"traceparent", traceparent().encode())]
+    declined = [(b"traceparent", traceparent(sampled=False).encode())]
+    never = ratio_provider(exporter, ParentBasedTraceIdRatio(0.0))
+    assert Tracing(never, "m", "respect").begin("POST", "/v1/embeddings", sampled) is not None
+    assert Tracing(never, "m", "ratio").begin("POST", "/v1/embeddings", sampled) is None
+    always = ratio_provider(exporter, ParentBasedTraceIdRatio(1.0))
+    joined = Tracing(always, "m", "ratio").begin("POST", "/v1/embeddings", sampled)
+    assert joined is not None and joined.span.get_span_context().trace_id == int(TRACE_ID, 16)
+    assert Tracing(always, "m", "ratio").begin("POST", "/v1/embeddings", declined) is None
+    own = Tracing(always, "m", "ignore").begin("POST", "/v1/embeddings", declined)
+    assert own is not None and own.span.get_span_context().trace_id != int(TRACE_ID, 16)
+    assert isinstance(own.span, ReadableSpan) and own.span.parent is None
+    for provider in (never, always):
+        provider.shutdown()
+
+
+def test_the_parent_policy_is_a_flag_and_a_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert load_settings(["serve"]).trace_parent_policy == "ratio"
+    flag = load_settings(["serve", "--trace-parent-policy", "respect"])
+    assert flag.trace_parent_policy == "respect"
+    monkeypatch.setenv("EMBEDDING_SERVER_TRACE_PARENT_POLICY", "ignore")
+    assert load_settings(["serve"]).trace_parent_policy == "ignore"
+    with pytest.raises(ValidationError, match="trace_parent_policy"):
+        ServerSettings(trace_parent_policy="always")
 
 
 def test_a_front_ends_spans_carry_the_engine_process_stages(
