@@ -160,6 +160,14 @@ class AnswersWaitingError(QueueFullError):
     code = "answers_waiting"
 
 
+class ImagesBusyError(QueueFullError):
+    """The images of the requests in flight hold what the process allows them
+    (``--max-fetching-bytes``, ``--max-decoding-pixels``); refused before the request's
+    images are fetched or decoded, ``retry_after`` seconds to wait."""
+
+    code = "images_busy"
+
+
 class NotReadyError(EmbeddingServerError):
     """The model is still loading or the server is shutting down."""
 

@@ -370,6 +370,26 @@ class ServerSettings(EngineSettings):
     max_images_per_request: int = Field(
         16, gt=0, description="Most images in one request (400 beyond)."
     )
+    max_fetching_bytes: int | None = Field(
+        None,
+        gt=0,
+        description="Bytes the image URLs of requests in flight may download, all requests "
+        "of one HTTP process together: each URL reserves max_image_bytes before any of its "
+        "request's images is fetched, until the request's images are decoded; a request "
+        "whose URLs do not fit beside those in flight gets 429 with Retry-After before "
+        "anything is fetched (one alone always fits). Default: max_images_per_request x "
+        "max_image_bytes.",
+    )
+    max_decoding_pixels: int | None = Field(
+        None,
+        gt=0,
+        description="Pixels (width x height, read from the image headers) the images of "
+        "requests in flight may decode to, all requests of one HTTP process together, "
+        "reserved before any of a request's images is decoded; a request whose images do "
+        "not fit beside those in flight gets 429 with Retry-After (one alone always fits). "
+        "Images are decoded on a thread of their own, never the tokenizer's. Default: 4 x "
+        "max_image_pixels.",
+    )
     bulk_routes: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Routes whose requests are bulk unless their X-Priority header says "
@@ -395,16 +415,6 @@ class ServerSettings(EngineSettings):
         "apply (OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES, OTEL_TRACES_SAMPLER[_ARG], "
         "OTEL_EXPORTER_OTLP_TRACES_HEADERS, OTEL_BSP_*, OTEL_SDK_DISABLED). Off when unset: "
         "no span is made.",
-    )
-    trace_parent_policy: Literal["ratio", "respect", "ignore"] = Field(
-        "ratio",
-        description="Whose decision samples a request whose traceparent names a parent trace. "
-        "ratio: the server's own sampling ratio (OTEL_TRACES_SAMPLER_ARG), drawn on an id of "
-        "its own, so a client cannot have its requests traced by sending a sampled "
-        "traceparent (or a trace id under the ratio); a parent that is not sampled gets no "
-        "spans, and sampled ones join the caller's trace. respect: OpenTelemetry's "
-        "parent-based sampling, the caller's sampled flag decides (for callers you trust). "
-        "ignore: the traceparent is not read; every request starts a trace of its own.",
     )
     api_workers: int = Field(
         1,
@@ -482,6 +492,16 @@ class ServerSettings(EngineSettings):
     def sending_bytes(self) -> int:
         """``max_sending_bytes``, or its default from ``max_response_bytes``."""
         return self.max_sending_bytes or 2 * self.max_response_bytes
+
+    @property
+    def fetching_bytes(self) -> int:
+        """``max_fetching_bytes``, or its default: one request's image URLs at their limit."""
+        return self.max_fetching_bytes or self.max_images_per_request * self.max_image_bytes
+
+    @property
+    def decoding_pixels(self) -> int:
+        """``max_decoding_pixels``, or its default from ``max_image_pixels``."""
+        return self.max_decoding_pixels or 4 * self.max_image_pixels
 
     @model_validator(mode="after")
     def _probe_port_is_another(self) -> ServerSettings:

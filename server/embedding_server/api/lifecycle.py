@@ -11,12 +11,13 @@ import atexit
 import gc
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
 from embedding_server.errors import NotReadyError
 from embedding_server.metrics import Metrics
+from embedding_server.request.media.budget import ImageBudget
 from embedding_server.request.serving import ServingEngine
 from embedding_server.settings import DEFAULT_MODEL, ServerSettings
 
@@ -39,8 +40,12 @@ class Lifecycle:
     stays up, not ready, so a rollout stops at this pod and the old ones keep serving."""
     served_model_name: str = ""
     accepted_model_names: frozenset[str] = frozenset()
+    images: ImageBudget = field(init=False)
+    """What the images of the requests in flight may hold (``--max-fetching-bytes``,
+    ``--max-decoding-pixels``), and their decoding thread."""
 
     def __post_init__(self) -> None:
+        self.images = ImageBudget.from_settings(self.settings)
         self.served_model_name = served_model_name(self.settings)
         self.accepted_model_names = frozenset(
             {

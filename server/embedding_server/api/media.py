@@ -4,7 +4,9 @@ Cohere's ``images`` and ``inputs`` on ``/v2/embed``, vLLM's ``{"content": [parts
 
 Every route goes the same way: parse the parts (a 400 names the part), count the images
 against ``--max-images-per-request`` before anything is fetched, refuse an image sent to a
-model that does not take images (naming its field), then fetch, decode and preprocess them
+model that does not take images (naming its field), then admit them (what their URLs may
+download, then the pixels their headers give: 429 beyond the process's budgets), fetch,
+decode and preprocess them
 (:func:`~embedding_server.request.tasks.media.load_images`: decoding off the event loop).
 """
 
@@ -52,13 +54,17 @@ async def load_parts(
 ) -> list[Item]:
     """``parts`` as inputs, in order: texts as they are, images fetched, decoded and
     preprocessed. More images than a request may hold is a 400 naming ``param`` before any
-    is fetched; an image for a model that takes none, a 400 naming the image's part."""
+    is fetched; an image for a model that takes none, a 400 naming the image's part. The
+    images are admitted by the process's :class:`~.media.budget.ImageBudget` (429) before
+    they are fetched, and again by their pixels before they are decoded."""
     refs = images_of(parts)
     check_image_count(len(refs), lifecycle.settings.max_images_per_request, param)
     for ref in refs:
         engine.check_takes_images(ref.param)
     loaded = iter(
-        await engine.serve(load_images, refs, media_policy(lifecycle.settings)) if refs else []
+        await engine.serve(load_images, refs, media_policy(lifecycle.settings), lifecycle.images)
+        if refs
+        else []
     )
     return [part.text if isinstance(part, TextPart) else next(loaded) for part in parts]
 

@@ -124,7 +124,8 @@ async def _multimodal_embed(body: CohereEmbedRequest, served: Served) -> Respons
     dims = pooled_dimensions(engine, body.output_dimension)
     types = ",".join(dense_types)
     check_response_size(lifecycle, len(parts), dims, value_bytes, f"embedding_types {types}")
-    items = await load_parts(engine, lifecycle, parts, param)
+    # Cancelled if the client goes: its images' reservations come back at once.
+    items = await served.run(load_parts(engine, lifecycle, parts, param))
     texts_only = [item for item in items if isinstance(item, str)]
     # input_type picks a text prompt where the model has one; an image has none.
     if body.input_type != "image":

@@ -64,7 +64,8 @@ async def create_embeddings(body: EmbeddingRequest, served: Served) -> Response:
     inputs: list[Any]
     if body.messages is not None:
         # One embedding for the conversation (vLLM's chat form).
-        chat = await messages_input(engine, lifecycle, body)
+        # Cancelled if the client goes: its images' reservations come back at once.
+        chat = await served.run(messages_input(engine, lifecycle, body))
         inputs, special, templated = [chat.item], chat.add_special_tokens, chat.templated
     else:
         assert body.input is not None

@@ -34,7 +34,8 @@ router = APIRouter(tags=["Tasks"])
 @router.post("/v2/rerank", summary="Rank documents by relevance to a query (vLLM/Cohere v2)")
 @model_route
 async def rerank(body: RerankRequest, served: Served) -> Response:
-    query, documents, shown = await rerank_inputs(served.engine, served.lifecycle, body)
+    # Cancelled if the client goes: its images' reservations come back at once.
+    query, documents, shown = await served.run(rerank_inputs(served.engine, served.lifecycle, body))
     result = await served.run(
         served.engine.arerank(
             query,

@@ -239,7 +239,10 @@ async def _hybrid_pooling(
 @model_route
 async def score(body: ScoreRequest, served: Served) -> Response:
     engine = served.engine
-    side_1, side_2 = await score_sides(engine, served.lifecycle, body.text_1, body.text_2)
+    # Cancelled if the client goes: its images' reservations come back at once.
+    side_1, side_2 = await served.run(
+        score_sides(engine, served.lifecycle, body.text_1, body.text_2)
+    )
     result = await served.run(
         engine.ascore(side_1, side_2, truncate=body.truncation(auto=served.auto_truncate))
     )

@@ -345,13 +345,21 @@ def _too_large(size: int | None, limit: int, param: str) -> InvalidRequestError:
 # decoding
 
 
-def decode_image(data: bytes, policy: MediaPolicy, *, param: str) -> Image.Image:
-    """Decode encoded bytes into an RGB image, checking the header's pixel count first.
-    CPU work: call it off the event loop.
+def image_size(data: bytes, policy: MediaPolicy, *, param: str) -> tuple[int, int]:
+    """The width and height an image's header gives, read without decoding its pixels (a
+    header parse: milliseconds at most, for the event loop), the pixel limit checked: what
+    decoding it will cost, known before it is decoded."""
+    with _open(data, policy, param=param) as image:
+        width, height = image.size
+    if width * height > policy.max_image_pixels:
+        raise _too_many_pixels((width, height), policy, param)
+    return width, height
 
-    As transformers' ``load_image``: EXIF orientation applied, then ``convert("RGB")``."""
+
+def _open(data: bytes, policy: MediaPolicy, *, param: str) -> Image.Image:
+    """The image of ``data``, its header read and its pixels not yet decoded."""
     try:
-        image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
+        return Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
     except UnidentifiedImageError as exc:
         raise InvalidRequestError(
             "image is not a PNG, JPEG, WebP, GIF or BMP file (or is corrupt)", param=param
@@ -361,6 +369,14 @@ def decode_image(data: bytes, policy: MediaPolicy, *, param: str) -> Image.Image
         raise _too_many_pixels(None, policy, param) from exc
     except _DECODE_ERRORS as exc:
         raise InvalidRequestError(f"image is truncated or corrupt: {exc}", param=param) from exc
+
+
+def decode_image(data: bytes, policy: MediaPolicy, *, param: str) -> Image.Image:
+    """Decode encoded bytes into an RGB image, checking the header's pixel count first.
+    CPU work: call it off the event loop.
+
+    As transformers' ``load_image``: EXIF orientation applied, then ``convert("RGB")``."""
+    image = _open(data, policy, param=param)
     with image:
         width, height = image.size
         if width * height > policy.max_image_pixels:
