@@ -416,6 +416,16 @@ class ServerSettings(EngineSettings):
         "OTEL_EXPORTER_OTLP_TRACES_HEADERS, OTEL_BSP_*, OTEL_SDK_DISABLED). Off when unset: "
         "no span is made.",
     )
+    trace_parent_policy: Literal["ratio", "respect", "ignore"] = Field(
+        "ratio",
+        description="Whose decision samples a request whose traceparent names a parent trace. "
+        "ratio: the server's own sampling ratio (OTEL_TRACES_SAMPLER_ARG), drawn on an id of "
+        "its own, so a client cannot have its requests traced by sending a sampled "
+        "traceparent (or a trace id under the ratio); a parent that is not sampled gets no "
+        "spans, and sampled ones join the caller's trace. respect: OpenTelemetry's "
+        "parent-based sampling, the caller's sampled flag decides (for callers you trust). "
+        "ignore: the traceparent is not read; every request starts a trace of its own.",
+    )
     api_workers: int = Field(
         1,
         gt=0,
