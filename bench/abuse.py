@@ -556,9 +556,11 @@ def serve_gateway(server_dir: Path, log: Path, upstream: str) -> Iterator[Served
         while True:
             if process.poll() is not None:
                 raise RuntimeError(f"the gateway exited with {process.returncode}; see {log}")
-            with contextlib.suppress(httpx.HTTPError, KeyError, IndexError):
-                models = httpx.get(url + "/v1/models", timeout=2).json()["data"]
-                if models[0]["ready_endpoints"] == 1:
+            with contextlib.suppress(httpx.HTTPError):
+                # The gauge, not /v1/models: a gateway after issue 48's L4 lists no counts by
+                # default, and the one before it knows no flag to ask for them.
+                metrics = httpx.get(url + "/metrics", timeout=2).text
+                if 'embedding_gateway_ready_endpoints{model="fake"} 1.0' in metrics:
                     break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the gateway did not route within 60 s; see {log}")

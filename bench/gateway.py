@@ -98,6 +98,7 @@ def gateway(endpoints: list[str], *extra: str) -> Iterator[tuple[str, psutil.Pro
         routes.write_text(json.dumps({"models": [{"name": MODEL, "endpoints": endpoints}]}))
         argv = [str(BIN / "embedding-server"), "gateway", "--port", str(port)]
         argv += ["--routes-file", str(routes), "--log-level", "warning", *extra]
+        argv += ["--models-listing", "full"]  # _wait_routed reads the ready endpoints
         with child_process(argv, env=_env(), stdout=subprocess.DEVNULL) as process:
             url = f"http://127.0.0.1:{port}"
             _wait_ready(url, process)

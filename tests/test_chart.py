@@ -1084,3 +1084,17 @@ def test_reserved_model_names_reach_the_operator_and_the_gateway_alike(
     assert "EMBEDDING_OPERATOR_RESERVED_MODEL_NAMES" not in _env(
         one(plain, "Deployment", "eo-embedding-operator"), one(plain, "ConfigMap")
     )
+
+
+def test_the_gateway_lists_names_only_unless_the_chart_says_otherwise(helm: Path) -> None:
+    """``gateway.modelsListing`` (issue 48, L4): names by default, and what it says else."""
+    name = "eo-embedding-operator-gateway"
+
+    def args(values: dict[str, Any]) -> list[str]:
+        deployment = one(objects(helm, values), "Deployment", name)
+        return list(deployment["spec"]["template"]["spec"]["containers"][0]["args"])
+
+    assert "--models-listing=names" in args({"gateway": {"enabled": True}})
+    assert "--models-listing=none" in args({"gateway": {"enabled": True, "modelsListing": "none"}})
+    refused = render_with(helm, {"gateway": {"enabled": True, "modelsListing": "all"}})
+    assert refused.returncode != 0 and "modelsListing" in refused.stderr

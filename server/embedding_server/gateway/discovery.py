@@ -32,11 +32,14 @@ class DiscoveryError(ValueError):
 class Service:
     """One served model: its names (the first is what ``/v1/models`` lists) and the base
     URLs of its endpoints (``http://10.1.2.3:8000``). ``key`` identifies it across snapshots
-    (``namespace/name`` for an EmbeddingService)."""
+    (``namespace/name`` for an EmbeddingService). ``listed`` False keeps it out of
+    ``/v1/models`` and error messages (but for ``--models-listing full``): an
+    EmbeddingService whose pods need an API key, which the gateway cannot check."""
 
     key: str
     names: tuple[str, ...]
     endpoints: frozenset[str] = field(default_factory=frozenset)
+    listed: bool = True
 
     @property
     def name(self) -> str:

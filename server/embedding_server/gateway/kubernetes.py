@@ -165,10 +165,11 @@ class ReservedNames:
 @dataclass(frozen=True)
 class _Claim:
     """What an EmbeddingService claims: its names, and when it was created (the claim's age;
-    an object without a timestamp sorts last)."""
+    an object without a timestamp sorts last); ``keyed``: its pods need an API key."""
 
     names: tuple[str, ...]
     created: str
+    keyed: bool = False
 
 
 def _created(resource: Mapping[str, Any]) -> str:
@@ -223,7 +224,8 @@ class ClusterState:
         elif event_type in ("ADDED", "MODIFIED"):
             names = model_names(payload)
             if names:
-                self.models[_key(payload)] = _Claim(names, _created(payload))
+                keyed = bool((payload.get("spec") or {}).get("apiKeySecretRef"))
+                self.models[_key(payload)] = _Claim(names, _created(payload), keyed)
             else:
                 self.models.pop(_key(payload), None)
             annotations = (payload.get("metadata") or {}).get("annotations") or {}
@@ -267,7 +269,8 @@ class ClusterState:
                     self._refuse(name, key, owners.get(name))
             if owned:
                 endpoints = frozenset(by_service.get(key, ()))
-                services.append(Service(f"{key[0]}/{key[1]}", owned, endpoints))
+                name = f"{key[0]}/{key[1]}"
+                services.append(Service(name, owned, endpoints, listed=not claim.keyed))
         return services
 
     def _refuse(self, name: str, key: tuple[str, str], owner: tuple[str, str] | None) -> None:

@@ -398,18 +398,30 @@ class Gateway:
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+    def _visible(self) -> list[Service]:
+        """The services a caller may be told of (``--models-listing``), by name: the gateway
+        authenticates nobody, so what one caller may see every caller does."""
+        listing = self.settings.models_listing
+        if listing == "none":
+            return []
+        services = self.catalog.services.values()
+        shown = services if listing == "full" else [s for s in services if s.listed]
+        return sorted(shown, key=lambda s: s.name)
+
     async def list_models(self, request: web.Request) -> web.Response:
-        data = [
-            {
+        full = self.settings.models_listing == "full"
+        data = []
+        for service in self._visible():
+            entry: dict[str, object] = {
                 "id": service.name,
                 "object": "model",
                 "created": 0,
                 "owned_by": "embedding-server",
                 "aliases": list(service.names[1:]),
-                "ready_endpoints": len(self.ready_endpoints(service)),
             }
-            for service in sorted(self.catalog.services.values(), key=lambda s: s.name)
-        ]
+            if full:
+                entry["ready_endpoints"] = len(self.ready_endpoints(service))
+            data.append(entry)
         return web.json_response({"object": "list", "data": data})
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
@@ -610,8 +622,7 @@ class Gateway:
                 return next(iter(self.catalog.services.values())), None
             return None, error_response(
                 400,
-                "'model' is required: this gateway serves "
-                f"{len(self.catalog.services)} models ({self._known()}).",
+                f"'model' is required: this gateway serves several models{self._known()}.",
                 error_type="invalid_request_error",
                 code="missing_model",
                 param="model",
@@ -620,7 +631,7 @@ class Gateway:
         if service is None:
             return None, error_response(
                 404,
-                f"The model {_echo(model)} does not exist here. Known models: {self._known()}.",
+                f"The model {_echo(model)} does not exist here{self._known()}.",
                 error_type="invalid_request_error",
                 code="model_not_found",
                 param="model",
@@ -628,8 +639,13 @@ class Gateway:
         return service, None
 
     def _known(self) -> str:
-        names = sorted(self.catalog.by_name)
-        return ", ".join(repr(name) for name in names) if names else "none"
+        """``". Known models: 'a', 'b'"`` for an error message, of the models the caller may
+        be told of (``--models-listing``); empty when it may be told of none."""
+        if self.settings.models_listing == "none":
+            return ""
+        names = sorted(name for service in self._visible() for name in service.names)
+        shown = ", ".join(_echo(name) for name in names) if names else "none"
+        return f". Known models: {shown}"
 
     def _priority(self, request: web.Request) -> tuple[Priority, web.Response | None]:
         """A bulk API key's requests are bulk whatever their header says (a key handed to an

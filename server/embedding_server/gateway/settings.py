@@ -55,6 +55,14 @@ class GatewaySettings(BaseSettings):
         "name is owned by its oldest claimant; a claim that loses is not routed. The "
         "operator's --reserved-model-names must say the same (the chart sets both).",
     )
+    models_listing: Literal["names", "full", "none"] = Field(
+        "names",
+        description="What GET /v1/models and the errors naming known models show a caller "
+        "(the gateway authenticates nobody, so every caller alike): names (each model's "
+        "names and aliases, leaving out EmbeddingServices whose pods need an API key), full "
+        "(every model, with its ready endpoints: for a gateway only trusted clients reach) "
+        "or none (an empty list; errors name no other model).",
+    )
     poll_interval: float = Field(
         0.075,
         ge=0.01,

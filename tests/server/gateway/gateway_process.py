@@ -15,7 +15,12 @@ from tests.support.api import SCRIPT, wait_for
 
 
 class GatewayProcess:
+    """The gateway lists its models with their ready endpoints (``--models-listing full``)
+    unless ``args`` say otherwise: the tests wait on those counts."""
+
     def __init__(self, args: list[str]) -> None:
+        if not any(a.startswith("--models-listing") for a in args):
+            args = [*args, "--models-listing", "full"]
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDDING_GATEWAY_")}

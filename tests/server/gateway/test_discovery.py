@@ -326,6 +326,15 @@ def test_only_the_slice_controllers_slices_of_the_service_and_their_pods_are_rou
     assert state.catalog()[0].endpoints == frozenset()
 
 
+def test_a_service_whose_pods_need_an_api_key_is_routed_but_not_listed() -> None:
+    """Issue 48, L4: the gateway cannot check a service's API key, so it never tells a caller
+    of a service that has one (``listed`` False); requests for it still route."""
+    keyed = _service("k", {"model": {"name": "org/k"}, "apiKeySecretRef": {"name": "s"}})
+    state = ClusterState()
+    state.apply("EmbeddingService", "SYNC", [keyed, _service("a", {"model": {"name": "org/a"}})])
+    assert {s.key: s.listed for s in state.catalog()} == {"ns/a": True, "ns/k": False}
+
+
 class Replay:
     """A watch source that yields scripted events per kind, then blocks until stopped."""
 

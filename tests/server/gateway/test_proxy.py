@@ -149,6 +149,58 @@ async def test_an_unknown_model_is_a_404_naming_the_known_ones(stubs: tuple[Stub
     assert stubs[0].received == stubs[1].received == []
 
 
+async def test_the_listing_and_the_errors_name_only_what_every_caller_may_see(
+    stubs: tuple[Stub, Stub],
+) -> None:
+    """Issue 48, L4: the gateway authenticates nobody, so by default /v1/models and its errors
+    show each caller the models' names only: no ready-pod counts, and nothing of a service
+    whose pods need an API key (which routes all the same). ``--models-listing full`` shows
+    everything with the counts, ``none`` names no model at all."""
+    discovery = ListDiscovery(
+        [
+            Service("team-a/m", ("m",), frozenset({stubs[0].url})),
+            Service("team-b/k", ("keyed", "keyed-alias"), frozenset({stubs[1].url}), listed=False),
+        ]
+    )
+    async with (
+        running_gateway(discovery) as (gateway, url),
+        httpx.AsyncClient(base_url=url) as client,
+    ):
+        await wait_until(lambda: _ready(gateway, "keyed", 1), what="the keyed endpoint ready")
+        models = (await client.get("/v1/models")).json()["data"]
+        unknown = (await client.post("/v1/embeddings", json={"model": "x", "input": "y"})).json()
+        missing = (await client.post("/v1/embeddings", json={"input": "y"})).json()
+        routed = await client.post("/v1/embeddings", json={"model": "keyed", "input": "y"})
+    assert models == [
+        {"id": "m", "object": "model", "created": 0, "owned_by": "embedding-server", "aliases": []}
+    ]
+    for error in (unknown["error"], missing["error"]):
+        assert "'m'" in error["message"], error
+        assert "keyed" not in error["message"] and " 2 models" not in error["message"], error
+    assert routed.status_code == 200 and routed.json()["served_by"] == stubs[1].url
+
+    async with (
+        running_gateway(discovery, models_listing="full") as (gateway, url),
+        httpx.AsyncClient(base_url=url) as client,
+    ):
+        await wait_until(lambda: _ready(gateway, "keyed", 1), what="the keyed endpoint ready")
+        full = (await client.get("/v1/models")).json()["data"]
+    assert [(m["id"], m["aliases"], m["ready_endpoints"]) for m in full] == [
+        ("keyed", ["keyed-alias"], 1),
+        ("m", [], 1),
+    ]
+
+    async with (
+        running_gateway(discovery, models_listing="none") as (gateway, url),
+        httpx.AsyncClient(base_url=url) as client,
+    ):
+        await wait_until(lambda: gateway.catalog.loaded, what="the catalog")
+        none = (await client.get("/v1/models")).json()["data"]
+        unknown = (await client.post("/v1/embeddings", json={"model": "x", "input": "y"})).json()
+    assert none == []
+    assert unknown["error"]["message"] == "The model 'x' does not exist here."
+
+
 async def test_a_503_is_retried_once_on_another_pod(stubs: tuple[Stub, Stub]) -> None:
     draining, healthy = stubs
     draining.status = 503
