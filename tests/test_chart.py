@@ -654,6 +654,14 @@ def test_the_autoscaling_defaults_reach_the_operator(helm: Path) -> None:
         env["EMBEDDING_OPERATOR_KEDA_PROMETHEUS_ADDRESS"]
         == "http://prometheus-operated.monitoring.svc:9090"
     )
+    # The wake-from-zero trigger's gateway: the release namespace, where the chart puts it.
+    assert env["EMBEDDING_OPERATOR_KEDA_GATEWAY_NAMESPACE"] == "ops"
+    assert env["EMBEDDING_OPERATOR_KEDA_GATEWAY_JOB"] == ""
+    elsewhere = {"autoscaling": {"keda": {"gatewayNamespace": "edge", "gatewayJob": "edge/gw"}}}
+    docs = objects(helm, elsewhere)
+    env = _env(one(docs, "Deployment"), one(docs, "ConfigMap"))
+    assert env["EMBEDDING_OPERATOR_KEDA_GATEWAY_NAMESPACE"] == "edge"
+    assert env["EMBEDDING_OPERATOR_KEDA_GATEWAY_JOB"] == "edge/gw"
 
 
 RULES = yaml.safe_load((CHART / "files" / "rules.yaml").read_text())

@@ -29,7 +29,13 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from embedding_operator.builders.common import DEFAULT_IMAGE, KIND, AutoscalingDefaults, Owner
+from embedding_operator.builders.common import (
+    DEFAULT_GATEWAY_NAMESPACE,
+    DEFAULT_IMAGE,
+    KIND,
+    AutoscalingDefaults,
+    Owner,
+)
 from embedding_operator.jobs.builders import (
     JOB_KIND,
     ServiceTarget,
@@ -107,6 +113,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--keda-prometheus-address", default="", help="KEDA's Prometheus, as for run."
     )
     render.add_argument(
+        "--keda-gateway-namespace",
+        default=DEFAULT_GATEWAY_NAMESPACE,
+        help="The gateway's namespace, as for run (default: the chart's documented one, "
+        f"{DEFAULT_GATEWAY_NAMESPACE}).",
+    )
+    render.add_argument(
+        "--keda-gateway-job", default="", help="Prometheus's job for the gateway, as for run."
+    )
+    render.add_argument(
         "--job-shards",
         type=int,
         default=1,
@@ -179,7 +194,12 @@ def render_command(args: argparse.Namespace) -> int:
             profiles,
             args.default_image or DEFAULT_IMAGE,
             policy,
-            AutoscalingDefaults(args.default_autoscaler, args.keda_prometheus_address),
+            AutoscalingDefaults(
+                args.default_autoscaler,
+                args.keda_prometheus_address,
+                args.keda_gateway_namespace,
+                args.keda_gateway_job,
+            ),
             meta.get("annotations"),
         )
         if isinstance(planned, Refused):

@@ -24,6 +24,17 @@ from embedding_operator.spec import Autoscaler, ServiceType
 _SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
+def own_namespace() -> str:
+    """The operator pod's namespace (``POD_NAMESPACE``, else its service account's), else
+    'default'."""
+    if os.environ.get("POD_NAMESPACE"):
+        return os.environ["POD_NAMESPACE"]
+    try:
+        return _SA_NAMESPACE_FILE.read_text(encoding="utf-8").strip() or "default"
+    except OSError:
+        return "default"
+
+
 class OperatorSettings(BaseSettings):
     """How ``embedding-operator run`` behaves."""
 
@@ -114,6 +125,23 @@ class OperatorSettings(BaseSettings):
         "metrics (e.g. http://prometheus-operated.monitoring.svc:9090); KEDA's operator and "
         "metrics server must reach it. Empty: an EmbeddingService asking for keda is Degraded "
         "(AutoscalerNotConfigured) and nothing is applied for it.",
+    )
+    keda_gateway_namespace: str | None = Field(
+        None,
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+        max_length=63,
+        description="The namespace the gateway runs in, as Prometheus labels its series "
+        "(namespace): the KEDA trigger that wakes a service from zero counts only the held "
+        "requests scraped from there, so a pod elsewhere that exports the gateway's gauge "
+        "cannot wake another team's service. Default: the operator's own namespace (the chart "
+        "sets its release namespace, where it deploys the gateway).",
+    )
+    keda_gateway_job: str = Field(
+        "",
+        max_length=256,
+        description="The job label Prometheus gives the gateway's series, matched too by the "
+        "wake-from-zero trigger when set (e.g. a PodMonitor's <namespace>/<name>). Empty: "
+        "any job.",
     )
     liveness: str | None = Field(
         "http://0.0.0.0:8080/healthz",
@@ -241,7 +269,10 @@ class OperatorSettings(BaseSettings):
     @property
     def autoscaling(self) -> AutoscalingDefaults:
         return AutoscalingDefaults(
-            autoscaler=self.default_autoscaler, prometheus_address=self.keda_prometheus_address
+            autoscaler=self.default_autoscaler,
+            prometheus_address=self.keda_prometheus_address,
+            gateway_namespace=self.keda_gateway_namespace or own_namespace(),
+            gateway_job=self.keda_gateway_job,
         )
 
     @property
@@ -249,14 +280,7 @@ class OperatorSettings(BaseSettings):
         return not self.namespaces
 
     def resolved_lease_namespace(self) -> str:
-        if self.lease_namespace:
-            return self.lease_namespace
-        if os.environ.get("POD_NAMESPACE"):
-            return os.environ["POD_NAMESPACE"]
-        try:
-            return _SA_NAMESPACE_FILE.read_text(encoding="utf-8").strip() or "default"
-        except OSError:
-            return "default"
+        return self.lease_namespace or own_namespace()
 
     def resolved_identity(self) -> str:
         return self.identity or f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}"

@@ -702,6 +702,43 @@ def test_without_tracing_nothing_of_it_is_rendered_and_user_env_wins() -> None:
     assert "OTEL_TRACES_SAMPLER" not in {e["name"] for e in env}
 
 
+def test_the_wake_from_zero_query_counts_only_the_gateways_own_series() -> None:
+    """Issue 48, L7. The held-request trigger matched ``embedding_service`` alone, a label
+    any scraped pod writes: a pod in any namespace exporting
+    ``embedding_gateway_held_requests{embedding_service="team-a/emb"} 1`` woke team-a's
+    service from zero and kept it up. It now also matches the ``namespace`` Prometheus gives
+    the gateway's target (a label a pod cannot write over unless its job honors labels), and
+    the job when the operator is told it, quoted as PromQL strings."""
+    auto = {"enabled": True, "autoscaler": "keda", "minReplicas": 0, "maxReplicas": 2}
+    spec = {"model": MODEL, "autoscaling": auto}
+    gateway = replace(KEDA, gateway_namespace="ops", gateway_job="ops/eo-gateway")
+    held = build_scaled_object(_keda(spec, gateway))["spec"]["triggers"][2]
+    assert held["metadata"]["query"] == (
+        "clamp_max(sum(embedding_gateway_held_requests"
+        '{embedding_service="ns/emb",namespace="ops",job="ops/eo-gateway"}), 1)'
+    )
+    odd = replace(KEDA, gateway_namespace="ops", gateway_job='a"b\\c')
+    query = build_scaled_object(_keda(spec, odd))["spec"]["triggers"][2]["metadata"]["query"]
+    assert 'job="a\\"b\\\\c"' in query
+
+
+def test_the_operator_tells_the_query_its_gateways_namespace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``run`` matches its own namespace unless told the gateway's (the chart sets it)."""
+    from embedding_operator.settings import OperatorSettings
+
+    monkeypatch.setenv("POD_NAMESPACE", "platform")
+    assert OperatorSettings().autoscaling.gateway_namespace == "platform"
+    assert OperatorSettings().autoscaling.gateway_job == ""
+    monkeypatch.setenv("EMBEDDING_OPERATOR_KEDA_GATEWAY_NAMESPACE", "edge")
+    monkeypatch.setenv("EMBEDDING_OPERATOR_KEDA_GATEWAY_JOB", "edge/gateway")
+    told = OperatorSettings().autoscaling
+    assert (told.gateway_namespace, told.gateway_job) == ("edge", "edge/gateway")
+    with pytest.raises(ValueError, match="keda_gateway_namespace"):
+        OperatorSettings(keda_gateway_namespace='ops"}')
+
+
 def test_builders_are_deterministic() -> None:
     spec = {"model": MODEL, "autoscaling": {"enabled": True}}
     assert desired_children(render_input(spec)) == desired_children(render_input(spec))
@@ -797,10 +834,12 @@ def test_scale_to_zero_keeps_a_loading_replica() -> None:
         'clamp_max(sum(embedding_server_loading{namespace="ns",pod=~"emb-[a-z0-9]+-[a-z0-9]+"}), 1)'
     )
     assert (loading["metricType"], loading["metadata"]["threshold"]) == ("AverageValue", "1")
-    # From zero: the requests the gateway holds for this service, one replica's worth.
+    # From zero: the requests the gateway holds for this service, one replica's worth, as
+    # scraped from the gateway's namespace (the chart's documented one by default).
     assert held["name"] == "held"
     assert held["metadata"]["query"] == (
-        'clamp_max(sum(embedding_gateway_held_requests{embedding_service="ns/emb"}), 1)'
+        "clamp_max(sum(embedding_gateway_held_requests"
+        '{embedding_service="ns/emb",namespace="embedding-operator"}), 1)'
     )
     assert (held["metricType"], held["metadata"]["threshold"]) == ("AverageValue", "1")
     # The gateway labels its gauge with exactly that name.

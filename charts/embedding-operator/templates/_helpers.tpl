@@ -113,6 +113,8 @@ EMBEDDING_OPERATOR_LIVENESS: {{ printf "http://0.0.0.0:%d/healthz" (int .Values.
 EMBEDDING_OPERATOR_METRICS_PORT: {{ .Values.operator.metricsPort | toString | quote }}
 EMBEDDING_OPERATOR_DEFAULT_AUTOSCALER: {{ .Values.autoscaling.defaultAutoscaler | quote }}
 EMBEDDING_OPERATOR_KEDA_PROMETHEUS_ADDRESS: {{ .Values.autoscaling.keda.prometheusAddress | quote }}
+EMBEDDING_OPERATOR_KEDA_GATEWAY_NAMESPACE: {{ .Values.autoscaling.keda.gatewayNamespace | default .Release.Namespace | quote }}
+EMBEDDING_OPERATOR_KEDA_GATEWAY_JOB: {{ .Values.autoscaling.keda.gatewayJob | quote }}
 EMBEDDING_OPERATOR_LOG_FORMAT: {{ .Values.operator.logFormat | quote }}
 EMBEDDING_OPERATOR_LOG_LEVEL: {{ .Values.operator.logLevel | quote }}
 EMBEDDING_OPERATOR_RESYNC_SECONDS: {{ .Values.operator.resyncSeconds | toString | quote }}

@@ -57,13 +57,22 @@ class Owner:
         )
 
 
+DEFAULT_GATEWAY_NAMESPACE = "embedding-operator"
+"""Where the gateway runs when nothing says otherwise: the chart's documented namespace
+(``helm install ... --namespace embedding-operator``). ``run`` uses its own namespace."""
+
+
 @dataclass(frozen=True)
 class AutoscalingDefaults:
     """What the operator's configuration adds to ``spec.autoscaling``: the autoscaler a spec
-    that names none gets, and the Prometheus KEDA's triggers query (empty: not configured)."""
+    that names none gets, the Prometheus KEDA's triggers query (empty: not configured), and
+    where the gateway's held-request series come from (its namespace, and Prometheus's job
+    for it, empty: any job), which KEDA's wake-from-zero trigger matches."""
 
     autoscaler: Autoscaler = "hpa"
     prometheus_address: str = ""
+    gateway_namespace: str = DEFAULT_GATEWAY_NAMESPACE
+    gateway_job: str = ""
 
 
 DEFAULT_AUTOSCALING = AutoscalingDefaults()

@@ -18,6 +18,10 @@ writes the query, and the query decides what a replica counts for:
   (``embedding_gateway_held_requests`` of this EmbeddingService), also at most one replica's
   worth: once that replica is ready the gateway releases them to it and the work trigger
   takes over. Without the gateway nothing exports the series and the trigger stays inactive.
+  The query matches the gateway's ``namespace`` as Prometheus labels its target (and its
+  ``job``, when the operator is told it), not the ``embedding_service`` label alone: that
+  label is whatever a scraped pod writes, so any pod Prometheus scrapes, in any namespace,
+  could otherwise wake (and keep awake) another team's service.
 
 The target is the Deployment, as the operator's own HPA's is: the operator leaves
 ``spec.replicas`` to the autoscaler while autoscaling is on, so they never fight over it.
@@ -69,9 +73,23 @@ def loading_query(render: RenderInput) -> str:
 
 
 def held_query(render: RenderInput) -> str:
-    """1 while the gateway holds a request for this service (it has no ready pod), else 0."""
-    owner = render.owner
-    return f'clamp_max(sum({HELD_METRIC}{{embedding_service="{owner.namespace}/{owner.name}"}}), 1)'
+    """1 while the gateway holds a request for this service (it has no ready pod), else 0:
+    the gateway's series only, by the namespace (and job) Prometheus gives its target."""
+    owner, defaults = render.owner, render.autoscaling
+    labels = {
+        "embedding_service": f"{owner.namespace}/{owner.name}",
+        "namespace": defaults.gateway_namespace,
+    }
+    if defaults.gateway_job:
+        labels["job"] = defaults.gateway_job
+    matchers = ",".join(f'{label}="{_promql_string(value)}"' for label, value in labels.items())
+    return f"clamp_max(sum({HELD_METRIC}{{{matchers}}}), 1)"
+
+
+def _promql_string(value: str) -> str:
+    """``value`` inside a PromQL double-quoted string (a job name is the operator's to
+    choose, and may hold a quote or a backslash)."""
+    return value.replace("\\", "\\\\").replace('"', '\\"')
 
 
 def _prometheus_trigger(name: str, server: str, query: str, threshold: str) -> dict[str, Any]:
