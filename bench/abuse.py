@@ -31,6 +31,10 @@ The third review's H6 and H8 rows (``--only "3rd review"``) each run on a server
 (:class:`Own`: the fake backend, and for H8 ``--max-connections 200`` on both sides and
 ``--probe-port`` after, where the probes then go).
 
+The third review's H7 and M2 rows (images) run on servers of their own too: the fake backend
+taking images, at the default image limits; for H7 an image host on 127.0.0.1 in this
+process, listed with ``--allowed-media-domains 127.0.0.1`` (and ``--media-fetch-timeout 30``).
+
     .venv/bin/python -m bench.abuse --before /tmp/before/server
     .venv/bin/python -m bench.abuse --scale 0.02       # a smoke run, this tree only
 """
@@ -39,7 +43,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
+import io
 import json
 import os
 import select
@@ -51,11 +57,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import psutil
+from PIL import Image
 
 from bench import out_dir, write_results
 from bench.models import build_tiny_bert
@@ -412,6 +421,12 @@ def attacks(scale: float) -> list[tuple[Row, Callable[[Served], Measure], bool |
         (Row("H6 (3rd review): 8 clients that never read a 42 MB /pooling answer",
              "--max-sending-bytes, --send-timeout"),
          h6_unread_answers(scale), Own("fake?dim=1024")),
+        (Row("H7 (3rd review): 4 requests of 16 URLs (1 KB each) of 7.3 MiB images, listed host",
+             "--max-fetching-bytes"),
+         h7_image_urls(scale), Own(IMAGE_MODEL, IMAGE_HOST_FLAGS)),
+        (Row("M2 (3rd review): 2 requests of 16 one-colour 25 MP PNGs (1.75 MiB each)",
+             "--max-decoding-pixels, the images' own thread"),
+         m2_pixels(scale), Own(IMAGE_MODEL)),
     ]  # fmt: skip
 
 
@@ -532,6 +547,114 @@ def _held_by(served: Served, sockets: list[socket.socket], wait: float = 35.0) -
     finally:
         for sock in sockets:
             sock.close()
+
+
+# -- the third review's H7 and M2: images (their own servers: see Own) ------------------------
+
+IMAGE_MODEL = "fake?dim=32&image_tokens=8"
+"""The image rows' model: the fake backend taking images (its preprocessing decodes each one
+whole and resizes it, as a vision model's does)."""
+IMAGE_HOST_FLAGS = ("--allowed-media-domains", "127.0.0.1", "--media-fetch-timeout", "30")
+"""H7's server: the image host listed, and 30 s for a fetch (the default 5 s is too short for
+64 downloads at once on two shared cores: the attack would end in timeouts, not memory)."""
+
+
+def _png(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@contextlib.contextmanager
+def image_host(body: bytes) -> Iterator[str]:
+    """An HTTP server on 127.0.0.1 answering every path with the PNG ``body``; its URL."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            with contextlib.suppress(OSError):
+                self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _concurrently(served: Served, bodies: list[dict[str, Any]]) -> str:
+    """POST ``bodies`` to ``/v2/embed`` at once; their statuses, counted."""
+    statuses: list[str] = [""] * len(bodies)
+
+    def one(i: int) -> None:
+        statuses[i] = post(served, "/v2/embed", bodies[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return ", ".join(f"{statuses.count(s)} x {s}" for s in sorted(set(statuses)))
+
+
+def _cohere_images(images: list[str]) -> dict[str, Any]:
+    return {"images": images, "input_type": "image", "embedding_types": ["float"]}
+
+
+def h7_image_urls(scale: float) -> Callable[[Served], Measure]:
+    """Requests of 16 image URLs each, at once, to a listed host (127.0.0.1) whose images
+    are random-pixel PNGs of 1600 x 1600 (7.3 MiB, under --max-image-bytes' 8 MiB): each
+    request's body is about 1 KB. The other client sends a small embedding."""
+    count = max(2, int(4 * scale))
+    rng = np.random.default_rng(7)
+    noise = rng.integers(0, 256, size=(1600, 1600, 3), dtype=np.uint8)
+    body = _png(Image.fromarray(noise, "RGB"))
+
+    def run(served: Served) -> Measure:
+        with image_host(body) as host:
+            bodies = [
+                _cohere_images([f"{host}/{r}/{i}.png" for i in range(16)]) for r in range(count)
+            ]
+
+            def attack() -> str:
+                return _concurrently(served, bodies)
+
+            return measured(served, attack, _small_embed(served))
+
+    return run
+
+
+def m2_pixels(scale: float) -> Callable[[Served], Measure]:
+    """Requests of 16 one-colour 5000 x 5000 PNGs as data: URIs (84 KB each, a 1.75 MiB
+    body; 25 M pixels each, --max-image-pixels' limit), at once. The other client sends
+    texts long enough (6 of 450 characters) to be tokenized in the tokenizer threads."""
+    count = max(2, int(2 * scale))
+    uri = (
+        "data:image/png;base64,"
+        + base64.b64encode(_png(Image.new("RGB", (5000, 5000), (200, 30, 90)))).decode()
+    )
+    bodies = [_cohere_images([uri] * 16) for _ in range(count)]
+    texts = {"input": ["word " * 90] * 6}
+
+    def run(served: Served) -> Measure:
+        def attack() -> str:
+            return _concurrently(served, bodies)
+
+        return measured(
+            served, attack, lambda http: http.post(served.url + "/v1/embeddings", json=texts)
+        )
+
+    return run
 
 
 GATEWAY = "gateway"
