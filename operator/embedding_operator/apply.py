@@ -35,13 +35,14 @@ values we render would be shared, not refused (server-side apply only conflicts 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from embedding_operator.builders import DesiredChildren
 from embedding_operator.builders.common import Manifest, Owner
-from embedding_operator.kube import ApiError, Cluster, controller_of, ref_of
+from embedding_operator.kube import ApiError, Cluster, ObjectRef, controller_of, ref_of
 
 log = logging.getLogger(__name__)
 
@@ -188,15 +189,25 @@ def _conflict(owner: Owner, manifest: Manifest, live: dict[str, Any] | None) -> 
 
 
 def sync_children(
-    cluster: Cluster, owner: Owner, desired: DesiredChildren, *, check_absent: bool = True
+    cluster: Cluster,
+    owner: Owner,
+    desired: DesiredChildren,
+    *,
+    check_absent: bool = True,
+    known: Mapping[ObjectRef, dict[str, Any] | None] | None = None,
 ) -> SyncResult:
     """Make the children match ``desired``; write only what differs.
 
     ``check_absent=False`` skips looking for children that must not exist, for callers that
     already confirmed them gone for this generation (three GETs saved per reconcile).
+    ``known``: children the caller read this reconcile (None: absent), not read again.
     """
     result = SyncResult()
-    found = [(manifest, cluster.get(ref_of(manifest))) for manifest in desired.present]
+    known = known or {}
+    found = [
+        (manifest, known[ref] if (ref := ref_of(manifest)) in known else cluster.get(ref))
+        for manifest in desired.present
+    ]
     conflicts = [
         conflict for manifest, live in found if (conflict := _conflict(owner, manifest, live))
     ]

@@ -188,6 +188,17 @@ def _parse_record(text: object) -> dict[str, Any] | None:
     return parsed if isinstance(parsed, dict) and parsed.get("vectors") else None
 
 
+def _configmap_ref(owner: Owner) -> ObjectRef:
+    return ObjectRef("v1", "ConfigMap", owner.namespace, configmap_name(owner))
+
+
+def record_of(live: Mapping[str, Any] | None, owner: Owner, key: str) -> dict[str, Any] | None:
+    """``key``'s record in ``live``, when ``live`` is this EmbeddingService's own ConfigMap."""
+    if live is None or (controller_of(live) or {}).get("uid") != owner.uid:
+        return None
+    return _parse_record((live.get("data") or {}).get(record_file(key)))
+
+
 class GoldenKeeper:
     """The golden step of a reconcile, against a ``Cluster`` and a way to reach pods."""
 
@@ -196,6 +207,10 @@ class GoldenKeeper:
         self._fetch = fetch
         self._clock = clock
 
+    def read(self, owner: Owner) -> dict[str, Any] | None:
+        """The live ConfigMap ``<name>-golden`` (one GET), whoever owns it."""
+        return self._cluster.get(_configmap_ref(owner))
+
     def step(
         self,
         owner: Owner,
@@ -203,12 +218,15 @@ class GoldenKeeper:
         pods: Callable[[], Iterable[Mapping[str, Any]]],
         *,
         settled: bool,
+        live: Mapping[str, Any] | None,
+        keep: tuple[str, ...] = (),
     ) -> GoldenOutcome:
-        """``pods`` is called only when needed: a settled Deployment with a record has every
-        pod ready, so there is none to ask, and it costs one GET (the ConfigMap)."""
+        """``live`` is what :meth:`read` returned; ``keep``, the contract keys whose records
+        stay when this one's is written (the running model's, during a blue/green change).
+        ``pods`` is called only when needed: a settled Deployment with a record has every
+        pod ready, so there is none to ask."""
         key = contract_key(spec)
-        ref = ObjectRef("v1", "ConfigMap", owner.namespace, configmap_name(owner))
-        live = self._cluster.get(ref)
+        ref = _configmap_ref(owner)
         if live is not None and (controller_of(live) or {}).get("uid") != owner.uid:
             message = (
                 f"ConfigMap {ref.name} exists and is not this EmbeddingService's: the operator "
@@ -226,7 +244,7 @@ class GoldenKeeper:
             p for p in map(PodFacts.from_pod, pods()) if p.key == key and p.ip and not p.terminating
         ]
         if record is None:
-            return self._record(owner, spec, key, live, [p for p in mine if p.ready])
+            return self._record(owner, spec, key, live, [p for p in mine if p.ready], keep)
         status = record_status(key, spec, record)
         comparing = False
         for pod in [p for p in mine if not p.ready][:MAX_PODS_ASKED]:
@@ -253,6 +271,7 @@ class GoldenKeeper:
         key: str,
         live: Mapping[str, Any] | None,
         ready: list[PodFacts],
+        keep: tuple[str, ...],
     ) -> GoldenOutcome:
         if not ready:
             waiting = "no golden vectors yet: they are recorded from the first ready pod"
@@ -276,7 +295,7 @@ class GoldenKeeper:
             record = {k: answer[k] for k in (*RECORD_FIELDS, *RECORD_DATA_FIELDS) if k in answer}
             record["recordedFrom"] = {"pod": pod.name, "node": pod.node}
             record["recordedAt"] = self._clock()
-            if not self._write(owner, key, live, record):
+            if not self._write(owner, key, live, record, keep):
                 failures.append(f"ConfigMap {configmap_name(owner)} changed while written")
                 break
             log.info(
@@ -294,9 +313,19 @@ class GoldenKeeper:
         )
 
     def _write(
-        self, owner: Owner, key: str, live: Mapping[str, Any] | None, record: dict[str, Any]
+        self,
+        owner: Owner,
+        key: str,
+        live: Mapping[str, Any] | None,
+        record: dict[str, Any],
+        keep: tuple[str, ...],
     ) -> bool:
         """Write the record; False when the ConfigMap changed hands meanwhile (a 409)."""
+        data = {record_file(key): json.dumps(record, separators=(",", ":"))}
+        for other in keep:
+            kept = ((live or {}).get("data") or {}).get(record_file(other))
+            if other != key and kept is not None:
+                data[record_file(other)] = kept
         manifest: dict[str, Any] = {
             "apiVersion": "v1",
             "kind": "ConfigMap",
@@ -306,8 +335,8 @@ class GoldenKeeper:
                 "labels": {CONTRACT_LABEL: key},
                 "ownerReferences": [owner_reference(owner)],
             },
-            # This key's record only: a server-side apply drops what it applied before.
-            "data": {record_file(key): json.dumps(record, separators=(",", ":"))},
+            # This key's record, and those kept: a server-side apply drops the rest.
+            "data": data,
         }
         if live is not None:
             # Written with the uid it was read with: a ConfigMap replaced since is refused.

@@ -44,6 +44,16 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from embedding_operator.apply import ChildConflictError, ChildRejectedError, sync_children
+from embedding_operator.bluegreen import (
+    Decision,
+    decide,
+    next_deployment,
+    next_name,
+    pin_service,
+    template_key,
+)
+from embedding_operator.bluegreen import Facts as BlueGreenFacts
+from embedding_operator.builders import DesiredChildren
 from embedding_operator.builders.common import (
     API_VERSION,
     DEFAULT_AUTOSCALING,
@@ -53,7 +63,8 @@ from embedding_operator.builders.common import (
     RenderInput,
     selector_string,
 )
-from embedding_operator.golden import Fetch, GoldenKeeper, GoldenOutcome, http_fetch
+from embedding_operator.builders.golden import contract_key
+from embedding_operator.golden import Fetch, GoldenKeeper, GoldenOutcome, http_fetch, record_of
 from embedding_operator.kube import Cluster, ObjectRef, controller_of
 from embedding_operator.metrics import OperatorMetrics, service_state
 from embedding_operator.names import NameClaims, Refusal, claimed_names
@@ -69,9 +80,13 @@ from embedding_operator.status import (
     CHILD_CONFLICT,
     CHILD_REJECTED,
     DEGRADED,
+    MODEL_CHANGE_PREPARING,
+    MODEL_CHANGE_SWITCHING,
     NAMES_OWNED,
+    PROGRESSING,
     READY,
     SCALED_TO_ZERO,
+    Condition,
     DeploymentFacts,
     Problem,
     compute_status,
@@ -116,6 +131,69 @@ def utc_now() -> str:
 
 def owner_ref(namespace: str, name: str) -> ObjectRef:
     return ObjectRef(API_VERSION, KIND, namespace, name)
+
+
+ROLLOUT_POLL_SECONDS = 5.0
+
+
+@dataclass
+class Rollout:
+    """One reconcile's blue/green decision and what it read (``bluegreen.py``)."""
+
+    decision: Decision
+    facts: BlueGreenFacts
+    children: DesiredChildren
+    known: dict[ObjectRef, dict[str, Any] | None]
+    main: dict[str, Any] | None
+    next_live: dict[str, Any] | None
+    next_manifest: dict[str, Any] | None
+    next_ref: ObjectRef
+    service_ref: ObjectRef
+    fingerprints: dict[str, str]
+    """Contract key -> fingerprint, of the records the golden ConfigMap held."""
+
+    def status(self, contract: dict[str, Any]) -> dict[str, Any]:
+        decision = self.decision
+        known = dict(self.fingerprints)
+        if contract.get("key") and contract.get("fingerprint"):
+            known[str(contract["key"])] = str(contract["fingerprint"])  # recorded just now
+        out: dict[str, Any] = {"strategy": self.facts.strategy, "phase": decision.phase}
+        if decision.active_key:
+            out["activeKey"] = decision.active_key
+            if decision.active_key in known:
+                out["activeFingerprint"] = known[decision.active_key]
+        if decision.pending_key:
+            out["pendingKey"] = decision.pending_key
+            if decision.pending_key in known:
+                out["pendingFingerprint"] = known[decision.pending_key]
+            upcoming = (
+                DeploymentFacts.from_live(self.next_live) if self.next_live is not None else None
+            )
+            out["pendingReady"] = (
+                f"{upcoming.ready if upcoming else 0}/{max(1, self.facts.main_replicas)}"
+            )
+        if decision.message:
+            out["message"] = decision.message
+        return out
+
+    def conditions(self, conditions: list[Condition]) -> list[Condition]:
+        """Progressing says a model change is under way; the rest is the Deployment's."""
+        if self.decision.phase == "Stable":
+            return conditions
+        reason = (
+            MODEL_CHANGE_PREPARING if self.decision.phase == "Preparing" else MODEL_CHANGE_SWITCHING
+        )
+        said = self.decision.message
+        if self.decision.phase == "Preparing":
+            upcoming = (
+                DeploymentFacts.from_live(self.next_live) if self.next_live is not None else None
+            )
+            ready = upcoming.ready if upcoming else 0
+            said += f"; {self.next_ref.name}: {ready}/{max(1, self.facts.main_replicas)} ready"
+        return [
+            Condition(PROGRESSING, "True", reason, said) if c.type == PROGRESSING else c
+            for c in conditions
+        ]
 
 
 class _Once:
@@ -241,6 +319,8 @@ class Reconciler:
         deployment: dict[str, Any] | None = None
         applied: tuple[str, ...] = ()
         children_live: dict[str, dict[str, Any]] = {}
+        rollout: Rollout | None = None
+        golden_live: dict[str, Any] | None = None
         if isinstance(planned, Planned) and problem is None:
             try:
                 key, seen = (owner.namespace, owner.name), (owner.uid, owner.generation)
@@ -252,18 +332,25 @@ class Reconciler:
                 # on each new EmbeddingService.
                 fresh = owner.generation == 1 and not body.get("status")
                 checked = fresh or self._absent_checked.get(key) == seen
+                golden_live = self._golden.read(owner)
+                rollout = self._rollout(body, owner, planned, golden_live, look=not checked)
                 result = sync_children(
-                    self._cluster, owner, planned.children, check_absent=not checked
+                    self._cluster,
+                    owner,
+                    rollout.children,
+                    check_absent=not checked,
+                    known=rollout.known,
                 )
                 self._absent_checked[key] = seen
+                applied_next = self._sync_next(owner, rollout)
                 if self._metrics is not None:
-                    for kind in result.applied:
+                    for kind in result.applied + applied_next:
                         self._metrics.wrote(kind, "apply")
                     for kind in result.deleted:
                         self._metrics.wrote(kind, "delete")
                 children_live = result.live
-                deployment = result.live.get("Deployment")
-                applied = tuple(result.applied + [f"-{k}" for k in result.deleted])
+                deployment = result.live.get("Deployment") or rollout.main
+                applied = tuple(result.applied + applied_next + [f"-{k}" for k in result.deleted])
             except ChildConflictError as exc:
                 problem = Problem(CHILD_CONFLICT, str(exc))
             except ChildRejectedError as exc:
@@ -278,11 +365,17 @@ class Reconciler:
             pods = _Once(lambda: self._server_pods(owner))
             problem = self._pods_problem(planned.render.spec, deployment, pods)
             if problem is None:
+                upcoming = rollout.next_live if rollout is not None else None
                 golden = self._golden.step(
                     owner,
                     planned.render.spec,
                     pods,
-                    settled=DeploymentFacts.from_live(deployment).settled,
+                    settled=DeploymentFacts.from_live(deployment).settled
+                    and (upcoming is None or DeploymentFacts.from_live(upcoming).settled),
+                    live=golden_live if rollout is not None else self._golden.read(owner),
+                    keep=(rollout.decision.active_key,)
+                    if rollout is not None and rollout.decision.active_key
+                    else (),
                 )
                 problem = golden.problem
 
@@ -291,17 +384,24 @@ class Reconciler:
         if render is not None and render.autoscaler is not None:
             autoscaler = children_live.get(AUTOSCALER_KINDS[render.autoscaler])
         owner_version = self._write_status(
-            body, owner, render, deployment, problem, autoscaler, golden
+            body, owner, render, deployment, problem, autoscaler, golden, rollout
         )
+        moving = rollout is not None and rollout.decision.phase != "Stable"
+        requeue = golden.retry_after if golden is not None else None
+        if moving:
+            # The switch waits on readiness and the record, neither of which makes an event
+            # that comes back here in time: look again soon while a model change is under way.
+            requeue = min(requeue or ROLLOUT_POLL_SECONDS, ROLLOUT_POLL_SECONDS)
         outcome = Outcome(
             problem=problem,
             status_written=owner_version is not None,
             applied=applied,
-            requeue_after=golden.retry_after if golden is not None else None,
+            requeue_after=requeue,
         )
         if not (
             isinstance(planned, Planned)
             and problem is None
+            and not moving
             and (golden is None or golden.retry_after is None)
             and deployment is not None
             and DeploymentFacts.from_live(deployment).settled
@@ -314,6 +414,116 @@ class Reconciler:
         )
         version = owner_version or str(body["metadata"].get("resourceVersion"))
         return outcome, Versions(version, children)
+
+    def _rollout(
+        self,
+        body: dict[str, Any],
+        owner: Owner,
+        planned: Planned,
+        golden_live: dict[str, Any] | None,
+        *,
+        look: bool,
+    ) -> Rollout:
+        """Read what the blue/green decision needs and make it (``bluegreen.py``). The
+        Deployment and Service read here are handed to ``sync_children``, which reads them no
+        more; ``<name>-next`` is read only while a change is under way (or on a first look
+        after a restart, ``look``), so a settled service costs no extra GET."""
+        spec = planned.render.spec
+        spec_key = contract_key(spec)
+        main_ref = ObjectRef("apps/v1", "Deployment", owner.namespace, owner.name)
+        service_ref = ObjectRef("v1", "Service", owner.namespace, owner.name)
+        next_ref = ObjectRef("apps/v1", "Deployment", owner.namespace, next_name(owner))
+        main = self._cluster.get(main_ref)
+        service = self._cluster.get(service_ref)
+        mine = main is not None and (controller_of(main) or {}).get("uid") == owner.uid
+        was = ((body.get("status") or {}).get("rollout") or {}).get("phase")
+        upcoming = None
+        if look or was not in (None, "Stable") or (mine and template_key(main) != spec_key):
+            upcoming = self._cluster.get(next_ref)
+            if upcoming is not None and (controller_of(upcoming) or {}).get("uid") != owner.uid:
+                upcoming = None  # not ours: never touched (a conflict on it is not ours either)
+        old_contract = (body.get("status") or {}).get("contract") or {}
+        record = record_of(golden_live, owner, spec_key)
+        unsupported = old_contract.get("key") == spec_key and old_contract.get("state") in (
+            "Unsupported",
+            "Conflict",
+        )
+        facts = BlueGreenFacts.read(
+            strategy=spec.rollout.strategy,
+            spec_key=spec_key,
+            main=main if mine else None,
+            service=service,
+            upcoming=upcoming,
+            recorded=record is not None or unsupported,
+        )
+        decision = decide(facts)
+        present = []
+        for manifest in planned.children.present:
+            if manifest["kind"] == "Deployment" and not decision.apply_main:
+                continue
+            if manifest["kind"] == "Service":
+                manifest = pin_service(manifest, decision.pin)
+            present.append(manifest)
+        children = DesiredChildren(present=present, absent=planned.children.absent)
+        main_manifest = next(m for m in planned.children.present if m["kind"] == "Deployment")
+        next_manifest = (
+            next_deployment(main_manifest, owner, facts.main_replicas)
+            if decision.want_next
+            else None
+        )
+        return Rollout(
+            decision=decision,
+            facts=facts,
+            children=children,
+            known={main_ref: main, service_ref: service},
+            main=main if mine else None,
+            next_live=upcoming,
+            next_manifest=next_manifest,
+            next_ref=next_ref,
+            service_ref=service_ref,
+            fingerprints={
+                key: str(found["fingerprint"])
+                for key in {spec_key, facts.main_key or spec_key}
+                if (found := record_of(golden_live, owner, key)) and found.get("fingerprint")
+            },
+        )
+
+    def _sync_next(self, owner: Owner, rollout: Rollout) -> list[str]:
+        """Apply or delete ``<name>-next`` as decided, and unpin the Service when decided; the
+        kinds written."""
+        written = []
+        service = rollout.known.get(rollout.service_ref)
+        if rollout.decision.pin is None and rollout.facts.pinned is not None and service:
+            # The unpinned selector is a subset of the pinned one, which sync_children takes
+            # for no change: the apply that drops the key is sent here.
+            manifest = next(m for m in rollout.children.present if m["kind"] == "Service")
+            manifest = {
+                **manifest,
+                "metadata": {**manifest["metadata"], "uid": service["metadata"].get("uid")},
+            }
+            self._cluster.apply(manifest, force=True)
+            written.append("Service")
+        if rollout.next_manifest is not None:
+            result = sync_children(
+                self._cluster,
+                owner,
+                DesiredChildren(present=[rollout.next_manifest], absent=[]),
+                check_absent=False,
+                known={rollout.next_ref: rollout.next_live},
+            )
+            rollout.next_live = result.live.get("Deployment")
+            return written + result.applied
+        if rollout.decision.delete_next and rollout.next_live is not None:
+            uid = (rollout.next_live.get("metadata") or {}).get("uid")
+            self._cluster.delete(rollout.next_ref, uid=uid)
+            log.info(
+                "%s/%s: deleted %s: the Deployment serves the new model",
+                owner.namespace,
+                owner.name,
+                rollout.next_ref.name,
+            )
+            rollout.next_live = None
+        return written
 
     def _pods_problem(
         self,
@@ -341,6 +551,7 @@ class Reconciler:
         problem: Problem | None,
         autoscaler: dict[str, Any] | None = None,
         golden: GoldenOutcome | None = None,
+        rollout: Rollout | None = None,
     ) -> str | None:
         """Write status if it changed; the object's new resourceVersion, None if unchanged."""
         old: dict[str, Any] = dict(body.get("status") or {})
@@ -361,6 +572,11 @@ class Reconciler:
             status["contract"] = golden.status
         elif "contract" in old:
             status["contract"] = old["contract"]  # not looked at this time: still what it was
+        if rollout is not None:
+            status["rollout"] = rollout.status(status.get("contract") or {})
+            conditions = rollout.conditions(conditions)
+        elif "rollout" in old:
+            status["rollout"] = old["rollout"]
         status["conditions"] = merge_conditions(
             old.get("conditions"), conditions, generation=owner.generation, now=self._clock()
         )

@@ -295,7 +295,11 @@ class Autoscaling(_Model):
         return self
 
 
+RolloutStrategy = Literal["blueGreen", "rolling"]
+
+
 class Rollout(_Model):
+    strategy: RolloutStrategy = "blueGreen"
     max_surge: IntOrString = 0
     max_unavailable: IntOrString = 1
 

@@ -177,17 +177,18 @@ def test_api_calls_per_reconcile(cluster: FakeCluster) -> None:
     assert _reads_writes(cluster) == (4, 0)
     assert cluster.calls == [
         ("get", "EmbeddingService"),
+        ("get", "ConfigMap"),
         ("get", "Deployment"),
         ("get", "Service"),
-        ("get", "ConfigMap"),
     ]
     assert golden.asked == []
     # A fresh operator (a restart, a failover) checks once that the five children this spec
-    # does not want (PVC, HPA, ScaledObject, PDB, NetworkPolicy) are gone: the object has a
-    # status, so an earlier reconcile may have created them for an earlier spec.
+    # does not want (PVC, HPA, ScaledObject, PDB, NetworkPolicy) are gone, and looks for a
+    # model change's <name>-next left behind: the object has a status, so an earlier
+    # reconcile may have created them for an earlier spec.
     cluster.calls.clear()
     make(cluster, golden_fetch=golden).reconcile(NS, "emb")
-    assert _reads_writes(cluster) == (4 + 5, 0)
+    assert _reads_writes(cluster) == (4 + 5 + 1, 0)
 
 
 def test_an_unwanted_child_left_by_an_earlier_spec_is_deleted_by_a_fresh_operator(
@@ -338,12 +339,13 @@ def test_spec_change_rolls_out_and_switches_children(cluster: FakeCluster) -> No
     # (and, still matching, the Deployment is not rewritten just for that).
     assert cluster.objects[hpa]["spec"]["maxReplicas"] == 3
 
-    body["spec"] = {**MODEL, "replicas": 1, "server": {"dtype": "float16"}}
+    # A change that keeps the model (bluegreen.py has the others) is a rolling update.
+    body["spec"] = {**MODEL, "replicas": 1, "server": {"maxBatchSize": 16}}
     body["metadata"]["generation"] = 3
     rec.reconcile(NS, "emb")
     assert hpa not in cluster.objects and pdb not in cluster.objects
     args = cluster.objects[dep_ref()]["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert args[args.index("--dtype") + 1] == "float16"
+    assert args[args.index("--max-batch-size") + 1] == "16"
     cond = conditions(cluster)
     assert cond["Ready"]["reason"] == "RolloutInProgress"
     assert cond["Ready"]["observedGeneration"] == 3

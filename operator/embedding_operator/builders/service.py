@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from embedding_operator.builders import golden
 from embedding_operator.builders.common import (
     PORT_NAME,
     Manifest,
@@ -14,10 +15,15 @@ from embedding_operator.builders.common import (
 
 
 def build_service(render: RenderInput) -> Manifest:
+    """As a new service gets it: with ``blueGreen``, the selector pinned to the spec's model
+    (its contract key); the reconciler moves the pin during a model change (``bluegreen.py``)."""
     svc = render.spec.service
+    selector = selector_labels(render.owner)
+    if render.spec.rollout.strategy == "blueGreen":
+        selector[golden.CONTRACT_LABEL] = golden.contract_key(render.spec)
     spec: dict[str, Any] = {
         "type": svc.type,
-        "selector": selector_labels(render.owner),
+        "selector": selector,
         "ports": [
             {"name": PORT_NAME, "port": svc.port, "targetPort": PORT_NAME, "protocol": "TCP"}
         ],

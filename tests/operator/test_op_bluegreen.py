@@ -1,0 +1,260 @@
+"""Model changes never mix two models behind one name: the blue/green rollout, through the
+reconciler against an in-memory API (issue 47, item 3)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from embedding_operator.bluegreen import Facts, decide
+from embedding_operator.builders.golden import CONTRACT_LABEL, contract_key
+from embedding_operator.kube import ObjectRef
+from embedding_operator.profiles import GpuProfiles
+from embedding_operator.reconcile import Outcome, Reconciler, owner_ref
+from embedding_operator.spec import parse_spec
+
+from tests.support.operator import (
+    FakeCluster,
+    FakeGolden,
+    golden_answer,
+    server_pod,
+)
+
+NS = "team"
+OLD: dict[str, Any] = {"model": {"name": "sentence-transformers/all-MiniLM-L6-v2"}, "replicas": 2}
+# Same dimensions, another computation: no client could tell the vectors apart.
+NEW: dict[str, Any] = {**OLD, "embedding": {"pooling": "cls"}}
+OLD_KEY, NEW_KEY = contract_key(parse_spec(OLD)), contract_key(parse_spec(NEW))
+MAIN = ObjectRef("apps/v1", "Deployment", NS, "emb")
+NEXT = ObjectRef("apps/v1", "Deployment", NS, "emb-next")
+SERVICE = ObjectRef("v1", "Service", NS, "emb")
+CONFIGMAP = ObjectRef("v1", "ConfigMap", NS, "emb-golden")
+
+
+class Events:
+    def __call__(self, body: dict[str, Any], *, type: str, reason: str, message: str) -> None:
+        pass
+
+
+def _rolled_out(cluster: FakeCluster, ref: ObjectRef, ready: int | None = None) -> None:
+    dep = cluster.objects[ref]
+    want = dep["spec"].get("replicas", 1)
+    ready = want if ready is None else ready
+    dep["metadata"]["resourceVersion"] += "+status"
+    dep["status"] = {
+        "observedGeneration": dep["metadata"]["generation"],
+        "replicas": want,
+        "updatedReplicas": want,
+        "readyReplicas": ready,
+        "availableReplicas": ready,
+        "conditions": [{"type": "Available", "status": "True" if ready else "False"}],
+    }
+
+
+def _key_of(cluster: FakeCluster, ref: ObjectRef) -> str:
+    return str(cluster.objects[ref]["spec"]["template"]["metadata"]["labels"][CONTRACT_LABEL])
+
+
+def _pin(cluster: FakeCluster) -> str | None:
+    return cluster.objects[SERVICE]["spec"]["selector"].get(CONTRACT_LABEL)
+
+
+def _status(cluster: FakeCluster) -> dict[str, Any]:
+    return dict(cluster.objects[owner_ref(NS, "emb")].get("status") or {})
+
+
+def _condition(cluster: FakeCluster, kind: str) -> dict[str, Any]:
+    return next(c for c in _status(cluster)["conditions"] if c["type"] == kind)
+
+
+def _serving(spec: dict[str, Any]) -> tuple[FakeCluster, Reconciler, FakeGolden]:
+    """A service of ``spec`` rolled out, its golden vectors recorded from its first pod."""
+    cluster = FakeCluster()
+    cluster.add(
+        {
+            "apiVersion": "embedding-operator.dev/v1alpha1",
+            "kind": "EmbeddingService",
+            "metadata": {"name": "emb", "namespace": NS, "uid": "owner-uid", "generation": 1},
+            "spec": spec,
+        }
+    )
+    key = contract_key(parse_spec(spec))
+    golden = FakeGolden({"10.0.0.1": golden_answer("01d01d01d01d01d0")})
+    rec = Reconciler(
+        cluster=cluster,
+        profiles=GpuProfiles.builtin(),
+        default_image="img:1",
+        recorder=Events(),
+        golden_fetch=golden,
+    )
+    rec.reconcile(NS, "emb")
+    _rolled_out(cluster, MAIN)
+    cluster.add(server_pod("emb-a", key=key, ip="10.0.0.1"))
+    rec.reconcile(NS, "emb")
+    assert _status(cluster)["contract"]["state"] == "Recorded"
+    return cluster, rec, golden
+
+
+def _edit(cluster: FakeCluster, spec: dict[str, Any]) -> None:
+    body = cluster.objects[owner_ref(NS, "emb")]
+    body["spec"] = spec
+    body["metadata"]["generation"] += 1
+
+
+def test_a_model_change_serves_one_model_at_every_step() -> None:
+    cluster, rec, golden = _serving(OLD)
+    assert _pin(cluster) == OLD_KEY, "a settled service's Service is pinned to its model"
+    assert _status(cluster)["rollout"]["activeFingerprint"] == "01d01d01d01d01d0"
+
+    # 1. The new model starts beside the old one; the Service and <name> stay as they were.
+    _edit(cluster, NEW)
+    outcome = rec.reconcile(NS, "emb")
+    assert isinstance(outcome, Outcome) and outcome.requeue_after == 5.0
+    assert _key_of(cluster, MAIN) == OLD_KEY
+    assert _pin(cluster) == OLD_KEY
+    assert _key_of(cluster, NEXT) == NEW_KEY
+    assert cluster.objects[NEXT]["spec"]["replicas"] == 2, "as many replicas as run now"
+    assert cluster.objects[NEXT]["metadata"]["ownerReferences"][0]["uid"] == "owner-uid"
+    rollout = _status(cluster)["rollout"]
+    assert (rollout["phase"], rollout["activeKey"], rollout["pendingKey"]) == (
+        "Preparing",
+        OLD_KEY,
+        NEW_KEY,
+    )
+    assert rollout["activeFingerprint"] == "01d01d01d01d01d0"
+    progressing = _condition(cluster, "Progressing")
+    assert (progressing["status"], progressing["reason"]) == ("True", "NewModelStarting")
+    assert "emb-next: 0/2 ready" in progressing["message"]
+    assert _condition(cluster, "Ready")["status"] == "True", "the old model still serves"
+
+    # 2. Its replicas are ready, but nothing is switched before its golden vectors are taken.
+    _rolled_out(cluster, NEXT)
+    golden.answers["10.0.0.2"] = golden_answer("2ew2ew2ew2ew2ew2")
+    rec.reconcile(NS, "emb")  # records from the new model's first ready pod (none yet)
+    assert _pin(cluster) == OLD_KEY
+    cluster.add(server_pod("emb-next-a", key=NEW_KEY, ip="10.0.0.2"))
+    rec.reconcile(NS, "emb")  # records now; the switch waits for the next look
+    data = cluster.objects[CONFIGMAP]["data"]
+    assert json.loads(data[f"{NEW_KEY}.json"])["fingerprint"] == "2ew2ew2ew2ew2ew2"
+    assert f"{OLD_KEY}.json" in data, "the running model's record stays while it serves"
+    assert _pin(cluster) == OLD_KEY
+    assert _status(cluster)["rollout"]["pendingFingerprint"] == "2ew2ew2ew2ew2ew2"
+
+    # 3. The switch: the Service moves to the new model in one write; <name> follows.
+    rec.reconcile(NS, "emb")
+    assert _pin(cluster) == NEW_KEY
+    assert _key_of(cluster, MAIN) == NEW_KEY
+    assert NEXT in cluster.objects, "the new model's first replicas serve while <name> rolls"
+    assert _status(cluster)["rollout"]["phase"] == "Switching"
+
+    # 4. <name> rolled out on the new model: <name>-next goes, and all is stable.
+    _rolled_out(cluster, MAIN)
+    rec.reconcile(NS, "emb")
+    assert NEXT not in cluster.objects
+    rollout = _status(cluster)["rollout"]
+    assert (rollout["phase"], rollout["activeKey"]) == ("Stable", NEW_KEY)
+    assert rollout["activeFingerprint"] == "2ew2ew2ew2ew2ew2"
+    assert _condition(cluster, "Progressing")["reason"] != "NewModelStarting"
+
+
+def test_a_change_that_keeps_the_model_is_a_rolling_update() -> None:
+    cluster, rec, _ = _serving(OLD)
+    _edit(cluster, {**OLD, "replicas": 3, "server": {"maxBatchSize": 16}})
+    rec.reconcile(NS, "emb")
+    assert NEXT not in cluster.objects
+    args = cluster.objects[MAIN]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--max-batch-size") + 1] == "16"
+    assert _pin(cluster) == OLD_KEY
+    assert _status(cluster)["rollout"]["phase"] == "Stable"
+
+
+def test_the_rolling_strategy_changes_the_model_in_place_and_unpins() -> None:
+    cluster, rec, _ = _serving(OLD)
+    _edit(cluster, {**NEW, "rollout": {"strategy": "rolling"}})
+    rec.reconcile(NS, "emb")
+    assert NEXT not in cluster.objects
+    assert _key_of(cluster, MAIN) == NEW_KEY
+    assert _pin(cluster) is None, "rolling: the Service selects both models while it rolls"
+
+
+def test_a_reverted_change_deletes_the_new_model_and_leaves_the_old_untouched() -> None:
+    cluster, rec, _ = _serving(OLD)
+    _edit(cluster, NEW)
+    rec.reconcile(NS, "emb")
+    assert NEXT in cluster.objects
+    generation = cluster.objects[MAIN]["metadata"]["generation"]
+    _edit(cluster, OLD)
+    rec.reconcile(NS, "emb")
+    assert NEXT not in cluster.objects
+    assert cluster.objects[MAIN]["metadata"]["generation"] == generation
+    assert _pin(cluster) == OLD_KEY
+
+
+def test_an_operator_restarted_midway_carries_on_from_what_the_cluster_shows() -> None:
+    cluster, rec, golden = _serving(OLD)
+    _edit(cluster, NEW)
+    rec.reconcile(NS, "emb")
+    _rolled_out(cluster, NEXT)
+    golden.answers["10.0.0.2"] = golden_answer("2ew2ew2ew2ew2ew2")
+    cluster.add(server_pod("emb-next-a", key=NEW_KEY, ip="10.0.0.2"))
+    fresh = Reconciler(
+        cluster=cluster,
+        profiles=GpuProfiles.builtin(),
+        default_image="img:1",
+        recorder=Events(),
+        golden_fetch=golden,
+    )
+    fresh.reconcile(NS, "emb")
+    fresh.reconcile(NS, "emb")
+    assert _pin(cluster) == NEW_KEY
+
+
+def test_a_service_from_before_the_pin_rolls_in_place_once_then_pins() -> None:
+    """Pods created by an operator without the contract label cannot be told apart: pinning
+    the Service to a label they lack would leave it without endpoints."""
+    cluster, rec, _ = _serving(OLD)
+    template = cluster.objects[MAIN]["spec"]["template"]["metadata"]["labels"]
+    del template[CONTRACT_LABEL]
+    del cluster.objects[SERVICE]["spec"]["selector"][CONTRACT_LABEL]
+    _edit(cluster, NEW)
+    rec.reconcile(NS, "emb")
+    assert NEXT not in cluster.objects
+    assert _key_of(cluster, MAIN) == NEW_KEY
+    assert _pin(cluster) is None
+    assert "predate the contract label" in _status(cluster)["rollout"]["message"]
+    _rolled_out(cluster, MAIN)
+    rec.reconcile(NS, "emb")
+    assert _pin(cluster) == NEW_KEY
+
+
+def _facts(**changes: Any) -> Facts:
+    base: dict[str, Any] = {
+        "strategy": "blueGreen",
+        "spec_key": "new",
+        "main_exists": True,
+        "main_key": "old",
+        "main_settled": True,
+        "main_replicas": 2,
+        "pinned": "old",
+        "next_exists": False,
+        "next_key": None,
+        "next_settled": False,
+        "recorded": False,
+    }
+    return Facts(**{**base, **changes})
+
+
+def test_the_decision_table() -> None:
+    assert decide(_facts()).phase == "Preparing"
+    assert decide(_facts(next_exists=True, next_key="new", next_settled=True)).phase == (
+        "Preparing"
+    ), "ready but not recorded"
+    switching = decide(_facts(next_exists=True, next_key="new", next_settled=True, recorded=True))
+    assert (switching.phase, switching.pin, switching.apply_main) == ("Switching", "new", True)
+    # Scaled to zero: nothing serves, so nothing can mix.
+    at_zero = decide(_facts(main_replicas=0))
+    assert (at_zero.phase, at_zero.pin, at_zero.apply_main) == ("Stable", "new", True)
+    # Unpinned but settled: every pod carries the label, so the pin can go on first.
+    assert decide(_facts(pinned=None)).pin == "old"
+    # Unpinned and mid-roll: not isolated, in place.
+    assert decide(_facts(pinned=None, main_settled=False)).pin is None
