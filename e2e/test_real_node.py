@@ -1001,6 +1001,133 @@ def test_a_pod_whose_vectors_drift_is_kept_out_with_vectors_changed(
     cluster.kubectl("delete", "embeddingservice", name, "-n", namespace, "--wait=false")
 
 
+# -- (d3) a model change under load: one model at a time, switched once (issue 47) ------------
+
+# One client, one request at a time through the Service, until it has seen a fingerprint other
+# than argv[2] for argv[3] seconds (or argv[4] seconds in all): the fingerprints in the order
+# they came, as runs [[fingerprint, count], ...], and every failure.
+SWITCH_SCRIPT = """
+import json, sys, time
+from openai import OpenAI
+base_url, old, settle, limit = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
+client = OpenAI(base_url=base_url, api_key="unused", timeout=60)
+model = client.models.list().data[0].id
+runs, failures, new_since = [], [], None
+deadline = time.monotonic() + limit
+while time.monotonic() < deadline:
+    try:
+        raw = client.embeddings.with_raw_response.create(model=model, input=["a query to index"])
+        seen = raw.headers.get("x-embedding-fingerprint")
+    except Exception as exc:
+        failures.append(repr(exc))
+        continue
+    if runs and runs[-1][0] == seen:
+        runs[-1][1] += 1
+    else:
+        runs.append([seen, 1])
+    if seen != old:
+        new_since = new_since or time.monotonic()
+        if time.monotonic() - new_since >= settle:
+            break
+print(json.dumps({"runs": runs, "failures": failures}))
+"""
+
+
+def test_a_model_change_under_load_switches_once_and_never_mixes(
+    cluster: KubeClient, release: str, client_pod: ClientPod, namespace: str
+) -> None:
+    """A model change with the same dimensions (mean pooling to CLS: no client could tell the
+    vectors apart) rolls out blue/green: under steady load through the Service, every answer
+    carries the old model's fingerprint until the switch and the new one's after it, never
+    the old again, no request fails, and the switch comes only after the new model's pods
+    are ready and its golden vectors recorded (the Service is pinned to the old model while
+    the new one prepares)."""
+    name = "bluegreen"
+    spec = {
+        "model": {"name": "sentence-transformers/all-MiniLM-L6-v2"},
+        "server": {"dtype": "float32"},
+        "gpu": {"type": "cpu"},
+        "resources": SMALL_POD,
+        "replicas": 1,
+    }
+
+    def status() -> dict[str, Any]:
+        return dict(
+            field_of(get_json(cluster, "embeddingservice", name, "-n", namespace), "status") or {}
+        )
+
+    with diagnostics(cluster, namespace, release):
+        deploy(cluster, namespace, name, spec)
+        recorded = poll_until(
+            lambda: (
+                ((c := status().get("contract") or {}).get("state") == "Recorded" and c) or None
+            ),
+            timeout=120,
+            what="the first model's golden vectors",
+            interval=1.0,
+        )
+        old = recorded["fingerprint"]
+        start_client(
+            cluster,
+            client_pod,
+            namespace,
+            "switch",
+            SWITCH_SCRIPT,
+            service_url(name, namespace),
+            old,
+            "15",
+            "420",
+        )
+        wait_client_running(cluster, namespace, "switch", "the switch client to run")
+        patch = {"spec": {"embedding": {"pooling": "cls"}}}
+        cluster.kubectl(
+            "patch",
+            "embeddingservice",
+            name,
+            "-n",
+            namespace,
+            "--type=merge",
+            "-p",
+            json.dumps(patch),
+        )
+        preparing = poll_until(
+            lambda: (
+                ((r := status().get("rollout") or {}).get("phase") == "Preparing" and r) or None
+            ),
+            timeout=60,
+            what="the new model to start beside the old one",
+            interval=0.5,
+        )
+        service = get_json(cluster, "service", name, "-n", namespace)
+        assert service is not None
+        assert (
+            service["spec"]["selector"]["embedding-operator.dev/contract"]
+            == (preparing["activeKey"])
+        ), "while the new model prepares, the Service routes to the old one only"
+        assert get_json(cluster, "deployment", f"{name}-next", "-n", namespace) is not None
+        done = poll_until(
+            lambda: (
+                (
+                    (r := status().get("rollout") or {}).get("phase") == "Stable"
+                    and r.get("activeKey") == preparing["pendingKey"]
+                    and get_json(cluster, "deployment", f"{name}-next", "-n", namespace) is None
+                    and r
+                )
+                or None
+            ),
+            timeout=2 * READY_TIMEOUT_S,
+            what="the switch to the new model and the old one gone",
+            interval=1.0,
+        )
+        new = done["activeFingerprint"]
+        assert new != old
+        summary = client_output(cluster, namespace, "switch", timeout=CLIENT_TIMEOUT_S)
+    assert summary["failures"] == [], summary
+    order = [fingerprint for fingerprint, _ in summary["runs"]]
+    assert order == [old, new], f"one switch, never back: {summary['runs']}"
+    cluster.kubectl("delete", "embeddingservice", name, "-n", namespace, "--wait=false")
+
+
 # -- (e) tensor parallelism with the bundled image ---------------------------------------------
 
 
