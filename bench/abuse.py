@@ -34,6 +34,8 @@ The third review's H6 and H8 rows (``--only "3rd review"``) each run on a server
 The third review's H7 and M2 rows (images) run on servers of their own too: the fake backend
 taking images, at the default image limits; for H7 an image host on 127.0.0.1 in this
 process, listed with ``--allowed-media-domains 127.0.0.1`` (and ``--media-fetch-timeout 30``).
+The H1 and M3 rows (chat templates) run on the fake backend with its chat template, the H2
+row on a 1-layer Qwen3 reranker built here.
 
     .venv/bin/python -m bench.abuse --before /tmp/before/server
     .venv/bin/python -m bench.abuse --scale 0.02       # a smoke run, this tree only
@@ -67,7 +69,7 @@ import psutil
 from PIL import Image
 
 from bench import out_dir, write_results
-from bench.models import build_tiny_bert
+from bench.models import build_tiny_bert, build_tiny_qwen3_reranker
 
 OUT = out_dir()
 REPO = Path(__file__).resolve().parents[1]
@@ -427,6 +429,14 @@ def attacks(scale: float) -> list[tuple[Row, Callable[[Served], Measure], bool |
         (Row("M2 (3rd review): 2 requests of 16 one-colour 25 MP PNGs (1.75 MiB each)",
              "--max-decoding-pixels, the images' own thread"),
          m2_pixels(scale), Own(IMAGE_MODEL)),
+        (Row("H1 (3rd review): eos_token of 300,000 chars, written after each of 2000 messages",
+             "special tokens not settable, rendered size counted"),
+         h1_chat_kwargs(scale), Own(CHAT_MODEL)),
+        (Row("M3 (3rd review): 250,000 messages (7.2 MiB)", "2048 messages, counted first"),
+         m3_messages(scale), Own(CHAT_MODEL)),
+        (Row("H2 (3rd review): yes/no rerank of a 256 KiB query x 2048 documents",
+             "pair prompts sized from their parts, built cut"),
+         h2_pair_prompts(scale), Own(str(QWEN3_RERANKER), ("--task", "score"))),
     ]  # fmt: skip
 
 
@@ -657,6 +667,63 @@ def m2_pixels(scale: float) -> Callable[[Served], Measure]:
     return run
 
 
+# -- the third review's H1 and M3: chat templates (their own servers: see Own) ---------------
+
+CHAT_MODEL = "fake?dim=32&chat=true"
+"""The chat rows' model: the fake backend with its Zephyr-style chat template, which writes
+the end-of-sequence token after every message."""
+
+
+def _chat(served: Served, body: dict[str, Any]) -> str:
+    return post(served, "/v1/embeddings", json.dumps(body, separators=(",", ":")).encode())
+
+
+def h1_chat_kwargs(scale: float) -> Callable[[Served], Measure]:
+    """A 0.34 MiB request whose ``chat_template_kwargs`` set ``eos_token`` to 300,000
+    characters, which the template writes after each of 2000 one-character messages (600 M
+    characters rendered)."""
+    body = {
+        "messages": [{"role": "user", "content": "x"}] * max(2, int(2000 * scale)),
+        "chat_template_kwargs": {"eos_token": "A" * 300_000},
+        "truncate_prompt_tokens": 8,
+    }
+
+    def run(served: Served) -> Measure:
+        return measured(served, lambda: _chat(served, body))
+
+    return run
+
+
+def m3_messages(scale: float) -> Callable[[Served], Measure]:
+    """250,000 one-character messages in one request (7.2 MiB)."""
+    body = {"messages": [{"role": "user", "content": "x"}] * max(3000, int(250_000 * scale))}
+
+    def run(served: Served) -> Measure:
+        return measured(served, lambda: _chat(served, body))
+
+    return run
+
+
+# -- the third review's H2: a yes/no reranker's pair prompts (its own server: see Own) -------
+
+QWEN3_RERANKER = OUT / "abuse-qwen3-reranker"
+"""H2's model: a 1-layer Qwen3 causal LM with MiniLM's tokenizer, served with ``--task
+score`` as a Qwen3-Reranker (its prompt around every pair), built by :func:`main`."""
+
+
+def h2_pair_prompts(scale: float) -> Callable[[Served], Measure]:
+    """A rerank whose 256 KiB query the reranker's prompt holds once per document, against
+    2048 short documents (a 273 KiB body)."""
+    query = "what is the meaning of this long question " * max(10, int(6200 * scale))
+    documents = [f"doc {i}" for i in range(max(8, int(2048 * scale)))]
+    body = {"query": query, "documents": documents}
+
+    def run(served: Served) -> Measure:
+        return measured(served, lambda: post(served, "/rerank", body))
+
+    return run
+
+
 GATEWAY = "gateway"
 FAKE_POOLING = "fake?dim=1024&max_len=4096"
 """The gateway rows' upstream: a 4 KB ``/pooling`` input is answered with 4096 vectors of
@@ -866,6 +933,8 @@ def main(argv: list[str] | None = None) -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     cross = build_tiny_bert(OUT / "abuse-cross-encoder", cross_encoder=True)
     rows = [r for r in attacks(args.scale) if args.only.lower() in r[0].attack.lower()]
+    if any(isinstance(needs, Own) and needs.model == str(QWEN3_RERANKER) for *_, needs in rows):
+        build_tiny_qwen3_reranker(QWEN3_RERANKER)
     after = args.after.resolve()
     if args.before is not None:
         run_side("before", args.before.resolve(), [], cross, rows, after)

@@ -55,3 +55,32 @@ def build_tiny_bert(path: Path, *, cross_encoder: bool = False) -> Path:
     else:
         BertModel(config).save_pretrained(path)
     return path
+
+
+def build_tiny_qwen3_reranker(path: Path) -> Path:
+    """The model at ``path``, built there unless a ``config.json`` already is: a 1-layer
+    ``Qwen3ForCausalLM`` with MiniLM's tokenizer (which has the "yes" and "no" tokens), which
+    ``--task score`` serves as a Qwen3-Reranker: its prompt around every pair."""
+    from embedding_server.device.hub import resolve_model_path
+    from embedding_server.settings import DEFAULT_MODEL
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    if (path / "config.json").exists():
+        return path
+    source = resolve_model_path(DEFAULT_MODEL, revision=None, cache_dir=None)
+    path.mkdir(parents=True, exist_ok=True)
+    copy_tokenizer(path)
+    vocab = json.loads((source / "config.json").read_text())["vocab_size"]
+    config = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
+    Qwen3ForCausalLM(config).save_pretrained(path)
+    return path
