@@ -15,9 +15,11 @@ when the dimensions agree. So, with ``spec.rollout.strategy: blueGreen`` (the de
    moves to the new key in one write: kube-proxy and the gateway move every new connection to
    the new model at once. Requests in flight finish on the pods they started on (those pods are
    out of the Service, not stopped).
-4. ``<name>`` is then updated to the new model: its old pods are replaced, its new ones join
-   the Service as they turn ready (the same model as ``<name>-next``'s, checked against the same
-   record), and once it has rolled out, ``<name>-next`` is deleted.
+4. ``<name>`` is then updated to the new model, all its old pods at once (``<name>-next``
+   serves at full strength): a client whose keep-alive connection still reached one is moved
+   off within that pod's drain. Its new pods join the Service as they turn ready (the same
+   model as ``<name>-next``'s, checked against the same record), and once it has rolled out,
+   ``<name>-next`` is deleted.
 
 Changes that keep the key (replicas, resources, scaling, names, aliases, ``server.extraArgs``)
 stay ordinary rolling updates of ``<name>``: they change no vector on purpose, and a pod they
@@ -209,6 +211,21 @@ def pin_service(manifest: Manifest, pin: str | None) -> Manifest:
     spec["selector"] = selector
     pinned["spec"] = spec
     return pinned
+
+
+def replace_at_once(main: Manifest) -> Manifest:
+    """``<name>`` while it moves to the new model after the switch: every old pod at once.
+    They are out of the Service and ``<name>-next`` serves at full strength, so nothing is
+    lost, and a client whose keep-alive connection still reaches an old pod is moved off it
+    within the pod's drain rather than one pod at a time over the rollout."""
+    updated = dict(main)
+    spec = dict(updated["spec"])
+    spec["strategy"] = {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 0, "maxUnavailable": "100%"},
+    }
+    updated["spec"] = spec
+    return updated
 
 
 def next_deployment(main: Manifest, owner: Owner, replicas: int) -> Manifest:

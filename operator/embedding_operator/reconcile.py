@@ -50,6 +50,7 @@ from embedding_operator.bluegreen import (
     next_deployment,
     next_name,
     pin_service,
+    replace_at_once,
     template_key,
 )
 from embedding_operator.bluegreen import Facts as BlueGreenFacts
@@ -461,6 +462,8 @@ class Reconciler:
         for manifest in planned.children.present:
             if manifest["kind"] == "Deployment" and not decision.apply_main:
                 continue
+            if manifest["kind"] == "Deployment" and decision.phase == "Switching":
+                manifest = replace_at_once(manifest)
             if manifest["kind"] == "Service":
                 manifest = pin_service(manifest, decision.pin)
             present.append(manifest)

@@ -140,10 +140,15 @@ def test_a_model_change_serves_one_model_at_every_step() -> None:
     assert _pin(cluster) == OLD_KEY
     assert _status(cluster)["rollout"]["pendingFingerprint"] == "2ew2ew2ew2ew2ew2"
 
-    # 3. The switch: the Service moves to the new model in one write; <name> follows.
+    # 3. The switch: the Service moves to the new model in one write; <name> follows, all
+    # its old pods at once (<name>-next serves at full strength meanwhile).
     rec.reconcile(NS, "emb")
     assert _pin(cluster) == NEW_KEY
     assert _key_of(cluster, MAIN) == NEW_KEY
+    assert cluster.objects[MAIN]["spec"]["strategy"]["rollingUpdate"] == {
+        "maxSurge": 0,
+        "maxUnavailable": "100%",
+    }
     assert NEXT in cluster.objects, "the new model's first replicas serve while <name> rolls"
     assert _status(cluster)["rollout"]["phase"] == "Switching"
 
@@ -155,6 +160,11 @@ def test_a_model_change_serves_one_model_at_every_step() -> None:
     assert (rollout["phase"], rollout["activeKey"]) == ("Stable", NEW_KEY)
     assert rollout["activeFingerprint"] == "2ew2ew2ew2ew2ew2"
     assert _condition(cluster, "Progressing")["reason"] != "NewModelStarting"
+    # Back to the spec's own limits for the ordinary updates that follow.
+    assert cluster.objects[MAIN]["spec"]["strategy"]["rollingUpdate"] == {
+        "maxSurge": 0,
+        "maxUnavailable": 1,
+    }
 
 
 def test_a_change_that_keeps_the_model_is_a_rolling_update() -> None:
