@@ -44,7 +44,7 @@ from embedding_operator.status import DeploymentFacts
 
 NEXT_SUFFIX = "-next"
 
-Phase = Literal["Stable", "Preparing", "Switching"]
+Phase = Literal["Stable", "Preparing", "Prepared", "Switching"]
 
 
 def next_name(owner: Owner) -> str:
@@ -83,6 +83,9 @@ class Facts:
     next_key: str | None
     next_settled: bool
     recorded: bool
+    pending_fingerprint: str | None = None
+    cut_over: str | None = None
+    """``spec.rollout.activeFingerprint``: with ``manual``, the fingerprint the user switched to."""
 
     @classmethod
     def read(
@@ -94,6 +97,8 @@ class Facts:
         service: Mapping[str, Any] | None,
         upcoming: Mapping[str, Any] | None,
         recorded: bool,
+        pending_fingerprint: str | None = None,
+        cut_over: str | None = None,
     ) -> Facts:
         main_facts = DeploymentFacts.from_live(dict(main)) if main is not None else None
         next_facts = DeploymentFacts.from_live(dict(upcoming)) if upcoming is not None else None
@@ -114,6 +119,8 @@ class Facts:
                 and template_key(upcoming) == spec_key
             ),
             recorded=recorded,
+            pending_fingerprint=pending_fingerprint,
+            cut_over=cut_over,
         )
 
 
@@ -135,7 +142,7 @@ class Decision:
 
 def decide(facts: Facts) -> Decision:
     key = facts.spec_key
-    if facts.strategy == "rolling":
+    if facts.strategy == "rolling":  # the old behaviour: one Deployment, updated in place
         return Decision(
             "Stable", None, True, False, facts.next_exists, active_key=facts.main_key or key
         )
@@ -174,7 +181,29 @@ def decide(facts: Facts) -> Decision:
         why = "scaled to zero: the new model starts in place"
         return Decision("Stable", key, True, False, facts.next_exists, key, message=why)
     active = facts.main_key
-    if facts.next_settled and facts.recorded:
+    ready = facts.next_settled and facts.recorded
+    cut_over = (
+        facts.cut_over is not None
+        and facts.pending_fingerprint is not None
+        and facts.pending_fingerprint.startswith(facts.cut_over)
+    )
+    if ready and facts.strategy == "manual" and not cut_over:
+        fingerprint = facts.pending_fingerprint or key
+        return Decision(
+            "Prepared",
+            active,
+            False,
+            True,
+            False,
+            active_key=active,
+            pending_key=key,
+            message=(
+                f"the new model ({fingerprint}) is ready beside the running one and reachable "
+                f"through the Service named with {NEXT_SUFFIX}; set spec.rollout.activeFingerprint "
+                f"to {fingerprint} to switch the Service to it"
+            ),
+        )
+    if ready:
         return Decision(
             "Switching",
             key,
@@ -226,6 +255,19 @@ def replace_at_once(main: Manifest) -> Manifest:
     }
     updated["spec"] = spec
     return updated
+
+
+def next_service(service: Manifest, owner: Owner, key: str) -> Manifest:
+    """``<name>-next``: the new model's pods only, while it prepares, for a re-embedding job to
+    target or a client to try; always ClusterIP and without the Service's annotations (a second
+    load balancer is not what a model change asks for)."""
+    pinned = pin_service(service, key)
+    metadata = {k: v for k, v in pinned["metadata"].items() if k != "annotations"}
+    metadata["name"] = next_name(owner)
+    spec = {k: v for k, v in pinned["spec"].items() if k not in ("type",)}
+    spec["type"] = "ClusterIP"
+    spec["ports"] = [{k: v for k, v in port.items() if k != "nodePort"} for port in spec["ports"]]
+    return {**pinned, "metadata": metadata, "spec": spec}
 
 
 def next_deployment(main: Manifest, owner: Owner, replicas: int) -> Manifest:

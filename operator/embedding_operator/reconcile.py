@@ -49,6 +49,7 @@ from embedding_operator.bluegreen import (
     decide,
     next_deployment,
     next_name,
+    next_service,
     pin_service,
     replace_at_once,
     template_key,
@@ -81,6 +82,7 @@ from embedding_operator.status import (
     CHILD_CONFLICT,
     CHILD_REJECTED,
     DEGRADED,
+    MODEL_CHANGE_PREPARED,
     MODEL_CHANGE_PREPARING,
     MODEL_CHANGE_SWITCHING,
     NAMES_OWNED,
@@ -150,6 +152,9 @@ class Rollout:
     next_manifest: dict[str, Any] | None
     next_ref: ObjectRef
     service_ref: ObjectRef
+    next_service_live: dict[str, Any] | None
+    next_service_manifest: dict[str, Any] | None
+    next_service_ref: ObjectRef
     fingerprints: dict[str, str]
     """Contract key -> fingerprint, of the records the golden ConfigMap held."""
 
@@ -181,9 +186,10 @@ class Rollout:
         """Progressing says a model change is under way; the rest is the Deployment's."""
         if self.decision.phase == "Stable":
             return conditions
-        reason = (
-            MODEL_CHANGE_PREPARING if self.decision.phase == "Preparing" else MODEL_CHANGE_SWITCHING
-        )
+        reason = {
+            "Preparing": MODEL_CHANGE_PREPARING,
+            "Prepared": MODEL_CHANGE_PREPARED,
+        }.get(self.decision.phase, MODEL_CHANGE_SWITCHING)
         said = self.decision.message
         if self.decision.phase == "Preparing":
             upcoming = (
@@ -389,7 +395,7 @@ class Reconciler:
         )
         moving = rollout is not None and rollout.decision.phase != "Stable"
         requeue = golden.retry_after if golden is not None else None
-        if moving:
+        if moving and rollout is not None and rollout.decision.phase != "Prepared":
             # The switch waits on readiness and the record, neither of which makes an event
             # that comes back here in time: look again soon while a model change is under way.
             requeue = min(requeue or ROLLOUT_POLL_SECONDS, ROLLOUT_POLL_SECONDS)
@@ -434,15 +440,15 @@ class Reconciler:
         main_ref = ObjectRef("apps/v1", "Deployment", owner.namespace, owner.name)
         service_ref = ObjectRef("v1", "Service", owner.namespace, owner.name)
         next_ref = ObjectRef("apps/v1", "Deployment", owner.namespace, next_name(owner))
+        next_service_ref = ObjectRef("v1", "Service", owner.namespace, next_name(owner))
         main = self._cluster.get(main_ref)
         service = self._cluster.get(service_ref)
         mine = main is not None and (controller_of(main) or {}).get("uid") == owner.uid
         was = ((body.get("status") or {}).get("rollout") or {}).get("phase")
-        upcoming = None
+        upcoming = upcoming_service = None
         if look or was not in (None, "Stable") or (mine and template_key(main) != spec_key):
-            upcoming = self._cluster.get(next_ref)
-            if upcoming is not None and (controller_of(upcoming) or {}).get("uid") != owner.uid:
-                upcoming = None  # not ours: never touched (a conflict on it is not ours either)
+            upcoming = self._owned(next_ref, owner)
+            upcoming_service = self._owned(next_service_ref, owner)
         old_contract = (body.get("status") or {}).get("contract") or {}
         record = record_of(golden_live, owner, spec_key)
         unsupported = old_contract.get("key") == spec_key and old_contract.get("state") in (
@@ -456,6 +462,8 @@ class Reconciler:
             service=service,
             upcoming=upcoming,
             recorded=record is not None or unsupported,
+            pending_fingerprint=str(record["fingerprint"]) if record else None,
+            cut_over=spec.rollout.active_fingerprint,
         )
         decision = decide(facts)
         present = []
@@ -474,6 +482,10 @@ class Reconciler:
             if decision.want_next
             else None
         )
+        service_manifest = next(m for m in planned.children.present if m["kind"] == "Service")
+        next_service_manifest = (
+            next_service(service_manifest, owner, spec_key) if decision.want_next else None
+        )
         return Rollout(
             decision=decision,
             facts=facts,
@@ -484,6 +496,9 @@ class Reconciler:
             next_manifest=next_manifest,
             next_ref=next_ref,
             service_ref=service_ref,
+            next_service_live=upcoming_service,
+            next_service_manifest=next_service_manifest,
+            next_service_ref=next_service_ref,
             fingerprints={
                 key: str(found["fingerprint"])
                 for key in {spec_key, facts.main_key or spec_key}
@@ -506,27 +521,46 @@ class Reconciler:
             }
             self._cluster.apply(manifest, force=True)
             written.append("Service")
-        if rollout.next_manifest is not None:
+        if rollout.next_manifest is not None and rollout.next_service_manifest is not None:
             result = sync_children(
                 self._cluster,
                 owner,
-                DesiredChildren(present=[rollout.next_manifest], absent=[]),
+                DesiredChildren(
+                    present=[rollout.next_manifest, rollout.next_service_manifest], absent=[]
+                ),
                 check_absent=False,
-                known={rollout.next_ref: rollout.next_live},
+                known={
+                    rollout.next_ref: rollout.next_live,
+                    rollout.next_service_ref: rollout.next_service_live,
+                },
             )
             rollout.next_live = result.live.get("Deployment")
             return written + result.applied
-        if rollout.decision.delete_next and rollout.next_live is not None:
-            uid = (rollout.next_live.get("metadata") or {}).get("uid")
-            self._cluster.delete(rollout.next_ref, uid=uid)
-            log.info(
-                "%s/%s: deleted %s: the Deployment serves the new model",
-                owner.namespace,
-                owner.name,
-                rollout.next_ref.name,
-            )
+        if rollout.decision.delete_next or rollout.next_service_live is not None:
+            for ref, live in (
+                (rollout.next_ref, rollout.next_live),
+                (rollout.next_service_ref, rollout.next_service_live),
+            ):
+                if live is None:
+                    continue
+                self._cluster.delete(ref, uid=(live.get("metadata") or {}).get("uid"))
+                log.info(
+                    "%s/%s: deleted %s %s: the model it prepared serves from the Deployment, "
+                    "or was given up",
+                    owner.namespace,
+                    owner.name,
+                    ref.kind,
+                    ref.name,
+                )
             rollout.next_live = None
         return written
+
+    def _owned(self, ref: ObjectRef, owner: Owner) -> dict[str, Any] | None:
+        """The object, if this EmbeddingService controls it (else never touched: None)."""
+        live = self._cluster.get(ref)
+        if live is not None and (controller_of(live) or {}).get("uid") != owner.uid:
+            return None
+        return live
 
     def _pods_problem(
         self,

@@ -295,13 +295,20 @@ class Autoscaling(_Model):
         return self
 
 
-RolloutStrategy = Literal["blueGreen", "rolling"]
+RolloutStrategy = Literal["blueGreen", "manual", "rolling"]
 
 
 class Rollout(_Model):
     strategy: RolloutStrategy = "blueGreen"
+    active_fingerprint: str | None = Field(default=None, pattern=r"^[0-9a-f]{8,16}$")
     max_surge: IntOrString = 0
     max_unavailable: IntOrString = 1
+
+    @model_validator(mode="after")
+    def _cut_over_needs_manual(self) -> Rollout:
+        if self.active_fingerprint is not None and self.strategy != "manual":
+            raise ValueError("activeFingerprint needs strategy manual")
+        return self
 
     @model_validator(mode="after")
     def _can_progress(self) -> Rollout:

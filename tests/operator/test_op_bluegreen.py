@@ -29,6 +29,7 @@ MAIN = ObjectRef("apps/v1", "Deployment", NS, "emb")
 NEXT = ObjectRef("apps/v1", "Deployment", NS, "emb-next")
 SERVICE = ObjectRef("v1", "Service", NS, "emb")
 CONFIGMAP = ObjectRef("v1", "ConfigMap", NS, "emb-golden")
+NEXT_SERVICE = ObjectRef("v1", "Service", NS, "emb-next")
 
 
 class Events:
@@ -122,6 +123,10 @@ def test_a_model_change_serves_one_model_at_every_step() -> None:
         NEW_KEY,
     )
     assert rollout["activeFingerprint"] == "01d01d01d01d01d0"
+    # The new model is reachable by itself, for a re-embedding job or a try, as ClusterIP.
+    next_service = cluster.objects[NEXT_SERVICE]["spec"]
+    assert next_service["selector"][CONTRACT_LABEL] == NEW_KEY
+    assert next_service["type"] == "ClusterIP"
     progressing = _condition(cluster, "Progressing")
     assert (progressing["status"], progressing["reason"]) == ("True", "NewModelStarting")
     assert "emb-next: 0/2 ready" in progressing["message"]
@@ -155,7 +160,7 @@ def test_a_model_change_serves_one_model_at_every_step() -> None:
     # 4. <name> rolled out on the new model: <name>-next goes, and all is stable.
     _rolled_out(cluster, MAIN)
     rec.reconcile(NS, "emb")
-    assert NEXT not in cluster.objects
+    assert NEXT not in cluster.objects and NEXT_SERVICE not in cluster.objects
     rollout = _status(cluster)["rollout"]
     assert (rollout["phase"], rollout["activeKey"]) == ("Stable", NEW_KEY)
     assert rollout["activeFingerprint"] == "2ew2ew2ew2ew2ew2"
@@ -268,3 +273,49 @@ def test_the_decision_table() -> None:
     assert decide(_facts(pinned=None)).pin == "old"
     # Unpinned and mid-roll: not isolated, in place.
     assert decide(_facts(pinned=None, main_settled=False)).pin is None
+
+
+def test_manual_keeps_both_models_until_the_new_fingerprint_is_set_active() -> None:
+    manual = {**OLD, "rollout": {"strategy": "manual"}}
+    cluster, rec, golden = _serving(manual)
+    _edit(cluster, {**NEW, "rollout": {"strategy": "manual"}})
+    rec.reconcile(NS, "emb")
+    _rolled_out(cluster, NEXT)
+    golden.answers["10.0.0.2"] = golden_answer("2ee2ee2ee2ee2ee2")
+    cluster.add(server_pod("emb-next-a", key=NEW_KEY, ip="10.0.0.2"))
+    rec.reconcile(NS, "emb")
+    outcome = rec.reconcile(NS, "emb")
+    # Ready and recorded, but manual: both served, the Service still on the old model.
+    assert _pin(cluster) == OLD_KEY and _key_of(cluster, MAIN) == OLD_KEY
+    assert cluster.objects[NEXT_SERVICE]["spec"]["selector"][CONTRACT_LABEL] == NEW_KEY
+    rollout = _status(cluster)["rollout"]
+    assert rollout["phase"] == "Prepared"
+    assert rollout["pendingFingerprint"] == "2ee2ee2ee2ee2ee2"
+    progressing = _condition(cluster, "Progressing")
+    assert progressing["reason"] == "NewModelAwaitingCutOver"
+    assert "spec.rollout.activeFingerprint to 2ee2ee2ee2ee2ee2" in progressing["message"]
+    assert isinstance(outcome, Outcome) and outcome.requeue_after is None, (
+        "waiting on a person: the edit wakes it, no polling"
+    )
+    # A fingerprint that is not the new model's changes nothing.
+    _edit(cluster, {**NEW, "rollout": {"strategy": "manual", "activeFingerprint": "deadbeef"}})
+    rec.reconcile(NS, "emb")
+    assert _pin(cluster) == OLD_KEY
+    # The cut-over, by a prefix of the new fingerprint.
+    _edit(cluster, {**NEW, "rollout": {"strategy": "manual", "activeFingerprint": "2ee2ee2e"}})
+    rec.reconcile(NS, "emb")
+    assert _pin(cluster) == NEW_KEY and _key_of(cluster, MAIN) == NEW_KEY
+    _rolled_out(cluster, MAIN)
+    rec.reconcile(NS, "emb")
+    assert NEXT not in cluster.objects and NEXT_SERVICE not in cluster.objects
+    assert _status(cluster)["rollout"]["phase"] == "Stable"
+
+
+def test_active_fingerprint_needs_manual() -> None:
+    import pytest
+    from embedding_operator.spec import InvalidSpecError
+
+    with pytest.raises(InvalidSpecError, match="activeFingerprint needs strategy manual"):
+        parse_spec({**OLD, "rollout": {"activeFingerprint": "0123abcd"}})
+    with pytest.raises(InvalidSpecError, match="activeFingerprint"):
+        parse_spec({**OLD, "rollout": {"strategy": "manual", "activeFingerprint": "xyz"}})
