@@ -39,10 +39,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from embedding_operator.builders.common import Manifest, Owner
+from embedding_operator.builders.deployment import NEXT_SERVICE_SUFFIX
 from embedding_operator.builders.golden import CONTRACT_LABEL
 from embedding_operator.status import DeploymentFacts
 
-NEXT_SUFFIX = "-next"
+NEXT_SUFFIX = NEXT_SERVICE_SUFFIX
 
 Phase = Literal["Stable", "Preparing", "Prepared", "Switching"]
 

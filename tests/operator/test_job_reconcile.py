@@ -424,3 +424,40 @@ def test_pods_come_from_the_watch_and_a_lagging_watch_is_backed_by_a_list(
     reconciler.reconcile(NS, "corpus")
     assert ("get", "Pod") not in cluster.calls
     assert status(cluster)["rowsDone"] == 200
+
+
+def test_a_job_pinned_to_a_fingerprint_calls_the_version_that_has_it(
+    cluster: FakeCluster,
+) -> None:
+    """spec.fingerprint: the active model through <service>, the model a change prepares
+    through <service>-next (re-index before the cut-over), and a wait while neither has it;
+    every request carries X-Expect-Embedding-Fingerprint (the worker's --expect-fingerprint)."""
+    active, pending = "aaaa0000aaaa0000", "bbbb1111bbbb1111"
+    add_service(cluster)
+    ref = ObjectRef("embedding-operator.dev/v1alpha1", "EmbeddingService", NS, SERVICE)
+    cluster.objects[ref]["status"]["rollout"] = {
+        "phase": "Prepared",
+        "activeFingerprint": active,
+        "pendingFingerprint": pending,
+    }
+    events = Events()
+    add_job(cluster, fingerprint="cccc2222")
+    reconciler = make(cluster, events)
+    reconciler.reconcile(NS, "corpus")
+    plan_done(cluster, shards=2, rows=20)
+    outcome = reconciler.reconcile(NS, "corpus")
+    assert outcome is not None and outcome.retry
+    assert batch_job(cluster, "corpus-work") is None
+    waiting = conditions(cluster)["Complete"]["message"]
+    assert f"serves {active} and prepares {pending}, not cccc2222" in waiting
+
+    for fingerprint, host in ((pending[:8], f"{SERVICE}-next"), (active, SERVICE)):
+        job = body(cluster)
+        job["spec"]["fingerprint"] = fingerprint
+        reconciler.reconcile(NS, "corpus")
+        worker = batch_job(cluster, "corpus-work")
+        assert worker is not None
+        args = worker["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[args.index("--service") + 1] == f"http://{host}.{NS}.svc.cluster.local:8080"
+        assert args[args.index("--expect-fingerprint") + 1] == fingerprint
+        cluster.delete(ObjectRef("batch/v1", "Job", NS, "corpus-work"))

@@ -86,11 +86,16 @@ def test_server_contract_flags() -> None:
 
 def test_a_clusterip_service_renders_its_names_as_the_allowed_hosts() -> None:
     args = server_args(render_input({"model": MODEL}, name="emb", namespace="team-a"))
+    # And those of <name>-next, the Service a model change serves the new model by.
     assert _flag(args, "--allowed-hosts").split(",") == [
         "emb",
         "emb.team-a",
         "emb.team-a.svc",
         "emb.team-a.svc.cluster.local",
+        "emb-next",
+        "emb-next.team-a",
+        "emb-next.team-a.svc",
+        "emb-next.team-a.svc.cluster.local",
         "localhost",
     ]
     # An Ingress's own name is the user's to add: extra args come last, and the last wins.

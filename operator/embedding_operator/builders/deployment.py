@@ -88,6 +88,8 @@ SHM_GIB_PER_RANK = 1
 buffers of 4 MiB per channel and peer there, far below this even at 8 ranks."""
 STARTUP_PERIOD_SECONDS = 10
 API_KEY_ENV = "EMBEDDING_SERVER_API_KEY"
+NEXT_SERVICE_SUFFIX = "-next"
+"""``bluegreen.NEXT_SUFFIX`` (builders import nothing above them)."""
 HUB_TOKEN_ENV = "HF_TOKEN"
 HUB_OFFLINE_ENV = "HF_HUB_OFFLINE"
 
@@ -191,14 +193,18 @@ def media_args(render: RenderInput) -> list[str]:
 def allowed_hosts(render: RenderInput) -> list[str]:
     """The names in-cluster clients reach a ClusterIP Service by, and ``localhost`` (a port
     forward, an exec in the pod). The cluster domain is the default, as in ``endpoint``."""
-    name, namespace = render.owner.name, render.owner.namespace
-    return [
-        name,
-        f"{name}.{namespace}",
-        f"{name}.{namespace}.svc",
-        f"{name}.{namespace}.svc.cluster.local",
-        "localhost",
-    ]
+    namespace = render.owner.namespace
+    hosts = []
+    # The Service, and the one a model change serves the new model by (bluegreen.py): the pod
+    # template is the same in both Deployments.
+    for name in (render.owner.name, f"{render.owner.name}{NEXT_SERVICE_SUFFIX}"):
+        hosts += [
+            name,
+            f"{name}.{namespace}",
+            f"{name}.{namespace}.svc",
+            f"{name}.{namespace}.svc.cluster.local",
+        ]
+    return [*hosts, "localhost"]
 
 
 def shm_size(render: RenderInput) -> str:

@@ -77,9 +77,16 @@ class ServiceTarget:
 
     @classmethod
     def of(
-        cls, namespace: str, name: str, spec: EmbeddingServiceSpec, default_image: str
+        cls,
+        namespace: str,
+        name: str,
+        spec: EmbeddingServiceSpec,
+        default_image: str,
+        service: str | None = None,
     ) -> ServiceTarget:
-        url = endpoint(Owner(name, namespace, ""), spec.service.port).removesuffix("/v1")
+        """``service``: the Service to call, when not the EmbeddingService's own (its
+        ``<name>-next`` during a model change)."""
+        url = endpoint(Owner(service or name, namespace, ""), spec.service.port).removesuffix("/v1")
         return cls(
             image=spec.server.image or default_image,
             pull_policy=spec.server.image_pull_policy,
@@ -184,6 +191,8 @@ def worker_args(spec: EmbeddingJobSpec, service_url: str, model: str | None) -> 
     args = ["job", "work", "--output", spec.output.url, "--service", service_url]
     if model:
         args += ["--model", model]
+    if spec.fingerprint is not None:
+        args += ["--expect-fingerprint", spec.fingerprint]
     if spec.max_in_flight is not None:
         args += ["--max-in-flight", str(spec.max_in_flight)]
     if spec.batch_size is not None:

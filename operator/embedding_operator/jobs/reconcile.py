@@ -32,6 +32,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+from embedding_operator.bluegreen import next_name
 from embedding_operator.builders.common import (
     API_VERSION,
     DEFAULT_IMAGE,
@@ -352,7 +353,39 @@ class JobReconciler:
                 "start once it is",
                 retryable=True,
             )
-        return ServiceTarget.of(owner.namespace, spec.service, parsed, self._default_image), None
+        if spec.fingerprint is None or not need_ready:  # the planner embeds nothing
+            target = ServiceTarget.of(owner.namespace, spec.service, parsed, self._default_image)
+            return target, None
+        status = service.get("status") or {}
+        rollout = status.get("rollout") or {}
+        active = str(
+            rollout.get("activeFingerprint")
+            or (status.get("contract") or {}).get("fingerprint")
+            or ""
+        )
+        pending = str(rollout.get("pendingFingerprint") or "")
+        if active.startswith(spec.fingerprint):
+            target = ServiceTarget.of(owner.namespace, spec.service, parsed, self._default_image)
+            return target, None
+        if pending.startswith(spec.fingerprint) and pending:
+            # The new model of a change under way, by itself (bluegreen.py's <name>-next).
+            target = ServiceTarget.of(
+                owner.namespace,
+                spec.service,
+                parsed,
+                self._default_image,
+                service=next_name(Owner(spec.service, owner.namespace, "")),
+            )
+            return target, None
+        serves = f"serves {active or 'no recorded fingerprint yet'}"
+        if pending:
+            serves += f" and prepares {pending}"
+        return None, Problem(
+            SERVICE_NOT_READY,
+            f"spec.fingerprint: EmbeddingService {spec.service} {serves}, not {spec.fingerprint}; "
+            "the workers start once it serves that computation",
+            retryable=True,
+        )
 
     # --- status -----------------------------------------------------------------------------
 

@@ -113,6 +113,7 @@ class Storage(_Model):
 
 class EmbeddingJobSpec(_Model):
     service: str = Field(min_length=1, max_length=52)
+    fingerprint: str | None = Field(default=None, pattern=r"^[0-9a-f]{8,16}$")
     input: JobInput
     output: JobOutput
     storage: Storage | None = None
