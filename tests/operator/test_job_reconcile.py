@@ -461,3 +461,29 @@ def test_a_job_pinned_to_a_fingerprint_calls_the_version_that_has_it(
         assert args[args.index("--service") + 1] == f"http://{host}.{NS}.svc.cluster.local:8080"
         assert args[args.index("--expect-fingerprint") + 1] == fingerprint
         cluster.delete(ObjectRef("batch/v1", "Job", NS, "corpus-work"))
+
+
+def test_the_workers_send_the_services_api_key_from_its_secret(cluster: FakeCluster) -> None:
+    """A service with apiKeySecretRef refuses requests without its key: the workers get it as
+    a secretKeyRef the kubelet resolves (the operator never reads a Secret)."""
+    add_service(cluster)
+    ref = ObjectRef("embedding-operator.dev/v1alpha1", "EmbeddingService", NS, SERVICE)
+    cluster.objects[ref]["spec"]["apiKeySecretRef"] = {"name": "minilm-auth", "key": "token"}
+    add_job(cluster)
+    reconciler = make(cluster, Events())
+    reconciler.reconcile(NS, "corpus")
+    plan_done(cluster, shards=2, rows=20)
+    reconciler.reconcile(NS, "corpus")
+    worker = batch_job(cluster, "corpus-work")
+    assert worker is not None
+    env = {e["name"]: e for e in worker["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["EMBEDDING_JOB_API_KEY"]["valueFrom"] == {
+        "secretKeyRef": {"name": "minilm-auth", "key": "token"}
+    }
+    assert not [c for c in cluster.calls if c[1] == "Secret"], "Secrets are never read"
+    planner = batch_job(cluster, "corpus-plan")
+    assert planner is not None
+    planner_env = planner["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert "EMBEDDING_JOB_API_KEY" not in {e["name"] for e in planner_env}, (
+        "the planner calls no service"
+    )

@@ -45,7 +45,7 @@ from embedding_operator.builders.common import (
     pod_security_context,
 )
 from embedding_operator.jobs.spec import PVC_MOUNT_PATH, EmbeddingJobSpec
-from embedding_operator.spec import EmbeddingServiceSpec
+from embedding_operator.spec import EmbeddingServiceSpec, SecretKeyRef
 
 JOB_KIND = "EmbeddingJob"
 JOB_PLURAL = "embeddingjobs"
@@ -62,6 +62,9 @@ PLANNER_BACKOFF_LIMIT = 2
 ACCESS_KEY_ENV = "AWS_ACCESS_KEY_ID"
 SECRET_KEY_ENV = "AWS_SECRET_ACCESS_KEY"
 REGION_ENV = "AWS_REGION"
+API_KEY_ENV = "EMBEDDING_JOB_API_KEY"
+"""The bearer token ``job work`` sends (``embedding_server.batch.job``), from the service's
+``apiKeySecretRef``."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,9 @@ class ServiceTarget:
     pull_policy: str | None
     url: str
     model: str
+    api_key: SecretKeyRef | None = None
+    """The service's ``apiKeySecretRef``: the workers send it as the bearer token (the
+    kubelet resolves the Secret; the operator never reads it)."""
 
     @classmethod
     def of(
@@ -92,6 +98,7 @@ class ServiceTarget:
             pull_policy=spec.server.image_pull_policy,
             url=url,
             model=spec.served_name,
+            api_key=spec.api_key_secret_ref,
         )
 
 
@@ -219,6 +226,13 @@ def _env(spec: EmbeddingJobSpec) -> list[dict[str, Any]]:
     return env
 
 
+def _api_key_env(ref: SecretKeyRef | None) -> list[dict[str, Any]]:
+    if ref is None:
+        return []
+    source = {"secretKeyRef": {"name": ref.name, "key": ref.key}}
+    return [{"name": API_KEY_ENV, "valueFrom": source}]
+
+
 def _resources(spec: EmbeddingJobSpec) -> dict[str, Any]:
     requests = {k: str(v) for k, v in spec.resources.requests.items()}
     limits = {k: str(v) for k, v in spec.resources.limits.items()}
@@ -239,6 +253,7 @@ def _pod_template(
     image: str,
     args: list[str],
     pull_policy: str | None,
+    api_key: SecretKeyRef | None = None,
 ) -> dict[str, Any]:
     mounts = [{"name": "tmp", "mountPath": "/tmp"}]
     volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}]
@@ -252,7 +267,7 @@ def _pod_template(
         "image": image,
         "command": ["embedding-server"],
         "args": args,
-        "env": _env(spec),
+        "env": _env(spec) + _api_key_env(api_key),
         "resources": _resources(spec),
         # A worker that dies before writing its message leaves its last log lines instead:
         # what the operator reports for a failed planner.
@@ -322,6 +337,7 @@ def build_worker_job(
     service_url: str,
     model: str | None = None,
     pull_policy: str | None = None,
+    api_key: SecretKeyRef | None = None,
 ) -> Manifest:
     """The Indexed Job of ``shards`` completions (``shards`` >= 1)."""
     if shards < 1:
@@ -339,7 +355,7 @@ def build_worker_job(
             **mutable_fields(spec, shards),
             "backoffLimitPerIndex": spec.backoff_limit_per_index,
             "podFailurePolicy": _pod_failure_policy(),
-            "template": _pod_template(owner, spec, WORKER, image, args, pull_policy),
+            "template": _pod_template(owner, spec, WORKER, image, args, pull_policy, api_key),
         },
     }
 

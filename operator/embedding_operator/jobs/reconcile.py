@@ -220,6 +220,7 @@ class JobReconciler:
             service_url=service.url,
             model=service.model,
             pull_policy=service.pull_policy,
+            api_key=service.api_key,
         )
         self._create(build_service_account(owner), owner, applied, check=True)
         worker = self._create(manifest, owner, applied)
