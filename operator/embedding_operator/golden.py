@@ -53,8 +53,14 @@ an answer past this is not one, and is not read on."""
 MAX_PODS_ASKED = 8
 """Not-ready pods asked per reconcile: enough to name the first that differ, bounded however
 many replicas roll at once."""
-FETCH_TIMEOUT_SECONDS = 5.0
-COMPARING_RETRY_SECONDS = 10.0
+FETCH_TIMEOUT_SECONDS = 2.0
+"""A probe port answers at once or not at all (a pod on the same network, a fixed answer):
+waiting longer only holds a reconcile thread."""
+RETRY_FIRST_SECONDS = 10.0
+RETRY_MOST_SECONDS = 60.0
+"""A record due but not taken, or a pod still comparing, is looked at again after 10 s, then
+twice as long each time up to a minute (an unreachable probe port costs a minute's wait per
+try, not a reconcile thread every 10 s)."""
 
 
 class GoldenUnreachable(Exception):
@@ -206,12 +212,40 @@ class GoldenKeeper:
         self._cluster = cluster
         self._fetch = fetch
         self._clock = clock
+        # (namespace, name) -> how many looks in a row came back for more. Reconciles of one
+        # object never overlap (the work queue's guarantee), so no lock.
+        self._again: dict[tuple[str, str], int] = {}
+
+    def forget(self, namespace: str, name: str) -> None:
+        self._again.pop((namespace, name), None)
+
+    def step(
+        self,
+        owner: Owner,
+        spec: EmbeddingServiceSpec,
+        pods: Callable[[], Iterable[Mapping[str, Any]]],
+        *,
+        settled: bool,
+        live: Mapping[str, Any] | None,
+        keep: tuple[str, ...] = (),
+    ) -> GoldenOutcome:
+        """One look (:meth:`_step`), its ``retry_after`` backed off while looks keep asking for
+        another."""
+        outcome = self._step(owner, spec, pods, settled=settled, live=live, keep=keep)
+        key = (owner.namespace, owner.name)
+        if outcome.retry_after is None:
+            self._again.pop(key, None)
+            return outcome
+        tries = self._again.get(key, 0)
+        self._again[key] = tries + 1
+        delay = min(RETRY_FIRST_SECONDS * 2**tries, RETRY_MOST_SECONDS)
+        return GoldenOutcome(outcome.status, outcome.problem, delay)
 
     def read(self, owner: Owner) -> dict[str, Any] | None:
         """The live ConfigMap ``<name>-golden`` (one GET), whoever owns it."""
         return self._cluster.get(_configmap_ref(owner))
 
-    def step(
+    def _step(
         self,
         owner: Owner,
         spec: EmbeddingServiceSpec,
@@ -226,6 +260,9 @@ class GoldenKeeper:
         ``pods`` is called only when needed: a settled Deployment with a record has every
         pod ready, so there is none to ask."""
         key = contract_key(spec)
+        if spec.contract.policy == "disabled":
+            said = "spec.contract.policy is disabled: no golden vectors are recorded or checked"
+            return GoldenOutcome(record_status(key, spec, None, state="Disabled", message=said))
         ref = _configmap_ref(owner)
         if live is not None and (controller_of(live) or {}).get("uid") != owner.uid:
             message = (
@@ -262,7 +299,7 @@ class GoldenKeeper:
             comparing = comparing or state == "unchecked"
         # A pod still loading or comparing makes no event when it is done (it stays not
         # ready if its vectors changed): come back rather than wait for the resync.
-        return GoldenOutcome(status, retry_after=COMPARING_RETRY_SECONDS if comparing else None)
+        return GoldenOutcome(status, retry_after=RETRY_FIRST_SECONDS if comparing else None)
 
     def _record(
         self,
@@ -309,7 +346,8 @@ class GoldenKeeper:
             return GoldenOutcome(record_status(key, spec, record))
         message = "could not read a ready pod's /golden: " + "; ".join(failures)
         return GoldenOutcome(
-            record_status(key, spec, None, state="Pending", message=message), retry_after=10.0
+            record_status(key, spec, None, state="Pending", message=message),
+            retry_after=RETRY_FIRST_SECONDS,
         )
 
     def _write(

@@ -270,6 +270,7 @@ class Reconciler:
         """Drop per-object state of a deleted EmbeddingService."""
         self._absent_checked.pop((namespace, name), None)
         self._settled.pop((namespace, name), None)
+        self._golden.forget(namespace, name)
         self._refusals_said.pop((namespace, name), None)
 
     def _unchanged_since_settled(self, namespace: str, name: str) -> bool:
@@ -339,7 +340,8 @@ class Reconciler:
                 # on each new EmbeddingService.
                 fresh = owner.generation == 1 and not body.get("status")
                 checked = fresh or self._absent_checked.get(key) == seen
-                golden_live = self._golden.read(owner)
+                if planned.render.spec.contract.policy != "disabled":
+                    golden_live = self._golden.read(owner)
                 rollout = self._rollout(body, owner, planned, golden_live, look=not checked)
                 result = sync_children(
                     self._cluster,
@@ -379,7 +381,9 @@ class Reconciler:
                     pods,
                     settled=DeploymentFacts.from_live(deployment).settled
                     and (upcoming is None or DeploymentFacts.from_live(upcoming).settled),
-                    live=golden_live if rollout is not None else self._golden.read(owner),
+                    live=golden_live
+                    if rollout is not None or planned.render.spec.contract.policy == "disabled"
+                    else self._golden.read(owner),
                     keep=(rollout.decision.active_key,)
                     if rollout is not None and rollout.decision.active_key
                     else (),
@@ -461,7 +465,7 @@ class Reconciler:
             main=main if mine else None,
             service=service,
             upcoming=upcoming,
-            recorded=record is not None or unsupported,
+            recorded=record is not None or unsupported or spec.contract.policy == "disabled",
             pending_fingerprint=str(record["fingerprint"]) if record else None,
             cut_over=spec.rollout.active_fingerprint,
         )

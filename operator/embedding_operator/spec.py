@@ -319,7 +319,7 @@ class Rollout(_Model):
         return self
 
 
-ContractPolicy = Literal["strict", "allowDrift"]
+ContractPolicy = Literal["strict", "allowDrift", "disabled"]
 STRICT_MIN_COSINE = 0.9999
 """What ``strict`` asks of every probe: vLLM's CI counts a model as unchanged when its STS
 score moves by less than 1e-4, and a different model moves it by more than 1e-3."""

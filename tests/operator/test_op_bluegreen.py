@@ -319,3 +319,32 @@ def test_active_fingerprint_needs_manual() -> None:
         parse_spec({**OLD, "rollout": {"activeFingerprint": "0123abcd"}})
     with pytest.raises(InvalidSpecError, match="activeFingerprint"):
         parse_spec({**OLD, "rollout": {"strategy": "manual", "activeFingerprint": "xyz"}})
+
+
+def test_with_golden_vectors_disabled_the_switch_waits_on_readiness_alone() -> None:
+    off = {"contract": {"policy": "disabled"}}
+    cluster = FakeCluster()
+    cluster.add(
+        {
+            "apiVersion": "embedding-operator.dev/v1alpha1",
+            "kind": "EmbeddingService",
+            "metadata": {"name": "emb", "namespace": NS, "uid": "owner-uid", "generation": 1},
+            "spec": {**OLD, **off},
+        }
+    )
+    rec = Reconciler(
+        cluster=cluster,
+        profiles=GpuProfiles.builtin(),
+        default_image="img:1",
+        recorder=Events(),
+        golden_fetch=FakeGolden(),
+    )
+    rec.reconcile(NS, "emb")
+    _rolled_out(cluster, MAIN)
+    rec.reconcile(NS, "emb")
+    _edit(cluster, {**NEW, **off})
+    rec.reconcile(NS, "emb")
+    assert _pin(cluster) == OLD_KEY and NEXT in cluster.objects
+    _rolled_out(cluster, NEXT)
+    rec.reconcile(NS, "emb")
+    assert _pin(cluster) == NEW_KEY

@@ -410,3 +410,35 @@ def test_a_pod_still_comparing_is_asked_again_soon_without_a_problem() -> None:
     outcome = rec.reconcile(NS, "emb")
     assert outcome is not None and outcome.problem is not None
     assert outcome.problem.reason == "VectorsChanged"
+
+
+def test_disabled_records_and_checks_nothing_and_asks_no_pod() -> None:
+    spec = {**MODEL, "contract": {"policy": "disabled"}}
+    assert "--golden-vectors" not in server_args(render_input(spec))
+    cluster, events = FakeCluster(), Events()
+    _service(cluster, spec)
+    golden = FakeGolden({"10.0.0.1": golden_answer()})
+    rec = _reconciler(cluster, golden, events)
+    rec.reconcile(NS, "emb")
+    _rolled_out(cluster)
+    cluster.add(server_pod("emb-1", key=contract_key(parse_spec(spec)), ip="10.0.0.1"))
+    outcome = rec.reconcile(NS, "emb")
+    assert outcome is not None and outcome.requeue_after is None
+    assert golden.asked == [] and CONFIGMAP not in cluster.objects
+    assert _status(cluster)["contract"]["state"] == "Disabled"
+    assert not [c for c in cluster.calls if c[1] == "ConfigMap"]
+
+
+def test_an_unreachable_probe_port_is_asked_again_less_and_less_often() -> None:
+    cluster, events = FakeCluster(), Events()
+    _service(cluster, MODEL)
+    rec = _reconciler(cluster, FakeGolden(), events)
+    rec.reconcile(NS, "emb")
+    _rolled_out(cluster)
+    cluster.add(server_pod("emb-1", key=contract_key(parse_spec(MODEL)), ip="10.0.0.1"))
+    delays = []
+    for _ in range(5):
+        outcome = rec.reconcile(NS, "emb")
+        assert outcome is not None
+        delays.append(outcome.requeue_after)
+    assert delays == [10.0, 20.0, 40.0, 60.0, 60.0]

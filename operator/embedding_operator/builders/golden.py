@@ -57,6 +57,8 @@ def record_file(key: str) -> str:
 
 
 def server_args(spec: EmbeddingServiceSpec) -> list[str]:
+    if spec.contract.policy == "disabled":
+        return []
     key = contract_key(spec)
     return [
         "--golden-vectors",
