@@ -487,3 +487,22 @@ def test_the_workers_send_the_services_api_key_from_its_secret(cluster: FakeClus
     assert "EMBEDDING_JOB_API_KEY" not in {e["name"] for e in planner_env}, (
         "the planner calls no service"
     )
+
+
+def test_ttl_deletes_a_job_refused_for_its_spec_too(cluster: FakeCluster) -> None:
+    """An InvalidSpec failure never runs a Job, so it has no completion time: it finished when
+    it was refused, and ttlSecondsAfterFinished counts from then."""
+    clock = Clock()
+    add_service(cluster)
+    add_job(cluster, storage=None, ttlSecondsAfterFinished=60)
+    body(cluster)["spec"].pop("storage")
+    reconciler = make(cluster, Events(), clock)
+    outcome = reconciler.reconcile(NS, "corpus")
+    assert status(cluster)["phase"] == "Failed"
+    assert outcome is not None and outcome.requeue_after == 61.0
+    clock.now = clock.now.replace(second=30)
+    reconciler.reconcile(NS, "corpus")
+    assert job_ref(NS, "corpus") in cluster.objects
+    clock.now = clock.now.replace(minute=1, second=1)
+    reconciler.reconcile(NS, "corpus")
+    assert job_ref(NS, "corpus") not in cluster.objects

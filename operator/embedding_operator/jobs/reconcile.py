@@ -26,6 +26,7 @@ queue, which retries them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -157,7 +158,11 @@ class JobReconciler:
             spec = parse_job_spec(body.get("spec") or {})
         except InvalidSpecError as exc:
             facts = JobFacts(suspend=False, problem=Problem(INVALID_SPEC, str(exc)))
-            return self._write(body, owner, facts, ())
+            outcome = self._write(body, owner, facts, ())
+            ttl = (body.get("spec") or {}).get("ttlSecondsAfterFinished")
+            if isinstance(ttl, int) and ttl >= 0:  # come back to delete it (_finished)
+                outcome = dataclasses.replace(outcome, requeue_after=float(ttl) + 1)
+            return outcome
         applied: list[str] = []
         try:
             facts = self._advance(owner, spec, applied)
@@ -229,8 +234,15 @@ class JobReconciler:
     def _finished(self, body: dict[str, Any], old: dict[str, Any]) -> Outcome:
         """A finished job: nothing to create; delete it once its TTL has passed."""
         ttl = (body.get("spec") or {}).get("ttlSecondsAfterFinished")
-        finished = _parse_time(old.get("completionTime"))
-        if ttl is None or finished is None:
+        # A job refused before any Job ran (InvalidSpec) has no completion time: it finished
+        # when its Failed condition turned True.
+        ended = [
+            c.get("lastTransitionTime")
+            for c in old.get("conditions") or []
+            if c.get("type") in ("Complete", FAILED) and c.get("status") == "True"
+        ]
+        finished = _parse_time(old.get("completionTime") or (ended[0] if ended else None))
+        if not isinstance(ttl, int) or finished is None:
             return Outcome(problem=None, status_written=False)
         left = finished.timestamp() + int(ttl) - self._now().timestamp()
         if left > 0:
