@@ -271,6 +271,18 @@ def next_service(service: Manifest, owner: Owner, key: str) -> Manifest:
     return {**pinned, "metadata": metadata, "spec": spec}
 
 
+def hold_floor(hpa: Manifest, replicas: int) -> Manifest:
+    """The HPA while a new model prepares: it averages its Pods metric over the pods of the
+    Deployment's selector, which ``<name>-next``'s idle pods match too, so it would read half
+    the load and scale ``<name>`` (and with it ``<name>-next``) down. Its floor is held at the
+    running count until the switch; it may still scale up."""
+    held = dict(hpa)
+    spec = dict(held["spec"])
+    spec["minReplicas"] = min(max(int(spec.get("minReplicas") or 1), replicas), spec["maxReplicas"])
+    held["spec"] = spec
+    return held
+
+
 def next_deployment(main: Manifest, owner: Owner, replicas: int) -> Manifest:
     """``<name>-next``: the Deployment as built for the spec, under its own name, with the
     running one's replica count (no autoscaler follows it: it lives for one change)."""

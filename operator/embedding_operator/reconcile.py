@@ -47,6 +47,7 @@ from embedding_operator.apply import ChildConflictError, ChildRejectedError, syn
 from embedding_operator.bluegreen import (
     Decision,
     decide,
+    hold_floor,
     next_deployment,
     next_name,
     next_service,
@@ -478,6 +479,11 @@ class Reconciler:
                 manifest = replace_at_once(manifest)
             if manifest["kind"] == "Service":
                 manifest = pin_service(manifest, decision.pin)
+            if manifest["kind"] == "HorizontalPodAutoscaler" and decision.phase in (
+                "Preparing",
+                "Prepared",
+            ):
+                manifest = hold_floor(manifest, facts.main_replicas)
             present.append(manifest)
         children = DesiredChildren(present=present, absent=planned.children.absent)
         main_manifest = next(m for m in planned.children.present if m["kind"] == "Deployment")

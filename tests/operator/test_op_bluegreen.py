@@ -348,3 +348,20 @@ def test_with_golden_vectors_disabled_the_switch_waits_on_readiness_alone() -> N
     _rolled_out(cluster, NEXT)
     rec.reconcile(NS, "emb")
     assert _pin(cluster) == NEW_KEY
+
+
+def test_the_hpa_cannot_scale_the_running_model_down_while_the_new_one_prepares() -> None:
+    """The HPA's Pods metric is averaged over the Deployment's selector, which the new model's
+    idle pods match too: it would read half the load. Its floor holds at the running count."""
+    auto = {"autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 6}}
+    old, new = {**OLD, **auto}, {**NEW, **auto}
+    cluster, rec, _ = _serving(old)
+    hpa = ObjectRef("autoscaling/v2", "HorizontalPodAutoscaler", NS, "emb")
+    cluster.objects[MAIN]["spec"]["replicas"] = 3  # where the HPA had it
+    _rolled_out(cluster, MAIN)
+    rec.reconcile(NS, "emb")
+    assert cluster.objects[hpa]["spec"]["minReplicas"] == 1
+    _edit(cluster, new)
+    rec.reconcile(NS, "emb")
+    assert cluster.objects[hpa]["spec"]["minReplicas"] == 3
+    assert cluster.objects[NEXT]["spec"]["replicas"] == 3
