@@ -176,6 +176,24 @@ class NotReadyError(EmbeddingServerError):
     code = "not_ready"
 
 
+class VectorsChangedError(NotReadyError):
+    """The server's vectors of the golden probe set differ from those ``--golden-vectors``
+    recorded (a cosine below ``--golden-min-cosine``): it is not served until a file it
+    matches is given."""
+
+    code = "vectors_changed"
+
+
+class FingerprintMismatchError(EmbeddingServerError):
+    """The request's ``X-Expect-Embedding-Fingerprint`` is not this server's fingerprint: its
+    answer would hold vectors of another computation than the client's index. Refused before
+    any work."""
+
+    status_code = 409
+    error_type = "invalid_request_error"
+    code = "fingerprint_mismatch"
+
+
 class EngineFailedError(NotReadyError):
     """The engine can no longer run forward passes (the accelerator hit an error that poisons
     the process, such as a device-side assert); the server is on its way out."""

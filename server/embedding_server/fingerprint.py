@@ -32,6 +32,14 @@ HEADER = "X-Embedding-Fingerprint"
 """The response header that carries the fingerprint on every successful model answer. The
 EmbeddingJob worker reads it by this name: keep it."""
 
+EXPECT_HEADER = "X-Expect-Embedding-Fingerprint"
+"""The request header a client sends to be answered only by a server with that fingerprint
+(or one it starts with: :func:`expected_prefix`); another answers 409 before any work."""
+
+MIN_PREFIX = 8
+"""The fewest hex digits :data:`EXPECT_HEADER` may give (32 bits: a prefix short enough to
+type, long enough that two versions of one service never share it by chance)."""
+
 SCHEMA = 1
 """The version of what is hashed (``inputs["schema"]``): a change to the set of inputs or to
 how one is written bumps it, so that an old and a new fingerprint are never confused."""
@@ -61,10 +69,25 @@ def is_fingerprint(value: str) -> bool:
     return _FINGERPRINT.fullmatch(value) is not None
 
 
-def differences(ours: Mapping[str, Any], expected: Mapping[str, Any]) -> list[str]:
-    """The inputs that differ between ``ours`` and ``expected``, one line each
-    (``dtype: float32, expected bfloat16``); a file map is compared file by file."""
-    lines: list[str] = []
+def expected_prefix(value: str) -> str:
+    """The fingerprint, or prefix of one, that :data:`EXPECT_HEADER`'s ``value`` gives, in
+    lowercase; ``ValueError`` says why it is none."""
+    text = value.strip().lower()
+    if not MIN_PREFIX <= len(text) <= LENGTH or re.fullmatch(r"[0-9a-f]+", text) is None:
+        shown = text[:40] if text.isprintable() else "(not printable)"
+        raise ValueError(
+            f"The {EXPECT_HEADER} header must be an embedding fingerprint ({LENGTH} hex "
+            f"digits, as the {HEADER} header and /info's 'fingerprint' say) or a prefix of "
+            f"at least {MIN_PREFIX} of them; got {shown!r}."
+        )
+    return text
+
+
+def differing(ours: Mapping[str, Any], expected: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """The inputs that differ between ``ours`` and ``expected``, each as (expected, ours)
+    (None for absent); a map of inputs (the model files, the prompts) is compared entry by
+    entry, as ``files[model.safetensors]``."""
+    found: dict[str, tuple[Any, Any]] = {}
     for key in sorted(set(ours) | set(expected)):
         mine, theirs = ours.get(key), expected.get(key)
         if mine == theirs:
@@ -72,13 +95,19 @@ def differences(ours: Mapping[str, Any], expected: Mapping[str, Any]) -> list[st
         if isinstance(mine, Mapping) and isinstance(theirs, Mapping):
             for name in sorted(set(mine) | set(theirs)):
                 if mine.get(name) != theirs.get(name):
-                    lines.append(
-                        f"{key}[{name}]: {_shown(mine.get(name))}, expected "
-                        f"{_shown(theirs.get(name))}"
-                    )
+                    found[f"{key}[{name}]"] = (theirs.get(name), mine.get(name))
             continue
-        lines.append(f"{key}: {_shown(mine)}, expected {_shown(theirs)}")
-    return lines
+        found[key] = (theirs, mine)
+    return found
+
+
+def differences(ours: Mapping[str, Any], expected: Mapping[str, Any]) -> list[str]:
+    """The inputs that differ between ``ours`` and ``expected``, one line each
+    (``dtype: float32, expected bfloat16``); a file map is compared file by file."""
+    return [
+        f"{name}: {_shown(mine)}, expected {_shown(theirs)}"
+        for name, (theirs, mine) in differing(ours, expected).items()
+    ]
 
 
 def _shown(value: object) -> str:

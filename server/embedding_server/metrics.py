@@ -37,6 +37,7 @@ QUEUE_REQUESTS_METRIC = f"{PREFIX}_queue_requests"
 QUEUE_TOKENS_METRIC = f"{PREFIX}_queue_tokens"
 BACKLOG_SECONDS_METRIC = f"{PREFIX}_backlog_seconds"
 LOADING_METRIC = f"{PREFIX}_loading"
+GOLDEN_MIN_COSINE_METRIC = f"{PREFIX}_golden_min_cosine"
 AUTOSCALING_METRICS = frozenset(
     {QUEUE_REQUESTS_METRIC, QUEUE_TOKENS_METRIC, BACKLOG_SECONDS_METRIC}
 )
@@ -171,11 +172,17 @@ class Metrics:
             multiprocess_mode="livemax",
         )
 
-    def render(self, *, ready: bool, loading: bool) -> bytes:
+    def render(
+        self, *, ready: bool, loading: bool, golden_min_cosine: float | None = None
+    ) -> bytes:
         """What ``/metrics`` serves now: every metric, less the autoscaling gauges unless the
-        server is ``ready``, plus ``embedding_server_loading`` (1 while ``loading``: the
-        process's state at this scrape, not a sample any process wrote)."""
-        return generate_latest(_Scrape(self.exposition, ready=ready, loading=loading))
+        server is ``ready``, plus ``embedding_server_loading`` (1 while ``loading``) and
+        ``embedding_server_golden_min_cosine`` (when not None): the process's state at this
+        scrape, not a sample any process wrote."""
+        scrape = _Scrape(
+            self.exposition, ready=ready, loading=loading, golden_min_cosine=golden_min_cosine
+        )
+        return generate_latest(scrape)
 
     # Every request observes these, and prometheus_client's ``labels()`` validates and locks
     # on each call; the labelled children are looked up once and kept.
@@ -205,11 +212,19 @@ class Metrics:
 class _Scrape(CollectorRegistry):
     """One scrape's view of a registry (``Metrics.render``)."""
 
-    def __init__(self, source: CollectorRegistry, *, ready: bool, loading: bool) -> None:
+    def __init__(
+        self,
+        source: CollectorRegistry,
+        *,
+        ready: bool,
+        loading: bool,
+        golden_min_cosine: float | None = None,
+    ) -> None:
         super().__init__(auto_describe=False)
         self._source = source
         self._ready = ready
         self._loading = loading
+        self._golden_min_cosine = golden_min_cosine
 
     def collect(self) -> Iterator[Metric]:
         for family in self._source.collect():
@@ -222,3 +237,12 @@ class _Scrape(CollectorRegistry):
             "loading replica away on it.",
             value=1.0 if self._loading else 0.0,
         )
+        if self._golden_min_cosine is not None:
+            yield GaugeMetricFamily(
+                GOLDEN_MIN_COSINE_METRIC,
+                "The lowest cosine, over the golden probe set, between this server's vectors "
+                "and those of --golden-vectors (NaN when their dimensions differ); below "
+                "--golden-min-cosine the server is not ready. Absent while nothing is "
+                "compared (no file, or a model without pooled vectors).",
+                value=self._golden_min_cosine,
+            )

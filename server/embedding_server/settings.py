@@ -245,23 +245,45 @@ class ServerSettings(EngineSettings):
         "only with what changes vectors (model files, pooling, normalize, dimensions, "
         "prompts, input length, dtype, quantization, attention, task), never with a rename.",
     )
+    golden_vectors: str | None = Field(
+        None,
+        description="A file holding the golden vectors to match: a saved GET /golden answer "
+        "of a server whose vectors are the reference (the operator writes the first ready "
+        "pod's into a ConfigMap). At start-up, before it is ready, the server embeds the "
+        "probe set as a /v1/embeddings request would and compares each probe's vector with "
+        "the file's: while any cosine is below golden_min_cosine, or the dimensions differ, "
+        "/ready and the model routes answer 503 vectors_changed naming the lowest cosine, its "
+        "probe, the threshold and the fingerprint inputs that differ, and the process stays up. "
+        "The file may be missing at start (then nothing is checked and readiness is not held) "
+        "and may appear or change later: it is read again every 2 s. Unset: nothing is "
+        "compared; GET /golden still serves this server's vectors.",
+    )
+    golden_min_cosine: float = Field(
+        0.9999,
+        ge=-1.0,
+        le=1.0,
+        description="The lowest cosine, on every probe, between this server's vectors and "
+        "golden_vectors' for the vectors to count as unchanged (0.9999: vLLM CI's threshold; "
+        "float32 against bfloat16 of one model falls below it).",
+    )
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8000, gt=0, lt=65536, description="Port to listen on.")
     probe_port: int | None = Field(
         None,
         gt=0,
         lt=65536,
-        description="A second port, on the same address, that serves only /health, /ready "
-        "and /metrics, for the kubelet's probes and Prometheus: its connections do not count "
-        "against max_connections, so clients that hold every client connection cannot make "
-        "the probes fail. It takes at most 64 connections of its own; past that the oldest "
-        "one that has not sent its request is closed, never the new one. Unset: the probes "
-        "use the client port only (they are always served there too).",
+        description="A second port, on the same address, that serves only /health, /ready, "
+        "/metrics and /golden, for the kubelet's probes, Prometheus and the operator: its "
+        "connections do not count against max_connections, so clients that hold every "
+        "client connection cannot make the probes fail. It takes at most 64 connections of "
+        "its own; past that the oldest one that has not sent its request is closed, never the "
+        "new one. Unset: the probes use the client port only (they are always served there "
+        "too).",
     )
     api_key: SecretStr | None = Field(
         None,
         description="Require 'Authorization: Bearer <key>' on "
-        "every route except /health, /ready and /metrics.",
+        "every route except /health, /ready, /load, /metrics and /golden.",
     )
     """A secret: it prints as ``**********`` wherever the settings are printed."""
     max_request_bytes: int = Field(
@@ -438,6 +460,12 @@ class ServerSettings(EngineSettings):
         "process with its own tokenizer and no torch (tens of MB of memory, no GPU memory); use it "
         "when one CPU core, not the model, caps throughput.",
     )
+
+    @field_validator("golden_vectors")
+    @classmethod
+    def _golden_vectors(cls, value: str | None) -> str | None:
+        # An empty variable means unset; the file itself may not exist yet (it is polled).
+        return value.strip() or None if value is not None else None
 
     @field_validator("expect_fingerprint")
     @classmethod

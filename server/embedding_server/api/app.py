@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
@@ -23,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from embedding_server.api.direct import DirectRoutes, direct_routes
 from embedding_server.api.errors import install_error_handlers
+from embedding_server.api.golden import GoldenVectors
 from embedding_server.api.lifecycle import Lifecycle, freeze_heap, served_model_name
 from embedding_server.api.middleware import RequestContextMiddleware
 from embedding_server.api.protocol import RequestLimits
@@ -144,6 +146,10 @@ async def _bring_up(lifecycle: Lifecycle, connect: Connect | None) -> None:
                 lifecycle.refuse(mismatch)
                 return
         await lifecycle.engine.start()
+        if lifecycle.golden is not None:
+            # Before /ready: the probe set embedded (and compared) by the engine now serving.
+            await lifecycle.golden.prepare(lifecycle.engine)
+            lifecycle.golden.start_watching(lifecycle.engine)
     except asyncio.CancelledError:
         raise
     except Exception as error:  # startup, not a request: one clear line, then exit 1
@@ -155,6 +161,8 @@ async def _bring_up(lifecycle: Lifecycle, connect: Connect | None) -> None:
         lifecycle.fail(f"could not load the model named by --model: {detail}")
         return
     freeze_heap()
+    if lifecycle.golden is not None and lifecycle.golden.changed:
+        return  # not ready: the golden check said why, and says when that changes
     logger.info(
         "ready: serving %r as %r (%.1f s to load and warm up)",
         settings.model,
@@ -185,6 +193,11 @@ def create_app(
     """
     metrics: Metrics = getattr(engine, "metrics", None) or Metrics()
     lifecycle = Lifecycle(settings=settings, metrics=metrics, engine=engine)
+    lifecycle.golden = GoldenVectors(
+        Path(settings.golden_vectors) if settings.golden_vectors else None,
+        settings.golden_min_cosine,
+        auto_truncate=settings.auto_truncate,
+    )
     model = lifecycle.served_model_name
     tracing = (
         Tracing(tracer_provider, model, settings.trace_parent_policy)
@@ -204,6 +217,8 @@ def create_app(
             if not bring_up.done():
                 bring_up.cancel()
             await asyncio.gather(bring_up, return_exceptions=True)
+            if lifecycle.golden is not None:
+                await lifecycle.golden.stop()
             if lifecycle.engine is not None:
                 # uvicorn has already waited for in-flight requests; this finishes anything
                 # still queued (e.g. work of requests uvicorn gave up on) within the budget.
@@ -234,13 +249,14 @@ def create_app(
     # Added first, so it runs inside the request context (id, auth, limits, metrics).
     posts = direct_routes(ROUTERS)
     app.direct_paths = frozenset(posts)
-    app.fingerprinted_paths = frozenset(
-        path
+    # Every POST route is a model route: X-Expect-Embedding-Fingerprint is checked on each.
+    model_posts = frozenset(
+        getattr(route, "path", "")
         for router in ROUTERS
         for route in router.routes
         if "POST" in getattr(route, "methods", ())
-        and (path := getattr(route, "path", "")) not in UNFINGERPRINTED
     )
+    app.fingerprinted_paths = model_posts - UNFINGERPRINTED
     app.fingerprint = functools.partial(_fingerprint, lifecycle)
     app.add_middleware(DirectRoutes, routes=posts, limits=functools.partial(_limits, lifecycle))
     app.add_middleware(
@@ -253,6 +269,8 @@ def create_app(
         body_timeout=settings.body_timeout,
         max_receiving_bytes=settings.receiving_bytes,
         bulk_routes=settings.bulk_routes,
+        fingerprint=app.fingerprint,
+        fingerprinted_routes=model_posts,
     )
     if tracing is not None:  # outermost: a request's span covers all of the above
         app.add_middleware(TracingMiddleware, tracing=tracing, paths=posts)

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from embedding_server.errors import NotReadyError
+from embedding_server.api.golden import GoldenVectors
+from embedding_server.errors import NotReadyError, VectorsChangedError
 from embedding_server.metrics import Metrics
 from embedding_server.request.media.budget import ImageBudget
 from embedding_server.request.serving import ServingEngine
@@ -38,6 +39,9 @@ class Lifecycle:
     refusal: str | None = None
     """Why the loaded model is not served (``--expect-fingerprint`` differs): the process
     stays up, not ready, so a rollout stops at this pod and the old ones keep serving."""
+    golden: GoldenVectors | None = None
+    """The golden vectors and their check (``api/golden.py``): readiness waits until they
+    are embedded, and while they differ from ``--golden-vectors``."""
     served_model_name: str = ""
     accepted_model_names: frozenset[str] = frozenset()
     images: ImageBudget = field(init=False)
@@ -59,6 +63,9 @@ class Lifecycle:
     def require_engine(self) -> ServingEngine:
         """The engine, or 503 while it is still loading (or once it has stopped)."""
         engine = self.engine
+        golden = self.golden
+        if engine is not None and golden is not None and golden.changed and engine.ready:
+            raise VectorsChangedError(golden.check.message(engine.info().fingerprint))
         if engine is None or not engine.ready or self.refusal is not None:
             if self.refusal is not None:
                 message = REFUSED
@@ -77,6 +84,7 @@ class Lifecycle:
             and self.refusal is None
             and self.engine is not None
             and self.engine.ready
+            and (self.golden is None or not self.golden.holds_ready())
         )
 
     def refuse(self, message: str) -> None:

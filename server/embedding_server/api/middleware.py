@@ -9,7 +9,8 @@ order, for each HTTP request it:
 2. counts the request in flight and, when it ends, by endpoint and status;
 3. refuses a ``Host`` the server does not answer for (400), when ``--allowed-hosts`` is set:
    a page using DNS rebinding sends its own name, never one of these or an IP address;
-4. refuses a missing or wrong API key (401) on every route except the probes and /metrics;
+4. refuses a missing or wrong API key (401) on every route except the probes, /metrics and
+   /golden;
 5. refuses a POST whose body is not labelled ``application/json`` (415): a browser sends
    ``text/plain`` and form bodies cross-site without asking first, so accepting them would
    let any web page call a server without an API key on the visitor's network;
@@ -26,6 +27,10 @@ order, for each HTTP request it:
    ``--bulk-routes`` and interactive elsewhere) into :data:`~embedding_server.request.jobs.
    request_priority`, where the engine's admission and batching read it; any other value
    is a 400 naming the header;
+7b. on a model route, refuses a request whose ``X-Expect-Embedding-Fingerprint`` is not
+   the model's fingerprint, nor a prefix of it (409 naming both; a header that is no
+   fingerprint or prefix of at least 8 hex digits is a 400 naming it), before its body is
+   read: the answer would hold vectors of another computation than the client's index;
 8. adds ``x-total-time`` (ms) to the response;
 9. turns an unexpected exception into a generic 500 that leaks nothing, logging the
    traceback with the request id.
@@ -53,6 +58,7 @@ from embedding_server.errors import (
     AnswersWaitingError,
     AuthenticationError,
     EmbeddingServerError,
+    FingerprintMismatchError,
     HostNotAllowedError,
     InvalidRequestError,
     PayloadTooLargeError,
@@ -60,6 +66,7 @@ from embedding_server.errors import (
     ServerBusyError,
     UnsupportedMediaTypeError,
 )
+from embedding_server.fingerprint import EXPECT_HEADER, expected_prefix
 from embedding_server.logging import request_id_var
 from embedding_server.metrics import Metrics
 from embedding_server.request.admission import Priority
@@ -67,10 +74,14 @@ from embedding_server.request.jobs import request_priority
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health", "/ready", "/load", "/metrics"})
-"""Routes that never need the API key: probes and the scrape endpoint."""
+OPEN_PATHS = frozenset({"/health", "/ready", "/load", "/metrics", "/golden"})
+"""Routes that never need the API key: probes, the scrape endpoint and ``/golden`` (the
+fixed probe texts' vectors and the fingerprint, which every answer carries: what an operator
+records and compares, nothing a client sent)."""
 
 _MAX_REQUEST_ID = 128
+
+_EXPECT_HEADER = EXPECT_HEADER.lower().encode("ascii")
 
 SENDING_SCOPE_KEY = "embedding_server.sending"
 """The ASGI scope key of a request's connection under uvicorn
@@ -157,8 +168,14 @@ class RequestContextMiddleware:
         body_timeout: float | None = None,
         max_receiving_bytes: int | None = None,
         bulk_routes: Iterable[str] = (),
+        fingerprint: Callable[[], str] | None = None,
+        fingerprinted_routes: Iterable[str] = (),
     ) -> None:
         self.app = app
+        self.fingerprint = fingerprint
+        """The served model's fingerprint, once it is known (else empty)."""
+        self.fingerprinted_routes = frozenset(fingerprinted_routes)
+        """The model routes a client may send :data:`EXPECT_HEADER` to."""
         self.bulk_routes = frozenset(bulk_routes)
         self.metrics = metrics
         self.api_key = api_key.encode() if api_key else None
@@ -212,6 +229,8 @@ class RequestContextMiddleware:
                     refusal = priority
                 else:
                     priority_token = request_priority.set(priority)
+            if refusal is None and path in self.fingerprinted_routes:
+                refusal = self._other_fingerprint(scope)
             if refusal is not None:
                 # A client without the key learns which scheme to use (RFC 6750).
                 bearer = ((b"www-authenticate", b"Bearer"),)
@@ -300,6 +319,27 @@ class RequestContextMiddleware:
         return InvalidRequestError(
             f"The {PRIORITY_HEADER} header must be 'interactive' or 'bulk'.",
             param=PRIORITY_HEADER,
+        )
+
+    def _other_fingerprint(self, scope: Scope) -> EmbeddingServerError | None:
+        """A 409 when the request expects another fingerprint than the model's (a 400 when
+        its :data:`EXPECT_HEADER` is no fingerprint or prefix of one)."""
+        given = _header(scope, _EXPECT_HEADER)
+        if given is None:
+            return None
+        try:
+            expected = expected_prefix(given.decode("latin-1"))
+        except ValueError as error:
+            return InvalidRequestError(str(error), param=EXPECT_HEADER)
+        ours = self.fingerprint() if self.fingerprint is not None else ""
+        if not ours or ours.startswith(expected):
+            return None  # not loaded yet: the route answers 503
+        return FingerprintMismatchError(
+            f"This server's embedding fingerprint is {ours}, not {expected} "
+            f"({EXPECT_HEADER}): its vectors come from another computation than the one "
+            "expected, so the request was not run. Send it to the version with that "
+            "fingerprint, or re-embed with this one.",
+            param=EXPECT_HEADER,
         )
 
     def _too_large_message(self) -> str:

@@ -1,5 +1,6 @@
-"""The probe listener (``--probe-port``): ``/health``, ``/ready`` and ``/metrics`` on a port
-of their own, so that clients cannot starve the kubelet's probes.
+"""The probe listener (``--probe-port``): ``/health``, ``/ready``, ``/metrics`` and
+``/golden`` on a port of their own, so that clients cannot starve the kubelet's probes (nor
+the operator's read of the golden vectors).
 
 The client port's connection cap (``--max-connections``) is what keeps a client from holding
 unbounded connections; but one client that holds all of them, reopening each as it is
@@ -38,8 +39,9 @@ from embedding_server.api.errors import error_response
 
 logger = logging.getLogger(__name__)
 
-PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})
-"""What the probe port serves: the kubelet's probes and Prometheus's scrape."""
+PROBE_PATHS = frozenset({"/health", "/ready", "/metrics", "/golden"})
+"""What the probe port serves: the kubelet's probes, Prometheus's scrape and the golden
+vectors the operator records."""
 
 PROBE_MAX_CONNECTIONS = 64
 """Open connections the probe port takes (a kubelet probes each container every few seconds,
@@ -59,7 +61,7 @@ class ProbesOnly:
         if scope["type"] == "http" and scope["path"] not in PROBE_PATHS:
             response = error_response(
                 404,
-                "The probe port serves only /health, /ready and /metrics; "
+                "The probe port serves only /health, /ready, /metrics and /golden; "
                 "send other requests to the server's port.",
             )
             await response(scope, receive, send)
@@ -114,7 +116,7 @@ class ProbeListener:
                 await loop.create_server(protocol, sock=sock, backlog=config.backlog)
             )
         host, port = self.sockets[0].getsockname()[:2]
-        logger.info("probes (/health, /ready, /metrics) also on %s:%d", host, port)
+        logger.info("probes (/health, /ready, /metrics, /golden) also on %s:%d", host, port)
 
     async def stop(self) -> None:
         """Stop accepting, end the open connections (bounded)."""

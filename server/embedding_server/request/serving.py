@@ -122,6 +122,13 @@ class ServingEngine(abc.ABC):
         """``task`` (a function of :mod:`.tasks`), its jobs on the scheduler: the async API."""
         return await task(self._context(self._scheduled()), *args, **kwargs)
 
+    async def serve_unrecorded(self, task: Task[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        """``task`` as :meth:`serve` runs it, but not counted as a request's work (input
+        tokens, truncations): the server's own probes (its golden vectors), not a client's."""
+        runner = self._scheduled()
+        context = TaskContext(self._config, self._info, runner, self._images, self._chat, None)
+        return await task(context, *args, **kwargs)
+
     def run(self, task: Task[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """``task`` run to completion for sync code: the sync API."""
         return self._sync(lambda runner: task(self._context(runner), *args, **kwargs))

@@ -130,10 +130,10 @@ def test_a_client_holding_every_connection_leaves_the_probe_port_answering(
 
 def test_the_probe_port_serves_only_the_probes_and_cannot_be_filled(tmp_path: Path) -> None:
     with probed_server(tmp_path) as (_served, probes):
-        # Not a way around the client port's cap: only /health, /ready and /metrics.
+        # Not a way around the client port's cap: only /health, /ready, /metrics, /golden.
         response = httpx.post(probes + "/v1/embeddings", json={"input": "hi"}, timeout=10)
         assert response.status_code == 404
-        assert "only /health, /ready and /metrics" in response.json()["error"]["message"]
+        assert "only /health, /ready, /metrics and /golden" in response.json()["error"]["message"]
         assert "embedding_server_queue_requests" in httpx.get(probes + "/metrics").text
         # Idle connections past the probe port's own cap make room for new ones.
         host, port = probes.removeprefix("http://").split(":")

@@ -71,9 +71,10 @@ def test_the_server_stops_being_ready_and_exits_1() -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("EMBEDDING_SERVER_")}
-    # Forward pass 1 is the warm-up, 2 the first request; 3 and later fail.
+    # Forward pass 1 is the warm-up, 2 the golden probe set, 3 the first request; 4 and
+    # later fail.
     process = subprocess.Popen(
-        [SCRIPT, "serve", "--model", "fake?device_error_after=2", "--port", str(port)],
+        [SCRIPT, "serve", "--model", "fake?device_error_after=3", "--port", str(port)],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
