@@ -35,6 +35,7 @@ from embedding_server.batch.retries import (
     next_backoff,
     retry_after,
 )
+from embedding_server.fingerprint import EXPECT_HEADER
 from embedding_server.fingerprint import HEADER as FINGERPRINT_HEADER
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,8 @@ class ServiceUnavailableError(Exception):
 
 
 class MixedFingerprintsError(Exception):
-    """Two answers of one shard came from two computations."""
+    """Two answers of one shard came from two computations, or the service no longer serves
+    the computation the job is pinned to (``expect_fingerprint``: its 409)."""
 
 
 @dataclass
@@ -91,6 +93,8 @@ class Embedder:
         batch_size: int = 64,
         max_in_flight: int = 8,
         retry_for: float = 600.0,
+        expect_fingerprint: str | None = None,
+        api_key: str | None = None,
     ) -> None:
         if batch_size < 1 or max_in_flight < 1:
             raise ValueError("batch_size and max_in_flight must be at least 1")
@@ -101,6 +105,11 @@ class Embedder:
         self._retry_for = retry_for
         self._fingerprints: list[str | None] = []
         self._model_seen: str | None = None
+        self._headers = {"Content-Type": "application/json", **PRIORITY_HEADERS}
+        if expect_fingerprint is not None:
+            self._headers[EXPECT_HEADER] = expect_fingerprint
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
 
     async def embed(self, texts: list[str | None]) -> Embedded:
         """Vectors for the texts that are not None (those stay None, with no error)."""
@@ -152,7 +161,7 @@ class Embedder:
         if self._model is not None:
             body["model"] = self._model
         content = orjson.dumps(body)
-        headers = {"Content-Type": "application/json", **PRIORITY_HEADERS}
+        headers = self._headers
         deadline = time.monotonic() + self._retry_for
         backoff = FIRST_BACKOFF_S
         async with self._slots:
@@ -166,6 +175,13 @@ class Embedder:
                     problem, wait = f"no answer ({error!r})", None
                 else:
                     status = response.status_code
+                    if status == 409 and EXPECT_HEADER in headers:
+                        # Not a row's fault: the service moved on from the pinned computation.
+                        raise MixedFingerprintsError(
+                            f"{self._client.base_url}{EMBEDDINGS_PATH} no longer serves "
+                            f"fingerprint {headers[EXPECT_HEADER]}: "
+                            f"{_api_error(response).get('message', '')[:300]}"
+                        )
                     if status < 500 and status not in RETRY_STATUSES:
                         return response
                     problem = f"answered {status}: {response.text[:200]}"

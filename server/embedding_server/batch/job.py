@@ -50,6 +50,9 @@ MESSAGE_LIMIT = 1000
 """Characters of an error kept in the termination log, whose whole line the kubelet keeps
 only up to 4 KiB."""
 INDEX_ENV = "JOB_COMPLETION_INDEX"
+API_KEY_ENV = "EMBEDDING_JOB_API_KEY"
+"""The service's API key, sent as ``Authorization: Bearer``: from the environment only, so it
+is never on a command line (an EmbeddingJob's workers get the service's apiKeySecretRef)."""
 
 
 def add_job_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -106,6 +109,14 @@ def add_job_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]
         help=f"The shard (default: the {INDEX_ENV} environment variable).",
     )
     work.add_argument("--model", default=None, metavar="NAME", help="The model to ask for.")
+    work.add_argument(
+        "--expect-fingerprint",
+        default=None,
+        metavar="FP",
+        help="Send X-Expect-Embedding-Fingerprint: FP with every request, so a service that "
+        "moved to another computation answers 409 and the shard exits 1 uncommitted (an "
+        "EmbeddingJob's spec.fingerprint).",
+    )
     work.add_argument(
         "--max-in-flight",
         type=_positive_int,
@@ -277,6 +288,8 @@ async def _work(
             batch_size=namespace.batch_size,
             max_in_flight=namespace.max_in_flight,
             retry_for=namespace.retry_for,
+            expect_fingerprint=namespace.expect_fingerprint,
+            api_key=os.environ.get(API_KEY_ENV) or None,
         )
         embedded = await embedder.embed(rows.texts)
         dimensions = None

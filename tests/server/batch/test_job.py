@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -368,11 +369,15 @@ class StubEmbeddings(http.server.BaseHTTPRequestHandler):
     fingerprints: list[str] = []
     busy = 0
     requests = 0
+    api_key: str | None = None
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         cls = type(self)
         cls.requests += 1
+        if cls.api_key is not None and self.headers.get("Authorization") != f"Bearer {cls.api_key}":
+            self._send(401, {"error": {"message": "bad key", "code": "invalid_api_key"}}, {})
+            return
         if cls.busy > 0:
             cls.busy -= 1
             self._send(429, {"error": {"message": "busy"}}, {"Retry-After": "0.1"})
@@ -404,8 +409,11 @@ class StubEmbeddings(http.server.BaseHTTPRequestHandler):
 
 
 @contextlib.contextmanager
-def stub_service(fingerprints: list[str], busy: int = 0) -> Iterator[str]:
-    handler = type("Stub", (StubEmbeddings,), {"fingerprints": fingerprints, "busy": busy})
+def stub_service(
+    fingerprints: list[str], busy: int = 0, api_key: str | None = None
+) -> Iterator[str]:
+    attributes = {"fingerprints": fingerprints, "busy": busy, "api_key": api_key}
+    handler = type("Stub", (StubEmbeddings,), attributes)
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -514,3 +522,39 @@ def test_a_shard_with_no_row_to_embed_commits_an_empty_part_of_the_same_schema(
     assert table.schema.field("embedding").type == pa.list_(pa.float32(), 4)
     assert table.schema.metadata[b"fingerprint"] == b"fp-a"
     assert [e["id"] for e in errors_of(place)] == [0, 1, 2]
+
+
+@pytest.mark.slow
+def test_a_job_pinned_to_a_fingerprint_commits_nothing_from_another_computation(
+    tmp_path: Path, minilm_server: RunningServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--expect-fingerprint`` (an EmbeddingJob's spec.fingerprint): the real server's 409
+    stops the shard uncommitted, with exit 1, and is never written down as a row's error; the
+    server's own fingerprint commits."""
+    place = planned(tmp_path)
+    work = ["work", "--output", place.url("out"), "--index", "0", "--service", minilm_server.url]
+    code, summary = run(*work, "--expect-fingerprint", "00000000", log=tmp_path / "log")
+    assert code == 1
+    assert summary is not None and "no longer serves fingerprint 00000000" in summary["error"]
+    assert place.files("out/parts") == [] and place.files("out/errors") == []
+
+    with urllib.request.urlopen(f"{minilm_server.url}/info", timeout=30) as info:
+        fingerprint = json.load(info)["fingerprint"]
+    code, summary = run(*work, "--expect-fingerprint", fingerprint[:8], log=tmp_path / "log")
+    assert code == 0 and summary is not None and summary["rows"] == 10
+    assert read_parts(place).schema.metadata[b"fingerprint"] == fingerprint.encode()
+
+
+def test_a_service_that_needs_an_api_key_gets_it_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without it every row would be committed as a 401 error: the key is sent as the bearer
+    token, read from EMBEDDING_JOB_API_KEY (never a flag)."""
+    place = planned(tmp_path)
+    work = ["work", "--output", place.url("out"), "--index", "0"]
+    monkeypatch.setenv("EMBEDDING_JOB_API_KEY", "s3cret")
+    with stub_service(["fp-a"], api_key="s3cret") as url:
+        code, summary = run(*work, "--service", url, log=tmp_path / "log")
+    assert code == 0 and summary is not None
+    assert (summary["rows"], summary["failed"]) == (10, 0)
+    assert place.files("out/errors") == [] or errors_of(place) == []
