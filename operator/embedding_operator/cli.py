@@ -47,7 +47,12 @@ from embedding_operator.jobs.spec import parse_job_spec
 from embedding_operator.plan import Refused, plan
 from embedding_operator.policy import WorkloadPolicy
 from embedding_operator.profiles import GpuProfiles, ProfileConfigError
-from embedding_operator.settings import OperatorSettings, add_settings_flags, settings_from_args
+from embedding_operator.settings import (
+    OperatorSettings,
+    add_settings_flags,
+    own_namespace,
+    settings_from_args,
+)
 from embedding_operator.spec import InvalidSpecError, parse_spec
 
 log = logging.getLogger("embedding_operator")
@@ -117,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_GATEWAY_NAMESPACE,
         help="The gateway's namespace, as for run (default: the chart's documented one, "
         f"{DEFAULT_GATEWAY_NAMESPACE}).",
+    )
+    render.add_argument(
+        "--operator-namespace",
+        default=DEFAULT_GATEWAY_NAMESPACE,
+        help="The operator's namespace, which a NetworkPolicy admits to the pods' probe port "
+        f"(default: the chart's documented one, {DEFAULT_GATEWAY_NAMESPACE}).",
     )
     render.add_argument(
         "--keda-gateway-job", default="", help="Prometheus's job for the gateway, as for run."
@@ -201,6 +212,7 @@ def render_command(args: argparse.Namespace) -> int:
                 args.keda_gateway_job,
             ),
             meta.get("annotations"),
+            args.operator_namespace,
         )
         if isinstance(planned, Refused):
             sys.stderr.write(f"embedding-operator: {name}: {planned.problem.message}\n")
@@ -315,6 +327,7 @@ def run_command(config: OperatorSettings, profiles: GpuProfiles) -> int:
         metrics=metrics,
         pods=pods,
         names=names,
+        operator_namespace=own_namespace(),
     )
     registry = kopf.OperatorRegistry()
     controller = handlers.register(registry, reconciler, config, versions, metrics, pods, names)

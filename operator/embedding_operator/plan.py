@@ -20,6 +20,7 @@ from typing import Any
 from embedding_operator.builders import DesiredChildren, desired_children
 from embedding_operator.builders.common import (
     DEFAULT_AUTOSCALING,
+    DEFAULT_GATEWAY_NAMESPACE,
     DEFAULT_IMAGE,
     AutoscalingDefaults,
     Owner,
@@ -59,6 +60,7 @@ def plan(
     policy: WorkloadPolicy = DEFAULT_POLICY,
     autoscaling: AutoscalingDefaults = DEFAULT_AUTOSCALING,
     annotations: Mapping[str, str] | None = None,
+    operator_namespace: str = DEFAULT_GATEWAY_NAMESPACE,
 ) -> Planned | Refused:
     """Parse ``raw_spec``, resolve its GPU profile, build the children (or say why not).
     ``annotations`` are the object's: the deprecated aliases annotation still adds names."""
@@ -86,6 +88,7 @@ def plan(
         profile=profile,
         default_image=default_image,
         autoscaling=autoscaling,
+        operator_namespace=operator_namespace,
     )
     not_allowed = policy.refusal(render)
     if not_allowed is not None:

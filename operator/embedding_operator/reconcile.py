@@ -60,6 +60,7 @@ from embedding_operator.builders import DesiredChildren
 from embedding_operator.builders.common import (
     API_VERSION,
     DEFAULT_AUTOSCALING,
+    DEFAULT_GATEWAY_NAMESPACE,
     KIND,
     AutoscalingDefaults,
     Owner,
@@ -241,7 +242,9 @@ class Reconciler:
         pods: WatchedPods | None = None,
         names: NameClaims | None = None,
         golden_fetch: Fetch = http_fetch,
+        operator_namespace: str = DEFAULT_GATEWAY_NAMESPACE,
     ) -> None:
+        self._operator_namespace = operator_namespace
         self._cluster = cluster
         self._golden = GoldenKeeper(cluster, golden_fetch, clock)
         self._pods = pods
@@ -320,6 +323,7 @@ class Reconciler:
             self._policy,
             self._autoscaling,
             (body.get("metadata") or {}).get("annotations"),
+            self._operator_namespace,
         )
         problem: Problem | None = None
         if isinstance(planned, Refused):

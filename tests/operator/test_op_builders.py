@@ -389,10 +389,25 @@ def test_network_policy_admits_only_chosen_namespaces() -> None:
         }
     }
     assert policy["spec"]["policyTypes"] == ["Ingress"], "egress (Hub downloads) is untouched"
-    # The client port only: the kubelet reaches the probe port as node traffic, which a
-    # NetworkPolicy never blocks, and client namespaces cannot crowd it.
-    (rule,) = policy["spec"]["ingress"]
+    # Clients get the client port only: the kubelet reaches the probe port as node traffic,
+    # which a NetworkPolicy never blocks, and client namespaces cannot crowd it. The probe
+    # port admits the operator's namespace, which reads the pods' golden vectors there.
+    rule, operator_rule = policy["spec"]["ingress"]
     assert rule["ports"] == [{"protocol": "TCP", "port": 8000}]
+    assert operator_rule["ports"] == [{"protocol": "TCP", "port": 8001}]
+    assert operator_rule["from"] == [
+        {
+            "namespaceSelector": {
+                "matchExpressions": [
+                    {
+                        "key": "kubernetes.io/metadata.name",
+                        "operator": "In",
+                        "values": ["embedding-operator"],
+                    }
+                ]
+            }
+        }
+    ]
     (peer,) = rule["from"]
     assert peer == {
         "namespaceSelector": {

@@ -87,6 +87,8 @@ class RenderInput:
     profile: GpuProfile
     default_image: str = DEFAULT_IMAGE
     autoscaling: AutoscalingDefaults = DEFAULT_AUTOSCALING
+    operator_namespace: str = DEFAULT_GATEWAY_NAMESPACE
+    """Where the operator runs: its NetworkPolicy admits it to the probe port (``/golden``)."""
 
     @property
     def autoscaler(self) -> Autoscaler | None:

@@ -8,7 +8,8 @@ API server puts on every namespace (so a namespace cannot claim another's name b
 itself). Only ingress is restricted: the server's egress (a Hub download, DNS, the image URLs of
 ``spec.media.allowedDomains``) is untouched.
 
-The probe port (``PROBE_PORT``) is admitted from no pod: the kubelet's probes come from the
+The probe port (``PROBE_PORT``) is admitted from the operator's namespace only, where the
+operator reads each pod's golden vectors (``GET /golden``): the kubelet's probes come from the
 node, and traffic from a pod's own node is always allowed whatever the policy says (the
 Kubernetes NetworkPolicy contract), so the probes get through while clients in the admitted
 namespaces cannot crowd the probe port.
@@ -19,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from embedding_operator.builders.common import (
+    PROBE_PORT,
     SERVER_PORT,
     Manifest,
     RenderInput,
@@ -33,16 +35,18 @@ def wants_network_policy(render: RenderInput) -> bool:
     return render.spec.network_policy.enabled
 
 
+def _namespaces(names: list[str]) -> dict[str, Any]:
+    return {
+        "namespaceSelector": {
+            "matchExpressions": [{"key": NAMESPACE_NAME_LABEL, "operator": "In", "values": names}]
+        }
+    }
+
+
 def build_network_policy(render: RenderInput) -> Manifest:
     owner = render.owner
     namespaces = sorted({owner.namespace, *render.spec.network_policy.allowed_namespaces})
-    peer: dict[str, Any] = {
-        "namespaceSelector": {
-            "matchExpressions": [
-                {"key": NAMESPACE_NAME_LABEL, "operator": "In", "values": namespaces}
-            ]
-        }
-    }
+    peer = _namespaces(namespaces)
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -50,6 +54,13 @@ def build_network_policy(render: RenderInput) -> Manifest:
         "spec": {
             "podSelector": {"matchLabels": selector_labels(owner)},
             "policyTypes": ["Ingress"],
-            "ingress": [{"from": [peer], "ports": [{"protocol": "TCP", "port": SERVER_PORT}]}],
+            "ingress": [
+                {"from": [peer], "ports": [{"protocol": "TCP", "port": SERVER_PORT}]},
+                # The operator reads each pod's golden vectors there (golden.py).
+                {
+                    "from": [_namespaces([render.operator_namespace])],
+                    "ports": [{"protocol": "TCP", "port": PROBE_PORT}],
+                },
+            ],
         },
     }
