@@ -417,12 +417,29 @@ def ask(
     return client_output(cluster, namespace, name, timeout=timeout)
 
 
+def patch_spec(cluster: KubeClient, namespace: str, name: str, spec: dict[str, Any]) -> None:
+    """A merge patch of the EmbeddingService's spec, as ``kubectl patch --type=merge``."""
+    cluster.kubectl(
+        "patch",
+        "embeddingservice",
+        name,
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": spec}),
+    )
+
+
+def service_status(cluster: KubeClient, namespace: str, name: str) -> dict[str, Any]:
+    """The EmbeddingService's status (empty while it has none)."""
+    obj = get_json(cluster, "embeddingservice", name, "-n", namespace)
+    return dict(field_of(obj, "status") or {})
+
+
 def set_max_batch_size(cluster: KubeClient, namespace: str, name: str, size: int) -> None:
     """An edit of the spec that changes the pod template: a rolling update."""
-    patch = {"spec": {"server": {"maxBatchSize": size}}}
-    cluster.kubectl(
-        "patch", "embeddingservice", name, "-n", namespace, "--type=merge", "-p", json.dumps(patch)
-    )
+    patch_spec(cluster, namespace, name, {"server": {"maxBatchSize": size}})
 
 
 def service_url(name: str, namespace: str) -> str:
@@ -927,17 +944,7 @@ def test_a_pod_whose_vectors_drift_is_kept_out_with_vectors_changed(
         assert record["fingerprint"] == fingerprint
         assert record["fingerprint_inputs"]["dtype"] == "float32"
 
-        patch = {"spec": {"server": {"extraArgs": ["--dtype", "bfloat16"]}}}
-        cluster.kubectl(
-            "patch",
-            "embeddingservice",
-            name,
-            "-n",
-            namespace,
-            "--type=merge",
-            "-p",
-            json.dumps(patch),
-        )
+        patch_spec(cluster, namespace, name, {"server": {"extraArgs": ["--dtype", "bfloat16"]}})
         obj = wait_condition(
             cluster,
             namespace,
@@ -985,17 +992,7 @@ def test_a_pod_whose_vectors_drift_is_kept_out_with_vectors_changed(
         assert seen == [fingerprint] * 8, seen
 
         # Reverting the drift finishes the rollout and clears the condition.
-        patch = {"spec": {"server": {"extraArgs": []}}}
-        cluster.kubectl(
-            "patch",
-            "embeddingservice",
-            name,
-            "-n",
-            namespace,
-            "--type=merge",
-            "-p",
-            json.dumps(patch),
-        )
+        patch_spec(cluster, namespace, name, {"server": {"extraArgs": []}})
         wait_condition(cluster, namespace, name, "Degraded", "False", timeout=READY_TIMEOUT_S)
         wait_ready_replicas(cluster, namespace, name, 1)
     cluster.kubectl("delete", "embeddingservice", name, "-n", namespace, "--wait=false")
@@ -1052,9 +1049,7 @@ def test_a_model_change_under_load_switches_once_and_never_mixes(
     }
 
     def status() -> dict[str, Any]:
-        return dict(
-            field_of(get_json(cluster, "embeddingservice", name, "-n", namespace), "status") or {}
-        )
+        return service_status(cluster, namespace, name)
 
     with diagnostics(cluster, namespace, release):
         deploy(cluster, namespace, name, spec)
@@ -1079,17 +1074,7 @@ def test_a_model_change_under_load_switches_once_and_never_mixes(
             "420",
         )
         wait_client_running(cluster, namespace, "switch", "the switch client to run")
-        patch = {"spec": {"embedding": {"pooling": "cls"}}}
-        cluster.kubectl(
-            "patch",
-            "embeddingservice",
-            name,
-            "-n",
-            namespace,
-            "--type=merge",
-            "-p",
-            json.dumps(patch),
-        )
+        patch_spec(cluster, namespace, name, {"embedding": {"pooling": "cls"}})
         preparing = poll_until(
             lambda: (
                 ((r := status().get("rollout") or {}).get("phase") == "Preparing" and r) or None
@@ -1125,6 +1110,77 @@ def test_a_model_change_under_load_switches_once_and_never_mixes(
     assert summary["failures"] == [], summary
     order = [fingerprint for fingerprint, _ in summary["runs"]]
     assert order == [old, new], f"one switch, never back: {summary['runs']}"
+    cluster.kubectl("delete", "embeddingservice", name, "-n", namespace, "--wait=false")
+
+
+# -- (d4) strategy manual: both models served until the cut-over --------------------------------
+
+
+def test_manual_keeps_both_models_served_until_the_cut_over(
+    cluster: KubeClient, release: str, client_pod: ClientPod, namespace: str
+) -> None:
+    """strategy manual: after a model change the new model is ready beside the old one and
+    waits (Prepared): the Service still answers with the old model only, <name>-next with the
+    new one only, and nothing switches until spec.rollout.activeFingerprint names the new
+    fingerprint; then the Service answers with the new model."""
+    name = "manual"
+    spec = {
+        **minilm_named(f"manual-{namespace[-6:]}"),
+        "server": {"dtype": "float32"},
+        "rollout": {"strategy": "manual"},
+    }
+
+    def status() -> dict[str, Any]:
+        return service_status(cluster, namespace, name)
+
+    def fingerprints(job: str, service: str) -> list[str]:
+        seen: list[str] = ask(
+            cluster,
+            client_pod,
+            namespace,
+            job,
+            FINGERPRINTS_SCRIPT,
+            service_url(service, namespace),
+            "4",
+        )["fingerprints"]
+        return seen
+
+    with diagnostics(cluster, namespace, release):
+        deploy(cluster, namespace, name, spec)
+        old = poll_until(
+            lambda: status().get("contract", {}).get("fingerprint") or None,
+            timeout=120,
+            what="the first model's golden vectors",
+            interval=1.0,
+        )
+        patch_spec(cluster, namespace, name, {"embedding": {"pooling": "cls"}})
+        prepared = poll_until(
+            lambda: ((r := status().get("rollout") or {}).get("phase") == "Prepared" and r) or None,
+            timeout=2 * READY_TIMEOUT_S,
+            what="the new model ready beside the old one, waiting for the cut-over",
+            interval=1.0,
+        )
+        new = prepared["pendingFingerprint"]
+        assert new != old
+        assert fingerprints("manual-old", name) == [old] * 4
+        assert fingerprints("manual-new", f"{name}-next") == [new] * 4
+        assert status()["rollout"]["phase"] == "Prepared", "nothing switches by itself"
+
+        patch_spec(cluster, namespace, name, {"rollout": {"activeFingerprint": new[:8]}})
+        poll_until(
+            lambda: (
+                (
+                    (r := status().get("rollout") or {}).get("phase") == "Stable"
+                    and r.get("activeFingerprint") == new
+                )
+                or None
+            ),
+            timeout=2 * READY_TIMEOUT_S,
+            what="the cut-over to the new model",
+            interval=1.0,
+        )
+        after = fingerprints("manual-after", name)
+    assert after == [new] * 4, after
     cluster.kubectl("delete", "embeddingservice", name, "-n", namespace, "--wait=false")
 
 
