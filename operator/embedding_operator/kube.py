@@ -28,6 +28,7 @@ _PLURALS = {
     "PodDisruptionBudget": "poddisruptionbudgets",
     "PersistentVolumeClaim": "persistentvolumeclaims",
     "NetworkPolicy": "networkpolicies",
+    "ConfigMap": "configmaps",
     "Secret": "secrets",
     "EmbeddingService": "embeddingservices",
     "EmbeddingJob": "embeddingjobs",

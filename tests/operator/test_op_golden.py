@@ -257,7 +257,7 @@ def test_a_model_change_records_anew_from_a_pod_of_the_new_model() -> None:
         "state": "Pending",
     }
     assert "10.0.0.1" not in golden.asked
-    cluster.delete(ObjectRef("v1", "Pod", NS, "emb-old"))
+    del cluster.objects[ObjectRef("v1", "Pod", NS, "emb-old")]  # the kubelet's doing
     cluster.add(server_pod("emb-new", key=new_key, ip="10.0.0.2"))
     rec.reconcile(NS, "emb")
     data = cluster.objects[CONFIGMAP]["data"]

@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 from embedding_operator.builders.common import Owner, RenderInput
-from embedding_operator.kube import ApiError, ObjectRef, ref_of
+from embedding_operator.kube import ApiError, ObjectRef, ref_of, resource_path
 from embedding_operator.profiles import GpuProfiles
 from embedding_operator.spec import parse_spec
 
@@ -78,6 +78,7 @@ class FakeCluster:
 
     def get(self, ref: ObjectRef) -> dict[str, Any] | None:
         self.calls.append(("get", ref.kind))
+        resource_path(ref)  # a kind the real client has no path for fails here too
         obj = self.objects.get(ref)
         return copy.deepcopy(obj) if obj is not None else None
 
@@ -86,6 +87,7 @@ class FakeCluster:
         object's is refused (422, the uid is immutable), and without ``force`` fields another
         manager set to other values are a conflict (409)."""
         self.calls.append(("apply", manifest["kind"]))
+        resource_path(ref_of(manifest))  # a kind the real client has no path for fails here too
         ref = ref_of(manifest)
         live = self.objects.get(ref)
         if live is None:
@@ -110,6 +112,7 @@ class FakeCluster:
 
     def merge_patch(self, manifest: dict[str, Any]) -> dict[str, Any]:
         self.calls.append(("merge_patch", manifest["kind"]))
+        resource_path(ref_of(manifest))  # a kind the real client has no path for fails here too
         live = self.objects[ref_of(manifest)]
         uid = manifest["metadata"].get("uid")
         if uid is not None and uid != live["metadata"]["uid"]:
@@ -120,6 +123,7 @@ class FakeCluster:
 
     def delete(self, ref: ObjectRef, uid: str | None = None) -> None:
         self.calls.append(("delete", ref.kind))
+        resource_path(ref)  # a kind the real client has no path for fails here too
         live = self.objects.get(ref)
         if live is not None and uid is not None and live["metadata"].get("uid") != uid:
             raise ApiError(409, "Precondition failed: UID in precondition")
@@ -138,6 +142,7 @@ class FakeCluster:
 
     def patch_status(self, ref: ObjectRef, status: dict[str, Any]) -> dict[str, Any]:
         self.calls.append(("status", ref.kind))
+        resource_path(ref)  # a kind the real client has no path for fails here too
         obj = self.objects[ref]
         obj["status"] = _merge(obj.get("status") or {}, status)
         obj["metadata"]["resourceVersion"] = str(next(self._counter))
