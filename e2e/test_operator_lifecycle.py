@@ -293,9 +293,13 @@ def test_network_policy_follows_the_spec(
     wait_condition(cluster, namespace, "fenced", "Ready", "True")
     policy = get_json(cluster, "networkpolicy", "fenced", "-n", namespace)
     assert policy is not None
-    (rule,) = policy["spec"]["ingress"]
+    # Clients get the client port; the operator's namespace the probe port (golden vectors).
+    rule, operator_rule = policy["spec"]["ingress"]
     (peer,) = rule["from"]
     assert peer["namespaceSelector"]["matchExpressions"][0]["values"] == sorted(["apps", namespace])
+    assert operator_rule["ports"] == [{"protocol": "TCP", "port": 8001}]
+    (operator_peer,) = operator_rule["from"]
+    assert len(operator_peer["namespaceSelector"]["matchExpressions"][0]["values"]) == 1
     deployment = _deployment(cluster, namespace, "fenced")
     assert policy["spec"]["podSelector"] == deployment["spec"]["selector"]
     container = deployment["spec"]["template"]["spec"]["containers"][0]
