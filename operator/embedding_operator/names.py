@@ -63,6 +63,22 @@ def claimed_names(resource: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(names)
 
 
+def written_names(resource: Mapping[str, Any]) -> frozenset[str]:
+    """The names the CR's author wrote (``spec.servedModelName``, ``spec.servedModelAliases``,
+    the aliases annotation), as opposed to those every service of a model answers to (the
+    model's name and its last path component): only a written name that another service owns
+    is reported as refused. Two teams serving one model share its default names; the gateway
+    routes those to the older service, and neither is told it did wrong."""
+    spec = resource.get("spec") or {}
+    annotations = (resource.get("metadata") or {}).get("annotations") or {}
+    candidates = [
+        spec.get("servedModelName"),
+        *(spec.get("servedModelAliases") or []),
+        *str(annotations.get(ALIASES_ANNOTATION, "")).split(","),
+    ]
+    return frozenset(str(c).strip() for c in candidates if c and str(c).strip())
+
+
 class ReservedNames:
     """Model names that only some namespaces may claim: ``PATTERN=NAMESPACE|NAMESPACE``
     items (shell patterns); the first pattern that matches a name decides, and a name no
@@ -108,6 +124,7 @@ class NameClaims:
         self.reserved = reserved or ReservedNames()
         self._lock = threading.Lock()
         self._claims: dict[Key, tuple[tuple[str, ...], str]] = {}
+        self._written: dict[Key, frozenset[str]] = {}
         self._by_name: dict[str, set[Key]] = {}
 
     def update(self, namespace: str, name: str, body: Mapping[str, Any] | None) -> set[Key]:
@@ -119,10 +136,12 @@ class NameClaims:
             before = self._claims.get(key, ((), ""))[0]
             if body is None:
                 self._claims.pop(key, None)
+                self._written.pop(key, None)
                 after: tuple[str, ...] = ()
             else:
                 after = claimed_names(body)
                 self._claims[key] = (after, _created(body))
+                self._written[key] = written_names(body)
             for gone in set(before) - set(after):
                 claimants = self._by_name.get(gone, set())
                 claimants.discard(key)
@@ -141,6 +160,7 @@ class NameClaims:
         """The names the object claims and does not own, in its names' order."""
         key = (namespace, name)
         with self._lock:
-            names = self._claims.get(key, ((), ""))[0]
+            written = self._written.get(key, frozenset())
+            names = [n for n in self._claims.get(key, ((), ""))[0] if n in written]
             owners = {n: self._owner(n) for n in names}
         return tuple(Refusal(n, owner) for n, owner in owners.items() if owner != key)

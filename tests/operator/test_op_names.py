@@ -189,3 +189,18 @@ def test_the_operator_and_the_gateway_decide_alike() -> None:
             refused = {r.name for r in claims.refused(*key)}
             lost = {n for n in model_names(b) if gateway.get(n) != key}
             assert refused == lost, (key, order)
+
+
+def test_two_teams_serving_one_model_share_its_default_names_without_a_refusal() -> None:
+    """Every service of a model answers to the model's name and its last path component;
+    only a name the CR's author wrote (servedModelName, servedModelAliases) is refused when an
+    older service holds it (the real node's e2e found every later MiniLM refused)."""
+    first = service("team-a", "minilm", "2026-01-01T00:00:00Z", served="minilm-a")
+    second = service("team-b", "minilm", "2026-06-01T00:00:00Z", served="minilm-b")
+    claims = claims_of(first, second)
+    assert "minilm-model" in claimed_names(second), "the default name is still routed"
+    assert claims.refused("team-b", "minilm") == ()
+    # A written name is another matter.
+    taker = service("team-c", "minilm", "2026-07-01T00:00:00Z", served="minilm-a")
+    claims.update("team-c", "minilm", taker)
+    assert [r.name for r in claims.refused("team-c", "minilm")] == ["minilm-a"]
