@@ -17,6 +17,7 @@ from tests.support.operator import (
     FakeCluster,
     FakeGolden,
     golden_answer,
+    rolled_out,
     server_pod,
 )
 
@@ -35,21 +36,6 @@ NEXT_SERVICE = ObjectRef("v1", "Service", NS, "emb-next")
 class Events:
     def __call__(self, body: dict[str, Any], *, type: str, reason: str, message: str) -> None:
         pass
-
-
-def _rolled_out(cluster: FakeCluster, ref: ObjectRef, ready: int | None = None) -> None:
-    dep = cluster.objects[ref]
-    want = dep["spec"].get("replicas", 1)
-    ready = want if ready is None else ready
-    dep["metadata"]["resourceVersion"] += "+status"
-    dep["status"] = {
-        "observedGeneration": dep["metadata"]["generation"],
-        "replicas": want,
-        "updatedReplicas": want,
-        "readyReplicas": ready,
-        "availableReplicas": ready,
-        "conditions": [{"type": "Available", "status": "True" if ready else "False"}],
-    }
 
 
 def _key_of(cluster: FakeCluster, ref: ObjectRef) -> str:
@@ -89,7 +75,7 @@ def _serving(spec: dict[str, Any]) -> tuple[FakeCluster, Reconciler, FakeGolden]
         golden_fetch=golden,
     )
     rec.reconcile(NS, "emb")
-    _rolled_out(cluster, MAIN)
+    rolled_out(cluster, MAIN)
     cluster.add(server_pod("emb-a", key=key, ip="10.0.0.1"))
     rec.reconcile(NS, "emb")
     assert _status(cluster)["contract"]["state"] == "Recorded"
@@ -133,7 +119,7 @@ def test_a_model_change_serves_one_model_at_every_step() -> None:
     assert _condition(cluster, "Ready")["status"] == "True", "the old model still serves"
 
     # 2. Its replicas are ready, but nothing is switched before its golden vectors are taken.
-    _rolled_out(cluster, NEXT)
+    rolled_out(cluster, NEXT)
     golden.answers["10.0.0.2"] = golden_answer("2ew2ew2ew2ew2ew2")
     rec.reconcile(NS, "emb")  # records from the new model's first ready pod (none yet)
     assert _pin(cluster) == OLD_KEY
@@ -158,7 +144,7 @@ def test_a_model_change_serves_one_model_at_every_step() -> None:
     assert _status(cluster)["rollout"]["phase"] == "Switching"
 
     # 4. <name> rolled out on the new model: <name>-next goes, and all is stable.
-    _rolled_out(cluster, MAIN)
+    rolled_out(cluster, MAIN)
     rec.reconcile(NS, "emb")
     assert NEXT not in cluster.objects and NEXT_SERVICE not in cluster.objects
     rollout = _status(cluster)["rollout"]
@@ -209,7 +195,7 @@ def test_an_operator_restarted_midway_carries_on_from_what_the_cluster_shows() -
     cluster, rec, golden = _serving(OLD)
     _edit(cluster, NEW)
     rec.reconcile(NS, "emb")
-    _rolled_out(cluster, NEXT)
+    rolled_out(cluster, NEXT)
     golden.answers["10.0.0.2"] = golden_answer("2ew2ew2ew2ew2ew2")
     cluster.add(server_pod("emb-next-a", key=NEW_KEY, ip="10.0.0.2"))
     fresh = Reconciler(
@@ -237,7 +223,7 @@ def test_a_service_from_before_the_pin_rolls_in_place_once_then_pins() -> None:
     assert _key_of(cluster, MAIN) == NEW_KEY
     assert _pin(cluster) is None
     assert "predate the contract label" in _status(cluster)["rollout"]["message"]
-    _rolled_out(cluster, MAIN)
+    rolled_out(cluster, MAIN)
     rec.reconcile(NS, "emb")
     assert _pin(cluster) == NEW_KEY
 
@@ -280,7 +266,7 @@ def test_manual_keeps_both_models_until_the_new_fingerprint_is_set_active() -> N
     cluster, rec, golden = _serving(manual)
     _edit(cluster, {**NEW, "rollout": {"strategy": "manual"}})
     rec.reconcile(NS, "emb")
-    _rolled_out(cluster, NEXT)
+    rolled_out(cluster, NEXT)
     golden.answers["10.0.0.2"] = golden_answer("2ee2ee2ee2ee2ee2")
     cluster.add(server_pod("emb-next-a", key=NEW_KEY, ip="10.0.0.2"))
     rec.reconcile(NS, "emb")
@@ -305,7 +291,7 @@ def test_manual_keeps_both_models_until_the_new_fingerprint_is_set_active() -> N
     _edit(cluster, {**NEW, "rollout": {"strategy": "manual", "activeFingerprint": "2ee2ee2e"}})
     rec.reconcile(NS, "emb")
     assert _pin(cluster) == NEW_KEY and _key_of(cluster, MAIN) == NEW_KEY
-    _rolled_out(cluster, MAIN)
+    rolled_out(cluster, MAIN)
     rec.reconcile(NS, "emb")
     assert NEXT not in cluster.objects and NEXT_SERVICE not in cluster.objects
     assert _status(cluster)["rollout"]["phase"] == "Stable"
@@ -340,12 +326,12 @@ def test_with_golden_vectors_disabled_the_switch_waits_on_readiness_alone() -> N
         golden_fetch=FakeGolden(),
     )
     rec.reconcile(NS, "emb")
-    _rolled_out(cluster, MAIN)
+    rolled_out(cluster, MAIN)
     rec.reconcile(NS, "emb")
     _edit(cluster, {**NEW, **off})
     rec.reconcile(NS, "emb")
     assert _pin(cluster) == OLD_KEY and NEXT in cluster.objects
-    _rolled_out(cluster, NEXT)
+    rolled_out(cluster, NEXT)
     rec.reconcile(NS, "emb")
     assert _pin(cluster) == NEW_KEY
 
@@ -358,7 +344,7 @@ def test_the_hpa_cannot_scale_the_running_model_down_while_the_new_one_prepares(
     cluster, rec, _ = _serving(old)
     hpa = ObjectRef("autoscaling/v2", "HorizontalPodAutoscaler", NS, "emb")
     cluster.objects[MAIN]["spec"]["replicas"] = 3  # where the HPA had it
-    _rolled_out(cluster, MAIN)
+    rolled_out(cluster, MAIN)
     rec.reconcile(NS, "emb")
     assert cluster.objects[hpa]["spec"]["minReplicas"] == 1
     _edit(cluster, new)

@@ -24,12 +24,14 @@ from tests.support.operator import (
     golden_answer,
     golden_record,
     render_input,
+    rolled_out,
     server_pod,
 )
 
 NS = "team"
 MODEL: dict[str, Any] = {"model": {"name": "sentence-transformers/all-MiniLM-L6-v2"}}
 CONFIGMAP = ObjectRef("v1", "ConfigMap", NS, "emb-golden")
+DEPLOYMENT = ObjectRef("apps/v1", "Deployment", NS, "emb")
 
 
 class Events:
@@ -59,19 +61,6 @@ def _reconciler(cluster: FakeCluster, golden: FakeGolden, events: Events) -> Rec
         recorder=events,
         golden_fetch=golden,
     )
-
-
-def _rolled_out(cluster: FakeCluster, ready: int = 1, replicas: int = 1) -> None:
-    dep = cluster.objects[ObjectRef("apps/v1", "Deployment", NS, "emb")]
-    dep["metadata"]["resourceVersion"] += "+status"
-    dep["status"] = {
-        "observedGeneration": dep["metadata"]["generation"],
-        "replicas": replicas,
-        "updatedReplicas": replicas,
-        "readyReplicas": ready,
-        "availableReplicas": ready,
-        "conditions": [{"type": "Available", "status": "True" if ready else "False"}],
-    }
 
 
 def _status(cluster: FakeCluster) -> dict[str, Any]:
@@ -167,7 +156,7 @@ def test_the_first_ready_pod_is_recorded_once_and_named_in_the_status() -> None:
     assert _status(cluster)["contract"]["state"] == "Pending"
     assert CONFIGMAP not in cluster.objects
 
-    _rolled_out(cluster)
+    rolled_out(cluster, DEPLOYMENT)
     cluster.add(server_pod("emb-1", key=key, ip="10.0.0.7", node="gpu-a"))
     rec.reconcile(NS, "emb")
     configmap = cluster.objects[CONFIGMAP]
@@ -212,7 +201,7 @@ def test_a_pod_whose_vectors_changed_is_named_with_its_node_cosine_and_inputs() 
     cluster.add(golden_record(key, golden_answer("feedfacecafebeef")))
     cluster.add(server_pod("emb-old", key=key, ip="10.0.0.7"))
     cluster.add(server_pod("emb-new", key=key, ip="10.0.0.9", ready=False, node="cpu-b"))
-    _rolled_out(cluster, ready=1, replicas=2)
+    rolled_out(cluster, DEPLOYMENT, ready=1)
     outcome = rec.reconcile(NS, "emb")
 
     assert outcome is not None and outcome.retry, "asked again: the pod may be replaced"
@@ -249,7 +238,7 @@ def test_a_model_change_records_anew_from_a_pod_of_the_new_model() -> None:
     rec.reconcile(NS, "emb")
     # Only the old model's pod is ready: nothing is recorded from it for the new model.
     cluster.add(server_pod("emb-old", key=old_key, ip="10.0.0.1"))
-    _rolled_out(cluster)
+    rolled_out(cluster, DEPLOYMENT)
     rec.reconcile(NS, "emb")
     assert _status(cluster)["contract"] == {
         **_status(cluster)["contract"],
@@ -275,7 +264,7 @@ def test_a_configmap_of_that_name_it_does_not_own_is_never_written() -> None:
     golden = FakeGolden({"10.0.0.1": golden_answer()})
     rec = _reconciler(cluster, golden, events)
     rec.reconcile(NS, "emb")
-    _rolled_out(cluster)
+    rolled_out(cluster, DEPLOYMENT)
     cluster.add(server_pod("emb-1", key=key, ip="10.0.0.1"))
     rec.reconcile(NS, "emb")
     assert cluster.objects[CONFIGMAP]["data"] == theirs["data"]
@@ -294,7 +283,7 @@ def test_a_task_without_embeddings_is_said_unsupported_and_nothing_is_written() 
     answer.pop("vectors")
     rec = _reconciler(cluster, FakeGolden({"10.0.0.1": answer}), events)
     rec.reconcile(NS, "emb")
-    _rolled_out(cluster)
+    rolled_out(cluster, DEPLOYMENT)
     cluster.add(server_pod("emb-1", key=key, ip="10.0.0.1"))
     rec.reconcile(NS, "emb")
     assert CONFIGMAP not in cluster.objects
@@ -309,7 +298,7 @@ def test_a_ready_pod_that_cannot_be_read_leaves_the_record_pending_and_comes_bac
     key = contract_key(parse_spec(MODEL))
     rec = _reconciler(cluster, FakeGolden(), events)
     rec.reconcile(NS, "emb")
-    _rolled_out(cluster)
+    rolled_out(cluster, DEPLOYMENT)
     cluster.add(server_pod("emb-1", key=key, ip="10.0.0.1"))
     outcome = rec.reconcile(NS, "emb")
     assert outcome is not None and outcome.requeue_after is not None
@@ -401,7 +390,7 @@ def test_a_pod_still_comparing_is_asked_again_soon_without_a_problem() -> None:
     cluster.add(golden_record(key, golden_answer("feedfacecafebeef")))
     cluster.add(server_pod("emb-old", key=key, ip="10.0.0.7"))
     cluster.add(server_pod("emb-new", key=key, ip="10.0.0.9", ready=False))
-    _rolled_out(cluster, ready=1, replicas=2)
+    rolled_out(cluster, DEPLOYMENT, ready=1)
     outcome = rec.reconcile(NS, "emb")
     assert outcome is not None and outcome.problem is None
     assert outcome.requeue_after == 10.0
@@ -420,7 +409,7 @@ def test_disabled_records_and_checks_nothing_and_asks_no_pod() -> None:
     golden = FakeGolden({"10.0.0.1": golden_answer()})
     rec = _reconciler(cluster, golden, events)
     rec.reconcile(NS, "emb")
-    _rolled_out(cluster)
+    rolled_out(cluster, DEPLOYMENT)
     cluster.add(server_pod("emb-1", key=contract_key(parse_spec(spec)), ip="10.0.0.1"))
     outcome = rec.reconcile(NS, "emb")
     assert outcome is not None and outcome.requeue_after is None
@@ -434,7 +423,7 @@ def test_an_unreachable_probe_port_is_asked_again_less_and_less_often() -> None:
     _service(cluster, MODEL)
     rec = _reconciler(cluster, FakeGolden(), events)
     rec.reconcile(NS, "emb")
-    _rolled_out(cluster)
+    rolled_out(cluster, DEPLOYMENT)
     cluster.add(server_pod("emb-1", key=contract_key(parse_spec(MODEL)), ip="10.0.0.1"))
     delays = []
     for _ in range(5):

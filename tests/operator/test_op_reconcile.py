@@ -18,6 +18,7 @@ from tests.support.operator import (
     FakeGolden,
     golden_answer,
     golden_record,
+    rolled_out,
     server_pod,
 )
 
@@ -87,18 +88,7 @@ def conditions(cluster: FakeCluster) -> dict[str, dict[str, Any]]:
 
 def mark_rolled_out(cluster: FakeCluster, ready: int | None = None) -> None:
     """What kube-controller-manager does once pods are ready."""
-    dep = cluster.objects[dep_ref()]
-    want = dep["spec"].get("replicas", 1)
-    ready = want if ready is None else ready
-    dep["metadata"]["resourceVersion"] += "+status"
-    dep["status"] = {
-        "observedGeneration": dep["metadata"]["generation"],
-        "replicas": want,
-        "updatedReplicas": want,
-        "readyReplicas": ready,
-        "availableReplicas": ready,
-        "conditions": [{"type": "Available", "status": "True" if ready else "False"}],
-    }
+    rolled_out(cluster, dep_ref(), ready)
 
 
 MODEL = {"model": {"name": "BAAI/bge-small-en-v1.5"}, "gpu": {"type": "h100"}}

@@ -273,3 +273,20 @@ def golden_record(
         },
         "data": {f"{key}.json": json.dumps(record)},
     }
+
+
+def rolled_out(cluster: FakeCluster, ref: ObjectRef, ready: int | None = None) -> None:
+    """What kube-controller-manager does once a Deployment's pods are ready: its status says
+    every replica of its spec runs the current template, ``ready`` of them ready (all)."""
+    dep = cluster.objects[ref]
+    want = dep["spec"].get("replicas", 1)
+    ready = want if ready is None else ready
+    dep["metadata"]["resourceVersion"] += "+status"
+    dep["status"] = {
+        "observedGeneration": dep["metadata"]["generation"],
+        "replicas": want,
+        "updatedReplicas": want,
+        "readyReplicas": ready,
+        "availableReplicas": ready,
+        "conditions": [{"type": "Available", "status": "True" if ready else "False"}],
+    }
