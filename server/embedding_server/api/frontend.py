@@ -30,6 +30,12 @@ logger = logging.getLogger(__name__)
 PARENT_CHECK_S = 0.5
 """How often a front-end checks that the engine process, its parent, is still there."""
 
+ORPHAN_GRACE_S = 10.0
+"""How long a front-end whose engine process is gone gives its own orderly exit before it
+ends itself: losing the engine connection already failed every waiting request with 503
+``engine_failed`` and asked the server to stop, and on a loaded machine writing those answers
+took longer than one :data:`PARENT_CHECK_S` (the client saw a dropped connection instead)."""
+
 
 def engine_address(shared_dir: str) -> str:
     """The engine process's socket in ``shared_dir``."""
@@ -78,6 +84,9 @@ def _exit_with_parent(parent: int, shared_dir: str) -> None:
     while os.getppid() == parent:
         time.sleep(PARENT_CHECK_S)
     logger.error("the engine process (pid %d) is gone; exiting", parent)
+    # The orderly exit (run_frontend's return) usually wins: it answers what is in flight.
+    time.sleep(ORPHAN_GRACE_S)
+    logger.error("the front-end did not stop within %gs of its engine; ending it", ORPHAN_GRACE_S)
     _clean_up_after(parent, shared_dir)
     with contextlib.suppress(Exception):
         logging.shutdown()
