@@ -51,6 +51,27 @@ actually serves is out of reach at that size."""
 
 _FINGERPRINT = re.compile(rf"[0-9a-f]{{{LENGTH}}}")
 
+VERSION_MARK = "@"
+"""What joins a model name and a fingerprint in a versioned name (``bge-small@3f2a9c01``)."""
+
+_PINNED = re.compile(rf"(?P<name>.+){VERSION_MARK}(?P<prefix>[0-9a-fA-F]{{{MIN_PREFIX},{LENGTH}}})")
+
+
+def versioned_name(name: str, fingerprint: str) -> str:
+    """The name of ``name``'s version with ``fingerprint``: what the gateway routes to that
+    version only, and what a server with that fingerprint accepts as ``name``."""
+    return f"{name}{VERSION_MARK}{fingerprint}"
+
+
+def pinned_name(model: str) -> tuple[str, str] | None:
+    """``(name, prefix)`` when ``model`` is a versioned name, ``<name>@<fingerprint>`` or
+    ``<name>@<prefix of at least MIN_PREFIX hex digits>`` (the prefix in lowercase); None for
+    any other name (one with no ``@``, or whose ``@`` is followed by something else)."""
+    match = _PINNED.fullmatch(model)
+    if match is None:
+        return None
+    return match["name"], match["prefix"].lower()
+
 
 def canonical(inputs: Mapping[str, Any]) -> bytes:
     """``inputs`` as canonical JSON bytes: sorted keys, no whitespace, UTF-8."""

@@ -18,7 +18,13 @@ from starlette.responses import Response
 from embedding_server.api.disconnect import cancel_on_disconnect
 from embedding_server.api.encoding import JSON_FLOAT_BYTES
 from embedding_server.api.lifecycle import Lifecycle, lifecycle_of
-from embedding_server.errors import InvalidRequestError, ModelNotFoundError, OutputTooLargeError
+from embedding_server.errors import (
+    FingerprintMismatchError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    OutputTooLargeError,
+)
+from embedding_server.fingerprint import VERSION_MARK, pinned_name
 from embedding_server.request.serving import ServingEngine
 
 T = TypeVar("T")
@@ -26,15 +32,41 @@ T = TypeVar("T")
 
 def engine_for(request: Request, model: str | None) -> tuple[ServingEngine, Lifecycle]:
     """The ready engine for a request naming ``model`` (404 for another model, 503 if not
-    loaded yet)."""
+    loaded yet).
+
+    A versioned name, one of the model's names with ``@`` and its fingerprint or a prefix of
+    it (``bge-small@3f2a9c01``, what the gateway lists for each version during a model
+    change), is accepted by the server with that fingerprint only: any other answers 409
+    ``fingerprint_mismatch`` before any work, so a request pinned to a version is never
+    answered by another, even through a stale route. A name the server was given literally
+    (an alias with an ``@``) is that name first."""
     lifecycle = lifecycle_of(request)
-    if model is not None and model not in lifecycle.accepted_model_names:
+    if model is None or model in lifecycle.accepted_model_names:
+        return lifecycle.require_engine(), lifecycle
+    pinned = pinned_name(model)
+    if pinned is None or pinned[0] not in lifecycle.accepted_model_names:
         raise ModelNotFoundError(
-            f"The model '{model}' does not exist; this server serves "
-            f"'{lifecycle.served_model_name}'.",
+            f"The model {_shown(model)} does not exist; this server serves "
+            f"'{lifecycle.served_model_name}' (or '{lifecycle.served_model_name}"
+            f"{VERSION_MARK}<fingerprint>').",
             param="model",
         )
-    return lifecycle.require_engine(), lifecycle
+    engine = lifecycle.require_engine()
+    ours = engine.info().fingerprint
+    if not ours.startswith(pinned[1]):
+        raise FingerprintMismatchError(
+            f"The model {_shown(model)} names the version with embedding fingerprint "
+            f"{pinned[1]}; this server's is {ours}: its vectors come from another computation, "
+            "so the request was not run. The gateway lists the versions being served in "
+            "/v1/models.",
+            param="model",
+        )
+    return engine, lifecycle
+
+
+def _shown(model: str) -> str:
+    """``model`` quoted for an error message, cut to 200 characters."""
+    return repr(model if len(model) <= 200 else model[:200] + "...")
 
 
 class NamesModel(Protocol):

@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import openai
 import pytest
 from embedding_server.fingerprint import EXPECT_HEADER, HEADER
 from embedding_server.request.golden import PROBE_SET, PROBES, cosine, decode_vector
@@ -317,6 +318,48 @@ def test_another_expected_fingerprint_is_a_409_before_any_work(
             f32.url + path, json=body, headers={EXPECT_HEADER: expected}, timeout=60
         )
         assert served.status_code == 200, served.text
+
+
+PINNED_ROUTES = [r for r in ROUTES if r[0] != "/tokenize"]
+
+
+@pytest.mark.parametrize(("path", "body"), PINNED_ROUTES, ids=[p for p, _ in PINNED_ROUTES])
+def test_a_versioned_model_name_is_served_by_that_version_only(
+    f32: RunningServer, f32_golden: dict[str, Any], path: str, body: dict[str, Any]
+) -> None:
+    """``<model>@<fingerprint>`` (what the gateway lists for each version during a model
+    change) is served when the fingerprint, or a prefix of 8 or more of its digits, is the
+    server's, and is a 409 before any work when it is another's."""
+    ours = f32_golden["fingerprint"]
+    name = httpx.get(f32.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    for pinned in (f"{name}@{ours}", f"{name}@{ours[:8]}", f"{name}@{ours.upper()}"):
+        served = httpx.post(f32.url + path, json={**body, "model": pinned}, timeout=60)
+        assert served.status_code == 200, served.text
+        assert served.headers[HEADER] == ours
+    other = "0123456789abcdef" if not ours.startswith("01234567") else "fedcba9876543210"
+    tokens = f32.value("embedding_server_input_tokens_total")
+    refused = httpx.post(f32.url + path, json={**body, "model": f"{name}@{other}"}, timeout=30)
+    assert refused.status_code == 409, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "fingerprint_mismatch" and error["param"] == "model"
+    assert ours in error["message"] and other in error["message"]
+    assert f32.value("embedding_server_input_tokens_total") == tokens  # nothing was run
+
+
+def test_the_openai_client_gets_a_versioned_names_vectors(
+    f32: RunningServer, f32_golden: dict[str, Any]
+) -> None:
+    client = openai.OpenAI(base_url=f32.url + "/v1", api_key="unused", max_retries=0)
+    name = client.models.list().data[0].id
+    plain = client.embeddings.create(model=name, input=DOCS)
+    pinned = client.embeddings.create(model=f"{name}@{f32_golden['fingerprint'][:10]}", input=DOCS)
+    for a, b in zip(plain.data, pinned.data, strict=True):
+        assert np.allclose(a.embedding, b.embedding, atol=1e-6)
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.embeddings.create(model=f"someone-else@{f32_golden['fingerprint']}", input=DOCS)
+    assert missing.value.body["code"] == "model_not_found"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError):  # too short a prefix is no version: a name
+        client.embeddings.create(model=f"{name}@{f32_golden['fingerprint'][:7]}", input=DOCS)
 
 
 @pytest.mark.parametrize("value", ["0123456", "not-a-fingerprint", "0123456789abcdef0"])
