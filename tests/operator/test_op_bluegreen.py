@@ -4,9 +4,10 @@ reconciler against an in-memory API (issue 47, item 3)."""
 from __future__ import annotations
 
 import json
+import typing
 from typing import Any
 
-from embedding_operator.bluegreen import Facts, decide
+from embedding_operator.bluegreen import Facts, Phase, decide
 from embedding_operator.builders.golden import CONTRACT_LABEL, contract_key
 from embedding_operator.kube import ObjectRef
 from embedding_operator.profiles import GpuProfiles
@@ -295,6 +296,77 @@ def test_manual_keeps_both_models_until_the_new_fingerprint_is_set_active() -> N
     rec.reconcile(NS, "emb")
     assert NEXT not in cluster.objects and NEXT_SERVICE not in cluster.objects
     assert _status(cluster)["rollout"]["phase"] == "Stable"
+
+
+def _slice_of(service: dict[str, Any], address: str) -> dict[str, Any]:
+    """The EndpointSlice Kubernetes' endpoint-slice controller writes for ``service`` (one
+    ready pod at ``address``)."""
+    name = service["metadata"]["name"]
+    return {
+        "metadata": {
+            "namespace": NS,
+            "name": f"{name}-abc12",
+            "labels": {
+                "kubernetes.io/service-name": name,
+                "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io",
+            },
+            "ownerReferences": [
+                {"apiVersion": "v1", "kind": "Service", "name": name, "controller": True}
+            ],
+        },
+        "addressType": "IPv4",
+        "ports": [{"name": "http", "port": 8000}],
+        "endpoints": [{"addresses": [address], "targetRef": {"kind": "Pod", "name": "p"}}],
+    }
+
+
+def test_the_gateway_routes_each_version_the_operator_reports_to_its_own_service() -> None:
+    """Contract (the operator's image has no server package, so the gateway reads the
+    status by its own code): during a manual change the gateway, fed the EmbeddingService
+    and the slices of the Services the operator made, routes ``<name>@<active>`` to the
+    Service ``<name>`` and ``<name>@<pending>`` to ``<name>-next``; after the cut-over only the
+    new version is left, on ``<name>``."""
+    from embedding_operator.builders.deployment import NEXT_SERVICE_SUFFIX
+    from embedding_server.gateway.kubernetes import NEXT_SERVICE_SUFFIX as GATEWAY_SUFFIX
+    from embedding_server.gateway.kubernetes import PREPARING_PHASES, ClusterState
+
+    assert GATEWAY_SUFFIX == NEXT_SERVICE_SUFFIX
+    # The phases in which <name>-next serves a model the Service does not.
+    assert set(typing.get_args(Phase)) - {"Stable", "Switching"} == PREPARING_PHASES
+    old, new = "01d01d01d01d01d0", "fedcba9876543210"
+    manual = {**OLD, "rollout": {"strategy": "manual"}}
+    cluster, rec, golden = _serving(manual)
+    _edit(cluster, {**NEW, "rollout": {"strategy": "manual"}})
+    rec.reconcile(NS, "emb")
+    rolled_out(cluster, NEXT)
+    golden.answers["10.0.0.2"] = golden_answer(new)
+    cluster.add(server_pod("emb-next-a", key=NEW_KEY, ip="10.0.0.2"))
+    rec.reconcile(NS, "emb")
+    rec.reconcile(NS, "emb")
+    assert _status(cluster)["rollout"]["phase"] == "Prepared"
+
+    def routes() -> dict[str, frozenset[str]]:
+        state = ClusterState()
+        state.apply("EmbeddingService", "SYNC", [cluster.objects[owner_ref(NS, "emb")]])
+        services = [SERVICE, NEXT_SERVICE] if NEXT_SERVICE in cluster.objects else [SERVICE]
+        slices = [
+            _slice_of(cluster.objects[ref], address)
+            for ref, address in zip(services, ("10.0.0.1", "10.0.0.2"), strict=False)
+        ]
+        state.apply("EndpointSlice", "SYNC", slices)
+        return {s.name: s.endpoints for s in state.catalog()}
+
+    main, upcoming = frozenset({"http://10.0.0.1:8000"}), frozenset({"http://10.0.0.2:8000"})
+    assert routes() == {
+        "all-MiniLM-L6-v2": main,
+        f"all-MiniLM-L6-v2@{old}": main,
+        f"all-MiniLM-L6-v2@{new}": upcoming,
+    }
+    _edit(cluster, {**NEW, "rollout": {"strategy": "manual", "activeFingerprint": new[:8]}})
+    rec.reconcile(NS, "emb")
+    rolled_out(cluster, MAIN)
+    rec.reconcile(NS, "emb")
+    assert routes() == {"all-MiniLM-L6-v2": main, f"all-MiniLM-L6-v2@{new}": main}
 
 
 def test_active_fingerprint_needs_manual() -> None:

@@ -16,12 +16,15 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 from urllib.parse import urlsplit
 
 import yaml
 
 logger = logging.getLogger(__name__)
+
+
+Version = Literal["active", "pending"]
 
 
 class DiscoveryError(ValueError):
@@ -40,6 +43,15 @@ class Service:
     names: tuple[str, ...]
     endpoints: frozenset[str] = field(default_factory=frozenset)
     listed: bool = True
+    version: Version | None = None
+    """Set on one version of a service during (or outside) a model change: ``active``, what
+    the service's own name routes to, or ``pending``, the model being prepared beside it.
+    Its names are the service's, each with ``@`` and :attr:`fingerprint`."""
+    fingerprint: str | None = None
+    """The embedding fingerprint of the version's pods (of the active model on the
+    service's own entry, where known)."""
+    parent: str | None = None
+    """A version's service: the :attr:`name` of the entry it is a version of."""
 
     @property
     def name(self) -> str:

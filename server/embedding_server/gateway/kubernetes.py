@@ -29,6 +29,12 @@ names, and the log says once which names it was refused. A name that
 namespaces it lists, whatever the age of the claim. The operator applies the same rule and
 reports a refused claim on the object (``NamesOwned`` False: ``operator/.../names.py``; the
 contract test keeps the two equal).
+
+Versions (issue 47, item 4): where the status reports the fingerprint of the model the Service
+routes to (``status.rollout.activeFingerprint``) and, while a model change prepares, of the
+one in ``<name>-next`` (``pendingFingerprint``), each is also an entry of its own under the
+versioned names ``<name>@<fingerprint>`` of every name the service owns: the active one on the
+Service's endpoints, the pending one on ``<name>-next``'s.
 """
 
 from __future__ import annotations
@@ -43,7 +49,8 @@ from typing import Any, Literal
 
 import orjson
 
-from embedding_server.gateway.discovery import Publish, Service
+from embedding_server.fingerprint import is_fingerprint, versioned_name
+from embedding_server.gateway.discovery import Publish, Service, Version
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +177,39 @@ class _Claim:
     names: tuple[str, ...]
     created: str
     keyed: bool = False
+    active: str | None = None
+    """The fingerprint the Service routes to (``status.rollout.activeFingerprint``)."""
+    pending: str | None = None
+    """The fingerprint being prepared in ``<name>-next`` (``pendingFingerprint``, while the
+    phase is Preparing or Prepared: in Switching the Service already routes to it)."""
+
+
+PREPARING_PHASES = frozenset({"Preparing", "Prepared"})
+"""``status.rollout.phase`` values in which ``<name>-next`` serves a model the Service does
+not (operator/embedding_operator/bluegreen.py)."""
+
+NEXT_SERVICE_SUFFIX = "-next"
+"""The operator's Service of the model being prepared is the EmbeddingService's name with
+this suffix (``builders/deployment.py``'s ``NEXT_SERVICE_SUFFIX``; the contract test keeps
+the two equal)."""
+
+
+def rollout_fingerprints(resource: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    """The active and pending fingerprints an EmbeddingService's status reports (None where
+    it reports none, or no fingerprint: the golden record is not taken yet, or the contract
+    is disabled)."""
+    rollout = (resource.get("status") or {}).get("rollout") or {}
+    active = rollout.get("activeFingerprint")
+    active = active if isinstance(active, str) and is_fingerprint(active) else None
+    pending = rollout.get("pendingFingerprint")
+    if (
+        not isinstance(pending, str)
+        or not is_fingerprint(pending)
+        or pending == active
+        or rollout.get("phase") not in PREPARING_PHASES
+    ):
+        pending = None
+    return active, pending
 
 
 def _created(resource: Mapping[str, Any]) -> str:
@@ -225,7 +265,10 @@ class ClusterState:
             names = model_names(payload)
             if names:
                 keyed = bool((payload.get("spec") or {}).get("apiKeySecretRef"))
-                self.models[_key(payload)] = _Claim(names, _created(payload), keyed)
+                active, pending = rollout_fingerprints(payload)
+                self.models[_key(payload)] = _Claim(
+                    names, _created(payload), keyed, active, pending
+                )
             else:
                 self.models.pop(_key(payload), None)
             annotations = (payload.get("metadata") or {}).get("annotations") or {}
@@ -261,17 +304,48 @@ class ClusterState:
             {key: (claim.names, claim.created) for key, claim in self.models.items()},
             self.reserved,
         )
-        services = []
+        services: list[Service] = []
         for key, claim in sorted(self.models.items()):
             owned = tuple(name for name in claim.names if owners.get(name) == key)
             for name in claim.names:
                 if owners.get(name) != key:
                     self._refuse(name, key, owners.get(name))
             if owned:
-                endpoints = frozenset(by_service.get(key, ()))
-                name = f"{key[0]}/{key[1]}"
-                services.append(Service(name, owned, endpoints, listed=not claim.keyed))
+                services.extend(self._entries(key, claim, owned, by_service))
         return services
+
+    @staticmethod
+    def _entries(
+        key: tuple[str, str],
+        claim: _Claim,
+        owned: tuple[str, ...],
+        by_service: Mapping[tuple[str, str], set[str]],
+    ) -> Iterator[Service]:
+        """An EmbeddingService's catalog entries: the service under its owned names (its
+        Service's endpoints), then each version whose fingerprint the status reports under
+        the versioned names (``name@fingerprint``): the active one on the same endpoints, the
+        pending one on ``<name>-next``'s. A version's names derive from names the service
+        owns, so they are its owner's too."""
+        base = f"{key[0]}/{key[1]}"
+        listed = not claim.keyed
+        yield Service(
+            base, owned, frozenset(by_service.get(key, ())), listed, fingerprint=claim.active
+        )
+        versions: list[tuple[Version, str | None, tuple[str, str]]] = [
+            ("active", claim.active, key),
+            ("pending", claim.pending, (key[0], key[1] + NEXT_SERVICE_SUFFIX)),
+        ]
+        for version, fingerprint, service in versions:
+            if fingerprint is not None:
+                yield Service(
+                    versioned_name(base, fingerprint),
+                    tuple(versioned_name(name, fingerprint) for name in owned),
+                    frozenset(by_service.get(service, ())),
+                    listed,
+                    version=version,
+                    fingerprint=fingerprint,
+                    parent=owned[0],
+                )
 
     def _refuse(self, name: str, key: tuple[str, str], owner: tuple[str, str] | None) -> None:
         """Log once that ``key``'s claim on ``name`` is ignored, and why."""

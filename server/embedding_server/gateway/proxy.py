@@ -38,6 +38,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from embedding_server.fingerprint import pinned_name, versioned_name
 from embedding_server.gateway.apikeys import BulkApiKeysFile
 from embedding_server.gateway.balancer import (
     Choose,
@@ -150,7 +151,8 @@ def error_response(
 
 
 class Catalog:
-    """The current services by key and by every name they answer to."""
+    """The current services by key and by every name they answer to, and the versions of
+    each name (``name@fingerprint``) where discovery knows them."""
 
     def __init__(self) -> None:
         self.services: dict[str, Service] = {}
@@ -158,9 +160,41 @@ class Catalog:
         self.loaded = False
         self._conflicts: set[tuple[str, str, str]] = set()
 
+    def find(self, model: str) -> Service | None:
+        """The entry that serves ``model``: the one of that name; for a versioned name
+        (``name@<fingerprint or a prefix of 8 or more of its digits>``), the version of
+        ``name`` whose fingerprint it gives, or else ``name``'s own entry, whose pods answer
+        409 ``fingerprint_mismatch`` unless they have that fingerprint (so a pinned request
+        is never answered by another version, however stale the catalog)."""
+        service = self.by_name.get(model)
+        if service is not None:
+            return service
+        pinned = pinned_name(model)
+        if pinned is None:
+            return None
+        name, prefix = pinned
+        for fingerprint in sorted(
+            {s.fingerprint or "" for s in self.services.values() if s.version}
+        ):
+            if fingerprint and fingerprint.startswith(prefix):
+                version = self.by_name.get(versioned_name(name, fingerprint))
+                if version is not None:
+                    return version
+        return self.by_name.get(name)
+
+    def routed(self, service: Service) -> list[str]:
+        """``service``'s names that route to it (not those another entry won)."""
+        return [name for name in service.names if self._owner(name) == service.key]
+
+    def _owner(self, name: str) -> str | None:
+        found = self.by_name.get(name)
+        return found.key if found is not None else None
+
     def replace(self, services: Sequence[Service]) -> None:
         by_name: dict[str, Service] = {}
-        for service in sorted(services, key=lambda s: s.key):
+        # Versions first: a version's names derive from names its service owns, so a name
+        # someone wrote that spells one (an alias ending in @ and hex digits) never takes it.
+        for service in sorted(services, key=lambda s: (s.version is None, s.key)):
             for name in service.names:
                 if name in by_name and by_name[name].key != service.key:
                     conflict = (name, by_name[name].key, service.key)
@@ -417,8 +451,13 @@ class Gateway:
                 "object": "model",
                 "created": 0,
                 "owned_by": "embedding-server",
-                "aliases": list(service.names[1:]),
+                "aliases": self.catalog.routed(service)[1:],
             }
+            if service.fingerprint is not None:
+                entry["fingerprint"] = service.fingerprint
+            if service.version is not None:
+                entry["parent"] = service.parent
+                entry["version"] = service.version
             if full:
                 entry["ready_endpoints"] = len(self.ready_endpoints(service))
             data.append(entry)
@@ -618,8 +657,9 @@ class Gateway:
                 code="invalid_json",
             )
         if model is None:
-            if len(self.catalog.services) == 1:
-                return next(iter(self.catalog.services.values())), None
+            services = [s for s in self.catalog.services.values() if s.version is None]
+            if len(services) == 1:
+                return services[0], None
             return None, error_response(
                 400,
                 f"'model' is required: this gateway serves several models{self._known()}.",
@@ -627,7 +667,7 @@ class Gateway:
                 code="missing_model",
                 param="model",
             )
-        service = self.catalog.by_name.get(model)
+        service = self.catalog.find(model)
         if service is None:
             return None, error_response(
                 404,
@@ -643,7 +683,7 @@ class Gateway:
         be told of (``--models-listing``); empty when it may be told of none."""
         if self.settings.models_listing == "none":
             return ""
-        names = sorted(name for service in self._visible() for name in service.names)
+        names = sorted(name for service in self._visible() for name in self.catalog.routed(service))
         shown = ", ".join(_echo(name) for name in names) if names else "none"
         return f". Known models: {shown}"
 

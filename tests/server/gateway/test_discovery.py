@@ -335,6 +335,65 @@ def test_a_service_whose_pods_need_an_api_key_is_routed_but_not_listed() -> None
     assert {s.key: s.listed for s in state.catalog()} == {"ns/a": True, "ns/k": False}
 
 
+def _changing(phase: str, active: str | None, pending: str | None) -> dict[str, Any]:
+    rollout: dict[str, Any] = {"strategy": "blueGreen", "phase": phase}
+    if active:
+        rollout["activeFingerprint"] = active
+    if pending:
+        rollout["pendingFingerprint"] = pending
+    resource = _service("a", {"model": {"name": "org/a"}, "servedModelAliases": ["short"]})
+    resource["status"] = {"rollout": rollout}
+    return resource
+
+
+def test_each_version_of_a_changing_model_is_an_entry_of_its_versioned_names() -> None:
+    """Issue 47, item 4: the status's fingerprints make versions: the active one on the
+    Service's pods and, while <name>-next prepares the new model, the pending one on
+    <name>-next's; in Switching the Service already routes to the new model, and a service
+    with no recorded fingerprint has no versions."""
+    old, new = "0123456789abcdef", "fedcba9876543210"
+    state = ClusterState()
+    state.apply("EmbeddingService", "SYNC", [_changing("Preparing", old, new)])
+    state.apply(
+        "EndpointSlice",
+        "SYNC",
+        [_slice("a-1", "a", ("10.0.0.1", True)), _slice("a-next-1", "a-next", ("10.0.0.2", True))],
+    )
+    main, nxt = frozenset({"http://10.0.0.1:8000"}), frozenset({"http://10.0.0.2:8000"})
+    names = ("a", "org/a", "short")
+    assert state.catalog() == [
+        Service("ns/a", names, main, fingerprint=old),
+        Service(
+            f"ns/a@{old}",
+            tuple(f"{n}@{old}" for n in names),
+            main,
+            version="active",
+            fingerprint=old,
+            parent="a",
+        ),
+        Service(
+            f"ns/a@{new}",
+            tuple(f"{n}@{new}" for n in names),
+            nxt,
+            version="pending",
+            fingerprint=new,
+            parent="a",
+        ),
+    ]
+    state.apply("EmbeddingService", "MODIFIED", _changing("Prepared", old, new))
+    assert [s.version for s in state.catalog()] == [None, "active", "pending"]
+    state.apply("EmbeddingService", "MODIFIED", _changing("Switching", new, new))
+    assert [(s.key, s.endpoints) for s in state.catalog()] == [
+        ("ns/a", main),
+        (f"ns/a@{new}", main),
+    ]
+    state.apply("EmbeddingService", "MODIFIED", _changing("Preparing", None, None))
+    assert [s.key for s in state.catalog()] == ["ns/a"]
+    malformed = _changing("Preparing", "not-a-fingerprint", "FEDCBA9876543210")
+    state.apply("EmbeddingService", "MODIFIED", malformed)
+    assert [s.key for s in state.catalog()] == ["ns/a"]
+
+
 class Replay:
     """A watch source that yields scripted events per kind, then blocks until stopped."""
 

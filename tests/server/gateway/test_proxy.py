@@ -201,6 +201,103 @@ async def test_the_listing_and_the_errors_name_only_what_every_caller_may_see(
     assert unknown["error"]["message"] == "The model 'x' does not exist here."
 
 
+OLD, NEW = "0123456789abcdef", "fedcba9876543210"
+
+
+def _versions(stubs: tuple[Stub, Stub], thief: Stub | None = None) -> list[Service]:
+    """Service "team/m" during a model change, as Kubernetes discovery publishes it: its own
+    names and the active version on the first stub, the pending version on the second; and
+    (``thief``) an older service that wrote the active version's name as an alias."""
+    old, new = stubs
+    services = [
+        Service("team/m", ("m", "m-alias"), frozenset({old.url}), fingerprint=OLD),
+        Service(
+            f"team/m@{OLD}",
+            (f"m@{OLD}", f"m-alias@{OLD}"),
+            frozenset({old.url}),
+            version="active",
+            fingerprint=OLD,
+            parent="m",
+        ),
+        Service(
+            f"team/m@{NEW}",
+            (f"m@{NEW}", f"m-alias@{NEW}"),
+            frozenset({new.url}),
+            version="pending",
+            fingerprint=NEW,
+            parent="m",
+        ),
+    ]
+    if thief is not None:
+        services.append(Service("a-thief/x", ("x", f"m@{NEW}"), frozenset({thief.url})))
+    return services
+
+
+async def test_a_versioned_name_reaches_that_version_only_and_the_listing_shows_both(
+    stubs: tuple[Stub, Stub],
+) -> None:
+    """Issue 47, item 4: during a model change ``m@<fingerprint>`` (or a prefix of 8 or more
+    of its digits) routes to that version's pods only, ``m`` to the active one's, and
+    /v1/models lists each version with its fingerprint and the name it is a version of. A
+    pinned name with a fingerprint no version has goes to the service's own pods, which answer
+    409 unless it is theirs."""
+    old, new = stubs
+    thief = await Stub("x").start()
+    try:
+        discovery = ListDiscovery(_versions(stubs, thief))
+        async with (
+            running_gateway(discovery) as (gateway, url),
+            httpx.AsyncClient(base_url=url) as client,
+        ):
+            await wait_until(lambda: _ready(gateway, f"m@{NEW}", 1), what="the pending version")
+            await wait_until(lambda: _ready(gateway, "x", 1), what="the thief's pod")
+            served = {}
+            for model in (
+                "m",
+                "m-alias",
+                f"m@{OLD}",
+                f"m-alias@{OLD[:8]}",
+                f"m@{NEW}",
+                f"m@{NEW[:8].upper()}",
+                "m@00000000",
+                "x",
+            ):
+                answer = await client.post("/v1/embeddings", json={"model": model, "input": "y"})
+                assert answer.status_code == 200, (model, answer.text)
+                served[model] = answer.json()["served_by"]
+            models = (await client.get("/v1/models")).json()["data"]
+            # With one service, its versions are no reason to ask for a name.
+            async with running_gateway(ListDiscovery(_versions(stubs))) as (one, one_url):
+                await wait_until(lambda: _ready(one, "m", 1), what="the active version")
+                async with httpx.AsyncClient(base_url=one_url) as only:
+                    unnamed = await only.post("/v1/embeddings", json={"input": "y"})
+    finally:
+        await thief.stop()
+    assert (
+        served
+        == {
+            "m": old.url,
+            "m-alias": old.url,
+            f"m@{OLD}": old.url,
+            f"m-alias@{OLD[:8]}": old.url,
+            f"m@{NEW}": new.url,  # the version's own name, not the thief's older alias
+            f"m@{NEW[:8].upper()}": new.url,
+            "m@00000000": old.url,  # no such version: the service's pods answer 409 themselves
+            "x": thief.url,
+        }
+    )
+    assert [
+        (m["id"], m["aliases"], m.get("fingerprint"), m.get("parent"), m.get("version"))
+        for m in models
+    ] == [
+        ("m", ["m-alias"], OLD, None, None),
+        (f"m@{OLD}", [f"m-alias@{OLD}"], OLD, "m", "active"),
+        (f"m@{NEW}", [f"m-alias@{NEW}"], NEW, "m", "pending"),
+        ("x", [], None, None, None),
+    ]
+    assert unnamed.status_code == 200 and unnamed.json()["served_by"] == old.url
+
+
 async def test_a_503_is_retried_once_on_another_pod(stubs: tuple[Stub, Stub]) -> None:
     draining, healthy = stubs
     draining.status = 503
