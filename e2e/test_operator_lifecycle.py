@@ -345,6 +345,12 @@ BAD = [
         "spec.server.maxRequestTokens",
         {"model": MODEL, "embedding": {"maxInputTokens": 512}, "server": {"maxRequestTokens": 8}},
     ),
+    # A name that spells a version of a model (name@fingerprint) is the gateway's to give.
+    ("spec.servedModelName", {"model": MODEL, "servedModelName": "bge@0123abcd"}),
+    (
+        "spec.servedModelAliases[1]",
+        {"model": MODEL, "servedModelAliases": ["fine", "bge@0123456789ABCDEF"]},
+    ),
     # int8 where the server would refuse it at start: a GPU, bfloat16, tensor parallelism.
     (
         "spec.server.quantization",

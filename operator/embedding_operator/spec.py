@@ -477,6 +477,17 @@ Its names are added to the field's (:func:`with_annotation_aliases`); the gatewa
 (``embedding_server/gateway/kubernetes.py`` names the same annotation)."""
 
 
+VERSIONED_NAME = re.compile(r"@[0-9A-Fa-f]{8,16}$")
+"""What a name may not end in: ``@`` and 8 to 16 hex digits spell a versioned name
+(``name@fingerprint``), which the gateway gives each version of a model (the CRD's CEL rule
+on servedModelName and on each alias, with the same words)."""
+
+VERSIONED_NAME_PROBLEM = (
+    "must not end in @ and 8 to 16 hex digits: that spells a versioned name "
+    "(name@fingerprint), which the gateway gives each version of a model"
+)
+
+
 def model_name_problem(name: str) -> str | None:
     """Why ``name`` cannot be a model alias, or None."""
     if len(name) > 256 or not MODEL_NAME_PATTERN.match(name):
@@ -484,6 +495,8 @@ def model_name_problem(name: str) -> str | None:
             f"{name!r} is not a model name (a letter or digit, then letters, digits and "
             "- . _ : / @ +; at most 256 characters)"
         )
+    if VERSIONED_NAME.search(name):
+        return f"{name!r} {VERSIONED_NAME_PROBLEM}"
     return None
 
 
@@ -512,6 +525,13 @@ class EmbeddingServiceSpec(_Model):
     tracing: Tracing | None = None
     media: Media | None = None
     api_key_secret_ref: ApiKeySecretRef | None = None
+
+    @field_validator("served_model_name")
+    @classmethod
+    def _served_name_is_no_version(cls, name: str | None) -> str | None:
+        if name is not None and VERSIONED_NAME.search(name):
+            raise ValueError(f"{name!r} {VERSIONED_NAME_PROBLEM}")
+        return name
 
     @field_validator("served_model_aliases")
     @classmethod

@@ -26,6 +26,8 @@ from embedding_operator.spec import (
     MEDIA_DOMAIN_PATTERN,
     MODEL_NAME_PATTERN,
     SERVER_QUEUE_TOKENS,
+    VERSIONED_NAME,
+    VERSIONED_NAME_PROBLEM,
     EmbeddingServiceSpec,
     InvalidSpecError,
     media_domain_problem,
@@ -495,6 +497,27 @@ def test_an_alias_may_not_repeat_the_served_name(schema: dict[str, Any]) -> None
         )
     spec = parse_spec({"model": {"name": "m"}, "servedModelName": "x", "servedModelAliases": ["y"]})
     assert spec.served_model_aliases == ["y"]
+
+
+def test_a_name_may_not_spell_a_versioned_name(schema: dict[str, Any]) -> None:
+    """Issue 47, item 4: ``name@<8 to 16 hex digits>`` is what the gateway names each version
+    of a model, so neither servedModelName nor an alias may end that way: the CRD's CEL rule
+    (on the field, and on each alias, so the API server names the item) and the model refuse
+    it with the same words; an @ followed by anything else is a name as before."""
+    spec = schema["properties"]["spec"]["properties"]
+    for node in (spec["servedModelName"], spec["servedModelAliases"]["items"]):
+        (rule,) = node["x-kubernetes-validations"]
+        assert rule["rule"] == f"!self.matches('{VERSIONED_NAME.pattern}')"
+        assert rule["message"] == VERSIONED_NAME_PROBLEM
+    for bad in ("bge@0123abcd", "bge@0123456789ABCDEF", "a/b@deadbeef00"):
+        with pytest.raises(InvalidSpecError, match=r"spec\.servedModelName"):
+            parse_spec({"model": {"name": "m"}, "servedModelName": bad})
+        with pytest.raises(InvalidSpecError, match=r"spec\.servedModelAliases"):
+            parse_spec({"model": {"name": "m"}, "servedModelAliases": ["fine", bad]})
+    for good in ("e5:large@v2", "bge@0123456", "bge@0123abcdg", "x@0123456789abcdef0"):
+        assert parse_spec({"model": {"name": "m"}, "servedModelName": good}).served_name == good
+        spec_ = parse_spec({"model": {"name": "m"}, "servedModelAliases": [good]})
+        assert spec_.served_model_aliases == [good]
 
 
 # --- server.quantization int8 ------------------------------------------------------------------
