@@ -1115,17 +1115,46 @@ def test_a_model_change_under_load_switches_once_and_never_mixes(
 
 # -- (d4) strategy manual: both models served until the cut-over --------------------------------
 
+# Through the gateway: once /v1/models lists every id in ``listed`` (the gateway reads the
+# status by its watch), the fingerprint that answers each versioned name in ``asked``, or the
+# error code of its refusal.
+VERSIONS_SCRIPT = """
+import json, sys, time, urllib.request
+from openai import APIStatusError, OpenAI
+base_url, listed, asked = sys.argv[1], sys.argv[2].split(","), sys.argv[3].split(",")
+client = OpenAI(base_url=base_url, api_key="unused", timeout=60, max_retries=0)
+deadline = time.monotonic() + 60
+while True:
+    with urllib.request.urlopen(base_url + "/models", timeout=60) as listing:
+        models = {m["id"]: m for m in json.load(listing)["data"]}
+    if all(i in models for i in listed) or time.monotonic() > deadline:
+        break
+    time.sleep(1)
+seen = {}
+for name in asked:
+    try:
+        raw = client.embeddings.with_raw_response.create(model=name, input=["which version?"])
+        seen[name] = raw.headers.get("x-embedding-fingerprint")
+    except APIStatusError as error:
+        seen[name] = error.body.get("code") if isinstance(error.body, dict) else error.status_code
+versions = {i: [m.get("version"), m.get("parent")] for i, m in models.items() if i in listed}
+print(json.dumps({"listed": versions, "seen": seen}))
+"""
+
 
 def test_manual_keeps_both_models_served_until_the_cut_over(
     cluster: KubeClient, release: str, client_pod: ClientPod, namespace: str
 ) -> None:
     """strategy manual: after a model change the new model is ready beside the old one and
     waits (Prepared): the Service still answers with the old model only, <name>-next with the
-    new one only, and nothing switches until spec.rollout.activeFingerprint names the new
-    fingerprint; then the Service answers with the new model."""
+    new one only, the gateway routes each version's name (<model>@<fingerprint>) to that
+    version only, and nothing switches until spec.rollout.activeFingerprint names the new
+    fingerprint; then the Service answers with the new model, and the old version's name is
+    refused (409) rather than answered by it."""
     name = "manual"
+    served = f"manual-{namespace[-6:]}"
     spec = {
-        **minilm_named(f"manual-{namespace[-6:]}"),
+        **minilm_named(served),
         "server": {"dtype": "float32"},
         "rollout": {"strategy": "manual"},
     }
@@ -1164,6 +1193,21 @@ def test_manual_keeps_both_models_served_until_the_cut_over(
         assert new != old
         assert fingerprints("manual-old", name) == [old] * 4
         assert fingerprints("manual-new", f"{name}-next") == [new] * 4
+        versions = [f"{served}@{old}", f"{served}@{new}"]
+        through_gateway = ask(
+            cluster,
+            client_pod,
+            namespace,
+            "manual-versions",
+            VERSIONS_SCRIPT,
+            gateway_url(release),
+            ",".join(versions),
+            f"{served},{served}@{old[:8]},{served}@{new[:8]}",
+        )
+        assert through_gateway == {
+            "listed": {versions[0]: ["active", served], versions[1]: ["pending", served]},
+            "seen": {served: old, f"{served}@{old[:8]}": old, f"{served}@{new[:8]}": new},
+        }, through_gateway
         assert status()["rollout"]["phase"] == "Prepared", "nothing switches by itself"
 
         patch_spec(cluster, namespace, name, {"rollout": {"activeFingerprint": new[:8]}})
@@ -1180,7 +1224,21 @@ def test_manual_keeps_both_models_served_until_the_cut_over(
             interval=1.0,
         )
         after = fingerprints("manual-after", name)
+        after_gateway = ask(
+            cluster,
+            client_pod,
+            namespace,
+            "manual-versions-after",
+            VERSIONS_SCRIPT,
+            gateway_url(release),
+            f"{served}@{new}",
+            f"{served}@{new[:8]},{served}@{old[:8]}",
+        )
     assert after == [new] * 4, after
+    assert after_gateway["seen"] == {
+        f"{served}@{new[:8]}": new,
+        f"{served}@{old[:8]}": "fingerprint_mismatch",  # the old model is gone
+    }, after_gateway
     cluster.kubectl("delete", "embeddingservice", name, "-n", namespace, "--wait=false")
 
 
