@@ -7,8 +7,11 @@ kopf only watches and enqueues (``handlers.py``); this module is the only caller
 * an API error (server down, 5xx, timeout, a namespace being deleted) or a problem that may
   fix itself (a Secret not created yet) requeues the key with a per-key exponential backoff;
 * a reconcile that found nothing to retry ``forget``s the key's backoff;
-* anything else is a bug: it ends the worker, which ends ``run`` with that error and so the
-  operator (a crashed process is restarted; a silently dead worker would not be).
+* anything else is a bug in the reconcile of that object: it is logged with its traceback,
+  counted (``controller_runtime_reconcile_panics_total``, as controller-runtime recovers a
+  panicking reconcile) and retried with the same backoff, while every other object goes on
+  being reconciled. Ending the process instead (the old rule) let one object that tripped a
+  bug crash-loop the operator for every EmbeddingService in the cluster.
 
 A periodic resync re-adds every EmbeddingService the watch has seen, the backstop for anything
 a watch missed. It is a loop here, not a ``kopf.timer``: kopf puts a finalizer on every object
@@ -120,6 +123,8 @@ class Controller:
                 outcome = await loop.run_in_executor(
                     executor, self._reconciler.reconcile, namespace, name
                 )
+            except asyncio.CancelledError:
+                raise
             except ApiError as exc:
                 self.metrics.reconciled("error", time.monotonic() - started, self._name)
                 if exc.namespace_terminating:
@@ -137,6 +142,17 @@ class Controller:
                 delay = self.queue.add_rate_limited(key)
                 log.warning(
                     "reconcile of %s/%s: %s; retrying in %.0fs", namespace, name, exc, delay
+                )
+            except Exception:
+                seconds = time.monotonic() - started
+                self.metrics.reconciled("error", seconds, self._name, panicked=True)
+                delay = self.queue.add_rate_limited(key)
+                log.exception(
+                    "reconcile of %s/%s failed unexpectedly (a bug: please report it with this "
+                    "traceback); retrying in %.0fs, other objects are not affected",
+                    namespace,
+                    name,
+                    delay,
                 )
             else:
                 retry = outcome is not None and outcome.retry

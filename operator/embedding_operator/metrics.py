@@ -7,6 +7,8 @@ controller-runtime; naming the same things the same way lets those work here unc
   ``success``, ``error`` (an API error: retried with backoff) or ``requeue`` (a problem that
   may fix itself, such as a Secret not created yet: retried with backoff);
   ``controller_runtime_reconcile_errors_total{controller}``;
+  ``controller_runtime_reconcile_panics_total{controller}`` (a reconcile that raised an
+  unexpected exception: a bug, logged with its traceback and retried with backoff);
   ``controller_runtime_reconcile_time_seconds{controller}`` (a histogram);
   ``controller_runtime_active_workers`` and ``controller_runtime_max_concurrent_reconciles``;
 * ``workqueue_depth``, ``workqueue_adds_total``, ``workqueue_retries_total``,
@@ -183,6 +185,12 @@ class OperatorMetrics:
             ["controller"],
             registry=r,
         )
+        self.reconcile_panics = Counter(
+            "controller_runtime_reconcile_panics_total",
+            "Total number of reconciliation panics per controller.",
+            ["controller"],
+            registry=r,
+        )
         self.reconcile_time = Histogram(
             "controller_runtime_reconcile_time_seconds",
             "Length of time per reconciliation per controller.",
@@ -257,16 +265,22 @@ class OperatorMetrics:
         for result in RESULTS:
             self.reconciles.labels(controller, result)
         self.reconcile_errors.labels(controller)
+        self.reconcile_panics.labels(controller)
         self.active_workers.labels(controller)
         self.max_workers.labels(controller)
         self.queue_time.labels(controller)
 
     # -- the work path ----------------------------------------------------------------------
-    def reconciled(self, result: str, seconds: float, controller: str = CONTROLLER) -> None:
-        """One reconcile ended with ``result`` (one of :data:`RESULTS`) after ``seconds``."""
+    def reconciled(
+        self, result: str, seconds: float, controller: str = CONTROLLER, *, panicked: bool = False
+    ) -> None:
+        """One reconcile ended with ``result`` (one of :data:`RESULTS`) after ``seconds``;
+        ``panicked``: by an unexpected exception (a bug), an ``error`` counted as a panic too."""
         self.reconciles.labels(controller, result).inc()
         if result == "error":
             self.reconcile_errors.labels(controller).inc()
+        if panicked:
+            self.reconcile_panics.labels(controller).inc()
         self.reconcile_time.labels(controller).observe(seconds)
 
     def requested(self, verb: str, resource: str, code: str, seconds: float) -> None:

@@ -254,6 +254,46 @@ def test_controller_does_not_retry_into_a_namespace_being_deleted(
     assert errors == 1, "it still counts as a failed reconcile"
 
 
+def _bug() -> Outcome:
+    raise KeyError("ConfigMap")  # what a missing REST path raised in every reconcile
+
+
+def test_a_bug_in_one_objects_reconcile_is_retried_and_the_others_go_on(
+    clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An unexpected exception ends neither the worker nor the operator (it once crash-looped
+    the operator for every service): it is logged with its traceback, counted as an error and
+    a panic, and retried with backoff, while another object is reconciled meanwhile."""
+    reconciler = Scripted([_bug, lambda: FINE, lambda: FINE])
+    reconciler.gate.set()
+    queue: RateLimitingQueue[tuple[str, str]] = RateLimitingQueue(clock=clock)
+    controller = Controller(reconciler, resync_seconds=3600, workers=1, queue=queue)
+    broken, other = ("ns", "broken"), ("ns", "other")
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(controller.run(stop))
+        controller.enqueue(*broken)
+        await _until(lambda: queue.num_requeues(broken) == 1, "a retry after the bug")
+        controller.enqueue(*other)
+        await _until(lambda: reconciler.calls == 2, "the other object's reconcile")
+        assert not task.done(), "the controller stopped"
+        controller.enqueue(*broken)
+        await _until(lambda: reconciler.calls == 3 and queue.num_requeues(broken) == 0, "forget")
+        stop.set()
+        await asyncio.wait_for(task, timeout=5)
+
+    with caplog.at_level(logging.ERROR, logger="embedding_operator.controller"):
+        asyncio.run(main())
+    (logged,) = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert "ns/broken failed unexpectedly" in logged.getMessage()
+    assert logged.exc_info is not None and logged.exc_info[0] is KeyError
+    registry = controller.metrics.registry
+    labels = {"controller": "embeddingservice"}
+    assert registry.get_sample_value("controller_runtime_reconcile_panics_total", labels) == 1
+    assert registry.get_sample_value("controller_runtime_reconcile_errors_total", labels) == 1
+
+
 def test_controller_never_reconciles_one_object_twice_at_once() -> None:
     reconciler = Scripted([lambda: FINE] * 2)
     controller = Controller(reconciler, resync_seconds=3600, workers=4)
