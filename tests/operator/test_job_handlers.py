@@ -123,6 +123,47 @@ def test_a_terminated_job_pod_is_kept_and_wakes_its_job() -> None:
     assert pods.pods("team", "corpus", "worker") == []
 
 
+def test_a_pod_blocked_on_a_missing_secret_wakes_its_job_when_blocked_and_when_freed() -> None:
+    """SecretNotFound is reported as soon as the kubelet says the pod cannot start, and
+    cleared as soon as it starts (the Secret created), not at the next resync: the pod's
+    change of state enqueues its job, its other events while it waits do not."""
+    pods = WatchedJobPods()
+    handlers, controller = _handlers(pods)
+    labels = {"app.kubernetes.io/instance": "corpus", "app.kubernetes.io/component": "worker"}
+    blocked = {"waiting": {"reason": "CreateContainerConfigError", "message": "secret x"}}
+
+    def pod(state: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "metadata": {"name": "corpus-work-0-x", "namespace": "team", "labels": labels},
+            "status": {"phase": "Pending", "containerStatuses": [{"name": "job", "state": state}]},
+        }
+
+    def woken() -> list[Any]:
+        keys = []
+        while (key := controller.queue.get_nowait()) is not None:
+            keys.append(key)
+            controller.queue.done(key)
+        return keys
+
+    async def event(state: dict[str, Any], type: str | None = None) -> None:
+        await handlers["embedding-job-pods"](
+            body=pod(state), labels=labels, namespace="team", type=type
+        )
+
+    asyncio.run(event({"waiting": {"reason": "ContainerCreating"}}))
+    assert woken() == []
+    asyncio.run(event(blocked))
+    assert woken() == [("team", "corpus")], "blocked: the status says SecretNotFound now"
+    asyncio.run(event(blocked))
+    assert woken() == [], "still blocked: nothing new to say"
+    asyncio.run(event({"running": {}}))
+    assert woken() == [("team", "corpus")], "the Secret is there: the status says so now"
+    asyncio.run(event(blocked))
+    assert woken() == [("team", "corpus")]
+    asyncio.run(event(blocked, type="DELETED"))
+    assert woken() == [("team", "corpus")], "a blocked pod gone: the problem may be too"
+
+
 def test_the_job_controller_is_counted_beside_the_service_controller() -> None:
     """One /metrics: controller-runtime's series for both controllers, told apart by their
     controller (and work-queue name) label; deleting a job forgets no service's series."""

@@ -8,8 +8,9 @@ Triggers: an EmbeddingJob was created, changed (its spec or metadata, not our st
 failed, the Job finished); a job pod's container terminated (its message is kept in
 ``jobs.pods.WatchedJobPods`` first, so the reconcile reads no pod from the API); the
 EmbeddingService an unfinished job names changed (it turned
-Ready: the workers may start). The periodic resync covers the rest (a pod that waits for a
-missing Secret changes no Job) and is also what deletes a finished job after
+Ready: the workers may start); a job pod that starts or stops waiting for its configuration
+(the credentials Secret missing, then created: ``SecretNotFound`` is reported and cleared at
+once). The periodic resync covers the rest and is also what deletes a finished job after
 ``ttlSecondsAfterFinished``, with the work queue's delayed add for the exact time.
 """
 
@@ -105,8 +106,10 @@ def register_jobs(
         if not job or not component or namespace is None:
             return
         if pods is not None:
-            pods.pod_event(namespace, job, component, body, deleted=type == "DELETED")
-            if terminated_now(body):
+            blocking_changed = pods.pod_event(
+                namespace, job, component, body, deleted=type == "DELETED"
+            )
+            if terminated_now(body) or blocking_changed:
                 controller.enqueue(namespace, job)
 
     @kopf.on.event(GROUP, VERSION, PLURAL, id="embedding-job-services", registry=registry)

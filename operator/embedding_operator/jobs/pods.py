@@ -7,7 +7,8 @@ shards, terabytes read from the API server. kopf already watches the operator's 
 (label-selected), so each job pod's name, owner, phase and terminated state are kept here as
 the watch reports them (about 300 bytes a pod), and the reconcile reads them with no API
 call. A pod whose container just terminated enqueues its EmbeddingJob too: its message may
-arrive after the Job's own event.
+arrive after the Job's own event. So does a pod that the kubelet starts blocking, or stops
+blocking, on its configuration (a missing credentials Secret, then the Secret created).
 
 Without a watch (tests, or a caller that passes none) the reconciler lists pods instead.
 Written on the event loop by the kopf handler, read on the reconcile threads: one lock.
@@ -43,6 +44,16 @@ def _essentials(pod: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def config_blocked(pod: Mapping[str, Any] | None) -> bool:
+    """Whether the kubelet cannot start the pod's container for its configuration: most often
+    the credentials Secret, or a key of it, missing (``CreateContainerConfigError``)."""
+    for container in ((pod or {}).get("status") or {}).get("containerStatuses") or []:
+        waiting = (container.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") == "CreateContainerConfigError":
+            return True
+    return False
+
+
 def terminated_now(pod: Mapping[str, Any]) -> bool:
     """Whether the pod's container has terminated (its message is there to read)."""
     for container in (pod.get("status") or {}).get("containerStatuses") or []:
@@ -60,18 +71,24 @@ class WatchedJobPods:
 
     def pod_event(
         self, namespace: str, job: str, component: str, pod: Mapping[str, Any], *, deleted: bool
-    ) -> None:
+    ) -> bool:
+        """Keep (or forget) the pod; True when this event started or ended its being
+        :func:`config_blocked` (the status says ``SecretNotFound`` while it is: a Secret
+        created later unblocks the pod, and the status should say so then, not at the
+        next resync)."""
         name = str((pod.get("metadata") or {}).get("name") or "")
         key = (namespace, job, component)
         with self._lock:
+            before = (self._pods.get(key) or {}).get(name)
             if deleted:
                 pods = self._pods.get(key)
                 if pods is not None:
                     pods.pop(name, None)
                     if not pods:
                         del self._pods[key]
-                return
+                return config_blocked(before)
             self._pods.setdefault(key, {})[name] = _essentials(pod)
+            return config_blocked(before) != config_blocked(pod)
 
     def pods(self, namespace: str, job: str, component: str) -> list[dict[str, Any]]:
         with self._lock:

@@ -23,6 +23,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 from embedding_operator.jobs.builders import ROWS_ANNOTATION
+from embedding_operator.jobs.pods import config_blocked
 from embedding_operator.status import Condition, Problem
 
 Phase = Literal["Pending", "Planning", "Running", "Suspended", "Complete", "Failed"]
@@ -407,15 +408,13 @@ def container_config_problem(pods: Iterable[dict[str, Any]]) -> Problem | None:
     missing (``CreateContainerConfigError``); the kubelet's words are not repeated (status is
     read by more people than the Secret is)."""
     for pod in pods:
-        for container in (pod.get("status") or {}).get("containerStatuses") or []:
-            waiting = (container.get("state") or {}).get("waiting") or {}
-            if waiting.get("reason") == "CreateContainerConfigError":
-                name = (pod.get("metadata") or {}).get("name", "")
-                return Problem(
-                    SECRET_NOT_FOUND,
-                    f"pod {name} cannot start: spec.storage.s3.credentialsSecret (or a key "
-                    "of it: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) is missing; it starts "
-                    "once the Secret holds both keys",
-                    retryable=True,
-                )
+        if config_blocked(pod):
+            name = (pod.get("metadata") or {}).get("name", "")
+            return Problem(
+                SECRET_NOT_FOUND,
+                f"pod {name} cannot start: spec.storage.s3.credentialsSecret (or a key "
+                "of it: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) is missing; it starts "
+                "once the Secret holds both keys",
+                retryable=True,
+            )
     return None
