@@ -487,8 +487,14 @@ async def _run_batch_here(
     lifecycle = app.state.lifecycle
     async with app.router.lifespan_context(app):
         while not lifecycle.is_ready():
-            if lifecycle.failure is not None:
-                sys.stderr.write(f"{PROG} run-batch: {lifecycle.failure}\n")
+            # A server stays up, not ready, for a refused fingerprint or changed golden
+            # vectors (so that a rollout stops at that pod); a batch must end instead.
+            engine, golden = lifecycle.engine, lifecycle.golden
+            why = lifecycle.failure or lifecycle.refusal
+            if why is None and engine is not None and golden is not None and golden.changed:
+                why = golden.check.message(engine.info().fingerprint)
+            if why is not None:
+                sys.stderr.write(f"{PROG} run-batch: {why}\n")
                 return 1
             await asyncio.sleep(0.05)
         output.open()

@@ -212,6 +212,23 @@ def test_an_unusable_input_or_output_is_refused_with_exit_2(
     assert message in result.stderr
 
 
+def test_a_model_that_is_not_the_expected_one_ends_the_run_with_1(tmp_path: Path) -> None:
+    """A server stays up, not ready, when its fingerprint is not --expect-fingerprint's (a
+    rollout stops at that pod); run-batch must end instead, saying why, answering nothing
+    (it waited forever)."""
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(request("a", "/v1/embeddings", {"input": "x"}))
+    out = tmp_path / "out.jsonl"
+    other = "0123456789abcdef"
+    result = run_batch(
+        "-i", str(source), "-o", str(out), "--model", "fake", "--expect-fingerprint", other,
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert f"expected {other}" in result.stderr
+    assert not out.exists() or out.read_bytes() == b""
+
+
 def test_an_s3_input_is_streamed_and_an_s3_output_refused(tmp_path: Path) -> None:
     """-i s3://bucket/key reads the requests from the store (moto on 127.0.0.1); -o s3://
     is refused before any load, saying why: an object cannot be appended to."""
