@@ -111,6 +111,7 @@ bench: $(call STAMP,dev) binaries $(INFINITY_VENV)/bin/python ## Benchmarks agai
 	@command -v wrk >/dev/null || apt-get install -y -q wrk
 	$(PY) -m bench.frontend --infinity-python $(INFINITY_VENV)/bin/python
 	$(PY) -m bench.cold_start --against f148416
+	$(PY) -m bench.bulk
 	$(PY) -m bench.operator_scale
 
 gpu-smoke: $(call STAMP,dev) ## On a GPU host: every attention kernel, dtype and model family vs float32 (exit 1 on a miss)

@@ -187,3 +187,35 @@ def test_cold_start(tmp_path: Path) -> None:
     assert [s["model"] for s in report["starts"]] == ["MiniLM (packaged)"], report
     assert 0 < report["starts"][0]["seconds"] < 120, report
     assert "2.3-2.5 s" in report["summary"][0], report  # the target's figure beside ours
+
+
+def test_bulk(tmp_path: Path) -> None:
+    """Every system of ``bench.bulk`` (our offline engine, run-batch, the naive client loop
+    against our server, the EmbeddingJob worker with 1 and 2 processes, and run-batch at two
+    input sizes for peak memory) answers every row, with the offline engine's vectors."""
+    rows = 128
+    args = ("--rows", str(rows), "--max-words", "32", "--memory-rows", "100,300")
+    out = run_bench("bulk", *args, "--job-shards", "2", out=tmp_path)
+    report = read_json(tmp_path / "bulk.json")
+    runs = {run["name"]: run for run in report["runs"]}
+    assert set(runs) == {
+        "offline engine (Engine.embed)",
+        "run-batch, model loaded",
+        "run-batch, whole command",
+        "naive client loop (64 texts/request, float, sequential)",
+        "EmbeddingJob, 1 worker",
+        "EmbeddingJob, 2 workers",
+    }
+    for run in runs.values():
+        assert run["answered"] == rows and run["failed"] == 0 and not run["note"], run
+        assert run["rows_per_s"] > 0 and run["cos_min"] >= 0.9999, run
+    assert runs["EmbeddingJob, 2 workers"]["shards"] == 2
+    assert [memory["rows"] for memory in report["memory"]] == [100, 300]
+    for memory in report["memory"]:
+        assert memory["answered"] == memory["rows"] and memory["failed"] == 0, memory
+        assert memory["peak_rss_mib"] > 0, memory
+    assert report["problems"] == []
+    # Each ratio is printed beside its target, met or missed.
+    assert "run-batch (model loaded) / offline engine" in out and "(target >= 0.9x" in out
+    assert "run-batch (model loaded) / naive client loop" in out and "(target >= 1.5x" in out
+    assert "(target: flat from 10k to 1M rows)" in out
