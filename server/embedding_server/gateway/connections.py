@@ -15,7 +15,8 @@ the bytes arrive, as the server's front end does (:mod:`embedding_server.api.con
 * **Keep-alive**: a connection idle between requests is closed after
   ``--keep-alive-timeout``.
 * **Connection cap**: a connection beyond ``--max-connections`` open ones is answered 503
-  and closed at once.
+  and closed at once. On the probe port (``--probe-port``), past its own small cap, the
+  oldest connection not in a request is closed instead, to make room for the new one.
 
 A request's head ends at its first empty line, which is found here as the bytes arrive; the
 request's handler (:meth:`ConnectionGuard.middleware`) marks where the request begins and
@@ -64,12 +65,32 @@ class ConnectionGuard:
         max_header_bytes: int,
         header_timeout: float,
         keep_alive_timeout: float,
+        make_room: bool = False,
     ) -> None:
         self.max_connections = max_connections
         self.max_header_bytes = max_header_bytes
         self.header_timeout = header_timeout
         self.keep_alive_timeout = keep_alive_timeout
+        self.make_room = make_room
+        """At the cap, close the oldest connection that is not in a request (still sending
+        its head, or idle) to admit the new one, rather than refusing the new one: the probe
+        port's rule, where a kubelet sends its request as soon as it connects, so a crowd
+        of connections that send nothing cannot keep it out."""
         self.open: dict[asyncio.BaseTransport, GuardedConnection] = {}
+
+    def _room(self) -> bool:
+        """Whether one more connection may open (closing an old one for it with
+        :attr:`make_room`)."""
+        if len(self.open) < self.max_connections:
+            return True
+        if not self.make_room:
+            return False
+        for transport, connection in list(self.open.items()):  # oldest first
+            if not connection.in_request:
+                del self.open[transport]
+                transport.close()
+                return True
+        return False
 
     async def listen(self, runner: web.AppRunner, sock: socket.socket) -> asyncio.AbstractServer:
         """Serve ``runner``'s application on ``sock`` (bound), each connection guarded.
@@ -118,7 +139,7 @@ class GuardedConnection(asyncio.Protocol):
         transport = cast(asyncio.Transport, transport)
         self._transport = transport
         guard = self._guard
-        if len(guard.open) >= guard.max_connections:
+        if not guard._room():
             self._refuse(503, "The gateway has as many connections open as it takes.", "busy")
             return
         guard.open[transport] = self
@@ -166,6 +187,11 @@ class GuardedConnection(asyncio.Protocol):
     def resume_writing(self) -> None:
         if self._inner is not None:
             self._inner.resume_writing()
+
+    @property
+    def in_request(self) -> bool:
+        """Whether a request's head is in and its answer not yet written."""
+        return self._phase is _Phase.REQUEST
 
     # -- where requests begin and end -------------------------------------------------------
     def request_started(self) -> None:

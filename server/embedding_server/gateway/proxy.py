@@ -117,6 +117,10 @@ KEEPALIVE_OFF = 24 * 3600.0
 """aiohttp's own keep-alive timer, which also runs while a head arrives: off (a day), as
 :mod:`embedding_server.gateway.connections` times heads and idle connections itself."""
 
+PROBE_MAX_CONNECTIONS = 64
+"""Open connections the probe port (``--probe-port``) takes: a kubelet probes a container
+every few seconds, one connection at a time."""
+
 MAX_RETRY_AFTER_SECONDS = 30.0
 """The longest ``Retry-After`` a 503 for a model without a ready endpoint suggests (half the
 hold timeout, up to this): a model that wakes while its clients are away should not wait
@@ -289,6 +293,13 @@ class Gateway:
             header_timeout=settings.header_timeout,
             keep_alive_timeout=settings.keep_alive_timeout,
         )
+        self.probe_guard = ConnectionGuard(
+            max_connections=PROBE_MAX_CONNECTIONS,
+            max_header_bytes=settings.max_header_bytes,
+            header_timeout=settings.header_timeout,
+            keep_alive_timeout=settings.keep_alive_timeout,
+            make_room=True,
+        )
         self._keys_task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         self._poller: LoadPoller | None = None
@@ -310,6 +321,15 @@ class Gateway:
         # for in-flight requests: held ones are answered then, not cut off at the grace end.
         app.on_shutdown.append(self._close_holding)
         app.on_cleanup.append(self._stop)
+        return app
+
+    def probe_app(self) -> web.Application:
+        """``/health``, ``/ready`` and ``/metrics`` alone, for ``--probe-port``: the same
+        answers as the client port's, on connections of their own."""
+        app = web.Application(middlewares=[self.probe_guard.middleware])
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
+        app.router.add_get("/metrics", self.metrics_page)
         return app
 
     def runner(

@@ -62,7 +62,13 @@ def run_gateway(settings: GatewaySettings) -> int:
         settings.discovery,
         settings.balancing,
     )
-    main = loop.create_task(_serve(gateway, listener))
+    probes = None
+    if settings.probe_port is not None:
+        probes = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET)
+        probes.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probes.bind((settings.host, settings.probe_port))
+        logger.info("probes (/health, /ready, /metrics) also on %s:%d", *probes.getsockname()[:2])
+    main = loop.create_task(_serve(gateway, listener, probes))
     try:
         loop.run_until_complete(main)
     except (web.GracefulExit, KeyboardInterrupt):
@@ -83,14 +89,26 @@ def run_gateway(settings: GatewaySettings) -> int:
     return 0
 
 
-async def _serve(gateway: Gateway, listener: socket.socket) -> None:
+async def _serve(
+    gateway: Gateway, listener: socket.socket, probes: socket.socket | None = None
+) -> None:
     """Serve on ``listener`` until cancelled, each connection behind the gateway's
-    connection bounds (:mod:`embedding_server.gateway.connections`), then shut down."""
+    connection bounds (:mod:`embedding_server.gateway.connections`), then shut down; and
+    the probes on ``probes`` (``--probe-port``), started after the client port and stopped
+    after it has drained, so a stopping gateway still answers them."""
     runner = gateway.runner(handle_signals=True, shutdown_timeout=SHUTDOWN_TIMEOUT)
     await runner.setup()
     listening = await gateway.guard.listen(runner, listener)
+    probe_runner = probe_listening = None
+    if probes is not None:
+        probe_runner = web.AppRunner(gateway.probe_app(), access_log=None, handle_signals=False)
+        await probe_runner.setup()
+        probe_listening = await gateway.probe_guard.listen(probe_runner, probes)
     try:
         await asyncio.Event().wait()
     finally:
         listening.close()
         await runner.cleanup()
+        if probe_listening is not None and probe_runner is not None:
+            probe_listening.close()
+            await probe_runner.cleanup()

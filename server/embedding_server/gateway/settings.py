@@ -168,6 +168,16 @@ class GatewaySettings(BaseSettings):
         description="Most open client connections: a connection beyond it is answered 503 "
         "and closed at once.",
     )
+    probe_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Also serve /health, /ready and /metrics on this port, on connections of "
+        "their own: they do not count against --max-connections, so clients that hold every "
+        "client connection cannot starve the kubelet's probes (past the probe port's own cap "
+        "of 64, its oldest connection that is not in a request is closed to make room). "
+        "Unset: the probes share the client port.",
+    )
     max_connections_per_endpoint: int = Field(
         256, ge=1, description="Connections kept open to each endpoint at most."
     )
@@ -222,4 +232,6 @@ class GatewaySettings(BaseSettings):
                 "--max-buffered-bytes must be at least --max-request-bytes: a body of the "
                 "largest size could never be held"
             )
+        if self.probe_port is not None and self.probe_port == self.port:
+            raise ValueError(f"--probe-port must differ from --port ({self.port})")
         return self

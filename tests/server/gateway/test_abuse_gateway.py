@@ -23,6 +23,7 @@ import httpx
 import orjson
 import pytest
 
+from e2e.harness.proc import free_port
 from tests.server.gateway.gateway_process import GatewayProcess, gateway_process
 from tests.support.api import ServerProcess, server_process, wait_for
 from tests.support.sockets import peer_closed, read_until_closed
@@ -302,3 +303,40 @@ def test_l1_an_idle_kept_alive_connection_is_closed(upstream: ServerProcess) -> 
             lambda: peer_closed(sock), timeout=4, interval=0.1, what="the idle connection closed"
         )
         sock.close()
+
+
+def test_a_client_holding_every_connection_leaves_the_probe_port_answering(
+    upstream: ServerProcess,
+) -> None:
+    """One client holds all of --max-connections, reopening each as it is closed: on the
+    client port /health is a 503 (the kubelet's liveness probe would restart a gateway that
+    is fine); on --probe-port it answers, and a crowd of probe-port connections that send
+    nothing cannot keep a probe out either (the oldest is closed to make room)."""
+    probe_port = free_port()
+    flags = ["--max-connections", "8", "--probe-port", str(probe_port)]
+    probe_url = f"http://127.0.0.1:{probe_port}"
+    with gateway(upstream, *flags) as gw:
+        held = [socket.create_connection(_address(gw)) for _ in range(8)]
+        crowd: list[socket.socket] = []
+        try:
+            # The gateway accepts them as its loop gets to them: a 503 once it has.
+            wait_for(
+                lambda: httpx.get(gw.url + "/health", timeout=5).status_code == 503,
+                what="the client port's /health refused at the cap",
+            )
+            for path in ("/health", "/ready", "/metrics"):
+                answer = httpx.get(probe_url + path, timeout=5)
+                assert answer.status_code == 200, (path, answer.text)
+            assert "embedding_gateway_" in httpx.get(probe_url + "/metrics", timeout=5).text
+            assert httpx.post(probe_url + "/v1/embeddings", json={"input": "x"}).status_code in (
+                404,
+                405,
+            ), "the probe port serves the probes only"
+            crowd = [socket.create_connection(("127.0.0.1", probe_port)) for _ in range(100)]
+            for _ in range(3):
+                assert httpx.get(probe_url + "/health", timeout=5).status_code == 200
+            assert sum(peer_closed(sock) for sock in crowd) >= 100 - 64
+        finally:
+            for sock in held + crowd:
+                sock.close()
+        assert _small_request(gw).status_code == 200
