@@ -10,8 +10,10 @@ plan is made) and how one shard's rows are read back (by the worker that takes i
   its start up to its shard (split a large CSV corpus into files, or use Parquet). Every
   value is read as text, the id too.
 
-A row whose text is missing or not a string, or whose id is missing, is a row problem, not
-an error: the worker lists it in the shard's errors file, and the shard goes on.
+The embedded column is a text, or for a job of images (``--image-field``) an image URL (http,
+https or ``data:``). A row whose text or image is missing or not a string, or whose id is
+missing, is a row problem, not an error: the worker lists it in the shard's errors file, and
+the shard goes on.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ Format = Literal["parquet", "jsonl", "csv"]
 FIELD_CHECK_ROWS = 1000
 """JSONL: a plan is refused when none of a file's first rows has the id or text field."""
 FORMATS: tuple[Format, ...] = ("parquet", "jsonl", "csv")
+IMAGE_URL_PREFIXES = ("http://", "https://", "data:")
+"""What an image field's value starts with: the URLs ``/v1/embeddings`` takes for images."""
 
 
 class CorpusError(Exception):
@@ -64,14 +68,24 @@ class Shard:
 
 @dataclass(frozen=True)
 class Fields:
+    """The id column and the column embedded: a text, or an image (``image``: an http(s) URL
+    or a ``data:`` URL string, for a service that takes images)."""
+
     id: str
-    text: str
+    content: str
+    image: bool = False
+
+    @property
+    def role(self) -> str:
+        """What the content column holds, as the refusals name it."""
+        return "image" if self.image else "text"
 
 
 @dataclass
 class ShardRows:
-    """A shard as read: the ids (an Arrow array, typed as the file has them), the texts,
-    and the rows that cannot be embedded (position in the shard -> the reason)."""
+    """A shard as read: the ids (an Arrow array, typed as the file has them), the texts (or
+    the image URLs), and the rows that cannot be embedded (position in the shard -> the
+    reason)."""
 
     ids: pa.Array
     texts: list[str | None]
@@ -111,7 +125,7 @@ def _parquet_file(location: Location) -> pq.ParquetFile:
 
 
 def _check_columns(location: Location, names: list[str], fields: Fields) -> None:
-    for role, name in (("id", fields.id), ("text", fields.text)):
+    for role, name in (("id", fields.id), (fields.role, fields.content)):
         if name not in names:
             raise CorpusError(
                 f"{location.url}: no {role} field {name!r} (its columns: {', '.join(names)})"
@@ -137,10 +151,10 @@ def _cut_parquet(location: Location, fields: Fields, shard_rows: int) -> list[Sh
 def _read_parquet(location: Location, fields: Fields, shard: Shard) -> ShardRows:
     parquet = _parquet_file(location)
     table = parquet.read_row_groups(
-        list(range(*shard.range)), columns=list(dict.fromkeys([fields.id, fields.text]))
+        list(range(*shard.range)), columns=list(dict.fromkeys([fields.id, fields.content]))
     )
     ids = table.column(fields.id).combine_chunks()
-    texts = table.column(fields.text).to_pylist()
+    texts = table.column(fields.content).to_pylist()
     first = sum(parquet.metadata.row_group(g).num_rows for g in range(shard.range[0]))
     rows = ShardRows(ids, [], first_row=first)
     for position, (row_id, text) in enumerate(zip(ids.to_pylist(), texts, strict=True)):
@@ -149,13 +163,21 @@ def _read_parquet(location: Location, fields: Fields, shard: Shard) -> ShardRows
 
 
 def _row_text(rows: ShardRows, position: int, row_id: Any, text: Any, fields: Fields) -> str | None:
-    """``text`` when the row can be embedded; else None, with the reason noted."""
+    """``text`` (or the image URL) when the row can be embedded; else None, with the reason
+    noted. An image must be an http(s) or ``data:`` URL, as the API takes them: anything
+    else is the row's problem before a request is spent on it."""
     if row_id is None:
         rows.problems[position] = f"the row has no id (field {fields.id!r})"
         return None
     if not isinstance(text, str):
         what = "no" if text is None else f"a {type(text).__name__}, not a string, as"
-        rows.problems[position] = f"the row has {what} text (field {fields.text!r})"
+        rows.problems[position] = f"the row has {what} {fields.role} (field {fields.content!r})"
+        return None
+    if fields.image and not text.startswith(IMAGE_URL_PREFIXES):
+        rows.problems[position] = (
+            f"the row's image (field {fields.content!r}) is not an http://, https:// or data: "
+            f"URL: {text[:60]!r}"
+        )
         return None
     return text
 
@@ -183,7 +205,7 @@ def _cut_jsonl(location: Location, fields: Fields, shard_rows: int) -> list[Shar
 
 
 def _check_sampled_objects(location: Location, lines: list[bytes], fields: Fields) -> None:
-    """Refuse the file when none of its first rows has the id or the text field (a misspelt
+    """Refuse the file when none of its first rows has the id or the content field (a misspelt
     flag, most likely); one row without them is that row's problem, not the file's."""
     if not lines:
         return
@@ -197,7 +219,7 @@ def _check_sampled_objects(location: Location, lines: list[bytes], fields: Field
             seen.update(dict.fromkeys(row))
     if not seen:
         raise CorpusError(f"{location.url}: none of the first {len(lines)} rows is a JSON object")
-    for role, name in (("id", fields.id), ("text", fields.text)):
+    for role, name in (("id", fields.id), (fields.role, fields.content)):
         if name not in seen:
             raise CorpusError(
                 f"{location.url}: no {role} field {name!r} in the first {len(lines)} rows "
@@ -233,7 +255,7 @@ def _read_jsonl(location: Location, fields: Fields, shard: Shard) -> ShardRows:
             rows.texts.append(None)
             continue
         ids.append(row_id)
-        rows.texts.append(_row_text(rows, position, row_id, row.get(fields.text), fields))
+        rows.texts.append(_row_text(rows, position, row_id, row.get(fields.content), fields))
     try:
         rows.ids = pa.array(ids)
     except (pa.ArrowInvalid, pa.ArrowTypeError):
@@ -245,7 +267,7 @@ def _read_jsonl(location: Location, fields: Fields, shard: Shard) -> ShardRows:
 
 
 def _csv_batches(location: Location, fields: Fields) -> Iterator[pa.RecordBatch]:
-    names = list(dict.fromkeys([fields.id, fields.text]))
+    names = list(dict.fromkeys([fields.id, fields.content]))
     options = pacsv.ConvertOptions(
         include_columns=names, column_types=dict.fromkeys(names, pa.string())
     )
@@ -269,7 +291,7 @@ def _csv_batches(location: Location, fields: Fields) -> Iterator[pa.RecordBatch]
 
 def _csv_problem(error: Exception, fields: Fields) -> str:
     message = str(error)
-    for role, name in (("id", fields.id), ("text", fields.text)):
+    for role, name in (("id", fields.id), (fields.role, fields.content)):
         if f"'{name}'" in message:
             return f"no {role} field {name!r} in the CSV header"
     return f"not CSV as expected: {message}"
@@ -299,7 +321,7 @@ def _read_csv(location: Location, fields: Fields, shard: Shard) -> ShardRows:
         if pieces
         else pa.array([], pa.string())
     )
-    texts = [t for p in pieces for t in p.column(fields.text).to_pylist()]
+    texts = [t for p in pieces for t in p.column(fields.content).to_pylist()]
     rows = ShardRows(ids, [], first_row=start)
     for position, (row_id, text) in enumerate(zip(ids.to_pylist(), texts, strict=True)):
         rows.texts.append(_row_text(rows, position, row_id, text, fields))

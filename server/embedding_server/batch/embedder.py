@@ -1,7 +1,11 @@
-"""A shard's texts embedded by a server's ``/v1/embeddings``, at bulk priority.
+"""A shard's texts (or images) embedded by a server's ``/v1/embeddings``, at bulk priority.
 
 Texts go out ``batch_size`` to a request, base64-encoded float32 back, at most
-``max_in_flight`` requests at once. A 429 or 503 waits its ``Retry-After`` (bounded
+``max_in_flight`` requests at once. Images (``images=True``: http(s) or ``data:`` URLs, for a
+service that takes them, such as CLIP or SigLIP) go out one to a request, in the API's
+``messages`` form (``[{"role": "user", "content": [{"type": "image_url", "image_url":
+{"url"}}]}]``), which embeds one input per request; ``max_in_flight`` of them at once, and
+the server batches those in flight together. A 429 or 503 waits its ``Retry-After`` (bounded
 backoff when there is none), a transport error or another 5xx is retried with backoff, for
 up to ``retry_for`` seconds per request; past that the service counts as unreachable
 (:class:`ServiceUnavailableError`) and the shard is left for another attempt.
@@ -64,6 +68,8 @@ class Embedded:
     errors: dict[int, dict[str, Any]] = field(default_factory=dict)
     model: str | None = None
     fingerprint: str | None = None
+    request_ids: list[str | None] = field(default_factory=list)
+    """By position, the service's ``X-Request-ID`` of the request that embedded the row."""
 
 
 @dataclass
@@ -95,11 +101,13 @@ class Embedder:
         retry_for: float = 600.0,
         expect_fingerprint: str | None = None,
         api_key: str | None = None,
+        images: bool = False,
     ) -> None:
         if batch_size < 1 or max_in_flight < 1:
             raise ValueError("batch_size and max_in_flight must be at least 1")
         self._client = client
         self._model = model
+        self._images = images
         self._batch_size = batch_size
         self._slots = asyncio.Semaphore(max_in_flight)
         self._retry_for = retry_for
@@ -111,19 +119,19 @@ class Embedder:
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
 
-    async def embed(self, texts: list[str | None]) -> Embedded:
-        """Vectors for the texts that are not None (those stay None, with no error)."""
-        result = Embedded(vectors=[None] * len(texts))
+    async def embed(self, texts: list[str | None], *, images: bool | None = None) -> Embedded:
+        """Vectors for the texts (or images) that are not None (those stay None, with no
+        error); ``images``: this call's kind of input, when not the embedder's."""
+        result = Embedded(vectors=[None] * len(texts), request_ids=[None] * len(texts))
+        kind = self._images if images is None else images
         positions = [i for i, text in enumerate(texts) if text is not None]
         progress = _Progress(len(positions))
-        batches = [
-            positions[start : start + self._batch_size]
-            for start in range(0, len(positions), self._batch_size)
-        ]
+        size = 1 if kind else self._batch_size
+        batches = [positions[start : start + size] for start in range(0, len(positions), size)]
         try:
             async with asyncio.TaskGroup() as group:
                 for batch in batches:
-                    group.create_task(self._embed_batch(batch, texts, result, progress))
+                    group.create_task(self._embed_batch(batch, texts, result, progress, kind))
         except ExceptionGroup as failed:
             # One request's failure stops the shard (the others are cancelled with it): it
             # is what the caller sees, not the group.
@@ -138,26 +146,36 @@ class Embedder:
         texts: list[str | None],
         result: Embedded,
         progress: _Progress,
+        images: bool,
     ) -> None:
         inputs = [str(texts[i]) for i in batch]
-        response = await self._post(inputs)
+        response = await self._post(inputs, images)
         if response.status_code == 200:
+            request_id = response.headers.get("x-request-id")
             for position, vector in zip(batch, self._vectors(response, len(batch)), strict=True):
                 result.vectors[position] = vector
+                result.request_ids[position] = request_id
             progress.advance(len(batch))
             return
         if len(batch) > 1:
             # Which row was refused? Ask for each alone; the others get their vectors.
             for position in batch:
-                await self._embed_batch([position], texts, result, progress)
+                await self._embed_batch([position], texts, result, progress, images)
             return
         result.errors[batch[0]] = _api_error(response)
         progress.advance(1)
 
-    async def _post(self, inputs: list[str]) -> httpx2.Response:
+    async def _post(self, inputs: list[str], images: bool = False) -> httpx2.Response:
         """The service's answer that is not worth waiting out: a 200 or a refusal (4xx but
-        429). :class:`ServiceUnavailableError` past the retry budget."""
-        body: dict[str, Any] = {"input": inputs, "encoding_format": "base64"}
+        429). :class:`ServiceUnavailableError` past the retry budget. ``images``: ``inputs``
+        is one image URL, sent as the one image part of a user message."""
+        body: dict[str, Any]
+        if images:
+            (url,) = inputs
+            part = {"type": "image_url", "image_url": {"url": url}}
+            body = {"messages": [{"role": "user", "content": [part]}], "encoding_format": "base64"}
+        else:
+            body = {"input": inputs, "encoding_format": "base64"}
         if self._model is not None:
             body["model"] = self._model
         content = orjson.dumps(body)

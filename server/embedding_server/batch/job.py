@@ -36,8 +36,15 @@ from embedding_server.batch.embedder import (
     MixedFingerprintsError,
     ServiceUnavailableError,
 )
-from embedding_server.batch.parts import PartCounts, Provenance, ShardOutput
-from embedding_server.batch.plan import Plan, PlanArguments, PlanError, make_plan, read_plan
+from embedding_server.batch.parts import PartCounts, Provenance, RowsPlace, ShardOutput
+from embedding_server.batch.plan import (
+    OUTPUT_FORMATS,
+    Plan,
+    PlanArguments,
+    PlanError,
+    make_plan,
+    read_plan,
+)
 from embedding_server.batch.storage import Location, StorageError, locate
 
 logger = logging.getLogger(__name__)
@@ -83,7 +90,22 @@ def add_job_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]
     )
     plan.add_argument("--format", required=True, choices=FORMATS, help="The inputs' format.")
     plan.add_argument("--id-field", required=True, metavar="F", help="The rows' id column.")
-    plan.add_argument("--text-field", required=True, metavar="F", help="The text to embed.")
+    content = plan.add_mutually_exclusive_group(required=True)
+    content.add_argument("--text-field", metavar="F", help="The text to embed.")
+    content.add_argument(
+        "--image-field",
+        metavar="F",
+        help="Instead of a text, the image to embed: an http(s) URL or a data: URL, sent as "
+        "/v1/embeddings' image input (for a service that takes images, such as CLIP).",
+    )
+    plan.add_argument(
+        "--output-format",
+        choices=OUTPUT_FORMATS,
+        default="parquet",
+        help="The parts' format (default parquet): Parquet with the vectors as fixed-size "
+        "lists of float32, or JSONL in the OpenAI batch output format, a line per row. Kept in "
+        "the plan, so every worker writes it.",
+    )
     plan.add_argument(
         "--shard-rows",
         type=_positive_int,
@@ -96,7 +118,8 @@ def add_job_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]
         "work",
         help="Embed one shard of the plan through a service and commit its part.",
         description="Read OUTPUT/_plan.json, take shard --index, and unless "
-        "OUTPUT/parts/part-NNNNNN.parquet exists already, have SERVICE embed its rows "
+        "OUTPUT/parts/part-NNNNNN.parquet (or .jsonl, as the plan says) exists already, have "
+        "SERVICE embed its rows "
         "(POST /v1/embeddings, base64, at bulk priority, honouring Retry-After) and commit the "
         "part atomically, with the rows the API refused in OUTPUT/errors/part-NNNNNN.jsonl.",
     )
@@ -129,7 +152,7 @@ def add_job_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]
         type=_positive_int,
         default=64,
         metavar="N",
-        help="Texts per request (default 64).",
+        help="Texts per request (default 64); images go one to a request.",
     )
     work.add_argument(
         "--retry-for",
@@ -203,6 +226,8 @@ def plan_command(namespace: argparse.Namespace) -> int:
         namespace.id_field,
         namespace.text_field,
         namespace.shard_rows,
+        namespace.output_format,
+        namespace.image_field,
     )
     try:
         output = locate(namespace.output, namespace.s3_endpoint)
@@ -246,7 +271,7 @@ def work_command(namespace: argparse.Namespace) -> int:
         return _refuse(
             namespace, f"--index {index}: the plan has {len(plan.shards)} shards", index=index
         )
-    shard_output = ShardOutput(output, index)
+    shard_output = ShardOutput(output, index, plan.arguments.output_format)
     try:
         done = shard_output.committed()
         if done is not None:
@@ -290,11 +315,13 @@ async def _work(
             retry_for=namespace.retry_for,
             expect_fingerprint=namespace.expect_fingerprint,
             api_key=os.environ.get(API_KEY_ENV) or None,
+            images=fields.image,
         )
         embedded = await embedder.embed(rows.texts)
         dimensions = None
         if not any(vector is not None for vector in embedded.vectors):
-            probe = await embedder.embed([PROBE_TEXT])
+            # A text, whatever the job embeds: a service that takes images takes texts too.
+            probe = await embedder.embed([PROBE_TEXT], images=False)
             if probe.vectors[0] is not None:
                 dimensions = int(probe.vectors[0].shape[0])
                 embedded.model, embedded.fingerprint = probe.model, probe.fingerprint
@@ -309,8 +336,9 @@ async def _work(
         for p in sorted(failures)
     ]
     provenance = Provenance(embedded.model, embedded.fingerprint, index, dimensions)
+    place = RowsPlace(rows.first_row, embedded.request_ids)
     return await asyncio.to_thread(
-        shard_output.commit, rows.ids, fields.id, embedded.vectors, errors, provenance
+        shard_output.commit, rows.ids, fields.id, embedded.vectors, errors, provenance, place
     )
 
 

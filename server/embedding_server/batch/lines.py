@@ -134,19 +134,43 @@ def answer_line(
     JSON (``json_body``: its content type says so), else as a string. ``fingerprint``: the
     answer's ``X-Embedding-Fingerprint``, kept as the response's ``fingerprint`` (what
     computed its vectors), where the answer had one."""
+    return response_line(
+        request.request_id,
+        request.custom_id,
+        status,
+        request_id,
+        body,
+        json_body=json_body,
+        fingerprint=fingerprint,
+    )
+
+
+def response_line(
+    line_id: str,
+    custom_id: str | None,
+    status: int,
+    request_id: str,
+    body: bytes,
+    *,
+    json_body: bool = True,
+    fingerprint: str | None = None,
+) -> bytes:
+    """An output line with the id ``line_id`` for an answer, as :func:`answer_line` says:
+    also the line of each row of an EmbeddingJob's JSONL part (``job work``), which is why
+    the id is given rather than made from an input line's number."""
     error = _error_of(body, status) if status >= 400 else None
     shown: object = orjson.Fragment(body) if json_body else body.decode("utf-8", "replace")
     response: dict[str, Any] = {"status_code": status, "request_id": request_id}
     if fingerprint:
         response["fingerprint"] = fingerprint
     response["body"] = shown
-    return _line(request.line, request.custom_id, response, error)
+    return _line(line_id, custom_id, response, error)
 
 
 def refusal_line(refusal: LineRefusal) -> bytes:
     """The output line for an input line that was never sent."""
     return _line(
-        refusal.line,
+        request_id(refusal.line),
         refusal.custom_id,
         None,
         {"code": LINE_ERROR_CODE, "message": refusal.message, "line": refusal.line},
@@ -156,7 +180,7 @@ def refusal_line(refusal: LineRefusal) -> bytes:
 def failure_line(request: BatchRequest, code: str, message: str) -> bytes:
     """The output line for a request that got no answer at all (an unreachable server)."""
     return _line(
-        request.line,
+        request_id(request.line),
         request.custom_id,
         None,
         {"code": code, "message": message, "line": request.line},
@@ -192,12 +216,10 @@ def custom_id_of(raw: bytes) -> str | None:
 
 
 def _line(
-    number: int, custom_id: str | None, response: dict[str, Any] | None, error: object
+    line_id: str, custom_id: str | None, response: dict[str, Any] | None, error: object
 ) -> bytes:
     return (
-        orjson.dumps(
-            {"id": request_id(number), "custom_id": custom_id, "response": response, "error": error}
-        )
+        orjson.dumps({"id": line_id, "custom_id": custom_id, "response": response, "error": error})
         + b"\n"
     )
 

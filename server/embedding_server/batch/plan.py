@@ -11,7 +11,7 @@ A plan made for other arguments is refused, naming it: the output prefix belongs
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
@@ -21,6 +21,9 @@ from embedding_server.batch.storage import Location, commit_bytes, expand
 PLAN_NAME = "_plan.json"
 PLAN_VERSION = 1
 
+OutputFormat = Literal["parquet", "jsonl"]
+OUTPUT_FORMATS: tuple[OutputFormat, ...] = ("parquet", "jsonl")
+
 
 class PlanError(Exception):
     """No plan, a plan that is not one, or a plan for other arguments."""
@@ -28,13 +31,24 @@ class PlanError(Exception):
 
 @dataclass(frozen=True)
 class PlanArguments:
-    """What decides a plan: two plans for equal arguments are the same plan."""
+    """What decides a plan: two plans for equal arguments are the same plan.
+
+    Exactly one of ``text_field`` and ``image_field`` names the column embedded. The output
+    format is the plan's too, so one output prefix never holds parts of two formats, and a
+    worker reads the format from the plan instead of being told it again. A plan written
+    before these existed reads as text and Parquet, which is what it was."""
 
     inputs: tuple[str, ...]
     format: Format
     id_field: str
-    text_field: str
+    text_field: str | None
     shard_rows: int
+    output_format: OutputFormat = "parquet"
+    image_field: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.text_field is None) == (self.image_field is None):
+            raise ValueError("a plan embeds exactly one of a text field and an image field")
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -42,12 +56,16 @@ class PlanArguments:
             "format": self.format,
             "id_field": self.id_field,
             "text_field": self.text_field,
+            "image_field": self.image_field,
             "shard_rows": self.shard_rows,
+            "output_format": self.output_format,
         }
 
     @property
     def fields(self) -> Fields:
-        return Fields(self.id_field, self.text_field)
+        if self.image_field is not None:
+            return Fields(self.id_field, self.image_field, image=True)
+        return Fields(self.id_field, str(self.text_field))
 
 
 @dataclass(frozen=True)
@@ -82,12 +100,21 @@ class Plan:
             fmt = given["format"]
             if fmt not in FORMATS:
                 raise PlanError(f"{where}: format {fmt!r} is not one of {', '.join(FORMATS)}")
+            output_format = given.get("output_format", "parquet")
+            if output_format not in OUTPUT_FORMATS:
+                raise PlanError(
+                    f"{where}: output format {output_format!r} is not one of "
+                    + ", ".join(OUTPUT_FORMATS)
+                )
+            text_field, image_field = given.get("text_field"), given.get("image_field")
             arguments = PlanArguments(
                 tuple(given["inputs"]),
                 fmt,
                 str(given["id_field"]),
-                str(given["text_field"]),
+                None if text_field is None else str(text_field),
                 int(given["shard_rows"]),
+                output_format,
+                None if image_field is None else str(image_field),
             )
             shards = tuple(Shard.from_json(shard) for shard in body["shards"])
             return cls(arguments, tuple(body["files"]), shards)

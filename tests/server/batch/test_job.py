@@ -558,3 +558,190 @@ def test_a_service_that_needs_an_api_key_gets_it_from_the_environment(
     assert code == 0 and summary is not None
     assert (summary["rows"], summary["failed"]) == (10, 0)
     assert place.files("out/errors") == [] or errors_of(place) == []
+
+
+def read_jsonl_parts(place: Place) -> list[dict[str, Any]]:
+    names = place.files("out/parts")
+    assert names and all(name.endswith(".jsonl") for name in names), names
+    return [orjson.loads(line) for n in names for line in place.read(f"out/parts/{n}").splitlines()]
+
+
+@pytest.mark.slow
+def test_jsonl_parts_are_batch_output_lines_with_the_same_vectors(
+    place: Place,
+    minilm_server: RunningServer,
+    reference: SentenceTransformer,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--output-format jsonl``: a line per embedded row in run-batch's output format (the
+    line an earlier run-batch would recognise), ``custom_id`` the row's id as a string, the
+    /v1/embeddings answer for that row as the body, the fingerprint where run-batch puts it;
+    the errors file as for Parquet, and a committed part is counted by its lines."""
+    from embedding_server.batch.lines import answered_key
+
+    texts = {n: f"row {n}: a {['red', 'blue'][n % 2]} thing" for n in range(14)}
+    texts[4] = LONG_TEXT
+    glob = write_corpus(place, "parquet", [[(n, texts[n]) for n in range(14)]])
+    output = place.url("out")
+    args = [*plan_args(glob, "parquet", output, 5), "--output-format", "jsonl"]
+    assert run(*args)[0] == 0
+    shards = len(orjson.loads(place.read("out/_plan.json"))["shards"])
+    assert shards == 3
+    work = ["work", "--output", output, "--service", minilm_server.url, "--batch-size", "3"]
+    summaries = []
+    for index in range(shards):
+        code, summary = run(*work, "--index", str(index), log=tmp_path / f"w{index}.log")
+        assert code == 0, capsys.readouterr().err
+        summaries.append(summary)
+    assert [s["rows"] for s in summaries] == [4, 5, 4] and sum(s["failed"] for s in summaries) == 1
+    assert place.files("out/parts") == [f"part-{n:06d}.jsonl" for n in range(3)]
+
+    lines = read_jsonl_parts(place)
+    good = [n for n in range(14) if n != 4]
+    assert [line["custom_id"] for line in lines] == [str(n) for n in good]
+    # Parquet row groups of 5: the shard of row n is n // 5, its row in the file is n.
+    assert [line["id"] for line in lines] == [f"batch_req_{n // 5}_{n}" for n in good]
+    assert [answered_key(orjson.dumps(line)) for line in lines] == [str(n) for n in good]
+    served = httpx.get(minilm_server.url + "/v1/models").json()["data"][0]["id"]
+    with urllib.request.urlopen(f"{minilm_server.url}/info", timeout=30) as info:
+        fingerprint = json.load(info)["fingerprint"]
+    for line in lines:
+        assert line["error"] is None
+        response = line["response"]
+        assert response["status_code"] == 200 and response["fingerprint"] == fingerprint
+        assert isinstance(response["request_id"], str) and response["request_id"]
+        body = response["body"]
+        assert body["object"] == "list" and body["model"] == served
+        ((item),) = body["data"]
+        assert (item["object"], item["index"], len(item["embedding"])) == ("embedding", 0, 384)
+    got = np.array([line["response"]["body"]["data"][0]["embedding"] for line in lines], "<f4")
+    want = reference.encode([texts[n] for n in good], normalize_embeddings=True)
+    cosines = (
+        np.sum(got * want, axis=1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    )
+    assert cosines.min() >= 0.9999
+    # The floats are the server's float32 values, as its own float answer writes them.
+    direct = httpx.post(minilm_server.url + "/v1/embeddings", json={"input": texts[0]}).json()
+    assert lines[0]["response"]["body"]["data"][0]["embedding"] == direct["data"][0]["embedding"]
+
+    (refused,) = errors_of(place)
+    assert (refused["id"], refused["row"], refused["error"]["status"]) == (4, 4, 400)
+
+    # Run again: skipped, counted from the part's lines.
+    code, summary = run(*work, "--index", "1", log=tmp_path / "again.log")
+    assert code == 0 and summary is not None and summary["skipped"] is True
+    assert (summary["rows"], summary["failed"]) == (5, 0)
+    # The output holds JSONL parts: planning it for Parquet is another job's plan.
+    capsys.readouterr()
+    assert run(*plan_args(glob, "parquet", output, 5))[0] == 2
+    assert "output_format 'jsonl', not 'parquet'" in capsys.readouterr().err
+
+
+def test_a_jsonl_shard_with_no_row_to_embed_commits_an_empty_part(tmp_path: Path) -> None:
+    place = Place(pafs.LocalFileSystem(), str(tmp_path), str(tmp_path), {})
+    glob = write_corpus(place, "parquet", [[(n, None) for n in range(3)]])
+    args = [*plan_args(glob, "parquet", place.url("out"), 10), "--output-format", "jsonl"]
+    assert run(*args)[0] == 0
+    work = ["work", "--output", place.url("out"), "--index", "0"]
+    with stub_service(["fp-a"]) as url:
+        code, summary = run(*work, "--service", url, log=tmp_path / "log")
+        assert code == 0 and summary is not None
+        assert (summary["rows"], summary["failed"]) == (0, 3)
+        assert place.read("out/parts/part-000000.jsonl") == b""
+        code, again = run(*work, "--service", url, log=tmp_path / "log")
+    assert code == 0 and again is not None and again["skipped"] is True
+    assert (again["rows"], again["failed"]) == (0, 3)
+
+
+def test_a_plan_written_before_images_and_jsonl_reads_as_text_and_parquet() -> None:
+    from embedding_server.batch.plan import Plan
+
+    old = {
+        "version": 1,
+        "arguments": {
+            "inputs": ["/data/in/*.jsonl"],
+            "format": "jsonl",
+            "id_field": "id",
+            "text_field": "text",
+            "shard_rows": 10,
+        },
+        "files": ["/data/in/a.jsonl"],
+        "rows": 1,
+        "shards": [{"file": "/data/in/a.jsonl", "range": [0, 1], "rows": 1, "offset": 0}],
+    }
+    plan = Plan.from_bytes(orjson.dumps(old), "old")
+    assert plan.arguments.output_format == "parquet" and plan.arguments.image_field is None
+    assert plan.arguments.fields.content == "text" and not plan.arguments.fields.image
+
+
+@pytest.fixture(scope="module")
+def clip_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """A tiny random CLIP (text and images, one vector space) served as a real server."""
+    from tests.support.vision import build_clip
+
+    model = build_clip(tmp_path_factory.mktemp("clip") / "clip")
+    with running_server(ServerSettings(model=str(model))) as server:
+        yield server
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_an_image_field_sends_each_rows_image_and_commits_its_vector(
+    fmt: str, clip_server: RunningServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--image-field``: each row's data: URL goes to /v1/embeddings as an image (the vector
+    is the one the server gives that image in a request of its own); a value that is not an
+    image URL, or none, is listed in the errors file, and the API's refusal of a broken image
+    lands on its row."""
+    from tests.support.images import data_uri, picture
+
+    place = Place(pafs.LocalFileSystem(), str(tmp_path), str(tmp_path), {})
+    images: dict[int, str | None] = {n: data_uri(picture(n)) for n in range(7)}
+    images[2] = "a red square"  # a text, not an image URL
+    images[3] = None
+    images[5] = "data:image/png;base64,AAAA"  # not a PNG: the server refuses it
+    files = [[(row_id(fmt, n), images[n]) for n in range(7)]]
+    glob = write_corpus(place, fmt, files)
+    args = plan_args(glob, fmt, place.url("out"), 4)
+    args[args.index("--text-field")] = "--image-field"
+    assert run(*args)[0] == 0, capsys.readouterr().err
+    work = ["work", "--output", place.url("out"), "--service", clip_server.url]
+    for index in range(len(orjson.loads(place.read("out/_plan.json"))["shards"])):
+        code, _ = run(*work, "--index", str(index), log=tmp_path / "log")
+        assert code == 0, capsys.readouterr().err
+
+    table = read_parts(place)
+    good = [0, 1, 4, 6]
+    ids = table.column("doc_id").to_pylist()
+    assert sorted(ids, key=str) == sorted((row_id(fmt, n) for n in good), key=str)
+    by_id = dict(zip(ids, table.column("embedding").to_pylist(), strict=True))
+    for n in good:
+        part = {"type": "image_url", "image_url": {"url": images[n]}}
+        body = {"messages": [{"role": "user", "content": [part]}]}
+        direct = httpx.post(clip_server.url + "/v1/embeddings", json=body).json()
+        want = np.array(direct["data"][0]["embedding"], "<f4")
+        np.testing.assert_allclose(np.array(by_id[row_id(fmt, n)], "<f4"), want, atol=1e-5)
+
+    errors = {e["id"]: e["error"] for e in errors_of(place)}
+    assert set(errors) == {row_id(fmt, n) for n in (2, 3, 5)}
+    assert "is not an http://, https:// or data: URL" in errors[row_id(fmt, 2)]["message"]
+    if fmt != "csv":  # CSV reads a missing value as "", which is not a URL either
+        assert "no image (field 'body')" in errors[row_id(fmt, 3)]["message"]
+    assert errors[row_id(fmt, 5)]["status"] == 400
+
+
+def test_plan_takes_a_text_field_or_an_image_field_not_both(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    place = Place(pafs.LocalFileSystem(), str(tmp_path), str(tmp_path), {})
+    glob = write_corpus(place, "jsonl", [[("d-1", "x")]])
+    args = [*plan_args(glob, "jsonl", place.url("out"), 10), "--image-field", "body"]
+    with pytest.raises(SystemExit) as exited:
+        run(*args)
+    assert exited.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+    # An image field the rows do not have: refused as the text field would be.
+    args = plan_args(glob, "jsonl", place.url("out"), 10)
+    args[args.index("--text-field") : args.index("--text-field") + 2] = ["--image-field", "pic"]
+    assert run(*args)[0] == 2
+    assert "no image field 'pic'" in capsys.readouterr().err
