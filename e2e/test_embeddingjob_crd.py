@@ -40,6 +40,11 @@ BAD: list[tuple[str, dict[str, Any]]] = [
     ("spec.input.format", {**GOOD, "input": {"urls": ["s3://corpus/a"], "format": "xml"}}),
     ("spec.output.url", {**GOOD, "output": {"url": "https://corpus/out"}}),
     ("spec.model", {**GOOD, "model": {"name": "m"}}),  # not supported yet: unknown field
+    (
+        "input.imageField and input.textField are exclusive",
+        {**GOOD, "input": {**GOOD["input"], "textField": "caption", "imageField": "url"}},
+    ),
+    ("spec.output.format", {**GOOD, "output": {"url": "s3://corpus/out/", "format": "csv"}}),
 ]
 
 
@@ -66,3 +71,4 @@ def test_the_shards_are_fixed_but_suspend_and_parallelism_are_not(
     assert job is not None
     assert job["spec"]["suspend"] is True and job["spec"]["parallelism"] == 3
     assert job["spec"]["input"]["idField"] == "id"  # the schema's default
+    assert job["spec"]["output"]["format"] == "parquet"

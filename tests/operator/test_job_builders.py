@@ -75,6 +75,35 @@ def test_planner_runs_job_plan_with_every_input() -> None:
     assert job["spec"]["completions"] == 1 and job["spec"]["suspend"] is False
 
 
+def test_images_and_jsonl_are_the_planners_to_pass_and_the_servers_parser_takes_them() -> None:
+    """``input.imageField`` replaces ``--text-field``; ``output.format: jsonl`` adds
+    ``--output-format`` (Parquet, the default, adds nothing, so an older server image still
+    plans). The plan keeps both, so the workers' flags do not change; and the server's own
+    parser takes what the planner is given."""
+    import argparse
+
+    from embedding_server.batch.job import add_job_parser
+
+    images = {**SPEC, "input": {**SPEC["input"], "imageField": "picture"}}
+    jsonl = {**SPEC, "output": {**SPEC["output"], "format": "jsonl"}}
+    both = {**images, "output": jsonl["output"]}
+    parser = argparse.ArgumentParser()
+    add_job_parser(parser.add_subparsers(dest="command"))
+    for raw, text, image, fmt in [
+        (SPEC, "text", None, "parquet"),
+        (images, None, "picture", "parquet"),
+        (jsonl, "text", None, "jsonl"),
+        (both, None, "picture", "jsonl"),
+    ]:
+        args = _container(build_planner_job(OWNER, parse_job_spec(raw), IMAGE))["args"]
+        assert ("--output-format" in args) == (fmt != "parquet")
+        parsed = parser.parse_args(args)
+        assert (parsed.text_field, parsed.image_field, parsed.output_format) == (text, image, fmt)
+        worker = _container(_worker(raw))["args"]
+        assert worker == _container(_worker())["args"]
+        parser.parse_args(worker)
+
+
 def test_worker_is_an_indexed_job_over_the_shards() -> None:
     job = _worker(model="all-MiniLM-L6-v2")
     spec = job["spec"]

@@ -143,6 +143,11 @@ BAD_VALUES = {
     "spec.shardRows": {**S3_SPEC, "shardRows": 0},
     "spec.storage.s3.endpoint": {**S3_SPEC, "storage": {"s3": {"endpoint": "seaweedfs:8333"}}},
     "spec.model": {**S3_SPEC, "model": {"name": "m"}},
+    "spec.output.format": {**S3_SPEC, "output": {"url": "s3://corpus/out/", "format": "csv"}},
+    "spec.input.imageField": {
+        **S3_SPEC,
+        "input": {"urls": ["s3://corpus/a"], "format": "csv", "imageField": ""},
+    },
 }
 
 
@@ -208,7 +213,8 @@ def test_storage_fitting_the_urls_is_admitted(validator: Any) -> None:
     for spec in (S3_SPEC, both, pvc_only):
         assert validator.is_valid(_doc(spec))
         parsed = parse_job_spec(spec)
-        assert parsed.input.id_field == "id" and parsed.input.text_field == "text"
+        assert parsed.input.id_field == "id" and parsed.input.text_column == "text"
+        assert parsed.input.image_field is None and parsed.output.format == "parquet"
         assert parsed.parallelism == 1 and parsed.backoff_limit_per_index == 3
         assert parsed.shard_rows is None and not parsed.suspend
 
@@ -227,3 +233,35 @@ def test_fields_that_shape_the_shards_are_immutable(schema: dict[str, Any]) -> N
 def test_the_name_leaves_room_for_the_pods(schema: dict[str, Any]) -> None:
     (rule,) = schema["x-kubernetes-validations"]
     assert "size(self.metadata.name) <= 52" in rule["rule"]
+
+
+def test_a_job_embeds_a_text_or_an_image_never_both(schema: dict[str, Any], validator: Any) -> None:
+    """The CEL rule on spec.input (fieldPath .imageField) and the model say the same words;
+    textField has no schema default, so the rule can tell it was given, and it means text
+    when neither is."""
+    input_schema = schema["properties"]["spec"]["properties"]["input"]
+    assert "default" not in input_schema["properties"]["textField"]
+    rules = {" ".join(r["message"].split()): r for r in input_schema["x-kubernetes-validations"]}
+    rule = rules[job_spec.TEXT_OR_IMAGE]
+    assert rule["rule"] == "!(has(self.imageField) && has(self.textField))"
+    assert (rule["fieldPath"], rule["reason"]) == (".imageField", "FieldValueForbidden")
+    both = {
+        **S3_SPEC,
+        "input": {**S3_SPEC["input"], "textField": "caption", "imageField": "url"},
+    }
+    with pytest.raises(InvalidSpecError) as refused:
+        parse_job_spec(both)
+    assert str(refused.value) == f"spec.input.imageField: {job_spec.TEXT_OR_IMAGE}"
+    images = {**S3_SPEC, "input": {**S3_SPEC["input"], "imageField": "url"}}
+    assert validator.is_valid(_doc(images))
+    parsed = parse_job_spec(images).input
+    assert (parsed.text_column, parsed.image_field) == (None, "url")
+    texts = parse_job_spec({**S3_SPEC, "input": {**S3_SPEC["input"], "textField": "body"}})
+    assert (texts.input.text_column, texts.input.image_field) == ("body", None)
+
+
+def test_output_format_is_parquet_or_jsonl(validator: Any) -> None:
+    for fmt in ("parquet", "jsonl"):
+        spec = {**S3_SPEC, "output": {"url": "s3://corpus/out/", "format": fmt}}
+        assert validator.is_valid(_doc(spec))
+        assert parse_job_spec(spec).output.format == fmt

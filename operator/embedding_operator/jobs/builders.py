@@ -7,8 +7,9 @@ An EmbeddingJob runs in two phases, each a ``batch/v1`` Job of the server image:
   there are (``{"shards": S, "rows": R}``);
 * the workers (``<name>-work``): an Indexed Job of ``S`` completions, ``parallelism`` pods at
   a time, each pod ``embedding-server job work`` for the shard ``JOB_COMPLETION_INDEX`` (the
-  Job controller sets it), which commits ``OUTPUT/parts/part-<index>.parquet`` once. A shard
-  retries ``backoffLimitPerIndex`` times on its own, without failing the others;
+  Job controller sets it), which commits ``OUTPUT/parts/part-<index>.parquet`` (``.jsonl``
+  with ``spec.output.format: jsonl``) once. A shard retries ``backoffLimitPerIndex`` times
+  on its own, without failing the others;
   ``maxFailedIndexes`` is left unset, so every shard that can be done is done before the Job
   reports the failed ones (a second EmbeddingJob with the same output skips the committed
   shards and redoes only those). The pod failure policy fails the whole Job at once on the
@@ -173,20 +174,28 @@ def _s3_flags(spec: EmbeddingJobSpec) -> list[str]:
 
 
 def planner_args(spec: EmbeddingJobSpec) -> list[str]:
-    """``embedding-server job plan`` flags (the pod contract with the server image)."""
+    """``embedding-server job plan`` flags (the pod contract with the server image). The
+    column embedded (``--text-field`` or ``--image-field``) and the output format are the
+    plan's: the workers read them from ``_plan.json``, so they are passed here only."""
     args = ["job", "plan"]
     for url in spec.input.urls:
         args += ["--input", url]
+    text = spec.input.text_column
+    content = ["--text-field", text] if text is not None else []
+    if spec.input.image_field is not None:
+        content = ["--image-field", spec.input.image_field]
     args += [
         "--format",
         spec.input.format,
         "--id-field",
         spec.input.id_field,
-        "--text-field",
-        spec.input.text_field,
+        *content,
         "--output",
         spec.output.url,
     ]
+    if spec.output.format != "parquet":
+        # Only when not the default: a server image older than the flag still plans Parquet.
+        args += ["--output-format", spec.output.format]
     if spec.shard_rows is not None:
         args += ["--shard-rows", str(spec.shard_rows)]
     return [*args, *_s3_flags(spec), "--termination-log", TERMINATION_LOG]

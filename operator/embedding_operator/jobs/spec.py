@@ -17,7 +17,7 @@ import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from embedding_operator.spec import (
     InvalidSpecError,
@@ -27,6 +27,8 @@ from embedding_operator.spec import (
 )
 
 InputFormat = Literal["parquet", "jsonl", "csv"]
+OutputFormat = Literal["parquet", "jsonl"]
+DEFAULT_TEXT_FIELD = "text"
 
 PVC_MOUNT_PATH = "/data"
 """Where ``storage.pvc`` is mounted in the job's pods: path URLs start here."""
@@ -49,13 +51,20 @@ PATH_NEEDS_STORAGE = (
 STORAGE_NEEDS_ONE = "storage names s3, pvc or both"
 UNUSED_S3 = "storage.s3 is set but no input or output URL is an s3:// URL"
 UNUSED_PVC = "storage.pvc is set but no input or output URL is a path under /data"
+TEXT_OR_IMAGE = (
+    "input.imageField and input.textField are exclusive: a job embeds either a text or an image "
+    "per row (textField is text when neither is set)"
+)
 
 
 class JobInput(_Model):
     urls: list[str] = Field(min_length=1, max_length=MAX_INPUT_URLS)
     format: InputFormat
     id_field: str = Field(default="id", min_length=1, max_length=256)
-    text_field: str = Field(default="text", min_length=1, max_length=256)
+    text_field: str | None = Field(default=None, min_length=1, max_length=256)
+    """No default in the schema (so that a job of images can leave it out, and the CEL rule
+    can tell it was given): :attr:`text_column` is the text embedded, ``text`` unset."""
+    image_field: str | None = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("urls")
     @classmethod
@@ -64,9 +73,25 @@ class JobInput(_Model):
             _check_url(url)
         return urls
 
+    @field_validator("image_field")
+    @classmethod
+    def _text_or_image(cls, image_field: str | None, info: ValidationInfo) -> str | None:
+        # As the CRD's CEL rule on spec.input (fieldPath .imageField), with its words.
+        if image_field is not None and info.data.get("text_field") is not None:
+            raise ValueError(TEXT_OR_IMAGE)
+        return image_field
+
+    @property
+    def text_column(self) -> str | None:
+        """The text column the workers embed; None for a job of images."""
+        if self.image_field is not None:
+            return None
+        return self.text_field or DEFAULT_TEXT_FIELD
+
 
 class JobOutput(_Model):
     url: str = Field(min_length=1, max_length=2048)
+    format: OutputFormat = "parquet"
 
     @field_validator("url")
     @classmethod
