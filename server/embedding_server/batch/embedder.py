@@ -45,6 +45,7 @@ from embedding_server.fingerprint import HEADER as FINGERPRINT_HEADER
 logger = logging.getLogger(__name__)
 
 EMBEDDINGS_PATH = "/v1/embeddings"
+MODELS_PATH = "/v1/models"
 PROGRESS_LOG_INTERVAL_S = 10.0
 PROBE_TEXT = "dimensions"
 """Embedded for a shard none of whose rows could be, so that its empty part still says the
@@ -58,6 +59,11 @@ class ServiceUnavailableError(Exception):
 class MixedFingerprintsError(Exception):
     """Two answers of one shard came from two computations, or the service no longer serves
     the computation the job is pinned to (``expect_fingerprint``: its 409)."""
+
+
+class TakesNoImagesError(Exception):
+    """The service's model takes no images, and the job embeds images: every row would be
+    refused alike, so the job is refused instead (exit 2)."""
 
 
 @dataclass
@@ -118,6 +124,30 @@ class Embedder:
             self._headers[EXPECT_HEADER] = expect_fingerprint
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
+
+    async def check_takes_images(self) -> None:
+        """:class:`TakesNoImagesError` when the service's ``/v1/models`` says its model takes
+        no images. One request, not retried: a service that does not answer, or does not say
+        (no ``modalities``: an older server, a stub), is left to the requests to judge."""
+        try:
+            response = await self._client.get(MODELS_PATH, headers=self._headers)
+            entries = orjson.loads(response.content)["data"] if response.status_code == 200 else []
+        except (httpx2.TransportError, orjson.JSONDecodeError, KeyError, TypeError) as error:
+            logger.debug("job: %s did not say what its model takes: %r", MODELS_PATH, error)
+            return
+        if not isinstance(entries, list):
+            return
+        named = [e for e in entries if isinstance(e, dict) and e.get("id") == self._model]
+        entry = named[0] if named else (entries[0] if len(entries) == 1 else None)
+        if not isinstance(entry, dict):
+            return
+        modalities = entry.get("modalities")
+        if isinstance(modalities, list) and "image" not in modalities:
+            raise TakesNoImagesError(
+                f"{self._client.base_url}: the model {entry.get('id')!r} takes no images "
+                f"(its modalities: {', '.join(map(str, modalities))}); an image field needs a "
+                "service of a model that does, such as CLIP or SigLIP"
+            )
 
     async def embed(self, texts: list[str | None], *, images: bool | None = None) -> Embedded:
         """Vectors for the texts (or images) that are not None (those stay None, with no

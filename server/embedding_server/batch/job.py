@@ -12,7 +12,8 @@ container), which the kubelet copies into the pod's status for the operator to c
 ``{"shards", "rows"}`` for ``plan``; ``{"shard", "rows", "failed", "seconds", "skipped"}``
 for ``work``, or ``{"shard", "error"}`` when it failed. Exit status: 0 done, 1 the
 service stayed unreachable (or answered with two fingerprints: the shard is tried again), 2
-bad arguments, inputs or plan (trying again cannot help).
+bad arguments, inputs or plan, or images for a service whose model takes none (trying again
+cannot help).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from embedding_server.batch.embedder import (
     Embedder,
     MixedFingerprintsError,
     ServiceUnavailableError,
+    TakesNoImagesError,
 )
 from embedding_server.batch.parts import PartCounts, Provenance, RowsPlace, ShardOutput
 from embedding_server.batch.plan import (
@@ -281,7 +283,7 @@ def work_command(namespace: argparse.Namespace) -> int:
             _report(namespace, index, done, started, skipped=True)
             return 0
         counts = asyncio.run(_work(namespace, plan, index, shard_output))
-    except (CorpusError, StorageError, pa.ArrowInvalid) as error:
+    except (CorpusError, StorageError, TakesNoImagesError, pa.ArrowInvalid) as error:
         return _refuse(namespace, error, index=index)
     except (ServiceUnavailableError, MixedFingerprintsError, OSError) as error:
         return _refuse(namespace, error, EXIT_UNREACHABLE, index=index)
@@ -317,6 +319,8 @@ async def _work(
             api_key=os.environ.get(API_KEY_ENV) or None,
             images=fields.image,
         )
+        if fields.image:
+            await embedder.check_takes_images()
         embedded = await embedder.embed(rows.texts)
         dimensions = None
         if not any(vector is not None for vector in embedded.vectors):

@@ -745,3 +745,24 @@ def test_plan_takes_a_text_field_or_an_image_field_not_both(
     args[args.index("--text-field") : args.index("--text-field") + 2] = ["--image-field", "pic"]
     assert run(*args)[0] == 2
     assert "no image field 'pic'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_images_for_a_service_that_takes_none_are_refused_with_exit_2(
+    minilm_server: RunningServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every row would be refused alike (a text model takes no image): the shard exits 2,
+    which fails an EmbeddingJob at once, instead of committing a part of errors only."""
+    from tests.support.images import data_uri, picture
+
+    place = Place(pafs.LocalFileSystem(), str(tmp_path), str(tmp_path), {})
+    glob = write_corpus(place, "jsonl", [[("d-1", data_uri(picture(1)))]])
+    args = plan_args(glob, "jsonl", place.url("out"), 10)
+    args[args.index("--text-field")] = "--image-field"
+    assert run(*args)[0] == 0
+    work = ["work", "--output", place.url("out"), "--index", "0", "--service", minilm_server.url]
+    code, summary = run(*work, log=tmp_path / "log")
+    assert code == 2
+    assert "takes no images (its modalities: text)" in capsys.readouterr().err
+    assert summary is not None and summary["shard"] == 0
+    assert place.files("out/parts") == [] and place.files("out/errors") == []
