@@ -32,7 +32,9 @@ mixed-length corpus of ``bench/corpus.py``. One row is one text, with its id. In
    range), short texts (``--memory-max-words``, so a million rows takes minutes, not hours:
    the window of work in flight is what should bound memory, not the texts' length) and
    base64 vectors (a million float-JSON answers would take 5 GB of disk). Peak RSS is the
-   child's own ``ru_maxrss`` (``os.wait4``), exact, not a sampled reading. The target is flat.
+   child's ``VmHWM`` (the kernel's high-water mark of its resident memory, read every 50 ms
+   until it exits), not ``ru_maxrss``: a child forked from this process, which holds the
+   offline engine, inherits this process's size in that figure. The target is flat.
 
 Every system must answer every row: a row missing, or answered with an error, is printed and
 fails the run (exit 1) after the figures. The vectors of run-batch, the loop and the job are
@@ -161,23 +163,38 @@ class LineCounter:
         return self.lines
 
 
+def high_water_kib(pid: int) -> int:
+    """``VmHWM`` of ``pid`` (its peak resident memory so far), 0 once it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def run_command(
     argv: list[str], log: Path, *, watch: Path | None = None, timeout: float = COMMAND_TIMEOUT_S
 ) -> Command:
-    """Run ``argv`` to its end, its output in ``log``; SIGKILL past ``timeout``. Reaped with
-    ``os.wait4``, so its peak RSS is its own (``ru_maxrss``), not any other child's. With
+    """Run ``argv`` to its end, its output in ``log``; SIGKILL past ``timeout``. Its peak RSS
+    is the kernel's high-water mark of its memory (``VmHWM``), read until it exits: not
+    ``ru_maxrss``, which for a child forked from this (large) process starts at this
+    process's size (Linux carries the old memory's high-water mark over ``exec``). With
     ``watch`` (a file the command creates, then appends lines to), also when the file
     appeared and when its last line came, to :data:`POLL_S`."""
     counter = LineCounter(watch) if watch is not None else None
     created_at: float | None = None
     last_at: float | None = None
     last_count = 0
+    peak_kib = 0
     started = time.perf_counter()
     deadline = started + timeout
     with log.open("wb") as sink:
         process = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT)
         try:
             while True:
+                peak_kib = max(peak_kib, high_water_kib(process.pid))
                 pid, status, usage = os.wait4(process.pid, os.WNOHANG)
                 now = time.perf_counter()
                 if counter is not None:
@@ -203,7 +220,7 @@ def run_command(
     return Command(
         returncode=process.returncode,
         seconds=seconds,
-        peak_rss_mib=usage.ru_maxrss / 1024.0,  # KiB on Linux
+        peak_rss_mib=peak_kib / 1024.0,
         cpu_seconds=usage.ru_utime + usage.ru_stime,
         created_at=None if created_at is None else created_at - started,
         last_line_at=None if last_at is None else last_at - started,
