@@ -20,15 +20,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import httpx2
 import orjson
 import pyarrow as pa
+from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
 from embedding_server.batch.corpus import FORMATS, CorpusError, read
 from embedding_server.batch.embedder import (
@@ -38,6 +43,7 @@ from embedding_server.batch.embedder import (
     ServiceUnavailableError,
     TakesNoImagesError,
 )
+from embedding_server.batch.local import EngineFailedError, EngineRefusedError, local_service
 from embedding_server.batch.parts import PartCounts, Provenance, RowsPlace, ShardOutput
 from embedding_server.batch.plan import (
     OUTPUT_FORMATS,
@@ -48,6 +54,7 @@ from embedding_server.batch.plan import (
     read_plan,
 )
 from embedding_server.batch.storage import Location, StorageError, locate
+from embedding_server.settings import EngineSettings, ServerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -123,9 +130,20 @@ def add_job_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]
         "OUTPUT/parts/part-NNNNNN.parquet (or .jsonl, as the plan says) exists already, have "
         "SERVICE embed its rows "
         "(POST /v1/embeddings, base64, at bulk priority, honouring Retry-After) and commit the "
-        "part atomically, with the rows the API refused in OUTPUT/errors/part-NNNNNN.jsonl.",
+        "part atomically, with the rows the API refused in OUTPUT/errors/part-NNNNNN.jsonl. "
+        "With --local instead of --service, the model is loaded in this process and the "
+        "server's own application embeds the rows, answering each as the HTTP API would.",
     )
-    work.add_argument("--service", required=True, metavar="URL", help="The embedding server.")
+    engine = work.add_mutually_exclusive_group(required=True)
+    engine.add_argument("--service", metavar="URL", help="The embedding server.")
+    engine.add_argument(
+        "--local",
+        action="store_true",
+        help="Instead of a service, load --model in this process with the engine settings "
+        "below (as serve and run-batch take them) and embed the shard with the server's own "
+        "application here: the same vectors, errors and fingerprint as through a service "
+        "(an EmbeddingJob's spec.model).",
+    )
     work.add_argument(
         "--index",
         type=_non_negative_int,
@@ -133,7 +151,13 @@ def add_job_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]
         metavar="I",
         help=f"The shard (default: the {INDEX_ENV} environment variable).",
     )
-    work.add_argument("--model", default=None, metavar="NAME", help="The model to ask for.")
+    work.add_argument(
+        "--model",
+        default=None,
+        metavar="NAME",
+        help="The model to ask the service for; with --local, the model to load (a Hub id or "
+        "a local path, as serve's --model; default the packaged all-MiniLM-L6-v2).",
+    )
     work.add_argument(
         "--expect-fingerprint",
         default=None,
@@ -165,6 +189,33 @@ def add_job_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]
         "shard gives up with exit 1 (default 600).",
     )
     _add_common(work)
+    _add_engine_settings(
+        work.add_argument_group("engine settings (with --local, as serve takes them)")
+    )
+
+
+def _add_engine_settings(group: argparse._ArgumentGroup) -> None:
+    """serve's engine flags but ``--model`` (``job work --model`` names it)."""
+    from embedding_server.cli import _add_field  # cli imports this module when it runs
+
+    for name, field in EngineSettings.model_fields.items():
+        if name != "model":
+            _add_field(group, name, field)
+
+
+def local_settings(namespace: argparse.Namespace) -> ServerSettings:
+    """The in-process server's settings for ``job work --local``: the engine flags given (the
+    ``EMBEDDING_SERVER_*`` variables and serve's defaults underneath), ``--model`` and
+    ``--expect-fingerprint`` (the server then refuses another computation before any row)."""
+    given = {k: v for k, v in vars(namespace).items() if k in EngineSettings.model_fields}
+    if namespace.model is None:
+        given.pop("model", None)
+    return ServerSettings(
+        **given,
+        expect_fingerprint=namespace.expect_fingerprint,
+        log_level=namespace.log_level,
+        log_format=namespace.log_format,
+    )
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -258,7 +309,21 @@ def work_command(namespace: argparse.Namespace) -> int:
         if raw is None or not raw.isdigit():
             return _refuse(namespace, f"--index: not given, and {INDEX_ENV} is {raw!r}")
         index = int(raw)
-    if not namespace.service.startswith(("http://", "https://")):
+    settings: ServerSettings | None = None
+    if namespace.local:
+        from embedding_server.cli import format_settings_error
+
+        try:
+            settings = local_settings(namespace)
+        except (ValidationError, SettingsError) as error:
+            return _refuse(namespace, format_settings_error(error), index=index)
+    elif given := sorted(
+        f"--{k.replace('_', '-')}"
+        for k in vars(namespace)
+        if k in EngineSettings.model_fields and k != "model"
+    ):
+        return _refuse(namespace, f"{', '.join(given)}: engine settings need --local")
+    elif not namespace.service.startswith(("http://", "https://")):
         return _refuse(
             namespace, f"--service {namespace.service!r}: not an http:// or https:// URL"
         )
@@ -282,20 +347,46 @@ def work_command(namespace: argparse.Namespace) -> int:
             )
             _report(namespace, index, done, started, skipped=True)
             return 0
-        counts = asyncio.run(_work(namespace, plan, index, shard_output))
-    except (CorpusError, StorageError, TakesNoImagesError, pa.ArrowInvalid) as error:
+        counts = asyncio.run(_work(namespace, plan, index, shard_output, settings))
+    except (
+        CorpusError,
+        StorageError,
+        TakesNoImagesError,
+        EngineRefusedError,
+        pa.ArrowInvalid,
+    ) as error:
         return _refuse(namespace, error, index=index)
-    except (ServiceUnavailableError, MixedFingerprintsError, OSError) as error:
+    except (ServiceUnavailableError, MixedFingerprintsError, EngineFailedError, OSError) as error:
         return _refuse(namespace, error, EXIT_UNREACHABLE, index=index)
     _report(namespace, index, counts, started, skipped=False)
     return 0
 
 
-async def _work(
-    namespace: argparse.Namespace, plan: Plan, index: int, shard_output: ShardOutput
-) -> PartCounts:
-    import httpx2
+@contextlib.asynccontextmanager
+async def _client(
+    namespace: argparse.Namespace, settings: ServerSettings | None
+) -> AsyncIterator[httpx2.AsyncClient]:
+    """The service's client, or with ``settings`` (``--local``) one of the server's own
+    application loaded in this process (:mod:`.local`)."""
+    if settings is None:
+        timeout = httpx2.Timeout(300.0, connect=10.0)
+        async with httpx2.AsyncClient(base_url=namespace.service, timeout=timeout) as client:
+            yield client
+        return
+    from embedding_server.cli import apply_process_env_defaults
 
+    apply_process_env_defaults(os.environ)  # as serve and run-batch: before torch loads
+    async with local_service(settings) as service:
+        yield service.client
+
+
+async def _work(
+    namespace: argparse.Namespace,
+    plan: Plan,
+    index: int,
+    shard_output: ShardOutput,
+    settings: ServerSettings | None = None,
+) -> PartCounts:
     shard = plan.shards[index]
     fields = plan.arguments.fields
     source: Location = locate(shard.file, namespace.s3_endpoint)
@@ -305,13 +396,13 @@ async def _work(
         index,
         len(rows.texts),
         shard.file,
-        namespace.service,
+        namespace.service or f"{settings.model if settings else ''} in this process",
     )
-    timeout = httpx2.Timeout(300.0, connect=10.0)
-    async with httpx2.AsyncClient(base_url=namespace.service, timeout=timeout) as client:
+    async with _client(namespace, settings) as client:
         embedder = Embedder(
             client,
-            model=namespace.model,
+            # In this process the model is the one loaded: its served name comes back.
+            model=None if settings is not None else namespace.model,
             batch_size=namespace.batch_size,
             max_in_flight=namespace.max_in_flight,
             retry_for=namespace.retry_for,
