@@ -1,4 +1,5 @@
-"""A shard's texts (or images) embedded by a server's ``/v1/embeddings``, at bulk priority.
+"""A shard's texts (or images) embedded by a server's ``/v1/embeddings`` (or ``/v2/embed``),
+at bulk priority.
 
 Texts go out ``batch_size`` to a request, base64-encoded float32 back, at most
 ``max_in_flight`` requests at once. Images (``images=True``: http(s) or ``data:`` URLs, for a
@@ -17,6 +18,17 @@ Every answer's ``X-Embedding-Fingerprint`` (the hash of everything that decides 
 is compared with the first one's: vectors of two computations (a rollout halfway through the
 shard) are never mixed in one part (:class:`MixedFingerprintsError`). A server that sends no
 fingerprint counts as one computation, ``None``.
+
+``vectors`` says which of the model's outputs the job keeps: ``dense`` (the pooled vector),
+``sparse`` (a SPLADE model's, or bge-m3's lexical weights) and ``multi_vector`` (bge-m3's or
+a ColBERT checkpoint's per-token vectors). ``dense`` alone goes to ``/v1/embeddings`` as
+above; anything else goes to Cohere's ``/v2/embed`` with those ``embedding_types`` (dense as
+``base64``, little-endian float32), which answers every requested output of a text from one
+forward pass. A ColBERT checkpoint tokenizes queries and documents differently, so a
+multi-vector job sends an ``input_type`` always: ``search_document`` unless told otherwise
+(a job indexes documents). Before any row is sent, :meth:`Embedder.check_outputs` reads the
+service's ``/info`` and refuses (:class:`NoSuchOutputError`) a job asking for an output its
+model does not give, which every row would otherwise be refused for alike.
 """
 
 from __future__ import annotations
@@ -26,7 +38,7 @@ import base64
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 import httpx2
 import numpy as np
@@ -45,11 +57,28 @@ from embedding_server.fingerprint import HEADER as FINGERPRINT_HEADER
 logger = logging.getLogger(__name__)
 
 EMBEDDINGS_PATH = "/v1/embeddings"
+COHERE_PATH = "/v2/embed"
 MODELS_PATH = "/v1/models"
+INFO_PATH = "/info"
 PROGRESS_LOG_INTERVAL_S = 10.0
 PROBE_TEXT = "dimensions"
 """Embedded for a shard none of whose rows could be, so that its empty part still says the
 vector size (and its part has the schema of the others)."""
+
+
+Vector = Literal["dense", "sparse", "multi_vector"]
+VECTORS: tuple[Vector, ...] = get_args(Vector)
+"""The outputs a job may keep, in the order a part's columns hold them."""
+DENSE_ONLY: tuple[Vector, ...] = ("dense",)
+MULTI_VECTOR_INPUT_TYPE = "search_document"
+"""The ``input_type`` a multi-vector job sends when it is not told one: a ColBERT checkpoint
+needs one (queries and documents are tokenized differently), and a job indexes documents."""
+_EMBEDDING_TYPES: dict[Vector, str] = {
+    "dense": "base64",
+    "sparse": "sparse",
+    "multi_vector": "multi_vector",
+}
+"""Each output as ``/v2/embed``'s ``embedding_types`` names it (dense: base64 float32)."""
 
 
 class ServiceUnavailableError(Exception):
@@ -66,9 +95,29 @@ class TakesNoImagesError(Exception):
     refused alike, so the job is refused instead (exit 2)."""
 
 
+class NoSuchOutputError(Exception):
+    """The service's model does not give an output the job asks for (sparse of a plain
+    embedder, dense of a SPLADE or ColBERT model): every row would be refused alike, so the
+    job is refused instead (exit 2)."""
+
+
+@dataclass(frozen=True)
+class SparseVector:
+    """A sparse vector as the API answers it: token ids ascending, and their weights."""
+
+    indices: np.ndarray
+    """int32."""
+    values: np.ndarray
+    """float32, one per index."""
+
+
 @dataclass
 class Embedded:
-    """A shard's answers, by position: a vector, or the API's error for that row."""
+    """A shard's answers, by position: its outputs, or the API's error for that row.
+
+    ``vectors`` holds the dense vectors; ``sparse`` and ``multi_vectors`` the other outputs,
+    each as long as ``vectors`` when the job asks for it, empty when it does not. A row is
+    embedded when its requested outputs are there (:meth:`embedded`)."""
 
     vectors: list[np.ndarray | None]
     errors: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -76,6 +125,38 @@ class Embedded:
     fingerprint: str | None = None
     request_ids: list[str | None] = field(default_factory=list)
     """By position, the service's ``X-Request-ID`` of the request that embedded the row."""
+    sparse: list[SparseVector | None] = field(default_factory=list)
+    multi_vectors: list[np.ndarray | None] = field(default_factory=list)
+    """By position, a ``[tokens, width]`` float32 matrix."""
+    outputs: tuple[Vector, ...] = DENSE_ONLY
+    """What each embedded row holds."""
+
+    def embedded(self) -> list[bool]:
+        """By position, whether the row was embedded (its outputs are there)."""
+        columns: list[list[Any]] = []
+        if "dense" in self.outputs:
+            columns.append(list(self.vectors))
+        if "sparse" in self.outputs:
+            columns.append(list(self.sparse))
+        if "multi_vector" in self.outputs:
+            columns.append(list(self.multi_vectors))
+        return [all(value is not None for value in row) for row in zip(*columns, strict=True)]
+
+    def widths(self) -> tuple[int | None, int | None]:
+        """The dense vectors' size and the multi-vectors' width, from the first embedded row
+        that has them (None: no such row, or not asked for)."""
+        dense = next((int(v.shape[0]) for v in self.vectors if v is not None), None)
+        multi = next((int(m.shape[1]) for m in self.multi_vectors if m is not None), None)
+        return dense, multi
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """One text's outputs in an answer (None: not asked for)."""
+
+    dense: np.ndarray | None = None
+    sparse: SparseVector | None = None
+    multi_vector: np.ndarray | None = None
 
 
 @dataclass
@@ -108,12 +189,25 @@ class Embedder:
         expect_fingerprint: str | None = None,
         api_key: str | None = None,
         images: bool = False,
+        vectors: tuple[Vector, ...] = DENSE_ONLY,
+        input_type: str | None = None,
     ) -> None:
         if batch_size < 1 or max_in_flight < 1:
             raise ValueError("batch_size and max_in_flight must be at least 1")
+        if not vectors or len(set(vectors)) != len(vectors) or set(vectors) - set(VECTORS):
+            raise ValueError(f"vectors must be distinct ones of {', '.join(VECTORS)}")
+        if images and tuple(vectors) != DENSE_ONLY:
+            raise ValueError("images have dense vectors only: sparse and multi_vector are texts'")
         self._client = client
         self._model = model
         self._images = images
+        self._outputs = tuple(v for v in VECTORS if v in vectors)
+        self._cohere = self._outputs != DENSE_ONLY
+        if input_type is None and "multi_vector" in self._outputs:
+            input_type = MULTI_VECTOR_INPUT_TYPE
+        self._input_type = input_type
+        self._path = COHERE_PATH if self._cohere else EMBEDDINGS_PATH
+        self._multi_vector_width: int | None = None
         self._batch_size = batch_size
         self._slots = asyncio.Semaphore(max_in_flight)
         self._retry_for = retry_for
@@ -149,10 +243,54 @@ class Embedder:
                 "service of a model that does, such as CLIP or SigLIP"
             )
 
+    async def check_outputs(self) -> None:
+        """:class:`NoSuchOutputError` when the service's ``/info`` says its model does not
+        give an output the job asks for: task embed gives its ``outputs`` (``dense``; bge-m3's
+        ``sparse`` and ``multi_vector`` too; a ColBERT checkpoint's ``multi_vector`` alone),
+        task sparse (SPLADE) ``sparse`` alone, any other task none. One request, not retried:
+        a service that does not answer, or does not say (an older server, a stub), is left to
+        the requests to judge. Its ``served_model_name`` names the model of the parts when
+        the answers do not (``/v2/embed``'s have no model)."""
+        try:
+            response = await self._client.get(INFO_PATH, headers=self._headers)
+            info = orjson.loads(response.content) if response.status_code == 200 else {}
+        except (httpx2.TransportError, orjson.JSONDecodeError) as error:
+            logger.debug("job: %s did not say what its model gives: %r", INFO_PATH, error)
+            return
+        if not isinstance(info, dict):
+            return
+        name, task, outputs = info.get("served_model_name"), info.get("task"), info.get("outputs")
+        if isinstance(name, str):
+            self._model_seen = name
+        if isinstance(info.get("multi_vector_dim"), int):
+            self._multi_vector_width = info["multi_vector_dim"]
+        if not isinstance(task, str) or not isinstance(outputs, list):
+            return
+        given = (
+            [str(o) for o in outputs] if task == "embed" else ["sparse"] if task == "sparse" else []
+        )
+        missing = [v for v in self._outputs if v not in given]
+        if not missing:
+            return
+        gives = ", ".join(given) if given else "no vectors"
+        raise NoSuchOutputError(
+            f"{self._client.base_url}: the model {name!r} (task {task}) gives {gives}, not "
+            f"{', '.join(missing)} (its {INFO_PATH} outputs); sparse needs a SPLADE model (task "
+            "sparse) or a bge-m3-shaped one, multi_vector a bge-m3-shaped or ColBERT one, and "
+            "only a bge-m3-shaped model gives dense with either"
+        )
+
     async def embed(self, texts: list[str | None], *, images: bool | None = None) -> Embedded:
-        """Vectors for the texts (or images) that are not None (those stay None, with no
+        """The outputs of the texts (or images) that are not None (those stay None, with no
         error); ``images``: this call's kind of input, when not the embedder's."""
-        result = Embedded(vectors=[None] * len(texts), request_ids=[None] * len(texts))
+        count = len(texts)
+        result = Embedded(
+            vectors=[None] * count,
+            request_ids=[None] * count,
+            sparse=[None] * count if "sparse" in self._outputs else [],
+            multi_vectors=[None] * count if "multi_vector" in self._outputs else [],
+            outputs=self._outputs,
+        )
         kind = self._images if images is None else images
         positions = [i for i, text in enumerate(texts) if text is not None]
         progress = _Progress(len(positions))
@@ -182,8 +320,12 @@ class Embedder:
         response = await self._post(inputs, images)
         if response.status_code == 200:
             request_id = response.headers.get("x-request-id")
-            for position, vector in zip(batch, self._vectors(response, len(batch)), strict=True):
-                result.vectors[position] = vector
+            for position, answer in zip(batch, self._answers(response, len(batch)), strict=True):
+                result.vectors[position] = answer.dense
+                if answer.sparse is not None:
+                    result.sparse[position] = answer.sparse
+                if answer.multi_vector is not None:
+                    result.multi_vectors[position] = answer.multi_vector
                 result.request_ids[position] = request_id
             progress.advance(len(batch))
             return
@@ -200,12 +342,19 @@ class Embedder:
         429). :class:`ServiceUnavailableError` past the retry budget. ``images``: ``inputs``
         is one image URL, sent as the one image part of a user message."""
         body: dict[str, Any]
-        if images:
+        if self._cohere:
+            body = {
+                "texts": inputs,
+                "embedding_types": [_EMBEDDING_TYPES[v] for v in self._outputs],
+            }
+        elif images:
             (url,) = inputs
             part = {"type": "image_url", "image_url": {"url": url}}
             body = {"messages": [{"role": "user", "content": [part]}], "encoding_format": "base64"}
         else:
             body = {"input": inputs, "encoding_format": "base64"}
+        if self._input_type is not None and not images:
+            body["input_type"] = self._input_type
         if self._model is not None:
             body["model"] = self._model
         content = orjson.dumps(body)
@@ -216,9 +365,7 @@ class Embedder:
             while True:
                 wait: float | None
                 try:
-                    response = await self._client.post(
-                        EMBEDDINGS_PATH, content=content, headers=headers
-                    )
+                    response = await self._client.post(self._path, content=content, headers=headers)
                 except httpx2.TransportError as error:
                     problem, wait = f"no answer ({error!r})", None
                 else:
@@ -226,7 +373,7 @@ class Embedder:
                     if status == 409 and EXPECT_HEADER in headers:
                         # Not a row's fault: the service moved on from the pinned computation.
                         raise MixedFingerprintsError(
-                            f"{self._client.base_url}{EMBEDDINGS_PATH} no longer serves "
+                            f"{self._client.base_url}{self._path} no longer serves "
                             f"fingerprint {headers[EXPECT_HEADER]}: "
                             f"{_api_error(response).get('message', '')[:300]}"
                         )
@@ -238,13 +385,13 @@ class Embedder:
                 backoff = next_backoff(backoff)
                 if time.monotonic() + wait > deadline:
                     raise ServiceUnavailableError(
-                        f"{self._client.base_url}{EMBEDDINGS_PATH}: {problem}; still so after "
+                        f"{self._client.base_url}{self._path}: {problem}; still so after "
                         f"{self._retry_for:.0f} s"
                     )
                 logger.debug("job: service %s; again in %.1f s", problem, wait)
                 await asyncio.sleep(wait)
 
-    def _vectors(self, response: httpx2.Response, count: int) -> list[np.ndarray]:
+    def _answers(self, response: httpx2.Response, count: int) -> list[_Answer]:
         fingerprint = response.headers.get(FINGERPRINT_HEADER)
         if not self._fingerprints:
             self._fingerprints.append(fingerprint)
@@ -256,21 +403,64 @@ class Embedder:
             )
         try:
             body = orjson.loads(response.content)
-            data = sorted(body["data"], key=lambda item: item["index"])
-            vectors = [
-                np.frombuffer(base64.b64decode(item["embedding"]), dtype="<f4") for item in data
-            ]
+            answers = self._cohere_answers(body) if self._cohere else _openai_answers(body)
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as error:
             raise ServiceUnavailableError(
-                f"{EMBEDDINGS_PATH} answered 200 with a body that is not embeddings: {error!r}"
+                f"{self._path} answered 200 with a body that is not embeddings: {error!r}"
             ) from None
-        if len(vectors) != count:
+        if len(answers) != count:
             raise ServiceUnavailableError(
-                f"{EMBEDDINGS_PATH} answered {len(vectors)} embeddings for {count} inputs"
+                f"{self._path} answered {len(answers)} embeddings for {count} inputs"
             )
         if isinstance(body.get("model"), str):
             self._model_seen = body["model"]
-        return vectors
+        return answers
+
+    def _cohere_answers(self, body: dict[str, Any]) -> list[_Answer]:
+        """``/v2/embed``'s ``embeddings_by_type``, each requested type a list by text."""
+        embeddings = body["embeddings"]
+        columns: dict[Vector, list[Any]] = {}
+        if "dense" in self._outputs:
+            columns["dense"] = [
+                np.frombuffer(base64.b64decode(item), dtype="<f4") for item in embeddings["base64"]
+            ]
+        if "sparse" in self._outputs:
+            columns["sparse"] = [
+                SparseVector(
+                    np.asarray(item["indices"], dtype=np.int32),
+                    np.asarray(item["values"], dtype=np.float32),
+                )
+                for item in embeddings["sparse"]
+            ]
+        if "multi_vector" in self._outputs:
+            columns["multi_vector"] = [self._matrix(item) for item in embeddings["multi_vector"]]
+        lengths = {len(column) for column in columns.values()}
+        if len(lengths) != 1:
+            raise ValueError(f"embedding types of different lengths: {sorted(lengths)}")
+        (length,) = lengths
+        return [
+            _Answer(**{name: column[i] for name, column in columns.items()}) for i in range(length)
+        ]
+
+    def _matrix(self, rows: list[list[float]]) -> np.ndarray:
+        """A text's multi-vectors as a ``[tokens, width]`` float32 matrix (no tokens: zero
+        rows of the width ``/info`` said, else of the first one seen)."""
+        if rows:
+            matrix = np.asarray(rows, dtype=np.float32)
+            if matrix.ndim != 2:
+                raise ValueError(f"a multi-vector of shape {matrix.shape}")
+            self._multi_vector_width = self._multi_vector_width or int(matrix.shape[1])
+            return matrix
+        return np.zeros((0, self._multi_vector_width or 0), dtype=np.float32)
+
+
+def _openai_answers(body: dict[str, Any]) -> list[_Answer]:
+    """``/v1/embeddings``' data, in input order, each a base64 float32 vector."""
+    data = sorted(body["data"], key=lambda item: item["index"])
+    return [
+        _Answer(dense=np.frombuffer(base64.b64decode(item["embedding"]), dtype="<f4"))
+        for item in data
+    ]
 
 
 def _api_error(response: httpx2.Response) -> dict[str, Any]:
