@@ -12,8 +12,8 @@ container), which the kubelet copies into the pod's status for the operator to c
 ``{"shards", "rows"}`` for ``plan``; ``{"shard", "rows", "failed", "seconds", "skipped"}``
 for ``work``, or ``{"shard", "error"}`` when it failed. Exit status: 0 done, 1 the
 service stayed unreachable (or answered with two fingerprints: the shard is tried again), 2
-bad arguments, inputs or plan, or images for a service whose model takes none (trying again
-cannot help).
+bad arguments, inputs or plan, images for a service whose model takes none, or outputs
+(``--vectors``) its model does not give (trying again cannot help).
 """
 
 from __future__ import annotations
@@ -37,14 +37,24 @@ from pydantic_settings import SettingsError
 
 from embedding_server.batch.corpus import FORMATS, CorpusError, read
 from embedding_server.batch.embedder import (
+    DENSE_ONLY,
     PROBE_TEXT,
+    VECTORS,
     Embedder,
     MixedFingerprintsError,
+    NoSuchOutputError,
     ServiceUnavailableError,
     TakesNoImagesError,
+    Vector,
 )
 from embedding_server.batch.local import EngineFailedError, EngineRefusedError, local_service
-from embedding_server.batch.parts import PartCounts, Provenance, RowsPlace, ShardOutput
+from embedding_server.batch.parts import (
+    OtherOutputs,
+    PartCounts,
+    Provenance,
+    RowsPlace,
+    ShardOutput,
+)
 from embedding_server.batch.plan import (
     OUTPUT_FORMATS,
     Plan,
@@ -188,6 +198,25 @@ def add_job_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]
         help="How long one request waits out an unreachable or overloaded service before the "
         "shard gives up with exit 1 (default 600).",
     )
+    work.add_argument(
+        "--vectors",
+        type=_vectors,
+        default=DENSE_ONLY,
+        metavar="LIST",
+        help="The outputs the parts keep, comma-separated, of dense, sparse and multi_vector "
+        "(default dense): anything but dense alone is asked of POST /v2/embed, all from one "
+        "forward pass. sparse: a SPLADE model's or bge-m3's lexical weights; multi_vector: "
+        "bge-m3's or a ColBERT checkpoint's per-token vectors; dense with either: bge-m3 "
+        "only. A service whose model does not give one (its /info) exits 2 before any row.",
+    )
+    work.add_argument(
+        "--input-type",
+        default=None,
+        metavar="TYPE",
+        help="The API's input_type for the texts (search_document, search_query, a prompt "
+        "name of the model...), which selects the model's prompt for that side; default none, "
+        "or search_document with multi_vector (a ColBERT checkpoint needs a side).",
+    )
     _add_common(work)
     _add_engine_settings(
         work.add_argument_group("engine settings (with --local, as serve takes them)")
@@ -254,6 +283,18 @@ def _positive_int(value: str) -> int:
     if number < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {number}")
     return number
+
+
+def _vectors(value: str) -> tuple[Vector, ...]:
+    names = [name.strip() for name in value.split(",")]
+    unknown = [name for name in names if name not in VECTORS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(map(repr, unknown))}: not one of {', '.join(VECTORS)}"
+        )
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"{value!r} names an output twice")
+    return tuple(v for v in VECTORS if v in names)
 
 
 def _non_negative_int(value: str) -> int:
@@ -338,6 +379,13 @@ def work_command(namespace: argparse.Namespace) -> int:
         return _refuse(
             namespace, f"--index {index}: the plan has {len(plan.shards)} shards", index=index
         )
+    if plan.arguments.fields.image and namespace.vectors != DENSE_ONLY:
+        return _refuse(
+            namespace,
+            f"--vectors {','.join(namespace.vectors)}: images have dense vectors only (sparse "
+            "and multi_vector are outputs of texts)",
+            index=index,
+        )
     shard_output = ShardOutput(output, index, plan.arguments.output_format)
     try:
         done = shard_output.committed()
@@ -352,6 +400,7 @@ def work_command(namespace: argparse.Namespace) -> int:
         CorpusError,
         StorageError,
         TakesNoImagesError,
+        NoSuchOutputError,
         EngineRefusedError,
         pa.ArrowInvalid,
     ) as error:
@@ -409,16 +458,19 @@ async def _work(
             expect_fingerprint=namespace.expect_fingerprint,
             api_key=os.environ.get(API_KEY_ENV) or None,
             images=fields.image,
+            vectors=namespace.vectors,
+            input_type=namespace.input_type,
         )
+        await embedder.check_outputs()
         if fields.image:
             await embedder.check_takes_images()
         embedded = await embedder.embed(rows.texts)
-        dimensions = None
-        if not any(vector is not None for vector in embedded.vectors):
+        dimensions = multi_vector_dimensions = None
+        if not any(embedded.embedded()):
             # A text, whatever the job embeds: a service that takes images takes texts too.
             probe = await embedder.embed([PROBE_TEXT], images=False)
-            if probe.vectors[0] is not None:
-                dimensions = int(probe.vectors[0].shape[0])
+            if any(probe.embedded()):
+                dimensions, multi_vector_dimensions = probe.widths()
                 embedded.model, embedded.fingerprint = probe.model, probe.fingerprint
     ids = rows.ids.to_pylist()
     failures: dict[int, Any] = {
@@ -430,10 +482,25 @@ async def _work(
         {"id": ids[p], "file": shard.file, "row": rows.first_row + p, "error": failures[p]}
         for p in sorted(failures)
     ]
-    provenance = Provenance(embedded.model, embedded.fingerprint, index, dimensions)
+    provenance = Provenance(
+        embedded.model,
+        embedded.fingerprint,
+        index,
+        dimensions,
+        vectors=embedded.outputs,
+        multi_vector_dimensions=multi_vector_dimensions,
+    )
     place = RowsPlace(rows.first_row, embedded.request_ids)
+    others = OtherOutputs(embedded.sparse, embedded.multi_vectors)
     return await asyncio.to_thread(
-        shard_output.commit, rows.ids, fields.id, embedded.vectors, errors, provenance, place
+        shard_output.commit,
+        rows.ids,
+        fields.id,
+        embedded.vectors,
+        errors,
+        provenance,
+        place,
+        others,
     )
 
 

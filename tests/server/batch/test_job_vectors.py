@@ -1,0 +1,264 @@
+"""``job work --vectors``: an EmbeddingJob that keeps sparse and multi-vector outputs, on real
+servers of the tiny bge-m3-shaped model (dense, sparse and multi-vector from one forward
+pass) and the tiny stanford-colbert checkpoint the API tests build.
+
+Each part's values must be what the API gives the same texts in requests of their own:
+bge-m3's through ``/pooling`` task hybrid (another endpoint than the worker's ``/v2/embed``),
+the dense vector through ``/v1/embeddings``, ColBERT's through ``/v2/embed`` with the side
+the job says. A part's schema is the same whether its shard embedded rows or none, a row the
+API refuses is listed in the errors file, and a job asking for an output the model does not
+give exits 2 before any part is written."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import orjson
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import pytest
+from embedding_server.settings import ServerSettings
+
+from tests.server.batch.test_job import Place, plan_args, run, write_corpus
+from tests.server.device.test_colbert_engine import build_hf_colbert
+from tests.support.api import RunningServer, fake_settings, running_server
+from tests.support.api import post_json as post
+from tests.support.models import build_bge_m3
+
+pytestmark = pytest.mark.timeout(180)
+
+TEXTS = [
+    "hybrid search",
+    "dense, sparse and multi-vector in one request",
+    "z",
+    "",  # the API refuses an empty text (400): its row is listed, its batch still embedded
+    "the the the: repeated tokens keep the max",
+    "late interaction",
+]
+ALL = "dense,sparse,multi_vector"
+MIN_COSINE = 0.9999
+
+
+@pytest.fixture(scope="module")
+def bge_m3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    path = build_bge_m3(tmp_path_factory.mktemp("bge-m3") / "xlmr")
+    with running_server(fake_settings(str(path), dtype="float32")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def colbert(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    path = build_hf_colbert(tmp_path_factory.mktemp("colbert") / "hf_colbert")
+    with running_server(fake_settings(str(path), dtype="float32")) as running:
+        yield running
+
+
+@pytest.fixture
+def place(tmp_path: Path) -> Place:
+    return Place(pafs.LocalFileSystem(), str(tmp_path), str(tmp_path), {})
+
+
+def plan(place: Place, texts: list[str | None], shard_rows: int, *extra: str) -> int:
+    """A JSONL corpus of ``texts`` (ids d-0, d-1...) planned into ``out``; its shards."""
+    glob = write_corpus(place, "jsonl", [[(f"d-{n}", t) for n, t in enumerate(texts)]])
+    assert run(*plan_args(glob, "jsonl", place.url("out"), shard_rows), *extra)[0] == 0
+    return len(orjson.loads(place.read("out/_plan.json"))["shards"])
+
+
+def work(place: Place, server: RunningServer, index: int, *extra: str) -> int:
+    return run(
+        "work", "--output", place.url("out"), "--service", server.url, "--index", str(index),
+        "--batch-size", "2", *extra,
+    )[0]  # fmt: skip
+
+
+def part(place: Place, index: int) -> pa.Table:
+    return pq.read_table(pa.BufferReader(place.read(f"out/parts/part-{index:06d}.parquet")))
+
+
+def cosines(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    norms = np.linalg.norm(got, axis=-1) * np.linalg.norm(want, axis=-1)
+    return np.asarray(np.sum(got * want, axis=-1) / norms)
+
+
+def errors_of(place: Place) -> dict[str, dict[str, Any]]:
+    lines = [place.read(f"out/errors/{n}") for n in place.files("out/errors")]
+    return {e["id"]: e for data in lines for e in map(orjson.loads, data.splitlines())}
+
+
+@pytest.mark.slow
+def test_a_bge_m3_job_keeps_the_dense_sparse_and_multi_vectors_the_api_gives(
+    place: Place, bge_m3: RunningServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    texts: list[str | None] = [*TEXTS, None, None, None]  # the last shards have no text
+    shards = plan(place, texts, 3)
+    assert shards == 3
+    for index in range(shards):
+        assert work(place, bge_m3, index, "--vectors", ALL) == 0, capsys.readouterr().err
+    tables = [part(place, index) for index in range(shards)]
+    # The same schema, metadata widths included, whether a shard embedded rows or none.
+    schema = tables[0].schema
+    assert [t.schema.remove_metadata() for t in tables[1:]] == [schema.remove_metadata()] * 2
+    assert tables[2].num_rows == 0
+    assert schema.names == ["doc_id", "embedding", "sparse", "multi_vector"]
+    info = httpx.get(bge_m3.url + "/info", timeout=10).json()
+    dims, width = info["dimensions"], info["multi_vector_dim"]
+    assert schema.field("embedding").type == pa.list_(pa.float32(), dims)
+    assert schema.field("sparse").type == pa.struct(
+        [("indices", pa.list_(pa.int32())), ("values", pa.list_(pa.float32()))]
+    )
+    assert schema.field("multi_vector").type == pa.list_(pa.list_(pa.float32(), width))
+    sent = httpx.post(bge_m3.url + "/v1/embeddings", json={"input": "x"}, timeout=30)
+    for table in tables:
+        metadata = table.schema.metadata
+        assert metadata[b"vectors"] == ALL.encode()
+        assert metadata[b"dimensions"] == str(dims).encode()
+        assert metadata[b"multi_vector_dimensions"] == str(width).encode()
+        assert metadata[b"model"] == info["served_model_name"].encode()
+        fingerprint = sent.headers.get("x-embedding-fingerprint")
+        assert metadata.get(b"fingerprint") == (fingerprint.encode() if fingerprint else None)
+
+    table = pa.concat_tables(tables)
+    good = [n for n, text in enumerate(texts) if text]
+    assert table.column("doc_id").to_pylist() == [f"d-{n}" for n in good]
+    want = post(bge_m3, "/pooling", {"input": [texts[n] for n in good], "task": "hybrid"})
+    dense = post(bge_m3, "/v1/embeddings", {"input": [texts[n] for n in good]})["data"]
+    rows = table.to_pylist()
+    assert any(row["sparse"]["indices"] for row in rows)  # the tiny heads weight some tokens
+    for row, answer, plain in zip(rows, want["data"], dense, strict=True):
+        hybrid = answer["data"]
+        assert cosines(np.array(row["embedding"]), np.array(plain["embedding"])) >= MIN_COSINE
+        assert cosines(np.array(row["embedding"]), np.array(hybrid["dense"])) >= MIN_COSINE
+        assert row["sparse"]["indices"] == hybrid["sparse"]["indices"]
+        np.testing.assert_allclose(row["sparse"]["values"], hybrid["sparse"]["values"], 1e-4)
+        got, expected = np.array(row["multi_vector"]), np.array(hybrid["multi_vector"])
+        assert got.shape == expected.shape and got.shape[1] == width
+        assert cosines(got, expected).min() >= MIN_COSINE
+
+    errors = errors_of(place)
+    assert set(errors) == {"d-3", "d-6", "d-7", "d-8"}
+    assert errors["d-3"]["error"]["status"] == 400  # the API's refusal of ""
+    assert errors["d-6"]["error"]["code"] == "invalid_row"  # no text at all
+
+
+@pytest.mark.slow
+def test_a_jsonl_part_holds_each_rows_v2_embed_answer(
+    place: Place, bge_m3: RunningServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    texts: list[str | None] = [TEXTS[0], TEXTS[1], TEXTS[4]]
+    assert plan(place, texts, 10, "--output-format", "jsonl") == 1
+    assert work(place, bge_m3, 0, "--vectors", "sparse,multi_vector") == 0, capsys.readouterr()
+    lines = [orjson.loads(line) for line in place.read("out/parts/part-000000.jsonl").splitlines()]
+    assert [line["custom_id"] for line in lines] == ["d-0", "d-1", "d-2"]
+    for line, text in zip(lines, texts, strict=True):
+        assert line["error"] is None and line["response"]["status_code"] == 200
+        body = line["response"]["body"]
+        assert body["response_type"] == "embeddings_by_type"
+        assert set(body["embeddings"]) == {"sparse", "multi_vector"}  # no dense asked for
+        answer = post(
+            bge_m3, "/v2/embed", {"texts": [text], "embedding_types": ["sparse", "multi_vector"]}
+        )["embeddings"]
+        (sparse,) = body["embeddings"]["sparse"]
+        assert sparse["indices"] == answer["sparse"][0]["indices"]
+        np.testing.assert_allclose(sparse["values"], answer["sparse"][0]["values"], 1e-4)
+        got = np.array(body["embeddings"]["multi_vector"][0])
+        want = np.array(answer["multi_vector"][0])
+        assert got.shape == want.shape and cosines(got, want).min() >= MIN_COSINE
+
+
+@pytest.mark.slow
+def test_a_colbert_job_embeds_documents_unless_told_the_texts_are_queries(
+    place: Place, colbert: RunningServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    texts: list[str | None] = [TEXTS[0], TEXTS[1], TEXTS[5]]
+    assert plan(place, texts, 10) == 1
+    for side, extra in (
+        ("search_document", []),
+        ("search_query", ["--input-type", "search_query"]),
+    ):
+        for name in place.files("out/parts"):
+            place.fs.delete_file(f"{place.root}/out/parts/{name}")
+        assert work(place, colbert, 0, "--vectors", "multi_vector", *extra) == 0, (
+            capsys.readouterr()
+        )
+        table = part(place, 0)
+        assert table.schema.names == ["doc_id", "multi_vector"]
+        assert table.schema.metadata[b"vectors"] == b"multi_vector"
+        body = {"texts": texts, "input_type": side, "embedding_types": ["multi_vector"]}
+        want = post(colbert, "/v2/embed", body)["embeddings"]["multi_vector"]
+        for got, expected in zip(table.column("multi_vector").to_pylist(), want, strict=True):
+            assert np.array(got).shape == np.array(expected).shape
+            assert cosines(np.array(got), np.array(expected)).min() >= MIN_COSINE
+        if side == "search_query":  # queries are expanded to the query length: all alike long
+            assert len({len(m) for m in table.column("multi_vector").to_pylist()}) == 1
+
+
+@pytest.fixture(scope="module")
+def minilm_server() -> Iterator[RunningServer]:
+    with running_server(ServerSettings()) as server:
+        yield server
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("which", "vectors", "message"),
+    [
+        ("minilm", "sparse", "gives dense, not sparse"),
+        ("minilm", "dense,multi_vector", "gives dense, not multi_vector"),
+        ("colbert", "dense", "gives multi_vector, not dense"),
+    ],
+)
+def test_an_output_the_model_does_not_give_is_refused_with_exit_2_before_any_row(
+    place: Place,
+    request: pytest.FixtureRequest,
+    which: str,
+    vectors: str,
+    message: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    server: RunningServer = request.getfixturevalue(
+        "minilm_server" if which == "minilm" else "colbert"
+    )
+    plan(place, [TEXTS[0], TEXTS[1]], 10)
+    log = tmp_path / "work.log"
+    code, summary = run(
+        "work", "--output", place.url("out"), "--service", server.url, "--index", "0",
+        "--vectors", vectors, log=log,
+    )  # fmt: skip
+    assert code == 2
+    assert message in capsys.readouterr().err
+    assert summary is not None and summary["shard"] == 0 and message in summary["error"]
+    assert place.files("out/parts") == [] and place.files("out/errors") == []
+
+
+@pytest.mark.parametrize(
+    ("vectors", "message"),
+    [("dense,dense", "names an output twice"), ("colbert", "'colbert': not one of")],
+)
+def test_vectors_that_are_not_outputs_are_bad_arguments(
+    vectors: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        run("work", "--output", "/tmp/x", "--service", "http://127.0.0.1:1", "--vectors", vectors)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_images_have_dense_vectors_only(place: Place, capsys: pytest.CaptureFixture[str]) -> None:
+    glob = write_corpus(place, "jsonl", [[("d-0", "data:image/png;base64,AAAA")]])
+    args = plan_args(glob, "jsonl", place.url("out"), 10)
+    args[args.index("--text-field")] = "--image-field"
+    assert run(*args)[0] == 0
+    code, _ = run(
+        "work", "--output", place.url("out"), "--service", "http://127.0.0.1:1", "--index", "0",
+        "--vectors", "sparse",
+    )  # fmt: skip
+    assert code == 2
+    assert "images have dense vectors only" in capsys.readouterr().err
+    assert place.files("out/parts") == []
