@@ -101,6 +101,11 @@ class NoSuchOutputError(Exception):
     job is refused instead (exit 2)."""
 
 
+class InputTypeRefusedError(Exception):
+    """The service refused the job's ``input_type`` (a 400 naming it): every row would be
+    refused alike, so the job is refused instead (exit 2)."""
+
+
 @dataclass(frozen=True)
 class SparseVector:
     """A sparse vector as the API answers it: token ids ascending, and their weights."""
@@ -329,12 +334,18 @@ class Embedder:
                 result.request_ids[position] = request_id
             progress.advance(len(batch))
             return
+        refusal = _api_error(response)
+        if refusal.get("param") == "input_type" and self._input_type is not None:
+            raise InputTypeRefusedError(
+                f"{self._client.base_url}{self._path} refused input_type "
+                f"{self._input_type!r}: {str(refusal.get('message', ''))[:500]}"
+            )
         if len(batch) > 1:
             # Which row was refused? Ask for each alone; the others get their vectors.
             for position in batch:
                 await self._embed_batch([position], texts, result, progress, images)
             return
-        result.errors[batch[0]] = _api_error(response)
+        result.errors[batch[0]] = refusal
         progress.advance(1)
 
     async def _post(self, inputs: list[str], images: bool = False) -> httpx2.Response:

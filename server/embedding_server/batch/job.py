@@ -12,8 +12,9 @@ container), which the kubelet copies into the pod's status for the operator to c
 ``{"shards", "rows"}`` for ``plan``; ``{"shard", "rows", "failed", "seconds", "skipped"}``
 for ``work``, or ``{"shard", "error"}`` when it failed. Exit status: 0 done, 1 the
 service stayed unreachable (or answered with two fingerprints: the shard is tried again), 2
-bad arguments, inputs or plan, images for a service whose model takes none, or outputs
-(``--vectors``) its model does not give (trying again cannot help).
+bad arguments, inputs or plan, images for a service whose model takes none, outputs
+(``--vectors``) its model does not give, or an ``--input-type`` it refuses (trying again
+cannot help).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from embedding_server.batch.embedder import (
     PROBE_TEXT,
     VECTORS,
     Embedder,
+    InputTypeRefusedError,
     MixedFingerprintsError,
     NoSuchOutputError,
     ServiceUnavailableError,
@@ -401,6 +403,7 @@ def work_command(namespace: argparse.Namespace) -> int:
         StorageError,
         TakesNoImagesError,
         NoSuchOutputError,
+        InputTypeRefusedError,
         EngineRefusedError,
         pa.ArrowInvalid,
     ) as error:

@@ -262,3 +262,16 @@ def test_images_have_dense_vectors_only(place: Place, capsys: pytest.CaptureFixt
     assert code == 2
     assert "images have dense vectors only" in capsys.readouterr().err
     assert place.files("out/parts") == []
+
+
+@pytest.mark.slow
+def test_an_input_type_the_service_refuses_is_refused_with_exit_2_not_per_row(
+    place: Place, minilm_server: RunningServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan(place, [TEXTS[0], TEXTS[1], TEXTS[4]], 10)
+    assert work(place, minilm_server, 0, "--input-type", "no_such_side") == 2
+    assert "refused input_type 'no_such_side'" in capsys.readouterr().err
+    assert place.files("out/parts") == [] and place.files("out/errors") == []
+    # One the model takes (its search_query selects no prompt here) embeds every row.
+    assert work(place, minilm_server, 0, "--input-type", "search_query") == 0
+    assert part(place, 0).num_rows == 3
