@@ -230,26 +230,35 @@ def _render_job(
 ) -> list[dict[str, Any]] | None:
     """An EmbeddingJob's ServiceAccount, planner Job and worker Job (``--job-shards``
     completions); the image and URL from its EmbeddingService when the file holds it, else
-    the default image and the service's default port. None (and a message) if refused."""
+    the default image and the service's default port (``spec.model``: the default image, no
+    service). None (and a message) if refused."""
     meta = doc.get("metadata") or {}
     name = meta.get("name", "<unnamed>")
     namespace = meta.get("namespace") or args.namespace
+    image = args.default_image or DEFAULT_IMAGE
     try:
         spec = parse_job_spec(doc.get("spec") or {})
-        service_doc = next(
-            (
-                d
-                for d in docs
-                if d.get("kind") == KIND and (d.get("metadata") or {}).get("name") == spec.service
-            ),
-            {},
-        )
-        service = parse_spec(service_doc.get("spec") or {"model": {"name": spec.service}})
+        service = None
+        if spec.service is not None:
+            service_doc = next(
+                (
+                    d
+                    for d in docs
+                    if d.get("kind") == KIND
+                    and (d.get("metadata") or {}).get("name") == spec.service
+                ),
+                {},
+            )
+            service = parse_spec(service_doc.get("spec") or {"model": {"name": spec.service}})
     except InvalidSpecError as exc:
         sys.stderr.write(f"embedding-operator: {name}: {exc}\n")
         return None
     owner = Owner(name=name, namespace=namespace, uid=meta.get("uid", ""), generation=1)
-    target = ServiceTarget.of(namespace, spec.service, service, args.default_image or DEFAULT_IMAGE)
+    target = (
+        ServiceTarget.own_pods(image)
+        if spec.service is None or service is None
+        else ServiceTarget.of(namespace, spec.service, service, image)
+    )
     manifests = [
         build_service_account(owner),
         build_planner_job(owner, spec, target.image, target.pull_policy),

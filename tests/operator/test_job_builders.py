@@ -276,3 +276,151 @@ def test_the_job_watch_is_label_selected() -> None:
 
     settings = kopf_settings(OperatorSettings())
     assert settings.watching.label_selectors[JOB_RESOURCE] == MANAGED_SELECTOR
+
+
+MODEL_SPEC: dict[str, Any] = {
+    **{k: v for k, v in SPEC.items() if k != "service"},
+    "model": {
+        "name": "hf://BAAI/bge-small-en-v1.5",
+        "revision": "5c38ec7c405ec4b44b94cc5a9bb96e735b38267a",
+        "dtype": "bfloat16",
+        "normalize": False,
+        "hubTokenSecretRef": {"name": "hf", "key": "hub-token"},
+    },
+    "resources": {"requests": {"cpu": "4"}, "limits": {"nvidia.com/gpu": 1, "memory": "16Gi"}},
+}
+
+
+def _model_worker(spec: dict[str, Any] = MODEL_SPEC) -> dict[str, Any]:
+    return build_worker_job(
+        OWNER, parse_job_spec(spec), shards=10, rows=12345, image=IMAGE, service_url=None
+    )
+
+
+def _job_work_parser() -> Any:
+    import argparse
+
+    from embedding_server.batch.job import add_job_parser
+
+    parser = argparse.ArgumentParser()
+    add_job_parser(parser.add_subparsers(dest="command"))
+    return parser
+
+
+def test_a_model_job_loads_the_model_in_its_workers_with_the_services_flags() -> None:
+    """spec.model: ``job work --local`` and the engine flags, no service URL; the server's
+    own parser reads them as the settings serve would take for that model."""
+    from embedding_server.batch.job import local_settings
+
+    container = _container(_model_worker())
+    args = container["args"]
+    assert "--service" not in args and URL not in " ".join(args)
+    assert args[:4] == ["job", "work", "--output", "s3://corpus/out/"]
+    parsed = _job_work_parser().parse_args(args)
+    assert parsed.local and parsed.service is None
+    settings = local_settings(parsed)
+    assert settings.model == "BAAI/bge-small-en-v1.5"  # the hf:// prefix is the CRD's
+    assert settings.revision == "5c38ec7c405ec4b44b94cc5a9bb96e735b38267a"
+    assert (settings.device, settings.dtype, settings.pooling) == ("cuda", "bfloat16", "auto")
+    assert settings.normalize is False and settings.cache_dir == "/cache"
+    assert not settings.trust_remote_code
+    # No GPU asked for: the CPU, named (never auto), and serve's defaults for the rest.
+    cpu = {**MODEL_SPEC, "model": {"name": "BAAI/bge-small-en-v1.5"}, "resources": {}}
+    plain = local_settings(_job_work_parser().parse_args(_container(_model_worker(cpu))["args"]))
+    assert (plain.device, plain.dtype, plain.normalize, plain.revision) == (
+        "cpu",
+        "auto",
+        None,
+        None,
+    )
+
+
+def test_a_model_jobs_workers_get_the_model_as_a_services_pods_do() -> None:
+    """The model-cache volume at /cache (an emptyDir, or the claim), HF_HOME on it,
+    HF_HUB_OFFLINE for a read-only claim and HF_TOKEN by reference, as the Deployment's pods
+    (builders.deployment's own helpers); the planner gets none of it, nor the GPU."""
+    worker = _container(_model_worker())
+    env = {e["name"]: e for e in worker["env"]}
+    assert env["HF_HOME"]["value"] == "/cache/huggingface"
+    assert env["HF_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "hf", "key": "hub-token"}}
+    assert "HF_HUB_OFFLINE" not in env
+    assert "AWS_ACCESS_KEY_ID" in env  # the store's credentials stay
+    assert {"name": "model-cache", "mountPath": "/cache"} in worker["volumeMounts"]
+    volumes = _model_worker()["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "model-cache", "emptyDir": {}} in volumes
+    assert worker["resources"]["limits"] == {"nvidia.com/gpu": "1", "memory": "16Gi"}
+
+    shared = {**MODEL_SPEC, "modelCache": {"mode": "existing", "claimName": "hf", "readOnly": True}}
+    job = _model_worker(shared)
+    container = _container(job)
+    assert {"name": "HF_HUB_OFFLINE", "value": "1"} in container["env"]
+    assert {"name": "model-cache", "mountPath": "/cache", "readOnly": True} in container[
+        "volumeMounts"
+    ]
+    assert {
+        "name": "model-cache",
+        "persistentVolumeClaim": {"claimName": "hf", "readOnly": True},
+    } in job["spec"]["template"]["spec"]["volumes"]
+
+    planner = _container(build_planner_job(OWNER, parse_job_spec(shared), IMAGE))
+    assert not any(e["name"].startswith("HF_") for e in planner["env"])
+    assert all(m["name"] != "model-cache" for m in planner["volumeMounts"])
+    assert planner["resources"] == {
+        "requests": {"cpu": "4"},
+        "limits": {"memory": "16Gi"},
+    }
+
+
+def test_a_service_job_loads_no_model() -> None:
+    container = _container(_worker())
+    assert "--local" not in container["args"]
+    assert not any(e["name"].startswith("HF_") for e in container["env"])
+    assert all(m["name"] != "model-cache" for m in container["volumeMounts"])
+
+
+def test_scheduling_places_both_pods() -> None:
+    """spec.scheduling (EmbeddingService's shape) on the planner's and the workers' pods,
+    each field only when set."""
+    placed = {
+        **MODEL_SPEC,
+        "scheduling": {
+            "nodeSelector": {"pool": "gpu"},
+            "tolerations": [
+                {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+            ],
+            "affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}},
+            "priorityClassName": "batch-low",
+        },
+    }
+    spec = parse_job_spec(placed)
+    planner = build_planner_job(OWNER, spec, IMAGE)["spec"]["template"]["spec"]
+    worker = _model_worker(placed)["spec"]["template"]["spec"]
+    for pod in (planner, worker):
+        assert pod["nodeSelector"] == {"pool": "gpu"}
+        assert pod["tolerations"] == [
+            {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+        ]
+        assert pod["affinity"] == placed["scheduling"]["affinity"]
+        assert pod["priorityClassName"] == "batch-low"
+    unplaced = _worker()["spec"]["template"]["spec"]
+    assert not {"nodeSelector", "tolerations", "affinity", "priorityClassName"} & set(unplaced)
+
+
+def test_render_of_a_model_job_needs_no_service(tmp_path: Any, capsys: Any) -> None:
+    import yaml
+    from embedding_operator.cli import main
+
+    manifest = tmp_path / "job.yaml"
+    doc = {
+        "apiVersion": "embedding-operator.dev/v1alpha1",
+        "kind": "EmbeddingJob",
+        "metadata": {"name": "one-off"},
+        "spec": MODEL_SPEC,
+    }
+    manifest.write_text(yaml.safe_dump(doc))
+    assert main(["render", "-f", str(manifest), "--default-image", IMAGE]) == 0
+    docs = {
+        (d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(capsys.readouterr().out)
+    }
+    worker = _container(docs[("Job", "one-off-work")])
+    assert worker["image"] == IMAGE and "--local" in worker["args"]

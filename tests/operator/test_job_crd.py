@@ -21,7 +21,7 @@ from embedding_operator.jobs.spec import EmbeddingJobSpec, parse_job_spec
 from embedding_operator.spec import InvalidSpecError
 
 from tests.operator.test_crd_schema import _compare, _walk
-from tests.support.operator import JOB_CRD_PATH, JOB_EXAMPLES, ROOT
+from tests.support.operator import CRD_PATH, JOB_CRD_PATH, JOB_EXAMPLES, ROOT
 
 CHART_COPY = ROOT / "charts" / "embedding-operator" / "files" / "crds" / "embeddingjobs.yaml"
 REFERENCE = ROOT / "docs" / "reference" / "embeddingjob.md"
@@ -48,6 +48,12 @@ S3_SPEC: dict[str, Any] = {
     "input": {"urls": ["s3://corpus/docs/*.parquet"], "format": "parquet"},
     "output": {"url": "s3://corpus/out/"},
     "storage": {"s3": {"credentialsSecret": {"name": "creds"}}},
+}
+
+
+MODEL_SPEC: dict[str, Any] = {
+    **{k: v for k, v in S3_SPEC.items() if k != "service"},
+    "model": {"name": "BAAI/bge-small-en-v1.5"},
 }
 
 
@@ -142,7 +148,14 @@ BAD_VALUES = {
     "spec.backoffLimitPerIndex": {**S3_SPEC, "backoffLimitPerIndex": -1},
     "spec.shardRows": {**S3_SPEC, "shardRows": 0},
     "spec.storage.s3.endpoint": {**S3_SPEC, "storage": {"s3": {"endpoint": "seaweedfs:8333"}}},
-    "spec.model": {**S3_SPEC, "model": {"name": "m"}},
+    "spec.model.name": {**MODEL_SPEC, "model": {"name": ""}},
+    "spec.model.dtype": {**MODEL_SPEC, "model": {"name": "m", "dtype": "int4"}},
+    "spec.model.pooling": {**MODEL_SPEC, "model": {"name": "m", "pooling": "sum"}},
+    "spec.modelCache.mode": {**MODEL_SPEC, "modelCache": {"mode": "pvc", "size": "10Gi"}},
+    "spec.scheduling.tolerations": {
+        **S3_SPEC,
+        "scheduling": {"tolerations": [{"key": "gpu", "operator": "Maybe"}]},
+    },
     "spec.output.format": {**S3_SPEC, "output": {"url": "s3://corpus/out/", "format": "csv"}},
     "spec.input.imageField": {
         **S3_SPEC,
@@ -154,8 +167,7 @@ BAD_VALUES = {
 @pytest.mark.parametrize("field", sorted(BAD_VALUES))
 def test_schema_and_model_refuse_bad_values(field: str, validator: Any) -> None:
     spec = BAD_VALUES[field]
-    if field != "spec.model":  # an unknown field: kubectl's strict field validation refuses it
-        assert not validator.is_valid(_doc(spec)), field
+    assert not validator.is_valid(_doc(spec)), field
     with pytest.raises(InvalidSpecError, match=field.replace(".", r"\.").replace("urls", "urls")):
         parse_job_spec(spec)
 
@@ -163,8 +175,9 @@ def test_schema_and_model_refuse_bad_values(field: str, validator: Any) -> None:
 def _spec_rules(schema: dict[str, Any]) -> dict[str, dict[str, Any]]:
     spec = schema["properties"]["spec"]
     rules = {" ".join(r["message"].split()): r for r in spec["x-kubernetes-validations"]}
-    storage = spec["properties"]["storage"]
-    rules.update({" ".join(r["message"].split()): r for r in storage["x-kubernetes-validations"]})
+    for name in ("storage", "modelCache"):
+        nested = spec["properties"][name]["x-kubernetes-validations"]
+        rules.update({" ".join(r["message"].split()): r for r in nested})
     return rules
 
 
@@ -180,6 +193,95 @@ CEL_REFUSALS = {
     job_spec.UNUSED_PVC: {**S3_SPEC, "storage": {"s3": {}, "pvc": {"claimName": "corpus"}}},
     job_spec.STORAGE_NEEDS_ONE: {**S3_SPEC, "storage": {}},
 }
+
+MODEL_REFUSALS = {
+    # message: (the spec, the field path the CRD's rule reports and the model names)
+    job_spec.SERVICE_OR_MODEL: (
+        {k: v for k, v in S3_SPEC.items() if k != "service"},
+        "spec.service",
+    ),
+    job_spec.NOT_BOTH: ({**S3_SPEC, "model": {"name": "m"}}, "spec.service"),
+    job_spec.CACHE_NEEDS_MODEL: (
+        {**S3_SPEC, "modelCache": {"mode": "existing", "claimName": "hf"}},
+        "spec.modelCache",
+    ),
+    job_spec.CACHE_NEEDS_CLAIM: ({**MODEL_SPEC, "modelCache": {"mode": "existing"}}, None),
+    job_spec.READ_ONLY_NEEDS_CLAIM: ({**MODEL_SPEC, "modelCache": {"readOnly": True}}, None),
+}
+
+
+@pytest.mark.parametrize("message", sorted(MODEL_REFUSALS))
+def test_service_or_model_rules_are_the_models_refusals(
+    schema: dict[str, Any], validator: Any, message: str
+) -> None:
+    """Each rule on spec.service / spec.model / spec.modelCache is in the CRD with the model's
+    words, a field path and a reason, and the model refuses the same spec naming that path
+    (the cache's own rules: spec.modelCache, as EmbeddingService's report it)."""
+    rules = _spec_rules(schema)
+    assert message in rules, sorted(rules)
+    rule = rules[message]
+    raw, path = MODEL_REFUSALS[message]
+    if path is not None:
+        assert "spec" + rule["fieldPath"] == path and rule["reason"].startswith("Field")
+    else:
+        assert rule["fieldPath"] in (".claimName", ".readOnly") and rule["reason"]
+    # The structural schema admits the spec: only the rule refuses it.
+    assert validator.is_valid(_doc(raw))
+    with pytest.raises(InvalidSpecError) as refused:
+        parse_job_spec(raw)
+    assert str(refused.value) == f"{path or 'spec.modelCache'}: {message}"
+
+
+def test_a_model_job_is_admitted_with_the_services_words(validator: Any) -> None:
+    spec = {
+        **MODEL_SPEC,
+        "model": {
+            "name": "hf://BAAI/bge-small-en-v1.5",
+            "revision": "5c38ec7c405ec4b44b94cc5a9bb96e735b38267a",
+            "dtype": "bfloat16",
+            "pooling": "cls",
+            "normalize": True,
+            "hubTokenSecretRef": {"name": "hf"},
+        },
+        "modelCache": {"mode": "existing", "claimName": "hf-cache", "readOnly": True},
+        "resources": {"limits": {"nvidia.com/gpu": 1, "memory": "16Gi"}},
+        "scheduling": {
+            "nodeSelector": {"pool": "gpu"},
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
+            "priorityClassName": "batch-low",
+        },
+    }
+    assert validator.is_valid(_doc(spec))
+    parsed = parse_job_spec(spec)
+    assert parsed.service is None and parsed.model is not None
+    assert parsed.model.server_model == "BAAI/bge-small-en-v1.5"
+    assert parsed.model.hub_token_secret_ref is not None
+    assert parsed.model.hub_token_secret_ref.key == "token"  # the service's default key
+    assert parsed.gpu and parsed.model_cache is not None and parsed.model_cache.read_only
+    plain = parse_job_spec(MODEL_SPEC)
+    assert plain.model is not None and plain.model.dtype == "auto" and not plain.gpu
+    assert plain.model_cache is None and plain.scheduling.node_selector == {}
+
+
+def test_the_model_fields_are_the_services(schema: dict[str, Any]) -> None:
+    """spec.model and spec.scheduling reuse EmbeddingService's schema: the same types, enums
+    and defaults (descriptions aside), so one manifest's words work in the other."""
+    service = yaml.safe_load(CRD_PATH.read_text())["spec"]["versions"][0]["schema"]
+    service_spec = service["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    job = schema["properties"]["spec"]["properties"]
+
+    def shape(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: shape(v) for k, v in node.items() if k != "description"}
+        return node
+
+    model = job["model"]["properties"]
+    for name in ("name", "revision", "trustRemoteCode", "hubTokenSecretRef"):
+        assert shape(model[name]) == shape(service_spec["model"]["properties"][name]), name
+    assert shape(model["dtype"]) == shape(service_spec["server"]["properties"]["dtype"])
+    for name in ("pooling", "normalize"):
+        assert shape(model[name]) == shape(service_spec["embedding"]["properties"][name]), name
+    assert shape(job["scheduling"]) == shape(service_spec["scheduling"])
 
 
 @pytest.mark.parametrize("message", sorted(CEL_REFUSALS))
@@ -223,7 +325,7 @@ def test_fields_that_shape_the_shards_are_immutable(schema: dict[str, Any]) -> N
     """A transition rule (``self == oldSelf``) on each: an edit after the planner ran would
     describe shards that were never cut. suspend and parallelism stay mutable."""
     props = schema["properties"]["spec"]["properties"]
-    for name in ("service", "input", "output", "storage", "shardRows"):
+    for name in ("service", "model", "modelCache", "input", "output", "storage", "shardRows"):
         rules = [r["rule"] for r in props[name].get("x-kubernetes-validations") or []]
         assert "self == oldSelf" in rules, name
     for name in ("suspend", "parallelism", "ttlSecondsAfterFinished"):

@@ -506,3 +506,36 @@ def test_ttl_deletes_a_job_refused_for_its_spec_too(cluster: FakeCluster) -> Non
     clock.now = clock.now.replace(minute=1, second=1)
     reconciler.reconcile(NS, "corpus")
     assert job_ref(NS, "corpus") not in cluster.objects
+
+
+def test_a_model_job_waits_for_no_service(cluster: FakeCluster) -> None:
+    """spec.model: no EmbeddingService exists, and none is waited for (no ServiceNotFound or
+    ServiceNotReady): the planner and then the workers start, on the operator's image, the
+    workers loading the model themselves."""
+    events = Events()
+    add_job(cluster, service=None, model={"name": "BAAI/bge-small-en-v1.5"})
+    spec = body(cluster)["spec"]
+    del spec["service"]
+    reconciler = make(cluster, events)
+
+    outcome = reconciler.reconcile(NS, "corpus")
+    assert outcome is not None and not outcome.retry and outcome.problem is None
+    planner = batch_job(cluster, "corpus-plan")
+    assert planner is not None
+    assert planner["spec"]["template"]["spec"]["containers"][0]["image"] == "img:1"
+    assert status(cluster)["phase"] == "Planning"
+
+    plan_done(cluster, shards=2, rows=20)
+    outcome = reconciler.reconcile(NS, "corpus")
+    assert outcome is not None and not outcome.retry and outcome.problem is None
+    worker = batch_job(cluster, "corpus-work")
+    assert worker is not None
+    container = worker["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == "img:1"
+    args = container["args"]
+    assert "--service" not in args and "--local" in args
+    assert args[args.index("--model") + 1] == "BAAI/bge-small-en-v1.5"
+    assert status(cluster)["phase"] == "Running"
+    reasons = {c["reason"] for c in conditions(cluster).values()}
+    assert not reasons & {"ServiceNotFound", "ServiceNotReady"}
+    assert "ServiceNotFound" not in events.reasons() and "ServiceNotReady" not in events.reasons()

@@ -63,6 +63,7 @@ Choices made here, and why:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 from embedding_operator.builders import golden
@@ -81,6 +82,7 @@ from embedding_operator.builders.common import (
     pvc_name,
     selector_labels,
 )
+from embedding_operator.spec import SecretKeyRef
 
 CONTAINER_NAME = "embedding-server"
 SHM_GIB_PER_RANK = 1
@@ -92,6 +94,7 @@ NEXT_SERVICE_SUFFIX = "-next"
 """``bluegreen.NEXT_SUFFIX`` (builders import nothing above them)."""
 HUB_TOKEN_ENV = "HF_TOKEN"
 HUB_OFFLINE_ENV = "HF_HUB_OFFLINE"
+MODEL_CACHE_VOLUME = "model-cache"
 
 
 def server_args(render: RenderInput) -> list[str]:
@@ -215,24 +218,35 @@ def shm_size(render: RenderInput) -> str:
     return f"{SHM_GIB_PER_RANK * render.spec.parallelism.tensor_parallel_size}Gi"
 
 
-def _env(render: RenderInput) -> list[dict[str, Any]]:
-    spec = render.spec
+def hub_env(
+    hub_token: SecretKeyRef | None, read_only_cache: bool, user_env: Iterable[str] = ()
+) -> list[dict[str, Any]]:
+    """How a pod obtains its model from the Hub: ``HF_HOME`` on the model-cache volume,
+    ``HF_HUB_OFFLINE=1`` for a read-only cache (unless ``user_env`` names it) and ``HF_TOKEN``
+    from the token's Secret (the kubelet resolves it). EmbeddingJob workers that load a model
+    use it too."""
     env: list[dict[str, Any]] = [{"name": "HF_HOME", "value": f"{CACHE_MOUNT_PATH}/huggingface"}]
     # A read-only cache was filled beforehand: read it only, never try the Hub (unless the
     # user's own env says otherwise).
-    if spec.model_cache.read_only and all(v.name != HUB_OFFLINE_ENV for v in spec.server.env):
+    if read_only_cache and HUB_OFFLINE_ENV not in set(user_env):
         env.append({"name": HUB_OFFLINE_ENV, "value": "1"})
-    for var_name, ref in (
-        (HUB_TOKEN_ENV, spec.model.hub_token_secret_ref),
-        (API_KEY_ENV, spec.api_key_secret_ref),
-    ):
-        if ref is not None:
-            env.append(
-                {
-                    "name": var_name,
-                    "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
-                }
-            )
+    return env + _secret_env(HUB_TOKEN_ENV, hub_token)
+
+
+def _secret_env(name: str, ref: SecretKeyRef | None) -> list[dict[str, Any]]:
+    if ref is None:
+        return []
+    return [{"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
+
+
+def _env(render: RenderInput) -> list[dict[str, Any]]:
+    spec = render.spec
+    env = hub_env(
+        spec.model.hub_token_secret_ref,
+        spec.model_cache.read_only,
+        (v.name for v in spec.server.env),
+    )
+    env += _secret_env(API_KEY_ENV, spec.api_key_secret_ref)
     env += _tracing_env(render)
     for var in spec.server.env:
         env.append(var.model_dump(by_alias=True, exclude_none=True))
@@ -313,21 +327,31 @@ def _probe(path: str, period: int, failures: int, timeout: int = 5) -> dict[str,
     }
 
 
+def model_cache_volume(claim_name: str | None, read_only: bool) -> dict[str, Any]:
+    """The ``model-cache`` volume: the claim (read-only as the mount, which ReadOnlyMany
+    volumes of several CSI drivers require), or an emptyDir without one."""
+    if claim_name is None:
+        return {"name": MODEL_CACHE_VOLUME, "emptyDir": {}}
+    claim: dict[str, Any] = {"claimName": claim_name}
+    if read_only:
+        claim["readOnly"] = True
+    return {"name": MODEL_CACHE_VOLUME, "persistentVolumeClaim": claim}
+
+
+def model_cache_mount(read_only: bool) -> dict[str, Any]:
+    """The ``model-cache`` volume at :data:`CACHE_MOUNT_PATH` (``--cache-dir``, ``HF_HOME``)."""
+    return {
+        "name": MODEL_CACHE_VOLUME,
+        "mountPath": CACHE_MOUNT_PATH,
+        **({"readOnly": True} if read_only else {}),
+    }
+
+
 def _volumes(render: RenderInput) -> list[dict[str, Any]]:
     cache = render.spec.model_cache
-    if cache.mode == "pvc":
-        cache_source: dict[str, Any] = {
-            "persistentVolumeClaim": {"claimName": pvc_name(render.owner)}
-        }
-    elif cache.mode == "existing":
-        claim: dict[str, Any] = {"claimName": cache.claim_name}
-        if cache.read_only:
-            claim["readOnly"] = True
-        cache_source = {"persistentVolumeClaim": claim}
-    else:
-        cache_source = {"emptyDir": {}}
+    claim = {"pvc": pvc_name(render.owner), "existing": cache.claim_name}.get(cache.mode)
     return [
-        {"name": "model-cache", **cache_source},
+        model_cache_volume(claim, cache.read_only),
         {
             "name": "dshm",
             "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(render)},
@@ -361,11 +385,7 @@ def _pod_spec(render: RenderInput) -> dict[str, Any]:
         "livenessProbe": _probe("/health", 10, 3),
         "securityContext": container_security_context(),
         "volumeMounts": [
-            {
-                "name": "model-cache",
-                "mountPath": CACHE_MOUNT_PATH,
-                **({"readOnly": True} if spec.model_cache.read_only else {}),
-            },
+            model_cache_mount(spec.model_cache.read_only),
             {"name": "dshm", "mountPath": "/dev/shm"},
             {"name": "tmp", "mountPath": "/tmp"},
             golden.volume_mount(),

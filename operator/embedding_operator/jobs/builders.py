@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from embedding_operator.builders.common import (
+    CACHE_MOUNT_PATH,
     GROUP,
     MANAGED_BY,
     VERSION,
@@ -45,7 +46,9 @@ from embedding_operator.builders.common import (
     endpoint,
     pod_security_context,
 )
-from embedding_operator.jobs.spec import PVC_MOUNT_PATH, EmbeddingJobSpec
+from embedding_operator.builders.deployment import hub_env, model_cache_mount, model_cache_volume
+from embedding_operator.jobs.spec import PVC_MOUNT_PATH, EmbeddingJobSpec, JobModel
+from embedding_operator.profiles import NVIDIA_GPU
 from embedding_operator.spec import EmbeddingServiceSpec, SecretKeyRef
 
 JOB_KIND = "EmbeddingJob"
@@ -76,11 +79,17 @@ class ServiceTarget:
 
     image: str
     pull_policy: str | None
-    url: str
-    model: str
+    url: str | None
+    """None for a job whose own pods load the model (``spec.model``)."""
+    model: str | None
     api_key: SecretKeyRef | None = None
     """The service's ``apiKeySecretRef``: the workers send it as the bearer token (the
     kubelet resolves the Secret; the operator never reads it)."""
+
+    @classmethod
+    def own_pods(cls, default_image: str) -> ServiceTarget:
+        """``spec.model``: no service; the pods run the operator's image (the engine's)."""
+        return cls(image=default_image, pull_policy=None, url=None, model=None)
 
     @classmethod
     def of(
@@ -201,12 +210,36 @@ def planner_args(spec: EmbeddingJobSpec) -> list[str]:
     return [*args, *_s3_flags(spec), "--termination-log", TERMINATION_LOG]
 
 
-def worker_args(spec: EmbeddingJobSpec, service_url: str, model: str | None) -> list[str]:
+def local_model_args(spec: EmbeddingJobSpec, model: JobModel) -> list[str]:
+    """``job work --local`` and the engine flags of ``spec.model``, spelled as the
+    Deployment's ``serve`` flags (``builders.deployment.server_args``): the model, the cache
+    on the model-cache volume, the device named, never auto (a GPU pod whose CUDA is unusable
+    must fail, not embed the corpus on its CPU), dtype and pooling always, the rest only set."""
+    args = ["--local", "--model", model.server_model, "--cache-dir", CACHE_MOUNT_PATH]
+    if model.revision is not None:
+        args += ["--revision", model.revision]
+    if model.trust_remote_code:
+        args.append("--trust-remote-code")
+    args += ["--device", "cuda" if spec.gpu else "cpu", "--dtype", model.dtype]
+    args += ["--pooling", model.pooling]
+    if model.normalize is not None:
+        args.append("--normalize" if model.normalize else "--no-normalize")
+    return args
+
+
+def worker_args(spec: EmbeddingJobSpec, service_url: str | None, model: str | None) -> list[str]:
     """``embedding-server job work`` flags; the shard index comes from the Job controller's
-    ``JOB_COMPLETION_INDEX``."""
-    args = ["job", "work", "--output", spec.output.url, "--service", service_url]
-    if model:
-        args += ["--model", model]
+    ``JOB_COMPLETION_INDEX``. With ``spec.model``, the model is loaded in the pod (no
+    service, ``service_url`` unused)."""
+    args = ["job", "work", "--output", spec.output.url]
+    if spec.model is not None:
+        args += local_model_args(spec, spec.model)
+    elif service_url is not None:
+        args += ["--service", service_url]
+        if model:
+            args += ["--model", model]
+    else:
+        raise ValueError("a worker of a job without spec.model needs its service's URL")
     if spec.fingerprint is not None:
         args += ["--expect-fingerprint", spec.fingerprint]
     if spec.max_in_flight is not None:
@@ -242,9 +275,13 @@ def _api_key_env(ref: SecretKeyRef | None) -> list[dict[str, Any]]:
     return [{"name": API_KEY_ENV, "valueFrom": source}]
 
 
-def _resources(spec: EmbeddingJobSpec) -> dict[str, Any]:
+def _resources(spec: EmbeddingJobSpec, component: str) -> dict[str, Any]:
+    """``spec.resources``; the planner (which only lists the input) never holds a GPU."""
     requests = {k: str(v) for k, v in spec.resources.requests.items()}
     limits = {k: str(v) for k, v in spec.resources.limits.items()}
+    if component == PLANNER:
+        requests.pop(NVIDIA_GPU, None)
+        limits.pop(NVIDIA_GPU, None)
     if "memory" in requests and "memory" not in limits:
         limits["memory"] = requests["memory"]  # as the Deployment's: see builders.deployment
     out: dict[str, Any] = {}
@@ -271,13 +308,23 @@ def _pod_template(
         volumes.append(
             {"name": "data", "persistentVolumeClaim": {"claimName": spec.storage.pvc.claim_name}}
         )
+    env = _env(spec) + _api_key_env(api_key)
+    if component == WORKER and spec.model is not None:
+        # The worker loads the model as an EmbeddingService's pods do: the model-cache
+        # volume at /cache, HF_HOME on it, offline for a read-only cache, the Hub token.
+        cache = spec.model_cache
+        claim = cache.claim_name if cache is not None and cache.mode == "existing" else None
+        read_only = cache is not None and cache.read_only
+        mounts.append(model_cache_mount(read_only))
+        volumes.append(model_cache_volume(claim, read_only))
+        env = hub_env(spec.model.hub_token_secret_ref, read_only) + env
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": image,
         "command": ["embedding-server"],
         "args": args,
-        "env": _env(spec) + _api_key_env(api_key),
-        "resources": _resources(spec),
+        "env": env,
+        "resources": _resources(spec, component),
         # A worker that dies before writing its message leaves its last log lines instead:
         # what the operator reports for a failed planner.
         "terminationMessagePath": TERMINATION_LOG,
@@ -287,18 +334,34 @@ def _pod_template(
     }
     if pull_policy:
         container["imagePullPolicy"] = pull_policy
-    return {
-        "metadata": {"labels": job_labels(owner, component)},
-        "spec": {
-            "restartPolicy": "Never",  # the Job controller retries; required by the policy
-            "serviceAccountName": service_account_name(owner),
-            "automountServiceAccountToken": False,
-            "enableServiceLinks": False,
-            "securityContext": pod_security_context(),
-            "containers": [container],
-            "volumes": volumes,
-        },
+    pod: dict[str, Any] = {
+        "restartPolicy": "Never",  # the Job controller retries; required by the policy
+        "serviceAccountName": service_account_name(owner),
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": pod_security_context(),
+        "containers": [container],
+        "volumes": volumes,
     }
+    pod.update(_placement(spec))
+    return {"metadata": {"labels": job_labels(owner, component)}, "spec": pod}
+
+
+def _placement(spec: EmbeddingJobSpec) -> dict[str, Any]:
+    """``spec.scheduling``, in both pods, each field only when set (as the Deployment's)."""
+    scheduling = spec.scheduling
+    placement: dict[str, Any] = {}
+    if scheduling.node_selector:
+        placement["nodeSelector"] = dict(scheduling.node_selector)
+    if scheduling.tolerations:
+        placement["tolerations"] = [
+            t.model_dump(by_alias=True, exclude_none=True) for t in scheduling.tolerations
+        ]
+    if scheduling.affinity:
+        placement["affinity"] = scheduling.affinity
+    if scheduling.priority_class_name:
+        placement["priorityClassName"] = scheduling.priority_class_name
+    return placement
 
 
 def _pod_failure_policy() -> dict[str, Any]:
@@ -343,7 +406,7 @@ def build_worker_job(
     shards: int,
     rows: int,
     image: str,
-    service_url: str,
+    service_url: str | None,
     model: str | None = None,
     pull_policy: str | None = None,
     api_key: SecretKeyRef | None = None,

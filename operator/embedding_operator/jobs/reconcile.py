@@ -5,9 +5,10 @@ creates what the next phase needs, and writes the status computed from the facts
 (``jobs/status.py``) when it differs:
 
 1. the ServiceAccount and the planner Job, once the EmbeddingService exists (its image runs
-   the planner and the workers);
-2. when the planner succeeded, and the EmbeddingService is Ready, the worker Job of the
-   planner's S shards (none when S is 0: the job is Complete);
+   the planner and the workers; with ``spec.model``, no service is waited for and the
+   operator's default image runs them);
+2. when the planner succeeded, and the EmbeddingService is Ready (``spec.model``: at once),
+   the worker Job of the planner's S shards (none when S is 0: the job is Complete);
 3. afterwards only ``spec.suspend`` and ``spec.parallelism`` are kept in step on the Jobs
    (their pod templates are immutable; the CRD makes the fields that shape them immutable
    too).
@@ -341,7 +342,11 @@ class JobReconciler:
     def _service(
         self, owner: Owner, spec: EmbeddingJobSpec, *, need_ready: bool
     ) -> tuple[ServiceTarget | None, Problem | None]:
-        """What ``spec.service`` gives the job's pods, or why it cannot yet."""
+        """What ``spec.service`` gives the job's pods, or why it cannot yet. A job whose own
+        pods load the model (``spec.model``) waits for no service: they run the operator's
+        image, and the worker checks ``spec.fingerprint`` against the model it loaded."""
+        if spec.service is None:
+            return ServiceTarget.own_pods(self._default_image), None
         ref = ObjectRef(API_VERSION, KIND, owner.namespace, spec.service)
         service = self._cluster.get(ref)
         if service is None:

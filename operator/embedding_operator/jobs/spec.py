@@ -19,9 +19,14 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from embedding_operator.profiles import NVIDIA_GPU
 from embedding_operator.spec import (
+    Dtype,
     InvalidSpecError,
+    ModelSource,
+    Pooling,
     Resources,
+    Scheduling,
     _Model,
     format_validation_error,
 )
@@ -51,6 +56,17 @@ PATH_NEEDS_STORAGE = (
 STORAGE_NEEDS_ONE = "storage names s3, pvc or both"
 UNUSED_S3 = "storage.s3 is set but no input or output URL is an s3:// URL"
 UNUSED_PVC = "storage.pvc is set but no input or output URL is a path under /data"
+SERVICE_OR_MODEL = (
+    "one of service and model is required: service sends the rows to an EmbeddingService's "
+    "pods, model loads a model in the job's own pods"
+)
+NOT_BOTH = (
+    "service and model are exclusive: the rows go to an EmbeddingService's pods or to a model "
+    "loaded in the job's own pods, not both"
+)
+CACHE_NEEDS_MODEL = "modelCache applies with model only (a service's pods load its model)"
+CACHE_NEEDS_CLAIM = "claimName is required when mode is existing"
+READ_ONLY_NEEDS_CLAIM = "readOnly needs mode existing (a claim filled beforehand)"
 TEXT_OR_IMAGE = (
     "input.imageField and input.textField are exclusive: a job embeds either a text or an image "
     "per row (textField is text when neither is set)"
@@ -136,8 +152,38 @@ class Storage(_Model):
         return self
 
 
+class JobModel(ModelSource):
+    """``spec.model``: EmbeddingService's ``model`` (name, revision, trustRemoteCode,
+    hubTokenSecretRef) with the few engine settings a corpus may need to pin."""
+
+    dtype: Dtype = "auto"
+    pooling: Pooling = "auto"
+    normalize: bool | None = None
+
+
+class JobModelCache(_Model):
+    """``spec.modelCache``: EmbeddingService's ``modelCache`` without ``pvc`` (a claim the
+    job would own and delete with it, downloading the model again for each job)."""
+
+    mode: Literal["none", "existing"] = "none"
+    claim_name: str | None = Field(default=None, min_length=1, max_length=253)
+    read_only: bool = False
+
+    @model_validator(mode="after")
+    def _mode_fields(self) -> JobModelCache:
+        # As the CRD's CEL rules on spec.modelCache, with their words (EmbeddingService's).
+        if self.mode == "existing" and not self.claim_name:
+            raise ValueError(CACHE_NEEDS_CLAIM)
+        if self.read_only and self.mode != "existing":
+            raise ValueError(READ_ONLY_NEEDS_CLAIM)
+        return self
+
+
 class EmbeddingJobSpec(_Model):
-    service: str = Field(min_length=1, max_length=52)
+    model: JobModel | None = None
+    """Before ``service``, whose validator reads it (as the CRD's rules on spec)."""
+    service: str | None = Field(default=None, min_length=1, max_length=52, validate_default=True)
+    model_cache: JobModelCache | None = None
     fingerprint: str | None = Field(default=None, pattern=r"^[0-9a-f]{8,16}$")
     input: JobInput
     output: JobOutput
@@ -150,13 +196,38 @@ class EmbeddingJobSpec(_Model):
     suspend: bool = False
     ttl_seconds_after_finished: int | None = Field(default=None, ge=0, le=31_536_000)
     resources: Resources = Resources()
+    scheduling: Scheduling = Scheduling()
 
     @field_validator("service")
     @classmethod
-    def _service_name(cls, name: str) -> str:
-        if not NAME_PATTERN.match(name):
+    def _service_name(cls, name: str | None, info: ValidationInfo) -> str | None:
+        if name is not None and not NAME_PATTERN.match(name):
             raise ValueError(f"{name!r} is not an EmbeddingService name (a DNS-1035 label)")
+        # As the CRD's two CEL rules on spec (fieldPath .service), with their words; a model
+        # that was refused itself is not in info.data, and is reported alone.
+        if "model" in info.data:
+            given = info.data["model"] is not None
+            if name is None and not given:
+                raise ValueError(SERVICE_OR_MODEL)
+            if name is not None and given:
+                raise ValueError(NOT_BOTH)
         return name
+
+    @field_validator("model_cache")
+    @classmethod
+    def _cache_needs_model(
+        cls, cache: JobModelCache | None, info: ValidationInfo
+    ) -> JobModelCache | None:
+        # As the CRD's CEL rule on spec (fieldPath .modelCache), with its words.
+        if cache is not None and info.data.get("model") is None and "model" in info.data:
+            raise ValueError(CACHE_NEEDS_MODEL)
+        return cache
+
+    @property
+    def gpu(self) -> bool:
+        """Whether the pods ask for an NVIDIA GPU (``resources``): ``spec.model`` then runs
+        on it (``--device cuda``), else on the CPU."""
+        return NVIDIA_GPU in self.resources.limits or NVIDIA_GPU in self.resources.requests
 
     @property
     def urls(self) -> list[str]:
@@ -198,6 +269,8 @@ __all__ = [
     "EmbeddingJobSpec",
     "InvalidSpecError",
     "JobInput",
+    "JobModel",
+    "JobModelCache",
     "JobOutput",
     "Storage",
     "parse_job_spec",
