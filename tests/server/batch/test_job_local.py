@@ -137,3 +137,21 @@ def test_engine_settings_without_local_are_refused_with_exit_2(tmp_path: Path) -
     assert code == 2
     assert summary is not None and "--dtype" in summary["error"] and "--local" in summary["error"]
     assert place.files("out/parts") == []
+
+
+def test_a_model_that_cannot_be_loaded_exits_1_and_commits_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Exit 1: the shard is tried again (a Hub that did not answer may next time)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    place = _place(tmp_path)
+    glob = write_corpus(place, "parquet", [[(n, f"text {n}") for n in range(4)]])
+    assert run(*plan_args(glob, "parquet", place.url("out"), 10))[0] == 0
+    code, summary = run(
+        "work", "--output", place.url("out"), "--index", "0", "--local",
+        "--model", "no-such-org/no-such-model",
+        log=tmp_path / "work.log",
+    )  # fmt: skip
+    assert code == 1
+    assert summary is not None and "no-such-org/no-such-model" in summary["error"]
+    assert place.files("out/parts") == [] and place.files("out/errors") == []
