@@ -136,7 +136,23 @@ def test_examples_validate(path: Any, validator: Any) -> None:
 
 
 def test_an_example_exists() -> None:
-    assert [p.name for p in JOB_EXAMPLES] == ["embeddingjob.yaml"]
+    assert [p.name for p in JOB_EXAMPLES] == ["embeddingjob.yaml", "one-off-corpus-l4.yaml"]
+
+
+def test_the_one_off_example_runs_its_model_on_the_l4_profiles_nodes() -> None:
+    """examples/one-off-corpus-l4.yaml: no service, the model on a GPU per worker, placed as
+    an EmbeddingService of gpu.type l4 is (the profile's node selector and toleration)."""
+    from embedding_operator.profiles import BUILTIN_PROFILES
+
+    (path,) = [p for p in JOB_EXAMPLES if p.name == "one-off-corpus-l4.yaml"]
+    spec = parse_job_spec(yaml.safe_load(path.read_text())["spec"])
+    assert spec.service is None and spec.model is not None and spec.gpu
+    l4 = BUILTIN_PROFILES["l4"]
+    assert spec.scheduling.node_selector == l4.node_selector
+    tolerations = [
+        t.model_dump(by_alias=True, exclude_none=True) for t in spec.scheduling.tolerations
+    ]
+    assert tolerations == l4.tolerations
 
 
 BAD_VALUES = {
