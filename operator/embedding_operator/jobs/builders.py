@@ -246,6 +246,11 @@ def worker_args(spec: EmbeddingJobSpec, service_url: str | None, model: str | No
         args += ["--max-in-flight", str(spec.max_in_flight)]
     if spec.batch_size is not None:
         args += ["--batch-size", str(spec.batch_size)]
+    if spec.output.vectors != ["dense"]:
+        # Only when not the default: a server image older than the flag still embeds dense.
+        args += ["--vectors", ",".join(spec.output.vectors)]
+    if spec.input.input_type is not None:
+        args += ["--input-type", spec.input.input_type]
     return [*args, *_s3_flags(spec), "--termination-log", TERMINATION_LOG]
 
 

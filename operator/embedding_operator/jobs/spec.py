@@ -33,6 +33,8 @@ from embedding_operator.spec import (
 
 InputFormat = Literal["parquet", "jsonl", "csv"]
 OutputFormat = Literal["parquet", "jsonl"]
+Vector = Literal["dense", "sparse", "multi_vector"]
+"""An output the parts keep (``spec.output.vectors``), as the server's ``/info`` names them."""
 DEFAULT_TEXT_FIELD = "text"
 
 PVC_MOUNT_PATH = "/data"
@@ -73,6 +75,20 @@ TEXT_OR_IMAGE = (
 )
 
 
+IMAGES_ARE_DENSE = (
+    "output.vectors must be [dense] when input.imageField is set: sparse and multi_vector are "
+    "outputs of texts"
+)
+VECTORS_TWICE = "output.vectors names an output twice"
+
+
+def _dense_only() -> list[Vector]:
+    return ["dense"]
+
+
+INPUT_TYPE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+
+
 class JobInput(_Model):
     urls: list[str] = Field(min_length=1, max_length=MAX_INPUT_URLS)
     format: InputFormat
@@ -81,6 +97,11 @@ class JobInput(_Model):
     """No default in the schema (so that a job of images can leave it out, and the CEL rule
     can tell it was given): :attr:`text_column` is the text embedded, ``text`` unset."""
     image_field: str | None = Field(default=None, min_length=1, max_length=256)
+    input_type: str | None = Field(
+        default=None, min_length=1, max_length=64, pattern=INPUT_TYPE_PATTERN
+    )
+    """The API's ``input_type`` for the texts (``job work --input-type``); unset, none, or
+    ``search_document`` when the output keeps multi-vectors (the workers' default)."""
 
     @field_validator("urls")
     @classmethod
@@ -108,11 +129,20 @@ class JobInput(_Model):
 class JobOutput(_Model):
     url: str = Field(min_length=1, max_length=2048)
     format: OutputFormat = "parquet"
+    vectors: list[Vector] = Field(default_factory=_dense_only, min_length=1, max_length=3)
 
     @field_validator("url")
     @classmethod
     def _url(cls, url: str) -> str:
         return _check_url(url)
+
+    @field_validator("vectors")
+    @classmethod
+    def _vectors_once(cls, vectors: list[Vector]) -> list[Vector]:
+        # The CRD's x-kubernetes-list-type: set (the API server's "Duplicate value").
+        if len(set(vectors)) != len(vectors):
+            raise ValueError(VECTORS_TWICE)
+        return vectors
 
 
 def _check_url(url: str) -> str:
@@ -240,6 +270,13 @@ class EmbeddingJobSpec(_Model):
     @property
     def uses_pvc(self) -> bool:
         return any(not url.startswith(S3_PREFIX) for url in self.urls)
+
+    @model_validator(mode="after")
+    def _images_are_dense(self) -> EmbeddingJobSpec:
+        # As the CRD's CEL rule on spec (fieldPath .output.vectors), with its words.
+        if self.input.image_field is not None and self.output.vectors != ["dense"]:
+            raise ValueError(IMAGES_ARE_DENSE)
+        return self
 
     @model_validator(mode="after")
     def _storage_fits_the_urls(self) -> EmbeddingJobSpec:
