@@ -15,6 +15,10 @@ toleration (the apiserver's PodNodeSelector and PodTolerationRestriction), as a 
 dedicates a namespace to a node pool; the EmbeddingJob itself has no placement fields. Every
 wait polls with a deadline; a failure prints describe output, events and logs (conftest), plus
 the operator's and the store's last lines.
+
+A second, small test (500 rows, two shards) runs a job with ``spec.model`` instead of a
+service: its worker pods load MiniLM themselves, and no EmbeddingService is created or waited
+for.
 """
 
 from __future__ import annotations
@@ -368,6 +372,119 @@ def test_a_job_survives_a_killed_worker_a_restarted_operator_and_a_suspension(
     # Sampled rows are sentence-transformers' vectors.
     rng = np.random.default_rng(46)
     picks = sorted(rng.choice(ROWS, size=SAMPLE, replace=False).tolist())
+    position = {value: i for i, value in enumerate(ids)}
+    embeddings = table.column("embedding")
+    got = np.asarray([embeddings[position[row_id(i)]].as_py() for i in picks], dtype=np.float32)
+    expected = reference_vectors([row_text(i) for i in picks])
+    cosine = (got * expected).sum(axis=1) / (
+        np.linalg.norm(got, axis=1) * np.linalg.norm(expected, axis=1)
+    )
+    assert cosine.min() >= 0.9999, f"cosine to sentence-transformers: min {cosine.min():.6f}"
+
+
+# -- spec.model: the model in the job's own pods --------------------------------------------------
+
+MODEL_JOB = "corpus-local"
+MODEL_ROWS = 500
+MODEL_SHARD_ROWS = 250  # two shards of two or three row groups of 100
+
+
+@pytest.fixture
+def small_corpus(object_store: ObjectStore) -> str:
+    """A bucket holding ``docs/part-0.parquet``: MODEL_ROWS rows (id, text); its name."""
+    bucket = object_store.create_bucket("small-corpus")
+    ids = range(MODEL_ROWS)
+    table = pa.table({"id": [row_id(i) for i in ids], "text": [row_text(i) for i in ids]})
+    pq.write_table(
+        table,
+        f"{bucket}/docs/part-0.parquet",
+        filesystem=object_store.filesystem(),
+        row_group_size=100,
+    )
+    return bucket
+
+
+def test_a_job_with_spec_model_embeds_in_its_own_pods_without_a_service(
+    cluster: KubeClient,
+    operator: OperatorProcess,
+    object_store: ObjectStore,
+    job_namespace: str,
+    small_corpus: str,
+) -> None:
+    """spec.model instead of spec.service: no EmbeddingService exists and none is waited for;
+    each worker pod loads MiniLM itself (job work --local) and commits its shard, with
+    sentence-transformers' vectors and the engine's fingerprint in the parts' metadata."""
+    ns, bucket = job_namespace, small_corpus
+    fs = object_store.filesystem()
+    output = f"{bucket}/vectors/local"
+    try:
+        cluster.apply(object_store.credentials_secret("corpus-s3", ns))
+        cluster.apply(
+            {
+                "apiVersion": "embedding-operator.dev/v1alpha1",
+                "kind": "EmbeddingJob",
+                "metadata": {"name": MODEL_JOB, "namespace": ns},
+                "spec": {
+                    "model": {
+                        "name": "sentence-transformers/all-MiniLM-L6-v2",
+                        # float32, so the vectors meet sentence-transformers' to 0.9999 on any
+                        # CPU (auto picks bfloat16 where the CPU has it).
+                        "dtype": "float32",
+                        "pooling": "mean",
+                        "normalize": True,
+                    },
+                    "input": {"urls": [f"s3://{bucket}/docs/*.parquet"], "format": "parquet"},
+                    "output": {"url": f"s3://{output}/"},
+                    "storage": {
+                        "s3": {
+                            "endpoint": object_store.pod_url,
+                            "region": REGION,
+                            "credentialsSecret": {"name": "corpus-s3"},
+                        }
+                    },
+                    "shardRows": MODEL_SHARD_ROWS,
+                    "parallelism": 2,
+                    "resources": {
+                        "requests": {"cpu": "500m", "memory": "1Gi"},
+                        "limits": {"memory": "2Gi"},
+                    },
+                },
+            },
+        )
+
+        def finished() -> dict[str, Any] | None:
+            obj = get_json(cluster, "embeddingjob", MODEL_JOB, "-n", ns) or {}
+            status: dict[str, Any] = obj.get("status") or {}
+            return status if status.get("phase") in ("Complete", "Failed") else None
+
+        final = poll_until(finished, timeout=JOB_TIMEOUT_S, what="the job to finish", interval=2.0)
+    except BaseException:
+        print(f"--- operator log (last lines) ---\n{operator.log_text()[-6000:]}")
+        print(f"--- object store log (last lines) ---\n{object_store.log_tail(60)}")
+        raise
+
+    assert final["phase"] == "Complete", final
+    assert (final["shards"], final["shardsDone"]) == (2, 2), final
+    assert (final["rows"], final["rowsDone"], final.get("failedRows", 0)) == (
+        MODEL_ROWS,
+        MODEL_ROWS,
+        0,
+    ), final
+    reasons = {c.get("reason") for c in final.get("conditions") or []}
+    assert not reasons & {"ServiceNotFound", "ServiceNotReady"}, final
+    services = get_json(cluster, "embeddingservices", "-n", ns) or {}
+    assert not services.get("items"), "a spec.model job needs no EmbeddingService"
+
+    table = pq.read_table(f"{output}/parts", filesystem=fs)
+    ids = table.column("id").to_pylist()
+    assert sorted(ids) == [row_id(i) for i in range(MODEL_ROWS)]
+    metadata = table.schema.metadata or {}
+    assert metadata.get(b"model") == b"all-MiniLM-L6-v2", metadata
+    assert metadata.get(b"dimensions") == b"384", metadata
+    assert re.fullmatch(rb"[0-9a-f]{16}", metadata.get(b"fingerprint") or b""), metadata
+
+    rng = np.random.default_rng(46)
+    picks = sorted(rng.choice(MODEL_ROWS, size=SAMPLE, replace=False).tolist())
     position = {value: i for i, value in enumerate(ids)}
     embeddings = table.column("embedding")
     got = np.asarray([embeddings[position[row_id(i)]].as_py() for i in picks], dtype=np.float32)
