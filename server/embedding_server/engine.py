@@ -183,6 +183,7 @@ class Engine(ServingEngine):
             max_batch_size=config.max_batch_size,
             max_queue_tokens=config.max_queue_tokens,
             max_request_tokens=config.max_request_tokens,
+            bulk_batch_seconds=config.bulk_batch_seconds,
             metrics=metrics,
         )
         self._online: ScheduledRunner | None = None

@@ -169,6 +169,16 @@ class EngineSettings(BaseSettings):
         "half of max_queue_tokens, and never less than max_model_len), so no single request "
         "can take the whole queue.",
     )
+    bulk_batch_ms: float = Field(
+        10.0,
+        ge=0,
+        description="Longest forward pass a batch holding bulk requests (X-Priority: bulk) "
+        "may take, in milliseconds, at the throughput measured recently, while interactive "
+        "requests came in the last minute: such a batch then holds at most that many ms of "
+        "tokens (one bulk text at least), so a query arriving while bulk work runs waits "
+        "about that long at most, not for a full max_batch_tokens batch. Bulk alone runs full "
+        "batches. Higher: more bulk throughput beside queries, slower queries; 0: no cap.",
+    )
     tokenizer_workers: int = Field(2, gt=0, description="Threads for batched tokenization.")
     tensor_parallel_size: int = Field(
         1,

@@ -550,3 +550,85 @@ async def test_a_bulk_batch_taken_while_queries_waited_is_not_passed() -> None:
         ran = forward.batches[1:]
         assert ran[:BULK_TURN] == [[tag] for tag in range(10, 10 + BULK_TURN)]
         assert ran[BULK_TURN] == [1]
+
+
+class PacedForward(GatedForward):
+    """A gated runner whose forward pass reports 1 ms a token: 1,000 tokens/s measured."""
+
+    def execute(self, seqs: list[SequenceInput]) -> BatchOutput:
+        self.seconds = [sum(len(s.ids) for s in seqs) * 1e-3]
+        return super().execute(seqs)
+
+
+async def run_bulk_behind(first_priority: str, bulk_batch_seconds: float | None) -> list[list[int]]:
+    """One request of ``first_priority`` runs (10 tokens, measured at 1,000 tokens/s) while
+    ten bulk texts of 30 tokens queue behind it; the batches that ran after it."""
+    forward = PacedForward()
+    async with started(
+        forward,
+        max_batch_tokens=1000,
+        max_batch_size=64,
+        max_queue_tokens=10_000,
+        bulk_batch_seconds=bulk_batch_seconds,
+    ) as scheduler:
+        blocker = asyncio.create_task(scheduler.submit([seq(0, 10)], priority=first_priority))
+        await wait_for(forward.started.is_set)
+        bulk = [
+            asyncio.create_task(scheduler.submit([seq(tag, 30)], priority="bulk"))
+            for tag in range(1, 11)
+        ]
+        await wait_for(lambda: scheduler.queued_tokens == 300)
+        forward.gate.set()
+        await asyncio.gather(blocker, *bulk)
+        for tag, task in enumerate(bulk, start=1):
+            assert task.result().pooled.tolist() == [[float(tag), 30.0]]
+        return forward.batches[1:]
+
+
+async def test_beside_queries_a_bulk_batch_holds_what_runs_in_the_bulk_batch_time() -> None:
+    # 100 ms at the measured 1,000 tokens/s: 100 tokens, three bulk texts of 30 a batch,
+    # where without the cap all ten ride one batch (300 of the 1,000-token budget).
+    capped = await run_bulk_behind("interactive", 0.1)
+    assert [len(batch) for batch in capped] == [3, 3, 3, 1]
+    assert sorted(tag for batch in capped for tag in batch) == list(range(1, 11))
+    assert [len(batch) for batch in await run_bulk_behind("interactive", None)] == [10]
+
+
+async def test_bulk_alone_runs_full_batches_whatever_the_cap() -> None:
+    # No query came: nobody waits behind a bulk batch, so the cap does not bind.
+    assert [len(batch) for batch in await run_bulk_behind("bulk", 0.1)] == [10]
+
+
+async def test_a_query_shares_its_batch_with_bulk_only_within_the_bulk_batch_time() -> None:
+    forward = PacedForward()
+    async with started(
+        forward,
+        max_batch_tokens=1000,
+        max_batch_size=64,
+        max_queue_tokens=10_000,
+        bulk_batch_seconds=0.1,
+    ) as scheduler:
+        blocker = asyncio.create_task(scheduler.submit([seq(0, 10)]))
+        await wait_for(forward.started.is_set)
+        bulk = [
+            asyncio.create_task(scheduler.submit([seq(tag, 30)], priority="bulk"))
+            for tag in range(1, 5)
+        ]
+        query = asyncio.create_task(scheduler.submit([seq(50, 40)]))
+        await wait_for(lambda: scheduler.queued_tokens == 160)
+        forward.gate.set()
+        await asyncio.gather(blocker, query, *bulk)
+        # The query anchors the next batch; bulk fills only the 60 tokens the 100 ms leave.
+        assert sorted(forward.batches[1]) == [1, 2, 50]
+        assert query.result().pooled.tolist() == [[50.0, 40.0]]
+
+
+def test_the_bulk_batch_time_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="bulk_batch_seconds"):
+        Scheduler(
+            GatedForward(),
+            max_batch_tokens=10,
+            max_batch_size=1,
+            max_queue_tokens=10,
+            bulk_batch_seconds=0.0,
+        )

@@ -115,6 +115,7 @@ def resolve_config(
         # Tensor-parallel ranks on one host share its CPUs.
         cpu_threads=max(1, cpu_thread_budget() // settings.tensor_parallel_size),
         tensor_parallel_size=settings.tensor_parallel_size,
+        bulk_batch_seconds=settings.bulk_batch_ms / 1e3 if settings.bulk_batch_ms else None,
         task=task,
         classifier=classifier,
         hybrid=loaded.hybrid,

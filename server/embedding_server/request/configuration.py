@@ -40,6 +40,8 @@ class EngineConfig:
     prompts: Prompts
     cpu_threads: int
     tensor_parallel_size: int
+    bulk_batch_seconds: float | None = None
+    """The longest a batch holding bulk items may run (``--bulk-batch-ms``); None: no cap."""
     task: Task = "embed"
     classifier: Classifier | None = None
     """What the classification head means (task score, classify, token_classify or

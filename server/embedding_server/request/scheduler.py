@@ -32,7 +32,11 @@ a thread of its own, so the device does not idle while the host packs:
   items first; bulk items fill what room is left, so bulk rides the slack interactive
   traffic leaves. When interactive traffic leaves none, the oldest bulk item anchors every
   :data:`BULK_TURN`-th batch all the same: bulk is slowed, never starved. Within a class the
-  fairness rule above holds as it is. A batch of bulk items only, prepared ahead while
+  fairness rule above holds as it is. A batch that holds bulk items holds at most what the
+  model runs in ``bulk_batch_seconds`` (``--bulk-batch-ms``) at its measured rate, its bulk
+  anchor aside (:meth:`Scheduler.bulk_room`), while interactive requests came recently
+  (:data:`BULK_CAP_MEMORY_S`): a query that arrives while bulk work runs waits for that
+  long at most, not for a full batch budget. A batch of bulk items only, prepared ahead while
   interactive items were not yet queued, is passed once by a batch formed for those that
   arrived since: a query waits for the batch running when it arrives, never also for a bulk
   batch packed behind it (the passed batch runs next, so bulk loses one batch's time).
@@ -60,6 +64,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -201,6 +206,12 @@ batch anyway (bulk gets at least a fifth of the batches' anchors under saturatio
 traffic is slowed by interactive traffic, never starved by it."""
 
 
+BULK_CAP_MEMORY_S = 60.0
+"""``bulk_batch_seconds`` caps bulk batches while interactive requests came in this many
+seconds ago at most: a service that only indexes runs full batches, and one whose users query
+it now and then keeps its cap between their queries."""
+
+
 @dataclass(eq=False, slots=True)
 class _Item:
     seq: SequenceInput
@@ -262,8 +273,11 @@ class Scheduler:
         max_batch_size: int,
         max_queue_tokens: int,
         max_request_tokens: int | None = None,
+        bulk_batch_seconds: float | None = None,
         metrics: Metrics | None = None,
     ) -> None:
+        if bulk_batch_seconds is not None and bulk_batch_seconds <= 0:
+            raise ValueError("bulk_batch_seconds must be positive (None: no cap)")
         self._runner = runner
         self._executor: Executor | None = None
         self._prepare_pool: ThreadPoolExecutor | None = None
@@ -271,10 +285,12 @@ class Scheduler:
         self._upcoming: _Batch | None = None
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_size = max_batch_size
+        self.bulk_batch_seconds = bulk_batch_seconds
         self.admission = Admission.of(max_queue_tokens, max_request_tokens)
         self._metrics = metrics
         self._lanes: dict[Priority, _Lane] = {p: _Lane() for p in PRIORITIES}
         self._bulk_passed = 0  # batches formed in a row without bulk items while bulk waited
+        self._interactive_at = -math.inf  # monotonic time of the last interactive request
         self._queued_tokens = 0
         self._queued_requests = 0
         self._queued_items = 0
@@ -432,6 +448,8 @@ class Scheduler:
             remaining=len(seqs),
             queued_items=len(seqs),
         )
+        if priority == "interactive":
+            self._interactive_at = time.monotonic()
         lane = self._lanes[priority]
         for index, seq in enumerate(seqs):
             item = _Item(seq, len(seq.ids), request, index)
@@ -506,14 +524,35 @@ class Scheduler:
             return batch
         self._take(first, batch)
         budget = self.max_batch_tokens - first.tokens
-        for lane in (interactive, bulk):
-            budget = self._fill(lane, batch, budget, first.tokens)
+        room = self.bulk_room()
+        if first.request.priority == "bulk":  # the batch holds bulk: all of it within room
+            budget = min(budget, room - first.tokens)
+            for lane in (interactive, bulk):
+                budget = self._fill(lane, batch, budget, first.tokens)
+        else:
+            budget = self._fill(interactive, batch, budget, first.tokens)
+            held = self.max_batch_tokens - budget
+            if room - held > 0:
+                self._fill(bulk, batch, min(budget, room - held), first.tokens)
         if bulk.items and not any(item.request.priority == "bulk" for item in batch):
             self._bulk_passed += 1
         else:
             self._bulk_passed = 0
         self._publish()
         return batch
+
+    def bulk_room(self) -> int:
+        """Most tokens a batch that holds bulk items may hold (its bulk anchor aside): what the
+        model runs in ``bulk_batch_seconds`` at the rate measured recently, within the batch
+        budget, so a query that arrives while such a batch runs waits about that long at most.
+        The whole budget without a cap, before the first batch, and when no interactive
+        request came in the last :data:`BULK_CAP_MEMORY_S` seconds."""
+        rate = self.tokens_per_s
+        if self.bulk_batch_seconds is None or rate <= 0:
+            return self.max_batch_tokens
+        if time.monotonic() - self._interactive_at > BULK_CAP_MEMORY_S:
+            return self.max_batch_tokens  # bulk only, lately: nobody waits for it
+        return min(self.max_batch_tokens, int(rate * self.bulk_batch_seconds))
 
     def _fill(self, lane: _Lane, batch: list[_Item], budget: int, anchor: int) -> int:
         """Add ``lane``'s items to ``batch``, lengths closest to ``anchor`` first (oldest
