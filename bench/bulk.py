@@ -36,6 +36,13 @@ mixed-length corpus of ``bench/corpus.py``. One row is one text, with its id. In
    until it exits), not ``ru_maxrss``: a child forked from this process, which holds the
    offline engine, inherits this process's size in that figure. The target is flat.
 
+6. **queries beside a job**: for each of ``--query-caps`` (``--bulk-batch-ms`` values, 10 (the
+   default) and 0 (no cap) by default), a server of its own with that cap, one interactive
+   query at a time (a short text, 20 ms apart, as a user's search box sends them): their p50
+   and p95 on the idle server, then while the 2-worker EmbeddingJob runs against it (bulk
+   priority), and the job's rows/s beside them. The target is a p50 within 2x of idle while
+   bulk fills the slack (issue 46, item 4).
+
 Every system must answer every row: a row missing, or answered with an error, is printed and
 fails the run (exit 1) after the figures. The vectors of run-batch, the loop and the job are
 compared with the offline engine's (cosine >= 0.9999 in float32, 0.999 otherwise).
@@ -76,11 +83,14 @@ from e2e.harness.proc import child_process, free_port
 BIN = Path(sys.executable).parent
 EMBEDDINGS = "/v1/embeddings"
 POLL_S = 0.05
+QUERY_GAP_S = 0.02
+IDLE_PROBE_S = 5.0
 COMMAND_TIMEOUT_S = 3600.0
 """The longest one command may run: a million rows on two cores takes well under this."""
 SERVER_START_S = 300.0
 TARGET_OFFLINE = 0.9
 TARGET_NAIVE = 1.5
+TARGET_QUERY_P50 = 2.0
 MEMORY_CHUNK = 10_000
 """Rows of the memory files generated at a time (each chunk its own seed): a million rows'
 texts are never all in this process at once."""
@@ -134,9 +144,28 @@ class Memory:
 
 
 @dataclass
+class Beside:
+    """Interactive queries on an idle server, then beside an EmbeddingJob, at one cap."""
+
+    bulk_batch_ms: float
+    idle_p50_ms: float
+    idle_p95_ms: float
+    busy_p50_ms: float
+    busy_p95_ms: float
+    queries: int
+    failed_queries: int
+    job: Run
+
+    @property
+    def ratio(self) -> float:
+        return self.busy_p50_ms / self.idle_p50_ms if self.idle_p50_ms else float("nan")
+
+
+@dataclass
 class Report:
     runs: list[Run] = field(default_factory=list)
     memory: list[Memory] = field(default_factory=list)
+    beside: list[Beside] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
 
@@ -581,6 +610,101 @@ def bench_memory(args: argparse.Namespace, sizes: list[int], work: Path) -> list
     return results
 
 
+class QueryProbe:
+    """One interactive query at a time, ``QUERY_GAP_S`` apart, on a thread, until stopped:
+    each one's latency, and how many were not answered with 200."""
+
+    def __init__(self, url: str, texts: list[str]) -> None:
+        import threading
+
+        self.url, self.texts = url, texts
+        self.latencies: list[float] = []
+        self.failed = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import httpx
+
+        with httpx.Client(timeout=60) as client:
+            index = 0
+            while not self._stop.is_set():
+                text = self.texts[index % len(self.texts)]
+                index += 1
+                started = time.perf_counter()
+                try:
+                    answer = client.post(
+                        f"{self.url}{EMBEDDINGS}",
+                        json={"input": text, "encoding_format": "base64"},
+                        headers={"X-Priority": "interactive"},
+                    )
+                    ok = answer.status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                if ok:
+                    self.latencies.append(time.perf_counter() - started)
+                else:
+                    self.failed += 1
+                self._stop.wait(QUERY_GAP_S)
+
+    def __enter__(self) -> QueryProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=120)
+
+    def quantiles_ms(self) -> tuple[float, float]:
+        if not self.latencies:
+            return float("nan"), float("nan")
+        p50, p95 = np.percentile(np.array(self.latencies) * 1e3, [50, 95])
+        return float(p50), float(p95)
+
+
+def bench_beside(
+    args: argparse.Namespace,
+    cap: float,
+    corpus: Path,
+    rows: int,
+    work: Path,
+    reference: np.ndarray,
+) -> Beside:
+    """A server with ``--bulk-batch-ms cap``: queries idle, then beside a 2-worker job."""
+    queries = make_corpus(64, seed=7, min_words=3, max_words=12)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    serve = [
+        str(BIN / "embedding-server"),
+        "serve",
+        *engine_flags(args),
+        *("--bulk-batch-ms", f"{cap:g}"),
+        *("--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"),
+    ]
+    with (
+        (work / f"serve-cap-{cap:g}.log").open("wb") as server_log,
+        child_process(serve, stdout=server_log, stderr=subprocess.STDOUT, grace=30) as server,
+    ):
+        wait_ready(url, server, SERVER_START_S)
+        with QueryProbe(url, queries) as idle:
+            time.sleep(IDLE_PROBE_S)
+        with QueryProbe(url, queries) as busy:
+            job = bench_job(args, url, corpus, rows, 2, work, reference)
+    job.name = f"EmbeddingJob, 2 workers, beside queries, --bulk-batch-ms {cap:g}"
+    idle_p50, idle_p95 = idle.quantiles_ms()
+    busy_p50, busy_p95 = busy.quantiles_ms()
+    return Beside(
+        cap,
+        idle_p50,
+        idle_p95,
+        busy_p50,
+        busy_p95,
+        len(busy.latencies),
+        idle.failed + busy.failed,
+        job,
+    )
+
+
 def served_model(url: str) -> str:
     import httpx
 
@@ -654,6 +778,11 @@ def main() -> int:
     parser.add_argument(
         "--rounds", type=int, default=1, help="rounds of every throughput system; best kept"
     )
+    parser.add_argument(
+        "--query-caps",
+        default="10,0",
+        help="--bulk-batch-ms values to measure queries beside a job at ('' skips)",
+    )
     args = parser.parse_args()
 
     import torch
@@ -722,6 +851,17 @@ def main() -> int:
                     )
         engine.close()
         report.runs = [best(runs) for runs in rounds.values()]
+        assert reference is not None
+        for cap in [float(part) for part in args.query_caps.split(",") if part.strip()]:
+            print(f"queries beside a 2-worker job, --bulk-batch-ms {cap:g}:", flush=True)
+            beside = bench_beside(args, cap, corpus, len(texts), work, reference)
+            report.beside.append(beside)
+            print(
+                f"  idle p50 {beside.idle_p50_ms:.1f} ms, beside the job p50 "
+                f"{beside.busy_p50_ms:.1f} ms ({beside.ratio:.2f}x), job "
+                f"{beside.job.rows_per_s:.1f} rows/s",
+                flush=True,
+            )
         if sizes:
             print("peak memory of run-batch against input size:", flush=True)
             report.memory = bench_memory(args, sizes, work)
@@ -740,6 +880,19 @@ def main() -> int:
             report.problems.append(
                 f"run-batch at {memory.rows} rows: {memory.answered} answered, "
                 f"{memory.failed} failed"
+            )
+
+    for beside in report.beside:
+        run = beside.job
+        if run.answered != args.rows or run.failed or run.note:
+            report.problems.append(
+                f"{run.name}: {run.answered} of {args.rows} rows answered, {run.failed} "
+                f"failed {run.note}"
+            )
+        if beside.failed_queries:
+            report.problems.append(
+                f"--bulk-batch-ms {beside.bulk_batch_ms:g}: {beside.failed_queries} queries "
+                "not answered with 200"
             )
 
     by_name = {run.name: run for run in report.runs}
@@ -794,6 +947,26 @@ def main() -> int:
                 f"| {memory.rows:,} | {memory.peak_rss_mib:.0f} | {memory.seconds:.1f} | "
                 f"{memory.rows / memory.seconds:.1f} |"
             )
+    if report.beside:
+        print(
+            "\n| --bulk-batch-ms | query p50 idle ms | p95 idle | p50 beside the job | p95 "
+            "beside | p50 beside / idle | job rows/s |"
+        )
+        print("|---:|---:|---:|---:|---:|---:|---:|")
+        for beside in report.beside:
+            print(
+                f"| {beside.bulk_batch_ms:g} | {beside.idle_p50_ms:.1f} | "
+                f"{beside.idle_p95_ms:.1f} | {beside.busy_p50_ms:.1f} | "
+                f"{beside.busy_p95_ms:.1f} | {beside.ratio:.2f}x | "
+                f"{beside.job.rows_per_s:.1f} |"
+            )
+        for beside in report.beside:
+            missed = "" if beside.ratio <= TARGET_QUERY_P50 else ", MISSED"
+            line = (
+                f"query p50 beside the job / idle, --bulk-batch-ms {beside.bulk_batch_ms:g}: "
+                f"{beside.ratio:.2f}x  (target <= {TARGET_QUERY_P50}x{missed})"
+            )
+            print(line)
     print("\nratios (rows/s):")
     for line, _ in lines_and_values:
         print(f"  {line}")
@@ -819,11 +992,16 @@ def main() -> int:
             "rounds": args.rounds,
             "runs": [run.summary() for run in report.runs],
             "memory": [asdict(memory) for memory in report.memory],
+            "beside": [
+                {**asdict(beside), "job": beside.job.summary(), "ratio": round(beside.ratio, 3)}
+                for beside in report.beside
+            ],
             "ratios": ratios,
             "targets": {
                 "run-batch (model loaded) / offline engine": f">= {TARGET_OFFLINE}x",
                 "run-batch (model loaded) / naive client loop": f">= {TARGET_NAIVE}x",
                 "peak RSS": "flat from 10k to 1M rows",
+                "query p50 beside the job / idle": f"<= {TARGET_QUERY_P50}x",
             },
             "problems": report.problems,
         },
