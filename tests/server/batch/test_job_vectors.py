@@ -29,6 +29,7 @@ from tests.server.device.test_colbert_engine import build_hf_colbert
 from tests.support.api import RunningServer, fake_settings, running_server
 from tests.support.api import post_json as post
 from tests.support.models import build_bge_m3
+from tests.support.tasks import build_splade
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -45,8 +46,19 @@ MIN_COSINE = 0.9999
 
 
 @pytest.fixture(scope="module")
-def bge_m3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    path = build_bge_m3(tmp_path_factory.mktemp("bge-m3") / "xlmr")
+def bge_m3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_bge_m3(tmp_path_factory.mktemp("bge-m3") / "xlmr")
+
+
+@pytest.fixture(scope="module")
+def bge_m3(bge_m3_dir: Path) -> Iterator[RunningServer]:
+    with running_server(fake_settings(str(bge_m3_dir), dtype="float32")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def splade(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    path = build_splade(tmp_path_factory.mktemp("splade") / "splade", "bert")
     with running_server(fake_settings(str(path), dtype="float32")) as running:
         yield running
 
@@ -211,6 +223,7 @@ def minilm_server() -> Iterator[RunningServer]:
         ("minilm", "sparse", "gives dense, not sparse"),
         ("minilm", "dense,multi_vector", "gives dense, not multi_vector"),
         ("colbert", "dense", "gives multi_vector, not dense"),
+        ("splade", "dense,sparse", "gives sparse, not dense"),
     ],
 )
 def test_an_output_the_model_does_not_give_is_refused_with_exit_2_before_any_row(
@@ -222,9 +235,7 @@ def test_an_output_the_model_does_not_give_is_refused_with_exit_2_before_any_row
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    server: RunningServer = request.getfixturevalue(
-        "minilm_server" if which == "minilm" else "colbert"
-    )
+    server: RunningServer = request.getfixturevalue({"minilm": "minilm_server"}.get(which, which))
     plan(place, [TEXTS[0], TEXTS[1]], 10)
     log = tmp_path / "work.log"
     code, summary = run(
@@ -275,3 +286,48 @@ def test_an_input_type_the_service_refuses_is_refused_with_exit_2_not_per_row(
     # One the model takes (its search_query selects no prompt here) embeds every row.
     assert work(place, minilm_server, 0, "--input-type", "search_query") == 0
     assert part(place, 0).num_rows == 3
+
+
+@pytest.mark.slow
+def test_a_splade_job_keeps_the_sparse_vectors_the_api_gives(
+    place: Place, splade: RunningServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    texts: list[str | None] = [TEXTS[0], TEXTS[1], TEXTS[2]]
+    assert plan(place, texts, 10) == 1
+    assert work(place, splade, 0, "--vectors", "sparse") == 0, capsys.readouterr().err
+    table = part(place, 0)
+    assert table.schema.names == ["doc_id", "sparse"]
+    assert table.schema.metadata[b"vectors"] == b"sparse"
+    assert b"dimensions" not in table.schema.metadata  # no dense vector to size
+    want = post(splade, "/pooling", {"input": texts, "task": "sparse"})["data"]
+    for got, answer in zip(table.column("sparse").to_pylist(), want, strict=True):
+        assert got["indices"] and got["indices"] == answer["data"]["indices"]
+        np.testing.assert_allclose(got["values"], answer["data"]["values"], 1e-4)
+
+
+@pytest.mark.slow
+def test_a_job_of_a_model_loaded_in_the_worker_keeps_the_same_outputs(
+    place: Place, bge_m3: RunningServer, bge_m3_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--local`` (an EmbeddingJob's spec.model) with ``--vectors``: the in-process server
+    answers /info and /v2/embed as the service does, so the part is the service's."""
+    texts: list[str | None] = [TEXTS[0], TEXTS[1], TEXTS[4]]
+    assert plan(place, texts, 10) == 1
+    code, _ = run(
+        "work", "--output", place.url("out"), "--index", "0", "--local",
+        "--model", str(bge_m3_dir), "--dtype", "float32", "--vectors", ALL,
+    )  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    local = part(place, 0)
+    for name in place.files("out/parts"):
+        place.fs.delete_file(f"{place.root}/out/parts/{name}")
+    assert work(place, bge_m3, 0, "--vectors", ALL) == 0
+    served = part(place, 0)
+    assert local.schema.remove_metadata() == served.schema.remove_metadata()
+    for mine, theirs in zip(local.to_pylist(), served.to_pylist(), strict=True):
+        assert mine["doc_id"] == theirs["doc_id"]
+        assert cosines(np.array(mine["embedding"]), np.array(theirs["embedding"])) >= MIN_COSINE
+        assert mine["sparse"]["indices"] == theirs["sparse"]["indices"]
+        np.testing.assert_allclose(mine["sparse"]["values"], theirs["sparse"]["values"], 1e-4)
+        got, want = np.array(mine["multi_vector"]), np.array(theirs["multi_vector"])
+        assert got.shape == want.shape and cosines(got, want).min() >= MIN_COSINE
