@@ -11,6 +11,10 @@ give exits 2 before any part is written."""
 
 from __future__ import annotations
 
+import contextlib
+import http.server
+import json
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -331,3 +335,73 @@ def test_a_job_of_a_model_loaded_in_the_worker_keeps_the_same_outputs(
         np.testing.assert_allclose(mine["sparse"]["values"], theirs["sparse"]["values"], 1e-4)
         got, want = np.array(mine["multi_vector"]), np.array(theirs["multi_vector"])
         assert got.shape == want.shape and cosines(got, want).min() >= MIN_COSINE
+
+
+class StubSparse(http.server.BaseHTTPRequestHandler):
+    """A SPLADE service as the worker sees it: ``/info`` (task sparse) and ``/v2/embed``
+    answering one sparse vector per text, with the ``fingerprints`` one per request in turn."""
+
+    fingerprints: list[str] = []
+    requests = 0
+
+    def do_GET(self) -> None:
+        info = {"served_model_name": "stub-splade", "task": "sparse", "outputs": []}
+        self._send(info if self.path == "/info" else {}, {}, 200 if self.path == "/info" else 404)
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        cls = type(self)
+        cls.requests += 1
+        assert self.path == "/v2/embed" and body["embedding_types"] == ["sparse"]
+        sparse = [{"indices": [1, 7], "values": [0.5, 0.25]} for _ in body["texts"]]
+        fingerprint = cls.fingerprints[cls.requests % len(cls.fingerprints)]
+        answer = {"embeddings": {"sparse": sparse}, "response_type": "embeddings_by_type"}
+        self._send(answer, {"X-Embedding-Fingerprint": fingerprint})
+
+    def _send(self, body: dict[str, Any], headers: dict[str, str], status: int = 200) -> None:
+        content = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(content)))
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(content)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def stub_sparse(fingerprints: list[str]) -> Iterator[str]:
+    handler = type("Stub", (StubSparse,), {"fingerprints": fingerprints})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+def test_sparse_vectors_of_two_computations_are_not_committed(
+    place: Place, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As for dense vectors: two fingerprints in one shard exit 1 uncommitted; one throughout
+    commits, the model named by the service's /info (a /v2/embed answer names none)."""
+    plan(place, [f"text {n}" for n in range(6)], 10)
+    args = ["--vectors", "sparse", "--batch-size", "2"]
+    with stub_sparse(["fp-a", "fp-b"]) as url:
+        code, _ = run("work", "--output", place.url("out"), "--service", url, "--index", "0", *args)
+    assert code == 1
+    assert "two computations in one shard" in capsys.readouterr().err
+    assert place.files("out/parts") == []
+    with stub_sparse(["fp-a"]) as url:
+        code, _ = run("work", "--output", place.url("out"), "--service", url, "--index", "0", *args)
+    assert code == 0
+    table = part(place, 0)
+    assert table.schema.metadata[b"fingerprint"] == b"fp-a"
+    assert table.schema.metadata[b"model"] == b"stub-splade"
+    assert table.column("sparse").to_pylist() == [{"indices": [1, 7], "values": [0.5, 0.25]}] * 6
