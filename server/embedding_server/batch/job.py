@@ -141,7 +141,8 @@ def add_job_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]
         description="Read OUTPUT/_plan.json, take shard --index, and unless "
         "OUTPUT/parts/part-NNNNNN.parquet (or .jsonl, as the plan says) exists already, have "
         "SERVICE embed its rows "
-        "(POST /v1/embeddings, base64, at bulk priority, honouring Retry-After) and commit the "
+        "(POST /v1/embeddings, base64; /v2/embed for --vectors but dense alone; at bulk "
+        "priority, honouring Retry-After) and commit the "
         "part atomically, with the rows the API refused in OUTPUT/errors/part-NNNNNN.jsonl. "
         "With --local instead of --service, the model is loaded in this process and the "
         "server's own application embeds the rows, answering each as the HTTP API would.",
