@@ -66,6 +66,7 @@ from embedding_server.batch.plan import (
     read_plan,
 )
 from embedding_server.batch.storage import Location, StorageError, locate
+from embedding_server.fingerprint import expected_prefix
 from embedding_server.settings import EngineSettings, ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -237,17 +238,14 @@ def _add_engine_settings(group: argparse._ArgumentGroup) -> None:
 
 def local_settings(namespace: argparse.Namespace) -> ServerSettings:
     """The in-process server's settings for ``job work --local``: the engine flags given (the
-    ``EMBEDDING_SERVER_*`` variables and serve's defaults underneath), ``--model`` and
-    ``--expect-fingerprint`` (the server then refuses another computation before any row)."""
+    ``EMBEDDING_SERVER_*`` variables and serve's defaults underneath) and ``--model``.
+    ``--expect-fingerprint`` is the worker's to check once the model is loaded
+    (:func:`~embedding_server.batch.local.local_service`): it may be a prefix, which serve's
+    own flag does not take."""
     given = {k: v for k, v in vars(namespace).items() if k in EngineSettings.model_fields}
     if namespace.model is None:
         given.pop("model", None)
-    return ServerSettings(
-        **given,
-        expect_fingerprint=namespace.expect_fingerprint,
-        log_level=namespace.log_level,
-        log_format=namespace.log_format,
-    )
+    return ServerSettings(**given, log_level=namespace.log_level, log_format=namespace.log_format)
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -361,6 +359,11 @@ def work_command(namespace: argparse.Namespace) -> int:
             settings = local_settings(namespace)
         except (ValidationError, SettingsError) as error:
             return _refuse(namespace, format_settings_error(error), index=index)
+        if namespace.expect_fingerprint is not None:
+            try:
+                expected_prefix(namespace.expect_fingerprint)
+            except ValueError as error:
+                return _refuse(namespace, f"--expect-fingerprint: {error}", index=index)
     elif given := sorted(
         f"--{k.replace('_', '-')}"
         for k in vars(namespace)
@@ -429,7 +432,7 @@ async def _client(
     from embedding_server.cli import apply_process_env_defaults
 
     apply_process_env_defaults(os.environ)  # as serve and run-batch: before torch loads
-    async with local_service(settings) as service:
+    async with local_service(settings, expect=namespace.expect_fingerprint) as service:
         yield service.client
 
 

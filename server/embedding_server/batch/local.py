@@ -50,11 +50,18 @@ class LocalService:
 
 
 @contextlib.asynccontextmanager
-async def local_service(settings: ServerSettings) -> AsyncIterator[LocalService]:
+async def local_service(
+    settings: ServerSettings, *, expect: str | None = None
+) -> AsyncIterator[LocalService]:
     """The server's application for ``settings``, its engine loaded and warmed in this
-    process; stopped (the engine unloaded) on exit."""
+    process; stopped (the engine unloaded) on exit. ``expect``: the fingerprint, or a prefix
+    of 8 or more of its digits, the engine must have (:class:`EngineRefusedError` if not,
+    before any row is sent)."""
     from embedding_server.api.app import create_app
     from embedding_server.engine import load_engine
+    from embedding_server.fingerprint import expected_prefix
+
+    prefix = expected_prefix(expect) if expect is not None else None
 
     # No key in front of our own calls: the app is reached from this process only.
     app = create_app(settings.model_copy(update={"api_key": None}), connect=load_engine)
@@ -74,6 +81,11 @@ async def local_service(settings: ServerSettings) -> AsyncIterator[LocalService]
             await asyncio.sleep(READY_POLL_S)
         engine = lifecycle.engine
         fingerprint = engine.info().fingerprint if engine is not None else ""
+        if prefix is not None and not fingerprint.startswith(prefix):
+            raise EngineRefusedError(
+                f"--model {settings.model}: the embedding fingerprint is {fingerprint!r}, "
+                f"not the expected {prefix} (--expect-fingerprint): another computation"
+            )
         logger.info(
             "job work: %s loaded in this process (fingerprint %s)",
             lifecycle.served_model_name,

@@ -68,8 +68,11 @@ def test_local_work_gives_the_vectors_errors_and_fingerprint_a_service_gives(
         glob = write_corpus(place, "parquet", files)
         assert run(*plan_args(glob, "parquet", place.url("out"), 10))[0] == 0
 
-    # No --model: the packaged MiniLM the server serves by default (the service's model).
-    by_local = _work_every_shard(local, ["--local"], tmp_path)
+    # No --model: the packaged MiniLM the server serves by default (the service's model),
+    # pinned to its fingerprint by a prefix, as an EmbeddingJob's spec.fingerprint may be.
+    info = httpx.get(minilm_server.url + "/info").json()
+    pinned = ["--local", "--expect-fingerprint", info["fingerprint"][:8]]
+    by_local = _work_every_shard(local, pinned, tmp_path)
     by_http = _work_every_shard(remote, ["--service", minilm_server.url], tmp_path)
     assert [(s["rows"], s["failed"]) for s in by_local] == [
         (s["rows"], s["failed"]) for s in by_http
@@ -92,7 +95,6 @@ def test_local_work_gives_the_vectors_errors_and_fingerprint_a_service_gives(
     # the vector size and the engine's fingerprint (the one the server sends with answers).
     local_meta, http_meta = tables["local"].schema.metadata, tables["http"].schema.metadata
     served = httpx.get(minilm_server.url + "/v1/models").json()["data"][0]["id"]
-    info = httpx.get(minilm_server.url + "/info").json()
     assert local_meta[b"model"] == http_meta[b"model"] == served.encode()
     assert local_meta[b"dimensions"] == http_meta[b"dimensions"] == b"384"
     assert local_meta[b"fingerprint"] == http_meta[b"fingerprint"] == info["fingerprint"].encode()
@@ -121,8 +123,15 @@ def test_local_work_for_another_computation_exits_2_and_commits_nothing(tmp_path
         log=tmp_path / "work.log",
     )  # fmt: skip
     assert code == 2
-    assert summary is not None and "fingerprint" in summary["error"]
+    assert summary is not None and "0123456789abcdef" in summary["error"]
     assert place.files("out/parts") == []
+    # Not a fingerprint at all: a bad argument, refused before the model loads.
+    code, summary = run(
+        "work", "--output", place.url("out"), "--index", "0", "--local",
+        "--expect-fingerprint", "abc", log=tmp_path / "bad.log",
+    )  # fmt: skip
+    assert code == 2
+    assert summary is not None and "--expect-fingerprint" in summary["error"]
 
 
 def test_engine_settings_without_local_are_refused_with_exit_2(tmp_path: Path) -> None:
