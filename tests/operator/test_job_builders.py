@@ -424,3 +424,10 @@ def test_render_of_a_model_job_needs_no_service(tmp_path: Any, capsys: Any) -> N
     }
     worker = _container(docs[("Job", "one-off-work")])
     assert worker["image"] == IMAGE and "--local" in worker["args"]
+
+
+def test_a_model_job_pinned_to_a_fingerprint_has_its_workers_check_it() -> None:
+    pinned = {**MODEL_SPEC, "fingerprint": "60e90041"}
+    args = _container(_model_worker(pinned))["args"]
+    parsed = _job_work_parser().parse_args(args)
+    assert parsed.local and parsed.expect_fingerprint == "60e90041"

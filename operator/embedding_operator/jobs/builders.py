@@ -16,6 +16,12 @@ An EmbeddingJob runs in two phases, each a ``batch/v1`` Job of the server image:
   worker's exit code 2 (bad arguments: every shard would fail alike) and does not count a
   disruption (an eviction, a preemption, a node drain) against a shard's retries.
 
+With ``spec.model`` there is no service: the workers run ``job work --local`` with the
+model's engine flags and load it themselves, getting it as an EmbeddingService's pods do
+(``builders.deployment``'s model-cache volume at ``/cache``, ``HF_HOME``, ``HF_HUB_OFFLINE``
+for a read-only cache, ``HF_TOKEN`` by reference); on the GPU when ``resources`` asks for
+``nvidia.com/gpu``, which the planner never gets. ``spec.scheduling`` places both pods.
+
 ``S`` and ``R`` travel on the worker Job itself (``spec.completions`` and the
 :data:`ROWS_ANNOTATION`), so the planner Job may be deleted once the workers exist.
 
