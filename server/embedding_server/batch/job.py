@@ -395,6 +395,14 @@ def work_command(namespace: argparse.Namespace) -> int:
     shard_output = ShardOutput(output, index, plan.arguments.output_format)
     try:
         done = shard_output.committed()
+        if done is not None and done.vectors is not None and done.vectors != namespace.vectors:
+            return _refuse(
+                namespace,
+                f"--vectors {','.join(namespace.vectors)}: shard {index}'s part, committed by an "
+                f"earlier run to this output, holds {','.join(done.vectors)} "
+                f"({shard_output.part.url}); write to a new output to keep other vectors",
+                index=index,
+            )
         if done is not None:
             logger.info(
                 "job work: shard %d is committed already (%s)", index, shard_output.part.url

@@ -59,7 +59,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from embedding_server.batch.embedder import DENSE_ONLY, SparseVector, Vector
+from embedding_server.batch.embedder import DENSE_ONLY, VECTORS, SparseVector, Vector
 from embedding_server.batch.lines import ID_PREFIX, response_line
 from embedding_server.batch.plan import OutputFormat
 from embedding_server.batch.storage import Location, commit_bytes
@@ -78,6 +78,9 @@ class PartCounts:
 
     rows: int
     failed: int
+    vectors: tuple[str, ...] | None = None
+    """The outputs a committed part holds (its metadata's ``vectors``, dense for a part
+    written before there were others; a JSONL part's first line), None when it tells none."""
 
 
 @dataclass(frozen=True)
@@ -128,13 +131,20 @@ class ShardOutput:
         rows are its lines (it is committed whole, so its last line is never torn)."""
         if not self.part.exists():
             return None
+        vectors: tuple[str, ...] | None = None
         if self.format == "jsonl":
-            rows = self.part.read_bytes().count(b"\n")
+            data = self.part.read_bytes()
+            rows = data.count(b"\n")
+            if rows:
+                vectors = _jsonl_vectors(data[: data.index(b"\n")])
         else:
             with self.part.fs.open_input_file(self.part.path) as source:
-                rows = pq.read_metadata(source).num_rows
+                meta = pq.read_metadata(source)
+            rows = meta.num_rows
+            written = (meta.metadata or {}).get(b"vectors", b"dense").decode()
+            vectors = tuple(written.split(","))
         failed = self.errors.read_bytes().count(b"\n") if self.errors.exists() else 0
-        return PartCounts(rows, failed)
+        return PartCounts(rows, failed, vectors)
 
     def commit(
         self,
@@ -291,6 +301,19 @@ def _jsonl_part(
             )
         )
     return b"".join(lines), len(lines)
+
+
+def _jsonl_vectors(line: bytes) -> tuple[str, ...] | None:
+    """The outputs a JSONL part's line holds: its body's ``embeddings`` types (``float`` is
+    dense) or ``/v1/embeddings``' dense ``data``; None for a line that says neither."""
+    try:
+        body = orjson.loads(line)["response"]["body"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return None
+    if isinstance(body, dict) and isinstance(body.get("embeddings"), dict):
+        held = {"dense" if kind == "float" else kind for kind in body["embeddings"]}
+        return tuple(vector for vector in VECTORS if vector in held)
+    return DENSE_ONLY if isinstance(body, dict) and "data" in body else None
 
 
 def _jsonl_body(columns: _Columns, position: int, model: str | None) -> dict[str, Any]:

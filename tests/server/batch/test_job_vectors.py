@@ -405,3 +405,24 @@ def test_sparse_vectors_of_two_computations_are_not_committed(
     assert table.schema.metadata[b"fingerprint"] == b"fp-a"
     assert table.schema.metadata[b"model"] == b"stub-splade"
     assert table.column("sparse").to_pylist() == [{"indices": [1, 7], "values": [0.5, 0.25]}] * 6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("output_format", ["parquet", "jsonl"])
+def test_a_committed_part_of_other_vectors_is_refused_not_skipped(
+    place: Place, bge_m3: RunningServer, capsys: pytest.CaptureFixture[str], output_format: str
+) -> None:
+    # A second job to the same output asking for other outputs would otherwise skip the shard
+    # as done, and the user would find parts without the columns the job asked for.
+    assert plan(place, [TEXTS[0], TEXTS[1]], 10, "--output-format", output_format) == 1
+    assert work(place, bge_m3, 0, "--vectors", "dense,sparse") == 0, capsys.readouterr()
+    name = f"out/parts/part-000000.{output_format}"
+    committed = place.read(name)
+    capsys.readouterr()
+    assert work(place, bge_m3, 0, "--vectors", ALL) == 2
+    err = capsys.readouterr().err
+    assert "holds dense,sparse" in err and "new output" in err, err
+    assert place.read(name) == committed  # left as it was
+    # The same vectors again: the shard is done, skipped.
+    assert work(place, bge_m3, 0, "--vectors", "dense,sparse") == 0
+    assert place.read(name) == committed
