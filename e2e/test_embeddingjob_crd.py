@@ -39,7 +39,32 @@ BAD: list[tuple[str, dict[str, Any]]] = [
     ("spec.parallelism", {**GOOD, "parallelism": 0}),
     ("spec.input.format", {**GOOD, "input": {"urls": ["s3://corpus/a"], "format": "xml"}}),
     ("spec.output.url", {**GOOD, "output": {"url": "https://corpus/out"}}),
-    ("spec.model", {**GOOD, "model": {"name": "m"}}),  # not supported yet: unknown field
+    ("spec.service: Forbidden: service and model are exclusive", {**GOOD, "model": {"name": "m"}}),
+    (
+        "spec.service: Required value: one of service and model is required",
+        {k: v for k, v in GOOD.items() if k != "service"},
+    ),
+    (
+        "spec.modelCache: Forbidden: modelCache applies with model only",
+        {**GOOD, "modelCache": {"mode": "none"}},
+    ),
+    ("spec.output.vectors", {**GOOD, "output": {"url": "s3://corpus/out/", "vectors": []}}),
+    (
+        'spec.output.vectors[1]: Unsupported value: "colbert"',
+        {**GOOD, "output": {"url": "s3://corpus/out/", "vectors": ["dense", "colbert"]}},
+    ),
+    (
+        'spec.output.vectors[1]: Duplicate value: "dense"',
+        {**GOOD, "output": {"url": "s3://corpus/out/", "vectors": ["dense", "dense"]}},
+    ),
+    (
+        "output.vectors must be [dense] when input.imageField is set",
+        {
+            **GOOD,
+            "input": {**GOOD["input"], "imageField": "url"},
+            "output": {"url": "s3://corpus/out/", "vectors": ["dense", "sparse"]},
+        },
+    ),
     (
         "input.imageField and input.textField are exclusive",
         {**GOOD, "input": {**GOOD["input"], "textField": "caption", "imageField": "url"}},
