@@ -456,3 +456,20 @@ def test_token_states_of_a_mixed_batch_are_each_sequences_own(minilm_engine: Eng
                 np.testing.assert_allclose(got, want, atol=1e-5)
             else:
                 assert got is None
+
+
+async def test_the_servers_own_probes_do_not_count_as_queries_for_the_bulk_cap() -> None:
+    # The golden vectors are embedded at start-up with serve_unrecorded: were they a query,
+    # every bulk batch of the next minute would be cut to --bulk-batch-ms (here well under a
+    # token), and an indexing-only service would run at a fraction of its speed.
+    from embedding_server.request.tasks.embed import embed
+
+    engine = Engine.from_pretrained("fake?dim=16", bulk_batch_ms=1e-6)
+    async with engine:
+        full = engine.scheduler.max_batch_tokens
+        probe = await engine.serve_unrecorded(embed, ["golden probe", "another"])
+        assert probe.embeddings.shape == (2, 16)
+        assert engine.scheduler.tokens_per_s > 0  # a rate to cap by is measured
+        assert engine.scheduler.bulk_room() == full
+        await engine.aembed(["a client's query"])
+        assert engine.scheduler.bulk_room() < full  # a query came: bulk batches are cut short

@@ -27,7 +27,7 @@ import numpy.typing as npt
 from embedding_server.metrics import Metrics
 from embedding_server.request.configuration import EngineConfig, EngineInfo
 from embedding_server.request.hybrid import OUTPUTS
-from embedding_server.request.jobs import JobRunner, ScoreOptions, TokenOptions
+from embedding_server.request.jobs import JobRunner, ScoreOptions, TokenOptions, request_priority
 from embedding_server.request.media.inputs import ChatTemplate, ImagePreprocessor
 from embedding_server.request.pooling import FloatArray
 from embedding_server.request.results import SparseVector
@@ -124,10 +124,16 @@ class ServingEngine(abc.ABC):
 
     async def serve_unrecorded(self, task: Task[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """``task`` as :meth:`serve` runs it, but not counted as a request's work (input
-        tokens, truncations): the server's own probes (its golden vectors), not a client's."""
+        tokens, truncations): the server's own probes (its golden vectors), not a client's.
+        It runs at bulk priority: it is nobody's query, so it never goes ahead of a client's,
+        nor makes the scheduler cut bulk batches short for a query (``--bulk-batch-ms``)."""
         runner = self._scheduled()
         context = TaskContext(self._config, self._info, runner, self._images, self._chat, None)
-        return await task(context, *args, **kwargs)
+        token = request_priority.set("bulk")
+        try:
+            return await task(context, *args, **kwargs)
+        finally:
+            request_priority.reset(token)
 
     def run(self, task: Task[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """``task`` run to completion for sync code: the sync API."""
