@@ -184,6 +184,22 @@ def reference_vectors(texts: list[str]) -> np.ndarray:
     return vectors
 
 
+def assert_sentence_transformers_vectors(table: pa.Table, rows: int) -> None:
+    """``SAMPLE`` rows of the output ``table`` (of ``rows`` rows) hold sentence-transformers'
+    vectors of their texts (cosine >= 0.9999)."""
+    ids = table.column("id").to_pylist()
+    rng = np.random.default_rng(46)
+    picks = sorted(rng.choice(rows, size=SAMPLE, replace=False).tolist())
+    position = {value: i for i, value in enumerate(ids)}
+    embeddings = table.column("embedding")
+    got = np.asarray([embeddings[position[row_id(i)]].as_py() for i in picks], dtype=np.float32)
+    expected = reference_vectors([row_text(i) for i in picks])
+    cosine = (got * expected).sum(axis=1) / (
+        np.linalg.norm(got, axis=1) * np.linalg.norm(expected, axis=1)
+    )
+    assert cosine.min() >= 0.9999, f"cosine to sentence-transformers: min {cosine.min():.6f}"
+
+
 # -- the test -----------------------------------------------------------------------------------
 
 
@@ -369,17 +385,7 @@ def test_a_job_survives_a_killed_worker_a_restarted_operator_and_a_suspension(
     errors = fs.get_file_info(pyarrow.fs.FileSelector(f"{output}/errors", allow_not_found=True))
     assert not [e.path for e in errors if e.size], "no row should have failed"
 
-    # Sampled rows are sentence-transformers' vectors.
-    rng = np.random.default_rng(46)
-    picks = sorted(rng.choice(ROWS, size=SAMPLE, replace=False).tolist())
-    position = {value: i for i, value in enumerate(ids)}
-    embeddings = table.column("embedding")
-    got = np.asarray([embeddings[position[row_id(i)]].as_py() for i in picks], dtype=np.float32)
-    expected = reference_vectors([row_text(i) for i in picks])
-    cosine = (got * expected).sum(axis=1) / (
-        np.linalg.norm(got, axis=1) * np.linalg.norm(expected, axis=1)
-    )
-    assert cosine.min() >= 0.9999, f"cosine to sentence-transformers: min {cosine.min():.6f}"
+    assert_sentence_transformers_vectors(table, ROWS)  # on sampled rows
 
 
 # -- spec.model: the model in the job's own pods --------------------------------------------------
@@ -483,13 +489,4 @@ def test_a_job_with_spec_model_embeds_in_its_own_pods_without_a_service(
     assert metadata.get(b"dimensions") == b"384", metadata
     assert re.fullmatch(rb"[0-9a-f]{16}", metadata.get(b"fingerprint") or b""), metadata
 
-    rng = np.random.default_rng(46)
-    picks = sorted(rng.choice(MODEL_ROWS, size=SAMPLE, replace=False).tolist())
-    position = {value: i for i, value in enumerate(ids)}
-    embeddings = table.column("embedding")
-    got = np.asarray([embeddings[position[row_id(i)]].as_py() for i in picks], dtype=np.float32)
-    expected = reference_vectors([row_text(i) for i in picks])
-    cosine = (got * expected).sum(axis=1) / (
-        np.linalg.norm(got, axis=1) * np.linalg.norm(expected, axis=1)
-    )
-    assert cosine.min() >= 0.9999, f"cosine to sentence-transformers: min {cosine.min():.6f}"
+    assert_sentence_transformers_vectors(table, MODEL_ROWS)

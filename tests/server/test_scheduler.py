@@ -8,6 +8,7 @@ timing-dependent; waits poll a condition with a deadline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -560,17 +561,24 @@ class PacedForward(GatedForward):
         return super().execute(seqs)
 
 
-async def run_bulk_behind(first_priority: str, bulk_batch_seconds: float | None) -> list[list[int]]:
-    """One request of ``first_priority`` runs (10 tokens, measured at 1,000 tokens/s) while
-    ten bulk texts of 30 tokens queue behind it; the batches that ran after it."""
-    forward = PacedForward()
-    async with started(
+def paced(
+    forward: PacedForward, bulk_batch_seconds: float | None
+) -> contextlib.AbstractAsyncContextManager[Scheduler]:
+    """A scheduler of 1,000-token batches over ``forward``, bulk capped as given."""
+    return started(
         forward,
         max_batch_tokens=1000,
         max_batch_size=64,
         max_queue_tokens=10_000,
         bulk_batch_seconds=bulk_batch_seconds,
-    ) as scheduler:
+    )
+
+
+async def run_bulk_behind(first_priority: str, bulk_batch_seconds: float | None) -> list[list[int]]:
+    """One request of ``first_priority`` runs (10 tokens, measured at 1,000 tokens/s) while
+    ten bulk texts of 30 tokens queue behind it; the batches that ran after it."""
+    forward = PacedForward()
+    async with paced(forward, bulk_batch_seconds) as scheduler:
         blocker = asyncio.create_task(scheduler.submit([seq(0, 10)], priority=first_priority))
         await wait_for(forward.started.is_set)
         bulk = [
@@ -601,13 +609,7 @@ async def test_bulk_alone_runs_full_batches_whatever_the_cap() -> None:
 
 async def test_a_query_shares_its_batch_with_bulk_only_within_the_bulk_batch_time() -> None:
     forward = PacedForward()
-    async with started(
-        forward,
-        max_batch_tokens=1000,
-        max_batch_size=64,
-        max_queue_tokens=10_000,
-        bulk_batch_seconds=0.1,
-    ) as scheduler:
+    async with paced(forward, 0.1) as scheduler:
         blocker = asyncio.create_task(scheduler.submit([seq(0, 10)]))
         await wait_for(forward.started.is_set)
         bulk = [

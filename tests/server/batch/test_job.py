@@ -362,7 +362,38 @@ def test_a_worker_killed_mid_shard_leaves_no_part_and_its_rerun_commits_it(
     assert sorted(ids) == sorted(i for i, _ in rows)
 
 
-class StubEmbeddings(http.server.BaseHTTPRequestHandler):
+class JsonHandler(http.server.BaseHTTPRequestHandler):
+    """A stub service's handler: JSON answers, no request log."""
+
+    def _send(self, status: int, body: dict[str, Any], headers: dict[str, str]) -> None:
+        content = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(content)))
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(content)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def serving(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """``handler`` served on 127.0.0.1 for the block; its base URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+class StubEmbeddings(JsonHandler):
     """/v1/embeddings answered with 4-dimensional base64 vectors; the server's ``fingerprints``
     go out one per request in turn, after ``busy`` answers of 429 with Retry-After."""
 
@@ -394,35 +425,14 @@ class StubEmbeddings(http.server.BaseHTTPRequestHandler):
             ]
         self._send(200, {"object": "list", "data": data, "model": "stub"}, headers)
 
-    def _send(self, status: int, body: dict[str, Any], headers: dict[str, str]) -> None:
-        content = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(content)))
-        for name, value in headers.items():
-            self.send_header(name, value)
-        self.end_headers()
-        self.wfile.write(content)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
 
 @contextlib.contextmanager
 def stub_service(
     fingerprints: list[str], busy: int = 0, api_key: str | None = None
 ) -> Iterator[str]:
     attributes = {"fingerprints": fingerprints, "busy": busy, "api_key": api_key}
-    handler = type("Stub", (StubEmbeddings,), attributes)
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
+    with serving(type("Stub", (StubEmbeddings,), attributes)) as url:
+        yield url
 
 
 def planned(tmp_path: Path, rows: int = 10) -> Place:

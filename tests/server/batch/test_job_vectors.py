@@ -12,9 +12,7 @@ give exits 2 before any part is written."""
 from __future__ import annotations
 
 import contextlib
-import http.server
 import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +26,7 @@ import pyarrow.parquet as pq
 import pytest
 from embedding_server.settings import ServerSettings
 
-from tests.server.batch.test_job import Place, plan_args, run, write_corpus
+from tests.server.batch.test_job import JsonHandler, Place, plan_args, run, serving, write_corpus
 from tests.server.device.test_colbert_engine import build_hf_colbert
 from tests.support.api import RunningServer, fake_settings, running_server
 from tests.support.api import post_json as post
@@ -337,7 +335,7 @@ def test_a_job_of_a_model_loaded_in_the_worker_keeps_the_same_outputs(
         assert got.shape == want.shape and cosines(got, want).min() >= MIN_COSINE
 
 
-class StubSparse(http.server.BaseHTTPRequestHandler):
+class StubSparse(JsonHandler):
     """A SPLADE service as the worker sees it: ``/info`` (task sparse) and ``/v2/embed``
     answering one sparse vector per text, with the ``fingerprints`` one per request in turn."""
 
@@ -346,7 +344,7 @@ class StubSparse(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         info = {"served_model_name": "stub-splade", "task": "sparse", "outputs": []}
-        self._send(info if self.path == "/info" else {}, {}, 200 if self.path == "/info" else 404)
+        self._send(200 if self.path == "/info" else 404, info if self.path == "/info" else {}, {})
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -356,34 +354,13 @@ class StubSparse(http.server.BaseHTTPRequestHandler):
         sparse = [{"indices": [1, 7], "values": [0.5, 0.25]} for _ in body["texts"]]
         fingerprint = cls.fingerprints[cls.requests % len(cls.fingerprints)]
         answer = {"embeddings": {"sparse": sparse}, "response_type": "embeddings_by_type"}
-        self._send(answer, {"X-Embedding-Fingerprint": fingerprint})
-
-    def _send(self, body: dict[str, Any], headers: dict[str, str], status: int = 200) -> None:
-        content = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(content)))
-        for name, value in headers.items():
-            self.send_header(name, value)
-        self.end_headers()
-        self.wfile.write(content)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
+        self._send(200, answer, {"X-Embedding-Fingerprint": fingerprint})
 
 
 @contextlib.contextmanager
 def stub_sparse(fingerprints: list[str]) -> Iterator[str]:
-    handler = type("Stub", (StubSparse,), {"fingerprints": fingerprints})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
+    with serving(type("Stub", (StubSparse,), {"fingerprints": fingerprints})) as url:
+        yield url
 
 
 def test_sparse_vectors_of_two_computations_are_not_committed(
