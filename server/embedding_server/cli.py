@@ -221,7 +221,7 @@ def build_parser(settings_model: type[BaseSettings] = ServerSettings) -> argpars
     _add_settings(batch.add_argument_group("settings (as serve takes them)"), ServerSettings)
     from embedding_server.batch.job import add_job_parser
 
-    add_job_parser(commands)
+    add_job_parser(commands, _add_field)
     return parser
 
 
@@ -529,12 +529,19 @@ async def _run_batch_here(
 
 
 def job(namespace: argparse.Namespace) -> int:
-    """``embedding-server job plan|work``: no model loads here (the request plane only)."""
+    """``embedding-server job plan|work``: no model loads here (the request plane only), but
+    for ``work --local``, whose model :mod:`embedding_server.inprocess` loads."""
     from embedding_server.batch.job import run_job
+    from embedding_server.batch.local import LocalHooks
     from embedding_server.logging import configure_logging
 
     configure_logging(namespace.log_level, namespace.log_format)
-    return run_job(namespace)
+    local = None
+    if getattr(namespace, "local", False):
+        from embedding_server.inprocess import local_service
+
+        local = LocalHooks(local_service, format_settings_error, apply_process_env_defaults)
+    return run_job(namespace, local)
 
 
 def format_inspection(inspection: Inspection) -> str:

@@ -80,15 +80,12 @@ def test_images_and_jsonl_are_the_planners_to_pass_and_the_servers_parser_takes_
     ``--output-format`` (Parquet, the default, adds nothing, so an older server image still
     plans). The plan keeps both, so the workers' flags do not change; and the server's own
     parser takes what the planner is given."""
-    import argparse
-
-    from embedding_server.batch.job import add_job_parser
+    from embedding_server.cli import build_parser
 
     images = {**SPEC, "input": {**SPEC["input"], "imageField": "picture"}}
     jsonl = {**SPEC, "output": {**SPEC["output"], "format": "jsonl"}}
     both = {**images, "output": jsonl["output"]}
-    parser = argparse.ArgumentParser()
-    add_job_parser(parser.add_subparsers(dest="command"))
+    parser = build_parser()
     for raw, text, image, fmt in [
         (SPEC, "text", None, "parquet"),
         (images, None, "picture", "parquet"),
@@ -298,13 +295,9 @@ def _model_worker(spec: dict[str, Any] = MODEL_SPEC) -> dict[str, Any]:
 
 
 def _job_work_parser() -> Any:
-    import argparse
+    from embedding_server.cli import build_parser
 
-    from embedding_server.batch.job import add_job_parser
-
-    parser = argparse.ArgumentParser()
-    add_job_parser(parser.add_subparsers(dest="command"))
-    return parser
+    return build_parser()
 
 
 def test_a_model_job_loads_the_model_in_its_workers_with_the_services_flags() -> None:

@@ -26,7 +26,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +49,7 @@ from embedding_server.batch.embedder import (
     TakesNoImagesError,
     Vector,
 )
-from embedding_server.batch.local import EngineFailedError, EngineRefusedError, local_service
+from embedding_server.batch.local import EngineFailedError, EngineRefusedError, LocalHooks
 from embedding_server.batch.parts import (
     OtherOutputs,
     PartCounts,
@@ -84,8 +84,15 @@ API_KEY_ENV = "EMBEDDING_JOB_API_KEY"
 is never on a command line (an EmbeddingJob's workers get the service's apiKeySecretRef)."""
 
 
-def add_job_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """``job plan`` and ``job work`` under ``commands``."""
+AddField = Callable[[argparse._ArgumentGroup, str, Any], None]
+"""How ``cli`` adds a settings field as a flag (``cli._add_field``): serve's words and types."""
+
+
+def add_job_parser(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser], add_field: AddField
+) -> None:
+    """``job plan`` and ``job work`` under ``commands``; ``add_field`` adds serve's engine
+    flags to ``work`` as serve has them."""
     job = commands.add_parser(
         "job",
         help="Embed a corpus from files or object storage, one shard per worker (EmbeddingJob).",
@@ -223,17 +230,15 @@ def add_job_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]
     )
     _add_common(work)
     _add_engine_settings(
-        work.add_argument_group("engine settings (with --local, as serve takes them)")
+        work.add_argument_group("engine settings (with --local, as serve takes them)"), add_field
     )
 
 
-def _add_engine_settings(group: argparse._ArgumentGroup) -> None:
+def _add_engine_settings(group: argparse._ArgumentGroup, add_field: AddField) -> None:
     """serve's engine flags but ``--model`` (``job work --model`` names it)."""
-    from embedding_server.cli import _add_field  # cli imports this module when it runs
-
     for name, field in EngineSettings.model_fields.items():
         if name != "model":
-            _add_field(group, name, field)
+            add_field(group, name, field)
 
 
 def local_settings(namespace: argparse.Namespace) -> ServerSettings:
@@ -305,13 +310,14 @@ def _non_negative_int(value: str) -> int:
     return number
 
 
-def run_job(namespace: argparse.Namespace) -> int:
-    """``embedding-server job ...``: the exit status."""
+def run_job(namespace: argparse.Namespace, local: LocalHooks | None = None) -> int:
+    """``embedding-server job ...``: the exit status. ``local``: what ``work --local`` loads
+    its model with (the program's root hands it over; without it, ``--local`` is refused)."""
     # The client logs every request at INFO; the job logs its progress itself.
     logging.getLogger("httpx2").setLevel(logging.WARNING)
     if namespace.job_command == "plan":
         return plan_command(namespace)
-    return work_command(namespace)
+    return work_command(namespace, local)
 
 
 def plan_command(namespace: argparse.Namespace) -> int:
@@ -343,7 +349,7 @@ def plan_command(namespace: argparse.Namespace) -> int:
     return 0
 
 
-def work_command(namespace: argparse.Namespace) -> int:
+def work_command(namespace: argparse.Namespace, local: LocalHooks | None = None) -> int:
     started = time.monotonic()
     index = namespace.index
     if index is None:
@@ -353,12 +359,12 @@ def work_command(namespace: argparse.Namespace) -> int:
         index = int(raw)
     settings: ServerSettings | None = None
     if namespace.local:
-        from embedding_server.cli import format_settings_error
-
+        if local is None:
+            return _refuse(namespace, "--local: this program cannot load a model", index=index)
         try:
             settings = local_settings(namespace)
         except (ValidationError, SettingsError) as error:
-            return _refuse(namespace, format_settings_error(error), index=index)
+            return _refuse(namespace, local.format_settings_error(error), index=index)
         if namespace.expect_fingerprint is not None:
             try:
                 expected_prefix(namespace.expect_fingerprint)
@@ -409,7 +415,7 @@ def work_command(namespace: argparse.Namespace) -> int:
             )
             _report(namespace, index, done, started, skipped=True)
             return 0
-        counts = asyncio.run(_work(namespace, plan, index, shard_output, settings))
+        counts = asyncio.run(_work(namespace, plan, index, shard_output, settings, local))
     except (
         CorpusError,
         StorageError,
@@ -428,19 +434,17 @@ def work_command(namespace: argparse.Namespace) -> int:
 
 @contextlib.asynccontextmanager
 async def _client(
-    namespace: argparse.Namespace, settings: ServerSettings | None
+    namespace: argparse.Namespace, settings: ServerSettings | None, local: LocalHooks | None
 ) -> AsyncIterator[httpx2.AsyncClient]:
     """The service's client, or with ``settings`` (``--local``) one of the server's own
     application loaded in this process (:mod:`.local`)."""
-    if settings is None:
+    if settings is None or local is None:
         timeout = httpx2.Timeout(300.0, connect=10.0)
         async with httpx2.AsyncClient(base_url=namespace.service, timeout=timeout) as client:
             yield client
         return
-    from embedding_server.cli import apply_process_env_defaults
-
-    apply_process_env_defaults(os.environ)  # as serve and run-batch: before torch loads
-    async with local_service(settings, expect=namespace.expect_fingerprint) as service:
+    local.apply_process_env_defaults(os.environ)  # as serve and run-batch: before torch loads
+    async with local.local_service(settings, expect=namespace.expect_fingerprint) as service:
         yield service.client
 
 
@@ -450,6 +454,7 @@ async def _work(
     index: int,
     shard_output: ShardOutput,
     settings: ServerSettings | None = None,
+    local: LocalHooks | None = None,
 ) -> PartCounts:
     shard = plan.shards[index]
     fields = plan.arguments.fields
@@ -462,7 +467,7 @@ async def _work(
         shard.file,
         namespace.service or f"{settings.model if settings else ''} in this process",
     )
-    async with _client(namespace, settings) as client:
+    async with _client(namespace, settings, local) as client:
         embedder = Embedder(
             client,
             # In this process the model is the one loaded: its served name comes back.

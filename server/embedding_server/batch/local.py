@@ -2,25 +2,32 @@
 
 An EmbeddingJob with ``spec.model`` has no service to call: each worker pod loads the model
 itself, for a one-off corpus on machines that serve nothing else. The worker does not get a
-second code path for it. :func:`local_service` starts the server's own application in this
-process (``create_app`` with the engine, as ``embedding-server run-batch`` does; no port is
-opened) and hands back a client that reaches it through ``httpx2.ASGITransport``. The shard is
-then embedded by the same :class:`~embedding_server.batch.embedder.Embedder` as through a
-service, so every row gets what the HTTP API would answer it: the same vectors, the same
-error object for a row the API refuses (an empty text, one past the model's length), the
-model's served name, and the engine's fingerprint from the answers'
-``X-Embedding-Fingerprint``, which the part's metadata records.
+second code path for it. :func:`embedding_server.inprocess.local_service` starts the server's
+own application in this process (``create_app`` with the engine, as ``embedding-server
+run-batch`` does; no port is opened) and hands back a client that reaches it through
+``httpx2.ASGITransport``. The shard is then embedded by the same
+:class:`~embedding_server.batch.embedder.Embedder` as through a service, so every row gets
+what the HTTP API would answer it: the same vectors, the same error object for a row the API
+refuses (an empty text, one past the model's length), the model's served name, and the
+engine's fingerprint from the answers' ``X-Embedding-Fingerprint``, which the part's metadata
+records.
+
+This module holds what the request plane may know of it (the errors, the service's handle,
+:class:`LocalHooks`); the program's root hands the hooks to ``job work``, since this package
+never imports the engine.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import httpx2
+from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
 from embedding_server.settings import ServerSettings
 
@@ -49,50 +56,21 @@ class LocalService:
     model: str
 
 
-@contextlib.asynccontextmanager
-async def local_service(
-    settings: ServerSettings, *, expect: str | None = None
-) -> AsyncIterator[LocalService]:
-    """The server's application for ``settings``, its engine loaded and warmed in this
-    process; stopped (the engine unloaded) on exit. ``expect``: the fingerprint, or a prefix
-    of 8 or more of its digits, the engine must have (:class:`EngineRefusedError` if not,
-    before any row is sent)."""
-    from embedding_server.api.app import create_app
-    from embedding_server.engine import load_engine
-    from embedding_server.fingerprint import expected_prefix
+class LocalServiceFactory(Protocol):
+    """What starts the in-process server: :func:`embedding_server.inprocess.local_service`.
+    The request plane (this package) must not import the engine, so ``cli`` hands it over."""
 
-    prefix = expected_prefix(expect) if expect is not None else None
+    def __call__(
+        self, settings: ServerSettings, *, expect: str | None = None
+    ) -> contextlib.AbstractAsyncContextManager[LocalService]: ...
 
-    # No key in front of our own calls: the app is reached from this process only.
-    app = create_app(settings.model_copy(update={"api_key": None}), connect=load_engine)
-    lifecycle = app.state.lifecycle
-    async with app.router.lifespan_context(app):
-        while not lifecycle.is_ready():
-            # A server stays up, not ready, for a refused fingerprint or changed golden
-            # vectors (so that a rollout stops at that pod); a worker must end instead.
-            engine, golden = lifecycle.engine, lifecycle.golden
-            if lifecycle.failure is not None:
-                raise EngineFailedError(f"--model {settings.model}: {lifecycle.failure}")
-            refusal = lifecycle.refusal
-            if refusal is None and engine is not None and golden is not None and golden.changed:
-                refusal = golden.check.message(engine.info().fingerprint)
-            if refusal is not None:
-                raise EngineRefusedError(f"--model {settings.model}: {refusal}")
-            await asyncio.sleep(READY_POLL_S)
-        engine = lifecycle.engine
-        fingerprint = engine.info().fingerprint if engine is not None else ""
-        if prefix is not None and not fingerprint.startswith(prefix):
-            raise EngineRefusedError(
-                f"--model {settings.model}: the embedding fingerprint is {fingerprint!r}, "
-                f"not the expected {prefix} (--expect-fingerprint): another computation"
-            )
-        logger.info(
-            "job work: %s loaded in this process (fingerprint %s)",
-            lifecycle.served_model_name,
-            fingerprint,
-        )
-        transport = httpx2.ASGITransport(app=app)
-        async with httpx2.AsyncClient(
-            transport=transport, base_url=LOCAL_BASE_URL, timeout=None
-        ) as client:
-            yield LocalService(client, fingerprint, lifecycle.served_model_name)
+
+@dataclass(frozen=True)
+class LocalHooks:
+    """What ``job work --local`` needs from the program's root (``embedding_server.cli``),
+    which may load a model: the in-process server, the settings errors as serve words them,
+    and the process environment serve and run-batch set before torch loads."""
+
+    local_service: LocalServiceFactory
+    format_settings_error: Callable[[ValidationError | SettingsError], str]
+    apply_process_env_defaults: Callable[[MutableMapping[str, str]], object]
