@@ -286,9 +286,9 @@ class ServerSettings(EngineSettings):
         "/metrics and /golden, for the kubelet's probes, Prometheus and the operator: its "
         "connections do not count against max_connections, so clients that hold every "
         "client connection cannot make the probes fail. It takes at most 64 connections of "
-        "its own; past that the oldest one that has not sent its request is closed, never the "
-        "new one. Unset: the probes use the client port only (they are always served there "
-        "too).",
+        "its own; past that one that has not sent its request is closed (the oldest of the "
+        "peer address that holds the most), never the new one. Unset: the probes use the "
+        "client port only (they are always served there too).",
     )
     api_key: SecretStr | None = Field(
         None,

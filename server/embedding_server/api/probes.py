@@ -14,7 +14,9 @@ metrics), but not the client port's connections:
 * it has its own connection cap (:data:`PROBE_MAX_CONNECTIONS`) with the client port's header
   timeout and size; past the cap, the oldest connection that has not finished sending its
   request is closed to make room (:class:`ProbeProtocol`), not the new one: a probe sends its
-  request as soon as it connects, so a crowd of idle connections cannot keep it out;
+  request as soon as it connects, so a crowd of idle connections cannot keep it out; the one
+  closed is the oldest idle one of the peer address that holds the most
+  (:mod:`embedding_server.probe_room`), never the kubelet's;
 * it is started once the client port listens and stopped after the client port has drained,
   so a draining pod still answers its probes (``/ready`` 503, ``/health`` 200).
 
@@ -36,6 +38,7 @@ from uvicorn.server import ServerState
 
 from embedding_server.api.connections import GuardedHttpToolsProtocol
 from embedding_server.api.errors import error_response
+from embedding_server.probe_room import to_close
 
 logger = logging.getLogger(__name__)
 
@@ -70,24 +73,25 @@ class ProbesOnly:
 
 
 class ProbeProtocol(GuardedHttpToolsProtocol):
-    """The guarded protocol, but a connection past the cap makes room: the oldest open
-    connection that is still sending its request (or idle between requests) is closed."""
+    """The guarded protocol, but a connection past the cap makes room: one open connection
+    that is still sending its request (or idle between requests) is closed, chosen by
+    :func:`embedding_server.probe_room.to_close`."""
 
     max_connections: ClassVar[int] = PROBE_MAX_CONNECTIONS
 
     def _make_room(self) -> bool:
-        waiting = [
-            c
-            for c in self.connections
-            if c is not self
-            and isinstance(c, GuardedHttpToolsProtocol)
-            and c.waiting_for_request
-            and not c.transport.is_closing()
-        ]
-        if not waiting:
+        others = sorted(
+            (
+                c
+                for c in self.connections
+                if c is not self and isinstance(c, GuardedHttpToolsProtocol)
+            ),
+            key=lambda c: c.opened_at,
+        )
+        closed = to_close((c, c.transport, c.waiting_for_request) for c in others)
+        if closed is None:
             return False
-        oldest = min(waiting, key=lambda c: c.opened_at)
-        oldest.refuse_busy()
+        closed.refuse_busy()
         return True
 
 

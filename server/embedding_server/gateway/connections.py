@@ -15,8 +15,9 @@ the bytes arrive, as the server's front end does (:mod:`embedding_server.api.con
 * **Keep-alive**: a connection idle between requests is closed after
   ``--keep-alive-timeout``.
 * **Connection cap**: a connection beyond ``--max-connections`` open ones is answered 503
-  and closed at once. On the probe port (``--probe-port``), past its own small cap, the
-  oldest connection not in a request is closed instead, to make room for the new one.
+  and closed at once. On the probe port (``--probe-port``), past its own small cap, a
+  connection not in a request is closed instead, to make room for the new one: the oldest of
+  the peer address that holds the most (:mod:`embedding_server.probe_room`).
 
 A request's head ends at its first empty line, which is found here as the bytes arrive; the
 request's handler (:meth:`ConnectionGuard.middleware`) marks where the request begins and
@@ -35,6 +36,8 @@ from typing import Any, cast
 
 import orjson
 from aiohttp import web
+
+from embedding_server.probe_room import to_close
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +75,8 @@ class ConnectionGuard:
         self.header_timeout = header_timeout
         self.keep_alive_timeout = keep_alive_timeout
         self.make_room = make_room
-        """At the cap, close the oldest connection that is not in a request (still sending
-        its head, or idle) to admit the new one, rather than refusing the new one: the probe
+        """At the cap, close a connection that is not in a request (still sending its head,
+        or idle) to admit the new one, rather than refusing the new one: the probe
         port's rule, where a kubelet sends its request as soon as it connects, so a crowd
         of connections that send nothing cannot keep it out."""
         self.open: dict[asyncio.BaseTransport, GuardedConnection] = {}
@@ -85,12 +88,14 @@ class ConnectionGuard:
             return True
         if not self.make_room:
             return False
-        for transport, connection in list(self.open.items()):  # oldest first
-            if not connection.in_request:
-                del self.open[transport]
-                transport.close()
-                return True
-        return False
+        transport = to_close(  # oldest first
+            (t, t, not connection.in_request) for t, connection in self.open.items()
+        )
+        if transport is None:
+            return False
+        del self.open[transport]
+        transport.close()
+        return True
 
     async def listen(self, runner: web.AppRunner, sock: socket.socket) -> asyncio.AbstractServer:
         """Serve ``runner``'s application on ``sock`` (bound), each connection guarded.

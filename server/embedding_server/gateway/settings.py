@@ -175,7 +175,8 @@ class GatewaySettings(BaseSettings):
         description="Also serve /health, /ready and /metrics on this port, on connections of "
         "their own: they do not count against --max-connections, so clients that hold every "
         "client connection cannot starve the kubelet's probes (past the probe port's own cap "
-        "of 64, its oldest connection that is not in a request is closed to make room). "
+        "of 64, a connection that is not in a request is closed to make room: the oldest of "
+        "the peer address that holds the most). "
         "Unset: the probes share the client port.",
     )
     max_connections_per_endpoint: int = Field(
