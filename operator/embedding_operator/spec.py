@@ -192,6 +192,7 @@ class Server(_Model):
     max_batch_size: int | None = Field(default=None, ge=1)
     max_queue_tokens: int | None = Field(default=None, ge=1)
     max_request_tokens: int | None = Field(default=None, ge=1)
+    bulk_batch_ms: int | None = Field(default=None, ge=0, le=60000)
     api_workers: int | None = Field(default=None, ge=1, le=32)
     shm_size: IntOrString | None = None
     startup_timeout_seconds: int = Field(default=1800, ge=30, le=86400)

@@ -54,6 +54,7 @@ def test_server_contract_flags() -> None:
                 "maxBatchSize": 64,
                 "maxQueueTokens": 65536,
                 "maxRequestTokens": 16384,
+                "bulkBatchMs": 25,
                 "extraArgs": ["--log-level", "debug"],
             },
         }
@@ -79,6 +80,7 @@ def test_server_contract_flags() -> None:
     assert _flag(args, "--max-batch-size") == "64"
     assert _flag(args, "--max-queue-tokens") == "65536"
     assert _flag(args, "--max-request-tokens") == "16384"
+    assert _flag(args, "--bulk-batch-ms") == "25"
     assert _flag(args, "--tensor-parallel-size") == "1"
     assert _flag(args, "--cache-dir") == "/cache"
     assert args[-2:] == ["--log-level", "debug"]

@@ -167,6 +167,7 @@ def server_args(render: RenderInput) -> list[str]:
         ("--max-batch-size", srv.max_batch_size),
         ("--max-queue-tokens", srv.max_queue_tokens),
         ("--max-request-tokens", srv.max_request_tokens),
+        ("--bulk-batch-ms", srv.bulk_batch_ms),
     )
     return [*args, *srv.extra_args]
 
