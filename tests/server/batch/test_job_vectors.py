@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +95,14 @@ def part(place: Place, index: int) -> pa.Table:
     return pq.read_table(pa.BufferReader(place.read(f"out/parts/part-{index:06d}.parquet")))
 
 
+def assert_same_sparse_values(got: Sequence[float], want: Sequence[float]) -> None:
+    """A sparse vector's weights (its indices compared apart) equal the API's up to float32's
+    batching noise: the job's rows and the API's request are batched apart, and a GEMM of
+    another shape rounds differently (1.3e-6 at most on weights up to 1.1, seen in CI on a
+    2-core EPYC: 0.7% of a weight of 2e-4). Relative 1e-4, absolute 1e-5."""
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
 def cosines(got: np.ndarray, want: np.ndarray) -> np.ndarray:
     norms = np.linalg.norm(got, axis=-1) * np.linalg.norm(want, axis=-1)
     return np.asarray(np.sum(got * want, axis=-1) / norms)
@@ -149,7 +157,7 @@ def test_a_bge_m3_job_keeps_the_dense_sparse_and_multi_vectors_the_api_gives(
         assert cosines(np.array(row["embedding"]), np.array(plain["embedding"])) >= MIN_COSINE
         assert cosines(np.array(row["embedding"]), np.array(hybrid["dense"])) >= MIN_COSINE
         assert row["sparse"]["indices"] == hybrid["sparse"]["indices"]
-        np.testing.assert_allclose(row["sparse"]["values"], hybrid["sparse"]["values"], 1e-4)
+        assert_same_sparse_values(row["sparse"]["values"], hybrid["sparse"]["values"])
         got, expected = np.array(row["multi_vector"]), np.array(hybrid["multi_vector"])
         assert got.shape == expected.shape and got.shape[1] == width
         assert cosines(got, expected).min() >= MIN_COSINE
@@ -179,7 +187,7 @@ def test_a_jsonl_part_holds_each_rows_v2_embed_answer(
         )["embeddings"]
         (sparse,) = body["embeddings"]["sparse"]
         assert sparse["indices"] == answer["sparse"][0]["indices"]
-        np.testing.assert_allclose(sparse["values"], answer["sparse"][0]["values"], 1e-4)
+        assert_same_sparse_values(sparse["values"], answer["sparse"][0]["values"])
         got = np.array(body["embeddings"]["multi_vector"][0])
         want = np.array(answer["multi_vector"][0])
         assert got.shape == want.shape and cosines(got, want).min() >= MIN_COSINE
@@ -304,7 +312,7 @@ def test_a_splade_job_keeps_the_sparse_vectors_the_api_gives(
     want = post(splade, "/pooling", {"input": texts, "task": "sparse"})["data"]
     for got, answer in zip(table.column("sparse").to_pylist(), want, strict=True):
         assert got["indices"] and got["indices"] == answer["data"]["indices"]
-        np.testing.assert_allclose(got["values"], answer["data"]["values"], 1e-4)
+        assert_same_sparse_values(got["values"], answer["data"]["values"])
 
 
 @pytest.mark.slow
@@ -330,7 +338,7 @@ def test_a_job_of_a_model_loaded_in_the_worker_keeps_the_same_outputs(
         assert mine["doc_id"] == theirs["doc_id"]
         assert cosines(np.array(mine["embedding"]), np.array(theirs["embedding"])) >= MIN_COSINE
         assert mine["sparse"]["indices"] == theirs["sparse"]["indices"]
-        np.testing.assert_allclose(mine["sparse"]["values"], theirs["sparse"]["values"], 1e-4)
+        assert_same_sparse_values(mine["sparse"]["values"], theirs["sparse"]["values"])
         got, want = np.array(mine["multi_vector"]), np.array(theirs["multi_vector"])
         assert got.shape == want.shape and cosines(got, want).min() >= MIN_COSINE
 
