@@ -28,6 +28,7 @@ engine's own loop would deadlock it, so that raises ``RuntimeError`` instead.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -41,6 +42,7 @@ from embedding_server.device.configuration import (
     DeviceHeads,
     choose_attention,
     describe,
+    prefix_cache_refusal,
     resolve_config,
 )
 from embedding_server.device.distributed import SINGLE
@@ -57,10 +59,11 @@ from embedding_server.device.fingerprint import with_fingerprint
 from embedding_server.device.generic import tensor_parallel_refusal
 from embedding_server.device.loading import LoadedModel, load_configured, model_backend
 from embedding_server.device.pooling_guess import pooling_guess
+from embedding_server.device.prefix_cache import PrefixCache
 from embedding_server.device.preflight import inspect_before_download
 from embedding_server.device.runner import ModelRunner
 from embedding_server.device.tensor_parallel import TensorParallelGroup, TensorParallelModel
-from embedding_server.errors import NotReadyError, UnsupportedModelError
+from embedding_server.errors import InvalidRequestError, NotReadyError, UnsupportedModelError
 from embedding_server.ipc.messages import Handoff
 from embedding_server.metrics import Metrics
 from embedding_server.request.configuration import EngineInfo
@@ -122,6 +125,22 @@ __all__ = [
 ]
 
 
+def _prefix_cache(
+    settings: EngineSettings, loaded: LoadedModel, attention: Backend, metrics: Metrics | None
+) -> PrefixCache | None:
+    """The prompt-prefix cache ``--prefix-cache-bytes`` asks for, or its refusal naming why
+    the model cannot use it exactly; None when off."""
+    if not settings.prefix_cache_bytes:
+        return None
+    refusal = prefix_cache_refusal(settings, loaded, attention)
+    if refusal is not None:
+        raise InvalidRequestError(
+            f"prefix_cache_bytes cannot be used with this model: {refusal}",
+            param="prefix_cache_bytes",
+        )
+    return PrefixCache(settings.prefix_cache_bytes, metrics=metrics)
+
+
 class Engine(ServingEngine):
     """An embedding model behind a continuous-batching scheduler, in this process."""
 
@@ -152,6 +171,7 @@ class Engine(ServingEngine):
             embedding_rows=_int_or_none(loaded.config.get("vocab_size")),
         )
         fake = loaded.backend == "fake"
+        prefix_cache = _prefix_cache(settings, loaded, attention.backend, metrics)
         self._runner = (FakeRunner if fake else ModelRunner)(
             loaded.model,
             device=device,
@@ -170,6 +190,7 @@ class Engine(ServingEngine):
             and device.type == "cpu"
             and attention.backend is Backend.SDPA_BUCKETED
             and loaded.dtype in (torch.bfloat16, torch.float16),
+            prefix_cache=prefix_cache,
         )
         self._direct = DirectRunner(
             self._tokenizer,
@@ -198,6 +219,8 @@ class Engine(ServingEngine):
         )
         if fake:
             self._info = fake_info(loaded, self._info)
+        if prefix_cache is not None:
+            self._info = dataclasses.replace(self._info, prefix_cache_bytes=prefix_cache.max_bytes)
         started = time.perf_counter()
         self._info = with_fingerprint(
             self._info,

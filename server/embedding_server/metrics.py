@@ -156,6 +156,25 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.prefix_cache_hits = Counter(
+            f"{PREFIX}_prefix_cache_hits",
+            "Sequences that ran after a prompt prefix cached by an earlier batch "
+            "(--prefix-cache-bytes).",
+            registry=r,
+        )
+        self.prefix_cache_misses = Counter(
+            f"{PREFIX}_prefix_cache_misses",
+            "Sequences whose prompt prefix was not cached: computed for their batch (and kept, "
+            "within --prefix-cache-bytes).",
+            registry=r,
+        )
+        self.prefix_cache_bytes = Gauge(
+            f"{PREFIX}_prefix_cache_bytes",
+            "Bytes the cached prompt prefixes hold (keys and values of every layer, and the "
+            "final states), at most --prefix-cache-bytes.",
+            registry=r,
+            multiprocess_mode="livemax",
+        )
         self.model_load_seconds = Gauge(
             f"{PREFIX}_model_load_seconds",
             "Seconds it took to load and warm up the model.",

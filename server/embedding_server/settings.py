@@ -179,6 +179,16 @@ class EngineSettings(BaseSettings):
         "about that long at most, not for a full max_batch_tokens batch. Bulk alone runs full "
         "batches. Higher: more bulk throughput beside queries, slower queries; 0: no cap.",
     )
+    prefix_cache_bytes: int = Field(
+        0,
+        ge=0,
+        description="Bytes of memory (on the model's device) for caching the states of prompt "
+        "prefixes, causal decoders only (Qwen3-Embedding, e5-mistral, Qwen2 and Llama "
+        "embedders on the native backend): a request after a cached prompt (prompt_name, "
+        "--default-prompt-name, an instruction) runs only its own tokens, which is exact for "
+        "a causal model. Least recently used prefixes are evicted first. Refused at start on "
+        "bidirectional models, where it would change the vectors. 0: off.",
+    )
     tokenizer_workers: int = Field(2, gt=0, description="Threads for batched tokenization.")
     tensor_parallel_size: int = Field(
         1,

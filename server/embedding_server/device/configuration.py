@@ -26,6 +26,7 @@ from embedding_server.device.heads import ClassificationHead, SparseHead, token_
 from embedding_server.device.hybrid import HybridHead
 from embedding_server.device.listwise import ProjectorHead
 from embedding_server.device.loading import LoadedModel
+from embedding_server.device.models.llama import LlamaModel
 from embedding_server.device.models.vision import image_tokens_of
 from embedding_server.device.pooling import DenseHead
 from embedding_server.device.sentence_transformers import declared_matryoshka
@@ -386,6 +387,45 @@ class DeviceHeads:
         if self.classifier is None or self.task not in _TOKEN_HEAD_TASKS:
             return None
         return token_head(self.classifier, raw=self.task == "reward")
+
+
+def prefix_cache_refusal(
+    settings: EngineSettings, loaded: LoadedModel, attention: Backend
+) -> str | None:
+    """Why ``--prefix-cache-bytes`` cannot serve this model exactly (None: it can).
+
+    Only a causal decoder of ours computes a prefix's states independently of what follows
+    (``device.prefix_cache``); a bidirectional one (gte-Qwen2, llama-nemotron-embed, an
+    encoder) would give other vectors."""
+    model = loaded.model
+    name = loaded.architecture
+    if loaded.backend == "fake":
+        return "the fake backend computes no states to cache"
+    if settings.tensor_parallel_size > 1:
+        return "tensor parallelism does not pass prefixes to the other ranks yet"
+    if loaded.backend != "native":
+        return (
+            f"the {loaded.backend} backend runs the model's own forward pass, which takes no "
+            "cached prefix"
+        )
+    if not isinstance(model, LlamaModel):
+        return (
+            f"{name} is not a decoder whose prefix states the engine can cache (the Llama, "
+            "Mistral, Qwen2 and Qwen3 bodies can)"
+        )
+    if not model.causal:
+        return (
+            f"{name} attends bidirectionally: every prompt token's state depends on the text "
+            "after it, so a cached prefix would change the vectors"
+        )
+    if type(model)._adapters is not LlamaModel._adapters:
+        return f"{name} applies task adapters to every token, prompt tokens included"
+    if attention is Backend.TORCH_VARLEN:
+        return (
+            "torch_varlen's causal mask is not documented to align queries to the end of "
+            "longer keys, which a cached prefix needs; use flash_attn or an SDPA kernel"
+        )
+    return None
 
 
 def choose_attention(

@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -41,6 +41,7 @@ from embedding_server.device.dtypes import fatal_device_error
 from embedding_server.device.models.base import EmbeddingModel, PackedBatch
 from embedding_server.device.models.vision import image_tokens_of
 from embedding_server.device.pooling import pool
+from embedding_server.device.prefix_cache import PrefixCache, PrefixKey, PrefixModel
 from embedding_server.errors import EngineFailedError, InvalidRequestError
 from embedding_server.request.pooling import FloatArray, PoolingMethod
 from embedding_server.request.sequences import BatchOutput, SequenceInput
@@ -129,8 +130,14 @@ class ModelRunner:
         token_pooler: TokenPooler | None = None,
         token_head: TokenHead | None = None,
         shape_grid: bool = False,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.model = model
+        if prefix_cache is not None and not isinstance(model, PrefixModel):
+            raise ValueError(f"{type(model).__name__} computes no prefix states to cache")
+        self.prefix_cache = prefix_cache
+        """Cached prompt prefixes (``--prefix-cache-bytes``, a causal decoder that has
+        ``prefix_entries``); None: every sequence runs whole."""
         self.shape_grid = shape_grid and getattr(model, "token_states", True)
         """Pad each text batch to :func:`token_grid` tokens with one-token filler sequences
         (CPU bfloat16/float16: oneDNN's kernels are per shape); their rows are dropped after
@@ -313,7 +320,11 @@ class ModelRunner:
         inverse = np.empty(len(order), dtype=np.int64)
         inverse[np.asarray(order, dtype=np.int64)] = np.arange(len(order))
         stream = self._copy_stream
-        ids = [s.ids for s in ordered]
+        prefixes = self._prefixes(ordered)
+        ids = [
+            s.ids if p is None else s.ids[len(p) :]
+            for s, p in zip(ordered, prefixes or [None] * len(ordered), strict=True)
+        ]
         fill = 0
         if self.shape_grid and ordered:
             total = sum(len(i) for i in ids)
@@ -322,6 +333,8 @@ class ModelRunner:
             # of their own, so no real sequence sees them; their rows are dropped after the
             # forward pass. Their token is the batch's first (a valid id of the vocabulary).
             ids = ids + [ordered[0].ids[:1]] * fill
+            if prefixes is not None:
+                prefixes = prefixes + [None] * fill
         with (
             torch.inference_mode(),
             torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(),
@@ -346,14 +359,56 @@ class ModelRunner:
                     if any(s.key_len is not None for s in ordered)
                     else None
                 ),
+                prefixes=prefixes,
             )
-            batch.attention_plan  # noqa: B018  (built here, off the forward thread)
+            if batch.prefix is None:
+                batch.attention_plan  # noqa: B018  (built here, off the forward thread)
             images, shapes = self._stack_images(seqs, image_rows) if image_rows else (None, ())
             copied = None
             if stream is not None:
                 copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 copied.record(stream)
         return PreparedBatch(batch, ordered, inverse, copied, images, shapes, fill)
+
+    def _prefixes(self, ordered: Sequence[SequenceInput]) -> list[PrefixKey | None] | None:
+        """The cached prefix each text sequence runs after (None: it runs whole); None when
+        none does. A sequence continues its prompt's tokens (``skip``, its prompt length)
+        when it has tokens of its own after them, and no segment ids, adapter or key limit
+        (each changes what the prefix tokens compute)."""
+        if self.prefix_cache is None:
+            return None
+        found: list[PrefixKey | None] = []
+        for s in ordered:
+            p = s.skip
+            usable = (
+                0 < p < len(s.ids)
+                and s.type_ids is None
+                and s.adapter is None
+                and s.key_len is None
+            )
+            found.append(tuple(s.ids[:p]) if usable else None)
+        return found if any(p is not None for p in found) else None
+
+    def _bind_prefixes(self, batch: PackedBatch) -> None:
+        """Give the batch its prefixes' states: the cached ones, and those computed now (in
+        one forward pass of the prefixes alone) and kept for the next batches."""
+        prefix, cache = batch.prefix, self.prefix_cache
+        if prefix is None or cache is None:
+            return
+        found = {key: cache.get(key) for key in prefix.keys}
+        missing = [key for key, entry in found.items() if entry is None]
+        if missing:
+            model = cast(PrefixModel, self.model)
+            computed = model.prefix_entries(missing, self.attention)
+            for entry in computed:
+                cache.put(entry)
+                found[entry.ids] = entry
+        fresh = {prefix.keys.index(key) for key in missing}
+        used = [slot for slot in prefix.slots if slot >= 0]
+        misses = sum(slot in fresh for slot in used)
+        cache.count(hits=len(used) - misses, misses=misses)
+        entries = [found[key] for key in prefix.keys]
+        prefix.bind([e for e in entries if e is not None])
 
     def _forward(self, batch: PackedBatch, ordered: Sequence[SequenceInput]) -> torch.Tensor:
         """The model's forward pass over ``batch`` (``ordered``: its sequences)."""
@@ -394,8 +449,12 @@ class ModelRunner:
                 threads = 1 if total < SMALL_BATCH_TOKENS else self.cpu_threads
                 if torch.get_num_threads() != threads:
                     torch.set_num_threads(threads)
+            self._bind_prefixes(batch)
             hidden = self._forward(batch, ordered) if ordered else None
             seqlens = batch.seqlens
+            if batch.prefix is not None and hidden is not None:
+                hidden = batch.prefix.full_states(hidden)
+                seqlens = batch.prefix.full_seqlens
             if prepared.fill and hidden is not None:
                 seqlens = seqlens[: len(ordered)]
                 hidden = hidden[: hidden.shape[0] - prepared.fill]

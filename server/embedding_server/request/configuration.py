@@ -108,6 +108,9 @@ class EngineInfo:
     backend: str = "native"
     """What runs the model: native (our packed implementation of its family), transformers
     (transformers' own model class, ``--backend``) or fake."""
+    prefix_cache_bytes: int = 0
+    """The prompt-prefix cache's byte budget (``--prefix-cache-bytes``); 0: off. Its use is
+    in ``/metrics`` (``embedding_server_prefix_cache_*``)."""
     quantization: str = "none"
     """How the body's weights are held (``--quantization``): none, or int8 (per-channel int8
     linear weights in the transformer blocks, activations quantized per token, CPU)."""

@@ -26,9 +26,11 @@ from embedding_server.device.attention import (
     plan_attention,
     staged,
     varlen_attention,
+    varlen_kernels,
 )
 from embedding_server.device.distributed import SINGLE, Shard
 from embedding_server.device.models.layers import HeadSplit, VocabEmbedding
+from embedding_server.device.prefix_cache import PrefixBatch, PrefixKey, prefix_attention
 from embedding_server.errors import UnsupportedModelError
 
 
@@ -50,6 +52,9 @@ class PackedBatch:
     key_lens: tuple[int, ...] | None = None
     """Per sequence, how many leading tokens are keys (ColBERT's query augmentation: the
     ``[MASK]`` tokens after a query are queries nothing attends to); None: all of them."""
+    prefix: PrefixBatch | None = None
+    """The cached prefixes the sequences continue (``device.prefix_cache``): the batch then
+    holds each sequence's own tokens only, at positions after its prefix's; None: none."""
     _plan: AttentionPlan | None = field(default=None, repr=False)
 
     @classmethod
@@ -63,12 +68,15 @@ class PackedBatch:
         token_types: Sequence[Sequence[int]] | None = None,
         adapters: Sequence[int] | None = None,
         key_lens: Sequence[int] | None = None,
+        prefixes: Sequence[PrefixKey | None] | None = None,
     ) -> PackedBatch:
         """Pack token id lists; ``position_offset`` shifts positions (RoBERTa: padding_idx+1);
         ``attention`` is the kernel every layer's attention runs on; ``token_types`` are the
         segment ids of each sequence (sentence pairs), None for all zeros; ``adapters`` the
         task adapter of each sequence (-1: none), None for none at all; ``key_lens`` each
-        sequence's count of leading tokens other tokens may attend to, None for all.
+        sequence's count of leading tokens other tokens may attend to, None for all;
+        ``prefixes`` the cached prefix each sequence continues (None: none), whose length
+        shifts its positions.
 
         The integer rows (ids, positions, segment ids) are packed on the host into one
         staging tensor and reach the device in one copy, ``cu_seqlens`` in a second. On CUDA
@@ -86,6 +94,11 @@ class PackedBatch:
         lens = np.asarray(seqlens, dtype=np.int64)
         starts = np.cumsum(lens) - lens
         host[1] = np.arange(total, dtype=np.int64) - np.repeat(starts, lens) + position_offset
+        prefix = None
+        if prefixes is not None and any(p is not None for p in prefixes):
+            shift = np.asarray([0 if p is None else len(p) for p in prefixes], dtype=np.int64)
+            host[1] += np.repeat(shift, lens)
+            prefix = PrefixBatch.build(prefixes, seqlens, device)
         if token_types is not None:
             host[2] = np.fromiter(itertools.chain.from_iterable(token_types), np.int64, total)
         if adapters is not None:
@@ -105,6 +118,7 @@ class PackedBatch:
             None if token_types is None else packed[2],
             None if adapters is None else packed[rows - 1],
             None if key_lens is None else tuple(key_lens),
+            prefix,
         )
 
     @classmethod
@@ -141,7 +155,14 @@ class PackedBatch:
             self.token_type_ids,
             self.adapter_ids,
         ]
-        return [t for t in own if t is not None] + self.attention_plan.tensors()
+        # A batch with prefixes attends through their plan (``prefix_attention``) only.
+        plan = self.attention_plan.tensors() if self.prefix is None else self.prefix.tensors()
+        return [t for t in own if t is not None] + plan
+
+    @property
+    def max_position(self) -> int:
+        """One more than the largest position of the batch (its prefixes counted)."""
+        return self.max_seqlen if self.prefix is None else self.prefix.max_full_seqlen
 
     @property
     def attention_plan(self) -> AttentionPlan:
@@ -163,11 +184,15 @@ class PackedBatch:
         window: int | None = None,
         bias: AttentionBias | None = None,
         softcap: float | None = None,
+        layer: int | None = None,
     ) -> torch.Tensor:
         """Attention within each packed sequence (``[T, heads, head_dim]`` in and out);
         ``window`` is the keys a query sees on each side (flash-attn's convention); ``bias``
         an additive term on the logits (SDPA kernels only, see ``Architecture.attention_bias``);
-        ``softcap`` the logits' tanh cap (see ``Architecture.attention_softcap``)."""
+        ``softcap`` the logits' tanh cap (see ``Architecture.attention_softcap``). ``layer``:
+        the layer's index, which a batch with cached prefixes needs to read their keys."""
+        if self.prefix is not None:
+            return self._prefix_attention(q, k, v, causal, scale, window, bias, softcap, layer)
         return varlen_attention(
             q,
             k,
@@ -180,6 +205,47 @@ class PackedBatch:
             window=window,
             bias=bias,
             softcap=softcap,
+        )
+
+    def _prefix_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool,
+        scale: float,
+        window: int | None,
+        bias: AttentionBias | None,
+        softcap: float | None,
+        layer: int | None,
+    ) -> torch.Tensor:
+        """:func:`~..prefix_cache.prefix_attention`, for what it computes exactly: causal
+        attention, with or without a sliding window, no bias or soft-cap, on flash-attn or
+        an SDPA plan."""
+        assert self.prefix is not None
+        if layer is None or not causal or bias is not None or softcap is not None:
+            raise ValueError(
+                "a cached prefix needs causal attention without bias or soft-capping, and the "
+                "layer's index"
+            )
+        if self.attention_backend is Backend.TORCH_VARLEN:
+            raise ValueError("torch_varlen cannot attend to a cached prefix")
+        flash = None
+        if self.attention_backend is Backend.FLASH_ATTN:
+            flash = varlen_kernels().flash
+            if flash is None:
+                raise RuntimeError("flash_attn was not selectable")
+        return prefix_attention(
+            q,
+            k,
+            v,
+            self.prefix,
+            layer,
+            scale=scale,
+            window=window,
+            flash=flash,
+            cu_seqlens_q=self.cu_seqlens,
+            max_seqlen_q=self.max_seqlen,
         )
 
 

@@ -31,13 +31,14 @@ any other tensor the checkpoint carries and this code does not read refuses the 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 
+from embedding_server.device.attention import Backend
 from embedding_server.device.models.base import (
     Checkpoint,
     Ignored,
@@ -56,6 +57,7 @@ from embedding_server.device.models.layers import (
     rms_norm,
     row_linear,
 )
+from embedding_server.device.prefix_cache import PrefixEntry, PrefixKey
 from embedding_server.errors import UnsupportedModelError
 
 WindowRule = Literal["none", "every_layer", "opt_in"]
@@ -253,9 +255,43 @@ class LlamaModel:
             )
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
+        return self._run(batch, None)
+
+    def prefix_entries(
+        self, prefixes: Sequence[PrefixKey], attention: Backend = Backend.SDPA_BUCKETED
+    ) -> list[PrefixEntry]:
+        """The cacheable states of ``prefixes`` (each a sequence's leading token ids), in one
+        forward pass of them alone: exact for a causal body, whose states of a sequence's
+        first tokens do not depend on what follows (``device.prefix_cache``)."""
+        if not self.causal:
+            raise ValueError("a bidirectional model's prefix states depend on what follows")
+        batch = PackedBatch.build(prefixes, self.device, attention=attention)
+        captured: list[tuple[torch.Tensor, torch.Tensor]] = []
+        states = self._run(batch, captured)
+        keys = torch.stack([k for k, _ in captured])  # [layers, T, kv_heads, head_dim]
+        values = torch.stack([v for _, v in captured])
+        entries, start = [], 0
+        for ids in prefixes:
+            end = start + len(ids)
+            entries.append(
+                PrefixEntry(
+                    tuple(ids),
+                    keys[:, start:end].clone(),
+                    values[:, start:end].clone(),
+                    states[start:end].clone(),
+                )
+            )
+            start = end
+        return entries
+
+    def _run(
+        self, batch: PackedBatch, captured: list[tuple[torch.Tensor, torch.Tensor]] | None
+    ) -> torch.Tensor:
+        """The forward pass; each layer's keys (after RoPE) and values appended to
+        ``captured`` when given."""
         t = batch.input_ids.shape[0]
         hq, hkv, d, shard = self.split.heads, self.split.kv_heads, self.head_dim, self.shard
-        rope = self.rotary.lookup(batch.position_ids, batch.max_seqlen)
+        rope = self.rotary.lookup(batch.position_ids, batch.max_position)
         adapt = self._adapters(batch)
 
         def plus(out: torch.Tensor, i: int, kind: str, x: torch.Tensor) -> torch.Tensor:
@@ -272,8 +308,10 @@ class LlamaModel:
                 q = rms_norm(q, layer.q_norm, self.eps)
                 k = rms_norm(k, layer.k_norm, self.eps)
             q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+            if captured is not None:
+                captured.append((k, v))
             attn = batch.attention(
-                q, k, v, causal=self.causal, scale=self.scale, window=layer.window
+                q, k, v, causal=self.causal, scale=self.scale, window=layer.window, layer=i
             ).reshape(t, hq * d)
             x = plus(x + row_linear(attn, layer.o_w, layer.o_b, shard), i, "o", attn)
             h = rms_norm(x, layer.post_norm, self.eps)
