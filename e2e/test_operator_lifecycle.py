@@ -368,6 +368,19 @@ BAD = [
             "parallelism": {"tensorParallelSize": 2},
         },
     ),
+    # The prefix cache where the server would refuse it at start.
+    (
+        "spec.server.prefixCache",
+        {"model": MODEL, "server": {"prefixCache": "64Mi", "backend": "transformers"}},
+    ),
+    (
+        "spec.server.prefixCache",
+        {
+            "model": MODEL,
+            "server": {"prefixCache": "64Mi"},
+            "parallelism": {"tensorParallelSize": 2},
+        },
+    ),
 ]
 
 

@@ -182,6 +182,16 @@ INT8_GPU_MESSAGE = (
 )
 
 
+PREFIX_CACHE_BACKEND_MESSAGE = (
+    "prefixCache caches the native backend's decoder states; backend transformers runs the "
+    "model's own forward pass, which takes no cached prefix"
+)
+PREFIX_CACHE_PARALLEL_MESSAGE = (
+    "server.prefixCache is not served with tensor parallelism yet; "
+    "parallelism.tensorParallelSize must be 1"
+)
+
+
 class Server(_Model):
     image: str | None = None
     image_pull_policy: PullPolicy | None = None
@@ -193,6 +203,7 @@ class Server(_Model):
     max_queue_tokens: int | None = Field(default=None, ge=1)
     max_request_tokens: int | None = Field(default=None, ge=1)
     bulk_batch_ms: int | None = Field(default=None, ge=0, le=60000)
+    prefix_cache: IntOrString | None = None
     api_workers: int | None = Field(default=None, ge=1, le=32)
     shm_size: IntOrString | None = None
     startup_timeout_seconds: int = Field(default=1800, ge=30, le=86400)
@@ -209,6 +220,25 @@ class Server(_Model):
             raise ValueError(INT8_DTYPE_MESSAGE)
         if self.backend == "transformers":
             raise ValueError(INT8_BACKEND_MESSAGE)
+        return self
+
+    @field_validator("prefix_cache")
+    @classmethod
+    def _prefix_cache_is_bytes(cls, value: IntOrString | None) -> IntOrString | None:
+        if value is not None:
+            quantity_bytes(value)
+        return value
+
+    @property
+    def prefix_cache_bytes(self) -> int | None:
+        """``prefixCache`` in bytes, as the server's ``--prefix-cache-bytes`` takes it."""
+        return None if self.prefix_cache is None else quantity_bytes(self.prefix_cache)
+
+    @model_validator(mode="after")
+    def _prefix_cache_on_the_native_backend(self) -> Server:
+        # As the CRD's CEL rule on spec.server: the server refuses the same at start.
+        if self.prefix_cache is not None and self.backend == "transformers":
+            raise ValueError(PREFIX_CACHE_BACKEND_MESSAGE)
         return self
 
     @model_validator(mode="after")
@@ -560,6 +590,13 @@ class EmbeddingServiceSpec(_Model):
                 "server.backend transformers runs the whole model on one device; "
                 "parallelism.tensorParallelSize must be 1"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _prefix_cache_on_one_rank(self) -> EmbeddingServiceSpec:
+        # As the CRD's CEL rule on spec.
+        if self.server.prefix_cache is not None and self.parallelism.tensor_parallel_size != 1:
+            raise ValueError(PREFIX_CACHE_PARALLEL_MESSAGE)
         return self
 
     @model_validator(mode="after")

@@ -539,6 +539,56 @@ def _int8_rules(schema: dict[str, Any], level: str) -> list[dict[str, Any]]:
     return [r for r in node["x-kubernetes-validations"] if "int8" in r["rule"]]
 
 
+PREFIX_CACHE_REFUSALS = {
+    "backend transformers": ("server", {"backend": "transformers"}, ".prefixCache"),
+    "tensorParallelSize 2": (
+        "spec",
+        {"parallelism": {"tensorParallelSize": 2}},
+        ".server.prefixCache",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PREFIX_CACHE_REFUSALS))
+def test_prefix_cache_is_refused_where_the_server_would_refuse_it(
+    schema: dict[str, Any], case: str
+) -> None:
+    """What the server refuses at start under ``--prefix-cache-bytes`` that a spec can show
+    (the transformers backend, tensor parallelism), the CRD refuses at ``kubectl apply`` and
+    the model with the same words; a bidirectional model is the server's to refuse, from
+    its config.json."""
+    level, extra, field = PREFIX_CACHE_REFUSALS[case]
+    server = {"prefixCache": "64Mi", **(extra if level == "server" else {})}
+    raw = {"model": {"name": "m"}, "server": server, **(extra if level == "spec" else {})}
+    with pytest.raises(InvalidSpecError) as refused:
+        parse_spec(raw)
+    path, message = str(refused.value).split(": ", 1)
+    assert path == ("spec.server" if level == "server" else "spec")
+    node = schema["properties"]["spec"]
+    if level == "server":
+        node = node["properties"]["server"]
+    (rule,) = [r for r in node["x-kubernetes-validations"] if r["message"] == message]
+    assert (rule["reason"], rule["fieldPath"]) == ("FieldValueForbidden", field)
+    assert "prefixCache" in rule["rule"]
+    server.pop("prefixCache")
+    parse_spec(raw)  # the rest is fine alone
+
+
+@pytest.mark.parametrize("value", ["0", "-1Mi", "lots", 0])
+def test_prefix_cache_must_be_a_positive_quantity(validator: Any, value: object) -> None:
+    spec = {"model": {"name": "m"}, "server": {"prefixCache": value}}
+    doc = {
+        "apiVersion": "embedding-operator.dev/v1alpha1",
+        "kind": "EmbeddingService",
+        "metadata": {"name": "bad"},
+        "spec": spec,
+    }
+    if value != "0":  # the schema's pattern admits "0"; the model (and the server) do not
+        assert not validator.is_valid(doc)
+    with pytest.raises(InvalidSpecError, match=r"^spec\.server\.prefixCache: "):
+        parse_spec(spec)
+
+
 @pytest.mark.parametrize("case", sorted(INT8_REFUSALS))
 def test_int8_is_refused_where_the_server_would_refuse_it(
     schema: dict[str, Any], case: str

@@ -86,6 +86,12 @@ def test_server_contract_flags() -> None:
     assert args[-2:] == ["--log-level", "debug"]
 
 
+def test_prefix_cache_renders_as_bytes_and_is_absent_unless_set() -> None:
+    args = server_args(render_input({"model": MODEL, "server": {"prefixCache": "256Mi"}}))
+    assert _flag(args, "--prefix-cache-bytes") == str(256 * 1024 * 1024)
+    assert "--prefix-cache-bytes" not in server_args(render_input({"model": MODEL}))
+
+
 def test_a_clusterip_service_renders_its_names_as_the_allowed_hosts() -> None:
     args = server_args(render_input({"model": MODEL}, name="emb", namespace="team-a"))
     # And those of <name>-next, the Service a model change serves the new model by.

@@ -168,6 +168,7 @@ def server_args(render: RenderInput) -> list[str]:
         ("--max-queue-tokens", srv.max_queue_tokens),
         ("--max-request-tokens", srv.max_request_tokens),
         ("--bulk-batch-ms", srv.bulk_batch_ms),
+        ("--prefix-cache-bytes", srv.prefix_cache_bytes),
     )
     return [*args, *srv.extra_args]
 
