@@ -189,6 +189,20 @@ def test_cold_start(tmp_path: Path) -> None:
     assert "2.3-2.5 s" in report["summary"][0], report  # the target's figure beside ours
 
 
+def test_prefix_cache(tmp_path: Path) -> None:
+    out = run_bench(
+        "prefix_cache",
+        *("--shape", "tiny", "--dtypes", "float32", "--queries", "8", "--rounds", "1"),
+        *("--latency", "2", "--lengths", "24"),
+        out=tmp_path,
+    )
+    (run,) = read_json(tmp_path / "prefix_cache.json")["runs"]
+    assert run["cos_min"] > 0.99999  # the cached vectors are the uncached ones
+    assert run["cache_entries"] == 1 and run["cache_hits"] > 0
+    assert run["qps"]["on"] > 0 and run["qps"]["off"] > 0
+    assert "(target >= 2x)" in out
+
+
 def test_bulk(tmp_path: Path) -> None:
     """Every system of ``bench.bulk`` (our offline engine, run-batch, the naive client loop
     against our server, the EmbeddingJob worker with 1 and 2 processes, and run-batch at two
