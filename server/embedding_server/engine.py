@@ -79,6 +79,7 @@ from embedding_server.request.media.inputs import ChatTemplate, ImagePreprocesso
 from embedding_server.request.media.preprocessing import ImageProcessor
 from embedding_server.request.results import Ranked, SparseVector, StageTimings
 from embedding_server.request.scheduler import EngineLoad, Scheduler
+from embedding_server.request.sequences import SequenceInput
 from embedding_server.request.serving import ServingEngine
 from embedding_server.request.tasks.classify import ClassifyResult
 from embedding_server.request.tasks.context import Inputs
@@ -381,6 +382,9 @@ class Engine(ServingEngine):
         warmup = self._runner.warmup_batch(c.max_input_tokens, c.max_batch_tokens, c.max_batch_size)
         started = time.perf_counter()
         await loop.run_in_executor(self._forward_pool, self._runner.run, warmup)
+        prompted = self._prompt_warmup()
+        if prompted:  # the declared prompts' states, into the prefix cache before traffic
+            await loop.run_in_executor(self._forward_pool, self._runner.run, prompted)
         await self._scheduler.start(self._forward_pool)
         self._online = ScheduledRunner(
             self._tokenizer, self._scheduler, loop=loop, tokenize_pool=tokenize_pool
@@ -390,6 +394,19 @@ class Engine(ServingEngine):
             self.metrics.model_load_seconds.set(self._load_seconds + warm_s)
         self._ready = True
         logger.info("engine ready (load %.2fs, warm-up %.2fs)", self._load_seconds, warm_s)
+
+    def _prompt_warmup(self) -> list[SequenceInput]:
+        """With a prefix cache: one short text after each prompt the model declares, so
+        that every declared prompt is cached at start (others are on first use)."""
+        if self._runner.prefix_cache is None:
+            return []
+        prompts = [p for p in self._info.prompts.values() if p]
+        sequences = []
+        for prompt in dict.fromkeys(prompts):
+            (encoded,) = self._tokenizer.encode(["a"], truncation=Truncation(), prompt=prompt)
+            if 0 < encoded.prompt_length < len(encoded.ids):
+                sequences.append(SequenceInput(encoded.ids, encoded.prompt_length))
+        return sequences
 
     async def stop(self, *, drain: bool = True, timeout: float | None = None) -> None:
         """Stop admitting work; with ``drain`` finish what is queued first."""

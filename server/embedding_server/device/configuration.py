@@ -26,6 +26,7 @@ from embedding_server.device.heads import ClassificationHead, SparseHead, token_
 from embedding_server.device.hybrid import HybridHead
 from embedding_server.device.listwise import ProjectorHead
 from embedding_server.device.loading import LoadedModel
+from embedding_server.device.models.gemma3 import Gemma3TextModel
 from embedding_server.device.models.llama import LlamaModel
 from embedding_server.device.models.vision import image_tokens_of
 from embedding_server.device.pooling import DenseHead
@@ -408,17 +409,17 @@ def prefix_cache_refusal(
             f"the {loaded.backend} backend runs the model's own forward pass, which takes no "
             "cached prefix"
         )
-    if not isinstance(model, LlamaModel):
+    if not isinstance(model, LlamaModel | Gemma3TextModel):
         return (
             f"{name} is not a decoder whose prefix states the engine can cache (the Llama, "
-            "Mistral, Qwen2 and Qwen3 bodies can)"
+            "Mistral, Qwen2, Qwen3 and Gemma bodies can)"
         )
     if not model.causal:
         return (
             f"{name} attends bidirectionally: every prompt token's state depends on the text "
             "after it, so a cached prefix would change the vectors"
         )
-    if type(model)._adapters is not LlamaModel._adapters:
+    if isinstance(model, LlamaModel) and type(model)._adapters is not LlamaModel._adapters:
         return f"{name} applies task adapters to every token, prompt tokens included"
     if attention is Backend.TORCH_VARLEN:
         return (

@@ -328,6 +328,7 @@ def prefix_attention(
     *,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
     flash: Any = None,
     cu_seqlens_q: torch.Tensor | None = None,
     max_seqlen_q: int = 0,
@@ -337,6 +338,8 @@ def prefix_attention(
     query ``j`` of a sequence with prefix length ``P`` sees keys ``0 .. P + j``, and with a
     sliding ``window`` only those at most ``window`` before ``P + j`` (flash-attn's
     convention, as ``attention.varlen_attention``'s): what the whole sequence computes.
+    ``softcap`` caps the logits (Gemma 2's ``cap * tanh(logits / cap)``), eagerly on SDPA's
+    side, as ``attention`` computes it there.
 
     ``flash``: flash-attn's ``flash_attn_varlen_func`` (with ``cu_seqlens_q`` and
     ``max_seqlen_q``), whose ``causal=True`` and ``window_size`` align queries to the end of
@@ -351,6 +354,8 @@ def prefix_attention(
         window = None  # no query of this batch is far enough from any key for it to bite
     if flash is not None:
         extra: dict[str, Any] = {} if window is None else {"window_size": (window, 0)}
+        if softcap is not None:
+            extra["softcap"] = softcap
         return flash(  # type: ignore[no-any-return]
             q,
             keys.index_select(0, prefix.full_index),
@@ -376,9 +381,57 @@ def prefix_attention(
         if rep > 1:
             kb, vb = kb.repeat_interleave(rep, dim=1), vb.repeat_interleave(rep, dim=1)
         mask = prefix.mask(index, window)
-        if mask is None:
+        if softcap is not None:
+            result = _softcapped(qb, kb, vb, mask, scale, softcap)
+        elif mask is None:
             result = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)
         else:
             result = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)
         out.index_copy_(0, group.queries, result.transpose(1, 2).reshape(-1, heads, dim))
     return out
+
+
+def _softcapped(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """Eager soft-capped attention (matmul, tanh cap, mask, float32 softmax, matmul), as
+    ``attention._softcapped`` and transformers' eager attention compute it; ``mask`` None is
+    a square causal block."""
+    logits = torch.matmul(q, k.transpose(-1, -2)) * scale
+    logits = torch.tanh(logits / softcap) * softcap
+    if mask is None:
+        n = q.shape[-2]
+        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    logits = logits.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)
+
+
+def split_entries(
+    prefixes: Sequence[PrefixKey],
+    states: torch.Tensor,
+    captured: Sequence[tuple[torch.Tensor, torch.Tensor]],
+) -> list[PrefixEntry]:
+    """The entries of ``prefixes`` run packed in that order, from the forward pass's final
+    ``states`` (``[T, hidden]``) and each layer's ``captured`` keys and values
+    (``[T, kv_heads, head_dim]``): each prefix's own rows, copied out of the batch."""
+    keys = torch.stack([k for k, _ in captured])  # [layers, T, kv_heads, head_dim]
+    values = torch.stack([v for _, v in captured])
+    entries, start = [], 0
+    for ids in prefixes:
+        end = start + len(ids)
+        entries.append(
+            PrefixEntry(
+                tuple(ids),
+                keys[:, start:end].clone(),
+                values[:, start:end].clone(),
+                states[start:end].clone(),
+            )
+        )
+        start = end
+    return entries

@@ -26,6 +26,7 @@ from embedding_server.metrics import Metrics
 from embedding_server.request.sequences import SequenceInput
 from sentence_transformers import SentenceTransformer
 
+from tests.support import device_cases as cases
 from tests.support.attention import assert_rows_close
 from tests.support.models import add_sentence_transformers, build_decoder
 
@@ -88,6 +89,53 @@ def test_cached_prompts_give_the_whole_sequences_vectors(
     assert not np.allclose(again, plain.embed(TEXTS), atol=1e-3)
     # Texts without a prompt run whole, as before.
     assert_rows_close(cached.embed(TEXTS), plain.embed(TEXTS), MIN_COSINE[dtype])
+
+
+def gemma_embedder(root: Path, model_type: str) -> Path:
+    """A causal Gemma 3 (local and global layers, two RoPE tables) or Gemma 2 (logits capped
+    at 4, where tanh bites) with a window of 8, far shorter than the prompts."""
+    config: dict[str, object] = {
+        **cases.GEMMA_BODY,
+        "max_position_embeddings": 256,
+        "query_pre_attn_scalar": 24,
+        "sliding_window": 8,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    if model_type == "gemma2":
+        config["attn_logit_softcapping"] = 4.0
+    else:
+        config["layer_types"] = ["sliding_attention", "full_attention", "sliding_attention"]
+    body = cases.save_byte_decoder(
+        root / model_type,
+        model_type,
+        config,
+        specials=["<pad>", "<s>", "</s>", "<unk>"],
+        template="<s> $A </s>",
+        bos="<s>",
+        eos="</s>",
+        seed=31,
+    )
+    return add_sentence_transformers(
+        body, pooling="lasttoken", prompts={"query": QUERY, "other": OTHER}
+    )
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("model_type", ["gemma3_text", "gemma2"])
+def test_gemma_bodies_with_windows_and_caps_stay_exact(
+    tmp_path: Path, model_type: str, dtype: str
+) -> None:
+    path = gemma_embedder(tmp_path, model_type)
+    plain = Engine.from_pretrained(str(path), dtype=dtype)
+    cached = Engine.from_pretrained(str(path), dtype=dtype, prefix_cache_bytes=BUDGET)
+    assert plain.info().sliding_window == 8
+    want = plain.embed(TEXTS, prompt_name="query")
+    for _ in range(2):
+        assert_rows_close(cached.embed(TEXTS, prompt_name="query"), want, MIN_COSINE[dtype])
+    assert stats(cached)["hits"] == len(TEXTS)
+    assert not np.allclose(want, plain.embed(TEXTS), atol=1e-3)
 
 
 def test_qwen3_with_the_cache_equals_sentence_transformers(models: Callable[..., Path]) -> None:
@@ -194,6 +242,23 @@ def test_int8_weights_with_the_cache(models: Callable[..., Path]) -> None:
     for _ in range(2):
         assert_rows_close(cached.embed(TEXTS, prompt_name="query"), want, 0.9999)
     assert stats(cached)["hits"] == len(TEXTS)
+
+
+async def test_a_started_engine_has_its_declared_prompts_cached(
+    models: Callable[..., Path],
+) -> None:
+    """Start-up computes every prompt the model declares, so the first query reads it."""
+    path = models("qwen3")
+    engine = Engine.from_pretrained(str(path), dtype="float32", prefix_cache_bytes=BUDGET)
+    await engine.start()
+    try:
+        assert stats(engine)["entries"] == 2  # query and other
+        got = (await engine.aembed(TEXTS, prompt_name="other")).embeddings
+        want = Engine.from_pretrained(str(path), dtype="float32").embed(TEXTS, prompt_name="other")
+        assert_rows_close(got, want, 0.99999)
+        assert stats(engine)["hits"] == len(TEXTS)
+    finally:
+        await engine.stop()
 
 
 def test_metrics_count_hits_misses_and_bytes(models: Callable[..., Path]) -> None:

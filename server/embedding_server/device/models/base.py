@@ -220,12 +220,12 @@ class PackedBatch:
         layer: int | None,
     ) -> torch.Tensor:
         """:func:`~..prefix_cache.prefix_attention`, for what it computes exactly: causal
-        attention, with or without a sliding window, no bias or soft-cap, on flash-attn or
+        attention, with or without a sliding window or soft-cap, no bias, on flash-attn or
         an SDPA plan."""
         assert self.prefix is not None
-        if layer is None or not causal or bias is not None or softcap is not None:
+        if layer is None or not causal or bias is not None:
             raise ValueError(
-                "a cached prefix needs causal attention without bias or soft-capping, and the "
+                "a cached prefix needs causal attention without an additive bias, and the "
                 "layer's index"
             )
         if self.attention_backend is Backend.TORCH_VARLEN:
@@ -243,6 +243,7 @@ class PackedBatch:
             layer,
             scale=scale,
             window=window,
+            softcap=softcap,
             flash=flash,
             cu_seqlens_q=self.cu_seqlens,
             max_seqlen_q=self.max_seqlen,

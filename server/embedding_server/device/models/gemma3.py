@@ -37,13 +37,14 @@ refused by the registry with :data:`MULTIMODAL_REFUSAL`.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from embedding_server.device.attention import Backend
 from embedding_server.device.models.base import Checkpoint, PackedBatch, config_get, decoder_causal
 from embedding_server.device.models.layers import (
     FULL_ATTENTION,
@@ -56,6 +57,7 @@ from embedding_server.device.models.layers import (
     layer_types,
     row_linear,
 )
+from embedding_server.device.prefix_cache import PrefixEntry, PrefixKey, split_entries
 from embedding_server.errors import UnsupportedModelError
 
 MULTIMODAL_REFUSAL = (
@@ -286,16 +288,34 @@ class Gemma3TextModel:
             )
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
+        return self._run(batch, None)
+
+    def prefix_entries(
+        self, prefixes: Sequence[PrefixKey], attention: Backend = Backend.SDPA_BUCKETED
+    ) -> list[PrefixEntry]:
+        """The cacheable states of ``prefixes``, in one forward pass of them alone: exact
+        for a causal body, local layers included (``device.prefix_cache``)."""
+        if not self.causal:
+            raise ValueError("a bidirectional model's prefix states depend on what follows")
+        batch = PackedBatch.build(prefixes, self.device, attention=attention)
+        captured: list[tuple[torch.Tensor, torch.Tensor]] = []
+        return split_entries(prefixes, self._run(batch, captured), captured)
+
+    def _run(
+        self, batch: PackedBatch, captured: list[tuple[torch.Tensor, torch.Tensor]] | None
+    ) -> torch.Tensor:
+        """The forward pass; each layer's keys (after RoPE) and values appended to
+        ``captured`` when given."""
         t = batch.input_ids.shape[0]
         hq, hkv, d, eps = self.split.heads, self.split.kv_heads, self.head_dim, self.eps
         looked_up: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for table in self.rotary.values():
             if id(table) not in looked_up:
-                looked_up[id(table)] = table.lookup(batch.position_ids, batch.max_seqlen)
+                looked_up[id(table)] = table.lookup(batch.position_ids, batch.max_position)
         global_rope = looked_up[id(self.rotary[FULL_ATTENTION])]
         local_rope = looked_up[id(self.rotary[SLIDING_ATTENTION])]
         x = self.embed(batch.input_ids) * self.embed_scale
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             rope = local_rope if layer.local else global_rope
             h = gemma_rms_norm(x, layer.in_norm, eps)
             qkv = F.linear(h, layer.qkv_w, layer.qkv_b)
@@ -306,6 +326,8 @@ class Gemma3TextModel:
                 k = gemma_rms_norm(k, layer.k_norm, eps)
             v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
             q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+            if captured is not None:
+                captured.append((k, v))
             attn = batch.attention(
                 q,
                 k,
@@ -314,6 +336,7 @@ class Gemma3TextModel:
                 scale=self.scale,
                 window=layer.window,
                 softcap=self.softcap,
+                layer=i,
             )
             h = row_linear(attn.reshape(t, hq * d), layer.o_w, layer.o_b, self.shard)
             if layer.post_attn_norm is not None:

@@ -57,7 +57,7 @@ from embedding_server.device.models.layers import (
     rms_norm,
     row_linear,
 )
-from embedding_server.device.prefix_cache import PrefixEntry, PrefixKey
+from embedding_server.device.prefix_cache import PrefixEntry, PrefixKey, split_entries
 from embedding_server.errors import UnsupportedModelError
 
 WindowRule = Literal["none", "every_layer", "opt_in"]
@@ -267,22 +267,7 @@ class LlamaModel:
             raise ValueError("a bidirectional model's prefix states depend on what follows")
         batch = PackedBatch.build(prefixes, self.device, attention=attention)
         captured: list[tuple[torch.Tensor, torch.Tensor]] = []
-        states = self._run(batch, captured)
-        keys = torch.stack([k for k, _ in captured])  # [layers, T, kv_heads, head_dim]
-        values = torch.stack([v for _, v in captured])
-        entries, start = [], 0
-        for ids in prefixes:
-            end = start + len(ids)
-            entries.append(
-                PrefixEntry(
-                    tuple(ids),
-                    keys[:, start:end].clone(),
-                    values[:, start:end].clone(),
-                    states[start:end].clone(),
-                )
-            )
-            start = end
-        return entries
+        return split_entries(prefixes, self._run(batch, captured), captured)
 
     def _run(
         self, batch: PackedBatch, captured: list[tuple[torch.Tensor, torch.Tensor]] | None
