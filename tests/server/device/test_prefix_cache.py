@@ -76,6 +76,8 @@ def test_cached_prompts_give_the_whole_sequences_vectors(
     plain = Engine.from_pretrained(str(path), dtype=dtype)
     cached = Engine.from_pretrained(str(path), dtype=dtype, prefix_cache_bytes=BUDGET)
     assert cached.info().prefix_cache_bytes == BUDGET
+    # Exact, so not part of what a vector is: the fingerprint is the uncached engine's.
+    assert cached.info().fingerprint == plain.info().fingerprint
     want = plain.embed(TEXTS, prompt_name="query")
     first = cached.embed(TEXTS, prompt_name="query")  # computes the prompt's states
     again = cached.embed(TEXTS, prompt_name="query")  # reads them
