@@ -373,14 +373,6 @@ BAD = [
         "spec.server.prefixCache",
         {"model": MODEL, "server": {"prefixCache": "64Mi", "backend": "transformers"}},
     ),
-    (
-        "spec.server.prefixCache",
-        {
-            "model": MODEL,
-            "server": {"prefixCache": "64Mi"},
-            "parallelism": {"tensorParallelSize": 2},
-        },
-    ),
 ]
 
 

@@ -186,10 +186,6 @@ PREFIX_CACHE_BACKEND_MESSAGE = (
     "prefixCache caches the native backend's decoder states; backend transformers runs the "
     "model's own forward pass, which takes no cached prefix"
 )
-PREFIX_CACHE_PARALLEL_MESSAGE = (
-    "server.prefixCache is not served with tensor parallelism yet; "
-    "parallelism.tensorParallelSize must be 1"
-)
 
 
 class Server(_Model):
@@ -590,13 +586,6 @@ class EmbeddingServiceSpec(_Model):
                 "server.backend transformers runs the whole model on one device; "
                 "parallelism.tensorParallelSize must be 1"
             )
-        return self
-
-    @model_validator(mode="after")
-    def _prefix_cache_on_one_rank(self) -> EmbeddingServiceSpec:
-        # As the CRD's CEL rule on spec.
-        if self.server.prefix_cache is not None and self.parallelism.tensor_parallel_size != 1:
-            raise ValueError(PREFIX_CACHE_PARALLEL_MESSAGE)
         return self
 
     @model_validator(mode="after")

@@ -183,10 +183,11 @@ class EngineSettings(BaseSettings):
         0,
         ge=0,
         description="Bytes of memory (on the model's device) for caching the states of prompt "
-        "prefixes, causal decoders only (Qwen3-Embedding, e5-mistral, bge-multilingual-gemma2, "
-        "the Llama, Mistral, Qwen2, Qwen3 and Gemma bodies on the native backend): a request after a cached prompt (prompt_name, "
-        "--default-prompt-name, an instruction) runs only its own tokens, which is exact for "
-        "a causal model. Least recently used prefixes are evicted first. Refused at start on "
+        "prefixes, causal decoders only (Qwen3-Embedding, e5-mistral, bge-multilingual-gemma2: "
+        "the Llama, Mistral, Qwen2, Qwen3 and Gemma bodies on the native backend): a request "
+        "after a cached prompt (prompt_name, --default-prompt-name, an instruction) runs only "
+        "its own tokens, which is exact for a causal model; with tensor parallelism each rank "
+        "caches its own heads. Least recently used prefixes are evicted first. Refused at start on "
         "bidirectional models, where it would change the vectors. 0: off.",
     )
     tokenizer_workers: int = Field(2, gt=0, description="Threads for batched tokenization.")

@@ -541,11 +541,6 @@ def _int8_rules(schema: dict[str, Any], level: str) -> list[dict[str, Any]]:
 
 PREFIX_CACHE_REFUSALS = {
     "backend transformers": ("server", {"backend": "transformers"}, ".prefixCache"),
-    "tensorParallelSize 2": (
-        "spec",
-        {"parallelism": {"tensorParallelSize": 2}},
-        ".server.prefixCache",
-    ),
 }
 
 
@@ -554,7 +549,7 @@ def test_prefix_cache_is_refused_where_the_server_would_refuse_it(
     schema: dict[str, Any], case: str
 ) -> None:
     """What the server refuses at start under ``--prefix-cache-bytes`` that a spec can show
-    (the transformers backend, tensor parallelism), the CRD refuses at ``kubectl apply`` and
+    (the transformers backend), the CRD refuses at ``kubectl apply`` and
     the model with the same words; a bidirectional model is the server's to refuse, from
     its config.json."""
     level, extra, field = PREFIX_CACHE_REFUSALS[case]

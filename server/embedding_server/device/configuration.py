@@ -31,6 +31,7 @@ from embedding_server.device.models.llama import LlamaModel
 from embedding_server.device.models.vision import image_tokens_of
 from embedding_server.device.pooling import DenseHead
 from embedding_server.device.sentence_transformers import declared_matryoshka
+from embedding_server.device.tensor_parallel import TensorParallelModel
 from embedding_server.errors import InvalidRequestError, UnsupportedModelError
 from embedding_server.request.configuration import EngineConfig, EngineInfo
 from embedding_server.request.heads import Task, resolve_task
@@ -399,11 +400,11 @@ def prefix_cache_refusal(
     (``device.prefix_cache``); a bidirectional one (gte-Qwen2, llama-nemotron-embed, an
     encoder) would give other vectors."""
     model = loaded.model
+    if isinstance(model, TensorParallelModel):  # each rank caches its own heads
+        model = model.model
     name = loaded.architecture
     if loaded.backend == "fake":
         return "the fake backend computes no states to cache"
-    if settings.tensor_parallel_size > 1:
-        return "tensor parallelism does not pass prefixes to the other ranks yet"
     if loaded.backend != "native":
         return (
             f"the {loaded.backend} backend runs the model's own forward pass, which takes no "

@@ -36,7 +36,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -116,6 +116,7 @@ class PrefixCache:
             raise ValueError(f"a prefix cache needs a positive byte budget, got {max_bytes}")
         self.max_bytes = max_bytes
         self._metrics = metrics
+        self._listeners: list[Callable[[PrefixKey], None]] = []
         self._entries: OrderedDict[PrefixKey, PrefixEntry] = OrderedDict()
         self._bytes = 0
         self._hits = self._misses = self._evictions = 0
@@ -128,24 +129,36 @@ class PrefixCache:
                 self._entries.move_to_end(ids)
             return entry
 
+    def listen(self, dropped: Callable[[PrefixKey], None]) -> None:
+        """Call ``dropped(key)`` for each prefix the cache lets go of: evicted, or refused
+        by :meth:`put` (tensor parallelism's other ranks drop theirs then)."""
+        self._listeners.append(dropped)
+
     def put(self, entry: PrefixEntry) -> bool:
         """Keep ``entry``, evicting the least recently used ones it needs room from; False
         (nothing kept or evicted) when it alone is larger than the budget."""
         size = entry.nbytes
         if size > self.max_bytes:
+            for dropped in self._listeners:
+                dropped(entry.ids)
             return False
+        evicted: list[PrefixKey] = []
         with self._lock:
             old = self._entries.pop(entry.ids, None)
             if old is not None:
                 self._bytes -= old.nbytes
             while self._entries and self._bytes + size > self.max_bytes:
-                _, evicted = self._entries.popitem(last=False)
-                self._bytes -= evicted.nbytes
+                key, old = self._entries.popitem(last=False)
+                self._bytes -= old.nbytes
                 self._evictions += 1
+                evicted.append(key)
             self._entries[entry.ids] = entry
             self._bytes += size
             if self._metrics is not None:
                 self._metrics.prefix_cache_bytes.set(self._bytes)
+        for key in evicted:
+            for dropped in self._listeners:
+                dropped(key)
         return True
 
     def count(self, *, hits: int, misses: int) -> None:

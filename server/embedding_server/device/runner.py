@@ -135,6 +135,9 @@ class ModelRunner:
         self.model = model
         if prefix_cache is not None and not isinstance(model, PrefixModel):
             raise ValueError(f"{type(model).__name__} computes no prefix states to cache")
+        dropped = getattr(model, "drop_prefix", None)  # tensor parallelism's other ranks
+        if prefix_cache is not None and callable(dropped):
+            prefix_cache.listen(dropped)
         self.prefix_cache = prefix_cache
         """Cached prompt prefixes (``--prefix-cache-bytes``, a causal decoder that has
         ``prefix_entries``); None: every sequence runs whole."""

@@ -9,6 +9,11 @@ ids, positions, sequence lengths), and every rank then runs the same forward pas
 only collectives are the all-reduces after the row-parallel projections. Only rank 0's
 output is used: the residual stream is whole on every rank.
 
+With a prompt-prefix cache (``device.prefix_cache``) rank 0's cache decides: a prefix it
+misses is sent to every rank (``_PREFIX``), which computes and keeps its own heads of it; a
+forward's payload names each sequence's prefix, and the prefixes rank 0 evicted since the
+last one, which the workers drop after that forward (it may still read them).
+
 Failure is fatal, never a hang: a rank that exits is noticed within
 :data:`WATCH_INTERVAL_S`; a forward pass or the idle heartbeat (every
 :data:`HEARTBEAT_INTERVAL_S`) that takes longer than ``tensor_parallel_timeout`` means a rank
@@ -41,6 +46,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import IO, TypeVar
 
@@ -52,6 +58,7 @@ from embedding_server.device.attention import Backend, probe, select_backend
 from embedding_server.device.distributed import Shard
 from embedding_server.device.loading import load_shard
 from embedding_server.device.models.base import EmbeddingModel, PackedBatch
+from embedding_server.device.prefix_cache import PrefixEntry, PrefixKey, PrefixModel
 from embedding_server.device.runner import SMALL_BATCH_TOKENS
 from embedding_server.errors import NotReadyError, UnsupportedModelError
 from embedding_server.settings import EngineSettings
@@ -65,7 +72,7 @@ HEARTBEAT_INTERVAL_S = 5.0
 STOP_GRACE_S = 10.0
 """How long a worker gets to exit after being told to stop before it is killed."""
 
-_FORWARD, _PING, _STOP = 0, 1, 2
+_FORWARD, _PING, _STOP, _PREFIX = 0, 1, 2, 3
 
 T = TypeVar("T")
 
@@ -81,13 +88,52 @@ def rank_device(base: torch.device, rank: int) -> torch.device:
     return base
 
 
-def _send(kind: int, batch: PackedBatch | None, device: torch.device) -> None:
-    """Rank 0's half of one plan: the header, then (for a forward) the payload."""
+def _pack_keys(keys: Sequence[PrefixKey]) -> list[int]:
+    """``keys`` as one int list: their count, each one's length, then their ids."""
+    return [len(keys), *(len(k) for k in keys), *(i for k in keys for i in k)]
+
+
+def _unpack_keys(flat: Sequence[int], start: int = 0) -> tuple[list[PrefixKey], int]:
+    """The keys :func:`_pack_keys` packed at ``flat[start:]``, and where they end."""
+    count = flat[start]
+    lens = flat[start + 1 : start + 1 + count]
+    at = start + 1 + count
+    keys = []
+    for n in lens:
+        keys.append(tuple(flat[at : at + n]))
+        at += n
+    return keys, at
+
+
+def _sequence_prefixes(batch: PackedBatch) -> list[PrefixKey]:
+    """Each sequence's cached prefix (empty: none), or none at all without prefixes."""
+    prefix = batch.prefix
+    if prefix is None:
+        return []
+    return [() if slot < 0 else prefix.keys[slot] for slot in prefix.slots]
+
+
+def _send(
+    kind: int,
+    batch: PackedBatch | None,
+    device: torch.device,
+    *,
+    drops: Sequence[PrefixKey] = (),
+    prefixes: Sequence[PrefixKey] = (),
+) -> None:
+    """Rank 0's half of one plan: the header, then (for a forward, or the prefixes to
+    compute) the payload. A forward carries each sequence's cached prefix and the prefixes
+    the workers drop after it (evicted on rank 0)."""
     tokens = 0 if batch is None else batch.input_ids.shape[0]
     sequences = 0 if batch is None else len(batch.seqlens)
     adapters = batch is not None and batch.adapter_ids is not None
     key_lens = batch is not None and batch.key_lens is not None
-    header = [kind, tokens, sequences, int(adapters), int(key_lens)]
+    extra: list[int] = []
+    if kind == _FORWARD and batch is not None:
+        extra = _pack_keys(_sequence_prefixes(batch)) + _pack_keys(drops)
+    elif kind == _PREFIX:
+        extra = _pack_keys(prefixes)
+    header = [kind, tokens, sequences, int(adapters), int(key_lens), len(extra)]
     dist.broadcast(torch.tensor(header, dtype=torch.int64, device=device), 0)
     if batch is not None:
         lens = torch.tensor(batch.seqlens, dtype=torch.int64, device=device)
@@ -96,37 +142,59 @@ def _send(kind: int, batch: PackedBatch | None, device: torch.device) -> None:
             parts.append(batch.adapter_ids)
         if batch.key_lens is not None:  # each sequence's keys (ColBERT's augmented queries)
             parts.append(torch.tensor(batch.key_lens, dtype=torch.int64, device=device))
+        parts.append(torch.tensor(extra, dtype=torch.int64, device=device))
         dist.broadcast(torch.cat(parts), 0)
+    elif extra:
+        dist.broadcast(torch.tensor(extra, dtype=torch.int64, device=device), 0)
     if kind == _PING:
         dist.all_reduce(torch.ones(1, device=device))
 
 
-def _receive(device: torch.device, attention: Backend) -> tuple[int, PackedBatch | None]:
+@dataclass(frozen=True)
+class _Plan:
+    """What a worker received: the kind, and for a forward its batch and the prefixes to
+    drop after it; for ``_PREFIX`` the prefixes to compute."""
+
+    kind: int
+    batch: PackedBatch | None = None
+    drops: tuple[PrefixKey, ...] = ()
+    prefixes: tuple[PrefixKey, ...] = ()
+
+
+def _receive(device: torch.device, attention: Backend) -> _Plan:
     """A worker's half of :func:`_send`."""
-    header = torch.empty(5, dtype=torch.int64, device=device)
+    header = torch.empty(6, dtype=torch.int64, device=device)
     dist.broadcast(header, 0)
-    kind, tokens, sequences, adapters, key_lens = header.tolist()
+    kind, tokens, sequences, adapters, key_lens, extra = header.tolist()
     if kind == _PING:
         dist.all_reduce(torch.ones(1, device=device))
+    if kind == _PREFIX:
+        packed = torch.empty(extra, dtype=torch.int64, device=device)
+        dist.broadcast(packed, 0)
+        prefixes, _ = _unpack_keys(packed.tolist())
+        return _Plan(kind, prefixes=tuple(prefixes))
     if kind != _FORWARD:
-        return kind, None
-    extra = tokens if adapters else 0
+        return _Plan(kind)
+    adapter_rows = tokens if adapters else 0
     keys = sequences if key_lens else 0
-    payload = torch.empty(2 * tokens + sequences + extra + keys, dtype=torch.int64, device=device)
+    sizes = [tokens, tokens, sequences, adapter_rows, keys, extra]
+    payload = torch.empty(sum(sizes), dtype=torch.int64, device=device)
     dist.broadcast(payload, 0)
-    ids, positions, lens, adapter_ids, key_len = torch.split(
-        payload, [tokens, tokens, sequences, extra, keys]
-    )
+    ids, positions, lens, adapter_ids, key_len, tail = torch.split(payload, sizes)
+    flat = tail.tolist()
+    per_sequence, at = _unpack_keys(flat)
+    drops, _ = _unpack_keys(flat, at)
     batch = PackedBatch.of(
         ids,
         positions,
         lens.tolist(),
         attention=attention,
         key_lens=key_len.tolist() if key_lens else None,
+        prefixes=[key or None for key in per_sequence] if per_sequence else None,
     )
     if adapters:
         batch.adapter_ids = adapter_ids
-    return kind, batch
+    return _Plan(kind, batch, tuple(drops))
 
 
 def _backend(device: torch.device) -> str:
@@ -302,15 +370,33 @@ class TensorParallelGroup:
         if self.failure is not None:
             callback(self.failure)
 
-    def forward(self, model: EmbeddingModel, batch: PackedBatch) -> torch.Tensor:
-        """Send the plan, then run rank 0's share of the forward pass with the others."""
+    def forward(
+        self, model: EmbeddingModel, batch: PackedBatch, drops: Sequence[PrefixKey] = ()
+    ) -> torch.Tensor:
+        """Send the plan, then run rank 0's share of the forward pass with the others; the
+        workers drop the prefixes ``drops`` after it."""
 
         def work() -> torch.Tensor:
-            _send(_FORWARD, batch, self.device)
+            _send(_FORWARD, batch, self.device, drops=drops)
             hidden = model.forward(batch)
             if hidden.is_cuda:  # NCCL is asynchronous: wait here, where the watchdog times it
                 torch.cuda.synchronize(hidden.device)
             return hidden
+
+        return self._collective(work)
+
+    def prefix_entries(
+        self, model: PrefixModel, prefixes: Sequence[PrefixKey], attention: Backend
+    ) -> list[PrefixEntry]:
+        """Every rank computes (and the workers keep) the states of ``prefixes`` for its own
+        heads; rank 0's are returned."""
+
+        def work() -> list[PrefixEntry]:
+            _send(_PREFIX, None, self.device, prefixes=prefixes)
+            entries = model.prefix_entries(prefixes, attention)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return entries
 
         return self._collective(work)
 
@@ -425,9 +511,25 @@ class TensorParallelModel:
         self.sliding_window = model.sliding_window
         self.adapters: tuple[str, ...] = getattr(model, "adapters", ())
         """The body's task adapters (jina-embeddings-v3), which requests choose by name."""
+        self._drops: list[PrefixKey] = []
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
-        return self.group.forward(self.model, batch)
+        drops, self._drops = self._drops, []
+        return self.group.forward(self.model, batch, drops)
+
+    def prefix_entries(
+        self, prefixes: Sequence[PrefixKey], attention: Backend = Backend.SDPA_BUCKETED
+    ) -> list[PrefixEntry]:
+        """Each rank's states of ``prefixes`` (``device.prefix_cache``), computed together;
+        the workers keep theirs until rank 0's cache lets go of them (:meth:`drop_prefix`)."""
+        if not isinstance(self.model, PrefixModel):
+            raise ValueError(f"{type(self.model).__name__} computes no prefix states")
+        return self.group.prefix_entries(self.model, prefixes, attention)
+
+    def drop_prefix(self, key: PrefixKey) -> None:
+        """Rank 0's cache let go of ``key`` (evicted, or never kept): the workers drop theirs
+        after the next forward pass, which may still read it."""
+        self._drops.append(key)
 
 
 # -- the worker ranks -------------------------------------------------------------------------
@@ -454,18 +556,32 @@ class _RankFilter(logging.Filter):
 
 
 def _serve(model: EmbeddingModel, device: torch.device, threads: int, attention: Backend) -> None:
+    """Run rank 0's plans until told to stop. The prefixes rank 0 has cached are kept here
+    too, this rank's heads of them, until a forward's ``drops`` lets them go."""
+    kept: dict[PrefixKey, PrefixEntry] = {}
     with torch.inference_mode():
         while True:
-            kind, batch = _receive(device, attention)
-            if kind == _STOP:
+            plan = _receive(device, attention)
+            if plan.kind == _STOP:
                 return
+            if plan.kind == _PREFIX:
+                if not isinstance(model, PrefixModel):
+                    raise ValueError(f"{type(model).__name__} computes no prefix states")
+                for entry in model.prefix_entries(plan.prefixes, attention):
+                    kept[entry.ids] = entry
+                continue
+            batch = plan.batch
             if batch is None:
                 continue
             if device.type == "cpu":
                 wanted = 1 if batch.input_ids.shape[0] < SMALL_BATCH_TOKENS else threads
                 if torch.get_num_threads() != wanted:
                     torch.set_num_threads(wanted)
+            if batch.prefix is not None:
+                batch.prefix.bind([kept[key] for key in batch.prefix.keys])
             model.forward(batch)
+            for key in plan.drops:
+                kept.pop(key, None)
 
 
 def worker_main(argv: Sequence[str] | None = None) -> int:

@@ -263,6 +263,33 @@ async def test_a_started_engine_has_its_declared_prompts_cached(
         await engine.stop()
 
 
+@pytest.mark.timeout(300)
+def test_tensor_parallel_ranks_each_cache_their_heads(models: Callable[..., Path]) -> None:
+    """Two gloo ranks: rank 0's cache decides, every rank computes and keeps its heads of
+    each prefix, and drops them when rank 0 evicts (a budget of one prompt, prompts
+    alternating: a worker that dropped one too early, or kept a stale one, would fail the
+    forward pass or give other vectors)."""
+    path = str(models("qwen3"))
+    plain = Engine.from_pretrained(path, dtype="float32")
+    with Engine.from_pretrained(
+        path, dtype="float32", tensor_parallel_size=2, prefix_cache_bytes=BUDGET
+    ) as parallel:
+        want = plain.embed(TEXTS, prompt_name="query")
+        for _ in range(2):
+            assert_rows_close(parallel.embed(TEXTS, prompt_name="query"), want, 0.99999)
+        counted = stats(parallel)
+        assert (counted["misses"], counted["hits"]) == (len(TEXTS), len(TEXTS))
+        one = counted["bytes"]  # rank 0's share of the query prompt, the longer one
+    with Engine.from_pretrained(
+        path, dtype="float32", tensor_parallel_size=2, prefix_cache_bytes=one
+    ) as parallel:
+        for name in ("query", "other", "query", "other", "other"):
+            got = parallel.embed(TEXTS, prompt_name=name)
+            assert_rows_close(got, plain.embed(TEXTS, prompt_name=name), 0.99999)
+        counted = stats(parallel)
+        assert counted["evictions"] == 3 and counted["hits"] == len(TEXTS)
+
+
 def test_metrics_count_hits_misses_and_bytes(models: Callable[..., Path]) -> None:
     metrics = Metrics()
     engine = Engine.from_pretrained(

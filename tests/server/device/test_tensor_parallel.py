@@ -188,8 +188,8 @@ def test_the_batch_plan_crosses_once_per_batch(
     with Engine.from_pretrained(str(model_dir("minilm")), tensor_parallel_size=2) as engine:
         engine.embed(TEXTS)  # one batch of five sequences
         # The header (kind, tokens, sequences, whether task adapters and key lengths
-        # follow), then the plan.
-        assert len(calls) == 2 and calls[0] == 5
+        # follow, and the length of the cached prefixes' part), then the plan.
+        assert len(calls) == 2 and calls[0] == 6
         engine.embed(["one more"])
         assert len(calls) == 4
 

@@ -130,9 +130,11 @@ class PackedBatch:
         *,
         attention: Backend = Backend.SDPA_BUCKETED,
         key_lens: Sequence[int] | None = None,
+        prefixes: Sequence[PrefixKey | None] | None = None,
     ) -> PackedBatch:
         """A batch from already packed ids and positions (what a tensor-parallel worker
-        receives); ``cu_seqlens`` goes to their device; ``key_lens`` as :meth:`build`'s."""
+        receives); ``cu_seqlens`` goes to their device; ``key_lens`` and ``prefixes`` as
+        :meth:`build`'s (the positions already shifted by the prefixes)."""
         lens = torch.tensor(list(seqlens), dtype=torch.int32)
         cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
         torch.cumsum(lens, 0, out=cu[1:])
@@ -144,6 +146,11 @@ class PackedBatch:
             tuple(seqlens),
             attention,
             key_lens=None if key_lens is None else tuple(key_lens),
+            prefix=(
+                PrefixBatch.build(prefixes, seqlens, input_ids.device)
+                if prefixes is not None and any(p is not None for p in prefixes)
+                else None
+            ),
         )
 
     def tensors(self) -> list[torch.Tensor]:
