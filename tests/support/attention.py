@@ -31,13 +31,18 @@ about this cosine per token (bf16 keeps ~3 significant digits, and errors compou
 layers); a kernel given the wrong layout, mask or scale is far off it."""
 
 
-def flash_mask(n: int, causal: bool, window_size: tuple[int, int]) -> torch.Tensor:
-    """flash-attn's documented mask for seqlen_q == seqlen_k: query i sees keys j in
-    ``[i - window_size[0], i + window_size[1]]`` (-1 = unbounded), and only j <= i if causal."""
-    i = torch.arange(n).unsqueeze(1)
-    j = torch.arange(n).unsqueeze(0)
+def flash_mask(
+    n: int, causal: bool, window_size: tuple[int, int], m: int | None = None
+) -> torch.Tensor:
+    """flash-attn's documented mask for ``n`` queries and ``m`` keys (default ``n``), aligned
+    to the bottom right (flash-attn 2.1+): with ``d = m - n``, query i sees keys j in
+    ``[i + d - window_size[0], i + d + window_size[1]]`` (-1 = unbounded), and only
+    ``j <= i + d`` if causal."""
+    m = n if m is None else m
+    i = torch.arange(n).unsqueeze(1) + (m - n)
+    j = torch.arange(m).unsqueeze(0)
     left, right = window_size
-    keep = torch.ones(n, n, dtype=torch.bool)
+    keep = torch.ones(n, m, dtype=torch.bool)
     if left >= 0:
         keep &= j >= i - left
     if right >= 0:
@@ -99,8 +104,9 @@ def reference(
     caps the scaled logits at ``softcap * tanh(logits / softcap)`` (flash-attn's 0: none);
     ``alibi_slopes`` adds flash-attn's documented ALiBi term, ``-slope * |i - j|`` per head
     (queries and keys of equal length). ``cu_seqlens_k``: keys and values packed apart from
-    the queries; where a sequence's differ in length, only unmasked bidirectional attention
-    is modelled (flash-attn aligns the rest to the end of the keys), else it raises."""
+    the queries; where a sequence's differ in length, the masks follow flash-attn's
+    bottom-right alignment (:func:`flash_mask`); ALiBi only with equal
+    lengths, else it raises."""
     rep = q.shape[1] // k.shape[1]
     out, start, key_start = [], 0, 0
     key_lens = torch.diff(cu_seqlens if cu_seqlens_k is None else cu_seqlens_k).tolist()
@@ -108,9 +114,9 @@ def reference(
         qs = q[start : start + n].float().transpose(0, 1)
         ks, vs = (t[key_start : key_start + m].float().transpose(0, 1) for t in (k, v))
         ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
-        if m != n and (causal or window_size != (-1, -1) or alibi_slopes is not None):
-            raise RuntimeError("the stand-in models unequal q/k lengths without masks only")
-        mask = flash_mask(n, causal, window_size) if m == n else torch.ones(n, m, dtype=torch.bool)
+        if m != n and alibi_slopes is not None:
+            raise RuntimeError("the stand-in models ALiBi on equal q/k lengths only")
+        mask = flash_mask(n, causal, window_size, m)
         if alibi_slopes is not None:
             pos = torch.arange(n)
             distance = (pos.unsqueeze(0) - pos.unsqueeze(1)).abs().float()

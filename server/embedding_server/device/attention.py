@@ -669,6 +669,14 @@ def varlen_attention(
     return _sdpa_bucketed(q, k, v, plan, causal=causal, scale=scale, window=window, softcap=softcap)
 
 
+def flash_kernel() -> VarlenFunc:
+    """flash-attn's ``flash_attn_varlen_func``, where :func:`select_backend` chose it."""
+    kernels = varlen_kernels()
+    if kernels.flash is None:
+        raise RuntimeError(f"flash_attn was not selectable: {kernels.flash_error}")
+    return kernels.flash
+
+
 def _flash_attn(
     q: torch.Tensor,
     k: torch.Tensor,

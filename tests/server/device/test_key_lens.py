@@ -82,8 +82,9 @@ def test_key_lengths_reach_tensor_parallel_ranks(
         tensor.copy_(next(replay))
 
     monkeypatch.setattr(tensor_parallel.dist, "broadcast", receive)
-    kind, got = tensor_parallel._receive(cpu, Backend.SDPA_BUCKETED)
-    assert kind == tensor_parallel._FORWARD and got is not None
+    plan = tensor_parallel._receive(cpu, Backend.SDPA_BUCKETED)
+    got = plan.batch
+    assert plan.kind == tensor_parallel._FORWARD and got is not None
     assert got.seqlens == batch.seqlens
     assert got.key_lens == key_lens
     assert got.input_ids.tolist() == batch.input_ids.tolist()

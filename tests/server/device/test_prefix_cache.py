@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from embedding_server.device.models.base import PackedBatch
 from embedding_server.device.prefix_cache import PrefixBatch, PrefixCache, PrefixEntry
 from embedding_server.device.prefix_cache import prefix_attention as attend_after_prefix
 from embedding_server.engine import Engine
@@ -27,7 +28,7 @@ from embedding_server.request.sequences import SequenceInput
 from sentence_transformers import SentenceTransformer
 
 from tests.support import device_cases as cases
-from tests.support.attention import assert_rows_close
+from tests.support.attention import assert_rows_close, pretend_cuda
 from tests.support.models import add_sentence_transformers, build_decoder
 
 QUERY = "Instruct: Given a web search query, retrieve relevant passages\nQuery: "
@@ -138,6 +139,34 @@ def test_gemma_bodies_with_windows_and_caps_stay_exact(
         assert_rows_close(cached.embed(TEXTS, prompt_name="query"), want, MIN_COSINE[dtype])
     assert stats(cached)["hits"] == len(TEXTS)
     assert not np.allclose(want, plain.embed(TEXTS), atol=1e-3)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "mistral-window"])
+def test_flash_attn_gets_separate_key_lengths_aligned_to_the_end(
+    models: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model_type: str
+) -> None:
+    """On a GPU the cached path is one flash-attn varlen call per layer: the own queries, the
+    prefix and own keys with their own ``cu_seqlens_k``, ``causal=True`` (bottom-right in
+    flash-attn 2.1+) and the window as ``window_size``. Through the strict stand-in, which
+    computes flash-attn's documented masks, in bfloat16 as flash-attn runs."""
+    fakes = pretend_cuda(monkeypatch)
+    if model_type == "qwen3":
+        path = models("qwen3")
+    else:
+        path = causal_embedder(tmp_path, "mistral", "lasttoken", sliding_window=len(OTHER) + 8)
+    plain = Engine.from_pretrained(str(path), dtype="bfloat16")
+    cached = Engine.from_pretrained(str(path), dtype="bfloat16", prefix_cache_bytes=BUDGET)
+    assert cached.info().attention == "flash_attn"
+    texts = [*TEXTS, "a text longer than the window, from its prompt on"]
+    want = plain.embed(texts, prompt_name="other")
+    fakes.flash.calls.clear()
+    for _ in range(2):
+        assert_rows_close(cached.embed(texts, prompt_name="other"), want, MIN_COSINE["bfloat16"])
+    assert stats(cached)["hits"] == len(texts)
+    split = [c for c in fakes.flash.calls if not torch.equal(c["cu_q"], c["cu_k"])]
+    assert split and all(c["causal"] for c in split)
+    windows = {c["window_size"] for c in split}
+    assert windows == ({(-1, -1)} if model_type == "qwen3" else {(len(OTHER) + 7, 0)})
 
 
 def test_qwen3_with_the_cache_equals_sentence_transformers(models: Callable[..., Path]) -> None:
@@ -288,6 +317,36 @@ def test_tensor_parallel_ranks_each_cache_their_heads(models: Callable[..., Path
             assert_rows_close(got, plain.embed(TEXTS, prompt_name=name), 0.99999)
         counted = stats(parallel)
         assert counted["evictions"] == 3 and counted["hits"] == len(TEXTS)
+
+
+def test_prefixes_and_drops_reach_tensor_parallel_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's broadcasts replayed into a worker's receive: the prefixes to compute, then a
+    forward whose sequences continue them (one with none) and the prefixes to drop after
+    it; the worker rebuilds the same positions and prefix plan."""
+    from embedding_server.device import tensor_parallel
+    from embedding_server.device.attention import Backend
+
+    sent: list[torch.Tensor] = []
+    monkeypatch.setattr(tensor_parallel.dist, "broadcast", lambda t, src: sent.append(t.clone()))
+    cpu = torch.device("cpu")
+    prefixes: list[tuple[int, ...] | None] = [(7, 8, 9), None, (7, 8, 9), (5,)]
+    batch = PackedBatch.build([[1, 2], [3], [4, 5, 6], [2]], cpu, prefixes=prefixes)
+    tensor_parallel._send(tensor_parallel._PREFIX, None, cpu, prefixes=[(7, 8, 9), (5,)])
+    tensor_parallel._send(tensor_parallel._FORWARD, batch, cpu, drops=[(1, 2, 3, 4)])
+    replay = iter(sent)
+    monkeypatch.setattr(tensor_parallel.dist, "broadcast", lambda t, src: t.copy_(next(replay)))
+    first = tensor_parallel._receive(cpu, Backend.SDPA_BUCKETED)
+    assert first.kind == tensor_parallel._PREFIX and first.prefixes == ((7, 8, 9), (5,))
+    second = tensor_parallel._receive(cpu, Backend.SDPA_BUCKETED)
+    got = second.batch
+    assert second.kind == tensor_parallel._FORWARD and got is not None and got.prefix is not None
+    assert second.drops == ((1, 2, 3, 4),)
+    assert got.position_ids.tolist() == [3, 4, 0, 3, 4, 5, 1]  # after each prefix
+    assert batch.prefix is not None
+    assert (got.prefix.keys, got.prefix.slots) == (batch.prefix.keys, batch.prefix.slots)
+    assert [t.tolist() for t in got.prefix.tensors()] == [
+        t.tolist() for t in batch.prefix.tensors()
+    ]
 
 
 def test_metrics_count_hits_misses_and_bytes(models: Callable[..., Path]) -> None:

@@ -23,10 +23,10 @@ from embedding_server.device.attention import (
     AttentionBias,
     AttentionPlan,
     Backend,
+    flash_kernel,
     plan_attention,
     staged,
     varlen_attention,
-    varlen_kernels,
 )
 from embedding_server.device.distributed import SINGLE, Shard
 from embedding_server.device.models.layers import HeadSplit, VocabEmbedding
@@ -237,11 +237,7 @@ class PackedBatch:
             )
         if self.attention_backend is Backend.TORCH_VARLEN:
             raise ValueError("torch_varlen cannot attend to a cached prefix")
-        flash = None
-        if self.attention_backend is Backend.FLASH_ATTN:
-            flash = varlen_kernels().flash
-            if flash is None:
-                raise RuntimeError("flash_attn was not selectable")
+        flash = flash_kernel() if self.attention_backend is Backend.FLASH_ATTN else None
         return prefix_attention(
             q,
             k,
