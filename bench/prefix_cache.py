@@ -36,27 +36,23 @@ import numpy as np
 
 from bench import write_results
 from bench.models import copy_tokenizer
+from bench.offline import FAMILIES
 
 INSTRUCTION = (
     "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
 )
-SHAPES: dict[str, dict[str, int]] = {
-    "qwen3-0.6b": {
-        "hidden_size": 1024,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "intermediate_size": 3072,
-    },
-    "tiny": {  # the e2e smoke run's
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "intermediate_size": 128,
-    },
+_BODY_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+)
+SHAPES: dict[str, dict[str, Any]] = {
+    # Qwen3-Embedding-0.6B's body, as bench.offline's qwen3 family has it.
+    "qwen3-0.6b": {key: FAMILIES["qwen3"][1][key] for key in _BODY_KEYS},
+    "tiny": dict(zip(_BODY_KEYS, (64, 2, 4, 2, 16, 128), strict=True)),  # the e2e smoke's
 }
 TARGET = 2.0
 BATCH = 32

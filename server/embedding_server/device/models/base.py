@@ -30,7 +30,13 @@ from embedding_server.device.attention import (
 )
 from embedding_server.device.distributed import SINGLE, Shard
 from embedding_server.device.models.layers import HeadSplit, VocabEmbedding
-from embedding_server.device.prefix_cache import PrefixBatch, PrefixKey, prefix_attention
+from embedding_server.device.prefix_cache import (
+    PrefixBatch,
+    PrefixEntry,
+    PrefixKey,
+    prefix_attention,
+    split_entries,
+)
 from embedding_server.errors import UnsupportedModelError
 
 
@@ -197,39 +203,26 @@ class PackedBatch:
         ``window`` is the keys a query sees on each side (flash-attn's convention); ``bias``
         an additive term on the logits (SDPA kernels only, see ``Architecture.attention_bias``);
         ``softcap`` the logits' tanh cap (see ``Architecture.attention_softcap``). ``layer``:
-        the layer's index, which a batch with cached prefixes needs to read their keys."""
-        if self.prefix is not None:
-            return self._prefix_attention(q, k, v, causal, scale, window, bias, softcap, layer)
-        return varlen_attention(
-            q,
-            k,
-            v,
-            cu_seqlens=self.cu_seqlens,
-            max_seqlen=self.max_seqlen,
-            causal=causal,
-            plan=self.attention_plan,
-            scale=scale,
-            window=window,
-            bias=bias,
-            softcap=softcap,
-        )
+        the layer's index, which a batch with cached prefixes needs to read their keys.
 
-    def _prefix_attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        causal: bool,
-        scale: float,
-        window: int | None,
-        bias: AttentionBias | None,
-        softcap: float | None,
-        layer: int | None,
-    ) -> torch.Tensor:
-        """:func:`~..prefix_cache.prefix_attention`, for what it computes exactly: causal
+        With cached prefixes (:attr:`prefix`) it is
+        :func:`~..prefix_cache.prefix_attention`, for what that computes exactly: causal
         attention, with or without a sliding window or soft-cap, no bias, on flash-attn or
         an SDPA plan."""
-        assert self.prefix is not None
+        if self.prefix is None:
+            return varlen_attention(
+                q,
+                k,
+                v,
+                cu_seqlens=self.cu_seqlens,
+                max_seqlen=self.max_seqlen,
+                causal=causal,
+                plan=self.attention_plan,
+                scale=scale,
+                window=window,
+                bias=bias,
+                softcap=softcap,
+            )
         if layer is None or not causal or bias is not None:
             raise ValueError(
                 "a cached prefix needs causal attention without an additive bias, and the "
@@ -251,6 +244,37 @@ class PackedBatch:
             cu_seqlens_q=self.cu_seqlens,
             max_seqlen_q=self.max_seqlen,
         )
+
+
+Captured = list[tuple[torch.Tensor, torch.Tensor]]
+"""Each layer's keys (after RoPE) and values of a forward pass, in layer order."""
+
+
+class PrefixStates:
+    """What a causal decoder body needs to serve cached prefixes (``device.prefix_cache``):
+    its forward pass as :meth:`_run`, which appends each layer's keys and values to
+    ``captured`` when given one and passes ``layer=`` to :meth:`PackedBatch.attention`."""
+
+    causal: bool
+    device: torch.device
+
+    def _run(self, batch: PackedBatch, captured: Captured | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, batch: PackedBatch) -> torch.Tensor:
+        return self._run(batch, None)
+
+    def prefix_entries(
+        self, prefixes: Sequence[PrefixKey], attention: Backend = Backend.SDPA_BUCKETED
+    ) -> list[PrefixEntry]:
+        """The cacheable states of ``prefixes`` (each a sequence's leading token ids), in one
+        forward pass of them alone: exact for a causal body, whose states of a sequence's
+        first tokens do not depend on what follows, sliding windows included."""
+        if not self.causal:
+            raise ValueError("a bidirectional model's prefix states depend on what follows")
+        batch = PackedBatch.build(prefixes, self.device, attention=attention)
+        captured: Captured = []
+        return split_entries(prefixes, self._run(batch, captured), captured)
 
 
 class EmbeddingModel(Protocol):

@@ -37,15 +37,21 @@ refused by the registry with :data:`MULTIMODAL_REFUSAL`.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from embedding_server.device.attention import Backend
-from embedding_server.device.models.base import Checkpoint, PackedBatch, config_get, decoder_causal
+from embedding_server.device.models.base import (
+    Captured,
+    Checkpoint,
+    PackedBatch,
+    PrefixStates,
+    config_get,
+    decoder_causal,
+)
 from embedding_server.device.models.layers import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
@@ -57,7 +63,6 @@ from embedding_server.device.models.layers import (
     layer_types,
     row_linear,
 )
-from embedding_server.device.prefix_cache import PrefixEntry, PrefixKey, split_entries
 from embedding_server.errors import UnsupportedModelError
 
 MULTIMODAL_REFUSAL = (
@@ -123,7 +128,7 @@ def rope_parameters(config: Mapping[str, Any], layer_type: str) -> dict[str, Any
     return layer_rope(config, layer_type, theta=legacy, scaled=layer_type == FULL_ATTENTION)
 
 
-class Gemma3TextModel:
+class Gemma3TextModel(PrefixStates):
     """Gemma 3 text body for packed batches (causal unless ``use_bidirectional_attention``).
 
     Gemma 2 (:mod:`.gemma2`) is the same block without the q/k norms and with one rope, plus
@@ -287,23 +292,7 @@ class Gemma3TextModel:
                 )
             )
 
-    def forward(self, batch: PackedBatch) -> torch.Tensor:
-        return self._run(batch, None)
-
-    def prefix_entries(
-        self, prefixes: Sequence[PrefixKey], attention: Backend = Backend.SDPA_BUCKETED
-    ) -> list[PrefixEntry]:
-        """The cacheable states of ``prefixes``, in one forward pass of them alone: exact
-        for a causal body, local layers included (``device.prefix_cache``)."""
-        if not self.causal:
-            raise ValueError("a bidirectional model's prefix states depend on what follows")
-        batch = PackedBatch.build(prefixes, self.device, attention=attention)
-        captured: list[tuple[torch.Tensor, torch.Tensor]] = []
-        return split_entries(prefixes, self._run(batch, captured), captured)
-
-    def _run(
-        self, batch: PackedBatch, captured: list[tuple[torch.Tensor, torch.Tensor]] | None
-    ) -> torch.Tensor:
+    def _run(self, batch: PackedBatch, captured: Captured | None) -> torch.Tensor:
         """The forward pass; each layer's keys (after RoPE) and values appended to
         ``captured`` when given."""
         t = batch.input_ids.shape[0]

@@ -31,18 +31,19 @@ any other tensor the checkpoint carries and this code does not read refuses the 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 
-from embedding_server.device.attention import Backend
 from embedding_server.device.models.base import (
+    Captured,
     Checkpoint,
     Ignored,
     PackedBatch,
+    PrefixStates,
     WeightReader,
     config_get,
     decoder_causal,
@@ -57,7 +58,6 @@ from embedding_server.device.models.layers import (
     rms_norm,
     row_linear,
 )
-from embedding_server.device.prefix_cache import PrefixEntry, PrefixKey, split_entries
 from embedding_server.errors import UnsupportedModelError
 
 WindowRule = Literal["none", "every_layer", "opt_in"]
@@ -172,7 +172,7 @@ def sliding_windows(config: Mapping[str, Any], variant: DecoderVariant) -> list[
     return [int(window) if slides else None for slides in sliding]
 
 
-class LlamaModel:
+class LlamaModel(PrefixStates):
     """Llama / Mistral / Qwen2 / Qwen3 body for packed batches (causal by default)."""
 
     position_offset = 0
@@ -254,24 +254,7 @@ class LlamaModel:
                 )
             )
 
-    def forward(self, batch: PackedBatch) -> torch.Tensor:
-        return self._run(batch, None)
-
-    def prefix_entries(
-        self, prefixes: Sequence[PrefixKey], attention: Backend = Backend.SDPA_BUCKETED
-    ) -> list[PrefixEntry]:
-        """The cacheable states of ``prefixes`` (each a sequence's leading token ids), in one
-        forward pass of them alone: exact for a causal body, whose states of a sequence's
-        first tokens do not depend on what follows (``device.prefix_cache``)."""
-        if not self.causal:
-            raise ValueError("a bidirectional model's prefix states depend on what follows")
-        batch = PackedBatch.build(prefixes, self.device, attention=attention)
-        captured: list[tuple[torch.Tensor, torch.Tensor]] = []
-        return split_entries(prefixes, self._run(batch, captured), captured)
-
-    def _run(
-        self, batch: PackedBatch, captured: list[tuple[torch.Tensor, torch.Tensor]] | None
-    ) -> torch.Tensor:
+    def _run(self, batch: PackedBatch, captured: Captured | None) -> torch.Tensor:
         """The forward pass; each layer's keys (after RoPE) and values appended to
         ``captured`` when given."""
         t = batch.input_ids.shape[0]
