@@ -827,13 +827,13 @@ def _attend(
     elif bucket.key_mask is not None:
         kwargs["attn_mask"] = bucket.key_mask
     if softcap is not None:
-        result = _softcapped(qb, kb, vb, kwargs, scale, softcap, length)
+        result = softcapped_attention(qb, kb, vb, kwargs, scale, softcap, length)
     else:
         result = F.scaled_dot_product_attention(qb, kb, vb, **kwargs)
     return result.transpose(1, 2).reshape(n * length, q.shape[1], q.shape[2])
 
 
-def _softcapped(
+def softcapped_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,

@@ -14,9 +14,10 @@ fingerprint keys the whole cache, which lives and dies with its engine): every l
 (after q/k norm and RoPE) and values, ``[layers, P, kv_heads, head_dim]``, this rank's heads,
 and the model's final states of those tokens ``[P, hidden]``, which pooling and per-token
 outputs read as if they had been computed with the request. A prefix is the prompt's
-share of a sequence's ids (``SequenceInput.prompt_length``): whatever the tokenizer made of
-the prompt's boundary, the key is the ids themselves, so a prompt whose last token merges
-with the text's first (byte-level BPE) only misses, never serves another prefix's states.
+share of a sequence's ids (``SequenceInput.skip``, its prompt length): whatever the
+tokenizer made of the prompt's boundary, the key is the ids themselves, so a prompt whose
+last token merges with the text's first (byte-level BPE) only misses, never serves another
+prefix's states.
 
 Each request then runs only its own tokens, at positions shifted by ``P``, its queries
 attending to the cached keys and its own (:func:`prefix_attention`): queries a suffix of the
@@ -43,7 +44,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
-from embedding_server.device.attention import Backend, staged
+from embedding_server.device.attention import Backend, softcapped_attention, staged
 from embedding_server.metrics import Metrics
 
 PrefixKey = tuple[int, ...]
@@ -60,10 +61,6 @@ class PrefixEntry:
     """``[layers, P, kv_heads, head_dim]``."""
     states: torch.Tensor
     """``[P, hidden]``: the model's output states of the prefix tokens."""
-
-    @property
-    def length(self) -> int:
-        return len(self.ids)
 
     @property
     def nbytes(self) -> int:
@@ -83,7 +80,7 @@ class PrefixModel(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class PrefixCacheStats:
-    """What ``/info`` and ``/metrics`` report."""
+    """The cache's state and counts (``/metrics`` exports hits, misses and bytes)."""
 
     max_bytes: int
     bytes: int
@@ -93,16 +90,6 @@ class PrefixCacheStats:
     misses: int
     """Sequences whose prefix was computed for their own batch."""
     evictions: int
-
-    def to_dict(self) -> dict[str, int]:
-        return {
-            "max_bytes": self.max_bytes,
-            "bytes": self.bytes,
-            "entries": self.entries,
-            "hits": self.hits,
-            "misses": self.misses,
-            "evictions": self.evictions,
-        }
 
 
 class PrefixCache:
@@ -206,14 +193,12 @@ class PrefixBatch:
     keys: tuple[PrefixKey, ...]
     """The batch's distinct prefixes, in slot order."""
     seqlens: tuple[int, ...]
-    device: torch.device
-    groups: tuple[_Group, ...] = ()
-    full_index: torch.Tensor | None = None
+    groups: tuple[_Group, ...]
+    full_index: torch.Tensor
     """``[sum(lengths) + sum(seqlens)]``: row of each full sequence's token (its prefix's,
     then its own) in ``cat(prefix states, own states)``."""
-    cu_seqlens_k: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor
     """int32 ``[B+1]`` of the full (prefix + own) key sequences, for the varlen kernels."""
-    entries: tuple[PrefixEntry, ...] = ()
     _keys: torch.Tensor | None = field(default=None, repr=False)
     _values: torch.Tensor | None = field(default=None, repr=False)
     _states: torch.Tensor | None = field(default=None, repr=False)
@@ -259,7 +244,6 @@ class PrefixBatch:
             tuple(slots),
             keys,
             tuple(seqlens),
-            device,
             tuple(groups),
             staged(full, device),
             staged(cu_k, device),
@@ -268,7 +252,7 @@ class PrefixBatch:
     def tensors(self) -> list[torch.Tensor]:
         """The plan's index and mask tensors on the device (not the entries': the cache's)."""
         own = [t for g in self.groups for t in (g.queries, g.keys)]
-        return own + [t for t in (self.full_index, self.cu_seqlens_k) if t is not None]
+        return [*own, self.full_index, self.cu_seqlens_k]
 
     def mask(self, index: int, window: int | None) -> torch.Tensor | None:
         """Group ``index``'s ``[n, p + n]`` mask (True = attend), built once per batch and
@@ -305,7 +289,6 @@ class PrefixBatch:
         """Attach the states of :attr:`keys` (in order), before the forward pass."""
         if tuple(e.ids for e in entries) != self.keys:
             raise ValueError("prefix entries do not match the batch's prefixes")
-        self.entries = tuple(entries)
         if not entries:
             return
         if len(entries) == 1:
@@ -326,7 +309,6 @@ class PrefixBatch:
     def full_states(self, own: torch.Tensor) -> torch.Tensor:
         """The output states of every sequence whole (prefix tokens first), from its own
         tokens' (``own``, ``[sum(seqlens), hidden]``): as pooling reads them uncached."""
-        assert self.full_index is not None
         if self._states is None:
             return own
         return torch.cat([self._states.to(own.dtype), own]).index_select(0, self.full_index)
@@ -352,7 +334,7 @@ def prefix_attention(
     sliding ``window`` only those at most ``window`` before ``P + j`` (flash-attn's
     convention, as ``attention.varlen_attention``'s): what the whole sequence computes.
     ``softcap`` caps the logits (Gemma 2's ``cap * tanh(logits / cap)``), eagerly on SDPA's
-    side, as ``attention`` computes it there.
+    side (``attention.softcapped_attention``, as without the cache).
 
     ``flash``: flash-attn's ``flash_attn_varlen_func`` (with ``cu_seqlens_q`` and
     ``max_seqlen_q``), whose ``causal=True`` and ``window_size`` align queries to the end of
@@ -362,7 +344,6 @@ def prefix_attention(
         keys, values = k, v
     else:
         keys, values = torch.cat([cached[0], k]), torch.cat([cached[1], v])
-    assert prefix.full_index is not None
     if window is not None and window >= prefix.max_full_seqlen - 1:
         window = None  # no query of this batch is far enough from any key for it to bite
     if flash is not None:
@@ -395,34 +376,14 @@ def prefix_attention(
             kb, vb = kb.repeat_interleave(rep, dim=1), vb.repeat_interleave(rep, dim=1)
         mask = prefix.mask(index, window)
         if softcap is not None:
-            result = _softcapped(qb, kb, vb, mask, scale, softcap)
+            sdpa = {"is_causal": True} if mask is None else {"attn_mask": mask}
+            result = softcapped_attention(qb, kb, vb, sdpa, scale, softcap, group.n)
         elif mask is None:
             result = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)
         else:
             result = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)
         out.index_copy_(0, group.queries, result.transpose(1, 2).reshape(-1, heads, dim))
     return out
-
-
-def _softcapped(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-    softcap: float,
-) -> torch.Tensor:
-    """Eager soft-capped attention (matmul, tanh cap, mask, float32 softmax, matmul), as
-    ``attention._softcapped`` and transformers' eager attention compute it; ``mask`` None is
-    a square causal block."""
-    logits = torch.matmul(q, k.transpose(-1, -2)) * scale
-    logits = torch.tanh(logits / softcap) * softcap
-    if mask is None:
-        n = q.shape[-2]
-        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-    logits = logits.masked_fill(~mask, float("-inf"))
-    weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(weights, v)
 
 
 def split_entries(

@@ -400,18 +400,16 @@ class ModelRunner:
             return
         found = {key: cache.get(key) for key in prefix.keys}
         missing = [key for key, entry in found.items() if entry is None]
+        fresh = {slot for slot, key in enumerate(prefix.keys) if found[key] is None}
         if missing:
             model = cast(PrefixModel, self.model)
-            computed = model.prefix_entries(missing, self.attention)
-            for entry in computed:
+            for entry in model.prefix_entries(missing, self.attention):
                 cache.put(entry)
                 found[entry.ids] = entry
-        fresh = {prefix.keys.index(key) for key in missing}
         used = [slot for slot in prefix.slots if slot >= 0]
         misses = sum(slot in fresh for slot in used)
         cache.count(hits=len(used) - misses, misses=misses)
-        entries = [found[key] for key in prefix.keys]
-        prefix.bind([e for e in entries if e is not None])
+        prefix.bind([entry for entry in found.values() if entry is not None])
 
     def _forward(self, batch: PackedBatch, ordered: Sequence[SequenceInput]) -> torch.Tensor:
         """The model's forward pass over ``batch`` (``ordered``: its sequences)."""

@@ -11,6 +11,7 @@ the attention itself against whole-sequence causal attention on random tensors.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -65,7 +66,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
 def stats(engine: Engine) -> dict[str, int]:
     cache = engine._runner.prefix_cache
     assert cache is not None
-    return cache.stats().to_dict()
+    return dataclasses.asdict(cache.stats())
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
